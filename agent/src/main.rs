@@ -1,0 +1,2 @@
+//! keel-agent entry point.
+fn main() {}

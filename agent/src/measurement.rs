@@ -1,0 +1,300 @@
+//! The agent's own measurement log and its replay.
+//!
+//! Every runtime measurement the agent makes (its node config, the node's
+//! identity, installed components, the cluster ID) is one [`Event`]: the
+//! SHA-256 of its bytes is extended into a PCR of the SHA-256 bank and the
+//! event is appended to an append-only log. A verifier replays the log
+//! ([`replay`]) and compares the result with quoted PCR values. This module
+//! is pure: the TPM side lives in [`crate::tpm`], the wiring in
+//! [`crate::measured`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+/// A SHA-256 digest (a PCR value or an event digest).
+pub type Digest32 = [u8; 32];
+
+/// The PCRs the agent extends. See `docs/pcr-map.md`.
+pub mod pcr {
+    /// The node config, measured before the agent uses it. Enforced.
+    pub const CONFIG: u32 = 12;
+    /// Per-node facts (name, role) and installed Kubernetes components. Logged, not enforced.
+    pub const NODE: u32 = 13;
+    /// The cluster ID, extended once when the node lock is taken.
+    pub const CLUSTER_ID: u32 = 15;
+    /// Every PCR this log may touch.
+    pub const AGENT_OWNED: [u32; 3] = [CONFIG, NODE, CLUSTER_ID];
+}
+
+/// What an event measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EventType {
+    /// The canonical node config.
+    NodeConfig,
+    /// The node's name and role.
+    NodeIdentity,
+    /// One installed Kubernetes component (URL, hash, install path).
+    Component,
+    /// The cluster ID, extended by the node lock.
+    ClusterId,
+}
+
+impl EventType {
+    /// The kebab-case name used in logs and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NodeConfig => "node-config",
+            Self::NodeIdentity => "node-identity",
+            Self::Component => "component",
+            Self::ClusterId => "cluster-id",
+        }
+    }
+
+    /// Parses the wire name.
+    pub fn parse(name: &str) -> Option<Self> {
+        [
+            Self::NodeConfig,
+            Self::NodeIdentity,
+            Self::Component,
+            Self::ClusterId,
+        ]
+        .into_iter()
+        .find(|t| t.as_str() == name)
+    }
+
+    /// The PCR events of this type extend.
+    pub fn pcr(self) -> u32 {
+        match self {
+            Self::NodeConfig => pcr::CONFIG,
+            Self::NodeIdentity | Self::Component => pcr::NODE,
+            Self::ClusterId => pcr::CLUSTER_ID,
+        }
+    }
+}
+
+/// One measurement: `pcr` was extended with `digest = SHA-256(data)`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// The PCR extended.
+    pub pcr: u32,
+    /// SHA-256 of `data`, the value extended.
+    #[serde(with = "hex_digest")]
+    pub digest: Digest32,
+    /// What was measured.
+    pub event_type: EventType,
+    /// One line for an operator.
+    pub description: String,
+    /// The measured bytes.
+    #[serde(with = "hex::serde")]
+    pub data: Vec<u8>,
+}
+
+impl Event {
+    /// Creates the event for `data`, extending the PCR its type owns.
+    pub fn new(event_type: EventType, description: impl Into<String>, data: Vec<u8>) -> Self {
+        Self {
+            pcr: event_type.pcr(),
+            digest: Sha256::digest(&data).into(),
+            event_type,
+            description: description.into(),
+            data,
+        }
+    }
+}
+
+/// Why a log does not replay.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// An entry's digest is not the SHA-256 of its data (the entry was changed).
+    #[error("event {index} ({event_type}): digest does not match its data")]
+    DigestMismatch {
+        /// Position in the log.
+        index: usize,
+        /// The event's type.
+        event_type: &'static str,
+    },
+    /// An entry names a PCR its type does not extend.
+    #[error("event {index} ({event_type}): PCR {pcr} is not the PCR this event type extends")]
+    WrongPcr {
+        /// Position in the log.
+        index: usize,
+        /// The event's type.
+        event_type: &'static str,
+        /// The PCR the entry named.
+        pcr: u32,
+    },
+    /// The replayed value differs from the value the TPM reports.
+    #[error("PCR {pcr}: log replays to {replayed} but the TPM reports {actual}")]
+    ValueMismatch {
+        /// The PCR.
+        pcr: u32,
+        /// Hex of the replayed value.
+        replayed: String,
+        /// Hex of the reported value.
+        actual: String,
+    },
+    /// The reported PCR values lack an agent-owned PCR.
+    #[error("PCR {pcr} is not among the reported values")]
+    MissingPcr {
+        /// The PCR.
+        pcr: u32,
+    },
+}
+
+/// `SHA-256(old || digest)`: the TPM's extend operation.
+pub fn extend(old: &Digest32, digest: &Digest32) -> Digest32 {
+    let mut h = Sha256::new();
+    h.update(old);
+    h.update(digest);
+    h.finalize().into()
+}
+
+/// The value a PCR that starts at zero has after extending `data`'s SHA-256.
+pub fn extend_from_zero(data: &[u8]) -> Digest32 {
+    extend(&[0; 32], &Sha256::digest(data).into())
+}
+
+/// Recomputes every agent-owned PCR from zero. Each entry's digest must be
+/// the SHA-256 of its data and name the PCR of its type; PCRs without
+/// entries replay to zero.
+pub fn replay(events: &[Event]) -> Result<BTreeMap<u32, Digest32>, ReplayError> {
+    let mut pcrs: BTreeMap<u32, Digest32> = pcr::AGENT_OWNED.iter().map(|&p| (p, [0; 32])).collect();
+    for (index, event) in events.iter().enumerate() {
+        let event_type = event.event_type.as_str();
+        if Sha256::digest(&event.data).as_slice() != event.digest {
+            return Err(ReplayError::DigestMismatch { index, event_type });
+        }
+        if event.pcr != event.event_type.pcr() {
+            return Err(ReplayError::WrongPcr { index, event_type, pcr: event.pcr });
+        }
+        let value = pcrs.entry(event.pcr).or_insert([0; 32]);
+        *value = extend(value, &event.digest);
+    }
+    Ok(pcrs)
+}
+
+/// Replays `events` and checks the result against reported PCR values,
+/// which must include every agent-owned PCR.
+pub fn verify_replay(
+    events: &[Event],
+    reported: &BTreeMap<u32, Digest32>,
+) -> Result<(), ReplayError> {
+    for (pcr, replayed) in replay(events)? {
+        let actual = reported.get(&pcr).ok_or(ReplayError::MissingPcr { pcr })?;
+        if *actual != replayed {
+            return Err(ReplayError::ValueMismatch {
+                pcr,
+                replayed: hex::encode(replayed),
+                actual: hex::encode(actual),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A PCR value printed as lowercase hex.
+pub struct HexDigest<'a>(pub &'a Digest32);
+
+impl fmt::Display for HexDigest<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.0))
+    }
+}
+
+mod hex_digest {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &[u8; 32], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&hex::encode(d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 32], D::Error> {
+        let s = <&str>::deserialize(d)?;
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out).map_err(serde::de::Error::custom)?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn log() -> Vec<Event> {
+        vec![
+            Event::new(EventType::NodeConfig, "config", b"{\"a\":1}".to_vec()),
+            Event::new(EventType::NodeIdentity, "node", b"worker-1".to_vec()),
+            Event::new(EventType::Component, "kubelet", b"kubelet".to_vec()),
+            Event::new(EventType::ClusterId, "cluster", vec![7; 32]),
+        ]
+    }
+
+    #[test]
+    fn replay_matches_manual_extends() {
+        let events = log();
+        let pcrs = replay(&events).unwrap();
+        assert_eq!(pcrs[&pcr::CONFIG], extend_from_zero(b"{\"a\":1}"));
+        let node = extend(&extend_from_zero(b"worker-1"), &Sha256::digest(b"kubelet").into());
+        assert_eq!(pcrs[&pcr::NODE], node);
+        assert_eq!(pcrs[&pcr::CLUSTER_ID], extend_from_zero(&[7; 32]));
+        verify_replay(&events, &pcrs).unwrap();
+    }
+
+    #[test]
+    fn changed_entry_fails() {
+        let mut events = log();
+        events[0].data = b"{\"a\":2}".to_vec();
+        assert!(matches!(replay(&events), Err(ReplayError::DigestMismatch { index: 0, .. })));
+    }
+
+    #[test]
+    fn consistently_changed_entry_fails_against_tpm_values() {
+        let reported = replay(&log()).unwrap();
+        let mut events = log();
+        events[0] = Event::new(EventType::NodeConfig, "config", b"{\"a\":2}".to_vec());
+        assert!(matches!(
+            verify_replay(&events, &reported),
+            Err(ReplayError::ValueMismatch { pcr: pcr::CONFIG, .. })
+        ));
+    }
+
+    #[test]
+    fn removed_or_reordered_entries_fail() {
+        let reported = replay(&log()).unwrap();
+        let mut removed = log();
+        removed.remove(2);
+        assert!(matches!(
+            verify_replay(&removed, &reported),
+            Err(ReplayError::ValueMismatch { pcr: pcr::NODE, .. })
+        ));
+        let mut reordered = log();
+        reordered.swap(1, 2);
+        assert!(matches!(
+            verify_replay(&reordered, &reported),
+            Err(ReplayError::ValueMismatch { pcr: pcr::NODE, .. })
+        ));
+    }
+
+    #[test]
+    fn entry_moved_to_another_pcr_fails() {
+        let mut events = log();
+        events[1].pcr = pcr::CONFIG;
+        assert!(matches!(replay(&events), Err(ReplayError::WrongPcr { index: 1, .. })));
+    }
+
+    #[test]
+    fn missing_reported_pcr_fails() {
+        let mut reported = replay(&log()).unwrap();
+        reported.remove(&pcr::CLUSTER_ID);
+        assert_eq!(
+            verify_replay(&log(), &reported),
+            Err(ReplayError::MissingPcr { pcr: pcr::CLUSTER_ID })
+        );
+    }
+}

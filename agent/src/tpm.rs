@@ -1,0 +1,406 @@
+//! The one TPM wrapper: the only module that talks to tss-esapi.
+//!
+//! A [`Tpm`] owns an ESAPI context and the transient objects it creates (the
+//! endorsement key when it is not persistent, and the attestation key), and
+//! flushes them on drop. Every session it starts is flushed before the call
+//! returns, so it works on a TPM without a resource manager (the swtpm
+//! socket) as well as on `/dev/tpmrm0`. Only the SHA-256 PCR bank is used.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+
+use tss_esapi::abstraction::{ak, ek, AsymmetricAlgorithmSelection, DefaultKey};
+use tss_esapi::attributes::SessionAttributesBuilder;
+use tss_esapi::constants::SessionType;
+use tss_esapi::handles::{AuthHandle, KeyHandle, ObjectHandle, PcrHandle, PersistentTpmHandle, SessionHandle, TpmHandle};
+use tss_esapi::interface_types::algorithm::{AsymmetricAlgorithm, HashingAlgorithm, SignatureSchemeAlgorithm};
+use tss_esapi::interface_types::key_bits::RsaKeyBits;
+use tss_esapi::interface_types::session_handles::{AuthSession, PolicySession};
+use tss_esapi::structures::{
+    Data, Digest, DigestValues, EncryptedSecret, IdObject, PcrSelectionList, PcrSlot,
+    SignatureScheme, SymmetricDefinition,
+};
+use tss_esapi::tcti_ldr::TctiNameConf;
+use tss_esapi::traits::Marshall;
+use tss_esapi::Context;
+use zeroize::Zeroizing;
+
+use crate::measurement::Digest32;
+
+/// Persistent handle of the RSA-2048 endorsement key (TCG EK profile).
+const EK_PERSISTENT_HANDLE: u32 = 0x8101_0001;
+/// Number of PCRs in a bank.
+pub const PCR_COUNT: u32 = 24;
+/// The TPM returns at most 8 digests per PCR_Read.
+const PCRS_PER_READ: usize = 8;
+
+/// A TPM operation that failed; each variant names the operation and keeps
+/// the TSS error as its source.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TpmError {
+    /// The TCTI string could not be parsed.
+    #[error("invalid TCTI {tcti:?}")]
+    Tcti {
+        /// The TCTI string.
+        tcti: String,
+        /// The cause.
+        #[source]
+        source: tss_esapi::Error,
+    },
+    /// The TPM could not be opened.
+    #[error("cannot open TPM through {tcti:?}")]
+    Open {
+        /// The TCTI string.
+        tcti: String,
+        /// The cause.
+        #[source]
+        source: tss_esapi::Error,
+    },
+    /// A PCR index outside 0..=23.
+    #[error("PCR {0} does not exist (0 to 23)")]
+    NoSuchPcr(u32),
+    /// Reading PCRs failed.
+    #[error("reading PCRs failed")]
+    PcrRead(#[source] tss_esapi::Error),
+    /// Extending a PCR failed.
+    #[error("extending PCR {pcr} failed")]
+    PcrExtend {
+        /// The PCR.
+        pcr: u32,
+        /// The cause.
+        #[source]
+        source: tss_esapi::Error,
+    },
+    /// Loading or creating the endorsement key failed.
+    #[error("endorsement key unavailable")]
+    EndorsementKey(#[source] tss_esapi::Error),
+    /// Creating or loading the attestation key failed.
+    #[error("creating the attestation key failed")]
+    AttestationKey(#[source] tss_esapi::Error),
+    /// The quote command failed.
+    #[error("quote failed")]
+    Quote(#[source] tss_esapi::Error),
+    /// ActivateCredential failed: the credential was not made for this TPM's EK and AK.
+    #[error("credential activation failed (not sealed to this TPM)")]
+    ActivateCredential(#[source] tss_esapi::Error),
+    /// A structure could not be marshalled or converted.
+    #[error("marshalling {what} failed")]
+    Marshal {
+        /// What was marshalled.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: tss_esapi::Error,
+    },
+}
+
+/// Where the TPM is: a device node or a TCTI string.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TctiSpec(String);
+
+impl TctiSpec {
+    /// The kernel's resource-managed TPM device.
+    pub fn default_device() -> Self {
+        Self("device:/dev/tpmrm0".into())
+    }
+
+    /// A swtpm listening on `127.0.0.1:port` (control channel on `port + 1`).
+    pub fn swtpm(port: u16) -> Self {
+        Self(format!("swtpm:host=127.0.0.1,port={port}"))
+    }
+
+    /// The TCTI string as given.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for TctiSpec {
+    type Err = std::convert::Infallible;
+
+    /// A `device:` / `swtpm:` TCTI string, or a bare device path.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.starts_with('/') {
+            Ok(Self(format!("device:{s}")))
+        } else {
+            Ok(Self(s.to_owned()))
+        }
+    }
+}
+
+/// The endorsement key's public part and certificate.
+#[derive(Clone, Debug)]
+pub struct Endorsement {
+    /// Marshalled TPMT_PUBLIC of the RSA-2048 EK.
+    pub public: Vec<u8>,
+    /// DER EK certificate from NV, if the TPM has one.
+    pub certificate: Option<Vec<u8>>,
+}
+
+/// A quote and its signature, both marshalled.
+#[derive(Clone, Debug)]
+pub struct Quote {
+    /// TPMS_ATTEST.
+    pub attest: Vec<u8>,
+    /// TPMT_SIGNATURE.
+    pub signature: Vec<u8>,
+}
+
+/// An open TPM with its endorsement and attestation keys.
+pub struct Tpm {
+    ctx: Context,
+    ek: KeyHandle,
+    ek_transient: bool,
+    ak: Option<LoadedAk>,
+}
+
+struct LoadedAk {
+    handle: KeyHandle,
+    public: Vec<u8>,
+}
+
+impl Tpm {
+    /// Opens the TPM and its endorsement key: the persistent one at
+    /// 0x81010001 when present, else one created from the default template.
+    pub fn open(tcti: &TctiSpec) -> Result<Self, TpmError> {
+        let conf = TctiNameConf::from_str(tcti.as_str()).map_err(|source| TpmError::Tcti {
+            tcti: tcti.as_str().into(),
+            source,
+        })?;
+        let mut ctx = Context::new(conf).map_err(|source| TpmError::Open {
+            tcti: tcti.as_str().into(),
+            source,
+        })?;
+        let persistent = PersistentTpmHandle::new(EK_PERSISTENT_HANDLE)
+            .map_err(TpmError::EndorsementKey)?;
+        let (ek, ek_transient) = match ctx.execute_without_session(|c| {
+            c.tr_from_tpm_public(TpmHandle::Persistent(persistent))
+        }) {
+            Ok(handle) => (KeyHandle::from(handle), false),
+            Err(_) => {
+                let handle = ek::create_ek_object(&mut ctx, AsymmetricAlgorithm::Rsa, DefaultKey)
+                    .map_err(TpmError::EndorsementKey)?;
+                (handle, true)
+            }
+        };
+        Ok(Self { ctx, ek, ek_transient, ak: None })
+    }
+
+    /// Reads SHA-256 PCR values.
+    pub fn pcr_read(&mut self, pcrs: &[u32]) -> Result<BTreeMap<u32, Digest32>, TpmError> {
+        let mut out = BTreeMap::new();
+        let mut wanted: Vec<u32> = pcrs.to_vec();
+        wanted.sort_unstable();
+        wanted.dedup();
+        for chunk in wanted.chunks(PCRS_PER_READ) {
+            let slots = chunk.iter().map(|&p| pcr_slot(p)).collect::<Result<Vec<_>, _>>()?;
+            let selection = PcrSelectionList::builder()
+                .with_selection(HashingAlgorithm::Sha256, &slots)
+                .build()
+                .map_err(TpmError::PcrRead)?;
+            let (_, _, digests) = self
+                .ctx
+                .execute_without_session(|c| c.pcr_read(selection))
+                .map_err(TpmError::PcrRead)?;
+            // The TPM returns the selected PCRs in ascending order.
+            for (&pcr, digest) in chunk.iter().zip(digests.value()) {
+                let mut value = [0u8; 32];
+                if digest.len() != 32 {
+                    return Err(TpmError::PcrRead(wrapper_error(
+                        tss_esapi::WrapperErrorKind::WrongValueFromTpm,
+                    )));
+                }
+                value.copy_from_slice(digest.value());
+                out.insert(pcr, value);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads all 24 SHA-256 PCRs.
+    pub fn pcr_read_all(&mut self) -> Result<BTreeMap<u32, Digest32>, TpmError> {
+        let all: Vec<u32> = (0..PCR_COUNT).collect();
+        self.pcr_read(&all)
+    }
+
+    /// Extends `pcr` of the SHA-256 bank with `digest`.
+    pub fn pcr_extend(&mut self, pcr: u32, digest: &Digest32) -> Result<(), TpmError> {
+        let handle = pcr_handle(pcr)?;
+        let err = |source| TpmError::PcrExtend { pcr, source };
+        let mut values = DigestValues::new();
+        values.set(HashingAlgorithm::Sha256, Digest::try_from(digest.to_vec()).map_err(err)?);
+        self.ctx
+            .execute_with_nullauth_session(|c| c.pcr_extend(handle, values))
+            .map_err(err)
+    }
+
+    /// The endorsement key's public area and, if stored, its certificate.
+    pub fn endorsement(&mut self) -> Result<Endorsement, TpmError> {
+        let ek = self.ek;
+        let (public, _, _) = self
+            .ctx
+            .execute_without_session(|c| c.read_public(ek))
+            .map_err(TpmError::EndorsementKey)?;
+        let public = public.marshall().map_err(|source| TpmError::Marshal { what: "EK public", source })?;
+        let certificate =
+            ek::retrieve_ek_pubcert(&mut self.ctx, AsymmetricAlgorithmSelection::Rsa(RsaKeyBits::Rsa2048)).ok();
+        Ok(Endorsement { public, certificate })
+    }
+
+    /// Creates (once per [`Tpm`]) a restricted ECC P-256 signing key under the
+    /// EK and returns its marshalled TPMT_PUBLIC.
+    pub fn attestation_key(&mut self) -> Result<Vec<u8>, TpmError> {
+        if let Some(ak) = &self.ak {
+            return Ok(ak.public.clone());
+        }
+        let created = ak::create_ak(
+            &mut self.ctx,
+            self.ek,
+            HashingAlgorithm::Sha256,
+            SignatureSchemeAlgorithm::EcDsa,
+            None,
+            DefaultKey,
+        )
+        .map_err(TpmError::AttestationKey)?;
+        let public = created
+            .out_public
+            .marshall()
+            .map_err(|source| TpmError::Marshal { what: "AK public", source })?;
+        let handle = ak::load_ak(&mut self.ctx, self.ek, None, created.out_private, created.out_public)
+            .map_err(TpmError::AttestationKey)?;
+        self.ak = Some(LoadedAk { handle, public: public.clone() });
+        Ok(public)
+    }
+
+    /// Quotes the SHA-256 `pcrs` with the attestation key over `qualifying_data`.
+    pub fn quote(&mut self, qualifying_data: &Digest32, pcrs: &[u32]) -> Result<Quote, TpmError> {
+        self.attestation_key()?;
+        let ak = self.ak.as_ref().map(|ak| ak.handle).ok_or(TpmError::Quote(
+            wrapper_error(tss_esapi::WrapperErrorKind::InvalidHandleState),
+        ))?;
+        let slots = pcrs.iter().map(|&p| pcr_slot(p)).collect::<Result<Vec<_>, _>>()?;
+        let selection = PcrSelectionList::builder()
+            .with_selection(HashingAlgorithm::Sha256, &slots)
+            .build()
+            .map_err(TpmError::Quote)?;
+        let data = Data::try_from(qualifying_data.to_vec()).map_err(TpmError::Quote)?;
+        let (attest, signature) = self
+            .ctx
+            .execute_with_nullauth_session(|c| c.quote(ak, data, SignatureScheme::Null, selection))
+            .map_err(TpmError::Quote)?;
+        Ok(Quote {
+            attest: attest.marshall().map_err(|source| TpmError::Marshal { what: "quote", source })?,
+            signature: signature
+                .marshall()
+                .map_err(|source| TpmError::Marshal { what: "signature", source })?,
+        })
+    }
+
+    /// Opens a credential made with MakeCredential for this TPM's EK and the
+    /// attestation key: succeeds only on the TPM that holds both.
+    pub fn activate_credential(
+        &mut self,
+        credential_blob: &[u8],
+        encrypted_seed: &[u8],
+    ) -> Result<Zeroizing<Vec<u8>>, TpmError> {
+        self.attestation_key()?;
+        let ak = self.ak.as_ref().map(|ak| ak.handle).ok_or(TpmError::ActivateCredential(
+            wrapper_error(tss_esapi::WrapperErrorKind::InvalidHandleState),
+        ))?;
+        let blob = IdObject::try_from(credential_blob.to_vec()).map_err(TpmError::ActivateCredential)?;
+        let seed = EncryptedSecret::try_from(encrypted_seed.to_vec()).map_err(TpmError::ActivateCredential)?;
+        let policy = self.endorsement_policy_session().map_err(TpmError::ActivateCredential)?;
+        let ek = self.ek;
+        let result = self.ctx.execute_with_sessions(
+            (Some(AuthSession::Password), Some(policy), None),
+            |c| c.activate_credential(ak, ek, blob, seed),
+        );
+        self.flush_session(policy);
+        let digest = result.map_err(TpmError::ActivateCredential)?;
+        Ok(Zeroizing::new(digest.value().to_vec()))
+    }
+
+    /// A policy session satisfying the EK's policy: PolicySecret(endorsement).
+    fn endorsement_policy_session(&mut self) -> Result<AuthSession, tss_esapi::Error> {
+        let session = self
+            .ctx
+            .start_auth_session(
+                None,
+                None,
+                None,
+                SessionType::Policy,
+                SymmetricDefinition::AES_128_CFB,
+                HashingAlgorithm::Sha256,
+            )?
+            .ok_or_else(|| wrapper_error(tss_esapi::WrapperErrorKind::WrongValueFromTpm))?;
+        let (attributes, mask) = SessionAttributesBuilder::new()
+            .with_decrypt(true)
+            .with_encrypt(true)
+            .build();
+        let outcome = self
+            .ctx
+            .tr_sess_set_attributes(session, attributes, mask)
+            .and_then(|()| {
+                let policy = PolicySession::try_from(session)?;
+                self.ctx.execute_with_nullauth_session(|c| {
+                    c.policy_secret(
+                        policy,
+                        AuthHandle::Endorsement,
+                        Default::default(),
+                        Default::default(),
+                        Default::default(),
+                        None,
+                    )
+                })
+            });
+        match outcome {
+            Ok(_) => Ok(session),
+            Err(e) => {
+                self.flush_session(session);
+                Err(e)
+            }
+        }
+    }
+
+    fn flush_session(&mut self, session: AuthSession) {
+        let handle = SessionHandle::from(session);
+        if let Err(e) = self.ctx.flush_context(ObjectHandle::from(handle)) {
+            tracing::warn!(error = %e, "flushing a TPM session failed");
+        }
+    }
+}
+
+impl Drop for Tpm {
+    fn drop(&mut self) {
+        if let Some(ak) = self.ak.take() {
+            let _ = self.ctx.flush_context(ak.handle.into());
+        }
+        if self.ek_transient {
+            let _ = self.ctx.flush_context(self.ek.into());
+        }
+    }
+}
+
+fn wrapper_error(kind: tss_esapi::WrapperErrorKind) -> tss_esapi::Error {
+    tss_esapi::Error::WrapperError(kind)
+}
+
+fn pcr_slot(pcr: u32) -> Result<PcrSlot, TpmError> {
+    if pcr >= PCR_COUNT {
+        return Err(TpmError::NoSuchPcr(pcr));
+    }
+    PcrSlot::try_from(1u32 << pcr).map_err(|_| TpmError::NoSuchPcr(pcr))
+}
+
+fn pcr_handle(pcr: u32) -> Result<PcrHandle, TpmError> {
+    const HANDLES: [PcrHandle; PCR_COUNT as usize] = [
+        PcrHandle::Pcr0, PcrHandle::Pcr1, PcrHandle::Pcr2, PcrHandle::Pcr3,
+        PcrHandle::Pcr4, PcrHandle::Pcr5, PcrHandle::Pcr6, PcrHandle::Pcr7,
+        PcrHandle::Pcr8, PcrHandle::Pcr9, PcrHandle::Pcr10, PcrHandle::Pcr11,
+        PcrHandle::Pcr12, PcrHandle::Pcr13, PcrHandle::Pcr14, PcrHandle::Pcr15,
+        PcrHandle::Pcr16, PcrHandle::Pcr17, PcrHandle::Pcr18, PcrHandle::Pcr19,
+        PcrHandle::Pcr20, PcrHandle::Pcr21, PcrHandle::Pcr22, PcrHandle::Pcr23,
+    ];
+    HANDLES.get(pcr as usize).copied().ok_or(TpmError::NoSuchPcr(pcr))
+}

@@ -1,0 +1,110 @@
+//! The TPM wrapper against a real swtpm, and pure-Rust quote verification.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+
+use keel_agent::attestation::quote::{qualifying_data, verify_quote, QuoteError};
+use keel_agent::attestation::tpm_wire::{attr, Public};
+use keel_agent::measurement::{extend, Digest32};
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_testkit::swtpm::{EkCa, Swtpm};
+
+fn tpm() -> (EkCa, Swtpm, Tpm) {
+    let ca = EkCa::new().unwrap();
+    let swtpm = Swtpm::start(&ca).unwrap();
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    (ca, swtpm, tpm)
+}
+
+#[test]
+fn reads_and_extends_pcrs() {
+    let (_ca, _sw, mut tpm) = tpm();
+    let all = tpm.pcr_read_all().unwrap();
+    assert_eq!(all.len(), 24);
+    assert_eq!(all[&12], [0; 32]);
+    let digest = [0xab; 32];
+    tpm.pcr_extend(12, &digest).unwrap();
+    let after = tpm.pcr_read(&[12]).unwrap();
+    assert_eq!(after[&12], extend(&[0; 32], &digest));
+    assert!(tpm.pcr_read(&[24]).is_err());
+}
+
+#[test]
+fn endorsement_key_has_certificate_from_the_ca() {
+    let (_ca, _sw, mut tpm) = tpm();
+    let ek = tpm.endorsement().unwrap();
+    let public = Public::parse(&ek.public).unwrap();
+    assert!(public.attributes & attr::RESTRICTED != 0);
+    assert!(public.attributes & attr::DECRYPT != 0);
+    assert!(ek.certificate.is_some_and(|c| !c.is_empty()));
+}
+
+struct Quoted {
+    ak: Vec<u8>,
+    attest: Vec<u8>,
+    signature: Vec<u8>,
+    values: BTreeMap<u32, Digest32>,
+    qualifying: Digest32,
+}
+
+fn quote(tpm: &mut Tpm, nonce: &[u8]) -> Quoted {
+    tpm.pcr_extend(12, &[1; 32]).unwrap();
+    let pcrs = [4, 9, 11, 12, 13, 15];
+    let qualifying = qualifying_data(nonce, b"user data");
+    let q = tpm.quote(&qualifying, &pcrs).unwrap();
+    Quoted {
+        ak: tpm.attestation_key().unwrap(),
+        attest: q.attest,
+        signature: q.signature,
+        values: tpm.pcr_read(&pcrs).unwrap(),
+        qualifying,
+    }
+}
+
+fn verify(q: &Quoted) -> Result<(), QuoteError> {
+    verify_quote(&Public::parse(&q.ak).unwrap(), &q.attest, &q.signature, &q.qualifying, &q.values).map(|_| ())
+}
+
+#[test]
+fn quote_verifies_and_each_tampering_fails_distinctly() {
+    let (_ca, _sw, mut tpm) = tpm();
+    let good = quote(&mut tpm, b"nonce-1");
+    verify(&good).unwrap();
+
+    let mut other_nonce = quote(&mut tpm, b"nonce-1");
+    other_nonce.qualifying = qualifying_data(b"nonce-2", b"user data");
+    assert_eq!(verify(&other_nonce), Err(QuoteError::QualifyingData));
+
+    let mut changed_pcr = quote(&mut tpm, b"nonce-1");
+    changed_pcr.values.insert(12, [9; 32]);
+    assert_eq!(verify(&changed_pcr), Err(QuoteError::PcrDigest));
+
+    let mut flipped = quote(&mut tpm, b"nonce-1");
+    let last = flipped.signature.len() - 1;
+    flipped.signature[last] ^= 1;
+    assert_eq!(verify(&flipped), Err(QuoteError::Signature));
+
+    let mut forged_attest = quote(&mut tpm, b"nonce-1");
+    let n = forged_attest.attest.len() - 1;
+    forged_attest.attest[n] ^= 1;
+    assert_eq!(verify(&forged_attest), Err(QuoteError::Signature));
+
+    let mut missing = quote(&mut tpm, b"nonce-1");
+    missing.values.remove(&15);
+    assert!(matches!(verify(&missing), Err(QuoteError::PcrSelection { .. })));
+
+    let mut unrestricted = quote(&mut tpm, b"nonce-1");
+    // TPMT_PUBLIC: type(2) nameAlg(2) objectAttributes(4): clear `restricted`.
+    let attrs = u32::from_be_bytes(unrestricted.ak[4..8].try_into().unwrap()) & !attr::RESTRICTED;
+    unrestricted.ak[4..8].copy_from_slice(&attrs.to_be_bytes());
+    assert_eq!(verify(&unrestricted), Err(QuoteError::AkAttributes("not restricted")));
+}
+
+#[test]
+fn quote_with_another_tpms_key_fails() {
+    let (_ca1, _sw1, mut tpm1) = tpm();
+    let (_ca2, _sw2, mut tpm2) = tpm();
+    let mut q = quote(&mut tpm1, b"n");
+    q.ak = tpm2.attestation_key().unwrap();
+    assert_eq!(verify(&q), Err(QuoteError::Signature));
+}

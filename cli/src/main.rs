@@ -1,0 +1,2 @@
+//! keel: the operator CLI.
+fn main() {}

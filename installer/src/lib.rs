@@ -1,0 +1,1 @@
+//! Kubernetes versions table, verified downloads and safe archive extraction.

@@ -1,0 +1,44 @@
+//! Wire types of keel. Every field is documented in `proto/keel/*.proto`;
+//! the modules here are generated from those files at build time and
+//! re-exported under short names (`keel_proto::init`, `keel_proto::join`, ...).
+#![allow(missing_docs, clippy::all, clippy::pedantic)]
+
+/// Generated code, nested as the protobuf packages are.
+pub mod keel {
+    pub mod components {
+        pub mod v1 {
+            tonic::include_proto!("keel.components.v1");
+        }
+    }
+    pub mod attestation {
+        pub mod v1 {
+            tonic::include_proto!("keel.attestation.v1");
+        }
+    }
+    pub mod init {
+        pub mod v1 {
+            tonic::include_proto!("keel.init.v1");
+        }
+    }
+    pub mod join {
+        pub mod v1 {
+            tonic::include_proto!("keel.join.v1");
+        }
+    }
+    pub mod kms {
+        pub mod v1 {
+            tonic::include_proto!("keel.kms.v1");
+        }
+    }
+}
+
+/// Kubernetes components to download and install.
+pub use keel::components::v1 as components;
+/// Attestation documents, measurement events and TPM-sealed secrets.
+pub use keel::attestation::v1 as attestation;
+/// The init API (operator CLI → first node).
+pub use keel::init::v1 as init;
+/// The join API (node → control plane).
+pub use keel::join::v1 as join;
+/// The key service (data keys derived from the master secret).
+pub use keel::kms::v1 as kms;

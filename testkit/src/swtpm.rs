@@ -1,0 +1,220 @@
+//! swtpm instances for tests: each with its own TPM state, manufactured with
+//! an EK certificate from a test-owned CA, on its own loopback ports, shut
+//! down cleanly (TPM2_Shutdown through the control channel) and killed on drop.
+
+use std::fs;
+use std::io;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// Errors starting swtpm.
+#[derive(Debug, thiserror::Error)]
+pub enum SwtpmError {
+    /// A file or process operation failed.
+    #[error("{what}")]
+    Io {
+        /// What was attempted.
+        what: String,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// swtpm_setup failed.
+    #[error("swtpm_setup failed: {0}")]
+    Setup(String),
+    /// swtpm did not come up on any tried port pair.
+    #[error("swtpm did not start: {0}")]
+    Start(String),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> SwtpmError {
+    let what = what.into();
+    move |source| SwtpmError::Io { what, source }
+}
+
+/// A local CA that issues EK certificates (swtpm_localca), in its own directory.
+pub struct EkCa {
+    dir: TempDir,
+}
+
+impl EkCa {
+    /// A new, empty CA; its keys are created when the first TPM is manufactured.
+    pub fn new() -> Result<Self, SwtpmError> {
+        let dir = tempfile::tempdir().map_err(io_err("creating CA directory"))?;
+        let ca = dir.path().join("ca");
+        fs::create_dir_all(&ca).map_err(io_err("creating CA directory"))?;
+        let p = |name: &str| ca.join(name).display().to_string();
+        fs::write(
+            dir.path().join("localca.conf"),
+            format!(
+                "statedir = {}\nsigningkey = {}\nissuercert = {}\ncertserial = {}\n",
+                ca.display(),
+                p("signkey.pem"),
+                p("issuercert.pem"),
+                p("certserial")
+            ),
+        )
+        .map_err(io_err("writing CA config"))?;
+        fs::write(
+            dir.path().join("setup.conf"),
+            format!(
+                "create_certs_tool = /usr/bin/swtpm_localca\n\
+                 create_certs_tool_config = {}\n\
+                 create_certs_tool_options = /etc/swtpm-localca.options\n\
+                 active_pcr_banks = sha256\n",
+                dir.path().join("localca.conf").display()
+            ),
+        )
+        .map_err(io_err("writing swtpm_setup config"))?;
+        Ok(Self { dir })
+    }
+
+    /// PEM of the certificate that signs EK certificates (valid after the
+    /// first [`Swtpm::start`] with this CA).
+    pub fn issuer_pem(&self) -> Result<Vec<u8>, SwtpmError> {
+        fs::read(self.dir.path().join("ca/issuercert.pem")).map_err(io_err("reading CA issuer cert"))
+    }
+
+    /// PEM of the CA's root certificate.
+    pub fn root_pem(&self) -> Result<Vec<u8>, SwtpmError> {
+        fs::read(self.dir.path().join("ca/swtpm-localca-rootca-cert.pem"))
+            .map_err(io_err("reading CA root cert"))
+    }
+
+    /// Manufactures a TPM state in `state_dir` with EK certificates from this CA.
+    pub fn manufacture(&self, state_dir: &Path) -> Result<(), SwtpmError> {
+        let out = Command::new("swtpm_setup")
+            .args(["--tpm2", "--create-ek-cert", "--create-platform-cert", "--lock-nvram", "--overwrite"])
+            .arg("--tpmstate")
+            .arg(state_dir)
+            .arg("--config")
+            .arg(self.dir.path().join("setup.conf"))
+            .output()
+            .map_err(io_err("running swtpm_setup"))?;
+        if !out.status.success() {
+            return Err(SwtpmError::Setup(String::from_utf8_lossy(&out.stderr).into_owned()));
+        }
+        Ok(())
+    }
+}
+
+/// A running swtpm with a TCP server and control port on 127.0.0.1.
+pub struct Swtpm {
+    child: Option<Child>,
+    port: u16,
+    _state: TempDir,
+}
+
+static NEXT_PORT: AtomicU16 = AtomicU16::new(0);
+
+impl Swtpm {
+    /// Manufactures a fresh TPM with an EK certificate from `ca` and starts it.
+    pub fn start(ca: &EkCa) -> Result<Self, SwtpmError> {
+        let state = tempfile::tempdir().map_err(io_err("creating TPM state directory"))?;
+        ca.manufacture(state.path())?;
+        Self::start_with_state(state)
+    }
+
+    /// Starts a fresh TPM without EK certificate (and no persistent EK).
+    pub fn start_bare() -> Result<Self, SwtpmError> {
+        let state = tempfile::tempdir().map_err(io_err("creating TPM state directory"))?;
+        Self::start_with_state(state)
+    }
+
+    fn start_with_state(state: TempDir) -> Result<Self, SwtpmError> {
+        let mut last = String::new();
+        for _ in 0..20 {
+            let port = free_port_pair();
+            let mut child = Command::new("swtpm")
+                .args(["socket", "--tpm2", "--flags", "not-need-init,startup-clear"])
+                .arg("--server")
+                .arg(format!("type=tcp,port={port},bindaddr=127.0.0.1"))
+                .arg("--ctrl")
+                .arg(format!("type=tcp,port={},bindaddr=127.0.0.1", port + 1))
+                .arg("--tpmstate")
+                .arg(format!("dir={}", state.path().display()))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(io_err("starting swtpm"))?;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                if let Ok(Some(status)) = child.try_wait() {
+                    last = format!("swtpm exited with {status} on port {port}");
+                    break;
+                }
+                if TcpStream::connect(("127.0.0.1", port)).is_ok()
+                    && TcpStream::connect(("127.0.0.1", port + 1)).is_ok()
+                {
+                    return Ok(Self { child: Some(child), port, _state: state });
+                }
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    last = format!("swtpm did not listen on port {port} within 5 s");
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        Err(SwtpmError::Start(last))
+    }
+
+    /// The TCP port of the TPM command channel.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The TCTI string for tss-esapi / tpm2-tools.
+    pub fn tcti(&self) -> String {
+        format!("swtpm:host=127.0.0.1,port={}", self.port)
+    }
+
+    /// Directory holding the TPM state.
+    pub fn state_dir(&self) -> PathBuf {
+        self._state.path().to_path_buf()
+    }
+}
+
+impl Drop for Swtpm {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // TPM2_Shutdown via the control channel, so the state stays clean.
+            let _ = Command::new("swtpm_ioctl")
+                .arg("--tcp")
+                .arg(format!("127.0.0.1:{}", self.port + 1))
+                .arg("-s")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A port `p` such that `p` and `p + 1` were free a moment ago.
+fn free_port_pair() -> u16 {
+    loop {
+        // Spread parallel test processes across the range by the process ID.
+        let seed = u32::from(NEXT_PORT.fetch_add(2, Ordering::Relaxed));
+        let spread = (std::process::id() % 2000) * 16;
+        let base = u16::try_from(20_000 + (spread + seed) % 40_000).unwrap_or(20_000) & !1;
+        if TcpListener::bind(("127.0.0.1", base)).is_ok() && TcpListener::bind(("127.0.0.1", base + 1)).is_ok() {
+            return base;
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Whole-image tests under QEMU + swtpm; see tests/README.md.
