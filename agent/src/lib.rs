@@ -1,6 +1,9 @@
 //! The keel node agent: measures its config, serves init, runs join, and
 //! binds the node's secrets to what it booted.
 
-pub mod measurement;
-pub mod tpm;
 pub mod attestation;
+pub mod config;
+pub mod measured;
+pub mod measurement;
+pub mod systemd;
+pub mod tpm;

@@ -1,2 +1,139 @@
-//! keel-agent entry point.
-fn main() {}
+//! keel-agent: the composition root. Parses the command line, sets up
+//! logging and hands over to the library.
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use keel_agent::config::NodeConfig;
+use keel_agent::measured::MeasuredLog;
+use keel_agent::measurement::{self, pcr, EventType, HexDigest};
+use keel_agent::systemd;
+use keel_agent::tpm::{TctiSpec, Tpm};
+
+/// The keel node agent. Started by systemd on every boot of a keel image: it
+/// measures its node config into the TPM before using it, then serves the
+/// init flow and runs the join flow.
+#[derive(Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    /// The TPM: a device path, or a TCTI such as `swtpm:host=127.0.0.1,port=2321`.
+    #[arg(
+        long,
+        global = true,
+        env = "KEEL_TCTI",
+        default_value = "device:/dev/tpmrm0"
+    )]
+    tcti: String,
+    /// Directory for the event log and runtime state.
+    #[arg(
+        long,
+        global = true,
+        env = "KEEL_STATE_DIR",
+        default_value = "/run/keel"
+    )]
+    state_dir: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the agent: measure the node config, report readiness, serve.
+    Run {
+        /// Node config file (default: fw_cfg `opt/keel/node-config`, then the image default).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Measure and report readiness, then exit (for checks and tests).
+        #[arg(long)]
+        once: bool,
+    },
+    /// Print the SHA-256 PCR values 0-23.
+    Pcrs,
+    /// Print the agent's event log and whether it replays to the TPM's PCRs.
+    Eventlog,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("keel-agent: error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let tcti: TctiSpec = cli.tcti.parse()?;
+    let log_path = cli.state_dir.join("eventlog.jsonl");
+    match cli.command {
+        Command::Pcrs => {
+            let mut tpm = Tpm::open(&tcti)?;
+            for (index, value) in tpm.pcr_read_all()? {
+                println!("pcr {index} {}", HexDigest(&value));
+            }
+            Ok(())
+        }
+        Command::Eventlog => {
+            let mut tpm = Tpm::open(&tcti)?;
+            let log = MeasuredLog::open(&log_path, &mut tpm);
+            let reported = tpm.pcr_read(&pcr::AGENT_OWNED)?;
+            for (index, value) in &reported {
+                println!("pcr {index} {}", HexDigest(value));
+            }
+            let log = log.context("the event log does not replay to the TPM's PCRs")?;
+            for e in log.events() {
+                println!(
+                    "pcr {} {} {} {}",
+                    e.pcr,
+                    HexDigest(&e.digest),
+                    e.event_type.as_str(),
+                    e.description
+                );
+            }
+            measurement::verify_replay(log.events(), &reported)?;
+            println!("replay: ok ({} events)", log.events().len());
+            Ok(())
+        }
+        Command::Run { config, once } => {
+            let (config, source) = NodeConfig::load(config.as_deref())?;
+            tracing::info!(%source, "node config loaded");
+            let mut tpm = Tpm::open(&tcti)?;
+            let mut log = MeasuredLog::open(&log_path, &mut tpm)?;
+            log.record_once(
+                &mut tpm,
+                EventType::NodeConfig,
+                format!("node config from {source}"),
+                config.cluster_bytes(),
+            )?;
+            log.record_once(
+                &mut tpm,
+                EventType::NodeIdentity,
+                format!("node {} ({})", config.node.name, config.node.role.as_str()),
+                config.node_bytes(),
+            )?;
+            for (index, value) in tpm.pcr_read_all()? {
+                println!("pcr {index} sha256:{}", HexDigest(&value));
+            }
+            systemd::notify("READY=1")?;
+            println!("keel-agent: ready");
+            if once {
+                return Ok(());
+            }
+            // The init server and join client are started here; until they
+            // exist the agent idles so the node stays inspectable.
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+}

@@ -76,12 +76,19 @@ impl EventType {
     }
 }
 
-/// One measurement: `pcr` was extended with `digest = SHA-256(data)`.
+/// One measurement: `pcr` was extended with
+/// `digest = SHA-256(u32be(seq) || event_type || 0x00 || data)`.
+///
+/// The sequence number and type are part of what is measured, so an entry
+/// cannot be moved, dropped or relabelled without the replay noticing, even
+/// between PCRs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Event {
+    /// Position in the log, from 0.
+    pub seq: u32,
     /// The PCR extended.
     pub pcr: u32,
-    /// SHA-256 of `data`, the value extended.
+    /// The measured digest (see the type's documentation).
     #[serde(with = "hex_digest")]
     pub digest: Digest32,
     /// What was measured.
@@ -94,11 +101,17 @@ pub struct Event {
 }
 
 impl Event {
-    /// Creates the event for `data`, extending the PCR its type owns.
-    pub fn new(event_type: EventType, description: impl Into<String>, data: Vec<u8>) -> Self {
+    /// Creates event number `seq` for `data`, extending the PCR its type owns.
+    pub fn new(
+        seq: u32,
+        event_type: EventType,
+        description: impl Into<String>,
+        data: Vec<u8>,
+    ) -> Self {
         Self {
+            seq,
             pcr: event_type.pcr(),
-            digest: Sha256::digest(&data).into(),
+            digest: event_digest(seq, event_type, &data),
             event_type,
             description: description.into(),
             data,
@@ -106,11 +119,29 @@ impl Event {
     }
 }
 
+/// The digest an event extends: `SHA-256(u32be(seq) || type || 0x00 || data)`.
+pub fn event_digest(seq: u32, event_type: EventType, data: &[u8]) -> Digest32 {
+    let mut h = Sha256::new();
+    h.update(seq.to_be_bytes());
+    h.update(event_type.as_str().as_bytes());
+    h.update([0]);
+    h.update(data);
+    h.finalize().into()
+}
+
 /// Why a log does not replay.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReplayError {
-    /// An entry's digest is not the SHA-256 of its data (the entry was changed).
+    /// An entry is out of place: removed, inserted or reordered.
+    #[error("event {index} carries sequence number {seq}: the log was reordered or cut")]
+    Sequence {
+        /// Position in the log.
+        index: usize,
+        /// The sequence number it carries.
+        seq: u32,
+    },
+    /// An entry's digest does not match its content (the entry was changed).
     #[error("event {index} ({event_type}): digest does not match its data")]
     DigestMismatch {
         /// Position in the log.
@@ -154,23 +185,29 @@ pub fn extend(old: &Digest32, digest: &Digest32) -> Digest32 {
     h.finalize().into()
 }
 
-/// The value a PCR that starts at zero has after extending `data`'s SHA-256.
-pub fn extend_from_zero(data: &[u8]) -> Digest32 {
-    extend(&[0; 32], &Sha256::digest(data).into())
-}
-
-/// Recomputes every agent-owned PCR from zero. Each entry's digest must be
-/// the SHA-256 of its data and name the PCR of its type; PCRs without
-/// entries replay to zero.
+/// Recomputes every agent-owned PCR from zero. Entries must be numbered
+/// 0, 1, 2, ... in order, each digest must match its content and each entry
+/// must name the PCR of its type; PCRs without entries replay to zero.
 pub fn replay(events: &[Event]) -> Result<BTreeMap<u32, Digest32>, ReplayError> {
-    let mut pcrs: BTreeMap<u32, Digest32> = pcr::AGENT_OWNED.iter().map(|&p| (p, [0; 32])).collect();
+    let mut pcrs: BTreeMap<u32, Digest32> =
+        pcr::AGENT_OWNED.iter().map(|&p| (p, [0; 32])).collect();
     for (index, event) in events.iter().enumerate() {
         let event_type = event.event_type.as_str();
-        if Sha256::digest(&event.data).as_slice() != event.digest {
+        if usize::try_from(event.seq).ok() != Some(index) {
+            return Err(ReplayError::Sequence {
+                index,
+                seq: event.seq,
+            });
+        }
+        if event_digest(event.seq, event.event_type, &event.data) != event.digest {
             return Err(ReplayError::DigestMismatch { index, event_type });
         }
         if event.pcr != event.event_type.pcr() {
-            return Err(ReplayError::WrongPcr { index, event_type, pcr: event.pcr });
+            return Err(ReplayError::WrongPcr {
+                index,
+                event_type,
+                pcr: event.pcr,
+            });
         }
         let value = pcrs.entry(event.pcr).or_insert([0; 32]);
         *value = extend(value, &event.digest);
@@ -228,10 +265,10 @@ mod tests {
 
     fn log() -> Vec<Event> {
         vec![
-            Event::new(EventType::NodeConfig, "config", b"{\"a\":1}".to_vec()),
-            Event::new(EventType::NodeIdentity, "node", b"worker-1".to_vec()),
-            Event::new(EventType::Component, "kubelet", b"kubelet".to_vec()),
-            Event::new(EventType::ClusterId, "cluster", vec![7; 32]),
+            Event::new(0, EventType::NodeConfig, "config", b"{\"a\":1}".to_vec()),
+            Event::new(1, EventType::NodeIdentity, "node", b"worker-1".to_vec()),
+            Event::new(2, EventType::Component, "kubelet", b"kubelet".to_vec()),
+            Event::new(3, EventType::ClusterId, "cluster", vec![7; 32]),
         ]
     }
 
@@ -239,10 +276,21 @@ mod tests {
     fn replay_matches_manual_extends() {
         let events = log();
         let pcrs = replay(&events).unwrap();
-        assert_eq!(pcrs[&pcr::CONFIG], extend_from_zero(b"{\"a\":1}"));
-        let node = extend(&extend_from_zero(b"worker-1"), &Sha256::digest(b"kubelet").into());
+        let zero = [0; 32];
+        let d = |seq, t, data: &[u8]| event_digest(seq, t, data);
+        assert_eq!(
+            pcrs[&pcr::CONFIG],
+            extend(&zero, &d(0, EventType::NodeConfig, b"{\"a\":1}"))
+        );
+        let node = extend(
+            &extend(&zero, &d(1, EventType::NodeIdentity, b"worker-1")),
+            &d(2, EventType::Component, b"kubelet"),
+        );
         assert_eq!(pcrs[&pcr::NODE], node);
-        assert_eq!(pcrs[&pcr::CLUSTER_ID], extend_from_zero(&[7; 32]));
+        assert_eq!(
+            pcrs[&pcr::CLUSTER_ID],
+            extend(&zero, &d(3, EventType::ClusterId, &[7; 32]))
+        );
         verify_replay(&events, &pcrs).unwrap();
     }
 
@@ -250,17 +298,23 @@ mod tests {
     fn changed_entry_fails() {
         let mut events = log();
         events[0].data = b"{\"a\":2}".to_vec();
-        assert!(matches!(replay(&events), Err(ReplayError::DigestMismatch { index: 0, .. })));
+        assert!(matches!(
+            replay(&events),
+            Err(ReplayError::DigestMismatch { index: 0, .. })
+        ));
     }
 
     #[test]
     fn consistently_changed_entry_fails_against_tpm_values() {
         let reported = replay(&log()).unwrap();
         let mut events = log();
-        events[0] = Event::new(EventType::NodeConfig, "config", b"{\"a\":2}".to_vec());
+        events[0] = Event::new(0, EventType::NodeConfig, "config", b"{\"a\":2}".to_vec());
         assert!(matches!(
             verify_replay(&events, &reported),
-            Err(ReplayError::ValueMismatch { pcr: pcr::CONFIG, .. })
+            Err(ReplayError::ValueMismatch {
+                pcr: pcr::CONFIG,
+                ..
+            })
         ));
     }
 
@@ -271,13 +325,30 @@ mod tests {
         removed.remove(2);
         assert!(matches!(
             verify_replay(&removed, &reported),
-            Err(ReplayError::ValueMismatch { pcr: pcr::NODE, .. })
+            Err(ReplayError::Sequence { index: 2, seq: 3 })
         ));
+        let mut truncated = log();
+        truncated.pop();
+        assert!(matches!(
+            verify_replay(&truncated, &reported),
+            Err(ReplayError::ValueMismatch {
+                pcr: pcr::CLUSTER_ID,
+                ..
+            })
+        ));
+        // Reordering across PCRs is caught too: the sequence is measured.
         let mut reordered = log();
-        reordered.swap(1, 2);
+        reordered.swap(0, 3);
         assert!(matches!(
             verify_replay(&reordered, &reported),
-            Err(ReplayError::ValueMismatch { pcr: pcr::NODE, .. })
+            Err(ReplayError::Sequence { index: 0, seq: 3 })
+        ));
+        let mut renumbered = log();
+        renumbered.swap(0, 3);
+        renumbered[0].seq = 0;
+        assert!(matches!(
+            verify_replay(&renumbered, &reported),
+            Err(ReplayError::DigestMismatch { index: 0, .. })
         ));
     }
 
@@ -285,7 +356,10 @@ mod tests {
     fn entry_moved_to_another_pcr_fails() {
         let mut events = log();
         events[1].pcr = pcr::CONFIG;
-        assert!(matches!(replay(&events), Err(ReplayError::WrongPcr { index: 1, .. })));
+        assert!(matches!(
+            replay(&events),
+            Err(ReplayError::WrongPcr { index: 1, .. })
+        ));
     }
 
     #[test]
@@ -294,7 +368,9 @@ mod tests {
         reported.remove(&pcr::CLUSTER_ID);
         assert_eq!(
             verify_replay(&log(), &reported),
-            Err(ReplayError::MissingPcr { pcr: pcr::CLUSTER_ID })
+            Err(ReplayError::MissingPcr {
+                pcr: pcr::CLUSTER_ID
+            })
         );
     }
 }

@@ -12,8 +12,12 @@ use std::str::FromStr;
 use tss_esapi::abstraction::{ak, ek, AsymmetricAlgorithmSelection, DefaultKey};
 use tss_esapi::attributes::SessionAttributesBuilder;
 use tss_esapi::constants::SessionType;
-use tss_esapi::handles::{AuthHandle, KeyHandle, ObjectHandle, PcrHandle, PersistentTpmHandle, SessionHandle, TpmHandle};
-use tss_esapi::interface_types::algorithm::{AsymmetricAlgorithm, HashingAlgorithm, SignatureSchemeAlgorithm};
+use tss_esapi::handles::{
+    AuthHandle, KeyHandle, ObjectHandle, PcrHandle, PersistentTpmHandle, SessionHandle, TpmHandle,
+};
+use tss_esapi::interface_types::algorithm::{
+    AsymmetricAlgorithm, HashingAlgorithm, SignatureSchemeAlgorithm,
+};
 use tss_esapi::interface_types::key_bits::RsaKeyBits;
 use tss_esapi::interface_types::session_handles::{AuthSession, PolicySession};
 use tss_esapi::structures::{
@@ -172,11 +176,11 @@ impl Tpm {
             tcti: tcti.as_str().into(),
             source,
         })?;
-        let persistent = PersistentTpmHandle::new(EK_PERSISTENT_HANDLE)
-            .map_err(TpmError::EndorsementKey)?;
-        let (ek, ek_transient) = match ctx.execute_without_session(|c| {
-            c.tr_from_tpm_public(TpmHandle::Persistent(persistent))
-        }) {
+        let persistent =
+            PersistentTpmHandle::new(EK_PERSISTENT_HANDLE).map_err(TpmError::EndorsementKey)?;
+        let (ek, ek_transient) = match ctx
+            .execute_without_session(|c| c.tr_from_tpm_public(TpmHandle::Persistent(persistent)))
+        {
             Ok(handle) => (KeyHandle::from(handle), false),
             Err(_) => {
                 let handle = ek::create_ek_object(&mut ctx, AsymmetricAlgorithm::Rsa, DefaultKey)
@@ -184,7 +188,12 @@ impl Tpm {
                 (handle, true)
             }
         };
-        Ok(Self { ctx, ek, ek_transient, ak: None })
+        Ok(Self {
+            ctx,
+            ek,
+            ek_transient,
+            ak: None,
+        })
     }
 
     /// Reads SHA-256 PCR values.
@@ -194,7 +203,10 @@ impl Tpm {
         wanted.sort_unstable();
         wanted.dedup();
         for chunk in wanted.chunks(PCRS_PER_READ) {
-            let slots = chunk.iter().map(|&p| pcr_slot(p)).collect::<Result<Vec<_>, _>>()?;
+            let slots = chunk
+                .iter()
+                .map(|&p| pcr_slot(p))
+                .collect::<Result<Vec<_>, _>>()?;
             let selection = PcrSelectionList::builder()
                 .with_selection(HashingAlgorithm::Sha256, &slots)
                 .build()
@@ -229,7 +241,10 @@ impl Tpm {
         let handle = pcr_handle(pcr)?;
         let err = |source| TpmError::PcrExtend { pcr, source };
         let mut values = DigestValues::new();
-        values.set(HashingAlgorithm::Sha256, Digest::try_from(digest.to_vec()).map_err(err)?);
+        values.set(
+            HashingAlgorithm::Sha256,
+            Digest::try_from(digest.to_vec()).map_err(err)?,
+        );
         self.ctx
             .execute_with_nullauth_session(|c| c.pcr_extend(handle, values))
             .map_err(err)
@@ -242,10 +257,19 @@ impl Tpm {
             .ctx
             .execute_without_session(|c| c.read_public(ek))
             .map_err(TpmError::EndorsementKey)?;
-        let public = public.marshall().map_err(|source| TpmError::Marshal { what: "EK public", source })?;
-        let certificate =
-            ek::retrieve_ek_pubcert(&mut self.ctx, AsymmetricAlgorithmSelection::Rsa(RsaKeyBits::Rsa2048)).ok();
-        Ok(Endorsement { public, certificate })
+        let public = public.marshall().map_err(|source| TpmError::Marshal {
+            what: "EK public",
+            source,
+        })?;
+        let certificate = ek::retrieve_ek_pubcert(
+            &mut self.ctx,
+            AsymmetricAlgorithmSelection::Rsa(RsaKeyBits::Rsa2048),
+        )
+        .ok();
+        Ok(Endorsement {
+            public,
+            certificate,
+        })
     }
 
     /// Creates (once per [`Tpm`]) a restricted ECC P-256 signing key under the
@@ -266,20 +290,39 @@ impl Tpm {
         let public = created
             .out_public
             .marshall()
-            .map_err(|source| TpmError::Marshal { what: "AK public", source })?;
-        let handle = ak::load_ak(&mut self.ctx, self.ek, None, created.out_private, created.out_public)
-            .map_err(TpmError::AttestationKey)?;
-        self.ak = Some(LoadedAk { handle, public: public.clone() });
+            .map_err(|source| TpmError::Marshal {
+                what: "AK public",
+                source,
+            })?;
+        let handle = ak::load_ak(
+            &mut self.ctx,
+            self.ek,
+            None,
+            created.out_private,
+            created.out_public,
+        )
+        .map_err(TpmError::AttestationKey)?;
+        self.ak = Some(LoadedAk {
+            handle,
+            public: public.clone(),
+        });
         Ok(public)
     }
 
     /// Quotes the SHA-256 `pcrs` with the attestation key over `qualifying_data`.
     pub fn quote(&mut self, qualifying_data: &Digest32, pcrs: &[u32]) -> Result<Quote, TpmError> {
         self.attestation_key()?;
-        let ak = self.ak.as_ref().map(|ak| ak.handle).ok_or(TpmError::Quote(
-            wrapper_error(tss_esapi::WrapperErrorKind::InvalidHandleState),
-        ))?;
-        let slots = pcrs.iter().map(|&p| pcr_slot(p)).collect::<Result<Vec<_>, _>>()?;
+        let ak = self
+            .ak
+            .as_ref()
+            .map(|ak| ak.handle)
+            .ok_or(TpmError::Quote(wrapper_error(
+                tss_esapi::WrapperErrorKind::InvalidHandleState,
+            )))?;
+        let slots = pcrs
+            .iter()
+            .map(|&p| pcr_slot(p))
+            .collect::<Result<Vec<_>, _>>()?;
         let selection = PcrSelectionList::builder()
             .with_selection(HashingAlgorithm::Sha256, &slots)
             .build()
@@ -290,10 +333,14 @@ impl Tpm {
             .execute_with_nullauth_session(|c| c.quote(ak, data, SignatureScheme::Null, selection))
             .map_err(TpmError::Quote)?;
         Ok(Quote {
-            attest: attest.marshall().map_err(|source| TpmError::Marshal { what: "quote", source })?,
-            signature: signature
-                .marshall()
-                .map_err(|source| TpmError::Marshal { what: "signature", source })?,
+            attest: attest.marshall().map_err(|source| TpmError::Marshal {
+                what: "quote",
+                source,
+            })?,
+            signature: signature.marshall().map_err(|source| TpmError::Marshal {
+                what: "signature",
+                source,
+            })?,
         })
     }
 
@@ -305,17 +352,26 @@ impl Tpm {
         encrypted_seed: &[u8],
     ) -> Result<Zeroizing<Vec<u8>>, TpmError> {
         self.attestation_key()?;
-        let ak = self.ak.as_ref().map(|ak| ak.handle).ok_or(TpmError::ActivateCredential(
-            wrapper_error(tss_esapi::WrapperErrorKind::InvalidHandleState),
-        ))?;
-        let blob = IdObject::try_from(credential_blob.to_vec()).map_err(TpmError::ActivateCredential)?;
-        let seed = EncryptedSecret::try_from(encrypted_seed.to_vec()).map_err(TpmError::ActivateCredential)?;
-        let policy = self.endorsement_policy_session().map_err(TpmError::ActivateCredential)?;
+        let ak = self
+            .ak
+            .as_ref()
+            .map(|ak| ak.handle)
+            .ok_or(TpmError::ActivateCredential(wrapper_error(
+                tss_esapi::WrapperErrorKind::InvalidHandleState,
+            )))?;
+        let blob =
+            IdObject::try_from(credential_blob.to_vec()).map_err(TpmError::ActivateCredential)?;
+        let seed = EncryptedSecret::try_from(encrypted_seed.to_vec())
+            .map_err(TpmError::ActivateCredential)?;
+        let policy = self
+            .endorsement_policy_session()
+            .map_err(TpmError::ActivateCredential)?;
         let ek = self.ek;
-        let result = self.ctx.execute_with_sessions(
-            (Some(AuthSession::Password), Some(policy), None),
-            |c| c.activate_credential(ak, ek, blob, seed),
-        );
+        let result = self
+            .ctx
+            .execute_with_sessions((Some(AuthSession::Password), Some(policy), None), |c| {
+                c.activate_credential(ak, ek, blob, seed)
+            });
         self.flush_session(policy);
         let digest = result.map_err(TpmError::ActivateCredential)?;
         Ok(Zeroizing::new(digest.value().to_vec()))
@@ -395,12 +451,33 @@ fn pcr_slot(pcr: u32) -> Result<PcrSlot, TpmError> {
 
 fn pcr_handle(pcr: u32) -> Result<PcrHandle, TpmError> {
     const HANDLES: [PcrHandle; PCR_COUNT as usize] = [
-        PcrHandle::Pcr0, PcrHandle::Pcr1, PcrHandle::Pcr2, PcrHandle::Pcr3,
-        PcrHandle::Pcr4, PcrHandle::Pcr5, PcrHandle::Pcr6, PcrHandle::Pcr7,
-        PcrHandle::Pcr8, PcrHandle::Pcr9, PcrHandle::Pcr10, PcrHandle::Pcr11,
-        PcrHandle::Pcr12, PcrHandle::Pcr13, PcrHandle::Pcr14, PcrHandle::Pcr15,
-        PcrHandle::Pcr16, PcrHandle::Pcr17, PcrHandle::Pcr18, PcrHandle::Pcr19,
-        PcrHandle::Pcr20, PcrHandle::Pcr21, PcrHandle::Pcr22, PcrHandle::Pcr23,
+        PcrHandle::Pcr0,
+        PcrHandle::Pcr1,
+        PcrHandle::Pcr2,
+        PcrHandle::Pcr3,
+        PcrHandle::Pcr4,
+        PcrHandle::Pcr5,
+        PcrHandle::Pcr6,
+        PcrHandle::Pcr7,
+        PcrHandle::Pcr8,
+        PcrHandle::Pcr9,
+        PcrHandle::Pcr10,
+        PcrHandle::Pcr11,
+        PcrHandle::Pcr12,
+        PcrHandle::Pcr13,
+        PcrHandle::Pcr14,
+        PcrHandle::Pcr15,
+        PcrHandle::Pcr16,
+        PcrHandle::Pcr17,
+        PcrHandle::Pcr18,
+        PcrHandle::Pcr19,
+        PcrHandle::Pcr20,
+        PcrHandle::Pcr21,
+        PcrHandle::Pcr22,
+        PcrHandle::Pcr23,
     ];
-    HANDLES.get(pcr as usize).copied().ok_or(TpmError::NoSuchPcr(pcr))
+    HANDLES
+        .get(pcr as usize)
+        .copied()
+        .ok_or(TpmError::NoSuchPcr(pcr))
 }

@@ -62,7 +62,14 @@ fn quote(tpm: &mut Tpm, nonce: &[u8]) -> Quoted {
 }
 
 fn verify(q: &Quoted) -> Result<(), QuoteError> {
-    verify_quote(&Public::parse(&q.ak).unwrap(), &q.attest, &q.signature, &q.qualifying, &q.values).map(|_| ())
+    verify_quote(
+        &Public::parse(&q.ak).unwrap(),
+        &q.attest,
+        &q.signature,
+        &q.qualifying,
+        &q.values,
+    )
+    .map(|_| ())
 }
 
 #[test]
@@ -91,13 +98,19 @@ fn quote_verifies_and_each_tampering_fails_distinctly() {
 
     let mut missing = quote(&mut tpm, b"nonce-1");
     missing.values.remove(&15);
-    assert!(matches!(verify(&missing), Err(QuoteError::PcrSelection { .. })));
+    assert!(matches!(
+        verify(&missing),
+        Err(QuoteError::PcrSelection { .. })
+    ));
 
     let mut unrestricted = quote(&mut tpm, b"nonce-1");
     // TPMT_PUBLIC: type(2) nameAlg(2) objectAttributes(4): clear `restricted`.
     let attrs = u32::from_be_bytes(unrestricted.ak[4..8].try_into().unwrap()) & !attr::RESTRICTED;
     unrestricted.ak[4..8].copy_from_slice(&attrs.to_be_bytes());
-    assert_eq!(verify(&unrestricted), Err(QuoteError::AkAttributes("not restricted")));
+    assert_eq!(
+        verify(&unrestricted),
+        Err(QuoteError::AkAttributes("not restricted"))
+    );
 }
 
 #[test]

@@ -32,10 +32,10 @@ pub mod keel {
     }
 }
 
-/// Kubernetes components to download and install.
-pub use keel::components::v1 as components;
 /// Attestation documents, measurement events and TPM-sealed secrets.
 pub use keel::attestation::v1 as attestation;
+/// Kubernetes components to download and install.
+pub use keel::components::v1 as components;
 /// The init API (operator CLI → first node).
 pub use keel::init::v1 as init;
 /// The join API (node → control plane).

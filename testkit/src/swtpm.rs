@@ -77,7 +77,8 @@ impl EkCa {
     /// PEM of the certificate that signs EK certificates (valid after the
     /// first [`Swtpm::start`] with this CA).
     pub fn issuer_pem(&self) -> Result<Vec<u8>, SwtpmError> {
-        fs::read(self.dir.path().join("ca/issuercert.pem")).map_err(io_err("reading CA issuer cert"))
+        fs::read(self.dir.path().join("ca/issuercert.pem"))
+            .map_err(io_err("reading CA issuer cert"))
     }
 
     /// PEM of the CA's root certificate.
@@ -89,7 +90,13 @@ impl EkCa {
     /// Manufactures a TPM state in `state_dir` with EK certificates from this CA.
     pub fn manufacture(&self, state_dir: &Path) -> Result<(), SwtpmError> {
         let out = Command::new("swtpm_setup")
-            .args(["--tpm2", "--create-ek-cert", "--create-platform-cert", "--lock-nvram", "--overwrite"])
+            .args([
+                "--tpm2",
+                "--create-ek-cert",
+                "--create-platform-cert",
+                "--lock-nvram",
+                "--overwrite",
+            ])
             .arg("--tpmstate")
             .arg(state_dir)
             .arg("--config")
@@ -97,7 +104,9 @@ impl EkCa {
             .output()
             .map_err(io_err("running swtpm_setup"))?;
         if !out.status.success() {
-            return Err(SwtpmError::Setup(String::from_utf8_lossy(&out.stderr).into_owned()));
+            return Err(SwtpmError::Setup(
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            ));
         }
         Ok(())
     }
@@ -152,7 +161,11 @@ impl Swtpm {
                 if TcpStream::connect(("127.0.0.1", port)).is_ok()
                     && TcpStream::connect(("127.0.0.1", port + 1)).is_ok()
                 {
-                    return Ok(Self { child: Some(child), port, _state: state });
+                    return Ok(Self {
+                        child: Some(child),
+                        port,
+                        _state: state,
+                    });
                 }
                 if Instant::now() > deadline {
                     let _ = child.kill();
@@ -213,7 +226,9 @@ fn free_port_pair() -> u16 {
         let seed = u32::from(NEXT_PORT.fetch_add(2, Ordering::Relaxed));
         let spread = (std::process::id() % 2000) * 16;
         let base = u16::try_from(20_000 + (spread + seed) % 40_000).unwrap_or(20_000) & !1;
-        if TcpListener::bind(("127.0.0.1", base)).is_ok() && TcpListener::bind(("127.0.0.1", base + 1)).is_ok() {
+        if TcpListener::bind(("127.0.0.1", base)).is_ok()
+            && TcpListener::bind(("127.0.0.1", base + 1)).is_ok()
+        {
             return base;
         }
     }

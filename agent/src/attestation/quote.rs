@@ -84,7 +84,10 @@ pub fn check_ak(ak: &Public) -> Result<(), QuoteError> {
         return Err(QuoteError::AkAttributes("is also a decryption key"));
     }
     match &ak.key {
-        PublicKey::Ecc { scheme: Some((alg::ECDSA, alg::SHA256)), .. } => Ok(()),
+        PublicKey::Ecc {
+            scheme: Some((alg::ECDSA, alg::SHA256)),
+            ..
+        } => Ok(()),
         _ => Err(QuoteError::AkKeyType),
     }
 }
@@ -101,7 +104,8 @@ pub fn verify_quote(
     check_ak(ak)?;
     let key = ak.p256_key().map_err(|_| QuoteError::AkKeyType)?;
     let sig = EcdsaSignature::parse(signature)?;
-    let sig = p256::ecdsa::Signature::from_scalars(sig.r, sig.s).map_err(|_| QuoteError::Signature)?;
+    let sig =
+        p256::ecdsa::Signature::from_scalars(sig.r, sig.s).map_err(|_| QuoteError::Signature)?;
     key.verify_prehash(&Sha256::digest(attest), &sig)
         .map_err(|_| QuoteError::Signature)?;
     let info = QuoteInfo::parse(attest)?;
@@ -110,7 +114,10 @@ pub fn verify_quote(
     }
     let reported: Vec<u32> = values.keys().copied().collect();
     if info.pcrs != reported {
-        return Err(QuoteError::PcrSelection { quoted: info.pcrs.clone(), reported });
+        return Err(QuoteError::PcrSelection {
+            quoted: info.pcrs.clone(),
+            reported,
+        });
     }
     if info.pcr_digest.as_slice() != pcr_digest(values).as_slice() {
         return Err(QuoteError::PcrDigest);

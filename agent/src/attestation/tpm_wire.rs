@@ -63,7 +63,10 @@ impl<'a> Reader<'a> {
     }
 
     fn err(&self, reason: &'static str) -> WireError {
-        WireError { structure: self.structure, reason }
+        WireError {
+            structure: self.structure,
+            reason,
+        }
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
@@ -167,7 +170,11 @@ impl Public {
             Some((sym_alg, r.u16()?, r.u16()?))
         };
         let scheme_alg = r.u16()?;
-        let scheme = if scheme_alg == alg::NULL { None } else { Some((scheme_alg, r.u16()?)) };
+        let scheme = if scheme_alg == alg::NULL {
+            None
+        } else {
+            Some((scheme_alg, r.u16()?))
+        };
         let key = match kind {
             alg::ECC => {
                 let curve = r.u16()?;
@@ -176,25 +183,43 @@ impl Public {
                 }
                 let x = r.tpm2b()?.to_vec();
                 let y = r.tpm2b()?.to_vec();
-                PublicKey::Ecc { curve, x, y, scheme }
+                PublicKey::Ecc {
+                    curve,
+                    x,
+                    y,
+                    scheme,
+                }
             }
             alg::RSA => {
                 let bits = r.u16()?;
                 let exponent = r.u32()?;
                 let modulus = r.tpm2b()?.to_vec();
-                PublicKey::Rsa { bits, exponent, modulus }
+                PublicKey::Rsa {
+                    bits,
+                    exponent,
+                    modulus,
+                }
             }
             _ => return Err(r.err("key type is neither RSA nor ECC")),
         };
         r.finish()?;
         let mut name = alg::SHA256.to_be_bytes().to_vec();
         name.extend_from_slice(&Sha256::digest(bytes));
-        Ok(Self { name_alg, attributes, symmetric, key, name })
+        Ok(Self {
+            name_alg,
+            attributes,
+            symmetric,
+            key,
+            name,
+        })
     }
 
     /// The P-256 verifying key of an ECC NIST P-256 key.
     pub fn p256_key(&self) -> Result<p256::ecdsa::VerifyingKey, WireError> {
-        let err = |reason| WireError { structure: "TPMT_PUBLIC", reason };
+        let err = |reason| WireError {
+            structure: "TPMT_PUBLIC",
+            reason,
+        };
         let PublicKey::Ecc { curve, x, y, .. } = &self.key else {
             return Err(err("not an ECC key"));
         };
@@ -258,7 +283,9 @@ impl QuoteInfo {
             for (byte_index, byte) in select.iter().enumerate() {
                 for bit in 0..8 {
                     if byte & (1 << bit) != 0 {
-                        pcrs.push(u32::try_from(byte_index * 8 + bit).map_err(|_| r.err("PCR index"))?);
+                        pcrs.push(
+                            u32::try_from(byte_index * 8 + bit).map_err(|_| r.err("PCR index"))?,
+                        );
                     }
                 }
             }
@@ -267,7 +294,15 @@ impl QuoteInfo {
         r.finish()?;
         pcrs.sort_unstable();
         pcrs.dedup();
-        Ok(Self { qualified_signer, extra_data, clock, reset_count, restart_count, pcrs, pcr_digest })
+        Ok(Self {
+            qualified_signer,
+            extra_data,
+            clock,
+            reset_count,
+            restart_count,
+            pcrs,
+            pcr_digest,
+        })
     }
 }
 

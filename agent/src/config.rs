@@ -1,0 +1,364 @@
+//! The node config: typed, bounded, and in one canonical byte form.
+//!
+//! A node config document has two parts: `cluster`, identical on every node
+//! of a cluster and measured into the config PCR (12, enforced by
+//! verifiers), and `node`, this node's name and role, measured into PCR 13
+//! (logged, not enforced). The agent measures both before it uses either
+//! ([`crate::measured`]). Sources, in order: an explicit path, the QEMU
+//! fw_cfg item `opt/keel/node-config`, the image default
+//! `/usr/lib/keel/node-config.json`.
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq;
+
+/// Largest accepted config document.
+pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
+/// Where QEMU's `-fw_cfg name=opt/keel/node-config,file=...` appears in the guest.
+pub const FW_CFG_PATH: &str = "/sys/firmware/qemu_fw_cfg/by_name/opt/keel/node-config/raw";
+/// The image's default config.
+pub const IMAGE_DEFAULT_PATH: &str = "/usr/lib/keel/node-config.json";
+
+/// Config errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The source could not be read.
+    #[error("reading node config {path}")]
+    Read {
+        /// The source.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The source is larger than [`MAX_CONFIG_BYTES`].
+    #[error("node config {path} is larger than {MAX_CONFIG_BYTES} bytes")]
+    TooLarge {
+        /// The source.
+        path: PathBuf,
+    },
+    /// The document is not a valid config.
+    #[error("node config {path} is invalid")]
+    Parse {
+        /// The source.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A field has a value the agent cannot use.
+    #[error("node config field {field}: {reason}")]
+    Invalid {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The node's role in the cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    /// Runs the control plane; may initialise the cluster and serves the join service.
+    ControlPlane,
+    /// Runs workloads.
+    #[default]
+    Worker,
+}
+
+impl Role {
+    /// The kebab-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ControlPlane => "control-plane",
+            Self::Worker => "worker",
+        }
+    }
+}
+
+/// Cluster-wide settings: the same bytes on every node, measured into PCR 12.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// `sha256:<hex>` of the init secret; empty disables the init server.
+    #[serde(default)]
+    pub init_secret_hash: String,
+    /// Join service endpoints (`host:port`) of the control plane, tried in turn.
+    #[serde(default)]
+    pub control_plane_endpoints: Vec<String>,
+    /// Port of the init server.
+    #[serde(default = "default_init_port")]
+    pub init_port: u16,
+    /// Port of the join service (control-plane nodes after init).
+    #[serde(default = "default_join_port")]
+    pub join_port: u16,
+    /// Base URL replacing upstream download hosts, if any.
+    #[serde(default)]
+    pub component_mirror: Option<String>,
+    /// PEM certificates of the CAs that issue TPM endorsement-key certificates.
+    #[serde(default)]
+    pub ek_ca_pem: String,
+}
+
+fn default_init_port() -> u16 {
+    9000
+}
+
+fn default_join_port() -> u16 {
+    9090
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            init_secret_hash: String::new(),
+            control_plane_endpoints: Vec::new(),
+            init_port: default_init_port(),
+            join_port: default_join_port(),
+            component_mirror: None,
+            ek_ca_pem: String::new(),
+        }
+    }
+}
+
+/// This node's own facts, measured into PCR 13.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeIdentity {
+    /// Kubernetes node name.
+    #[serde(default = "default_name")]
+    pub name: String,
+    /// Role.
+    #[serde(default)]
+    pub role: Role,
+    /// Block device of the state disk; absent means no disk encryption (host tests).
+    #[serde(default)]
+    pub state_disk: Option<String>,
+}
+
+fn default_name() -> String {
+    "node".into()
+}
+
+impl Default for NodeIdentity {
+    fn default() -> Self {
+        Self {
+            name: default_name(),
+            role: Role::default(),
+            state_disk: None,
+        }
+    }
+}
+
+/// A whole node config document.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Measured into PCR 12.
+    #[serde(default)]
+    pub cluster: ClusterConfig,
+    /// Measured into PCR 13.
+    #[serde(default)]
+    pub node: NodeIdentity,
+}
+
+impl NodeConfig {
+    /// Parses and validates a document.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, ConfigError> {
+        let config: Self = serde_json::from_slice(bytes).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Loads the first source that exists: `explicit`, fw_cfg, the image
+    /// default; with none, the built-in defaults. Returns where it came from.
+    pub fn load(explicit: Option<&Path>) -> Result<(Self, String), ConfigError> {
+        let candidates: Vec<PathBuf> = match explicit {
+            Some(p) => vec![p.to_owned()],
+            None => vec![FW_CFG_PATH.into(), IMAGE_DEFAULT_PATH.into()],
+        };
+        for path in candidates {
+            if explicit.is_none() && !path.exists() {
+                continue;
+            }
+            let bytes = read_bounded(&path)?;
+            return Ok((Self::parse(&bytes, &path)?, path.display().to_string()));
+        }
+        Ok((Self::default(), "built-in defaults".into()))
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let c = &self.cluster;
+        if !c.init_secret_hash.is_empty() {
+            parse_sha256(&c.init_secret_hash).ok_or_else(|| ConfigError::Invalid {
+                field: "cluster.init_secret_hash",
+                reason: "expected sha256:<64 hex digits>".into(),
+            })?;
+        }
+        for e in &c.control_plane_endpoints {
+            if e.rsplit_once(':')
+                .and_then(|(_, p)| p.parse::<u16>().ok())
+                .is_none()
+            {
+                return Err(ConfigError::Invalid {
+                    field: "cluster.control_plane_endpoints",
+                    reason: format!("{e:?} is not host:port"),
+                });
+            }
+        }
+        let n = &self.node;
+        if n.name.is_empty()
+            || n.name.len() > 63
+            || !n
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return Err(ConfigError::Invalid {
+                field: "node.name",
+                reason: "must be 1-63 characters of a-z, 0-9 and '-'".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The canonical bytes of the cluster part (what PCR 12 measures).
+    pub fn cluster_bytes(&self) -> Vec<u8> {
+        canonical(&self.cluster)
+    }
+
+    /// The canonical bytes of the node part (what PCR 13 measures first).
+    pub fn node_bytes(&self) -> Vec<u8> {
+        canonical(&self.node)
+    }
+
+    /// The value the config PCR (12) has once the agent measured this
+    /// config: the config is always the log's first event.
+    pub fn expected_config_pcr(&self) -> crate::measurement::Digest32 {
+        use crate::measurement::{event_digest, extend, EventType};
+        extend(
+            &[0; 32],
+            &event_digest(0, EventType::NodeConfig, &self.cluster_bytes()),
+        )
+    }
+
+    /// Whether `secret` hashes to the configured init secret hash, compared
+    /// in constant time. False when no hash is configured.
+    pub fn init_secret_matches(&self, secret: &[u8]) -> bool {
+        match parse_sha256(&self.cluster.init_secret_hash) {
+            Some(expected) => bool::from(Sha256::digest(secret).as_slice().ct_eq(&expected)),
+            None => false,
+        }
+    }
+}
+
+/// Serialises in declaration order without whitespace: the same value
+/// always gives the same bytes.
+fn canonical<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serialising these plain structs cannot fail.
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+fn parse_sha256(s: &str) -> Option<[u8; 32]> {
+    let hex_digits = s.strip_prefix("sha256:")?;
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(hex_digits, &mut out).ok()?;
+    Some(out)
+}
+
+/// Reads a file of at most [`MAX_CONFIG_BYTES`].
+fn read_bounded(path: &Path) -> Result<Vec<u8>, ConfigError> {
+    let read_err = |source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let file = fs::File::open(path).map_err(read_err)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_err)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(ConfigError::TooLarge {
+            path: path.to_owned(),
+        });
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<NodeConfig, ConfigError> {
+        NodeConfig::parse(s.as_bytes(), Path::new("test"))
+    }
+
+    #[test]
+    fn canonical_form_ignores_formatting_and_key_order() {
+        let a = parse(r#"{"cluster":{"join_port":1,"init_port":2},"node":{"name":"a"}}"#).unwrap();
+        let b = parse(
+            "{ \"node\": {\"name\": \"a\"},\n \"cluster\": {\"init_port\": 2, \"join_port\": 1} }",
+        )
+        .unwrap();
+        assert_eq!(a.cluster_bytes(), b.cluster_bytes());
+        assert_eq!(a.node_bytes(), b.node_bytes());
+        let c = parse(r#"{"cluster":{"join_port":1,"init_port":3}}"#).unwrap();
+        assert_ne!(a.cluster_bytes(), c.cluster_bytes());
+    }
+
+    #[test]
+    fn rejects_unknown_fields_and_bad_values() {
+        assert!(matches!(
+            parse(r#"{"cluster":{"bogus":1}}"#),
+            Err(ConfigError::Parse { .. })
+        ));
+        assert!(matches!(
+            parse(r#"{"cluster":{"init_secret_hash":"md5:00"}}"#),
+            Err(ConfigError::Invalid {
+                field: "cluster.init_secret_hash",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(r#"{"cluster":{"control_plane_endpoints":["nohost"]}}"#),
+            Err(ConfigError::Invalid { .. })
+        ));
+        assert!(matches!(
+            parse(r#"{"node":{"name":"UPPER"}}"#),
+            Err(ConfigError::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn init_secret_compare() {
+        let hash = hex::encode(Sha256::digest(b"secret"));
+        let c = parse(&format!(
+            r#"{{"cluster":{{"init_secret_hash":"sha256:{hash}"}}}}"#
+        ))
+        .unwrap();
+        assert!(c.init_secret_matches(b"secret"));
+        assert!(!c.init_secret_matches(b"secreT"));
+        assert!(!NodeConfig::default().init_secret_matches(b""));
+    }
+
+    #[test]
+    fn oversized_source_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.json");
+        fs::write(&path, vec![b' '; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
+        assert!(matches!(
+            NodeConfig::load(Some(&path)),
+            Err(ConfigError::TooLarge { .. })
+        ));
+    }
+}

@@ -1,0 +1,192 @@
+//! The agent's measurement log on disk, kept consistent with the TPM.
+//!
+//! Recording is write-ahead: the event is appended (and synced) to the log
+//! file first, then extended into its PCR. After a crash between the two,
+//! [`MeasuredLog::open`] finds the log one event ahead of the TPM and
+//! completes the extend; any other difference means the log or the PCRs
+//! were tampered with, and the log is refused.
+
+use std::collections::BTreeMap;
+use std::fs::{self, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use crate::measurement::{self, pcr, Event, EventType, ReplayError};
+use crate::tpm::{Tpm, TpmError};
+
+/// Largest accepted log file.
+const MAX_LOG_BYTES: u64 = 4 * 1024 * 1024;
+
+/// Errors of the measurement log.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MeasuredLogError {
+    /// Reading or writing the log file failed.
+    #[error("event log {path}")]
+    Io {
+        /// The log file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A log line does not parse.
+    #[error("event log {path} line {line} is not an event")]
+    Parse {
+        /// The log file.
+        path: PathBuf,
+        /// 1-based line.
+        line: usize,
+        /// The cause.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The log does not replay to the TPM's PCRs.
+    #[error("event log does not match the TPM")]
+    Replay(#[source] ReplayError),
+    /// A TPM operation failed.
+    #[error(transparent)]
+    Tpm(#[from] TpmError),
+    /// The same kind of one-off event was recorded before with other data.
+    #[error("{0} was already measured with different content in this boot")]
+    Conflict(&'static str),
+}
+
+/// The log file and its events.
+pub struct MeasuredLog {
+    path: PathBuf,
+    events: Vec<Event>,
+}
+
+impl MeasuredLog {
+    /// Opens (or creates) the log at `path` and reconciles it with the TPM.
+    pub fn open(path: &Path, tpm: &mut Tpm) -> Result<Self, MeasuredLogError> {
+        let io = |source| MeasuredLogError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).map_err(io)?;
+        }
+        let events = read_events(path)?;
+        let reported = tpm.pcr_read(&pcr::AGENT_OWNED)?;
+        let log = Self {
+            path: path.to_owned(),
+            events,
+        };
+        match measurement::verify_replay(&log.events, &reported) {
+            Ok(()) => Ok(log),
+            Err(err) => log
+                .complete_pending(tpm, &reported)
+                .map_err(|_| MeasuredLogError::Replay(err)),
+        }
+    }
+
+    /// If all but the last event replay to the TPM, extends the last one.
+    fn complete_pending(
+        self,
+        tpm: &mut Tpm,
+        reported: &BTreeMap<u32, measurement::Digest32>,
+    ) -> Result<Self, MeasuredLogError> {
+        let Some((last, applied)) = self.events.split_last() else {
+            return Err(MeasuredLogError::Conflict("the event log"));
+        };
+        measurement::verify_replay(applied, reported).map_err(MeasuredLogError::Replay)?;
+        tracing::warn!(
+            event = last.event_type.as_str(),
+            "completing an interrupted measurement"
+        );
+        tpm.pcr_extend(last.pcr, &last.digest)?;
+        Ok(self)
+    }
+
+    /// The events so far.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// Records a new event: appends it to the log, then extends its PCR.
+    pub fn record(
+        &mut self,
+        tpm: &mut Tpm,
+        event_type: EventType,
+        description: impl Into<String>,
+        data: Vec<u8>,
+    ) -> Result<(), MeasuredLogError> {
+        let seq = u32::try_from(self.events.len())
+            .map_err(|_| MeasuredLogError::Conflict("the event log"))?;
+        let event = Event::new(seq, event_type, description, data);
+        let io = |source| MeasuredLogError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let mut line = serde_json::to_vec(&event).map_err(|source| MeasuredLogError::Parse {
+            path: self.path.clone(),
+            line: self.events.len() + 1,
+            source,
+        })?;
+        line.push(b'\n');
+        let mut file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .map_err(io)?;
+        file.write_all(&line).map_err(io)?;
+        file.sync_data().map_err(io)?;
+        tpm.pcr_extend(event.pcr, &event.digest)?;
+        tracing::info!(
+            pcr = event.pcr,
+            event_type = event.event_type.as_str(),
+            digest = %measurement::HexDigest(&event.digest),
+            "{}",
+            event.description
+        );
+        self.events.push(event);
+        Ok(())
+    }
+
+    /// Records an event unless one of its type was recorded in this boot:
+    /// then it must carry the same data (an agent restart), or the call fails.
+    pub fn record_once(
+        &mut self,
+        tpm: &mut Tpm,
+        event_type: EventType,
+        description: impl Into<String>,
+        data: Vec<u8>,
+    ) -> Result<(), MeasuredLogError> {
+        match self.events.iter().find(|e| e.event_type == event_type) {
+            Some(existing) if existing.data == data => Ok(()),
+            Some(_) => Err(MeasuredLogError::Conflict(event_type.as_str())),
+            None => self.record(tpm, event_type, description, data),
+        }
+    }
+}
+
+fn read_events(path: &Path) -> Result<Vec<Event>, MeasuredLogError> {
+    let io = |source| MeasuredLogError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let file = match fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(e)),
+    };
+    if file.metadata().map_err(io)?.len() > MAX_LOG_BYTES {
+        return Err(io(std::io::Error::other("event log too large")));
+    }
+    let mut events = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(io)?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let event = serde_json::from_str(&line).map_err(|source| MeasuredLogError::Parse {
+            path: path.to_owned(),
+            line: i + 1,
+            source,
+        })?;
+        events.push(event);
+    }
+    Ok(events)
+}

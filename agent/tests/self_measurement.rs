@@ -1,0 +1,194 @@
+//! The agent binary measures its config into the TPM before using it, and its
+//! event log replays to the TPM's PCRs. Each test runs the real binary
+//! against its own swtpm.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use keel_agent::measurement::{event_digest, extend, pcr, replay, Event, EventType};
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_testkit::swtpm::{EkCa, Swtpm};
+
+const CONFIG_A: &str = r#"{"cluster":{"control_plane_endpoints":["10.0.0.1:9090"]},"node":{"name":"a","role":"worker"}}"#;
+const CONFIG_B: &str = r#"{"cluster":{"control_plane_endpoints":["10.0.0.2:9090"]},"node":{"name":"a","role":"worker"}}"#;
+
+struct Node {
+    _ca: EkCa,
+    swtpm: Swtpm,
+    dir: tempfile::TempDir,
+}
+
+impl Node {
+    fn new() -> Self {
+        let ca = EkCa::new().unwrap();
+        let swtpm = Swtpm::start(&ca).unwrap();
+        Self {
+            _ca: ca,
+            swtpm,
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn agent(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_keel-agent"))
+            .args(["--tcti", &self.swtpm.tcti(), "--state-dir"])
+            .arg(self.dir.path().join("state"))
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    fn run_with(&self, config: &str) -> Output {
+        let path = self.dir.path().join("config.json");
+        std::fs::write(&path, config).unwrap();
+        let out = self.agent(&["run", "--once", "--config", path.to_str().unwrap()]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    fn pcrs(&self) -> std::collections::BTreeMap<u32, [u8; 32]> {
+        Tpm::open(&self.swtpm.tcti().parse::<TctiSpec>().unwrap())
+            .unwrap()
+            .pcr_read_all()
+            .unwrap()
+    }
+
+    fn log_path(&self) -> std::path::PathBuf {
+        self.dir.path().join("state/eventlog.jsonl")
+    }
+
+    fn events(&self) -> Vec<Event> {
+        read_log(&self.log_path())
+    }
+}
+
+fn read_log(path: &Path) -> Vec<Event> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn config_pcr_is_the_replay_of_the_logged_config() {
+    let node = Node::new();
+    let out = node.run_with(CONFIG_A);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("keel-agent: ready"));
+    let pcrs = node.pcrs();
+    let events = node.events();
+    assert_eq!(events.len(), 2);
+    assert_eq!(replay(&events).unwrap()[&pcr::CONFIG], pcrs[&pcr::CONFIG]);
+    let expected = extend(
+        &[0; 32],
+        &event_digest(0, EventType::NodeConfig, &events[0].data),
+    );
+    assert_eq!(pcrs[&pcr::CONFIG], expected);
+    assert!(stdout.contains(&format!(
+        "pcr 12 sha256:{}",
+        hex::encode(pcrs[&pcr::CONFIG])
+    )));
+    // The agent's own verdict agrees.
+    let check = node.agent(&["eventlog"]);
+    assert!(String::from_utf8_lossy(&check.stdout).contains("replay: ok (2 events)"));
+}
+
+#[test]
+fn other_config_other_value_same_config_same_value() {
+    let a1 = Node::new();
+    let a2 = Node::new();
+    let b = Node::new();
+    a1.run_with(CONFIG_A);
+    // Same config, different key order and spacing: the canonical form is the same.
+    a2.run_with(&CONFIG_A.replace(
+        "{\"name\":\"a\",\"role\":\"worker\"}",
+        "{ \"role\": \"worker\", \"name\": \"a\" }",
+    ));
+    b.run_with(CONFIG_B);
+    assert_eq!(a1.pcrs()[&pcr::CONFIG], a2.pcrs()[&pcr::CONFIG]);
+    assert_ne!(a1.pcrs()[&pcr::CONFIG], b.pcrs()[&pcr::CONFIG]);
+    assert_ne!(a1.pcrs()[&pcr::CONFIG], [0; 32]);
+}
+
+#[test]
+fn restart_in_the_same_boot_does_not_measure_twice() {
+    let node = Node::new();
+    node.run_with(CONFIG_A);
+    let first = node.pcrs();
+    node.run_with(CONFIG_A);
+    assert_eq!(node.pcrs(), first);
+    assert_eq!(node.events().len(), 2);
+    // A different config within the same boot is refused.
+    let path = node.dir.path().join("config.json");
+    std::fs::write(&path, CONFIG_B).unwrap();
+    let out = node.agent(&["run", "--once", "--config", path.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already measured"));
+}
+
+#[test]
+fn tampered_event_log_fails_replay() {
+    let node = Node::new();
+    node.run_with(CONFIG_A);
+    let original = std::fs::read_to_string(node.log_path()).unwrap();
+    let lines: Vec<&str> = original.lines().collect();
+
+    let mut events = node.events();
+    let changed = String::from_utf8(events[0].data.clone())
+        .unwrap()
+        .replace("10.0.0.1", "10.0.0.9");
+    // Changed data with its digest left alone, and changed consistently.
+    events[0].data = changed.clone().into_bytes();
+    let stale_digest = serde_json::to_string(&events[0]).unwrap();
+    let recomputed = serde_json::to_string(&Event::new(
+        0,
+        events[0].event_type,
+        events[0].description.clone(),
+        changed.into_bytes(),
+    ))
+    .unwrap();
+    let cases = [
+        ("changed data", format!("{stale_digest}\n{}\n", lines[1])),
+        ("changed entry", format!("{recomputed}\n{}\n", lines[1])),
+        ("removed", format!("{}\n", lines[1])),
+        ("reordered", format!("{}\n{}\n", lines[1], lines[0])),
+    ];
+    for (what, content) in cases {
+        std::fs::write(node.log_path(), content).unwrap();
+        let out = node.agent(&["eventlog"]);
+        assert!(!out.status.success(), "{what} log was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("does not replay"), "{what}: {stderr}");
+    }
+}
+
+#[test]
+fn measurement_interrupted_before_extend_is_completed() {
+    let node = Node::new();
+    node.run_with(CONFIG_A);
+    let before = node.pcrs();
+    // Simulate a crash after the write-ahead append of a new event.
+    let extra = Event::new(2, EventType::Component, "kubelet", b"kubelet".to_vec());
+    let mut content = std::fs::read_to_string(node.log_path()).unwrap();
+    content.push_str(&serde_json::to_string(&extra).unwrap());
+    content.push('\n');
+    std::fs::write(node.log_path(), content).unwrap();
+    let out = node.agent(&["eventlog"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = node.pcrs();
+    assert_ne!(after[&pcr::NODE], before[&pcr::NODE]);
+    assert_eq!(
+        replay(&node.events()).unwrap()[&pcr::NODE],
+        after[&pcr::NODE]
+    );
+}
