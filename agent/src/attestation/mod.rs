@@ -1,5 +1,6 @@
 //! Attestation: the document a node presents, how it is issued from the TPM
 //! and how a verifier checks it.
 
+pub mod credential;
 pub mod quote;
 pub mod tpm_wire;

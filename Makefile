@@ -1,0 +1,34 @@
+# keel: build, test and run a measured-boot Kubernetes node image.
+# `make help` lists the targets.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+TARGET := x86_64-unknown-linux-musl
+AGENT := target/$(TARGET)/release/keel-agent
+# Cargo finds the static TPM libraries through .cargo/config.toml.
+CARGO ?= cargo
+
+.PHONY: help deps tss agent test lint fmt image image-repro measurements vm-check demo e2e clean-image
+
+help: ## List targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{ printf "  %-14s %s\n", $$1, $$2 }'
+
+deps: ## Install every host package the build, tests and image need (idempotent)
+	@scripts/deps.sh
+
+tss: deps ## Build the static libcrypto + tpm2-tss for musl (cached in target/musl-sysroot)
+	@scripts/build-tss.sh
+
+agent: tss ## Build the static agent binary and report its path and size
+	$(CARGO) build --release --locked -p keel-agent --bin keel-agent
+	@scripts/check-static.sh $(AGENT)
+
+test: tss ## Run every test that does not boot a VM (TPM tests use swtpm)
+	$(CARGO) test --locked --workspace
+
+lint: tss ## rustfmt check and clippy with warnings as errors
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+
+fmt: ## Format the code
+	$(CARGO) fmt --all
