@@ -190,3 +190,59 @@ fn read_events(path: &Path) -> Result<Vec<Event>, MeasuredLogError> {
     }
     Ok(events)
 }
+
+/// The TPM together with the measurement log that describes its agent-owned
+/// PCRs. Every extend and every quote goes through one value of this type,
+/// so a quote and the log it ships with always agree.
+pub struct MeasuredTpm {
+    tpm: Tpm,
+    log: MeasuredLog,
+}
+
+/// A [`MeasuredTpm`] shared between the agent's tasks.
+pub type SharedTpm = std::sync::Arc<std::sync::Mutex<MeasuredTpm>>;
+
+impl MeasuredTpm {
+    /// Opens the log at `log_path` against `tpm` (see [`MeasuredLog::open`]).
+    pub fn open(mut tpm: Tpm, log_path: &Path) -> Result<Self, MeasuredLogError> {
+        let log = MeasuredLog::open(log_path, &mut tpm)?;
+        Ok(Self { tpm, log })
+    }
+
+    /// Records a new measurement.
+    pub fn record(
+        &mut self,
+        event_type: EventType,
+        description: impl Into<String>,
+        data: Vec<u8>,
+    ) -> Result<(), MeasuredLogError> {
+        self.log
+            .record(&mut self.tpm, event_type, description, data)
+    }
+
+    /// Records a one-off measurement (see [`MeasuredLog::record_once`]).
+    pub fn record_once(
+        &mut self,
+        event_type: EventType,
+        description: impl Into<String>,
+        data: Vec<u8>,
+    ) -> Result<(), MeasuredLogError> {
+        self.log
+            .record_once(&mut self.tpm, event_type, description, data)
+    }
+
+    /// The events so far.
+    pub fn events(&self) -> &[Event] {
+        self.log.events()
+    }
+
+    /// The TPM, for reads, quotes and credential activation.
+    pub fn tpm(&mut self) -> &mut Tpm {
+        &mut self.tpm
+    }
+
+    /// Shares this value between tasks.
+    pub fn shared(self) -> SharedTpm {
+        std::sync::Arc::new(std::sync::Mutex::new(self))
+    }
+}

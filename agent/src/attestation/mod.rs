@@ -2,5 +2,9 @@
 //! and how a verifier checks it.
 
 pub mod credential;
+pub mod ek;
+pub mod issuer;
+pub mod measurements;
 pub mod quote;
 pub mod tpm_wire;
+pub mod validator;

@@ -1,0 +1,189 @@
+//! The verifier side: the one place an attestation document is judged.
+//!
+//! A document is accepted when the EK certificate chains to a trusted CA and
+//! certifies the document's EK, the AK is a restricted TPM signing key, the
+//! quote's signature verifies with it, the quote's qualifying data binds this
+//! handshake's nonce and user data, the reported PCR values match the quoted
+//! digest, the agent's event log replays to those values, and every enforced
+//! expected PCR matches (warn-only mismatches are logged). What the AK check
+//! cannot prove, that the AK lives in the EK's TPM, is closed when secrets
+//! are sent: they are sealed to the EK and the AK name ([`super::credential`]).
+
+use std::collections::BTreeMap;
+
+use keel_proto::attestation::AttestationDocument;
+use prost::Message;
+
+use super::ek::{EkError, EkTrust};
+use super::measurements::{Measurements, Mismatch};
+use super::quote::{qualifying_data, verify_quote, QuoteError};
+use super::tpm_wire::{Public, WireError};
+use crate::measurement::{verify_replay, Digest32, Event, EventType, ReplayError};
+
+/// Largest accepted encoded document.
+pub const MAX_DOCUMENT_BYTES: usize = 256 * 1024;
+/// Most events a document may carry.
+const MAX_EVENTS: usize = 1024;
+
+/// Why a document was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ValidationError {
+    /// Larger than [`MAX_DOCUMENT_BYTES`].
+    #[error("attestation document is larger than {MAX_DOCUMENT_BYTES} bytes")]
+    TooLarge,
+    /// Not a document.
+    #[error("attestation document does not decode")]
+    Decode(#[source] prost::DecodeError),
+    /// A field is malformed.
+    #[error("attestation document: {0}")]
+    Field(&'static str),
+    /// A TPM structure is malformed.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    /// The EK is not trusted.
+    #[error("endorsement key not trusted: {0}")]
+    Endorsement(#[from] EkError),
+    /// The quote does not verify.
+    #[error("quote rejected: {0}")]
+    Quote(#[from] QuoteError),
+    /// The event log does not replay to the quoted PCRs.
+    #[error("event log rejected: {0}")]
+    EventLog(#[from] ReplayError),
+    /// Enforced PCRs differ from the expected values.
+    #[error("measurements do not match: {}", list(.0))]
+    Measurements(Vec<Mismatch>),
+    /// The user data in the document differs from what the channel expects.
+    #[error("attestation document user data does not match the channel")]
+    UserData,
+}
+
+fn list(m: &[Mismatch]) -> String {
+    m.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// What a verifier knows after accepting a document.
+#[derive(Clone, Debug)]
+pub struct Verified {
+    /// The endorsement key (RSA-2048), for sealing secrets.
+    pub ek: Public,
+    /// The attestation key; its name seals secrets to it.
+    pub ak: Public,
+    /// The quoted PCR values.
+    pub pcrs: BTreeMap<u32, Digest32>,
+    /// The agent's event log, replayed and checked.
+    pub events: Vec<Event>,
+    /// Warn-only PCRs that differed.
+    pub warnings: Vec<Mismatch>,
+}
+
+/// A verifier's policy: the expected measurements and the trusted EK CAs.
+#[derive(Clone, Debug)]
+pub struct Validator {
+    measurements: Measurements,
+    ek_trust: EkTrust,
+}
+
+impl Validator {
+    /// A validator with these expectations.
+    pub fn new(measurements: Measurements, ek_trust: EkTrust) -> Self {
+        Self {
+            measurements,
+            ek_trust,
+        }
+    }
+
+    /// The expected measurements.
+    pub fn measurements(&self) -> &Measurements {
+        &self.measurements
+    }
+
+    /// Validates an encoded document for a handshake's `nonce` and `user_data`.
+    pub fn validate(
+        &self,
+        document: &[u8],
+        nonce: &[u8],
+        user_data: &[u8],
+    ) -> Result<Verified, ValidationError> {
+        if document.len() > MAX_DOCUMENT_BYTES {
+            return Err(ValidationError::TooLarge);
+        }
+        let doc = AttestationDocument::decode(document).map_err(ValidationError::Decode)?;
+        if doc.user_data != user_data {
+            return Err(ValidationError::UserData);
+        }
+        let ek = Public::parse(&doc.ek_public)?;
+        self.ek_trust.verify(&doc.ek_certificate, &ek)?;
+        let ak = Public::parse(&doc.ak_public)?;
+        let pcrs = pcr_values(&doc)?;
+        verify_quote(
+            &ak,
+            &doc.quote,
+            &doc.signature,
+            &qualifying_data(nonce, user_data),
+            &pcrs,
+        )?;
+        let events = events(&doc)?;
+        verify_replay(&events, &pcrs)?;
+        let (warnings, enforced): (Vec<_>, Vec<_>) = self
+            .measurements
+            .compare(&pcrs)
+            .into_iter()
+            .partition(|m| m.warn_only);
+        for w in &warnings {
+            tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
+        }
+        if !enforced.is_empty() {
+            return Err(ValidationError::Measurements(enforced));
+        }
+        Ok(Verified {
+            ek,
+            ak,
+            pcrs,
+            events,
+            warnings,
+        })
+    }
+}
+
+fn pcr_values(doc: &AttestationDocument) -> Result<BTreeMap<u32, Digest32>, ValidationError> {
+    let mut out = BTreeMap::new();
+    for v in &doc.pcrs {
+        let digest: Digest32 = v
+            .digest
+            .as_slice()
+            .try_into()
+            .map_err(|_| ValidationError::Field("PCR value is not 32 bytes"))?;
+        if v.index >= 24 || out.insert(v.index, digest).is_some() {
+            return Err(ValidationError::Field("PCR index out of range or repeated"));
+        }
+    }
+    Ok(out)
+}
+
+fn events(doc: &AttestationDocument) -> Result<Vec<Event>, ValidationError> {
+    if doc.event_log.len() > MAX_EVENTS {
+        return Err(ValidationError::Field("too many events"));
+    }
+    doc.event_log
+        .iter()
+        .map(|e| {
+            Ok(Event {
+                seq: e.seq,
+                pcr: e.pcr,
+                digest: e
+                    .digest
+                    .as_slice()
+                    .try_into()
+                    .map_err(|_| ValidationError::Field("event digest is not 32 bytes"))?,
+                event_type: EventType::parse(&e.event_type)
+                    .ok_or(ValidationError::Field("unknown event type"))?,
+                description: e.description.clone(),
+                data: e.data.clone(),
+            })
+        })
+        .collect()
+}

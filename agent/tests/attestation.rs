@@ -1,0 +1,172 @@
+//! Attestation documents issued by a node's swtpm and judged by the validator.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use keel_agent::attestation::ek::{EkError, EkTrust};
+use keel_agent::attestation::issuer::TpmIssuer;
+use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::quote::QuoteError;
+use keel_agent::attestation::validator::{ValidationError, Validator};
+use keel_agent::config::NodeConfig;
+use keel_agent::measured::MeasuredTpm;
+use keel_agent::measurement::EventType;
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_proto::attestation::AttestationDocument;
+use keel_testkit::swtpm::{EkCa, Swtpm};
+use prost::Message;
+
+struct Node {
+    _swtpm: Swtpm,
+    _dir: tempfile::TempDir,
+    issuer: TpmIssuer,
+    config: NodeConfig,
+}
+
+fn node(ca: &EkCa) -> Node {
+    let swtpm = Swtpm::start(ca).unwrap();
+    node_on(swtpm)
+}
+
+fn node_on(swtpm: Swtpm) -> Node {
+    let dir = tempfile::tempdir().unwrap();
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("log")).unwrap();
+    let config = NodeConfig::parse(br#"{"node":{"name":"n1"}}"#, "t".as_ref()).unwrap();
+    measured
+        .record(EventType::NodeConfig, "config", config.cluster_bytes())
+        .unwrap();
+    measured
+        .record(EventType::NodeIdentity, "identity", config.node_bytes())
+        .unwrap();
+    Node {
+        _swtpm: swtpm,
+        _dir: dir,
+        issuer: TpmIssuer::new(measured.shared()),
+        config,
+    }
+}
+
+fn validator(ca: &EkCa, node: &Node) -> Validator {
+    let mut m = Measurements::default();
+    m.insert(12, node.config.expected_config_pcr(), false);
+    m.insert(15, [0; 32], false);
+    Validator::new(m, EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap())
+}
+
+#[test]
+fn a_fresh_document_validates() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca);
+    let doc = n.issuer.issue(b"nonce", b"key hash").unwrap();
+    let verified = validator(&ca, &n)
+        .validate(&doc, b"nonce", b"key hash")
+        .unwrap();
+    assert_eq!(verified.events.len(), 2);
+    assert_eq!(verified.pcrs.len(), 16);
+    assert!(verified.warnings.is_empty());
+}
+
+#[test]
+fn replayed_document_fails_on_the_nonce() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca);
+    let doc = n.issuer.issue(b"old nonce", b"k").unwrap();
+    let err = validator(&ca, &n)
+        .validate(&doc, b"new nonce", b"k")
+        .unwrap_err();
+    assert!(
+        matches!(err, ValidationError::Quote(QuoteError::QualifyingData)),
+        "{err}"
+    );
+}
+
+#[test]
+fn document_for_another_key_fails() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca);
+    let doc = n.issuer.issue(b"n", b"key A").unwrap();
+    let err = validator(&ca, &n)
+        .validate(&doc, b"n", b"key B")
+        .unwrap_err();
+    assert!(matches!(err, ValidationError::UserData), "{err}");
+}
+
+#[test]
+fn enforced_mismatch_fails_and_names_the_pcr_warn_only_passes() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca);
+    let doc = n.issuer.issue(b"n", b"k").unwrap();
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+
+    let mut enforced = Measurements::default();
+    enforced.insert(12, [7; 32], false);
+    let err = Validator::new(enforced, trust.clone())
+        .validate(&doc, b"n", b"k")
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("PCR 12: expected 0707"), "{text}");
+
+    let mut warn = Measurements::default();
+    warn.insert(12, [7; 32], true);
+    let ok = Validator::new(warn, trust)
+        .validate(&doc, b"n", b"k")
+        .unwrap();
+    assert_eq!(ok.warnings.len(), 1);
+    assert_eq!(ok.warnings[0].pcr, 12);
+}
+
+#[test]
+fn ek_from_an_untrusted_ca_or_without_certificate_fails() {
+    let ca = EkCa::new().unwrap();
+    let other_ca = EkCa::new().unwrap();
+    // swtpm_localca creates its CA when it manufactures the first TPM.
+    let _trusted = node(&ca);
+    let n = node(&other_ca);
+    let doc = n.issuer.issue(b"n", b"k").unwrap();
+    let err = validator(&ca, &n).validate(&doc, b"n", b"k").unwrap_err();
+    // Both CAs are named swtpm-localca: the signature check is what tells them apart.
+    assert!(
+        matches!(
+            err,
+            ValidationError::Endorsement(EkError::Signature | EkError::UntrustedIssuer(_))
+        ),
+        "{err}"
+    );
+
+    let bare = node_on(Swtpm::start_bare().unwrap());
+    let doc = bare.issuer.issue(b"n", b"k").unwrap();
+    let err = validator(&ca, &bare)
+        .validate(&doc, b"n", b"k")
+        .unwrap_err();
+    assert!(
+        matches!(err, ValidationError::Endorsement(EkError::NoCertificate)),
+        "{err}"
+    );
+}
+
+#[test]
+fn forged_signature_and_tampered_log_fail() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca);
+    let v = validator(&ca, &n);
+    let doc = AttestationDocument::decode(n.issuer.issue(b"n", b"k").unwrap().as_slice()).unwrap();
+
+    let mut forged = doc.clone();
+    let last = forged.signature.len() - 1;
+    forged.signature[last] ^= 0x55;
+    let err = v.validate(&forged.encode_to_vec(), b"n", b"k").unwrap_err();
+    assert!(
+        matches!(err, ValidationError::Quote(QuoteError::Signature)),
+        "{err}"
+    );
+
+    let mut tampered = doc.clone();
+    tampered.event_log[1].description = "edited".into();
+    tampered.event_log[1].data = b"{\"name\":\"evil\"}".to_vec();
+    let err = v
+        .validate(&tampered.encode_to_vec(), b"n", b"k")
+        .unwrap_err();
+    assert!(matches!(err, ValidationError::EventLog(_)), "{err}");
+
+    let err = v.validate(b"\xff\xff\xff", b"n", b"k").unwrap_err();
+    assert!(matches!(err, ValidationError::Decode(_)), "{err}");
+}
