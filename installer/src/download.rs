@@ -1,0 +1,554 @@
+//! The one downloader: streams a URL into a file while hashing it, retries
+//! transient failures with capped exponential backoff and jitter, and gives
+//! up at an overall deadline.
+//!
+//! * Transient (retried): connection and transport errors, a body cut short,
+//!   no data for [`RetryPolicy::idle_timeout`], HTTP 408, 425, 429 and 5xx
+//!   (a `Retry-After` in seconds is honoured up to the backoff cap).
+//! * Permanent (returned at once): other HTTP statuses (404, 403, …), a body
+//!   larger than [`DownloadConfig::max_bytes`], a hash mismatch, a local
+//!   write error.
+//!
+//! Every attempt starts from byte zero: the file is truncated and the hash
+//! restarted, so a retried download is verified as a whole.
+//!
+//! TLS is rustls with the *ring* provider and the Mozilla roots (plus any
+//! extra roots for a private mirror), configured here rather than through a
+//! process-wide default provider.
+
+use std::fs::File;
+use std::io::{Seek as _, SeekFrom, Write as _};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rand::Rng as _;
+use reqwest::StatusCode;
+use rustls::pki_types::CertificateDer;
+use sha2::{Digest as _, Sha256};
+use tokio::sync::mpsc;
+use tokio::time::timeout;
+use tracing::Instrument as _;
+use url::Url;
+
+use crate::component::redact;
+use crate::digest::Sha256Digest;
+use crate::progress::Progress;
+
+/// When and how often to retry.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    /// Backoff before the second attempt; doubled after each failure.
+    pub initial_backoff: Duration,
+    /// Upper bound of one backoff.
+    pub max_backoff: Duration,
+    /// Attempts in all, the first included.
+    pub max_attempts: u32,
+    /// Bound on the whole download, retries and backoff included.
+    pub deadline: Duration,
+    /// Bound on waiting for the response head or for the next body chunk.
+    pub idle_timeout: Duration,
+    /// Bound on establishing a connection (TCP and TLS).
+    pub connect_timeout: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            initial_backoff: Duration::from_millis(500),
+            max_backoff: Duration::from_secs(30),
+            max_attempts: 10,
+            deadline: Duration::from_secs(15 * 60),
+            idle_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Downloader settings.
+#[derive(Debug, Clone)]
+pub struct DownloadConfig {
+    /// Retry and timeout policy.
+    pub retry: RetryPolicy,
+    /// Largest body accepted, in bytes.
+    pub max_bytes: u64,
+    /// Extra trusted root certificates (DER), e.g. a private mirror's CA.
+    pub extra_roots: Vec<CertificateDer<'static>>,
+}
+
+/// Default bound on one component: the largest upstream binary (kubelet) is
+/// under 100 MiB.
+pub const DEFAULT_MAX_BYTES: u64 = 512 * 1024 * 1024;
+
+impl Default for DownloadConfig {
+    fn default() -> Self {
+        Self {
+            retry: RetryPolicy::default(),
+            max_bytes: DEFAULT_MAX_BYTES,
+            extra_roots: Vec::new(),
+        }
+    }
+}
+
+/// Why a download failed. URLs in messages are redacted (no credentials, no
+/// query).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DownloadError {
+    /// An extra root certificate was refused.
+    #[error("adding an extra root certificate")]
+    AddRoot(#[source] rustls::Error),
+    /// The TLS configuration could not be built.
+    #[error("configuring TLS")]
+    ConfigureTls(#[source] rustls::Error),
+    /// The HTTP client could not be built.
+    #[error("building the HTTP client")]
+    BuildClient(#[source] reqwest::Error),
+    /// Sending the request or receiving the response head failed.
+    #[error("requesting {url}")]
+    Request {
+        /// The URL (redacted).
+        url: String,
+        /// The transport error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The server answered with a status other than 200.
+    #[error("{url}: the server answered {status}")]
+    Status {
+        /// The URL (redacted).
+        url: String,
+        /// The HTTP status.
+        status: StatusCode,
+        /// The server's `Retry-After`, when it gave one in seconds.
+        retry_after: Option<Duration>,
+    },
+    /// Reading the body failed part-way.
+    #[error("{url}: reading the body after {received} bytes")]
+    ReadBody {
+        /// The URL (redacted).
+        url: String,
+        /// Bytes received before the failure.
+        received: u64,
+        /// The transport error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// No response head or body data arrived for the idle timeout.
+    #[error("{url}: no data for {idle:?}")]
+    Idle {
+        /// The URL (redacted).
+        url: String,
+        /// The idle timeout.
+        idle: Duration,
+    },
+    /// The body ended, or broke off, before its announced length.
+    #[error("{url}: body truncated: received {received} of {expected} bytes")]
+    Truncated {
+        /// The URL (redacted).
+        url: String,
+        /// Bytes received.
+        received: u64,
+        /// Bytes announced by Content-Length.
+        expected: u64,
+        /// The transport error that ended it, if any.
+        #[source]
+        source: Option<reqwest::Error>,
+    },
+    /// The body is larger than the limit.
+    #[error("{url}: body larger than the limit of {limit} bytes")]
+    TooLarge {
+        /// The URL (redacted).
+        url: String,
+        /// The limit.
+        limit: u64,
+    },
+    /// Writing the temporary file failed.
+    #[error("writing the downloaded bytes")]
+    Write(#[source] std::io::Error),
+    /// The bytes do not have the expected hash.
+    #[error("{url}: hash mismatch: expected {expected}, got {actual}")]
+    HashMismatch {
+        /// The URL (redacted).
+        url: String,
+        /// The hash the component list requires.
+        expected: Sha256Digest,
+        /// The hash of what was received.
+        actual: Sha256Digest,
+    },
+    /// The overall deadline passed.
+    #[error(
+        "{url}: no complete download within the deadline of {deadline:?} ({attempts} attempts)"
+    )]
+    Deadline {
+        /// The URL (redacted).
+        url: String,
+        /// The deadline.
+        deadline: Duration,
+        /// Attempts started.
+        attempts: u32,
+        /// The last transient failure, if an attempt had finished.
+        #[source]
+        last: Option<Box<DownloadError>>,
+    },
+    /// Every allowed attempt failed transiently.
+    #[error("{url}: giving up after {attempts} attempts")]
+    AttemptsExhausted {
+        /// The URL (redacted).
+        url: String,
+        /// Attempts made.
+        attempts: u32,
+        /// The last failure.
+        #[source]
+        last: Box<DownloadError>,
+    },
+}
+
+impl DownloadError {
+    /// Whether another attempt may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Request { source, .. } => !source.is_builder() && !source.is_redirect(),
+            Self::Status { status, .. } => is_transient_status(*status),
+            Self::ReadBody { .. } | Self::Idle { .. } | Self::Truncated { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+/// 408 Request Timeout, 425 Too Early, 429 Too Many Requests and every 5xx.
+pub fn is_transient_status(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 408 | 425 | 429) || status.is_server_error()
+}
+
+/// What a finished download reports.
+#[derive(Debug, Clone, Copy)]
+pub struct Fetched {
+    /// Bytes written (the whole body).
+    pub bytes: u64,
+    /// Attempts it took.
+    pub attempts: u32,
+    /// Time from the first request to the verified end.
+    pub elapsed: Duration,
+}
+
+/// Streams URLs into files with verification and retries. Cheap to share:
+/// it holds one connection pool.
+#[derive(Debug, Clone)]
+pub struct Downloader {
+    client: reqwest::Client,
+    config: DownloadConfig,
+}
+
+impl Downloader {
+    /// Builds the HTTP client.
+    pub fn new(config: DownloadConfig) -> Result<Self, DownloadError> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        for cert in &config.extra_roots {
+            roots.add(cert.clone()).map_err(DownloadError::AddRoot)?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(DownloadError::ConfigureTls)?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let client = reqwest::Client::builder()
+            .use_preconfigured_tls(tls)
+            .connect_timeout(config.retry.connect_timeout)
+            .user_agent(concat!("keel-installer/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(DownloadError::BuildClient)?;
+        Ok(Self { client, config })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &DownloadConfig {
+        &self.config
+    }
+
+    /// Downloads `url` into `file` (truncating it first) and checks that the
+    /// bytes hash to `expected`. On error the file's content is unspecified:
+    /// the caller discards it.
+    pub async fn download_into(
+        &self,
+        url: &Url,
+        expected: Sha256Digest,
+        file: &File,
+        name: &str,
+        progress: &dyn Progress,
+    ) -> Result<Fetched, DownloadError> {
+        let policy = &self.config.retry;
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::from_std(started + policy.deadline);
+        let shown = redact(url.as_str());
+        let mut last: Option<DownloadError> = None;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let span = tracing::debug_span!("attempt", url = %shown, attempt = attempts);
+            let attempt = self
+                .attempt(url, &shown, file, name, progress)
+                .instrument(span);
+            let outcome = tokio::time::timeout_at(deadline, attempt).await;
+            let error = match outcome {
+                Err(_elapsed) => {
+                    return Err(DownloadError::Deadline {
+                        url: shown,
+                        deadline: policy.deadline,
+                        attempts,
+                        last: last.map(Box::new),
+                    });
+                }
+                Ok(Ok((actual, bytes))) => {
+                    if actual != expected {
+                        return Err(DownloadError::HashMismatch {
+                            url: shown,
+                            expected,
+                            actual,
+                        });
+                    }
+                    let elapsed = started.elapsed();
+                    progress.finished(name, bytes, elapsed);
+                    return Ok(Fetched {
+                        bytes,
+                        attempts,
+                        elapsed,
+                    });
+                }
+                Ok(Err(error)) => error,
+            };
+            if !error.is_transient() {
+                return Err(error);
+            }
+            if attempts >= policy.max_attempts {
+                return Err(DownloadError::AttemptsExhausted {
+                    url: shown,
+                    attempts,
+                    last: Box::new(error),
+                });
+            }
+            let delay = backoff(policy, attempts, &error);
+            if tokio::time::Instant::now() + delay >= deadline {
+                return Err(DownloadError::Deadline {
+                    url: shown,
+                    deadline: policy.deadline,
+                    attempts,
+                    last: Some(Box::new(error)),
+                });
+            }
+            progress.retrying(name, attempts, delay, &error);
+            tokio::time::sleep(delay).await;
+            last = Some(error);
+        }
+    }
+
+    /// One attempt: request, stream, hash. Returns the digest and length.
+    async fn attempt(
+        &self,
+        url: &Url,
+        shown: &str,
+        file: &File,
+        name: &str,
+        progress: &dyn Progress,
+    ) -> Result<(Sha256Digest, u64), DownloadError> {
+        let idle = self.config.retry.idle_timeout;
+        let idle_error = || DownloadError::Idle {
+            url: shown.to_owned(),
+            idle,
+        };
+        let mut response = timeout(idle, self.client.get(url.clone()).send())
+            .await
+            .map_err(|_| idle_error())?
+            .map_err(|source| DownloadError::Request {
+                url: shown.to_owned(),
+                source,
+            })?;
+        let status = response.status();
+        if status != StatusCode::OK {
+            return Err(DownloadError::Status {
+                url: shown.to_owned(),
+                status,
+                retry_after: retry_after(&response),
+            });
+        }
+        let total = response.content_length();
+        let limit = self.config.max_bytes;
+        if total.is_some_and(|t| t > limit) {
+            return Err(DownloadError::TooLarge {
+                url: shown.to_owned(),
+                limit,
+            });
+        }
+        progress.started(name, total);
+
+        let writer = Writer::start(file)?;
+        let mut received = 0u64;
+        let streamed: Result<(), DownloadError> = async {
+            loop {
+                let chunk = timeout(idle, response.chunk())
+                    .await
+                    .map_err(|_| idle_error())?
+                    .map_err(|source| match total {
+                        Some(expected) if received < expected => DownloadError::Truncated {
+                            url: shown.to_owned(),
+                            received,
+                            expected,
+                            source: Some(source),
+                        },
+                        _ => DownloadError::ReadBody {
+                            url: shown.to_owned(),
+                            received,
+                            source,
+                        },
+                    })?;
+                let Some(chunk) = chunk else { return Ok(()) };
+                received = received.saturating_add(chunk.len() as u64);
+                if received > limit {
+                    return Err(DownloadError::TooLarge {
+                        url: shown.to_owned(),
+                        limit,
+                    });
+                }
+                if !writer.push(chunk).await {
+                    // The writer stopped on an error; `finish` reports it.
+                    return Ok(());
+                }
+                progress.advanced(name, received, total);
+            }
+        }
+        .await;
+        let written = writer.finish().await;
+        streamed?;
+        let (digest, written) = written?;
+        if let Some(expected) = total {
+            if written < expected {
+                return Err(DownloadError::Truncated {
+                    url: shown.to_owned(),
+                    received: written,
+                    expected,
+                    source: None,
+                });
+            }
+        }
+        Ok((digest, written))
+    }
+}
+
+/// Hashes and writes chunks on a blocking thread, so hashing and disk writes
+/// overlap with receiving the next chunk and never block the async runtime.
+struct Writer {
+    sender: mpsc::Sender<Bytes>,
+    task: tokio::task::JoinHandle<std::io::Result<(Sha256Digest, u64)>>,
+}
+
+/// Chunks in flight between the network and the writer thread.
+const WRITER_QUEUE: usize = 64;
+
+impl Writer {
+    fn start(file: &File) -> Result<Self, DownloadError> {
+        let mut file = file.try_clone().map_err(DownloadError::Write)?;
+        let (sender, mut receiver) = mpsc::channel::<Bytes>(WRITER_QUEUE);
+        let task = tokio::task::spawn_blocking(move || {
+            file.set_len(0)?;
+            file.seek(SeekFrom::Start(0))?;
+            let mut hasher = Sha256::new();
+            let mut written = 0u64;
+            while let Some(chunk) = receiver.blocking_recv() {
+                hasher.update(&chunk);
+                file.write_all(&chunk)?;
+                written += chunk.len() as u64;
+            }
+            file.flush()?;
+            Ok((Sha256Digest::from_hasher(hasher), written))
+        });
+        Ok(Self { sender, task })
+    }
+
+    /// Queues a chunk; false when the writer has stopped.
+    async fn push(&self, chunk: Bytes) -> bool {
+        self.sender.send(chunk).await.is_ok()
+    }
+
+    /// Waits for every queued chunk to be written.
+    async fn finish(self) -> Result<(Sha256Digest, u64), DownloadError> {
+        drop(self.sender);
+        match self.task.await {
+            Ok(result) => result.map_err(DownloadError::Write),
+            Err(join) => Err(DownloadError::Write(std::io::Error::other(join))),
+        }
+    }
+}
+
+/// The delay before attempt `failed + 1`: exponential from the initial
+/// backoff, capped, with "equal jitter" (half fixed, half random) so that many
+/// nodes retrying one mirror spread out. A server's `Retry-After` raises the
+/// delay up to the cap.
+fn backoff(policy: &RetryPolicy, failed: u32, error: &DownloadError) -> Duration {
+    let exponent = failed.saturating_sub(1).min(30);
+    let base = policy
+        .initial_backoff
+        .saturating_mul(1u32 << exponent)
+        .min(policy.max_backoff);
+    let half = base / 2;
+    let jitter = if half.is_zero() {
+        Duration::ZERO
+    } else {
+        rand::thread_rng().gen_range(Duration::ZERO..=half)
+    };
+    let delay = half + jitter;
+    match error {
+        DownloadError::Status {
+            retry_after: Some(after),
+            ..
+        } => delay.max((*after).min(policy.max_backoff)),
+        _ => delay,
+    }
+}
+
+/// `Retry-After` given in seconds (the HTTP-date form is ignored).
+fn retry_after(response: &reqwest::Response) -> Option<Duration> {
+    let value = response.headers().get(reqwest::header::RETRY_AFTER)?;
+    let secs: u64 = value.to_str().ok()?.trim().parse().ok()?;
+    Some(Duration::from_secs(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        let policy = RetryPolicy {
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(1000),
+            ..RetryPolicy::default()
+        };
+        let err = DownloadError::Write(std::io::Error::other("x"));
+        for failed in 1..40 {
+            let base = Duration::from_millis(100)
+                .saturating_mul(1 << (failed - 1).min(30))
+                .min(Duration::from_millis(1000));
+            let d = backoff(&policy, failed, &err);
+            assert!(d >= base / 2 && d <= base, "attempt {failed}: {d:?}");
+        }
+    }
+
+    #[test]
+    fn classifies_statuses() {
+        for code in [408, 425, 429, 500, 502, 503, 504] {
+            assert!(
+                is_transient_status(StatusCode::from_u16(code).unwrap()),
+                "{code}"
+            );
+        }
+        for code in [301, 400, 401, 403, 404, 410] {
+            assert!(
+                !is_transient_status(StatusCode::from_u16(code).unwrap()),
+                "{code}"
+            );
+        }
+    }
+}

@@ -1,0 +1,472 @@
+//! Installs components: fetch (or decode) into a temporary file on the
+//! target's filesystem, verify the hash, then rename into place with the
+//! right mode — or, for archives, extract strictly and move into place.
+//!
+//! * Single files get mode 0755 (downloaded executables) or 0644 (inline
+//!   `data:` content: kubeadm patches, configuration).
+//! * An existing file with the expected hash is left alone (a no-op); any
+//!   other file at the path is replaced atomically. Archives are always
+//!   extracted again and replace what they contain.
+//! * A failure leaves nothing at the install path: the temporary file or
+//!   staging directory is removed.
+//!
+//! Each install returns an [`InstalledComponent`], the record a node measures
+//! so its attestation shows which binaries it runs.
+
+use std::fs::{self, File, Permissions};
+use std::io::{self, Read as _, Write as _};
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use sha2::{Digest as _, Sha256};
+
+use crate::component::{redact, Component, InstallPath, Source};
+use crate::digest::Sha256Digest;
+use crate::download::{DownloadConfig, DownloadError, Downloader};
+use crate::extract::{extract_tgz, ExtractError, ExtractLimits, ExtractSummary};
+use crate::mirror::Mirror;
+use crate::progress::Progress;
+
+/// Mode of a downloaded single-file component (an executable).
+pub const EXECUTABLE_MODE: u32 = 0o755;
+/// Mode of an inline (`data:`) single-file component (configuration).
+pub const DATA_MODE: u32 = 0o644;
+
+/// Installer settings.
+#[derive(Debug, Clone)]
+pub struct InstallerConfig {
+    /// Download, retry and TLS settings.
+    pub download: DownloadConfig,
+    /// Archive bounds.
+    pub extract: ExtractLimits,
+    /// Fetch from this mirror instead of the upstream hosts.
+    pub mirror: Option<Mirror>,
+    /// Install below this directory instead of `/` (image builds, tests).
+    /// Measurements record the component's own install path, not this prefix.
+    pub root: PathBuf,
+}
+
+impl Default for InstallerConfig {
+    fn default() -> Self {
+        Self {
+            download: DownloadConfig::default(),
+            extract: ExtractLimits::default(),
+            mirror: None,
+            root: PathBuf::from("/"),
+        }
+    }
+}
+
+/// What happened at the install path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The file was written (or replaced).
+    Written {
+        /// Bytes fetched.
+        bytes: u64,
+    },
+    /// The archive was extracted.
+    Extracted(ExtractSummary),
+    /// A file with the expected hash was already there.
+    AlreadyPresent,
+}
+
+/// An installed component: what a node measures. The record does not depend
+/// on [`Outcome`] or on the mirror, so nodes that installed the same
+/// components measure the same bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstalledComponent {
+    component: Component,
+    outcome: Outcome,
+}
+
+/// The measured fields, in their fixed order.
+#[derive(Serialize)]
+struct Record<'a> {
+    url: &'a str,
+    hash: String,
+    install_path: &'a str,
+    extract: bool,
+}
+
+impl InstalledComponent {
+    /// The component as listed (upstream URL, expected hash, install path).
+    pub fn component(&self) -> &Component {
+        &self.component
+    }
+
+    /// What the install did.
+    pub fn outcome(&self) -> Outcome {
+        self.outcome
+    }
+
+    /// The canonical bytes to measure: compact JSON with the fields `url`,
+    /// `hash`, `install_path`, `extract` in that order.
+    pub fn measurement_record(&self) -> Vec<u8> {
+        let record = Record {
+            url: self.component.url(),
+            hash: self.component.hash().to_string(),
+            install_path: self.component.install_path().as_str(),
+            extract: self.component.extract(),
+        };
+        // Serialising strings and a bool cannot fail; fall back to empty
+        // rather than panic should serde ever say otherwise.
+        serde_json::to_vec(&record).unwrap_or_default()
+    }
+
+    /// One line for an event log: `component <path> sha256:<hex> from <url>`.
+    pub fn description(&self) -> String {
+        let c = &self.component;
+        format!(
+            "component {}{} {} from {}",
+            c.install_path(),
+            if c.extract() { " (extracted)" } else { "" },
+            c.hash(),
+            redact(c.url())
+        )
+    }
+}
+
+/// Why a component could not be installed. Messages name the component.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InstallError {
+    /// The HTTP client could not be set up.
+    #[error("setting up the downloader")]
+    Setup(#[source] DownloadError),
+    /// The install path's parent directory could not be created.
+    #[error("creating directory {path:?}")]
+    CreateDir {
+        /// The directory.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// The existing file at the install path could not be checked.
+    #[error("checking the existing file {path:?}")]
+    CheckExisting {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// The temporary file could not be created or written.
+    #[error("writing a temporary file next to {path:?}")]
+    WriteTemp {
+        /// The install path.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Downloading failed.
+    #[error("downloading {name} for {path}")]
+    Download {
+        /// The component's short name.
+        name: String,
+        /// Its install path.
+        path: InstallPath,
+        /// What failed.
+        #[source]
+        source: Box<DownloadError>,
+    },
+    /// Inline content does not match its hash.
+    #[error("inline content for {path}: hash mismatch: expected {expected}, got {actual}")]
+    InlineHashMismatch {
+        /// The install path.
+        path: InstallPath,
+        /// The listed hash.
+        expected: Sha256Digest,
+        /// The content's hash.
+        actual: Sha256Digest,
+    },
+    /// Setting the mode of an already installed file failed.
+    #[error("setting the mode of {path:?}")]
+    SetMode {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Renaming the verified file into place failed.
+    #[error("moving the verified file into place at {path:?}")]
+    Rename {
+        /// The destination.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Extraction failed.
+    #[error("extracting {name} into {path}")]
+    Extract {
+        /// The component's short name.
+        name: String,
+        /// Its install path.
+        path: InstallPath,
+        /// What failed.
+        #[source]
+        source: ExtractError,
+    },
+    /// A blocking file-system task did not complete.
+    #[error("running a blocking file-system task")]
+    Blocking(#[source] tokio::task::JoinError),
+}
+
+/// Installs components.
+#[derive(Debug, Clone)]
+pub struct Installer {
+    downloader: Downloader,
+    mirror: Option<Mirror>,
+    root: PathBuf,
+    extract_limits: ExtractLimits,
+}
+
+impl Installer {
+    /// Sets up the installer (builds the HTTP client).
+    pub fn new(config: InstallerConfig) -> Result<Self, InstallError> {
+        Ok(Self {
+            downloader: Downloader::new(config.download).map_err(InstallError::Setup)?,
+            mirror: config.mirror,
+            root: config.root,
+            extract_limits: config.extract,
+        })
+    }
+
+    /// Installs every component in order, stopping at the first failure.
+    pub async fn install_all(
+        &self,
+        components: &[Component],
+        progress: &dyn Progress,
+    ) -> Result<Vec<InstalledComponent>, InstallError> {
+        let mut installed = Vec::with_capacity(components.len());
+        for component in components {
+            installed.push(self.install(component, progress).await?);
+        }
+        Ok(installed)
+    }
+
+    /// Installs one component.
+    #[tracing::instrument(
+        name = "install",
+        skip_all,
+        fields(component = component.name(), path = %component.install_path(), hash = %component.hash())
+    )]
+    pub async fn install(
+        &self,
+        component: &Component,
+        progress: &dyn Progress,
+    ) -> Result<InstalledComponent, InstallError> {
+        let started = Instant::now();
+        let dest = component.install_path().under(&self.root);
+        let parent = dest
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| self.root.clone());
+        let dir = parent.clone();
+        blocking(move || {
+            fs::create_dir_all(&dir).map_err(|source| InstallError::CreateDir { path: dir, source })
+        })
+        .await?;
+
+        if !component.extract() && existing_matches(&dest, component.hash()).await? {
+            let mode = file_mode(component);
+            let path = dest.clone();
+            blocking(move || set_mode(&path, mode)).await?;
+            tracing::info!("already installed with the expected hash");
+            return Ok(InstalledComponent {
+                component: component.clone(),
+                outcome: Outcome::AlreadyPresent,
+            });
+        }
+
+        let temp = self.fetch(component, &dest, &parent, progress).await?;
+        let outcome = if component.extract() {
+            let limits = self.extract_limits;
+            let target = dest.clone();
+            let summary = blocking(move || {
+                let result = extract_tgz(temp.path(), &target, &limits);
+                drop(temp);
+                Ok(result)
+            })
+            .await?
+            .map_err(|source| InstallError::Extract {
+                name: component.name().to_owned(),
+                path: component.install_path().clone(),
+                source,
+            })?;
+            Outcome::Extracted(summary)
+        } else {
+            let mode = file_mode(component);
+            let target = dest.clone();
+            blocking(move || place_file(temp, &target, mode)).await?
+        };
+        tracing::info!(
+            elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ?outcome,
+            "installed"
+        );
+        Ok(InstalledComponent {
+            component: component.clone(),
+            outcome,
+        })
+    }
+
+    /// Fetches or decodes the component into a verified temporary file in
+    /// `dir` (the install path's directory, hence the same filesystem).
+    async fn fetch(
+        &self,
+        component: &Component,
+        dest: &Path,
+        dir: &Path,
+        progress: &dyn Progress,
+    ) -> Result<tempfile::NamedTempFile, InstallError> {
+        let path = dest.to_owned();
+        let dir = dir.to_owned();
+        let inline = match component.source() {
+            Source::Inline(content) => {
+                let actual = Sha256Digest::of(content);
+                if actual != component.hash() {
+                    return Err(InstallError::InlineHashMismatch {
+                        path: component.install_path().clone(),
+                        expected: component.hash(),
+                        actual,
+                    });
+                }
+                Some(content.clone())
+            }
+            Source::Remote(_) => None,
+        };
+        let temp = blocking(move || {
+            let temp_error = |source| InstallError::WriteTemp {
+                path: path.clone(),
+                source,
+            };
+            let mut prefix = std::ffi::OsString::from(".");
+            prefix.push(path.file_name().unwrap_or_default());
+            prefix.push(".");
+            let temp = tempfile::Builder::new()
+                .prefix(&prefix)
+                .suffix(".keel-part")
+                .tempfile_in(&dir)
+                .map_err(temp_error)?;
+            if let Some(content) = inline {
+                temp.as_file().write_all(&content).map_err(temp_error)?;
+            }
+            Ok(temp)
+        })
+        .await?;
+        if let Source::Remote(upstream) = component.source() {
+            let url = match &self.mirror {
+                Some(mirror) => mirror.rewrite(upstream),
+                None => upstream.clone(),
+            };
+            let fetched = self
+                .downloader
+                .download_into(
+                    &url,
+                    component.hash(),
+                    temp.as_file(),
+                    component.name(),
+                    progress,
+                )
+                .await
+                .map_err(|source| InstallError::Download {
+                    name: component.name().to_owned(),
+                    path: component.install_path().clone(),
+                    source: Box::new(source),
+                })?;
+            tracing::debug!(
+                bytes = fetched.bytes,
+                attempts = fetched.attempts,
+                "fetched"
+            );
+        }
+        Ok(temp)
+    }
+}
+
+/// The mode a single-file component is installed with.
+fn file_mode(component: &Component) -> u32 {
+    match component.source() {
+        Source::Remote(_) => EXECUTABLE_MODE,
+        Source::Inline(_) => DATA_MODE,
+    }
+}
+
+/// Runs blocking file-system work off the async runtime.
+async fn blocking<T, F>(work: F) -> Result<T, InstallError>
+where
+    F: FnOnce() -> Result<T, InstallError> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(InstallError::Blocking)?
+}
+
+/// Whether `dest` is a regular file (not a symlink) with the expected hash.
+async fn existing_matches(dest: &Path, expected: Sha256Digest) -> Result<bool, InstallError> {
+    let path = dest.to_path_buf();
+    blocking(move || {
+        let check_error = |source| InstallError::CheckExisting {
+            path: path.clone(),
+            source,
+        };
+        match fs::symlink_metadata(&path) {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(check_error(e)),
+        }
+        let mut file = File::open(&path).map_err(check_error)?;
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let n = file.read(&mut buf).map_err(check_error)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(buf.get(..n).unwrap_or_default());
+        }
+        Ok(Sha256Digest::from_hasher(hasher) == expected)
+    })
+    .await
+}
+
+fn set_mode(path: &Path, mode: u32) -> Result<(), InstallError> {
+    fs::set_permissions(path, Permissions::from_mode(mode)).map_err(|source| InstallError::Rename {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Sets the mode, makes the content durable, renames into place and makes
+/// the rename durable.
+fn place_file(
+    temp: tempfile::NamedTempFile,
+    dest: &Path,
+    mode: u32,
+) -> Result<Outcome, InstallError> {
+    let rename_error = |source| InstallError::Rename {
+        path: dest.to_owned(),
+        source,
+    };
+    let file = temp.as_file();
+    file.set_permissions(Permissions::from_mode(mode))
+        .map_err(rename_error)?;
+    file.sync_all().map_err(rename_error)?;
+    let bytes = file.metadata().map_err(rename_error)?.len();
+    temp.persist(dest).map_err(|e| rename_error(e.error))?;
+    if let Some(dir) = dest.parent() {
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(rename_error)?;
+    }
+    Ok(Outcome::Written { bytes })
+}

@@ -1,0 +1,360 @@
+//! Downloads that must fail cleanly — nothing at the install path, no
+//! temporary file left, a clear error — and transient failures that must
+//! be retried. All against the local mirror on loopback.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use keel_installer::{
+    Component, ComponentError, DownloadError, InstallError, NoProgress, ParseDigestError,
+    RetryPolicy, Sha256Digest,
+};
+use keel_proto::components::Component as WireComponent;
+use keel_testkit::components::sha256;
+use keel_testkit::mirror::{Fault, MirrorServer};
+use support::{assert_nothing_installed, chain, fast_retries, file_component, installer, mode};
+
+/// Records progress events as text.
+#[derive(Default)]
+struct Recorder(std::sync::Mutex<Vec<String>>);
+
+impl keel_installer::Progress for Recorder {
+    fn started(&self, _: &str, total: Option<u64>) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("start {}", total.unwrap()));
+    }
+    fn advanced(&self, _: &str, done: u64, _: Option<u64>) {
+        self.0.lock().unwrap().push(format!("advance {done}"));
+    }
+    fn retrying(
+        &self,
+        _: &str,
+        attempt: u32,
+        _: Duration,
+        error: &(dyn std::error::Error + 'static),
+    ) {
+        let status = error.to_string().contains("503");
+        self.0.lock().unwrap().push(format!(
+            "retry {attempt} {}",
+            if status { "503" } else { "?" }
+        ));
+    }
+    fn finished(&self, _: &str, bytes: u64, _: Duration) {
+        self.0.lock().unwrap().push(format!("finish {bytes}"));
+    }
+}
+
+const PATH: &str = "/v1.31.13/bin/linux/amd64/kubelet";
+
+fn body() -> Vec<u8> {
+    (0..64 * 1024u32).flat_map(|i| i.to_le_bytes()).collect()
+}
+
+fn download_error(err: &InstallError) -> &DownloadError {
+    match err {
+        InstallError::Download { source, .. } => source,
+        other => panic!("expected a download error, got {}", chain(other)),
+    }
+}
+
+#[tokio::test]
+async fn a_wrong_hash_installs_nothing_and_is_not_retried() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    let wrong = sha256(b"something else");
+    let component = file_component(&mirror, PATH, &wrong, "kubelet");
+
+    let err = installer(root.path(), None, fast_retries())
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+
+    assert!(matches!(
+        download_error(&err),
+        DownloadError::HashMismatch { .. }
+    ));
+    let text = chain(&err);
+    assert!(text.contains("hash mismatch"), "{text}");
+    assert!(
+        text.contains(&format!("expected {wrong}, got {}", sha256(&body()))),
+        "{text}"
+    );
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+    assert_eq!(mirror.requests(PATH), 1);
+}
+
+#[tokio::test]
+async fn a_component_without_a_hash_is_refused_before_any_download() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    let install = root.path().join("run/state/bin/kubelet");
+    let wire = WireComponent {
+        url: mirror.url(PATH),
+        hash: String::new(),
+        install_path: "/run/state/bin/kubelet".to_owned(),
+        extract: false,
+    };
+
+    let err = Component::try_from(wire).unwrap_err();
+
+    assert!(matches!(
+        err,
+        ComponentError::ParseHash {
+            source: ParseDigestError::Empty,
+            ..
+        }
+    ));
+    let text = chain(&err);
+    assert!(
+        text.contains("the hash is empty; every component needs a sha256:<hex> hash"),
+        "{text}"
+    );
+    assert_nothing_installed(&install);
+    assert_eq!(mirror.total_requests(), 0);
+}
+
+#[tokio::test]
+async fn a_truncated_body_is_retried_then_refused() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_always(PATH, Fault::Truncate(1000));
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+
+    let err = installer(root.path(), None, fast_retries())
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+
+    let DownloadError::AttemptsExhausted {
+        attempts: 3, last, ..
+    } = download_error(&err)
+    else {
+        panic!("{}", chain(&err));
+    };
+    assert!(last.is_transient());
+    let text = chain(&err);
+    assert!(text.contains("giving up after 3 attempts"), "{text}");
+    assert!(
+        text.contains("body truncated: received 1000 of 262144 bytes"),
+        "{text}"
+    );
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+    assert_eq!(mirror.requests(PATH), 3);
+}
+
+#[tokio::test]
+async fn a_404_is_not_retried() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+
+    let err = installer(root.path(), None, fast_retries())
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+
+    assert!(
+        matches!(download_error(&err), DownloadError::Status { status, .. } if status.as_u16() == 404)
+    );
+    let text = chain(&err);
+    assert!(text.contains("the server answered 404 Not Found"), "{text}");
+    assert!(text.contains("downloading kubelet for"), "{text}");
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+    assert_eq!(mirror.total_requests(), 1);
+}
+
+#[tokio::test]
+async fn a_503_twice_then_200_succeeds() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_next(PATH, Fault::Status(503), 2);
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+
+    let progress = Recorder::default();
+    installer(root.path(), None, fast_retries())
+        .install(&component, &progress)
+        .await
+        .unwrap();
+
+    let path = root.path().join("run/state/bin/kubelet");
+    assert_eq!(std::fs::read(&path).unwrap(), body());
+    let events = progress.0.lock().unwrap().clone();
+    let len = body().len() as u64;
+    assert_eq!(events.first().unwrap(), "retry 1 503");
+    assert_eq!(events.get(1).unwrap(), "retry 2 503");
+    assert_eq!(events.get(2).unwrap(), &format!("start {len}"));
+    assert_eq!(events.last().unwrap(), &format!("finish {len}"));
+    let done: Vec<u64> = events
+        .iter()
+        .filter_map(|e| e.strip_prefix("advance ")?.parse().ok())
+        .collect();
+    assert!(done.windows(2).all(|w| w[0] < w[1]), "{done:?}");
+    assert_eq!(done.last(), Some(&len));
+    assert_eq!(mode(&path), 0o755);
+    assert_eq!(mirror.requests(PATH), 3);
+    assert_eq!(support::entries(path.parent().unwrap()), ["kubelet"]);
+}
+
+#[tokio::test]
+async fn transient_statuses_are_retried_and_others_are_not() {
+    for (code, transient) in [
+        (408, true),
+        (425, true),
+        (429, true),
+        (500, true),
+        (502, true),
+        (403, false),
+        (410, false),
+    ] {
+        let mirror = MirrorServer::start().unwrap();
+        let root = tempfile::tempdir().unwrap();
+        mirror.serve(PATH, body());
+        mirror.fail_next(PATH, Fault::Status(code), 1);
+        let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+        let result = installer(root.path(), None, fast_retries())
+            .install(&component, &NoProgress)
+            .await;
+        assert_eq!(result.is_ok(), transient, "status {code}");
+        assert_eq!(
+            mirror.requests(PATH),
+            if transient { 2 } else { 1 },
+            "status {code}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_server_that_never_answers_hits_the_deadline() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_always(PATH, Fault::Hang);
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(1),
+        idle_timeout: Duration::from_secs(60),
+        ..fast_retries()
+    };
+
+    let started = Instant::now();
+    let err = installer(root.path(), None, policy)
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(5),
+        "{elapsed:?}"
+    );
+    assert!(matches!(
+        download_error(&err),
+        DownloadError::Deadline { attempts: 1, .. }
+    ));
+    let text = chain(&err);
+    assert!(
+        text.contains("no complete download within the deadline of 1s"),
+        "{text}"
+    );
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+}
+
+#[tokio::test]
+async fn a_silent_server_trips_the_idle_timeout_on_each_attempt() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_always(PATH, Fault::Hang);
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+    let policy = RetryPolicy {
+        idle_timeout: Duration::from_millis(200),
+        max_attempts: 2,
+        ..fast_retries()
+    };
+
+    let err = installer(root.path(), None, policy)
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+
+    let text = chain(&err);
+    assert!(text.contains("giving up after 2 attempts"), "{text}");
+    assert!(text.contains("no data for 200ms"), "{text}");
+    assert_eq!(mirror.requests(PATH), 2);
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+}
+
+#[tokio::test]
+async fn a_body_over_the_size_limit_is_refused() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+    let installer = keel_installer::Installer::new(keel_installer::InstallerConfig {
+        download: keel_installer::DownloadConfig {
+            retry: fast_retries(),
+            max_bytes: 1024,
+            ..Default::default()
+        },
+        root: root.path().to_path_buf(),
+        ..Default::default()
+    })
+    .unwrap();
+
+    let err = installer
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+
+    assert!(matches!(
+        download_error(&err),
+        DownloadError::TooLarge { limit: 1024, .. }
+    ));
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+    assert_eq!(mirror.requests(PATH), 1);
+}
+
+#[tokio::test]
+async fn inline_content_is_checked_against_its_hash() {
+    let root = tempfile::tempdir().unwrap();
+    let install = root.path().join("opt/kubernetes/patches/etcd+json.json");
+    let component = Component::new(
+        "data:,%5B%5D",
+        &sha256(b"{}"),
+        "/opt/kubernetes/patches/etcd+json.json",
+        false,
+    )
+    .unwrap();
+    let err = installer(root.path(), None, fast_retries())
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, InstallError::InlineHashMismatch { .. }),
+        "{}",
+        chain(&err)
+    );
+    assert_nothing_installed(&install);
+
+    let good = Component::new(
+        "data:,%5B%5D",
+        &Sha256Digest::of(b"[]").to_string(),
+        "/opt/kubernetes/patches/etcd+json.json",
+        false,
+    )
+    .unwrap();
+    installer(root.path(), None, fast_retries())
+        .install(&good, &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&install).unwrap(), b"[]");
+    assert_eq!(mode(&install), 0o644);
+}

@@ -1,0 +1,228 @@
+//! Installing a whole Kubernetes version from the local mirror, and
+//! installing it again.
+//!
+//! The versions table holds upstream hashes, and upstream cannot be reached
+//! from the test environment. The tests therefore install a variant of the
+//! real v1.31 entry built by `keel_testkit::components::stand_ins_for`: same
+//! upstream URLs (fetched through a mirror rewrite from the local mirror,
+//! which serves stand-ins at the upstream paths), same install paths (below a
+//! temporary root), and the stand-ins' hashes in place of upstream's. The
+//! `data:` control-plane patches are the table's own, hashes included.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+
+use keel_installer::{Component, InstalledComponent, LogProgress, NoProgress, Outcome, Source};
+use keel_proto::components::Component as WireComponent;
+use keel_testkit::components::{self, CNI_PLUGINS};
+use keel_testkit::mirror::MirrorServer;
+use support::{fast_retries, installer, mode};
+
+const VERSION: &str = "v1.31.13";
+
+/// The v1.31 entry with stand-in hashes, served by `mirror`.
+fn v1_31_stand_ins(mirror: &MirrorServer) -> Vec<Component> {
+    let entry = keel_installer::resolve("v1.31").unwrap();
+    assert_eq!(entry.version().to_string(), VERSION);
+    let wire: Vec<WireComponent> = entry.components().iter().map(Into::into).collect();
+    components::stand_ins_for(mirror, &wire, VERSION)
+        .unwrap()
+        .iter()
+        .map(|c| Component::try_from(c).unwrap())
+        .collect()
+}
+
+/// Runs a stand-in script. Through `sh` rather than exec: exec of a file
+/// written moments ago can fail with ETXTBSY while another test thread forks.
+fn run(path: &Path) -> String {
+    let out = Command::new("/bin/sh").arg(path).output().unwrap();
+    assert!(out.status.success(), "{path:?} failed");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn installs_every_v1_31_component_from_the_mirror() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let list = v1_31_stand_ins(&mirror);
+    let installer = installer(root.path(), Some(&mirror), fast_retries());
+
+    let installed = installer
+        .install_all(&list, &LogProgress::default())
+        .await
+        .unwrap();
+
+    let r = root.path();
+    for name in ["kubelet", "kubeadm", "kubectl"] {
+        let path = r.join("run/state/bin").join(name);
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            components::executable(name, VERSION)
+        );
+        assert_eq!(mode(&path), 0o755, "{name}");
+        assert_eq!(run(&path), format!("{name} {VERSION} (keel stand-in)\n"));
+    }
+    for plugin in CNI_PLUGINS {
+        let path = r.join("opt/cni/bin").join(plugin);
+        assert_eq!(mode(&path), 0o755, "{plugin}");
+        assert!(run(&path).starts_with(plugin));
+    }
+    assert_eq!(mode(&r.join("opt/cni/bin")), 0o755);
+    assert!(run(&r.join("run/state/bin/crictl")).starts_with("crictl v1.33.0"));
+    for (patch, image) in [
+        ("kube-apiserver+json.json", "kube-apiserver"),
+        (
+            "kube-controller-manager+json.json",
+            "kube-controller-manager",
+        ),
+        ("kube-scheduler+json.json", "kube-scheduler"),
+        ("etcd+json.json", "etcd"),
+    ] {
+        let path = r.join("opt/kubernetes/patches").join(patch);
+        assert_eq!(mode(&path), 0o644, "{patch}");
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let pinned = json[0]["value"].as_str().unwrap();
+        assert!(
+            pinned.starts_with(&format!("registry.k8s.io/{image}:")),
+            "{pinned}"
+        );
+        assert!(pinned.contains("@sha256:"), "{pinned}");
+    }
+    // Five downloads; the data: patches never touched the network.
+    assert_eq!(mirror.total_requests(), 5);
+
+    // The measurement records list each component, as listed (upstream URL,
+    // hash, install path without the test root), in install order.
+    assert_eq!(installed.len(), list.len());
+    assert_eq!(list.len(), 9);
+    for (record, component) in installed.iter().zip(&list) {
+        assert_eq!(record.component(), component);
+        let json: serde_json::Value = serde_json::from_slice(&record.measurement_record()).unwrap();
+        assert_eq!(json["url"], component.url());
+        assert!(!component.url().contains("127.0.0.1"));
+        assert_eq!(json["hash"], component.hash().to_string());
+        assert_eq!(json["install_path"], component.install_path().as_str());
+        assert!(
+            json["install_path"].as_str().unwrap().starts_with("/opt/")
+                || json["install_path"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("/run/state/")
+        );
+        assert_eq!(json["extract"], component.extract());
+        let line = record.description();
+        assert!(line.contains(component.install_path().as_str()), "{line}");
+        assert!(line.contains(&component.hash().to_string()), "{line}");
+        assert!(!line.contains('\n'));
+        match component.source() {
+            Source::Remote(_) => assert!(!matches!(record.outcome(), Outcome::AlreadyPresent)),
+            Source::Inline(_) => assert!(matches!(record.outcome(), Outcome::Written { .. })),
+        }
+    }
+    // Field order is fixed: the record is canonical.
+    let first = String::from_utf8(installed[2].measurement_record()).unwrap();
+    assert!(
+        first.starts_with(
+            r#"{"url":"https://dl.k8s.io/v1.31.13/bin/linux/amd64/kubelet","hash":"sha256:"#
+        ),
+        "{first}"
+    );
+    assert!(
+        first.ends_with(r#","install_path":"/run/state/bin/kubelet","extract":false}"#),
+        "{first}"
+    );
+}
+
+#[tokio::test]
+async fn a_second_install_is_a_no_op_and_a_changed_file_is_replaced() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let list = v1_31_stand_ins(&mirror);
+    let installer = installer(root.path(), Some(&mirror), fast_retries());
+    let first = installer.install_all(&list, &NoProgress).await.unwrap();
+    let kubelet = root.path().join("run/state/bin/kubelet");
+    let kubelet_path = "/v1.31.13/bin/linux/amd64/kubelet";
+    assert_eq!(mirror.requests(kubelet_path), 1);
+
+    // Unchanged files: nothing fetched, the same records.
+    let second = installer.install_all(&list, &NoProgress).await.unwrap();
+    let records = |v: &[InstalledComponent]| {
+        v.iter()
+            .map(InstalledComponent::measurement_record)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(records(&first), records(&second));
+    assert_eq!(mirror.requests(kubelet_path), 1);
+    for record in &second {
+        if !record.component().extract() {
+            assert_eq!(
+                record.outcome(),
+                Outcome::AlreadyPresent,
+                "{:?}",
+                record.component()
+            );
+        }
+    }
+    // Archives are extracted again, cleanly replacing their files, and the
+    // single files sharing their directory survive.
+    assert_eq!(
+        run(&root.path().join("run/state/bin/crictl")),
+        "crictl v1.33.0 (keel stand-in)\n"
+    );
+    assert_eq!(
+        run(&kubelet),
+        format!("kubelet {VERSION} (keel stand-in)\n")
+    );
+
+    // A tampered file with the wrong mode is replaced.
+    std::fs::write(&kubelet, b"#!/bin/sh\necho tampered\n").unwrap();
+    std::fs::set_permissions(
+        &kubelet,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let third = installer.install_all(&list, &NoProgress).await.unwrap();
+    assert!(matches!(third[2].outcome(), Outcome::Written { .. }));
+    assert_eq!(mirror.requests(kubelet_path), 2);
+    assert_eq!(
+        std::fs::read(&kubelet).unwrap(),
+        components::executable("kubelet", VERSION)
+    );
+    assert_eq!(mode(&kubelet), 0o755);
+    assert_eq!(records(&first), records(&third));
+    // A right file with a wrong mode gets its mode back without a download.
+    std::fs::set_permissions(
+        &kubelet,
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    installer.install(&list[2], &NoProgress).await.unwrap();
+    assert_eq!(mode(&kubelet), 0o755);
+    assert_eq!(mirror.requests(kubelet_path), 2);
+}
+
+#[tokio::test]
+async fn installs_the_stand_in_set_under_a_root_without_a_mirror_rewrite() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let wire = components::stand_in_set(&mirror, root.path(), VERSION).unwrap();
+    let list: Vec<Component> = wire
+        .iter()
+        .map(|c| Component::try_from(c).unwrap())
+        .collect();
+    let installer = installer(Path::new("/"), None, fast_retries());
+    let installed = installer.install_all(&list, &NoProgress).await.unwrap();
+    assert_eq!(installed.len(), 5);
+    assert_eq!(
+        run(&root.path().join("run/state/bin/kubeadm")),
+        format!("kubeadm {VERSION} (keel stand-in)\n")
+    );
+    assert_eq!(
+        support::entries(&root.path().join("opt/cni/bin")),
+        CNI_PLUGINS
+    );
+}

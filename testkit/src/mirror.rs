@@ -1,0 +1,413 @@
+//! A local HTTP/1.1 component mirror on 127.0.0.1, for tests and the local
+//! cluster: serves bytes or files by path, counts requests, and injects the
+//! faults a real mirror or CDN shows — error statuses, bodies cut short,
+//! connections that never answer.
+//!
+//! It runs on its own thread and runtime, so it works from synchronous and
+//! asynchronous callers alike, and stops (closing every connection) when the
+//! [`MirrorServer`] is dropped. Every response closes its connection.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinSet;
+
+/// Largest request head the mirror reads.
+const MAX_REQUEST_HEAD: usize = 16 * 1024;
+/// How long the mirror waits for a request head.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Chunk size when streaming a file body.
+const FILE_CHUNK: usize = 1024 * 1024;
+
+/// What a path serves.
+#[derive(Debug, Clone)]
+pub enum Body {
+    /// Bytes held in memory.
+    Bytes(Bytes),
+    /// A file read at request time (for large bodies).
+    File(PathBuf),
+}
+
+/// A misbehaviour to show instead of (or while) serving a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Answer with this status and a short body.
+    Status(u16),
+    /// Announce the full Content-Length, send only this many body bytes,
+    /// then close the connection.
+    Truncate(u64),
+    /// Read the request and never answer (the connection stays open until
+    /// the mirror stops).
+    Hang,
+}
+
+#[derive(Debug, Default)]
+struct Route {
+    body: Option<Body>,
+    /// Faults used up one per request, before `always`.
+    next: VecDeque<Fault>,
+    /// A fault shown on every request once `next` is empty.
+    always: Option<Fault>,
+    requests: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    routes: HashMap<String, Route>,
+    /// Requests of any path, unknown ones included.
+    total: usize,
+}
+
+/// Why the mirror could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MirrorError {
+    /// Binding 127.0.0.1:0 failed.
+    #[error("binding the mirror's listening socket on 127.0.0.1")]
+    Bind(#[source] std::io::Error),
+    /// Building the mirror's runtime failed.
+    #[error("starting the mirror's runtime thread")]
+    Runtime(#[source] std::io::Error),
+}
+
+/// A running mirror. Dropping it stops the server.
+#[derive(Debug)]
+pub struct MirrorServer {
+    addr: SocketAddr,
+    state: Arc<Mutex<State>>,
+    shutdown: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl MirrorServer {
+    /// Starts a mirror on an ephemeral loopback port.
+    pub fn start() -> Result<Self, MirrorError> {
+        let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(MirrorError::Bind)?;
+        listener.set_nonblocking(true).map_err(MirrorError::Bind)?;
+        let addr = listener.local_addr().map_err(MirrorError::Bind)?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(MirrorError::Runtime)?;
+        let state = Arc::new(Mutex::new(State::default()));
+        let (shutdown, stop) = oneshot::channel();
+        let served = Arc::clone(&state);
+        let thread = std::thread::Builder::new()
+            .name(format!("mirror-{}", addr.port()))
+            .spawn(move || runtime.block_on(serve(listener, served, stop)))
+            .map_err(MirrorError::Runtime)?;
+        Ok(Self {
+            addr,
+            state,
+            shutdown: Some(shutdown),
+            thread: Some(thread),
+        })
+    }
+
+    /// `http://127.0.0.1:<port>` (no trailing slash).
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The URL of `path` (which starts with `/`).
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base_url())
+    }
+
+    /// The listening address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves `bytes` at `path`.
+    pub fn serve(&self, path: &str, bytes: impl Into<Bytes>) {
+        let body = Body::Bytes(bytes.into());
+        self.with_route(path, |r| r.body = Some(body));
+    }
+
+    /// Serves the file at `file` at `path`, read at request time.
+    pub fn serve_file(&self, path: &str, file: impl Into<PathBuf>) {
+        let body = Body::File(file.into());
+        self.with_route(path, |r| r.body = Some(body));
+    }
+
+    /// Shows `fault` on the next `times` requests of `path`, then serves it
+    /// normally (e.g. 503 twice, then 200).
+    pub fn fail_next(&self, path: &str, fault: Fault, times: usize) {
+        self.with_route(path, |r| r.next.extend(std::iter::repeat_n(fault, times)));
+    }
+
+    /// Shows `fault` on every request of `path` from now on.
+    pub fn fail_always(&self, path: &str, fault: Fault) {
+        self.with_route(path, |r| r.always = Some(fault));
+    }
+
+    /// How many requests the mirror has received, for any path.
+    pub fn total_requests(&self) -> usize {
+        lock(&self.state).total
+    }
+
+    /// How many requests `path` has received.
+    pub fn requests(&self, path: &str) -> usize {
+        lock(&self.state).routes.get(path).map_or(0, |r| r.requests)
+    }
+
+    fn with_route(&self, path: &str, change: impl FnOnce(&mut Route)) {
+        change(lock(&self.state).routes.entry(path.to_owned()).or_default());
+    }
+}
+
+impl Drop for MirrorServer {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+async fn serve(
+    listener: std::net::TcpListener,
+    state: Arc<Mutex<State>>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let Ok(listener) = TcpListener::from_std(listener) else {
+        return;
+    };
+    // Dropping the set at the end aborts every open connection.
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => {
+                if let Ok((stream, _)) = accepted {
+                    connections.spawn(handle(stream, Arc::clone(&state)));
+                }
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+/// What one request gets, decided under the lock.
+enum Reply {
+    NotFound,
+    MethodNotAllowed,
+    Fault(Fault, Option<Body>),
+    Body(Body),
+}
+
+async fn handle(mut stream: TcpStream, state: Arc<Mutex<State>>) {
+    let Ok(Ok(Some((method, path)))) =
+        tokio::time::timeout(REQUEST_TIMEOUT, read_request_line(&mut stream)).await
+    else {
+        return;
+    };
+    let head_only = method == "HEAD";
+    let reply = {
+        let mut state = lock(&state);
+        state.total += 1;
+        match state.routes.get_mut(&path) {
+            _ if method != "GET" && method != "HEAD" => Reply::MethodNotAllowed,
+            None => Reply::NotFound,
+            Some(route) => {
+                route.requests += 1;
+                match route.next.pop_front().or(route.always) {
+                    Some(fault) => Reply::Fault(fault, route.body.clone()),
+                    None => match route.body.clone() {
+                        Some(body) => Reply::Body(body),
+                        None => Reply::NotFound,
+                    },
+                }
+            }
+        }
+    };
+    let _ = match reply {
+        Reply::NotFound => status(&mut stream, 404).await,
+        Reply::MethodNotAllowed => status(&mut stream, 405).await,
+        Reply::Fault(Fault::Status(code), _) => status(&mut stream, code).await,
+        Reply::Fault(Fault::Hang, _) => std::future::pending::<std::io::Result<()>>().await,
+        Reply::Fault(Fault::Truncate(keep), body) => match body {
+            Some(body) => send_body(&mut stream, body, Some(keep), head_only).await,
+            None => status(&mut stream, 404).await,
+        },
+        Reply::Body(body) => send_body(&mut stream, body, None, head_only).await,
+    };
+    let _ = stream.shutdown().await;
+}
+
+/// Reads the request head and returns the method and path (query removed).
+async fn read_request_line(stream: &mut TcpStream) -> std::io::Result<Option<(String, String)>> {
+    let mut head = Vec::with_capacity(1024);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        if head.len() > MAX_REQUEST_HEAD {
+            return Ok(None);
+        }
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        head.extend_from_slice(buf.get(..n).unwrap_or_default());
+    }
+    let text = String::from_utf8_lossy(&head);
+    let mut words = text.lines().next().unwrap_or_default().split(' ');
+    let (Some(method), Some(target)) = (words.next(), words.next()) else {
+        return Ok(None);
+    };
+    let path = target.split('?').next().unwrap_or_default();
+    Ok(Some((method.to_owned(), path.to_owned())))
+}
+
+async fn status(stream: &mut TcpStream, code: u16) -> std::io::Result<()> {
+    let body = format!("mirror: status {code}\n");
+    let head = format!(
+        "HTTP/1.1 {code} Mirror\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await
+}
+
+/// Sends a 200 with the body, or only its first `keep` bytes.
+async fn send_body(
+    stream: &mut TcpStream,
+    body: Body,
+    keep: Option<u64>,
+    head_only: bool,
+) -> std::io::Result<()> {
+    let length = match &body {
+        Body::Bytes(bytes) => bytes.len() as u64,
+        Body::File(path) => tokio::fs::metadata(path).await?.len(),
+    };
+    let head = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await?;
+    if head_only {
+        return Ok(());
+    }
+    let mut remaining = keep.unwrap_or(length).min(length);
+    match body {
+        Body::Bytes(bytes) => {
+            let end = usize::try_from(remaining).unwrap_or(usize::MAX);
+            stream.write_all(bytes.get(..end).unwrap_or(&bytes)).await?;
+        }
+        Body::File(path) => {
+            let mut file = tokio::fs::File::open(path).await?;
+            let mut buf = vec![0u8; FILE_CHUNK];
+            while remaining > 0 {
+                let want = usize::try_from(remaining)
+                    .unwrap_or(usize::MAX)
+                    .min(FILE_CHUNK);
+                let n = file.read(buf.get_mut(..want).unwrap_or_default()).await?;
+                if n == 0 {
+                    break;
+                }
+                stream.write_all(buf.get(..n).unwrap_or_default()).await?;
+                remaining -= n as u64;
+            }
+        }
+    }
+    stream.flush().await
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use std::io::{Read as _, Write as _};
+
+    use super::*;
+
+    /// One raw GET; returns the status line, headers and body as received.
+    fn get(mirror: &MirrorServer, path: &str) -> (String, Vec<u8>) {
+        let mut stream = std::net::TcpStream::connect(mirror.addr()).unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).unwrap();
+        let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+        let head = String::from_utf8(raw[..split].to_vec()).unwrap();
+        (head, raw[split + 4..].to_vec())
+    }
+
+    #[test]
+    fn serves_bytes_and_files_and_counts_requests() {
+        let mirror = MirrorServer::start().unwrap();
+        mirror.serve("/a", &b"hello"[..]);
+        let dir = std::env::temp_dir().join(format!("mirror-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("f"), b"from disk").unwrap();
+        mirror.serve_file("/f", dir.join("f"));
+
+        let (head, body) = get(&mirror, "/a?ignored=1");
+        assert!(head.starts_with("HTTP/1.1 200 "), "{head}");
+        assert!(head.contains("Content-Length: 5"), "{head}");
+        assert_eq!(body, b"hello");
+        assert_eq!(get(&mirror, "/f").1, b"from disk");
+        let (head, _) = get(&mirror, "/missing");
+        assert!(head.starts_with("HTTP/1.1 404 "), "{head}");
+        assert_eq!(mirror.requests("/a"), 1);
+        assert_eq!(mirror.total_requests(), 3);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn injects_statuses_then_recovers() {
+        let mirror = MirrorServer::start().unwrap();
+        mirror.serve("/a", &b"ok"[..]);
+        mirror.fail_next("/a", Fault::Status(503), 2);
+        assert!(get(&mirror, "/a").0.starts_with("HTTP/1.1 503 "));
+        assert!(get(&mirror, "/a").0.starts_with("HTTP/1.1 503 "));
+        assert_eq!(get(&mirror, "/a").1, b"ok");
+    }
+
+    #[test]
+    fn truncates_bodies_below_their_announced_length() {
+        let mirror = MirrorServer::start().unwrap();
+        mirror.serve("/a", vec![7u8; 10_000]);
+        mirror.fail_always("/a", Fault::Truncate(100));
+        let (head, body) = get(&mirror, "/a");
+        assert!(head.contains("Content-Length: 10000"), "{head}");
+        assert_eq!(body.len(), 100);
+    }
+
+    #[test]
+    fn hangs_and_stops_when_dropped() {
+        let mirror = MirrorServer::start().unwrap();
+        mirror.serve("/a", &b"ok"[..]);
+        mirror.fail_always("/a", Fault::Hang);
+        let addr = mirror.addr();
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        stream.write_all(b"GET /a HTTP/1.1\r\n\r\n").unwrap();
+        let mut buf = [0u8; 16];
+        let err = stream.read(&mut buf).unwrap_err();
+        assert!(matches!(
+            err.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ));
+        drop(mirror);
+        // The hanging connection is closed and nothing listens any more.
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        assert_eq!(stream.read(&mut buf).unwrap_or(0), 0);
+        assert!(std::net::TcpStream::connect(addr).is_err());
+    }
+}
