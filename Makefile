@@ -32,3 +32,16 @@ lint: tss ## rustfmt check and clippy with warnings as errors
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
+
+image: agent ## Build the reproducible mkosi image (UKI, dm-verity erofs root) and print its artifacts
+	@scripts/image-build.sh
+
+image-repro: agent ## Build the image twice from clean and compare every artifact
+	@scripts/image-repro.sh
+
+measurements: ## Predict PCRs 4, 9, 11 of the built image into build/image/measurements.json
+	$(CARGO) run --release --locked -p keel-image --bin keel-measure -- \
+	  --uki build/image/keel.efi --output build/image/measurements.json
+
+vm-check: image measurements ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time to ready
+	@scripts/vm-boot.sh -n 3

@@ -1,0 +1,206 @@
+//! The events each boot stage measures, modelled from the UKI file.
+//!
+//! Each function returns the ordered events of one PCR; [`crate::pcr::replay`]
+//! turns them into the predicted value. The model is for OVMF booting the
+//! UKI directly as the first boot option, systemd-stub 254 and the Linux 6.1
+//! EFI stub, with no add-ons, credentials or SMBIOS command-line extras, and
+//! with systemd's PCR-extending units (pcrphase, pcrmachine, pcrfs) masked.
+//! `docs/measured-boot.md` documents the same list for readers.
+
+use sha2::{Digest as _, Sha256};
+use thiserror::Error;
+
+use crate::authenticode::{self, AuthenticodeError};
+use crate::pcr::Event;
+use crate::pe::{PeError, PeFile};
+
+/// The PCR the firmware measures boot applications into.
+pub const PCR_BOOT_LOADER_CODE: u32 = 4;
+/// The PCR the Linux EFI stub measures the command line and initrd into.
+pub const PCR_KERNEL_PARAMETERS: u32 = 9;
+/// The PCR systemd-stub measures the UKI's sections into.
+pub const PCR_KERNEL_BOOT: u32 = 11;
+/// The PCR the keel agent measures its node config into.
+pub const PCR_NODE_CONFIG: u32 = 12;
+
+/// The UKI sections systemd-stub measures, in measurement order (`.pcrsig`
+/// is never measured: it holds signatures over these very values).
+pub const STUB_MEASURED_SECTIONS: [&str; 9] = [
+    ".linux", ".osrel", ".cmdline", ".initrd", ".splash", ".dtb", ".uname", ".sbat", ".pcrpkey",
+];
+
+/// The EV_EFI_ACTION string OVMF logs before starting a boot option.
+pub const CALLING_EFI_APPLICATION: &str = "Calling EFI Application from Boot Option";
+
+/// A prediction failure.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum PredictError {
+    /// The UKI is not a PE image.
+    #[error("parse the UKI")]
+    ParseUki(#[source] PeError),
+    /// A section the boot path needs is absent.
+    #[error("the UKI has no {0} section")]
+    MissingSection(&'static str),
+    /// A section's data lies outside the file.
+    #[error("read the UKI's {name} section")]
+    ReadSection {
+        /// The section.
+        name: &'static str,
+        /// The bounds failure.
+        #[source]
+        source: PeError,
+    },
+    /// The UKI's Authenticode hash failed.
+    #[error("hash the UKI (Authenticode)")]
+    HashUki(#[source] AuthenticodeError),
+    /// The embedded kernel is not a PE image.
+    #[error("parse the kernel in the .linux section")]
+    ParseKernel(#[source] PeError),
+    /// The kernel's Authenticode hash failed.
+    #[error("hash the kernel (Authenticode)")]
+    HashKernel(#[source] AuthenticodeError),
+    /// `.cmdline` is not UTF-8.
+    #[error("the .cmdline section is not UTF-8")]
+    CmdlineEncoding,
+}
+
+/// A UKI file and the section contents the stubs see.
+#[derive(Debug)]
+pub struct Uki<'a> {
+    pe: PeFile<'a>,
+}
+
+impl<'a> Uki<'a> {
+    /// Parses a UKI.
+    pub fn parse(bytes: &'a [u8]) -> Result<Self, PredictError> {
+        PeFile::parse(bytes)
+            .map(|pe| Self { pe })
+            .map_err(PredictError::ParseUki)
+    }
+
+    /// The section `name` as loaded in memory, if present.
+    pub fn section(&self, name: &'static str) -> Result<Option<Vec<u8>>, PredictError> {
+        self.pe
+            .section(name)
+            .map(|s| self.pe.loaded_data(s))
+            .transpose()
+            .map_err(|source| PredictError::ReadSection { name, source })
+    }
+
+    fn required(&self, name: &'static str) -> Result<Vec<u8>, PredictError> {
+        self.section(name)?
+            .ok_or(PredictError::MissingSection(name))
+    }
+
+    /// The kernel command line as the stub hands it to the kernel.
+    pub fn cmdline(&self) -> Result<String, PredictError> {
+        let raw = self.required(".cmdline")?;
+        let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+        let text = std::str::from_utf8(&raw[..end]).map_err(|_| PredictError::CmdlineEncoding)?;
+        Ok(mangle_cmdline(text))
+    }
+}
+
+/// systemd-stub's `mangle_stub_cmdline`: control characters become spaces
+/// and trailing whitespace is dropped.
+fn mangle_cmdline(text: &str) -> String {
+    let replaced: String = text
+        .chars()
+        .map(|c| if u32::from(c) <= 0x1f { ' ' } else { c })
+        .collect();
+    replaced.trim_end_matches([' ', '\t']).to_owned()
+}
+
+/// PCR 4: the firmware's boot-application measurements.
+///
+/// OVMF logs the EV_EFI_ACTION "Calling EFI Application from Boot Option"
+/// and the EV_SEPARATOR (four zero bytes) when it starts the boot option,
+/// then the Authenticode hash of the UKI (EV_EFI_BOOT_SERVICES_APPLICATION).
+/// systemd-stub starts the kernel with `LoadImage`, so the firmware also
+/// measures the Authenticode hash of the `.linux` section.
+pub fn pcr4(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
+    let uki_hash = authenticode::sha256(&uki.pe).map_err(PredictError::HashUki)?;
+    let kernel = uki.required(".linux")?;
+    let kernel_pe = PeFile::parse(&kernel).map_err(PredictError::ParseKernel)?;
+    let kernel_hash = authenticode::sha256(&kernel_pe).map_err(PredictError::HashKernel)?;
+    Ok(vec![
+        Event::of_data(
+            format!("EV_EFI_ACTION {CALLING_EFI_APPLICATION:?}"),
+            CALLING_EFI_APPLICATION.as_bytes(),
+        ),
+        Event::of_data("EV_SEPARATOR", &[0u8; 4]),
+        Event::of_digest(
+            "EV_EFI_BOOT_SERVICES_APPLICATION UKI (Authenticode)",
+            uki_hash,
+        ),
+        Event::of_digest(
+            "EV_EFI_BOOT_SERVICES_APPLICATION .linux (Authenticode)",
+            kernel_hash,
+        ),
+    ])
+}
+
+/// PCR 9: the Linux EFI stub's measurements (EV_EVENT_TAG).
+///
+/// The kernel measures its load options, the command line systemd-stub
+/// passes as UTF-16LE including the terminating NUL, then the initrd it
+/// receives through the LoadFile2 protocol: the `.initrd` section (no
+/// credentials, system extensions or signatures are appended here).
+pub fn pcr9(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
+    let cmdline = uki.cmdline()?;
+    let mut utf16: Vec<u8> = cmdline.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    utf16.extend_from_slice(&[0, 0]);
+    let initrd = uki.required(".initrd")?;
+    Ok(vec![
+        Event::of_data("EV_EVENT_TAG kernel command line (UTF-16LE)", &utf16),
+        Event::of_data("EV_EVENT_TAG initrd", &initrd),
+    ])
+}
+
+/// PCR 11: systemd-stub's measurements (EV_IPL): for every section present,
+/// in [`STUB_MEASURED_SECTIONS`] order, the section name with its NUL, then
+/// the section's content. Nothing else, as the pcrphase units are masked.
+pub fn pcr11(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
+    let mut events = Vec::new();
+    for name in STUB_MEASURED_SECTIONS {
+        if let Some(content) = uki.section(name)? {
+            let mut tagged = name.as_bytes().to_vec();
+            tagged.push(0);
+            events.push(Event::of_data(
+                format!("EV_IPL section name {name}"),
+                &tagged,
+            ));
+            events.push(Event::of_data(format!("EV_IPL section {name}"), &content));
+        }
+    }
+    Ok(events)
+}
+
+/// PCR 12: the agent's one measurement of its node config, the SHA-256 of
+/// the config's canonical bytes.
+pub fn pcr12(canonical_config: &[u8]) -> Vec<Event> {
+    vec![Event::of_digest(
+        "keel node-config",
+        Sha256::digest(canonical_config).into(),
+    )]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mangling_replaces_controls_and_trims_the_end() {
+        assert_eq!(mangle_cmdline("a\nb c \n"), "a b c");
+        assert_eq!(mangle_cmdline("console=ttyS0"), "console=ttyS0");
+    }
+
+    #[test]
+    fn pcr12_is_the_config_hash_extended_once() {
+        let events = pcr12(b"{}");
+        assert_eq!(events.len(), 1);
+        let expected: [u8; 32] = Sha256::digest(b"{}").into();
+        assert_eq!(events[0].digest, expected);
+    }
+}

@@ -1,0 +1,157 @@
+# Shared helpers for the image scripts (sourced, not run).
+# Paths are relative to the repository root; every output lives under build/.
+
+KEEL_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+KEEL_BUILD=${KEEL_BUILD:-$KEEL_ROOT/build}
+KEEL_MKOSI_WORK=$KEEL_BUILD/mkosi          # generated sources, tools tree, staging
+KEEL_IMAGE_OUT=${KEEL_IMAGE_OUT:-$KEEL_BUILD/image}
+KEEL_PACKAGE_CACHE=${KEEL_PACKAGE_CACHE:-/var/cache/mkosi}
+KEEL_AGENT_BIN=${KEEL_AGENT_BIN:-$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-agent}
+APT_SOURCES=${APT_SOURCES:-/etc/apt/sources.list.d/debian.sources}
+
+log() { printf 'image: %s\n' "$*" >&2; }
+die() { printf 'image: error: %s\n' "$*" >&2; exit 1; }
+
+# Prints the deb822 stanza number $1 (0-based) of the machine's apt sources,
+# with Types/Suites rewritten to $2/$3 (empty keeps the original line).
+derive_stanza() {
+  awk -v want="$1" -v types="$2" -v suites="$3" '
+    /^[[:space:]]*$/ { if (seen) { n++; seen = 0 } ; next }
+    /^#/ { next }
+    { seen = 1 }
+    n != want { next }
+    /^Types:/  && types  != "" { print "Types: " types; next }
+    /^Suites:/ && suites != "" { print "Suites: " suites; next }
+    { print }
+  ' "$APT_SOURCES"
+}
+
+# Index of the first stanza whose Suites line names a "-security" suite, or empty.
+security_stanza() {
+  awk '
+    /^[[:space:]]*$/ { if (seen) { n++; seen = 0 } ; next }
+    /^#/ { next }
+    { seen = 1 }
+    /^Suites:.*-security/ { print n; exit }
+  ' "$APT_SOURCES"
+}
+
+# Writes mkosi package-manager trees (etc/apt/sources.list.d/mkosi.sources)
+# for the image (bookworm) and the tools tree (trixie), derived from the
+# machine's own apt configuration so that no mirror host is named in the repo.
+generate_sources() {
+  [ -f "$APT_SOURCES" ] || die "$APT_SOURCES not found: cannot derive package sources"
+  local img=$KEEL_MKOSI_WORK/sources/image/etc/apt/sources.list.d
+  local tools=$KEEL_MKOSI_WORK/sources/tools/etc/apt/sources.list.d
+  mkdir -p "$img" "$tools"
+  {
+    derive_stanza 0 deb "bookworm bookworm-updates"
+    local sec
+    sec=$(security_stanza)
+    if [ -n "$sec" ]; then
+      printf '\n'
+      derive_stanza "$sec" deb bookworm-security
+    fi
+  } >"$img/mkosi.sources.new"
+  derive_stanza 0 deb "trixie" >"$tools/mkosi.sources.new"
+  grep -q '^URIs:' "$img/mkosi.sources.new" || die "no URIs line in the first stanza of $APT_SOURCES"
+  mv "$img/mkosi.sources.new" "$img/mkosi.sources"
+  mv "$tools/mkosi.sources.new" "$tools/mkosi.sources"
+}
+
+# SOURCE_DATE_EPOCH: the commit time, so two builds of one commit agree.
+source_date_epoch() {
+  if [ -n "${SOURCE_DATE_EPOCH:-}" ]; then
+    echo "$SOURCE_DATE_EPOCH"
+  elif t=$(git -C "$KEEL_ROOT" log -1 --format=%ct 2>/dev/null) && [ -n "$t" ]; then
+    echo "$t"
+  else
+    echo 1735689600 # 2025-01-01T00:00:00Z, before the first commit exists
+  fi
+}
+
+# The static agent binary, built here if the TPM libraries are ready.
+ensure_agent() {
+  if [ ! -x "$KEEL_AGENT_BIN" ]; then
+    if [ "$KEEL_AGENT_BIN" = "$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-agent" ] &&
+      compgen -G "$KEEL_ROOT/target/musl-sysroot/.stamp-*" >/dev/null; then
+      log "building the agent (cargo build --release -p keel-agent)"
+      (cd "$KEEL_ROOT" && cargo build --release -p keel-agent --bin keel-agent) ||
+        die "building the agent failed"
+    else
+      die "agent binary $KEEL_AGENT_BIN is missing: run 'make agent' first (it needs the static TPM libraries from scripts/build-tss.sh)"
+    fi
+  fi
+  # The image carries no libraries for the agent: an ELF must be static.
+  if file -b "$KEEL_AGENT_BIN" | grep -q '^ELF' && ! file -b "$KEEL_AGENT_BIN" | grep -q 'static'; then
+    die "$KEEL_AGENT_BIN is not statically linked"
+  fi
+}
+
+# Assembles the tree mkosi overlays onto the image root: the agent, the
+# stub and, for experiments, KEEL_EXTRA_TREE.
+stage_agent() { # $1 = tree directory
+  rm -rf "$1"
+  install -D -m 0755 "$KEEL_AGENT_BIN" "$1/usr/bin/keel-agent"
+  install -D -m 0644 "$KEEL_MKOSI_WORK/packages/unpacked/usr/lib/systemd/boot/efi/linuxx64.efi.stub" \
+    "$1/usr/lib/systemd/boot/efi/linuxx64.efi.stub"
+  if [ -n "${KEEL_EXTRA_TREE:-}" ]; then
+    cp -a "$KEEL_EXTRA_TREE/." "$1/"
+  fi
+}
+
+# The trixie tools tree, built once and shared by every image build.
+ensure_tools_tree() {
+  local dir=$KEEL_MKOSI_WORK/tools
+  local stamp=$dir/.stamp-$(sha256sum "$KEEL_ROOT/mkosi/tools/mkosi.conf" | cut -c1-16)
+  if [ -f "$stamp" ] && [ -x "$dir/tools/usr/bin/systemd-repart" ]; then
+    return
+  fi
+  log "building the tools tree (Debian trixie) into $dir"
+  rm -rf "$dir"
+  mkdir -p "$dir" "$KEEL_MKOSI_WORK/workspace"
+  mkosi \
+    --directory "$KEEL_ROOT/mkosi/tools" \
+    --package-manager-tree "$KEEL_MKOSI_WORK/sources/tools" \
+    --output-dir "$dir" \
+    --workspace-dir "$KEEL_MKOSI_WORK/workspace" \
+    --package-cache-dir "$KEEL_PACKAGE_CACHE" \
+    --force \
+    build >"$dir.log" 2>&1 || { tail -40 "$dir.log" >&2; die "tools tree build failed (log: $dir.log)"; }
+  touch "$stamp"
+}
+
+# The systemd-stub the UKI is built from: systemd-boot-efi 254 from
+# bookworm-backports (bookworm's 252 stub with a newer ukify yields
+# overlapping PE sections). Fetched with the host's apt (scripts/deps.sh
+# configures bookworm-backports); only the stub file goes into the image
+# tree, where mkosi looks for it.
+ensure_stub_package() {
+  local dir=$KEEL_MKOSI_WORK/packages
+  mkdir -p "$dir"
+  if ! compgen -G "$dir/systemd-boot-efi_254*_amd64.deb" >/dev/null; then
+    log "fetching systemd-boot-efi from bookworm-backports"
+    (cd "$dir" && apt-get download -q 'systemd-boot-efi/bookworm-backports') >&2 ||
+      die "apt-get download systemd-boot-efi/bookworm-backports failed (run scripts/deps.sh)"
+  fi
+  rm -rf "$dir/unpacked"
+  dpkg-deb -x "$(compgen -G "$dir/systemd-boot-efi_254*_amd64.deb" | head -1)" "$dir/unpacked"
+}
+
+# Prints path, size and SHA-256 of each artifact in $1.
+report_artifacts() {
+  local out=$1 f
+  printf '%-48s %12s  %s\n' artifact bytes sha256
+  for f in "$out"/keel.raw "$out"/keel.efi "$out"/keel.*.raw; do
+    [ -f "$f" ] || continue
+    printf '%-48s %12s  %s\n' "$f" "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)"
+  done
+}
+
+# Path of the keel-measure binary, built if needed.
+measure_tool() {
+  local bin=$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-measure
+  (cd "$KEEL_ROOT" && cargo build -q --release -p keel-image --bin keel-measure) >&2 ||
+    die "building keel-measure failed"
+  echo "$bin"
+}
