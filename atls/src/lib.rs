@@ -1,1 +1,69 @@
-//! Attested TLS: attestation documents bound to per-handshake TLS keys and verifier nonces.
+//! Attested TLS: attestation documents bound to per-handshake TLS keys and
+//! verifier nonces.
+//!
+//! Each side that attests makes a fresh P-256 key and a self-signed
+//! certificate per handshake, carrying an attestation document (from an
+//! [`Issuer`]) in an X.509 extension. The document binds the nonce the
+//! verifying peer sent for this handshake and SHA-256 of the certificate's
+//! public key, so it can be neither replayed nor moved to another key. The
+//! verifying side checks the certificate and hands the document to a
+//! [`Validator`]. The client's nonce travels in the ClientHello's server name,
+//! the server's in the CertificateRequest ([`nonce`]).
+//!
+//! Modes, chosen by constructor on both sides: server-attested
+//! ([`AtlsServer::server_attested`], [`AtlsClient::server_attested`]),
+//! client-attested and mutual. A side that validates always has a validator:
+//! there is no configuration that accepts an unvalidated peer except the
+//! modes in which that peer does not attest.
+//!
+//! TLS 1.3 only, session resumption off on both sides, ring as the crypto
+//! provider (passed per configuration; no process-wide default is installed).
+//! See `README.md` for the protocol.
+#![forbid(unsafe_code)]
+
+mod attestation;
+mod blocking;
+pub mod cert;
+mod client;
+pub mod danger;
+mod incoming;
+pub mod nonce;
+mod present;
+mod server;
+mod stream;
+mod swap;
+mod verify;
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use rustls::crypto::CryptoProvider;
+
+pub use attestation::{
+    Attested, BoxError, DynIssuer, DynValidator, ErrorChain, IssueError, Issuer, ValidationError,
+    Validator,
+};
+pub use cert::{PeerCertError, ATTESTATION_OID};
+pub use client::{AtlsClient, BoundChannel, ConnectError};
+pub use incoming::{HandshakeStats, Incoming};
+pub use nonce::Nonce;
+pub use server::{AtlsServer, HandshakeError};
+pub use stream::{AtlsStream, PeerInfo};
+pub use swap::SwappableValidator;
+pub use verify::PeerError;
+
+/// How long a handshake may take by default, on either side.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The crypto provider of every configuration this crate builds.
+fn provider() -> Arc<CryptoProvider> {
+    static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
+    PROVIDER
+        .get_or_init(|| Arc::new(rustls::crypto::ring::default_provider()))
+        .clone()
+}
+
+/// The rustls error inside an I/O error from tokio-rustls, if any.
+fn rustls_error(e: &std::io::Error) -> Option<&rustls::Error> {
+    e.get_ref()?.downcast_ref::<rustls::Error>()
+}

@@ -1,0 +1,58 @@
+//! Hooks to present hand-made certificates, for testing that peers refuse
+//! them (replayed documents, moved documents, unknown extensions, no
+//! attestation). Nothing in production uses this module: a side configured
+//! with these hooks does not attest honestly.
+
+use std::sync::Arc;
+
+use rcgen::KeyPair;
+use rustls::crypto::CryptoProvider;
+use rustls::sign::CertifiedKey;
+
+use crate::attestation::Issuer;
+use crate::cert::{self, CertError};
+use crate::nonce::Nonce;
+
+/// Makes the certificate a side presents, given the nonce its peer sent.
+pub type PresentFn =
+    Arc<dyn Fn(&Nonce) -> Result<Arc<CertifiedKey>, CertError> + Send + Sync + 'static>;
+
+/// The crypto provider this crate uses (ring).
+pub fn provider() -> Arc<CryptoProvider> {
+    crate::provider()
+}
+
+/// What an honest side presents: a fresh key and a certificate carrying a
+/// document `issuer` issued for `nonce` and that key.
+pub fn attested_certificate(
+    issuer: &dyn Issuer,
+    nonce: &Nonce,
+) -> Result<Arc<CertifiedKey>, CertError> {
+    cert::issue(issuer, nonce.as_bytes(), &crate::provider())
+}
+
+/// A certificate for `key` carrying `content` in an extension under `oid`,
+/// encoded the way the attestation extension is.
+pub fn certificate_with_extension(
+    key: &KeyPair,
+    oid: &[u64],
+    content: &[u8],
+) -> Result<Arc<CertifiedKey>, CertError> {
+    cert::embed(key, content, oid, &crate::provider())
+}
+
+/// A certificate with a fresh key and no attestation extension.
+pub fn certificate_without_attestation() -> Result<Arc<CertifiedKey>, CertError> {
+    cert::unattested(&crate::provider())
+}
+
+/// A fresh ECDSA P-256 key, as this crate makes per handshake.
+pub fn generate_key() -> Result<KeyPair, CertError> {
+    KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)
+}
+
+/// The key-binding value a document for a certificate with `key` must carry.
+pub fn user_data_for(key: &KeyPair) -> [u8; 32] {
+    use rcgen::PublicKeyData;
+    cert::user_data(&key.subject_public_key_info())
+}

@@ -1,0 +1,279 @@
+//! The server side: one aTLS handshake on an accepted TCP connection.
+//!
+//! Per connection: read the ClientHello ([`LazyConfigAcceptor`]), take the
+//! client's nonce from its server name, make a fresh key and a certificate
+//! whose document binds that nonce (on a blocking thread: the issuer may talk
+//! to a TPM), and build a `ServerConfig` for this connection alone; when the
+//! client must attest, the config's client verifier carries a fresh server
+//! nonce and validates the client's certificate against it. TLS 1.3 only,
+//! no session resumption (a resumed session would skip attestation).
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::crypto::CryptoProvider;
+use rustls::server::{Acceptor, NoServerSessionStorage};
+use rustls::sign::SingleCertAndKey;
+use rustls::AlertDescription;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio_rustls::LazyConfigAcceptor;
+
+use crate::attestation::{DynIssuer, DynValidator};
+use crate::cert::CertError;
+use crate::danger::PresentFn;
+use crate::nonce::{Nonce, NonceError};
+use crate::present::Presenter;
+use crate::stream::{AtlsStream, CLIENT_ACCEPTED};
+use crate::verify::{ClientVerifier, PeerCheck, PeerError};
+use crate::{rustls_error, DEFAULT_HANDSHAKE_TIMEOUT};
+
+/// The server side of aTLS: what it presents and how it checks clients.
+///
+/// `C` is what the client validator establishes (its
+/// [`Validator::Claims`](crate::Validator::Claims)); `()` when clients are
+/// not validated.
+pub struct AtlsServer<C = ()> {
+    presenter: Presenter,
+    client_validator: Option<DynValidator<C>>,
+    provider: Arc<CryptoProvider>,
+    handshake_timeout: Duration,
+}
+
+impl<C> Clone for AtlsServer<C> {
+    fn clone(&self) -> Self {
+        Self {
+            presenter: self.presenter.clone(),
+            client_validator: self.client_validator.clone(),
+            provider: self.provider.clone(),
+            handshake_timeout: self.handshake_timeout,
+        }
+    }
+}
+
+impl<C> std::fmt::Debug for AtlsServer<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AtlsServer")
+            .field("attests", &matches!(self.presenter, Presenter::Attest(_)))
+            .field("validates_clients", &self.client_validator.is_some())
+            .field("handshake_timeout", &self.handshake_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Send + Sync + 'static> AtlsServer<C> {
+    /// Server-attested mode: the server attests with `issuer`; clients are
+    /// not asked for a certificate.
+    pub fn server_attested(issuer: DynIssuer) -> Self {
+        Self::new(Presenter::Attest(issuer), None)
+    }
+
+    /// Client-attested mode: clients must attest and are validated with
+    /// `validator`; the server presents a certificate without attestation.
+    pub fn client_attested(validator: DynValidator<C>) -> Self {
+        Self::new(Presenter::Unattested, Some(validator))
+    }
+
+    /// Mutual mode: the server attests with `issuer`, clients must attest and
+    /// are validated with `validator`.
+    pub fn mutual(issuer: DynIssuer, validator: DynValidator<C>) -> Self {
+        Self::new(Presenter::Attest(issuer), Some(validator))
+    }
+
+    fn new(presenter: Presenter, client_validator: Option<DynValidator<C>>) -> Self {
+        Self {
+            presenter,
+            client_validator,
+            provider: crate::provider(),
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+        }
+    }
+
+    /// Bounds each handshake, from the first byte read to the validated
+    /// connection (default 10 s).
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// Replaces how this server makes its certificate: for tests that need a
+    /// misbehaving server. See [`crate::danger`].
+    #[doc(hidden)]
+    pub fn danger_present_with(mut self, present: PresentFn) -> Self {
+        self.presenter = Presenter::Custom(present);
+        self
+    }
+
+    /// Runs the aTLS handshake on an accepted connection.
+    pub async fn accept(&self, tcp: TcpStream) -> Result<AtlsStream<C>, HandshakeError> {
+        tokio::time::timeout(self.handshake_timeout, self.handshake(tcp))
+            .await
+            .map_err(|_| HandshakeError::Timeout(self.handshake_timeout))?
+    }
+
+    async fn handshake(&self, tcp: TcpStream) -> Result<AtlsStream<C>, HandshakeError> {
+        // Without it each small gRPC message waits for delayed ACKs (~15 ms).
+        tcp.set_nodelay(true).map_err(HandshakeError::Socket)?;
+        let remote_addr: Option<SocketAddr> = tcp.peer_addr().ok();
+
+        let start = LazyConfigAcceptor::new(Acceptor::default(), tcp)
+            .await
+            .map_err(HandshakeError::ClientHello)?;
+        let client_nonce = start
+            .client_hello()
+            .server_name()
+            .ok_or(NonceError::MissingServerName)
+            .and_then(Nonce::from_server_name)
+            .map_err(HandshakeError::ClientNonce)?;
+
+        let presenter = self.presenter.clone();
+        let provider = self.provider.clone();
+        let certified =
+            tokio::task::spawn_blocking(move || presenter.present(&client_nonce, &provider))
+                .await
+                .map_err(HandshakeError::IssuerTask)?
+                .map_err(HandshakeError::Certificate)?;
+
+        let check = match &self.client_validator {
+            Some(validator) => {
+                let nonce = Nonce::generate(self.provider.secure_random)
+                    .map_err(HandshakeError::ServerNonce)?;
+                Some(Arc::new(PeerCheck::new(validator.clone(), nonce)))
+            }
+            None => None,
+        };
+        let config = self.config(certified, check.clone())?;
+
+        let mut tls = match start.into_stream(Arc::new(config)).await {
+            Ok(tls) => tls,
+            Err(e) => return Err(classify(e, check.as_deref())),
+        };
+        let attested = match &check {
+            Some(check) => {
+                let attested = match check.take() {
+                    Some(Ok(attested)) => attested,
+                    Some(Err(e)) => return Err(HandshakeError::ClientRefused(e)),
+                    None => return Err(HandshakeError::ClientNotChecked),
+                };
+                tls.write_all(&[CLIENT_ACCEPTED])
+                    .await
+                    .map_err(HandshakeError::Confirm)?;
+                tls.flush().await.map_err(HandshakeError::Confirm)?;
+                Some(attested)
+            }
+            None => None,
+        };
+        Ok(AtlsStream::new(tls.into(), remote_addr, attested))
+    }
+
+    fn config(
+        &self,
+        certified: Arc<rustls::sign::CertifiedKey>,
+        check: Option<Arc<PeerCheck<C>>>,
+    ) -> Result<rustls::ServerConfig, HandshakeError> {
+        let builder = rustls::ServerConfig::builder_with_provider(self.provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(HandshakeError::Config)?;
+        let builder = match check {
+            Some(check) => builder.with_client_cert_verifier(Arc::new(ClientVerifier::new(
+                self.provider.clone(),
+                check,
+            ))),
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_cert_resolver(Arc::new(SingleCertAndKey::from(certified)));
+        config.session_storage = Arc::new(NoServerSessionStorage {});
+        config.send_tls13_tickets = 0;
+        Ok(config)
+    }
+}
+
+/// Turns a failed rustls handshake into the most precise reason known.
+fn classify<C: Send + Sync + 'static>(
+    e: io::Error,
+    check: Option<&PeerCheck<C>>,
+) -> HandshakeError {
+    if let Some(Err(reason)) = check.and_then(PeerCheck::take) {
+        return HandshakeError::ClientRefused(reason);
+    }
+    match rustls_error(&e) {
+        Some(rustls::Error::NoCertificatesPresented) => HandshakeError::ClientNotAttested,
+        Some(rustls::Error::AlertReceived(alert)) => HandshakeError::RefusedByClient(*alert),
+        _ => HandshakeError::Tls(e),
+    }
+}
+
+/// Why a server-side aTLS handshake failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// The handshake took longer than the configured bound.
+    #[error("the aTLS handshake did not finish within {0:?}")]
+    Timeout(Duration),
+    /// Configuring the accepted socket failed.
+    #[error("configuring the accepted socket failed")]
+    Socket(#[source] io::Error),
+    /// Reading the ClientHello failed.
+    #[error("reading the ClientHello failed")]
+    ClientHello(#[source] io::Error),
+    /// The client's nonce is missing or malformed.
+    #[error("reading the client's nonce failed")]
+    ClientNonce(#[source] NonceError),
+    /// The blocking task that makes the certificate did not finish.
+    #[error("the certificate task failed")]
+    IssuerTask(#[source] tokio::task::JoinError),
+    /// Making the server's certificate (and its attestation) failed.
+    #[error("making the server certificate failed")]
+    Certificate(#[source] CertError),
+    /// Drawing the server's nonce failed.
+    #[error("drawing the server nonce failed")]
+    ServerNonce(#[source] NonceError),
+    /// Building the connection's TLS configuration failed.
+    #[error("building the TLS configuration failed")]
+    Config(#[source] rustls::Error),
+    /// The client's certificate or attestation was refused.
+    #[error("the client's attestation was refused")]
+    ClientRefused(#[source] PeerError),
+    /// The client sent no certificate, hence no attestation.
+    #[error("the client presented no certificate, hence no attestation")]
+    ClientNotAttested,
+    /// The handshake finished without the client verifier having run; never
+    /// expected, and refused.
+    #[error("the handshake finished but the client's certificate was not checked")]
+    ClientNotChecked,
+    /// The client aborted the handshake with an alert, typically because it
+    /// refused the server's attestation (its log has the reason).
+    #[error("the client refused the handshake (TLS alert {0:?}); the client's log has the reason")]
+    RefusedByClient(AlertDescription),
+    /// Any other TLS failure.
+    #[error("the TLS handshake failed")]
+    Tls(#[source] io::Error),
+    /// Sending the confirmation that the client was accepted failed.
+    #[error("confirming the client's attestation failed")]
+    Confirm(#[source] io::Error),
+}
+
+impl<C: Send + Sync + 'static> AtlsServer<C> {
+    /// Accepts aTLS connections on `listener`; see [`Incoming`](crate::Incoming).
+    pub fn incoming(self, listener: tokio::net::TcpListener) -> crate::Incoming<C> {
+        crate::Incoming::new(self, listener)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_connection_config_allows_no_resumption() {
+        let server = AtlsServer::<()>::new(Presenter::Unattested, None);
+        let certified = crate::cert::unattested(&server.provider).unwrap();
+        let config = server.config(certified, None).unwrap();
+        assert_eq!(config.send_tls13_tickets, 0);
+        assert!(!config.session_storage.can_cache());
+        assert_eq!(config.max_early_data_size, 0);
+    }
+}

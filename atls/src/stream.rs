@@ -1,0 +1,144 @@
+//! An established aTLS connection and what it knows about its peer.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsStream;
+use tonic::transport::server::Connected;
+
+use crate::attestation::Attested;
+
+/// The byte a server sends as its first application data after it validated
+/// the client's attestation. The client waits for it before it sends
+/// anything, so a client whose attestation the server refused gets the
+/// server's alert at connect time rather than as a broken first request
+/// (in TLS 1.3 the client's side of the handshake is complete before the
+/// server has checked the client's certificate).
+pub(crate) const CLIENT_ACCEPTED: u8 = 0x01;
+
+/// What an aTLS connection knows about its peer. On the server, tonic puts it
+/// into every request's extensions:
+/// `request.extensions().get::<PeerInfo<C>>()`.
+pub struct PeerInfo<C> {
+    remote_addr: Option<SocketAddr>,
+    attested: Option<Arc<Attested<C>>>,
+}
+
+impl<C> Clone for PeerInfo<C> {
+    fn clone(&self) -> Self {
+        Self {
+            remote_addr: self.remote_addr,
+            attested: self.attested.clone(),
+        }
+    }
+}
+
+impl<C> std::fmt::Debug for PeerInfo<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerInfo")
+            .field("remote_addr", &self.remote_addr)
+            .field("attested", &self.attested.is_some())
+            .finish()
+    }
+}
+
+impl<C> PeerInfo<C> {
+    /// The peer's socket address.
+    pub fn remote_addr(&self) -> Option<SocketAddr> {
+        self.remote_addr
+    }
+
+    /// The peer's validated attestation; `None` when this side was configured
+    /// not to validate the peer.
+    pub fn attested(&self) -> Option<&Arc<Attested<C>>> {
+        self.attested.as_ref()
+    }
+}
+
+/// A TLS connection whose handshake passed aTLS checks.
+pub struct AtlsStream<C> {
+    inner: TlsStream<TcpStream>,
+    peer: PeerInfo<C>,
+}
+
+impl<C> AtlsStream<C> {
+    pub(crate) fn new(
+        inner: TlsStream<TcpStream>,
+        remote_addr: Option<SocketAddr>,
+        attested: Option<Arc<Attested<C>>>,
+    ) -> Self {
+        Self {
+            inner,
+            peer: PeerInfo {
+                remote_addr,
+                attested,
+            },
+        }
+    }
+
+    /// What this connection knows about its peer.
+    pub fn peer(&self) -> &PeerInfo<C> {
+        &self.peer
+    }
+}
+
+impl<C> std::fmt::Debug for AtlsStream<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AtlsStream")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Send + Sync + 'static> Connected for AtlsStream<C> {
+    type ConnectInfo = PeerInfo<C>;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.peer.clone()
+    }
+}
+
+impl<C> AsyncRead for AtlsStream<C> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<C> AsyncWrite for AtlsStream<C> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}

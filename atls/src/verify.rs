@@ -1,0 +1,267 @@
+//! The rustls certificate verifiers that run aTLS validation inside the
+//! handshake, one instance per handshake.
+//!
+//! Both directions share [`PeerCheck`]: it holds the nonce this side sent and
+//! the validator snapshot for this handshake, checks the presented
+//! certificate ([`cert::extract`]), runs the validator, and keeps the outcome
+//! so the connection code can report the precise reason of a failure, or hand
+//! the validated [`Attested`] peer to the application. The TLS 1.3
+//! handshake signature is checked by rustls' `verify_tls13_signature` against
+//! the same certificate, which proves the peer holds the key the document is
+//! bound to.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
+
+use crate::attestation::{Attested, DynValidator, ValidationError};
+use crate::cert::{self, PeerCertError};
+use crate::nonce::Nonce;
+
+/// Why a peer's certificate was not accepted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PeerError {
+    /// The peer sent intermediates: an attested certificate stands alone.
+    #[error("the peer sent a certificate chain; aTLS expects one self-signed certificate")]
+    UnexpectedChain,
+    /// The certificate is not a well-formed attested certificate.
+    #[error(transparent)]
+    Certificate(#[from] PeerCertError),
+    /// The validator refused the attestation document.
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
+}
+
+impl PeerError {
+    /// The TLS alert this failure sends: `bad_certificate` for a malformed
+    /// certificate, `access_denied` for a document the validator refused.
+    fn to_rustls(&self) -> rustls::Error {
+        rustls::Error::InvalidCertificate(match self {
+            Self::Validation(_) => CertificateError::ApplicationVerificationFailure,
+            Self::UnexpectedChain | Self::Certificate(_) => CertificateError::BadEncoding,
+        })
+    }
+}
+
+type Outcome<C> = Result<Arc<Attested<C>>, PeerError>;
+
+/// Validation of one peer certificate in one handshake.
+pub(crate) struct PeerCheck<C> {
+    validator: DynValidator<C>,
+    nonce: Nonce,
+    outcome: Mutex<Option<Outcome<C>>>,
+}
+
+impl<C: Send + Sync + 'static> PeerCheck<C> {
+    pub(crate) fn new(validator: DynValidator<C>, nonce: Nonce) -> Self {
+        Self {
+            validator,
+            nonce,
+            outcome: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn nonce(&self) -> &Nonce {
+        &self.nonce
+    }
+
+    /// The outcome of the check, if rustls ran it.
+    pub(crate) fn take(&self) -> Option<Outcome<C>> {
+        self.outcome
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    fn verify(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+    ) -> Result<(), rustls::Error> {
+        let outcome = self.run(end_entity, intermediates);
+        let result = match &outcome {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_rustls()),
+        };
+        *self.outcome.lock().unwrap_or_else(PoisonError::into_inner) = Some(outcome);
+        result
+    }
+
+    fn run(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+    ) -> Outcome<C> {
+        if !intermediates.is_empty() {
+            return Err(PeerError::UnexpectedChain);
+        }
+        let embedded = cert::extract(end_entity)?;
+        let claims = crate::blocking::run(|| {
+            self.validator.validate(
+                &embedded.document,
+                self.nonce.as_bytes(),
+                &embedded.user_data,
+            )
+        })?;
+        Ok(Arc::new(Attested::new(embedded.document, claims)))
+    }
+}
+
+fn tls13_signature(
+    provider: &CryptoProvider,
+    message: &[u8],
+    cert: &CertificateDer<'_>,
+    dss: &DigitallySignedStruct,
+) -> Result<HandshakeSignatureValid, rustls::Error> {
+    rustls::crypto::verify_tls13_signature(
+        message,
+        cert,
+        dss,
+        &provider.signature_verification_algorithms,
+    )
+}
+
+fn no_tls12() -> rustls::Error {
+    rustls::Error::PeerIncompatible(rustls::PeerIncompatible::Tls12NotOfferedOrEnabled)
+}
+
+/// The client's verifier of the server's certificate.
+pub(crate) struct ServerVerifier<C> {
+    provider: Arc<CryptoProvider>,
+    /// `None`: this client does not validate the server (client-attested
+    /// mode); the handshake signature is still checked.
+    check: Option<Arc<PeerCheck<C>>>,
+}
+
+impl<C> ServerVerifier<C> {
+    pub(crate) fn new(provider: Arc<CryptoProvider>, check: Option<Arc<PeerCheck<C>>>) -> Self {
+        Self { provider, check }
+    }
+}
+
+impl<C> fmt::Debug for ServerVerifier<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerVerifier")
+            .field("validates", &self.check.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Send + Sync + 'static> ServerCertVerifier for ServerVerifier<C> {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        if let Some(check) = &self.check {
+            check.verify(end_entity, intermediates)?;
+        }
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        Err(no_tls12())
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        tls13_signature(&self.provider, message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// The server's verifier of the client's certificate. It also carries the
+/// server's nonce to the client, as the only acceptable-CA name.
+pub(crate) struct ClientVerifier<C> {
+    provider: Arc<CryptoProvider>,
+    check: Arc<PeerCheck<C>>,
+    hints: Vec<DistinguishedName>,
+}
+
+impl<C: Send + Sync + 'static> ClientVerifier<C> {
+    pub(crate) fn new(provider: Arc<CryptoProvider>, check: Arc<PeerCheck<C>>) -> Self {
+        let hints = vec![check.nonce().to_distinguished_name()];
+        Self {
+            provider,
+            check,
+            hints,
+        }
+    }
+}
+
+impl<C> fmt::Debug for ClientVerifier<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientVerifier").finish_non_exhaustive()
+    }
+}
+
+impl<C: Send + Sync + 'static> ClientCertVerifier for ClientVerifier<C> {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        true
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &self.hints
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.check.verify(end_entity, intermediates)?;
+        Ok(ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        Err(no_tls12())
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        tls13_signature(&self.provider, message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}

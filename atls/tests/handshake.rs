@@ -1,0 +1,620 @@
+//! aTLS over real TLS on 127.0.0.1 with a real (Ed25519) attestation scheme:
+//! gRPC calls in each mode, and every way a peer's attestation must be
+//! refused, seen from both sides.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{call, dyn_issuer, dyn_validator, TestClaims, TestIssuer, TestServer, TestValidator};
+use keel_atls::{cert, danger};
+use keel_atls::{
+    AtlsClient, AtlsServer, AtlsStream, ConnectError, HandshakeError, Nonce, PeerCertError,
+    PeerError, SwappableValidator, ValidationError, ATTESTATION_OID,
+};
+use rustls::AlertDescription;
+use tokio::net::TcpListener;
+
+type ServerResult = Result<AtlsStream<TestClaims>, HandshakeError>;
+type ClientResult = Result<AtlsStream<TestClaims>, ConnectError>;
+
+/// One handshake between `server` and `client`, both outcomes.
+async fn handshake(
+    server: &AtlsServer<TestClaims>,
+    client: &AtlsClient<TestClaims>,
+) -> (ServerResult, ClientResult) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server_side = async {
+        let (tcp, _) = listener.accept().await.unwrap();
+        server.accept(tcp).await
+    };
+    tokio::join!(server_side, client.connect("127.0.0.1", port))
+}
+
+struct Parties {
+    server_issuer: Arc<TestIssuer>,
+    client_issuer: Arc<TestIssuer>,
+}
+
+impl Parties {
+    fn new() -> Self {
+        Self {
+            server_issuer: TestIssuer::generate(),
+            client_issuer: TestIssuer::generate(),
+        }
+    }
+
+    fn mutual_server(&self) -> AtlsServer<TestClaims> {
+        AtlsServer::mutual(
+            dyn_issuer(&self.server_issuer),
+            dyn_validator(self.client_issuer.validator()),
+        )
+    }
+
+    fn mutual_client(&self) -> AtlsClient<TestClaims> {
+        AtlsClient::mutual(
+            dyn_issuer(&self.client_issuer),
+            dyn_validator(self.server_issuer.validator()),
+        )
+    }
+}
+
+/// A presenter that attests honestly once, then replays that certificate
+/// (key, certificate and document) in every later handshake.
+fn replaying(issuer: Arc<TestIssuer>) -> danger::PresentFn {
+    let first = Mutex::new(None);
+    Arc::new(move |nonce: &Nonce| {
+        let mut first = first.lock().unwrap();
+        if let Some(cert) = &*first {
+            return Ok(Arc::clone(cert));
+        }
+        let cert = danger::attested_certificate(issuer.as_ref(), nonce)?;
+        *first = Some(cert.clone());
+        Ok(cert)
+    })
+}
+
+/// A presenter that takes a genuine document for this handshake's nonce and
+/// one key, and puts it into a certificate for another key.
+fn moving(issuer: Arc<TestIssuer>) -> danger::PresentFn {
+    Arc::new(move |nonce: &Nonce| {
+        let bound_key = danger::generate_key()?;
+        let document = issuer.document(nonce.as_bytes(), &danger::user_data_for(&bound_key));
+        let other_key = danger::generate_key()?;
+        danger::certificate_with_extension(&other_key, ATTESTATION_OID, &document)
+    })
+}
+
+/// A presenter that puts a genuine document under an OID this version does
+/// not know.
+fn unknown_oid(issuer: Arc<TestIssuer>) -> danger::PresentFn {
+    Arc::new(move |nonce: &Nonce| {
+        let key = danger::generate_key()?;
+        let document = issuer.document(nonce.as_bytes(), &danger::user_data_for(&key));
+        danger::certificate_with_extension(&key, &[1, 3, 9901, 1, 2], &document)
+    })
+}
+
+fn unattested() -> danger::PresentFn {
+    Arc::new(|_: &Nonce| danger::certificate_without_attestation())
+}
+
+#[tokio::test]
+async fn mutual_mode_call_succeeds_and_each_side_sees_the_others_document() {
+    common::init_tracing();
+    let parties = Parties::new();
+    let server = TestServer::start(parties.mutual_server()).await;
+
+    let (seen_by_server, attested) = call(&parties.mutual_client(), &server).await.unwrap();
+
+    assert_eq!(seen_by_server, parties.client_issuer.last_issued());
+    let attested = attested.expect("the client validated the server");
+    assert_eq!(attested.document(), parties.server_issuer.last_issued());
+    assert_eq!(attested.claims().signer, parties.server_issuer.public_key());
+}
+
+#[tokio::test]
+async fn server_attested_mode_call_succeeds() {
+    let parties = Parties::new();
+    let server = TestServer::start(AtlsServer::server_attested(dyn_issuer(
+        &parties.server_issuer,
+    )))
+    .await;
+    let client = AtlsClient::server_attested(dyn_validator(parties.server_issuer.validator()));
+
+    let (seen_by_server, attested) = call(&client, &server).await.unwrap();
+
+    assert!(
+        seen_by_server.is_empty(),
+        "the server does not validate clients"
+    );
+    let attested = attested.expect("the client validated the server");
+    assert_eq!(attested.document(), parties.server_issuer.last_issued());
+}
+
+#[tokio::test]
+async fn client_attested_mode_call_succeeds() {
+    let parties = Parties::new();
+    let server = TestServer::start(AtlsServer::client_attested(dyn_validator(
+        parties.client_issuer.validator(),
+    )))
+    .await;
+    let client = AtlsClient::client_attested(dyn_issuer(&parties.client_issuer));
+
+    let (seen_by_server, attested) = call(&client, &server).await.unwrap();
+
+    assert_eq!(seen_by_server, parties.client_issuer.last_issued());
+    assert!(
+        attested.is_none(),
+        "this client does not validate the server"
+    );
+    assert_eq!(parties.server_issuer.issued_count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_mode_works_on_a_multi_threaded_runtime() {
+    let parties = Parties::new();
+    let server = TestServer::start(parties.mutual_server()).await;
+    let (seen_by_server, attested) = call(&parties.mutual_client(), &server).await.unwrap();
+    assert_eq!(seen_by_server, parties.client_issuer.last_issued());
+    assert!(attested.is_some());
+}
+
+#[tokio::test]
+async fn replayed_server_document_is_refused_as_stale() {
+    common::init_tracing();
+    let parties = Parties::new();
+    let server = parties
+        .mutual_server()
+        .danger_present_with(replaying(parties.server_issuer.clone()));
+    let client = parties.mutual_client();
+
+    let (first_server, first_client) = handshake(&server, &client).await;
+    first_server.unwrap();
+    first_client.unwrap();
+
+    let (server_result, client_result) = handshake(&server, &client).await;
+    assert!(
+        matches!(
+            client_result,
+            Err(ConnectError::ServerRefused(PeerError::Validation(
+                ValidationError::NonceMismatch
+            )))
+        ),
+        "{client_result:?}"
+    );
+    assert!(
+        matches!(
+            server_result,
+            Err(HandshakeError::RefusedByClient(
+                AlertDescription::AccessDenied
+            ))
+        ),
+        "{server_result:?}"
+    );
+}
+
+#[tokio::test]
+async fn replayed_client_document_is_refused_as_stale() {
+    let parties = Parties::new();
+    let server = parties.mutual_server();
+    let client = parties
+        .mutual_client()
+        .danger_present_with(replaying(parties.client_issuer.clone()));
+
+    let (first_server, first_client) = handshake(&server, &client).await;
+    first_server.unwrap();
+    first_client.unwrap();
+
+    let (server_result, client_result) = handshake(&server, &client).await;
+    assert!(
+        matches!(
+            server_result,
+            Err(HandshakeError::ClientRefused(PeerError::Validation(
+                ValidationError::NonceMismatch
+            )))
+        ),
+        "{server_result:?}"
+    );
+    // The client learns it at connect time, not at its first request.
+    assert!(
+        matches!(
+            client_result,
+            Err(ConnectError::RefusedByServer(
+                AlertDescription::AccessDenied
+            ))
+        ),
+        "{client_result:?}"
+    );
+}
+
+#[tokio::test]
+async fn document_moved_into_another_certificate_is_refused() {
+    let parties = Parties::new();
+    let server = parties
+        .mutual_server()
+        .danger_present_with(moving(parties.server_issuer.clone()));
+    let (server_result, client_result) = handshake(&server, &parties.mutual_client()).await;
+    assert!(
+        matches!(
+            client_result,
+            Err(ConnectError::ServerRefused(PeerError::Validation(
+                ValidationError::KeyBindingMismatch
+            )))
+        ),
+        "{client_result:?}"
+    );
+    assert!(server_result.is_err());
+
+    let client = parties
+        .mutual_client()
+        .danger_present_with(moving(parties.client_issuer.clone()));
+    let (server_result, client_result) = handshake(&parties.mutual_server(), &client).await;
+    assert!(
+        matches!(
+            server_result,
+            Err(HandshakeError::ClientRefused(PeerError::Validation(
+                ValidationError::KeyBindingMismatch
+            )))
+        ),
+        "{server_result:?}"
+    );
+    assert!(matches!(
+        client_result,
+        Err(ConnectError::RefusedByServer(
+            AlertDescription::AccessDenied
+        ))
+    ));
+}
+
+#[tokio::test]
+async fn unknown_attestation_extension_oid_is_refused() {
+    let parties = Parties::new();
+    let server = parties
+        .mutual_server()
+        .danger_present_with(unknown_oid(parties.server_issuer.clone()));
+    let (server_result, client_result) = handshake(&server, &parties.mutual_client()).await;
+    match client_result {
+        Err(ConnectError::ServerRefused(PeerError::Certificate(
+            PeerCertError::UnknownExtensionOid(oid),
+        ))) => assert_eq!(oid, "1.3.9901.1.2"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        matches!(
+            server_result,
+            Err(HandshakeError::RefusedByClient(
+                AlertDescription::BadCertificate
+            ))
+        ),
+        "{server_result:?}"
+    );
+}
+
+#[tokio::test]
+async fn server_without_attestation_is_refused() {
+    let parties = Parties::new();
+    let server = parties.mutual_server().danger_present_with(unattested());
+    let (_, client_result) = handshake(&server, &parties.mutual_client()).await;
+    assert!(
+        matches!(
+            client_result,
+            Err(ConnectError::ServerRefused(PeerError::Certificate(
+                PeerCertError::ExtensionMissing
+            )))
+        ),
+        "{client_result:?}"
+    );
+
+    // A client-attested server does not attest: a client that validates
+    // servers refuses it for the same reason.
+    let server = AtlsServer::client_attested(dyn_validator(parties.client_issuer.validator()));
+    let (_, client_result) = handshake(&server, &parties.mutual_client()).await;
+    assert!(matches!(
+        client_result,
+        Err(ConnectError::ServerRefused(PeerError::Certificate(
+            PeerCertError::ExtensionMissing
+        )))
+    ));
+}
+
+#[tokio::test]
+async fn client_without_attestation_is_refused() {
+    let parties = Parties::new();
+
+    // A client that presents a certificate without the extension.
+    let client = parties.mutual_client().danger_present_with(unattested());
+    let (server_result, client_result) = handshake(&parties.mutual_server(), &client).await;
+    assert!(
+        matches!(
+            server_result,
+            Err(HandshakeError::ClientRefused(PeerError::Certificate(
+                PeerCertError::ExtensionMissing
+            )))
+        ),
+        "{server_result:?}"
+    );
+    assert!(matches!(
+        client_result,
+        Err(ConnectError::RefusedByServer(
+            AlertDescription::BadCertificate
+        ))
+    ));
+
+    // A client that does not attest at all.
+    let client = AtlsClient::server_attested(dyn_validator(parties.server_issuer.validator()));
+    let (server_result, client_result) = handshake(&parties.mutual_server(), &client).await;
+    assert!(
+        matches!(server_result, Err(HandshakeError::ClientNotAttested)),
+        "{server_result:?}"
+    );
+    assert!(
+        matches!(client_result, Err(ConnectError::AttestationRequired)),
+        "{client_result:?}"
+    );
+}
+
+#[tokio::test]
+async fn document_from_an_untrusted_signer_is_refused() {
+    common::init_tracing();
+    let parties = Parties::new();
+    let stranger = TestIssuer::generate();
+
+    // The client trusts another key than the server's.
+    let client = AtlsClient::mutual(
+        dyn_issuer(&parties.client_issuer),
+        dyn_validator(stranger.validator()),
+    );
+    let (server_result, client_result) = handshake(&parties.mutual_server(), &client).await;
+    assert!(
+        matches!(
+            client_result,
+            Err(ConnectError::ServerRefused(PeerError::Validation(
+                ValidationError::Rejected(_)
+            )))
+        ),
+        "{client_result:?}"
+    );
+    assert!(matches!(
+        server_result,
+        Err(HandshakeError::RefusedByClient(
+            AlertDescription::AccessDenied
+        ))
+    ));
+
+    // The server trusts another key than the client's.
+    let server = AtlsServer::mutual(
+        dyn_issuer(&parties.server_issuer),
+        dyn_validator(stranger.validator()),
+    );
+    let (server_result, client_result) = handshake(&server, &parties.mutual_client()).await;
+    let Err(HandshakeError::ClientRefused(PeerError::Validation(ValidationError::Rejected(
+        reason,
+    )))) = server_result
+    else {
+        panic!("{server_result:?}");
+    };
+    assert_eq!(reason.to_string(), "signature is not by the trusted key");
+    assert!(matches!(
+        client_result,
+        Err(ConnectError::RefusedByServer(
+            AlertDescription::AccessDenied
+        ))
+    ));
+}
+
+#[tokio::test]
+async fn every_connection_is_fully_validated_no_resumption() {
+    let parties = Parties::new();
+    let server_validator = Arc::new(parties.client_issuer.validator());
+    let client_validator = Arc::new(parties.server_issuer.validator());
+    let server = TestServer::start(AtlsServer::mutual(
+        dyn_issuer(&parties.server_issuer),
+        server_validator.clone(),
+    ))
+    .await;
+    let client = AtlsClient::mutual(dyn_issuer(&parties.client_issuer), client_validator.clone());
+
+    for round in 1..=3 {
+        let (seen_by_server, attested) = call(&client, &server).await.unwrap();
+        assert_eq!(seen_by_server, parties.client_issuer.last_issued());
+        assert_eq!(
+            attested.unwrap().document(),
+            parties.server_issuer.last_issued()
+        );
+        assert_eq!(server_validator.count(), round);
+        assert_eq!(client_validator.count(), round);
+        assert_eq!(parties.server_issuer.issued_count(), round);
+        assert_eq!(parties.client_issuer.issued_count(), round);
+    }
+}
+
+#[tokio::test]
+async fn swapping_the_validator_changes_the_next_handshake() {
+    let parties = Parties::new();
+    let other = TestIssuer::generate();
+    let swappable = Arc::new(SwappableValidator::new(
+        parties.server_issuer.validator().generation(1),
+    ));
+    let client = AtlsClient::mutual(dyn_issuer(&parties.client_issuer), swappable.clone());
+    let server = TestServer::start(parties.mutual_server()).await;
+
+    let (_, attested) = call(&client, &server).await.unwrap();
+    assert_eq!(attested.unwrap().claims().generation, 1);
+
+    // An established connection outlives the swap.
+    let bound = client.bind_channel(server.endpoint()).await.unwrap();
+
+    // The new validator trusts another key: the same server is now refused.
+    let old = swappable.replace(other.validator().generation(2));
+    assert_eq!(old.count(), 2);
+    let refused = call(&client, &server).await;
+    assert!(
+        matches!(
+            refused,
+            Err(ConnectError::ServerRefused(PeerError::Validation(
+                ValidationError::Rejected(_)
+            )))
+        ),
+        "{refused:?}"
+    );
+    let mut still_open = keel_proto::kms::key_service_client::KeyServiceClient::new(bound.channel);
+    still_open
+        .get_data_key(keel_proto::kms::GetDataKeyRequest {
+            data_key_id: "x".into(),
+            length: 16,
+        })
+        .await
+        .unwrap();
+
+    // ... and a server the new validator trusts is accepted.
+    let other_server = TestServer::start(AtlsServer::mutual(
+        dyn_issuer(&other),
+        dyn_validator(parties.client_issuer.validator()),
+    ))
+    .await;
+    let (_, attested) = call(&client, &other_server).await.unwrap();
+    assert_eq!(attested.unwrap().claims().generation, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_handshakes_during_swaps_complete_or_fail_cleanly() {
+    const HANDSHAKES: usize = 50;
+    let parties = Parties::new();
+    let stranger = TestIssuer::generate();
+    // Generation 1 accepts the client, generation 2 refuses it.
+    let swappable = Arc::new(SwappableValidator::new(
+        parties.client_issuer.validator().generation(1),
+    ));
+    let server = TestServer::start(AtlsServer::mutual(
+        dyn_issuer(&parties.server_issuer),
+        swappable.clone(),
+    ))
+    .await;
+
+    let swapping = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let swapper = {
+        let swappable = swappable.clone();
+        let swapping = swapping.clone();
+        let (accepting, refusing) = (parties.client_issuer.public_key(), stranger.public_key());
+        tokio::spawn(async move {
+            let mut swaps = 0u32;
+            while swapping.load(std::sync::atomic::Ordering::SeqCst) {
+                let (trusted, generation) = if swaps.is_multiple_of(2) {
+                    (&refusing, 2)
+                } else {
+                    (&accepting, 1)
+                };
+                swappable.replace(TestValidator::new(trusted.clone()).generation(generation));
+                swaps += 1;
+                tokio::time::sleep(Duration::from_micros(500)).await;
+            }
+            swaps
+        })
+    };
+
+    let client = parties.mutual_client();
+    let tasks: Vec<_> = (0..HANDSHAKES)
+        .map(|_| {
+            let client = client.clone();
+            let addr = server.addr;
+            tokio::spawn(async move { client.connect("127.0.0.1", addr.port()).await })
+        })
+        .collect();
+    let (mut accepted, mut refused) = (0u64, 0u64);
+    for task in tasks {
+        match task.await.expect("no handshake task panicked") {
+            Ok(stream) => {
+                assert!(stream.peer().attested().is_some());
+                accepted += 1;
+            }
+            Err(ConnectError::RefusedByServer(AlertDescription::AccessDenied)) => refused += 1,
+            Err(other) => panic!("unclean failure: {other:?}"),
+        }
+    }
+    swapping.store(false, std::sync::atomic::Ordering::SeqCst);
+    let swaps = swapper.await.unwrap();
+    assert!(swaps > 1, "the validator was swapped during the handshakes");
+
+    eprintln!("accepted {accepted}, refused {refused}, swaps {swaps}");
+    server.wait_for_handshakes(HANDSHAKES as u64).await;
+    assert_eq!(server.stats.accepted(), accepted);
+    assert_eq!(server.stats.refused(), refused);
+    assert_eq!(accepted + refused, HANDSHAKES as u64);
+}
+
+#[tokio::test]
+async fn a_silent_client_is_cut_off_after_the_handshake_timeout() {
+    let parties = Parties::new();
+    let server = parties
+        .mutual_server()
+        .with_handshake_timeout(Duration::from_millis(200));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (tcp, _) = listener.accept().await.unwrap();
+    let started = std::time::Instant::now();
+    let result = server.accept(tcp).await;
+    assert!(
+        matches!(result, Err(HandshakeError::Timeout(_))),
+        "{result:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+#[tokio::test]
+async fn the_largest_document_fits_in_a_handshake() {
+    let parties = Parties::new();
+    let large: danger::PresentFn = Arc::new(|_: &Nonce| {
+        let key = danger::generate_key()?;
+        danger::certificate_with_extension(
+            &key,
+            ATTESTATION_OID,
+            &vec![0x5a; cert::MAX_DOCUMENT_LEN],
+        )
+    });
+    let server = parties.mutual_server().danger_present_with(large);
+    let (_, client_result) = handshake(&server, &parties.mutual_client()).await;
+    // The certificate crossed the wire; the validator then refused the junk.
+    assert!(
+        matches!(
+            client_result,
+            Err(ConnectError::ServerRefused(PeerError::Validation(
+                ValidationError::Malformed(_)
+            )))
+        ),
+        "{client_result:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_accept_loop_counts_refusals_and_keeps_serving() {
+    common::init_tracing();
+    let parties = Parties::new();
+    let server = TestServer::start(parties.mutual_server()).await;
+    let stranger = TestIssuer::generate();
+
+    let intruder = AtlsClient::mutual(
+        dyn_issuer(&stranger),
+        dyn_validator(parties.server_issuer.validator()),
+    );
+    let refused = intruder.connect("127.0.0.1", server.addr.port()).await;
+    assert!(
+        matches!(
+            refused,
+            Err(ConnectError::RefusedByServer(
+                AlertDescription::AccessDenied
+            ))
+        ),
+        "{refused:?}"
+    );
+    server.wait_for_handshakes(1).await;
+    assert_eq!(server.stats.refused(), 1);
+
+    let (seen_by_server, _) = call(&parties.mutual_client(), &server).await.unwrap();
+    assert_eq!(seen_by_server, parties.client_issuer.last_issued());
+    assert_eq!(server.stats.accepted(), 1);
+}
