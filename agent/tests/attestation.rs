@@ -15,10 +15,10 @@ use keel_testkit::swtpm::{EkCa, Swtpm};
 use prost::Message;
 
 struct Node {
-    _swtpm: Swtpm,
-    _dir: tempfile::TempDir,
     issuer: TpmIssuer,
     config: NodeConfig,
+    _dir: tempfile::TempDir,
+    _swtpm: Swtpm,
 }
 
 fn node(ca: &EkCa) -> Node {

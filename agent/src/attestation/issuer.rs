@@ -78,3 +78,9 @@ impl TpmIssuer {
         Ok(doc.encode_to_vec())
     }
 }
+
+impl keel_atls::Issuer for TpmIssuer {
+    fn issue(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, keel_atls::IssueError> {
+        TpmIssuer::issue(self, nonce, user_data).map_err(keel_atls::IssueError::new)
+    }
+}

@@ -5,6 +5,7 @@ pub mod credential;
 pub mod ek;
 pub mod issuer;
 pub mod measurements;
+pub mod policy;
 pub mod quote;
 pub mod tpm_wire;
 pub mod validator;

@@ -112,9 +112,6 @@ impl Validator {
             return Err(ValidationError::TooLarge);
         }
         let doc = AttestationDocument::decode(document).map_err(ValidationError::Decode)?;
-        if doc.user_data != user_data {
-            return Err(ValidationError::UserData);
-        }
         let ek = Public::parse(&doc.ek_public)?;
         self.ek_trust.verify(&doc.ek_certificate, &ek)?;
         let ak = Public::parse(&doc.ak_public)?;
@@ -123,9 +120,14 @@ impl Validator {
             &ak,
             &doc.quote,
             &doc.signature,
-            &qualifying_data(nonce, user_data),
+            &qualifying_data(nonce, &doc.user_data),
             &pcrs,
         )?;
+        // Checked after the quote, against the document's own user data: a
+        // replayed document fails on its nonce, a moved one on its key.
+        if doc.user_data != user_data {
+            return Err(ValidationError::UserData);
+        }
         let events = events(&doc)?;
         verify_replay(&events, &pcrs)?;
         let (warnings, enforced): (Vec<_>, Vec<_>) = self
@@ -186,4 +188,27 @@ fn events(doc: &AttestationDocument) -> Result<Vec<Event>, ValidationError> {
             })
         })
         .collect()
+}
+
+impl keel_atls::Validator for Validator {
+    type Claims = Verified;
+
+    fn validate(
+        &self,
+        document: &[u8],
+        nonce: &[u8],
+        user_data: &[u8],
+    ) -> Result<Verified, keel_atls::ValidationError> {
+        Validator::validate(self, document, nonce, user_data).map_err(|e| match e {
+            ValidationError::TooLarge
+            | ValidationError::Decode(_)
+            | ValidationError::Field(_)
+            | ValidationError::Wire(_) => keel_atls::ValidationError::malformed(e),
+            ValidationError::UserData => keel_atls::ValidationError::KeyBindingMismatch,
+            ValidationError::Quote(QuoteError::QualifyingData) => {
+                keel_atls::ValidationError::NonceMismatch
+            }
+            other => keel_atls::ValidationError::rejected(other),
+        })
+    }
 }

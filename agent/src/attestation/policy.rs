@@ -1,0 +1,155 @@
+//! The verifier's policy as a running service holds it: the measurements
+//! file, re-read while the service runs, behind a swappable validator.
+//!
+//! A new file is parsed and a new [`Validator`] built before anything is
+//! swapped; a file that does not parse leaves the old validator in place and
+//! is logged. Handshakes in flight finish on the validator they started with.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use keel_atls::SwappableValidator;
+
+use super::ek::EkTrust;
+use super::measurements::{Measurements, MeasurementsError, MAX_MEASUREMENTS_BYTES};
+use super::validator::{Validator, Verified};
+use crate::measurement::Digest32;
+
+/// Loading a policy failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// The measurements file could not be read.
+    #[error("reading measurements file {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The measurements file is invalid.
+    #[error("measurements file {path} is invalid")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: MeasurementsError,
+    },
+}
+
+/// Values every accepted peer must show in addition to the file's, e.g.
+/// PCR 15 = zero for nodes that ask to join.
+pub type Required = Vec<(u32, Digest32)>;
+
+/// A validator built from a measurements file that can be re-read.
+pub struct ReloadableValidator {
+    path: PathBuf,
+    ek_trust: EkTrust,
+    required: Required,
+    current: Arc<SwappableValidator<Validator>>,
+    modified: Mutex<Option<SystemTime>>,
+}
+
+impl ReloadableValidator {
+    /// Loads `path`; fails if the first file is invalid.
+    pub fn load(path: &Path, ek_trust: EkTrust, required: Required) -> Result<Self, PolicyError> {
+        let (validator, modified) = build(path, &ek_trust, &required)?;
+        Ok(Self {
+            path: path.to_owned(),
+            ek_trust,
+            required,
+            current: Arc::new(SwappableValidator::new(validator)),
+            modified: Mutex::new(modified),
+        })
+    }
+
+    /// The validator to give aTLS servers and clients.
+    pub fn validator(&self) -> keel_atls::DynValidator<Verified> {
+        self.current.clone()
+    }
+
+    /// The validator in force now.
+    pub fn current(&self) -> Arc<Validator> {
+        self.current.current()
+    }
+
+    /// Re-reads the file and swaps in its validator. On error the old
+    /// validator stays and the error is returned (and logged).
+    pub fn reload(&self) -> Result<(), PolicyError> {
+        match build(&self.path, &self.ek_trust, &self.required) {
+            Ok((validator, modified)) => {
+                self.current.replace(validator);
+                *self.modified.lock().unwrap_or_else(PoisonError::into_inner) = modified;
+                tracing::info!(path = %self.path.display(), "measurements reloaded");
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(
+                    path = %self.path.display(),
+                    error = %keel_atls::ErrorChain(&e),
+                    "new measurements rejected; keeping the previous ones"
+                );
+                Err(e)
+            }
+        }
+    }
+
+    /// Reloads when the file's modification time changed.
+    pub fn reload_if_changed(&self) -> Result<bool, PolicyError> {
+        let modified = std::fs::metadata(&self.path)
+            .and_then(|m| m.modified())
+            .ok();
+        let last = *self.modified.lock().unwrap_or_else(PoisonError::into_inner);
+        if modified == last {
+            return Ok(false);
+        }
+        let result = self.reload();
+        // Remember a rejected file too, so it is reported once, not every poll.
+        *self.modified.lock().unwrap_or_else(PoisonError::into_inner) = modified;
+        result.map(|()| true)
+    }
+
+    /// Polls the file every `interval` until the returned task is aborted.
+    pub fn watch(self: Arc<Self>, interval: Duration) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                let _ = self.reload_if_changed();
+            }
+        })
+    }
+}
+
+fn build(
+    path: &Path,
+    ek_trust: &EkTrust,
+    required: &Required,
+) -> Result<(Validator, Option<SystemTime>), PolicyError> {
+    let read = |source| PolicyError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(read)?;
+    if meta.len() > MAX_MEASUREMENTS_BYTES as u64 {
+        return Err(PolicyError::Parse {
+            path: path.to_owned(),
+            source: MeasurementsError::TooLarge,
+        });
+    }
+    let bytes = std::fs::read(path).map_err(read)?;
+    let mut measurements = Measurements::parse(&bytes).map_err(|source| PolicyError::Parse {
+        path: path.to_owned(),
+        source,
+    })?;
+    for (pcr, digest) in required {
+        measurements.insert(*pcr, *digest, false);
+    }
+    Ok((
+        Validator::new(measurements, ek_trust.clone()),
+        meta.modified().ok(),
+    ))
+}
