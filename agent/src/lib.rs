@@ -2,8 +2,17 @@
 //! binds the node's secrets to what it booted.
 
 pub mod attestation;
+pub mod cluster;
+pub mod components;
 pub mod config;
+pub mod disk;
+pub mod init;
+pub mod key_service;
+pub mod kubeadm;
 pub mod measured;
 pub mod measurement;
+pub mod nodelock;
+pub mod reboot;
 pub mod systemd;
 pub mod tpm;
+pub mod node;

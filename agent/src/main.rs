@@ -6,7 +6,13 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use keel_agent::config::NodeConfig;
-use keel_agent::measured::MeasuredLog;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+
+use keel_agent::cluster::ClusterSlot;
+use keel_agent::measured::{MeasuredLog, MeasuredTpm, SharedTpm};
+use keel_agent::node;
+use keel_agent::nodelock::NodeLock;
 use keel_agent::measurement::{self, pcr, EventType, HexDigest};
 use keel_agent::systemd;
 use keel_agent::tpm::{TctiSpec, Tpm};
@@ -107,33 +113,44 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Run { config, once } => {
             let (config, source) = NodeConfig::load(config.as_deref())?;
             tracing::info!(%source, "node config loaded");
-            let mut tpm = Tpm::open(&tcti)?;
-            let mut log = MeasuredLog::open(&log_path, &mut tpm)?;
-            log.record_once(
-                &mut tpm,
+            let tpm = Tpm::open(&tcti)?;
+            let mut measured = MeasuredTpm::open(tpm, &log_path)?;
+            // Measured before anything below reads it.
+            measured.record_once(
                 EventType::NodeConfig,
                 format!("node config from {source}"),
                 config.cluster_bytes(),
             )?;
-            log.record_once(
-                &mut tpm,
+            measured.record_once(
                 EventType::NodeIdentity,
                 format!("node {} ({})", config.node.name, config.node.role.as_str()),
                 config.node_bytes(),
             )?;
-            for (index, value) in tpm.pcr_read_all()? {
+            for (index, value) in measured.tpm().pcr_read_all()? {
                 println!("pcr {index} sha256:{}", HexDigest(&value));
             }
+            let tpm = measured.shared();
+            let lock = Arc::new(NodeLock::new(tpm.clone())?);
             systemd::notify("READY=1")?;
             println!("keel-agent: ready");
             if once {
                 return Ok(());
             }
-            // The init server and join client are started here; until they
-            // exist the agent idles so the node stays inspectable.
-            loop {
-                std::thread::park();
-            }
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            runtime.block_on(serve(config, tpm, lock, cli.state_dir))
         }
     }
+}
+
+/// Serves the node's APIs until the process is stopped.
+async fn serve(config: NodeConfig, tpm: SharedTpm, lock: Arc<NodeLock>, state_dir: PathBuf) -> anyhow::Result<()> {
+    let cluster = Arc::new(ClusterSlot::new(None));
+    let env = node::node_env(&config, state_dir)?;
+    if config.cluster.init_secret_hash.is_empty() {
+        tracing::info!("no init secret configured: this node does not accept init");
+        std::future::pending::<()>().await;
+        return Ok(());
+    }
+    let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.init_port));
+    node::serve_init(addr, config, tpm, lock, env, cluster).await
 }

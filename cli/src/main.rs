@@ -1,2 +1,84 @@
-//! keel: the operator CLI.
-fn main() {}
+//! keel: the operator CLI. A thin composition root over the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod init;
+mod settings;
+mod verify;
+
+/// Operate keel clusters: initialise the first node over attested TLS, verify
+/// a node's attestation.
+///
+/// Secrets never go on the command line: the init secret is read from the
+/// file the settings name, and the generated master secret is written to a
+/// file with mode 0600 before anything is sent.
+#[derive(Parser)]
+#[command(name = "keel", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create a cluster on its first node: verify the node's attestation,
+    /// send it the (TPM-sealed) master secret, stream its progress, and write
+    /// the admin kubeconfig.
+    Init {
+        /// Settings file (JSON): endpoint, Kubernetes version, measurements, EK CA, init secret file.
+        #[arg(long, default_value = "keel.json")]
+        settings: PathBuf,
+        /// Directory for the master secret, kubeconfig, cluster ID and failure logs.
+        #[arg(long, default_value = ".")]
+        workspace: PathBuf,
+        /// Do not wait for the Helm deployments after kubeadm (accepted for
+        /// compatibility; keel installs no Helm charts yet).
+        #[arg(long)]
+        skip_helm_wait: bool,
+    },
+    /// Verify a node's attestation against the measurements and print what it attests.
+    Verify {
+        /// Settings file (JSON); only endpoint, measurements and EK CA are used.
+        #[arg(long, default_value = "keel.json")]
+        settings: PathBuf,
+        /// Node to verify (host:port), instead of the settings' endpoint.
+        #[arg(long)]
+        endpoint: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("keel: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Init { settings, workspace, skip_helm_wait } => {
+                init::run(&settings, &workspace, skip_helm_wait).await
+            }
+            Command::Verify { settings, endpoint } => verify::run(&settings, endpoint).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("keel: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -2,10 +2,12 @@
 //! [`MirrorServer`], with the component lists that point at them.
 //!
 //! This environment cannot download Kubernetes, so tests (and the local
-//! cluster) install stand-ins instead: small `#!/bin/sh` executables named
-//! `kubeadm`, `kubelet` and `kubectl` that print their name and version, and
-//! `.tgz` archives shaped like the upstream CNI plugins and crictl releases.
-//! Their hashes are their own, not upstream's.
+//! cluster) install stand-ins instead: for `kubeadm`, `kubelet` and `kubectl`
+//! either small `#!/bin/sh` scripts that print their name and version, or
+//! the `keel-standin` program ([`standin_binary`], see
+//! `src/bin/keel-standin.rs`), which checks kubeadm configurations and writes
+//! what kubeadm writes; and `.tgz` archives shaped like the upstream CNI
+//! plugins and crictl releases. Their hashes are their own, not upstream's.
 //!
 //! Two lists are offered:
 //! * [`stand_in_set`]: components whose URLs are on the mirror and whose
@@ -17,7 +19,9 @@
 //!   cannot be fetched here. `data:` components are kept as they are.
 
 use std::io::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
 
 use flate2::write::GzEncoder;
 use keel_proto::components::Component;
@@ -41,6 +45,83 @@ pub enum StandInError {
     /// A component URL does not parse.
     #[error("component URL {0:?} has no path")]
     Url(String),
+    /// Building or reading the `keel-standin` program failed.
+    #[error("building the keel-standin program: {0}")]
+    Build(String),
+}
+
+/// What is installed as `kubeadm`, `kubelet` and `kubectl`.
+#[derive(Debug, Clone)]
+pub enum KubeExecutables {
+    /// Shell scripts printing their name and version ([`executable`]).
+    Scripts,
+    /// The given program (the `keel-standin` bytes), the same for all three;
+    /// it picks its role from the name it is installed under.
+    Program(Vec<u8>),
+}
+
+impl KubeExecutables {
+    /// The `keel-standin` program, built if needed ([`standin_binary`]).
+    pub fn standin() -> Result<Self, StandInError> {
+        let path = standin_binary()?;
+        std::fs::read(&path)
+            .map(Self::Program)
+            .map_err(|e| StandInError::Build(format!("reading {}: {e}", path.display())))
+    }
+
+    fn bytes(&self, name: &str, version: &str) -> Vec<u8> {
+        match self {
+            Self::Scripts => executable(name, version),
+            Self::Program(bytes) => bytes.clone(),
+        }
+    }
+}
+
+/// The path of the `keel-standin` program, built once per process with the
+/// cargo that runs the tests, for the same target and profile as the
+/// calling test binary (which lives in `<target>/<profile>/deps/`).
+pub fn standin_binary() -> Result<PathBuf, StandInError> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(build_standin)
+        .clone()
+        .map_err(StandInError::Build)
+}
+
+fn build_standin() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("locating the test binary: {e}"))?;
+    let profile_dir = exe
+        .parent()
+        .filter(|d| d.ends_with("deps"))
+        .and_then(Path::parent)
+        .ok_or_else(|| format!("{} is not in a cargo target directory", exe.display()))?;
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut build = Command::new(cargo);
+    build
+        .args([
+            "build",
+            "--quiet",
+            "--bin",
+            "keel-standin",
+            "--manifest-path",
+        ])
+        .arg(&manifest);
+    if profile_dir.ends_with("release") {
+        build.arg("--release");
+    }
+    let status = build
+        .status()
+        .map_err(|e| format!("running cargo build: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build --bin keel-standin: {status}"));
+    }
+    let path = profile_dir.join("keel-standin");
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!("{} was not built", path.display()))
+    }
 }
 
 /// `sha256:<hex>` of `bytes`.
@@ -99,12 +180,22 @@ pub fn crictl_tgz() -> Result<Vec<u8>, StandInError> {
 
 /// Serves a stand-in for each kind of component on `mirror` and returns the
 /// list: CNI plugins into `<root>/opt/cni/bin`, crictl into
-/// `<root>/run/state/bin`, kubelet, kubeadm and kubectl as
+/// `<root>/run/state/bin`, kubelet, kubeadm and kubectl (shell scripts) as
 /// `<root>/run/state/bin/<name>`, in the order the versions table uses.
 pub fn stand_in_set(
     mirror: &MirrorServer,
     root: &Path,
     version: &str,
+) -> Result<Vec<Component>, StandInError> {
+    stand_in_set_with(mirror, root, version, &KubeExecutables::Scripts)
+}
+
+/// [`stand_in_set`] with `kube` installed as kubelet, kubeadm and kubectl.
+pub fn stand_in_set_with(
+    mirror: &MirrorServer,
+    root: &Path,
+    version: &str,
+    kube: &KubeExecutables,
 ) -> Result<Vec<Component>, StandInError> {
     let under = |p: &str| root.join(p).to_string_lossy().into_owned();
     let mut components = Vec::new();
@@ -133,7 +224,7 @@ pub fn stand_in_set(
     for name in ["kubelet", "kubeadm", "kubectl"] {
         add(
             format!("/{version}/bin/linux/amd64/{name}"),
-            executable(name, version),
+            kube.bytes(name, version),
             under(&format!("run/state/bin/{name}")),
             false,
         );

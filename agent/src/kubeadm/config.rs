@@ -1,0 +1,511 @@
+//! kubeadm configuration files: `InitConfiguration` + `ClusterConfiguration`
+//! for `kubeadm init`, `JoinConfiguration` for `kubeadm join`.
+//!
+//! The API version follows the Kubernetes version: `kubeadm.k8s.io/v1beta3`
+//! for v1.30 (v1beta4 arrived in v1.31), `kubeadm.k8s.io/v1beta4` from v1.31
+//! on (v1beta3 is deprecated there). The one difference the generated files
+//! touch is the shape of extra arguments: a map in v1beta3, a list of
+//! `{name, value}` in v1beta4.
+//!
+//! Every input is checked before it reaches a file (names, addresses,
+//! CIDRs, SANs, token formats), and secrets (the bootstrap token, the
+//! certificate key) have redacted `Debug` output.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use keel_installer::KubernetesVersion;
+use rand::Rng as _;
+
+use super::yaml::Yaml;
+
+/// Where the installer puts the control-plane image patches (`data:` components).
+pub const DEFAULT_PATCHES_DIR: &str = "/opt/kubernetes/patches";
+/// The container runtime's CRI socket.
+pub const CRI_SOCKET: &str = "unix:///run/containerd/containerd.sock";
+/// The API server's port.
+pub const API_SERVER_PORT: u16 = 6443;
+/// Lifetime of the bootstrap token created by `kubeadm init`.
+pub const INIT_TOKEN_TTL: &str = "1h0m0s";
+
+/// Why a configuration was refused.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A name is not a DNS-1123 subdomain.
+    #[error("{field} {value:?} is not a lower-case DNS name of at most 253 characters")]
+    Name {
+        /// The field.
+        field: &'static str,
+        /// The refused value.
+        value: String,
+    },
+    /// A CIDR does not parse.
+    #[error("{field} {value:?} is not an address/prefix CIDR")]
+    Cidr {
+        /// The field.
+        field: &'static str,
+        /// The refused value.
+        value: String,
+    },
+    /// A certificate SAN is neither an IP address nor a DNS name.
+    #[error("API server certificate SAN {0:?} is neither an IP address nor a DNS name")]
+    CertSan(String),
+    /// The Kubernetes version is older than kubeadm's config APIs support.
+    #[error("Kubernetes {0} is not supported (v1.30 or newer)")]
+    Version(KubernetesVersion),
+    /// The API server endpoint is not `host:port`.
+    #[error("API server endpoint {0:?} is not host:port")]
+    ApiServerEndpoint(String),
+    /// The patches directory is not an absolute UTF-8 path.
+    #[error("patches directory {0:?} is not an absolute UTF-8 path")]
+    PatchesDir(PathBuf),
+    /// A join configuration lists no CA certificate hash.
+    #[error("a join needs at least one discovery CA certificate hash")]
+    NoCaCertHash,
+}
+
+/// A token does not have kubeadm's format.
+#[derive(Debug, Clone, Copy, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ParseSecretError {
+    /// Not `[a-z0-9]{6}.[a-z0-9]{16}`.
+    #[error("bootstrap token is not of the form [a-z0-9]{{6}}.[a-z0-9]{{16}}")]
+    BootstrapToken,
+    /// Not `sha256:` and 64 lower-case hex digits.
+    #[error("CA certificate hash is not sha256:<64 hex digits>")]
+    CaCertHash,
+    /// Not 64 hex digits (32 bytes).
+    #[error("certificate key is not 64 hex digits")]
+    CertificateKey,
+}
+
+/// A kubeadm bootstrap token `abcdef.0123456789abcdef`: a public ID and a
+/// secret. `Debug` shows the ID only.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BootstrapToken(String);
+
+impl BootstrapToken {
+    /// A fresh random token.
+    pub fn generate() -> Self {
+        const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+        let mut rng = rand::rngs::OsRng;
+        let mut pick = |n: usize| -> String {
+            (0..n)
+                .map(|_| char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())]))
+                .collect()
+        };
+        Self(format!("{}.{}", pick(6), pick(16)))
+    }
+
+    /// The whole token (secret).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The public token ID (before the dot).
+    pub fn id(&self) -> &str {
+        self.0.split('.').next().unwrap_or_default()
+    }
+}
+
+impl FromStr for BootstrapToken {
+    type Err = ParseSecretError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let ok = |part: &str, n: usize| {
+            part.len() == n
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        };
+        match s.split_once('.') {
+            Some((id, secret)) if ok(id, 6) && ok(secret, 16) => Ok(Self(s.to_owned())),
+            _ => Err(ParseSecretError::BootstrapToken),
+        }
+    }
+}
+
+impl fmt::Debug for BootstrapToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BootstrapToken({}.<redacted>)", self.id())
+    }
+}
+
+/// `sha256:<hex>` of the cluster CA's SubjectPublicKeyInfo (kubeadm discovery).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CaCertHash(String);
+
+impl CaCertHash {
+    /// The hash as kubeadm takes it.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for CaCertHash {
+    type Err = ParseSecretError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.strip_prefix("sha256:") {
+            Some(hex) if is_lower_hex(hex, 64) => Ok(Self(s.to_owned())),
+            _ => Err(ParseSecretError::CaCertHash),
+        }
+    }
+}
+
+/// kubeadm's certificate key (hex of a 32-byte AES key) that decrypts the
+/// control-plane certificates uploaded by `kubeadm init --upload-certs`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CertificateKey(String);
+
+impl CertificateKey {
+    /// The key as hex (secret).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for CertificateKey {
+    type Err = ParseSecretError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if is_lower_hex(&s.to_ascii_lowercase(), 64) {
+            Ok(Self(s.to_ascii_lowercase()))
+        } else {
+            Err(ParseSecretError::CertificateKey)
+        }
+    }
+}
+
+impl fmt::Debug for CertificateKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("CertificateKey(<redacted>)")
+    }
+}
+
+/// The kubeadm configuration API version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigApi {
+    /// `kubeadm.k8s.io/v1beta3` (Kubernetes v1.30).
+    V1Beta3,
+    /// `kubeadm.k8s.io/v1beta4` (Kubernetes v1.31 and later).
+    V1Beta4,
+}
+
+impl ConfigApi {
+    /// The API version kubeadm of `version` should be given.
+    pub fn for_version(version: KubernetesVersion) -> Result<Self, ConfigError> {
+        let at = |s: &str| s.parse::<KubernetesVersion>().ok();
+        if at("v1.30.0").is_some_and(|v| version < v) {
+            Err(ConfigError::Version(version))
+        } else if at("v1.31.0").is_some_and(|v| version < v) {
+            Ok(Self::V1Beta3)
+        } else {
+            Ok(Self::V1Beta4)
+        }
+    }
+
+    /// The `apiVersion` string.
+    pub fn api_version(self) -> &'static str {
+        match self {
+            Self::V1Beta3 => "kubeadm.k8s.io/v1beta3",
+            Self::V1Beta4 => "kubeadm.k8s.io/v1beta4",
+        }
+    }
+
+    /// Extra arguments in this version's shape.
+    fn extra_args(self, args: &[(&str, String)]) -> Yaml {
+        match self {
+            Self::V1Beta3 => Yaml::map(
+                args.iter()
+                    .map(|(name, value)| (*name, Yaml::str(value.clone()))),
+            ),
+            Self::V1Beta4 => Yaml::List(
+                args.iter()
+                    .map(|(name, value)| {
+                        Yaml::map(vec![
+                            ("name", Yaml::str(*name)),
+                            ("value", Yaml::str(value.clone())),
+                        ])
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// Everything `kubeadm init` needs.
+#[derive(Debug, Clone)]
+pub struct InitConfig {
+    /// Kubernetes node name of this node.
+    pub node_name: String,
+    /// The address the API server advertises (and the kubelet's node IP).
+    pub advertise_address: IpAddr,
+    /// Kubernetes cluster name.
+    pub cluster_name: String,
+    /// Pinned Kubernetes version.
+    pub kubernetes_version: KubernetesVersion,
+    /// Extra SANs of the API server certificate (IPs or DNS names).
+    pub cert_sans: Vec<String>,
+    /// Service CIDR, e.g. `10.96.0.0/12`.
+    pub service_cidr: String,
+    /// Pod CIDR, e.g. `10.244.0.0/16`.
+    pub pod_cidr: String,
+    /// Directory of kubeadm patches (see [`DEFAULT_PATCHES_DIR`]).
+    pub patches_dir: PathBuf,
+    /// The bootstrap token kubeadm creates, for the join service to hand out.
+    pub bootstrap_token: BootstrapToken,
+}
+
+impl InitConfig {
+    /// The kubeadm configuration: `InitConfiguration`, then `ClusterConfiguration`.
+    pub fn to_yaml(&self) -> Result<String, ConfigError> {
+        let api = ConfigApi::for_version(self.kubernetes_version)?;
+        check_name("node name", &self.node_name)?;
+        check_name("cluster name", &self.cluster_name)?;
+        check_cidr("service CIDR", &self.service_cidr)?;
+        check_cidr("pod CIDR", &self.pod_cidr)?;
+        for san in &self.cert_sans {
+            check_san(san)?;
+        }
+        let patches = patches_dir(&self.patches_dir)?;
+        let endpoint = SocketAddr::new(self.advertise_address, API_SERVER_PORT).to_string();
+        let init = Yaml::map(vec![
+            ("apiVersion", Yaml::str(api.api_version())),
+            ("kind", Yaml::str("InitConfiguration")),
+            (
+                "bootstrapTokens",
+                Yaml::List(vec![Yaml::map(vec![
+                    ("token", Yaml::str(self.bootstrap_token.expose())),
+                    ("description", Yaml::str("keel: nodes join with this token")),
+                    ("ttl", Yaml::str(INIT_TOKEN_TTL)),
+                    ("usages", Yaml::strs(["signing", "authentication"])),
+                    (
+                        "groups",
+                        Yaml::strs(["system:bootstrappers:kubeadm:default-node-token"]),
+                    ),
+                ])]),
+            ),
+            (
+                "nodeRegistration",
+                node_registration(api, &self.node_name, self.advertise_address),
+            ),
+            (
+                "localAPIEndpoint",
+                Yaml::map(vec![
+                    (
+                        "advertiseAddress",
+                        Yaml::str(self.advertise_address.to_string()),
+                    ),
+                    ("bindPort", Yaml::Int(API_SERVER_PORT.into())),
+                ]),
+            ),
+            (
+                "patches",
+                Yaml::map(vec![("directory", Yaml::str(patches))]),
+            ),
+        ]);
+        let mut sans = vec![self.advertise_address.to_string()];
+        sans.extend(self.cert_sans.iter().cloned());
+        let cluster = Yaml::map(vec![
+            ("apiVersion", Yaml::str(api.api_version())),
+            ("kind", Yaml::str("ClusterConfiguration")),
+            ("clusterName", Yaml::str(&self.cluster_name)),
+            (
+                "kubernetesVersion",
+                Yaml::str(self.kubernetes_version.to_string()),
+            ),
+            ("controlPlaneEndpoint", Yaml::str(endpoint)),
+            (
+                "networking",
+                Yaml::map(vec![
+                    ("serviceSubnet", Yaml::str(&self.service_cidr)),
+                    ("podSubnet", Yaml::str(&self.pod_cidr)),
+                    ("dnsDomain", Yaml::str("cluster.local")),
+                ]),
+            ),
+            ("apiServer", Yaml::map(vec![("certSANs", Yaml::strs(sans))])),
+        ]);
+        Ok(Yaml::documents(&[init, cluster]))
+    }
+}
+
+/// The control-plane part of a join.
+#[derive(Debug, Clone)]
+pub struct ControlPlaneJoin {
+    /// The address this node's API server advertises.
+    pub advertise_address: IpAddr,
+    /// kubeadm's certificate key, when the control-plane certificates come
+    /// from `kubeadm init --upload-certs`; `None` when they are written to
+    /// `/etc/kubernetes/pki` before the join (the join ticket's files).
+    pub certificate_key: Option<CertificateKey>,
+}
+
+/// Everything `kubeadm join` needs.
+#[derive(Debug, Clone)]
+pub struct JoinConfig {
+    /// Kubernetes node name of this node.
+    pub node_name: String,
+    /// This node's IP (the kubelet's node IP).
+    pub node_ip: IpAddr,
+    /// The pinned Kubernetes version (chooses the config API).
+    pub kubernetes_version: KubernetesVersion,
+    /// `host:port` of the API server.
+    pub api_server_endpoint: String,
+    /// The bootstrap token from the join ticket.
+    pub token: BootstrapToken,
+    /// Hashes of the cluster CA's public key (discovery pins these).
+    pub ca_cert_hashes: Vec<CaCertHash>,
+    /// Present for control-plane joins.
+    pub control_plane: Option<ControlPlaneJoin>,
+    /// Directory of kubeadm patches (see [`DEFAULT_PATCHES_DIR`]).
+    pub patches_dir: PathBuf,
+}
+
+impl JoinConfig {
+    /// The kubeadm `JoinConfiguration`.
+    pub fn to_yaml(&self) -> Result<String, ConfigError> {
+        let api = ConfigApi::for_version(self.kubernetes_version)?;
+        check_name("node name", &self.node_name)?;
+        check_endpoint(&self.api_server_endpoint)?;
+        if self.ca_cert_hashes.is_empty() {
+            return Err(ConfigError::NoCaCertHash);
+        }
+        let patches = patches_dir(&self.patches_dir)?;
+        let mut doc = vec![
+            ("apiVersion", Yaml::str(api.api_version())),
+            ("kind", Yaml::str("JoinConfiguration")),
+            (
+                "discovery",
+                Yaml::map(vec![(
+                    "bootstrapToken",
+                    Yaml::map(vec![
+                        ("token", Yaml::str(self.token.expose())),
+                        ("apiServerEndpoint", Yaml::str(&self.api_server_endpoint)),
+                        (
+                            "caCertHashes",
+                            Yaml::strs(self.ca_cert_hashes.iter().map(|h| h.as_str())),
+                        ),
+                    ]),
+                )]),
+            ),
+            (
+                "nodeRegistration",
+                node_registration(api, &self.node_name, self.node_ip),
+            ),
+        ];
+        if let Some(cp) = &self.control_plane {
+            let mut section = vec![(
+                "localAPIEndpoint",
+                Yaml::map(vec![
+                    (
+                        "advertiseAddress",
+                        Yaml::str(cp.advertise_address.to_string()),
+                    ),
+                    ("bindPort", Yaml::Int(API_SERVER_PORT.into())),
+                ]),
+            )];
+            if let Some(key) = &cp.certificate_key {
+                section.push(("certificateKey", Yaml::str(key.expose())));
+            }
+            doc.push(("controlPlane", Yaml::map(section)));
+        }
+        doc.push((
+            "patches",
+            Yaml::map(vec![("directory", Yaml::str(patches))]),
+        ));
+        Ok(Yaml::documents(&[Yaml::map(doc)]))
+    }
+}
+
+fn node_registration(api: ConfigApi, name: &str, node_ip: IpAddr) -> Yaml {
+    Yaml::map(vec![
+        ("name", Yaml::str(name)),
+        ("criSocket", Yaml::str(CRI_SOCKET)),
+        (
+            "kubeletExtraArgs",
+            api.extra_args(&[("node-ip", node_ip.to_string())]),
+        ),
+    ])
+}
+
+fn is_lower_hex(s: &str, len: usize) -> bool {
+    s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// A DNS-1123 subdomain: lower-case labels of `[a-z0-9-]`, not starting or
+/// ending with `-`, at most 253 characters.
+fn is_dns_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        })
+}
+
+fn check_name(field: &'static str, value: &str) -> Result<(), ConfigError> {
+    if is_dns_name(value) {
+        Ok(())
+    } else {
+        Err(ConfigError::Name {
+            field,
+            value: value.to_owned(),
+        })
+    }
+}
+
+fn check_cidr(field: &'static str, value: &str) -> Result<(), ConfigError> {
+    let refuse = || ConfigError::Cidr {
+        field,
+        value: value.to_owned(),
+    };
+    let (addr, prefix) = value.split_once('/').ok_or_else(refuse)?;
+    let addr: IpAddr = addr.parse().map_err(|_| refuse())?;
+    let canonical = !prefix.is_empty()
+        && prefix.bytes().all(|b| b.is_ascii_digit())
+        && (prefix == "0" || !prefix.starts_with('0'));
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    match prefix.parse::<u8>() {
+        Ok(bits) if canonical && bits <= max => Ok(()),
+        _ => Err(refuse()),
+    }
+}
+
+fn check_san(san: &str) -> Result<(), ConfigError> {
+    let name = san.strip_prefix("*.").unwrap_or(san);
+    if san.parse::<IpAddr>().is_ok() || is_dns_name(name) {
+        Ok(())
+    } else {
+        Err(ConfigError::CertSan(san.to_owned()))
+    }
+}
+
+fn check_endpoint(endpoint: &str) -> Result<(), ConfigError> {
+    let refuse = || ConfigError::ApiServerEndpoint(endpoint.to_owned());
+    if endpoint.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let (host, port) = endpoint.rsplit_once(':').ok_or_else(refuse)?;
+    port.parse::<u16>().map_err(|_| refuse())?;
+    if is_dns_name(host) {
+        Ok(())
+    } else {
+        Err(refuse())
+    }
+}
+
+fn patches_dir(dir: &Path) -> Result<&str, ConfigError> {
+    match dir.to_str() {
+        Some(s) if dir.is_absolute() => Ok(s),
+        _ => Err(ConfigError::PatchesDir(dir.to_owned())),
+    }
+}

@@ -1,0 +1,405 @@
+//! Running the kubeadm program: `init` and `join`, output streamed line by
+//! line, bounded in time, joins retried a bounded number of times.
+//!
+//! Command lines (flags allowed next to `--config` by kubeadm):
+//! * `kubeadm init --config FILE --skip-token-print --skip-certificate-key-print
+//!   [--skip-phases=...]`: the two `--skip-*-print` flags keep the bootstrap
+//!   token and the certificate key out of kubeadm's output, which is streamed
+//!   to the operator and the journal. Lines are also scrubbed of anything
+//!   shaped like a bootstrap token, in case a kubeadm version prints one
+//!   anyway.
+//! * `kubeadm join --config FILE [--skip-phases=...]`. A failed join is
+//!   followed by `kubeadm reset --force` (a half-done join leaves manifests
+//!   and kubeconfigs that make the next attempt fail its preflight checks),
+//!   then a pause that doubles after each attempt.
+//!
+//! Nothing is skipped by default: preflight checks catch an image that lacks
+//! what kubeadm needs (conntrack, a container runtime, free ports) with a
+//! clear message.
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt as _, AsyncRead, AsyncReadExt as _, BufReader};
+use tokio::process::Command;
+use tokio::sync::mpsc;
+use zeroize::Zeroizing;
+
+/// Longest output line passed on; longer lines are cut.
+pub const MAX_LINE: usize = 4096;
+/// Lines of output kept for an error message.
+const TAIL_LINES: usize = 20;
+/// Largest kubeconfig read back.
+pub const MAX_KUBECONFIG: u64 = 1024 * 1024;
+/// The admin kubeconfig kubeadm writes, relative to the root.
+pub const ADMIN_CONF: &str = "etc/kubernetes/admin.conf";
+
+/// A kubeadm run that failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KubeadmError {
+    /// kubeadm could not be started or waited for.
+    #[error("running {program:?}")]
+    Spawn {
+        /// The program.
+        program: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// kubeadm did not finish in time (it was killed).
+    #[error("kubeadm {command} did not finish within {after:?}")]
+    Timeout {
+        /// `init`, `join` or `reset`.
+        command: &'static str,
+        /// The limit.
+        after: Duration,
+    },
+    /// kubeadm exited unsuccessfully.
+    #[error("kubeadm {command} failed ({status}): {}", summary(last_lines))]
+    Failed {
+        /// `init`, `join` or `reset`.
+        command: &'static str,
+        /// The exit status.
+        status: ExitStatus,
+        /// The last lines of its output.
+        last_lines: Vec<String>,
+    },
+    /// Every join attempt failed.
+    #[error("kubeadm join failed {attempts} times")]
+    JoinAttempts {
+        /// How many attempts were made.
+        attempts: u32,
+        /// The last attempt's error.
+        #[source]
+        last: Box<KubeadmError>,
+    },
+    /// The admin kubeconfig could not be read after `init`.
+    #[error("reading the admin kubeconfig {path:?}")]
+    ReadKubeconfig {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How kubeadm is run.
+#[derive(Debug, Clone)]
+pub struct Kubeadm {
+    /// The kubeadm executable (installed as a component).
+    pub program: PathBuf,
+    /// The root that holds `etc/kubernetes` (`/` on a node).
+    pub root: PathBuf,
+    /// Limit for `kubeadm init`.
+    pub init_timeout: Duration,
+    /// Limit for each `kubeadm join` attempt (and each reset).
+    pub join_timeout: Duration,
+    /// Join attempts before giving up (at least 1).
+    pub join_attempts: u32,
+    /// Pause after the first failed join; doubled after each further one.
+    pub join_backoff: Duration,
+    /// Phases to skip (`--skip-phases`), empty by default.
+    pub skip_phases: Vec<String>,
+    /// Extra environment variables for kubeadm.
+    pub env: Vec<(String, String)>,
+}
+
+impl Kubeadm {
+    /// `<bin_dir>/kubeadm` with the defaults: root `/`, init limit 10 min,
+    /// 3 join attempts of at most 5 min each, 10 s initial backoff.
+    pub fn new(bin_dir: &Path) -> Self {
+        Self {
+            program: bin_dir.join("kubeadm"),
+            root: PathBuf::from("/"),
+            init_timeout: Duration::from_secs(600),
+            join_timeout: Duration::from_secs(300),
+            join_attempts: 3,
+            join_backoff: Duration::from_secs(10),
+            skip_phases: Vec::new(),
+            env: Vec::new(),
+        }
+    }
+
+    /// The arguments of `kubeadm init` (see the module docs).
+    pub fn init_args(&self, config: &Path) -> Vec<String> {
+        let mut args = vec![
+            "init".to_owned(),
+            "--config".to_owned(),
+            config.to_string_lossy().into_owned(),
+            "--skip-token-print".to_owned(),
+            "--skip-certificate-key-print".to_owned(),
+        ];
+        args.extend(self.skip_phases_arg());
+        args
+    }
+
+    /// The arguments of `kubeadm join` (see the module docs).
+    pub fn join_args(&self, config: &Path) -> Vec<String> {
+        let mut args = vec![
+            "join".to_owned(),
+            "--config".to_owned(),
+            config.to_string_lossy().into_owned(),
+        ];
+        args.extend(self.skip_phases_arg());
+        args
+    }
+
+    fn skip_phases_arg(&self) -> Option<String> {
+        (!self.skip_phases.is_empty())
+            .then(|| format!("--skip-phases={}", self.skip_phases.join(",")))
+    }
+
+    /// Runs `kubeadm init` with the configuration file `config`, passing
+    /// each output line to `on_line`, and returns the admin kubeconfig.
+    pub async fn init(
+        &self,
+        config: &Path,
+        on_line: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<Zeroizing<Vec<u8>>, KubeadmError> {
+        self.run("init", &self.init_args(config), self.init_timeout, on_line)
+            .await?;
+        let path = self.root.join(ADMIN_CONF);
+        read_bounded(&path)
+            .await
+            .map_err(|source| KubeadmError::ReadKubeconfig { path, source })
+    }
+
+    /// Runs `kubeadm join` with the configuration file `config`, up to
+    /// [`Kubeadm::join_attempts`] times, with `kubeadm reset --force` and a
+    /// pause between attempts.
+    pub async fn join(
+        &self,
+        config: &Path,
+        on_line: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), KubeadmError> {
+        let attempts = self.join_attempts.max(1);
+        let mut pause = self.join_backoff;
+        let mut attempt = 1;
+        loop {
+            let result = self
+                .run("join", &self.join_args(config), self.join_timeout, on_line)
+                .await;
+            let err = match result {
+                Ok(()) => return Ok(()),
+                Err(err) if attempt >= attempts => {
+                    return Err(KubeadmError::JoinAttempts {
+                        attempts,
+                        last: Box::new(err),
+                    })
+                }
+                Err(err) => err,
+            };
+            tracing::warn!(attempt, error = %err, "kubeadm join failed; resetting and retrying");
+            on_line(&format!(
+                "keel: kubeadm join attempt {attempt} failed: {err}"
+            ));
+            let reset = ["reset".to_owned(), "--force".to_owned()];
+            if let Err(err) = self.run("reset", &reset, self.join_timeout, on_line).await {
+                tracing::warn!(error = %err, "kubeadm reset failed");
+            }
+            tokio::time::sleep(pause).await;
+            pause = pause.saturating_mul(2);
+            attempt += 1;
+        }
+    }
+
+    /// Runs kubeadm with `args`, streaming output lines, killing it after `limit`.
+    async fn run(
+        &self,
+        command: &'static str,
+        args: &[String],
+        limit: Duration,
+        on_line: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), KubeadmError> {
+        tracing::info!(program = %self.program.display(), ?args, "running kubeadm");
+        let mut child = Command::new(&self.program)
+            .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| KubeadmError::Spawn {
+                program: self.program.clone(),
+                source,
+            })?;
+        let (tx, mut rx) = mpsc::channel::<String>(256);
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(forward_lines(out, tx.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(forward_lines(err, tx.clone()));
+        }
+        drop(tx);
+        let mut tail: Vec<String> = Vec::new();
+        let finished = tokio::time::timeout(limit, async {
+            while let Some(line) = rx.recv().await {
+                on_line(&line);
+                if tail.len() == TAIL_LINES {
+                    tail.remove(0);
+                }
+                tail.push(line);
+            }
+            child.wait().await
+        })
+        .await;
+        let status = match finished {
+            Err(_) => {
+                let _ = child.kill().await;
+                return Err(KubeadmError::Timeout {
+                    command,
+                    after: limit,
+                });
+            }
+            Ok(status) => status.map_err(|source| KubeadmError::Spawn {
+                program: self.program.clone(),
+                source,
+            })?,
+        };
+        if status.success() {
+            Ok(())
+        } else {
+            Err(KubeadmError::Failed {
+                command,
+                status,
+                last_lines: tail,
+            })
+        }
+    }
+}
+
+/// The line that says why kubeadm failed: its last `error ...` line (kubeadm
+/// prints `error execution phase ...: why`, then a hint), else its last line.
+fn summary(lines: &[String]) -> &str {
+    lines
+        .iter()
+        .rev()
+        .find(|l| l.trim_start().to_ascii_lowercase().starts_with("error"))
+        .or(lines.last())
+        .map_or("no output", String::as_str)
+}
+
+/// Sends each line of `reader` (cut at [`MAX_LINE`], tokens scrubbed) to `tx`.
+async fn forward_lines<R: AsyncRead + Unpin>(reader: R, tx: mpsc::Sender<String>) {
+    let mut reader = BufReader::new(reader);
+    let mut line = Vec::new();
+    loop {
+        let Ok(buf) = reader.fill_buf().await else {
+            break;
+        };
+        if buf.is_empty() {
+            break;
+        }
+        let newline = buf.iter().position(|&b| b == b'\n');
+        let chunk = buf.get(..newline.unwrap_or(buf.len())).unwrap_or_default();
+        let room = MAX_LINE.saturating_sub(line.len());
+        line.extend_from_slice(chunk.get(..chunk.len().min(room)).unwrap_or_default());
+        let consumed = newline.map_or(buf.len(), |i| i + 1);
+        reader.consume(consumed);
+        if newline.is_some() && tx.send(finish_line(&mut line)).await.is_err() {
+            return;
+        }
+    }
+    if !line.is_empty() {
+        let _ = tx.send(finish_line(&mut line)).await;
+    }
+}
+
+fn finish_line(line: &mut Vec<u8>) -> String {
+    let text = String::from_utf8_lossy(line)
+        .trim_end_matches('\r')
+        .to_owned();
+    line.clear();
+    scrub_tokens(&text)
+}
+
+/// Replaces the secret half of anything shaped like a bootstrap token
+/// (`[a-z0-9]{6}.[a-z0-9]{16}`) with `<redacted>`.
+pub fn scrub_tokens(line: &str) -> String {
+    let bytes = line.as_bytes();
+    let token_char = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    let mut out = String::with_capacity(line.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let is_token = i + 23 <= bytes.len()
+            && (i == 0 || !token_char(bytes[i - 1]))
+            && bytes[i..i + 6].iter().all(|&b| token_char(b))
+            && bytes[i + 6] == b'.'
+            && bytes[i + 7..i + 23].iter().all(|&b| token_char(b))
+            && bytes.get(i + 23).is_none_or(|&b| !token_char(b));
+        if is_token {
+            out.push_str(&line[i..i + 7]);
+            out.push_str("<redacted>");
+            i += 23;
+        } else {
+            let ch = line[i..].chars().next().unwrap_or('\u{fffd}');
+            out.push(ch);
+            i += ch.len_utf8().max(1);
+        }
+    }
+    out
+}
+
+async fn read_bounded(path: &Path) -> std::io::Result<Zeroizing<Vec<u8>>> {
+    let file = tokio::fs::File::open(path).await?;
+    let mut data = Zeroizing::new(Vec::new());
+    file.take(MAX_KUBECONFIG + 1).read_to_end(&mut data).await?;
+    if data.len() as u64 > MAX_KUBECONFIG {
+        return Err(std::io::Error::other("kubeconfig larger than 1 MiB"));
+    }
+    Ok(data)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_scrubbed_from_output() {
+        assert_eq!(
+            scrub_tokens("kubeadm join 10.0.0.1:6443 --token abcdef.0123456789abcdef --x"),
+            "kubeadm join 10.0.0.1:6443 --token abcdef.<redacted> --x"
+        );
+        // Not token-shaped: left alone (versions, addresses, longer words).
+        for line in [
+            "v1.31.13",
+            "10.0.0.1",
+            "xabcdef.0123456789abcdef",
+            "abcdef.0123456789abcdefx",
+            "héllo",
+        ] {
+            assert_eq!(scrub_tokens(line), line);
+        }
+    }
+
+    #[test]
+    fn command_lines_keep_secrets_out_of_the_output() {
+        let mut k = Kubeadm::new(Path::new("/run/state/bin"));
+        assert_eq!(k.program, Path::new("/run/state/bin/kubeadm"));
+        assert_eq!(
+            k.init_args(Path::new("/etc/kubernetes/keel/init.yaml")),
+            [
+                "init",
+                "--config",
+                "/etc/kubernetes/keel/init.yaml",
+                "--skip-token-print",
+                "--skip-certificate-key-print"
+            ]
+        );
+        k.skip_phases = vec!["preflight".into(), "addon/kube-proxy".into()];
+        assert_eq!(
+            k.join_args(Path::new("/j.yaml")),
+            [
+                "join",
+                "--config",
+                "/j.yaml",
+                "--skip-phases=preflight,addon/kube-proxy"
+            ]
+        );
+    }
+}

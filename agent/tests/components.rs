@@ -1,0 +1,111 @@
+//! Installing and measuring a stand-in component set from the loopback
+//! mirror, against a real swtpm.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use keel_agent::components::{install_and_measure, InstallComponentsError};
+use keel_agent::measured::{MeasuredTpm, SharedTpm};
+use keel_agent::measurement::{self, pcr, EventType};
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_installer::{Component, InstallError, Installer, InstallerConfig, NoProgress};
+use keel_testkit::components::stand_in_set;
+use keel_testkit::mirror::{Fault, MirrorServer};
+use keel_testkit::swtpm::Swtpm;
+
+fn open(swtpm: &Swtpm, dir: &std::path::Path) -> SharedTpm {
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    MeasuredTpm::open(tpm, &dir.join("events.jsonl"))
+        .unwrap()
+        .shared()
+}
+
+fn installer() -> Installer {
+    let mut config = InstallerConfig::default();
+    config.download.retry.max_attempts = 1;
+    Installer::new(config).unwrap()
+}
+
+fn components(mirror: &MirrorServer, root: &std::path::Path) -> Vec<Component> {
+    stand_in_set(mirror, root, "v1.31.13")
+        .unwrap()
+        .iter()
+        .map(|c| Component::try_from(c).unwrap())
+        .collect()
+}
+
+fn pcr13(tpm: &SharedTpm) -> [u8; 32] {
+    tpm.lock().unwrap().tpm().pcr_read(&[pcr::NODE]).unwrap()[&pcr::NODE]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_component_is_installed_and_measured_in_order() {
+    let swtpm = Swtpm::start_bare().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tpm = open(&swtpm, dir.path());
+    let mirror = MirrorServer::start().unwrap();
+    let root = dir.path().join("root");
+    let list = components(&mirror, &root);
+    assert!(list.len() >= 5);
+
+    let installed = install_and_measure(&installer(), &tpm, &list, &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(installed.len(), list.len());
+
+    let events = tpm.lock().unwrap().events().to_vec();
+    assert_eq!(events.len(), list.len());
+    for ((event, component), done) in events.iter().zip(&list).zip(&installed) {
+        assert_eq!(event.event_type, EventType::Component);
+        assert_eq!(event.pcr, pcr::NODE);
+        assert_eq!(event.data, done.measurement_record());
+        assert_eq!(event.description, done.description());
+        let record: serde_json::Value = serde_json::from_slice(&event.data).unwrap();
+        assert_eq!(record["url"], component.url());
+        assert_eq!(record["hash"], component.hash().to_string());
+        assert!(component.install_path().as_path().exists());
+    }
+    assert_eq!(
+        measurement::replay(&events).unwrap()[&pcr::NODE],
+        pcr13(&tpm)
+    );
+    assert_ne!(pcr13(&tpm), [0; 32]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_component_stops_the_run_after_measuring_the_ones_before() {
+    let swtpm = Swtpm::start_bare().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tpm = open(&swtpm, dir.path());
+    let mirror = MirrorServer::start().unwrap();
+    let root = dir.path().join("root");
+    let list = components(&mirror, &root);
+    // The third component (kubelet) is gone from the mirror.
+    let kubelet = &list[2];
+    assert!(kubelet.url().ends_with("/kubelet"));
+    let path = kubelet
+        .url()
+        .trim_start_matches(&mirror.base_url())
+        .to_owned();
+    mirror.fail_always(&path, Fault::Status(404));
+
+    let err = install_and_measure(&installer(), &tpm, &list, &NoProgress)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            InstallComponentsError::Install {
+                index: 2,
+                source: InstallError::Download { .. },
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(!kubelet.install_path().as_path().exists());
+    let events = tpm.lock().unwrap().events().to_vec();
+    assert_eq!(events.len(), 2);
+    assert_eq!(
+        measurement::replay(&events).unwrap()[&pcr::NODE],
+        pcr13(&tpm)
+    );
+}

@@ -1,0 +1,555 @@
+//! kubeadm configuration files and runs, against the `keel-standin`
+//! program installed from the loopback mirror as `kubeadm` (real Kubernetes
+//! cannot run here; the stand-in checks the configuration a real kubeadm
+//! needs and writes what kubeadm writes).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::IpAddr;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use base64::Engine as _;
+use keel_agent::kubeadm::{
+    write_config, BootstrapToken, CaCertHash, ConfigError, ControlPlaneJoin, InitConfig,
+    JoinConfig, Kubeadm, KubeadmError, ParseSecretError,
+};
+use keel_installer::{Component, Installer, InstallerConfig, KubernetesVersion, NoProgress};
+use keel_testkit::components::{stand_in_set_with, KubeExecutables};
+use keel_testkit::mirror::MirrorServer;
+use serde_yaml::Value;
+
+const TOKEN: &str = "abcdef.0123456789abcdef";
+const HASH: &str = "sha256:0000000000000000000000000000000000000000000000000000000000000001";
+
+fn version(v: &str) -> KubernetesVersion {
+    v.parse().unwrap()
+}
+
+fn init_config(root: &Path, v: &str) -> InitConfig {
+    InitConfig {
+        node_name: "cp-0".into(),
+        advertise_address: "10.0.0.5".parse().unwrap(),
+        cluster_name: "keel".into(),
+        kubernetes_version: version(v),
+        cert_sans: vec!["192.0.2.10".into(), "api.keel.example".into()],
+        service_cidr: "10.96.0.0/12".into(),
+        pod_cidr: "10.244.0.0/16".into(),
+        patches_dir: root.join("opt/kubernetes/patches"),
+        bootstrap_token: TOKEN.parse().unwrap(),
+    }
+}
+
+fn join_config(root: &Path, v: &str) -> JoinConfig {
+    JoinConfig {
+        node_name: "worker-1".into(),
+        node_ip: "10.0.0.6".parse().unwrap(),
+        kubernetes_version: version(v),
+        api_server_endpoint: "10.0.0.5:6443".into(),
+        token: TOKEN.parse().unwrap(),
+        ca_cert_hashes: vec![HASH.parse().unwrap()],
+        control_plane: None,
+        patches_dir: root.join("opt/kubernetes/patches"),
+    }
+}
+
+fn docs(yaml: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(yaml)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect()
+}
+
+fn field<'a>(doc: &'a Value, path: &[&str]) -> &'a Value {
+    path.iter()
+        .fold(doc, |v, k| v.get(*k).unwrap_or_else(|| panic!("{path:?}")))
+}
+
+#[test]
+fn init_config_uses_v1beta4_from_1_31_and_v1beta3_for_1_30() {
+    let root = Path::new("/");
+    let yaml = init_config(root, "v1.31.13").to_yaml().unwrap();
+    let d = docs(&yaml);
+    assert_eq!(d.len(), 2);
+    assert_eq!(field(&d[0], &["apiVersion"]), "kubeadm.k8s.io/v1beta4");
+    assert_eq!(field(&d[0], &["kind"]), "InitConfiguration");
+    assert_eq!(field(&d[1], &["kind"]), "ClusterConfiguration");
+    assert_eq!(field(&d[1], &["kubernetesVersion"]), "v1.31.13");
+    assert_eq!(field(&d[1], &["controlPlaneEndpoint"]), "10.0.0.5:6443");
+    assert_eq!(
+        field(&d[1], &["networking", "serviceSubnet"]),
+        "10.96.0.0/12"
+    );
+    assert_eq!(field(&d[1], &["networking", "podSubnet"]), "10.244.0.0/16");
+    assert_eq!(
+        field(&d[1], &["apiServer", "certSANs"]),
+        &serde_yaml::from_str::<Value>("[10.0.0.5, 192.0.2.10, api.keel.example]").unwrap()
+    );
+    assert_eq!(field(&d[0], &["bootstrapTokens"])[0]["token"], TOKEN);
+    assert_eq!(
+        field(&d[0], &["patches", "directory"]),
+        "/opt/kubernetes/patches"
+    );
+    // v1beta4: extra arguments are a list of {name, value}.
+    let args = field(&d[0], &["nodeRegistration", "kubeletExtraArgs"]);
+    assert_eq!(args[0]["name"], "node-ip");
+    assert_eq!(args[0]["value"], "10.0.0.5");
+
+    let d = docs(&init_config(root, "v1.30.14").to_yaml().unwrap());
+    assert_eq!(field(&d[0], &["apiVersion"]), "kubeadm.k8s.io/v1beta3");
+    assert_eq!(field(&d[1], &["apiVersion"]), "kubeadm.k8s.io/v1beta3");
+    // v1beta3: a map.
+    assert_eq!(
+        field(&d[0], &["nodeRegistration", "kubeletExtraArgs", "node-ip"]),
+        "10.0.0.5"
+    );
+}
+
+#[test]
+fn join_config_has_discovery_and_an_optional_control_plane_section() {
+    let root = Path::new("/");
+    let d = docs(&join_config(root, "v1.32.9").to_yaml().unwrap());
+    assert_eq!(d.len(), 1);
+    assert_eq!(field(&d[0], &["kind"]), "JoinConfiguration");
+    assert_eq!(
+        field(&d[0], &["discovery", "bootstrapToken", "token"]),
+        TOKEN
+    );
+    assert_eq!(
+        field(&d[0], &["discovery", "bootstrapToken", "apiServerEndpoint"]),
+        "10.0.0.5:6443"
+    );
+    assert_eq!(
+        field(&d[0], &["discovery", "bootstrapToken", "caCertHashes"])[0],
+        HASH
+    );
+    assert!(d[0].get("controlPlane").is_none());
+
+    let mut cp = join_config(root, "v1.32.9");
+    cp.control_plane = Some(ControlPlaneJoin {
+        advertise_address: "10.0.0.7".parse().unwrap(),
+        certificate_key: Some("ab".repeat(32).parse().unwrap()),
+    });
+    let d = docs(&cp.to_yaml().unwrap());
+    assert_eq!(
+        field(
+            &d[0],
+            &["controlPlane", "localAPIEndpoint", "advertiseAddress"]
+        ),
+        "10.0.0.7"
+    );
+    assert_eq!(
+        field(&d[0], &["controlPlane", "certificateKey"]),
+        &Value::from("ab".repeat(32))
+    );
+    // Secrets stay out of Debug output.
+    let debug = format!("{cp:?}");
+    assert!(
+        !debug.contains("0123456789abcdef") && !debug.contains(&"ab".repeat(32)),
+        "{debug}"
+    );
+}
+
+#[test]
+fn bad_inputs_are_refused_before_any_file_is_written() {
+    let root = Path::new("/");
+    let mut c = init_config(root, "v1.31.13");
+    c.node_name = "CP_0".into();
+    assert!(matches!(
+        c.to_yaml(),
+        Err(ConfigError::Name {
+            field: "node name",
+            ..
+        })
+    ));
+    let mut c = init_config(root, "v1.31.13");
+    c.cluster_name = "a\nkind: Evil".into();
+    assert!(matches!(c.to_yaml(), Err(ConfigError::Name { .. })));
+    for cidr in [
+        "10.96.0.0",
+        "10.96.0.0/33",
+        "10.96.0.0/012",
+        "x/12",
+        "10.96.0.0/+8",
+    ] {
+        let mut c = init_config(root, "v1.31.13");
+        c.service_cidr = cidr.into();
+        assert!(
+            matches!(c.to_yaml(), Err(ConfigError::Cidr { .. })),
+            "{cidr}"
+        );
+    }
+    let mut c = init_config(root, "v1.31.13");
+    c.cert_sans.push("not a name".into());
+    assert_eq!(c.to_yaml(), Err(ConfigError::CertSan("not a name".into())));
+    assert!(matches!(
+        init_config(root, "v1.29.9").to_yaml(),
+        Err(ConfigError::Version(_))
+    ));
+    let mut c = init_config(root, "v1.31.13");
+    c.patches_dir = PathBuf::from("relative/patches");
+    assert!(matches!(c.to_yaml(), Err(ConfigError::PatchesDir(_))));
+
+    let mut j = join_config(root, "v1.31.13");
+    j.api_server_endpoint = "10.0.0.5".into();
+    assert!(matches!(
+        j.to_yaml(),
+        Err(ConfigError::ApiServerEndpoint(_))
+    ));
+    let mut j = join_config(root, "v1.31.13");
+    j.ca_cert_hashes.clear();
+    assert_eq!(j.to_yaml().unwrap_err(), ConfigError::NoCaCertHash);
+
+    for bad in [
+        "abcdef0123456789abcdef",
+        "ABCDEF.0123456789abcdef",
+        "abcde.0123456789abcdef0",
+    ] {
+        assert_eq!(
+            bad.parse::<BootstrapToken>().unwrap_err(),
+            ParseSecretError::BootstrapToken
+        );
+    }
+    assert_eq!(
+        "sha256:00".parse::<CaCertHash>().unwrap_err(),
+        ParseSecretError::CaCertHash
+    );
+    let generated = BootstrapToken::generate();
+    assert!(generated.expose().parse::<BootstrapToken>().is_ok());
+    assert_ne!(generated, BootstrapToken::generate());
+    assert!(!format!("{generated:?}").contains(&generated.expose()[7..]));
+}
+
+#[test]
+fn config_files_are_written_atomically_and_private() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keel/kubeadm-init.yaml");
+    write_config(&path, "first\n").unwrap();
+    write_config(&path, "second\n").unwrap();
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "second\n");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["kubeadm-init.yaml"], "no temporary file left");
+    assert!(write_config(&dir.path().join("keel/kubeadm-init.yaml/x"), "x").is_err());
+}
+
+/// A node root with the stand-in installed as kubeadm from the mirror.
+struct Node {
+    _mirror: MirrorServer,
+    dir: tempfile::TempDir,
+}
+
+impl Node {
+    async fn new(v: &str) -> Self {
+        let mirror = MirrorServer::start().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let kube = KubeExecutables::standin().unwrap();
+        let list: Vec<Component> = stand_in_set_with(&mirror, root, v, &kube)
+            .unwrap()
+            .iter()
+            .map(|c| Component::try_from(c).unwrap())
+            .collect();
+        Installer::new(InstallerConfig::default())
+            .unwrap()
+            .install_all(&list, &NoProgress)
+            .await
+            .unwrap();
+        std::fs::create_dir_all(root.join("opt/kubernetes/patches")).unwrap();
+        Self {
+            _mirror: mirror,
+            dir,
+        }
+    }
+
+    fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn kubeadm(&self, v: &str, env: &[(&str, &str)]) -> Kubeadm {
+        let mut k = Kubeadm::new(&self.root().join("run/state/bin"));
+        k.root = self.root().to_owned();
+        k.join_backoff = Duration::from_millis(10);
+        k.env = [
+            ("KEEL_STANDIN_ROOT", self.root().to_str().unwrap()),
+            ("KEEL_STANDIN_VERSION", v),
+        ]
+        .iter()
+        .chain(env)
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+        k
+    }
+
+    fn write(&self, name: &str, yaml: &str) -> PathBuf {
+        let path = self.root().join("etc/kubernetes/keel").join(name);
+        write_config(&path, yaml).unwrap();
+        path
+    }
+}
+
+async fn run_init(k: &Kubeadm, config: &Path) -> (Result<Vec<u8>, KubeadmError>, Vec<String>) {
+    let mut lines = Vec::new();
+    let result = k
+        .init(config, &mut |l: &str| lines.push(l.to_owned()))
+        .await
+        .map(|c| c.to_vec());
+    (result, lines)
+}
+
+async fn run_join(k: &Kubeadm, config: &Path) -> (Result<(), KubeadmError>, Vec<String>) {
+    let mut lines = Vec::new();
+    let result = k
+        .join(config, &mut |l: &str| lines.push(l.to_owned()))
+        .await;
+    (result, lines)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_returns_the_admin_kubeconfig_and_streams_scrubbed_output() {
+    for v in ["v1.31.13", "v1.30.14"] {
+        let node = Node::new(v).await;
+        let config = node.write("init.yaml", &init_config(node.root(), v).to_yaml().unwrap());
+        let (result, lines) = run_init(&node.kubeadm(v, &[]), &config).await;
+        let kubeconfig = result.unwrap_or_else(|e| panic!("{v}: {e}: {lines:#?}"));
+
+        let text = lines.join("\n");
+        assert!(
+            text.contains(&format!("[init] Using Kubernetes version: {v}")),
+            "{text}"
+        );
+        assert!(text.contains("initialized successfully"), "{text}");
+        assert!(
+            text.contains("[bootstrap-token] Using token: abcdef.<redacted>"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("0123456789abcdef"),
+            "token secret leaked: {text}"
+        );
+
+        let kc: Value = serde_yaml::from_slice(&kubeconfig).unwrap();
+        assert_eq!(
+            kc["clusters"][0]["cluster"]["server"],
+            "https://10.0.0.5:6443"
+        );
+        let ca_pem = base64::engine::general_purpose::STANDARD
+            .decode(
+                kc["clusters"][0]["cluster"]["certificate-authority-data"]
+                    .as_str()
+                    .unwrap(),
+            )
+            .unwrap();
+        assert_eq!(
+            ca_pem,
+            std::fs::read(node.root().join("etc/kubernetes/pki/ca.crt")).unwrap()
+        );
+        assert!(kc["users"][0]["user"]["client-key-data"].is_string());
+
+        // The API server certificate carries the requested SANs.
+        let pem = std::fs::read(node.root().join("etc/kubernetes/pki/apiserver.crt")).unwrap();
+        let (_, pem) = x509_parser::pem::parse_x509_pem(&pem).unwrap();
+        let cert = pem.parse_x509().unwrap();
+        let sans = cert.subject_alternative_name().unwrap().unwrap().value;
+        let names: Vec<String> = sans
+            .general_names
+            .iter()
+            .map(|n| match n {
+                x509_parser::extensions::GeneralName::DNSName(d) => (*d).to_owned(),
+                x509_parser::extensions::GeneralName::IPAddress(ip) => {
+                    let b: [u8; 4] = (*ip).try_into().unwrap();
+                    IpAddr::from(b).to_string()
+                }
+                other => format!("{other:?}"),
+            })
+            .collect();
+        for want in [
+            "10.0.0.5",
+            "192.0.2.10",
+            "api.keel.example",
+            "kubernetes.default.svc",
+        ] {
+            assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_fails_clearly_on_a_config_kubeadm_would_refuse() {
+    let node = Node::new("v1.30.14").await;
+    // A v1beta4 file for a kubeadm that is v1.30.
+    let config = node.write(
+        "init.yaml",
+        &init_config(node.root(), "v1.31.13").to_yaml().unwrap(),
+    );
+    let (result, _) = run_init(&node.kubeadm("v1.30.14", &[]), &config).await;
+    match result {
+        Err(KubeadmError::Failed {
+            command: "init",
+            last_lines,
+            ..
+        }) => {
+            assert!(
+                last_lines
+                    .iter()
+                    .any(|l| l.contains("this kubeadm is v1.30.14")),
+                "{last_lines:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // v1beta4 with v1beta3-shaped extra arguments.
+    let yaml = init_config(node.root(), "v1.31.13")
+        .to_yaml()
+        .unwrap()
+        .replace(
+            "kubeletExtraArgs:\n    - name: \"node-ip\"\n      value: \"10.0.0.5\"",
+            "kubeletExtraArgs:\n    node-ip: \"10.0.0.5\"",
+        );
+    assert!(yaml.contains("    node-ip: "), "{yaml}");
+    let config = node.write("init.yaml", &yaml);
+    let (result, _) = run_init(&node.kubeadm("v1.31.13", &[]), &config).await;
+    let err = result.unwrap_err();
+    assert!(err.to_string().contains("wrong shape for v1beta4"), "{err}");
+    // Nothing was written by the refused runs.
+    assert!(!node.root().join("etc/kubernetes/admin.conf").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_failure_and_timeout_are_reported() {
+    let v = "v1.31.13";
+    let node = Node::new(v).await;
+    let config = node.write("init.yaml", &init_config(node.root(), v).to_yaml().unwrap());
+    let (result, lines) = run_init(
+        &node.kubeadm(v, &[("KEEL_STANDIN_FAIL", "always")]),
+        &config,
+    )
+    .await;
+    let err = result.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            KubeadmError::Failed {
+                command: "init",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("failure injected"), "{err}");
+    assert!(
+        lines.iter().any(|l| l.contains("failure injected")),
+        "{lines:?}"
+    );
+
+    let mut slow = node.kubeadm(v, &[("KEEL_STANDIN_SLEEP", "30")]);
+    slow.init_timeout = Duration::from_millis(300);
+    let started = std::time::Instant::now();
+    let (result, _) = run_init(&slow, &config).await;
+    assert!(
+        matches!(
+            result,
+            Err(KubeadmError::Timeout {
+                command: "init",
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_writes_kubelet_conf_and_retries_with_a_reset() {
+    let v = "v1.32.9";
+    let node = Node::new(v).await;
+    let config = node.write("join.yaml", &join_config(node.root(), v).to_yaml().unwrap());
+    let kubelet_conf = node.root().join("etc/kubernetes/kubelet.conf");
+
+    // Two failed attempts (each leaves kubelet.conf behind), then success:
+    // only the reset in between lets the next attempt pass preflight.
+    let (result, lines) = run_join(&node.kubeadm(v, &[("KEEL_STANDIN_FAIL", "2")]), &config).await;
+    result.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("attempt")).count(),
+        2,
+        "{lines:#?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.starts_with("[reset] Deleted")),
+        "{lines:#?}"
+    );
+    assert!(lines
+        .iter()
+        .any(|l| l.contains("This node has joined the cluster")));
+    let kc: Value = serde_yaml::from_slice(&std::fs::read(&kubelet_conf).unwrap()).unwrap();
+    assert_eq!(
+        kc["clusters"][0]["cluster"]["server"],
+        "https://10.0.0.5:6443"
+    );
+    assert_eq!(kc["users"][0]["name"], "system:node:worker-1");
+
+    // A join over a joined node fails preflight; bounded attempts.
+    let mut k = node.kubeadm(v, &[("KEEL_STANDIN_FAIL", "always")]);
+    k.join_attempts = 2;
+    let (result, lines) = run_join(&k, &config).await;
+    match result {
+        Err(KubeadmError::JoinAttempts { attempts: 2, last }) => {
+            assert!(
+                matches!(
+                    *last,
+                    KubeadmError::Failed {
+                        command: "join",
+                        ..
+                    }
+                ),
+                "{last:?}"
+            );
+        }
+        other => panic!("{other:?}: {lines:#?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_plane_join_needs_the_cluster_ca_or_a_certificate_key() {
+    let v = "v1.31.13";
+    let node = Node::new(v).await;
+    let mut cp = join_config(node.root(), v);
+    cp.control_plane = Some(ControlPlaneJoin {
+        advertise_address: "10.0.0.7".parse().unwrap(),
+        certificate_key: None,
+    });
+    let config = node.write("join.yaml", &cp.to_yaml().unwrap());
+    let mut k = node.kubeadm(v, &[]);
+    k.join_attempts = 1;
+    let (result, _) = run_join(&k, &config).await;
+    let err = result.unwrap_err();
+    let KubeadmError::JoinAttempts { last, .. } = &err else {
+        panic!("{err:?}");
+    };
+    assert!(
+        last.to_string()
+            .contains("failure loading certificate authority"),
+        "{last}"
+    );
+
+    // With the control-plane files in place (as a join ticket delivers them).
+    let pki = node.root().join("etc/kubernetes/pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    std::fs::write(pki.join("ca.crt"), params.self_signed(&key).unwrap().pem()).unwrap();
+    std::fs::write(pki.join("ca.key"), key.serialize_pem()).unwrap();
+    let (result, lines) = run_join(&k, &config).await;
+    result.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+    assert!(
+        lines.iter().any(|l| l.contains("[control-plane]")),
+        "{lines:#?}"
+    );
+}

@@ -1,0 +1,213 @@
+//! `keel init`: create a cluster on its first node.
+
+use std::io::Write as _;
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context as _};
+use keel_agent::attestation::credential;
+use keel_atls::AtlsClient;
+use keel_proto::components::{Component, Components};
+use keel_proto::init::init_response::Kind;
+use keel_proto::init::init_service_client::InitServiceClient;
+use keel_proto::init::InitRequest;
+use rand::RngCore;
+use serde::Serialize;
+use tonic::transport::Endpoint;
+use zeroize::Zeroizing;
+
+use crate::settings::{read_bounded, Settings};
+
+/// The file the master secret goes to, before anything is sent.
+pub const MASTER_SECRET_FILE: &str = "keel-master-secret.json";
+/// The admin kubeconfig.
+pub const KUBECONFIG_FILE: &str = "keel-admin.conf";
+/// The cluster ID and the node's attested PCRs.
+pub const ID_FILE: &str = "keel-id.json";
+/// The node's logs after a failed init.
+pub const FAILURE_LOG_FILE: &str = "keel-init-failure.log";
+
+#[derive(Serialize)]
+struct MasterSecretFile {
+    /// Hex, 32 bytes.
+    key: String,
+    /// Hex, 32 bytes.
+    salt: String,
+    /// Hex, 32 bytes.
+    measurement_salt: String,
+}
+
+#[derive(Serialize)]
+struct IdFile {
+    cluster_id: String,
+    endpoint: String,
+}
+
+/// Writes `data` to `path` with mode 0600, refusing to replace an existing file.
+fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {} (an existing file is never replaced)", path.display()))?;
+    f.write_all(data)?;
+    f.sync_all()?;
+    Ok(())
+}
+
+/// Writes `data` to `path` atomically with `mode`.
+fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    f.write_all(data)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+}
+
+fn random32() -> Zeroizing<Vec<u8>> {
+    let mut v = Zeroizing::new(vec![0u8; 32]);
+    rand::rngs::OsRng.fill_bytes(&mut v);
+    v
+}
+
+/// Runs `keel init`.
+pub async fn run(settings_path: &Path, workspace: &Path, skip_helm_wait: bool) -> anyhow::Result<()> {
+    let settings = Settings::load(settings_path)?;
+    let validator = settings.validator()?;
+    let init_secret = match &settings.init_secret_file {
+        Some(p) => Zeroizing::new(read_bounded(&settings.resolve(p))?),
+        None => bail!("the settings name no init_secret_file"),
+    };
+    let components = match &settings.components_file {
+        Some(p) => {
+            let list: Vec<ComponentJson> = serde_json::from_slice(&read_bounded(&settings.resolve(p))?)
+                .context("components file is invalid")?;
+            Some(Components { components: list.into_iter().map(Into::into).collect() })
+        }
+        None => None,
+    };
+    std::fs::create_dir_all(workspace).with_context(|| format!("creating {}", workspace.display()))?;
+
+    // The master secret is on disk before anything leaves this machine.
+    let master_secret = random32();
+    let master_salt = random32();
+    let measurement_salt = random32();
+    let secret_path = workspace.join(MASTER_SECRET_FILE);
+    let secret_json = Zeroizing::new(serde_json::to_vec_pretty(&MasterSecretFile {
+        key: hex::encode(&*master_secret),
+        salt: hex::encode(&*master_salt),
+        measurement_salt: hex::encode(&*measurement_salt),
+    })?);
+    write_new_secret_file(&secret_path, &secret_json)?;
+    eprintln!("master secret written to {} (mode 0600): keep it to recover the cluster", secret_path.display());
+
+    let (host, port) = Settings::host_port(&settings.endpoint)?;
+    eprintln!("connecting to {host}:{port} and verifying its attestation");
+    let client = AtlsClient::server_attested(Arc::new(validator));
+    let endpoint = Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
+    let bound = client
+        .bind_channel(endpoint)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
+        .context("the node's attestation was not accepted; nothing was sent")?;
+    let attested = bound.attested.context("the node presented no attestation")?;
+    let verified = attested.claims();
+    for w in &verified.warnings {
+        eprintln!("warning: {w}");
+    }
+    eprintln!("node attested: {} PCRs match, event log replays ({} events)", verified.pcrs.len(), verified.events.len());
+    let sealed = credential::seal(&verified.ek, &verified.ak.name, &master_secret)
+        .context("sealing the master secret to the node's TPM")?;
+
+    let request = InitRequest {
+        master_secret: Some(sealed),
+        master_salt: master_salt.to_vec(),
+        measurement_salt: measurement_salt.to_vec(),
+        kubernetes_version: settings.kubernetes_version.clone(),
+        kubernetes_components: components,
+        init_secret: init_secret.to_vec(),
+        cluster_name: settings.cluster_name.clone(),
+        api_server_cert_sans: settings.api_server_cert_sans.clone(),
+        service_cidr: settings.service_cidr.clone(),
+        component_mirror: settings.component_mirror.clone().unwrap_or_default(),
+    };
+    let mut stream = InitServiceClient::new(bound.channel)
+        .init(request)
+        .await
+        .map_err(|s| anyhow::anyhow!("the node refused init ({:?}): {}", s.code(), s.message()))?
+        .into_inner();
+
+    let mut failure: Option<(String, bool)> = None;
+    let mut logs = Vec::new();
+    loop {
+        let message = match stream.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(s) => {
+                if let Some((error, _)) = &failure {
+                    write_failure_logs(workspace, &logs)?;
+                    bail!("init failed: {error}; the log stream broke off ({}): partial logs in {}", s.message(), workspace.join(FAILURE_LOG_FILE).display());
+                }
+                bail!("the connection to the node was lost during init: {}", s.message());
+            }
+        };
+        match message.kind {
+            Some(Kind::LogLine(line)) => eprintln!("  node: {line}"),
+            Some(Kind::Success(success)) => {
+                let kubeconfig = workspace.join(KUBECONFIG_FILE);
+                write_atomic(&kubeconfig, &success.kubeconfig, 0o600)?;
+                let id = IdFile { cluster_id: hex::encode(&success.cluster_id), endpoint: settings.endpoint.clone() };
+                write_atomic(&workspace.join(ID_FILE), &serde_json::to_vec_pretty(&id)?, 0o644)?;
+                println!("cluster created");
+                println!("cluster ID: {}", id.cluster_id);
+                println!("kubeconfig: {}", kubeconfig.display());
+                if skip_helm_wait {
+                    eprintln!("(--skip-helm-wait: nothing to wait for)");
+                }
+                return Ok(());
+            }
+            Some(Kind::Failure(f)) => failure = Some((f.error, f.node_reset)),
+            Some(Kind::LogChunk(chunk)) => logs.extend_from_slice(&chunk),
+            None => {}
+        }
+    }
+    match failure {
+        Some((error, reset)) => {
+            let path = write_failure_logs(workspace, &logs)?;
+            let reset = if reset { " The node marked its state disk for reset and reboots." } else { "" };
+            bail!("init failed on the node: {error}.{reset} Node logs: {}", path.display())
+        }
+        None => bail!("the node ended the init stream without a result"),
+    }
+}
+
+fn write_failure_logs(workspace: &Path, logs: &[u8]) -> anyhow::Result<PathBuf> {
+    let path = workspace.join(FAILURE_LOG_FILE);
+    write_atomic(&path, logs, 0o600)?;
+    Ok(path)
+}
+
+/// A component in a components file.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ComponentJson {
+    url: String,
+    hash: String,
+    install_path: String,
+    #[serde(default)]
+    extract: bool,
+}
+
+impl From<ComponentJson> for Component {
+    fn from(c: ComponentJson) -> Self {
+        Component { url: c.url, hash: c.hash, install_path: c.install_path, extract: c.extract }
+    }
+}

@@ -1,0 +1,97 @@
+//! The CLI's settings file and the validator it implies.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use keel_agent::attestation::ek::EkTrust;
+use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::validator::Validator;
+use serde::Deserialize;
+
+/// Largest settings, measurements or secret file read.
+const MAX_FILE: u64 = 1024 * 1024;
+
+/// What `keel init` and `keel verify` need. Relative paths are relative to
+/// the settings file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// The node's init server, `host:port`.
+    pub endpoint: String,
+    /// "v1.31" or a pinned "v1.31.13".
+    #[serde(default = "default_version")]
+    pub kubernetes_version: String,
+    /// Measurements file the node must match.
+    pub measurements: PathBuf,
+    /// PEM bundle of the CAs that issue TPM EK certificates.
+    pub ek_ca: PathBuf,
+    /// File holding the init secret.
+    #[serde(default)]
+    pub init_secret_file: Option<PathBuf>,
+    /// Kubernetes cluster name.
+    #[serde(default = "default_name")]
+    pub cluster_name: String,
+    /// Extra API server certificate SANs.
+    #[serde(default)]
+    pub api_server_cert_sans: Vec<String>,
+    /// Service CIDR (default 10.96.0.0/12).
+    #[serde(default)]
+    pub service_cidr: String,
+    /// A components file (JSON list of {url, hash, install_path, extract})
+    /// replacing the version's pinned set, e.g. for a local mirror.
+    #[serde(default)]
+    pub components_file: Option<PathBuf>,
+    /// Base URL replacing upstream download hosts.
+    #[serde(default)]
+    pub component_mirror: Option<String>,
+    #[serde(skip)]
+    dir: PathBuf,
+}
+
+fn default_version() -> String {
+    "v1.31".into()
+}
+
+fn default_name() -> String {
+    "keel".into()
+}
+
+/// Reads a file of bounded size.
+pub fn read_bounded(path: &Path) -> anyhow::Result<Vec<u8>> {
+    let len = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
+    anyhow::ensure!(len <= MAX_FILE, "{} is larger than {MAX_FILE} bytes", path.display());
+    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+}
+
+impl Settings {
+    /// Loads and checks a settings file.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let bytes = read_bounded(path)?;
+        let mut s: Self =
+            serde_json::from_slice(&bytes).with_context(|| format!("settings {} are invalid", path.display()))?;
+        s.dir = path.parent().map(Path::to_owned).unwrap_or_default();
+        Ok(s)
+    }
+
+    /// A path from the settings, resolved against the settings' directory.
+    pub fn resolve(&self, p: &Path) -> PathBuf {
+        self.dir.join(p)
+    }
+
+    /// The validator for the node: the measurements and the EK CAs.
+    pub fn validator(&self) -> anyhow::Result<Validator> {
+        let m = self.resolve(&self.measurements);
+        let measurements = Measurements::parse(&read_bounded(&m)?)
+            .with_context(|| format!("measurements {} are invalid", m.display()))?;
+        let ca = self.resolve(&self.ek_ca);
+        let trust = EkTrust::from_pem(&read_bounded(&ca)?)
+            .with_context(|| format!("EK CA bundle {} holds no certificate", ca.display()))?;
+        Ok(Validator::new(measurements, trust))
+    }
+
+    /// The endpoint as host and port.
+    pub fn host_port(endpoint: &str) -> anyhow::Result<(String, u16)> {
+        let (host, port) = endpoint.rsplit_once(':').context("endpoint must be host:port")?;
+        Ok((host.to_owned(), port.parse().context("endpoint port is not a number")?))
+    }
+}

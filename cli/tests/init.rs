@@ -1,0 +1,263 @@
+//! `keel init` against an agent's init server: each node has its own swtpm
+//! (EK certificate from a test CA), components come from the loopback mirror
+//! (kubeadm is the stand-in), TLS is real aTLS.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use keel_agent::attestation::measurements::Measurements;
+use keel_agent::cluster::ClusterSlot;
+use keel_agent::config::NodeConfig;
+use keel_agent::init::{NodeEnv, RebootPolicy};
+use keel_agent::kubeadm::Kubeadm;
+use keel_agent::measured::{MeasuredTpm, SharedTpm};
+use keel_agent::measurement::{event_digest, extend, pcr, EventType};
+use keel_agent::nodelock::NodeLock;
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_installer::InstallerConfig;
+use keel_testkit::components::{stand_in_set_with, KubeExecutables};
+use keel_testkit::mirror::MirrorServer;
+use keel_testkit::swtpm::{EkCa, Swtpm};
+
+const SECRET: &[u8] = b"correct horse battery staple init secret";
+
+struct Node {
+    tpm: SharedTpm,
+    addr: SocketAddr,
+    dir: tempfile::TempDir,
+    config: NodeConfig,
+    task: tokio::task::JoinHandle<()>,
+    _mirror: MirrorServer,
+    _swtpm: Swtpm,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn secret_hash() -> String {
+    use sha2::Digest as _;
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)))
+}
+
+async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let config = NodeConfig::parse(
+        format!(r#"{{"cluster":{{"init_secret_hash":"{}"}},"node":{{"name":"cp-0","role":"control-plane"}}}}"#, secret_hash())
+            .as_bytes(),
+        "t".as_ref(),
+    )
+    .unwrap();
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("eventlog.jsonl")).unwrap();
+    measured.record(EventType::NodeConfig, "config", config.cluster_bytes()).unwrap();
+    measured.record(EventType::NodeIdentity, "node", config.node_bytes()).unwrap();
+    let tpm = measured.shared();
+    let lock = Arc::new(NodeLock::new(tpm.clone()).unwrap());
+
+    // The components, served by the mirror; the CLI sends their list.
+    let mirror = MirrorServer::start().unwrap();
+    let components = stand_in_set_with(&mirror, &root, "v1.31.13", &KubeExecutables::standin().unwrap()).unwrap();
+    let list: Vec<serde_json::Value> = components
+        .iter()
+        .map(|c| serde_json::json!({"url": c.url, "hash": c.hash, "install_path": c.install_path, "extract": c.extract}))
+        .collect();
+    std::fs::write(dir.path().join("components.json"), serde_json::to_vec(&list).unwrap()).unwrap();
+
+    let mut kubeadm = Kubeadm::new(&root.join("run/state/bin"));
+    kubeadm.root = root.clone();
+    kubeadm.env = [("KEEL_STANDIN_ROOT", root.to_str().unwrap()), ("KEEL_STANDIN_VERSION", "v1.31.13")]
+        .iter()
+        .chain(kubeadm_env)
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let env = NodeEnv {
+        installer: InstallerConfig::default(),
+        kubeadm,
+        work_dir: dir.path().to_owned(),
+        advertise_address: "127.0.0.1".parse().unwrap(),
+        state_disk: None,
+        reboot: RebootPolicy::Never,
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let cluster = Arc::new(ClusterSlot::new(None));
+    let task = tokio::spawn({
+        let (config, tpm) = (config.clone(), tpm.clone());
+        async move {
+            let _ = keel_agent::node::serve_init(addr, config, tpm, lock, env, cluster).await;
+        }
+    });
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    Node { tpm, addr, dir, config, task, _mirror: mirror, _swtpm: swtpm }
+}
+
+impl Node {
+    fn pcr15(&self) -> [u8; 32] {
+        self.tpm.lock().unwrap().tpm().pcr_read(&[pcr::CLUSTER_ID]).unwrap()[&pcr::CLUSTER_ID]
+    }
+
+    /// Writes the CLI's settings for this node; `pcr12` overrides the expected config PCR.
+    fn settings(&self, ca: &EkCa, secret: &[u8], pcr12: Option<[u8; 32]>) -> PathBuf {
+        let d = self.dir.path();
+        let mut m = Measurements::default();
+        m.insert(12, pcr12.unwrap_or_else(|| self.config.expected_config_pcr()), false);
+        m.insert(15, [0; 32], false);
+        std::fs::write(d.join("measurements.json"), m.to_json()).unwrap();
+        std::fs::write(d.join("ek-ca.pem"), ca.issuer_pem().unwrap()).unwrap();
+        std::fs::write(d.join("init-secret"), secret).unwrap();
+        let settings = serde_json::json!({
+            "endpoint": self.addr.to_string(),
+            "kubernetes_version": "v1.31",
+            "measurements": "measurements.json",
+            "ek_ca": "ek-ca.pem",
+            "init_secret_file": "init-secret",
+            "components_file": "components.json",
+        });
+        let path = d.join("keel.json");
+        std::fs::write(&path, settings.to_string()).unwrap();
+        path
+    }
+}
+
+async fn keel_init(settings: &Path, workspace: &Path) -> std::process::Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["init", "--skip-helm-wait", "--settings"])
+        .arg(settings)
+        .arg("--workspace")
+        .arg(workspace)
+        .output()
+        .await
+        .unwrap()
+}
+
+fn text(out: &std::process::Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_creates_the_cluster_and_locks_the_node() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws.path()).await;
+    assert!(out.status.success(), "{}", text(&out));
+
+    let secret_mode = std::fs::metadata(ws.path().join("keel-master-secret.json")).unwrap().permissions().mode();
+    assert_eq!(secret_mode & 0o777, 0o600);
+    let kubeconfig = std::fs::read_to_string(ws.path().join("keel-admin.conf")).unwrap();
+    assert!(kubeconfig.contains("certificate-authority-data"), "{kubeconfig}");
+    let id: serde_json::Value = serde_json::from_slice(&std::fs::read(ws.path().join("keel-id.json")).unwrap()).unwrap();
+    let cluster_id = hex::decode(id["cluster_id"].as_str().unwrap()).unwrap();
+    assert!(text(&out).contains(id["cluster_id"].as_str().unwrap()));
+
+    // PCR 15 is the extend of the cluster ID, and the log records the lock.
+    let measured = n.tpm.lock().unwrap();
+    let lock_event = measured.events().iter().find(|e| e.event_type == EventType::ClusterId).unwrap();
+    assert_eq!(lock_event.data, cluster_id);
+    let components = measured.events().iter().filter(|e| e.event_type == EventType::Component).count();
+    assert_eq!(components, 5);
+    drop(measured);
+    let expected = extend(&[0; 32], &event_digest(lock_event_seq(&n), EventType::ClusterId, &cluster_id));
+    assert_eq!(n.pcr15(), expected);
+
+    // A second init is refused with FailedPrecondition.
+    let ws2 = tempfile::tempdir().unwrap();
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws2.path()).await;
+    assert!(!out.status.success());
+    // The node's PCR 15 is no longer zero, so the CLI refuses it already; ask the node directly too.
+    assert!(text(&out).contains("PCR 15"), "{}", text(&out));
+}
+
+fn lock_event_seq(n: &Node) -> u32 {
+    n.tpm.lock().unwrap().events().iter().find(|e| e.event_type == EventType::ClusterId).unwrap().seq
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_init_is_failed_precondition() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    assert!(keel_init(&n.settings(&ca, SECRET, None), ws.path()).await.status.success());
+    // A CLI that accepts any PCR 15 (warn-only) reaches the node, which refuses.
+    let settings = n.settings(&ca, SECRET, None);
+    let mut m = Measurements::default();
+    m.insert(12, n.config.expected_config_pcr(), false);
+    m.insert(15, [0; 32], true);
+    std::fs::write(n.dir.path().join("measurements.json"), m.to_json()).unwrap();
+    let ws2 = tempfile::tempdir().unwrap();
+    let out = keel_init(&settings, ws2.path()).await;
+    assert!(!out.status.success());
+    assert!(text(&out).contains("FailedPrecondition"), "{}", text(&out));
+    assert!(text(&out).contains("already part of a cluster"), "{}", text(&out));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_init_secret_is_refused_and_the_node_stays_unlocked() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let out = keel_init(&n.settings(&ca, b"wrong secret", None), ws.path()).await;
+    assert!(!out.status.success());
+    assert!(text(&out).contains("Unauthenticated"), "{}", text(&out));
+    assert!(!text(&out).contains("wrong secret\n"), "the secret must not be echoed");
+    assert_eq!(n.pcr15(), [0; 32]);
+    // The node still accepts the right secret.
+    let ws2 = tempfile::tempdir().unwrap();
+    assert!(keel_init(&n.settings(&ca, SECRET, None), ws2.path()).await.status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatching_measurements_stop_the_cli_before_it_sends_anything() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let out = keel_init(&n.settings(&ca, SECRET, Some([3; 32])), ws.path()).await;
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(t.contains("nothing was sent") && t.contains("PCR 12"), "{t}");
+    assert_eq!(n.pcr15(), [0; 32]);
+    assert!(!ws.path().join("keel-admin.conf").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubeadm_failure_streams_the_error_and_the_logs() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[("KEEL_STANDIN_FAIL", "always")]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws.path()).await;
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(t.contains("init failed on the node") && t.contains("kubeadm init"), "{t}");
+    assert!(t.contains("marked its state disk for reset"), "{t}");
+    let logs = std::fs::read_to_string(ws.path().join("keel-init-failure.log")).unwrap();
+    assert!(logs.contains("running kubeadm init") && logs.contains("init failed"), "{logs}");
+    // The node is locked (the failure came after the lock) and says it is unusable.
+    assert_ne!(n.pcr15(), [0; 32]);
+    assert!(logs.contains("unusable"), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_inits_lock_once() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let settings = n.settings(&ca, SECRET, None);
+    let (w1, w2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = tokio::join!(keel_init(&settings, w1.path()), keel_init(&settings, w2.path()));
+    let wins = [&a, &b].iter().filter(|o| o.status.success()).count();
+    assert_eq!(wins, 1, "{}\n---\n{}", text(&a), text(&b));
+    let events = n.tpm.lock().unwrap().events().iter().filter(|e| e.event_type == EventType::ClusterId).count();
+    assert_eq!(events, 1);
+}

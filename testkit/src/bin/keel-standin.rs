@@ -1,0 +1,766 @@
+//! `keel-standin`: a stand-in for `kubeadm`, `kubelet` and `kubectl`.
+//!
+//! Real Kubernetes cannot be downloaded or run in this environment, so tests
+//! and the local demo install this program (from the local component mirror,
+//! with its own hash) under the names `kubeadm`, `kubelet` and `kubectl`. It
+//! picks its role from the name it was started as, or from its first
+//! argument when started as `keel-standin`.
+//!
+//! It is honest about what it is: it does not run a control plane. As
+//! `kubeadm` it checks what a real kubeadm would need from its command line
+//! and configuration file and writes what kubeadm writes, so the agent's
+//! side can be exercised end to end:
+//! * `init --config F`: checks the `InitConfiguration` and
+//!   `ClusterConfiguration` (API version against the Kubernetes version,
+//!   node name, advertise address, bootstrap tokens, extra-argument shapes,
+//!   patches directory, networking, certificate SANs), then writes a cluster
+//!   CA, an API server certificate carrying the SANs and `admin.conf`, and
+//!   prints kubeadm-like progress lines (including the token line kubeadm
+//!   prints, which the agent must scrub);
+//! * `join --config F`: checks the `JoinConfiguration` and writes
+//!   `kubelet.conf`;
+//! * `reset --force`: removes what `init`/`join` wrote, as kubeadm does;
+//! * `version`.
+//!
+//! As `kubelet` or `kubectl` it prints a version line and exits 0.
+//!
+//! Environment: `KEEL_STANDIN_ROOT` (default `/`) is where `etc/kubernetes`
+//! lives; `KEEL_STANDIN_FAIL` makes `init`/`join` fail: `always`, or a
+//! number N to fail the first N runs under the root; `KEEL_STANDIN_SLEEP`
+//! (seconds) delays `init`/`join`; `KEEL_STANDIN_VERSION` is the version it
+//! claims to be (a config asking for another one is refused).
+
+use std::net::IpAddr;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use base64::Engine as _;
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+use serde::Deserialize as _;
+use serde_yaml::Value;
+use sha2::Digest as _;
+
+const ROOT_ENV: &str = "KEEL_STANDIN_ROOT";
+const FAIL_ENV: &str = "KEEL_STANDIN_FAIL";
+const SLEEP_ENV: &str = "KEEL_STANDIN_SLEEP";
+const VERSION_ENV: &str = "KEEL_STANDIN_VERSION";
+/// Largest configuration file read.
+const MAX_CONFIG: u64 = 1024 * 1024;
+
+/// An error for the operator, printed as kubeadm prints its errors.
+struct Failure(String);
+
+type Result<T> = std::result::Result<T, Failure>;
+
+fn fail<T>(message: impl Into<String>) -> Result<T> {
+    Err(Failure(message.into()))
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let invoked = args
+        .first()
+        .and_then(|a| Path::new(a).file_name())
+        .and_then(|n| n.to_str())
+        .unwrap_or("keel-standin")
+        .to_owned();
+    let (role, rest) = if invoked == "keel-standin" {
+        (
+            args.get(1).cloned().unwrap_or_default(),
+            args.get(2..).unwrap_or_default(),
+        )
+    } else {
+        (invoked, args.get(1..).unwrap_or_default())
+    };
+    let result = match role.as_str() {
+        "kubeadm" => kubeadm(rest),
+        "kubelet" | "kubectl" => {
+            println!("{role} {} (keel stand-in)", version_claim());
+            Ok(())
+        }
+        other => fail(format!(
+            "keel-standin: unknown role {other:?} (kubeadm, kubelet, kubectl)"
+        )),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(message)) => {
+            eprintln!("error execution phase: {message}");
+            eprintln!("To see the stack trace of this error execute with --v=5 or higher");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn version_claim() -> String {
+    std::env::var(VERSION_ENV).unwrap_or_else(|_| "v0.0.0-standin".into())
+}
+
+fn root() -> PathBuf {
+    std::env::var_os(ROOT_ENV).map_or_else(|| PathBuf::from("/"), PathBuf::from)
+}
+
+fn kube_dir() -> PathBuf {
+    root().join("etc/kubernetes")
+}
+
+/// Parsed flags of a kubeadm subcommand.
+#[derive(Default)]
+struct Flags {
+    config: Option<PathBuf>,
+    skip_phases: Vec<String>,
+    skip_token_print: bool,
+    force: bool,
+}
+
+fn parse_flags(args: &[String], allowed: &[&str]) -> Result<Flags> {
+    let mut flags = Flags::default();
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) => (n, Some(v.to_owned())),
+            None => (arg.as_str(), None),
+        };
+        if !allowed.contains(&name) {
+            return fail(format!("unknown flag: {name}"));
+        }
+        let mut value = || -> Result<String> {
+            match inline.clone().or_else(|| it.next().cloned()) {
+                Some(v) => Ok(v),
+                None => fail(format!("flag needs an argument: {name}")),
+            }
+        };
+        match name {
+            "--config" => flags.config = Some(PathBuf::from(value()?)),
+            "--skip-phases" => {
+                flags.skip_phases = value()?.split(',').map(str::to_owned).collect();
+            }
+            "--skip-token-print" => flags.skip_token_print = true,
+            "--force" => flags.force = true,
+            _ => {}
+        }
+    }
+    Ok(flags)
+}
+
+fn kubeadm(args: &[String]) -> Result<()> {
+    let Some((command, rest)) = args.split_first() else {
+        return fail("kubeadm: missing command (init, join, reset, version)");
+    };
+    match command.as_str() {
+        "version" => {
+            println!(
+                "kubeadm version: &version.Info{{GitVersion:\"{}\", Platform:\"linux/amd64\"}} (keel stand-in)",
+                version_claim()
+            );
+            Ok(())
+        }
+        "init" => init(&parse_flags(
+            rest,
+            &[
+                "--config",
+                "--skip-phases",
+                "--skip-token-print",
+                "--skip-certificate-key-print",
+                "--v",
+            ],
+        )?),
+        "join" => join(&parse_flags(rest, &["--config", "--skip-phases", "--v"])?),
+        "reset" => reset(&parse_flags(rest, &["--force", "--v"])?),
+        other => fail(format!("unknown command {other:?} for \"kubeadm\"")),
+    }
+}
+
+/// Applies `KEEL_STANDIN_SLEEP` and `KEEL_STANDIN_FAIL`.
+fn injected_faults(phase: &str) -> Result<()> {
+    if let Some(secs) = std::env::var(SLEEP_ENV).ok().and_then(|s| s.parse().ok()) {
+        std::thread::sleep(Duration::from_secs(secs));
+    }
+    let Ok(spec) = std::env::var(FAIL_ENV) else {
+        return Ok(());
+    };
+    let injected = || fail(format!("{phase}: failure injected by {FAIL_ENV}"));
+    if spec == "always" {
+        return injected();
+    }
+    let Ok(times) = spec.parse::<u32>() else {
+        return fail(format!(
+            "{FAIL_ENV}={spec:?}: expected \"always\" or a number"
+        ));
+    };
+    let counter = root().join("var/lib/keel-standin/failures");
+    let done: u32 = std::fs::read_to_string(&counter)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    if done < times {
+        write_file(&counter, (done + 1).to_string().as_bytes(), 0o644)?;
+        return injected();
+    }
+    Ok(())
+}
+
+fn read_config(flags: &Flags) -> Result<Vec<Value>> {
+    let Some(path) = &flags.config else {
+        return fail("--config is required (keel always passes a configuration file)");
+    };
+    let meta = std::fs::metadata(path)
+        .or_else(|e| fail(format!("unable to read config from {path:?}: {e}")))?;
+    if meta.len() > MAX_CONFIG {
+        return fail(format!("config file {path:?} is too large"));
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        return fail(format!(
+            "config file {path:?} is readable by others (mode {:o}); it holds a token",
+            meta.permissions().mode() & 0o777
+        ));
+    }
+    let text = std::fs::read_to_string(path)
+        .or_else(|e| fail(format!("unable to read config from {path:?}: {e}")))?;
+    let mut docs = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let value = serde_yaml::Value::deserialize(doc)
+            .or_else(|e| fail(format!("invalid YAML in {path:?}: {e}")))?;
+        docs.push(value);
+    }
+    Ok(docs)
+}
+
+fn get<'a>(value: &'a Value, path: &[&str]) -> Option<&'a Value> {
+    path.iter().try_fold(value, |v, key| v.get(*key))
+}
+
+fn string(doc: &Value, kind: &str, path: &[&str]) -> Result<String> {
+    match get(doc, path).and_then(Value::as_str) {
+        Some(s) if !s.is_empty() => Ok(s.to_owned()),
+        _ => fail(format!("{kind}: {} is required", path.join("."))),
+    }
+}
+
+/// The kubeadm API version of `doc`: `v1beta3` or `v1beta4`.
+fn api_version(doc: &Value, kind: &str) -> Result<&'static str> {
+    match get(doc, &["apiVersion"]).and_then(Value::as_str) {
+        Some("kubeadm.k8s.io/v1beta3") => Ok("v1beta3"),
+        Some("kubeadm.k8s.io/v1beta4") => Ok("v1beta4"),
+        other => fail(format!(
+            "{kind}: unsupported apiVersion {other:?} (kubeadm.k8s.io/v1beta3 or v1beta4)"
+        )),
+    }
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str) -> Result<Option<&'a Value>> {
+    let found: Vec<&Value> = docs
+        .iter()
+        .filter(|d| get(d, &["kind"]).and_then(Value::as_str) == Some(kind))
+        .collect();
+    match found.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(one)),
+        _ => fail(format!("more than one {kind} in the config")),
+    }
+}
+
+fn known_kinds(docs: &[Value], allowed: &[&str]) -> Result<()> {
+    for doc in docs {
+        let kind = get(doc, &["kind"]).and_then(Value::as_str).unwrap_or("");
+        if !allowed.contains(&kind) {
+            return fail(format!("unexpected document kind {kind:?}"));
+        }
+    }
+    Ok(())
+}
+
+fn token_ok(token: &str) -> bool {
+    let part = |p: &str, n: usize| {
+        p.len() == n
+            && p.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+    };
+    token
+        .split_once('.')
+        .is_some_and(|(id, secret)| part(id, 6) && part(secret, 16))
+}
+
+/// `(major, minor)` of a pinned `vX.Y.Z`.
+fn parse_version(v: &str) -> Option<(u32, u32)> {
+    let mut parts = v.strip_prefix('v')?.split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    parts.next()?.parse::<u32>().ok()?;
+    parts.next().is_none().then_some((major, minor))
+}
+
+fn check_version(api: &str, version: &str) -> Result<()> {
+    let Some((major, minor)) = parse_version(version) else {
+        return fail(format!(
+            "ClusterConfiguration: kubernetesVersion {version:?} is not a pinned vX.Y.Z"
+        ));
+    };
+    let claim = version_claim();
+    if std::env::var(VERSION_ENV).is_ok() && claim != version {
+        return fail(format!(
+            "this kubeadm is {claim}, the config asks for Kubernetes {version}"
+        ));
+    }
+    match (api, major, minor) {
+        ("v1beta4", 1, m) if m >= 31 => Ok(()),
+        ("v1beta3", 1, 22..=33) => Ok(()),
+        _ => fail(format!(
+            "kubeadm.k8s.io/{api} is not accepted for Kubernetes {version}"
+        )),
+    }
+}
+
+/// kubelet extra arguments: a map in v1beta3, a list of {name, value} in v1beta4.
+fn check_extra_args(doc: &Value, kind: &str, api: &str) -> Result<()> {
+    let Some(args) = get(doc, &["nodeRegistration", "kubeletExtraArgs"]) else {
+        return Ok(());
+    };
+    let ok = match api {
+        "v1beta3" => args.is_mapping(),
+        _ => args.as_sequence().is_some_and(|items| {
+            items
+                .iter()
+                .all(|i| i.get("name").is_some_and(Value::is_string) && i.get("value").is_some())
+        }),
+    };
+    if ok {
+        Ok(())
+    } else {
+        fail(format!(
+            "{kind}: nodeRegistration.kubeletExtraArgs has the wrong shape for {api}"
+        ))
+    }
+}
+
+fn check_patches(doc: &Value) -> Result<Option<PathBuf>> {
+    let Some(dir) = get(doc, &["patches", "directory"]).and_then(Value::as_str) else {
+        return Ok(None);
+    };
+    let dir = PathBuf::from(dir);
+    if !dir.is_dir() {
+        return fail(format!("could not list patch files for path {dir:?}"));
+    }
+    Ok(Some(dir))
+}
+
+fn check_preflight(flags: &Flags, files: &[&str]) -> Result<()> {
+    if flags.skip_phases.iter().any(|p| p == "preflight") {
+        return Ok(());
+    }
+    println!("[preflight] Running pre-flight checks");
+    for file in files {
+        let path = kube_dir().join(file);
+        if path.exists() {
+            return fail(format!(
+                "preflight: [ERROR FileAvailable--etc-kubernetes-{}]: {} already exists",
+                file.replace(['/', '.'], "-"),
+                path.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn init(flags: &Flags) -> Result<()> {
+    let docs = read_config(flags)?;
+    known_kinds(&docs, &["InitConfiguration", "ClusterConfiguration"])?;
+    let Some(init) = find(&docs, "InitConfiguration")? else {
+        return fail("no InitConfiguration in the config");
+    };
+    let Some(cluster) = find(&docs, "ClusterConfiguration")? else {
+        return fail("no ClusterConfiguration in the config");
+    };
+    let api = api_version(init, "InitConfiguration")?;
+    if api_version(cluster, "ClusterConfiguration")? != api {
+        return fail("InitConfiguration and ClusterConfiguration use different API versions");
+    }
+    let version = string(cluster, "ClusterConfiguration", &["kubernetesVersion"])?;
+    check_version(api, &version)?;
+    let node = string(init, "InitConfiguration", &["nodeRegistration", "name"])?;
+    let advertise = string(
+        init,
+        "InitConfiguration",
+        &["localAPIEndpoint", "advertiseAddress"],
+    )?;
+    let advertise: IpAddr = advertise.parse().or_else(|_| {
+        fail(format!(
+            "InitConfiguration: advertiseAddress {advertise:?} is not an IP address"
+        ))
+    })?;
+    let port = get(init, &["localAPIEndpoint", "bindPort"])
+        .and_then(Value::as_u64)
+        .map_or(Ok(6443), |p| {
+            u16::try_from(p)
+                .or_else(|_| fail(format!("InitConfiguration: bindPort {p} is not a port")))
+        })?;
+    let tokens = get(init, &["bootstrapTokens"])
+        .and_then(Value::as_sequence)
+        .cloned()
+        .unwrap_or_default();
+    for t in &tokens {
+        let token = t.get("token").and_then(Value::as_str).unwrap_or("");
+        if !token_ok(token) {
+            return fail(
+                "InitConfiguration: a bootstrap token does not match [a-z0-9]{6}.[a-z0-9]{16}",
+            );
+        }
+    }
+    check_extra_args(init, "InitConfiguration", api)?;
+    let cluster_name = string(cluster, "ClusterConfiguration", &["clusterName"])?;
+    for field in ["serviceSubnet", "podSubnet"] {
+        let cidr = string(cluster, "ClusterConfiguration", &["networking", field])?;
+        if cidr
+            .split_once('/')
+            .is_none_or(|(a, p)| a.parse::<IpAddr>().is_err() || p.parse::<u8>().is_err())
+        {
+            return fail(format!(
+                "ClusterConfiguration: networking.{field} {cidr:?} is not a CIDR"
+            ));
+        }
+    }
+    let Some(sans) = get(cluster, &["apiServer", "certSANs"]).and_then(Value::as_sequence) else {
+        return fail("ClusterConfiguration: apiServer.certSANs is required");
+    };
+    let sans: Vec<String> = sans
+        .iter()
+        .map(|s| s.as_str().map(str::to_owned))
+        .collect::<Option<_>>()
+        .map_or_else(
+            || fail("ClusterConfiguration: certSANs must be strings"),
+            Ok,
+        )?;
+
+    injected_faults("init")?;
+    check_preflight(flags, &["admin.conf", "manifests/kube-apiserver.yaml"])?;
+    println!("[init] Using Kubernetes version: {version}");
+    let pki = kube_dir().join("pki");
+    println!("[certs] Using certificateDir folder \"{}\"", pki.display());
+    let ca = Ca::load_or_create(&pki)?;
+    let mut dns = vec![
+        node.clone(),
+        "kubernetes".to_owned(),
+        "kubernetes.default".to_owned(),
+        "kubernetes.default.svc".to_owned(),
+        "kubernetes.default.svc.cluster.local".to_owned(),
+    ];
+    let mut ips = vec![advertise.to_string()];
+    for san in &sans {
+        if san.parse::<IpAddr>().is_ok() {
+            if !ips.contains(san) {
+                ips.push(san.clone());
+            }
+        } else if !dns.contains(san) {
+            dns.push(san.clone());
+        }
+    }
+    println!("[certs] Generating \"apiserver\" certificate and key");
+    println!("[certs] apiserver serving cert is signed for DNS names {dns:?} and IPs {ips:?}");
+    let apiserver = ca.issue("kube-apiserver", None, &dns, &ips, true)?;
+    write_file(&pki.join("apiserver.crt"), apiserver.0.as_bytes(), 0o644)?;
+    write_file(&pki.join("apiserver.key"), apiserver.1.as_bytes(), 0o600)?;
+    if let Some(dir) = check_patches(init)? {
+        println!("[patches] Reading patches from path \"{}\"", dir.display());
+    }
+    let server = format!("https://{}", std::net::SocketAddr::new(advertise, port));
+    println!("[kubeconfig] Writing \"admin.conf\" kubeconfig file");
+    let admin = ca.issue(
+        "kubernetes-admin",
+        Some("kubeadm:cluster-admins"),
+        &[],
+        &[],
+        false,
+    )?;
+    let kubeconfig = kubeconfig(
+        &cluster_name,
+        &server,
+        &ca.cert_pem,
+        "kubernetes-admin",
+        Some(&admin),
+    );
+    write_file(&kube_dir().join("admin.conf"), kubeconfig.as_bytes(), 0o600)?;
+    write_file(
+        &kube_dir().join("manifests/kube-apiserver.yaml"),
+        b"# keel stand-in: no static pods run here\n",
+        0o600,
+    )?;
+    for t in &tokens {
+        // As kubeadm does in its bootstrap-token phase.
+        let token = t.get("token").and_then(Value::as_str).unwrap_or("");
+        println!("[bootstrap-token] Using token: {token}");
+    }
+    println!("[addons] Applied essential addon: CoreDNS (stand-in: nothing runs)");
+    println!();
+    println!("Your Kubernetes control-plane has initialized successfully!");
+    if !flags.skip_token_print {
+        if let Some(token) = tokens
+            .first()
+            .and_then(|t| t.get("token"))
+            .and_then(Value::as_str)
+        {
+            println!(
+                "kubeadm join {} --token {token} --discovery-token-ca-cert-hash {}",
+                server.trim_start_matches("https://"),
+                ca.spki_hash
+            );
+        }
+    }
+    Ok(())
+}
+
+fn join(flags: &Flags) -> Result<()> {
+    let docs = read_config(flags)?;
+    known_kinds(&docs, &["JoinConfiguration"])?;
+    let Some(join) = find(&docs, "JoinConfiguration")? else {
+        return fail("no JoinConfiguration in the config");
+    };
+    let api = api_version(join, "JoinConfiguration")?;
+    let kind = "JoinConfiguration";
+    let token = string(join, kind, &["discovery", "bootstrapToken", "token"])?;
+    if !token_ok(&token) {
+        return fail(
+            "JoinConfiguration: the discovery token does not match [a-z0-9]{6}.[a-z0-9]{16}",
+        );
+    }
+    let endpoint = string(
+        join,
+        kind,
+        &["discovery", "bootstrapToken", "apiServerEndpoint"],
+    )?;
+    if endpoint
+        .rsplit_once(':')
+        .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+    {
+        return fail(format!(
+            "JoinConfiguration: apiServerEndpoint {endpoint:?} is not host:port"
+        ));
+    }
+    let hashes = get(join, &["discovery", "bootstrapToken", "caCertHashes"])
+        .and_then(Value::as_sequence)
+        .cloned()
+        .unwrap_or_default();
+    let hash_ok = |h: &Value| {
+        h.as_str()
+            .and_then(|s| s.strip_prefix("sha256:"))
+            .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    if hashes.is_empty() || !hashes.iter().all(hash_ok) {
+        return fail("JoinConfiguration: discovery.bootstrapToken.caCertHashes must list sha256:<hex> hashes (unsafe discovery is not allowed)");
+    }
+    let node = string(join, kind, &["nodeRegistration", "name"])?;
+    check_extra_args(join, kind, api)?;
+    let control_plane = get(join, &["controlPlane"]);
+    if let Some(cp) = control_plane {
+        let addr = string(cp, kind, &["localAPIEndpoint", "advertiseAddress"])?;
+        if addr.parse::<IpAddr>().is_err() {
+            return fail(format!(
+                "JoinConfiguration: controlPlane advertiseAddress {addr:?} is not an IP address"
+            ));
+        }
+        match get(cp, &["certificateKey"]).and_then(Value::as_str) {
+            Some(key) if key.len() == 64 && key.bytes().all(|b| b.is_ascii_hexdigit()) => {}
+            Some(_) => return fail("JoinConfiguration: certificateKey is not 64 hex digits"),
+            None => {
+                let pki = kube_dir().join("pki");
+                if !pki.join("ca.crt").exists() || !pki.join("ca.key").exists() {
+                    return fail(format!(
+                        "failure loading certificate authority: {}/ca.crt and ca.key are needed for a control-plane join without certificateKey",
+                        pki.display()
+                    ));
+                }
+            }
+        }
+    }
+    check_patches(join)?;
+
+    check_preflight(flags, &["kubelet.conf"])?;
+    println!("[preflight] Reading configuration from the cluster (stand-in: {endpoint})");
+    if control_plane.is_some() {
+        println!(
+            "[control-plane] Using manifest folder \"{}\"",
+            kube_dir().join("manifests").display()
+        );
+    }
+    println!(
+        "[kubelet-start] Writing kubelet configuration to file \"/var/lib/kubelet/config.yaml\""
+    );
+    let ca_pem = std::fs::read_to_string(kube_dir().join("pki/ca.crt")).unwrap_or_default();
+    let conf = kubeconfig(
+        "kubernetes",
+        &format!("https://{endpoint}"),
+        &ca_pem,
+        &format!("system:node:{node}"),
+        None,
+    );
+    write_file(&kube_dir().join("kubelet.conf"), conf.as_bytes(), 0o600)?;
+    // An injected failure comes after kubelet.conf is written, as a real
+    // join that times out in the TLS bootstrap leaves it behind: a retry
+    // then needs `kubeadm reset` first.
+    injected_faults(
+        "kubelet-start: timed out waiting for the kubelet to perform the TLS Bootstrap",
+    )?;
+    println!();
+    println!("This node has joined the cluster.");
+    Ok(())
+}
+
+fn reset(flags: &Flags) -> Result<()> {
+    if !flags.force {
+        return fail("reset needs --force (no terminal to confirm on)");
+    }
+    let dir = kube_dir();
+    println!("[reset] Deleting contents of {}", dir.display());
+    for entry in [
+        "admin.conf",
+        "super-admin.conf",
+        "kubelet.conf",
+        "manifests",
+        "pki",
+    ] {
+        let path = dir.join(entry);
+        let removed = if path.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match removed {
+            Ok(()) => println!("[reset] Deleted {}", path.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return fail(format!("removing {}: {e}", path.display())),
+        }
+    }
+    Ok(())
+}
+
+fn write_file(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
+    let io = |e: std::io::Error| Failure(format!("writing {}: {e}", path.display()));
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    std::fs::write(path, contents).map_err(io)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io)
+}
+
+/// A kubeconfig with one cluster, one user and one context.
+fn kubeconfig(
+    cluster: &str,
+    server: &str,
+    ca_pem: &str,
+    user: &str,
+    client: Option<&(String, String)>,
+) -> String {
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let ca = if ca_pem.is_empty() {
+        String::new()
+    } else {
+        format!("    certificate-authority-data: {}\n", b64(ca_pem))
+    };
+    let creds = client.map_or_else(String::new, |(cert, key)| {
+        format!(
+            "    client-certificate-data: {}\n    client-key-data: {}\n",
+            b64(cert),
+            b64(key)
+        )
+    });
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n{ca}    server: {server}\n  name: {cluster}\n\
+         contexts:\n- context:\n    cluster: {cluster}\n    user: {user}\n  name: {user}@{cluster}\n\
+         current-context: {user}@{cluster}\npreferences: {{}}\nusers:\n- name: {user}\n  user:\n{creds}"
+    )
+}
+
+/// The cluster CA.
+struct Ca {
+    cert_pem: String,
+    params: CertificateParams,
+    key: KeyPair,
+    /// `sha256:<hex>` of the CA's SubjectPublicKeyInfo (kubeadm discovery).
+    spki_hash: String,
+}
+
+impl Ca {
+    /// Reuses `pki/ca.{crt,key}` when present (as kubeadm does), else makes them.
+    fn load_or_create(pki: &Path) -> Result<Self> {
+        let tls = |e: rcgen::Error| Failure(format!("generating certificates: {e}"));
+        let (crt, key_path) = (pki.join("ca.crt"), pki.join("ca.key"));
+        let (cert_pem, key) = if crt.exists() && key_path.exists() {
+            println!("[certs] Using existing ca certificate authority");
+            let read = |p: &Path| {
+                std::fs::read_to_string(p)
+                    .map_err(|e| Failure(format!("reading {}: {e}", p.display())))
+            };
+            (
+                read(&crt)?,
+                KeyPair::from_pem(&read(&key_path)?).map_err(tls)?,
+            )
+        } else {
+            println!("[certs] Generating \"ca\" certificate and key");
+            let key = KeyPair::generate().map_err(tls)?;
+            let cert = Self::ca_params()?.self_signed(&key).map_err(tls)?;
+            write_file(&crt, cert.pem().as_bytes(), 0o644)?;
+            write_file(&key_path, key.serialize_pem().as_bytes(), 0o600)?;
+            (cert.pem(), key)
+        };
+        let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
+        let spki_hash = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&spki)));
+        Ok(Self {
+            cert_pem,
+            params: Self::ca_params()?,
+            key,
+            spki_hash,
+        })
+    }
+
+    fn ca_params() -> Result<CertificateParams> {
+        let mut params = CertificateParams::new(Vec::<String>::new())
+            .map_err(|e| Failure(format!("CA parameters: {e}")))?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "kubernetes");
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        Ok(params)
+    }
+
+    /// A leaf certificate and key (PEM), server or client.
+    fn issue(
+        &self,
+        cn: &str,
+        org: Option<&str>,
+        dns: &[String],
+        ips: &[String],
+        server: bool,
+    ) -> Result<(String, String)> {
+        let tls = |e: rcgen::Error| Failure(format!("generating certificates: {e}"));
+        let mut params = CertificateParams::new(dns.to_vec()).map_err(tls)?;
+        for ip in ips {
+            if let Ok(ip) = ip.parse() {
+                params.subject_alt_names.push(SanType::IpAddress(ip));
+            }
+        }
+        params.distinguished_name.push(DnType::CommonName, cn);
+        if let Some(org) = org {
+            params
+                .distinguished_name
+                .push(DnType::OrganizationName, org);
+        }
+        params.extended_key_usages = vec![if server {
+            ExtendedKeyUsagePurpose::ServerAuth
+        } else {
+            ExtendedKeyUsagePurpose::ClientAuth
+        }];
+        let key = KeyPair::generate().map_err(tls)?;
+        let issuer = Issuer::from_params(&self.params, &self.key);
+        let cert = params.signed_by(&key, &issuer).map_err(tls)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
+}
