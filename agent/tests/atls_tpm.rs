@@ -1,6 +1,7 @@
 //! aTLS with TPM attestation: every party has its own swtpm, documents are
 //! real quotes, validation is the agent's validator, TLS is real rustls over
 //! loopback, and a gRPC call runs over the result.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

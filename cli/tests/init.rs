@@ -1,6 +1,7 @@
 //! `keel init` against an agent's init server: each node has its own swtpm
 //! (EK certificate from a test CA), components come from the loopback mirror
 //! (kubeadm is the stand-in), TLS is real aTLS.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
@@ -56,27 +57,44 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
     .unwrap();
     let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
     let mut measured = MeasuredTpm::open(tpm, &dir.path().join("eventlog.jsonl")).unwrap();
-    measured.record(EventType::NodeConfig, "config", config.cluster_bytes()).unwrap();
-    measured.record(EventType::NodeIdentity, "node", config.node_bytes()).unwrap();
+    measured
+        .record(EventType::NodeConfig, "config", config.cluster_bytes())
+        .unwrap();
+    measured
+        .record(EventType::NodeIdentity, "node", config.node_bytes())
+        .unwrap();
     let tpm = measured.shared();
     let lock = Arc::new(NodeLock::new(tpm.clone()).unwrap());
 
     // The components, served by the mirror; the CLI sends their list.
     let mirror = MirrorServer::start().unwrap();
-    let components = stand_in_set_with(&mirror, &root, "v1.31.13", &KubeExecutables::standin().unwrap()).unwrap();
+    let components = stand_in_set_with(
+        &mirror,
+        &root,
+        "v1.31.13",
+        &KubeExecutables::standin().unwrap(),
+    )
+    .unwrap();
     let list: Vec<serde_json::Value> = components
         .iter()
         .map(|c| serde_json::json!({"url": c.url, "hash": c.hash, "install_path": c.install_path, "extract": c.extract}))
         .collect();
-    std::fs::write(dir.path().join("components.json"), serde_json::to_vec(&list).unwrap()).unwrap();
+    std::fs::write(
+        dir.path().join("components.json"),
+        serde_json::to_vec(&list).unwrap(),
+    )
+    .unwrap();
 
     let mut kubeadm = Kubeadm::new(&root.join("run/state/bin"));
     kubeadm.root = root.clone();
-    kubeadm.env = [("KEEL_STANDIN_ROOT", root.to_str().unwrap()), ("KEEL_STANDIN_VERSION", "v1.31.13")]
-        .iter()
-        .chain(kubeadm_env)
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect();
+    kubeadm.env = [
+        ("KEEL_STANDIN_ROOT", root.to_str().unwrap()),
+        ("KEEL_STANDIN_VERSION", "v1.31.13"),
+    ]
+    .iter()
+    .chain(kubeadm_env)
+    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+    .collect();
     let env = NodeEnv {
         installer: InstallerConfig::default(),
         kubeadm,
@@ -101,19 +119,36 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    Node { tpm, addr, dir, config, task, _mirror: mirror, _swtpm: swtpm }
+    Node {
+        tpm,
+        addr,
+        dir,
+        config,
+        task,
+        _mirror: mirror,
+        _swtpm: swtpm,
+    }
 }
 
 impl Node {
     fn pcr15(&self) -> [u8; 32] {
-        self.tpm.lock().unwrap().tpm().pcr_read(&[pcr::CLUSTER_ID]).unwrap()[&pcr::CLUSTER_ID]
+        self.tpm
+            .lock()
+            .unwrap()
+            .tpm()
+            .pcr_read(&[pcr::CLUSTER_ID])
+            .unwrap()[&pcr::CLUSTER_ID]
     }
 
     /// Writes the CLI's settings for this node; `pcr12` overrides the expected config PCR.
     fn settings(&self, ca: &EkCa, secret: &[u8], pcr12: Option<[u8; 32]>) -> PathBuf {
         let d = self.dir.path();
         let mut m = Measurements::default();
-        m.insert(12, pcr12.unwrap_or_else(|| self.config.expected_config_pcr()), false);
+        m.insert(
+            12,
+            pcr12.unwrap_or_else(|| self.config.expected_config_pcr()),
+            false,
+        );
         m.insert(15, [0; 32], false);
         std::fs::write(d.join("measurements.json"), m.to_json()).unwrap();
         std::fs::write(d.join("ek-ca.pem"), ca.issuer_pem().unwrap()).unwrap();
@@ -144,7 +179,11 @@ async fn keel_init(settings: &Path, workspace: &Path) -> std::process::Output {
 }
 
 fn text(out: &std::process::Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -155,22 +194,41 @@ async fn init_creates_the_cluster_and_locks_the_node() {
     let out = keel_init(&n.settings(&ca, SECRET, None), ws.path()).await;
     assert!(out.status.success(), "{}", text(&out));
 
-    let secret_mode = std::fs::metadata(ws.path().join("keel-master-secret.json")).unwrap().permissions().mode();
+    let secret_mode = std::fs::metadata(ws.path().join("keel-master-secret.json"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(secret_mode & 0o777, 0o600);
     let kubeconfig = std::fs::read_to_string(ws.path().join("keel-admin.conf")).unwrap();
-    assert!(kubeconfig.contains("certificate-authority-data"), "{kubeconfig}");
-    let id: serde_json::Value = serde_json::from_slice(&std::fs::read(ws.path().join("keel-id.json")).unwrap()).unwrap();
+    assert!(
+        kubeconfig.contains("certificate-authority-data"),
+        "{kubeconfig}"
+    );
+    let id: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ws.path().join("keel-id.json")).unwrap()).unwrap();
     let cluster_id = hex::decode(id["cluster_id"].as_str().unwrap()).unwrap();
     assert!(text(&out).contains(id["cluster_id"].as_str().unwrap()));
 
     // PCR 15 is the extend of the cluster ID, and the log records the lock.
-    let measured = n.tpm.lock().unwrap();
-    let lock_event = measured.events().iter().find(|e| e.event_type == EventType::ClusterId).unwrap();
-    assert_eq!(lock_event.data, cluster_id);
-    let components = measured.events().iter().filter(|e| e.event_type == EventType::Component).count();
-    assert_eq!(components, 5);
-    drop(measured);
-    let expected = extend(&[0; 32], &event_digest(lock_event_seq(&n), EventType::ClusterId, &cluster_id));
+    {
+        let measured = n.tpm.lock().unwrap();
+        let lock_event = measured
+            .events()
+            .iter()
+            .find(|e| e.event_type == EventType::ClusterId)
+            .unwrap();
+        assert_eq!(lock_event.data, cluster_id);
+        let components = measured
+            .events()
+            .iter()
+            .filter(|e| e.event_type == EventType::Component)
+            .count();
+        assert_eq!(components, 5);
+    }
+    let expected = extend(
+        &[0; 32],
+        &event_digest(lock_event_seq(&n), EventType::ClusterId, &cluster_id),
+    );
     assert_eq!(n.pcr15(), expected);
 
     // A second init is refused with FailedPrecondition.
@@ -182,7 +240,14 @@ async fn init_creates_the_cluster_and_locks_the_node() {
 }
 
 fn lock_event_seq(n: &Node) -> u32 {
-    n.tpm.lock().unwrap().events().iter().find(|e| e.event_type == EventType::ClusterId).unwrap().seq
+    n.tpm
+        .lock()
+        .unwrap()
+        .events()
+        .iter()
+        .find(|e| e.event_type == EventType::ClusterId)
+        .unwrap()
+        .seq
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,7 +255,10 @@ async fn second_init_is_failed_precondition() {
     let ca = EkCa::new().unwrap();
     let n = node(&ca, &[]).await;
     let ws = tempfile::tempdir().unwrap();
-    assert!(keel_init(&n.settings(&ca, SECRET, None), ws.path()).await.status.success());
+    assert!(keel_init(&n.settings(&ca, SECRET, None), ws.path())
+        .await
+        .status
+        .success());
     // A CLI that accepts any PCR 15 (warn-only) reaches the node, which refuses.
     let settings = n.settings(&ca, SECRET, None);
     let mut m = Measurements::default();
@@ -201,7 +269,11 @@ async fn second_init_is_failed_precondition() {
     let out = keel_init(&settings, ws2.path()).await;
     assert!(!out.status.success());
     assert!(text(&out).contains("FailedPrecondition"), "{}", text(&out));
-    assert!(text(&out).contains("already part of a cluster"), "{}", text(&out));
+    assert!(
+        text(&out).contains("already part of a cluster"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,11 +284,17 @@ async fn wrong_init_secret_is_refused_and_the_node_stays_unlocked() {
     let out = keel_init(&n.settings(&ca, b"wrong secret", None), ws.path()).await;
     assert!(!out.status.success());
     assert!(text(&out).contains("Unauthenticated"), "{}", text(&out));
-    assert!(!text(&out).contains("wrong secret\n"), "the secret must not be echoed");
+    assert!(
+        !text(&out).contains("wrong secret\n"),
+        "the secret must not be echoed"
+    );
     assert_eq!(n.pcr15(), [0; 32]);
     // The node still accepts the right secret.
     let ws2 = tempfile::tempdir().unwrap();
-    assert!(keel_init(&n.settings(&ca, SECRET, None), ws2.path()).await.status.success());
+    assert!(keel_init(&n.settings(&ca, SECRET, None), ws2.path())
+        .await
+        .status
+        .success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,7 +305,10 @@ async fn mismatching_measurements_stop_the_cli_before_it_sends_anything() {
     let out = keel_init(&n.settings(&ca, SECRET, Some([3; 32])), ws.path()).await;
     assert!(!out.status.success());
     let t = text(&out);
-    assert!(t.contains("nothing was sent") && t.contains("PCR 12"), "{t}");
+    assert!(
+        t.contains("nothing was sent") && t.contains("PCR 12"),
+        "{t}"
+    );
     assert_eq!(n.pcr15(), [0; 32]);
     assert!(!ws.path().join("keel-admin.conf").exists());
 }
@@ -240,10 +321,16 @@ async fn kubeadm_failure_streams_the_error_and_the_logs() {
     let out = keel_init(&n.settings(&ca, SECRET, None), ws.path()).await;
     assert!(!out.status.success());
     let t = text(&out);
-    assert!(t.contains("init failed on the node") && t.contains("kubeadm init"), "{t}");
+    assert!(
+        t.contains("init failed on the node") && t.contains("kubeadm init"),
+        "{t}"
+    );
     assert!(t.contains("marked its state disk for reset"), "{t}");
     let logs = std::fs::read_to_string(ws.path().join("keel-init-failure.log")).unwrap();
-    assert!(logs.contains("running kubeadm init") && logs.contains("init failed"), "{logs}");
+    assert!(
+        logs.contains("running kubeadm init") && logs.contains("init failed"),
+        "{logs}"
+    );
     // The node is locked (the failure came after the lock) and says it is unusable.
     assert_ne!(n.pcr15(), [0; 32]);
     assert!(logs.contains("unusable"), "{logs}");
@@ -255,9 +342,19 @@ async fn concurrent_inits_lock_once() {
     let n = node(&ca, &[]).await;
     let settings = n.settings(&ca, SECRET, None);
     let (w1, w2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (a, b) = tokio::join!(keel_init(&settings, w1.path()), keel_init(&settings, w2.path()));
+    let (a, b) = tokio::join!(
+        keel_init(&settings, w1.path()),
+        keel_init(&settings, w2.path())
+    );
     let wins = [&a, &b].iter().filter(|o| o.status.success()).count();
     assert_eq!(wins, 1, "{}\n---\n{}", text(&a), text(&b));
-    let events = n.tpm.lock().unwrap().events().iter().filter(|e| e.event_type == EventType::ClusterId).count();
+    let events = n
+        .tpm
+        .lock()
+        .unwrap()
+        .events()
+        .iter()
+        .filter(|e| e.event_type == EventType::ClusterId)
+        .count();
     assert_eq!(events, 1);
 }

@@ -2,6 +2,7 @@
 //!
 //! Needs a built UKI and `systemd-measure` (systemd >= 252):
 //! `KEEL_UKI=build/image/keel.efi cargo test -p keel-image -- --ignored`
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::PathBuf;
 use std::process::Command;
