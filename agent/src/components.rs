@@ -26,7 +26,7 @@ pub enum InstallComponentsError {
         name: String,
         /// The cause.
         #[source]
-        source: InstallError,
+        source: Box<InstallError>,
     },
     /// Measuring an installed component failed.
     #[error("measuring component {index} ({name})")]
@@ -64,7 +64,7 @@ pub async fn install_and_measure(
             .map_err(|source| InstallComponentsError::Install {
                 index,
                 name: name.clone(),
-                source,
+                source: Box::new(source),
             })?;
         let record = done.measurement_record();
         let description = done.description();

@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::measured::{MeasuredLog, MeasuredTpm, SharedTpm};
+use keel_agent::measurement::{self, pcr, EventType, HexDigest};
 use keel_agent::node;
 use keel_agent::nodelock::NodeLock;
-use keel_agent::measurement::{self, pcr, EventType, HexDigest};
 use keel_agent::systemd;
 use keel_agent::tpm::{TctiSpec, Tpm};
 
@@ -136,14 +136,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if once {
                 return Ok(());
             }
-            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
             runtime.block_on(serve(config, tpm, lock, cli.state_dir))
         }
     }
 }
 
 /// Serves the node's APIs until the process is stopped.
-async fn serve(config: NodeConfig, tpm: SharedTpm, lock: Arc<NodeLock>, state_dir: PathBuf) -> anyhow::Result<()> {
+async fn serve(
+    config: NodeConfig,
+    tpm: SharedTpm,
+    lock: Arc<NodeLock>,
+    state_dir: PathBuf,
+) -> anyhow::Result<()> {
     let cluster = Arc::new(ClusterSlot::new(None));
     let env = node::node_env(&config, state_dir)?;
     if config.cluster.init_secret_hash.is_empty() {

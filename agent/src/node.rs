@@ -50,11 +50,10 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
         kubeadm: Kubeadm::new(std::path::Path::new(BIN_DIR)),
         work_dir: state_dir,
         advertise_address: local_address(toward),
-        state_disk: config
-            .node
-            .state_disk
-            .as_ref()
-            .map(|d| StateDisk { device: d.into(), cryptsetup: Cryptsetup::default() }),
+        state_disk: config.node.state_disk.as_ref().map(|d| StateDisk {
+            device: d.into(),
+            cryptsetup: Cryptsetup::default(),
+        }),
         reboot: RebootPolicy::After(Duration::from_secs(60)),
     })
 }
@@ -73,6 +72,9 @@ pub async fn serve_init(
     let issuer = Arc::new(TpmIssuer::new(tpm.clone()));
     let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
     let init = InitServer::new(config, tpm, lock, env, cluster);
-    Server::builder().add_service(init.into_service()).serve_with_incoming(incoming).await?;
+    Server::builder()
+        .add_service(init.into_service())
+        .serve_with_incoming(incoming)
+        .await?;
     Ok(())
 }

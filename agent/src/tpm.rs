@@ -156,6 +156,7 @@ pub struct Tpm {
     ctx: Context,
     ek: KeyHandle,
     ek_transient: bool,
+    endorsement: Option<Endorsement>,
     ak: Option<LoadedAk>,
 }
 
@@ -192,6 +193,7 @@ impl Tpm {
             ctx,
             ek,
             ek_transient,
+            endorsement: None,
             ak: None,
         })
     }
@@ -250,8 +252,12 @@ impl Tpm {
             .map_err(err)
     }
 
-    /// The endorsement key's public area and, if stored, its certificate.
+    /// The endorsement key's public area and, if stored, its certificate
+    /// (read once; neither changes while the TPM is open).
     pub fn endorsement(&mut self) -> Result<Endorsement, TpmError> {
+        if let Some(e) = &self.endorsement {
+            return Ok(e.clone());
+        }
         let ek = self.ek;
         let (public, _, _) = self
             .ctx
@@ -266,10 +272,12 @@ impl Tpm {
             AsymmetricAlgorithmSelection::Rsa(RsaKeyBits::Rsa2048),
         )
         .ok();
-        Ok(Endorsement {
+        let endorsement = Endorsement {
             public,
             certificate,
-        })
+        };
+        self.endorsement = Some(endorsement.clone());
+        Ok(endorsement)
     }
 
     /// Creates (once per [`Tpm`]) a restricted ECC P-256 signing key under the

@@ -287,10 +287,7 @@ fn summary(lines: &[String]) -> &str {
 async fn forward_lines<R: AsyncRead + Unpin>(reader: R, tx: mpsc::Sender<String>) {
     let mut reader = BufReader::new(reader);
     let mut line = Vec::new();
-    loop {
-        let Ok(buf) = reader.fill_buf().await else {
-            break;
-        };
+    while let Ok(buf) = reader.fill_buf().await {
         if buf.is_empty() {
             break;
         }

@@ -1,0 +1,107 @@
+//! Benchmark: mutual aTLS handshakes with TPM attestation (each side its own
+//! swtpm) and the CPU time of one validation.
+//!
+//! `cargo run --release -p keel-agent --example atls_bench -- [handshakes]`
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use keel_agent::attestation::ek::EkTrust;
+use keel_agent::attestation::issuer::TpmIssuer;
+use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::validator::{Validator, Verified};
+use keel_agent::config::NodeConfig;
+use keel_agent::measured::MeasuredTpm;
+use keel_agent::measurement::EventType;
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_atls::{AtlsClient, AtlsServer};
+use keel_testkit::swtpm::{EkCa, Swtpm};
+
+fn issuer(swtpm: &Swtpm, dir: &std::path::Path, config: &NodeConfig) -> Arc<TpmIssuer> {
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let mut m = MeasuredTpm::open(tpm, &dir.join("log")).unwrap();
+    m.record(EventType::NodeConfig, "config", config.cluster_bytes())
+        .unwrap();
+    m.record(EventType::NodeIdentity, "node", config.node_bytes())
+        .unwrap();
+    Arc::new(TpmIssuer::new(m.shared()))
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn p95(v: &mut [Duration]) -> Duration {
+    v.sort();
+    v[(v.len() * 95 / 100).min(v.len() - 1)]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let n: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(50);
+    let ca = EkCa::new().unwrap();
+    let (sw_server, sw_client) = (Swtpm::start(&ca).unwrap(), Swtpm::start(&ca).unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let config = NodeConfig::default();
+    let server_issuer = issuer(&sw_server, &dir.path().join("s"), &config);
+    let client_issuer = issuer(&sw_client, &dir.path().join("c"), &config);
+    let mut m = Measurements::default();
+    m.insert(12, config.expected_config_pcr(), false);
+    let validator = Arc::new(Validator::new(
+        m,
+        EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap(),
+    ));
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server: AtlsServer<Verified> = AtlsServer::mutual(server_issuer.clone(), validator.clone());
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let server = server.clone();
+            tokio::spawn(async move {
+                let _ = server.accept(tcp).await;
+            });
+        }
+    });
+    let client: AtlsClient<Verified> = AtlsClient::mutual(client_issuer.clone(), validator.clone());
+    let mut times = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = Instant::now();
+        let stream = client.connect("127.0.0.1", addr.port()).await.unwrap();
+        times.push(start.elapsed());
+        drop(stream);
+    }
+    let doc = server_issuer.issue(b"nonce", &[7; 32]).unwrap();
+    let mut validations = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = Instant::now();
+        validator.validate(&doc, b"nonce", &[7; 32]).unwrap();
+        validations.push(start.elapsed());
+    }
+    let mut quotes = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = Instant::now();
+        server_issuer.issue(b"nonce", &[7; 32]).unwrap();
+        quotes.push(start.elapsed());
+    }
+    println!(
+        "mutual aTLS handshake with TPM attestation ({n} runs): median {:?}, p95 {:?}",
+        median(&mut times),
+        p95(&mut times)
+    );
+    println!(
+        "one attestation document (quote + PCR read + EK cert): median {:?}",
+        median(&mut quotes)
+    );
+    println!(
+        "one validation (single thread, CPU bound): median {:?}, p95 {:?}",
+        median(&mut validations),
+        p95(&mut validations)
+    );
+}
