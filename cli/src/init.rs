@@ -51,7 +51,12 @@ fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .with_context(|| format!("creating {} (an existing file is never replaced)", path.display()))?;
+        .with_context(|| {
+            format!(
+                "creating {} (an existing file is never replaced)",
+                path.display()
+            )
+        })?;
     f.write_all(data)?;
     f.sync_all()?;
     Ok(())
@@ -79,7 +84,11 @@ fn random32() -> Zeroizing<Vec<u8>> {
 }
 
 /// Runs `keel init`.
-pub async fn run(settings_path: &Path, workspace: &Path, skip_helm_wait: bool) -> anyhow::Result<()> {
+pub async fn run(
+    settings_path: &Path,
+    workspace: &Path,
+    skip_helm_wait: bool,
+) -> anyhow::Result<()> {
     let settings = Settings::load(settings_path)?;
     let validator = settings.validator()?;
     let init_secret = match &settings.init_secret_file {
@@ -88,13 +97,17 @@ pub async fn run(settings_path: &Path, workspace: &Path, skip_helm_wait: bool) -
     };
     let components = match &settings.components_file {
         Some(p) => {
-            let list: Vec<ComponentJson> = serde_json::from_slice(&read_bounded(&settings.resolve(p))?)
-                .context("components file is invalid")?;
-            Some(Components { components: list.into_iter().map(Into::into).collect() })
+            let list: Vec<ComponentJson> =
+                serde_json::from_slice(&read_bounded(&settings.resolve(p))?)
+                    .context("components file is invalid")?;
+            Some(Components {
+                components: list.into_iter().map(Into::into).collect(),
+            })
         }
         None => None,
     };
-    std::fs::create_dir_all(workspace).with_context(|| format!("creating {}", workspace.display()))?;
+    std::fs::create_dir_all(workspace)
+        .with_context(|| format!("creating {}", workspace.display()))?;
 
     // The master secret is on disk before anything leaves this machine.
     let master_secret = random32();
@@ -107,23 +120,33 @@ pub async fn run(settings_path: &Path, workspace: &Path, skip_helm_wait: bool) -
         measurement_salt: hex::encode(&*measurement_salt),
     })?);
     write_new_secret_file(&secret_path, &secret_json)?;
-    eprintln!("master secret written to {} (mode 0600): keep it to recover the cluster", secret_path.display());
+    eprintln!(
+        "master secret written to {} (mode 0600): keep it to recover the cluster",
+        secret_path.display()
+    );
 
     let (host, port) = Settings::host_port(&settings.endpoint)?;
     eprintln!("connecting to {host}:{port} and verifying its attestation");
     let client = AtlsClient::server_attested(Arc::new(validator));
-    let endpoint = Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
+    let endpoint =
+        Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
     let bound = client
         .bind_channel(endpoint)
         .await
         .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
         .context("the node's attestation was not accepted; nothing was sent")?;
-    let attested = bound.attested.context("the node presented no attestation")?;
+    let attested = bound
+        .attested
+        .context("the node presented no attestation")?;
     let verified = attested.claims();
     for w in &verified.warnings {
         eprintln!("warning: {w}");
     }
-    eprintln!("node attested: {} PCRs match, event log replays ({} events)", verified.pcrs.len(), verified.events.len());
+    eprintln!(
+        "node attested: {} PCRs match, event log replays ({} events)",
+        verified.pcrs.len(),
+        verified.events.len()
+    );
     let sealed = credential::seal(&verified.ek, &verified.ak.name, &master_secret)
         .context("sealing the master secret to the node's TPM")?;
 
@@ -154,9 +177,16 @@ pub async fn run(settings_path: &Path, workspace: &Path, skip_helm_wait: bool) -
             Err(s) => {
                 if let Some((error, _)) = &failure {
                     write_failure_logs(workspace, &logs)?;
-                    bail!("init failed: {error}; the log stream broke off ({}): partial logs in {}", s.message(), workspace.join(FAILURE_LOG_FILE).display());
+                    bail!(
+                        "init failed: {error}; the log stream broke off ({}): partial logs in {}",
+                        s.message(),
+                        workspace.join(FAILURE_LOG_FILE).display()
+                    );
                 }
-                bail!("the connection to the node was lost during init: {}", s.message());
+                bail!(
+                    "the connection to the node was lost during init: {}",
+                    s.message()
+                );
             }
         };
         match message.kind {
@@ -164,8 +194,15 @@ pub async fn run(settings_path: &Path, workspace: &Path, skip_helm_wait: bool) -
             Some(Kind::Success(success)) => {
                 let kubeconfig = workspace.join(KUBECONFIG_FILE);
                 write_atomic(&kubeconfig, &success.kubeconfig, 0o600)?;
-                let id = IdFile { cluster_id: hex::encode(&success.cluster_id), endpoint: settings.endpoint.clone() };
-                write_atomic(&workspace.join(ID_FILE), &serde_json::to_vec_pretty(&id)?, 0o644)?;
+                let id = IdFile {
+                    cluster_id: hex::encode(&success.cluster_id),
+                    endpoint: settings.endpoint.clone(),
+                };
+                write_atomic(
+                    &workspace.join(ID_FILE),
+                    &serde_json::to_vec_pretty(&id)?,
+                    0o644,
+                )?;
                 println!("cluster created");
                 println!("cluster ID: {}", id.cluster_id);
                 println!("kubeconfig: {}", kubeconfig.display());
@@ -182,8 +219,15 @@ pub async fn run(settings_path: &Path, workspace: &Path, skip_helm_wait: bool) -
     match failure {
         Some((error, reset)) => {
             let path = write_failure_logs(workspace, &logs)?;
-            let reset = if reset { " The node marked its state disk for reset and reboots." } else { "" };
-            bail!("init failed on the node: {error}.{reset} Node logs: {}", path.display())
+            let reset = if reset {
+                " The node marked its state disk for reset and reboots."
+            } else {
+                ""
+            };
+            bail!(
+                "init failed on the node: {error}.{reset} Node logs: {}",
+                path.display()
+            )
         }
         None => bail!("the node ended the init stream without a result"),
     }
@@ -208,6 +252,11 @@ struct ComponentJson {
 
 impl From<ComponentJson> for Component {
     fn from(c: ComponentJson) -> Self {
-        Component { url: c.url, hash: c.hash, install_path: c.install_path, extract: c.extract }
+        Component {
+            url: c.url,
+            hash: c.hash,
+            install_path: c.install_path,
+            extract: c.extract,
+        }
     }
 }

@@ -59,7 +59,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("keel: cannot start the runtime: {e}");
@@ -68,9 +71,11 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Init { settings, workspace, skip_helm_wait } => {
-                init::run(&settings, &workspace, skip_helm_wait).await
-            }
+            Command::Init {
+                settings,
+                workspace,
+                skip_helm_wait,
+            } => init::run(&settings, &workspace, skip_helm_wait).await,
             Command::Verify { settings, endpoint } => verify::run(&settings, endpoint).await,
         }
     });

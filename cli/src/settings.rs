@@ -58,8 +58,14 @@ fn default_name() -> String {
 
 /// Reads a file of bounded size.
 pub fn read_bounded(path: &Path) -> anyhow::Result<Vec<u8>> {
-    let len = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
-    anyhow::ensure!(len <= MAX_FILE, "{} is larger than {MAX_FILE} bytes", path.display());
+    let len = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .len();
+    anyhow::ensure!(
+        len <= MAX_FILE,
+        "{} is larger than {MAX_FILE} bytes",
+        path.display()
+    );
     std::fs::read(path).with_context(|| format!("reading {}", path.display()))
 }
 
@@ -67,8 +73,8 @@ impl Settings {
     /// Loads and checks a settings file.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
         let bytes = read_bounded(path)?;
-        let mut s: Self =
-            serde_json::from_slice(&bytes).with_context(|| format!("settings {} are invalid", path.display()))?;
+        let mut s: Self = serde_json::from_slice(&bytes)
+            .with_context(|| format!("settings {} are invalid", path.display()))?;
         s.dir = path.parent().map(Path::to_owned).unwrap_or_default();
         Ok(s)
     }
@@ -91,7 +97,12 @@ impl Settings {
 
     /// The endpoint as host and port.
     pub fn host_port(endpoint: &str) -> anyhow::Result<(String, u16)> {
-        let (host, port) = endpoint.rsplit_once(':').context("endpoint must be host:port")?;
-        Ok((host.to_owned(), port.parse().context("endpoint port is not a number")?))
+        let (host, port) = endpoint
+            .rsplit_once(':')
+            .context("endpoint must be host:port")?;
+        Ok((
+            host.to_owned(),
+            port.parse().context("endpoint port is not a number")?,
+        ))
     }
 }

@@ -20,7 +20,10 @@ pub async fn run(settings_path: &Path, endpoint: Option<String>) -> anyhow::Resu
         .await
         .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
         .with_context(|| format!("{endpoint}: attestation not accepted"))?;
-    let attested = stream.peer().attested().context("the node presented no attestation")?;
+    let attested = stream
+        .peer()
+        .attested()
+        .context("the node presented no attestation")?;
     let v = attested.claims();
     println!("{endpoint}: attestation verified");
     for (pcr, value) in &v.pcrs {
@@ -29,9 +32,18 @@ pub async fn run(settings_path: &Path, endpoint: Option<String>) -> anyhow::Resu
     for w in &v.warnings {
         println!("warning: {w}");
     }
-    println!("event log ({} events, replays to PCRs 12, 13, 15):", v.events.len());
+    println!(
+        "event log ({} events, replays to PCRs 12, 13, 15):",
+        v.events.len()
+    );
     for e in &v.events {
-        println!("  #{} pcr {} {}: {}", e.seq, e.pcr, e.event_type.as_str(), e.description);
+        println!(
+            "  #{} pcr {} {}: {}",
+            e.seq,
+            e.pcr,
+            e.event_type.as_str(),
+            e.description
+        );
     }
     Ok(())
 }
