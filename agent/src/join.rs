@@ -252,6 +252,20 @@ pub enum CommitError {
     /// A blocking task did not complete.
     #[error("a blocking task failed")]
     Blocking(#[source] tokio::task::JoinError),
+    /// Recording the lock failed after PCR 15 changed.
+    #[error("taking the node lock: {0}")]
+    Lock(String),
+}
+
+/// The result of one attempt to take the node lock.
+enum Locking {
+    Taken,
+    /// Something else holds it.
+    Lost,
+    /// Not taken; the node is still unlocked.
+    Retry(String),
+    /// Not recorded, yet PCR 15 changed: the node is locked and unusable.
+    Broken(String),
 }
 
 /// How a join client run ended.
@@ -269,7 +283,8 @@ pub enum JoinOutcome {
     },
     /// The node was locked by something else (init won): nothing was touched.
     LostRace,
-    /// The node locked and then failed; it is unusable until rebooted.
+    /// The join failed for this boot: after the lock the node is unusable
+    /// until it reboots (the state disk is marked for reset).
     Failed {
         /// What failed.
         error: String,
@@ -770,17 +785,20 @@ impl JoinClient {
         }
     }
 
-    /// Takes the lock; `false` when something else holds it. A recording
-    /// failure that left the node unlocked is retried.
-    async fn lock(&self, cluster_id: ClusterId) -> Result<bool, String> {
+    /// Takes the lock with `cluster_id`.
+    async fn lock(&self, cluster_id: ClusterId) -> Locking {
         let lock = self.lock.clone();
-        let taken = tokio::task::spawn_blocking(move || lock.try_lock(cluster_id))
-            .await
-            .map_err(|e| format!("lock task: {e}"))?;
+        let taken = tokio::task::spawn_blocking(move || lock.try_lock(cluster_id)).await;
         match taken {
-            Ok(()) => Ok(true),
-            Err(LockError::AlreadyLocked) => Ok(false),
-            Err(e) => Err(keel_atls::ErrorChain(&e).to_string()),
+            Ok(Ok(())) => Locking::Taken,
+            Ok(Err(LockError::AlreadyLocked)) => Locking::Lost,
+            // A failed record may still have extended PCR 15: then the
+            // node is locked for good and cannot continue.
+            Ok(Err(e)) if self.lock.is_locked() => {
+                Locking::Broken(keel_atls::ErrorChain(&e).to_string())
+            }
+            Ok(Err(e)) => Locking::Retry(keel_atls::ErrorChain(&e).to_string()),
+            Err(e) => Locking::Retry(format!("lock task: {e}")),
         }
     }
 
@@ -815,9 +833,12 @@ impl JoinClient {
                 return JoinOutcome::LostRace;
             };
             match self.lock(ticket.cluster_id).await {
-                Ok(true) => break ticket,
-                Ok(false) => return JoinOutcome::LostRace,
-                Err(e) => tracing::warn!(error = %e, "taking the node lock failed; retrying"),
+                Locking::Taken => break ticket,
+                Locking::Lost => return JoinOutcome::LostRace,
+                Locking::Retry(e) => {
+                    tracing::warn!(error = %e, "taking the node lock failed; retrying")
+                }
+                Locking::Broken(e) => return self.fail(CommitError::Lock(e)).await,
             }
         };
         tracing::info!(cluster_id = %hex::encode(ticket.cluster_id), "node locked for join");
@@ -875,9 +896,12 @@ impl JoinClient {
                 return JoinOutcome::LostRace;
             };
             match self.lock(ticket.cluster_id).await {
-                Ok(true) => break ticket,
-                Ok(false) => return JoinOutcome::LostRace,
-                Err(e) => tracing::warn!(error = %e, "taking the node lock failed; retrying"),
+                Locking::Taken => break ticket,
+                Locking::Lost => return JoinOutcome::LostRace,
+                Locking::Retry(e) => {
+                    tracing::warn!(error = %e, "taking the node lock failed; retrying")
+                }
+                Locking::Broken(e) => return self.fail(CommitError::Lock(e)).await,
             }
         };
         match self.commit_rejoin(&ticket, &disk).await {

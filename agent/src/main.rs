@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use keel_agent::config::NodeConfig;
+use keel_agent::config::{NodeConfig, Role};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
@@ -53,6 +53,13 @@ enum Command {
         /// Measure and report readiness, then exit (for checks and tests).
         #[arg(long)]
         once: bool,
+        /// Measurements file the join service checks joining nodes against.
+        #[arg(
+            long,
+            env = "KEEL_MEASUREMENTS",
+            default_value = "/usr/lib/keel/measurements.json"
+        )]
+        measurements: PathBuf,
     },
     /// Print the SHA-256 PCR values 0-23.
     Pcrs,
@@ -110,7 +117,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("replay: ok ({} events)", log.events().len());
             Ok(())
         }
-        Command::Run { config, once } => {
+        Command::Run {
+            config,
+            once,
+            measurements,
+        } => {
             let (config, source) = NodeConfig::load(config.as_deref())?;
             tracing::info!(%source, "node config loaded");
             let tpm = Tpm::open(&tcti)?;
@@ -139,25 +150,57 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            runtime.block_on(serve(config, tpm, lock, cli.state_dir))
+            runtime.block_on(serve(config, tpm, lock, cli.state_dir, measurements))
         }
     }
 }
 
-/// Serves the node's APIs until the process is stopped.
+/// Serves the node's APIs until the process is stopped: the init server
+/// (when an init secret is configured) and the join client (when
+/// control-plane endpoints are configured) race for the node lock; a
+/// control-plane node serves the join service once it created the cluster.
 async fn serve(
     config: NodeConfig,
     tpm: SharedTpm,
     lock: Arc<NodeLock>,
     state_dir: PathBuf,
+    measurements: PathBuf,
 ) -> anyhow::Result<()> {
     let cluster = Arc::new(ClusterSlot::new(None));
     let env = node::node_env(&config, state_dir)?;
+    let mut tasks = tokio::task::JoinSet::new();
+    if config.node.role == Role::ControlPlane {
+        tasks.spawn(node::serve_join_after_init(
+            config.clone(),
+            tpm.clone(),
+            env.clone(),
+            cluster.clone(),
+            measurements,
+        ));
+    }
+    if config.cluster.control_plane_endpoints.is_empty() {
+        tracing::info!("no control-plane endpoints configured: this node does not join");
+    } else {
+        tasks.spawn(node::run_join_client(
+            config.clone(),
+            tpm.clone(),
+            lock.clone(),
+            env.clone(),
+        ));
+    }
     if config.cluster.init_secret_hash.is_empty() {
         tracing::info!("no init secret configured: this node does not accept init");
-        std::future::pending::<()>().await;
-        return Ok(());
+    } else {
+        let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.init_port));
+        tasks.spawn(node::serve_init(addr, config, tpm, lock, env, cluster));
     }
-    let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.init_port));
-    node::serve_init(addr, config, tpm, lock, env, cluster).await
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = format!("{e:#}"), "a node task failed"),
+            Err(e) => tracing::error!(error = %e, "a node task panicked"),
+        }
+    }
+    std::future::pending::<()>().await;
+    Ok(())
 }

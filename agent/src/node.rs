@@ -1,5 +1,7 @@
 //! The running agent: after the config is measured, serve the init API over
-//! server-attested aTLS until the node joins or creates a cluster.
+//! server-attested aTLS and run the join client until the node joins or
+//! creates a cluster; on a control-plane node that created the cluster,
+//! serve the join service over mutual aTLS.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::path::PathBuf;
@@ -10,13 +12,18 @@ use keel_atls::AtlsServer;
 use keel_installer::{InstallerConfig, Mirror};
 use tonic::transport::Server;
 
+use crate::attestation::ek::EkTrust;
 use crate::attestation::issuer::TpmIssuer;
+use crate::attestation::policy::ReloadableValidator;
 use crate::cluster::ClusterSlot;
 use crate::config::NodeConfig;
 use crate::disk::Cryptsetup;
 use crate::init::{InitServer, NodeEnv, RebootPolicy, StateDisk};
+use crate::join::{JoinClient, JoinOutcome, JoinSettings};
+use crate::join_service::JoinService;
 use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
+use crate::measurement::pcr;
 use crate::nodelock::NodeLock;
 
 /// Where components install their binaries on a node (see the versions table).
@@ -77,4 +84,97 @@ pub async fn serve_init(
         .serve_with_incoming(incoming)
         .await?;
     Ok(())
+}
+
+/// The join service's validator: the measurements file, plus the cluster's
+/// config PCR and PCR 15 = zero (a node already in a cluster cannot join).
+pub fn join_service_policy(
+    config: &NodeConfig,
+    measurements: &std::path::Path,
+) -> anyhow::Result<Arc<ReloadableValidator>> {
+    let ek_trust = EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?;
+    let required = vec![
+        (pcr::CLUSTER_ID, [0; 32]),
+        (pcr::CONFIG, config.expected_config_pcr()),
+    ];
+    Ok(Arc::new(ReloadableValidator::load(
+        measurements,
+        ek_trust,
+        required,
+    )?))
+}
+
+/// Serves `service` on `addr` over mutual aTLS with `policy` until the task
+/// is dropped.
+pub async fn serve_join(
+    addr: SocketAddr,
+    tpm: SharedTpm,
+    policy: Arc<ReloadableValidator>,
+    service: JoinService,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "join service listening (mutual aTLS)");
+    let issuer = Arc::new(TpmIssuer::new(tpm));
+    let incoming = AtlsServer::mutual(issuer, policy.validator()).incoming(listener);
+    Server::builder()
+        .timeout(Duration::from_secs(120))
+        .add_service(service.into_service())
+        .serve_with_incoming(incoming)
+        .await?;
+    Ok(())
+}
+
+/// On a control-plane node: waits until this node created the cluster,
+/// then serves the join service on the configured port, re-reading the
+/// measurements file every 10 s.
+pub async fn serve_join_after_init(
+    config: NodeConfig,
+    tpm: SharedTpm,
+    env: NodeEnv,
+    cluster: Arc<ClusterSlot>,
+    measurements: PathBuf,
+) -> anyhow::Result<()> {
+    let mut slot = cluster.subscribe();
+    let state = loop {
+        if let Some(state) = slot.borrow_and_update().clone() {
+            break state;
+        }
+        slot.changed().await?;
+    };
+    let policy = join_service_policy(&config, &measurements)?;
+    let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
+    let service = JoinService::new(state, env.kubeadm.clone(), env.work_dir.clone())?;
+    let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.join_port));
+    serve_join(addr, tpm, policy, service).await
+}
+
+/// Runs the join client of this node and logs how it ended.
+pub async fn run_join_client(
+    config: NodeConfig,
+    tpm: SharedTpm,
+    lock: Arc<NodeLock>,
+    env: NodeEnv,
+) -> anyhow::Result<()> {
+    let settings = JoinSettings::from_config(&config)?;
+    let client = JoinClient::new(config, tpm, lock, env, settings)?;
+    match client.run().await {
+        JoinOutcome::Joined { cluster_id } => {
+            tracing::info!(cluster_id = %hex::encode(cluster_id), "joined the cluster");
+        }
+        JoinOutcome::Rejoined { cluster_id } => {
+            tracing::info!(cluster_id = %hex::encode(cluster_id), "rejoined the cluster");
+        }
+        JoinOutcome::LostRace => tracing::info!("the node was locked by init; join client stopped"),
+        JoinOutcome::Failed { error } => tracing::error!(%error, "join failed"),
+    }
+    Ok(())
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

@@ -106,3 +106,13 @@ async fn a_failing_component_stops_the_run_after_measuring_the_ones_before() {
         pcr13(&tpm)
     );
 }
+
+/// The init server runs this on a tokio task: the future must be `Send`.
+#[test]
+fn install_and_measure_is_send() {
+    fn send<T: Send>(_: &T) {}
+    fn check(installer: &Installer, tpm: &SharedTpm) {
+        send(&install_and_measure(installer, tpm, &[], &NoProgress));
+    }
+    let _ = check;
+}

@@ -553,3 +553,15 @@ async fn control_plane_join_needs_the_cluster_ca_or_a_certificate_key() {
         "{lines:#?}"
     );
 }
+
+/// The init server and join client run these on tokio tasks: the futures
+/// must be `Send`.
+#[test]
+fn futures_are_send() {
+    fn send<T: Send>(_: &T) {}
+    let k = Kubeadm::new(Path::new("/run/state/bin"));
+    let mut sink = |_: &str| {};
+    send(&k.init(Path::new("/x"), &mut sink));
+    let mut sink = |_: &str| {};
+    send(&k.join(Path::new("/x"), &mut sink));
+}

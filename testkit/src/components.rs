@@ -77,9 +77,11 @@ impl KubeExecutables {
     }
 }
 
-/// The path of the `keel-standin` program, built once per process with the
-/// cargo that runs the tests, for the same target and profile as the
-/// calling test binary (which lives in `<target>/<profile>/deps/`).
+/// The path of the `keel-standin` program, for the same target and profile
+/// as the calling test binary (which lives in `<target>/<profile>/deps/`).
+/// Unless the program there is newer than its source file and the testkit
+/// manifest, it is built first, once per process, with the cargo that runs
+/// the tests.
 pub fn standin_binary() -> Result<PathBuf, StandInError> {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BUILT
@@ -96,6 +98,18 @@ fn build_standin() -> Result<PathBuf, String> {
         .and_then(Path::parent)
         .ok_or_else(|| format!("{} is not in a cargo target directory", exe.display()))?;
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let path = profile_dir.join("keel-standin");
+    // Newer than its source and manifest: use it without waiting for the
+    // target directory's lock (other builds may hold it for minutes).
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/bin/keel-standin.rs");
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if let (Some(built), Some(src), Some(man)) =
+        (modified(&path), modified(&source), modified(&manifest))
+    {
+        if built > src && built > man {
+            return Ok(path);
+        }
+    }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut build = Command::new(cargo);
     build
@@ -116,7 +130,6 @@ fn build_standin() -> Result<PathBuf, String> {
     if !status.success() {
         return Err(format!("cargo build --bin keel-standin: {status}"));
     }
-    let path = profile_dir.join("keel-standin");
     if path.is_file() {
         Ok(path)
     } else {

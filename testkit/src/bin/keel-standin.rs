@@ -20,6 +20,11 @@
 //! * `join --config F`: checks the `JoinConfiguration` and writes
 //!   `kubelet.conf`;
 //! * `reset --force`: removes what `init`/`join` wrote, as kubeadm does;
+//! * `token create --config F [--kubeconfig K]`: checks the bootstrap token
+//!   in the `InitConfiguration` (format, TTL, usages) and that the cluster
+//!   exists (`admin.conf`), then records the token as the cluster would,
+//!   under `var/lib/keel-standin/tokens/<id>` (mode 0600), and prints its
+//!   ID only;
 //! * `version`.
 //!
 //! As `kubelet` or `kubectl` it prints a version line and exits 0.
@@ -116,6 +121,7 @@ struct Flags {
     skip_phases: Vec<String>,
     skip_token_print: bool,
     force: bool,
+    kubeconfig: Option<PathBuf>,
 }
 
 fn parse_flags(args: &[String], allowed: &[&str]) -> Result<Flags> {
@@ -142,6 +148,7 @@ fn parse_flags(args: &[String], allowed: &[&str]) -> Result<Flags> {
             }
             "--skip-token-print" => flags.skip_token_print = true,
             "--force" => flags.force = true,
+            "--kubeconfig" => flags.kubeconfig = Some(PathBuf::from(value()?)),
             _ => {}
         }
     }
@@ -172,6 +179,17 @@ fn kubeadm(args: &[String]) -> Result<()> {
         )?),
         "join" => join(&parse_flags(rest, &["--config", "--skip-phases", "--v"])?),
         "reset" => reset(&parse_flags(rest, &["--force", "--v"])?),
+        "token" => match rest.split_first() {
+            Some((sub, rest)) if sub == "create" => {
+                if rest.first().is_some_and(|a| !a.starts_with("--")) {
+                    return fail(
+                        "token create: pass the token in the --config file, not as an argument",
+                    );
+                }
+                token_create(&parse_flags(rest, &["--config", "--kubeconfig", "--v"])?)
+            }
+            _ => fail("kubeadm token: only \"create\" is supported by the stand-in"),
+        },
         other => fail(format!("unknown command {other:?} for \"kubeadm\"")),
     }
 }
@@ -606,6 +624,61 @@ fn join(flags: &Flags) -> Result<()> {
     )?;
     println!();
     println!("This node has joined the cluster.");
+    Ok(())
+}
+
+fn token_create(flags: &Flags) -> Result<()> {
+    let docs = read_config(flags)?;
+    known_kinds(&docs, &["InitConfiguration"])?;
+    let Some(init) = find(&docs, "InitConfiguration")? else {
+        return fail("no InitConfiguration in the config");
+    };
+    api_version(init, "InitConfiguration")?;
+    let tokens = get(init, &["bootstrapTokens"])
+        .and_then(Value::as_sequence)
+        .cloned()
+        .unwrap_or_default();
+    let [token] = tokens.as_slice() else {
+        return fail("InitConfiguration: token create needs exactly one bootstrap token");
+    };
+    let secret = token.get("token").and_then(Value::as_str).unwrap_or("");
+    if !token_ok(secret) {
+        return fail(
+            "InitConfiguration: the bootstrap token does not match [a-z0-9]{6}.[a-z0-9]{16}",
+        );
+    }
+    let ttl = token.get("ttl").and_then(Value::as_str).unwrap_or("");
+    if ttl.is_empty() || !ttl.ends_with('s') {
+        return fail(format!(
+            "InitConfiguration: bootstrap token ttl {ttl:?} is not a duration"
+        ));
+    }
+    let usages: Vec<&str> = token
+        .get("usages")
+        .and_then(Value::as_sequence)
+        .map(|u| u.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if !usages.contains(&"authentication") || !usages.contains(&"signing") {
+        return fail("InitConfiguration: a join token needs the usages signing and authentication");
+    }
+    let kubeconfig = flags
+        .kubeconfig
+        .clone()
+        .unwrap_or_else(|| kube_dir().join("admin.conf"));
+    if !kubeconfig.is_file() {
+        return fail(format!(
+            "failed to load admin kubeconfig: open {}: no such file or directory",
+            kubeconfig.display()
+        ));
+    }
+    let id = secret.split('.').next().unwrap_or_default();
+    let record = root().join("var/lib/keel-standin/tokens").join(id);
+    if record.exists() {
+        return fail(format!("a token with id {id:?} already exists"));
+    }
+    write_file(&record, format!("{secret} ttl={ttl}\n").as_bytes(), 0o600)?;
+    // kubeadm prints the whole token; the stand-in prints the ID only.
+    println!("[token] created bootstrap token {id}.<redacted> (ttl {ttl})");
     Ok(())
 }
 

@@ -1,0 +1,473 @@
+//! A join service and joining nodes for tests and the join benchmark: each
+//! party has its own swtpm with an EK certificate from one test CA; the
+//! service runs over real mutual aTLS on loopback; bootstrap tokens are
+//! registered with the `keel-standin` kubeadm.
+//!
+//! The service's cluster is made here rather than by `keel init` (the CLI
+//! tests do that): a random master secret, a cluster CA made with rcgen in
+//! `etc/kubernetes/pki`, and the service node locked into the cluster ID,
+//! so its PCR 15 is what a joining node expects.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_agent::attestation::ek::EkTrust;
+use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::policy::ReloadableValidator;
+use keel_agent::cluster::ClusterState;
+use keel_agent::config::NodeConfig;
+use keel_agent::disk::Cryptsetup;
+use keel_agent::init::{NodeEnv, RebootPolicy, StateDisk};
+use keel_agent::join::{service_validator, TicketClient};
+use keel_agent::join::{Backoff, JoinClient, JoinSettings, KubeletStart};
+use keel_agent::join_service::JoinService;
+use keel_agent::key_service::{self, KeyService};
+use keel_agent::kubeadm::Kubeadm;
+use keel_agent::measured::{MeasuredTpm, SharedTpm};
+use keel_agent::measurement::EventType;
+use keel_agent::nodelock::NodeLock;
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_installer::{Component, InstallerConfig};
+use keel_testkit::components::{stand_in_set_with, KubeExecutables};
+use keel_testkit::mirror::MirrorServer;
+use keel_testkit::swtpm::{EkCa, Swtpm};
+use rand::RngCore as _;
+
+/// A free loopback port (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The node config of one member: the cluster part is the same for all.
+pub fn config(ca: &EkCa, join_port: u16, name: &str, role: &str) -> NodeConfig {
+    let ek_ca = String::from_utf8(ca.issuer_pem().unwrap()).unwrap();
+    let doc = serde_json::json!({
+        "cluster": {
+            "control_plane_endpoints": [format!("127.0.0.1:{join_port}")],
+            "ek_ca_pem": ek_ca,
+        },
+        "node": {"name": name, "role": role},
+    });
+    NodeConfig::parse(doc.to_string().as_bytes(), "test".as_ref()).unwrap()
+}
+
+/// Opens `swtpm` and measures `config` as the agent does at start.
+pub fn measured(swtpm: &Swtpm, log: &Path, config: &NodeConfig) -> SharedTpm {
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let mut m = MeasuredTpm::open(tpm, log).unwrap();
+    m.record(EventType::NodeConfig, "config", config.cluster_bytes())
+        .unwrap();
+    m.record(EventType::NodeIdentity, "node", config.node_bytes())
+        .unwrap();
+    m.shared()
+}
+
+/// Measurements for swtpm nodes: PCRs 4, 9 and 11 are zero there.
+pub fn zero_boot_measurements() -> Measurements {
+    let mut m = Measurements::default();
+    for pcr in [4, 9, 11] {
+        m.insert(pcr, [0; 32], false);
+    }
+    m
+}
+
+/// A running join service.
+pub struct Service {
+    /// `127.0.0.1:port`.
+    pub endpoint: String,
+    /// The cluster it serves.
+    pub state: Arc<ClusterState>,
+    /// Its validator (reloadable).
+    pub policy: Arc<ReloadableValidator>,
+    /// The measurements file behind `policy`.
+    pub measurements: PathBuf,
+    /// The stand-in kubeadm's root (token records under `var/lib/keel-standin/tokens`).
+    pub root: PathBuf,
+    pub config: NodeConfig,
+    pub tpm: SharedTpm,
+    task: tokio::task::JoinHandle<()>,
+    _dir: tempfile::TempDir,
+    _swtpm: Swtpm,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Service {
+    /// Bootstrap tokens the stand-in recorded.
+    pub fn registered_tokens(&self) -> Vec<String> {
+        let dir = self.root.join("var/lib/keel-standin/tokens");
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Vec::new();
+        };
+        entries
+            .map(|e| {
+                let text = std::fs::read_to_string(e.unwrap().path()).unwrap();
+                text.split_whitespace().next().unwrap().to_owned()
+            })
+            .collect()
+    }
+}
+
+/// The `keel-standin` program, when not found next to a test binary (the
+/// benchmark is an example and builds it itself).
+pub static STANDIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// A `kubeadm` that is the stand-in (a symlink, so it runs as `kubeadm`).
+pub fn standin_kubeadm(root: &Path) -> Kubeadm {
+    let bin = root.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let standin = STANDIN
+        .get()
+        .cloned()
+        .unwrap_or_else(|| keel_testkit::components::standin_binary().unwrap());
+    let link = bin.join("kubeadm");
+    if !link.exists() {
+        std::os::unix::fs::symlink(standin, &link).unwrap();
+    }
+    let mut kubeadm = Kubeadm::new(&bin);
+    kubeadm.root = root.to_owned();
+    kubeadm.env = vec![(
+        "KEEL_STANDIN_ROOT".into(),
+        root.to_string_lossy().into_owned(),
+    )];
+    kubeadm
+}
+
+/// Starts a join service on `port` for a new cluster; the service node is
+/// `cp-0` with the cluster config of `port`. Tickets name the versions
+/// table's components (never installed by the tests that use this).
+pub async fn start_service(ca: &EkCa, port: u16) -> Service {
+    start_service_with(ca, port, None, false).await
+}
+
+/// [`start_service`] with the ticket's components (`None`: the versions
+/// table's); `foreign_lock` locks the service node into another cluster
+/// than the one it serves, so its attestation does not match its tickets.
+pub async fn start_service_with(
+    ca: &EkCa,
+    port: u16,
+    components: Option<Vec<Component>>,
+    foreign_lock: bool,
+) -> Service {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let config = config(ca, port, "cp-0", "control-plane");
+    let tpm = measured(&swtpm, &dir.path().join("log"), &config);
+
+    let random = |n: usize| {
+        let mut v = vec![0u8; n];
+        rand::rngs::OsRng.fill_bytes(&mut v);
+        v
+    };
+    let keys = KeyService::new(&random(32), &random(32)).unwrap();
+    let measurement_secret = keys.measurement_secret().unwrap();
+    let measurement_salt = random(32);
+    let cluster_id = key_service::cluster_id(&measurement_secret, &measurement_salt).unwrap();
+    let lock_id = if foreign_lock { [0x5a; 32] } else { cluster_id };
+    NodeLock::new(tpm.clone())
+        .unwrap()
+        .try_lock(lock_id)
+        .unwrap();
+
+    let pki = root.join("etc/kubernetes/pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "kubernetes");
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca_cert = params.self_signed(&ca_key).unwrap();
+    std::fs::write(pki.join("ca.crt"), ca_cert.pem()).unwrap();
+    std::fs::write(pki.join("ca.key"), ca_key.serialize_pem()).unwrap();
+    std::fs::write(root.join("etc/kubernetes/admin.conf"), "apiVersion: v1\n").unwrap();
+
+    let entry = keel_installer::resolve("v1.31").unwrap();
+    let state = Arc::new(ClusterState {
+        keys: Arc::new(keys),
+        measurement_salt,
+        measurement_secret,
+        cluster_id,
+        kubernetes_version: entry.version(),
+        components: components.unwrap_or_else(|| entry.components().to_vec()),
+        api_server: "127.0.0.1:6443".parse().unwrap(),
+        pki_dir: pki,
+    });
+
+    let measurements = dir.path().join("measurements.json");
+    std::fs::write(&measurements, zero_boot_measurements().to_json()).unwrap();
+    let policy = keel_agent::node::join_service_policy(&config, &measurements).unwrap();
+    let service = JoinService::new(
+        state.clone(),
+        standin_kubeadm(&root),
+        dir.path().join("work"),
+    )
+    .unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let task = tokio::spawn({
+        let (tpm, policy) = (tpm.clone(), policy.clone());
+        async move {
+            keel_agent::node::serve_join(addr, tpm, policy, service)
+                .await
+                .unwrap();
+        }
+    });
+    wait_for_port(addr).await;
+    Service {
+        endpoint: addr.to_string(),
+        state,
+        policy,
+        measurements,
+        root,
+        config,
+        tpm,
+        task,
+        _dir: dir,
+        _swtpm: swtpm,
+    }
+}
+
+/// Waits until something listens on `addr` (at most 5 s).
+pub async fn wait_for_port(addr: SocketAddr) {
+    for _ in 0..250 {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("nothing listens on {addr}");
+}
+
+/// A joining node's TPM, with its config measured.
+pub struct Member {
+    pub name: String,
+    pub config: NodeConfig,
+    pub tpm: SharedTpm,
+    _dir: tempfile::TempDir,
+    _swtpm: Swtpm,
+}
+
+/// A fresh member `name` of the cluster whose join service is on `port`.
+pub fn member(ca: &EkCa, port: u16, name: &str, role: &str) -> Member {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(ca, port, name, role);
+    let tpm = measured(&swtpm, &dir.path().join("log"), &config);
+    Member {
+        name: name.to_owned(),
+        config,
+        tpm,
+        _dir: dir,
+        _swtpm: swtpm,
+    }
+}
+
+impl Member {
+    /// A ticket client validating the service as the join client does.
+    pub fn tickets(&self, ca: &EkCa) -> TicketClient {
+        let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+        let validator = service_validator(&self.tpm, trust).unwrap();
+        TicketClient::new(self.tpm.clone(), validator, Duration::from_secs(60))
+    }
+}
+
+/// A random version-4 UUID.
+pub fn uuid() -> String {
+    let mut b = [0u8; 16];
+    rand::rngs::OsRng.fill_bytes(&mut b);
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h = hex::encode(b);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    )
+}
+
+/// Resident set size of this process in KiB.
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// The Kubernetes version of the stand-in components.
+pub const VERSION: &str = "v1.31.13";
+
+/// Stand-in components on `mirror`, installed under each node's root.
+pub fn stand_in_components(mirror: &MirrorServer) -> Vec<Component> {
+    stand_in_set_with(
+        mirror,
+        Path::new("/"),
+        VERSION,
+        &KubeExecutables::standin().unwrap(),
+    )
+    .unwrap()
+    .into_iter()
+    .map(|c| Component::try_from(c).unwrap())
+    .collect()
+}
+
+/// The environment of a node under `root`: components install there,
+/// kubeadm is the installed stand-in, the state disk is `disk`.
+pub fn node_env(root: &Path, work: &Path, disk: Option<&Path>) -> NodeEnv {
+    let installer = InstallerConfig {
+        root: root.to_owned(),
+        ..InstallerConfig::default()
+    };
+    let mut kubeadm = Kubeadm::new(&root.join("run/state/bin"));
+    kubeadm.root = root.to_owned();
+    kubeadm.env = vec![
+        (
+            "KEEL_STANDIN_ROOT".into(),
+            root.to_string_lossy().into_owned(),
+        ),
+        ("KEEL_STANDIN_VERSION".into(), VERSION.into()),
+    ];
+    kubeadm.join_backoff = Duration::from_millis(100);
+    NodeEnv {
+        installer,
+        kubeadm,
+        work_dir: work.to_owned(),
+        advertise_address: "127.0.0.1".parse().unwrap(),
+        state_disk: disk.map(|d| StateDisk {
+            device: d.to_owned(),
+            cryptsetup: Cryptsetup::default(),
+        }),
+        reboot: RebootPolicy::Never,
+    }
+}
+
+/// A node that joins: its own swtpm, root, work directory and a 20 MiB
+/// state-disk image file.
+pub struct Joiner {
+    pub config: NodeConfig,
+    pub tpm: SharedTpm,
+    pub lock: Arc<NodeLock>,
+    pub root: PathBuf,
+    pub work: PathBuf,
+    pub disk: PathBuf,
+    pub dir: tempfile::TempDir,
+    _swtpm: Swtpm,
+}
+
+/// A joining node `name` with a TPM whose EK certificate comes from `tpm_ca`
+/// (the cluster's CA, or another one for an untrusted EK).
+pub fn joiner(cluster_ca: &EkCa, tpm_ca: &EkCa, port: u16, name: &str, role: &str) -> Joiner {
+    // The CA's certificates exist once it manufactured a TPM.
+    let swtpm = Swtpm::start(tpm_ca).unwrap();
+    let config = config(cluster_ca, port, name, role);
+    joiner_with(config, swtpm)
+}
+
+/// A joining node with `config` and the TPM `swtpm`.
+pub fn joiner_with(config: NodeConfig, swtpm: Swtpm) -> Joiner {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("state.img");
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(20 << 20)
+        .unwrap();
+    with_tpm(config, swtpm, dir, disk)
+}
+
+/// The node of `dir` after a reboot: a fresh TPM (PCRs zero), a new event
+/// log, the same root and state disk.
+pub fn reboot(config: NodeConfig, tpm_ca: &EkCa, dir: tempfile::TempDir, disk: PathBuf) -> Joiner {
+    with_tpm(config, Swtpm::start(tpm_ca).unwrap(), dir, disk)
+}
+
+fn with_tpm(config: NodeConfig, swtpm: Swtpm, dir: tempfile::TempDir, disk: PathBuf) -> Joiner {
+    let log = dir.path().join(format!("log-{}", swtpm.port()));
+    let tpm = measured(&swtpm, &log, &config);
+    let lock = Arc::new(NodeLock::new(tpm.clone()).unwrap());
+    Joiner {
+        config,
+        tpm,
+        lock,
+        root: dir.path().join("root"),
+        work: dir.path().join("work"),
+        disk,
+        dir,
+        _swtpm: swtpm,
+    }
+}
+
+impl Joiner {
+    /// The join client, with short pauses and no device-mapper.
+    pub fn client(&self, ca: &EkCa) -> JoinClient {
+        let mut settings = JoinSettings::from_config(&self.config).unwrap();
+        settings.ek_trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+        settings.backoff = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_millis(500),
+        };
+        settings.timeout = Duration::from_secs(20);
+        settings.open_state_disk = false;
+        settings.kubelet = KubeletStart::Program(self.root.join("run/state/bin/kubelet"));
+        JoinClient::new(
+            self.config.clone(),
+            self.tpm.clone(),
+            self.lock.clone(),
+            node_env(&self.root, &self.work, Some(&self.disk)),
+            settings,
+        )
+        .unwrap()
+    }
+
+    pub fn pcr15(&self) -> [u8; 32] {
+        pcr15(&self.tpm)
+    }
+
+    /// A ticket client validating the service as the join client does.
+    pub fn tickets(&self, ca: &EkCa) -> TicketClient {
+        let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+        let validator = service_validator(&self.tpm, trust).unwrap();
+        TicketClient::new(self.tpm.clone(), validator, Duration::from_secs(60))
+    }
+
+    /// Nothing was written: no root, no work directory, no LUKS header,
+    /// PCR 15 zero.
+    pub fn assert_untouched(&self) {
+        assert_eq!(self.pcr15(), [0; 32], "the node got locked");
+        assert!(!self.lock.is_locked());
+        assert!(!self.root.exists(), "files were written under the root");
+        assert!(!self.work.exists(), "files were written to the work dir");
+        assert!(
+            !Cryptsetup::default().is_luks(&self.disk).unwrap(),
+            "the state disk was formatted"
+        );
+    }
+}
+
+/// PCR 15 of `tpm`.
+pub fn pcr15(tpm: &SharedTpm) -> [u8; 32] {
+    tpm.lock()
+        .unwrap()
+        .tpm()
+        .pcr_read(&[keel_agent::measurement::pcr::CLUSTER_ID])
+        .unwrap()[&keel_agent::measurement::pcr::CLUSTER_ID]
+}

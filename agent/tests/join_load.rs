@@ -1,0 +1,216 @@
+//! The join service under load, and its refusals, over real mutual aTLS
+//! with swtpm on both sides.
+//!
+//! Load: 100 ticket requests at once, each on its own aTLS connection with
+//! a fresh quote over the service's nonce, from 4 swtpm-backed members (25
+//! concurrent requests per TPM; a swtpm per client is too heavy for two
+//! cores). The quotes are real and per handshake, not precomputed; what is
+//! shared is the TPM (and so the EK, AK and node name) behind a request.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use join_common::{member, start_service, uuid, Member, Service};
+use keel_agent::join::{KubeletKey, TicketError};
+use keel_agent::measurement::EventType;
+use keel_atls::ConnectError;
+use keel_proto::join::{IssueJoinTicketRequest, IssueJoinTicketResponse};
+use keel_testkit::swtpm::EkCa;
+use x509_parser::prelude::FromDer as _;
+
+const CONCURRENT: usize = 100;
+const MEMBERS: usize = 4;
+
+fn request(m: &Member) -> (IssueJoinTicketRequest, KubeletKey) {
+    let key = KubeletKey::generate(&m.name).unwrap();
+    let req = IssueJoinTicketRequest {
+        disk_uuid: uuid(),
+        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: m.name.clone(),
+    };
+    (req, key)
+}
+
+/// `n` concurrent requests spread over `members`; returns each member index,
+/// request and response.
+async fn round(
+    service: &Service,
+    members: &[(Member, keel_agent::join::TicketClient)],
+    n: usize,
+) -> Vec<(usize, IssueJoinTicketRequest, IssueJoinTicketResponse)> {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let which = i % members.len();
+            let (m, tickets) = &members[which];
+            let (req, _key) = request(m);
+            let tickets = tickets.clone();
+            let endpoint = service.endpoint.clone();
+            tokio::spawn(async move {
+                let raw = tickets
+                    .request_join_ticket(&endpoint, req.clone())
+                    .await
+                    .unwrap_or_else(|e| panic!("{}", keel_atls::ErrorChain(&e)));
+                (which, req, raw.response)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hundred_concurrent_requests_all_get_their_own_ticket() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service(&ca, port).await;
+    let members: Vec<_> = (0..MEMBERS)
+        .map(|i| {
+            let m = member(&ca, port, &format!("w-{i}"), "worker");
+            let t = m.tickets(&ca);
+            (m, t)
+        })
+        .collect();
+
+    let start = Instant::now();
+    let results = round(&service, &members, CONCURRENT).await;
+    let elapsed = start.elapsed();
+    assert_eq!(results.len(), CONCURRENT);
+    eprintln!("{CONCURRENT} concurrent tickets in {elapsed:?}");
+
+    // Every ticket opens on the TPM it was sealed to, and is its own.
+    let mut tokens = HashSet::new();
+    let mut serials = HashSet::new();
+    for (which, req, mut response) in results {
+        let (_, tickets) = &members[which];
+        let secrets = tickets.open(response.secrets.take()).await.unwrap();
+        let expected = service.state.keys.disk_key(&req.disk_uuid).unwrap();
+        assert_eq!(secrets.state_disk_key.as_slice(), expected.as_slice());
+        assert!(
+            tokens.insert(secrets.bootstrap_token.clone()),
+            "token issued twice"
+        );
+        let (_, pem) = x509_parser::pem::parse_x509_pem(&secrets.kubelet_cert).unwrap();
+        let (_, cert) = x509_parser::certificate::X509Certificate::from_der(&pem.contents).unwrap();
+        assert!(
+            serials.insert(cert.raw_serial().to_vec()),
+            "certificate issued twice"
+        );
+        // Nothing secret travels outside the sealed part.
+        assert!(response.token.is_empty() && response.kubelet_cert.is_empty());
+    }
+    let registered: HashSet<String> = service.registered_tokens().into_iter().collect();
+    assert_eq!(
+        registered, tokens,
+        "each ticket's token registered exactly once"
+    );
+
+    // Memory stays bounded: more rounds do not grow the process.
+    let before = join_common::rss_kib();
+    for _ in 0..2 {
+        round(&service, &members, CONCURRENT).await;
+    }
+    let after = join_common::rss_kib();
+    eprintln!("RSS after round 1: {before} KiB, after round 3: {after} KiB");
+    assert!(
+        after < before + 32 * 1024,
+        "RSS grew from {before} KiB to {after} KiB"
+    );
+    assert_eq!(service.registered_tokens().len(), 3 * CONCURRENT);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_get_nothing() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service(&ca, port).await;
+    let m = member(&ca, port, "w-0", "worker");
+    let tickets = m.tickets(&ca);
+
+    // Another node's name, and a control-plane ticket for a worker config:
+    // refused against the measured identity.
+    let (mut req, _key) = request(&m);
+    req.node_name = "w-9".into();
+    let err = tickets
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::PermissionDenied),
+        "{err}"
+    );
+    let (mut req, _key) = request(&m);
+    req.is_control_plane = true;
+    let err = tickets
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::PermissionDenied),
+        "{err}"
+    );
+    // A CSR for another name, a malformed UUID.
+    let (mut req, _key) = request(&m);
+    req.kubelet_csr = KubeletKey::generate("w-9")
+        .unwrap()
+        .csr_pem()
+        .as_bytes()
+        .to_vec();
+    let err = tickets
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::InvalidArgument),
+        "{err}"
+    );
+    let (mut req, _key) = request(&m);
+    req.disk_uuid = "measurementSecret".into();
+    let err = tickets
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::InvalidArgument),
+        "{err}"
+    );
+    assert!(service.registered_tokens().is_empty());
+
+    // A locked node (PCR 15 non-zero) is refused in the handshake.
+    let locked = member(&ca, port, "w-1", "worker");
+    let locked_tickets = locked.tickets(&ca);
+    locked
+        .tpm
+        .lock()
+        .unwrap()
+        .record(EventType::ClusterId, "other cluster", vec![7; 32])
+        .unwrap();
+    let (req, _key) = request(&locked);
+    let err = locked_tickets
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, TicketError::Connect(ConnectError::RefusedByServer(_))),
+        "{err}"
+    );
+
+    // The service answers again after all of this.
+    let (req, _key) = request(&m);
+    assert!(tickets
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .is_ok());
+    assert_eq!(service.registered_tokens().len(), 1);
+}

@@ -1,0 +1,239 @@
+//! `keel init` of node 1, then a worker and a control-plane node join and
+//! the worker rejoins after a reboot. Each node has its own swtpm (EK
+//! certificates from one test CA), root directory and LUKS2 state-disk
+//! image; components come from the loopback mirror (kubeadm is the
+//! stand-in); every connection is real aTLS on loopback.
+//!
+//! The rejoin checks the disk key with `cryptsetup open --test-passphrase`;
+//! opening the disk needs device-mapper, which the host lacks, so that
+//! step is switched off here (`JoinSettings::open_state_disk`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "../../agent/tests/join_common/mod.rs"]
+mod join_common;
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use join_common::{joiner_with, node_env, stand_in_components, zero_boot_measurements, Joiner};
+use keel_agent::attestation::measurements::Measurements;
+use keel_agent::cluster::ClusterSlot;
+use keel_agent::disk::Cryptsetup;
+use keel_agent::join::JoinOutcome;
+use keel_agent::join_service::JoinService;
+use keel_agent::measurement::EventType;
+use keel_testkit::mirror::MirrorServer;
+use keel_testkit::swtpm::{EkCa, Swtpm};
+
+const SECRET: &[u8] = b"correct horse battery staple init secret";
+
+fn secret_hash() -> String {
+    use sha2::Digest as _;
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)))
+}
+
+fn mode(path: &std::path::Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let join_port = join_common::free_port();
+
+    // Node 1: the init server, as the agent runs it.
+    let swtpm1 = Swtpm::start(&ca).unwrap();
+    let dir1 = tempfile::tempdir().unwrap();
+    let root1 = dir1.path().join("root");
+    let mut config1 = join_common::config(&ca, join_port, "cp-0", "control-plane");
+    config1.cluster.init_secret_hash = secret_hash();
+    let cluster_config = config1.cluster.clone();
+    let tpm1 = join_common::measured(&swtpm1, &dir1.path().join("log"), &config1);
+    let lock1 = Arc::new(keel_agent::nodelock::NodeLock::new(tpm1.clone()).unwrap());
+    let components = stand_in_components(&mirror);
+    let env1 = node_env(&root1, dir1.path(), None);
+    let slot = Arc::new(ClusterSlot::new(None));
+    let init_addr: SocketAddr = format!("127.0.0.1:{}", join_common::free_port())
+        .parse()
+        .unwrap();
+    let init_task = tokio::spawn({
+        let (config, tpm, env, slot) = (config1.clone(), tpm1.clone(), env1.clone(), slot.clone());
+        async move {
+            let _ = keel_agent::node::serve_init(init_addr, config, tpm, lock1, env, slot).await;
+        }
+    });
+    join_common::wait_for_port(init_addr).await;
+
+    // `keel init` against it.
+    let ws = tempfile::tempdir().unwrap();
+    let d = dir1.path();
+    let mut m = Measurements::default();
+    m.insert(12, config1.expected_config_pcr(), false);
+    m.insert(15, [0; 32], false);
+    std::fs::write(d.join("cli-measurements.json"), m.to_json()).unwrap();
+    std::fs::write(d.join("ek-ca.pem"), ca.issuer_pem().unwrap()).unwrap();
+    std::fs::write(d.join("init-secret"), SECRET).unwrap();
+    let list: Vec<keel_proto::components::Component> = components.iter().map(Into::into).collect();
+    let list: Vec<serde_json::Value> = list
+        .iter()
+        .map(|c| serde_json::json!({"url": c.url, "hash": c.hash, "install_path": c.install_path, "extract": c.extract}))
+        .collect();
+    std::fs::write(
+        d.join("components.json"),
+        serde_json::to_vec(&list).unwrap(),
+    )
+    .unwrap();
+    let settings = serde_json::json!({
+        "endpoint": init_addr.to_string(),
+        "kubernetes_version": "v1.31",
+        "measurements": "cli-measurements.json",
+        "ek_ca": "ek-ca.pem",
+        "init_secret_file": "init-secret",
+        "components_file": "components.json",
+    });
+    std::fs::write(d.join("keel.json"), settings.to_string()).unwrap();
+    let started = std::time::Instant::now();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["init", "--skip-helm-wait", "--settings"])
+        .arg(d.join("keel.json"))
+        .arg("--workspace")
+        .arg(ws.path())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("keel init took {:?}", started.elapsed());
+    let state = slot
+        .borrow()
+        .clone()
+        .expect("init published no cluster state");
+    init_task.abort();
+
+    // Node 1 serves the join service, with the image's reference values.
+    let measurements = d.join("measurements.json");
+    std::fs::write(&measurements, zero_boot_measurements().to_json()).unwrap();
+    let policy = keel_agent::node::join_service_policy(&config1, &measurements).unwrap();
+    let service = JoinService::new(state.clone(), env1.kubeadm.clone(), d.join("work")).unwrap();
+    let join_addr: SocketAddr = format!("127.0.0.1:{join_port}").parse().unwrap();
+    let join_task = tokio::spawn({
+        let tpm = tpm1.clone();
+        async move {
+            keel_agent::node::serve_join(join_addr, tpm, policy, service)
+                .await
+                .unwrap();
+        }
+    });
+    join_common::wait_for_port(join_addr).await;
+
+    // Nodes 2 (worker) and 3 (control plane) join at the same time.
+    let member = |name: &str, role: &str| {
+        let mut config = join_common::config(&ca, join_port, name, role);
+        config.cluster = cluster_config.clone();
+        joiner_with(config, Swtpm::start(&ca).unwrap())
+    };
+    let worker = member("w-1", "worker");
+    let control = member("cp-1", "control-plane");
+    let (a, b) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(90), worker.client(&ca).run()),
+        tokio::time::timeout(Duration::from_secs(90), control.client(&ca).run()),
+    );
+    eprintln!("joins took {:?}", started.elapsed());
+    for outcome in [a.unwrap(), b.unwrap()] {
+        match outcome {
+            JoinOutcome::Joined { cluster_id } => assert_eq!(cluster_id, state.cluster_id),
+            other => panic!("{other:?}"),
+        }
+    }
+    let pcr15 = join_common::pcr15(&tpm1);
+    assert_ne!(pcr15, [0; 32]);
+    assert_eq!(worker.pcr15(), pcr15);
+    assert_eq!(control.pcr15(), pcr15);
+
+    // Disk keys: one per disk UUID, the key service's.
+    let cs = Cryptsetup::default();
+    let key_of = |j: &Joiner| {
+        let uuid = cs.uuid(&j.disk).unwrap();
+        let key = state.keys.disk_key(&uuid).unwrap();
+        assert!(cs.key_matches(&j.disk, &key).unwrap(), "{uuid}");
+        key
+    };
+    assert_ne!(key_of(&worker).as_slice(), key_of(&control).as_slice());
+
+    // Files: 0600; control-plane PKI only on the control plane.
+    for j in [&worker, &control] {
+        let pki = j.root.join("var/lib/kubelet/pki");
+        for f in ["kubelet-client.crt", "kubelet-client.key", "ca.crt"] {
+            assert_eq!(mode(&pki.join(f)), 0o600, "{f}");
+        }
+        assert_eq!(
+            std::fs::read(pki.join("ca.crt")).unwrap(),
+            std::fs::read(state.pki_dir.join("ca.crt")).unwrap()
+        );
+        assert!(j.root.join("etc/kubernetes/kubelet.conf").is_file());
+        let components = j
+            .tpm
+            .lock()
+            .unwrap()
+            .events()
+            .iter()
+            .filter(|e| e.event_type == EventType::Component)
+            .count();
+        assert_eq!(components, 5);
+    }
+    assert!(!worker.root.join("etc/kubernetes/pki/ca.key").exists());
+    let ca_key = control.root.join("etc/kubernetes/pki/ca.key");
+    assert_eq!(mode(&ca_key), 0o600);
+    assert_eq!(
+        std::fs::read(&ca_key).unwrap(),
+        std::fs::read(state.pki_dir.join("ca.key")).unwrap()
+    );
+
+    // Each join's bootstrap token was registered with the cluster (node 1's
+    // kubeadm), and is the one the node's kubeadm join used.
+    let registered = std::fs::read_dir(root1.join("var/lib/keel-standin/tokens"))
+        .unwrap()
+        .count();
+    assert_eq!(registered, 2);
+    let join_yaml = std::fs::read_to_string(worker.work.join("kubeadm-join.yaml")).unwrap();
+    let token = join_yaml
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("token: "))
+        .unwrap()
+        .trim_matches(|c| c == '"' || c == '\'');
+    let id = token.split('.').next().unwrap();
+    let record =
+        std::fs::read_to_string(root1.join("var/lib/keel-standin/tokens").join(id)).unwrap();
+    assert!(record.starts_with(token), "{record}");
+
+    // Node 2 reboots: PCRs are zero again, the disk is initialised, so it
+    // asks for a rejoin ticket and locks into the same cluster.
+    let Joiner {
+        config, dir, disk, ..
+    } = worker;
+    let rebooted = join_common::reboot(config, &ca, dir, disk);
+    assert_eq!(rebooted.pcr15(), [0; 32]);
+    let outcome = tokio::time::timeout(Duration::from_secs(60), rebooted.client(&ca).run())
+        .await
+        .unwrap();
+    match outcome {
+        JoinOutcome::Rejoined { cluster_id } => assert_eq!(cluster_id, state.cluster_id),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(rebooted.pcr15(), pcr15);
+    // No new token: a rejoin does not run kubeadm.
+    assert_eq!(
+        std::fs::read_dir(root1.join("var/lib/keel-standin/tokens"))
+            .unwrap()
+            .count(),
+        2
+    );
+    join_task.abort();
+}
