@@ -147,11 +147,3 @@ report_artifacts() {
     printf '%-48s %12s  %s\n' "$f" "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)"
   done
 }
-
-# Path of the keel-measure binary, built if needed.
-measure_tool() {
-  local bin=$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-measure
-  (cd "$KEEL_ROOT" && cargo build -q --release -p keel-image --bin keel-measure) >&2 ||
-    die "building keel-measure failed"
-  echo "$bin"
-}

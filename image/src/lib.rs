@@ -5,17 +5,18 @@
 //! the firmware measures the UKI (PCR 4), systemd-stub measures the UKI's
 //! sections (PCR 11) and starts the Linux EFI stub, which measures the
 //! kernel command line and the initrd (PCR 9). The agent then measures its
-//! node config (PCR 12). `docs/measured-boot.md` lists every modelled event.
+//! node config (PCR 12), predicted with the agent's own code.
+//! `docs/measured-boot.md` lists every modelled event.
 //!
 //! Modules: [`pe`] parses the few PE/COFF headers needed, [`authenticode`]
-//! computes the image hash firmware measures, [`pcr`] replays extends,
-//! [`predict`] models each PCR's events, and [`measurements`] writes the
-//! measurements file verifiers read.
+//! computes the image hash firmware measures, [`pcr`] replays extends and
+//! [`predict`] models each PCR's events. The measurements file verifiers
+//! read is the agent's
+//! [`Measurements`](keel_agent::attestation::measurements::Measurements).
 
 #![forbid(unsafe_code)]
 
 pub mod authenticode;
-pub mod measurements;
 pub mod pcr;
 pub mod pe;
 pub mod predict;

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use keel_image::measurements::Measurements;
+use keel_agent::attestation::measurements::Measurements;
+use keel_agent::config::NodeConfig;
 use keel_image::pcr::{replay, Event};
 use keel_image::predict::{self, Uki};
 
@@ -20,8 +21,10 @@ struct Args {
     /// The image's unified kernel image (build/image/keel.efi).
     #[arg(long)]
     uki: PathBuf,
-    /// The node config's canonical bytes, as the agent measures them into
-    /// PCR 12. Without it PCR 12 is left out.
+    /// A node config document, as given to the VM (fw_cfg
+    /// `opt/keel/node-config`) or installed in the image. It is read and
+    /// validated as the agent does, and PCR 12 predicted from its canonical
+    /// form. Without it PCR 12 is left out.
     #[arg(long)]
     node_config: Option<PathBuf>,
     /// Where to write the measurements JSON (default: standard output).
@@ -37,16 +40,11 @@ fn main() -> Result<()> {
     let bytes = std::fs::read(&args.uki).with_context(|| format!("read {}", args.uki.display()))?;
     let uki = Uki::parse(&bytes).with_context(|| format!("{}", args.uki.display()))?;
 
-    let mut pcrs: Vec<(u32, Vec<Event>)> = vec![
+    let pcrs: [(u32, Vec<Event>); 3] = [
         (predict::PCR_BOOT_LOADER_CODE, predict::pcr4(&uki)?),
         (predict::PCR_KERNEL_PARAMETERS, predict::pcr9(&uki)?),
         (predict::PCR_KERNEL_BOOT, predict::pcr11(&uki)?),
     ];
-    if let Some(path) = &args.node_config {
-        let config = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
-        pcrs.push((predict::PCR_NODE_CONFIG, predict::pcr12(&config)));
-    }
-
     let mut measurements = Measurements::default();
     for (pcr, events) in &pcrs {
         let value = replay(events);
@@ -56,10 +54,21 @@ fn main() -> Result<()> {
                 eprintln!("  {event}");
             }
         }
-        measurements.enforce(*pcr, &value);
+        measurements.insert(*pcr, value, false);
+    }
+    if let Some(path) = &args.node_config {
+        // The agent's own loader: same size bound, validation and canonical form.
+        let (config, _) = NodeConfig::load(Some(path))
+            .with_context(|| format!("node config {}", path.display()))?;
+        let value = predict::pcr12(&config);
+        if args.events {
+            eprintln!("pcr {} = {}", predict::PCR_NODE_CONFIG, hex::encode(value));
+            eprintln!("  keel-agent node-config event for {}", path.display());
+        }
+        measurements.insert(predict::PCR_NODE_CONFIG, value, false);
     }
 
-    let json = measurements.to_json().context("encode the measurements")?;
+    let json = measurements.to_json();
     match &args.output {
         Some(path) => std::fs::write(path, json + "\n")
             .with_context(|| format!("write {}", path.display()))?,

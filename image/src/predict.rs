@@ -7,11 +7,12 @@
 //! with systemd's PCR-extending units (pcrphase, pcrmachine, pcrfs) masked.
 //! `docs/measured-boot.md` documents the same list for readers.
 
-use sha2::{Digest as _, Sha256};
 use thiserror::Error;
 
+use keel_agent::config::NodeConfig;
+
 use crate::authenticode::{self, AuthenticodeError};
-use crate::pcr::Event;
+use crate::pcr::{Digest, Event};
 use crate::pe::{PeError, PeFile};
 
 /// The PCR the firmware measures boot applications into.
@@ -21,7 +22,7 @@ pub const PCR_KERNEL_PARAMETERS: u32 = 9;
 /// The PCR systemd-stub measures the UKI's sections into.
 pub const PCR_KERNEL_BOOT: u32 = 11;
 /// The PCR the keel agent measures its node config into.
-pub const PCR_NODE_CONFIG: u32 = 12;
+pub const PCR_NODE_CONFIG: u32 = keel_agent::measurement::pcr::CONFIG;
 
 /// The UKI sections systemd-stub measures, in measurement order (`.pcrsig`
 /// is never measured: it holds signatures over these very values).
@@ -177,13 +178,12 @@ pub fn pcr11(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
     Ok(events)
 }
 
-/// PCR 12: the agent's one measurement of its node config, the SHA-256 of
-/// the config's canonical bytes.
-pub fn pcr12(canonical_config: &[u8]) -> Vec<Event> {
-    vec![Event::of_digest(
-        "keel node-config",
-        Sha256::digest(canonical_config).into(),
-    )]
+/// PCR 12: the value the agent's measurement of `config` gives. It comes
+/// from the agent's own code: the event binds the canonical bytes of the
+/// config's cluster part to its place in the agent's event log, and only the
+/// agent's canonical form and event encoding reproduce it.
+pub fn pcr12(config: &NodeConfig) -> Digest {
+    config.expected_config_pcr()
 }
 
 #[cfg(test)]
@@ -197,10 +197,18 @@ mod tests {
     }
 
     #[test]
-    fn pcr12_is_the_config_hash_extended_once() {
-        let events = pcr12(b"{}");
-        assert_eq!(events.len(), 1);
-        let expected: [u8; 32] = Sha256::digest(b"{}").into();
-        assert_eq!(events[0].digest, expected);
+    fn pcr12_follows_the_cluster_part_only() -> Result<(), Box<dyn std::error::Error>> {
+        let path = std::path::Path::new("node-config.json");
+        let a = NodeConfig::parse(
+            br#"{"cluster": {"init_port": 9000}, "node": {"name": "a"}}"#,
+            path,
+        )?;
+        let b = NodeConfig::parse(br#"{"node": {"name": "b", "role": "control-plane"}}"#, path)?;
+        let c = NodeConfig::parse(br#"{"cluster": {"init_port": 9001}}"#, path)?;
+        // Same cluster part (defaults spelled out or not): same PCR 12.
+        assert_eq!(pcr12(&a), pcr12(&b));
+        assert_ne!(pcr12(&a), pcr12(&c));
+        assert_ne!(pcr12(&a), [0; 32]);
+        Ok(())
     }
 }

@@ -1,0 +1,177 @@
+//! Boots a built image under QEMU + OVMF + swtpm with a node config passed
+//! by fw_cfg, and checks that the PCRs the agent reports equal the
+//! prediction made from the image files alone (4, 9, 11 from the UKI, 12
+//! from the node config), and that the agent's startup measurements replay
+//! to PCRs 12, 13 and 15. Reports the time from VM start to
+//! `keel-agent: ready`.
+//!
+//! Opt-in: set `KEEL_IMAGE_DIR` (e.g. `build/image`); without it the test
+//! says so and passes. `KEEL_VM_BOOTS` boots more than once and reports the
+//! median; `KEEL_VM_PATIENCE_S` bounds each wait (default 600 s);
+//! `KEEL_VM_WORK` keeps the VM's logs there instead of a temporary
+//! directory. `scripts/vm-boot.sh` runs it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use keel_agent::attestation::measurements::Measurements;
+use keel_agent::config::NodeConfig;
+use keel_agent::measurement::{self, Event, EventType, HexDigest};
+use keel_e2e::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
+use keel_e2e::report::{reported_pcrs, READY_LINE};
+use keel_e2e::vm::{Vm, VmBuilder};
+use keel_image::pcr::replay;
+use keel_image::predict::{self, Uki};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn env_number(name: &str, default: u64) -> Result<u64, Box<dyn std::error::Error>> {
+    match std::env::var(name) {
+        Ok(v) => Ok(v
+            .parse()
+            .map_err(|_| format!("{name}={v:?} is not a number"))?),
+        Err(_) => Ok(default),
+    }
+}
+
+/// The measurements file for `image` booted with `config`.
+fn predict(
+    image: &ImageDir,
+    config: &NodeConfig,
+) -> Result<Measurements, Box<dyn std::error::Error>> {
+    let bytes = std::fs::read(image.uki())?;
+    let uki = Uki::parse(&bytes)?;
+    let mut expected = Measurements::default();
+    expected.insert(
+        predict::PCR_BOOT_LOADER_CODE,
+        replay(&predict::pcr4(&uki)?),
+        false,
+    );
+    expected.insert(
+        predict::PCR_KERNEL_PARAMETERS,
+        replay(&predict::pcr9(&uki)?),
+        false,
+    );
+    expected.insert(
+        predict::PCR_KERNEL_BOOT,
+        replay(&predict::pcr11(&uki)?),
+        false,
+    );
+    expected.insert(predict::PCR_NODE_CONFIG, predict::pcr12(config), false);
+    Ok(expected)
+}
+
+/// The agent's startup log for `config`: the cluster part, then the node
+/// part, as `keel-agent run` records them on a fresh boot.
+fn startup_events(config: &NodeConfig) -> Vec<Event> {
+    vec![
+        Event::new(
+            0,
+            EventType::NodeConfig,
+            "node config",
+            config.cluster_bytes(),
+        ),
+        Event::new(
+            1,
+            EventType::NodeIdentity,
+            "node identity",
+            config.node_bytes(),
+        ),
+    ]
+}
+
+fn boot_once(
+    image: &ImageDir,
+    config_path: &Path,
+    work: &Path,
+    patience: Duration,
+) -> Result<(Vm, Duration), Box<dyn std::error::Error>> {
+    let vm = VmBuilder::new(image.disk(), work)
+        .node_config(config_path)
+        .start()?;
+    let ready = vm.wait_for_line(READY_LINE, patience)?;
+    // The PCR lines precede the ready line; give the console a moment to
+    // flush anything printed after it (a restart would print again).
+    std::thread::sleep(Duration::from_millis(300));
+    Ok((vm, ready))
+}
+
+#[test]
+fn booted_pcrs_match_the_prediction() -> TestResult {
+    let Some(image) = ImageDir::from_env()? else {
+        eprintln!(
+            "skipped: no image to boot. Set {IMAGE_DIR_VAR}=build/image after `make image` \
+             (scripts/vm-boot.sh does both)."
+        );
+        return Ok(());
+    };
+    let boots = env_number("KEEL_VM_BOOTS", 1)?.max(1);
+    let patience = Duration::from_secs(env_number("KEEL_VM_PATIENCE_S", 600)?);
+    let config_path = workspace_root().join("tests/fixtures/node-config.json");
+    let (config, _) = NodeConfig::load(Some(&config_path))?;
+    let expected = predict(&image, &config)?;
+    let tmp = tempfile::tempdir()?;
+    let work_root: PathBuf =
+        std::env::var_os("KEEL_VM_WORK").map_or_else(|| tmp.path().into(), Into::into);
+
+    let mut times = Vec::new();
+    for boot in 1..=boots {
+        let work = work_root.join(format!("boot{boot}"));
+        let (vm, ready) = boot_once(&image, &config_path, &work, patience)?;
+        let reported = reported_pcrs(vm.lines().iter().map(String::as_str));
+
+        let mismatches = expected.compare(&reported);
+        for m in &mismatches {
+            eprintln!("boot {boot}: {m}");
+        }
+        assert!(
+            mismatches.is_empty(),
+            "boot {boot}: predicted and booted PCRs differ; serial log {}",
+            vm.serial_log().display()
+        );
+        measurement::verify_replay(&startup_events(&config), &reported).map_err(|e| {
+            format!(
+                "boot {boot}: the agent's startup measurements do not replay: {e}; serial log {}",
+                vm.serial_log().display()
+            )
+        })?;
+        eprintln!(
+            "boot {boot}: ready {:.1} s after VM start ({:?}); PCRs 4, 9, 11, 12 as predicted; \
+             startup log replays to PCRs 12, 13, 15",
+            ready.as_secs_f64(),
+            vm.accel()
+        );
+        times.push(ready);
+    }
+
+    for (pcr, e) in expected.iter() {
+        eprintln!("pcr {pcr:>2} predicted = booted {}", HexDigest(&e.digest));
+    }
+    times.sort();
+    let median = times[times.len() / 2];
+    eprintln!(
+        "VM start -> {READY_LINE:?}: median {:.1} s over {} boot(s) (min {:.1}, max {:.1})",
+        median.as_secs_f64(),
+        times.len(),
+        times[0].as_secs_f64(),
+        times[times.len() - 1].as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The check above can fail: a config that differs only in the cluster
+/// part predicts another PCR 12, and a log claiming another config does not
+/// replay to the PCRs the real one produced.
+#[test]
+fn another_config_predicts_and_replays_differently() -> TestResult {
+    let path = workspace_root().join("tests/fixtures/node-config.json");
+    let (config, _) = NodeConfig::load(Some(&path))?;
+    let mut other = config.clone();
+    other.cluster.init_port += 1;
+    assert_ne!(predict::pcr12(&config), predict::pcr12(&other));
+
+    let reported = measurement::replay(&startup_events(&config))?;
+    assert!(measurement::verify_replay(&startup_events(&config), &reported).is_ok());
+    assert!(measurement::verify_replay(&startup_events(&other), &reported).is_err());
+    Ok(())
+}
