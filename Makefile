@@ -8,7 +8,7 @@ AGENT := target/$(TARGET)/release/keel-agent
 # Cargo finds the static TPM libraries through .cargo/config.toml.
 CARGO ?= cargo
 
-.PHONY: help deps tss agent test lint fmt image image-repro measurements vm-check demo e2e clean-image
+.PHONY: help deps tss agent test lint fmt image image-repro measurements vm-check demo e2e
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{ printf "  %-14s %s\n", $$1, $$2 }'
@@ -39,9 +39,15 @@ image: agent ## Build the reproducible mkosi image (UKI, dm-verity erofs root) a
 image-repro: agent ## Build the image twice from clean and compare every artifact
 	@scripts/image-repro.sh
 
-measurements: ## Predict PCRs 4, 9, 11 of the built image into build/image/measurements.json
+measurements: tss ## Predict PCRs 4, 9, 11 of the built image into build/image/measurements.json
 	$(CARGO) run --release --locked -p keel-image --bin keel-measure -- \
 	  --uki build/image/keel.efi --output build/image/measurements.json
 
-vm-check: image measurements ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time to ready
+vm-check: image ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time to ready
 	@scripts/vm-boot.sh -n 3
+
+demo: ## Local cluster on QEMU + swtpm (control plane + worker); not yet working end to end
+	@scripts/mini-up.sh
+
+e2e: ## The local cluster plus the end-to-end scenarios; not yet working end to end
+	@scripts/mini-up.sh --e2e

@@ -336,31 +336,8 @@ impl InitServer {
     /// After a fatal failure: mark the disk for reset and schedule the reboot.
     async fn fail(&self, log: &Transcript) -> bool {
         let env = &self.inner.env;
-        if let Some(disk) = &env.state_disk {
-            let disk = disk.clone();
-            let marked =
-                tokio::task::spawn_blocking(move || disk.cryptsetup.mark_for_reset(&disk.device))
-                    .await;
-            if !matches!(marked, Ok(Ok(()))) {
-                log.line("marking the state disk for reset failed").await;
-            }
-        }
-        match env.reboot {
-            RebootPolicy::After(grace) => {
-                log.line(format!(
-                    "this node is unusable and reboots in {} s",
-                    grace.as_secs()
-                ))
-                .await;
-                tokio::spawn(async move {
-                    tokio::time::sleep(grace).await;
-                    crate::reboot::reboot_now();
-                });
-            }
-            RebootPolicy::Never => {
-                log.line("this node is unusable; reboot it to try again")
-                    .await
-            }
+        for line in crate::reboot::reset_node(env.state_disk.as_ref(), env.reboot).await {
+            log.line(line).await;
         }
         true
     }
@@ -368,7 +345,7 @@ impl InitServer {
 
 async fn setup_state_disk(disk: &StateDisk, keys: &KeyService) -> Result<(), String> {
     let disk = disk.clone();
-    let uuid = uuid_v4();
+    let uuid = crate::disk::new_uuid();
     let key = keys
         .disk_key(&uuid)
         .map_err(|e| format!("deriving the disk key: {e}"))?;
@@ -379,22 +356,6 @@ async fn setup_state_disk(disk: &StateDisk, keys: &KeyService) -> Result<(), Str
     })
     .await
     .map_err(|e| format!("disk task: {e}"))?
-}
-
-fn uuid_v4() -> String {
-    let mut b = [0u8; 16];
-    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut b);
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h = hex::encode(b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
 }
 
 /// The lines of one init: streamed to the CLI and kept for the failure report.

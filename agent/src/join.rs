@@ -55,7 +55,7 @@ use crate::attestation::validator::{Validator, Verified};
 use crate::components::{install_and_measure, InstallComponentsError};
 use crate::config::{NodeConfig, Role};
 use crate::disk::DiskError;
-use crate::init::{NodeEnv, RebootPolicy, StateDisk};
+use crate::init::{NodeEnv, StateDisk};
 use crate::join_service::{spki_hash, CONTROL_PLANE_FILES};
 use crate::key_service::{self, ClusterId, ClusterIdError, DISK_KEY_LEN};
 use crate::kubeadm::{
@@ -814,7 +814,7 @@ impl JoinClient {
             }
         };
         let spki = kubelet.spki();
-        let disk_uuid = uuid_v4();
+        let disk_uuid = crate::disk::new_uuid();
         let request = IssueJoinTicketRequest {
             disk_uuid: disk_uuid.clone(),
             kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
@@ -1015,23 +1015,8 @@ impl JoinClient {
     async fn fail(&self, error: CommitError) -> JoinOutcome {
         let error = keel_atls::ErrorChain(&error).to_string();
         tracing::error!(%error, "join failed after the node lock");
-        if let Some(disk) = self.env.state_disk.clone() {
-            let marked =
-                tokio::task::spawn_blocking(move || disk.cryptsetup.mark_for_reset(&disk.device))
-                    .await;
-            if !matches!(marked, Ok(Ok(()))) {
-                tracing::error!("marking the state disk for reset failed");
-            }
-        }
-        match self.env.reboot {
-            RebootPolicy::After(grace) => {
-                tracing::error!("this node is unusable and reboots in {} s", grace.as_secs());
-                tokio::spawn(async move {
-                    tokio::time::sleep(grace).await;
-                    crate::reboot::reboot_now();
-                });
-            }
-            RebootPolicy::Never => tracing::error!("this node is unusable; reboot it to try again"),
+        for line in crate::reboot::reset_node(self.env.state_disk.as_ref(), self.env.reboot).await {
+            tracing::error!("{line}");
         }
         JoinOutcome::Failed { error }
     }
@@ -1100,23 +1085,6 @@ fn write_private(path: &Path, data: &[u8]) -> Result<(), CommitError> {
     written.map_err(fail)
 }
 
-/// A random (version 4) UUID for a new state disk.
-fn uuid_v4() -> String {
-    let mut b = [0u8; 16];
-    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut b);
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h = hex::encode(b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -1140,9 +1108,9 @@ mod tests {
 
     #[test]
     fn uuids_are_valid_key_ids() {
-        let a = uuid_v4();
+        let a = crate::disk::new_uuid();
         assert!(key_service::disk_key_id(&a).is_ok());
-        assert_ne!(a, uuid_v4());
+        assert_ne!(a, crate::disk::new_uuid());
     }
 
     #[test]

@@ -68,11 +68,19 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    // The TSS logs to stderr on its own; its failures reach us as errors
+    // with the TPM return code, so keep it quiet unless asked (TSS2_LOG).
+    if std::env::var_os("TSS2_LOG").is_none() {
+        std::env::set_var("TSS2_LOG", "all+NONE");
+    }
+    // KEEL_LOG: error, warn, info, debug or trace.
+    let level = std::env::var("KEEL_LOG")
+        .ok()
+        .and_then(|l| l.parse::<tracing::Level>().ok())
+        .unwrap_or(tracing::Level::INFO);
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_max_level(level)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
