@@ -1,0 +1,91 @@
+//! Init and join racing on one unlocked node: both go through the node
+//! lock, exactly one takes it, and the other changes nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::sync::Arc;
+
+use join_common::{free_port, joiner, node_env, stand_in_components, start_service_with};
+use keel_agent::attestation::credential;
+use keel_agent::attestation::tpm_wire::Public;
+use keel_agent::cluster::ClusterSlot;
+use keel_agent::init::InitServer;
+use keel_agent::join::JoinOutcome;
+use keel_agent::measurement::EventType;
+use keel_proto::init::init_service_server::InitService;
+use keel_proto::init::InitRequest;
+use keel_testkit::mirror::MirrorServer;
+use keel_testkit::swtpm::EkCa;
+use sha2::Digest as _;
+
+const SECRET: &[u8] = b"init secret of the racing node";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_and_join_racing_lock_once() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let _service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+
+    for round in 0..3 {
+        let node = joiner(&ca, &ca, port, &format!("racer-{round}"), "worker");
+        // The init server of the same node (it accepts init: an init secret hash).
+        let mut init_config = node.config.clone();
+        init_config.cluster.init_secret_hash =
+            format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
+        let init = InitServer::new(
+            init_config,
+            node.tpm.clone(),
+            node.lock.clone(),
+            node_env(&node.root, &node.work, Some(&node.disk)),
+            Arc::new(ClusterSlot::new(None)),
+        );
+        let sealed = {
+            let mut m = node.tpm.lock().unwrap();
+            let ek = Public::parse(&m.tpm().endorsement().unwrap().public).unwrap();
+            let ak = Public::parse(&m.tpm().attestation_key().unwrap()).unwrap();
+            credential::seal(&ek, &ak.name, &[7; 32]).unwrap()
+        };
+        let request = InitRequest {
+            master_secret: Some(sealed),
+            master_salt: vec![1; 32],
+            measurement_salt: vec![2; 32],
+            kubernetes_version: "v1.31".into(),
+            init_secret: SECRET.to_vec(),
+            cluster_name: "race".into(),
+            ..InitRequest::default()
+        };
+
+        let join = tokio::spawn(node.client(&ca).run());
+        let init_result = init.init(tonic::Request::new(request)).await;
+        let join_outcome = join.await.unwrap();
+
+        let locks = node
+            .tpm
+            .lock()
+            .unwrap()
+            .events()
+            .iter()
+            .filter(|e| e.event_type == EventType::ClusterId)
+            .count();
+        assert_eq!(
+            locks, 1,
+            "round {round}: the node lock was taken {locks} times"
+        );
+        match (&init_result, &join_outcome) {
+            (Ok(_), JoinOutcome::LostRace) => {}
+            (Err(status), JoinOutcome::Joined { .. }) => {
+                assert_eq!(
+                    status.code(),
+                    tonic::Code::FailedPrecondition,
+                    "round {round}: {status:?}"
+                );
+            }
+            (init, join) => panic!(
+                "round {round}: init {:?} and join {join:?} both or neither won",
+                init.as_ref().err()
+            ),
+        }
+    }
+}
