@@ -11,6 +11,7 @@ pub mod join;
 pub mod join_service;
 pub mod key_service;
 pub mod kubeadm;
+pub mod logging;
 pub mod measured;
 pub mod measurement;
 pub mod node;

@@ -73,16 +73,7 @@ fn main() -> std::process::ExitCode {
     if std::env::var_os("TSS2_LOG").is_none() {
         std::env::set_var("TSS2_LOG", "all+NONE");
     }
-    // KEEL_LOG: error, warn, info, debug or trace.
-    let level = std::env::var("KEEL_LOG")
-        .ok()
-        .and_then(|l| l.parse::<tracing::Level>().ok())
-        .unwrap_or(tracing::Level::INFO);
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+    keel_agent::logging::init(tracing::Level::INFO);
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -51,16 +51,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    // KEEL_LOG: error, warn, info, debug or trace.
-    let level = std::env::var("KEEL_LOG")
-        .ok()
-        .and_then(|l| l.parse::<tracing::Level>().ok())
-        .unwrap_or(tracing::Level::WARN);
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+    keel_agent::logging::init(tracing::Level::WARN);
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -289,19 +289,7 @@ impl Member {
 
 /// A random version-4 UUID.
 pub fn uuid() -> String {
-    let mut b = [0u8; 16];
-    rand::rngs::OsRng.fill_bytes(&mut b);
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h = hex::encode(b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
+    keel_agent::disk::new_uuid()
 }
 
 /// Resident set size of this process in KiB.
