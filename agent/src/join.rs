@@ -785,6 +785,34 @@ impl JoinClient {
         }
     }
 
+    /// Fetches a ticket ([`Self::until_ticket`]) and takes the node lock with
+    /// its cluster ID, fetching again while the lock fails transiently.
+    /// `Err` carries the outcome when the race was lost or the lock broke.
+    async fn locked_ticket<T, F, Fut>(
+        &self,
+        what: &str,
+        mut attempt: F,
+        cluster_id: impl Fn(&T) -> ClusterId,
+    ) -> Result<T, JoinOutcome>
+    where
+        F: FnMut(String) -> Fut,
+        Fut: std::future::Future<Output = Result<T, TicketError>>,
+    {
+        loop {
+            let Some(ticket) = self.until_ticket(what, &mut attempt).await else {
+                return Err(JoinOutcome::LostRace);
+            };
+            match self.lock(cluster_id(&ticket)).await {
+                Locking::Taken => return Ok(ticket),
+                Locking::Lost => return Err(JoinOutcome::LostRace),
+                Locking::Retry(e) => {
+                    tracing::warn!(error = %e, "taking the node lock failed; retrying")
+                }
+                Locking::Broken(e) => return Err(self.fail(CommitError::Lock(e)).await),
+            }
+        }
+    }
+
     /// Takes the lock with `cluster_id`.
     async fn lock(&self, cluster_id: ClusterId) -> Locking {
         let lock = self.lock.clone();
@@ -822,24 +850,13 @@ impl JoinClient {
             node_name: node.name.clone(),
         };
         let (tickets, spki) = (&self.tickets, spki.as_slice());
-        let ticket = loop {
-            let got = self
-                .until_ticket("join", |endpoint| {
-                    let request = request.clone();
-                    async move { tickets.join_ticket(&endpoint, request, spki).await }
-                })
-                .await;
-            let Some(ticket) = got else {
-                return JoinOutcome::LostRace;
-            };
-            match self.lock(ticket.cluster_id).await {
-                Locking::Taken => break ticket,
-                Locking::Lost => return JoinOutcome::LostRace,
-                Locking::Retry(e) => {
-                    tracing::warn!(error = %e, "taking the node lock failed; retrying")
-                }
-                Locking::Broken(e) => return self.fail(CommitError::Lock(e)).await,
-            }
+        let attempt = |endpoint: String| {
+            let request = request.clone();
+            async move { tickets.join_ticket(&endpoint, request, spki).await }
+        };
+        let ticket = match self.locked_ticket("join", attempt, |t| t.cluster_id).await {
+            Ok(ticket) => ticket,
+            Err(outcome) => return outcome,
         };
         tracing::info!(cluster_id = %hex::encode(ticket.cluster_id), "node locked for join");
         match self
@@ -864,45 +881,37 @@ impl JoinClient {
         };
         tracing::info!(disk = %disk.device.display(), uuid = disk_uuid, "state disk initialised: rejoining");
         let tickets = &self.tickets;
-        let ticket = loop {
-            let got = self
-                .until_ticket("rejoin", |endpoint| {
-                    let disk = disk.clone();
-                    async move {
-                        let ticket = tickets.rejoin_ticket(&endpoint, disk_uuid).await?;
-                        // Before the lock: the key must open this very disk.
-                        let key = ticket.disk_key.clone();
-                        let matches = tokio::task::spawn_blocking(move || {
-                            disk.cryptsetup.key_matches(&disk.device, &key)
-                        })
-                        .await
-                        .map_err(|_| TicketError::Tpm)?
-                        .map_err(|e| {
-                            TicketError::Invalid(format!(
-                                "testing the disk key: {}",
-                                keel_atls::ErrorChain(&e)
-                            ))
-                        })?;
-                        if !matches {
-                            return Err(TicketError::Invalid(
-                                "the disk key does not open the state disk".into(),
-                            ));
-                        }
-                        Ok(ticket)
-                    }
+        let attempt = |endpoint: String| {
+            let disk = disk.clone();
+            async move {
+                let ticket = tickets.rejoin_ticket(&endpoint, disk_uuid).await?;
+                // Before the lock: the key must open this very disk.
+                let key = ticket.disk_key.clone();
+                let matches = tokio::task::spawn_blocking(move || {
+                    disk.cryptsetup.key_matches(&disk.device, &key)
                 })
-                .await;
-            let Some(ticket) = got else {
-                return JoinOutcome::LostRace;
-            };
-            match self.lock(ticket.cluster_id).await {
-                Locking::Taken => break ticket,
-                Locking::Lost => return JoinOutcome::LostRace,
-                Locking::Retry(e) => {
-                    tracing::warn!(error = %e, "taking the node lock failed; retrying")
+                .await
+                .map_err(|_| TicketError::Tpm)?
+                .map_err(|e| {
+                    TicketError::Invalid(format!(
+                        "testing the disk key: {}",
+                        keel_atls::ErrorChain(&e)
+                    ))
+                })?;
+                if !matches {
+                    return Err(TicketError::Invalid(
+                        "the disk key does not open the state disk".into(),
+                    ));
                 }
-                Locking::Broken(e) => return self.fail(CommitError::Lock(e)).await,
+                Ok(ticket)
             }
+        };
+        let ticket = match self
+            .locked_ticket("rejoin", attempt, |t| t.cluster_id)
+            .await
+        {
+            Ok(ticket) => ticket,
+            Err(outcome) => return outcome,
         };
         match self.commit_rejoin(&ticket, &disk).await {
             Ok(()) => JoinOutcome::Rejoined {
