@@ -292,7 +292,7 @@ impl Cryptsetup {
         }
         // --force: the device may still be held open by dm-crypt; the node
         // reboots right after this.
-        let out = run_program(
+        run_tool(
             &self.wipefs,
             "wipefs",
             [
@@ -301,12 +301,8 @@ impl Cryptsetup {
                 OsStr::new("--quiet"),
                 device.as_os_str(),
             ],
-            None,
-        )?;
-        if !out.status.success() {
-            return Err(failed_named("wipefs", device, &out));
-        }
-        Ok(())
+            device,
+        )
     }
 
     fn run(
@@ -346,7 +342,7 @@ impl Cryptsetup {
 /// Creates an ext4 file system labelled `keel-state` on `device` (the opened
 /// mapper device of a freshly formatted disk).
 pub fn make_filesystem(mkfs: &Path, device: &Path) -> Result<(), DiskError> {
-    let out = run_program(
+    run_tool(
         mkfs,
         "mkfs.ext4",
         [
@@ -355,12 +351,8 @@ pub fn make_filesystem(mkfs: &Path, device: &Path) -> Result<(), DiskError> {
             OsStr::new("keel-state"),
             device.as_os_str(),
         ],
-        None,
-    )?;
-    if !out.status.success() {
-        return Err(failed_named("mkfs.ext4", device, &out));
-    }
-    Ok(())
+        device,
+    )
 }
 
 /// Mounts the ext4 file system on `device` at `target` (`nosuid,nodev`),
@@ -370,7 +362,7 @@ pub fn mount(device: &Path, target: &Path) -> Result<(), DiskError> {
         path: target.to_owned(),
         source,
     })?;
-    let out = run_program(
+    run_tool(
         Path::new("mount"),
         "mount",
         [
@@ -381,12 +373,27 @@ pub fn mount(device: &Path, target: &Path) -> Result<(), DiskError> {
             device.as_os_str(),
             target.as_os_str(),
         ],
-        None,
-    )?;
-    if !out.status.success() {
-        return Err(failed_named("mount", device, &out));
+        device,
+    )
+}
+
+/// Runs a keyless tool on `device` and requires it to succeed.
+fn run_tool<I, S>(
+    program: &Path,
+    operation: &'static str,
+    args: I,
+    device: &Path,
+) -> Result<(), DiskError>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let out = run_program(program, operation, args, None)?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(failed_named(operation, device, &out))
     }
-    Ok(())
 }
 
 /// Runs `program` with `args`, writing `stdin` (the key) to its standard
