@@ -190,34 +190,25 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
             }
         };
         let attested = match (check, server_outcome) {
-            (None, _) => None,
-            (Some(_), Some(Ok(attested))) => Some(attested),
-            (Some(_), Some(Err(reason))) => return Err(ConnectError::ServerRefused(reason)),
-            (Some(_), None) => return Err(ConnectError::ServerNotChecked),
+            (None, _) => Ok(None),
+            (Some(_), Some(Ok(attested))) => Ok(Some(attested)),
+            (Some(_), Some(Err(reason))) => Err(ConnectError::ServerRefused(reason)),
+            (Some(_), None) => Err(ConnectError::ServerNotChecked),
         };
-
-        if resolver.requested.load(Ordering::SeqCst) {
-            if self.presenter.is_none() {
-                return Err(ConnectError::AttestationRequired);
-            }
-            // Wait for the server's verdict on this client's attestation.
-            let mut verdict = [0u8; 1];
-            match tls.read_exact(&mut verdict).await {
-                Ok(_) if verdict[0] == CLIENT_ACCEPTED => {}
-                Ok(_) => return Err(ConnectError::Confirmation),
-                Err(e) => {
-                    return Err(match rustls_error(&e) {
-                        Some(rustls::Error::AlertReceived(alert)) => {
-                            ConnectError::RefusedByServer(*alert)
-                        }
-                        _ if e.kind() == io::ErrorKind::UnexpectedEof => {
-                            ConnectError::ClosedByServer
-                        }
-                        _ => ConnectError::Tls(e),
-                    })
-                }
-            }
+        let requested = resolver.requested.load(Ordering::SeqCst);
+        if requested && self.presenter.is_none() {
+            return Err(ConnectError::AttestationRequired);
         }
+        // Wait for the server's verdict on this client's attestation, also
+        // when this client refuses the server (deferred refusal): then the
+        // server has judged this client before the connection closes.
+        let verdict = if requested {
+            read_verdict(&mut tls).await
+        } else {
+            Ok(())
+        };
+        let attested = attested?;
+        verdict?;
         Ok(AtlsStream::new(tls.into(), remote_addr, attested))
     }
 
@@ -226,7 +217,10 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
         check: Option<Arc<PeerCheck<C>>>,
         resolver: Arc<ClientResolver>,
     ) -> Result<rustls::ClientConfig, ConnectError> {
-        let verifier = ServerVerifier::new(self.provider.clone(), check);
+        // In mutual mode a refused server still gets this client's
+        // attestation (it is no secret), so both logs name their reasons;
+        // no request is ever sent on such a connection.
+        let verifier = ServerVerifier::new(self.provider.clone(), check, self.presenter.is_some());
         let mut config = rustls::ClientConfig::builder_with_provider(self.provider.clone())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(ConnectError::Config)?
@@ -235,6 +229,20 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
             .with_client_cert_resolver(resolver);
         config.resumption = Resumption::disabled();
         Ok(config)
+    }
+}
+
+/// Reads the server's one-byte verdict on this client's attestation.
+async fn read_verdict<S: tokio::io::AsyncRead + Unpin>(tls: &mut S) -> Result<(), ConnectError> {
+    let mut verdict = [0u8; 1];
+    match tls.read_exact(&mut verdict).await {
+        Ok(_) if verdict[0] == CLIENT_ACCEPTED => Ok(()),
+        Ok(_) => Err(ConnectError::Confirmation),
+        Err(e) => Err(match rustls_error(&e) {
+            Some(rustls::Error::AlertReceived(alert)) => ConnectError::RefusedByServer(*alert),
+            _ if e.kind() == io::ErrorKind::UnexpectedEof => ConnectError::ClosedByServer,
+            _ => ConnectError::Tls(e),
+        }),
     }
 }
 
@@ -419,4 +427,24 @@ pub enum ConnectError {
     /// A bound channel tried to reconnect.
     #[error("the bound channel's aTLS connection is gone; bind a new channel")]
     ChannelConnectionGone,
+}
+
+impl ConnectError {
+    /// Whether the server was not reachable (yet): the connection was
+    /// refused, reset or closed before any attestation was exchanged, or did
+    /// not finish in time. Worth retrying while a node boots; a refused
+    /// attestation never is.
+    pub fn is_unreachable(&self) -> bool {
+        match self {
+            Self::Tcp(_) | Self::Timeout(_) => true,
+            Self::Tls(e) => matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+            ),
+            _ => false,
+        }
+    }
 }

@@ -137,11 +137,24 @@ pub(crate) struct ServerVerifier<C> {
     /// `None`: this client does not validate the server (client-attested
     /// mode); the handshake signature is still checked.
     check: Option<Arc<PeerCheck<C>>>,
+    /// Let the handshake finish when the check fails (the failure stays in
+    /// the check's outcome and the client refuses the connection after the
+    /// handshake): in mutual mode, so that the server also judges this
+    /// client and its log names its own reason.
+    defer_refusal: bool,
 }
 
 impl<C> ServerVerifier<C> {
-    pub(crate) fn new(provider: Arc<CryptoProvider>, check: Option<Arc<PeerCheck<C>>>) -> Self {
-        Self { provider, check }
+    pub(crate) fn new(
+        provider: Arc<CryptoProvider>,
+        check: Option<Arc<PeerCheck<C>>>,
+        defer_refusal: bool,
+    ) -> Self {
+        Self {
+            provider,
+            check,
+            defer_refusal,
+        }
     }
 }
 
@@ -149,6 +162,7 @@ impl<C> fmt::Debug for ServerVerifier<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ServerVerifier")
             .field("validates", &self.check.is_some())
+            .field("defer_refusal", &self.defer_refusal)
             .finish_non_exhaustive()
     }
 }
@@ -163,7 +177,11 @@ impl<C: Send + Sync + 'static> ServerCertVerifier for ServerVerifier<C> {
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
         if let Some(check) = &self.check {
-            check.verify(end_entity, intermediates)?;
+            match check.verify(end_entity, intermediates) {
+                // Recorded in the check's outcome; the client refuses later.
+                Err(_) if self.defer_refusal => {}
+                result => result?,
+            }
         }
         Ok(ServerCertVerified::assertion())
     }
