@@ -10,6 +10,7 @@ use std::sync::Arc;
 use keel_installer::{Component, KubernetesVersion};
 use zeroize::Zeroizing;
 
+use crate::attestation::measurements::Measurements;
 use crate::key_service::{ClusterId, KeyService};
 
 /// A cluster this node is a control-plane member of.
@@ -30,6 +31,9 @@ pub struct ClusterState {
     pub api_server: SocketAddr,
     /// Directory of the cluster PKI (`etc/kubernetes/pki` under the node root).
     pub pki_dir: PathBuf,
+    /// The measurements joining nodes are checked against, as sent by the
+    /// operator's CLI in the init request.
+    pub join_measurements: Measurements,
 }
 
 impl std::fmt::Debug for ClusterState {

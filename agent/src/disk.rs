@@ -19,8 +19,8 @@
 //!   disk and could survive a failed format; the header is the one place
 //!   every boot reads anyway.
 //!
-//! Opening a volume needs device-mapper (VMs only); on a host without a
-//! state disk the caller skips this module.
+//! Opening a volume needs device-mapper (VMs only): a [`StateDisk`] without
+//! a [`StateMount`] (host tests) is formatted and key-checked, never opened.
 
 use std::ffi::{OsStr, OsString};
 use std::io::Write as _;
@@ -336,6 +336,85 @@ impl Cryptsetup {
         } else {
             Err(failed(operation, device, &out))
         }
+    }
+}
+
+/// Name of the opened state disk under `/dev/mapper`.
+pub const STATE_MAPPING: &str = "keel-state";
+
+/// A node's state disk: the block device, the tools, and where the opened
+/// volume is mounted.
+#[derive(Clone, Debug)]
+pub struct StateDisk {
+    /// The block device.
+    pub device: PathBuf,
+    /// The cryptsetup program.
+    pub cryptsetup: Cryptsetup,
+    /// Where the opened volume goes. `None`: the volume is formatted and its
+    /// key checked, but never opened (no device-mapper, as in host tests).
+    pub mount: Option<StateMount>,
+}
+
+/// Where an opened state disk is mounted, and which of its directories are
+/// bind-mounted over the paths Kubernetes expects (the image's root is
+/// read-only; what must persist and stay confidential lives on the disk).
+#[derive(Clone, Debug)]
+pub struct StateMount {
+    /// The mount point (`/run/state` on a node).
+    pub point: PathBuf,
+    /// `(directory on the disk, relative to the mount point; target path)`.
+    pub binds: Vec<(PathBuf, PathBuf)>,
+}
+
+impl StateDisk {
+    /// Sets up a fresh disk: LUKS2 with header UUID `uuid` and `key`, then,
+    /// with a [`StateMount`], opens it, creates the file system and mounts
+    /// it. Destroys whatever the device held. Returns the mount point.
+    pub fn set_up(&self, uuid: &str, key: &[u8]) -> Result<Option<PathBuf>, DiskError> {
+        self.cryptsetup.format_with_uuid(&self.device, uuid, key)?;
+        let Some(at) = &self.mount else {
+            return Ok(None);
+        };
+        let mapped = self.cryptsetup.open(&self.device, STATE_MAPPING, key)?;
+        make_filesystem(Path::new("mkfs.ext4"), &mapped)?;
+        at.mount(&mapped)?;
+        Ok(Some(at.point.clone()))
+    }
+
+    /// Unlocks a disk set up before: with a [`StateMount`], opens it with
+    /// `key` and mounts it; returns the mount point. Without one, nothing
+    /// happens.
+    pub fn unlock(&self, key: &[u8]) -> Result<Option<PathBuf>, DiskError> {
+        let Some(at) = &self.mount else {
+            return Ok(None);
+        };
+        let mapped = self.cryptsetup.open(&self.device, STATE_MAPPING, key)?;
+        at.mount(&mapped)?;
+        Ok(Some(at.point.clone()))
+    }
+}
+
+impl StateMount {
+    /// Mounts `device` at the mount point, then makes the bind mounts
+    /// (creating their directories on the disk).
+    fn mount(&self, device: &Path) -> Result<(), DiskError> {
+        mount(device, &self.point)?;
+        for (inside, target) in &self.binds {
+            let source = self.point.join(inside);
+            for dir in [&source, target] {
+                std::fs::create_dir_all(dir).map_err(|source| DiskError::CreateMountPoint {
+                    path: dir.clone(),
+                    source,
+                })?;
+            }
+            run_tool(
+                Path::new("mount"),
+                "mount --bind",
+                [OsStr::new("--bind"), source.as_os_str(), target.as_os_str()],
+                &source,
+            )?;
+        }
+        Ok(())
     }
 }
 

@@ -11,7 +11,7 @@
 //! carries the failure and the node's logs, the state disk is marked for
 //! reset, and the node reboots after a grace period.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,11 +24,13 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use zeroize::Zeroizing;
 
+use crate::address::AdvertiseAddress;
 use crate::attestation::credential;
+use crate::attestation::measurements::Measurements;
 use crate::cluster::{ClusterSlot, ClusterState};
 use crate::components::install_and_measure;
 use crate::config::NodeConfig;
-use crate::disk::Cryptsetup;
+use crate::disk::StateDisk;
 use crate::key_service::{self, KeyService};
 use crate::kubeadm::{self, BootstrapToken, InitConfig, Kubeadm};
 use crate::measured::SharedTpm;
@@ -91,15 +93,6 @@ pub enum RebootPolicy {
     Never,
 }
 
-/// The node's state disk.
-#[derive(Clone, Debug)]
-pub struct StateDisk {
-    /// The block device.
-    pub device: PathBuf,
-    /// The cryptsetup program.
-    pub cryptsetup: Cryptsetup,
-}
-
 /// Where and how this node does the work after the lock.
 #[derive(Clone, Debug)]
 pub struct NodeEnv {
@@ -109,8 +102,8 @@ pub struct NodeEnv {
     pub kubeadm: Kubeadm,
     /// Where kubeadm configs are written.
     pub work_dir: PathBuf,
-    /// The address the API server advertises.
-    pub advertise_address: IpAddr,
+    /// The address the API server and kubelet advertise.
+    pub advertise_address: AdvertiseAddress,
     /// The state disk, if the node has one.
     pub state_disk: Option<StateDisk>,
     /// After a fatal failure.
@@ -128,6 +121,7 @@ struct Accepted {
     cluster_name: String,
     cert_sans: Vec<String>,
     service_cidr: String,
+    join_measurements: Measurements,
 }
 
 /// The init server.
@@ -204,6 +198,11 @@ impl InitServer {
                 .map_err(|e| InitError::InvalidRequest(format!("component: {e}")))?,
             _ => entry.components().to_vec(),
         };
+        let join_measurements = Measurements::parse(&request.join_measurements)
+            .map_err(|e| InitError::InvalidRequest(format!("join measurements: {e}")))?;
+        if join_measurements.iter().next().is_none() {
+            return Err(invalid("join measurements name no PCR"));
+        }
         let sealed = request
             .master_secret
             .ok_or_else(|| invalid("master secret missing"))?;
@@ -236,6 +235,7 @@ impl InitServer {
             cluster_name,
             cert_sans: request.api_server_cert_sans,
             service_cidr,
+            join_measurements,
         })
     }
 
@@ -253,7 +253,8 @@ impl InitServer {
                 disk.device.display()
             ))
             .await;
-            setup_state_disk(disk, &a.keys).await?;
+            let done = setup_state_disk(disk, &a.keys).await?;
+            log.line(done).await;
         } else {
             log.line("no state disk configured; skipping disk encryption")
                 .await;
@@ -285,9 +286,11 @@ impl InitServer {
         std::fs::create_dir_all(&patches_dir)
             .map_err(|e| format!("creating {}: {e}", patches_dir.display()))?;
         let token = BootstrapToken::generate();
+        let advertise_address = env.advertise_address.resolve();
+        log.line(format!("advertising {advertise_address}")).await;
         let init_config = InitConfig {
             node_name: node.name.clone(),
-            advertise_address: env.advertise_address,
+            advertise_address,
             cluster_name: a.cluster_name.clone(),
             kubernetes_version: a.version,
             cert_sans: a.cert_sans.clone(),
@@ -300,8 +303,8 @@ impl InitServer {
             .to_yaml()
             .map_err(|e| format!("kubeadm config: {e}"))?;
         let config_path = env.work_dir.join("kubeadm-init.yaml");
-        kubeadm::write_config(&config_path, &yaml)
-            .map_err(|e| format!("writing kubeadm config: {e}"))?;
+        crate::files::write_private(&config_path, yaml.as_bytes())
+            .map_err(|e| format!("writing kubeadm config: {}", keel_atls::ErrorChain(&e)))?;
         log.line("running kubeadm init").await;
         let (tx, mut rx) = mpsc::unbounded_channel::<String>();
         let forward = {
@@ -327,8 +330,9 @@ impl InitServer {
             cluster_id: a.cluster_id,
             kubernetes_version: a.version,
             components: a.components.clone(),
-            api_server: SocketAddr::new(env.advertise_address, kubeadm::config::API_SERVER_PORT),
+            api_server: SocketAddr::new(advertise_address, kubeadm::config::API_SERVER_PORT),
             pki_dir: env.kubeadm.root.join("etc/kubernetes/pki"),
+            join_measurements: a.join_measurements.clone(),
         };
         Ok((kubeconfig.to_vec(), state))
     }
@@ -343,19 +347,23 @@ impl InitServer {
     }
 }
 
-async fn setup_state_disk(disk: &StateDisk, keys: &KeyService) -> Result<(), String> {
+/// Formats (and on a node mounts) the state disk; returns the line to log.
+async fn setup_state_disk(disk: &StateDisk, keys: &KeyService) -> Result<String, String> {
     let disk = disk.clone();
     let uuid = crate::disk::new_uuid();
     let key = keys
         .disk_key(&uuid)
         .map_err(|e| format!("deriving the disk key: {e}"))?;
-    tokio::task::spawn_blocking(move || {
-        disk.cryptsetup
-            .format_with_uuid(&disk.device, &uuid, &key)
-            .map_err(|e| format!("formatting the state disk: {e}"))
+    let mounted = tokio::task::spawn_blocking(move || {
+        disk.set_up(&uuid, &key)
+            .map_err(|e| format!("setting up the state disk: {}", keel_atls::ErrorChain(&e)))
     })
     .await
-    .map_err(|e| format!("disk task: {e}"))?
+    .map_err(|e| format!("disk task: {e}"))??;
+    Ok(match mounted {
+        Some(at) => format!("state disk set up (LUKS2), mounted at {}", at.display()),
+        None => "state disk set up (LUKS2); not opened here".to_owned(),
+    })
 }
 
 /// The lines of one init: streamed to the CLI and kept for the failure report.

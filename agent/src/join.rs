@@ -55,12 +55,13 @@ use crate::attestation::validator::{Validator, Verified};
 use crate::components::{install_and_measure, InstallComponentsError};
 use crate::config::{NodeConfig, Role};
 use crate::disk::DiskError;
-use crate::init::{NodeEnv, StateDisk};
+use crate::disk::StateDisk;
+use crate::files::{write_private, WriteFileError};
+use crate::init::NodeEnv;
 use crate::join_service::{spki_hash, CONTROL_PLANE_FILES};
 use crate::key_service::{self, ClusterId, ClusterIdError, DISK_KEY_LEN};
 use crate::kubeadm::{
     self, BootstrapToken, CaCertHash, ConfigError, ControlPlaneJoin, JoinConfig, KubeadmError,
-    WriteConfigError,
 };
 use crate::measured::SharedTpm;
 use crate::measurement::{event_digest, extend, pcr, Digest32, EventType};
@@ -77,9 +78,6 @@ pub const MAX_TICKET_BYTES: usize = 1024 * 1024;
 pub const KUBELET_PKI_DIR: &str = "var/lib/kubelet/pki";
 /// The control-plane PKI directory, relative to the node root.
 pub const CONTROL_PLANE_PKI_DIR: &str = "etc/kubernetes/pki";
-/// The device-mapper name of the opened state disk.
-pub const STATE_MAPPING: &str = "state";
-
 /// Capped exponential backoff with jitter.
 #[derive(Clone, Copy, Debug)]
 pub struct Backoff {
@@ -134,8 +132,6 @@ pub struct JoinSettings {
     pub backoff: Backoff,
     /// Bound of each connection and call.
     pub timeout: Duration,
-    /// Open the state disk on rejoin (needs device-mapper; off on hosts).
-    pub open_state_disk: bool,
     /// How the kubelet starts after a rejoin.
     pub kubelet: KubeletStart,
 }
@@ -149,7 +145,6 @@ impl JoinSettings {
                 .map_err(|_| JoinError::NoEkCa)?,
             backoff: Backoff::default(),
             timeout: Duration::from_secs(30),
-            open_state_disk: true,
             kubelet: KubeletStart::Systemd,
         })
     }
@@ -223,9 +218,12 @@ pub enum CommitError {
     #[error("state disk")]
     Disk(#[source] DiskError),
     /// Writing a file failed.
-    #[error("writing {path}")]
-    WriteFile {
-        /// The file.
+    #[error("writing a file")]
+    WriteFile(#[from] WriteFileError),
+    /// Creating a directory failed.
+    #[error("creating {path:?}")]
+    CreateDir {
+        /// The directory.
         path: PathBuf,
         /// The cause.
         #[source]
@@ -240,9 +238,6 @@ pub enum CommitError {
     /// The kubeadm configuration is invalid.
     #[error("kubeadm join configuration")]
     KubeadmConfig(#[source] ConfigError),
-    /// Writing the kubeadm configuration failed.
-    #[error("writing the kubeadm configuration")]
-    WriteConfig(#[source] WriteConfigError),
     /// kubeadm join failed.
     #[error("kubeadm join")]
     Kubeadm(#[source] KubeadmError),
@@ -932,12 +927,11 @@ impl JoinClient {
         if let Some(disk) = env.state_disk.clone() {
             tracing::info!(disk = %disk.device.display(), "formatting the state disk");
             let (uuid, key) = (disk_uuid.to_owned(), ticket.disk_key.clone());
-            tokio::task::spawn_blocking(move || {
-                disk.cryptsetup.format_with_uuid(&disk.device, &uuid, &key)
-            })
-            .await
-            .map_err(CommitError::Blocking)?
-            .map_err(CommitError::Disk)?;
+            let mounted = tokio::task::spawn_blocking(move || disk.set_up(&uuid, &key))
+                .await
+                .map_err(CommitError::Blocking)?
+                .map_err(CommitError::Disk)?;
+            log_state_disk(mounted.as_deref(), "set up (LUKS2)");
         }
         let root = &env.kubeadm.root;
         let kubelet_dir = root.join(KUBELET_PKI_DIR);
@@ -970,26 +964,27 @@ impl JoinClient {
             .kubeadm
             .root
             .join(kubeadm::DEFAULT_PATCHES_DIR.trim_start_matches('/'));
-        std::fs::create_dir_all(&patches_dir).map_err(|source| CommitError::WriteFile {
+        std::fs::create_dir_all(&patches_dir).map_err(|source| CommitError::CreateDir {
             path: patches_dir.clone(),
             source,
         })?;
+        let advertise_address = env.advertise_address.resolve();
         let join = JoinConfig {
             node_name: self.config.node.name.clone(),
-            node_ip: env.advertise_address,
+            node_ip: advertise_address,
             kubernetes_version: ticket.version,
             api_server_endpoint: ticket.api_server_endpoint.clone(),
             token: ticket.token.clone(),
             ca_cert_hashes: vec![ticket.ca_hash.clone()],
             control_plane: is_control_plane.then_some(ControlPlaneJoin {
-                advertise_address: env.advertise_address,
+                advertise_address,
                 certificate_key: None,
             }),
             patches_dir,
         };
         let yaml = Zeroizing::new(join.to_yaml().map_err(CommitError::KubeadmConfig)?);
         let config_path = env.work_dir.join("kubeadm-join.yaml");
-        kubeadm::write_config(&config_path, &yaml).map_err(CommitError::WriteConfig)?;
+        write_private(&config_path, yaml.as_bytes())?;
         tracing::info!("running kubeadm join");
         let mut on_line = |line: &str| tracing::info!(target: "keel_agent::kubeadm", "{line}");
         env.kubeadm
@@ -1003,20 +998,12 @@ impl JoinClient {
         ticket: &RejoinTicket,
         disk: &StateDisk,
     ) -> Result<(), CommitError> {
-        if self.settings.open_state_disk {
-            let (disk, key) = (disk.clone(), ticket.disk_key.clone());
-            let mapped = tokio::task::spawn_blocking(move || {
-                disk.cryptsetup.open(&disk.device, STATE_MAPPING, &key)
-            })
+        let (disk, key) = (disk.clone(), ticket.disk_key.clone());
+        let mounted = tokio::task::spawn_blocking(move || disk.unlock(&key))
             .await
             .map_err(CommitError::Blocking)?
             .map_err(CommitError::Disk)?;
-            tracing::info!(device = %mapped.display(), "state disk opened");
-        } else {
-            tracing::info!(
-                "opening the state disk is disabled (no device-mapper); key verified only"
-            );
-        }
+        log_state_disk(mounted.as_deref(), "opened (LUKS2)");
         start_kubelet(&self.settings.kubelet).await
     }
 
@@ -1028,6 +1015,14 @@ impl JoinClient {
             tracing::error!("{line}");
         }
         JoinOutcome::Failed { error }
+    }
+}
+
+/// Logs what became of the state disk: `what` and where it is mounted.
+fn log_state_disk(mounted: Option<&Path>, what: &str) {
+    match mounted {
+        Some(at) => tracing::info!(mount_point = %at.display(), "state disk {what}"),
+        None => tracing::info!("state disk {what}; key verified, not opened here"),
     }
 }
 
@@ -1056,44 +1051,6 @@ async fn start_kubelet(how: &KubeletStart) -> Result<(), CommitError> {
     }
 }
 
-/// Writes `data` to `path` atomically with mode 0600 (temporary file in the
-/// same directory, synced, renamed, directory synced); creates the
-/// directory (0700) if needed.
-fn write_private(path: &Path, data: &[u8]) -> Result<(), CommitError> {
-    use std::io::Write as _;
-    use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
-    let fail = |source| CommitError::WriteFile {
-        path: path.to_owned(),
-        source,
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(fail)?;
-    let mut temp_name = std::ffi::OsString::from(".");
-    temp_name.push(path.file_name().unwrap_or_default());
-    temp_name.push(format!(".tmp-{}", std::process::id()));
-    let temp = dir.join(temp_name);
-    let _ = std::fs::remove_file(&temp);
-    let written = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&temp)?;
-        file.write_all(data)?;
-        file.sync_all()?;
-        std::fs::rename(&temp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&temp);
-    }
-    written.map_err(fail)
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -1120,21 +1077,5 @@ mod tests {
         let a = crate::disk::new_uuid();
         assert!(key_service::disk_key_id(&a).is_ok());
         assert_ne!(a, crate::disk::new_uuid());
-    }
-
-    #[test]
-    fn private_files_are_0600_and_replace_atomically() {
-        use std::os::unix::fs::PermissionsExt as _;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("a/b/key.pem");
-        write_private(&path, b"one").unwrap();
-        write_private(&path, b"two").unwrap();
-        assert_eq!(std::fs::read(&path).unwrap(), b"two");
-        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
-        assert_eq!(
-            std::fs::read_dir(path.parent().unwrap()).unwrap().count(),
-            1
-        );
     }
 }

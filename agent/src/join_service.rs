@@ -435,7 +435,7 @@ impl JoinService {
             .work_dir
             .join("join-tokens")
             .join(format!("token-{}.yaml", token.id()));
-        kubeadm::write_config(&path, &yaml)
+        crate::files::write_private(&path, yaml.as_bytes())
             .map_err(|e| fail(keel_atls::ErrorChain(&e).to_string()))?;
         let result = self.run_token_create(&path).await;
         let _ = tokio::fs::remove_file(&path).await;

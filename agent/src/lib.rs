@@ -1,11 +1,13 @@
 //! The keel node agent: measures its config, serves init, runs join, and
 //! binds the node's secrets to what it booted.
 
+pub mod address;
 pub mod attestation;
 pub mod cluster;
 pub mod components;
 pub mod config;
 pub mod disk;
+pub mod files;
 pub mod init;
 pub mod join;
 pub mod join_service;

@@ -53,13 +53,11 @@ enum Command {
         /// Measure and report readiness, then exit (for checks and tests).
         #[arg(long)]
         once: bool,
-        /// Measurements file the join service checks joining nodes against.
-        #[arg(
-            long,
-            env = "KEEL_MEASUREMENTS",
-            default_value = "/usr/lib/keel/measurements.json"
-        )]
-        measurements: PathBuf,
+        /// Where the join service keeps the measurements it checks joining
+        /// nodes against (written from the init request, re-read every 10 s;
+        /// default: `join-measurements.json` in the state directory).
+        #[arg(long, env = "KEEL_MEASUREMENTS")]
+        measurements: Option<PathBuf>,
     },
     /// Print the SHA-256 PCR values 0-23.
     Pcrs,
@@ -149,6 +147,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
+            let measurements =
+                measurements.unwrap_or_else(|| cli.state_dir.join("join-measurements.json"));
             runtime.block_on(serve(config, tpm, lock, cli.state_dir, measurements))
         }
     }

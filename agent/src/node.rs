@@ -3,7 +3,7 @@
 //! creates a cluster; on a control-plane node that created the cluster,
 //! serve the join service over mutual aTLS.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,13 +12,14 @@ use keel_atls::AtlsServer;
 use keel_installer::{InstallerConfig, Mirror};
 use tonic::transport::Server;
 
+use crate::address::AdvertiseAddress;
 use crate::attestation::ek::EkTrust;
 use crate::attestation::issuer::TpmIssuer;
 use crate::attestation::policy::ReloadableValidator;
 use crate::cluster::ClusterSlot;
 use crate::config::NodeConfig;
-use crate::disk::Cryptsetup;
-use crate::init::{InitServer, NodeEnv, RebootPolicy, StateDisk};
+use crate::disk::{Cryptsetup, StateDisk, StateMount};
+use crate::init::{InitServer, NodeEnv, RebootPolicy};
 use crate::join::{JoinClient, JoinOutcome, JoinSettings};
 use crate::join_service::JoinService;
 use crate::kubeadm::Kubeadm;
@@ -26,20 +27,24 @@ use crate::measured::SharedTpm;
 use crate::measurement::pcr;
 use crate::nodelock::NodeLock;
 
-/// Where components install their binaries on a node (see the versions table).
+/// Where the opened state disk is mounted on a node.
+pub const STATE_MOUNT: &str = "/run/state";
+/// Directories of the state disk bind-mounted over the paths Kubernetes
+/// uses, which the read-only image provides as empty mount points.
+pub const STATE_BINDS: [(&str, &str); 4] = [
+    ("kubernetes", "/etc/kubernetes"),
+    ("kubelet", "/var/lib/kubelet"),
+    ("cni", "/opt/cni"),
+    ("opt-kubernetes", "/opt/kubernetes"),
+];
+/// Where components install their binaries on a node (see the versions
+/// table): on the state disk.
 pub const BIN_DIR: &str = "/run/state/bin";
 
-/// The address this node reaches others from: the source address the kernel
-/// picks for a route to `toward` (a UDP connect sends nothing).
-pub fn local_address(toward: IpAddr) -> IpAddr {
-    UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
-        .and_then(|s| s.connect((toward, 9)).and_then(|()| s.local_addr()))
-        .map(|a| a.ip())
-        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
-}
-
 /// The environment of a real node: installs under `/`, kubeadm from
-/// [`BIN_DIR`], the configured state disk, reboot after 60 s on failure.
+/// [`BIN_DIR`], the configured state disk mounted at [`STATE_MOUNT`], the
+/// address of the route toward the first control-plane endpoint, reboot
+/// after 60 s on failure.
 pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeEnv> {
     let mut installer = InstallerConfig::default();
     if let Some(m) = &config.cluster.component_mirror {
@@ -56,10 +61,17 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
         installer,
         kubeadm: Kubeadm::new(std::path::Path::new(BIN_DIR)),
         work_dir: state_dir,
-        advertise_address: local_address(toward),
+        advertise_address: AdvertiseAddress::Toward(toward),
         state_disk: config.node.state_disk.as_ref().map(|d| StateDisk {
             device: d.into(),
             cryptsetup: Cryptsetup::default(),
+            mount: Some(StateMount {
+                point: STATE_MOUNT.into(),
+                binds: STATE_BINDS
+                    .iter()
+                    .map(|(inside, target)| (inside.into(), target.into()))
+                    .collect(),
+            }),
         }),
         reboot: RebootPolicy::After(Duration::from_secs(60)),
     })
@@ -125,8 +137,9 @@ pub async fn serve_join(
 }
 
 /// On a control-plane node: waits until this node created the cluster,
-/// then serves the join service on the configured port, re-reading the
-/// measurements file every 10 s.
+/// writes the measurements the init request carried to `measurements`,
+/// then serves the join service on the configured port, re-reading that
+/// file every 10 s (an operator may replace it to roll out a new image).
 pub async fn serve_join_after_init(
     config: NodeConfig,
     tpm: SharedTpm,
@@ -141,6 +154,8 @@ pub async fn serve_join_after_init(
         }
         slot.changed().await?;
     };
+    crate::files::write_private(&measurements, state.join_measurements.to_json().as_bytes())?;
+    tracing::info!(path = %measurements.display(), "join measurements from init written");
     let policy = join_service_policy(&config, &measurements)?;
     let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
     let service = JoinService::new(state, env.kubeadm.clone(), env.work_dir.clone())?;

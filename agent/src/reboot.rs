@@ -2,7 +2,8 @@
 //! disk is marked for reset and the node reboots, which zeroes the PCRs, so
 //! it can be tried again from a clean state.
 
-use crate::init::{RebootPolicy, StateDisk};
+use crate::disk::StateDisk;
+use crate::init::RebootPolicy;
 
 /// Marks the state disk (if any) for reset and schedules the reboot the
 /// policy asks for. Returns what happened, one line each, for the report.

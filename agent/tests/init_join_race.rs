@@ -54,6 +54,7 @@ async fn init_and_join_racing_lock_once() {
             kubernetes_version: "v1.31".into(),
             init_secret: SECRET.to_vec(),
             cluster_name: "race".into(),
+            join_measurements: br#"{"4": {"expected": "00000000000000000000000000000000000000000000000000000000000000aa", "warnOnly": false}}"#.to_vec(),
             ..InitRequest::default()
         };
 

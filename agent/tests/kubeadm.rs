@@ -5,14 +5,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::IpAddr;
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use base64::Engine as _;
+use keel_agent::files::write_private;
 use keel_agent::kubeadm::{
-    write_config, BootstrapToken, CaCertHash, ConfigError, ControlPlaneJoin, InitConfig,
-    JoinConfig, Kubeadm, KubeadmError, ParseSecretError,
+    BootstrapToken, CaCertHash, ConfigError, ControlPlaneJoin, InitConfig, JoinConfig, Kubeadm,
+    KubeadmError, ParseSecretError,
 };
 use keel_installer::{Component, Installer, InstallerConfig, KubernetesVersion, NoProgress};
 use keel_testkit::components::{stand_in_set_with, KubeExecutables};
@@ -219,25 +219,6 @@ fn bad_inputs_are_refused_before_any_file_is_written() {
     assert!(!format!("{generated:?}").contains(&generated.expose()[7..]));
 }
 
-#[test]
-fn config_files_are_written_atomically_and_private() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("keel/kubeadm-init.yaml");
-    write_config(&path, "first\n").unwrap();
-    write_config(&path, "second\n").unwrap();
-    assert_eq!(std::fs::read_to_string(&path).unwrap(), "second\n");
-    assert_eq!(
-        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
-        0o600
-    );
-    let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert_eq!(names, ["kubeadm-init.yaml"], "no temporary file left");
-    assert!(write_config(&dir.path().join("keel/kubeadm-init.yaml/x"), "x").is_err());
-}
-
 /// A node root with the stand-in installed as kubeadm from the mirror.
 struct Node {
     _mirror: MirrorServer,
@@ -288,7 +269,7 @@ impl Node {
 
     fn write(&self, name: &str, yaml: &str) -> PathBuf {
         let path = self.root().join("etc/kubernetes/keel").join(name);
-        write_config(&path, yaml).unwrap();
+        write_private(&path, yaml.as_bytes()).unwrap();
         path
     }
 }

@@ -4,9 +4,11 @@ use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use keel_agent::attestation::credential;
+use keel_agent::attestation::validator::Verified;
 use keel_atls::AtlsClient;
 use keel_proto::components::{Component, Components};
 use keel_proto::init::init_response::Kind;
@@ -83,11 +85,40 @@ fn random32() -> Zeroizing<Vec<u8>> {
     v
 }
 
+/// Binds an attested channel to the node, retrying for up to `wait` while
+/// the node is unreachable (still booting); any other failure ends at once.
+async fn connect(
+    client: &AtlsClient<Verified>,
+    endpoint: Endpoint,
+    wait: Duration,
+) -> anyhow::Result<keel_atls::BoundChannel<Verified>> {
+    let deadline = Instant::now() + wait;
+    let mut pause = Duration::from_secs(1);
+    loop {
+        match client.bind_channel(endpoint.clone()).await {
+            Ok(bound) => return Ok(bound),
+            Err(e) if e.is_unreachable() && Instant::now() + pause < deadline => {
+                eprintln!(
+                    "the node is not reachable yet ({}); retrying in {} s",
+                    keel_atls::ErrorChain(&e),
+                    pause.as_secs()
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(10));
+            }
+            Err(e) => return Err(anyhow::anyhow!("{}", keel_atls::ErrorChain(&e))).context(
+                "the node's attestation was not accepted or it was not reachable; nothing was sent",
+            ),
+        }
+    }
+}
+
 /// Runs `keel init`.
 pub async fn run(
     settings_path: &Path,
     workspace: &Path,
     skip_helm_wait: bool,
+    wait: Duration,
 ) -> anyhow::Result<()> {
     let settings = Settings::load(settings_path)?;
     let validator = settings.validator()?;
@@ -130,11 +161,7 @@ pub async fn run(
     let client = AtlsClient::server_attested(Arc::new(validator));
     let endpoint =
         Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
-    let bound = client
-        .bind_channel(endpoint)
-        .await
-        .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
-        .context("the node's attestation was not accepted; nothing was sent")?;
+    let bound = connect(&client, endpoint, wait).await?;
     let attested = bound
         .attested
         .context("the node presented no attestation")?;
@@ -161,6 +188,8 @@ pub async fn run(
         api_server_cert_sans: settings.api_server_cert_sans.clone(),
         service_cidr: settings.service_cidr.clone(),
         component_mirror: settings.component_mirror.clone().unwrap_or_default(),
+        // The node's join service admits nodes that match what this node matched.
+        join_measurements: settings.measurements()?.to_json().into_bytes(),
     };
     let mut stream = InitServiceClient::new(bound.channel)
         .init(request)

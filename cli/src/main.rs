@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
@@ -38,6 +39,10 @@ enum Command {
         /// compatibility; keel installs no Helm charts yet).
         #[arg(long)]
         skip_helm_wait: bool,
+        /// Seconds to keep trying while the node is not reachable yet (it
+        /// may still be booting). A refused attestation is never retried.
+        #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+        wait: u64,
     },
     /// Verify a node's attestation against the measurements and print what it attests.
     Verify {
@@ -69,7 +74,16 @@ fn main() -> ExitCode {
                 settings,
                 workspace,
                 skip_helm_wait,
-            } => init::run(&settings, &workspace, skip_helm_wait).await,
+                wait,
+            } => {
+                init::run(
+                    &settings,
+                    &workspace,
+                    skip_helm_wait,
+                    Duration::from_secs(wait),
+                )
+                .await
+            }
             Command::Verify { settings, endpoint } => verify::run(&settings, endpoint).await,
         }
     });

@@ -84,11 +84,16 @@ impl Settings {
         self.dir.join(p)
     }
 
+    /// The expected measurements of the node.
+    pub fn measurements(&self) -> anyhow::Result<Measurements> {
+        let m = self.resolve(&self.measurements);
+        Measurements::parse(&read_bounded(&m)?)
+            .with_context(|| format!("measurements {} are invalid", m.display()))
+    }
+
     /// The validator for the node: the measurements and the EK CAs.
     pub fn validator(&self) -> anyhow::Result<Validator> {
-        let m = self.resolve(&self.measurements);
-        let measurements = Measurements::parse(&read_bounded(&m)?)
-            .with_context(|| format!("measurements {} are invalid", m.display()))?;
+        let measurements = self.measurements()?;
         let ca = self.resolve(&self.ek_ca);
         let trust = EkTrust::from_pem(&read_bounded(&ca)?)
             .with_context(|| format!("EK CA bundle {} holds no certificate", ca.display()))?;

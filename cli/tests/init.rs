@@ -8,6 +8,7 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use keel_agent::address::AdvertiseAddress;
 use keel_agent::attestation::measurements::Measurements;
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::config::NodeConfig;
@@ -26,6 +27,7 @@ const SECRET: &[u8] = b"correct horse battery staple init secret";
 
 struct Node {
     tpm: SharedTpm,
+    cluster: Arc<ClusterSlot>,
     addr: SocketAddr,
     dir: tempfile::TempDir,
     config: NodeConfig,
@@ -99,7 +101,7 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
         installer: InstallerConfig::default(),
         kubeadm,
         work_dir: dir.path().to_owned(),
-        advertise_address: "127.0.0.1".parse().unwrap(),
+        advertise_address: AdvertiseAddress::Fixed("127.0.0.1".parse().unwrap()),
         state_disk: None,
         reboot: RebootPolicy::Never,
     };
@@ -108,7 +110,7 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
     drop(listener);
     let cluster = Arc::new(ClusterSlot::new(None));
     let task = tokio::spawn({
-        let (config, tpm) = (config.clone(), tpm.clone());
+        let (config, tpm, cluster) = (config.clone(), tpm.clone(), cluster.clone());
         async move {
             let _ = keel_agent::node::serve_init(addr, config, tpm, lock, env, cluster).await;
         }
@@ -121,6 +123,7 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
     }
     Node {
         tpm,
+        cluster,
         addr,
         dir,
         config,
@@ -231,6 +234,16 @@ async fn init_creates_the_cluster_and_locks_the_node() {
     );
     assert_eq!(n.pcr15(), expected);
 
+    // The node's join service will admit what the CLI admitted.
+    let sent = Measurements::parse(&std::fs::read(n.dir.path().join("measurements.json")).unwrap())
+        .unwrap();
+    let state = n
+        .cluster
+        .borrow()
+        .clone()
+        .expect("the node holds the cluster");
+    assert_eq!(state.join_measurements, sent);
+
     // A second init is refused with FailedPrecondition.
     let ws2 = tempfile::tempdir().unwrap();
     let out = keel_init(&n.settings(&ca, SECRET, None), ws2.path()).await;
@@ -298,6 +311,36 @@ async fn wrong_init_secret_is_refused_and_the_node_stays_unlocked() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_node_is_retried_until_the_wait_ends() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let settings = n.settings(&ca, SECRET, None);
+    // A port nobody listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_addr = closed.local_addr().unwrap();
+    drop(closed);
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&settings).unwrap()).unwrap();
+    json["endpoint"] = closed_addr.to_string().into();
+    std::fs::write(&settings, json.to_string()).unwrap();
+    let ws = tempfile::tempdir().unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["init", "--skip-helm-wait", "--wait", "3", "--settings"])
+        .arg(&settings)
+        .arg("--workspace")
+        .arg(ws.path())
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let t = text(&out);
+    let retries = t.matches("not reachable yet").count();
+    assert!(retries >= 1, "{t}");
+    assert!(t.contains("nothing was sent"), "{t}");
+    assert_eq!(n.pcr15(), [0; 32]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatching_measurements_stop_the_cli_before_it_sends_anything() {
     let ca = EkCa::new().unwrap();
     let n = node(&ca, &[]).await;
@@ -308,6 +351,10 @@ async fn mismatching_measurements_stop_the_cli_before_it_sends_anything() {
     assert!(
         t.contains("nothing was sent") && t.contains("PCR 12"),
         "{t}"
+    );
+    assert!(
+        !t.contains("not reachable yet"),
+        "a refusal is not retried: {t}"
     );
     assert_eq!(n.pcr15(), [0; 32]);
     assert!(!ws.path().join("keel-admin.conf").exists());

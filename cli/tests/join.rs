@@ -5,8 +5,8 @@
 //! stand-in); every connection is real aTLS on loopback.
 //!
 //! The rejoin checks the disk key with `cryptsetup open --test-passphrase`;
-//! opening the disk needs device-mapper, which the host lacks, so that
-//! step is switched off here (`JoinSettings::open_state_disk`).
+//! opening the disk needs device-mapper, which the host lacks, so these
+//! state disks have no mount (`StateDisk::mount`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "../../agent/tests/join_common/mod.rs"]

@@ -14,13 +14,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use keel_agent::address::AdvertiseAddress;
 use keel_agent::attestation::ek::EkTrust;
 use keel_agent::attestation::measurements::Measurements;
 use keel_agent::attestation::policy::ReloadableValidator;
 use keel_agent::cluster::ClusterState;
 use keel_agent::config::NodeConfig;
 use keel_agent::disk::Cryptsetup;
-use keel_agent::init::{NodeEnv, RebootPolicy, StateDisk};
+use keel_agent::disk::StateDisk;
+use keel_agent::init::{NodeEnv, RebootPolicy};
 use keel_agent::join::{service_validator, TicketClient};
 use keel_agent::join::{Backoff, JoinClient, JoinSettings, KubeletStart};
 use keel_agent::join_service::JoinService;
@@ -208,6 +210,7 @@ pub async fn start_service_with(
         components: components.unwrap_or_else(|| entry.components().to_vec()),
         api_server: "127.0.0.1:6443".parse().unwrap(),
         pki_dir: pki,
+        join_measurements: zero_boot_measurements(),
     });
 
     let measurements = dir.path().join("measurements.json");
@@ -340,10 +343,12 @@ pub fn node_env(root: &Path, work: &Path, disk: Option<&Path>) -> NodeEnv {
         installer,
         kubeadm,
         work_dir: work.to_owned(),
-        advertise_address: "127.0.0.1".parse().unwrap(),
+        advertise_address: AdvertiseAddress::Fixed("127.0.0.1".parse().unwrap()),
+        // No device-mapper here: the disk is formatted and its key checked.
         state_disk: disk.map(|d| StateDisk {
             device: d.to_owned(),
             cryptsetup: Cryptsetup::default(),
+            mount: None,
         }),
         reboot: RebootPolicy::Never,
     }
@@ -405,7 +410,7 @@ fn with_tpm(config: NodeConfig, swtpm: Swtpm, dir: tempfile::TempDir, disk: Path
 }
 
 impl Joiner {
-    /// The join client, with short pauses and no device-mapper.
+    /// The join client, with short pauses.
     pub fn client(&self, ca: &EkCa) -> JoinClient {
         let mut settings = JoinSettings::from_config(&self.config).unwrap();
         settings.ek_trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
@@ -414,7 +419,6 @@ impl Joiner {
             max: Duration::from_millis(500),
         };
         settings.timeout = Duration::from_secs(20);
-        settings.open_state_disk = false;
         settings.kubelet = KubeletStart::Program(self.root.join("run/state/bin/kubelet"));
         JoinClient::new(
             self.config.clone(),

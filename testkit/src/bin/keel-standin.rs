@@ -27,7 +27,9 @@
 //!   ID only;
 //! * `version`.
 //!
-//! As `kubelet` or `kubectl` it prints a version line and exits 0.
+//! As `kubelet` with `--config` (as its systemd unit starts it) it says
+//! what it is and waits until stopped, as a service does; otherwise, and as
+//! `kubectl`, it prints a version line and exits 0.
 //!
 //! Environment: `KEEL_STANDIN_ROOT` (default `/`) is where `etc/kubernetes`
 //! lives; `KEEL_STANDIN_FAIL` makes `init`/`join` fail: `always`, or a
@@ -66,6 +68,17 @@ fn fail<T>(message: impl Into<String>) -> Result<T> {
     Err(Failure(message.into()))
 }
 
+/// The kubelet's service mode: runs no pods, just stays up until stopped.
+fn kubelet_service() -> Result<()> {
+    println!(
+        "kubelet {} (keel stand-in): service started; it runs no pods",
+        version_claim()
+    );
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let invoked = args
@@ -84,6 +97,7 @@ fn main() -> ExitCode {
     };
     let result = match role.as_str() {
         "kubeadm" => kubeadm(rest),
+        "kubelet" if rest.iter().any(|a| a.starts_with("--config")) => kubelet_service(),
         "kubelet" | "kubectl" => {
             println!("{role} {} (keel stand-in)", version_claim());
             Ok(())

@@ -1,0 +1,93 @@
+//! Writing the node's private files: kubeadm configurations (they carry the
+//! bootstrap token), keys and certificates, the join measurements.
+
+use std::fs::{self, OpenOptions};
+use std::io::Write as _;
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::path::{Path, PathBuf};
+
+/// Writing a file failed.
+#[derive(Debug, thiserror::Error)]
+#[error("writing {path:?}")]
+pub struct WriteFileError {
+    /// The file.
+    pub path: PathBuf,
+    /// The cause.
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Writes `data` to `path` atomically with mode 0600: a temporary file in
+/// the same directory (created 0600, written, synced), renamed over `path`,
+/// then the directory synced. Creates the directory (0700) if needed. A
+/// reader sees the old content or the new, never a part.
+pub fn write_private(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
+    let fail = |source| WriteFileError {
+        path: path.to_owned(),
+        source,
+    };
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(fail)?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| fail(std::io::Error::other("no file name")))?;
+    let mut temp_name = std::ffi::OsString::from(".");
+    temp_name.push(name);
+    temp_name.push(format!(".tmp-{}", std::process::id()));
+    let temp = dir.join(temp_name);
+    let _ = fs::remove_file(&temp);
+    let written = (|| {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&temp)?;
+        file.write_all(data)?;
+        file.sync_all()?;
+        fs::rename(&temp, path)?;
+        fs::File::open(dir)?.sync_all()
+    })();
+    if written.is_err() {
+        let _ = fs::remove_file(&temp);
+    }
+    written.map_err(fail)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
+
+    #[test]
+    fn files_are_0600_and_replaced_atomically() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/b/key.pem");
+        write_private(&path, b"one").unwrap();
+        write_private(&path, b"two").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"two");
+        let mode = fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let names: Vec<_> = fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["key.pem"], "no temporary file left");
+    }
+
+    #[test]
+    fn a_file_where_a_directory_must_be_fails_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        write_private(&path, b"x").unwrap();
+        let err = write_private(&path.join("y"), b"x").unwrap_err();
+        assert_eq!(err.path, path.join("y"));
+    }
+}
