@@ -1,0 +1,79 @@
+//! An init request without usable join measurements is refused before the
+//! node lock: the node's join service could not admit anyone by it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::sync::Arc;
+
+use join_common::{free_port, joiner, node_env};
+use keel_agent::attestation::credential;
+use keel_agent::attestation::tpm_wire::Public;
+use keel_agent::cluster::ClusterSlot;
+use keel_agent::init::InitServer;
+use keel_agent::measurement::pcr;
+use keel_proto::init::init_service_server::InitService;
+use keel_proto::init::InitRequest;
+use keel_testkit::swtpm::EkCa;
+use sha2::Digest as _;
+
+const SECRET: &[u8] = b"init secret of the checked node";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_empty_or_malformed_join_measurements_are_refused_before_the_lock() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "checked-0", "control-plane");
+    let mut config = node.config.clone();
+    config.cluster.init_secret_hash =
+        format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
+    let init = InitServer::new(
+        config,
+        node.tpm.clone(),
+        node.lock.clone(),
+        node_env(&node.root, &node.work, None),
+        Arc::new(ClusterSlot::new(None)),
+    );
+    let sealed = {
+        let mut m = node.tpm.lock().unwrap();
+        let ek = Public::parse(&m.tpm().endorsement().unwrap().public).unwrap();
+        let ak = Public::parse(&m.tpm().attestation_key().unwrap()).unwrap();
+        credential::seal(&ek, &ak.name, &[7; 32]).unwrap()
+    };
+    for (case, measurements, expected) in [
+        ("missing", Vec::new(), "join measurements"),
+        ("empty", b"{}".to_vec(), "name no PCR"),
+        (
+            "malformed",
+            br#"{"4": "not hex"}"#.to_vec(),
+            "join measurements",
+        ),
+        ("too large", vec![b' '; 65 * 1024], "join measurements"),
+    ] {
+        let request = InitRequest {
+            master_secret: Some(sealed.clone()),
+            master_salt: vec![1; 32],
+            measurement_salt: vec![2; 32],
+            kubernetes_version: "v1.31".into(),
+            init_secret: SECRET.to_vec(),
+            cluster_name: "checked".into(),
+            join_measurements: measurements,
+            ..InitRequest::default()
+        };
+        let status = init
+            .init(tonic::Request::new(request))
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{case}: accepted"));
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{case}");
+        assert!(status.message().contains(expected), "{case}: {status:?}");
+        assert!(!node.lock.is_locked(), "{case}: the node got locked");
+        let pcr15 = node
+            .tpm
+            .lock()
+            .unwrap()
+            .tpm()
+            .pcr_read(&[pcr::CLUSTER_ID])
+            .unwrap()[&pcr::CLUSTER_ID];
+        assert_eq!(pcr15, [0; 32], "{case}");
+    }
+}
