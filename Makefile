@@ -16,10 +16,10 @@ help: ## List targets
 deps: ## Install every host package the build, tests and image need (idempotent)
 	@scripts/deps.sh
 
-tss: deps ## Build the static libcrypto + tpm2-tss for musl (cached in target/musl-sysroot)
+tss: deps ## Build the static Mbed TLS + tpm2-tss for musl (cached in target/musl-sysroot)
 	@scripts/build-tss.sh
 
-agent: tss ## Build the static agent binary and report its path and size
+agent: tss ## Build the static agent binary; report its path and size, fail above 8 MiB
 	$(CARGO) build --release --locked -p keel-agent --bin keel-agent
 	@scripts/check-static.sh $(AGENT)
 
@@ -46,8 +46,8 @@ measurements: tss ## Predict PCRs 4, 9, 11 of the built image into build/image/m
 vm-check: image ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time to ready
 	@scripts/vm-boot.sh -n 3
 
-demo: ## Local cluster on QEMU + swtpm (control plane + worker); not yet working end to end
+demo: ## Local cluster on QEMU + swtpm: build, boot a control plane and a worker, init, join, summary
 	@scripts/mini-up.sh
 
-e2e: ## The local cluster plus the end-to-end scenarios; not yet working end to end
+e2e: ## The local cluster, then the end-to-end scenarios (refusals, second init, rejoin, disk)
 	@scripts/mini-up.sh --e2e

@@ -8,6 +8,8 @@
 #        KEEL_EXTRA_TREE    directory copied over the image root (experiments only)
 #        SOURCE_DATE_EPOCH  timestamp for every file (default: the commit time)
 #        KEEL_PACKAGE_CACHE package cache (default /var/cache/mkosi)
+#        KEEL_IMAGE_FORCE=1 rebuild even if the output was built from the
+#                           same inputs (agent, mkosi/, image scripts, epoch)
 set -euo pipefail
 source "$(dirname "$0")/image-lib.sh"
 
@@ -16,12 +18,29 @@ work=$KEEL_MKOSI_WORK
 mkdir -p "$work"
 
 ensure_agent
+epoch=$(source_date_epoch)
+# Everything the image is built from; an output built from the same inputs
+# is kept (KEEL_IMAGE_FORCE=1 rebuilds anyway).
+inputs=$(
+  {
+    echo "epoch $epoch"
+    sha256sum "$KEEL_AGENT_BIN"
+    (cd "$KEEL_ROOT" && find mkosi scripts/image-*.sh -type f -print0 | sort -z | xargs -0 sha256sum)
+    (cd "$KEEL_ROOT" && find mkosi -type l -printf '%p -> %l\n' | sort)
+    [ -z "${KEEL_EXTRA_TREE:-}" ] || (cd "$KEEL_EXTRA_TREE" && find . -type f -print0 | sort -z | xargs -0 sha256sum)
+  } | sha256sum | cut -d' ' -f1
+)
+if [ "${KEEL_IMAGE_FORCE:-0}" != 1 ] && [ -f "$out/keel.raw" ] && [ -f "$out/keel.efi" ] &&
+  [ "$(cat "$out/.inputs" 2>/dev/null)" = "$inputs" ]; then
+  log "image in $out is up to date (inputs $(cut -c1-12 <<<"$inputs"))"
+  report_artifacts "$out"
+  exit 0
+fi
 generate_sources
 ensure_tools_tree
 ensure_stub_package
 stage_agent "$work/agent-tree"
 
-epoch=$(source_date_epoch)
 SOURCE_DATE_EPOCH=$epoch "$KEEL_ROOT/scripts/image-initrd.sh" "$work/initrd.cpio.zst"
 rm -rf "$out"
 mkdir -p "$out" "$work/workspace"
@@ -39,5 +58,6 @@ mkosi \
   --source-date-epoch "$epoch" \
   --force \
   build >"$out.log" 2>&1 || { tail -40 "$out.log" >&2; die "mkosi failed (full log: $out.log)"; }
+echo "$inputs" >"$out/.inputs"
 log "image built in $(( $(date +%s) - start )) s (log: $out.log)"
 report_artifacts "$out"

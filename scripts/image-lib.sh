@@ -89,10 +89,13 @@ ensure_agent() {
 }
 
 # Assembles the tree mkosi overlays onto the image root: the agent, the
-# stub and, for experiments, KEEL_EXTRA_TREE.
+# stub, the empty mount points the agent bind-mounts state-disk directories
+# over (git keeps no empty directories) and, for experiments,
+# KEEL_EXTRA_TREE.
 stage_agent() { # $1 = tree directory
   rm -rf "$1"
   install -D -m 0755 "$KEEL_AGENT_BIN" "$1/usr/bin/keel-agent"
+  install -d -m 0755 "$1/etc/kubernetes" "$1/opt/cni" "$1/opt/kubernetes"
   install -D -m 0644 "$KEEL_MKOSI_WORK/packages/unpacked/usr/lib/systemd/boot/efi/linuxx64.efi.stub" \
     "$1/usr/lib/systemd/boot/efi/linuxx64.efi.stub"
   if [ -n "${KEEL_EXTRA_TREE:-}" ]; then

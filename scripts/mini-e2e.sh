@@ -75,7 +75,7 @@ refused() { # $1 = scenario, $2 = node, $3 = PCR pattern
       if grep -qE 'joined the cluster' "$MINI/$2/serial.log"; then
         fail "$1" "the node joined"
       else
-        pass "$1 [$(since "$t") s]: $(head -1 <<<"$lines" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-200)"
+        pass "$1 [$(since "$t") s]: the join service logged \"aTLS handshake refused ... $(head -1 <<<"$lines" | grep -oE 'PCR [0-9]+: expected [0-9a-f]{12}' | head -1)...\""
       fi
       return
     fi
@@ -101,8 +101,10 @@ sleep 2
 mv "$MINI/worker/serial.log" "$MINI/worker/serial.boot1.log"
 start_vm worker "hostfwd=tcp:127.0.0.1:$worker_init-:$GUEST_INIT_PORT"
 if wait_line worker 'rejoined the cluster' "$patience"; then
-  if grep -qE 'state disk opened' "$MINI/worker/serial.log"; then
-    pass "worker rebooted and rejoined, state disk unlocked [$(since "$t") s]"
+  if ! grep -qE "rejoined the cluster cluster_id=$cluster_id" "$MINI/worker/serial.log"; then
+    fail "worker rejoin" "rejoined another cluster than $cluster_id"
+  elif grep -qE 'state disk opened \(LUKS2\) mount_point=/run/state' "$MINI/worker/serial.log"; then
+    pass "worker rebooted and rejoined cluster ${cluster_id:0:12}..., state disk opened and mounted [$(since "$t") s]"
   else
     fail "worker rejoin" "rejoined, but no 'state disk opened' line"
   fi
@@ -110,22 +112,43 @@ else
   fail "worker rejoin" "no 'rejoined the cluster' line (see $MINI/worker/serial.log)"
 fi
 
-# (6) the state disk is LUKS2, and no secret appears in any log.
-if ! command -v cryptsetup >/dev/null; then
-  skip "state disk LUKS2" "cryptsetup is not installed"
-elif cryptsetup isLuks --type luks2 "$MINI/worker/state.raw" 2>/dev/null; then
-  logs=("$MINI"/*/serial*.log "$MINI/init.log")
-  secret=$(cat "$MINI/init-secret")
-  master=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["key"])' "$MINI/workspace/keel-master-secret.json")
-  if grep -qF -e "$secret" -e "$master" "${logs[@]}"; then
-    fail "no secret in the logs" "the init secret or the master secret appears in a log"
-  elif grep -qiE 'passphrase[=:] *[0-9a-f]{16}|disk.?key[=:] *[0-9a-f]{16}' "${logs[@]}"; then
-    fail "no secret in the logs" "a disk key-like value appears in a log"
-  else
-    pass "worker state disk is LUKS2; neither the init secret, the master secret nor a disk key appears in the logs"
+# (6) each state disk is LUKS2 and opens with the key the cluster derives
+# for it (HKDF-SHA256 of the master secret, info "disk:<uuid>"), and neither
+# that key, the init secret nor the master secret appears in any log.
+t=$(now)
+logs=("$MINI"/*/serial*.log "$MINI/init.log" "$MINI"/*/qemu.log)
+secrets_file=$MINI/e2e-secrets
+(
+  umask 077
+  for n in cp worker; do
+    uuid=$(cryptsetup luksUUID "$MINI/$n/state.raw" 2>/dev/null) || continue
+    python3 - "$MINI/workspace/keel-master-secret.json" "$uuid" "$MINI/$n/disk-key" <<'PY'
+import base64, hashlib, hmac, json, sys
+m = json.load(open(sys.argv[1]))
+prk = hmac.new(bytes.fromhex(m["salt"]), bytes.fromhex(m["key"]), hashlib.sha256).digest()
+key = hmac.new(prk, ("disk:" + sys.argv[2].lower()).encode() + b"\x01", hashlib.sha256).digest()
+open(sys.argv[3], "wb").write(key)
+print(key.hex(), base64.b64encode(key).decode())
+PY
+  done
+  cat "$MINI/init-secret"; echo
+  python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["key"])' "$MINI/workspace/keel-master-secret.json"
+) >"$secrets_file"
+disk_ok=1
+for n in cp worker; do
+  if ! cryptsetup isLuks --type luks2 "$MINI/$n/state.raw" 2>/dev/null; then
+    fail "state disk LUKS2" "$MINI/$n/state.raw is not a LUKS2 volume"; disk_ok=0
+  elif ! cryptsetup open --test-passphrase --key-file "$MINI/$n/disk-key" "$MINI/$n/state.raw" 2>/dev/null; then
+    fail "state disk key" "the key derived for $n's disk does not open it"; disk_ok=0
   fi
-else
-  fail "state disk LUKS2" "$MINI/worker/state.raw is not a LUKS2 volume"
+  rm -f "$MINI/$n/disk-key"
+done
+leaked=$(tr ' ' '\n' <"$secrets_file" | grep -vE '^-?$' | grep -F -f - "${logs[@]}" | head -3 || true)
+rm -f "$secrets_file"
+if [ -n "$leaked" ]; then
+  fail "no secret in the logs" "a disk key, the init secret or the master secret appears in a log"
+elif [ "$disk_ok" = 1 ]; then
+  pass "both state disks are LUKS2 and open with the cluster-derived key; no disk key, init secret or master secret in any log [$(since "$t") s]"
 fi
 
 echo

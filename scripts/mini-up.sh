@@ -303,9 +303,19 @@ summary() { # $1 = node, $2 = role, $3 = verify settings
   printf '  %-14s attestation %s, event log %s\n' "" \
     "$([ -n "$out" ] && echo verified || echo 'NOT verified')" \
     "$([ -n "$events" ] && echo "replays ($events events)" || echo 'not checked')"
-  printf '  %-14s state disk %s, components %s\n' "" \
-    "$(grep -qE 'state disk (opened|initialised)|formatting the state disk|luks' "$d/serial.log" && echo 'LUKS2 (opened)' || echo 'not seen opened')" \
-    "$(grep -oE 'installing the components.*count=[0-9]+|count=[0-9]+.*installing the components' "$d/serial.log" | grep -oE 'count=[0-9]+' | head -1 || echo 'not seen')"
+  # Components: measured events in the attested event log. State disk: the
+  # agent's line, and the host's look at the disk image's header.
+  local components disk
+  components=$(grep -cE '^ +#[0-9]+ pcr 13 component:' <<<"$out" || true)
+  disk=$(grep -oE 'state disk (set up|opened) \(LUKS2\)[^"]*mount_point=[^ ]+|state disk (set up|opened) \(LUKS2\), mounted at [^ ]+' \
+    "$d/serial.log" | tail -1 | sed 's/ *mount_point=/, mounted at /')
+  if cryptsetup isLuks --type luks2 "$d/state.raw" 2>/dev/null; then
+    disk="LUKS2 header on $(basename "$d")/state.raw${disk:+; agent: $disk}"
+  else
+    disk="NOT LUKS2"
+  fi
+  printf '  %-14s state disk: %s\n' "" "$disk"
+  printf '  %-14s components: %s measured into PCR 13 (attested event log)\n' "" "$components"
 }
 {
   echo
