@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # Builds the static C stack the agent links for x86_64-unknown-linux-musl:
-# OpenSSL libcrypto (openssl-src crate) and tpm2-tss 4.1.3 (Debian's source
-# package). Output: $TSS_PREFIX (default target/musl-sysroot), reused when
-# its stamp matches. The apt source is derived from the machine's own.
+# Mbed TLS's libmbedcrypto (the ESYS crypto backend) and tpm2-tss 4.1.3, both
+# from Debian's source packages. Mbed TLS rather than OpenSSL: ESYS needs only
+# hashes, HMAC, AES-CFB, RSA-OAEP, ECDH and a DRBG, and libcrypto's provider
+# tables pull in every algorithm it has (about 2 MiB of the agent).
+# Output: $TSS_PREFIX (default target/musl-sysroot), reused when its stamp
+# matches. The apt source is derived from the machine's own.
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${TSS_PREFIX:-$top/target/musl-sysroot}
 tss_version=4.1.3
 tss_debver=4.1.3-1.2
-stamp="$prefix/.stamp-tss-$tss_debver-openssl-300.6.1"
+# Mbed TLS 3.6 is the long-term-support branch; the newest Debian revision of
+# it is taken, so a stable update never leaves the build without a source.
+mbed_branch=3.6
+stamp="$prefix/.stamp-tss-$tss_debver-mbedtls-$mbed_branch"
 [ -f "$stamp" ] && { echo "tss: cached in $prefix"; exit 0; }
 
 work="$top/target/tss-build"
 rm -rf "$work"
-mkdir -p "$work" "$prefix"
+mkdir -p "$work" "$prefix/lib" "$prefix/include"
 # Log each step; show the log of a failed step.
 run() { local log="$work/step.log"; "$@" >"$log" 2>&1 || { tail -40 "$log" >&2; echo "tss: failed: $*" >&2; exit 1; }; }
 
@@ -24,22 +30,10 @@ mkdir -p "$khdr"
 ln -s /usr/include/linux "$khdr/linux"
 ln -s /usr/include/asm-generic "$khdr/asm-generic"
 ln -s /usr/include/x86_64-linux-gnu/asm "$khdr/asm"
+# Sections per function and object, so the agent's link drops what is unused.
+cflags="-Os -fPIC -ffunction-sections -fdata-sections"
 
-ssl="$prefix/openssl/install"
-if [ ! -f "$ssl/lib/libcrypto.a" ]; then
-  echo "tss: building OpenSSL (libcrypto) for musl"
-  (
-    cd "$top/scripts/openssl-musl"
-    CC_x86_64_unknown_linux_musl=musl-gcc \
-    CFLAGS_x86_64_unknown_linux_musl="-idirafter $khdr" \
-    KEEL_OPENSSL_PREFIX="$prefix/openssl" \
-      cargo build -q --release --target x86_64-unknown-linux-musl \
-        --target-dir "$work/openssl-target"
-  )
-fi
-[ -f "$ssl/lib/libcrypto.a" ] || { echo "tss: libcrypto.a missing" >&2; exit 1; }
-
-echo "tss: fetching tpm2-tss $tss_debver source"
+echo "tss: fetching tpm2-tss $tss_debver and mbedtls $mbed_branch sources"
 apt_dir="$work/apt"
 mkdir -p "$apt_dir/lists/partial" "$apt_dir/sources.list.d"
 awk '/^[[:space:]]*$/ { if (seen) exit; next } /^#/ { next } { seen = 1 }
@@ -51,7 +45,26 @@ apt_opts=(-o Dir::Etc::SourceList=/dev/null
   -o "Dir::State::Lists=$apt_dir/lists"
   -o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache= -q)
 apt-get "${apt_opts[@]}" update >/dev/null
-(cd "$work" && apt-get "${apt_opts[@]}" source --download-only "tpm2-tss=$tss_debver" >/dev/null)
+(cd "$work" && run apt-get "${apt_opts[@]}" source --download-only "tpm2-tss=$tss_debver" mbedtls)
+
+mbed_tar=$(compgen -G "$work/mbedtls_*.orig.tar.*" | head -n1) ||
+  { echo "tss: no mbedtls source tarball was fetched" >&2; exit 1; }
+mbed_version=${mbed_tar##*/mbedtls_}
+mbed_version=${mbed_version%.orig.tar.*}
+case "$mbed_version" in
+  "$mbed_branch".*) ;;
+  *) echo "tss: mbedtls $mbed_version is not on the $mbed_branch branch" >&2; exit 1 ;;
+esac
+tar -C "$work" -xf "$mbed_tar"
+mbed="$work/mbedtls-$mbed_version"
+
+echo "tss: compiling mbedtls $mbed_version (libmbedcrypto)"
+run make -C "$mbed/library" -j"$(nproc)" CC=musl-gcc AR=ar \
+  CFLAGS="$cflags -idirafter $khdr" libmbedcrypto.a
+cp "$mbed/library/libmbedcrypto.a" "$prefix/lib/"
+rm -rf "$prefix/include/mbedtls" "$prefix/include/psa"
+cp -r "$mbed/include/mbedtls" "$mbed/include/psa" "$prefix/include/"
+
 tar -C "$work" -xf "$work"/tpm2-tss_${tss_version}.orig.tar.gz
 src="$work/tpm2-tss-$tss_version"
 
@@ -61,12 +74,11 @@ echo "$tss_version" >VERSION
 sed -i '/git describe/d' bootstrap
 run ./bootstrap
 CC=musl-gcc \
-CPPFLAGS="-idirafter $khdr -I$ssl/include" \
-LDFLAGS="-L$ssl/lib" \
-PKG_CONFIG_PATH="$ssl/lib/pkgconfig" \
-CRYPTO_CFLAGS="-I$ssl/include" CRYPTO_LIBS="-L$ssl/lib -lcrypto" \
+CFLAGS="$cflags" \
+CPPFLAGS="-idirafter $khdr -I$prefix/include" \
+LDFLAGS="-L$prefix/lib" \
 run ./configure --prefix="$prefix" --disable-shared --enable-static --with-pic \
-  --enable-nodl --with-crypto=ossl --disable-fapi --disable-policy \
+  --enable-nodl --with-crypto=mbed --disable-fapi --disable-policy \
   --disable-vendor --disable-doxygen-doc --disable-weakcrypto \
   --disable-tcti-pcap --disable-tcti-libtpms --disable-tcti-cmd \
   --disable-tcti-spi-helper --disable-tcti-spi-ltt2go --disable-tcti-spi-ftdi \
@@ -87,20 +99,14 @@ echo "Requires.private: tss2-tcti-device tss2-tcti-mssim tss2-tcti-swtpm tss2-mu
 for t in device mssim swtpm; do
   objcopy --localize-symbol=Tss2_Tcti_Info "$lib/libtss2-tcti-$t.a"
 done
-# libcrypto lives beside the TSS libraries so pkg-config finds one prefix.
-cp "$ssl/lib/libcrypto.a" "$lib/"
-mkdir -p "$prefix/include"
-cp -r "$ssl/include/openssl" "$prefix/include/"
-cat >"$lib/pkgconfig/libcrypto.pc" <<PC
-prefix=$prefix
-libdir=\${prefix}/lib
-includedir=\${prefix}/include
-Name: libcrypto
-Description: OpenSSL cryptography library (static, musl)
-Version: 3.6.3
-Libs: -L\${libdir} -lcrypto
-Cflags: -I\${includedir}
-PC
+# A libcrypto left by an earlier OpenSSL-backed build must not be linked.
+rm -rf "$lib/libcrypto.a" "$lib/pkgconfig/libcrypto.pc" "$prefix/include/openssl" "$prefix/openssl"
+rm -f "$prefix"/.stamp-tss-*
 touch "$stamp"
 rm -rf "$work"
-echo "tss: installed in $prefix"
+# tss-esapi-sys caches the library list pkg-config gave it and bundles the
+# archives: drop its build outputs so the next cargo build probes these.
+if [ -d "$top/target/x86_64-unknown-linux-musl" ]; then
+  (cd "$top" && for p in --profile=dev --release; do cargo clean -q -p tss-esapi-sys "$p"; done)
+fi
+echo "tss: installed in $prefix (tpm2-tss $tss_version, mbedtls $mbed_version)"

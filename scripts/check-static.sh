@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Checks that a binary is a stripped static-pie executable, runs it, and
-# reports its size against the 8 MiB target (reported, not enforced).
+# fails when it is larger than the 8 MiB target (KEEL_AGENT_MAX_BYTES).
 set -euo pipefail
 bin=${1:?usage: check-static.sh BINARY}
 desc=$(file -b "$bin")
@@ -16,8 +16,17 @@ if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep -q 'statically linked'
   echo "check-static: ldd resolves dynamic dependencies of $bin" >&2; exit 1
 fi
 size=$(stat -c %s "$bin")
-target=$((8 * 1024 * 1024))
+target=${KEEL_AGENT_MAX_BYTES:-$((8 * 1024 * 1024))}
+case "$target" in
+  ''|*[!0-9]*) echo "check-static: KEEL_AGENT_MAX_BYTES must be a byte count" >&2; exit 1 ;;
+esac
 verdict=$([ "$size" -le "$target" ] && echo "within" || echo "OVER")
-awk -v b="$bin" -v d="$desc" -v s="$size" -v v="$verdict" 'BEGIN {
-  printf "agent: %s\n  %s\n  size: %d bytes (%.2f MiB; %s the 8 MiB target)\n", b, d, s, s / 1048576, v }'
+awk -v b="$bin" -v d="$desc" -v s="$size" -v t="$target" -v v="$verdict" 'BEGIN {
+  printf "agent: %s\n  %s\n  size: %d bytes (%.2f MiB; %s the %.2f MiB target)\n",
+    b, d, s, s / 1048576, v, t / 1048576 }'
 "$bin" --version
+if [ "$size" -gt "$target" ]; then
+  echo "check-static: $bin is $size bytes, $((size - target)) over the $target-byte size target;" \
+    "see what grew with 'cargo bloat --release -p keel-agent --bin keel-agent --crates'" >&2
+  exit 1
+fi
