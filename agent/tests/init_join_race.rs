@@ -4,20 +4,13 @@
 
 mod join_common;
 
-use std::sync::Arc;
-
-use join_common::{free_port, joiner, node_env, stand_in_components, start_service_with};
-use keel_agent::attestation::credential;
-use keel_agent::attestation::tpm_wire::Public;
-use keel_agent::cluster::ClusterSlot;
-use keel_agent::init::InitServer;
+use join_common::{free_port, joiner, stand_in_components, start_service_with};
 use keel_agent::join::JoinOutcome;
 use keel_agent::measurement::EventType;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::InitRequest;
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::EkCa;
-use sha2::Digest as _;
 
 const SECRET: &[u8] = b"init secret of the racing node";
 
@@ -31,22 +24,8 @@ async fn init_and_join_racing_lock_once() {
     for round in 0..3 {
         let node = joiner(&ca, &ca, port, &format!("racer-{round}"), "worker");
         // The init server of the same node (it accepts init: an init secret hash).
-        let mut init_config = node.config.clone();
-        init_config.cluster.init_secret_hash =
-            format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
-        let init = InitServer::new(
-            init_config,
-            node.tpm.clone(),
-            node.lock.clone(),
-            node_env(&node.root, &node.work, Some(&node.disk)),
-            Arc::new(ClusterSlot::new(None)),
-        );
-        let sealed = {
-            let mut m = node.tpm.lock().unwrap();
-            let ek = Public::parse(&m.tpm().endorsement().unwrap().public).unwrap();
-            let ak = Public::parse(&m.tpm().attestation_key().unwrap()).unwrap();
-            credential::seal(&ek, &ak.name, &[7; 32]).unwrap()
-        };
+        let init = node.init_server(SECRET, true);
+        let sealed = node.sealed(&[7; 32]);
         let request = InitRequest {
             master_secret: Some(sealed),
             master_salt: vec![1; 32],

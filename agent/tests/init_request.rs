@@ -4,18 +4,11 @@
 
 mod join_common;
 
-use std::sync::Arc;
-
-use join_common::{free_port, joiner, node_env};
-use keel_agent::attestation::credential;
-use keel_agent::attestation::tpm_wire::Public;
-use keel_agent::cluster::ClusterSlot;
-use keel_agent::init::InitServer;
+use join_common::{free_port, joiner};
 use keel_agent::measurement::pcr;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::InitRequest;
 use keel_testkit::swtpm::EkCa;
-use sha2::Digest as _;
 
 const SECRET: &[u8] = b"init secret of the checked node";
 
@@ -23,22 +16,8 @@ const SECRET: &[u8] = b"init secret of the checked node";
 async fn missing_empty_or_malformed_join_measurements_are_refused_before_the_lock() {
     let ca = EkCa::new().unwrap();
     let node = joiner(&ca, &ca, free_port(), "checked-0", "control-plane");
-    let mut config = node.config.clone();
-    config.cluster.init_secret_hash =
-        format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
-    let init = InitServer::new(
-        config,
-        node.tpm.clone(),
-        node.lock.clone(),
-        node_env(&node.root, &node.work, None),
-        Arc::new(ClusterSlot::new(None)),
-    );
-    let sealed = {
-        let mut m = node.tpm.lock().unwrap();
-        let ek = Public::parse(&m.tpm().endorsement().unwrap().public).unwrap();
-        let ak = Public::parse(&m.tpm().attestation_key().unwrap()).unwrap();
-        credential::seal(&ek, &ak.name, &[7; 32]).unwrap()
-    };
+    let init = node.init_server(SECRET, false);
+    let sealed = node.sealed(&[7; 32]);
     for (case, measurements, expected) in [
         ("missing", Vec::new(), "join measurements"),
         ("empty", b"{}".to_vec(), "name no PCR"),

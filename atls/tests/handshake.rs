@@ -48,16 +48,26 @@ impl Parties {
     }
 
     fn mutual_server(&self) -> AtlsServer<TestClaims> {
-        AtlsServer::mutual(
-            dyn_issuer(&self.server_issuer),
-            dyn_validator(self.client_issuer.validator()),
-        )
+        self.server_trusting(&self.client_issuer)
     }
 
     fn mutual_client(&self) -> AtlsClient<TestClaims> {
+        self.client_trusting(&self.server_issuer)
+    }
+
+    /// The server, accepting documents signed by `signer` only.
+    fn server_trusting(&self, signer: &TestIssuer) -> AtlsServer<TestClaims> {
+        AtlsServer::mutual(
+            dyn_issuer(&self.server_issuer),
+            dyn_validator(signer.validator()),
+        )
+    }
+
+    /// The client, accepting documents signed by `signer` only.
+    fn client_trusting(&self, signer: &TestIssuer) -> AtlsClient<TestClaims> {
         AtlsClient::mutual(
             dyn_issuer(&self.client_issuer),
-            dyn_validator(self.server_issuer.validator()),
+            dyn_validator(signer.validator()),
         )
     }
 }
@@ -353,10 +363,7 @@ async fn document_from_an_untrusted_signer_is_refused() {
     let stranger = TestIssuer::generate();
 
     // The client trusts another key than the server's.
-    let client = AtlsClient::mutual(
-        dyn_issuer(&parties.client_issuer),
-        dyn_validator(stranger.validator()),
-    );
+    let client = parties.client_trusting(&stranger);
     let (server_result, client_result) = handshake(&parties.mutual_server(), &client).await;
     assert!(
         matches!(
@@ -372,10 +379,7 @@ async fn document_from_an_untrusted_signer_is_refused() {
     assert!(server_result.is_ok(), "{server_result:?}");
 
     // The server trusts another key than the client's.
-    let server = AtlsServer::mutual(
-        dyn_issuer(&parties.server_issuer),
-        dyn_validator(stranger.validator()),
-    );
+    let server = parties.server_trusting(&stranger);
     let (server_result, client_result) = handshake(&server, &parties.mutual_client()).await;
     let Err(HandshakeError::ClientRefused(PeerError::Validation(ValidationError::Rejected(
         reason,
@@ -396,15 +400,11 @@ async fn document_from_an_untrusted_signer_is_refused() {
 async fn when_both_refuse_each_side_names_its_own_reason() {
     let parties = Parties::new();
     let stranger = TestIssuer::generate();
-    let server = AtlsServer::mutual(
-        dyn_issuer(&parties.server_issuer),
-        dyn_validator(stranger.validator()),
-    );
-    let client = AtlsClient::mutual(
-        dyn_issuer(&parties.client_issuer),
-        dyn_validator(stranger.validator()),
-    );
-    let (server_result, client_result) = handshake(&server, &client).await;
+    let (server_result, client_result) = handshake(
+        &parties.server_trusting(&stranger),
+        &parties.client_trusting(&stranger),
+    )
+    .await;
     // The client refused the server first, but still let the server judge it.
     assert!(
         matches!(

@@ -15,13 +15,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_agent::address::AdvertiseAddress;
+use keel_agent::attestation::credential;
 use keel_agent::attestation::ek::EkTrust;
 use keel_agent::attestation::measurements::Measurements;
 use keel_agent::attestation::policy::ReloadableValidator;
-use keel_agent::cluster::ClusterState;
+use keel_agent::attestation::tpm_wire::Public;
+use keel_agent::cluster::{ClusterSlot, ClusterState};
 use keel_agent::config::NodeConfig;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::disk::StateDisk;
+use keel_agent::init::InitServer;
 use keel_agent::init::{NodeEnv, RebootPolicy};
 use keel_agent::join::{service_validator, TicketClient};
 use keel_agent::join::{Backoff, JoinClient, JoinSettings, KubeletStart};
@@ -33,10 +36,12 @@ use keel_agent::measurement::EventType;
 use keel_agent::nodelock::NodeLock;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::{Component, InstallerConfig};
+use keel_proto::attestation::SealedSecret;
 use keel_testkit::components::{stand_in_set_with, KubeExecutables};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use rand::RngCore as _;
+use sha2::Digest as _;
 
 /// A free loopback port (bound and released).
 pub fn free_port() -> u16 {
@@ -432,6 +437,29 @@ impl Joiner {
 
     pub fn pcr15(&self) -> [u8; 32] {
         pcr15(&self.tpm)
+    }
+
+    /// The init server of this node, accepting `secret` (its hash goes
+    /// into the config); with the state disk when `disk`.
+    pub fn init_server(&self, secret: &[u8], disk: bool) -> InitServer {
+        let mut config = self.config.clone();
+        config.cluster.init_secret_hash =
+            format!("sha256:{}", hex::encode(sha2::Sha256::digest(secret)));
+        InitServer::new(
+            config,
+            self.tpm.clone(),
+            self.lock.clone(),
+            node_env(&self.root, &self.work, disk.then_some(self.disk.as_path())),
+            Arc::new(ClusterSlot::new(None)),
+        )
+    }
+
+    /// `secret` sealed to this node's TPM, as the CLI seals the master secret.
+    pub fn sealed(&self, secret: &[u8]) -> SealedSecret {
+        let mut m = self.tpm.lock().unwrap();
+        let ek = Public::parse(&m.tpm().endorsement().unwrap().public).unwrap();
+        let ak = Public::parse(&m.tpm().attestation_key().unwrap()).unwrap();
+        credential::seal(&ek, &ak.name, secret).unwrap()
     }
 
     /// A ticket client validating the service as the join client does.
