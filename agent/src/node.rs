@@ -43,8 +43,8 @@ pub const BIN_DIR: &str = "/run/state/bin";
 
 /// The environment of a real node: installs under `/`, kubeadm from
 /// [`BIN_DIR`], the configured state disk mounted at [`STATE_MOUNT`], the
-/// address of the route toward the first control-plane endpoint, reboot
-/// after 60 s on failure.
+/// address of the route toward the first control-plane endpoint (or of the
+/// default route), reboot after 60 s on failure.
 pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeEnv> {
     let mut installer = InstallerConfig::default();
     if let Some(m) = &config.cluster.component_mirror {
@@ -56,7 +56,10 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
         .first()
         .and_then(|e| e.parse::<SocketAddr>().ok())
         .map(|a| a.ip())
-        .unwrap_or(IpAddr::V4(Ipv4Addr::new(10, 0, 2, 2)));
+        // No endpoint (a lone first node): a documentation address
+        // (RFC 5737) is never on a link, so the lookup takes the default
+        // route.
+        .unwrap_or(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)));
     Ok(NodeEnv {
         installer,
         kubeadm: Kubeadm::new(std::path::Path::new(BIN_DIR)),
