@@ -121,7 +121,10 @@ pub async fn run(
     wait: Duration,
 ) -> anyhow::Result<()> {
     let settings = Settings::load(settings_path)?;
-    let validator = settings.validator()?;
+    // Read once: the node is validated against, and its join service gets,
+    // the same measurements.
+    let measurements = settings.measurements()?;
+    let validator = settings.validator(measurements.clone())?;
     let init_secret = match &settings.init_secret_file {
         Some(p) => Zeroizing::new(read_bounded(&settings.resolve(p))?),
         None => bail!("the settings name no init_secret_file"),
@@ -189,7 +192,7 @@ pub async fn run(
         service_cidr: settings.service_cidr.clone(),
         component_mirror: settings.component_mirror.clone().unwrap_or_default(),
         // The node's join service admits nodes that match what this node matched.
-        join_measurements: settings.measurements()?.to_json().into_bytes(),
+        join_measurements: measurements.to_json().into_bytes(),
     };
     let mut stream = InitServiceClient::new(bound.channel)
         .init(request)

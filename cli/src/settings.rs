@@ -91,9 +91,9 @@ impl Settings {
             .with_context(|| format!("measurements {} are invalid", m.display()))
     }
 
-    /// The validator for the node: the measurements and the EK CAs.
-    pub fn validator(&self) -> anyhow::Result<Validator> {
-        let measurements = self.measurements()?;
+    /// The validator for the node: `measurements` (from
+    /// [`Settings::measurements`]) and the EK CAs.
+    pub fn validator(&self, measurements: Measurements) -> anyhow::Result<Validator> {
         let ca = self.resolve(&self.ek_ca);
         let trust = EkTrust::from_pem(&read_bounded(&ca)?)
             .with_context(|| format!("EK CA bundle {} holds no certificate", ca.display()))?;

@@ -14,7 +14,8 @@ pub async fn run(settings_path: &Path, endpoint: Option<String>) -> anyhow::Resu
     let settings = Settings::load(settings_path)?;
     let endpoint = endpoint.unwrap_or_else(|| settings.endpoint.clone());
     let (host, port) = Settings::host_port(&endpoint)?;
-    let client = AtlsClient::server_attested(Arc::new(settings.validator()?));
+    let client =
+        AtlsClient::server_attested(Arc::new(settings.validator(settings.measurements()?)?));
     let stream = client
         .connect(&host, port)
         .await
