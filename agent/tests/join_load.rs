@@ -14,7 +14,7 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 use join_common::{member, start_service, uuid, Member, Service};
-use keel_agent::join::{KubeletKey, TicketError};
+use keel_agent::join::{KubeletKey, TicketClient, TicketError};
 use keel_agent::measurement::EventType;
 use keel_atls::ConnectError;
 use keel_proto::join::{IssueJoinTicketRequest, IssueJoinTicketResponse};
@@ -125,6 +125,24 @@ async fn a_hundred_concurrent_requests_all_get_their_own_ticket() {
     assert_eq!(service.registered_tokens().len(), 3 * CONCURRENT);
 }
 
+/// Sends `req` and asserts the service refused it with `code`.
+async fn assert_refused(
+    tickets: &TicketClient,
+    service: &Service,
+    req: IssueJoinTicketRequest,
+    code: tonic::Code,
+) {
+    let err = tickets
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, TicketError::Refused(s) if s.code() == code),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_requests_get_nothing() {
     let ca = EkCa::new().unwrap();
@@ -137,26 +155,10 @@ async fn refused_requests_get_nothing() {
     // refused against the measured identity.
     let (mut req, _key) = request(&m);
     req.node_name = "w-9".into();
-    let err = tickets
-        .request_join_ticket(&service.endpoint, req)
-        .await
-        .err()
-        .unwrap();
-    assert!(
-        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::PermissionDenied),
-        "{err}"
-    );
+    assert_refused(&tickets, &service, req, tonic::Code::PermissionDenied).await;
     let (mut req, _key) = request(&m);
     req.is_control_plane = true;
-    let err = tickets
-        .request_join_ticket(&service.endpoint, req)
-        .await
-        .err()
-        .unwrap();
-    assert!(
-        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::PermissionDenied),
-        "{err}"
-    );
+    assert_refused(&tickets, &service, req, tonic::Code::PermissionDenied).await;
     // A CSR for another name, a malformed UUID.
     let (mut req, _key) = request(&m);
     req.kubelet_csr = KubeletKey::generate("w-9")
@@ -164,26 +166,10 @@ async fn refused_requests_get_nothing() {
         .csr_pem()
         .as_bytes()
         .to_vec();
-    let err = tickets
-        .request_join_ticket(&service.endpoint, req)
-        .await
-        .err()
-        .unwrap();
-    assert!(
-        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::InvalidArgument),
-        "{err}"
-    );
+    assert_refused(&tickets, &service, req, tonic::Code::InvalidArgument).await;
     let (mut req, _key) = request(&m);
     req.disk_uuid = "measurementSecret".into();
-    let err = tickets
-        .request_join_ticket(&service.endpoint, req)
-        .await
-        .err()
-        .unwrap();
-    assert!(
-        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::InvalidArgument),
-        "{err}"
-    );
+    assert_refused(&tickets, &service, req, tonic::Code::InvalidArgument).await;
     assert!(service.registered_tokens().is_empty());
 
     // A locked node (PCR 15 non-zero) is refused in the handshake.
