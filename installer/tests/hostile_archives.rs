@@ -1,15 +1,17 @@
-//! Archives that try to escape their install directory, or hold entries that
-//! have no place in a component, are refused whole: nothing is installed and
-//! nothing is written outside. The hostile entries are written with the tar
-//! crate's low-level header API, so they really are in the archive bytes.
+//! Archives that try to escape their install directory, hold entries that
+//! have no place in a component, or carry oversized or ambiguous metadata
+//! (GNU long names and links, PAX headers) are refused whole: nothing is
+//! installed and nothing is written outside. The hostile entries are written
+//! with the tar crate's low-level header API, so they really are in the
+//! archive bytes.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod support;
 
-use std::io::Write as _;
+use std::io::{self, Read, Write as _};
 use std::path::{Path, PathBuf};
 
-use keel_installer::extract::ExtractSummary;
+use keel_installer::extract::{ExtractSummary, MetadataRecord};
 use keel_installer::{
     Component, ExtractError, ExtractLimits, InstallError, InstalledComponent, Installer,
     InstallerConfig, NoProgress, Outcome,
@@ -71,6 +73,39 @@ fn special(kind: EntryType, name: &str) -> Entry {
     }
 }
 
+/// A metadata record (GNU long name or link, PAX header) holding `data`.
+fn meta(kind: EntryType, data: &[u8]) -> Entry {
+    Entry {
+        name: b"././@LongLink".to_vec(),
+        kind,
+        data: data.to_vec(),
+        link: None,
+        mode: 0o644,
+    }
+}
+
+/// `name` with the closing NUL a GNU long-name or long-link record holds.
+fn nul_terminated(name: &[u8]) -> Vec<u8> {
+    [name, b"\0"].concat()
+}
+
+/// The body of a PAX header: a `"<length> <key>=<value>\n"` record per
+/// pair, the length counting the whole record.
+fn pax(pairs: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (key, value) in pairs {
+        let rest = key.len() + value.len() + 3; // " ", "=", "\n"
+        let mut length = rest + 1;
+        while length != rest + length.to_string().len() {
+            length += 1;
+        }
+        body.extend_from_slice(format!("{length} {key}=").as_bytes());
+        body.extend_from_slice(value);
+        body.push(b'\n');
+    }
+    body
+}
+
 /// A .tgz of `entries`, names and link targets copied into the header
 /// fields as they are (no path checks, unlike `Header::set_path`).
 fn tgz(entries: &[Entry]) -> Vec<u8> {
@@ -78,6 +113,46 @@ fn tgz(entries: &[Entry]) -> Vec<u8> {
         Vec::new(),
         flate2::Compression::fast(),
     ));
+    append_entries(&mut builder, entries);
+    finish(builder)
+}
+
+/// A .tgz starting with a metadata record of `kind` whose header gives
+/// `size` bytes and whose body is `body` (streamed through the compressor,
+/// never held in memory whole), followed by `entries`.
+fn tgz_with_record(kind: EntryType, size: u64, mut body: impl Read, entries: &[Entry]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::best(),
+    ));
+    let mut header = tar::Header::new_gnu();
+    header.as_old_mut().name[..13].copy_from_slice(b"././@LongLink");
+    header.set_entry_type(kind);
+    header.set_size(size);
+    header.set_mode(0o644);
+    header.set_cksum();
+    builder.append(&header, &mut body).unwrap();
+    append_entries(&mut builder, entries);
+    finish(builder)
+}
+
+/// A .tgz of a metadata record's header giving `size` bytes, then `body`,
+/// and nothing else: the archive ends there.
+fn tgz_cut_after_record(kind: EntryType, size: u64, body: &[u8]) -> Vec<u8> {
+    let mut header = tar::Header::new_gnu();
+    header.as_old_mut().name[..13].copy_from_slice(b"././@LongLink");
+    header.set_entry_type(kind);
+    header.set_size(size);
+    header.set_mode(0o644);
+    header.set_cksum();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(header.as_bytes()).unwrap();
+    gz.write_all(body).unwrap();
+    gz.finish().unwrap()
+}
+
+/// Appends `entries`, names and link targets copied byte for byte.
+fn append_entries<W: io::Write>(builder: &mut tar::Builder<W>, entries: &[Entry]) {
     for e in entries {
         let mut header = tar::Header::new_gnu();
         {
@@ -97,6 +172,10 @@ fn tgz(entries: &[Entry]) -> Vec<u8> {
         header.set_cksum();
         builder.append(&header, e.data.as_slice()).unwrap();
     }
+}
+
+/// Ends the archive and the gzip stream.
+fn finish(builder: tar::Builder<flate2::write::GzEncoder<Vec<u8>>>) -> Vec<u8> {
     let mut gz = builder.into_inner().unwrap();
     gz.flush().unwrap();
     gz.finish().unwrap()
@@ -157,6 +236,18 @@ async fn install_with(
 async fn install(bytes: Vec<u8>) -> Attempt {
     install_with(bytes, tempfile::tempdir().unwrap(), |root, _| {
         installer(root, None, fast_retries())
+    })
+    .await
+}
+
+async fn install_limited(bytes: Vec<u8>, limits: ExtractLimits) -> Attempt {
+    install_with(bytes, tempfile::tempdir().unwrap(), |root, _| {
+        Installer::new(InstallerConfig {
+            extract: limits,
+            root: root.to_path_buf(),
+            ..InstallerConfig::default()
+        })
+        .unwrap()
     })
     .await
 }
@@ -328,6 +419,7 @@ async fn refuses_garbage_and_bombs() {
             extract: ExtractLimits {
                 max_unpacked_bytes: 64 * 1024,
                 max_entries: 10,
+                ..ExtractLimits::default()
             },
             root: root.to_path_buf(),
             ..InstallerConfig::default()
@@ -422,4 +514,408 @@ async fn merges_into_an_existing_directory() {
     assert!(!Path::new("/etc/plugin").exists());
     assert_eq!(entries(&target), ["bridge", "kubelet", "loopback"]);
     assert_eq!(entries(&a.root.path().join("opt/cni")), ["bin"]);
+}
+
+const MIB: u64 = 1024 * 1024;
+
+/// Size of the hostile metadata records: far above their limits.
+const HUGE: u64 = 64 * MIB;
+
+/// The default limits, and the same with the decompressed stream bounded at
+/// 1 MiB: far below a huge record, far above the metadata limits. Under the
+/// second a record read (even in part) beyond 1 MiB before being refused
+/// would show as [`ExtractError::TooLarge`] — the stream bound doubles as a
+/// count of the bytes the extractor pulled from the decompressor, and
+/// everything it can hold in memory came through it.
+fn default_and_tight_limits() -> [ExtractLimits; 2] {
+    [
+        ExtractLimits::default(),
+        ExtractLimits {
+            max_unpacked_bytes: MIB,
+            ..ExtractLimits::default()
+        },
+    ]
+}
+
+/// Installs `bytes` under each of [`default_and_tight_limits`] and checks the
+/// archive is refused on the record's size, with a short message.
+async fn assert_refused_on_size(bytes: &[u8], record: MetadataRecord, limit: u64) {
+    assert!(
+        bytes.len() < 256 * 1024,
+        "a small archive: {} bytes",
+        bytes.len()
+    );
+    for limits in default_and_tight_limits() {
+        let a = install_limited(bytes.to_vec(), limits).await;
+        a.assert_refused();
+        match a.extract_error() {
+            ExtractError::MetadataTooLarge {
+                record: r,
+                size,
+                limit: l,
+            } => assert_eq!((*r, *size, *l), (record, HUGE, limit), "{}", a.message()),
+            _ => panic!("expected a refusal on the record's size: {}", a.message()),
+        }
+        assert!(
+            a.message().contains(&format!(
+                "archive {record} of {HUGE} bytes exceeds the limit of {limit} bytes"
+            )),
+            "{}",
+            a.message()
+        );
+        assert!(a.message().len() < 300, "{}", a.message());
+    }
+}
+
+#[tokio::test]
+async fn refuses_a_huge_gnu_long_name_before_reading_it() {
+    // 64 MiB of name, compressed to some 64 KiB.
+    let contained = tgz_with_record(
+        EntryType::GNULongName,
+        HUGE,
+        io::repeat(b'a').take(HUGE),
+        &[file("bridge", b"ok")],
+    );
+    assert_refused_on_size(&contained, MetadataRecord::LongName, 4096).await;
+    // Only claimed: the archive ends after the record's header.
+    let claimed = tgz_cut_after_record(EntryType::GNULongName, HUGE, b"");
+    assert_refused_on_size(&claimed, MetadataRecord::LongName, 4096).await;
+}
+
+#[tokio::test]
+async fn refuses_a_huge_gnu_long_link_before_reading_it() {
+    let bytes = tgz_with_record(
+        EntryType::GNULongLink,
+        HUGE,
+        io::repeat(b'a').take(HUGE),
+        &[link(EntryType::Symlink, "tool", "placeholder")],
+    );
+    assert_refused_on_size(&bytes, MetadataRecord::LongLink, 4096).await;
+}
+
+#[tokio::test]
+async fn refuses_huge_pax_headers_before_reading_them() {
+    for (kind, record, key) in [
+        (EntryType::XHeader, MetadataRecord::PaxHeader, "path"),
+        (
+            EntryType::XGlobalHeader,
+            MetadataRecord::PaxGlobalHeader,
+            "comment",
+        ),
+    ] {
+        // One well-formed record of exactly 64 MiB: "67108864 <key>=aaa…\n".
+        let prefix = format!("{HUGE} {key}=");
+        let value = HUGE - prefix.len() as u64 - 1;
+        let body = prefix
+            .as_bytes()
+            .chain(io::repeat(b'a').take(value))
+            .chain(&b"\n"[..]);
+        let bytes = tgz_with_record(kind, HUGE, body, &[file("bridge", b"ok")]);
+        assert_refused_on_size(&bytes, record, 64 * 1024).await;
+    }
+}
+
+#[tokio::test]
+async fn error_text_shows_a_hostile_path_escaped_and_cut() {
+    // 10,000 characters: absolute (so refused), with a terminal title escape,
+    // a bell and screen clears in it.
+    let mut name = b"/\x1b]0;owned\x07".to_vec();
+    while name.len() < 10_000 {
+        name.extend_from_slice(b"dir\x1b[2J/");
+    }
+    name.truncate(10_000);
+    let limits = ExtractLimits {
+        max_name_bytes: 16 * 1024,
+        ..ExtractLimits::default()
+    };
+    let a = install_limited(
+        tgz(&[
+            meta(EntryType::GNULongName, &nul_terminated(&name)),
+            file("placeholder", b"x"),
+        ]),
+        limits,
+    )
+    .await;
+    a.assert_refused();
+    let ExtractError::EntryPath { path, reason } = a.extract_error() else {
+        panic!("expected an entry path error: {}", a.message());
+    };
+    assert_eq!(*reason, "is absolute");
+    // 128 characters: the 17 of `/\x1b]0;owned\x07` (11 bytes), ten times
+    // the 11 of `dir\x1b[2J/` (8 bytes each), and `d`; 92 bytes shown.
+    let expected = format!(
+        r"/\x1b]0;owned\x07{}d…(+9908 bytes)",
+        r"dir\x1b[2J/".repeat(10)
+    );
+    assert_eq!(path, &expected);
+    let message = a.message();
+    assert!(
+        message.contains(&format!("archive entry \"{expected}\" is absolute")),
+        "{message}"
+    );
+    assert!(!message.chars().any(char::is_control), "{message:?}");
+    assert!(message.len() < 300, "{message}");
+
+    // Short names from the header itself, and link targets, alike.
+    let a = install(tgz(&[link(
+        EntryType::Symlink,
+        "l\x1b[8m",
+        "/etc/\x07\"x\"",
+    )]))
+    .await;
+    a.assert_refused();
+    assert!(
+        a.message().contains(
+            r#"archive symlink "l\x1b[8m" -> "/etc/\x07\"x\"" points to an absolute path"#
+        ),
+        "{}",
+        a.message()
+    );
+
+    // The tar crate names the header's path in its own errors (here a mode
+    // field that is not octal); those reach the message escaped too.
+    let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::fast(),
+    ));
+    let mut header = tar::Header::new_gnu();
+    header.as_old_mut().name[..5].copy_from_slice(b"m\x1b[5m");
+    header.set_entry_type(EntryType::Regular);
+    header.set_size(0);
+    header.as_old_mut().mode = *b"zzzzzzz\0";
+    header.set_cksum();
+    builder.append(&header, io::empty()).unwrap();
+    let a = install(finish(builder)).await;
+    a.assert_refused();
+    assert!(
+        matches!(a.extract_error(), ExtractError::ReadArchive(_)),
+        "{}",
+        a.message()
+    );
+    assert!(
+        a.message().contains(r"when getting mode for m\x1b[5m"),
+        "{}",
+        a.message()
+    );
+    assert!(
+        !a.message().chars().any(char::is_control),
+        "{:?}",
+        a.message()
+    );
+}
+
+#[tokio::test]
+async fn extracts_gnu_long_names_and_links() {
+    // As GNU tar writes them (and the tar crate's builder, used here): an 'L'
+    // record before an entry whose name does not fit the header, a 'K'
+    // record before a symlink whose target does not.
+    let deep = format!("{}/tool", ["component"; 15].join("/"));
+    assert!(deep.len() > 100 && deep.len() < 4096, "{}", deep.len());
+    let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::fast(),
+    ));
+    let mut header = tar::Header::new_gnu();
+    header.set_entry_type(EntryType::Regular);
+    header.set_size(10);
+    header.set_mode(0o755);
+    builder
+        .append_data(&mut header, &deep, &b"#!/bin/sh\n"[..])
+        .unwrap();
+    let mut header = tar::Header::new_gnu();
+    header.set_entry_type(EntryType::Symlink);
+    header.set_size(0);
+    builder.append_link(&mut header, "tool", &deep).unwrap();
+    let bytes = finish(builder);
+
+    let a = install(bytes).await;
+    let done = a.result.as_ref().unwrap();
+    assert_eq!(
+        done.outcome(),
+        Outcome::Extracted(ExtractSummary {
+            files: 1,
+            directories: 0,
+            symlinks: 1,
+            bytes: 10
+        })
+    );
+    let t = a.target();
+    assert_eq!(std::fs::read(t.join(&deep)).unwrap(), b"#!/bin/sh\n");
+    assert_eq!(mode(&t.join(&deep)), 0o755);
+    assert_eq!(
+        std::fs::read_link(t.join("tool")).unwrap(),
+        Path::new(&deep)
+    );
+    assert_eq!(entries(&t), ["component", "tool"]);
+}
+
+#[tokio::test]
+async fn extracts_entries_named_by_pax_headers() {
+    let deep = format!("{}/bridge", ["plugins"; 20].join("/"));
+    assert!(deep.len() > 100 && deep.len() < 4096, "{}", deep.len());
+    let target = format!("./{deep}");
+    let a = install(tgz(&[
+        // As `git archive` writes: the commit in a global header.
+        meta(
+            EntryType::XGlobalHeader,
+            &pax(&[("comment", b"4b825dc642cb6eb9a060e54bf8d69288fbee4904")]),
+        ),
+        meta(
+            EntryType::XHeader,
+            &pax(&[
+                ("mtime", b"1700000000.25"),
+                ("path", deep.as_bytes()),
+                ("SCHILY.xattr.user.note", b"ignored"),
+                ("size", b"3"),
+            ]),
+        ),
+        file("placeholder-file", b"new"),
+        meta(
+            EntryType::XHeader,
+            &pax(&[("path", b"bridge"), ("linkpath", target.as_bytes())]),
+        ),
+        link(EntryType::Symlink, "placeholder-link", "placeholder-target"),
+    ]))
+    .await;
+    let done = a.result.as_ref().unwrap();
+    assert_eq!(
+        done.outcome(),
+        Outcome::Extracted(ExtractSummary {
+            files: 1,
+            directories: 0,
+            symlinks: 1,
+            bytes: 3
+        })
+    );
+    let t = a.target();
+    assert_eq!(
+        entries(&t),
+        ["bridge", "plugins"],
+        "the PAX names, not the header's"
+    );
+    assert_eq!(std::fs::read(t.join(&deep)).unwrap(), b"new");
+    assert_eq!(
+        std::fs::read_link(t.join("bridge")).unwrap(),
+        Path::new(&target)
+    );
+    assert_eq!(std::fs::read(t.join("bridge")).unwrap(), b"new");
+}
+
+#[tokio::test]
+async fn refuses_metadata_without_its_entry_or_with_two_meanings() {
+    let long_name = |name: &[u8]| meta(EntryType::GNULongName, &nul_terminated(name));
+    let pax_header = |pairs: &[(&str, &[u8])]| meta(EntryType::XHeader, &pax(pairs));
+    let cases: Vec<(Vec<Entry>, &str)> = vec![
+        (
+            vec![file("bridge", b"ok"), long_name(b"x")],
+            "archive GNU long-name record is not followed by an entry",
+        ),
+        (
+            vec![pax_header(&[("path", b"x")])],
+            "archive PAX extended header is not followed by an entry",
+        ),
+        (
+            vec![long_name(b"a"), long_name(b"b"), file("c", b"")],
+            "archive GNU long-name record appears twice for one entry",
+        ),
+        (
+            vec![
+                long_name(b"a"),
+                pax_header(&[("path", b"b")]),
+                file("c", b""),
+            ],
+            r#"archive GNU long-name record and a PAX "path" both name one entry"#,
+        ),
+        (
+            vec![
+                meta(EntryType::GNULongLink, &nul_terminated(b"a")),
+                pax_header(&[("linkpath", b"b")]),
+                link(EntryType::Symlink, "c", "d"),
+            ],
+            r#"archive GNU long-link record and a PAX "linkpath" both give one entry's link target"#,
+        ),
+        (
+            vec![
+                long_name(b"a"),
+                meta(EntryType::XGlobalHeader, &pax(&[("comment", b"x")])),
+                file("c", b""),
+            ],
+            "archive PAX global header lies between another metadata record and its entry",
+        ),
+        (
+            vec![meta(EntryType::GNULongName, b"a\0b\0"), file("c", b"")],
+            "archive GNU long-name record contains a NUL byte",
+        ),
+        (
+            vec![
+                meta(EntryType::GNULongLink, &nul_terminated(b"bridge")),
+                file("c", b""),
+            ],
+            "archive GNU long-link record gives a link target to an entry that is not a symlink",
+        ),
+        (
+            vec![pax_header(&[("linkpath", b"bridge")]), dir("c/")],
+            "archive PAX extended header gives a link target to an entry that is not a symlink",
+        ),
+        (
+            // The next header would be found elsewhere by a reader that
+            // honours the PAX size.
+            vec![pax_header(&[("size", b"1")]), file("c", b"22")],
+            r#"archive PAX extended header key "size" differs from the size in the entry's header"#,
+        ),
+        (
+            vec![pax_header(&[("GNU.sparse.map", b"0,2")]), file("c", b"22")],
+            r#"archive PAX extended header key "GNU.sparse.map" describes a sparse file; sparse files are not allowed"#,
+        ),
+        (
+            vec![special(EntryType::GNUSparse, "holes")],
+            r#"archive entry "holes" is a sparse file"#,
+        ),
+        (
+            vec![
+                meta(EntryType::XGlobalHeader, &pax(&[("path", b"evil")])),
+                file("c", b""),
+            ],
+            r#"archive PAX global header key "path" is not allowed in a global header"#,
+        ),
+        (
+            vec![meta(EntryType::XHeader, b"5 a=b\n"), file("c", b"")],
+            "archive PAX extended header holds a malformed record",
+        ),
+        (
+            vec![pax_header(&[("path", &[b'a'; 4097])]), file("c", b"")],
+            "archive PAX extended header gives a path of 4097 bytes, more than the limit of 4096",
+        ),
+        // The names that replace the header's obey the path rules.
+        (
+            vec![pax_header(&[("path", b"../x")]), file("harmless", b"")],
+            r#"archive entry "../x" contains "..""#,
+        ),
+        (
+            vec![long_name(b"/etc/x"), file("harmless", b"")],
+            r#"archive entry "/etc/x" is absolute"#,
+        ),
+        (
+            vec![
+                pax_header(&[("linkpath", b"/")]),
+                link(EntryType::Symlink, "evil", "harmless"),
+            ],
+            r#"archive symlink "evil" -> "/" points to an absolute path"#,
+        ),
+    ];
+    for (entries, expected) in cases {
+        let a = install(tgz(&entries)).await;
+        a.assert_refused();
+        assert!(a.message().contains(expected), "{}", a.message());
+    }
+
+    // A record under its limit that the archive cuts short.
+    let a = install(tgz_cut_after_record(EntryType::GNULongName, 100, b"bin/to")).await;
+    a.assert_refused();
+    assert!(
+        a.message()
+            .contains("archive GNU long-name record is truncated"),
+        "{}",
+        a.message()
+    );
 }
