@@ -1,8 +1,16 @@
 //! Endorsement-key trust: the EK certificate must be issued by a configured
 //! CA (for QEMU, the swtpm local CA; in a cloud, the vTPM vendor's CA) and
 //! certify exactly the EK public key the document carries.
+//!
+//! Every configured certificate whose subject is the EK certificate's
+//! issuer is a candidate (CAs are renewed under the same name, and two
+//! vendors may share one); the certificate is trusted when one candidate's
+//! key verifies its signature and that candidate is itself valid now and a
+//! CA (basicConstraints cA=true and the keyCertSign key usage, where the
+//! extensions are present).
 
-use x509_parser::prelude::{FromDer, X509Certificate};
+use x509_parser::oid_registry::OID_X509_EXT_BASIC_CONSTRAINTS;
+use x509_parser::prelude::{FromDer, ParsedExtension, X509Certificate};
 use x509_parser::public_key::PublicKey as CertKey;
 
 use super::tpm_wire::{Public, PublicKey};
@@ -23,9 +31,23 @@ pub enum EkError {
     /// No configured CA issued the EK certificate.
     #[error("EK certificate issuer {0:?} is not a trusted EK CA")]
     UntrustedIssuer(String),
-    /// The certificate's signature does not verify with the CA's key.
+    /// The certificate's signature does not verify with the key of any CA
+    /// named as its issuer.
     #[error("EK certificate signature does not verify with the CA key")]
     Signature,
+    /// The CA whose key signed the certificate is outside its own validity
+    /// period.
+    #[error("EK CA {0:?} is not valid at this time")]
+    CaValidity(String),
+    /// The configured certificate whose key signed the EK certificate is
+    /// not a CA certificate.
+    #[error("EK CA {subject:?} is not a CA certificate: {reason}")]
+    NotCa {
+        /// The CA certificate's subject.
+        subject: String,
+        /// What it lacks.
+        reason: &'static str,
+    },
     /// The certificate is outside its validity period.
     #[error("EK certificate is not valid at this time")]
     Validity,
@@ -56,21 +78,45 @@ impl EkTrust {
         Ok(Self { anchors })
     }
 
-    /// Checks that `cert_der` was issued by a trusted CA, is valid now and
-    /// certifies `ek`.
+    /// Checks that `cert_der` was issued by a trusted CA that is valid now,
+    /// is valid now itself and certifies `ek`. When no CA named as the
+    /// issuer qualifies, the error is the most precise one: a CA that
+    /// signed the certificate but is expired or no CA ([`EkError::CaValidity`],
+    /// [`EkError::NotCa`]), else [`EkError::Signature`], else (no CA of that
+    /// name) [`EkError::UntrustedIssuer`].
     pub fn verify(&self, cert_der: &[u8], ek: &Public) -> Result<(), EkError> {
         if cert_der.is_empty() {
             return Err(EkError::NoCertificate);
         }
         let (_, cert) = X509Certificate::from_der(cert_der).map_err(|_| EkError::Parse)?;
-        let issuer = self
+        let mut refusal: Option<EkError> = None;
+        let mut issued = false;
+        for ca in self
             .anchors
             .iter()
             .filter_map(|der| X509Certificate::from_der(der).ok().map(|(_, c)| c))
-            .find(|ca| ca.subject() == cert.issuer())
-            .ok_or_else(|| EkError::UntrustedIssuer(cert.issuer().to_string()))?;
-        cert.verify_signature(Some(issuer.public_key()))
-            .map_err(|_| EkError::Signature)?;
+            .filter(|ca| ca.subject() == cert.issuer())
+        {
+            match issued_by(&cert, &ca) {
+                Ok(()) => {
+                    issued = true;
+                    break;
+                }
+                Err(e) => {
+                    if refusal
+                        .as_ref()
+                        .is_none_or(|r| precision(&e) > precision(r))
+                    {
+                        refusal = Some(e);
+                    }
+                }
+            }
+        }
+        if !issued {
+            return Err(
+                refusal.unwrap_or_else(|| EkError::UntrustedIssuer(cert.issuer().to_string()))
+            );
+        }
         if !cert.validity().is_valid() {
             return Err(EkError::Validity);
         }
@@ -84,7 +130,294 @@ impl EkTrust {
     }
 }
 
+/// Whether `ca` issued `cert` and may: its key verifies the signature, it is
+/// valid now, and it is a CA.
+fn issued_by(cert: &X509Certificate<'_>, ca: &X509Certificate<'_>) -> Result<(), EkError> {
+    cert.verify_signature(Some(ca.public_key()))
+        .map_err(|_| EkError::Signature)?;
+    let subject = || ca.subject().to_string();
+    if !ca.validity().is_valid() {
+        return Err(EkError::CaValidity(subject()));
+    }
+    let not_ca = |reason| EkError::NotCa {
+        subject: subject(),
+        reason,
+    };
+    match ca.get_extension_unique(&OID_X509_EXT_BASIC_CONSTRAINTS) {
+        Err(_) => return Err(not_ca("basicConstraints appears more than once")),
+        Ok(None) => {}
+        Ok(Some(ext)) => match ext.parsed_extension() {
+            ParsedExtension::BasicConstraints(bc) if bc.ca => {}
+            ParsedExtension::BasicConstraints(_) => {
+                return Err(not_ca("basicConstraints has cA=false"))
+            }
+            _ => return Err(not_ca("basicConstraints does not parse")),
+        },
+    }
+    match ca.key_usage() {
+        Err(_) => Err(not_ca("keyUsage does not parse or appears more than once")),
+        Ok(Some(usage)) if !usage.value.key_cert_sign() => {
+            Err(not_ca("keyUsage lacks keyCertSign"))
+        }
+        Ok(_) => Ok(()),
+    }
+}
+
+/// How much an issuer refusal says: a CA whose key signed the certificate
+/// but cannot vouch for it says more than a key that did not sign it.
+fn precision(e: &EkError) -> u8 {
+    match e {
+        EkError::CaValidity(_) | EkError::NotCa { .. } => 2,
+        EkError::Signature => 1,
+        _ => 0,
+    }
+}
+
 fn strip_zeros(v: &[u8]) -> &[u8] {
     let first = v.iter().position(|&b| b != 0).unwrap_or(v.len());
     &v[first..]
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+        PublicKeyData, SignatureAlgorithm,
+    };
+    use time::{Duration, OffsetDateTime};
+
+    /// The public half of an RSA-2048 EK: only certificates are checked
+    /// here, so a made-up modulus (exponent 65537) stands in for a TPM's key.
+    struct FakeEk {
+        rsa_public_key: Vec<u8>,
+        modulus: Vec<u8>,
+    }
+
+    impl FakeEk {
+        fn new(seed: u8) -> Self {
+            let mut modulus = vec![seed; 256];
+            modulus[0] = 0xc5;
+            modulus[255] |= 1;
+            // RSAPublicKey ::= SEQUENCE { modulus INTEGER, publicExponent INTEGER }
+            let mut body = vec![0x02, 0x82, 0x01, 0x01, 0x00];
+            body.extend_from_slice(&modulus);
+            body.extend_from_slice(&[0x02, 0x03, 0x01, 0x00, 0x01]);
+            let len = u16::try_from(body.len()).unwrap().to_be_bytes();
+            let mut rsa_public_key = vec![0x30, 0x82, len[0], len[1]];
+            rsa_public_key.extend_from_slice(&body);
+            Self {
+                rsa_public_key,
+                modulus,
+            }
+        }
+
+        fn public(&self) -> Public {
+            Public {
+                name_alg: 0x000b,
+                attributes: 0,
+                symmetric: None,
+                key: PublicKey::Rsa {
+                    bits: 2048,
+                    exponent: 0,
+                    modulus: self.modulus.clone(),
+                },
+                name: Vec::new(),
+            }
+        }
+    }
+
+    impl PublicKeyData for FakeEk {
+        fn der_bytes(&self) -> &[u8] {
+            &self.rsa_public_key
+        }
+
+        fn algorithm(&self) -> &'static SignatureAlgorithm {
+            &rcgen::PKCS_RSA_SHA256
+        }
+    }
+
+    /// A CA certificate and its key.
+    struct Ca {
+        params: CertificateParams,
+        key: KeyPair,
+        pem: String,
+    }
+
+    const NAME: &str = "vTPM EK CA";
+
+    /// A CA named `NAME`, valid now, cA=true and keyCertSign, then `shape`d.
+    fn ca(shape: impl FnOnce(&mut CertificateParams)) -> Ca {
+        ca_with_key(KeyPair::generate().unwrap(), shape)
+    }
+
+    fn ca_with_key(key: KeyPair, shape: impl FnOnce(&mut CertificateParams)) -> Ca {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(DnType::CommonName, NAME);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::days(30);
+        params.not_after = now + Duration::days(365);
+        shape(&mut params);
+        let pem = params.self_signed(&key).unwrap().pem();
+        Ca { params, key, pem }
+    }
+
+    fn expired(params: &mut CertificateParams) {
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::days(400);
+        params.not_after = now - Duration::days(1);
+    }
+
+    impl Ca {
+        /// An EK certificate for `ek` signed by this CA's key.
+        fn issue(&self, ek: &FakeEk) -> Vec<u8> {
+            self.issue_with(ek, |_| {})
+        }
+
+        fn issue_with(&self, ek: &FakeEk, shape: impl FnOnce(&mut CertificateParams)) -> Vec<u8> {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = IsCa::ExplicitNoCa;
+            params.key_usages = vec![KeyUsagePurpose::KeyEncipherment];
+            shape(&mut params);
+            let issuer = Issuer::from_params(&self.params, &self.key);
+            params.signed_by(ek, &issuer).unwrap().der().to_vec()
+        }
+    }
+
+    fn trust(cas: &[&Ca]) -> EkTrust {
+        let bundle: String = cas.iter().map(|c| c.pem.as_str()).collect();
+        EkTrust::from_pem(bundle.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_certificate_from_a_valid_ca_is_accepted() {
+        let ek = FakeEk::new(1);
+        let ca = ca(|_| {});
+        let cert = ca.issue(&ek);
+        trust(&[&ca]).verify(&cert, &ek.public()).unwrap();
+        // ... for its own key only.
+        assert_eq!(
+            trust(&[&ca]).verify(&cert, &FakeEk::new(2).public()),
+            Err(EkError::KeyMismatch)
+        );
+    }
+
+    #[test]
+    fn of_two_cas_with_one_name_the_one_that_signed_is_used() {
+        let ek = FakeEk::new(1);
+        let first = ca(|_| {});
+        let second = ca(|_| {});
+        let cert = second.issue(&ek);
+        trust(&[&first, &second])
+            .verify(&cert, &ek.public())
+            .unwrap();
+        trust(&[&second, &first])
+            .verify(&cert, &ek.public())
+            .unwrap();
+        // The namesake alone does not verify it.
+        assert_eq!(
+            trust(&[&first]).verify(&cert, &ek.public()),
+            Err(EkError::Signature)
+        );
+    }
+
+    #[test]
+    fn an_expired_ca_is_refused_even_though_it_signed() {
+        let ek = FakeEk::new(1);
+        let old = ca(expired);
+        let cert = old.issue(&ek);
+        let refused = |cas: &[&Ca]| trust(cas).verify(&cert, &ek.public());
+        let validity = Err(EkError::CaValidity(format!("CN={NAME}")));
+        assert_eq!(refused(&[&old]), validity);
+        // A valid namesake with another key does not save it, and the error
+        // names the expired CA rather than the namesake's signature.
+        let other = ca(|_| {});
+        assert_eq!(refused(&[&other, &old]), validity);
+        assert_eq!(refused(&[&old, &other]), validity);
+        // A CA not yet valid is refused the same way.
+        let future = ca(|p| {
+            let now = OffsetDateTime::now_utc();
+            p.not_before = now + Duration::days(1);
+            p.not_after = now + Duration::days(400);
+        });
+        let cert = future.issue(&ek);
+        assert_eq!(
+            trust(&[&future]).verify(&cert, &ek.public()),
+            Err(EkError::CaValidity(format!("CN={NAME}")))
+        );
+    }
+
+    #[test]
+    fn a_renewed_ca_with_the_same_key_keeps_its_certificates_trusted() {
+        let ek = FakeEk::new(1);
+        let key = KeyPair::generate().unwrap();
+        let renewed = ca_with_key(KeyPair::from_pem(&key.serialize_pem()).unwrap(), |_| {});
+        let old = ca_with_key(key, expired);
+        let cert = old.issue(&ek);
+        trust(&[&old, &renewed])
+            .verify(&cert, &ek.public())
+            .unwrap();
+    }
+
+    #[test]
+    fn a_certificate_that_is_not_a_ca_is_no_anchor() {
+        let ek = FakeEk::new(1);
+        type Shape = fn(&mut CertificateParams);
+        let cases: [(&str, Shape); 2] = [
+            ("cA=false", |p| p.is_ca = IsCa::ExplicitNoCa),
+            ("no keyCertSign", |p| {
+                p.is_ca = IsCa::NoCa;
+                p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+            }),
+        ];
+        for (case, shape) in cases {
+            let leaf = ca(shape);
+            let cert = leaf.issue(&ek);
+            let err = trust(&[&leaf]).verify(&cert, &ek.public()).unwrap_err();
+            assert!(
+                matches!(&err, EkError::NotCa { subject, .. } if subject == &format!("CN={NAME}")),
+                "{case}: {err:?}"
+            );
+            // A real CA of the same name that did not sign does not help.
+            let other = ca(|_| {});
+            let err = trust(&[&other, &leaf])
+                .verify(&cert, &ek.public())
+                .unwrap_err();
+            assert!(matches!(err, EkError::NotCa { .. }), "{case}: {err:?}");
+        }
+        // Without either extension (an old v1-style CA) nothing says it is
+        // not a CA: accepted.
+        let bare = ca(|p| {
+            p.is_ca = IsCa::NoCa;
+            p.key_usages = Vec::new();
+        });
+        let cert = bare.issue(&ek);
+        trust(&[&bare]).verify(&cert, &ek.public()).unwrap();
+    }
+
+    #[test]
+    fn no_ca_of_that_name_or_an_expired_certificate_is_refused() {
+        let ek = FakeEk::new(1);
+        let issuing = ca(|_| {});
+        let stranger = ca(|p| {
+            p.distinguished_name = rcgen::DistinguishedName::new();
+            p.distinguished_name.push(DnType::CommonName, "another CA");
+        });
+        let cert = issuing.issue(&ek);
+        let err = trust(&[&stranger]).verify(&cert, &ek.public()).unwrap_err();
+        assert!(matches!(err, EkError::UntrustedIssuer(_)), "{err:?}");
+
+        let old_cert = issuing.issue_with(&ek, expired);
+        assert_eq!(
+            trust(&[&issuing]).verify(&old_cert, &ek.public()),
+            Err(EkError::Validity)
+        );
+        assert_eq!(
+            trust(&[&issuing]).verify(&[], &ek.public()),
+            Err(EkError::NoCertificate)
+        );
+    }
 }
