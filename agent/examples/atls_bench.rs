@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use keel_agent::attestation::ek::EkTrust;
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::attestation::validator::{Validator, Verified};
 use keel_agent::config::NodeConfig;
 use keel_agent::measured::MeasuredTpm;
@@ -50,8 +50,14 @@ async fn main() {
     let config = NodeConfig::default();
     let server_issuer = issuer(&sw_server, &dir.path().join("s"), &config);
     let client_issuer = issuer(&sw_client, &dir.path().join("c"), &config);
-    let mut m = Measurements::default();
-    m.insert(12, config.expected_config_pcr(), false);
+    // swtpm: nothing measures into PCRs 4, 9 and 11, they stay zero.
+    let m = Measurements::new([
+        (4, Expected::enforced([0; 32])),
+        (9, Expected::enforced([0; 32])),
+        (11, Expected::enforced([0; 32])),
+        (12, Expected::enforced(config.expected_config_pcr())),
+    ])
+    .unwrap();
     let validator = Arc::new(Validator::new(
         m,
         EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap(),

@@ -50,7 +50,7 @@ use zeroize::Zeroizing;
 use crate::attestation::credential::{self, CredentialError};
 use crate::attestation::ek::EkTrust;
 use crate::attestation::issuer::TpmIssuer;
-use crate::attestation::measurements::Measurements;
+use crate::attestation::measurements::{Expected, Measurements, MeasurementsError};
 use crate::attestation::validator::{Validator, Verified};
 use crate::components::{install_and_measure, InstallComponentsError};
 use crate::config::{NodeConfig, Role};
@@ -166,6 +166,10 @@ pub enum JoinError {
     /// Another thread panicked while holding the TPM.
     #[error("the TPM handle is poisoned")]
     Poisoned,
+    /// This node's own PCRs do not make a set of measurements a join
+    /// service can be validated with.
+    #[error("this node's PCRs do not make usable measurements")]
+    OwnMeasurements(#[source] MeasurementsError),
     /// Making the kubelet key or CSR failed.
     #[error("making the kubelet key")]
     KubeletKey(#[source] rcgen::Error),
@@ -370,10 +374,11 @@ pub fn service_validator(tpm: &SharedTpm, ek_trust: EkTrust) -> Result<Validator
         .tpm()
         .pcr_read(&SHARED_PCRS)
         .map_err(JoinError::ReadPcrs)?;
-    let mut expected = Measurements::default();
-    for (index, value) in own {
-        expected.insert(index, value, false);
-    }
+    let expected = Measurements::new(
+        own.into_iter()
+            .map(|(index, value)| (index, Expected::enforced(value))),
+    )
+    .map_err(JoinError::OwnMeasurements)?;
     Ok(Validator::new(expected, ek_trust))
 }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use keel_agent::attestation::ek::EkTrust;
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::attestation::policy::ReloadableValidator;
 use keel_agent::attestation::validator::Verified;
 use keel_agent::config::NodeConfig;
@@ -69,17 +69,25 @@ struct Policy {
     validator: Arc<ReloadableValidator>,
 }
 
-fn write_measurements(path: &PathBuf, pcr12: [u8; 32], warn_only: bool) {
-    let mut m = Measurements::default();
-    m.insert(12, pcr12, warn_only);
-    m.insert(15, [0; 32], false);
-    std::fs::write(path, m.to_json()).unwrap();
+/// Writes the measurements of these swtpm nodes, all enforced: PCRs 4, 9
+/// and 11 zero (nothing measures into them there), PCR 12 `pcr12`, PCR 15
+/// zero; with `warn13`, PCR 13 expected to be that value, warn-only.
+fn write_measurements(path: &PathBuf, pcr12: [u8; 32], warn13: Option<[u8; 32]>) {
+    let mut entries = vec![
+        (4, Expected::enforced([0; 32])),
+        (9, Expected::enforced([0; 32])),
+        (11, Expected::enforced([0; 32])),
+        (12, Expected::enforced(pcr12)),
+        (15, Expected::enforced([0; 32])),
+    ];
+    entries.extend(warn13.map(|v| (13, Expected::warn_only(v))));
+    std::fs::write(path, Measurements::new(entries).unwrap().to_json()).unwrap();
 }
 
-fn policy(ca: &EkCa, pcr12: [u8; 32], warn_only: bool) -> Policy {
+fn policy(ca: &EkCa, pcr12: [u8; 32], warn13: Option<[u8; 32]>) -> Policy {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("measurements.json");
-    write_measurements(&path, pcr12, warn_only);
+    write_measurements(&path, pcr12, warn13);
     let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
     let validator = Arc::new(ReloadableValidator::load(&path, trust, Vec::new()).unwrap());
     Policy {
@@ -152,7 +160,7 @@ async fn grpc_call_in_each_mode() {
     let ca = EkCa::new().unwrap();
     let server_node = node(&ca);
     let client_node = node(&ca);
-    let p = policy(&ca, expected_config_pcr(), false);
+    let p = policy(&ca, expected_config_pcr(), None);
     let issuer = |n: &Node| -> DynIssuer { n.issuer.clone() };
 
     // Server-attested: the client (e.g. the operator CLI) has no TPM.
@@ -258,7 +266,7 @@ async fn refused_by_client(server_issuer: DynIssuer, client: &AtlsClient<Verifie
 async fn hostile_or_unexpected_servers_fail_the_handshake() {
     let ca = EkCa::new().unwrap();
     let good = node(&ca);
-    let p = policy(&ca, expected_config_pcr(), false);
+    let p = policy(&ca, expected_config_pcr(), None);
     let client = AtlsClient::server_attested(p.validator.validator());
     let hostile = |kind| -> DynIssuer {
         Arc::new(Hostile {
@@ -282,15 +290,15 @@ async fn hostile_or_unexpected_servers_fail_the_handshake() {
     let err = refused_by_client(hostile(Attack::ForgeSignature), &client).await;
     assert!(err.contains("signature does not verify"), "{err}");
 
-    // Enforced PCR mismatch fails and names the PCR; warn-only passes.
-    let strict = policy(&ca, [7; 32], false);
+    // Enforced PCR mismatch fails and names the PCR; a warn-only mismatch passes.
+    let strict = policy(&ca, [7; 32], None);
     let err = refused_by_client(
         good.issuer.clone(),
         &AtlsClient::server_attested(strict.validator.validator()),
     )
     .await;
     assert!(err.contains("PCR 12: expected 0707"), "{err}");
-    let lenient = policy(&ca, [7; 32], true);
+    let lenient = policy(&ca, expected_config_pcr(), Some([7; 32]));
     let (endpoint, task) = serve(AtlsServer::server_attested(good.issuer.clone())).await;
     let (_, attested) = call(
         &AtlsClient::server_attested(lenient.validator.validator()),
@@ -299,7 +307,7 @@ async fn hostile_or_unexpected_servers_fail_the_handshake() {
     .await
     .unwrap();
     task.abort();
-    assert_eq!(attested.unwrap().warnings[0].pcr, 12);
+    assert_eq!(attested.unwrap().warnings[0].pcr, 13);
 
     // AK not anchored to a trusted EK: a TPM whose EK certificate comes from another CA.
     let stranger = node(&EkCa::new().unwrap());
@@ -311,7 +319,7 @@ async fn hostile_or_unexpected_servers_fail_the_handshake() {
 async fn refused_client_gets_a_clear_error() {
     let ca = EkCa::new().unwrap();
     let server_node = node(&ca);
-    let p = policy(&ca, expected_config_pcr(), false);
+    let p = policy(&ca, expected_config_pcr(), None);
     let stranger = node(&EkCa::new().unwrap());
     let (endpoint, task) = serve(AtlsServer::mutual(
         server_node.issuer.clone(),
@@ -339,13 +347,13 @@ async fn refused_client_gets_a_clear_error() {
 async fn swapping_measurements_applies_to_the_next_handshake() {
     let ca = EkCa::new().unwrap();
     let server_node = node(&ca);
-    let p = policy(&ca, expected_config_pcr(), false);
+    let p = policy(&ca, expected_config_pcr(), None);
     let client = AtlsClient::server_attested(p.validator.validator());
     let (endpoint, task) = serve(AtlsServer::server_attested(server_node.issuer.clone())).await;
     call(&client, endpoint.clone()).await.unwrap();
 
     // New values: the next handshake is refused.
-    write_measurements(&p.path, [9; 32], false);
+    write_measurements(&p.path, [9; 32], None);
     p.validator.reload().unwrap();
     let err = call(&client, endpoint.clone()).await.unwrap_err();
     assert!(
@@ -359,8 +367,30 @@ async fn swapping_measurements_applies_to_the_next_handshake() {
     assert!(p.validator.reload().is_err());
     assert!(call(&client, endpoint.clone()).await.is_err());
 
+    // So is a file that enforces nothing (it would admit this node with
+    // warnings only).
+    let h = hex::encode(expected_config_pcr());
+    let warn =
+        |pcr: u32, value: &str| format!(r#""{pcr}": {{"expected": "{value}", "warnOnly": true}}"#);
+    let zero = "0".repeat(64);
+    let lenient = format!(
+        "{{{}, {}, {}, {}}}",
+        warn(4, &zero),
+        warn(9, &zero),
+        warn(11, &zero),
+        warn(12, &h)
+    );
+    std::fs::write(&p.path, lenient).unwrap();
+    let err = p.validator.reload().unwrap_err();
+    assert!(
+        ErrorChain(&err).to_string().contains("enforce no PCR"),
+        "{}",
+        ErrorChain(&err)
+    );
+    assert!(call(&client, endpoint.clone()).await.is_err());
+
     // Back to the right values; then handshakes run while the file flips.
-    write_measurements(&p.path, expected_config_pcr(), false);
+    write_measurements(&p.path, expected_config_pcr(), None);
     p.validator.reload().unwrap();
     call(&client, endpoint.clone()).await.unwrap();
 
@@ -379,7 +409,7 @@ async fn swapping_measurements_applies_to_the_next_handshake() {
         } else {
             expected_config_pcr()
         };
-        write_measurements(&p.path, value, false);
+        write_measurements(&p.path, value, None);
         p.validator.reload().unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }

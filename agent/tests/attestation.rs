@@ -1,9 +1,11 @@
 //! Attestation documents issued by a node's swtpm and judged by the validator.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::BTreeMap;
+
 use keel_agent::attestation::ek::{EkError, EkTrust};
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::attestation::quote::QuoteError;
 use keel_agent::attestation::validator::{ValidationError, Validator};
 use keel_agent::config::NodeConfig;
@@ -45,10 +47,21 @@ fn node_on(swtpm: Swtpm) -> Node {
     }
 }
 
+/// What a swtpm node with `config` measures, all enforced: PCRs 4, 9 and
+/// 11 are zero there, PCR 12 is the config's; then `extra`, added or
+/// replacing.
+fn expected(config: &NodeConfig, extra: &[(u32, Expected)]) -> Measurements {
+    let mut entries: BTreeMap<u32, Expected> = [4, 9, 11]
+        .into_iter()
+        .map(|pcr| (pcr, Expected::enforced([0; 32])))
+        .collect();
+    entries.insert(12, Expected::enforced(config.expected_config_pcr()));
+    entries.extend(extra.iter().cloned());
+    Measurements::new(entries).unwrap()
+}
+
 fn validator(ca: &EkCa, node: &Node) -> Validator {
-    let mut m = Measurements::default();
-    m.insert(12, node.config.expected_config_pcr(), false);
-    m.insert(15, [0; 32], false);
+    let m = expected(&node.config, &[(15, Expected::enforced([0; 32]))]);
     Validator::new(m, EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap())
 }
 
@@ -97,21 +110,20 @@ fn enforced_mismatch_fails_and_names_the_pcr_warn_only_passes() {
     let doc = n.issuer.issue(b"n", b"k").unwrap();
     let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
 
-    let mut enforced = Measurements::default();
-    enforced.insert(12, [7; 32], false);
+    let enforced = expected(&n.config, &[(12, Expected::enforced([7; 32]))]);
     let err = Validator::new(enforced, trust.clone())
         .validate(&doc, b"n", b"k")
         .unwrap_err();
     let text = err.to_string();
     assert!(text.contains("PCR 12: expected 0707"), "{text}");
 
-    let mut warn = Measurements::default();
-    warn.insert(12, [7; 32], true);
+    // PCR 13 (the node's identity) differs per node: expected only warn-only.
+    let warn = expected(&n.config, &[(13, Expected::warn_only([7; 32]))]);
     let ok = Validator::new(warn, trust)
         .validate(&doc, b"n", b"k")
         .unwrap();
     assert_eq!(ok.warnings.len(), 1);
-    assert_eq!(ok.warnings[0].pcr, 12);
+    assert_eq!(ok.warnings[0].pcr, 13);
 }
 
 #[test]

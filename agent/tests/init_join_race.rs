@@ -4,7 +4,7 @@
 
 mod join_common;
 
-use join_common::{free_port, joiner, stand_in_components, start_service_with};
+use join_common::{boot_measurements, free_port, joiner, stand_in_components, start_service_with};
 use keel_agent::join::JoinOutcome;
 use keel_agent::measurement::EventType;
 use keel_proto::init::init_service_server::InitService;
@@ -33,7 +33,7 @@ async fn init_and_join_racing_lock_once() {
             kubernetes_version: "v1.31".into(),
             init_secret: SECRET.to_vec(),
             cluster_name: "race".into(),
-            join_measurements: br#"{"4": {"expected": "00000000000000000000000000000000000000000000000000000000000000aa", "warnOnly": false}}"#.to_vec(),
+            join_measurements: boot_measurements(&node.config).to_json().into_bytes(),
             ..InitRequest::default()
         };
 

@@ -1,5 +1,6 @@
 //! An init request without usable join measurements is refused before the
-//! node lock: the node's join service could not admit anyone by it.
+//! node lock: the node's join service could not admit anyone by it, or
+//! would admit a node that booted anything.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -12,13 +13,27 @@ use keel_testkit::swtpm::EkCa;
 
 const SECRET: &[u8] = b"init secret of the checked node";
 
+const H: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+fn entry(pcr: u32, warn_only: bool) -> String {
+    format!(r#""{pcr}": {{"expected": "{H}", "warnOnly": {warn_only}}}"#)
+}
+
+fn file(entries: &[String]) -> Vec<u8> {
+    format!("{{{}}}", entries.join(", ")).into_bytes()
+}
+
+fn enforced(pcrs: &[u32]) -> Vec<String> {
+    pcrs.iter().map(|&p| entry(p, false)).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn missing_empty_or_malformed_join_measurements_are_refused_before_the_lock() {
+async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_the_lock() {
     let ca = EkCa::new().unwrap();
     let node = joiner(&ca, &ca, free_port(), "checked-0", "control-plane");
     let init = node.init_server(SECRET, false);
     let sealed = node.sealed(&[7; 32]);
-    for (case, measurements, expected) in [
+    let mut cases = vec![
         ("missing", Vec::new(), "join measurements"),
         ("empty", b"{}".to_vec(), "name no PCR"),
         (
@@ -27,7 +42,35 @@ async fn missing_empty_or_malformed_join_measurements_are_refused_before_the_loc
             "join measurements",
         ),
         ("too large", vec![b' '; 65 * 1024], "join measurements"),
+        (
+            "all warn-only",
+            file(&[4, 9, 11, 12, 15].map(|p| entry(p, true))),
+            "enforce no PCR",
+        ),
+        (
+            "PCR 12 warn-only",
+            file(&[enforced(&[4, 9, 11]), vec![entry(12, true)]].concat()),
+            "PCR 12 warn-only",
+        ),
+        (
+            "repeated key",
+            file(&[enforced(&[4, 9, 11, 12]), vec![entry(12, true)]].concat()),
+            "\"12\" appears more than once",
+        ),
+    ];
+    for (missing, expected) in [
+        (4, "PCR 4 missing"),
+        (9, "PCR 9 missing"),
+        (11, "PCR 11 missing"),
+        (12, "PCR 12 missing"),
     ] {
+        let rest: Vec<u32> = [4, 9, 11, 12, 15]
+            .into_iter()
+            .filter(|&p| p != missing)
+            .collect();
+        cases.push(("a required PCR missing", file(&enforced(&rest)), expected));
+    }
+    for (case, measurements, expected) in cases {
         let request = InitRequest {
             master_secret: Some(sealed.clone()),
             master_salt: vec![1; 32],

@@ -8,9 +8,10 @@ mod join_common;
 use std::time::Duration;
 
 use join_common::{
-    free_port, joiner, stand_in_components, start_service_with, zero_boot_measurements, Joiner,
-    Service,
+    boot_measurements, boot_measurements_with, free_port, joiner, stand_in_components,
+    start_service_with, Joiner, Service,
 };
+use keel_agent::attestation::measurements::Expected;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::join::{JoinOutcome, KubeletKey, TicketError};
 use keel_atls::ConnectError;
@@ -75,8 +76,7 @@ async fn refused_nodes_stay_unlocked_and_untouched() {
 
     // A node whose PCR 11 differs from the service's reference: the
     // reference is swapped in at run time (the node's own PCR is zero).
-    let mut reference = zero_boot_measurements();
-    reference.insert(11, [1; 32], false);
+    let reference = boot_measurements_with(&service.config, [(11, Expected::enforced([1; 32]))]);
     std::fs::write(&service.measurements, reference.to_json()).unwrap();
     service.policy.reload().unwrap();
     let mismatched = joiner(&ca, &ca, port, "w-1", "worker");
@@ -138,7 +138,11 @@ async fn refused_nodes_stay_unlocked_and_untouched() {
     deceived.assert_untouched();
 
     // Once the reference is what the image measures, the same node joins.
-    std::fs::write(&service.measurements, zero_boot_measurements().to_json()).unwrap();
+    std::fs::write(
+        &service.measurements,
+        boot_measurements(&service.config).to_json(),
+    )
+    .unwrap();
     service.policy.reload().unwrap();
     let cluster_id = joined(&mismatched, &ca).await;
     assert_eq!(cluster_id, service.state.cluster_id);

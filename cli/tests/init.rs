@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_agent::address::AdvertiseAddress;
-use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::config::NodeConfig;
 use keel_agent::init::{NodeEnv, RebootPolicy};
@@ -143,16 +143,26 @@ impl Node {
             .unwrap()[&pcr::CLUSTER_ID]
     }
 
+    /// What this node measures, enforced: PCRs 4, 9 and 11 are zero on
+    /// swtpm, PCR 12 is `pcr12`; then PCR 15 as `pcr15`.
+    fn measurements(&self, pcr12: [u8; 32], pcr15: Expected) -> Measurements {
+        Measurements::new([
+            (4, Expected::enforced([0; 32])),
+            (9, Expected::enforced([0; 32])),
+            (11, Expected::enforced([0; 32])),
+            (12, Expected::enforced(pcr12)),
+            (15, pcr15),
+        ])
+        .unwrap()
+    }
+
     /// Writes the CLI's settings for this node; `pcr12` overrides the expected config PCR.
     fn settings(&self, ca: &EkCa, secret: &[u8], pcr12: Option<[u8; 32]>) -> PathBuf {
         let d = self.dir.path();
-        let mut m = Measurements::default();
-        m.insert(
-            12,
+        let m = self.measurements(
             pcr12.unwrap_or_else(|| self.config.expected_config_pcr()),
-            false,
+            Expected::enforced([0; 32]),
         );
-        m.insert(15, [0; 32], false);
         std::fs::write(d.join("measurements.json"), m.to_json()).unwrap();
         std::fs::write(d.join("ek-ca.pem"), ca.issuer_pem().unwrap()).unwrap();
         std::fs::write(d.join("init-secret"), secret).unwrap();
@@ -274,9 +284,7 @@ async fn second_init_is_failed_precondition() {
         .success());
     // A CLI that accepts any PCR 15 (warn-only) reaches the node, which refuses.
     let settings = n.settings(&ca, SECRET, None);
-    let mut m = Measurements::default();
-    m.insert(12, n.config.expected_config_pcr(), false);
-    m.insert(15, [0; 32], true);
+    let m = n.measurements(n.config.expected_config_pcr(), Expected::warn_only([0; 32]));
     std::fs::write(n.dir.path().join("measurements.json"), m.to_json()).unwrap();
     let ws2 = tempfile::tempdir().unwrap();
     let out = keel_init(&settings, ws2.path()).await;

@@ -17,8 +17,10 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use join_common::{joiner_with, node_env, stand_in_components, zero_boot_measurements, Joiner};
-use keel_agent::attestation::measurements::Measurements;
+use join_common::{
+    boot_measurements, boot_measurements_with, joiner_with, node_env, stand_in_components, Joiner,
+};
+use keel_agent::attestation::measurements::Expected;
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::join::JoinOutcome;
@@ -70,9 +72,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     // `keel init` against it.
     let ws = tempfile::tempdir().unwrap();
     let d = dir1.path();
-    let mut m = Measurements::default();
-    m.insert(12, config1.expected_config_pcr(), false);
-    m.insert(15, [0; 32], false);
+    let m = boot_measurements_with(&config1, [(15, Expected::enforced([0; 32]))]);
     std::fs::write(d.join("cli-measurements.json"), m.to_json()).unwrap();
     std::fs::write(d.join("ek-ca.pem"), ca.issuer_pem().unwrap()).unwrap();
     std::fs::write(d.join("init-secret"), SECRET).unwrap();
@@ -119,7 +119,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
 
     // Node 1 serves the join service, with the image's reference values.
     let measurements = d.join("measurements.json");
-    std::fs::write(&measurements, zero_boot_measurements().to_json()).unwrap();
+    std::fs::write(&measurements, boot_measurements(&config1).to_json()).unwrap();
     let policy = keel_agent::node::join_service_policy(&config1, &measurements).unwrap();
     let service = JoinService::new(state.clone(), env1.kubeadm.clone(), d.join("work")).unwrap();
     let join_addr: SocketAddr = format!("127.0.0.1:{join_port}").parse().unwrap();

@@ -2,19 +2,18 @@
 //! and writes them as a measurements file.
 //!
 //! ```text
-//! keel-measure --uki build/image/keel.efi [--node-config FILE] [--output FILE] [--events]
+//! keel-measure --uki build/image/keel.efi --node-config FILE [--output FILE] [--events]
 //! ```
 
 use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use keel_agent::attestation::measurements::Measurements;
 use keel_agent::config::NodeConfig;
 use keel_image::pcr::{replay, Event};
 use keel_image::predict::{self, Uki};
 
-/// Predicts PCRs 4, 9, 11 (and 12 for a node config) from a built image.
+/// Predicts PCRs 4, 9, 11 and 12 from a built image and a node config.
 #[derive(Debug, Parser)]
 #[command(name = "keel-measure", version)]
 struct Args {
@@ -24,9 +23,10 @@ struct Args {
     /// A node config document, as given to the VM (fw_cfg
     /// `opt/keel/node-config`) or installed in the image. It is read and
     /// validated as the agent does, and PCR 12 predicted from its canonical
-    /// form. Without it PCR 12 is left out.
+    /// form. Required: verifiers refuse a measurements file that does not
+    /// enforce PCR 12.
     #[arg(long)]
-    node_config: Option<PathBuf>,
+    node_config: PathBuf,
     /// Where to write the measurements JSON (default: standard output).
     #[arg(long)]
     output: Option<PathBuf>,
@@ -39,34 +39,31 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let bytes = std::fs::read(&args.uki).with_context(|| format!("read {}", args.uki.display()))?;
     let uki = Uki::parse(&bytes).with_context(|| format!("{}", args.uki.display()))?;
+    // The agent's own loader: same size bound, validation and canonical form.
+    let path = &args.node_config;
+    let (config, _) =
+        NodeConfig::load(Some(path)).with_context(|| format!("node config {}", path.display()))?;
 
-    let pcrs: [(u32, Vec<Event>); 3] = [
-        (predict::PCR_BOOT_LOADER_CODE, predict::pcr4(&uki)?),
-        (predict::PCR_KERNEL_PARAMETERS, predict::pcr9(&uki)?),
-        (predict::PCR_KERNEL_BOOT, predict::pcr11(&uki)?),
-    ];
-    let mut measurements = Measurements::default();
-    for (pcr, events) in &pcrs {
-        let value = replay(events);
-        if args.events {
-            eprintln!("pcr {pcr} = {}", hex::encode(value));
+    if args.events {
+        let pcrs: [(u32, Vec<Event>); 3] = [
+            (predict::PCR_BOOT_LOADER_CODE, predict::pcr4(&uki)?),
+            (predict::PCR_KERNEL_PARAMETERS, predict::pcr9(&uki)?),
+            (predict::PCR_KERNEL_BOOT, predict::pcr11(&uki)?),
+        ];
+        for (pcr, events) in &pcrs {
+            eprintln!("pcr {pcr} = {}", hex::encode(replay(events)));
             for event in events {
                 eprintln!("  {event}");
             }
         }
-        measurements.insert(*pcr, value, false);
+        eprintln!(
+            "pcr {} = {}",
+            predict::PCR_NODE_CONFIG,
+            hex::encode(predict::pcr12(&config))
+        );
+        eprintln!("  keel-agent node-config event for {}", path.display());
     }
-    if let Some(path) = &args.node_config {
-        // The agent's own loader: same size bound, validation and canonical form.
-        let (config, _) = NodeConfig::load(Some(path))
-            .with_context(|| format!("node config {}", path.display()))?;
-        let value = predict::pcr12(&config);
-        if args.events {
-            eprintln!("pcr {} = {}", predict::PCR_NODE_CONFIG, hex::encode(value));
-            eprintln!("  keel-agent node-config event for {}", path.display());
-        }
-        measurements.insert(predict::PCR_NODE_CONFIG, value, false);
-    }
+    let measurements = predict::measurements(&uki, &config)?;
 
     let json = measurements.to_json();
     match &args.output {

@@ -9,10 +9,11 @@
 
 use thiserror::Error;
 
+use keel_agent::attestation::measurements::{Expected, Measurements, MeasurementsError};
 use keel_agent::config::NodeConfig;
 
 use crate::authenticode::{self, AuthenticodeError};
-use crate::pcr::{Digest, Event};
+use crate::pcr::{replay, Digest, Event};
 use crate::pe::{PeError, PeFile};
 
 /// The PCR the firmware measures boot applications into.
@@ -64,6 +65,9 @@ pub enum PredictError {
     /// `.cmdline` is not UTF-8.
     #[error("the .cmdline section is not UTF-8")]
     CmdlineEncoding,
+    /// The predicted values do not make a measurements file verifiers accept.
+    #[error("build the measurements file")]
+    Measurements(#[source] MeasurementsError),
 }
 
 /// A UKI file and the section contents the stubs see.
@@ -186,9 +190,29 @@ pub fn pcr12(config: &NodeConfig) -> Digest {
     config.expected_config_pcr()
 }
 
+/// The measurements file for `uki` booted with `config`: PCRs 4, 9, 11 and
+/// 12, each enforced. Built by the verifiers' own type, so a file that the
+/// CLI or a join service would refuse is never produced.
+pub fn measurements(uki: &Uki<'_>, config: &NodeConfig) -> Result<Measurements, PredictError> {
+    Measurements::new([
+        (
+            PCR_BOOT_LOADER_CODE,
+            Expected::enforced(replay(&pcr4(uki)?)),
+        ),
+        (
+            PCR_KERNEL_PARAMETERS,
+            Expected::enforced(replay(&pcr9(uki)?)),
+        ),
+        (PCR_KERNEL_BOOT, Expected::enforced(replay(&pcr11(uki)?))),
+        (PCR_NODE_CONFIG, Expected::enforced(pcr12(config))),
+    ])
+    .map_err(PredictError::Measurements)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testpe::{self, SectionSpec};
 
     #[test]
     fn mangling_replaces_controls_and_trims_the_end() {
@@ -209,6 +233,45 @@ mod tests {
         assert_eq!(pcr12(&a), pcr12(&b));
         assert_ne!(pcr12(&a), pcr12(&c));
         assert_ne!(pcr12(&a), [0; 32]);
+        Ok(())
+    }
+
+    #[test]
+    fn the_measurements_file_enforces_what_verifiers_require(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let kernel = testpe::build(
+            &[SectionSpec::new(".text", b"kernel code", 0x200)],
+            b"",
+            b"",
+            0,
+        );
+        let uki = testpe::build(
+            &[
+                SectionSpec::new(".linux", &kernel, 0x200),
+                SectionSpec::new(".cmdline", b"console=ttyS0\n", 0x600),
+                SectionSpec::new(".initrd", b"initrd", 0x800),
+            ],
+            b"",
+            b"",
+            0,
+        );
+        let uki = Uki::parse(&uki)?;
+        let config = NodeConfig::parse(
+            br#"{"node": {"name": "a"}}"#,
+            std::path::Path::new("node-config.json"),
+        )?;
+        let m = measurements(&uki, &config)?;
+        let pcrs: Vec<(u32, bool)> = m.iter().map(|(p, e)| (*p, e.warn_only)).collect();
+        assert_eq!(pcrs, [(4, false), (9, false), (11, false), (12, false)]);
+        assert!(m
+            .iter()
+            .any(|(p, e)| *p == PCR_NODE_CONFIG && e.digest == pcr12(&config)));
+        let pcr11_value = replay(&pcr11(&uki)?);
+        assert!(m
+            .iter()
+            .any(|(p, e)| *p == PCR_KERNEL_BOOT && e.digest == pcr11_value));
+        // What keel-measure writes is what the CLI and the node read back.
+        assert_eq!(Measurements::parse(m.to_json().as_bytes())?, m);
         Ok(())
     }
 }

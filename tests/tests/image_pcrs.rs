@@ -20,7 +20,6 @@ use keel_agent::measurement::{self, Event, EventType, HexDigest};
 use keel_e2e::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
 use keel_e2e::report::{reported_pcrs, READY_LINE};
 use keel_e2e::vm::{Vm, VmBuilder};
-use keel_image::pcr::replay;
 use keel_image::predict::{self, Uki};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -41,24 +40,8 @@ fn predict(
 ) -> Result<Measurements, Box<dyn std::error::Error>> {
     let bytes = std::fs::read(image.uki())?;
     let uki = Uki::parse(&bytes)?;
-    let mut expected = Measurements::default();
-    expected.insert(
-        predict::PCR_BOOT_LOADER_CODE,
-        replay(&predict::pcr4(&uki)?),
-        false,
-    );
-    expected.insert(
-        predict::PCR_KERNEL_PARAMETERS,
-        replay(&predict::pcr9(&uki)?),
-        false,
-    );
-    expected.insert(
-        predict::PCR_KERNEL_BOOT,
-        replay(&predict::pcr11(&uki)?),
-        false,
-    );
-    expected.insert(predict::PCR_NODE_CONFIG, predict::pcr12(config), false);
-    Ok(expected)
+    // keel-measure's own construction.
+    Ok(predict::measurements(&uki, config)?)
 }
 
 /// The agent's startup log for `config`: the cluster part, then the node

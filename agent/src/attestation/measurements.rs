@@ -2,18 +2,37 @@
 //!
 //! JSON, `{"<pcr>": {"expected": "<hex>", "warnOnly": bool}}`, the format
 //! Constellation's users already have; a plain hex string stands for an
-//! enforced value. Parsing is strict: unknown keys, PCR indices outside
-//! 0-23, bad hex and digests that are not 32 bytes are errors.
+//! enforced value. Parsing is strict: unknown keys, repeated keys, PCR
+//! indices outside 0-23, bad hex and digests that are not 32 bytes are
+//! errors.
+//!
+//! A set of measurements must also enforce something: it is refused when it
+//! is empty, when every entry is warn-only, or when any PCR of
+//! [`REQUIRED_PCRS`] (what the image and the agent measure) has no enforced
+//! entry. A verifier holding such a set would accept a node that booted
+//! anything. Every way to build a [`Measurements`] ([`Measurements::parse`],
+//! [`Measurements::new`]) applies the rule, and the only mutation,
+//! [`Measurements::require`], adds an enforced value, so no code can hold a
+//! set that enforces less.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
+use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-use crate::measurement::{Digest32, HexDigest};
+use crate::measurement::{pcr, Digest32, HexDigest};
 
 /// Largest accepted measurements file.
 pub const MAX_MEASUREMENTS_BYTES: usize = 64 * 1024;
+
+/// PCRs every set of measurements must enforce: the UKI as the firmware
+/// loaded it (4), the kernel command line and initrd (9), the UKI's
+/// sections (11) and the cluster part of the node config (12).
+pub const REQUIRED_PCRS: [u32; 4] = [4, 9, 11, pcr::CONFIG];
+
+/// Number of PCRs of a bank; indices are below it.
+const PCR_COUNT: u32 = 24;
 
 /// One expected PCR value.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,8 +43,27 @@ pub struct Expected {
     pub warn_only: bool,
 }
 
-/// Expected values by PCR index.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+impl Expected {
+    /// An enforced value: a mismatch is refused.
+    pub fn enforced(digest: Digest32) -> Self {
+        Self {
+            digest,
+            warn_only: false,
+        }
+    }
+
+    /// A warn-only value: a mismatch is logged.
+    pub fn warn_only(digest: Digest32) -> Self {
+        Self {
+            digest,
+            warn_only: true,
+        }
+    }
+}
+
+/// Expected values by PCR index; always enforces every PCR of
+/// [`REQUIRED_PCRS`].
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Measurements(BTreeMap<u32, Expected>);
 
 /// Why a measurements file was refused.
@@ -38,6 +76,9 @@ pub enum MeasurementsError {
     /// A key is not a PCR index 0-23.
     #[error("measurements: {0:?} is not a PCR index (0 to 23)")]
     Index(String),
+    /// A PCR is listed twice (JSON would silently keep the last).
+    #[error("measurements: PCR key {0:?} appears more than once")]
+    DuplicateKey(String),
     /// A value is not 64 hex digits.
     #[error("measurements: PCR {pcr}: expected value is not 64 hex digits")]
     Digest {
@@ -47,6 +88,40 @@ pub enum MeasurementsError {
     /// The file is larger than [`MAX_MEASUREMENTS_BYTES`].
     #[error("measurements file is larger than {MAX_MEASUREMENTS_BYTES} bytes")]
     TooLarge,
+    /// No PCR is listed.
+    #[error("measurements name no PCR: a verifier would accept a node that booted anything")]
+    Empty,
+    /// Every listed PCR is warn-only.
+    #[error("measurements enforce no PCR (every entry is warnOnly): a verifier would accept a node that booted anything")]
+    NothingEnforced,
+    /// Some PCRs of [`REQUIRED_PCRS`] have no enforced entry.
+    #[error(
+        "measurements must enforce PCRs 4, 9, 11 and 12 (the image and the agent measure them): {}",
+        unenforced(.missing, .warn_only)
+    )]
+    NotEnforced {
+        /// Required PCRs that are not listed.
+        missing: Vec<u32>,
+        /// Required PCRs that are listed as warn-only.
+        warn_only: Vec<u32>,
+    },
+}
+
+fn unenforced(missing: &[u32], warn_only: &[u32]) -> String {
+    let list = |pcrs: &[u32]| {
+        pcrs.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut parts = Vec::new();
+    if !missing.is_empty() {
+        parts.push(format!("PCR {} missing", list(missing)));
+    }
+    if !warn_only.is_empty() {
+        parts.push(format!("PCR {} warn-only", list(warn_only)));
+    }
+    parts.join("; ")
 }
 
 #[derive(Deserialize, Serialize)]
@@ -62,6 +137,34 @@ struct FullEntry {
     expected: String,
     #[serde(default)]
     warn_only: bool,
+}
+
+/// The file's top-level object with every key as written, in order, repeats
+/// included, so that a repeated key can be refused by name.
+struct RawEntries(Vec<(String, Entry)>);
+
+impl<'de> Deserialize<'de> for RawEntries {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct EntriesVisitor;
+
+        impl<'de> Visitor<'de> for EntriesVisitor {
+            type Value = RawEntries;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object of PCR indices to expected values")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEntries, A::Error> {
+                let mut entries = Vec::new();
+                while let Some((key, entry)) = map.next_entry::<String, Entry>()? {
+                    entries.push((key, entry));
+                }
+                Ok(RawEntries(entries))
+            }
+        }
+
+        deserializer.deserialize_map(EntriesVisitor)
+    }
 }
 
 /// A PCR whose value differs from the expected one.
@@ -93,19 +196,19 @@ impl fmt::Display for Mismatch {
 }
 
 impl Measurements {
-    /// Parses a measurements file.
+    /// Parses a measurements file and checks that it enforces
+    /// [`REQUIRED_PCRS`].
     pub fn parse(bytes: &[u8]) -> Result<Self, MeasurementsError> {
         if bytes.len() > MAX_MEASUREMENTS_BYTES {
             return Err(MeasurementsError::TooLarge);
         }
-        let raw: BTreeMap<String, Entry> =
-            serde_json::from_slice(bytes).map_err(MeasurementsError::Json)?;
+        let RawEntries(raw) = serde_json::from_slice(bytes).map_err(MeasurementsError::Json)?;
         let mut out = BTreeMap::new();
         for (key, entry) in raw {
             let pcr: u32 = key
                 .parse()
                 .ok()
-                .filter(|p: &u32| *p < 24 && key == p.to_string())
+                .filter(|p: &u32| *p < PCR_COUNT && key == p.to_string())
                 .ok_or_else(|| MeasurementsError::Index(key.clone()))?;
             let (hex_value, warn_only) = match entry {
                 Entry::Plain(h) => (h, false),
@@ -114,14 +217,56 @@ impl Measurements {
             let mut digest = [0u8; 32];
             hex::decode_to_slice(hex_value.trim(), &mut digest)
                 .map_err(|_| MeasurementsError::Digest { pcr })?;
-            out.insert(pcr, Expected { digest, warn_only });
+            if out.insert(pcr, Expected { digest, warn_only }).is_some() {
+                return Err(MeasurementsError::DuplicateKey(key));
+            }
         }
-        Ok(Self(out))
+        Self::checked(out)
     }
 
-    /// Adds or replaces an expected value.
-    pub fn insert(&mut self, pcr: u32, digest: Digest32, warn_only: bool) {
-        self.0.insert(pcr, Expected { digest, warn_only });
+    /// A set from `entries`, under the same rules as [`Measurements::parse`]:
+    /// indices 0-23, each PCR once, [`REQUIRED_PCRS`] enforced.
+    pub fn new(
+        entries: impl IntoIterator<Item = (u32, Expected)>,
+    ) -> Result<Self, MeasurementsError> {
+        let mut out = BTreeMap::new();
+        for (pcr, expected) in entries {
+            if pcr >= PCR_COUNT {
+                return Err(MeasurementsError::Index(pcr.to_string()));
+            }
+            if out.insert(pcr, expected).is_some() {
+                return Err(MeasurementsError::DuplicateKey(pcr.to_string()));
+            }
+        }
+        Self::checked(out)
+    }
+
+    fn checked(map: BTreeMap<u32, Expected>) -> Result<Self, MeasurementsError> {
+        if map.is_empty() {
+            return Err(MeasurementsError::Empty);
+        }
+        if map.values().all(|e| e.warn_only) {
+            return Err(MeasurementsError::NothingEnforced);
+        }
+        let (mut missing, mut warn_only) = (Vec::new(), Vec::new());
+        for pcr in REQUIRED_PCRS {
+            match map.get(&pcr) {
+                None => missing.push(pcr),
+                Some(e) if e.warn_only => warn_only.push(pcr),
+                Some(_) => {}
+            }
+        }
+        if !missing.is_empty() || !warn_only.is_empty() {
+            return Err(MeasurementsError::NotEnforced { missing, warn_only });
+        }
+        Ok(Self(map))
+    }
+
+    /// Sets `pcr` to the enforced value `digest`, replacing any entry for it.
+    /// The set only gets stricter: nothing can make an entry warn-only or
+    /// remove it.
+    pub fn require(&mut self, pcr: u32, digest: Digest32) {
+        self.0.insert(pcr, Expected::enforced(digest));
     }
 
     /// The expected values.
@@ -166,54 +311,220 @@ impl Measurements {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::panic)]
 mod tests {
     use super::*;
 
     const H: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
+    /// Entries for the required PCRs (all enforced) followed by `extra`.
+    fn file(extra: &str) -> String {
+        let required: Vec<String> = REQUIRED_PCRS
+            .iter()
+            .map(|p| format!(r#""{p}": "{H}""#))
+            .collect();
+        let mut all = required.join(", ");
+        if !extra.is_empty() {
+            all.push_str(", ");
+            all.push_str(extra);
+        }
+        format!("{{{all}}}")
+    }
+
+    fn enforced(pcrs: &[u32]) -> Vec<(u32, Expected)> {
+        pcrs.iter()
+            .map(|&p| (p, Expected::enforced([0; 32])))
+            .collect()
+    }
+
     #[test]
     fn parses_both_forms_and_round_trips() {
         let m = Measurements::parse(
-            format!(r#"{{"4": "{H}", "12": {{"expected": "{H}", "warnOnly": true}}}}"#).as_bytes(),
+            file(&format!(r#""13": {{"expected": "{H}", "warnOnly": true}}"#)).as_bytes(),
         )
         .unwrap();
-        assert_eq!(m.iter().count(), 2);
-        assert!(m.iter().any(|(p, e)| *p == 12 && e.warn_only));
+        assert_eq!(m.iter().count(), 5);
+        assert!(m.iter().any(|(p, e)| *p == 13 && e.warn_only));
+        assert!(m
+            .iter()
+            .filter(|(p, _)| **p != 13)
+            .all(|(_, e)| !e.warn_only));
         assert_eq!(Measurements::parse(m.to_json().as_bytes()).unwrap(), m);
     }
 
     #[test]
     fn strict_parsing() {
         let bad = [
-            format!(r#"{{"24": "{H}"}}"#),
-            format!(r#"{{"-1": "{H}"}}"#),
-            format!(r#"{{"04": "{H}"}}"#),
-            format!(r#"{{"pcr4": "{H}"}}"#),
-            r#"{"4": "00"}"#.to_string(),
-            format!(r#"{{"4": "{}"}}"#, "zz".repeat(32)),
-            format!(r#"{{"4": {{"expected": "{H}", "warn": true}}}}"#),
+            file(&format!(r#""24": "{H}""#)),
+            file(&format!(r#""-1": "{H}""#)),
+            file(&format!(r#""04": "{H}""#)),
+            file(&format!(r#""pcr4": "{H}""#)),
+            file(r#""13": "00""#),
+            file(&format!(r#""13": "{}""#, "zz".repeat(32))),
+            file(&format!(r#""13": {{"expected": "{H}", "warn": true}}"#)),
+            file(&format!(
+                r#""13": {{"expected": "{H}", "expected": "{H}"}}"#
+            )),
             "[]".to_string(),
+            format!("{H:?}"),
         ];
         for b in bad {
             assert!(Measurements::parse(b.as_bytes()).is_err(), "accepted {b}");
         }
+        // The same files without the bad entry are fine: the rejections
+        // above are for that entry.
+        Measurements::parse(file("").as_bytes()).unwrap();
+    }
+
+    #[test]
+    fn an_empty_set_is_refused() {
+        let err = Measurements::parse(b"{}").unwrap_err();
+        assert!(matches!(err, MeasurementsError::Empty), "{err:?}");
+        assert!(err.to_string().contains("name no PCR"), "{err}");
+        let err = Measurements::new([]).unwrap_err();
+        assert!(matches!(err, MeasurementsError::Empty), "{err:?}");
+    }
+
+    #[test]
+    fn an_all_warn_only_set_is_refused() {
+        let entries: Vec<String> = [4, 9, 11, 12, 13]
+            .iter()
+            .map(|p| format!(r#""{p}": {{"expected": "{H}", "warnOnly": true}}"#))
+            .collect();
+        let json = format!("{{{}}}", entries.join(", "));
+        let err = Measurements::parse(json.as_bytes()).unwrap_err();
+        assert!(matches!(err, MeasurementsError::NothingEnforced), "{err:?}");
+        assert!(err.to_string().contains("enforce no PCR"), "{err}");
+        let err = Measurements::new([(12, Expected::warn_only([0; 32]))]).unwrap_err();
+        assert!(matches!(err, MeasurementsError::NothingEnforced), "{err:?}");
+    }
+
+    #[test]
+    fn each_missing_required_pcr_is_refused_by_name() {
+        for missing in REQUIRED_PCRS {
+            let entries: Vec<String> = REQUIRED_PCRS
+                .iter()
+                .chain(&[15])
+                .filter(|&&p| p != missing)
+                .map(|p| format!(r#""{p}": "{H}""#))
+                .collect();
+            let json = format!("{{{}}}", entries.join(", "));
+            let err = Measurements::parse(json.as_bytes()).unwrap_err();
+            match &err {
+                MeasurementsError::NotEnforced {
+                    missing: m,
+                    warn_only,
+                } => {
+                    assert_eq!(
+                        (m.as_slice(), warn_only.as_slice()),
+                        (&[missing][..], &[][..])
+                    );
+                }
+                other => panic!("PCR {missing}: {other:?}"),
+            }
+            let text = err.to_string();
+            assert!(text.contains(&format!("PCR {missing} missing")), "{text}");
+
+            let others: Vec<u32> = REQUIRED_PCRS
+                .into_iter()
+                .filter(|&p| p != missing)
+                .collect();
+            let err = Measurements::new(enforced(&others)).unwrap_err();
+            assert!(
+                matches!(&err, MeasurementsError::NotEnforced { missing: m, .. } if m == &[missing]),
+                "PCR {missing}: {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_warn_only_required_pcr_is_refused_by_name() {
+        let json = format!(
+            r#"{{"4": "{H}", "9": "{H}", "11": "{H}", "12": {{"expected": "{H}", "warnOnly": true}}}}"#
+        );
+        let err = Measurements::parse(json.as_bytes()).unwrap_err();
+        match &err {
+            MeasurementsError::NotEnforced { missing, warn_only } => {
+                assert!(missing.is_empty(), "{err:?}");
+                assert_eq!(warn_only, &[12]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(err.to_string().contains("PCR 12 warn-only"), "{err}");
+
+        // Several at once are all named.
+        let err = Measurements::parse(
+            format!(r#"{{"4": "{H}", "11": {{"expected": "{H}", "warnOnly": true}}}}"#).as_bytes(),
+        )
+        .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("PCR 9, 12 missing; PCR 11 warn-only"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_repeated_key_is_refused_by_name() {
+        // serde_json into a map would keep the second, warn-only, entry.
+        let json = file(&format!(r#""12": {{"expected": "{H}", "warnOnly": true}}"#));
+        let err = Measurements::parse(json.as_bytes()).unwrap_err();
+        assert!(
+            matches!(&err, MeasurementsError::DuplicateKey(k) if k == "12"),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("\"12\" appears more than once"),
+            "{err}"
+        );
+        // The same key spelled with a JSON escape is the same key.
+        let json = file(&format!(r#""\u0031\u0033": "{H}", "13": "{H}""#));
+        let err = Measurements::parse(json.as_bytes()).unwrap_err();
+        assert!(
+            matches!(&err, MeasurementsError::DuplicateKey(k) if k == "13"),
+            "{err:?}"
+        );
+        let mut entries = enforced(&REQUIRED_PCRS);
+        entries.push((4, Expected::warn_only([1; 32])));
+        let err = Measurements::new(entries).unwrap_err();
+        assert!(
+            matches!(&err, MeasurementsError::DuplicateKey(k) if k == "4"),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn new_applies_the_index_rule_and_require_only_strengthens() {
+        let mut entries = enforced(&REQUIRED_PCRS);
+        entries.push((24, Expected::enforced([0; 32])));
+        assert!(matches!(
+            Measurements::new(entries).unwrap_err(),
+            MeasurementsError::Index(_)
+        ));
+        let mut entries = enforced(&REQUIRED_PCRS);
+        entries.push((15, Expected::warn_only([0; 32])));
+        let mut m = Measurements::new(entries).unwrap();
+        m.require(15, [5; 32]);
+        m.require(16, [6; 32]);
+        assert!(m.iter().all(|(_, e)| !e.warn_only));
+        assert!(m.iter().any(|(p, e)| *p == 15 && e.digest == [5; 32]));
+        assert_eq!(m.iter().count(), 6);
     }
 
     #[test]
     fn compare_reports_each_mismatch() {
-        let mut m = Measurements::default();
-        m.insert(4, [1; 32], false);
-        m.insert(9, [2; 32], true);
-        m.insert(11, [3; 32], false);
-        let actual = BTreeMap::from([(4, [1; 32]), (9, [0; 32])]);
+        let mut entries = enforced(&REQUIRED_PCRS);
+        entries.push((13, Expected::warn_only([2; 32])));
+        let m = Measurements::new(entries).unwrap();
+        let actual = BTreeMap::from([(4, [0; 32]), (9, [0; 32]), (12, [0; 32]), (13, [1; 32])]);
         let mism = m.compare(&actual);
         assert_eq!(mism.len(), 2);
+        assert_eq!((mism[0].pcr, mism[0].actual), (11, None));
+        assert!(!mism[0].warn_only);
+        assert!(mism[0].to_string().contains("PCR 11: expected 0000"));
         assert_eq!(
-            (mism[0].pcr, mism[0].warn_only, mism[0].actual),
-            (9, true, Some([0; 32]))
+            (mism[1].pcr, mism[1].warn_only, mism[1].actual),
+            (13, true, Some([1; 32]))
         );
-        assert_eq!((mism[1].pcr, mism[1].actual), (11, None));
-        assert!(mism[1].to_string().contains("PCR 11: expected 0303"));
     }
 }

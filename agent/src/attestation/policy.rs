@@ -2,8 +2,10 @@
 //! file, re-read while the service runs, behind a swappable validator.
 //!
 //! A new file is parsed and a new [`Validator`] built before anything is
-//! swapped; a file that does not parse leaves the old validator in place and
-//! is logged. Handshakes in flight finish on the validator they started with.
+//! swapped; a file that does not parse, or that does not enforce the PCRs
+//! every set must enforce ([`super::measurements::REQUIRED_PCRS`]), leaves
+//! the old validator in place and is logged. Handshakes in flight finish on
+//! the validator they started with.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -146,10 +148,88 @@ fn build(
         source,
     })?;
     for (pcr, digest) in required {
-        measurements.insert(*pcr, *digest, false);
+        measurements.require(*pcr, *digest);
     }
     Ok((
         Validator::new(measurements, ek_trust.clone()),
         meta.modified().ok(),
     ))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::attestation::measurements::{Expected, REQUIRED_PCRS};
+
+    const H: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+    fn enforcing(value: u8) -> String {
+        Measurements::new(REQUIRED_PCRS.map(|p| (p, Expected::enforced([value; 32]))))
+            .unwrap()
+            .to_json()
+    }
+
+    #[test]
+    fn a_new_file_that_enforces_too_little_keeps_the_old_validator() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("measurements.json");
+        std::fs::write(&path, enforcing(1)).unwrap();
+        let policy =
+            ReloadableValidator::load(&path, EkTrust::default(), vec![(15, [0; 32])]).unwrap();
+        let before = policy.current().measurements().clone();
+        assert!(before.iter().any(|(p, e)| *p == 15 && !e.warn_only));
+
+        let warn = |p: u32| format!(r#""{p}": {{"expected": "{H}", "warnOnly": true}}"#);
+        type Check = fn(&MeasurementsError) -> bool;
+        let cases: [(&str, String, Check); 5] = [
+            ("empty", "{}".into(), |e| {
+                matches!(e, MeasurementsError::Empty)
+            }),
+            (
+                "all warn-only",
+                format!("{{{}, {}, {}, {}}}", warn(4), warn(9), warn(11), warn(12)),
+                |e| matches!(e, MeasurementsError::NothingEnforced),
+            ),
+            (
+                "PCR 12 missing",
+                format!(r#"{{"4": "{H}", "9": "{H}", "11": "{H}"}}"#),
+                |e| matches!(e, MeasurementsError::NotEnforced { missing, .. } if missing == &[12]),
+            ),
+            (
+                "PCR 12 warn-only",
+                format!(r#"{{"4": "{H}", "9": "{H}", "11": "{H}", {}}}"#, warn(12)),
+                |e| matches!(e, MeasurementsError::NotEnforced { warn_only, .. } if warn_only == &[12]),
+            ),
+            (
+                "repeated key",
+                format!(
+                    r#"{{"4": "{H}", "9": "{H}", "11": "{H}", "12": "{H}", {}}}"#,
+                    warn(4)
+                ),
+                |e| matches!(e, MeasurementsError::DuplicateKey(k) if k == "4"),
+            ),
+        ];
+        for (case, text, expected) in cases {
+            std::fs::write(&path, text).unwrap();
+            let err = policy.reload().unwrap_err();
+            let PolicyError::Parse { source, .. } = &err else {
+                panic!("{case}: {err:?}");
+            };
+            assert!(expected(source), "{case}: {source:?}");
+            assert_eq!(policy.current().measurements(), &before, "{case}");
+            // A refused file is also refused when it is the first one.
+            assert!(
+                ReloadableValidator::load(&path, EkTrust::default(), Vec::new()).is_err(),
+                "{case}"
+            );
+        }
+
+        // A file that enforces enough is taken.
+        std::fs::write(&path, enforcing(2)).unwrap();
+        policy.reload().unwrap();
+        let after = policy.current().measurements().clone();
+        assert_ne!(after, before);
+        assert!(after.iter().any(|(p, e)| *p == 4 && e.digest == [2; 32]));
+    }
 }

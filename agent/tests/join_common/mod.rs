@@ -9,6 +9,7 @@
 //! so its PCR 15 is what a joining node expects.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use std::time::Duration;
 use keel_agent::address::AdvertiseAddress;
 use keel_agent::attestation::credential;
 use keel_agent::attestation::ek::EkTrust;
-use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::attestation::policy::ReloadableValidator;
 use keel_agent::attestation::tpm_wire::Public;
 use keel_agent::cluster::{ClusterSlot, ClusterState};
@@ -76,13 +77,28 @@ pub fn measured(swtpm: &Swtpm, log: &Path, config: &NodeConfig) -> SharedTpm {
     m.shared()
 }
 
-/// Measurements for swtpm nodes: PCRs 4, 9 and 11 are zero there.
-pub fn zero_boot_measurements() -> Measurements {
-    let mut m = Measurements::default();
-    for pcr in [4, 9, 11] {
-        m.insert(pcr, [0; 32], false);
-    }
-    m
+/// Measurements for swtpm nodes with `config`'s cluster part, all enforced:
+/// PCRs 4, 9 and 11 are zero there (no firmware or stub measures into
+/// them), PCR 12 is the config's.
+pub fn boot_measurements(config: &NodeConfig) -> Measurements {
+    boot_measurements_with(config, [])
+}
+
+/// [`boot_measurements`] with `extra` entries added or replacing.
+pub fn boot_measurements_with(
+    config: &NodeConfig,
+    extra: impl IntoIterator<Item = (u32, Expected)>,
+) -> Measurements {
+    let mut entries: BTreeMap<u32, Expected> = [4, 9, 11]
+        .into_iter()
+        .map(|pcr| (pcr, Expected::enforced([0; 32])))
+        .collect();
+    entries.insert(
+        keel_agent::measurement::pcr::CONFIG,
+        Expected::enforced(config.expected_config_pcr()),
+    );
+    entries.extend(extra);
+    Measurements::new(entries).unwrap()
 }
 
 /// A running join service.
@@ -215,11 +231,11 @@ pub async fn start_service_with(
         components: components.unwrap_or_else(|| entry.components().to_vec()),
         api_server: "127.0.0.1:6443".parse().unwrap(),
         pki_dir: pki,
-        join_measurements: zero_boot_measurements(),
+        join_measurements: boot_measurements(&config),
     });
 
     let measurements = dir.path().join("measurements.json");
-    std::fs::write(&measurements, zero_boot_measurements().to_json()).unwrap();
+    std::fs::write(&measurements, boot_measurements(&config).to_json()).unwrap();
     let policy = keel_agent::node::join_service_policy(&config, &measurements).unwrap();
     let service = JoinService::new(
         state.clone(),
