@@ -1,7 +1,8 @@
 //! `keel init`: create a cluster on its first node.
 
+use std::ffi::{OsStr, OsString};
 use std::io::Write as _;
-use std::os::unix::fs::OpenOptionsExt as _;
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -64,19 +65,97 @@ fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes `data` to `path` atomically with `mode`.
+/// Creates the workspace, mode 0700 for every directory created, and refuses
+/// one where a file `keel init` writes is a symbolic link, before anything
+/// is written or sent.
+fn create_workspace(workspace: &Path) -> anyhow::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(workspace)
+        .with_context(|| format!("creating {}", workspace.display()))?;
+    for name in [KUBECONFIG_FILE, ID_FILE, FAILURE_LOG_FILE] {
+        refuse_link(&workspace.join(name))?;
+    }
+    Ok(())
+}
+
+/// Fails if `path` exists as anything but a regular file.
+fn refuse_link(path: &Path) -> anyhow::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => bail!(
+            "{} is a symbolic link: refusing to write through it (remove it and retry)",
+            path.display()
+        ),
+        Ok(meta) if !meta.is_file() => {
+            bail!("{} exists and is not a regular file", path.display())
+        }
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("checking {}", path.display())),
+    }
+}
+
+/// Creates a new file with a random name next to `path`, mode 0600:
+/// `O_CREAT | O_EXCL | O_NOFOLLOW`, so it never opens an existing file and
+/// never follows a symbolic link, whatever was planted in the directory.
+fn create_temporary(dir: &Path, name: &OsStr) -> std::io::Result<(PathBuf, std::fs::File)> {
+    let mut attempt = 0;
+    loop {
+        let mut temp_name = OsString::from(".");
+        temp_name.push(name);
+        temp_name.push(format!(".{:016x}.tmp", rand::rngs::OsRng.next_u64()));
+        let temp = dir.join(temp_name);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&temp)
+        {
+            Ok(file) => return Ok((temp, file)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 8 => {
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Writes `data` to `path` atomically with `mode`: a new temporary file in
+/// the same directory ([`create_temporary`]) is written and synced, renamed
+/// over `path`, and the directory synced. A reader sees the old content or
+/// the new, never a part. `path` must not be a symbolic link (the rename
+/// would replace the link, not write through it, but a planted link means
+/// someone else can write in the workspace).
 fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(&tmp)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    f.write_all(data)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+    refuse_link(path)?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} names no file", path.display()))?;
+    let (temp, mut file) = create_temporary(dir, name).with_context(|| {
+        format!(
+            "creating a temporary file for {} in {}",
+            path.display(),
+            dir.display()
+        )
+    })?;
+    let written = (|| {
+        // Exactly `mode`, whatever the umask.
+        file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        file.write_all(data)?;
+        file.sync_all()?;
+        std::fs::rename(&temp, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    written.with_context(|| format!("writing {}", path.display()))
 }
 
 fn random32() -> Zeroizing<Vec<u8>> {
@@ -140,8 +219,7 @@ pub async fn run(
         }
         None => None,
     };
-    std::fs::create_dir_all(workspace)
-        .with_context(|| format!("creating {}", workspace.display()))?;
+    create_workspace(workspace)?;
 
     // The master secret is on disk before anything leaves this machine.
     let master_secret = random32();

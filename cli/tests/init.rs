@@ -413,3 +413,139 @@ async fn concurrent_inits_lock_once() {
         .count();
     assert_eq!(events, 1);
 }
+
+/// Files outside the workspace that planted links point to; each must keep
+/// its content.
+struct Victims {
+    dir: tempfile::TempDir,
+}
+
+impl Victims {
+    fn new() -> Self {
+        Self {
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// Plants a link at `link` to a new victim file `name`.
+    fn plant(&self, link: &Path, name: &str) {
+        let victim = self.dir.path().join(name);
+        std::fs::write(&victim, "untouched").unwrap();
+        // A mode distinguishable from what the CLI sets.
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o640)).unwrap();
+        std::os::unix::fs::symlink(&victim, link).unwrap();
+    }
+
+    fn assert_untouched(&self) {
+        for entry in std::fs::read_dir(self.dir.path()).unwrap() {
+            let path = entry.unwrap().path();
+            assert_eq!(
+                std::fs::read_to_string(&path).unwrap(),
+                "untouched",
+                "{} was written through a link",
+                path.display()
+            );
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o640, "{} was chmod-ed", path.display());
+        }
+    }
+}
+
+fn mode(path: &Path) -> u32 {
+    std::fs::symlink_metadata(path)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_at_the_old_temporary_names_are_not_written_through() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let victims = Victims::new();
+    // The names the CLI used to write through: `<file>.tmp` next to each file.
+    for name in ["keel-admin.tmp", "keel-id.tmp", "keel-init-failure.tmp"] {
+        victims.plant(&ws.path().join(name), name);
+    }
+
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws.path()).await;
+    assert!(out.status.success(), "{}", text(&out));
+    victims.assert_untouched();
+
+    let kubeconfig = ws.path().join("keel-admin.conf");
+    assert!(std::fs::symlink_metadata(&kubeconfig).unwrap().is_file());
+    assert_eq!(mode(&kubeconfig), 0o600);
+    assert!(std::fs::read_to_string(&kubeconfig)
+        .unwrap()
+        .contains("certificate-authority-data"));
+    assert_eq!(mode(&ws.path().join("keel-id.json")), 0o644);
+    // The planted links are left alone, and no temporary file is left over.
+    let mut names: Vec<String> = std::fs::read_dir(ws.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "keel-admin.conf",
+            "keel-admin.tmp",
+            "keel-id.json",
+            "keel-id.tmp",
+            "keel-init-failure.tmp",
+            "keel-master-secret.json",
+        ]
+    );
+    assert!(std::fs::symlink_metadata(ws.path().join("keel-admin.tmp"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_at_an_output_file_stops_init_before_anything_is_sent() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let settings = n.settings(&ca, SECRET, None);
+    for name in ["keel-admin.conf", "keel-id.json", "keel-init-failure.log"] {
+        let ws = tempfile::tempdir().unwrap();
+        let victims = Victims::new();
+        victims.plant(&ws.path().join(name), name);
+        let out = keel_init(&settings, ws.path()).await;
+        assert!(!out.status.success(), "{name}: {}", text(&out));
+        let t = text(&out);
+        assert!(
+            t.contains(name) && t.contains("symbolic link"),
+            "{name}: {t}"
+        );
+        assert!(!t.contains("connecting to"), "{name}: {t}");
+        victims.assert_untouched();
+        // Nothing written, nothing sent: no master secret, the node unlocked.
+        assert!(
+            !ws.path().join("keel-master-secret.json").exists(),
+            "{name}"
+        );
+        assert_eq!(n.pcr15(), [0; 32], "{name}");
+    }
+    // The same node and settings, without the link: init goes through.
+    let ws = tempfile::tempdir().unwrap();
+    let out = keel_init(&settings, ws.path()).await;
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_workspace_is_private() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let base = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let ws = base.path().join("clusters/keel");
+    let out = keel_init(&n.settings(&ca, SECRET, None), &ws).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(mode(&base.path().join("clusters")), 0o700);
+    assert_eq!(mode(&ws), 0o700);
+    assert_eq!(mode(&ws.join("keel-admin.conf")), 0o600);
+    assert_eq!(mode(&ws.join("keel-master-secret.json")), 0o600);
+}
