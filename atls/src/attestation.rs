@@ -1,6 +1,7 @@
 //! The two roles aTLS is generic over: an [`Issuer`] that produces attestation
 //! documents and a [`Validator`] that checks them, plus what a successful
-//! validation yields ([`Attested`]).
+//! validation yields ([`Attested`]) and the key-residency [`Challenge`] a
+//! validator sends before anything trusts the document's signing key.
 //!
 //! Both traits are synchronous on purpose: a real issuer talks to a TPM and a
 //! real validator may read certificates and replay event logs. This crate runs
@@ -8,6 +9,14 @@
 
 use std::error::Error as StdError;
 use std::sync::Arc;
+
+use zeroize::Zeroizing;
+
+/// Length of the secret a residency challenge hides.
+pub const RESIDENCY_SECRET_LEN: usize = 32;
+
+/// The secret of a residency challenge, as the prover recovers it.
+pub type ResidencySecret = Zeroizing<[u8; RESIDENCY_SECRET_LEN]>;
 
 /// A boxed error from an issuer or validator implementation.
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
@@ -22,6 +31,12 @@ pub trait Issuer: Send + Sync + 'static {
     ///
     /// Called once per handshake in which this side attests; may block.
     fn issue(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, IssueError>;
+
+    /// Recovers the secret of a residency challenge a validator made for the
+    /// key that signed this side's documents (for a TPM:
+    /// TPM2_ActivateCredential with the endorsement and attestation keys).
+    /// Only the holder of that key can; may block.
+    fn answer(&self, challenge: &[u8]) -> Result<ResidencySecret, IssueError>;
 }
 
 /// Checks attestation documents and says what they establish.
@@ -44,6 +59,21 @@ pub trait Validator: Send + Sync + 'static {
         nonce: &[u8],
         user_data: &[u8],
     ) -> Result<Self::Claims, ValidationError>;
+
+    /// A challenge that only the holder of the key behind `claims` can
+    /// answer, proving that key lives where the document says (for a TPM:
+    /// TPM2_MakeCredential to the certified endorsement key and the
+    /// attestation key's name). `None` only when this validator has already
+    /// seen that exact key proven ([`Validator::residency_proven`]). No
+    /// connection is handed to the application before the answer checks out.
+    fn residency_challenge(
+        &self,
+        claims: &Self::Claims,
+    ) -> Result<Option<Challenge>, ValidationError>;
+
+    /// Called once the peer answered this validator's challenge for
+    /// `claims` correctly; a validator may remember the proof, bounded.
+    fn residency_proven(&self, claims: &Self::Claims);
 }
 
 impl<V: Validator + ?Sized> Validator for Arc<V> {
@@ -57,11 +87,57 @@ impl<V: Validator + ?Sized> Validator for Arc<V> {
     ) -> Result<Self::Claims, ValidationError> {
         (**self).validate(document, nonce, user_data)
     }
+
+    fn residency_challenge(
+        &self,
+        claims: &Self::Claims,
+    ) -> Result<Option<Challenge>, ValidationError> {
+        (**self).residency_challenge(claims)
+    }
+
+    fn residency_proven(&self, claims: &Self::Claims) {
+        (**self).residency_proven(claims)
+    }
 }
 
 impl<I: Issuer + ?Sized> Issuer for Arc<I> {
     fn issue(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, IssueError> {
         (**self).issue(nonce, user_data)
+    }
+
+    fn answer(&self, challenge: &[u8]) -> Result<ResidencySecret, IssueError> {
+        (**self).answer(challenge)
+    }
+}
+
+/// A key-residency challenge: the message the peer's issuer must answer, and
+/// the secret only the holder of the attested key can recover from it.
+pub struct Challenge {
+    message: Vec<u8>,
+    secret: ResidencySecret,
+}
+
+impl Challenge {
+    /// A challenge whose `message` hides `secret`.
+    pub fn new(message: Vec<u8>, secret: ResidencySecret) -> Self {
+        Self { message, secret }
+    }
+
+    /// What goes to the peer.
+    pub fn message(&self) -> &[u8] {
+        &self.message
+    }
+
+    pub(crate) fn secret(&self) -> &[u8; RESIDENCY_SECRET_LEN] {
+        &self.secret
+    }
+}
+
+impl std::fmt::Debug for Challenge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Challenge")
+            .field("message_len", &self.message.len())
+            .finish_non_exhaustive()
     }
 }
 

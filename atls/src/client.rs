@@ -31,6 +31,7 @@ use crate::cert::CertError;
 use crate::danger::PresentFn;
 use crate::nonce::{Nonce, NonceError};
 use crate::present::Presenter;
+use crate::residency::{self, PeerKey, Prover, ResidencyError, Role};
 use crate::stream::{AtlsStream, CLIENT_ACCEPTED};
 use crate::verify::{PeerCheck, PeerError, ServerVerifier};
 use crate::{rustls_error, DEFAULT_HANDSHAKE_TIMEOUT};
@@ -113,7 +114,8 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
     /// misbehaving client. See [`crate::danger`].
     #[doc(hidden)]
     pub fn danger_present_with(mut self, present: PresentFn) -> Self {
-        self.presenter = Some(Presenter::Custom(present));
+        let prover = self.presenter.as_ref().and_then(Presenter::prover);
+        self.presenter = Some(Presenter::Custom(present, prover));
         self
     }
 
@@ -209,6 +211,24 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
         };
         let attested = attested?;
         verdict?;
+        // Nothing is sent before the server's attestation key is proven to
+        // be in its TPM (and this client's in its own, when it attests).
+        let exporter = residency::export(&**tls.get_ref().1).map_err(ConnectError::Residency)?;
+        let peer = match (&self.server_validator, &attested) {
+            (Some(validator), Some(attested)) => Some(PeerKey {
+                validator,
+                claims: attested.claims(),
+            }),
+            _ => None,
+        };
+        let prover = self
+            .presenter
+            .as_ref()
+            .and_then(Presenter::prover)
+            .map(|issuer| Prover { issuer, gate: None });
+        residency::exchange(&mut tls, &exporter, Role::Client, prover, peer)
+            .await
+            .map_err(ConnectError::Residency)?;
         Ok(AtlsStream::new(tls.into(), remote_addr, attested))
     }
 
@@ -424,6 +444,11 @@ pub enum ConnectError {
     /// Building the gRPC channel failed.
     #[error("building the gRPC channel failed")]
     Channel(#[source] tonic::transport::Error),
+    /// The key residency exchange failed: the server's attestation key is
+    /// not proven to be in its TPM, or the server refused this client's
+    /// proof.
+    #[error("key residency")]
+    Residency(#[source] ResidencyError),
     /// A bound channel tried to reconnect.
     #[error("the bound channel's aTLS connection is gone; bind a new channel")]
     ChannelConnectionGone,

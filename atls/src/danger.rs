@@ -1,7 +1,8 @@
 //! Hooks to present hand-made certificates, for testing that peers refuse
 //! them (replayed documents, moved documents, unknown extensions, no
 //! attestation). Nothing in production uses this module: a side configured
-//! with these hooks does not attest honestly.
+//! with these hooks does not attest honestly. Key residency challenges still
+//! go to the issuer the side was built with, if any.
 
 use std::sync::Arc;
 

@@ -3,31 +3,102 @@
 //! `Server::serve_with_incoming` expects.
 //!
 //! tonic logs and skips a failed connection, so handshakes are run here
-//! instead, where a failure can be logged with its reason and counted. At
-//! most [`Incoming::MAX_CONCURRENT_HANDSHAKES`] handshakes run at once; more
-//! connections wait in the listener's backlog.
+//! instead, where a failure can be logged with its reason and counted.
+//!
+//! Nothing about a connection is known before its handshake, so what a
+//! not-yet-validated connection may hold is bounded; see [`Incoming`].
 
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, AcquireError, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_stream::Stream;
 
 use crate::attestation::ErrorChain;
-use crate::server::AtlsServer;
+use crate::server::{AtlsServer, HandshakeError};
 use crate::stream::AtlsStream;
 
-/// Counts of finished server handshakes.
+/// Default time from accepting a connection to its complete ClientHello.
+pub(crate) const DEFAULT_CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
+/// Default number of handshakes in progress from one source under load.
+pub(crate) const DEFAULT_HANDSHAKES_PER_SOURCE: usize = 8;
+/// Default number of handshakes in progress in total.
+pub(crate) const DEFAULT_HANDSHAKES: usize = 256;
+/// Default number of handshakes of one source waiting for or running the
+/// issuer.
+pub(crate) const DEFAULT_ISSUING_PER_SOURCE: usize = 2;
+/// Default number of handshakes waiting for or running the issuer in total.
+pub(crate) const DEFAULT_ISSUING: usize = 8;
+
+/// Validated connections waiting for the server to take them.
+const READY_QUEUE: usize = 64;
+/// How often a burst of closed or refused connections is summarised in the
+/// log, and how many refusals are logged one by one within that time.
+const LOG_WINDOW: Duration = Duration::from_secs(10);
+const REFUSALS_LOGGED_PER_WINDOW: u64 = 10;
+
+/// The bounds of one server; see the module documentation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Limits {
+    pub(crate) client_hello_timeout: Duration,
+    pub(crate) handshakes_per_source: usize,
+    pub(crate) handshakes: usize,
+    pub(crate) issuing_per_source: usize,
+    pub(crate) issuing: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            client_hello_timeout: DEFAULT_CLIENT_HELLO_TIMEOUT,
+            handshakes_per_source: DEFAULT_HANDSHAKES_PER_SOURCE,
+            handshakes: DEFAULT_HANDSHAKES,
+            issuing_per_source: DEFAULT_ISSUING_PER_SOURCE,
+            issuing: DEFAULT_ISSUING,
+        }
+    }
+}
+
+/// What connections are counted under: an IPv4 address, the /64 of an IPv6
+/// address, or one shared bucket for connections whose address is unknown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Source {
+    V4(Ipv4Addr),
+    V6Prefix([u8; 8]),
+    Unknown,
+}
+
+impl Source {
+    pub(crate) fn of(addr: Option<SocketAddr>) -> Self {
+        match addr.map(|a| a.ip()) {
+            Some(IpAddr::V4(v4)) => Self::V4(v4),
+            Some(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+                Some(v4) => Self::V4(v4),
+                None => {
+                    let mut prefix = [0u8; 8];
+                    prefix.copy_from_slice(&v6.octets()[..8]);
+                    Self::V6Prefix(prefix)
+                }
+            },
+            None => Self::Unknown,
+        }
+    }
+}
+
+/// Counts of server handshakes and of connections closed before one.
 #[derive(Debug, Default)]
 pub struct HandshakeStats {
     accepted: AtomicU64,
     refused: AtomicU64,
+    shed: AtomicU64,
 }
 
 impl HandshakeStats {
@@ -36,15 +107,47 @@ impl HandshakeStats {
         self.accepted.load(Ordering::Relaxed)
     }
 
-    /// Handshakes that failed (each logged with its reason).
+    /// Handshakes that failed or timed out.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed right after accept, without a handshake, because
+    /// their source or the server had its limit of handshakes in progress.
+    pub fn shed(&self) -> u64 {
+        self.shed.load(Ordering::Relaxed)
     }
 }
 
 /// A stream of validated aTLS connections from a listener, for
 /// `tonic::transport::Server::serve_with_incoming`. Dropping it stops
 /// accepting.
+///
+/// What a connection may hold before it is validated is bounded, per source
+/// and in total (set with [`AtlsServer`]'s `with_*` methods):
+///
+/// - Every connection is accepted at once. Right after `accept`, one is
+///   closed at once (a TCP reset) and counted in [`HandshakeStats::shed`]
+///   when all handshake slots are taken (default 256), or when its source
+///   already has its share (default 8) in progress while at least half of
+///   the slots are taken. Below half load a source may burst beyond its
+///   share (many nodes behind one address); under load each source keeps
+///   its share, so a client from a fresh address gets a slot while a flood
+///   from a few addresses cannot take them all.
+/// - A connection has 3 s (by default) to deliver a complete ClientHello,
+///   so a silent or trickling socket is dropped early, and the handshake
+///   timeout for the whole handshake.
+/// - The issuer (on a node a TPM quote under the TPM lock) runs only after
+///   a well-formed ClientHello, and at most 2 handshakes of one source
+///   (8 in total, by default) wait for or run it. A handshake takes its
+///   source's share first, in arrival order, then a place in the shared
+///   queue, which therefore holds at most a share of any one source: a
+///   client from another address waits behind a flood's share, not behind
+///   the flood.
+///
+/// A source is an IPv4 address, or the /64 prefix of an IPv6 address (one
+/// host commonly holds a whole /64). Closed connections and refusals before
+/// a ClientHello are logged at debug level, with a rate-limited summary.
 pub struct Incoming<C> {
     connections: mpsc::Receiver<AtlsStream<C>>,
     accept_loop: JoinHandle<()>,
@@ -60,12 +163,10 @@ impl<C> std::fmt::Debug for Incoming<C> {
 }
 
 impl<C: Send + Sync + 'static> Incoming<C> {
-    /// How many handshakes run at once.
-    pub const MAX_CONCURRENT_HANDSHAKES: usize = 64;
-
-    /// Starts accepting on `listener` with `server`'s configuration.
+    /// Starts accepting on `listener` with `server`'s configuration and
+    /// limits.
     pub fn new(server: AtlsServer<C>, listener: TcpListener) -> Self {
-        let (tx, connections) = mpsc::channel(Self::MAX_CONCURRENT_HANDSHAKES);
+        let (tx, connections) = mpsc::channel(READY_QUEUE);
         let stats = Arc::new(HandshakeStats::default());
         let accept_loop = tokio::spawn(accept_loop(server, listener, tx, stats.clone()));
         Self {
@@ -101,11 +202,14 @@ async fn accept_loop<C: Send + Sync + 'static>(
     tx: mpsc::Sender<AtlsStream<C>>,
     stats: Arc<HandshakeStats>,
 ) {
-    let slots = Arc::new(Semaphore::new(Incoming::<C>::MAX_CONCURRENT_HANDSHAKES));
+    let limits = server.limits();
+    let admission = Arc::new(Admission::new(
+        limits.handshakes_per_source,
+        limits.handshakes,
+    ));
+    let shed_log = Arc::new(Throttle::new(1));
+    let refusal_log = Arc::new(Throttle::new(REFUSALS_LOGGED_PER_WINDOW));
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return; // the semaphore is never closed
-        };
         let (tcp, remote) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
@@ -115,12 +219,30 @@ async fn accept_loop<C: Send + Sync + 'static>(
                 continue;
             }
         };
+        let Some(slot) = admission.admit(Source::of(Some(remote))) else {
+            stats.shed.fetch_add(1, Ordering::Relaxed);
+            // A reset frees the connection on both ends at once.
+            let _ = tcp.set_zero_linger();
+            drop(tcp);
+            tracing::debug!(%remote, "connection closed at once: handshake limit reached");
+            if let Some(count) = shed_log.record() {
+                tracing::warn!(
+                    count,
+                    "closed connections at once because their source or the server had its \
+                     limit of handshakes in progress (count since the last report)"
+                );
+            }
+            continue;
+        };
         let server = server.clone();
         let tx = tx.clone();
         let stats = stats.clone();
+        let refusal_log = refusal_log.clone();
         tokio::spawn(async move {
-            let _slot = slot;
-            match server.accept(tcp).await {
+            let result = server.accept(tcp).await;
+            // The connection is no longer unauthenticated either way.
+            drop(slot);
+            match result {
                 Ok(stream) => {
                     stats.accepted.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(%remote, "aTLS handshake accepted");
@@ -129,9 +251,320 @@ async fn accept_loop<C: Send + Sync + 'static>(
                 }
                 Err(e) => {
                     stats.refused.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(%remote, error = %ErrorChain(&e), "aTLS handshake refused");
+                    if before_client_hello(&e) {
+                        // Silent, slow or non-TLS sockets: expected noise.
+                        tracing::debug!(%remote, error = %ErrorChain(&e), "aTLS handshake refused");
+                    } else if let Some(count) = refusal_log.record() {
+                        tracing::warn!(
+                            %remote,
+                            error = %ErrorChain(&e),
+                            refusals = count,
+                            "aTLS handshake refused"
+                        );
+                    }
                 }
             }
         });
+    }
+}
+
+/// Whether a handshake failed before a complete, well-formed ClientHello.
+fn before_client_hello(e: &HandshakeError) -> bool {
+    matches!(
+        e,
+        HandshakeError::Socket(_)
+            | HandshakeError::ClientHello(_)
+            | HandshakeError::ClientHelloTimeout(_)
+            | HandshakeError::ClientNonce(_)
+    )
+}
+
+/// The handshakes in progress per source and in total.
+struct Admission {
+    per_source: usize,
+    total: usize,
+    state: Mutex<AdmissionState>,
+}
+
+#[derive(Default)]
+struct AdmissionState {
+    in_progress: usize,
+    sources: HashMap<Source, usize>,
+}
+
+impl Admission {
+    fn new(per_source: usize, total: usize) -> Self {
+        Self {
+            per_source: per_source.max(1),
+            total: total.max(1),
+            state: Mutex::default(),
+        }
+    }
+
+    /// A slot for a new connection from `source`, or `None` when it must be
+    /// closed: all slots are taken, or the source has its share and at least
+    /// half of the slots are taken.
+    fn admit(self: &Arc<Self>, source: Source) -> Option<AdmissionSlot> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.in_progress >= self.total {
+            return None;
+        }
+        let under_load = state.in_progress >= self.total / 2;
+        let held = state.sources.get(&source).copied().unwrap_or(0);
+        if held >= self.per_source && under_load {
+            return None;
+        }
+        state.in_progress += 1;
+        state.sources.insert(source, held + 1);
+        Some(AdmissionSlot {
+            admission: self.clone(),
+            source,
+        })
+    }
+
+    fn release(&self, source: Source) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.in_progress = state.in_progress.saturating_sub(1);
+        if let Some(held) = state.sources.get_mut(&source) {
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                state.sources.remove(&source);
+            }
+        }
+    }
+}
+
+/// One handshake in progress; released when dropped.
+struct AdmissionSlot {
+    admission: Arc<Admission>,
+    source: Source,
+}
+
+impl Drop for AdmissionSlot {
+    fn drop(&mut self) {
+        self.admission.release(self.source);
+    }
+}
+
+/// Admission to the issuer: a per-source share first, then a place in the
+/// shared, first-come first-served queue.
+pub(crate) struct IssuerGate {
+    per_source: usize,
+    total: Arc<Semaphore>,
+    sources: Mutex<HashMap<Source, Arc<Semaphore>>>,
+}
+
+impl std::fmt::Debug for IssuerGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IssuerGate")
+            .field("per_source", &self.per_source)
+            .field("available", &self.total.available_permits())
+            .finish_non_exhaustive()
+    }
+}
+
+impl IssuerGate {
+    pub(crate) fn new(per_source: usize, total: usize) -> Self {
+        Self {
+            per_source: per_source.max(1),
+            total: Arc::new(Semaphore::new(total.max(1))),
+            sources: Mutex::default(),
+        }
+    }
+
+    /// Waits for a turn at the issuer for a handshake from `source`. Fails
+    /// only if the gate was closed, which it never is.
+    pub(crate) async fn enter(
+        self: &Arc<Self>,
+        source: Source,
+    ) -> Result<IssuerPermit, AcquireError> {
+        let own = {
+            let mut sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+            sources
+                .entry(source)
+                .or_insert_with(|| Arc::new(Semaphore::new(self.per_source)))
+                .clone()
+        };
+        // Built before waiting: if the handshake gives up while waiting,
+        // dropping it releases what it holds and forgets an unused source.
+        let mut permit = IssuerPermit {
+            gate: self.clone(),
+            source,
+            own,
+            holds_own: false,
+            shared: None,
+        };
+        permit.own.acquire().await?.forget();
+        permit.holds_own = true;
+        permit.shared = Some(self.total.clone().acquire_owned().await?);
+        Ok(permit)
+    }
+}
+
+/// A handshake's turn at the issuer; released when dropped.
+pub(crate) struct IssuerPermit {
+    gate: Arc<IssuerGate>,
+    source: Source,
+    own: Arc<Semaphore>,
+    holds_own: bool,
+    shared: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for IssuerPermit {
+    fn drop(&mut self) {
+        drop(self.shared.take());
+        if self.holds_own {
+            self.own.add_permits(1);
+        }
+        let mut sources = self
+            .gate
+            .sources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Clones are only made under this lock: the table's and this one
+        // mean nobody else waits for or holds this source's share.
+        if Arc::strong_count(&self.own) == 2 {
+            sources.remove(&self.source);
+        }
+    }
+}
+
+/// Keeps a burst of similar log lines short: lets `burst` events per
+/// [`LOG_WINDOW`] through and reports how many there were when it does.
+struct Throttle {
+    burst: u64,
+    state: Mutex<ThrottleState>,
+}
+
+struct ThrottleState {
+    window_start: Option<Instant>,
+    logged: u64,
+    pending: u64,
+}
+
+impl Throttle {
+    fn new(burst: u64) -> Self {
+        Self {
+            burst: burst.max(1),
+            state: Mutex::new(ThrottleState {
+                window_start: None,
+                logged: 0,
+                pending: 0,
+            }),
+        }
+    }
+
+    /// Records an event; `Some(n)` when it is to be logged, with `n` the
+    /// events since the last one logged (this one included).
+    fn record(&self) -> Option<u64> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        state.pending += 1;
+        let expired = state
+            .window_start
+            .is_none_or(|start| now.duration_since(start) >= LOG_WINDOW);
+        if expired {
+            state.window_start = Some(now);
+            state.logged = 0;
+        }
+        if state.logged >= self.burst {
+            return None;
+        }
+        state.logged += 1;
+        Some(std::mem::take(&mut state.pending))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn v4(last: u8) -> Source {
+        Source::V4(Ipv4Addr::new(10, 0, 0, last))
+    }
+
+    #[test]
+    fn ipv6_sources_are_counted_per_64_and_mapped_ipv4_as_ipv4() {
+        let a: SocketAddr = "[2001:db8:1:2::1]:1".parse().unwrap();
+        let b: SocketAddr = "[2001:db8:1:2:ffff::9]:2".parse().unwrap();
+        let c: SocketAddr = "[2001:db8:1:3::1]:1".parse().unwrap();
+        let mapped: SocketAddr = "[::ffff:10.0.0.7]:1".parse().unwrap();
+        assert_eq!(Source::of(Some(a)), Source::of(Some(b)));
+        assert_ne!(Source::of(Some(a)), Source::of(Some(c)));
+        assert_eq!(Source::of(Some(mapped)), v4(7));
+        assert_eq!(Source::of(None), Source::Unknown);
+    }
+
+    #[test]
+    fn a_source_bursts_while_idle_and_keeps_its_share_under_load() {
+        let admission = Arc::new(Admission::new(2, 8));
+        // Below half load one source may take more than its share.
+        let burst: Vec<_> = (0..4).map(|_| admission.admit(v4(1)).unwrap()).collect();
+        // At half load it is held to its share; others still get theirs.
+        assert!(admission.admit(v4(1)).is_none());
+        let others: Vec<_> = (2..4)
+            .flat_map(|s| {
+                [
+                    admission.admit(v4(s)).unwrap(),
+                    admission.admit(v4(s)).unwrap(),
+                ]
+            })
+            .collect();
+        assert!(admission.admit(v4(2)).is_none());
+        // Full: nobody.
+        assert!(admission.admit(v4(9)).is_none());
+        drop(others);
+        assert!(admission.admit(v4(9)).is_some());
+        drop(burst);
+        let state = admission.state.lock().unwrap();
+        assert_eq!(state.in_progress, 0);
+        assert!(state.sources.is_empty(), "released sources are forgotten");
+    }
+
+    #[tokio::test]
+    async fn the_issuer_gate_holds_each_source_to_its_share() {
+        let gate = Arc::new(IssuerGate::new(1, 2));
+        let first = gate.enter(v4(1)).await.unwrap();
+        // The source's second handshake waits for its own share ...
+        let second = gate.enter(v4(1));
+        tokio::pin!(second);
+        assert!(tokio::time::timeout(Duration::from_millis(50), &mut second)
+            .await
+            .is_err());
+        // ... while another source gets the free shared place at once.
+        let other = tokio::time::timeout(Duration::from_millis(50), gate.enter(v4(2)))
+            .await
+            .expect("another source is not queued behind the first")
+            .unwrap();
+        drop(first);
+        let second = second.await.unwrap();
+        drop((second, other));
+        assert!(gate.sources.lock().unwrap().is_empty());
+        assert_eq!(gate.total.available_permits(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_handshake_that_gives_up_waiting_leaves_nothing_behind() {
+        let gate = Arc::new(IssuerGate::new(1, 1));
+        let held = gate.enter(v4(1)).await.unwrap();
+        let gave_up = tokio::time::timeout(Duration::from_millis(20), gate.enter(v4(3))).await;
+        assert!(gave_up.is_err());
+        drop(held);
+        assert!(gate.sources.lock().unwrap().is_empty());
+        assert_eq!(gate.total.available_permits(), 1);
+    }
+
+    #[test]
+    fn the_throttle_logs_a_burst_then_summarises() {
+        let throttle = Throttle::new(2);
+        assert_eq!(throttle.record(), Some(1));
+        assert_eq!(throttle.record(), Some(1));
+        assert_eq!(throttle.record(), None);
+        assert_eq!(throttle.record(), None);
+        // A new window reports what was held back.
+        throttle.state.lock().unwrap().window_start =
+            Some(Instant::now() - LOG_WINDOW - Duration::from_millis(1));
+        assert_eq!(throttle.record(), Some(3));
     }
 }

@@ -29,6 +29,7 @@ pub mod danger;
 mod incoming;
 pub mod nonce;
 mod present;
+mod residency;
 mod server;
 mod stream;
 mod swap;
@@ -40,13 +41,14 @@ use std::time::Duration;
 use rustls::crypto::CryptoProvider;
 
 pub use attestation::{
-    Attested, BoxError, DynIssuer, DynValidator, ErrorChain, IssueError, Issuer, ValidationError,
-    Validator,
+    Attested, BoxError, Challenge, DynIssuer, DynValidator, ErrorChain, IssueError, Issuer,
+    ResidencySecret, ValidationError, Validator, RESIDENCY_SECRET_LEN,
 };
 pub use cert::{PeerCertError, ATTESTATION_OID};
 pub use client::{AtlsClient, BoundChannel, ConnectError};
 pub use incoming::{HandshakeStats, Incoming};
 pub use nonce::Nonce;
+pub use residency::ResidencyError;
 pub use server::{AtlsServer, HandshakeError};
 pub use stream::{AtlsStream, PeerInfo};
 pub use swap::SwappableValidator;

@@ -18,11 +18,21 @@ pub(crate) enum Presenter {
     /// A fresh key and a certificate without attestation (a server whose
     /// clients do not validate it).
     Unattested,
-    /// A certificate made by test code (see [`crate::danger`]).
-    Custom(PresentFn),
+    /// A certificate made by test code (see [`crate::danger`]); residency
+    /// challenges go to the issuer the side had before, if any.
+    Custom(PresentFn, Option<DynIssuer>),
 }
 
 impl Presenter {
+    /// The issuer that answers key residency challenges for the documents
+    /// this side presents; `None` when it presents no genuine attestation.
+    pub(crate) fn prover(&self) -> Option<DynIssuer> {
+        match self {
+            Self::Attest(issuer) | Self::Custom(_, Some(issuer)) => Some(issuer.clone()),
+            Self::Unattested | Self::Custom(_, None) => None,
+        }
+    }
+
     /// The certificate for a handshake in which the peer sent `nonce`.
     pub(crate) fn present(
         &self,
@@ -32,7 +42,7 @@ impl Presenter {
         match self {
             Self::Attest(issuer) => cert::issue(issuer.as_ref(), nonce.as_bytes(), provider),
             Self::Unattested => cert::unattested(provider),
-            Self::Custom(present) => present(nonce),
+            Self::Custom(present, _) => present(nonce),
         }
     }
 }

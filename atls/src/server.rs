@@ -7,6 +7,11 @@
 //! client must attest, the config's client verifier carries a fresh server
 //! nonce and validates the client's certificate against it. TLS 1.3 only,
 //! no session resumption (a resumed session would skip attestation).
+//!
+//! Before anything about the client is known it can cost little: the
+//! ClientHello has a short budget of its own, and the issuer runs only after
+//! a well-formed one, in turns shared fairly between sources (see
+//! [`Incoming`](crate::Incoming) for the limits).
 
 use std::io;
 use std::net::SocketAddr;
@@ -24,8 +29,10 @@ use tokio_rustls::LazyConfigAcceptor;
 use crate::attestation::{DynIssuer, DynValidator};
 use crate::cert::CertError;
 use crate::danger::PresentFn;
+use crate::incoming::{IssuerGate, Limits, Source};
 use crate::nonce::{Nonce, NonceError};
 use crate::present::Presenter;
+use crate::residency::{self, PeerKey, Prover, ResidencyError, Role};
 use crate::stream::{AtlsStream, CLIENT_ACCEPTED};
 use crate::verify::{ClientVerifier, PeerCheck, PeerError};
 use crate::{rustls_error, DEFAULT_HANDSHAKE_TIMEOUT};
@@ -40,6 +47,9 @@ pub struct AtlsServer<C = ()> {
     client_validator: Option<DynValidator<C>>,
     provider: Arc<CryptoProvider>,
     handshake_timeout: Duration,
+    limits: Limits,
+    /// Shared by all clones: one queue for the issuer per server.
+    issuer_gate: Arc<IssuerGate>,
 }
 
 impl<C> Clone for AtlsServer<C> {
@@ -49,6 +59,8 @@ impl<C> Clone for AtlsServer<C> {
             client_validator: self.client_validator.clone(),
             provider: self.provider.clone(),
             handshake_timeout: self.handshake_timeout,
+            limits: self.limits,
+            issuer_gate: self.issuer_gate.clone(),
         }
     }
 }
@@ -59,6 +71,7 @@ impl<C> std::fmt::Debug for AtlsServer<C> {
             .field("attests", &matches!(self.presenter, Presenter::Attest(_)))
             .field("validates_clients", &self.client_validator.is_some())
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("limits", &self.limits)
             .finish_non_exhaustive()
     }
 }
@@ -83,11 +96,14 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     }
 
     fn new(presenter: Presenter, client_validator: Option<DynValidator<C>>) -> Self {
+        let limits = Limits::default();
         Self {
             presenter,
             client_validator,
             provider: crate::provider(),
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            limits,
+            issuer_gate: Arc::new(IssuerGate::new(limits.issuing_per_source, limits.issuing)),
         }
     }
 
@@ -98,11 +114,47 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         self
     }
 
+    /// Bounds the time from accepting a connection to its complete
+    /// ClientHello, so a silent or trickling socket is dropped early
+    /// (default 3 s; the handshake timeout still bounds the whole).
+    pub fn with_client_hello_timeout(mut self, timeout: Duration) -> Self {
+        self.limits.client_hello_timeout = timeout;
+        self
+    }
+
+    /// Bounds the handshakes in progress that [`Incoming`](crate::Incoming)
+    /// admits: `per_source` for one source (an IPv4 address or an IPv6
+    /// /64) once half of `total` is taken, `total` in all (defaults 8 and
+    /// 256). A connection over either is closed right after accept.
+    pub fn with_handshake_limits(mut self, per_source: usize, total: usize) -> Self {
+        self.limits.handshakes_per_source = per_source.max(1);
+        self.limits.handshakes = total.max(1);
+        self
+    }
+
+    /// Bounds the handshakes that wait for or run the issuer (on a node a
+    /// TPM quote): `per_source` for one source, `total` in all (defaults 2
+    /// and 8). Further handshakes wait for a turn, first come first served
+    /// within a source, within the handshake timeout.
+    pub fn with_issuer_limits(mut self, per_source: usize, total: usize) -> Self {
+        self.limits.issuing_per_source = per_source.max(1);
+        self.limits.issuing = total.max(1);
+        self.issuer_gate = Arc::new(IssuerGate::new(
+            self.limits.issuing_per_source,
+            self.limits.issuing,
+        ));
+        self
+    }
+
+    pub(crate) fn limits(&self) -> Limits {
+        self.limits
+    }
+
     /// Replaces how this server makes its certificate: for tests that need a
     /// misbehaving server. See [`crate::danger`].
     #[doc(hidden)]
     pub fn danger_present_with(mut self, present: PresentFn) -> Self {
-        self.presenter = Presenter::Custom(present);
+        self.presenter = Presenter::Custom(present, self.presenter.prover());
         self
     }
 
@@ -118,9 +170,14 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         tcp.set_nodelay(true).map_err(HandshakeError::Socket)?;
         let remote_addr: Option<SocketAddr> = tcp.peer_addr().ok();
 
-        let start = LazyConfigAcceptor::new(Acceptor::default(), tcp)
-            .await
-            .map_err(HandshakeError::ClientHello)?;
+        let hello_timeout = self.limits.client_hello_timeout;
+        let start = tokio::time::timeout(
+            hello_timeout,
+            LazyConfigAcceptor::new(Acceptor::default(), tcp),
+        )
+        .await
+        .map_err(|_| HandshakeError::ClientHelloTimeout(hello_timeout))?
+        .map_err(HandshakeError::ClientHello)?;
         let client_nonce = start
             .client_hello()
             .server_name()
@@ -128,13 +185,23 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
             .and_then(Nonce::from_server_name)
             .map_err(HandshakeError::ClientNonce)?;
 
+        // Only a few handshakes per source wait for the issuer (a TPM quote
+        // under the TPM lock), so one source cannot queue ahead of others.
+        let turn = self
+            .issuer_gate
+            .enter(Source::of(remote_addr))
+            .await
+            .map_err(|_| HandshakeError::IssuerGateClosed)?;
         let presenter = self.presenter.clone();
         let provider = self.provider.clone();
-        let certified =
-            tokio::task::spawn_blocking(move || presenter.present(&client_nonce, &provider))
-                .await
-                .map_err(HandshakeError::IssuerTask)?
-                .map_err(HandshakeError::Certificate)?;
+        let certified = tokio::task::spawn_blocking(move || {
+            // Held until the issuer returns, also if the handshake gave up.
+            let _turn = turn;
+            presenter.present(&client_nonce, &provider)
+        })
+        .await
+        .map_err(HandshakeError::IssuerTask)?
+        .map_err(HandshakeError::Certificate)?;
 
         let check = match &self.client_validator {
             Some(validator) => {
@@ -165,6 +232,24 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
             }
             None => None,
         };
+        // No connection reaches the application before the client's
+        // attestation key is proven to be in its TPM (and, when the client
+        // validates this server, this server's key in its own).
+        let exporter = residency::export(&**tls.get_ref().1).map_err(HandshakeError::Residency)?;
+        let peer = match (&self.client_validator, &attested) {
+            (Some(validator), Some(attested)) => Some(PeerKey {
+                validator,
+                claims: attested.claims(),
+            }),
+            _ => None,
+        };
+        let prover = self.presenter.prover().map(|issuer| Prover {
+            issuer,
+            gate: Some((self.issuer_gate.clone(), Source::of(remote_addr))),
+        });
+        residency::exchange(&mut tls, &exporter, Role::Server, prover, peer)
+            .await
+            .map_err(HandshakeError::Residency)?;
         Ok(AtlsStream::new(tls.into(), remote_addr, attested))
     }
 
@@ -215,12 +300,18 @@ pub enum HandshakeError {
     /// Configuring the accepted socket failed.
     #[error("configuring the accepted socket failed")]
     Socket(#[source] io::Error),
+    /// The ClientHello was not complete within the configured bound.
+    #[error("no complete ClientHello within {0:?}")]
+    ClientHelloTimeout(Duration),
     /// Reading the ClientHello failed.
     #[error("reading the ClientHello failed")]
     ClientHello(#[source] io::Error),
     /// The client's nonce is missing or malformed.
     #[error("reading the client's nonce failed")]
     ClientNonce(#[source] NonceError),
+    /// Waiting for a turn at the issuer failed; never expected.
+    #[error("the issuer queue was closed")]
+    IssuerGateClosed,
     /// The blocking task that makes the certificate did not finish.
     #[error("the certificate task failed")]
     IssuerTask(#[source] tokio::task::JoinError),
@@ -253,6 +344,11 @@ pub enum HandshakeError {
     /// Sending the confirmation that the client was accepted failed.
     #[error("confirming the client's attestation failed")]
     Confirm(#[source] io::Error),
+    /// The key residency exchange failed: the client's attestation key is
+    /// not proven to be in its TPM, or the client refused this server's
+    /// proof.
+    #[error("key residency")]
+    Residency(#[source] ResidencyError),
 }
 
 impl<C: Send + Sync + 'static> AtlsServer<C> {

@@ -63,4 +63,15 @@ impl<V: Validator> Validator for SwappableValidator<V> {
     ) -> Result<Self::Claims, ValidationError> {
         self.current().validate(document, nonce, user_data)
     }
+
+    fn residency_challenge(
+        &self,
+        claims: &Self::Claims,
+    ) -> Result<Option<crate::Challenge>, ValidationError> {
+        self.current().residency_challenge(claims)
+    }
+
+    fn residency_proven(&self, claims: &Self::Claims) {
+        self.current().residency_proven(claims)
+    }
 }

@@ -4,19 +4,28 @@
 //! Document: `nonce (32) || user_data (32) || Ed25519 signature (64)` over
 //! `"keel-atls-test" || nonce || user_data`. The validator trusts one public
 //! key and checks the signature, the nonce and the key binding, in that order.
+//!
+//! Key residency stands in for a TPM's credential activation: the issuer
+//! holds a residency key (its "TPM") that the validator knows belongs to the
+//! trusted signer; a challenge is 32 random bytes and its secret their
+//! HMAC-SHA256 under that key. An issuer with the right signing key but
+//! another residency key signs valid documents and fails the challenge, as a
+//! software attestation key next to a copied EK certificate does.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use keel_atls::{
-    AtlsClient, AtlsServer, DynIssuer, DynValidator, IssueError, Issuer, PeerInfo, ValidationError,
-    Validator,
+    AtlsClient, AtlsServer, Challenge, DynIssuer, DynValidator, IssueError, Issuer, PeerInfo,
+    ResidencySecret, ValidationError, Validator,
 };
 use keel_proto::kms::key_service_client::KeyServiceClient;
 use keel_proto::kms::key_service_server::{KeyService, KeyServiceServer};
 use keel_proto::kms::{GetDataKeyRequest, GetDataKeyResponse};
-use ring::rand::SystemRandom;
+use ring::hmac;
+use ring::rand::{SecureRandom, SystemRandom};
 use ring::signature::{Ed25519KeyPair, KeyPair, UnparsedPublicKey, ED25519};
 use tokio::net::TcpListener;
 use tonic::transport::{Endpoint, Server};
@@ -27,25 +36,56 @@ const DOC_LEN: usize = 32 + 32 + 64;
 /// An issuer holding an Ed25519 key; it records every document it issues.
 pub struct TestIssuer {
     key: Ed25519KeyPair,
+    pkcs8: Vec<u8>,
+    residency_key: [u8; 32],
     pub issued: Mutex<Vec<Vec<u8>>>,
+    pub answered: AtomicUsize,
+}
+
+fn random32() -> [u8; 32] {
+    let mut out = [0u8; 32];
+    SystemRandom::new().fill(&mut out).unwrap();
+    out
 }
 
 impl TestIssuer {
     pub fn generate() -> Arc<Self> {
         let pkcs8 = Ed25519KeyPair::generate_pkcs8(&SystemRandom::new()).unwrap();
+        Self::from_parts(pkcs8.as_ref().to_vec(), random32())
+    }
+
+    fn from_parts(pkcs8: Vec<u8>, residency_key: [u8; 32]) -> Arc<Self> {
         Arc::new(Self {
-            key: Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).unwrap(),
+            key: Ed25519KeyPair::from_pkcs8(&pkcs8).unwrap(),
+            pkcs8,
+            residency_key,
             issued: Mutex::new(Vec::new()),
+            answered: AtomicUsize::new(0),
         })
+    }
+
+    /// An issuer whose documents carry this issuer's signature but whose key
+    /// lives elsewhere: it cannot answer residency challenges made for this
+    /// issuer (a software key next to a copied EK certificate).
+    pub fn impostor(&self) -> Arc<Self> {
+        Self::from_parts(self.pkcs8.clone(), random32())
     }
 
     pub fn public_key(&self) -> Vec<u8> {
         self.key.public_key().as_ref().to_vec()
     }
 
+    pub fn residency_key(&self) -> [u8; 32] {
+        self.residency_key
+    }
+
     /// A validator that trusts this issuer.
     pub fn validator(&self) -> TestValidator {
-        TestValidator::new(self.public_key())
+        TestValidator::new(self.public_key(), self.residency_key)
+    }
+
+    pub fn answered_count(&self) -> usize {
+        self.answered.load(Ordering::SeqCst)
     }
 
     pub fn last_issued(&self) -> Vec<u8> {
@@ -83,6 +123,21 @@ impl Issuer for TestIssuer {
         self.issued.lock().unwrap().push(doc.clone());
         Ok(doc)
     }
+
+    fn answer(&self, challenge: &[u8]) -> Result<ResidencySecret, IssueError> {
+        self.answered.fetch_add(1, Ordering::SeqCst);
+        if challenge.len() != 32 {
+            return Err(IssueError::new("a test challenge is 32 bytes"));
+        }
+        Ok(residency_secret(&self.residency_key, challenge))
+    }
+}
+
+fn residency_secret(key: &[u8; 32], challenge: &[u8]) -> ResidencySecret {
+    let tag = hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, key), challenge);
+    let mut out = zeroize::Zeroizing::new([0u8; 32]);
+    out.copy_from_slice(tag.as_ref());
+    out
 }
 
 /// What the test validator establishes: who signed, and which validator
@@ -93,20 +148,39 @@ pub struct TestClaims {
     pub generation: u32,
 }
 
-/// Trusts one Ed25519 public key; counts its validations.
+/// Trusts one Ed25519 public key whose residency key it knows; counts its
+/// validations and challenges, and remembers proven keys.
 pub struct TestValidator {
     trusted: Vec<u8>,
+    residency_key: [u8; 32],
     generation: u32,
     pub validations: Arc<AtomicUsize>,
+    pub challenges: Arc<AtomicUsize>,
+    proven: Arc<Mutex<HashSet<Vec<u8>>>>,
+    remember: bool,
 }
 
 impl TestValidator {
-    pub fn new(trusted: Vec<u8>) -> Self {
+    pub fn new(trusted: Vec<u8>, residency_key: [u8; 32]) -> Self {
         Self {
             trusted,
+            residency_key,
             generation: 0,
             validations: Arc::new(AtomicUsize::new(0)),
+            challenges: Arc::new(AtomicUsize::new(0)),
+            proven: Arc::default(),
+            remember: true,
         }
+    }
+
+    /// Challenges every handshake, proven before or not.
+    pub fn forgetful(mut self) -> Self {
+        self.remember = false;
+        self
+    }
+
+    pub fn challenge_count(&self) -> usize {
+        self.challenges.load(Ordering::SeqCst)
     }
 
     pub fn generation(mut self, generation: u32) -> Self {
@@ -156,6 +230,25 @@ impl Validator for TestValidator {
             signer: self.trusted.clone(),
             generation: self.generation,
         })
+    }
+
+    fn residency_challenge(
+        &self,
+        claims: &TestClaims,
+    ) -> Result<Option<Challenge>, ValidationError> {
+        if self.remember && self.proven.lock().unwrap().contains(&claims.signer) {
+            return Ok(None);
+        }
+        self.challenges.fetch_add(1, Ordering::SeqCst);
+        let message = random32();
+        let secret = residency_secret(&self.residency_key, &message);
+        Ok(Some(Challenge::new(message.to_vec(), secret)))
+    }
+
+    fn residency_proven(&self, claims: &TestClaims) {
+        if self.remember {
+            self.proven.lock().unwrap().insert(claims.signer.clone());
+        }
     }
 }
 

@@ -1,0 +1,314 @@
+//! Key residency: after the TLS handshake and before the connection is
+//! handed to the application, every side that validated its peer proves that
+//! the key which signed the peer's attestation document lives where the
+//! document says it does.
+//!
+//! A document's signature only shows that *some* holder of the attestation
+//! key signed it; a certified endorsement key next to it proves nothing by
+//! itself, because anyone can copy a public EK certificate. So the validator
+//! makes a [`Challenge`] (for a TPM: TPM2_MakeCredential to the certified EK
+//! and the attestation key's name) and the peer's issuer answers it (for a
+//! TPM: TPM2_ActivateCredential, which succeeds only in the TPM that holds
+//! both keys). The answer never travels in the clear form: each side sends
+//! `HMAC-SHA256(secret, context || role || exporter)`, where `exporter` is
+//! keying material exported from this TLS session, so an answer is bound to
+//! this connection and to the direction it proves.
+//!
+//! The exchange has three steps, each a frame sent by both sides before
+//! either reads the peer's (so no ordering can deadlock):
+//!
+//! 1. `challenge`: this side's challenge for the peer, or empty when it does
+//!    not validate the peer or its validator has already seen this key proven;
+//! 2. `answer`: the proof for the peer's challenge, or empty when there was
+//!    none;
+//! 3. `verdict`: whether the peer's answer checked out.
+//!
+//! A frame is `tag (1) || u16be(len) || body`, the body at most
+//! [`MAX_FRAME_BODY`] bytes.
+
+use std::io;
+use std::sync::Arc;
+
+use ring::hmac;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::attestation::{
+    Challenge, DynIssuer, DynValidator, IssueError, ResidencySecret, ValidationError,
+};
+use crate::incoming::{IssuerGate, Source};
+
+/// Largest frame body: a TPM credential challenge is about 330 bytes.
+pub(crate) const MAX_FRAME_BODY: usize = 2048;
+/// Label of the TLS exporter the proofs are bound to (RFC 8446, 7.5).
+const EXPORTER_LABEL: &[u8] = b"EXPORTER-keel-atls-key-residency";
+/// Domain separation of the proof.
+const PROOF_CONTEXT: &[u8] = b"keel-atls-residency-v1";
+
+const TAG_CHALLENGE: u8 = 0x21;
+const TAG_ANSWER: u8 = 0x22;
+const TAG_VERDICT: u8 = 0x23;
+const VERDICT_ACCEPTED: u8 = 0x01;
+const VERDICT_REFUSED: u8 = 0x00;
+
+/// Which end of the connection this side is; the proof names the prover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    Server,
+    Client,
+}
+
+impl Role {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Self::Server => b"server",
+            Self::Client => b"client",
+        }
+    }
+
+    fn peer(self) -> Self {
+        match self {
+            Self::Server => Self::Client,
+            Self::Client => Self::Server,
+        }
+    }
+}
+
+/// Why the residency exchange failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResidencyError {
+    /// Exporting keying material from the TLS session failed.
+    #[error("exporting TLS keying material failed")]
+    Exporter(#[source] rustls::Error),
+    /// Reading or writing a frame failed.
+    #[error("the key residency exchange failed on the connection")]
+    Io(#[source] io::Error),
+    /// The peer closed the connection during the exchange, typically because
+    /// it refused this side; its log has the reason.
+    #[error("the peer closed the connection during the key residency exchange; the peer's log has the reason")]
+    Closed,
+    /// The peer sent a frame of the wrong kind or size.
+    #[error("the peer sent a malformed key residency frame")]
+    Frame,
+    /// This side's validator could not make a challenge.
+    #[error("making the key residency challenge failed")]
+    Challenge(#[source] ValidationError),
+    /// The peer challenged this side, which does not attest.
+    #[error("the peer sent a key residency challenge, but this side does not attest")]
+    UnexpectedChallenge,
+    /// This side could not answer the peer's challenge: its key is not the
+    /// one the challenge was made for, or its TPM failed.
+    #[error("answering the peer's key residency challenge failed")]
+    Answer(#[source] IssueError),
+    /// The queue for the issuer was closed (never expected).
+    #[error("the issuer queue is closed")]
+    IssuerGateClosed,
+    /// The blocking task that answers the challenge did not finish.
+    #[error("the key residency answer task failed")]
+    Task(#[source] tokio::task::JoinError),
+    /// The peer did not answer this side's challenge.
+    #[error("the peer did not answer the key residency challenge: its attestation key is not proven to be in the TPM of its endorsement key")]
+    NoAnswer,
+    /// The peer's answer is wrong.
+    #[error("the peer's key residency proof is wrong: its attestation key is not in the TPM of its endorsement key")]
+    WrongAnswer,
+    /// The peer refused this side's answer; its log has the reason.
+    #[error("the peer refused this side's key residency proof; the peer's log has the reason")]
+    RefusedByPeer,
+}
+
+/// What answers the peer's challenge: this side's issuer and, on a server,
+/// the gate that bounds how many handshakes per source use it at once (an
+/// answer is a TPM operation, like a quote).
+pub(crate) struct Prover {
+    pub(crate) issuer: DynIssuer,
+    pub(crate) gate: Option<(Arc<IssuerGate>, Source)>,
+}
+
+/// What this side checks of its peer: its validator and what it established.
+pub(crate) struct PeerKey<'a, C> {
+    pub(crate) validator: &'a DynValidator<C>,
+    pub(crate) claims: &'a C,
+}
+
+/// Exports this session's keying material for the proofs.
+pub(crate) fn export<D>(conn: &rustls::ConnectionCommon<D>) -> Result<[u8; 32], ResidencyError> {
+    conn.export_keying_material([0u8; 32], EXPORTER_LABEL, None)
+        .map_err(ResidencyError::Exporter)
+}
+
+/// Runs the exchange on an established connection. `prover` answers the
+/// peer's challenge (this side's issuer, if it attests); `peer` is checked
+/// when this side validated the peer.
+pub(crate) async fn exchange<S, C>(
+    stream: &mut S,
+    exporter: &[u8; 32],
+    role: Role,
+    prover: Option<Prover>,
+    peer: Option<PeerKey<'_, C>>,
+) -> Result<(), ResidencyError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    C: Send + Sync + 'static,
+{
+    // 1. Challenges both ways.
+    let challenge: Option<Challenge> = match &peer {
+        Some(p) => p
+            .validator
+            .residency_challenge(p.claims)
+            .map_err(ResidencyError::Challenge)?,
+        None => None,
+    };
+    let sent = challenge.as_ref().map(Challenge::message).unwrap_or(&[]);
+    write_frame(stream, TAG_CHALLENGE, sent).await?;
+    let received = read_frame(stream, TAG_CHALLENGE).await?;
+
+    // 2. Answers both ways. A side that cannot answer sends an empty proof
+    // and goes on, so the peer reaches its verdict and logs the reason.
+    let (proof, cannot_answer) = if received.is_empty() {
+        (Vec::new(), None)
+    } else {
+        match prover {
+            None => (Vec::new(), Some(ResidencyError::UnexpectedChallenge)),
+            Some(prover) => match answer(prover, received).await {
+                Ok(secret) => (proof(&secret, role, exporter).as_ref().to_vec(), None),
+                Err(e) => (Vec::new(), Some(e)),
+            },
+        }
+    };
+    write_frame(stream, TAG_ANSWER, &proof).await?;
+    let peer_proof = read_frame(stream, TAG_ANSWER).await?;
+
+    // 3. Verdicts both ways.
+    let outcome = match &challenge {
+        None if peer_proof.is_empty() => Ok(()),
+        None => Err(ResidencyError::Frame),
+        Some(_) if peer_proof.is_empty() => Err(ResidencyError::NoAnswer),
+        Some(c) => {
+            let key = hmac::Key::new(hmac::HMAC_SHA256, c.secret());
+            hmac::verify(&key, &proof_message(role.peer(), exporter), &peer_proof)
+                .map_err(|_| ResidencyError::WrongAnswer)
+        }
+    };
+    let verdict = if outcome.is_ok() {
+        VERDICT_ACCEPTED
+    } else {
+        VERDICT_REFUSED
+    };
+    write_frame(stream, TAG_VERDICT, &[verdict]).await?;
+    outcome?;
+    if let (Some(_), Some(p)) = (&challenge, &peer) {
+        p.validator.residency_proven(p.claims);
+    }
+    let peer_verdict = read_frame(stream, TAG_VERDICT).await?;
+    if let Some(e) = cannot_answer {
+        return Err(e);
+    }
+    match peer_verdict.as_slice() {
+        [VERDICT_ACCEPTED] => Ok(()),
+        [VERDICT_REFUSED] => Err(ResidencyError::RefusedByPeer),
+        _ => Err(ResidencyError::Frame),
+    }
+}
+
+/// Runs the issuer's answer on a blocking thread (it may talk to a TPM).
+async fn answer(prover: Prover, challenge: Vec<u8>) -> Result<ResidencySecret, ResidencyError> {
+    let turn = match &prover.gate {
+        Some((gate, source)) => Some(
+            gate.enter(*source)
+                .await
+                .map_err(|_| ResidencyError::IssuerGateClosed)?,
+        ),
+        None => None,
+    };
+    let issuer = prover.issuer;
+    tokio::task::spawn_blocking(move || {
+        // Held until the issuer returns, also if the handshake gave up.
+        let _turn = turn;
+        issuer.answer(&challenge)
+    })
+    .await
+    .map_err(ResidencyError::Task)?
+    .map_err(ResidencyError::Answer)
+}
+
+fn proof_message(prover: Role, exporter: &[u8; 32]) -> Vec<u8> {
+    [PROOF_CONTEXT, prover.label(), exporter.as_slice()].concat()
+}
+
+fn proof(secret: &ResidencySecret, prover: Role, exporter: &[u8; 32]) -> hmac::Tag {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, secret.as_slice());
+    hmac::sign(&key, &proof_message(prover, exporter))
+}
+
+async fn write_frame<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    tag: u8,
+    body: &[u8],
+) -> Result<(), ResidencyError> {
+    let len = u16::try_from(body.len())
+        .ok()
+        .filter(|&l| usize::from(l) <= MAX_FRAME_BODY)
+        .ok_or(ResidencyError::Frame)?;
+    let mut frame = Vec::with_capacity(3 + body.len());
+    frame.push(tag);
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(body);
+    stream.write_all(&frame).await.map_err(io_error)?;
+    stream.flush().await.map_err(io_error)
+}
+
+async fn read_frame<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    want: u8,
+) -> Result<Vec<u8>, ResidencyError> {
+    let mut head = [0u8; 3];
+    stream.read_exact(&mut head).await.map_err(io_error)?;
+    let [tag, hi, lo] = head;
+    let len = usize::from(u16::from_be_bytes([hi, lo]));
+    if tag != want || len > MAX_FRAME_BODY {
+        return Err(ResidencyError::Frame);
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).await.map_err(io_error)?;
+    Ok(body)
+}
+
+fn io_error(e: io::Error) -> ResidencyError {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe => ResidencyError::Closed,
+        _ => ResidencyError::Io(e),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proofs_name_their_direction() {
+        let secret: ResidencySecret = zeroize::Zeroizing::new([7u8; 32]);
+        let exporter = [1u8; 32];
+        let server = proof(&secret, Role::Server, &exporter);
+        let client = proof(&secret, Role::Client, &exporter);
+        assert_ne!(server.as_ref(), client.as_ref());
+        let other_session = proof(&secret, Role::Server, &[2u8; 32]);
+        assert_ne!(server.as_ref(), other_session.as_ref());
+    }
+
+    #[tokio::test]
+    async fn oversized_frames_are_refused_before_reading_the_body() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        let len = u16::try_from(MAX_FRAME_BODY + 1).unwrap();
+        let mut head = vec![TAG_CHALLENGE];
+        head.extend_from_slice(&len.to_be_bytes());
+        a.write_all(&head).await.unwrap();
+        assert!(matches!(
+            read_frame(&mut b, TAG_CHALLENGE).await,
+            Err(ResidencyError::Frame)
+        ));
+    }
+}

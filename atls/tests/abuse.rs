@@ -1,0 +1,417 @@
+//! An aTLS port under load from unauthenticated peers, on loopback: idle
+//! sockets, trickled ClientHellos, sources over their share and a flood of
+//! well-formed ClientHellos; a legitimate client from another address gets
+//! through each time. Peers are told apart by source address: client
+//! sockets are bound to 127.0.0.2, 127.0.0.3, ... before they connect.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{call, dyn_issuer, dyn_validator, TestClaims, TestIssuer, TestServer};
+use keel_atls::{
+    AtlsClient, AtlsServer, IssueError, Issuer, ResidencySecret, DEFAULT_HANDSHAKE_TIMEOUT,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+/// The default ClientHello budget (the servers here keep their defaults
+/// unless a test says otherwise).
+const CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
+
+fn source(n: u8) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, 0, n)
+}
+
+/// A TCP connection to `addr` from `from`. A connection the server closes
+/// at once may already fail here, with the server's reset.
+async fn connect_from(from: Ipv4Addr, addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::from((from, 0)))?;
+    socket.connect(addr).await
+}
+
+/// How long until the server closes `tcp` (end of file or reset), reading
+/// and discarding what it sends; `None` if still open after `limit`.
+async fn closed_within(tcp: &mut TcpStream, limit: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = limit.checked_sub(started.elapsed())?;
+        match tokio::time::timeout(left, tcp.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(started.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// The first TLS record a real aTLS client sends: its ClientHello, with the
+/// nonce it drew in the server name.
+async fn captured_client_hello() -> Vec<u8> {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let client = AtlsClient::server_attested(dyn_validator(TestIssuer::generate().validator()));
+    let connecting = tokio::spawn(async move {
+        let _ = client.connect("127.0.0.1", port).await;
+    });
+    let (mut tcp, _) = listener.accept().await.unwrap();
+    let mut record = vec![0u8; 5];
+    tcp.read_exact(&mut record).await.unwrap();
+    assert_eq!(record[0], 0x16, "a handshake record");
+    let len = u16::from_be_bytes([record[3], record[4]]) as usize;
+    record.resize(5 + len, 0);
+    tcp.read_exact(&mut record[5..]).await.unwrap();
+    connecting.abort();
+    record
+}
+
+fn server_attested(issuer: Arc<dyn Issuer>) -> AtlsServer<TestClaims> {
+    AtlsServer::server_attested(issuer)
+}
+
+/// An issuer that takes `delay` per document under one lock, as a TPM
+/// quote under the TPM lock does, and records its calls.
+struct SlowIssuer {
+    inner: Arc<TestIssuer>,
+    delay: Duration,
+    tpm: Mutex<()>,
+    /// When each call got the lock, and its nonce, in the order they ran.
+    ran: Mutex<Vec<(Instant, Vec<u8>)>>,
+    /// Calls inside `issue` now (waiting for the lock or running), and the
+    /// most there were at once: all, and those with `watched` as nonce.
+    inside: AtomicUsize,
+    max_inside: AtomicUsize,
+    watched: Mutex<Option<Vec<u8>>>,
+    watched_inside: AtomicUsize,
+    max_watched_inside: AtomicUsize,
+}
+
+impl SlowIssuer {
+    fn new(inner: Arc<TestIssuer>, delay: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            delay,
+            tpm: Mutex::new(()),
+            ran: Mutex::new(Vec::new()),
+            inside: AtomicUsize::new(0),
+            max_inside: AtomicUsize::new(0),
+            watched: Mutex::new(None),
+            watched_inside: AtomicUsize::new(0),
+            max_watched_inside: AtomicUsize::new(0),
+        })
+    }
+}
+
+impl Issuer for SlowIssuer {
+    fn issue(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, IssueError> {
+        let watched = self.watched.lock().unwrap().as_deref() == Some(nonce);
+        let now = self.inside.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_inside.fetch_max(now, Ordering::SeqCst);
+        if watched {
+            let now = self.watched_inside.fetch_add(1, Ordering::SeqCst) + 1;
+            self.max_watched_inside.fetch_max(now, Ordering::SeqCst);
+        }
+        let result = {
+            let _tpm = self.tpm.lock().unwrap();
+            self.ran
+                .lock()
+                .unwrap()
+                .push((Instant::now(), nonce.to_vec()));
+            std::thread::sleep(self.delay);
+            self.inner.issue(nonce, user_data)
+        };
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+        if watched {
+            self.watched_inside.fetch_sub(1, Ordering::SeqCst);
+        }
+        result
+    }
+
+    fn answer(&self, challenge: &[u8]) -> Result<ResidencySecret, IssueError> {
+        self.inner.answer(challenge)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sockets_from_several_sources_do_not_keep_a_client_out() {
+    common::init_tracing();
+    let issuer = TestIssuer::generate();
+    let server = TestServer::start(server_attested(dyn_issuer(&issuer))).await;
+    let client = AtlsClient::server_attested(dyn_validator(issuer.validator()));
+
+    // 300 connections that never send a byte, 50 from each of 6 sources.
+    let mut idle = Vec::new();
+    for s in 2..8 {
+        for _ in 0..50 {
+            // Those reset at once may fail to connect at all.
+            if let Ok(tcp) = connect_from(source(s), server.addr).await {
+                idle.push(tcp);
+            }
+        }
+    }
+    let opened = Instant::now();
+    // Let the accept loop see them all.
+    for _ in 0..200 {
+        if server.stats.shed() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let started = Instant::now();
+    let (seen_by_server, attested) = call(&client, &server).await.unwrap();
+    let took = started.elapsed();
+    eprintln!(
+        "legitimate client next to 300 idle sockets from 6 sources: handshake and call \
+         in {took:?}; {} sockets closed at once",
+        server.stats.shed()
+    );
+    assert!(attested.is_some());
+    assert!(
+        seen_by_server.is_empty(),
+        "server-attested: no client document"
+    );
+    assert!(
+        took < DEFAULT_HANDSHAKE_TIMEOUT,
+        "the legitimate client waited {took:?}"
+    );
+    // 300 sockets cannot all have a handshake slot (at most 256).
+    assert!(server.stats.shed() >= 300 - 256, "{}", server.stats.shed());
+    assert_eq!(server.stats.accepted(), 1);
+
+    // Every idle socket is closed by the ClientHello budget, none is held
+    // for the whole handshake timeout.
+    let limit = CLIENT_HELLO_TIMEOUT + Duration::from_secs(2);
+    for tcp in &mut idle {
+        let left = limit.saturating_sub(opened.elapsed());
+        assert!(
+            closed_within(tcp, left).await.is_some(),
+            "an idle socket is still open {:?} after it connected",
+            opened.elapsed()
+        );
+    }
+    wait_for(|| server.stats.refused() + server.stats.shed() >= 300).await;
+    assert_eq!(
+        server.stats.refused() + server.stats.shed(),
+        300,
+        "each idle socket counted once"
+    );
+    assert_eq!(issuer.issued_count(), 1, "no document for an idle socket");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_client_hello_is_dropped_at_the_client_hello_budget() {
+    common::init_tracing();
+    let issuer = TestIssuer::generate();
+    let server = TestServer::start(server_attested(dyn_issuer(&issuer))).await;
+    let hello = captured_client_hello().await;
+
+    // The same bytes at once get the server's answer: a genuine ClientHello.
+    let mut whole = connect_from(source(20), server.addr).await.unwrap();
+    whole.write_all(&hello).await.unwrap();
+    let mut first = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(5), whole.read_exact(&mut first))
+        .await
+        .expect("the server answers a complete ClientHello")
+        .unwrap();
+    assert_eq!(first[0], 0x16, "a ServerHello");
+    assert_eq!(issuer.issued_count(), 1);
+
+    // Slow loris: one byte per second from each of three sources.
+    let lorises: Vec<_> = (21..24)
+        .map(|s| {
+            let hello = hello.clone();
+            let addr = server.addr;
+            tokio::spawn(async move {
+                let tcp = connect_from(source(s), addr).await.unwrap();
+                let (mut reader, mut writer) = tcp.into_split();
+                let started = Instant::now();
+                let trickle = async {
+                    for byte in &hello {
+                        if writer.write_all(&[*byte]).await.is_err() {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    // Never reached within the test: the hello is hundreds
+                    // of bytes long.
+                    std::future::pending::<()>().await;
+                };
+                let closed = async {
+                    let mut buf = [0u8; 64];
+                    loop {
+                        match reader.read(&mut buf).await {
+                            Ok(0) | Err(_) => return started.elapsed(),
+                            Ok(_) => {}
+                        }
+                    }
+                };
+                tokio::time::timeout(DEFAULT_HANDSHAKE_TIMEOUT, async {
+                    tokio::select! {
+                        took = closed => took,
+                        () = trickle => unreachable!(),
+                    }
+                })
+                .await
+                .ok()
+            })
+        })
+        .collect();
+    for loris in lorises {
+        let took = loris
+            .await
+            .unwrap()
+            .expect("a trickling socket is closed before the handshake timeout");
+        eprintln!("trickled ClientHello closed after {took:?}");
+        assert!(
+            took >= CLIENT_HELLO_TIMEOUT - Duration::from_millis(100)
+                && took < CLIENT_HELLO_TIMEOUT + Duration::from_secs(2),
+            "closed after {took:?}"
+        );
+    }
+    assert_eq!(issuer.issued_count(), 1, "no document before a ClientHello");
+    assert_eq!(server.stats.refused(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_load_a_source_over_its_share_is_closed_at_once() {
+    let issuer = TestIssuer::generate();
+    // 2 per source once half of 8 slots are taken, 8 in all.
+    let server = TestServer::start(
+        server_attested(dyn_issuer(&issuer))
+            .with_handshake_limits(2, 8)
+            .with_client_hello_timeout(Duration::from_secs(5)),
+    )
+    .await;
+    let mut held = Vec::new();
+    let mut refused = Vec::new();
+    // Decided in accept order, which is connection order. Source 2 bursts:
+    // 4 admitted below half load, then it is over its share; sources 3 and
+    // 4 get their share each; then the port is full.
+    for (s, admitted, over) in [(2, 4, 2), (3, 2, 1), (4, 2, 0), (5, 0, 1)] {
+        for _ in 0..admitted {
+            held.push(connect_from(source(s), server.addr).await.unwrap());
+        }
+        for _ in 0..over {
+            // A reset may already fail the connect.
+            if let Ok(tcp) = connect_from(source(s), server.addr).await {
+                refused.push(tcp);
+            }
+        }
+    }
+    wait_for(|| server.stats.shed() >= 4).await;
+    assert_eq!(server.stats.shed(), 4);
+    for tcp in &mut refused {
+        let took = closed_within(tcp, Duration::from_secs(1))
+            .await
+            .expect("closed at once");
+        assert!(took < Duration::from_secs(1));
+    }
+    for tcp in &mut held {
+        assert!(
+            closed_within(tcp, Duration::from_millis(300))
+                .await
+                .is_none(),
+            "an admitted socket keeps its ClientHello budget"
+        );
+    }
+    // A client from a fresh source gets a slot as soon as one is free.
+    drop(held);
+    let client = AtlsClient::server_attested(dyn_validator(issuer.validator()));
+    let mut result = None;
+    for _ in 0..50 {
+        match client.connect("127.0.0.1", server.addr.port()).await {
+            Ok(stream) => {
+                result = Some(stream);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    assert!(result.is_some(), "no slot after the held sockets closed");
+}
+
+/// Waits (at most 2 s) until `done`.
+async fn wait_for(mut done: impl FnMut() -> bool) {
+    for _ in 0..400 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        if done() {
+            return;
+        }
+    }
+    panic!("the server did not get there");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_of_client_hellos_does_not_queue_a_client_from_elsewhere() {
+    common::init_tracing();
+    const FLOOD: usize = 100;
+    let inner = TestIssuer::generate();
+    let issuer = SlowIssuer::new(inner.clone(), Duration::from_millis(20));
+    let server = TestServer::start(server_attested(issuer.clone())).await;
+    let client = AtlsClient::server_attested(dyn_validator(inner.validator()));
+
+    // One captured ClientHello replayed: every flood call has its nonce.
+    let hello = captured_client_hello().await;
+    // Learn its nonce from one answered handshake.
+    let flood_nonce = {
+        let mut tcp = connect_from(source(2), server.addr).await.unwrap();
+        tcp.write_all(&hello).await.unwrap();
+        let mut first = [0u8; 1];
+        tcp.read_exact(&mut first).await.unwrap();
+        let ran = issuer.ran.lock().unwrap();
+        assert_eq!(ran.len(), 1);
+        ran[0].1.clone()
+    };
+    *issuer.watched.lock().unwrap() = Some(flood_nonce.clone());
+
+    // The flood: well-formed ClientHellos from one source, never finished.
+    let mut flood = Vec::new();
+    for _ in 0..FLOOD {
+        let mut tcp = connect_from(source(2), server.addr).await.unwrap();
+        tcp.write_all(&hello).await.unwrap();
+        flood.push(tcp);
+    }
+    // The flood is queued at the issuer when the client arrives.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let arrived = Instant::now();
+    let started = Instant::now();
+    let stream = client.connect("127.0.0.1", server.addr.port()).await;
+    let took = started.elapsed();
+    assert!(stream.is_ok(), "{:?}", stream.err());
+
+    let ran = issuer.ran.lock().unwrap().clone();
+    let own = ran
+        .iter()
+        .position(|(_, nonce)| *nonce != flood_nonce)
+        .expect("the client's own issuer call");
+    let flood_first = ran[..own].iter().filter(|(at, _)| *at >= arrived).count();
+    let flood_total = ran.iter().filter(|(_, n)| *n == flood_nonce).count();
+    eprintln!(
+        "client next to a flood of {FLOOD} ClientHellos: handshake in {took:?}; \
+         {flood_first} flood issuer calls ran after it arrived and before its own; \
+         {flood_total} flood calls ran so far; at most {} calls inside the issuer at once, \
+         {} of the flood",
+        issuer.max_inside.load(Ordering::SeqCst),
+        issuer.max_watched_inside.load(Ordering::SeqCst),
+    );
+    // The flood never had more than its share (2) at the issuer, so the
+    // client competed with those few for the lock (which, like a TPM's,
+    // is not fair), not with the whole flood queued ahead of it.
+    assert!(issuer.max_watched_inside.load(Ordering::SeqCst) <= 2);
+    assert!(issuer.max_inside.load(Ordering::SeqCst) <= 8);
+    assert!(flood_first <= 20, "{flood_first} flood calls ran first");
+    assert!(
+        flood_total < FLOOD,
+        "the flood did not run ahead of the client"
+    );
+    // All flood handshakes were admitted (one source bursting while the
+    // port is otherwise idle) and wait their turn.
+    assert_eq!(server.stats.shed(), 0);
+    drop(flood);
+}
