@@ -247,6 +247,10 @@ impl Issuer for Hostile {
             }
         }
     }
+
+    fn answer(&self, challenge: &[u8]) -> Result<keel_atls::ResidencySecret, IssueError> {
+        keel_atls::Issuer::answer(self.inner.as_ref(), challenge)
+    }
 }
 
 async fn refused_by_client(server_issuer: DynIssuer, client: &AtlsClient<Verified>) -> String {

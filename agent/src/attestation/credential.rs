@@ -7,11 +7,17 @@
 //! 32-byte credential, which is the AEAD key of the payload. A document whose
 //! quote came from a software key, or from an AK in another TPM, can pass
 //! every signature check and still never read the secret.
+//!
+//! The same construction proves key residency in every aTLS handshake
+//! ([`residency_challenge`], [`answer_residency`]): before any request or
+//! secret crosses, the verifier makes a credential for the peer's EK and AK
+//! name and the peer proves it recovered it.
 
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
 use hmac::{Hmac, Mac};
-use keel_proto::attestation::SealedSecret;
+use keel_proto::attestation::{ResidencyChallenge, SealedSecret};
+use prost::Message;
 use rand::RngCore;
 use sha2::Sha256;
 use zeroize::Zeroizing;
@@ -19,6 +25,8 @@ use zeroize::Zeroizing;
 use super::tpm_wire::{alg, Public, PublicKey};
 
 const CREDENTIAL_LEN: usize = 32;
+/// Largest accepted residency challenge (a real one is about 330 bytes).
+const MAX_CHALLENGE_BYTES: usize = 1024;
 const AAD_CONTEXT: &[u8] = b"keel-sealed-secret-v1";
 
 /// Sealing or opening failed.
@@ -128,6 +136,47 @@ fn make_credential(
     blob.extend_from_slice(&outer_hmac);
     blob.extend_from_slice(&enc_identity);
     Ok((blob, encrypted_seed))
+}
+
+/// A key-residency challenge for the TPM holding `ek` and the AK named
+/// `ak_name`: the encoded [`ResidencyChallenge`] and the secret only that
+/// TPM recovers from it (TPM2_ActivateCredential).
+pub fn residency_challenge(
+    ek: &Public,
+    ak_name: &[u8],
+) -> Result<(Vec<u8>, Zeroizing<[u8; CREDENTIAL_LEN]>), CredentialError> {
+    let mut secret = Zeroizing::new([0u8; CREDENTIAL_LEN]);
+    rand::rngs::OsRng.fill_bytes(secret.as_mut());
+    let (credential_blob, encrypted_seed) = make_credential(ek, ak_name, &secret)?;
+    let message = ResidencyChallenge {
+        credential_blob,
+        encrypted_seed,
+    }
+    .encode_to_vec();
+    Ok((message, secret))
+}
+
+/// Answers a [`residency_challenge`] with this TPM: the recovered secret.
+pub fn answer_residency(
+    tpm: &mut crate::tpm::Tpm,
+    challenge: &[u8],
+) -> Result<Zeroizing<[u8; CREDENTIAL_LEN]>, CredentialError> {
+    if challenge.len() > MAX_CHALLENGE_BYTES {
+        return Err(CredentialError::Open);
+    }
+    let challenge = ResidencyChallenge::decode(challenge).map_err(|_| CredentialError::Open)?;
+    let credential = tpm
+        .activate_credential(&challenge.credential_blob, &challenge.encrypted_seed)
+        .map_err(|e| {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "answering a key residency challenge failed");
+            CredentialError::Open
+        })?;
+    let mut out = Zeroizing::new([0u8; CREDENTIAL_LEN]);
+    if credential.len() != CREDENTIAL_LEN {
+        return Err(CredentialError::Open);
+    }
+    out.copy_from_slice(&credential);
+    Ok(out)
 }
 
 fn aad(ak_name: &[u8]) -> Vec<u8> {

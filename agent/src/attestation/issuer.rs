@@ -83,4 +83,16 @@ impl keel_atls::Issuer for TpmIssuer {
     fn issue(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, keel_atls::IssueError> {
         TpmIssuer::issue(self, nonce, user_data).map_err(keel_atls::IssueError::new)
     }
+
+    fn answer(
+        &self,
+        challenge: &[u8],
+    ) -> Result<keel_atls::ResidencySecret, keel_atls::IssueError> {
+        let mut guard = self
+            .tpm
+            .lock()
+            .map_err(|_| keel_atls::IssueError::new(IssueError::Poisoned))?;
+        super::credential::answer_residency(guard.tpm(), challenge)
+            .map_err(keel_atls::IssueError::new)
+    }
 }

@@ -15,7 +15,7 @@ use keel_atls::SwappableValidator;
 
 use super::ek::EkTrust;
 use super::measurements::{Measurements, MeasurementsError, MAX_MEASUREMENTS_BYTES};
-use super::validator::{Validator, Verified};
+use super::validator::{ProvenKeys, Validator, Verified};
 use crate::measurement::Digest32;
 
 /// Loading a policy failed.
@@ -51,6 +51,7 @@ pub struct ReloadableValidator {
     path: PathBuf,
     ek_trust: EkTrust,
     required: Required,
+    proven: Arc<ProvenKeys>,
     current: Arc<SwappableValidator<Validator>>,
     modified: Mutex<Option<SystemTime>>,
 }
@@ -58,11 +59,13 @@ pub struct ReloadableValidator {
 impl ReloadableValidator {
     /// Loads `path`; fails if the first file is invalid.
     pub fn load(path: &Path, ek_trust: EkTrust, required: Required) -> Result<Self, PolicyError> {
-        let (validator, modified) = build(path, &ek_trust, &required)?;
+        let proven = Arc::new(ProvenKeys::default());
+        let (validator, modified) = build(path, &ek_trust, &required, &proven)?;
         Ok(Self {
             path: path.to_owned(),
             ek_trust,
             required,
+            proven,
             current: Arc::new(SwappableValidator::new(validator)),
             modified: Mutex::new(modified),
         })
@@ -81,7 +84,7 @@ impl ReloadableValidator {
     /// Re-reads the file and swaps in its validator. On error the old
     /// validator stays and the error is returned (and logged).
     pub fn reload(&self) -> Result<(), PolicyError> {
-        match build(&self.path, &self.ek_trust, &self.required) {
+        match build(&self.path, &self.ek_trust, &self.required, &self.proven) {
             Ok((validator, modified)) => {
                 self.current.replace(validator);
                 *self.modified.lock().unwrap_or_else(PoisonError::into_inner) = modified;
@@ -130,6 +133,7 @@ fn build(
     path: &Path,
     ek_trust: &EkTrust,
     required: &Required,
+    proven: &Arc<ProvenKeys>,
 ) -> Result<(Validator, Option<SystemTime>), PolicyError> {
     let read = |source| PolicyError::Read {
         path: path.to_owned(),
@@ -151,7 +155,7 @@ fn build(
         measurements.require(*pcr, *digest);
     }
     Ok((
-        Validator::new(measurements, ek_trust.clone()),
+        Validator::with_proven_keys(measurements, ek_trust.clone(), proven.clone()),
         meta.modified().ok(),
     ))
 }

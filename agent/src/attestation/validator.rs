@@ -5,14 +5,20 @@
 //! quote's signature verifies with it, the quote's qualifying data binds this
 //! handshake's nonce and user data, the reported PCR values match the quoted
 //! digest, the agent's event log replays to those values, and every enforced
-//! expected PCR matches (warn-only mismatches are logged). What the AK check
-//! cannot prove, that the AK lives in the EK's TPM, is closed when secrets
-//! are sent: they are sealed to the EK and the AK name ([`super::credential`]).
+//! expected PCR matches (warn-only mismatches are logged). What these checks
+//! cannot prove, that the AK lives in the EK's TPM, is proven next, before
+//! aTLS hands the connection to anyone: a key residency challenge made with
+//! TPM2_MakeCredential to the EK and the AK's name
+//! ([`keel_atls::Validator::residency_challenge`], [`super::credential`]).
+//! A validator remembers (bounded) the EK and AK pairs proven through it, so
+//! later handshakes with the same AK skip the TPM round.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use keel_proto::attestation::AttestationDocument;
 use prost::Message;
+use sha2::{Digest as _, Sha256};
 
 use super::ek::{EkError, EkTrust};
 use super::measurements::{Measurements, Mismatch};
@@ -80,19 +86,76 @@ pub struct Verified {
     pub warnings: Vec<Mismatch>,
 }
 
+/// EK and AK pairs whose residency was proven, oldest first out.
+#[derive(Debug, Default)]
+pub struct ProvenKeys {
+    inner: Mutex<ProvenSet>,
+}
+
+#[derive(Debug, Default)]
+struct ProvenSet {
+    members: HashSet<[u8; 32]>,
+    order: VecDeque<[u8; 32]>,
+}
+
+impl ProvenKeys {
+    /// Most pairs remembered; the oldest is forgotten first (and proven
+    /// again at its next handshake).
+    pub const CAPACITY: usize = 4096;
+
+    fn key(verified: &Verified) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(b"keel-proven-ak-v1");
+        h.update((verified.ek.name.len() as u32).to_be_bytes());
+        h.update(&verified.ek.name);
+        h.update(&verified.ak.name);
+        h.finalize().into()
+    }
+
+    fn contains(&self, verified: &Verified) -> bool {
+        let set = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        set.members.contains(&Self::key(verified))
+    }
+
+    fn insert(&self, verified: &Verified) {
+        let key = Self::key(verified);
+        let mut set = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        if set.members.insert(key) {
+            set.order.push_back(key);
+            while set.order.len() > Self::CAPACITY {
+                if let Some(old) = set.order.pop_front() {
+                    set.members.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 /// A verifier's policy: the expected measurements and the trusted EK CAs.
 #[derive(Clone, Debug)]
 pub struct Validator {
     measurements: Measurements,
     ek_trust: EkTrust,
+    proven: Arc<ProvenKeys>,
 }
 
 impl Validator {
     /// A validator with these expectations.
     pub fn new(measurements: Measurements, ek_trust: EkTrust) -> Self {
+        Self::with_proven_keys(measurements, ek_trust, Arc::default())
+    }
+
+    /// A validator that shares its memory of proven keys with others (e.g.
+    /// the successive validators of a reloaded measurements file).
+    pub fn with_proven_keys(
+        measurements: Measurements,
+        ek_trust: EkTrust,
+        proven: Arc<ProvenKeys>,
+    ) -> Self {
         Self {
             measurements,
             ek_trust,
+            proven,
         }
     }
 
@@ -210,5 +273,21 @@ impl keel_atls::Validator for Validator {
             }
             other => keel_atls::ValidationError::rejected(other),
         })
+    }
+
+    fn residency_challenge(
+        &self,
+        claims: &Verified,
+    ) -> Result<Option<keel_atls::Challenge>, keel_atls::ValidationError> {
+        if self.proven.contains(claims) {
+            return Ok(None);
+        }
+        let (message, secret) = super::credential::residency_challenge(&claims.ek, &claims.ak.name)
+            .map_err(keel_atls::ValidationError::rejected)?;
+        Ok(Some(keel_atls::Challenge::new(message, secret)))
+    }
+
+    fn residency_proven(&self, claims: &Verified) {
+        self.proven.insert(claims);
     }
 }
