@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use keel_atls::AtlsServer;
 use keel_installer::{InstallerConfig, Mirror};
-use tonic::transport::Server;
+use keel_proto::init::init_service_server::InitServiceServer;
+use keel_proto::join::join_service_server::JoinServiceServer;
+use tokio::net::TcpListener;
 
 use crate::address::AdvertiseAddress;
 use crate::attestation::ek::EkTrust;
@@ -19,9 +21,10 @@ use crate::attestation::policy::ReloadableValidator;
 use crate::cluster::ClusterSlot;
 use crate::config::NodeConfig;
 use crate::disk::{Cryptsetup, StateDisk, StateMount};
+use crate::grpc::{self, GrpcLimits};
 use crate::init::{InitServer, NodeEnv, RebootPolicy};
-use crate::join::{JoinClient, JoinOutcome, JoinSettings};
-use crate::join_service::JoinService;
+use crate::join::{JoinClient, JoinOutcome, JoinSettings, MAX_TICKET_BYTES};
+use crate::join_service::{JoinService, MAX_REQUEST_BYTES};
 use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
 use crate::measurement::pcr;
@@ -40,6 +43,16 @@ pub const STATE_BINDS: [(&str, &str); 4] = [
 /// Where components install their binaries on a node (see the versions
 /// table): on the state disk.
 pub const BIN_DIR: &str = "/run/state/bin";
+/// Largest init request: the CLI sends at most 1 MiB of components (its
+/// JSON file limit; no larger as protobuf) and 64 KiB of join measurements,
+/// plus small fields.
+pub const MAX_INIT_REQUEST_BYTES: usize = 2 * 1024 * 1024;
+/// Largest init response message: the admin kubeconfig is at most 1 MiB,
+/// log chunks 32 KiB.
+pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
+/// How long a join ticket request may take: a wait for a slot plus
+/// creating the bootstrap token.
+pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The environment of a real node: installs under `/`, kubeadm from
 /// [`BIN_DIR`], the configured state disk mounted at [`STATE_MOUNT`], the
@@ -89,16 +102,41 @@ pub async fn serve_init(
     env: NodeEnv,
     cluster: Arc<ClusterSlot>,
 ) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "init server listening (server-attested aTLS)");
-    let issuer = Arc::new(TpmIssuer::new(tpm.clone()));
+    let init = InitServer::new(config, tpm.clone(), lock, env, cluster);
+    serve_init_on(listener, tpm, init, &GrpcLimits::default()).await
+}
+
+/// Serves `init` on `listener` over server-attested aTLS (attesting with
+/// `tpm`) with the gRPC `limits` until the task is dropped.
+pub async fn serve_init_on(
+    listener: TcpListener,
+    tpm: SharedTpm,
+    init: InitServer,
+    limits: &GrpcLimits,
+) -> anyhow::Result<()> {
+    let issuer = Arc::new(TpmIssuer::new(tpm));
     let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
-    let init = InitServer::new(config, tpm, lock, env, cluster);
-    Server::builder()
-        .add_service(init.into_service())
-        .serve_with_incoming(incoming)
-        .await?;
+    let service = init_service(init);
+    grpc::serve(incoming, limits, |server| server.add_service(service)).await?;
     Ok(())
+}
+
+/// The init service with its message sizes bounded.
+pub fn init_service(init: InitServer) -> InitServiceServer<InitServer> {
+    init.into_service()
+        .max_decoding_message_size(MAX_INIT_REQUEST_BYTES)
+        .max_encoding_message_size(MAX_INIT_RESPONSE_BYTES)
+}
+
+/// The join service with its message sizes bounded: requests as the
+/// service reads them, tickets to what the join client accepts.
+pub fn join_service(service: JoinService) -> JoinServiceServer<JoinService> {
+    service
+        .into_service()
+        .max_decoding_message_size(MAX_REQUEST_BYTES)
+        .max_encoding_message_size(MAX_TICKET_BYTES)
 }
 
 /// The join service's validator: the measurements file, plus the cluster's
@@ -127,15 +165,16 @@ pub async fn serve_join(
     policy: Arc<ReloadableValidator>,
     service: JoinService,
 ) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "join service listening (mutual aTLS)");
     let issuer = Arc::new(TpmIssuer::new(tpm));
     let incoming = AtlsServer::mutual(issuer, policy.validator()).incoming(listener);
-    Server::builder()
-        .timeout(Duration::from_secs(120))
-        .add_service(service.into_service())
-        .serve_with_incoming(incoming)
-        .await?;
+    let limits = GrpcLimits {
+        request_timeout: JOIN_REQUEST_TIMEOUT,
+        ..GrpcLimits::default()
+    };
+    let service = join_service(service);
+    grpc::serve(incoming, &limits, |server| server.add_service(service)).await?;
     Ok(())
 }
 

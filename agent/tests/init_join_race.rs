@@ -8,9 +8,10 @@ use join_common::{boot_measurements, free_port, joiner, stand_in_components, sta
 use keel_agent::join::JoinOutcome;
 use keel_agent::measurement::EventType;
 use keel_proto::init::init_service_server::InitService;
-use keel_proto::init::InitRequest;
+use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::EkCa;
+use prost::Message as _;
 
 const SECRET: &[u8] = b"init secret of the racing node";
 
@@ -25,13 +26,18 @@ async fn init_and_join_racing_lock_once() {
         let node = joiner(&ca, &ca, port, &format!("racer-{round}"), "worker");
         // The init server of the same node (it accepts init: an init secret hash).
         let init = node.init_server(SECRET, true);
-        let sealed = node.sealed(&[7; 32]);
+        let sealed = node.sealed(
+            &InitSecrets {
+                init_secret: SECRET.to_vec(),
+                master_secret: vec![7; 32],
+            }
+            .encode_to_vec(),
+        );
         let request = InitRequest {
-            master_secret: Some(sealed),
+            secrets: Some(sealed),
             master_salt: vec![1; 32],
             measurement_salt: vec![2; 32],
             kubernetes_version: "v1.31".into(),
-            init_secret: SECRET.to_vec(),
             cluster_name: "race".into(),
             join_measurements: boot_measurements(&node.config).to_json().into_bytes(),
             ..InitRequest::default()

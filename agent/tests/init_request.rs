@@ -8,8 +8,9 @@ mod join_common;
 use join_common::{free_port, joiner};
 use keel_agent::measurement::pcr;
 use keel_proto::init::init_service_server::InitService;
-use keel_proto::init::InitRequest;
+use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::swtpm::EkCa;
+use prost::Message as _;
 
 const SECRET: &[u8] = b"init secret of the checked node";
 
@@ -32,7 +33,13 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
     let ca = EkCa::new().unwrap();
     let node = joiner(&ca, &ca, free_port(), "checked-0", "control-plane");
     let init = node.init_server(SECRET, false);
-    let sealed = node.sealed(&[7; 32]);
+    let sealed = node.sealed(
+        &InitSecrets {
+            init_secret: SECRET.to_vec(),
+            master_secret: vec![7; 32],
+        }
+        .encode_to_vec(),
+    );
     let mut cases = vec![
         ("missing", Vec::new(), "join measurements"),
         ("empty", b"{}".to_vec(), "name no PCR"),
@@ -72,11 +79,10 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
     }
     for (case, measurements, expected) in cases {
         let request = InitRequest {
-            master_secret: Some(sealed.clone()),
+            secrets: Some(sealed.clone()),
             master_salt: vec![1; 32],
             measurement_salt: vec![2; 32],
             kubernetes_version: "v1.31".into(),
-            init_secret: SECRET.to_vec(),
             cluster_name: "checked".into(),
             join_measurements: measurements,
             ..InitRequest::default()

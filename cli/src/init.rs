@@ -14,7 +14,8 @@ use keel_atls::AtlsClient;
 use keel_proto::components::{Component, Components};
 use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_client::InitServiceClient;
-use keel_proto::init::InitRequest;
+use keel_proto::init::{InitRequest, InitSecrets};
+use prost::Message as _;
 use rand::RngCore;
 use serde::Serialize;
 use tonic::transport::Endpoint;
@@ -251,20 +252,28 @@ pub async fn run(
         eprintln!("warning: {w}");
     }
     eprintln!(
-        "node attested: {} PCRs match, event log replays ({} events)",
+        "node attested: {} PCRs match, event log replays ({} events), attestation key proven in its TPM",
         verified.pcrs.len(),
         verified.events.len()
     );
-    let sealed = credential::seal(&verified.ek, &verified.ak.name, &master_secret)
-        .context("sealing the master secret to the node's TPM")?;
+    // Both secrets are sealed to the TPM whose EK and AK were just proven
+    // (attested, and resident by credential activation in the handshake).
+    let secrets = Zeroizing::new(
+        InitSecrets {
+            init_secret: init_secret.to_vec(),
+            master_secret: master_secret.to_vec(),
+        }
+        .encode_to_vec(),
+    );
+    let sealed = credential::seal(&verified.ek, &verified.ak.name, &secrets)
+        .context("sealing the init and master secrets to the node's TPM")?;
 
     let request = InitRequest {
-        master_secret: Some(sealed),
+        secrets: Some(sealed),
         master_salt: master_salt.to_vec(),
         measurement_salt: measurement_salt.to_vec(),
         kubernetes_version: settings.kubernetes_version.clone(),
         kubernetes_components: components,
-        init_secret: init_secret.to_vec(),
         cluster_name: settings.cluster_name.clone(),
         api_server_cert_sans: settings.api_server_cert_sans.clone(),
         service_cidr: settings.service_cidr.clone(),

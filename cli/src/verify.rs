@@ -27,6 +27,9 @@ pub async fn run(settings_path: &Path, endpoint: Option<String>) -> anyhow::Resu
         .context("the node presented no attestation")?;
     let v = attested.claims();
     println!("{endpoint}: attestation verified");
+    println!(
+        "attestation key: proven resident in the TPM of the certified EK (credential activation)"
+    );
     for (pcr, value) in &v.pcrs {
         println!("pcr {pcr:2} {}", HexDigest(value));
     }

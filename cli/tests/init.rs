@@ -310,12 +310,19 @@ async fn wrong_init_secret_is_refused_and_the_node_stays_unlocked() {
         "the secret must not be echoed"
     );
     assert_eq!(n.pcr15(), [0; 32]);
-    // The node still accepts the right secret.
+    // Right after a wrong secret the same address must wait (doubling per
+    // failure), even with the right one; nothing is opened meanwhile.
     let ws2 = tempfile::tempdir().unwrap();
-    assert!(keel_init(&n.settings(&ca, SECRET, None), ws2.path())
-        .await
-        .status
-        .success());
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws2.path()).await;
+    assert!(!out.status.success());
+    assert!(text(&out).contains("ResourceExhausted"), "{}", text(&out));
+    assert!(text(&out).contains("retry in 1 s"), "{}", text(&out));
+    assert_eq!(n.pcr15(), [0; 32]);
+    // After the wait the node accepts the right secret.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let ws3 = tempfile::tempdir().unwrap();
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws3.path()).await;
+    assert!(out.status.success(), "{}", text(&out));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

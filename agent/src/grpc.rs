@@ -1,0 +1,513 @@
+//! The gRPC servers on a node's aTLS ports: one configuration for the init
+//! and the join service, bounding what one validated connection may hold.
+//!
+//! - At most [`GrpcLimits::max_concurrent_streams`] HTTP/2 streams at once
+//!   per connection (default 8); the server announces it in its SETTINGS,
+//!   and a stream beyond it is refused (`RST_STREAM REFUSED_STREAM`)
+//!   without reaching a handler. Unset, tonic leaves hyper without any
+//!   limit, and each stream buffers a request of up to the decoding limit.
+//!   (No per-connection concurrency limit on top: tonic's would queue
+//!   requests beyond it instead of refusing them.)
+//! - Request headers of at most [`GrpcLimits::max_header_list_size`];
+//!   frames keep hyper's 16 KiB default.
+//! - Each request's handler is bounded by [`GrpcLimits::request_timeout`]
+//!   (for a unary request this includes reading its body, so a trickled
+//!   request ends too). Message sizes are bounded per service, where the
+//!   node builds them.
+//! - HTTP/2 keepalive: after [`GrpcLimits::keepalive_interval`] without
+//!   anything from the peer the server pings, and closes the connection if
+//!   the ping is not answered within [`GrpcLimits::keepalive_timeout`]; so a
+//!   long stream to a vanished peer ends. (TCP keepalive settings of tonic do
+//!   not apply to connections handed to it, as these are.)
+//! - Idle connections are closed: tonic has none of its own, so every
+//!   connection is wrapped in [`IdleClosing`], which reads the HTTP/2 frame
+//!   headers going either way and ends the connection once no request was
+//!   in flight for [`GrpcLimits::idle_timeout`]. A request is in flight from
+//!   the client's HEADERS that open its stream until the server ends the
+//!   stream or either side resets it. Pings, settings and window updates do
+//!   not count: a peer that only pings an idle connection (or answers the
+//!   server's keepalive pings) is still closed, while a long, quiet init
+//!   stream is not. `max_connection_age` would cut connections by age, not
+//!   by idleness; a plain byte timer would be kept alive by pings and would
+//!   cut quiet streams.
+
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
+use tokio_stream::{Stream, StreamExt as _};
+use tonic::transport::server::{Connected, Router};
+use tonic::transport::Server;
+
+/// What one connection of a node's gRPC server may hold; see the module
+/// documentation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GrpcLimits {
+    /// HTTP/2 streams open at once per connection (default 8).
+    pub max_concurrent_streams: u32,
+    /// Largest accepted header list of a request (default 16 KiB).
+    pub max_header_list_size: u32,
+    /// Bound on each request's handler (default 60 s).
+    pub request_timeout: Duration,
+    /// Silence from the peer after which the server pings (default 30 s).
+    pub keepalive_interval: Duration,
+    /// How long a ping may go unanswered before the connection is closed
+    /// (default 20 s).
+    pub keepalive_timeout: Duration,
+    /// A connection with no request in flight for this long is closed
+    /// (default 30 s).
+    pub idle_timeout: Duration,
+}
+
+impl Default for GrpcLimits {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 8,
+            max_header_list_size: 16 * 1024,
+            request_timeout: Duration::from_secs(60),
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(20),
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Serves the services `routes` adds to the configured server on the
+/// connections of `incoming` (validated aTLS connections), each wrapped in
+/// [`IdleClosing`], until `incoming` ends.
+pub async fn serve<I, IO>(
+    incoming: I,
+    limits: &GrpcLimits,
+    routes: impl FnOnce(&mut Server) -> Router,
+) -> Result<(), tonic::transport::Error>
+where
+    I: Stream<Item = Result<IO, Infallible>>,
+    IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
+{
+    let mut server = Server::builder()
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .http2_max_header_list_size(limits.max_header_list_size)
+        .timeout(limits.request_timeout)
+        .http2_keepalive_interval(Some(limits.keepalive_interval))
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout));
+    let idle = limits.idle_timeout;
+    let incoming = incoming.map(move |io| io.map(|io| IdleClosing::new(io, idle)));
+    routes(&mut server).serve_with_incoming(incoming).await
+}
+
+/// Most streams tracked on one connection; beyond it (far above the
+/// concurrent-stream limit, whose excess the server resets) the connection
+/// is ended.
+const MAX_TRACKED_STREAMS: usize = 4096;
+/// The client connection preface that precedes the first frame.
+const CLIENT_PREFACE_LEN: usize = 24;
+const FRAME_HEADER_LEN: usize = 9;
+const FRAME_DATA: u8 = 0x0;
+const FRAME_HEADERS: u8 = 0x1;
+const FRAME_RST_STREAM: u8 = 0x3;
+const FLAG_END_STREAM: u8 = 0x1;
+
+/// A server connection that ends once no HTTP/2 request was in flight on it
+/// for a while; see the module documentation. Reading ends (end of file)
+/// then, which makes the HTTP/2 server close the connection.
+pub struct IdleClosing<IO> {
+    io: IO,
+    inbound: FrameScanner,
+    outbound: FrameScanner,
+    in_flight: InFlight,
+    idle_timeout: Duration,
+    deadline: Pin<Box<Sleep>>,
+    read_waker: Option<Waker>,
+    ended: bool,
+}
+
+impl<IO> std::fmt::Debug for IdleClosing<IO> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdleClosing")
+            .field("in_flight", &self.in_flight.open.len())
+            .field("idle_timeout", &self.idle_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<IO> IdleClosing<IO> {
+    /// Wraps an accepted connection; it is idle until its first request.
+    pub fn new(io: IO, idle_timeout: Duration) -> Self {
+        Self {
+            io,
+            inbound: FrameScanner::new(CLIENT_PREFACE_LEN),
+            outbound: FrameScanner::new(0),
+            in_flight: InFlight::default(),
+            idle_timeout,
+            deadline: Box::pin(tokio::time::sleep(idle_timeout)),
+            read_waker: None,
+            ended: false,
+        }
+    }
+
+    /// Restarts the idle clock when the last request in flight ended.
+    fn after_frames(&mut self, was_busy: bool) {
+        if was_busy && self.in_flight.is_idle() {
+            self.deadline
+                .as_mut()
+                .reset(Instant::now() + self.idle_timeout);
+            // The reader may be parked without this deadline registered.
+            if let Some(waker) = self.read_waker.take() {
+                waker.wake();
+            }
+        }
+    }
+
+    fn scan_outbound(&mut self, written: &[u8]) {
+        let was_busy = !self.in_flight.is_idle();
+        let in_flight = &mut self.in_flight;
+        self.outbound
+            .scan(written, |frame| in_flight.server_frame(frame));
+        self.after_frames(was_busy);
+    }
+}
+
+impl<IO: Connected> Connected for IdleClosing<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for IdleClosing<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(Ok(()));
+        }
+        if this.in_flight.is_idle() && this.deadline.as_mut().poll(cx).is_ready() {
+            tracing::debug!(
+                idle = ?this.idle_timeout,
+                "closing a connection without a request in flight"
+            );
+            this.ended = true;
+            return Poll::Ready(Ok(()));
+        }
+        if !this
+            .read_waker
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            this.read_waker = Some(cx.waker().clone());
+        }
+        let before = buf.filled().len();
+        let result = Pin::new(&mut this.io).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = result {
+            let was_busy = !this.in_flight.is_idle();
+            let in_flight = &mut this.in_flight;
+            this.inbound.scan(&buf.filled()[before..], |frame| {
+                in_flight.client_frame(frame)
+            });
+            if in_flight.overflowed {
+                return Poll::Ready(Err(io::Error::other(
+                    "too many HTTP/2 streams opened on one connection",
+                )));
+            }
+            this.after_frames(was_busy);
+        }
+        result
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for IdleClosing<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.io).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = result {
+            this.scan_outbound(buf.get(..n).unwrap_or(buf));
+        }
+        result
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = result {
+            let mut left = n;
+            for slice in bufs {
+                if left == 0 {
+                    break;
+                }
+                let take = left.min(slice.len());
+                this.scan_outbound(&slice[..take]);
+                left -= take;
+            }
+        }
+        result
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// The header of one HTTP/2 frame, as far as stream lifetimes need it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Frame {
+    kind: u8,
+    flags: u8,
+    stream: u32,
+}
+
+/// Finds the frame headers in one direction of an HTTP/2 byte stream; the
+/// payloads are skipped unread.
+#[derive(Debug)]
+struct FrameScanner {
+    preface_left: usize,
+    header: [u8; FRAME_HEADER_LEN],
+    header_len: usize,
+    payload_left: usize,
+}
+
+impl FrameScanner {
+    fn new(preface_len: usize) -> Self {
+        Self {
+            preface_left: preface_len,
+            header: [0; FRAME_HEADER_LEN],
+            header_len: 0,
+            payload_left: 0,
+        }
+    }
+
+    fn scan(&mut self, mut bytes: &[u8], mut on_frame: impl FnMut(Frame)) {
+        while !bytes.is_empty() {
+            let skip = if self.preface_left > 0 {
+                &mut self.preface_left
+            } else {
+                &mut self.payload_left
+            };
+            if *skip > 0 {
+                let n = (*skip).min(bytes.len());
+                *skip -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (FRAME_HEADER_LEN - self.header_len).min(bytes.len());
+            self.header[self.header_len..self.header_len + n].copy_from_slice(&bytes[..n]);
+            self.header_len += n;
+            bytes = &bytes[n..];
+            if self.header_len == FRAME_HEADER_LEN {
+                let h = self.header;
+                self.header_len = 0;
+                self.payload_left = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
+                on_frame(Frame {
+                    kind: h[3],
+                    flags: h[4],
+                    stream: u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff,
+                });
+            }
+        }
+    }
+}
+
+/// The requests in flight on one connection, by stream.
+#[derive(Debug, Default)]
+struct InFlight {
+    open: HashSet<u32>,
+    highest_opened: u32,
+    overflowed: bool,
+}
+
+impl InFlight {
+    fn is_idle(&self) -> bool {
+        self.open.is_empty()
+    }
+
+    /// A frame from the client: HEADERS on a new (odd, higher) stream opens
+    /// a request, RST_STREAM ends one.
+    fn client_frame(&mut self, frame: Frame) {
+        match frame.kind {
+            FRAME_HEADERS if frame.stream % 2 == 1 && frame.stream > self.highest_opened => {
+                self.highest_opened = frame.stream;
+                if self.open.len() >= MAX_TRACKED_STREAMS {
+                    self.overflowed = true;
+                } else {
+                    self.open.insert(frame.stream);
+                }
+            }
+            FRAME_RST_STREAM => {
+                self.open.remove(&frame.stream);
+            }
+            _ => {}
+        }
+    }
+
+    /// A frame from the server: the end of its response (END_STREAM on
+    /// HEADERS or DATA) or RST_STREAM ends a request.
+    fn server_frame(&mut self, frame: Frame) {
+        let ends = match frame.kind {
+            FRAME_HEADERS | FRAME_DATA => frame.flags & FLAG_END_STREAM != 0,
+            FRAME_RST_STREAM => true,
+            _ => false,
+        };
+        if ends {
+            self.open.remove(&frame.stream);
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: usize) -> Vec<u8> {
+        let len = (payload as u32).to_be_bytes();
+        let mut out = vec![len[1], len[2], len[3], kind, flags];
+        out.extend_from_slice(&stream.to_be_bytes());
+        out.extend(std::iter::repeat_n(0xee, payload));
+        out
+    }
+
+    fn frames(scanner: &mut FrameScanner, bytes: &[u8], chunk: usize) -> Vec<Frame> {
+        let mut seen = Vec::new();
+        for piece in bytes.chunks(chunk) {
+            scanner.scan(piece, |f| seen.push(f));
+        }
+        seen
+    }
+
+    #[test]
+    fn frame_headers_are_found_across_any_split() {
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        bytes.extend(frame(0x4, 0, 0, 6)); // SETTINGS
+        bytes.extend(frame(FRAME_HEADERS, 0x4, 1, 40));
+        bytes.extend(frame(FRAME_DATA, FLAG_END_STREAM, 1, 1000));
+        bytes.extend(frame(0x6, 0, 0, 8)); // PING
+        bytes.extend(frame(FRAME_RST_STREAM, 0, 3, 4));
+        let expected = vec![
+            Frame {
+                kind: 0x4,
+                flags: 0,
+                stream: 0,
+            },
+            Frame {
+                kind: FRAME_HEADERS,
+                flags: 0x4,
+                stream: 1,
+            },
+            Frame {
+                kind: FRAME_DATA,
+                flags: FLAG_END_STREAM,
+                stream: 1,
+            },
+            Frame {
+                kind: 0x6,
+                flags: 0,
+                stream: 0,
+            },
+            Frame {
+                kind: FRAME_RST_STREAM,
+                flags: 0,
+                stream: 3,
+            },
+        ];
+        for chunk in [1, 2, 7, 9, 10, 100, bytes.len()] {
+            let mut scanner = FrameScanner::new(CLIENT_PREFACE_LEN);
+            assert_eq!(
+                frames(&mut scanner, &bytes, chunk),
+                expected,
+                "chunk {chunk}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_request_is_in_flight_until_the_server_ends_or_either_side_resets_it() {
+        let mut f = InFlight::default();
+        let headers = |stream, flags| Frame {
+            kind: FRAME_HEADERS,
+            flags,
+            stream,
+        };
+        f.client_frame(headers(1, FLAG_END_STREAM | 0x4));
+        f.client_frame(headers(3, 0x4));
+        assert_eq!(f.open.len(), 2);
+        // The client's end of its request does not end it; the server's does.
+        f.server_frame(headers(1, 0x4));
+        assert_eq!(f.open.len(), 2);
+        f.server_frame(Frame {
+            kind: FRAME_DATA,
+            flags: FLAG_END_STREAM,
+            stream: 1,
+        });
+        // Trailers from the client on a finished stream do not reopen it.
+        f.client_frame(headers(1, FLAG_END_STREAM));
+        assert_eq!(f.open.len(), 1);
+        f.client_frame(Frame {
+            kind: FRAME_RST_STREAM,
+            flags: 0,
+            stream: 3,
+        });
+        assert!(f.is_idle());
+        // A refused stream ends with the server's reset; pings change nothing.
+        f.client_frame(headers(5, 0x4));
+        f.client_frame(Frame {
+            kind: 0x6,
+            flags: 0,
+            stream: 0,
+        });
+        f.server_frame(Frame {
+            kind: 0x6,
+            flags: 0x1,
+            stream: 0,
+        });
+        assert!(!f.is_idle());
+        f.server_frame(Frame {
+            kind: FRAME_RST_STREAM,
+            flags: 0,
+            stream: 5,
+        });
+        assert!(f.is_idle());
+        // Even streams (server-initiated) never count.
+        f.client_frame(headers(6, 0x4));
+        assert!(f.is_idle());
+    }
+
+    #[test]
+    fn too_many_open_streams_end_the_connection() {
+        let mut f = InFlight::default();
+        for i in 0..=MAX_TRACKED_STREAMS as u32 {
+            f.client_frame(Frame {
+                kind: FRAME_HEADERS,
+                flags: 0x4,
+                stream: 2 * i + 1,
+            });
+        }
+        assert!(f.overflowed);
+        assert_eq!(f.open.len(), MAX_TRACKED_STREAMS);
+    }
+}

@@ -1,0 +1,123 @@
+//! Backoff for peers that keep failing authentication (a wrong init secret):
+//! after each failure a peer address waits twice as long, up to a cap,
+//! before its next attempt is even looked at. Bounded in memory.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Per-address failure backoff.
+#[derive(Debug)]
+pub struct FailureThrottle {
+    first_delay: Duration,
+    max_delay: Duration,
+    peers: Mutex<HashMap<IpAddr, Failures>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Failures {
+    count: u32,
+    blocked_until: Instant,
+}
+
+impl Default for FailureThrottle {
+    fn default() -> Self {
+        Self::new(Duration::from_secs(1), Duration::from_secs(60))
+    }
+}
+
+impl FailureThrottle {
+    /// Most addresses tracked; past it, entries whose backoff ended are
+    /// dropped, and when none has, the one that ends first.
+    pub const MAX_PEERS: usize = 4096;
+
+    /// A throttle whose first failure blocks for `first_delay`, doubling up
+    /// to `max_delay`.
+    pub fn new(first_delay: Duration, max_delay: Duration) -> Self {
+        Self {
+            first_delay,
+            max_delay,
+            peers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `Err(remaining)` while `peer` must still wait after its failures.
+    pub fn check(&self, peer: IpAddr) -> Result<(), Duration> {
+        let peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        match peers.get(&peer) {
+            Some(f) if f.blocked_until > now => Err(f.blocked_until - now),
+            _ => Ok(()),
+        }
+    }
+
+    /// Records a failure of `peer`; returns its failure count and how long
+    /// it now waits.
+    pub fn failed(&self, peer: IpAddr) -> (u32, Duration) {
+        let mut peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if peers.len() >= Self::MAX_PEERS && !peers.contains_key(&peer) {
+            peers.retain(|_, f| f.blocked_until > now);
+            if peers.len() >= Self::MAX_PEERS {
+                if let Some(first) = peers
+                    .iter()
+                    .min_by_key(|(_, f)| f.blocked_until)
+                    .map(|(ip, _)| *ip)
+                {
+                    peers.remove(&first);
+                }
+            }
+        }
+        let entry = peers.entry(peer).or_insert(Failures {
+            count: 0,
+            blocked_until: now,
+        });
+        entry.count = entry.count.saturating_add(1);
+        let doublings = entry.count.saturating_sub(1).min(16);
+        let delay = self
+            .first_delay
+            .saturating_mul(1u32 << doublings)
+            .min(self.max_delay);
+        entry.blocked_until = now + delay;
+        (entry.count, delay)
+    }
+
+    /// Forgets `peer`'s failures (it authenticated).
+    pub fn succeeded(&self, peer: IpAddr) {
+        self.peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&peer);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_double_the_wait_up_to_the_cap() {
+        let t = FailureThrottle::new(Duration::from_millis(100), Duration::from_millis(350));
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let b: IpAddr = "192.0.2.2".parse().unwrap();
+        assert!(t.check(a).is_ok());
+        assert_eq!(t.failed(a), (1, Duration::from_millis(100)));
+        assert!(t.check(a).is_err());
+        assert!(t.check(b).is_ok(), "another peer is not held back");
+        assert_eq!(t.failed(a).1, Duration::from_millis(200));
+        assert_eq!(t.failed(a).1, Duration::from_millis(350));
+        t.succeeded(a);
+        assert!(t.check(a).is_ok());
+    }
+
+    #[test]
+    fn memory_stays_bounded() {
+        let t = FailureThrottle::new(Duration::from_secs(60), Duration::from_secs(60));
+        for i in 0..(FailureThrottle::MAX_PEERS as u32 + 100) {
+            t.failed(IpAddr::from(i.to_be_bytes()));
+        }
+        assert!(t.peers.lock().unwrap().len() <= FailureThrottle::MAX_PEERS);
+    }
+}

@@ -1,0 +1,130 @@
+//! The init secret over the real init server (aTLS, swtpm): it travels
+//! sealed to the node's TPM with the master secret, a wrong one is refused
+//! and makes its sender wait before the next try, and secrets sealed to
+//! another TPM do not open.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use join_common::{free_port, joiner, node_env, wait_for_port, Joiner};
+use keel_agent::attestation::ek::EkTrust;
+use keel_agent::attestation::validator::{Validator, Verified};
+use keel_agent::cluster::ClusterSlot;
+use keel_atls::AtlsClient;
+use keel_proto::attestation::SealedSecret;
+use keel_proto::init::init_service_client::InitServiceClient;
+use keel_proto::init::{InitRequest, InitSecrets};
+use keel_testkit::swtpm::EkCa;
+use prost::Message as _;
+use sha2::Digest as _;
+use tonic::transport::Endpoint;
+
+const SECRET: &[u8] = b"the right init secret";
+
+/// Serves `node`'s init API on a free port; returns the address.
+async fn serve(node: &Joiner) -> std::net::SocketAddr {
+    let mut config = node.config.clone();
+    config.cluster.init_secret_hash =
+        format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let env = node_env(&node.root, &node.work, None);
+    let (tpm, lock) = (node.tpm.clone(), node.lock.clone());
+    tokio::spawn(async move {
+        let cluster = Arc::new(ClusterSlot::new(None));
+        let _ = keel_agent::node::serve_init(addr, config, tpm, lock, env, cluster).await;
+    });
+    wait_for_port(addr).await;
+    addr
+}
+
+/// Sends one init request; the code of the refusal.
+async fn init(
+    ca: &EkCa,
+    node: &Joiner,
+    addr: std::net::SocketAddr,
+    secrets: SealedSecret,
+    name: &str,
+) -> tonic::Code {
+    let pcrs = node
+        .tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_read(&[4, 9, 11, 12, 15])
+        .unwrap();
+    let measurements =
+        keel_agent::attestation::measurements::Measurements::new(pcrs.into_iter().map(|(i, v)| {
+            (
+                i,
+                keel_agent::attestation::measurements::Expected::enforced(v),
+            )
+        }))
+        .unwrap();
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let client =
+        AtlsClient::<Verified>::server_attested(Arc::new(Validator::new(measurements, trust)));
+    let bound = client
+        .bind_channel(Endpoint::from_shared(format!("http://{addr}")).unwrap())
+        .await
+        .unwrap();
+    let request = InitRequest {
+        secrets: Some(secrets),
+        master_salt: vec![1; 32],
+        measurement_salt: vec![2; 32],
+        kubernetes_version: "v1.31".into(),
+        cluster_name: name.into(),
+        join_measurements: Vec::new(),
+        ..InitRequest::default()
+    };
+    match InitServiceClient::new(bound.channel).init(request).await {
+        Ok(_) => panic!("init was accepted"),
+        Err(status) => status.code(),
+    }
+}
+
+fn secrets(init_secret: &[u8]) -> Vec<u8> {
+    InitSecrets {
+        init_secret: init_secret.to_vec(),
+        master_secret: vec![7; 32],
+    }
+    .encode_to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_init_secrets_are_refused_and_slow_their_sender_down() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "cp-0", "control-plane");
+    let addr = serve(&node).await;
+
+    // A wrong secret: Unauthenticated. At once again: throttled, and the
+    // node does not even open the request.
+    let code = init(&ca, &node, addr, node.sealed(&secrets(b"guess 1")), "c").await;
+    assert_eq!(code, tonic::Code::Unauthenticated);
+    let code = init(&ca, &node, addr, node.sealed(&secrets(SECRET)), "c").await;
+    assert_eq!(
+        code,
+        tonic::Code::ResourceExhausted,
+        "a second try was not held back"
+    );
+    // After the first wait (1 s) the right secret gets past the secret
+    // check: the request is then judged on its fields (the empty join
+    // measurements are refused), so nothing is locked.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let code = init(&ca, &node, addr, node.sealed(&secrets(SECRET)), "c").await;
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    node.assert_untouched();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_sealed_to_another_tpm_do_not_open() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "cp-0", "control-plane");
+    let other = joiner(&ca, &ca, free_port(), "cp-1", "control-plane");
+    let addr = serve(&node).await;
+    let code = init(&ca, &node, addr, other.sealed(&secrets(SECRET)), "c").await;
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    node.assert_untouched();
+}

@@ -1,0 +1,482 @@
+//! A node's init port (the real init service, aTLS with the node's swtpm,
+//! the shared gRPC configuration) under abuse by a client that completed
+//! the handshake: one connection opening hundreds of streams, and idle
+//! connections. The abusing client speaks HTTP/2 itself (a few frames by
+//! hand), since a well-behaved client library never exceeds the server's
+//! stream limit or leaves a request half sent.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use join_common::{free_port, joiner, rss_kib, Joiner};
+use keel_agent::grpc::GrpcLimits;
+use keel_atls::{AtlsClient, AtlsStream, Challenge, ValidationError, Validator};
+use keel_proto::init::init_service_client::InitServiceClient;
+use keel_proto::init::InitRequest;
+use keel_testkit::swtpm::EkCa;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tonic::transport::Endpoint;
+
+const SECRET: &[u8] = b"init secret of the abused node";
+
+/// The tests share the process's resident set size, which one of them
+/// measures: they run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Accepts any server: the abusing client does not care whom it abuses.
+struct AnyServer;
+
+impl Validator for AnyServer {
+    type Claims = ();
+
+    fn validate(&self, _: &[u8], _: &[u8], _: &[u8]) -> Result<(), ValidationError> {
+        Ok(())
+    }
+
+    fn residency_challenge(&self, _: &()) -> Result<Option<Challenge>, ValidationError> {
+        Ok(None)
+    }
+
+    fn residency_proven(&self, _: &()) {}
+}
+
+/// A node serving init on loopback with `limits`.
+struct InitPort {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+    _node: Joiner,
+}
+
+impl Drop for InitPort {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn init_port(limits: GrpcLimits) -> InitPort {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "abused-0", "control-plane");
+    let init = node.init_server(SECRET, false);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let tpm = node.tpm.clone();
+    let task = tokio::spawn(async move {
+        keel_agent::node::serve_init_on(listener, tpm, init, &limits)
+            .await
+            .unwrap();
+    });
+    InitPort {
+        addr,
+        task,
+        _node: node,
+    }
+}
+
+async fn validated(port: &InitPort) -> AtlsStream<()> {
+    AtlsClient::server_attested(Arc::new(AnyServer))
+        .connect("127.0.0.1", port.addr.port())
+        .await
+        .unwrap()
+}
+
+// A few HTTP/2 frames (RFC 9113), enough to open streams and send data.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const PING: u8 = 0x6;
+const GOAWAY: u8 = 0x7;
+const WINDOW_UPDATE: u8 = 0x8;
+const ACK: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const REFUSED_STREAM: u32 = 0x7;
+const CANCEL: u32 = 0x8;
+const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
+const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
+const MAX_FRAME: usize = 16 * 1024;
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = (payload.len() as u32).to_be_bytes();
+    let mut out = vec![len[1], len[2], len[3], kind, flags];
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// HPACK "literal header field without indexing, new name", no Huffman.
+fn literal(out: &mut Vec<u8>, name: &str, value: &str) {
+    assert!(name.len() < 127 && value.len() < 127);
+    out.push(0x00);
+    out.push(name.len() as u8);
+    out.extend_from_slice(name.as_bytes());
+    out.push(value.len() as u8);
+    out.extend_from_slice(value.as_bytes());
+}
+
+fn init_request_headers() -> Vec<u8> {
+    let mut block = Vec::new();
+    for (name, value) in [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/keel.init.v1.InitService/Init"),
+        (":authority", "node"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ] {
+        literal(&mut block, name, value);
+    }
+    block
+}
+
+/// What the server told this connection.
+#[derive(Default)]
+struct Seen {
+    settings: HashMap<u16, u32>,
+    conn_window: i64,
+    stream_windows: HashMap<u32, i64>,
+    /// Streams reset by the server, by error code.
+    resets: HashMap<u32, u32>,
+    goaway: Option<u32>,
+    closed_after: Option<Duration>,
+}
+
+/// The abusing client's connection: the write half, and what a reader task
+/// records from the read half.
+struct RawH2 {
+    writer: tokio::sync::Mutex<WriteHalf<AtlsStream<()>>>,
+    seen: Mutex<Seen>,
+    changed: Notify,
+    opened: Instant,
+}
+
+impl RawH2 {
+    async fn start(stream: AtlsStream<()>) -> Arc<Self> {
+        let (reader, mut writer) = tokio::io::split(stream);
+        writer.write_all(PREFACE).await.unwrap();
+        writer.write_all(&frame(SETTINGS, 0, 0, &[])).await.unwrap();
+        let h2 = Arc::new(Self {
+            writer: tokio::sync::Mutex::new(writer),
+            seen: Mutex::new(Seen {
+                conn_window: 65_535,
+                ..Seen::default()
+            }),
+            changed: Notify::new(),
+            opened: Instant::now(),
+        });
+        tokio::spawn(h2.clone().read(reader));
+        h2
+    }
+
+    async fn send(&self, bytes: &[u8]) -> std::io::Result<()> {
+        let mut writer = self.writer.lock().await;
+        writer.write_all(bytes).await?;
+        writer.flush().await
+    }
+
+    async fn read(self: Arc<Self>, mut reader: ReadHalf<AtlsStream<()>>) {
+        loop {
+            let mut header = [0u8; 9];
+            if reader.read_exact(&mut header).await.is_err() {
+                break;
+            }
+            let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+            let (kind, flags) = (header[3], header[4]);
+            let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]);
+            let mut payload = vec![0u8; len];
+            if reader.read_exact(&mut payload).await.is_err() {
+                break;
+            }
+            let word = |at: usize| {
+                u32::from_be_bytes([
+                    payload[at],
+                    payload[at + 1],
+                    payload[at + 2],
+                    payload[at + 3],
+                ])
+            };
+            match kind {
+                SETTINGS if flags & ACK == 0 => {
+                    {
+                        let mut seen = self.seen.lock().unwrap();
+                        for entry in payload.chunks_exact(6) {
+                            let id = u16::from_be_bytes([entry[0], entry[1]]);
+                            let value =
+                                u32::from_be_bytes([entry[2], entry[3], entry[4], entry[5]]);
+                            seen.settings.insert(id, value);
+                        }
+                    }
+                    let _ = self.send(&frame(SETTINGS, ACK, 0, &[])).await;
+                }
+                PING if flags & ACK == 0 => {
+                    let _ = self.send(&frame(PING, ACK, 0, &payload)).await;
+                }
+                WINDOW_UPDATE => {
+                    let increment = i64::from(word(0) & 0x7fff_ffff);
+                    let mut seen = self.seen.lock().unwrap();
+                    if stream == 0 {
+                        seen.conn_window += increment;
+                    } else {
+                        *seen.stream_windows.entry(stream).or_insert(0) += increment;
+                    }
+                }
+                RST_STREAM => {
+                    self.seen.lock().unwrap().resets.insert(stream, word(0));
+                }
+                GOAWAY => {
+                    self.seen.lock().unwrap().goaway = Some(word(4));
+                }
+                _ => {}
+            }
+            self.changed.notify_waiters();
+        }
+        self.seen.lock().unwrap().closed_after = Some(self.opened.elapsed());
+        self.changed.notify_waiters();
+    }
+
+    /// Waits (at most `limit`) until `done` holds for what was seen.
+    async fn wait_until(&self, limit: Duration, done: impl Fn(&Seen) -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let changed = self.changed.notified();
+            if done(&self.seen.lock().unwrap()) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return done(&self.seen.lock().unwrap());
+            }
+        }
+    }
+
+    /// Sends `bytes` on `stream` as DATA frames within the flow-control
+    /// windows, without ending the stream. Fails if the connection closes
+    /// or no window opens within `limit`.
+    async fn send_data(&self, stream: u32, mut bytes: &[u8], limit: Duration) -> bool {
+        let initial = |seen: &Seen| {
+            i64::from(
+                seen.settings
+                    .get(&SETTINGS_INITIAL_WINDOW_SIZE)
+                    .copied()
+                    .unwrap_or(65_535),
+            )
+        };
+        while !bytes.is_empty() {
+            let open = self
+                .wait_until(limit, |seen| {
+                    let stream_window =
+                        initial(seen) + seen.stream_windows.get(&stream).copied().unwrap_or(0);
+                    seen.closed_after.is_some()
+                        || seen.resets.contains_key(&stream)
+                        || (seen.conn_window > 0 && stream_window > 0)
+                })
+                .await;
+            let room = {
+                let mut seen = self.seen.lock().unwrap();
+                if !open || seen.closed_after.is_some() || seen.resets.contains_key(&stream) {
+                    return false;
+                }
+                let stream_window =
+                    initial(&seen) + seen.stream_windows.get(&stream).copied().unwrap_or(0);
+                let room = seen
+                    .conn_window
+                    .min(stream_window)
+                    .clamp(0, MAX_FRAME as i64) as usize;
+                let room = room.min(bytes.len());
+                seen.conn_window -= room as i64;
+                *seen.stream_windows.entry(stream).or_insert(0) -= room as i64;
+                room
+            };
+            if self
+                .send(&frame(DATA, 0, stream, &bytes[..room]))
+                .await
+                .is_err()
+            {
+                return false;
+            }
+            bytes = &bytes[room..];
+        }
+        true
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_connection_opening_hundreds_of_streams_is_held_to_the_stream_limit() {
+    let _serial = SERIAL.lock().await;
+    const STREAMS: u32 = 300;
+    // Each stream announces a 1.5 MiB init request (within the decoding
+    // limit) and sends 1 MiB of it: what the server buffers per stream.
+    const DECLARED: u32 = 1536 * 1024;
+    const SENT: usize = 1024 * 1024;
+    let limits = GrpcLimits::default();
+    let cap = limits.max_concurrent_streams;
+    let port = init_port(limits).await;
+    let h2 = RawH2::start(validated(&port).await).await;
+    assert!(
+        h2.wait_until(Duration::from_secs(5), |s| !s.settings.is_empty())
+            .await,
+        "no SETTINGS from the server"
+    );
+    let announced = h2
+        .seen
+        .lock()
+        .unwrap()
+        .settings
+        .get(&SETTINGS_MAX_CONCURRENT_STREAMS)
+        .copied();
+    assert_eq!(announced, Some(cap));
+
+    let before = rss_kib();
+    let streams: Vec<u32> = (0..STREAMS).map(|i| 2 * i + 1).collect();
+    let headers = init_request_headers();
+    for &stream in &streams {
+        h2.send(&frame(HEADERS, END_HEADERS, stream, &headers))
+            .await
+            .unwrap();
+    }
+    // Every stream beyond the limit is refused.
+    let beyond = STREAMS.saturating_sub(cap) as usize;
+    h2.wait_until(Duration::from_secs(10), |s| s.resets.len() >= beyond)
+        .await;
+    let (refused, other_resets, goaway) = {
+        let seen = h2.seen.lock().unwrap();
+        let refused = seen
+            .resets
+            .values()
+            .filter(|&&code| code == REFUSED_STREAM)
+            .count();
+        (refused, seen.resets.len() - refused, seen.goaway)
+    };
+    let open: Vec<u32> = {
+        let seen = h2.seen.lock().unwrap();
+        streams
+            .iter()
+            .copied()
+            .filter(|s| !seen.resets.contains_key(s))
+            .collect()
+    };
+
+    // The streams that were not refused each push 1 MiB of a request.
+    let mut body = Vec::with_capacity(5 + SENT);
+    body.push(0);
+    body.extend_from_slice(&DECLARED.to_be_bytes());
+    body.resize(5 + SENT, 0x42);
+    let started = Instant::now();
+    let mut pushed = 0usize;
+    for &stream in &open {
+        if h2.send_data(stream, &body, Duration::from_secs(10)).await {
+            pushed += 1;
+        }
+    }
+    let push_time = started.elapsed();
+    // Let the server take in what was sent.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = rss_kib();
+    let grown_mib = after.saturating_sub(before) / 1024;
+    eprintln!(
+        "{STREAMS} streams opened on one connection (limit {cap}): {refused} refused, \
+         {other_resets} reset otherwise, goaway {goaway:?}; {} open streams each sent \
+         1 MiB of a request ({pushed} completely) in {push_time:?}; \
+         RSS {before} KiB -> {after} KiB (+{grown_mib} MiB)",
+        open.len()
+    );
+    assert!(
+        open.len() <= cap as usize,
+        "{} streams were accepted",
+        open.len()
+    );
+    assert_eq!(refused, beyond, "every stream beyond the limit is refused");
+    assert_eq!(pushed, open.len(), "the accepted streams take their data");
+    assert!(
+        grown_mib < 64,
+        "the server grew by {grown_mib} MiB for one connection"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_without_a_request_in_flight_is_closed_after_the_idle_timeout() {
+    let _serial = SERIAL.lock().await;
+    let idle = Duration::from_secs(1);
+    let mut limits = GrpcLimits::default();
+    limits.idle_timeout = idle;
+    // The server's keepalive pings (answered by the client) move bytes both
+    // ways every 300 ms; they must not keep an idle connection open either.
+    limits.keepalive_interval = Duration::from_millis(300);
+    let port = init_port(limits).await;
+
+    // Pinging does not make a connection busy.
+    let h2 = RawH2::start(validated(&port).await).await;
+    let pinger = {
+        let h2 = h2.clone();
+        tokio::spawn(async move {
+            for _ in 0..50 {
+                if h2.send(&frame(PING, 0, 0, &[7; 8])).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    assert!(
+        h2.wait_until(Duration::from_secs(5), |s| s.closed_after.is_some())
+            .await,
+        "a pinging idle connection stayed open"
+    );
+    let closed_after = h2.seen.lock().unwrap().closed_after.unwrap();
+    pinger.abort();
+    eprintln!("pinging idle connection closed after {closed_after:?} (idle timeout {idle:?})");
+    assert!(closed_after >= idle && closed_after < idle + Duration::from_secs(2));
+
+    // A request in flight keeps it open past the idle timeout, however
+    // quiet; once the request ends, the clock starts.
+    let h2 = RawH2::start(validated(&port).await).await;
+    h2.send(&frame(HEADERS, END_HEADERS, 1, &init_request_headers()))
+        .await
+        .unwrap();
+    let mut partial = vec![0u8];
+    partial.extend_from_slice(&100u32.to_be_bytes());
+    partial.extend_from_slice(&[0; 10]);
+    h2.send(&frame(DATA, 0, 1, &partial)).await.unwrap();
+    assert!(
+        !h2.wait_until(3 * idle, |s| s.closed_after.is_some() || s.goaway.is_some())
+            .await,
+        "closed with a request in flight"
+    );
+    let cancelled = Instant::now();
+    h2.send(&frame(RST_STREAM, 0, 1, &CANCEL.to_be_bytes()))
+        .await
+        .unwrap();
+    assert!(
+        h2.wait_until(idle + Duration::from_secs(3), |s| s.closed_after.is_some())
+            .await,
+        "still open after the request ended"
+    );
+    let took = cancelled.elapsed();
+    eprintln!("closed {took:?} after its last request ended");
+    assert!(took >= idle - Duration::from_millis(50));
+
+    // A real client: a call works, and the idle connection then goes.
+    let bound = AtlsClient::server_attested(Arc::new(AnyServer))
+        .bind_channel(Endpoint::from_shared(format!("http://{}", port.addr)).unwrap())
+        .await
+        .unwrap();
+    let mut client = InitServiceClient::new(bound.channel);
+    // Refused before anything is opened: no sealed secrets.
+    let wrong = InitRequest::default();
+    let status = client.init(wrong.clone()).await.err().unwrap();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    tokio::time::sleep(idle + Duration::from_millis(500)).await;
+    let status = client.init(wrong).await.err().unwrap();
+    eprintln!("a call after the idle timeout: {status:?}");
+    assert_ne!(
+        status.code(),
+        tonic::Code::InvalidArgument,
+        "the request reached the server over the idle connection"
+    );
+}
