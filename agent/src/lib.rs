@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod components;
 pub mod config;
 pub mod disk;
+pub mod disk_bindings;
 pub mod files;
 pub mod grpc;
 pub mod init;

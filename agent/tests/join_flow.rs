@@ -216,7 +216,7 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
         .await
         .unwrap();
     assert_eq!(key, expected.as_slice());
-    let bindings = keel_agent::join_service::DiskBindings::new(&service.work_dir());
+    let bindings = keel_agent::disk_bindings::DiskBindings::new(&service.work_dir());
     assert_eq!(bindings.len().unwrap(), 1);
     let file = bindings.path().to_owned();
     assert_eq!(
