@@ -134,20 +134,44 @@ fn run_checked(mut cmd: Command, what: &str, log: &Path) -> Result<(), MiniError
     }
 }
 
+/// Removes what cargo sets for the program it runs (`cargo run`, `cargo
+/// test`): a build started from here then sees the environment a build
+/// from the shell sees, and finds its outputs fresh instead of rebuilding
+/// them. `CARGO_HOME`, `CARGO_TARGET_DIR` and cargo's own settings stay.
+fn as_from_the_shell(cmd: &mut Command) -> &mut Command {
+    const SET_BY_CARGO: [&str; 8] = [
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_CRATE_",
+        "CARGO_BIN_",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_RUSTC_CURRENT_DIR",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_SBOM_PATH",
+    ];
+    for (key, _) in std::env::vars_os() {
+        let key_text = key.to_string_lossy();
+        if key_text == "CARGO" || SET_BY_CARGO.iter().any(|p| key_text.starts_with(p)) {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd
+}
+
 /// The build phase: `make agent image` (when `image`; cached when
 /// unchanged), then the host tools (`keel`, `keel-standin`,
 /// `keel-mini-mirror`). Their output goes to standard error.
 pub fn build(root: &Path, image: bool) -> Result<Tools, MiniError> {
     if image {
         let mut make = Command::new("make");
-        make.current_dir(root)
+        as_from_the_shell(&mut make)
+            .current_dir(root)
             .args(["--no-print-directory", "agent", "image"])
             .stdout(Stdio::inherit());
         run_checked(make, "make agent image", Path::new("build/image.log"))?;
     }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut build = Command::new(cargo);
-    build.current_dir(root).args([
+    let mut build = Command::new("cargo");
+    as_from_the_shell(&mut build).current_dir(root).args([
         "build",
         "--locked",
         "--quiet",
