@@ -6,7 +6,7 @@ use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
-use keel_agent::attestation::measurements::Measurements;
+use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::config::{ClusterConfig, NodeConfig, NodeIdentity, Role};
 use keel_image::pcr::replay;
 use keel_image::predict::{self, Uki};
@@ -103,25 +103,31 @@ pub fn measurements(
         MiniError::Check(format!("predicting the PCRs of {}: {e}", uki.display()))
     };
     let uki = Uki::parse(&bytes).map_err(predicted)?;
-    let mut m = Measurements::default();
-    m.insert(
-        predict::PCR_BOOT_LOADER_CODE,
-        replay(&predict::pcr4(&uki).map_err(predicted)?),
-        false,
-    );
-    m.insert(
-        predict::PCR_KERNEL_PARAMETERS,
-        replay(&predict::pcr9(&uki).map_err(predicted)?),
-        false,
-    );
-    m.insert(
-        predict::PCR_KERNEL_BOOT,
-        replay(&predict::pcr11(&uki).map_err(predicted)?),
-        false,
-    );
-    m.insert(predict::PCR_NODE_CONFIG, predict::pcr12(config), false);
-    m.insert(PCR_CLUSTER_ID, [0; 32], member);
-    Ok(m)
+    let pcr15 = if member {
+        Expected::warn_only([0; 32])
+    } else {
+        Expected::enforced([0; 32])
+    };
+    Measurements::new([
+        (
+            predict::PCR_BOOT_LOADER_CODE,
+            Expected::enforced(replay(&predict::pcr4(&uki).map_err(predicted)?)),
+        ),
+        (
+            predict::PCR_KERNEL_PARAMETERS,
+            Expected::enforced(replay(&predict::pcr9(&uki).map_err(predicted)?)),
+        ),
+        (
+            predict::PCR_KERNEL_BOOT,
+            Expected::enforced(replay(&predict::pcr11(&uki).map_err(predicted)?)),
+        ),
+        (
+            predict::PCR_NODE_CONFIG,
+            Expected::enforced(predict::pcr12(config)),
+        ),
+        (PCR_CLUSTER_ID, pcr15),
+    ])
+    .map_err(|e| MiniError::Check(format!("the predicted measurements: {e}")))
 }
 
 /// The operator CLI's settings file (`keel init`, `keel verify`); paths

@@ -14,7 +14,8 @@ use keel_agent::attestation::validator::Validator;
 use keel_atls::AtlsClient;
 use keel_proto::components::{Component, Components};
 use keel_proto::init::init_service_client::InitServiceClient;
-use keel_proto::init::InitRequest;
+use keel_proto::init::{InitRequest, InitSecrets};
+use prost::Message as _;
 use rand::RngCore as _;
 use serde::Deserialize;
 use zeroize::Zeroizing;
@@ -173,16 +174,21 @@ pub fn request(inputs: &InitInputs<'_>) -> Result<Result<(), tonic::Status>, Min
             rand::rngs::OsRng.fill_bytes(&mut v);
             v
         };
-        let master_secret = random();
-        let sealed = credential::seal(&verified.ek, &verified.ak.name, &master_secret)
-            .map_err(|e| failed("sealing the master secret", &e))?;
+        let secrets = Zeroizing::new(
+            InitSecrets {
+                init_secret: init_secret.to_vec(),
+                master_secret: random().to_vec(),
+            }
+            .encode_to_vec(),
+        );
+        let sealed = credential::seal(&verified.ek, &verified.ak.name, &secrets)
+            .map_err(|e| failed("sealing the init and master secrets", &e))?;
         let request = InitRequest {
-            master_secret: Some(sealed),
+            secrets: Some(sealed),
             master_salt: random().to_vec(),
             measurement_salt: random().to_vec(),
             kubernetes_version: "v1.31".into(),
             kubernetes_components: Some(components),
-            init_secret: init_secret.to_vec(),
             cluster_name: "keel".into(),
             api_server_cert_sans: Vec::new(),
             service_cidr: String::new(),
