@@ -21,9 +21,18 @@
 //! Everything that grants access (disk key, measurement secret, bootstrap
 //! token, kubelet certificate, control-plane keys) is sealed to the peer's
 //! TPM with [`credential::seal`]: a peer whose quote came from a key outside
-//! the attested TPM gets nothing it can use. The service keeps no state per
-//! ticket; concurrent tickets are bounded by [`MAX_CONCURRENT_TICKETS`].
+//! the attested TPM gets nothing it can use. Concurrent tickets are bounded
+//! by [`MAX_CONCURRENT_TICKETS`].
+//!
+//! The one state the service keeps is [`DiskBindings`]: a join ticket binds
+//! the state disk's UUID to the joining TPM's endorsement key (the SHA-256
+//! of its marshalled TPMT_PUBLIC, see [`EkDigest`]), durably, before any
+//! key leaves. A rejoin ticket is issued only to the TPM a disk is bound
+//! to, and a join ticket for a disk bound to another TPM is refused: an
+//! attested node cannot obtain another node's disk key by naming its UUID.
 
+use std::collections::BTreeMap;
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -40,16 +49,19 @@ use rcgen::{
     KeyUsagePurpose, SerialNumber,
 };
 use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq as _;
 use tokio::io::AsyncReadExt as _;
 use tokio::sync::Semaphore;
 use x509_parser::prelude::{FromDer as _, X509Certificate, X509CertificationRequest};
 use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::attestation::credential::{self, CredentialError};
+use crate::attestation::tpm_wire::Public;
 use crate::attestation::validator::Verified;
 use crate::cluster::ClusterState;
 use crate::config::{NodeIdentity, Role};
-use crate::key_service::DiskKeyError;
+use crate::files::WriteFileError;
+use crate::key_service::{DiskKeyError, DiskKeyIdError};
 use crate::kubeadm::{self, BootstrapToken, CaCertHash, ConfigApi, Kubeadm};
 use crate::measurement::EventType;
 
@@ -73,6 +85,17 @@ const MAX_STDERR: usize = 2048;
 const MAX_PKI_FILE: u64 = 64 * 1024;
 /// The kubeadm group of bootstrap tokens for joining nodes.
 const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
+/// The disk binding store, in the join service's work directory.
+pub const DISK_BINDINGS_FILE: &str = "disk-bindings.json";
+/// Most disks the binding store holds; further new disks are refused.
+pub const MAX_DISK_BINDINGS: usize = 10_000;
+/// Most disks bound to one endorsement key: an attested node that keeps
+/// asking for join tickets with new disk UUIDs cannot fill the store.
+pub const MAX_DISKS_PER_EK: usize = 128;
+/// Largest accepted binding store file (10 000 entries take about 1.1 MB).
+const MAX_DISK_BINDINGS_BYTES: u64 = 2 * 1024 * 1024;
+/// Format version of the binding store file.
+const DISK_BINDINGS_VERSION: u32 = 1;
 
 /// The control-plane PKI files a control-plane join receives (relative to
 /// the PKI directory), as kubeadm's `--upload-certs` would share them.
@@ -109,6 +132,9 @@ pub enum NewJoinServiceError {
         /// Why.
         reason: String,
     },
+    /// The disk binding store exists but cannot be used.
+    #[error("the disk binding store is unusable")]
+    DiskBindings(#[source] DiskBindingsError),
 }
 
 /// Why a kubelet CSR was refused.
@@ -178,6 +204,13 @@ pub enum JoinServiceError {
     /// Deriving a key failed.
     #[error("deriving a key failed")]
     Derive,
+    /// The disk is bound to another TPM, or (rejoin) was never bound. The
+    /// peer gets this fixed message; the cause, logged locally, says which.
+    #[error("the state disk is not bound to this node's TPM")]
+    DiskNotBound(#[source] DiskBindingRefusal),
+    /// The disk binding store failed: nothing was issued.
+    #[error("the disk binding store is unavailable")]
+    DiskBindings(#[source] DiskBindingsError),
 }
 
 impl From<&JoinServiceError> for tonic::Status {
@@ -188,12 +221,14 @@ impl From<&JoinServiceError> for tonic::Status {
         let code = match e {
             E::NotAttested => tonic::Code::Unauthenticated,
             E::InvalidRequest(_) | E::DiskUuid(_) | E::Csr(_) => tonic::Code::InvalidArgument,
-            E::Identity(_) => tonic::Code::PermissionDenied,
+            E::Identity(_) | E::DiskNotBound(_) => tonic::Code::PermissionDenied,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
             E::Busy | E::Token(_) => tonic::Code::Unavailable,
-            E::Sign(_) | E::ControlPlaneFile { .. } | E::Seal(_) | E::Derive => {
-                tonic::Code::Internal
-            }
+            E::Sign(_)
+            | E::ControlPlaneFile { .. }
+            | E::Seal(_)
+            | E::Derive
+            | E::DiskBindings(_) => tonic::Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
     }
@@ -254,18 +289,24 @@ struct Inner {
     kubeadm: Kubeadm,
     work_dir: PathBuf,
     slots: Semaphore,
+    disks: Arc<DiskBindings>,
 }
 
 impl JoinService {
     /// A join service for `cluster`; reads the cluster CA from its PKI
     /// directory. Bootstrap tokens are registered with `kubeadm`, whose
-    /// token files go to `work_dir`.
+    /// token files go to `work_dir`; the disk bindings are kept there too
+    /// ([`DISK_BINDINGS_FILE`]), and a store that exists but does not
+    /// load stops the service here.
     pub fn new(
         cluster: Arc<ClusterState>,
         kubeadm: Kubeadm,
         work_dir: PathBuf,
     ) -> Result<Self, NewJoinServiceError> {
         let ca = ClusterCa::load(&cluster.pki_dir)?;
+        let disks = DiskBindings::new(&work_dir);
+        let bound = disks.len().map_err(NewJoinServiceError::DiskBindings)?;
+        tracing::info!(path = %disks.path().display(), disks = bound, "disk bindings loaded");
         Ok(Self {
             inner: Arc::new(Inner {
                 cluster,
@@ -273,8 +314,26 @@ impl JoinService {
                 kubeadm,
                 work_dir,
                 slots: Semaphore::new(MAX_CONCURRENT_TICKETS),
+                disks: Arc::new(disks),
             }),
         })
+    }
+
+    /// The disk binding store this service checks and records in.
+    pub fn disk_bindings(&self) -> &DiskBindings {
+        &self.inner.disks
+    }
+
+    /// Runs a blocking operation on the disk binding store off the runtime.
+    async fn with_disks<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&DiskBindings) -> Result<T, DiskBindingsError> + Send + 'static,
+    ) -> Result<T, JoinServiceError> {
+        let disks = self.inner.disks.clone();
+        tokio::task::spawn_blocking(move || f(&disks))
+            .await
+            .map_err(|_| JoinServiceError::DiskBindings(DiskBindingsError::Task))?
+            .map_err(JoinServiceError::DiskBindings)
     }
 
     /// The tonic service, with requests bounded to [`MAX_REQUEST_BYTES`].
@@ -301,6 +360,27 @@ impl JoinService {
         } else {
             Vec::new()
         };
+        // Bound durably before any key or token leaves; a retry by the same
+        // TPM finds its own binding.
+        let ek = EkDigest::of_public(&peer.ek);
+        let uuid = request.disk_uuid.clone();
+        match self.with_disks(move |d| d.bind(&uuid, &ek)).await? {
+            Bind::Recorded | Bind::AlreadyBound => {}
+            Bind::OtherEk(bound) => {
+                return Err(JoinServiceError::DiskNotBound(
+                    DiskBindingRefusal::OtherEk {
+                        uuid: request.disk_uuid.to_ascii_lowercase(),
+                        bound,
+                        peer: ek,
+                    },
+                ))
+            }
+            Bind::EkFull => {
+                return Err(JoinServiceError::DiskNotBound(DiskBindingRefusal::EkFull {
+                    peer: ek,
+                }))
+            }
+        }
         let token = BootstrapToken::generate();
         self.register_token(&token).await?;
         let secrets = JoinSecrets {
@@ -343,6 +423,24 @@ impl JoinService {
     ) -> Result<IssueRejoinTicketResponse, JoinServiceError> {
         let _slot = self.slot().await?;
         let cluster = &self.inner.cluster;
+        crate::key_service::disk_key_id(&request.disk_uuid)
+            .map_err(|e| JoinServiceError::DiskUuid(e.into()))?;
+        let ek = EkDigest::of_public(&peer.ek);
+        let uuid = request.disk_uuid.clone();
+        let refusal = match self.with_disks(move |d| d.lookup(&uuid)).await? {
+            Some(bound) if bound.ct_eq(&ek) => None,
+            Some(bound) => Some(DiskBindingRefusal::OtherEk {
+                uuid: request.disk_uuid.to_ascii_lowercase(),
+                bound,
+                peer: ek,
+            }),
+            None => Some(DiskBindingRefusal::Unknown {
+                uuid: request.disk_uuid.to_ascii_lowercase(),
+            }),
+        };
+        if let Some(refusal) = refusal {
+            return Err(JoinServiceError::DiskNotBound(refusal));
+        }
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid)
@@ -483,6 +581,300 @@ impl JoinService {
             kubeadm::run::scrub_tokens(tail.trim())
         )))
     }
+}
+
+/// SHA-256 over an endorsement key's marshalled TPMT_PUBLIC: the digest
+/// part of the EK's TPM name (nameAlg SHA-256). Every field of the public
+/// area is covered, the RSA modulus included; the TPM recreates the same
+/// area from its endorsement seed, so the digest is stable across reboots.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct EkDigest([u8; 32]);
+
+impl EkDigest {
+    /// The digest of a marshalled TPMT_PUBLIC.
+    pub fn of_marshalled(public: &[u8]) -> Self {
+        Self(Sha256::digest(public).into())
+    }
+
+    /// The digest of a parsed EK: the same value as [`EkDigest::of_marshalled`]
+    /// of the bytes it was parsed from (its name minus the algorithm ID).
+    pub fn of_public(ek: &Public) -> Self {
+        let mut digest = [0u8; 32];
+        match ek.name.get(2..) {
+            Some(tail) if tail.len() == digest.len() => digest.copy_from_slice(tail),
+            // A parsed Public's name is always nameAlg || SHA-256 (32 bytes);
+            // should that change, hash the whole name rather than guess.
+            _ => digest = Sha256::digest(&ek.name).into(),
+        }
+        Self(digest)
+    }
+
+    /// Compares in constant time.
+    pub fn ct_eq(&self, other: &Self) -> bool {
+        self.0.ct_eq(&other.0).into()
+    }
+
+    fn parse_hex(text: &str) -> Option<Self> {
+        let mut digest = [0u8; 32];
+        hex::decode_to_slice(text, &mut digest).ok()?;
+        Some(Self(digest))
+    }
+}
+
+impl std::fmt::Display for EkDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sha256:{}", hex::encode(self.0))
+    }
+}
+
+impl std::fmt::Debug for EkDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// Why a disk binding refused a ticket (the local log's detail; the peer
+/// only learns that the disk is not bound to its TPM).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DiskBindingRefusal {
+    /// The disk is bound to another endorsement key.
+    #[error("disk {uuid} is bound to EK {bound}, the peer's EK is {peer}")]
+    OtherEk {
+        /// The disk UUID (lower case).
+        uuid: String,
+        /// The EK the disk is bound to.
+        bound: EkDigest,
+        /// The peer's EK.
+        peer: EkDigest,
+    },
+    /// No join ticket was ever issued for the disk by this cluster's join
+    /// service (or its binding was lost).
+    #[error("disk {uuid} never joined through this join service")]
+    Unknown {
+        /// The disk UUID (lower case).
+        uuid: String,
+    },
+    /// The peer's EK already has [`MAX_DISKS_PER_EK`] disks bound.
+    #[error("EK {peer} already has {MAX_DISKS_PER_EK} disks bound")]
+    EkFull {
+        /// The peer's EK.
+        peer: EkDigest,
+    },
+}
+
+/// The disk binding store failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DiskBindingsError {
+    /// The disk UUID is malformed.
+    #[error("invalid disk UUID")]
+    Uuid(#[source] DiskKeyIdError),
+    /// The store file could not be read.
+    #[error("reading the disk bindings {path}")]
+    Read {
+        /// The store file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The store file exists but is not a valid store. It is left as it is
+    /// for an operator to inspect; nothing is issued until it is fixed.
+    #[error("the disk bindings {path} are corrupt: {reason}")]
+    Corrupt {
+        /// The store file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The store holds [`MAX_DISK_BINDINGS`] disks.
+    #[error("the disk bindings are full ({MAX_DISK_BINDINGS} disks)")]
+    Full,
+    /// Writing the store failed; the binding was not recorded.
+    #[error("writing the disk bindings")]
+    Write(#[source] WriteFileError),
+    /// The blocking task running a store operation failed.
+    #[error("the disk binding task failed")]
+    Task,
+}
+
+/// The outcome of [`DiskBindings::bind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Bind {
+    /// The disk was not bound; it is now bound to the EK, durably.
+    Recorded,
+    /// The disk was already bound to this EK.
+    AlreadyBound,
+    /// The disk is bound to another EK (given); nothing changed.
+    OtherEk(EkDigest),
+    /// The EK has [`MAX_DISKS_PER_EK`] disks bound; nothing changed.
+    EkFull,
+}
+
+/// The file form of the store.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DiskBindingsFile {
+    version: u32,
+    /// Lower-case disk UUID to lower-case hex EK digest.
+    disks: BTreeMap<String, String>,
+}
+
+/// Serialises every store operation in this process: a binding is checked
+/// and recorded as one step, and one writer at a time uses the temp file.
+static DISK_BINDINGS_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The disks of this cluster and the TPMs they belong to: disk UUID (lower
+/// case, as the disk key derivation uses it) to [`EkDigest`], in one JSON
+/// file written atomically with mode 0600 (temp file, fsync, rename).
+/// Reads are bounded ([`MAX_DISK_BINDINGS`] entries, 2 MiB). The methods
+/// block on file I/O.
+#[derive(Debug, Clone)]
+pub struct DiskBindings {
+    path: PathBuf,
+}
+
+impl DiskBindings {
+    /// The store in `dir` ([`DISK_BINDINGS_FILE`]); nothing is read yet.
+    /// The init path records the first node's own disk through the same
+    /// directory the join service uses.
+    pub fn new(dir: &Path) -> Self {
+        Self {
+            path: dir.join(DISK_BINDINGS_FILE),
+        }
+    }
+
+    /// The store file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// How many disks are bound (loads and checks the whole store).
+    pub fn len(&self) -> Result<usize, DiskBindingsError> {
+        let _guard = lock_bindings();
+        Ok(self.load()?.len())
+    }
+
+    /// Whether no disk is bound yet.
+    pub fn is_empty(&self) -> Result<bool, DiskBindingsError> {
+        self.len().map(|n| n == 0)
+    }
+
+    /// The EK the disk `uuid` is bound to, if any.
+    pub fn lookup(&self, uuid: &str) -> Result<Option<EkDigest>, DiskBindingsError> {
+        let uuid = normalise_uuid(uuid)?;
+        let _guard = lock_bindings();
+        Ok(self.load()?.get(&uuid).copied())
+    }
+
+    /// Binds the disk `uuid` to `ek` unless it is bound already; checks
+    /// and records as one step. A new binding is on disk when this returns.
+    pub fn bind(&self, uuid: &str, ek: &EkDigest) -> Result<Bind, DiskBindingsError> {
+        let uuid = normalise_uuid(uuid)?;
+        let _guard = lock_bindings();
+        let mut disks = self.load()?;
+        if let Some(bound) = disks.get(&uuid) {
+            return Ok(if bound.ct_eq(ek) {
+                Bind::AlreadyBound
+            } else {
+                Bind::OtherEk(*bound)
+            });
+        }
+        if disks.values().filter(|e| e.ct_eq(ek)).count() >= MAX_DISKS_PER_EK {
+            return Ok(Bind::EkFull);
+        }
+        if disks.len() >= MAX_DISK_BINDINGS {
+            return Err(DiskBindingsError::Full);
+        }
+        disks.insert(uuid, *ek);
+        self.store(&disks)?;
+        Ok(Bind::Recorded)
+    }
+
+    fn corrupt(&self, reason: impl Into<String>) -> DiskBindingsError {
+        DiskBindingsError::Corrupt {
+            path: self.path.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Reads the store; a missing file is an empty store.
+    fn load(&self) -> Result<BTreeMap<String, EkDigest>, DiskBindingsError> {
+        let read_err = |source| DiskBindingsError::Read {
+            path: self.path.clone(),
+            source,
+        };
+        let file = match std::fs::File::open(&self.path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+            Err(e) => return Err(read_err(e)),
+        };
+        let mut bytes = Vec::new();
+        file.take(MAX_DISK_BINDINGS_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(read_err)?;
+        if bytes.len() as u64 > MAX_DISK_BINDINGS_BYTES {
+            return Err(self.corrupt(format!("larger than {MAX_DISK_BINDINGS_BYTES} bytes")));
+        }
+        let raw: DiskBindingsFile = serde_json::from_slice(&bytes)
+            .map_err(|e| self.corrupt(format!("not a binding store: {e}")))?;
+        if raw.version != DISK_BINDINGS_VERSION {
+            return Err(self.corrupt(format!("unknown version {}", raw.version)));
+        }
+        if raw.disks.len() > MAX_DISK_BINDINGS {
+            return Err(self.corrupt(format!("more than {MAX_DISK_BINDINGS} disks")));
+        }
+        let mut disks = BTreeMap::new();
+        for (uuid, ek) in raw.disks {
+            if normalise_uuid(&uuid).ok().as_deref() != Some(uuid.as_str()) {
+                return Err(self.corrupt(format!(
+                    "invalid disk UUID {:?}",
+                    uuid.escape_debug().to_string()
+                )));
+            }
+            let digest = (ek.len() == 64 && ek == ek.to_ascii_lowercase())
+                .then(|| EkDigest::parse_hex(&ek))
+                .flatten()
+                .ok_or_else(|| self.corrupt(format!("invalid EK digest for disk {uuid}")))?;
+            disks.insert(uuid, digest);
+        }
+        Ok(disks)
+    }
+
+    fn store(&self, disks: &BTreeMap<String, EkDigest>) -> Result<(), DiskBindingsError> {
+        let file = DiskBindingsFile {
+            version: DISK_BINDINGS_VERSION,
+            disks: disks
+                .iter()
+                .map(|(uuid, ek)| (uuid.clone(), hex::encode(ek.0)))
+                .collect(),
+        };
+        let mut json = serde_json::to_vec_pretty(&file).map_err(|e| {
+            DiskBindingsError::Write(WriteFileError {
+                path: self.path.clone(),
+                source: std::io::Error::other(e),
+            })
+        })?;
+        json.push(b'\n');
+        crate::files::write_private(&self.path, &json).map_err(DiskBindingsError::Write)
+    }
+}
+
+fn lock_bindings() -> std::sync::MutexGuard<'static, ()> {
+    // The guarded data is `()`: a panic while holding the lock leaves
+    // nothing inconsistent behind (the file is replaced atomically).
+    DISK_BINDINGS_LOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The UUID in the form the disk key derivation uses (lower case), after
+/// the same shape check.
+fn normalise_uuid(uuid: &str) -> Result<String, DiskBindingsError> {
+    crate::key_service::disk_key_id(uuid).map_err(DiskBindingsError::Uuid)?;
+    Ok(uuid.to_ascii_lowercase())
 }
 
 /// The request's node name and role must be those the peer measured.
@@ -682,6 +1074,129 @@ mod tests {
         )
     }
 
+    fn ek(n: u8) -> EkDigest {
+        EkDigest::of_marshalled(&[n])
+    }
+
+    const DISK: &str = "0a1b2c3d-0000-4000-8000-00000000000a";
+
+    #[test]
+    fn bindings_record_refuse_and_persist() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskBindings::new(dir.path());
+        assert!(store.is_empty().unwrap());
+        assert_eq!(store.lookup(DISK).unwrap(), None);
+        assert_eq!(store.bind(DISK, &ek(1)).unwrap(), Bind::Recorded);
+        assert_eq!(store.bind(DISK, &ek(1)).unwrap(), Bind::AlreadyBound);
+        assert_eq!(store.bind(DISK, &ek(2)).unwrap(), Bind::OtherEk(ek(1)));
+        // The key derivation lower-cases the UUID: so does the binding.
+        let upper = DISK.to_ascii_uppercase();
+        assert_eq!(store.bind(&upper, &ek(2)).unwrap(), Bind::OtherEk(ek(1)));
+        assert_eq!(store.lookup(&upper).unwrap(), Some(ek(1)));
+        assert!(matches!(
+            store.bind("not-a-uuid", &ek(1)),
+            Err(DiskBindingsError::Uuid(_))
+        ));
+
+        // A new store over the same directory reads the same bindings.
+        let reopened = DiskBindings::new(dir.path());
+        assert_eq!(reopened.lookup(DISK).unwrap(), Some(ek(1)));
+        assert_eq!(reopened.len().unwrap(), 1);
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(store.path())
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, [DISK_BINDINGS_FILE], "a temporary file was left");
+    }
+
+    #[test]
+    fn one_ek_binds_a_bounded_number_of_disks() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskBindings::new(dir.path());
+        for i in 0..MAX_DISKS_PER_EK {
+            let uuid = format!("00000000-0000-4000-8000-{i:012x}");
+            assert_eq!(store.bind(&uuid, &ek(1)).unwrap(), Bind::Recorded);
+        }
+        let next = format!("00000000-0000-4000-8000-{MAX_DISKS_PER_EK:012x}");
+        assert_eq!(store.bind(&next, &ek(1)).unwrap(), Bind::EkFull);
+        assert_eq!(store.bind(&next, &ek(2)).unwrap(), Bind::Recorded);
+        assert_eq!(store.len().unwrap(), MAX_DISKS_PER_EK + 1);
+    }
+
+    #[test]
+    fn a_corrupt_store_is_refused_and_left_alone() {
+        let good_ek = hex::encode([0xab_u8; 32]);
+        let cases = [
+            "".to_owned(),
+            "[]".to_owned(),
+            "{\"version\":1}".to_owned(),
+            format!("{{\"version\":2,\"disks\":{{\"{DISK}\":\"{good_ek}\"}}}}"),
+            format!("{{\"version\":1,\"disks\":{{\"{DISK}\":\"{good_ek}\"}},\"x\":1}}"),
+            format!("{{\"version\":1,\"disks\":{{\"not-a-uuid\":\"{good_ek}\"}}}}"),
+            format!(
+                "{{\"version\":1,\"disks\":{{\"{}\":\"{good_ek}\"}}}}",
+                DISK.to_ascii_uppercase()
+            ),
+            format!("{{\"version\":1,\"disks\":{{\"{DISK}\":\"00\"}}}}"),
+            format!(
+                "{{\"version\":1,\"disks\":{{\"{DISK}\":\"{}\"}}}}",
+                good_ek.to_ascii_uppercase()
+            ),
+            " ".repeat(MAX_DISK_BINDINGS_BYTES as usize + 1),
+        ];
+        for text in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let store = DiskBindings::new(dir.path());
+            std::fs::write(store.path(), &text).unwrap();
+            let shown = text.get(..60).unwrap_or(&text).to_owned();
+            assert!(
+                matches!(store.len(), Err(DiskBindingsError::Corrupt { .. })),
+                "{shown}"
+            );
+            assert!(
+                matches!(
+                    store.bind(DISK, &ek(1)),
+                    Err(DiskBindingsError::Corrupt { .. })
+                ),
+                "{shown}"
+            );
+            assert!(matches!(
+                store.lookup(DISK),
+                Err(DiskBindingsError::Corrupt { .. })
+            ));
+            assert_eq!(std::fs::read_to_string(store.path()).unwrap(), text);
+        }
+        // The well-formed version of the same loads.
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskBindings::new(dir.path());
+        let text = format!("{{\"version\":1,\"disks\":{{\"{DISK}\":\"{good_ek}\"}}}}");
+        std::fs::write(store.path(), text).unwrap();
+        assert_eq!(store.lookup(DISK).unwrap(), Some(EkDigest([0xab; 32])));
+    }
+
+    #[test]
+    fn the_ek_digest_is_the_sha256_of_the_marshalled_public_area() {
+        // A TPMT_PUBLIC: ECC, SHA-256 name, attributes, empty policy, no
+        // symmetric, no scheme, P-256, no KDF, 1-byte coordinates.
+        let bytes = [
+            0x00, 0x23, 0x00, 0x0b, 0x00, 0x04, 0x00, 0x72, 0x00, 0x00, 0x00, 0x10, 0x00, 0x10,
+            0x00, 0x03, 0x00, 0x10, 0x00, 0x01, 0x05, 0x00, 0x01, 0x06,
+        ];
+        let public = Public::parse(&bytes).unwrap();
+        let digest = EkDigest::of_public(&public);
+        assert_eq!(digest, EkDigest::of_marshalled(&bytes));
+        assert_eq!(digest.0, <[u8; 32]>::from(Sha256::digest(bytes)));
+        assert!(digest.ct_eq(&EkDigest::of_marshalled(&bytes)));
+        assert!(!digest.ct_eq(&ek(1)));
+        assert!(digest.to_string().starts_with("sha256:"));
+    }
+
     #[test]
     fn status_codes() {
         let code = |e: JoinServiceError| tonic::Status::from(&e).code();
@@ -698,5 +1213,15 @@ mod tests {
             tonic::Code::InvalidArgument
         );
         assert_eq!(code(JoinServiceError::Busy), tonic::Code::Unavailable);
+        let not_bound =
+            JoinServiceError::DiskNotBound(DiskBindingRefusal::Unknown { uuid: DISK.into() });
+        let status = tonic::Status::from(&not_bound);
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        // The peer learns nothing about the binding.
+        assert!(!status.message().contains(DISK), "{}", status.message());
+        assert_eq!(
+            code(JoinServiceError::DiskBindings(DiskBindingsError::Full)),
+            tonic::Code::Internal
+        );
     }
 }

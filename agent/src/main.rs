@@ -2,15 +2,17 @@
 //! logging and hands over to the library.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use keel_agent::config::{NodeConfig, Role};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use keel_agent::cluster::ClusterSlot;
-use keel_agent::measured::{MeasuredLog, MeasuredTpm, SharedTpm};
+use keel_agent::measured::{self, MeasuredLog, MeasuredTpm, SharedTpm};
 use keel_agent::measurement::{self, pcr, EventType, HexDigest};
 use keel_agent::node;
 use keel_agent::nodelock::NodeLock;
@@ -19,7 +21,8 @@ use keel_agent::tpm::{TctiSpec, Tpm};
 
 /// The keel node agent. Started by systemd on every boot of a keel image: it
 /// measures its node config into the TPM before using it, then serves the
-/// init flow and runs the join flow.
+/// init flow and runs the join flow. Stopped with SIGTERM (or SIGINT), it
+/// ends its tasks and sends TPM2_Shutdown(CLEAR) before it exits.
 #[derive(Parser)]
 #[command(version, about, long_about = None)]
 struct Cli {
@@ -121,7 +124,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let (config, source) = NodeConfig::load(config.as_deref())?;
             tracing::info!(%source, "node config loaded");
-            let tpm = Tpm::open(&tcti)?;
+            // Stop signals are caught from here on: one that comes before
+            // the services run stops them as soon as they start, and the
+            // TPM is shut down all the same.
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            let stop = {
+                let _runtime = runtime.enter();
+                StopSignals::new()?
+            };
+            let mut tpm = Tpm::open(&tcti)?;
+            log_tpm_state(&mut tpm);
             let mut measured = MeasuredTpm::open(tpm, &log_path)?;
             // Measured before anything below reads it.
             measured.record_once(
@@ -144,19 +158,84 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if once {
                 return Ok(());
             }
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()?;
             let measurements =
                 measurements.unwrap_or_else(|| cli.state_dir.join("join-measurements.json"));
-            runtime.block_on(serve(config, tpm, lock, cli.state_dir, measurements))
+            let served = runtime.block_on(serve(
+                config,
+                tpm.clone(),
+                lock,
+                cli.state_dir,
+                measurements,
+                stop,
+            ));
+            // The tasks are gone: end the TPM's cycle so that its next
+            // startup finds an orderly shutdown.
+            match measured::shutdown(&tpm) {
+                Ok(()) => tracing::info!("TPM shut down (TPM2_Shutdown CLEAR)"),
+                Err(e) => tracing::warn!(
+                    error = %keel_atls::ErrorChain(&e),
+                    "TPM2_Shutdown failed"
+                ),
+            }
+            runtime.shutdown_timeout(Duration::from_secs(5));
+            served
         }
     }
 }
 
-/// Serves the node's APIs until the process is stopped: the init server
-/// (when an init secret is configured) and the join client (when
-/// control-plane endpoints are configured) race for the node lock; a
+/// Logs how the TPM's previous cycle ended and its dictionary-attack
+/// counter: after a crash, or with failures counted, an operator sees it
+/// before a lockout stops attestation.
+fn log_tpm_state(tpm: &mut Tpm) {
+    match tpm.lockout_state() {
+        Ok(s) => {
+            if !s.orderly_startup {
+                tracing::info!("the TPM's previous cycle ended without TPM2_Shutdown");
+            }
+            if s.in_lockout || s.failed_tries > 0 {
+                tracing::warn!(
+                    failed_tries = s.failed_tries,
+                    max_tries = s.max_tries,
+                    recovery_seconds = s.recovery_seconds,
+                    in_lockout = s.in_lockout,
+                    "the TPM's dictionary-attack counter is not zero"
+                );
+            }
+        }
+        Err(e) => tracing::warn!(
+            error = %keel_atls::ErrorChain(&e),
+            "reading the TPM's dictionary-attack state failed"
+        ),
+    }
+}
+
+/// The signals that stop the agent cleanly: SIGTERM (systemd) and SIGINT.
+struct StopSignals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl StopSignals {
+    /// Installs the handlers; needs a runtime context.
+    fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            terminate: signal(SignalKind::terminate())?,
+            interrupt: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Waits for either signal.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+        }
+    }
+}
+
+/// Serves the node's APIs until `stop` fires, then ends every task: the
+/// init server (when an init secret is configured) and the join client
+/// (when control-plane endpoints are configured) race for the node lock; a
 /// control-plane node serves the join service once it created the cluster.
 async fn serve(
     config: NodeConfig,
@@ -164,6 +243,7 @@ async fn serve(
     lock: Arc<NodeLock>,
     state_dir: PathBuf,
     measurements: PathBuf,
+    mut stop: StopSignals,
 ) -> anyhow::Result<()> {
     let cluster = Arc::new(ClusterSlot::new(None));
     let env = node::node_env(&config, state_dir)?;
@@ -193,13 +273,20 @@ async fn serve(
         let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.init_port));
         tasks.spawn(node::serve_init(addr, config, tpm, lock, env, cluster));
     }
-    while let Some(done) = tasks.join_next().await {
-        match done {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!(error = format!("{e:#}"), "a node task failed"),
-            Err(e) => tracing::error!(error = %e, "a node task panicked"),
+    let supervise = async {
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(error = format!("{e:#}"), "a node task failed"),
+                Err(e) => tracing::error!(error = %e, "a node task panicked"),
+            }
         }
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        () = supervise => {}
+        signal = stop.recv() => tracing::info!(signal, "stopping"),
     }
-    std::future::pending::<()>().await;
+    tasks.shutdown().await;
     Ok(())
 }

@@ -202,6 +202,17 @@ pub struct MeasuredTpm {
 /// A [`MeasuredTpm`] shared between the agent's tasks.
 pub type SharedTpm = std::sync::Arc<std::sync::Mutex<MeasuredTpm>>;
 
+/// Ends the TPM's cycle for the agent's clean exit ([`Tpm::shutdown`]:
+/// flush, then TPM2_Shutdown(CLEAR)), once the TPM is free. Every later use
+/// of `tpm` fails. A lock poisoned by a panicked task is taken anyway: each
+/// TPM call either completed or failed, and the shutdown is still owed.
+pub fn shutdown(tpm: &SharedTpm) -> Result<(), TpmError> {
+    let mut guard = tpm
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    guard.tpm.shutdown()
+}
+
 impl MeasuredTpm {
     /// Opens the log at `log_path` against `tpm` (see [`MeasuredLog::open`]).
     pub fn open(mut tpm: Tpm, log_path: &Path) -> Result<Self, MeasuredLogError> {

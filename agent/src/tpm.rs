@@ -5,24 +5,37 @@
 //! flushes them on drop. Every session it starts is flushed before the call
 //! returns, so it works on a TPM without a resource manager (the swtpm
 //! socket) as well as on `/dev/tpmrm0`. Only the SHA-256 PCR bank is used.
+//!
+//! Dictionary-attack protection: the attestation key is created with
+//! `noDA`. Its authorisation value is empty and what it may do is bounded by
+//! its `restricted` attribute, so DA protection would guard nothing; with it,
+//! every unorderly shutdown after the key was used (a killed VM, a host
+//! crash) counted as a failed authorisation at the next boot, and a few in a
+//! row locked the TPM out. The endorsement key keeps the TCG template (its
+//! public area must match its certificate); it is only ever authorised by
+//! its policy (PolicySecret of the endorsement hierarchy, which is exempt),
+//! never by an auth value, so it does not touch the DA counter either.
+//! [`Tpm::shutdown`] sends TPM2_Shutdown(CLEAR) when the agent stops cleanly.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
 
-use tss_esapi::abstraction::{ak, ek, AsymmetricAlgorithmSelection, DefaultKey};
-use tss_esapi::attributes::SessionAttributesBuilder;
-use tss_esapi::constants::SessionType;
+use tss_esapi::abstraction::{ek, AsymmetricAlgorithmSelection, DefaultKey};
+use tss_esapi::attributes::{ObjectAttributesBuilder, SessionAttributesBuilder};
+use tss_esapi::constants::{CapabilityType, PropertyTag, SessionType, StartupType};
 use tss_esapi::handles::{
     AuthHandle, KeyHandle, ObjectHandle, PcrHandle, PersistentTpmHandle, SessionHandle, TpmHandle,
 };
 use tss_esapi::interface_types::algorithm::{
-    AsymmetricAlgorithm, HashingAlgorithm, SignatureSchemeAlgorithm,
+    AsymmetricAlgorithm, HashingAlgorithm, PublicAlgorithm,
 };
+use tss_esapi::interface_types::ecc::EccCurve;
 use tss_esapi::interface_types::key_bits::RsaKeyBits;
 use tss_esapi::interface_types::session_handles::{AuthSession, PolicySession};
 use tss_esapi::structures::{
-    Data, Digest, DigestValues, EncryptedSecret, IdObject, PcrSelectionList, PcrSlot,
-    SignatureScheme, SymmetricDefinition,
+    CapabilityData, Data, Digest, DigestValues, EccPoint, EccScheme, EncryptedSecret, HashScheme,
+    IdObject, KeyDerivationFunctionScheme, PcrSelectionList, PcrSlot, Public, PublicBuilder,
+    PublicEccParametersBuilder, SignatureScheme, SymmetricDefinition, SymmetricDefinitionObject,
 };
 use tss_esapi::tcti_ldr::TctiNameConf;
 use tss_esapi::traits::Marshall;
@@ -37,6 +50,14 @@ const EK_PERSISTENT_HANDLE: u32 = 0x8101_0001;
 pub const PCR_COUNT: u32 = 24;
 /// The TPM returns at most 8 digests per PCR_Read.
 const PCRS_PER_READ: usize = 8;
+/// TPM_PT_PERMANENT, the first variable TPM property.
+const PT_VARIABLE_FIRST: u32 = 0x200;
+/// TPM_PT_PERMANENT up to TPM_PT_LOCKOUT_RECOVERY.
+const PT_VARIABLE_COUNT: u32 = 0x12;
+/// TPMA_PERMANENT.inLockout.
+const PERMANENT_IN_LOCKOUT: u32 = 1 << 9;
+/// TPMA_STARTUP_CLEAR.orderly.
+const STARTUP_CLEAR_ORDERLY: u32 = 1 << 31;
 
 /// A TPM operation that failed; each variant names the operation and keeps
 /// the TSS error as its source.
@@ -88,6 +109,16 @@ pub enum TpmError {
     /// ActivateCredential failed: the credential was not made for this TPM's EK and AK.
     #[error("credential activation failed (not sealed to this TPM)")]
     ActivateCredential(#[source] tss_esapi::Error),
+    /// Reading the TPM's properties (TPM2_GetCapability) failed.
+    #[error("reading TPM properties failed")]
+    Properties(#[source] tss_esapi::Error),
+    /// TPM2_Shutdown failed.
+    #[error("TPM2_Shutdown failed")]
+    Shutdown(#[source] tss_esapi::Error),
+    /// The TPM was shut down with [`Tpm::shutdown`]; it takes no more commands
+    /// through this handle.
+    #[error("the TPM was shut down")]
+    ShutDown,
     /// A structure could not be marshalled or converted.
     #[error("marshalling {what} failed")]
     Marshal {
@@ -151,6 +182,26 @@ pub struct Quote {
     pub signature: Vec<u8>,
 }
 
+/// The TPM's dictionary-attack state, and how its previous cycle ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockoutState {
+    /// Failed authorisations counted so far (TPM_PT_LOCKOUT_COUNTER).
+    pub failed_tries: u32,
+    /// Failures at which the TPM locks out (TPM_PT_MAX_AUTH_FAIL).
+    pub max_tries: u32,
+    /// Seconds after which one counted failure is forgotten
+    /// (TPM_PT_LOCKOUT_INTERVAL).
+    pub recovery_seconds: u32,
+    /// Seconds before lockoutAuth may be tried again after it failed
+    /// (TPM_PT_LOCKOUT_RECOVERY).
+    pub lockout_recovery_seconds: u32,
+    /// DA-protected objects are refused (TPMA_PERMANENT.inLockout).
+    pub in_lockout: bool,
+    /// This cycle's TPM2_Startup followed a TPM2_Shutdown
+    /// (TPMA_STARTUP_CLEAR.orderly); false after a crash or a killed VM.
+    pub orderly_startup: bool,
+}
+
 /// An open TPM with its endorsement and attestation keys.
 pub struct Tpm {
     ctx: Context,
@@ -158,6 +209,7 @@ pub struct Tpm {
     ek_transient: bool,
     endorsement: Option<Endorsement>,
     ak: Option<LoadedAk>,
+    shut_down: bool,
 }
 
 struct LoadedAk {
@@ -195,11 +247,22 @@ impl Tpm {
             ek_transient,
             endorsement: None,
             ak: None,
+            shut_down: false,
         })
+    }
+
+    /// Fails once [`Tpm::shutdown`] ran.
+    fn live(&self) -> Result<(), TpmError> {
+        if self.shut_down {
+            Err(TpmError::ShutDown)
+        } else {
+            Ok(())
+        }
     }
 
     /// Reads SHA-256 PCR values.
     pub fn pcr_read(&mut self, pcrs: &[u32]) -> Result<BTreeMap<u32, Digest32>, TpmError> {
+        self.live()?;
         let mut out = BTreeMap::new();
         let mut wanted: Vec<u32> = pcrs.to_vec();
         wanted.sort_unstable();
@@ -240,6 +303,7 @@ impl Tpm {
 
     /// Extends `pcr` of the SHA-256 bank with `digest`.
     pub fn pcr_extend(&mut self, pcr: u32, digest: &Digest32) -> Result<(), TpmError> {
+        self.live()?;
         let handle = pcr_handle(pcr)?;
         let err = |source| TpmError::PcrExtend { pcr, source };
         let mut values = DigestValues::new();
@@ -255,6 +319,7 @@ impl Tpm {
     /// The endorsement key's public area and, if stored, its certificate
     /// (read once; neither changes while the TPM is open).
     pub fn endorsement(&mut self) -> Result<Endorsement, TpmError> {
+        self.live()?;
         if let Some(e) = &self.endorsement {
             return Ok(e.clone());
         }
@@ -280,21 +345,21 @@ impl Tpm {
         Ok(endorsement)
     }
 
-    /// Creates (once per [`Tpm`]) a restricted ECC P-256 signing key under the
-    /// EK and returns its marshalled TPMT_PUBLIC.
+    /// Creates (once per [`Tpm`]) the attestation key under the EK, a
+    /// restricted ECC P-256 ECDSA-SHA256 signing key with `noDA`, and returns
+    /// its marshalled TPMT_PUBLIC.
     pub fn attestation_key(&mut self) -> Result<Vec<u8>, TpmError> {
+        self.live()?;
         if let Some(ak) = &self.ak {
             return Ok(ak.public.clone());
         }
-        let created = ak::create_ak(
-            &mut self.ctx,
-            self.ek,
-            HashingAlgorithm::Sha256,
-            SignatureSchemeAlgorithm::EcDsa,
-            None,
-            DefaultKey,
-        )
-        .map_err(TpmError::AttestationKey)?;
+        let template = ak_template().map_err(TpmError::AttestationKey)?;
+        let ek = self.ek;
+        // The EK's policy is PolicySecret(endorsement): each command that
+        // uses it as the parent needs a freshly satisfied policy session.
+        let created = self
+            .with_endorsement_policy(|c| c.create(ek, template, None, None, None, None))
+            .map_err(TpmError::AttestationKey)?;
         let public = created
             .out_public
             .marshall()
@@ -302,14 +367,9 @@ impl Tpm {
                 what: "AK public",
                 source,
             })?;
-        let handle = ak::load_ak(
-            &mut self.ctx,
-            self.ek,
-            None,
-            created.out_private,
-            created.out_public,
-        )
-        .map_err(TpmError::AttestationKey)?;
+        let handle = self
+            .with_endorsement_policy(|c| c.load(ek, created.out_private, created.out_public))
+            .map_err(TpmError::AttestationKey)?;
         self.ak = Some(LoadedAk {
             handle,
             public: public.clone(),
@@ -319,6 +379,7 @@ impl Tpm {
 
     /// Quotes the SHA-256 `pcrs` with the attestation key over `qualifying_data`.
     pub fn quote(&mut self, qualifying_data: &Digest32, pcrs: &[u32]) -> Result<Quote, TpmError> {
+        self.live()?;
         self.attestation_key()?;
         let ak = self
             .ak
@@ -359,6 +420,7 @@ impl Tpm {
         credential_blob: &[u8],
         encrypted_seed: &[u8],
     ) -> Result<Zeroizing<Vec<u8>>, TpmError> {
+        self.live()?;
         self.attestation_key()?;
         let ak = self
             .ak
@@ -427,6 +489,86 @@ impl Tpm {
         }
     }
 
+    /// The TPM's dictionary-attack counters and whether its previous cycle
+    /// ended with TPM2_Shutdown.
+    pub fn lockout_state(&mut self) -> Result<LockoutState, TpmError> {
+        self.live()?;
+        let (data, _) = self
+            .ctx
+            .execute_without_session(|c| {
+                c.get_capability(
+                    CapabilityType::TpmProperties,
+                    PT_VARIABLE_FIRST,
+                    PT_VARIABLE_COUNT,
+                )
+            })
+            .map_err(TpmError::Properties)?;
+        let CapabilityData::TpmProperties(list) = data else {
+            return Err(TpmError::Properties(wrapper_error(
+                tss_esapi::WrapperErrorKind::WrongValueFromTpm,
+            )));
+        };
+        let get = |tag: PropertyTag| {
+            list.find(tag).map(|p| p.value()).ok_or_else(|| {
+                TpmError::Properties(wrapper_error(
+                    tss_esapi::WrapperErrorKind::WrongValueFromTpm,
+                ))
+            })
+        };
+        Ok(LockoutState {
+            failed_tries: get(PropertyTag::LockoutCounter)?,
+            max_tries: get(PropertyTag::MaxAuthFail)?,
+            recovery_seconds: get(PropertyTag::LockoutInterval)?,
+            lockout_recovery_seconds: get(PropertyTag::LockoutRecovery)?,
+            in_lockout: get(PropertyTag::Permanent)? & PERMANENT_IN_LOCKOUT != 0,
+            orderly_startup: get(PropertyTag::StartupClear)? & STARTUP_CLEAR_ORDERLY != 0,
+        })
+    }
+
+    /// Runs `f` with a satisfied EK policy session as the only
+    /// authorisation (for commands whose one authorised handle is the EK),
+    /// and flushes the session whatever the outcome.
+    fn with_endorsement_policy<T>(
+        &mut self,
+        f: impl FnOnce(&mut Context) -> Result<T, tss_esapi::Error>,
+    ) -> Result<T, tss_esapi::Error> {
+        let policy = self.endorsement_policy_session()?;
+        let result = self
+            .ctx
+            .execute_with_sessions((Some(policy), None, None), f);
+        self.flush_session(policy);
+        result
+    }
+
+    /// Flushes the transient objects and sends TPM2_Shutdown(CLEAR): the
+    /// next TPM2_Startup then finds an orderly shutdown. For the agent's
+    /// clean exit only; afterwards every call on this handle fails with
+    /// [`TpmError::ShutDown`]. Dropping a [`Tpm`] flushes its objects but
+    /// does not shut the TPM down (other users, such as a diagnostic command
+    /// next to the running agent, must not end the TPM's cycle).
+    pub fn shutdown(&mut self) -> Result<(), TpmError> {
+        self.live()?;
+        self.flush_objects();
+        self.shut_down = true;
+        self.ctx
+            .execute_without_session(|c| c.shutdown(StartupType::Clear))
+            .map_err(TpmError::Shutdown)
+    }
+
+    fn flush_objects(&mut self) {
+        if let Some(ak) = self.ak.take() {
+            if let Err(e) = self.ctx.flush_context(ak.handle.into()) {
+                tracing::warn!(error = %e, "flushing the attestation key failed");
+            }
+        }
+        if self.ek_transient {
+            self.ek_transient = false;
+            if let Err(e) = self.ctx.flush_context(self.ek.into()) {
+                tracing::warn!(error = %e, "flushing the endorsement key failed");
+            }
+        }
+    }
+
     fn flush_session(&mut self, session: AuthSession) {
         let handle = SessionHandle::from(session);
         if let Err(e) = self.ctx.flush_context(ObjectHandle::from(handle)) {
@@ -437,13 +579,40 @@ impl Tpm {
 
 impl Drop for Tpm {
     fn drop(&mut self) {
-        if let Some(ak) = self.ak.take() {
-            let _ = self.ctx.flush_context(ak.handle.into());
-        }
-        if self.ek_transient {
-            let _ = self.ctx.flush_context(self.ek.into());
-        }
+        self.flush_objects();
     }
+}
+
+/// The attestation key's template: a restricted ECC NIST P-256 signing key
+/// with the ECDSA-SHA256 scheme, fixedTPM, fixedParent,
+/// sensitiveDataOrigin, userWithAuth (empty auth value) and noDA.
+fn ak_template() -> Result<Public, tss_esapi::Error> {
+    let attributes = ObjectAttributesBuilder::new()
+        .with_fixed_tpm(true)
+        .with_fixed_parent(true)
+        .with_sensitive_data_origin(true)
+        .with_user_with_auth(true)
+        .with_restricted(true)
+        .with_sign_encrypt(true)
+        .with_decrypt(false)
+        .with_no_da(true)
+        .build()?;
+    let parameters = PublicEccParametersBuilder::new()
+        .with_symmetric(SymmetricDefinitionObject::Null)
+        .with_ecc_scheme(EccScheme::EcDsa(HashScheme::new(HashingAlgorithm::Sha256)))
+        .with_curve(EccCurve::NistP256)
+        .with_key_derivation_function_scheme(KeyDerivationFunctionScheme::Null)
+        .with_is_signing_key(true)
+        .with_is_decryption_key(false)
+        .with_restricted(true)
+        .build()?;
+    PublicBuilder::new()
+        .with_public_algorithm(PublicAlgorithm::Ecc)
+        .with_name_hashing_algorithm(HashingAlgorithm::Sha256)
+        .with_object_attributes(attributes)
+        .with_ecc_parameters(parameters)
+        .with_ecc_unique_identifier(EccPoint::default())
+        .build()
 }
 
 fn wrapper_error(kind: tss_esapi::WrapperErrorKind) -> tss_esapi::Error {

@@ -158,3 +158,138 @@ async fn refused_nodes_stay_unlocked_and_untouched() {
     assert!(!locked.root.exists() && !locked.work.exists());
     assert!(!Cryptsetup::default().is_luks(&locked.disk).unwrap());
 }
+
+/// A join ticket for `uuid`, as `tickets`' node named `name`; the opened
+/// state-disk key.
+async fn disk_key_by_join(
+    tickets: &keel_agent::join::TicketClient,
+    service: &Service,
+    name: &str,
+    uuid: &str,
+) -> Result<Vec<u8>, TicketError> {
+    let key = KubeletKey::generate(name).unwrap();
+    let request = IssueJoinTicketRequest {
+        disk_uuid: uuid.to_owned(),
+        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: name.into(),
+    };
+    let mut raw = tickets
+        .request_join_ticket(&service.endpoint, request)
+        .await?;
+    let secrets = tickets.open(raw.response.secrets.take()).await?;
+    Ok(secrets.state_disk_key.clone())
+}
+
+/// The refusal of a disk that is not bound to the asking TPM: permission
+/// denied with the one fixed message, nothing else.
+fn assert_not_bound<T>(result: Result<T, TicketError>) {
+    match result {
+        Err(TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+            assert_eq!(
+                status.message(),
+                "the state disk is not bound to this node's TPM"
+            );
+        }
+        Err(other) => panic!("{}", keel_atls::ErrorChain(&other)),
+        Ok(_) => panic!("a disk key was issued"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let mut service = join_common::start_service(&ca, port).await;
+    let owner = join_common::member(&ca, port, "w-1", "worker");
+    let other = join_common::member(&ca, port, "w-2", "worker");
+    let (owner_tickets, other_tickets) = (owner.tickets(&ca), other.tickets(&ca));
+    let disk = join_common::uuid();
+    let expected = service.state.keys.disk_key(&disk).unwrap();
+
+    // Before any join, the disk is unknown: no rejoin, for anyone.
+    assert_not_bound(owner_tickets.rejoin_ticket(&service.endpoint, &disk).await);
+
+    // w-1 joins with the disk: the disk is bound to w-1's EK.
+    let key = disk_key_by_join(&owner_tickets, &service, "w-1", &disk)
+        .await
+        .unwrap();
+    assert_eq!(key, expected.as_slice());
+    let bindings = keel_agent::join_service::DiskBindings::new(&service.work_dir());
+    assert_eq!(bindings.len().unwrap(), 1);
+    let file = bindings.path().to_owned();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&file).unwrap().permissions())
+            & 0o777,
+        0o600
+    );
+    let tokens = service.registered_tokens().len();
+
+    // Another attested TPM naming the disk gets nothing: not by rejoin,
+    // not by "joining" with its UUID (in any letter case), and no token is
+    // registered for the attempt.
+    assert_not_bound(other_tickets.rejoin_ticket(&service.endpoint, &disk).await);
+    assert_not_bound(disk_key_by_join(&other_tickets, &service, "w-2", &disk).await);
+    let upper = disk.to_ascii_uppercase();
+    assert_not_bound(other_tickets.rejoin_ticket(&service.endpoint, &upper).await);
+    assert_not_bound(disk_key_by_join(&other_tickets, &service, "w-2", &upper).await);
+    assert_eq!(service.registered_tokens().len(), tokens);
+
+    // The owner rejoins; a disk that never joined is refused to it too.
+    let ticket = owner_tickets
+        .rejoin_ticket(&service.endpoint, &disk)
+        .await
+        .unwrap();
+    assert_eq!(ticket.disk_key.as_slice(), expected.as_slice());
+    assert_eq!(ticket.cluster_id, service.state.cluster_id);
+    assert_not_bound(
+        owner_tickets
+            .rejoin_ticket(&service.endpoint, &join_common::uuid())
+            .await,
+    );
+    // Joining again with its own disk (a retried join) is the owner's right.
+    let again = disk_key_by_join(&owner_tickets, &service, "w-1", &disk)
+        .await
+        .unwrap();
+    assert_eq!(again, expected.as_slice());
+
+    // The binding survives a restart of the join service.
+    service.restart().await;
+    let ticket = owner_tickets
+        .rejoin_ticket(&service.endpoint, &disk)
+        .await
+        .unwrap();
+    assert_eq!(ticket.disk_key.as_slice(), expected.as_slice());
+    assert_not_bound(other_tickets.rejoin_ticket(&service.endpoint, &disk).await);
+    assert_not_bound(disk_key_by_join(&other_tickets, &service, "w-2", &disk).await);
+
+    // w-2 joins with a disk of its own, and rejoins with it.
+    let own = join_common::uuid();
+    disk_key_by_join(&other_tickets, &service, "w-2", &own)
+        .await
+        .unwrap();
+    other_tickets
+        .rejoin_ticket(&service.endpoint, &own)
+        .await
+        .unwrap();
+    assert_eq!(bindings.len().unwrap(), 2);
+
+    // A store that no longer loads stops the service from issuing anything:
+    // refused with a fixed message, the file left for an operator.
+    std::fs::write(&file, b"{\"version\":1,\"disks\":{\"not-a-uuid\":\"00\"}}").unwrap();
+    match owner_tickets.rejoin_ticket(&service.endpoint, &disk).await {
+        Err(TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::Internal);
+            assert_eq!(status.message(), "the disk binding store is unavailable");
+        }
+        Err(other) => panic!("{}", keel_atls::ErrorChain(&other)),
+        Ok(_) => panic!("a disk key was issued"),
+    }
+    assert!(keel_agent::join_service::JoinService::new(
+        service.state.clone(),
+        join_common::standin_kubeadm(&service.root),
+        service.work_dir(),
+    )
+    .is_err());
+}

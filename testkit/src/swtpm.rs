@@ -1,6 +1,12 @@
 //! swtpm instances for tests: each with its own TPM state, manufactured with
-//! an EK certificate from a test-owned CA, on its own loopback ports, shut
-//! down cleanly (TPM2_Shutdown through the control channel) and killed on drop.
+//! an EK certificate from a test-owned CA, on its own loopback ports, stopped
+//! through the control channel on drop (killed if that fails).
+//!
+//! Stopping through the control channel ends the process with its state
+//! saved, but it is not a TPM2_Shutdown: to the TPM the next start follows
+//! an unorderly shutdown unless a client sent TPM2_Shutdown first.
+//! [`Swtpm::kill_hard`] and [`Swtpm::restart`] model a VM that is killed
+//! and booted again on the same TPM state.
 
 use std::fs;
 use std::io;
@@ -152,7 +158,7 @@ impl EkCa {
 pub struct Swtpm {
     child: Option<Child>,
     port: u16,
-    _state: TempDir,
+    state: TempDir,
 }
 
 static NEXT_PORT: AtomicU16 = AtomicU16::new(0);
@@ -171,70 +177,40 @@ impl Swtpm {
         Self::start_with_state(state)
     }
 
-    fn start_with_state(state: TempDir) -> Result<Self, SwtpmError> {
-        let mut last = String::new();
-        for _ in 0..20 {
-            let port = free_port_pair();
-            let mut child = Command::new("swtpm")
-                .args(["socket", "--tpm2", "--flags", "not-need-init,startup-clear"])
-                .arg("--server")
-                .arg(format!("type=tcp,port={port},bindaddr=127.0.0.1"))
-                .arg("--ctrl")
-                .arg(format!("type=tcp,port={},bindaddr=127.0.0.1", port + 1))
-                .arg("--tpmstate")
-                .arg(format!("dir={}", state.path().display()))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(io_err("starting swtpm"))?;
-            let deadline = Instant::now() + Duration::from_secs(5);
-            loop {
-                if let Ok(Some(status)) = child.try_wait() {
-                    last = format!("swtpm exited with {status} on port {port}");
-                    break;
-                }
-                if TcpStream::connect(("127.0.0.1", port)).is_ok()
-                    && TcpStream::connect(("127.0.0.1", port + 1)).is_ok()
-                {
-                    return Ok(Self {
-                        child: Some(child),
-                        port,
-                        _state: state,
-                    });
-                }
-                if Instant::now() > deadline {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    last = format!("swtpm did not listen on port {port} within 5 s");
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        Err(SwtpmError::Start(last))
-    }
-
-    /// The TCP port of the TPM command channel.
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-
-    /// The TCTI string for tss-esapi / tpm2-tools.
-    pub fn tcti(&self) -> String {
-        format!("swtpm:host=127.0.0.1,port={}", self.port)
-    }
-
-    /// Directory holding the TPM state.
-    pub fn state_dir(&self) -> PathBuf {
-        self._state.path().to_path_buf()
-    }
-}
-
-impl Drop for Swtpm {
-    fn drop(&mut self) {
+    /// Kills the swtpm process with SIGKILL: no TPM2_Shutdown, no control
+    /// channel, as when the VM holding the TPM is killed. Only what the TPM
+    /// had already written to its NV state survives.
+    pub fn kill_hard(&mut self) {
         if let Some(mut child) = self.child.take() {
-            // TPM2_Shutdown via the control channel, so the state stays clean.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the TPM again on its state (stopping it through the control
+    /// channel first if it still runs): a new TPM cycle, PCRs reset, the
+    /// same keys and NV. The ports may change; see [`Swtpm::tcti`].
+    pub fn restart(&mut self) -> Result<(), SwtpmError> {
+        self.stop();
+        let (child, port) = spawn(self.state.path())?;
+        self.child = Some(child);
+        self.port = port;
+        Ok(())
+    }
+
+    fn start_with_state(state: TempDir) -> Result<Self, SwtpmError> {
+        let (child, port) = spawn(state.path())?;
+        Ok(Self {
+            child: Some(child),
+            port,
+            state,
+        })
+    }
+
+    /// Stops the process through the control channel (it saves its state
+    /// and exits); kills it if it has not exited within 2 s.
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
             let _ = Command::new("swtpm_ioctl")
                 .arg("--tcp")
                 .arg(format!("127.0.0.1:{}", self.port + 1))
@@ -253,6 +229,69 @@ impl Drop for Swtpm {
             let _ = child.wait();
         }
     }
+
+    /// The TCP port of the TPM command channel.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The TCTI string for tss-esapi / tpm2-tools.
+    pub fn tcti(&self) -> String {
+        format!("swtpm:host=127.0.0.1,port={}", self.port)
+    }
+
+    /// Directory holding the TPM state.
+    pub fn state_dir(&self) -> PathBuf {
+        self.state.path().to_path_buf()
+    }
+}
+
+impl Drop for Swtpm {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Starts swtpm on the state in `state` on a free port pair; returns the
+/// process and its command port once both ports accept connections.
+fn spawn(state: &Path) -> Result<(Child, u16), SwtpmError> {
+    let mut last = String::new();
+    for _ in 0..20 {
+        let port = free_port_pair();
+        let mut child = Command::new("swtpm")
+            .args(["socket", "--tpm2", "--flags", "not-need-init,startup-clear"])
+            .arg("--server")
+            .arg(format!("type=tcp,port={port},bindaddr=127.0.0.1"))
+            .arg("--ctrl")
+            .arg(format!("type=tcp,port={},bindaddr=127.0.0.1", port + 1))
+            .arg("--tpmstate")
+            .arg(format!("dir={}", state.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(io_err("starting swtpm"))?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                last = format!("swtpm exited with {status} on port {port}");
+                break;
+            }
+            if TcpStream::connect(("127.0.0.1", port)).is_ok()
+                && TcpStream::connect(("127.0.0.1", port + 1)).is_ok()
+            {
+                return Ok((child, port));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                last = format!("swtpm did not listen on port {port} within 5 s");
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    Err(SwtpmError::Start(last))
 }
 
 /// A port `p` such that `p` and `p + 1` were free a moment ago.

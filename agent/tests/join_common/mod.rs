@@ -127,6 +127,41 @@ impl Drop for Service {
 }
 
 impl Service {
+    /// The join service's work directory (token files, disk bindings).
+    pub fn work_dir(&self) -> PathBuf {
+        self._dir.path().join("work")
+    }
+
+    /// Stops the join service and starts a new one on the same port, over
+    /// the same cluster and work directory: what an agent restart serves.
+    pub async fn restart(&mut self) {
+        self.task.abort();
+        let _ = (&mut self.task).await;
+        let addr: SocketAddr = self.endpoint.parse().unwrap();
+        // The listener goes with the server's accept task, aborted in turn.
+        for _ in 0..250 {
+            if std::net::TcpListener::bind(addr).is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let service = JoinService::new(
+            self.state.clone(),
+            standin_kubeadm(&self.root),
+            self.work_dir(),
+        )
+        .unwrap();
+        self.task = tokio::spawn({
+            let (tpm, policy) = (self.tpm.clone(), self.policy.clone());
+            async move {
+                keel_agent::node::serve_join(addr, tpm, policy, service)
+                    .await
+                    .unwrap();
+            }
+        });
+        wait_for_port(addr).await;
+    }
+
     /// Bootstrap tokens the stand-in recorded.
     pub fn registered_tokens(&self) -> Vec<String> {
         let dir = self.root.join("var/lib/keel-standin/tokens");
@@ -384,8 +419,28 @@ pub struct Joiner {
     pub root: PathBuf,
     pub work: PathBuf,
     pub disk: PathBuf,
-    pub dir: tempfile::TempDir,
-    _swtpm: Swtpm,
+    pub dir: NodeDir,
+}
+
+/// What of a node outlives its reboot: its directory (root, work
+/// directory, state disk image, event logs) and its TPM.
+pub struct NodeDir {
+    // Declared first: stopped before the directory goes.
+    swtpm: Swtpm,
+    dir: tempfile::TempDir,
+    boots: usize,
+}
+
+impl NodeDir {
+    /// The node's directory.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The node's TPM.
+    pub fn swtpm(&self) -> &Swtpm {
+        &self.swtpm
+    }
 }
 
 /// A joining node `name` with a TPM whose EK certificate comes from `tpm_ca`
@@ -405,18 +460,26 @@ pub fn joiner_with(config: NodeConfig, swtpm: Swtpm) -> Joiner {
         .unwrap()
         .set_len(20 << 20)
         .unwrap();
-    with_tpm(config, swtpm, dir, disk)
+    let dir = NodeDir {
+        swtpm,
+        dir,
+        boots: 0,
+    };
+    with_tpm(config, dir, disk)
 }
 
-/// The node of `dir` after a reboot: a fresh TPM (PCRs zero), a new event
-/// log, the same root and state disk.
-pub fn reboot(config: NodeConfig, tpm_ca: &EkCa, dir: tempfile::TempDir, disk: PathBuf) -> Joiner {
-    with_tpm(config, Swtpm::start(tpm_ca).unwrap(), dir, disk)
+/// The node of `dir` after a reboot: its own TPM started again (PCRs zero,
+/// the same EK), a new event log, the same root and state disk. (`_tpm_ca`
+/// is not needed: the TPM is the node's, made when it was first started.)
+pub fn reboot(config: NodeConfig, _tpm_ca: &EkCa, mut dir: NodeDir, disk: PathBuf) -> Joiner {
+    dir.swtpm.restart().unwrap();
+    dir.boots += 1;
+    with_tpm(config, dir, disk)
 }
 
-fn with_tpm(config: NodeConfig, swtpm: Swtpm, dir: tempfile::TempDir, disk: PathBuf) -> Joiner {
-    let log = dir.path().join(format!("log-{}", swtpm.port()));
-    let tpm = measured(&swtpm, &log, &config);
+fn with_tpm(config: NodeConfig, dir: NodeDir, disk: PathBuf) -> Joiner {
+    let log = dir.path().join(format!("log-boot-{}", dir.boots));
+    let tpm = measured(&dir.swtpm, &log, &config);
     let lock = Arc::new(NodeLock::new(tpm.clone()).unwrap());
     Joiner {
         config,
@@ -426,7 +489,6 @@ fn with_tpm(config: NodeConfig, swtpm: Swtpm, dir: tempfile::TempDir, disk: Path
         work: dir.path().join("work"),
         disk,
         dir,
-        _swtpm: swtpm,
     }
 }
 
