@@ -47,8 +47,8 @@ measurements: tss ## Predict PCRs 4, 9, 11 and 12 of the built image for NODE_CO
 vm-check: image ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time to ready
 	@scripts/vm-boot.sh -n 3
 
-demo: ## Local cluster on QEMU + swtpm: build, boot a control plane and a worker, init, join, summary
-	@scripts/mini-up.sh
+demo: tss ## Local cluster on QEMU + swtpm: build, boot a control plane and a worker, init, join, summary
+	$(CARGO) run --locked --quiet -p keel-e2e --bin keel-mini -- up
 
-e2e: ## The local cluster, then the end-to-end scenarios (refusals, second init, rejoin, disk)
-	@scripts/mini-up.sh --e2e
+e2e: image ## The local cluster, then the end-to-end scenarios (refusals, second init, rejoin, disk)
+	KEEL_IMAGE_DIR=build/image $(CARGO) test --locked -p keel-e2e --test e2e -- --nocapture

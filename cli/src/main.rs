@@ -52,6 +52,10 @@ enum Command {
         /// Node to verify (host:port), instead of the settings' endpoint.
         #[arg(long)]
         endpoint: Option<String>,
+        /// `json`: one JSON document naming every PCR that differs; exit
+        /// status 0 only if the node verified.
+        #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
+        output: verify::Output,
     },
 }
 
@@ -84,7 +88,11 @@ fn main() -> ExitCode {
                 )
                 .await
             }
-            Command::Verify { settings, endpoint } => verify::run(&settings, endpoint).await,
+            Command::Verify {
+                settings,
+                endpoint,
+                output,
+            } => verify::run(&settings, endpoint, output).await,
         }
     });
     match result {

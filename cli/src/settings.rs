@@ -94,10 +94,19 @@ impl Settings {
     /// The validator for the node: `measurements` (from
     /// [`Settings::measurements`]) and the EK CAs.
     pub fn validator(&self, measurements: Measurements) -> anyhow::Result<Validator> {
+        Ok(Validator::new(measurements, self.ek_trust()?))
+    }
+
+    /// A diagnostic validator (`keel verify -o json`): reports measurement
+    /// mismatches instead of refusing; see [`Validator::diagnostic`].
+    pub fn diagnostic_validator(&self, measurements: Measurements) -> anyhow::Result<Validator> {
+        Ok(Validator::diagnostic(measurements, self.ek_trust()?))
+    }
+
+    fn ek_trust(&self) -> anyhow::Result<EkTrust> {
         let ca = self.resolve(&self.ek_ca);
-        let trust = EkTrust::from_pem(&read_bounded(&ca)?)
-            .with_context(|| format!("EK CA bundle {} holds no certificate", ca.display()))?;
-        Ok(Validator::new(measurements, trust))
+        EkTrust::from_pem(&read_bounded(&ca)?)
+            .with_context(|| format!("EK CA bundle {} holds no certificate", ca.display()))
     }
 
     /// The endpoint as host and port.

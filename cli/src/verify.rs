@@ -1,21 +1,84 @@
 //! `keel verify`: check a node's attestation and print what it attests.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use keel_agent::measurement::HexDigest;
+use keel_agent::attestation::measurements::{Measurements, Mismatch};
+use keel_agent::attestation::validator::Verified;
+use keel_agent::measurement::{Event, HexDigest};
 use keel_atls::AtlsClient;
+use serde::Serialize;
 
 use crate::settings::Settings;
 
+/// How `keel verify` prints its result.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// Lines for a person; fails on the first refusal.
+    #[default]
+    Text,
+    /// One JSON document ([`Report`]), printed whether or not the node
+    /// verified; the exit status is 0 only if it did.
+    Json,
+}
+
+/// The JSON form of one verification.
+#[derive(Debug, Serialize)]
+struct Report {
+    /// The node's init server.
+    endpoint: String,
+    /// The document is valid: EK certificate trusted, quote by the AK over
+    /// this handshake's nonce, event log replays to the quoted PCRs.
+    attested: bool,
+    /// Attested, and every enforced PCR matches the measurements.
+    verified: bool,
+    /// Why the node was not attested (unreachable, invalid document).
+    error: Option<String>,
+    /// The quoted PCR values (hex).
+    pcrs: BTreeMap<u32, String>,
+    /// Every PCR that differs from the measurements, warn-only ones too.
+    mismatches: Vec<MismatchReport>,
+    /// The agent's event log.
+    events: Vec<Event>,
+}
+
+/// One PCR that differs from the measurements.
+#[derive(Debug, Serialize)]
+struct MismatchReport {
+    pcr: u32,
+    expected: String,
+    /// `None`: the node did not report the PCR.
+    actual: Option<String>,
+    warn_only: bool,
+}
+
+impl From<&Mismatch> for MismatchReport {
+    fn from(m: &Mismatch) -> Self {
+        Self {
+            pcr: m.pcr,
+            expected: hex::encode(m.expected),
+            actual: m.actual.map(hex::encode),
+            warn_only: m.warn_only,
+        }
+    }
+}
+
 /// Runs `keel verify`.
-pub async fn run(settings_path: &Path, endpoint: Option<String>) -> anyhow::Result<()> {
+pub async fn run(
+    settings_path: &Path,
+    endpoint: Option<String>,
+    output: Output,
+) -> anyhow::Result<()> {
     let settings = Settings::load(settings_path)?;
     let endpoint = endpoint.unwrap_or_else(|| settings.endpoint.clone());
     let (host, port) = Settings::host_port(&endpoint)?;
-    let client =
-        AtlsClient::server_attested(Arc::new(settings.validator(settings.measurements()?)?));
+    let measurements = settings.measurements()?;
+    if output == Output::Json {
+        return report(&settings, measurements, endpoint, &host, port).await;
+    }
+    let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
     let stream = client
         .connect(&host, port)
         .await
@@ -49,5 +112,59 @@ pub async fn run(settings_path: &Path, endpoint: Option<String>) -> anyhow::Resu
             e.description
         );
     }
+    Ok(())
+}
+
+/// `-o json`: validates the document with a diagnostic validator (every
+/// check, but measurement mismatches reported rather than refused), so a
+/// node that differs is still reported PCR by PCR, then judges the PCRs
+/// against the real measurements. Nothing is sent to the node.
+async fn report(
+    settings: &Settings,
+    measurements: Measurements,
+    endpoint: String,
+    host: &str,
+    port: u16,
+) -> anyhow::Result<()> {
+    let client = AtlsClient::server_attested(Arc::new(
+        settings.diagnostic_validator(measurements.clone())?,
+    ));
+    let verified: Result<Verified, String> = match client.connect(host, port).await {
+        Ok(stream) => stream
+            .peer()
+            .attested()
+            .map(|a| a.claims().clone())
+            .ok_or_else(|| "the node presented no attestation".to_owned()),
+        Err(e) => Err(keel_atls::ErrorChain(&e).to_string()),
+    };
+    let report = match verified {
+        Ok(v) => {
+            let mismatches = measurements.compare(&v.pcrs);
+            Report {
+                endpoint,
+                attested: true,
+                verified: mismatches.iter().all(|m| m.warn_only),
+                error: None,
+                pcrs: v.pcrs.iter().map(|(p, d)| (*p, hex::encode(d))).collect(),
+                mismatches: mismatches.iter().map(Into::into).collect(),
+                events: v.events,
+            }
+        }
+        Err(error) => Report {
+            endpoint,
+            attested: false,
+            verified: false,
+            error: Some(error),
+            pcrs: BTreeMap::new(),
+            mismatches: Vec::new(),
+            events: Vec::new(),
+        },
+    };
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    anyhow::ensure!(
+        report.verified,
+        "{}: not verified (see the report)",
+        report.endpoint
+    );
     Ok(())
 }

@@ -45,18 +45,55 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> SwtpmError {
 
 /// A local CA that issues EK certificates (swtpm_localca), in its own directory.
 pub struct EkCa {
-    dir: TempDir,
+    dir: CaDir,
+}
+
+/// Where a CA lives: a temporary directory removed with it, or a kept one.
+enum CaDir {
+    Temp(TempDir),
+    Kept(PathBuf),
+}
+
+impl CaDir {
+    fn path(&self) -> &Path {
+        match self {
+            Self::Temp(dir) => dir.path(),
+            Self::Kept(dir) => dir,
+        }
+    }
 }
 
 impl EkCa {
-    /// A new, empty CA; its keys are created when the first TPM is manufactured.
+    /// A new, empty CA in a temporary directory; its keys are created when
+    /// the first TPM is manufactured.
     pub fn new() -> Result<Self, SwtpmError> {
         let dir = tempfile::tempdir().map_err(io_err("creating CA directory"))?;
-        let ca = dir.path().join("ca");
+        Self::create(CaDir::Temp(dir))
+    }
+
+    /// A new, empty CA in `dir` (created; absolute, since swtpm_localca
+    /// reads the paths from its config), kept after the [`EkCa`] is dropped,
+    /// e.g. for a local cluster whose TPMs outlive the process.
+    pub fn in_dir(dir: &Path) -> Result<Self, SwtpmError> {
+        fs::create_dir_all(dir).map_err(io_err("creating CA directory"))?;
+        let dir = dir
+            .canonicalize()
+            .map_err(io_err("resolving CA directory"))?;
+        Self::create(CaDir::Kept(dir))
+    }
+
+    /// The CA's directory (configs, and under `ca/` its keys and certificates).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn create(dir: CaDir) -> Result<Self, SwtpmError> {
+        let root = dir.path();
+        let ca = root.join("ca");
         fs::create_dir_all(&ca).map_err(io_err("creating CA directory"))?;
         let p = |name: &str| ca.join(name).display().to_string();
         fs::write(
-            dir.path().join("localca.conf"),
+            root.join("localca.conf"),
             format!(
                 "statedir = {}\nsigningkey = {}\nissuercert = {}\ncertserial = {}\n",
                 ca.display(),
@@ -67,13 +104,13 @@ impl EkCa {
         )
         .map_err(io_err("writing CA config"))?;
         fs::write(
-            dir.path().join("setup.conf"),
+            root.join("setup.conf"),
             format!(
                 "create_certs_tool = /usr/bin/swtpm_localca\n\
                  create_certs_tool_config = {}\n\
                  create_certs_tool_options = /etc/swtpm-localca.options\n\
                  active_pcr_banks = sha256\n",
-                dir.path().join("localca.conf").display()
+                root.join("localca.conf").display()
             ),
         )
         .map_err(io_err("writing swtpm_setup config"))?;
@@ -83,13 +120,12 @@ impl EkCa {
     /// PEM of the certificate that signs EK certificates (valid after the
     /// first [`Swtpm::start`] with this CA).
     pub fn issuer_pem(&self) -> Result<Vec<u8>, SwtpmError> {
-        fs::read(self.dir.path().join("ca/issuercert.pem"))
-            .map_err(io_err("reading CA issuer cert"))
+        fs::read(self.dir().join("ca/issuercert.pem")).map_err(io_err("reading CA issuer cert"))
     }
 
     /// PEM of the CA's root certificate.
     pub fn root_pem(&self) -> Result<Vec<u8>, SwtpmError> {
-        fs::read(self.dir.path().join("ca/swtpm-localca-rootca-cert.pem"))
+        fs::read(self.dir().join("ca/swtpm-localca-rootca-cert.pem"))
             .map_err(io_err("reading CA root cert"))
     }
 
@@ -106,7 +142,7 @@ impl EkCa {
             .arg("--tpmstate")
             .arg(state_dir)
             .arg("--config")
-            .arg(self.dir.path().join("setup.conf"))
+            .arg(self.dir().join("setup.conf"))
             .output()
             .map_err(io_err("running swtpm_setup"))?;
         if !out.status.success() {

@@ -1,12 +1,14 @@
 //! Whole-image tests: boot a built keel image under QEMU + OVMF + swtpm and
 //! check what the agent reports against what was predicted from the image
-//! files. See tests/README.md.
+//! files; and the local cluster built on the same parts. See tests/README.md.
 //!
 //! [`image`] finds a built image, [`vm`] boots one and watches its serial
-//! console, [`report`] reads the agent's console lines.
+//! console, [`report`] reads the agent's console lines, [`mini`] runs the
+//! local cluster (`keel-mini`, the end-to-end scenarios).
 
 #![forbid(unsafe_code)]
 
 pub mod image;
+pub mod mini;
 pub mod report;
 pub mod vm;

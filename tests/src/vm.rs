@@ -1,7 +1,10 @@
-//! One keel VM: QEMU (q35) booting a disk image through OVMF, a fresh swtpm
-//! as its TPM, and its serial console captured line by line, with the time
-//! each line arrived, into a log file. Dropping the [`Vm`] kills QEMU and
-//! swtpm.
+//! One keel VM: QEMU (q35) booting a disk image through OVMF, swtpm as its
+//! TPM (a fresh one, or a TPM state manufactured elsewhere, e.g. with a
+//! cluster's own EK CA), and its serial console captured line by line, with
+//! the time each line arrived, into a log file. Optionally a state disk, a
+//! firmware variable store and QEMU user networking with host port
+//! forwards (loopback only). Dropping the [`Vm`] kills QEMU and swtpm;
+//! [`Vm::detach`] leaves them running.
 //!
 //! ```no_run
 //! # use std::time::Duration;
@@ -14,9 +17,10 @@
 //! ```
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -183,7 +187,12 @@ fn kvm_boots_firmware(firmware: &Firmware) -> bool {
     .arg(pflash(&firmware.code, "readonly=on"))
     .arg("-drive")
     .arg(pflash(&firmware.vars, "snapshot=on"));
-    let booted = match Console::spawn(cmd, &dir.join("serial.log"), &dir.join("qemu.log")) {
+    let booted = match Console::spawn(
+        cmd,
+        &dir.join("console.raw"),
+        &dir.join("serial.log"),
+        &dir.join("qemu.log"),
+    ) {
         Ok(mut probe) => {
             let booted = probe.wait_for("BdsDxe", KVM_PROBE_PATIENCE).is_ok();
             probe.stop();
@@ -210,6 +219,11 @@ pub struct VmBuilder {
     accel: Option<Accel>,
     cpus: u32,
     memory_mib: u32,
+    tpm_state: Option<PathBuf>,
+    state_disk: Option<PathBuf>,
+    vars: Option<PathBuf>,
+    network: bool,
+    forwards: Vec<(u16, u16)>,
 }
 
 impl VmBuilder {
@@ -224,6 +238,11 @@ impl VmBuilder {
             accel: None,
             cpus: 2,
             memory_mib: 2048,
+            tpm_state: None,
+            state_disk: None,
+            vars: None,
+            network: false,
+            forwards: Vec::new(),
         }
     }
 
@@ -258,24 +277,68 @@ impl VmBuilder {
         self
     }
 
-    /// Provisions a TPM, starts swtpm and QEMU. The VM's clock (see
-    /// [`Vm::wait_for_line`]) starts when QEMU is spawned.
+    /// Uses the TPM state in `dir`, already manufactured (e.g. by
+    /// `keel_testkit::swtpm::EkCa::manufacture`), instead of a fresh TPM;
+    /// it is kept, so a later VM can boot on the same TPM.
+    pub fn tpm_state(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.tpm_state = Some(dir.into());
+        self
+    }
+
+    /// Uses `path` as the state disk (`/dev/vdb`), created blank if it does
+    /// not exist and kept as it is otherwise (a reboot), instead of a fresh
+    /// blank disk in the work directory.
+    pub fn state_disk(mut self, path: impl Into<PathBuf>) -> Self {
+        self.state_disk = Some(path.into());
+        self
+    }
+
+    /// Uses `path` as the firmware variable store, copied from the
+    /// firmware's template only if it does not exist yet.
+    pub fn vars(mut self, path: impl Into<PathBuf>) -> Self {
+        self.vars = Some(path.into());
+        self
+    }
+
+    /// Gives the VM a NIC on QEMU user networking: the VM is 10.0.2.15
+    /// behind its own NAT and reaches the host's loopback as 10.0.2.2.
+    pub fn user_network(mut self) -> Self {
+        self.network = true;
+        self
+    }
+
+    /// Forwards `127.0.0.1:host_port` to the VM's TCP `guest_port` (implies
+    /// [`VmBuilder::user_network`]).
+    pub fn host_forward(mut self, host_port: u16, guest_port: u16) -> Self {
+        self.network = true;
+        self.forwards.push((host_port, guest_port));
+        self
+    }
+
+    /// Provisions a TPM (unless one was given), starts swtpm and QEMU. The
+    /// VM's clock (see [`Vm::wait_for_line`]) starts when QEMU is spawned.
     pub fn start(self) -> Result<Vm, VmError> {
         let work = &self.work_dir;
-        let io = |path: &Path| {
-            let path = path.to_owned();
-            move |source| VmError::Io { path, source }
-        };
         fs::create_dir_all(work).map_err(io(work))?;
         let accel = self.accel.unwrap_or_else(|| Accel::detect(&self.firmware));
-        let swtpm = Swtpm::start(work)?;
+        let swtpm = match &self.tpm_state {
+            Some(state) => Swtpm::start(state, &work.join("tpm"))?,
+            None => Swtpm::start_fresh(work)?,
+        };
 
-        let vars = work.join("vars.fd");
-        fs::copy(&self.firmware.vars, &vars).map_err(io(&vars))?;
-        let state = work.join("state.raw");
-        File::create(&state)
-            .and_then(|f| f.set_len(STATE_DISK_BYTES))
-            .map_err(io(&state))?;
+        let vars = self.vars.clone().unwrap_or_else(|| work.join("vars.fd"));
+        if self.vars.is_none() || !vars.exists() {
+            fs::copy(&self.firmware.vars, &vars).map_err(io(&vars))?;
+        }
+        let state = self
+            .state_disk
+            .clone()
+            .unwrap_or_else(|| work.join("state.raw"));
+        if self.state_disk.is_none() || !state.exists() {
+            File::create(&state)
+                .and_then(|f| f.set_len(STATE_DISK_BYTES))
+                .map_err(io(&state))?;
+        }
 
         let mut cmd = Command::new("qemu-system-x86_64");
         cmd.args(["-machine", "q35"])
@@ -310,19 +373,39 @@ impl VmBuilder {
                 state.display()
             ))
             .args(["-device", "virtio-blk-pci,drive=state"]);
+        if self.network {
+            let mut netdev = String::from("user,id=n0,net=10.0.2.0/24");
+            for (host, guest) in &self.forwards {
+                netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"));
+            }
+            cmd.arg("-netdev")
+                .arg(netdev)
+                .args(["-device", "virtio-net-pci,netdev=n0,romfile="]);
+        }
         if let Some(config) = &self.node_config {
             cmd.arg("-fw_cfg").arg(format!(
                 "name=opt/keel/node-config,file={}",
                 config.display()
             ));
         }
-        let console = Console::spawn(cmd, &work.join("serial.log"), &work.join("qemu.log"))?;
+        let console = Console::spawn(
+            cmd,
+            &work.join("console.raw"),
+            &work.join("serial.log"),
+            &work.join("qemu.log"),
+        )?;
         Ok(Vm {
             console,
             swtpm,
             accel,
+            state_disk: state,
         })
     }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> VmError {
+    let path = path.to_owned();
+    move |source| VmError::Io { path, source }
 }
 
 /// A running VM. Dropping it kills QEMU and swtpm.
@@ -331,6 +414,16 @@ pub struct Vm {
     console: Console,
     swtpm: Swtpm,
     accel: Accel,
+    state_disk: PathBuf,
+}
+
+/// The processes of a VM left running by [`Vm::detach`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmPids {
+    /// QEMU.
+    pub qemu: u32,
+    /// swtpm.
+    pub swtpm: u32,
 }
 
 impl Vm {
@@ -341,9 +434,59 @@ impl Vm {
         self.console.wait_for(needle, patience)
     }
 
+    /// Waits until a console line contains one of `needles`, for at most
+    /// `patience`; returns which one (its index) and when its line arrived.
+    /// For an outcome that can go either way ("joined" or "failed").
+    pub fn wait_for_any(
+        &self,
+        needles: &[&str],
+        patience: Duration,
+    ) -> Result<(usize, Duration), VmError> {
+        self.console.wait_for_any(needles, patience)
+    }
+
     /// Every console line so far.
     pub fn lines(&self) -> Vec<String> {
         self.console.lines()
+    }
+
+    /// Time since QEMU started (the clock of [`Vm::wait_for_line`]).
+    pub fn uptime(&self) -> Duration {
+        self.console.start.elapsed()
+    }
+
+    /// QEMU's and swtpm's process IDs.
+    pub fn pids(&self) -> VmPids {
+        VmPids {
+            qemu: self.console.child.id(),
+            swtpm: self.swtpm.child.id(),
+        }
+    }
+
+    /// The state disk image.
+    pub fn state_disk(&self) -> &Path {
+        &self.state_disk
+    }
+
+    /// QEMU's raw console output. Unlike the serial log it keeps growing
+    /// after [`Vm::detach`].
+    pub fn console_file(&self) -> &Path {
+        &self.console.raw
+    }
+
+    /// Stops watching the console and returns without stopping QEMU or
+    /// swtpm: they run on, also after this process exits, until killed by
+    /// their IDs (QEMU's console goes to a file, not a pipe).
+    pub fn detach(self) -> VmPids {
+        let pids = self.pids();
+        let Self {
+            mut console,
+            mut swtpm,
+            ..
+        } = self;
+        console.detach();
+        swtpm.detached = true;
+        pids
     }
 
     /// The serial log: one line per console line, prefixed with its arrival
@@ -363,20 +506,25 @@ impl Vm {
     }
 }
 
-/// A QEMU process whose standard output (the serial console) is read line
-/// by line on a thread.
+/// A QEMU process whose standard output (the serial console) goes to a
+/// file, which a thread reads line by line as it grows.
 struct Console {
     child: Child,
+    start: Instant,
     shared: Arc<Shared>,
     reader: Option<JoinHandle<()>>,
+    raw: PathBuf,
     serial_log: PathBuf,
     qemu_log: PathBuf,
+    detached: bool,
 }
 
 #[derive(Default)]
 struct Shared {
     state: Mutex<Lines>,
     changed: Condvar,
+    /// Set to make the reader stop (detach or stop).
+    quit: AtomicBool,
 }
 
 #[derive(Default)]
@@ -395,47 +543,63 @@ impl Shared {
 }
 
 impl Console {
-    fn spawn(mut cmd: Command, serial_log: &Path, qemu_log: &Path) -> Result<Self, VmError> {
-        let io = |path: &Path| {
-            let path = path.to_owned();
-            move |source| VmError::Io { path, source }
-        };
+    fn spawn(
+        mut cmd: Command,
+        raw: &Path,
+        serial_log: &Path,
+        qemu_log: &Path,
+    ) -> Result<Self, VmError> {
         let log = File::create(serial_log).map_err(io(serial_log))?;
+        let out = File::create(raw).map_err(io(raw))?;
+        let tail = File::open(raw).map_err(io(raw))?;
         let stderr = File::create(qemu_log).map_err(io(qemu_log))?;
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr);
+        cmd.stdin(Stdio::null()).stdout(out).stderr(stderr);
         let start = Instant::now();
-        let mut child = cmd.spawn().map_err(|source| VmError::Spawn {
+        let child = cmd.spawn().map_err(|source| VmError::Spawn {
             program: "qemu-system-x86_64",
             source,
         })?;
         let shared = Arc::new(Shared::default());
-        let reader = child.stdout.take().map(|out| {
+        let pid = child.id();
+        let reader = {
             let shared = Arc::clone(&shared);
-            std::thread::spawn(move || read_console(out, log, start, &shared))
-        });
+            std::thread::spawn(move || read_console(tail, log, start, pid, &shared))
+        };
         Ok(Self {
             child,
+            start,
             shared,
-            reader,
+            reader: Some(reader),
+            raw: raw.to_owned(),
             serial_log: serial_log.to_owned(),
             qemu_log: qemu_log.to_owned(),
+            detached: false,
         })
     }
 
     fn wait_for(&self, needle: &str, patience: Duration) -> Result<Duration, VmError> {
+        self.wait_for_any(&[needle], patience).map(|(_, at)| at)
+    }
+
+    fn wait_for_any(
+        &self,
+        needles: &[&str],
+        patience: Duration,
+    ) -> Result<(usize, Duration), VmError> {
         let deadline = Instant::now() + patience;
         let mut seen = 0;
         let mut state = self.shared.lock();
+        let awaited = || needles.join("\" or \"");
         loop {
-            if let Some((at, _)) = state.lines[seen..].iter().find(|(_, l)| l.contains(needle)) {
-                return Ok(*at);
+            for (at, line) in state.lines.get(seen..).unwrap_or_default() {
+                if let Some(which) = needles.iter().position(|n| line.contains(n)) {
+                    return Ok((which, *at));
+                }
             }
             seen = state.lines.len();
             if state.closed {
                 return Err(VmError::Exited {
-                    needle: needle.into(),
+                    needle: awaited(),
                     serial: self.serial_log.clone(),
                     qemu: self.qemu_log.clone(),
                 });
@@ -443,7 +607,7 @@ impl Console {
             let now = Instant::now();
             if now >= deadline {
                 return Err(VmError::Timeout {
-                    needle: needle.into(),
+                    needle: awaited(),
                     patience,
                     serial: self.serial_log.clone(),
                 });
@@ -466,45 +630,95 @@ impl Console {
             .collect()
     }
 
+    fn join_reader(&mut self) {
+        self.shared.quit.store(true, Ordering::Relaxed);
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+
     fn stop(&mut self) {
         // Errors mean the process is already gone.
         let _ = self.child.kill();
         let _ = self.child.wait();
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
+        self.join_reader();
+    }
+
+    fn detach(&mut self) {
+        self.detached = true;
+        self.join_reader();
     }
 }
 
 impl Drop for Console {
     fn drop(&mut self) {
-        self.stop();
+        if !self.detached {
+            self.stop();
+        }
     }
 }
 
-/// Reads the console until QEMU closes it: splits it into lines (carriage
-/// returns dropped, at most [`MAX_LINE_BYTES`] each) and records each with
-/// its arrival time, in the log file and the shared list.
-fn read_console(out: impl Read, mut log: File, start: Instant, shared: &Shared) {
-    let mut reader = BufReader::new(out);
-    let mut buf = Vec::new();
-    loop {
-        buf.clear();
-        match (&mut reader)
-            .take(MAX_LINE_BYTES as u64)
-            .read_until(b'\n', &mut buf)
-        {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
-        }
+/// How often the console file is polled once its end is reached.
+const CONSOLE_POLL: Duration = Duration::from_millis(50);
+
+/// Whether process `pid` has exited (gone, or a zombie not yet waited for).
+fn exited(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with(['Z', 'X'])),
+        Err(_) => true,
+    }
+}
+
+/// Reads the console file as QEMU writes it, until QEMU exited and the file
+/// is read to its end, or until asked to quit: splits it into lines
+/// (carriage returns dropped, at most [`MAX_LINE_BYTES`] each) and records
+/// each with its arrival time, in the log file and the shared list.
+fn read_console(mut raw: File, mut log: File, start: Instant, pid: u32, shared: &Shared) {
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut emit = |bytes: &[u8]| {
         let at = start.elapsed();
-        let text = String::from_utf8_lossy(&buf);
+        let text = String::from_utf8_lossy(bytes);
         let line = text.trim_end_matches(['\n', '\r']).replace('\r', "");
         // The log is for people; a failed write must not stop the capture.
         let _ = writeln!(log, "{:8.3} {line}", at.as_secs_f64());
         let mut state = shared.lock();
         state.lines.push((at, line));
         shared.changed.notify_all();
+    };
+    let mut finishing = false;
+    loop {
+        match raw.read(&mut buf) {
+            Ok(0) | Err(_) => {
+                if finishing || shared.quit.load(Ordering::Relaxed) {
+                    break;
+                }
+                // Read once more after seeing the exit: QEMU may have
+                // written its last lines just before.
+                if exited(pid) {
+                    finishing = true;
+                } else {
+                    std::thread::sleep(CONSOLE_POLL);
+                }
+            }
+            Ok(n) => {
+                pending.extend_from_slice(buf.get(..n).unwrap_or_default());
+                while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = pending.drain(..=end).collect();
+                    emit(line.get(..MAX_LINE_BYTES).unwrap_or(&line));
+                }
+                if pending.len() >= MAX_LINE_BYTES {
+                    let line = std::mem::take(&mut pending);
+                    emit(line.get(..MAX_LINE_BYTES).unwrap_or(&line));
+                }
+            }
+        }
+    }
+    if !pending.is_empty() && !shared.quit.load(Ordering::Relaxed) {
+        emit(&pending);
     }
     shared.lock().closed = true;
     shared.changed.notify_all();
@@ -515,18 +729,15 @@ struct Swtpm {
     child: Child,
     dir: PathBuf,
     socket: PathBuf,
+    detached: bool,
 }
 
 impl Swtpm {
     /// Manufactures a TPM like a cloud vTPM (SHA-256 PCR bank, endorsement
-    /// key persisted at 0x81010001) and starts it.
-    fn start(work: &Path) -> Result<Self, VmError> {
+    /// key persisted at 0x81010001) in `work/tpm/state` and starts it.
+    fn start_fresh(work: &Path) -> Result<Self, VmError> {
         let dir = work.join("tpm");
         let state = dir.join("state");
-        let io = |path: &Path| {
-            let path = path.to_owned();
-            move |source| VmError::Io { path, source }
-        };
         fs::create_dir_all(&state).map_err(io(&state))?;
         let setup_log = dir.join("swtpm_setup.log");
         let status = Command::new("swtpm_setup")
@@ -556,8 +767,17 @@ impl Swtpm {
                 log: setup_log,
             });
         }
+        Self::start(&state, &dir)
+    }
+
+    /// Starts swtpm on the manufactured TPM state in `state`, with its
+    /// socket and log in `dir`.
+    fn start(state: &Path, dir: &Path) -> Result<Self, VmError> {
+        fs::create_dir_all(dir).map_err(io(dir))?;
         let socket = dir.join("swtpm.sock");
         let log = dir.join("swtpm.log");
+        // A socket left by an earlier run would look ready at once.
+        let _ = fs::remove_file(&socket);
         let child = Command::new("swtpm")
             .args(["socket", "--tpm2", "--terminate"])
             .arg("--tpmstate")
@@ -574,7 +794,12 @@ impl Swtpm {
                 program: "swtpm",
                 source,
             })?;
-        let swtpm = Self { child, dir, socket };
+        let swtpm = Self {
+            child,
+            dir: dir.to_owned(),
+            socket,
+            detached: false,
+        };
         let deadline = Instant::now() + SWTPM_PATIENCE;
         while !swtpm.socket.exists() {
             if Instant::now() >= deadline {
@@ -591,8 +816,10 @@ impl Swtpm {
 
 impl Drop for Swtpm {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if !self.detached {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 
@@ -612,6 +839,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let console = Console::spawn(
             shell("printf 'BdsDxe: loading\\r\\n'; sleep 0.3; echo 'keel-agent: ready'; exec sleep 30"),
+            &dir.path().join("console.raw"),
             &dir.path().join("serial.log"),
             &dir.path().join("qemu.log"),
         )?;
@@ -635,6 +863,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let console = Console::spawn(
             shell("echo booting; exec sleep 30"),
+            &dir.path().join("console.raw"),
             &dir.path().join("serial.log"),
             &dir.path().join("qemu.log"),
         )?;
@@ -650,6 +879,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let console = Console::spawn(
             shell("echo 'keel-initrd: cannot open the verity root'"),
+            &dir.path().join("console.raw"),
             &dir.path().join("serial.log"),
             &dir.path().join("qemu.log"),
         )?;
@@ -665,6 +895,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let console = Console::spawn(
             shell("echo up; exec sleep 600"),
+            &dir.path().join("console.raw"),
             &dir.path().join("serial.log"),
             &dir.path().join("qemu.log"),
         )?;
@@ -683,6 +914,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let console = Console::spawn(
             shell("head -c 100000 /dev/zero | tr '\\0' x; echo; echo end"),
+            &dir.path().join("console.raw"),
             &dir.path().join("serial.log"),
             &dir.path().join("qemu.log"),
         )?;

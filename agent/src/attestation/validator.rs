@@ -137,6 +137,7 @@ pub struct Validator {
     measurements: Measurements,
     ek_trust: EkTrust,
     proven: Arc<ProvenKeys>,
+    enforce: bool,
 }
 
 impl Validator {
@@ -156,6 +157,19 @@ impl Validator {
             measurements,
             ek_trust,
             proven,
+            enforce: true,
+        }
+    }
+
+    /// A validator for diagnostics only (`keel verify -o json`): every
+    /// check runs, key residency included, but measurement mismatches are
+    /// returned in [`Verified::warnings`] instead of refusing the document,
+    /// so a refused node can be reported PCR by PCR. Never use it to decide
+    /// whether to send a peer anything.
+    pub fn diagnostic(measurements: Measurements, ek_trust: EkTrust) -> Self {
+        Self {
+            enforce: false,
+            ..Self::new(measurements, ek_trust)
         }
     }
 
@@ -197,7 +211,7 @@ impl Validator {
             .measurements
             .compare(&pcrs)
             .into_iter()
-            .partition(|m| m.warn_only);
+            .partition(|m| m.warn_only || !self.enforce);
         for w in &warnings {
             tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
         }

@@ -1,0 +1,868 @@
+//! Bringing the local cluster up, phase by phase, and the handles the
+//! scenarios use on it: its nodes, `keel verify`, more nodes, reboots.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use keel_agent::config::{NodeConfig, Role};
+use keel_testkit::swtpm::EkCa;
+
+use super::config::{self, CliSettings};
+use super::disk::{self, MasterSecret};
+use super::init::{self, InitInputs};
+use super::procs::{self, KeptCluster, KeptNode, KeptProcess, Process};
+use super::verify::{self, Verification};
+use super::{io, MiniError, Phases};
+use crate::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
+use crate::report::READY_LINE;
+use crate::vm::{Accel, Firmware, Vm, VmBuilder};
+
+/// The Rust target the host tools are built for (`.cargo/config.toml`).
+const TARGET: &str = "x86_64-unknown-linux-musl";
+/// How long the mirror may take to announce its address.
+const MIRROR_PATIENCE: Duration = Duration::from_secs(20);
+/// How long the init server may take to listen after the agent is ready.
+const INIT_SERVER_PATIENCE: Duration = Duration::from_secs(120);
+/// The agent's line once its init server listens.
+const INIT_SERVER_LINE: &str = "init server listening";
+/// The agent's line after a first join.
+pub const JOINED_LINE: &str = "this node joined the cluster";
+/// The agent's line after a rejoin.
+pub const REJOINED_LINE: &str = "rejoined the cluster";
+/// The agent's line when a join or rejoin failed after the node lock.
+pub const JOIN_FAILED_LINE: &str = "join failed";
+/// The workspace `keel init` writes (master secret, kubeconfig, cluster ID).
+pub const WORKSPACE: &str = "workspace";
+/// Variable bounding each wait for a VM, in seconds (default 600).
+pub const PATIENCE_VAR: &str = "KEEL_MINI_PATIENCE_S";
+
+/// How to bring the cluster up.
+#[derive(Clone, Debug)]
+pub struct UpOptions {
+    /// The workspace root (the Makefile's directory).
+    pub root: PathBuf,
+    /// Where the cluster's files go (`build/mini`).
+    pub dir: PathBuf,
+    /// The image to boot (`build/image`, or `KEEL_IMAGE_DIR`).
+    pub image_dir: PathBuf,
+    /// Run `make agent image` first.
+    pub build: bool,
+    /// Bound on each wait for a VM.
+    pub patience: Duration,
+    /// Report phases and `keel init`'s output on standard error.
+    pub echo: bool,
+}
+
+impl UpOptions {
+    /// The defaults: `build/mini`, the image in `KEEL_IMAGE_DIR` or
+    /// `build/image`, a build first, waits bounded by
+    /// `KEEL_MINI_PATIENCE_S` or 600 s.
+    pub fn from_env() -> Result<Self, MiniError> {
+        let root = workspace_root();
+        let image_dir = match std::env::var_os(IMAGE_DIR_VAR) {
+            Some(v) if !v.is_empty() => root.join(v),
+            _ => root.join("build/image"),
+        };
+        let patience = match std::env::var(PATIENCE_VAR) {
+            Ok(v) => v.parse().map_err(|_| {
+                MiniError::Check(format!("{PATIENCE_VAR}={v:?} is not a number of seconds"))
+            })?,
+            Err(_) => 600,
+        };
+        Ok(Self {
+            dir: root.join("build/mini"),
+            root,
+            image_dir,
+            build: true,
+            patience: Duration::from_secs(patience),
+            echo: true,
+        })
+    }
+}
+
+/// The host programs the cluster runs, from this workspace's debug build.
+#[derive(Clone, Debug)]
+pub struct Tools {
+    /// The operator CLI.
+    pub keel: PathBuf,
+    /// The stand-in kubeadm/kubelet/kubectl served to the nodes.
+    pub standin: PathBuf,
+    /// The component mirror.
+    pub mirror: PathBuf,
+}
+
+impl Tools {
+    /// The tools in `root`'s target directory (or `CARGO_TARGET_DIR`).
+    pub fn locate(root: &Path) -> Self {
+        let target =
+            std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+        let dir = target.join(TARGET).join("debug");
+        Self {
+            keel: dir.join("keel"),
+            standin: dir.join("keel-standin"),
+            mirror: dir.join("keel-mini-mirror"),
+        }
+    }
+
+    fn check(&self) -> Result<(), MiniError> {
+        for tool in [&self.keel, &self.standin, &self.mirror] {
+            if !tool.is_file() {
+                return Err(MiniError::MissingTool {
+                    tool: tool.display().to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run_checked(mut cmd: Command, what: &str, log: &Path) -> Result<(), MiniError> {
+    let status = cmd.status().map_err(|source| MiniError::Spawn {
+        program: what.to_owned(),
+        source,
+    })?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(MiniError::Failed {
+            what: what.to_owned(),
+            status,
+            log: log.to_owned(),
+        })
+    }
+}
+
+/// Removes what cargo sets for the program it runs (`cargo run`, `cargo
+/// test`): a build started from here then sees the environment a build
+/// from the shell sees, and finds its outputs fresh instead of rebuilding
+/// them. `CARGO_HOME`, `CARGO_TARGET_DIR` and cargo's own settings stay.
+fn as_from_the_shell(cmd: &mut Command) -> &mut Command {
+    const SET_BY_CARGO: [&str; 8] = [
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_CRATE_",
+        "CARGO_BIN_",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_RUSTC_CURRENT_DIR",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_SBOM_PATH",
+    ];
+    for (key, _) in std::env::vars_os() {
+        let key_text = key.to_string_lossy();
+        if key_text == "CARGO" || SET_BY_CARGO.iter().any(|p| key_text.starts_with(p)) {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd
+}
+
+/// The build phase: `make agent image` (when `image`; cached when
+/// unchanged), then the host tools (`keel`, `keel-standin`,
+/// `keel-mini-mirror`). Their output goes to standard error.
+pub fn build(root: &Path, image: bool) -> Result<Tools, MiniError> {
+    if image {
+        let mut make = Command::new("make");
+        as_from_the_shell(&mut make)
+            .current_dir(root)
+            .args(["--no-print-directory", "agent", "image"])
+            .stdout(Stdio::inherit());
+        run_checked(make, "make agent image", Path::new("build/image.log"))?;
+    }
+    let mut build = Command::new("cargo");
+    as_from_the_shell(&mut build).current_dir(root).args([
+        "build",
+        "--locked",
+        "--quiet",
+        "-p",
+        "keel-cli",
+        "--bin",
+        "keel",
+        "-p",
+        "keel-testkit",
+        "--bin",
+        "keel-standin",
+        "--bin",
+        "keel-mini-mirror",
+    ]);
+    run_checked(
+        build,
+        "building the host tools",
+        Path::new("(cargo's output above)"),
+    )?;
+    let tools = Tools::locate(root);
+    tools.check()?;
+    Ok(tools)
+}
+
+fn require_host_tools() -> Result<(), MiniError> {
+    for tool in [
+        "qemu-system-x86_64",
+        "swtpm",
+        "swtpm_setup",
+        "swtpm_localca",
+        "cryptsetup",
+        "strip",
+    ] {
+        let found = std::env::var_os("PATH")
+            .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(tool).is_file()));
+        if !found {
+            return Err(MiniError::MissingTool { tool: tool.into() });
+        }
+    }
+    let firmware = Firmware::ovmf();
+    if !firmware.code.is_file() {
+        return Err(MiniError::MissingTool {
+            tool: firmware.code.display().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// One node: its directory (TPM state, state disk, firmware variables,
+/// node config, logs), its config, and its VM while it runs.
+pub struct Node {
+    /// Its directory name under the cluster directory (`cp`, `worker`).
+    pub short: String,
+    /// Its config, as passed by fw_cfg.
+    pub config: NodeConfig,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Host port forwarded to its init server.
+    pub init_port: u16,
+    guest_init_port: u16,
+    /// More host forwards (host port, guest port).
+    forwards: Vec<(u16, u16)>,
+    os_disk: PathBuf,
+    vm: Option<Vm>,
+    boots: u32,
+}
+
+impl Node {
+    /// The running VM.
+    pub fn vm(&self) -> Result<&Vm, MiniError> {
+        self.vm
+            .as_ref()
+            .ok_or_else(|| MiniError::Check(format!("{} is not running", self.short)))
+    }
+
+    /// Kills the VM (QEMU, then swtpm), as a power cut would.
+    pub fn kill(&mut self) {
+        self.vm = None;
+    }
+
+    /// The serial log of the current (or last) boot.
+    pub fn serial_log(&self) -> PathBuf {
+        self.dir.join("serial.log")
+    }
+
+    /// The state disk image.
+    pub fn state_disk(&self) -> PathBuf {
+        self.dir.join("state.raw")
+    }
+
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.config.node.name
+    }
+
+    /// Boots the node: its TPM, firmware variables and state disk as they
+    /// are; the logs of an earlier boot are kept as `*.bootN.*`.
+    pub fn boot(&mut self, accel: Accel) -> Result<(), MiniError> {
+        if self.boots > 0 {
+            for (name, ext) in [("serial", "log"), ("console", "raw"), ("qemu", "log")] {
+                let from = self.dir.join(format!("{name}.{ext}"));
+                let to = self.dir.join(format!("{name}.boot{}.{ext}", self.boots));
+                // A log that is missing has nothing to keep.
+                let _ = std::fs::rename(from, to);
+            }
+        }
+        let mut builder = VmBuilder::new(&self.os_disk, &self.dir)
+            .accel(accel)
+            .tpm_state(self.dir.join("tpm-state"))
+            .state_disk(self.state_disk())
+            .vars(self.dir.join("vars.fd"))
+            .node_config(self.dir.join("node-config.json"))
+            .host_forward(self.init_port, self.guest_init_port);
+        for (host, guest) in &self.forwards {
+            builder = builder.host_forward(*host, *guest);
+        }
+        self.vm = Some(builder.start()?);
+        self.boots += 1;
+        Ok(())
+    }
+
+    /// Waits for one of `needles` on the console; fails naming the serial
+    /// log when another one (a failure line, by convention the last) comes.
+    pub fn wait_for(
+        &self,
+        needles: &[&str],
+        patience: Duration,
+    ) -> Result<(usize, Duration), MiniError> {
+        Ok(self.vm()?.wait_for_any(needles, patience)?)
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (free a moment ago).
+pub fn free_port() -> Result<u16, MiniError> {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(io("127.0.0.1:0"))
+}
+
+/// The running local cluster. Dropping it stops every process it started.
+pub struct Cluster {
+    /// The cluster's directory.
+    pub dir: PathBuf,
+    /// The image the nodes boot.
+    pub image: ImageDir,
+    /// The host tools.
+    pub tools: Tools,
+    /// The accelerator.
+    pub accel: Accel,
+    /// Bound on each wait for a VM.
+    pub patience: Duration,
+    /// The control-plane node.
+    pub cp: Node,
+    /// The worker node.
+    pub worker: Node,
+    /// The cluster ID `keel init` reported (hex).
+    pub cluster_id: String,
+    /// The phases so far.
+    pub phases: Phases,
+    ca: EkCa,
+    ek_ca_pem: String,
+    secret_hash: String,
+    join_port: u16,
+    mirror: Option<Process>,
+}
+
+impl Cluster {
+    /// Brings the cluster up in `opts.dir` (emptied first; a cluster kept
+    /// there is stopped): build, EK CA + TPMs, mirror, configs +
+    /// measurements, boot, `keel init`, worker join, summary. Prints the
+    /// summary on standard output.
+    pub fn up(opts: &UpOptions) -> Result<Self, MiniError> {
+        let mut phases = Phases::new(!opts.echo);
+        let tools = phases.run("build", || build(&opts.root, opts.build))?;
+        let image = ImageDir::open(&opts.image_dir)?;
+        require_host_tools()?;
+        let dir = &opts.dir;
+        if procs::KeptCluster::load(dir)?.is_some() {
+            procs::down(dir)?;
+        }
+        match std::fs::remove_dir_all(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(dir)(e)),
+        }
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let dir = dir.canonicalize().map_err(io(dir))?;
+
+        let (ca, ek_ca_pem) = phases.run("EK CA + TPMs", || {
+            let ca = EkCa::in_dir(&dir.join("ca"))?;
+            for short in ["cp", "worker"] {
+                let state = dir.join(short).join("tpm-state");
+                std::fs::create_dir_all(&state).map_err(io(&state))?;
+                ca.manufacture(&state)?;
+            }
+            let pem = ca.issuer_pem()?;
+            let path = dir.join(config::EK_CA);
+            std::fs::write(&path, &pem).map_err(io(&path))?;
+            Ok((ca, String::from_utf8_lossy(&pem).into_owned()))
+        })?;
+
+        let mirror = phases.run("component mirror", || start_mirror(&dir, &tools))?;
+
+        let (cp, worker, secret_hash, join_port) = phases.run("configs + measurements", || {
+            let secret_hash = config::init_secret(&dir.join(config::INIT_SECRET))?;
+            let join_port = free_port()?;
+            let mut nodes = Vec::new();
+            for (short, name, role) in [
+                ("cp", "keel-cp-0", Role::ControlPlane),
+                ("worker", "keel-worker-0", Role::Worker),
+            ] {
+                let config = config::node_config(name, role, &secret_hash, join_port, &ek_ca_pem);
+                nodes.push(new_node(
+                    &dir,
+                    short,
+                    config,
+                    image.disk(),
+                    config::GUEST_INIT_PORT,
+                )?);
+            }
+            let (Some(worker), Some(mut cp)) = (nodes.pop(), nodes.pop()) else {
+                return Err(MiniError::Check("two nodes were made".into()));
+            };
+            cp.forwards.push((join_port, config::GUEST_JOIN_PORT));
+            for (file, member) in [
+                (config::MEASUREMENTS, false),
+                (config::MEASUREMENTS_MEMBER, true),
+            ] {
+                let m = config::measurements(&image.uki(), &cp.config, member)?;
+                let path = dir.join(file);
+                std::fs::write(&path, m.to_json()).map_err(io(&path))?;
+            }
+            config::write_json(&dir.join("keel.json"), &CliSettings::init(cp.init_port))?;
+            for node in [&cp, &worker] {
+                config::write_json(
+                    &dir.join(format!("verify-{}.json", node.short)),
+                    &CliSettings::verify(node.init_port, config::MEASUREMENTS_MEMBER),
+                )?;
+            }
+            Ok((cp, worker, secret_hash, join_port))
+        })?;
+
+        let mut cluster = Self {
+            dir,
+            image,
+            tools,
+            accel: Accel::Tcg,
+            patience: opts.patience,
+            cp,
+            worker,
+            cluster_id: String::new(),
+            phases,
+            ca,
+            ek_ca_pem,
+            secret_hash,
+            join_port,
+            mirror: Some(mirror),
+        };
+        cluster.boot_and_form(opts.echo)?;
+        Ok(cluster)
+    }
+
+    fn boot_and_form(&mut self, echo: bool) -> Result<(), MiniError> {
+        let patience = self.patience;
+        let mut phases = std::mem::take(&mut self.phases);
+        let result = (|| {
+            phases.run("boot control plane", || {
+                self.accel = Accel::detect(&Firmware::ovmf());
+                self.cp.boot(self.accel)?;
+                self.worker.boot(self.accel)?;
+                if echo {
+                    eprintln!(
+                        "keel-mini: booting {} and {} ({:?}; serial logs {}, {})",
+                        self.cp.name(),
+                        self.worker.name(),
+                        self.accel,
+                        self.cp.serial_log().display(),
+                        self.worker.serial_log().display()
+                    );
+                }
+                self.cp.wait_for(&[READY_LINE], patience)?;
+                Ok(())
+            })?;
+            self.cp
+                .wait_for(&[INIT_SERVER_LINE], INIT_SERVER_PATIENCE)?;
+            phases.run("keel init", || {
+                let log = self.dir.join("init.log");
+                let ok = init::run_cli(
+                    &self.tools.keel,
+                    &self.dir.join("keel.json"),
+                    &self.dir.join(WORKSPACE),
+                    &log,
+                    echo,
+                )?;
+                if !ok {
+                    return Err(MiniError::Check(format!(
+                        "keel init failed: see {} and {}",
+                        log.display(),
+                        self.cp.serial_log().display()
+                    )));
+                }
+                self.cluster_id =
+                    init::id_file(&self.dir.join(WORKSPACE).join("keel-id.json"))?.cluster_id;
+                Ok(())
+            })?;
+            phases.run("worker join", || {
+                self.worker.wait_for(&[READY_LINE], patience)?;
+                let (which, _) = self
+                    .worker
+                    .wait_for(&[JOINED_LINE, JOIN_FAILED_LINE], patience)?;
+                if which != 0 {
+                    return Err(MiniError::Check(format!(
+                        "the worker's join failed: see {} and {}",
+                        self.worker.serial_log().display(),
+                        self.cp.serial_log().display()
+                    )));
+                }
+                Ok(())
+            })?;
+            let mut text = String::new();
+            phases.run("summary", || {
+                text = self.summary()?;
+                Ok(())
+            })?;
+            let _ = writeln!(text, "phases:");
+            for (name, took) in phases.done() {
+                let _ = writeln!(text, "  {name:<28} {:6.1} s", took.as_secs_f64());
+            }
+            let _ = writeln!(
+                text,
+                "  {:<28} {:6.1} s",
+                "total",
+                phases.total().as_secs_f64()
+            );
+            print!("{text}");
+            let path = self.dir.join("summary.txt");
+            std::fs::write(&path, &text).map_err(io(&path))?;
+            Ok(())
+        })();
+        self.phases = phases;
+        result
+    }
+
+    /// Verifies both nodes and describes them, as the summary prints them.
+    fn summary(&self) -> Result<String, MiniError> {
+        let mut text = String::new();
+        let _ = writeln!(text, "\nkeel local cluster ({:?})", self.accel);
+        let _ = writeln!(text, "  cluster ID     {}", self.cluster_id);
+        let mut unverified = Vec::new();
+        for node in [&self.cp, &self.worker] {
+            let v = self.verify(node, config::MEASUREMENTS_MEMBER)?;
+            let r = &v.report;
+            let _ = writeln!(
+                text,
+                "  {:<14} role {:<13} PCR 15 {}",
+                node.short,
+                node.config.node.role.as_str(),
+                r.pcr(config::PCR_CLUSTER_ID).unwrap_or("?")
+            );
+            let _ = writeln!(
+                text,
+                "  {:<14} attestation {}, event log {}",
+                "",
+                if v.success {
+                    "verified"
+                } else {
+                    "NOT verified"
+                },
+                if r.attested {
+                    format!("replays ({} events)", r.events.len())
+                } else {
+                    "not checked".to_owned()
+                }
+            );
+            let disk = node.state_disk();
+            let luks = if disk::is_luks2(&disk)? {
+                format!("LUKS2 header on {}/state.raw", node.short)
+            } else {
+                "NOT LUKS2".to_owned()
+            };
+            let agent = node
+                .vm
+                .as_ref()
+                .and_then(|vm| agent_disk_line(&vm.lines()))
+                .map(|l| format!("; agent: {l}"))
+                .unwrap_or_default();
+            let _ = writeln!(text, "  {:<14} state disk: {luks}{agent}", "");
+            let _ = writeln!(
+                text,
+                "  {:<14} components: {} measured into PCR 13 (attested event log)",
+                "",
+                r.components()
+            );
+            if !v.success || r.cluster_id().as_deref() != Some(self.cluster_id.as_str()) {
+                unverified.push(node.short.clone());
+            }
+        }
+        let _ = writeln!(
+            text,
+            "  admin kubeconfig {}",
+            self.dir.join(WORKSPACE).join("keel-admin.conf").display()
+        );
+        if !unverified.is_empty() {
+            print!("{text}");
+            return Err(MiniError::Check(format!(
+                "{} did not verify as members of cluster {}: see {}/*/verify.json",
+                unverified.join(" and "),
+                self.cluster_id,
+                self.dir.display()
+            )));
+        }
+        Ok(text)
+    }
+
+    /// A path in the cluster's directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The config a new node of this cluster gets.
+    pub fn node_config(&self, name: &str, role: Role) -> NodeConfig {
+        config::node_config(
+            name,
+            role,
+            &self.secret_hash,
+            self.join_port,
+            &self.ek_ca_pem,
+        )
+    }
+
+    /// A new node in `short/` with a TPM from the cluster's EK CA, booting
+    /// `os_disk` with `config`, its init server (`guest_init_port`)
+    /// forwarded to a host port. Not booted yet.
+    pub fn add_node(
+        &self,
+        short: &str,
+        config: NodeConfig,
+        os_disk: PathBuf,
+        guest_init_port: u16,
+    ) -> Result<Node, MiniError> {
+        let state = self.dir.join(short).join("tpm-state");
+        std::fs::create_dir_all(&state).map_err(io(&state))?;
+        self.ca.manufacture(&state)?;
+        new_node(&self.dir, short, config, os_disk, guest_init_port)
+    }
+
+    /// `keel verify -o json` against `node` with the measurements file
+    /// `measurements` (`config::MEASUREMENTS`: as a fresh node, the join
+    /// service's policy; `config::MEASUREMENTS_MEMBER`: as a member). The
+    /// report is kept in the node's `verify.json`.
+    pub fn verify(&self, node: &Node, measurements: &str) -> Result<Verification, MiniError> {
+        let settings = self.dir.join(format!(
+            "verify-{}-{}.json",
+            node.short,
+            measurements.trim_end_matches(".json")
+        ));
+        config::write_json(
+            &settings,
+            &CliSettings::verify(node.init_port, measurements),
+        )?;
+        verify::run(&self.tools.keel, &settings, &node.dir.join("verify.json"))
+    }
+
+    /// Sends the control plane a second, valid init request and returns its
+    /// answer (see [`init::request`]).
+    pub fn init_again(&self) -> Result<Result<(), tonic::Status>, MiniError> {
+        init::request(&InitInputs {
+            port: self.cp.init_port,
+            measurements: &self.dir.join(config::MEASUREMENTS_MEMBER),
+            ek_ca: &self.dir.join(config::EK_CA),
+            init_secret: &self.dir.join(config::INIT_SECRET),
+            components: &self.dir.join(config::COMPONENTS),
+        })
+    }
+
+    /// The master secret `keel init` wrote.
+    pub fn master_secret(&self) -> Result<MasterSecret, MiniError> {
+        MasterSecret::load(&self.dir.join(WORKSPACE).join("keel-master-secret.json"))
+    }
+
+    /// Every log the cluster wrote: serial consoles, QEMU and swtpm logs,
+    /// `keel init`'s output, the mirror's log, `keel verify` reports.
+    pub fn logs(&self) -> Result<Vec<PathBuf>, MiniError> {
+        let mut out = Vec::new();
+        let mut dirs = vec![self.dir.clone()];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).map_err(io(&dir))? {
+                let path = entry.map_err(io(&dir))?.path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|e| e == "log")
+                    || path
+                        .file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("console."))
+                {
+                    out.push(path);
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The long-running processes started so far (VMs' QEMU and swtpm, the
+    /// mirror), e.g. to check that none is left after the cluster is dropped.
+    pub fn processes(&self) -> Vec<KeptProcess> {
+        let mut out = Vec::new();
+        for node in [&self.cp, &self.worker] {
+            if let Some(vm) = &node.vm {
+                let pids = vm.pids();
+                out.push(KeptProcess {
+                    name: format!("{} qemu", node.short),
+                    program: "qemu-system-x86_64".into(),
+                    pid: pids.qemu,
+                });
+                out.push(KeptProcess {
+                    name: format!("{} swtpm", node.short),
+                    program: "swtpm".into(),
+                    pid: pids.swtpm,
+                });
+            }
+        }
+        if let Some(mirror) = &self.mirror {
+            out.push(KeptProcess {
+                name: "mirror".into(),
+                program: "keel-mini-mirror".into(),
+                pid: mirror.pid(),
+            });
+        }
+        out
+    }
+
+    /// Leaves everything running and records it in `state.json` for
+    /// `keel-mini status` and `keel-mini down`.
+    pub fn keep(mut self) -> Result<PathBuf, MiniError> {
+        let processes = self.processes();
+        let mut nodes = Vec::new();
+        for node in [&mut self.cp, &mut self.worker] {
+            if let Some(vm) = node.vm.take() {
+                vm.detach();
+            }
+            nodes.push(KeptNode {
+                dir: node.short.clone(),
+                name: node.config.node.name.clone(),
+                role: node.config.node.role.as_str().into(),
+                init_port: node.init_port,
+                verify_settings: format!("verify-{}.json", node.short),
+            });
+        }
+        if let Some(mirror) = self.mirror.take() {
+            mirror.detach();
+        }
+        KeptCluster {
+            accel: format!("{:?}", self.accel),
+            cluster_id: self.cluster_id.clone(),
+            join_port: self.join_port,
+            nodes,
+            processes,
+        }
+        .save(&self.dir)
+    }
+}
+
+fn new_node(
+    dir: &Path,
+    short: &str,
+    config: NodeConfig,
+    os_disk: PathBuf,
+    guest_init_port: u16,
+) -> Result<Node, MiniError> {
+    let node_dir = dir.join(short);
+    std::fs::create_dir_all(&node_dir).map_err(io(&node_dir))?;
+    config::write_json(&node_dir.join("node-config.json"), &config)?;
+    Ok(Node {
+        short: short.to_owned(),
+        config,
+        dir: node_dir,
+        init_port: free_port()?,
+        guest_init_port,
+        forwards: Vec::new(),
+        os_disk,
+        vm: None,
+        boots: 0,
+    })
+}
+
+/// Starts `keel-mini-mirror` serving the stand-in components (a stripped
+/// copy of `keel-standin` as kubeadm, kubelet and kubectl) and waits for
+/// its address.
+fn start_mirror(dir: &Path, tools: &Tools) -> Result<Process, MiniError> {
+    let standin = dir.join("keel-standin");
+    let mut strip = Command::new("strip");
+    strip.arg("-o").arg(&standin).arg(&tools.standin);
+    run_checked(strip, "strip keel-standin", &tools.standin)?;
+    let log = dir.join("mirror.log");
+    let out = std::fs::File::create(&log).map_err(io(&log))?;
+    let err = out.try_clone().map_err(io(&log))?;
+    let child = Command::new(&tools.mirror)
+        .arg("--standin")
+        .arg(&standin)
+        .args(["--guest-host", config::GUEST_HOST, "--components"])
+        .arg(dir.join(config::COMPONENTS))
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .map_err(|source| MiniError::Spawn {
+            program: tools.mirror.display().to_string(),
+            source,
+        })?;
+    let mut mirror = Process::new(child);
+    let deadline = std::time::Instant::now() + MIRROR_PATIENCE;
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.lines().any(|l| l.starts_with("mirror:")) {
+            return Ok(mirror);
+        }
+        if mirror.exited() || std::time::Instant::now() >= deadline {
+            return Err(MiniError::Timeout {
+                what: "the component mirror did not announce its address".into(),
+                patience: MIRROR_PATIENCE,
+                log,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The agent's last state-disk line (`state disk set up (LUKS2)
+/// mount_point=/run/state`), as `state disk set up (LUKS2), mounted at
+/// /run/state`.
+fn agent_disk_line(lines: &[String]) -> Option<String> {
+    lines.iter().rev().find_map(|line| {
+        let at = line
+            .find("state disk set up (LUKS2)")
+            .or_else(|| line.find("state disk opened (LUKS2)"))?;
+        let rest = line.get(at..)?;
+        Some(rest.replacen(" mount_point=", ", mounted at ", 1))
+    })
+}
+
+/// `keel-mini status`: the kept cluster's processes and a `keel verify` of
+/// each node. Returns whether everything runs and verifies.
+pub fn status(dir: &Path, tools: &Tools) -> Result<bool, MiniError> {
+    let Some(kept) = KeptCluster::load(dir)? else {
+        return Err(MiniError::NotRunning(dir.join(procs::STATE_FILE)));
+    };
+    let mut healthy = true;
+    println!("keel local cluster ({}) in {}", kept.accel, dir.display());
+    println!("  cluster ID     {}", kept.cluster_id);
+    println!(
+        "  join service   127.0.0.1:{} (guests: {}:{0})",
+        kept.join_port,
+        config::GUEST_HOST
+    );
+    for p in &kept.processes {
+        let up = procs::running(p.pid, &p.program);
+        healthy &= up;
+        println!(
+            "  {:<14} pid {:<8} {}",
+            p.name,
+            p.pid,
+            if up { "running" } else { "NOT running" }
+        );
+    }
+    for node in &kept.nodes {
+        let v = verify::run(
+            &tools.keel,
+            &dir.join(&node.verify_settings),
+            &dir.join(&node.dir).join("verify.json"),
+        )?;
+        let member = v.report.cluster_id().as_deref() == Some(kept.cluster_id.as_str());
+        healthy &= v.success && member;
+        println!(
+            "  {:<14} {} {:<13} init 127.0.0.1:{:<5} {}{}",
+            node.dir,
+            node.name,
+            node.role,
+            node.init_port,
+            if v.success {
+                "attestation verified"
+            } else {
+                "NOT verified"
+            },
+            if member {
+                ", member (PCR 15 = cluster ID)"
+            } else {
+                ", not a member"
+            }
+        );
+    }
+    Ok(healthy)
+}

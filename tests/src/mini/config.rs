@@ -1,0 +1,178 @@
+//! What the cluster's files say, written with serde: each node's config
+//! (passed by fw_cfg), the predicted measurements, the init secret and the
+//! operator CLI's settings.
+
+use std::io::Write as _;
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::Path;
+
+use keel_agent::attestation::measurements::{Expected, Measurements};
+use keel_agent::config::{ClusterConfig, NodeConfig, NodeIdentity, Role};
+use keel_image::pcr::replay;
+use keel_image::predict::{self, Uki};
+use rand::RngCore as _;
+use serde::Serialize;
+use sha2::{Digest as _, Sha256};
+
+use super::{io, MiniError};
+
+/// The init server's port inside a VM.
+pub const GUEST_INIT_PORT: u16 = 9000;
+/// The join service's port inside a VM.
+pub const GUEST_JOIN_PORT: u16 = 9090;
+/// The host's loopback as the VMs see it (QEMU user networking).
+pub const GUEST_HOST: &str = "10.0.2.2";
+/// The state disk's device inside a VM.
+pub const STATE_DISK_DEVICE: &str = "/dev/vdb";
+/// The PCR that holds the cluster ID once a node is locked.
+pub const PCR_CLUSTER_ID: u32 = 15;
+
+/// Measurements a fresh node must match (PCR 15 zero enforced): what
+/// `keel init` checks, and what the join service admits.
+pub const MEASUREMENTS: &str = "measurements.json";
+/// The same with PCR 15 warn-only: a member node verifies against it.
+pub const MEASUREMENTS_MEMBER: &str = "measurements.verify.json";
+/// The EK CA certificate the nodes and the CLI trust.
+pub const EK_CA: &str = "ek-ca.pem";
+/// The init secret (hex), mode 0600.
+pub const INIT_SECRET: &str = "init-secret";
+/// The component list the mirror serves.
+pub const COMPONENTS: &str = "components.json";
+
+/// The config of a node of this cluster: the cluster part is the same on
+/// every node (it is measured into PCR 12).
+pub fn node_config(
+    name: &str,
+    role: Role,
+    secret_hash: &str,
+    join_port: u16,
+    ek_ca_pem: &str,
+) -> NodeConfig {
+    NodeConfig {
+        cluster: ClusterConfig {
+            init_secret_hash: secret_hash.to_owned(),
+            control_plane_endpoints: vec![format!("{GUEST_HOST}:{join_port}")],
+            init_port: GUEST_INIT_PORT,
+            join_port: GUEST_JOIN_PORT,
+            component_mirror: None,
+            ek_ca_pem: ek_ca_pem.to_owned(),
+        },
+        node: NodeIdentity {
+            name: name.to_owned(),
+            role,
+            state_disk: Some(STATE_DISK_DEVICE.to_owned()),
+        },
+    }
+}
+
+/// Writes `value` as pretty JSON to `path`.
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), MiniError> {
+    let json = serde_json::to_vec_pretty(value).map_err(|source| MiniError::Json {
+        path: path.to_owned(),
+        source,
+    })?;
+    std::fs::write(path, json).map_err(io(path))
+}
+
+/// Creates a random init secret (64 hex digits) in `path` with mode 0600
+/// and returns its hash as the node config names it (`sha256:<hex>`).
+pub fn init_secret(path: &Path) -> Result<String, MiniError> {
+    let mut bytes = [0u8; 32];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    let secret = hex::encode(bytes);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io(path))?;
+    file.write_all(secret.as_bytes()).map_err(io(path))?;
+    Ok(format!("sha256:{}", hex::encode(Sha256::digest(secret))))
+}
+
+/// The measurements of `uki` booted with `config`: PCRs 4, 9, 11 from the
+/// UKI, 12 from the config, and 15 zero (enforced, or warn-only for a
+/// member).
+pub fn measurements(
+    uki: &Path,
+    config: &NodeConfig,
+    member: bool,
+) -> Result<Measurements, MiniError> {
+    let bytes = std::fs::read(uki).map_err(io(uki))?;
+    let predicted = |e: predict::PredictError| {
+        MiniError::Check(format!("predicting the PCRs of {}: {e}", uki.display()))
+    };
+    let uki = Uki::parse(&bytes).map_err(predicted)?;
+    let pcr15 = if member {
+        Expected::warn_only([0; 32])
+    } else {
+        Expected::enforced([0; 32])
+    };
+    Measurements::new([
+        (
+            predict::PCR_BOOT_LOADER_CODE,
+            Expected::enforced(replay(&predict::pcr4(&uki).map_err(predicted)?)),
+        ),
+        (
+            predict::PCR_KERNEL_PARAMETERS,
+            Expected::enforced(replay(&predict::pcr9(&uki).map_err(predicted)?)),
+        ),
+        (
+            predict::PCR_KERNEL_BOOT,
+            Expected::enforced(replay(&predict::pcr11(&uki).map_err(predicted)?)),
+        ),
+        (
+            predict::PCR_NODE_CONFIG,
+            Expected::enforced(predict::pcr12(config)),
+        ),
+        (PCR_CLUSTER_ID, pcr15),
+    ])
+    .map_err(|e| MiniError::Check(format!("the predicted measurements: {e}")))
+}
+
+/// The operator CLI's settings file (`keel init`, `keel verify`); paths
+/// are relative to the file.
+#[derive(Debug, Serialize)]
+pub struct CliSettings<'a> {
+    /// The node's init server, `host:port`.
+    pub endpoint: String,
+    /// Kubernetes version.
+    pub kubernetes_version: &'a str,
+    /// The measurements file.
+    pub measurements: &'a str,
+    /// The EK CA bundle.
+    pub ek_ca: &'a str,
+    /// The init secret file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_secret_file: Option<&'a str>,
+    /// The component list.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub components_file: Option<&'a str>,
+}
+
+impl<'a> CliSettings<'a> {
+    /// Settings for `keel init` against `127.0.0.1:port`.
+    pub fn init(port: u16) -> Self {
+        Self {
+            endpoint: format!("127.0.0.1:{port}"),
+            kubernetes_version: "v1.31",
+            measurements: MEASUREMENTS,
+            ek_ca: EK_CA,
+            init_secret_file: Some(INIT_SECRET),
+            components_file: Some(COMPONENTS),
+        }
+    }
+
+    /// Settings for `keel verify` against `127.0.0.1:port` with the
+    /// measurements file `measurements`.
+    pub fn verify(port: u16, measurements: &'a str) -> Self {
+        Self {
+            endpoint: format!("127.0.0.1:{port}"),
+            kubernetes_version: "v1.31",
+            measurements,
+            ek_ca: EK_CA,
+            init_secret_file: None,
+            components_file: None,
+        }
+    }
+}
