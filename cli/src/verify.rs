@@ -4,8 +4,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use keel_agent::measurement::HexDigest;
 use keel_atls::AtlsClient;
+use keel_verifier::measurement::HexDigest;
 
 use crate::settings::Settings;
 
