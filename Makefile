@@ -39,7 +39,7 @@ image: agent ## Build the reproducible mkosi image (UKI, dm-verity erofs root) a
 image-repro: agent ## Build the image twice from clean and compare every artifact
 	@scripts/image-repro.sh
 
-measurements: tss ## Predict PCRs 4, 9, 11 and 12 of the built image for NODE_CONFIG into build/image/measurements.json
+measurements: ## Predict PCRs 4, 9, 11 and 12 of the built image for NODE_CONFIG into build/image/measurements.json
 	@test -n "$(NODE_CONFIG)" || { echo "make measurements: set NODE_CONFIG=<node config file> (PCR 12 is measured from it)" >&2; exit 2; }
 	$(CARGO) run --release --locked -p keel-image --bin keel-measure -- \
 	  --uki build/image/keel.efi --node-config $(NODE_CONFIG) --output build/image/measurements.json

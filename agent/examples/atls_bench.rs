@@ -9,16 +9,16 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use keel_agent::attestation::ek::EkTrust;
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::{Expected, Measurements};
-use keel_agent::attestation::validator::{Validator, Verified};
-use keel_agent::config::NodeConfig;
 use keel_agent::measured::MeasuredTpm;
-use keel_agent::measurement::EventType;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_atls::{AtlsClient, AtlsServer};
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::EventType;
+use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::validator::{Validator, Verified};
 
 fn issuer(swtpm: &Swtpm, dir: &std::path::Path, config: &NodeConfig) -> Arc<TpmIssuer> {
     let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();

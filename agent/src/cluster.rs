@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use keel_installer::{Component, KubernetesVersion};
+use keel_verifier::measurements::Measurements;
 use zeroize::Zeroizing;
 
-use crate::attestation::measurements::Measurements;
 use crate::key_service::{ClusterId, KeyService};
 
 /// A cluster this node is a control-plane member of.

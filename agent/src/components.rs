@@ -9,9 +9,9 @@
 //! stops at that component: the ones before it stay installed and measured.
 
 use keel_installer::{Component, InstallError, InstalledComponent, Installer, Progress};
+use keel_verifier::measurement::EventType;
 
 use crate::measured::{MeasuredLogError, SharedTpm};
-use crate::measurement::EventType;
 
 /// Why installing the components failed.
 #[derive(Debug, thiserror::Error)]

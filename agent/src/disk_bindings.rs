@@ -16,9 +16,9 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 
-use crate::attestation::tpm_wire::Public;
 use crate::files::WriteFileError;
 use crate::key_service::DiskKeyIdError;
+use keel_verifier::tpm_wire::Public;
 
 /// The disk binding store, in the join service's work directory.
 pub const DISK_BINDINGS_FILE: &str = "disk-bindings.json";

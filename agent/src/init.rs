@@ -22,6 +22,8 @@ use keel_installer::{Component, Installer, InstallerConfig, KubernetesVersion, L
 use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitFailure, InitRequest, InitResponse, InitSecrets, InitSuccess};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::measurements::Measurements;
 use prost::Message as _;
 use tokio::sync::mpsc::{self, error::TrySendError};
 use tokio_stream::wrappers::ReceiverStream;
@@ -29,10 +31,8 @@ use zeroize::Zeroizing;
 
 use crate::address::AdvertiseAddress;
 use crate::attestation::credential;
-use crate::attestation::measurements::Measurements;
 use crate::cluster::{ClusterSlot, ClusterState};
 use crate::components::install_and_measure;
-use crate::config::NodeConfig;
 use crate::disk::StateDisk;
 use crate::key_service::{self, KeyService};
 use crate::kubeadm::{self, BootstrapToken, InitConfig, Kubeadm};
@@ -70,7 +70,7 @@ pub enum InitError {
     InvalidRequest(String),
     /// The master secret was not sealed to this node's TPM.
     #[error("the master secret is not sealed to this node's TPM")]
-    Sealed(#[source] credential::CredentialError),
+    Sealed(#[source] keel_verifier::credential::CredentialError),
     /// The node is already locked.
     #[error("the node is already part of a cluster")]
     Locked,

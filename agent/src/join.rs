@@ -41,19 +41,21 @@ use keel_proto::join::join_service_client::JoinServiceClient;
 use keel_proto::join::{
     IssueJoinTicketRequest, IssueJoinTicketResponse, IssueRejoinTicketRequest, JoinSecrets,
 };
+use keel_verifier::config::{NodeConfig, Role};
+use keel_verifier::credential::CredentialError;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::{event_digest, extend, pcr, Digest32, EventType};
+use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
+use keel_verifier::validator::{Validator, Verified};
 use prost::Message as _;
 use rand::Rng as _;
 use tonic::transport::Endpoint;
 use x509_parser::prelude::{FromDer as _, X509Certificate};
 use zeroize::Zeroizing;
 
-use crate::attestation::credential::{self, CredentialError};
-use crate::attestation::ek::EkTrust;
+use crate::attestation::credential;
 use crate::attestation::issuer::TpmIssuer;
-use crate::attestation::measurements::{Expected, Measurements, MeasurementsError};
-use crate::attestation::validator::{Validator, Verified};
 use crate::components::{install_and_measure, InstallComponentsError};
-use crate::config::{NodeConfig, Role};
 use crate::disk::DiskError;
 use crate::disk::StateDisk;
 use crate::files::{write_private, WriteFileError};
@@ -64,7 +66,6 @@ use crate::kubeadm::{
     self, BootstrapToken, CaCertHash, ConfigError, ControlPlaneJoin, JoinConfig, KubeadmError,
 };
 use crate::measured::SharedTpm;
-use crate::measurement::{event_digest, extend, pcr, Digest32, EventType};
 use crate::nodelock::{LockError, NodeLock};
 use crate::tpm::TpmError;
 

@@ -39,6 +39,10 @@ use keel_proto::join::{
     ControlPlaneFile, IssueJoinTicketRequest, IssueJoinTicketResponse, IssueRejoinTicketRequest,
     IssueRejoinTicketResponse, JoinSecrets,
 };
+use keel_verifier::config::{NodeIdentity, Role};
+use keel_verifier::credential::{self, CredentialError};
+use keel_verifier::measurement::EventType;
+use keel_verifier::validator::Verified;
 use prost::Message as _;
 use rcgen::{
     CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, Issuer, KeyPair,
@@ -50,14 +54,10 @@ use tokio::sync::Semaphore;
 use x509_parser::prelude::{FromDer as _, X509Certificate, X509CertificationRequest};
 use zeroize::{Zeroize as _, Zeroizing};
 
-use crate::attestation::credential::{self, CredentialError};
-use crate::attestation::validator::Verified;
 use crate::cluster::ClusterState;
-use crate::config::{NodeIdentity, Role};
 use crate::disk_bindings::{Bind, DiskBindingRefusal, DiskBindings, DiskBindingsError, EkDigest};
 use crate::key_service::DiskKeyError;
 use crate::kubeadm::{self, BootstrapToken, CaCertHash, ConfigApi, Kubeadm};
-use crate::measurement::EventType;
 
 /// Largest accepted request message (tonic refuses larger ones).
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;

@@ -1,4 +1,4 @@
-//! Log setup shared by the agent and the CLI: a level from `KEEL_LOG`
+//! Log setup of the agent (the CLI sets up the same): a level from `KEEL_LOG`
 //! (error, warn, info, debug, trace), to stderr, colour only on a terminal.
 
 /// Installs the global subscriber; `default` applies when `KEEL_LOG` is unset or invalid.

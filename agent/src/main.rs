@@ -6,18 +6,18 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use keel_agent::config::{NodeConfig, Role};
+use keel_verifier::config::{NodeConfig, Role};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::measured::{self, MeasuredLog, MeasuredTpm, SharedTpm};
-use keel_agent::measurement::{self, pcr, EventType, HexDigest};
 use keel_agent::node;
 use keel_agent::nodelock::NodeLock;
 use keel_agent::systemd;
 use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_verifier::measurement::{self, pcr, EventType, HexDigest};
 
 /// The keel node agent. Started by systemd on every boot of a keel image: it
 /// measures its node config into the TPM before using it, then serves the

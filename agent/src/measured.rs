@@ -11,7 +11,8 @@ use std::fs::{self, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
-use crate::measurement::{self, pcr, Event, EventType, ReplayError};
+use keel_verifier::measurement::{self, pcr, Event, EventType, ReplayError};
+
 use crate::tpm::{Tpm, TpmError};
 
 /// Largest accepted log file.

@@ -12,14 +12,15 @@ use keel_atls::AtlsServer;
 use keel_installer::{InstallerConfig, Mirror};
 use keel_proto::init::init_service_server::InitServiceServer;
 use keel_proto::join::join_service_server::JoinServiceServer;
+use keel_verifier::config::NodeConfig;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::pcr;
 use tokio::net::TcpListener;
 
 use crate::address::AdvertiseAddress;
-use crate::attestation::ek::EkTrust;
 use crate::attestation::issuer::TpmIssuer;
 use crate::attestation::policy::ReloadableValidator;
 use crate::cluster::ClusterSlot;
-use crate::config::NodeConfig;
 use crate::disk::{Cryptsetup, StateDisk, StateMount};
 use crate::grpc::{self, GrpcLimits};
 use crate::init::{InitServer, NodeEnv, RebootPolicy};
@@ -27,7 +28,6 @@ use crate::join::{JoinClient, JoinOutcome, JoinSettings, MAX_TICKET_BYTES};
 use crate::join_service::{JoinService, MAX_REQUEST_BYTES};
 use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
-use crate::measurement::pcr;
 use crate::nodelock::NodeLock;
 
 /// Where the opened state disk is mounted on a node.

@@ -14,8 +14,9 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use keel_verifier::measurement::{pcr, EventType};
+
 use crate::measured::{MeasuredLogError, SharedTpm};
-use crate::measurement::{pcr, EventType};
 use crate::tpm::TpmError;
 
 /// Why the lock was not taken (or its state not read).

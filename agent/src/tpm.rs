@@ -20,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::str::FromStr;
 
+use keel_verifier::measurement::Digest32;
 use tss_esapi::abstraction::{ek, AsymmetricAlgorithmSelection, DefaultKey};
 use tss_esapi::attributes::{ObjectAttributesBuilder, SessionAttributesBuilder};
 use tss_esapi::constants::{CapabilityType, PropertyTag, SessionType, StartupType};
@@ -41,8 +42,6 @@ use tss_esapi::tcti_ldr::TctiNameConf;
 use tss_esapi::traits::Marshall;
 use tss_esapi::Context;
 use zeroize::Zeroizing;
-
-use crate::measurement::Digest32;
 
 /// Persistent handle of the RSA-2048 endorsement key (TCG EK profile).
 const EK_PERSISTENT_HANDLE: u32 = 0x8101_0001;

@@ -6,14 +6,9 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use keel_agent::attestation::ek::EkTrust;
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::attestation::policy::ReloadableValidator;
-use keel_agent::attestation::validator::Verified;
-use keel_agent::config::NodeConfig;
 use keel_agent::measured::MeasuredTpm;
-use keel_agent::measurement::EventType;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_atls::{
     AtlsClient, AtlsServer, ConnectError, DynIssuer, ErrorChain, IssueError, Issuer, PeerInfo,
@@ -23,6 +18,11 @@ use keel_proto::kms::key_service_client::KeyServiceClient;
 use keel_proto::kms::key_service_server::{KeyService, KeyServiceServer};
 use keel_proto::kms::{GetDataKeyRequest, GetDataKeyResponse};
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::EventType;
+use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::validator::Verified;
 use prost::Message;
 use tokio::net::TcpListener;
 use tonic::transport::{Endpoint, Server};

@@ -3,17 +3,17 @@
 
 use std::collections::BTreeMap;
 
-use keel_agent::attestation::ek::{EkError, EkTrust};
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::{Expected, Measurements};
-use keel_agent::attestation::quote::QuoteError;
-use keel_agent::attestation::validator::{ValidationError, Validator};
-use keel_agent::config::NodeConfig;
 use keel_agent::measured::MeasuredTpm;
-use keel_agent::measurement::EventType;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_proto::attestation::AttestationDocument;
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::ek::{EkError, EkTrust};
+use keel_verifier::measurement::EventType;
+use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::quote::QuoteError;
+use keel_verifier::validator::{ValidationError, Validator};
 use prost::Message;
 
 struct Node {

@@ -4,12 +4,12 @@
 
 use keel_agent::components::{install_and_measure, InstallComponentsError};
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
-use keel_agent::measurement::{self, pcr, EventType};
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::{Component, InstallError, Installer, InstallerConfig, NoProgress};
 use keel_testkit::components::stand_in_set;
 use keel_testkit::mirror::{Fault, MirrorServer};
 use keel_testkit::swtpm::Swtpm;
+use keel_verifier::measurement::{self, pcr, EventType};
 
 fn open(swtpm: &Swtpm, dir: &std::path::Path) -> SharedTpm {
     let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();

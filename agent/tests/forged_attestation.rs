@@ -13,10 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use join_common::{free_port, joiner, member, wait_for_port};
-use keel_agent::attestation::ek::EkTrust;
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::{Expected, Measurements};
-use keel_agent::attestation::validator::Validator;
 use keel_atls::{AtlsClient, AtlsServer, ConnectError, ResidencyError};
 use keel_proto::join::join_service_server::{JoinService, JoinServiceServer};
 use keel_proto::join::{
@@ -25,6 +22,9 @@ use keel_proto::join::{
 };
 use keel_testkit::forgery::SoftwareAk;
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::validator::Validator;
 
 /// A join service run by the forger: it records every request that reaches it.
 #[derive(Default, Clone)]
@@ -96,7 +96,7 @@ async fn a_software_ak_passes_the_document_checks_but_not_key_residency() {
     let verified = validator
         .validate(&forged, &nonce, &user_data)
         .expect("the forged document passes the document checks");
-    let genuine_ak = keel_agent::attestation::tpm_wire::Public::parse(
+    let genuine_ak = keel_verifier::tpm_wire::Public::parse(
         &victim.tpm.lock().unwrap().tpm().attestation_key().unwrap(),
     )
     .unwrap();

@@ -6,11 +6,11 @@ mod join_common;
 
 use join_common::{boot_measurements, free_port, joiner, stand_in_components, start_service_with};
 use keel_agent::join::JoinOutcome;
-use keel_agent::measurement::EventType;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::measurement::EventType;
 use prost::Message as _;
 
 const SECRET: &[u8] = b"init secret of the racing node";

@@ -6,10 +6,10 @@
 mod join_common;
 
 use join_common::{free_port, joiner};
-use keel_agent::measurement::pcr;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::measurement::pcr;
 use prost::Message as _;
 
 const SECRET: &[u8] = b"init secret of the checked node";

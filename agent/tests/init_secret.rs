@@ -10,14 +10,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use join_common::{free_port, joiner, node_env, wait_for_port, Joiner};
-use keel_agent::attestation::ek::EkTrust;
-use keel_agent::attestation::validator::{Validator, Verified};
 use keel_agent::cluster::ClusterSlot;
 use keel_atls::AtlsClient;
 use keel_proto::attestation::SealedSecret;
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::validator::{Validator, Verified};
 use prost::Message as _;
 use sha2::Digest as _;
 use tonic::transport::Endpoint;
@@ -55,14 +55,11 @@ async fn init(
         .tpm()
         .pcr_read(&[4, 9, 11, 12, 15])
         .unwrap();
-    let measurements =
-        keel_agent::attestation::measurements::Measurements::new(pcrs.into_iter().map(|(i, v)| {
-            (
-                i,
-                keel_agent::attestation::measurements::Expected::enforced(v),
-            )
-        }))
-        .unwrap();
+    let measurements = keel_verifier::measurements::Measurements::new(
+        pcrs.into_iter()
+            .map(|(i, v)| (i, keel_verifier::measurements::Expected::enforced(v))),
+    )
+    .unwrap();
     let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
     let client =
         AtlsClient::<Verified>::server_attested(Arc::new(Validator::new(measurements, trust)));

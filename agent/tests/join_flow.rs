@@ -11,13 +11,13 @@ use join_common::{
     boot_measurements, boot_measurements_with, free_port, joiner, stand_in_components,
     start_service_with, Joiner, Service,
 };
-use keel_agent::attestation::measurements::Expected;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::join::{JoinOutcome, KubeletKey, TicketError};
 use keel_atls::ConnectError;
 use keel_proto::join::IssueJoinTicketRequest;
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::measurements::Expected;
 
 /// How long a refused node is watched retrying.
 const WATCH: Duration = Duration::from_secs(3);

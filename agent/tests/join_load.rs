@@ -15,10 +15,10 @@ use std::time::Instant;
 
 use join_common::{member, start_service, uuid, Member, Service};
 use keel_agent::join::{KubeletKey, TicketClient, TicketError};
-use keel_agent::measurement::EventType;
 use keel_atls::ConnectError;
 use keel_proto::join::{IssueJoinTicketRequest, IssueJoinTicketResponse};
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::measurement::EventType;
 use x509_parser::prelude::FromDer as _;
 
 const CONCURRENT: usize = 100;

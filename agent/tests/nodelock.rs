@@ -5,10 +5,10 @@
 use std::sync::{Arc, Barrier};
 
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
-use keel_agent::measurement::{self, event_digest, extend, pcr, EventType};
 use keel_agent::nodelock::{LockError, NodeLock};
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_testkit::swtpm::Swtpm;
+use keel_verifier::measurement::{self, event_digest, extend, pcr, EventType};
 
 struct Node {
     swtpm: Swtpm,

@@ -2,10 +2,11 @@
 //! holds the endorsement key and the attestation key they were sealed to.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use keel_agent::attestation::credential::{self, CredentialError};
-use keel_agent::attestation::tpm_wire::Public;
+use keel_agent::attestation::credential::open;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::credential::{seal, CredentialError};
+use keel_verifier::tpm_wire::Public;
 
 fn open_tpm(swtpm: &Swtpm) -> Tpm {
     Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap()
@@ -21,24 +22,24 @@ fn sealed_secret_opens_only_in_its_tpm() {
 
     let ek1 = Public::parse(&tpm1.endorsement().unwrap().public).unwrap();
     let ak1 = Public::parse(&tpm1.attestation_key().unwrap()).unwrap();
-    let sealed = credential::seal(&ek1, &ak1.name, b"the master secret").unwrap();
+    let sealed = seal(&ek1, &ak1.name, b"the master secret").unwrap();
     assert_eq!(
-        credential::open(&mut tpm1, &sealed).unwrap().as_slice(),
+        open(&mut tpm1, &sealed).unwrap().as_slice(),
         b"the master secret"
     );
 
     // Another TPM cannot activate it.
     assert!(matches!(
-        credential::open(&mut tpm2, &sealed),
+        open(&mut tpm2, &sealed),
         Err(CredentialError::Open)
     ));
 
     // Sealed to tpm1's EK but another AK's name (e.g. a software key that
     // signed a forged quote): tpm1 refuses to activate it.
     let ak2 = Public::parse(&tpm2.attestation_key().unwrap()).unwrap();
-    let wrong_ak = credential::seal(&ek1, &ak2.name, b"x").unwrap();
+    let wrong_ak = seal(&ek1, &ak2.name, b"x").unwrap();
     assert!(matches!(
-        credential::open(&mut tpm1, &wrong_ak),
+        open(&mut tpm1, &wrong_ak),
         Err(CredentialError::Open)
     ));
 
@@ -46,16 +47,16 @@ fn sealed_secret_opens_only_in_its_tpm() {
     let mut tampered = sealed.clone();
     tampered.ciphertext[0] ^= 1;
     assert!(matches!(
-        credential::open(&mut tpm1, &tampered),
+        open(&mut tpm1, &tampered),
         Err(CredentialError::Open)
     ));
 
     // The TPM is still usable after refused activations (sessions flushed).
     for _ in 0..5 {
-        assert!(credential::open(&mut tpm2, &sealed).is_err());
+        assert!(open(&mut tpm2, &sealed).is_err());
     }
     assert_eq!(
-        credential::open(&mut tpm1, &sealed).unwrap().as_slice(),
+        open(&mut tpm1, &sealed).unwrap().as_slice(),
         b"the master secret"
     );
 }

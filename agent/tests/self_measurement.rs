@@ -6,9 +6,9 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use keel_agent::measurement::{event_digest, extend, pcr, replay, Event, EventType};
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::measurement::{event_digest, extend, pcr, replay, Event, EventType};
 
 const CONFIG_A: &str = r#"{"cluster":{"control_plane_endpoints":["10.0.0.1:9090"]},"node":{"name":"a","role":"worker"}}"#;
 const CONFIG_B: &str = r#"{"cluster":{"control_plane_endpoints":["10.0.0.2:9090"]},"node":{"name":"a","role":"worker"}}"#;

@@ -13,16 +13,16 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use keel_agent::attestation::credential;
-use keel_agent::attestation::ek::EkTrust;
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::Measurements;
-use keel_agent::attestation::validator::Validator;
-use keel_agent::config::NodeConfig;
 use keel_agent::measured::MeasuredTpm;
-use keel_agent::measurement::{pcr, EventType};
 use keel_agent::tpm::{LockoutState, TctiSpec, Tpm, TpmError};
 use keel_atls::ErrorChain;
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::{pcr, EventType};
+use keel_verifier::measurements::Measurements;
+use keel_verifier::validator::Validator;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -91,7 +91,9 @@ fn boot(
             .validate(&document, nonce.as_bytes(), b"user data")
             .map_err(|e| format!("validation: {}", ErrorChain(&e)))?;
         let secret = format!("secret of boot {n}");
-        let sealed = credential::seal(&verified.ek, &verified.ak.name, secret.as_bytes()).unwrap();
+        let sealed =
+            keel_verifier::credential::seal(&verified.ek, &verified.ak.name, secret.as_bytes())
+                .unwrap();
         let opened = credential::open(shared.lock().unwrap().tpm(), &sealed)
             .map_err(|e| format!("opening the sealed secret: {}", ErrorChain(&e)))?;
         if opened.as_slice() != secret.as_bytes() {

@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 
-use keel_agent::attestation::quote::{qualifying_data, verify_quote, QuoteError};
-use keel_agent::attestation::tpm_wire::{attr, Public};
-use keel_agent::measurement::{extend, Digest32};
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::measurement::{extend, Digest32};
+use keel_verifier::quote::{qualifying_data, verify_quote, QuoteError};
+use keel_verifier::tpm_wire::{attr, Public};
 
 fn tpm() -> (EkCa, Swtpm, Tpm) {
     let ca = EkCa::new().unwrap();

@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use keel_agent::attestation::credential;
-use keel_agent::attestation::validator::Verified;
 use keel_atls::AtlsClient;
 use keel_proto::components::{Component, Components};
 use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
+use keel_verifier::credential;
+use keel_verifier::validator::Verified;
 use prost::Message as _;
 use rand::RngCore;
 use serde::Serialize;

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 mod init;
+mod logging;
 mod settings;
 mod verify;
 
@@ -60,7 +61,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    keel_agent::logging::init(tracing::Level::WARN);
+    crate::logging::init(tracing::Level::WARN);
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

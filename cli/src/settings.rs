@@ -3,9 +3,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use keel_agent::attestation::ek::EkTrust;
-use keel_agent::attestation::measurements::Measurements;
-use keel_agent::attestation::validator::Validator;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurements::Measurements;
+use keel_verifier::validator::Validator;
 use serde::Deserialize;
 
 /// Largest settings, measurements or secret file read.

@@ -5,10 +5,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use keel_agent::attestation::measurements::{Measurements, Mismatch};
-use keel_agent::attestation::validator::Verified;
-use keel_agent::measurement::{Event, HexDigest};
 use keel_atls::AtlsClient;
+use keel_verifier::measurement::{Event, HexDigest};
+use keel_verifier::measurements::{Measurements, Mismatch};
+use keel_verifier::validator::Verified;
 use serde::Serialize;
 
 use crate::settings::Settings;

@@ -9,16 +9,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::attestation::measurements::{Expected, Measurements};
-use keel_agent::config::NodeConfig;
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
-use keel_agent::measurement::EventType;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_atls::AtlsServer;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitRequest, InitResponse};
 use keel_testkit::forgery::SoftwareAk;
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::measurement::EventType;
+use keel_verifier::measurements::{Expected, Measurements};
 use tokio_stream::wrappers::ReceiverStream;
 
 const SECRET: &[u8] = b"the init secret a forger wants";

@@ -9,19 +9,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_agent::address::AdvertiseAddress;
-use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::cluster::ClusterSlot;
-use keel_agent::config::NodeConfig;
 use keel_agent::init::{NodeEnv, RebootPolicy};
 use keel_agent::kubeadm::Kubeadm;
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
-use keel_agent::measurement::{event_digest, extend, pcr, EventType};
 use keel_agent::nodelock::NodeLock;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::InstallerConfig;
 use keel_testkit::components::{stand_in_set_with, KubeExecutables};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::measurement::{event_digest, extend, pcr, EventType};
+use keel_verifier::measurements::{Expected, Measurements};
 
 const SECRET: &[u8] = b"correct horse battery staple init secret";
 

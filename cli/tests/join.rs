@@ -20,14 +20,14 @@ use std::time::Duration;
 use join_common::{
     boot_measurements, boot_measurements_with, joiner_with, node_env, stand_in_components, Joiner,
 };
-use keel_agent::attestation::measurements::Expected;
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::join::JoinOutcome;
 use keel_agent::join_service::JoinService;
-use keel_agent::measurement::EventType;
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::measurement::EventType;
+use keel_verifier::measurements::Expected;
 
 const SECRET: &[u8] = b"correct horse battery staple init secret";
 

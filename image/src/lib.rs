@@ -12,7 +12,7 @@
 //! computes the image hash firmware measures, [`pcr`] replays extends and
 //! [`predict`] models each PCR's events. The measurements file verifiers
 //! read is the agent's
-//! [`Measurements`](keel_agent::attestation::measurements::Measurements).
+//! [`Measurements`](keel_verifier::measurements::Measurements).
 
 #![forbid(unsafe_code)]
 

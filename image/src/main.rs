@@ -9,9 +9,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use keel_agent::config::NodeConfig;
 use keel_image::pcr::{replay, Event};
 use keel_image::predict::{self, Uki};
+use keel_verifier::config::NodeConfig;
 
 /// Predicts PCRs 4, 9, 11 and 12 from a built image and a node config.
 #[derive(Debug, Parser)]

@@ -9,8 +9,8 @@
 
 use thiserror::Error;
 
-use keel_agent::attestation::measurements::{Expected, Measurements, MeasurementsError};
-use keel_agent::config::NodeConfig;
+use keel_verifier::config::NodeConfig;
+use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
 
 use crate::authenticode::{self, AuthenticodeError};
 use crate::pcr::{replay, Digest, Event};
@@ -23,7 +23,7 @@ pub const PCR_KERNEL_PARAMETERS: u32 = 9;
 /// The PCR systemd-stub measures the UKI's sections into.
 pub const PCR_KERNEL_BOOT: u32 = 11;
 /// The PCR the keel agent measures its node config into.
-pub const PCR_NODE_CONFIG: u32 = keel_agent::measurement::pcr::CONFIG;
+pub const PCR_NODE_CONFIG: u32 = keel_verifier::measurement::pcr::CONFIG;
 
 /// The UKI sections systemd-stub measures, in measurement order (`.pcrsig`
 /// is never measured: it holds signatures over these very values).

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use keel_agent::measurement::Digest32;
+use keel_verifier::measurement::Digest32;
 
 /// The line the agent prints once its config is measured and it is ready.
 pub const READY_LINE: &str = "keel-agent: ready";

@@ -27,13 +27,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use keel_agent::config::Role;
 use keel_e2e::image::IMAGE_DIR_VAR;
 use keel_e2e::mini::cluster::{JOINED_LINE, JOIN_FAILED_LINE, REJOINED_LINE};
 use keel_e2e::mini::config::{MEASUREMENTS, MEASUREMENTS_MEMBER, PCR_CLUSTER_ID};
 use keel_e2e::mini::verify::Verification;
 use keel_e2e::mini::{disk, procs, Cluster, Node, UpOptions};
 use keel_e2e::report::READY_LINE;
+use keel_verifier::config::Role;
 
 type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 

@@ -14,13 +14,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use keel_agent::attestation::measurements::Measurements;
-use keel_agent::config::NodeConfig;
-use keel_agent::measurement::{self, Event, EventType, HexDigest};
 use keel_e2e::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
 use keel_e2e::report::{reported_pcrs, READY_LINE};
 use keel_e2e::vm::{Vm, VmBuilder};
 use keel_image::predict::{self, Uki};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::measurement::{self, Event, EventType, HexDigest};
+use keel_verifier::measurements::Measurements;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 

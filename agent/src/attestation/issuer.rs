@@ -1,9 +1,9 @@
 //! The node side: an attestation document from the TPM and the event log.
 
 use keel_proto::attestation::{AttestationDocument, MeasurementEvent, PcrValue};
+use keel_verifier::quote::qualifying_data;
 use prost::Message;
 
-use super::quote::qualifying_data;
 use crate::measured::SharedTpm;
 use crate::tpm::TpmError;
 

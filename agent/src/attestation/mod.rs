@@ -1,11 +1,7 @@
-//! Attestation: the document a node presents, how it is issued from the TPM
-//! and how a verifier checks it.
+//! Attestation on the node: the document it presents, issued from the TPM,
+//! the TPM half of sealed secrets, and the verifier's reloadable policy.
+//! How a document is checked is [`keel_verifier`]'s.
 
 pub mod credential;
-pub mod ek;
 pub mod issuer;
-pub mod measurements;
 pub mod policy;
-pub mod quote;
-pub mod tpm_wire;
-pub mod validator;

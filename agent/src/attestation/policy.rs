@@ -3,8 +3,9 @@
 //!
 //! A new file is parsed and a new [`Validator`] built before anything is
 //! swapped; a file that does not parse, or that does not enforce the PCRs
-//! every set must enforce ([`super::measurements::REQUIRED_PCRS`]), leaves
-//! the old validator in place and is logged. Handshakes in flight finish on
+//! every set must enforce
+//! ([`keel_verifier::measurements::REQUIRED_PCRS`]), leaves the old
+//! validator in place and is logged. Handshakes in flight finish on
 //! the validator they started with.
 
 use std::path::{Path, PathBuf};
@@ -12,11 +13,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use keel_atls::SwappableValidator;
-
-use super::ek::EkTrust;
-use super::measurements::{Measurements, MeasurementsError, MAX_MEASUREMENTS_BYTES};
-use super::validator::{ProvenKeys, Validator, Verified};
-use crate::measurement::Digest32;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::Digest32;
+use keel_verifier::measurements::{Measurements, MeasurementsError, MAX_MEASUREMENTS_BYTES};
+use keel_verifier::validator::{ProvenKeys, Validator, Verified};
 
 /// Loading a policy failed.
 #[derive(Debug, thiserror::Error)]
@@ -164,7 +164,7 @@ fn build(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::attestation::measurements::{Expected, REQUIRED_PCRS};
+    use keel_verifier::measurements::{Expected, REQUIRED_PCRS};
 
     const H: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 

@@ -16,13 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_agent::address::AdvertiseAddress;
-use keel_agent::attestation::credential;
-use keel_agent::attestation::ek::EkTrust;
-use keel_agent::attestation::measurements::{Expected, Measurements};
 use keel_agent::attestation::policy::ReloadableValidator;
-use keel_agent::attestation::tpm_wire::Public;
 use keel_agent::cluster::{ClusterSlot, ClusterState};
-use keel_agent::config::NodeConfig;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::disk::StateDisk;
 use keel_agent::init::InitServer;
@@ -33,7 +28,6 @@ use keel_agent::join_service::JoinService;
 use keel_agent::key_service::{self, KeyService};
 use keel_agent::kubeadm::Kubeadm;
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
-use keel_agent::measurement::EventType;
 use keel_agent::nodelock::NodeLock;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::{Component, InstallerConfig};
@@ -41,6 +35,12 @@ use keel_proto::attestation::SealedSecret;
 use keel_testkit::components::{stand_in_set_with, KubeExecutables};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::credential;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::EventType;
+use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::tpm_wire::Public;
 use rand::RngCore as _;
 use sha2::Digest as _;
 
@@ -94,7 +94,7 @@ pub fn boot_measurements_with(
         .map(|pcr| (pcr, Expected::enforced([0; 32])))
         .collect();
     entries.insert(
-        keel_agent::measurement::pcr::CONFIG,
+        keel_verifier::measurement::pcr::CONFIG,
         Expected::enforced(config.expected_config_pcr()),
     );
     entries.extend(extra);
@@ -566,6 +566,6 @@ pub fn pcr15(tpm: &SharedTpm) -> [u8; 32] {
     tpm.lock()
         .unwrap()
         .tpm()
-        .pcr_read(&[keel_agent::measurement::pcr::CLUSTER_ID])
-        .unwrap()[&keel_agent::measurement::pcr::CLUSTER_ID]
+        .pcr_read(&[keel_verifier::measurement::pcr::CLUSTER_ID])
+        .unwrap()[&keel_verifier::measurement::pcr::CLUSTER_ID]
 }

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use keel_agent::config::{NodeConfig, Role};
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::config::{NodeConfig, Role};
 
 use super::config::{self, CliSettings};
 use super::disk::{self, MasterSecret};

@@ -6,10 +6,10 @@ use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
-use keel_agent::attestation::measurements::{Expected, Measurements};
-use keel_agent::config::{ClusterConfig, NodeConfig, NodeIdentity, Role};
 use keel_image::pcr::replay;
 use keel_image::predict::{self, Uki};
+use keel_verifier::config::{ClusterConfig, NodeConfig, NodeIdentity, Role};
+use keel_verifier::measurements::{Expected, Measurements};
 use rand::RngCore as _;
 use serde::Serialize;
 use sha2::{Digest as _, Sha256};

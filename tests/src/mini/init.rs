@@ -7,14 +7,14 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-use keel_agent::attestation::credential;
-use keel_agent::attestation::ek::EkTrust;
-use keel_agent::attestation::measurements::Measurements;
-use keel_agent::attestation::validator::Validator;
 use keel_atls::AtlsClient;
 use keel_proto::components::{Component, Components};
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
+use keel_verifier::credential;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurements::Measurements;
+use keel_verifier::validator::Validator;
 use prost::Message as _;
 use rand::RngCore as _;
 use serde::Deserialize;

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use keel_agent::measurement::{Event, EventType};
+use keel_verifier::measurement::{Event, EventType};
 use serde::Deserialize;
 
 use super::MiniError;

@@ -13,7 +13,7 @@ use x509_parser::oid_registry::OID_X509_EXT_BASIC_CONSTRAINTS;
 use x509_parser::prelude::{FromDer, ParsedExtension, X509Certificate};
 use x509_parser::public_key::PublicKey as CertKey;
 
-use super::tpm_wire::{Public, PublicKey};
+use crate::tpm_wire::{Public, PublicKey};
 
 /// Why an endorsement key is not trusted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -5,8 +5,8 @@
 //! SHA-256 of its bytes is extended into a PCR of the SHA-256 bank and the
 //! event is appended to an append-only log. A verifier replays the log
 //! ([`replay`]) and compares the result with quoted PCR values. This module
-//! is pure: the TPM side lives in [`crate::tpm`], the wiring in
-//! [`crate::measured`].
+//! is pure: the TPM side lives in the agent (`keel_agent::tpm`), the wiring
+//! in `keel_agent::measured`.
 
 use std::collections::BTreeMap;
 use std::fmt;

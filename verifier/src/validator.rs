@@ -9,7 +9,7 @@
 //! cannot prove, that the AK lives in the EK's TPM, is proven next, before
 //! aTLS hands the connection to anyone: a key residency challenge made with
 //! TPM2_MakeCredential to the EK and the AK's name
-//! ([`keel_atls::Validator::residency_challenge`], [`super::credential`]).
+//! ([`keel_atls::Validator::residency_challenge`], [`crate::credential`]).
 //! A validator remembers (bounded) the EK and AK pairs proven through it, so
 //! later handshakes with the same AK skip the TPM round.
 
@@ -20,11 +20,11 @@ use keel_proto::attestation::AttestationDocument;
 use prost::Message;
 use sha2::{Digest as _, Sha256};
 
-use super::ek::{EkError, EkTrust};
-use super::measurements::{Measurements, Mismatch};
-use super::quote::{qualifying_data, verify_quote, QuoteError};
-use super::tpm_wire::{Public, WireError};
+use crate::ek::{EkError, EkTrust};
 use crate::measurement::{verify_replay, Digest32, Event, EventType, ReplayError};
+use crate::measurements::{Measurements, Mismatch};
+use crate::quote::{qualifying_data, verify_quote, QuoteError};
+use crate::tpm_wire::{Public, WireError};
 
 /// Largest accepted encoded document.
 pub const MAX_DOCUMENT_BYTES: usize = 256 * 1024;
@@ -296,7 +296,7 @@ impl keel_atls::Validator for Validator {
         if self.proven.contains(claims) {
             return Ok(None);
         }
-        let (message, secret) = super::credential::residency_challenge(&claims.ek, &claims.ak.name)
+        let (message, secret) = crate::credential::residency_challenge(&claims.ek, &claims.ak.name)
             .map_err(keel_atls::ValidationError::rejected)?;
         Ok(Some(keel_atls::Challenge::new(message, secret)))
     }

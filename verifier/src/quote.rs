@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use p256::ecdsa::signature::hazmat::PrehashVerifier;
 use sha2::{Digest as _, Sha256};
 
-use super::tpm_wire::{alg, attr, EcdsaSignature, Public, PublicKey, QuoteInfo, WireError};
 use crate::measurement::Digest32;
+use crate::tpm_wire::{alg, attr, EcdsaSignature, Public, PublicKey, QuoteInfo, WireError};
 
 /// Domain separator of the qualifying data.
 const QUALIFYING_DATA_CONTEXT: &[u8] = b"keel-quote-v1";

@@ -4,7 +4,7 @@
 //! of a cluster and measured into the config PCR (12, enforced by
 //! verifiers), and `node`, this node's name and role, measured into PCR 13
 //! (logged, not enforced). The agent measures both before it uses either
-//! ([`crate::measured`]). Sources, in order: an explicit path, the QEMU
+//! (`keel_agent::measured`). Sources, in order: an explicit path, the QEMU
 //! fw_cfg item `opt/keel/node-config`, the image default
 //! `/usr/lib/keel/node-config.json`.
 

@@ -1,0 +1,15 @@
+//! The verifier side of keel's attestation, pure Rust and without a TPM:
+//! the node config's canonical form, the measurement log and its replay,
+//! the measurements file, TPM wire formats, quote and EK certificate
+//! checks, the attestation [`validator`], and sealing secrets to a TPM
+//! (MakeCredential). The CLI and `keel-measure` depend on this crate alone;
+//! the agent adds the TPM half (issuing, opening, answering).
+
+pub mod config;
+pub mod credential;
+pub mod ek;
+pub mod measurement;
+pub mod measurements;
+pub mod quote;
+pub mod tpm_wire;
+pub mod validator;
