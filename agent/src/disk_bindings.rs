@@ -9,6 +9,7 @@
 //! atomically (0600), bounded in size, entries and disks per EK; a corrupt
 //! file is refused loudly and left alone for an operator.
 
+use crate::paths::DISK_BINDINGS;
 use std::collections::BTreeMap;
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -20,8 +21,6 @@ use crate::files::WriteFileError;
 use crate::key_service::DiskKeyIdError;
 use keel_verifier::tpm_wire::Public;
 
-/// The disk binding store, in the join service's work directory.
-pub const DISK_BINDINGS_FILE: &str = "disk-bindings.json";
 /// Most disks the binding store holds; further new disks are refused.
 pub const MAX_DISK_BINDINGS: usize = 10_000;
 /// Most disks bound to one endorsement key: an attested node that keeps
@@ -186,12 +185,12 @@ pub struct DiskBindings {
 }
 
 impl DiskBindings {
-    /// The store in `dir` ([`DISK_BINDINGS_FILE`]); nothing is read yet.
+    /// The store in `dir` ([`DISK_BINDINGS`](crate::paths::DISK_BINDINGS)); nothing is read yet.
     /// The init path records the first node's own disk through the same
     /// directory the join service uses.
     pub fn new(dir: &Path) -> Self {
         Self {
-            path: dir.join(DISK_BINDINGS_FILE),
+            path: dir.join(DISK_BINDINGS),
         }
     }
 
@@ -369,7 +368,7 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().file_name())
             .collect();
-        assert_eq!(names, [DISK_BINDINGS_FILE], "a temporary file was left");
+        assert_eq!(names, [DISK_BINDINGS], "a temporary file was left");
     }
 
     #[test]

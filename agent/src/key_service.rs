@@ -14,15 +14,14 @@
 //! * [`MEASUREMENT_SECRET_ID`]: the measurement secret, which with the
 //!   measurement salt gives the [`cluster_id`].
 //!
-//! [`GrpcKeyService`] serves `keel.kms.v1.KeyService/GetDataKey` on top of a
-//! [`KeyService`]. Key bytes never appear in logs, errors or `Debug` output.
+//! The key service runs in-process on every node that holds the master
+//! secret (the join service derives disk keys through it). Key bytes never
+//! appear in logs, errors or `Debug` output.
 
 use std::fmt;
 use std::ops::RangeInclusive;
-use std::sync::Arc;
 
 use hkdf::Hkdf;
-use keel_proto::kms::{key_service_server, GetDataKeyRequest, GetDataKeyResponse};
 use sha2::Sha256;
 use zeroize::Zeroizing;
 
@@ -209,54 +208,6 @@ pub fn cluster_id(
     Ok(id)
 }
 
-/// `keel.kms.v1.KeyService` over a [`KeyService`]: a thin adapter that
-/// validates the request, derives the key and maps every error to
-/// `InvalidArgument` with a short message. It logs the key ID and length,
-/// never the key.
-#[derive(Debug, Clone)]
-pub struct GrpcKeyService {
-    keys: Arc<KeyService>,
-}
-
-impl GrpcKeyService {
-    /// Serves keys derived by `keys`.
-    pub fn new(keys: Arc<KeyService>) -> Self {
-        Self { keys }
-    }
-
-    /// The tonic service, ready to be added to a server.
-    pub fn into_server(self) -> key_service_server::KeyServiceServer<Self> {
-        key_service_server::KeyServiceServer::new(self)
-    }
-}
-
-#[tonic::async_trait]
-impl key_service_server::KeyService for GrpcKeyService {
-    async fn get_data_key(
-        &self,
-        request: tonic::Request<GetDataKeyRequest>,
-    ) -> Result<tonic::Response<GetDataKeyResponse>, tonic::Status> {
-        let request = request.into_inner();
-        let len = usize::try_from(request.length).unwrap_or(usize::MAX);
-        match self.keys.data_key(&request.data_key_id, len) {
-            Ok(key) => {
-                tracing::info!(
-                    key_id = %request.data_key_id.escape_debug(),
-                    length = len,
-                    "issued data key"
-                );
-                Ok(tonic::Response::new(GetDataKeyResponse {
-                    data_key: key.to_vec(),
-                }))
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, "refused data key request");
-                Err(tonic::Status::invalid_argument(err.to_string()))
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -384,34 +335,5 @@ mod tests {
         let text = format!("{keys:?}");
         assert!(text.contains("redacted"), "{text}");
         assert!(!text.contains("65, 65") && !text.contains("AAAA"), "{text}");
-    }
-
-    #[tokio::test]
-    async fn grpc_adapter_serves_keys_and_refuses_bad_requests() {
-        use key_service_server::KeyService as _;
-        let grpc = GrpcKeyService::new(Arc::new(service()));
-        let ok = grpc
-            .get_data_key(tonic::Request::new(GetDataKeyRequest {
-                data_key_id: MEASUREMENT_SECRET_ID.into(),
-                length: 48,
-            }))
-            .await
-            .unwrap();
-        assert_eq!(hex::encode(&ok.get_ref().data_key), MEASUREMENT_SECRET_48);
-        for (id, length) in [("", 32), ("a", 8), ("a", 65), ("a", u32::MAX)] {
-            let status = grpc
-                .get_data_key(tonic::Request::new(GetDataKeyRequest {
-                    data_key_id: id.into(),
-                    length,
-                }))
-                .await
-                .unwrap_err();
-            assert_eq!(
-                status.code(),
-                tonic::Code::InvalidArgument,
-                "{id:?} {length}"
-            );
-            assert!(status.message().len() < 80, "{}", status.message());
-        }
     }
 }

@@ -1,5 +1,16 @@
 //! The keel node agent: measures its config, serves init, runs join, and
 //! binds the node's secrets to what it booted.
+//!
+//! The modules, from the bottom up:
+//!
+//! * the TPM: [`tpm`] (the one wrapper), [`measured`] (TPM plus event log),
+//!   [`nodelock`] (PCR 15, the one-way switch), [`attestation`] (quotes as
+//!   aTLS evidence, the join service's policy);
+//! * the node: [`paths`], [`disk`], [`components`], [`kubeadm`] (every
+//!   kubeadm call), [`provision`] (the steps after the lock);
+//! * the flows: [`init`], [`join`] (client, ticket, service), with
+//!   [`key_service`], [`disk_bindings`] and [`cluster`] for a control plane;
+//! * serving: [`grpc`] (limits), [`node`] (what runs on a booted node).
 
 pub mod address;
 pub mod attestation;
@@ -11,14 +22,15 @@ pub mod files;
 pub mod grpc;
 pub mod init;
 pub mod join;
-pub mod join_service;
 pub mod key_service;
 pub mod kubeadm;
 pub mod logging;
 pub mod measured;
 pub mod node;
 pub mod nodelock;
+pub mod paths;
+pub mod provision;
 pub mod reboot;
 pub mod systemd;
-pub mod throttle;
+mod throttle;
 pub mod tpm;

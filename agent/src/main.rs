@@ -87,7 +87,7 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let tcti: TctiSpec = cli.tcti.parse()?;
-    let log_path = cli.state_dir.join("eventlog.jsonl");
+    let log_path = cli.state_dir.join(keel_agent::paths::EVENT_LOG);
     match cli.command {
         Command::Pcrs => {
             let mut tpm = Tpm::open(&tcti)?;
@@ -158,8 +158,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if once {
                 return Ok(());
             }
-            let measurements =
-                measurements.unwrap_or_else(|| cli.state_dir.join("join-measurements.json"));
+            let measurements = measurements
+                .unwrap_or_else(|| cli.state_dir.join(keel_agent::paths::JOIN_MEASUREMENTS));
             let served = runtime.block_on(serve(
                 config,
                 tpm.clone(),

@@ -11,7 +11,6 @@ use std::time::Duration;
 use keel_atls::AtlsServer;
 use keel_installer::{InstallerConfig, Mirror};
 use keel_proto::init::init_service_server::InitServiceServer;
-use keel_proto::join::join_service_server::JoinServiceServer;
 use keel_verifier::config::NodeConfig;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurement::pcr;
@@ -23,26 +22,15 @@ use crate::attestation::policy::ReloadableValidator;
 use crate::cluster::ClusterSlot;
 use crate::disk::{Cryptsetup, StateDisk, StateMount};
 use crate::grpc::{self, GrpcLimits};
-use crate::init::{InitServer, NodeEnv, RebootPolicy};
-use crate::join::{JoinClient, JoinOutcome, JoinSettings, MAX_TICKET_BYTES};
-use crate::join_service::{JoinService, MAX_REQUEST_BYTES};
+use crate::init::InitServer;
+use crate::join::{JoinClient, JoinOutcome, JoinService, JoinSettings};
 use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
 use crate::nodelock::NodeLock;
+use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT};
+use crate::provision::{KubeletStart, NodeEnv};
+use crate::reboot::RebootPolicy;
 
-/// Where the opened state disk is mounted on a node.
-pub const STATE_MOUNT: &str = "/run/state";
-/// Directories of the state disk bind-mounted over the paths Kubernetes
-/// uses, which the read-only image provides as empty mount points.
-pub const STATE_BINDS: [(&str, &str); 4] = [
-    ("kubernetes", "/etc/kubernetes"),
-    ("kubelet", "/var/lib/kubelet"),
-    ("cni", "/opt/cni"),
-    ("opt-kubernetes", "/opt/kubernetes"),
-];
-/// Where components install their binaries on a node (see the versions
-/// table): on the state disk.
-pub const BIN_DIR: &str = "/run/state/bin";
 /// Largest init request: the CLI sends at most 1 MiB of components (its
 /// JSON file limit; no larger as protobuf) and 64 KiB of join measurements,
 /// plus small fields.
@@ -89,6 +77,7 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
                     .collect(),
             }),
         }),
+        kubelet: KubeletStart::Systemd,
         reboot: RebootPolicy::After(Duration::from_secs(60)),
     })
 }
@@ -130,15 +119,6 @@ pub fn init_service(init: InitServer) -> InitServiceServer<InitServer> {
         .max_encoding_message_size(MAX_INIT_RESPONSE_BYTES)
 }
 
-/// The join service with its message sizes bounded: requests as the
-/// service reads them, tickets to what the join client accepts.
-pub fn join_service(service: JoinService) -> JoinServiceServer<JoinService> {
-    service
-        .into_service()
-        .max_decoding_message_size(MAX_REQUEST_BYTES)
-        .max_encoding_message_size(MAX_TICKET_BYTES)
-}
-
 /// The join service's validator: the measurements file, plus the cluster's
 /// config PCR and PCR 15 = zero (a node already in a cluster cannot join).
 pub fn join_service_policy(
@@ -173,7 +153,7 @@ pub async fn serve_join(
         request_timeout: JOIN_REQUEST_TIMEOUT,
         ..GrpcLimits::default()
     };
-    let service = join_service(service);
+    let service = service.into_service();
     grpc::serve(incoming, &limits, |server| server.add_service(service)).await?;
     Ok(())
 }

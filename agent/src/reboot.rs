@@ -2,8 +2,18 @@
 //! disk is marked for reset and the node reboots, which zeroes the PCRs, so
 //! it can be tried again from a clean state.
 
+use std::time::Duration;
+
 use crate::disk::StateDisk;
-use crate::init::RebootPolicy;
+
+/// What to do after a fatal failure.
+#[derive(Clone, Copy, Debug)]
+pub enum RebootPolicy {
+    /// Reboot after this grace period (a node).
+    After(Duration),
+    /// Never reboot (host tests); the failure is still reported.
+    Never,
+}
 
 /// Marks the state disk (if any) for reset and schedules the reboot the
 /// policy asks for. Returns what happened, one line each, for the report.

@@ -286,7 +286,7 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
         Err(other) => panic!("{}", keel_atls::ErrorChain(&other)),
         Ok(_) => panic!("a disk key was issued"),
     }
-    assert!(keel_agent::join_service::JoinService::new(
+    assert!(keel_agent::join::JoinService::new(
         service.state.clone(),
         join_common::standin_kubeadm(&service.root),
         service.work_dir(),

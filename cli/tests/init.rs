@@ -10,10 +10,11 @@ use std::sync::Arc;
 
 use keel_agent::address::AdvertiseAddress;
 use keel_agent::cluster::ClusterSlot;
-use keel_agent::init::{NodeEnv, RebootPolicy};
 use keel_agent::kubeadm::Kubeadm;
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
 use keel_agent::nodelock::NodeLock;
+use keel_agent::provision::{KubeletStart, NodeEnv};
+use keel_agent::reboot::RebootPolicy;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::InstallerConfig;
 use keel_testkit::components::{stand_in_set_with, KubeExecutables};
@@ -103,6 +104,7 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
         work_dir: dir.path().to_owned(),
         advertise_address: AdvertiseAddress::Fixed("127.0.0.1".parse().unwrap()),
         state_disk: None,
+        kubelet: KubeletStart::Systemd,
         reboot: RebootPolicy::Never,
     };
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -23,7 +23,7 @@ use join_common::{
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::join::JoinOutcome;
-use keel_agent::join_service::JoinService;
+use keel_agent::join::JoinService;
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::measurement::EventType;

@@ -21,8 +21,6 @@ use rand::Rng as _;
 
 use super::yaml::Yaml;
 
-/// Where the installer puts the control-plane image patches (`data:` components).
-pub const DEFAULT_PATCHES_DIR: &str = "/opt/kubernetes/patches";
 /// The container runtime's CRI socket.
 pub const CRI_SOCKET: &str = "unix:///run/containerd/containerd.sock";
 /// The API server's port.
@@ -139,6 +137,17 @@ impl fmt::Debug for BootstrapToken {
 pub struct CaCertHash(String);
 
 impl CaCertHash {
+    /// The hash of the first certificate in `pem`, `None` when it does not
+    /// parse.
+    pub fn of_ca_pem(pem: &[u8]) -> Option<Self> {
+        use sha2::Digest as _;
+        use x509_parser::prelude::{FromDer as _, X509Certificate};
+        let (_, pem) = x509_parser::pem::parse_x509_pem(pem).ok()?;
+        let (_, cert) = X509Certificate::from_der(&pem.contents).ok()?;
+        let digest = sha2::Sha256::digest(cert.tbs_certificate.subject_pki.raw);
+        Some(Self(format!("sha256:{}", hex::encode(digest))))
+    }
+
     /// The hash as kubeadm takes it.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -254,7 +263,7 @@ pub struct InitConfig {
     pub service_cidr: String,
     /// Pod CIDR, e.g. `10.244.0.0/16`.
     pub pod_cidr: String,
-    /// Directory of kubeadm patches (see [`DEFAULT_PATCHES_DIR`]).
+    /// Directory of kubeadm patches (see [`crate::paths::PATCHES_DIR`]).
     pub patches_dir: PathBuf,
     /// The bootstrap token kubeadm creates, for the join service to hand out.
     pub bootstrap_token: BootstrapToken,
@@ -361,7 +370,7 @@ pub struct JoinConfig {
     pub ca_cert_hashes: Vec<CaCertHash>,
     /// Present for control-plane joins.
     pub control_plane: Option<ControlPlaneJoin>,
-    /// Directory of kubeadm patches (see [`DEFAULT_PATCHES_DIR`]).
+    /// Directory of kubeadm patches (see [`crate::paths::PATCHES_DIR`]).
     pub patches_dir: PathBuf,
 }
 

@@ -7,6 +7,9 @@
 //!   (they carry the bootstrap token).
 //! * [`run`]: runs `kubeadm init`/`join` with a time limit, streaming its
 //!   output, and returns the admin kubeconfig after `init`.
+//! * [`token`]: `kubeadm token create` for a join ticket's bootstrap token.
+//!
+//! Every kubeadm call of the agent goes through [`Kubeadm`].
 //!
 //! kubeadm is an external program (installed as a verified, measured
 //! component); keel drives it through its documented command line and
@@ -14,10 +17,11 @@
 
 pub mod config;
 pub mod run;
+pub mod token;
 mod yaml;
 
 pub use config::{
     BootstrapToken, CaCertHash, CertificateKey, ConfigApi, ConfigError, ControlPlaneJoin,
-    InitConfig, JoinConfig, ParseSecretError, DEFAULT_PATCHES_DIR,
+    InitConfig, JoinConfig, ParseSecretError,
 };
 pub use run::{Kubeadm, KubeadmError};

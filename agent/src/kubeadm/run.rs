@@ -26,14 +26,16 @@ use tokio::process::Command;
 use tokio::sync::mpsc;
 use zeroize::Zeroizing;
 
+use super::config::ConfigError;
+use crate::files::WriteFileError;
+use crate::paths::ADMIN_CONF;
+
 /// Longest output line passed on; longer lines are cut.
 pub const MAX_LINE: usize = 4096;
 /// Lines of output kept for an error message.
 const TAIL_LINES: usize = 20;
 /// Largest kubeconfig read back.
 pub const MAX_KUBECONFIG: u64 = 1024 * 1024;
-/// The admin kubeconfig kubeadm writes, relative to the root.
-pub const ADMIN_CONF: &str = "etc/kubernetes/admin.conf";
 
 /// A kubeadm run that failed.
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +53,7 @@ pub enum KubeadmError {
     /// kubeadm did not finish in time (it was killed).
     #[error("kubeadm {command} did not finish within {after:?}")]
     Timeout {
-        /// `init`, `join` or `reset`.
+        /// `init`, `join`, `reset` or `token`.
         command: &'static str,
         /// The limit.
         after: Duration,
@@ -59,7 +61,7 @@ pub enum KubeadmError {
     /// kubeadm exited unsuccessfully.
     #[error("kubeadm {command} failed ({status}): {}", summary(last_lines))]
     Failed {
-        /// `init`, `join` or `reset`.
+        /// `init`, `join`, `reset` or `token`.
         command: &'static str,
         /// The exit status.
         status: ExitStatus,
@@ -75,6 +77,12 @@ pub enum KubeadmError {
         #[source]
         last: Box<KubeadmError>,
     },
+    /// The configuration for kubeadm cannot be made.
+    #[error("kubeadm configuration")]
+    Config(#[source] ConfigError),
+    /// The configuration file could not be written.
+    #[error("writing the kubeadm configuration")]
+    WriteConfig(#[source] WriteFileError),
     /// The admin kubeconfig could not be read after `init`.
     #[error("reading the admin kubeconfig {path:?}")]
     ReadKubeconfig {
@@ -84,6 +92,15 @@ pub enum KubeadmError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// What becomes of kubeadm's standard output.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Stdout {
+    /// Streamed line by line, like stderr.
+    Stream,
+    /// Never read (it carries a secret).
+    Discard,
 }
 
 /// How kubeadm is run.
@@ -159,8 +176,14 @@ impl Kubeadm {
         config: &Path,
         on_line: &mut (dyn FnMut(&str) + Send),
     ) -> Result<Zeroizing<Vec<u8>>, KubeadmError> {
-        self.run("init", &self.init_args(config), self.init_timeout, on_line)
-            .await?;
+        self.run(
+            "init",
+            &self.init_args(config),
+            self.init_timeout,
+            Stdout::Stream,
+            on_line,
+        )
+        .await?;
         let path = self.root.join(ADMIN_CONF);
         read_bounded(&path)
             .await
@@ -180,7 +203,13 @@ impl Kubeadm {
         let mut attempt = 1;
         loop {
             let result = self
-                .run("join", &self.join_args(config), self.join_timeout, on_line)
+                .run(
+                    "join",
+                    &self.join_args(config),
+                    self.join_timeout,
+                    Stdout::Stream,
+                    on_line,
+                )
                 .await;
             let err = match result {
                 Ok(()) => return Ok(()),
@@ -197,7 +226,10 @@ impl Kubeadm {
                 "keel: kubeadm join attempt {attempt} failed: {err}"
             ));
             let reset = ["reset".to_owned(), "--force".to_owned()];
-            if let Err(err) = self.run("reset", &reset, self.join_timeout, on_line).await {
+            if let Err(err) = self
+                .run("reset", &reset, self.join_timeout, Stdout::Stream, on_line)
+                .await
+            {
                 tracing::warn!(error = %err, "kubeadm reset failed");
             }
             tokio::time::sleep(pause).await;
@@ -206,12 +238,14 @@ impl Kubeadm {
         }
     }
 
-    /// Runs kubeadm with `args`, streaming output lines, killing it after `limit`.
-    async fn run(
+    /// Runs kubeadm with `args`, streaming output lines, killing it after
+    /// `limit`. With [`Stdout::Discard`] only stderr is read.
+    pub(super) async fn run(
         &self,
         command: &'static str,
         args: &[String],
         limit: Duration,
+        stdout: Stdout,
         on_line: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(), KubeadmError> {
         tracing::info!(program = %self.program.display(), ?args, "running kubeadm");
@@ -219,7 +253,10 @@ impl Kubeadm {
             .args(args)
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
+            .stdout(match stdout {
+                Stdout::Stream => Stdio::piped(),
+                Stdout::Discard => Stdio::null(),
+            })
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()

@@ -21,14 +21,15 @@ use keel_agent::cluster::{ClusterSlot, ClusterState};
 use keel_agent::disk::Cryptsetup;
 use keel_agent::disk::StateDisk;
 use keel_agent::init::InitServer;
-use keel_agent::init::{NodeEnv, RebootPolicy};
+use keel_agent::join::JoinService;
 use keel_agent::join::{service_validator, TicketClient};
-use keel_agent::join::{Backoff, JoinClient, JoinSettings, KubeletStart};
-use keel_agent::join_service::JoinService;
+use keel_agent::join::{Backoff, JoinClient, JoinSettings};
 use keel_agent::key_service::{self, KeyService};
 use keel_agent::kubeadm::Kubeadm;
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
 use keel_agent::nodelock::NodeLock;
+use keel_agent::provision::{KubeletStart, NodeEnv};
+use keel_agent::reboot::RebootPolicy;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::{Component, InstallerConfig};
 use keel_proto::attestation::SealedSecret;
@@ -406,6 +407,7 @@ pub fn node_env(root: &Path, work: &Path, disk: Option<&Path>) -> NodeEnv {
             cryptsetup: Cryptsetup::default(),
             mount: None,
         }),
+        kubelet: KubeletStart::Program(root.join("run/state/bin/kubelet")),
         reboot: RebootPolicy::Never,
     }
 }
@@ -502,7 +504,6 @@ impl Joiner {
             max: Duration::from_millis(500),
         };
         settings.timeout = Duration::from_secs(20);
-        settings.kubelet = KubeletStart::Program(self.root.join("run/state/bin/kubelet"));
         JoinClient::new(
             self.config.clone(),
             self.tpm.clone(),

@@ -30,7 +30,6 @@
 //! ticket goes only to the TPM a disk is bound to.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,54 +43,27 @@ use keel_verifier::credential::{self, CredentialError};
 use keel_verifier::measurement::EventType;
 use keel_verifier::validator::Verified;
 use prost::Message as _;
-use rcgen::{
-    CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, Issuer, KeyPair,
-    KeyUsagePurpose, SerialNumber,
-};
-use sha2::{Digest as _, Sha256};
+use rcgen::{Issuer, KeyPair};
 use tokio::io::AsyncReadExt as _;
 use tokio::sync::Semaphore;
-use x509_parser::prelude::{FromDer as _, X509Certificate, X509CertificationRequest};
 use zeroize::{Zeroize as _, Zeroizing};
 
+use super::kubelet::{self, SignCsrError};
+use super::ticket::{CONTROL_PLANE_FILES, MAX_TICKET_BYTES};
 use crate::cluster::ClusterState;
 use crate::disk_bindings::{Bind, DiskBindingRefusal, DiskBindings, DiskBindingsError, EkDigest};
 use crate::key_service::DiskKeyError;
-use crate::kubeadm::{self, BootstrapToken, CaCertHash, ConfigApi, Kubeadm};
+use crate::kubeadm::{BootstrapToken, CaCertHash, Kubeadm, KubeadmError};
+use crate::paths;
 
 /// Largest accepted request message (tonic refuses larger ones).
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
-/// Largest accepted kubelet CSR (PEM).
-pub const MAX_CSR_BYTES: usize = 16 * 1024;
 /// Tickets being issued at once; further requests wait up to [`QUEUE_WAIT`].
 pub const MAX_CONCURRENT_TICKETS: usize = 32;
 /// How long a request waits for a ticket slot before it is refused as busy.
 pub const QUEUE_WAIT: Duration = Duration::from_secs(30);
-/// Lifetime of a ticket's bootstrap token.
-pub const TOKEN_TTL: &str = "1h0m0s";
-/// Lifetime of a kubelet certificate.
-pub const KUBELET_CERT_DAYS: i64 = 365;
-/// Limit for one `kubeadm token create`.
-const TOKEN_CREATE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Most stderr of `kubeadm token create` kept for an error.
-const MAX_STDERR: usize = 2048;
 /// Largest control-plane PKI file read.
 const MAX_PKI_FILE: u64 = 64 * 1024;
-/// The kubeadm group of bootstrap tokens for joining nodes.
-const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
-/// The control-plane PKI files a control-plane join receives (relative to
-/// the PKI directory), as kubeadm's `--upload-certs` would share them.
-/// `ca.crt` and `ca.key` are required, the others are sent when present.
-pub const CONTROL_PLANE_FILES: [&str; 8] = [
-    "ca.crt",
-    "ca.key",
-    "sa.key",
-    "sa.pub",
-    "front-proxy-ca.crt",
-    "front-proxy-ca.key",
-    "etcd/ca.crt",
-    "etcd/ca.key",
-];
 
 /// Why the join service could not start.
 #[derive(Debug, thiserror::Error)]
@@ -119,30 +91,6 @@ pub enum NewJoinServiceError {
     DiskBindings(#[source] DiskBindingsError),
 }
 
-/// Why a kubelet CSR was refused.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CsrError {
-    /// Larger than [`MAX_CSR_BYTES`].
-    #[error("the kubelet CSR is larger than {MAX_CSR_BYTES} bytes")]
-    TooLarge,
-    /// Not a PEM `CERTIFICATE REQUEST`.
-    #[error("the kubelet CSR is not a PEM certificate request")]
-    Pem,
-    /// The DER does not parse (or has trailing bytes).
-    #[error("the kubelet CSR does not parse")]
-    Parse,
-    /// The self-signature does not verify.
-    #[error("the kubelet CSR's signature does not verify")]
-    Signature,
-    /// The subject is not exactly `O=system:nodes, CN=system:node:<name>`.
-    #[error("the kubelet CSR's subject must be exactly O=system:nodes, CN=system:node:{0}")]
-    Subject(String),
-    /// The CSR's key type is not supported for signing.
-    #[error("the kubelet CSR's key type is not supported")]
-    KeyType,
-}
-
 /// Why a ticket was refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -160,8 +108,8 @@ pub enum JoinServiceError {
     #[error("the request does not match the node's measured identity: {0}")]
     Identity(&'static str),
     /// The kubelet CSR was refused.
-    #[error(transparent)]
-    Csr(#[from] CsrError),
+    #[error("the kubelet CSR was refused")]
+    Csr(#[source] kubelet::CsrError),
     /// Signing the kubelet certificate failed.
     #[error("signing the kubelet certificate failed")]
     Sign(#[source] rcgen::Error),
@@ -169,8 +117,8 @@ pub enum JoinServiceError {
     #[error("the join service is busy; retry later")]
     Busy,
     /// Registering the bootstrap token with the cluster failed.
-    #[error("registering the bootstrap token failed: {0}")]
-    Token(String),
+    #[error("registering the bootstrap token failed")]
+    Token(#[source] KubeadmError),
     /// Reading a control-plane file failed.
     #[error("reading control-plane file {name}")]
     ControlPlaneFile {
@@ -195,9 +143,43 @@ pub enum JoinServiceError {
     DiskBindings(#[source] DiskBindingsError),
 }
 
+impl From<SignCsrError> for JoinServiceError {
+    fn from(e: SignCsrError) -> Self {
+        match e {
+            SignCsrError::Csr(e) => Self::Csr(e),
+            SignCsrError::Sign(e) => Self::Sign(e),
+        }
+    }
+}
+
+impl JoinServiceError {
+    /// What the peer is told: a fixed text per kind of refusal. Causes
+    /// (kubeadm's output, file errors, binding details) stay in the
+    /// service's log.
+    pub fn peer_message(&self) -> &'static str {
+        use JoinServiceError as E;
+        match self {
+            E::NotAttested => "the peer is not attested",
+            E::InvalidRequest(what) => what,
+            E::DiskUuid(_) => "invalid disk UUID",
+            E::Identity(_) => "the request does not match the node's measured identity",
+            E::Csr(_) => "the kubelet CSR was refused",
+            E::Sign(_) => "signing the kubelet certificate failed",
+            E::Busy => "the join service is busy; retry later",
+            E::Token(_) => "registering the bootstrap token failed",
+            E::ControlPlaneFile { .. } => "reading the control-plane files failed",
+            E::Seal(CredentialError::UnsupportedEk) => "the node's EK type is not supported",
+            E::Seal(_) => "sealing the ticket to the node's TPM failed",
+            E::Derive => "deriving a key failed",
+            E::DiskNotBound(_) => "the state disk is not bound to this node's TPM",
+            E::DiskBindings(_) => "the disk binding store is unavailable",
+        }
+    }
+}
+
 impl From<&JoinServiceError> for tonic::Status {
-    /// The one map from ticket refusals to gRPC codes; the peer gets the
-    /// short message, the service's log has the full chain.
+    /// The one map from ticket refusals to gRPC codes; the peer gets
+    /// [`JoinServiceError::peer_message`], the service's log the full chain.
     fn from(e: &JoinServiceError) -> Self {
         use JoinServiceError as E;
         let code = match e {
@@ -212,7 +194,7 @@ impl From<&JoinServiceError> for tonic::Status {
             | E::Derive
             | E::DiskBindings(_) => tonic::Code::Internal,
         };
-        tonic::Status::new(code, e.to_string())
+        tonic::Status::new(code, e.peer_message())
     }
 }
 
@@ -238,8 +220,8 @@ impl ClusterCa {
         let cert_pem = read("ca.crt")?;
         let key_pem = read("ca.key")?;
         let key = KeyPair::from_pem(&key_pem).map_err(|e| bad(format!("ca.key: {e}")))?;
-        let hash =
-            spki_hash(cert_pem.as_bytes()).ok_or_else(|| bad("ca.crt does not parse".into()))?;
+        let hash = CaCertHash::of_ca_pem(cert_pem.as_bytes())
+            .ok_or_else(|| bad("ca.crt does not parse".into()))?;
         let issuer =
             Issuer::from_ca_cert_pem(&cert_pem, key).map_err(|e| bad(format!("ca.crt: {e}")))?;
         Ok(Self {
@@ -248,15 +230,6 @@ impl ClusterCa {
             hash,
         })
     }
-}
-
-/// `sha256:<hex>` of the SubjectPublicKeyInfo of the first certificate in
-/// `pem`: kubeadm's discovery hash of a CA.
-pub fn spki_hash(pem: &[u8]) -> Option<CaCertHash> {
-    let (_, pem) = x509_parser::pem::parse_x509_pem(pem).ok()?;
-    let (_, cert) = X509Certificate::from_der(&pem.contents).ok()?;
-    let digest = Sha256::digest(cert.tbs_certificate.subject_pki.raw);
-    format!("sha256:{}", hex::encode(digest)).parse().ok()
 }
 
 /// The join service of one cluster.
@@ -278,7 +251,7 @@ impl JoinService {
     /// A join service for `cluster`; reads the cluster CA from its PKI
     /// directory. Bootstrap tokens are registered with `kubeadm`, whose
     /// token files go to `work_dir`; the disk bindings are kept there too
-    /// ([`DISK_BINDINGS_FILE`]), and a store that exists but does not
+    /// ([`paths::DISK_BINDINGS`]), and a store that exists but does not
     /// load stops the service here.
     pub fn new(
         cluster: Arc<ClusterState>,
@@ -318,9 +291,12 @@ impl JoinService {
             .map_err(JoinServiceError::DiskBindings)
     }
 
-    /// The tonic service, with requests bounded to [`MAX_REQUEST_BYTES`].
+    /// The tonic service, with requests bounded to [`MAX_REQUEST_BYTES`]
+    /// and tickets to what the join client accepts.
     pub fn into_service(self) -> JoinServiceServer<Self> {
-        JoinServiceServer::new(self).max_decoding_message_size(MAX_REQUEST_BYTES)
+        JoinServiceServer::new(self)
+            .max_decoding_message_size(MAX_REQUEST_BYTES)
+            .max_encoding_message_size(MAX_TICKET_BYTES)
     }
 
     /// Issues a join ticket to the validated peer `peer`.
@@ -336,7 +312,11 @@ impl JoinService {
             .keys
             .disk_key(&request.disk_uuid)
             .map_err(JoinServiceError::DiskUuid)?;
-        let kubelet_cert = self.sign_kubelet_csr(&request.kubelet_csr, &request.node_name)?;
+        let kubelet_cert = kubelet::sign_csr(
+            &self.inner.ca.issuer,
+            &request.kubelet_csr,
+            &request.node_name,
+        )?;
         let control_plane_files = if request.is_control_plane {
             self.control_plane_files().await?
         } else {
@@ -364,7 +344,15 @@ impl JoinService {
             }
         }
         let token = BootstrapToken::generate();
-        self.register_token(&token).await?;
+        self.inner
+            .kubeadm
+            .create_token(
+                &token,
+                cluster.kubernetes_version,
+                &self.inner.work_dir.join(paths::TOKEN_CONFIG_DIR),
+            )
+            .await
+            .map_err(JoinServiceError::Token)?;
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),
@@ -447,38 +435,6 @@ impl JoinService {
             .map_err(|_| JoinServiceError::Busy)
     }
 
-    /// Checks the CSR and signs a kubelet client certificate for its key.
-    fn sign_kubelet_csr(
-        &self,
-        csr_pem: &[u8],
-        node_name: &str,
-    ) -> Result<String, JoinServiceError> {
-        let spki = check_csr(csr_pem, node_name)?;
-        let key = rcgen::SubjectPublicKeyInfo::from_der(&spki).map_err(|_| CsrError::KeyType)?;
-        let mut params = CertificateParams::default();
-        let mut dn = DistinguishedName::new();
-        dn.push(DnType::OrganizationName, "system:nodes");
-        dn.push(DnType::CommonName, format!("system:node:{node_name}"));
-        params.distinguished_name = dn;
-        params.key_usages = vec![
-            KeyUsagePurpose::DigitalSignature,
-            KeyUsagePurpose::KeyEncipherment,
-        ];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        params.use_authority_key_identifier_extension = true;
-        let now = time::OffsetDateTime::now_utc();
-        params.not_before = now - time::Duration::minutes(5);
-        params.not_after = now + time::Duration::days(KUBELET_CERT_DAYS);
-        let mut serial = [0u8; 16];
-        rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut serial);
-        serial[0] &= 0x7f;
-        params.serial_number = Some(SerialNumber::from_slice(&serial));
-        let cert = params
-            .signed_by(&key, &self.inner.ca.issuer)
-            .map_err(JoinServiceError::Sign)?;
-        Ok(cert.pem())
-    }
-
     async fn control_plane_files(&self) -> Result<Vec<ControlPlaneFile>, JoinServiceError> {
         let pki = &self.inner.cluster.pki_dir;
         let mut files = Vec::new();
@@ -495,73 +451,6 @@ impl JoinService {
             }
         }
         Ok(files)
-    }
-
-    /// `kubeadm token create --config F`: F is an `InitConfiguration` with
-    /// the one token (mode 0600, removed afterwards).
-    async fn register_token(&self, token: &BootstrapToken) -> Result<(), JoinServiceError> {
-        let fail = |m: String| JoinServiceError::Token(m);
-        let api = ConfigApi::for_version(self.inner.cluster.kubernetes_version)
-            .map_err(|e| fail(e.to_string()))?;
-        let yaml = Zeroizing::new(format!(
-            "apiVersion: {api}\nkind: InitConfiguration\nbootstrapTokens:\n- token: \"{token}\"\n  \
-             ttl: \"{TOKEN_TTL}\"\n  usages: [\"signing\", \"authentication\"]\n  groups: [\"{TOKEN_GROUP}\"]\n  \
-             description: \"keel join ticket\"\n",
-            api = api.api_version(),
-            token = token.expose(),
-        ));
-        let path = self
-            .inner
-            .work_dir
-            .join("join-tokens")
-            .join(format!("token-{}.yaml", token.id()));
-        crate::files::write_private(&path, yaml.as_bytes())
-            .map_err(|e| fail(keel_atls::ErrorChain(&e).to_string()))?;
-        let result = self.run_token_create(&path).await;
-        let _ = tokio::fs::remove_file(&path).await;
-        result
-    }
-
-    async fn run_token_create(&self, config: &Path) -> Result<(), JoinServiceError> {
-        let kubeadm = &self.inner.kubeadm;
-        let kubeconfig = kubeadm.root.join(kubeadm::run::ADMIN_CONF);
-        let child = tokio::process::Command::new(&kubeadm.program)
-            .arg("token")
-            .arg("create")
-            .arg("--config")
-            .arg(config)
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .envs(kubeadm.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::null())
-            // kubeadm prints the token: never read it.
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| {
-                JoinServiceError::Token(format!("running {}: {e}", kubeadm.program.display()))
-            })?;
-        let output = tokio::time::timeout(TOKEN_CREATE_TIMEOUT, child.wait_with_output())
-            .await
-            .map_err(|_| {
-                JoinServiceError::Token(format!(
-                    "kubeadm token create did not finish within {TOKEN_CREATE_TIMEOUT:?}"
-                ))
-            })?
-            .map_err(|e| JoinServiceError::Token(format!("waiting for kubeadm: {e}")))?;
-        if output.status.success() {
-            return Ok(());
-        }
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let tail = stderr
-            .get(stderr.len().saturating_sub(MAX_STDERR)..)
-            .unwrap_or_default();
-        Err(JoinServiceError::Token(format!(
-            "kubeadm token create failed ({}): {}",
-            output.status,
-            kubeadm::run::scrub_tokens(tail.trim())
-        )))
     }
 }
 
@@ -596,38 +485,6 @@ fn check_identity(
         ));
     }
     Ok(())
-}
-
-/// Checks a PEM CSR (size, signature, subject) and returns its
-/// SubjectPublicKeyInfo DER.
-pub fn check_csr(csr_pem: &[u8], node_name: &str) -> Result<Vec<u8>, CsrError> {
-    if csr_pem.len() > MAX_CSR_BYTES {
-        return Err(CsrError::TooLarge);
-    }
-    let (_, pem) = x509_parser::pem::parse_x509_pem(csr_pem).map_err(|_| CsrError::Pem)?;
-    if pem.label != "CERTIFICATE REQUEST" {
-        return Err(CsrError::Pem);
-    }
-    let (rest, csr) =
-        X509CertificationRequest::from_der(&pem.contents).map_err(|_| CsrError::Parse)?;
-    if !rest.is_empty() {
-        return Err(CsrError::Parse);
-    }
-    csr.verify_signature().map_err(|_| CsrError::Signature)?;
-    let info = &csr.certification_request_info;
-    let expected_cn = format!("system:node:{node_name}");
-    let subject_ok = {
-        let attributes: Vec<_> = info.subject.iter_attributes().collect();
-        let cn = info.subject.iter_common_name().collect::<Vec<_>>();
-        let o = info.subject.iter_organization().collect::<Vec<_>>();
-        attributes.len() == 2
-            && matches!(cn.as_slice(), [c] if c.as_str().ok() == Some(expected_cn.as_str()))
-            && matches!(o.as_slice(), [o] if o.as_str().ok() == Some("system:nodes"))
-    };
-    if !subject_ok {
-        return Err(CsrError::Subject(node_name.escape_debug().to_string()));
-    }
-    Ok(info.subject_pki.raw.to_vec())
 }
 
 fn seal(
@@ -665,6 +522,12 @@ fn peer_claims<T>(
         .ok_or(JoinServiceError::NotAttested)
 }
 
+/// Logs a refusal with its causes and makes the peer's status.
+fn refused(what: &str, e: &JoinServiceError) -> tonic::Status {
+    tracing::warn!(error = %keel_atls::ErrorChain(e), "{what} ticket refused");
+    e.into()
+}
+
 #[tonic::async_trait]
 impl join_service_server::JoinService for JoinService {
     async fn issue_join_ticket(
@@ -675,10 +538,9 @@ impl join_service_server::JoinService for JoinService {
             Ok(peer) => self.join_ticket(peer.claims(), request.into_inner()).await,
             Err(e) => Err(e),
         };
-        result.map(tonic::Response::new).map_err(|e| {
-            tracing::warn!(error = %keel_atls::ErrorChain(&e), "join ticket refused");
-            (&e).into()
-        })
+        result
+            .map(tonic::Response::new)
+            .map_err(|e| refused("join", &e))
     }
 
     async fn issue_rejoin_ticket(
@@ -692,10 +554,9 @@ impl join_service_server::JoinService for JoinService {
             }
             Err(e) => Err(e),
         };
-        result.map(tonic::Response::new).map_err(|e| {
-            tracing::warn!(error = %keel_atls::ErrorChain(&e), "rejoin ticket refused");
-            (&e).into()
-        })
+        result
+            .map(tonic::Response::new)
+            .map_err(|e| refused("rejoin", &e))
     }
 }
 
@@ -703,64 +564,6 @@ impl join_service_server::JoinService for JoinService {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    fn csr(cn: &str, o: Option<&str>) -> String {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::default();
-        let mut dn = DistinguishedName::new();
-        if let Some(o) = o {
-            dn.push(DnType::OrganizationName, o);
-        }
-        dn.push(DnType::CommonName, cn);
-        params.distinguished_name = dn;
-        params.serialize_request(&key).unwrap().pem().unwrap()
-    }
-
-    #[test]
-    fn csr_subject_and_signature_are_checked() {
-        let good = csr("system:node:w-1", Some("system:nodes"));
-        assert!(check_csr(good.as_bytes(), "w-1").is_ok());
-        assert!(matches!(
-            check_csr(good.as_bytes(), "w-2"),
-            Err(CsrError::Subject(_))
-        ));
-        for bad in [
-            csr("system:node:w-1", None),
-            csr("system:node:w-1", Some("system:masters")),
-            csr("system:admin", Some("system:nodes")),
-        ] {
-            assert!(matches!(
-                check_csr(bad.as_bytes(), "w-1"),
-                Err(CsrError::Subject(_))
-            ));
-        }
-        // A flipped bit in the signature.
-        let (_, pem) = x509_parser::pem::parse_x509_pem(good.as_bytes()).unwrap();
-        let mut der = pem.contents.clone();
-        *der.last_mut().unwrap() ^= 1;
-        let tampered = pem_encode("CERTIFICATE REQUEST", &der);
-        assert!(matches!(
-            check_csr(tampered.as_bytes(), "w-1"),
-            Err(CsrError::Signature)
-        ));
-        assert!(matches!(check_csr(b"junk", "w-1"), Err(CsrError::Pem)));
-        let huge = vec![b'a'; MAX_CSR_BYTES + 1];
-        assert!(matches!(check_csr(&huge, "w-1"), Err(CsrError::TooLarge)));
-    }
-
-    fn pem_encode(label: &str, der: &[u8]) -> String {
-        use base64::Engine as _;
-        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-        let lines: Vec<&str> = b64
-            .as_bytes()
-            .chunks(64)
-            .map(|c| std::str::from_utf8(c).unwrap())
-            .collect();
-        format!(
-            "-----BEGIN {label}-----\n{}\n-----END {label}-----\n",
-            lines.join("\n")
-        )
-    }
 
     const DISK: &str = "0a1b2c3d-0000-4000-8000-00000000000a";
 
@@ -776,7 +579,7 @@ mod tests {
             tonic::Code::PermissionDenied
         );
         assert_eq!(
-            code(JoinServiceError::Csr(CsrError::Signature)),
+            code(JoinServiceError::Csr(kubelet::CsrError::Signature)),
             tonic::Code::InvalidArgument
         );
         assert_eq!(code(JoinServiceError::Busy), tonic::Code::Unavailable);
@@ -790,5 +593,15 @@ mod tests {
             code(JoinServiceError::DiskBindings(DiskBindingsError::Full)),
             tonic::Code::Internal
         );
+        // kubeadm's output stays in the service's log.
+        use std::os::unix::process::ExitStatusExt as _;
+        let token = JoinServiceError::Token(KubeadmError::Failed {
+            command: "token",
+            status: std::process::ExitStatus::from_raw(256),
+            last_lines: vec!["error: etcd at 10.0.0.7:2379 refused abcdef.<redacted>".into()],
+        });
+        let status = tonic::Status::from(&token);
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert_eq!(status.message(), "registering the bootstrap token failed");
     }
 }

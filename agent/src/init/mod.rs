@@ -1,0 +1,386 @@
+//! The init flow: the operator's CLI turns this node into the first node of
+//! a new cluster.
+//!
+//! Everything the request carries is checked before the node lock is taken:
+//! the init and master secrets (sealed together to this TPM, so they open
+//! only here), the init secret (constant time, against the hash in the
+//! measured config; an address that sends wrong ones waits longer after
+//! each), salts and the Kubernetes version. A refusal there changes nothing. Then the lock is
+//! taken (PCR 15 := cluster ID) and the node is committed: it sets up its
+//! state disk, installs the components, runs kubeadm and returns the admin
+//! kubeconfig. A failure after the lock is fatal for this boot: the stream
+//! carries the failure and the node's logs, the state disk is marked for
+//! reset, and the node reboots after a grace period.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use keel_installer::{Component, KubernetesVersion};
+use keel_proto::init::init_response::Kind;
+use keel_proto::init::init_service_server::{InitService, InitServiceServer};
+use keel_proto::init::{InitFailure, InitRequest, InitResponse, InitSecrets, InitSuccess};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::measurements::Measurements;
+use prost::Message as _;
+use tokio_stream::wrappers::ReceiverStream;
+use zeroize::Zeroizing;
+
+use crate::attestation::credential;
+use crate::cluster::{ClusterSlot, ClusterState};
+use crate::key_service::{self, KeyService};
+use crate::kubeadm::{self, BootstrapToken, InitConfig};
+use crate::measured::SharedTpm;
+use crate::nodelock::{LockError, NodeLock};
+use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
+use crate::throttle::FailureThrottle;
+
+mod transcript;
+
+use transcript::{Transcript, LOG_CHUNK};
+
+/// Longest accepted cluster name.
+const MAX_NAME: usize = 63;
+
+/// Why an init request was refused before the node lock.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InitError {
+    /// The node has no init secret hash in its config: it does not accept init.
+    #[error("this node does not accept init (no init secret configured)")]
+    NotInitNode,
+    /// The init secret does not match.
+    #[error("wrong init secret")]
+    WrongInitSecret,
+    /// A request field is invalid. Only fields checked after the init
+    /// secret matched carry detail: the caller is then the operator.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// The master secret was not sealed to this node's TPM.
+    #[error("the master secret is not sealed to this node's TPM")]
+    Sealed(#[source] keel_verifier::credential::CredentialError),
+    /// The node is already locked.
+    #[error("the node is already part of a cluster")]
+    Locked,
+    /// Taking the lock failed for another reason.
+    #[error("taking the node lock failed")]
+    Lock(#[source] LockError),
+    /// The TPM could not be used.
+    #[error("the TPM is unavailable")]
+    Tpm,
+    /// The peer sent wrong init secrets and must wait this many seconds.
+    #[error("too many wrong init secrets from this address; retry in {0} s")]
+    Throttled(u64),
+}
+
+/// Maps a refused field (checked after the init secret matched) to
+/// [`InitError::InvalidRequest`]: `what`, then why.
+fn invalid<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> InitError {
+    move |e| InitError::InvalidRequest(format!("{what}: {e}"))
+}
+
+impl From<&InitError> for tonic::Status {
+    /// The one map from init refusals to gRPC codes; peers get the short
+    /// message, the node's log has the full chain.
+    fn from(e: &InitError) -> Self {
+        let code = match e {
+            InitError::WrongInitSecret => tonic::Code::Unauthenticated,
+            InitError::InvalidRequest(_) | InitError::Sealed(_) => tonic::Code::InvalidArgument,
+            InitError::NotInitNode | InitError::Locked => tonic::Code::FailedPrecondition,
+            InitError::Lock(_) | InitError::Tpm => tonic::Code::Unavailable,
+            InitError::Throttled(_) => tonic::Code::ResourceExhausted,
+        };
+        tonic::Status::new(code, e.to_string())
+    }
+}
+
+/// A request that passed every check, ready to lock on.
+struct Accepted {
+    keys: Arc<KeyService>,
+    disk_uuid: String,
+    disk_key: Zeroizing<Vec<u8>>,
+    measurement_salt: Vec<u8>,
+    measurement_secret: Zeroizing<Vec<u8>>,
+    cluster_id: key_service::ClusterId,
+    version: KubernetesVersion,
+    components: Vec<Component>,
+    cluster_name: String,
+    cert_sans: Vec<String>,
+    service_cidr: String,
+    join_measurements: Measurements,
+}
+
+/// The init server.
+#[derive(Clone)]
+pub struct InitServer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: NodeConfig,
+    tpm: SharedTpm,
+    lock: Arc<NodeLock>,
+    env: NodeEnv,
+    cluster: Arc<ClusterSlot>,
+    throttle: FailureThrottle,
+    opening: tokio::sync::Mutex<()>,
+}
+
+/// The opened secrets of a request, wiped when dropped.
+struct SecretsGuard(InitSecrets);
+
+impl Drop for SecretsGuard {
+    fn drop(&mut self) {
+        use zeroize::Zeroize as _;
+        self.0.init_secret.zeroize();
+        self.0.master_secret.zeroize();
+    }
+}
+
+impl InitServer {
+    /// An init server for this node.
+    pub fn new(
+        config: NodeConfig,
+        tpm: SharedTpm,
+        lock: Arc<NodeLock>,
+        env: NodeEnv,
+        cluster: Arc<ClusterSlot>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                config,
+                tpm,
+                lock,
+                env,
+                cluster,
+                throttle: FailureThrottle::default(),
+                opening: tokio::sync::Mutex::new(()),
+            }),
+        }
+    }
+
+    /// The tonic service.
+    pub fn into_service(self) -> InitServiceServer<Self> {
+        InitServiceServer::new(self)
+    }
+
+    /// Checks `request` completely, without side effects.
+    async fn accept(
+        &self,
+        request: InitRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<Accepted, InitError> {
+        let config = &self.inner.config;
+        if config.cluster.init_secret_hash.is_empty() {
+            return Err(InitError::NotInitNode);
+        }
+        // One request at a time is opened (each costs a TPM operation), and
+        // an address that sent wrong init secrets waits, doubling per failure.
+        let _one_at_a_time = self.inner.opening.lock().await;
+        if let Some(ip) = peer {
+            self.inner
+                .throttle
+                .check(ip)
+                .map_err(|wait| InitError::Throttled(wait.as_secs().max(1)))?;
+        }
+        let sealed = request
+            .secrets
+            .ok_or_else(|| InitError::InvalidRequest("sealed secrets missing".into()))?;
+        let tpm = self.inner.tpm.clone();
+        let opened = tokio::task::spawn_blocking(move || {
+            let mut guard = tpm.lock().map_err(|_| InitError::Tpm)?;
+            credential::open(guard.tpm(), &sealed).map_err(InitError::Sealed)
+        })
+        .await
+        .map_err(|_| InitError::Tpm)??;
+        let secrets = InitSecrets::decode(opened.as_slice())
+            .map_err(|_| InitError::InvalidRequest("sealed secrets do not decode".into()))?;
+        let secrets = SecretsGuard(secrets);
+        if !config.init_secret_matches(&secrets.0.init_secret) {
+            if let Some(ip) = peer {
+                let (failures, wait) = self.inner.throttle.failed(ip);
+                tracing::warn!(
+                    peer = %ip,
+                    failures,
+                    wait_s = wait.as_secs_f64(),
+                    "init refused: wrong init secret"
+                );
+            }
+            return Err(InitError::WrongInitSecret);
+        }
+        if let Some(ip) = peer {
+            self.inner.throttle.succeeded(ip);
+        }
+        if self.inner.lock.is_locked() {
+            return Err(InitError::Locked);
+        }
+        let cluster_name = request.cluster_name;
+        if cluster_name.is_empty()
+            || cluster_name.len() > MAX_NAME
+            || !cluster_name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return Err(InitError::InvalidRequest(
+                "cluster name must be 1-63 characters of a-z, 0-9 and '-'".into(),
+            ));
+        }
+        let entry = keel_installer::resolve(&request.kubernetes_version)
+            .map_err(invalid("unsupported Kubernetes version"))?;
+        let components = match request.kubernetes_components {
+            Some(list) if !list.components.is_empty() => list
+                .components
+                .into_iter()
+                .map(Component::try_from)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(invalid("invalid component"))?,
+            _ => entry.components().to_vec(),
+        };
+        let join_measurements = Measurements::parse(&request.join_measurements)
+            .map_err(invalid("invalid join measurements"))?;
+        let keys = KeyService::new(&secrets.0.master_secret, &request.master_salt)
+            .map_err(invalid("invalid master secret or salt"))?;
+        let measurement_secret = keys
+            .measurement_secret()
+            .map_err(invalid("invalid master secret or salt"))?;
+        let cluster_id = key_service::cluster_id(&measurement_secret, &request.measurement_salt)
+            .map_err(invalid("invalid measurement salt"))?;
+        let disk_uuid = crate::disk::new_uuid();
+        let disk_key = keys
+            .disk_key(&disk_uuid)
+            .map_err(invalid("invalid master secret or salt"))?;
+        let service_cidr = if request.service_cidr.is_empty() {
+            "10.96.0.0/12".to_owned()
+        } else {
+            request.service_cidr
+        };
+        Ok(Accepted {
+            keys: Arc::new(keys),
+            disk_uuid,
+            disk_key,
+            measurement_salt: request.measurement_salt,
+            measurement_secret,
+            cluster_id,
+            version: entry.version(),
+            components,
+            cluster_name,
+            cert_sans: request.api_server_cert_sans,
+            service_cidr,
+            join_measurements,
+        })
+    }
+
+    /// The work after the lock; every line goes to `log`.
+    async fn create_cluster(
+        &self,
+        a: &Accepted,
+        provisioner: &Provisioner<'_>,
+    ) -> Result<(Zeroizing<Vec<u8>>, ClusterState), ProvisionError> {
+        let env = &self.inner.env;
+        provisioner
+            .prepare(Plan {
+                disk: DiskStep::SetUp {
+                    uuid: a.disk_uuid.clone(),
+                    key: a.disk_key.clone(),
+                },
+                files: Vec::new(),
+                components: Some((a.version, a.components.clone())),
+            })
+            .await?;
+        let advertise_address = env.advertise_address.resolve();
+        let init_config = InitConfig {
+            node_name: self.inner.config.node.name.clone(),
+            advertise_address,
+            cluster_name: a.cluster_name.clone(),
+            kubernetes_version: a.version,
+            cert_sans: a.cert_sans.clone(),
+            service_cidr: a.service_cidr.clone(),
+            pod_cidr: "10.244.0.0/16".into(),
+            patches_dir: env.patches_dir(),
+            bootstrap_token: BootstrapToken::generate(),
+        };
+        let kubeconfig = provisioner.kubeadm_init(&init_config).await?;
+        let state = ClusterState {
+            keys: a.keys.clone(),
+            measurement_salt: a.measurement_salt.clone(),
+            measurement_secret: a.measurement_secret.clone(),
+            cluster_id: a.cluster_id,
+            kubernetes_version: a.version,
+            components: a.components.clone(),
+            api_server: SocketAddr::new(advertise_address, kubeadm::config::API_SERVER_PORT),
+            pki_dir: env.pki_dir(),
+            join_measurements: a.join_measurements.clone(),
+        };
+        Ok((kubeconfig, state))
+    }
+}
+
+#[tonic::async_trait]
+impl InitService for InitServer {
+    type InitStream = ReceiverStream<Result<InitResponse, tonic::Status>>;
+
+    async fn init(
+        &self,
+        request: tonic::Request<InitRequest>,
+    ) -> Result<tonic::Response<Self::InitStream>, tonic::Status> {
+        let peer = request
+            .extensions()
+            .get::<keel_atls::PeerInfo<()>>()
+            .and_then(keel_atls::PeerInfo::remote_addr)
+            .map(|a| a.ip());
+        let accepted = match self.accept(request.into_inner(), peer).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "init refused");
+                return Err((&e).into());
+            }
+        };
+        match self.inner.lock.try_lock(accepted.cluster_id) {
+            Ok(()) => {}
+            Err(LockError::AlreadyLocked) => return Err((&InitError::Locked).into()),
+            Err(e) => return Err((&InitError::Lock(e)).into()),
+        }
+        tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "node locked for init");
+        let (log, rx) = Transcript::new();
+        let server = self.clone();
+        tokio::spawn(async move {
+            log.line(format!(
+                "node locked into cluster {}",
+                hex::encode(accepted.cluster_id)
+            ));
+            // Streaming a line never waits for the client, so every step
+            // and kubeadm's output go straight to the transcript.
+            let line = |l: String| log.line(l);
+            let provisioner = Provisioner::new(&server.inner.env, &server.inner.tpm, &line);
+            match server.create_cluster(&accepted, &provisioner).await {
+                Ok((kubeconfig, state)) => {
+                    log.line("cluster created");
+                    server.inner.cluster.send_replace(Some(Arc::new(state)));
+                    log.finish([Kind::Success(InitSuccess {
+                        kubeconfig: kubeconfig.to_vec(),
+                        cluster_id: accepted.cluster_id.to_vec(),
+                    })])
+                    .await;
+                }
+                Err(e) => {
+                    let error = keel_atls::ErrorChain(&e).to_string();
+                    log.line(format!("init failed: {error}"));
+                    provisioner.fail(&e).await;
+                    let logs = log.collected_logs();
+                    let chunks: Vec<Kind> = logs
+                        .chunks(LOG_CHUNK)
+                        .map(|chunk| Kind::LogChunk(chunk.to_vec()))
+                        .collect();
+                    log.finish(
+                        std::iter::once(Kind::Failure(InitFailure {
+                            error,
+                            node_reset: true,
+                        }))
+                        .chain(chunks),
+                    )
+                    .await;
+                }
+            }
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}

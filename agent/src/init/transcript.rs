@@ -1,0 +1,316 @@
+//! The transcript of one init: every line is streamed to the operator's CLI
+//! and kept for the failure report, without ever holding the node up.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use keel_proto::init::init_response::Kind;
+use keel_proto::init::InitResponse;
+use tokio::sync::mpsc::{self, error::TrySendError};
+
+/// Most bytes of node logs sent after a failure.
+pub const MAX_FAILURE_LOGS: usize = 1024 * 1024;
+/// Size of one log chunk on the stream.
+pub const LOG_CHUNK: usize = 32 * 1024;
+/// Messages the init stream holds for a slow client; lines beyond it are
+/// dropped (and counted) rather than waited for.
+const STREAM_BUFFER: usize = 256;
+/// Longest log line streamed or kept; longer ones are cut.
+const MAX_LINE: usize = 16 * 1024;
+/// How long the final message (and after a failure, the log chunks) may
+/// wait for a client that does not read, in all.
+const FINAL_WAIT: Duration = Duration::from_secs(30);
+
+/// The lines of one init: streamed to the CLI and kept for the failure report.
+///
+/// Streaming never holds the node up. A line that does not fit into the
+/// stream's buffer ([`STREAM_BUFFER`] messages: the client is not reading)
+/// is dropped and counted, and once there is room again one line says how
+/// many were dropped. The final message, and after a failure the collected
+/// logs, wait for room, at most [`FINAL_WAIT`] in all. The kept lines are
+/// bounded to the [`MAX_FAILURE_LOGS`] most recent bytes.
+#[derive(Clone)]
+pub struct Transcript {
+    tx: mpsc::Sender<Result<InitResponse, tonic::Status>>,
+    state: Arc<Mutex<TranscriptState>>,
+}
+
+#[derive(Default)]
+struct TranscriptState {
+    kept: VecDeque<String>,
+    kept_bytes: usize,
+    /// Lines not streamed since the last one that was.
+    dropped: u64,
+}
+
+impl TranscriptState {
+    fn keep(&mut self, line: String) {
+        self.kept_bytes += line.len() + 1;
+        self.kept.push_back(line);
+        while self.kept_bytes > MAX_FAILURE_LOGS {
+            match self.kept.pop_front() {
+                Some(old) => self.kept_bytes -= old.len() + 1,
+                None => break,
+            }
+        }
+    }
+}
+
+/// The line that stands for `n` lines the client did not get.
+fn dropped_marker(n: u64) -> Kind {
+    Kind::LogLine(format!("… {n} log lines dropped (client not reading)"))
+}
+
+fn message(kind: Kind) -> Result<InitResponse, tonic::Status> {
+    Ok(InitResponse { kind: Some(kind) })
+}
+
+/// `line` cut to at most [`MAX_LINE`] bytes, on a character boundary.
+fn bounded_line(mut line: String) -> String {
+    if line.len() > MAX_LINE {
+        let mut end = MAX_LINE;
+        while !line.is_char_boundary(end) {
+            end -= 1;
+        }
+        line.truncate(end);
+        line.push_str(" [cut]");
+    }
+    line
+}
+
+impl Transcript {
+    /// A transcript streaming to a new channel, and that channel's receiver.
+    pub fn new() -> (Self, mpsc::Receiver<Result<InitResponse, tonic::Status>>) {
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        let transcript = Self {
+            tx,
+            state: Arc::default(),
+        };
+        (transcript, rx)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, TranscriptState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Logs, keeps and streams `line`, without waiting for the client.
+    pub fn line(&self, line: impl Into<String>) {
+        let line = bounded_line(line.into());
+        tracing::info!(target: "keel_agent::init", "{line}");
+        let mut state = self.state();
+        state.keep(line.clone());
+        // A gone client does not stop the init: the node finishes (or
+        // fails) either way.
+        if state.dropped > 0 {
+            match self.tx.try_send(message(dropped_marker(state.dropped))) {
+                Ok(()) => state.dropped = 0,
+                Err(TrySendError::Full(_)) => {
+                    state.dropped += 1;
+                    return;
+                }
+                Err(TrySendError::Closed(_)) => return,
+            }
+        }
+        if let Err(TrySendError::Full(_)) = self.tx.try_send(message(Kind::LogLine(line))) {
+            state.dropped += 1;
+        }
+    }
+
+    /// Streams the closing `messages` (after a marker for dropped lines),
+    /// waiting for room at most [`FINAL_WAIT`] in all. Returns whether the
+    /// client got them all.
+    pub async fn finish(&self, messages: impl IntoIterator<Item = Kind>) -> bool {
+        let deadline = tokio::time::Instant::now() + FINAL_WAIT;
+        let dropped = std::mem::take(&mut self.state().dropped);
+        let marker = (dropped > 0).then(|| dropped_marker(dropped));
+        for kind in marker.into_iter().chain(messages) {
+            match tokio::time::timeout_at(deadline, self.tx.send(message(kind))).await {
+                Ok(Ok(())) => {}
+                // The client is gone.
+                Ok(Err(_)) => return false,
+                Err(_) => {
+                    tracing::warn!(
+                        wait = ?FINAL_WAIT,
+                        "the init client is not reading; the rest of its stream is dropped"
+                    );
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// The node's logs: this transcript, then the journal of this boot where there is one.
+    pub fn collected_logs(&self) -> Vec<u8> {
+        let mut out: Vec<u8> = {
+            let state = self.state();
+            let mut text = String::with_capacity(state.kept_bytes);
+            for line in &state.kept {
+                text.push_str(line);
+                text.push('\n');
+            }
+            text.into_bytes()
+        };
+        if let Ok(journal) = std::process::Command::new("journalctl")
+            .args(["-b", "--no-pager", "-o", "short-monotonic"])
+            .output()
+        {
+            if journal.status.success() {
+                out.extend_from_slice(b"--- journal of this boot ---\n");
+                out.extend_from_slice(&journal.stdout);
+            }
+        }
+        if out.len() > MAX_FAILURE_LOGS {
+            out.drain(..out.len() - MAX_FAILURE_LOGS);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use keel_proto::init::{InitFailure, InitSuccess};
+
+    type Rx = mpsc::Receiver<Result<InitResponse, tonic::Status>>;
+
+    fn drain(rx: &mut Rx) -> Vec<Kind> {
+        let mut out = Vec::new();
+        while let Ok(m) = rx.try_recv() {
+            out.push(m.unwrap().kind.unwrap());
+        }
+        out
+    }
+
+    fn text(kind: &Kind) -> &str {
+        match kind {
+            Kind::LogLine(line) => line,
+            other => panic!("not a log line: {other:?}"),
+        }
+    }
+
+    fn fill(log: &Transcript, n: usize) {
+        for i in 0..n {
+            log.line(format!("line {i}"));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lines_to_a_client_that_does_not_read_are_dropped_and_counted() {
+        let (log, mut rx) = Transcript::new();
+        let total = 4 * STREAM_BUFFER;
+        fill(&log, total);
+        let got = drain(&mut rx);
+        assert_eq!(got.len(), STREAM_BUFFER);
+        assert_eq!(text(&got[0]), "line 0");
+        assert_eq!(
+            text(&got[STREAM_BUFFER - 1]),
+            format!("line {}", STREAM_BUFFER - 1)
+        );
+
+        // Once the client reads again it learns how much it missed.
+        log.line("after");
+        let got = drain(&mut rx);
+        let missed = total - STREAM_BUFFER;
+        assert_eq!(
+            got.iter().map(text).collect::<Vec<_>>(),
+            [
+                format!("… {missed} log lines dropped (client not reading)").as_str(),
+                "after"
+            ]
+        );
+        // The failure report still has every line.
+        assert_eq!(log.state().kept.len(), total + 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_final_message_reaches_a_client_that_reads_late() {
+        let (log, mut rx) = Transcript::new();
+        fill(&log, STREAM_BUFFER + 10);
+        let reader = tokio::spawn(async move {
+            tokio::time::sleep(FINAL_WAIT / 2).await;
+            let mut all = Vec::new();
+            while let Some(m) = rx.recv().await {
+                all.push(m.unwrap().kind.unwrap());
+            }
+            all
+        });
+        let delivered = log
+            .finish([Kind::Success(InitSuccess {
+                kubeconfig: b"kubeconfig".to_vec(),
+                cluster_id: vec![1; 32],
+            })])
+            .await;
+        assert!(delivered);
+        drop(log);
+        let all = reader.await.unwrap();
+        assert_eq!(all.len(), STREAM_BUFFER + 2);
+        assert_eq!(
+            text(&all[STREAM_BUFFER]),
+            "… 10 log lines dropped (client not reading)"
+        );
+        assert!(
+            matches!(all.last(), Some(Kind::Success(s)) if s.kubeconfig == b"kubeconfig"),
+            "{:?}",
+            all.last()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_closing_messages_give_up_on_a_client_that_does_not_read() {
+        let (log, rx) = Transcript::new();
+        fill(&log, STREAM_BUFFER);
+        let started = tokio::time::Instant::now();
+        let chunks = (0..100).map(|_| Kind::LogChunk(vec![0; LOG_CHUNK]));
+        let failure = Kind::Failure(InitFailure {
+            error: "kubeadm init: failed".into(),
+            node_reset: true,
+        });
+        let delivered = log.finish(std::iter::once(failure).chain(chunks)).await;
+        assert!(!delivered);
+        let waited = started.elapsed();
+        assert!(
+            waited >= FINAL_WAIT && waited < FINAL_WAIT + Duration::from_secs(1),
+            "{waited:?}"
+        );
+        drop(rx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_gone_client_costs_nothing() {
+        let (log, rx) = Transcript::new();
+        drop(rx);
+        fill(&log, 2 * STREAM_BUFFER);
+        let started = tokio::time::Instant::now();
+        assert!(!log.finish([Kind::LogChunk(vec![1])]).await);
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        assert_eq!(
+            log.state().dropped,
+            0,
+            "nothing is counted for a gone client"
+        );
+    }
+
+    #[test]
+    fn long_lines_are_cut_and_kept_logs_are_bounded() {
+        let (log, mut rx) = Transcript::new();
+        log.line("é".repeat(MAX_LINE));
+        let got = drain(&mut rx);
+        let line = text(&got[0]);
+        assert!(line.len() <= MAX_LINE + " [cut]".len(), "{}", line.len());
+        assert!(line.ends_with(" [cut]"));
+
+        let mut state = TranscriptState::default();
+        for _ in 0..(3 * MAX_FAILURE_LOGS / 1000) {
+            state.keep("x".repeat(999));
+        }
+        assert!(state.kept_bytes <= MAX_FAILURE_LOGS);
+        assert_eq!(
+            state.kept_bytes,
+            state.kept.iter().map(|l| l.len() + 1).sum::<usize>()
+        );
+        assert!(state.kept_bytes > MAX_FAILURE_LOGS - 1000);
+    }
+}

@@ -1,0 +1,570 @@
+//! The join client: makes this node a member of an existing cluster.
+//!
+//! It runs while the node is unlocked, next to the init server; whichever
+//! takes the node lock first wins. Two paths:
+//!
+//! * **Join** (no initialised state disk): the node asks the control-plane
+//!   endpoints of its measured config in turn for a join ticket, with capped
+//!   exponential backoff and jitter, forever, until one issues a ticket or
+//!   the node is locked by init. Nothing is written before the lock: the
+//!   kubelet key and the disk UUID live in memory until then. With a valid
+//!   ticket it takes the lock with the cluster ID derived from the ticket,
+//!   then hands the rest to the [provisioning pipeline](crate::provision):
+//!   state disk with the ticket's key, the kubelet certificate and key, the
+//!   cluster CA and (control-plane joins) the control-plane PKI files,
+//!   components, `kubeadm join`.
+//! * **Rejoin** (the state disk carries a LUKS header, i.e. the node was a
+//!   member before this boot): it asks for a rejoin ticket for the disk's
+//!   UUID, checks that the key opens the disk, takes the lock with the
+//!   cluster ID, opens the disk and starts the kubelet.
+//!
+//! **Mutual attestation.** The connection is mutual aTLS: the service
+//! validates this node, and this node validates the service before it uses
+//! anything from a ticket. The service must run the same boot chain and
+//! config (PCRs 4, 9, 11 and 12 equal this node's own, read from its TPM),
+//! its EK must chain to the cluster's EK CA, and once the ticket is opened
+//! (its secrets are sealed to this TPM) the service's PCR 15 must be exactly
+//! the extend of the cluster ID this node derives from the ticket, with that
+//! ID in the service's replayed event log ([`super::ticket`]). A service of
+//! another cluster, or one running another image, never gets this node.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_proto::join::IssueJoinTicketRequest;
+use keel_verifier::config::{NodeConfig, Role};
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::pcr;
+use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
+use keel_verifier::validator::Validator;
+use rand::Rng as _;
+use zeroize::Zeroizing;
+
+use super::kubelet::KubeletKey;
+use super::ticket::{JoinTicket, TicketError};
+use super::transport::TicketClient;
+use crate::disk::StateDisk;
+use crate::key_service::ClusterId;
+use crate::kubeadm::{ControlPlaneJoin, JoinConfig};
+use crate::measured::SharedTpm;
+use crate::nodelock::{LockError, NodeLock};
+use crate::paths;
+use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
+use crate::tpm::TpmError;
+
+/// PCRs the join service must share with this node: the boot chain the
+/// image predicts and the cluster config.
+pub const SHARED_PCRS: [u32; 4] = [4, 9, 11, pcr::CONFIG];
+
+/// Capped exponential backoff with jitter.
+#[derive(Clone, Copy, Debug)]
+pub struct Backoff {
+    /// Pause after the first failure.
+    pub initial: Duration,
+    /// Longest pause.
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    /// 1 s, doubling, capped at 30 s.
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Backoff {
+    /// The pause after failure number `attempt` (from 0): uniformly drawn
+    /// from the upper half of `min(max, initial * 2^attempt)`, so clients
+    /// that failed together spread out.
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let full = self
+            .initial
+            .saturating_mul(1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX))
+            .min(self.max);
+        let half = full / 2;
+        half + rand::thread_rng().gen_range(Duration::ZERO..=half)
+    }
+}
+
+/// The join client's settings.
+#[derive(Clone, Debug)]
+pub struct JoinSettings {
+    /// Join service endpoints (`host:port`), tried in turn.
+    pub endpoints: Vec<String>,
+    /// The CAs trusted to issue the join service's EK certificate.
+    pub ek_trust: EkTrust,
+    /// Pauses between rounds of attempts.
+    pub backoff: Backoff,
+    /// Bound of each connection and call.
+    pub timeout: Duration,
+}
+
+impl JoinSettings {
+    /// The settings of a node: endpoints and EK CA from its measured config.
+    pub fn from_config(config: &NodeConfig) -> Result<Self, JoinError> {
+        Ok(Self {
+            endpoints: config.cluster.control_plane_endpoints.clone(),
+            ek_trust: EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())
+                .map_err(|_| JoinError::NoEkCa)?,
+            backoff: Backoff::default(),
+            timeout: Duration::from_secs(30),
+        })
+    }
+}
+
+/// Why the join client cannot run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JoinError {
+    /// The config names no join service endpoint.
+    #[error("no control-plane endpoints configured")]
+    NoEndpoints,
+    /// The config has no usable EK CA, so the join service cannot be verified.
+    #[error("no EK CA configured: the join service cannot be verified")]
+    NoEkCa,
+    /// Reading this node's own PCRs failed.
+    #[error("reading this node's PCRs")]
+    ReadPcrs(#[source] TpmError),
+    /// Another thread panicked while holding the TPM.
+    #[error("the TPM handle is poisoned")]
+    Poisoned,
+    /// This node's own PCRs do not make a set of measurements a join
+    /// service can be validated with.
+    #[error("this node's PCRs do not make usable measurements")]
+    OwnMeasurements(#[source] MeasurementsError),
+    /// Making the kubelet key or CSR failed.
+    #[error("making the kubelet key")]
+    KubeletKey(#[source] rcgen::Error),
+}
+
+/// The result of one attempt to take the node lock.
+enum Locking {
+    Taken,
+    /// Something else holds it.
+    Lost,
+    /// Not taken; the node is still unlocked.
+    Retry(String),
+    /// Not recorded, yet PCR 15 changed: the node is locked and unusable.
+    Broken(String),
+}
+
+/// How a join client run ended.
+#[derive(Debug)]
+pub enum JoinOutcome {
+    /// The node joined the cluster.
+    Joined {
+        /// The cluster ID (now in PCR 15).
+        cluster_id: ClusterId,
+    },
+    /// The node rejoined with its initialised state disk.
+    Rejoined {
+        /// The cluster ID (now in PCR 15).
+        cluster_id: ClusterId,
+    },
+    /// The node was locked by something else (init won): nothing was touched.
+    LostRace,
+    /// The join failed for this boot: after the lock the node is unusable
+    /// until it reboots (the state disk is marked for reset).
+    Failed {
+        /// What failed.
+        error: String,
+    },
+}
+
+/// A validator of join services: EK trust and this node's own PCRs
+/// [`SHARED_PCRS`] as enforced values. Reads the PCRs from `tpm`.
+pub fn service_validator(tpm: &SharedTpm, ek_trust: EkTrust) -> Result<Validator, JoinError> {
+    let own = tpm
+        .lock()
+        .map_err(|_| JoinError::Poisoned)?
+        .tpm()
+        .pcr_read(&SHARED_PCRS)
+        .map_err(JoinError::ReadPcrs)?;
+    let expected = Measurements::new(
+        own.into_iter()
+            .map(|(index, value)| (index, Expected::enforced(value))),
+    )
+    .map_err(JoinError::OwnMeasurements)?;
+    Ok(Validator::new(expected, ek_trust))
+}
+
+/// The join client of this node.
+pub struct JoinClient {
+    config: NodeConfig,
+    tpm: SharedTpm,
+    lock: Arc<NodeLock>,
+    env: NodeEnv,
+    settings: JoinSettings,
+    tickets: TicketClient,
+}
+
+impl JoinClient {
+    /// A join client; reads this node's PCRs for the service validator.
+    pub fn new(
+        config: NodeConfig,
+        tpm: SharedTpm,
+        lock: Arc<NodeLock>,
+        env: NodeEnv,
+        settings: JoinSettings,
+    ) -> Result<Self, JoinError> {
+        if settings.endpoints.is_empty() {
+            return Err(JoinError::NoEndpoints);
+        }
+        let validator = service_validator(&tpm, settings.ek_trust.clone())?;
+        let tickets = TicketClient::new(tpm.clone(), validator, settings.timeout);
+        Ok(Self {
+            config,
+            tpm,
+            lock,
+            env,
+            settings,
+            tickets,
+        })
+    }
+
+    /// Runs until the node joined, lost the race for the lock, or failed
+    /// after the lock.
+    pub async fn run(self) -> JoinOutcome {
+        let disk = self.env.state_disk.clone();
+        let existing = match &disk {
+            Some(disk) => self.initialised_disk_uuid(disk).await,
+            None => None,
+        };
+        match existing {
+            Some(uuid) => self.rejoin(&uuid).await,
+            None => self.join().await,
+        }
+    }
+
+    /// The UUID of the state disk when it already carries a LUKS header.
+    /// A disk that cannot be inspected counts as fresh.
+    async fn initialised_disk_uuid(&self, disk: &StateDisk) -> Option<String> {
+        let disk = disk.clone();
+        let found = tokio::task::spawn_blocking(move || {
+            if disk.cryptsetup.is_luks(&disk.device)? {
+                disk.cryptsetup.uuid(&disk.device).map(Some)
+            } else {
+                Ok(None)
+            }
+        })
+        .await;
+        match found {
+            Ok(Ok(uuid)) => uuid,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "inspecting the state disk failed; joining afresh");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Tries every endpoint in turn until `attempt` yields a value, with
+    /// backoff between rounds. `None` when the node got locked meanwhile.
+    async fn until_ticket<T, F, Fut>(&self, what: &str, mut attempt: F) -> Option<T>
+    where
+        F: FnMut(String) -> Fut,
+        Fut: std::future::Future<Output = Result<T, TicketError>>,
+    {
+        let mut round: u32 = 0;
+        loop {
+            for endpoint in &self.settings.endpoints {
+                if self.lock.is_locked() {
+                    return None;
+                }
+                match attempt(endpoint.clone()).await {
+                    Ok(ticket) => return Some(ticket),
+                    Err(e) => tracing::warn!(
+                        %endpoint,
+                        error = %keel_atls::ErrorChain(&e),
+                        "no {what} ticket from this endpoint"
+                    ),
+                }
+            }
+            let pause = self.settings.backoff.delay(round);
+            round = round.saturating_add(1);
+            tracing::info!(
+                pause_ms = pause.as_millis() as u64,
+                "retrying the {what} ticket"
+            );
+            // Sleep in slices so a lock taken by init stops the client promptly.
+            let deadline = tokio::time::Instant::now() + pause;
+            while tokio::time::Instant::now() < deadline {
+                if self.lock.is_locked() {
+                    return None;
+                }
+                let slice = deadline
+                    .saturating_duration_since(tokio::time::Instant::now())
+                    .min(Duration::from_millis(200));
+                tokio::time::sleep(slice).await;
+            }
+        }
+    }
+
+    /// Fetches a ticket ([`Self::until_ticket`]) and takes the node lock with
+    /// its cluster ID, fetching again while the lock fails transiently.
+    /// `Err` carries the outcome when the race was lost or the lock broke.
+    async fn locked_ticket<T, F, Fut>(
+        &self,
+        what: &str,
+        mut attempt: F,
+        cluster_id: impl Fn(&T) -> ClusterId,
+    ) -> Result<T, JoinOutcome>
+    where
+        F: FnMut(String) -> Fut,
+        Fut: std::future::Future<Output = Result<T, TicketError>>,
+    {
+        loop {
+            let Some(ticket) = self.until_ticket(what, &mut attempt).await else {
+                return Err(JoinOutcome::LostRace);
+            };
+            match self.lock(cluster_id(&ticket)).await {
+                Locking::Taken => return Ok(ticket),
+                Locking::Lost => return Err(JoinOutcome::LostRace),
+                Locking::Retry(e) => {
+                    tracing::warn!(error = %e, "taking the node lock failed; retrying")
+                }
+                Locking::Broken(e) => return Err(self.fail(ProvisionError::Lock(e)).await),
+            }
+        }
+    }
+
+    /// Takes the lock with `cluster_id`.
+    async fn lock(&self, cluster_id: ClusterId) -> Locking {
+        let lock = self.lock.clone();
+        let taken = tokio::task::spawn_blocking(move || lock.try_lock(cluster_id)).await;
+        match taken {
+            Ok(Ok(())) => Locking::Taken,
+            Ok(Err(LockError::AlreadyLocked)) => Locking::Lost,
+            // A failed record may still have extended PCR 15: then the
+            // node is locked for good and cannot continue.
+            Ok(Err(e)) if self.lock.is_locked() => {
+                Locking::Broken(keel_atls::ErrorChain(&e).to_string())
+            }
+            Ok(Err(e)) => Locking::Retry(keel_atls::ErrorChain(&e).to_string()),
+            Err(e) => Locking::Retry(format!("lock task: {e}")),
+        }
+    }
+
+    async fn join(self) -> JoinOutcome {
+        let node = &self.config.node;
+        let is_control_plane = node.role == Role::ControlPlane;
+        let kubelet = match KubeletKey::generate(&node.name) {
+            Ok(k) => k,
+            Err(e) => {
+                return JoinOutcome::Failed {
+                    error: format!("making the kubelet key: {e}"),
+                }
+            }
+        };
+        let spki = kubelet.spki();
+        let disk_uuid = crate::disk::new_uuid();
+        let request = IssueJoinTicketRequest {
+            disk_uuid: disk_uuid.clone(),
+            kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
+            is_control_plane,
+            node_name: node.name.clone(),
+        };
+        let (tickets, spki) = (&self.tickets, spki.as_slice());
+        let attempt = |endpoint: String| {
+            let request = request.clone();
+            async move { tickets.join_ticket(&endpoint, request, spki).await }
+        };
+        let ticket = match self.locked_ticket("join", attempt, |t| t.cluster_id).await {
+            Ok(ticket) => ticket,
+            Err(outcome) => return outcome,
+        };
+        tracing::info!(cluster_id = %hex::encode(ticket.cluster_id), "node locked for join");
+        let (plan, join) = self.join_plan(&ticket, disk_uuid, &kubelet, is_control_plane);
+        let p = Provisioner::new(&self.env, &self.tpm, &log_line);
+        let result = async {
+            p.prepare(plan).await?;
+            p.kubeadm_join(&join).await
+        }
+        .await;
+        match settle(&p, result).await {
+            Ok(()) => {
+                tracing::info!("this node joined the cluster");
+                JoinOutcome::Joined {
+                    cluster_id: ticket.cluster_id,
+                }
+            }
+            Err(outcome) => outcome,
+        }
+    }
+
+    async fn rejoin(self, disk_uuid: &str) -> JoinOutcome {
+        let Some(disk) = self.env.state_disk.clone() else {
+            return JoinOutcome::Failed {
+                error: "rejoin without a state disk".into(),
+            };
+        };
+        tracing::info!(disk = %disk.device.display(), uuid = disk_uuid, "state disk initialised: rejoining");
+        let tickets = &self.tickets;
+        let attempt = |endpoint: String| {
+            let disk = disk.clone();
+            async move {
+                let ticket = tickets.rejoin_ticket(&endpoint, disk_uuid).await?;
+                // Before the lock: the key must open this very disk.
+                let key = ticket.disk_key.clone();
+                let matches = tokio::task::spawn_blocking(move || {
+                    disk.cryptsetup.key_matches(&disk.device, &key)
+                })
+                .await
+                .map_err(|_| TicketError::Tpm)?
+                .map_err(|e| {
+                    TicketError::Invalid(format!(
+                        "testing the disk key: {}",
+                        keel_atls::ErrorChain(&e)
+                    ))
+                })?;
+                if !matches {
+                    return Err(TicketError::Invalid(
+                        "the disk key does not open the state disk".into(),
+                    ));
+                }
+                Ok(ticket)
+            }
+        };
+        let ticket = match self
+            .locked_ticket("rejoin", attempt, |t| t.cluster_id)
+            .await
+        {
+            Ok(ticket) => ticket,
+            Err(outcome) => return outcome,
+        };
+        let plan = Plan {
+            disk: DiskStep::Open {
+                key: ticket.disk_key,
+            },
+            files: Vec::new(),
+            components: None,
+        };
+        let p = Provisioner::new(&self.env, &self.tpm, &log_line);
+        let result = async {
+            p.prepare(plan).await?;
+            p.start_kubelet().await
+        }
+        .await;
+        match settle(&p, result).await {
+            Ok(()) => JoinOutcome::Rejoined {
+                cluster_id: ticket.cluster_id,
+            },
+            Err(outcome) => outcome,
+        }
+    }
+
+    /// The work after a join ticket: a fresh state disk, the kubelet's
+    /// (and a control plane's) PKI, the components, `kubeadm join`.
+    fn join_plan(
+        &self,
+        ticket: &JoinTicket,
+        disk_uuid: String,
+        kubelet: &KubeletKey,
+        is_control_plane: bool,
+    ) -> (Plan, JoinConfig) {
+        let kubelet_dir = PathBuf::from(paths::KUBELET_PKI_DIR);
+        let mut files = vec![
+            (
+                kubelet_dir.join("kubelet-client.crt"),
+                Zeroizing::new(ticket.kubelet_cert.as_bytes().to_vec()),
+            ),
+            (
+                kubelet_dir.join("kubelet-client.key"),
+                Zeroizing::new(kubelet.private_pem().as_bytes().to_vec()),
+            ),
+            (
+                kubelet_dir.join("ca.crt"),
+                Zeroizing::new(ticket.ca_cert.as_bytes().to_vec()),
+            ),
+        ];
+        let pki = PathBuf::from(paths::CONTROL_PLANE_PKI_DIR);
+        for (name, data) in &ticket.control_plane_files {
+            files.push((pki.join(name), data.clone()));
+        }
+        let advertise_address = self.env.advertise_address.resolve();
+        let join = JoinConfig {
+            node_name: self.config.node.name.clone(),
+            node_ip: advertise_address,
+            kubernetes_version: ticket.version,
+            api_server_endpoint: ticket.api_server_endpoint.clone(),
+            token: ticket.token.clone(),
+            ca_cert_hashes: vec![ticket.ca_hash.clone()],
+            control_plane: is_control_plane.then_some(ControlPlaneJoin {
+                advertise_address,
+                certificate_key: None,
+            }),
+            patches_dir: self.env.patches_dir(),
+        };
+        let plan = Plan {
+            disk: DiskStep::SetUp {
+                uuid: disk_uuid,
+                key: ticket.disk_key.clone(),
+            },
+            files,
+            components: Some((ticket.version, ticket.components.clone())),
+        };
+        (plan, join)
+    }
+
+    /// After the lock could not be recorded: the node is unusable.
+    async fn fail(&self, error: ProvisionError) -> JoinOutcome {
+        let p = Provisioner::new(&self.env, &self.tpm, &log_line);
+        p.fail(&error).await;
+        JoinOutcome::Failed {
+            error: keel_atls::ErrorChain(&error).to_string(),
+        }
+    }
+}
+
+/// After the provisioning steps: a failure resets the node and becomes the
+/// outcome.
+async fn settle(
+    p: &Provisioner<'_>,
+    result: Result<(), ProvisionError>,
+) -> Result<(), JoinOutcome> {
+    let Err(e) = result else {
+        return Ok(());
+    };
+    p.fail(&e).await;
+    Err(JoinOutcome::Failed {
+        error: keel_atls::ErrorChain(&e).to_string(),
+    })
+}
+
+/// The join client's provisioning log: the agent's log.
+fn log_line(line: String) {
+    tracing::info!(target: "keel_agent::provision", "{line}");
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_capped_and_jittered() {
+        let b = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(2),
+        };
+        for attempt in 0..64 {
+            let full = (Duration::from_millis(100) * 2u32.saturating_pow(attempt.min(20)))
+                .min(Duration::from_secs(2));
+            let d = b.delay(attempt);
+            assert!(d >= full / 2 && d <= full, "{attempt}: {d:?}");
+        }
+        let draws: std::collections::BTreeSet<_> = (0..20).map(|_| b.delay(10)).collect();
+        assert!(draws.len() > 1, "no jitter");
+    }
+
+    #[test]
+    fn uuids_are_valid_key_ids() {
+        let a = crate::disk::new_uuid();
+        assert!(crate::key_service::disk_key_id(&a).is_ok());
+        assert_ne!(a, crate::disk::new_uuid());
+    }
+}

@@ -1,0 +1,25 @@
+//! Joining a cluster, from both ends.
+//!
+//! * [`client`]: the node side, the state machine that gets a ticket, takes
+//!   the node lock and hands over to the provisioning pipeline (join and
+//!   rejoin).
+//! * [`transport`]: fetching a ticket over mutual aTLS and opening its
+//!   sealed secrets with the TPM.
+//! * [`ticket`]: what a ticket carries and the checks the node makes of it.
+//! * [`kubelet`]: the kubelet's client key, CSR and certificate.
+//! * [`service`]: the control-plane side, which issues tickets.
+//!
+//! The client and the service share only the ticket and kubelet
+//! definitions; neither uses the other's code.
+
+pub mod client;
+pub mod kubelet;
+pub mod service;
+pub mod ticket;
+pub mod transport;
+
+pub use client::{service_validator, Backoff, JoinClient, JoinError, JoinOutcome, JoinSettings};
+pub use kubelet::KubeletKey;
+pub use service::JoinService;
+pub use ticket::{JoinTicket, RejoinTicket, TicketError};
+pub use transport::TicketClient;

@@ -1,0 +1,287 @@
+//! Join and rejoin tickets: what they carry and the checks a node makes of
+//! them before it uses anything.
+//!
+//! A ticket is only as good as the service that issued it: after the sealed
+//! secrets are opened, [`check_service_cluster`] requires that the service
+//! is locked into exactly the cluster the ticket's secrets derive, and
+//! [`parse_join_ticket`] checks every field (key lengths, the token and
+//! hash formats, the CA against its discovery hash, the kubelet certificate
+//! against this node's key and the CA, the version against the versions
+//! table, the control-plane files against the expected set).
+
+use std::str::FromStr as _;
+use std::sync::Arc;
+
+use keel_atls::{Attested, ConnectError};
+use keel_installer::{Component, KubernetesVersion};
+use keel_proto::join::{IssueJoinTicketResponse, JoinSecrets};
+use keel_verifier::credential::CredentialError;
+use keel_verifier::measurement::{event_digest, extend, pcr, Digest32, EventType};
+use keel_verifier::validator::Verified;
+use zeroize::Zeroizing;
+
+use super::kubelet;
+use crate::key_service::{ClusterId, ClusterIdError, DISK_KEY_LEN};
+use crate::kubeadm::{BootstrapToken, CaCertHash};
+
+/// Largest accepted ticket message.
+pub const MAX_TICKET_BYTES: usize = 1024 * 1024;
+/// The control-plane PKI files a control-plane join receives (relative to
+/// the PKI directory), as kubeadm's `--upload-certs` would share them.
+/// `ca.crt` and `ca.key` are required, the others are sent when present.
+pub const CONTROL_PLANE_FILES: [&str; 8] = [
+    "ca.crt",
+    "ca.key",
+    "sa.key",
+    "sa.pub",
+    "front-proxy-ca.crt",
+    "front-proxy-ca.key",
+    "etcd/ca.crt",
+    "etcd/ca.key",
+];
+
+/// Why getting a ticket from one endpoint failed (before the lock: retried).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TicketError {
+    /// The endpoint is not `host:port`.
+    #[error("invalid endpoint {0:?}")]
+    Endpoint(String),
+    /// The aTLS connection failed (includes the service's attestation).
+    #[error("connecting to the join service")]
+    Connect(#[source] ConnectError),
+    /// The connection has no validated attestation of the service.
+    #[error("the join service is not attested")]
+    ServiceNotAttested,
+    /// The service refused the request.
+    #[error("the join service refused: {}: {}", .0.code(), .0.message())]
+    Refused(tonic::Status),
+    /// The ticket carries no sealed secrets.
+    #[error("the ticket carries no secrets")]
+    NoSecrets,
+    /// The secrets were not sealed to this TPM.
+    #[error("opening the ticket's secrets")]
+    Open(#[source] CredentialError),
+    /// The TPM could not be used.
+    #[error("the TPM is unavailable")]
+    Tpm,
+    /// The secrets do not decode.
+    #[error("the ticket's secrets do not decode")]
+    Decode(#[source] prost::DecodeError),
+    /// The cluster ID cannot be derived from the ticket.
+    #[error("deriving the cluster ID from the ticket")]
+    ClusterId(#[source] ClusterIdError),
+    /// The service's attestation does not show the ticket's cluster.
+    #[error("the join service's attestation does not match the ticket: {0}")]
+    ServiceCluster(&'static str),
+    /// A ticket field is invalid.
+    #[error("invalid ticket: {0}")]
+    Invalid(String),
+}
+
+/// A ticket as the service sent it, with the service's validated attestation.
+pub struct RawTicket<T> {
+    /// The response.
+    pub response: T,
+    /// What the service's attestation established.
+    pub service: Arc<Attested<Verified>>,
+}
+
+/// A checked join ticket.
+pub struct JoinTicket {
+    /// The cluster ID derived from the ticket.
+    pub cluster_id: ClusterId,
+    /// The state-disk key for the requested UUID.
+    pub disk_key: Zeroizing<Vec<u8>>,
+    /// The kubelet client certificate (PEM) for this node's key.
+    pub kubelet_cert: String,
+    /// The cluster CA certificate (PEM).
+    pub ca_cert: String,
+    /// `host:port` of the API server.
+    pub api_server_endpoint: String,
+    /// The bootstrap token.
+    pub token: BootstrapToken,
+    /// The discovery hash of the CA.
+    pub ca_hash: CaCertHash,
+    /// Control-plane PKI files (name relative to the PKI dir, contents).
+    pub control_plane_files: Vec<(&'static str, Zeroizing<Vec<u8>>)>,
+    /// The pinned Kubernetes version.
+    pub version: KubernetesVersion,
+    /// The components to install.
+    pub components: Vec<Component>,
+}
+
+impl std::fmt::Debug for JoinTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JoinTicket")
+            .field("cluster_id", &hex::encode(self.cluster_id))
+            .field("api_server_endpoint", &self.api_server_endpoint)
+            .field("token", &self.token)
+            .field("version", &self.version.to_string())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Opened ticket secrets; wiped when dropped.
+pub struct OpenedSecrets(JoinSecrets);
+
+impl OpenedSecrets {
+    /// Decodes the opened payload of a ticket.
+    pub fn decode(payload: &[u8]) -> Result<Self, TicketError> {
+        use prost::Message as _;
+        JoinSecrets::decode(payload)
+            .map(Self)
+            .map_err(TicketError::Decode)
+    }
+}
+
+impl std::ops::Deref for OpenedSecrets {
+    type Target = JoinSecrets;
+
+    fn deref(&self) -> &JoinSecrets {
+        &self.0
+    }
+}
+
+impl Drop for OpenedSecrets {
+    fn drop(&mut self) {
+        use zeroize::Zeroize as _;
+        self.0.state_disk_key.zeroize();
+        self.0.measurement_secret.zeroize();
+        self.0.certificate_key.zeroize();
+        self.0.bootstrap_token.zeroize();
+        for file in &mut self.0.control_plane_files {
+            file.data.zeroize();
+        }
+    }
+}
+
+/// A checked rejoin ticket.
+pub struct RejoinTicket {
+    /// The cluster ID derived from the ticket.
+    pub cluster_id: ClusterId,
+    /// The state-disk key.
+    pub disk_key: Zeroizing<Vec<u8>>,
+}
+
+impl RejoinTicket {
+    /// Checks the opened `secrets` of a rejoin ticket for `cluster_id`.
+    pub fn parse(secrets: &JoinSecrets, cluster_id: ClusterId) -> Result<Self, TicketError> {
+        if secrets.state_disk_key.len() != DISK_KEY_LEN {
+            return Err(TicketError::Invalid("disk key length".into()));
+        }
+        Ok(Self {
+            cluster_id,
+            disk_key: Zeroizing::new(secrets.state_disk_key.clone()),
+        })
+    }
+}
+
+/// The service's PCR 15 must be the extend of exactly `cluster_id`, logged
+/// as the one cluster-ID event of its replayed log.
+pub fn check_service_cluster(
+    service: &Verified,
+    cluster_id: &ClusterId,
+) -> Result<(), TicketError> {
+    let events: Vec<_> = service
+        .events
+        .iter()
+        .filter(|e| e.event_type == EventType::ClusterId)
+        .collect();
+    let [event] = events.as_slice() else {
+        return Err(TicketError::ServiceCluster(
+            "the service is not locked into exactly one cluster",
+        ));
+    };
+    if event.data.as_slice() != cluster_id.as_slice() {
+        return Err(TicketError::ServiceCluster(
+            "the service belongs to another cluster than the ticket",
+        ));
+    }
+    let expected: Digest32 = extend(
+        &[0; 32],
+        &event_digest(event.seq, EventType::ClusterId, cluster_id),
+    );
+    if service.pcrs.get(&pcr::CLUSTER_ID) != Some(&expected) {
+        return Err(TicketError::ServiceCluster(
+            "the service's PCR 15 is not the extend of the ticket's cluster ID",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks every field of a join ticket the service sent, with its opened
+/// `secrets`, for the kubelet key `kubelet_spki`.
+pub fn parse_join_ticket(
+    response: IssueJoinTicketResponse,
+    secrets: &JoinSecrets,
+    cluster_id: ClusterId,
+    kubelet_spki: &[u8],
+    is_control_plane: bool,
+) -> Result<JoinTicket, TicketError> {
+    let invalid = |m: &str| TicketError::Invalid(m.to_owned());
+    if secrets.state_disk_key.len() != DISK_KEY_LEN {
+        return Err(invalid("disk key length"));
+    }
+    let token = BootstrapToken::from_str(&secrets.bootstrap_token)
+        .map_err(|_| invalid("bootstrap token format"))?;
+    let ca_hash = CaCertHash::from_str(&response.discovery_token_ca_cert_hash)
+        .map_err(|_| invalid("discovery CA hash format"))?;
+    let ca_cert =
+        String::from_utf8(response.cluster_ca_cert).map_err(|_| invalid("CA certificate"))?;
+    if CaCertHash::of_ca_pem(ca_cert.as_bytes()).as_ref() != Some(&ca_hash) {
+        return Err(invalid("the discovery hash is not the CA certificate's"));
+    }
+    let kubelet_cert = String::from_utf8(secrets.kubelet_cert.clone())
+        .map_err(|_| invalid("kubelet certificate"))?;
+    kubelet::check_cert(&kubelet_cert, &ca_cert, kubelet_spki).map_err(invalid)?;
+    let endpoint = response.api_server_endpoint;
+    if endpoint.len() > 261
+        || endpoint
+            .rsplit_once(':')
+            .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+    {
+        return Err(invalid("API server endpoint is not host:port"));
+    }
+    let entry = keel_installer::resolve(&response.kubernetes_version)
+        .map_err(|e| TicketError::Invalid(format!("Kubernetes version: {e}")))?;
+    let components = match response.kubernetes_components {
+        Some(list) if !list.components.is_empty() => list
+            .components
+            .into_iter()
+            .map(Component::try_from)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| TicketError::Invalid(format!("component: {e}")))?,
+        _ => entry.components().to_vec(),
+    };
+    let mut files = Vec::new();
+    for file in &secrets.control_plane_files {
+        let name = CONTROL_PLANE_FILES
+            .into_iter()
+            .find(|n| *n == file.name)
+            .ok_or_else(|| invalid("unexpected control-plane file"))?;
+        if files.iter().any(|(n, _)| *n == name) {
+            return Err(invalid("repeated control-plane file"));
+        }
+        files.push((name, Zeroizing::new(file.data.clone())));
+    }
+    let has = |n: &str| files.iter().any(|(f, _)| *f == n);
+    if is_control_plane && !(has("ca.crt") && has("ca.key")) {
+        return Err(invalid("a control-plane ticket needs ca.crt and ca.key"));
+    }
+    if !is_control_plane && !files.is_empty() {
+        return Err(invalid("a worker ticket carries control-plane files"));
+    }
+    Ok(JoinTicket {
+        cluster_id,
+        disk_key: Zeroizing::new(secrets.state_disk_key.clone()),
+        kubelet_cert,
+        ca_cert,
+        api_server_endpoint: endpoint,
+        token,
+        ca_hash,
+        control_plane_files: files,
+        version: entry.version(),
+        components,
+    })
+}

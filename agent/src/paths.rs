@@ -1,0 +1,44 @@
+//! Where things live on a node, in one place.
+//!
+//! Paths under the node root are relative: they are joined to the root,
+//! `/` on a node and a temporary directory in host tests. Files of the
+//! agent's work directory (`/run/keel` on a node, on the tmpfs: they last
+//! one boot) are names within it.
+
+/// Where the opened state disk is mounted on a node.
+pub const STATE_MOUNT: &str = "/run/state";
+/// Directories of the state disk bind-mounted over the paths Kubernetes
+/// uses, which the read-only image provides as empty mount points.
+pub const STATE_BINDS: [(&str, &str); 4] = [
+    ("kubernetes", "/etc/kubernetes"),
+    ("kubelet", "/var/lib/kubelet"),
+    ("cni", "/opt/cni"),
+    ("opt-kubernetes", "/opt/kubernetes"),
+];
+/// Where components install their binaries on a node (see the versions
+/// table): on the state disk.
+pub const BIN_DIR: &str = "/run/state/bin";
+
+/// The kubelet's client certificate, key and the cluster CA.
+pub const KUBELET_PKI_DIR: &str = "var/lib/kubelet/pki";
+/// The cluster PKI of a control plane.
+pub const CONTROL_PLANE_PKI_DIR: &str = "etc/kubernetes/pki";
+/// The admin kubeconfig kubeadm writes.
+pub const ADMIN_CONF: &str = "etc/kubernetes/admin.conf";
+/// kubeadm's patches directory; kubeadm requires it to exist, even empty.
+pub const PATCHES_DIR: &str = "opt/kubernetes/patches";
+
+/// The agent's event log (work directory).
+pub const EVENT_LOG: &str = "eventlog.jsonl";
+/// The `kubeadm init` configuration (work directory).
+pub const KUBEADM_INIT_CONFIG: &str = "kubeadm-init.yaml";
+/// The `kubeadm join` configuration (work directory).
+pub const KUBEADM_JOIN_CONFIG: &str = "kubeadm-join.yaml";
+/// One configuration per `kubeadm token create`, removed after it ran
+/// (work directory).
+pub const TOKEN_CONFIG_DIR: &str = "join-tokens";
+/// The measurements the join service checks joining nodes against (work
+/// directory, unless the agent is told otherwise).
+pub const JOIN_MEASUREMENTS: &str = "join-measurements.json";
+/// The join service's disk bindings (work directory).
+pub const DISK_BINDINGS: &str = "disk-bindings.json";

@@ -1,0 +1,326 @@
+//! The provisioning pipeline: what a node does once it holds the node lock.
+//!
+//! Init, join and rejoin (and whatever else makes a locked node a working
+//! member) run the same steps through one [`Provisioner`], in this order,
+//! stopping at the first failure:
+//!
+//! 1. **State disk**: a fresh disk is formatted (LUKS2) with the key for a
+//!    new UUID, an initialised one is opened with its key; on a node it is
+//!    then mounted and bound over the Kubernetes directories.
+//! 2. **Private files** (the kubelet's certificate and key, the cluster CA,
+//!    control-plane PKI), written atomically with mode 0600 under the node
+//!    root.
+//! 3. **Components**: installed (verified by SHA-256) and measured into
+//!    PCR 13, in order.
+//! 4. **Kubernetes**: [`Provisioner::kubeadm_init`] (returning the admin
+//!    kubeconfig), [`Provisioner::kubeadm_join`], or, for a node whose disk
+//!    already holds its setup, [`Provisioner::start_kubelet`].
+//!
+//! Steps 1 to 3 are a [`Plan`] run by [`Provisioner::prepare`].
+//!
+//! A failure is fatal for this boot: PCR 15 already carries the cluster ID,
+//! so the node cannot start over. [`Provisioner::fail`] marks the state disk
+//! for reset and schedules the reboot; the caller reports the error.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use keel_installer::{Component, Installer, InstallerConfig, KubernetesVersion, LogProgress};
+use zeroize::Zeroizing;
+
+use crate::address::AdvertiseAddress;
+use crate::components::{install_and_measure, InstallComponentsError};
+use crate::disk::{DiskError, StateDisk};
+use crate::files::{write_private, WriteFileError};
+use crate::kubeadm::{ConfigError, InitConfig, JoinConfig, Kubeadm, KubeadmError};
+use crate::measured::SharedTpm;
+use crate::paths;
+use crate::reboot::{self, RebootPolicy};
+
+/// How long `systemctl start kubelet` may take.
+const KUBELET_START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Where and how this node does the work after the lock.
+#[derive(Clone, Debug)]
+pub struct NodeEnv {
+    /// The installer's settings (root, mirror, retries).
+    pub installer: InstallerConfig,
+    /// How kubeadm runs; its `root` is the node root.
+    pub kubeadm: Kubeadm,
+    /// The agent's work directory: kubeadm configurations, token files,
+    /// disk bindings, join measurements.
+    pub work_dir: PathBuf,
+    /// The address the API server and kubelet advertise.
+    pub advertise_address: AdvertiseAddress,
+    /// The state disk, if the node has one.
+    pub state_disk: Option<StateDisk>,
+    /// How the kubelet starts when the node's setup is already on its disk.
+    pub kubelet: KubeletStart,
+    /// After a fatal failure.
+    pub reboot: RebootPolicy,
+}
+
+impl NodeEnv {
+    /// The node root (`/` on a node).
+    pub fn root(&self) -> &Path {
+        &self.kubeadm.root
+    }
+
+    /// `relative` under the node root.
+    pub fn under_root(&self, relative: &str) -> PathBuf {
+        self.root().join(relative)
+    }
+
+    /// kubeadm's patches directory ([`paths::PATCHES_DIR`]).
+    pub fn patches_dir(&self) -> PathBuf {
+        self.under_root(paths::PATCHES_DIR)
+    }
+
+    /// The control-plane PKI directory ([`paths::CONTROL_PLANE_PKI_DIR`]).
+    pub fn pki_dir(&self) -> PathBuf {
+        self.under_root(paths::CONTROL_PLANE_PKI_DIR)
+    }
+}
+
+/// How the kubelet is started when the node's setup is on its disk.
+#[derive(Clone, Debug)]
+pub enum KubeletStart {
+    /// `systemctl start kubelet.service` (a node).
+    Systemd,
+    /// Runs this program with `--version` and requires success (host tests:
+    /// the stand-in kubelet does nothing more).
+    Program(PathBuf),
+}
+
+/// What to do with the state disk.
+pub enum DiskStep {
+    /// Format it as a new LUKS2 volume with this UUID and key.
+    SetUp {
+        /// The new volume's UUID (the key is derived for it).
+        uuid: String,
+        /// The volume key.
+        key: Zeroizing<Vec<u8>>,
+    },
+    /// Open the existing volume with this key.
+    Open {
+        /// The volume key.
+        key: Zeroizing<Vec<u8>>,
+    },
+}
+
+/// The node's base after the lock: disk, files, components.
+pub struct Plan {
+    /// The state disk (skipped where the node has none).
+    pub disk: DiskStep,
+    /// Files to write under the node root (path relative to the root).
+    pub files: Vec<(PathBuf, Zeroizing<Vec<u8>>)>,
+    /// Components to install and measure, for this Kubernetes version.
+    pub components: Option<(KubernetesVersion, Vec<Component>)>,
+}
+
+/// Why the work after the lock failed (fatal for this boot).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProvisionError {
+    /// The node lock was not recorded, yet PCR 15 changed.
+    #[error("taking the node lock: {0}")]
+    Lock(String),
+    /// A state-disk operation failed.
+    #[error("state disk")]
+    Disk(#[source] DiskError),
+    /// Writing a file failed.
+    #[error("writing a file")]
+    WriteFile(#[from] WriteFileError),
+    /// Creating a directory failed.
+    #[error("creating {path:?}")]
+    CreateDir {
+        /// The directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The installer could not be set up.
+    #[error("setting up the installer")]
+    Installer(#[source] keel_installer::InstallError),
+    /// Installing the components failed.
+    #[error("installing the components")]
+    Install(#[source] InstallComponentsError),
+    /// The kubeadm configuration is invalid.
+    #[error("kubeadm configuration")]
+    KubeadmConfig(#[source] ConfigError),
+    /// kubeadm failed.
+    #[error("running kubeadm")]
+    Kubeadm(#[source] KubeadmError),
+    /// Starting the kubelet failed.
+    #[error("starting the kubelet: {0}")]
+    Kubelet(String),
+    /// A blocking task did not complete.
+    #[error("a blocking task failed")]
+    Blocking(#[source] tokio::task::JoinError),
+}
+
+/// Runs plans for one node, reporting each step to a log sink.
+pub struct Provisioner<'a> {
+    env: &'a NodeEnv,
+    tpm: &'a SharedTpm,
+    log: &'a (dyn Fn(String) + Sync),
+}
+
+impl<'a> Provisioner<'a> {
+    /// A provisioner for the node `env` measuring into `tpm`; each step and
+    /// each kubeadm output line goes to `log`.
+    pub fn new(env: &'a NodeEnv, tpm: &'a SharedTpm, log: &'a (dyn Fn(String) + Sync)) -> Self {
+        Self { env, tpm, log }
+    }
+
+    /// Steps 1 to 3: the state disk, the files, the components. Stops at
+    /// the first failure.
+    pub async fn prepare(&self, plan: Plan) -> Result<(), ProvisionError> {
+        self.state_disk(plan.disk).await?;
+        let root = self.env.root();
+        for (relative, data) in &plan.files {
+            write_private(&root.join(relative), data)?;
+        }
+        if let Some((version, components)) = &plan.components {
+            self.install(*version, components).await?;
+        }
+        Ok(())
+    }
+
+    /// Step 4 of a new cluster: `kubeadm init`; returns the admin kubeconfig.
+    pub async fn kubeadm_init(
+        &self,
+        config: &InitConfig,
+    ) -> Result<Zeroizing<Vec<u8>>, ProvisionError> {
+        let path = self.write_config(paths::KUBEADM_INIT_CONFIG, config.to_yaml())?;
+        (self.log)(format!("advertising {}", config.advertise_address));
+        (self.log)("running kubeadm init".into());
+        let mut on_line = |line: &str| (self.log)(line.to_owned());
+        self.env
+            .kubeadm
+            .init(&path, &mut on_line)
+            .await
+            .map_err(ProvisionError::Kubeadm)
+    }
+
+    /// Step 4 of a join: `kubeadm join` (bounded retries).
+    pub async fn kubeadm_join(&self, config: &JoinConfig) -> Result<(), ProvisionError> {
+        let path = self.write_config(paths::KUBEADM_JOIN_CONFIG, config.to_yaml())?;
+        (self.log)("running kubeadm join".into());
+        let mut on_line = |line: &str| (self.log)(line.to_owned());
+        self.env
+            .kubeadm
+            .join(&path, &mut on_line)
+            .await
+            .map_err(ProvisionError::Kubeadm)
+    }
+
+    /// Step 4 of a node whose setup is on its disk: start the kubelet.
+    pub async fn start_kubelet(&self) -> Result<(), ProvisionError> {
+        start_kubelet(&self.env.kubelet).await?;
+        (self.log)("kubelet started".into());
+        Ok(())
+    }
+
+    /// After a fatal failure: marks the disk for reset and schedules the
+    /// reboot, logging each consequence.
+    pub async fn fail(&self, error: &ProvisionError) {
+        tracing::error!(error = %keel_atls::ErrorChain(error), "provisioning failed after the node lock");
+        for line in reboot::reset_node(self.env.state_disk.as_ref(), self.env.reboot).await {
+            (self.log)(line);
+        }
+    }
+
+    async fn state_disk(&self, step: DiskStep) -> Result<(), ProvisionError> {
+        let Some(disk) = self.env.state_disk.clone() else {
+            (self.log)("no state disk configured; skipping disk encryption".into());
+            return Ok(());
+        };
+        let device = disk.device.display().to_string();
+        let (what, mounted) = match step {
+            DiskStep::SetUp { uuid, key } => {
+                (self.log)(format!("setting up the state disk {device}"));
+                let mounted = tokio::task::spawn_blocking(move || disk.set_up(&uuid, &key))
+                    .await
+                    .map_err(ProvisionError::Blocking)?
+                    .map_err(ProvisionError::Disk)?;
+                ("set up (LUKS2)", mounted)
+            }
+            DiskStep::Open { key } => {
+                (self.log)(format!("opening the state disk {device}"));
+                let mounted = tokio::task::spawn_blocking(move || disk.unlock(&key))
+                    .await
+                    .map_err(ProvisionError::Blocking)?
+                    .map_err(ProvisionError::Disk)?;
+                ("opened (LUKS2)", mounted)
+            }
+        };
+        (self.log)(match mounted {
+            Some(at) => format!("state disk {what}, mounted at {}", at.display()),
+            None => format!("state disk {what}; key verified, not mounted here"),
+        });
+        Ok(())
+    }
+
+    async fn install(
+        &self,
+        version: KubernetesVersion,
+        components: &[Component],
+    ) -> Result<(), ProvisionError> {
+        (self.log)(format!(
+            "installing {} components for Kubernetes {version}",
+            components.len()
+        ));
+        let installer =
+            Installer::new(self.env.installer.clone()).map_err(ProvisionError::Installer)?;
+        install_and_measure(&installer, self.tpm, components, &LogProgress::default())
+            .await
+            .map_err(ProvisionError::Install)?;
+        // kubeadm requires the patches directory even when no component
+        // put a patch there.
+        let patches = self.env.patches_dir();
+        std::fs::create_dir_all(&patches).map_err(|source| ProvisionError::CreateDir {
+            path: patches,
+            source,
+        })?;
+        Ok(())
+    }
+
+    /// Writes a kubeadm configuration (it carries the bootstrap token) into
+    /// the work directory.
+    fn write_config(
+        &self,
+        name: &str,
+        yaml: Result<String, ConfigError>,
+    ) -> Result<PathBuf, ProvisionError> {
+        let yaml = Zeroizing::new(yaml.map_err(ProvisionError::KubeadmConfig)?);
+        let path = self.env.work_dir.join(name);
+        write_private(&path, yaml.as_bytes())?;
+        Ok(path)
+    }
+}
+
+async fn start_kubelet(how: &KubeletStart) -> Result<(), ProvisionError> {
+    let mut command = match how {
+        KubeletStart::Systemd => {
+            let mut c = tokio::process::Command::new("systemctl");
+            c.args(["start", "kubelet.service"]);
+            c
+        }
+        KubeletStart::Program(program) => {
+            let mut c = tokio::process::Command::new(program);
+            c.arg("--version");
+            c
+        }
+    };
+    let status = tokio::time::timeout(KUBELET_START_TIMEOUT, command.kill_on_drop(true).status())
+        .await
+        .map_err(|_| ProvisionError::Kubelet("did not start within 60 s".into()))?
+        .map_err(|e| ProvisionError::Kubelet(e.to_string()))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(ProvisionError::Kubelet(format!("exited with {status}")))
+    }
+}
