@@ -6,6 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "keel/init.proto",
         "keel/join.proto",
         "keel/kms.proto",
+        "keel/recovery.proto",
     ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");

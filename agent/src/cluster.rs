@@ -4,14 +4,15 @@
 //! join service (which serves it).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_installer::{Component, KubernetesVersion};
 use keel_verifier::measurements::Measurements;
 use zeroize::Zeroizing;
 
-use crate::key_service::{ClusterId, KeyService};
+use crate::key_service::{self, ClusterId, KeyService};
+use crate::paths;
 
 /// A cluster this node is a control-plane member of.
 pub struct ClusterState {
@@ -32,8 +33,12 @@ pub struct ClusterState {
     /// Directory of the cluster PKI (`etc/kubernetes/pki` under the node root).
     pub pki_dir: PathBuf,
     /// The measurements joining nodes are checked against, as sent by the
-    /// operator's CLI in the init request.
+    /// operator's CLI in the init request (or received in a control-plane
+    /// ticket).
     pub join_measurements: Measurements,
+    /// Join endpoints (`host:port`) of the cluster's control planes, as
+    /// this node knows them; tickets pass them on.
+    pub control_plane_endpoints: Vec<String>,
 }
 
 impl std::fmt::Debug for ClusterState {
@@ -48,3 +53,175 @@ impl std::fmt::Debug for ClusterState {
 
 /// Where the cluster state appears once the node has one.
 pub type ClusterSlot = tokio::sync::watch::Sender<Option<Arc<ClusterState>>>;
+
+/// What a control plane keeps on its state disk about its cluster, so that
+/// after a reboot (rejoin or recovery) it can serve joins again with only
+/// the master secret from outside. Nothing secret: the cluster ID is public
+/// (PCR 15), the rest is what every join ticket carries.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlPlaneFacts {
+    /// The cluster ID (hex).
+    pub cluster_id: String,
+    /// The measurement salt (hex).
+    pub measurement_salt: String,
+    /// The pinned Kubernetes version.
+    pub kubernetes_version: String,
+    /// The components every node installs.
+    pub components: Vec<StoredComponent>,
+    /// The measurements joining nodes are checked against (JSON document).
+    pub join_measurements: serde_json::Value,
+    /// Join endpoints of the cluster's control planes.
+    pub control_plane_endpoints: Vec<String>,
+}
+
+/// One component as stored (the fields of the versions table).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredComponent {
+    url: String,
+    hash: String,
+    install_path: String,
+    extract: bool,
+}
+
+/// Largest facts file read.
+const MAX_FACTS_BYTES: u64 = 4 * 1024 * 1024;
+
+/// Why the control-plane facts could not be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FactsError {
+    /// Reading or writing the file failed.
+    #[error("control-plane facts {path:?}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing the file failed.
+    #[error("writing the control-plane facts")]
+    Write(#[from] crate::files::WriteFileError),
+    /// The file does not parse or a field is invalid.
+    #[error("the control-plane facts are invalid: {0}")]
+    Invalid(String),
+    /// The facts belong to another cluster than the secrets.
+    #[error("the control-plane facts are of cluster {stored}, the secrets derive {derived}")]
+    OtherCluster {
+        /// The stored cluster ID (hex).
+        stored: String,
+        /// The cluster ID the secrets derive (hex).
+        derived: String,
+    },
+}
+
+impl ControlPlaneFacts {
+    /// The facts of `state`.
+    pub fn of(state: &ClusterState) -> Self {
+        Self {
+            cluster_id: hex::encode(state.cluster_id),
+            measurement_salt: hex::encode(&state.measurement_salt),
+            kubernetes_version: state.kubernetes_version.to_string(),
+            components: state
+                .components
+                .iter()
+                .map(|c| {
+                    let c = keel_proto::components::Component::from(c);
+                    StoredComponent {
+                        url: c.url,
+                        hash: c.hash,
+                        install_path: c.install_path,
+                        extract: c.extract,
+                    }
+                })
+                .collect(),
+            join_measurements: serde_json::from_str(&state.join_measurements.to_json())
+                .unwrap_or(serde_json::Value::Null),
+            control_plane_endpoints: state.control_plane_endpoints.clone(),
+        }
+    }
+
+    /// Writes the facts under the node root (mode 0600, atomically).
+    pub fn save(&self, root: &Path) -> Result<(), FactsError> {
+        let json =
+            serde_json::to_vec_pretty(self).map_err(|e| FactsError::Invalid(e.to_string()))?;
+        crate::files::write_private(&root.join(paths::CONTROL_PLANE_FACTS), &json)?;
+        Ok(())
+    }
+
+    /// Reads the facts from under the node root.
+    pub fn load(root: &Path) -> Result<Self, FactsError> {
+        use std::io::Read as _;
+        let path = root.join(paths::CONTROL_PLANE_FACTS);
+        let io = |source| FactsError::Io {
+            path: path.clone(),
+            source,
+        };
+        let mut bytes = Vec::new();
+        std::fs::File::open(&path)
+            .map_err(io)?
+            .take(MAX_FACTS_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
+        if bytes.len() as u64 > MAX_FACTS_BYTES {
+            return Err(FactsError::Invalid("larger than 4 MiB".into()));
+        }
+        serde_json::from_slice(&bytes).map_err(|e| FactsError::Invalid(e.to_string()))
+    }
+
+    /// The cluster state these facts describe, with the control plane's
+    /// `keys`; the cluster ID the keys derive must be the stored one.
+    pub fn into_state(
+        self,
+        keys: Arc<KeyService>,
+        api_server: SocketAddr,
+        pki_dir: PathBuf,
+    ) -> Result<ClusterState, FactsError> {
+        let invalid = |what: &str| FactsError::Invalid(what.to_owned());
+        let measurement_salt =
+            hex::decode(&self.measurement_salt).map_err(|_| invalid("measurement salt"))?;
+        let measurement_secret = keys
+            .measurement_secret()
+            .map_err(|_| invalid("measurement secret"))?;
+        let cluster_id = key_service::cluster_id(&measurement_secret, &measurement_salt)
+            .map_err(|_| invalid("measurement salt"))?;
+        if hex::encode(cluster_id) != self.cluster_id {
+            return Err(FactsError::OtherCluster {
+                stored: self.cluster_id,
+                derived: hex::encode(cluster_id),
+            });
+        }
+        let version = keel_installer::resolve(&self.kubernetes_version)
+            .map_err(|_| invalid("Kubernetes version"))?
+            .version();
+        let components = self
+            .components
+            .into_iter()
+            .map(|c| {
+                Component::try_from(keel_proto::components::Component {
+                    url: c.url,
+                    hash: c.hash,
+                    install_path: c.install_path,
+                    extract: c.extract,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| invalid("component"))?;
+        let join_measurements = Measurements::parse(self.join_measurements.to_string().as_bytes())
+            .map_err(|_| invalid("join measurements"))?;
+        Ok(ClusterState {
+            keys,
+            measurement_salt,
+            measurement_secret,
+            cluster_id,
+            kubernetes_version: version,
+            components,
+            api_server,
+            pki_dir,
+            join_measurements,
+            control_plane_endpoints: self.control_plane_endpoints,
+        })
+    }
+}

@@ -253,7 +253,7 @@ impl Cryptsetup {
         let uuid = String::from_utf8_lossy(&out.stdout)
             .trim()
             .to_ascii_lowercase();
-        crate::key_service::disk_key_id(&uuid).map_err(|_| DiskError::Uuid {
+        crate::key_service::disk_id(&uuid).map_err(|_| DiskError::Uuid {
             device: device.to_owned(),
         })?;
         Ok(uuid)

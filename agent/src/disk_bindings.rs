@@ -14,12 +14,9 @@ use std::collections::BTreeMap;
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest as _, Sha256};
-use subtle::ConstantTimeEq as _;
-
 use crate::files::WriteFileError;
 use crate::key_service::DiskKeyIdError;
-use keel_verifier::tpm_wire::Public;
+pub use keel_verifier::ek::EkDigest;
 
 /// Most disks the binding store holds; further new disks are refused.
 pub const MAX_DISK_BINDINGS: usize = 10_000;
@@ -30,56 +27,6 @@ pub const MAX_DISKS_PER_EK: usize = 128;
 const MAX_DISK_BINDINGS_BYTES: u64 = 2 * 1024 * 1024;
 /// Format version of the binding store file.
 const DISK_BINDINGS_VERSION: u32 = 1;
-
-/// SHA-256 over an endorsement key's marshalled TPMT_PUBLIC: the digest
-/// part of the EK's TPM name (nameAlg SHA-256). Every field of the public
-/// area is covered, the RSA modulus included; the TPM recreates the same
-/// area from its endorsement seed, so the digest is stable across reboots.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct EkDigest([u8; 32]);
-
-impl EkDigest {
-    /// The digest of a marshalled TPMT_PUBLIC.
-    pub fn of_marshalled(public: &[u8]) -> Self {
-        Self(Sha256::digest(public).into())
-    }
-
-    /// The digest of a parsed EK: the same value as [`EkDigest::of_marshalled`]
-    /// of the bytes it was parsed from (its name minus the algorithm ID).
-    pub fn of_public(ek: &Public) -> Self {
-        let mut digest = [0u8; 32];
-        match ek.name.get(2..) {
-            Some(tail) if tail.len() == digest.len() => digest.copy_from_slice(tail),
-            // A parsed Public's name is always nameAlg || SHA-256 (32 bytes);
-            // should that change, hash the whole name rather than guess.
-            _ => digest = Sha256::digest(&ek.name).into(),
-        }
-        Self(digest)
-    }
-
-    /// Compares in constant time.
-    pub fn ct_eq(&self, other: &Self) -> bool {
-        self.0.ct_eq(&other.0).into()
-    }
-
-    fn parse_hex(text: &str) -> Option<Self> {
-        let mut digest = [0u8; 32];
-        hex::decode_to_slice(text, &mut digest).ok()?;
-        Some(Self(digest))
-    }
-}
-
-impl std::fmt::Display for EkDigest {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "sha256:{}", hex::encode(self.0))
-    }
-}
-
-impl std::fmt::Debug for EkDigest {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(self, f)
-    }
-}
 
 /// Why a disk binding refused a ticket (the local log's detail; the peer
 /// only learns that the disk is not bound to its TPM).
@@ -283,7 +230,7 @@ impl DiskBindings {
                 )));
             }
             let digest = (ek.len() == 64 && ek == ek.to_ascii_lowercase())
-                .then(|| EkDigest::parse_hex(&ek))
+                .then(|| EkDigest::from_hex(&ek))
                 .flatten()
                 .ok_or_else(|| self.corrupt(format!("invalid EK digest for disk {uuid}")))?;
             disks.insert(uuid, digest);
@@ -296,7 +243,7 @@ impl DiskBindings {
             version: DISK_BINDINGS_VERSION,
             disks: disks
                 .iter()
-                .map(|(uuid, ek)| (uuid.clone(), hex::encode(ek.0)))
+                .map(|(uuid, ek)| (uuid.clone(), hex::encode(ek.as_bytes())))
                 .collect(),
         };
         let mut json = serde_json::to_vec_pretty(&file).map_err(|e| {
@@ -321,7 +268,7 @@ fn lock_bindings() -> std::sync::MutexGuard<'static, ()> {
 /// The UUID in the form the disk key derivation uses (lower case), after
 /// the same shape check.
 fn normalise_uuid(uuid: &str) -> Result<String, DiskBindingsError> {
-    crate::key_service::disk_key_id(uuid).map_err(DiskBindingsError::Uuid)?;
+    crate::key_service::disk_id(uuid).map_err(DiskBindingsError::Uuid)?;
     Ok(uuid.to_ascii_lowercase())
 }
 
@@ -433,23 +380,9 @@ mod tests {
         let store = DiskBindings::new(dir.path());
         let text = format!("{{\"version\":1,\"disks\":{{\"{DISK}\":\"{good_ek}\"}}}}");
         std::fs::write(store.path(), text).unwrap();
-        assert_eq!(store.lookup(DISK).unwrap(), Some(EkDigest([0xab; 32])));
-    }
-
-    #[test]
-    fn the_ek_digest_is_the_sha256_of_the_marshalled_public_area() {
-        // A TPMT_PUBLIC: ECC, SHA-256 name, attributes, empty policy, no
-        // symmetric, no scheme, P-256, no KDF, 1-byte coordinates.
-        let bytes = [
-            0x00, 0x23, 0x00, 0x0b, 0x00, 0x04, 0x00, 0x72, 0x00, 0x00, 0x00, 0x10, 0x00, 0x10,
-            0x00, 0x03, 0x00, 0x10, 0x00, 0x01, 0x05, 0x00, 0x01, 0x06,
-        ];
-        let public = Public::parse(&bytes).unwrap();
-        let digest = EkDigest::of_public(&public);
-        assert_eq!(digest, EkDigest::of_marshalled(&bytes));
-        assert_eq!(digest.0, <[u8; 32]>::from(Sha256::digest(bytes)));
-        assert!(digest.ct_eq(&EkDigest::of_marshalled(&bytes)));
-        assert!(!digest.ct_eq(&ek(1)));
-        assert!(digest.to_string().starts_with("sha256:"));
+        assert_eq!(
+            store.lookup(DISK).unwrap(),
+            Some(EkDigest::from_hex(&"ab".repeat(32)).unwrap())
+        );
     }
 }

@@ -5,12 +5,16 @@
 //! secret derive the same key for the same ID and nothing is stored. Key IDs
 //! in use:
 //!
-//! * [`disk_key_id`]: `"disk:" + UUID` names a node's state-disk key. The
-//!   prefix keeps the IDs a peer can ask for through a join ticket (the disk
-//!   UUID comes from the joining node) apart from every other ID: with bare
-//!   UUIDs as IDs, a node announcing the "disk UUID" `measurementSecret`
-//!   would receive the measurement secret as its disk key. The UUID is
-//!   checked and lower-cased first, so one disk has one ID.
+//! * [`disk_key_id`]: `"disk:" + UUID + "/ek:" + EK digest` names a node's
+//!   state-disk key. The prefix keeps the IDs a peer can ask for through a
+//!   join ticket (the disk UUID comes from the joining node) apart from
+//!   every other ID: with bare UUIDs as IDs, a node announcing the "disk
+//!   UUID" `measurementSecret` would receive the measurement secret as its
+//!   disk key. The UUID is checked and lower-cased first, so one disk has
+//!   one ID. The EK part binds the key to the TPM the disk belongs to, with
+//!   no state: any control plane derives the same key for the same node,
+//!   and a node with another TPM that names the disk's UUID gets a key that
+//!   does not open it.
 //! * [`MEASUREMENT_SECRET_ID`]: the measurement secret, which with the
 //!   measurement salt gives the [`cluster_id`].
 //!
@@ -22,6 +26,7 @@ use std::fmt;
 use std::ops::RangeInclusive;
 
 use hkdf::Hkdf;
+use keel_verifier::ek::EkDigest;
 use sha2::Sha256;
 use zeroize::Zeroizing;
 
@@ -41,6 +46,8 @@ pub const MEASUREMENT_SALT_LEN: RangeInclusive<usize> = 32..=512;
 pub const MEASUREMENT_SECRET_ID: &str = "measurementSecret";
 /// Prefix of state-disk key IDs (see [`disk_key_id`]).
 pub const DISK_KEY_PREFIX: &str = "disk:";
+/// Between the disk and the EK part of a disk key ID.
+const EK_INFIX: &str = "/ek:";
 /// Length of a state-disk key in bytes.
 pub const DISK_KEY_LEN: usize = 32;
 /// Length of the measurement secret in bytes.
@@ -149,10 +156,17 @@ impl KeyService {
         Ok(key)
     }
 
-    /// The state-disk key of the disk with `uuid` ([`DISK_KEY_LEN`] bytes).
-    pub fn disk_key(&self, uuid: &str) -> Result<Zeroizing<Vec<u8>>, DiskKeyError> {
-        let id = disk_key_id(uuid)?;
+    /// The state-disk key of the disk with `uuid` of the node whose
+    /// endorsement key is `ek` ([`DISK_KEY_LEN`] bytes).
+    pub fn disk_key(&self, uuid: &str, ek: &EkDigest) -> Result<Zeroizing<Vec<u8>>, DiskKeyError> {
+        let id = disk_key_id(uuid, ek)?;
         Ok(self.data_key(&id, DISK_KEY_LEN)?)
+    }
+
+    /// The master secret and salt themselves: only to seal them to another
+    /// control plane's TPM.
+    pub fn expose_master(&self) -> (&[u8], &[u8]) {
+        (&self.master_secret, &self.master_salt)
     }
 
     /// The cluster's measurement secret ([`MEASUREMENT_SECRET_KEY_LEN`] bytes).
@@ -173,9 +187,20 @@ pub enum DiskKeyError {
     Derive(#[from] DataKeyError),
 }
 
-/// The key ID of a state disk: `"disk:"` + the UUID in lower case. The UUID
-/// must be 8-4-4-4-12 hex digits (as `cryptsetup luksUUID` prints it).
-pub fn disk_key_id(uuid: &str) -> Result<String, DiskKeyIdError> {
+/// The key ID of a state disk: `"disk:"` + the UUID in lower case +
+/// `"/ek:"` + the hex digest of the node's endorsement key. The UUID must be
+/// 8-4-4-4-12 hex digits (as `cryptsetup luksUUID` prints it).
+pub fn disk_key_id(uuid: &str, ek: &EkDigest) -> Result<String, DiskKeyIdError> {
+    Ok(format!(
+        "{}{EK_INFIX}{}",
+        disk_id(uuid)?,
+        hex::encode(ek.as_bytes())
+    ))
+}
+
+/// `"disk:"` + the UUID in lower case: the disk part of [`disk_key_id`],
+/// and how a disk is named in logs and records.
+pub fn disk_id(uuid: &str) -> Result<String, DiskKeyIdError> {
     let groups: Vec<&str> = uuid.split('-').collect();
     let shape_ok = groups.len() == 5
         && groups
@@ -225,16 +250,29 @@ mod tests {
     // `cryptography.hazmat.primitives.kdf.hkdf.HKDF`:
     //   master = bytes(range(32)); salt = bytes(range(0x40, 0x60))
     //   measurement secret = b"\xaa" * 32; measurement salt = b"\x55" * 32
-    const DISK_KEY: &str = "855ff04ce99c01d76810398b0bee1d8609acfe5f75f4f494f402c0726ad5339f";
+    //   EK digest = b"\x11" * 32
+    const DISK_KEY: &str = "9848026df76f62a918c01b76f2893ca7dc503ac2af67a8629d1ef7cf224a2ca3";
     const MEASUREMENT_SECRET_48: &str = "8bbac9fa7a535a5c99730127304c1a6f9fabae01cef2e0a7\
                                          080a31f51cede05f52485227b35c109f304eeaa805ee91b2";
     const CLUSTER_ID: &str = "a0f816365f877b0d2bf731adb25c417df323357ea7bc3a0f53b248f3a2b8a9d0";
     const UUID: &str = "3B1F6C1E-6D2A-4C8E-9F10-2A7B5C4D9E01";
 
+    fn ek(byte: u8) -> EkDigest {
+        EkDigest::from_hex(&hex::encode([byte; 32])).unwrap()
+    }
+
     #[test]
     fn data_keys_match_the_independent_vectors() {
         let keys = service();
-        assert_eq!(hex::encode(keys.disk_key(UUID).unwrap()), DISK_KEY);
+        assert_eq!(
+            hex::encode(keys.disk_key(UUID, &ek(0x11)).unwrap()),
+            DISK_KEY
+        );
+        // Another TPM naming the same disk gets an unrelated key.
+        assert_ne!(
+            keys.disk_key(UUID, &ek(0x12)).unwrap().as_slice(),
+            keys.disk_key(UUID, &ek(0x11)).unwrap().as_slice()
+        );
         assert_eq!(
             hex::encode(keys.data_key(MEASUREMENT_SECRET_ID, 48).unwrap()),
             MEASUREMENT_SECRET_48
@@ -309,8 +347,11 @@ mod tests {
     #[test]
     fn disk_key_ids_are_namespaced_and_canonical() {
         assert_eq!(
-            disk_key_id(UUID).unwrap(),
-            "disk:3b1f6c1e-6d2a-4c8e-9f10-2a7b5c4d9e01"
+            disk_key_id(UUID, &ek(0xab)).unwrap(),
+            format!(
+                "disk:3b1f6c1e-6d2a-4c8e-9f10-2a7b5c4d9e01/ek:{}",
+                "ab".repeat(32)
+            )
         );
         for bad in [
             "",
@@ -320,11 +361,15 @@ mod tests {
             "3b1f6c1e-6d2a-4c8e-9f10-2a7b5c4d9e0g",
             "3b1f6c1e-6d2a-4c8e-9f10-2a7b5c4d9e01-00",
         ] {
-            assert_eq!(disk_key_id(bad), Err(DiskKeyIdError::Uuid), "{bad:?}");
+            assert_eq!(
+                disk_key_id(bad, &ek(0xab)),
+                Err(DiskKeyIdError::Uuid),
+                "{bad:?}"
+            );
         }
         let keys = service();
         assert_eq!(
-            keys.disk_key(MEASUREMENT_SECRET_ID).unwrap_err(),
+            keys.disk_key(MEASUREMENT_SECRET_ID, &ek(0xab)).unwrap_err(),
             DiskKeyError::Id(DiskKeyIdError::Uuid)
         );
     }

@@ -8,7 +8,8 @@
 //!   aTLS evidence, the join service's policy);
 //! * the node: [`paths`], [`disk`], [`components`], [`kubeadm`] (every
 //!   kubeadm call), [`provision`] (the steps after the lock);
-//! * the flows: [`init`], [`join`] (client, ticket, service), with
+//! * the flows: [`init`], [`join`] (client, ticket, service), [`recovery`],
+//!   with
 //!   [`key_service`], [`disk_bindings`] and [`cluster`] for a control plane;
 //! * serving: [`grpc`] (limits), [`node`] (what runs on a booted node).
 
@@ -31,6 +32,7 @@ pub mod nodelock;
 pub mod paths;
 pub mod provision;
 pub mod reboot;
+pub mod recovery;
 pub mod systemd;
 mod throttle;
 pub mod tpm;

@@ -249,7 +249,8 @@ async fn serve(
     let env = node::node_env(&config, state_dir)?;
     let mut tasks = tokio::task::JoinSet::new();
     if config.node.role == Role::ControlPlane {
-        tasks.spawn(node::serve_join_after_init(
+        tasks.spawn(node::serve_join_as_control_plane(
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.join_port)),
             config.clone(),
             tpm.clone(),
             env.clone(),
@@ -265,6 +266,7 @@ async fn serve(
             tpm.clone(),
             lock.clone(),
             env.clone(),
+            cluster.clone(),
         ));
     }
     if config.cluster.init_secret_hash.is_empty() {

@@ -30,6 +30,7 @@ use crate::nodelock::NodeLock;
 use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT};
 use crate::provision::{KubeletStart, NodeEnv};
 use crate::reboot::RebootPolicy;
+use crate::recovery::RecoveryServer;
 
 /// Largest init request: the CLI sends at most 1 MiB of components (its
 /// JSON file limit; no larger as protobuf) and 64 KiB of join measurements,
@@ -93,22 +94,35 @@ pub async fn serve_init(
 ) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "init server listening (server-attested aTLS)");
+    let recovery = RecoveryServer::new(
+        config.clone(),
+        tpm.clone(),
+        lock.clone(),
+        env.clone(),
+        cluster.clone(),
+    );
     let init = InitServer::new(config, tpm.clone(), lock, env, cluster);
-    serve_init_on(listener, tpm, init, &GrpcLimits::default()).await
+    serve_init_on(listener, tpm, init, Some(recovery), &GrpcLimits::default()).await
 }
 
-/// Serves `init` on `listener` over server-attested aTLS (attesting with
-/// `tpm`) with the gRPC `limits` until the task is dropped.
+/// Serves `init` (and `recovery`, if given) on `listener` over
+/// server-attested aTLS (attesting with `tpm`) with the gRPC `limits` until
+/// the task is dropped.
 pub async fn serve_init_on(
     listener: TcpListener,
     tpm: SharedTpm,
     init: InitServer,
+    recovery: Option<RecoveryServer>,
     limits: &GrpcLimits,
 ) -> anyhow::Result<()> {
     let issuer = Arc::new(TpmIssuer::new(tpm));
     let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
     let service = init_service(init);
-    grpc::serve(incoming, limits, |server| server.add_service(service)).await?;
+    let recovery = recovery.map(RecoveryServer::into_service);
+    grpc::serve(incoming, limits, |server| {
+        server.add_service(service).add_optional_service(recovery)
+    })
+    .await?;
     Ok(())
 }
 
@@ -158,11 +172,14 @@ pub async fn serve_join(
     Ok(())
 }
 
-/// On a control-plane node: waits until this node created the cluster,
-/// writes the measurements the init request carried to `measurements`,
-/// then serves the join service on the configured port, re-reading that
+/// On a control-plane node: waits until this node has a cluster state
+/// (it created the cluster, joined or rejoined as a control plane, or was
+/// recovered),
+/// writes the measurements its cluster state carries to `measurements`,
+/// then serves the join service on `addr`, re-reading that
 /// file every 10 s (an operator may replace it to roll out a new image).
-pub async fn serve_join_after_init(
+pub async fn serve_join_as_control_plane(
+    addr: SocketAddr,
     config: NodeConfig,
     tpm: SharedTpm,
     env: NodeEnv,
@@ -177,23 +194,24 @@ pub async fn serve_join_after_init(
         slot.changed().await?;
     };
     crate::files::write_private(&measurements, state.join_measurements.to_json().as_bytes())?;
-    tracing::info!(path = %measurements.display(), "join measurements from init written");
+    tracing::info!(path = %measurements.display(), "join measurements written");
     let policy = join_service_policy(&config, &measurements)?;
     let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
     let service = JoinService::new(state, env.kubeadm.clone(), env.work_dir.clone())?;
-    let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.join_port));
     serve_join(addr, tpm, policy, service).await
 }
 
-/// Runs the join client of this node and logs how it ended.
+/// Runs the join client of this node and logs how it ended; a control
+/// plane that joins or rejoins hands its cluster state to `cluster`.
 pub async fn run_join_client(
     config: NodeConfig,
     tpm: SharedTpm,
     lock: Arc<NodeLock>,
     env: NodeEnv,
+    cluster: Arc<ClusterSlot>,
 ) -> anyhow::Result<()> {
     let settings = JoinSettings::from_config(&config)?;
-    let client = JoinClient::new(config, tpm, lock, env, settings)?;
+    let client = JoinClient::new(config, tpm, lock, env, settings)?.with_cluster_slot(cluster);
     match client.run().await {
         JoinOutcome::Joined { cluster_id } => {
             tracing::info!(cluster_id = %hex::encode(cluster_id), "joined the cluster");

@@ -18,20 +18,30 @@
 //!
 //! Steps 1 to 3 are a [`Plan`] run by [`Provisioner::prepare`].
 //!
+//! 5. **Control plane** (init, control-plane join, rejoin, recovery): its
+//!    facts go on the state disk and its cluster state to the join service
+//!    ([`Provisioner::serve_as_control_plane`]).
+//!
 //! A failure is fatal for this boot: PCR 15 already carries the cluster ID,
-//! so the node cannot start over. [`Provisioner::fail`] marks the state disk
-//! for reset and schedules the reboot; the caller reports the error.
+//! so the node cannot start over. [`Provisioner::fail`] marks a disk that
+//! was formatted in this boot for reset (a disk that held data before is
+//! left alone) and schedules the reboot; the caller reports the error.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use keel_installer::{Component, Installer, InstallerConfig, KubernetesVersion, LogProgress};
 use zeroize::Zeroizing;
 
 use crate::address::AdvertiseAddress;
+use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts, FactsError};
 use crate::components::{install_and_measure, InstallComponentsError};
 use crate::disk::{DiskError, StateDisk};
 use crate::files::{write_private, WriteFileError};
+use crate::key_service::KeyService;
 use crate::kubeadm::{ConfigError, InitConfig, JoinConfig, Kubeadm, KubeadmError};
 use crate::measured::SharedTpm;
 use crate::paths;
@@ -158,6 +168,9 @@ pub enum ProvisionError {
     /// A blocking task did not complete.
     #[error("a blocking task failed")]
     Blocking(#[source] tokio::task::JoinError),
+    /// The control plane's facts could not be recorded or restored.
+    #[error("control-plane facts")]
+    Facts(#[source] FactsError),
 }
 
 /// Runs plans for one node, reporting each step to a log sink.
@@ -165,13 +178,21 @@ pub struct Provisioner<'a> {
     env: &'a NodeEnv,
     tpm: &'a SharedTpm,
     log: &'a (dyn Fn(String) + Sync),
+    /// A fresh disk was formatted: a failure marks it for reset. A disk
+    /// that held the node's data before is never reset by a failure.
+    formatted: AtomicBool,
 }
 
 impl<'a> Provisioner<'a> {
     /// A provisioner for the node `env` measuring into `tpm`; each step and
     /// each kubeadm output line goes to `log`.
     pub fn new(env: &'a NodeEnv, tpm: &'a SharedTpm, log: &'a (dyn Fn(String) + Sync)) -> Self {
-        Self { env, tpm, log }
+        Self {
+            env,
+            tpm,
+            log,
+            formatted: AtomicBool::new(false),
+        }
     }
 
     /// Steps 1 to 3: the state disk, the files, the components. Stops at
@@ -223,11 +244,45 @@ impl<'a> Provisioner<'a> {
         Ok(())
     }
 
-    /// After a fatal failure: marks the disk for reset and schedules the
-    /// reboot, logging each consequence.
+    /// Step 5 of a control plane: records its facts on the state disk and
+    /// hands its cluster state to the join service (through `slot`).
+    pub fn serve_as_control_plane(
+        &self,
+        state: ClusterState,
+        slot: &ClusterSlot,
+    ) -> Result<(), ProvisionError> {
+        ControlPlaneFacts::of(&state)
+            .save(self.env.root())
+            .map_err(ProvisionError::Facts)?;
+        slot.send_replace(Some(Arc::new(state)));
+        (self.log)("serving as a control plane".into());
+        Ok(())
+    }
+
+    /// A control plane's cluster state after a reboot: the facts on its
+    /// (opened) state disk with the cluster's `keys`, which must derive the
+    /// stored cluster ID.
+    pub fn restore_control_plane(&self, keys: KeyService) -> Result<ClusterState, ProvisionError> {
+        let api_server = SocketAddr::new(
+            self.env.advertise_address.resolve(),
+            crate::kubeadm::config::API_SERVER_PORT,
+        );
+        ControlPlaneFacts::load(self.env.root())
+            .and_then(|facts| facts.into_state(Arc::new(keys), api_server, self.env.pki_dir()))
+            .map_err(ProvisionError::Facts)
+    }
+
+    /// After a fatal failure: marks a disk formatted in this boot for reset
+    /// (an existing one keeps its data) and schedules the reboot, logging
+    /// each consequence.
     pub async fn fail(&self, error: &ProvisionError) {
         tracing::error!(error = %keel_atls::ErrorChain(error), "provisioning failed after the node lock");
-        for line in reboot::reset_node(self.env.state_disk.as_ref(), self.env.reboot).await {
+        let reset = self
+            .formatted
+            .load(Ordering::SeqCst)
+            .then_some(())
+            .and(self.env.state_disk.as_ref());
+        for line in reboot::reset_node(reset, self.env.reboot).await {
             (self.log)(line);
         }
     }
@@ -241,6 +296,7 @@ impl<'a> Provisioner<'a> {
         let (what, mounted) = match step {
             DiskStep::SetUp { uuid, key } => {
                 (self.log)(format!("setting up the state disk {device}"));
+                self.formatted.store(true, Ordering::SeqCst);
                 let mounted = tokio::task::spawn_blocking(move || disk.set_up(&uuid, &key))
                     .await
                     .map_err(ProvisionError::Blocking)?

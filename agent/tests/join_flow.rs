@@ -33,11 +33,15 @@ async fn joined(j: &Joiner, ca: &EkCa) -> [u8; 32] {
 }
 
 /// The node's state disk opens with the key the key service derives for
-/// its UUID.
+/// its UUID and its TPM's EK.
 fn assert_disk_key(j: &Joiner, service: &Service) {
     let cs = Cryptsetup::default();
     let uuid = cs.uuid(&j.disk).unwrap();
-    let key = service.state.keys.disk_key(&uuid).unwrap();
+    let key = service
+        .state
+        .keys
+        .disk_key(&uuid, &join_common::ek_digest(&j.tpm))
+        .unwrap();
     assert!(cs.key_matches(&j.disk, &key).unwrap());
 }
 
@@ -206,12 +210,29 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
     let other = join_common::member(&ca, port, "w-2", "worker");
     let (owner_tickets, other_tickets) = (owner.tickets(&ca), other.tickets(&ca));
     let disk = join_common::uuid();
-    let expected = service.state.keys.disk_key(&disk).unwrap();
+    let owner_ek = join_common::ek_digest(&owner.tpm);
+    let expected = service.state.keys.disk_key(&disk, &owner_ek).unwrap();
 
-    // Before any join, the disk is unknown: no rejoin, for anyone.
-    assert_not_bound(owner_tickets.rejoin_ticket(&service.endpoint, &disk).await);
+    // A disk this service never saw join: a rejoin ticket is issued (any
+    // control plane can serve a rebooted node), but its key is bound to
+    // the asking TPM, so only the TPM the disk was made with gets the key
+    // that opens it.
+    let ticket = other_tickets
+        .rejoin_ticket(&service.endpoint, &disk)
+        .await
+        .unwrap();
+    assert_ne!(ticket.disk_key.as_slice(), expected.as_slice());
+    let ticket = owner_tickets
+        .rejoin_ticket(&service.endpoint, &disk)
+        .await
+        .unwrap();
+    assert_eq!(ticket.disk_key.as_slice(), expected.as_slice());
+    assert!(
+        ticket.control_plane_keys.is_none(),
+        "a worker got the master secret"
+    );
 
-    // w-1 joins with the disk: the disk is bound to w-1's EK.
+    // w-1 joins with the disk: recorded against w-1's EK.
     let key = disk_key_by_join(&owner_tickets, &service, "w-1", &disk)
         .await
         .unwrap();
@@ -226,9 +247,9 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
     );
     let tokens = service.registered_tokens().len();
 
-    // Another attested TPM naming the disk gets nothing: not by rejoin,
-    // not by "joining" with its UUID (in any letter case), and no token is
-    // registered for the attempt.
+    // Another attested TPM naming the recorded disk gets nothing: not by
+    // rejoin, not by "joining" with its UUID (in any letter case), and no
+    // token is registered for the attempt.
     assert_not_bound(other_tickets.rejoin_ticket(&service.endpoint, &disk).await);
     assert_not_bound(disk_key_by_join(&other_tickets, &service, "w-2", &disk).await);
     let upper = disk.to_ascii_uppercase();
@@ -236,18 +257,13 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
     assert_not_bound(disk_key_by_join(&other_tickets, &service, "w-2", &upper).await);
     assert_eq!(service.registered_tokens().len(), tokens);
 
-    // The owner rejoins; a disk that never joined is refused to it too.
+    // The owner rejoins.
     let ticket = owner_tickets
         .rejoin_ticket(&service.endpoint, &disk)
         .await
         .unwrap();
     assert_eq!(ticket.disk_key.as_slice(), expected.as_slice());
     assert_eq!(ticket.cluster_id, service.state.cluster_id);
-    assert_not_bound(
-        owner_tickets
-            .rejoin_ticket(&service.endpoint, &join_common::uuid())
-            .await,
-    );
     // Joining again with its own disk (a retried join) is the owner's right.
     let again = disk_key_by_join(&owner_tickets, &service, "w-1", &disk)
         .await

@@ -167,7 +167,7 @@ fn random32() -> Zeroizing<Vec<u8>> {
 
 /// Binds an attested channel to the node, retrying for up to `wait` while
 /// the node is unreachable (still booting); any other failure ends at once.
-async fn connect(
+pub(crate) async fn connect(
     client: &AtlsClient<Verified>,
     endpoint: Endpoint,
     wait: Duration,

@@ -8,11 +8,12 @@ use clap::{Parser, Subcommand};
 
 mod init;
 mod logging;
+mod recover;
 mod settings;
 mod verify;
 
 /// Operate keel clusters: initialise the first node over attested TLS, verify
-/// a node's attestation.
+/// a node's attestation, recover a control plane.
 ///
 /// Secrets never go on the command line: the init secret is read from the
 /// file the settings name, and the generated master secret is written to a
@@ -58,6 +59,29 @@ enum Command {
         #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
         output: verify::Output,
     },
+    /// Bring back a control plane when no join service answers (every
+    /// control plane was down): verify the node's attestation (it must be
+    /// outside any cluster, PCR 15 zero), seal the master secret from the
+    /// workspace to its TPM and send it. The node opens its own state disk,
+    /// locks to the cluster ID stored there and serves joins again; the
+    /// other nodes then rejoin through it.
+    Recover {
+        /// Settings file (JSON); endpoint, measurements and EK CA are used.
+        #[arg(long, default_value = "keel.json")]
+        settings: PathBuf,
+        /// The node's init port (host:port), instead of the settings' endpoint.
+        #[arg(long)]
+        endpoint: Option<String>,
+        /// The workspace `keel init` wrote (it holds the master secret).
+        #[arg(long, default_value = ".")]
+        workspace: PathBuf,
+        /// `json`: one JSON document with the endpoint and the cluster ID.
+        #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
+        output: verify::Output,
+        /// Seconds to keep trying while the node is not reachable yet.
+        #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+        wait: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -94,6 +118,22 @@ fn main() -> ExitCode {
                 endpoint,
                 output,
             } => verify::run(&settings, endpoint, output).await,
+            Command::Recover {
+                settings,
+                endpoint,
+                workspace,
+                output,
+                wait,
+            } => {
+                recover::run(
+                    &settings,
+                    endpoint,
+                    &workspace,
+                    output,
+                    Duration::from_secs(wait),
+                )
+                .await
+            }
         }
     });
     match result {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use keel_atls::AtlsClient;
+use keel_verifier::ek::EkDigest;
 use keel_verifier::measurement::{Event, HexDigest};
 use keel_verifier::measurements::{Measurements, Mismatch};
 use keel_verifier::validator::Verified;
@@ -42,6 +43,9 @@ struct Report {
     mismatches: Vec<MismatchReport>,
     /// The agent's event log.
     events: Vec<Event>,
+    /// SHA-256 of the node's marshalled EK public area (hex): what its
+    /// disk key is bound to.
+    ek_digest: Option<String>,
 }
 
 /// One PCR that differs from the measurements.
@@ -147,6 +151,7 @@ async fn report(
                 error: None,
                 pcrs: v.pcrs.iter().map(|(p, d)| (*p, hex::encode(d))).collect(),
                 mismatches: mismatches.iter().map(Into::into).collect(),
+                ek_digest: Some(hex::encode(EkDigest::of_public(&v.ek).as_bytes())),
                 events: v.events,
             }
         }
@@ -158,6 +163,7 @@ async fn report(
             pcrs: BTreeMap::new(),
             mismatches: Vec::new(),
             events: Vec::new(),
+            ek_digest: None,
         },
     };
     println!("{}", serde_json::to_string_pretty(&report)?);

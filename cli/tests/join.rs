@@ -161,7 +161,10 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let cs = Cryptsetup::default();
     let key_of = |j: &Joiner| {
         let uuid = cs.uuid(&j.disk).unwrap();
-        let key = state.keys.disk_key(&uuid).unwrap();
+        let key = state
+            .keys
+            .disk_key(&uuid, &join_common::ek_digest(&j.tpm))
+            .unwrap();
         assert!(cs.key_matches(&j.disk, &key).unwrap(), "{uuid}");
         key
     };

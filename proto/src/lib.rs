@@ -30,6 +30,11 @@ pub mod keel {
             tonic::include_proto!("keel.kms.v1");
         }
     }
+    pub mod recovery {
+        pub mod v1 {
+            tonic::include_proto!("keel.recovery.v1");
+        }
+    }
 }
 
 /// Attestation documents, measurement events and TPM-sealed secrets.
@@ -42,3 +47,5 @@ pub use keel::init::v1 as init;
 pub use keel::join::v1 as join;
 /// The key service (data keys derived from the master secret).
 pub use keel::kms::v1 as kms;
+/// The recovery API (operator CLI → a control plane that lost its cluster).
+pub use keel::recovery::v1 as recovery;

@@ -286,7 +286,12 @@ fn disks_and_secrets(cluster: &Cluster) -> TestResult {
     for node in [&cluster.cp, &cluster.worker] {
         let disk = node.state_disk();
         assert!(disk::is_luks2(&disk)?, "{} is not LUKS2", disk.display());
-        let key = master.disk_key(&disk::luks_uuid(&disk)?)?;
+        let ek = cluster
+            .verify(node, MEASUREMENTS_MEMBER)?
+            .report
+            .ek_digest
+            .ok_or("keel verify reported no EK digest")?;
+        let key = master.disk_key(&disk::luks_uuid(&disk)?, &ek)?;
         assert!(
             disk::opens_with(&disk, &key, &node.dir)?,
             "the key derived for {} does not open it",

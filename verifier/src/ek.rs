@@ -13,6 +13,9 @@ use x509_parser::oid_registry::OID_X509_EXT_BASIC_CONSTRAINTS;
 use x509_parser::prelude::{FromDer, ParsedExtension, X509Certificate};
 use x509_parser::public_key::PublicKey as CertKey;
 
+use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq as _;
+
 use crate::tpm_wire::{Public, PublicKey};
 
 /// Why an endorsement key is not trusted.
@@ -176,6 +179,62 @@ fn precision(e: &EkError) -> u8 {
 fn strip_zeros(v: &[u8]) -> &[u8] {
     let first = v.iter().position(|&b| b != 0).unwrap_or(v.len());
     &v[first..]
+}
+
+/// SHA-256 over an endorsement key's marshalled TPMT_PUBLIC: the digest
+/// part of the EK's TPM name (nameAlg SHA-256). Every field of the public
+/// area is covered, the RSA modulus included; the TPM recreates the same
+/// area from its endorsement seed, so the digest is stable across reboots.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct EkDigest([u8; 32]);
+
+impl EkDigest {
+    /// The digest of a marshalled TPMT_PUBLIC.
+    pub fn of_marshalled(public: &[u8]) -> Self {
+        Self(Sha256::digest(public).into())
+    }
+
+    /// The digest of a parsed EK: the same value as [`EkDigest::of_marshalled`]
+    /// of the bytes it was parsed from (its name minus the algorithm ID).
+    pub fn of_public(ek: &Public) -> Self {
+        let mut digest = [0u8; 32];
+        match ek.name.get(2..) {
+            Some(tail) if tail.len() == digest.len() => digest.copy_from_slice(tail),
+            // A parsed Public's name is always nameAlg || SHA-256 (32 bytes);
+            // should that change, hash the whole name rather than guess.
+            _ => digest = Sha256::digest(&ek.name).into(),
+        }
+        Self(digest)
+    }
+
+    /// The digest's bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Compares in constant time.
+    pub fn ct_eq(&self, other: &Self) -> bool {
+        self.0.ct_eq(&other.0).into()
+    }
+
+    /// Parses 64 hex digits.
+    pub fn from_hex(text: &str) -> Option<Self> {
+        let mut digest = [0u8; 32];
+        hex::decode_to_slice(text, &mut digest).ok()?;
+        Some(Self(digest))
+    }
+}
+
+impl std::fmt::Display for EkDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sha256:{}", hex::encode(self.0))
+    }
+}
+
+impl std::fmt::Debug for EkDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 #[cfg(test)]
@@ -419,5 +478,22 @@ mod tests {
             trust(&[&issuing]).verify(&[], &ek.public()),
             Err(EkError::NoCertificate)
         );
+    }
+
+    #[test]
+    fn the_ek_digest_is_the_sha256_of_the_marshalled_public_area() {
+        // A TPMT_PUBLIC: ECC, SHA-256 name, attributes, empty policy, no
+        // symmetric, no scheme, P-256, no KDF, 1-byte coordinates.
+        let bytes = [
+            0x00, 0x23, 0x00, 0x0b, 0x00, 0x04, 0x00, 0x72, 0x00, 0x00, 0x00, 0x10, 0x00, 0x10,
+            0x00, 0x03, 0x00, 0x10, 0x00, 0x01, 0x05, 0x00, 0x01, 0x06,
+        ];
+        let public = Public::parse(&bytes).unwrap();
+        let digest = EkDigest::of_public(&public);
+        assert_eq!(digest, EkDigest::of_marshalled(&bytes));
+        assert_eq!(*digest.as_bytes(), <[u8; 32]>::from(Sha256::digest(bytes)));
+        assert!(digest.ct_eq(&EkDigest::of_marshalled(&bytes)));
+        assert!(!digest.ct_eq(&EkDigest::of_marshalled(&[1])));
+        assert!(digest.to_string().starts_with("sha256:"));
     }
 }

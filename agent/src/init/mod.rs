@@ -25,7 +25,7 @@ use prost::Message as _;
 use tokio_stream::wrappers::ReceiverStream;
 use zeroize::Zeroizing;
 
-use crate::attestation::credential;
+use crate::attestation::{credential, own_ek_digest};
 use crate::cluster::{ClusterSlot, ClusterState};
 use crate::key_service::{self, KeyService};
 use crate::kubeadm::{self, BootstrapToken, InitConfig};
@@ -61,6 +61,9 @@ pub enum InitError {
     /// The node is already locked.
     #[error("the node is already part of a cluster")]
     Locked,
+    /// The state disk holds a cluster's data: init would format it.
+    #[error("this node's state disk is initialised; it rejoins or is recovered, never initialised again")]
+    DiskInitialised,
     /// Taking the lock failed for another reason.
     #[error("taking the node lock failed")]
     Lock(#[source] LockError),
@@ -85,7 +88,9 @@ impl From<&InitError> for tonic::Status {
         let code = match e {
             InitError::WrongInitSecret => tonic::Code::Unauthenticated,
             InitError::InvalidRequest(_) | InitError::Sealed(_) => tonic::Code::InvalidArgument,
-            InitError::NotInitNode | InitError::Locked => tonic::Code::FailedPrecondition,
+            InitError::NotInitNode | InitError::Locked | InitError::DiskInitialised => {
+                tonic::Code::FailedPrecondition
+            }
             InitError::Lock(_) | InitError::Tpm => tonic::Code::Unavailable,
             InitError::Throttled(_) => tonic::Code::ResourceExhausted,
         };
@@ -186,9 +191,11 @@ impl InitServer {
             .secrets
             .ok_or_else(|| InitError::InvalidRequest("sealed secrets missing".into()))?;
         let tpm = self.inner.tpm.clone();
-        let opened = tokio::task::spawn_blocking(move || {
+        let (opened, own_ek) = tokio::task::spawn_blocking(move || {
             let mut guard = tpm.lock().map_err(|_| InitError::Tpm)?;
-            credential::open(guard.tpm(), &sealed).map_err(InitError::Sealed)
+            let opened = credential::open(guard.tpm(), &sealed).map_err(InitError::Sealed)?;
+            let own_ek = own_ek_digest(guard.tpm()).map_err(|_| InitError::Tpm)?;
+            Ok::<_, InitError>((opened, own_ek))
         })
         .await
         .map_err(|_| InitError::Tpm)??;
@@ -212,6 +219,16 @@ impl InitServer {
         }
         if self.inner.lock.is_locked() {
             return Err(InitError::Locked);
+        }
+        if let Some(disk) = self.inner.env.state_disk.clone() {
+            let initialised =
+                tokio::task::spawn_blocking(move || disk.cryptsetup.is_luks(&disk.device))
+                    .await
+                    .map_err(|_| InitError::Tpm)?
+                    .unwrap_or(false);
+            if initialised {
+                return Err(InitError::DiskInitialised);
+            }
         }
         let cluster_name = request.cluster_name;
         if cluster_name.is_empty()
@@ -246,7 +263,7 @@ impl InitServer {
             .map_err(invalid("invalid measurement salt"))?;
         let disk_uuid = crate::disk::new_uuid();
         let disk_key = keys
-            .disk_key(&disk_uuid)
+            .disk_key(&disk_uuid, &own_ek)
             .map_err(invalid("invalid master secret or salt"))?;
         let service_cidr = if request.service_cidr.is_empty() {
             "10.96.0.0/12".to_owned()
@@ -274,7 +291,7 @@ impl InitServer {
         &self,
         a: &Accepted,
         provisioner: &Provisioner<'_>,
-    ) -> Result<(Zeroizing<Vec<u8>>, ClusterState), ProvisionError> {
+    ) -> Result<Zeroizing<Vec<u8>>, ProvisionError> {
         let env = &self.inner.env;
         provisioner
             .prepare(Plan {
@@ -309,8 +326,10 @@ impl InitServer {
             api_server: SocketAddr::new(advertise_address, kubeadm::config::API_SERVER_PORT),
             pki_dir: env.pki_dir(),
             join_measurements: a.join_measurements.clone(),
+            control_plane_endpoints: self.inner.config.cluster.control_plane_endpoints.clone(),
         };
-        Ok((kubeconfig, state))
+        provisioner.serve_as_control_plane(state, &self.inner.cluster)?;
+        Ok(kubeconfig)
     }
 }
 
@@ -352,9 +371,8 @@ impl InitService for InitServer {
             let line = |l: String| log.line(l);
             let provisioner = Provisioner::new(&server.inner.env, &server.inner.tpm, &line);
             match server.create_cluster(&accepted, &provisioner).await {
-                Ok((kubeconfig, state)) => {
+                Ok(kubeconfig) => {
                     log.line("cluster created");
-                    server.inner.cluster.send_replace(Some(Arc::new(state)));
                     log.finish([Kind::Success(InitSuccess {
                         kubeconfig: kubeconfig.to_vec(),
                         cluster_id: accepted.cluster_id.to_vec(),

@@ -28,8 +28,9 @@
 //! ID in the service's replayed event log ([`super::ticket`]). A service of
 //! another cluster, or one running another image, never gets this node.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use keel_proto::join::IssueJoinTicketRequest;
@@ -44,6 +45,7 @@ use zeroize::Zeroizing;
 use super::kubelet::KubeletKey;
 use super::ticket::{JoinTicket, TicketError};
 use super::transport::TicketClient;
+use crate::cluster::{ClusterSlot, ClusterState};
 use crate::disk::StateDisk;
 use crate::key_service::ClusterId;
 use crate::kubeadm::{ControlPlaneJoin, JoinConfig};
@@ -56,6 +58,8 @@ use crate::tpm::TpmError;
 /// PCRs the join service must share with this node: the boot chain the
 /// image predicts and the cluster config.
 pub const SHARED_PCRS: [u32; 4] = [4, 9, 11, pcr::CONFIG];
+/// Most endpoints a client tries (its config's and those tickets named).
+const MAX_KNOWN_ENDPOINTS: usize = 32;
 
 /// Capped exponential backoff with jitter.
 #[derive(Clone, Copy, Debug)]
@@ -200,6 +204,10 @@ pub struct JoinClient {
     env: NodeEnv,
     settings: JoinSettings,
     tickets: TicketClient,
+    /// The endpoints tried: the config's, then those tickets named.
+    endpoints: Mutex<Vec<String>>,
+    /// Where a control plane hands its cluster state to its join service.
+    cluster: Arc<ClusterSlot>,
 }
 
 impl JoinClient {
@@ -215,15 +223,47 @@ impl JoinClient {
             return Err(JoinError::NoEndpoints);
         }
         let validator = service_validator(&tpm, settings.ek_trust.clone())?;
-        let tickets = TicketClient::new(tpm.clone(), validator, settings.timeout);
+        let tickets =
+            TicketClient::new(tpm.clone(), validator, settings.timeout).for_role(config.node.role);
         Ok(Self {
             config,
             tpm,
             lock,
             env,
+            endpoints: Mutex::new(settings.endpoints.clone()),
             settings,
             tickets,
+            cluster: Arc::new(ClusterSlot::new(None)),
         })
+    }
+
+    /// Hands the cluster state of a control plane (after it joined or
+    /// rejoined) to `slot`, where its join service waits for it.
+    pub fn with_cluster_slot(mut self, slot: Arc<ClusterSlot>) -> Self {
+        self.cluster = slot;
+        self
+    }
+
+    /// The endpoints to try now.
+    fn endpoints(&self) -> Vec<String> {
+        self.endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Adds the endpoints a ticket named to those tried from now on.
+    fn learn_endpoints(&self, named: &[String]) {
+        let mut known = self
+            .endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for endpoint in named {
+            if !known.contains(endpoint) && known.len() < MAX_KNOWN_ENDPOINTS {
+                tracing::info!(%endpoint, "control-plane endpoint learned from a ticket");
+                known.push(endpoint.clone());
+            }
+        }
     }
 
     /// Runs until the node joined, lost the race for the lock, or failed
@@ -271,12 +311,15 @@ impl JoinClient {
     {
         let mut round: u32 = 0;
         loop {
-            for endpoint in &self.settings.endpoints {
+            for endpoint in self.endpoints() {
                 if self.lock.is_locked() {
                     return None;
                 }
                 match attempt(endpoint.clone()).await {
-                    Ok(ticket) => return Some(ticket),
+                    Ok(ticket) => {
+                        tracing::info!(%endpoint, "{what} ticket issued by {endpoint}");
+                        return Some(ticket);
+                    }
                     Err(e) => tracing::warn!(
                         %endpoint,
                         error = %keel_atls::ErrorChain(&e),
@@ -378,19 +421,23 @@ impl JoinClient {
             Err(outcome) => return outcome,
         };
         tracing::info!(cluster_id = %hex::encode(ticket.cluster_id), "node locked for join");
+        self.learn_endpoints(&ticket.control_plane_endpoints);
         let (plan, join) = self.join_plan(&ticket, disk_uuid, &kubelet, is_control_plane);
+        let cluster_id = ticket.cluster_id;
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
         let result = async {
             p.prepare(plan).await?;
-            p.kubeadm_join(&join).await
+            p.kubeadm_join(&join).await?;
+            match self.control_plane_state(ticket)? {
+                Some(state) => p.serve_as_control_plane(state, &self.cluster),
+                None => Ok(()),
+            }
         }
         .await;
         match settle(&p, result).await {
             Ok(()) => {
                 tracing::info!("this node joined the cluster");
-                JoinOutcome::Joined {
-                    cluster_id: ticket.cluster_id,
-                }
+                JoinOutcome::Joined { cluster_id }
             }
             Err(outcome) => outcome,
         }
@@ -436,6 +483,7 @@ impl JoinClient {
             Ok(ticket) => ticket,
             Err(outcome) => return outcome,
         };
+        self.learn_endpoints(&ticket.control_plane_endpoints);
         let plan = Plan {
             disk: DiskStep::Open {
                 key: ticket.disk_key,
@@ -446,7 +494,17 @@ impl JoinClient {
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
         let result = async {
             p.prepare(plan).await?;
-            p.start_kubelet().await
+            // A control plane restores its state before the kubelet starts
+            // anything: facts that do not match the keys stop it here.
+            let state = match ticket.control_plane_keys {
+                Some(keys) => Some(p.restore_control_plane(keys)?),
+                None => None,
+            };
+            p.start_kubelet().await?;
+            match state {
+                Some(state) => p.serve_as_control_plane(state, &self.cluster),
+                None => Ok(()),
+            }
         }
         .await;
         match settle(&p, result).await {
@@ -510,6 +568,35 @@ impl JoinClient {
         (plan, join)
     }
 
+    /// The cluster state of a control plane that joined with `ticket`;
+    /// `None` for a worker.
+    fn control_plane_state(
+        &self,
+        ticket: JoinTicket,
+    ) -> Result<Option<ClusterState>, ProvisionError> {
+        let Some((keys, join_measurements)) = ticket.control_plane else {
+            return Ok(None);
+        };
+        let measurement_secret = keys
+            .measurement_secret()
+            .map_err(|e| ProvisionError::Lock(format!("deriving the measurement secret: {e}")))?;
+        Ok(Some(ClusterState {
+            keys: Arc::new(keys),
+            measurement_salt: ticket.measurement_salt,
+            measurement_secret,
+            cluster_id: ticket.cluster_id,
+            kubernetes_version: ticket.version,
+            components: ticket.components,
+            api_server: SocketAddr::new(
+                self.env.advertise_address.resolve(),
+                crate::kubeadm::config::API_SERVER_PORT,
+            ),
+            pki_dir: self.env.pki_dir(),
+            join_measurements,
+            control_plane_endpoints: self.endpoints(),
+        }))
+    }
+
     /// After the lock could not be recorded: the node is unusable.
     async fn fail(&self, error: ProvisionError) -> JoinOutcome {
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
@@ -564,7 +651,7 @@ mod tests {
     #[test]
     fn uuids_are_valid_key_ids() {
         let a = crate::disk::new_uuid();
-        assert!(crate::key_service::disk_key_id(&a).is_ok());
+        assert!(crate::key_service::disk_id(&a).is_ok());
         assert_ne!(a, crate::disk::new_uuid());
     }
 }

@@ -35,8 +35,8 @@ use std::time::Duration;
 
 use keel_proto::join::join_service_server::{self, JoinServiceServer};
 use keel_proto::join::{
-    ControlPlaneFile, IssueJoinTicketRequest, IssueJoinTicketResponse, IssueRejoinTicketRequest,
-    IssueRejoinTicketResponse, JoinSecrets,
+    ControlPlaneFile, ControlPlaneSecrets, IssueJoinTicketRequest, IssueJoinTicketResponse,
+    IssueRejoinTicketRequest, IssueRejoinTicketResponse, JoinSecrets,
 };
 use keel_verifier::config::{NodeIdentity, Role};
 use keel_verifier::credential::{self, CredentialError};
@@ -308,9 +308,10 @@ impl JoinService {
         let _slot = self.slot().await?;
         let cluster = &self.inner.cluster;
         check_identity(peer, &request.node_name, request.is_control_plane)?;
+        let ek = EkDigest::of_public(&peer.ek);
         let disk_key = cluster
             .keys
-            .disk_key(&request.disk_uuid)
+            .disk_key(&request.disk_uuid, &ek)
             .map_err(JoinServiceError::DiskUuid)?;
         let kubelet_cert = kubelet::sign_csr(
             &self.inner.ca.issuer,
@@ -322,9 +323,8 @@ impl JoinService {
         } else {
             Vec::new()
         };
-        // Bound durably before any key or token leaves; a retry by the same
-        // TPM finds its own binding.
-        let ek = EkDigest::of_public(&peer.ek);
+        // Recorded before any key or token leaves; a retry by the same TPM
+        // finds its own binding.
         let uuid = request.disk_uuid.clone();
         match self.with_disks(move |d| d.bind(&uuid, &ek)).await? {
             Bind::Recorded | Bind::AlreadyBound => {}
@@ -356,10 +356,12 @@ impl JoinService {
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),
-            certificate_key: Vec::new(),
             bootstrap_token: token.expose().to_owned(),
             kubelet_cert: kubelet_cert.into_bytes(),
             control_plane_files,
+            control_plane: request
+                .is_control_plane
+                .then(|| control_plane_secrets(cluster)),
         };
         let sealed = seal(peer, secrets)?;
         tracing::info!(
@@ -371,21 +373,28 @@ impl JoinService {
         Ok(IssueJoinTicketResponse {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
-            kubelet_cert: Vec::new(),
             api_server_endpoint: cluster.api_server.to_string(),
-            token: String::new(),
             discovery_token_ca_cert_hash: self.inner.ca.hash.as_str().to_owned(),
-            control_plane_files: Vec::new(),
             kubernetes_version: cluster.kubernetes_version.to_string(),
             kubernetes_components: Some(keel_proto::components::Components {
                 components: cluster.components.iter().map(Into::into).collect(),
             }),
             cluster_ca_cert: self.inner.ca.cert_pem.clone().into_bytes(),
+            join_measurements: if request.is_control_plane {
+                cluster.join_measurements.to_json().into_bytes()
+            } else {
+                Vec::new()
+            },
+            control_plane_endpoints: cluster.control_plane_endpoints.clone(),
         })
     }
 
-    /// Issues a rejoin ticket (disk key and measurement secret) to the
-    /// validated peer `peer`, whose state disk is already initialised.
+    /// Issues a rejoin ticket (disk key and measurement secret, and for a
+    /// control plane the master secret) to the validated peer `peer`, whose
+    /// state disk is already initialised. The disk key is bound to the
+    /// peer's EK, so any control plane can issue it, including one that
+    /// never saw the disk join; a disk this service saw join with another
+    /// TPM is refused outright.
     pub async fn rejoin_ticket(
         &self,
         peer: &Verified,
@@ -393,38 +402,48 @@ impl JoinService {
     ) -> Result<IssueRejoinTicketResponse, JoinServiceError> {
         let _slot = self.slot().await?;
         let cluster = &self.inner.cluster;
-        crate::key_service::disk_key_id(&request.disk_uuid)
-            .map_err(|e| JoinServiceError::DiskUuid(e.into()))?;
+        let identity = measured_identity(peer)?;
+        let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
-        let uuid = request.disk_uuid.clone();
-        let refusal = match self.with_disks(move |d| d.lookup(&uuid)).await? {
-            Some(bound) if bound.ct_eq(&ek) => None,
-            Some(bound) => Some(DiskBindingRefusal::OtherEk {
-                uuid: request.disk_uuid.to_ascii_lowercase(),
-                bound,
-                peer: ek,
-            }),
-            None => Some(DiskBindingRefusal::Unknown {
-                uuid: request.disk_uuid.to_ascii_lowercase(),
-            }),
-        };
-        if let Some(refusal) = refusal {
-            return Err(JoinServiceError::DiskNotBound(refusal));
-        }
         let disk_key = cluster
             .keys
-            .disk_key(&request.disk_uuid)
+            .disk_key(&request.disk_uuid, &ek)
             .map_err(JoinServiceError::DiskUuid)?;
+        let uuid = request.disk_uuid.clone();
+        match self.with_disks(move |d| d.lookup(&uuid)).await? {
+            Some(bound) if !bound.ct_eq(&ek) => {
+                return Err(JoinServiceError::DiskNotBound(
+                    DiskBindingRefusal::OtherEk {
+                        uuid: request.disk_uuid.to_ascii_lowercase(),
+                        bound,
+                        peer: ek,
+                    },
+                ))
+            }
+            Some(_) => {}
+            None => tracing::info!(
+                disk = %request.disk_uuid.escape_debug(),
+                peer_ek = %ek,
+                "disk not seen here; its key is bound to the peer's EK"
+            ),
+        }
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),
+            control_plane: is_control_plane.then(|| control_plane_secrets(cluster)),
             ..JoinSecrets::default()
         };
         let sealed = seal(peer, secrets)?;
-        tracing::info!(disk = %request.disk_uuid.escape_debug(), "issued rejoin ticket");
+        tracing::info!(
+            node = %identity.name.escape_debug(),
+            control_plane = is_control_plane,
+            disk = %request.disk_uuid.escape_debug(),
+            "issued rejoin ticket"
+        );
         Ok(IssueRejoinTicketResponse {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
+            control_plane_endpoints: cluster.control_plane_endpoints.clone(),
         })
     }
 
@@ -465,15 +484,7 @@ fn check_identity(
             "node name must be 1-63 characters",
         ));
     }
-    let event = peer
-        .events
-        .iter()
-        .find(|e| e.event_type == EventType::NodeIdentity)
-        .ok_or(JoinServiceError::Identity(
-            "no node identity in the event log",
-        ))?;
-    let identity: NodeIdentity = serde_json::from_slice(&event.data)
-        .map_err(|_| JoinServiceError::Identity("the node identity does not parse"))?;
+    let identity = measured_identity(peer)?;
     if identity.name != node_name {
         return Err(JoinServiceError::Identity(
             "node name differs from the measured one",
@@ -487,6 +498,28 @@ fn check_identity(
     Ok(())
 }
 
+/// The node name and role in the peer's replayed node-identity event.
+fn measured_identity(peer: &Verified) -> Result<NodeIdentity, JoinServiceError> {
+    let event = peer
+        .events
+        .iter()
+        .find(|e| e.event_type == EventType::NodeIdentity)
+        .ok_or(JoinServiceError::Identity(
+            "no node identity in the event log",
+        ))?;
+    serde_json::from_slice(&event.data)
+        .map_err(|_| JoinServiceError::Identity("the node identity does not parse"))
+}
+
+/// The master secret and salt, for a control plane's ticket.
+fn control_plane_secrets(cluster: &ClusterState) -> ControlPlaneSecrets {
+    let (master_secret, master_salt) = cluster.keys.expose_master();
+    ControlPlaneSecrets {
+        master_secret: master_secret.to_vec(),
+        master_salt: master_salt.to_vec(),
+    }
+}
+
 fn seal(
     peer: &Verified,
     mut secrets: JoinSecrets,
@@ -497,6 +530,9 @@ fn seal(
     secrets.bootstrap_token.zeroize();
     for file in &mut secrets.control_plane_files {
         file.data.zeroize();
+    }
+    if let Some(cp) = &mut secrets.control_plane {
+        cp.master_secret.zeroize();
     }
     credential::seal(&peer.ek, &peer.ak.name, &payload).map_err(JoinServiceError::Seal)
 }

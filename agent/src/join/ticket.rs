@@ -17,11 +17,13 @@ use keel_installer::{Component, KubernetesVersion};
 use keel_proto::join::{IssueJoinTicketResponse, JoinSecrets};
 use keel_verifier::credential::CredentialError;
 use keel_verifier::measurement::{event_digest, extend, pcr, Digest32, EventType};
+use keel_verifier::measurements::Measurements;
 use keel_verifier::validator::Verified;
+use subtle::ConstantTimeEq as _;
 use zeroize::Zeroizing;
 
 use super::kubelet;
-use crate::key_service::{ClusterId, ClusterIdError, DISK_KEY_LEN};
+use crate::key_service::{ClusterId, ClusterIdError, KeyService, DISK_KEY_LEN};
 use crate::kubeadm::{BootstrapToken, CaCertHash};
 
 /// Largest accepted ticket message.
@@ -91,6 +93,8 @@ pub struct RawTicket<T> {
 pub struct JoinTicket {
     /// The cluster ID derived from the ticket.
     pub cluster_id: ClusterId,
+    /// The measurement salt (with the measurement secret, the cluster ID).
+    pub measurement_salt: Vec<u8>,
     /// The state-disk key for the requested UUID.
     pub disk_key: Zeroizing<Vec<u8>>,
     /// The kubelet client certificate (PEM) for this node's key.
@@ -109,6 +113,11 @@ pub struct JoinTicket {
     pub version: KubernetesVersion,
     /// The components to install.
     pub components: Vec<Component>,
+    /// A control-plane ticket: the cluster's keys and the measurements its
+    /// join services accept.
+    pub control_plane: Option<(KeyService, Measurements)>,
+    /// Join endpoints of the cluster's control planes.
+    pub control_plane_endpoints: Vec<String>,
 }
 
 impl std::fmt::Debug for JoinTicket {
@@ -148,7 +157,9 @@ impl Drop for OpenedSecrets {
         use zeroize::Zeroize as _;
         self.0.state_disk_key.zeroize();
         self.0.measurement_secret.zeroize();
-        self.0.certificate_key.zeroize();
+        if let Some(cp) = &mut self.0.control_plane {
+            cp.master_secret.zeroize();
+        }
         self.0.bootstrap_token.zeroize();
         for file in &mut self.0.control_plane_files {
             file.data.zeroize();
@@ -162,19 +173,81 @@ pub struct RejoinTicket {
     pub cluster_id: ClusterId,
     /// The state-disk key.
     pub disk_key: Zeroizing<Vec<u8>>,
+    /// A control plane's rejoin ticket: the cluster's keys.
+    pub control_plane_keys: Option<KeyService>,
+    /// Join endpoints of the cluster's control planes.
+    pub control_plane_endpoints: Vec<String>,
 }
 
 impl RejoinTicket {
-    /// Checks the opened `secrets` of a rejoin ticket for `cluster_id`.
-    pub fn parse(secrets: &JoinSecrets, cluster_id: ClusterId) -> Result<Self, TicketError> {
+    /// Checks the opened `secrets` of a rejoin ticket for `cluster_id`,
+    /// asked for by a node in role `is_control_plane`.
+    pub fn parse(
+        secrets: &JoinSecrets,
+        cluster_id: ClusterId,
+        is_control_plane: bool,
+        endpoints: Vec<String>,
+    ) -> Result<Self, TicketError> {
         if secrets.state_disk_key.len() != DISK_KEY_LEN {
             return Err(TicketError::Invalid("disk key length".into()));
         }
         Ok(Self {
             cluster_id,
             disk_key: Zeroizing::new(secrets.state_disk_key.clone()),
+            control_plane_keys: control_plane_keys(secrets, is_control_plane)?,
+            control_plane_endpoints: check_endpoints(endpoints)?,
         })
     }
+}
+
+/// Most control-plane endpoints a ticket may name.
+pub const MAX_CONTROL_PLANE_ENDPOINTS: usize = 16;
+
+/// `host:port`, at most 261 bytes (a DNS name and a port).
+pub fn is_host_port(endpoint: &str) -> bool {
+    endpoint.len() <= 261
+        && endpoint
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+}
+
+fn check_endpoints(endpoints: Vec<String>) -> Result<Vec<String>, TicketError> {
+    if endpoints.len() > MAX_CONTROL_PLANE_ENDPOINTS || !endpoints.iter().all(|e| is_host_port(e)) {
+        return Err(TicketError::Invalid(
+            "control-plane endpoints are not a short list of host:port".into(),
+        ));
+    }
+    Ok(endpoints)
+}
+
+/// The cluster's keys from a control plane's ticket: present exactly for a
+/// control plane, and deriving the ticket's measurement secret.
+fn control_plane_keys(
+    secrets: &JoinSecrets,
+    is_control_plane: bool,
+) -> Result<Option<KeyService>, TicketError> {
+    let invalid = |m: &str| TicketError::Invalid(m.to_owned());
+    let Some(cp) = &secrets.control_plane else {
+        return if is_control_plane {
+            Err(invalid("a control-plane ticket carries no master secret"))
+        } else {
+            Ok(None)
+        };
+    };
+    if !is_control_plane {
+        return Err(invalid("a worker ticket carries the master secret"));
+    }
+    let keys = KeyService::new(&cp.master_secret, &cp.master_salt)
+        .map_err(|_| invalid("master secret or salt length"))?;
+    let derived = keys
+        .measurement_secret()
+        .map_err(|_| invalid("master secret"))?;
+    if !bool::from(derived.as_slice().ct_eq(&secrets.measurement_secret)) {
+        return Err(invalid(
+            "the master secret does not derive the ticket's measurement secret",
+        ));
+    }
+    Ok(Some(keys))
 }
 
 /// The service's PCR 15 must be the extend of exactly `cluster_id`, logged
@@ -236,11 +309,7 @@ pub fn parse_join_ticket(
         .map_err(|_| invalid("kubelet certificate"))?;
     kubelet::check_cert(&kubelet_cert, &ca_cert, kubelet_spki).map_err(invalid)?;
     let endpoint = response.api_server_endpoint;
-    if endpoint.len() > 261
-        || endpoint
-            .rsplit_once(':')
-            .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
-    {
+    if !is_host_port(&endpoint) {
         return Err(invalid("API server endpoint is not host:port"));
     }
     let entry = keel_installer::resolve(&response.kubernetes_version)
@@ -272,8 +341,17 @@ pub fn parse_join_ticket(
     if !is_control_plane && !files.is_empty() {
         return Err(invalid("a worker ticket carries control-plane files"));
     }
+    let control_plane = match control_plane_keys(secrets, is_control_plane)? {
+        Some(keys) => {
+            let measurements = Measurements::parse(&response.join_measurements)
+                .map_err(|e| TicketError::Invalid(format!("join measurements: {e}")))?;
+            Some((keys, measurements))
+        }
+        None => None,
+    };
     Ok(JoinTicket {
         cluster_id,
+        measurement_salt: response.measurement_salt,
         disk_key: Zeroizing::new(secrets.state_disk_key.clone()),
         kubelet_cert,
         ca_cert,
@@ -283,5 +361,7 @@ pub fn parse_join_ticket(
         control_plane_files: files,
         version: entry.version(),
         components,
+        control_plane,
+        control_plane_endpoints: check_endpoints(response.control_plane_endpoints)?,
     })
 }

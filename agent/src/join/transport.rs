@@ -8,6 +8,7 @@ use std::time::Duration;
 use keel_atls::{AtlsClient, Attested};
 use keel_proto::join::join_service_client::JoinServiceClient;
 use keel_proto::join::{IssueJoinTicketRequest, IssueJoinTicketResponse, IssueRejoinTicketRequest};
+use keel_verifier::config::Role;
 use keel_verifier::validator::{Validator, Verified};
 use tonic::transport::Endpoint;
 
@@ -28,14 +29,28 @@ pub struct TicketClient {
     atls: AtlsClient<Verified>,
     tpm: SharedTpm,
     timeout: Duration,
+    is_control_plane: bool,
 }
 
 impl TicketClient {
-    /// A client attesting with `tpm` and validating services with `validator`.
+    /// A client attesting with `tpm` and validating services with
+    /// `validator`, for a worker.
     pub fn new(tpm: SharedTpm, validator: Validator, timeout: Duration) -> Self {
         let issuer = Arc::new(TpmIssuer::new(tpm.clone()));
         let atls = AtlsClient::mutual(issuer, Arc::new(validator)).with_timeout(timeout);
-        Self { atls, tpm, timeout }
+        Self {
+            atls,
+            tpm,
+            timeout,
+            is_control_plane: false,
+        }
+    }
+
+    /// The same client for a node of role `role`: a control plane's rejoin
+    /// ticket must carry the master secret, a worker's must not.
+    pub fn for_role(mut self, role: Role) -> Self {
+        self.is_control_plane = role == Role::ControlPlane;
+        self
     }
 
     async fn connect(
@@ -139,6 +154,11 @@ impl TicketClient {
             key_service::cluster_id(&secrets.measurement_secret, &response.measurement_salt)
                 .map_err(TicketError::ClusterId)?;
         check_service_cluster(service.claims(), &cluster_id)?;
-        RejoinTicket::parse(&secrets, cluster_id)
+        RejoinTicket::parse(
+            &secrets,
+            cluster_id,
+            self.is_control_plane,
+            response.control_plane_endpoints,
+        )
     }
 }

@@ -45,6 +45,12 @@ use keel_verifier::tpm_wire::Public;
 use rand::RngCore as _;
 use sha2::Digest as _;
 
+/// The digest of the EK of the TPM behind `tpm`: what its disk keys are
+/// bound to.
+pub fn ek_digest(tpm: &SharedTpm) -> keel_verifier::ek::EkDigest {
+    keel_agent::attestation::own_ek_digest(tpm.lock().unwrap().tpm()).unwrap()
+}
+
 /// A free loopback port (bound and released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -56,10 +62,19 @@ pub fn free_port() -> u16 {
 
 /// The node config of one member: the cluster part is the same for all.
 pub fn config(ca: &EkCa, join_port: u16, name: &str, role: &str) -> NodeConfig {
+    config_for(ca, &[join_port], name, role)
+}
+
+/// [`config`] for a cluster whose control planes serve joins on `ports`.
+pub fn config_for(ca: &EkCa, join_ports: &[u16], name: &str, role: &str) -> NodeConfig {
     let ek_ca = String::from_utf8(ca.issuer_pem().unwrap()).unwrap();
+    let endpoints: Vec<String> = join_ports
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}"))
+        .collect();
     let doc = serde_json::json!({
         "cluster": {
-            "control_plane_endpoints": [format!("127.0.0.1:{join_port}")],
+            "control_plane_endpoints": endpoints,
             "ek_ca_pem": ek_ca,
         },
         "node": {"name": name, "role": role},
@@ -133,11 +148,17 @@ impl Service {
         self._dir.path().join("work")
     }
 
+    /// Stops the join service (its node stays up).
+    pub async fn stop(&mut self) {
+        self.task.abort();
+        let stopped = std::mem::replace(&mut self.task, tokio::spawn(async {}));
+        let _ = stopped.await;
+    }
+
     /// Stops the join service and starts a new one on the same port, over
     /// the same cluster and work directory: what an agent restart serves.
     pub async fn restart(&mut self) {
-        self.task.abort();
-        let _ = (&mut self.task).await;
+        self.stop().await;
         let addr: SocketAddr = self.endpoint.parse().unwrap();
         // The listener goes with the server's accept task, aborted in turn.
         for _ in 0..250 {
@@ -219,10 +240,22 @@ pub async fn start_service_with(
     components: Option<Vec<Component>>,
     foreign_lock: bool,
 ) -> Service {
+    start_service_for(ca, &[port], components, foreign_lock).await
+}
+
+/// [`start_service_with`] for a cluster whose control planes serve joins
+/// on `ports`; this one listens on the first.
+pub async fn start_service_for(
+    ca: &EkCa,
+    ports: &[u16],
+    components: Option<Vec<Component>>,
+    foreign_lock: bool,
+) -> Service {
+    let port = ports[0];
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
-    let config = config(ca, port, "cp-0", "control-plane");
+    let config = config_for(ca, ports, "cp-0", "control-plane");
     let tpm = measured(&swtpm, &dir.path().join("log"), &config);
 
     let random = |n: usize| {
@@ -268,6 +301,7 @@ pub async fn start_service_with(
         api_server: "127.0.0.1:6443".parse().unwrap(),
         pki_dir: pki,
         join_measurements: boot_measurements(&config),
+        control_plane_endpoints: config.cluster.control_plane_endpoints.clone(),
     });
 
     let measurements = dir.path().join("measurements.json");
@@ -531,6 +565,42 @@ impl Joiner {
             node_env(&self.root, &self.work, disk.then_some(self.disk.as_path())),
             Arc::new(ClusterSlot::new(None)),
         )
+    }
+
+    /// The environment this node's join client provisions in.
+    pub fn env(&self) -> NodeEnv {
+        node_env(&self.root, &self.work, Some(&self.disk))
+    }
+
+    /// Serves this node's join service on `port` once `slot` has its
+    /// cluster state, as the agent of a control plane does.
+    pub async fn serve_join(
+        &self,
+        port: u16,
+        slot: Arc<ClusterSlot>,
+    ) -> tokio::task::JoinHandle<()> {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let serve = keel_agent::node::serve_join_as_control_plane(
+            addr,
+            self.config.clone(),
+            self.tpm.clone(),
+            self.env(),
+            slot,
+            self.work.join("join-measurements.json"),
+        );
+        let task = tokio::spawn(async move {
+            if let Err(e) = serve.await {
+                panic!("join service: {e:#}");
+            }
+        });
+        wait_for_port(addr).await;
+        task
+    }
+
+    /// Reboots the node: its TPM restarts (PCRs zero), its disk and
+    /// directory stay.
+    pub fn reboot(self, tpm_ca: &EkCa) -> Joiner {
+        reboot(self.config, tpm_ca, self.dir, self.disk)
     }
 
     /// `secret` sealed to this node's TPM, as the CLI seals the master secret.

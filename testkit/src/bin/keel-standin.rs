@@ -630,6 +630,20 @@ fn join(flags: &Flags) -> Result<()> {
         None,
     );
     write_file(&kube_dir().join("kubelet.conf"), conf.as_bytes(), 0o600)?;
+    if control_plane.is_some() {
+        // A control plane gets its own admin kubeconfig, as kubeadm writes
+        // one on every control-plane node (the stand-in adds no client
+        // certificate: nothing here talks to an API server).
+        println!("[kubeconfig] Writing \"admin.conf\" kubeconfig file");
+        let admin = kubeconfig(
+            "kubernetes",
+            &format!("https://{endpoint}"),
+            &ca_pem,
+            "kubernetes-admin",
+            None,
+        );
+        write_file(&kube_dir().join("admin.conf"), admin.as_bytes(), 0o600)?;
+    }
     // An injected failure comes after kubelet.conf is written, as a real
     // join that times out in the TLS bootstrap leaves it behind: a retry
     // then needs `kubeadm reset` first.

@@ -42,9 +42,11 @@ impl MasterSecret {
     }
 
     /// The state-disk key the cluster derives for a disk with header `uuid`.
-    pub fn disk_key(&self, uuid: &str) -> Result<Zeroizing<Vec<u8>>, MiniError> {
+    pub fn disk_key(&self, uuid: &str, ek_hex: &str) -> Result<Zeroizing<Vec<u8>>, MiniError> {
+        let ek = keel_verifier::ek::EkDigest::from_hex(ek_hex)
+            .ok_or_else(|| MiniError::Check(format!("{ek_hex:?} is not an EK digest")))?;
         self.keys()?
-            .disk_key(uuid)
+            .disk_key(uuid, &ek)
             .map_err(|e| MiniError::Check(format!("deriving the key of disk {uuid}: {e}")))
     }
 

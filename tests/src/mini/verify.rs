@@ -26,6 +26,10 @@ pub struct VerifyReport {
     pub mismatches: Vec<PcrMismatch>,
     /// The agent's event log.
     pub events: Vec<Event>,
+    /// SHA-256 of the node's EK public area (hex), what its disk key is
+    /// bound to.
+    #[serde(default)]
+    pub ek_digest: Option<String>,
 }
 
 /// One PCR that differs from the measurements.

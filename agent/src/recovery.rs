@@ -1,0 +1,314 @@
+//! Recovery: bringing back a control plane when no join service answers.
+//!
+//! A control plane that rebooted (PCR 15 zero, initialised state disk)
+//! normally rejoins through another control plane. When none is left, the
+//! operator's CLI validates this node over server-attested aTLS (as for
+//! init), seals the cluster's master secret to its TPM and calls
+//! `Recover`. Every check comes before the node lock, and a refusal
+//! changes nothing:
+//!
+//! 1. the node is a control plane, unlocked, with an initialised state
+//!    disk, and the caller's address is not waiting after wrong secrets;
+//! 2. the secrets open with this TPM (they were sealed to it);
+//! 3. the master secret derives this node's disk key (the disk's UUID and
+//!    this TPM's EK) and that key opens the disk: a secret of another
+//!    cluster is refused here, the disk untouched.
+//!
+//! Then the lock is taken with the cluster ID the secrets derive, the disk
+//! is opened, the facts stored on it must name the same cluster ID, the
+//! kubelet starts and the node serves joins again. The join client runs at
+//! the same time: whichever takes the lock first wins, the other stops.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use keel_proto::join::ControlPlaneSecrets;
+use keel_proto::recovery::recovery_service_server::{RecoveryService, RecoveryServiceServer};
+use keel_proto::recovery::{RecoverRequest, RecoverResponse};
+use keel_verifier::config::{NodeConfig, Role};
+use keel_verifier::credential::CredentialError;
+use prost::Message as _;
+use zeroize::{Zeroize as _, Zeroizing};
+
+use crate::attestation::{credential, own_ek_digest};
+use crate::cluster::ClusterSlot;
+use crate::disk::StateDisk;
+use crate::key_service::{self, ClusterId, KeyService};
+use crate::measured::SharedTpm;
+use crate::nodelock::{LockError, NodeLock};
+use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
+use crate::throttle::FailureThrottle;
+
+/// Largest accepted recovery request.
+pub const MAX_RECOVER_REQUEST_BYTES: usize = 64 * 1024;
+
+/// Why a recovery request was refused, or failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecoveryError {
+    /// Only a control plane holds the master secret.
+    #[error("only a control plane is recovered; a worker rejoins")]
+    NotControlPlane,
+    /// The node has no state disk, or a fresh one.
+    #[error("this node has no initialised state disk")]
+    NoInitialisedDisk,
+    /// The node is already locked (rejoined, or recovered).
+    #[error("the node is already part of a cluster")]
+    Locked,
+    /// A request field is invalid.
+    #[error("invalid request: {0}")]
+    InvalidRequest(&'static str),
+    /// The secrets were not sealed to this node's TPM.
+    #[error("the secrets are not sealed to this node's TPM")]
+    Sealed(#[source] CredentialError),
+    /// The master secret does not open this node's disk.
+    #[error("the master secret does not open this node's state disk")]
+    WrongSecret,
+    /// The caller sent wrong secrets and must wait this many seconds.
+    #[error("too many failed recovery requests from this address; retry in {0} s")]
+    Throttled(u64),
+    /// The TPM or the disk could not be used.
+    #[error("the node's TPM or disk is unavailable")]
+    Unavailable,
+    /// Taking the lock failed for another reason.
+    #[error("taking the node lock failed")]
+    Lock(#[source] LockError),
+    /// The work after the lock failed; the node reboots.
+    #[error("recovery failed after the node lock; the node reboots")]
+    Provision(#[source] ProvisionError),
+}
+
+impl From<&RecoveryError> for tonic::Status {
+    /// Refusals map to gRPC codes with their fixed text; causes stay in the
+    /// node's log.
+    fn from(e: &RecoveryError) -> Self {
+        use RecoveryError as E;
+        let code = match e {
+            E::NotControlPlane | E::NoInitialisedDisk | E::Locked => {
+                tonic::Code::FailedPrecondition
+            }
+            E::InvalidRequest(_) | E::Sealed(_) => tonic::Code::InvalidArgument,
+            E::WrongSecret => tonic::Code::PermissionDenied,
+            E::Throttled(_) => tonic::Code::ResourceExhausted,
+            E::Unavailable | E::Lock(_) => tonic::Code::Unavailable,
+            E::Provision(_) => tonic::Code::Internal,
+        };
+        tonic::Status::new(code, e.to_string())
+    }
+}
+
+/// The recovery service of a node.
+#[derive(Clone)]
+pub struct RecoveryServer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: NodeConfig,
+    tpm: SharedTpm,
+    lock: Arc<NodeLock>,
+    env: NodeEnv,
+    cluster: Arc<ClusterSlot>,
+    throttle: FailureThrottle,
+    one_at_a_time: tokio::sync::Mutex<()>,
+}
+
+/// A request that passed every check.
+struct Accepted {
+    keys: KeyService,
+    cluster_id: ClusterId,
+    disk_key: Zeroizing<Vec<u8>>,
+}
+
+impl RecoveryServer {
+    /// The recovery service of this node; a recovered node hands its
+    /// cluster state to `cluster`.
+    pub fn new(
+        config: NodeConfig,
+        tpm: SharedTpm,
+        lock: Arc<NodeLock>,
+        env: NodeEnv,
+        cluster: Arc<ClusterSlot>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                config,
+                tpm,
+                lock,
+                env,
+                cluster,
+                throttle: FailureThrottle::default(),
+                one_at_a_time: tokio::sync::Mutex::new(()),
+            }),
+        }
+    }
+
+    /// The tonic service, requests bounded to [`MAX_RECOVER_REQUEST_BYTES`].
+    pub fn into_service(self) -> RecoveryServiceServer<Self> {
+        RecoveryServiceServer::new(self).max_decoding_message_size(MAX_RECOVER_REQUEST_BYTES)
+    }
+
+    /// Runs one recovery request from `peer`.
+    pub async fn recover(
+        &self,
+        request: RecoverRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<ClusterId, RecoveryError> {
+        let inner = &self.inner;
+        if inner.config.node.role != Role::ControlPlane {
+            return Err(RecoveryError::NotControlPlane);
+        }
+        if inner.lock.is_locked() {
+            return Err(RecoveryError::Locked);
+        }
+        let disk = inner
+            .env
+            .state_disk
+            .clone()
+            .ok_or(RecoveryError::NoInitialisedDisk)?;
+        let _one = inner.one_at_a_time.lock().await;
+        if let Some(ip) = peer {
+            inner
+                .throttle
+                .check(ip)
+                .map_err(|wait| RecoveryError::Throttled(wait.as_secs().max(1)))?;
+        }
+        let accepted = match self.accept(request, disk.clone()).await {
+            Ok(a) => a,
+            Err(e) => {
+                if let (Some(ip), RecoveryError::WrongSecret | RecoveryError::Sealed(_)) =
+                    (peer, &e)
+                {
+                    let (failures, wait) = inner.throttle.failed(ip);
+                    tracing::warn!(peer = %ip, failures, wait_s = wait.as_secs_f64(), "recovery refused: {e}");
+                }
+                return Err(e);
+            }
+        };
+        if let Some(ip) = peer {
+            inner.throttle.succeeded(ip);
+        }
+        match inner.lock.try_lock(accepted.cluster_id) {
+            Ok(()) => {}
+            Err(LockError::AlreadyLocked) => return Err(RecoveryError::Locked),
+            Err(e) => return Err(RecoveryError::Lock(e)),
+        }
+        tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "node locked for recovery");
+        let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
+        let p = Provisioner::new(&inner.env, &inner.tpm, &log);
+        let result = async {
+            p.prepare(Plan {
+                disk: DiskStep::Open {
+                    key: accepted.disk_key,
+                },
+                files: Vec::new(),
+                components: None,
+            })
+            .await?;
+            let state = p.restore_control_plane(accepted.keys)?;
+            p.start_kubelet().await?;
+            p.serve_as_control_plane(state, &inner.cluster)
+        }
+        .await;
+        match result {
+            Ok(()) => {
+                tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "recovered the cluster");
+                Ok(accepted.cluster_id)
+            }
+            Err(e) => {
+                p.fail(&e).await;
+                Err(RecoveryError::Provision(e))
+            }
+        }
+    }
+
+    /// Every check before the lock; changes nothing.
+    async fn accept(
+        &self,
+        request: RecoverRequest,
+        disk: StateDisk,
+    ) -> Result<Accepted, RecoveryError> {
+        let sealed = request
+            .secrets
+            .ok_or(RecoveryError::InvalidRequest("sealed secrets missing"))?;
+        let tpm = self.inner.tpm.clone();
+        let (opened, own_ek) = tokio::task::spawn_blocking(move || {
+            let mut guard = tpm.lock().map_err(|_| RecoveryError::Unavailable)?;
+            let opened = credential::open(guard.tpm(), &sealed).map_err(RecoveryError::Sealed)?;
+            let own_ek = own_ek_digest(guard.tpm()).map_err(|_| RecoveryError::Unavailable)?;
+            Ok::<_, RecoveryError>((opened, own_ek))
+        })
+        .await
+        .map_err(|_| RecoveryError::Unavailable)??;
+        let mut secrets = ControlPlaneSecrets::decode(opened.as_slice())
+            .map_err(|_| RecoveryError::InvalidRequest("sealed secrets do not decode"))?;
+        let keys = KeyService::new(&secrets.master_secret, &secrets.master_salt);
+        secrets.master_secret.zeroize();
+        let keys =
+            keys.map_err(|_| RecoveryError::InvalidRequest("master secret or salt length"))?;
+        let measurement_secret = keys
+            .measurement_secret()
+            .map_err(|_| RecoveryError::InvalidRequest("master secret"))?;
+        let cluster_id = key_service::cluster_id(&measurement_secret, &request.measurement_salt)
+            .map_err(|_| RecoveryError::InvalidRequest("measurement salt length"))?;
+        let inspected = tokio::task::spawn_blocking(move || {
+            if !disk.cryptsetup.is_luks(&disk.device)? {
+                return Ok(None);
+            }
+            disk.cryptsetup
+                .uuid(&disk.device)
+                .map(|uuid| Some((disk, uuid)))
+        })
+        .await
+        .map_err(|_| RecoveryError::Unavailable)?
+        .map_err(|e| {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "inspecting the state disk failed");
+            RecoveryError::Unavailable
+        })?;
+        let (disk, uuid) = inspected.ok_or(RecoveryError::NoInitialisedDisk)?;
+        let disk_key = keys
+            .disk_key(&uuid, &own_ek)
+            .map_err(|_| RecoveryError::Unavailable)?;
+        let key = disk_key.clone();
+        let opens = tokio::task::spawn_blocking(move || {
+            disk.cryptsetup.key_matches(&disk.device, &key)
+        })
+        .await
+        .map_err(|_| RecoveryError::Unavailable)?
+        .map_err(|e| {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "testing the disk key failed");
+            RecoveryError::Unavailable
+        })?;
+        if !opens {
+            return Err(RecoveryError::WrongSecret);
+        }
+        Ok(Accepted {
+            keys,
+            cluster_id,
+            disk_key,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl RecoveryService for RecoveryServer {
+    async fn recover(
+        &self,
+        request: tonic::Request<RecoverRequest>,
+    ) -> Result<tonic::Response<RecoverResponse>, tonic::Status> {
+        let peer = request
+            .extensions()
+            .get::<keel_atls::PeerInfo<()>>()
+            .and_then(keel_atls::PeerInfo::remote_addr)
+            .map(|a| a.ip());
+        match RecoveryServer::recover(self, request.into_inner(), peer).await {
+            Ok(cluster_id) => Ok(tonic::Response::new(RecoverResponse {
+                cluster_id: cluster_id.to_vec(),
+            })),
+            Err(e) => {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "recovery refused");
+                Err((&e).into())
+            }
+        }
+    }
+}

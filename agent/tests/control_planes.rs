@@ -1,0 +1,239 @@
+//! A cluster that outlives its first control plane, on swtpm-backed nodes
+//! over real mutual aTLS: a second control plane joins and serves joins; a
+//! worker joins and rejoins through it while the first is down; a control
+//! plane that rebooted rejoins through another and serves joins again; and
+//! with no join service left, recovery with the wrong and the right master
+//! secret.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use join_common::{
+    config_for, free_port, joiner_with, stand_in_components, start_service_for, Joiner, Service,
+};
+use keel_agent::cluster::ClusterSlot;
+use keel_agent::disk::Cryptsetup;
+use keel_agent::join::JoinOutcome;
+use keel_agent::recovery::{RecoveryError, RecoveryServer};
+use keel_proto::join::ControlPlaneSecrets;
+use keel_proto::recovery::RecoverRequest;
+use keel_testkit::mirror::MirrorServer;
+use keel_testkit::swtpm::{EkCa, Swtpm};
+use prost::Message as _;
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// Runs the join client of `node` (handing a control plane's state to
+/// `slot`) to its end.
+async fn run_client(node: &Joiner, ca: &EkCa, slot: &Arc<ClusterSlot>) -> JoinOutcome {
+    let client = node.client(ca).with_cluster_slot(slot.clone());
+    tokio::time::timeout(LIMIT, client.run())
+        .await
+        .expect("the join client did not finish")
+}
+
+/// Tokens the stand-in kubeadm under `root` registered.
+fn tokens_under(root: &std::path::Path) -> usize {
+    std::fs::read_dir(root.join("var/lib/keel-standin/tokens")).map_or(0, Iterator::count)
+}
+
+/// The node's state disk opens with the key the cluster derives for it.
+fn assert_disk_opens(node: &Joiner, service: &Service) {
+    let cs = Cryptsetup::default();
+    let uuid = cs.uuid(&node.disk).unwrap();
+    let key = service
+        .state
+        .keys
+        .disk_key(&uuid, &join_common::ek_digest(&node.tpm))
+        .unwrap();
+    assert!(cs.key_matches(&node.disk, &key).unwrap());
+}
+
+fn recover_request(
+    node: &Joiner,
+    master: &[u8],
+    salt: &[u8],
+    measurement_salt: &[u8],
+) -> RecoverRequest {
+    let payload = ControlPlaneSecrets {
+        master_secret: master.to_vec(),
+        master_salt: salt.to_vec(),
+    }
+    .encode_to_vec();
+    RecoverRequest {
+        secrets: Some(node.sealed(&payload)),
+        measurement_salt: measurement_salt.to_vec(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_planes_serve_joins_rejoin_and_recover() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let ports = [free_port(), free_port()];
+    let mut cp0 = start_service_for(&ca, &ports, Some(stand_in_components(&mirror)), false).await;
+    let cluster_id = cp0.state.cluster_id;
+
+    // cp-1 joins as a control plane and gets what serving joins takes.
+    let cp1 = joiner_with(
+        config_for(&ca, &ports, "cp-1", "control-plane"),
+        Swtpm::start(&ca).unwrap(),
+    );
+    let slot = Arc::new(ClusterSlot::new(None));
+    match run_client(&cp1, &ca, &slot).await {
+        JoinOutcome::Joined { cluster_id: id } => assert_eq!(id, cluster_id),
+        other => panic!("{other:?}"),
+    }
+    let state = slot.borrow().clone().expect("cp-1 has no cluster state");
+    assert_eq!(state.cluster_id, cluster_id);
+    assert_eq!(state.keys.expose_master(), cp0.state.keys.expose_master());
+    assert_eq!(state.control_plane_endpoints.len(), 2);
+    assert!(cp1.root.join("etc/kubernetes/pki/ca.key").is_file());
+    assert!(cp1
+        .root
+        .join(keel_agent::paths::CONTROL_PLANE_FACTS)
+        .is_file());
+    assert_disk_opens(&cp1, &cp0);
+    let serving = cp1.serve_join(ports[1], slot.clone()).await;
+
+    // cp-0 goes down: a worker joins through cp-1, with a ticket as good as
+    // one from cp-0 (same cluster, a disk key cp-0 derives too).
+    cp0.stop().await;
+    let (cp0_tokens, cp1_tokens) = (tokens_under(&cp0.root), tokens_under(&cp1.root));
+    let worker = joiner_with(
+        config_for(&ca, &ports, "w-1", "worker"),
+        Swtpm::start(&ca).unwrap(),
+    );
+    let none = Arc::new(ClusterSlot::new(None));
+    match run_client(&worker, &ca, &none).await {
+        JoinOutcome::Joined { cluster_id: id } => assert_eq!(id, cluster_id),
+        other => panic!("{other:?}"),
+    }
+    assert!(none.borrow().is_none(), "a worker got a cluster state");
+    assert_eq!(tokens_under(&cp0.root), cp0_tokens);
+    assert_eq!(tokens_under(&cp1.root), cp1_tokens + 1);
+    assert_eq!(worker.pcr15(), join_common::pcr15(&cp0.tpm));
+    assert_disk_opens(&worker, &cp0);
+
+    // The worker reboots and rejoins through cp-1, which never saw its disk.
+    let worker = worker.reboot(&ca);
+    match run_client(&worker, &ca, &none).await {
+        JoinOutcome::Rejoined { cluster_id: id } => assert_eq!(id, cluster_id),
+        other => panic!("{other:?}"),
+    }
+
+    // cp-1 reboots while cp-0 is back: it rejoins through cp-0, reopens its
+    // disk, gets the master secret again and serves joins.
+    serving.abort();
+    let _ = serving.await;
+    cp0.restart().await;
+    let cp1 = cp1.reboot(&ca);
+    assert_eq!(cp1.pcr15(), [0; 32]);
+    let slot = Arc::new(ClusterSlot::new(None));
+    match run_client(&cp1, &ca, &slot).await {
+        JoinOutcome::Rejoined { cluster_id: id } => assert_eq!(id, cluster_id),
+        other => panic!("{other:?}"),
+    }
+    let state = slot
+        .borrow()
+        .clone()
+        .expect("cp-1 restored no cluster state");
+    assert_eq!(state.cluster_id, cluster_id);
+    assert_eq!(state.keys.expose_master(), cp0.state.keys.expose_master());
+    let serving = cp1.serve_join(ports[1], slot.clone()).await;
+    serving.abort();
+    let _ = serving.await;
+
+    // Every join service gone, cp-1 reboots once more: only recovery
+    // brings it back.
+    cp0.stop().await;
+    let cp1 = cp1.reboot(&ca);
+    let slot = Arc::new(ClusterSlot::new(None));
+    let recovery = RecoveryServer::new(
+        cp1.config.clone(),
+        cp1.tpm.clone(),
+        cp1.lock.clone(),
+        cp1.env(),
+        slot.clone(),
+    );
+    let (master, salt) = cp0.state.keys.expose_master();
+    let operator: IpAddr = "192.0.2.7".parse().unwrap();
+    let uuid_before = Cryptsetup::default().uuid(&cp1.disk).unwrap();
+
+    // Another cluster's master secret: refused before anything changes.
+    let wrong = recover_request(&cp1, &[0x42; 32], salt, &cp0.state.measurement_salt);
+    match recovery.recover(wrong, Some(operator)).await {
+        Err(RecoveryError::WrongSecret) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(cp1.pcr15(), [0; 32]);
+    assert!(!cp1.lock.is_locked());
+    assert_eq!(Cryptsetup::default().uuid(&cp1.disk).unwrap(), uuid_before);
+    assert!(slot.borrow().is_none());
+    // The same address at once again: it waits, whatever it sends.
+    let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(right, Some(operator)).await {
+        Err(e @ RecoveryError::Throttled(_)) => {
+            assert_eq!(
+                tonic::Status::from(&e).code(),
+                tonic::Code::ResourceExhausted
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    // A worker is never recovered.
+    let worker_recovery = RecoveryServer::new(
+        worker.config.clone(),
+        worker.tpm.clone(),
+        worker.lock.clone(),
+        worker.env(),
+        Arc::new(ClusterSlot::new(None)),
+    );
+    let request = recover_request(&worker, master, salt, &cp0.state.measurement_salt);
+    match worker_recovery.recover(request, None).await {
+        Err(e @ RecoveryError::NotControlPlane) => {
+            assert_eq!(
+                tonic::Status::from(&e).code(),
+                tonic::Code::FailedPrecondition
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // The right master secret: the node locks to the cluster ID stored on
+    // its disk and serves joins.
+    let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    let id = recovery.recover(right, None).await.unwrap();
+    assert_eq!(id, cluster_id);
+    assert_eq!(cp1.pcr15(), join_common::pcr15(&cp0.tpm));
+    let state = slot
+        .borrow()
+        .clone()
+        .expect("the recovered node has no cluster state");
+    assert_eq!(state.cluster_id, cluster_id);
+    let serving = cp1.serve_join(ports[1], slot.clone()).await;
+
+    // Once recovered, the node is locked: a second recovery is refused.
+    let again = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(again, None).await {
+        Err(e @ RecoveryError::Locked) => {
+            assert_eq!(
+                tonic::Status::from(&e).code(),
+                tonic::Code::FailedPrecondition
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // And the others rejoin through it.
+    let worker = worker.reboot(&ca);
+    match run_client(&worker, &ca, &none).await {
+        JoinOutcome::Rejoined { cluster_id: id } => assert_eq!(id, cluster_id),
+        other => panic!("{other:?}"),
+    }
+    serving.abort();
+}

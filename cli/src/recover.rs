@@ -1,0 +1,127 @@
+//! `keel recover`: bring back a control plane when no join service is left
+//! to rejoin it.
+//!
+//! The node is validated like for init (EK chain, quote, measurements) and
+//! must be outside any cluster (PCR 15 zero); only then is the master
+//! secret from the workspace sealed to that node's TPM and sent. The node
+//! checks that the secret opens its state disk before it changes anything.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use keel_atls::AtlsClient;
+use keel_proto::join::ControlPlaneSecrets;
+use keel_proto::recovery::recovery_service_client::RecoveryServiceClient;
+use keel_proto::recovery::RecoverRequest;
+use keel_verifier::credential;
+use keel_verifier::measurement::pcr;
+use prost::Message as _;
+use serde::{Deserialize, Serialize};
+use tonic::transport::Endpoint;
+use zeroize::Zeroizing;
+
+use crate::init::{connect, MASTER_SECRET_FILE};
+use crate::settings::{read_bounded, Settings};
+use crate::verify::Output;
+
+/// How long the node may take to recover (open its disk, start the kubelet).
+const RECOVER_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The workspace's master secret file, as `keel init` wrote it.
+#[derive(Deserialize)]
+struct MasterSecretFile {
+    key: String,
+    salt: String,
+    measurement_salt: String,
+}
+
+#[derive(Serialize)]
+struct Report {
+    endpoint: String,
+    cluster_id: String,
+    seconds: f64,
+}
+
+/// Runs `keel recover`.
+pub async fn run(
+    settings_path: &Path,
+    endpoint: Option<String>,
+    workspace: &Path,
+    output: Output,
+    wait: Duration,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let settings = Settings::load(settings_path)?;
+    let endpoint = endpoint.unwrap_or_else(|| settings.endpoint.clone());
+    let secret_path = workspace.join(MASTER_SECRET_FILE);
+    let file: MasterSecretFile = serde_json::from_slice(&Zeroizing::new(
+        read_bounded(&secret_path)
+            .with_context(|| format!("reading the master secret {}", secret_path.display()))?,
+    ))
+    .with_context(|| format!("{} is not a master secret file", secret_path.display()))?;
+    let hex_field = |value: &str, name: &str| {
+        hex::decode(value).with_context(|| format!("{}: {name} is not hex", secret_path.display()))
+    };
+    let secrets = ControlPlaneSecrets {
+        master_secret: hex_field(&file.key, "key")?,
+        master_salt: hex_field(&file.salt, "salt")?,
+    };
+    let measurement_salt = hex_field(&file.measurement_salt, "measurement_salt")?;
+    let payload = Zeroizing::new(secrets.encode_to_vec());
+    drop(Zeroizing::new(secrets.master_secret));
+
+    // The node must be one of ours (the measurements) and in no cluster:
+    // a node that already rejoined has PCR 15 set and gets nothing.
+    let mut measurements = settings.measurements()?;
+    measurements.require(pcr::CLUSTER_ID, [0; 32]);
+    let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
+    let (host, port) = Settings::host_port(&endpoint)?;
+    if output == Output::Text {
+        eprintln!("connecting to {host}:{port} and verifying its attestation");
+    }
+    let uri = Endpoint::from_shared(format!("http://{host}:{port}"))
+        .context("invalid endpoint")?
+        .timeout(RECOVER_TIMEOUT);
+    let bound = connect(&client, uri, wait).await?;
+    let attested = bound
+        .attested
+        .context("the node presented no attestation")?;
+    let verified = attested.claims();
+    let sealed = credential::seal(&verified.ek, &verified.ak.name, &payload)
+        .context("sealing the master secret to the node's TPM")?;
+    if output == Output::Text {
+        eprintln!("node attested and outside any cluster; sending the sealed master secret");
+    }
+    let response = RecoveryServiceClient::new(bound.channel)
+        .recover(RecoverRequest {
+            secrets: Some(sealed),
+            measurement_salt,
+        })
+        .await
+        .map_err(|status| {
+            anyhow::anyhow!(
+                "the node refused recovery: {}: {}",
+                status.code(),
+                status.message()
+            )
+        })?
+        .into_inner();
+    if response.cluster_id.len() != 32 {
+        bail!("the node answered without a cluster ID");
+    }
+    let report = Report {
+        endpoint,
+        cluster_id: hex::encode(&response.cluster_id),
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Output::Text => println!(
+            "{} recovered: locked to cluster {} and serving joins ({:.1} s)",
+            report.endpoint, report.cluster_id, report.seconds
+        ),
+    }
+    Ok(())
+}
