@@ -1,9 +1,5 @@
-//! State-disk encryption: LUKS2 through the `cryptsetup` program.
-//!
-//! The disk key is handed to `cryptsetup` on its standard input
-//! (`--key-file=-`), never in its arguments (visible in `/proc/*/cmdline`)
-//! and never in logs or error messages. Arguments are built by a pure
-//! function ([`Cryptsetup::args`]) that never sees the key.
+//! The `cryptsetup` program: LUKS2 operations on a block device, and the
+//! erase (with `wipefs`) that marks a disk for reset.
 //!
 //! Choices:
 //! * **KDF: PBKDF2-SHA256 with the minimum 1000 iterations.** The key is 32
@@ -18,14 +14,12 @@
 //!   erased keyslots. A flag file would need a writable place outside the
 //!   disk and could survive a failed format; the header is the one place
 //!   every boot reads anyway.
-//!
-//! Opening a volume needs device-mapper (VMs only): a [`StateDisk`] without
-//! a [`StateMount`] (host tests) is formatted and key-checked, never opened.
 
 use std::ffi::{OsStr, OsString};
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+
+use super::process::{failed_named, run_program, run_tool};
+use super::DiskError;
 
 /// Shortest accepted disk key.
 pub const MIN_KEY_LEN: usize = 16;
@@ -33,64 +27,6 @@ pub const MIN_KEY_LEN: usize = 16;
 pub const MAX_KEY_LEN: usize = 512;
 /// PBKDF2 iterations for the keyslot (cryptsetup's minimum).
 pub const PBKDF2_ITERATIONS: u32 = 1000;
-/// Most stderr kept in an error.
-const MAX_STDERR: usize = 2048;
-
-/// A disk operation that failed; each variant names the operation.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DiskError {
-    /// The key is shorter than [`MIN_KEY_LEN`] or longer than [`MAX_KEY_LEN`].
-    #[error("disk key must be {MIN_KEY_LEN} to {MAX_KEY_LEN} bytes, got {0}")]
-    KeyLength(usize),
-    /// The program could not be started or waited for.
-    #[error("running {program:?} for {operation}")]
-    Spawn {
-        /// What was being done.
-        operation: &'static str,
-        /// The program.
-        program: PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Writing the key to the program's standard input failed.
-    #[error("passing the key to {operation}")]
-    WriteKey {
-        /// What was being done.
-        operation: &'static str,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The program exited unsuccessfully.
-    #[error("{operation} on {device:?} failed ({status}): {stderr}")]
-    Failed {
-        /// What was being done.
-        operation: &'static str,
-        /// The device.
-        device: PathBuf,
-        /// The exit status.
-        status: ExitStatus,
-        /// The end of the program's standard error.
-        stderr: String,
-    },
-    /// The mount point could not be created.
-    #[error("creating mount point {path:?}")]
-    CreateMountPoint {
-        /// The mount point.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// `luksUUID` printed something that is not a UUID.
-    #[error("luksUUID of {device:?} printed no UUID")]
-    Uuid {
-        /// The device.
-        device: PathBuf,
-    },
-}
 
 /// A cryptsetup operation, without its key. The key of keyed operations is
 /// sent on standard input.
@@ -339,221 +275,8 @@ impl Cryptsetup {
     }
 }
 
-/// Name of the opened state disk under `/dev/mapper`.
-pub const STATE_MAPPING: &str = "keel-state";
-
-/// A node's state disk: the block device, the tools, and where the opened
-/// volume is mounted.
-#[derive(Clone, Debug)]
-pub struct StateDisk {
-    /// The block device.
-    pub device: PathBuf,
-    /// The cryptsetup program.
-    pub cryptsetup: Cryptsetup,
-    /// Where the opened volume goes. `None`: the volume is formatted and its
-    /// key checked, but never opened (no device-mapper, as in host tests).
-    pub mount: Option<StateMount>,
-}
-
-/// Where an opened state disk is mounted, and which of its directories are
-/// bind-mounted over the paths Kubernetes expects (the image's root is
-/// read-only; what must persist and stay confidential lives on the disk).
-#[derive(Clone, Debug)]
-pub struct StateMount {
-    /// The mount point (`/run/state` on a node).
-    pub point: PathBuf,
-    /// `(directory on the disk, relative to the mount point; target path)`.
-    pub binds: Vec<(PathBuf, PathBuf)>,
-}
-
-impl StateDisk {
-    /// Sets up a fresh disk: LUKS2 with header UUID `uuid` and `key`, then,
-    /// with a [`StateMount`], opens it, creates the file system and mounts
-    /// it. Destroys whatever the device held. Returns the mount point.
-    pub fn set_up(&self, uuid: &str, key: &[u8]) -> Result<Option<PathBuf>, DiskError> {
-        self.cryptsetup.format_with_uuid(&self.device, uuid, key)?;
-        let Some(at) = &self.mount else {
-            return Ok(None);
-        };
-        let mapped = self.cryptsetup.open(&self.device, STATE_MAPPING, key)?;
-        make_filesystem(Path::new("mkfs.ext4"), &mapped)?;
-        at.mount(&mapped)?;
-        Ok(Some(at.point.clone()))
-    }
-
-    /// Unlocks a disk set up before: with a [`StateMount`], opens it with
-    /// `key` and mounts it; returns the mount point. Without one, nothing
-    /// happens.
-    pub fn unlock(&self, key: &[u8]) -> Result<Option<PathBuf>, DiskError> {
-        let Some(at) = &self.mount else {
-            return Ok(None);
-        };
-        let mapped = self.cryptsetup.open(&self.device, STATE_MAPPING, key)?;
-        at.mount(&mapped)?;
-        Ok(Some(at.point.clone()))
-    }
-}
-
-impl StateMount {
-    /// Mounts `device` at the mount point, then makes the bind mounts
-    /// (creating their directories on the disk).
-    fn mount(&self, device: &Path) -> Result<(), DiskError> {
-        mount(device, &self.point)?;
-        for (inside, target) in &self.binds {
-            let source = self.point.join(inside);
-            for dir in [&source, target] {
-                std::fs::create_dir_all(dir).map_err(|source| DiskError::CreateMountPoint {
-                    path: dir.clone(),
-                    source,
-                })?;
-            }
-            run_tool(
-                Path::new("mount"),
-                "mount --bind",
-                [OsStr::new("--bind"), source.as_os_str(), target.as_os_str()],
-                &source,
-            )?;
-        }
-        Ok(())
-    }
-}
-
-/// Creates an ext4 file system labelled `keel-state` on `device` (the opened
-/// mapper device of a freshly formatted disk).
-pub fn make_filesystem(mkfs: &Path, device: &Path) -> Result<(), DiskError> {
-    run_tool(
-        mkfs,
-        "mkfs.ext4",
-        [
-            OsStr::new("-q"),
-            OsStr::new("-L"),
-            OsStr::new("keel-state"),
-            device.as_os_str(),
-        ],
-        device,
-    )
-}
-
-/// Mounts the ext4 file system on `device` at `target` (`nosuid,nodev`),
-/// creating `target` if needed.
-pub fn mount(device: &Path, target: &Path) -> Result<(), DiskError> {
-    std::fs::create_dir_all(target).map_err(|source| DiskError::CreateMountPoint {
-        path: target.to_owned(),
-        source,
-    })?;
-    run_tool(
-        Path::new("mount"),
-        "mount",
-        [
-            OsStr::new("-t"),
-            OsStr::new("ext4"),
-            OsStr::new("-o"),
-            OsStr::new("nosuid,nodev"),
-            device.as_os_str(),
-            target.as_os_str(),
-        ],
-        device,
-    )
-}
-
-/// Runs a keyless tool on `device` and requires it to succeed.
-fn run_tool<I, S>(
-    program: &Path,
-    operation: &'static str,
-    args: I,
-    device: &Path,
-) -> Result<(), DiskError>
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<OsStr>,
-{
-    let out = run_program(program, operation, args, None)?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(failed_named(operation, device, &out))
-    }
-}
-
-/// Runs `program` with `args`, writing `stdin` (the key) to its standard
-/// input and closing it; collects its output.
-fn run_program<I, S>(
-    program: &Path,
-    operation: &'static str,
-    args: I,
-    stdin: Option<&[u8]>,
-) -> Result<std::process::Output, DiskError>
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<OsStr>,
-{
-    let spawn_err = |source| DiskError::Spawn {
-        operation,
-        program: program.to_owned(),
-        source,
-    };
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(spawn_err)?;
-    if let (Some(bytes), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        match pipe.write_all(bytes) {
-            // The program may exit before reading (a missing device): its
-            // exit status says why.
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-            Err(source) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(DiskError::WriteKey { operation, source });
-            }
-            Ok(()) => {}
-        }
-        // Dropping the pipe closes it: cryptsetup reads the key to EOF.
-    }
-    child.wait_with_output().map_err(spawn_err)
-}
-
 fn failed(operation: Operation<'_>, device: &Path, out: &std::process::Output) -> DiskError {
     failed_named(operation.name(), device, out)
-}
-
-fn failed_named(operation: &'static str, device: &Path, out: &std::process::Output) -> DiskError {
-    let text = String::from_utf8_lossy(&out.stderr);
-    let text = text.trim();
-    let start = text.len().saturating_sub(MAX_STDERR);
-    let start = (start..text.len())
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(text.len());
-    DiskError::Failed {
-        operation,
-        device: device.to_owned(),
-        status: out.status,
-        stderr: text.get(start..).unwrap_or_default().to_owned(),
-    }
-}
-
-/// A random (version 4) UUID for a new state disk's LUKS header.
-pub fn new_uuid() -> String {
-    let mut b = [0u8; 16];
-    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut b);
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h = hex::encode(b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
 }
 
 #[cfg(test)]

@@ -1,0 +1,62 @@
+//! [`DiskError`]: what every disk operation fails with.
+
+use std::path::PathBuf;
+use std::process::ExitStatus;
+
+use super::cryptsetup::{MAX_KEY_LEN, MIN_KEY_LEN};
+
+/// A disk operation that failed; each variant names the operation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DiskError {
+    /// The key is shorter than [`MIN_KEY_LEN`] or longer than [`MAX_KEY_LEN`].
+    #[error("disk key must be {MIN_KEY_LEN} to {MAX_KEY_LEN} bytes, got {0}")]
+    KeyLength(usize),
+    /// The program could not be started or waited for.
+    #[error("running {program:?} for {operation}")]
+    Spawn {
+        /// What was being done.
+        operation: &'static str,
+        /// The program.
+        program: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing the key to the program's standard input failed.
+    #[error("passing the key to {operation}")]
+    WriteKey {
+        /// What was being done.
+        operation: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The program exited unsuccessfully.
+    #[error("{operation} on {device:?} failed ({status}): {stderr}")]
+    Failed {
+        /// What was being done.
+        operation: &'static str,
+        /// The device.
+        device: PathBuf,
+        /// The exit status.
+        status: ExitStatus,
+        /// The end of the program's standard error.
+        stderr: String,
+    },
+    /// The mount point could not be created.
+    #[error("creating mount point {path:?}")]
+    CreateMountPoint {
+        /// The mount point.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `luksUUID` printed something that is not a UUID.
+    #[error("luksUUID of {device:?} printed no UUID")]
+    Uuid {
+        /// The device.
+        device: PathBuf,
+    },
+}

@@ -1,0 +1,143 @@
+//! The node's state disk: a LUKS2 volume set up on first boot or unlocked on
+//! later ones, its ext4 file system, and where it and its directories are
+//! mounted.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+
+use super::process::run_tool;
+use super::{Cryptsetup, DiskError};
+
+/// Name of the opened state disk under `/dev/mapper`.
+pub const STATE_MAPPING: &str = "keel-state";
+
+/// A node's state disk: the block device, the tools, and where the opened
+/// volume is mounted.
+#[derive(Clone, Debug)]
+pub struct StateDisk {
+    /// The block device.
+    pub device: PathBuf,
+    /// The cryptsetup program.
+    pub cryptsetup: Cryptsetup,
+    /// Where the opened volume goes. `None`: the volume is formatted and its
+    /// key checked, but never opened (no device-mapper, as in host tests).
+    pub mount: Option<StateMount>,
+}
+
+/// Where an opened state disk is mounted, and which of its directories are
+/// bind-mounted over the paths Kubernetes expects (the image's root is
+/// read-only; what must persist and stay confidential lives on the disk).
+#[derive(Clone, Debug)]
+pub struct StateMount {
+    /// The mount point (`/run/state` on a node).
+    pub point: PathBuf,
+    /// `(directory on the disk, relative to the mount point; target path)`.
+    pub binds: Vec<(PathBuf, PathBuf)>,
+}
+
+impl StateDisk {
+    /// Sets up a fresh disk: LUKS2 with header UUID `uuid` and `key`, then,
+    /// with a [`StateMount`], opens it, creates the file system and mounts
+    /// it. Destroys whatever the device held. Returns the mount point.
+    pub fn set_up(&self, uuid: &str, key: &[u8]) -> Result<Option<PathBuf>, DiskError> {
+        self.cryptsetup.format_with_uuid(&self.device, uuid, key)?;
+        let Some(at) = &self.mount else {
+            return Ok(None);
+        };
+        let mapped = self.cryptsetup.open(&self.device, STATE_MAPPING, key)?;
+        make_filesystem(Path::new("mkfs.ext4"), &mapped)?;
+        at.mount(&mapped)?;
+        Ok(Some(at.point.clone()))
+    }
+
+    /// Unlocks a disk set up before: with a [`StateMount`], opens it with
+    /// `key` and mounts it; returns the mount point. Without one, nothing
+    /// happens.
+    pub fn unlock(&self, key: &[u8]) -> Result<Option<PathBuf>, DiskError> {
+        let Some(at) = &self.mount else {
+            return Ok(None);
+        };
+        let mapped = self.cryptsetup.open(&self.device, STATE_MAPPING, key)?;
+        at.mount(&mapped)?;
+        Ok(Some(at.point.clone()))
+    }
+}
+
+impl StateMount {
+    /// Mounts `device` at the mount point, then makes the bind mounts
+    /// (creating their directories on the disk).
+    fn mount(&self, device: &Path) -> Result<(), DiskError> {
+        mount(device, &self.point)?;
+        for (inside, target) in &self.binds {
+            let source = self.point.join(inside);
+            for dir in [&source, target] {
+                std::fs::create_dir_all(dir).map_err(|source| DiskError::CreateMountPoint {
+                    path: dir.clone(),
+                    source,
+                })?;
+            }
+            run_tool(
+                Path::new("mount"),
+                "mount --bind",
+                [OsStr::new("--bind"), source.as_os_str(), target.as_os_str()],
+                &source,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Creates an ext4 file system labelled `keel-state` on `device` (the opened
+/// mapper device of a freshly formatted disk).
+pub fn make_filesystem(mkfs: &Path, device: &Path) -> Result<(), DiskError> {
+    run_tool(
+        mkfs,
+        "mkfs.ext4",
+        [
+            OsStr::new("-q"),
+            OsStr::new("-L"),
+            OsStr::new("keel-state"),
+            device.as_os_str(),
+        ],
+        device,
+    )
+}
+
+/// Mounts the ext4 file system on `device` at `target` (`nosuid,nodev`),
+/// creating `target` if needed.
+pub fn mount(device: &Path, target: &Path) -> Result<(), DiskError> {
+    std::fs::create_dir_all(target).map_err(|source| DiskError::CreateMountPoint {
+        path: target.to_owned(),
+        source,
+    })?;
+    run_tool(
+        Path::new("mount"),
+        "mount",
+        [
+            OsStr::new("-t"),
+            OsStr::new("ext4"),
+            OsStr::new("-o"),
+            OsStr::new("nosuid,nodev"),
+            device.as_os_str(),
+            target.as_os_str(),
+        ],
+        device,
+    )
+}
+
+/// A random (version 4) UUID for a new state disk's LUKS header.
+pub fn new_uuid() -> String {
+    let mut b = [0u8; 16];
+    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut b);
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h = hex::encode(b);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    )
+}

@@ -1,0 +1,172 @@
+//! The one TPM wrapper: the only module that talks to tss-esapi.
+//!
+//! A [`Tpm`] owns an ESAPI context and the transient objects it creates (the
+//! endorsement key when it is not persistent, and the attestation key), and
+//! flushes them on drop. Every session it starts is flushed before the call
+//! returns, so it works on a TPM without a resource manager (the swtpm
+//! socket) as well as on `/dev/tpmrm0`. Only the SHA-256 PCR bank is used.
+//!
+//! Dictionary-attack protection: the attestation key is created with
+//! `noDA`. Its authorisation value is empty and what it may do is bounded by
+//! its `restricted` attribute, so DA protection would guard nothing; with it,
+//! every unorderly shutdown after the key was used (a killed VM, a host
+//! crash) counted as a failed authorisation at the next boot, and a few in a
+//! row locked the TPM out. The endorsement key keeps the TCG template (its
+//! public area must match its certificate); it is only ever authorised by
+//! its policy (PolicySecret of the endorsement hierarchy, which is exempt),
+//! never by an auth value, so it does not touch the DA counter either.
+//! [`Tpm::shutdown`] sends TPM2_Shutdown(CLEAR) when the agent stops cleanly.
+//!
+//! * this file: [`TctiSpec`] (where the TPM is) and [`Tpm`] itself:
+//!   opening it, the objects it owns, [`Tpm::shutdown`];
+//! * [`keys`]: the endorsement and attestation keys, the EK's policy
+//!   session, ActivateCredential;
+//! * [`pcr`]: reading and extending PCRs;
+//! * [`quote`]: quotes with the attestation key;
+//! * [`lockout`]: the dictionary-attack state;
+//! * [`error`] holds [`TpmError`].
+
+pub mod error;
+pub mod keys;
+pub mod lockout;
+pub mod pcr;
+pub mod quote;
+
+use std::str::FromStr;
+
+use tss_esapi::constants::StartupType;
+use tss_esapi::handles::{KeyHandle, ObjectHandle, SessionHandle};
+use tss_esapi::interface_types::session_handles::AuthSession;
+use tss_esapi::tcti_ldr::TctiNameConf;
+use tss_esapi::Context;
+
+pub use error::TpmError;
+pub use keys::Endorsement;
+pub use lockout::LockoutState;
+pub use pcr::PCR_COUNT;
+pub use quote::Quote;
+
+use keys::LoadedAk;
+
+/// Where the TPM is: a device node or a TCTI string.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TctiSpec(String);
+
+impl TctiSpec {
+    /// The kernel's resource-managed TPM device.
+    pub fn default_device() -> Self {
+        Self("device:/dev/tpmrm0".into())
+    }
+
+    /// A swtpm listening on `127.0.0.1:port` (control channel on `port + 1`).
+    pub fn swtpm(port: u16) -> Self {
+        Self(format!("swtpm:host=127.0.0.1,port={port}"))
+    }
+
+    /// The TCTI string as given.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for TctiSpec {
+    type Err = std::convert::Infallible;
+
+    /// A `device:` / `swtpm:` TCTI string, or a bare device path.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.starts_with('/') {
+            Ok(Self(format!("device:{s}")))
+        } else {
+            Ok(Self(s.to_owned()))
+        }
+    }
+}
+
+/// An open TPM with its endorsement and attestation keys.
+pub struct Tpm {
+    ctx: Context,
+    ek: KeyHandle,
+    ek_transient: bool,
+    endorsement: Option<Endorsement>,
+    ak: Option<LoadedAk>,
+    shut_down: bool,
+}
+
+impl Tpm {
+    /// Opens the TPM and its endorsement key: the persistent one at
+    /// 0x81010001 when present, else one created from the default template.
+    pub fn open(tcti: &TctiSpec) -> Result<Self, TpmError> {
+        let conf = TctiNameConf::from_str(tcti.as_str()).map_err(|source| TpmError::Tcti {
+            tcti: tcti.as_str().into(),
+            source,
+        })?;
+        let mut ctx = Context::new(conf).map_err(|source| TpmError::Open {
+            tcti: tcti.as_str().into(),
+            source,
+        })?;
+        let (ek, ek_transient) = keys::open_endorsement_key(&mut ctx)?;
+        Ok(Self {
+            ctx,
+            ek,
+            ek_transient,
+            endorsement: None,
+            ak: None,
+            shut_down: false,
+        })
+    }
+
+    /// Fails once [`Tpm::shutdown`] ran.
+    fn live(&self) -> Result<(), TpmError> {
+        if self.shut_down {
+            Err(TpmError::ShutDown)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Flushes the transient objects and sends TPM2_Shutdown(CLEAR): the
+    /// next TPM2_Startup then finds an orderly shutdown. For the agent's
+    /// clean exit only; afterwards every call on this handle fails with
+    /// [`TpmError::ShutDown`]. Dropping a [`Tpm`] flushes its objects but
+    /// does not shut the TPM down (other users, such as a diagnostic command
+    /// next to the running agent, must not end the TPM's cycle).
+    pub fn shutdown(&mut self) -> Result<(), TpmError> {
+        self.live()?;
+        self.flush_objects();
+        self.shut_down = true;
+        self.ctx
+            .execute_without_session(|c| c.shutdown(StartupType::Clear))
+            .map_err(TpmError::Shutdown)
+    }
+
+    fn flush_objects(&mut self) {
+        if let Some(ak) = self.ak.take() {
+            if let Err(e) = self.ctx.flush_context(ak.handle.into()) {
+                tracing::warn!(error = %e, "flushing the attestation key failed");
+            }
+        }
+        if self.ek_transient {
+            self.ek_transient = false;
+            if let Err(e) = self.ctx.flush_context(self.ek.into()) {
+                tracing::warn!(error = %e, "flushing the endorsement key failed");
+            }
+        }
+    }
+
+    fn flush_session(&mut self, session: AuthSession) {
+        let handle = SessionHandle::from(session);
+        if let Err(e) = self.ctx.flush_context(ObjectHandle::from(handle)) {
+            tracing::warn!(error = %e, "flushing a TPM session failed");
+        }
+    }
+}
+
+impl Drop for Tpm {
+    fn drop(&mut self) {
+        self.flush_objects();
+    }
+}
+
+fn wrapper_error(kind: tss_esapi::WrapperErrorKind) -> tss_esapi::Error {
+    tss_esapi::Error::WrapperError(kind)
+}

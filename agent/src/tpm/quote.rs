@@ -1,0 +1,57 @@
+//! Quotes: the SHA-256 PCRs signed by the attestation key over
+//! caller-chosen qualifying data.
+
+use keel_verifier::measurement::Digest32;
+use tss_esapi::interface_types::algorithm::HashingAlgorithm;
+use tss_esapi::structures::{Data, PcrSelectionList, SignatureScheme};
+use tss_esapi::traits::Marshall;
+
+use super::pcr::pcr_slot;
+use super::{wrapper_error, Tpm, TpmError};
+
+/// A quote and its signature, both marshalled.
+#[derive(Clone, Debug)]
+pub struct Quote {
+    /// TPMS_ATTEST.
+    pub attest: Vec<u8>,
+    /// TPMT_SIGNATURE.
+    pub signature: Vec<u8>,
+}
+
+impl Tpm {
+    /// Quotes the SHA-256 `pcrs` with the attestation key over `qualifying_data`.
+    pub fn quote(&mut self, qualifying_data: &Digest32, pcrs: &[u32]) -> Result<Quote, TpmError> {
+        self.live()?;
+        self.attestation_key()?;
+        let ak = self
+            .ak
+            .as_ref()
+            .map(|ak| ak.handle)
+            .ok_or(TpmError::Quote(wrapper_error(
+                tss_esapi::WrapperErrorKind::InvalidHandleState,
+            )))?;
+        let slots = pcrs
+            .iter()
+            .map(|&p| pcr_slot(p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let selection = PcrSelectionList::builder()
+            .with_selection(HashingAlgorithm::Sha256, &slots)
+            .build()
+            .map_err(TpmError::Quote)?;
+        let data = Data::try_from(qualifying_data.to_vec()).map_err(TpmError::Quote)?;
+        let (attest, signature) = self
+            .ctx
+            .execute_with_nullauth_session(|c| c.quote(ak, data, SignatureScheme::Null, selection))
+            .map_err(TpmError::Quote)?;
+        Ok(Quote {
+            attest: attest.marshall().map_err(|source| TpmError::Marshal {
+                what: "quote",
+                source,
+            })?,
+            signature: signature.marshall().map_err(|source| TpmError::Marshal {
+                what: "signature",
+                source,
+            })?,
+        })
+    }
+}
