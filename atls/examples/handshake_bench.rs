@@ -16,8 +16,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{dyn_issuer, dyn_validator, TestIssuer, TestServer};
-use keel_atls::{cert, danger, AtlsClient, AtlsServer, Issuer, Nonce, Validator};
+use common::{mutual_client, mutual_server, TestIssuer, TestServer};
+use keel_atls::{cert, danger, Issuer, Nonce, Validator};
 use keel_proto::kms::key_service_client::KeyServiceClient;
 use keel_proto::kms::GetDataKeyRequest;
 use nix::time::{clock_gettime, ClockId};
@@ -67,15 +67,8 @@ async fn main() {
         .unwrap_or(200);
     let server_issuer = TestIssuer::generate();
     let client_issuer = TestIssuer::generate();
-    let server = TestServer::start(AtlsServer::mutual(
-        dyn_issuer(&server_issuer),
-        dyn_validator(client_issuer.validator()),
-    ))
-    .await;
-    let client = AtlsClient::mutual(
-        dyn_issuer(&client_issuer),
-        dyn_validator(server_issuer.validator()),
-    );
+    let server = TestServer::start(mutual_server(&server_issuer, &client_issuer)).await;
+    let client = mutual_client(&client_issuer, &server_issuer);
 
     // Warm up.
     for _ in 0..10 {

@@ -5,10 +5,14 @@
 
 mod common;
 
+use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{call, dyn_issuer, dyn_validator, TestClaims, TestIssuer, TestServer, TestValidator};
+use common::{
+    call, dyn_issuer, dyn_validator, handshake, mutual_client, mutual_server, TestClaims,
+    TestIssuer, TestServer, TestValidator,
+};
 use keel_atls::{cert, danger};
 use keel_atls::{
     AtlsClient, AtlsServer, AtlsStream, ConnectError, HandshakeError, Nonce, PeerCertError,
@@ -20,23 +24,42 @@ use tokio::net::TcpListener;
 type ServerResult = Result<AtlsStream<TestClaims>, HandshakeError>;
 type ClientResult = Result<AtlsStream<TestClaims>, ConnectError>;
 
-/// One handshake between `server` and `client`, both outcomes.
-async fn handshake(
-    server: &AtlsServer<TestClaims>,
-    client: &AtlsClient<TestClaims>,
-) -> (ServerResult, ClientResult) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let server_side = async {
-        let (tcp, _) = listener.accept().await.unwrap();
-        server.accept(tcp).await
-    };
-    tokio::join!(server_side, client.connect("127.0.0.1", port))
+/// The client refused the server's certificate, for a reason `why` accepts.
+fn assert_server_refused<T: Debug>(
+    client_result: &Result<T, ConnectError>,
+    why: fn(&PeerError) -> bool,
+) {
+    assert!(
+        matches!(client_result, Err(ConnectError::ServerRefused(e)) if why(e)),
+        "{client_result:?}"
+    );
 }
 
-/// The server accepted the client's document, then the client (which
-/// refused the server) closed during the key residency exchange.
-fn assert_client_closed_after_judgement(server_result: &ServerResult) {
+/// The server refused the client's certificate, for a reason `why` accepts.
+fn assert_client_refused(server_result: &ServerResult, why: fn(&PeerError) -> bool) {
+    assert!(
+        matches!(server_result, Err(HandshakeError::ClientRefused(e)) if why(e)),
+        "{server_result:?}"
+    );
+}
+
+/// The client learnt at connect time, by `alert`, that the server refused it.
+fn assert_refused_by_server(client_result: &ClientResult, alert: AlertDescription) {
+    assert!(
+        matches!(client_result, Err(ConnectError::RefusedByServer(a)) if *a == alert),
+        "{client_result:?}"
+    );
+}
+
+/// In a mutual handshake, the client refused the server for a reason `why`
+/// accepts. Deferred refusal: the server judged (and accepted) the client's
+/// document; the client closed before the key residency exchange, so the
+/// server hands no connection on either.
+fn assert_client_refuses(
+    (server_result, client_result): &(ServerResult, ClientResult),
+    why: fn(&PeerError) -> bool,
+) {
+    assert_server_refused(client_result, why);
     assert!(
         matches!(
             server_result,
@@ -44,6 +67,17 @@ fn assert_client_closed_after_judgement(server_result: &ServerResult) {
         ),
         "{server_result:?}"
     );
+}
+
+/// The server refused the client for a reason `why` accepts; the client
+/// learnt it at connect time, not at its first request, by `alert`.
+fn assert_server_refuses(
+    (server_result, client_result): &(ServerResult, ClientResult),
+    why: fn(&PeerError) -> bool,
+    alert: AlertDescription,
+) {
+    assert_client_refused(server_result, why);
+    assert_refused_by_server(client_result, alert);
 }
 
 struct Parties {
@@ -69,18 +103,24 @@ impl Parties {
 
     /// The server, accepting documents signed by `signer` only.
     fn server_trusting(&self, signer: &TestIssuer) -> AtlsServer<TestClaims> {
-        AtlsServer::mutual(
-            dyn_issuer(&self.server_issuer),
-            dyn_validator(signer.validator()),
-        )
+        mutual_server(&self.server_issuer, signer)
     }
 
     /// The client, accepting documents signed by `signer` only.
     fn client_trusting(&self, signer: &TestIssuer) -> AtlsClient<TestClaims> {
-        AtlsClient::mutual(
-            dyn_issuer(&self.client_issuer),
-            dyn_validator(signer.validator()),
-        )
+        mutual_client(&self.client_issuer, signer)
+    }
+
+    /// One mutual handshake in which the server presents what `present` makes.
+    async fn server_presenting(&self, present: danger::PresentFn) -> (ServerResult, ClientResult) {
+        let server = self.mutual_server().danger_present_with(present);
+        handshake(&server, &self.mutual_client()).await
+    }
+
+    /// One mutual handshake in which the client presents what `present` makes.
+    async fn client_presenting(&self, present: danger::PresentFn) -> (ServerResult, ClientResult) {
+        let client = self.mutual_client().danger_present_with(present);
+        handshake(&self.mutual_server(), &client).await
     }
 }
 
@@ -198,20 +238,9 @@ async fn replayed_server_document_is_refused_as_stale() {
     first_server.unwrap();
     first_client.unwrap();
 
-    let (server_result, client_result) = handshake(&server, &client).await;
-    assert!(
-        matches!(
-            client_result,
-            Err(ConnectError::ServerRefused(PeerError::Validation(
-                ValidationError::NonceMismatch
-            )))
-        ),
-        "{client_result:?}"
-    );
-    // Deferred refusal: the server judged (and accepted) the client's
-    // document; the client closed before the key residency exchange, so the
-    // server hands no connection on either.
-    assert_client_closed_after_judgement(&server_result);
+    assert_client_refuses(&handshake(&server, &client).await, |e| {
+        matches!(e, PeerError::Validation(ValidationError::NonceMismatch))
+    });
 }
 
 #[tokio::test]
@@ -226,112 +255,60 @@ async fn replayed_client_document_is_refused_as_stale() {
     first_server.unwrap();
     first_client.unwrap();
 
-    let (server_result, client_result) = handshake(&server, &client).await;
-    assert!(
-        matches!(
-            server_result,
-            Err(HandshakeError::ClientRefused(PeerError::Validation(
-                ValidationError::NonceMismatch
-            )))
-        ),
-        "{server_result:?}"
-    );
-    // The client learns it at connect time, not at its first request.
-    assert!(
-        matches!(
-            client_result,
-            Err(ConnectError::RefusedByServer(
-                AlertDescription::AccessDenied
-            ))
-        ),
-        "{client_result:?}"
+    assert_server_refuses(
+        &handshake(&server, &client).await,
+        |e| matches!(e, PeerError::Validation(ValidationError::NonceMismatch)),
+        AlertDescription::AccessDenied,
     );
 }
 
 #[tokio::test]
 async fn document_moved_into_another_certificate_is_refused() {
     let parties = Parties::new();
-    let server = parties
-        .mutual_server()
-        .danger_present_with(moving(parties.server_issuer.clone()));
-    let (server_result, client_result) = handshake(&server, &parties.mutual_client()).await;
-    assert!(
+    let key_binding = |e: &PeerError| {
         matches!(
-            client_result,
-            Err(ConnectError::ServerRefused(PeerError::Validation(
-                ValidationError::KeyBindingMismatch
-            )))
-        ),
-        "{client_result:?}"
-    );
-    // Deferred refusal: the server judged (and accepted) the client.
-    assert_client_closed_after_judgement(&server_result);
+            e,
+            PeerError::Validation(ValidationError::KeyBindingMismatch)
+        )
+    };
+    let outcome = parties
+        .server_presenting(moving(parties.server_issuer.clone()))
+        .await;
+    assert_client_refuses(&outcome, key_binding);
 
-    let client = parties
-        .mutual_client()
-        .danger_present_with(moving(parties.client_issuer.clone()));
-    let (server_result, client_result) = handshake(&parties.mutual_server(), &client).await;
-    assert!(
-        matches!(
-            server_result,
-            Err(HandshakeError::ClientRefused(PeerError::Validation(
-                ValidationError::KeyBindingMismatch
-            )))
-        ),
-        "{server_result:?}"
-    );
-    assert!(matches!(
-        client_result,
-        Err(ConnectError::RefusedByServer(
-            AlertDescription::AccessDenied
-        ))
-    ));
+    let outcome = parties
+        .client_presenting(moving(parties.client_issuer.clone()))
+        .await;
+    assert_server_refuses(&outcome, key_binding, AlertDescription::AccessDenied);
 }
 
 #[tokio::test]
 async fn unknown_attestation_extension_oid_is_refused() {
     let parties = Parties::new();
-    let server = parties
-        .mutual_server()
-        .danger_present_with(unknown_oid(parties.server_issuer.clone()));
-    let (server_result, client_result) = handshake(&server, &parties.mutual_client()).await;
-    match client_result {
-        Err(ConnectError::ServerRefused(PeerError::Certificate(
-            PeerCertError::UnknownExtensionOid(oid),
-        ))) => assert_eq!(oid, "1.3.9901.1.2"),
-        other => panic!("{other:?}"),
-    }
-    // Deferred refusal: the server judged (and accepted) the client's
-    // document; the client closed before the key residency exchange, so the
-    // server hands no connection on either.
-    assert_client_closed_after_judgement(&server_result);
+    let outcome = parties
+        .server_presenting(unknown_oid(parties.server_issuer.clone()))
+        .await;
+    assert_client_refuses(
+        &outcome,
+        |e| matches!(e, PeerError::Certificate(PeerCertError::UnknownExtensionOid(oid)) if oid == "1.3.9901.1.2"),
+    );
 }
 
 #[tokio::test]
 async fn server_without_attestation_is_refused() {
     let parties = Parties::new();
-    let server = parties.mutual_server().danger_present_with(unattested());
-    let (_, client_result) = handshake(&server, &parties.mutual_client()).await;
-    assert!(
-        matches!(
-            client_result,
-            Err(ConnectError::ServerRefused(PeerError::Certificate(
-                PeerCertError::ExtensionMissing
-            )))
-        ),
-        "{client_result:?}"
-    );
+    let (_, client_result) = parties.server_presenting(unattested()).await;
+    assert_server_refused(&client_result, |e| {
+        matches!(e, PeerError::Certificate(PeerCertError::ExtensionMissing))
+    });
 
     // A client-attested server does not attest: a client that validates
     // servers refuses it for the same reason.
     let server = AtlsServer::client_attested(dyn_validator(parties.client_issuer.validator()));
     let (_, client_result) = handshake(&server, &parties.mutual_client()).await;
-    assert!(matches!(
-        client_result,
-        Err(ConnectError::ServerRefused(PeerError::Certificate(
-            PeerCertError::ExtensionMissing
-        )))
-    ));
+    assert_server_refused(&client_result, |e| {
+        matches!(e, PeerError::Certificate(PeerCertError::ExtensionMissing))
+    });
 }
 
 #[tokio::test]
@@ -339,23 +316,11 @@ async fn client_without_attestation_is_refused() {
     let parties = Parties::new();
 
     // A client that presents a certificate without the extension.
-    let client = parties.mutual_client().danger_present_with(unattested());
-    let (server_result, client_result) = handshake(&parties.mutual_server(), &client).await;
-    assert!(
-        matches!(
-            server_result,
-            Err(HandshakeError::ClientRefused(PeerError::Certificate(
-                PeerCertError::ExtensionMissing
-            )))
-        ),
-        "{server_result:?}"
+    assert_server_refuses(
+        &parties.client_presenting(unattested()).await,
+        |e| matches!(e, PeerError::Certificate(PeerCertError::ExtensionMissing)),
+        AlertDescription::BadCertificate,
     );
-    assert!(matches!(
-        client_result,
-        Err(ConnectError::RefusedByServer(
-            AlertDescription::BadCertificate
-        ))
-    ));
 
     // A client that does not attest at all.
     let client = AtlsClient::server_attested(dyn_validator(parties.server_issuer.validator()));
@@ -378,37 +343,20 @@ async fn document_from_an_untrusted_signer_is_refused() {
 
     // The client trusts another key than the server's.
     let client = parties.client_trusting(&stranger);
-    let (server_result, client_result) = handshake(&parties.mutual_server(), &client).await;
-    assert!(
-        matches!(
-            client_result,
-            Err(ConnectError::ServerRefused(PeerError::Validation(
-                ValidationError::Rejected(_)
-            )))
-        ),
-        "{client_result:?}"
-    );
-    // Deferred refusal: the server judged (and accepted) the client's
-    // document; the client closed before the key residency exchange, so the
-    // server hands no connection on either.
-    assert_client_closed_after_judgement(&server_result);
+    assert_client_refuses(&handshake(&parties.mutual_server(), &client).await, |e| {
+        matches!(e, PeerError::Validation(ValidationError::Rejected(_)))
+    });
 
     // The server trusts another key than the client's.
     let server = parties.server_trusting(&stranger);
-    let (server_result, client_result) = handshake(&server, &parties.mutual_client()).await;
-    let Err(HandshakeError::ClientRefused(PeerError::Validation(ValidationError::Rejected(
-        reason,
-    )))) = server_result
-    else {
-        panic!("{server_result:?}");
-    };
-    assert_eq!(reason.to_string(), "signature is not by the trusted key");
-    assert!(matches!(
-        client_result,
-        Err(ConnectError::RefusedByServer(
-            AlertDescription::AccessDenied
-        ))
-    ));
+    assert_server_refuses(
+        &handshake(&server, &parties.mutual_client()).await,
+        |e| {
+            matches!(e, PeerError::Validation(ValidationError::Rejected(reason))
+                if reason.to_string() == "signature is not by the trusted key")
+        },
+        AlertDescription::AccessDenied,
+    );
 }
 
 #[tokio::test]
@@ -421,24 +369,12 @@ async fn when_both_refuse_each_side_names_its_own_reason() {
     )
     .await;
     // The client refused the server first, but still let the server judge it.
-    assert!(
-        matches!(
-            client_result,
-            Err(ConnectError::ServerRefused(PeerError::Validation(
-                ValidationError::Rejected(_)
-            )))
-        ),
-        "{client_result:?}"
-    );
-    assert!(
-        matches!(
-            server_result,
-            Err(HandshakeError::ClientRefused(PeerError::Validation(
-                ValidationError::Rejected(_)
-            )))
-        ),
-        "{server_result:?}"
-    );
+    assert_server_refused(&client_result, |e| {
+        matches!(e, PeerError::Validation(ValidationError::Rejected(_)))
+    });
+    assert_client_refused(&server_result, |e| {
+        matches!(e, PeerError::Validation(ValidationError::Rejected(_)))
+    });
 }
 
 #[tokio::test]
@@ -446,7 +382,7 @@ async fn a_client_in_server_attested_mode_refuses_during_the_handshake() {
     let parties = Parties::new();
     let stranger = TestIssuer::generate();
     let client = AtlsClient::server_attested(dyn_validator(stranger.validator()));
-    let server = AtlsServer::server_attested(dyn_issuer(&parties.server_issuer));
+    let server = AtlsServer::<TestClaims>::server_attested(dyn_issuer(&parties.server_issuer));
     let (server_result, client_result) = handshake(&server, &client).await;
     assert!(
         matches!(client_result, Err(ConnectError::ServerRefused(_))),
@@ -505,15 +441,9 @@ async fn swapping_the_validator_changes_the_next_handshake() {
     let old = swappable.replace(other.validator().generation(2));
     assert_eq!(old.count(), 2);
     let refused = call(&client, &server).await;
-    assert!(
-        matches!(
-            refused,
-            Err(ConnectError::ServerRefused(PeerError::Validation(
-                ValidationError::Rejected(_)
-            )))
-        ),
-        "{refused:?}"
-    );
+    assert_server_refused(&refused, |e| {
+        matches!(e, PeerError::Validation(ValidationError::Rejected(_)))
+    });
     let mut still_open = keel_proto::kms::key_service_client::KeyServiceClient::new(bound.channel);
     still_open
         .get_data_key(keel_proto::kms::GetDataKeyRequest {
@@ -524,11 +454,7 @@ async fn swapping_the_validator_changes_the_next_handshake() {
         .unwrap();
 
     // ... and a server the new validator trusts is accepted.
-    let other_server = TestServer::start(AtlsServer::mutual(
-        dyn_issuer(&other),
-        dyn_validator(parties.client_issuer.validator()),
-    ))
-    .await;
+    let other_server = TestServer::start(mutual_server(&other, &parties.client_issuer)).await;
     let (_, attested) = call(&client, &other_server).await.unwrap();
     assert_eq!(attested.unwrap().claims().generation, 2);
 }
@@ -641,18 +567,11 @@ async fn the_largest_document_fits_in_a_handshake() {
             &vec![0x5a; cert::MAX_DOCUMENT_LEN],
         )
     });
-    let server = parties.mutual_server().danger_present_with(large);
-    let (_, client_result) = handshake(&server, &parties.mutual_client()).await;
+    let (_, client_result) = parties.server_presenting(large).await;
     // The certificate crossed the wire; the validator then refused the junk.
-    assert!(
-        matches!(
-            client_result,
-            Err(ConnectError::ServerRefused(PeerError::Validation(
-                ValidationError::Malformed(_)
-            )))
-        ),
-        "{client_result:?}"
-    );
+    assert_server_refused(&client_result, |e| {
+        matches!(e, PeerError::Validation(ValidationError::Malformed(_)))
+    });
 }
 
 #[tokio::test]
@@ -662,20 +581,9 @@ async fn the_accept_loop_counts_refusals_and_keeps_serving() {
     let server = TestServer::start(parties.mutual_server()).await;
     let stranger = TestIssuer::generate();
 
-    let intruder = AtlsClient::mutual(
-        dyn_issuer(&stranger),
-        dyn_validator(parties.server_issuer.validator()),
-    );
+    let intruder = mutual_client(&stranger, &parties.server_issuer);
     let refused = intruder.connect("127.0.0.1", server.addr.port()).await;
-    assert!(
-        matches!(
-            refused,
-            Err(ConnectError::RefusedByServer(
-                AlertDescription::AccessDenied
-            ))
-        ),
-        "{refused:?}"
-    );
+    assert_refused_by_server(&refused, AlertDescription::AccessDenied);
     server.wait_for_handshakes(1).await;
     assert_eq!(server.stats.refused(), 1);
 

@@ -8,12 +8,13 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{call, dyn_issuer, dyn_validator, TestServer};
+use common::{
+    call, dyn_issuer, dyn_validator, handshake, mutual_client, mutual_server, TestServer,
+};
 use keel_atls::{
     AtlsClient, AtlsServer, ConnectError, HandshakeError, IssueError, Issuer, ResidencyError,
     ResidencySecret,
 };
-use tokio::net::TcpListener;
 
 /// A connection that fails must fail with the residency error `want`.
 fn assert_residency(e: &ConnectError, want: fn(&ResidencyError) -> bool) {
@@ -48,15 +49,8 @@ async fn a_client_whose_key_is_elsewhere_is_refused_by_the_server() {
     let server_issuer = common::TestIssuer::generate();
     let real_client = common::TestIssuer::generate();
     let impostor = real_client.impostor();
-    let server = TestServer::start(AtlsServer::mutual(
-        dyn_issuer(&server_issuer),
-        dyn_validator(real_client.validator()),
-    ))
-    .await;
-    let client = AtlsClient::mutual(
-        dyn_issuer(&impostor),
-        dyn_validator(server_issuer.validator()),
-    );
+    let server = TestServer::start(mutual_server(&server_issuer, &real_client)).await;
+    let client = mutual_client(&impostor, &server_issuer);
     let e = call(&client, &server).await.expect_err("refused");
     assert_residency(&e, |r| matches!(r, ResidencyError::RefusedByPeer));
     server.wait_for_handshakes(1).await;
@@ -64,10 +58,7 @@ async fn a_client_whose_key_is_elsewhere_is_refused_by_the_server() {
     assert_eq!(server.stats.refused(), 1);
 
     // The genuine client gets through the same server.
-    let client = AtlsClient::mutual(
-        dyn_issuer(&real_client),
-        dyn_validator(server_issuer.validator()),
-    );
+    let client = mutual_client(&real_client, &server_issuer);
     call(&client, &server).await.unwrap();
 }
 
@@ -88,16 +79,9 @@ impl Issuer for Mute {
 async fn a_peer_that_cannot_answer_is_refused_with_the_reason_on_both_sides() {
     common::init_tracing();
     let server_issuer = common::TestIssuer::generate();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
     let server = AtlsServer::<()>::server_attested(Arc::new(Mute(server_issuer.clone())));
     let client = AtlsClient::server_attested(dyn_validator(server_issuer.validator()));
-    let server_side = async {
-        let (tcp, _) = listener.accept().await.unwrap();
-        server.accept(tcp).await
-    };
-    let (server_result, client_result) =
-        tokio::join!(server_side, client.connect("127.0.0.1", port));
+    let (server_result, client_result) = handshake(&server, &client).await;
     assert_residency(&client_result.expect_err("refused"), |r| {
         matches!(r, ResidencyError::NoAnswer)
     });

@@ -4,21 +4,22 @@
 //! the master secret or any request leaves the machine.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod harness;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use harness::{run_keel, text, Settings};
 use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::measured::{MeasuredTpm, SharedTpm};
-use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_agent::measured::SharedTpm;
 use keel_atls::AtlsServer;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitRequest, InitResponse};
 use keel_testkit::forgery::SoftwareAk;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
-use keel_verifier::measurement::EventType;
-use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::measurements::Expected;
 use tokio_stream::wrappers::ReceiverStream;
 
 const SECRET: &[u8] = b"the init secret a forger wants";
@@ -52,21 +53,11 @@ struct Victim {
 fn victim(ca: &EkCa) -> Victim {
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = NodeConfig::parse(
-        br#"{"cluster":{"init_secret_hash":"sha256:0000000000000000000000000000000000000000000000000000000000000000"},"node":{"name":"cp-0","role":"control-plane"}}"#,
-        "t".as_ref(),
-    )
-    .unwrap();
-    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
-    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("eventlog.jsonl")).unwrap();
-    measured
-        .record(EventType::NodeConfig, "config", config.cluster_bytes())
-        .unwrap();
-    measured
-        .record(EventType::NodeIdentity, "node", config.node_bytes())
-        .unwrap();
+    let config = harness::control_plane_config(
+        "sha256:0000000000000000000000000000000000000000000000000000000000000000",
+    );
     Victim {
-        tpm: measured.shared(),
+        tpm: harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config),
         config,
         _swtpm: swtpm,
         _dir: dir,
@@ -76,44 +67,17 @@ fn victim(ca: &EkCa) -> Victim {
 /// The CLI's settings for the node at `endpoint`, expecting the victim's
 /// measurements.
 fn settings(dir: &Path, ca: &EkCa, v: &Victim, endpoint: std::net::SocketAddr) -> PathBuf {
-    let m = Measurements::new([
-        (4, Expected::enforced([0; 32])),
-        (9, Expected::enforced([0; 32])),
-        (11, Expected::enforced([0; 32])),
-        (12, Expected::enforced(v.config.expected_config_pcr())),
-        (15, Expected::enforced([0; 32])),
-    ])
-    .unwrap();
-    std::fs::write(dir.join("measurements.json"), m.to_json()).unwrap();
-    std::fs::write(dir.join("ek-ca.pem"), ca.issuer_pem().unwrap()).unwrap();
-    std::fs::write(dir.join("init-secret"), SECRET).unwrap();
-    let settings = serde_json::json!({
-        "endpoint": endpoint.to_string(),
-        "kubernetes_version": "v1.31",
-        "measurements": "measurements.json",
-        "ek_ca": "ek-ca.pem",
-        "init_secret_file": "init-secret",
-    });
-    let path = dir.join("keel.json");
-    std::fs::write(&path, settings.to_string()).unwrap();
-    path
-}
-
-async fn keel(args: &[&str], settings: &Path, extra: &[&Path]) -> std::process::Output {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_keel"));
-    cmd.args(args).arg("--settings").arg(settings);
-    for (flag, path) in ["--workspace"].iter().zip(extra) {
-        cmd.arg(flag).arg(path);
+    Settings {
+        endpoint,
+        measurements: &harness::measurements(
+            v.config.expected_config_pcr(),
+            Expected::enforced([0; 32]),
+        ),
+        ek_ca: ca,
+        init_secret: SECRET,
+        components: None,
     }
-    cmd.output().await.unwrap()
-}
-
-fn text(out: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    .write(dir)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -142,7 +106,7 @@ async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
     let dir = tempfile::tempdir().unwrap();
     let settings = settings(dir.path(), &ca, &v, addr);
     let ws = dir.path().join("workspace");
-    let out = keel(&["init", "--wait", "5"], &settings, &[&ws]).await;
+    let out = run_keel(&["init", "--wait", "5"], &settings, Some(&ws)).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("key residency"), "{}", text(&out));
     assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
@@ -153,7 +117,7 @@ async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
     );
     assert!(forger.challenges_received() >= 1);
 
-    let out = keel(&["verify"], &settings, &[]).await;
+    let out = run_keel(&["verify"], &settings, None).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("key residency"), "{}", text(&out));
     server.abort();

@@ -3,20 +3,23 @@
 //! (kubeadm is the stand-in), TLS is real aTLS.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod harness;
+
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use harness::{events, run_keel, text, Settings, SECRET};
 use keel_agent::address::AdvertiseAddress;
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::kubeadm::Kubeadm;
-use keel_agent::measured::{MeasuredTpm, SharedTpm};
+use keel_agent::measured::SharedTpm;
 use keel_agent::nodelock::NodeLock;
 use keel_agent::provision::{KubeletStart, NodeEnv};
 use keel_agent::reboot::RebootPolicy;
-use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::InstallerConfig;
+use keel_proto::components::Component;
 use keel_testkit::components::{stand_in_set_with, KubeExecutables};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
@@ -24,14 +27,13 @@ use keel_verifier::config::NodeConfig;
 use keel_verifier::measurement::{event_digest, extend, pcr, EventType};
 use keel_verifier::measurements::{Expected, Measurements};
 
-const SECRET: &[u8] = b"correct horse battery staple init secret";
-
 struct Node {
     tpm: SharedTpm,
     cluster: Arc<ClusterSlot>,
     addr: SocketAddr,
     dir: tempfile::TempDir,
     config: NodeConfig,
+    components: Vec<Component>,
     task: tokio::task::JoinHandle<()>,
     _mirror: MirrorServer,
     _swtpm: Swtpm,
@@ -43,30 +45,12 @@ impl Drop for Node {
     }
 }
 
-fn secret_hash() -> String {
-    use sha2::Digest as _;
-    format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)))
-}
-
 async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
-    let config = NodeConfig::parse(
-        format!(r#"{{"cluster":{{"init_secret_hash":"{}"}},"node":{{"name":"cp-0","role":"control-plane"}}}}"#, secret_hash())
-            .as_bytes(),
-        "t".as_ref(),
-    )
-    .unwrap();
-    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
-    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("eventlog.jsonl")).unwrap();
-    measured
-        .record(EventType::NodeConfig, "config", config.cluster_bytes())
-        .unwrap();
-    measured
-        .record(EventType::NodeIdentity, "node", config.node_bytes())
-        .unwrap();
-    let tpm = measured.shared();
+    let config = harness::control_plane_config(&harness::secret_hash());
+    let tpm = harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config);
     let lock = Arc::new(NodeLock::new(tpm.clone()).unwrap());
 
     // The components, served by the mirror; the CLI sends their list.
@@ -76,15 +60,6 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
         &root,
         "v1.31.13",
         &KubeExecutables::standin().unwrap(),
-    )
-    .unwrap();
-    let list: Vec<serde_json::Value> = components
-        .iter()
-        .map(|c| serde_json::json!({"url": c.url, "hash": c.hash, "install_path": c.install_path, "extract": c.extract}))
-        .collect();
-    std::fs::write(
-        dir.path().join("components.json"),
-        serde_json::to_vec(&list).unwrap(),
     )
     .unwrap();
 
@@ -129,6 +104,7 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
         addr,
         dir,
         config,
+        components,
         task,
         _mirror: mirror,
         _swtpm: swtpm,
@@ -145,60 +121,24 @@ impl Node {
             .unwrap()[&pcr::CLUSTER_ID]
     }
 
-    /// What this node measures, enforced: PCRs 4, 9 and 11 are zero on
-    /// swtpm, PCR 12 is `pcr12`; then PCR 15 as `pcr15`.
-    fn measurements(&self, pcr12: [u8; 32], pcr15: Expected) -> Measurements {
-        Measurements::new([
-            (4, Expected::enforced([0; 32])),
-            (9, Expected::enforced([0; 32])),
-            (11, Expected::enforced([0; 32])),
-            (12, Expected::enforced(pcr12)),
-            (15, pcr15),
-        ])
-        .unwrap()
-    }
-
     /// Writes the CLI's settings for this node; `pcr12` overrides the expected config PCR.
     fn settings(&self, ca: &EkCa, secret: &[u8], pcr12: Option<[u8; 32]>) -> PathBuf {
-        let d = self.dir.path();
-        let m = self.measurements(
-            pcr12.unwrap_or_else(|| self.config.expected_config_pcr()),
-            Expected::enforced([0; 32]),
-        );
-        std::fs::write(d.join("measurements.json"), m.to_json()).unwrap();
-        std::fs::write(d.join("ek-ca.pem"), ca.issuer_pem().unwrap()).unwrap();
-        std::fs::write(d.join("init-secret"), secret).unwrap();
-        let settings = serde_json::json!({
-            "endpoint": self.addr.to_string(),
-            "kubernetes_version": "v1.31",
-            "measurements": "measurements.json",
-            "ek_ca": "ek-ca.pem",
-            "init_secret_file": "init-secret",
-            "components_file": "components.json",
-        });
-        let path = d.join("keel.json");
-        std::fs::write(&path, settings.to_string()).unwrap();
-        path
+        Settings {
+            endpoint: self.addr,
+            measurements: &harness::measurements(
+                pcr12.unwrap_or_else(|| self.config.expected_config_pcr()),
+                Expected::enforced([0; 32]),
+            ),
+            ek_ca: ca,
+            init_secret: secret,
+            components: Some(&self.components),
+        }
+        .write(self.dir.path())
     }
 }
 
 async fn keel_init(settings: &Path, workspace: &Path) -> std::process::Output {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["init", "--skip-helm-wait", "--settings"])
-        .arg(settings)
-        .arg("--workspace")
-        .arg(workspace)
-        .output()
-        .await
-        .unwrap()
-}
-
-fn text(out: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    run_keel(&["init", "--skip-helm-wait"], settings, Some(workspace)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -225,24 +165,12 @@ async fn init_creates_the_cluster_and_locks_the_node() {
     assert!(text(&out).contains(id["cluster_id"].as_str().unwrap()));
 
     // PCR 15 is the extend of the cluster ID, and the log records the lock.
-    {
-        let measured = n.tpm.lock().unwrap();
-        let lock_event = measured
-            .events()
-            .iter()
-            .find(|e| e.event_type == EventType::ClusterId)
-            .unwrap();
-        assert_eq!(lock_event.data, cluster_id);
-        let components = measured
-            .events()
-            .iter()
-            .filter(|e| e.event_type == EventType::Component)
-            .count();
-        assert_eq!(components, 5);
-    }
+    let lock_event = &events(&n.tpm, EventType::ClusterId)[0];
+    assert_eq!(lock_event.data, cluster_id);
+    assert_eq!(events(&n.tpm, EventType::Component).len(), 5);
     let expected = extend(
         &[0; 32],
-        &event_digest(lock_event_seq(&n), EventType::ClusterId, &cluster_id),
+        &event_digest(lock_event.seq, EventType::ClusterId, &cluster_id),
     );
     assert_eq!(n.pcr15(), expected);
 
@@ -264,17 +192,6 @@ async fn init_creates_the_cluster_and_locks_the_node() {
     assert!(text(&out).contains("PCR 15"), "{}", text(&out));
 }
 
-fn lock_event_seq(n: &Node) -> u32 {
-    n.tpm
-        .lock()
-        .unwrap()
-        .events()
-        .iter()
-        .find(|e| e.event_type == EventType::ClusterId)
-        .unwrap()
-        .seq
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_init_is_failed_precondition() {
     let ca = EkCa::new().unwrap();
@@ -286,7 +203,7 @@ async fn second_init_is_failed_precondition() {
         .success());
     // A CLI that accepts any PCR 15 (warn-only) reaches the node, which refuses.
     let settings = n.settings(&ca, SECRET, None);
-    let m = n.measurements(n.config.expected_config_pcr(), Expected::warn_only([0; 32]));
+    let m = harness::measurements(n.config.expected_config_pcr(), Expected::warn_only([0; 32]));
     std::fs::write(n.dir.path().join("measurements.json"), m.to_json()).unwrap();
     let ws2 = tempfile::tempdir().unwrap();
     let out = keel_init(&settings, ws2.path()).await;
@@ -341,14 +258,12 @@ async fn an_unreachable_node_is_retried_until_the_wait_ends() {
     json["endpoint"] = closed_addr.to_string().into();
     std::fs::write(&settings, json.to_string()).unwrap();
     let ws = tempfile::tempdir().unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["init", "--skip-helm-wait", "--wait", "3", "--settings"])
-        .arg(&settings)
-        .arg("--workspace")
-        .arg(ws.path())
-        .output()
-        .await
-        .unwrap();
+    let out = run_keel(
+        &["init", "--skip-helm-wait", "--wait", "3"],
+        &settings,
+        Some(ws.path()),
+    )
+    .await;
     assert!(!out.status.success());
     let t = text(&out);
     let retries = t.matches("not reachable yet").count();
@@ -412,15 +327,7 @@ async fn concurrent_inits_lock_once() {
     );
     let wins = [&a, &b].iter().filter(|o| o.status.success()).count();
     assert_eq!(wins, 1, "{}\n---\n{}", text(&a), text(&b));
-    let events = n
-        .tpm
-        .lock()
-        .unwrap()
-        .events()
-        .iter()
-        .filter(|e| e.event_type == EventType::ClusterId)
-        .count();
-    assert_eq!(events, 1);
+    assert_eq!(events(&n.tpm, EventType::ClusterId).len(), 1);
 }
 
 /// Files outside the workspace that planted links point to; each must keep

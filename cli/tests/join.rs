@@ -9,6 +9,7 @@
 //! state disks have no mount (`StateDisk::mount`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod harness;
 #[path = "../../agent/tests/join_common/mod.rs"]
 mod join_common;
 
@@ -17,6 +18,7 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::sync::Arc;
 use std::time::Duration;
 
+use harness::{events, run_keel, text, Settings, SECRET};
 use join_common::{
     boot_measurements, boot_measurements_with, joiner_with, node_env, stand_in_components, Joiner,
 };
@@ -28,13 +30,6 @@ use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::measurement::EventType;
 use keel_verifier::measurements::Expected;
-
-const SECRET: &[u8] = b"correct horse battery staple init secret";
-
-fn secret_hash() -> String {
-    use sha2::Digest as _;
-    format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)))
-}
 
 fn mode(path: &std::path::Path) -> u32 {
     std::fs::metadata(path).unwrap().permissions().mode() & 0o777
@@ -51,7 +46,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let dir1 = tempfile::tempdir().unwrap();
     let root1 = dir1.path().join("root");
     let mut config1 = join_common::config(&ca, join_port, "cp-0", "control-plane");
-    config1.cluster.init_secret_hash = secret_hash();
+    config1.cluster.init_secret_hash = harness::secret_hash();
     let cluster_config = config1.cluster.clone();
     let tpm1 = join_common::measured(&swtpm1, &dir1.path().join("log"), &config1);
     let lock1 = Arc::new(keel_agent::nodelock::NodeLock::new(tpm1.clone()).unwrap());
@@ -69,47 +64,22 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     });
     join_common::wait_for_port(init_addr).await;
 
-    // `keel init` against it.
+    // `keel init` against it, from the operator's own directory.
     let ws = tempfile::tempdir().unwrap();
-    let d = dir1.path();
-    let m = boot_measurements_with(&config1, [(15, Expected::enforced([0; 32]))]);
-    std::fs::write(d.join("cli-measurements.json"), m.to_json()).unwrap();
-    std::fs::write(d.join("ek-ca.pem"), ca.issuer_pem().unwrap()).unwrap();
-    std::fs::write(d.join("init-secret"), SECRET).unwrap();
-    let list: Vec<keel_proto::components::Component> = components.iter().map(Into::into).collect();
-    let list: Vec<serde_json::Value> = list
-        .iter()
-        .map(|c| serde_json::json!({"url": c.url, "hash": c.hash, "install_path": c.install_path, "extract": c.extract}))
-        .collect();
-    std::fs::write(
-        d.join("components.json"),
-        serde_json::to_vec(&list).unwrap(),
-    )
-    .unwrap();
-    let settings = serde_json::json!({
-        "endpoint": init_addr.to_string(),
-        "kubernetes_version": "v1.31",
-        "measurements": "cli-measurements.json",
-        "ek_ca": "ek-ca.pem",
-        "init_secret_file": "init-secret",
-        "components_file": "components.json",
-    });
-    std::fs::write(d.join("keel.json"), settings.to_string()).unwrap();
+    let operator = tempfile::tempdir().unwrap();
+    let components: Vec<keel_proto::components::Component> =
+        components.iter().map(Into::into).collect();
+    let settings = Settings {
+        endpoint: init_addr,
+        measurements: &boot_measurements_with(&config1, [(15, Expected::enforced([0; 32]))]),
+        ek_ca: &ca,
+        init_secret: SECRET,
+        components: Some(&components),
+    }
+    .write(operator.path());
     let started = std::time::Instant::now();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["init", "--skip-helm-wait", "--settings"])
-        .arg(d.join("keel.json"))
-        .arg("--workspace")
-        .arg(ws.path())
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = run_keel(&["init", "--skip-helm-wait"], &settings, Some(ws.path())).await;
+    assert!(out.status.success(), "{}", text(&out));
     eprintln!("keel init took {:?}", started.elapsed());
     let state = slot
         .borrow()
@@ -118,6 +88,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     init_task.abort();
 
     // Node 1 serves the join service, with the image's reference values.
+    let d = dir1.path();
     let measurements = d.join("measurements.json");
     std::fs::write(&measurements, boot_measurements(&config1).to_json()).unwrap();
     let policy = keel_agent::node::join_service_policy(&config1, &measurements).unwrap();
@@ -181,15 +152,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
             std::fs::read(state.pki_dir.join("ca.crt")).unwrap()
         );
         assert!(j.root.join("etc/kubernetes/kubelet.conf").is_file());
-        let components = j
-            .tpm
-            .lock()
-            .unwrap()
-            .events()
-            .iter()
-            .filter(|e| e.event_type == EventType::Component)
-            .count();
-        assert_eq!(components, 5);
+        assert_eq!(events(&j.tpm, EventType::Component).len(), 5);
     }
     assert!(!worker.root.join("etc/kubernetes/pki/ca.key").exists());
     let ca_key = control.root.join("etc/kubernetes/pki/ca.key");

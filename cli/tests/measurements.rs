@@ -3,11 +3,15 @@
 //! test holds, and no connection may reach it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod harness;
+
 use std::io::ErrorKind;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant};
+
+use harness::text;
 
 const H: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -58,20 +62,7 @@ impl Setup {
 }
 
 fn keel(args: &[&str], settings: &Path, workspace: Option<&Path>) -> Output {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_keel"));
-    cmd.args(args).arg("--settings").arg(settings);
-    if let Some(ws) = workspace {
-        cmd.arg("--workspace").arg(ws);
-    }
-    cmd.output().unwrap()
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    harness::keel(args, settings, workspace).output().unwrap()
 }
 
 fn entry(pcr: u32, warn_only: bool) -> String {

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use keel_atls::{
-    AtlsClient, AtlsServer, Challenge, DynIssuer, DynValidator, IssueError, Issuer, PeerInfo,
-    ResidencySecret, ValidationError, Validator,
+    AtlsClient, AtlsServer, AtlsStream, Challenge, ConnectError, DynIssuer, DynValidator,
+    HandshakeError, IssueError, Issuer, PeerInfo, ResidencySecret, ValidationError, Validator,
 };
 use keel_proto::kms::key_service_client::KeyServiceClient;
 use keel_proto::kms::key_service_server::{KeyService, KeyServiceServer};
@@ -260,6 +260,36 @@ pub fn dyn_validator<V: Validator<Claims = TestClaims>>(v: V) -> DynValidator<Te
     Arc::new(v)
 }
 
+/// A mutual-mode server that attests with `issuer` and accepts documents
+/// signed by `trusted` only.
+pub fn mutual_server(issuer: &Arc<TestIssuer>, trusted: &TestIssuer) -> AtlsServer<TestClaims> {
+    AtlsServer::mutual(dyn_issuer(issuer), dyn_validator(trusted.validator()))
+}
+
+/// A mutual-mode client that attests with `issuer` and accepts documents
+/// signed by `trusted` only.
+pub fn mutual_client(issuer: &Arc<TestIssuer>, trusted: &TestIssuer) -> AtlsClient<TestClaims> {
+    AtlsClient::mutual(dyn_issuer(issuer), dyn_validator(trusted.validator()))
+}
+
+/// One handshake on 127.0.0.1 between `server` and `client`, without an
+/// accept loop: both outcomes.
+pub async fn handshake<S: Send + Sync + 'static, C: Send + Sync + 'static>(
+    server: &AtlsServer<S>,
+    client: &AtlsClient<C>,
+) -> (
+    Result<AtlsStream<S>, HandshakeError>,
+    Result<AtlsStream<C>, ConnectError>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server_side = async {
+        let (tcp, _) = listener.accept().await.unwrap();
+        server.accept(tcp).await
+    };
+    tokio::join!(server_side, client.connect("127.0.0.1", port))
+}
+
 /// The key service answers with the attestation document the client
 /// presented (empty when the server does not validate clients), so tests see
 /// what handlers see.
@@ -333,7 +363,7 @@ impl Drop for TestServer {
 pub async fn call(
     client: &AtlsClient<TestClaims>,
     server: &TestServer,
-) -> Result<(Vec<u8>, Option<Arc<keel_atls::Attested<TestClaims>>>), keel_atls::ConnectError> {
+) -> Result<(Vec<u8>, Option<Arc<keel_atls::Attested<TestClaims>>>), ConnectError> {
     let bound = client.bind_channel(server.endpoint()).await?;
     let response = KeyServiceClient::new(bound.channel)
         .get_data_key(GetDataKeyRequest {

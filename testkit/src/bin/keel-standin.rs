@@ -285,14 +285,15 @@ fn api_version(doc: &Value, kind: &str) -> Result<&'static str> {
     }
 }
 
-fn find<'a>(docs: &'a [Value], kind: &str) -> Result<Option<&'a Value>> {
+/// The one document of `kind` in the config.
+fn document<'a>(docs: &'a [Value], kind: &str) -> Result<&'a Value> {
     let found: Vec<&Value> = docs
         .iter()
         .filter(|d| get(d, &["kind"]).and_then(Value::as_str) == Some(kind))
         .collect();
     match found.as_slice() {
-        [] => Ok(None),
-        [one] => Ok(Some(one)),
+        [] => fail(format!("no {kind} in the config")),
+        [one] => Ok(one),
         _ => fail(format!("more than one {kind} in the config")),
     }
 }
@@ -402,12 +403,8 @@ fn check_preflight(flags: &Flags, files: &[&str]) -> Result<()> {
 fn init(flags: &Flags) -> Result<()> {
     let docs = read_config(flags)?;
     known_kinds(&docs, &["InitConfiguration", "ClusterConfiguration"])?;
-    let Some(init) = find(&docs, "InitConfiguration")? else {
-        return fail("no InitConfiguration in the config");
-    };
-    let Some(cluster) = find(&docs, "ClusterConfiguration")? else {
-        return fail("no ClusterConfiguration in the config");
-    };
+    let init = document(&docs, "InitConfiguration")?;
+    let cluster = document(&docs, "ClusterConfiguration")?;
     let api = api_version(init, "InitConfiguration")?;
     if api_version(cluster, "ClusterConfiguration")? != api {
         return fail("InitConfiguration and ClusterConfiguration use different API versions");
@@ -548,9 +545,7 @@ fn init(flags: &Flags) -> Result<()> {
 fn join(flags: &Flags) -> Result<()> {
     let docs = read_config(flags)?;
     known_kinds(&docs, &["JoinConfiguration"])?;
-    let Some(join) = find(&docs, "JoinConfiguration")? else {
-        return fail("no JoinConfiguration in the config");
-    };
+    let join = document(&docs, "JoinConfiguration")?;
     let api = api_version(join, "JoinConfiguration")?;
     let kind = "JoinConfiguration";
     let token = string(join, kind, &["discovery", "bootstrapToken", "token"])?;
@@ -658,9 +653,7 @@ fn join(flags: &Flags) -> Result<()> {
 fn token_create(flags: &Flags) -> Result<()> {
     let docs = read_config(flags)?;
     known_kinds(&docs, &["InitConfiguration"])?;
-    let Some(init) = find(&docs, "InitConfiguration")? else {
-        return fail("no InitConfiguration in the config");
-    };
+    let init = document(&docs, "InitConfiguration")?;
     api_version(init, "InitConfiguration")?;
     let tokens = get(init, &["bootstrapTokens"])
         .and_then(Value::as_sequence)
