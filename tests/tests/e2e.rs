@@ -1,24 +1,39 @@
 //! The end-to-end scenarios on the local cluster, in order, on one cluster
-//! brought up once (`keel_e2e::mini`):
+//! brought up once (`keel_e2e::mini`: control planes `keel-cp-0` and
+//! `keel-cp-1`, worker `keel-worker-0`; every node config lists both join
+//! endpoints):
 //!
-//! 1. happy path: `keel init` over aTLS, the worker joins; both nodes verify
-//!    as members of the cluster `keel init` reported;
+//! 1. happy path: `keel init` over aTLS on `keel-cp-0`; `keel-cp-1` and the
+//!    worker join; all three verify as members of the cluster `keel init`
+//!    reported, with the same PCR 15;
 //! 2. a node with another cluster config is refused: its attestation,
 //!    judged by the join service's policy, differs in PCR 12, and it stays
 //!    out of the cluster (PCR 15 zero);
 //! 3. a node whose UKI command line differs in one byte is refused the same
-//!    way on PCR 4 (2 and 3 boot in parallel);
+//!    way on PCR 4;
 //! 4. a second init gets FailedPrecondition;
 //! 5. the worker, killed and booted again on the same TPM and disk,
 //!    rejoins through IssueRejoinTicket with its state disk reopened (same
-//!    LUKS header);
-//! 6. both state disks are LUKS2 and open with the key the host derives
+//!    LUKS header); 2, 3 and 5 boot their three VMs at once;
+//! 6. every state disk is LUKS2 and opens with the key the host derives
 //!    from the master secret, and no disk key, init secret or master secret
-//!    appears in any log.
+//!    appears in any log (run last, so it reads every log of 1-10);
+//! 7. `keel-cp-1` joined through `keel-cp-0` and serves joins: with
+//!    `keel-cp-0` stopped (8), a new worker joins with a ticket from
+//!    `keel-cp-1`;
+//! 8. `keel-cp-0` loses power; the worker reboots and rejoins with a ticket
+//!    from `keel-cp-1` (7 and 8 boot their VMs at once);
+//! 9. `keel-cp-0` boots again and rejoins through `keel-cp-1`, its state
+//!    disk reopened, and serves joins again;
+//! 10. every node loses power and boots again: no join service answers;
+//!     `keel recover` with `keel init`'s workspace brings `keel-cp-0` back
+//!     (same cluster ID, same disk) and the others rejoin through it.
 //!
-//! Results are read from `keel verify -o json`, exit statuses, gRPC status
-//! codes and the disks themselves; console lines only tell when to look.
-//! Each scenario prints `PASS <name> <seconds>`.
+//! Results are read from `keel verify -o json` (PCR 15 and the cluster-ID
+//! event), `keel recover -o json`, exit statuses, gRPC status codes and the
+//! disks themselves; console lines only tell when to look, and which
+//! control plane issued a ticket. Each scenario prints `PASS <name>
+//! <seconds>`; 8 and 10 also print the failover and recovery times.
 //!
 //! Opt-in: set `KEEL_IMAGE_DIR` (`make e2e` does); without it the test
 //! says so and passes.
@@ -28,8 +43,11 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use keel_e2e::image::IMAGE_DIR_VAR;
-use keel_e2e::mini::cluster::{JOINED_LINE, JOIN_FAILED_LINE, REJOINED_LINE};
-use keel_e2e::mini::config::{MEASUREMENTS, MEASUREMENTS_MEMBER, PCR_CLUSTER_ID};
+use keel_e2e::mini::cluster::{
+    JOINED_LINE, JOIN_FAILED_LINE, JOIN_SERVICE_LINE, JOIN_SERVICE_PATIENCE, RECOVERED_LINE,
+    REJOINED_LINE, TICKET_ISSUER_MARK,
+};
+use keel_e2e::mini::config::{GUEST_INIT_PORT, MEASUREMENTS, MEASUREMENTS_MEMBER, PCR_CLUSTER_ID};
 use keel_e2e::mini::verify::Verification;
 use keel_e2e::mini::{disk, procs, Cluster, Node, UpOptions};
 use keel_e2e::report::READY_LINE;
@@ -41,6 +59,8 @@ type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 /// still outside the cluster. A node the service admits is locked (PCR 15
 /// set) within seconds of its first attempt, made as soon as it is ready.
 const JOIN_WINDOW: Duration = Duration::from_secs(30);
+/// Pause between looks at a booting node's init port.
+const POLL: Duration = Duration::from_secs(2);
 /// The UKI command line as the image has it, and the byte changed in it:
 /// "quiet" becomes "quieT", an unknown parameter the kernel passes on.
 const CMDLINE: &[u8] = b" console=ttyS0 quiet ";
@@ -50,6 +70,14 @@ const ZERO: &str = "000000000000000000000000000000000000000000000000000000000000
 
 fn pass(name: &str, since: Instant) {
     println!("PASS {name} {:.1}", since.elapsed().as_secs_f64());
+}
+
+/// What every member of the cluster attests: the cluster ID `keel init`
+/// reported (the data of its cluster-ID event) and the PCR 15 that event
+/// gives, the same on every node and after every rejoin or recovery.
+struct Lock {
+    cluster_id: String,
+    pcr15: String,
 }
 
 #[test]
@@ -64,13 +92,23 @@ fn local_cluster_scenarios() -> TestResult {
     opts.build = false;
     let started = Instant::now();
     let mut cluster = Cluster::up(&opts)?;
-    let processes = cluster.processes();
+    let mut processes = cluster.processes();
 
-    happy_path(&cluster, started)?;
-    second_init(&cluster)?;
+    let lock = happy_path(&cluster, started)?;
+    second_init(&cluster, &lock)?;
+    let reboot = WorkerReboot::start(&mut cluster)?;
     refused_nodes(&cluster)?;
-    worker_rejoins(&mut cluster)?;
+    reboot.check(&cluster, &lock)?;
+    let cp0_restart = first_control_plane_down(&mut cluster, &lock)?;
+    first_control_plane_rejoins(&cluster, &lock, cp0_restart)?;
+    processes.extend(cluster.processes());
+    all_down_recovery(&mut cluster, &lock)?;
+    processes.extend(cluster.processes());
     disks_and_secrets(&cluster)?;
+    println!(
+        "e2e: {:.1} s in all, cluster up included",
+        started.elapsed().as_secs_f64()
+    );
 
     drop(cluster);
     let left: Vec<_> = processes
@@ -84,17 +122,23 @@ fn local_cluster_scenarios() -> TestResult {
     Ok(())
 }
 
-/// Both nodes verify as members of the cluster `keel init` reported, and
-/// that ID is the one the master secret gives.
-fn happy_path(cluster: &Cluster, started: Instant) -> TestResult {
+/// Every node verifies as a member of the cluster `keel init` reported,
+/// that ID is the one the master secret gives, and all three nodes have
+/// the same PCR 15.
+fn happy_path(cluster: &Cluster, started: Instant) -> TestResult<Lock> {
     let expected = cluster.master_secret()?.cluster_id()?;
     assert_eq!(
         cluster.cluster_id, expected,
         "keel init reported another cluster ID than its master secret gives"
     );
-    for node in [&cluster.cp, &cluster.worker] {
+    let v = cluster.verify(&cluster.cp, MEASUREMENTS_MEMBER)?;
+    let lock = Lock {
+        cluster_id: cluster.cluster_id.clone(),
+        pcr15: v.report.pcr(PCR_CLUSTER_ID).unwrap_or(ZERO).to_owned(),
+    };
+    for node in cluster.nodes() {
         let v = cluster.verify(node, MEASUREMENTS_MEMBER)?;
-        member(&v, &cluster.cluster_id, node)?;
+        member(&v, &lock, node)?;
         assert!(
             v.report.components() > 0,
             "{}: no component in the event log; see {}",
@@ -103,12 +147,12 @@ fn happy_path(cluster: &Cluster, started: Instant) -> TestResult {
         );
     }
     pass("happy-path", started);
-    Ok(())
+    Ok(lock)
 }
 
-/// `v` shows a member of `cluster_id`: verified, PCR 15 set by the lock
-/// event for that ID.
-fn member(v: &Verification, cluster_id: &str, node: &Node) -> TestResult {
+/// `v` shows a member of the cluster: verified, locked by the cluster-ID
+/// event of `lock`'s ID, PCR 15 nonzero and equal to `lock`'s.
+fn member(v: &Verification, lock: &Lock, node: &Node) -> TestResult {
     let report = node.dir.join("verify.json");
     assert!(
         v.success && v.report.verified,
@@ -119,7 +163,7 @@ fn member(v: &Verification, cluster_id: &str, node: &Node) -> TestResult {
     );
     assert_eq!(
         v.report.cluster_id().as_deref(),
-        Some(cluster_id),
+        Some(lock.cluster_id.as_str()),
         "{}: locked to another cluster; see {}",
         node.short,
         report.display()
@@ -130,12 +174,71 @@ fn member(v: &Verification, cluster_id: &str, node: &Node) -> TestResult {
         "{}: PCR 15 is zero",
         node.short
     );
+    assert_eq!(
+        v.report.pcr(PCR_CLUSTER_ID),
+        Some(lock.pcr15.as_str()),
+        "{}: PCR 15 differs from keel-cp-0's after init; see {}",
+        node.short,
+        report.display()
+    );
     Ok(())
+}
+
+/// `node` verifies as a member now.
+fn verify_member(cluster: &Cluster, node: &Node, lock: &Lock) -> TestResult {
+    let v = cluster.verify(node, MEASUREMENTS_MEMBER)?;
+    member(&v, lock, node)
+}
+
+/// Waits until `node` joined (`expect` = [`JOINED_LINE`]) or rejoined
+/// ([`REJOINED_LINE`]) and returns when (since its QEMU started) and the
+/// endpoint it logged as its ticket's issuer.
+fn joined(cluster: &Cluster, node: &Node, expect: &str) -> TestResult<(Duration, String)> {
+    let outcomes = [JOINED_LINE, REJOINED_LINE, JOIN_FAILED_LINE];
+    let (which, at) = node.wait_for(&outcomes, cluster.patience)?;
+    assert_eq!(
+        outcomes[which],
+        expect,
+        "{}: expected {expect:?}; see {}",
+        node.short,
+        node.serial_log().display()
+    );
+    let issuer = node.ticket_issuer()?.ok_or_else(|| {
+        format!(
+            "{}: no \"ticket issued by\" line; see {}",
+            node.short,
+            node.serial_log().display()
+        )
+    })?;
+    Ok((at, issuer))
+}
+
+/// `issuer` (a logged ticket issuer) is control plane `by`'s endpoint.
+fn issued_by(cluster: &Cluster, node: &Node, issuer: &str, by: &Node) -> TestResult {
+    let expected = by.join_endpoint().ok_or("not a control plane")?;
+    let actual = cluster
+        .control_plane_at(issuer)
+        .map_or_else(|| "no control plane".to_owned(), |n| n.name().to_owned());
+    assert_eq!(
+        issuer,
+        expected,
+        "{}: ticket issued by {issuer} ({actual}), not {} ({expected}); see {}",
+        node.short,
+        by.name(),
+        node.serial_log().display()
+    );
+    Ok(())
+}
+
+/// How long ago (on the host clock) `node` printed a line `at` (its QEMU
+/// clock).
+fn line_age(node: &Node, at: Duration) -> TestResult<Duration> {
+    Ok(node.uptime()?.saturating_sub(at))
 }
 
 /// A second, valid init request is refused with FailedPrecondition, and
 /// the node stays in its cluster.
-fn second_init(cluster: &Cluster) -> TestResult {
+fn second_init(cluster: &Cluster, lock: &Lock) -> TestResult {
     let t = Instant::now();
     let status = match cluster.init_again()? {
         Ok(()) => return Err("the control plane accepted a second init".into()),
@@ -151,8 +254,7 @@ fn second_init(cluster: &Cluster) -> TestResult {
         status.message().contains("already part of a cluster"),
         "refused for another reason: {status:?}"
     );
-    let v = cluster.verify(&cluster.cp, MEASUREMENTS_MEMBER)?;
-    member(&v, &cluster.cluster_id, &cluster.cp)?;
+    verify_member(cluster, &cluster.cp, lock)?;
     pass("second-init-refused", t);
     Ok(())
 }
@@ -174,7 +276,8 @@ fn changed_image(image: &Path, out: &Path) -> TestResult {
     Ok(())
 }
 
-/// Scenarios 2 and 3: both nodes boot in parallel; each must attest
+/// Scenarios 2 and 3: both nodes boot in parallel (with the worker's
+/// reboot, scenario 5); each must attest
 /// validly, differ from the join service's policy exactly in the expected
 /// PCRs, and still be outside the cluster after trying to join.
 fn refused_nodes(cluster: &Cluster) -> TestResult {
@@ -246,44 +349,232 @@ fn refused(cluster: &Cluster, node: &Node) -> TestResult<Vec<u32>> {
     Ok(v.report.refused_pcrs())
 }
 
-/// The worker loses power and boots again on the same TPM, firmware
-/// variables and state disk: it rejoins (IssueRejoinTicket), its disk is
-/// the same LUKS volume, and it verifies as a member again.
-fn worker_rejoins(cluster: &mut Cluster) -> TestResult {
-    let t = Instant::now();
-    let disk = cluster.worker.state_disk();
-    let uuid = disk::luks_uuid(&disk)?;
+/// Scenario 5, started before the refused nodes boot so that the three
+/// boots overlap: the worker loses power and boots again on the same TPM,
+/// firmware variables and state disk.
+struct WorkerReboot {
+    since: Instant,
+    uuid: String,
+}
+
+impl WorkerReboot {
+    fn start(cluster: &mut Cluster) -> TestResult<Self> {
+        let since = Instant::now();
+        let uuid = disk::luks_uuid(&cluster.worker.state_disk())?;
+        cluster.worker.kill();
+        cluster.worker.boot(cluster.accel)?;
+        Ok(Self { since, uuid })
+    }
+
+    /// It rejoined (IssueRejoinTicket, from either control plane), its disk
+    /// is the same LUKS volume, and it verifies as a member again.
+    fn check(self, cluster: &Cluster, lock: &Lock) -> TestResult {
+        joined(cluster, &cluster.worker, REJOINED_LINE)?;
+        verify_member(cluster, &cluster.worker, lock)?;
+        assert_eq!(
+            disk::luks_uuid(&cluster.worker.state_disk())?,
+            self.uuid,
+            "the state disk was formatted again instead of reopened"
+        );
+        pass("worker-reboot-rejoin", self.since);
+        Ok(())
+    }
+}
+
+/// Scenarios 7 and 8. `keel-cp-1` joined through `keel-cp-0` while the
+/// cluster came up and serves joins. Then `keel-cp-0` loses power; at once
+/// the worker is booted again and a new worker boots: both can only get a
+/// ticket from `keel-cp-1`, the new one by IssueJoinTicket (7), the worker
+/// by IssueRejoinTicket with its disk reopened (8). Once both hold their
+/// tickets `keel-cp-0` boots again (scenario 9 goes on with it); the
+/// returned instant is when.
+fn first_control_plane_down(cluster: &mut Cluster, lock: &Lock) -> TestResult<Instant> {
+    let t7 = Instant::now();
+    let (_, issuer) = joined(cluster, &cluster.cp1, JOINED_LINE)?;
+    issued_by(cluster, &cluster.cp1, &issuer, &cluster.cp)?;
+    cluster
+        .cp1
+        .wait_for(&[JOIN_SERVICE_LINE], JOIN_SERVICE_PATIENCE)?;
+    verify_member(cluster, &cluster.cp1, lock)?;
+
+    let uuid = disk::luks_uuid(&cluster.worker.state_disk())?;
+    let killed = Instant::now();
+    cluster.cp.kill();
     cluster.worker.kill();
     cluster.worker.boot(cluster.accel)?;
-    let (which, _) = cluster.worker.wait_for(
-        &[REJOINED_LINE, JOINED_LINE, JOIN_FAILED_LINE],
-        cluster.patience,
-    )?;
+    let config = cluster.node_config("keel-worker-1", Role::Worker);
+    let mut fresh = cluster.add_node("worker1", config, cluster.image.disk(), GUEST_INIT_PORT)?;
+    fresh.boot(cluster.accel)?;
+
+    // Neither may get its ticket from keel-cp-0, so it stays down until
+    // both hold one.
+    for node in [&cluster.worker, &fresh] {
+        node.wait_for(&[TICKET_ISSUER_MARK], cluster.patience)?;
+    }
+    let cp0_restart = Instant::now();
+    cluster.cp.boot(cluster.accel)?;
+
+    let (_, issuer) = joined(cluster, &fresh, JOINED_LINE)?;
+    issued_by(cluster, &fresh, &issuer, &cluster.cp1)?;
+    verify_member(cluster, &fresh, lock)?;
+    pass("second-control-plane-serves-joins", t7);
+
+    let (at, issuer) = joined(cluster, &cluster.worker, REJOINED_LINE)?;
+    let failover = killed
+        .elapsed()
+        .saturating_sub(line_age(&cluster.worker, at)?);
+    let (_, ready) = cluster.worker.wait_for(&[READY_LINE], cluster.patience)?;
+    issued_by(cluster, &cluster.worker, &issuer, &cluster.cp1)?;
+    verify_member(cluster, &cluster.worker, lock)?;
     assert_eq!(
-        which,
-        0,
-        "the worker did not rejoin; see {}",
-        cluster.worker.serial_log().display()
-    );
-    let v = cluster.verify(&cluster.worker, MEASUREMENTS_MEMBER)?;
-    member(&v, &cluster.cluster_id, &cluster.worker)?;
-    assert_eq!(
-        disk::luks_uuid(&disk)?,
+        disk::luks_uuid(&cluster.worker.state_disk())?,
         uuid,
-        "the state disk was formatted again instead of reopened"
+        "the worker's state disk was formatted again instead of reopened"
     );
-    pass("worker-reboot-rejoin", t);
+    pass("control-plane-down-worker-rejoins-through-cp1", killed);
+    println!(
+        "  keel-cp-0 killed -> worker rejoined through keel-cp-1: {:.1} s \
+         (its reboot included; agent ready -> rejoined: {:.1} s)",
+        failover.as_secs_f64(),
+        at.saturating_sub(ready).as_secs_f64()
+    );
+    Ok(cp0_restart)
+}
+
+/// Scenario 9: `keel-cp-0`, booting again since `since` on the same TPM,
+/// variables and disk, rejoins with a ticket from `keel-cp-1` (the only
+/// control plane serving), reopens its state disk, verifies as a member
+/// and serves joins again.
+fn first_control_plane_rejoins(cluster: &Cluster, lock: &Lock, since: Instant) -> TestResult {
+    let cp = &cluster.cp;
+    let uuid = disk::luks_uuid(&cp.state_disk())?;
+    let (_, issuer) = joined(cluster, cp, REJOINED_LINE)?;
+    issued_by(cluster, cp, &issuer, &cluster.cp1)?;
+    cp.wait_for(&[JOIN_SERVICE_LINE], JOIN_SERVICE_PATIENCE)?;
+    verify_member(cluster, cp, lock)?;
+    assert_eq!(
+        disk::luks_uuid(&cp.state_disk())?,
+        uuid,
+        "keel-cp-0's state disk was formatted again instead of reopened"
+    );
+    pass("first-control-plane-rejoins-through-cp1", since);
     Ok(())
 }
 
-/// Both state disks are LUKS2 and open with the key derived on the host
-/// from the master secret (and not with the other disk's key); no disk
-/// key, the init secret or the master secret is in any log.
+/// Waits until `node`'s init port presents a valid attestation (its agent
+/// runs; after a power cut that port serves recovery) and returns it,
+/// judged as a fresh node.
+fn attested(cluster: &Cluster, node: &Node) -> TestResult<Verification> {
+    let deadline = Instant::now() + cluster.patience;
+    loop {
+        let v = cluster.verify(node, MEASUREMENTS)?;
+        if v.report.attested {
+            return Ok(v);
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "{}: no attestation on its init port within {:?} ({:?}); see {}",
+                node.short,
+                cluster.patience,
+                v.report.error,
+                node.serial_log().display()
+            )
+            .into());
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Scenario 10: every node loses power and boots again at once, so no
+/// join service answers. `keel-cp-0` attests as a fresh node (PCR 15
+/// zero); `keel recover` with `keel init`'s workspace brings it back: same
+/// cluster ID and PCR 15, same disk, serving joins; `keel-cp-1` and the
+/// worker then rejoin, `keel-cp-1` through it (the worker through either
+/// control plane, whichever answers it first).
+fn all_down_recovery(cluster: &mut Cluster, lock: &Lock) -> TestResult {
+    let t = Instant::now();
+    let mut uuids = Vec::new();
+    for node in cluster.nodes() {
+        uuids.push(disk::luks_uuid(&node.state_disk())?);
+    }
+    for node in [&mut cluster.cp, &mut cluster.cp1, &mut cluster.worker] {
+        node.kill();
+    }
+    for node in [&mut cluster.cp, &mut cluster.cp1, &mut cluster.worker] {
+        node.boot(cluster.accel)?;
+    }
+    let cp = &cluster.cp;
+    let fresh = attested(cluster, cp)?;
+    assert!(
+        fresh.success && fresh.report.pcr(PCR_CLUSTER_ID) == Some(ZERO),
+        "keel-cp-0 after the power cut: not a fresh node with PCR 15 zero; see {}",
+        cp.dir.join("verify.json").display()
+    );
+
+    let recover_at = cp.uptime()?;
+    let recovery = cluster.recover(cp)?;
+    let recover_log = cp.dir.join("recover.log");
+    assert!(
+        recovery.success,
+        "keel recover failed; see {} and {}",
+        recover_log.display(),
+        cp.serial_log().display()
+    );
+    let report = recovery.report.ok_or_else(|| {
+        format!(
+            "keel recover printed no report; see {}",
+            recover_log.display()
+        )
+    })?;
+    assert_eq!(
+        report.cluster_id,
+        lock.cluster_id,
+        "keel recover reported another cluster ID; see {}",
+        recover_log.display()
+    );
+    cp.wait_for(&[RECOVERED_LINE], cluster.patience)?;
+    let (_, serving) = cp.wait_for(&[JOIN_SERVICE_LINE], JOIN_SERVICE_PATIENCE)?;
+    verify_member(cluster, cp, lock)?;
+
+    let (_, issuer) = joined(cluster, &cluster.cp1, REJOINED_LINE)?;
+    issued_by(cluster, &cluster.cp1, &issuer, cp)?;
+    cluster
+        .cp1
+        .wait_for(&[JOIN_SERVICE_LINE], JOIN_SERVICE_PATIENCE)?;
+    let (_, issuer) = joined(cluster, &cluster.worker, REJOINED_LINE)?;
+    let worker_issuer = cluster.control_plane_at(&issuer).ok_or_else(|| {
+        format!(
+            "the worker's ticket came from {issuer}, no control plane; see {}",
+            cluster.worker.serial_log().display()
+        )
+    })?;
+    for (node, uuid) in cluster.nodes().into_iter().zip(&uuids) {
+        verify_member(cluster, node, lock)?;
+        assert_eq!(
+            &disk::luks_uuid(&node.state_disk())?,
+            uuid,
+            "{}: the state disk was formatted again instead of reopened",
+            node.short
+        );
+    }
+    pass("all-down-recover-then-rejoin", t);
+    println!(
+        "  keel recover -> keel-cp-0 serving joins: {:.1} s; the worker rejoined through {}",
+        serving.saturating_sub(recover_at).as_secs_f64(),
+        worker_issuer.name()
+    );
+    Ok(())
+}
+
+/// Every state disk is LUKS2 and opens with the key derived on the host
+/// from the master secret (and not with another disk's key); no disk key,
+/// the init secret or the master secret is in any log.
 fn disks_and_secrets(cluster: &Cluster) -> TestResult {
     let t = Instant::now();
     let master = cluster.master_secret()?;
     let mut keys = Vec::new();
-    for node in [&cluster.cp, &cluster.worker] {
+    let nodes = cluster.nodes();
+    for node in nodes {
         let disk = node.state_disk();
         assert!(disk::is_luks2(&disk)?, "{} is not LUKS2", disk.display());
         let ek = cluster
@@ -299,17 +590,15 @@ fn disks_and_secrets(cluster: &Cluster) -> TestResult {
         );
         keys.push(key);
     }
-    // The check can fail: each disk refuses the other's key.
-    assert!(!disk::opens_with(
-        &cluster.cp.state_disk(),
-        &keys[1],
-        &cluster.cp.dir
-    )?);
-    assert!(!disk::opens_with(
-        &cluster.worker.state_disk(),
-        &keys[0],
-        &cluster.worker.dir
-    )?);
+    // The check can fail: each disk refuses the next one's key.
+    for (i, node) in nodes.iter().enumerate() {
+        let other = &keys[(i + 1) % keys.len()];
+        assert!(
+            !disk::opens_with(&node.state_disk(), other, &node.dir)?,
+            "{} opens with another disk's key",
+            node.state_disk().display()
+        );
+    }
 
     let b64 = base64::engine::general_purpose::STANDARD;
     let mut secrets: Vec<(String, Vec<u8>)> = Vec::new();

@@ -6,8 +6,8 @@ use clap::{Parser, Subcommand};
 use keel_e2e::mini::cluster::{self, Tools};
 use keel_e2e::mini::{procs, Cluster, MiniError, UpOptions};
 
-/// A local confidential cluster: a control-plane VM and a worker VM of the
-/// built keel image under QEMU + OVMF, each with its own swtpm (EK
+/// A local confidential cluster: two control-plane VMs and a worker VM of
+/// the built keel image under QEMU + OVMF, each with its own swtpm (EK
 /// certificate from a CA in build/mini/ca), a LUKS2 state disk and its node
 /// config by fw_cfg; on the host the component mirror (stand-in kubeadm,
 /// kubelet, kubectl) and `keel init` / `keel verify` over aTLS. All traffic
@@ -27,8 +27,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Build, boot both VMs, `keel init` the control plane, wait for the
-    /// worker to join, verify both and print a summary with phase times.
+    /// Build, boot the three VMs, `keel init` the first control plane, wait
+    /// for the second control plane and the worker to join (each control
+    /// plane then serves joins), verify all and print a summary with phase
+    /// times.
     /// Everything started is stopped at the end unless --keep.
     Up {
         /// Leave the cluster running (PIDs and ports in build/mini/state.json)

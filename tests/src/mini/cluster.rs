@@ -13,6 +13,7 @@ use super::config::{self, CliSettings};
 use super::disk::{self, MasterSecret};
 use super::init::{self, InitInputs};
 use super::procs::{self, KeptCluster, KeptNode, KeptProcess, Process};
+use super::recover::{self, Recovery};
 use super::verify::{self, Verification};
 use super::{io, MiniError, Phases};
 use crate::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
@@ -25,14 +26,25 @@ const TARGET: &str = "x86_64-unknown-linux-musl";
 const MIRROR_PATIENCE: Duration = Duration::from_secs(20);
 /// How long the init server may take to listen after the agent is ready.
 const INIT_SERVER_PATIENCE: Duration = Duration::from_secs(120);
+/// How long a control plane may take to serve joins after it joined,
+/// rejoined or was recovered.
+pub const JOIN_SERVICE_PATIENCE: Duration = Duration::from_secs(120);
 /// The agent's line once its init server listens.
 const INIT_SERVER_LINE: &str = "init server listening";
+/// The agent's line once its join service listens (after init, a join, a
+/// rejoin or a recovery).
+pub const JOIN_SERVICE_LINE: &str = "join service listening (mutual aTLS)";
+/// What a joining node logs before the endpoint that issued its ticket
+/// (as its config names it).
+pub const TICKET_ISSUER_MARK: &str = "ticket issued by ";
 /// The agent's line after a first join.
 pub const JOINED_LINE: &str = "this node joined the cluster";
 /// The agent's line after a rejoin.
 pub const REJOINED_LINE: &str = "rejoined the cluster";
 /// The agent's line when a join or rejoin failed after the node lock.
 pub const JOIN_FAILED_LINE: &str = "join failed";
+/// The agent's line after `keel recover` unlocked it.
+pub const RECOVERED_LINE: &str = "recovered the cluster";
 /// The workspace `keel init` writes (master secret, kubeconfig, cluster ID).
 pub const WORKSPACE: &str = "workspace";
 /// Variable bounding each wait for a VM, in seconds (default 600).
@@ -232,8 +244,8 @@ pub struct Node {
     /// Host port forwarded to its init server.
     pub init_port: u16,
     guest_init_port: u16,
-    /// More host forwards (host port, guest port).
-    forwards: Vec<(u16, u16)>,
+    /// Host port forwarded to its join service (control planes).
+    join_port: Option<u16>,
     os_disk: PathBuf,
     vm: Option<Vm>,
     boots: u32,
@@ -267,6 +279,29 @@ impl Node {
         &self.config.node.name
     }
 
+    /// Its join endpoint as the node configs name it (`10.0.2.2:<host
+    /// port>`), if it is a control plane.
+    pub fn join_endpoint(&self) -> Option<String> {
+        self.join_port.map(config::join_endpoint)
+    }
+
+    /// The endpoint that issued the ticket of this boot's last join or
+    /// rejoin, as the node logged it (`ticket issued by <endpoint>`).
+    pub fn ticket_issuer(&self) -> Result<Option<String>, MiniError> {
+        Ok(self
+            .vm()?
+            .lines()
+            .iter()
+            .rev()
+            .find_map(|l| ticket_issuer(l)))
+    }
+
+    /// The time since this boot's QEMU started (the clock of
+    /// [`Node::wait_for`]).
+    pub fn uptime(&self) -> Result<Duration, MiniError> {
+        Ok(self.vm()?.uptime())
+    }
+
     /// Boots the node: its TPM, firmware variables and state disk as they
     /// are; the logs of an earlier boot are kept as `*.bootN.*`.
     pub fn boot(&mut self, accel: Accel) -> Result<(), MiniError> {
@@ -285,8 +320,8 @@ impl Node {
             .vars(self.dir.join("vars.fd"))
             .node_config(self.dir.join("node-config.json"))
             .host_forward(self.init_port, self.guest_init_port);
-        for (host, guest) in &self.forwards {
-            builder = builder.host_forward(*host, *guest);
+        if let Some(port) = self.join_port {
+            builder = builder.host_forward(port, config::GUEST_JOIN_PORT);
         }
         self.vm = Some(builder.start()?);
         self.boots += 1;
@@ -304,13 +339,43 @@ impl Node {
     }
 }
 
-/// A free TCP port on 127.0.0.1 (free a moment ago).
-pub fn free_port() -> Result<u16, MiniError> {
-    std::net::TcpListener::bind(("127.0.0.1", 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(io("127.0.0.1:0"))
+/// The endpoint in a `ticket issued by <endpoint>` line (a tracing field
+/// `endpoint=<endpoint>`, quoted or not, is read the same way).
+fn ticket_issuer(line: &str) -> Option<String> {
+    let (_, rest) = line.split_once(TICKET_ISSUER_MARK)?;
+    let rest = rest.trim_start_matches("endpoint=").trim_start_matches('"');
+    let endpoint: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | ':' | '-' | '[' | ']'))
+        .collect();
+    (!endpoint.is_empty()).then_some(endpoint)
 }
+
+/// A free TCP port on 127.0.0.1 (free a moment ago), never one this
+/// process handed out before: the cluster's host forwards must differ.
+pub fn free_port() -> Result<u16, MiniError> {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(io("127.0.0.1:0"))?;
+        let mut given = GIVEN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
+}
+
+/// The nodes of the local cluster: directory, Kubernetes name, role.
+const NODES: [(&str, &str, Role); 3] = [
+    ("cp", "keel-cp-0", Role::ControlPlane),
+    ("cp1", "keel-cp-1", Role::ControlPlane),
+    ("worker", "keel-worker-0", Role::Worker),
+];
 
 /// The running local cluster. Dropping it stops every process it started.
 pub struct Cluster {
@@ -324,8 +389,11 @@ pub struct Cluster {
     pub accel: Accel,
     /// Bound on each wait for a VM.
     pub patience: Duration,
-    /// The control-plane node.
+    /// The first control plane (`keel-cp-0`, `keel init`ed).
     pub cp: Node,
+    /// The second control plane (`keel-cp-1`): joins by itself, then serves
+    /// joins too.
+    pub cp1: Node,
     /// The worker node.
     pub worker: Node,
     /// The cluster ID `keel init` reported (hex).
@@ -335,15 +403,16 @@ pub struct Cluster {
     ca: EkCa,
     ek_ca_pem: String,
     secret_hash: String,
-    join_port: u16,
+    join_ports: Vec<u16>,
     mirror: Option<Process>,
 }
 
 impl Cluster {
     /// Brings the cluster up in `opts.dir` (emptied first; a cluster kept
     /// there is stopped): build, EK CA + TPMs, mirror, configs +
-    /// measurements, boot, `keel init`, worker join, summary. Prints the
-    /// summary on standard output.
+    /// measurements, boot (all three VMs at once), `keel init` of the first
+    /// control plane, the joins of the second control plane and the worker,
+    /// summary. Prints the summary on standard output.
     pub fn up(opts: &UpOptions) -> Result<Self, MiniError> {
         let mut phases = Phases::new(!opts.echo);
         let tools = phases.run("build", || build(&opts.root, opts.build))?;
@@ -363,7 +432,7 @@ impl Cluster {
 
         let (ca, ek_ca_pem) = phases.run("EK CA + TPMs", || {
             let ca = EkCa::in_dir(&dir.join("ca"))?;
-            for short in ["cp", "worker"] {
+            for (short, _, _) in NODES {
                 let state = dir.join(short).join("tpm-state");
                 std::fs::create_dir_all(&state).map_err(io(&state))?;
                 ca.manufacture(&state)?;
@@ -376,44 +445,51 @@ impl Cluster {
 
         let mirror = phases.run("component mirror", || start_mirror(&dir, &tools))?;
 
-        let (cp, worker, secret_hash, join_port) = phases.run("configs + measurements", || {
-            let secret_hash = config::init_secret(&dir.join(config::INIT_SECRET))?;
-            let join_port = free_port()?;
-            let mut nodes = Vec::new();
-            for (short, name, role) in [
-                ("cp", "keel-cp-0", Role::ControlPlane),
-                ("worker", "keel-worker-0", Role::Worker),
-            ] {
-                let config = config::node_config(name, role, &secret_hash, join_port, &ek_ca_pem);
-                nodes.push(new_node(
-                    &dir,
-                    short,
-                    config,
-                    image.disk(),
-                    config::GUEST_INIT_PORT,
-                )?);
-            }
-            let (Some(worker), Some(mut cp)) = (nodes.pop(), nodes.pop()) else {
-                return Err(MiniError::Check("two nodes were made".into()));
-            };
-            cp.forwards.push((join_port, config::GUEST_JOIN_PORT));
-            for (file, member) in [
-                (config::MEASUREMENTS, false),
-                (config::MEASUREMENTS_MEMBER, true),
-            ] {
-                let m = config::measurements(&image.uki(), &cp.config, member)?;
-                let path = dir.join(file);
-                std::fs::write(&path, m.to_json()).map_err(io(&path))?;
-            }
-            config::write_json(&dir.join("keel.json"), &CliSettings::init(cp.init_port))?;
-            for node in [&cp, &worker] {
-                config::write_json(
-                    &dir.join(format!("verify-{}.json", node.short)),
-                    &CliSettings::verify(node.init_port, config::MEASUREMENTS_MEMBER),
-                )?;
-            }
-            Ok((cp, worker, secret_hash, join_port))
-        })?;
+        let (cp, cp1, worker, secret_hash, join_ports) =
+            phases.run("configs + measurements", || {
+                let secret_hash = config::init_secret(&dir.join(config::INIT_SECRET))?;
+                // Every config lists every control plane's join endpoint, so
+                // their host ports are chosen first.
+                let control_planes = NODES
+                    .iter()
+                    .filter(|(_, _, role)| *role == Role::ControlPlane)
+                    .count();
+                let join_ports = (0..control_planes)
+                    .map(|_| free_port())
+                    .collect::<Result<Vec<_>, _>>()?;
+                let mut nodes = Vec::new();
+                let mut next_join_port = join_ports.iter();
+                for (short, name, role) in NODES {
+                    let config =
+                        config::node_config(name, role, &secret_hash, &join_ports, &ek_ca_pem);
+                    let mut node =
+                        new_node(&dir, short, config, image.disk(), config::GUEST_INIT_PORT)?;
+                    if role == Role::ControlPlane {
+                        node.join_port = next_join_port.next().copied();
+                    }
+                    nodes.push(node);
+                }
+                let (Some(worker), Some(cp1), Some(cp)) = (nodes.pop(), nodes.pop(), nodes.pop())
+                else {
+                    return Err(MiniError::Check("three nodes were made".into()));
+                };
+                for (file, member) in [
+                    (config::MEASUREMENTS, false),
+                    (config::MEASUREMENTS_MEMBER, true),
+                ] {
+                    let m = config::measurements(&image.uki(), &cp.config, member)?;
+                    let path = dir.join(file);
+                    std::fs::write(&path, m.to_json()).map_err(io(&path))?;
+                }
+                config::write_json(&dir.join("keel.json"), &CliSettings::init(cp.init_port))?;
+                for node in [&cp, &cp1, &worker] {
+                    config::write_json(
+                        &dir.join(format!("verify-{}.json", node.short)),
+                        &CliSettings::verify(node.init_port, config::MEASUREMENTS_MEMBER),
+                    )?;
+                }
+                Ok((cp, cp1, worker, secret_hash, join_ports))
+            })?;
 
         let mut cluster = Self {
             dir,
@@ -422,13 +498,14 @@ impl Cluster {
             accel: Accel::Tcg,
             patience: opts.patience,
             cp,
+            cp1,
             worker,
             cluster_id: String::new(),
             phases,
             ca,
             ek_ca_pem,
             secret_hash,
-            join_port,
+            join_ports,
             mirror: Some(mirror),
         };
         cluster.boot_and_form(opts.echo)?;
@@ -441,16 +518,17 @@ impl Cluster {
         let result = (|| {
             phases.run("boot control plane", || {
                 self.accel = Accel::detect(&Firmware::ovmf());
-                self.cp.boot(self.accel)?;
-                self.worker.boot(self.accel)?;
+                for node in [&mut self.cp, &mut self.cp1, &mut self.worker] {
+                    node.boot(self.accel)?;
+                }
                 if echo {
                     eprintln!(
-                        "keel-mini: booting {} and {} ({:?}; serial logs {}, {})",
+                        "keel-mini: booting {}, {} and {} at once ({:?}; serial logs {}/*/serial.log)",
                         self.cp.name(),
+                        self.cp1.name(),
                         self.worker.name(),
                         self.accel,
-                        self.cp.serial_log().display(),
-                        self.worker.serial_log().display()
+                        self.dir.display()
                     );
                 }
                 self.cp.wait_for(&[READY_LINE], patience)?;
@@ -478,18 +556,22 @@ impl Cluster {
                     init::id_file(&self.dir.join(WORKSPACE).join("keel-id.json"))?.cluster_id;
                 Ok(())
             })?;
-            phases.run("worker join", || {
-                self.worker.wait_for(&[READY_LINE], patience)?;
-                let (which, _) = self
-                    .worker
-                    .wait_for(&[JOINED_LINE, JOIN_FAILED_LINE], patience)?;
-                if which != 0 {
-                    return Err(MiniError::Check(format!(
-                        "the worker's join failed: see {} and {}",
-                        self.worker.serial_log().display(),
-                        self.cp.serial_log().display()
-                    )));
+            phases.run("joins (cp-1, worker)", || {
+                for node in [&self.cp1, &self.worker] {
+                    node.wait_for(&[READY_LINE], patience)?;
+                    let (which, _) = node.wait_for(&[JOINED_LINE, JOIN_FAILED_LINE], patience)?;
+                    if which != 0 {
+                        return Err(MiniError::Check(format!(
+                            "{}'s join failed: see {} and {}",
+                            node.name(),
+                            node.serial_log().display(),
+                            self.cp.serial_log().display()
+                        )));
+                    }
                 }
+                // A control plane that joined serves joins itself.
+                self.cp1
+                    .wait_for(&[JOIN_SERVICE_LINE], JOIN_SERVICE_PATIENCE)?;
                 Ok(())
             })?;
             let mut text = String::new();
@@ -516,13 +598,13 @@ impl Cluster {
         result
     }
 
-    /// Verifies both nodes and describes them, as the summary prints them.
+    /// Verifies every node and describes it, as the summary prints them.
     fn summary(&self) -> Result<String, MiniError> {
         let mut text = String::new();
         let _ = writeln!(text, "\nkeel local cluster ({:?})", self.accel);
         let _ = writeln!(text, "  cluster ID     {}", self.cluster_id);
         let mut unverified = Vec::new();
-        for node in [&self.cp, &self.worker] {
+        for node in self.nodes() {
             let v = self.verify(node, config::MEASUREMENTS_MEMBER)?;
             let r = &v.report;
             let _ = writeln!(
@@ -566,6 +648,19 @@ impl Cluster {
                 "",
                 r.components()
             );
+            if let Some(endpoint) = node.join_endpoint() {
+                let _ = writeln!(text, "  {:<14} join service {endpoint}", "");
+            }
+            if let Some(issuer) = node.ticket_issuer()? {
+                let by = self
+                    .control_plane_at(&issuer)
+                    .map_or_else(|| "?".to_owned(), |n| n.name().to_owned());
+                let _ = writeln!(
+                    text,
+                    "  {:<14} joined with a ticket from {issuer} ({by})",
+                    ""
+                );
+            }
             if !v.success || r.cluster_id().as_deref() != Some(self.cluster_id.as_str()) {
                 unverified.push(node.short.clone());
             }
@@ -592,13 +687,26 @@ impl Cluster {
         self.dir.join(name)
     }
 
+    /// Every node: the control planes, then the worker.
+    pub fn nodes(&self) -> [&Node; 3] {
+        [&self.cp, &self.cp1, &self.worker]
+    }
+
+    /// The control plane whose join endpoint is `endpoint` (as the configs
+    /// name it).
+    pub fn control_plane_at(&self, endpoint: &str) -> Option<&Node> {
+        self.nodes()
+            .into_iter()
+            .find(|n| n.join_endpoint().as_deref() == Some(endpoint))
+    }
+
     /// The config a new node of this cluster gets.
     pub fn node_config(&self, name: &str, role: Role) -> NodeConfig {
         config::node_config(
             name,
             role,
             &self.secret_hash,
-            self.join_port,
+            &self.join_ports,
             &self.ek_ca_pem,
         )
     }
@@ -634,6 +742,24 @@ impl Cluster {
             &CliSettings::verify(node.init_port, measurements),
         )?;
         verify::run(&self.tools.keel, &settings, &node.dir.join("verify.json"))
+    }
+
+    /// `keel recover` against `node` with the workspace `keel init` wrote,
+    /// validating it as a fresh node (PCR 15 zero enforced); its output is
+    /// kept in the node's `recover.log`.
+    pub fn recover(&self, node: &Node) -> Result<Recovery, MiniError> {
+        let settings = self.dir.join(format!("recover-{}.json", node.short));
+        config::write_json(
+            &settings,
+            &CliSettings::verify(node.init_port, config::MEASUREMENTS),
+        )?;
+        recover::run(
+            &self.tools.keel,
+            &settings,
+            node.init_port,
+            &self.dir.join(WORKSPACE),
+            &node.dir.join("recover.log"),
+        )
     }
 
     /// Sends the control plane a second, valid init request and returns its
@@ -680,7 +806,7 @@ impl Cluster {
     /// mirror), e.g. to check that none is left after the cluster is dropped.
     pub fn processes(&self) -> Vec<KeptProcess> {
         let mut out = Vec::new();
-        for node in [&self.cp, &self.worker] {
+        for node in self.nodes() {
             if let Some(vm) = &node.vm {
                 let pids = vm.pids();
                 out.push(KeptProcess {
@@ -710,7 +836,7 @@ impl Cluster {
     pub fn keep(mut self) -> Result<PathBuf, MiniError> {
         let processes = self.processes();
         let mut nodes = Vec::new();
-        for node in [&mut self.cp, &mut self.worker] {
+        for node in [&mut self.cp, &mut self.cp1, &mut self.worker] {
             if let Some(vm) = node.vm.take() {
                 vm.detach();
             }
@@ -728,7 +854,7 @@ impl Cluster {
         KeptCluster {
             accel: format!("{:?}", self.accel),
             cluster_id: self.cluster_id.clone(),
-            join_port: self.join_port,
+            join_ports: self.join_ports.clone(),
             nodes,
             processes,
         }
@@ -752,7 +878,7 @@ fn new_node(
         dir: node_dir,
         init_port: free_port()?,
         guest_init_port,
-        forwards: Vec::new(),
+        join_port: None,
         os_disk,
         vm: None,
         boots: 0,
@@ -823,11 +949,12 @@ pub fn status(dir: &Path, tools: &Tools) -> Result<bool, MiniError> {
     let mut healthy = true;
     println!("keel local cluster ({}) in {}", kept.accel, dir.display());
     println!("  cluster ID     {}", kept.cluster_id);
-    println!(
-        "  join service   127.0.0.1:{} (guests: {}:{0})",
-        kept.join_port,
-        config::GUEST_HOST
-    );
+    for port in &kept.join_ports {
+        println!(
+            "  join service   127.0.0.1:{port} (guests: {})",
+            config::join_endpoint(*port)
+        );
+    }
     for p in &kept.processes {
         let up = procs::running(p.pid, &p.program);
         healthy &= up;
@@ -865,4 +992,22 @@ pub fn status(dir: &Path, tools: &Tools) -> Result<bool, MiniError> {
         );
     }
     Ok(healthy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ticket_issuer;
+
+    #[test]
+    fn ticket_issuer_is_read_from_the_line() {
+        for line in [
+            "[ 41.2] keel-agent: INFO ticket issued by 10.0.2.2:41234",
+            "keel-agent: ticket issued by endpoint=10.0.2.2:41234 kind=rejoin",
+            r#"keel-agent: ticket issued by "10.0.2.2:41234", attempt 3"#,
+        ] {
+            assert_eq!(ticket_issuer(line).as_deref(), Some("10.0.2.2:41234"));
+        }
+        assert_eq!(ticket_issuer("keel-agent: join attempt failed"), None);
+        assert_eq!(ticket_issuer("ticket issued by "), None);
+    }
 }

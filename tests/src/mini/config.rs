@@ -39,19 +39,27 @@ pub const INIT_SECRET: &str = "init-secret";
 /// The component list the mirror serves.
 pub const COMPONENTS: &str = "components.json";
 
+/// The join endpoint of a control plane as the VMs reach it: the host
+/// port forwarded to its join service, on the host's address.
+pub fn join_endpoint(host_port: u16) -> String {
+    format!("{GUEST_HOST}:{host_port}")
+}
+
 /// The config of a node of this cluster: the cluster part is the same on
-/// every node (it is measured into PCR 12).
+/// every node (it is measured into PCR 12), so it lists the join endpoint
+/// of every control plane (`join_ports`: the host ports forwarded to
+/// them, in order), chosen before any config is written.
 pub fn node_config(
     name: &str,
     role: Role,
     secret_hash: &str,
-    join_port: u16,
+    join_ports: &[u16],
     ek_ca_pem: &str,
 ) -> NodeConfig {
     NodeConfig {
         cluster: ClusterConfig {
             init_secret_hash: secret_hash.to_owned(),
-            control_plane_endpoints: vec![format!("{GUEST_HOST}:{join_port}")],
+            control_plane_endpoints: join_ports.iter().map(|p| join_endpoint(*p)).collect(),
             init_port: GUEST_INIT_PORT,
             join_port: GUEST_JOIN_PORT,
             component_mirror: None,
@@ -163,8 +171,8 @@ impl<'a> CliSettings<'a> {
         }
     }
 
-    /// Settings for `keel verify` against `127.0.0.1:port` with the
-    /// measurements file `measurements`.
+    /// Settings for `keel verify` (and `keel recover`) against
+    /// `127.0.0.1:port` with the measurements file `measurements`.
     pub fn verify(port: u16, measurements: &'a str) -> Self {
         Self {
             endpoint: format!("127.0.0.1:{port}"),

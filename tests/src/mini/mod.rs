@@ -1,14 +1,16 @@
-//! The local cluster: a control-plane VM and a worker VM of the built image
-//! under QEMU + OVMF, each with an swtpm whose EK certificate comes from a
-//! cluster-owned CA, a state disk, its node config by fw_cfg and QEMU user
-//! networking; on the host, the component mirror and the operator CLI
-//! (`keel init`, `keel verify -o json`) over aTLS. Everything stays on this
-//! machine: each VM is 10.0.2.15 behind its own NAT and reaches the host's
-//! loopback as 10.0.2.2; the worker reaches the control plane's join
-//! service through a host port forwarded to it.
+//! The local cluster: two control-plane VMs and a worker VM of the built
+//! image under QEMU + OVMF, each with an swtpm whose EK certificate comes
+//! from a cluster-owned CA, a state disk, its node config by fw_cfg and
+//! QEMU user networking; on the host, the component mirror and the
+//! operator CLI (`keel init`, `keel verify -o json`, `keel recover`) over
+//! aTLS. Everything stays on this machine: each VM is 10.0.2.15 behind its
+//! own NAT and reaches the host's loopback as 10.0.2.2; joining nodes reach
+//! each control plane's join service through a host port forwarded to it,
+//! and every node config lists all of them.
 //!
 //! [`Cluster::up`] runs the phases (build, EK CA + TPMs, mirror, configs +
-//! measurements, boot, `keel init`, worker join, summary), each reported
+//! measurements, boot, `keel init` of the first control plane, the joins
+//! of the second control plane and the worker, summary), each reported
 //! with its time. Dropping the [`Cluster`] stops every process it started;
 //! [`Cluster::keep`] leaves them running and records them in
 //! `build/mini/state.json` for [`procs::down`] and [`procs::status`].
@@ -27,6 +29,7 @@ pub mod config;
 pub mod disk;
 pub mod init;
 pub mod procs;
+pub mod recover;
 pub mod verify;
 
 pub use cluster::{Cluster, Node, UpOptions};

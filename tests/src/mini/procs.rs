@@ -94,8 +94,8 @@ pub struct KeptCluster {
     pub accel: String,
     /// The cluster ID (hex).
     pub cluster_id: String,
-    /// Host port forwarded to the control plane's join service.
-    pub join_port: u16,
+    /// Host ports forwarded to the control planes' join services.
+    pub join_ports: Vec<u16>,
     /// The nodes.
     pub nodes: Vec<KeptNode>,
     /// Every process left running.
