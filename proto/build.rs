@@ -7,6 +7,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "keel/join.proto",
         "keel/kms.proto",
         "keel/recovery.proto",
+        "keel/operator.proto",
     ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");

@@ -11,8 +11,8 @@ use keel_installer::{Component, KubernetesVersion};
 use keel_verifier::measurements::Measurements;
 use zeroize::Zeroizing;
 
-use crate::key_service::{self, ClusterId, KeyService};
 use crate::paths;
+use keel_verifier::keys::{self, ClusterId, KeyService};
 
 /// A cluster this node is a control-plane member of.
 pub struct ClusterState {
@@ -39,6 +39,24 @@ pub struct ClusterState {
     /// Join endpoints (`host:port`) of the cluster's control planes, as
     /// this node knows them; tickets pass them on.
     pub control_plane_endpoints: Vec<String>,
+}
+
+impl ClusterState {
+    /// The same state with other join measurements.
+    pub fn with_join_measurements(&self, join_measurements: Measurements) -> Self {
+        Self {
+            keys: self.keys.clone(),
+            measurement_salt: self.measurement_salt.clone(),
+            measurement_secret: self.measurement_secret.clone(),
+            cluster_id: self.cluster_id,
+            kubernetes_version: self.kubernetes_version,
+            components: self.components.clone(),
+            api_server: self.api_server,
+            pki_dir: self.pki_dir.clone(),
+            join_measurements,
+            control_plane_endpoints: self.control_plane_endpoints.clone(),
+        }
+    }
 }
 
 impl std::fmt::Debug for ClusterState {
@@ -185,7 +203,7 @@ impl ControlPlaneFacts {
         let measurement_secret = keys
             .measurement_secret()
             .map_err(|_| invalid("measurement secret"))?;
-        let cluster_id = key_service::cluster_id(&measurement_secret, &measurement_salt)
+        let cluster_id = keys::cluster_id(&measurement_secret, &measurement_salt)
             .map_err(|_| invalid("measurement salt"))?;
         if hex::encode(cluster_id) != self.cluster_id {
             return Err(FactsError::OtherCluster {

@@ -15,8 +15,8 @@ use std::io::Read as _;
 use std::path::{Path, PathBuf};
 
 use crate::files::WriteFileError;
-use crate::key_service::DiskKeyIdError;
 pub use keel_verifier::ek::EkDigest;
+use keel_verifier::keys::DiskKeyIdError;
 
 /// Most disks the binding store holds; further new disks are refused.
 pub const MAX_DISK_BINDINGS: usize = 10_000;
@@ -268,7 +268,7 @@ fn lock_bindings() -> std::sync::MutexGuard<'static, ()> {
 /// The UUID in the form the disk key derivation uses (lower case), after
 /// the same shape check.
 fn normalise_uuid(uuid: &str) -> Result<String, DiskBindingsError> {
-    crate::key_service::disk_id(uuid).map_err(DiskBindingsError::Uuid)?;
+    keel_verifier::keys::disk_id(uuid).map_err(DiskBindingsError::Uuid)?;
     Ok(uuid.to_ascii_lowercase())
 }
 

@@ -379,6 +379,16 @@ impl InFlight {
     }
 }
 
+/// The address of the peer of `request` on an aTLS server without a
+/// client validator (init, recovery, operator).
+pub fn peer_ip<T>(request: &tonic::Request<T>) -> Option<std::net::IpAddr> {
+    request
+        .extensions()
+        .get::<keel_atls::PeerInfo<()>>()
+        .and_then(keel_atls::PeerInfo::remote_addr)
+        .map(|a| a.ip())
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {

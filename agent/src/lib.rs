@@ -10,7 +10,8 @@
 //!   kubeadm call), [`provision`] (the steps after the lock);
 //! * the flows: [`init`], [`join`] (client, ticket, service), [`recovery`],
 //!   with
-//!   [`key_service`], [`disk_bindings`] and [`cluster`] for a control plane;
+//!   [`operator`], [`disk_bindings`] and [`cluster`] for a control plane
+//!   (its keys are derived by [`keel_verifier::keys`]);
 //! * serving: [`grpc`] (limits), [`node`] (what runs on a booted node).
 
 pub mod address;
@@ -23,12 +24,12 @@ pub mod files;
 pub mod grpc;
 pub mod init;
 pub mod join;
-pub mod key_service;
 pub mod kubeadm;
 pub mod logging;
 pub mod measured;
 pub mod node;
 pub mod nodelock;
+pub mod operator;
 pub mod paths;
 pub mod provision;
 pub mod reboot;

@@ -255,7 +255,7 @@ async fn serve(
             tpm.clone(),
             env.clone(),
             cluster.clone(),
-            measurements,
+            measurements.clone(),
         ));
     }
     if config.cluster.control_plane_endpoints.is_empty() {
@@ -273,7 +273,17 @@ async fn serve(
         tracing::info!("no init secret configured: this node does not accept init");
     } else {
         let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.init_port));
-        tasks.spawn(node::serve_init(addr, config, tpm, lock, env, cluster));
+        // A control plane also serves recovery and the operator API there.
+        let measurements = (config.node.role == Role::ControlPlane).then_some(measurements);
+        tasks.spawn(node::serve_operator_port(
+            addr,
+            config,
+            tpm,
+            lock,
+            env,
+            cluster,
+            measurements,
+        ));
     }
     let supervise = async {
         while let Some(done) = tasks.join_next().await {

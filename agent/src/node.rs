@@ -27,6 +27,7 @@ use crate::join::{JoinClient, JoinOutcome, JoinService, JoinSettings};
 use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
 use crate::nodelock::NodeLock;
+use crate::operator::OperatorServer;
 use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT};
 use crate::provision::{KubeletStart, NodeEnv};
 use crate::reboot::RebootPolicy;
@@ -92,8 +93,25 @@ pub async fn serve_init(
     env: NodeEnv,
     cluster: Arc<ClusterSlot>,
 ) -> anyhow::Result<()> {
+    serve_operator_port(addr, config, tpm, lock, env, cluster, None).await
+}
+
+/// Serves the init API and, on a control plane, recovery and the operator
+/// API (its join service reads `measurements`) on `addr` until the task is
+/// dropped.
+pub async fn serve_operator_port(
+    addr: SocketAddr,
+    config: NodeConfig,
+    tpm: SharedTpm,
+    lock: Arc<NodeLock>,
+    env: NodeEnv,
+    cluster: Arc<ClusterSlot>,
+    measurements: Option<PathBuf>,
+) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "init server listening (server-attested aTLS)");
+    let operator =
+        measurements.map(|path| OperatorServer::new(cluster.clone(), path, env.root().to_owned()));
     let recovery = RecoveryServer::new(
         config.clone(),
         tpm.clone(),
@@ -102,27 +120,33 @@ pub async fn serve_init(
         cluster.clone(),
     );
     let init = InitServer::new(config, tpm.clone(), lock, env, cluster);
-    serve_init_on(listener, tpm, init, Some(recovery), &GrpcLimits::default()).await
+    let issuer = Arc::new(TpmIssuer::new(tpm));
+    let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
+    let init = init_service(init);
+    let recovery = recovery.into_service();
+    let operator = operator.map(OperatorServer::into_service);
+    grpc::serve(incoming, &GrpcLimits::default(), |server| {
+        server
+            .add_service(init)
+            .add_service(recovery)
+            .add_optional_service(operator)
+    })
+    .await?;
+    Ok(())
 }
 
-/// Serves `init` (and `recovery`, if given) on `listener` over
-/// server-attested aTLS (attesting with `tpm`) with the gRPC `limits` until
-/// the task is dropped.
+/// Serves `init` alone on `listener` over server-attested aTLS (attesting
+/// with `tpm`) with the gRPC `limits` until the task is dropped.
 pub async fn serve_init_on(
     listener: TcpListener,
     tpm: SharedTpm,
     init: InitServer,
-    recovery: Option<RecoveryServer>,
     limits: &GrpcLimits,
 ) -> anyhow::Result<()> {
     let issuer = Arc::new(TpmIssuer::new(tpm));
     let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
     let service = init_service(init);
-    let recovery = recovery.map(RecoveryServer::into_service);
-    grpc::serve(incoming, limits, |server| {
-        server.add_service(service).add_optional_service(recovery)
-    })
-    .await?;
+    grpc::serve(incoming, limits, |server| server.add_service(service)).await?;
     Ok(())
 }
 
@@ -197,7 +221,8 @@ pub async fn serve_join_as_control_plane(
     tracing::info!(path = %measurements.display(), "join measurements written");
     let policy = join_service_policy(&config, &measurements)?;
     let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
-    let service = JoinService::new(state, env.kubeadm.clone(), env.work_dir.clone())?;
+    let service =
+        JoinService::new(state, env.kubeadm.clone(), env.work_dir.clone())?.following(&cluster);
     serve_join(addr, tpm, policy, service).await
 }
 

@@ -41,11 +41,11 @@ use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts, FactsError};
 use crate::components::{install_and_measure, InstallComponentsError};
 use crate::disk::{DiskError, StateDisk};
 use crate::files::{write_private, WriteFileError};
-use crate::key_service::KeyService;
 use crate::kubeadm::{ConfigError, InitConfig, JoinConfig, Kubeadm, KubeadmError};
 use crate::measured::SharedTpm;
 use crate::paths;
 use crate::reboot::{self, RebootPolicy};
+use keel_verifier::keys::KeyService;
 
 /// How long `systemctl start kubelet` may take.
 const KUBELET_START_TIMEOUT: Duration = Duration::from_secs(60);

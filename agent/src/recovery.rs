@@ -33,11 +33,11 @@ use zeroize::{Zeroize as _, Zeroizing};
 use crate::attestation::{credential, own_ek_digest};
 use crate::cluster::ClusterSlot;
 use crate::disk::StateDisk;
-use crate::key_service::{self, ClusterId, KeyService};
 use crate::measured::SharedTpm;
 use crate::nodelock::{LockError, NodeLock};
 use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
 use crate::throttle::FailureThrottle;
+use keel_verifier::keys::{self, ClusterId, KeyService};
 
 /// Largest accepted recovery request.
 pub const MAX_RECOVER_REQUEST_BYTES: usize = 64 * 1024;
@@ -249,7 +249,7 @@ impl RecoveryServer {
         let measurement_secret = keys
             .measurement_secret()
             .map_err(|_| RecoveryError::InvalidRequest("master secret"))?;
-        let cluster_id = key_service::cluster_id(&measurement_secret, &request.measurement_salt)
+        let cluster_id = keys::cluster_id(&measurement_secret, &request.measurement_salt)
             .map_err(|_| RecoveryError::InvalidRequest("measurement salt length"))?;
         let inspected = tokio::task::spawn_blocking(move || {
             if !disk.cryptsetup.is_luks(&disk.device)? {
@@ -296,11 +296,7 @@ impl RecoveryService for RecoveryServer {
         &self,
         request: tonic::Request<RecoverRequest>,
     ) -> Result<tonic::Response<RecoverResponse>, tonic::Status> {
-        let peer = request
-            .extensions()
-            .get::<keel_atls::PeerInfo<()>>()
-            .and_then(keel_atls::PeerInfo::remote_addr)
-            .map(|a| a.ip());
+        let peer = crate::grpc::peer_ip(&request);
         match RecoveryServer::recover(self, request.into_inner(), peer).await {
             Ok(cluster_id) => Ok(tonic::Response::new(RecoverResponse {
                 cluster_id: cluster_id.to_vec(),

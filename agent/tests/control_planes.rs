@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use join_common::{
-    config_for, free_port, joiner_with, stand_in_components, start_service_for, Joiner, Service,
+    config_for, free_port, joiner_with, stand_in_components, start_service_for, Joiner,
 };
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::disk::Cryptsetup;
@@ -39,18 +39,6 @@ async fn run_client(node: &Joiner, ca: &EkCa, slot: &Arc<ClusterSlot>) -> JoinOu
 /// Tokens the stand-in kubeadm under `root` registered.
 fn tokens_under(root: &std::path::Path) -> usize {
     std::fs::read_dir(root.join("var/lib/keel-standin/tokens")).map_or(0, Iterator::count)
-}
-
-/// The node's state disk opens with the key the cluster derives for it.
-fn assert_disk_opens(node: &Joiner, service: &Service) {
-    let cs = Cryptsetup::default();
-    let uuid = cs.uuid(&node.disk).unwrap();
-    let key = service
-        .state
-        .keys
-        .disk_key(&uuid, &join_common::ek_digest(&node.tpm))
-        .unwrap();
-    assert!(cs.key_matches(&node.disk, &key).unwrap());
 }
 
 fn recover_request(
@@ -97,7 +85,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         .root
         .join(keel_agent::paths::CONTROL_PLANE_FACTS)
         .is_file());
-    assert_disk_opens(&cp1, &cp0);
+    cp1.assert_disk_opens(&cp0);
     let serving = cp1.serve_join(ports[1], slot.clone()).await;
 
     // cp-0 goes down: a worker joins through cp-1, with a ticket as good as
@@ -117,7 +105,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     assert_eq!(tokens_under(&cp0.root), cp0_tokens);
     assert_eq!(tokens_under(&cp1.root), cp1_tokens + 1);
     assert_eq!(worker.pcr15(), join_common::pcr15(&cp0.tpm));
-    assert_disk_opens(&worker, &cp0);
+    worker.assert_disk_opens(&cp0);
 
     // The worker reboots and rejoins through cp-1, which never saw its disk.
     let worker = worker.reboot(&ca);

@@ -30,7 +30,7 @@ fn format_open_check_and_reset() {
     assert!(cs.is_luks(&dev).unwrap());
     let uuid = cs.uuid(&dev).unwrap();
     assert_eq!(uuid.len(), 36);
-    assert!(keel_agent::key_service::disk_id(&uuid).is_ok());
+    assert!(keel_verifier::keys::disk_id(&uuid).is_ok());
 
     assert!(cs.key_matches(&dev, &KEY).unwrap());
     let mut wrong = KEY;

@@ -32,19 +32,6 @@ async fn joined(j: &Joiner, ca: &EkCa) -> [u8; 32] {
     }
 }
 
-/// The node's state disk opens with the key the key service derives for
-/// its UUID and its TPM's EK.
-fn assert_disk_key(j: &Joiner, service: &Service) {
-    let cs = Cryptsetup::default();
-    let uuid = cs.uuid(&j.disk).unwrap();
-    let key = service
-        .state
-        .keys
-        .disk_key(&uuid, &join_common::ek_digest(&j.tpm))
-        .unwrap();
-    assert!(cs.key_matches(&j.disk, &key).unwrap());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_keeps_retrying_until_the_join_service_is_up() {
     let ca = EkCa::new().unwrap();
@@ -67,7 +54,7 @@ async fn a_node_keeps_retrying_until_the_join_service_is_up() {
     };
     assert_eq!(cluster_id, service.state.cluster_id);
     assert_eq!(node.pcr15(), join_common::pcr15(&service.tpm));
-    assert_disk_key(&node, &service);
+    node.assert_disk_opens(&service);
     assert!(node.root.join("etc/kubernetes/kubelet.conf").is_file());
 }
 
@@ -151,7 +138,7 @@ async fn refused_nodes_stay_unlocked_and_untouched() {
     let cluster_id = joined(&mismatched, &ca).await;
     assert_eq!(cluster_id, service.state.cluster_id);
     assert_eq!(mismatched.pcr15(), join_common::pcr15(&service.tpm));
-    assert_disk_key(&mismatched, &service);
+    mismatched.assert_disk_opens(&service);
 
     // A node that is already locked: the join client stops at once and
     // touches nothing.

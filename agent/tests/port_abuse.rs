@@ -68,7 +68,7 @@ async fn init_port(limits: GrpcLimits) -> InitPort {
     let addr = listener.local_addr().unwrap();
     let tpm = node.tpm.clone();
     let task = tokio::spawn(async move {
-        keel_agent::node::serve_init_on(listener, tpm, init, None, &limits)
+        keel_agent::node::serve_init_on(listener, tpm, init, &limits)
             .await
             .unwrap();
     });

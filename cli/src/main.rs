@@ -8,12 +8,13 @@ use clap::{Parser, Subcommand};
 
 mod init;
 mod logging;
+mod push;
 mod recover;
 mod settings;
 mod verify;
 
 /// Operate keel clusters: initialise the first node over attested TLS, verify
-/// a node's attestation, recover a control plane.
+/// a node's attestation, recover a control plane, roll out measurements.
 ///
 /// Secrets never go on the command line: the init secret is read from the
 /// file the settings name, and the generated master secret is written to a
@@ -58,6 +59,27 @@ enum Command {
         /// status 0 only if the node verified.
         #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
         output: verify::Output,
+    },
+    /// Replace the measurements every join service accepts: for each
+    /// control plane named, verify it is a member of the workspace's cluster,
+    /// then send the file with a proof made from the master secret (which
+    /// itself never leaves this machine). Name every control plane.
+    PushMeasurements {
+        /// Settings file (JSON); measurements and EK CA validate the nodes.
+        #[arg(long, default_value = "keel.json")]
+        settings: PathBuf,
+        /// The workspace `keel init` wrote (master secret, cluster ID).
+        #[arg(long, default_value = ".")]
+        workspace: PathBuf,
+        /// The new measurements file.
+        #[arg(long)]
+        file: PathBuf,
+        /// A control plane's init port (host:port); repeat for each.
+        #[arg(long = "endpoint", required = true)]
+        endpoints: Vec<String>,
+        /// Seconds to keep trying while a node is not reachable.
+        #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+        wait: u64,
     },
     /// Bring back a control plane when no join service answers (every
     /// control plane was down): verify the node's attestation (it must be
@@ -118,6 +140,22 @@ fn main() -> ExitCode {
                 endpoint,
                 output,
             } => verify::run(&settings, endpoint, output).await,
+            Command::PushMeasurements {
+                settings,
+                workspace,
+                file,
+                endpoints,
+                wait,
+            } => {
+                push::run(
+                    &settings,
+                    &workspace,
+                    &file,
+                    &endpoints,
+                    Duration::from_secs(wait),
+                )
+                .await
+            }
             Command::Recover {
                 settings,
                 endpoint,

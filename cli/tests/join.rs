@@ -201,5 +201,103 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
             .count(),
         2
     );
+
+    // The operator rolls new measurements out to node 1: its operator API
+    // takes them only with the proof the workspace's master secret makes.
+    let operator_addr: SocketAddr = format!("127.0.0.1:{}", join_common::free_port())
+        .parse()
+        .unwrap();
+    let join_measurements = d.join("join-measurements.json");
+    std::fs::write(&join_measurements, boot_measurements(&config1).to_json()).unwrap();
+    let operator_task = tokio::spawn({
+        let (config, tpm, env, slot, path) = (
+            config1.clone(),
+            tpm1.clone(),
+            env1.clone(),
+            slot.clone(),
+            join_measurements.clone(),
+        );
+        async move {
+            let lock = Arc::new(keel_agent::nodelock::NodeLock::new(tpm.clone()).unwrap());
+            let _ = keel_agent::node::serve_operator_port(
+                operator_addr,
+                config,
+                tpm,
+                lock,
+                env,
+                slot,
+                Some(path),
+            )
+            .await;
+        }
+    });
+    join_common::wait_for_port(operator_addr).await;
+    let new = boot_measurements_with(&config1, [(13, Expected::warn_only([7; 32]))]);
+    let new_file = operator.path().join("new-measurements.json");
+    std::fs::write(&new_file, new.to_json()).unwrap();
+    let push = |workspace: std::path::PathBuf| {
+        let (settings, new_file) = (settings.clone(), new_file.clone());
+        let endpoint = operator_addr.to_string();
+        async move {
+            run_keel(
+                &[
+                    "push-measurements",
+                    "--workspace",
+                    workspace.to_str().unwrap(),
+                    "--file",
+                    new_file.to_str().unwrap(),
+                    "--endpoint",
+                    &endpoint,
+                ],
+                &settings,
+                None,
+            )
+            .await
+        }
+    };
+    // Another cluster's master secret: refused by the node, nothing replaced.
+    let forged = tempfile::tempdir().unwrap();
+    for name in ["keel-id.json", "keel-master-secret.json"] {
+        std::fs::copy(ws.path().join(name), forged.path().join(name)).unwrap();
+    }
+    let secret_file = forged.path().join("keel-master-secret.json");
+    let mut secret: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&secret_file).unwrap()).unwrap();
+    secret["key"] = serde_json::Value::String("42".repeat(32));
+    std::fs::write(&secret_file, serde_json::to_vec(&secret).unwrap()).unwrap();
+    let out = push(forged.path().to_owned()).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("the operator proof does not verify"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        keel_verifier::measurements::Measurements::parse(
+            &std::fs::read(&join_measurements).unwrap()
+        )
+        .unwrap(),
+        boot_measurements(&config1)
+    );
+    // The workspace's own secret, at once: this address waits first.
+    let out = push(ws.path().to_owned()).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("too many failed operator requests"),
+        "{}",
+        text(&out)
+    );
+    // After the wait: replaced.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let out = push(ws.path().to_owned()).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        keel_verifier::measurements::Measurements::parse(
+            &std::fs::read(&join_measurements).unwrap()
+        )
+        .unwrap(),
+        new
+    );
+    operator_task.abort();
     join_task.abort();
 }

@@ -30,6 +30,11 @@ pub mod keel {
             tonic::include_proto!("keel.kms.v1");
         }
     }
+    pub mod operator {
+        pub mod v1 {
+            tonic::include_proto!("keel.operator.v1");
+        }
+    }
     pub mod recovery {
         pub mod v1 {
             tonic::include_proto!("keel.recovery.v1");
@@ -47,5 +52,7 @@ pub use keel::init::v1 as init;
 pub use keel::join::v1 as join;
 /// The key service (data keys derived from the master secret).
 pub use keel::kms::v1 as kms;
+/// The operator API (operator CLI → every control plane).
+pub use keel::operator::v1 as operator;
 /// The recovery API (operator CLI → a control plane that lost its cluster).
 pub use keel::recovery::v1 as recovery;

@@ -2,12 +2,13 @@
 //! the node config's canonical form, the measurement log and its replay,
 //! the measurements file, TPM wire formats, quote and EK certificate
 //! checks, the attestation [`validator`], and sealing secrets to a TPM
-//! (MakeCredential). The CLI and `keel-measure` depend on this crate alone;
+//! (MakeCredential), and the cluster's key derivation ([`keys`]). The CLI and `keel-measure` depend on this crate alone;
 //! the agent adds the TPM half (issuing, opening, answering).
 
 pub mod config;
 pub mod credential;
 pub mod ek;
+pub mod keys;
 pub mod measurement;
 pub mod measurements;
 pub mod quote;

@@ -11,7 +11,7 @@ use keel_verifier::ek::EkDigest;
 use crate::tpm::{Tpm, TpmError};
 
 /// The digest of this node's own endorsement key: what a disk key is bound
-/// to ([`crate::key_service::disk_key_id`]).
+/// to ([`keel_verifier::keys::disk_key_id`]).
 pub fn own_ek_digest(tpm: &mut Tpm) -> Result<EkDigest, TpmError> {
     Ok(EkDigest::of_marshalled(&tpm.endorsement()?.public))
 }

@@ -189,7 +189,7 @@ impl Cryptsetup {
         let uuid = String::from_utf8_lossy(&out.stdout)
             .trim()
             .to_ascii_lowercase();
-        crate::key_service::disk_id(&uuid).map_err(|_| DiskError::Uuid {
+        keel_verifier::keys::disk_id(&uuid).map_err(|_| DiskError::Uuid {
             device: device.to_owned(),
         })?;
         Ok(uuid)

@@ -27,12 +27,12 @@ use zeroize::Zeroizing;
 
 use crate::attestation::{credential, own_ek_digest};
 use crate::cluster::{ClusterSlot, ClusterState};
-use crate::key_service::{self, KeyService};
 use crate::kubeadm::{self, BootstrapToken, InitConfig};
 use crate::measured::SharedTpm;
 use crate::nodelock::{LockError, NodeLock};
 use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
 use crate::throttle::FailureThrottle;
+use keel_verifier::keys::{self, KeyService};
 
 mod transcript;
 
@@ -105,7 +105,7 @@ struct Accepted {
     disk_key: Zeroizing<Vec<u8>>,
     measurement_salt: Vec<u8>,
     measurement_secret: Zeroizing<Vec<u8>>,
-    cluster_id: key_service::ClusterId,
+    cluster_id: keys::ClusterId,
     version: KubernetesVersion,
     components: Vec<Component>,
     cluster_name: String,
@@ -259,7 +259,7 @@ impl InitServer {
         let measurement_secret = keys
             .measurement_secret()
             .map_err(invalid("invalid master secret or salt"))?;
-        let cluster_id = key_service::cluster_id(&measurement_secret, &request.measurement_salt)
+        let cluster_id = keys::cluster_id(&measurement_secret, &request.measurement_salt)
             .map_err(invalid("invalid measurement salt"))?;
         let disk_uuid = crate::disk::new_uuid();
         let disk_key = keys
@@ -341,11 +341,7 @@ impl InitService for InitServer {
         &self,
         request: tonic::Request<InitRequest>,
     ) -> Result<tonic::Response<Self::InitStream>, tonic::Status> {
-        let peer = request
-            .extensions()
-            .get::<keel_atls::PeerInfo<()>>()
-            .and_then(keel_atls::PeerInfo::remote_addr)
-            .map(|a| a.ip());
+        let peer = crate::grpc::peer_ip(&request);
         let accepted = match self.accept(request.into_inner(), peer).await {
             Ok(a) => a,
             Err(e) => {

@@ -47,13 +47,13 @@ use super::ticket::{JoinTicket, TicketError};
 use super::transport::TicketClient;
 use crate::cluster::{ClusterSlot, ClusterState};
 use crate::disk::StateDisk;
-use crate::key_service::ClusterId;
 use crate::kubeadm::{ControlPlaneJoin, JoinConfig};
 use crate::measured::SharedTpm;
 use crate::nodelock::{LockError, NodeLock};
 use crate::paths;
 use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
 use crate::tpm::TpmError;
+use keel_verifier::keys::ClusterId;
 
 /// PCRs the join service must share with this node: the boot chain the
 /// image predicts and the cluster config.
@@ -651,7 +651,7 @@ mod tests {
     #[test]
     fn uuids_are_valid_key_ids() {
         let a = crate::disk::new_uuid();
-        assert!(crate::key_service::disk_id(&a).is_ok());
+        assert!(keel_verifier::keys::disk_id(&a).is_ok());
         assert_ne!(a, crate::disk::new_uuid());
     }
 }

@@ -52,9 +52,9 @@ use super::kubelet::{self, SignCsrError};
 use super::ticket::{CONTROL_PLANE_FILES, MAX_TICKET_BYTES};
 use crate::cluster::ClusterState;
 use crate::disk_bindings::{Bind, DiskBindingRefusal, DiskBindings, DiskBindingsError, EkDigest};
-use crate::key_service::DiskKeyError;
 use crate::kubeadm::{BootstrapToken, CaCertHash, Kubeadm, KubeadmError};
 use crate::paths;
+use keel_verifier::keys::DiskKeyError;
 
 /// Largest accepted request message (tonic refuses larger ones).
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
@@ -245,6 +245,8 @@ struct Inner {
     work_dir: PathBuf,
     slots: Semaphore,
     disks: Arc<DiskBindings>,
+    /// Later states of the cluster (new join measurements), when followed.
+    updates: Option<tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>>,
 }
 
 impl JoinService {
@@ -270,8 +272,33 @@ impl JoinService {
                 work_dir,
                 slots: Semaphore::new(MAX_CONCURRENT_TICKETS),
                 disks: Arc::new(disks),
+                updates: None,
             }),
         })
+    }
+
+    /// The same service, issuing tickets from the latest cluster state in
+    /// `slot` (the operator may replace the join measurements).
+    pub fn following(self, slot: &crate::cluster::ClusterSlot) -> Self {
+        let inner = match Arc::try_unwrap(self.inner) {
+            Ok(mut inner) => {
+                inner.updates = Some(slot.subscribe());
+                inner
+            }
+            Err(shared) => return Self { inner: shared },
+        };
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The cluster state tickets are issued from now.
+    fn cluster(&self) -> Arc<ClusterState> {
+        self.inner
+            .updates
+            .as_ref()
+            .and_then(|updates| updates.borrow().clone())
+            .unwrap_or_else(|| self.inner.cluster.clone())
     }
 
     /// The disk binding store this service checks and records in.
@@ -306,7 +333,7 @@ impl JoinService {
         request: IssueJoinTicketRequest,
     ) -> Result<IssueJoinTicketResponse, JoinServiceError> {
         let _slot = self.slot().await?;
-        let cluster = &self.inner.cluster;
+        let cluster = &self.cluster();
         check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
         let disk_key = cluster
@@ -401,7 +428,7 @@ impl JoinService {
         request: IssueRejoinTicketRequest,
     ) -> Result<IssueRejoinTicketResponse, JoinServiceError> {
         let _slot = self.slot().await?;
-        let cluster = &self.inner.cluster;
+        let cluster = &self.cluster();
         let identity = measured_identity(peer)?;
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);

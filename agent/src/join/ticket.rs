@@ -23,8 +23,8 @@ use subtle::ConstantTimeEq as _;
 use zeroize::Zeroizing;
 
 use super::kubelet;
-use crate::key_service::{ClusterId, ClusterIdError, KeyService, DISK_KEY_LEN};
 use crate::kubeadm::{BootstrapToken, CaCertHash};
+use keel_verifier::keys::{ClusterId, ClusterIdError, KeyService, DISK_KEY_LEN};
 
 /// Largest accepted ticket message.
 pub const MAX_TICKET_BYTES: usize = 1024 * 1024;

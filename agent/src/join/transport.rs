@@ -18,8 +18,8 @@ use super::ticket::{
 };
 use crate::attestation::credential;
 use crate::attestation::issuer::TpmIssuer;
-use crate::key_service;
 use crate::measured::SharedTpm;
+use keel_verifier::keys;
 
 /// Requests and opens tickets over mutual aTLS: attests with the node's TPM,
 /// validates the service with the validator it is given (see
@@ -121,9 +121,8 @@ impl TicketClient {
         let raw = self.request_join_ticket(endpoint, request).await?;
         let mut response = raw.response;
         let secrets = self.open(response.secrets.take()).await?;
-        let cluster_id =
-            key_service::cluster_id(&secrets.measurement_secret, &response.measurement_salt)
-                .map_err(TicketError::ClusterId)?;
+        let cluster_id = keys::cluster_id(&secrets.measurement_secret, &response.measurement_salt)
+            .map_err(TicketError::ClusterId)?;
         check_service_cluster(raw.service.claims(), &cluster_id)?;
         parse_join_ticket(
             response,
@@ -150,9 +149,8 @@ impl TicketClient {
             .map_err(TicketError::Refused)?
             .into_inner();
         let secrets = self.open(response.secrets.take()).await?;
-        let cluster_id =
-            key_service::cluster_id(&secrets.measurement_secret, &response.measurement_salt)
-                .map_err(TicketError::ClusterId)?;
+        let cluster_id = keys::cluster_id(&secrets.measurement_secret, &response.measurement_salt)
+            .map_err(TicketError::ClusterId)?;
         check_service_cluster(service.claims(), &cluster_id)?;
         RejoinTicket::parse(
             &secrets,

@@ -24,7 +24,6 @@ use keel_agent::init::InitServer;
 use keel_agent::join::JoinService;
 use keel_agent::join::{service_validator, TicketClient};
 use keel_agent::join::{Backoff, JoinClient, JoinSettings};
-use keel_agent::key_service::{self, KeyService};
 use keel_agent::kubeadm::Kubeadm;
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
 use keel_agent::nodelock::NodeLock;
@@ -39,6 +38,7 @@ use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
 use keel_verifier::credential;
 use keel_verifier::ek::EkTrust;
+use keel_verifier::keys::{self as key_service, KeyService};
 use keel_verifier::measurement::EventType;
 use keel_verifier::measurements::{Expected, Measurements};
 use keel_verifier::tpm_wire::Public;
@@ -565,6 +565,19 @@ impl Joiner {
             node_env(&self.root, &self.work, disk.then_some(self.disk.as_path())),
             Arc::new(ClusterSlot::new(None)),
         )
+    }
+
+    /// The node's state disk opens with the key `service`'s cluster derives
+    /// for its UUID and this node's EK.
+    pub fn assert_disk_opens(&self, service: &Service) {
+        let cs = Cryptsetup::default();
+        let uuid = cs.uuid(&self.disk).unwrap();
+        let key = service
+            .state
+            .keys
+            .disk_key(&uuid, &ek_digest(&self.tpm))
+            .unwrap();
+        assert!(cs.key_matches(&self.disk, &key).unwrap(), "{uuid}");
     }
 
     /// The environment this node's join client provisions in.

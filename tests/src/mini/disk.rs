@@ -7,7 +7,7 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use keel_agent::key_service::{self, KeyService};
+use keel_verifier::keys::{self as key_service, KeyService};
 use serde::Deserialize;
 use zeroize::Zeroizing;
 

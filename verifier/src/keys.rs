@@ -26,9 +26,10 @@ use std::fmt;
 use std::ops::RangeInclusive;
 
 use hkdf::Hkdf;
-use keel_verifier::ek::EkDigest;
 use sha2::Sha256;
 use zeroize::Zeroizing;
+
+use crate::ek::EkDigest;
 
 /// Accepted master secret length in bytes.
 pub const MASTER_SECRET_LEN: RangeInclusive<usize> = 16..=512;
@@ -44,6 +45,11 @@ pub const MEASUREMENT_SECRET_LEN: RangeInclusive<usize> = 16..=512;
 pub const MEASUREMENT_SALT_LEN: RangeInclusive<usize> = 32..=512;
 /// Key ID of the measurement secret.
 pub const MEASUREMENT_SECRET_ID: &str = "measurementSecret";
+/// Key ID of the operator key: what the operator's CLI proves possession
+/// of to a control plane (never the master secret itself).
+pub const OPERATOR_KEY_ID: &str = "operatorKey";
+/// Length of the operator key.
+pub const OPERATOR_KEY_LEN: usize = 32;
 /// Prefix of state-disk key IDs (see [`disk_key_id`]).
 pub const DISK_KEY_PREFIX: &str = "disk:";
 /// Between the disk and the EK part of a disk key ID.
@@ -169,6 +175,11 @@ impl KeyService {
         (&self.master_secret, &self.master_salt)
     }
 
+    /// The operator key ([`OPERATOR_KEY_ID`], [`OPERATOR_KEY_LEN`] bytes).
+    pub fn operator_key(&self) -> Result<Zeroizing<Vec<u8>>, DataKeyError> {
+        self.data_key(OPERATOR_KEY_ID, OPERATOR_KEY_LEN)
+    }
+
     /// The cluster's measurement secret ([`MEASUREMENT_SECRET_KEY_LEN`] bytes).
     pub fn measurement_secret(&self) -> Result<Zeroizing<Vec<u8>>, DataKeyError> {
         self.data_key(MEASUREMENT_SECRET_ID, MEASUREMENT_SECRET_KEY_LEN)
@@ -231,6 +242,29 @@ pub fn cluster_id(
     let _ = Hkdf::<Sha256>::new(Some(measurement_salt), measurement_secret)
         .expand(CLUSTER_ID_INFO, &mut id);
     Ok(id)
+}
+
+/// The operator's proof for one request: HMAC-SHA256 under the operator
+/// key over a label naming the request kind, the server's single-use
+/// `challenge` and the SHA-256 of the request `body`. It binds the proof to
+/// one request on one node, so a recorded proof is useless. `None` only if
+/// HMAC refused the key, which it does for no length.
+pub fn operator_proof(
+    operator_key: &[u8],
+    kind: &str,
+    challenge: &[u8],
+    body: &[u8],
+) -> Option<[u8; 32]> {
+    use hmac::Mac as _;
+    use sha2::Digest as _;
+    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(operator_key).ok()?;
+    mac.update(b"keel operator v1\0");
+    mac.update(kind.as_bytes());
+    mac.update(b"\0");
+    mac.update(&(challenge.len() as u64).to_be_bytes());
+    mac.update(challenge);
+    mac.update(&Sha256::digest(body));
+    Some(mac.finalize().into_bytes().into())
 }
 
 #[cfg(test)]
@@ -372,6 +406,29 @@ mod tests {
             keys.disk_key(MEASUREMENT_SECRET_ID, &ek(0xab)).unwrap_err(),
             DiskKeyError::Id(DiskKeyIdError::Uuid)
         );
+    }
+
+    #[test]
+    fn operator_proofs_bind_key_kind_challenge_and_body() {
+        let keys = service();
+        let key = keys.operator_key().unwrap();
+        assert_ne!(
+            key.as_slice(),
+            keys.measurement_secret().unwrap().as_slice()
+        );
+        let proof = operator_proof(&key, "set-join-measurements", &[1; 32], b"{}");
+        assert_eq!(
+            proof,
+            operator_proof(&key, "set-join-measurements", &[1; 32], b"{}")
+        );
+        for other in [
+            operator_proof(&[0; 32], "set-join-measurements", &[1; 32], b"{}"),
+            operator_proof(&key, "upgrade", &[1; 32], b"{}"),
+            operator_proof(&key, "set-join-measurements", &[2; 32], b"{}"),
+            operator_proof(&key, "set-join-measurements", &[1; 32], b"{ }"),
+        ] {
+            assert_ne!(other, proof);
+        }
     }
 
     #[test]

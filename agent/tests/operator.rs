@@ -1,0 +1,133 @@
+//! The operator API of a control plane: only a proof made with the operator
+//! key, for a challenge this node issued and only once, replaces the join
+//! measurements; everything else is refused and changes nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use join_common::{boot_measurements, boot_measurements_with, free_port};
+use keel_agent::cluster::{ClusterSlot, ControlPlaneFacts};
+use keel_agent::operator::{OperatorError, OperatorServer, SET_JOIN_MEASUREMENTS};
+use keel_proto::operator::SetJoinMeasurementsRequest;
+use keel_testkit::swtpm::EkCa;
+use keel_verifier::keys::operator_proof;
+use keel_verifier::measurements::{Expected, Measurements};
+
+fn request(challenge: &[u8; 32], key: &[u8], body: &[u8]) -> SetJoinMeasurementsRequest {
+    SetJoinMeasurementsRequest {
+        measurements: body.to_vec(),
+        challenge: challenge.to_vec(),
+        proof: operator_proof(key, SET_JOIN_MEASUREMENTS, challenge, body)
+            .unwrap()
+            .to_vec(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
+    let ca = EkCa::new().unwrap();
+    let service = join_common::start_service(&ca, free_port()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("work/join-measurements.json");
+    let slot = Arc::new(ClusterSlot::new(None));
+    let server = OperatorServer::new(slot.clone(), path.clone(), dir.path().join("root"));
+    let key = service.state.keys.operator_key().unwrap();
+    let new = boot_measurements_with(&service.config, [(13, Expected::warn_only([7; 32]))])
+        .to_json()
+        .into_bytes();
+    let refused = |result: Result<[u8; 32], OperatorError>, code: tonic::Code| match result {
+        Err(e) => assert_eq!(tonic::Status::from(&e).code(), code, "{e}"),
+        Ok(_) => panic!("accepted"),
+    };
+
+    // A node that serves no cluster yet takes nothing.
+    let c = server.challenge();
+    refused(
+        server.set_join_measurements(&request(&c, &key, &new), None),
+        tonic::Code::FailedPrecondition,
+    );
+    slot.send_replace(Some(service.state.clone()));
+
+    // Another key; then the right key on the challenge that attempt used;
+    // a proof over other bytes than those sent; a challenge never issued.
+    let c = server.challenge();
+    refused(
+        server.set_join_measurements(&request(&c, &[9; 32], &new), None),
+        tonic::Code::PermissionDenied,
+    );
+    refused(
+        server.set_join_measurements(&request(&c, &key, &new), None),
+        tonic::Code::PermissionDenied,
+    );
+    let c = server.challenge();
+    let mut swapped = request(&c, &key, &new);
+    swapped.measurements = boot_measurements(&service.config).to_json().into_bytes();
+    refused(
+        server.set_join_measurements(&swapped, None),
+        tonic::Code::PermissionDenied,
+    );
+    refused(
+        server.set_join_measurements(&request(&[1; 32], &key, &new), None),
+        tonic::Code::PermissionDenied,
+    );
+    assert!(!path.exists(), "a refused request wrote the measurements");
+
+    // The operator: replaced in the file the join service reads, in the
+    // facts on the disk and in the state the next tickets come from.
+    let c = server.challenge();
+    let good = request(&c, &key, &new);
+    let digest = server.set_join_measurements(&good, None).unwrap();
+    let expected = Measurements::parse(&new).unwrap();
+    assert_eq!(
+        Measurements::parse(&std::fs::read(&path).unwrap()).unwrap(),
+        expected
+    );
+    let written: [u8; 32] =
+        <sha2::Sha256 as sha2::Digest>::digest(std::fs::read(&path).unwrap()).into();
+    assert_eq!(digest, written);
+    assert_eq!(slot.borrow().clone().unwrap().join_measurements, expected);
+    let facts = ControlPlaneFacts::load(&dir.path().join("root")).unwrap();
+    assert_eq!(
+        Measurements::parse(facts.join_measurements.to_string().as_bytes()).unwrap(),
+        expected
+    );
+
+    // Replayed: the challenge was used.
+    refused(
+        server.set_join_measurements(&good, None),
+        tonic::Code::PermissionDenied,
+    );
+    // A file that enforces less (PCR 12 missing) is refused, even from the
+    // operator, and the one in force stays.
+    let mut weak: serde_json::Value = serde_json::from_slice(&new).unwrap();
+    weak.as_object_mut()
+        .unwrap()
+        .remove("12")
+        .expect("no PCR 12 entry");
+    let weak = serde_json::to_vec(&weak).unwrap();
+    let c = server.challenge();
+    refused(
+        server.set_join_measurements(&request(&c, &key, &weak), None),
+        tonic::Code::InvalidArgument,
+    );
+    assert_eq!(
+        Measurements::parse(&std::fs::read(&path).unwrap()).unwrap(),
+        expected
+    );
+
+    // Guessing from one address: it waits after the first wrong proof.
+    let guesser: IpAddr = "192.0.2.9".parse().unwrap();
+    let c = server.challenge();
+    refused(
+        server.set_join_measurements(&request(&c, &[3; 32], &new), Some(guesser)),
+        tonic::Code::PermissionDenied,
+    );
+    let c = server.challenge();
+    refused(
+        server.set_join_measurements(&request(&c, &key, &new), Some(guesser)),
+        tonic::Code::ResourceExhausted,
+    );
+}

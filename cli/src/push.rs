@@ -1,0 +1,125 @@
+//! `keel push-measurements`: roll a measurements file out to every control
+//! plane, so all join services accept the same boot chain.
+//!
+//! Each control plane is validated first: its boot chain and config by the
+//! settings' measurements, and its event log must lock it into exactly the
+//! cluster of the workspace. Then the CLI asks it for a challenge and sends
+//! the file with the operator's proof for that challenge (a key derived
+//! from the master secret; the secret itself never leaves this machine).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use keel_atls::AtlsClient;
+use keel_proto::operator::operator_service_client::OperatorServiceClient;
+use keel_proto::operator::{ChallengeRequest, SetJoinMeasurementsRequest};
+use keel_verifier::keys::{operator_proof, KeyService};
+use keel_verifier::measurement::{pcr, EventType};
+use keel_verifier::measurements::Measurements;
+use serde::Deserialize;
+use tonic::transport::Endpoint;
+use zeroize::Zeroizing;
+
+use crate::init::{connect, ID_FILE, MASTER_SECRET_FILE};
+use crate::settings::{read_bounded, Settings};
+
+/// The proof kind the control planes expect.
+const KIND: &str = "set-join-measurements";
+
+#[derive(Deserialize)]
+struct MasterSecretFile {
+    key: String,
+    salt: String,
+}
+
+#[derive(Deserialize)]
+struct IdFile {
+    cluster_id: String,
+}
+
+/// Runs `keel push-measurements`.
+pub async fn run(
+    settings_path: &Path,
+    workspace: &Path,
+    file: &Path,
+    endpoints: &[String],
+    wait: Duration,
+) -> anyhow::Result<()> {
+    if endpoints.is_empty() {
+        bail!("name each control plane's init port with --endpoint");
+    }
+    let settings = Settings::load(settings_path)?;
+    let body = read_bounded(file)?;
+    // The control planes refuse what does not parse; refuse it here first.
+    Measurements::parse(&body)
+        .with_context(|| format!("{} is not a measurements file", file.display()))?;
+    let secret_path = workspace.join(MASTER_SECRET_FILE);
+    let secret: MasterSecretFile =
+        serde_json::from_slice(&Zeroizing::new(read_bounded(&secret_path)?))
+            .with_context(|| format!("{} is not a master secret file", secret_path.display()))?;
+    let master = Zeroizing::new(hex::decode(&secret.key).context("master secret: key is not hex")?);
+    let salt = hex::decode(&secret.salt).context("master secret: salt is not hex")?;
+    let operator_key = KeyService::new(&master, &salt)
+        .context("the master secret is unusable")?
+        .operator_key()
+        .context("deriving the operator key")?;
+    let id_path = workspace.join(ID_FILE);
+    let id: IdFile = serde_json::from_slice(&read_bounded(&id_path)?)
+        .with_context(|| format!("{} is not a cluster ID file", id_path.display()))?;
+    let cluster_id = hex::decode(&id.cluster_id).context("the cluster ID is not hex")?;
+
+    // Members have PCR 15 set: judged by their event log below.
+    let current = settings.measurements()?;
+    let relaxed = Measurements::new(
+        current
+            .iter()
+            .filter(|(p, _)| **p != pcr::CLUSTER_ID)
+            .map(|(p, e)| (*p, e.clone())),
+    )
+    .context("the settings' measurements without PCR 15")?;
+    let client = AtlsClient::server_attested(Arc::new(settings.validator(relaxed)?));
+    for endpoint in endpoints {
+        let (host, port) = Settings::host_port(endpoint)?;
+        let uri =
+            Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
+        let bound = connect(&client, uri, wait).await?;
+        let attested = bound
+            .attested
+            .context("the node presented no attestation")?;
+        let locks: Vec<_> = attested
+            .claims()
+            .events
+            .iter()
+            .filter(|e| e.event_type == EventType::ClusterId)
+            .collect();
+        match locks.as_slice() {
+            [lock] if lock.data == cluster_id => {}
+            _ => bail!("{endpoint} is not a member of the workspace's cluster; nothing was sent"),
+        }
+        let mut operator = OperatorServiceClient::new(bound.channel);
+        let challenge = operator
+            .challenge(ChallengeRequest {})
+            .await
+            .map_err(|s| anyhow::anyhow!("{endpoint}: {}: {}", s.code(), s.message()))?
+            .into_inner()
+            .challenge;
+        let proof = operator_proof(&operator_key, KIND, &challenge, &body)
+            .context("computing the operator proof")?;
+        let done = operator
+            .set_join_measurements(SetJoinMeasurementsRequest {
+                measurements: body.clone(),
+                challenge,
+                proof: proof.to_vec(),
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{endpoint} refused: {}: {}", s.code(), s.message()))?
+            .into_inner();
+        println!(
+            "{endpoint}: join measurements replaced (sha256:{})",
+            hex::encode(done.digest)
+        );
+    }
+    Ok(())
+}
