@@ -364,6 +364,11 @@ pub struct StateMount {
     pub point: PathBuf,
     /// `(directory on the disk, relative to the mount point; target path)`.
     pub binds: Vec<(PathBuf, PathBuf)>,
+    /// systemd units that keep their data in those directories, started
+    /// (`systemctl start`, in order) once the disk and its binds are
+    /// mounted: the container runtime. Nothing else starts them, so they
+    /// never write to the image's volatile `/var` instead.
+    pub services: Vec<String>,
 }
 
 impl StateDisk {
@@ -395,8 +400,8 @@ impl StateDisk {
 }
 
 impl StateMount {
-    /// Mounts `device` at the mount point, then makes the bind mounts
-    /// (creating their directories on the disk).
+    /// Mounts `device` at the mount point, makes the bind mounts (creating
+    /// their directories on the disk), then starts the services.
     fn mount(&self, device: &Path) -> Result<(), DiskError> {
         mount(device, &self.point)?;
         for (inside, target) in &self.binds {
@@ -413,6 +418,15 @@ impl StateMount {
                 [OsStr::new("--bind"), source.as_os_str(), target.as_os_str()],
                 &source,
             )?;
+        }
+        for unit in &self.services {
+            run_tool(
+                Path::new("systemctl"),
+                "systemctl start",
+                [OsStr::new("start"), OsStr::new(unit)],
+                &self.point,
+            )?;
+            tracing::info!(unit, "started on the mounted state disk");
         }
         Ok(())
     }
