@@ -2,7 +2,8 @@
 //! brought up once (`keel_e2e::mini`):
 //!
 //! 1. happy path: `keel init` over aTLS, the worker joins; both nodes verify
-//!    as members of the cluster `keel init` reported;
+//!    as members of the cluster `keel init` reported, and on each a locally
+//!    built image ran in containerd, whose data is on the LUKS2 state disk;
 //! 2. a node with another cluster config is refused: its attestation,
 //!    judged by the join service's policy, differs in PCR 12, and it stays
 //!    out of the cluster (PCR 15 zero);
@@ -17,7 +18,9 @@
 //!    appears in any log.
 //!
 //! Results are read from `keel verify -o json`, exit statuses, gRPC status
-//! codes and the disks themselves; console lines only tell when to look.
+//! codes and the disks themselves; console lines only tell when to look,
+//! except for the container check, whose structured (JSON) report the node
+//! prints there as part of kubeadm's output (`keel_testkit::container`).
 //! Each scenario prints `PASS <name> <seconds>`.
 //!
 //! Opt-in: set `KEEL_IMAGE_DIR` (`make e2e` does); without it the test
@@ -101,8 +104,33 @@ fn happy_path(cluster: &Cluster, started: Instant) -> TestResult {
             node.short,
             node.dir.join("verify.json").display()
         );
+        container_runtime(node)?;
     }
     pass("happy-path", started);
+    Ok(())
+}
+
+/// The node's container runtime, as the stand-in kubeadm's preflight found
+/// it: containerd answered, the image built and imported on the node ran
+/// and printed its message, the image's snapshot and containerd's open
+/// metadata database are on the LUKS2 state disk, and containerd became
+/// active only after that disk was mounted.
+fn container_runtime(node: &Node) -> TestResult {
+    let check = node.container_check().ok_or_else(|| {
+        format!(
+            "{}: no container check report on the console; see {}",
+            node.short,
+            node.serial_log().display()
+        )
+    })?;
+    let problems = check.problems();
+    assert!(
+        problems.is_empty(),
+        "{}: {}; see {}",
+        node.short,
+        problems.join("; "),
+        node.serial_log().display()
+    );
     Ok(())
 }
 
