@@ -95,7 +95,7 @@ ensure_agent() {
 stage_agent() { # $1 = tree directory
   rm -rf "$1"
   install -D -m 0755 "$KEEL_AGENT_BIN" "$1/usr/bin/keel-agent"
-  install -d -m 0755 "$1/etc/kubernetes" "$1/opt/cni" "$1/opt/kubernetes"
+  install -d -m 0755 "$1/etc/kubernetes" "$1/etc/cni/net.d" "$1/opt/cni" "$1/opt/kubernetes"
   install -D -m 0644 "$KEEL_MKOSI_WORK/packages/unpacked/usr/lib/systemd/boot/efi/linuxx64.efi.stub" \
     "$1/usr/lib/systemd/boot/efi/linuxx64.efi.stub"
   if [ -n "${KEEL_EXTRA_TREE:-}" ]; then

@@ -28,7 +28,7 @@ use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
 use crate::nodelock::NodeLock;
 use crate::operator::OperatorServer;
-use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT};
+use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT, STATE_SERVICES};
 use crate::provision::{KubeletStart, NodeEnv};
 use crate::reboot::RebootPolicy;
 use crate::recovery::RecoveryServer;
@@ -77,6 +77,7 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
                     .iter()
                     .map(|(inside, target)| (inside.into(), target.into()))
                     .collect(),
+                services: STATE_SERVICES.iter().map(|s| (*s).to_owned()).collect(),
             }),
         }),
         kubelet: KubeletStart::Systemd,

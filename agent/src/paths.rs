@@ -8,13 +8,21 @@
 /// Where the opened state disk is mounted on a node.
 pub const STATE_MOUNT: &str = "/run/state";
 /// Directories of the state disk bind-mounted over the paths Kubernetes
-/// uses, which the read-only image provides as empty mount points.
-pub const STATE_BINDS: [(&str, &str); 4] = [
+/// and the container runtime use, which the read-only image provides as
+/// empty mount points (those under the volatile `/var` are created).
+pub const STATE_BINDS: [(&str, &str); 6] = [
     ("kubernetes", "/etc/kubernetes"),
     ("kubelet", "/var/lib/kubelet"),
     ("cni", "/opt/cni"),
+    ("cni-net.d", "/etc/cni/net.d"),
     ("opt-kubernetes", "/opt/kubernetes"),
+    ("containerd", "/var/lib/containerd"),
 ];
+/// Services started once the state disk is mounted: containerd keeps its
+/// images, snapshots and metadata in `/var/lib/containerd`, on the disk.
+/// The image does not start it at boot, and its unit refuses to start
+/// unless that directory is a mount point.
+pub const STATE_SERVICES: [&str; 1] = ["containerd.service"];
 /// Where components install their binaries on a node (see the versions
 /// table): on the state disk.
 pub const BIN_DIR: &str = "/run/state/bin";

@@ -14,6 +14,10 @@
 //!   URLs whose content is inline; where the file leaves their hash empty it
 //!   is computed from that content, so no entry of the table is unchecked.
 //!   An empty hash on a network URL is a table error.
+//! * `sandbox_image`, where given, is the pod sandbox ("pause") image the
+//!   node's container runtime uses with that version, pinned by digest
+//!   (`name:tag@sha256:<hex>`). The image's containerd configuration names
+//!   the same one (a test checks that every version agrees with it).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -97,6 +101,7 @@ fn parse_requested(s: &str) -> Option<Requested> {
 pub struct VersionEntry {
     version: KubernetesVersion,
     components: Vec<Component>,
+    sandbox_image: Option<String>,
 }
 
 impl VersionEntry {
@@ -108,6 +113,11 @@ impl VersionEntry {
     /// The components, in install order.
     pub fn components(&self) -> &[Component] {
         &self.components
+    }
+
+    /// The pod sandbox image pinned for this version, if the table names one.
+    pub fn sandbox_image(&self) -> Option<&str> {
+        self.sandbox_image.as_deref()
     }
 }
 
@@ -134,6 +144,9 @@ pub enum TableError {
     /// A version has no components.
     #[error("versions table entry {0} has no components")]
     NoComponents(String),
+    /// A sandbox image that is not pinned by a SHA-256 digest.
+    #[error("versions table entry {0}: sandbox_image must be name:tag@sha256:<64 hex digits>")]
+    SandboxImage(String),
     /// A component is invalid.
     #[error("versions table entry {version}, component {index}")]
     Component {
@@ -198,6 +211,8 @@ struct FactFile {
 #[serde(deny_unknown_fields)]
 struct FactVersion {
     components: Vec<FactComponent>,
+    /// The pod sandbox image, pinned by digest.
+    sandbox_image: Option<String>,
     /// Add-on image pins (cloud controller managers, autoscaler): kept in the
     /// file as facts, not installed by the node agent.
     #[serde(rename = "images")]
@@ -233,6 +248,13 @@ impl VersionsTable {
             if entry.components.is_empty() {
                 return Err(TableError::NoComponents(key));
             }
+            if entry
+                .sandbox_image
+                .as_deref()
+                .is_some_and(|i| !pinned_by_digest(i))
+            {
+                return Err(TableError::SandboxImage(key));
+            }
             let components = entry
                 .components
                 .into_iter()
@@ -244,6 +266,7 @@ impl VersionsTable {
                 VersionEntry {
                     version,
                     components,
+                    sandbox_image: entry.sandbox_image,
                 },
             );
             if previous.is_some() {
@@ -309,6 +332,19 @@ pub fn resolve(requested: &str) -> Result<&'static VersionEntry, ResolveError> {
     VersionsTable::embedded()
         .map_err(ResolveError::Table)?
         .resolve(requested)
+}
+
+/// `name:tag@sha256:<64 lowercase hex>`, without whitespace.
+fn pinned_by_digest(image: &str) -> bool {
+    let Some((name, digest)) = image.split_once("@sha256:") else {
+        return false;
+    };
+    !name.is_empty()
+        && !name.contains(char::is_whitespace)
+        && digest.len() == 64
+        && digest
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 fn table_component(
@@ -387,6 +423,55 @@ mod tests {
             ] {
                 assert!(paths.contains(&want), "{} lacks {want}", entry.version());
             }
+        }
+    }
+
+    /// One image serves every supported version: its containerd
+    /// configuration names the sandbox image each version pins.
+    #[test]
+    fn every_version_pins_the_sandbox_image_the_image_configures() {
+        let config = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../mkosi/mkosi.extra/etc/containerd/config.toml"
+        ))
+        .unwrap();
+        let configured: Vec<&str> = config
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("sandbox_image = "))
+            .map(|v| v.trim_matches('"'))
+            .collect();
+        assert_eq!(configured.len(), 1, "{configured:?}");
+        for entry in table().entries() {
+            assert_eq!(
+                entry.sandbox_image(),
+                Some(configured[0]),
+                "{}",
+                entry.version()
+            );
+        }
+    }
+
+    #[test]
+    fn refuses_a_sandbox_image_without_digest() {
+        let component = r#"{"url":"data:application/json;base64,W10=","hash":"","install_path":"/x","extract":false}"#;
+        let with = |image: &str| {
+            VersionsTable::parse(&ONE.replace("COMPONENT", component).replace(
+                r#""components""#,
+                &format!(r#""sandbox_image":"{image}","components""#),
+            ))
+        };
+        let digest = "ab".repeat(32);
+        assert!(with(&format!("registry.k8s.io/pause:3.10@sha256:{digest}")).is_ok());
+        for bad in [
+            "registry.k8s.io/pause:3.10".to_owned(),
+            format!("@sha256:{digest}"),
+            format!("registry.k8s.io/pause:3.10@sha256:{}", "AB".repeat(32)),
+            format!("registry.k8s.io/pause:3.10@sha256:{}", &digest[2..]),
+        ] {
+            assert!(
+                matches!(with(&bad), Err(TableError::SandboxImage(_))),
+                "{bad}"
+            );
         }
     }
 

@@ -1,7 +1,9 @@
 //! Test support: swtpm instances with their own EK CA, the local component
-//! mirror, and an attacker's issuer with a software attestation key.
+//! mirror, an attacker's issuer with a software attestation key, and a
+//! container check for nodes.
 
 pub mod components;
+pub mod container;
 pub mod forgery;
 pub mod mirror;
 pub mod swtpm;

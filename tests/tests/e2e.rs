@@ -5,7 +5,8 @@
 //!
 //! 1. happy path: `keel init` over aTLS on `keel-cp-0`; `keel-cp-1` and the
 //!    worker join; all three verify as members of the cluster `keel init`
-//!    reported, with the same PCR 15;
+//!    reported, with the same PCR 15, and on each a locally built image ran
+//!    in containerd, whose data is on the LUKS2 state disk;
 //! 2. a node with another cluster config is refused: its attestation,
 //!    judged by the join service's policy, differs in PCR 12, and it stays
 //!    out of the cluster (PCR 15 zero);
@@ -32,7 +33,9 @@
 //! Results are read from `keel verify -o json` (PCR 15 and the cluster-ID
 //! event), `keel recover -o json`, exit statuses, gRPC status codes and the
 //! disks themselves; console lines only tell when to look, and which
-//! control plane issued a ticket. Each scenario prints `PASS <name>
+//! control plane issued a ticket; the container check's structured (JSON)
+//! report comes on the console as part of kubeadm's output
+//! (`keel_testkit::container`). Each scenario prints `PASS <name>
 //! <seconds>`; 8 and 10 also print the failover and recovery times.
 //!
 //! Opt-in: set `KEEL_IMAGE_DIR` (`make e2e` does); without it the test
@@ -145,9 +148,34 @@ fn happy_path(cluster: &Cluster, started: Instant) -> TestResult<Lock> {
             node.short,
             node.dir.join("verify.json").display()
         );
+        container_runtime(node)?;
     }
     pass("happy-path", started);
     Ok(lock)
+}
+
+/// The node's container runtime, as the stand-in kubeadm's preflight found
+/// it: containerd answered, the image built and imported on the node ran
+/// and printed its message, the image's snapshot and containerd's open
+/// metadata database are on the LUKS2 state disk, and containerd became
+/// active only after that disk was mounted.
+fn container_runtime(node: &Node) -> TestResult {
+    let check = node.container_check().ok_or_else(|| {
+        format!(
+            "{}: no container check report on the console; see {}",
+            node.short,
+            node.serial_log().display()
+        )
+    })?;
+    let problems = check.problems();
+    assert!(
+        problems.is_empty(),
+        "{}: {}; see {}",
+        node.short,
+        problems.join("; "),
+        node.serial_log().display()
+    );
+    Ok(())
 }
 
 /// `v` shows a member of the cluster: verified, locked by the cluster-ID

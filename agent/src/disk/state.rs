@@ -33,6 +33,11 @@ pub struct StateMount {
     pub point: PathBuf,
     /// `(directory on the disk, relative to the mount point; target path)`.
     pub binds: Vec<(PathBuf, PathBuf)>,
+    /// systemd units that keep their data in those directories, started
+    /// (`systemctl start`, in order) once the disk and its binds are
+    /// mounted: the container runtime. Nothing else starts them, so they
+    /// never write to the image's volatile `/var` instead.
+    pub services: Vec<String>,
 }
 
 impl StateDisk {
@@ -82,6 +87,15 @@ impl StateMount {
                 [OsStr::new("--bind"), source.as_os_str(), target.as_os_str()],
                 &source,
             )?;
+        }
+        for unit in &self.services {
+            run_tool(
+                Path::new("systemctl"),
+                "systemctl start",
+                [OsStr::new("start"), OsStr::new(unit)],
+                &self.point,
+            )?;
+            tracing::info!(unit, "started on the mounted state disk");
         }
         Ok(())
     }

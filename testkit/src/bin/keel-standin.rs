@@ -27,6 +27,12 @@
 //!   ID only;
 //! * `version`.
 //!
+//! On a node (`KEEL_STANDIN_ROOT` unset), `init` and `join` also run the
+//! host part of kubeadm's preflight: the executables it looks for, IPv4
+//! forwarding, and the container runtime, checked by importing and running
+//! a locally built image (`keel_testkit::container`); the report is one
+//! output line, which the agent passes on to the console.
+//!
 //! As `kubelet` with `--config` (as its systemd unit starts it) it says
 //! what it is and waits until stopped, as a service does; otherwise, and as
 //! `kubectl`, it prints a version line and exits 0.
@@ -387,6 +393,9 @@ fn check_preflight(flags: &Flags, files: &[&str]) -> Result<()> {
         return Ok(());
     }
     println!("[preflight] Running pre-flight checks");
+    if std::env::var_os(ROOT_ENV).is_none() {
+        node_preflight()?;
+    }
     for file in files {
         let path = kube_dir().join(file);
         if path.exists() {
@@ -397,6 +406,54 @@ fn check_preflight(flags: &Flags, files: &[&str]) -> Result<()> {
             ));
         }
     }
+    Ok(())
+}
+
+/// Executables kubeadm's preflight looks for on the host.
+const PREFLIGHT_EXECUTABLES: [&str; 9] = [
+    "conntrack",
+    "ip",
+    "iptables",
+    "mount",
+    "nsenter",
+    "ethtool",
+    "socat",
+    "tc",
+    "touch",
+];
+
+/// On a node (no `KEEL_STANDIN_ROOT`), what a real kubeadm's preflight
+/// checks on the host: the executables it looks for, IPv4 forwarding, and
+/// the container runtime. The stand-in cannot pull images, so it checks the
+/// runtime by importing and running a locally built image
+/// (`keel_testkit::container`), and prints the report for the VM tests.
+fn node_preflight() -> Result<()> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for exe in PREFLIGHT_EXECUTABLES {
+        if !std::env::split_paths(&path).any(|dir| dir.join(exe).is_file()) {
+            return fail(format!(
+                "preflight: [ERROR FileExisting-{exe}]: {exe} not found in system path"
+            ));
+        }
+    }
+    let forward = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap_or_default();
+    if forward.trim() != "1" {
+        return fail(
+            "preflight: [ERROR FileContent--proc-sys-net-ipv4-ip_forward]: /proc/sys/net/ipv4/ip_forward contents are not set to 1",
+        );
+    }
+    let check =
+        keel_testkit::container::check_node(&root().join("var/lib/keel-standin")).or_else(|e| {
+            fail(format!(
+                "preflight: [ERROR CRI]: container runtime check: {e}"
+            ))
+        })?;
+    let json =
+        serde_json::to_string(&check).or_else(|e| fail(format!("container check report: {e}")))?;
+    println!(
+        "[preflight] {}{json}",
+        keel_testkit::container::REPORT_PREFIX
+    );
     Ok(())
 }
 

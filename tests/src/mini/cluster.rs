@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use keel_testkit::container::ContainerCheck;
 use keel_testkit::swtpm::EkCa;
 use keel_verifier::config::{NodeConfig, Role};
 
@@ -267,6 +268,13 @@ impl Node {
     /// The serial log of the current (or last) boot.
     pub fn serial_log(&self) -> PathBuf {
         self.dir.join("serial.log")
+    }
+
+    /// The container check the stand-in kubeadm ran on this node during
+    /// `init` or `join` (its last report on the console), if any.
+    pub fn container_check(&self) -> Option<ContainerCheck> {
+        let lines = self.vm.as_ref()?.lines();
+        ContainerCheck::from_lines(lines.iter().map(String::as_str))
     }
 
     /// The state disk image.
@@ -642,6 +650,12 @@ impl Cluster {
                 .map(|l| format!("; agent: {l}"))
                 .unwrap_or_default();
             let _ = writeln!(text, "  {:<14} state disk: {luks}{agent}", "");
+            let runtime = match node.container_check() {
+                Some(c) if c.problems().is_empty() => c.describe(),
+                Some(c) => format!("{} (CHECK FAILED: {})", c.runtime, c.problems().join("; ")),
+                None => "no container check on the console".to_owned(),
+            };
+            let _ = writeln!(text, "  {:<14} container runtime: {runtime}", "");
             let _ = writeln!(
                 text,
                 "  {:<14} components: {} measured into PCR 13 (attested event log)",
