@@ -245,45 +245,38 @@ async fn serve(
     measurements: PathBuf,
     mut stop: StopSignals,
 ) -> anyhow::Result<()> {
-    let cluster = Arc::new(ClusterSlot::new(None));
-    let env = node::node_env(&config, state_dir)?;
+    let node = keel_agent::provision::Node {
+        env: node::node_env(&config, state_dir)?,
+        cluster: Arc::new(ClusterSlot::new(None)),
+        config,
+        tpm,
+        lock,
+    };
+    let control_plane = node.config.node.role == Role::ControlPlane;
     let mut tasks = tokio::task::JoinSet::new();
-    if config.node.role == Role::ControlPlane {
+    if control_plane {
         tasks.spawn(node::serve_join_as_control_plane(
-            SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.join_port)),
-            config.clone(),
-            tpm.clone(),
-            env.clone(),
-            cluster.clone(),
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, node.config.cluster.join_port)),
+            node.config.clone(),
+            node.tpm.clone(),
+            node.env.clone(),
+            node.cluster.clone(),
             measurements.clone(),
         ));
     }
-    if config.cluster.control_plane_endpoints.is_empty() {
+    if node.config.cluster.control_plane_endpoints.is_empty() {
         tracing::info!("no control-plane endpoints configured: this node does not join");
     } else {
-        tasks.spawn(node::run_join_client(
-            config.clone(),
-            tpm.clone(),
-            lock.clone(),
-            env.clone(),
-            cluster.clone(),
-        ));
+        tasks.spawn(node::run_join_client(node.clone()));
     }
-    if config.cluster.init_secret_hash.is_empty() {
+    if node.config.cluster.init_secret_hash.is_empty() {
         tracing::info!("no init secret configured: this node does not accept init");
-    } else {
-        let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.init_port));
+    }
+    if control_plane || !node.config.cluster.init_secret_hash.is_empty() {
         // A control plane also serves recovery and the operator API there.
-        let measurements = (config.node.role == Role::ControlPlane).then_some(measurements);
-        tasks.spawn(node::serve_operator_port(
-            addr,
-            config,
-            tpm,
-            lock,
-            env,
-            cluster,
-            measurements,
-        ));
+        let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, node.config.cluster.init_port));
+        let measurements = control_plane.then_some(measurements);
+        tasks.spawn(node::serve_operator_port(addr, node, measurements));
     }
     let supervise = async {
         while let Some(done) = tasks.join_next().await {

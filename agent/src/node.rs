@@ -26,9 +26,9 @@ use crate::init::InitServer;
 use crate::join::{JoinClient, JoinOutcome, JoinService, JoinSettings};
 use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
-use crate::nodelock::NodeLock;
 use crate::operator::OperatorServer;
 use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT, STATE_SERVICES};
+use crate::provision::Node;
 use crate::provision::{KubeletStart, NodeEnv};
 use crate::reboot::RebootPolicy;
 use crate::recovery::RecoveryServer;
@@ -86,15 +86,8 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
 }
 
 /// Serves the init API on `addr` until the task is dropped.
-pub async fn serve_init(
-    addr: SocketAddr,
-    config: NodeConfig,
-    tpm: SharedTpm,
-    lock: Arc<NodeLock>,
-    env: NodeEnv,
-    cluster: Arc<ClusterSlot>,
-) -> anyhow::Result<()> {
-    serve_operator_port(addr, config, tpm, lock, env, cluster, None).await
+pub async fn serve_init(addr: SocketAddr, node: Node) -> anyhow::Result<()> {
+    serve_operator_port(addr, node, None).await
 }
 
 /// Serves the init API and, on a control plane, recovery and the operator
@@ -102,26 +95,16 @@ pub async fn serve_init(
 /// dropped.
 pub async fn serve_operator_port(
     addr: SocketAddr,
-    config: NodeConfig,
-    tpm: SharedTpm,
-    lock: Arc<NodeLock>,
-    env: NodeEnv,
-    cluster: Arc<ClusterSlot>,
+    node: Node,
     measurements: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "init server listening (server-attested aTLS)");
-    let operator =
-        measurements.map(|path| OperatorServer::new(cluster.clone(), path, env.root().to_owned()));
-    let recovery = RecoveryServer::new(
-        config.clone(),
-        tpm.clone(),
-        lock.clone(),
-        env.clone(),
-        cluster.clone(),
-    );
-    let init = InitServer::new(config, tpm.clone(), lock, env, cluster);
-    let issuer = Arc::new(TpmIssuer::new(tpm));
+    let operator = measurements
+        .map(|path| OperatorServer::new(node.cluster.clone(), path, node.env.root().to_owned()));
+    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+    let recovery = RecoveryServer::new(node.clone());
+    let init = InitServer::new(node);
     let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
     let init = init_service(init);
     let recovery = recovery.into_service();
@@ -229,15 +212,10 @@ pub async fn serve_join_as_control_plane(
 
 /// Runs the join client of this node and logs how it ended; a control
 /// plane that joins or rejoins hands its cluster state to `cluster`.
-pub async fn run_join_client(
-    config: NodeConfig,
-    tpm: SharedTpm,
-    lock: Arc<NodeLock>,
-    env: NodeEnv,
-    cluster: Arc<ClusterSlot>,
-) -> anyhow::Result<()> {
-    let settings = JoinSettings::from_config(&config)?;
-    let client = JoinClient::new(config, tpm, lock, env, settings)?.with_cluster_slot(cluster);
+pub async fn run_join_client(node: Node) -> anyhow::Result<()> {
+    let settings = JoinSettings::from_config(&node.config)?;
+    let client = JoinClient::new(node.config, node.tpm, node.lock, node.env, settings)?
+        .with_cluster_slot(node.cluster);
     match client.run().await {
         JoinOutcome::Joined { cluster_id } => {
             tracing::info!(cluster_id = %hex::encode(cluster_id), "joined the cluster");

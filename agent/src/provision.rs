@@ -92,6 +92,24 @@ impl NodeEnv {
     }
 }
 
+/// What the flows that make this node a member (init, join, recovery)
+/// need of it: its measured config, its TPM, its node lock, where it
+/// provisions, and where a control plane's cluster state goes (its join
+/// service waits there).
+#[derive(Clone)]
+pub struct Node {
+    /// The measured node config.
+    pub config: keel_verifier::config::NodeConfig,
+    /// The TPM and its event log.
+    pub tpm: SharedTpm,
+    /// The one-way switch into a cluster.
+    pub lock: Arc<crate::nodelock::NodeLock>,
+    /// Where and how the work after the lock happens.
+    pub env: NodeEnv,
+    /// The cluster state of a control plane, once it has one.
+    pub cluster: Arc<ClusterSlot>,
+}
+
 /// How the kubelet is started when the node's setup is on its disk.
 #[derive(Clone, Debug)]
 pub enum KubeletStart {

@@ -25,17 +25,15 @@ use std::sync::Arc;
 use keel_proto::join::ControlPlaneSecrets;
 use keel_proto::recovery::recovery_service_server::{RecoveryService, RecoveryServiceServer};
 use keel_proto::recovery::{RecoverRequest, RecoverResponse};
-use keel_verifier::config::{NodeConfig, Role};
+use keel_verifier::config::Role;
 use keel_verifier::credential::CredentialError;
 use prost::Message as _;
 use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::attestation::{credential, own_ek_digest};
-use crate::cluster::ClusterSlot;
 use crate::disk::StateDisk;
-use crate::measured::SharedTpm;
-use crate::nodelock::{LockError, NodeLock};
-use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
+use crate::nodelock::LockError;
+use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
 use crate::throttle::FailureThrottle;
 use keel_verifier::keys::{self, ClusterId, KeyService};
 
@@ -104,11 +102,7 @@ pub struct RecoveryServer {
 }
 
 struct Inner {
-    config: NodeConfig,
-    tpm: SharedTpm,
-    lock: Arc<NodeLock>,
-    env: NodeEnv,
-    cluster: Arc<ClusterSlot>,
+    node: Node,
     throttle: FailureThrottle,
     one_at_a_time: tokio::sync::Mutex<()>,
 }
@@ -123,20 +117,10 @@ struct Accepted {
 impl RecoveryServer {
     /// The recovery service of this node; a recovered node hands its
     /// cluster state to `cluster`.
-    pub fn new(
-        config: NodeConfig,
-        tpm: SharedTpm,
-        lock: Arc<NodeLock>,
-        env: NodeEnv,
-        cluster: Arc<ClusterSlot>,
-    ) -> Self {
+    pub fn new(node: Node) -> Self {
         Self {
             inner: Arc::new(Inner {
-                config,
-                tpm,
-                lock,
-                env,
-                cluster,
+                node,
                 throttle: FailureThrottle::default(),
                 one_at_a_time: tokio::sync::Mutex::new(()),
             }),
@@ -155,13 +139,14 @@ impl RecoveryServer {
         peer: Option<IpAddr>,
     ) -> Result<ClusterId, RecoveryError> {
         let inner = &self.inner;
-        if inner.config.node.role != Role::ControlPlane {
+        if inner.node.config.node.role != Role::ControlPlane {
             return Err(RecoveryError::NotControlPlane);
         }
-        if inner.lock.is_locked() {
+        if inner.node.lock.is_locked() {
             return Err(RecoveryError::Locked);
         }
         let disk = inner
+            .node
             .env
             .state_disk
             .clone()
@@ -188,14 +173,14 @@ impl RecoveryServer {
         if let Some(ip) = peer {
             inner.throttle.succeeded(ip);
         }
-        match inner.lock.try_lock(accepted.cluster_id) {
+        match inner.node.lock.try_lock(accepted.cluster_id) {
             Ok(()) => {}
             Err(LockError::AlreadyLocked) => return Err(RecoveryError::Locked),
             Err(e) => return Err(RecoveryError::Lock(e)),
         }
         tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "node locked for recovery");
         let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
-        let p = Provisioner::new(&inner.env, &inner.tpm, &log);
+        let p = Provisioner::new(&inner.node.env, &inner.node.tpm, &log);
         let result = async {
             p.prepare(Plan {
                 disk: DiskStep::Open {
@@ -207,7 +192,7 @@ impl RecoveryServer {
             .await?;
             let state = p.restore_control_plane(accepted.keys)?;
             p.start_kubelet().await?;
-            p.serve_as_control_plane(state, &inner.cluster)
+            p.serve_as_control_plane(state, &inner.node.cluster)
         }
         .await;
         match result {
@@ -231,7 +216,7 @@ impl RecoveryServer {
         let sealed = request
             .secrets
             .ok_or(RecoveryError::InvalidRequest("sealed secrets missing"))?;
-        let tpm = self.inner.tpm.clone();
+        let tpm = self.inner.node.tpm.clone();
         let (opened, own_ek) = tokio::task::spawn_blocking(move || {
             let mut guard = tpm.lock().map_err(|_| RecoveryError::Unavailable)?;
             let opened = credential::open(guard.tpm(), &sealed).map_err(RecoveryError::Sealed)?;

@@ -141,13 +141,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     cp0.stop().await;
     let cp1 = cp1.reboot(&ca);
     let slot = Arc::new(ClusterSlot::new(None));
-    let recovery = RecoveryServer::new(
-        cp1.config.clone(),
-        cp1.tpm.clone(),
-        cp1.lock.clone(),
-        cp1.env(),
-        slot.clone(),
-    );
+    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
     let (master, salt) = cp0.state.keys.expose_master();
     let operator: IpAddr = "192.0.2.7".parse().unwrap();
     let uuid_before = Cryptsetup::default().uuid(&cp1.disk).unwrap();
@@ -174,13 +168,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         other => panic!("{other:?}"),
     }
     // A worker is never recovered.
-    let worker_recovery = RecoveryServer::new(
-        worker.config.clone(),
-        worker.tpm.clone(),
-        worker.lock.clone(),
-        worker.env(),
-        Arc::new(ClusterSlot::new(None)),
-    );
+    let worker_recovery = RecoveryServer::new(worker.node(Arc::new(ClusterSlot::new(None))));
     let request = recover_request(&worker, master, salt, &cp0.state.measurement_salt);
     match worker_recovery.recover(request, None).await {
         Err(e @ RecoveryError::NotControlPlane) => {

@@ -30,11 +30,11 @@ async fn serve(node: &Joiner) -> std::net::SocketAddr {
     config.cluster.init_secret_hash =
         format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let env = node_env(&node.root, &node.work, None);
-    let (tpm, lock) = (node.tpm.clone(), node.lock.clone());
+    let mut served = node.node(Arc::new(ClusterSlot::new(None)));
+    served.config = config;
+    served.env = node_env(&node.root, &node.work, None);
     tokio::spawn(async move {
-        let cluster = Arc::new(ClusterSlot::new(None));
-        let _ = keel_agent::node::serve_init(addr, config, tpm, lock, env, cluster).await;
+        let _ = keel_agent::node::serve_init(addr, served).await;
     });
     wait_for_port(addr).await;
     addr

@@ -89,7 +89,14 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
     let task = tokio::spawn({
         let (config, tpm, cluster) = (config.clone(), tpm.clone(), cluster.clone());
         async move {
-            let _ = keel_agent::node::serve_init(addr, config, tpm, lock, env, cluster).await;
+            let node = keel_agent::provision::Node {
+                config,
+                tpm,
+                lock,
+                env,
+                cluster,
+            };
+            let _ = keel_agent::node::serve_init(addr, node).await;
         }
     });
     for _ in 0..100 {

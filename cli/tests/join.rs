@@ -59,7 +59,14 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let init_task = tokio::spawn({
         let (config, tpm, env, slot) = (config1.clone(), tpm1.clone(), env1.clone(), slot.clone());
         async move {
-            let _ = keel_agent::node::serve_init(init_addr, config, tpm, lock1, env, slot).await;
+            let node = keel_agent::provision::Node {
+                config,
+                tpm,
+                lock: lock1,
+                env,
+                cluster: slot,
+            };
+            let _ = keel_agent::node::serve_init(init_addr, node).await;
         }
     });
     join_common::wait_for_port(init_addr).await;
@@ -219,16 +226,14 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         );
         async move {
             let lock = Arc::new(keel_agent::nodelock::NodeLock::new(tpm.clone()).unwrap());
-            let _ = keel_agent::node::serve_operator_port(
-                operator_addr,
+            let node = keel_agent::provision::Node {
                 config,
                 tpm,
                 lock,
                 env,
-                slot,
-                Some(path),
-            )
-            .await;
+                cluster: slot,
+            };
+            let _ = keel_agent::node::serve_operator_port(operator_addr, node, Some(path)).await;
         }
     });
     join_common::wait_for_port(operator_addr).await;

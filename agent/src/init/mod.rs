@@ -19,18 +19,16 @@ use keel_installer::{Component, KubernetesVersion};
 use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitFailure, InitRequest, InitResponse, InitSecrets, InitSuccess};
-use keel_verifier::config::NodeConfig;
 use keel_verifier::measurements::Measurements;
 use prost::Message as _;
 use tokio_stream::wrappers::ReceiverStream;
 use zeroize::Zeroizing;
 
 use crate::attestation::{credential, own_ek_digest};
-use crate::cluster::{ClusterSlot, ClusterState};
+use crate::cluster::ClusterState;
 use crate::kubeadm::{self, BootstrapToken, InitConfig};
-use crate::measured::SharedTpm;
-use crate::nodelock::{LockError, NodeLock};
-use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
+use crate::nodelock::LockError;
+use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
 use crate::throttle::FailureThrottle;
 use keel_verifier::keys::{self, KeyService};
 
@@ -121,11 +119,7 @@ pub struct InitServer {
 }
 
 struct Inner {
-    config: NodeConfig,
-    tpm: SharedTpm,
-    lock: Arc<NodeLock>,
-    env: NodeEnv,
-    cluster: Arc<ClusterSlot>,
+    node: Node,
     throttle: FailureThrottle,
     opening: tokio::sync::Mutex<()>,
 }
@@ -143,20 +137,10 @@ impl Drop for SecretsGuard {
 
 impl InitServer {
     /// An init server for this node.
-    pub fn new(
-        config: NodeConfig,
-        tpm: SharedTpm,
-        lock: Arc<NodeLock>,
-        env: NodeEnv,
-        cluster: Arc<ClusterSlot>,
-    ) -> Self {
+    pub fn new(node: Node) -> Self {
         Self {
             inner: Arc::new(Inner {
-                config,
-                tpm,
-                lock,
-                env,
-                cluster,
+                node,
                 throttle: FailureThrottle::default(),
                 opening: tokio::sync::Mutex::new(()),
             }),
@@ -174,7 +158,7 @@ impl InitServer {
         request: InitRequest,
         peer: Option<IpAddr>,
     ) -> Result<Accepted, InitError> {
-        let config = &self.inner.config;
+        let config = &self.inner.node.config;
         if config.cluster.init_secret_hash.is_empty() {
             return Err(InitError::NotInitNode);
         }
@@ -190,7 +174,7 @@ impl InitServer {
         let sealed = request
             .secrets
             .ok_or_else(|| InitError::InvalidRequest("sealed secrets missing".into()))?;
-        let tpm = self.inner.tpm.clone();
+        let tpm = self.inner.node.tpm.clone();
         let (opened, own_ek) = tokio::task::spawn_blocking(move || {
             let mut guard = tpm.lock().map_err(|_| InitError::Tpm)?;
             let opened = credential::open(guard.tpm(), &sealed).map_err(InitError::Sealed)?;
@@ -217,10 +201,10 @@ impl InitServer {
         if let Some(ip) = peer {
             self.inner.throttle.succeeded(ip);
         }
-        if self.inner.lock.is_locked() {
+        if self.inner.node.lock.is_locked() {
             return Err(InitError::Locked);
         }
-        if let Some(disk) = self.inner.env.state_disk.clone() {
+        if let Some(disk) = self.inner.node.env.state_disk.clone() {
             let initialised =
                 tokio::task::spawn_blocking(move || disk.cryptsetup.is_luks(&disk.device))
                     .await
@@ -292,7 +276,7 @@ impl InitServer {
         a: &Accepted,
         provisioner: &Provisioner<'_>,
     ) -> Result<Zeroizing<Vec<u8>>, ProvisionError> {
-        let env = &self.inner.env;
+        let env = &self.inner.node.env;
         provisioner
             .prepare(Plan {
                 disk: DiskStep::SetUp {
@@ -305,7 +289,7 @@ impl InitServer {
             .await?;
         let advertise_address = env.advertise_address.resolve();
         let init_config = InitConfig {
-            node_name: self.inner.config.node.name.clone(),
+            node_name: self.inner.node.config.node.name.clone(),
             advertise_address,
             cluster_name: a.cluster_name.clone(),
             kubernetes_version: a.version,
@@ -326,9 +310,15 @@ impl InitServer {
             api_server: SocketAddr::new(advertise_address, kubeadm::config::API_SERVER_PORT),
             pki_dir: env.pki_dir(),
             join_measurements: a.join_measurements.clone(),
-            control_plane_endpoints: self.inner.config.cluster.control_plane_endpoints.clone(),
+            control_plane_endpoints: self
+                .inner
+                .node
+                .config
+                .cluster
+                .control_plane_endpoints
+                .clone(),
         };
-        provisioner.serve_as_control_plane(state, &self.inner.cluster)?;
+        provisioner.serve_as_control_plane(state, &self.inner.node.cluster)?;
         Ok(kubeconfig)
     }
 }
@@ -349,7 +339,7 @@ impl InitService for InitServer {
                 return Err((&e).into());
             }
         };
-        match self.inner.lock.try_lock(accepted.cluster_id) {
+        match self.inner.node.lock.try_lock(accepted.cluster_id) {
             Ok(()) => {}
             Err(LockError::AlreadyLocked) => return Err((&InitError::Locked).into()),
             Err(e) => return Err((&InitError::Lock(e)).into()),
@@ -365,7 +355,8 @@ impl InitService for InitServer {
             // Streaming a line never waits for the client, so every step
             // and kubeadm's output go straight to the transcript.
             let line = |l: String| log.line(l);
-            let provisioner = Provisioner::new(&server.inner.env, &server.inner.tpm, &line);
+            let provisioner =
+                Provisioner::new(&server.inner.node.env, &server.inner.node.tpm, &line);
             match server.create_cluster(&accepted, &provisioner).await {
                 Ok(kubeconfig) => {
                     log.line("cluster created");

@@ -60,6 +60,22 @@ pub(super) fn open_endorsement_key(ctx: &mut Context) -> Result<(KeyHandle, bool
 }
 
 impl Tpm {
+    /// The attestation key's handle, loading the key first; `error` names
+    /// the operation that needs it.
+    pub(super) fn loaded_ak(
+        &mut self,
+        error: fn(tss_esapi::Error) -> TpmError,
+    ) -> Result<KeyHandle, TpmError> {
+        self.live()?;
+        self.attestation_key()?;
+        self.ak
+            .as_ref()
+            .map(|ak| ak.handle)
+            .ok_or(error(wrapper_error(
+                tss_esapi::WrapperErrorKind::InvalidHandleState,
+            )))
+    }
+
     /// The endorsement key's public area and, if stored, its certificate
     /// (read once; neither changes while the TPM is open).
     pub fn endorsement(&mut self) -> Result<Endorsement, TpmError> {
@@ -128,15 +144,7 @@ impl Tpm {
         credential_blob: &[u8],
         encrypted_seed: &[u8],
     ) -> Result<Zeroizing<Vec<u8>>, TpmError> {
-        self.live()?;
-        self.attestation_key()?;
-        let ak = self
-            .ak
-            .as_ref()
-            .map(|ak| ak.handle)
-            .ok_or(TpmError::ActivateCredential(wrapper_error(
-                tss_esapi::WrapperErrorKind::InvalidHandleState,
-            )))?;
+        let ak = self.loaded_ak(TpmError::ActivateCredential)?;
         let blob =
             IdObject::try_from(credential_blob.to_vec()).map_err(TpmError::ActivateCredential)?;
         let seed = EncryptedSecret::try_from(encrypted_seed.to_vec())

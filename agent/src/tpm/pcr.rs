@@ -24,14 +24,7 @@ impl Tpm {
         wanted.sort_unstable();
         wanted.dedup();
         for chunk in wanted.chunks(PCRS_PER_READ) {
-            let slots = chunk
-                .iter()
-                .map(|&p| pcr_slot(p))
-                .collect::<Result<Vec<_>, _>>()?;
-            let selection = PcrSelectionList::builder()
-                .with_selection(HashingAlgorithm::Sha256, &slots)
-                .build()
-                .map_err(TpmError::PcrRead)?;
+            let selection = sha256_selection(chunk, TpmError::PcrRead)?;
             let (_, _, digests) = self
                 .ctx
                 .execute_without_session(|c| c.pcr_read(selection))
@@ -111,4 +104,19 @@ fn pcr_handle(pcr: u32) -> Result<PcrHandle, TpmError> {
         .get(pcr as usize)
         .copied()
         .ok_or(TpmError::NoSuchPcr(pcr))
+}
+
+/// The SHA-256 bank's selection of `pcrs`; `error` names the operation.
+pub(super) fn sha256_selection(
+    pcrs: &[u32],
+    error: fn(tss_esapi::Error) -> TpmError,
+) -> Result<PcrSelectionList, TpmError> {
+    let slots = pcrs
+        .iter()
+        .map(|&p| pcr_slot(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    PcrSelectionList::builder()
+        .with_selection(HashingAlgorithm::Sha256, &slots)
+        .build()
+        .map_err(error)
 }

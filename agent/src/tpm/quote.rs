@@ -2,12 +2,11 @@
 //! caller-chosen qualifying data.
 
 use keel_verifier::measurement::Digest32;
-use tss_esapi::interface_types::algorithm::HashingAlgorithm;
-use tss_esapi::structures::{Data, PcrSelectionList, SignatureScheme};
+use tss_esapi::structures::{Data, SignatureScheme};
 use tss_esapi::traits::Marshall;
 
-use super::pcr::pcr_slot;
-use super::{wrapper_error, Tpm, TpmError};
+use super::pcr::sha256_selection;
+use super::{Tpm, TpmError};
 
 /// A quote and its signature, both marshalled.
 #[derive(Clone, Debug)]
@@ -21,23 +20,8 @@ pub struct Quote {
 impl Tpm {
     /// Quotes the SHA-256 `pcrs` with the attestation key over `qualifying_data`.
     pub fn quote(&mut self, qualifying_data: &Digest32, pcrs: &[u32]) -> Result<Quote, TpmError> {
-        self.live()?;
-        self.attestation_key()?;
-        let ak = self
-            .ak
-            .as_ref()
-            .map(|ak| ak.handle)
-            .ok_or(TpmError::Quote(wrapper_error(
-                tss_esapi::WrapperErrorKind::InvalidHandleState,
-            )))?;
-        let slots = pcrs
-            .iter()
-            .map(|&p| pcr_slot(p))
-            .collect::<Result<Vec<_>, _>>()?;
-        let selection = PcrSelectionList::builder()
-            .with_selection(HashingAlgorithm::Sha256, &slots)
-            .build()
-            .map_err(TpmError::Quote)?;
+        let ak = self.loaded_ak(TpmError::Quote)?;
+        let selection = sha256_selection(pcrs, TpmError::Quote)?;
         let data = Data::try_from(qualifying_data.to_vec()).map_err(TpmError::Quote)?;
         let (attest, signature) = self
             .ctx

@@ -27,7 +27,7 @@ use keel_agent::join::{Backoff, JoinClient, JoinSettings};
 use keel_agent::kubeadm::Kubeadm;
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
 use keel_agent::nodelock::NodeLock;
-use keel_agent::provision::{KubeletStart, NodeEnv};
+use keel_agent::provision::{KubeletStart, Node, NodeEnv};
 use keel_agent::reboot::RebootPolicy;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::{Component, InstallerConfig};
@@ -558,13 +558,24 @@ impl Joiner {
         let mut config = self.config.clone();
         config.cluster.init_secret_hash =
             format!("sha256:{}", hex::encode(sha2::Sha256::digest(secret)));
-        InitServer::new(
+        InitServer::new(Node {
             config,
-            self.tpm.clone(),
-            self.lock.clone(),
-            node_env(&self.root, &self.work, disk.then_some(self.disk.as_path())),
-            Arc::new(ClusterSlot::new(None)),
-        )
+            tpm: self.tpm.clone(),
+            lock: self.lock.clone(),
+            env: node_env(&self.root, &self.work, disk.then_some(self.disk.as_path())),
+            cluster: Arc::new(ClusterSlot::new(None)),
+        })
+    }
+
+    /// This node as its flows see it, its cluster state going to `cluster`.
+    pub fn node(&self, cluster: Arc<ClusterSlot>) -> Node {
+        Node {
+            config: self.config.clone(),
+            tpm: self.tpm.clone(),
+            lock: self.lock.clone(),
+            env: self.env(),
+            cluster,
+        }
     }
 
     /// The node's state disk opens with the key `service`'s cluster derives
