@@ -155,3 +155,16 @@ pub fn new_uuid() -> String {
         &h[20..]
     )
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_uuids_are_fresh_valid_disk_ids() {
+        let a = new_uuid();
+        assert!(keel_verifier::keys::disk_id(&a).is_ok());
+        assert_ne!(a, new_uuid());
+    }
+}

@@ -5,21 +5,26 @@
 //!   rejoin).
 //! * [`transport`]: fetching a ticket over mutual aTLS and opening its
 //!   sealed secrets with the TPM.
+//! * [`settings`]: the client's endpoints, trust and backoff.
 //! * [`ticket`]: what a ticket carries and the checks the node makes of it.
 //! * [`kubelet`]: the kubelet's client key, CSR and certificate.
-//! * [`service`]: the control-plane side, which issues tickets.
+//! * [`service`]: the control-plane side, which issues tickets, and
+//!   [`refusal`], what it tells a node it refuses.
 //!
 //! The client and the service share only the ticket and kubelet
 //! definitions; neither uses the other's code.
 
 pub mod client;
 pub mod kubelet;
+pub mod refusal;
 pub mod service;
+pub mod settings;
 pub mod ticket;
 pub mod transport;
 
-pub use client::{service_validator, Backoff, JoinClient, JoinError, JoinOutcome, JoinSettings};
+pub use client::{service_validator, JoinClient, JoinError, JoinOutcome};
 pub use kubelet::KubeletKey;
 pub use service::JoinService;
+pub use settings::{Backoff, JoinSettings};
 pub use ticket::{JoinTicket, RejoinTicket, TicketError};
 pub use transport::TicketClient;

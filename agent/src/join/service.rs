@@ -39,7 +39,7 @@ use keel_proto::join::{
     IssueRejoinTicketRequest, IssueRejoinTicketResponse, JoinSecrets,
 };
 use keel_verifier::config::{NodeIdentity, Role};
-use keel_verifier::credential::{self, CredentialError};
+use keel_verifier::credential;
 use keel_verifier::measurement::EventType;
 use keel_verifier::validator::Verified;
 use prost::Message as _;
@@ -48,13 +48,13 @@ use tokio::io::AsyncReadExt as _;
 use tokio::sync::Semaphore;
 use zeroize::{Zeroize as _, Zeroizing};
 
-use super::kubelet::{self, SignCsrError};
+use super::kubelet;
+use super::refusal::JoinServiceError;
 use super::ticket::{CONTROL_PLANE_FILES, MAX_TICKET_BYTES};
 use crate::cluster::ClusterState;
 use crate::disk_bindings::{Bind, DiskBindingRefusal, DiskBindings, DiskBindingsError, EkDigest};
-use crate::kubeadm::{BootstrapToken, CaCertHash, Kubeadm, KubeadmError};
+use crate::kubeadm::{BootstrapToken, CaCertHash, Kubeadm};
 use crate::paths;
-use keel_verifier::keys::DiskKeyError;
 
 /// Largest accepted request message (tonic refuses larger ones).
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
@@ -89,113 +89,6 @@ pub enum NewJoinServiceError {
     /// The disk binding store exists but cannot be used.
     #[error("the disk binding store is unusable")]
     DiskBindings(#[source] DiskBindingsError),
-}
-
-/// Why a ticket was refused.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum JoinServiceError {
-    /// The connection carries no validated attestation.
-    #[error("the peer is not attested")]
-    NotAttested,
-    /// A request field is invalid.
-    #[error("invalid request: {0}")]
-    InvalidRequest(&'static str),
-    /// The disk UUID is malformed.
-    #[error("invalid disk UUID")]
-    DiskUuid(#[source] DiskKeyError),
-    /// The request does not match the peer's measured identity.
-    #[error("the request does not match the node's measured identity: {0}")]
-    Identity(&'static str),
-    /// The kubelet CSR was refused.
-    #[error("the kubelet CSR was refused")]
-    Csr(#[source] kubelet::CsrError),
-    /// Signing the kubelet certificate failed.
-    #[error("signing the kubelet certificate failed")]
-    Sign(#[source] rcgen::Error),
-    /// Too many tickets are being issued.
-    #[error("the join service is busy; retry later")]
-    Busy,
-    /// Registering the bootstrap token with the cluster failed.
-    #[error("registering the bootstrap token failed")]
-    Token(#[source] KubeadmError),
-    /// Reading a control-plane file failed.
-    #[error("reading control-plane file {name}")]
-    ControlPlaneFile {
-        /// The file, relative to the PKI directory.
-        name: &'static str,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The secrets could not be sealed to the peer's TPM.
-    #[error("sealing the ticket to the node's TPM failed")]
-    Seal(#[source] CredentialError),
-    /// Deriving a key failed.
-    #[error("deriving a key failed")]
-    Derive,
-    /// The disk is bound to another TPM, or (rejoin) was never bound. The
-    /// peer gets this fixed message; the cause, logged locally, says which.
-    #[error("the state disk is not bound to this node's TPM")]
-    DiskNotBound(#[source] DiskBindingRefusal),
-    /// The disk binding store failed: nothing was issued.
-    #[error("the disk binding store is unavailable")]
-    DiskBindings(#[source] DiskBindingsError),
-}
-
-impl From<SignCsrError> for JoinServiceError {
-    fn from(e: SignCsrError) -> Self {
-        match e {
-            SignCsrError::Csr(e) => Self::Csr(e),
-            SignCsrError::Sign(e) => Self::Sign(e),
-        }
-    }
-}
-
-impl JoinServiceError {
-    /// What the peer is told: a fixed text per kind of refusal. Causes
-    /// (kubeadm's output, file errors, binding details) stay in the
-    /// service's log.
-    pub fn peer_message(&self) -> &'static str {
-        use JoinServiceError as E;
-        match self {
-            E::NotAttested => "the peer is not attested",
-            E::InvalidRequest(what) => what,
-            E::DiskUuid(_) => "invalid disk UUID",
-            E::Identity(_) => "the request does not match the node's measured identity",
-            E::Csr(_) => "the kubelet CSR was refused",
-            E::Sign(_) => "signing the kubelet certificate failed",
-            E::Busy => "the join service is busy; retry later",
-            E::Token(_) => "registering the bootstrap token failed",
-            E::ControlPlaneFile { .. } => "reading the control-plane files failed",
-            E::Seal(CredentialError::UnsupportedEk) => "the node's EK type is not supported",
-            E::Seal(_) => "sealing the ticket to the node's TPM failed",
-            E::Derive => "deriving a key failed",
-            E::DiskNotBound(_) => "the state disk is not bound to this node's TPM",
-            E::DiskBindings(_) => "the disk binding store is unavailable",
-        }
-    }
-}
-
-impl From<&JoinServiceError> for tonic::Status {
-    /// The one map from ticket refusals to gRPC codes; the peer gets
-    /// [`JoinServiceError::peer_message`], the service's log the full chain.
-    fn from(e: &JoinServiceError) -> Self {
-        use JoinServiceError as E;
-        let code = match e {
-            E::NotAttested => tonic::Code::Unauthenticated,
-            E::InvalidRequest(_) | E::DiskUuid(_) | E::Csr(_) => tonic::Code::InvalidArgument,
-            E::Identity(_) | E::DiskNotBound(_) => tonic::Code::PermissionDenied,
-            E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
-            E::Busy | E::Token(_) => tonic::Code::Unavailable,
-            E::Sign(_)
-            | E::ControlPlaneFile { .. }
-            | E::Seal(_)
-            | E::Derive
-            | E::DiskBindings(_) => tonic::Code::Internal,
-        };
-        tonic::Status::new(code, e.peer_message())
-    }
 }
 
 /// The cluster CA as the join service uses it.
@@ -620,51 +513,5 @@ impl join_service_server::JoinService for JoinService {
         result
             .map(tonic::Response::new)
             .map_err(|e| refused("rejoin", &e))
-    }
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    const DISK: &str = "0a1b2c3d-0000-4000-8000-00000000000a";
-
-    #[test]
-    fn status_codes() {
-        let code = |e: JoinServiceError| tonic::Status::from(&e).code();
-        assert_eq!(
-            code(JoinServiceError::NotAttested),
-            tonic::Code::Unauthenticated
-        );
-        assert_eq!(
-            code(JoinServiceError::Identity("x")),
-            tonic::Code::PermissionDenied
-        );
-        assert_eq!(
-            code(JoinServiceError::Csr(kubelet::CsrError::Signature)),
-            tonic::Code::InvalidArgument
-        );
-        assert_eq!(code(JoinServiceError::Busy), tonic::Code::Unavailable);
-        let not_bound =
-            JoinServiceError::DiskNotBound(DiskBindingRefusal::Unknown { uuid: DISK.into() });
-        let status = tonic::Status::from(&not_bound);
-        assert_eq!(status.code(), tonic::Code::PermissionDenied);
-        // The peer learns nothing about the binding.
-        assert!(!status.message().contains(DISK), "{}", status.message());
-        assert_eq!(
-            code(JoinServiceError::DiskBindings(DiskBindingsError::Full)),
-            tonic::Code::Internal
-        );
-        // kubeadm's output stays in the service's log.
-        use std::os::unix::process::ExitStatusExt as _;
-        let token = JoinServiceError::Token(KubeadmError::Failed {
-            command: "token",
-            status: std::process::ExitStatus::from_raw(256),
-            last_lines: vec!["error: etcd at 10.0.0.7:2379 refused abcdef.<redacted>".into()],
-        });
-        let status = tonic::Status::from(&token);
-        assert_eq!(status.code(), tonic::Code::Unavailable);
-        assert_eq!(status.message(), "registering the bootstrap token failed");
     }
 }
