@@ -34,7 +34,7 @@ pub const CONTROL_PLANE_PKI_DIR: &str = "etc/kubernetes/pki";
 /// The admin kubeconfig kubeadm writes.
 pub const ADMIN_CONF: &str = "etc/kubernetes/admin.conf";
 /// A control plane's facts about its cluster, on its state disk (see
-/// [`crate::cluster::ControlPlaneFacts`]).
+/// `ControlPlaneFacts` in the cluster module).
 pub const CONTROL_PLANE_FACTS: &str = "etc/kubernetes/keel/control-plane.json";
 /// kubeadm's patches directory; kubeadm requires it to exist, even empty.
 pub const PATCHES_DIR: &str = "opt/kubernetes/patches";

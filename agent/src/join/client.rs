@@ -35,14 +35,10 @@ use std::time::Duration;
 
 use keel_proto::join::IssueJoinTicketRequest;
 use keel_verifier::config::{NodeConfig, Role};
-use keel_verifier::ek::EkTrust;
-use keel_verifier::measurement::pcr;
-use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
-use keel_verifier::validator::Validator;
 use zeroize::Zeroizing;
 
 use super::kubelet::KubeletKey;
-use super::settings::JoinSettings;
+use super::settings::{service_validator, JoinError, JoinSettings};
 use super::ticket::{JoinTicket, TicketError};
 use super::transport::TicketClient;
 use crate::cluster::{ClusterSlot, ClusterState};
@@ -52,39 +48,10 @@ use crate::measured::SharedTpm;
 use crate::nodelock::{LockError, NodeLock};
 use crate::paths;
 use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
-use crate::tpm::TpmError;
 use keel_verifier::keys::ClusterId;
 
-/// PCRs the join service must share with this node: the boot chain the
-/// image predicts and the cluster config.
-pub const SHARED_PCRS: [u32; 4] = [4, 9, 11, pcr::CONFIG];
 /// Most endpoints a client tries (its config's and those tickets named).
 const MAX_KNOWN_ENDPOINTS: usize = 32;
-
-/// Why the join client cannot run.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum JoinError {
-    /// The config names no join service endpoint.
-    #[error("no control-plane endpoints configured")]
-    NoEndpoints,
-    /// The config has no usable EK CA, so the join service cannot be verified.
-    #[error("no EK CA configured: the join service cannot be verified")]
-    NoEkCa,
-    /// Reading this node's own PCRs failed.
-    #[error("reading this node's PCRs")]
-    ReadPcrs(#[source] TpmError),
-    /// Another thread panicked while holding the TPM.
-    #[error("the TPM handle is poisoned")]
-    Poisoned,
-    /// This node's own PCRs do not make a set of measurements a join
-    /// service can be validated with.
-    #[error("this node's PCRs do not make usable measurements")]
-    OwnMeasurements(#[source] MeasurementsError),
-    /// Making the kubelet key or CSR failed.
-    #[error("making the kubelet key")]
-    KubeletKey(#[source] rcgen::Error),
-}
 
 /// The result of one attempt to take the node lock.
 enum Locking {
@@ -118,23 +85,6 @@ pub enum JoinOutcome {
         /// What failed.
         error: String,
     },
-}
-
-/// A validator of join services: EK trust and this node's own PCRs
-/// [`SHARED_PCRS`] as enforced values. Reads the PCRs from `tpm`.
-pub fn service_validator(tpm: &SharedTpm, ek_trust: EkTrust) -> Result<Validator, JoinError> {
-    let own = tpm
-        .lock()
-        .map_err(|_| JoinError::Poisoned)?
-        .tpm()
-        .pcr_read(&SHARED_PCRS)
-        .map_err(JoinError::ReadPcrs)?;
-    let expected = Measurements::new(
-        own.into_iter()
-            .map(|(index, value)| (index, Expected::enforced(value))),
-    )
-    .map_err(JoinError::OwnMeasurements)?;
-    Ok(Validator::new(expected, ek_trust))
 }
 
 /// The join client of this node.

@@ -22,9 +22,9 @@ pub mod settings;
 pub mod ticket;
 pub mod transport;
 
-pub use client::{service_validator, JoinClient, JoinError, JoinOutcome};
+pub use client::{JoinClient, JoinOutcome};
 pub use kubelet::KubeletKey;
 pub use service::JoinService;
-pub use settings::{Backoff, JoinSettings};
+pub use settings::{service_validator, Backoff, JoinError, JoinSettings};
 pub use ticket::{JoinTicket, RejoinTicket, TicketError};
 pub use transport::TicketClient;

@@ -1,5 +1,6 @@
-//! The join client's settings: where it asks, whom it trusts, and how it
-//! waits between rounds.
+//! The join client's settings: where it asks, whom it trusts (the join
+//! service's validator, from this node's own PCRs), and how it waits
+//! between rounds.
 
 use std::time::Duration;
 
@@ -7,7 +8,16 @@ use keel_verifier::config::NodeConfig;
 use keel_verifier::ek::EkTrust;
 use rand::Rng as _;
 
-use super::client::JoinError;
+use keel_verifier::measurement::pcr;
+use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
+use keel_verifier::validator::Validator;
+
+use crate::measured::SharedTpm;
+use crate::tpm::TpmError;
+
+/// PCRs the join service must share with this node: the boot chain the
+/// image predicts and the cluster config.
+pub const SHARED_PCRS: [u32; 4] = [4, 9, 11, pcr::CONFIG];
 
 /// Capped exponential backoff with jitter.
 #[derive(Clone, Copy, Debug)]
@@ -66,6 +76,48 @@ impl JoinSettings {
             timeout: Duration::from_secs(30),
         })
     }
+}
+
+/// Why the join client cannot run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JoinError {
+    /// The config names no join service endpoint.
+    #[error("no control-plane endpoints configured")]
+    NoEndpoints,
+    /// The config has no usable EK CA, so the join service cannot be verified.
+    #[error("no EK CA configured: the join service cannot be verified")]
+    NoEkCa,
+    /// Reading this node's own PCRs failed.
+    #[error("reading this node's PCRs")]
+    ReadPcrs(#[source] TpmError),
+    /// Another thread panicked while holding the TPM.
+    #[error("the TPM handle is poisoned")]
+    Poisoned,
+    /// This node's own PCRs do not make a set of measurements a join
+    /// service can be validated with.
+    #[error("this node's PCRs do not make usable measurements")]
+    OwnMeasurements(#[source] MeasurementsError),
+    /// Making the kubelet key or CSR failed.
+    #[error("making the kubelet key")]
+    KubeletKey(#[source] rcgen::Error),
+}
+
+/// A validator of join services: EK trust and this node's own PCRs
+/// [`SHARED_PCRS`] as enforced values. Reads the PCRs from `tpm`.
+pub fn service_validator(tpm: &SharedTpm, ek_trust: EkTrust) -> Result<Validator, JoinError> {
+    let own = tpm
+        .lock()
+        .map_err(|_| JoinError::Poisoned)?
+        .tpm()
+        .pcr_read(&SHARED_PCRS)
+        .map_err(JoinError::ReadPcrs)?;
+    let expected = Measurements::new(
+        own.into_iter()
+            .map(|(index, value)| (index, Expected::enforced(value))),
+    )
+    .map_err(JoinError::OwnMeasurements)?;
+    Ok(Validator::new(expected, ek_trust))
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use keel_verifier::keys;
 
 /// Requests and opens tickets over mutual aTLS: attests with the node's TPM,
 /// validates the service with the validator it is given (see
-/// [`super::client::service_validator`]).
+/// [`super::settings::service_validator`]).
 #[derive(Clone)]
 pub struct TicketClient {
     atls: AtlsClient<Verified>,
