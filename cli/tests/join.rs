@@ -303,6 +303,26 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         .unwrap(),
         new
     );
+
+    // `keel recover` against a node that is a member (PCR 15 set): the CLI
+    // refuses it before it sends anything, whatever the node would answer.
+    let out = run_keel(
+        &[
+            "recover",
+            "--workspace",
+            ws.path().to_str().unwrap(),
+            "--endpoint",
+            &operator_addr.to_string(),
+            "--wait",
+            "0",
+        ],
+        &settings,
+        None,
+    )
+    .await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    assert!(text(&out).contains("PCR 15"), "{}", text(&out));
     operator_task.abort();
     join_task.abort();
 }
