@@ -109,6 +109,27 @@ pub enum MiniError {
 }
 
 /// Maps an I/O error on `path`.
+/// Runs `keel` with `args` to its end and writes what it printed (stdout,
+/// then stderr) to `log`, for people; returns the output.
+pub(crate) fn run_keel(
+    keel: &std::path::Path,
+    args: impl IntoIterator<Item = impl AsRef<std::ffi::OsStr>>,
+    log: &std::path::Path,
+) -> Result<std::process::Output, MiniError> {
+    let output = std::process::Command::new(keel)
+        .args(args)
+        .output()
+        .map_err(|source| MiniError::Spawn {
+            program: keel.display().to_string(),
+            source,
+        })?;
+    let mut text = output.stdout.clone();
+    text.extend_from_slice(b"\n--- stderr\n");
+    text.extend_from_slice(&output.stderr);
+    std::fs::write(log, &text).map_err(io(log))?;
+    Ok(output)
+}
+
 pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> MiniError {
     let path = path.into();
     move |source| MiniError::Io { path, source }

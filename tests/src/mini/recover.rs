@@ -6,11 +6,10 @@
 
 use std::ffi::OsString;
 use std::path::Path;
-use std::process::Command;
 
 use serde::Deserialize;
 
-use super::{io, MiniError};
+use super::MiniError;
 
 /// What `keel recover -o json` prints on success.
 #[derive(Clone, Debug, Deserialize)]
@@ -57,17 +56,7 @@ pub fn run(
     workspace: &Path,
     log: &Path,
 ) -> Result<Recovery, MiniError> {
-    let output = Command::new(keel)
-        .args(args(settings, port, workspace))
-        .output()
-        .map_err(|source| MiniError::Spawn {
-            program: keel.display().to_string(),
-            source,
-        })?;
-    let mut text = output.stdout.clone();
-    text.extend_from_slice(b"\n--- stderr\n");
-    text.extend_from_slice(&output.stderr);
-    std::fs::write(log, &text).map_err(io(log))?;
+    let output = super::run_keel(keel, args(settings, port, workspace), log)?;
     Ok(Recovery {
         success: output.status.success(),
         report: serde_json::from_slice(&output.stdout).ok(),

@@ -2,7 +2,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Command;
 
 use keel_verifier::measurement::{Event, EventType};
 use serde::Deserialize;
@@ -90,19 +89,15 @@ impl VerifyReport {
 /// Runs `keel verify -o json --settings settings` and reads its report.
 /// The report is required whatever the exit status; `log` receives it.
 pub fn run(keel: &Path, settings: &Path, log: &Path) -> Result<Verification, MiniError> {
-    let output = Command::new(keel)
-        .args(["verify", "-o", "json", "--settings"])
-        .arg(settings)
-        .output()
-        .map_err(|source| MiniError::Spawn {
-            program: keel.display().to_string(),
-            source,
-        })?;
-    let mut text = output.stdout.clone();
-    text.extend_from_slice(b"\n--- stderr\n");
-    text.extend_from_slice(&output.stderr);
     // The log is for people; the report below is what counts.
-    let _ = std::fs::write(log, &text);
+    let args = [
+        std::ffi::OsStr::new("verify"),
+        "-o".as_ref(),
+        "json".as_ref(),
+        "--settings".as_ref(),
+        settings.as_os_str(),
+    ];
+    let output = super::run_keel(keel, args, log)?;
     let report = serde_json::from_slice(&output.stdout).map_err(|source| MiniError::Json {
         path: log.to_owned(),
         source,
