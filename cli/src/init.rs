@@ -17,36 +17,13 @@ use keel_verifier::credential;
 use keel_verifier::validator::Verified;
 use prost::Message as _;
 use rand::RngCore;
-use serde::Serialize;
 use tonic::transport::Endpoint;
 use zeroize::Zeroizing;
 
 use crate::settings::{read_bounded, Settings};
-
-/// The file the master secret goes to, before anything is sent.
-pub const MASTER_SECRET_FILE: &str = "keel-master-secret.json";
-/// The admin kubeconfig.
-pub const KUBECONFIG_FILE: &str = "keel-admin.conf";
-/// The cluster ID and the node's attested PCRs.
-pub const ID_FILE: &str = "keel-id.json";
-/// The node's logs after a failed init.
-pub const FAILURE_LOG_FILE: &str = "keel-init-failure.log";
-
-#[derive(Serialize)]
-struct MasterSecretFile {
-    /// Hex, 32 bytes.
-    key: String,
-    /// Hex, 32 bytes.
-    salt: String,
-    /// Hex, 32 bytes.
-    measurement_salt: String,
-}
-
-#[derive(Serialize)]
-struct IdFile {
-    cluster_id: String,
-    endpoint: String,
-}
+use crate::workspace::{
+    IdFile, MasterSecretFile, FAILURE_LOG_FILE, ID_FILE, KUBECONFIG_FILE, MASTER_SECRET_FILE,
+};
 
 /// Writes `data` to `path` with mode 0600, refusing to replace an existing file.
 fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {

@@ -12,6 +12,7 @@ mod push;
 mod recover;
 mod settings;
 mod verify;
+mod workspace;
 
 /// Operate keel clusters: initialise the first node over attested TLS, verify
 /// a node's attestation, recover a control plane, roll out measurements.

@@ -18,26 +18,14 @@ use keel_proto::operator::{ChallengeRequest, SetJoinMeasurementsRequest};
 use keel_verifier::keys::{operator_proof, KeyService};
 use keel_verifier::measurement::{pcr, EventType};
 use keel_verifier::measurements::Measurements;
-use serde::Deserialize;
 use tonic::transport::Endpoint;
-use zeroize::Zeroizing;
 
-use crate::init::{connect, ID_FILE, MASTER_SECRET_FILE};
+use crate::init::connect;
 use crate::settings::{read_bounded, Settings};
+use crate::workspace::{self, MasterSecret};
 
 /// The proof kind the control planes expect.
 const KIND: &str = "set-join-measurements";
-
-#[derive(Deserialize)]
-struct MasterSecretFile {
-    key: String,
-    salt: String,
-}
-
-#[derive(Deserialize)]
-struct IdFile {
-    cluster_id: String,
-}
 
 /// Runs `keel push-measurements`.
 pub async fn run(
@@ -55,20 +43,12 @@ pub async fn run(
     // The control planes refuse what does not parse; refuse it here first.
     Measurements::parse(&body)
         .with_context(|| format!("{} is not a measurements file", file.display()))?;
-    let secret_path = workspace.join(MASTER_SECRET_FILE);
-    let secret: MasterSecretFile =
-        serde_json::from_slice(&Zeroizing::new(read_bounded(&secret_path)?))
-            .with_context(|| format!("{} is not a master secret file", secret_path.display()))?;
-    let master = Zeroizing::new(hex::decode(&secret.key).context("master secret: key is not hex")?);
-    let salt = hex::decode(&secret.salt).context("master secret: salt is not hex")?;
-    let operator_key = KeyService::new(&master, &salt)
+    let secret = MasterSecret::load(workspace)?;
+    let operator_key = KeyService::new(&secret.key, &secret.salt)
         .context("the master secret is unusable")?
         .operator_key()
         .context("deriving the operator key")?;
-    let id_path = workspace.join(ID_FILE);
-    let id: IdFile = serde_json::from_slice(&read_bounded(&id_path)?)
-        .with_context(|| format!("{} is not a cluster ID file", id_path.display()))?;
-    let cluster_id = hex::decode(&id.cluster_id).context("the cluster ID is not hex")?;
+    let cluster_id = workspace::cluster_id(workspace)?;
 
     // Members have PCR 15 set: judged by their event log below.
     let current = settings.measurements()?;

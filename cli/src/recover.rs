@@ -18,24 +18,17 @@ use keel_proto::recovery::RecoverRequest;
 use keel_verifier::credential;
 use keel_verifier::measurement::pcr;
 use prost::Message as _;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tonic::transport::Endpoint;
-use zeroize::Zeroizing;
+use zeroize::{Zeroize as _, Zeroizing};
 
-use crate::init::{connect, MASTER_SECRET_FILE};
-use crate::settings::{read_bounded, Settings};
+use crate::init::connect;
+use crate::settings::Settings;
 use crate::verify::Output;
+use crate::workspace::MasterSecret;
 
 /// How long the node may take to recover (open its disk, start the kubelet).
 const RECOVER_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// The workspace's master secret file, as `keel init` wrote it.
-#[derive(Deserialize)]
-struct MasterSecretFile {
-    key: String,
-    salt: String,
-    measurement_salt: String,
-}
 
 #[derive(Serialize)]
 struct Report {
@@ -55,22 +48,13 @@ pub async fn run(
     let started = Instant::now();
     let settings = Settings::load(settings_path)?;
     let endpoint = endpoint.unwrap_or_else(|| settings.endpoint.clone());
-    let secret_path = workspace.join(MASTER_SECRET_FILE);
-    let file: MasterSecretFile = serde_json::from_slice(&Zeroizing::new(
-        read_bounded(&secret_path)
-            .with_context(|| format!("reading the master secret {}", secret_path.display()))?,
-    ))
-    .with_context(|| format!("{} is not a master secret file", secret_path.display()))?;
-    let hex_field = |value: &str, name: &str| {
-        hex::decode(value).with_context(|| format!("{}: {name} is not hex", secret_path.display()))
+    let secret = MasterSecret::load(workspace)?;
+    let mut secrets = ControlPlaneSecrets {
+        master_secret: secret.key.to_vec(),
+        master_salt: secret.salt.clone(),
     };
-    let secrets = ControlPlaneSecrets {
-        master_secret: hex_field(&file.key, "key")?,
-        master_salt: hex_field(&file.salt, "salt")?,
-    };
-    let measurement_salt = hex_field(&file.measurement_salt, "measurement_salt")?;
     let payload = Zeroizing::new(secrets.encode_to_vec());
-    drop(Zeroizing::new(secrets.master_secret));
+    secrets.master_secret.zeroize();
 
     // The node must be one of ours (the measurements) and in no cluster:
     // a node that already rejoined has PCR 15 set and gets nothing.
@@ -97,7 +81,7 @@ pub async fn run(
     let response = RecoveryServiceClient::new(bound.channel)
         .recover(RecoverRequest {
             secrets: Some(sealed),
-            measurement_salt,
+            measurement_salt: secret.measurement_salt,
         })
         .await
         .map_err(|status| {
