@@ -295,11 +295,11 @@ impl<'a> Provisioner<'a> {
     /// each consequence.
     pub async fn fail(&self, error: &ProvisionError) {
         tracing::error!(error = %keel_atls::ErrorChain(error), "provisioning failed after the node lock");
-        let reset = self
-            .formatted
-            .load(Ordering::SeqCst)
-            .then_some(())
-            .and(self.env.state_disk.as_ref());
+        let reset = if self.formatted.load(Ordering::SeqCst) {
+            self.env.state_disk.as_ref()
+        } else {
+            None
+        };
         for line in reboot::reset_node(reset, self.env.reboot).await {
             (self.log)(line);
         }

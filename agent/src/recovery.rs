@@ -237,12 +237,8 @@ impl RecoveryServer {
         let cluster_id = keys::cluster_id(&measurement_secret, &request.measurement_salt)
             .map_err(|_| RecoveryError::InvalidRequest("measurement salt length"))?;
         let inspected = tokio::task::spawn_blocking(move || {
-            if !disk.cryptsetup.is_luks(&disk.device)? {
-                return Ok(None);
-            }
-            disk.cryptsetup
-                .uuid(&disk.device)
-                .map(|uuid| Some((disk, uuid)))
+            disk.initialised_uuid()
+                .map(|uuid| uuid.map(|uuid| (disk, uuid)))
         })
         .await
         .map_err(|_| RecoveryError::Unavailable)?

@@ -41,6 +41,16 @@ pub struct StateMount {
 }
 
 impl StateDisk {
+    /// The UUID of the disk's LUKS header, `None` for a fresh disk (no
+    /// header): whether the node was a member before this boot.
+    pub fn initialised_uuid(&self) -> Result<Option<String>, DiskError> {
+        if self.cryptsetup.is_luks(&self.device)? {
+            self.cryptsetup.uuid(&self.device).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     /// Sets up a fresh disk: LUKS2 with header UUID `uuid` and `key`, then,
     /// with a [`StateMount`], opens it, creates the file system and mounts
     /// it. Destroys whatever the device held. Returns the mount point.

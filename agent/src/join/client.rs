@@ -175,14 +175,7 @@ impl JoinClient {
     /// A disk that cannot be inspected counts as fresh.
     async fn initialised_disk_uuid(&self, disk: &StateDisk) -> Option<String> {
         let disk = disk.clone();
-        let found = tokio::task::spawn_blocking(move || {
-            if disk.cryptsetup.is_luks(&disk.device)? {
-                disk.cryptsetup.uuid(&disk.device).map(Some)
-            } else {
-                Ok(None)
-            }
-        })
-        .await;
+        let found = tokio::task::spawn_blocking(move || disk.initialised_uuid()).await;
         match found {
             Ok(Ok(uuid)) => uuid,
             Ok(Err(e)) => {

@@ -129,6 +129,8 @@ impl ClusterCa {
 #[derive(Clone)]
 pub struct JoinService {
     inner: Arc<Inner>,
+    /// Later states of the cluster (new join measurements), when followed.
+    updates: Option<tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>>,
 }
 
 struct Inner {
@@ -138,8 +140,6 @@ struct Inner {
     work_dir: PathBuf,
     slots: Semaphore,
     disks: Arc<DiskBindings>,
-    /// Later states of the cluster (new join measurements), when followed.
-    updates: Option<tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>>,
 }
 
 impl JoinService {
@@ -165,30 +165,21 @@ impl JoinService {
                 work_dir,
                 slots: Semaphore::new(MAX_CONCURRENT_TICKETS),
                 disks: Arc::new(disks),
-                updates: None,
             }),
+            updates: None,
         })
     }
 
     /// The same service, issuing tickets from the latest cluster state in
     /// `slot` (the operator may replace the join measurements).
-    pub fn following(self, slot: &crate::cluster::ClusterSlot) -> Self {
-        let inner = match Arc::try_unwrap(self.inner) {
-            Ok(mut inner) => {
-                inner.updates = Some(slot.subscribe());
-                inner
-            }
-            Err(shared) => return Self { inner: shared },
-        };
-        Self {
-            inner: Arc::new(inner),
-        }
+    pub fn following(mut self, slot: &crate::cluster::ClusterSlot) -> Self {
+        self.updates = Some(slot.subscribe());
+        self
     }
 
     /// The cluster state tickets are issued from now.
     fn cluster(&self) -> Arc<ClusterState> {
-        self.inner
-            .updates
+        self.updates
             .as_ref()
             .and_then(|updates| updates.borrow().clone())
             .unwrap_or_else(|| self.inner.cluster.clone())
