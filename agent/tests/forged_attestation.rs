@@ -23,7 +23,6 @@ use keel_proto::join::{
 use keel_testkit::forgery::SoftwareAk;
 use keel_testkit::swtpm::EkCa;
 use keel_verifier::ek::EkTrust;
-use keel_verifier::measurements::{Expected, Measurements};
 use keel_verifier::validator::Validator;
 
 /// A join service run by the forger: it records every request that reaches it.
@@ -80,15 +79,7 @@ async fn a_software_ak_passes_the_document_checks_but_not_key_residency() {
 
     // What a document alone can show, the forgery shows: EK certificate,
     // quote signature, nonce and key binding, PCRs, event log replay.
-    let pcrs = victim
-        .tpm
-        .lock()
-        .unwrap()
-        .tpm()
-        .pcr_read(&[4, 9, 11, 12, 15])
-        .unwrap();
-    let measurements =
-        Measurements::new(pcrs.into_iter().map(|(i, v)| (i, Expected::enforced(v)))).unwrap();
+    let measurements = join_common::measurements_of(&victim.tpm, &[4, 9, 11, 12, 15]);
     let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
     let validator = Validator::new(measurements, trust);
     let (nonce, user_data) = ([9; 32], [8; 32]);

@@ -48,18 +48,7 @@ async fn init(
     secrets: SealedSecret,
     name: &str,
 ) -> tonic::Code {
-    let pcrs = node
-        .tpm
-        .lock()
-        .unwrap()
-        .tpm()
-        .pcr_read(&[4, 9, 11, 12, 15])
-        .unwrap();
-    let measurements = keel_verifier::measurements::Measurements::new(
-        pcrs.into_iter()
-            .map(|(i, v)| (i, keel_verifier::measurements::Expected::enforced(v))),
-    )
-    .unwrap();
+    let measurements = join_common::measurements_of(&node.tpm, &[4, 9, 11, 12, 15]);
     let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
     let client =
         AtlsClient::<Verified>::server_attested(Arc::new(Validator::new(measurements, trust)));

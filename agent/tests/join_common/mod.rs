@@ -51,6 +51,13 @@ pub fn ek_digest(tpm: &SharedTpm) -> keel_verifier::ek::EkDigest {
     keel_agent::attestation::own_ek_digest(tpm.lock().unwrap().tpm()).unwrap()
 }
 
+/// Measurements enforcing the current values of `pcrs` in `tpm`: what a
+/// verifier that knows this very node expects.
+pub fn measurements_of(tpm: &SharedTpm, pcrs: &[u32]) -> Measurements {
+    let values = tpm.lock().unwrap().tpm().pcr_read(pcrs).unwrap();
+    Measurements::new(values.into_iter().map(|(i, v)| (i, Expected::enforced(v)))).unwrap()
+}
+
 /// A free loopback port (bound and released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
