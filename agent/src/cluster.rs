@@ -86,21 +86,11 @@ pub struct ControlPlaneFacts {
     /// The pinned Kubernetes version.
     pub kubernetes_version: String,
     /// The components every node installs.
-    pub components: Vec<StoredComponent>,
+    pub components: Vec<Component>,
     /// The measurements joining nodes are checked against (JSON document).
     pub join_measurements: serde_json::Value,
     /// Join endpoints of the cluster's control planes.
     pub control_plane_endpoints: Vec<String>,
-}
-
-/// One component as stored (the fields of the versions table).
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StoredComponent {
-    url: String,
-    hash: String,
-    install_path: String,
-    extract: bool,
 }
 
 /// Largest facts file read.
@@ -142,19 +132,7 @@ impl ControlPlaneFacts {
             cluster_id: hex::encode(state.cluster_id),
             measurement_salt: hex::encode(&state.measurement_salt),
             kubernetes_version: state.kubernetes_version.to_string(),
-            components: state
-                .components
-                .iter()
-                .map(|c| {
-                    let c = keel_proto::components::Component::from(c);
-                    StoredComponent {
-                        url: c.url,
-                        hash: c.hash,
-                        install_path: c.install_path,
-                        extract: c.extract,
-                    }
-                })
-                .collect(),
+            components: state.components.clone(),
             join_measurements: serde_json::from_str(&state.join_measurements.to_json())
                 .unwrap_or(serde_json::Value::Null),
             control_plane_endpoints: state.control_plane_endpoints.clone(),
@@ -214,19 +192,6 @@ impl ControlPlaneFacts {
         let version = keel_installer::resolve(&self.kubernetes_version)
             .map_err(|_| invalid("Kubernetes version"))?
             .version();
-        let components = self
-            .components
-            .into_iter()
-            .map(|c| {
-                Component::try_from(keel_proto::components::Component {
-                    url: c.url,
-                    hash: c.hash,
-                    install_path: c.install_path,
-                    extract: c.extract,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| invalid("component"))?;
         let join_measurements = Measurements::parse(self.join_measurements.to_string().as_bytes())
             .map_err(|_| invalid("join measurements"))?;
         Ok(ClusterState {
@@ -235,7 +200,7 @@ impl ControlPlaneFacts {
             measurement_secret,
             cluster_id,
             kubernetes_version: version,
-            components,
+            components: self.components,
             api_server,
             pki_dir,
             join_measurements,

@@ -32,8 +32,11 @@ pub enum Source {
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct InstallPath(String);
 
-/// One component: what to fetch, its digest, and where it goes.
-#[derive(Clone, PartialEq, Eq)]
+/// One component: what to fetch, its digest, and where it goes. Its JSON
+/// form is the four fields of the versions table (`url`, `hash`,
+/// `install_path`, `extract`), checked on the way in as the wire form is.
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "ComponentFields", into = "ComponentFields")]
 pub struct Component {
     url: String,
     source: Source,
@@ -237,6 +240,35 @@ impl fmt::Debug for Component {
     }
 }
 
+/// The JSON form of a [`Component`].
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ComponentFields {
+    url: String,
+    hash: String,
+    install_path: String,
+    extract: bool,
+}
+
+impl TryFrom<ComponentFields> for Component {
+    type Error = ComponentError;
+
+    fn try_from(f: ComponentFields) -> Result<Self, Self::Error> {
+        Self::new(&f.url, &f.hash, &f.install_path, f.extract)
+    }
+}
+
+impl From<Component> for ComponentFields {
+    fn from(c: Component) -> Self {
+        Self {
+            hash: c.hash.to_string(),
+            install_path: c.install_path.as_str().to_owned(),
+            extract: c.extract,
+            url: c.url,
+        }
+    }
+}
+
 impl TryFrom<keel_proto::components::Component> for Component {
     type Error = ComponentError;
 
@@ -399,6 +431,33 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn json_is_the_four_table_fields_checked_on_the_way_in() {
+        let c = Component::new(
+            "https://example.com/kubelet",
+            H,
+            "/run/state/bin/kubelet",
+            false,
+        )
+        .unwrap();
+        let json = serde_json::to_value(&c).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"url": "https://example.com/kubelet", "hash": H,
+                "install_path": "/run/state/bin/kubelet", "extract": false})
+        );
+        assert_eq!(
+            serde_json::from_value::<Component>(json.clone()).unwrap(),
+            c
+        );
+        let mut bad = json.clone();
+        bad["hash"] = "sha256:00".into();
+        assert!(serde_json::from_value::<Component>(bad).is_err());
+        let mut extra = json;
+        extra["decoded"] = serde_json::Value::Null;
+        assert!(serde_json::from_value::<Component>(extra).is_err());
     }
 
     #[test]
