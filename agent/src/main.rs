@@ -248,6 +248,7 @@ async fn serve(
     let node = keel_agent::provision::Node {
         env: node::node_env(&config, state_dir)?,
         cluster: Arc::new(ClusterSlot::new(None)),
+        operator_key: Arc::default(),
         config,
         tpm,
         lock,
@@ -272,12 +273,11 @@ async fn serve(
     if node.config.cluster.init_secret_hash.is_empty() {
         tracing::info!("no init secret configured: this node does not accept init");
     }
-    if control_plane || !node.config.cluster.init_secret_hash.is_empty() {
-        // A control plane also serves recovery and the operator API there.
-        let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, node.config.cluster.init_port));
-        let measurements = control_plane.then_some(measurements);
-        tasks.spawn(node::serve_operator_port(addr, node, measurements));
-    }
+    // Every node serves its init port: init (where an init secret is
+    // configured), recovery (control planes) and the operator API.
+    let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, node.config.cluster.init_port));
+    let measurements = control_plane.then_some(measurements);
+    tasks.spawn(node::serve_operator_port(addr, node, measurements));
     let supervise = async {
         while let Some(done) = tasks.join_next().await {
             match done {

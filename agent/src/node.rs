@@ -26,7 +26,7 @@ use crate::init::InitServer;
 use crate::join::{JoinClient, JoinOutcome, JoinService, JoinSettings};
 use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
-use crate::operator::OperatorServer;
+use crate::operator::{OperatorAuth, OperatorServer};
 use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT, STATE_SERVICES};
 use crate::provision::Node;
 use crate::provision::{KubeletStart, NodeEnv};
@@ -100,20 +100,32 @@ pub async fn serve_operator_port(
 ) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "init server listening (server-attested aTLS)");
-    let operator = measurements
-        .map(|path| OperatorServer::new(node.cluster.clone(), path, node.env.root().to_owned()));
+    let own_ek = {
+        let mut tpm = node
+            .tpm
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the TPM handle is poisoned"))?;
+        crate::attestation::own_ek_digest(tpm.tpm())?
+    };
+    let auth = OperatorAuth::new(own_ek, node.cluster.clone(), node.operator_key.clone());
+    let operator = OperatorServer::new(
+        auth,
+        node.cluster.clone(),
+        measurements,
+        node.env.root().to_owned(),
+    );
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
     let recovery = RecoveryServer::new(node.clone());
     let init = InitServer::new(node);
     let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
     let init = init_service(init);
     let recovery = recovery.into_service();
-    let operator = operator.map(OperatorServer::into_service);
+    let operator = operator.into_service();
     grpc::serve(incoming, &GrpcLimits::default(), |server| {
         server
             .add_service(init)
             .add_service(recovery)
-            .add_optional_service(operator)
+            .add_service(operator)
     })
     .await?;
     Ok(())
@@ -215,7 +227,8 @@ pub async fn serve_join_as_control_plane(
 pub async fn run_join_client(node: Node) -> anyhow::Result<()> {
     let settings = JoinSettings::from_config(&node.config)?;
     let client = JoinClient::new(node.config, node.tpm, node.lock, node.env, settings)?
-        .with_cluster_slot(node.cluster);
+        .with_cluster_slot(node.cluster)
+        .with_operator_key_slot(node.operator_key);
     match client.run().await {
         JoinOutcome::Joined { cluster_id } => {
             tracing::info!(cluster_id = %hex::encode(cluster_id), "joined the cluster");

@@ -1,19 +1,20 @@
-//! The operator API of a control plane: changes only the cluster's operator
-//! may make.
+//! The operator API of a node: changes only the cluster's operator may make.
 //!
-//! Served next to init and recovery (server-attested aTLS), once the node
-//! serves joins. Each change carries a proof made with the operator key,
-//! which derives from the master secret ([`keel_verifier::keys::operator_proof`]),
-//! over a challenge this node issued: at most [`MAX_CHALLENGES`] are
-//! outstanding, each is valid for [`CHALLENGE_TTL`] and used once, so a
-//! recorded request cannot be replayed and a flood of challenges only
-//! evicts the oldest. An address that sends a wrong proof waits, doubling
-//! per failure.
+//! Served on the init port (server-attested aTLS) of every node once it is
+//! a member. Each change carries a proof made with the node's operator key
+//! ([`keel_verifier::keys::OperatorKey`]: derived from the master secret
+//! for this node's EK; a control plane derives its own, a worker got its
+//! own sealed in its ticket) over a challenge this node issued: at most
+//! [`MAX_CHALLENGES`] are outstanding, each is valid for [`CHALLENGE_TTL`]
+//! and used once, so a recorded request cannot be replayed (here or on
+//! another node, whose key differs) and a flood of challenges only evicts
+//! the oldest. An address that sends a wrong proof waits, doubling per
+//! failure. [`OperatorAuth::authorize`] is the one place these checks run.
 //!
-//! `SetJoinMeasurements` replaces the measurements the join service accepts:
-//! the file the join service re-reads, the facts on the state disk (so a
-//! reboot keeps them) and the cluster state the next tickets carry (so a
-//! control plane that joins later serves the same).
+//! `SetJoinMeasurements` (control planes) replaces the measurements the
+//! join service accepts: the file the join service re-reads, the facts on
+//! the state disk (so a reboot keeps them) and the cluster state the next
+//! tickets carry (so a control plane that joins later serves the same).
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
@@ -25,7 +26,8 @@ use keel_proto::operator::operator_service_server::{OperatorService, OperatorSer
 use keel_proto::operator::{
     ChallengeRequest, ChallengeResponse, SetJoinMeasurementsRequest, SetJoinMeasurementsResponse,
 };
-use keel_verifier::keys::operator_proof;
+use keel_verifier::ek::EkDigest;
+use keel_verifier::keys::OperatorKey;
 use keel_verifier::measurements::Measurements;
 use rand::RngCore as _;
 use sha2::{Digest as _, Sha256};
@@ -47,9 +49,12 @@ pub const SET_JOIN_MEASUREMENTS: &str = "set-join-measurements";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OperatorError {
-    /// The node serves no cluster (yet).
-    #[error("this node serves no cluster")]
+    /// The node is in no cluster (yet).
+    #[error("this node is in no cluster")]
     NotServing,
+    /// The request is for control planes only.
+    #[error("this node is not a control plane")]
+    NotControlPlane,
     /// The challenge is unknown, used or expired.
     #[error("unknown, used or expired challenge")]
     Challenge,
@@ -72,7 +77,7 @@ impl From<&OperatorError> for tonic::Status {
     fn from(e: &OperatorError) -> Self {
         use OperatorError as E;
         let code = match e {
-            E::NotServing => tonic::Code::FailedPrecondition,
+            E::NotServing | E::NotControlPlane => tonic::Code::FailedPrecondition,
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
             E::Measurements(_) => tonic::Code::InvalidArgument,
@@ -82,39 +87,47 @@ impl From<&OperatorError> for tonic::Status {
     }
 }
 
-/// The operator service of a node.
-#[derive(Clone)]
-pub struct OperatorServer {
-    inner: Arc<Inner>,
+/// Where a node that joined keeps the operator key its ticket carried.
+#[derive(Debug, Default)]
+pub struct OperatorKeySlot(Mutex<Option<OperatorKey>>);
+
+impl OperatorKeySlot {
+    /// Keeps `key` (a later ticket's replaces an earlier one's).
+    pub fn set(&self, key: OperatorKey) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(key);
+    }
+
+    fn get(&self) -> Option<OperatorKey> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
 }
 
-struct Inner {
+/// The checks every operator request passes: a fresh single-use
+/// challenge, a proof with this node's operator key, and the backoff of
+/// addresses that sent wrong proofs.
+pub struct OperatorAuth {
+    own_ek: EkDigest,
     cluster: Arc<ClusterSlot>,
-    measurements: PathBuf,
-    root: PathBuf,
+    joined: Arc<OperatorKeySlot>,
     challenges: Mutex<VecDeque<([u8; 32], Instant)>>,
     throttle: FailureThrottle,
 }
 
-impl OperatorServer {
-    /// The operator service of a node whose cluster state appears in
-    /// `cluster`, whose join service reads `measurements`, and whose facts
-    /// live under `root`.
-    pub fn new(cluster: Arc<ClusterSlot>, measurements: PathBuf, root: PathBuf) -> Self {
+impl OperatorAuth {
+    /// The checks of the node whose EK digest is `own_ek`: a control plane
+    /// derives its key from the keys in `cluster`, any other member uses
+    /// the key its ticket left in `joined`.
+    pub fn new(own_ek: EkDigest, cluster: Arc<ClusterSlot>, joined: Arc<OperatorKeySlot>) -> Self {
         Self {
-            inner: Arc::new(Inner {
-                cluster,
-                measurements,
-                root,
-                challenges: Mutex::new(VecDeque::new()),
-                throttle: FailureThrottle::default(),
-            }),
+            own_ek,
+            cluster,
+            joined,
+            challenges: Mutex::new(VecDeque::new()),
+            throttle: FailureThrottle::default(),
         }
-    }
-
-    /// The tonic service, requests bounded to [`MAX_OPERATOR_REQUEST_BYTES`].
-    pub fn into_service(self) -> OperatorServiceServer<Self> {
-        OperatorServiceServer::new(self).max_decoding_message_size(MAX_OPERATOR_REQUEST_BYTES)
     }
 
     /// A fresh challenge.
@@ -132,8 +145,7 @@ impl OperatorServer {
     }
 
     fn challenges(&self) -> std::sync::MutexGuard<'_, VecDeque<([u8; 32], Instant)>> {
-        self.inner
-            .challenges
+        self.challenges
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
@@ -150,6 +162,91 @@ impl OperatorServer {
         }
     }
 
+    /// This node's operator key, once it is a member.
+    fn key(&self) -> Option<OperatorKey> {
+        let state = self.cluster.borrow().clone();
+        match state {
+            Some(state) => state.keys.operator_key(&self.own_ek).ok(),
+            None => self.joined.get(),
+        }
+    }
+
+    /// Accepts a request of `kind` with `body` from `peer` only with a
+    /// valid `proof` for an outstanding `challenge` (which it spends).
+    pub fn authorize(
+        &self,
+        kind: &str,
+        challenge: &[u8],
+        body: &[u8],
+        proof: &[u8],
+        peer: Option<IpAddr>,
+    ) -> Result<(), OperatorError> {
+        if let Some(ip) = peer {
+            self.throttle
+                .check(ip)
+                .map_err(|wait| OperatorError::Throttled(wait.as_secs().max(1)))?;
+        }
+        let key = self.key().ok_or(OperatorError::NotServing)?;
+        let proven = self.take_challenge(challenge) && key.verifies(kind, challenge, body, proof);
+        if !proven {
+            if let Some(ip) = peer {
+                let (failures, wait) = self.throttle.failed(ip);
+                tracing::warn!(peer = %ip, kind, failures, wait_s = wait.as_secs_f64(), "operator request refused: no valid proof");
+            }
+            return Err(OperatorError::Proof);
+        }
+        if let Some(ip) = peer {
+            self.throttle.succeeded(ip);
+        }
+        Ok(())
+    }
+}
+
+/// The operator service of a node.
+#[derive(Clone)]
+pub struct OperatorServer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    auth: OperatorAuth,
+    cluster: Arc<ClusterSlot>,
+    /// The file a control plane's join service reads (`None` elsewhere).
+    measurements: Option<PathBuf>,
+    root: PathBuf,
+}
+
+impl OperatorServer {
+    /// The operator service of a node checked by `auth`, whose cluster
+    /// state (a control plane's) appears in `cluster`, whose join service
+    /// reads `measurements` (control planes), and whose facts live under
+    /// `root`.
+    pub fn new(
+        auth: OperatorAuth,
+        cluster: Arc<ClusterSlot>,
+        measurements: Option<PathBuf>,
+        root: PathBuf,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                auth,
+                cluster,
+                measurements,
+                root,
+            }),
+        }
+    }
+
+    /// The tonic service, requests bounded to [`MAX_OPERATOR_REQUEST_BYTES`].
+    pub fn into_service(self) -> OperatorServiceServer<Self> {
+        OperatorServiceServer::new(self).max_decoding_message_size(MAX_OPERATOR_REQUEST_BYTES)
+    }
+
+    /// A fresh challenge.
+    pub fn challenge(&self) -> [u8; 32] {
+        self.inner.auth.challenge()
+    }
+
     /// Replaces the join measurements, for a request from `peer`; returns
     /// the SHA-256 of the measurements now in force.
     pub fn set_join_measurements(
@@ -158,45 +255,26 @@ impl OperatorServer {
         peer: Option<IpAddr>,
     ) -> Result<[u8; 32], OperatorError> {
         let inner = &self.inner;
-        if let Some(ip) = peer {
-            inner
-                .throttle
-                .check(ip)
-                .map_err(|wait| OperatorError::Throttled(wait.as_secs().max(1)))?;
-        }
+        inner.auth.authorize(
+            SET_JOIN_MEASUREMENTS,
+            &request.challenge,
+            &request.measurements,
+            &request.proof,
+            peer,
+        )?;
+        let path = inner
+            .measurements
+            .as_ref()
+            .ok_or(OperatorError::NotControlPlane)?;
         let state = inner
             .cluster
             .borrow()
             .clone()
-            .ok_or(OperatorError::NotServing)?;
-        let proven = self.take_challenge(&request.challenge)
-            && state
-                .keys
-                .operator_key()
-                .ok()
-                .and_then(|key| {
-                    operator_proof(
-                        &key,
-                        SET_JOIN_MEASUREMENTS,
-                        &request.challenge,
-                        &request.measurements,
-                    )
-                })
-                .is_some_and(|expected| bool::from(expected.as_slice().ct_eq(&request.proof)));
-        if !proven {
-            if let Some(ip) = peer {
-                let (failures, wait) = inner.throttle.failed(ip);
-                tracing::warn!(peer = %ip, failures, wait_s = wait.as_secs_f64(), "operator request refused: no valid proof");
-            }
-            return Err(OperatorError::Proof);
-        }
-        if let Some(ip) = peer {
-            inner.throttle.succeeded(ip);
-        }
+            .ok_or(OperatorError::NotControlPlane)?;
         let measurements = Measurements::parse(&request.measurements)
             .map_err(|e| OperatorError::Measurements(e.to_string()))?;
         let json = measurements.to_json();
-        crate::files::write_private(&inner.measurements, json.as_bytes())
+        crate::files::write_private(path, json.as_bytes())
             .map_err(|e| OperatorError::Store(e.into()))?;
         let updated = Arc::new(state.with_join_measurements(measurements));
         ControlPlaneFacts::of(&updated)
@@ -204,7 +282,7 @@ impl OperatorServer {
             .map_err(|e| OperatorError::Store(e.into()))?;
         inner.cluster.send_replace(Some(updated));
         let digest: [u8; 32] = Sha256::digest(json.as_bytes()).into();
-        tracing::info!(digest = %hex::encode(digest), path = %inner.measurements.display(), "join measurements replaced by the operator");
+        tracing::info!(digest = %hex::encode(digest), path = %path.display(), "join measurements replaced by the operator");
         Ok(digest)
     }
 }

@@ -108,6 +108,9 @@ pub struct Node {
     pub env: NodeEnv,
     /// The cluster state of a control plane, once it has one.
     pub cluster: Arc<ClusterSlot>,
+    /// The operator key a joined node's ticket carried (a control plane
+    /// derives its own from the cluster state).
+    pub operator_key: Arc<crate::operator::OperatorKeySlot>,
 }
 
 /// How the kubelet is started when the node's setup is on its disk.

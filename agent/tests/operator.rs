@@ -10,9 +10,10 @@ use std::sync::Arc;
 
 use join_common::{boot_measurements, boot_measurements_with, free_port};
 use keel_agent::cluster::{ClusterSlot, ControlPlaneFacts};
-use keel_agent::operator::{OperatorError, OperatorServer, SET_JOIN_MEASUREMENTS};
+use keel_agent::operator::{OperatorAuth, OperatorError, OperatorServer, SET_JOIN_MEASUREMENTS};
 use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::operator_proof;
 use keel_verifier::measurements::{Expected, Measurements};
 
@@ -33,8 +34,22 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("work/join-measurements.json");
     let slot = Arc::new(ClusterSlot::new(None));
-    let server = OperatorServer::new(slot.clone(), path.clone(), dir.path().join("root"));
-    let key = service.state.keys.operator_key().unwrap();
+    let own_ek = join_common::ek_digest(&service.tpm);
+    let auth = OperatorAuth::new(own_ek, slot.clone(), Arc::default());
+    let server = OperatorServer::new(
+        auth,
+        slot.clone(),
+        Some(path.clone()),
+        dir.path().join("root"),
+    );
+    let key = service.state.keys.operator_key(&own_ek).unwrap();
+    let key = key.expose();
+    // Another node's key (another EK) proves nothing here.
+    let other_node = service
+        .state
+        .keys
+        .operator_key(&EkDigest::of_marshalled(b"x"))
+        .unwrap();
     let new = boot_measurements_with(&service.config, [(13, Expected::warn_only([7; 32]))])
         .to_json()
         .into_bytes();
@@ -46,7 +61,7 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
     // A node that serves no cluster yet takes nothing.
     let c = server.challenge();
     refused(
-        server.set_join_measurements(&request(&c, &key, &new), None),
+        server.set_join_measurements(&request(&c, key, &new), None),
         tonic::Code::FailedPrecondition,
     );
     slot.send_replace(Some(service.state.clone()));
@@ -58,19 +73,24 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
         server.set_join_measurements(&request(&c, &[9; 32], &new), None),
         tonic::Code::PermissionDenied,
     );
+    let c = server.challenge();
     refused(
-        server.set_join_measurements(&request(&c, &key, &new), None),
+        server.set_join_measurements(&request(&c, other_node.expose(), &new), None),
+        tonic::Code::PermissionDenied,
+    );
+    refused(
+        server.set_join_measurements(&request(&c, key, &new), None),
         tonic::Code::PermissionDenied,
     );
     let c = server.challenge();
-    let mut swapped = request(&c, &key, &new);
+    let mut swapped = request(&c, key, &new);
     swapped.measurements = boot_measurements(&service.config).to_json().into_bytes();
     refused(
         server.set_join_measurements(&swapped, None),
         tonic::Code::PermissionDenied,
     );
     refused(
-        server.set_join_measurements(&request(&[1; 32], &key, &new), None),
+        server.set_join_measurements(&request(&[1; 32], key, &new), None),
         tonic::Code::PermissionDenied,
     );
     assert!(!path.exists(), "a refused request wrote the measurements");
@@ -78,7 +98,7 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
     // The operator: replaced in the file the join service reads, in the
     // facts on the disk and in the state the next tickets come from.
     let c = server.challenge();
-    let good = request(&c, &key, &new);
+    let good = request(&c, key, &new);
     let digest = server.set_join_measurements(&good, None).unwrap();
     let expected = Measurements::parse(&new).unwrap();
     assert_eq!(
@@ -110,7 +130,7 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
     let weak = serde_json::to_vec(&weak).unwrap();
     let c = server.challenge();
     refused(
-        server.set_join_measurements(&request(&c, &key, &weak), None),
+        server.set_join_measurements(&request(&c, key, &weak), None),
         tonic::Code::InvalidArgument,
     );
     assert_eq!(
@@ -127,7 +147,7 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
     );
     let c = server.challenge();
     refused(
-        server.set_join_measurements(&request(&c, &key, &new), Some(guesser)),
+        server.set_join_measurements(&request(&c, key, &new), Some(guesser)),
         tonic::Code::ResourceExhausted,
     );
 }

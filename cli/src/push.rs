@@ -4,8 +4,9 @@
 //! Each control plane is validated first: its boot chain and config by the
 //! settings' measurements, and its event log must lock it into exactly the
 //! cluster of the workspace. Then the CLI asks it for a challenge and sends
-//! the file with the operator's proof for that challenge (a key derived
-//! from the master secret; the secret itself never leaves this machine).
+//! the file with the operator's proof for that challenge (made with the
+//! node's operator key, derived from the master secret for the EK the node
+//! attested; the secret itself never leaves this machine).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -15,7 +16,8 @@ use anyhow::{bail, Context as _};
 use keel_atls::AtlsClient;
 use keel_proto::operator::operator_service_client::OperatorServiceClient;
 use keel_proto::operator::{ChallengeRequest, SetJoinMeasurementsRequest};
-use keel_verifier::keys::{operator_proof, KeyService};
+use keel_verifier::ek::EkDigest;
+use keel_verifier::keys::KeyService;
 use keel_verifier::measurement::{pcr, EventType};
 use keel_verifier::measurements::Measurements;
 use tonic::transport::Endpoint;
@@ -44,10 +46,8 @@ pub async fn run(
     Measurements::parse(&body)
         .with_context(|| format!("{} is not a measurements file", file.display()))?;
     let secret = MasterSecret::load(workspace)?;
-    let operator_key = KeyService::new(&secret.key, &secret.salt)
-        .context("the master secret is unusable")?
-        .operator_key()
-        .context("deriving the operator key")?;
+    let keys =
+        KeyService::new(&secret.key, &secret.salt).context("the master secret is unusable")?;
     let cluster_id = workspace::cluster_id(workspace)?;
 
     // Members have PCR 15 set: judged by their event log below.
@@ -78,6 +78,10 @@ pub async fn run(
             [lock] if lock.data == cluster_id => {}
             _ => bail!("{endpoint} is not a member of the workspace's cluster; nothing was sent"),
         }
+        // The node's own key: derived for the EK it just proved it holds.
+        let operator_key = keys
+            .operator_key(&EkDigest::of_public(&attested.claims().ek))
+            .context("deriving the node's operator key")?;
         let mut operator = OperatorServiceClient::new(bound.channel);
         let challenge = operator
             .challenge(ChallengeRequest {})
@@ -85,8 +89,7 @@ pub async fn run(
             .map_err(|s| anyhow::anyhow!("{endpoint}: {}: {}", s.code(), s.message()))?
             .into_inner()
             .challenge;
-        let proof = operator_proof(&operator_key, KIND, &challenge, &body)
-            .context("computing the operator proof")?;
+        let proof = operator_key.prove(KIND, &challenge, &body);
         let done = operator
             .set_join_measurements(SetJoinMeasurementsRequest {
                 measurements: body.clone(),

@@ -95,6 +95,7 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
                 lock,
                 env,
                 cluster,
+                operator_key: Default::default(),
             };
             let _ = keel_agent::node::serve_init(addr, node).await;
         }

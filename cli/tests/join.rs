@@ -65,6 +65,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
                 lock: lock1,
                 env,
                 cluster: slot,
+                operator_key: Default::default(),
             };
             let _ = keel_agent::node::serve_init(init_addr, node).await;
         }
@@ -232,6 +233,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
                 lock,
                 env,
                 cluster: slot,
+                operator_key: Default::default(),
             };
             let _ = keel_agent::node::serve_operator_port(operator_addr, node, Some(path)).await;
         }

@@ -17,6 +17,10 @@
 //!   does not open it.
 //! * [`MEASUREMENT_SECRET_ID`]: the measurement secret, which with the
 //!   measurement salt gives the [`cluster_id`].
+//! * [`operator_key_id`]: `"operator:ek:" + EK digest` names the key a
+//!   node checks the operator's requests with ([`OperatorKey`]). One key
+//!   per node: a node (a worker holds only its own) can check proofs made
+//!   for it, never make a proof another node accepts.
 //!
 //! The key service runs in-process on every node that holds the master
 //! secret (the join service derives disk keys through it). Key bytes never
@@ -45,10 +49,9 @@ pub const MEASUREMENT_SECRET_LEN: RangeInclusive<usize> = 16..=512;
 pub const MEASUREMENT_SALT_LEN: RangeInclusive<usize> = 32..=512;
 /// Key ID of the measurement secret.
 pub const MEASUREMENT_SECRET_ID: &str = "measurementSecret";
-/// Key ID of the operator key: what the operator's CLI proves possession
-/// of to a control plane (never the master secret itself).
-pub const OPERATOR_KEY_ID: &str = "operatorKey";
-/// Length of the operator key.
+/// Prefix of operator key IDs (see [`operator_key_id`]).
+pub const OPERATOR_KEY_PREFIX: &str = "operator:ek:";
+/// Length of an operator key.
 pub const OPERATOR_KEY_LEN: usize = 32;
 /// Prefix of state-disk key IDs (see [`disk_key_id`]).
 pub const DISK_KEY_PREFIX: &str = "disk:";
@@ -175,9 +178,11 @@ impl KeyService {
         (&self.master_secret, &self.master_salt)
     }
 
-    /// The operator key ([`OPERATOR_KEY_ID`], [`OPERATOR_KEY_LEN`] bytes).
-    pub fn operator_key(&self) -> Result<Zeroizing<Vec<u8>>, DataKeyError> {
-        self.data_key(OPERATOR_KEY_ID, OPERATOR_KEY_LEN)
+    /// The operator key of the node whose endorsement key is `ek`
+    /// ([`operator_key_id`]).
+    pub fn operator_key(&self, ek: &EkDigest) -> Result<OperatorKey, DataKeyError> {
+        let derived = self.data_key(&operator_key_id(ek), OPERATOR_KEY_LEN)?;
+        OperatorKey::from_slice(&derived).ok_or(DataKeyError::Length(derived.len()))
     }
 
     /// The cluster's measurement secret ([`MEASUREMENT_SECRET_KEY_LEN`] bytes).
@@ -196,6 +201,53 @@ pub enum DiskKeyError {
     /// Derivation failed.
     #[error(transparent)]
     Derive(#[from] DataKeyError),
+}
+
+/// The key ID of a node's operator key: `"operator:ek:"` + the hex digest
+/// of the node's endorsement key.
+pub fn operator_key_id(ek: &EkDigest) -> String {
+    format!("{OPERATOR_KEY_PREFIX}{}", hex::encode(ek.as_bytes()))
+}
+
+/// The key a node checks the operator's requests with: the operator's CLI
+/// derives it from the master secret for the node it attested, a control
+/// plane derives its own, a worker receives its own sealed in its join and
+/// rejoin tickets. Zeroed on drop, redacted in `Debug`.
+#[derive(Clone)]
+pub struct OperatorKey(Zeroizing<[u8; OPERATOR_KEY_LEN]>);
+
+impl fmt::Debug for OperatorKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OperatorKey(<redacted>)")
+    }
+}
+
+impl OperatorKey {
+    /// The key from its bytes; `None` unless exactly [`OPERATOR_KEY_LEN`].
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        let mut key = Zeroizing::new([0u8; OPERATOR_KEY_LEN]);
+        if bytes.len() != OPERATOR_KEY_LEN {
+            return None;
+        }
+        key.copy_from_slice(bytes);
+        Some(Self(key))
+    }
+
+    /// The key's bytes: only to seal them to the node they are for.
+    pub fn expose(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+
+    /// The proof for one request ([`operator_proof`]).
+    pub fn prove(&self, kind: &str, challenge: &[u8], body: &[u8]) -> [u8; 32] {
+        operator_proof(self.0.as_slice(), kind, challenge, body).unwrap_or([0; 32])
+    }
+
+    /// Whether `proof` is this key's proof for the request (constant time).
+    pub fn verifies(&self, kind: &str, challenge: &[u8], body: &[u8], proof: &[u8]) -> bool {
+        use subtle::ConstantTimeEq as _;
+        bool::from(self.prove(kind, challenge, body).as_slice().ct_eq(proof))
+    }
 }
 
 /// The key ID of a state disk: `"disk:"` + the UUID in lower case +
@@ -411,12 +463,19 @@ mod tests {
     #[test]
     fn operator_proofs_bind_key_kind_challenge_and_body() {
         let keys = service();
-        let key = keys.operator_key().unwrap();
+        let owner = keys.operator_key(&ek(0xab)).unwrap();
+        let key = owner.expose().to_vec();
         assert_ne!(
             key.as_slice(),
             keys.measurement_secret().unwrap().as_slice()
         );
+        // One key per node: another node's key proves nothing here.
+        let other_node = keys.operator_key(&ek(0xac)).unwrap();
+        assert_ne!(other_node.expose(), owner.expose());
         let proof = operator_proof(&key, "set-join-measurements", &[1; 32], b"{}");
+        assert!(owner.verifies("set-join-measurements", &[1; 32], b"{}", &proof.unwrap()));
+        assert!(!other_node.verifies("set-join-measurements", &[1; 32], b"{}", &proof.unwrap()));
+        assert!(!owner.verifies("set-join-measurements", &[1; 32], b"{}", &[0; 31]));
         assert_eq!(
             proof,
             operator_proof(&key, "set-join-measurements", &[1; 32], b"{}")

@@ -46,6 +46,7 @@ use crate::disk::StateDisk;
 use crate::kubeadm::{ControlPlaneJoin, JoinConfig};
 use crate::measured::SharedTpm;
 use crate::nodelock::{LockError, NodeLock};
+use crate::operator::OperatorKeySlot;
 use crate::paths;
 use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
 use keel_verifier::keys::ClusterId;
@@ -99,6 +100,8 @@ pub struct JoinClient {
     endpoints: Mutex<Vec<String>>,
     /// Where a control plane hands its cluster state to its join service.
     cluster: Arc<ClusterSlot>,
+    /// Where the operator key of a ticket goes.
+    operator_key: Arc<OperatorKeySlot>,
 }
 
 impl JoinClient {
@@ -125,6 +128,7 @@ impl JoinClient {
             settings,
             tickets,
             cluster: Arc::new(ClusterSlot::new(None)),
+            operator_key: Arc::default(),
         })
     }
 
@@ -132,6 +136,13 @@ impl JoinClient {
     /// rejoined) to `slot`, where its join service waits for it.
     pub fn with_cluster_slot(mut self, slot: Arc<ClusterSlot>) -> Self {
         self.cluster = slot;
+        self
+    }
+
+    /// Keeps the operator key of the ticket this node joins or rejoins
+    /// with in `slot`, where its operator API reads it.
+    pub fn with_operator_key_slot(mut self, slot: Arc<OperatorKeySlot>) -> Self {
+        self.operator_key = slot;
         self
     }
 
@@ -306,6 +317,7 @@ impl JoinClient {
         };
         tracing::info!(cluster_id = %hex::encode(ticket.cluster_id), "node locked for join");
         self.learn_endpoints(&ticket.control_plane_endpoints);
+        self.operator_key.set(ticket.operator_key.clone());
         let (plan, join) = self.join_plan(&ticket, disk_uuid, &kubelet, is_control_plane);
         let cluster_id = ticket.cluster_id;
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
@@ -368,6 +380,7 @@ impl JoinClient {
             Err(outcome) => return outcome,
         };
         self.learn_endpoints(&ticket.control_plane_endpoints);
+        self.operator_key.set(ticket.operator_key.clone());
         let plan = Plan {
             disk: DiskStep::Open {
                 key: ticket.disk_key,

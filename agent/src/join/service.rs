@@ -273,6 +273,7 @@ impl JoinService {
             control_plane: request
                 .is_control_plane
                 .then(|| control_plane_secrets(cluster)),
+            operator_key: operator_key(cluster, &ek)?,
         };
         let sealed = seal(peer, secrets)?;
         tracing::info!(
@@ -342,6 +343,7 @@ impl JoinService {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),
             control_plane: is_control_plane.then(|| control_plane_secrets(cluster)),
+            operator_key: operator_key(cluster, &ek)?,
             ..JoinSecrets::default()
         };
         let sealed = seal(peer, secrets)?;
@@ -422,6 +424,15 @@ fn measured_identity(peer: &Verified) -> Result<NodeIdentity, JoinServiceError> 
         .map_err(|_| JoinServiceError::Identity("the node identity does not parse"))
 }
 
+/// The operator key of the node whose EK is `ek`, for its ticket.
+fn operator_key(cluster: &ClusterState, ek: &EkDigest) -> Result<Vec<u8>, JoinServiceError> {
+    let key = cluster
+        .keys
+        .operator_key(ek)
+        .map_err(|_| JoinServiceError::Derive)?;
+    Ok(key.expose().to_vec())
+}
+
 /// The master secret and salt, for a control plane's ticket.
 fn control_plane_secrets(cluster: &ClusterState) -> ControlPlaneSecrets {
     let (master_secret, master_salt) = cluster.keys.expose_master();
@@ -439,6 +450,7 @@ fn seal(
     secrets.state_disk_key.zeroize();
     secrets.measurement_secret.zeroize();
     secrets.bootstrap_token.zeroize();
+    secrets.operator_key.zeroize();
     for file in &mut secrets.control_plane_files {
         file.data.zeroize();
     }

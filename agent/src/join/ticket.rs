@@ -24,7 +24,7 @@ use zeroize::Zeroizing;
 
 use super::kubelet;
 use crate::kubeadm::{BootstrapToken, CaCertHash};
-use keel_verifier::keys::{ClusterId, ClusterIdError, KeyService, DISK_KEY_LEN};
+use keel_verifier::keys::{ClusterId, ClusterIdError, KeyService, OperatorKey, DISK_KEY_LEN};
 
 /// Largest accepted ticket message.
 pub const MAX_TICKET_BYTES: usize = 1024 * 1024;
@@ -118,6 +118,8 @@ pub struct JoinTicket {
     pub control_plane: Option<(KeyService, Measurements)>,
     /// Join endpoints of the cluster's control planes.
     pub control_plane_endpoints: Vec<String>,
+    /// The key this node checks the operator's requests with.
+    pub operator_key: OperatorKey,
 }
 
 impl std::fmt::Debug for JoinTicket {
@@ -161,6 +163,7 @@ impl Drop for OpenedSecrets {
             cp.master_secret.zeroize();
         }
         self.0.bootstrap_token.zeroize();
+        self.0.operator_key.zeroize();
         for file in &mut self.0.control_plane_files {
             file.data.zeroize();
         }
@@ -177,6 +180,8 @@ pub struct RejoinTicket {
     pub control_plane_keys: Option<KeyService>,
     /// Join endpoints of the cluster's control planes.
     pub control_plane_endpoints: Vec<String>,
+    /// The key this node checks the operator's requests with.
+    pub operator_key: OperatorKey,
 }
 
 impl RejoinTicket {
@@ -196,8 +201,15 @@ impl RejoinTicket {
             disk_key: Zeroizing::new(secrets.state_disk_key.clone()),
             control_plane_keys: control_plane_keys(secrets, is_control_plane)?,
             control_plane_endpoints: check_endpoints(endpoints)?,
+            operator_key: operator_key(secrets)?,
         })
     }
+}
+
+/// The node's operator key from a ticket's secrets.
+fn operator_key(secrets: &JoinSecrets) -> Result<OperatorKey, TicketError> {
+    OperatorKey::from_slice(&secrets.operator_key)
+        .ok_or_else(|| TicketError::Invalid("operator key length".into()))
 }
 
 /// Most control-plane endpoints a ticket may name.
@@ -363,5 +375,6 @@ pub fn parse_join_ticket(
         components,
         control_plane,
         control_plane_endpoints: check_endpoints(response.control_plane_endpoints)?,
+        operator_key: operator_key(secrets)?,
     })
 }

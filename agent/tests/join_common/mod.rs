@@ -571,6 +571,7 @@ impl Joiner {
             lock: self.lock.clone(),
             env: node_env(&self.root, &self.work, disk.then_some(self.disk.as_path())),
             cluster: Arc::new(ClusterSlot::new(None)),
+            operator_key: Default::default(),
         })
     }
 
@@ -582,6 +583,7 @@ impl Joiner {
             lock: self.lock.clone(),
             env: self.env(),
             cluster,
+            operator_key: Default::default(),
         }
     }
 
