@@ -15,6 +15,7 @@ use crate::paths;
 use keel_verifier::keys::{self, ClusterId, KeyService};
 
 /// A cluster this node is a control-plane member of.
+#[derive(Clone)]
 pub struct ClusterState {
     /// Derives every data key (disk keys, the measurement secret).
     pub keys: Arc<KeyService>,
@@ -45,16 +46,8 @@ impl ClusterState {
     /// The same state with other join measurements.
     pub fn with_join_measurements(&self, join_measurements: Measurements) -> Self {
         Self {
-            keys: self.keys.clone(),
-            measurement_salt: self.measurement_salt.clone(),
-            measurement_secret: self.measurement_secret.clone(),
-            cluster_id: self.cluster_id,
-            kubernetes_version: self.kubernetes_version,
-            components: self.components.clone(),
-            api_server: self.api_server,
-            pki_dir: self.pki_dir.clone(),
             join_measurements,
-            control_plane_endpoints: self.control_plane_endpoints.clone(),
+            ..self.clone()
         }
     }
 }

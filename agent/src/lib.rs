@@ -12,7 +12,10 @@
 //!   with
 //!   [`operator`], [`disk_bindings`] and [`cluster`] for a control plane
 //!   (its keys are derived by [`keel_verifier::keys`]);
-//! * serving: [`grpc`] (limits), [`node`] (what runs on a booted node).
+//! * the cluster's life: [`upgrade`] (another Kubernetes version, with
+//!   rollback);
+//! * serving: [`grpc`] (limits), [`node`] (what runs on a booted node),
+//!   [`transcript`] (progress streamed to the operator).
 
 pub mod address;
 pub mod attestation;
@@ -37,3 +40,5 @@ pub mod recovery;
 pub mod systemd;
 mod throttle;
 pub mod tpm;
+pub mod transcript;
+pub mod upgrade;

@@ -32,6 +32,7 @@ use crate::provision::Node;
 use crate::provision::{KubeletStart, NodeEnv};
 use crate::reboot::RebootPolicy;
 use crate::recovery::RecoveryServer;
+use crate::upgrade::Upgrader;
 
 /// Largest init request: the CLI sends at most 1 MiB of components (its
 /// JSON file limit; no larger as protobuf) and 64 KiB of join measurements,
@@ -108,11 +109,13 @@ pub async fn serve_operator_port(
         crate::attestation::own_ek_digest(tpm.tpm())?
     };
     let auth = OperatorAuth::new(own_ek, node.cluster.clone(), node.operator_key.clone());
+    let upgrader = Upgrader::new(node.env.clone(), node.tpm.clone(), node.cluster.clone());
     let operator = OperatorServer::new(
         auth,
         node.cluster.clone(),
         measurements,
         node.env.root().to_owned(),
+        Some(upgrader),
     );
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
     let recovery = RecoveryServer::new(node.clone());

@@ -23,18 +23,24 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use keel_proto::operator::operator_service_server::{OperatorService, OperatorServiceServer};
+use keel_proto::operator::upgrade_response::Event;
 use keel_proto::operator::{
     ChallengeRequest, ChallengeResponse, SetJoinMeasurementsRequest, SetJoinMeasurementsResponse,
+    UpgradeDone, UpgradeFailed, UpgradePlan, UpgradeRequest,
 };
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::OperatorKey;
 use keel_verifier::measurements::Measurements;
+use prost::Message as _;
 use rand::RngCore as _;
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
+use tokio_stream::wrappers::ReceiverStream;
 
 use crate::cluster::{ClusterSlot, ControlPlaneFacts};
 use crate::throttle::FailureThrottle;
+use crate::transcript::{self, Transcript};
+use crate::upgrade::{Target, UpgradeError, Upgrader};
 
 /// Challenges outstanding at once; a new one evicts the oldest.
 pub const MAX_CHALLENGES: usize = 64;
@@ -44,6 +50,8 @@ pub const CHALLENGE_TTL: Duration = Duration::from_secs(60);
 pub const MAX_OPERATOR_REQUEST_BYTES: usize = 128 * 1024;
 /// The proof kind of `SetJoinMeasurements`.
 pub const SET_JOIN_MEASUREMENTS: &str = "set-join-measurements";
+/// The proof kind of `Upgrade`.
+pub const UPGRADE: &str = "upgrade";
 
 /// Why an operator request was refused.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +79,12 @@ pub enum OperatorError {
     /// The new measurements could not be stored.
     #[error("storing the measurements failed")]
     Store(#[source] anyhow::Error),
+    /// The upgrade plan does not decode.
+    #[error("the upgrade plan does not decode")]
+    PlanDecode,
+    /// The upgrade was refused before anything changed.
+    #[error("upgrade refused: {0}")]
+    Upgrade(#[source] UpgradeError),
 }
 
 impl From<&OperatorError> for tonic::Status {
@@ -82,8 +96,18 @@ impl From<&OperatorError> for tonic::Status {
             E::Throttled(_) => tonic::Code::ResourceExhausted,
             E::Measurements(_) => tonic::Code::InvalidArgument,
             E::Store(_) => tonic::Code::Internal,
+            E::PlanDecode => tonic::Code::InvalidArgument,
+            E::Upgrade(u) => match u {
+                UpgradeError::Version(_) | UpgradeError::Plan(_) => tonic::Code::InvalidArgument,
+                UpgradeError::Busy => tonic::Code::Aborted,
+                _ => tonic::Code::FailedPrecondition,
+            },
         };
-        tonic::Status::new(code, e.to_string())
+        let message = match e {
+            E::Upgrade(u) => format!("upgrade refused: {u}"),
+            other => other.to_string(),
+        };
+        tonic::Status::new(code, message)
     }
 }
 
@@ -214,18 +238,20 @@ struct Inner {
     /// The file a control plane's join service reads (`None` elsewhere).
     measurements: Option<PathBuf>,
     root: PathBuf,
+    upgrader: Option<Arc<Upgrader>>,
 }
 
 impl OperatorServer {
     /// The operator service of a node checked by `auth`, whose cluster
     /// state (a control plane's) appears in `cluster`, whose join service
-    /// reads `measurements` (control planes), and whose facts live under
-    /// `root`.
+    /// reads `measurements` (control planes), whose facts live under
+    /// `root`, and whose upgrades `upgrader` runs.
     pub fn new(
         auth: OperatorAuth,
         cluster: Arc<ClusterSlot>,
         measurements: Option<PathBuf>,
         root: PathBuf,
+        upgrader: Option<Upgrader>,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -233,6 +259,7 @@ impl OperatorServer {
                 cluster,
                 measurements,
                 root,
+                upgrader: upgrader.map(Arc::new),
             }),
         }
     }
@@ -287,6 +314,58 @@ impl OperatorServer {
     }
 }
 
+impl OperatorServer {
+    /// Starts the upgrade `request` from `peer` asks for, once the proof
+    /// verifies and the plan passes the node's checks (nothing changed on
+    /// a refusal); returns the stream of its progress, which ends with
+    /// done or failed. The upgrade runs to its end even if the caller goes.
+    pub async fn start_upgrade(
+        &self,
+        request: &UpgradeRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<transcript::Receiver<Event>, OperatorError> {
+        self.inner.auth.authorize(
+            UPGRADE,
+            &request.challenge,
+            &request.plan,
+            &request.proof,
+            peer,
+        )?;
+        let upgrader = self
+            .inner
+            .upgrader
+            .clone()
+            .ok_or(OperatorError::NotServing)?;
+        let plan =
+            UpgradePlan::decode(request.plan.as_slice()).map_err(|_| OperatorError::PlanDecode)?;
+        let target = Target::parse(plan).map_err(OperatorError::Upgrade)?;
+        upgrader.check(&target).map_err(OperatorError::Upgrade)?;
+        tracing::info!(version = %target.version, step = ?target.step, "upgrade requested by the operator");
+        let (log, rx) = Transcript::<Event>::new();
+        tokio::spawn(async move {
+            let line = |l: String| log.line(l);
+            let last = match upgrader.run(&target, &line).await {
+                Ok(done) => Event::Done(UpgradeDone {
+                    kubernetes_version: done.version.to_string(),
+                    previous_version: done.previous.to_string(),
+                    millis: u64::try_from(done.elapsed.as_millis()).unwrap_or(u64::MAX),
+                }),
+                Err(failure) => {
+                    let error = keel_atls::ErrorChain(&failure.error).to_string();
+                    tracing::error!(%error, rolled_back = failure.rolled_back, "upgrade failed");
+                    Event::Failed(UpgradeFailed {
+                        error,
+                        rolled_back: failure.rolled_back,
+                        running_version: failure.running.map(|v| v.to_string()).unwrap_or_default(),
+                    })
+                }
+            };
+            log.finish([last]).await;
+        });
+        Ok(rx)
+    }
+}
+
 #[tonic::async_trait]
 impl OperatorService for OperatorServer {
     async fn challenge(
@@ -296,6 +375,23 @@ impl OperatorService for OperatorServer {
         Ok(tonic::Response::new(ChallengeResponse {
             challenge: OperatorServer::challenge(self).to_vec(),
         }))
+    }
+
+    type UpgradeStream =
+        ReceiverStream<Result<keel_proto::operator::UpgradeResponse, tonic::Status>>;
+
+    async fn upgrade(
+        &self,
+        request: tonic::Request<UpgradeRequest>,
+    ) -> Result<tonic::Response<Self::UpgradeStream>, tonic::Status> {
+        let peer = crate::grpc::peer_ip(&request);
+        match self.start_upgrade(request.get_ref(), peer).await {
+            Ok(rx) => Ok(tonic::Response::new(ReceiverStream::new(rx))),
+            Err(e) => {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "upgrade request refused");
+                Err((&e).into())
+            }
+        }
     }
 
     async fn set_join_measurements(

@@ -36,6 +36,9 @@ pub const ADMIN_CONF: &str = "etc/kubernetes/admin.conf";
 /// A control plane's facts about its cluster, on its state disk (see
 /// `ControlPlaneFacts` in the cluster module).
 pub const CONTROL_PLANE_FACTS: &str = "etc/kubernetes/keel/control-plane.json";
+/// The Kubernetes version a node runs and its components, on its state
+/// disk (see `NodeVersion` in the upgrade module).
+pub const NODE_VERSION: &str = "etc/kubernetes/keel/node-version.json";
 /// kubeadm's patches directory; kubeadm requires it to exist, even empty.
 pub const PATCHES_DIR: &str = "opt/kubernetes/patches";
 

@@ -11,7 +11,9 @@
 //!    control-plane PKI), written atomically with mode 0600 under the node
 //!    root.
 //! 3. **Components**: installed (verified by SHA-256) and measured into
-//!    PCR 13, in order.
+//!    PCR 13, in order; the version and its components are recorded on the
+//!    state disk ([`NodeVersion`]), and after a reboot installed and
+//!    measured again from that record ([`Provisioner::reinstall_recorded`]).
 //! 4. **Kubernetes**: [`Provisioner::kubeadm_init`] (returning the admin
 //!    kubeconfig), [`Provisioner::kubeadm_join`], or, for a node whose disk
 //!    already holds its setup, [`Provisioner::start_kubelet`].
@@ -45,6 +47,7 @@ use crate::kubeadm::{ConfigError, InitConfig, JoinConfig, Kubeadm, KubeadmError}
 use crate::measured::SharedTpm;
 use crate::paths;
 use crate::reboot::{self, RebootPolicy};
+use crate::upgrade::NodeVersion;
 use keel_verifier::keys::KeyService;
 
 /// How long `systemctl start kubelet` may take.
@@ -192,6 +195,9 @@ pub enum ProvisionError {
     /// The control plane's facts could not be recorded or restored.
     #[error("control-plane facts")]
     Facts(#[source] FactsError),
+    /// The node's version record could not be written or read.
+    #[error("the node's version record")]
+    Record(#[source] crate::upgrade::RecordError),
 }
 
 /// Runs plans for one node, reporting each step to a log sink.
@@ -361,7 +367,34 @@ impl<'a> Provisioner<'a> {
             path: patches,
             source,
         })?;
+        let record = NodeVersion {
+            version,
+            components: components.to_vec(),
+        };
+        record
+            .save(self.env.root())
+            .map_err(ProvisionError::Record)?;
         Ok(())
+    }
+
+    /// After a reboot (rejoin, recovery): installs and measures again the
+    /// components the node's version record on its opened state disk names,
+    /// so PCR 13 shows what the node runs (files already in place with
+    /// their hash are not fetched again). A disk without a record is left
+    /// as it is.
+    pub async fn reinstall_recorded(&self) -> Result<(), ProvisionError> {
+        match NodeVersion::load(self.env.root()).map_err(ProvisionError::Record)? {
+            Some(record) => {
+                (self.log)(format!("state disk records Kubernetes {}", record.version));
+                self.install(record.version, &record.components).await
+            }
+            None => {
+                (self.log)(
+                    "no version record on the state disk; components not re-measured".into(),
+                );
+                Ok(())
+            }
+        }
     }
 
     /// Writes a kubeadm configuration (it carries the bootstrap token) into
@@ -379,10 +412,20 @@ impl<'a> Provisioner<'a> {
 }
 
 async fn start_kubelet(how: &KubeletStart) -> Result<(), ProvisionError> {
+    kubelet_service(how, "start").await
+}
+
+/// Restarts the kubelet (after its binary or configuration changed).
+pub async fn restart_kubelet(how: &KubeletStart) -> Result<(), ProvisionError> {
+    kubelet_service(how, "restart").await
+}
+
+/// `systemctl <verb> kubelet.service`, or the host tests' program.
+async fn kubelet_service(how: &KubeletStart, verb: &str) -> Result<(), ProvisionError> {
     let mut command = match how {
         KubeletStart::Systemd => {
             let mut c = tokio::process::Command::new("systemctl");
-            c.args(["start", "kubelet.service"]);
+            c.args([verb, "kubelet.service"]);
             c
         }
         KubeletStart::Program(program) => {

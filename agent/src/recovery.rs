@@ -191,6 +191,7 @@ impl RecoveryServer {
             })
             .await?;
             let state = p.restore_control_plane(accepted.keys)?;
+            p.reinstall_recorded().await?;
             p.start_kubelet().await?;
             p.serve_as_control_plane(state, &inner.node.cluster)
         }

@@ -41,6 +41,7 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
         slot.clone(),
         Some(path.clone()),
         dir.path().join("root"),
+        None,
     );
     let key = service.state.keys.operator_key(&own_ek).unwrap();
     let key = key.expose();

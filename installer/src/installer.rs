@@ -102,14 +102,26 @@ impl InstalledComponent {
         self.outcome
     }
 
+    /// The canonical bytes to measure ([`Component::measurement_record`]).
+    pub fn measurement_record(&self) -> Vec<u8> {
+        self.component.measurement_record()
+    }
+
+    /// One line for an event log ([`Component::description`]).
+    pub fn description(&self) -> String {
+        self.component.description()
+    }
+}
+
+impl Component {
     /// The canonical bytes to measure: compact JSON with the fields `url`,
     /// `hash`, `install_path`, `extract` in that order.
     pub fn measurement_record(&self) -> Vec<u8> {
         let record = Record {
-            url: self.component.url(),
-            hash: self.component.hash().to_string(),
-            install_path: self.component.install_path().as_str(),
-            extract: self.component.extract(),
+            url: self.url(),
+            hash: self.hash().to_string(),
+            install_path: self.install_path().as_str(),
+            extract: self.extract(),
         };
         // Serialising strings and a bool cannot fail; fall back to empty
         // rather than panic should serde ever say otherwise.
@@ -118,13 +130,12 @@ impl InstalledComponent {
 
     /// One line for an event log: `component <path> sha256:<hex> from <url>`.
     pub fn description(&self) -> String {
-        let c = &self.component;
         format!(
             "component {}{} {} from {}",
-            c.install_path(),
-            if c.extract() { " (extracted)" } else { "" },
-            c.hash(),
-            redact(c.url())
+            self.install_path(),
+            if self.extract() { " (extracted)" } else { "" },
+            self.hash(),
+            redact(self.url())
         )
     }
 }

@@ -31,7 +31,9 @@ pub use extract::{ExtractError, ExtractLimits};
 pub use installer::{InstallError, InstalledComponent, Installer, InstallerConfig, Outcome};
 pub use mirror::Mirror;
 pub use progress::{LogProgress, NoProgress, Progress};
-pub use versions::{resolve, KubernetesVersion, ResolveError, VersionEntry, VersionsTable};
+pub use versions::{
+    resolve, KubernetesVersion, ResolveError, UpgradeStepError, VersionEntry, VersionsTable,
+};
 
 /// Displays an error with its chain of causes: `a: b: c`.
 #[derive(Debug, Clone, Copy)]

@@ -52,6 +52,53 @@ impl KubernetesVersion {
     pub fn minor_string(&self) -> String {
         format!("v{}.{}", self.major, self.minor)
     }
+
+    /// Whether a running cluster may move from `self` to `target`, by
+    /// Kubernetes' version skew policy for `kubeadm upgrade`: forward only,
+    /// within the major version, at most one minor version at a time.
+    pub fn upgrade_to(&self, target: KubernetesVersion) -> Result<(), UpgradeStepError> {
+        if target == *self {
+            return Err(UpgradeStepError::Same(*self));
+        }
+        if target < *self {
+            return Err(UpgradeStepError::Downgrade {
+                from: *self,
+                to: target,
+            });
+        }
+        if target.major != self.major || target.minor > self.minor + 1 {
+            return Err(UpgradeStepError::SkipsMinor {
+                from: *self,
+                to: target,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why one version may not follow another in an upgrade.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UpgradeStepError {
+    /// The node already runs the version.
+    #[error("the node already runs Kubernetes {0}")]
+    Same(KubernetesVersion),
+    /// An older version.
+    #[error("Kubernetes {to} is older than {from}: downgrades are refused")]
+    Downgrade {
+        /// The running version.
+        from: KubernetesVersion,
+        /// The requested version.
+        to: KubernetesVersion,
+    },
+    /// More than one minor version ahead, or another major version.
+    #[error("Kubernetes {from} can move to the next minor version at most, not {to}")]
+    SkipsMinor {
+        /// The running version.
+        from: KubernetesVersion,
+        /// The requested version.
+        to: KubernetesVersion,
+    },
 }
 
 impl fmt::Display for KubernetesVersion {
@@ -395,6 +442,33 @@ mod tests {
 
     fn table() -> &'static VersionsTable {
         VersionsTable::embedded().unwrap()
+    }
+
+    #[test]
+    fn upgrades_move_forward_one_minor_at_most() {
+        let v = |s: &str| s.parse::<KubernetesVersion>().unwrap();
+        assert_eq!(v("v1.30.14").upgrade_to(v("v1.31.13")), Ok(()));
+        assert_eq!(v("v1.31.2").upgrade_to(v("v1.31.13")), Ok(()));
+        assert!(matches!(
+            v("v1.31.13").upgrade_to(v("v1.30.14")),
+            Err(UpgradeStepError::Downgrade { .. })
+        ));
+        assert!(matches!(
+            v("v1.31.13").upgrade_to(v("v1.31.2")),
+            Err(UpgradeStepError::Downgrade { .. })
+        ));
+        assert!(matches!(
+            v("v1.30.14").upgrade_to(v("v1.32.9")),
+            Err(UpgradeStepError::SkipsMinor { .. })
+        ));
+        assert!(matches!(
+            v("v1.31.13").upgrade_to(v("v2.0.0")),
+            Err(UpgradeStepError::SkipsMinor { .. })
+        ));
+        assert_eq!(
+            v("v1.31.13").upgrade_to(v("v1.31.13")),
+            Err(UpgradeStepError::Same(v("v1.31.13")))
+        );
     }
 
     #[test]

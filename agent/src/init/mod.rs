@@ -32,9 +32,10 @@ use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
 use crate::throttle::FailureThrottle;
 use keel_verifier::keys::{self, KeyService};
 
-mod transcript;
+use crate::transcript::Transcript;
 
-use transcript::{Transcript, LOG_CHUNK};
+/// Size of one log chunk on the init stream.
+pub const LOG_CHUNK: usize = 32 * 1024;
 
 /// Longest accepted cluster name.
 const MAX_NAME: usize = 63;
@@ -345,7 +346,7 @@ impl InitService for InitServer {
             Err(e) => return Err((&InitError::Lock(e)).into()),
         }
         tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "node locked for init");
-        let (log, rx) = Transcript::new();
+        let (log, rx) = Transcript::<Kind>::new();
         let server = self.clone();
         tokio::spawn(async move {
             log.line(format!(

@@ -397,6 +397,7 @@ impl JoinClient {
                 Some(keys) => Some(p.restore_control_plane(keys)?),
                 None => None,
             };
+            p.reinstall_recorded().await?;
             p.start_kubelet().await?;
             match state {
                 Some(state) => p.serve_as_control_plane(state, &self.cluster),

@@ -12,6 +12,9 @@
 //!   followed by `kubeadm reset --force` (a half-done join leaves manifests
 //!   and kubeconfigs that make the next attempt fail its preflight checks),
 //!   then a pause that doubles after each attempt.
+//! * `kubeadm upgrade apply VERSION --yes` on the first control plane of an
+//!   upgrade, `kubeadm upgrade node` on every other node; neither retried
+//!   (the agent switches the node back to its previous binaries instead).
 //!
 //! Nothing is skipped by default: preflight checks catch an image that lacks
 //! what kubeadm needs (conntrack, a container runtime, free ports) with a
@@ -21,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
+use keel_installer::KubernetesVersion;
 use tokio::io::{AsyncBufReadExt as _, AsyncRead, AsyncReadExt as _, BufReader};
 use tokio::process::Command;
 use tokio::sync::mpsc;
@@ -236,6 +240,34 @@ impl Kubeadm {
             pause = pause.saturating_mul(2);
             attempt += 1;
         }
+    }
+
+    /// Runs `kubeadm upgrade apply <version> --yes` (the first control
+    /// plane of an upgrade), limited like `kubeadm init`.
+    pub async fn upgrade_apply(
+        &self,
+        version: KubernetesVersion,
+        on_line: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), KubeadmError> {
+        let args = [
+            "upgrade".to_owned(),
+            "apply".to_owned(),
+            version.to_string(),
+            "--yes".to_owned(),
+        ];
+        self.run("upgrade", &args, self.init_timeout, Stdout::Stream, on_line)
+            .await
+    }
+
+    /// Runs `kubeadm upgrade node` (every other node of an upgrade),
+    /// limited like one `kubeadm join` attempt.
+    pub async fn upgrade_node(
+        &self,
+        on_line: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), KubeadmError> {
+        let args = ["upgrade".to_owned(), "node".to_owned()];
+        self.run("upgrade", &args, self.join_timeout, Stdout::Stream, on_line)
+            .await
     }
 
     /// Runs kubeadm with `args`, streaming output lines, killing it after

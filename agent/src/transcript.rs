@@ -1,19 +1,58 @@
-//! The transcript of one init: every line is streamed to the operator's CLI
-//! and kept for the failure report, without ever holding the node up.
+//! The transcript of one long operation the operator's CLI watches (init,
+//! an upgrade): every line is streamed to the CLI and kept for the failure
+//! report, without ever holding the node up.
 
 use std::collections::VecDeque;
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use keel_proto::init::init_response::Kind;
-use keel_proto::init::InitResponse;
 use tokio::sync::mpsc::{self, error::TrySendError};
+
+/// The messages of one kind of streamed operation.
+pub trait Streamed: Sized + Send + 'static {
+    /// What goes on the wire.
+    type Message: Send + 'static;
+    /// The operation's name, for the node's own log.
+    const OPERATION: &'static str;
+    /// A progress line.
+    fn log_line(line: String) -> Self;
+    /// The wire message carrying `self`.
+    fn into_message(self) -> Self::Message;
+}
+
+impl Streamed for keel_proto::init::init_response::Kind {
+    type Message = keel_proto::init::InitResponse;
+    const OPERATION: &'static str = "init";
+
+    fn log_line(line: String) -> Self {
+        Self::LogLine(line)
+    }
+
+    fn into_message(self) -> Self::Message {
+        keel_proto::init::InitResponse { kind: Some(self) }
+    }
+}
+
+impl Streamed for keel_proto::operator::upgrade_response::Event {
+    type Message = keel_proto::operator::UpgradeResponse;
+    const OPERATION: &'static str = "upgrade";
+
+    fn log_line(line: String) -> Self {
+        Self::Log(line)
+    }
+
+    fn into_message(self) -> Self::Message {
+        keel_proto::operator::UpgradeResponse { event: Some(self) }
+    }
+}
+
+/// The receiving end of a transcript's stream.
+pub type Receiver<K> = mpsc::Receiver<Result<<K as Streamed>::Message, tonic::Status>>;
 
 /// Most bytes of node logs sent after a failure.
 pub const MAX_FAILURE_LOGS: usize = 1024 * 1024;
-/// Size of one log chunk on the stream.
-pub const LOG_CHUNK: usize = 32 * 1024;
-/// Messages the init stream holds for a slow client; lines beyond it are
+/// Messages the stream holds for a slow client; lines beyond it are
 /// dropped (and counted) rather than waited for.
 const STREAM_BUFFER: usize = 256;
 /// Longest log line streamed or kept; longer ones are cut.
@@ -22,7 +61,8 @@ const MAX_LINE: usize = 16 * 1024;
 /// wait for a client that does not read, in all.
 const FINAL_WAIT: Duration = Duration::from_secs(30);
 
-/// The lines of one init: streamed to the CLI and kept for the failure report.
+/// The lines of one operation: streamed to the CLI and kept for the failure
+/// report.
 ///
 /// Streaming never holds the node up. A line that does not fit into the
 /// stream's buffer ([`STREAM_BUFFER`] messages: the client is not reading)
@@ -30,10 +70,20 @@ const FINAL_WAIT: Duration = Duration::from_secs(30);
 /// many were dropped. The final message, and after a failure the collected
 /// logs, wait for room, at most [`FINAL_WAIT`] in all. The kept lines are
 /// bounded to the [`MAX_FAILURE_LOGS`] most recent bytes.
-#[derive(Clone)]
-pub struct Transcript {
-    tx: mpsc::Sender<Result<InitResponse, tonic::Status>>,
+pub struct Transcript<K: Streamed> {
+    tx: mpsc::Sender<Result<K::Message, tonic::Status>>,
     state: Arc<Mutex<TranscriptState>>,
+    kind: PhantomData<fn() -> K>,
+}
+
+impl<K: Streamed> Clone for Transcript<K> {
+    fn clone(&self) -> Self {
+        Self {
+            tx: self.tx.clone(),
+            state: self.state.clone(),
+            kind: PhantomData,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -58,12 +108,12 @@ impl TranscriptState {
 }
 
 /// The line that stands for `n` lines the client did not get.
-fn dropped_marker(n: u64) -> Kind {
-    Kind::LogLine(format!("… {n} log lines dropped (client not reading)"))
+fn dropped_marker<K: Streamed>(n: u64) -> K {
+    K::log_line(format!("… {n} log lines dropped (client not reading)"))
 }
 
-fn message(kind: Kind) -> Result<InitResponse, tonic::Status> {
-    Ok(InitResponse { kind: Some(kind) })
+fn message<K: Streamed>(kind: K) -> Result<K::Message, tonic::Status> {
+    Ok(kind.into_message())
 }
 
 /// `line` cut to at most [`MAX_LINE`] bytes, on a character boundary.
@@ -79,13 +129,14 @@ fn bounded_line(mut line: String) -> String {
     line
 }
 
-impl Transcript {
+impl<K: Streamed> Transcript<K> {
     /// A transcript streaming to a new channel, and that channel's receiver.
-    pub fn new() -> (Self, mpsc::Receiver<Result<InitResponse, tonic::Status>>) {
+    pub fn new() -> (Self, Receiver<K>) {
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let transcript = Self {
             tx,
             state: Arc::default(),
+            kind: PhantomData,
         };
         (transcript, rx)
     }
@@ -97,13 +148,16 @@ impl Transcript {
     /// Logs, keeps and streams `line`, without waiting for the client.
     pub fn line(&self, line: impl Into<String>) {
         let line = bounded_line(line.into());
-        tracing::info!(target: "keel_agent::init", "{line}");
+        tracing::info!(operation = K::OPERATION, "{line}");
         let mut state = self.state();
         state.keep(line.clone());
         // A gone client does not stop the init: the node finishes (or
         // fails) either way.
         if state.dropped > 0 {
-            match self.tx.try_send(message(dropped_marker(state.dropped))) {
+            match self
+                .tx
+                .try_send(message(dropped_marker::<K>(state.dropped)))
+            {
                 Ok(()) => state.dropped = 0,
                 Err(TrySendError::Full(_)) => {
                     state.dropped += 1;
@@ -112,7 +166,7 @@ impl Transcript {
                 Err(TrySendError::Closed(_)) => return,
             }
         }
-        if let Err(TrySendError::Full(_)) = self.tx.try_send(message(Kind::LogLine(line))) {
+        if let Err(TrySendError::Full(_)) = self.tx.try_send(message(K::log_line(line))) {
             state.dropped += 1;
         }
     }
@@ -120,7 +174,7 @@ impl Transcript {
     /// Streams the closing `messages` (after a marker for dropped lines),
     /// waiting for room at most [`FINAL_WAIT`] in all. Returns whether the
     /// client got them all.
-    pub async fn finish(&self, messages: impl IntoIterator<Item = Kind>) -> bool {
+    pub async fn finish(&self, messages: impl IntoIterator<Item = K>) -> bool {
         let deadline = tokio::time::Instant::now() + FINAL_WAIT;
         let dropped = std::mem::take(&mut self.state().dropped);
         let marker = (dropped > 0).then(|| dropped_marker(dropped));
@@ -132,7 +186,8 @@ impl Transcript {
                 Err(_) => {
                     tracing::warn!(
                         wait = ?FINAL_WAIT,
-                        "the init client is not reading; the rest of its stream is dropped"
+                        operation = K::OPERATION,
+                        "the client is not reading; the rest of its stream is dropped"
                     );
                     return false;
                 }
@@ -172,9 +227,13 @@ impl Transcript {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+    use keel_proto::init::init_response::Kind;
     use keel_proto::init::{InitFailure, InitSuccess};
 
-    type Rx = mpsc::Receiver<Result<InitResponse, tonic::Status>>;
+    /// Most bytes of node logs sent after a failure (init's chunk size).
+    const LOG_CHUNK: usize = 32 * 1024;
+
+    type Rx = Receiver<Kind>;
 
     fn drain(rx: &mut Rx) -> Vec<Kind> {
         let mut out = Vec::new();
@@ -191,7 +250,7 @@ mod tests {
         }
     }
 
-    fn fill(log: &Transcript, n: usize) {
+    fn fill(log: &Transcript<Kind>, n: usize) {
         for i in 0..n {
             log.line(format!("line {i}"));
         }
@@ -199,7 +258,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn lines_to_a_client_that_does_not_read_are_dropped_and_counted() {
-        let (log, mut rx) = Transcript::new();
+        let (log, mut rx) = Transcript::<Kind>::new();
         let total = 4 * STREAM_BUFFER;
         fill(&log, total);
         let got = drain(&mut rx);
@@ -227,7 +286,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_final_message_reaches_a_client_that_reads_late() {
-        let (log, mut rx) = Transcript::new();
+        let (log, mut rx) = Transcript::<Kind>::new();
         fill(&log, STREAM_BUFFER + 10);
         let reader = tokio::spawn(async move {
             tokio::time::sleep(FINAL_WAIT / 2).await;
@@ -260,7 +319,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_closing_messages_give_up_on_a_client_that_does_not_read() {
-        let (log, rx) = Transcript::new();
+        let (log, rx) = Transcript::<Kind>::new();
         fill(&log, STREAM_BUFFER);
         let started = tokio::time::Instant::now();
         let chunks = (0..100).map(|_| Kind::LogChunk(vec![0; LOG_CHUNK]));
@@ -280,7 +339,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_gone_client_costs_nothing() {
-        let (log, rx) = Transcript::new();
+        let (log, rx) = Transcript::<Kind>::new();
         drop(rx);
         fill(&log, 2 * STREAM_BUFFER);
         let started = tokio::time::Instant::now();
@@ -295,7 +354,7 @@ mod tests {
 
     #[test]
     fn long_lines_are_cut_and_kept_logs_are_bounded() {
-        let (log, mut rx) = Transcript::new();
+        let (log, mut rx) = Transcript::<Kind>::new();
         log.line("é".repeat(MAX_LINE));
         let got = drain(&mut rx);
         let line = text(&got[0]);

@@ -1,0 +1,449 @@
+//! Moving a member node to another Kubernetes version, measured and
+//! reversible.
+//!
+//! An [`Upgrader`] runs one upgrade at a time, asked for by the operator
+//! (the operator API authenticates the request first):
+//!
+//! 1. **Check.** The node's [`NodeVersion`] record (on its state disk) is
+//!    the version it runs; the target must follow it by Kubernetes' skew
+//!    policy ([`keel_installer::KubernetesVersion::upgrade_to`]: no
+//!    downgrade, one minor version at most). Nothing changes on a refusal.
+//! 2. **Stage.** Every component of the target version is downloaded,
+//!    verified by SHA-256 and installed beside the running ones
+//!    ([`Staging`]). A component that fails (unreachable, wrong hash)
+//!    stops here: the staged files are removed, the node is as before.
+//! 3. **Measure.** Each staged component is measured into PCR 13 with its
+//!    own event (its install path, hash, URL and the target version),
+//!    before anything runs it.
+//! 4. **Switch** every component directory to the staged one at once,
+//!    run `kubeadm upgrade apply` (the first control plane) or
+//!    `kubeadm upgrade node` (the others), restart the kubelet.
+//! 5. **Record** the new version on the state disk (a reboot reinstalls
+//!    it); a control plane also updates its facts and the state its join
+//!    service hands to joining nodes. The previous binaries are removed.
+//!
+//! A failure in 4 or 5 switches the directories back, measures the
+//! previous components again (so the event log ends with what the node
+//! runs) and restarts the kubelet: the node keeps serving at its previous
+//! version, and the failure names what went wrong and that it rolled back.
+
+mod record;
+mod staging;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use keel_installer::{Component, Installer, KubernetesVersion, LogProgress, UpgradeStepError};
+use keel_proto::operator::{UpgradePlan, UpgradeStep};
+use keel_verifier::measurement::EventType;
+
+use crate::cluster::{ClusterSlot, ControlPlaneFacts};
+use crate::measured::SharedTpm;
+use crate::provision::{restart_kubelet, NodeEnv};
+
+pub use record::{NodeVersion, RecordError};
+pub use staging::{Staging, StagingError, STAGED_SUFFIX};
+
+/// Most components an upgrade plan may list.
+pub const MAX_PLAN_COMPONENTS: usize = 64;
+
+/// The kubeadm step of a node's upgrade.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KubeadmStep {
+    /// `kubeadm upgrade apply <version>`: the first control plane.
+    Apply,
+    /// `kubeadm upgrade node`: every other node.
+    Node,
+}
+
+/// A checked upgrade request.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// The pinned version.
+    pub version: KubernetesVersion,
+    /// Its components (the request's, or the versions table's).
+    pub components: Vec<Component>,
+    /// What kubeadm does here.
+    pub step: KubeadmStep,
+}
+
+impl Target {
+    /// Checks the fields of `plan`.
+    pub fn parse(plan: UpgradePlan) -> Result<Self, UpgradeError> {
+        let entry = keel_installer::resolve(&plan.kubernetes_version)
+            .map_err(|e| UpgradeError::Version(e.to_string()))?;
+        let listed = plan.components.map(|c| c.components).unwrap_or_default();
+        if listed.len() > MAX_PLAN_COMPONENTS {
+            return Err(UpgradeError::Plan(format!(
+                "more than {MAX_PLAN_COMPONENTS} components"
+            )));
+        }
+        let components = if listed.is_empty() {
+            entry.components().to_vec()
+        } else {
+            listed
+                .into_iter()
+                .map(Component::try_from)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| UpgradeError::Plan(format!("component: {e}")))?
+        };
+        let step = match UpgradeStep::try_from(plan.step) {
+            Ok(UpgradeStep::Apply) => KubeadmStep::Apply,
+            Ok(UpgradeStep::Node) => KubeadmStep::Node,
+            _ => return Err(UpgradeError::Plan("step must be apply or node".into())),
+        };
+        Ok(Self {
+            version: entry.version(),
+            components,
+            step,
+        })
+    }
+}
+
+/// Why an upgrade was refused or failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UpgradeError {
+    /// The target version is not supported.
+    #[error("{0}")]
+    Version(String),
+    /// The plan is malformed.
+    #[error("invalid upgrade plan: {0}")]
+    Plan(String),
+    /// Another upgrade runs on this node.
+    #[error("an upgrade is already running on this node")]
+    Busy,
+    /// The node records no version (it is no member, or has no state disk).
+    #[error("this node records no Kubernetes version; it cannot be upgraded")]
+    NoRecord,
+    /// The skew policy refuses the step.
+    #[error(transparent)]
+    Step(#[from] UpgradeStepError),
+    /// The record could not be read or written.
+    #[error("the node's version record")]
+    Record(#[source] RecordError),
+    /// Staging or switching directories failed.
+    #[error("staging the components")]
+    Staging(#[source] StagingError),
+    /// The installer could not be set up.
+    #[error("setting up the installer")]
+    Installer(#[source] keel_installer::InstallError),
+    /// A component of the target version could not be installed.
+    #[error("installing component {name} of Kubernetes {version}")]
+    Install {
+        /// The target version.
+        version: KubernetesVersion,
+        /// The component's short name.
+        name: String,
+        /// The cause.
+        #[source]
+        source: Box<keel_installer::InstallError>,
+    },
+    /// Measuring a component failed.
+    #[error("measuring the components")]
+    Measure(#[source] crate::measured::MeasuredLogError),
+    /// The TPM handle is poisoned or its task failed.
+    #[error("the TPM is unavailable")]
+    Tpm,
+    /// kubeadm refused or failed.
+    #[error("kubeadm upgrade")]
+    Kubeadm(#[source] crate::kubeadm::KubeadmError),
+    /// The kubelet did not restart.
+    #[error("restarting the kubelet")]
+    Kubelet(#[source] crate::provision::ProvisionError),
+    /// A control plane's facts could not be updated.
+    #[error("updating the control-plane facts")]
+    Facts(#[source] crate::cluster::FactsError),
+}
+
+impl UpgradeError {
+    /// Whether the node refused the request before changing anything (the
+    /// operator's mistake, not a failed upgrade).
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            Self::Version(_) | Self::Plan(_) | Self::Busy | Self::NoRecord | Self::Step(_)
+        )
+    }
+}
+
+/// A node that runs the target version now.
+#[derive(Debug, Clone, Copy)]
+pub struct Upgraded {
+    /// The version it ran before.
+    pub previous: KubernetesVersion,
+    /// The version it runs now.
+    pub version: KubernetesVersion,
+    /// How long the upgrade took.
+    pub elapsed: std::time::Duration,
+}
+
+/// A failed upgrade: why, whether the node switched back, what it runs.
+#[derive(Debug)]
+pub struct UpgradeFailure {
+    /// What went wrong.
+    pub error: UpgradeError,
+    /// The node switched back to its previous binaries.
+    pub rolled_back: bool,
+    /// The version the node runs (`None` if it is not known).
+    pub running: Option<KubernetesVersion>,
+}
+
+impl From<UpgradeError> for UpgradeFailure {
+    fn from(error: UpgradeError) -> Self {
+        Self {
+            error,
+            rolled_back: false,
+            running: None,
+        }
+    }
+}
+
+/// Runs the upgrades of one node.
+pub struct Upgrader {
+    env: NodeEnv,
+    tpm: SharedTpm,
+    cluster: Arc<ClusterSlot>,
+    running: tokio::sync::Mutex<()>,
+}
+
+impl Upgrader {
+    /// The upgrader of the node `env`, measuring into `tpm`; a control
+    /// plane's cluster state is in `cluster`.
+    pub fn new(env: NodeEnv, tpm: SharedTpm, cluster: Arc<ClusterSlot>) -> Self {
+        Self {
+            env,
+            tpm,
+            cluster,
+            running: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Whether this node may move to `target` now: it records a version
+    /// that `target` may follow, and runs no other upgrade. Returns the
+    /// version it runs.
+    pub fn check(&self, target: &Target) -> Result<NodeVersion, UpgradeError> {
+        if self.running.try_lock().is_err() {
+            return Err(UpgradeError::Busy);
+        }
+        let current = NodeVersion::load(self.env.root())
+            .map_err(UpgradeError::Record)?
+            .ok_or(UpgradeError::NoRecord)?;
+        current.version.upgrade_to(target.version)?;
+        Ok(current)
+    }
+
+    /// Moves this node to `target`, reporting each step to `log`.
+    pub async fn run(
+        &self,
+        target: &Target,
+        log: &(dyn Fn(String) + Sync),
+    ) -> Result<Upgraded, UpgradeFailure> {
+        let _one = self.running.try_lock().map_err(|_| UpgradeError::Busy)?;
+        let root = self.env.root();
+        let current = NodeVersion::load(root)
+            .map_err(UpgradeError::Record)?
+            .ok_or(UpgradeError::NoRecord)?;
+        let failure = |error, rolled_back| UpgradeFailure {
+            error,
+            rolled_back,
+            running: Some(current.version),
+        };
+        current
+            .version
+            .upgrade_to(target.version)
+            .map_err(|e| failure(e.into(), false))?;
+        let started = Instant::now();
+        log(format!(
+            "upgrading from Kubernetes {} to {} ({} components)",
+            current.version,
+            target.version,
+            target.components.len()
+        ));
+
+        // 2. Stage: nothing the node runs changes.
+        let (mut staging, staged) = Staging::prepare(root, &target.components)
+            .map_err(|e| failure(UpgradeError::Staging(e), false))?;
+        if let Err(error) = self.stage(target, &staged, log).await {
+            if let Err(e) = staging.discard() {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the staged components failed");
+            }
+            return Err(failure(error, false));
+        }
+        // 3. Measure before anything runs them.
+        let note = format!("Kubernetes {}", target.version);
+        self.measure(&target.components, &note)
+            .await
+            .map_err(|e| failure(e, false))?;
+        log(format!(
+            "{} components verified and measured into PCR 13",
+            target.components.len()
+        ));
+
+        // 4 and 5; any failure switches back.
+        match self.switch_and_apply(target, &mut staging, log).await {
+            Ok(()) => {
+                if let Err(e) = staging.discard() {
+                    tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the previous components failed");
+                }
+                log(format!(
+                    "upgraded to Kubernetes {} in {:.1} s",
+                    target.version,
+                    started.elapsed().as_secs_f64()
+                ));
+                Ok(Upgraded {
+                    previous: current.version,
+                    version: target.version,
+                    elapsed: started.elapsed(),
+                })
+            }
+            Err(error) => {
+                log(format!("upgrade failed: {}", keel_atls::ErrorChain(&error)));
+                let rolled_back = self.roll_back(&current, staging, log).await;
+                Err(failure(error, rolled_back))
+            }
+        }
+    }
+
+    async fn stage(
+        &self,
+        target: &Target,
+        staged: &[Component],
+        log: &(dyn Fn(String) + Sync),
+    ) -> Result<(), UpgradeError> {
+        let installer =
+            Installer::new(self.env.installer.clone()).map_err(UpgradeError::Installer)?;
+        for component in staged {
+            installer
+                .install(component, &LogProgress::default())
+                .await
+                .map_err(|source| UpgradeError::Install {
+                    version: target.version,
+                    name: component.name().to_owned(),
+                    source: Box::new(source),
+                })?;
+            log(format!("fetched and verified {}", component.name()));
+        }
+        Ok(())
+    }
+
+    /// Measures `components` (as they are installed: their own install
+    /// paths) into PCR 13, each event noting `note`.
+    async fn measure(&self, components: &[Component], note: &str) -> Result<(), UpgradeError> {
+        let events: Vec<(String, Vec<u8>)> = components
+            .iter()
+            .map(|c| {
+                (
+                    format!("{} ({note})", c.description()),
+                    c.measurement_record(),
+                )
+            })
+            .collect();
+        let tpm = SharedTpm::clone(&self.tpm);
+        tokio::task::spawn_blocking(move || {
+            let mut tpm = tpm.lock().map_err(|_| UpgradeError::Tpm)?;
+            for (description, record) in events {
+                tpm.record(EventType::Component, description, record)
+                    .map_err(UpgradeError::Measure)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|_| UpgradeError::Tpm)?
+    }
+
+    async fn switch_and_apply(
+        &self,
+        target: &Target,
+        staging: &mut Staging,
+        log: &(dyn Fn(String) + Sync),
+    ) -> Result<(), UpgradeError> {
+        staging.switch().map_err(UpgradeError::Staging)?;
+        log("switched to the new components".into());
+        let mut on_line = |line: &str| log(line.to_owned());
+        let kubeadm = &self.env.kubeadm;
+        match target.step {
+            KubeadmStep::Apply => {
+                log(format!("running kubeadm upgrade apply {}", target.version));
+                kubeadm.upgrade_apply(target.version, &mut on_line).await
+            }
+            KubeadmStep::Node => {
+                log("running kubeadm upgrade node".into());
+                kubeadm.upgrade_node(&mut on_line).await
+            }
+        }
+        .map_err(UpgradeError::Kubeadm)?;
+        restart_kubelet(&self.env.kubelet)
+            .await
+            .map_err(UpgradeError::Kubelet)?;
+        log("kubelet restarted".into());
+        let record = NodeVersion {
+            version: target.version,
+            components: target.components.clone(),
+        };
+        record.save(self.env.root()).map_err(UpgradeError::Record)?;
+        self.follow_on_control_plane(&record)?;
+        Ok(())
+    }
+
+    /// A control plane's facts and join service move to the new version,
+    /// so the nodes that join from now on install it.
+    fn follow_on_control_plane(&self, record: &NodeVersion) -> Result<(), UpgradeError> {
+        let Some(state) = self.cluster.borrow().clone() else {
+            return Ok(());
+        };
+        let mut updated = (*state).clone();
+        updated.kubernetes_version = record.version;
+        updated.components = record.components.clone();
+        ControlPlaneFacts::of(&updated)
+            .save(self.env.root())
+            .map_err(UpgradeError::Facts)?;
+        self.cluster.send_replace(Some(Arc::new(updated)));
+        Ok(())
+    }
+
+    /// Switches back to `previous` after a failure; returns whether the
+    /// node runs it again.
+    async fn roll_back(
+        &self,
+        previous: &NodeVersion,
+        mut staging: Staging,
+        log: &(dyn Fn(String) + Sync),
+    ) -> bool {
+        if let Err(e) = staging.switch_back() {
+            log(format!(
+                "switching back failed: {}; the node needs attention",
+                keel_atls::ErrorChain(&e)
+            ));
+            return false;
+        }
+        let note = format!("rollback to Kubernetes {}", previous.version);
+        if let Err(e) = self.measure(&previous.components, &note).await {
+            log(format!(
+                "measuring the previous components failed: {}",
+                keel_atls::ErrorChain(&e)
+            ));
+        }
+        let restored = previous.save(self.env.root()).is_ok()
+            && restart_kubelet(&self.env.kubelet).await.is_ok();
+        if let Err(e) = self.follow_on_control_plane(previous) {
+            log(format!(
+                "restoring the control-plane facts failed: {}",
+                keel_atls::ErrorChain(&e)
+            ));
+        }
+        if let Err(e) = staging.discard() {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the staged components failed");
+        }
+        log(format!(
+            "switched back to Kubernetes {}{}",
+            previous.version,
+            if restored {
+                ""
+            } else {
+                " (restarting the kubelet failed)"
+            }
+        ));
+        restored
+    }
+}

@@ -1,0 +1,126 @@
+//! The Kubernetes version a node runs, kept on its state disk.
+//!
+//! Written whenever components are installed (init, join, an upgrade), read
+//! by an upgrade (the version it starts from) and after a reboot (the node
+//! installs and measures the same components again, so PCR 13 shows what it
+//! runs). Nothing secret: every join ticket carries the same facts.
+
+use std::path::{Path, PathBuf};
+
+use keel_installer::{Component, KubernetesVersion};
+
+use crate::files::{write_private, WriteFileError};
+use crate::paths;
+
+/// Largest record read.
+const MAX_RECORD_BYTES: u64 = 1024 * 1024;
+
+/// The version a node runs and the components it installed for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeVersion {
+    /// The pinned Kubernetes version.
+    pub version: KubernetesVersion,
+    /// The components, in install order.
+    pub components: Vec<Component>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Stored {
+    kubernetes_version: String,
+    components: Vec<Component>,
+}
+
+/// Why the record could not be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// Reading the file failed.
+    #[error("reading {path:?}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file does not parse.
+    #[error("the node's version record is invalid: {0}")]
+    Invalid(String),
+    /// Writing the file failed.
+    #[error("writing the node's version record")]
+    Write(#[from] WriteFileError),
+}
+
+impl NodeVersion {
+    /// The record under the node `root`; `None` where there is none (a
+    /// node without a state disk, or one provisioned before records).
+    pub fn load(root: &Path) -> Result<Option<Self>, RecordError> {
+        use std::io::Read as _;
+        let path = root.join(paths::NODE_VERSION);
+        let read = |source| RecordError::Read {
+            path: path.clone(),
+            source,
+        };
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(read(e)),
+        };
+        let mut bytes = Vec::new();
+        file.take(MAX_RECORD_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(read)?;
+        if bytes.len() as u64 > MAX_RECORD_BYTES {
+            return Err(RecordError::Invalid("larger than 1 MiB".into()));
+        }
+        let stored: Stored =
+            serde_json::from_slice(&bytes).map_err(|e| RecordError::Invalid(e.to_string()))?;
+        let version = stored
+            .kubernetes_version
+            .parse()
+            .map_err(|_| RecordError::Invalid("kubernetes_version".into()))?;
+        Ok(Some(Self {
+            version,
+            components: stored.components,
+        }))
+    }
+
+    /// Writes the record under the node `root` (mode 0600, atomically).
+    pub fn save(&self, root: &Path) -> Result<(), RecordError> {
+        let stored = Stored {
+            kubernetes_version: self.version.to_string(),
+            components: self.components.clone(),
+        };
+        let json =
+            serde_json::to_vec_pretty(&stored).map_err(|e| RecordError::Invalid(e.to_string()))?;
+        write_private(&root.join(paths::NODE_VERSION), &json)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_round_trips_and_a_bad_one_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        assert_eq!(NodeVersion::load(root.path()).unwrap(), None);
+        let entry = keel_installer::resolve("v1.30").unwrap();
+        let record = NodeVersion {
+            version: entry.version(),
+            components: entry.components().to_vec(),
+        };
+        record.save(root.path()).unwrap();
+        assert_eq!(NodeVersion::load(root.path()).unwrap(), Some(record));
+
+        let path = root.path().join(paths::NODE_VERSION);
+        std::fs::write(&path, br#"{"kubernetes_version":"1.30","components":[]}"#).unwrap();
+        assert!(matches!(
+            NodeVersion::load(root.path()),
+            Err(RecordError::Invalid(_))
+        ));
+    }
+}

@@ -1,0 +1,267 @@
+//! A version's components installed beside the running ones, and the
+//! switch between the two.
+//!
+//! Components install into a few directories (the versions table uses
+//! `/run/state/bin`, `/opt/cni/bin` and `/opt/kubernetes/patches`: a
+//! component's own directory when it is an archive, its parent otherwise).
+//! The new version goes into a twin of each, `<dir>.keel-next`, on the same
+//! file system (the same bind mount of the state disk), so the running
+//! binaries are untouched while it downloads. The switch exchanges each
+//! twin with its directory in one `renameat2(RENAME_EXCHANGE)`: every
+//! directory moves from old to new at once, never through a state where a
+//! binary is missing or half written. Switching back exchanges them again;
+//! [`Staging::discard`] removes the twins (after a switch: the previous
+//! version).
+
+use std::path::{Path, PathBuf};
+
+use keel_installer::Component;
+use rustix::fs::{renameat_with, RenameFlags, CWD};
+
+/// Suffix of a staged directory.
+pub const STAGED_SUFFIX: &str = ".keel-next";
+
+/// A component directory and its staged twin.
+#[derive(Debug)]
+struct Twin {
+    /// The directory as install paths name it (`/run/state/bin`).
+    dir: String,
+    /// The directory under the node root.
+    live: PathBuf,
+    /// Its twin under the node root.
+    next: PathBuf,
+    /// What the switch did: `None` before it, else whether the live
+    /// directory existed (exchanged) or not (moved into place).
+    switched: Option<bool>,
+}
+
+/// The staged directories of one upgrade.
+#[derive(Debug)]
+pub struct Staging {
+    twins: Vec<Twin>,
+}
+
+/// Why staging or switching failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StagingError {
+    /// Two component directories nest; they cannot be switched apart.
+    #[error("component directories {0} and {1} nest")]
+    Nested(String, String),
+    /// A component path could not be rewritten into the staged directory.
+    #[error("component {0}: staged install path")]
+    Path(String, #[source] keel_installer::ComponentError),
+    /// A file system operation failed.
+    #[error("{what} {path:?}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The directory a component installs into.
+fn component_dir(component: &Component) -> String {
+    let path = component.install_path().as_str();
+    if component.extract() {
+        return path.trim_end_matches('/').to_owned();
+    }
+    match path.rsplit_once('/') {
+        Some(("", _)) | None => "/".to_owned(),
+        Some((dir, _)) => dir.to_owned(),
+    }
+}
+
+impl Staging {
+    /// The twins for `components` under the node `root`, emptied (a stale
+    /// twin of an earlier attempt is removed), and the components with
+    /// their install paths moved into the twins, in the same order.
+    pub fn prepare(
+        root: &Path,
+        components: &[Component],
+    ) -> Result<(Self, Vec<Component>), StagingError> {
+        let mut dirs: Vec<String> = components.iter().map(component_dir).collect();
+        dirs.sort();
+        dirs.dedup();
+        for (i, a) in dirs.iter().enumerate() {
+            for b in dirs.iter().skip(i + 1) {
+                if a == "/" || b.starts_with(&format!("{a}/")) {
+                    return Err(StagingError::Nested(a.clone(), b.clone()));
+                }
+            }
+        }
+        let under = |dir: &str| root.join(dir.trim_start_matches('/'));
+        let twins: Vec<Twin> = dirs
+            .iter()
+            .map(|dir| Twin {
+                dir: dir.clone(),
+                live: under(dir),
+                next: under(&format!("{dir}{STAGED_SUFFIX}")),
+                switched: None,
+            })
+            .collect();
+        for twin in &twins {
+            remove_dir(&twin.next)?;
+            std::fs::create_dir_all(&twin.next).map_err(|source| StagingError::Io {
+                what: "creating",
+                path: twin.next.clone(),
+                source,
+            })?;
+        }
+        let staged = components
+            .iter()
+            .map(|c| {
+                let dir = component_dir(c);
+                let rest =
+                    &c.install_path().as_str()[dir.len().min(c.install_path().as_str().len())..];
+                let path = format!("{dir}{STAGED_SUFFIX}{rest}");
+                Component::new(c.url(), &c.hash().to_string(), &path, c.extract())
+                    .map_err(|e| StagingError::Path(c.name().to_owned(), e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((Self { twins }, staged))
+    }
+
+    /// Switches every directory to its twin. On an error the directories
+    /// switched so far stay switched: call [`Staging::switch_back`].
+    pub fn switch(&mut self) -> Result<(), StagingError> {
+        for twin in &mut self.twins {
+            if twin.switched.is_some() {
+                continue;
+            }
+            let existed = twin.live.exists();
+            if existed {
+                renameat_with(CWD, &twin.next, CWD, &twin.live, RenameFlags::EXCHANGE)
+            } else {
+                if let Some(parent) = twin.live.parent() {
+                    std::fs::create_dir_all(parent).map_err(|source| StagingError::Io {
+                        what: "creating",
+                        path: parent.to_owned(),
+                        source,
+                    })?;
+                }
+                renameat_with(CWD, &twin.next, CWD, &twin.live, RenameFlags::NOREPLACE)
+            }
+            .map_err(|errno| StagingError::Io {
+                what: "switching",
+                path: twin.live.clone(),
+                source: errno.into(),
+            })?;
+            twin.switched = Some(existed);
+            tracing::info!(dir = %twin.dir, "component directory switched");
+        }
+        Ok(())
+    }
+
+    /// Undoes [`Staging::switch`] for every directory it switched.
+    pub fn switch_back(&mut self) -> Result<(), StagingError> {
+        for twin in self.twins.iter_mut().rev() {
+            let Some(existed) = twin.switched else {
+                continue;
+            };
+            let flags = if existed {
+                RenameFlags::EXCHANGE
+            } else {
+                RenameFlags::NOREPLACE
+            };
+            renameat_with(CWD, &twin.live, CWD, &twin.next, flags).map_err(|errno| {
+                StagingError::Io {
+                    what: "switching back",
+                    path: twin.live.clone(),
+                    source: errno.into(),
+                }
+            })?;
+            twin.switched = None;
+            tracing::info!(dir = %twin.dir, "component directory switched back");
+        }
+        Ok(())
+    }
+
+    /// Removes the twins: the staged version if nothing was switched, the
+    /// previous one after a switch.
+    pub fn discard(self) -> Result<(), StagingError> {
+        for twin in &self.twins {
+            remove_dir(&twin.next)?;
+        }
+        Ok(())
+    }
+}
+
+fn remove_dir(path: &Path) -> Result<(), StagingError> {
+    match std::fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(StagingError::Io {
+            what: "removing",
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn component(path: &str, extract: bool) -> Component {
+        Component::new(
+            "https://example.com/x",
+            &format!("sha256:{}", "ab".repeat(32)),
+            path,
+            extract,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn twins_switch_at_once_and_back() {
+        let root = tempfile::tempdir().unwrap();
+        let bin = root.path().join("run/state/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("kubelet"), "old").unwrap();
+        let components = [
+            component("/run/state/bin/kubelet", false),
+            component("/run/state/bin", true),
+            component("/opt/cni/bin", true),
+        ];
+        let (mut staging, staged) = Staging::prepare(root.path(), &components).unwrap();
+        let paths: Vec<&str> = staged.iter().map(|c| c.install_path().as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/run/state/bin.keel-next/kubelet",
+                "/run/state/bin.keel-next",
+                "/opt/cni/bin.keel-next"
+            ]
+        );
+        std::fs::write(root.path().join("run/state/bin.keel-next/kubelet"), "new").unwrap();
+        std::fs::write(root.path().join("opt/cni/bin.keel-next/bridge"), "new").unwrap();
+
+        staging.switch().unwrap();
+        assert_eq!(std::fs::read_to_string(bin.join("kubelet")).unwrap(), "new");
+        assert!(root.path().join("opt/cni/bin/bridge").exists());
+        staging.switch_back().unwrap();
+        assert_eq!(std::fs::read_to_string(bin.join("kubelet")).unwrap(), "old");
+        assert!(!root.path().join("opt/cni/bin").exists());
+
+        staging.switch().unwrap();
+        staging.discard().unwrap();
+        assert_eq!(std::fs::read_to_string(bin.join("kubelet")).unwrap(), "new");
+        assert!(!root.path().join("run/state/bin.keel-next").exists());
+    }
+
+    #[test]
+    fn nested_directories_are_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let components = [component("/opt/a", true), component("/opt/a/b/file", false)];
+        assert!(matches!(
+            Staging::prepare(root.path(), &components),
+            Err(StagingError::Nested(..))
+        ));
+    }
+}
