@@ -298,6 +298,14 @@ impl JoinService {
                 Vec::new()
             },
             control_plane_endpoints: cluster.control_plane_endpoints.clone(),
+            staged_measurements: match &cluster.staged_measurements {
+                Some(staged) if request.is_control_plane => staged.to_json().into_bytes(),
+                _ => Vec::new(),
+            },
+            measurements_signing_key: match &cluster.measurements_key {
+                Some(key) if request.is_control_plane => key.to_pem().unwrap_or_default(),
+                _ => String::new(),
+            },
         })
     }
 

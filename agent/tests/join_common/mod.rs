@@ -308,6 +308,8 @@ pub async fn start_service_for(
         api_server: "127.0.0.1:6443".parse().unwrap(),
         pki_dir: pki,
         join_measurements: boot_measurements(&config),
+        staged_measurements: None,
+        measurements_key: None,
         control_plane_endpoints: config.cluster.control_plane_endpoints.clone(),
     });
 
