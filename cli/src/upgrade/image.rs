@@ -83,16 +83,17 @@ fn signature_of(file: &Path) -> PathBuf {
 /// Stages `image` on every control plane of `cluster`, reporting each.
 pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Result<()> {
     let settings = Settings::load(&cluster.settings)?;
-    let operator = Operator::new(&settings, &cluster.workspace)?;
+    let operator = &Operator::new(&settings, &cluster.workspace)?;
     println!(
         "image: staging measurements sha256:{} on {} control plane(s)",
         hex::encode(image.digest),
         cluster.endpoints.len()
     );
-    let mut failed = 0;
-    for endpoint in &cluster.endpoints {
-        let staged = async {
-            let mut node = operator.connect(endpoint, cluster.wait()).await?;
+    on_each(
+        cluster,
+        "stage the image measurements",
+        |endpoint| async move {
+            let mut node = operator.connect(&endpoint, cluster.wait()).await?;
             let proof = node.prove(STAGE, &image.body);
             node.client
                 .stage_image_measurements(StageImageMeasurementsRequest {
@@ -102,25 +103,18 @@ pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Res
                     proof,
                 })
                 .await
-                .map_err(|s| refused(endpoint, &s))
-                .map(tonic::Response::into_inner)
-        }
-        .await;
-        match staged {
-            Ok(done) => println!(
-                "{endpoint}: image measurements staged (sha256:{}); current sha256:{} still accepted",
-                hex::encode(done.staged_digest),
-                hex::encode(done.current_digest)
-            ),
-            Err(e) => {
-                failed += 1;
-                println!("{endpoint}: FAILED: {e:#}");
-            }
-        }
-    }
-    if failed > 0 {
-        bail!("{failed} of {} control plane(s) did not stage the image measurements; run the command again for them", cluster.endpoints.len());
-    }
+                .map_err(|s| refused(&endpoint, &s))
+                .map(|done| {
+                    let done = done.into_inner();
+                    format!(
+                        "image measurements staged (sha256:{}); current sha256:{} still accepted",
+                        hex::encode(done.staged_digest),
+                        hex::encode(done.current_digest)
+                    )
+                })
+        },
+    )
+    .await?;
     println!("image: nodes of the old and the new image join; run `keel upgrade finish` once every node runs the new image");
     Ok(())
 }
@@ -128,27 +122,39 @@ pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Res
 /// Finishes the image rollout on every control plane of `cluster`.
 pub async fn finish(cluster: &Cluster) -> anyhow::Result<()> {
     let settings = Settings::load(&cluster.settings)?;
-    let operator = Operator::new(&settings, &cluster.workspace)?;
+    let operator = &Operator::new(&settings, &cluster.workspace)?;
+    on_each(cluster, "finish the image upgrade", |endpoint| async move {
+        let mut node = operator.connect(&endpoint, cluster.wait()).await?;
+        let proof = node.prove(FINISH, &[]);
+        node.client
+            .finish_image_upgrade(FinishImageUpgradeRequest {
+                challenge: node.challenge,
+                proof,
+            })
+            .await
+            .map_err(|s| refused(&endpoint, &s))
+            .map(|done| {
+                format!(
+                    "image upgrade finished; only sha256:{} is accepted",
+                    hex::encode(done.into_inner().digest)
+                )
+            })
+    })
+    .await
+}
+
+/// Runs `request` for every control plane of `cluster` in turn, printing
+/// one line per control plane (what it did, or why it failed); fails if any
+/// did not `what`.
+async fn on_each<F, Fut>(cluster: &Cluster, what: &str, request: F) -> anyhow::Result<()>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<String>>,
+{
     let mut failed = 0;
     for endpoint in &cluster.endpoints {
-        let finished = async {
-            let mut node = operator.connect(endpoint, cluster.wait()).await?;
-            let proof = node.prove(FINISH, &[]);
-            node.client
-                .finish_image_upgrade(FinishImageUpgradeRequest {
-                    challenge: node.challenge,
-                    proof,
-                })
-                .await
-                .map_err(|s| refused(endpoint, &s))
-                .map(tonic::Response::into_inner)
-        }
-        .await;
-        match finished {
-            Ok(done) => println!(
-                "{endpoint}: image upgrade finished; only sha256:{} is accepted",
-                hex::encode(done.digest)
-            ),
+        match request(endpoint.clone()).await {
+            Ok(line) => println!("{endpoint}: {line}"),
             Err(e) => {
                 failed += 1;
                 println!("{endpoint}: FAILED: {e:#}");
@@ -157,7 +163,7 @@ pub async fn finish(cluster: &Cluster) -> anyhow::Result<()> {
     }
     if failed > 0 {
         bail!(
-            "{failed} of {} control plane(s) did not finish the image upgrade",
+            "{failed} of {} control plane(s) did not {what}; run the command again for them",
             cluster.endpoints.len()
         );
     }
