@@ -284,4 +284,35 @@ mod tests {
         assert_ne!(after, before);
         assert!(after.iter().any(|(p, e)| *p == 4 && e.digest == [2; 32]));
     }
+
+    #[test]
+    fn a_staged_file_adds_a_set_and_a_bad_one_keeps_the_old_validator() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("join-measurements.json");
+        std::fs::write(&path, enforcing(1)).unwrap();
+        let required = vec![(15, [0; 32])];
+        let policy = ReloadableValidator::load(&path, EkTrust::default(), required).unwrap();
+        assert!(policy.current().staged().is_none());
+
+        // Written by the one writer: both sets, the required values in each.
+        let staged = Measurements::parse(enforcing(2).as_bytes()).unwrap();
+        let current = Measurements::parse(enforcing(1).as_bytes()).unwrap();
+        write_accepted(&path, &current, Some(&staged)).unwrap();
+        assert!(policy.reload_if_changed().unwrap());
+        let validator = policy.current();
+        let with_15 = validator.staged().unwrap();
+        assert!(with_15.iter().any(|(p, e)| *p == 4 && e.digest == [2; 32]));
+        assert!(with_15.iter().any(|(p, e)| *p == 15 && !e.warn_only));
+
+        // A staged file that enforces too little: the old validator stays.
+        std::fs::write(staged_path(&path), r#"{"4": "00"}"#).unwrap();
+        assert!(policy.reload().is_err());
+        assert_eq!(policy.current().staged(), Some(with_15));
+
+        // No staged set: the file goes, and so does the second set.
+        write_accepted(&path, &current, None).unwrap();
+        assert!(!staged_path(&path).exists());
+        policy.reload().unwrap();
+        assert!(policy.current().staged().is_none());
+    }
 }

@@ -280,6 +280,7 @@ impl JoinService {
             node = %request.node_name,
             control_plane = request.is_control_plane,
             token_id = token.id(),
+            measurements = %hex::encode(peer.measurements),
             "issued join ticket"
         );
         Ok(IssueJoinTicketResponse {
@@ -359,6 +360,7 @@ impl JoinService {
             node = %identity.name.escape_debug(),
             control_plane = is_control_plane,
             disk = %request.disk_uuid.escape_debug(),
+            measurements = %hex::encode(peer.measurements),
             "issued rejoin ticket"
         );
         Ok(IssueRejoinTicketResponse {
