@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use keel_installer::{Component, KubernetesVersion};
 use keel_verifier::measurements::Measurements;
+use keel_verifier::signature::SigningPublicKey;
 use zeroize::Zeroizing;
 
 use crate::paths;
@@ -37,16 +38,28 @@ pub struct ClusterState {
     /// operator's CLI in the init request (or received in a control-plane
     /// ticket).
     pub join_measurements: Measurements,
+    /// The measurements of a new image, accepted next to
+    /// `join_measurements` while it rolls out (staged by the operator).
+    pub staged_measurements: Option<Measurements>,
+    /// The key a new image's measurements file must be signed with, as
+    /// configured at init (`None`: image upgrades are refused).
+    pub measurements_key: Option<SigningPublicKey>,
     /// Join endpoints (`host:port`) of the cluster's control planes, as
     /// this node knows them; tickets pass them on.
     pub control_plane_endpoints: Vec<String>,
 }
 
 impl ClusterState {
-    /// The same state with other join measurements.
-    pub fn with_join_measurements(&self, join_measurements: Measurements) -> Self {
+    /// The same state with other accepted measurements: `join_measurements`
+    /// and, during an image rollout, `staged_measurements`.
+    pub fn with_measurements(
+        &self,
+        join_measurements: Measurements,
+        staged_measurements: Option<Measurements>,
+    ) -> Self {
         Self {
             join_measurements,
+            staged_measurements,
             ..self.clone()
         }
     }
@@ -82,8 +95,19 @@ pub struct ControlPlaneFacts {
     pub components: Vec<Component>,
     /// The measurements joining nodes are checked against (JSON document).
     pub join_measurements: serde_json::Value,
+    /// The measurements of a new image also accepted while it rolls out
+    /// (JSON document).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged_measurements: Option<serde_json::Value>,
+    /// The key a new image's measurements must be signed with (PEM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measurements_signing_key: Option<String>,
     /// Join endpoints of the cluster's control planes.
     pub control_plane_endpoints: Vec<String>,
+}
+
+fn measurements_json(m: &Measurements) -> serde_json::Value {
+    serde_json::from_str(&m.to_json()).unwrap_or(serde_json::Value::Null)
 }
 
 /// Largest facts file read.
@@ -126,8 +150,12 @@ impl ControlPlaneFacts {
             measurement_salt: hex::encode(&state.measurement_salt),
             kubernetes_version: state.kubernetes_version.to_string(),
             components: state.components.clone(),
-            join_measurements: serde_json::from_str(&state.join_measurements.to_json())
-                .unwrap_or(serde_json::Value::Null),
+            join_measurements: measurements_json(&state.join_measurements),
+            staged_measurements: state.staged_measurements.as_ref().map(measurements_json),
+            measurements_signing_key: state
+                .measurements_key
+                .as_ref()
+                .and_then(|k| k.to_pem().ok()),
             control_plane_endpoints: state.control_plane_endpoints.clone(),
         }
     }
@@ -187,6 +215,16 @@ impl ControlPlaneFacts {
             .version();
         let join_measurements = Measurements::parse(self.join_measurements.to_string().as_bytes())
             .map_err(|_| invalid("join measurements"))?;
+        let staged_measurements = self
+            .staged_measurements
+            .map(|m| Measurements::parse(m.to_string().as_bytes()))
+            .transpose()
+            .map_err(|_| invalid("staged measurements"))?;
+        let measurements_key = self
+            .measurements_signing_key
+            .map(|pem| SigningPublicKey::from_pem(pem.as_bytes()))
+            .transpose()
+            .map_err(|_| invalid("measurements signing key"))?;
         Ok(ClusterState {
             keys,
             measurement_salt,
@@ -197,6 +235,8 @@ impl ControlPlaneFacts {
             api_server,
             pki_dir,
             join_measurements,
+            staged_measurements,
+            measurements_key,
             control_plane_endpoints: self.control_plane_endpoints,
         })
     }

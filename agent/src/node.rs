@@ -216,8 +216,16 @@ pub async fn serve_join_as_control_plane(
         }
         slot.changed().await?;
     };
-    crate::files::write_private(&measurements, state.join_measurements.to_json().as_bytes())?;
-    tracing::info!(path = %measurements.display(), "join measurements written");
+    crate::attestation::policy::write_accepted(
+        &measurements,
+        &state.join_measurements,
+        state.staged_measurements.as_ref(),
+    )?;
+    tracing::info!(
+        path = %measurements.display(),
+        staged = state.staged_measurements.is_some(),
+        "join measurements written"
+    );
     let policy = join_service_policy(&config, &measurements)?;
     let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
     let service =

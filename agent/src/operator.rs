@@ -15,6 +15,16 @@
 //! join service accepts: the file the join service re-reads, the facts on
 //! the state disk (so a reboot keeps them) and the cluster state the next
 //! tickets carry (so a control plane that joins later serves the same).
+//!
+//! An image upgrade (control planes) goes in two steps.
+//! `StageImageMeasurements` adds the new image's measurements as a second
+//! accepted set, so nodes of the old and the new image both join during
+//! the rollout; the file must carry a detached signature by the
+//! measurements signing key configured at init
+//! ([`keel_verifier::signature`]), so the operator key alone (or a file an
+//! attacker placed on the operator's disk) cannot admit a foreign image.
+//! `FinishImageUpgrade` makes the staged set the only one. Both are kept
+//! where `SetJoinMeasurements` keeps its file.
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
@@ -25,19 +35,21 @@ use std::time::{Duration, Instant};
 use keel_proto::operator::operator_service_server::{OperatorService, OperatorServiceServer};
 use keel_proto::operator::upgrade_response::Event;
 use keel_proto::operator::{
-    ChallengeRequest, ChallengeResponse, SetJoinMeasurementsRequest, SetJoinMeasurementsResponse,
-    UpgradeDone, UpgradeFailed, UpgradePlan, UpgradeRequest,
+    ChallengeRequest, ChallengeResponse, FinishImageUpgradeRequest, FinishImageUpgradeResponse,
+    SetJoinMeasurementsRequest, SetJoinMeasurementsResponse, StageImageMeasurementsRequest,
+    StageImageMeasurementsResponse, UpgradeDone, UpgradeFailed, UpgradePlan, UpgradeRequest,
 };
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::OperatorKey;
 use keel_verifier::measurements::Measurements;
+use keel_verifier::signature::SignatureError;
 use prost::Message as _;
 use rand::RngCore as _;
-use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::cluster::{ClusterSlot, ControlPlaneFacts};
+use crate::attestation::policy::write_accepted;
+use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts};
 use crate::throttle::FailureThrottle;
 use crate::transcript::{self, Transcript};
 use crate::upgrade::{Target, UpgradeError, Upgrader};
@@ -52,6 +64,10 @@ pub const MAX_OPERATOR_REQUEST_BYTES: usize = 128 * 1024;
 pub const SET_JOIN_MEASUREMENTS: &str = "set-join-measurements";
 /// The proof kind of `Upgrade`.
 pub const UPGRADE: &str = "upgrade";
+/// The proof kind of `StageImageMeasurements` (body: the measurements).
+pub const STAGE_IMAGE_MEASUREMENTS: &str = "stage-image-measurements";
+/// The proof kind of `FinishImageUpgrade` (body: empty).
+pub const FINISH_IMAGE_UPGRADE: &str = "finish-image-upgrade";
 
 /// Why an operator request was refused.
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +92,15 @@ pub enum OperatorError {
     /// reason is theirs to see).
     #[error("invalid measurements: {0}")]
     Measurements(String),
+    /// No measurements signing key was configured at init.
+    #[error("no measurements signing key was configured at init (settings: measurements_signing_key); image upgrades are refused")]
+    NoSigningKey,
+    /// The new image's measurements are not signed with the cluster's key.
+    #[error("the measurements file is not signed with the measurements signing key")]
+    Signature(#[source] SignatureError),
+    /// Finish with no image rollout in progress.
+    #[error("no image measurements are staged; nothing to finish")]
+    NothingStaged,
     /// The new measurements could not be stored.
     #[error("storing the measurements failed")]
     Store(#[source] anyhow::Error),
@@ -91,7 +116,10 @@ impl From<&OperatorError> for tonic::Status {
     fn from(e: &OperatorError) -> Self {
         use OperatorError as E;
         let code = match e {
-            E::NotServing | E::NotControlPlane => tonic::Code::FailedPrecondition,
+            E::NotServing | E::NotControlPlane | E::NoSigningKey | E::NothingStaged => {
+                tonic::Code::FailedPrecondition
+            }
+            E::Signature(_) => tonic::Code::PermissionDenied,
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
             E::Measurements(_) => tonic::Code::InvalidArgument,
@@ -239,6 +267,8 @@ struct Inner {
     measurements: Option<PathBuf>,
     root: PathBuf,
     upgrader: Option<Arc<Upgrader>>,
+    /// Held while the accepted measurements change.
+    changing: Mutex<()>,
 }
 
 impl OperatorServer {
@@ -260,6 +290,7 @@ impl OperatorServer {
                 measurements,
                 root,
                 upgrader: upgrader.map(Arc::new),
+                changing: Mutex::new(()),
             }),
         }
     }
@@ -274,43 +305,139 @@ impl OperatorServer {
         self.inner.auth.challenge()
     }
 
+    /// Changes the accepted measurements of a control plane with `update`
+    /// (given the state in force), one change at a time: the files the
+    /// join service re-reads, the facts on the state disk and the cluster
+    /// state the next tickets carry. Returns the new state.
+    fn change(
+        &self,
+        update: impl FnOnce(&ClusterState) -> Result<ClusterState, OperatorError>,
+    ) -> Result<Arc<ClusterState>, OperatorError> {
+        let inner = &self.inner;
+        let path = inner
+            .measurements
+            .as_ref()
+            .ok_or(OperatorError::NotControlPlane)?;
+        let _one = inner
+            .changing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let state = inner
+            .cluster
+            .borrow()
+            .clone()
+            .ok_or(OperatorError::NotControlPlane)?;
+        let updated = Arc::new(update(&state)?);
+        write_accepted(
+            path,
+            &updated.join_measurements,
+            updated.staged_measurements.as_ref(),
+        )
+        .map_err(|e| OperatorError::Store(e.into()))?;
+        ControlPlaneFacts::of(&updated)
+            .save(&inner.root)
+            .map_err(|e| OperatorError::Store(e.into()))?;
+        inner.cluster.send_replace(Some(updated.clone()));
+        Ok(updated)
+    }
+
     /// Replaces the join measurements, for a request from `peer`; returns
-    /// the SHA-256 of the measurements now in force.
+    /// the SHA-256 of the measurements now in force. A staged set stays.
     pub fn set_join_measurements(
         &self,
         request: &SetJoinMeasurementsRequest,
         peer: Option<IpAddr>,
     ) -> Result<[u8; 32], OperatorError> {
-        let inner = &self.inner;
-        inner.auth.authorize(
+        self.inner.auth.authorize(
             SET_JOIN_MEASUREMENTS,
             &request.challenge,
             &request.measurements,
             &request.proof,
             peer,
         )?;
-        let path = inner
-            .measurements
-            .as_ref()
-            .ok_or(OperatorError::NotControlPlane)?;
-        let state = inner
-            .cluster
-            .borrow()
-            .clone()
-            .ok_or(OperatorError::NotControlPlane)?;
         let measurements = Measurements::parse(&request.measurements)
             .map_err(|e| OperatorError::Measurements(e.to_string()))?;
-        let json = measurements.to_json();
-        crate::files::write_private(path, json.as_bytes())
-            .map_err(|e| OperatorError::Store(e.into()))?;
-        let updated = Arc::new(state.with_join_measurements(measurements));
-        ControlPlaneFacts::of(&updated)
-            .save(&inner.root)
-            .map_err(|e| OperatorError::Store(e.into()))?;
-        inner.cluster.send_replace(Some(updated));
-        let digest: [u8; 32] = Sha256::digest(json.as_bytes()).into();
-        tracing::info!(digest = %hex::encode(digest), path = %path.display(), "join measurements replaced by the operator");
+        let updated = self.change(|state| {
+            Ok(state.with_measurements(measurements, state.staged_measurements.clone()))
+        })?;
+        let digest = updated.join_measurements.digest();
+        tracing::info!(digest = %hex::encode(digest), "join measurements replaced by the operator");
         Ok(digest)
+    }
+
+    /// Stages a new image's measurements as a second accepted set, for a
+    /// request from `peer`: the file must be signed with the cluster's
+    /// measurements signing key and enforce what every set must. Returns
+    /// the SHA-256 of the staged set and of the current one.
+    pub fn stage_image_measurements(
+        &self,
+        request: &StageImageMeasurementsRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<([u8; 32], [u8; 32]), OperatorError> {
+        self.inner.auth.authorize(
+            STAGE_IMAGE_MEASUREMENTS,
+            &request.challenge,
+            &request.measurements,
+            &request.proof,
+            peer,
+        )?;
+        let updated = self.change(|state| {
+            let key = state
+                .measurements_key
+                .as_ref()
+                .ok_or(OperatorError::NoSigningKey)?;
+            key.verify(&request.measurements, &request.signature)
+                .map_err(OperatorError::Signature)?;
+            let staged = Measurements::parse(&request.measurements)
+                .map_err(|e| OperatorError::Measurements(e.to_string()))?;
+            Ok(state.with_measurements(state.join_measurements.clone(), Some(staged)))
+        })?;
+        let current = updated.join_measurements.digest();
+        let staged = updated
+            .staged_measurements
+            .as_ref()
+            .map(Measurements::digest)
+            .unwrap_or_default();
+        tracing::info!(staged = %hex::encode(staged), current = %hex::encode(current), "new image measurements staged by the operator");
+        Ok((staged, current))
+    }
+
+    /// Ends an image rollout, for a request from `peer`: the staged set
+    /// becomes the only accepted set. Returns its SHA-256.
+    pub fn finish_image_upgrade(
+        &self,
+        request: &FinishImageUpgradeRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<[u8; 32], OperatorError> {
+        self.inner.auth.authorize(
+            FINISH_IMAGE_UPGRADE,
+            &request.challenge,
+            &[],
+            &request.proof,
+            peer,
+        )?;
+        let updated = self.change(|state| {
+            let staged = state
+                .staged_measurements
+                .clone()
+                .ok_or(OperatorError::NothingStaged)?;
+            Ok(state.with_measurements(staged, None))
+        })?;
+        let digest = updated.join_measurements.digest();
+        tracing::info!(digest = %hex::encode(digest), "image upgrade finished: the staged measurements are the only ones accepted");
+        Ok(digest)
+    }
+}
+
+/// The tonic form of an operator result: refusals are logged with their
+/// chain and sent with their code and message.
+fn respond<T>(result: Result<T, OperatorError>) -> Result<tonic::Response<T>, tonic::Status> {
+    match result {
+        Ok(response) => Ok(tonic::Response::new(response)),
+        Err(e) => {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "operator request refused");
+            Err((&e).into())
+        }
     }
 }
 
@@ -399,14 +526,41 @@ impl OperatorService for OperatorServer {
         request: tonic::Request<SetJoinMeasurementsRequest>,
     ) -> Result<tonic::Response<SetJoinMeasurementsResponse>, tonic::Status> {
         let peer = crate::grpc::peer_ip(&request);
-        match OperatorServer::set_join_measurements(self, request.get_ref(), peer) {
-            Ok(digest) => Ok(tonic::Response::new(SetJoinMeasurementsResponse {
-                digest: digest.to_vec(),
-            })),
-            Err(e) => {
-                tracing::warn!(error = %keel_atls::ErrorChain(&e), "operator request refused");
-                Err((&e).into())
-            }
-        }
+        respond(
+            OperatorServer::set_join_measurements(self, request.get_ref(), peer).map(|digest| {
+                SetJoinMeasurementsResponse {
+                    digest: digest.to_vec(),
+                }
+            }),
+        )
+    }
+
+    async fn stage_image_measurements(
+        &self,
+        request: tonic::Request<StageImageMeasurementsRequest>,
+    ) -> Result<tonic::Response<StageImageMeasurementsResponse>, tonic::Status> {
+        let peer = crate::grpc::peer_ip(&request);
+        respond(
+            OperatorServer::stage_image_measurements(self, request.get_ref(), peer).map(
+                |(staged, current)| StageImageMeasurementsResponse {
+                    staged_digest: staged.to_vec(),
+                    current_digest: current.to_vec(),
+                },
+            ),
+        )
+    }
+
+    async fn finish_image_upgrade(
+        &self,
+        request: tonic::Request<FinishImageUpgradeRequest>,
+    ) -> Result<tonic::Response<FinishImageUpgradeResponse>, tonic::Status> {
+        let peer = crate::grpc::peer_ip(&request);
+        respond(
+            OperatorServer::finish_image_upgrade(self, request.get_ref(), peer).map(|digest| {
+                FinishImageUpgradeResponse {
+                    digest: digest.to_vec(),
+                }
+            }),
+        )
     }
 }

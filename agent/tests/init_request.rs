@@ -77,15 +77,36 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
             .collect();
         cases.push(("a required PCR missing", file(&enforced(&rest)), expected));
     }
-    for (case, measurements, expected) in cases {
+    // Good measurements, but a measurements signing key that is not a P-256
+    // public key: refused like bad measurements.
+    let mut requests: Vec<(&str, InitRequest, &str)> = cases
+        .into_iter()
+        .map(|(case, measurements, expected)| {
+            let request = InitRequest {
+                join_measurements: measurements,
+                ..InitRequest::default()
+            };
+            (case, request, expected)
+        })
+        .collect();
+    requests.push((
+        "a signing key that is not one",
+        InitRequest {
+            join_measurements: file(&enforced(&[4, 9, 11, 12, 15])),
+            measurements_signing_key:
+                "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n".into(),
+            ..InitRequest::default()
+        },
+        "invalid measurements signing key",
+    ));
+    for (case, request, expected) in requests {
         let request = InitRequest {
             secrets: Some(sealed.clone()),
             master_salt: vec![1; 32],
             measurement_salt: vec![2; 32],
             kubernetes_version: "v1.31".into(),
             cluster_name: "checked".into(),
-            join_measurements: measurements,
-            ..InitRequest::default()
+            ..request
         };
         let status = init
             .init(tonic::Request::new(request))

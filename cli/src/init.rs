@@ -182,6 +182,8 @@ pub async fn run(
     // the same measurements.
     let measurements = settings.measurements()?;
     let validator = settings.validator(measurements.clone())?;
+    // Refuse a bad key before anything reaches the node.
+    let signing_key = settings.signing_key()?;
     let init_secret = match &settings.init_secret_file {
         Some(p) => Zeroizing::new(read_bounded(&settings.resolve(p))?),
         None => bail!("the settings name no init_secret_file"),
@@ -257,6 +259,12 @@ pub async fn run(
         component_mirror: settings.component_mirror.clone().unwrap_or_default(),
         // The node's join service admits nodes that match what this node matched.
         join_measurements: measurements.to_json().into_bytes(),
+        measurements_signing_key: match &signing_key {
+            Some(key) => key
+                .to_pem()
+                .context("encoding the measurements signing key")?,
+            None => String::new(),
+        },
     };
     let mut stream = InitServiceClient::new(bound.channel)
         .init(request)

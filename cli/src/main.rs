@@ -11,6 +11,7 @@ mod logging;
 mod push;
 mod recover;
 mod settings;
+mod upgrade;
 mod verify;
 mod workspace;
 
@@ -81,6 +82,13 @@ enum Command {
         /// Seconds to keep trying while a node is not reachable.
         #[arg(long, default_value_t = 60, value_name = "SECONDS")]
         wait: u64,
+    },
+    /// Upgrade a running cluster: `apply` stages a new image's signed
+    /// measurements (and, later, a Kubernetes version) on every control
+    /// plane, `finish` ends the image rollout.
+    Upgrade {
+        #[command(subcommand)]
+        command: upgrade::UpgradeCommand,
     },
     /// Bring back a control plane when no join service answers (every
     /// control plane was down): verify the node's attestation (it must be
@@ -157,6 +165,7 @@ fn main() -> ExitCode {
                 )
                 .await
             }
+            Command::Upgrade { command } => upgrade::run(command).await,
             Command::Recover {
                 settings,
                 endpoint,

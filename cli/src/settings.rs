@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurements::Measurements;
+use keel_verifier::signature::SigningPublicKey;
 use keel_verifier::validator::Validator;
 use serde::Deserialize;
 
@@ -44,6 +45,11 @@ pub struct Settings {
     /// Base URL replacing upstream download hosts.
     #[serde(default)]
     pub component_mirror: Option<String>,
+    /// The public key (PEM, ECDSA P-256) that measurements files of a new
+    /// image must be signed with (`keel-measure --signing-key`). Sent at
+    /// init; without it, the cluster refuses image upgrades.
+    #[serde(default)]
+    pub measurements_signing_key: Option<PathBuf>,
     #[serde(skip)]
     dir: PathBuf,
 }
@@ -107,6 +113,18 @@ impl Settings {
         let ca = self.resolve(&self.ek_ca);
         EkTrust::from_pem(&read_bounded(&ca)?)
             .with_context(|| format!("EK CA bundle {} holds no certificate", ca.display()))
+    }
+
+    /// The measurements signing key the settings name, if any.
+    pub fn signing_key(&self) -> anyhow::Result<Option<SigningPublicKey>> {
+        let Some(path) = &self.measurements_signing_key else {
+            return Ok(None);
+        };
+        let path = self.resolve(path);
+        let pem = read_bounded(&path)?;
+        SigningPublicKey::from_pem(&pem)
+            .with_context(|| format!("measurements signing key {}", path.display()))
+            .map(Some)
     }
 
     /// The endpoint as host and port.

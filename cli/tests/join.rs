@@ -85,6 +85,17 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         components: Some(&components),
     }
     .write(operator.path());
+    // The key new images' measurements must be signed with, sent at init.
+    let signing = keel_verifier::signature::SigningPrivateKey::generate();
+    std::fs::write(
+        operator.path().join("signing.pub.pem"),
+        signing.public_key().to_pem().unwrap(),
+    )
+    .unwrap();
+    let mut with_key: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&settings).unwrap()).unwrap();
+    with_key["measurements_signing_key"] = "signing.pub.pem".into();
+    std::fs::write(&settings, with_key.to_string()).unwrap();
     let started = std::time::Instant::now();
     let out = run_keel(&["init", "--skip-helm-wait"], &settings, Some(ws.path())).await;
     assert!(out.status.success(), "{}", text(&out));
@@ -93,6 +104,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         .borrow()
         .clone()
         .expect("init published no cluster state");
+    assert_eq!(state.measurements_key, Some(signing.public_key()));
     init_task.abort();
 
     // Node 1 serves the join service, with the image's reference values.
@@ -305,6 +317,66 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         .unwrap(),
         new
     );
+
+    // An image upgrade through the CLI: the new image's signed measurements
+    // are staged next to the current ones, then finish makes them the only
+    // ones.
+    let image = boot_measurements_with(&config1, [(11, Expected::enforced([5; 32]))]);
+    let image_file = operator.path().join("image.json");
+    let image_body = format!("{}\n", image.to_json());
+    std::fs::write(&image_file, &image_body).unwrap();
+    std::fs::write(
+        operator.path().join("image.json.sig"),
+        signing.sign(image_body.as_bytes()),
+    )
+    .unwrap();
+    let endpoint = operator_addr.to_string();
+    let ws_arg = ws.path().to_str().unwrap();
+    let out = run_keel(
+        &[
+            "upgrade",
+            "apply",
+            "--workspace",
+            ws_arg,
+            "--image-measurements",
+            image_file.to_str().unwrap(),
+            "--skip-phases",
+            "kubernetes",
+            "--endpoint",
+            &endpoint,
+        ],
+        &settings,
+        None,
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("{endpoint}: image measurements staged")),
+        "{}",
+        text(&out)
+    );
+    let staged_file = keel_agent::attestation::policy::staged_path(&join_measurements);
+    let read = |p: &std::path::Path| {
+        keel_verifier::measurements::Measurements::parse(&std::fs::read(p).unwrap()).unwrap()
+    };
+    assert_eq!(read(&staged_file), image);
+    assert_eq!(read(&join_measurements), new);
+    let finish_args = [
+        "upgrade",
+        "finish",
+        "--workspace",
+        ws_arg,
+        "--endpoint",
+        &endpoint,
+    ];
+    let finish = || run_keel(&finish_args, &settings, None);
+    let out = finish().await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!staged_file.exists());
+    assert_eq!(read(&join_measurements), image);
+    let out = finish().await;
+    assert!(!out.status.success());
+    assert!(text(&out).contains("nothing to finish"), "{}", text(&out));
 
     // `keel recover` against a node that is a member (PCR 15 set): the CLI
     // refuses it before it sends anything, whatever the node would answer.

@@ -3,44 +3,93 @@
 //!
 //! ```text
 //! keel-measure --uki build/image/keel.efi --node-config FILE [--output FILE] [--events]
+//!              [--signing-key KEY.pem]
+//! keel-measure keygen --out DIR
 //! ```
 
-use std::path::PathBuf;
+use std::io::Write as _;
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context as _, Result};
-use clap::Parser;
+use anyhow::{bail, Context as _, Result};
+use clap::{Parser, Subcommand};
 use keel_image::pcr::{replay, Event};
 use keel_image::predict::{self, Uki};
 use keel_verifier::config::NodeConfig;
+use keel_verifier::signature::SigningPrivateKey;
 
 /// Predicts PCRs 4, 9, 11 and 12 from a built image and a node config.
+///
+/// With `--signing-key`, also writes a detached signature of the file to
+/// `<output>.sig`: ECDSA P-256 with SHA-256 over the exact file bytes, DER,
+/// as `openssl dgst -sha256 -sign KEY -out FILE.sig FILE` writes it, and
+/// checked by `openssl dgst -sha256 -verify PUB.pem -signature FILE.sig FILE`.
+/// A running cluster admits a new image only with measurements signed by
+/// the key it was initialised with (settings: `measurements_signing_key`).
+/// `keel-measure keygen --out DIR` makes a key pair; openssl makes one too:
+/// `openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out key.pem`
+/// and `openssl pkey -in key.pem -pubout -out pub.pem`.
 #[derive(Debug, Parser)]
-#[command(name = "keel-measure", version)]
+#[command(name = "keel-measure", version, subcommand_negates_reqs = true)]
 struct Args {
+    /// Other commands.
+    #[command(subcommand)]
+    command: Option<Command>,
     /// The image's unified kernel image (build/image/keel.efi).
-    #[arg(long)]
-    uki: PathBuf,
+    #[arg(long, required = true)]
+    uki: Option<PathBuf>,
     /// A node config document, as given to the VM (fw_cfg
     /// `opt/keel/node-config`) or installed in the image. It is read and
     /// validated as the agent does, and PCR 12 predicted from its canonical
     /// form. Required: verifiers refuse a measurements file that does not
     /// enforce PCR 12.
-    #[arg(long)]
-    node_config: PathBuf,
+    #[arg(long, required = true)]
+    node_config: Option<PathBuf>,
     /// Where to write the measurements JSON (default: standard output).
     #[arg(long)]
     output: Option<PathBuf>,
     /// Also print every modelled event to standard error.
     #[arg(long)]
     events: bool,
+    /// Sign the written file with this key (PEM PKCS#8, ECDSA P-256) and
+    /// write the signature to `<output>.sig`. Needs --output.
+    #[arg(long, value_name = "KEY", requires = "output")]
+    signing_key: Option<PathBuf>,
 }
+
+/// Commands other than predicting.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Make a measurements signing key pair: `DIR/measurements-signing-key.pem`
+    /// (private, mode 0600; keep it off the cluster's machines) and
+    /// `DIR/measurements-signing-key.pub.pem` (the settings'
+    /// `measurements_signing_key`). Existing files are never overwritten.
+    Keygen {
+        /// Directory for the two files.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+/// Largest key file read.
+const MAX_KEY_FILE: u64 = 16 * 1024;
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let bytes = std::fs::read(&args.uki).with_context(|| format!("read {}", args.uki.display()))?;
-    let uki = Uki::parse(&bytes).with_context(|| format!("{}", args.uki.display()))?;
+    if let Some(Command::Keygen { out }) = &args.command {
+        return keygen(out);
+    }
+    let (Some(uki_path), Some(path)) = (&args.uki, &args.node_config) else {
+        bail!("--uki and --node-config are required");
+    };
+    // Read the key first: a bad key fails before any work.
+    let signing_key = match &args.signing_key {
+        Some(key) => Some(read_signing_key(key)?),
+        None => None,
+    };
+    let bytes = std::fs::read(uki_path).with_context(|| format!("read {}", uki_path.display()))?;
+    let uki = Uki::parse(&bytes).with_context(|| format!("{}", uki_path.display()))?;
     // The agent's own loader: same size bound, validation and canonical form.
-    let path = &args.node_config;
     let (config, _) =
         NodeConfig::load(Some(path)).with_context(|| format!("node config {}", path.display()))?;
 
@@ -65,11 +114,60 @@ fn main() -> Result<()> {
     }
     let measurements = predict::measurements(&uki, &config)?;
 
-    let json = measurements.to_json();
+    let json = measurements.to_json() + "\n";
     match &args.output {
-        Some(path) => std::fs::write(path, json + "\n")
-            .with_context(|| format!("write {}", path.display()))?,
-        None => println!("{json}"),
+        Some(path) => {
+            std::fs::write(path, &json).with_context(|| format!("write {}", path.display()))?;
+            if let Some(key) = &signing_key {
+                let signature = signature_path(path);
+                std::fs::write(&signature, key.sign(json.as_bytes()))
+                    .with_context(|| format!("write {}", signature.display()))?;
+                eprintln!("signature: {}", signature.display());
+            }
+        }
+        None => print!("{json}"),
     }
+    Ok(())
+}
+
+/// `FILE.sig` for `FILE`.
+fn signature_path(file: &Path) -> PathBuf {
+    let mut name = file.as_os_str().to_owned();
+    name.push(".sig");
+    PathBuf::from(name)
+}
+
+fn read_signing_key(path: &Path) -> Result<SigningPrivateKey> {
+    use std::io::Read as _;
+    let mut pem = zeroize::Zeroizing::new(Vec::new());
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_KEY_FILE).read_to_end(&mut pem))
+        .with_context(|| format!("read {}", path.display()))?;
+    SigningPrivateKey::from_pem(&pem).with_context(|| format!("signing key {}", path.display()))
+}
+
+fn keygen(out: &Path) -> Result<()> {
+    let key = SigningPrivateKey::generate();
+    let private = out.join("measurements-signing-key.pem");
+    let public = out.join("measurements-signing-key.pub.pem");
+    for path in [&private, &public] {
+        if path.exists() {
+            bail!("{} exists; not overwritten", path.display());
+        }
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
+    let create = |path: &Path, mode: u32, data: &[u8]| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(path)
+            .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_all()))
+            .with_context(|| format!("write {}", path.display()))
+    };
+    create(&private, 0o600, key.to_pem()?.as_bytes())?;
+    create(&public, 0o644, key.public_key().to_pem()?.as_bytes())?;
+    println!("private key: {}", private.display());
+    println!("public key:  {}", public.display());
     Ok(())
 }

@@ -2,7 +2,8 @@
 //! the node config's canonical form, the measurement log and its replay,
 //! the measurements file, TPM wire formats, quote and EK certificate
 //! checks, the attestation [`validator`], and sealing secrets to a TPM
-//! (MakeCredential), and the cluster's key derivation ([`keys`]). The CLI and `keel-measure` depend on this crate alone;
+//! (MakeCredential), the cluster's key derivation ([`keys`]), and the detached
+//! signatures of measurements files ([`signature`]). The CLI and `keel-measure` depend on this crate alone;
 //! the agent adds the TPM half (issuing, opening, answering).
 
 pub mod config;
@@ -12,5 +13,6 @@ pub mod keys;
 pub mod measurement;
 pub mod measurements;
 pub mod quote;
+pub mod signature;
 pub mod tpm_wire;
 pub mod validator;

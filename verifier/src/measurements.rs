@@ -290,6 +290,14 @@ impl Measurements {
             .collect()
     }
 
+    /// SHA-256 of [`Measurements::to_json`]: the name of a set, as the
+    /// operator API reports it and as [`crate::validator::Verified`] says
+    /// which set a node matched.
+    pub fn digest(&self) -> Digest32 {
+        use sha2::Digest as _;
+        sha2::Sha256::digest(self.to_json().as_bytes()).into()
+    }
+
     /// The file form, with every entry in the `{"expected", "warnOnly"}` shape.
     pub fn to_json(&self) -> String {
         let map: BTreeMap<String, FullEntry> = self

@@ -5,7 +5,9 @@
 //! quote's signature verifies with it, the quote's qualifying data binds this
 //! handshake's nonce and user data, the reported PCR values match the quoted
 //! digest, the agent's event log replays to those values, and every enforced
-//! expected PCR matches (warn-only mismatches are logged). What these checks
+//! expected PCR matches (warn-only mismatches are logged) in one of the
+//! accepted sets of measurements: the current one or, while a new image
+//! rolls out, the staged one ([`Validator::accepting`]). What these checks
 //! cannot prove, that the AK lives in the EK's TPM, is proven next, before
 //! aTLS hands the connection to anyone: a key residency challenge made with
 //! TPM2_MakeCredential to the EK and the AK's name
@@ -84,6 +86,9 @@ pub struct Verified {
     pub events: Vec<Event>,
     /// Warn-only PCRs that differed.
     pub warnings: Vec<Mismatch>,
+    /// Which accepted set the peer matched: its [`Measurements::digest`]
+    /// as given to the validator (before any required values were added).
+    pub measurements: Digest32,
 }
 
 /// EK and AK pairs whose residency was proven, oldest first out.
@@ -131,10 +136,33 @@ impl ProvenKeys {
     }
 }
 
-/// A verifier's policy: the expected measurements and the trusted EK CAs.
+/// One set of measurements a validator accepts, with its name.
+#[derive(Clone, Debug)]
+struct AcceptedSet {
+    measurements: Measurements,
+    digest: Digest32,
+}
+
+impl AcceptedSet {
+    fn new(measurements: Measurements, required: &[(u32, Digest32)]) -> Self {
+        let digest = measurements.digest();
+        let mut measurements = measurements;
+        for (pcr, value) in required {
+            measurements.require(*pcr, *value);
+        }
+        Self {
+            measurements,
+            digest,
+        }
+    }
+}
+
+/// A verifier's policy: the accepted measurements (one set, or two while a
+/// new image rolls out) and the trusted EK CAs.
 #[derive(Clone, Debug)]
 pub struct Validator {
-    measurements: Measurements,
+    current: AcceptedSet,
+    staged: Option<AcceptedSet>,
     ek_trust: EkTrust,
     proven: Arc<ProvenKeys>,
     enforce: bool,
@@ -153,8 +181,24 @@ impl Validator {
         ek_trust: EkTrust,
         proven: Arc<ProvenKeys>,
     ) -> Self {
+        Self::accepting(measurements, None, &[], ek_trust, proven)
+    }
+
+    /// A validator that accepts a peer matching `current` or, if given,
+    /// `staged` (the measurements of a new image during its rollout), each
+    /// with the `required` values added (e.g. PCR 15 = zero): the same
+    /// checks for both sets, only the expected values differ. Shares its
+    /// memory of proven keys like [`Validator::with_proven_keys`].
+    pub fn accepting(
+        current: Measurements,
+        staged: Option<Measurements>,
+        required: &[(u32, Digest32)],
+        ek_trust: EkTrust,
+        proven: Arc<ProvenKeys>,
+    ) -> Self {
         Self {
-            measurements,
+            current: AcceptedSet::new(current, required),
+            staged: staged.map(|s| AcceptedSet::new(s, required)),
             ek_trust,
             proven,
             enforce: true,
@@ -173,9 +217,15 @@ impl Validator {
         }
     }
 
-    /// The expected measurements.
+    /// The current expected measurements (required values included).
     pub fn measurements(&self) -> &Measurements {
-        &self.measurements
+        &self.current.measurements
+    }
+
+    /// The staged measurements also accepted, if any (required values
+    /// included).
+    pub fn staged(&self) -> Option<&Measurements> {
+        self.staged.as_ref().map(|s| &s.measurements)
     }
 
     /// Validates an encoded document for a handshake's `nonce` and `user_data`.
@@ -207,16 +257,9 @@ impl Validator {
         }
         let events = events(&doc)?;
         verify_replay(&events, &pcrs)?;
-        let (warnings, enforced): (Vec<_>, Vec<_>) = self
-            .measurements
-            .compare(&pcrs)
-            .into_iter()
-            .partition(|m| m.warn_only || !self.enforce);
+        let (set, warnings) = self.matching_set(&pcrs)?;
         for w in &warnings {
             tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
-        }
-        if !enforced.is_empty() {
-            return Err(ValidationError::Measurements(enforced));
         }
         Ok(Verified {
             ek,
@@ -224,7 +267,43 @@ impl Validator {
             pcrs,
             events,
             warnings,
+            measurements: set.digest,
         })
+    }
+}
+
+impl Validator {
+    /// The first accepted set (current, then staged) whose enforced values
+    /// all match, with its warn-only mismatches; otherwise the current
+    /// set's mismatches. A diagnostic validator takes the current set with
+    /// every mismatch as a warning when no set matches.
+    fn matching_set(
+        &self,
+        pcrs: &BTreeMap<u32, Digest32>,
+    ) -> Result<(&AcceptedSet, Vec<Mismatch>), ValidationError> {
+        let split = |set: &AcceptedSet| -> (Vec<Mismatch>, Vec<Mismatch>) {
+            set.measurements
+                .compare(pcrs)
+                .into_iter()
+                .partition(|m| m.warn_only)
+        };
+        let (current_warnings, current_enforced) = split(&self.current);
+        if current_enforced.is_empty() {
+            return Ok((&self.current, current_warnings));
+        }
+        if let Some(staged) = &self.staged {
+            let (warnings, enforced) = split(staged);
+            if enforced.is_empty() {
+                return Ok((staged, warnings));
+            }
+        }
+        if !self.enforce {
+            let mut all = current_warnings;
+            all.extend(current_enforced);
+            all.sort_by_key(|m| m.pcr);
+            return Ok((&self.current, all));
+        }
+        Err(ValidationError::Measurements(current_enforced))
     }
 }
 
@@ -303,5 +382,77 @@ impl keel_atls::Validator for Validator {
 
     fn residency_proven(&self, claims: &Verified) {
         self.proven.insert(claims);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use crate::measurements::{Expected, REQUIRED_PCRS};
+
+    fn set(value: u8) -> Measurements {
+        Measurements::new(REQUIRED_PCRS.map(|p| (p, Expected::enforced([value; 32])))).unwrap()
+    }
+
+    fn pcrs(value: u8, pcr15: u8) -> BTreeMap<u32, Digest32> {
+        let mut pcrs: BTreeMap<u32, Digest32> =
+            REQUIRED_PCRS.iter().map(|p| (*p, [value; 32])).collect();
+        pcrs.insert(15, [pcr15; 32]);
+        pcrs
+    }
+
+    #[test]
+    fn a_peer_matches_the_current_or_the_staged_set_and_the_required_values_bind_both() {
+        let (old, new) = (set(1), set(2));
+        let required = [(15, [0; 32])];
+        let only_old = Validator::accepting(
+            old.clone(),
+            None,
+            &required,
+            EkTrust::default(),
+            Arc::default(),
+        );
+        let both = Validator::accepting(
+            old.clone(),
+            Some(new.clone()),
+            &required,
+            EkTrust::default(),
+            Arc::default(),
+        );
+
+        // The old image: accepted by both, named by the old set's digest
+        // (without the required values).
+        let (matched, _) = only_old.matching_set(&pcrs(1, 0)).unwrap();
+        assert_eq!(matched.digest, old.digest());
+        assert_eq!(
+            both.matching_set(&pcrs(1, 0)).unwrap().0.digest,
+            old.digest()
+        );
+        // The new image: only while the new set is staged.
+        let Err(ValidationError::Measurements(m)) = only_old.matching_set(&pcrs(2, 0)) else {
+            panic!("a node of the new image was accepted before staging");
+        };
+        assert_eq!(m.iter().map(|m| m.pcr).collect::<Vec<_>>(), REQUIRED_PCRS);
+        assert_eq!(
+            both.matching_set(&pcrs(2, 0)).unwrap().0.digest,
+            new.digest()
+        );
+        // PCR 15 must be zero in either set; a mix of both images matches
+        // neither.
+        assert!(both.matching_set(&pcrs(1, 7)).is_err());
+        assert!(both.matching_set(&pcrs(2, 7)).is_err());
+        let mut mixed = pcrs(1, 0);
+        mixed.insert(4, [2; 32]);
+        assert!(both.matching_set(&mixed).is_err());
+
+        // A diagnostic validator reports every difference from the current
+        // set instead of refusing.
+        let diagnostic = Validator::diagnostic(old.clone(), EkTrust::default());
+        let (_, warnings) = diagnostic.matching_set(&pcrs(3, 0)).unwrap();
+        assert_eq!(
+            warnings.iter().map(|m| m.pcr).collect::<Vec<_>>(),
+            REQUIRED_PCRS
+        );
     }
 }

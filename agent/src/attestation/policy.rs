@@ -1,5 +1,8 @@
 //! The verifier's policy as a running service holds it: the measurements
 //! file, re-read while the service runs, behind a swappable validator.
+//! While a new image rolls out, a second file next to it
+//! ([`staged_path`]) holds the new image's measurements, and a peer that
+//! matches either set is accepted (one [`Validator`], two sets).
 //!
 //! A new file is parsed and a new [`Validator`] built before anything is
 //! swapped; a file that does not parse, or that does not enforce the PCRs
@@ -17,6 +20,8 @@ use keel_verifier::ek::EkTrust;
 use keel_verifier::measurement::Digest32;
 use keel_verifier::measurements::{Measurements, MeasurementsError, MAX_MEASUREMENTS_BYTES};
 use keel_verifier::validator::{ProvenKeys, Validator, Verified};
+
+use crate::files::WriteFileError;
 
 /// Loading a policy failed.
 #[derive(Debug, thiserror::Error)]
@@ -46,14 +51,46 @@ pub enum PolicyError {
 /// PCR 15 = zero for nodes that ask to join.
 pub type Required = Vec<(u32, Digest32)>;
 
-/// A validator built from a measurements file that can be re-read.
+/// The staged measurements file that belongs to the measurements file
+/// `path`: `join-measurements.json` → `join-measurements.staged.json`.
+pub fn staged_path(path: &Path) -> PathBuf {
+    path.with_extension("staged.json")
+}
+
+/// Writes the accepted sets for a [`ReloadableValidator`] of `path`: the
+/// current set to `path`, then the staged set to [`staged_path`] (removed
+/// when there is none). Each file is replaced atomically.
+pub fn write_accepted(
+    path: &Path,
+    current: &Measurements,
+    staged: Option<&Measurements>,
+) -> Result<(), WriteFileError> {
+    crate::files::write_private(path, current.to_json().as_bytes())?;
+    let staged_file = staged_path(path);
+    match staged {
+        Some(staged) => crate::files::write_private(&staged_file, staged.to_json().as_bytes()),
+        None => match std::fs::remove_file(&staged_file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(WriteFileError {
+                path: staged_file,
+                source: e,
+            }),
+            _ => Ok(()),
+        },
+    }
+}
+
+/// When the two files were last modified (`None`: absent or unknown).
+type Modified = (Option<SystemTime>, Option<SystemTime>);
+
+/// A validator built from a measurements file (and, if present, its staged
+/// file) that can be re-read.
 pub struct ReloadableValidator {
     path: PathBuf,
     ek_trust: EkTrust,
     required: Required,
     proven: Arc<ProvenKeys>,
     current: Arc<SwappableValidator<Validator>>,
-    modified: Mutex<Option<SystemTime>>,
+    modified: Mutex<Modified>,
 }
 
 impl ReloadableValidator {
@@ -102,11 +139,10 @@ impl ReloadableValidator {
         }
     }
 
-    /// Reloads when the file's modification time changed.
+    /// Reloads when either file's modification time changed (or the
+    /// staged file appeared or went).
     pub fn reload_if_changed(&self) -> Result<bool, PolicyError> {
-        let modified = std::fs::metadata(&self.path)
-            .and_then(|m| m.modified())
-            .ok();
+        let modified = modified_times(&self.path);
         let last = *self.modified.lock().unwrap_or_else(PoisonError::into_inner);
         if modified == last {
             return Ok(false);
@@ -129,12 +165,31 @@ impl ReloadableValidator {
     }
 }
 
+fn modified_times(path: &Path) -> Modified {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    (modified(path), modified(&staged_path(path)))
+}
+
 fn build(
     path: &Path,
     ek_trust: &EkTrust,
     required: &Required,
     proven: &Arc<ProvenKeys>,
-) -> Result<(Validator, Option<SystemTime>), PolicyError> {
+) -> Result<(Validator, Modified), PolicyError> {
+    let modified = modified_times(path);
+    let current = read_measurements(path)?;
+    let staged_file = staged_path(path);
+    let staged = match std::fs::symlink_metadata(&staged_file) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        _ => Some(read_measurements(&staged_file)?),
+    };
+    Ok((
+        Validator::accepting(current, staged, required, ek_trust.clone(), proven.clone()),
+        modified,
+    ))
+}
+
+fn read_measurements(path: &Path) -> Result<Measurements, PolicyError> {
     let read = |source| PolicyError::Read {
         path: path.to_owned(),
         source,
@@ -147,17 +202,10 @@ fn build(
         });
     }
     let bytes = std::fs::read(path).map_err(read)?;
-    let mut measurements = Measurements::parse(&bytes).map_err(|source| PolicyError::Parse {
+    Measurements::parse(&bytes).map_err(|source| PolicyError::Parse {
         path: path.to_owned(),
         source,
-    })?;
-    for (pcr, digest) in required {
-        measurements.require(*pcr, *digest);
-    }
-    Ok((
-        Validator::with_proven_keys(measurements, ek_trust.clone(), proven.clone()),
-        meta.modified().ok(),
-    ))
+    })
 }
 
 #[cfg(test)]
@@ -235,5 +283,36 @@ mod tests {
         let after = policy.current().measurements().clone();
         assert_ne!(after, before);
         assert!(after.iter().any(|(p, e)| *p == 4 && e.digest == [2; 32]));
+    }
+
+    #[test]
+    fn a_staged_file_adds_a_set_and_a_bad_one_keeps_the_old_validator() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("join-measurements.json");
+        std::fs::write(&path, enforcing(1)).unwrap();
+        let required = vec![(15, [0; 32])];
+        let policy = ReloadableValidator::load(&path, EkTrust::default(), required).unwrap();
+        assert!(policy.current().staged().is_none());
+
+        // Written by the one writer: both sets, the required values in each.
+        let staged = Measurements::parse(enforcing(2).as_bytes()).unwrap();
+        let current = Measurements::parse(enforcing(1).as_bytes()).unwrap();
+        write_accepted(&path, &current, Some(&staged)).unwrap();
+        assert!(policy.reload_if_changed().unwrap());
+        let validator = policy.current();
+        let with_15 = validator.staged().unwrap();
+        assert!(with_15.iter().any(|(p, e)| *p == 4 && e.digest == [2; 32]));
+        assert!(with_15.iter().any(|(p, e)| *p == 15 && !e.warn_only));
+
+        // A staged file that enforces too little: the old validator stays.
+        std::fs::write(staged_path(&path), r#"{"4": "00"}"#).unwrap();
+        assert!(policy.reload().is_err());
+        assert_eq!(policy.current().staged(), Some(with_15));
+
+        // No staged set: the file goes, and so does the second set.
+        write_accepted(&path, &current, None).unwrap();
+        assert!(!staged_path(&path).exists());
+        policy.reload().unwrap();
+        assert!(policy.current().staged().is_none());
     }
 }

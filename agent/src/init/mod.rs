@@ -20,6 +20,7 @@ use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitFailure, InitRequest, InitResponse, InitSecrets, InitSuccess};
 use keel_verifier::measurements::Measurements;
+use keel_verifier::signature::SigningPublicKey;
 use prost::Message as _;
 use tokio_stream::wrappers::ReceiverStream;
 use zeroize::Zeroizing;
@@ -111,6 +112,7 @@ struct Accepted {
     cert_sans: Vec<String>,
     service_cidr: String,
     join_measurements: Measurements,
+    measurements_key: Option<SigningPublicKey>,
 }
 
 /// The init server.
@@ -239,6 +241,13 @@ impl InitServer {
         };
         let join_measurements = Measurements::parse(&request.join_measurements)
             .map_err(invalid("invalid join measurements"))?;
+        let measurements_key = match request.measurements_signing_key.as_str() {
+            "" => None,
+            pem => Some(
+                SigningPublicKey::from_pem(pem.as_bytes())
+                    .map_err(invalid("invalid measurements signing key"))?,
+            ),
+        };
         let keys = KeyService::new(&secrets.0.master_secret, &request.master_salt)
             .map_err(invalid("invalid master secret or salt"))?;
         let measurement_secret = keys
@@ -268,6 +277,7 @@ impl InitServer {
             cert_sans: request.api_server_cert_sans,
             service_cidr,
             join_measurements,
+            measurements_key,
         })
     }
 
@@ -311,6 +321,8 @@ impl InitServer {
             api_server: SocketAddr::new(advertise_address, kubeadm::config::API_SERVER_PORT),
             pki_dir: env.pki_dir(),
             join_measurements: a.join_measurements.clone(),
+            staged_measurements: None,
+            measurements_key: a.measurements_key.clone(),
             control_plane_endpoints: self
                 .inner
                 .node

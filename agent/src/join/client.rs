@@ -472,7 +472,7 @@ impl JoinClient {
         &self,
         ticket: JoinTicket,
     ) -> Result<Option<ClusterState>, ProvisionError> {
-        let Some((keys, join_measurements)) = ticket.control_plane else {
+        let Some((keys, measurements)) = ticket.control_plane else {
             return Ok(None);
         };
         let measurement_secret = keys
@@ -490,7 +490,9 @@ impl JoinClient {
                 crate::kubeadm::config::API_SERVER_PORT,
             ),
             pki_dir: self.env.pki_dir(),
-            join_measurements,
+            join_measurements: measurements.join,
+            staged_measurements: measurements.staged,
+            measurements_key: measurements.signing_key,
             control_plane_endpoints: self.endpoints(),
         }))
     }

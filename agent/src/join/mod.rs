@@ -26,5 +26,5 @@ pub use client::{JoinClient, JoinOutcome};
 pub use kubelet::KubeletKey;
 pub use service::JoinService;
 pub use settings::{service_validator, Backoff, JoinError, JoinSettings};
-pub use ticket::{JoinTicket, RejoinTicket, TicketError};
+pub use ticket::{JoinTicket, RejoinTicket, TicketError, TicketMeasurements};
 pub use transport::TicketClient;

@@ -280,6 +280,7 @@ impl JoinService {
             node = %request.node_name,
             control_plane = request.is_control_plane,
             token_id = token.id(),
+            measurements = %hex::encode(peer.measurements),
             "issued join ticket"
         );
         Ok(IssueJoinTicketResponse {
@@ -298,6 +299,14 @@ impl JoinService {
                 Vec::new()
             },
             control_plane_endpoints: cluster.control_plane_endpoints.clone(),
+            staged_measurements: match &cluster.staged_measurements {
+                Some(staged) if request.is_control_plane => staged.to_json().into_bytes(),
+                _ => Vec::new(),
+            },
+            measurements_signing_key: match &cluster.measurements_key {
+                Some(key) if request.is_control_plane => key.to_pem().unwrap_or_default(),
+                _ => String::new(),
+            },
         })
     }
 
@@ -351,6 +360,7 @@ impl JoinService {
             node = %identity.name.escape_debug(),
             control_plane = is_control_plane,
             disk = %request.disk_uuid.escape_debug(),
+            measurements = %hex::encode(peer.measurements),
             "issued rejoin ticket"
         );
         Ok(IssueRejoinTicketResponse {

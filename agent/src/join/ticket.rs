@@ -18,6 +18,7 @@ use keel_proto::join::{IssueJoinTicketResponse, JoinSecrets};
 use keel_verifier::credential::CredentialError;
 use keel_verifier::measurement::{event_digest, extend, pcr, Digest32, EventType};
 use keel_verifier::measurements::Measurements;
+use keel_verifier::signature::SigningPublicKey;
 use keel_verifier::validator::Verified;
 use subtle::ConstantTimeEq as _;
 use zeroize::Zeroizing;
@@ -89,6 +90,17 @@ pub struct RawTicket<T> {
     pub service: Arc<Attested<Verified>>,
 }
 
+/// What a control-plane ticket says its join services accept.
+#[derive(Clone, Debug)]
+pub struct TicketMeasurements {
+    /// The current measurements.
+    pub join: Measurements,
+    /// A new image's measurements during its rollout.
+    pub staged: Option<Measurements>,
+    /// The key a new image's measurements must be signed with.
+    pub signing_key: Option<SigningPublicKey>,
+}
+
 /// A checked join ticket.
 pub struct JoinTicket {
     /// The cluster ID derived from the ticket.
@@ -115,7 +127,7 @@ pub struct JoinTicket {
     pub components: Vec<Component>,
     /// A control-plane ticket: the cluster's keys and the measurements its
     /// join services accept.
-    pub control_plane: Option<(KeyService, Measurements)>,
+    pub control_plane: Option<(KeyService, TicketMeasurements)>,
     /// Join endpoints of the cluster's control planes.
     pub control_plane_endpoints: Vec<String>,
     /// The key this node checks the operator's requests with.
@@ -355,9 +367,30 @@ pub fn parse_join_ticket(
     }
     let control_plane = match control_plane_keys(secrets, is_control_plane)? {
         Some(keys) => {
-            let measurements = Measurements::parse(&response.join_measurements)
+            let join = Measurements::parse(&response.join_measurements)
                 .map_err(|e| TicketError::Invalid(format!("join measurements: {e}")))?;
-            Some((keys, measurements))
+            let staged = match response.staged_measurements.as_slice() {
+                [] => None,
+                bytes => Some(
+                    Measurements::parse(bytes)
+                        .map_err(|e| TicketError::Invalid(format!("staged measurements: {e}")))?,
+                ),
+            };
+            let signing_key = match response.measurements_signing_key.as_str() {
+                "" => None,
+                pem => Some(
+                    SigningPublicKey::from_pem(pem.as_bytes())
+                        .map_err(|e| TicketError::Invalid(format!("signing key: {e}")))?,
+                ),
+            };
+            Some((
+                keys,
+                TicketMeasurements {
+                    join,
+                    staged,
+                    signing_key,
+                },
+            ))
         }
         None => None,
     };

@@ -128,8 +128,10 @@ pub fn boot_measurements_with(
 pub struct Service {
     /// `127.0.0.1:port`.
     pub endpoint: String,
-    /// The cluster it serves.
+    /// The cluster it serves (as started).
     pub state: Arc<ClusterState>,
+    /// The cluster slot its tickets follow (the operator API changes it).
+    pub slot: Arc<ClusterSlot>,
     /// Its validator (reloadable).
     pub policy: Arc<ReloadableValidator>,
     /// The measurements file behind `policy`.
@@ -179,7 +181,8 @@ impl Service {
             standin_kubeadm(&self.root),
             self.work_dir(),
         )
-        .unwrap();
+        .unwrap()
+        .following(&self.slot);
         self.task = tokio::spawn({
             let (tpm, policy) = (self.tpm.clone(), self.policy.clone());
             async move {
@@ -308,18 +311,22 @@ pub async fn start_service_for(
         api_server: "127.0.0.1:6443".parse().unwrap(),
         pki_dir: pki,
         join_measurements: boot_measurements(&config),
+        staged_measurements: None,
+        measurements_key: None,
         control_plane_endpoints: config.cluster.control_plane_endpoints.clone(),
     });
 
     let measurements = dir.path().join("measurements.json");
     std::fs::write(&measurements, boot_measurements(&config).to_json()).unwrap();
     let policy = keel_agent::node::join_service_policy(&config, &measurements).unwrap();
+    let slot = Arc::new(ClusterSlot::new(Some(state.clone())));
     let service = JoinService::new(
         state.clone(),
         standin_kubeadm(&root),
         dir.path().join("work"),
     )
-    .unwrap();
+    .unwrap()
+    .following(&slot);
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let task = tokio::spawn({
         let (tpm, policy) = (tpm.clone(), policy.clone());
@@ -333,6 +340,7 @@ pub async fn start_service_for(
     Service {
         endpoint: addr.to_string(),
         state,
+        slot,
         policy,
         measurements,
         root,

@@ -1,0 +1,171 @@
+//! The image phase of `keel upgrade`: stage a new image's signed
+//! measurements on every control plane, and finish the rollout.
+//!
+//! The measurements file must carry a detached signature by the key the
+//! settings name (`measurements_signing_key`, the one sent at init); the
+//! CLI checks it, and that the file enforces what every set must, before
+//! any node is contacted, and each control plane checks both again. Each
+//! control plane is validated as for `keel push-measurements` (a member of
+//! exactly the workspace's cluster) and each request carries the
+//! operator's proof for a challenge of that node.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context as _};
+use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequest};
+use keel_verifier::measurements::Measurements;
+
+use super::Cluster;
+use crate::push::{refused, Operator};
+use crate::settings::{read_bounded, Settings};
+
+/// The proof kind of staging.
+const STAGE: &str = "stage-image-measurements";
+/// The proof kind of finishing.
+const FINISH: &str = "finish-image-upgrade";
+
+/// A new image's measurements file whose signature verified.
+#[derive(Debug)]
+pub struct SignedMeasurements {
+    /// The file's exact bytes.
+    pub body: Vec<u8>,
+    /// The detached signature.
+    pub signature: Vec<u8>,
+    /// SHA-256 of the parsed set, as the control planes report it.
+    pub digest: [u8; 32],
+}
+
+impl SignedMeasurements {
+    /// Reads `file` and its signature (`signature`, default `file` + `.sig`)
+    /// and checks them with the key the settings at `settings` name.
+    pub fn load(settings: &Path, file: &Path, signature: Option<&Path>) -> anyhow::Result<Self> {
+        let settings = Settings::load(settings)?;
+        let Some(key) = settings.signing_key()? else {
+            bail!(
+                "the settings name no measurements_signing_key: image upgrades need the \
+                 measurements signing key the cluster was initialised with"
+            );
+        };
+        let body = read_bounded(file)?;
+        let signature_path = signature.map_or_else(|| signature_of(file), Path::to_owned);
+        let signature = read_bounded(&signature_path).with_context(|| {
+            format!(
+                "no signature for {} (keel-measure --signing-key writes {})",
+                file.display(),
+                signature_path.display()
+            )
+        })?;
+        key.verify(&body, &signature).with_context(|| {
+            format!(
+                "{} is not signed with the measurements signing key ({}); nothing was sent",
+                file.display(),
+                signature_path.display()
+            )
+        })?;
+        let measurements = Measurements::parse(&body)
+            .with_context(|| format!("{} is not a measurements file", file.display()))?;
+        Ok(Self {
+            body,
+            signature,
+            digest: measurements.digest(),
+        })
+    }
+}
+
+/// `FILE.sig` for `FILE`.
+fn signature_of(file: &Path) -> PathBuf {
+    let mut name = OsString::from(file.as_os_str());
+    name.push(".sig");
+    PathBuf::from(name)
+}
+
+/// Stages `image` on every control plane of `cluster`, reporting each.
+pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Result<()> {
+    let settings = Settings::load(&cluster.settings)?;
+    let operator = &Operator::new(&settings, &cluster.workspace)?;
+    println!(
+        "image: staging measurements sha256:{} on {} control plane(s)",
+        hex::encode(image.digest),
+        cluster.endpoints.len()
+    );
+    on_each(
+        cluster,
+        "stage the image measurements",
+        |endpoint| async move {
+            let mut node = operator.connect(&endpoint, cluster.wait()).await?;
+            let proof = node.prove(STAGE, &image.body);
+            node.client
+                .stage_image_measurements(StageImageMeasurementsRequest {
+                    measurements: image.body.clone(),
+                    signature: image.signature.clone(),
+                    challenge: node.challenge,
+                    proof,
+                })
+                .await
+                .map_err(|s| refused(&endpoint, &s))
+                .map(|done| {
+                    let done = done.into_inner();
+                    format!(
+                        "image measurements staged (sha256:{}); current sha256:{} still accepted",
+                        hex::encode(done.staged_digest),
+                        hex::encode(done.current_digest)
+                    )
+                })
+        },
+    )
+    .await?;
+    println!("image: nodes of the old and the new image join; run `keel upgrade finish` once every node runs the new image");
+    Ok(())
+}
+
+/// Finishes the image rollout on every control plane of `cluster`.
+pub async fn finish(cluster: &Cluster) -> anyhow::Result<()> {
+    let settings = Settings::load(&cluster.settings)?;
+    let operator = &Operator::new(&settings, &cluster.workspace)?;
+    on_each(cluster, "finish the image upgrade", |endpoint| async move {
+        let mut node = operator.connect(&endpoint, cluster.wait()).await?;
+        let proof = node.prove(FINISH, &[]);
+        node.client
+            .finish_image_upgrade(FinishImageUpgradeRequest {
+                challenge: node.challenge,
+                proof,
+            })
+            .await
+            .map_err(|s| refused(&endpoint, &s))
+            .map(|done| {
+                format!(
+                    "image upgrade finished; only sha256:{} is accepted",
+                    hex::encode(done.into_inner().digest)
+                )
+            })
+    })
+    .await
+}
+
+/// Runs `request` for every control plane of `cluster` in turn, printing
+/// one line per control plane (what it did, or why it failed); fails if any
+/// did not `what`.
+async fn on_each<F, Fut>(cluster: &Cluster, what: &str, request: F) -> anyhow::Result<()>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<String>>,
+{
+    let mut failed = 0;
+    for endpoint in &cluster.endpoints {
+        match request(endpoint.clone()).await {
+            Ok(line) => println!("{endpoint}: {line}"),
+            Err(e) => {
+                failed += 1;
+                println!("{endpoint}: FAILED: {e:#}");
+            }
+        }
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} of {} control plane(s) did not {what}; run the command again for them",
+            cluster.endpoints.len()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! `keel upgrade`: a new image (and, later, a new Kubernetes version)
+//! reaches a running cluster.
+//!
+//! `keel upgrade apply` runs the phases that apply, in order, on every
+//! control plane named, and prints each node's progress; `--skip-phases`
+//! leaves phases out. Every phase that runs checks its input before
+//! anything is sent. `keel upgrade finish` ends an image rollout.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::{Args, Subcommand, ValueEnum};
+
+pub mod image;
+
+/// The `keel upgrade` commands.
+#[derive(Debug, Subcommand)]
+pub enum UpgradeCommand {
+    /// Start an upgrade on every control plane named. Image phase: the new
+    /// image's signed measurements become a second set every join service
+    /// accepts, so nodes of the old and the new image both join until
+    /// `keel upgrade finish`.
+    Apply(ApplyArgs),
+    /// End an image rollout on every control plane named: the staged
+    /// measurements become the only ones accepted, nodes of the old image
+    /// no longer join.
+    Finish(Cluster),
+}
+
+/// The cluster an upgrade command talks to.
+#[derive(Debug, Args)]
+pub struct Cluster {
+    /// Settings file (JSON); measurements and EK CA validate the control
+    /// planes, `measurements_signing_key` checks new image measurements.
+    #[arg(long, default_value = "keel.json")]
+    pub settings: PathBuf,
+    /// The workspace `keel init` wrote (master secret, cluster ID).
+    #[arg(long, default_value = ".")]
+    pub workspace: PathBuf,
+    /// A control plane's init port (host:port); repeat for each.
+    #[arg(long = "endpoint", required = true)]
+    pub endpoints: Vec<String>,
+    /// Seconds to keep trying while a node is not reachable.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+    pub wait: u64,
+}
+
+impl Cluster {
+    /// How long to keep trying an unreachable node.
+    pub fn wait(&self) -> Duration {
+        Duration::from_secs(self.wait)
+    }
+}
+
+/// `keel upgrade apply`.
+#[derive(Debug, Args)]
+pub struct ApplyArgs {
+    /// The cluster.
+    #[command(flatten)]
+    pub cluster: Cluster,
+    /// The new image's measurements file (`keel-measure --signing-key`).
+    #[arg(long, value_name = "FILE")]
+    pub image_measurements: Option<PathBuf>,
+    /// Its detached signature (DER ECDSA P-256; default: FILE.sig).
+    #[arg(long, value_name = "FILE", requires = "image_measurements")]
+    pub image_measurements_signature: Option<PathBuf>,
+    /// The Kubernetes version to upgrade to.
+    #[arg(long, value_name = "VERSION")]
+    pub kubernetes: Option<String>,
+    /// Phases to leave out (comma-separated or repeated).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub skip_phases: Vec<Phase>,
+}
+
+/// A phase of `keel upgrade apply`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Phase {
+    /// The Kubernetes version.
+    Kubernetes,
+    /// The node image (its measurements).
+    Image,
+}
+
+/// Runs `keel upgrade`.
+pub async fn run(command: UpgradeCommand) -> anyhow::Result<()> {
+    match command {
+        UpgradeCommand::Apply(args) => apply(args).await,
+        UpgradeCommand::Finish(cluster) => image::finish(&cluster).await,
+    }
+}
+
+async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
+    let runs = |phase| !args.skip_phases.contains(&phase);
+    // Every phase's input is checked before any node is contacted.
+    if runs(Phase::Kubernetes) {
+        match &args.kubernetes {
+            Some(_) => {
+                bail!("the kubernetes phase is not available yet (--skip-phases kubernetes)")
+            }
+            None => bail!(
+                "the kubernetes phase needs --kubernetes <VERSION> (or --skip-phases kubernetes)"
+            ),
+        }
+    }
+    let image = if runs(Phase::Image) {
+        let Some(file) = &args.image_measurements else {
+            bail!("the image phase needs --image-measurements FILE (or --skip-phases image)");
+        };
+        Some(image::SignedMeasurements::load(
+            &args.cluster.settings,
+            file,
+            args.image_measurements_signature.as_deref(),
+        )?)
+    } else {
+        None
+    };
+    if image.is_none() {
+        bail!("every phase is skipped; nothing to do");
+    }
+    if let Some(image) = image {
+        image::stage(&args.cluster, &image).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,229 @@
+//! `keel upgrade apply` refuses a new image's measurements whose signature
+//! is wrong, missing or by another key (and a phase it cannot run) before
+//! it contacts any node: the endpoint is a listener the test holds, and no
+//! connection may reach it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod harness;
+
+use std::io::ErrorKind;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+
+use harness::text;
+use keel_verifier::measurements::{Expected, Measurements, REQUIRED_PCRS};
+use keel_verifier::signature::SigningPrivateKey;
+
+struct Setup {
+    dir: tempfile::TempDir,
+    listener: TcpListener,
+    key: SigningPrivateKey,
+}
+
+impl Setup {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let key = SigningPrivateKey::generate();
+        std::fs::write(
+            d.join("signing.pub.pem"),
+            key.public_key().to_pem().unwrap(),
+        )
+        .unwrap();
+        let set =
+            Measurements::new(REQUIRED_PCRS.map(|p| (p, Expected::enforced([1; 32])))).unwrap();
+        std::fs::write(d.join("measurements.json"), set.to_json()).unwrap();
+        std::fs::write(d.join("ek-ca.pem"), "").unwrap();
+        Self { dir, listener, key }
+    }
+
+    /// Settings naming the signing key (or not).
+    fn settings(&self, with_key: bool) -> PathBuf {
+        let mut settings = serde_json::json!({
+            "endpoint": self.endpoint(),
+            "measurements": "measurements.json",
+            "ek_ca": "ek-ca.pem",
+        });
+        if with_key {
+            settings["measurements_signing_key"] = "signing.pub.pem".into();
+        }
+        let path = self.dir.path().join(format!("keel-{with_key}.json"));
+        std::fs::write(&path, settings.to_string()).unwrap();
+        path
+    }
+
+    fn endpoint(&self) -> String {
+        self.listener.local_addr().unwrap().to_string()
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Whether any connection reached the listener.
+    fn connected(&self) -> bool {
+        match self.listener.accept() {
+            Ok(_) => true,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => false,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// A refused run: its name, the file, the signature at `FILE.sig` (`None`:
+/// absent), further arguments, and what the refusal must say.
+type Case<'a> = (&'a str, Vec<u8>, Option<Vec<u8>>, Vec<&'a str>, &'a str);
+
+/// A new image's measurements file that enforces what it must.
+fn new_image() -> Vec<u8> {
+    let set = Measurements::new(REQUIRED_PCRS.map(|p| (p, Expected::enforced([2; 32])))).unwrap();
+    format!("{}\n", set.to_json()).into_bytes()
+}
+
+fn apply(setup: &Setup, settings: &Path, extra: &[&str]) -> std::process::Output {
+    let endpoint = setup.endpoint();
+    let mut args = vec!["upgrade", "apply", "--endpoint", &endpoint, "--wait", "1"];
+    args.extend_from_slice(extra);
+    harness::keel(&args, settings, Some(setup.dir.path()))
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn upgrade_apply_refuses_a_bad_signature_before_contacting_any_node() {
+    let setup = Setup::new();
+    let settings = setup.settings(true);
+    let body = new_image();
+    let good = setup.key.sign(&body);
+    let mut flipped = good.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 1;
+    let other = SigningPrivateKey::generate().sign(&body);
+    let mut weak: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    weak.as_object_mut().unwrap().remove("12").unwrap();
+    let weak = serde_json::to_vec(&weak).unwrap();
+
+    let skip = ["--skip-phases", "kubernetes"];
+    let cases: Vec<Case> = vec![
+        (
+            "wrong signature",
+            body.clone(),
+            Some(flipped),
+            skip.to_vec(),
+            "is not signed with the measurements signing key",
+        ),
+        (
+            "signature by another key",
+            body.clone(),
+            Some(other),
+            skip.to_vec(),
+            "is not signed with the measurements signing key",
+        ),
+        (
+            "file changed after signing",
+            [body.as_slice(), b" "].concat(),
+            Some(good.clone()),
+            skip.to_vec(),
+            "is not signed with the measurements signing key",
+        ),
+        (
+            "missing signature",
+            body.clone(),
+            None,
+            skip.to_vec(),
+            "no signature for",
+        ),
+        (
+            "empty signature",
+            body.clone(),
+            Some(Vec::new()),
+            skip.to_vec(),
+            "is not signed with the measurements signing key",
+        ),
+        (
+            "signed file that enforces less",
+            weak.clone(),
+            Some(setup.key.sign(&weak)),
+            skip.to_vec(),
+            "is not a measurements file",
+        ),
+        (
+            "the kubernetes phase is not skipped",
+            body.clone(),
+            Some(good.clone()),
+            Vec::new(),
+            "the kubernetes phase needs --kubernetes",
+        ),
+        (
+            "a kubernetes version",
+            body.clone(),
+            Some(good.clone()),
+            vec!["--kubernetes", "v1.32"],
+            "the kubernetes phase is not available yet",
+        ),
+        (
+            "every phase skipped",
+            body.clone(),
+            Some(good.clone()),
+            vec!["--skip-phases", "kubernetes,image"],
+            "nothing to do",
+        ),
+    ];
+    for (case, file, signature, extra, expected) in cases {
+        let path = setup.path("new.json");
+        std::fs::write(&path, &file).unwrap();
+        let sig = setup.path("new.json.sig");
+        let _ = std::fs::remove_file(&sig);
+        if let Some(signature) = signature {
+            std::fs::write(&sig, signature).unwrap();
+        }
+        let mut args = vec!["--image-measurements", path.to_str().unwrap()];
+        args.extend(extra);
+        let out = apply(&setup, &settings, &args);
+        let t = text(&out);
+        assert!(!out.status.success(), "{case}: {t}");
+        assert!(t.contains(expected), "{case}: {t}");
+        assert!(!setup.connected(), "{case}: the CLI connected");
+    }
+
+    // A signature named explicitly is the one checked.
+    let path = setup.path("new.json");
+    std::fs::write(&path, &body).unwrap();
+    std::fs::write(setup.path("new.json.sig"), &good).unwrap();
+    std::fs::write(setup.path("elsewhere.sig"), b"junk").unwrap();
+    let out = apply(
+        &setup,
+        &settings,
+        &[
+            "--image-measurements",
+            path.to_str().unwrap(),
+            "--image-measurements-signature",
+            setup.path("elsewhere.sig").to_str().unwrap(),
+            "--skip-phases",
+            "kubernetes",
+        ],
+    );
+    assert!(text(&out).contains("is not signed"), "{}", text(&out));
+    assert!(!setup.connected());
+
+    // Settings without a signing key: refused, naming the missing key.
+    let out = apply(
+        &setup,
+        &setup.settings(false),
+        &[
+            "--image-measurements",
+            path.to_str().unwrap(),
+            "--skip-phases",
+            "kubernetes",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("no measurements_signing_key"),
+        "{}",
+        text(&out)
+    );
+    assert!(!setup.connected());
+}
