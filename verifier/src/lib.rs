@@ -6,6 +6,7 @@
 //! the agent adds the TPM half (issuing, opening, answering).
 
 pub mod config;
+pub mod cpu;
 pub mod credential;
 pub mod ek;
 pub mod keys;
