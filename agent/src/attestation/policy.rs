@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use keel_atls::SwappableValidator;
+use keel_verifier::config::{ConfigError, NodeConfig};
+use keel_verifier::cpu::{Collateral, CpuTrust};
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurement::Digest32;
 use keel_verifier::measurements::{Measurements, MeasurementsError, MAX_MEASUREMENTS_BYTES};
@@ -42,6 +44,17 @@ pub enum PolicyError {
     },
 }
 
+/// The CPU evidence a node's verifiers (its join service, its join client)
+/// require: the cluster's variant and expected values, the pinned hardware
+/// roots, and the collateral cache at
+/// [`DEFAULT_DIR`](keel_verifier::cpu::collateral::DEFAULT_DIR).
+pub fn cpu_trust(config: &NodeConfig) -> Result<Arc<CpuTrust>, ConfigError> {
+    Ok(Arc::new(CpuTrust::new(
+        config.cluster.cpu_policy()?,
+        Collateral::at(keel_verifier::cpu::collateral::DEFAULT_DIR),
+    )))
+}
+
 /// Values every accepted peer must show in addition to the file's, e.g.
 /// PCR 15 = zero for nodes that ask to join.
 pub type Required = Vec<(u32, Digest32)>;
@@ -50,6 +63,7 @@ pub type Required = Vec<(u32, Digest32)>;
 pub struct ReloadableValidator {
     path: PathBuf,
     ek_trust: EkTrust,
+    cpu: Arc<CpuTrust>,
     required: Required,
     proven: Arc<ProvenKeys>,
     current: Arc<SwappableValidator<Validator>>,
@@ -60,15 +74,31 @@ impl ReloadableValidator {
     /// Loads `path`; fails if the first file is invalid.
     pub fn load(path: &Path, ek_trust: EkTrust, required: Required) -> Result<Self, PolicyError> {
         let proven = Arc::new(ProvenKeys::default());
-        let (validator, modified) = build(path, &ek_trust, &required, &proven)?;
+        let cpu = Arc::<CpuTrust>::default();
+        let (validator, modified) = build(path, &ek_trust, &cpu, &required, &proven)?;
         Ok(Self {
             path: path.to_owned(),
             ek_trust,
+            cpu,
             required,
             proven,
             current: Arc::new(SwappableValidator::new(validator)),
             modified: Mutex::new(modified),
         })
+    }
+
+    /// The same policy requiring CPU evidence as `cpu` says (the default
+    /// is the `vtpm` variant), now and after every reload.
+    pub fn with_cpu(mut self, cpu: Arc<CpuTrust>) -> Self {
+        let current = self
+            .current
+            .current()
+            .as_ref()
+            .clone()
+            .with_cpu(cpu.clone());
+        self.current.replace(current);
+        self.cpu = cpu;
+        self
     }
 
     /// The validator to give aTLS servers and clients.
@@ -84,7 +114,13 @@ impl ReloadableValidator {
     /// Re-reads the file and swaps in its validator. On error the old
     /// validator stays and the error is returned (and logged).
     pub fn reload(&self) -> Result<(), PolicyError> {
-        match build(&self.path, &self.ek_trust, &self.required, &self.proven) {
+        match build(
+            &self.path,
+            &self.ek_trust,
+            &self.cpu,
+            &self.required,
+            &self.proven,
+        ) {
             Ok((validator, modified)) => {
                 self.current.replace(validator);
                 *self.modified.lock().unwrap_or_else(PoisonError::into_inner) = modified;
@@ -132,6 +168,7 @@ impl ReloadableValidator {
 fn build(
     path: &Path,
     ek_trust: &EkTrust,
+    cpu: &Arc<CpuTrust>,
     required: &Required,
     proven: &Arc<ProvenKeys>,
 ) -> Result<(Validator, Option<SystemTime>), PolicyError> {
@@ -155,7 +192,8 @@ fn build(
         measurements.require(*pcr, *digest);
     }
     Ok((
-        Validator::with_proven_keys(measurements, ek_trust.clone(), proven.clone()),
+        Validator::with_proven_keys(measurements, ek_trust.clone(), proven.clone())
+            .with_cpu(cpu.clone()),
         meta.modified().ok(),
     ))
 }

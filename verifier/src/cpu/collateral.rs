@@ -19,6 +19,10 @@ use dcap_qvl::quote::Quote;
 use dcap_qvl::QuoteCollateralV3;
 use sev::firmware::guest::AttestationReport;
 
+/// Where a node's verifier (the join service, a joining node) reads its
+/// collateral cache.
+pub const DEFAULT_DIR: &str = "/var/lib/keel/collateral";
+
 /// Largest accepted collateral file.
 pub const MAX_COLLATERAL_BYTES: u64 = 256 * 1024;
 
