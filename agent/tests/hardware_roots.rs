@@ -1,0 +1,263 @@
+//! The end-to-end binding for the `sev-snp` variant: CPU evidence → AK →
+//! quote, with a test-only AMD-like root generated here and configured as
+//! the verifier's roots, evidence produced by the node's issuer over a real
+//! swtpm, and the one validator judging the document. Then over aTLS.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use keel_agent::attestation::cpu::{CpuReportError, CpuReporter};
+use keel_agent::attestation::issuer::TpmIssuer;
+use keel_agent::measured::MeasuredTpm;
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_proto::attestation::{cpu_evidence, AttestationDocument, CpuEvidence};
+use keel_testkit::amd::{ReportFields, TestAmd};
+use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb};
+use keel_verifier::cpu::snp::{AmdRoots, SnpError};
+use keel_verifier::cpu::{BindingError, Collateral, CpuClaims, CpuError, CpuPolicy, CpuTrust};
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::EventType;
+use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::validator::{ValidationError, Validator};
+use prost::Message;
+
+const MEASUREMENT: [u8; 48] = [0x5a; 48];
+
+/// The node's CPU: a generated chip that signs what the guest asks for.
+struct GeneratedSnp {
+    amd: Arc<TestAmd>,
+    policy: u64,
+}
+
+impl CpuReporter for GeneratedSnp {
+    fn report(
+        &self,
+        report_data: &[u8; 64],
+        _tpm: &mut Tpm,
+    ) -> Result<CpuEvidence, CpuReportError> {
+        let report = self
+            .amd
+            .report(&ReportFields {
+                policy: self.policy,
+                report_data: *report_data,
+                measurement: MEASUREMENT,
+                host_data: [0; 32],
+            })
+            .unwrap();
+        Ok(CpuEvidence {
+            binding: cpu_evidence::Binding::Guest.into(),
+            report,
+            certificate: self.amd.vcek_der().to_vec(),
+        })
+    }
+}
+
+struct Node {
+    issuer: TpmIssuer,
+    config: NodeConfig,
+    _dir: tempfile::TempDir,
+    _swtpm: Swtpm,
+}
+
+fn node(ca: &EkCa, cpu: Option<GeneratedSnp>) -> Node {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("log")).unwrap();
+    let config = NodeConfig::parse(br#"{"node":{"name":"n1"}}"#, "t".as_ref()).unwrap();
+    measured
+        .record(EventType::NodeConfig, "config", config.cluster_bytes())
+        .unwrap();
+    if let Some(cpu) = cpu {
+        measured = measured.with_cpu_reporter(Arc::new(cpu));
+    }
+    Node {
+        issuer: TpmIssuer::new(measured.shared()),
+        config,
+        _dir: dir,
+        _swtpm: swtpm,
+    }
+}
+
+fn snp_policy(amd: &TestAmd) -> SnpPolicy {
+    let [bootloader, tee, snp, microcode] = amd.tcb();
+    SnpPolicy {
+        minimum_tcb: Tcb {
+            bootloader,
+            tee,
+            snp,
+            microcode,
+        },
+        measurement: Hex(MEASUREMENT),
+        host_data: Some(Hex([0; 32])),
+        allow_migration_agent: false,
+    }
+}
+
+fn validator(ca: &EkCa, config: &NodeConfig, cpu: CpuTrust) -> Validator {
+    let mut entries: BTreeMap<u32, Expected> = [4, 9, 11]
+        .into_iter()
+        .map(|pcr| (pcr, Expected::enforced([0; 32])))
+        .collect();
+    entries.insert(12, Expected::enforced(config.expected_config_pcr()));
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    Validator::new(Measurements::new(entries).unwrap(), trust).with_cpu(Arc::new(cpu))
+}
+
+fn generated_trust(amd: &TestAmd) -> CpuTrust {
+    CpuTrust::new(CpuPolicy::SevSnp(snp_policy(amd)), Collateral::default())
+        .with_snp_roots(AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]))
+}
+
+fn cpu_error(e: ValidationError) -> CpuError {
+    match e {
+        ValidationError::Cpu(e) => e,
+        other => panic!("not a CPU evidence error: {other:?}"),
+    }
+}
+
+#[test]
+fn snp_evidence_roots_the_quote_and_every_substitution_is_refused() {
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let n1 = node(
+        &ca,
+        Some(GeneratedSnp {
+            amd: amd.clone(),
+            policy: 0x30000,
+        }),
+    );
+    let v = validator(&ca, &n1.config, generated_trust(&amd));
+
+    // The whole chain: CPU report → binds AK and nonce → AK signs the quote.
+    let doc = n1.issuer.issue(b"nonce-1", b"user").unwrap();
+    let verified = v.validate(&doc, b"nonce-1", b"user").unwrap();
+    let Some(CpuClaims::Snp(claims)) = &verified.cpu else {
+        panic!("no CPU claims: {:?}", verified.cpu);
+    };
+    assert_eq!(claims.product, "SEV-Test");
+    assert_eq!(claims.measurement, MEASUREMENT);
+
+    // Replay: this document's CPU evidence moved into a fresh one (another
+    // nonce). The quote is fresh, the report is not.
+    let fresh = n1.issuer.issue(b"nonce-2", b"user").unwrap();
+    let mut replayed = AttestationDocument::decode(fresh.as_slice()).unwrap();
+    replayed.cpu_evidence = AttestationDocument::decode(doc.as_slice())
+        .unwrap()
+        .cpu_evidence;
+    let err = cpu_error(
+        v.validate(&replayed.encode_to_vec(), b"nonce-2", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(err, CpuError::Binding(BindingError::ReportData { .. })),
+        "{err:?}"
+    );
+
+    // Move: the CPU evidence of one node in the document of another (a
+    // vTPM the hypervisor controls, on a machine that is not this CPU).
+    let n2 = node(&ca, None);
+    let mut moved =
+        AttestationDocument::decode(n2.issuer.issue(b"nonce-3", b"user").unwrap().as_slice())
+            .unwrap();
+    let genuine =
+        AttestationDocument::decode(n1.issuer.issue(b"nonce-3", b"user").unwrap().as_slice())
+            .unwrap();
+    moved.cpu_evidence = genuine.cpu_evidence;
+    let err = cpu_error(
+        v.validate(&moved.encode_to_vec(), b"nonce-3", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(err, CpuError::Binding(BindingError::ReportData { .. })),
+        "{err:?}"
+    );
+
+    // Strip: a document without CPU evidence under the sev-snp variant.
+    let bare = n2.issuer.issue(b"nonce-4", b"user").unwrap();
+    let err = cpu_error(v.validate(&bare, b"nonce-4", b"user").unwrap_err());
+    assert!(matches!(err, CpuError::Missing { .. }), "{err:?}");
+
+    // Forge: the report's signature no longer matches after a change.
+    let mut forged = AttestationDocument::decode(doc.as_slice()).unwrap();
+    if let Some(e) = forged.cpu_evidence.as_mut() {
+        e.report[0x90] ^= 1; // measurement
+    }
+    let err = cpu_error(
+        v.validate(&forged.encode_to_vec(), b"nonce-1", b"user")
+            .unwrap_err(),
+    );
+    assert!(matches!(err, CpuError::Snp(SnpError::Signature)), "{err:?}");
+
+    // The production roots do not accept the generated chip.
+    let pinned = CpuTrust::new(CpuPolicy::SevSnp(snp_policy(&amd)), Collateral::default());
+    let err = cpu_error(
+        validator(&ca, &n1.config, pinned)
+            .validate(&doc, b"nonce-1", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(err, CpuError::Snp(SnpError::UntrustedIssuer { .. })),
+        "{err:?}"
+    );
+
+    // The vtpm variant is unchanged: the same document, the evidence unused.
+    let vtpm = validator(&ca, &n1.config, CpuTrust::default());
+    assert!(vtpm
+        .validate(&doc, b"nonce-1", b"user")
+        .unwrap()
+        .cpu
+        .is_none());
+}
+
+#[test]
+fn a_debuggable_guest_is_refused_even_with_a_valid_report() {
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let n = node(
+        &ca,
+        Some(GeneratedSnp {
+            amd: amd.clone(),
+            policy: 0x30000 | 1 << 19,
+        }),
+    );
+    let v = validator(&ca, &n.config, generated_trust(&amd));
+    let doc = n.issuer.issue(b"nonce", b"user").unwrap();
+    let err = cpu_error(v.validate(&doc, b"nonce", b"user").unwrap_err());
+    assert!(
+        matches!(err, CpuError::Snp(SnpError::Debug { policy: 0xb0000 })),
+        "{err:?}"
+    );
+
+    // And a TCB below the configured minimum.
+    let mut policy = snp_policy(&amd);
+    policy.minimum_tcb.snp += 1;
+    let n = node(
+        &ca,
+        Some(GeneratedSnp {
+            amd: amd.clone(),
+            policy: 0x30000,
+        }),
+    );
+    let trust = CpuTrust::new(CpuPolicy::SevSnp(policy), Collateral::default())
+        .with_snp_roots(AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]));
+    let doc = n.issuer.issue(b"nonce", b"user").unwrap();
+    let err = cpu_error(
+        validator(&ca, &n.config, trust)
+            .validate(&doc, b"nonce", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(
+            err,
+            CpuError::Snp(SnpError::TcbBelowMinimum {
+                component: "snp",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+}
