@@ -10,7 +10,7 @@ use keel_verifier::cpu::collateral::tdx_collateral_file;
 use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb, TdxPolicy};
 use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpClaims, SnpError};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxClaims, TdxError};
-use keel_verifier::cpu::{Binding, BindingError};
+use keel_verifier::cpu::{Binding, BindingError, CollateralError};
 
 /// 2025-11-23T00:00:00Z: every SNP endorsement certificate here is valid
 /// (the AWS VLEK expires on 2025-12-10).
@@ -852,4 +852,115 @@ fn tdx_report_data_must_bind_the_ak_and_nonce() {
         .check(&data(v.quote), &claims.report_data, b"ak", b"nonce")
         .unwrap_err();
     assert!(matches!(err, BindingError::ReportData { .. }), "{err}");
+}
+
+#[test]
+fn cpu_trust_bounds_evidence_before_parsing_and_requires_it() {
+    use keel_verifier::cpu::{Collateral, CpuError, CpuPolicy, CpuTrust, Evidence};
+    let v = &snp_vectors()[0];
+    let trust = CpuTrust::new(CpuPolicy::SevSnp(policy_for(v)), Collateral::default());
+    let err = trust.verify(None, b"ak", b"nonce", SNP_TIME).unwrap_err();
+    assert!(matches!(err, CpuError::Missing { .. }), "{err:?}");
+    let huge = Evidence {
+        binding: Binding::Guest,
+        report: vec![0; 40 * 1024],
+        certificate: Vec::new(),
+    };
+    let err = trust
+        .verify(Some(&huge), b"ak", b"nonce", SNP_TIME)
+        .unwrap_err();
+    assert!(
+        matches!(err, CpuError::TooLarge { what: "report", .. }),
+        "{err:?}"
+    );
+    // The real report through the whole CpuTrust path: it verifies, and
+    // then fails only on the binding (it was not made for this AK).
+    let real = Evidence {
+        binding: Binding::Guest,
+        report: v.report.clone(),
+        certificate: v.vek.clone(),
+    };
+    let err = trust
+        .verify(Some(&real), b"ak", b"nonce", SNP_TIME)
+        .unwrap_err();
+    assert!(
+        matches!(err, CpuError::Binding(BindingError::ReportData { .. })),
+        "{err:?}"
+    );
+    // Without the certificate, the cache must supply it; none is configured.
+    let no_cert = Evidence {
+        certificate: Vec::new(),
+        ..real
+    };
+    let err = trust
+        .verify(Some(&no_cert), b"ak", b"nonce", SNP_TIME)
+        .unwrap_err();
+    assert!(matches!(err, CpuError::Collateral(_)), "{err:?}");
+    // The vtpm variant ignores CPU evidence.
+    assert!(CpuTrust::default()
+        .verify(Some(&huge), b"ak", b"nonce", SNP_TIME)
+        .unwrap()
+        .is_none());
+}
+
+#[test]
+fn the_collateral_cache_supplies_a_vcek_and_tdx_collateral_by_fmspc() {
+    use keel_verifier::cpu::{Collateral, CpuError, CpuPolicy, CpuTrust, Evidence};
+    let cache = tempfile::tempdir().unwrap();
+    let v = &snp_vectors()[0];
+    std::fs::create_dir_all(cache.path().join("snp")).unwrap();
+    let chip = hex::encode(snp::parse(&v.report).unwrap().chip_id);
+    std::fs::write(
+        cache.path().join(format!("snp/vcek-{chip}-3-0-8-115.der")),
+        &v.vek,
+    )
+    .unwrap();
+    let trust = CpuTrust::new(
+        CpuPolicy::SevSnp(policy_for(v)),
+        Collateral::at(cache.path()),
+    );
+    let evidence = Evidence {
+        binding: Binding::Guest,
+        report: v.report.clone(),
+        certificate: Vec::new(),
+    };
+    // The VCEK came from the cache: the report verifies, only the binding fails.
+    let err = trust
+        .verify(Some(&evidence), b"ak", b"nonce", SNP_TIME)
+        .unwrap_err();
+    assert!(matches!(err, CpuError::Binding(_)), "{err:?}");
+
+    let t = &tdx_vectors()[0];
+    std::fs::create_dir_all(cache.path().join("tdx")).unwrap();
+    std::fs::write(
+        cache.path().join("tdx/B0C06F000000.json"),
+        data(t.collateral),
+    )
+    .unwrap();
+    let trust = CpuTrust::new(
+        CpuPolicy::Tdx(tdx_policy_for(t)),
+        Collateral::at(cache.path()),
+    );
+    let evidence = Evidence {
+        binding: Binding::Guest,
+        report: data(t.quote),
+        certificate: Vec::new(),
+    };
+    let err = trust
+        .verify(Some(&evidence), b"ak", b"nonce", t.now)
+        .unwrap_err();
+    assert!(matches!(err, CpuError::Binding(_)), "{err:?}");
+    // An oversized collateral file is refused before parsing.
+    std::fs::write(
+        cache.path().join("tdx/B0C06F000000.json"),
+        vec![b' '; 300 * 1024],
+    )
+    .unwrap();
+    let err = trust
+        .verify(Some(&evidence), b"ak", b"nonce", t.now)
+        .unwrap_err();
+    assert!(
+        matches!(err, CpuError::Collateral(CollateralError::TooLarge { .. })),
+        "{err:?}"
+    );
 }
