@@ -97,7 +97,8 @@ fn pss(mut der: Vec<u8>) -> Vec<u8> {
     der
 }
 
-fn pem(der: &[u8]) -> String {
+/// A DER certificate as PEM.
+pub fn certificate_pem(der: &[u8]) -> String {
     use base64::Engine as _;
     let b64 = base64::engine::general_purpose::STANDARD.encode(der);
     let body: Vec<&str> = b64
@@ -190,7 +191,7 @@ impl TestAmd {
             .der()
             .to_vec());
         Ok(Self {
-            roots_pem: format!("{}{}", pem(&ask_der), pem(&ark_der)),
+            roots_pem: format!("{}{}", certificate_pem(&ask_der), certificate_pem(&ark_der)),
             vcek_der,
             vcek,
             chip_id,

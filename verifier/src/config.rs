@@ -8,8 +8,6 @@
 //! fw_cfg item `opt/keel/node-config`, the image default
 //! `/usr/lib/keel/node-config.json`.
 
-use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -300,17 +298,11 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, ConfigError> {
         path: path.to_owned(),
         source,
     };
-    let file = fs::File::open(path).map_err(read_err)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_CONFIG_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(read_err)?;
-    if bytes.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(ConfigError::TooLarge {
+    crate::bounded::read(path, MAX_CONFIG_BYTES)
+        .map_err(read_err)?
+        .ok_or_else(|| ConfigError::TooLarge {
             path: path.to_owned(),
-        });
-    }
-    Ok(bytes)
+        })
 }
 
 #[cfg(test)]
@@ -441,7 +433,7 @@ mod tests {
     fn oversized_source_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("big.json");
-        fs::write(&path, vec![b' '; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
+        std::fs::write(&path, vec![b' '; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
         assert!(matches!(
             NodeConfig::load(Some(&path)),
             Err(ConfigError::TooLarge { .. })

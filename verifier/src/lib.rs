@@ -5,6 +5,7 @@
 //! (MakeCredential), and the cluster's key derivation ([`keys`]). The CLI and `keel-measure` depend on this crate alone;
 //! the agent adds the TPM half (issuing, opening, answering).
 
+pub mod bounded;
 pub mod config;
 pub mod cpu;
 pub mod credential;

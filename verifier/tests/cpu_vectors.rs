@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use keel_testkit::amd::certificate_pem;
 use keel_verifier::cpu::binding::{report_data, HclReport};
 use keel_verifier::cpu::collateral::tdx_collateral_file;
 use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb, TdxPolicy};
@@ -19,9 +20,15 @@ const SNP_TIME: u64 = 1_763_856_000;
 const SNP_LATER: u64 = 1_795_392_000;
 const DAY: u64 = 86_400;
 
+/// A file of the shared test vectors (`shared/` sits beside the clone).
+fn data_path(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/data/cvm")
+        .join(path)
+}
+
 fn data(path: &str) -> Vec<u8> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/cvm");
-    std::fs::read(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+    std::fs::read(data_path(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
 fn pem_certs(path: &str) -> Vec<Vec<u8>> {
@@ -171,6 +178,16 @@ fn verify_snp(
     snp::verify(raw, &parsed, vek, roots, policy, now)
 }
 
+/// [`verify_snp`] of vector `v` under the pinned AMD roots.
+fn verify_pinned(
+    v: &SnpVector,
+    vek: &[u8],
+    policy: &SnpPolicy,
+    now: u64,
+) -> Result<SnpClaims, SnpError> {
+    verify_snp(&v.report, v.binding, vek, &AmdRoots::pinned(), policy, now)
+}
+
 #[test]
 fn every_snp_vector_verifies_with_the_readme_facts() {
     let roots = AmdRoots::pinned();
@@ -257,15 +274,7 @@ fn a_vcek_from_another_chip_is_refused() {
     // And a real VCEK of one Milan chip against a real report of another.
     let v = &snp_vectors()[0];
     let other = data("snp/milan-gosevguest/vcek.der");
-    let err = verify_snp(
-        &v.report,
-        v.binding,
-        &other,
-        &AmdRoots::pinned(),
-        &policy_for(v),
-        SNP_TIME,
-    )
-    .unwrap_err();
+    let err = verify_pinned(v, &other, &policy_for(v), SNP_TIME).unwrap_err();
     assert!(matches!(err, SnpError::ChipId { .. }), "{err:?}");
 }
 
@@ -357,8 +366,8 @@ fn a_chain_with_the_wrong_root_is_refused() {
     let genoa_ark = pem_certs("snp/amd-roots/ask_ark_genoa.pem").remove(1);
     let bundle = format!(
         "{}{}",
-        pem("CERTIFICATE", &milan[0]),
-        pem("CERTIFICATE", &genoa_ark)
+        certificate_pem(&milan[0]),
+        certificate_pem(&genoa_ark)
     );
     let roots = AmdRoots::from_pem_bundles(&[bundle.as_bytes()]);
     let err = verify_snp(
@@ -396,20 +405,6 @@ fn a_chain_with_the_wrong_root_is_refused() {
     assert!(matches!(err, SnpError::UntrustedIssuer { .. }), "{err:?}");
 }
 
-fn pem(label: &str, der: &[u8]) -> String {
-    use base64::Engine as _;
-    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-    let lines: Vec<&str> = b64
-        .as_bytes()
-        .chunks(64)
-        .map(|c| std::str::from_utf8(c).unwrap())
-        .collect();
-    format!(
-        "-----BEGIN {label}-----\n{}\n-----END {label}-----\n",
-        lines.join("\n")
-    )
-}
-
 #[test]
 fn a_tcb_below_the_minimum_is_refused_per_component() {
     let v = &snp_vectors()[0];
@@ -423,15 +418,7 @@ fn a_tcb_below_the_minimum_is_refused_per_component() {
             minimum_tcb: minimum,
             ..policy_for(v)
         };
-        let err = verify_snp(
-            &v.report,
-            v.binding,
-            &v.vek,
-            &AmdRoots::pinned(),
-            &policy,
-            SNP_TIME,
-        )
-        .unwrap_err();
+        let err = verify_pinned(v, &v.vek, &policy, SNP_TIME).unwrap_err();
         assert!(
             matches!(err, SnpError::TcbBelowMinimum { component: c, .. } if c == component),
             "{component}: {err:?}"
@@ -444,29 +431,13 @@ fn measurement_host_data_and_migration_agent_are_checked() {
     let v = &snp_vectors()[0];
     let mut policy = policy_for(v);
     policy.measurement.0[47] ^= 1;
-    let err = verify_snp(
-        &v.report,
-        v.binding,
-        &v.vek,
-        &AmdRoots::pinned(),
-        &policy,
-        SNP_TIME,
-    )
-    .unwrap_err();
+    let err = verify_pinned(v, &v.vek, &policy, SNP_TIME).unwrap_err();
     assert!(matches!(err, SnpError::Measurement { .. }), "{err:?}");
     assert!(err.to_string().contains(v.measurement), "{err}");
 
     let mut policy = policy_for(v);
     policy.host_data = Some(Hex([1; 32]));
-    let err = verify_snp(
-        &v.report,
-        v.binding,
-        &v.vek,
-        &AmdRoots::pinned(),
-        &policy,
-        SNP_TIME,
-    )
-    .unwrap_err();
+    let err = verify_pinned(v, &v.vek, &policy, SNP_TIME).unwrap_err();
     assert!(matches!(err, SnpError::HostData { .. }), "{err:?}");
 
     // No real report here allows a migration agent; the check on the
@@ -496,15 +467,7 @@ fn measurement_host_data_and_migration_agent_are_checked() {
 #[test]
 fn an_expired_endorsement_certificate_is_refused() {
     let v = &snp_vectors()[4];
-    let err = verify_snp(
-        &v.report,
-        v.binding,
-        &v.vek,
-        &AmdRoots::pinned(),
-        &policy_for(v),
-        SNP_LATER,
-    )
-    .unwrap_err();
+    let err = verify_pinned(v, &v.vek, &policy_for(v), SNP_LATER).unwrap_err();
     assert!(matches!(err, SnpError::CertificateTime { .. }), "{err:?}");
 }
 
@@ -529,15 +492,7 @@ fn a_truncated_report_is_refused() {
 #[test]
 fn guest_report_data_must_bind_the_ak_and_nonce() {
     let v = &snp_vectors()[0];
-    let claims = verify_snp(
-        &v.report,
-        v.binding,
-        &v.vek,
-        &AmdRoots::pinned(),
-        &policy_for(v),
-        SNP_TIME,
-    )
-    .unwrap();
+    let claims = verify_pinned(v, &v.vek, &policy_for(v), SNP_TIME).unwrap();
     // This real report was not made for a keel AK: its report_data binds nothing of ours.
     let err = Binding::Guest
         .check(
@@ -696,8 +651,7 @@ fn verify_tdx(
     policy: &TdxPolicy,
     now: u64,
 ) -> Result<TdxClaims, TdxError> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/cvm");
-    let collateral = tdx_collateral_file(&root.join(v.collateral)).unwrap();
+    let collateral = tdx_collateral_file(&data_path(v.collateral)).unwrap();
     tdx::verify(quote, &collateral, &IntelRoot::pinned(), policy, now)
 }
 
@@ -831,8 +785,7 @@ fn a_tdx_quote_under_another_root_is_refused() {
         .push(rcgen::DnType::CommonName, "Intel SGX Root CA");
     params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     let other_root = params.self_signed(&key).unwrap().der().to_vec();
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/cvm");
-    let collateral = tdx_collateral_file(&root.join(v.collateral)).unwrap();
+    let collateral = tdx_collateral_file(&data_path(v.collateral)).unwrap();
     let err = tdx::verify(
         &data(v.quote),
         &collateral,

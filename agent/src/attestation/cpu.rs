@@ -12,7 +12,6 @@
 //!   index 0x01400001.
 
 use std::fs;
-use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -239,18 +238,12 @@ fn read_bounded(path: &Path, limit: usize) -> Result<Vec<u8>, CpuReportError> {
         path: path.to_owned(),
         source,
     };
-    let file = fs::File::open(path).map_err(io)?;
-    let mut bytes = Vec::new();
-    file.take(limit as u64 + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io)?;
-    if bytes.len() > limit {
-        return Err(CpuReportError::TooLarge {
+    keel_verifier::bounded::read(path, limit as u64)
+        .map_err(io)?
+        .ok_or_else(|| CpuReportError::TooLarge {
             path: path.to_owned(),
             limit,
-        });
-    }
-    Ok(bytes)
+        })
 }
 
 #[cfg(test)]

@@ -12,7 +12,6 @@
 //! * `tdx/<FMSPC, 12 upper-case hex digits>.json`: `dcap-qvl`'s
 //!   `QuoteCollateralV3` (TCB info, QE identity, CRLs, issuer chains).
 
-use std::io::Read as _;
 use std::path::{Path, PathBuf};
 
 use dcap_qvl::quote::Quote;
@@ -123,15 +122,9 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, CollateralError> {
         path: path.to_owned(),
         source,
     };
-    let file = std::fs::File::open(path).map_err(read)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_COLLATERAL_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(read)?;
-    if bytes.len() as u64 > MAX_COLLATERAL_BYTES {
-        return Err(CollateralError::TooLarge {
+    crate::bounded::read(path, MAX_COLLATERAL_BYTES)
+        .map_err(read)?
+        .ok_or_else(|| CollateralError::TooLarge {
             path: path.to_owned(),
-        });
-    }
-    Ok(bytes)
+        })
 }
