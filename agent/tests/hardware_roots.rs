@@ -261,3 +261,96 @@ fn a_debuggable_guest_is_refused_even_with_a_valid_report() {
         "{err:?}"
     );
 }
+
+/// Answers every call; the test looks at the handshake only.
+struct Empty;
+
+#[tonic::async_trait]
+impl keel_proto::kms::key_service_server::KeyService for Empty {
+    async fn get_data_key(
+        &self,
+        _: tonic::Request<keel_proto::kms::GetDataKeyRequest>,
+    ) -> Result<tonic::Response<keel_proto::kms::GetDataKeyResponse>, tonic::Status> {
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+/// Serves `issuer` over server-attested aTLS; returns its endpoint.
+async fn serve(
+    issuer: keel_atls::DynIssuer,
+) -> (tonic::transport::Endpoint, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let incoming =
+        keel_atls::AtlsServer::<keel_verifier::validator::Verified>::server_attested(issuer)
+            .incoming(listener);
+    let task = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(keel_proto::kms::key_service_server::KeyServiceServer::new(
+                Empty,
+            ))
+            .serve_with_incoming(incoming)
+            .await;
+    });
+    (
+        tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap(),
+        task,
+    )
+}
+
+/// Over aTLS, through the agent's reloadable policy with the `sev-snp`
+/// variant (as a joining node verifies its join service): a server whose
+/// documents carry a report binding its AK is accepted, with its CPU claims;
+/// one without CPU evidence is refused before any request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn atls_requires_the_cpu_evidence_of_the_variant() {
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let with_cpu = node(
+        &ca,
+        Some(GeneratedSnp {
+            amd: amd.clone(),
+            policy: 0x30000,
+        }),
+    );
+    let without = node(&ca, None);
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("measurements.json");
+    let entries = [4, 9, 11]
+        .map(|pcr| (pcr, Expected::enforced([0; 32])))
+        .into_iter()
+        .chain([(
+            12,
+            Expected::enforced(with_cpu.config.expected_config_pcr()),
+        )]);
+    std::fs::write(&path, Measurements::new(entries).unwrap().to_json()).unwrap();
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let policy =
+        keel_agent::attestation::policy::ReloadableValidator::load(&path, trust, Vec::new())
+            .unwrap()
+            .with_cpu(Arc::new(generated_trust(&amd)));
+    let client = keel_atls::AtlsClient::server_attested(policy.validator());
+
+    let (endpoint, task) = serve(Arc::new(with_cpu.issuer.clone())).await;
+    let bound = client.bind_channel(endpoint).await.unwrap();
+    let claims = bound.attested.unwrap().claims().clone();
+    assert!(
+        matches!(claims.cpu, Some(CpuClaims::Snp(_))),
+        "{:?}",
+        claims.cpu
+    );
+    task.abort();
+
+    let (endpoint, task) = serve(Arc::new(without.issuer.clone())).await;
+    let err = client.bind_channel(endpoint).await.unwrap_err();
+    let chain = keel_atls::ErrorChain(&err).to_string();
+    assert!(chain.contains("requires CPU evidence"), "{chain}");
+    task.abort();
+
+    // A reload keeps the variant.
+    policy.reload().unwrap();
+    let (endpoint, task) = serve(Arc::new(without.issuer.clone())).await;
+    assert!(client.bind_channel(endpoint).await.is_err());
+    task.abort();
+}
