@@ -1,8 +1,12 @@
 //! The end-to-end binding for the `sev-snp` variant: CPU evidence → AK →
 //! quote, with a test-only AMD-like root generated here and configured as
 //! the verifier's roots, evidence produced by the node's issuer over a real
-//! swtpm, and the one validator judging the document. Then over aTLS.
+//! swtpm, and the one validator judging the document. Then over aTLS, and
+//! the join path: a join service and a joining node, each with its own
+//! swtpm and generated chip, over mutual aTLS.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -353,4 +357,89 @@ async fn atls_requires_the_cpu_evidence_of_the_variant() {
     let (endpoint, task) = serve(Arc::new(without.issuer.clone())).await;
     assert!(client.bind_channel(endpoint).await.is_err());
     task.abort();
+}
+
+/// The join path with the `sev-snp` variant: the joining node proves its
+/// CPU to the join service and the service proves its CPU to the node; a
+/// node without CPU evidence gets no ticket, and a node does not take a
+/// ticket from a service without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_join_path_runs_with_the_sev_snp_variant() {
+    use join_common::{
+        config, free_port, measured_with, start_service, start_service_hardware, Hardware,
+    };
+    use keel_agent::join::{service_validator, KubeletKey, TicketClient, TicketError};
+    use keel_proto::join::IssueJoinTicketRequest;
+    use std::time::Duration;
+
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let hardware = Hardware {
+        reporter: Arc::new(GeneratedSnp {
+            amd: amd.clone(),
+            policy: 0x30000,
+        }),
+        trust: Arc::new(generated_trust(&amd)),
+    };
+    let port = free_port();
+    let service = start_service_hardware(&ca, port, &hardware).await;
+
+    // A joining node: its own swtpm, the same generated CPU family.
+    let tickets = |cpu: Option<Arc<dyn CpuReporter>>, port: u16| {
+        let swtpm = Swtpm::start(&ca).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let tpm = measured_with(
+            &swtpm,
+            &dir.path().join("log"),
+            &config(&ca, port, "w-1", "worker"),
+            cpu,
+        );
+        let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+        let validator = service_validator(&tpm, trust)
+            .unwrap()
+            .with_cpu(hardware.trust.clone());
+        (
+            TicketClient::new(tpm, validator, Duration::from_secs(60)),
+            swtpm,
+            dir,
+        )
+    };
+    let request = || {
+        let key = KubeletKey::generate("w-1").unwrap();
+        IssueJoinTicketRequest {
+            disk_uuid: join_common::uuid(),
+            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+            is_control_plane: false,
+            node_name: "w-1".into(),
+        }
+    };
+
+    let (client, _sw, _dir) = tickets(Some(hardware.reporter.clone()), port);
+    let mut raw = client
+        .request_join_ticket(&service.endpoint, request())
+        .await
+        .unwrap();
+    let secrets = client.open(raw.response.secrets.take()).await.unwrap();
+    assert_eq!(secrets.state_disk_key.len(), 32);
+
+    // A node without CPU evidence: the service refuses it in the handshake.
+    let (bare, _sw2, _dir2) = tickets(None, port);
+    let Err(err) = bare.request_join_ticket(&service.endpoint, request()).await else {
+        panic!("a ticket was issued");
+    };
+    assert!(
+        matches!(err, TicketError::Connect(_)),
+        "{}",
+        keel_atls::ErrorChain(&err)
+    );
+
+    // A join service without CPU evidence: the node refuses it.
+    let plain_port = free_port();
+    let plain = start_service(&ca, plain_port).await;
+    let (client, _sw3, _dir3) = tickets(Some(hardware.reporter.clone()), plain_port);
+    let Err(err) = client.request_join_ticket(&plain.endpoint, request()).await else {
+        panic!("a ticket was issued");
+    };
+    let chain = keel_atls::ErrorChain(&err).to_string();
+    assert!(chain.contains("requires CPU evidence"), "{chain}");
 }
