@@ -86,6 +86,17 @@ fn node(ca: &EkCa, cpu: Option<GeneratedSnp>) -> Node {
     }
 }
 
+/// A node whose CPU is `amd`'s chip, launched with guest `policy`.
+fn snp_node(ca: &EkCa, amd: &Arc<TestAmd>, policy: u64) -> Node {
+    node(
+        ca,
+        Some(GeneratedSnp {
+            amd: amd.clone(),
+            policy,
+        }),
+    )
+}
+
 fn snp_policy(amd: &TestAmd) -> SnpPolicy {
     let [bootloader, tee, snp, microcode] = amd.tcb();
     SnpPolicy {
@@ -127,13 +138,7 @@ fn cpu_error(e: ValidationError) -> CpuError {
 fn snp_evidence_roots_the_quote_and_every_substitution_is_refused() {
     let ca = EkCa::new().unwrap();
     let amd = Arc::new(TestAmd::new().unwrap());
-    let n1 = node(
-        &ca,
-        Some(GeneratedSnp {
-            amd: amd.clone(),
-            policy: 0x30000,
-        }),
-    );
+    let n1 = snp_node(&ca, &amd, 0x30000);
     let v = validator(&ca, &n1.config, generated_trust(&amd));
 
     // The whole chain: CPU report → binds AK and nonce → AK signs the quote.
@@ -221,13 +226,7 @@ fn snp_evidence_roots_the_quote_and_every_substitution_is_refused() {
 fn a_debuggable_guest_is_refused_even_with_a_valid_report() {
     let ca = EkCa::new().unwrap();
     let amd = Arc::new(TestAmd::new().unwrap());
-    let n = node(
-        &ca,
-        Some(GeneratedSnp {
-            amd: amd.clone(),
-            policy: 0x30000 | 1 << 19,
-        }),
-    );
+    let n = snp_node(&ca, &amd, 0x30000 | 1 << 19);
     let v = validator(&ca, &n.config, generated_trust(&amd));
     let doc = n.issuer.issue(b"nonce", b"user").unwrap();
     let err = cpu_error(v.validate(&doc, b"nonce", b"user").unwrap_err());
@@ -239,13 +238,7 @@ fn a_debuggable_guest_is_refused_even_with_a_valid_report() {
     // And a TCB below the configured minimum.
     let mut policy = snp_policy(&amd);
     policy.minimum_tcb.snp += 1;
-    let n = node(
-        &ca,
-        Some(GeneratedSnp {
-            amd: amd.clone(),
-            policy: 0x30000,
-        }),
-    );
+    let n = snp_node(&ca, &amd, 0x30000);
     let trust = CpuTrust::new(CpuPolicy::SevSnp(policy), Collateral::default())
         .with_snp_roots(AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]));
     let doc = n.issuer.issue(b"nonce", b"user").unwrap();
@@ -310,13 +303,7 @@ async fn serve(
 async fn atls_requires_the_cpu_evidence_of_the_variant() {
     let ca = EkCa::new().unwrap();
     let amd = Arc::new(TestAmd::new().unwrap());
-    let with_cpu = node(
-        &ca,
-        Some(GeneratedSnp {
-            amd: amd.clone(),
-            policy: 0x30000,
-        }),
-    );
+    let with_cpu = snp_node(&ca, &amd, 0x30000);
     let without = node(&ca, None);
 
     let dir = tempfile::tempdir().unwrap();

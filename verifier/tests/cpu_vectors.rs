@@ -188,6 +188,18 @@ fn verify_pinned(
     verify_snp(&v.report, v.binding, vek, &AmdRoots::pinned(), policy, now)
 }
 
+/// Vector `v` with its own VEK and policy under `roots`.
+fn verify_under(v: &SnpVector, roots: &AmdRoots) -> Result<SnpClaims, SnpError> {
+    verify_snp(
+        &v.report,
+        v.binding,
+        &v.vek,
+        roots,
+        &policy_for(v),
+        SNP_TIME,
+    )
+}
+
 #[test]
 fn every_snp_vector_verifies_with_the_readme_facts() {
     let roots = AmdRoots::pinned();
@@ -348,15 +360,7 @@ fn a_chain_with_the_wrong_root_is_refused() {
     // Only the Genoa roots: nothing issued a Milan VCEK.
     let genoa = data("snp/amd-roots/ask_ark_genoa.pem");
     let roots = AmdRoots::from_pem_bundles(&[&genoa]);
-    let err = verify_snp(
-        &v.report,
-        v.binding,
-        &v.vek,
-        &roots,
-        &policy_for(v),
-        SNP_TIME,
-    )
-    .unwrap_err();
+    let err = verify_under(v, &roots).unwrap_err();
     assert!(
         matches!(&err, SnpError::UntrustedIssuer { issuer } if issuer.contains("SEV-Milan")),
         "{err:?}"
@@ -370,15 +374,7 @@ fn a_chain_with_the_wrong_root_is_refused() {
         certificate_pem(&genoa_ark)
     );
     let roots = AmdRoots::from_pem_bundles(&[bundle.as_bytes()]);
-    let err = verify_snp(
-        &v.report,
-        v.binding,
-        &v.vek,
-        &roots,
-        &policy_for(v),
-        SNP_TIME,
-    )
-    .unwrap_err();
+    let err = verify_under(v, &roots).unwrap_err();
     assert!(
         matches!(
             err,
@@ -393,15 +389,7 @@ fn a_chain_with_the_wrong_root_is_refused() {
     let vlek = &snp_vectors()[4];
     let milan = data("snp/amd-roots/ask_ark_milan.pem");
     let roots = AmdRoots::from_pem_bundles(&[&milan]);
-    let err = verify_snp(
-        &vlek.report,
-        vlek.binding,
-        &vlek.vek,
-        &roots,
-        &policy_for(vlek),
-        SNP_TIME,
-    )
-    .unwrap_err();
+    let err = verify_under(vlek, &roots).unwrap_err();
     assert!(matches!(err, SnpError::UntrustedIssuer { .. }), "{err:?}");
 }
 
