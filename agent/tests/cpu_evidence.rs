@@ -171,3 +171,36 @@ fn the_hcl_report_is_read_from_the_vtpm_nv_index() {
     let err = tpm.nv_read(0x0140_0002).unwrap_err();
     assert!(err.to_string().contains("0x01400002"), "{err}");
 }
+
+/// Race: another writer changes `inblob` while this request reads its
+/// report (the kernel bumps `generation`); the report, which may carry the
+/// other writer's `report_data`, is refused. `outblob` is a FIFO here, so
+/// the "other writer" acts exactly while the report is being read.
+#[test]
+fn configfs_tsm_refuses_a_report_raced_by_another_writer() {
+    let root = tempfile::tempdir().unwrap();
+    let entry = root.path().join("entry0");
+    kernel_entry(&entry, "sev_guest", b"", b"");
+    let outblob = entry.join("outblob");
+    std::fs::remove_file(&outblob).unwrap();
+    nix::unistd::mkfifo(&outblob, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let generation = entry.join("generation");
+    let kernel = std::thread::spawn(move || {
+        use std::io::Write as _;
+        // Opening blocks until the request opens outblob for reading.
+        let mut fifo = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&outblob)
+            .unwrap();
+        std::fs::write(&generation, "2\n").unwrap();
+        fifo.write_all(&data("snp/milan-virtee/report_milan.bin"))
+            .unwrap();
+    });
+    let tsm = ConfigfsTsm::new(root.path(), Variant::SevSnp).unwrap();
+    let err = tsm.report_in(&entry, &[7; 64]).unwrap_err();
+    kernel.join().unwrap();
+    assert!(
+        matches!(&err, CpuReportError::Raced { before, after } if before == "1" && after == "2"),
+        "{err:?}"
+    );
+}
