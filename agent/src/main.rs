@@ -11,6 +11,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
+use keel_agent::attestation::cpu::{ConfigfsTsm, CONFIGFS_TSM_ROOT};
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::measured::{self, MeasuredLog, MeasuredTpm, SharedTpm};
 use keel_agent::node;
@@ -137,6 +138,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let mut tpm = Tpm::open(&tcti)?;
             log_tpm_state(&mut tpm);
             let mut measured = MeasuredTpm::open(tpm, &log_path)?;
+            if let Some(tsm) =
+                ConfigfsTsm::new(CONFIGFS_TSM_ROOT, config.cluster.cpu_policy()?.variant())
+            {
+                measured = measured.with_cpu_reporter(Arc::new(tsm));
+            }
             // Measured before anything below reads it.
             measured.record_once(
                 EventType::NodeConfig,

@@ -198,6 +198,7 @@ fn read_events(path: &Path) -> Result<Vec<Event>, MeasuredLogError> {
 pub struct MeasuredTpm {
     tpm: Tpm,
     log: MeasuredLog,
+    cpu: Option<std::sync::Arc<dyn crate::attestation::cpu::CpuReporter>>,
 }
 
 /// A [`MeasuredTpm`] shared between the agent's tasks.
@@ -218,7 +219,29 @@ impl MeasuredTpm {
     /// Opens the log at `log_path` against `tpm` (see [`MeasuredLog::open`]).
     pub fn open(mut tpm: Tpm, log_path: &Path) -> Result<Self, MeasuredLogError> {
         let log = MeasuredLog::open(log_path, &mut tpm)?;
-        Ok(Self { tpm, log })
+        Ok(Self {
+            tpm,
+            log,
+            cpu: None,
+        })
+    }
+
+    /// The same TPM with a source of CPU evidence: every attestation
+    /// document then carries the CPU's report binding the attestation key
+    /// (the `sev-snp` and `tdx` variants).
+    pub fn with_cpu_reporter(
+        self,
+        cpu: std::sync::Arc<dyn crate::attestation::cpu::CpuReporter>,
+    ) -> Self {
+        Self {
+            cpu: Some(cpu),
+            ..self
+        }
+    }
+
+    /// The source of CPU evidence, if the node has one.
+    pub fn cpu_reporter(&self) -> Option<std::sync::Arc<dyn crate::attestation::cpu::CpuReporter>> {
+        self.cpu.clone()
     }
 
     /// Records a new measurement.

@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 
 use crate::address::AdvertiseAddress;
 use crate::attestation::issuer::TpmIssuer;
-use crate::attestation::policy::ReloadableValidator;
+use crate::attestation::policy::{cpu_trust, ReloadableValidator};
 use crate::cluster::ClusterSlot;
 use crate::disk::{Cryptsetup, StateDisk, StateMount};
 use crate::grpc::{self, GrpcLimits};
@@ -167,11 +167,9 @@ pub fn join_service_policy(
         (pcr::CLUSTER_ID, [0; 32]),
         (pcr::CONFIG, config.expected_config_pcr()),
     ];
-    Ok(Arc::new(ReloadableValidator::load(
-        measurements,
-        ek_trust,
-        required,
-    )?))
+    Ok(Arc::new(
+        ReloadableValidator::load(measurements, ek_trust, required)?.with_cpu(cpu_trust(config)?),
+    ))
 }
 
 /// Serves `service` on `addr` over mutual aTLS with `policy` until the task

@@ -1,8 +1,10 @@
 //! The CLI's settings file and the validator it implies.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::Context as _;
+use keel_verifier::cpu::{AttestationConfig, Collateral, CpuPolicy, CpuTrust};
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::SigningPublicKey;
@@ -50,6 +52,14 @@ pub struct Settings {
     /// init; without it, the cluster refuses image upgrades.
     #[serde(default)]
     pub measurements_signing_key: Option<PathBuf>,
+    /// The cluster's attestation variant and expected CPU values (the
+    /// nodes' `cluster.attestation`); absent is `vtpm`.
+    #[serde(default)]
+    pub attestation: AttestationConfig,
+    /// The CPU collateral cache (VCEKs, TDX collateral), see
+    /// `keel_verifier::cpu::collateral`.
+    #[serde(default)]
+    pub collateral: Option<PathBuf>,
     #[serde(skip)]
     dir: PathBuf,
 }
@@ -100,13 +110,25 @@ impl Settings {
     /// The validator for the node: `measurements` (from
     /// [`Settings::measurements`]) and the EK CAs.
     pub fn validator(&self, measurements: Measurements) -> anyhow::Result<Validator> {
-        Ok(Validator::new(measurements, self.ek_trust()?))
+        Ok(Validator::new(measurements, self.ek_trust()?).with_cpu(self.cpu_trust()?))
     }
 
     /// A diagnostic validator (`keel verify -o json`): reports measurement
     /// mismatches instead of refusing; see [`Validator::diagnostic`].
     pub fn diagnostic_validator(&self, measurements: Measurements) -> anyhow::Result<Validator> {
-        Ok(Validator::diagnostic(measurements, self.ek_trust()?))
+        Ok(Validator::diagnostic(measurements, self.ek_trust()?).with_cpu(self.cpu_trust()?))
+    }
+
+    /// The CPU evidence the node must show: the variant, the pinned roots,
+    /// the collateral cache.
+    fn cpu_trust(&self) -> anyhow::Result<Arc<CpuTrust>> {
+        let policy = CpuPolicy::try_from(&self.attestation)
+            .map_err(|reason| anyhow::anyhow!("settings attestation: {reason}"))?;
+        let collateral = match &self.collateral {
+            Some(dir) => Collateral::at(self.resolve(dir)),
+            None => Collateral::default(),
+        };
+        Ok(Arc::new(CpuTrust::new(policy, collateral)))
     }
 
     fn ek_trust(&self) -> anyhow::Result<EkTrust> {

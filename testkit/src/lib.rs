@@ -1,7 +1,8 @@
 //! Test support: swtpm instances with their own EK CA, the local component
 //! mirror, an attacker's issuer with a software attestation key, and a
-//! container check for nodes.
+//! container check for nodes, and a generated AMD-like root of trust.
 
+pub mod amd;
 pub mod components;
 pub mod container;
 pub mod forgery;

@@ -8,13 +8,13 @@
 //! fw_cfg item `opt/keel/node-config`, the image default
 //! `/usr/lib/keel/node-config.json`.
 
-use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq;
+
+use crate::cpu::{AttestationConfig, CpuPolicy};
 
 /// Largest accepted config document.
 pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
@@ -104,6 +104,11 @@ pub struct ClusterConfig {
     /// PEM certificates of the CAs that issue TPM endorsement-key certificates.
     #[serde(default)]
     pub ek_ca_pem: String,
+    /// The attestation variant and its expected CPU values. The default
+    /// (`vtpm`) is left out of the canonical form, so configs without it
+    /// measure exactly as before.
+    #[serde(default, skip_serializing_if = "AttestationConfig::is_default")]
+    pub attestation: AttestationConfig,
 }
 
 fn default_init_port() -> u16 {
@@ -123,7 +128,18 @@ impl Default for ClusterConfig {
             join_port: default_join_port(),
             component_mirror: None,
             ek_ca_pem: String::new(),
+            attestation: AttestationConfig::default(),
         }
+    }
+}
+
+impl ClusterConfig {
+    /// The checked attestation policy: the variant with exactly its section.
+    pub fn cpu_policy(&self) -> Result<CpuPolicy, ConfigError> {
+        CpuPolicy::try_from(&self.attestation).map_err(|reason| ConfigError::Invalid {
+            field: "cluster.attestation",
+            reason,
+        })
     }
 }
 
@@ -215,6 +231,7 @@ impl NodeConfig {
                 });
             }
         }
+        self.cluster.cpu_policy()?;
         let n = &self.node;
         if n.name.is_empty()
             || n.name.len() > 63
@@ -281,17 +298,11 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, ConfigError> {
         path: path.to_owned(),
         source,
     };
-    let file = fs::File::open(path).map_err(read_err)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_CONFIG_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(read_err)?;
-    if bytes.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(ConfigError::TooLarge {
+    crate::bounded::read(path, MAX_CONFIG_BYTES)
+        .map_err(read_err)?
+        .ok_or_else(|| ConfigError::TooLarge {
             path: path.to_owned(),
-        });
-    }
-    Ok(bytes)
+        })
 }
 
 #[cfg(test)]
@@ -340,6 +351,73 @@ mod tests {
     }
 
     #[test]
+    fn attestation_variant_is_measured_and_checked() {
+        let plain = parse(r#"{"cluster":{"join_port":1}}"#).unwrap();
+        let vtpm =
+            parse(r#"{"cluster":{"join_port":1,"attestation":{"variant":"vtpm"}}}"#).unwrap();
+        // The default variant leaves the measured bytes as they were.
+        assert_eq!(plain.cluster_bytes(), vtpm.cluster_bytes());
+        assert!(!String::from_utf8(plain.cluster_bytes())
+            .unwrap()
+            .contains("attestation"));
+        assert_eq!(plain.cluster.cpu_policy().unwrap(), CpuPolicy::Vtpm);
+
+        let m = "ab".repeat(48);
+        let snp = parse(&format!(
+            r#"{{"cluster":{{"join_port":1,"attestation":{{"variant":"sev-snp","sev_snp":{{
+                "minimum_tcb":{{"bootloader":3,"tee":0,"snp":8,"microcode":115}},
+                "measurement":"{m}"}}}}}}}}"#
+        ))
+        .unwrap();
+        assert_ne!(snp.cluster_bytes(), plain.cluster_bytes());
+        assert_ne!(snp.expected_config_pcr(), plain.expected_config_pcr());
+        assert!(matches!(
+            snp.cluster.cpu_policy().unwrap(),
+            CpuPolicy::SevSnp(_)
+        ));
+
+        let tdx = parse(&format!(
+            r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}",
+                "rtmr":["{m}",null,null,null],"allow_tcb_status":["SWHardeningNeeded"]}}}}}}}}"#
+        ))
+        .unwrap();
+        assert!(matches!(
+            tdx.cluster.cpu_policy().unwrap(),
+            CpuPolicy::Tdx(_)
+        ));
+
+        for bad in [
+            r#"{"cluster":{"attestation":{"variant":"sev-snp"}}}"#.to_string(),
+            r#"{"cluster":{"attestation":{"variant":"tdx"}}}"#.to_string(),
+            format!(
+                r#"{{"cluster":{{"attestation":{{"variant":"vtpm","tdx":{{"mrtd":"{m}"}}}}}}}}"#
+            ),
+            format!(
+                r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","allow_tcb_status":["Revoked"]}}}}}}}}"#
+            ),
+            format!(
+                r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","allow_tcb_status":["Stale"]}}}}}}}}"#
+            ),
+        ] {
+            assert!(
+                matches!(
+                    parse(&bad),
+                    Err(ConfigError::Invalid {
+                        field: "cluster.attestation",
+                        ..
+                    })
+                ),
+                "{bad}"
+            );
+        }
+        // A measurement of the wrong length does not parse.
+        assert!(matches!(
+            parse(r#"{"cluster":{"attestation":{"variant":"tdx","tdx":{"mrtd":"00"}}}}"#),
+            Err(ConfigError::Parse { .. })
+        ));
+    }
+
+    #[test]
     fn init_secret_compare() {
         let hash = hex::encode(Sha256::digest(b"secret"));
         let c = parse(&format!(
@@ -355,7 +433,7 @@ mod tests {
     fn oversized_source_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("big.json");
-        fs::write(&path, vec![b' '; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
+        std::fs::write(&path, vec![b' '; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
         assert!(matches!(
             NodeConfig::load(Some(&path)),
             Err(ConfigError::TooLarge { .. })

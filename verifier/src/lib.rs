@@ -6,7 +6,9 @@
 //! signatures of measurements files ([`signature`]). The CLI and `keel-measure` depend on this crate alone;
 //! the agent adds the TPM half (issuing, opening, answering).
 
+pub mod bounded;
 pub mod config;
+pub mod cpu;
 pub mod credential;
 pub mod ek;
 pub mod keys;

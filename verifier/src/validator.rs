@@ -14,14 +14,22 @@
 //! ([`keel_atls::Validator::residency_challenge`], [`crate::credential`]).
 //! A validator remembers (bounded) the EK and AK pairs proven through it, so
 //! later handshakes with the same AK skip the TPM round.
+//!
+//! The attestation variant ([`crate::cpu`]) decides whether the document
+//! must also carry the CPU's evidence: for `sev-snp` and `tdx` it is
+//! verified against the hardware roots next to the quote, and its
+//! `report_data` must commit to the AK that signed the quote (and to this
+//! handshake's nonce), so the quote is rooted in the CPU.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use keel_proto::attestation::AttestationDocument;
+use keel_proto::attestation::{cpu_evidence, AttestationDocument};
 use prost::Message;
 use sha2::{Digest as _, Sha256};
 
+use crate::cpu::{Binding, CpuClaims, CpuError, CpuTrust, Evidence};
 use crate::ek::{EkError, EkTrust};
 use crate::measurement::{verify_replay, Digest32, Event, EventType, ReplayError};
 use crate::measurements::{Measurements, Mismatch};
@@ -64,6 +72,9 @@ pub enum ValidationError {
     /// The user data in the document differs from what the channel expects.
     #[error("attestation document user data does not match the channel")]
     UserData,
+    /// The CPU evidence is missing, does not verify or does not bind the AK.
+    #[error("CPU evidence rejected: {0}")]
+    Cpu(#[from] CpuError),
 }
 
 fn list(m: &[Mismatch]) -> String {
@@ -89,6 +100,8 @@ pub struct Verified {
     /// Which accepted set the peer matched: its [`Measurements::digest`]
     /// as given to the validator (before any required values were added).
     pub measurements: Digest32,
+    /// The verified CPU evidence (`None` for the `vtpm` variant).
+    pub cpu: Option<CpuClaims>,
 }
 
 /// EK and AK pairs whose residency was proven, oldest first out.
@@ -164,6 +177,7 @@ pub struct Validator {
     current: AcceptedSet,
     staged: Option<AcceptedSet>,
     ek_trust: EkTrust,
+    cpu: Arc<CpuTrust>,
     proven: Arc<ProvenKeys>,
     enforce: bool,
 }
@@ -200,9 +214,16 @@ impl Validator {
             current: AcceptedSet::new(current, required),
             staged: staged.map(|s| AcceptedSet::new(s, required)),
             ek_trust,
+            cpu: Arc::default(),
             proven,
             enforce: true,
         }
+    }
+
+    /// The same validator with this attestation variant and CPU trust
+    /// (the default is the `vtpm` variant, which needs no CPU evidence).
+    pub fn with_cpu(self, cpu: Arc<CpuTrust>) -> Self {
+        Self { cpu, ..self }
     }
 
     /// A validator for diagnostics only (`keel verify -o json`): every
@@ -250,6 +271,10 @@ impl Validator {
             &qualifying_data(nonce, &doc.user_data),
             &pcrs,
         )?;
+        let evidence = doc.cpu_evidence.as_ref().map(cpu_evidence).transpose()?;
+        let cpu = self
+            .cpu
+            .verify(evidence.as_ref(), &doc.ak_public, nonce, unix_now())?;
         // Checked after the quote, against the document's own user data: a
         // replayed document fails on its nonce, a moved one on its key.
         if doc.user_data != user_data {
@@ -268,6 +293,7 @@ impl Validator {
             events,
             warnings,
             measurements: set.digest,
+            cpu,
         })
     }
 }
@@ -305,6 +331,26 @@ impl Validator {
         }
         Err(ValidationError::Measurements(current_enforced))
     }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn cpu_evidence(e: &keel_proto::attestation::CpuEvidence) -> Result<Evidence, ValidationError> {
+    let binding = match cpu_evidence::Binding::try_from(e.binding) {
+        Ok(cpu_evidence::Binding::Guest) => Binding::Guest,
+        Ok(cpu_evidence::Binding::AzureHcl) => Binding::AzureHcl,
+        Err(_) => return Err(ValidationError::Field("unknown CPU evidence binding")),
+    };
+    Ok(Evidence {
+        binding,
+        report: e.report.clone(),
+        certificate: e.certificate.clone(),
+    })
 }
 
 fn pcr_values(doc: &AttestationDocument) -> Result<BTreeMap<u32, Digest32>, ValidationError> {

@@ -1,6 +1,7 @@
 //! The node side: an attestation document from the TPM and the event log.
 
 use keel_proto::attestation::{AttestationDocument, MeasurementEvent, PcrValue};
+use keel_verifier::cpu::binding::report_data;
 use keel_verifier::quote::qualifying_data;
 use prost::Message;
 
@@ -22,6 +23,9 @@ pub enum IssueError {
     /// Another task panicked while holding the TPM.
     #[error("attestation: the TPM handle is poisoned")]
     Poisoned,
+    /// The CPU evidence could not be obtained.
+    #[error("attestation: CPU evidence unavailable")]
+    Cpu(#[from] super::cpu::CpuReportError),
 }
 
 /// Makes attestation documents for a node.
@@ -37,7 +41,8 @@ impl TpmIssuer {
     }
 
     /// Quotes [`QUOTED_PCRS`] over `nonce` and `user_data` and returns the
-    /// encoded document. Blocks on the TPM.
+    /// encoded document, with the CPU's evidence over `nonce` and the AK
+    /// when the node has a CPU reporter. Blocks on the TPM.
     pub fn issue(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, IssueError> {
         let mut guard = self.tpm.lock().map_err(|_| IssueError::Poisoned)?;
         let measured = &mut *guard;
@@ -57,6 +62,11 @@ impl TpmIssuer {
         let endorsement = tpm.endorsement()?;
         let ak_public = tpm.attestation_key()?;
         let quote = tpm.quote(&qualifying_data(nonce, user_data), &QUOTED_PCRS)?;
+        let cpu_evidence = match measured.cpu_reporter() {
+            Some(cpu) => Some(cpu.report(&report_data(nonce, &ak_public), measured.tpm())?),
+            None => None,
+        };
+        let tpm = measured.tpm();
         let pcrs = tpm
             .pcr_read(&QUOTED_PCRS)?
             .into_iter()
@@ -74,6 +84,7 @@ impl TpmIssuer {
             pcrs,
             event_log,
             user_data: user_data.to_vec(),
+            cpu_evidence,
         };
         Ok(doc.encode_to_vec())
     }

@@ -1,7 +1,9 @@
-//! Attestation on the node: the document it presents, issued from the TPM,
+//! Attestation on the node: the document it presents, issued from the TPM
+//! (with the CPU's evidence for the hardware variants, [`cpu`]),
 //! the TPM half of sealed secrets, and the verifier's reloadable policy.
 //! How a document is checked is [`keel_verifier`]'s.
 
+pub mod cpu;
 pub mod credential;
 pub mod issuer;
 pub mod policy;

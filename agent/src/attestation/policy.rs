@@ -16,6 +16,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use keel_atls::SwappableValidator;
+use keel_verifier::config::{ConfigError, NodeConfig};
+use keel_verifier::cpu::{Collateral, CpuTrust};
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurement::Digest32;
 use keel_verifier::measurements::{Measurements, MeasurementsError, MAX_MEASUREMENTS_BYTES};
@@ -45,6 +47,17 @@ pub enum PolicyError {
         #[source]
         source: MeasurementsError,
     },
+}
+
+/// The CPU evidence a node's verifiers (its join service, its join client)
+/// require: the cluster's variant and expected values, the pinned hardware
+/// roots, and the collateral cache at
+/// [`DEFAULT_DIR`](keel_verifier::cpu::collateral::DEFAULT_DIR).
+pub fn cpu_trust(config: &NodeConfig) -> Result<Arc<CpuTrust>, ConfigError> {
+    Ok(Arc::new(CpuTrust::new(
+        config.cluster.cpu_policy()?,
+        Collateral::at(keel_verifier::cpu::collateral::DEFAULT_DIR),
+    )))
 }
 
 /// Values every accepted peer must show in addition to the file's, e.g.
@@ -87,6 +100,7 @@ type Modified = (Option<SystemTime>, Option<SystemTime>);
 pub struct ReloadableValidator {
     path: PathBuf,
     ek_trust: EkTrust,
+    cpu: Arc<CpuTrust>,
     required: Required,
     proven: Arc<ProvenKeys>,
     current: Arc<SwappableValidator<Validator>>,
@@ -97,15 +111,31 @@ impl ReloadableValidator {
     /// Loads `path`; fails if the first file is invalid.
     pub fn load(path: &Path, ek_trust: EkTrust, required: Required) -> Result<Self, PolicyError> {
         let proven = Arc::new(ProvenKeys::default());
-        let (validator, modified) = build(path, &ek_trust, &required, &proven)?;
+        let cpu = Arc::<CpuTrust>::default();
+        let (validator, modified) = build(path, &ek_trust, &cpu, &required, &proven)?;
         Ok(Self {
             path: path.to_owned(),
             ek_trust,
+            cpu,
             required,
             proven,
             current: Arc::new(SwappableValidator::new(validator)),
             modified: Mutex::new(modified),
         })
+    }
+
+    /// The same policy requiring CPU evidence as `cpu` says (the default
+    /// is the `vtpm` variant), now and after every reload.
+    pub fn with_cpu(mut self, cpu: Arc<CpuTrust>) -> Self {
+        let current = self
+            .current
+            .current()
+            .as_ref()
+            .clone()
+            .with_cpu(cpu.clone());
+        self.current.replace(current);
+        self.cpu = cpu;
+        self
     }
 
     /// The validator to give aTLS servers and clients.
@@ -121,7 +151,13 @@ impl ReloadableValidator {
     /// Re-reads the file and swaps in its validator. On error the old
     /// validator stays and the error is returned (and logged).
     pub fn reload(&self) -> Result<(), PolicyError> {
-        match build(&self.path, &self.ek_trust, &self.required, &self.proven) {
+        match build(
+            &self.path,
+            &self.ek_trust,
+            &self.cpu,
+            &self.required,
+            &self.proven,
+        ) {
             Ok((validator, modified)) => {
                 self.current.replace(validator);
                 *self.modified.lock().unwrap_or_else(PoisonError::into_inner) = modified;
@@ -173,6 +209,7 @@ fn modified_times(path: &Path) -> Modified {
 fn build(
     path: &Path,
     ek_trust: &EkTrust,
+    cpu: &Arc<CpuTrust>,
     required: &Required,
     proven: &Arc<ProvenKeys>,
 ) -> Result<(Validator, Modified), PolicyError> {
@@ -184,7 +221,8 @@ fn build(
         _ => Some(read_measurements(&staged_file)?),
     };
     Ok((
-        Validator::accepting(current, staged, required, ek_trust.clone(), proven.clone()),
+        Validator::accepting(current, staged, required, ek_trust.clone(), proven.clone())
+            .with_cpu(cpu.clone()),
         modified,
     ))
 }

@@ -116,7 +116,8 @@ impl JoinClient {
         if settings.endpoints.is_empty() {
             return Err(JoinError::NoEndpoints);
         }
-        let validator = service_validator(&tpm, settings.ek_trust.clone())?;
+        let validator =
+            service_validator(&tpm, settings.ek_trust.clone())?.with_cpu(settings.cpu.clone());
         let tickets =
             TicketClient::new(tpm.clone(), validator, settings.timeout).for_role(config.node.role);
         Ok(Self {

@@ -2,9 +2,11 @@
 //! service's validator, from this node's own PCRs), and how it waits
 //! between rounds.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use keel_verifier::config::NodeConfig;
+use keel_verifier::cpu::CpuTrust;
 use keel_verifier::ek::EkTrust;
 use rand::Rng as _;
 
@@ -12,6 +14,7 @@ use keel_verifier::measurement::pcr;
 use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
 use keel_verifier::validator::Validator;
 
+use crate::attestation::policy::cpu_trust;
 use crate::measured::SharedTpm;
 use crate::tpm::TpmError;
 
@@ -59,6 +62,8 @@ pub struct JoinSettings {
     pub endpoints: Vec<String>,
     /// The CAs trusted to issue the join service's EK certificate.
     pub ek_trust: EkTrust,
+    /// The CPU evidence the join service must show (the cluster's variant).
+    pub cpu: Arc<CpuTrust>,
     /// Pauses between rounds of attempts.
     pub backoff: Backoff,
     /// Bound of each connection and call.
@@ -72,6 +77,7 @@ impl JoinSettings {
             endpoints: config.cluster.control_plane_endpoints.clone(),
             ek_trust: EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())
                 .map_err(|_| JoinError::NoEkCa)?,
+            cpu: cpu_trust(config).map_err(JoinError::Attestation)?,
             backoff: Backoff::default(),
             timeout: Duration::from_secs(30),
         })
@@ -85,6 +91,9 @@ pub enum JoinError {
     /// The config names no join service endpoint.
     #[error("no control-plane endpoints configured")]
     NoEndpoints,
+    /// The config's attestation variant is invalid.
+    #[error("the attestation variant in the config is invalid")]
+    Attestation(#[source] keel_verifier::config::ConfigError),
     /// The config has no usable EK CA, so the join service cannot be verified.
     #[error("no EK CA configured: the join service cannot be verified")]
     NoEkCa,

@@ -60,6 +60,26 @@ pub enum TpmError {
     /// through this handle.
     #[error("the TPM was shut down")]
     ShutDown,
+    /// Reading an NV index failed.
+    #[error("reading NV index {index:#010x} failed")]
+    NvRead {
+        /// The index.
+        index: u32,
+        /// The cause.
+        #[source]
+        source: tss_esapi::Error,
+    },
+    /// An NV index holds more than [`MAX_NV_BYTES`](super::nv::MAX_NV_BYTES).
+    #[error(
+        "NV index {index:#010x} holds {actual} bytes, more than {}",
+        super::nv::MAX_NV_BYTES
+    )]
+    NvTooLarge {
+        /// The index.
+        index: u32,
+        /// Its size.
+        actual: usize,
+    },
     /// A structure could not be marshalled or converted.
     #[error("marshalling {what} failed")]
     Marshal {

@@ -24,11 +24,13 @@
 //! * [`pcr`]: reading and extending PCRs;
 //! * [`quote`]: quotes with the attestation key;
 //! * [`lockout`]: the dictionary-attack state;
+//! * [`nv`]: reading NV indices (Azure's HCL report);
 //! * [`error`] holds [`TpmError`].
 
 pub mod error;
 pub mod keys;
 pub mod lockout;
+pub mod nv;
 pub mod pcr;
 pub mod quote;
 

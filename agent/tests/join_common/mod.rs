@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_agent::address::AdvertiseAddress;
+use keel_agent::attestation::cpu::CpuReporter;
 use keel_agent::attestation::policy::ReloadableValidator;
 use keel_agent::cluster::{ClusterSlot, ClusterState};
 use keel_agent::disk::Cryptsetup;
@@ -36,6 +37,7 @@ use keel_testkit::components::{stand_in_set_with, KubeExecutables};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
+use keel_verifier::cpu::CpuTrust;
 use keel_verifier::credential;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::keys::{self as key_service, KeyService};
@@ -91,8 +93,21 @@ pub fn config_for(ca: &EkCa, join_ports: &[u16], name: &str, role: &str) -> Node
 
 /// Opens `swtpm` and measures `config` as the agent does at start.
 pub fn measured(swtpm: &Swtpm, log: &Path, config: &NodeConfig) -> SharedTpm {
+    measured_with(swtpm, log, config, None)
+}
+
+/// [`measured`] with a source of CPU evidence (the hardware variants).
+pub fn measured_with(
+    swtpm: &Swtpm,
+    log: &Path,
+    config: &NodeConfig,
+    cpu: Option<Arc<dyn CpuReporter>>,
+) -> SharedTpm {
     let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
     let mut m = MeasuredTpm::open(tpm, log).unwrap();
+    if let Some(cpu) = cpu {
+        m = m.with_cpu_reporter(cpu);
+    }
     m.record(EventType::NodeConfig, "config", config.cluster_bytes())
         .unwrap();
     m.record(EventType::NodeIdentity, "node", config.node_bytes())
@@ -261,12 +276,41 @@ pub async fn start_service_for(
     components: Option<Vec<Component>>,
     foreign_lock: bool,
 ) -> Service {
+    start_service_on(ca, ports, components, foreign_lock, None).await
+}
+
+/// A node's CPU (its evidence) and what its verifiers trust of CPUs.
+pub struct Hardware {
+    /// The node's source of CPU evidence.
+    pub reporter: Arc<dyn CpuReporter>,
+    /// The variant and roots the verifiers require.
+    pub trust: Arc<CpuTrust>,
+}
+
+/// [`start_service`] on a node whose documents carry CPU evidence and whose
+/// policy requires it of joining nodes.
+pub async fn start_service_hardware(ca: &EkCa, port: u16, hardware: &Hardware) -> Service {
+    start_service_on(ca, &[port], None, false, Some(hardware)).await
+}
+
+async fn start_service_on(
+    ca: &EkCa,
+    ports: &[u16],
+    components: Option<Vec<Component>>,
+    foreign_lock: bool,
+    hardware: Option<&Hardware>,
+) -> Service {
     let port = ports[0];
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
     let config = config_for(ca, ports, "cp-0", "control-plane");
-    let tpm = measured(&swtpm, &dir.path().join("log"), &config);
+    let tpm = measured_with(
+        &swtpm,
+        &dir.path().join("log"),
+        &config,
+        hardware.map(|h| h.reporter.clone()),
+    );
 
     let random = |n: usize| {
         let mut v = vec![0u8; n];
@@ -318,7 +362,11 @@ pub async fn start_service_for(
 
     let measurements = dir.path().join("measurements.json");
     std::fs::write(&measurements, boot_measurements(&config).to_json()).unwrap();
-    let policy = keel_agent::node::join_service_policy(&config, &measurements).unwrap();
+    let mut policy = keel_agent::node::join_service_policy(&config, &measurements).unwrap();
+    if let Some(h) = hardware {
+        let only = Arc::try_unwrap(policy).ok().unwrap();
+        policy = Arc::new(only.with_cpu(h.trust.clone()));
+    }
     let slot = Arc::new(ClusterSlot::new(Some(state.clone())));
     let service = JoinService::new(
         state.clone(),

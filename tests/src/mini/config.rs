@@ -64,6 +64,7 @@ pub fn node_config(
             join_port: GUEST_JOIN_PORT,
             component_mirror: None,
             ek_ca_pem: ek_ca_pem.to_owned(),
+            attestation: Default::default(),
         },
         node: NodeIdentity {
             name: name.to_owned(),

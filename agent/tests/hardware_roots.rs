@@ -1,0 +1,432 @@
+//! The end-to-end binding for the `sev-snp` variant: CPU evidence → AK →
+//! quote, with a test-only AMD-like root generated here and configured as
+//! the verifier's roots, evidence produced by the node's issuer over a real
+//! swtpm, and the one validator judging the document. Then over aTLS, and
+//! the join path: a join service and a joining node, each with its own
+//! swtpm and generated chip, over mutual aTLS.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use keel_agent::attestation::cpu::{CpuReportError, CpuReporter};
+use keel_agent::attestation::issuer::TpmIssuer;
+use keel_agent::measured::MeasuredTpm;
+use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_proto::attestation::{cpu_evidence, AttestationDocument, CpuEvidence};
+use keel_testkit::amd::{ReportFields, TestAmd};
+use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::NodeConfig;
+use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb};
+use keel_verifier::cpu::snp::{AmdRoots, SnpError};
+use keel_verifier::cpu::{BindingError, Collateral, CpuClaims, CpuError, CpuPolicy, CpuTrust};
+use keel_verifier::ek::EkTrust;
+use keel_verifier::measurement::EventType;
+use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::validator::{ValidationError, Validator};
+use prost::Message;
+
+const MEASUREMENT: [u8; 48] = [0x5a; 48];
+
+/// The node's CPU: a generated chip that signs what the guest asks for.
+struct GeneratedSnp {
+    amd: Arc<TestAmd>,
+    policy: u64,
+}
+
+impl CpuReporter for GeneratedSnp {
+    fn report(
+        &self,
+        report_data: &[u8; 64],
+        _tpm: &mut Tpm,
+    ) -> Result<CpuEvidence, CpuReportError> {
+        let report = self
+            .amd
+            .report(&ReportFields {
+                policy: self.policy,
+                report_data: *report_data,
+                measurement: MEASUREMENT,
+                host_data: [0; 32],
+            })
+            .unwrap();
+        Ok(CpuEvidence {
+            binding: cpu_evidence::Binding::Guest.into(),
+            report,
+            certificate: self.amd.vcek_der().to_vec(),
+        })
+    }
+}
+
+struct Node {
+    issuer: TpmIssuer,
+    config: NodeConfig,
+    _dir: tempfile::TempDir,
+    _swtpm: Swtpm,
+}
+
+fn node(ca: &EkCa, cpu: Option<GeneratedSnp>) -> Node {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("log")).unwrap();
+    let config = NodeConfig::parse(br#"{"node":{"name":"n1"}}"#, "t".as_ref()).unwrap();
+    measured
+        .record(EventType::NodeConfig, "config", config.cluster_bytes())
+        .unwrap();
+    if let Some(cpu) = cpu {
+        measured = measured.with_cpu_reporter(Arc::new(cpu));
+    }
+    Node {
+        issuer: TpmIssuer::new(measured.shared()),
+        config,
+        _dir: dir,
+        _swtpm: swtpm,
+    }
+}
+
+/// A node whose CPU is `amd`'s chip, launched with guest `policy`.
+fn snp_node(ca: &EkCa, amd: &Arc<TestAmd>, policy: u64) -> Node {
+    node(
+        ca,
+        Some(GeneratedSnp {
+            amd: amd.clone(),
+            policy,
+        }),
+    )
+}
+
+fn snp_policy(amd: &TestAmd) -> SnpPolicy {
+    let [bootloader, tee, snp, microcode] = amd.tcb();
+    SnpPolicy {
+        minimum_tcb: Tcb {
+            bootloader,
+            tee,
+            snp,
+            microcode,
+        },
+        measurement: Hex(MEASUREMENT),
+        host_data: Some(Hex([0; 32])),
+        allow_migration_agent: false,
+    }
+}
+
+fn validator(ca: &EkCa, config: &NodeConfig, cpu: CpuTrust) -> Validator {
+    let mut entries: BTreeMap<u32, Expected> = [4, 9, 11]
+        .into_iter()
+        .map(|pcr| (pcr, Expected::enforced([0; 32])))
+        .collect();
+    entries.insert(12, Expected::enforced(config.expected_config_pcr()));
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    Validator::new(Measurements::new(entries).unwrap(), trust).with_cpu(Arc::new(cpu))
+}
+
+fn generated_trust(amd: &TestAmd) -> CpuTrust {
+    CpuTrust::new(CpuPolicy::SevSnp(snp_policy(amd)), Collateral::default())
+        .with_snp_roots(AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]))
+}
+
+fn cpu_error(e: ValidationError) -> CpuError {
+    match e {
+        ValidationError::Cpu(e) => e,
+        other => panic!("not a CPU evidence error: {other:?}"),
+    }
+}
+
+#[test]
+fn snp_evidence_roots_the_quote_and_every_substitution_is_refused() {
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let n1 = snp_node(&ca, &amd, 0x30000);
+    let v = validator(&ca, &n1.config, generated_trust(&amd));
+
+    // The whole chain: CPU report → binds AK and nonce → AK signs the quote.
+    let doc = n1.issuer.issue(b"nonce-1", b"user").unwrap();
+    let verified = v.validate(&doc, b"nonce-1", b"user").unwrap();
+    let Some(CpuClaims::Snp(claims)) = &verified.cpu else {
+        panic!("no CPU claims: {:?}", verified.cpu);
+    };
+    assert_eq!(claims.product, "SEV-Test");
+    assert_eq!(claims.measurement, MEASUREMENT);
+
+    // Replay: this document's CPU evidence moved into a fresh one (another
+    // nonce). The quote is fresh, the report is not.
+    let fresh = n1.issuer.issue(b"nonce-2", b"user").unwrap();
+    let mut replayed = AttestationDocument::decode(fresh.as_slice()).unwrap();
+    replayed.cpu_evidence = AttestationDocument::decode(doc.as_slice())
+        .unwrap()
+        .cpu_evidence;
+    let err = cpu_error(
+        v.validate(&replayed.encode_to_vec(), b"nonce-2", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(err, CpuError::Binding(BindingError::ReportData { .. })),
+        "{err:?}"
+    );
+
+    // Move: the CPU evidence of one node in the document of another (a
+    // vTPM the hypervisor controls, on a machine that is not this CPU).
+    let n2 = node(&ca, None);
+    let mut moved =
+        AttestationDocument::decode(n2.issuer.issue(b"nonce-3", b"user").unwrap().as_slice())
+            .unwrap();
+    let genuine =
+        AttestationDocument::decode(n1.issuer.issue(b"nonce-3", b"user").unwrap().as_slice())
+            .unwrap();
+    moved.cpu_evidence = genuine.cpu_evidence;
+    let err = cpu_error(
+        v.validate(&moved.encode_to_vec(), b"nonce-3", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(err, CpuError::Binding(BindingError::ReportData { .. })),
+        "{err:?}"
+    );
+
+    // Strip: a document without CPU evidence under the sev-snp variant.
+    let bare = n2.issuer.issue(b"nonce-4", b"user").unwrap();
+    let err = cpu_error(v.validate(&bare, b"nonce-4", b"user").unwrap_err());
+    assert!(matches!(err, CpuError::Missing { .. }), "{err:?}");
+
+    // Forge: the report's signature no longer matches after a change.
+    let mut forged = AttestationDocument::decode(doc.as_slice()).unwrap();
+    if let Some(e) = forged.cpu_evidence.as_mut() {
+        e.report[0x90] ^= 1; // measurement
+    }
+    let err = cpu_error(
+        v.validate(&forged.encode_to_vec(), b"nonce-1", b"user")
+            .unwrap_err(),
+    );
+    assert!(matches!(err, CpuError::Snp(SnpError::Signature)), "{err:?}");
+
+    // The production roots do not accept the generated chip.
+    let pinned = CpuTrust::new(CpuPolicy::SevSnp(snp_policy(&amd)), Collateral::default());
+    let err = cpu_error(
+        validator(&ca, &n1.config, pinned)
+            .validate(&doc, b"nonce-1", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(err, CpuError::Snp(SnpError::UntrustedIssuer { .. })),
+        "{err:?}"
+    );
+
+    // The vtpm variant is unchanged: the same document, the evidence unused.
+    let vtpm = validator(&ca, &n1.config, CpuTrust::default());
+    assert!(vtpm
+        .validate(&doc, b"nonce-1", b"user")
+        .unwrap()
+        .cpu
+        .is_none());
+}
+
+#[test]
+fn a_debuggable_guest_is_refused_even_with_a_valid_report() {
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let n = snp_node(&ca, &amd, 0x30000 | 1 << 19);
+    let v = validator(&ca, &n.config, generated_trust(&amd));
+    let doc = n.issuer.issue(b"nonce", b"user").unwrap();
+    let err = cpu_error(v.validate(&doc, b"nonce", b"user").unwrap_err());
+    assert!(
+        matches!(err, CpuError::Snp(SnpError::Debug { policy: 0xb0000 })),
+        "{err:?}"
+    );
+
+    // And a TCB below the configured minimum.
+    let mut policy = snp_policy(&amd);
+    policy.minimum_tcb.snp += 1;
+    let n = snp_node(&ca, &amd, 0x30000);
+    let trust = CpuTrust::new(CpuPolicy::SevSnp(policy), Collateral::default())
+        .with_snp_roots(AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]));
+    let doc = n.issuer.issue(b"nonce", b"user").unwrap();
+    let err = cpu_error(
+        validator(&ca, &n.config, trust)
+            .validate(&doc, b"nonce", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(
+            err,
+            CpuError::Snp(SnpError::TcbBelowMinimum {
+                component: "snp",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+}
+
+/// Answers every call; the test looks at the handshake only.
+struct Empty;
+
+#[tonic::async_trait]
+impl keel_proto::kms::key_service_server::KeyService for Empty {
+    async fn get_data_key(
+        &self,
+        _: tonic::Request<keel_proto::kms::GetDataKeyRequest>,
+    ) -> Result<tonic::Response<keel_proto::kms::GetDataKeyResponse>, tonic::Status> {
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+/// Serves `issuer` over server-attested aTLS; returns its endpoint.
+async fn serve(
+    issuer: keel_atls::DynIssuer,
+) -> (tonic::transport::Endpoint, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let incoming =
+        keel_atls::AtlsServer::<keel_verifier::validator::Verified>::server_attested(issuer)
+            .incoming(listener);
+    let task = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(keel_proto::kms::key_service_server::KeyServiceServer::new(
+                Empty,
+            ))
+            .serve_with_incoming(incoming)
+            .await;
+    });
+    (
+        tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap(),
+        task,
+    )
+}
+
+/// Over aTLS, through the agent's reloadable policy with the `sev-snp`
+/// variant (as a joining node verifies its join service): a server whose
+/// documents carry a report binding its AK is accepted, with its CPU claims;
+/// one without CPU evidence is refused before any request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn atls_requires_the_cpu_evidence_of_the_variant() {
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let with_cpu = snp_node(&ca, &amd, 0x30000);
+    let without = node(&ca, None);
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("measurements.json");
+    let entries = [4, 9, 11]
+        .map(|pcr| (pcr, Expected::enforced([0; 32])))
+        .into_iter()
+        .chain([(
+            12,
+            Expected::enforced(with_cpu.config.expected_config_pcr()),
+        )]);
+    std::fs::write(&path, Measurements::new(entries).unwrap().to_json()).unwrap();
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let policy =
+        keel_agent::attestation::policy::ReloadableValidator::load(&path, trust, Vec::new())
+            .unwrap()
+            .with_cpu(Arc::new(generated_trust(&amd)));
+    let client = keel_atls::AtlsClient::server_attested(policy.validator());
+
+    let (endpoint, task) = serve(Arc::new(with_cpu.issuer.clone())).await;
+    let bound = client.bind_channel(endpoint).await.unwrap();
+    let claims = bound.attested.unwrap().claims().clone();
+    assert!(
+        matches!(claims.cpu, Some(CpuClaims::Snp(_))),
+        "{:?}",
+        claims.cpu
+    );
+    task.abort();
+
+    let (endpoint, task) = serve(Arc::new(without.issuer.clone())).await;
+    let err = client.bind_channel(endpoint).await.unwrap_err();
+    let chain = keel_atls::ErrorChain(&err).to_string();
+    assert!(chain.contains("requires CPU evidence"), "{chain}");
+    task.abort();
+
+    // A reload keeps the variant.
+    policy.reload().unwrap();
+    let (endpoint, task) = serve(Arc::new(without.issuer.clone())).await;
+    assert!(client.bind_channel(endpoint).await.is_err());
+    task.abort();
+}
+
+/// The join path with the `sev-snp` variant: the joining node proves its
+/// CPU to the join service and the service proves its CPU to the node; a
+/// node without CPU evidence gets no ticket, and a node does not take a
+/// ticket from a service without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_join_path_runs_with_the_sev_snp_variant() {
+    use join_common::{
+        config, free_port, measured_with, start_service, start_service_hardware, Hardware,
+    };
+    use keel_agent::join::{service_validator, KubeletKey, TicketClient, TicketError};
+    use keel_proto::join::IssueJoinTicketRequest;
+    use std::time::Duration;
+
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let hardware = Hardware {
+        reporter: Arc::new(GeneratedSnp {
+            amd: amd.clone(),
+            policy: 0x30000,
+        }),
+        trust: Arc::new(generated_trust(&amd)),
+    };
+    let port = free_port();
+    let service = start_service_hardware(&ca, port, &hardware).await;
+
+    // A joining node: its own swtpm, the same generated CPU family.
+    let tickets = |cpu: Option<Arc<dyn CpuReporter>>, port: u16| {
+        let swtpm = Swtpm::start(&ca).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let tpm = measured_with(
+            &swtpm,
+            &dir.path().join("log"),
+            &config(&ca, port, "w-1", "worker"),
+            cpu,
+        );
+        let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+        let validator = service_validator(&tpm, trust)
+            .unwrap()
+            .with_cpu(hardware.trust.clone());
+        (
+            TicketClient::new(tpm, validator, Duration::from_secs(60)),
+            swtpm,
+            dir,
+        )
+    };
+    let request = || {
+        let key = KubeletKey::generate("w-1").unwrap();
+        IssueJoinTicketRequest {
+            disk_uuid: join_common::uuid(),
+            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+            is_control_plane: false,
+            node_name: "w-1".into(),
+        }
+    };
+
+    let (client, _sw, _dir) = tickets(Some(hardware.reporter.clone()), port);
+    let mut raw = client
+        .request_join_ticket(&service.endpoint, request())
+        .await
+        .unwrap();
+    let secrets = client.open(raw.response.secrets.take()).await.unwrap();
+    assert_eq!(secrets.state_disk_key.len(), 32);
+
+    // A node without CPU evidence: the service refuses it in the handshake.
+    let (bare, _sw2, _dir2) = tickets(None, port);
+    let Err(err) = bare.request_join_ticket(&service.endpoint, request()).await else {
+        panic!("a ticket was issued");
+    };
+    assert!(
+        matches!(err, TicketError::Connect(_)),
+        "{}",
+        keel_atls::ErrorChain(&err)
+    );
+
+    // A join service without CPU evidence: the node refuses it.
+    let plain_port = free_port();
+    let plain = start_service(&ca, plain_port).await;
+    let (client, _sw3, _dir3) = tickets(Some(hardware.reporter.clone()), plain_port);
+    let Err(err) = client.request_join_ticket(&plain.endpoint, request()).await else {
+        panic!("a ticket was issued");
+    };
+    let chain = keel_atls::ErrorChain(&err).to_string();
+    assert!(chain.contains("requires CPU evidence"), "{chain}");
+}

@@ -1,0 +1,243 @@
+//! A test-only AMD-like root of trust, generated per test: an ARK and an
+//! ASK (RSA, RSASSA-PSS with SHA-384 as AMD signs), a VCEK (P-384) with
+//! AMD's hwID and TCB extensions, and SEV-SNP reports (version 2, Milan
+//! TCB layout) signed by that VCEK. A verifier configured with
+//! [`TestAmd::roots_pem`] as its roots checks them exactly as it checks
+//! AMD's; the pinned AMD roots refuse them.
+
+use p384::ecdsa::signature::hazmat::PrehashSigner as _;
+use rand::rngs::OsRng;
+use rcgen::{
+    BasicConstraints, CertificateParams, CustomExtension, DnType, IsCa, Issuer, KeyUsagePurpose,
+    PublicKeyData, SignatureAlgorithm, SigningKey, PKCS_ECDSA_P384_SHA384, PKCS_RSA_SHA384,
+};
+use rsa::pkcs1::EncodeRsaPublicKey as _;
+use rsa::signature::{RandomizedSigner as _, SignatureEncoding as _};
+use sha2::{Digest as _, Sha384};
+
+/// `sha384WithRSAEncryption` as rcgen writes it; its last OID byte (0x0c)
+/// becomes RSASSA-PSS (0x0a) in the outer signature algorithm.
+const SHA384_WITH_RSA: [u8; 15] = [
+    0x30, 0x0d, 0x06, 0x09, 0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0c, 0x05, 0x00,
+];
+
+/// Generating the roots failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AmdError {
+    /// RSA key generation or encoding failed.
+    #[error("RSA: {0}")]
+    Rsa(String),
+    /// Certificate generation failed.
+    #[error("certificate")]
+    Certificate(#[from] rcgen::Error),
+    /// Signing the report failed.
+    #[error("signing the report")]
+    Sign(#[from] p384::ecdsa::Error),
+}
+
+/// An RSA key that signs with RSASSA-PSS SHA-384 (salt 48), presented to
+/// rcgen as `sha384WithRSAEncryption` and patched afterwards.
+struct RsaPss {
+    key: rsa::RsaPrivateKey,
+    public: Vec<u8>,
+}
+
+impl RsaPss {
+    fn generate() -> Result<Self, AmdError> {
+        let key =
+            rsa::RsaPrivateKey::new(&mut OsRng, 2048).map_err(|e| AmdError::Rsa(e.to_string()))?;
+        let public = key
+            .to_public_key()
+            .to_pkcs1_der()
+            .map_err(|e| AmdError::Rsa(e.to_string()))?
+            .as_bytes()
+            .to_vec();
+        Ok(Self { key, public })
+    }
+}
+
+impl PublicKeyData for RsaPss {
+    fn der_bytes(&self) -> &[u8] {
+        &self.public
+    }
+
+    fn algorithm(&self) -> &'static SignatureAlgorithm {
+        &PKCS_RSA_SHA384
+    }
+}
+
+impl SigningKey for RsaPss {
+    fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
+        let signer = rsa::pss::BlindedSigningKey::<Sha384>::new(self.key.clone());
+        Ok(signer.sign_with_rng(&mut OsRng, msg).to_vec())
+    }
+}
+
+/// A P-384 public key (SEC1 point) as a certificate's subject key.
+struct P384Public(Vec<u8>);
+
+impl PublicKeyData for P384Public {
+    fn der_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    fn algorithm(&self) -> &'static SignatureAlgorithm {
+        &PKCS_ECDSA_P384_SHA384
+    }
+}
+
+/// Marks the outer signature algorithm as RSASSA-PSS (the signature is one).
+fn pss(mut der: Vec<u8>) -> Vec<u8> {
+    if let Some(at) = der
+        .windows(SHA384_WITH_RSA.len())
+        .rposition(|w| w == SHA384_WITH_RSA)
+    {
+        der[at + 12] = 0x0a;
+    }
+    der
+}
+
+/// A DER certificate as PEM.
+pub fn certificate_pem(der: &[u8]) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let body: Vec<&str> = b64
+        .as_bytes()
+        .chunks(64)
+        .filter_map(|c| std::str::from_utf8(c).ok())
+        .collect();
+    format!(
+        "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+        body.join("\n")
+    )
+}
+
+fn ca_params(name: &str) -> Result<CertificateParams, rcgen::Error> {
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    Ok(params)
+}
+
+/// The fields a test chooses in a report.
+#[derive(Clone, Debug)]
+pub struct ReportFields {
+    /// Guest policy (0x30000: no debug, no migration agent).
+    pub policy: u64,
+    /// The 64 guest-chosen bytes.
+    pub report_data: [u8; 64],
+    /// Launch measurement.
+    pub measurement: [u8; 48],
+    /// Host data.
+    pub host_data: [u8; 32],
+}
+
+/// A generated AMD-like chain and the chip whose VCEK it certifies.
+pub struct TestAmd {
+    roots_pem: String,
+    vcek_der: Vec<u8>,
+    vcek: p384::ecdsa::SigningKey,
+    chip_id: [u8; 64],
+    tcb: [u8; 4],
+}
+
+impl TestAmd {
+    /// Generates ARK, ASK and a VCEK for a random chip with TCB
+    /// bootloader 3, TEE 0, SNP 8, microcode 115.
+    pub fn new() -> Result<Self, AmdError> {
+        let tcb = [3, 0, 8, 115];
+        let mut chip_id = [0u8; 64];
+        rand::RngCore::fill_bytes(&mut OsRng, &mut chip_id);
+
+        let ark = RsaPss::generate()?;
+        let ark_params = ca_params("ARK-Test")?;
+        let ark_der = pss(ark_params.self_signed(&ark)?.der().to_vec());
+
+        let ask = RsaPss::generate()?;
+        let ask_params = ca_params("SEV-Test")?;
+        let ask_der = pss(ask_params
+            .signed_by(&ask, &Issuer::new(ark_params, &ark))?
+            .der()
+            .to_vec());
+
+        let vcek = p384::ecdsa::SigningKey::random(&mut OsRng);
+        let point = vcek
+            .verifying_key()
+            .to_encoded_point(false)
+            .as_bytes()
+            .to_vec();
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "SEV-VCEK");
+        let amd = |arc: &[u64]| [&[1u64, 3, 6, 1, 4, 1, 3704, 1][..], arc].concat();
+        params.custom_extensions = vec![CustomExtension::from_oid_content(
+            &amd(&[4]),
+            chip_id.to_vec(),
+        )];
+        for (arc, value) in [(1u64, tcb[0]), (2, tcb[1]), (3, tcb[2]), (8, tcb[3])] {
+            let der = if value < 0x80 {
+                vec![0x02, 1, value]
+            } else {
+                vec![0x02, 2, 0, value]
+            };
+            params
+                .custom_extensions
+                .push(CustomExtension::from_oid_content(&amd(&[3, arc]), der));
+        }
+        let vcek_der = pss(params
+            .signed_by(&P384Public(point), &Issuer::new(ask_params, &ask))?
+            .der()
+            .to_vec());
+        Ok(Self {
+            roots_pem: format!("{}{}", certificate_pem(&ask_der), certificate_pem(&ark_der)),
+            vcek_der,
+            vcek,
+            chip_id,
+            tcb,
+        })
+    }
+
+    /// The ASK then the ARK, PEM: what a verifier takes as its roots.
+    pub fn roots_pem(&self) -> &str {
+        &self.roots_pem
+    }
+
+    /// The VCEK, DER.
+    pub fn vcek_der(&self) -> &[u8] {
+        &self.vcek_der
+    }
+
+    /// The TCB the VCEK certifies: bootloader, TEE, SNP, microcode.
+    pub fn tcb(&self) -> [u8; 4] {
+        self.tcb
+    }
+
+    /// A version 2 report with `fields`, signed by the VCEK.
+    pub fn report(&self, fields: &ReportFields) -> Result<Vec<u8>, AmdError> {
+        let mut r = vec![0u8; 1184];
+        r[0..4].copy_from_slice(&2u32.to_le_bytes());
+        r[0x08..0x10].copy_from_slice(&fields.policy.to_le_bytes());
+        r[0x34..0x38].copy_from_slice(&1u32.to_le_bytes()); // ECDSA P-384 SHA-384
+        let [bl, tee, snp, ucode] = self.tcb;
+        let tcb = [bl, tee, 0, 0, 0, 0, snp, ucode];
+        r[0x38..0x40].copy_from_slice(&tcb); // current_tcb
+        r[0x50..0x90].copy_from_slice(&fields.report_data);
+        r[0x90..0xc0].copy_from_slice(&fields.measurement);
+        r[0xc0..0xe0].copy_from_slice(&fields.host_data);
+        r[0x180..0x188].copy_from_slice(&tcb); // reported_tcb
+        r[0x1a0..0x1e0].copy_from_slice(&self.chip_id);
+        r[0x1e0..0x1e8].copy_from_slice(&tcb); // committed_tcb
+        r[0x1f0..0x1f8].copy_from_slice(&tcb); // launch_tcb
+        let signature: p384::ecdsa::Signature =
+            self.vcek.sign_prehash(&Sha384::digest(&r[..0x2a0]))?;
+        let (sig_r, sig_s) = signature.split_bytes();
+        for (at, scalar) in [(0x2a0, sig_r), (0x2a0 + 72, sig_s)] {
+            for (i, b) in scalar.iter().rev().enumerate() {
+                r[at + i] = *b;
+            }
+        }
+        Ok(r)
+    }
+}

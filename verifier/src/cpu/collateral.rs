@@ -1,0 +1,130 @@
+//! The local collateral cache: certificates and collateral the CPU
+//! evidence is checked with, read from a directory and never fetched while
+//! verifying (a join must not depend on, or be slowed by, a vendor
+//! service). An operator fills the cache once, e.g. from AMD's KDS and
+//! Intel's PCS, and gives its path to the verifier.
+//!
+//! Layout under the cache directory:
+//!
+//! * `snp/vcek-<chip_id hex>-<bl>-<tee>-<snp>-<ucode>.der`: a VCEK for one
+//!   chip and TCB; `snp/vlek-<bl>-<tee>-<snp>-<ucode>.der`: a VLEK. Used only
+//!   when the document does not carry the certificate itself.
+//! * `tdx/<FMSPC, 12 upper-case hex digits>.json`: `dcap-qvl`'s
+//!   `QuoteCollateralV3` (TCB info, QE identity, CRLs, issuer chains).
+
+use std::path::{Path, PathBuf};
+
+use dcap_qvl::quote::Quote;
+use dcap_qvl::QuoteCollateralV3;
+use sev::firmware::guest::AttestationReport;
+
+/// Where a node's verifier (the join service, a joining node) reads its
+/// collateral cache.
+pub const DEFAULT_DIR: &str = "/var/lib/keel/collateral";
+
+/// Largest accepted collateral file.
+pub const MAX_COLLATERAL_BYTES: u64 = 256 * 1024;
+
+/// Why the cache could not supply what the evidence needs.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollateralError {
+    /// No cache directory is configured.
+    #[error("no collateral cache is configured and the evidence does not carry {what}")]
+    NoCache {
+        /// What was needed.
+        what: &'static str,
+    },
+    /// A file could not be read.
+    #[error("reading collateral {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file is larger than [`MAX_COLLATERAL_BYTES`].
+    #[error("collateral {path} is larger than {MAX_COLLATERAL_BYTES} bytes")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A file does not parse.
+    #[error("collateral {path} does not parse")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The quote's PCK certificate names no FMSPC.
+    #[error("TDX quote: no FMSPC in its PCK certificate: {0}")]
+    Fmspc(String),
+}
+
+/// A collateral cache directory, or none.
+#[derive(Clone, Debug, Default)]
+pub struct Collateral {
+    dir: Option<PathBuf>,
+}
+
+impl Collateral {
+    /// The cache at `dir`.
+    pub fn at(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: Some(dir.into()),
+        }
+    }
+
+    fn path(&self, what: &'static str, relative: String) -> Result<PathBuf, CollateralError> {
+        self.dir
+            .as_ref()
+            .map(|d| d.join(relative))
+            .ok_or(CollateralError::NoCache { what })
+    }
+
+    /// The VCEK or VLEK (DER) for `report`'s chip and reported TCB.
+    pub fn snp_certificate(&self, report: &AttestationReport) -> Result<Vec<u8>, CollateralError> {
+        let t = report.reported_tcb;
+        let tcb = format!("{}-{}-{}-{}", t.bootloader, t.tee, t.snp, t.microcode);
+        let name = if report.key_info.signing_key() == 1 {
+            format!("snp/vlek-{tcb}.der")
+        } else {
+            format!("snp/vcek-{}-{tcb}.der", hex::encode(report.chip_id))
+        };
+        read_bounded(&self.path("a VCEK or VLEK certificate", name)?)
+    }
+
+    /// The TDX collateral for `quote`'s FMSPC.
+    pub fn tdx_collateral(&self, quote: &[u8]) -> Result<QuoteCollateralV3, CollateralError> {
+        let parsed = Quote::parse(quote).map_err(|e| CollateralError::Fmspc(format!("{e:#}")))?;
+        let fmspc = dcap_qvl::intel::quote_fmspc(&parsed)
+            .map_err(|e| CollateralError::Fmspc(format!("{e:#}")))?;
+        let name = format!("tdx/{}.json", hex::encode_upper(fmspc));
+        tdx_collateral_file(&self.path("TDX collateral", name)?)
+    }
+}
+
+/// Reads one TDX collateral file (`QuoteCollateralV3` JSON).
+pub fn tdx_collateral_file(path: &Path) -> Result<QuoteCollateralV3, CollateralError> {
+    let bytes = read_bounded(path)?;
+    serde_json::from_slice(&bytes).map_err(|source| CollateralError::Parse {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Reads a file of at most [`MAX_COLLATERAL_BYTES`].
+fn read_bounded(path: &Path) -> Result<Vec<u8>, CollateralError> {
+    let read = |source| CollateralError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    crate::bounded::read(path, MAX_COLLATERAL_BYTES)
+        .map_err(read)?
+        .ok_or_else(|| CollateralError::TooLarge {
+            path: path.to_owned(),
+        })
+}

@@ -1,0 +1,536 @@
+//! AMD SEV-SNP: an attestation report verified offline against the AMD
+//! roots pinned here (ARK for Milan, Genoa and Turin; the Milan ASVK for
+//! VLEK-signed reports).
+//!
+//! `sev` parses the report and verifies the RSA-PSS chain (ARK self-signed,
+//! ARK → ASK/ASVK → VCEK/VLEK). The report's own ECDSA P-384 signature is
+//! checked here over the report's bytes exactly as received (`sev` hashes
+//! a re-encoding of its parsed form, which need not cover every byte). The
+//! endorsement key certificate must be valid at the verification time (the
+//! `sev` crate never checks dates), certify this chip (`hwID`, VCEK only:
+//! a VLEK report masks the chip ID) and certify exactly the reported TCB.
+
+use p384::ecdsa::signature::hazmat::PrehashVerifier as _;
+use sev::certs::snp::{Certificate, Verifiable as _};
+use sev::firmware::guest::{AttestationReport, GuestPolicy};
+use sev::parser::ByteParser as _;
+use sha2::{Digest as _, Sha384};
+use subtle::ConstantTimeEq as _;
+use x509_parser::prelude::{FromDer as _, X509Certificate};
+
+use super::policy::{SnpPolicy, Tcb};
+
+/// Size of an SNP attestation report.
+pub const REPORT_BYTES: usize = 1184;
+/// The signed part of a report: bytes 0 to 0x29F.
+const SIGNED_BYTES: usize = 0x2a0;
+/// ECDSA P-384 with SHA-384, the only signature algorithm reports use.
+const SIG_ALGO_ECDSA_P384_SHA384: u32 = 1;
+
+/// AMD's pinned roots: each ASK (or ASVK) with the ARK that signs it.
+const PINNED: [&str; 4] = [
+    include_str!("amd/ask_ark_milan.pem"),
+    include_str!("amd/ask_ark_genoa.pem"),
+    include_str!("amd/ask_ark_turin.pem"),
+    include_str!("amd/ask_ark_milan_vlek.pem"),
+];
+
+/// AMD's certificate extensions (VCEK/VLEK specification, chapter 3).
+mod oid {
+    pub const BOOTLOADER: &str = "1.3.6.1.4.1.3704.1.3.1";
+    pub const TEE: &str = "1.3.6.1.4.1.3704.1.3.2";
+    pub const SNP: &str = "1.3.6.1.4.1.3704.1.3.3";
+    pub const MICROCODE: &str = "1.3.6.1.4.1.3704.1.3.8";
+    pub const HW_ID: &str = "1.3.6.1.4.1.3704.1.4";
+}
+
+/// Why a SEV-SNP report was refused; each variant names its check.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SnpError {
+    /// The report is not [`REPORT_BYTES`] long.
+    #[error("SNP report is {actual} bytes, expected {REPORT_BYTES}")]
+    ReportSize {
+        /// Its length.
+        actual: usize,
+    },
+    /// The report does not parse.
+    #[error("SNP report does not parse")]
+    ReportParse(#[source] std::io::Error),
+    /// The report is signed with another algorithm than ECDSA P-384.
+    #[error("SNP report sig_algo: expected {SIG_ALGO_ECDSA_P384_SHA384}, actual {actual}")]
+    SigAlgo {
+        /// The report's value.
+        actual: u32,
+    },
+    /// The report names no VCEK or VLEK as its signing key.
+    #[error("SNP report signing_key: expected 0 (VCEK) or 1 (VLEK), actual {actual}")]
+    SigningKey {
+        /// The report's value.
+        actual: u32,
+    },
+    /// The endorsement key certificate does not parse.
+    #[error("SNP endorsement key certificate does not parse")]
+    Certificate,
+    /// No pinned ASK or ASVK issued the endorsement key certificate.
+    #[error("SNP endorsement key issuer {issuer:?} is no pinned AMD signing key")]
+    UntrustedIssuer {
+        /// The certificate's issuer.
+        issuer: String,
+    },
+    /// A signature of the chain does not verify.
+    #[error("SNP certificate chain: {link} signature does not verify")]
+    Chain {
+        /// Which link: `ARK self-signature`, `ARK -> ASK`, `ASK -> VEK`.
+        link: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The endorsement key certificate is outside its validity period.
+    #[error(
+        "SNP endorsement key certificate valid {not_before}..{not_after}, verification time {now}"
+    )]
+    CertificateTime {
+        /// Start of validity (Unix seconds).
+        not_before: i64,
+        /// End of validity (Unix seconds).
+        not_after: i64,
+        /// The verification time (Unix seconds).
+        now: u64,
+    },
+    /// An AMD extension is missing or malformed in the certificate.
+    #[error("SNP endorsement key certificate extension {oid}: {reason}")]
+    Extension {
+        /// The extension.
+        oid: &'static str,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The VCEK was issued for another chip.
+    #[error("SNP chip_id: VCEK certifies {expected}, report has {actual}")]
+    ChipId {
+        /// The VCEK's hwID (hex).
+        expected: String,
+        /// The report's chip_id (hex).
+        actual: String,
+    },
+    /// The certificate certifies another TCB than the report states.
+    #[error("SNP reported_tcb.{component}: certificate certifies {expected}, report has {actual}")]
+    CertifiedTcb {
+        /// The TCB component.
+        component: &'static str,
+        /// The certificate's SPL.
+        expected: u8,
+        /// The report's SVN.
+        actual: u8,
+    },
+    /// The report's signature does not verify with the endorsement key.
+    #[error("SNP report signature does not verify with the endorsement key")]
+    Signature,
+    /// The guest policy allows debugging.
+    #[error("SNP policy.debug: expected 0, actual 1 (policy {policy:#x})")]
+    Debug {
+        /// The policy.
+        policy: u64,
+    },
+    /// The guest policy allows a migration agent and the config does not.
+    #[error("SNP policy.migrate_ma: expected 0, actual 1 (policy {policy:#x})")]
+    MigrationAgent {
+        /// The policy.
+        policy: u64,
+    },
+    /// A TCB component is below the configured minimum.
+    #[error("SNP reported_tcb.{component}: expected at least {minimum}, actual {actual}")]
+    TcbBelowMinimum {
+        /// The TCB component.
+        component: &'static str,
+        /// The configured minimum.
+        minimum: u8,
+        /// The report's SVN.
+        actual: u8,
+    },
+    /// The launch measurement differs.
+    #[error("SNP measurement: expected {expected}, actual {actual}")]
+    Measurement {
+        /// Configured (hex).
+        expected: String,
+        /// Reported (hex).
+        actual: String,
+    },
+    /// The host data differ.
+    #[error("SNP host_data: expected {expected}, actual {actual}")]
+    HostData {
+        /// Configured (hex).
+        expected: String,
+        /// Reported (hex).
+        actual: String,
+    },
+}
+
+/// Which key signed a report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SigningKey {
+    /// The chip's versioned chip endorsement key.
+    Vcek,
+    /// A cloud provider's versioned loaded endorsement key.
+    Vlek,
+}
+
+/// What a verified report establishes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnpClaims {
+    /// The ASK/ASVK that issued the endorsement key, e.g. `SEV-Milan`.
+    pub product: String,
+    /// Report version.
+    pub version: u32,
+    /// VCEK or VLEK.
+    pub signing_key: SigningKey,
+    /// The chip ID (zero for VLEK reports).
+    pub chip_id: [u8; 64],
+    /// The TCB the endorsement key was derived for.
+    pub reported_tcb: Tcb,
+    /// The guest policy.
+    pub policy: u64,
+    /// The VMPL that requested the report.
+    pub vmpl: u32,
+    /// The guest SVN.
+    pub guest_svn: u32,
+    /// The launch measurement.
+    pub measurement: [u8; 48],
+    /// Host data set at launch.
+    pub host_data: [u8; 32],
+    /// The 64 guest-chosen bytes.
+    pub report_data: [u8; 64],
+}
+
+/// One ASK (or ASVK) with its ARK.
+#[derive(Clone, Debug)]
+struct AmdChain {
+    ark: Certificate,
+    ask: Certificate,
+    /// DER of the ASK's subject name.
+    ask_subject: Vec<u8>,
+    /// The ASK's common name, e.g. `SEV-Milan`.
+    product: String,
+}
+
+/// The AMD roots a verifier trusts.
+#[derive(Clone, Debug)]
+pub struct AmdRoots {
+    chains: Vec<AmdChain>,
+}
+
+impl Default for AmdRoots {
+    fn default() -> Self {
+        Self::pinned()
+    }
+}
+
+impl AmdRoots {
+    /// AMD's roots for Milan, Genoa and Turin and the Milan ASVK.
+    pub fn pinned() -> Self {
+        Self {
+            chains: PINNED
+                .iter()
+                .filter_map(|pem| AmdChain::from_pem(pem.as_bytes()))
+                .collect(),
+        }
+    }
+
+    /// Roots from PEM bundles of an ASK (or ASVK) followed by its ARK, as
+    /// AMD publishes them; bundles that do not hold two certificates are
+    /// skipped. For test roots; production uses [`AmdRoots::pinned`].
+    pub fn from_pem_bundles(bundles: &[&[u8]]) -> Self {
+        Self {
+            chains: bundles
+                .iter()
+                .filter_map(|pem| AmdChain::from_pem(pem))
+                .collect(),
+        }
+    }
+
+    /// How many chains are trusted.
+    pub fn len(&self) -> usize {
+        self.chains.len()
+    }
+
+    /// Whether no chain is trusted.
+    pub fn is_empty(&self) -> bool {
+        self.chains.is_empty()
+    }
+}
+
+impl AmdChain {
+    fn from_pem(pem: &[u8]) -> Option<Self> {
+        let ders: Vec<Vec<u8>> = x509_parser::pem::Pem::iter_from_buffer(pem)
+            .filter_map(Result::ok)
+            .map(|p| p.contents)
+            .collect();
+        let [ask_der, ark_der] = ders.as_slice() else {
+            return None;
+        };
+        let (_, ask) = X509Certificate::from_der(ask_der).ok()?;
+        let product = common_name(&ask).unwrap_or_default();
+        Some(Self {
+            ark: Certificate::from_der(ark_der).ok()?,
+            ask: Certificate::from_der(ask_der).ok()?,
+            ask_subject: ask.subject().as_raw().to_vec(),
+            product,
+        })
+    }
+}
+
+fn common_name(cert: &X509Certificate<'_>) -> Option<String> {
+    cert.subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .map(str::to_owned)
+}
+
+/// Parses a raw report of exactly [`REPORT_BYTES`].
+pub fn parse(report: &[u8]) -> Result<AttestationReport, SnpError> {
+    if report.len() != REPORT_BYTES {
+        return Err(SnpError::ReportSize {
+            actual: report.len(),
+        });
+    }
+    AttestationReport::from_bytes(report).map_err(SnpError::ReportParse)
+}
+
+/// Verifies `raw` (parsed as `report`) signed by the endorsement key in
+/// `certificate` (DER) against `roots` and the time `now`, then checks it
+/// against `policy`.
+pub fn verify(
+    raw: &[u8],
+    report: &AttestationReport,
+    certificate: &[u8],
+    roots: &AmdRoots,
+    policy: &SnpPolicy,
+    now: u64,
+) -> Result<SnpClaims, SnpError> {
+    let claims = verify_signed(raw, report, certificate, roots, now)?;
+    claims.check(policy)?;
+    Ok(claims)
+}
+
+/// The hardware half of [`verify`]: the chain, the endorsement key's
+/// validity, chip and TCB, and the signature, with no expectations about
+/// the guest. What it returns is authentic, not yet acceptable.
+pub fn verify_signed(
+    raw: &[u8],
+    report: &AttestationReport,
+    certificate: &[u8],
+    roots: &AmdRoots,
+    now: u64,
+) -> Result<SnpClaims, SnpError> {
+    if raw.len() != REPORT_BYTES {
+        return Err(SnpError::ReportSize { actual: raw.len() });
+    }
+    if report.sig_algo != SIG_ALGO_ECDSA_P384_SHA384 {
+        return Err(SnpError::SigAlgo {
+            actual: report.sig_algo,
+        });
+    }
+    let signing_key = match report.key_info.signing_key() {
+        0 => SigningKey::Vcek,
+        1 => SigningKey::Vlek,
+        actual => return Err(SnpError::SigningKey { actual }),
+    };
+    let (_, vek) = X509Certificate::from_der(certificate).map_err(|_| SnpError::Certificate)?;
+    let product = verify_chain(&vek, certificate, roots)?;
+    let validity = vek.validity();
+    let (not_before, not_after) = (
+        validity.not_before.timestamp(),
+        validity.not_after.timestamp(),
+    );
+    let now_signed = i64::try_from(now).unwrap_or(i64::MAX);
+    if now_signed < not_before || now_signed > not_after {
+        return Err(SnpError::CertificateTime {
+            not_before,
+            not_after,
+            now,
+        });
+    }
+    if signing_key == SigningKey::Vcek {
+        let hw_id = extension(&vek, oid::HW_ID)?;
+        let hw_id = match hw_id {
+            [0x04, 0x40, rest @ ..] if rest.len() == 64 => rest,
+            raw => raw,
+        };
+        if hw_id != report.chip_id.as_slice() {
+            return Err(SnpError::ChipId {
+                expected: hex::encode(hw_id),
+                actual: hex::encode(report.chip_id),
+            });
+        }
+    }
+    let tcb = Tcb {
+        bootloader: report.reported_tcb.bootloader,
+        tee: report.reported_tcb.tee,
+        snp: report.reported_tcb.snp,
+        microcode: report.reported_tcb.microcode,
+    };
+    for (component, id, actual) in components(&tcb) {
+        let expected = der_small_integer(extension(&vek, id)?).ok_or(SnpError::Extension {
+            oid: id,
+            reason: "not a DER integer of at most 255",
+        })?;
+        if expected != actual {
+            return Err(SnpError::CertifiedTcb {
+                component,
+                expected,
+                actual,
+            });
+        }
+    }
+    verify_signature(raw, &vek)?;
+    Ok(SnpClaims {
+        product,
+        version: report.version,
+        signing_key,
+        chip_id: report.chip_id,
+        reported_tcb: tcb,
+        policy: u64::from(report.policy),
+        vmpl: report.vmpl,
+        guest_svn: report.guest_svn,
+        measurement: report.measurement,
+        host_data: report.host_data,
+        report_data: report.report_data,
+    })
+}
+
+/// The pinned chain whose ASK issued `vek`, verified link by link; returns
+/// the product (the ASK's common name).
+fn verify_chain(
+    vek: &X509Certificate<'_>,
+    vek_der: &[u8],
+    roots: &AmdRoots,
+) -> Result<String, SnpError> {
+    let issuer = vek.issuer().as_raw();
+    let chain = roots
+        .chains
+        .iter()
+        .find(|c| c.ask_subject == issuer)
+        .ok_or_else(|| SnpError::UntrustedIssuer {
+            issuer: vek.issuer().to_string(),
+        })?;
+    let vek = Certificate::from_der(vek_der).map_err(|_| SnpError::Certificate)?;
+    let link = |link| move |source| SnpError::Chain { link, source };
+    (&chain.ark, &chain.ark)
+        .verify()
+        .map_err(link("ARK self-signature"))?;
+    (&chain.ark, &chain.ask)
+        .verify()
+        .map_err(link("ARK -> ASK"))?;
+    (&chain.ask, &vek).verify().map_err(link("ASK -> VEK"))?;
+    Ok(chain.product.clone())
+}
+
+fn components(tcb: &Tcb) -> [(&'static str, &'static str, u8); 4] {
+    [
+        ("bootloader", oid::BOOTLOADER, tcb.bootloader),
+        ("tee", oid::TEE, tcb.tee),
+        ("snp", oid::SNP, tcb.snp),
+        ("microcode", oid::MICROCODE, tcb.microcode),
+    ]
+}
+
+fn extension<'a>(cert: &'a X509Certificate<'_>, id: &'static str) -> Result<&'a [u8], SnpError> {
+    let mut found = cert
+        .extensions()
+        .iter()
+        .filter(|e| e.oid.to_id_string() == id);
+    match (found.next(), found.next()) {
+        (Some(e), None) => Ok(e.value),
+        (None, _) => Err(SnpError::Extension {
+            oid: id,
+            reason: "missing",
+        }),
+        (Some(_), Some(_)) => Err(SnpError::Extension {
+            oid: id,
+            reason: "repeated",
+        }),
+    }
+}
+
+/// A DER INTEGER that fits a `u8` (AMD's SPL extensions).
+fn der_small_integer(value: &[u8]) -> Option<u8> {
+    match value {
+        [0x02, 1, v] if *v < 0x80 => Some(*v),
+        [0x02, 2, 0, v] if *v >= 0x80 => Some(*v),
+        _ => None,
+    }
+}
+
+/// The report's ECDSA P-384 signature over its first 0x2A0 bytes, with the
+/// endorsement key. r and s are 72-byte little-endian fields of which only
+/// the low 48 bytes may be non-zero.
+fn verify_signature(raw: &[u8], vek: &X509Certificate<'_>) -> Result<(), SnpError> {
+    let scalar = |at: usize| -> Option<[u8; 48]> {
+        let field = raw.get(at..at + 72)?;
+        if field[48..].iter().any(|b| *b != 0) {
+            return None;
+        }
+        let mut be = [0u8; 48];
+        for (dst, src) in be.iter_mut().zip(field[..48].iter().rev()) {
+            *dst = *src;
+        }
+        Some(be)
+    };
+    let (r, s) = scalar(SIGNED_BYTES)
+        .zip(scalar(SIGNED_BYTES + 72))
+        .ok_or(SnpError::Signature)?;
+    let signature = p384::ecdsa::Signature::from_scalars(r, s).map_err(|_| SnpError::Signature)?;
+    let key = p384::ecdsa::VerifyingKey::from_sec1_bytes(&vek.public_key().subject_public_key.data)
+        .map_err(|_| SnpError::Signature)?;
+    key.verify_prehash(&Sha384::digest(&raw[..SIGNED_BYTES]), &signature)
+        .map_err(|_| SnpError::Signature)
+}
+
+impl SnpClaims {
+    /// Checks the guest against `policy`: debugging refused, a migration
+    /// agent refused unless allowed, every TCB component at least the
+    /// minimum, the launch measurement and (if configured) the host data.
+    pub fn check(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
+        let guest = GuestPolicy::from(self.policy);
+        if guest.debug_allowed() {
+            return Err(SnpError::Debug {
+                policy: self.policy,
+            });
+        }
+        if guest.migrate_ma_allowed() && !policy.allow_migration_agent {
+            return Err(SnpError::MigrationAgent {
+                policy: self.policy,
+            });
+        }
+        for ((component, _, actual), (_, _, minimum)) in components(&self.reported_tcb)
+            .into_iter()
+            .zip(components(&policy.minimum_tcb))
+        {
+            if actual < minimum {
+                return Err(SnpError::TcbBelowMinimum {
+                    component,
+                    minimum,
+                    actual,
+                });
+            }
+        }
+        if !bool::from(self.measurement.ct_eq(&policy.measurement.0)) {
+            return Err(SnpError::Measurement {
+                expected: hex::encode(policy.measurement.0),
+                actual: hex::encode(self.measurement),
+            });
+        }
+        if let Some(expected) = &policy.host_data {
+            if !bool::from(self.host_data.ct_eq(&expected.0)) {
+                return Err(SnpError::HostData {
+                    expected: hex::encode(expected.0),
+                    actual: hex::encode(self.host_data),
+                });
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,209 @@
+//! Intel TDX: a quote verified offline with `dcap-qvl` (no HTTP client)
+//! against Intel's SGX root CA (pinned by the crate) and collateral from
+//! the local cache: the PCK chain and CRLs, the TCB info and its status,
+//! the QE identity, and TD attributes (debug, migration and profiling
+//! refused). Then keel's own checks: the TCB status (only `UpToDate`
+//! unless the config allows another by name), MRTD and RTMR 0-3.
+
+use dcap_qvl::verify::QuoteVerifier;
+use dcap_qvl::QuoteCollateralV3;
+use subtle::ConstantTimeEq as _;
+
+use super::policy::TdxPolicy;
+
+/// Largest accepted quote.
+pub const MAX_QUOTE_BYTES: usize = 16 * 1024;
+
+/// Why a TDX quote was refused; each variant names its check.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TdxError {
+    /// The quote is larger than [`MAX_QUOTE_BYTES`].
+    #[error("TDX quote is {actual} bytes, more than {MAX_QUOTE_BYTES}")]
+    QuoteSize {
+        /// Its length.
+        actual: usize,
+    },
+    /// The quote or its collateral failed DCAP verification.
+    #[error("TDX {check}: {reason}")]
+    Verification {
+        /// Which check failed: `collateral time`, `revocation`,
+        /// `TCB level`, `QE identity`, `TD attributes`, `signature` or
+        /// `quote`.
+        check: &'static str,
+        /// The verifier's reason, with its context.
+        reason: String,
+    },
+    /// The quote is not a TD quote.
+    #[error("TDX quote carries no TD report")]
+    NotTd,
+    /// The TD is debuggable.
+    #[error("TDX td_attributes.debug: expected 0, actual 1")]
+    Debug,
+    /// The TCB status is not accepted.
+    #[error("TDX TCB status: expected UpToDate{}, actual {actual} (advisories {advisories:?})",
+        if allowed.is_empty() { String::new() } else { format!(" or {}", allowed.join(", ")) })]
+    TcbStatus {
+        /// Statuses the config allows besides `UpToDate`.
+        allowed: Vec<String>,
+        /// The quote's status.
+        actual: String,
+        /// Intel security advisories that apply.
+        advisories: Vec<String>,
+    },
+    /// MRTD differs.
+    #[error("TDX MRTD: expected {expected}, actual {actual}")]
+    Mrtd {
+        /// Configured (hex).
+        expected: String,
+        /// Quoted (hex).
+        actual: String,
+    },
+    /// An RTMR differs.
+    #[error("TDX RTMR{index}: expected {expected}, actual {actual}")]
+    Rtmr {
+        /// The register.
+        index: usize,
+        /// Configured (hex).
+        expected: String,
+        /// Quoted (hex).
+        actual: String,
+    },
+}
+
+/// What a verified TDX quote establishes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TdxClaims {
+    /// The TCB status (`UpToDate` or one the config allows).
+    pub status: String,
+    /// Intel security advisories that apply.
+    pub advisories: Vec<String>,
+    /// TEE TCB SVN.
+    pub tee_tcb_svn: [u8; 16],
+    /// TD attributes.
+    pub td_attributes: [u8; 8],
+    /// MRTD.
+    pub mrtd: [u8; 48],
+    /// RTMR 0-3.
+    pub rtmr: [[u8; 48]; 4],
+    /// The 64 TD-chosen bytes.
+    pub report_data: [u8; 64],
+}
+
+/// The Intel root CA a verifier trusts.
+#[derive(Clone, Debug, Default)]
+pub struct IntelRoot {
+    /// DER of a replacement root; `None` is Intel's SGX Root CA.
+    der: Option<Vec<u8>>,
+}
+
+impl IntelRoot {
+    /// Intel's SGX Root CA, as `dcap-qvl` pins it.
+    pub fn pinned() -> Self {
+        Self { der: None }
+    }
+
+    /// Another root (DER): for test roots only.
+    pub fn from_der(der: Vec<u8>) -> Self {
+        Self { der: Some(der) }
+    }
+}
+
+/// Verifies `quote` with `collateral` at `now` against `root` and `policy`.
+pub fn verify(
+    quote: &[u8],
+    collateral: &QuoteCollateralV3,
+    root: &IntelRoot,
+    policy: &TdxPolicy,
+    now: u64,
+) -> Result<TdxClaims, TdxError> {
+    if quote.len() > MAX_QUOTE_BYTES {
+        return Err(TdxError::QuoteSize {
+            actual: quote.len(),
+        });
+    }
+    let verifier = match &root.der {
+        None => QuoteVerifier::new_prod(),
+        Some(der) => QuoteVerifier::new(der.clone()),
+    };
+    let verified = verifier.verify(quote, collateral, now).map_err(|e| {
+        let reason = format!("{e:#}");
+        TdxError::Verification {
+            check: classify(&reason),
+            reason,
+        }
+    })?;
+    let td = verified.report.as_td10().ok_or(TdxError::NotTd)?;
+    if td.td_attributes[0] & 1 != 0 {
+        return Err(TdxError::Debug);
+    }
+    if verified.status != "UpToDate" && !policy.allow_tcb_status.contains(&verified.status) {
+        return Err(TdxError::TcbStatus {
+            allowed: policy.allow_tcb_status.clone(),
+            actual: verified.status,
+            advisories: verified.advisory_ids,
+        });
+    }
+    if !bool::from(td.mr_td.ct_eq(&policy.mrtd.0)) {
+        return Err(TdxError::Mrtd {
+            expected: hex::encode(policy.mrtd.0),
+            actual: hex::encode(td.mr_td),
+        });
+    }
+    let rtmr = [td.rt_mr0, td.rt_mr1, td.rt_mr2, td.rt_mr3];
+    for (index, (expected, actual)) in policy.rtmr.iter().zip(&rtmr).enumerate() {
+        if let Some(expected) = expected {
+            if !bool::from(actual.ct_eq(&expected.0)) {
+                return Err(TdxError::Rtmr {
+                    index,
+                    expected: hex::encode(expected.0),
+                    actual: hex::encode(actual),
+                });
+            }
+        }
+    }
+    Ok(TdxClaims {
+        status: verified.status,
+        advisories: verified.advisory_ids,
+        tee_tcb_svn: td.tee_tcb_svn,
+        td_attributes: td.td_attributes,
+        mrtd: td.mr_td,
+        rtmr,
+        report_data: td.report_data,
+    })
+}
+
+/// Names the check a DCAP verification error comes from (its messages are
+/// text; the full text is kept as the reason).
+fn classify(reason: &str) -> &'static str {
+    let r = reason.to_ascii_lowercase();
+    let any = |words: &[&str]| words.iter().any(|w| r.contains(w));
+    if any(&[
+        "expired",
+        "in the future",
+        "notvalidyet",
+        "not valid yet",
+        "crlexpired",
+    ]) {
+        "collateral time"
+    } else if any(&["revoked"]) {
+        "revocation"
+    } else if any(&["tcb level", "fmspc"]) {
+        "TCB level"
+    } else if any(&["qe identity", "qe report", "qe isvsvn", "qe vendor"]) {
+        "QE identity"
+    } else if any(&[
+        "debug",
+        "migration",
+        "profiling",
+        "td attributes",
+        "sept_ve",
+        "servtd",
+    ]) {
+        "TD attributes"
+    } else if any(&["signature", "certificate", "chain"]) {
+        "signature"
+    } else {
+        "quote"
+    }
+}
