@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use keel_proto::operator::operator_service_server::{OperatorService, OperatorServiceServer};
 use keel_proto::operator::{
-    ChallengeRequest, ChallengeResponse, SetJoinMeasurementsRequest, SetJoinMeasurementsResponse,
+    ChallengeRequest, ChallengeResponse, NodeStatusRequest, NodeStatusResponse, RevokeNodeRequest,
+    RevokeNodeResponse, SetJoinMeasurementsRequest, SetJoinMeasurementsResponse,
 };
 use keel_verifier::keys::operator_proof;
 use keel_verifier::measurements::Measurements;
@@ -31,7 +32,8 @@ use rand::RngCore as _;
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 
-use crate::cluster::{ClusterSlot, ControlPlaneFacts};
+use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts};
+use crate::registry::{RegistryError, RegistryStore, Revocation};
 use crate::throttle::FailureThrottle;
 
 /// Challenges outstanding at once; a new one evicts the oldest.
@@ -42,6 +44,10 @@ pub const CHALLENGE_TTL: Duration = Duration::from_secs(60);
 pub const MAX_OPERATOR_REQUEST_BYTES: usize = 128 * 1024;
 /// The proof kind of `SetJoinMeasurements`.
 pub const SET_JOIN_MEASUREMENTS: &str = "set-join-measurements";
+/// The proof kind of `RevokeNode` (body: the node selector).
+pub const REVOKE_NODE: &str = "revoke-node";
+/// The proof kind of `NodeStatus` (body: empty).
+pub const NODE_STATUS: &str = "node-status";
 
 /// Why an operator request was refused.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +72,13 @@ pub enum OperatorError {
     /// The new measurements could not be stored.
     #[error("storing the measurements failed")]
     Store(#[source] anyhow::Error),
+    /// The node to revoke is not known here (the caller is the operator:
+    /// the selector is theirs to see).
+    #[error("{0}")]
+    UnknownNode(String),
+    /// The node registry failed.
+    #[error("the node registry failed")]
+    Registry(#[source] crate::registry::RegistryError),
 }
 
 impl From<&OperatorError> for tonic::Status {
@@ -76,7 +89,8 @@ impl From<&OperatorError> for tonic::Status {
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
             E::Measurements(_) => tonic::Code::InvalidArgument,
-            E::Store(_) => tonic::Code::Internal,
+            E::UnknownNode(_) => tonic::Code::NotFound,
+            E::Store(_) | E::Registry(_) => tonic::Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
     }
@@ -150,13 +164,17 @@ impl OperatorServer {
         }
     }
 
-    /// Replaces the join measurements, for a request from `peer`; returns
-    /// the SHA-256 of the measurements now in force.
-    pub fn set_join_measurements(
+    /// Checks an operator request of `kind` over `body` from `peer`: not
+    /// throttled, a cluster served, and `proof` the operator's for a
+    /// challenge this node issued (used up here). Returns the cluster state.
+    fn authorise(
         &self,
-        request: &SetJoinMeasurementsRequest,
+        kind: &str,
+        challenge: &[u8],
+        body: &[u8],
+        proof: &[u8],
         peer: Option<IpAddr>,
-    ) -> Result<[u8; 32], OperatorError> {
+    ) -> Result<Arc<ClusterState>, OperatorError> {
         let inner = &self.inner;
         if let Some(ip) = peer {
             inner
@@ -169,30 +187,41 @@ impl OperatorServer {
             .borrow()
             .clone()
             .ok_or(OperatorError::NotServing)?;
-        let proven = self.take_challenge(&request.challenge)
+        let proven = self.take_challenge(challenge)
             && state
                 .keys
                 .operator_key()
                 .ok()
-                .and_then(|key| {
-                    operator_proof(
-                        &key,
-                        SET_JOIN_MEASUREMENTS,
-                        &request.challenge,
-                        &request.measurements,
-                    )
-                })
-                .is_some_and(|expected| bool::from(expected.as_slice().ct_eq(&request.proof)));
+                .and_then(|key| operator_proof(&key, kind, challenge, body))
+                .is_some_and(|expected| bool::from(expected.as_slice().ct_eq(proof)));
         if !proven {
             if let Some(ip) = peer {
                 let (failures, wait) = inner.throttle.failed(ip);
-                tracing::warn!(peer = %ip, failures, wait_s = wait.as_secs_f64(), "operator request refused: no valid proof");
+                tracing::warn!(peer = %ip, failures, wait_s = wait.as_secs_f64(), kind, "operator request refused: no valid proof");
             }
             return Err(OperatorError::Proof);
         }
         if let Some(ip) = peer {
             inner.throttle.succeeded(ip);
         }
+        Ok(state)
+    }
+
+    /// Replaces the join measurements, for a request from `peer`; returns
+    /// the SHA-256 of the measurements now in force.
+    pub fn set_join_measurements(
+        &self,
+        request: &SetJoinMeasurementsRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<[u8; 32], OperatorError> {
+        let inner = &self.inner;
+        let state = self.authorise(
+            SET_JOIN_MEASUREMENTS,
+            &request.challenge,
+            &request.measurements,
+            &request.proof,
+            peer,
+        )?;
         let measurements = Measurements::parse(&request.measurements)
             .map_err(|e| OperatorError::Measurements(e.to_string()))?;
         let json = measurements.to_json();
@@ -207,6 +236,57 @@ impl OperatorServer {
         tracing::info!(digest = %hex::encode(digest), path = %inner.measurements.display(), "join measurements replaced by the operator");
         Ok(digest)
     }
+
+    /// The node registry of this control plane (on its state disk, which
+    /// is mounted once it serves a cluster).
+    fn registry(&self) -> Result<Arc<RegistryStore>, OperatorError> {
+        RegistryStore::shared(&self.inner.root).map_err(OperatorError::Registry)
+    }
+
+    /// Puts the node `request.node` names on the revocation list, for a
+    /// request from `peer`.
+    pub fn revoke_node(
+        &self,
+        request: &RevokeNodeRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<Revocation, OperatorError> {
+        self.authorise(
+            REVOKE_NODE,
+            &request.challenge,
+            request.node.as_bytes(),
+            &request.proof,
+            peer,
+        )?;
+        let selector = request.node.clone();
+        let revocation = self.registry()?.update(|r| {
+            let record = r.find(&selector)?.clone();
+            r.revoke(&record, "revoked by the operator")
+        });
+        let revocation = revocation.map_err(|e| match e {
+            RegistryError::UnknownNode(what) => OperatorError::UnknownNode(format!(
+                "no node {what:?} is known to this control plane"
+            )),
+            other => OperatorError::Registry(other),
+        })?;
+        tracing::warn!(%revocation, "node revoked by the operator");
+        Ok(revocation)
+    }
+
+    /// The node registry (JSON), for a request from `peer`.
+    pub fn node_status(
+        &self,
+        request: &NodeStatusRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<Vec<u8>, OperatorError> {
+        self.authorise(NODE_STATUS, &request.challenge, &[], &request.proof, peer)?;
+        Ok(self.registry()?.snapshot().to_json())
+    }
+}
+
+/// Logs a refused operator request and makes the caller's status.
+fn refused(e: &OperatorError) -> tonic::Status {
+    tracing::warn!(error = %keel_atls::ErrorChain(e), "operator request refused");
+    e.into()
 }
 
 #[tonic::async_trait]
@@ -229,10 +309,31 @@ impl OperatorService for OperatorServer {
             Ok(digest) => Ok(tonic::Response::new(SetJoinMeasurementsResponse {
                 digest: digest.to_vec(),
             })),
-            Err(e) => {
-                tracing::warn!(error = %keel_atls::ErrorChain(&e), "operator request refused");
-                Err((&e).into())
-            }
+            Err(e) => Err(refused(&e)),
         }
+    }
+
+    async fn revoke_node(
+        &self,
+        request: tonic::Request<RevokeNodeRequest>,
+    ) -> Result<tonic::Response<RevokeNodeResponse>, tonic::Status> {
+        let peer = crate::grpc::peer_ip(&request);
+        let r =
+            OperatorServer::revoke_node(self, request.get_ref(), peer).map_err(|e| refused(&e))?;
+        Ok(tonic::Response::new(RevokeNodeResponse {
+            name: r.name,
+            ek: r.ek,
+            disk_uuid: r.disk_uuid,
+        }))
+    }
+
+    async fn node_status(
+        &self,
+        request: tonic::Request<NodeStatusRequest>,
+    ) -> Result<tonic::Response<NodeStatusResponse>, tonic::Status> {
+        let peer = crate::grpc::peer_ip(&request);
+        let registry =
+            OperatorServer::node_status(self, request.get_ref(), peer).map_err(|e| refused(&e))?;
+        Ok(tonic::Response::new(NodeStatusResponse { registry }))
     }
 }

@@ -258,11 +258,23 @@ pub async fn start_service_for(
     components: Option<Vec<Component>>,
     foreign_lock: bool,
 ) -> Service {
-    let port = ports[0];
+    // The CA's certificates (in the config) exist once it made a TPM.
     let swtpm = Swtpm::start(ca).unwrap();
+    let config = config_for(ca, ports, "cp-0", "control-plane");
+    start_service_config(ports[0], config, swtpm, components, foreign_lock).await
+}
+
+/// [`start_service_for`] with the node config `config` (its cluster part
+/// is every member's) and the TPM `swtpm`, listening on `port`.
+pub async fn start_service_config(
+    port: u16,
+    config: NodeConfig,
+    swtpm: Swtpm,
+    components: Option<Vec<Component>>,
+    foreign_lock: bool,
+) -> Service {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
-    let config = config_for(ca, ports, "cp-0", "control-plane");
     let tpm = measured(&swtpm, &dir.path().join("log"), &config);
 
     let random = |n: usize| {
