@@ -8,21 +8,14 @@
 //! from the master secret; the secret itself never leaves this machine).
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use keel_atls::AtlsClient;
-use keel_proto::operator::operator_service_client::OperatorServiceClient;
-use keel_proto::operator::{ChallengeRequest, SetJoinMeasurementsRequest};
-use keel_verifier::keys::{operator_proof, KeyService};
-use keel_verifier::measurement::{pcr, EventType};
+use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_verifier::measurements::Measurements;
-use tonic::transport::Endpoint;
 
-use crate::init::connect;
-use crate::settings::{read_bounded, Settings};
-use crate::workspace::{self, MasterSecret};
+use crate::operator::{refused, Operator};
+use crate::settings::read_bounded;
 
 /// The proof kind the control planes expect.
 const KIND: &str = "set-join-measurements";
@@ -38,63 +31,23 @@ pub async fn run(
     if endpoints.is_empty() {
         bail!("name each control plane's init port with --endpoint");
     }
-    let settings = Settings::load(settings_path)?;
     let body = read_bounded(file)?;
     // The control planes refuse what does not parse; refuse it here first.
     Measurements::parse(&body)
         .with_context(|| format!("{} is not a measurements file", file.display()))?;
-    let secret = MasterSecret::load(workspace)?;
-    let operator_key = KeyService::new(&secret.key, &secret.salt)
-        .context("the master secret is unusable")?
-        .operator_key()
-        .context("deriving the operator key")?;
-    let cluster_id = workspace::cluster_id(workspace)?;
-
-    // Members have PCR 15 set: judged by their event log below.
-    let current = settings.measurements()?;
-    let relaxed = Measurements::new(
-        current
-            .iter()
-            .filter(|(p, _)| **p != pcr::CLUSTER_ID)
-            .map(|(p, e)| (*p, e.clone())),
-    )
-    .context("the settings' measurements without PCR 15")?;
-    let client = AtlsClient::server_attested(Arc::new(settings.validator(relaxed)?));
+    let operator = Operator::load(settings_path, workspace, wait)?;
     for endpoint in endpoints {
-        let (host, port) = Settings::host_port(endpoint)?;
-        let uri =
-            Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
-        let bound = connect(&client, uri, wait).await?;
-        let attested = bound
-            .attested
-            .context("the node presented no attestation")?;
-        let locks: Vec<_> = attested
-            .claims()
-            .events
-            .iter()
-            .filter(|e| e.event_type == EventType::ClusterId)
-            .collect();
-        match locks.as_slice() {
-            [lock] if lock.data == cluster_id => {}
-            _ => bail!("{endpoint} is not a member of the workspace's cluster; nothing was sent"),
-        }
-        let mut operator = OperatorServiceClient::new(bound.channel);
-        let challenge = operator
-            .challenge(ChallengeRequest {})
-            .await
-            .map_err(|s| anyhow::anyhow!("{endpoint}: {}: {}", s.code(), s.message()))?
-            .into_inner()
-            .challenge;
-        let proof = operator_proof(&operator_key, KIND, &challenge, &body)
-            .context("computing the operator proof")?;
-        let done = operator
+        let mut cp = operator.connect(endpoint).await?;
+        let (challenge, proof) = operator.prove(&mut cp, KIND, &body).await?;
+        let done = cp
+            .client
             .set_join_measurements(SetJoinMeasurementsRequest {
                 measurements: body.clone(),
                 challenge,
-                proof: proof.to_vec(),
+                proof,
             })
             .await
-            .map_err(|s| anyhow::anyhow!("{endpoint} refused: {}: {}", s.code(), s.message()))?
+            .map_err(|s| refused(endpoint, &s))?
             .into_inner();
         println!(
             "{endpoint}: join measurements replaced (sha256:{})",
