@@ -151,6 +151,9 @@ pub enum RegistryError {
     /// The registry holds as many entries as it may.
     #[error("the node registry is full")]
     Full,
+    /// A blocking registry task did not complete.
+    #[error("the node registry task failed")]
+    Task,
     /// No node matches the selector.
     #[error("no node {0:?} is known to this control plane")]
     UnknownNode(String),

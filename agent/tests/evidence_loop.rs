@@ -139,6 +139,20 @@ impl Cluster {
             .unwrap()
     }
 
+    /// Starts the worker's evidence loop toward cp-1 and waits until cp-1
+    /// trusts it.
+    async fn worker_trusted(&self) -> tokio::task::JoinHandle<()> {
+        let evidence = tokio::spawn(
+            self.evidence_client(&self.worker)
+                .run(self.endpoint(), self.cluster_id()),
+        );
+        self.wait_for("trusted", LIMIT, |r| {
+            Cluster::worker_record(r).is_some_and(|w| w.verdict == Verdict::Trusted)
+        })
+        .await;
+        evidence
+    }
+
     /// Waits until cp-1's record of the worker satisfies `done`.
     async fn wait_for(&self, what: &str, limit: Duration, done: impl Fn(&Registry) -> bool) {
         let start = Instant::now();
@@ -187,6 +201,19 @@ async fn run_client(node: &Joiner, ca: &EkCa, slot: &Arc<ClusterSlot>) -> JoinOu
         .expect("the join client did not finish")
 }
 
+/// `node` asks `endpoint` for the rejoin ticket of `disk` and is refused
+/// as revoked.
+async fn assert_rejoin_revoked(ca: &EkCa, endpoint: &str, node: &Joiner, disk: &str) {
+    let result = node.tickets(ca).rejoin_ticket(endpoint, disk).await;
+    match result.map(|_| ()) {
+        Err(TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+            assert!(status.message().contains("revoked"), "{status:?}");
+        }
+        other => panic!("not refused as revoked: {other:?}"),
+    }
+}
+
 /// Extends PCR 13 of `node` without an event-log entry.
 fn tamper(node: &Joiner) {
     node.tpm
@@ -195,16 +222,6 @@ fn tamper(node: &Joiner) {
         .tpm()
         .pcr_extend(13, &[0x66; 32])
         .unwrap();
-}
-
-fn assert_revoked_refusal<T>(result: Result<T, TicketError>) {
-    match result.map(|_| ()) {
-        Err(TicketError::Refused(status)) => {
-            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
-            assert!(status.message().contains("revoked"), "{status:?}");
-        }
-        other => panic!("not refused as revoked: {other:?}"),
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -217,14 +234,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     assert_eq!(registered.verdict, Verdict::Registered);
     assert_eq!(registered.disk_uuid, c.worker_disk());
 
-    let evidence = tokio::spawn(
-        c.evidence_client(&c.worker)
-            .run(c.endpoint(), c.cluster_id()),
-    );
-    c.wait_for("trusted", LIMIT, |r| {
-        Cluster::worker_record(r).is_some_and(|w| w.verdict == Verdict::Trusted)
-    })
-    .await;
+    let evidence = c.worker_trusted().await;
     let trusted = Cluster::worker_record(&c.registry().snapshot())
         .cloned()
         .unwrap();
@@ -262,13 +272,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     .await;
     // Bad evidence, over a member's own connection (cp-1 is a member too).
     let mut s = c.session(&c.cp1).await;
-    let nonce = s
-        .client()
-        .next_nonce(NextNonceRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .nonce;
+    let nonce = s.next_nonce().await.unwrap();
     // A nonce the control plane did not issue.
     let mut req = s.evidence(vec![7; 32]).await.unwrap();
     let err = s.client().submit(req.clone()).await.unwrap_err();
@@ -289,13 +293,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     // A flood: the same valid evidence 16 times at once, and a second
     // nonce request while one waits.
-    let nonce = s
-        .client()
-        .next_nonce(NextNonceRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .nonce;
+    let nonce = s.next_nonce().await.unwrap();
     let good = s.evidence(nonce).await.unwrap();
     let mut floods = tokio::task::JoinSet::new();
     for _ in 0..16 {
@@ -370,24 +368,15 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         .unwrap();
     assert_eq!(revoked.name, "w-1");
     // The revoked worker reboots: no rejoin ticket, so no disk key.
+    let endpoint = c.endpoint();
     let worker = c.worker.reboot(&c.ca);
-    assert_revoked_refusal(
-        worker
-            .tickets(&c.ca)
-            .rejoin_ticket(&format!("127.0.0.1:{}", c.ports[1]), &disk)
-            .await,
-    );
+    assert_rejoin_revoked(&c.ca, &endpoint, &worker, &disk).await;
     // Another TPM asking for the revoked disk gets no key either.
     let other = joiner_with(
         config(&c.ca, &c.ports, "w-2", "worker", c.policy),
         Swtpm::start(&c.ca).unwrap(),
     );
-    assert_revoked_refusal(
-        other
-            .tickets(&c.ca)
-            .rejoin_ticket(&format!("127.0.0.1:{}", c.ports[1]), &disk)
-            .await,
-    );
+    assert_rejoin_revoked(&c.ca, &endpoint, &other, &disk).await;
     // The list survives a restart of the registry (it is on the state disk).
     let path = RegistryStore::shared(&c.cp1.root)
         .unwrap()
@@ -401,14 +390,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_revoke_policy_refuses_a_drifted_node_after_a_tpm_reset() {
     let c = Cluster::start(EvidencePolicy::Revoke).await;
-    let evidence = tokio::spawn(
-        c.evidence_client(&c.worker)
-            .run(c.endpoint(), c.cluster_id()),
-    );
-    c.wait_for("trusted", LIMIT, |r| {
-        Cluster::worker_record(r).is_some_and(|w| w.verdict == Verdict::Trusted)
-    })
-    .await;
+    let evidence = c.worker_trusted().await;
     assert!(c.registry().snapshot().revoked.is_empty());
     tamper(&c.worker);
     c.wait_for("revoked", INTERVAL * 2 + Duration::from_secs(1), |r| {
@@ -425,12 +407,7 @@ async fn the_revoke_policy_refuses_a_drifted_node_after_a_tpm_reset() {
     );
 
     // The TPM resets (reboot): PCR 13 replays again, but the node is revoked.
-    let disk = c.worker_disk();
+    let (disk, endpoint) = (c.worker_disk(), c.endpoint());
     let worker = c.worker.reboot(&c.ca);
-    assert_revoked_refusal(
-        worker
-            .tickets(&c.ca)
-            .rejoin_ticket(&format!("127.0.0.1:{}", c.ports[1]), &disk)
-            .await,
-    );
+    assert_rejoin_revoked(&c.ca, &endpoint, &worker, &disk).await;
 }

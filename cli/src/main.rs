@@ -31,6 +31,23 @@ struct Cli {
     command: Command,
 }
 
+/// How the operator's requests reach the control planes.
+#[derive(clap::Args)]
+struct OperatorArgs {
+    /// Settings file (JSON); measurements and EK CA validate the nodes.
+    #[arg(long, default_value = "keel.json")]
+    settings: PathBuf,
+    /// The workspace `keel init` wrote (master secret, cluster ID).
+    #[arg(long, default_value = ".")]
+    workspace: PathBuf,
+    /// A control plane's init port (host:port); repeat for each.
+    #[arg(long = "endpoint", required = true)]
+    endpoints: Vec<String>,
+    /// Seconds to keep trying while a node is not reachable.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+    wait: u64,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Create a cluster on its first node: verify the node's attestation,
@@ -75,38 +92,18 @@ enum Command {
     Revoke {
         /// The node: its name, its EK hash (hex) or its disk UUID.
         node: String,
-        /// Settings file (JSON); measurements and EK CA validate the nodes.
-        #[arg(long, default_value = "keel.json")]
-        settings: PathBuf,
-        /// The workspace `keel init` wrote (master secret, cluster ID).
-        #[arg(long, default_value = ".")]
-        workspace: PathBuf,
-        /// A control plane's init port (host:port); repeat for each.
-        #[arg(long = "endpoint", required = true)]
-        endpoints: Vec<String>,
-        /// Seconds to keep trying while a node is not reachable.
-        #[arg(long, default_value_t = 60, value_name = "SECONDS")]
-        wait: u64,
+        #[command(flatten)]
+        to: OperatorArgs,
     },
     /// Each named control plane's view of the nodes: verdict of their
     /// continuous attestation, time of the last evidence, reason, and the
     /// revocation list.
     Status {
-        /// Settings file (JSON); measurements and EK CA validate the nodes.
-        #[arg(long, default_value = "keel.json")]
-        settings: PathBuf,
-        /// The workspace `keel init` wrote (master secret, cluster ID).
-        #[arg(long, default_value = ".")]
-        workspace: PathBuf,
-        /// A control plane's init port (host:port); repeat for each.
-        #[arg(long = "endpoint", required = true)]
-        endpoints: Vec<String>,
+        #[command(flatten)]
+        to: OperatorArgs,
         /// `json`: one document with each control plane's registry.
         #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
         output: verify::Output,
-        /// Seconds to keep trying while a node is not reachable.
-        #[arg(long, default_value_t = 60, value_name = "SECONDS")]
-        wait: u64,
     },
     /// Replace the measurements every join service accepts: for each
     /// control plane named, verify it is a member of the workspace's cluster,
@@ -189,35 +186,23 @@ fn main() -> ExitCode {
                 output,
                 cluster_id,
             } => verify::run(&settings, endpoint, output, cluster_id.as_deref()).await,
-            Command::Revoke {
-                node,
-                settings,
-                workspace,
-                endpoints,
-                wait,
-            } => {
+            Command::Revoke { node, to } => {
                 revoke::run(
-                    &settings,
-                    &workspace,
+                    &to.settings,
+                    &to.workspace,
                     &node,
-                    &endpoints,
-                    Duration::from_secs(wait),
+                    &to.endpoints,
+                    Duration::from_secs(to.wait),
                 )
                 .await
             }
-            Command::Status {
-                settings,
-                workspace,
-                endpoints,
-                output,
-                wait,
-            } => {
+            Command::Status { to, output } => {
                 status::run(
-                    &settings,
-                    &workspace,
-                    &endpoints,
+                    &to.settings,
+                    &to.workspace,
+                    &to.endpoints,
                     output,
-                    Duration::from_secs(wait),
+                    Duration::from_secs(to.wait),
                 )
                 .await
             }

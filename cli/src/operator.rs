@@ -78,7 +78,7 @@ impl Operator {
 
     /// Connects to the control plane at `endpoint`; it must be locked into
     /// exactly the workspace's cluster.
-    pub async fn connect(&self, endpoint: &str) -> anyhow::Result<ControlPlane> {
+    async fn connect(&self, endpoint: &str) -> anyhow::Result<ControlPlane> {
         let (host, port) = Settings::host_port(endpoint)?;
         let uri =
             Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
@@ -97,9 +97,23 @@ impl Operator {
         })
     }
 
+    /// Connects to `endpoint` (see [`Operator::connect`]) and proves a
+    /// request of `kind` over `body` on a fresh challenge of it: returns the
+    /// control plane, the challenge and the proof.
+    pub async fn authorise(
+        &self,
+        endpoint: &str,
+        kind: &str,
+        body: &[u8],
+    ) -> anyhow::Result<(ControlPlane, Vec<u8>, Vec<u8>)> {
+        let mut cp = self.connect(endpoint).await?;
+        let (challenge, proof) = self.prove(&mut cp, kind, body).await?;
+        Ok((cp, challenge, proof))
+    }
+
     /// A fresh challenge of `cp` and the proof for a request of `kind` over
     /// `body` on it.
-    pub async fn prove(
+    async fn prove(
         &self,
         cp: &mut ControlPlane,
         kind: &str,

@@ -37,8 +37,7 @@ pub async fn run(
         .with_context(|| format!("{} is not a measurements file", file.display()))?;
     let operator = Operator::load(settings_path, workspace, wait)?;
     for endpoint in endpoints {
-        let mut cp = operator.connect(endpoint).await?;
-        let (challenge, proof) = operator.prove(&mut cp, KIND, &body).await?;
+        let (mut cp, challenge, proof) = operator.authorise(endpoint, KIND, &body).await?;
         let done = cp
             .client
             .set_join_measurements(SetJoinMeasurementsRequest {

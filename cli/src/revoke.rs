@@ -28,8 +28,8 @@ pub async fn run(
     }
     let operator = Operator::load(settings_path, workspace, wait)?;
     for endpoint in endpoints {
-        let mut cp = operator.connect(endpoint).await?;
-        let (challenge, proof) = operator.prove(&mut cp, KIND, node.as_bytes()).await?;
+        let (mut cp, challenge, proof) =
+            operator.authorise(endpoint, KIND, node.as_bytes()).await?;
         let done = cp
             .client
             .revoke_node(RevokeNodeRequest {

@@ -30,8 +30,7 @@ pub async fn run(
     let operator = Operator::load(settings_path, workspace, wait)?;
     let mut views = Vec::new();
     for endpoint in endpoints {
-        let mut cp = operator.connect(endpoint).await?;
-        let (challenge, proof) = operator.prove(&mut cp, KIND, &[]).await?;
+        let (mut cp, challenge, proof) = operator.authorise(endpoint, KIND, &[]).await?;
         let registry = cp
             .client
             .node_status(NodeStatusRequest { challenge, proof })

@@ -190,15 +190,20 @@ impl Session {
         })
     }
 
-    /// One round: wait for the nonce, quote, submit; returns the verdict.
-    pub async fn round(&mut self) -> Result<String, EvidenceClientError> {
-        let nonce = self
+    /// Waits for the control plane's next nonce.
+    pub async fn next_nonce(&mut self) -> Result<Vec<u8>, EvidenceClientError> {
+        Ok(self
             .client
             .next_nonce(NextNonceRequest {})
             .await
             .map_err(EvidenceClientError::Refused)?
             .into_inner()
-            .nonce;
+            .nonce)
+    }
+
+    /// One round: wait for the nonce, quote, submit; returns the verdict.
+    pub async fn round(&mut self) -> Result<String, EvidenceClientError> {
+        let nonce = self.next_nonce().await?;
         let request = self.evidence(nonce).await?;
         Ok(self
             .client

@@ -304,6 +304,7 @@ impl EvidenceService {
         let disk_uuid = request.disk_uuid.clone();
         let version = request.kubernetes_version.clone();
         let started = Instant::now();
+        let measurements = hex::encode(member.measurements);
         let failure = tokio::task::spawn_blocking(move || {
             let data = user_data(&disk_uuid, &version);
             match member
@@ -322,22 +323,16 @@ impl EvidenceService {
             name,
             role,
             kubernetes_version: request.kubernetes_version,
-            measurements: hex::encode(
-                self.inner
-                    .members
-                    .current()
-                    .map_or([0; 32], |m| m.measurements),
-            ),
+            measurements,
             failure,
         };
-        let previous = self.store(move |r| r.record(&evidence)).await?;
-        let record = self
-            .inner
-            .registry
-            .snapshot()
-            .nodes
-            .get(&ek.to_string())
-            .cloned();
+        let (previous, record) = self
+            .store(move |r| {
+                let previous = r.record(&evidence)?;
+                let record = r.nodes.get(&evidence.ek.to_string()).cloned();
+                Ok((previous, record))
+            })
+            .await?;
         let Some(record) = record else {
             return Err(EvidenceError::Registry(RegistryError::Full));
         };
@@ -423,7 +418,7 @@ impl EvidenceService {
         let registry = self.inner.registry.clone();
         tokio::task::spawn_blocking(move || registry.update(change))
             .await
-            .map_err(|_| EvidenceError::Registry(RegistryError::Full))?
+            .map_err(|_| EvidenceError::Registry(RegistryError::Task))?
             .map_err(EvidenceError::Registry)
     }
 }
@@ -468,11 +463,7 @@ fn judge(verified: &Verified, cluster_id: &[u8; 32], authorised: &[String]) -> O
 fn peer_claims<T>(
     request: &tonic::Request<T>,
 ) -> Result<Arc<keel_atls::Attested<Verified>>, EvidenceError> {
-    request
-        .extensions()
-        .get::<keel_atls::PeerInfo<Verified>>()
-        .and_then(|p| p.attested().cloned())
-        .ok_or(EvidenceError::NotAttested)
+    crate::grpc::attested_peer(request).ok_or(EvidenceError::NotAttested)
 }
 
 fn refused(what: &str, e: &EvidenceError) -> tonic::Status {

@@ -207,7 +207,7 @@ impl JoinService {
             registry.update(|r| r.register(&ek, &disk_uuid, &identity.name, identity.role.as_str()))
         })
         .await
-        .map_err(|_| JoinServiceError::DiskBindings(DiskBindingsError::Task))?
+        .map_err(|_| JoinServiceError::Registry(crate::registry::RegistryError::Task))?
         .map_err(JoinServiceError::Registry)
     }
 
@@ -520,11 +520,7 @@ async fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<
 fn peer_claims<T>(
     request: &tonic::Request<T>,
 ) -> Result<Arc<keel_atls::Attested<Verified>>, JoinServiceError> {
-    request
-        .extensions()
-        .get::<keel_atls::PeerInfo<Verified>>()
-        .and_then(|p| p.attested().cloned())
-        .ok_or(JoinServiceError::NotAttested)
+    crate::grpc::attested_peer(request).ok_or(JoinServiceError::NotAttested)
 }
 
 /// Logs a refusal with its causes and makes the peer's status.
