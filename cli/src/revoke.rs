@@ -27,25 +27,51 @@ pub async fn run(
         bail!("name each control plane's init port with --endpoint");
     }
     let operator = Operator::load(settings_path, workspace, wait)?;
+    // Every control plane is tried: one that does not know the node (or is
+    // down) takes the list from the others with its next evidence round.
+    let mut revoked = 0;
+    let mut failures = Vec::new();
     for endpoint in endpoints {
-        let (mut cp, challenge, proof) =
-            operator.authorise(endpoint, KIND, node.as_bytes()).await?;
-        let done = cp
-            .client
-            .revoke_node(RevokeNodeRequest {
-                node: node.to_owned(),
-                challenge,
-                proof,
-            })
-            .await
-            .map_err(|s| refused(endpoint, &s))?
-            .into_inner();
-        println!(
-            "{endpoint}: revoked node {} (EK {}, disk {})",
-            done.name.escape_debug(),
-            done.ek,
-            done.disk_uuid.escape_debug()
+        match revoke_at(&operator, endpoint, node).await {
+            Ok(line) => {
+                println!("{line}");
+                revoked += 1;
+            }
+            Err(e) => {
+                eprintln!("keel: {e:#}");
+                failures.push(endpoint.as_str());
+            }
+        }
+    }
+    if revoked == 0 {
+        bail!("no control plane revoked {node:?}");
+    }
+    if !failures.is_empty() {
+        eprintln!(
+            "keel: revoked on {revoked} control plane(s); the others ({}) take the list from them",
+            failures.join(", ")
         );
     }
     Ok(())
+}
+
+/// Revokes `node` on the control plane at `endpoint`; returns what to print.
+async fn revoke_at(operator: &Operator, endpoint: &str, node: &str) -> anyhow::Result<String> {
+    let (mut cp, challenge, proof) = operator.authorise(endpoint, KIND, node.as_bytes()).await?;
+    let done = cp
+        .client
+        .revoke_node(RevokeNodeRequest {
+            node: node.to_owned(),
+            challenge,
+            proof,
+        })
+        .await
+        .map_err(|s| refused(endpoint, &s))?
+        .into_inner();
+    Ok(format!(
+        "{endpoint}: revoked node {} (EK {}, disk {})",
+        done.name.escape_debug(),
+        done.ek,
+        done.disk_uuid.escape_debug()
+    ))
 }
