@@ -367,6 +367,14 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         )
         .unwrap();
     assert_eq!(revoked.name, "w-1");
+    // Another control plane takes the list over the evidence connection
+    // (cp-1's own session stands in for it): the revocation arrives once.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let other_cp = RegistryStore::shared(elsewhere.path()).unwrap();
+    let mut s = c.session(&c.cp1).await;
+    assert_eq!(s.merge_registry(&other_cp).await.unwrap(), 1);
+    assert_eq!(s.merge_registry(&other_cp).await.unwrap(), 0);
+    assert_eq!(other_cp.snapshot().revoked[0].ek, revoked.ek);
     // The revoked worker reboots: no rejoin ticket, so no disk key.
     let endpoint = c.endpoint();
     let worker = c.worker.reboot(&c.ca);
