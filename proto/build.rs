@@ -8,6 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "keel/kms.proto",
         "keel/recovery.proto",
         "keel/operator.proto",
+        "keel/evidence.proto",
     ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");

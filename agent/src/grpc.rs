@@ -389,6 +389,17 @@ pub fn peer_ip<T>(request: &tonic::Request<T>) -> Option<std::net::IpAddr> {
         .map(|a| a.ip())
 }
 
+/// The validated attestation of the peer of `request` on a mutual aTLS
+/// server (the join port), if it has one.
+pub fn attested_peer<T>(
+    request: &tonic::Request<T>,
+) -> Option<std::sync::Arc<keel_atls::Attested<keel_verifier::validator::Verified>>> {
+    request
+        .extensions()
+        .get::<keel_atls::PeerInfo<keel_verifier::validator::Verified>>()
+        .and_then(|p| p.attested().cloned())
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {

@@ -12,6 +12,8 @@
 //!   with
 //!   [`operator`], [`disk_bindings`] and [`cluster`] for a control plane
 //!   (its keys are derived by [`keel_verifier::keys`]);
+//! * continuous attestation: [`evidence`] (the node's loop and the control
+//!   plane's endpoint) and [`registry`] (verdicts and revocations);
 //! * the cluster's life: [`upgrade`] (another Kubernetes version, with
 //!   rollback);
 //! * serving: [`grpc`] (limits), [`node`] (what runs on a booted node),
@@ -23,6 +25,7 @@ pub mod cluster;
 pub mod components;
 pub mod disk;
 pub mod disk_bindings;
+pub mod evidence;
 pub mod files;
 pub mod grpc;
 pub mod init;
@@ -37,6 +40,7 @@ pub mod paths;
 pub mod provision;
 pub mod reboot;
 pub mod recovery;
+pub mod registry;
 pub mod systemd;
 mod throttle;
 pub mod tpm;

@@ -275,6 +275,8 @@ async fn serve(
         tracing::info!("no control-plane endpoints configured: this node does not join");
     } else {
         tasks.spawn(node::run_join_client(node.clone()));
+        // Once locked into the cluster (init or join), the node attests on.
+        tasks.spawn(keel_agent::evidence::client::run_for_node(node.clone()));
     }
     if node.config.cluster.init_secret_hash.is_empty() {
         tracing::info!("no init secret configured: this node does not accept init");

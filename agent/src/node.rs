@@ -21,6 +21,8 @@ use crate::attestation::issuer::TpmIssuer;
 use crate::attestation::policy::{cpu_trust, ReloadableValidator};
 use crate::cluster::ClusterSlot;
 use crate::disk::{Cryptsetup, StateDisk, StateMount};
+use crate::evidence::admission::{MemberPolicy, PortValidator};
+use crate::evidence::EvidenceService;
 use crate::grpc::{self, GrpcLimits};
 use crate::init::InitServer;
 use crate::join::{JoinClient, JoinOutcome, JoinService, JoinSettings};
@@ -32,6 +34,7 @@ use crate::provision::Node;
 use crate::provision::{KubeletStart, NodeEnv};
 use crate::reboot::RebootPolicy;
 use crate::recovery::RecoveryServer;
+use crate::registry::RegistryStore;
 use crate::upgrade::Upgrader;
 
 /// Largest init request: the CLI sends at most 1 MiB of components (its
@@ -180,16 +183,32 @@ pub async fn serve_join(
     policy: Arc<ReloadableValidator>,
     service: JoinService,
 ) -> anyhow::Result<()> {
+    serve_join_port(addr, tpm, policy.validator(), service, None).await
+}
+
+/// Serves `service` and, when given, the `evidence` service on `addr` over
+/// mutual aTLS, admitting peers by `validator`, until the task is dropped.
+pub async fn serve_join_port(
+    addr: SocketAddr,
+    tpm: SharedTpm,
+    validator: keel_atls::DynValidator<keel_verifier::validator::Verified>,
+    service: JoinService,
+    evidence: Option<EvidenceService>,
+) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "join service listening (mutual aTLS)");
     let issuer = Arc::new(TpmIssuer::new(tpm));
-    let incoming = AtlsServer::mutual(issuer, policy.validator()).incoming(listener);
+    let incoming = AtlsServer::mutual(issuer, validator).incoming(listener);
     let limits = GrpcLimits {
         request_timeout: JOIN_REQUEST_TIMEOUT,
         ..GrpcLimits::default()
     };
     let service = service.into_service();
-    grpc::serve(incoming, &limits, |server| server.add_service(service)).await?;
+    let evidence = evidence.map(EvidenceService::into_service);
+    grpc::serve(incoming, &limits, |server| {
+        server.add_service(service).add_optional_service(evidence)
+    })
+    .await?;
     Ok(())
 }
 
@@ -226,9 +245,24 @@ pub async fn serve_join_as_control_plane(
     );
     let policy = join_service_policy(&config, &measurements)?;
     let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
-    let service =
-        JoinService::new(state, env.kubeadm.clone(), env.work_dir.clone())?.following(&cluster);
-    serve_join(addr, tpm, policy, service).await
+    let registry = RegistryStore::shared(env.root())?;
+    let service = JoinService::new(state, env.kubeadm.clone(), env.work_dir.clone())?
+        .following(&cluster)
+        .with_registry(registry.clone());
+    let members = Arc::new(MemberPolicy::new(
+        &cluster,
+        EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,
+        config.expected_config_pcr(),
+    ));
+    let evidence = EvidenceService::new(
+        &cluster,
+        members.clone(),
+        registry,
+        config.cluster.evidence.clone(),
+    );
+    let _sweep = AbortOnDrop(tokio::spawn(evidence.clone().sweep_forever()));
+    let validator = Arc::new(PortValidator::new(policy, members));
+    serve_join_port(addr, tpm, validator, service, Some(evidence)).await
 }
 
 /// Runs the join client of this node and logs how it ended; a control

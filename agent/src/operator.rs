@@ -36,6 +36,7 @@ use keel_proto::operator::operator_service_server::{OperatorService, OperatorSer
 use keel_proto::operator::upgrade_response::Event;
 use keel_proto::operator::{
     ChallengeRequest, ChallengeResponse, FinishImageUpgradeRequest, FinishImageUpgradeResponse,
+    NodeStatusRequest, NodeStatusResponse, RevokeNodeRequest, RevokeNodeResponse,
     SetJoinMeasurementsRequest, SetJoinMeasurementsResponse, StageImageMeasurementsRequest,
     StageImageMeasurementsResponse, UpgradeDone, UpgradeFailed, UpgradePlan, UpgradeRequest,
 };
@@ -50,6 +51,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::attestation::policy::write_accepted;
 use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts};
+use crate::registry::{RegistryError, RegistryStore, Revocation};
 use crate::throttle::FailureThrottle;
 use crate::transcript::{self, Transcript};
 use crate::upgrade::{Target, UpgradeError, Upgrader};
@@ -68,6 +70,10 @@ pub const UPGRADE: &str = "upgrade";
 pub const STAGE_IMAGE_MEASUREMENTS: &str = "stage-image-measurements";
 /// The proof kind of `FinishImageUpgrade` (body: empty).
 pub const FINISH_IMAGE_UPGRADE: &str = "finish-image-upgrade";
+/// The proof kind of `RevokeNode` (body: the node selector).
+pub const REVOKE_NODE: &str = "revoke-node";
+/// The proof kind of `NodeStatus` (body: empty).
+pub const NODE_STATUS: &str = "node-status";
 
 /// Why an operator request was refused.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +110,13 @@ pub enum OperatorError {
     /// The new measurements could not be stored.
     #[error("storing the measurements failed")]
     Store(#[source] anyhow::Error),
+    /// The node to revoke is not known here (the caller is the operator:
+    /// the selector is theirs to see).
+    #[error("{0}")]
+    UnknownNode(String),
+    /// The node registry failed.
+    #[error("the node registry failed")]
+    Registry(#[source] RegistryError),
     /// The upgrade plan does not decode.
     #[error("the upgrade plan does not decode")]
     PlanDecode,
@@ -123,7 +136,8 @@ impl From<&OperatorError> for tonic::Status {
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
             E::Measurements(_) => tonic::Code::InvalidArgument,
-            E::Store(_) => tonic::Code::Internal,
+            E::UnknownNode(_) => tonic::Code::NotFound,
+            E::Store(_) | E::Registry(_) => tonic::Code::Internal,
             E::PlanDecode => tonic::Code::InvalidArgument,
             E::Upgrade(u) => match u {
                 UpgradeError::Version(_) | UpgradeError::Plan(_) => tonic::Code::InvalidArgument,
@@ -427,6 +441,56 @@ impl OperatorServer {
         tracing::info!(digest = %hex::encode(digest), "image upgrade finished: the staged measurements are the only ones accepted");
         Ok(digest)
     }
+
+    /// The node registry of this control plane (on its state disk, which
+    /// is mounted once it serves a cluster).
+    fn registry(&self) -> Result<Arc<RegistryStore>, OperatorError> {
+        if self.inner.measurements.is_none() {
+            return Err(OperatorError::NotControlPlane);
+        }
+        RegistryStore::shared(&self.inner.root).map_err(OperatorError::Registry)
+    }
+
+    /// Puts the node `request.node` names on the revocation list, for a
+    /// request from `peer`.
+    pub fn revoke_node(
+        &self,
+        request: &RevokeNodeRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<Revocation, OperatorError> {
+        self.inner.auth.authorize(
+            REVOKE_NODE,
+            &request.challenge,
+            request.node.as_bytes(),
+            &request.proof,
+            peer,
+        )?;
+        let selector = request.node.clone();
+        let revocation = self.registry()?.update(|r| {
+            let record = r.find(&selector)?.clone();
+            r.revoke(&record, "revoked by the operator")
+        });
+        let revocation = revocation.map_err(|e| match e {
+            RegistryError::UnknownNode(what) => OperatorError::UnknownNode(format!(
+                "no node {what:?} is known to this control plane"
+            )),
+            other => OperatorError::Registry(other),
+        })?;
+        tracing::warn!(%revocation, "node revoked by the operator");
+        Ok(revocation)
+    }
+
+    /// The node registry (JSON), for a request from `peer`.
+    pub fn node_status(
+        &self,
+        request: &NodeStatusRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<Vec<u8>, OperatorError> {
+        self.inner
+            .auth
+            .authorize(NODE_STATUS, &request.challenge, &[], &request.proof, peer)?;
+        Ok(self.registry()?.snapshot().to_json())
+    }
 }
 
 /// The tonic form of an operator result: refusals are logged with their
@@ -561,6 +625,33 @@ impl OperatorService for OperatorServer {
                     digest: digest.to_vec(),
                 }
             }),
+        )
+    }
+
+    async fn revoke_node(
+        &self,
+        request: tonic::Request<RevokeNodeRequest>,
+    ) -> Result<tonic::Response<RevokeNodeResponse>, tonic::Status> {
+        let peer = crate::grpc::peer_ip(&request);
+        respond(
+            OperatorServer::revoke_node(self, request.get_ref(), peer).map(|r| {
+                RevokeNodeResponse {
+                    name: r.name,
+                    ek: r.ek,
+                    disk_uuid: r.disk_uuid,
+                }
+            }),
+        )
+    }
+
+    async fn node_status(
+        &self,
+        request: tonic::Request<NodeStatusRequest>,
+    ) -> Result<tonic::Response<NodeStatusResponse>, tonic::Status> {
+        let peer = crate::grpc::peer_ip(&request);
+        respond(
+            OperatorServer::node_status(self, request.get_ref(), peer)
+                .map(|registry| NodeStatusResponse { registry }),
         )
     }
 }

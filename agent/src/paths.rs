@@ -33,6 +33,9 @@ pub const KUBELET_PKI_DIR: &str = "var/lib/kubelet/pki";
 pub const CONTROL_PLANE_PKI_DIR: &str = "etc/kubernetes/pki";
 /// The admin kubeconfig kubeadm writes.
 pub const ADMIN_CONF: &str = "etc/kubernetes/admin.conf";
+/// A control plane's node registry: verdicts of the members' evidence and
+/// the revocation list, on its state disk (see the registry module).
+pub const NODE_REGISTRY: &str = "etc/kubernetes/keel/registry.json";
 /// A control plane's facts about its cluster, on its state disk (see
 /// `ControlPlaneFacts` in the cluster module).
 pub const CONTROL_PLANE_FACTS: &str = "etc/kubernetes/keel/control-plane.json";

@@ -8,15 +8,19 @@ use clap::{Parser, Subcommand};
 
 mod init;
 mod logging;
+mod operator;
 mod push;
 mod recover;
+mod revoke;
 mod settings;
+mod status;
 mod upgrade;
 mod verify;
 mod workspace;
 
 /// Operate keel clusters: initialise the first node over attested TLS, verify
-/// a node's attestation, recover a control plane, roll out measurements.
+/// a node's attestation, recover a control plane, roll out measurements,
+/// revoke a node and show the nodes' attestation verdicts.
 ///
 /// Secrets never go on the command line: the init secret is read from the
 /// file the settings name, and the generated master secret is written to a
@@ -26,6 +30,23 @@ mod workspace;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// How the operator's requests reach the control planes.
+#[derive(clap::Args)]
+struct OperatorArgs {
+    /// Settings file (JSON); measurements and EK CA validate the nodes.
+    #[arg(long, default_value = "keel.json")]
+    settings: PathBuf,
+    /// The workspace `keel init` wrote (master secret, cluster ID).
+    #[arg(long, default_value = ".")]
+    workspace: PathBuf,
+    /// A control plane's init port (host:port); repeat for each.
+    #[arg(long = "endpoint", required = true)]
+    endpoints: Vec<String>,
+    /// Seconds to keep trying while a node is not reachable.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+    wait: u64,
 }
 
 #[derive(Subcommand)]
@@ -59,6 +80,29 @@ enum Command {
         endpoint: Option<String>,
         /// `json`: one JSON document naming every PCR that differs; exit
         /// status 0 only if the node verified.
+        #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
+        output: verify::Output,
+        /// The node must be locked into exactly this cluster (hex cluster
+        /// ID): one cluster-ID event naming it, PCR 15 its extend.
+        #[arg(long, value_name = "ID")]
+        cluster_id: Option<String>,
+    },
+    /// Put a node on every named control plane's revocation list: no join
+    /// ticket, no rejoin ticket, no disk key for its EK and its disk. A
+    /// running node keeps the key it has until it reboots.
+    Revoke {
+        /// The node: its name, its EK hash (hex) or its disk UUID.
+        node: String,
+        #[command(flatten)]
+        to: OperatorArgs,
+    },
+    /// Each named control plane's view of the nodes: verdict of their
+    /// continuous attestation, time of the last evidence, reason, and the
+    /// revocation list.
+    Status {
+        #[command(flatten)]
+        to: OperatorArgs,
+        /// `json`: one document with each control plane's registry.
         #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
         output: verify::Output,
     },
@@ -148,7 +192,28 @@ fn main() -> ExitCode {
                 settings,
                 endpoint,
                 output,
-            } => verify::run(&settings, endpoint, output).await,
+                cluster_id,
+            } => verify::run(&settings, endpoint, output, cluster_id.as_deref()).await,
+            Command::Revoke { node, to } => {
+                revoke::run(
+                    &to.settings,
+                    &to.workspace,
+                    &node,
+                    &to.endpoints,
+                    Duration::from_secs(to.wait),
+                )
+                .await
+            }
+            Command::Status { to, output } => {
+                status::run(
+                    &to.settings,
+                    &to.workspace,
+                    &to.endpoints,
+                    output,
+                    Duration::from_secs(to.wait),
+                )
+                .await
+            }
             Command::PushMeasurements {
                 settings,
                 workspace,

@@ -9,7 +9,7 @@ use keel_atls::AtlsClient;
 use keel_verifier::ek::EkDigest;
 use keel_verifier::measurement::{Event, HexDigest};
 use keel_verifier::measurements::{Measurements, Mismatch};
-use keel_verifier::validator::Verified;
+use keel_verifier::validator::{check_cluster_lock, Verified};
 use serde::Serialize;
 
 use crate::settings::Settings;
@@ -46,6 +46,28 @@ struct Report {
     /// SHA-256 of the node's marshalled EK public area (hex): what its
     /// disk key is bound to.
     ek_digest: Option<String>,
+    /// With `--cluster-id`: the expected cluster and whether the node is
+    /// locked into exactly it (part of `verified`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cluster: Option<ClusterReport>,
+}
+
+/// The node's lock against an expected cluster ID.
+#[derive(Debug, Serialize)]
+struct ClusterReport {
+    /// The expected cluster ID (hex).
+    expected: String,
+    /// Locked into exactly it: one cluster-ID event naming it, PCR 15 its extend.
+    member: bool,
+    /// Why not.
+    error: Option<String>,
+}
+
+/// Parses a hex cluster ID.
+fn parse_cluster_id(text: &str) -> anyhow::Result<[u8; 32]> {
+    let mut id = [0u8; 32];
+    hex::decode_to_slice(text.trim(), &mut id).context("--cluster-id must be 64 hex digits")?;
+    Ok(id)
 }
 
 /// One PCR that differs from the measurements.
@@ -74,13 +96,15 @@ pub async fn run(
     settings_path: &Path,
     endpoint: Option<String>,
     output: Output,
+    cluster_id: Option<&str>,
 ) -> anyhow::Result<()> {
     let settings = Settings::load(settings_path)?;
     let endpoint = endpoint.unwrap_or_else(|| settings.endpoint.clone());
     let (host, port) = Settings::host_port(&endpoint)?;
     let measurements = settings.measurements()?;
+    let cluster_id = cluster_id.map(parse_cluster_id).transpose()?;
     if output == Output::Json {
-        return report(&settings, measurements, endpoint, &host, port).await;
+        return report(&settings, measurements, endpoint, &host, port, cluster_id).await;
     }
     let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
     let stream = client
@@ -93,6 +117,15 @@ pub async fn run(
         .attested()
         .context("the node presented no attestation")?;
     let v = attested.claims();
+    if let Some(id) = &cluster_id {
+        if let Err(why) = check_cluster_lock(v, id) {
+            anyhow::bail!(
+                "{endpoint}: not a member of cluster {}: {why}",
+                hex::encode(id)
+            );
+        }
+        println!("{endpoint}: locked into cluster {}", hex::encode(id));
+    }
     println!("{endpoint}: attestation verified");
     println!(
         "attestation key: proven resident in the TPM of the certified EK (credential activation)"
@@ -129,6 +162,7 @@ async fn report(
     endpoint: String,
     host: &str,
     port: u16,
+    cluster_id: Option<[u8; 32]>,
 ) -> anyhow::Result<()> {
     let client = AtlsClient::server_attested(Arc::new(
         settings.diagnostic_validator(measurements.clone())?,
@@ -144,10 +178,20 @@ async fn report(
     let report = match verified {
         Ok(v) => {
             let mismatches = measurements.compare(&v.pcrs);
+            let cluster = cluster_id.map(|id| {
+                let lock = check_cluster_lock(&v, &id);
+                ClusterReport {
+                    expected: hex::encode(id),
+                    member: lock.is_ok(),
+                    error: lock.err().map(str::to_owned),
+                }
+            });
             Report {
                 endpoint,
                 attested: true,
-                verified: mismatches.iter().all(|m| m.warn_only),
+                verified: mismatches.iter().all(|m| m.warn_only)
+                    && cluster.as_ref().is_none_or(|c| c.member),
+                cluster,
                 error: None,
                 pcrs: v.pcrs.iter().map(|(p, d)| (*p, hex::encode(d))).collect(),
                 mismatches: mismatches.iter().map(Into::into).collect(),
@@ -164,6 +208,11 @@ async fn report(
             mismatches: Vec::new(),
             events: Vec::new(),
             ek_digest: None,
+            cluster: cluster_id.map(|id| ClusterReport {
+                expected: hex::encode(id),
+                member: false,
+                error: Some("the node was not attested".into()),
+            }),
         },
     };
     println!("{}", serde_json::to_string_pretty(&report)?);

@@ -377,6 +377,84 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let out = finish().await;
     assert!(!out.status.success());
     assert!(text(&out).contains("nothing to finish"), "{}", text(&out));
+    // `keel revoke` and `keel status` over the same operator API: the node
+    // the control plane knows (registered as a ticket registers it) is put
+    // on its revocation list; an unknown one is a clear error.
+    let registry = keel_agent::registry::RegistryStore::shared(&root1).unwrap();
+    let worker_ek = join_common::ek_digest(&rebooted.tpm);
+    registry
+        .update(|r| {
+            r.register(
+                &worker_ek,
+                "0a1b2c3d-0000-4000-8000-00000000000a",
+                "w-1",
+                "worker",
+            )
+        })
+        .unwrap();
+    let operator_cmd = |args: Vec<String>| {
+        let settings = settings.clone();
+        let mut full = args;
+        full.extend([
+            "--workspace".to_owned(),
+            ws.path().to_str().unwrap().to_owned(),
+            "--endpoint".to_owned(),
+            operator_addr.to_string(),
+        ]);
+        async move {
+            let args: Vec<&str> = full.iter().map(String::as_str).collect();
+            run_keel(&args, &settings, None).await
+        }
+    };
+    let out = operator_cmd(vec!["revoke".into(), "keel-nobody".into()]).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("no node \"keel-nobody\" is known"),
+        "{}",
+        text(&out)
+    );
+    let out = operator_cmd(vec!["revoke".into(), "w-1".into()]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&worker_ek.to_string()),
+        "{}",
+        text(&out)
+    );
+    assert!(registry.revocation(&worker_ek, "").is_some());
+    let out = operator_cmd(vec!["status".into(), "-o".into(), "json".into()]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let view = &status["control_planes"][0]["registry"];
+    assert_eq!(view["nodes"][worker_ek.to_string()]["name"], "w-1");
+    assert_eq!(view["revoked"][0]["ek"], worker_ek.to_string());
+
+    // `keel verify --cluster-id`: locked into exactly that cluster, or not.
+    for (id, member) in [
+        (hex::encode(state.cluster_id), true),
+        ("ab".repeat(32), false),
+    ] {
+        let out = run_keel(
+            &[
+                "verify",
+                "--endpoint",
+                &operator_addr.to_string(),
+                "--cluster-id",
+                &id,
+                "-o",
+                "json",
+            ],
+            &settings,
+            None,
+        )
+        .await;
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["cluster"]["expected"], id.as_str(), "{}", text(&out));
+        assert_eq!(report["cluster"]["member"], member, "{}", text(&out));
+        if !member {
+            assert!(!out.status.success());
+            assert_eq!(report["verified"], false);
+        }
+    }
 
     // `keel recover` against a node that is a member (PCR 15 set): the CLI
     // refuses it before it sends anything, whatever the node would answer.

@@ -15,6 +15,11 @@ pub mod keel {
             tonic::include_proto!("keel.attestation.v1");
         }
     }
+    pub mod evidence {
+        pub mod v1 {
+            tonic::include_proto!("keel.evidence.v1");
+        }
+    }
     pub mod init {
         pub mod v1 {
             tonic::include_proto!("keel.init.v1");
@@ -46,6 +51,8 @@ pub mod keel {
 pub use keel::attestation::v1 as attestation;
 /// Kubernetes components to download and install.
 pub use keel::components::v1 as components;
+/// Continuous attestation (member node → every control plane).
+pub use keel::evidence::v1 as evidence;
 /// The init API (operator CLI → first node).
 pub use keel::init::v1 as init;
 /// The join API (node → control plane).

@@ -28,7 +28,15 @@
 //!    disk reopened, and serves joins again;
 //! 10. every node loses power and boots again: no join service answers;
 //!     `keel recover` with `keel init`'s workspace brings `keel-cp-0` back
-//!     (same cluster ID, same disk) and the others rejoin through it.
+//!     (same cluster ID, same disk) and the others rejoin through it;
+//! 12. continuous attestation and revocation (after 10, before 6): `keel
+//!     status` on both control planes lists every node `trusted` with
+//!     recent evidence (the local cluster's interval is 10 s); `keel revoke
+//!     keel-worker-0` puts it on both revocation lists; the worker reboots
+//!     and its rejoin is refused by every control plane, naming the
+//!     revocation, and it stays out of the cluster (PCR 15 zero); `keel
+//!     status` then lists the control planes `trusted` and the worker
+//!     revoked.
 //!
 //! Results are read from `keel verify -o json` (PCR 15 and the cluster-ID
 //! event), `keel recover -o json`, exit statuses, gRPC status codes and the
@@ -51,6 +59,7 @@ use keel_e2e::mini::cluster::{
     REJOINED_LINE, TICKET_ISSUER_MARK,
 };
 use keel_e2e::mini::config::{GUEST_INIT_PORT, MEASUREMENTS, MEASUREMENTS_MEMBER, PCR_CLUSTER_ID};
+use keel_e2e::mini::operator::REVOKED_MARK;
 use keel_e2e::mini::verify::Verification;
 use keel_e2e::mini::{disk, procs, Cluster, Node, UpOptions};
 use keel_e2e::report::READY_LINE;
@@ -106,6 +115,8 @@ fn local_cluster_scenarios() -> TestResult {
     first_control_plane_rejoins(&cluster, &lock, cp0_restart)?;
     processes.extend(cluster.processes());
     all_down_recovery(&mut cluster, &lock)?;
+    processes.extend(cluster.processes());
+    revoked_worker(&mut cluster)?;
     processes.extend(cluster.processes());
     disks_and_secrets(&cluster)?;
     println!(
@@ -591,6 +602,88 @@ fn all_down_recovery(cluster: &mut Cluster, lock: &Lock) -> TestResult {
         serving.saturating_sub(recover_at).as_secs_f64(),
         worker_issuer.name()
     );
+    Ok(())
+}
+
+/// How long `keel status` may take to show every node trusted: a few
+/// evidence intervals after the nodes rejoined.
+const EVIDENCE_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Waits until both control planes list every node of the cluster with the
+/// verdict `trusted`.
+fn all_trusted(cluster: &Cluster) -> TestResult<keel_e2e::mini::operator::Status> {
+    let deadline = Instant::now() + EVIDENCE_PATIENCE;
+    loop {
+        let status = cluster.status()?;
+        let trusted = status.control_planes.len() == 2
+            && status.control_planes.iter().all(|view| {
+                cluster.nodes().iter().all(|node| {
+                    view.registry
+                        .node(node.name())
+                        .is_some_and(|n| n.verdict == "trusted" && n.last_evidence_at.is_some())
+                })
+            });
+        if trusted {
+            return Ok(status);
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "not every node is trusted by both control planes within {EVIDENCE_PATIENCE:?}: {status:#?}; see {}",
+                cluster.path("status.log").display()
+            )
+            .into());
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Scenario 12: every node's evidence reaches both control planes; `keel
+/// revoke keel-worker-0` puts the worker on both revocation lists; after a
+/// reboot its rejoin is refused naming the revocation, and it stays out.
+fn revoked_worker(cluster: &mut Cluster) -> TestResult {
+    let t = Instant::now();
+    all_trusted(cluster)?;
+    let name = cluster.worker.name().to_owned();
+    assert!(
+        cluster.revoke(&name)?,
+        "keel revoke {name} failed; see {}",
+        cluster.path("revoke.log").display()
+    );
+    cluster.worker.kill();
+    cluster.worker.boot(cluster.accel)?;
+    let worker = &cluster.worker;
+    worker.wait_for(&[REVOKED_MARK], cluster.patience)?;
+    std::thread::sleep(JOIN_WINDOW);
+    let v = cluster.verify(worker, MEASUREMENTS)?;
+    assert_eq!(
+        v.report.pcr(PCR_CLUSTER_ID),
+        Some(ZERO),
+        "the revoked worker is locked into a cluster; see {}",
+        worker.serial_log().display()
+    );
+    let status = cluster.status()?;
+    for view in &status.control_planes {
+        assert!(
+            view.registry.revoked.iter().any(|r| r.name == name),
+            "{}: {name} is not on the revocation list: {view:#?}",
+            view.endpoint
+        );
+        for node in [&cluster.cp, &cluster.cp1] {
+            let seen = view.registry.node(node.name());
+            assert!(
+                seen.is_some_and(|n| n.verdict == "trusted"),
+                "{}: {} is not trusted: {seen:?}",
+                view.endpoint,
+                node.name()
+            );
+        }
+        assert!(
+            view.registry.node(&name).is_some(),
+            "{}: {name} is not listed",
+            view.endpoint
+        );
+    }
+    pass("revoked-worker-rejoin-refused", t);
     Ok(())
 }
 

@@ -109,6 +109,65 @@ pub struct ClusterConfig {
     /// measure exactly as before.
     #[serde(default, skip_serializing_if = "AttestationConfig::is_default")]
     pub attestation: AttestationConfig,
+    /// Continuous attestation; left out of the canonical form while it has
+    /// its defaults, so configs without it measure as before.
+    #[serde(default, skip_serializing_if = "EvidenceConfig::is_default")]
+    pub evidence: EvidenceConfig,
+}
+
+/// How joined nodes are attested after they joined.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvidenceConfig {
+    /// Seconds between a node's evidence (1-90, default 60).
+    #[serde(default = "default_evidence_interval")]
+    pub interval_seconds: u32,
+    /// What follows a drifted or silent verdict.
+    #[serde(default)]
+    pub policy: EvidencePolicy,
+}
+
+/// What a control plane does about a node that drifted or fell silent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum EvidencePolicy {
+    /// Record and log the verdict.
+    #[default]
+    Log,
+    /// Also revoke the node.
+    Revoke,
+}
+
+/// Longest evidence interval: the control plane holds a node's nonce
+/// request for up to one interval, within its 120 s request bound.
+pub const MAX_EVIDENCE_INTERVAL_SECONDS: u32 = 90;
+
+fn default_evidence_interval() -> u32 {
+    60
+}
+
+impl Default for EvidenceConfig {
+    fn default() -> Self {
+        Self {
+            interval_seconds: default_evidence_interval(),
+            policy: EvidencePolicy::Log,
+        }
+    }
+}
+
+impl EvidenceConfig {
+    /// Whether every field has its default.
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// The interval, clamped to 1-[`MAX_EVIDENCE_INTERVAL_SECONDS`] s.
+    pub fn interval(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(u64::from(
+            self.interval_seconds
+                .clamp(1, MAX_EVIDENCE_INTERVAL_SECONDS),
+        ))
+    }
 }
 
 fn default_init_port() -> u16 {
@@ -129,6 +188,7 @@ impl Default for ClusterConfig {
             component_mirror: None,
             ek_ca_pem: String::new(),
             attestation: AttestationConfig::default(),
+            evidence: EvidenceConfig::default(),
         }
     }
 }

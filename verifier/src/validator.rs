@@ -353,6 +353,32 @@ fn cpu_evidence(e: &keel_proto::attestation::CpuEvidence) -> Result<Evidence, Va
     })
 }
 
+/// Whether a validated peer is locked into exactly `cluster_id`: its log
+/// has exactly one cluster-ID event, naming `cluster_id`, and its PCR 15 is
+/// that event's single extend. Returns what is wrong otherwise.
+pub fn check_cluster_lock(peer: &Verified, cluster_id: &[u8; 32]) -> Result<(), &'static str> {
+    use crate::measurement::{event_digest, extend, pcr};
+    let locks: Vec<_> = peer
+        .events
+        .iter()
+        .filter(|e| e.event_type == EventType::ClusterId)
+        .collect();
+    let [event] = locks.as_slice() else {
+        return Err("not locked into exactly one cluster");
+    };
+    if event.data.as_slice() != cluster_id.as_slice() {
+        return Err("locked into another cluster");
+    }
+    let expected = extend(
+        &[0; 32],
+        &event_digest(event.seq, EventType::ClusterId, cluster_id),
+    );
+    if peer.pcrs.get(&pcr::CLUSTER_ID) != Some(&expected) {
+        return Err("PCR 15 is not the extend of the cluster ID");
+    }
+    Ok(())
+}
+
 fn pcr_values(doc: &AttestationDocument) -> Result<BTreeMap<u32, Digest32>, ValidationError> {
     let mut out = BTreeMap::new();
     for v in &doc.pcrs {

@@ -59,6 +59,16 @@ pub enum JoinServiceError {
     /// The disk binding store failed: nothing was issued.
     #[error("the disk binding store is unavailable")]
     DiskBindings(#[source] DiskBindingsError),
+    /// The peer is already locked into a cluster (PCR 15 is not zero): a
+    /// member sends evidence on this port, it gets no ticket.
+    #[error("the node is already locked into a cluster")]
+    Member,
+    /// The revocation list names the peer's EK or its disk.
+    #[error("the node is revoked: {0}")]
+    Revoked(crate::registry::Revocation),
+    /// The node registry failed: nothing was issued.
+    #[error("the node registry is unavailable")]
+    Registry(#[source] crate::registry::RegistryError),
 }
 
 impl From<SignCsrError> for JoinServiceError {
@@ -91,6 +101,11 @@ impl JoinServiceError {
             E::Derive => "deriving a key failed",
             E::DiskNotBound(_) => "the state disk is not bound to this node's TPM",
             E::DiskBindings(_) => "the disk binding store is unavailable",
+            E::Member => "the node is already locked into a cluster",
+            E::Revoked(_) => {
+                "the node is revoked: its EK or disk is on the cluster's revocation list"
+            }
+            E::Registry(_) => "the node registry is unavailable",
         }
     }
 }
@@ -103,14 +118,16 @@ impl From<&JoinServiceError> for tonic::Status {
         let code = match e {
             E::NotAttested => tonic::Code::Unauthenticated,
             E::InvalidRequest(_) | E::DiskUuid(_) | E::Csr(_) => tonic::Code::InvalidArgument,
-            E::Identity(_) | E::DiskNotBound(_) => tonic::Code::PermissionDenied,
+            E::Identity(_) | E::DiskNotBound(_) | E::Revoked(_) => tonic::Code::PermissionDenied,
+            E::Member => tonic::Code::FailedPrecondition,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
             E::Busy | E::Token(_) => tonic::Code::Unavailable,
             E::Sign(_)
             | E::ControlPlaneFile { .. }
             | E::Seal(_)
             | E::Derive
-            | E::DiskBindings(_) => tonic::Code::Internal,
+            | E::DiskBindings(_)
+            | E::Registry(_) => tonic::Code::Internal,
         };
         tonic::Status::new(code, e.peer_message())
     }

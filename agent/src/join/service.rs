@@ -55,6 +55,7 @@ use crate::cluster::ClusterState;
 use crate::disk_bindings::{Bind, DiskBindingRefusal, DiskBindings, DiskBindingsError, EkDigest};
 use crate::kubeadm::{BootstrapToken, CaCertHash, Kubeadm};
 use crate::paths;
+use crate::registry::RegistryStore;
 
 /// Largest accepted request message (tonic refuses larger ones).
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
@@ -131,6 +132,8 @@ pub struct JoinService {
     inner: Arc<Inner>,
     /// Later states of the cluster (new join measurements), when followed.
     updates: Option<tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>>,
+    /// The node registry whose revocation list this service enforces.
+    registry: Option<Arc<RegistryStore>>,
 }
 
 struct Inner {
@@ -167,7 +170,45 @@ impl JoinService {
                 disks: Arc::new(disks),
             }),
             updates: None,
+            registry: None,
         })
+    }
+
+    /// The same service, refusing every ticket to a node the registry's
+    /// revocation list names, and registering each node it issues one to.
+    pub fn with_registry(mut self, registry: Arc<RegistryStore>) -> Self {
+        self.registry = Some(registry);
+        self
+    }
+
+    /// Refuses a revoked peer: its EK or its disk is on the list.
+    fn check_revocation(&self, ek: &EkDigest, disk_uuid: &str) -> Result<(), JoinServiceError> {
+        match self
+            .registry
+            .as_ref()
+            .and_then(|r| r.revocation(ek, disk_uuid))
+        {
+            Some(revocation) => Err(JoinServiceError::Revoked(revocation)),
+            None => Ok(()),
+        }
+    }
+
+    /// Records in the registry that `peer` got a ticket.
+    async fn register(
+        &self,
+        ek: EkDigest,
+        disk_uuid: String,
+        identity: NodeIdentity,
+    ) -> Result<(), JoinServiceError> {
+        let Some(registry) = self.registry.clone() else {
+            return Ok(());
+        };
+        tokio::task::spawn_blocking(move || {
+            registry.update(|r| r.register(&ek, &disk_uuid, &identity.name, identity.role.as_str()))
+        })
+        .await
+        .map_err(|_| JoinServiceError::Registry(crate::registry::RegistryError::Task))?
+        .map_err(JoinServiceError::Registry)
     }
 
     /// The same service, issuing tickets from the latest cluster state in
@@ -218,8 +259,10 @@ impl JoinService {
     ) -> Result<IssueJoinTicketResponse, JoinServiceError> {
         let _slot = self.slot().await?;
         let cluster = &self.cluster();
+        require_outside_cluster(peer)?;
         check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
+        self.check_revocation(&ek, &request.disk_uuid)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
@@ -254,6 +297,8 @@ impl JoinService {
                 }))
             }
         }
+        self.register(ek, request.disk_uuid.clone(), measured_identity(peer)?)
+            .await?;
         let token = BootstrapToken::generate();
         self.inner
             .kubeadm
@@ -323,9 +368,11 @@ impl JoinService {
     ) -> Result<IssueRejoinTicketResponse, JoinServiceError> {
         let _slot = self.slot().await?;
         let cluster = &self.cluster();
+        require_outside_cluster(peer)?;
         let identity = measured_identity(peer)?;
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
+        self.check_revocation(&ek, &request.disk_uuid)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
@@ -348,6 +395,8 @@ impl JoinService {
                 "disk not seen here; its key is bound to the peer's EK"
             ),
         }
+        self.register(ek, request.disk_uuid.clone(), identity.clone())
+            .await?;
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),
@@ -396,6 +445,15 @@ impl JoinService {
     }
 }
 
+/// The join port also admits members (their evidence): a ticket goes only to
+/// a node whose PCR 15 is still zero.
+fn require_outside_cluster(peer: &Verified) -> Result<(), JoinServiceError> {
+    match peer.pcrs.get(&keel_verifier::measurement::pcr::CLUSTER_ID) {
+        Some(value) if *value == [0; 32] => Ok(()),
+        _ => Err(JoinServiceError::Member),
+    }
+}
+
 /// The request's node name and role must be those the peer measured.
 fn check_identity(
     peer: &Verified,
@@ -422,7 +480,7 @@ fn check_identity(
 }
 
 /// The node name and role in the peer's replayed node-identity event.
-fn measured_identity(peer: &Verified) -> Result<NodeIdentity, JoinServiceError> {
+pub(crate) fn measured_identity(peer: &Verified) -> Result<NodeIdentity, JoinServiceError> {
     let event = peer
         .events
         .iter()
@@ -484,11 +542,7 @@ async fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<
 fn peer_claims<T>(
     request: &tonic::Request<T>,
 ) -> Result<Arc<keel_atls::Attested<Verified>>, JoinServiceError> {
-    request
-        .extensions()
-        .get::<keel_atls::PeerInfo<Verified>>()
-        .and_then(|p| p.attested().cloned())
-        .ok_or(JoinServiceError::NotAttested)
+    crate::grpc::attested_peer(request).ok_or(JoinServiceError::NotAttested)
 }
 
 /// Logs a refusal with its causes and makes the peer's status.

@@ -16,7 +16,6 @@ use keel_atls::{Attested, ConnectError};
 use keel_installer::{Component, KubernetesVersion};
 use keel_proto::join::{IssueJoinTicketResponse, JoinSecrets};
 use keel_verifier::credential::CredentialError;
-use keel_verifier::measurement::{event_digest, extend, pcr, Digest32, EventType};
 use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::SigningPublicKey;
 use keel_verifier::validator::Verified;
@@ -280,31 +279,8 @@ pub fn check_service_cluster(
     service: &Verified,
     cluster_id: &ClusterId,
 ) -> Result<(), TicketError> {
-    let events: Vec<_> = service
-        .events
-        .iter()
-        .filter(|e| e.event_type == EventType::ClusterId)
-        .collect();
-    let [event] = events.as_slice() else {
-        return Err(TicketError::ServiceCluster(
-            "the service is not locked into exactly one cluster",
-        ));
-    };
-    if event.data.as_slice() != cluster_id.as_slice() {
-        return Err(TicketError::ServiceCluster(
-            "the service belongs to another cluster than the ticket",
-        ));
-    }
-    let expected: Digest32 = extend(
-        &[0; 32],
-        &event_digest(event.seq, EventType::ClusterId, cluster_id),
-    );
-    if service.pcrs.get(&pcr::CLUSTER_ID) != Some(&expected) {
-        return Err(TicketError::ServiceCluster(
-            "the service's PCR 15 is not the extend of the ticket's cluster ID",
-        ));
-    }
-    Ok(())
+    keel_verifier::validator::check_cluster_lock(service, cluster_id)
+        .map_err(TicketError::ServiceCluster)
 }
 
 /// Checks every field of a join ticket the service sent, with its opened

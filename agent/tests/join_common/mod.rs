@@ -300,11 +300,34 @@ async fn start_service_on(
     foreign_lock: bool,
     hardware: Option<&Hardware>,
 ) -> Service {
-    let port = ports[0];
+    // The CA's certificates (in the config) exist once it made a TPM.
     let swtpm = Swtpm::start(ca).unwrap();
+    let config = config_for(ca, ports, "cp-0", "control-plane");
+    start_service_node(ports[0], config, swtpm, components, foreign_lock, hardware).await
+}
+
+/// [`start_service_for`] with the node config `config` (its cluster part
+/// is every member's) and the TPM `swtpm`, listening on `port`.
+pub async fn start_service_config(
+    port: u16,
+    config: NodeConfig,
+    swtpm: Swtpm,
+    components: Option<Vec<Component>>,
+    foreign_lock: bool,
+) -> Service {
+    start_service_node(port, config, swtpm, components, foreign_lock, None).await
+}
+
+async fn start_service_node(
+    port: u16,
+    config: NodeConfig,
+    swtpm: Swtpm,
+    components: Option<Vec<Component>>,
+    foreign_lock: bool,
+    hardware: Option<&Hardware>,
+) -> Service {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
-    let config = config_for(ca, ports, "cp-0", "control-plane");
     let tpm = measured_with(
         &swtpm,
         &dir.path().join("log"),

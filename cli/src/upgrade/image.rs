@@ -17,7 +17,7 @@ use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequ
 use keel_verifier::measurements::Measurements;
 
 use super::Cluster;
-use crate::push::{refused, Operator};
+use crate::operator::{refused, Operator};
 use crate::settings::{read_bounded, Settings};
 
 /// The proof kind of staging.
@@ -83,7 +83,7 @@ fn signature_of(file: &Path) -> PathBuf {
 /// Stages `image` on every control plane of `cluster`, reporting each.
 pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Result<()> {
     let settings = Settings::load(&cluster.settings)?;
-    let operator = &Operator::new(&settings, &cluster.workspace)?;
+    let operator = &Operator::new(&settings, &cluster.workspace, cluster.wait())?;
     println!(
         "image: staging measurements sha256:{} on {} control plane(s)",
         hex::encode(image.digest),
@@ -93,13 +93,13 @@ pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Res
         cluster,
         "stage the image measurements",
         |endpoint| async move {
-            let mut node = operator.connect(&endpoint, cluster.wait()).await?;
-            let proof = node.prove(STAGE, &image.body);
+            let (mut node, challenge, proof) =
+                operator.authorise(&endpoint, STAGE, &image.body).await?;
             node.client
                 .stage_image_measurements(StageImageMeasurementsRequest {
                     measurements: image.body.clone(),
                     signature: image.signature.clone(),
-                    challenge: node.challenge,
+                    challenge,
                     proof,
                 })
                 .await
@@ -122,15 +122,11 @@ pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Res
 /// Finishes the image rollout on every control plane of `cluster`.
 pub async fn finish(cluster: &Cluster) -> anyhow::Result<()> {
     let settings = Settings::load(&cluster.settings)?;
-    let operator = &Operator::new(&settings, &cluster.workspace)?;
+    let operator = &Operator::new(&settings, &cluster.workspace, cluster.wait())?;
     on_each(cluster, "finish the image upgrade", |endpoint| async move {
-        let mut node = operator.connect(&endpoint, cluster.wait()).await?;
-        let proof = node.prove(FINISH, &[]);
+        let (mut node, challenge, proof) = operator.authorise(&endpoint, FINISH, &[]).await?;
         node.client
-            .finish_image_upgrade(FinishImageUpgradeRequest {
-                challenge: node.challenge,
-                proof,
-            })
+            .finish_image_upgrade(FinishImageUpgradeRequest { challenge, proof })
             .await
             .map_err(|s| refused(&endpoint, &s))
             .map(|done| {

@@ -13,6 +13,7 @@ use keel_verifier::config::{NodeConfig, Role};
 use super::config::{self, CliSettings};
 use super::disk::{self, MasterSecret};
 use super::init::{self, InitInputs};
+use super::operator;
 use super::procs::{self, KeptCluster, KeptNode, KeptProcess, Process};
 use super::recover::{self, Recovery};
 use super::verify::{self, Verification};
@@ -773,6 +774,44 @@ impl Cluster {
             node.init_port,
             &self.dir.join(WORKSPACE),
             &node.dir.join("recover.log"),
+        )
+    }
+
+    /// The settings and init ports `keel revoke` and `keel status` use:
+    /// both control planes, judged as members.
+    fn operator_inputs(&self) -> Result<(PathBuf, Vec<u16>), MiniError> {
+        let settings = self.dir.join("operator.json");
+        config::write_json(
+            &settings,
+            &CliSettings::verify(self.cp.init_port, config::MEASUREMENTS_MEMBER),
+        )?;
+        Ok((settings, vec![self.cp.init_port, self.cp1.init_port]))
+    }
+
+    /// `keel revoke node` against both control planes; its output is kept
+    /// in `revoke.log`. Returns whether it succeeded.
+    pub fn revoke(&self, node: &str) -> Result<bool, MiniError> {
+        let (settings, ports) = self.operator_inputs()?;
+        operator::revoke(
+            &self.tools.keel,
+            &settings,
+            &self.dir.join(WORKSPACE),
+            &ports,
+            node,
+            &self.dir.join("revoke.log"),
+        )
+    }
+
+    /// `keel status -o json` against both control planes; its output is
+    /// kept in `status.log`.
+    pub fn status(&self) -> Result<operator::Status, MiniError> {
+        let (settings, ports) = self.operator_inputs()?;
+        operator::status(
+            &self.tools.keel,
+            &settings,
+            &self.dir.join(WORKSPACE),
+            &ports,
+            &self.dir.join("status.log"),
         )
     }
 

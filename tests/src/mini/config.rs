@@ -8,7 +8,9 @@ use std::path::Path;
 
 use keel_image::pcr::replay;
 use keel_image::predict::{self, Uki};
-use keel_verifier::config::{ClusterConfig, NodeConfig, NodeIdentity, Role};
+use keel_verifier::config::{
+    ClusterConfig, EvidenceConfig, EvidencePolicy, NodeConfig, NodeIdentity, Role,
+};
 use keel_verifier::measurements::{Expected, Measurements};
 use rand::RngCore as _;
 use serde::Serialize;
@@ -24,6 +26,9 @@ pub const GUEST_JOIN_PORT: u16 = 9090;
 pub const GUEST_HOST: &str = "10.0.2.2";
 /// The state disk's device inside a VM.
 pub const STATE_DISK_DEVICE: &str = "/dev/vdb";
+/// Seconds between a member's evidence in the local cluster: short, so a
+/// scenario sees verdicts quickly (part of the cluster config, PCR 12).
+pub const EVIDENCE_INTERVAL_SECONDS: u32 = 10;
 /// The PCR that holds the cluster ID once a node is locked.
 pub const PCR_CLUSTER_ID: u32 = 15;
 
@@ -65,6 +70,10 @@ pub fn node_config(
             component_mirror: None,
             ek_ca_pem: ek_ca_pem.to_owned(),
             attestation: Default::default(),
+            evidence: EvidenceConfig {
+                interval_seconds: EVIDENCE_INTERVAL_SECONDS,
+                policy: EvidencePolicy::Log,
+            },
         },
         node: NodeIdentity {
             name: name.to_owned(),

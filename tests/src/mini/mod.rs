@@ -28,6 +28,7 @@ pub mod cluster;
 pub mod config;
 pub mod disk;
 pub mod init;
+pub mod operator;
 pub mod procs;
 pub mod recover;
 pub mod verify;

@@ -1,0 +1,168 @@
+//! Who the join port admits: nodes that ask to join (PCR 15 zero, the join
+//! service's policy, unchanged) and members of this cluster that send
+//! evidence (the same measurements without PCR 15, the cluster's config
+//! PCR, and PCR 15 the extend of exactly this cluster's ID).
+//!
+//! Both are judged by [`keel_verifier::validator::Validator`]; the members'
+//! validator is built from the measurements the cluster state carries (the
+//! ones the join service's file is written from) and rebuilt when the
+//! operator replaces them. Key residency is proven through the join
+//! policy's validator for both, so a proven AK is remembered once.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use keel_verifier::ek::EkTrust;
+use keel_verifier::keys::ClusterId;
+use keel_verifier::measurement::{pcr, Digest32};
+use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
+use keel_verifier::validator::{ValidationError, Validator, Verified};
+use sha2::{Digest as _, Sha256};
+
+use crate::attestation::policy::ReloadableValidator;
+use crate::cluster::{ClusterSlot, ClusterState};
+
+/// The validator of members' evidence, following the cluster state.
+pub struct MemberPolicy {
+    cluster: tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>,
+    ek_trust: EkTrust,
+    config_pcr: Digest32,
+    built: Mutex<Option<(Digest32, Arc<Validator>)>>,
+}
+
+/// The validator members are checked with now, and the SHA-256 of the
+/// measurements it was built from.
+#[derive(Clone)]
+pub struct MemberValidator {
+    /// The validator.
+    pub validator: Arc<Validator>,
+    /// SHA-256 of the join measurements (JSON) it enforces.
+    pub measurements: Digest32,
+    /// The cluster members must be locked into.
+    pub cluster_id: ClusterId,
+}
+
+/// Why a member's document was refused beyond its validation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdmissionError {
+    /// This node serves no cluster yet.
+    #[error("this control plane serves no cluster yet")]
+    NoCluster,
+    /// The members' measurements cannot be built.
+    #[error("the members' measurements")]
+    Measurements(#[source] MeasurementsError),
+    /// PCR 15 is not the extend of exactly this cluster's ID.
+    #[error("not a member of this cluster: {0}")]
+    NotMember(#[source] crate::join::TicketError),
+}
+
+impl MemberPolicy {
+    /// A policy following `cluster`, trusting EKs of `ek_trust` and
+    /// requiring the config PCR `config_pcr` (the cluster config's).
+    pub fn new(cluster: &ClusterSlot, ek_trust: EkTrust, config_pcr: Digest32) -> Self {
+        Self {
+            cluster: cluster.subscribe(),
+            ek_trust,
+            config_pcr,
+            built: Mutex::new(None),
+        }
+    }
+
+    /// The validator for the cluster state in force now.
+    pub fn current(&self) -> Result<MemberValidator, AdmissionError> {
+        let state = self
+            .cluster
+            .borrow()
+            .clone()
+            .ok_or(AdmissionError::NoCluster)?;
+        let json = state.join_measurements.to_json();
+        let digest: Digest32 = Sha256::digest(json.as_bytes()).into();
+        let mut built = self.built.lock().unwrap_or_else(PoisonError::into_inner);
+        let validator = match &*built {
+            Some((d, v)) if *d == digest => v.clone(),
+            _ => {
+                let mut measurements = Measurements::new(
+                    state
+                        .join_measurements
+                        .iter()
+                        .filter(|(p, _)| **p != pcr::CLUSTER_ID)
+                        .map(|(p, e): (&u32, &Expected)| (*p, e.clone())),
+                )
+                .map_err(AdmissionError::Measurements)?;
+                measurements.require(pcr::CONFIG, self.config_pcr);
+                let v = Arc::new(Validator::new(measurements, self.ek_trust.clone()));
+                *built = Some((digest, v.clone()));
+                v
+            }
+        };
+        Ok(MemberValidator {
+            validator,
+            measurements: digest,
+            cluster_id: state.cluster_id,
+        })
+    }
+}
+
+/// The member's PCR 15 must be the extend of exactly `cluster_id`.
+pub fn check_member(peer: &Verified, cluster_id: &ClusterId) -> Result<(), AdmissionError> {
+    crate::join::ticket::check_service_cluster(peer, cluster_id).map_err(AdmissionError::NotMember)
+}
+
+/// The join port's validator: the join policy, or else a member of this
+/// cluster.
+pub struct PortValidator {
+    join: Arc<ReloadableValidator>,
+    members: Arc<MemberPolicy>,
+}
+
+impl PortValidator {
+    /// Admits what `join` admits, and members by `members`.
+    pub fn new(join: Arc<ReloadableValidator>, members: Arc<MemberPolicy>) -> Self {
+        Self { join, members }
+    }
+}
+
+/// Whether the join policy refused a document for its PCR 15 (among
+/// others): only then may it be a member's.
+fn refused_for_pcr15(e: &ValidationError) -> bool {
+    matches!(e, ValidationError::Measurements(m) if m.iter().any(|x| x.pcr == pcr::CLUSTER_ID))
+}
+
+impl keel_atls::Validator for PortValidator {
+    type Claims = Verified;
+
+    fn validate(
+        &self,
+        document: &[u8],
+        nonce: &[u8],
+        user_data: &[u8],
+    ) -> Result<Verified, keel_atls::ValidationError> {
+        let join = self.join.current();
+        match Validator::validate(&join, document, nonce, user_data) {
+            Ok(verified) => return Ok(verified),
+            Err(e) if refused_for_pcr15(&e) => {}
+            // Judged again through the trait for its aTLS error kind.
+            Err(_) => return keel_atls::Validator::validate(&*join, document, nonce, user_data),
+        }
+        let member = self
+            .members
+            .current()
+            .map_err(keel_atls::ValidationError::rejected)?;
+        let verified =
+            keel_atls::Validator::validate(&*member.validator, document, nonce, user_data)?;
+        check_member(&verified, &member.cluster_id)
+            .map_err(keel_atls::ValidationError::rejected)?;
+        Ok(verified)
+    }
+
+    fn residency_challenge(
+        &self,
+        claims: &Verified,
+    ) -> Result<Option<keel_atls::Challenge>, keel_atls::ValidationError> {
+        keel_atls::Validator::residency_challenge(&*self.join.current(), claims)
+    }
+
+    fn residency_proven(&self, claims: &Verified) {
+        keel_atls::Validator::residency_proven(&*self.join.current(), claims);
+    }
+}

@@ -1,0 +1,287 @@
+//! The node's end of continuous attestation: once the node is locked into
+//! its cluster, one loop per control plane. Each connects over mutual aTLS
+//! (the control plane must run this node's boot chain and config and be
+//! locked into the same cluster), asks for a nonce, quotes it with the
+//! user data of its submission and submits; it reconnects after a failure.
+//! A control plane also pulls each other control plane's registry and
+//! merges it into its own.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_atls::{AtlsClient, ConnectError};
+use keel_proto::evidence::evidence_service_client::EvidenceServiceClient;
+use keel_proto::evidence::{NextNonceRequest, RegistryRequest, SubmitEvidenceRequest};
+use keel_verifier::config::Role;
+use keel_verifier::ek::EkTrust;
+use keel_verifier::keys::ClusterId;
+use keel_verifier::validator::{Validator, Verified};
+use tonic::transport::{Channel, Endpoint};
+
+use super::{reported_kubernetes_version, user_data};
+use crate::attestation::issuer::TpmIssuer;
+use crate::join::ticket::check_service_cluster;
+use crate::measured::SharedTpm;
+use crate::provision::Node;
+use crate::registry::{Registry, RegistryStore, MAX_REGISTRY_BYTES};
+
+/// Why a round of evidence failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EvidenceClientError {
+    /// The endpoint is not a valid URI.
+    #[error("invalid endpoint {0:?}")]
+    Endpoint(String),
+    /// The aTLS connection failed.
+    #[error("connecting to the control plane")]
+    Connect(#[source] ConnectError),
+    /// The control plane is not locked into this node's cluster.
+    #[error("the control plane is not of this node's cluster")]
+    OtherCluster(#[source] crate::join::TicketError),
+    /// The control plane refused a request.
+    #[error("the control plane refused: {}: {}", .0.code(), .0.message())]
+    Refused(tonic::Status),
+    /// Quoting the nonce failed.
+    #[error("quoting the nonce")]
+    Quote(#[source] crate::attestation::issuer::IssueError),
+    /// The quoting task did not complete.
+    #[error("the quoting task failed")]
+    Task,
+    /// Another control plane's registry is unusable.
+    #[error("merging another control plane's registry")]
+    Registry(#[source] crate::registry::RegistryError),
+}
+
+/// Sends this node's evidence.
+#[derive(Clone)]
+pub struct EvidenceClient {
+    atls: AtlsClient<Verified>,
+    tpm: SharedTpm,
+    root: PathBuf,
+    disk_uuid: String,
+    retry: Duration,
+    registry: Option<Arc<RegistryStore>>,
+}
+
+/// One connection to a control plane's evidence service.
+pub struct Session {
+    client: EvidenceServiceClient<Channel>,
+    tpm: SharedTpm,
+    disk_uuid: String,
+    kubernetes_version: String,
+}
+
+impl EvidenceClient {
+    /// A client attesting with `tpm`, validating control planes with
+    /// `validator` (see [`crate::join::service_validator`]), reporting the
+    /// disk `disk_uuid` and the version under `root`, retrying after `retry`.
+    pub fn new(
+        tpm: SharedTpm,
+        validator: Validator,
+        root: PathBuf,
+        disk_uuid: String,
+        retry: Duration,
+    ) -> Self {
+        let issuer = Arc::new(TpmIssuer::new(tpm.clone()));
+        let atls =
+            AtlsClient::mutual(issuer, Arc::new(validator)).with_timeout(Duration::from_secs(30));
+        Self {
+            atls,
+            tpm,
+            root,
+            disk_uuid,
+            retry,
+            registry: None,
+        }
+    }
+
+    /// The same client on a control plane: after each round it merges the
+    /// other control plane's registry into `registry`.
+    pub fn merging_into(mut self, registry: Arc<RegistryStore>) -> Self {
+        self.registry = Some(registry);
+        self
+    }
+
+    /// Connects to `endpoint`, which must be locked into `cluster_id`.
+    pub async fn connect(
+        &self,
+        endpoint: &str,
+        cluster_id: &ClusterId,
+    ) -> Result<Session, EvidenceClientError> {
+        // A nonce request waits up to one interval (at most 90 s).
+        let uri = Endpoint::from_shared(format!("http://{endpoint}"))
+            .map_err(|_| EvidenceClientError::Endpoint(endpoint.to_owned()))?
+            .timeout(Duration::from_secs(150));
+        let bound = self
+            .atls
+            .bind_channel(uri)
+            .await
+            .map_err(EvidenceClientError::Connect)?;
+        let service = bound
+            .attested
+            .ok_or(EvidenceClientError::Connect(ConnectError::ServerNotChecked))?;
+        check_service_cluster(service.claims(), cluster_id)
+            .map_err(EvidenceClientError::OtherCluster)?;
+        Ok(Session {
+            client: EvidenceServiceClient::new(bound.channel)
+                .max_decoding_message_size(MAX_REGISTRY_BYTES),
+            tpm: self.tpm.clone(),
+            disk_uuid: self.disk_uuid.clone(),
+            kubernetes_version: reported_kubernetes_version(&self.root),
+        })
+    }
+
+    /// Sends evidence to `endpoint` for as long as the task runs.
+    pub async fn run(self, endpoint: String, cluster_id: ClusterId) {
+        loop {
+            match self.connect(&endpoint, &cluster_id).await {
+                Ok(mut session) => loop {
+                    match session.round().await {
+                        Ok(verdict) if verdict == "trusted" => {
+                            tracing::debug!(%endpoint, "evidence accepted");
+                        }
+                        Ok(verdict) => {
+                            tracing::warn!(%endpoint, %verdict, "the control plane's verdict on this node's evidence");
+                        }
+                        Err(e) => {
+                            tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence round failed");
+                            break;
+                        }
+                    }
+                    if let Some(registry) = &self.registry {
+                        if let Err(e) = session.merge_registry(registry).await {
+                            tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "registry exchange failed");
+                        }
+                    }
+                },
+                Err(e) => {
+                    tracing::info!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence connection failed");
+                }
+            }
+            tokio::time::sleep(self.retry).await;
+        }
+    }
+}
+
+impl Session {
+    /// The raw client (tests send what a node would not).
+    pub fn client(&mut self) -> &mut EvidenceServiceClient<Channel> {
+        &mut self.client
+    }
+
+    /// Evidence for `nonce`: a fresh quote binding the submission's fields.
+    pub async fn evidence(
+        &self,
+        nonce: Vec<u8>,
+    ) -> Result<SubmitEvidenceRequest, EvidenceClientError> {
+        let issuer = TpmIssuer::new(self.tpm.clone());
+        let data = user_data(&self.disk_uuid, &self.kubernetes_version);
+        let quoted = nonce.clone();
+        let document = tokio::task::spawn_blocking(move || issuer.issue(&quoted, &data))
+            .await
+            .map_err(|_| EvidenceClientError::Task)?
+            .map_err(EvidenceClientError::Quote)?;
+        Ok(SubmitEvidenceRequest {
+            nonce,
+            document,
+            disk_uuid: self.disk_uuid.clone(),
+            kubernetes_version: self.kubernetes_version.clone(),
+        })
+    }
+
+    /// Waits for the control plane's next nonce.
+    pub async fn next_nonce(&mut self) -> Result<Vec<u8>, EvidenceClientError> {
+        Ok(self
+            .client
+            .next_nonce(NextNonceRequest {})
+            .await
+            .map_err(EvidenceClientError::Refused)?
+            .into_inner()
+            .nonce)
+    }
+
+    /// One round: wait for the nonce, quote, submit; returns the verdict.
+    pub async fn round(&mut self) -> Result<String, EvidenceClientError> {
+        let nonce = self.next_nonce().await?;
+        let request = self.evidence(nonce).await?;
+        Ok(self
+            .client
+            .submit(request)
+            .await
+            .map_err(EvidenceClientError::Refused)?
+            .into_inner()
+            .verdict)
+    }
+
+    /// Pulls the control plane's registry and merges it into `registry`.
+    pub async fn merge_registry(
+        &mut self,
+        registry: &RegistryStore,
+    ) -> Result<usize, EvidenceClientError> {
+        let bytes = self
+            .client
+            .registry(RegistryRequest {})
+            .await
+            .map_err(EvidenceClientError::Refused)?
+            .into_inner()
+            .registry;
+        let theirs = Registry::parse(&bytes).map_err(EvidenceClientError::Registry)?;
+        let added = registry
+            .update(|r| Ok(r.merge(theirs)))
+            .map_err(EvidenceClientError::Registry)?;
+        if added > 0 {
+            tracing::info!(added, "revocations taken from another control plane");
+        }
+        Ok(added)
+    }
+}
+
+/// Runs the evidence loops of a booted node: waits until it is locked into
+/// its cluster, then attests to every control-plane endpoint of its config.
+pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
+    let endpoints = node.config.cluster.control_plane_endpoints.clone();
+    if endpoints.is_empty() {
+        return Ok(());
+    }
+    let cluster_id = loop {
+        if let Some(id) = node.lock.cluster_id()? {
+            break id;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let disk_uuid = match node.env.state_disk.clone() {
+        Some(disk) => tokio::task::spawn_blocking(move || disk.initialised_uuid())
+            .await??
+            .unwrap_or_default(),
+        None => String::new(),
+    };
+    let ek_trust = EkTrust::from_pem(node.config.cluster.ek_ca_pem.as_bytes())?;
+    let validator = crate::join::service_validator(&node.tpm, ek_trust)?;
+    let mut client = EvidenceClient::new(
+        node.tpm.clone(),
+        validator,
+        node.env.root().to_owned(),
+        disk_uuid,
+        node.config.cluster.evidence.interval(),
+    );
+    if node.config.node.role == Role::ControlPlane {
+        // The control plane's state disk is mounted once it serves a cluster.
+        let mut slot = node.cluster.subscribe();
+        while slot.borrow_and_update().is_none() {
+            slot.changed().await?;
+        }
+        client = client.merging_into(RegistryStore::shared(node.env.root())?);
+    }
+    tracing::info!(
+        endpoints = endpoints.len(),
+        interval_s = node.config.cluster.evidence.interval().as_secs(),
+        "sending evidence to the control planes"
+    );
+    let mut loops = tokio::task::JoinSet::new();
+    for endpoint in endpoints {
+        loops.spawn(client.clone().run(endpoint, cluster_id));
+    }
+    while loops.join_next().await.is_some() {}
+    Ok(())
+}

@@ -1,0 +1,513 @@
+//! The control plane's end of continuous attestation: paces each member's
+//! evidence, issues its nonces, validates what it sends as at join time and
+//! keeps the verdicts in the [registry](crate::registry).
+//!
+//! Bounds: one nonce request waiting and one nonce outstanding per EK (a
+//! new nonce replaces the old), at most [`MAX_NODES`] EKs paced; a nonce is
+//! valid for one interval plus [`NONCE_GRACE`]; a submission is checked
+//! against its nonce, its EK and its AK before anything is validated, so a
+//! flood of submissions costs a lookup each and at most one validation per
+//! interval per node; requests are bounded to [`MAX_EVIDENCE_REQUEST_BYTES`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use keel_proto::attestation::AttestationDocument;
+use keel_proto::evidence::evidence_service_server::{self, EvidenceServiceServer};
+use keel_proto::evidence::{
+    NextNonceRequest, NextNonceResponse, RegistryRequest, RegistryResponse, SubmitEvidenceRequest,
+    SubmitEvidenceResponse,
+};
+use keel_verifier::config::{EvidenceConfig, EvidencePolicy, Role};
+use keel_verifier::measurement::EventType;
+use keel_verifier::tpm_wire::Public;
+use keel_verifier::validator::{Verified, MAX_DOCUMENT_BYTES};
+use prost::Message as _;
+use rand::RngCore as _;
+use subtle::ConstantTimeEq as _;
+
+use super::admission::{check_member, MemberPolicy};
+use super::{user_data, MAX_FIELD_BYTES, SILENT_AFTER};
+use crate::cluster::{ClusterSlot, ClusterState};
+use crate::disk_bindings::EkDigest;
+use crate::registry::{self, Evidence, RegistryError, RegistryStore, Revocation, Verdict};
+
+/// Most EKs paced at once.
+pub const MAX_NODES: usize = registry::MAX_NODES;
+/// How long a nonce outlives its interval.
+pub const NONCE_GRACE: Duration = Duration::from_secs(30);
+/// Largest accepted request: a document and two short strings.
+pub const MAX_EVIDENCE_REQUEST_BYTES: usize = MAX_DOCUMENT_BYTES + 4096;
+
+/// Why a request was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EvidenceError {
+    /// The connection carries no validated attestation.
+    #[error("the peer is not attested")]
+    NotAttested,
+    /// This control plane has no cluster yet, or its measurements are unusable.
+    #[error("the evidence service is not ready")]
+    NotReady(#[source] super::admission::AdmissionError),
+    /// The peer is not a member of this cluster.
+    #[error("the peer is not a member of this cluster")]
+    NotMember(#[source] super::admission::AdmissionError),
+    /// The revocation list names the peer.
+    #[error("the node is revoked: {0}")]
+    Revoked(Revocation),
+    /// The peer already waits for a nonce, or too many nodes are paced.
+    #[error("a nonce request of this node is already waiting, or too many nodes")]
+    Busy,
+    /// The nonce is not the one this control plane issued to this EK.
+    #[error("the nonce was not issued to this node, was used or expired")]
+    NonceNotIssued,
+    /// The evidence comes from another EK or AK than the connection's.
+    #[error("the evidence is not from the TPM key proven on this connection")]
+    UnknownKey,
+    /// A field is invalid.
+    #[error("invalid request: {0}")]
+    InvalidRequest(&'static str),
+    /// Only control planes may read the registry.
+    #[error("only control planes read the registry")]
+    NotControlPlane,
+    /// The registry failed.
+    #[error("the node registry failed")]
+    Registry(#[source] RegistryError),
+}
+
+impl From<&EvidenceError> for tonic::Status {
+    /// The one map from evidence refusals to gRPC codes; the peer gets a
+    /// fixed text, the log the full chain.
+    fn from(e: &EvidenceError) -> Self {
+        use EvidenceError as E;
+        let (code, message) = match e {
+            E::NotAttested => (tonic::Code::Unauthenticated, "the peer is not attested"),
+            E::NotReady(_) => (
+                tonic::Code::Unavailable,
+                "the evidence service is not ready",
+            ),
+            E::NotMember(_) => (
+                tonic::Code::PermissionDenied,
+                "not a member of this cluster",
+            ),
+            E::Revoked(_) => (
+                tonic::Code::PermissionDenied,
+                "the node is revoked: its EK or disk is on the cluster's revocation list",
+            ),
+            E::Busy => (
+                tonic::Code::ResourceExhausted,
+                "a nonce request is already waiting",
+            ),
+            E::NonceNotIssued => (
+                tonic::Code::PermissionDenied,
+                "the nonce was not issued to this node, was used or expired",
+            ),
+            E::UnknownKey => (
+                tonic::Code::PermissionDenied,
+                "the evidence is not from the TPM key proven on this connection",
+            ),
+            E::InvalidRequest(what) => (tonic::Code::InvalidArgument, *what),
+            E::NotControlPlane => (
+                tonic::Code::PermissionDenied,
+                "only control planes read the registry",
+            ),
+            E::Registry(_) => (tonic::Code::Internal, "the node registry failed"),
+        };
+        tonic::Status::new(code, message)
+    }
+}
+
+/// The pace of one EK's evidence.
+#[derive(Default)]
+struct Pace {
+    waiting: bool,
+    nonce: Option<([u8; 32], Instant)>,
+    last: Option<Instant>,
+}
+
+/// The evidence service of a control plane.
+#[derive(Clone)]
+pub struct EvidenceService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    members: Arc<MemberPolicy>,
+    cluster: tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>,
+    registry: Arc<RegistryStore>,
+    config: EvidenceConfig,
+    started: u64,
+    paces: Mutex<HashMap<[u8; 32], Pace>>,
+}
+
+/// Clears an EK's waiting mark when its nonce request ends, answered or not.
+struct Waiting<'a> {
+    service: &'a EvidenceService,
+    ek: [u8; 32],
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.service.paces().get_mut(&self.ek) {
+            p.waiting = false;
+        }
+    }
+}
+
+impl EvidenceService {
+    /// The service of a control plane whose cluster appears in `cluster`,
+    /// judging members by `members`, keeping verdicts in `registry`.
+    pub fn new(
+        cluster: &ClusterSlot,
+        members: Arc<MemberPolicy>,
+        registry: Arc<RegistryStore>,
+        config: EvidenceConfig,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                members,
+                cluster: cluster.subscribe(),
+                registry,
+                config,
+                started: registry::now(),
+                paces: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The tonic service, requests bounded to [`MAX_EVIDENCE_REQUEST_BYTES`].
+    pub fn into_service(self) -> EvidenceServiceServer<Self> {
+        EvidenceServiceServer::new(self).max_decoding_message_size(MAX_EVIDENCE_REQUEST_BYTES)
+    }
+
+    /// The registry this service records in.
+    pub fn registry(&self) -> &Arc<RegistryStore> {
+        &self.inner.registry
+    }
+
+    fn paces(&self) -> MutexGuard<'_, HashMap<[u8; 32], Pace>> {
+        self.inner
+            .paces
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The peer's EK, once it is a member that is not revoked.
+    fn admit(&self, peer: &Verified) -> Result<EkDigest, EvidenceError> {
+        let member = self
+            .inner
+            .members
+            .current()
+            .map_err(EvidenceError::NotReady)?;
+        check_member(peer, &member.cluster_id).map_err(EvidenceError::NotMember)?;
+        let ek = EkDigest::of_public(&peer.ek);
+        match self.inner.registry.revocation(&ek, "") {
+            Some(revocation) => Err(EvidenceError::Revoked(revocation)),
+            None => Ok(ek),
+        }
+    }
+
+    /// Waits until `peer`'s next evidence is due and returns its nonce.
+    pub async fn next_nonce(&self, peer: &Verified) -> Result<[u8; 32], EvidenceError> {
+        let ek = *self.admit(peer)?.as_bytes();
+        let interval = self.inner.config.interval();
+        let due = {
+            let mut paces = self.paces();
+            if !paces.contains_key(&ek) && paces.len() >= MAX_NODES {
+                return Err(EvidenceError::Busy);
+            }
+            let pace = paces.entry(ek).or_default();
+            if pace.waiting {
+                return Err(EvidenceError::Busy);
+            }
+            pace.waiting = true;
+            pace.last.map(|last| last + interval)
+        };
+        let _waiting = Waiting { service: self, ek };
+        if let Some(due) = due {
+            tokio::time::sleep_until(due.into()).await;
+        }
+        let mut nonce = [0u8; 32];
+        rand::rngs::OsRng.fill_bytes(&mut nonce);
+        if let Some(pace) = self.paces().get_mut(&ek) {
+            pace.nonce = Some((nonce, Instant::now()));
+        }
+        Ok(nonce)
+    }
+
+    /// Takes `nonce` if it is the one outstanding for `ek` and fresh.
+    fn take_nonce(&self, ek: &[u8; 32], nonce: &[u8]) -> bool {
+        let ttl = self.inner.config.interval() + NONCE_GRACE;
+        let mut paces = self.paces();
+        let Some(pace) = paces.get_mut(ek) else {
+            return false;
+        };
+        match pace.nonce {
+            Some((issued, at)) if bool::from(issued.as_slice().ct_eq(nonce)) => {
+                pace.nonce = None;
+                pace.last = Some(Instant::now());
+                at.elapsed() < ttl
+            }
+            _ => false,
+        }
+    }
+
+    /// Checks and records `peer`'s evidence; returns its verdict.
+    pub async fn submit(
+        &self,
+        peer: &Verified,
+        request: SubmitEvidenceRequest,
+    ) -> Result<Verdict, EvidenceError> {
+        let ek = self.admit(peer)?;
+        if request.disk_uuid.len() > MAX_FIELD_BYTES
+            || request.kubernetes_version.len() > MAX_FIELD_BYTES
+        {
+            return Err(EvidenceError::InvalidRequest(
+                "disk UUID or version too long",
+            ));
+        }
+        if request.document.len() > MAX_DOCUMENT_BYTES {
+            return Err(EvidenceError::InvalidRequest("evidence too large"));
+        }
+        if let Some(revocation) = self.inner.registry.revocation(&ek, &request.disk_uuid) {
+            return Err(EvidenceError::Revoked(revocation));
+        }
+        if !self.take_nonce(ek.as_bytes(), &request.nonce) {
+            return Err(EvidenceError::NonceNotIssued);
+        }
+        // Only evidence signed by the AK proven for this connection's EK
+        // can be held against the node.
+        let doc = AttestationDocument::decode(request.document.as_slice())
+            .map_err(|_| EvidenceError::InvalidRequest("the evidence does not decode"))?;
+        let ak = Public::parse(&doc.ak_public).map_err(|_| EvidenceError::UnknownKey)?;
+        if !EkDigest::of_marshalled(&doc.ek_public).ct_eq(&ek) || ak.name != peer.ak.name {
+            return Err(EvidenceError::UnknownKey);
+        }
+        let member = self
+            .inner
+            .members
+            .current()
+            .map_err(EvidenceError::NotReady)?;
+        let components = self
+            .inner
+            .cluster
+            .borrow()
+            .as_ref()
+            .map(|s| authorised_hashes(s))
+            .unwrap_or_default();
+        let identity = crate::join::service::measured_identity(peer).ok();
+        let (name, role) = identity
+            .as_ref()
+            .map(|i| (i.name.clone(), i.role.as_str().to_owned()))
+            .unwrap_or_default();
+        let disk_uuid = request.disk_uuid.clone();
+        let version = request.kubernetes_version.clone();
+        let started = Instant::now();
+        let measurements = hex::encode(member.measurements);
+        let failure = tokio::task::spawn_blocking(move || {
+            let data = user_data(&disk_uuid, &version);
+            match member
+                .validator
+                .validate(&request.document, &request.nonce, &data)
+            {
+                Ok(verified) => judge(&verified, &member.cluster_id, &components),
+                Err(e) => Some(e.to_string()),
+            }
+        })
+        .await
+        .unwrap_or_else(|_| Some("the validation task failed".into()));
+        let evidence = Evidence {
+            ek,
+            disk_uuid: request.disk_uuid,
+            name,
+            role,
+            kubernetes_version: request.kubernetes_version,
+            measurements,
+            failure,
+        };
+        let (previous, record) = self
+            .store(move |r| {
+                let previous = r.record(&evidence)?;
+                let record = r.nodes.get(&evidence.ek.to_string()).cloned();
+                Ok((previous, record))
+            })
+            .await?;
+        let Some(record) = record else {
+            return Err(EvidenceError::Registry(RegistryError::Full));
+        };
+        tracing::debug!(node = %record.name.escape_debug(), ek = %ek, ms = started.elapsed().as_secs_f64() * 1e3, "evidence checked");
+        if record.verdict == Verdict::Drifted {
+            tracing::warn!(
+                node = %record.name.escape_debug(),
+                ek = %ek,
+                disk = %record.disk_uuid.escape_debug(),
+                reason = %record.reason.as_deref().unwrap_or("").escape_debug(),
+                "node drifted: its evidence failed validation"
+            );
+            self.apply_policy(&record).await?;
+        } else if previous != Some(Verdict::Trusted) {
+            tracing::info!(node = %record.name.escape_debug(), ek = %ek, "node trusted: its evidence validated");
+        }
+        Ok(record.verdict)
+    }
+
+    /// Under the `revoke` policy, revokes the node of `record`.
+    async fn apply_policy(&self, record: &registry::NodeRecord) -> Result<(), EvidenceError> {
+        if self.inner.config.policy != EvidencePolicy::Revoke {
+            return Ok(());
+        }
+        let reason = format!(
+            "policy revoke: {}: {}",
+            record.verdict.as_str(),
+            record.reason.as_deref().unwrap_or("")
+        );
+        let record = record.clone();
+        let revocation = self.store(move |r| r.revoke(&record, &reason)).await?;
+        tracing::warn!(%revocation, "node revoked by policy");
+        Ok(())
+    }
+
+    /// Marks silent the nodes that sent nothing for three intervals (counted
+    /// from this service's start at the earliest); returns how many.
+    pub async fn sweep(&self) -> Result<usize, EvidenceError> {
+        let grace = self.inner.config.interval() * SILENT_AFTER;
+        let since = self.inner.started;
+        let marked = self
+            .store(move |r| Ok(r.mark_silent(registry::now(), grace, since)))
+            .await?;
+        for record in &marked {
+            tracing::warn!(
+                node = %record.name.escape_debug(),
+                ek = %record.ek,
+                disk = %record.disk_uuid.escape_debug(),
+                reason = %record.reason.as_deref().unwrap_or("").escape_debug(),
+                "node silent"
+            );
+            self.apply_policy(record).await?;
+        }
+        Ok(marked.len())
+    }
+
+    /// Sweeps every interval until the task is dropped.
+    pub async fn sweep_forever(self) {
+        let mut tick = tokio::time::interval(self.inner.config.interval());
+        loop {
+            tick.tick().await;
+            if let Err(e) = self.sweep().await {
+                tracing::error!(error = %keel_atls::ErrorChain(&e), "marking silent nodes failed");
+            }
+        }
+    }
+
+    /// The registry, for a peer that is a control plane of this cluster.
+    pub fn registry_for(&self, peer: &Verified) -> Result<Vec<u8>, EvidenceError> {
+        self.admit(peer)?;
+        match crate::join::service::measured_identity(peer) {
+            Ok(identity) if identity.role == Role::ControlPlane => {
+                Ok(self.inner.registry.snapshot().to_json())
+            }
+            _ => Err(EvidenceError::NotControlPlane),
+        }
+    }
+
+    async fn store<T: Send + 'static>(
+        &self,
+        change: impl FnOnce(&mut registry::Registry) -> Result<T, RegistryError> + Send + 'static,
+    ) -> Result<T, EvidenceError> {
+        let registry = self.inner.registry.clone();
+        tokio::task::spawn_blocking(move || registry.update(change))
+            .await
+            .map_err(|_| EvidenceError::Registry(RegistryError::Task))?
+            .map_err(EvidenceError::Registry)
+    }
+}
+
+/// The hashes of the components the cluster authorises.
+fn authorised_hashes(state: &ClusterState) -> Vec<String> {
+    state
+        .components
+        .iter()
+        .map(|c| c.hash().to_string())
+        .collect()
+}
+
+/// What validation does not cover: PCR 15 names exactly this cluster, and
+/// PCR 13 grew only by authorised components. `None` if both hold.
+fn judge(verified: &Verified, cluster_id: &[u8; 32], authorised: &[String]) -> Option<String> {
+    if let Err(e) = check_member(verified, cluster_id) {
+        return Some(format!("PCR 15: {e}"));
+    }
+    for event in verified
+        .events
+        .iter()
+        .filter(|e| e.event_type == EventType::Component)
+    {
+        let hash = serde_json::from_slice::<serde_json::Value>(&event.data)
+            .ok()
+            .and_then(|v| v.get("hash").and_then(|h| h.as_str()).map(str::to_owned));
+        match hash {
+            Some(h) if authorised.contains(&h) => {}
+            other => {
+                return Some(format!(
+                    "PCR 13: component {} is not of an authorised version",
+                    other.as_deref().unwrap_or("(unreadable)").escape_debug()
+                ))
+            }
+        }
+    }
+    None
+}
+
+/// The validated claims of the peer of `request`.
+fn peer_claims<T>(
+    request: &tonic::Request<T>,
+) -> Result<Arc<keel_atls::Attested<Verified>>, EvidenceError> {
+    crate::grpc::attested_peer(request).ok_or(EvidenceError::NotAttested)
+}
+
+fn refused(what: &str, e: &EvidenceError) -> tonic::Status {
+    tracing::warn!(error = %keel_atls::ErrorChain(e), "{what} refused");
+    e.into()
+}
+
+#[tonic::async_trait]
+impl evidence_service_server::EvidenceService for EvidenceService {
+    async fn next_nonce(
+        &self,
+        request: tonic::Request<NextNonceRequest>,
+    ) -> Result<tonic::Response<NextNonceResponse>, tonic::Status> {
+        let peer = peer_claims(&request).map_err(|e| refused("nonce request", &e))?;
+        let nonce = EvidenceService::next_nonce(self, peer.claims())
+            .await
+            .map_err(|e| refused("nonce request", &e))?;
+        Ok(tonic::Response::new(NextNonceResponse {
+            nonce: nonce.to_vec(),
+            interval_seconds: self.inner.config.interval().as_secs() as u32,
+        }))
+    }
+
+    async fn submit(
+        &self,
+        request: tonic::Request<SubmitEvidenceRequest>,
+    ) -> Result<tonic::Response<SubmitEvidenceResponse>, tonic::Status> {
+        let peer = peer_claims(&request).map_err(|e| refused("evidence", &e))?;
+        let verdict = EvidenceService::submit(self, peer.claims(), request.into_inner())
+            .await
+            .map_err(|e| refused("evidence", &e))?;
+        Ok(tonic::Response::new(SubmitEvidenceResponse {
+            verdict: verdict.as_str().to_owned(),
+        }))
+    }
+
+    async fn registry(
+        &self,
+        request: tonic::Request<RegistryRequest>,
+    ) -> Result<tonic::Response<RegistryResponse>, tonic::Status> {
+        let peer = peer_claims(&request).map_err(|e| refused("registry request", &e))?;
+        let registry = self
+            .registry_for(peer.claims())
+            .map_err(|e| refused("registry request", &e))?;
+        Ok(tonic::Response::new(RegistryResponse { registry }))
+    }
+}

@@ -1,0 +1,553 @@
+//! A control plane's registry of member nodes: the verdict of each node's
+//! continuous attestation, and the revocation list.
+//!
+//! A node is identified by the SHA-256 of its EK public area and its state
+//! disk's UUID. It enters the registry when this control plane issues it a
+//! ticket or first validates its evidence; each evidence updates its
+//! verdict, time and reason. The revocation list names EKs and disk UUIDs
+//! that get no join ticket, no rejoin ticket and no disk key here.
+//!
+//! The registry lives on the control plane's state disk
+//! ([`paths::NODE_REGISTRY`] under the node root), written atomically after
+//! every change, so a reboot keeps it. Control planes share it: each pulls
+//! the others' registries with its own evidence and merges them
+//! ([`Registry::merge`]: revocations are a union, a node's newest evidence
+//! wins), and `keel revoke` goes to every control plane. One store per file
+//! and process ([`RegistryStore::shared`]): the join service, the evidence
+//! service and the operator API of a control plane see the same list.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::disk_bindings::EkDigest;
+use crate::paths;
+
+/// Most nodes a registry holds.
+pub const MAX_NODES: usize = 10_000;
+/// Most revocations a registry holds.
+pub const MAX_REVOCATIONS: usize = 10_000;
+/// Largest registry file read, or accepted from another control plane.
+pub const MAX_REGISTRY_BYTES: usize = 8 * 1024 * 1024;
+/// Longest stored reason; longer ones are cut.
+const MAX_REASON: usize = 512;
+/// Longest stored name, disk UUID or version.
+const MAX_FIELD: usize = 64;
+
+/// A node's verdict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    /// Registered (a ticket was issued), no evidence yet.
+    Registered,
+    /// Its last evidence validated.
+    Trusted,
+    /// Its last evidence failed validation.
+    Drifted,
+    /// It sent no evidence for three intervals.
+    Silent,
+}
+
+impl Verdict {
+    /// The kebab-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Registered => "registered",
+            Self::Trusted => "trusted",
+            Self::Drifted => "drifted",
+            Self::Silent => "silent",
+        }
+    }
+}
+
+/// What a control plane knows about one node.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeRecord {
+    /// The node name from its measured identity.
+    pub name: String,
+    /// Its measured role.
+    pub role: String,
+    /// SHA-256 of its EK public area (hex).
+    pub ek: String,
+    /// Its state disk's UUID (empty: none reported).
+    pub disk_uuid: String,
+    /// The verdict.
+    pub verdict: Verdict,
+    /// When it entered the registry (Unix seconds).
+    pub registered_at: u64,
+    /// When its last evidence arrived (Unix seconds), if ever.
+    pub last_evidence_at: Option<u64>,
+    /// When its verdict last changed or was confirmed (Unix seconds).
+    pub verdict_at: u64,
+    /// Why its last evidence failed, or why it is silent.
+    pub reason: Option<String>,
+    /// The Kubernetes version its last evidence reported.
+    pub kubernetes_version: String,
+    /// SHA-256 (hex) of the measurements its last evidence was checked against.
+    pub measurements: String,
+}
+
+/// One entry of the revocation list.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Revocation {
+    /// The node name, as the registry knew it.
+    pub name: String,
+    /// SHA-256 of the revoked EK public area (hex).
+    pub ek: String,
+    /// The revoked disk UUID (empty: none known).
+    pub disk_uuid: String,
+    /// Why: the operator, or the policy with the verdict's reason.
+    pub reason: String,
+    /// When (Unix seconds).
+    pub at: u64,
+}
+
+impl std::fmt::Display for Revocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "node {} (EK {}, disk {}) revoked at {}: {}",
+            self.name.escape_debug(),
+            self.ek,
+            self.disk_uuid.escape_debug(),
+            self.at,
+            self.reason.escape_debug()
+        )
+    }
+}
+
+/// The registry's content: nodes by EK hash, and the revocation list.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Registry {
+    /// Nodes by the hex SHA-256 of their EK.
+    pub nodes: BTreeMap<String, NodeRecord>,
+    /// Revoked nodes, oldest first.
+    pub revoked: Vec<Revocation>,
+}
+
+/// A registry operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// Reading the registry file failed.
+    #[error("reading the node registry {path:?}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The registry file or a peer's registry is invalid.
+    #[error("the node registry is invalid: {0}")]
+    Invalid(String),
+    /// Writing the registry failed.
+    #[error("writing the node registry")]
+    Write(#[from] crate::files::WriteFileError),
+    /// The registry holds as many entries as it may.
+    #[error("the node registry is full")]
+    Full,
+    /// A blocking registry task did not complete.
+    #[error("the node registry task failed")]
+    Task,
+    /// No node matches the selector.
+    #[error("no node {0:?} is known to this control plane")]
+    UnknownNode(String),
+}
+
+/// What a node record is updated with after one evidence check.
+#[derive(Clone, Debug)]
+pub struct Evidence {
+    /// The node's EK.
+    pub ek: EkDigest,
+    /// Its disk UUID.
+    pub disk_uuid: String,
+    /// Its measured name.
+    pub name: String,
+    /// Its measured role.
+    pub role: String,
+    /// The Kubernetes version it reported.
+    pub kubernetes_version: String,
+    /// SHA-256 (hex) of the measurements it was checked against.
+    pub measurements: String,
+    /// `None` if it validated, else why not.
+    pub failure: Option<String>,
+}
+
+/// Unix seconds now.
+pub fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn cut(text: &str, max: usize) -> String {
+    text.chars().take(max).collect()
+}
+
+impl Registry {
+    /// Parses a registry document (at most [`MAX_REGISTRY_BYTES`], at most
+    /// [`MAX_NODES`] nodes and [`MAX_REVOCATIONS`] revocations).
+    pub fn parse(bytes: &[u8]) -> Result<Self, RegistryError> {
+        if bytes.len() > MAX_REGISTRY_BYTES {
+            return Err(RegistryError::Invalid("larger than 8 MiB".into()));
+        }
+        let registry: Self =
+            serde_json::from_slice(bytes).map_err(|e| RegistryError::Invalid(e.to_string()))?;
+        if registry.nodes.len() > MAX_NODES || registry.revoked.len() > MAX_REVOCATIONS {
+            return Err(RegistryError::Invalid("too many entries".into()));
+        }
+        Ok(registry)
+    }
+
+    /// The JSON form.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).unwrap_or_default()
+    }
+
+    /// The revocation that covers `ek` or `disk_uuid`, if any.
+    pub fn revocation(&self, ek: &EkDigest, disk_uuid: &str) -> Option<&Revocation> {
+        let ek = ek.to_string();
+        self.revoked.iter().find(|r| {
+            r.ek == ek || (!disk_uuid.is_empty() && r.disk_uuid.eq_ignore_ascii_case(disk_uuid))
+        })
+    }
+
+    /// Records that a ticket was issued to a node; keeps its verdict if
+    /// it is known.
+    pub fn register(
+        &mut self,
+        ek: &EkDigest,
+        disk_uuid: &str,
+        name: &str,
+        role: &str,
+    ) -> Result<(), RegistryError> {
+        let key = ek.to_string();
+        if !self.nodes.contains_key(&key) && self.nodes.len() >= MAX_NODES {
+            return Err(RegistryError::Full);
+        }
+        let at = now();
+        let record = self.nodes.entry(key.clone()).or_insert_with(|| NodeRecord {
+            name: String::new(),
+            role: String::new(),
+            ek: key,
+            disk_uuid: String::new(),
+            verdict: Verdict::Registered,
+            registered_at: at,
+            last_evidence_at: None,
+            verdict_at: at,
+            reason: None,
+            kubernetes_version: String::new(),
+            measurements: String::new(),
+        });
+        record.name = cut(name, MAX_FIELD);
+        record.role = cut(role, MAX_FIELD);
+        record.disk_uuid = cut(&disk_uuid.to_ascii_lowercase(), MAX_FIELD);
+        Ok(())
+    }
+
+    /// Records one evidence check; returns the node's previous verdict
+    /// (`None` for a node new to the registry).
+    pub fn record(&mut self, evidence: &Evidence) -> Result<Option<Verdict>, RegistryError> {
+        let previous = self.nodes.get(&evidence.ek.to_string()).map(|r| r.verdict);
+        self.register(
+            &evidence.ek,
+            &evidence.disk_uuid,
+            &evidence.name,
+            &evidence.role,
+        )?;
+        let at = now();
+        if let Some(record) = self.nodes.get_mut(&evidence.ek.to_string()) {
+            record.last_evidence_at = Some(at);
+            record.verdict_at = at;
+            record.kubernetes_version = cut(&evidence.kubernetes_version, MAX_FIELD);
+            record.measurements = cut(&evidence.measurements, MAX_FIELD);
+            match &evidence.failure {
+                None => {
+                    record.verdict = Verdict::Trusted;
+                    record.reason = None;
+                }
+                Some(reason) => {
+                    record.verdict = Verdict::Drifted;
+                    record.reason = Some(cut(reason, MAX_REASON));
+                }
+            }
+        }
+        Ok(previous)
+    }
+
+    /// Marks silent every node that is not revoked and sent no evidence
+    /// since `since` (Unix seconds) and for `grace` before `now`; returns
+    /// the nodes newly marked.
+    pub fn mark_silent(&mut self, now: u64, grace: Duration, since: u64) -> Vec<NodeRecord> {
+        let revoked: Vec<(String, String)> = self
+            .revoked
+            .iter()
+            .map(|r| (r.ek.clone(), r.disk_uuid.clone()))
+            .collect();
+        let mut marked = Vec::new();
+        for record in self.nodes.values_mut() {
+            if record.verdict == Verdict::Silent || revoked.iter().any(|(ek, _)| *ek == record.ek) {
+                continue;
+            }
+            let heard = record
+                .last_evidence_at
+                .unwrap_or(record.registered_at)
+                .max(since);
+            let quiet = now.saturating_sub(heard);
+            if quiet >= grace.as_secs() {
+                record.verdict = Verdict::Silent;
+                record.verdict_at = now;
+                record.reason = Some(format!("no evidence for {quiet} s"));
+                marked.push(record.clone());
+            }
+        }
+        marked
+    }
+
+    /// The node `selector` names: its name, its EK hash (hex) or its disk
+    /// UUID.
+    pub fn find(&self, selector: &str) -> Result<&NodeRecord, RegistryError> {
+        let wanted = selector.trim();
+        let mut matches = self.nodes.values().filter(|r| {
+            r.name == wanted
+                || r.ek.eq_ignore_ascii_case(wanted)
+                || (!r.disk_uuid.is_empty() && r.disk_uuid.eq_ignore_ascii_case(wanted))
+        });
+        match (matches.next(), matches.next()) {
+            (Some(record), None) => Ok(record),
+            // Two nodes of one name (a node that came back with a new TPM):
+            // the operator names the EK or the disk.
+            (Some(_), Some(_)) => Err(RegistryError::UnknownNode(format!(
+                "{} (ambiguous: name the EK hash or the disk UUID)",
+                cut(wanted, MAX_FIELD)
+            ))),
+            _ => Err(RegistryError::UnknownNode(cut(wanted, MAX_FIELD))),
+        }
+    }
+
+    /// Puts `record`'s EK and disk on the revocation list for `reason`;
+    /// returns the revocation (the existing one if it was revoked).
+    pub fn revoke(
+        &mut self,
+        record: &NodeRecord,
+        reason: &str,
+    ) -> Result<Revocation, RegistryError> {
+        if let Some(existing) = self.revoked.iter().find(|r| r.ek == record.ek) {
+            return Ok(existing.clone());
+        }
+        if self.revoked.len() >= MAX_REVOCATIONS {
+            return Err(RegistryError::Full);
+        }
+        let revocation = Revocation {
+            name: record.name.clone(),
+            ek: record.ek.clone(),
+            disk_uuid: record.disk_uuid.clone(),
+            reason: cut(reason, MAX_REASON),
+            at: now(),
+        };
+        self.revoked.push(revocation.clone());
+        Ok(revocation)
+    }
+
+    /// Takes in another control plane's registry: its revocations join
+    /// this list, and each node record it has with newer evidence (or that
+    /// this one lacks) replaces this one's. Returns how many revocations
+    /// were new.
+    pub fn merge(&mut self, other: Self) -> usize {
+        let mut added = 0;
+        for revocation in other.revoked {
+            if self.revoked.len() >= MAX_REVOCATIONS {
+                break;
+            }
+            if !self.revoked.iter().any(|r| r.ek == revocation.ek) {
+                self.revoked.push(revocation);
+                added += 1;
+            }
+        }
+        for (key, theirs) in other.nodes {
+            let newer = match self.nodes.get(&key) {
+                Some(ours) => theirs.last_evidence_at > ours.last_evidence_at,
+                None => self.nodes.len() < MAX_NODES,
+            };
+            if newer && key == theirs.ek {
+                self.nodes.insert(key, theirs);
+            }
+        }
+        added
+    }
+}
+
+/// A registry on disk, changed under one lock and written after each change.
+#[derive(Debug)]
+pub struct RegistryStore {
+    path: PathBuf,
+    registry: Mutex<Registry>,
+}
+
+/// The stores open in this process, by file.
+static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<RegistryStore>>>> = OnceLock::new();
+
+impl RegistryStore {
+    /// The store of the control plane whose node root is `root`
+    /// ([`paths::NODE_REGISTRY`] under it), loaded on first use: one per
+    /// file and process, so every service of a control plane sees the
+    /// same list. A file that exists but does not load is an error (the
+    /// revocations in it must not be forgotten).
+    pub fn shared(root: &Path) -> Result<Arc<Self>, RegistryError> {
+        let path = root.join(paths::NODE_REGISTRY);
+        let mut open = OPEN
+            .get_or_init(Mutex::default)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(store) = open.get(&path).and_then(Weak::upgrade) {
+            return Ok(store);
+        }
+        let store = Arc::new(Self::load(path.clone())?);
+        open.retain(|_, weak| weak.strong_count() > 0);
+        open.insert(path, Arc::downgrade(&store));
+        Ok(store)
+    }
+
+    fn load(path: PathBuf) -> Result<Self, RegistryError> {
+        use std::io::Read as _;
+        let registry = match std::fs::File::open(&path) {
+            Ok(file) => {
+                let mut bytes = Vec::new();
+                file.take(MAX_REGISTRY_BYTES as u64 + 1)
+                    .read_to_end(&mut bytes)
+                    .map_err(|source| RegistryError::Read {
+                        path: path.clone(),
+                        source,
+                    })?;
+                Registry::parse(&bytes)?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry::default(),
+            Err(source) => return Err(RegistryError::Read { path, source }),
+        };
+        Ok(Self {
+            path,
+            registry: Mutex::new(registry),
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A copy of the registry.
+    pub fn snapshot(&self) -> Registry {
+        self.lock().clone()
+    }
+
+    /// The revocation covering `ek` or `disk_uuid`, if any.
+    pub fn revocation(&self, ek: &EkDigest, disk_uuid: &str) -> Option<Revocation> {
+        self.lock().revocation(ek, disk_uuid).cloned()
+    }
+
+    /// Applies `change` and writes the registry if it succeeded. Blocks on
+    /// the file system.
+    pub fn update<T>(
+        &self,
+        change: impl FnOnce(&mut Registry) -> Result<T, RegistryError>,
+    ) -> Result<T, RegistryError> {
+        let mut registry = self.lock();
+        let mut next = registry.clone();
+        let out = change(&mut next)?;
+        if next != *registry {
+            crate::files::write_private(&self.path, &next.to_json())?;
+            *registry = next;
+        }
+        Ok(out)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn ek(n: u8) -> EkDigest {
+        EkDigest::from_hex(&hex::encode([n; 32])).unwrap()
+    }
+
+    fn evidence(n: u8, failure: Option<&str>) -> Evidence {
+        Evidence {
+            ek: ek(n),
+            disk_uuid: format!("0000000{n}-0000-4000-8000-000000000000"),
+            name: format!("w-{n}"),
+            role: "worker".into(),
+            kubernetes_version: "v1.31.13".into(),
+            measurements: "ab".into(),
+            failure: failure.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn verdicts_silence_revocation_and_merge() {
+        let mut r = Registry::default();
+        assert_eq!(r.record(&evidence(1, None)).unwrap(), None);
+        assert_eq!(
+            r.record(&evidence(1, Some("PCR 13"))).unwrap(),
+            Some(Verdict::Trusted)
+        );
+        let node = r.find("w-1").unwrap().clone();
+        assert_eq!(node.verdict, Verdict::Drifted);
+        assert_eq!(node.reason.as_deref(), Some("PCR 13"));
+        assert!(r.find(&node.ek).is_ok());
+        assert!(r.find(&node.disk_uuid.to_ascii_uppercase()).is_ok());
+        assert!(matches!(r.find("w-9"), Err(RegistryError::UnknownNode(_))));
+
+        // Silent only after the grace, counted from `since` too.
+        let t = node.last_evidence_at.unwrap();
+        assert!(r.mark_silent(t + 5, Duration::from_secs(10), 0).is_empty());
+        assert!(r
+            .mark_silent(t + 20, Duration::from_secs(10), t + 15)
+            .is_empty());
+        assert_eq!(r.mark_silent(t + 20, Duration::from_secs(10), 0).len(), 1);
+        assert_eq!(r.find("w-1").unwrap().verdict, Verdict::Silent);
+
+        let revocation = r.revoke(&node, "operator").unwrap();
+        assert!(r.revocation(&ek(1), "").is_some());
+        assert!(r.revocation(&ek(2), &node.disk_uuid).is_some());
+        assert!(r.revocation(&ek(2), "").is_none());
+        assert_eq!(r.revoke(&node, "again").unwrap(), revocation);
+
+        // Another control plane's list: revocations join, newer evidence wins.
+        let mut other = Registry::default();
+        other.record(&evidence(2, None)).unwrap();
+        let added = other.merge(r.clone());
+        assert_eq!(added, 1);
+        assert!(other.revocation(&ek(1), "").is_some());
+        assert_eq!(other.nodes.len(), 2);
+        let bytes = other.to_json();
+        assert_eq!(Registry::parse(&bytes).unwrap(), other);
+    }
+
+    #[test]
+    fn the_store_persists_and_is_shared() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        assert!(Arc::ptr_eq(
+            &store,
+            &RegistryStore::shared(dir.path()).unwrap()
+        ));
+        store.update(|r| r.record(&evidence(3, None))).unwrap();
+        let path = store.path().to_owned();
+        drop(store);
+        let again = RegistryStore::shared(dir.path()).unwrap();
+        assert_eq!(again.snapshot().nodes.len(), 1);
+        std::fs::write(&path, b"{not json").unwrap();
+        drop(again);
+        assert!(RegistryStore::shared(dir.path()).is_err());
+    }
+}

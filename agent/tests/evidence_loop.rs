@@ -1,0 +1,421 @@
+//! Continuous attestation on swtpm-backed nodes over real mutual aTLS: a
+//! control plane (the production join port: join service, evidence service,
+//! registry) and a worker that joined through it and sends evidence at a
+//! short interval. A worker whose PCR 13 is extended without a log entry
+//! is marked drifted with the PCR named; one that stops is marked silent;
+//! bad evidence is refused without a verdict; a revoked node (by the
+//! operator, or by the `revoke` policy) gets no rejoin ticket and no disk
+//! key, for its EK nor its disk.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use join_common::{
+    config_for, free_port, joiner_with, stand_in_components, start_service_config, Joiner, Service,
+};
+use keel_agent::cluster::ClusterSlot;
+use keel_agent::disk::Cryptsetup;
+use keel_agent::evidence::client::Session;
+use keel_agent::evidence::{user_data, EvidenceClient};
+use keel_agent::join::{service_validator, JoinOutcome, TicketError};
+use keel_agent::operator::{OperatorAuth, OperatorServer, NODE_STATUS, REVOKE_NODE};
+use keel_agent::registry::{Registry, RegistryStore, Verdict};
+use keel_proto::evidence::NextNonceRequest;
+use keel_proto::operator::{NodeStatusRequest, RevokeNodeRequest};
+use keel_testkit::mirror::MirrorServer;
+use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::config::{EvidencePolicy, NodeConfig};
+use keel_verifier::ek::EkTrust;
+
+const LIMIT: Duration = Duration::from_secs(120);
+const INTERVAL_S: u32 = 2;
+const INTERVAL: Duration = Duration::from_secs(INTERVAL_S as u64);
+
+fn config(ca: &EkCa, ports: &[u16], name: &str, role: &str, policy: EvidencePolicy) -> NodeConfig {
+    let mut config = config_for(ca, ports, name, role);
+    config.cluster.evidence.interval_seconds = INTERVAL_S;
+    config.cluster.evidence.policy = policy;
+    config
+}
+
+/// A cluster: cp-0 (a plain join service, stopped once cp-1 serves), cp-1
+/// serving the production join port, and a worker joined through cp-1.
+struct Cluster {
+    ca: EkCa,
+    ports: [u16; 2],
+    _cp0: Service,
+    cp1: Joiner,
+    cp1_slot: Arc<ClusterSlot>,
+    _serving: tokio::task::JoinHandle<()>,
+    worker: Joiner,
+    policy: EvidencePolicy,
+    _mirror: MirrorServer,
+}
+
+impl Cluster {
+    async fn start(policy: EvidencePolicy) -> Self {
+        let ca = EkCa::new().unwrap();
+        // The CA's certificates exist once it manufactured a TPM.
+        let cp1_tpm = Swtpm::start(&ca).unwrap();
+        let ports = [free_port(), free_port()];
+        let mirror = MirrorServer::start().unwrap();
+        let mut cp0 = start_service_config(
+            ports[0],
+            config(&ca, &ports, "cp-0", "control-plane", policy),
+            Swtpm::start(&ca).unwrap(),
+            Some(stand_in_components(&mirror)),
+            false,
+        )
+        .await;
+        let cp1 = joiner_with(
+            config(&ca, &ports, "cp-1", "control-plane", policy),
+            cp1_tpm,
+        );
+        let cp1_slot = Arc::new(ClusterSlot::new(None));
+        assert!(matches!(
+            run_client(&cp1, &ca, &cp1_slot).await,
+            JoinOutcome::Joined { .. }
+        ));
+        let serving = cp1.serve_join(ports[1], cp1_slot.clone()).await;
+        cp0.stop().await;
+        let worker = joiner_with(
+            config(&ca, &ports, "w-1", "worker", policy),
+            Swtpm::start(&ca).unwrap(),
+        );
+        let none = Arc::new(ClusterSlot::new(None));
+        assert!(matches!(
+            run_client(&worker, &ca, &none).await,
+            JoinOutcome::Joined { .. }
+        ));
+        Self {
+            ca,
+            ports,
+            _cp0: cp0,
+            cp1,
+            cp1_slot,
+            _serving: serving,
+            worker,
+            policy,
+            _mirror: mirror,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.ports[1])
+    }
+
+    fn cluster_id(&self) -> [u8; 32] {
+        self.cp1_slot.borrow().as_ref().unwrap().cluster_id
+    }
+
+    fn registry(&self) -> Arc<RegistryStore> {
+        RegistryStore::shared(&self.cp1.root).unwrap()
+    }
+
+    fn worker_disk(&self) -> String {
+        Cryptsetup::default().uuid(&self.worker.disk).unwrap()
+    }
+
+    /// The worker's evidence client toward cp-1.
+    fn evidence_client(&self, node: &Joiner) -> EvidenceClient {
+        let trust = EkTrust::from_pem(&self.ca.issuer_pem().unwrap()).unwrap();
+        EvidenceClient::new(
+            node.tpm.clone(),
+            service_validator(&node.tpm, trust).unwrap(),
+            node.root.clone(),
+            Cryptsetup::default().uuid(&node.disk).unwrap_or_default(),
+            Duration::from_millis(200),
+        )
+    }
+
+    async fn session(&self, node: &Joiner) -> Session {
+        self.evidence_client(node)
+            .connect(&self.endpoint(), &self.cluster_id())
+            .await
+            .unwrap()
+    }
+
+    /// Starts the worker's evidence loop toward cp-1 and waits until cp-1
+    /// trusts it.
+    async fn worker_trusted(&self) -> tokio::task::JoinHandle<()> {
+        let evidence = tokio::spawn(
+            self.evidence_client(&self.worker)
+                .run(self.endpoint(), self.cluster_id()),
+        );
+        self.wait_for("trusted", LIMIT, |r| {
+            Cluster::worker_record(r).is_some_and(|w| w.verdict == Verdict::Trusted)
+        })
+        .await;
+        evidence
+    }
+
+    /// Waits until cp-1's record of the worker satisfies `done`.
+    async fn wait_for(&self, what: &str, limit: Duration, done: impl Fn(&Registry) -> bool) {
+        let start = Instant::now();
+        while !done(&self.registry().snapshot()) {
+            assert!(
+                start.elapsed() < limit,
+                "{what}: not within {limit:?}: {:#?}",
+                self.registry().snapshot()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn worker_record(registry: &Registry) -> Option<&keel_agent::registry::NodeRecord> {
+        registry.nodes.values().find(|r| r.name == "w-1")
+    }
+
+    /// cp-1's operator API, and a proof for `kind` over `body` on a fresh
+    /// challenge.
+    fn operator(&self, kind: &str, body: &[u8]) -> (OperatorServer, Vec<u8>, Vec<u8>) {
+        let own_ek = join_common::ek_digest(&self.cp1.tpm);
+        let server = OperatorServer::new(
+            OperatorAuth::new(own_ek, self.cp1_slot.clone(), Arc::default()),
+            self.cp1_slot.clone(),
+            Some(self.cp1.work.join("join-measurements.json")),
+            self.cp1.root.clone(),
+            None,
+        );
+        let challenge = server.challenge().to_vec();
+        let key = self
+            .cp1_slot
+            .borrow()
+            .as_ref()
+            .unwrap()
+            .keys
+            .operator_key(&own_ek)
+            .unwrap();
+        let proof = key.prove(kind, &challenge, body).to_vec();
+        (server, challenge, proof)
+    }
+}
+
+async fn run_client(node: &Joiner, ca: &EkCa, slot: &Arc<ClusterSlot>) -> JoinOutcome {
+    let client = node.client(ca).with_cluster_slot(slot.clone());
+    tokio::time::timeout(LIMIT, client.run())
+        .await
+        .expect("the join client did not finish")
+}
+
+/// `node` asks `endpoint` for the rejoin ticket of `disk` and is refused
+/// as revoked.
+async fn assert_rejoin_revoked(ca: &EkCa, endpoint: &str, node: &Joiner, disk: &str) {
+    let result = node.tickets(ca).rejoin_ticket(endpoint, disk).await;
+    match result.map(|_| ()) {
+        Err(TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+            assert!(status.message().contains("revoked"), "{status:?}");
+        }
+        other => panic!("not refused as revoked: {other:?}"),
+    }
+}
+
+/// Extends PCR 13 of `node` without an event-log entry.
+fn tamper(node: &Joiner) {
+    node.tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(13, &[0x66; 32])
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn drift_silence_bad_evidence_and_operator_revocation() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    // The ticket registered the worker.
+    let registered = Cluster::worker_record(&c.registry().snapshot())
+        .cloned()
+        .expect("the worker was not registered with its ticket");
+    assert_eq!(registered.verdict, Verdict::Registered);
+    assert_eq!(registered.disk_uuid, c.worker_disk());
+
+    let evidence = c.worker_trusted().await;
+    let trusted = Cluster::worker_record(&c.registry().snapshot())
+        .cloned()
+        .unwrap();
+    assert_eq!(trusted.measurements.len(), 64);
+    assert!(trusted.last_evidence_at.is_some());
+    // A member that is not a control plane does not read the registry.
+    let mut ws = c.session(&c.worker).await;
+    let err = ws
+        .client()
+        .registry(keel_proto::evidence::RegistryRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    // An unlogged extend of PCR 13: drifted within two intervals, PCR named.
+    tamper(&c.worker);
+    let tampered = Instant::now();
+    c.wait_for("drifted", INTERVAL * 2 + Duration::from_secs(1), |r| {
+        Cluster::worker_record(r).is_some_and(|w| w.verdict == Verdict::Drifted)
+    })
+    .await;
+    println!("drift noticed after {:?}", tampered.elapsed());
+    let drifted = Cluster::worker_record(&c.registry().snapshot())
+        .cloned()
+        .unwrap();
+    let reason = drifted.reason.unwrap();
+    assert!(reason.contains("PCR 13"), "{reason}");
+    // The `log` policy revokes nothing.
+    assert!(c.registry().snapshot().revoked.is_empty());
+    // It stops reporting: silent after three intervals.
+    evidence.abort();
+    let _ = evidence.await;
+    c.wait_for("silent", INTERVAL * 5, |r| {
+        Cluster::worker_record(r).is_some_and(|w| w.verdict == Verdict::Silent)
+    })
+    .await;
+    // Bad evidence, over a member's own connection (cp-1 is a member too).
+    let mut s = c.session(&c.cp1).await;
+    let nonce = s.next_nonce().await.unwrap();
+    // A nonce the control plane did not issue.
+    let mut req = s.evidence(vec![7; 32]).await.unwrap();
+    let err = s.client().submit(req.clone()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("nonce"), "{err:?}");
+    // Evidence from another TPM (the worker's) for this connection's nonce.
+    let foreign = keel_agent::attestation::issuer::TpmIssuer::new(c.worker.tpm.clone())
+        .issue(&nonce, &user_data(&req.disk_uuid, &req.kubernetes_version))
+        .unwrap();
+    req.nonce = nonce.clone();
+    req.document = foreign;
+    let err = s.client().submit(req.clone()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("TPM key"), "{err:?}");
+    // Oversized evidence.
+    req.document = vec![0; keel_verifier::validator::MAX_DOCUMENT_BYTES + 1];
+    let err = s.client().submit(req).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    // A flood: the same valid evidence 16 times at once, and a second
+    // nonce request while one waits.
+    let nonce = s.next_nonce().await.unwrap();
+    let good = s.evidence(nonce).await.unwrap();
+    let mut floods = tokio::task::JoinSet::new();
+    for _ in 0..16 {
+        let (mut client, good) = (s.client().clone(), good.clone());
+        floods.spawn(async move { client.submit(good).await.map(|_| ()) });
+    }
+    let mut accepted = 0;
+    while let Some(done) = floods.join_next().await {
+        if done.unwrap().is_ok() {
+            accepted += 1;
+        }
+    }
+    assert_eq!(accepted, 1, "one evidence per nonce");
+    let mut waiting = s.client().clone();
+    let first = tokio::spawn(async move { waiting.next_nonce(NextNonceRequest {}).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let err = s
+        .client()
+        .next_nonce(NextNonceRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(first.await.unwrap().is_ok());
+    // The operator: status lists the worker; revoke of an unknown node is
+    // a clear error; revoke by disk UUID puts its EK and disk on the list.
+    let (op, challenge, proof) = c.operator(NODE_STATUS, b"");
+    let status = op
+        .node_status(&NodeStatusRequest { challenge, proof }, None)
+        .unwrap();
+    let status = Registry::parse(&status).unwrap();
+    assert!(Cluster::worker_record(&status).is_some());
+    let (op, challenge, proof) = c.operator(REVOKE_NODE, b"keel-nobody");
+    let err = op
+        .revoke_node(
+            &RevokeNodeRequest {
+                node: "keel-nobody".into(),
+                challenge,
+                proof,
+            },
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(tonic::Status::from(&err).code(), tonic::Code::NotFound);
+    assert!(err.to_string().contains("keel-nobody"), "{err}");
+    // A proof for another node does not revoke this one.
+    let disk = c.worker_disk();
+    let (op, challenge, proof) = c.operator(REVOKE_NODE, b"w-1");
+    let err = op
+        .revoke_node(
+            &RevokeNodeRequest {
+                node: disk.clone(),
+                challenge,
+                proof,
+            },
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        tonic::Status::from(&err).code(),
+        tonic::Code::PermissionDenied
+    );
+    let (op, challenge, proof) = c.operator(REVOKE_NODE, disk.as_bytes());
+    let revoked = op
+        .revoke_node(
+            &RevokeNodeRequest {
+                node: disk.clone(),
+                challenge,
+                proof,
+            },
+            None,
+        )
+        .unwrap();
+    assert_eq!(revoked.name, "w-1");
+    // Another control plane takes the list over the evidence connection
+    // (cp-1's own session stands in for it): the revocation arrives once.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let other_cp = RegistryStore::shared(elsewhere.path()).unwrap();
+    let mut s = c.session(&c.cp1).await;
+    assert_eq!(s.merge_registry(&other_cp).await.unwrap(), 1);
+    assert_eq!(s.merge_registry(&other_cp).await.unwrap(), 0);
+    assert_eq!(other_cp.snapshot().revoked[0].ek, revoked.ek);
+    // The revoked worker reboots: no rejoin ticket, so no disk key.
+    let endpoint = c.endpoint();
+    let worker = c.worker.reboot(&c.ca);
+    assert_rejoin_revoked(&c.ca, &endpoint, &worker, &disk).await;
+    // Another TPM asking for the revoked disk gets no key either.
+    let other = joiner_with(
+        config(&c.ca, &c.ports, "w-2", "worker", c.policy),
+        Swtpm::start(&c.ca).unwrap(),
+    );
+    assert_rejoin_revoked(&c.ca, &endpoint, &other, &disk).await;
+    // The list survives a restart of the registry (it is on the state disk).
+    let path = RegistryStore::shared(&c.cp1.root)
+        .unwrap()
+        .path()
+        .to_owned();
+    let stored = Registry::parse(&std::fs::read(path).unwrap()).unwrap();
+    assert_eq!(stored.revoked.len(), 1);
+    assert_eq!(stored.revoked[0].disk_uuid, disk);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_revoke_policy_refuses_a_drifted_node_after_a_tpm_reset() {
+    let c = Cluster::start(EvidencePolicy::Revoke).await;
+    let evidence = c.worker_trusted().await;
+    assert!(c.registry().snapshot().revoked.is_empty());
+    tamper(&c.worker);
+    c.wait_for("revoked", INTERVAL * 2 + Duration::from_secs(1), |r| {
+        !r.revoked.is_empty()
+    })
+    .await;
+    evidence.abort();
+    let revocation = c.registry().snapshot().revoked[0].clone();
+    assert_eq!(revocation.name, "w-1");
+    assert!(
+        revocation.reason.contains("PCR 13"),
+        "{}",
+        revocation.reason
+    );
+
+    // The TPM resets (reboot): PCR 13 replays again, but the node is revoked.
+    let (disk, endpoint) = (c.worker_disk(), c.endpoint());
+    let worker = c.worker.reboot(&c.ca);
+    assert_rejoin_revoked(&c.ca, &endpoint, &worker, &disk).await;
+}

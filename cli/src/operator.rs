@@ -1,0 +1,159 @@
+//! The operator API from the CLI's side: connect to each node named, check
+//! that it is a member of the workspace's cluster, and make the operator's
+//! proof for one request on a fresh challenge of that node, with the
+//! node's own operator key (derived from the master secret for the EK the
+//! node just attested; the secret itself never leaves this machine). Used
+//! by `keel push-measurements`, `keel revoke`, `keel status` and
+//! `keel upgrade`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use keel_atls::AtlsClient;
+use keel_proto::operator::operator_service_client::OperatorServiceClient;
+use keel_proto::operator::ChallengeRequest;
+use keel_verifier::config::{NodeIdentity, Role};
+use keel_verifier::ek::EkDigest;
+use keel_verifier::keys::{KeyService, OperatorKey};
+use keel_verifier::measurement::{pcr, EventType};
+use keel_verifier::measurements::Measurements;
+use keel_verifier::validator::{check_cluster_lock, Verified};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::init::connect;
+use crate::settings::Settings;
+use crate::workspace::{self, MasterSecret};
+
+/// What every operator request needs: the cluster's keys, its ID and a
+/// client that validates its members.
+pub struct Operator {
+    keys: KeyService,
+    cluster_id: [u8; 32],
+    client: AtlsClient<Verified>,
+    wait: Duration,
+}
+
+/// One node, attested and a member of the workspace's cluster.
+pub struct Member {
+    /// The endpoint it was reached at.
+    pub endpoint: String,
+    /// Its operator API.
+    pub client: OperatorServiceClient<Channel>,
+    /// Its name and role, as its measured event log says.
+    pub identity: Option<NodeIdentity>,
+    /// Its operator key.
+    key: OperatorKey,
+}
+
+/// Formats a refusal of `endpoint`.
+pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{endpoint} refused: {}: {}", s.code(), s.message())
+}
+
+impl Member {
+    /// Whether the node attests the control-plane role.
+    pub fn is_control_plane(&self) -> bool {
+        self.identity
+            .as_ref()
+            .is_some_and(|i| i.role == Role::ControlPlane)
+    }
+
+    /// A fresh challenge of the node and the operator's proof for a request
+    /// of `kind` over `body` on it.
+    pub async fn prove(&mut self, kind: &str, body: &[u8]) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+        let challenge = self
+            .client
+            .challenge(ChallengeRequest {})
+            .await
+            .map_err(|s| refused(&self.endpoint, &s))?
+            .into_inner()
+            .challenge;
+        let proof = self.key.prove(kind, &challenge, body).to_vec();
+        Ok((challenge, proof))
+    }
+}
+
+impl Operator {
+    /// Loads the settings at `settings_path` ([`Operator::new`]).
+    pub fn load(settings_path: &Path, workspace: &Path, wait: Duration) -> anyhow::Result<Self> {
+        Self::new(&Settings::load(settings_path)?, workspace, wait)
+    }
+
+    /// The operator of the cluster `keel init` wrote to `workspace`; nodes
+    /// are validated with the settings' measurements (PCR 15 aside: a
+    /// member's is judged by its event log), unreachable ones retried for
+    /// `wait`.
+    pub fn new(settings: &Settings, workspace: &Path, wait: Duration) -> anyhow::Result<Self> {
+        let secret = MasterSecret::load(workspace)?;
+        let keys =
+            KeyService::new(&secret.key, &secret.salt).context("the master secret is unusable")?;
+        let cluster_id: [u8; 32] = workspace::cluster_id(workspace)?
+            .as_slice()
+            .try_into()
+            .context("the workspace's cluster ID is not 32 bytes")?;
+        let current = settings.measurements()?;
+        let relaxed = Measurements::new(
+            current
+                .iter()
+                .filter(|(p, _)| **p != pcr::CLUSTER_ID)
+                .map(|(p, e)| (*p, e.clone())),
+        )
+        .context("the settings' measurements without PCR 15")?;
+        let client = AtlsClient::server_attested(Arc::new(settings.validator(relaxed)?));
+        Ok(Self {
+            keys,
+            cluster_id,
+            client,
+            wait,
+        })
+    }
+
+    /// Connects to the node at `endpoint`; it must be locked into exactly
+    /// the workspace's cluster.
+    pub async fn connect(&self, endpoint: &str) -> anyhow::Result<Member> {
+        let (host, port) = Settings::host_port(endpoint)?;
+        let uri =
+            Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
+        let bound = connect(&self.client, uri, self.wait).await?;
+        let attested = bound
+            .attested
+            .context("the node presented no attestation")?;
+        let claims = attested.claims();
+        if let Err(why) = check_cluster_lock(claims, &self.cluster_id) {
+            bail!(
+                "{endpoint} is not a member of the workspace's cluster ({why}); nothing was sent"
+            );
+        }
+        let key = self
+            .keys
+            .operator_key(&EkDigest::of_public(&claims.ek))
+            .context("deriving the node's operator key")?;
+        let identity = claims
+            .events
+            .iter()
+            .find(|e| e.event_type == EventType::NodeIdentity)
+            .and_then(|e| serde_json::from_slice::<NodeIdentity>(&e.data).ok());
+        Ok(Member {
+            endpoint: endpoint.to_owned(),
+            client: OperatorServiceClient::new(bound.channel),
+            identity,
+            key,
+        })
+    }
+
+    /// Connects to `endpoint` ([`Operator::connect`]) and proves a request
+    /// of `kind` over `body` on a fresh challenge of it: returns the node,
+    /// the challenge and the proof.
+    pub async fn authorise(
+        &self,
+        endpoint: &str,
+        kind: &str,
+        body: &[u8],
+    ) -> anyhow::Result<(Member, Vec<u8>, Vec<u8>)> {
+        let mut member = self.connect(endpoint).await?;
+        let (challenge, proof) = member.prove(kind, body).await?;
+        Ok((member, challenge, proof))
+    }
+}

@@ -1,0 +1,77 @@
+//! `keel revoke NODE`: put a node on the revocation list of every control
+//! plane named. Each must know the node (by name, EK hash or disk UUID);
+//! from then on it issues no join ticket, no rejoin ticket and so no disk
+//! key for the node's EK or its disk. A running node keeps the key it has
+//! until it reboots (docs/attestation.md says how to complete the removal).
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::bail;
+use keel_proto::operator::RevokeNodeRequest;
+
+use crate::operator::{refused, Operator};
+
+/// The proof kind the control planes expect.
+const KIND: &str = "revoke-node";
+
+/// Runs `keel revoke`.
+pub async fn run(
+    settings_path: &Path,
+    workspace: &Path,
+    node: &str,
+    endpoints: &[String],
+    wait: Duration,
+) -> anyhow::Result<()> {
+    if endpoints.is_empty() {
+        bail!("name each control plane's init port with --endpoint");
+    }
+    let operator = Operator::load(settings_path, workspace, wait)?;
+    // Every control plane is tried: one that does not know the node (or is
+    // down) takes the list from the others with its next evidence round.
+    let mut revoked = 0;
+    let mut failures = Vec::new();
+    for endpoint in endpoints {
+        match revoke_at(&operator, endpoint, node).await {
+            Ok(line) => {
+                println!("{line}");
+                revoked += 1;
+            }
+            Err(e) => {
+                eprintln!("keel: {e:#}");
+                failures.push(endpoint.as_str());
+            }
+        }
+    }
+    if revoked == 0 {
+        bail!("no control plane revoked {node:?}");
+    }
+    if !failures.is_empty() {
+        eprintln!(
+            "keel: revoked on {revoked} control plane(s); the others ({}) take the list from them",
+            failures.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Revokes `node` on the control plane at `endpoint`; returns what to print.
+async fn revoke_at(operator: &Operator, endpoint: &str, node: &str) -> anyhow::Result<String> {
+    let (mut cp, challenge, proof) = operator.authorise(endpoint, KIND, node.as_bytes()).await?;
+    let done = cp
+        .client
+        .revoke_node(RevokeNodeRequest {
+            node: node.to_owned(),
+            challenge,
+            proof,
+        })
+        .await
+        .map_err(|s| refused(endpoint, &s))?
+        .into_inner();
+    Ok(format!(
+        "{endpoint}: revoked node {} (EK {}, disk {})",
+        done.name.escape_debug(),
+        done.ek,
+        done.disk_uuid.escape_debug()
+    ))
+}

@@ -1,0 +1,118 @@
+//! `keel status`: each control plane's view of the cluster's nodes: role,
+//! EK hash, disk UUID, verdict of the continuous attestation, time of the
+//! last evidence, reason of the last failure, reported Kubernetes version,
+//! and the revocation list.
+
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _};
+use keel_proto::operator::NodeStatusRequest;
+use serde_json::Value;
+
+use crate::operator::{refused, Operator};
+use crate::verify::Output;
+
+/// The proof kind the control planes expect.
+const KIND: &str = "node-status";
+
+/// Runs `keel status`.
+pub async fn run(
+    settings_path: &Path,
+    workspace: &Path,
+    endpoints: &[String],
+    output: Output,
+    wait: Duration,
+) -> anyhow::Result<()> {
+    if endpoints.is_empty() {
+        bail!("name each control plane's init port with --endpoint");
+    }
+    let operator = Operator::load(settings_path, workspace, wait)?;
+    let mut views = Vec::new();
+    for endpoint in endpoints {
+        let (mut cp, challenge, proof) = operator.authorise(endpoint, KIND, &[]).await?;
+        let registry = cp
+            .client
+            .node_status(NodeStatusRequest { challenge, proof })
+            .await
+            .map_err(|s| refused(endpoint, &s))?
+            .into_inner()
+            .registry;
+        let registry: Value = serde_json::from_slice(&registry)
+            .with_context(|| format!("{endpoint} sent a registry that does not parse"))?;
+        views.push(serde_json::json!({ "endpoint": endpoint, "registry": registry }));
+    }
+    match output {
+        Output::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "control_planes": views }))?
+        ),
+        Output::Text => {
+            for view in &views {
+                print_view(view);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn text(v: &Value, key: &str) -> String {
+    v.get(key)
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .escape_debug()
+        .to_string()
+}
+
+/// "12 s ago" for a Unix time, "never" for none.
+fn age(v: &Value) -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    v.as_u64().map_or_else(
+        || "never".into(),
+        |t| format!("{} s ago", now.saturating_sub(t)),
+    )
+}
+
+fn print_view(view: &Value) {
+    let registry = &view["registry"];
+    println!("control plane {}", text(view, "endpoint"));
+    println!(
+        "  {:<16} {:<14} {:<12} {:<36} {:<10} {:<14} {:<10} reason",
+        "node", "role", "EK", "disk", "verdict", "last evidence", "k8s"
+    );
+    let revoked = registry["revoked"].as_array().cloned().unwrap_or_default();
+    for node in registry["nodes"]
+        .as_object()
+        .into_iter()
+        .flat_map(|m| m.values())
+    {
+        let ek = text(node, "ek");
+        let is_revoked = revoked.iter().any(|r| r["ek"] == node["ek"]);
+        println!(
+            "  {:<16} {:<14} {:<12} {:<36} {:<10} {:<14} {:<10} {}",
+            text(node, "name"),
+            text(node, "role"),
+            ek.get(..12).unwrap_or(&ek),
+            text(node, "disk_uuid"),
+            if is_revoked {
+                "revoked".to_owned()
+            } else {
+                text(node, "verdict")
+            },
+            age(&node["last_evidence_at"]),
+            text(node, "kubernetes_version"),
+            text(node, "reason"),
+        );
+    }
+    for r in &revoked {
+        println!(
+            "  revoked: {} (EK {}, disk {}): {}",
+            text(r, "name"),
+            text(r, "ek"),
+            text(r, "disk_uuid"),
+            text(r, "reason")
+        );
+    }
+}
