@@ -104,6 +104,7 @@ async fn main() {
         cluster_id,
         kubernetes_version: entry.version(),
         components: entry.components().to_vec(),
+        authorised_components: Vec::new(),
         api_server: "127.0.0.1:6443".parse().unwrap(),
         pki_dir: dir.path().join("pki"),
         join_measurements: measurements,

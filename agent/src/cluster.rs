@@ -30,6 +30,10 @@ pub struct ClusterState {
     pub kubernetes_version: KubernetesVersion,
     /// The components every node installs.
     pub components: Vec<Component>,
+    /// Components of other versions the operator authorised: the versions
+    /// the cluster ran before an upgrade, and the target of one under way.
+    /// A member's PCR 13 may show these too.
+    pub authorised_components: Vec<Component>,
     /// The Kubernetes API server endpoint.
     pub api_server: SocketAddr,
     /// Directory of the cluster PKI (`etc/kubernetes/pki` under the node root).
@@ -50,6 +54,27 @@ pub struct ClusterState {
 }
 
 impl ClusterState {
+    /// Whether a member may run `component`: one of the current version,
+    /// or of another version the operator authorised.
+    pub fn authorises(&self, component_hash: &str) -> bool {
+        self.components
+            .iter()
+            .chain(&self.authorised_components)
+            .any(|c| c.hash().to_string() == component_hash)
+    }
+
+    /// The same state, also authorising `components` (a version being
+    /// rolled out, or one the cluster ran before).
+    pub fn authorising(&self, components: &[Component]) -> Self {
+        let mut updated = self.clone();
+        for c in components {
+            if !updated.authorises(&c.hash().to_string()) {
+                updated.authorised_components.push(c.clone());
+            }
+        }
+        updated
+    }
+
     /// The same state with other accepted measurements: `join_measurements`
     /// and, during an image rollout, `staged_measurements`.
     pub fn with_measurements(
@@ -93,6 +118,9 @@ pub struct ControlPlaneFacts {
     pub kubernetes_version: String,
     /// The components every node installs.
     pub components: Vec<Component>,
+    /// Components of other authorised versions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub authorised_components: Vec<Component>,
     /// The measurements joining nodes are checked against (JSON document).
     pub join_measurements: serde_json::Value,
     /// The measurements of a new image also accepted while it rolls out
@@ -150,6 +178,7 @@ impl ControlPlaneFacts {
             measurement_salt: hex::encode(&state.measurement_salt),
             kubernetes_version: state.kubernetes_version.to_string(),
             components: state.components.clone(),
+            authorised_components: state.authorised_components.clone(),
             join_measurements: measurements_json(&state.join_measurements),
             staged_measurements: state.staged_measurements.as_ref().map(measurements_json),
             measurements_signing_key: state
@@ -232,6 +261,7 @@ impl ControlPlaneFacts {
             cluster_id,
             kubernetes_version: version,
             components: self.components,
+            authorised_components: self.authorised_components,
             api_server,
             pki_dir,
             join_measurements,

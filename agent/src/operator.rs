@@ -54,7 +54,7 @@ use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts};
 use crate::registry::{RegistryError, RegistryStore, Revocation};
 use crate::throttle::FailureThrottle;
 use crate::transcript::{self, Transcript};
-use crate::upgrade::{Target, UpgradeError, Upgrader};
+use crate::upgrade::{Step, Target, UpgradeError, Upgrader};
 
 /// Challenges outstanding at once; a new one evicts the oldest.
 pub const MAX_CHALLENGES: usize = 64;
@@ -530,9 +530,22 @@ impl OperatorServer {
         let plan =
             UpgradePlan::decode(request.plan.as_slice()).map_err(|_| OperatorError::PlanDecode)?;
         let target = Target::parse(plan).map_err(OperatorError::Upgrade)?;
+        let (log, rx) = Transcript::<Event>::new();
+        if target.step == Step::Authorise {
+            upgrader
+                .authorise(&target)
+                .map_err(OperatorError::Upgrade)?;
+            let version = target.version.to_string();
+            log.finish([Event::Done(UpgradeDone {
+                kubernetes_version: version.clone(),
+                previous_version: version,
+                millis: 0,
+            })])
+            .await;
+            return Ok(rx);
+        }
         upgrader.check(&target).map_err(OperatorError::Upgrade)?;
         tracing::info!(version = %target.version, step = ?target.step, "upgrade requested by the operator");
-        let (log, rx) = Transcript::<Event>::new();
         tokio::spawn(async move {
             let line = |l: String| log.line(l);
             let last = match upgrader.run(&target, &line).await {

@@ -34,18 +34,8 @@ use keel_verifier::validator::Validator;
 /// `state` with another measurements signing key.
 fn with_key(state: &ClusterState, key: Option<SigningPublicKey>) -> ClusterState {
     ClusterState {
-        keys: state.keys.clone(),
-        measurement_salt: state.measurement_salt.clone(),
-        measurement_secret: state.measurement_secret.clone(),
-        cluster_id: state.cluster_id,
-        kubernetes_version: state.kubernetes_version,
-        components: state.components.clone(),
-        api_server: state.api_server,
-        pki_dir: state.pki_dir.clone(),
-        join_measurements: state.join_measurements.clone(),
-        staged_measurements: state.staged_measurements.clone(),
         measurements_key: key,
-        control_plane_endpoints: state.control_plane_endpoints.clone(),
+        ..state.clone()
     }
 }
 

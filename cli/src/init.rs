@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use keel_atls::AtlsClient;
-use keel_proto::components::{Component, Components};
 use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
@@ -189,14 +188,7 @@ pub async fn run(
         None => bail!("the settings name no init_secret_file"),
     };
     let components = match &settings.components_file {
-        Some(p) => {
-            let list: Vec<ComponentJson> =
-                serde_json::from_slice(&read_bounded(&settings.resolve(p))?)
-                    .context("components file is invalid")?;
-            Some(Components {
-                components: list.into_iter().map(Into::into).collect(),
-            })
-        }
+        Some(p) => Some(crate::settings::read_components(&settings.resolve(p))?),
         None => None,
     };
     create_workspace(workspace)?;
@@ -341,26 +333,4 @@ fn write_failure_logs(workspace: &Path, logs: &[u8]) -> anyhow::Result<PathBuf> 
     let path = workspace.join(FAILURE_LOG_FILE);
     write_atomic(&path, logs, 0o600)?;
     Ok(path)
-}
-
-/// A component in a components file.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ComponentJson {
-    url: String,
-    hash: String,
-    install_path: String,
-    #[serde(default)]
-    extract: bool,
-}
-
-impl From<ComponentJson> for Component {
-    fn from(c: ComponentJson) -> Self {
-        Component {
-            url: c.url,
-            hash: c.hash,
-            install_path: c.install_path,
-            extract: c.extract,
-        }
-    }
 }

@@ -127,9 +127,9 @@ enum Command {
         #[arg(long, default_value_t = 60, value_name = "SECONDS")]
         wait: u64,
     },
-    /// Upgrade a running cluster: `apply` stages a new image's signed
-    /// measurements (and, later, a Kubernetes version) on every control
-    /// plane, `finish` ends the image rollout.
+    /// Upgrade a running cluster: `apply` moves every node named to another
+    /// Kubernetes version and stages a new image's signed measurements on
+    /// every control plane; `finish` ends the image rollout.
     Upgrade {
         #[command(subcommand)]
         command: upgrade::UpgradeCommand,

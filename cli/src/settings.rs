@@ -160,3 +160,31 @@ impl Settings {
         ))
     }
 }
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ComponentJson {
+    url: String,
+    hash: String,
+    install_path: String,
+    #[serde(default)]
+    extract: bool,
+}
+
+/// A components file: a JSON list of `{url, hash, install_path, extract}`
+/// (the node checks each component again).
+pub fn read_components(path: &Path) -> anyhow::Result<keel_proto::components::Components> {
+    let list: Vec<ComponentJson> = serde_json::from_slice(&read_bounded(path)?)
+        .with_context(|| format!("components file {} is invalid", path.display()))?;
+    Ok(keel_proto::components::Components {
+        components: list
+            .into_iter()
+            .map(|c| keel_proto::components::Component {
+                url: c.url,
+                hash: c.hash,
+                install_path: c.install_path,
+                extract: c.extract,
+            })
+            .collect(),
+    })
+}

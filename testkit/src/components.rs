@@ -72,7 +72,7 @@ impl KubeExecutables {
     fn bytes(&self, name: &str, version: &str) -> Vec<u8> {
         match self {
             Self::Scripts => executable(name, version),
-            Self::Program(bytes) => bytes.clone(),
+            Self::Program(bytes) => versioned(bytes, version),
         }
     }
 }
@@ -135,6 +135,20 @@ fn build_standin() -> Result<PathBuf, String> {
     } else {
         Err(format!("{} was not built", path.display()))
     }
+}
+
+/// Marks the version a `keel-standin` copy claims to be: appended after
+/// the executable (the loader ignores it), read back by the program.
+pub const VERSION_TRAILER: &str = "\nkeel-standin-version:";
+
+/// `program` claiming to be `version`: each Kubernetes version gets its own
+/// bytes (and hash), as upstream's binaries do.
+pub fn versioned(program: &[u8], version: &str) -> Vec<u8> {
+    let mut bytes = program.to_vec();
+    bytes.extend_from_slice(VERSION_TRAILER.as_bytes());
+    bytes.extend_from_slice(version.as_bytes());
+    bytes.push(b'\n');
+    bytes
 }
 
 /// `sha256:<hex>` of `bytes`.

@@ -37,10 +37,12 @@ pub fn user_data(disk_uuid: &str, kubernetes_version: &str) -> [u8; 32] {
 }
 
 /// The Kubernetes version this node reports in its evidence: the one its
-/// control-plane facts on the state disk pin, empty on a worker (which
-/// keeps none yet). The one place the reported version is read.
+/// version record on the state disk names (kept by every install and
+/// upgrade), empty where there is none. The one place the reported
+/// version is read.
 pub fn reported_kubernetes_version(root: &std::path::Path) -> String {
-    crate::cluster::ControlPlaneFacts::load(root)
-        .map(|facts| facts.kubernetes_version)
-        .unwrap_or_default()
+    match crate::upgrade::NodeVersion::load(root) {
+        Ok(Some(record)) => record.version.to_string(),
+        _ => String::new(),
+    }
 }

@@ -289,13 +289,7 @@ impl EvidenceService {
             .members
             .current()
             .map_err(EvidenceError::NotReady)?;
-        let components = self
-            .inner
-            .cluster
-            .borrow()
-            .as_ref()
-            .map(|s| authorised_hashes(s))
-            .unwrap_or_default();
+        let cluster = self.inner.cluster.borrow().clone();
         let identity = crate::join::service::measured_identity(peer).ok();
         let (name, role) = identity
             .as_ref()
@@ -311,7 +305,7 @@ impl EvidenceService {
                 .validator
                 .validate(&request.document, &request.nonce, &data)
             {
-                Ok(verified) => judge(&verified, &member.cluster_id, &components),
+                Ok(verified) => judge(&verified, &member.cluster_id, cluster.as_deref()),
                 Err(e) => Some(e.to_string()),
             }
         })
@@ -423,18 +417,13 @@ impl EvidenceService {
     }
 }
 
-/// The hashes of the components the cluster authorises.
-fn authorised_hashes(state: &ClusterState) -> Vec<String> {
-    state
-        .components
-        .iter()
-        .map(|c| c.hash().to_string())
-        .collect()
-}
-
 /// What validation does not cover: PCR 15 names exactly this cluster, and
 /// PCR 13 grew only by authorised components. `None` if both hold.
-fn judge(verified: &Verified, cluster_id: &[u8; 32], authorised: &[String]) -> Option<String> {
+fn judge(
+    verified: &Verified,
+    cluster_id: &[u8; 32],
+    cluster: Option<&ClusterState>,
+) -> Option<String> {
     if let Err(e) = check_member(verified, cluster_id) {
         return Some(format!("PCR 15: {e}"));
     }
@@ -447,7 +436,7 @@ fn judge(verified: &Verified, cluster_id: &[u8; 32], authorised: &[String]) -> O
             .ok()
             .and_then(|v| v.get("hash").and_then(|h| h.as_str()).map(str::to_owned));
         match hash {
-            Some(h) if authorised.contains(&h) => {}
+            Some(h) if cluster.is_some_and(|c| c.authorises(&h)) => {}
             other => {
                 return Some(format!(
                     "PCR 13: component {} is not of an authorised version",

@@ -318,6 +318,7 @@ impl InitServer {
             cluster_id: a.cluster_id,
             kubernetes_version: a.version,
             components: a.components.clone(),
+            authorised_components: Vec::new(),
             api_server: SocketAddr::new(advertise_address, kubeadm::config::API_SERVER_PORT),
             pki_dir: env.pki_dir(),
             join_measurements: a.join_measurements.clone(),

@@ -486,6 +486,7 @@ impl JoinClient {
             cluster_id: ticket.cluster_id,
             kubernetes_version: ticket.version,
             components: ticket.components,
+            authorised_components: Vec::new(),
             api_server: SocketAddr::new(
                 self.env.advertise_address.resolve(),
                 crate::kubeadm::config::API_SERVER_PORT,

@@ -47,12 +47,16 @@ pub use staging::{Staging, StagingError, STAGED_SUFFIX};
 /// Most components an upgrade plan may list.
 pub const MAX_PLAN_COMPONENTS: usize = 64;
 
-/// The kubeadm step of a node's upgrade.
+/// What one node does in an upgrade.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KubeadmStep {
-    /// `kubeadm upgrade apply <version>`: the first control plane.
+pub enum Step {
+    /// A control plane authorises the target's components for its
+    /// members' evidence; nothing is installed.
+    Authorise,
+    /// Upgrade with `kubeadm upgrade apply <version>`: the first control
+    /// plane.
     Apply,
-    /// `kubeadm upgrade node`: every other node.
+    /// Upgrade with `kubeadm upgrade node`: every other node.
     Node,
 }
 
@@ -63,8 +67,8 @@ pub struct Target {
     pub version: KubernetesVersion,
     /// Its components (the request's, or the versions table's).
     pub components: Vec<Component>,
-    /// What kubeadm does here.
-    pub step: KubeadmStep,
+    /// What this node does.
+    pub step: Step,
 }
 
 impl Target {
@@ -88,9 +92,14 @@ impl Target {
                 .map_err(|e| UpgradeError::Plan(format!("component: {e}")))?
         };
         let step = match UpgradeStep::try_from(plan.step) {
-            Ok(UpgradeStep::Apply) => KubeadmStep::Apply,
-            Ok(UpgradeStep::Node) => KubeadmStep::Node,
-            _ => return Err(UpgradeError::Plan("step must be apply or node".into())),
+            Ok(UpgradeStep::Apply) => Step::Apply,
+            Ok(UpgradeStep::Node) => Step::Node,
+            Ok(UpgradeStep::Authorise) => Step::Authorise,
+            _ => {
+                return Err(UpgradeError::Plan(
+                    "step must be authorise, apply or node".into(),
+                ))
+            }
         };
         Ok(Self {
             version: entry.version(),
@@ -113,6 +122,9 @@ pub enum UpgradeError {
     /// Another upgrade runs on this node.
     #[error("an upgrade is already running on this node")]
     Busy,
+    /// Only a control plane authorises components.
+    #[error("only a control plane authorises the components of a version")]
+    NotControlPlane,
     /// The node records no version (it is no member, or has no state disk).
     #[error("this node records no Kubernetes version; it cannot be upgraded")]
     NoRecord,
@@ -162,7 +174,12 @@ impl UpgradeError {
     pub fn is_refusal(&self) -> bool {
         matches!(
             self,
-            Self::Version(_) | Self::Plan(_) | Self::Busy | Self::NoRecord | Self::Step(_)
+            Self::Version(_)
+                | Self::Plan(_)
+                | Self::Busy
+                | Self::NoRecord
+                | Self::Step(_)
+                | Self::NotControlPlane
         )
     }
 }
@@ -219,6 +236,23 @@ impl Upgrader {
         }
     }
 
+    /// On a control plane: authorises the components of `target` for its
+    /// members' evidence (state, facts), before any node switches to them.
+    pub fn authorise(&self, target: &Target) -> Result<(), UpgradeError> {
+        let state = self
+            .cluster
+            .borrow()
+            .clone()
+            .ok_or(UpgradeError::NotControlPlane)?;
+        let updated = state.authorising(&target.components);
+        ControlPlaneFacts::of(&updated)
+            .save(self.env.root())
+            .map_err(UpgradeError::Facts)?;
+        self.cluster.send_replace(Some(Arc::new(updated)));
+        tracing::info!(version = %target.version, "components of the target version authorised");
+        Ok(())
+    }
+
     /// Whether this node may move to `target` now: it records a version
     /// that `target` may follow, and runs no other upgrade. Returns the
     /// version it runs.
@@ -239,6 +273,9 @@ impl Upgrader {
         target: &Target,
         log: &(dyn Fn(String) + Sync),
     ) -> Result<Upgraded, UpgradeFailure> {
+        if target.step == Step::Authorise {
+            return Err(UpgradeError::Plan("authorising installs nothing".into()).into());
+        }
         let _one = self.running.try_lock().map_err(|_| UpgradeError::Busy)?;
         let root = self.env.root();
         let current = NodeVersion::load(root)
@@ -363,11 +400,11 @@ impl Upgrader {
         let mut on_line = |line: &str| log(line.to_owned());
         let kubeadm = &self.env.kubeadm;
         match target.step {
-            KubeadmStep::Apply => {
+            Step::Apply => {
                 log(format!("running kubeadm upgrade apply {}", target.version));
                 kubeadm.upgrade_apply(target.version, &mut on_line).await
             }
-            KubeadmStep::Node => {
+            Step::Node | Step::Authorise => {
                 log("running kubeadm upgrade node".into());
                 kubeadm.upgrade_node(&mut on_line).await
             }
@@ -392,7 +429,12 @@ impl Upgrader {
         let Some(state) = self.cluster.borrow().clone() else {
             return Ok(());
         };
-        let mut updated = (*state).clone();
+        // The version it ran stays authorised: members still show its
+        // components in PCR 13 until they reboot.
+        let mut updated = state.authorising(&record.components);
+        updated
+            .authorised_components
+            .extend(state.components.iter().cloned());
         updated.kubernetes_version = record.version;
         updated.components = record.components.clone();
         ControlPlaneFacts::of(&updated)

@@ -375,6 +375,7 @@ async fn start_service_node(
         cluster_id,
         kubernetes_version: entry.version(),
         components: components.unwrap_or_else(|| entry.components().to_vec()),
+        authorised_components: Vec::new(),
         api_server: "127.0.0.1:6443".parse().unwrap(),
         pki_dir: pki,
         join_measurements: boot_measurements(&config),

@@ -1,5 +1,5 @@
-//! `keel upgrade`: a new image (and, later, a new Kubernetes version)
-//! reaches a running cluster.
+//! `keel upgrade`: a new Kubernetes version and a new image reach a running
+//! cluster.
 //!
 //! `keel upgrade apply` runs the phases that apply, in order, on every
 //! control plane named, and prints each node's progress; `--skip-phases`
@@ -13,14 +13,17 @@ use anyhow::bail;
 use clap::{Args, Subcommand, ValueEnum};
 
 pub mod image;
+pub mod kubernetes;
 
 /// The `keel upgrade` commands.
 #[derive(Debug, Subcommand)]
 pub enum UpgradeCommand {
-    /// Start an upgrade on every control plane named. Image phase: the new
-    /// image's signed measurements become a second set every join service
-    /// accepts, so nodes of the old and the new image both join until
-    /// `keel upgrade finish`.
+    /// Upgrade the cluster. Kubernetes phase: every node named moves to
+    /// the new version (control planes first, one at a time, then workers;
+    /// a node that fails switches back to its previous binaries). Image
+    /// phase: the new image's signed measurements become a second set every
+    /// control plane's join service accepts, so nodes of the old and the
+    /// new image both join until `keel upgrade finish`.
     Apply(ApplyArgs),
     /// End an image rollout on every control plane named: the staged
     /// measurements become the only ones accepted, nodes of the old image
@@ -38,7 +41,9 @@ pub struct Cluster {
     /// The workspace `keel init` wrote (master secret, cluster ID).
     #[arg(long, default_value = ".")]
     pub workspace: PathBuf,
-    /// A control plane's init port (host:port); repeat for each.
+    /// A node's init port (host:port); repeat for each. The image phase
+    /// and `finish` use the control planes; the Kubernetes phase every
+    /// node, the first control plane named running `kubeadm upgrade apply`.
     #[arg(long = "endpoint", required = true)]
     pub endpoints: Vec<String>,
     /// Seconds to keep trying while a node is not reachable.
@@ -65,9 +70,14 @@ pub struct ApplyArgs {
     /// Its detached signature (DER ECDSA P-256; default: FILE.sig).
     #[arg(long, value_name = "FILE", requires = "image_measurements")]
     pub image_measurements_signature: Option<PathBuf>,
-    /// The Kubernetes version to upgrade to.
+    /// The Kubernetes version to upgrade to (`vX.Y` or its pinned
+    /// `vX.Y.Z`): the next minor version at most, never an older one.
     #[arg(long, value_name = "VERSION")]
     pub kubernetes: Option<String>,
+    /// The components of that version (JSON list of {url, hash,
+    /// install_path, extract}); default: the versions table's.
+    #[arg(long, value_name = "FILE", requires = "kubernetes")]
+    pub components: Option<PathBuf>,
     /// Phases to leave out (comma-separated or repeated).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub skip_phases: Vec<Phase>,
@@ -93,16 +103,19 @@ pub async fn run(command: UpgradeCommand) -> anyhow::Result<()> {
 async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
     let runs = |phase| !args.skip_phases.contains(&phase);
     // Every phase's input is checked before any node is contacted.
-    if runs(Phase::Kubernetes) {
-        match &args.kubernetes {
-            Some(_) => {
-                bail!("the kubernetes phase is not available yet (--skip-phases kubernetes)")
-            }
-            None => bail!(
+    let kubernetes = if runs(Phase::Kubernetes) {
+        let Some(version) = &args.kubernetes else {
+            bail!(
                 "the kubernetes phase needs --kubernetes <VERSION> (or --skip-phases kubernetes)"
-            ),
-        }
-    }
+            );
+        };
+        Some(kubernetes::Target::new(
+            version,
+            args.components.as_deref(),
+        )?)
+    } else {
+        None
+    };
     let image = if runs(Phase::Image) {
         let Some(file) = &args.image_measurements else {
             bail!("the image phase needs --image-measurements FILE (or --skip-phases image)");
@@ -115,11 +128,16 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    if image.is_none() {
+    if image.is_none() && kubernetes.is_none() {
         bail!("every phase is skipped; nothing to do");
     }
-    if let Some(image) = image {
-        image::stage(&args.cluster, &image).await?;
+    // The image first: nodes that reboot into the new image during the
+    // Kubernetes phase can join again.
+    if let Some(image) = &image {
+        image::stage(&args.cluster, image).await?;
+    }
+    if let Some(target) = &kubernetes {
+        kubernetes::run(&args.cluster, target).await?;
     }
     Ok(())
 }

@@ -20,6 +20,11 @@
 //! * `join --config F`: checks the `JoinConfiguration` and writes
 //!   `kubelet.conf`;
 //! * `reset --force`: removes what `init`/`join` wrote, as kubeadm does;
+//! * `upgrade apply VERSION --yes` and `upgrade node`: check that the node
+//!   is in a cluster, that this kubeadm is the target version and that the
+//!   target follows the cluster's version (recorded at init, join and each
+//!   upgrade under `var/lib/keel-standin/version`) by one minor version at
+//!   most; `KEEL_STANDIN_FAIL` applies here too;
 //! * `token create --config F [--kubeconfig K]`: checks the bootstrap token
 //!   in the `InitConfiguration` (format, TTL, usages) and that the cluster
 //!   exists (`admin.conf`), then records the token as the cluster would,
@@ -41,7 +46,8 @@
 //! lives; `KEEL_STANDIN_FAIL` makes `init`/`join` fail: `always`, or a
 //! number N to fail the first N runs under the root; `KEEL_STANDIN_SLEEP`
 //! (seconds) delays `init`/`join`; `KEEL_STANDIN_VERSION` is the version it
-//! claims to be (a config asking for another one is refused).
+//! claims to be (a config asking for another one is refused); without it,
+//! the version the component mirror appended to this copy.
 
 use std::net::IpAddr;
 use std::os::unix::fs::PermissionsExt as _;
@@ -123,7 +129,31 @@ fn main() -> ExitCode {
 }
 
 fn version_claim() -> String {
-    std::env::var(VERSION_ENV).unwrap_or_else(|_| "v0.0.0-standin".into())
+    std::env::var(VERSION_ENV)
+        .ok()
+        .or_else(own_version)
+        .unwrap_or_else(|| "v0.0.0-standin".into())
+}
+
+/// The version this copy was built for: the trailer the component mirror
+/// appends to the program (`keel_testkit::components::versioned`).
+fn own_version() -> Option<String> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let mut exe = std::fs::File::open("/proc/self/exe").ok()?;
+    let len = exe.metadata().ok()?.len();
+    exe.seek(SeekFrom::Start(len.saturating_sub(64))).ok()?;
+    let mut tail = Vec::new();
+    exe.read_to_end(&mut tail).ok()?;
+    let tail = String::from_utf8_lossy(&tail);
+    let (_, version) = tail.rsplit_once("keel-standin-version:")?;
+    let version = version.trim();
+    parse_version(version).map(|_| version.to_owned())
+}
+
+/// Where the stand-in keeps the cluster version it set up or upgraded to,
+/// as the cluster's kubeadm-config would.
+fn version_record() -> PathBuf {
+    root().join("var/lib/keel-standin/version")
 }
 
 fn root() -> PathBuf {
@@ -177,7 +207,7 @@ fn parse_flags(args: &[String], allowed: &[&str]) -> Result<Flags> {
 
 fn kubeadm(args: &[String]) -> Result<()> {
     let Some((command, rest)) = args.split_first() else {
-        return fail("kubeadm: missing command (init, join, reset, version)");
+        return fail("kubeadm: missing command (init, join, reset, token, upgrade, version)");
     };
     match command.as_str() {
         "version" => {
@@ -199,6 +229,7 @@ fn kubeadm(args: &[String]) -> Result<()> {
         )?),
         "join" => join(&parse_flags(rest, &["--config", "--skip-phases", "--v"])?),
         "reset" => reset(&parse_flags(rest, &["--force", "--v"])?),
+        "upgrade" => upgrade(rest),
         "token" => match rest.split_first() {
             Some((sub, rest)) if sub == "create" => {
                 if rest.first().is_some_and(|a| !a.starts_with("--")) {
@@ -570,6 +601,7 @@ fn init(flags: &Flags) -> Result<()> {
         Some(&admin),
     );
     write_file(&kube_dir().join("admin.conf"), kubeconfig.as_bytes(), 0o600)?;
+    write_file(&version_record(), version.as_bytes(), 0o644)?;
     write_file(
         &kube_dir().join("manifests/kube-apiserver.yaml"),
         b"# keel stand-in: no static pods run here\n",
@@ -682,6 +714,7 @@ fn join(flags: &Flags) -> Result<()> {
         None,
     );
     write_file(&kube_dir().join("kubelet.conf"), conf.as_bytes(), 0o600)?;
+    write_file(&version_record(), version_claim().as_bytes(), 0o644)?;
     if control_plane.is_some() {
         // A control plane gets its own admin kubeconfig, as kubeadm writes
         // one on every control-plane node (the stand-in adds no client
@@ -786,6 +819,76 @@ fn reset(flags: &Flags) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `upgrade apply VERSION --yes` (the first control plane) and
+/// `upgrade node` (every other node), checked as kubeadm checks them: the
+/// node is in a cluster, this kubeadm is the target version, and the target
+/// follows the cluster's version by one minor version at most, never back.
+fn upgrade(args: &[String]) -> Result<()> {
+    let recorded = std::fs::read_to_string(version_record()).ok();
+    let Some(current) = recorded.as_deref().map(str::trim) else {
+        return fail("upgrade: this node is not part of a cluster set up by kubeadm");
+    };
+    let claim = version_claim();
+    match args.split_first() {
+        Some((sub, rest)) if sub == "apply" => {
+            let (target, flags) = match rest.split_first() {
+                Some((v, flags)) if !v.starts_with("--") => (v.clone(), flags),
+                _ => return fail("upgrade apply: the version to upgrade to is required"),
+            };
+            for flag in flags {
+                if flag != "--yes" && !flag.starts_with("--v") {
+                    return fail(format!("unknown flag: {flag}"));
+                }
+            }
+            if !kube_dir().join("admin.conf").exists() {
+                return fail("upgrade apply: runs on a control plane (no admin.conf)");
+            }
+            let (Some(to), Some(from)) = (parse_version(&target), parse_version(current)) else {
+                return fail(format!(
+                    "upgrade apply: {target:?} is not a pinned vX.Y.Z version"
+                ));
+            };
+            if claim != target {
+                return fail(format!(
+                    "upgrade apply: this kubeadm is {claim}; the version to upgrade to must be {claim} too, not {target}"
+                ));
+            }
+            if to < from || to.0 != from.0 || to.1 > from.1 + 1 {
+                return fail(format!(
+                    "[upgrade/version] FATAL: the cluster runs {current}; {target} is a downgrade or skips a minor version"
+                ));
+            }
+            injected_faults("upgrade")?;
+            println!(
+                "[upgrade/version] You have chosen to change the cluster version to {target:?}"
+            );
+            println!("[upgrade/versions] Cluster version: {current}");
+            write_file(&version_record(), target.as_bytes(), 0o644)?;
+            println!(
+                "[upgrade/successful] SUCCESS! Your cluster was upgraded to {target:?}. Enjoy!"
+            );
+            Ok(())
+        }
+        Some((sub, rest)) if sub == "node" => {
+            if let Some(flag) = rest.iter().find(|f| !f.starts_with("--v")) {
+                return fail(format!("unknown flag: {flag}"));
+            }
+            if !kube_dir().join("kubelet.conf").exists() && !kube_dir().join("admin.conf").exists()
+            {
+                return fail("upgrade node: this node has no kubelet.conf");
+            }
+            injected_faults("upgrade")?;
+            write_file(&version_record(), claim.as_bytes(), 0o644)?;
+            println!("[upgrade] Upgrading the kubelet configuration of this node for {claim}");
+            println!("[upgrade] The configuration for this node was successfully updated!");
+            Ok(())
+        }
+        _ => fail(
+            "kubeadm upgrade: only \"apply VERSION\" and \"node\" are supported by the stand-in",
+        ),
+    }
 }
 
 fn write_file(path: &Path, contents: &[u8], mode: u32) -> Result<()> {

@@ -1,0 +1,174 @@
+//! The Kubernetes phase of `keel upgrade apply`: every node moves to the
+//! target version, control planes first and one at a time, then workers.
+//!
+//! Before any node switches, every control plane authorises the target's
+//! components, so the evidence of nodes already upgraded is judged against
+//! them. The first control plane named runs `kubeadm upgrade apply`, every
+//! other node `kubeadm upgrade node`. Each request carries the node's own
+//! operator proof over the exact plan bytes; each node checks the skew
+//! policy itself and refuses a downgrade or a jump of more than one minor
+//! version before it changes anything. A node that fails switches back and
+//! keeps serving; a failed control plane stops the rollout, a failed worker
+//! is reported and the others go on.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context as _};
+use keel_proto::components::Components;
+use keel_proto::operator::upgrade_response::Event;
+use keel_proto::operator::{UpgradePlan, UpgradeRequest, UpgradeStep};
+use prost::Message as _;
+
+use super::Cluster;
+use crate::operator::{refused, Member, Operator};
+use crate::settings::Settings;
+
+/// The proof kind of an upgrade request.
+const KIND: &str = "upgrade";
+
+/// The target of the phase, checked before any node is contacted.
+pub struct Target {
+    version: String,
+    components: Option<Components>,
+}
+
+impl Target {
+    /// `version` (`vX.Y` or the pinned `vX.Y.Z`), with the components of
+    /// `components_file` (default: the versions table's).
+    pub fn new(version: &str, components_file: Option<&std::path::Path>) -> anyhow::Result<Self> {
+        let entry = keel_installer::resolve(version)?;
+        let components = components_file
+            .map(crate::settings::read_components)
+            .transpose()?;
+        Ok(Self {
+            version: entry.version().to_string(),
+            components,
+        })
+    }
+
+    fn plan(&self, step: UpgradeStep) -> Vec<u8> {
+        UpgradePlan {
+            kubernetes_version: self.version.clone(),
+            components: self.components.clone(),
+            step: step.into(),
+        }
+        .encode_to_vec()
+    }
+}
+
+/// Moves every node of `cluster` to `target`, printing each node's progress.
+pub async fn run(cluster: &Cluster, target: &Target) -> anyhow::Result<()> {
+    let settings = Settings::load(&cluster.settings)?;
+    let operator = Operator::new(&settings, &cluster.workspace, cluster.wait())?;
+    // Roles first: the attested identity of each node decides its turn.
+    let mut control_planes = Vec::new();
+    let mut workers = Vec::new();
+    for endpoint in &cluster.endpoints {
+        let member = operator.connect(endpoint).await?;
+        if member.is_control_plane() {
+            control_planes.push(endpoint.clone());
+        } else {
+            workers.push(endpoint.clone());
+        }
+    }
+    if control_planes.is_empty() {
+        bail!("name at least one control plane with --endpoint: the first one runs kubeadm upgrade apply");
+    }
+    println!(
+        "kubernetes: upgrading {} control plane(s), then {} worker(s), to {}",
+        control_planes.len(),
+        workers.len(),
+        target.version
+    );
+    for endpoint in &control_planes {
+        let member = operator.connect(endpoint).await?;
+        request(member, target, UpgradeStep::Authorise).await?;
+        println!("{endpoint}: components of {} authorised", target.version);
+    }
+    for (i, endpoint) in control_planes.iter().enumerate() {
+        let step = if i == 0 {
+            UpgradeStep::Apply
+        } else {
+            UpgradeStep::Node
+        };
+        let member = operator.connect(endpoint).await?;
+        request(member, target, step)
+            .await
+            .with_context(|| format!("{endpoint}: the rollout stops at this control plane"))?;
+    }
+    let mut failed = Vec::new();
+    for endpoint in &workers {
+        let result = match operator.connect(endpoint).await {
+            Ok(member) => request(member, target, UpgradeStep::Node).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = result {
+            println!("{endpoint}: FAILED: {e:#}");
+            failed.push(endpoint.clone());
+        }
+    }
+    if !failed.is_empty() {
+        bail!(
+            "{} worker(s) did not upgrade and run their previous version: {}",
+            failed.len(),
+            failed.join(", ")
+        );
+    }
+    println!("kubernetes: every node runs {}", target.version);
+    Ok(())
+}
+
+/// Sends the plan for `step` to `member` and prints its progress; fails
+/// unless it reports done.
+async fn request(mut member: Member, target: &Target, step: UpgradeStep) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let plan = target.plan(step);
+    let (challenge, proof) = member.prove(KIND, &plan).await?;
+    let endpoint = member.endpoint.clone();
+    let mut stream = member
+        .client
+        .upgrade(UpgradeRequest {
+            plan,
+            challenge,
+            proof,
+        })
+        .await
+        .map_err(|s| refused(&endpoint, &s))?
+        .into_inner();
+    while let Some(message) = stream.message().await.map_err(|s| refused(&endpoint, &s))? {
+        match message.event {
+            Some(Event::Log(line)) => {
+                if step != UpgradeStep::Authorise {
+                    println!("{endpoint}: {line}");
+                }
+            }
+            Some(Event::Done(done)) => {
+                if step != UpgradeStep::Authorise {
+                    println!(
+                        "{endpoint}: runs Kubernetes {} (was {}), {:.1} s",
+                        done.kubernetes_version,
+                        done.previous_version,
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+                return Ok(());
+            }
+            Some(Event::Failed(failed)) => {
+                bail!(
+                    "{endpoint}: upgrade failed: {}; {}",
+                    failed.error,
+                    if failed.rolled_back {
+                        format!("switched back, runs Kubernetes {}", failed.running_version)
+                    } else {
+                        format!(
+                            "nothing switched, runs Kubernetes {}",
+                            failed.running_version
+                        )
+                    }
+                )
+            }
+            None => {}
+        }
+    }
+    bail!("{endpoint}: the upgrade stream ended without a result")
+}
