@@ -1,0 +1,316 @@
+//! Upgrades of swtpm-backed nodes from Kubernetes v1.30 to v1.31 through
+//! the operator API: the new components are staged, measured into PCR 13
+//! and switched to at once; a component whose hash does not match, or a
+//! kubeadm that fails after the switch, leaves the node on its previous
+//! version (switched back, measured again); downgrades, skipped minor
+//! versions, requests without the node's operator proof and replayed
+//! proofs are refused before anything changes.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod join_common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use join_common::{config, free_port, measured};
+use keel_agent::cluster::ClusterSlot;
+use keel_agent::measured::SharedTpm;
+use keel_agent::operator::{OperatorAuth, OperatorKeySlot, OperatorServer, UPGRADE};
+use keel_agent::provision::{DiskStep, NodeEnv, Plan, Provisioner};
+use keel_agent::upgrade::{NodeVersion, Upgrader, STAGED_SUFFIX};
+use keel_proto::components::Components;
+use keel_proto::operator::upgrade_response::Event;
+use keel_proto::operator::{UpgradePlan, UpgradeRequest, UpgradeStep};
+use keel_testkit::components::{stand_in_set_with, KubeExecutables};
+use keel_testkit::mirror::MirrorServer;
+use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::keys::{KeyService, OperatorKey};
+use keel_verifier::measurement::{pcr, verify_replay, EventType};
+use prost::Message as _;
+use zeroize::Zeroizing;
+
+const FROM: &str = "v1.30.14";
+const TO: &str = "v1.31.13";
+
+/// A member node at v1.30: its TPM, root, operator key and operator API.
+struct UpgradableNode {
+    tpm: SharedTpm,
+    root: PathBuf,
+    key: OperatorKey,
+    server: OperatorServer,
+    _swtpm: Swtpm,
+    _dir: tempfile::TempDir,
+}
+
+fn stand_ins(mirror: &MirrorServer, version: &str) -> Vec<keel_proto::components::Component> {
+    stand_in_set_with(
+        mirror,
+        Path::new("/"),
+        version,
+        &KubeExecutables::standin().unwrap(),
+    )
+    .unwrap()
+}
+
+/// The node environment: the stand-ins claim the version they were served
+/// as (no version forced), kubeadm as `extra_env` says.
+fn env(root: &Path, work: &Path, extra_env: &[(&str, &str)]) -> NodeEnv {
+    let mut env = join_common::node_env(root, work, None);
+    env.kubeadm.env.retain(|(k, _)| k != "KEEL_STANDIN_VERSION");
+    env.kubeadm
+        .env
+        .extend(extra_env.iter().map(|(k, v)| ((*k).into(), (*v).into())));
+    env
+}
+
+/// A node provisioned at v1.30 (components installed and measured, its
+/// version recorded) that kubeadm set up as `role`.
+async fn node(ca: &EkCa, mirror: &MirrorServer, role: &str, extra_env: &[(&str, &str)]) -> UpgradableNode {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let work = dir.path().join("work");
+    let config = config(ca, free_port(), role, role);
+    let tpm = measured(&swtpm, &dir.path().join("log"), &config);
+    let env = env(&root, &work, extra_env);
+    let components: Vec<_> = stand_ins(mirror, FROM)
+        .into_iter()
+        .map(|c| keel_installer::Component::try_from(c).unwrap())
+        .collect();
+    let log = |_line: String| {};
+    Provisioner::new(&env, &tpm, &log)
+        .prepare(Plan {
+            disk: DiskStep::Open {
+                key: Zeroizing::new(Vec::new()),
+            },
+            files: Vec::new(),
+            components: Some((FROM.parse().unwrap(), components)),
+        })
+        .await
+        .unwrap();
+    // What kubeadm init (or join) left behind.
+    let kube = root.join("etc/kubernetes");
+    std::fs::create_dir_all(&kube).unwrap();
+    let conf = if role == "control-plane" { "admin.conf" } else { "kubelet.conf" };
+    std::fs::write(kube.join(conf), "apiVersion: v1\n").unwrap();
+    let record = root.join("var/lib/keel-standin/version");
+    std::fs::create_dir_all(record.parent().unwrap()).unwrap();
+    std::fs::write(record, FROM).unwrap();
+
+    // A member that joined: its operator key came in its ticket.
+    let ek = join_common::ek_digest(&tpm);
+    let key = KeyService::new(&[7; 32], &[8; 32])
+        .unwrap()
+        .operator_key(&ek)
+        .unwrap();
+    let joined = Arc::new(OperatorKeySlot::default());
+    joined.set(key.clone());
+    let cluster = Arc::new(ClusterSlot::new(None));
+    let auth = OperatorAuth::new(ek, cluster.clone(), joined);
+    let upgrader = Upgrader::new(env, tpm.clone(), cluster.clone());
+    let server = OperatorServer::new(auth, cluster, None, root.clone(), Some(upgrader));
+    UpgradableNode {
+        tpm,
+        root,
+        key,
+        server,
+        _swtpm: swtpm,
+        _dir: dir,
+    }
+}
+
+fn plan(version: &str, components: Option<&[keel_proto::components::Component]>, step: UpgradeStep) -> Vec<u8> {
+    UpgradePlan {
+        kubernetes_version: version.into(),
+        components: components.map(|c| Components {
+            components: c.to_vec(),
+        }),
+        step: step.into(),
+    }
+    .encode_to_vec()
+}
+
+impl UpgradableNode {
+    fn request(&self, plan: Vec<u8>) -> UpgradeRequest {
+        let challenge = self.server.challenge().to_vec();
+        let proof = self.key.prove(UPGRADE, &challenge, &plan).to_vec();
+        UpgradeRequest {
+            plan,
+            challenge,
+            proof,
+        }
+    }
+
+    /// Runs `request` to its end: the progress lines and the last event.
+    async fn run(&self, request: &UpgradeRequest) -> Result<(Vec<String>, Event), tonic::Status> {
+        let mut rx = self
+            .server
+            .start_upgrade(request, None)
+            .await
+            .map_err(|e| tonic::Status::from(&e))?;
+        let mut lines = Vec::new();
+        while let Some(message) = rx.recv().await {
+            match message.unwrap().event.unwrap() {
+                Event::Log(line) => lines.push(line),
+                last => return Ok((lines, last)),
+            }
+        }
+        panic!("the stream ended without a result: {lines:?}");
+    }
+
+    fn version(&self) -> String {
+        NodeVersion::load(&self.root)
+            .unwrap()
+            .unwrap()
+            .version
+            .to_string()
+    }
+
+    /// The version the installed kubelet claims to be.
+    fn kubelet_claims(&self) -> String {
+        let out = std::process::Command::new(self.root.join("run/state/bin/kubelet"))
+            .arg("--version")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The component events of the log, which replays to the TPM's PCRs.
+    fn component_events(&self) -> Vec<String> {
+        let mut tpm = self.tpm.lock().unwrap();
+        let events = tpm.events().to_vec();
+        let reported = tpm.tpm().pcr_read(&pcr::AGENT_OWNED).unwrap();
+        verify_replay(&events, &reported).unwrap();
+        events
+            .iter()
+            .filter(|e| e.event_type == EventType::Component)
+            .map(|e| e.description.clone())
+            .collect()
+    }
+
+    fn assert_no_staging_left(&self) {
+        for dir in ["run/state/bin", "opt/cni/bin"] {
+            let staged = self.root.join(format!("{dir}{STAGED_SUFFIX}"));
+            assert!(!staged.exists(), "{} left behind", staged.display());
+        }
+    }
+}
+
+fn code(result: Result<(Vec<String>, Event), tonic::Status>) -> tonic::Code {
+    match result {
+        Err(status) => status.code(),
+        Ok(other) => panic!("accepted: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let old = stand_ins(&mirror, FROM);
+    let new = stand_ins(&mirror, TO);
+    let cp = node(&ca, &mirror, "control-plane", &[]).await;
+    let worker = node(&ca, &mirror, "worker", &[]).await;
+    assert!(cp.kubelet_claims().contains(FROM), "{}", cp.kubelet_claims());
+
+    // Refused before anything changes: no proof, another node's proof, a
+    // replayed proof, a skipped minor version, a downgrade.
+    let to_new = plan(TO, Some(&new), UpgradeStep::Apply);
+    let mut unproven = cp.request(to_new.clone());
+    unproven.proof = vec![0; 32];
+    assert_eq!(code(cp.run(&unproven).await), tonic::Code::PermissionDenied);
+    let foreign = worker.request(to_new.clone());
+    assert_eq!(code(cp.run(&foreign).await), tonic::Code::PermissionDenied);
+    let skip = cp.request(plan("v1.32", None, UpgradeStep::Apply));
+    let refused = cp.run(&skip).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(refused.message().contains("next minor version"), "{}", refused.message());
+    let down = cp.request(plan("v1.29", None, UpgradeStep::Apply));
+    assert_eq!(code(cp.run(&down).await), tonic::Code::InvalidArgument, "v1.29 is not supported");
+    assert_eq!(cp.version(), FROM);
+
+    // The control plane upgrades: kubeadm upgrade apply, new binaries,
+    // each measured with its version, the record moved on.
+    let request = cp.request(to_new.clone());
+    let (lines, last) = cp.run(&request).await.unwrap();
+    let Event::Done(done) = last else {
+        panic!("{last:?}\n{}", lines.join("\n"));
+    };
+    assert_eq!((done.previous_version.as_str(), done.kubernetes_version.as_str()), (FROM, TO));
+    assert!(lines.iter().any(|l| l.contains("SUCCESS! Your cluster was upgraded")), "{lines:?}");
+    assert_eq!(cp.version(), TO);
+    assert!(cp.kubelet_claims().contains(TO), "{}", cp.kubelet_claims());
+    let events = cp.component_events();
+    assert_eq!(events.len(), old.len() + new.len());
+    let upgraded = &events[old.len()..];
+    assert!(upgraded.iter().all(|d| d.contains(&format!("(Kubernetes {TO})"))), "{upgraded:?}");
+    assert!(upgraded.iter().any(|d| d.contains(&format!("/{TO}/bin/linux/amd64/kubelet"))), "{upgraded:?}");
+    cp.assert_no_staging_left();
+    // Replayed: the challenge was spent.
+    assert_eq!(code(cp.run(&request).await), tonic::Code::PermissionDenied);
+    // A downgrade to the version it ran.
+    let back = cp.request(plan(FROM, Some(&old), UpgradeStep::Apply));
+    let refused = cp.run(&back).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(refused.message().contains("downgrades are refused"), "{}", refused.message());
+
+    // The worker's mirror serves a kubelet that does not match the list:
+    // nothing switches, nothing new is measured, it keeps running v1.30.
+    let mut tampered = new.clone();
+    let kubelet = tampered.iter_mut().find(|c| c.url.ends_with("/kubelet")).unwrap();
+    kubelet.hash = format!("sha256:{}", "00".repeat(32));
+    let before = worker.component_events().len();
+    let (lines, last) = worker
+        .run(&worker.request(plan(TO, Some(&tampered), UpgradeStep::Node)))
+        .await
+        .unwrap();
+    let Event::Failed(failed) = last else {
+        panic!("{last:?}");
+    };
+    assert!(failed.error.contains("kubelet"), "{}", failed.error);
+    assert!(!failed.rolled_back);
+    assert_eq!(failed.running_version, FROM);
+    assert!(!lines.iter().any(|l| l.contains("switched")), "{lines:?}");
+    assert_eq!(worker.component_events().len(), before);
+    assert_eq!(worker.version(), FROM);
+    assert!(worker.kubelet_claims().contains(FROM));
+    worker.assert_no_staging_left();
+    // The control plane keeps the new version.
+    assert_eq!(cp.version(), TO);
+    assert!(cp.kubelet_claims().contains(TO));
+
+    // With the real components, the worker follows (kubeadm upgrade node).
+    let (lines, last) = worker
+        .run(&worker.request(plan(TO, Some(&new), UpgradeStep::Node)))
+        .await
+        .unwrap();
+    assert!(matches!(last, Event::Done(_)), "{last:?}\n{}", lines.join("\n"));
+    assert_eq!(worker.version(), TO);
+    assert!(worker.kubelet_claims().contains(TO));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_after_the_switch_switches_back_and_measures_it() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let node = node(&ca, &mirror, "worker", &[("KEEL_STANDIN_FAIL", "always")]).await;
+    let (lines, last) = node
+        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
+        .await
+        .unwrap();
+    let Event::Failed(failed) = last else {
+        panic!("{last:?}");
+    };
+    assert!(failed.rolled_back, "{failed:?}");
+    assert_eq!(failed.running_version, FROM);
+    assert!(failed.error.contains("kubeadm upgrade"), "{}", failed.error);
+    assert!(lines.iter().any(|l| l.contains("switched back to Kubernetes")), "{lines:?}");
+    assert_eq!(node.version(), FROM);
+    assert!(node.kubelet_claims().contains(FROM), "{}", node.kubelet_claims());
+    node.assert_no_staging_left();
+    // The log ends with what the node runs again.
+    let events = node.component_events();
+    let last = events.last().unwrap();
+    assert!(last.contains(&format!("rollback to Kubernetes {FROM}")), "{events:?}");
+}
