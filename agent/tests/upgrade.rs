@@ -65,7 +65,12 @@ fn env(root: &Path, work: &Path, extra_env: &[(&str, &str)]) -> NodeEnv {
 
 /// A node provisioned at v1.30 (components installed and measured, its
 /// version recorded) that kubeadm set up as `role`.
-async fn node(ca: &EkCa, mirror: &MirrorServer, role: &str, extra_env: &[(&str, &str)]) -> UpgradableNode {
+async fn node(
+    ca: &EkCa,
+    mirror: &MirrorServer,
+    role: &str,
+    extra_env: &[(&str, &str)],
+) -> UpgradableNode {
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
@@ -91,7 +96,11 @@ async fn node(ca: &EkCa, mirror: &MirrorServer, role: &str, extra_env: &[(&str, 
     // What kubeadm init (or join) left behind.
     let kube = root.join("etc/kubernetes");
     std::fs::create_dir_all(&kube).unwrap();
-    let conf = if role == "control-plane" { "admin.conf" } else { "kubelet.conf" };
+    let conf = if role == "control-plane" {
+        "admin.conf"
+    } else {
+        "kubelet.conf"
+    };
     std::fs::write(kube.join(conf), "apiVersion: v1\n").unwrap();
     let record = root.join("var/lib/keel-standin/version");
     std::fs::create_dir_all(record.parent().unwrap()).unwrap();
@@ -119,7 +128,11 @@ async fn node(ca: &EkCa, mirror: &MirrorServer, role: &str, extra_env: &[(&str, 
     }
 }
 
-fn plan(version: &str, components: Option<&[keel_proto::components::Component]>, step: UpgradeStep) -> Vec<u8> {
+fn plan(
+    version: &str,
+    components: Option<&[keel_proto::components::Component]>,
+    step: UpgradeStep,
+) -> Vec<u8> {
     UpgradePlan {
         kubernetes_version: version.into(),
         components: components.map(|c| Components {
@@ -211,7 +224,11 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
     let new = stand_ins(&mirror, TO);
     let cp = node(&ca, &mirror, "control-plane", &[]).await;
     let worker = node(&ca, &mirror, "worker", &[]).await;
-    assert!(cp.kubelet_claims().contains(FROM), "{}", cp.kubelet_claims());
+    assert!(
+        cp.kubelet_claims().contains(FROM),
+        "{}",
+        cp.kubelet_claims()
+    );
 
     // Refused before anything changes: no proof, another node's proof, a
     // replayed proof, a skipped minor version, a downgrade.
@@ -224,9 +241,17 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
     let skip = cp.request(plan("v1.32", None, UpgradeStep::Apply));
     let refused = cp.run(&skip).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
-    assert!(refused.message().contains("next minor version"), "{}", refused.message());
+    assert!(
+        refused.message().contains("next minor version"),
+        "{}",
+        refused.message()
+    );
     let down = cp.request(plan("v1.29", None, UpgradeStep::Apply));
-    assert_eq!(code(cp.run(&down).await), tonic::Code::InvalidArgument, "v1.29 is not supported");
+    assert_eq!(
+        code(cp.run(&down).await),
+        tonic::Code::InvalidArgument,
+        "v1.29 is not supported"
+    );
     assert_eq!(cp.version(), FROM);
 
     // The control plane upgrades: kubeadm upgrade apply, new binaries,
@@ -236,15 +261,36 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
     let Event::Done(done) = last else {
         panic!("{last:?}\n{}", lines.join("\n"));
     };
-    assert_eq!((done.previous_version.as_str(), done.kubernetes_version.as_str()), (FROM, TO));
-    assert!(lines.iter().any(|l| l.contains("SUCCESS! Your cluster was upgraded")), "{lines:?}");
+    assert_eq!(
+        (
+            done.previous_version.as_str(),
+            done.kubernetes_version.as_str()
+        ),
+        (FROM, TO)
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("SUCCESS! Your cluster was upgraded")),
+        "{lines:?}"
+    );
     assert_eq!(cp.version(), TO);
     assert!(cp.kubelet_claims().contains(TO), "{}", cp.kubelet_claims());
     let events = cp.component_events();
     assert_eq!(events.len(), old.len() + new.len());
     let upgraded = &events[old.len()..];
-    assert!(upgraded.iter().all(|d| d.contains(&format!("(Kubernetes {TO})"))), "{upgraded:?}");
-    assert!(upgraded.iter().any(|d| d.contains(&format!("/{TO}/bin/linux/amd64/kubelet"))), "{upgraded:?}");
+    assert!(
+        upgraded
+            .iter()
+            .all(|d| d.contains(&format!("(Kubernetes {TO})"))),
+        "{upgraded:?}"
+    );
+    assert!(
+        upgraded
+            .iter()
+            .any(|d| d.contains(&format!("/{TO}/bin/linux/amd64/kubelet"))),
+        "{upgraded:?}"
+    );
     cp.assert_no_staging_left();
     // Replayed: the challenge was spent.
     assert_eq!(code(cp.run(&request).await), tonic::Code::PermissionDenied);
@@ -252,12 +298,19 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
     let back = cp.request(plan(FROM, Some(&old), UpgradeStep::Apply));
     let refused = cp.run(&back).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
-    assert!(refused.message().contains("downgrades are refused"), "{}", refused.message());
+    assert!(
+        refused.message().contains("downgrades are refused"),
+        "{}",
+        refused.message()
+    );
 
     // The worker's mirror serves a kubelet that does not match the list:
     // nothing switches, nothing new is measured, it keeps running v1.30.
     let mut tampered = new.clone();
-    let kubelet = tampered.iter_mut().find(|c| c.url.ends_with("/kubelet")).unwrap();
+    let kubelet = tampered
+        .iter_mut()
+        .find(|c| c.url.ends_with("/kubelet"))
+        .unwrap();
     kubelet.hash = format!("sha256:{}", "00".repeat(32));
     let before = worker.component_events().len();
     let (lines, last) = worker
@@ -284,7 +337,11 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
         .run(&worker.request(plan(TO, Some(&new), UpgradeStep::Node)))
         .await
         .unwrap();
-    assert!(matches!(last, Event::Done(_)), "{last:?}\n{}", lines.join("\n"));
+    assert!(
+        matches!(last, Event::Done(_)),
+        "{last:?}\n{}",
+        lines.join("\n")
+    );
     assert_eq!(worker.version(), TO);
     assert!(worker.kubelet_claims().contains(TO));
 }
@@ -305,12 +362,24 @@ async fn a_failure_after_the_switch_switches_back_and_measures_it() {
     assert!(failed.rolled_back, "{failed:?}");
     assert_eq!(failed.running_version, FROM);
     assert!(failed.error.contains("kubeadm upgrade"), "{}", failed.error);
-    assert!(lines.iter().any(|l| l.contains("switched back to Kubernetes")), "{lines:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("switched back to Kubernetes")),
+        "{lines:?}"
+    );
     assert_eq!(node.version(), FROM);
-    assert!(node.kubelet_claims().contains(FROM), "{}", node.kubelet_claims());
+    assert!(
+        node.kubelet_claims().contains(FROM),
+        "{}",
+        node.kubelet_claims()
+    );
     node.assert_no_staging_left();
     // The log ends with what the node runs again.
     let events = node.component_events();
     let last = events.last().unwrap();
-    assert!(last.contains(&format!("rollback to Kubernetes {FROM}")), "{events:?}");
+    assert!(
+        last.contains(&format!("rollback to Kubernetes {FROM}")),
+        "{events:?}"
+    );
 }

@@ -29,6 +29,12 @@
 //! 10. every node loses power and boots again: no join service answers;
 //!     `keel recover` with `keel init`'s workspace brings `keel-cp-0` back
 //!     (same cluster ID, same disk) and the others rejoin through it;
+//! 11. `keel upgrade apply --kubernetes v1.32.9` (after 10): both control
+//!     planes, then the worker, move from v1.31.13 to v1.32.9 (stand-ins
+//!     of that version, with their own hashes); each node's attested event
+//!     log then ends with the new version's components, and the worker,
+//!     rebooted, rejoins and measures the v1.32.9 components again from the
+//!     version recorded on its state disk;
 //! 12. continuous attestation and revocation (after 10, before 6): `keel
 //!     status` on both control planes lists every node `trusted` with
 //!     recent evidence (the local cluster's interval is 10 s); `keel revoke
@@ -58,7 +64,10 @@ use keel_e2e::mini::cluster::{
     JOINED_LINE, JOIN_FAILED_LINE, JOIN_SERVICE_LINE, JOIN_SERVICE_PATIENCE, RECOVERED_LINE,
     REJOINED_LINE, TICKET_ISSUER_MARK,
 };
-use keel_e2e::mini::config::{GUEST_INIT_PORT, MEASUREMENTS, MEASUREMENTS_MEMBER, PCR_CLUSTER_ID};
+use keel_e2e::mini::config::{
+    GUEST_INIT_PORT, KUBERNETES_VERSION, MEASUREMENTS, MEASUREMENTS_MEMBER, PCR_CLUSTER_ID,
+    UPGRADE_VERSION,
+};
 use keel_e2e::mini::operator::REVOKED_MARK;
 use keel_e2e::mini::verify::Verification;
 use keel_e2e::mini::{disk, procs, Cluster, Node, UpOptions};
@@ -115,6 +124,8 @@ fn local_cluster_scenarios() -> TestResult {
     first_control_plane_rejoins(&cluster, &lock, cp0_restart)?;
     processes.extend(cluster.processes());
     all_down_recovery(&mut cluster, &lock)?;
+    processes.extend(cluster.processes());
+    kubernetes_upgrade(&mut cluster, &lock)?;
     processes.extend(cluster.processes());
     revoked_worker(&mut cluster)?;
     processes.extend(cluster.processes());
@@ -602,6 +613,72 @@ fn all_down_recovery(cluster: &mut Cluster, lock: &Lock) -> TestResult {
         serving.saturating_sub(recover_at).as_secs_f64(),
         worker_issuer.name()
     );
+    Ok(())
+}
+
+/// The kubelet URL of `version` in a node's component events.
+fn kubelet_of(version: &str) -> String {
+    format!("/{version}/bin/linux/amd64/kubelet")
+}
+
+/// Whether the node's attested log names the kubelet of `version` last.
+fn runs(v: &Verification, version: &str) -> bool {
+    v.report
+        .events
+        .iter()
+        .filter(|e| e.event_type == keel_verifier::measurement::EventType::Component)
+        .rfind(|e| e.description.contains("/bin/linux/amd64/kubelet"))
+        .is_some_and(|e| e.description.contains(&kubelet_of(version)))
+}
+
+/// Scenario 11: every node moves to the next Kubernetes version with
+/// `keel upgrade apply`; their attested logs show it; the worker, rebooted,
+/// rejoins at that version.
+fn kubernetes_upgrade(cluster: &mut Cluster, lock: &Lock) -> TestResult {
+    let t = Instant::now();
+    for node in cluster.nodes() {
+        let v = attested(cluster, node)?;
+        assert!(
+            runs(&v, KUBERNETES_VERSION),
+            "{} does not run {KUBERNETES_VERSION}",
+            node.name()
+        );
+    }
+    assert!(
+        cluster.upgrade_kubernetes()?,
+        "keel upgrade apply failed; see {}",
+        cluster.path("upgrade.log").display()
+    );
+    let upgraded = t.elapsed();
+    for node in cluster.nodes() {
+        let v = attested(cluster, node)?;
+        member(&v, lock, node)?;
+        assert!(
+            runs(&v, UPGRADE_VERSION),
+            "{}'s attested event log does not end with the {UPGRADE_VERSION} kubelet; see {}",
+            node.name(),
+            cluster.path("upgrade.log").display()
+        );
+    }
+    let reboot = Instant::now();
+    cluster.worker.kill();
+    cluster.worker.boot(cluster.accel)?;
+    let worker = &cluster.worker;
+    worker.wait_for(&[REJOINED_LINE], cluster.patience)?;
+    let v = attested(cluster, worker)?;
+    member(&v, lock, worker)?;
+    assert!(
+        runs(&v, UPGRADE_VERSION),
+        "the rebooted worker did not measure the {UPGRADE_VERSION} components again; see {}",
+        worker.serial_log().display()
+    );
+    println!(
+        "  keel upgrade apply (3 nodes) {:.1} s, {:.1} s per node; worker reboot -> rejoined at {UPGRADE_VERSION}: {:.1} s",
+        upgraded.as_secs_f64(),
+        upgraded.as_secs_f64() / 3.0,
+        reboot.elapsed().as_secs_f64()
+    );
+    pass("kubernetes-upgrade", t);
     Ok(())
 }
 

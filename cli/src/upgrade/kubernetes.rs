@@ -137,10 +137,8 @@ async fn request(mut member: Member, target: &Target, step: UpgradeStep) -> anyh
         .into_inner();
     while let Some(message) = stream.message().await.map_err(|s| refused(&endpoint, &s))? {
         match message.event {
-            Some(Event::Log(line)) => {
-                if step != UpgradeStep::Authorise {
-                    println!("{endpoint}: {line}");
-                }
+            Some(Event::Log(line)) if step != UpgradeStep::Authorise => {
+                println!("{endpoint}: {line}");
             }
             Some(Event::Done(done)) => {
                 if step != UpgradeStep::Authorise {
@@ -167,7 +165,7 @@ async fn request(mut member: Member, target: &Target, step: UpgradeStep) -> anyh
                     }
                 )
             }
-            None => {}
+            Some(Event::Log(_)) | None => {}
         }
     }
     bail!("{endpoint}: the upgrade stream ended without a result")

@@ -802,6 +802,23 @@ impl Cluster {
         )
     }
 
+    /// `keel upgrade apply --kubernetes` to [`config::UPGRADE_VERSION`]
+    /// (its stand-in components) on every node, control planes first; its
+    /// output is kept in `upgrade.log`. Returns whether it succeeded.
+    pub fn upgrade_kubernetes(&self) -> Result<bool, MiniError> {
+        let (settings, _) = self.operator_inputs()?;
+        let ports = [self.cp.init_port, self.cp1.init_port, self.worker.init_port];
+        operator::upgrade_kubernetes(
+            &self.tools.keel,
+            &settings,
+            &self.dir.join(WORKSPACE),
+            &ports,
+            config::UPGRADE_VERSION,
+            &self.dir.join(config::UPGRADE_COMPONENTS),
+            &self.dir.join("upgrade.log"),
+        )
+    }
+
     /// `keel status -o json` against both control planes; its output is
     /// kept in `status.log`.
     pub fn status(&self) -> Result<operator::Status, MiniError> {
@@ -954,6 +971,13 @@ fn start_mirror(dir: &Path, tools: &Tools) -> Result<Process, MiniError> {
         .arg(&standin)
         .args(["--guest-host", config::GUEST_HOST, "--components"])
         .arg(dir.join(config::COMPONENTS))
+        .args(["--version", config::KUBERNETES_VERSION])
+        .args([
+            "--upgrade-version",
+            config::UPGRADE_VERSION,
+            "--upgrade-components",
+        ])
+        .arg(dir.join(config::UPGRADE_COMPONENTS))
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err)

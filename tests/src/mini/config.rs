@@ -43,6 +43,12 @@ pub const EK_CA: &str = "ek-ca.pem";
 pub const INIT_SECRET: &str = "init-secret";
 /// The component list the mirror serves.
 pub const COMPONENTS: &str = "components.json";
+/// The stand-in components of the version scenario 11 upgrades to.
+pub const UPGRADE_COMPONENTS: &str = "components-upgrade.json";
+/// The version the local cluster runs, and the one scenario 11 moves to.
+pub const KUBERNETES_VERSION: &str = "v1.31.13";
+/// See [`KUBERNETES_VERSION`].
+pub const UPGRADE_VERSION: &str = "v1.32.9";
 
 /// The join endpoint of a control plane as the VMs reach it: the host
 /// port forwarded to its join service, on the host's address.

@@ -1,5 +1,5 @@
-//! `keel revoke` and `keel status` as the operator runs them against every
-//! control plane: the settings name the measurements (PCR 15 judged by the
+//! `keel revoke`, `keel status` and `keel upgrade apply --kubernetes` as
+//! the operator runs them against the nodes: the settings name the measurements (PCR 15 judged by the
 //! event log: each must be locked into the workspace's cluster) and the EK
 //! CA; the workspace holds the master secret the proofs are made with.
 
@@ -101,6 +101,36 @@ pub fn revoke(
 ) -> Result<bool, MiniError> {
     let args = with_endpoints(
         vec!["revoke".into(), node.into()],
+        settings,
+        workspace,
+        ports,
+    );
+    Ok(super::run_keel(keel, args, log)?.status.success())
+}
+
+/// Runs `keel upgrade apply --kubernetes version` with the stand-in
+/// `components` against the nodes on the init `ports` (control planes
+/// first); its output goes to `log`. Returns whether it succeeded.
+pub fn upgrade_kubernetes(
+    keel: &Path,
+    settings: &Path,
+    workspace: &Path,
+    ports: &[u16],
+    version: &str,
+    components: &Path,
+    log: &Path,
+) -> Result<bool, MiniError> {
+    let args = with_endpoints(
+        vec![
+            "upgrade".into(),
+            "apply".into(),
+            "--kubernetes".into(),
+            version.into(),
+            "--components".into(),
+            components.into(),
+            "--skip-phases".into(),
+            "image".into(),
+        ],
         settings,
         workspace,
         ports,
