@@ -15,6 +15,9 @@ pub trait Streamed: Sized + Send + 'static {
     type Message: Send + 'static;
     /// The operation's name, for the node's own log.
     const OPERATION: &'static str;
+    /// Writes `line` to the node's own log, under the operation's target
+    /// (the line alone: tools read reports off the console).
+    fn log(line: &str);
     /// A progress line.
     fn log_line(line: String) -> Self;
     /// The wire message carrying `self`.
@@ -24,6 +27,10 @@ pub trait Streamed: Sized + Send + 'static {
 impl Streamed for keel_proto::init::init_response::Kind {
     type Message = keel_proto::init::InitResponse;
     const OPERATION: &'static str = "init";
+
+    fn log(line: &str) {
+        tracing::info!(target: "keel_agent::init", "{line}");
+    }
 
     fn log_line(line: String) -> Self {
         Self::LogLine(line)
@@ -37,6 +44,10 @@ impl Streamed for keel_proto::init::init_response::Kind {
 impl Streamed for keel_proto::operator::upgrade_response::Event {
     type Message = keel_proto::operator::UpgradeResponse;
     const OPERATION: &'static str = "upgrade";
+
+    fn log(line: &str) {
+        tracing::info!(target: "keel_agent::upgrade", "{line}");
+    }
 
     fn log_line(line: String) -> Self {
         Self::Log(line)
@@ -148,7 +159,7 @@ impl<K: Streamed> Transcript<K> {
     /// Logs, keeps and streams `line`, without waiting for the client.
     pub fn line(&self, line: impl Into<String>) {
         let line = bounded_line(line.into());
-        tracing::info!(operation = K::OPERATION, "{line}");
+        K::log(&line);
         let mut state = self.state();
         state.keep(line.clone());
         // A gone client does not stop the init: the node finishes (or

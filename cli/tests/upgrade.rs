@@ -157,11 +157,11 @@ fn upgrade_apply_refuses_a_bad_signature_before_contacting_any_node() {
             "the kubernetes phase needs --kubernetes",
         ),
         (
-            "a kubernetes version",
+            "an unsupported kubernetes version",
             body.clone(),
             Some(good.clone()),
-            vec!["--kubernetes", "v1.32"],
-            "the kubernetes phase is not available yet",
+            vec!["--kubernetes", "v1.29"],
+            "is not supported",
         ),
         (
             "every phase skipped",
