@@ -35,7 +35,7 @@ fi
 host_pkgs=(swtpm swtpm-tools tpm2-tools ovmf erofs-utils squashfs-tools dosfstools
   mtools cryptsetup-bin kmod cpio python3-pefile zstd uidmap bubblewrap musl-tools
   autoconf automake libtool libltdl-dev autoconf-archive pkg-config protobuf-compiler
-  dpkg-dev curl ca-certificates make gcc binutils file iproute2 xz-utils)
+  dpkg-dev curl ca-certificates make gcc binutils file iproute2 xz-utils openssl)
 bp_pkgs=(mkosi systemd systemd-boot systemd-boot-efi systemd-container
   qemu-system-x86 qemu-utils)
 

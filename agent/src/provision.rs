@@ -245,11 +245,14 @@ impl<'a> Provisioner<'a> {
         (self.log)(format!("advertising {}", config.advertise_address));
         (self.log)("running kubeadm init".into());
         let mut on_line = |line: &str| (self.log)(line.to_owned());
-        self.env
+        let kubeconfig = self
+            .env
             .kubeadm
             .init(&path, &mut on_line)
             .await
-            .map_err(ProvisionError::Kubeadm)
+            .map_err(ProvisionError::Kubeadm)?;
+        durable().await;
+        Ok(kubeconfig)
     }
 
     /// Step 4 of a join: `kubeadm join` (bounded retries).
@@ -261,7 +264,9 @@ impl<'a> Provisioner<'a> {
             .kubeadm
             .join(&path, &mut on_line)
             .await
-            .map_err(ProvisionError::Kubeadm)
+            .map_err(ProvisionError::Kubeadm)?;
+        durable().await;
+        Ok(())
     }
 
     /// Step 4 of a node whose setup is on its disk: start the kubelet.
@@ -408,6 +413,15 @@ impl<'a> Provisioner<'a> {
         let path = self.env.work_dir.join(name);
         write_private(&path, yaml.as_bytes())?;
         Ok(path)
+    }
+}
+
+/// Flushes every file system: what kubeadm wrote (it does not sync its
+/// kubeconfigs) and the agent's own changes reach the state disk before the
+/// node reports them done, so a power loss right after loses nothing.
+pub async fn durable() {
+    if let Err(e) = tokio::task::spawn_blocking(rustix::fs::sync).await {
+        tracing::warn!(error = %e, "flushing the file systems failed");
     }
 }
 

@@ -102,7 +102,7 @@ async fn node(
         "kubelet.conf"
     };
     std::fs::write(kube.join(conf), "apiVersion: v1\n").unwrap();
-    let record = root.join("var/lib/keel-standin/version");
+    let record = root.join("etc/kubernetes/keel-standin-version");
     std::fs::create_dir_all(record.parent().unwrap()).unwrap();
     std::fs::write(record, FROM).unwrap();
 

@@ -420,6 +420,7 @@ impl Upgrader {
         };
         record.save(self.env.root()).map_err(UpgradeError::Record)?;
         self.follow_on_control_plane(&record)?;
+        crate::provision::durable().await;
         Ok(())
     }
 
@@ -477,6 +478,7 @@ impl Upgrader {
         if let Err(e) = staging.discard() {
             tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the staged components failed");
         }
+        crate::provision::durable().await;
         log(format!(
             "switched back to Kubernetes {}{}",
             previous.version,

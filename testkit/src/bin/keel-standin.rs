@@ -23,7 +23,7 @@
 //! * `upgrade apply VERSION --yes` and `upgrade node`: check that the node
 //!   is in a cluster, that this kubeadm is the target version and that the
 //!   target follows the cluster's version (recorded at init, join and each
-//!   upgrade under `var/lib/keel-standin/version`) by one minor version at
+//!   upgrade in `etc/kubernetes/keel-standin-version`) by one minor version at
 //!   most; `KEEL_STANDIN_FAIL` applies here too;
 //! * `token create --config F [--kubeconfig K]`: checks the bootstrap token
 //!   in the `InitConfiguration` (format, TTL, usages) and that the cluster
@@ -151,9 +151,10 @@ fn own_version() -> Option<String> {
 }
 
 /// Where the stand-in keeps the cluster version it set up or upgraded to,
-/// as the cluster's kubeadm-config would.
+/// as the cluster's kubeadm-config would: under `/etc/kubernetes`, which
+/// outlives a reboot (it is on the state disk).
 fn version_record() -> PathBuf {
-    root().join("var/lib/keel-standin/version")
+    kube_dir().join("keel-standin-version")
 }
 
 fn root() -> PathBuf {
@@ -827,12 +828,12 @@ fn reset(flags: &Flags) -> Result<()> {
 /// follows the cluster's version by one minor version at most, never back.
 fn upgrade(args: &[String]) -> Result<()> {
     let recorded = std::fs::read_to_string(version_record()).ok();
-    let Some(current) = recorded.as_deref().map(str::trim) else {
-        return fail("upgrade: this node is not part of a cluster set up by kubeadm");
-    };
     let claim = version_claim();
     match args.split_first() {
         Some((sub, rest)) if sub == "apply" => {
+            let Some(current) = recorded.as_deref().map(str::trim) else {
+                return fail("upgrade apply: this node has no record of the cluster's version (it did not run kubeadm init)");
+            };
             let (target, flags) = match rest.split_first() {
                 Some((v, flags)) if !v.starts_with("--") => (v.clone(), flags),
                 _ => return fail("upgrade apply: the version to upgrade to is required"),
@@ -877,7 +878,20 @@ fn upgrade(args: &[String]) -> Result<()> {
             }
             if !kube_dir().join("kubelet.conf").exists() && !kube_dir().join("admin.conf").exists()
             {
-                return fail("upgrade node: this node has no kubelet.conf");
+                return fail("upgrade node: this node is not part of a cluster (no kubelet.conf)");
+            }
+            // The cluster's version comes from the cluster for a real
+            // kubeadm; the stand-in checks the step where it kept one.
+            match recorded.as_deref().map(str::trim).map(|r| (r, parse_version(r))) {
+                Some((current, Some(from))) => match parse_version(&claim) {
+                    Some(to) if to >= from && to.0 == from.0 && to.1 <= from.1 + 1 => {}
+                    _ => {
+                        return fail(format!(
+                            "[upgrade/version] FATAL: this node runs {current}; {claim} is a downgrade or skips a minor version"
+                        ))
+                    }
+                },
+                _ => println!("[upgrade] no local record of the cluster version; upgrading to {claim}"),
             }
             injected_faults("upgrade")?;
             write_file(&version_record(), claim.as_bytes(), 0o644)?;
