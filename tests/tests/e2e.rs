@@ -651,7 +651,7 @@ fn kubernetes_upgrade(cluster: &mut Cluster, lock: &Lock) -> TestResult {
     );
     let upgraded = t.elapsed();
     for node in cluster.nodes() {
-        let v = attested(cluster, node)?;
+        let v = cluster.verify(node, MEASUREMENTS_MEMBER)?;
         member(&v, lock, node)?;
         assert!(
             runs(&v, UPGRADE_VERSION),
@@ -665,7 +665,7 @@ fn kubernetes_upgrade(cluster: &mut Cluster, lock: &Lock) -> TestResult {
     cluster.worker.boot(cluster.accel)?;
     let worker = &cluster.worker;
     worker.wait_for(&[REJOINED_LINE], cluster.patience)?;
-    let v = attested(cluster, worker)?;
+    let v = cluster.verify(worker, MEASUREMENTS_MEMBER)?;
     member(&v, lock, worker)?;
     assert!(
         runs(&v, UPGRADE_VERSION),
