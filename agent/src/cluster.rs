@@ -64,11 +64,11 @@ impl ClusterState {
     }
 
     /// The same state, also authorising `components` (a version being
-    /// rolled out, or one the cluster ran before).
+    /// rolled out, or one the cluster ran before), each listed once.
     pub fn authorising(&self, components: &[Component]) -> Self {
         let mut updated = self.clone();
         for c in components {
-            if !updated.authorises(&c.hash().to_string()) {
+            if !updated.authorised_components.contains(c) {
                 updated.authorised_components.push(c.clone());
             }
         }
@@ -102,6 +102,41 @@ impl std::fmt::Debug for ClusterState {
 
 /// Where the cluster state appears once the node has one.
 pub type ClusterSlot = tokio::sync::watch::Sender<Option<Arc<ClusterState>>>;
+
+/// Changes the cluster state in `slot` with `update`, one change at a time
+/// (the slot's lock is held throughout, so two changes never start from the
+/// same state): `update` sees the state in force and returns the new one,
+/// or refuses; the new state's facts go on the state disk under `root`
+/// before anything reading `slot` sees it. `Ok(None)` where the node has no
+/// cluster state (it is not a control plane); nothing changes on an error.
+pub fn change_state<E: From<FactsError>>(
+    slot: &ClusterSlot,
+    root: &Path,
+    update: impl FnOnce(&ClusterState) -> Result<ClusterState, E>,
+) -> Result<Option<Arc<ClusterState>>, E> {
+    let mut outcome = Ok(None);
+    slot.send_if_modified(|current| {
+        let Some(state) = current.as_ref() else {
+            return false;
+        };
+        let changed = update(state).and_then(|updated| {
+            ControlPlaneFacts::of(&updated).save(root)?;
+            Ok(Arc::new(updated))
+        });
+        match changed {
+            Ok(updated) => {
+                *current = Some(updated.clone());
+                outcome = Ok(Some(updated));
+                true
+            }
+            Err(e) => {
+                outcome = Err(e);
+                false
+            }
+        }
+    });
+    outcome
+}
 
 /// What a control plane keeps on its state disk about its cluster, so that
 /// after a reboot (rejoin or recovery) it can serve joins again with only

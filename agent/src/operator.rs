@@ -50,7 +50,7 @@ use subtle::ConstantTimeEq as _;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::attestation::policy::write_accepted;
-use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts};
+use crate::cluster::{change_state, ClusterSlot, ClusterState, FactsError};
 use crate::registry::{RegistryError, RegistryStore, Revocation};
 use crate::throttle::FailureThrottle;
 use crate::transcript::{self, Transcript};
@@ -62,18 +62,10 @@ pub const MAX_CHALLENGES: usize = 64;
 pub const CHALLENGE_TTL: Duration = Duration::from_secs(60);
 /// Largest accepted request (a measurements file is a few KiB).
 pub const MAX_OPERATOR_REQUEST_BYTES: usize = 128 * 1024;
-/// The proof kind of `SetJoinMeasurements`.
-pub const SET_JOIN_MEASUREMENTS: &str = "set-join-measurements";
-/// The proof kind of `Upgrade`.
-pub const UPGRADE: &str = "upgrade";
-/// The proof kind of `StageImageMeasurements` (body: the measurements).
-pub const STAGE_IMAGE_MEASUREMENTS: &str = "stage-image-measurements";
-/// The proof kind of `FinishImageUpgrade` (body: empty).
-pub const FINISH_IMAGE_UPGRADE: &str = "finish-image-upgrade";
-/// The proof kind of `RevokeNode` (body: the node selector).
-pub const REVOKE_NODE: &str = "revoke-node";
-/// The proof kind of `NodeStatus` (body: empty).
-pub const NODE_STATUS: &str = "node-status";
+pub use keel_verifier::keys::kind::{
+    FINISH_IMAGE_UPGRADE, NODE_STATUS, REVOKE_NODE, SET_JOIN_MEASUREMENTS,
+    STAGE_IMAGE_MEASUREMENTS, UPGRADE,
+};
 
 /// Why an operator request was refused.
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +115,12 @@ pub enum OperatorError {
     /// The upgrade was refused before anything changed.
     #[error("upgrade refused: {0}")]
     Upgrade(#[source] UpgradeError),
+}
+
+impl From<FactsError> for OperatorError {
+    fn from(e: FactsError) -> Self {
+        Self::Store(e.into())
+    }
 }
 
 impl From<&OperatorError> for tonic::Status {
@@ -281,8 +279,6 @@ struct Inner {
     measurements: Option<PathBuf>,
     root: PathBuf,
     upgrader: Option<Arc<Upgrader>>,
-    /// Held while the accepted measurements change.
-    changing: Mutex<()>,
 }
 
 impl OperatorServer {
@@ -304,7 +300,6 @@ impl OperatorServer {
                 measurements,
                 root,
                 upgrader: upgrader.map(Arc::new),
-                changing: Mutex::new(()),
             }),
         }
     }
@@ -332,27 +327,17 @@ impl OperatorServer {
             .measurements
             .as_ref()
             .ok_or(OperatorError::NotControlPlane)?;
-        let _one = inner
-            .changing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let state = inner
-            .cluster
-            .borrow()
-            .clone()
-            .ok_or(OperatorError::NotControlPlane)?;
-        let updated = Arc::new(update(&state)?);
-        write_accepted(
-            path,
-            &updated.join_measurements,
-            updated.staged_measurements.as_ref(),
-        )
-        .map_err(|e| OperatorError::Store(e.into()))?;
-        ControlPlaneFacts::of(&updated)
-            .save(&inner.root)
+        change_state(&inner.cluster, &inner.root, |state| {
+            let updated = update(state)?;
+            write_accepted(
+                path,
+                &updated.join_measurements,
+                updated.staged_measurements.as_ref(),
+            )
             .map_err(|e| OperatorError::Store(e.into()))?;
-        inner.cluster.send_replace(Some(updated.clone()));
-        Ok(updated)
+            Ok::<_, OperatorError>(updated)
+        })?
+        .ok_or(OperatorError::NotControlPlane)
     }
 
     /// Replaces the join measurements, for a request from `peer`; returns

@@ -18,8 +18,7 @@ use keel_verifier::measurements::Measurements;
 use crate::operator::{refused, Operator};
 use crate::settings::read_bounded;
 
-/// The proof kind the control planes expect.
-const KIND: &str = "set-join-measurements";
+use keel_verifier::keys::kind::SET_JOIN_MEASUREMENTS;
 
 /// Runs `keel push-measurements`.
 pub async fn run(
@@ -38,7 +37,9 @@ pub async fn run(
         .with_context(|| format!("{} is not a measurements file", file.display()))?;
     let operator = Operator::load(settings_path, workspace, wait)?;
     for endpoint in endpoints {
-        let (mut cp, challenge, proof) = operator.authorise(endpoint, KIND, &body).await?;
+        let (mut cp, challenge, proof) = operator
+            .authorise(endpoint, SET_JOIN_MEASUREMENTS, &body)
+            .await?;
         let done = cp
             .client
             .set_join_measurements(SetJoinMeasurementsRequest {

@@ -12,8 +12,7 @@ use keel_proto::operator::RevokeNodeRequest;
 
 use crate::operator::{refused, Operator};
 
-/// The proof kind the control planes expect.
-const KIND: &str = "revoke-node";
+use keel_verifier::keys::kind::REVOKE_NODE;
 
 /// Runs `keel revoke`.
 pub async fn run(
@@ -57,7 +56,9 @@ pub async fn run(
 
 /// Revokes `node` on the control plane at `endpoint`; returns what to print.
 async fn revoke_at(operator: &Operator, endpoint: &str, node: &str) -> anyhow::Result<String> {
-    let (mut cp, challenge, proof) = operator.authorise(endpoint, KIND, node.as_bytes()).await?;
+    let (mut cp, challenge, proof) = operator
+        .authorise(endpoint, REVOKE_NODE, node.as_bytes())
+        .await?;
     let done = cp
         .client
         .revoke_node(RevokeNodeRequest {

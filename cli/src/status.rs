@@ -13,8 +13,7 @@ use serde_json::Value;
 use crate::operator::{refused, Operator};
 use crate::verify::Output;
 
-/// The proof kind the control planes expect.
-const KIND: &str = "node-status";
+use keel_verifier::keys::kind::NODE_STATUS;
 
 /// Runs `keel status`.
 pub async fn run(
@@ -30,7 +29,7 @@ pub async fn run(
     let operator = Operator::load(settings_path, workspace, wait)?;
     let mut views = Vec::new();
     for endpoint in endpoints {
-        let (mut cp, challenge, proof) = operator.authorise(endpoint, KIND, &[]).await?;
+        let (mut cp, challenge, proof) = operator.authorise(endpoint, NODE_STATUS, &[]).await?;
         let registry = cp
             .client
             .node_status(NodeStatusRequest { challenge, proof })

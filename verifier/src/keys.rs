@@ -296,6 +296,24 @@ pub fn cluster_id(
     Ok(id)
 }
 
+/// The request kinds an operator's proof names (the `kind` of
+/// [`operator_proof`]): the CLI proves and the node checks the same string,
+/// so a proof for one kind proves nothing for another.
+pub mod kind {
+    /// `SetJoinMeasurements` (body: the measurements).
+    pub const SET_JOIN_MEASUREMENTS: &str = "set-join-measurements";
+    /// `Upgrade` (body: the encoded plan).
+    pub const UPGRADE: &str = "upgrade";
+    /// `StageImageMeasurements` (body: the measurements).
+    pub const STAGE_IMAGE_MEASUREMENTS: &str = "stage-image-measurements";
+    /// `FinishImageUpgrade` (body: empty).
+    pub const FINISH_IMAGE_UPGRADE: &str = "finish-image-upgrade";
+    /// `RevokeNode` (body: the node selector).
+    pub const REVOKE_NODE: &str = "revoke-node";
+    /// `NodeStatus` (body: empty).
+    pub const NODE_STATUS: &str = "node-status";
+}
+
 /// The operator's proof for one request: HMAC-SHA256 under the operator
 /// key over a label naming the request kind, the server's single-use
 /// `challenge` and the SHA-256 of the request `body`. It binds the proof to

@@ -37,7 +37,7 @@ use keel_installer::{Component, Installer, KubernetesVersion, LogProgress, Upgra
 use keel_proto::operator::{UpgradePlan, UpgradeStep};
 use keel_verifier::measurement::EventType;
 
-use crate::cluster::{ClusterSlot, ControlPlaneFacts};
+use crate::cluster::{change_state, ClusterSlot, FactsError};
 use crate::measured::SharedTpm;
 use crate::provision::{restart_kubelet, NodeEnv};
 
@@ -165,7 +165,13 @@ pub enum UpgradeError {
     Kubelet(#[source] crate::provision::ProvisionError),
     /// A control plane's facts could not be updated.
     #[error("updating the control-plane facts")]
-    Facts(#[source] crate::cluster::FactsError),
+    Facts(#[source] FactsError),
+}
+
+impl From<FactsError> for UpgradeError {
+    fn from(e: FactsError) -> Self {
+        Self::Facts(e)
+    }
 }
 
 impl UpgradeError {
@@ -239,16 +245,10 @@ impl Upgrader {
     /// On a control plane: authorises the components of `target` for its
     /// members' evidence (state, facts), before any node switches to them.
     pub fn authorise(&self, target: &Target) -> Result<(), UpgradeError> {
-        let state = self
-            .cluster
-            .borrow()
-            .clone()
-            .ok_or(UpgradeError::NotControlPlane)?;
-        let updated = state.authorising(&target.components);
-        ControlPlaneFacts::of(&updated)
-            .save(self.env.root())
-            .map_err(UpgradeError::Facts)?;
-        self.cluster.send_replace(Some(Arc::new(updated)));
+        change_state(&self.cluster, self.env.root(), |state| {
+            Ok::<_, UpgradeError>(state.authorising(&target.components))
+        })?
+        .ok_or(UpgradeError::NotControlPlane)?;
         tracing::info!(version = %target.version, "components of the target version authorised");
         Ok(())
     }
@@ -427,21 +427,14 @@ impl Upgrader {
     /// A control plane's facts and join service move to the new version,
     /// so the nodes that join from now on install it.
     fn follow_on_control_plane(&self, record: &NodeVersion) -> Result<(), UpgradeError> {
-        let Some(state) = self.cluster.borrow().clone() else {
-            return Ok(());
-        };
-        // The version it ran stays authorised: members still show its
-        // components in PCR 13 until they reboot.
-        let mut updated = state.authorising(&record.components);
-        updated
-            .authorised_components
-            .extend(state.components.iter().cloned());
-        updated.kubernetes_version = record.version;
-        updated.components = record.components.clone();
-        ControlPlaneFacts::of(&updated)
-            .save(self.env.root())
-            .map_err(UpgradeError::Facts)?;
-        self.cluster.send_replace(Some(Arc::new(updated)));
+        change_state(&self.cluster, self.env.root(), |state| {
+            // The version it ran stays authorised: members still show its
+            // components in PCR 13 until they reboot.
+            let mut updated = state.authorising(&state.components);
+            updated.kubernetes_version = record.version;
+            updated.components = record.components.clone();
+            Ok::<_, UpgradeError>(updated)
+        })?;
         Ok(())
     }
 

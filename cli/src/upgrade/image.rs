@@ -20,10 +20,8 @@ use super::Cluster;
 use crate::operator::{refused, Operator};
 use crate::settings::{read_bounded, Settings};
 
-/// The proof kind of staging.
-const STAGE: &str = "stage-image-measurements";
-/// The proof kind of finishing.
-const FINISH: &str = "finish-image-upgrade";
+use keel_verifier::keys::kind::FINISH_IMAGE_UPGRADE;
+use keel_verifier::keys::kind::STAGE_IMAGE_MEASUREMENTS;
 
 /// A new image's measurements file whose signature verified.
 #[derive(Debug)]
@@ -93,8 +91,9 @@ pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Res
         cluster,
         "stage the image measurements",
         |endpoint| async move {
-            let (mut node, challenge, proof) =
-                operator.authorise(&endpoint, STAGE, &image.body).await?;
+            let (mut node, challenge, proof) = operator
+                .authorise(&endpoint, STAGE_IMAGE_MEASUREMENTS, &image.body)
+                .await?;
             node.client
                 .stage_image_measurements(StageImageMeasurementsRequest {
                     measurements: image.body.clone(),
@@ -124,7 +123,9 @@ pub async fn finish(cluster: &Cluster) -> anyhow::Result<()> {
     let settings = Settings::load(&cluster.settings)?;
     let operator = &Operator::new(&settings, &cluster.workspace, cluster.wait())?;
     on_each(cluster, "finish the image upgrade", |endpoint| async move {
-        let (mut node, challenge, proof) = operator.authorise(&endpoint, FINISH, &[]).await?;
+        let (mut node, challenge, proof) = operator
+            .authorise(&endpoint, FINISH_IMAGE_UPGRADE, &[])
+            .await?;
         node.client
             .finish_image_upgrade(FinishImageUpgradeRequest { challenge, proof })
             .await

@@ -23,8 +23,7 @@ use super::Cluster;
 use crate::operator::{refused, Member, Operator};
 use crate::settings::Settings;
 
-/// The proof kind of an upgrade request.
-const KIND: &str = "upgrade";
+use keel_verifier::keys::kind::UPGRADE;
 
 /// The target of the phase, checked before any node is contacted.
 pub struct Target {
@@ -123,7 +122,7 @@ pub async fn run(cluster: &Cluster, target: &Target) -> anyhow::Result<()> {
 async fn request(mut member: Member, target: &Target, step: UpgradeStep) -> anyhow::Result<()> {
     let started = Instant::now();
     let plan = target.plan(step);
-    let (challenge, proof) = member.prove(KIND, &plan).await?;
+    let (challenge, proof) = member.prove(UPGRADE, &plan).await?;
     let endpoint = member.endpoint.clone();
     let mut stream = member
         .client
