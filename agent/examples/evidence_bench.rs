@@ -110,6 +110,7 @@ async fn main() {
         join_measurements: measurements,
         staged_measurements: None,
         measurements_key: None,
+        signed_measurements: Vec::new(),
         control_plane_endpoints: Vec::new(),
     };
     let slot = ClusterSlot::new(Some(Arc::new(state)));

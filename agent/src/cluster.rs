@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use keel_installer::{Component, KubernetesVersion};
 use keel_verifier::measurements::Measurements;
-use keel_verifier::signature::SigningPublicKey;
+use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
+use sha2::{Digest as _, Sha256};
 use zeroize::Zeroizing;
 
 use crate::paths;
@@ -45,9 +46,14 @@ pub struct ClusterState {
     /// The measurements of a new image, accepted next to
     /// `join_measurements` while it rolls out (staged by the operator).
     pub staged_measurements: Option<Measurements>,
-    /// The key a new image's measurements file must be signed with, as
-    /// configured at init (`None`: image upgrades are refused).
+    /// The key every image's measurements file must be signed with, from
+    /// the measured node config (`None`: image upgrades are refused).
     pub measurements_key: Option<SigningPublicKey>,
+    /// The signed measurements files of the accepted sets (oldest first,
+    /// at most [`MAX_SIGNED_MEASUREMENTS`]): a control plane presents the
+    /// one that describes its own image, so joining nodes of another
+    /// image accept it.
+    pub signed_measurements: Vec<SignedMeasurements>,
     /// Join endpoints (`host:port`) of the cluster's control planes, as
     /// this node knows them; tickets pass them on.
     pub control_plane_endpoints: Vec<String>,
@@ -75,6 +81,32 @@ impl ClusterState {
         updated
     }
 
+    /// The same state also holding `signed` (a file the operator signed),
+    /// each file once, the oldest dropped past [`MAX_SIGNED_MEASUREMENTS`].
+    pub fn with_signed(&self, signed: SignedMeasurements) -> Self {
+        let mut updated = self.clone();
+        updated.signed_measurements.retain(|s| *s != signed);
+        updated.signed_measurements.push(signed);
+        let excess = updated
+            .signed_measurements
+            .len()
+            .saturating_sub(MAX_SIGNED_MEASUREMENTS);
+        updated.signed_measurements.drain(..excess);
+        updated
+    }
+
+    /// The signed file, of those held, that describes the image whose PCRs
+    /// are `own` (its PCRs 4, 9 and 11): what this control plane presents.
+    pub fn own_image(
+        &self,
+        own: &std::collections::BTreeMap<u32, [u8; 32]>,
+    ) -> Option<&SignedMeasurements> {
+        self.signed_measurements
+            .iter()
+            .rev()
+            .find(|s| s.describes(&IMAGE_PCRS, own))
+    }
+
     /// The same state with other accepted measurements: `join_measurements`
     /// and, during an image rollout, `staged_measurements`.
     pub fn with_measurements(
@@ -99,6 +131,14 @@ impl std::fmt::Debug for ClusterState {
             .finish_non_exhaustive()
     }
 }
+
+/// Most signed measurements files a control plane keeps: the current and
+/// the staged image's, and the ones before them.
+pub const MAX_SIGNED_MEASUREMENTS: usize = 4;
+
+/// The PCRs that tell one image from another: the UKI, the kernel command
+/// line and initrd, the UKI's sections.
+pub const IMAGE_PCRS: [u32; 3] = [4, 9, 11];
 
 /// Where the cluster state appears once the node has one.
 pub type ClusterSlot = tokio::sync::watch::Sender<Option<Arc<ClusterState>>>;
@@ -138,6 +178,53 @@ pub fn change_state<E: From<FactsError>>(
     outcome
 }
 
+/// Keeps this control plane's attestation documents presenting the signed
+/// measurements of its own image ([`ClusterState::own_image`]) as its
+/// cluster state changes, so joining nodes of another image accept it.
+/// Runs until `slot` is dropped.
+pub async fn present_own_image(slot: &ClusterSlot, tpm: crate::measured::SharedTpm) {
+    let mut states = slot.subscribe();
+    loop {
+        let state = states.borrow_and_update().clone();
+        if let Some(state) = state {
+            let tpm = tpm.clone();
+            let presented = tokio::task::spawn_blocking(move || {
+                let mut measured = tpm
+                    .lock()
+                    .map_err(|_| "the TPM handle is poisoned".to_owned())?;
+                let own = measured
+                    .tpm()
+                    .pcr_read(&IMAGE_PCRS)
+                    .map_err(|e| keel_atls::ErrorChain(&e).to_string())?;
+                let image = state.own_image(&own).map(SignedMeasurements::to_proto);
+                let digest = image
+                    .as_ref()
+                    .map(|i| hex::encode(Sha256::digest(&i.measurements)));
+                measured.present_image(image);
+                Ok::<_, String>(digest)
+            })
+            .await;
+            match presented {
+                Ok(Ok(Some(digest))) => {
+                    tracing::info!(file_sha256 = %digest, "presenting the signed measurements of this node's image")
+                }
+                Ok(Ok(None)) => {
+                    tracing::debug!("no signed measurements describe this node's image")
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot present this node's signed image measurements")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot present this node's signed image measurements")
+                }
+            }
+        }
+        if states.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 /// What a control plane keeps on its state disk about its cluster, so that
 /// after a reboot (rejoin or recovery) it can serve joins again with only
 /// the master secret from outside. Nothing secret: the cluster ID is public
@@ -162,11 +249,22 @@ pub struct ControlPlaneFacts {
     /// (JSON document).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staged_measurements: Option<serde_json::Value>,
-    /// The key a new image's measurements must be signed with (PEM).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub measurements_signing_key: Option<String>,
+    /// The signed measurements files of the accepted sets (the key is the
+    /// node config's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub signed_measurements: Vec<SignedFile>,
     /// Join endpoints of the cluster's control planes.
     pub control_plane_endpoints: Vec<String>,
+}
+
+/// A signed measurements file as the facts keep it.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignedFile {
+    /// The file (UTF-8 JSON, kept byte for byte).
+    pub measurements: String,
+    /// The signature (hex DER).
+    pub signature: String,
 }
 
 fn measurements_json(m: &Measurements) -> serde_json::Value {
@@ -216,10 +314,14 @@ impl ControlPlaneFacts {
             authorised_components: state.authorised_components.clone(),
             join_measurements: measurements_json(&state.join_measurements),
             staged_measurements: state.staged_measurements.as_ref().map(measurements_json),
-            measurements_signing_key: state
-                .measurements_key
-                .as_ref()
-                .and_then(|k| k.to_pem().ok()),
+            signed_measurements: state
+                .signed_measurements
+                .iter()
+                .map(|s| SignedFile {
+                    measurements: String::from_utf8_lossy(s.body()).into_owned(),
+                    signature: hex::encode(s.signature()),
+                })
+                .collect(),
             control_plane_endpoints: state.control_plane_endpoints.clone(),
         }
     }
@@ -253,10 +355,14 @@ impl ControlPlaneFacts {
     }
 
     /// The cluster state these facts describe, with the control plane's
-    /// `keys`; the cluster ID the keys derive must be the stored one.
+    /// `keys` and its config's `measurements_key`; the cluster ID the keys
+    /// derive must be the stored one, and every signed file must verify
+    /// with the key (the facts are on the encrypted state disk, checked
+    /// all the same).
     pub fn into_state(
         self,
         keys: Arc<KeyService>,
+        measurements_key: Option<SigningPublicKey>,
         api_server: SocketAddr,
         pki_dir: PathBuf,
     ) -> Result<ClusterState, FactsError> {
@@ -284,11 +390,19 @@ impl ControlPlaneFacts {
             .map(|m| Measurements::parse(m.to_string().as_bytes()))
             .transpose()
             .map_err(|_| invalid("staged measurements"))?;
-        let measurements_key = self
-            .measurements_signing_key
-            .map(|pem| SigningPublicKey::from_pem(pem.as_bytes()))
-            .transpose()
-            .map_err(|_| invalid("measurements signing key"))?;
+        let signed_measurements = match &measurements_key {
+            Some(key) => self
+                .signed_measurements
+                .iter()
+                .map(|f| {
+                    let signature =
+                        hex::decode(&f.signature).map_err(|_| invalid("signed measurements"))?;
+                    SignedMeasurements::verify(key, f.measurements.as_bytes(), &signature)
+                        .map_err(|_| invalid("signed measurements"))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
         Ok(ClusterState {
             keys,
             measurement_salt,
@@ -302,6 +416,7 @@ impl ControlPlaneFacts {
             join_measurements,
             staged_measurements,
             measurements_key,
+            signed_measurements,
             control_plane_endpoints: self.control_plane_endpoints,
         })
     }

@@ -199,6 +199,7 @@ pub struct MeasuredTpm {
     tpm: Tpm,
     log: MeasuredLog,
     cpu: Option<std::sync::Arc<dyn crate::attestation::cpu::CpuReporter>>,
+    image: Option<keel_proto::attestation::SignedMeasurements>,
 }
 
 /// A [`MeasuredTpm`] shared between the agent's tasks.
@@ -223,6 +224,7 @@ impl MeasuredTpm {
             tpm,
             log,
             cpu: None,
+            image: None,
         })
     }
 
@@ -242,6 +244,17 @@ impl MeasuredTpm {
     /// The source of CPU evidence, if the node has one.
     pub fn cpu_reporter(&self) -> Option<std::sync::Arc<dyn crate::attestation::cpu::CpuReporter>> {
         self.cpu.clone()
+    }
+
+    /// The signed measurements of this node's own image, which every
+    /// attestation document carries from now on (`None`: none).
+    pub fn present_image(&mut self, image: Option<keel_proto::attestation::SignedMeasurements>) {
+        self.image = image;
+    }
+
+    /// The signed measurements of this node's own image, if presented.
+    pub fn image(&self) -> Option<&keel_proto::attestation::SignedMeasurements> {
+        self.image.as_ref()
     }
 
     /// Records a new measurement.

@@ -261,6 +261,10 @@ pub async fn serve_join_as_control_plane(
         config.cluster.evidence.clone(),
     );
     let _sweep = AbortOnDrop(tokio::spawn(evidence.clone().sweep_forever()));
+    let _present = AbortOnDrop(tokio::spawn({
+        let (cluster, tpm) = (cluster.clone(), tpm.clone());
+        async move { crate::cluster::present_own_image(&cluster, tpm).await }
+    }));
     let validator = Arc::new(PortValidator::new(policy, members));
     serve_join_port(addr, tpm, validator, service, Some(evidence)).await
 }

@@ -43,7 +43,7 @@ use keel_proto::operator::{
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::OperatorKey;
 use keel_verifier::measurements::Measurements;
-use keel_verifier::signature::SignatureError;
+use keel_verifier::signature::{SignatureError, SignedMeasurements, SignedMeasurementsError};
 use prost::Message as _;
 use rand::RngCore as _;
 use subtle::ConstantTimeEq as _;
@@ -385,11 +385,15 @@ impl OperatorServer {
                 .measurements_key
                 .as_ref()
                 .ok_or(OperatorError::NoSigningKey)?;
-            key.verify(&request.measurements, &request.signature)
-                .map_err(OperatorError::Signature)?;
-            let staged = Measurements::parse(&request.measurements)
-                .map_err(|e| OperatorError::Measurements(e.to_string()))?;
-            Ok(state.with_measurements(state.join_measurements.clone(), Some(staged)))
+            let signed = SignedMeasurements::verify(key, &request.measurements, &request.signature)
+                .map_err(|e| match e {
+                    SignedMeasurementsError::Signature(e) => OperatorError::Signature(e),
+                    other => OperatorError::Measurements(other.to_string()),
+                })?;
+            let staged = signed.measurements().clone();
+            Ok(state
+                .with_measurements(state.join_measurements.clone(), Some(staged))
+                .with_signed(signed))
         })?;
         let current = updated.join_measurements.digest();
         let staged = updated
@@ -420,7 +424,13 @@ impl OperatorServer {
                 .staged_measurements
                 .clone()
                 .ok_or(OperatorError::NothingStaged)?;
-            Ok(state.with_measurements(staged, None))
+            // The old image's signed file goes too: a control plane still on
+            // it is no longer one that joining nodes should accept.
+            let mut finished = state.with_measurements(staged.clone(), None);
+            finished
+                .signed_measurements
+                .retain(|s| *s.measurements() == staged);
+            Ok(finished)
         })?;
         let digest = updated.join_measurements.digest();
         tracing::info!(digest = %hex::encode(digest), "image upgrade finished: the staged measurements are the only ones accepted");

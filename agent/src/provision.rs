@@ -293,14 +293,25 @@ impl<'a> Provisioner<'a> {
 
     /// A control plane's cluster state after a reboot: the facts on its
     /// (opened) state disk with the cluster's `keys`, which must derive the
-    /// stored cluster ID.
-    pub fn restore_control_plane(&self, keys: KeyService) -> Result<ClusterState, ProvisionError> {
+    /// stored cluster ID, and its config's `measurements_key`.
+    pub fn restore_control_plane(
+        &self,
+        keys: KeyService,
+        measurements_key: Option<keel_verifier::signature::SigningPublicKey>,
+    ) -> Result<ClusterState, ProvisionError> {
         let api_server = SocketAddr::new(
             self.env.advertise_address.resolve(),
             crate::kubeadm::config::API_SERVER_PORT,
         );
         ControlPlaneFacts::load(self.env.root())
-            .and_then(|facts| facts.into_state(Arc::new(keys), api_server, self.env.pki_dir()))
+            .and_then(|facts| {
+                facts.into_state(
+                    Arc::new(keys),
+                    measurements_key,
+                    api_server,
+                    self.env.pki_dir(),
+                )
+            })
             .map_err(ProvisionError::Facts)
     }
 

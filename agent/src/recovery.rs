@@ -190,7 +190,13 @@ impl RecoveryServer {
                 components: None,
             })
             .await?;
-            let state = p.restore_control_plane(accepted.keys)?;
+            let key = inner
+                .node
+                .config
+                .cluster
+                .signing_key()
+                .map_err(|e| ProvisionError::Lock(e.to_string()))?;
+            let state = p.restore_control_plane(accepted.keys, key)?;
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
             p.serve_as_control_plane(state, &inner.node.cluster)

@@ -124,7 +124,7 @@ impl Cluster {
         let trust = EkTrust::from_pem(&self.ca.issuer_pem().unwrap()).unwrap();
         EvidenceClient::new(
             node.tpm.clone(),
-            service_validator(&node.tpm, trust).unwrap(),
+            service_validator(&node.tpm, trust, None).unwrap(),
             node.root.clone(),
             Cryptsetup::default().uuid(&node.disk).unwrap_or_default(),
             Duration::from_millis(200),

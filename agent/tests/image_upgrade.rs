@@ -15,9 +15,11 @@ use std::time::Duration;
 
 use join_common::{free_port, measurements_of, member, start_service, Member, Service};
 use keel_agent::attestation::policy::staged_path;
-use keel_agent::cluster::{ClusterState, ControlPlaneFacts};
+use keel_agent::cluster::{
+    change_state, present_own_image, ClusterState, ControlPlaneFacts, FactsError,
+};
 use keel_agent::join::settings::SHARED_PCRS;
-use keel_agent::join::{JoinTicket, KubeletKey, TicketClient, TicketError};
+use keel_agent::join::{service_validator, JoinTicket, KubeletKey, TicketClient, TicketError};
 use keel_agent::operator::{
     OperatorAuth, OperatorError, OperatorServer, FINISH_IMAGE_UPGRADE, STAGE_IMAGE_MEASUREMENTS,
 };
@@ -28,7 +30,7 @@ use keel_testkit::swtpm::EkCa;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::keys::operator_proof;
 use keel_verifier::measurements::Measurements;
-use keel_verifier::signature::{SigningPrivateKey, SigningPublicKey};
+use keel_verifier::signature::{SignedMeasurements, SigningPrivateKey, SigningPublicKey};
 use keel_verifier::validator::Validator;
 
 /// `state` with another measurements signing key.
@@ -75,29 +77,33 @@ fn refused<T: std::fmt::Debug>(result: Result<T, OperatorError>, code: tonic::Co
 
 /// A join ticket for `node`, over the service's real handshake. The node
 /// validates the service by the service's own PCRs (the old image): what
-/// this test checks is the service's side.
+/// this test checks is the service's side. A control plane's ticket carries
+/// signed measurements, checked with `key`.
 async fn ticket(
     node: &Member,
     ca: &EkCa,
     service: &Service,
     control_plane: bool,
+    key: Option<SigningPublicKey>,
 ) -> Result<JoinTicket, TicketError> {
-    let key = KubeletKey::generate(&node.name).unwrap();
+    let signing_key = key;
+    let kubelet = KubeletKey::generate(&node.name).unwrap();
     let request = IssueJoinTicketRequest {
         disk_uuid: join_common::uuid(),
-        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
         is_control_plane: control_plane,
         node_name: node.name.clone(),
     };
     let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
     let validator = Validator::new(measurements_of(&service.tpm, &SHARED_PCRS), trust);
     TicketClient::new(node.tpm.clone(), validator, Duration::from_secs(20))
-        .join_ticket(&service.endpoint, request, &key.spki())
+        .with_measurements_key(signing_key)
+        .join_ticket(&service.endpoint, request, &kubelet.spki())
         .await
 }
 
 async fn admitted(node: &Member, ca: &EkCa, service: &Service) -> bool {
-    match ticket(node, ca, service, false).await {
+    match ticket(node, ca, service, false, None).await {
         Ok(_) => true,
         Err(TicketError::Connect(ConnectError::RefusedByServer(_))) => false,
         Err(e) => panic!(
@@ -280,21 +286,26 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
     let rebooted = facts
         .into_state(
             service.state.keys.clone(),
+            Some(signing.public_key()),
             service.state.api_server,
             service.state.pki_dir.clone(),
         )
         .unwrap();
     assert_eq!(rebooted.staged_measurements.as_ref(), Some(&new_set));
     assert_eq!(rebooted.measurements_key, Some(signing.public_key()));
+    assert_eq!(rebooted.signed_measurements.len(), 1);
+    assert_eq!(rebooted.signed_measurements[0].body(), body.as_slice());
     let cp = member(&ca, port, "cp-1", "control-plane");
-    let (_, carried) = ticket(&cp, &ca, &service, true)
+    let (_, carried) = ticket(&cp, &ca, &service, true, Some(signing.public_key()))
         .await
         .unwrap()
         .control_plane
         .expect("a control-plane ticket");
     assert_eq!(carried.join, service.state.join_measurements);
     assert_eq!(carried.staged.as_ref(), Some(&new_set));
-    assert_eq!(carried.signing_key, Some(signing.public_key()));
+    assert_eq!(carried.signed.len(), 1, "the staged file, signed");
+    assert_eq!(carried.signed[0].body(), body.as_slice());
+    assert_eq!(carried.signed[0].signature(), signature.as_slice());
 
     // Replayed: the challenge was used; nothing changes.
     refused(
@@ -349,5 +360,252 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
         server.finish_image_upgrade(&finish_request(&server, operator_key), None),
         tonic::Code::FailedPrecondition,
         "second finish",
+    );
+}
+
+/// A ticket for `node`, validating the service as the join client does:
+/// its own PCRs, or with `key` the signed image measurements the service
+/// presents. `None` when the node refused the service.
+async fn joins_as_client(
+    node: &Member,
+    ca: &EkCa,
+    service: &Service,
+    key: Option<&SigningPublicKey>,
+) -> Option<JoinTicket> {
+    let kubelet = KubeletKey::generate(&node.name).unwrap();
+    let request = IssueJoinTicketRequest {
+        disk_uuid: join_common::uuid(),
+        kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: node.name.clone(),
+    };
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let validator = service_validator(&node.tpm, trust, key).unwrap();
+    match TicketClient::new(node.tpm.clone(), validator, Duration::from_secs(20))
+        .with_measurements_key(key.cloned())
+        .join_ticket(&service.endpoint, request, &kubelet.spki())
+        .await
+    {
+        Ok(ticket) => Some(ticket),
+        Err(TicketError::Connect(ConnectError::ServerRefused(_))) => None,
+        Err(e) => panic!(
+            "{}: neither a ticket nor a refusal of the service: {}",
+            node.name,
+            keel_atls::ErrorChain(&e)
+        ),
+    }
+}
+
+/// What the service's documents present, once its image-presenting task
+/// has seen the latest cluster state.
+async fn presented(service: &Service, expected: Option<&[u8]>) {
+    for _ in 0..250 {
+        let now = service
+            .tpm
+            .lock()
+            .unwrap()
+            .image()
+            .map(|i| i.measurements.clone());
+        if now.as_deref() == expected {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the service does not present the expected image measurements");
+}
+
+fn present(service: &Service, body: &[u8], signature: &[u8]) {
+    service
+        .tpm
+        .lock()
+        .unwrap()
+        .present_image(Some(keel_proto::attestation::SignedMeasurements {
+            measurements: body.to_vec(),
+            signature: signature.to_vec(),
+        }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_of_a_new_image_accepts_a_join_service_presenting_its_signed_image() {
+    let ca = EkCa::new().unwrap();
+    let service = start_service(&ca, free_port()).await;
+    let port: u16 = service
+        .endpoint
+        .rsplit_once(':')
+        .unwrap()
+        .1
+        .parse()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let own_ek = join_common::ek_digest(&service.tpm);
+    let server = OperatorServer::new(
+        OperatorAuth::new(own_ek, service.slot.clone(), Arc::default()),
+        service.slot.clone(),
+        Some(service.measurements.clone()),
+        root.clone(),
+        None,
+    );
+    let operator_key = service.state.keys.operator_key(&own_ek).unwrap();
+    let _presenting = tokio::spawn({
+        let (slot, tpm) = (service.slot.clone(), service.tpm.clone());
+        async move { present_own_image(&slot, tpm).await }
+    });
+
+    // The cluster's key signs the service's (old) image, as at init, and
+    // the new image, staged by the operator so the service admits its
+    // nodes: what is checked here is the joining node's side.
+    let signing = SigningPrivateKey::generate();
+    let key = signing.public_key();
+    let old_body = format!("{}\n", service.state.join_measurements.to_json()).into_bytes();
+    let old_signature = signing.sign(&old_body);
+    let signed_old = SignedMeasurements::verify(&key, &old_body, &old_signature).unwrap();
+    let new = member(&ca, port, "w-new", "worker");
+    new.tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(4, &[0x4e; 32])
+        .unwrap();
+    let new_body =
+        format!("{}\n", measurements_of(&new.tpm, &[4, 9, 11, 12]).to_json()).into_bytes();
+    let new_signature = signing.sign(&new_body);
+    service.slot.send_replace(Some(Arc::new(ClusterState {
+        measurements_key: Some(key.clone()),
+        signed_measurements: Vec::new(),
+        ..(*service.state).clone()
+    })));
+    server
+        .stage_image_measurements(
+            &stage_request(&server, operator_key.expose(), &new_body, &new_signature),
+            None,
+        )
+        .unwrap();
+    service.policy.reload().unwrap();
+
+    // Only the new image is signed so far: the service (old image) has
+    // nothing to present, and the new node refuses it.
+    presented(&service, None).await;
+    assert!(
+        joins_as_client(&new, &ca, &service, Some(&key))
+            .await
+            .is_none(),
+        "a service of an unsigned image"
+    );
+
+    // The old image signed too: the service presents it, and the node of
+    // the new image accepts the service of the old one.
+    change_state::<FactsError>(&service.slot, &root, |state| {
+        Ok(state.with_signed(signed_old.clone()))
+    })
+    .unwrap();
+    presented(&service, Some(&old_body)).await;
+    assert!(
+        joins_as_client(&new, &ca, &service, Some(&key))
+            .await
+            .is_some(),
+        "a service presenting its signed image"
+    );
+    // Without the key (a config that names none) the node keeps to its own
+    // image, and refuses.
+    assert!(
+        joins_as_client(&new, &ca, &service, None).await.is_none(),
+        "no key, another image"
+    );
+
+    // What the service presents is checked, not trusted. Each forgery is
+    // refused by the joining node:
+    let other = SigningPrivateKey::generate();
+    let mut flipped = old_signature.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 1;
+    let mut edited = old_body.clone();
+    edited.insert(1, b' ');
+    let forgeries: [(&str, &[u8], Vec<u8>); 4] = [
+        ("a flipped signature", &old_body, flipped),
+        ("another key's signature", &old_body, other.sign(&old_body)),
+        (
+            "the file edited after signing",
+            &edited,
+            old_signature.clone(),
+        ),
+        // Signed, but the image of the joining node, not the service's.
+        (
+            "a signed set of another image",
+            &new_body,
+            new_signature.clone(),
+        ),
+    ];
+    for (case, body, signature) in forgeries {
+        present(&service, body, &signature);
+        assert!(
+            joins_as_client(&new, &ca, &service, Some(&key))
+                .await
+                .is_none(),
+            "{case}: accepted"
+        );
+    }
+    present(&service, &old_body, &old_signature);
+
+    // A node whose config PCR differs from the service's is refused even
+    // with the service's image signed: the signed set admits an image,
+    // never another cluster config.
+    let stranger = member(&ca, port, "w-stranger", "worker");
+    {
+        let mut m = stranger.tpm.lock().unwrap();
+        m.tpm().pcr_extend(4, &[0x4e; 32]).unwrap();
+        m.tpm().pcr_extend(12, &[0x0c; 32]).unwrap();
+    }
+    assert!(
+        joins_as_client(&stranger, &ca, &service, Some(&key))
+            .await
+            .is_none(),
+        "another config"
+    );
+
+    // The signed files outlive a reboot (the facts) and reach a control
+    // plane that joins now, which checks them with its own config's key.
+    let facts = ControlPlaneFacts::load(&root).unwrap();
+    let rebooted = facts
+        .into_state(
+            service.state.keys.clone(),
+            Some(key.clone()),
+            service.state.api_server,
+            service.state.pki_dir.clone(),
+        )
+        .unwrap();
+    assert_eq!(rebooted.signed_measurements.len(), 2);
+    assert!(ControlPlaneFacts::load(&root)
+        .unwrap()
+        .into_state(
+            service.state.keys.clone(),
+            Some(other.public_key()),
+            service.state.api_server,
+            service.state.pki_dir.clone(),
+        )
+        .is_err());
+    let cp = member(&ca, port, "cp-1", "control-plane");
+    let (_, carried) = ticket(&cp, &ca, &service, true, Some(key.clone()))
+        .await
+        .unwrap()
+        .control_plane
+        .expect("a control-plane ticket");
+    assert_eq!(carried.signed.len(), 2);
+    assert!(
+        ticket(&cp, &ca, &service, true, Some(other.public_key()))
+            .await
+            .is_err(),
+        "signed files another key does not verify"
+    );
+
+    // Finished: the old image's signed file goes; the service (still the
+    // old image) has nothing to present, and the new node refuses it.
+    server
+        .finish_image_upgrade(&finish_request(&server, operator_key.expose()), None)
+        .unwrap();
+    presented(&service, None).await;
+    assert_eq!(
+        service.slot.borrow().clone().unwrap().signed_measurements,
+        vec![SignedMeasurements::verify(&key, &new_body, &new_signature).unwrap()]
     );
 }

@@ -77,8 +77,8 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
             .collect();
         cases.push(("a required PCR missing", file(&enforced(&rest)), expected));
     }
-    // Good measurements, but a measurements signing key that is not a P-256
-    // public key: refused like bad measurements.
+    // Good measurements, but signed while the node's config names no
+    // measurements signing key: refused like bad measurements.
     let mut requests: Vec<(&str, InitRequest, &str)> = cases
         .into_iter()
         .map(|(case, measurements, expected)| {
@@ -90,14 +90,13 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
         })
         .collect();
     requests.push((
-        "a signing key that is not one",
+        "a signature without a key in the config",
         InitRequest {
             join_measurements: file(&enforced(&[4, 9, 11, 12, 15])),
-            measurements_signing_key:
-                "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n".into(),
+            join_measurements_signature: vec![0x30, 0x06, 0x02, 0x01, 0x01, 0x02, 0x01, 0x01],
             ..InitRequest::default()
         },
-        "invalid measurements signing key",
+        "the node config names no measurements signing key",
     ));
     for (case, request, expected) in requests {
         let request = InitRequest {

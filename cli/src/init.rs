@@ -13,6 +13,7 @@ use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_verifier::credential;
+use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use keel_verifier::validator::Verified;
 use prost::Message as _;
 use rand::RngCore;
@@ -179,8 +180,8 @@ pub async fn run(
     let settings = Settings::load(settings_path)?;
     // Read once: the node is validated against, and its join service gets,
     // the same measurements.
-    let measurements = settings.measurements()?;
-    let validator = settings.validator(measurements.clone())?;
+    let (measurements_body, measurements) = settings.measurements_file()?;
+    let validator = settings.validator(measurements)?;
     // Refuse a bad key before anything reaches the node.
     let signing_key = settings.signing_key()?;
     let init_secret = match &settings.init_secret_file {
@@ -227,6 +228,12 @@ pub async fn run(
         verified.pcrs.len(),
         verified.events.len()
     );
+    let join_measurements_signature = image_signature(
+        &settings,
+        verified,
+        signing_key.as_ref(),
+        &measurements_body,
+    )?;
     // Both secrets are sealed to the TPM whose EK and AK were just proven
     // (attested, and resident by credential activation in the handshake).
     let secrets = Zeroizing::new(
@@ -249,14 +256,10 @@ pub async fn run(
         api_server_cert_sans: settings.api_server_cert_sans.clone(),
         service_cidr: settings.service_cidr.clone(),
         component_mirror: settings.component_mirror.clone().unwrap_or_default(),
-        // The node's join service admits nodes that match what this node matched.
-        join_measurements: measurements.to_json().into_bytes(),
-        measurements_signing_key: match &signing_key {
-            Some(key) => key
-                .to_pem()
-                .context("encoding the measurements signing key")?,
-            None => String::new(),
-        },
+        // The node's join service admits nodes that match what this node
+        // matched: the file as read, so its signature still covers it.
+        join_measurements: measurements_body,
+        join_measurements_signature,
     };
     let mut stream = InitServiceClient::new(bound.channel)
         .init(request)
@@ -333,4 +336,62 @@ fn write_failure_logs(workspace: &Path, logs: &[u8]) -> anyhow::Result<PathBuf> 
     let path = workspace.join(FAILURE_LOG_FILE);
     write_atomic(&path, logs, 0o600)?;
     Ok(path)
+}
+
+/// The signature of the measurements file, when the node's measured config
+/// names a measurements signing key: it must be the settings' key, and the
+/// file must carry its signature (`FILE.sig`), so that nodes of a later
+/// image accept this image's join services. Empty when neither names a
+/// key; an error, before anything is sent, when they disagree.
+fn image_signature(
+    settings: &Settings,
+    node: &Verified,
+    settings_key: Option<&SigningPublicKey>,
+    body: &[u8],
+) -> anyhow::Result<Vec<u8>> {
+    let config = node
+        .cluster_config()
+        .context("the node's event log holds no node config that parses; nothing was sent")?;
+    let node_key = config
+        .signing_key()
+        .context("the node's config names an invalid measurements signing key")?;
+    let fingerprint = |k: &SigningPublicKey| {
+        k.fingerprint()
+            .map(|f| format!("sha256:{}", hex::encode(f)))
+            .unwrap_or_else(|_| "(unprintable)".into())
+    };
+    match (node_key, settings_key) {
+        (None, None) => Ok(Vec::new()),
+        (None, Some(_)) => bail!(
+            "the settings name a measurements_signing_key, but the node's config does not \
+             (cluster.measurements_signing_key): the cluster would refuse every image upgrade; \
+             add the key to the node config or remove it from the settings. Nothing was sent"
+        ),
+        (Some(node_key), settings_key) if settings_key != Some(&node_key) => bail!(
+            "the node's config names measurements signing key {}, the settings {}; \
+             nothing was sent",
+            fingerprint(&node_key),
+            settings_key.map_or_else(|| "none".into(), fingerprint)
+        ),
+        (Some(key), _) => {
+            let file = settings.resolve(&settings.measurements);
+            let path = crate::upgrade::image::signature_of(&file);
+            let signature = read_bounded(&path).with_context(|| {
+                format!(
+                    "the node's config names a measurements signing key, so {} needs its \
+                     signature (keel-measure --signing-key writes {}); nothing was sent",
+                    file.display(),
+                    path.display()
+                )
+            })?;
+            SignedMeasurements::verify(&key, body, &signature).with_context(|| {
+                format!(
+                    "{} is not signed with the measurements signing key ({}); nothing was sent",
+                    file.display(),
+                    path.display()
+                )
+            })?;
+            Ok(signature)
+        }
+    }
 }

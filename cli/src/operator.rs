@@ -17,7 +17,7 @@ use keel_proto::operator::ChallengeRequest;
 use keel_verifier::config::{NodeIdentity, Role};
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::{KeyService, OperatorKey};
-use keel_verifier::measurement::{pcr, EventType};
+use keel_verifier::measurement::pcr;
 use keel_verifier::measurements::Measurements;
 use keel_verifier::validator::{check_cluster_lock, Verified};
 use tonic::transport::{Channel, Endpoint};
@@ -130,11 +130,7 @@ impl Operator {
             .keys
             .operator_key(&EkDigest::of_public(&claims.ek))
             .context("deriving the node's operator key")?;
-        let identity = claims
-            .events
-            .iter()
-            .find(|e| e.event_type == EventType::NodeIdentity)
-            .and_then(|e| serde_json::from_slice::<NodeIdentity>(&e.data).ok());
+        let identity = claims.identity();
         Ok(Member {
             endpoint: endpoint.to_owned(),
             client: OperatorServiceClient::new(bound.channel),

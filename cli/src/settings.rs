@@ -102,9 +102,17 @@ impl Settings {
 
     /// The expected measurements of the node.
     pub fn measurements(&self) -> anyhow::Result<Measurements> {
+        self.measurements_file().map(|(_, parsed)| parsed)
+    }
+
+    /// The measurements file's exact bytes (what a signature covers) and
+    /// the set they describe.
+    pub fn measurements_file(&self) -> anyhow::Result<(Vec<u8>, Measurements)> {
         let m = self.resolve(&self.measurements);
-        Measurements::parse(&read_bounded(&m)?)
-            .with_context(|| format!("measurements {} are invalid", m.display()))
+        let body = read_bounded(&m)?;
+        let parsed = Measurements::parse(&body)
+            .with_context(|| format!("measurements {} are invalid", m.display()))?;
+        Ok((body, parsed))
     }
 
     /// The validator for the node: `measurements` (from

@@ -47,6 +47,10 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let root1 = dir1.path().join("root");
     let mut config1 = join_common::config(&ca, join_port, "cp-0", "control-plane");
     config1.cluster.init_secret_hash = harness::secret_hash();
+    // The key that signs every image's measurements, in the measured
+    // cluster config as the settings name it.
+    let signing = keel_verifier::signature::SigningPrivateKey::generate();
+    config1.cluster.measurements_signing_key = Some(signing.public_key().to_pem().unwrap());
     let cluster_config = config1.cluster.clone();
     let tpm1 = join_common::measured(&swtpm1, &dir1.path().join("log"), &config1);
     let lock1 = Arc::new(keel_agent::nodelock::NodeLock::new(tpm1.clone()).unwrap());
@@ -85,8 +89,9 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         components: Some(&components),
     }
     .write(operator.path());
-    // The key new images' measurements must be signed with, sent at init.
-    let signing = keel_verifier::signature::SigningPrivateKey::generate();
+    // The settings name the config's signing key; the node's config
+    // names one, so `keel init` needs the measurements signed: refused,
+    // with nothing sent, until they are.
     std::fs::write(
         operator.path().join("signing.pub.pem"),
         signing.public_key().to_pem().unwrap(),
@@ -96,6 +101,37 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         serde_json::from_slice(&std::fs::read(&settings).unwrap()).unwrap();
     with_key["measurements_signing_key"] = "signing.pub.pem".into();
     std::fs::write(&settings, with_key.to_string()).unwrap();
+    let measurements_file = operator.path().join("measurements.json");
+    let signature_file = operator.path().join("measurements.json.sig");
+    let out = run_keel(&["init", "--skip-helm-wait"], &settings, Some(ws.path())).await;
+    assert!(!out.status.success());
+    assert!(text(&out).contains("needs its signature"), "{}", text(&out));
+    let other = keel_verifier::signature::SigningPrivateKey::generate();
+    std::fs::write(
+        &signature_file,
+        other.sign(&std::fs::read(&measurements_file).unwrap()),
+    )
+    .unwrap();
+    let ws_refused = tempfile::tempdir().unwrap();
+    let out = run_keel(
+        &["init", "--skip-helm-wait"],
+        &settings,
+        Some(ws_refused.path()),
+    )
+    .await;
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("is not signed with the measurements signing key"),
+        "{}",
+        text(&out)
+    );
+    assert!(slot.borrow().is_none(), "a refused init reached the node");
+    std::fs::write(
+        &signature_file,
+        signing.sign(&std::fs::read(&measurements_file).unwrap()),
+    )
+    .unwrap();
+    let ws = tempfile::tempdir().unwrap();
     let started = std::time::Instant::now();
     let out = run_keel(&["init", "--skip-helm-wait"], &settings, Some(ws.path())).await;
     assert!(out.status.success(), "{}", text(&out));
@@ -105,6 +141,15 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         .clone()
         .expect("init published no cluster state");
     assert_eq!(state.measurements_key, Some(signing.public_key()));
+    assert_eq!(
+        state.signed_measurements.len(),
+        1,
+        "the init measurements, signed"
+    );
+    assert_eq!(
+        state.signed_measurements[0].body(),
+        std::fs::read(&measurements_file).unwrap().as_slice()
+    );
     init_task.abort();
 
     // Node 1 serves the join service, with the image's reference values.

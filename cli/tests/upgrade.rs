@@ -150,13 +150,6 @@ fn upgrade_apply_refuses_a_bad_signature_before_contacting_any_node() {
             "is not a measurements file",
         ),
         (
-            "the kubernetes phase is not skipped",
-            body.clone(),
-            Some(good.clone()),
-            Vec::new(),
-            "the kubernetes phase needs --kubernetes",
-        ),
-        (
             "an unsupported kubernetes version",
             body.clone(),
             Some(good.clone()),

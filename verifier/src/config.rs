@@ -15,6 +15,7 @@ use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq;
 
 use crate::cpu::{AttestationConfig, CpuPolicy};
+use crate::signature::SigningPublicKey;
 
 /// Largest accepted config document.
 pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
@@ -113,6 +114,14 @@ pub struct ClusterConfig {
     /// its defaults, so configs without it measure as before.
     #[serde(default, skip_serializing_if = "EvidenceConfig::is_default")]
     pub evidence: EvidenceConfig,
+    /// The public key (PEM SubjectPublicKeyInfo, ECDSA P-256) that signs
+    /// the measurements of every image the cluster runs
+    /// (`keel-measure --signing-key`). With it, image upgrades are possible
+    /// and a node accepts a join service of another image whose signed
+    /// measurements it presents; without it, image upgrades are refused.
+    /// Left out of the canonical form when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measurements_signing_key: Option<String>,
 }
 
 /// How joined nodes are attested after they joined.
@@ -189,6 +198,7 @@ impl Default for ClusterConfig {
             ek_ca_pem: String::new(),
             attestation: AttestationConfig::default(),
             evidence: EvidenceConfig::default(),
+            measurements_signing_key: None,
         }
     }
 }
@@ -200,6 +210,18 @@ impl ClusterConfig {
             field: "cluster.attestation",
             reason,
         })
+    }
+
+    /// The measurements signing key, if the config names one.
+    pub fn signing_key(&self) -> Result<Option<SigningPublicKey>, ConfigError> {
+        self.measurements_signing_key
+            .as_deref()
+            .map(|pem| SigningPublicKey::from_pem(pem.as_bytes()))
+            .transpose()
+            .map_err(|e| ConfigError::Invalid {
+                field: "cluster.measurements_signing_key",
+                reason: e.to_string(),
+            })
     }
 }
 
@@ -292,6 +314,7 @@ impl NodeConfig {
             }
         }
         self.cluster.cpu_policy()?;
+        self.cluster.signing_key()?;
         let n = &self.node;
         if n.name.is_empty()
             || n.name.len() > 63

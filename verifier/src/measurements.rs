@@ -269,6 +269,11 @@ impl Measurements {
         self.0.insert(pcr, Expected::enforced(digest));
     }
 
+    /// The expected value of `pcr`, if the set has one.
+    pub fn get(&self, pcr: u32) -> Option<&Expected> {
+        self.0.get(&pcr)
+    }
+
     /// The expected values.
     pub fn iter(&self) -> impl Iterator<Item = (&u32, &Expected)> {
         self.0.iter()

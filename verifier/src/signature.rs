@@ -15,6 +15,8 @@ use p256::pkcs8::{EncodePublicKey as _, LineEnding};
 use sha2::{Digest as _, Sha256};
 use zeroize::Zeroizing;
 
+use crate::measurements::Measurements;
+
 /// Largest accepted signature (a DER ECDSA P-256 signature is at most 72
 /// bytes).
 pub const MAX_SIGNATURE_BYTES: usize = 256;
@@ -87,6 +89,86 @@ impl SigningPublicKey {
         self.0
             .verify(message, &signature)
             .map_err(|_| SignatureError::Mismatch)
+    }
+}
+
+/// Largest measurements file accepted with a signature.
+pub const MAX_SIGNED_MEASUREMENTS_BYTES: usize = 64 * 1024;
+
+/// Why a signed measurements file was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SignedMeasurementsError {
+    /// The file is empty or larger than [`MAX_SIGNED_MEASUREMENTS_BYTES`].
+    #[error("the signed measurements file is empty or larger than {MAX_SIGNED_MEASUREMENTS_BYTES} bytes")]
+    Size,
+    /// The signature does not verify.
+    #[error(transparent)]
+    Signature(#[from] SignatureError),
+    /// The file verified but is not a measurements file.
+    #[error("the signed file is not a measurements file: {0}")]
+    Measurements(#[from] crate::measurements::MeasurementsError),
+}
+
+/// A measurements file whose detached signature verified with the
+/// measurements signing key: an image the operator vouches for. Keeps the
+/// exact bytes, so the pair can be passed on and checked again elsewhere.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SignedMeasurements {
+    body: Vec<u8>,
+    signature: Vec<u8>,
+    measurements: Measurements,
+}
+
+impl SignedMeasurements {
+    /// Checks `signature` over exactly `body` with `key`, then parses it.
+    pub fn verify(
+        key: &SigningPublicKey,
+        body: &[u8],
+        signature: &[u8],
+    ) -> Result<Self, SignedMeasurementsError> {
+        if body.is_empty() || body.len() > MAX_SIGNED_MEASUREMENTS_BYTES {
+            return Err(SignedMeasurementsError::Size);
+        }
+        key.verify(body, signature)?;
+        Ok(Self {
+            measurements: Measurements::parse(body)?,
+            body: body.to_vec(),
+            signature: signature.to_vec(),
+        })
+    }
+
+    /// The file's exact bytes.
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// The detached signature (DER).
+    pub fn signature(&self) -> &[u8] {
+        &self.signature
+    }
+
+    /// The parsed set.
+    pub fn measurements(&self) -> &Measurements {
+        &self.measurements
+    }
+
+    /// Whether this set enforces every PCR of `pcrs` with the value `own`
+    /// holds for it: the image of a node whose PCRs are `own`.
+    pub fn describes(&self, pcrs: &[u32], own: &std::collections::BTreeMap<u32, [u8; 32]>) -> bool {
+        pcrs.iter().all(|index| {
+            self.measurements
+                .get(*index)
+                .is_some_and(|e| !e.warn_only && own.get(index) == Some(&e.digest))
+        })
+    }
+
+    /// The wire form.
+    pub fn to_proto(&self) -> keel_proto::attestation::SignedMeasurements {
+        keel_proto::attestation::SignedMeasurements {
+            measurements: self.body.clone(),
+            signature: self.signature.clone(),
+        }
     }
 }
 

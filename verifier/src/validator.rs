@@ -34,6 +34,7 @@ use crate::ek::{EkError, EkTrust};
 use crate::measurement::{verify_replay, Digest32, Event, EventType, ReplayError};
 use crate::measurements::{Measurements, Mismatch};
 use crate::quote::{qualifying_data, verify_quote, QuoteError};
+use crate::signature::{SignedMeasurements, SignedMeasurementsError, SigningPublicKey};
 use crate::tpm_wire::{Public, WireError};
 
 /// Largest accepted encoded document.
@@ -75,6 +76,10 @@ pub enum ValidationError {
     /// The CPU evidence is missing, does not verify or does not bind the AK.
     #[error("CPU evidence rejected: {0}")]
     Cpu(#[from] CpuError),
+    /// The PCRs match no accepted set, and the signed measurements of its
+    /// image the document carries do not verify.
+    #[error("the image measurements the peer presents are refused: {0}")]
+    SignedImage(#[from] SignedMeasurementsError),
 }
 
 fn list(m: &[Mismatch]) -> String {
@@ -102,6 +107,26 @@ pub struct Verified {
     pub measurements: Digest32,
     /// The verified CPU evidence (`None` for the `vtpm` variant).
     pub cpu: Option<CpuClaims>,
+}
+
+impl Verified {
+    /// The node name and role of the peer's replayed node-identity event:
+    /// `None` when the log has none or it does not parse.
+    pub fn identity(&self) -> Option<crate::config::NodeIdentity> {
+        self.measured(EventType::NodeIdentity)
+    }
+
+    /// The cluster part of the peer's node config, from its replayed
+    /// config event (what its PCR 12 measures): `None` when the log has
+    /// none or it does not parse.
+    pub fn cluster_config(&self) -> Option<crate::config::ClusterConfig> {
+        self.measured(EventType::NodeConfig)
+    }
+
+    fn measured<T: serde::de::DeserializeOwned>(&self, kind: EventType) -> Option<T> {
+        let event = self.events.iter().find(|e| e.event_type == kind)?;
+        serde_json::from_slice(&event.data).ok()
+    }
 }
 
 /// EK and AK pairs whose residency was proven, oldest first out.
@@ -168,6 +193,15 @@ impl AcceptedSet {
             digest,
         }
     }
+
+    /// The mismatches of `pcrs` with this set: warn-only ones, then
+    /// enforced ones.
+    fn mismatches(&self, pcrs: &BTreeMap<u32, Digest32>) -> (Vec<Mismatch>, Vec<Mismatch>) {
+        self.measurements
+            .compare(pcrs)
+            .into_iter()
+            .partition(|m| m.warn_only)
+    }
 }
 
 /// A verifier's policy: the accepted measurements (one set, or two while a
@@ -180,6 +214,16 @@ pub struct Validator {
     cpu: Arc<CpuTrust>,
     proven: Arc<ProvenKeys>,
     enforce: bool,
+    signed_images: Option<SignedImages>,
+}
+
+/// Images the operator vouches for: a peer whose PCRs match no accepted set
+/// is accepted when its document carries a measurements file signed with
+/// `key` that its PCRs match, with `required` values added.
+#[derive(Clone, Debug)]
+struct SignedImages {
+    key: SigningPublicKey,
+    required: Vec<(u32, Digest32)>,
 }
 
 impl Validator {
@@ -217,6 +261,24 @@ impl Validator {
             cpu: Arc::default(),
             proven,
             enforce: true,
+            signed_images: None,
+        }
+    }
+
+    /// The same validator, also accepting a peer of another image whose
+    /// document carries that image's measurements signed with `key` and
+    /// whose PCRs match them, with the `required` values added (e.g. this
+    /// node's own config PCR). A set given to the validator is always
+    /// tried first; the signed one only when none matches. What a join
+    /// client needs during an image rollout: the join service may run the
+    /// old image or the new one.
+    pub fn with_signed_images(self, key: SigningPublicKey, required: &[(u32, Digest32)]) -> Self {
+        Self {
+            signed_images: Some(SignedImages {
+                key,
+                required: required.to_vec(),
+            }),
+            ..self
         }
     }
 
@@ -282,7 +344,10 @@ impl Validator {
         }
         let events = events(&doc)?;
         verify_replay(&events, &pcrs)?;
-        let (set, warnings) = self.matching_set(&pcrs)?;
+        let (measurements, warnings) = match self.matching_set(&pcrs) {
+            Ok((set, warnings)) => (set.digest, warnings),
+            Err(refused) => self.signed_image(&doc, &pcrs).unwrap_or(Err(refused))?,
+        };
         for w in &warnings {
             tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
         }
@@ -292,7 +357,7 @@ impl Validator {
             pcrs,
             events,
             warnings,
-            measurements: set.digest,
+            measurements,
             cpu,
         })
     }
@@ -307,12 +372,7 @@ impl Validator {
         &self,
         pcrs: &BTreeMap<u32, Digest32>,
     ) -> Result<(&AcceptedSet, Vec<Mismatch>), ValidationError> {
-        let split = |set: &AcceptedSet| -> (Vec<Mismatch>, Vec<Mismatch>) {
-            set.measurements
-                .compare(pcrs)
-                .into_iter()
-                .partition(|m| m.warn_only)
-        };
+        let split = |set: &AcceptedSet| set.mismatches(pcrs);
         let (current_warnings, current_enforced) = split(&self.current);
         if current_enforced.is_empty() {
             return Ok((&self.current, current_warnings));
@@ -330,6 +390,34 @@ impl Validator {
             return Ok((&self.current, all));
         }
         Err(ValidationError::Measurements(current_enforced))
+    }
+}
+
+impl Validator {
+    /// Judges the signed image measurements `doc` carries, if this
+    /// validator accepts signed images and the document carries some:
+    /// `None` otherwise. The set's digest and warn-only mismatches when
+    /// the signature verifies and every enforced value matches.
+    fn signed_image(
+        &self,
+        doc: &AttestationDocument,
+        pcrs: &BTreeMap<u32, Digest32>,
+    ) -> Option<Result<(Digest32, Vec<Mismatch>), ValidationError>> {
+        let images = self.signed_images.as_ref()?;
+        let presented = doc.image_measurements.as_ref()?;
+        Some((|| {
+            let signed = SignedMeasurements::verify(
+                &images.key,
+                &presented.measurements,
+                &presented.signature,
+            )?;
+            let set = AcceptedSet::new(signed.measurements().clone(), &images.required);
+            let (warnings, enforced) = set.mismatches(pcrs);
+            if !enforced.is_empty() {
+                return Err(ValidationError::Measurements(enforced));
+            }
+            Ok((set.digest, warnings))
+        })())
     }
 }
 

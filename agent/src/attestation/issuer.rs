@@ -85,6 +85,7 @@ impl TpmIssuer {
             event_log,
             user_data: user_data.to_vec(),
             cpu_evidence,
+            image_measurements: measured.image().cloned(),
         };
         Ok(doc.encode_to_vec())
     }

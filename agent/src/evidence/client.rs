@@ -14,7 +14,6 @@ use keel_atls::{AtlsClient, ConnectError};
 use keel_proto::evidence::evidence_service_client::EvidenceServiceClient;
 use keel_proto::evidence::{NextNonceRequest, RegistryRequest, SubmitEvidenceRequest};
 use keel_verifier::config::Role;
-use keel_verifier::ek::EkTrust;
 use keel_verifier::keys::ClusterId;
 use keel_verifier::validator::{Validator, Verified};
 use tonic::transport::{Channel, Endpoint};
@@ -256,8 +255,10 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
             .unwrap_or_default(),
         None => String::new(),
     };
-    let ek_trust = EkTrust::from_pem(node.config.cluster.ek_ca_pem.as_bytes())?;
-    let validator = crate::join::service_validator(&node.tpm, ek_trust)?;
+    // The same validator as the join client's: the control plane's image
+    // and config, and its CPU evidence for the hardware variants.
+    let validator =
+        crate::join::JoinSettings::from_config(&node.config)?.service_validator(&node.tpm)?;
     let mut client = EvidenceClient::new(
         node.tpm.clone(),
         validator,

@@ -20,7 +20,7 @@ use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitFailure, InitRequest, InitResponse, InitSecrets, InitSuccess};
 use keel_verifier::measurements::Measurements;
-use keel_verifier::signature::SigningPublicKey;
+use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use prost::Message as _;
 use tokio_stream::wrappers::ReceiverStream;
 use zeroize::Zeroizing;
@@ -113,6 +113,7 @@ struct Accepted {
     service_cidr: String,
     join_measurements: Measurements,
     measurements_key: Option<SigningPublicKey>,
+    signed_measurements: Vec<SignedMeasurements>,
 }
 
 /// The init server.
@@ -241,12 +242,27 @@ impl InitServer {
         };
         let join_measurements = Measurements::parse(&request.join_measurements)
             .map_err(invalid("invalid join measurements"))?;
-        let measurements_key = match request.measurements_signing_key.as_str() {
-            "" => None,
-            pem => Some(
-                SigningPublicKey::from_pem(pem.as_bytes())
-                    .map_err(invalid("invalid measurements signing key"))?,
-            ),
+        // The key comes from the measured config, never from the request;
+        // with one, the measurements must carry its signature, so that
+        // nodes of a later image accept this image's join services.
+        let measurements_key = config.cluster.signing_key().map_err(invalid(
+            "invalid measurements signing key in the node config",
+        ))?;
+        let signed_measurements = match &measurements_key {
+            Some(key) => vec![SignedMeasurements::verify(
+                key,
+                &request.join_measurements,
+                &request.join_measurements_signature,
+            )
+            .map_err(invalid(
+                "the join measurements are not signed with the node config's measurements signing key",
+            ))?],
+            None if request.join_measurements_signature.is_empty() => Vec::new(),
+            None => {
+                return Err(InitError::InvalidRequest(
+                    "the join measurements carry a signature, but the node config names no measurements signing key".into(),
+                ))
+            }
         };
         let keys = KeyService::new(&secrets.0.master_secret, &request.master_salt)
             .map_err(invalid("invalid master secret or salt"))?;
@@ -278,6 +294,7 @@ impl InitServer {
             service_cidr,
             join_measurements,
             measurements_key,
+            signed_measurements,
         })
     }
 
@@ -324,6 +341,7 @@ impl InitServer {
             join_measurements: a.join_measurements.clone(),
             staged_measurements: None,
             measurements_key: a.measurements_key.clone(),
+            signed_measurements: a.signed_measurements.clone(),
             control_plane_endpoints: self
                 .inner
                 .node

@@ -38,7 +38,7 @@ use keel_verifier::config::{NodeConfig, Role};
 use zeroize::Zeroizing;
 
 use super::kubelet::KubeletKey;
-use super::settings::{service_validator, JoinError, JoinSettings};
+use super::settings::{JoinError, JoinSettings};
 use super::ticket::{JoinTicket, TicketError};
 use super::transport::TicketClient;
 use crate::cluster::{ClusterSlot, ClusterState};
@@ -116,10 +116,10 @@ impl JoinClient {
         if settings.endpoints.is_empty() {
             return Err(JoinError::NoEndpoints);
         }
-        let validator =
-            service_validator(&tpm, settings.ek_trust.clone())?.with_cpu(settings.cpu.clone());
-        let tickets =
-            TicketClient::new(tpm.clone(), validator, settings.timeout).for_role(config.node.role);
+        let validator = settings.service_validator(&tpm)?;
+        let tickets = TicketClient::new(tpm.clone(), validator, settings.timeout)
+            .for_role(config.node.role)
+            .with_measurements_key(settings.measurements_key.clone());
         Ok(Self {
             config,
             tpm,
@@ -395,7 +395,9 @@ impl JoinClient {
             // A control plane restores its state before the kubelet starts
             // anything: facts that do not match the keys stop it here.
             let state = match ticket.control_plane_keys {
-                Some(keys) => Some(p.restore_control_plane(keys)?),
+                Some(keys) => {
+                    Some(p.restore_control_plane(keys, self.settings.measurements_key.clone())?)
+                }
                 None => None,
             };
             p.reinstall_recorded().await?;
@@ -486,7 +488,7 @@ impl JoinClient {
             cluster_id: ticket.cluster_id,
             kubernetes_version: ticket.version,
             components: ticket.components,
-            authorised_components: Vec::new(),
+            authorised_components: measurements.authorised,
             api_server: SocketAddr::new(
                 self.env.advertise_address.resolve(),
                 crate::kubeadm::config::API_SERVER_PORT,
@@ -494,7 +496,8 @@ impl JoinClient {
             pki_dir: self.env.pki_dir(),
             join_measurements: measurements.join,
             staged_measurements: measurements.staged,
-            measurements_key: measurements.signing_key,
+            measurements_key: self.settings.measurements_key.clone(),
+            signed_measurements: measurements.signed,
             control_plane_endpoints: self.endpoints(),
         }))
     }

@@ -40,7 +40,7 @@ use keel_proto::join::{
 };
 use keel_verifier::config::{NodeIdentity, Role};
 use keel_verifier::credential;
-use keel_verifier::measurement::EventType;
+use keel_verifier::signature::SignedMeasurements;
 use keel_verifier::validator::Verified;
 use prost::Message as _;
 use rcgen::{Issuer, KeyPair};
@@ -348,10 +348,24 @@ impl JoinService {
                 Some(staged) if request.is_control_plane => staged.to_json().into_bytes(),
                 _ => Vec::new(),
             },
-            measurements_signing_key: match &cluster.measurements_key {
-                Some(key) if request.is_control_plane => key.to_pem().unwrap_or_default(),
-                _ => String::new(),
+            signed_measurements: if request.is_control_plane {
+                cluster
+                    .signed_measurements
+                    .iter()
+                    .map(SignedMeasurements::to_proto)
+                    .collect()
+            } else {
+                Vec::new()
             },
+            authorised_components: request.is_control_plane.then(|| {
+                keel_proto::components::Components {
+                    components: cluster
+                        .authorised_components
+                        .iter()
+                        .map(Into::into)
+                        .collect(),
+                }
+            }),
         })
     }
 
@@ -481,15 +495,9 @@ fn check_identity(
 
 /// The node name and role in the peer's replayed node-identity event.
 pub(crate) fn measured_identity(peer: &Verified) -> Result<NodeIdentity, JoinServiceError> {
-    let event = peer
-        .events
-        .iter()
-        .find(|e| e.event_type == EventType::NodeIdentity)
-        .ok_or(JoinServiceError::Identity(
-            "no node identity in the event log",
-        ))?;
-    serde_json::from_slice(&event.data)
-        .map_err(|_| JoinServiceError::Identity("the node identity does not parse"))
+    peer.identity().ok_or(JoinServiceError::Identity(
+        "no node identity that parses in the event log",
+    ))
 }
 
 /// The operator key of the node whose EK is `ek`, for its ticket.

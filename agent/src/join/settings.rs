@@ -12,6 +12,7 @@ use rand::Rng as _;
 
 use keel_verifier::measurement::pcr;
 use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
+use keel_verifier::signature::SigningPublicKey;
 use keel_verifier::validator::Validator;
 
 use crate::attestation::policy::cpu_trust;
@@ -64,6 +65,10 @@ pub struct JoinSettings {
     pub ek_trust: EkTrust,
     /// The CPU evidence the join service must show (the cluster's variant).
     pub cpu: Arc<CpuTrust>,
+    /// The key that signs the measurements of every image of the cluster:
+    /// a join service of another image is accepted when it presents its
+    /// image's measurements signed with it.
+    pub measurements_key: Option<SigningPublicKey>,
     /// Pauses between rounds of attempts.
     pub backoff: Backoff,
     /// Bound of each connection and call.
@@ -78,6 +83,10 @@ impl JoinSettings {
             ek_trust: EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())
                 .map_err(|_| JoinError::NoEkCa)?,
             cpu: cpu_trust(config).map_err(JoinError::Attestation)?,
+            measurements_key: config
+                .cluster
+                .signing_key()
+                .map_err(JoinError::Attestation)?,
             backoff: Backoff::default(),
             timeout: Duration::from_secs(30),
         })
@@ -91,8 +100,9 @@ pub enum JoinError {
     /// The config names no join service endpoint.
     #[error("no control-plane endpoints configured")]
     NoEndpoints,
-    /// The config's attestation variant is invalid.
-    #[error("the attestation variant in the config is invalid")]
+    /// The config's attestation variant or measurements signing key is
+    /// invalid.
+    #[error("the attestation settings in the config are invalid")]
     Attestation(#[source] keel_verifier::config::ConfigError),
     /// The config has no usable EK CA, so the join service cannot be verified.
     #[error("no EK CA configured: the join service cannot be verified")]
@@ -112,21 +122,46 @@ pub enum JoinError {
     KubeletKey(#[source] rcgen::Error),
 }
 
+impl JoinSettings {
+    /// The validator of join services these settings imply (see
+    /// [`service_validator`]), with the cluster's CPU evidence policy.
+    pub fn service_validator(&self, tpm: &SharedTpm) -> Result<Validator, JoinError> {
+        Ok(
+            service_validator(tpm, self.ek_trust.clone(), self.measurements_key.as_ref())?
+                .with_cpu(self.cpu.clone()),
+        )
+    }
+}
+
 /// A validator of join services: EK trust and this node's own PCRs
-/// [`SHARED_PCRS`] as enforced values. Reads the PCRs from `tpm`.
-pub fn service_validator(tpm: &SharedTpm, ek_trust: EkTrust) -> Result<Validator, JoinError> {
+/// [`SHARED_PCRS`] as enforced values, or, with a measurements signing key,
+/// the image measurements signed with it that the service presents and this
+/// node's own config PCR (a join service of the image before or after this
+/// one, during a rollout). Reads the PCRs from `tpm`.
+pub fn service_validator(
+    tpm: &SharedTpm,
+    ek_trust: EkTrust,
+    measurements_key: Option<&SigningPublicKey>,
+) -> Result<Validator, JoinError> {
     let own = tpm
         .lock()
         .map_err(|_| JoinError::Poisoned)?
         .tpm()
         .pcr_read(&SHARED_PCRS)
         .map_err(JoinError::ReadPcrs)?;
+    let own_config = own.get(&pcr::CONFIG).copied();
     let expected = Measurements::new(
         own.into_iter()
             .map(|(index, value)| (index, Expected::enforced(value))),
     )
     .map_err(JoinError::OwnMeasurements)?;
-    Ok(Validator::new(expected, ek_trust))
+    let validator = Validator::new(expected, ek_trust);
+    Ok(match (measurements_key, own_config) {
+        (Some(key), Some(config)) => {
+            validator.with_signed_images(key.clone(), &[(pcr::CONFIG, config)])
+        }
+        _ => validator,
+    })
 }
 
 #[cfg(test)]

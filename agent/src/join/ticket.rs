@@ -17,7 +17,9 @@ use keel_installer::{Component, KubernetesVersion};
 use keel_proto::join::{IssueJoinTicketResponse, JoinSecrets};
 use keel_verifier::credential::CredentialError;
 use keel_verifier::measurements::Measurements;
-use keel_verifier::signature::SigningPublicKey;
+use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
+
+use crate::cluster::MAX_SIGNED_MEASUREMENTS;
 use keel_verifier::validator::Verified;
 use subtle::ConstantTimeEq as _;
 use zeroize::Zeroizing;
@@ -96,8 +98,11 @@ pub struct TicketMeasurements {
     pub join: Measurements,
     /// A new image's measurements during its rollout.
     pub staged: Option<Measurements>,
-    /// The key a new image's measurements must be signed with.
-    pub signing_key: Option<SigningPublicKey>,
+    /// The signed measurements files of the accepted sets, checked with
+    /// the node config's key.
+    pub signed: Vec<SignedMeasurements>,
+    /// Components of other Kubernetes versions the operator authorised.
+    pub authorised: Vec<Component>,
 }
 
 /// A checked join ticket.
@@ -243,6 +248,39 @@ fn check_endpoints(endpoints: Vec<String>) -> Result<Vec<String>, TicketError> {
     Ok(endpoints)
 }
 
+/// Most authorised components a ticket may carry (a few versions' worth).
+const MAX_AUTHORISED_COMPONENTS: usize = 64;
+
+/// The signed measurements files of a control plane's ticket, each checked
+/// with the node config's `key`: at most [`MAX_SIGNED_MEASUREMENTS`], and
+/// none without a key.
+fn signed_measurements(
+    files: &[keel_proto::attestation::SignedMeasurements],
+    key: Option<&SigningPublicKey>,
+) -> Result<Vec<SignedMeasurements>, TicketError> {
+    if files.len() > MAX_SIGNED_MEASUREMENTS {
+        return Err(TicketError::Invalid(
+            "too many signed measurements files".into(),
+        ));
+    }
+    match key {
+        Some(key) => files
+            .iter()
+            .map(|f| {
+                SignedMeasurements::verify(key, &f.measurements, &f.signature).map_err(|e| {
+                    TicketError::Invalid(format!(
+                        "signed measurements that this node's key does not verify: {e}"
+                    ))
+                })
+            })
+            .collect(),
+        None if files.is_empty() => Ok(Vec::new()),
+        None => Err(TicketError::Invalid(
+            "signed measurements, but the node config names no measurements signing key".into(),
+        )),
+    }
+}
+
 /// The cluster's keys from a control plane's ticket: present exactly for a
 /// control plane, and deriving the ticket's measurement secret.
 fn control_plane_keys(
@@ -291,6 +329,7 @@ pub fn parse_join_ticket(
     cluster_id: ClusterId,
     kubelet_spki: &[u8],
     is_control_plane: bool,
+    measurements_key: Option<&SigningPublicKey>,
 ) -> Result<JoinTicket, TicketError> {
     let invalid = |m: &str| TicketError::Invalid(m.to_owned());
     if secrets.state_disk_key.len() != DISK_KEY_LEN {
@@ -352,19 +391,26 @@ pub fn parse_join_ticket(
                         .map_err(|e| TicketError::Invalid(format!("staged measurements: {e}")))?,
                 ),
             };
-            let signing_key = match response.measurements_signing_key.as_str() {
-                "" => None,
-                pem => Some(
-                    SigningPublicKey::from_pem(pem.as_bytes())
-                        .map_err(|e| TicketError::Invalid(format!("signing key: {e}")))?,
-                ),
-            };
+            let signed = signed_measurements(&response.signed_measurements, measurements_key)?;
+            let authorised = response
+                .authorised_components
+                .map(|list| list.components)
+                .unwrap_or_default();
+            if authorised.len() > MAX_AUTHORISED_COMPONENTS {
+                return Err(invalid("too many authorised components"));
+            }
+            let authorised = authorised
+                .into_iter()
+                .map(Component::try_from)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TicketError::Invalid(format!("authorised component: {e}")))?;
             Some((
                 keys,
                 TicketMeasurements {
                     join,
                     staged,
-                    signing_key,
+                    signed,
+                    authorised,
                 },
             ))
         }

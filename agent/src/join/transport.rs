@@ -9,6 +9,7 @@ use keel_atls::{AtlsClient, Attested};
 use keel_proto::join::join_service_client::JoinServiceClient;
 use keel_proto::join::{IssueJoinTicketRequest, IssueJoinTicketResponse, IssueRejoinTicketRequest};
 use keel_verifier::config::Role;
+use keel_verifier::signature::SigningPublicKey;
 use keel_verifier::validator::{Validator, Verified};
 use tonic::transport::Endpoint;
 
@@ -30,6 +31,7 @@ pub struct TicketClient {
     tpm: SharedTpm,
     timeout: Duration,
     is_control_plane: bool,
+    measurements_key: Option<SigningPublicKey>,
 }
 
 impl TicketClient {
@@ -43,6 +45,7 @@ impl TicketClient {
             tpm,
             timeout,
             is_control_plane: false,
+            measurements_key: None,
         }
     }
 
@@ -50,6 +53,13 @@ impl TicketClient {
     /// ticket must carry the master secret, a worker's must not.
     pub fn for_role(mut self, role: Role) -> Self {
         self.is_control_plane = role == Role::ControlPlane;
+        self
+    }
+
+    /// The same client checking the signed measurements of a control
+    /// plane's ticket with `key` (the node config's).
+    pub fn with_measurements_key(mut self, key: Option<SigningPublicKey>) -> Self {
+        self.measurements_key = key;
         self
     }
 
@@ -130,6 +140,7 @@ impl TicketClient {
             cluster_id,
             kubelet_spki,
             is_control_plane,
+            self.measurements_key.as_ref(),
         )
     }
 

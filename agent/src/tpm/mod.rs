@@ -27,6 +27,7 @@
 //! * [`nv`]: reading NV indices (Azure's HCL report);
 //! * [`error`] holds [`TpmError`].
 
+mod cloexec;
 pub mod error;
 pub mod keys;
 pub mod lockout;
@@ -102,10 +103,14 @@ impl Tpm {
             tcti: tcti.as_str().into(),
             source,
         })?;
-        let mut ctx = Context::new(conf).map_err(|source| TpmError::Open {
+        let opened = cloexec::CloseOnExec::before();
+        let ctx = Context::new(conf);
+        let marked = opened.mark_new();
+        let mut ctx = ctx.map_err(|source| TpmError::Open {
             tcti: tcti.as_str().into(),
             source,
         })?;
+        tracing::debug!(descriptors = marked, "TPM connection marked close-on-exec");
         let (ek, ek_transient) = keys::open_endorsement_key(&mut ctx)?;
         Ok(Self {
             ctx,

@@ -381,6 +381,7 @@ async fn start_service_node(
         join_measurements: boot_measurements(&config),
         staged_measurements: None,
         measurements_key: None,
+        signed_measurements: Vec::new(),
         control_plane_endpoints: config.cluster.control_plane_endpoints.clone(),
     });
 
@@ -463,7 +464,7 @@ impl Member {
     /// A ticket client validating the service as the join client does.
     pub fn tickets(&self, ca: &EkCa) -> TicketClient {
         let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
-        let validator = service_validator(&self.tpm, trust).unwrap();
+        let validator = service_validator(&self.tpm, trust, None).unwrap();
         TicketClient::new(self.tpm.clone(), validator, Duration::from_secs(60))
     }
 }
@@ -727,7 +728,7 @@ impl Joiner {
     /// A ticket client validating the service as the join client does.
     pub fn tickets(&self, ca: &EkCa) -> TicketClient {
         let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
-        let validator = service_validator(&self.tpm, trust).unwrap();
+        let validator = service_validator(&self.tpm, trust, None).unwrap();
         TicketClient::new(self.tpm.clone(), validator, Duration::from_secs(60))
     }
 

@@ -72,7 +72,7 @@ impl SignedMeasurements {
 }
 
 /// `FILE.sig` for `FILE`.
-fn signature_of(file: &Path) -> PathBuf {
+pub(crate) fn signature_of(file: &Path) -> PathBuf {
     let mut name = OsString::from(file.as_os_str());
     name.push(".sig");
     PathBuf::from(name)

@@ -78,7 +78,8 @@ pub struct ApplyArgs {
     /// install_path, extract}); default: the versions table's.
     #[arg(long, value_name = "FILE", requires = "kubernetes")]
     pub components: Option<PathBuf>,
-    /// Phases to leave out (comma-separated or repeated).
+    /// Phases to leave out (comma-separated or repeated), even when their
+    /// input is given; a phase whose input is not given does not run.
     #[arg(long, value_enum, value_delimiter = ',')]
     pub skip_phases: Vec<Phase>,
 }
@@ -101,35 +102,29 @@ pub async fn run(command: UpgradeCommand) -> anyhow::Result<()> {
 }
 
 async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
+    // A phase runs when its input is given and it is not skipped. Every
+    // phase's input is checked before any node is contacted.
     let runs = |phase| !args.skip_phases.contains(&phase);
-    // Every phase's input is checked before any node is contacted.
-    let kubernetes = if runs(Phase::Kubernetes) {
-        let Some(version) = &args.kubernetes else {
-            bail!(
-                "the kubernetes phase needs --kubernetes <VERSION> (or --skip-phases kubernetes)"
-            );
-        };
-        Some(kubernetes::Target::new(
+    let kubernetes = match &args.kubernetes {
+        Some(version) if runs(Phase::Kubernetes) => Some(kubernetes::Target::new(
             version,
             args.components.as_deref(),
-        )?)
-    } else {
-        None
+        )?),
+        _ => None,
     };
-    let image = if runs(Phase::Image) {
-        let Some(file) = &args.image_measurements else {
-            bail!("the image phase needs --image-measurements FILE (or --skip-phases image)");
-        };
-        Some(image::SignedMeasurements::load(
+    let image = match &args.image_measurements {
+        Some(file) if runs(Phase::Image) => Some(image::SignedMeasurements::load(
             &args.cluster.settings,
             file,
             args.image_measurements_signature.as_deref(),
-        )?)
-    } else {
-        None
+        )?),
+        _ => None,
     };
     if image.is_none() && kubernetes.is_none() {
-        bail!("every phase is skipped; nothing to do");
+        bail!(
+            "nothing to do: give --kubernetes <VERSION> and/or --image-measurements FILE \
+             (a phase named in --skip-phases does not run)"
+        );
     }
     // The image first: nodes that reboot into the new image during the
     // Kubernetes phase can join again.

@@ -80,6 +80,7 @@ pub fn node_config(
                 interval_seconds: EVIDENCE_INTERVAL_SECONDS,
                 policy: EvidencePolicy::Log,
             },
+            measurements_signing_key: None,
         },
         node: NodeIdentity {
             name: name.to_owned(),

@@ -194,7 +194,7 @@ pub fn request(inputs: &InitInputs<'_>) -> Result<Result<(), tonic::Status>, Min
             service_cidr: String::new(),
             component_mirror: String::new(),
             join_measurements: measurements_json,
-            measurements_signing_key: String::new(),
+            join_measurements_signature: Vec::new(),
         };
         Ok(InitServiceClient::new(bound.channel)
             .init(request)
