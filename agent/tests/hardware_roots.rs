@@ -728,9 +728,10 @@ fn tdx_refuses_an_unbound_report_a_debug_td_a_revoked_pck_and_an_old_tcb() {
 
 /// The join path with the `tdx` variant: the joining node proves its TD to
 /// the join service and the service proves its TD to the node; a node
-/// without CPU evidence gets no ticket, a node whose quote chains to
-/// another root gets none either, and a node does not take a ticket from a
-/// service without CPU evidence.
+/// without CPU evidence gets no ticket, nor does a node whose quote chains
+/// to another root, whose TD is debuggable or whose quote does not bind its
+/// AK; and a node does not take a ticket from a service without CPU
+/// evidence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_join_path_runs_with_the_tdx_variant() {
     use join_common::{
@@ -798,26 +799,47 @@ async fn the_join_path_runs_with_the_tdx_variant() {
         keel_atls::ErrorChain(&err)
     );
 
-    // A node whose TD quote chains to another root (the same platform
-    // certified by someone else's PKI): refused in the handshake.
+    // Nodes whose TD evidence is refused in the handshake: a quote chaining
+    // to another root (the same platform certified by someone else's PKI),
+    // a debuggable TD, a quote whose report_data does not bind the node's
+    // AK.
     let foreign = Arc::new(TestIntel::for_platform(intel.platform()).unwrap());
-    let (forged, _sw3, _dir3) = tickets(Some(Arc::new(GeneratedTdx::honest(&foreign))), port);
-    let Err(err) = forged
-        .request_join_ticket(&service.endpoint, request())
-        .await
-    else {
-        panic!("a ticket was issued");
-    };
-    assert!(
-        matches!(err, TicketError::Connect(_)),
-        "{}",
-        keel_atls::ErrorChain(&err)
-    );
+    let refused: [(&str, GeneratedTdx); 3] = [
+        ("another root", GeneratedTdx::honest(&foreign)),
+        (
+            "a debug TD",
+            GeneratedTdx {
+                td_attributes: TD_ATTRIBUTES | TD_DEBUG,
+                ..GeneratedTdx::honest(&intel)
+            },
+        ),
+        (
+            "an unbound report",
+            GeneratedTdx {
+                report_data: Some([0x77; 64]),
+                ..GeneratedTdx::honest(&intel)
+            },
+        ),
+    ];
+    for (what, reporter) in refused {
+        let (client, _sw, _dir) = tickets(Some(Arc::new(reporter)), port);
+        let Err(err) = client
+            .request_join_ticket(&service.endpoint, request())
+            .await
+        else {
+            panic!("{what}: a ticket was issued");
+        };
+        assert!(
+            matches!(err, TicketError::Connect(_)),
+            "{what}: {}",
+            keel_atls::ErrorChain(&err)
+        );
+    }
 
     // A join service without CPU evidence: the node refuses it.
     let plain_port = free_port();
     let plain = start_service(&ca, plain_port).await;
-    let (client, _sw4, _dir4) = tickets(Some(hardware.reporter.clone()), plain_port);
+    let (client, _sw3, _dir3) = tickets(Some(hardware.reporter.clone()), plain_port);
     let Err(err) = client.request_join_ticket(&plain.endpoint, request()).await else {
         panic!("a ticket was issued");
     };
