@@ -1,9 +1,10 @@
-//! The end-to-end binding for the `sev-snp` variant: CPU evidence → AK →
-//! quote, with a test-only AMD-like root generated here and configured as
-//! the verifier's roots, evidence produced by the node's issuer over a real
-//! swtpm, and the one validator judging the document. Then over aTLS, and
-//! the join path: a join service and a joining node, each with its own
-//! swtpm and generated chip, over mutual aTLS.
+//! The end-to-end binding for the `sev-snp` and `tdx` variants: CPU
+//! evidence → AK → quote, with a test-only AMD-like or Intel-like root
+//! generated here and configured as the verifier's roots (with, for TDX,
+//! generated collateral in a collateral cache), evidence produced by the
+//! node's issuer over a real swtpm, and the one validator judging the
+//! document. Then over aTLS, and the join path: a join service and a joining
+//! node, each with its own swtpm and generated CPU, over mutual aTLS.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -17,10 +18,12 @@ use keel_agent::measured::MeasuredTpm;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_proto::attestation::{cpu_evidence, AttestationDocument, CpuEvidence};
 use keel_testkit::amd::{ReportFields, TestAmd};
+use keel_testkit::intel::{CollateralOptions, TdFields, TestIntel, TD_ATTRIBUTES, TD_DEBUG};
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
-use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb};
+use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb, TdxPolicy};
 use keel_verifier::cpu::snp::{AmdRoots, SnpError};
+use keel_verifier::cpu::tdx::{IntelRoot, TdxError};
 use keel_verifier::cpu::{BindingError, Collateral, CpuClaims, CpuError, CpuPolicy, CpuTrust};
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurement::EventType;
@@ -66,7 +69,7 @@ struct Node {
     _swtpm: Swtpm,
 }
 
-fn node(ca: &EkCa, cpu: Option<GeneratedSnp>) -> Node {
+fn node(ca: &EkCa, cpu: Option<Arc<dyn CpuReporter>>) -> Node {
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
@@ -76,7 +79,7 @@ fn node(ca: &EkCa, cpu: Option<GeneratedSnp>) -> Node {
         .record(EventType::NodeConfig, "config", config.cluster_bytes())
         .unwrap();
     if let Some(cpu) = cpu {
-        measured = measured.with_cpu_reporter(Arc::new(cpu));
+        measured = measured.with_cpu_reporter(cpu);
     }
     Node {
         issuer: TpmIssuer::new(measured.shared()),
@@ -90,10 +93,10 @@ fn node(ca: &EkCa, cpu: Option<GeneratedSnp>) -> Node {
 fn snp_node(ca: &EkCa, amd: &Arc<TestAmd>, policy: u64) -> Node {
     node(
         ca,
-        Some(GeneratedSnp {
+        Some(Arc::new(GeneratedSnp {
             amd: amd.clone(),
             policy,
-        }),
+        })),
     )
 }
 
@@ -419,6 +422,419 @@ async fn the_join_path_runs_with_the_sev_snp_variant() {
         "{}",
         keel_atls::ErrorChain(&err)
     );
+
+    // A join service without CPU evidence: the node refuses it.
+    let plain_port = free_port();
+    let plain = start_service(&ca, plain_port).await;
+    let (client, _sw3, _dir3) = tickets(Some(hardware.reporter.clone()), plain_port);
+    let Err(err) = client.request_join_ticket(&plain.endpoint, request()).await else {
+        panic!("a ticket was issued");
+    };
+    let chain = keel_atls::ErrorChain(&err).to_string();
+    assert!(chain.contains("requires CPU evidence"), "{chain}");
+}
+
+// ---------------------------------------------------------------- TDX
+
+const MRTD: [u8; 48] = [0x3d; 48];
+const RTMR: [[u8; 48]; 4] = [[0x10; 48], [0x11; 48], [0x12; 48], [0; 48]];
+
+/// The node's CPU: a generated TDX platform whose quoting enclave signs
+/// what the guest asks for.
+struct GeneratedTdx {
+    intel: Arc<TestIntel>,
+    td_attributes: u64,
+    /// Ignore the requested `report_data` and sign this instead (a report
+    /// that does not bind the AK).
+    report_data: Option<[u8; 64]>,
+}
+
+impl GeneratedTdx {
+    fn honest(intel: &Arc<TestIntel>) -> Self {
+        Self {
+            intel: intel.clone(),
+            td_attributes: TD_ATTRIBUTES,
+            report_data: None,
+        }
+    }
+}
+
+impl CpuReporter for GeneratedTdx {
+    fn report(
+        &self,
+        report_data: &[u8; 64],
+        _tpm: &mut Tpm,
+    ) -> Result<CpuEvidence, CpuReportError> {
+        let quote = self
+            .intel
+            .quote(&TdFields {
+                td_attributes: self.td_attributes,
+                mrtd: MRTD,
+                rtmr: RTMR,
+                report_data: self.report_data.unwrap_or(*report_data),
+            })
+            .unwrap();
+        Ok(CpuEvidence {
+            binding: cpu_evidence::Binding::Guest.into(),
+            report: quote,
+            certificate: Vec::new(),
+        })
+    }
+}
+
+fn tdx_policy() -> TdxPolicy {
+    TdxPolicy {
+        mrtd: Hex(MRTD),
+        rtmr: RTMR.map(|r| Some(Hex(r))),
+        allow_tcb_status: Vec::new(),
+    }
+}
+
+/// A collateral cache holding `intel`'s collateral as `options` judges the
+/// platform, as `keel collateral fetch` lays it out.
+fn tdx_cache(intel: &TestIntel, options: &CollateralOptions) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("tdx")).unwrap();
+    let collateral = intel.collateral(options).unwrap();
+    std::fs::write(
+        dir.path()
+            .join("tdx")
+            .join(format!("{}.json", intel.fmspc_hex())),
+        collateral.to_json(),
+    )
+    .unwrap();
+    dir
+}
+
+/// The `tdx` variant with `policy`, the cache at `cache` and `intel`'s root
+/// in place of Intel's.
+fn tdx_trust(intel: &TestIntel, cache: &tempfile::TempDir, policy: TdxPolicy) -> CpuTrust {
+    CpuTrust::new(CpuPolicy::Tdx(policy), Collateral::at(cache.path()))
+        .with_tdx_root(IntelRoot::from_der(intel.root_der().to_vec()))
+}
+
+fn tdx_error(e: ValidationError) -> TdxError {
+    match cpu_error(e) {
+        CpuError::Tdx(e) => e,
+        other => panic!("not a TDX error: {other:?}"),
+    }
+}
+
+#[test]
+fn tdx_evidence_roots_the_quote_and_every_substitution_is_refused() {
+    let ca = EkCa::new().unwrap();
+    let intel = Arc::new(TestIntel::new().unwrap());
+    let cache = tdx_cache(&intel, &CollateralOptions::default());
+    let n1 = node(&ca, Some(Arc::new(GeneratedTdx::honest(&intel))));
+    let v = validator(&ca, &n1.config, tdx_trust(&intel, &cache, tdx_policy()));
+
+    // The whole chain: TD quote → binds AK and nonce → AK signs the TPM quote.
+    let doc = n1.issuer.issue(b"nonce-1", b"user").unwrap();
+    let verified = v.validate(&doc, b"nonce-1", b"user").unwrap();
+    let Some(CpuClaims::Tdx(claims)) = &verified.cpu else {
+        panic!("no TDX claims: {:?}", verified.cpu);
+    };
+    assert_eq!(claims.status, "UpToDate");
+    assert_eq!(claims.mrtd, MRTD);
+    assert_eq!(claims.rtmr, RTMR);
+
+    // Replay: this document's TD quote in a fresh document (another nonce).
+    let fresh = n1.issuer.issue(b"nonce-2", b"user").unwrap();
+    let mut replayed = AttestationDocument::decode(fresh.as_slice()).unwrap();
+    replayed.cpu_evidence = AttestationDocument::decode(doc.as_slice())
+        .unwrap()
+        .cpu_evidence;
+    let err = cpu_error(
+        v.validate(&replayed.encode_to_vec(), b"nonce-2", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(err, CpuError::Binding(BindingError::ReportData { .. })),
+        "{err:?}"
+    );
+
+    // Strip: no CPU evidence under the tdx variant.
+    let bare = node(&ca, None);
+    let err = cpu_error(
+        v.validate(
+            &bare.issuer.issue(b"nonce-3", b"user").unwrap(),
+            b"nonce-3",
+            b"user",
+        )
+        .unwrap_err(),
+    );
+    assert!(matches!(err, CpuError::Missing { .. }), "{err:?}");
+
+    // Wrong root: Intel's pinned root, and another generated root with its
+    // own (valid) collateral, both refuse the generated PCK chain.
+    let pinned = CpuTrust::new(CpuPolicy::Tdx(tdx_policy()), Collateral::at(cache.path()));
+    let err = tdx_error(
+        validator(&ca, &n1.config, pinned)
+            .validate(&doc, b"nonce-1", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(
+            err,
+            TdxError::Verification {
+                check: "signature",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let other = TestIntel::for_platform(intel.platform()).unwrap();
+    let other_cache = tdx_cache(&other, &CollateralOptions::default());
+    let err = tdx_error(
+        validator(
+            &ca,
+            &n1.config,
+            tdx_trust(&other, &other_cache, tdx_policy()),
+        )
+        .validate(&doc, b"nonce-1", b"user")
+        .unwrap_err(),
+    );
+    assert!(
+        matches!(
+            err,
+            TdxError::Verification {
+                check: "signature",
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // Another MRTD than the config's.
+    let mut policy = tdx_policy();
+    policy.mrtd = Hex([0x3e; 48]);
+    let err = tdx_error(
+        validator(&ca, &n1.config, tdx_trust(&intel, &cache, policy))
+            .validate(&doc, b"nonce-1", b"user")
+            .unwrap_err(),
+    );
+    assert!(matches!(err, TdxError::Mrtd { .. }), "{err}");
+    assert!(err.to_string().contains(&hex::encode([0x3e; 48])), "{err}");
+
+    // The vtpm variant is unchanged: the same document, the evidence unused.
+    let vtpm = validator(&ca, &n1.config, CpuTrust::default());
+    assert!(vtpm
+        .validate(&doc, b"nonce-1", b"user")
+        .unwrap()
+        .cpu
+        .is_none());
+}
+
+#[test]
+fn tdx_refuses_an_unbound_report_a_debug_td_a_revoked_pck_and_an_old_tcb() {
+    let ca = EkCa::new().unwrap();
+    let intel = Arc::new(TestIntel::new().unwrap());
+    let cache = tdx_cache(&intel, &CollateralOptions::default());
+    let trust = || tdx_trust(&intel, &cache, tdx_policy());
+
+    // A genuine quote whose report_data does not commit to this AK.
+    let n = node(
+        &ca,
+        Some(Arc::new(GeneratedTdx {
+            report_data: Some([0x77; 64]),
+            ..GeneratedTdx::honest(&intel)
+        })),
+    );
+    let doc = n.issuer.issue(b"nonce", b"user").unwrap();
+    let err = cpu_error(
+        validator(&ca, &n.config, trust())
+            .validate(&doc, b"nonce", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(&err, CpuError::Binding(BindingError::ReportData { actual, .. })
+            if *actual == hex::encode([0x77; 64])),
+        "{err:?}"
+    );
+
+    // A debuggable TD.
+    let n = node(
+        &ca,
+        Some(Arc::new(GeneratedTdx {
+            td_attributes: TD_ATTRIBUTES | TD_DEBUG,
+            ..GeneratedTdx::honest(&intel)
+        })),
+    );
+    let doc = n.issuer.issue(b"nonce", b"user").unwrap();
+    let err = tdx_error(
+        validator(&ca, &n.config, trust())
+            .validate(&doc, b"nonce", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(
+            err,
+            TdxError::Verification {
+                check: "TD attributes",
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // An honest node, judged with other collateral.
+    let n = node(&ca, Some(Arc::new(GeneratedTdx::honest(&intel))));
+    let doc = n.issuer.issue(b"nonce", b"user").unwrap();
+    let judged = |options: CollateralOptions, policy: TdxPolicy| {
+        let cache = tdx_cache(&intel, &options);
+        validator(&ca, &n.config, tdx_trust(&intel, &cache, policy))
+            .validate(&doc, b"nonce", b"user")
+            .map(|v| v.cpu)
+    };
+
+    // The PCK certificate is on the PCK CRL.
+    let revoked = CollateralOptions {
+        revoke_pck: true,
+        ..CollateralOptions::default()
+    };
+    let err = tdx_error(judged(revoked, tdx_policy()).unwrap_err());
+    assert!(
+        matches!(
+            err,
+            TdxError::Verification {
+                check: "revocation",
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // The platform's TCB level is out of date: refused, unless the config
+    // allows that status by name.
+    let outdated = || CollateralOptions {
+        platform_status: "OutOfDate".into(),
+        advisories: vec!["INTEL-SA-01234".into()],
+        ..CollateralOptions::default()
+    };
+    let err = tdx_error(judged(outdated(), tdx_policy()).unwrap_err());
+    assert!(
+        matches!(&err, TdxError::TcbStatus { actual, advisories, .. }
+            if actual == "OutOfDate" && advisories == &["INTEL-SA-01234"]),
+        "{err}"
+    );
+    let mut allowing = tdx_policy();
+    allowing.allow_tcb_status = vec!["OutOfDate".into()];
+    let Some(CpuClaims::Tdx(claims)) = judged(outdated(), allowing).unwrap() else {
+        panic!("no TDX claims");
+    };
+    assert_eq!(claims.status, "OutOfDate");
+    assert_eq!(claims.advisories, ["INTEL-SA-01234"]);
+}
+
+/// The join path with the `tdx` variant: the joining node proves its TD to
+/// the join service and the service proves its TD to the node; a node
+/// without CPU evidence gets no ticket, nor does a node whose quote chains
+/// to another root, whose TD is debuggable or whose quote does not bind its
+/// AK; and a node does not take a ticket from a service without CPU
+/// evidence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_join_path_runs_with_the_tdx_variant() {
+    use join_common::{
+        config, free_port, measured_with, start_service, start_service_hardware, Hardware,
+    };
+    use keel_agent::join::{service_validator, KubeletKey, TicketClient, TicketError};
+    use keel_proto::join::IssueJoinTicketRequest;
+    use std::time::Duration;
+
+    let ca = EkCa::new().unwrap();
+    let intel = Arc::new(TestIntel::new().unwrap());
+    let cache = tdx_cache(&intel, &CollateralOptions::default());
+    let hardware = Hardware {
+        reporter: Arc::new(GeneratedTdx::honest(&intel)),
+        trust: Arc::new(tdx_trust(&intel, &cache, tdx_policy())),
+    };
+    let port = free_port();
+    let service = start_service_hardware(&ca, port, &hardware).await;
+
+    let tickets = |cpu: Option<Arc<dyn CpuReporter>>, port: u16| {
+        let swtpm = Swtpm::start(&ca).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let tpm = measured_with(
+            &swtpm,
+            &dir.path().join("log"),
+            &config(&ca, port, "w-1", "worker"),
+            cpu,
+        );
+        let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+        let validator = service_validator(&tpm, trust)
+            .unwrap()
+            .with_cpu(hardware.trust.clone());
+        (
+            TicketClient::new(tpm, validator, Duration::from_secs(60)),
+            swtpm,
+            dir,
+        )
+    };
+    let request = || {
+        let key = KubeletKey::generate("w-1").unwrap();
+        IssueJoinTicketRequest {
+            disk_uuid: join_common::uuid(),
+            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+            is_control_plane: false,
+            node_name: "w-1".into(),
+        }
+    };
+
+    let (client, _sw, _dir) = tickets(Some(hardware.reporter.clone()), port);
+    let mut raw = client
+        .request_join_ticket(&service.endpoint, request())
+        .await
+        .unwrap();
+    let secrets = client.open(raw.response.secrets.take()).await.unwrap();
+    assert_eq!(secrets.state_disk_key.len(), 32);
+
+    // A node without CPU evidence: refused in the handshake.
+    let (bare, _sw2, _dir2) = tickets(None, port);
+    let Err(err) = bare.request_join_ticket(&service.endpoint, request()).await else {
+        panic!("a ticket was issued");
+    };
+    assert!(
+        matches!(err, TicketError::Connect(_)),
+        "{}",
+        keel_atls::ErrorChain(&err)
+    );
+
+    // Nodes whose TD evidence is refused in the handshake: a quote chaining
+    // to another root (the same platform certified by someone else's PKI),
+    // a debuggable TD, a quote whose report_data does not bind the node's
+    // AK.
+    let foreign = Arc::new(TestIntel::for_platform(intel.platform()).unwrap());
+    let refused: [(&str, GeneratedTdx); 3] = [
+        ("another root", GeneratedTdx::honest(&foreign)),
+        (
+            "a debug TD",
+            GeneratedTdx {
+                td_attributes: TD_ATTRIBUTES | TD_DEBUG,
+                ..GeneratedTdx::honest(&intel)
+            },
+        ),
+        (
+            "an unbound report",
+            GeneratedTdx {
+                report_data: Some([0x77; 64]),
+                ..GeneratedTdx::honest(&intel)
+            },
+        ),
+    ];
+    for (what, reporter) in refused {
+        let (client, _sw, _dir) = tickets(Some(Arc::new(reporter)), port);
+        let Err(err) = client
+            .request_join_ticket(&service.endpoint, request())
+            .await
+        else {
+            panic!("{what}: a ticket was issued");
+        };
+        assert!(
+            matches!(err, TicketError::Connect(_)),
+            "{what}: {}",
+            keel_atls::ErrorChain(&err)
+        );
+    }
 
     // A join service without CPU evidence: the node refuses it.
     let plain_port = free_port();

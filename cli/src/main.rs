@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
+mod collateral;
 mod init;
 mod logging;
 mod operator;
@@ -69,6 +70,13 @@ enum Command {
         /// may still be booting). A refused attestation is never retried.
         #[arg(long, default_value_t = 300, value_name = "SECONDS")]
         wait: u64,
+    },
+    /// Fill the CPU collateral cache (SEV-SNP VCEKs, TDX collateral) from
+    /// AMD's KDS or Intel's PCS, once, for the evidence of a node: the
+    /// only network access keel makes for CPU evidence.
+    Collateral {
+        #[command(subcommand)]
+        command: collateral::CollateralCommand,
     },
     /// Verify a node's attestation against the measurements and print what it attests.
     Verify {
@@ -231,6 +239,7 @@ fn main() -> ExitCode {
                 .await
             }
             Command::Upgrade { command } => upgrade::run(command).await,
+            Command::Collateral { command } => collateral::run(command).await,
             Command::Recover {
                 settings,
                 endpoint,

@@ -1,10 +1,12 @@
 //! Test support: swtpm instances with their own EK CA, the local component
 //! mirror, an attacker's issuer with a software attestation key, and a
-//! container check for nodes, and a generated AMD-like root of trust.
+//! container check for nodes, and generated AMD-like and Intel-like roots of
+//! trust for the hardware variants.
 
 pub mod amd;
 pub mod components;
 pub mod container;
 pub mod forgery;
+pub mod intel;
 pub mod mirror;
 pub mod swtpm;

@@ -3,6 +3,10 @@
 //! faults a real mirror or CDN shows — error statuses, bodies cut short,
 //! connections that never answer.
 //!
+//! A route is a path (any query matches) or a path with its query (only that
+//! query matches; it wins over the bare path), and may carry response
+//! headers, so the mirror can stand in for a vendor API too.
+//!
 //! It runs on its own thread and runtime, so it works from synchronous and
 //! asynchronous callers alike, and stops (closing every connection) when the
 //! [`MirrorServer`] is dropped. Every response closes its connection.
@@ -52,6 +56,8 @@ pub enum Fault {
 #[derive(Debug, Default)]
 struct Route {
     body: Option<Body>,
+    /// Extra response headers of a 200.
+    headers: Vec<(String, String)>,
     /// Faults used up one per request, before `always`.
     next: VecDeque<Fault>,
     /// A fault shown on every request once `next` is empty.
@@ -133,6 +139,25 @@ impl MirrorServer {
         self.with_route(path, |r| r.body = Some(body));
     }
 
+    /// Serves `bytes` at `target` (a path, or a path and query) with extra
+    /// response `headers`.
+    pub fn serve_with_headers(
+        &self,
+        target: &str,
+        bytes: impl Into<Bytes>,
+        headers: &[(&str, &str)],
+    ) {
+        let body = Body::Bytes(bytes.into());
+        let headers = headers
+            .iter()
+            .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+            .collect();
+        self.with_route(target, |r| {
+            r.body = Some(body);
+            r.headers = headers;
+        });
+    }
+
     /// Serves the file at `file` at `path`, read at request time.
     pub fn serve_file(&self, path: &str, file: impl Into<PathBuf>) {
         let body = Body::File(file.into());
@@ -208,20 +233,26 @@ enum Reply {
     NotFound,
     MethodNotAllowed,
     Fault(Fault, Option<Body>),
-    Body(Body),
+    Body(Body, Vec<(String, String)>),
 }
 
 async fn handle(mut stream: TcpStream, state: Arc<Mutex<State>>) {
-    let Ok(Ok(Some((method, path)))) =
+    let Ok(Ok(Some((method, target)))) =
         tokio::time::timeout(REQUEST_TIMEOUT, read_request_line(&mut stream)).await
     else {
         return;
     };
+    let path = target.split('?').next().unwrap_or_default().to_owned();
     let head_only = method == "HEAD";
     let reply = {
         let mut state = lock(&state);
         state.total += 1;
-        match state.routes.get_mut(&path) {
+        let key = if state.routes.contains_key(&target) {
+            target
+        } else {
+            path
+        };
+        match state.routes.get_mut(&key) {
             _ if method != "GET" && method != "HEAD" => Reply::MethodNotAllowed,
             None => Reply::NotFound,
             Some(route) => {
@@ -229,7 +260,7 @@ async fn handle(mut stream: TcpStream, state: Arc<Mutex<State>>) {
                 match route.next.pop_front().or(route.always) {
                     Some(fault) => Reply::Fault(fault, route.body.clone()),
                     None => match route.body.clone() {
-                        Some(body) => Reply::Body(body),
+                        Some(body) => Reply::Body(body, route.headers.clone()),
                         None => Reply::NotFound,
                     },
                 }
@@ -242,15 +273,15 @@ async fn handle(mut stream: TcpStream, state: Arc<Mutex<State>>) {
         Reply::Fault(Fault::Status(code), _) => status(&mut stream, code).await,
         Reply::Fault(Fault::Hang, _) => std::future::pending::<std::io::Result<()>>().await,
         Reply::Fault(Fault::Truncate(keep), body) => match body {
-            Some(body) => send_body(&mut stream, body, Some(keep), head_only).await,
+            Some(body) => send_body(&mut stream, body, &[], Some(keep), head_only).await,
             None => status(&mut stream, 404).await,
         },
-        Reply::Body(body) => send_body(&mut stream, body, None, head_only).await,
+        Reply::Body(body, headers) => send_body(&mut stream, body, &headers, None, head_only).await,
     };
     let _ = stream.shutdown().await;
 }
 
-/// Reads the request head and returns the method and path (query removed).
+/// Reads the request head and returns the method and target (path and query).
 async fn read_request_line(stream: &mut TcpStream) -> std::io::Result<Option<(String, String)>> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
@@ -269,8 +300,7 @@ async fn read_request_line(stream: &mut TcpStream) -> std::io::Result<Option<(St
     let (Some(method), Some(target)) = (words.next(), words.next()) else {
         return Ok(None);
     };
-    let path = target.split('?').next().unwrap_or_default();
-    Ok(Some((method.to_owned(), path.to_owned())))
+    Ok(Some((method.to_owned(), target.to_owned())))
 }
 
 async fn status(stream: &mut TcpStream, code: u16) -> std::io::Result<()> {
@@ -283,10 +313,11 @@ async fn status(stream: &mut TcpStream, code: u16) -> std::io::Result<()> {
     stream.write_all(body.as_bytes()).await
 }
 
-/// Sends a 200 with the body, or only its first `keep` bytes.
+/// Sends a 200 with `headers` and the body, or only its first `keep` bytes.
 async fn send_body(
     stream: &mut TcpStream,
     body: Body,
+    headers: &[(String, String)],
     keep: Option<u64>,
     head_only: bool,
 ) -> std::io::Result<()> {
@@ -294,8 +325,12 @@ async fn send_body(
         Body::Bytes(bytes) => bytes.len() as u64,
         Body::File(path) => tokio::fs::metadata(path).await?.len(),
     };
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
     let head = format!(
-        "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n"
+        "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {length}\r\n{extra}Connection: close\r\n\r\n"
     );
     stream.write_all(head.as_bytes()).await?;
     if head_only {
@@ -363,6 +398,18 @@ mod tests {
         assert_eq!(mirror.requests("/a"), 1);
         assert_eq!(mirror.total_requests(), 3);
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_route_with_a_query_wins_and_carries_its_headers() {
+        let mirror = MirrorServer::start().unwrap();
+        mirror.serve("/v", &b"any"[..]);
+        mirror.serve_with_headers("/v?a=1", &b"exact"[..], &[("X-Chain", "a%20b")]);
+        let (head, body) = get(&mirror, "/v?a=1");
+        assert_eq!(body, b"exact");
+        assert!(head.contains("X-Chain: a%20b"), "{head}");
+        assert_eq!(get(&mirror, "/v?a=2").1, b"any");
+        assert_eq!(get(&mirror, "/v").1, b"any");
     }
 
     #[test]

@@ -11,6 +11,13 @@
 //!   when the document does not carry the certificate itself.
 //! * `tdx/<FMSPC, 12 upper-case hex digits>.json`: `dcap-qvl`'s
 //!   `QuoteCollateralV3` (TCB info, QE identity, CRLs, issuer chains).
+//! * `snp/<product>/cert_chain.pem` and `snp/<product>/crl.der`: AMD's
+//!   ASK/ARK chain and CRL for a product line, as `keel collateral fetch`
+//!   stores them with a VCEK. Kept for the operator; the verifier uses its
+//!   pinned roots and reads neither.
+//!
+//! [`snp_certificate_path`] and [`tdx_collateral_path`] name the files, for
+//! the reader here and for the command that fills the cache.
 
 use std::path::{Path, PathBuf};
 
@@ -87,14 +94,7 @@ impl Collateral {
 
     /// The VCEK or VLEK (DER) for `report`'s chip and reported TCB.
     pub fn snp_certificate(&self, report: &AttestationReport) -> Result<Vec<u8>, CollateralError> {
-        let t = report.reported_tcb;
-        let tcb = format!("{}-{}-{}-{}", t.bootloader, t.tee, t.snp, t.microcode);
-        let name = if report.key_info.signing_key() == 1 {
-            format!("snp/vlek-{tcb}.der")
-        } else {
-            format!("snp/vcek-{}-{tcb}.der", hex::encode(report.chip_id))
-        };
-        read_bounded(&self.path("a VCEK or VLEK certificate", name)?)
+        read_bounded(&self.path("a VCEK or VLEK certificate", snp_certificate_path(report))?)
     }
 
     /// The TDX collateral for `quote`'s FMSPC.
@@ -102,9 +102,26 @@ impl Collateral {
         let parsed = Quote::parse(quote).map_err(|e| CollateralError::Fmspc(format!("{e:#}")))?;
         let fmspc = dcap_qvl::intel::quote_fmspc(&parsed)
             .map_err(|e| CollateralError::Fmspc(format!("{e:#}")))?;
-        let name = format!("tdx/{}.json", hex::encode_upper(fmspc));
-        tdx_collateral_file(&self.path("TDX collateral", name)?)
+        tdx_collateral_file(&self.path("TDX collateral", tdx_collateral_path(&fmspc))?)
     }
+}
+
+/// Where a cache keeps the VCEK (or VLEK) that signed `report`, relative to
+/// the cache directory: named by chip (VCEK only) and reported TCB.
+pub fn snp_certificate_path(report: &AttestationReport) -> String {
+    let t = report.reported_tcb;
+    let tcb = format!("{}-{}-{}-{}", t.bootloader, t.tee, t.snp, t.microcode);
+    if report.key_info.signing_key() == 1 {
+        format!("snp/vlek-{tcb}.der")
+    } else {
+        format!("snp/vcek-{}-{tcb}.der", hex::encode(report.chip_id))
+    }
+}
+
+/// Where a cache keeps the TDX collateral for `fmspc`, relative to the
+/// cache directory.
+pub fn tdx_collateral_path(fmspc: &[u8; 6]) -> String {
+    format!("tdx/{}.json", hex::encode_upper(fmspc))
 }
 
 /// Reads one TDX collateral file (`QuoteCollateralV3` JSON).

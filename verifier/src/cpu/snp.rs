@@ -27,8 +27,9 @@ const SIGNED_BYTES: usize = 0x2a0;
 /// ECDSA P-384 with SHA-384, the only signature algorithm reports use.
 const SIG_ALGO_ECDSA_P384_SHA384: u32 = 1;
 
-/// AMD's pinned roots: each ASK (or ASVK) with the ARK that signs it.
-const PINNED: [&str; 4] = [
+/// AMD's pinned roots: each ASK (or ASVK) with the ARK that signs it, PEM,
+/// as AMD's KDS serves them (`cert_chain`).
+pub const PINNED: [&str; 4] = [
     include_str!("amd/ask_ark_milan.pem"),
     include_str!("amd/ask_ark_genoa.pem"),
     include_str!("amd/ask_ark_turin.pem"),

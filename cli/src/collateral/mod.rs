@@ -1,0 +1,187 @@
+//! `keel collateral fetch`: fills the verifier's collateral cache once, from
+//! AMD's KDS or Intel's PCS, for the evidence of one node. This is the only
+//! place keel talks to a vendor service: verifiers (join services, joining
+//! nodes, `keel verify`) read the cache and never fetch.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use clap::Args;
+
+mod http;
+mod kds;
+mod pcs;
+
+use http::{Answer, Http, HttpError};
+
+/// `keel collateral` subcommands.
+#[derive(clap::Subcommand)]
+pub enum CollateralCommand {
+    /// Download the certificates and collateral one node's CPU evidence is
+    /// verified with into a collateral cache directory.
+    ///
+    /// SEV-SNP (--vcek-from-report): from AMD's KDS, the VCEK for the
+    /// report's chip and reported TCB (snp/vcek-<chip>-<bl>-<tee>-<snp>-<ucode>.der),
+    /// the product line's ASK/ARK chain (snp/<product>/cert_chain.pem) and
+    /// its CRL (snp/<product>/crl.der). The chain must be AMD's roots pinned
+    /// in keel, the VCEK must verify the report against them and the CRL
+    /// must not list it; otherwise nothing is written.
+    ///
+    /// TDX (--tdx-quote): from Intel's PCS, the TCB info for the quote's
+    /// FMSPC, the TD quoting enclave's identity, the CRL of the CA that
+    /// issued the quote's PCK certificate, and the SGX root CA's CRL, as
+    /// one file tdx/<FMSPC>.json. The command prints the collateral's
+    /// validity and whether the quote verifies with it now.
+    ///
+    /// Copy the cache to /var/lib/keel/collateral on the nodes (and name
+    /// it as `collateral` in the CLI settings); fetch again before the
+    /// collateral's next update. Each download must finish within
+    /// --timeout and stay under a size bound; files are written only when
+    /// every download and check succeeded, each replaced atomically.
+    #[command(verbatim_doc_comment)]
+    Fetch(FetchArgs),
+}
+
+/// What `keel collateral fetch` fetches, and from where.
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("evidence").required(true).args(["vcek_from_report", "tdx_quote"])))]
+pub struct FetchArgs {
+    /// The collateral cache directory (created if missing).
+    #[arg(long, value_name = "DIR")]
+    cache: PathBuf,
+    /// A SEV-SNP attestation report (raw 1184 bytes, or an Azure HCL
+    /// report) whose VCEK to fetch.
+    #[arg(long, value_name = "REPORT")]
+    vcek_from_report: Option<PathBuf>,
+    /// The report's product line; needed for version 2 reports, which do
+    /// not carry their CPUID.
+    #[arg(long, value_enum, requires = "vcek_from_report")]
+    product: Option<kds::Product>,
+    /// A TDX quote (version 4 or 5, the PCK chain inside) whose collateral
+    /// to fetch.
+    #[arg(long, value_name = "QUOTE")]
+    tdx_quote: Option<PathBuf>,
+    /// Base URL of AMD's Key Distribution Service (or a mirror of it).
+    #[arg(long, value_name = "URL", default_value = kds::DEFAULT_URL)]
+    kds_url: String,
+    /// Base URL of Intel's Provisioning Certification Service, API v4 (or a
+    /// PCCS).
+    #[arg(long, value_name = "URL", default_value = pcs::DEFAULT_URL)]
+    pcs_url: String,
+    /// Where the SGX root CA's CRL is published.
+    #[arg(long, value_name = "URL", default_value = pcs::DEFAULT_ROOT_CA_CRL_URL)]
+    root_ca_crl_url: String,
+    /// Seconds each download may take, connection included.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    timeout: u64,
+}
+
+/// One file for the cache, relative to its directory.
+#[derive(Debug)]
+pub struct CacheFile {
+    relative: String,
+    bytes: Vec<u8>,
+}
+
+impl CacheFile {
+    fn new(relative: impl Into<String>, bytes: Vec<u8>) -> Self {
+        Self {
+            relative: relative.into(),
+            bytes,
+        }
+    }
+}
+
+/// Runs a `keel collateral` command.
+pub async fn run(command: CollateralCommand) -> anyhow::Result<()> {
+    match command {
+        CollateralCommand::Fetch(args) => fetch(args).await,
+    }
+}
+
+async fn fetch(args: FetchArgs) -> anyhow::Result<()> {
+    let http = Http::new(Duration::from_secs(args.timeout.max(1)))?;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let limit = keel_verifier::cpu::MAX_EVIDENCE_BYTES as u64;
+    let files = match (&args.vcek_from_report, &args.tdx_quote) {
+        (Some(report), _) => {
+            let evidence = read_evidence(report, limit)?;
+            eprintln!("keel: fetching from AMD's KDS at {}", args.kds_url);
+            kds::fetch(&http, &args.kds_url, &evidence, args.product, now).await?
+        }
+        (None, Some(quote)) => {
+            let quote = read_evidence(quote, limit)?;
+            eprintln!("keel: fetching from Intel's PCS at {}", args.pcs_url);
+            pcs::fetch(
+                &http,
+                &args.pcs_url,
+                &args.root_ca_crl_url,
+                &quote,
+                Some(now),
+            )
+            .await?
+        }
+        (None, None) => anyhow::bail!("name --vcek-from-report or --tdx-quote"),
+    };
+    for file in &files {
+        let path = write(&args.cache, file)?;
+        eprintln!(
+            "keel: wrote {} ({} bytes)",
+            path.display(),
+            file.bytes.len()
+        );
+    }
+    Ok(())
+}
+
+/// One GET with a progress line.
+async fn get(http: &Http, what: &str, url: &str, limit: usize) -> Result<Answer, HttpError> {
+    eprintln!("  {what}: GET {url}");
+    let answer = http.get(url, limit).await?;
+    eprintln!(
+        "    {} bytes in {} ms",
+        answer.body.len(),
+        answer.elapsed.as_millis()
+    );
+    Ok(answer)
+}
+
+/// Reads an evidence file of at most `limit` bytes.
+fn read_evidence(path: &Path, limit: u64) -> anyhow::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("reading {}", path.display()))?;
+    anyhow::ensure!(
+        bytes.len() as u64 <= limit,
+        "{} is larger than {limit} bytes, the bound on CPU evidence",
+        path.display()
+    );
+    Ok(bytes)
+}
+
+/// Writes `file` under `cache` through a temporary file and a rename, so a
+/// verifier never reads half a file.
+fn write(cache: &Path, file: &CacheFile) -> anyhow::Result<PathBuf> {
+    let path = cache.join(&file.relative);
+    let dir = path
+        .parent()
+        .with_context(|| format!("{} has no parent directory", path.display()))?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("collateral");
+    let temporary = dir.join(format!(".{name}.partial"));
+    std::fs::write(&temporary, &file.bytes)
+        .with_context(|| format!("writing {}", temporary.display()))?;
+    std::fs::rename(&temporary, &path)
+        .with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
+    Ok(path)
+}

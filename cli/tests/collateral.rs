@@ -1,0 +1,583 @@
+//! `keel collateral fetch` against a local server laid out like AMD's KDS
+//! and Intel's PCS: what it writes is what the verifier reads and accepts
+//! (real evidence from `shared/data/cvm` verified offline afterwards, and a
+//! generated Intel-like PKI), and every refusal leaves the cache untouched.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use keel_testkit::intel::{CollateralOptions, TdFields, TestIntel, TD_ATTRIBUTES};
+use keel_testkit::mirror::{Fault, MirrorServer};
+use keel_verifier::cpu::collateral::tdx_collateral_file;
+use keel_verifier::cpu::policy::{Hex, TdxPolicy};
+use keel_verifier::cpu::snp::{self, AmdRoots};
+use keel_verifier::cpu::tdx::{self, IntelRoot};
+use keel_verifier::cpu::Collateral;
+
+/// The time the real TDX collateral was valid at (see the vectors' README).
+const TDX_TIME: u64 = 1_752_919_234;
+
+fn data(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/data/cvm")
+        .join(relative)
+}
+
+fn read(relative: &str) -> Vec<u8> {
+    std::fs::read(data(relative)).unwrap()
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn keel(args: &[&str]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Every file under `dir`, relative, sorted.
+fn files(dir: &Path) -> Vec<String> {
+    fn walk(base: &Path, dir: &Path, out: &mut Vec<String>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(base, &path, out);
+            } else {
+                out.push(path.strip_prefix(base).unwrap().display().to_string());
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+/// A header value as Intel's PCS sends certificate chains: URL-encoded.
+fn url_encoded(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- SEV-SNP
+
+const MILAN_CHIP: &str = "d49554ec717f4e5b";
+
+/// KDS for the milan-virtee report: its VCEK, AMD's Milan chain, a CRL.
+struct Kds {
+    mirror: MirrorServer,
+    vcek_target: String,
+}
+
+impl Kds {
+    fn new() -> Self {
+        let mirror = MirrorServer::start().unwrap();
+        let report = snp::parse(&read("snp/milan-virtee/report_milan.bin")).unwrap();
+        assert!(hex::encode(report.chip_id).starts_with(MILAN_CHIP));
+        let vcek_target = format!(
+            "/vcek/v1/Milan/{}?blSPL=03&teeSPL=00&snpSPL=08&ucodeSPL=115",
+            hex::encode(report.chip_id)
+        );
+        mirror.serve(&vcek_target, read("snp/milan-virtee/vcek_milan.der"));
+        mirror.serve(
+            "/vcek/v1/Milan/cert_chain",
+            read("snp/amd-roots/ask_ark_milan.pem"),
+        );
+        mirror.serve("/vcek/v1/Milan/crl", ark_crl(&[]));
+        Self {
+            mirror,
+            vcek_target,
+        }
+    }
+
+    fn fetch(&self, cache: &Path, extra: &[&str]) -> Output {
+        let base = self.mirror.base_url();
+        let report = data("snp/milan-virtee/report_milan.bin");
+        let mut args = vec![
+            "collateral",
+            "fetch",
+            "--cache",
+            cache.to_str().unwrap(),
+            "--vcek-from-report",
+            report.to_str().unwrap(),
+            "--kds-url",
+            &base,
+        ];
+        args.extend_from_slice(extra);
+        keel(&args)
+    }
+}
+
+/// A CRL in the name of AMD's Milan ARK listing `revoked` serials. Its
+/// signature is a stand-in key's: the fetch checks the CRL's issuer,
+/// currency and entries, not its RSA-PSS signature.
+fn ark_crl(revoked: &[Vec<u8>]) -> Vec<u8> {
+    let pem = read("snp/amd-roots/ask_ark_milan.pem");
+    let ark = x509_parser::pem::Pem::iter_from_buffer(&pem)
+        .nth(1)
+        .unwrap()
+        .unwrap()
+        .contents;
+    let key = rcgen::KeyPair::generate().unwrap();
+    let issuer = rcgen::Issuer::from_ca_cert_der(&ark.into(), key).unwrap();
+    let now = time::OffsetDateTime::now_utc();
+    rcgen::CertificateRevocationListParams {
+        this_update: now - time::Duration::days(1),
+        next_update: now + time::Duration::days(7),
+        crl_number: rcgen::SerialNumber::from(7u64),
+        issuing_distribution_point: None,
+        revoked_certs: revoked
+            .iter()
+            .map(|serial| rcgen::RevokedCertParams {
+                serial_number: rcgen::SerialNumber::from_slice(serial),
+                revocation_time: now - time::Duration::days(1),
+                reason_code: None,
+                invalidity_date: None,
+            })
+            .collect(),
+        key_identifier_method: rcgen::KeyIdMethod::Sha256,
+    }
+    .signed_by(&issuer)
+    .unwrap()
+    .der()
+    .to_vec()
+}
+
+#[test]
+fn fetching_a_vcek_fills_the_cache_the_verifier_reads() {
+    let kds = Kds::new();
+    let cache = tempfile::tempdir().unwrap();
+    let out = kds.fetch(cache.path(), &["--product", "milan"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let log = stderr(&out);
+    assert!(log.contains(&kds.vcek_target), "{log}");
+    assert!(
+        log.contains("verifies the report against AMD's pinned Milan roots"),
+        "{log}"
+    );
+    assert_eq!(kds.mirror.requests(&kds.vcek_target), 1);
+
+    let report_bytes = read("snp/milan-virtee/report_milan.bin");
+    let report = snp::parse(&report_bytes).unwrap();
+    let vcek_name = format!("snp/vcek-{}-3-0-8-115.der", hex::encode(report.chip_id));
+    assert_eq!(
+        files(cache.path()),
+        [
+            "snp/Milan/cert_chain.pem".to_string(),
+            "snp/Milan/crl.der".to_string(),
+            vcek_name,
+        ]
+    );
+
+    // Offline, the verifier finds the VCEK by the report alone and accepts it.
+    let vcek = Collateral::at(cache.path())
+        .snp_certificate(&report)
+        .unwrap();
+    assert_eq!(vcek, read("snp/milan-virtee/vcek_milan.der"));
+    let claims =
+        snp::verify_signed(&report_bytes, &report, &vcek, &AmdRoots::pinned(), now()).unwrap();
+    assert_eq!(claims.product, "SEV-Milan");
+
+    // A second fetch replaces the files in place.
+    let out = kds.fetch(cache.path(), &["--product", "milan"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(files(cache.path()).len(), 3);
+}
+
+#[test]
+fn a_vcek_fetch_that_does_not_check_out_writes_nothing() {
+    let refused = |kds: &Kds, extra: &[&str], expected: &str| {
+        let cache = tempfile::tempdir().unwrap();
+        let out = kds.fetch(cache.path(), extra);
+        let log = stderr(&out);
+        assert!(!out.status.success(), "accepted: {log}");
+        assert!(log.contains(expected), "expected {expected:?} in: {log}");
+        assert!(files(cache.path()).is_empty(), "{:?}", files(cache.path()));
+    };
+    let milan = ["--product", "milan"];
+
+    // A version 2 report does not say which product line it is from.
+    refused(&Kds::new(), &[], "pass --product");
+
+    // The VCEK of another chip.
+    let kds = Kds::new();
+    kds.mirror
+        .serve(&kds.vcek_target, read("snp/milan-gosevguest/vcek.der"));
+    refused(&kds, &milan, "does not verify the report");
+
+    // A chain that is not AMD's pinned Milan chain.
+    let kds = Kds::new();
+    kds.mirror.serve(
+        "/vcek/v1/Milan/cert_chain",
+        read("snp/amd-roots/ask_ark_genoa.pem"),
+    );
+    refused(
+        &kds,
+        &milan,
+        "cert_chain: expected AMD's pinned ASK and ARK for Milan",
+    );
+
+    // The CRL lists the VCEK.
+    let kds = Kds::new();
+    let vcek = read("snp/milan-virtee/vcek_milan.der");
+    let (_, parsed) = x509_parser::parse_x509_certificate(&vcek).unwrap();
+    kds.mirror.serve(
+        "/vcek/v1/Milan/crl",
+        ark_crl(&[parsed.raw_serial().to_vec()]),
+    );
+    refused(&kds, &milan, "CRL revokes the VCEK");
+
+    // Not a CRL.
+    let kds = Kds::new();
+    kds.mirror.serve("/vcek/v1/Milan/crl", &b"<html>"[..]);
+    refused(&kds, &milan, "Milan CRL: does not parse");
+
+    // KDS does not know the chip and TCB.
+    let kds = Kds::new();
+    kds.mirror.fail_always(&kds.vcek_target, Fault::Status(404));
+    refused(&kds, &milan, "the server answered 404");
+
+    // A VCEK larger than any certificate.
+    let kds = Kds::new();
+    kds.mirror.serve(&kds.vcek_target, vec![0x30; 9000]);
+    refused(&kds, &milan, "larger than 8192 bytes");
+
+    // A server that never answers, within the timeout.
+    let kds = Kds::new();
+    kds.mirror.fail_always(&kds.vcek_target, Fault::Hang);
+    let started = std::time::Instant::now();
+    refused(
+        &kds,
+        &["--product", "milan", "--timeout", "1"],
+        "no complete answer within 1s",
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+
+    // Nothing listens.
+    let kds = Kds::new();
+    let cache = tempfile::tempdir().unwrap();
+    let report = data("snp/milan-virtee/report_milan.bin");
+    let out = keel(&[
+        "collateral",
+        "fetch",
+        "--cache",
+        cache.path().to_str().unwrap(),
+        "--vcek-from-report",
+        report.to_str().unwrap(),
+        "--product",
+        "milan",
+        "--kds-url",
+        "http://127.0.0.1:1",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("GET http://127.0.0.1:1/vcek/v1/Milan/"),
+        "{}",
+        stderr(&out)
+    );
+    drop(kds);
+}
+
+#[test]
+fn an_azure_hcl_report_names_its_vcek_through_the_snp_report_inside() {
+    let mirror = MirrorServer::start().unwrap();
+    let hcl = read("snp/azure-milan-hcl/hcl-report.bin");
+    let report = snp::parse(&hcl[32..1216]).unwrap();
+    let chain = read("snp/azure-milan-hcl/vcek-chain.pem");
+    let vcek = x509_parser::pem::Pem::iter_from_buffer(&chain)
+        .next()
+        .unwrap()
+        .unwrap()
+        .contents;
+    let t = report.reported_tcb;
+    mirror.serve(
+        &format!(
+            "/vcek/v1/Milan/{}?blSPL={:02}&teeSPL={:02}&snpSPL={:02}&ucodeSPL={:02}",
+            hex::encode(report.chip_id),
+            t.bootloader,
+            t.tee,
+            t.snp,
+            t.microcode
+        ),
+        vcek.clone(),
+    );
+    mirror.serve(
+        "/vcek/v1/Milan/cert_chain",
+        read("snp/amd-roots/ask_ark_milan.pem"),
+    );
+    mirror.serve("/vcek/v1/Milan/crl", ark_crl(&[]));
+    let cache = tempfile::tempdir().unwrap();
+    let path = data("snp/azure-milan-hcl/hcl-report.bin");
+    let out = keel(&[
+        "collateral",
+        "fetch",
+        "--cache",
+        cache.path().to_str().unwrap(),
+        "--vcek-from-report",
+        path.to_str().unwrap(),
+        "--product",
+        "milan",
+        "--kds-url",
+        &mirror.base_url(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let cached = Collateral::at(cache.path())
+        .snp_certificate(&report)
+        .unwrap();
+    assert_eq!(cached, vcek);
+}
+
+// ---------------------------------------------------------------- TDX
+
+/// The parts of a collateral as PCS serves them.
+struct PcsParts {
+    tcb_info: String,
+    tcb_info_signature: String,
+    qe_identity: String,
+    qe_identity_signature: String,
+    tcb_chain: String,
+    pck_crl_chain: String,
+    pck_crl: Vec<u8>,
+    root_ca_crl: Vec<u8>,
+}
+
+impl PcsParts {
+    /// From a `QuoteCollateralV3` JSON file's fields.
+    fn from_collateral_json(json: &serde_json::Value) -> Self {
+        let s = |k: &str| json[k].as_str().unwrap().to_owned();
+        Self {
+            tcb_info: s("tcb_info"),
+            tcb_info_signature: s("tcb_info_signature"),
+            qe_identity: s("qe_identity"),
+            qe_identity_signature: s("qe_identity_signature"),
+            tcb_chain: s("tcb_info_issuer_chain"),
+            pck_crl_chain: s("pck_crl_issuer_chain"),
+            pck_crl: hex::decode(s("pck_crl")).unwrap(),
+            root_ca_crl: hex::decode(s("root_ca_crl")).unwrap(),
+        }
+    }
+
+    /// Serves them on `mirror` for `fmspc`, with the PCK CRL of `ca`.
+    fn serve(&self, mirror: &MirrorServer, fmspc: &str, ca: &str) {
+        let tcb_chain = url_encoded(&self.tcb_chain);
+        mirror.serve_with_headers(
+            &format!("/tdx/certification/v4/tcb?fmspc={fmspc}"),
+            format!(
+                r#"{{"tcbInfo":{},"signature":"{}"}}"#,
+                self.tcb_info, self.tcb_info_signature
+            ),
+            &[("TCB-Info-Issuer-Chain", &tcb_chain)],
+        );
+        mirror.serve_with_headers(
+            "/tdx/certification/v4/qe/identity",
+            format!(
+                r#"{{"enclaveIdentity":{},"signature":"{}"}}"#,
+                self.qe_identity, self.qe_identity_signature
+            ),
+            &[("SGX-Enclave-Identity-Issuer-Chain", &tcb_chain)],
+        );
+        mirror.serve_with_headers(
+            &format!("/sgx/certification/v4/pckcrl?ca={ca}&encoding=der"),
+            self.pck_crl.clone(),
+            &[(
+                "SGX-PCK-CRL-Issuer-Chain",
+                &url_encoded(&self.pck_crl_chain),
+            )],
+        );
+        mirror.serve("/IntelSGXRootCA.der", self.root_ca_crl.clone());
+    }
+}
+
+fn fetch_tdx(mirror: &MirrorServer, cache: &Path, quote: &Path) -> Output {
+    let base = mirror.base_url();
+    let root_crl = mirror.url("/IntelSGXRootCA.der");
+    keel(&[
+        "collateral",
+        "fetch",
+        "--cache",
+        cache.to_str().unwrap(),
+        "--tdx-quote",
+        quote.to_str().unwrap(),
+        "--pcs-url",
+        &base,
+        "--root-ca-crl-url",
+        &root_crl,
+        "--timeout",
+        "5",
+    ])
+}
+
+#[test]
+fn fetching_tdx_collateral_assembles_what_verifies_a_real_quote_offline() {
+    let original: serde_json::Value =
+        serde_json::from_slice(&read("tdx/dcap-qvl/tdx_quote_collateral.json")).unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    PcsParts::from_collateral_json(&original).serve(&mirror, "B0C06F000000", "platform");
+    let cache = tempfile::tempdir().unwrap();
+    let out = fetch_tdx(&mirror, cache.path(), &data("tdx/dcap-qvl/tdx_quote"));
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("FMSPC B0C06F000000"), "{log}");
+    // The real collateral has expired: the command says so, and still
+    // writes it (the verifier judges time).
+    assert!(
+        log.contains("does not verify with this collateral"),
+        "{log}"
+    );
+    assert_eq!(files(cache.path()), ["tdx/B0C06F000000.json"]);
+
+    let fetched = tdx_collateral_file(&cache.path().join("tdx/B0C06F000000.json")).unwrap();
+    assert_eq!(fetched.tcb_info, original["tcb_info"].as_str().unwrap());
+    assert_eq!(
+        fetched.qe_identity,
+        original["qe_identity"].as_str().unwrap()
+    );
+
+    // Offline, at a time the collateral was valid: the quote verifies.
+    let quote = read("tdx/dcap-qvl/tdx_quote");
+    let collateral = Collateral::at(cache.path()).tdx_collateral(&quote).unwrap();
+    let policy = TdxPolicy {
+        mrtd: Hex(hex::decode("91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a3520c942a604a407de03ae6dc5f87f27428b2538873118b7").unwrap().try_into().unwrap()),
+        rtmr: [None, None, None, None],
+        allow_tcb_status: Vec::new(),
+    };
+    let claims = tdx::verify(&quote, &collateral, &IntelRoot::pinned(), &policy, TDX_TIME).unwrap();
+    assert_eq!(claims.status, "UpToDate");
+}
+
+#[test]
+fn fetching_tdx_collateral_for_a_generated_platform_and_refusals() {
+    let intel = TestIntel::new().unwrap();
+    let collateral = intel.collateral(&CollateralOptions::default()).unwrap();
+    let parts =
+        PcsParts::from_collateral_json(&serde_json::from_str(&collateral.to_json()).unwrap());
+    let fields = TdFields {
+        td_attributes: TD_ATTRIBUTES,
+        mrtd: [1; 48],
+        rtmr: [[0; 48]; 4],
+        report_data: [2; 64],
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let quote_path = dir.path().join("quote");
+    let quote = intel.quote(&fields).unwrap();
+    std::fs::write(&quote_path, &quote).unwrap();
+    let fmspc = intel.fmspc_hex();
+
+    let mirror = MirrorServer::start().unwrap();
+    parts.serve(&mirror, &fmspc, "platform");
+    let cache = tempfile::tempdir().unwrap();
+    let out = fetch_tdx(&mirror, cache.path(), &quote_path);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let cached = Collateral::at(cache.path()).tdx_collateral(&quote).unwrap();
+    let policy = TdxPolicy {
+        mrtd: Hex([1; 48]),
+        rtmr: [None, None, None, None],
+        allow_tcb_status: Vec::new(),
+    };
+    let root = IntelRoot::from_der(intel.root_der().to_vec());
+    let claims = tdx::verify(&quote, &cached, &root, &policy, now()).unwrap();
+    assert_eq!(claims.status, "UpToDate");
+
+    let refused = |mirror: &MirrorServer, expected: &str| {
+        let cache = tempfile::tempdir().unwrap();
+        let out = fetch_tdx(mirror, cache.path(), &quote_path);
+        let log = stderr(&out);
+        assert!(!out.status.success(), "accepted: {log}");
+        assert!(log.contains(expected), "expected {expected:?} in: {log}");
+        assert!(files(cache.path()).is_empty());
+    };
+
+    // TCB info for another platform, served under this FMSPC.
+    let other = TestIntel::for_platform(keel_testkit::intel::Platform {
+        fmspc: [0x90, 0xc0, 0x6f, 0, 0, 0],
+        ..intel.platform()
+    })
+    .unwrap();
+    let theirs = other.collateral(&CollateralOptions::default()).unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    PcsParts {
+        tcb_info: theirs.tcb_info.clone(),
+        ..PcsParts::from_collateral_json(&serde_json::from_str(&collateral.to_json()).unwrap())
+    }
+    .serve(&mirror, &fmspc, "platform");
+    refused(
+        &mirror,
+        &format!("TCB info fmspc: expected {fmspc}, actual 90C06F000000"),
+    );
+
+    // The issuer chain header is missing.
+    let mirror = MirrorServer::start().unwrap();
+    parts.serve(&mirror, &fmspc, "platform");
+    mirror.serve_with_headers(
+        &format!("/tdx/certification/v4/tcb?fmspc={fmspc}"),
+        format!(
+            r#"{{"tcbInfo":{},"signature":"{}"}}"#,
+            parts.tcb_info, parts.tcb_info_signature
+        ),
+        &[],
+    );
+    refused(&mirror, "has no TCB-Info-Issuer-Chain header");
+
+    // The service is unavailable.
+    let mirror = MirrorServer::start().unwrap();
+    parts.serve(&mirror, &fmspc, "platform");
+    mirror.fail_always("/tdx/certification/v4/qe/identity", Fault::Status(503));
+    refused(&mirror, "the server answered 503");
+
+    // A TCB info answer beyond the bound.
+    let mirror = MirrorServer::start().unwrap();
+    parts.serve(&mirror, &fmspc, "platform");
+    mirror.serve_with_headers(
+        &format!("/tdx/certification/v4/tcb?fmspc={fmspc}"),
+        vec![b' '; 200 * 1024],
+        &[("TCB-Info-Issuer-Chain", "x")],
+    );
+    refused(&mirror, "larger than 131072 bytes");
+
+    // Not a CRL where the root CA's CRL should be.
+    let mirror = MirrorServer::start().unwrap();
+    parts.serve(&mirror, &fmspc, "platform");
+    mirror.serve("/IntelSGXRootCA.der", &b"not a crl"[..]);
+    refused(&mirror, "root CA CRL: neither a DER CRL nor hex");
+}
+
+#[test]
+fn the_fetch_command_explains_itself() {
+    let out = keel(&["collateral", "fetch", "--help"]);
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "--vcek-from-report",
+        "--tdx-quote",
+        "https://kdsintf.amd.com",
+        "https://api.trustedservices.intel.com",
+        "snp/vcek-<chip>-<bl>-<tee>-<snp>-<ucode>.der",
+        "tdx/<FMSPC>.json",
+        "/var/lib/keel/collateral",
+    ] {
+        assert!(help.contains(needle), "{needle} missing from: {help}");
+    }
+    // Exactly one kind of evidence.
+    let out = keel(&["collateral", "fetch", "--cache", "/nonexistent"]);
+    assert!(!out.status.success());
+}
