@@ -761,7 +761,7 @@ async fn the_join_path_runs_with_the_tdx_variant() {
             cpu,
         );
         let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
-        let validator = service_validator(&tpm, trust)
+        let validator = service_validator(&tpm, trust, None)
             .unwrap()
             .with_cpu(hardware.trust.clone());
         (
