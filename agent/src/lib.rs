@@ -17,10 +17,12 @@
 //! * the cluster's life: [`upgrade`] (another Kubernetes version, with
 //!   rollback);
 //! * serving: [`grpc`] (limits), [`node`] (what runs on a booted node),
-//!   [`transcript`] (progress streamed to the operator).
+//!   [`transcript`] (progress streamed to the operator), [`batching`]
+//!   (group commit of quotes, disk bindings and bootstrap tokens).
 
 pub mod address;
 pub mod attestation;
+pub mod batching;
 pub mod cluster;
 pub mod components;
 pub mod disk;

@@ -47,6 +47,13 @@ pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
 /// How long a join ticket request may take: a wait for a slot plus
 /// creating the bootstrap token.
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// Handshakes of one source that the join port admits to its issuer at
+/// once (keel-atls's default, 2, is meant for an issuer that quotes per
+/// handshake; the agent's issuer batches, so one quote serves all of them).
+pub const JOIN_ISSUING_PER_SOURCE: usize = 16;
+/// Handshakes of all sources that the join port admits to its issuer at
+/// once.
+pub const JOIN_ISSUING: usize = 64;
 
 /// The environment of a real node: installs under `/`, kubeadm from
 /// [`BIN_DIR`], the configured state disk mounted at [`STATE_MOUNT`], the
@@ -198,7 +205,9 @@ pub async fn serve_join_port(
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "join service listening (mutual aTLS)");
     let issuer = Arc::new(TpmIssuer::new(tpm));
-    let incoming = AtlsServer::mutual(issuer, validator).incoming(listener);
+    let incoming = AtlsServer::mutual(issuer, validator)
+        .with_issuer_limits(JOIN_ISSUING_PER_SOURCE, JOIN_ISSUING)
+        .incoming(listener);
     let limits = GrpcLimits {
         request_timeout: JOIN_REQUEST_TIMEOUT,
         ..GrpcLimits::default()

@@ -546,3 +546,66 @@ fn futures_are_send() {
     let mut sink = |_: &str| {};
     send(&k.join(Path::new("/x"), &mut sink));
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn tokens_asked_for_together_are_registered_by_one_kubeadm_run() {
+    use keel_agent::join::tokens::{TokenError, TokenRegistrar};
+    use std::sync::Arc;
+
+    let v = "v1.31.13";
+    let node = Node::new(v).await;
+    let config_dir = node.root().join("work/tokens");
+    let registrar = Arc::new(TokenRegistrar::new(
+        node.kubeadm(v, &[]),
+        config_dir.clone(),
+    ));
+    let register_all = |tokens: Vec<BootstrapToken>| {
+        let mut set = tokio::task::JoinSet::new();
+        for token in tokens {
+            let registrar = registrar.clone();
+            set.spawn(async move { registrar.register(&token, version(v)).await });
+        }
+        set
+    };
+
+    // No cluster yet (no admin.conf): the run fails, and so does each token
+    // of it, with kubeadm's cause.
+    let mut failing = register_all((0..3).map(|_| BootstrapToken::generate()).collect());
+    while let Some(result) = failing.join_next().await {
+        let err = result.unwrap().unwrap_err();
+        let TokenError::Kubeadm(cause) = &err else {
+            panic!("{err:?}");
+        };
+        assert!(cause.to_string().contains("admin kubeconfig"), "{cause}");
+    }
+
+    std::fs::create_dir_all(node.root().join("etc/kubernetes")).unwrap();
+    std::fs::write(
+        node.root().join("etc/kubernetes/admin.conf"),
+        "apiVersion: v1\n",
+    )
+    .unwrap();
+    let before = registrar.stats();
+    let tokens: Vec<BootstrapToken> = (0..20).map(|_| BootstrapToken::generate()).collect();
+    let mut set = register_all(tokens.clone());
+    while let Some(result) = set.join_next().await {
+        result.unwrap().unwrap();
+    }
+    // Each token is registered, as the cluster would hold it.
+    for token in &tokens {
+        let record = node
+            .root()
+            .join("var/lib/keel-standin/tokens")
+            .join(token.id());
+        assert_eq!(
+            std::fs::read_to_string(record).unwrap(),
+            format!("{} ttl=1h0m0s\n", token.expose())
+        );
+    }
+    // All were queued before the first run started: one run for twenty.
+    let after = registrar.stats();
+    assert_eq!(after.requests - before.requests, 20);
+    assert_eq!(after.rounds - before.rounds, 1, "{after:?}");
+    // The token file is gone after the run.
+    assert_eq!(std::fs::read_dir(&config_dir).unwrap().count(), 0);
+}

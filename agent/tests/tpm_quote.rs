@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::batch::leaf;
 use keel_verifier::measurement::{extend, Digest32};
 use keel_verifier::quote::{qualifying_data, verify_quote, QuoteError};
 use keel_verifier::tpm_wire::{attr, Public};
@@ -50,7 +51,7 @@ struct Quoted {
 fn quote(tpm: &mut Tpm, nonce: &[u8]) -> Quoted {
     tpm.pcr_extend(12, &[1; 32]).unwrap();
     let pcrs = [4, 9, 11, 12, 13, 15];
-    let qualifying = qualifying_data(nonce, b"user data");
+    let qualifying = qualifying_data(&leaf(nonce, b"user data"));
     let q = tpm.quote(&qualifying, &pcrs).unwrap();
     Quoted {
         ak: tpm.attestation_key().unwrap(),
@@ -79,7 +80,7 @@ fn quote_verifies_and_each_tampering_fails_distinctly() {
     verify(&good).unwrap();
 
     let mut other_nonce = quote(&mut tpm, b"nonce-1");
-    other_nonce.qualifying = qualifying_data(b"nonce-2", b"user data");
+    other_nonce.qualifying = qualifying_data(&leaf(b"nonce-2", b"user data"));
     assert_eq!(verify(&other_nonce), Err(QuoteError::QualifyingData));
 
     let mut changed_pcr = quote(&mut tpm, b"nonce-1");

@@ -75,6 +75,9 @@ impl SoftwareAk {
     pub fn forge(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, ForgeryError> {
         let mut doc = self.template.clone();
         doc.user_data = user_data.to_vec();
+        // A batch of one: no path.
+        doc.quote_batch_index = 0;
+        doc.quote_batch_path.clear();
         doc.quote = replace_extra_data(&doc.quote, &qualifying_data(nonce, user_data))?;
         let prehash = Sha256::digest(&doc.quote);
         let signature: Signature = self
@@ -109,13 +112,17 @@ impl Issuer for SoftwareAk {
     }
 }
 
-/// The qualifying data keel's verifiers expect (docs/attestation.md).
+/// The qualifying data keel's verifiers expect of a batch of one request
+/// (docs/attestation.md): the root is the request's leaf.
 fn qualifying_data(nonce: &[u8], user_data: &[u8]) -> [u8; 32] {
+    let mut leaf = Sha256::new();
+    leaf.update(b"keel-quote-leaf-v2");
+    leaf.update((nonce.len() as u16).to_be_bytes());
+    leaf.update(nonce);
+    leaf.update(user_data);
     let mut h = Sha256::new();
-    h.update(b"keel-quote-v1");
-    h.update((nonce.len() as u16).to_be_bytes());
-    h.update(nonce);
-    h.update(user_data);
+    h.update(b"keel-quote-v2");
+    h.update(leaf.finalize());
     h.finalize().into()
 }
 

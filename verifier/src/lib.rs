@@ -1,11 +1,13 @@
 //! The verifier side of keel's attestation, pure Rust and without a TPM:
 //! the node config's canonical form, the measurement log and its replay,
 //! the measurements file, TPM wire formats, quote and EK certificate
-//! checks, the attestation [`validator`], and sealing secrets to a TPM
-//! (MakeCredential), the cluster's key derivation ([`keys`]), and the detached
-//! signatures of measurements files ([`signature`]). The CLI and `keel-measure` depend on this crate alone;
+//! checks, quote batches ([`batch`]), the attestation [`validator`], and
+//! sealing secrets to a TPM (MakeCredential), the cluster's key derivation
+//! ([`keys`]), and the detached signatures of measurements files
+//! ([`signature`]). The CLI and `keel-measure` depend on this crate alone;
 //! the agent adds the TPM half (issuing, opening, answering).
 
+pub mod batch;
 pub mod bounded;
 pub mod config;
 pub mod cpu;

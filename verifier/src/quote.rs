@@ -10,7 +10,7 @@ use crate::measurement::Digest32;
 use crate::tpm_wire::{alg, attr, EcdsaSignature, Public, PublicKey, QuoteInfo, WireError};
 
 /// Domain separator of the qualifying data.
-const QUALIFYING_DATA_CONTEXT: &[u8] = b"keel-quote-v1";
+const QUALIFYING_DATA_CONTEXT: &[u8] = b"keel-quote-v2";
 
 /// Why a quote does not verify. Each check has its own variant.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,8 +28,13 @@ pub enum QuoteError {
     /// The signature does not verify with the AK.
     #[error("quote signature does not verify with the attestation key")]
     Signature,
-    /// The quote was made for another nonce or user data.
-    #[error("quote qualifying data does not match this nonce and user data")]
+    /// The quote was made for another batch: the root recomputed from
+    /// this nonce, the user data and the inclusion path is not the one it
+    /// carries.
+    #[error(
+        "quote qualifying data does not match this nonce, user data and batch path \
+         (the nonce is not in the quoted batch)"
+    )]
     QualifyingData,
     /// The quoted PCR set differs from the reported values.
     #[error("quote covers PCRs {quoted:?} but values are given for {reported:?}")]
@@ -44,16 +49,12 @@ pub enum QuoteError {
     PcrDigest,
 }
 
-/// The qualifying data a quote must carry for `nonce` and `user_data`:
-/// `SHA-256("keel-quote-v1" || u16be(len(nonce)) || nonce || user_data)`.
-pub fn qualifying_data(nonce: &[u8], user_data: &[u8]) -> Digest32 {
+/// The qualifying data of a quote over the batch whose tree has `root`
+/// ([`crate::batch`]): `SHA-256("keel-quote-v2" || root)`.
+pub fn qualifying_data(root: &Digest32) -> Digest32 {
     let mut h = Sha256::new();
     h.update(QUALIFYING_DATA_CONTEXT);
-    // Nonces are at most a few dozen bytes; longer ones are cut to the length field.
-    let len = u16::try_from(nonce.len()).unwrap_or(u16::MAX);
-    h.update(len.to_be_bytes());
-    h.update(nonce);
-    h.update(user_data);
+    h.update(root);
     h.finalize().into()
 }
 

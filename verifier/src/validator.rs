@@ -3,7 +3,9 @@
 //! A document is accepted when the EK certificate chains to a trusted CA and
 //! certifies the document's EK, the AK is a restricted TPM signing key, the
 //! quote's signature verifies with it, the quote's qualifying data binds this
-//! handshake's nonce and user data, the reported PCR values match the quoted
+//! handshake's nonce and user data (through the root of the quoted batch,
+//! recomputed from them and the document's inclusion path, [`crate::batch`]),
+//! the reported PCR values match the quoted
 //! digest, the agent's event log replays to those values, and every enforced
 //! expected PCR matches (warn-only mismatches are logged) in one of the
 //! accepted sets of measurements: the current one or, while a new image
@@ -29,6 +31,7 @@ use keel_proto::attestation::{cpu_evidence, AttestationDocument};
 use prost::Message;
 use sha2::{Digest as _, Sha256};
 
+use crate::batch::{self, BatchError, InclusionPath};
 use crate::cpu::{Binding, CpuClaims, CpuError, CpuTrust, Evidence};
 use crate::ek::{EkError, EkTrust};
 use crate::measurement::{verify_replay, Digest32, Event, EventType, ReplayError};
@@ -58,6 +61,9 @@ pub enum ValidationError {
     /// A TPM structure is malformed.
     #[error(transparent)]
     Wire(#[from] WireError),
+    /// The quote batch's inclusion path is malformed or out of bounds.
+    #[error("attestation document: {0}")]
+    BatchPath(#[from] BatchError),
     /// The EK is not trusted.
     #[error("endorsement key not trusted: {0}")]
     Endorsement(#[from] EkError),
@@ -326,17 +332,24 @@ impl Validator {
         self.ek_trust.verify(&doc.ek_certificate, &ek)?;
         let ak = Public::parse(&doc.ak_public)?;
         let pcrs = pcr_values(&doc)?;
+        // The quote covers a batch: the root recomputed from this nonce,
+        // the document's user data and its path must be the quoted one, so
+        // a nonce outside the batch, or a path or user data moved between
+        // leaves, fails here.
+        let path = InclusionPath::new(doc.quote_batch_index, &doc.quote_batch_path)?;
+        let root = path.root(&batch::leaf(nonce, &doc.user_data));
         verify_quote(
             &ak,
             &doc.quote,
             &doc.signature,
-            &qualifying_data(nonce, &doc.user_data),
+            &qualifying_data(&root),
             &pcrs,
         )?;
         let evidence = doc.cpu_evidence.as_ref().map(cpu_evidence).transpose()?;
+        // The guest binding commits to the batch root, which holds the nonce.
         let cpu = self
             .cpu
-            .verify(evidence.as_ref(), &doc.ak_public, nonce, unix_now())?;
+            .verify(evidence.as_ref(), &doc.ak_public, &root, unix_now())?;
         // Checked after the quote, against the document's own user data: a
         // replayed document fails on its nonce, a moved one on its key.
         if doc.user_data != user_data {
@@ -519,7 +532,8 @@ impl keel_atls::Validator for Validator {
             ValidationError::TooLarge
             | ValidationError::Decode(_)
             | ValidationError::Field(_)
-            | ValidationError::Wire(_) => keel_atls::ValidationError::malformed(e),
+            | ValidationError::Wire(_)
+            | ValidationError::BatchPath(_) => keel_atls::ValidationError::malformed(e),
             ValidationError::UserData => keel_atls::ValidationError::KeyBindingMismatch,
             ValidationError::Quote(QuoteError::QualifyingData) => {
                 keel_atls::ValidationError::NonceMismatch

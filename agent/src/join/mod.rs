@@ -8,8 +8,9 @@
 //! * [`settings`]: the client's endpoints, trust and backoff.
 //! * [`ticket`]: what a ticket carries and the checks the node makes of it.
 //! * [`kubelet`]: the kubelet's client key, CSR and certificate.
-//! * [`service`]: the control-plane side, which issues tickets, and
-//!   [`refusal`], what it tells a node it refuses.
+//! * [`service`]: the control-plane side, which issues tickets, with
+//!   [`tokens`] (bootstrap tokens registered in batches), and [`refusal`],
+//!   what it tells a node it refuses.
 //!
 //! The client and the service share only the ticket and kubelet
 //! definitions; neither uses the other's code.
@@ -20,6 +21,7 @@ pub mod refusal;
 pub mod service;
 pub mod settings;
 pub mod ticket;
+pub mod tokens;
 pub mod transport;
 
 pub use client::{JoinClient, JoinOutcome};

@@ -7,7 +7,6 @@ use keel_verifier::keys::DiskKeyError;
 
 use super::kubelet::{self, SignCsrError};
 use crate::disk_bindings::{DiskBindingRefusal, DiskBindingsError};
-use crate::kubeadm::KubeadmError;
 
 /// Why a ticket was refused.
 #[derive(Debug, thiserror::Error)]
@@ -36,7 +35,7 @@ pub enum JoinServiceError {
     Busy,
     /// Registering the bootstrap token with the cluster failed.
     #[error("registering the bootstrap token failed")]
-    Token(#[source] KubeadmError),
+    Token(#[source] super::tokens::TokenError),
     /// Reading a control-plane file failed.
     #[error("reading control-plane file {name}")]
     ControlPlaneFile {
@@ -167,12 +166,15 @@ mod tests {
             tonic::Code::Internal
         );
         // kubeadm's output stays in the service's log.
+        use crate::kubeadm::KubeadmError;
         use std::os::unix::process::ExitStatusExt as _;
-        let token = JoinServiceError::Token(KubeadmError::Failed {
-            command: "token",
-            status: std::process::ExitStatus::from_raw(256),
-            last_lines: vec!["error: etcd at 10.0.0.7:2379 refused abcdef.<redacted>".into()],
-        });
+        let token = JoinServiceError::Token(super::super::tokens::TokenError::Kubeadm(
+            std::sync::Arc::new(KubeadmError::Failed {
+                command: "token",
+                status: std::process::ExitStatus::from_raw(256),
+                last_lines: vec!["error: etcd at 10.0.0.7:2379 refused abcdef.<redacted>".into()],
+            }),
+        ));
         let status = tonic::Status::from(&token);
         assert_eq!(status.code(), tonic::Code::Unavailable);
         assert_eq!(status.message(), "registering the bootstrap token failed");

@@ -16,7 +16,8 @@
 //! certificate is built from that subject and the CSR's key only (requested
 //! extensions are ignored). Each ticket gets its own bootstrap token,
 //! registered with the cluster through `kubeadm token create --config`
-//! (the token goes in a 0600 file, never in an argument).
+//! (the token goes in a 0600 file, never in an argument); the tokens of
+//! tickets issued at the same time share a run ([`super::tokens`]).
 //!
 //! Everything that grants access (disk key, measurement secret, bootstrap
 //! token, kubelet certificate, control-plane keys) is sealed to the peer's
@@ -51,6 +52,8 @@ use zeroize::{Zeroize as _, Zeroizing};
 use super::kubelet;
 use super::refusal::JoinServiceError;
 use super::ticket::{CONTROL_PLANE_FILES, MAX_TICKET_BYTES};
+use super::tokens::TokenRegistrar;
+use crate::batching::BatchStats;
 use crate::cluster::ClusterState;
 use crate::disk_bindings::{Bind, DiskBindingRefusal, DiskBindings, DiskBindingsError, EkDigest};
 use crate::kubeadm::{BootstrapToken, CaCertHash, Kubeadm};
@@ -139,8 +142,7 @@ pub struct JoinService {
 struct Inner {
     cluster: Arc<ClusterState>,
     ca: ClusterCa,
-    kubeadm: Kubeadm,
-    work_dir: PathBuf,
+    tokens: TokenRegistrar,
     slots: Semaphore,
     disks: Arc<DiskBindings>,
 }
@@ -164,8 +166,7 @@ impl JoinService {
             inner: Arc::new(Inner {
                 cluster,
                 ca,
-                kubeadm,
-                work_dir,
+                tokens: TokenRegistrar::new(kubeadm, work_dir.join(paths::TOKEN_CONFIG_DIR)),
                 slots: Semaphore::new(MAX_CONCURRENT_TICKETS),
                 disks: Arc::new(disks),
             }),
@@ -229,6 +230,11 @@ impl JoinService {
     /// The disk binding store this service checks and records in.
     pub fn disk_bindings(&self) -> &DiskBindings {
         &self.inner.disks
+    }
+
+    /// How many kubeadm runs registered how many bootstrap tokens.
+    pub fn token_stats(&self) -> BatchStats {
+        self.inner.tokens.stats()
     }
 
     /// Runs a blocking operation on the disk binding store off the runtime.
@@ -301,12 +307,8 @@ impl JoinService {
             .await?;
         let token = BootstrapToken::generate();
         self.inner
-            .kubeadm
-            .create_token(
-                &token,
-                cluster.kubernetes_version,
-                &self.inner.work_dir.join(paths::TOKEN_CONFIG_DIR),
-            )
+            .tokens
+            .register(&token, cluster.kubernetes_version)
             .await
             .map_err(JoinServiceError::Token)?;
         let secrets = JoinSecrets {

@@ -96,6 +96,9 @@ pub enum KubeadmError {
         #[source]
         source: std::io::Error,
     },
+    /// More tokens than one `kubeadm token create` registers.
+    #[error("{0} bootstrap tokens for one kubeadm run; at most {max}", max = super::token::MAX_TOKENS_PER_RUN)]
+    TooManyTokens(usize),
 }
 
 /// What becomes of kubeadm's standard output.

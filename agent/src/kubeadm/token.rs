@@ -1,12 +1,16 @@
-//! `kubeadm token create`: registers a join ticket's bootstrap token with
+//! `kubeadm token create`: registers join tickets' bootstrap tokens with
 //! the cluster.
 //!
-//! The token goes to kubeadm in a configuration file (an
-//! `InitConfiguration` holding just that token, mode 0600, removed after the
-//! run), never in an argument; kubeadm prints the token on stdout, which is
-//! never read. stderr is kept for the error, scrubbed of tokens like every
-//! kubeadm line.
+//! The tokens go to kubeadm in a configuration file (an
+//! `InitConfiguration` holding just those tokens, mode 0600, removed after
+//! the run), never in an argument. kubeadm creates every token the file's
+//! `bootstrapTokens` list holds (its `token create` runs the same token
+//! phase as `init`) and prints the first on stdout, which is never read.
+//! stderr is kept for the error, scrubbed of tokens like every kubeadm
+//! line. One run registers up to [`MAX_TOKENS_PER_RUN`] tokens: the join
+//! service batches the tokens of the tickets being issued at once.
 
+use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Duration;
 
@@ -19,6 +23,8 @@ use crate::paths::ADMIN_CONF;
 
 /// Lifetime of a ticket's bootstrap token.
 pub const TOKEN_TTL: &str = "1h0m0s";
+/// Most tokens registered by one `kubeadm token create`.
+pub const MAX_TOKENS_PER_RUN: usize = 64;
 /// The kubeadm group of bootstrap tokens for joining nodes.
 const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
 /// Limit for one `kubeadm token create`.
@@ -26,23 +32,48 @@ const TOKEN_CREATE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Kubeadm {
     /// Registers `token` with the cluster of this control plane (running
-    /// Kubernetes `version`): `kubeadm token create --config F --kubeconfig
-    /// <admin.conf>`, F written into `config_dir`.
+    /// Kubernetes `version`); see [`Kubeadm::create_tokens`].
     pub async fn create_token(
         &self,
         token: &BootstrapToken,
         version: KubernetesVersion,
         config_dir: &Path,
     ) -> Result<(), KubeadmError> {
+        self.create_tokens(std::slice::from_ref(token), version, config_dir)
+            .await
+    }
+
+    /// Registers `tokens` (1 to [`MAX_TOKENS_PER_RUN`]) with the cluster of
+    /// this control plane (running Kubernetes `version`) in one run:
+    /// `kubeadm token create --config F --kubeconfig <admin.conf>`, F
+    /// written into `config_dir` and named after the first token's ID.
+    pub async fn create_tokens(
+        &self,
+        tokens: &[BootstrapToken],
+        version: KubernetesVersion,
+        config_dir: &Path,
+    ) -> Result<(), KubeadmError> {
+        let Some(first) = tokens.first() else {
+            return Ok(());
+        };
+        if tokens.len() > MAX_TOKENS_PER_RUN {
+            return Err(KubeadmError::TooManyTokens(tokens.len()));
+        }
         let api = ConfigApi::for_version(version).map_err(KubeadmError::Config)?;
-        let yaml = Zeroizing::new(format!(
-            "apiVersion: {api}\nkind: InitConfiguration\nbootstrapTokens:\n- token: \"{token}\"\n  \
-             ttl: \"{TOKEN_TTL}\"\n  usages: [\"signing\", \"authentication\"]\n  groups: [\"{TOKEN_GROUP}\"]\n  \
-             description: \"keel join ticket\"\n",
-            api = api.api_version(),
-            token = token.expose(),
+        let mut yaml = Zeroizing::new(format!(
+            "apiVersion: {}\nkind: InitConfiguration\nbootstrapTokens:\n",
+            api.api_version()
         ));
-        let path = config_dir.join(format!("token-{}.yaml", token.id()));
+        for token in tokens {
+            // Writing to a String cannot fail.
+            let _ = write!(
+                yaml,
+                "- token: \"{token}\"\n  ttl: \"{TOKEN_TTL}\"\n  usages: [\"signing\", \"authentication\"]\n  \
+                 groups: [\"{TOKEN_GROUP}\"]\n  description: \"keel join ticket\"\n",
+                token = token.expose(),
+            );
+        }
+        let path = config_dir.join(format!("token-{}.yaml", first.id()));
         crate::files::write_private(&path, yaml.as_bytes()).map_err(KubeadmError::WriteConfig)?;
         let args = [
             "token".to_owned(),

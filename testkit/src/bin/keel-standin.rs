@@ -25,11 +25,12 @@
 //!   target follows the cluster's version (recorded at init, join and each
 //!   upgrade in `etc/kubernetes/keel-standin-version`) by one minor version at
 //!   most; `KEEL_STANDIN_FAIL` applies here too;
-//! * `token create --config F [--kubeconfig K]`: checks the bootstrap token
-//!   in the `InitConfiguration` (format, TTL, usages) and that the cluster
-//!   exists (`admin.conf`), then records the token as the cluster would,
-//!   under `var/lib/keel-standin/tokens/<id>` (mode 0600), and prints its
-//!   ID only;
+//! * `token create --config F [--kubeconfig K]`: checks that the cluster
+//!   exists (`admin.conf`), then, as kubeadm's token phase does for every
+//!   token of the `InitConfiguration`'s list, checks it (format, TTL,
+//!   usages, not already there), records it as the cluster would, under
+//!   `var/lib/keel-standin/tokens/<id>` (mode 0600), and prints its ID
+//!   only;
 //! * `version`.
 //!
 //! On a node (`KEEL_STANDIN_ROOT` unset), `init` and `join` also run the
@@ -750,28 +751,8 @@ fn token_create(flags: &Flags) -> Result<()> {
         .and_then(Value::as_sequence)
         .cloned()
         .unwrap_or_default();
-    let [token] = tokens.as_slice() else {
-        return fail("InitConfiguration: token create needs exactly one bootstrap token");
-    };
-    let secret = token.get("token").and_then(Value::as_str).unwrap_or("");
-    if !token_ok(secret) {
-        return fail(
-            "InitConfiguration: the bootstrap token does not match [a-z0-9]{6}.[a-z0-9]{16}",
-        );
-    }
-    let ttl = token.get("ttl").and_then(Value::as_str).unwrap_or("");
-    if ttl.is_empty() || !ttl.ends_with('s') {
-        return fail(format!(
-            "InitConfiguration: bootstrap token ttl {ttl:?} is not a duration"
-        ));
-    }
-    let usages: Vec<&str> = token
-        .get("usages")
-        .and_then(Value::as_sequence)
-        .map(|u| u.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
-    if !usages.contains(&"authentication") || !usages.contains(&"signing") {
-        return fail("InitConfiguration: a join token needs the usages signing and authentication");
+    if tokens.is_empty() {
+        return fail("InitConfiguration: token create needs a bootstrap token");
     }
     let kubeconfig = flags
         .kubeconfig
@@ -783,14 +764,41 @@ fn token_create(flags: &Flags) -> Result<()> {
             kubeconfig.display()
         ));
     }
-    let id = secret.split('.').next().unwrap_or_default();
-    let record = root().join("var/lib/keel-standin/tokens").join(id);
-    if record.exists() {
-        return fail(format!("a token with id {id:?} already exists"));
+    // Like kubeadm's token phase: every token of the list, each checked
+    // and created in turn.
+    let mut seen = std::collections::BTreeSet::new();
+    for token in &tokens {
+        let secret = token.get("token").and_then(Value::as_str).unwrap_or("");
+        if !token_ok(secret) {
+            return fail(
+                "InitConfiguration: the bootstrap token does not match [a-z0-9]{6}.[a-z0-9]{16}",
+            );
+        }
+        let ttl = token.get("ttl").and_then(Value::as_str).unwrap_or("");
+        if ttl.is_empty() || !ttl.ends_with('s') {
+            return fail(format!(
+                "InitConfiguration: bootstrap token ttl {ttl:?} is not a duration"
+            ));
+        }
+        let usages: Vec<&str> = token
+            .get("usages")
+            .and_then(Value::as_sequence)
+            .map(|u| u.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        if !usages.contains(&"authentication") || !usages.contains(&"signing") {
+            return fail(
+                "InitConfiguration: a join token needs the usages signing and authentication",
+            );
+        }
+        let id = secret.split('.').next().unwrap_or_default();
+        let record = root().join("var/lib/keel-standin/tokens").join(id);
+        if !seen.insert(id.to_owned()) || record.exists() {
+            return fail(format!("a token with id {id:?} already exists"));
+        }
+        write_file(&record, format!("{secret} ttl={ttl}\n").as_bytes(), 0o600)?;
+        // kubeadm prints the whole token; the stand-in prints the ID only.
+        println!("[token] created bootstrap token {id}.<redacted> (ttl {ttl})");
     }
-    write_file(&record, format!("{secret} ttl={ttl}\n").as_bytes(), 0o600)?;
-    // kubeadm prints the whole token; the stand-in prints the ID only.
-    println!("[token] created bootstrap token {id}.<redacted> (ttl {ttl})");
     Ok(())
 }
 

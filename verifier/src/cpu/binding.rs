@@ -2,8 +2,10 @@
 //! signed by that key is rooted in the CPU.
 //!
 //! * [`Binding::Guest`]: the guest asked the CPU for the report itself
-//!   (Linux configfs-tsm) with `report_data` = [`report_data`]`(nonce, AK)`:
-//!   the report is fresh for this handshake and names this AK.
+//!   (Linux configfs-tsm) with `report_data` = [`report_data`]`(root, AK)`,
+//!   `root` being the root of the quoted batch ([`crate::batch`]), which
+//!   holds this handshake's nonce: the report is fresh for this handshake
+//!   and names this AK, and one report serves a batch like one quote does.
 //! * [`Binding::AzureHcl`]: Azure's paravisor wrote an HCL report to the
 //!   vTPM's NV index 0x01400001: the SNP report at offset 32, then an IGVM
 //!   request header and the runtime-data JSON whose `keys[]` holds the
@@ -22,7 +24,7 @@ use subtle::ConstantTimeEq as _;
 use crate::tpm_wire::{Public, PublicKey};
 
 /// Domain separator of the guest binding.
-const CONTEXT: &[u8] = b"keel-cpu-evidence-v1";
+const CONTEXT: &[u8] = b"keel-cpu-evidence-v2";
 
 /// HCL report layout (Azure confidential VMs).
 mod hcl {
@@ -39,7 +41,7 @@ mod hcl {
 /// How `report_data` binds the attestation key.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Binding {
-    /// The guest's own report: `report_data` = [`report_data`]`(nonce, AK)`.
+    /// The guest's own report: `report_data` = [`report_data`]`(root, AK)`.
     #[default]
     Guest,
     /// Azure's HCL report: `report_data` holds SHA-256 of runtime data
@@ -100,8 +102,9 @@ pub enum BindingError {
 }
 
 /// `report_data` of the guest binding:
-/// `SHA-512("keel-cpu-evidence-v1" || u16be(len(nonce)) || nonce || ak_public)`,
-/// where `ak_public` is the marshalled TPMT_PUBLIC the document carries.
+/// `SHA-512("keel-cpu-evidence-v2" || u16be(len(nonce)) || nonce || ak_public)`,
+/// where `nonce` is the root of the quoted batch ([`crate::batch`], 32
+/// bytes) and `ak_public` the marshalled TPMT_PUBLIC the document carries.
 pub fn report_data(nonce: &[u8], ak_public: &[u8]) -> [u8; 64] {
     let mut h = Sha512::new();
     h.update(CONTEXT);
