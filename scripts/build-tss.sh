@@ -15,7 +15,9 @@ tss_debver=4.1.3-1.2
 # Mbed TLS 3.6 is the long-term-support branch; the newest Debian revision of
 # it is taken, so a stable update never leaves the build without a source.
 mbed_branch=3.6
-stamp="$prefix/.stamp-tss-$tss_debver-mbedtls-$mbed_branch"
+# The local changes to tpm2-tss (below) are part of the stamp.
+patches=cloexec1
+stamp="$prefix/.stamp-tss-$tss_debver-$patches-mbedtls-$mbed_branch"
 [ -f "$stamp" ] && { echo "tss: cached in $prefix"; exit 0; }
 
 work="$top/target/tss-build"
@@ -67,6 +69,21 @@ cp -r "$mbed/include/mbedtls" "$mbed/include/psa" "$prefix/include/"
 
 tar -C "$work" -xf "$work"/tpm2-tss_${tss_version}.orig.tar.gz
 src="$work/tpm2-tss-$tss_version"
+
+# Every descriptor tpm2-tss opens is close-on-exec. Upstream opens the TPM
+# device and its sockets without it, so a program the agent runs (kubeadm,
+# cryptsetup) would inherit the TPM connection: through the resource
+# manager, its loaded keys; and the swtpm TCTI, which connects for every
+# command, would leave swtpm serving a socket a child still holds, never
+# answering the next one.
+echo "tss: patching tpm2-tss $tss_version (close-on-exec)"
+sed -i 's/socket (\(.*\), SOCK_STREAM, 0)/socket (\1, SOCK_STREAM | SOCK_CLOEXEC, 0)/' \
+  "$src/src/util-io/io.c"
+sed -i 's/open (pathname, O_RDWR | O_NONBLOCK/open (pathname, O_RDWR | O_NONBLOCK | O_CLOEXEC/' \
+  "$src/src/tss2-tcti/tcti-device.c"
+[ "$(grep -c 'SOCK_STREAM | SOCK_CLOEXEC' "$src/src/util-io/io.c")" = 2 ] &&
+  [ "$(grep -c 'O_NONBLOCK | O_CLOEXEC' "$src/src/tss2-tcti/tcti-device.c")" = 2 ] ||
+  { echo "tss: the close-on-exec patch no longer applies to tpm2-tss $tss_version" >&2; exit 1; }
 
 echo "tss: configuring tpm2-tss $tss_version"
 cd "$src"

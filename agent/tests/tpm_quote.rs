@@ -122,3 +122,48 @@ fn quote_with_another_tpms_key_fails() {
     q.ak = tpm2.attestation_key().unwrap();
     assert_eq!(verify(&q), Err(QuoteError::Signature));
 }
+
+/// A program started while TPM commands run inherits no TPM connection:
+/// tpm2-tss opens them close-on-exec (scripts/build-tss.sh). Otherwise a
+/// child holds the connection of the command in flight, and swtpm, which
+/// serves one connection at a time, never answers the next command.
+#[test]
+fn programs_started_during_tpm_commands_inherit_no_tpm_connection() {
+    let (_ca, swtpm, mut tpm) = tpm();
+    let port = swtpm.port();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let commands = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let mut n = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                tpm.pcr_read(&[0]).unwrap();
+                n += 1;
+            }
+            n
+        }
+    });
+    // Each child lists the sockets it inherited and looks each up among
+    // the TCP connections to the TPM's port.
+    let script = format!(
+        "for fd in /proc/self/fd/*; do readlink \"$fd\"; done | \
+         sed -n 's/^socket:\\[\\([0-9]*\\)\\]$/\\1/p' | while read inode; do \
+         awk -v i=\"$inode\" '$10 == i {{ print $3 }}' /proc/net/tcp; done | \
+         grep -ci ':{port:04X}$' || true"
+    );
+    let mut inherited = 0;
+    for _ in 0..200 {
+        let out = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .output()
+            .unwrap();
+        inherited += String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse::<u32>()
+            .unwrap_or(0);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let commands = commands.join().unwrap();
+    assert!(commands > 50, "only {commands} TPM commands ran meanwhile");
+    assert_eq!(inherited, 0, "children inherited a TPM connection");
+}

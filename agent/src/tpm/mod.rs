@@ -27,7 +27,6 @@
 //! * [`nv`]: reading NV indices (Azure's HCL report);
 //! * [`error`] holds [`TpmError`].
 
-mod cloexec;
 pub mod error;
 pub mod keys;
 pub mod lockout;
@@ -103,14 +102,12 @@ impl Tpm {
             tcti: tcti.as_str().into(),
             source,
         })?;
-        let opened = cloexec::CloseOnExec::before();
-        let ctx = Context::new(conf);
-        let marked = opened.mark_new();
-        let mut ctx = ctx.map_err(|source| TpmError::Open {
+        // tpm2-tss opens its connections close-on-exec (scripts/build-tss.sh
+        // patches it so): no program the agent runs inherits one.
+        let mut ctx = Context::new(conf).map_err(|source| TpmError::Open {
             tcti: tcti.as_str().into(),
             source,
         })?;
-        tracing::debug!(descriptors = marked, "TPM connection marked close-on-exec");
         let (ek, ek_transient) = keys::open_endorsement_key(&mut ctx)?;
         Ok(Self {
             ctx,
