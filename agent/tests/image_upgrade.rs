@@ -136,10 +136,18 @@ fn nothing_staged(service: &Service, root: &Path, case: &str) {
     assert!(service.policy.current().staged().is_none(), "{case}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
-    let ca = EkCa::new().unwrap();
-    let service = start_service(&ca, free_port()).await;
+/// A join service with its operator API, whose facts go under `root`.
+struct ControlPlane {
+    service: Service,
+    port: u16,
+    _dir: tempfile::TempDir,
+    root: std::path::PathBuf,
+    own_ek: keel_verifier::ek::EkDigest,
+    server: OperatorServer,
+}
+
+async fn control_plane(ca: &EkCa) -> ControlPlane {
+    let service = start_service(ca, free_port()).await;
     let port: u16 = service
         .endpoint
         .rsplit_once(':')
@@ -150,14 +158,34 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
     let own_ek = join_common::ek_digest(&service.tpm);
-    let auth = OperatorAuth::new(own_ek, service.slot.clone(), Arc::default());
     let server = OperatorServer::new(
-        auth,
+        OperatorAuth::new(own_ek, service.slot.clone(), Arc::default()),
         service.slot.clone(),
         Some(service.measurements.clone()),
         root.clone(),
         None,
     );
+    ControlPlane {
+        service,
+        port,
+        _dir: dir,
+        root,
+        own_ek,
+        server,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
+    let ca = EkCa::new().unwrap();
+    let ControlPlane {
+        service,
+        port,
+        _dir,
+        root,
+        own_ek,
+        server,
+    } = control_plane(&ca).await;
     let operator_key = service.state.keys.operator_key(&own_ek).unwrap();
     let operator_key = operator_key.expose();
     // The operator key of another node (another EK): proves nothing here.
@@ -428,24 +456,14 @@ fn present(service: &Service, body: &[u8], signature: &[u8]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_of_a_new_image_accepts_a_join_service_presenting_its_signed_image() {
     let ca = EkCa::new().unwrap();
-    let service = start_service(&ca, free_port()).await;
-    let port: u16 = service
-        .endpoint
-        .rsplit_once(':')
-        .unwrap()
-        .1
-        .parse()
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    let own_ek = join_common::ek_digest(&service.tpm);
-    let server = OperatorServer::new(
-        OperatorAuth::new(own_ek, service.slot.clone(), Arc::default()),
-        service.slot.clone(),
-        Some(service.measurements.clone()),
-        root.clone(),
-        None,
-    );
+    let ControlPlane {
+        service,
+        port,
+        _dir,
+        root,
+        own_ek,
+        server,
+    } = control_plane(&ca).await;
     let operator_key = service.state.keys.operator_key(&own_ek).unwrap();
     let _presenting = tokio::spawn({
         let (slot, tpm) = (service.slot.clone(), service.tpm.clone());
