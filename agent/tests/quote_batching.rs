@@ -164,6 +164,34 @@ fn a_batch_shares_one_quote_and_each_document_proves_its_own_nonce() {
 }
 
 #[test]
+fn a_document_after_an_extend_carries_the_new_pcr_values() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, None);
+    let v = validator(&ca, &n);
+    let pcr13 = |d: &AttestationDocument| {
+        d.pcrs
+            .iter()
+            .find(|p| p.index == 13)
+            .map(|p| p.digest.clone())
+            .unwrap()
+    };
+    let before = decode(&n.issuer.issue(b"n1", b"k").unwrap());
+    let again = decode(&n.issuer.issue(b"n2", b"k").unwrap());
+    assert_eq!(pcr13(&before), pcr13(&again));
+    // The issuer reads the PCRs again only when the quote says they
+    // changed; after this extend, the document must carry the new value.
+    n.tpm
+        .lock()
+        .unwrap()
+        .record(EventType::Component, "component", b"kubelet".to_vec())
+        .unwrap();
+    let after = n.issuer.issue(b"n3", b"k").unwrap();
+    let verified = v.validate(&after, b"n3", b"k").unwrap();
+    assert_eq!(verified.events.len(), 2);
+    assert_ne!(pcr13(&decode(&after)), pcr13(&before));
+}
+
+#[test]
 fn evidence_for_a_nonce_outside_the_batch_is_refused() {
     let ca = EkCa::new().unwrap();
     let n = node(&ca, None);

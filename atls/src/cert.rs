@@ -54,6 +54,7 @@ pub(crate) fn issue(
     nonce: &[u8],
     provider: &CryptoProvider,
 ) -> Result<Arc<CertifiedKey>, CertError> {
+    let _span = tracing::debug_span!("atls.certificate").entered();
     let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)?;
     let document = issuer
         .issue(nonce, &user_data(&key.subject_public_key_info()))

@@ -101,7 +101,8 @@ impl<C: Send + Sync + 'static> PeerCheck<C> {
         if !intermediates.is_empty() {
             return Err(PeerError::UnexpectedChain);
         }
-        let embedded = cert::extract(end_entity)?;
+        let embedded =
+            tracing::debug_span!("atls.peer_certificate").in_scope(|| cert::extract(end_entity))?;
         let claims = crate::blocking::run(|| {
             self.validator.validate(
                 &embedded.document,

@@ -8,10 +8,20 @@
 //! key verifies its signature and that candidate is itself valid now and a
 //! CA (basicConstraints cA=true and the keyCertSign key usage, where the
 //! extensions are present).
+//!
+//! A node presents the same certificate in every handshake, so a trust
+//! remembers (bounded) the certificates it accepted, each with the EK it
+//! certifies and the time window in which both it and its CA are valid: a
+//! later check of the same pair within that window skips the parsing and
+//! the signature check.
 
 use x509_parser::oid_registry::OID_X509_EXT_BASIC_CONSTRAINTS;
 use x509_parser::prelude::{FromDer, ParsedExtension, X509Certificate};
 use x509_parser::public_key::PublicKey as CertKey;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
@@ -59,10 +69,63 @@ pub enum EkError {
     KeyMismatch,
 }
 
-/// The CAs trusted to issue EK certificates.
+/// The CAs trusted to issue EK certificates. Clones share the memory of
+/// accepted certificates.
 #[derive(Clone, Debug, Default)]
 pub struct EkTrust {
     anchors: Vec<Vec<u8>>,
+    accepted: Arc<Accepted>,
+}
+
+/// Certificate and EK pairs this trust accepted, with the window (Unix
+/// seconds, inclusive) in which the certificate and its CA are both valid;
+/// oldest first out.
+#[derive(Debug, Default)]
+struct Accepted(Mutex<AcceptedSet>);
+
+#[derive(Debug, Default)]
+struct AcceptedSet {
+    windows: HashMap<[u8; 32], (i64, i64)>,
+    order: VecDeque<[u8; 32]>,
+}
+
+impl Accepted {
+    /// Most pairs remembered.
+    const CAPACITY: usize = 4096;
+
+    fn key(cert_der: &[u8], ek_modulus: &[u8]) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(b"keel-ek-accepted-v1");
+        h.update((cert_der.len() as u64).to_be_bytes());
+        h.update(cert_der);
+        h.update(ek_modulus);
+        h.finalize().into()
+    }
+
+    fn contains(&self, key: &[u8; 32], now: i64) -> bool {
+        let set = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        set.windows
+            .get(key)
+            .is_some_and(|(from, to)| (*from..=*to).contains(&now))
+    }
+
+    fn insert(&self, key: [u8; 32], window: (i64, i64)) {
+        let mut set = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if set.windows.insert(key, window).is_none() {
+            set.order.push_back(key);
+            while set.order.len() > Self::CAPACITY {
+                if let Some(old) = set.order.pop_front() {
+                    set.windows.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 impl EkTrust {
@@ -78,7 +141,10 @@ impl EkTrust {
         if anchors.is_empty() {
             return Err(EkError::NoAnchors);
         }
-        Ok(Self { anchors })
+        Ok(Self {
+            anchors,
+            accepted: Arc::default(),
+        })
     }
 
     /// Checks that `cert_der` was issued by a trusted CA that is valid now,
@@ -91,9 +157,24 @@ impl EkTrust {
         if cert_der.is_empty() {
             return Err(EkError::NoCertificate);
         }
+        let PublicKey::Rsa { modulus, .. } = &ek.key else {
+            return Err(EkError::KeyMismatch);
+        };
+        let key = Accepted::key(cert_der, modulus);
+        if self.accepted.contains(&key, unix_now()) {
+            return Ok(());
+        }
+        let window = self.check(cert_der, ek)?;
+        self.accepted.insert(key, window);
+        Ok(())
+    }
+
+    /// The whole check of [`EkTrust::verify`]; returns the window in which
+    /// the certificate and the CA that issued it are both valid.
+    fn check(&self, cert_der: &[u8], ek: &Public) -> Result<(i64, i64), EkError> {
         let (_, cert) = X509Certificate::from_der(cert_der).map_err(|_| EkError::Parse)?;
         let mut refusal: Option<EkError> = None;
-        let mut issued = false;
+        let mut issuer_window = None;
         for ca in self
             .anchors
             .iter()
@@ -102,7 +183,7 @@ impl EkTrust {
         {
             match issued_by(&cert, &ca) {
                 Ok(()) => {
-                    issued = true;
+                    issuer_window = Some(window(&ca));
                     break;
                 }
                 Err(e) => {
@@ -115,11 +196,11 @@ impl EkTrust {
                 }
             }
         }
-        if !issued {
+        let Some((ca_from, ca_to)) = issuer_window else {
             return Err(
                 refusal.unwrap_or_else(|| EkError::UntrustedIssuer(cert.issuer().to_string()))
             );
-        }
+        };
         if !cert.validity().is_valid() {
             return Err(EkError::Validity);
         }
@@ -127,10 +208,22 @@ impl EkTrust {
             return Err(EkError::KeyMismatch);
         };
         match cert.public_key().parsed() {
-            Ok(CertKey::RSA(rsa)) if strip_zeros(rsa.modulus) == strip_zeros(modulus) => Ok(()),
+            Ok(CertKey::RSA(rsa)) if strip_zeros(rsa.modulus) == strip_zeros(modulus) => {
+                let (from, to) = window(&cert);
+                Ok((from.max(ca_from), to.min(ca_to)))
+            }
             _ => Err(EkError::KeyMismatch),
         }
     }
+}
+
+/// The validity period of `cert` in Unix seconds, inclusive.
+fn window(cert: &X509Certificate<'_>) -> (i64, i64) {
+    let validity = cert.validity();
+    (
+        validity.not_before.timestamp(),
+        validity.not_after.timestamp(),
+    )
 }
 
 /// Whether `ca` issued `cert` and may: its key verifies the signature, it is
@@ -362,6 +455,37 @@ mod tests {
             trust(&[&ca]).verify(&cert, &FakeEk::new(2).public()),
             Err(EkError::KeyMismatch)
         );
+    }
+
+    #[test]
+    fn an_accepted_certificate_is_remembered_for_its_own_key_and_trust_only() {
+        let ek = FakeEk::new(1);
+        let issuer = ca(|_| {});
+        let cert = issuer.issue(&ek);
+        let trusted = trust(&[&issuer]);
+        trusted.verify(&cert, &ek.public()).unwrap();
+        assert_eq!(trusted.accepted.0.lock().unwrap().windows.len(), 1);
+        // Again, from memory (and from a clone, which shares it).
+        trusted.verify(&cert, &ek.public()).unwrap();
+        trusted.clone().verify(&cert, &ek.public()).unwrap();
+        // Another key with the accepted certificate is checked in full.
+        assert_eq!(
+            trusted.verify(&cert, &FakeEk::new(2).public()),
+            Err(EkError::KeyMismatch)
+        );
+        // A trust of another CA does not share the memory.
+        let other = ca(|_| {});
+        assert_eq!(
+            trust(&[&other]).verify(&cert, &ek.public()),
+            Err(EkError::Signature)
+        );
+        // Refusals are not remembered.
+        let lapsed = issuer.issue_with(&ek, expired);
+        assert_eq!(
+            trusted.verify(&lapsed, &ek.public()),
+            Err(EkError::Validity)
+        );
+        assert_eq!(trusted.accepted.0.lock().unwrap().windows.len(), 1);
     }
 
     #[test]

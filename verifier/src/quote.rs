@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 
-use p256::ecdsa::signature::hazmat::PrehashVerifier;
 use sha2::{Digest as _, Sha256};
 
 use crate::measurement::Digest32;
@@ -103,12 +102,19 @@ pub fn verify_quote(
     values: &BTreeMap<u32, Digest32>,
 ) -> Result<QuoteInfo, QuoteError> {
     check_ak(ak)?;
+    // Parsing the key checks that the point is on the curve.
     let key = ak.p256_key().map_err(|_| QuoteError::AkKeyType)?;
     let sig = EcdsaSignature::parse(signature)?;
-    let sig =
-        p256::ecdsa::Signature::from_scalars(sig.r, sig.s).map_err(|_| QuoteError::Signature)?;
-    key.verify_prehash(&Sha256::digest(attest), &sig)
-        .map_err(|_| QuoteError::Signature)?;
+    let mut fixed = [0u8; 64];
+    fixed[..32].copy_from_slice(&sig.r);
+    fixed[32..].copy_from_slice(&sig.s);
+    // ECDSA over SHA-256(attest), as the TPM signs it.
+    ring::signature::UnparsedPublicKey::new(
+        &ring::signature::ECDSA_P256_SHA256_FIXED,
+        key.to_encoded_point(false).as_bytes(),
+    )
+    .verify(attest, &fixed)
+    .map_err(|_| QuoteError::Signature)?;
     let info = QuoteInfo::parse(attest)?;
     if info.extra_data.as_slice() != qualifying.as_slice() {
         return Err(QuoteError::QualifyingData);

@@ -324,12 +324,14 @@ impl Validator {
         nonce: &[u8],
         user_data: &[u8],
     ) -> Result<Verified, ValidationError> {
+        let _span = tracing::debug_span!("attest.validate").entered();
         if document.len() > MAX_DOCUMENT_BYTES {
             return Err(ValidationError::TooLarge);
         }
         let doc = AttestationDocument::decode(document).map_err(ValidationError::Decode)?;
         let ek = Public::parse(&doc.ek_public)?;
-        self.ek_trust.verify(&doc.ek_certificate, &ek)?;
+        tracing::debug_span!("attest.validate.ek_certificate")
+            .in_scope(|| self.ek_trust.verify(&doc.ek_certificate, &ek))?;
         let ak = Public::parse(&doc.ak_public)?;
         let pcrs = pcr_values(&doc)?;
         // The quote covers a batch: the root recomputed from this nonce,
@@ -338,13 +340,15 @@ impl Validator {
         // leaves, fails here.
         let path = InclusionPath::new(doc.quote_batch_index, &doc.quote_batch_path)?;
         let root = path.root(&batch::leaf(nonce, &doc.user_data));
-        verify_quote(
-            &ak,
-            &doc.quote,
-            &doc.signature,
-            &qualifying_data(&root),
-            &pcrs,
-        )?;
+        tracing::debug_span!("attest.validate.quote").in_scope(|| {
+            verify_quote(
+                &ak,
+                &doc.quote,
+                &doc.signature,
+                &qualifying_data(&root),
+                &pcrs,
+            )
+        })?;
         let evidence = doc.cpu_evidence.as_ref().map(cpu_evidence).transpose()?;
         // The guest binding commits to the batch root, which holds the nonce.
         let cpu = self

@@ -5,17 +5,20 @@
 //! covers all of them (at most [`MAX_LEAVES`]), over the root of a hash tree
 //! of their (nonce, user data) leaves; each document carries its own leaf's
 //! inclusion path. A request that finds the TPM idle is quoted at once, in a
-//! batch of one. The CPU evidence, the PCR read and the event log are made
-//! once per batch too, so a handshake costs the TPM one quote only when it
-//! arrives alone.
+//! batch of one. The CPU evidence and the event log are made once per batch
+//! too, so a handshake costs the TPM one quote only when it arrives alone.
+//! The PCR values are read only when the quote's PCR digest shows they
+//! changed since the last read: usually a batch is one TPM command.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use keel_proto::attestation::{AttestationDocument, MeasurementEvent, PcrValue};
 use keel_verifier::batch::{self, Tree, MAX_LEAVES};
 use keel_verifier::cpu::binding::report_data;
 use keel_verifier::measurement::Digest32;
-use keel_verifier::quote::qualifying_data;
+use keel_verifier::quote::{pcr_digest, qualifying_data};
+use keel_verifier::tpm_wire::QuoteInfo;
 use prost::Message;
 
 use crate::batching::{BatchError, BatchStats, Batcher};
@@ -43,6 +46,9 @@ pub enum IssueError {
     /// The batch could not be arranged into a tree.
     #[error("attestation: quote batch")]
     Tree(#[from] keel_verifier::batch::BatchError),
+    /// The TPM's quote does not parse.
+    #[error("attestation: the TPM's quote does not parse")]
+    Quote(#[from] keel_verifier::tpm_wire::WireError),
     /// The quote of the batch this request was part of failed.
     #[error("attestation: the quote of this request's batch failed")]
     Batch(#[source] BatchError<IssueError>),
@@ -76,9 +82,10 @@ impl TpmIssuer {
     /// An issuer over the node's measured TPM.
     pub fn new(tpm: SharedTpm) -> Self {
         let quoting = tpm.clone();
+        let pcrs = PcrCache::default();
         let batches = Batcher::new(MAX_LEAVES, move |leaves: Vec<Digest32>| {
             let n = leaves.len();
-            let batch = Arc::new(quote_batch(&quoting, Tree::new(&leaves)?)?);
+            let batch = Arc::new(quote_batch(&quoting, &pcrs, Tree::new(&leaves)?)?);
             Ok((0..n)
                 .map(|index| Included {
                     batch: batch.clone(),
@@ -130,10 +137,37 @@ impl TpmIssuer {
     }
 }
 
+/// The PCR values last read, to ship with a quote whose PCR digest they
+/// match without reading them again.
+#[derive(Default)]
+struct PcrCache(Mutex<Option<BTreeMap<u32, Digest32>>>);
+
+impl PcrCache {
+    /// The values the quote `attest` covers: the cached ones if they hash
+    /// to its PCR digest, else read from `tpm` (and cached).
+    fn values(
+        &self,
+        attest: &[u8],
+        tpm: &mut crate::tpm::Tpm,
+    ) -> Result<BTreeMap<u32, Digest32>, IssueError> {
+        let quoted = QuoteInfo::parse(attest)?;
+        let mut cached = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(values) = cached.as_ref() {
+            if pcr_digest(values).as_slice() == quoted.pcr_digest.as_slice() {
+                return Ok(values.clone());
+            }
+        }
+        let values = tpm.pcr_read(&QUOTED_PCRS)?;
+        *cached = Some(values.clone());
+        Ok(values)
+    }
+}
+
 /// Quotes the batch `tree` under the TPM lock; with the PCR values, the
-/// event log and the CPU evidence read under the same lock, so they agree
-/// with the quote.
-fn quote_batch(tpm: &SharedTpm, tree: Tree) -> Result<QuotedBatch, IssueError> {
+/// event log and the CPU evidence taken under the same lock, so they agree
+/// with the quote (PCR values that the quote's digest shows unchanged come
+/// from `pcrs`).
+fn quote_batch(tpm: &SharedTpm, pcrs: &PcrCache, tree: Tree) -> Result<QuotedBatch, IssueError> {
     let _span = tracing::debug_span!("attest.quote", leaves = tree.len()).entered();
     let root = tree.root();
     let mut guard = tpm.lock().map_err(|_| IssueError::Poisoned)?;
@@ -159,9 +193,8 @@ fn quote_batch(tpm: &SharedTpm, tree: Tree) -> Result<QuotedBatch, IssueError> {
         None => None,
     };
     let image_measurements = measured.image().cloned();
-    let pcrs = measured
-        .tpm()
-        .pcr_read(&QUOTED_PCRS)?
+    let pcrs = pcrs
+        .values(&quote.attest, measured.tpm())?
         .into_iter()
         .map(|(index, digest)| PcrValue {
             index,

@@ -47,6 +47,7 @@ use prost::Message as _;
 use rcgen::{Issuer, KeyPair};
 use tokio::io::AsyncReadExt as _;
 use tokio::sync::Semaphore;
+use tracing::Instrument as _;
 use zeroize::{Zeroize as _, Zeroizing};
 
 use super::kubelet;
@@ -273,11 +274,13 @@ impl JoinService {
             .keys
             .disk_key(&request.disk_uuid, &ek)
             .map_err(JoinServiceError::DiskUuid)?;
-        let kubelet_cert = kubelet::sign_csr(
-            &self.inner.ca.issuer,
-            &request.kubelet_csr,
-            &request.node_name,
-        )?;
+        let kubelet_cert = tracing::debug_span!("join.kubelet_cert").in_scope(|| {
+            kubelet::sign_csr(
+                &self.inner.ca.issuer,
+                &request.kubelet_csr,
+                &request.node_name,
+            )
+        })?;
         let control_plane_files = if request.is_control_plane {
             self.control_plane_files().await?
         } else {
@@ -524,6 +527,7 @@ fn seal(
     peer: &Verified,
     mut secrets: JoinSecrets,
 ) -> Result<keel_proto::attestation::SealedSecret, JoinServiceError> {
+    let _span = tracing::debug_span!("join.seal").entered();
     let payload = Zeroizing::new(secrets.encode_to_vec());
     secrets.state_disk_key.zeroize();
     secrets.measurement_secret.zeroize();
@@ -568,7 +572,11 @@ impl join_service_server::JoinService for JoinService {
         request: tonic::Request<IssueJoinTicketRequest>,
     ) -> Result<tonic::Response<IssueJoinTicketResponse>, tonic::Status> {
         let result = match peer_claims(&request) {
-            Ok(peer) => self.join_ticket(peer.claims(), request.into_inner()).await,
+            Ok(peer) => {
+                self.join_ticket(peer.claims(), request.into_inner())
+                    .instrument(tracing::debug_span!("join.ticket"))
+                    .await
+            }
             Err(e) => Err(e),
         };
         result

@@ -90,6 +90,10 @@ async fn register(
         let batch: Vec<BootstrapToken> = group.iter().map(|(t, _)| t.clone()).collect();
         let outcome = kubeadm
             .create_tokens(&batch, *version, config_dir)
+            .instrument(tracing::debug_span!(
+                "kubeadm.token_create",
+                tokens = batch.len()
+            ))
             .await
             .map_err(Arc::new);
         tracing::debug!(
