@@ -157,6 +157,10 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Timings {
 const BREAKDOWN: &[(&str, &str)] = &[
     ("join.ticket", "IssueJoinTicket handler (service)"),
     (
+        "join.slot",
+        "  waiting for one of the ticket slots (service)",
+    ),
+    (
         "atls.certificate",
         "  aTLS certificate: key, document, self-signature (both sides)",
     ),
