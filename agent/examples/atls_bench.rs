@@ -143,7 +143,7 @@ async fn main() {
         p95(&mut first_times)
     );
     println!(
-        "one attestation document (quote + PCR read + EK cert): median {:?}",
+        "one attestation document (quote; PCR values read again only when they changed): median {:?}",
         median(&mut quotes)
     );
     println!(

@@ -71,6 +71,9 @@ struct SpanTotal {
     busy: Duration,
     /// From creation to close, summed (for async spans: including waits).
     wall: Duration,
+    /// The `leaves` field (a quote's batch size): summed, and the largest.
+    leaves: u64,
+    most_leaves: u64,
 }
 
 /// Sums the time spent in the agent's spans, by name.
@@ -81,6 +84,20 @@ struct Open {
     created: Instant,
     entered: Option<Instant>,
     busy: Duration,
+    leaves: u64,
+}
+
+/// Reads a span's `leaves` field.
+struct Leaves(u64);
+
+impl tracing::field::Visit for Leaves {
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        if field.name() == "leaves" {
+            self.0 = value;
+        }
+    }
+
+    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
 }
 
 impl Timings {
@@ -90,12 +107,15 @@ impl Timings {
 }
 
 impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Timings {
-    fn on_new_span(&self, _: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
+        let mut leaves = Leaves(0);
+        attrs.record(&mut leaves);
         if let Some(span) = ctx.span(id) {
             span.extensions_mut().insert(Open {
                 created: Instant::now(),
                 entered: None,
                 busy: Duration::ZERO,
+                leaves: leaves.0,
             });
         }
     }
@@ -128,12 +148,18 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Timings {
         total.count += 1;
         total.busy += open.busy;
         total.wall += open.created.elapsed();
+        total.leaves += open.leaves;
+        total.most_leaves = total.most_leaves.max(open.leaves);
     }
 }
 
 /// What each span name stands for in the breakdown, in print order.
 const BREAKDOWN: &[(&str, &str)] = &[
     ("join.ticket", "IssueJoinTicket handler (service)"),
+    (
+        "join.slot",
+        "  waiting for one of the ticket slots (service)",
+    ),
     (
         "atls.certificate",
         "  aTLS certificate: key, document, self-signature (both sides)",
@@ -317,11 +343,14 @@ async fn main() {
         let rate = l.len() as f64 / wall.as_secs_f64();
         let (p50, p95) = (percentile(&l, 50), percentile(&l, 95));
         let count = |name: &str| totals.get(name).map_or(0, |t| t.count);
+        let quotes = totals.get("attest.quote").copied().unwrap_or_default();
         println!(
             "\n{clients} clients: {rate:.1} tickets/s, median {p50:.1?}, p95 {p95:.1?}; \
-             {} documents from {} quotes, {} tokens in {} kubeadm runs, {} disk binding writes",
-            count("attest.issue"),
-            count("attest.quote"),
+             {} documents from {} quotes (at most {} in one), {} tokens in {} kubeadm runs, \
+             {} disk binding writes",
+            quotes.leaves,
+            quotes.count,
+            quotes.most_leaves,
             count("join.token"),
             count("kubeadm.token_create"),
             count("join.disk_binding"),

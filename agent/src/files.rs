@@ -60,6 +60,35 @@ pub fn write_private(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
     written.map_err(fail)
 }
 
+/// Writes `data` to a new file `path` with mode 0600, without syncing it:
+/// for a file that lives only as long as one program run reads it (such as
+/// a kubeadm configuration that carries a token) and is removed after, so
+/// surviving a crash would only leave a secret behind. Creates the
+/// directory (0700) if needed; an existing file is an error.
+pub fn write_private_scratch(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
+    let fail = |source| WriteFileError {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(fail)?;
+    }
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(fail)?;
+    file.write_all(data).map_err(|e| {
+        let _ = fs::remove_file(path);
+        fail(e)
+    })
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -80,6 +109,19 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["key.pem"], "no temporary file left");
+    }
+
+    #[test]
+    fn scratch_files_are_0600_new_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/token.yaml");
+        write_private_scratch(&path, b"one").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"one");
+        let mode = fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // An existing file is neither replaced nor removed.
+        assert!(write_private_scratch(&path, b"two").is_err());
+        assert_eq!(fs::read(&path).unwrap(), b"one");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Quote verification in pure Rust: the attestation key's properties, the
+//! Quote verification without a TPM: the attestation key's properties, the
 //! ECDSA signature, the qualifying data and the PCR digest.
 
 use std::collections::BTreeMap;

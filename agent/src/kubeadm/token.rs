@@ -74,7 +74,9 @@ impl Kubeadm {
             );
         }
         let path = config_dir.join(format!("token-{}.yaml", first.id()));
-        crate::files::write_private(&path, yaml.as_bytes()).map_err(KubeadmError::WriteConfig)?;
+        // Read by this one run and removed after it: not synced.
+        crate::files::write_private_scratch(&path, yaml.as_bytes())
+            .map_err(KubeadmError::WriteConfig)?;
         let args = [
             "token".to_owned(),
             "create".to_owned(),
