@@ -136,6 +136,21 @@ fn nothing_staged(service: &Service, root: &Path, case: &str) {
     assert!(service.policy.current().staged().is_none(), "{case}");
 }
 
+/// The cluster state `service`'s control plane would restore after a
+/// reboot from its facts under `root`, its config naming `key`.
+fn restored(
+    service: &Service,
+    root: &Path,
+    key: SigningPublicKey,
+) -> Result<ClusterState, FactsError> {
+    ControlPlaneFacts::load(root)?.into_state(
+        service.state.keys.clone(),
+        Some(key),
+        service.state.api_server,
+        service.state.pki_dir.clone(),
+    )
+}
+
 /// A join service with its operator API, whose facts go under `root`.
 struct ControlPlane {
     service: Service,
@@ -310,15 +325,7 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
 
     // The staged set and the key survive a reboot (the facts) and reach a
     // control plane that joins now (its ticket).
-    let facts = ControlPlaneFacts::load(&root).unwrap();
-    let rebooted = facts
-        .into_state(
-            service.state.keys.clone(),
-            Some(signing.public_key()),
-            service.state.api_server,
-            service.state.pki_dir.clone(),
-        )
-        .unwrap();
+    let rebooted = restored(&service, &root, signing.public_key()).unwrap();
     assert_eq!(rebooted.staged_measurements.as_ref(), Some(&new_set));
     assert_eq!(rebooted.measurements_key, Some(signing.public_key()));
     assert_eq!(rebooted.signed_measurements.len(), 1);
@@ -583,25 +590,9 @@ async fn a_node_of_a_new_image_accepts_a_join_service_presenting_its_signed_imag
 
     // The signed files outlive a reboot (the facts) and reach a control
     // plane that joins now, which checks them with its own config's key.
-    let facts = ControlPlaneFacts::load(&root).unwrap();
-    let rebooted = facts
-        .into_state(
-            service.state.keys.clone(),
-            Some(key.clone()),
-            service.state.api_server,
-            service.state.pki_dir.clone(),
-        )
-        .unwrap();
+    let rebooted = restored(&service, &root, key.clone()).unwrap();
     assert_eq!(rebooted.signed_measurements.len(), 2);
-    assert!(ControlPlaneFacts::load(&root)
-        .unwrap()
-        .into_state(
-            service.state.keys.clone(),
-            Some(other.public_key()),
-            service.state.api_server,
-            service.state.pki_dir.clone(),
-        )
-        .is_err());
+    assert!(restored(&service, &root, other.public_key()).is_err());
     let cp = member(&ca, port, "cp-1", "control-plane");
     let (_, carried) = ticket(&cp, &ca, &service, true, Some(key.clone()))
         .await
