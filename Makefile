@@ -8,7 +8,7 @@ AGENT := target/$(TARGET)/release/keel-agent
 # Cargo finds the static TPM libraries through .cargo/config.toml.
 CARGO ?= cargo
 
-.PHONY: help deps tss agent test lint fmt image image-repro measurements vm-check demo e2e
+.PHONY: help deps tss agent host-tools test lint fmt image image-prepare image-repro measurements vm-check demo e2e
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{ printf "  %-14s %s\n", $$1, $$2 }'
@@ -36,6 +36,14 @@ fmt: ## Format the code
 image: agent ## Build the reproducible mkosi image (UKI, dm-verity erofs root) and print its artifacts
 	@scripts/image-build.sh
 
+image-prepare: deps ## What the image needs besides the agent: package sources, tools tree, stub
+	@scripts/image-build.sh --prepare
+
+host-tools: deps ## Release builds of keel, keel-mini and the local cluster's stand-ins (no TPM libraries needed)
+	@start=$$SECONDS; $(CARGO) build --release --locked -p keel-cli --bin keel -p keel-e2e --bin keel-mini \
+	  -p keel-testkit --bin keel-standin --bin keel-mini-mirror; \
+	  echo "host-tools: built in $$((SECONDS - start)) s"
+
 image-repro: agent ## Build the image twice from clean and compare every artifact
 	@scripts/image-repro.sh
 
@@ -47,8 +55,12 @@ measurements: ## Predict PCRs 4, 9, 11 and 12 of the built image for NODE_CONFIG
 vm-check: image ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time to ready
 	@scripts/vm-boot.sh -n 3
 
-demo: tss ## Local cluster on QEMU + swtpm: build, boot a control plane and a worker, init, join, summary
-	$(CARGO) run --locked --quiet -p keel-e2e --bin keel-mini -- up
+# The first build overlaps what does not depend on each other: the static
+# TPM libraries and the image's tools tree build while cargo compiles the
+# host tools (and with them most of the agent's dependencies).
+demo: deps ## Local cluster on QEMU + swtpm: build, boot two control planes and a worker, init, joins, summary
+	@$(MAKE) --no-print-directory -j3 --output-sync=line tss image-prepare host-tools
+	$(CARGO) run --release --locked --quiet -p keel-e2e --bin keel-mini -- up
 
 e2e: image ## The local cluster, then the end-to-end scenarios (refusals, second init, rejoin, disk)
 	KEEL_IMAGE_DIR=build/image $(CARGO) test --locked -p keel-e2e --test e2e -- --nocapture

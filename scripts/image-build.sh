@@ -4,6 +4,9 @@
 # partitions.
 #
 # Usage: scripts/image-build.sh [OUTPUT_DIR]     (default build/image)
+#        scripts/image-build.sh --prepare       only what needs no agent (package
+#                                               sources, tools tree, stub), so it
+#                                               can run while the agent builds
 # Env:   KEEL_AGENT_BIN     agent binary to install (default: the musl release build)
 #        KEEL_EXTRA_TREE    directory copied over the image root (experiments only)
 #        SOURCE_DATE_EPOCH  timestamp for every file (default: the commit time)
@@ -13,6 +16,14 @@
 set -euo pipefail
 source "$(dirname "$0")/image-lib.sh"
 
+if [ "${1:-}" = --prepare ]; then
+  start=$(date +%s)
+  generate_sources
+  ensure_tools_tree
+  ensure_stub_package
+  log "prepared in $(( $(date +%s) - start )) s (package sources, tools tree, stub)"
+  exit 0
+fi
 out=$(realpath -m "${1:-$KEEL_IMAGE_OUT}")
 work=$KEEL_MKOSI_WORK
 mkdir -p "$work"

@@ -123,6 +123,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             once,
             measurements,
         } => {
+            // One line a boot timeline can anchor on (`make vm-check`).
+            if let Some(t) = systemd::since_boot() {
+                tracing::info!(since_boot_s = t.as_secs_f64(), "agent started");
+            }
             let (config, source) = NodeConfig::load(config.as_deref())?;
             tracing::info!(%source, "node config loaded");
             // Stop signals are caught from here on: one that comes before

@@ -18,3 +18,10 @@ pub fn notify(state: &str) -> std::io::Result<bool> {
     socket.send_to_addr(state.as_bytes(), &addr)?;
     Ok(true)
 }
+
+/// Time since the kernel started (`/proc/uptime`), for boot timelines.
+pub fn since_boot() -> Option<std::time::Duration> {
+    let text = std::fs::read_to_string("/proc/uptime").ok()?;
+    let seconds: f64 = text.split_whitespace().next()?.parse().ok()?;
+    std::time::Duration::try_from_secs_f64(seconds).ok()
+}

@@ -77,6 +77,9 @@ pub enum VmError {
         #[source]
         source: std::io::Error,
     },
+    /// `renice` failed (raising a priority needs root).
+    #[error("renice failed ({0})")]
+    Renice(std::process::ExitStatus),
     /// The console closed (QEMU exited) before the awaited line.
     #[error("QEMU exited before printing {needle:?}; serial log {serial}, QEMU log {qemu}")]
     Exited {
@@ -224,6 +227,7 @@ pub struct VmBuilder {
     vars: Option<PathBuf>,
     network: bool,
     forwards: Vec<(u16, u16)>,
+    niceness: i32,
 }
 
 impl VmBuilder {
@@ -243,7 +247,16 @@ impl VmBuilder {
             vars: None,
             network: false,
             forwards: Vec::new(),
+            niceness: 0,
         }
+    }
+
+    /// Runs QEMU at a lower CPU priority (`nice -n niceness`, every thread):
+    /// on a machine with few cores, a VM that boots at the same time as a
+    /// more urgent one leaves it the CPU. [`Vm::renice`] changes it later.
+    pub fn niceness(mut self, niceness: i32) -> Self {
+        self.niceness = niceness;
+        self
     }
 
     /// Other firmware than [`Firmware::ovmf`].
@@ -340,7 +353,13 @@ impl VmBuilder {
                 .map_err(io(&state))?;
         }
 
-        let mut cmd = Command::new("qemu-system-x86_64");
+        let mut cmd = if self.niceness == 0 {
+            Command::new("qemu-system-x86_64")
+        } else {
+            let mut nice = Command::new("nice");
+            nice.args(["-n", &self.niceness.to_string(), "qemu-system-x86_64"]);
+            nice
+        };
         cmd.args(["-machine", "q35"])
             .args(accel.args())
             .args(["-smp", &self.cpus.to_string()])
@@ -453,6 +472,27 @@ impl Vm {
     /// Time since QEMU started (the clock of [`Vm::wait_for_line`]).
     pub fn uptime(&self) -> Duration {
         self.console.start.elapsed()
+    }
+
+    /// Sets the CPU priority of every QEMU thread (see
+    /// [`VmBuilder::niceness`]). Raising it (a lower value) needs root.
+    pub fn renice(&self, niceness: i32) -> Result<(), VmError> {
+        let tasks = PathBuf::from(format!("/proc/{}/task", self.console.child.id()));
+        let tids: Vec<String> = fs::read_dir(&tasks)
+            .map_err(io(&tasks))?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect();
+        let status = Command::new("renice")
+            .args(["-n", &niceness.to_string(), "-p"])
+            .args(&tids)
+            .stdout(Stdio::null())
+            .status()
+            .map_err(io(Path::new("renice")))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(VmError::Renice(status))
+        }
     }
 
     /// QEMU's and swtpm's process IDs.

@@ -3,7 +3,7 @@
 //! prediction made from the image files alone (4, 9, 11 from the UKI, 12
 //! from the node config), and that the agent's startup measurements replay
 //! to PCRs 12, 13 and 15. Reports the time from VM start to
-//! `keel-agent: ready`.
+//! `keel-agent: ready`, and where it went ([`keel_e2e::timeline`]).
 //!
 //! Opt-in: set `KEEL_IMAGE_DIR` (e.g. `build/image`); without it the test
 //! says so and passes. `KEEL_VM_BOOTS` boots more than once and reports the
@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use keel_e2e::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
 use keel_e2e::report::{reported_pcrs, READY_LINE};
+use keel_e2e::timeline::{self, BootTimeline};
 use keel_e2e::vm::{Vm, VmBuilder};
 use keel_image::predict::{self, Uki};
 use keel_verifier::config::NodeConfig;
@@ -98,6 +99,7 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
         std::env::var_os("KEEL_VM_WORK").map_or_else(|| tmp.path().into(), Into::into);
 
     let mut times = Vec::new();
+    let mut timelines = Vec::new();
     for boot in 1..=boots {
         let work = work_root.join(format!("boot{boot}"));
         let (vm, ready) = boot_once(&image, &config_path, &work, patience)?;
@@ -125,6 +127,14 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
             vm.accel()
         );
         times.push(ready);
+        let serial = std::fs::read_to_string(vm.serial_log())?;
+        match BootTimeline::parse(&serial) {
+            Ok(t) => {
+                eprint!("{t}");
+                timelines.push(t);
+            }
+            Err(e) => eprintln!("boot {boot}: no breakdown: {e}"),
+        }
     }
 
     for (pcr, e) in expected.iter() {
@@ -139,6 +149,13 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
         times[0].as_secs_f64(),
         times[times.len() - 1].as_secs_f64()
     );
+    if !timelines.is_empty() {
+        eprint!(
+            "where the time goes, median of {} boot(s):\n{}",
+            timelines.len(),
+            timeline::median_table(&timelines)
+        );
+    }
     Ok(())
 }
 
