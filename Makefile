@@ -59,7 +59,7 @@ vm-check: image ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time
 # TPM libraries and the image's tools tree build while cargo compiles the
 # host tools (and with them most of the agent's dependencies).
 demo: deps ## Local cluster on QEMU + swtpm: build, boot two control planes and a worker, init, joins, summary
-	@$(MAKE) --no-print-directory -j3 --output-sync=line tss image-prepare host-tools
+	@$(MAKE) --no-print-directory -j3 tss image-prepare host-tools
 	$(CARGO) run --release --locked --quiet -p keel-e2e --bin keel-mini -- up
 
 e2e: image ## The local cluster, then the end-to-end scenarios (refusals, second init, rejoin, disk)
