@@ -11,7 +11,9 @@
 //! a full mutual aTLS handshake (a fresh quote on each side, each covering
 //! the peer's nonce; both sides' TPM issuers batch concurrent requests into
 //! one quote) plus `IssueJoinTicket`; latency is measured from connect to
-//! the received ticket (opening it with the TPM is not included). The
+//! the received ticket (opening it with the TPM is not included). Each
+//! client connects from its own loopback address (127.1.0.N), as distinct
+//! nodes would: the service's per-source handshake bounds apply to each. The
 //! members' AKs are proven resident once, at their first handshake, and
 //! cached by the service like any verifier's.
 //!
@@ -38,6 +40,29 @@ use tracing_subscriber::layer::{Context, SubscriberExt as _};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::Layer;
+
+/// Busy and total jiffies of all CPUs so far (`/proc/stat`).
+fn cpu_jiffies() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    let total: u64 = fields.iter().take(8).sum();
+    let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// The loopback address client `i` connects from: the service bounds
+/// handshakes per source address, and these clients stand in for as many
+/// nodes, each with its own address.
+fn source(i: usize) -> std::net::IpAddr {
+    std::net::Ipv4Addr::new(127, 1, (i / 250) as u8, (i % 250 + 1) as u8).into()
+}
 
 fn percentile(sorted: &[Duration], p: usize) -> Duration {
     sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
@@ -288,8 +313,9 @@ async fn main() {
         let remaining = Arc::new(Mutex::new(per_level));
         let latencies = Arc::new(Mutex::new(Vec::with_capacity(per_level)));
         let start = Instant::now();
+        let cpu_before = cpu_jiffies();
         let tasks: Vec<_> = (0..clients)
-            .map(|_| {
+            .map(|client| {
                 let (members, remaining, latencies) =
                     (members.clone(), remaining.clone(), latencies.clone());
                 let endpoint = service.endpoint.clone();
@@ -304,6 +330,7 @@ async fn main() {
                             *left
                         };
                         let (tickets, m) = &members[n % members.len()];
+                        let tickets = tickets.clone().with_local_address(source(client));
                         let key = KubeletKey::generate(&m.name).unwrap();
                         let request = IssueJoinTicketRequest {
                             disk_uuid: join_common::uuid(),
@@ -337,6 +364,9 @@ async fn main() {
             std::process::exit(1);
         }
         let wall = start.elapsed();
+        let cpu_after = cpu_jiffies();
+        let busy = (cpu_after.0 - cpu_before.0) as f64 / (cpu_after.1 - cpu_before.1).max(1) as f64
+            * 100.0;
         let totals = timings.take();
         let mut l = latencies.lock().await.clone();
         l.sort();
@@ -347,7 +377,7 @@ async fn main() {
         println!(
             "\n{clients} clients: {rate:.1} tickets/s, median {p50:.1?}, p95 {p95:.1?}; \
              {} documents from {} quotes (at most {} in one), {} tokens in {} kubeadm runs, \
-             {} disk binding writes",
+             {} disk binding writes; CPUs {busy:.0}% busy (all processes)",
             quotes.leaves,
             quotes.count,
             quotes.most_leaves,

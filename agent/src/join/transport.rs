@@ -56,6 +56,13 @@ impl TicketClient {
         self
     }
 
+    /// The same client connecting from `address` (see
+    /// [`AtlsClient::with_local_address`]).
+    pub fn with_local_address(mut self, address: std::net::IpAddr) -> Self {
+        self.atls = self.atls.with_local_address(address);
+        self
+    }
+
     /// The same client checking the signed measurements of a control
     /// plane's ticket with `key` (the node config's).
     pub fn with_measurements_key(mut self, key: Option<SigningPublicKey>) -> Self {
