@@ -9,13 +9,13 @@
 
 mod join_common;
 
+use join_common::{issuing_node as node, IssuingNode as Node};
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use keel_agent::attestation::cpu::{CpuReportError, CpuReporter};
-use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::measured::MeasuredTpm;
-use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_agent::tpm::Tpm;
 use keel_proto::attestation::{cpu_evidence, AttestationDocument, CpuEvidence};
 use keel_testkit::amd::{ReportFields, TestAmd};
 use keel_testkit::intel::{CollateralOptions, TdFields, TestIntel, TD_ATTRIBUTES, TD_DEBUG};
@@ -26,7 +26,6 @@ use keel_verifier::cpu::snp::{AmdRoots, SnpError};
 use keel_verifier::cpu::tdx::{IntelRoot, TdxError};
 use keel_verifier::cpu::{BindingError, Collateral, CpuClaims, CpuError, CpuPolicy, CpuTrust};
 use keel_verifier::ek::EkTrust;
-use keel_verifier::measurement::EventType;
 use keel_verifier::measurements::{Expected, Measurements};
 use keel_verifier::validator::{ValidationError, Validator};
 use prost::Message;
@@ -59,33 +58,6 @@ impl CpuReporter for GeneratedSnp {
             report,
             certificate: self.amd.vcek_der().to_vec(),
         })
-    }
-}
-
-struct Node {
-    issuer: TpmIssuer,
-    config: NodeConfig,
-    _dir: tempfile::TempDir,
-    _swtpm: Swtpm,
-}
-
-fn node(ca: &EkCa, cpu: Option<Arc<dyn CpuReporter>>) -> Node {
-    let swtpm = Swtpm::start(ca).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
-    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("log")).unwrap();
-    let config = NodeConfig::parse(br#"{"node":{"name":"n1"}}"#, "t".as_ref()).unwrap();
-    measured
-        .record(EventType::NodeConfig, "config", config.cluster_bytes())
-        .unwrap();
-    if let Some(cpu) = cpu {
-        measured = measured.with_cpu_reporter(cpu);
-    }
-    Node {
-        issuer: TpmIssuer::new(measured.shared()),
-        config,
-        _dir: dir,
-        _swtpm: swtpm,
     }
 }
 

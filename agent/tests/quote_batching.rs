@@ -4,19 +4,18 @@
 //! presenting a batch's evidence for a nonce outside it is refused.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod join_common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keel_agent::attestation::cpu::{CpuReportError, CpuReporter};
-use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::measured::{MeasuredTpm, SharedTpm};
-use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_agent::tpm::Tpm;
 use keel_proto::attestation::{cpu_evidence, AttestationDocument, CpuEvidence};
 use keel_testkit::amd::{ReportFields, TestAmd};
-use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_testkit::swtpm::EkCa;
 use keel_verifier::batch::{BatchError, MAX_DEPTH};
-use keel_verifier::config::NodeConfig;
 use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb};
 use keel_verifier::cpu::snp::AmdRoots;
 use keel_verifier::cpu::{BindingError, Collateral, CpuError, CpuPolicy, CpuTrust};
@@ -27,35 +26,7 @@ use keel_verifier::quote::QuoteError;
 use keel_verifier::validator::{ValidationError, Validator};
 use prost::Message;
 
-struct Node {
-    issuer: TpmIssuer,
-    tpm: SharedTpm,
-    config: NodeConfig,
-    _dir: tempfile::TempDir,
-    _swtpm: Swtpm,
-}
-
-fn node(ca: &EkCa, cpu: Option<Arc<dyn CpuReporter>>) -> Node {
-    let swtpm = Swtpm::start(ca).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
-    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("log")).unwrap();
-    let config = NodeConfig::parse(br#"{"node":{"name":"n1"}}"#, "t".as_ref()).unwrap();
-    measured
-        .record(EventType::NodeConfig, "config", config.cluster_bytes())
-        .unwrap();
-    if let Some(cpu) = cpu {
-        measured = measured.with_cpu_reporter(cpu);
-    }
-    let tpm = measured.shared();
-    Node {
-        issuer: TpmIssuer::new(tpm.clone()),
-        tpm,
-        config,
-        _dir: dir,
-        _swtpm: swtpm,
-    }
-}
+use join_common::{issuing_node as node, IssuingNode as Node};
 
 fn validator(ca: &EkCa, node: &Node) -> Validator {
     let mut entries: BTreeMap<u32, Expected> = [4, 9, 11]

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use keel_agent::address::AdvertiseAddress;
 use keel_agent::attestation::cpu::CpuReporter;
+use keel_agent::attestation::issuer::TpmIssuer;
 use keel_agent::attestation::policy::ReloadableValidator;
 use keel_agent::cluster::{ClusterSlot, ClusterState};
 use keel_agent::disk::Cryptsetup;
@@ -753,4 +754,37 @@ pub fn pcr15(tpm: &SharedTpm) -> [u8; 32] {
         .tpm()
         .pcr_read(&[keel_verifier::measurement::pcr::CLUSTER_ID])
         .unwrap()[&keel_verifier::measurement::pcr::CLUSTER_ID]
+}
+
+/// A measured node that issues attestation documents (its config in
+/// PCR 12), optionally with CPU evidence from `cpu`.
+pub struct IssuingNode {
+    pub issuer: TpmIssuer,
+    pub tpm: SharedTpm,
+    pub config: NodeConfig,
+    _dir: tempfile::TempDir,
+    _swtpm: Swtpm,
+}
+
+/// Starts an [`IssuingNode`] on a fresh swtpm of `ca`.
+pub fn issuing_node(ca: &EkCa, cpu: Option<Arc<dyn CpuReporter>>) -> IssuingNode {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("log")).unwrap();
+    let config = NodeConfig::parse(br#"{"node":{"name":"n1"}}"#, "t".as_ref()).unwrap();
+    measured
+        .record(EventType::NodeConfig, "config", config.cluster_bytes())
+        .unwrap();
+    if let Some(cpu) = cpu {
+        measured = measured.with_cpu_reporter(cpu);
+    }
+    let tpm = measured.shared();
+    IssuingNode {
+        issuer: TpmIssuer::new(tpm.clone()),
+        tpm,
+        config,
+        _dir: dir,
+        _swtpm: swtpm,
+    }
 }
