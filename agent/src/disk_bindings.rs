@@ -9,12 +9,16 @@
 //! atomically (0600), bounded in size, entries and disks per EK; a corrupt
 //! file is refused loudly and left alone for an operator. Bindings requested
 //! while the file is being written are checked and recorded together in the
-//! next write ([`crate::batching`]): one read and one durable write (two
-//! fsyncs) per round instead of per join.
+//! next write ([`crate::batching`]): one durable write (two fsyncs) per
+//! round instead of per join. The process keeps the store it last read or
+//! wrote in memory and reads the file again only when it is no longer the
+//! file it left (another inode, size or modification time), so a round
+//! costs no parse of the whole store.
 
 use crate::paths::DISK_BINDINGS;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Read as _;
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -128,9 +132,67 @@ struct DiskBindingsFile {
     disks: BTreeMap<String, String>,
 }
 
-/// Serialises every store operation in this process: a binding is checked
-/// and recorded as one step, and one writer at a time uses the temp file.
-static DISK_BINDINGS_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// The stores this process read or wrote, by file, as it left them. The
+/// mutex serialises every store operation in this process: a binding is
+/// checked and recorded as one step, and one writer at a time uses the
+/// temp file.
+static STORES: std::sync::LazyLock<std::sync::Mutex<Stores>> =
+    std::sync::LazyLock::new(std::sync::Mutex::default);
+
+/// A store as this process last read or wrote it.
+struct Cached {
+    /// The file it was read from or written to (`None`: there was none).
+    stamp: Option<Stamp>,
+    disks: BTreeMap<String, EkDigest>,
+    /// How many disks each EK has bound.
+    per_ek: HashMap<EkDigest, usize>,
+}
+
+impl Cached {
+    fn new(stamp: Option<Stamp>, disks: BTreeMap<String, EkDigest>) -> Self {
+        let mut per_ek = HashMap::new();
+        for ek in disks.values() {
+            *per_ek.entry(*ek).or_insert(0) += 1;
+        }
+        Self {
+            stamp,
+            disks,
+            per_ek,
+        }
+    }
+}
+
+/// Which file a path named when it was read or written: a replaced file
+/// (a new inode), or one written in place (size, times), differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    /// The file's stamp, or `None` if there is no file.
+    fn of(path: &Path) -> std::io::Result<Option<Self>> {
+        match std::fs::metadata(path) {
+            Ok(m) => Ok(Some(Self::from_metadata(&m))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn from_metadata(m: &std::fs::Metadata) -> Self {
+        Self {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
 
 /// The disks of this cluster and the TPMs they belong to: disk UUID (lower
 /// case, as the disk key derivation uses it) to [`EkDigest`], in one JSON
@@ -183,10 +245,10 @@ impl DiskBindings {
         self.binds.stats()
     }
 
-    /// How many disks are bound (loads and checks the whole store).
+    /// How many disks are bound.
     pub fn len(&self) -> Result<usize, DiskBindingsError> {
-        let _guard = lock_bindings();
-        Ok(self.file.load()?.len())
+        let mut stores = lock_stores();
+        Ok(self.file.current(&mut stores)?.disks.len())
     }
 
     /// Whether no disk is bound yet.
@@ -197,8 +259,8 @@ impl DiskBindings {
     /// The EK the disk `uuid` is bound to, if any.
     pub fn lookup(&self, uuid: &str) -> Result<Option<EkDigest>, DiskBindingsError> {
         let uuid = normalise_uuid(uuid)?;
-        let _guard = lock_bindings();
-        Ok(self.file.load()?.get(&uuid).copied())
+        let mut stores = lock_stores();
+        Ok(self.file.current(&mut stores)?.disks.get(&uuid).copied())
     }
 
     /// Binds the disk `uuid` to `ek` unless it is bound already; checks
@@ -219,29 +281,57 @@ impl DiskBindings {
 }
 
 impl StoreFile {
-    /// One round of [`DiskBindings::bind`]: reads the store once, checks
-    /// and records each binding in turn, and writes the store once if any
-    /// was recorded. A failed write records none of them.
+    /// One round of [`DiskBindings::bind`]: checks and records each
+    /// binding in turn, and writes the store once if any was recorded. A
+    /// failed write records none of them (the next round reads the file).
     fn bind_all(
         &self,
         requests: Vec<(String, EkDigest)>,
     ) -> Result<Vec<Result<Bind, DiskBindingsError>>, DiskBindingsError> {
         let _span = tracing::debug_span!("join.disk_binding", disks = requests.len()).entered();
-        let _guard = lock_bindings();
-        let mut disks = self.load()?;
+        let mut stores = lock_stores();
+        let store = self.current(&mut stores)?;
         let mut recorded = false;
         let results = requests
             .into_iter()
             .map(|(uuid, ek)| {
-                let result = bind_one(&mut disks, uuid, &ek);
+                let result = bind_one(store, uuid, &ek);
                 recorded |= matches!(result, Ok(Bind::Recorded));
                 result
             })
             .collect();
         if recorded {
-            self.store(&disks)?;
+            match self.store(&store.disks) {
+                Ok(stamp) => store.stamp = stamp,
+                Err(e) => {
+                    stores.remove(&self.path);
+                    return Err(e);
+                }
+            }
         }
         Ok(results)
+    }
+
+    /// The store as the file holds it: the one this process last read or
+    /// wrote if the file is still the one it left, else the file's.
+    fn current<'a>(&self, stores: &'a mut Stores) -> Result<&'a mut Cached, DiskBindingsError> {
+        let stamp = Stamp::of(&self.path).map_err(|source| self.read_error(source))?;
+        let fresh = stores.get(&self.path).is_some_and(|c| c.stamp == stamp);
+        if !fresh {
+            stores.remove(&self.path);
+            let (stamp, disks) = self.load()?;
+            stores.insert(self.path.clone(), Cached::new(stamp, disks));
+        }
+        stores
+            .get_mut(&self.path)
+            .ok_or_else(|| self.corrupt("vanished from the cache"))
+    }
+
+    fn read_error(&self, source: std::io::Error) -> DiskBindingsError {
+        DiskBindingsError::Read {
+            path: self.path.clone(),
+            source,
+        }
     }
 
     fn corrupt(&self, reason: impl Into<String>) -> DiskBindingsError {
@@ -251,17 +341,16 @@ impl StoreFile {
         }
     }
 
-    /// Reads the store; a missing file is an empty store.
-    fn load(&self) -> Result<BTreeMap<String, EkDigest>, DiskBindingsError> {
-        let read_err = |source| DiskBindingsError::Read {
-            path: self.path.clone(),
-            source,
-        };
+    /// Reads the store, with the stamp of the file read; a missing file is
+    /// an empty store.
+    fn load(&self) -> Result<(Option<Stamp>, BTreeMap<String, EkDigest>), DiskBindingsError> {
+        let read_err = |source| self.read_error(source);
         let file = match std::fs::File::open(&self.path) {
             Ok(file) => file,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((None, BTreeMap::new())),
             Err(e) => return Err(read_err(e)),
         };
+        let stamp = Stamp::from_metadata(&file.metadata().map_err(read_err)?);
         let mut bytes = Vec::new();
         file.take(MAX_DISK_BINDINGS_BYTES + 1)
             .read_to_end(&mut bytes)
@@ -291,10 +380,11 @@ impl StoreFile {
                 .ok_or_else(|| self.corrupt(format!("invalid EK digest for disk {uuid}")))?;
             disks.insert(uuid, digest);
         }
-        Ok(disks)
+        Ok((Some(stamp), disks))
     }
 
-    fn store(&self, disks: &BTreeMap<String, EkDigest>) -> Result<(), DiskBindingsError> {
+    /// Replaces the file with `disks`; returns the new file's stamp.
+    fn store(&self, disks: &BTreeMap<String, EkDigest>) -> Result<Option<Stamp>, DiskBindingsError> {
         let file = DiskBindingsFile {
             version: DISK_BINDINGS_VERSION,
             disks: disks
@@ -309,39 +399,43 @@ impl StoreFile {
             })
         })?;
         json.push(b'\n');
-        crate::files::write_private(&self.path, &json).map_err(DiskBindingsError::Write)
+        crate::files::write_private(&self.path, &json).map_err(DiskBindingsError::Write)?;
+        Stamp::of(&self.path).map_err(|source| self.read_error(source))
     }
 }
 
-/// Checks and records one binding in `disks` (in memory).
-fn bind_one(
-    disks: &mut BTreeMap<String, EkDigest>,
-    uuid: String,
-    ek: &EkDigest,
-) -> Result<Bind, DiskBindingsError> {
-    if let Some(bound) = disks.get(&uuid) {
+/// Checks and records one binding in `store` (in memory).
+fn bind_one(store: &mut Cached, uuid: String, ek: &EkDigest) -> Result<Bind, DiskBindingsError> {
+    if let Some(bound) = store.disks.get(&uuid) {
         return Ok(if bound.ct_eq(ek) {
             Bind::AlreadyBound
         } else {
             Bind::OtherEk(*bound)
         });
     }
-    if disks.values().filter(|e| e.ct_eq(ek)).count() >= MAX_DISKS_PER_EK {
+    let count = store.per_ek.entry(*ek).or_insert(0);
+    if *count >= MAX_DISKS_PER_EK {
         return Ok(Bind::EkFull);
     }
-    if disks.len() >= MAX_DISK_BINDINGS {
+    if store.disks.len() >= MAX_DISK_BINDINGS {
         return Err(DiskBindingsError::Full);
     }
-    disks.insert(uuid, *ek);
+    *count += 1;
+    store.disks.insert(uuid, *ek);
     Ok(Bind::Recorded)
 }
 
-fn lock_bindings() -> std::sync::MutexGuard<'static, ()> {
-    // The guarded data is `()`: a panic while holding the lock leaves
-    // nothing inconsistent behind (the file is replaced atomically).
-    DISK_BINDINGS_LOCK
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+type Stores = HashMap<PathBuf, Cached>;
+
+fn lock_stores() -> std::sync::MutexGuard<'static, Stores> {
+    // A panic while holding the lock can leave a cached store ahead of its
+    // file: the entries are dropped then, so every store is read again.
+    STORES.lock().unwrap_or_else(|poisoned| {
+        let mut guard = poisoned.into_inner();
+        guard.clear();
+        STORES.clear_poison();
+        guard
+    })
 }
 
 /// The UUID in the form the disk key derivation uses (lower case), after
@@ -403,7 +497,7 @@ mod tests {
         let store = Arc::new(DiskBindings::new(dir.path()));
         // The store is busy (its lock held) while a first binding waits for
         // it and the others queue behind.
-        let busy = lock_bindings();
+        let busy = lock_stores();
         let bind = |uuid: String, n: u8| {
             let store = store.clone();
             std::thread::spawn(move || store.bind(&uuid, &ek(n)).unwrap())
@@ -433,6 +527,51 @@ mod tests {
         assert_eq!(reopened.len().unwrap(), 33);
         let stats = store.write_stats();
         assert_eq!((stats.rounds, stats.requests, stats.largest), (2, 34, 33));
+    }
+
+    #[test]
+    fn a_store_changed_behind_the_process_is_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskBindings::new(dir.path());
+        let other = DISK.replace("000a", "000b");
+        assert_eq!(store.bind(DISK, &ek(1)).unwrap(), Bind::Recorded);
+        // A second store over the same directory (the init path's) sees the
+        // binding at once, without a new file stamp.
+        let second = DiskBindings::new(dir.path());
+        assert_eq!(second.bind(DISK, &ek(2)).unwrap(), Bind::OtherEk(ek(1)));
+        assert_eq!(second.bind(&other, &ek(2)).unwrap(), Bind::Recorded);
+        assert_eq!(store.lookup(&other).unwrap(), Some(ek(2)));
+        // An operator restores a file written elsewhere, in place.
+        let restored = format!(
+            "{{\"version\":1,\"disks\":{{\"{DISK}\":\"{}\"}}}}",
+            hex::encode(ek(3).as_bytes())
+        );
+        std::fs::write(store.path(), restored).unwrap();
+        assert_eq!(store.lookup(DISK).unwrap(), Some(ek(3)));
+        assert_eq!(store.lookup(&other).unwrap(), None);
+        assert_eq!(store.bind(DISK, &ek(1)).unwrap(), Bind::OtherEk(ek(3)));
+    }
+
+    #[test]
+    fn a_failed_write_records_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskBindings::new(dir.path());
+        assert_eq!(store.bind(DISK, &ek(1)).unwrap(), Bind::Recorded);
+        // The temp file's name is taken by a directory: the write fails.
+        let temp = dir
+            .path()
+            .join(format!(".{DISK_BINDINGS}.tmp-{}", std::process::id()));
+        std::fs::create_dir(&temp).unwrap();
+        let other = DISK.replace("000a", "000b");
+        assert!(matches!(
+            store.bind(&other, &ek(2)),
+            Err(DiskBindingsError::Write(_))
+        ));
+        assert_eq!(store.lookup(&other).unwrap(), None);
+        assert_eq!(store.len().unwrap(), 1);
+        std::fs::remove_dir(&temp).unwrap();
+        assert_eq!(store.bind(&other, &ek(2)).unwrap(), Bind::Recorded);
+        assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), 2);
     }
 
     #[test]

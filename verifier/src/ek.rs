@@ -278,7 +278,7 @@ fn strip_zeros(v: &[u8]) -> &[u8] {
 /// part of the EK's TPM name (nameAlg SHA-256). Every field of the public
 /// area is covered, the RSA modulus included; the TPM recreates the same
 /// area from its endorsement seed, so the digest is stable across reboots.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct EkDigest([u8; 32]);
 
 impl EkDigest {

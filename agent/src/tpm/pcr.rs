@@ -60,8 +60,7 @@ impl Tpm {
             HashingAlgorithm::Sha256,
             Digest::try_from(digest.to_vec()).map_err(err)?,
         );
-        self.ctx
-            .execute_with_nullauth_session(|c| c.pcr_extend(handle, values))
+        self.with_empty_password(|c| c.pcr_extend(handle, values))
             .map_err(err)
     }
 }

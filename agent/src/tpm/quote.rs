@@ -24,8 +24,7 @@ impl Tpm {
         let selection = sha256_selection(pcrs, TpmError::Quote)?;
         let data = Data::try_from(qualifying_data.to_vec()).map_err(TpmError::Quote)?;
         let (attest, signature) = self
-            .ctx
-            .execute_with_nullauth_session(|c| c.quote(ak, data, SignatureScheme::Null, selection))
+            .with_empty_password(|c| c.quote(ak, data, SignatureScheme::Null, selection))
             .map_err(TpmError::Quote)?;
         Ok(Quote {
             attest: attest.marshall().map_err(|source| TpmError::Marshal {
