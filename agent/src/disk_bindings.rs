@@ -347,7 +347,9 @@ impl StoreFile {
         let read_err = |source| self.read_error(source);
         let file = match std::fs::File::open(&self.path) {
             Ok(file) => file,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((None, BTreeMap::new())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok((None, BTreeMap::new()))
+            }
             Err(e) => return Err(read_err(e)),
         };
         let stamp = Stamp::from_metadata(&file.metadata().map_err(read_err)?);
@@ -384,7 +386,10 @@ impl StoreFile {
     }
 
     /// Replaces the file with `disks`; returns the new file's stamp.
-    fn store(&self, disks: &BTreeMap<String, EkDigest>) -> Result<Option<Stamp>, DiskBindingsError> {
+    fn store(
+        &self,
+        disks: &BTreeMap<String, EkDigest>,
+    ) -> Result<Option<Stamp>, DiskBindingsError> {
         let file = DiskBindingsFile {
             version: DISK_BINDINGS_VERSION,
             disks: disks

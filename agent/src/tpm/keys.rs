@@ -185,7 +185,7 @@ impl Tpm {
             .tr_sess_set_attributes(session, attributes, mask)
             .and_then(|()| {
                 let policy = PolicySession::try_from(session)?;
-                self.ctx.execute_with_nullauth_session(|c| {
+                self.with_empty_password(|c| {
                     c.policy_secret(
                         policy,
                         AuthHandle::Endorsement,

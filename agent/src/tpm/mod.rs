@@ -120,17 +120,19 @@ impl Tpm {
     }
 
     /// Runs `f` with the empty password as the authorisation of its one
-    /// authorised handle. For objects whose auth value is empty (the AK, the
-    /// PCRs): an HMAC session over an empty, unsalted secret is something
-    /// anyone on the TPM's bus can compute too, so it protects nothing more,
-    /// and it costs two extra commands (TPM2_StartAuthSession and
-    /// TPM2_FlushContext) per call. The quote's integrity rests on its
-    /// signature, a PCR's on the extend being recorded in the quote.
+    /// authorised handle. For handles whose auth value is empty (the AK, the
+    /// PCRs, the endorsement hierarchy): an HMAC session keyed by an empty,
+    /// unsalted secret is something anyone on the TPM's bus can compute too,
+    /// so it protects nothing more, and it costs two extra commands
+    /// (TPM2_StartAuthSession and TPM2_FlushContext) per call. A quote's
+    /// integrity rests on its signature, an extend's on the quote that
+    /// covers the PCR, a residency proof on the EK's encryption.
     fn with_empty_password<T>(
         &mut self,
         f: impl FnOnce(&mut Context) -> tss_esapi::Result<T>,
     ) -> tss_esapi::Result<T> {
-        self.ctx.execute_with_session(Some(AuthSession::Password), f)
+        self.ctx
+            .execute_with_session(Some(AuthSession::Password), f)
     }
 
     /// Fails once [`Tpm::shutdown`] ran.
