@@ -40,18 +40,28 @@ fn p95(v: &mut [Duration]) -> Duration {
     v[(v.len() * 95 / 100).min(v.len() - 1)]
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+fn main() {
     let n: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(50);
     let ca = EkCa::new().unwrap();
     let (sw_server, sw_client) = (Swtpm::start(&ca).unwrap(), Swtpm::start(&ca).unwrap());
+    // The runtime, and the servers' tasks with their TPM handles, end
+    // before the swtpm processes do.
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(run(n, &ca, &sw_server, &sw_client));
+}
+
+async fn run(n: usize, ca: &EkCa, sw_server: &Swtpm, sw_client: &Swtpm) {
     let dir = tempfile::tempdir().unwrap();
     let config = NodeConfig::default();
-    let server_issuer = issuer(&sw_server, &dir.path().join("s"), &config);
-    let client_issuer = issuer(&sw_client, &dir.path().join("c"), &config);
+    let server_issuer = issuer(sw_server, &dir.path().join("s"), &config);
+    let client_issuer = issuer(sw_client, &dir.path().join("c"), &config);
     // swtpm: nothing measures into PCRs 4, 9 and 11, they stay zero.
     let m = Measurements::new([
         (4, Expected::enforced([0; 32])),
