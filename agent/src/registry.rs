@@ -9,7 +9,10 @@
 //!
 //! The registry lives on the control plane's state disk
 //! ([`paths::NODE_REGISTRY`] under the node root), written atomically after
-//! every change, so a reboot keeps it. Control planes share it: each pulls
+//! every change, so a reboot keeps it. Changes made while the file is being
+//! written go to disk together in the next write ([`crate::batching`]), so
+//! tickets and evidence checks arriving together share one write instead
+//! of queueing for a write each. Control planes share it: each pulls
 //! the others' registries with its own evidence and merges them
 //! ([`Registry::merge`]: revocations are a union, a node's newest evidence
 //! wins), and `keel revoke` goes to every control plane. One store per file
@@ -21,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::batching::{BatchError, Batcher};
 use crate::disk_bindings::EkDigest;
 use crate::paths;
 
@@ -157,6 +161,10 @@ pub enum RegistryError {
     /// No node matches the selector.
     #[error("no node {0:?} is known to this control plane")]
     UnknownNode(String),
+    /// The write this change shared with others failed (the cause is the
+    /// same for all of them).
+    #[error(transparent)]
+    Shared(Arc<RegistryError>),
 }
 
 /// What a node record is updated with after one evidence check.
@@ -357,9 +365,10 @@ impl Registry {
     /// Takes in another control plane's registry: its revocations join
     /// this list, and each node record it has with newer evidence (or that
     /// this one lacks) replaces this one's. Returns how many revocations
-    /// were new.
-    pub fn merge(&mut self, other: Self) -> usize {
+    /// were new and how many node records were taken.
+    pub fn merge(&mut self, other: Self) -> (usize, usize) {
         let mut added = 0;
+        let mut taken = 0;
         for revocation in other.revoked {
             if self.revoked.len() >= MAX_REVOCATIONS {
                 break;
@@ -376,18 +385,32 @@ impl Registry {
             };
             if newer && key == theirs.ek {
                 self.nodes.insert(key, theirs);
+                taken += 1;
             }
         }
-        added
+        (added, taken)
     }
 }
 
-/// A registry on disk, changed under one lock and written after each change.
-#[derive(Debug)]
+/// A registry on disk, changed under one lock; each change is on disk when
+/// the call that made it returns.
 pub struct RegistryStore {
     path: PathBuf,
-    registry: Mutex<Registry>,
+    registry: Arc<Mutex<Registry>>,
+    /// Writes of the registry as it is when each write starts.
+    writes: Batcher<(), (), RegistryError>,
 }
+
+impl std::fmt::Debug for RegistryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Most changes one write makes durable.
+const MAX_CHANGES_PER_WRITE: usize = 1024;
 
 /// The stores open in this process, by file.
 static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<RegistryStore>>>> = OnceLock::new();
@@ -429,9 +452,21 @@ impl RegistryStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry::default(),
             Err(source) => return Err(RegistryError::Read { path, source }),
         };
+        let registry = Arc::new(Mutex::new(registry));
+        let writes = {
+            let (path, registry) = (path.clone(), registry.clone());
+            Batcher::new(MAX_CHANGES_PER_WRITE, move |changes: Vec<()>| {
+                let _span =
+                    tracing::debug_span!("registry.write", changes = changes.len()).entered();
+                let json = lock(&registry).to_json();
+                crate::files::write_private(&path, &json)?;
+                Ok(changes)
+            })
+        };
         Ok(Self {
             path,
-            registry: Mutex::new(registry),
+            registry,
+            writes,
         })
     }
 
@@ -450,25 +485,57 @@ impl RegistryStore {
         self.lock().revocation(ek, disk_uuid).cloned()
     }
 
-    /// Applies `change` and writes the registry if it succeeded. Blocks on
-    /// the file system.
+    /// Applies `change` and, if it succeeded, writes the registry; blocks on
+    /// the file system. `change` must leave the registry as it found it
+    /// when it fails, as every [`Registry`] method does. A failed write
+    /// fails every change it carried; those changes stay in effect here
+    /// and reach the disk with the next write.
     pub fn update<T>(
         &self,
         change: impl FnOnce(&mut Registry) -> Result<T, RegistryError>,
     ) -> Result<T, RegistryError> {
-        let mut registry = self.lock();
-        let mut next = registry.clone();
-        let out = change(&mut next)?;
-        if next != *registry {
-            crate::files::write_private(&self.path, &next.to_json())?;
-            *registry = next;
-        }
+        let out = change(&mut self.lock())?;
+        self.write()?;
         Ok(out)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
-        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Takes in another control plane's registry ([`Registry::merge`]);
+    /// writes only if anything changed. Returns how many revocations were
+    /// new.
+    pub fn merge(&self, theirs: Registry) -> Result<usize, RegistryError> {
+        let (added, taken) = self.lock().merge(theirs);
+        if added + taken > 0 {
+            self.write()?;
+        }
+        Ok(added)
     }
+
+    /// Writes the registry as it is now, with every change that comes
+    /// before the write starts.
+    fn write(&self) -> Result<(), RegistryError> {
+        match self.writes.submit(()) {
+            Ok(()) => Ok(()),
+            // Alone in its write, the caller gets the cause itself.
+            Err(BatchError::Failed(shared)) => {
+                Err(Arc::try_unwrap(shared).unwrap_or_else(RegistryError::Shared))
+            }
+            Err(BatchError::Abandoned) => Err(RegistryError::Task),
+        }
+    }
+
+    /// How many writes made how many changes durable.
+    pub fn write_stats(&self) -> crate::batching::BatchStats {
+        self.writes.stats()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
+        lock(&self.registry)
+    }
+}
+
+fn lock(registry: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
+    // Every change leaves the registry whole or as it was (see `update`).
+    registry.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]
@@ -525,10 +592,10 @@ mod tests {
         // Another control plane's list: revocations join, newer evidence wins.
         let mut other = Registry::default();
         other.record(&evidence(2, None)).unwrap();
-        let added = other.merge(r.clone());
-        assert_eq!(added, 1);
+        assert_eq!(other.merge(r.clone()), (1, 1));
         assert!(other.revocation(&ek(1), "").is_some());
         assert_eq!(other.nodes.len(), 2);
+        assert_eq!(other.merge(r.clone()), (0, 0));
         let bytes = other.to_json();
         assert_eq!(Registry::parse(&bytes).unwrap(), other);
     }
@@ -549,5 +616,62 @@ mod tests {
         std::fs::write(&path, b"{not json").unwrap();
         drop(again);
         assert!(RegistryStore::shared(dir.path()).is_err());
+    }
+
+    #[test]
+    fn concurrent_changes_are_each_on_disk_when_their_call_returns() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        let threads: Vec<_> = (0..48u8)
+            .map(|n| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    store
+                        .update(|r| r.register(&ek(n), "", &format!("w-{n}"), "worker"))
+                        .unwrap();
+                    let on_disk = Registry::parse(&std::fs::read(store.path()).unwrap()).unwrap();
+                    assert!(on_disk.find(&format!("w-{n}")).is_ok(), "w-{n} not on disk");
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let stats = store.write_stats();
+        assert_eq!(stats.requests, 48);
+        assert!(stats.rounds <= 48);
+        let on_disk = Registry::parse(&std::fs::read(store.path()).unwrap()).unwrap();
+        assert_eq!(on_disk.nodes.len(), 48);
+        assert_eq!(on_disk, store.snapshot());
+    }
+
+    #[test]
+    fn a_failed_write_fails_the_change_and_the_next_write_carries_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        store.update(|r| r.record(&evidence(1, None))).unwrap();
+        // The temp file's name is taken by a directory: the write fails.
+        let path = store.path().to_owned();
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let temp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+        std::fs::create_dir(&temp).unwrap();
+        let failed = store.update(|r| r.record(&evidence(2, None)));
+        assert!(matches!(failed, Err(RegistryError::Write(_))), "{failed:?}");
+        let on_disk = || Registry::parse(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(on_disk().nodes.len(), 1);
+        // Still in effect here, and written with the next change.
+        assert_eq!(store.snapshot().nodes.len(), 2);
+        std::fs::remove_dir(&temp).unwrap();
+        store.update(|r| r.record(&evidence(3, None))).unwrap();
+        assert_eq!(on_disk().nodes.len(), 3);
+        // A merge that brings nothing does not write.
+        let rounds = store.write_stats().rounds;
+        assert_eq!(store.merge(store.snapshot()).unwrap(), 0);
+        assert_eq!(store.write_stats().rounds, rounds);
+        let mut theirs = Registry::default();
+        theirs.record(&evidence(4, None)).unwrap();
+        assert_eq!(store.merge(theirs).unwrap(), 0);
+        assert_eq!(store.write_stats().rounds, rounds + 1);
+        assert_eq!(on_disk().nodes.len(), 4);
     }
 }

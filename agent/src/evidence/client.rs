@@ -227,7 +227,7 @@ impl Session {
             .registry;
         let theirs = Registry::parse(&bytes).map_err(EvidenceClientError::Registry)?;
         let added = registry
-            .update(|r| Ok(r.merge(theirs)))
+            .merge(theirs)
             .map_err(EvidenceClientError::Registry)?;
         if added > 0 {
             tracing::info!(added, "revocations taken from another control plane");
