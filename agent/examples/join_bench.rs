@@ -17,10 +17,15 @@
 //! members' AKs are proven resident once, at their first handshake, and
 //! cached by the service like any verifier's.
 //!
-//! The breakdown after each level sums the agent's tracing spans over the
-//! level (both sides: the service and the clients run in this process) and
-//! divides by the tickets: time inside each operation, not CPU time, so on
-//! a loaded machine it includes waiting for a core.
+//! The service runs on its own runtime (threads `keel-service`), the
+//! clients on another (`keel-client`), each with two workers, as two
+//! processes would. After each level the bench prints the CPU time per
+//! ticket of each party: the service's threads, the clients' threads, the
+//! service's swtpm, the members' swtpms, and the kubeadm runs (children
+//! that ended). The breakdown after it sums the agent's tracing spans over
+//! the level (both sides) and divides by the tickets: time inside each
+//! operation, not CPU time, so on a loaded machine it includes waiting for
+//! a core.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 #[path = "../tests/join_common/mod.rs"]
@@ -55,6 +60,102 @@ fn cpu_jiffies() -> (u64, u64) {
     let total: u64 = fields.iter().take(8).sum();
     let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
     (total - idle, total)
+}
+
+/// CPU time so far, in ns, of the parties of a level.
+#[derive(Clone, Copy, Default)]
+struct PartyCpu {
+    service: u64,
+    clients: u64,
+    other_threads: u64,
+    service_tpm: u64,
+    member_tpms: u64,
+    /// Children that ended and were waited for: the kubeadm runs.
+    ended_children: u64,
+}
+
+impl PartyCpu {
+    /// Reads this process's threads and the given swtpm processes. A
+    /// thread that ended takes its time with it: the runtimes keep theirs
+    /// (blocking threads live 10 s after their last task).
+    fn now(service_tpm: Option<u32>, member_tpms: &[Option<u32>]) -> Self {
+        let mut cpu = Self::default();
+        if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+            for task in tasks.flatten() {
+                let Some(tid) = task
+                    .file_name()
+                    .to_str()
+                    .and_then(|t| t.parse::<i32>().ok())
+                else {
+                    continue;
+                };
+                let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+                // CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED of thread `tid`.
+                let ns = cpu_clock_ns((!tid << 3) | 6);
+                match comm.trim_end() {
+                    "keel-service" => cpu.service += ns,
+                    "keel-client" => cpu.clients += ns,
+                    _ => cpu.other_threads += ns,
+                }
+            }
+        }
+        // CPUCLOCK_SCHED of process `pid`.
+        let process = |pid: u32| i32::try_from(pid).map_or(0, |pid| cpu_clock_ns((!pid << 3) | 2));
+        cpu.service_tpm = service_tpm.map_or(0, process);
+        cpu.member_tpms = member_tpms.iter().flatten().map(|&p| process(p)).sum();
+        cpu.ended_children = ended_children_ns();
+        cpu
+    }
+
+    /// Prints `self - before` per ticket, in ms.
+    fn print_since(&self, before: &Self, tickets: usize) {
+        let per = |after: u64, before: u64| {
+            after.saturating_sub(before) as f64 / 1e6 / tickets.max(1) as f64
+        };
+        let parts = [
+            ("service threads", per(self.service, before.service)),
+            ("client threads", per(self.clients, before.clients)),
+            ("service swtpm", per(self.service_tpm, before.service_tpm)),
+            ("member swtpms", per(self.member_tpms, before.member_tpms)),
+            (
+                "kubeadm runs",
+                per(self.ended_children, before.ended_children),
+            ),
+            (
+                "other threads",
+                per(self.other_threads, before.other_threads),
+            ),
+        ];
+        let total: f64 = parts.iter().map(|p| p.1).sum();
+        let shown: Vec<String> = parts
+            .iter()
+            .map(|(name, ms)| format!("{name} {ms:.2}"))
+            .collect();
+        println!(
+            "    CPU per ticket, ms: {}; in all {total:.2}",
+            shown.join(", ")
+        );
+    }
+}
+
+/// The time on the CPU clock `clock` (a thread's or a process's scheduler
+/// clock, exact to the ns, unlike `/proc`'s clock ticks), 0 if it is gone.
+fn cpu_clock_ns(clock: i32) -> u64 {
+    // An unknown clock (an ended thread or process) fails with EINVAL.
+    nix::time::clock_gettime(nix::time::ClockId::from_raw(clock)).map_or(0, |t| {
+        t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+    })
+}
+
+/// The CPU time of this process's children that ended and were waited for.
+fn ended_children_ns() -> u64 {
+    use nix::sys::resource::{getrusage, UsageWho};
+    getrusage(UsageWho::RUSAGE_CHILDREN).map_or(0, |usage| {
+        let ns = |t: nix::sys::time::TimeVal| {
+            t.tv_sec() as u64 * 1_000_000_000 + t.tv_usec() as u64 * 1_000
+        };
+        ns(usage.user_time()) + ns(usage.system_time())
+    })
 }
 
 /// The loopback address client `i` connects from: the service bounds
@@ -233,6 +334,10 @@ const BREAKDOWN: &[(&str, &str)] = &[
         "join.seal",
         "  sealing the secrets to the node's TPM (service)",
     ),
+    (
+        "registry.write",
+        "  node registry: durable write, per round (service)",
+    ),
 ];
 
 fn print_breakdown(totals: &BTreeMap<&'static str, SpanTotal>, tickets: usize) {
@@ -250,8 +355,29 @@ fn print_breakdown(totals: &BTreeMap<&'static str, SpanTotal>, tickets: usize) {
     }
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+/// A runtime with two workers whose threads (blocking ones included) are
+/// called `name`.
+fn runtime(name: &str) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(name)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn main() {
+    let service_runtime = runtime("keel-service");
+    let client_runtime = runtime("keel-client");
+    let service = client_runtime.block_on(run(&service_runtime));
+    // The clients' tasks end with their runtime, then the service's, and
+    // then its swtpm.
+    drop(client_runtime);
+    drop(service_runtime);
+    drop(service);
+}
+
+async fn run(service_runtime: &tokio::runtime::Runtime) -> join_common::Service {
     let per_level: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
@@ -274,9 +400,16 @@ async fn main() {
         )
         .init();
     join_common::STANDIN.set(build_standin()).unwrap();
-    let ca = EkCa::new().unwrap();
+    let ca = Arc::new(EkCa::new().unwrap());
     let port = join_common::free_port();
-    let service = join_common::start_service(&ca, port).await;
+    let service = {
+        let ca = ca.clone();
+        service_runtime
+            .spawn(async move { join_common::start_service(&ca, port).await })
+            .await
+            .unwrap()
+    };
+    let service_tpm = service.swtpm_pid();
     // Enough members that none has more disks than the service binds to
     // one EK (the warm-up ticket included).
     let members_per_level = 4.max((per_level + 8).div_ceil(MAX_DISKS_PER_EK - 1));
@@ -294,6 +427,7 @@ async fn main() {
                 (m.tickets(&ca), m)
             })
             .collect();
+        let member_tpms: Vec<Option<u32>> = members.iter().map(|(_, m)| m.swtpm_pid()).collect();
         let members = Arc::new(members);
         // Warm-up: one ticket per member, outside the figures.
         for (tickets, m) in members.iter() {
@@ -314,6 +448,7 @@ async fn main() {
         let latencies = Arc::new(Mutex::new(Vec::with_capacity(per_level)));
         let start = Instant::now();
         let cpu_before = cpu_jiffies();
+        let parties_before = PartyCpu::now(service_tpm, &member_tpms);
         let tasks: Vec<_> = (0..clients)
             .map(|client| {
                 let (members, remaining, latencies) =
@@ -367,6 +502,7 @@ async fn main() {
         let cpu_after = cpu_jiffies();
         let busy = (cpu_after.0 - cpu_before.0) as f64 / (cpu_after.1 - cpu_before.1).max(1) as f64
             * 100.0;
+        let parties = PartyCpu::now(service_tpm, &member_tpms);
         let totals = timings.take();
         let mut l = latencies.lock().await.clone();
         l.sort();
@@ -377,14 +513,16 @@ async fn main() {
         println!(
             "\n{clients} clients: {rate:.1} tickets/s, median {p50:.1?}, p95 {p95:.1?}; \
              {} documents from {} quotes (at most {} in one), {} tokens in {} kubeadm runs, \
-             {} disk binding writes; CPUs {busy:.0}% busy (all processes)",
+             {} disk binding writes, {} registry writes; CPUs {busy:.0}% busy (all processes)",
             quotes.leaves,
             quotes.count,
             quotes.most_leaves,
             count("join.token"),
             count("kubeadm.token_create"),
             count("join.disk_binding"),
+            count("registry.write"),
         );
+        parties.print_since(&parties_before, l.len());
         print_breakdown(&totals, l.len());
         summary.push((clients, rate, p50, p95));
     }
@@ -397,4 +535,5 @@ async fn main() {
         println!("100 clients / 1 client: {:.1}x", hundred / one);
     }
     println!("tokens registered: {}", service.registered_tokens().len());
+    service
 }

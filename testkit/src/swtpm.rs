@@ -177,6 +177,11 @@ impl Swtpm {
         Self::start_with_state(state)
     }
 
+    /// The swtpm process's ID, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
     /// Kills the swtpm process with SIGKILL: no TPM2_Shutdown, no control
     /// channel, as when the VM holding the TPM is killed. Only what the TPM
     /// had already written to its NV state survives.

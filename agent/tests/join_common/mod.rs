@@ -161,6 +161,13 @@ pub struct Service {
     _swtpm: Swtpm,
 }
 
+impl Service {
+    /// The process ID of its swtpm.
+    pub fn swtpm_pid(&self) -> Option<u32> {
+        self._swtpm.pid()
+    }
+}
+
 impl Drop for Service {
     fn drop(&mut self) {
         self.task.abort();
@@ -400,7 +407,9 @@ async fn start_service_node(
         dir.path().join("work"),
     )
     .unwrap()
-    .following(&slot);
+    .following(&slot)
+    // As on a control plane: each ticket is recorded in the node registry.
+    .with_registry(keel_agent::registry::RegistryStore::shared(&root).unwrap());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let task = tokio::spawn({
         let (tpm, policy) = (tpm.clone(), policy.clone());
@@ -444,6 +453,13 @@ pub struct Member {
     pub tpm: SharedTpm,
     _dir: tempfile::TempDir,
     _swtpm: Swtpm,
+}
+
+impl Member {
+    /// The process ID of its swtpm.
+    pub fn swtpm_pid(&self) -> Option<u32> {
+        self._swtpm.pid()
+    }
 }
 
 /// A fresh member `name` of the cluster whose join service is on `port`.
