@@ -510,6 +510,21 @@ impl RegistryStore {
         Ok(added)
     }
 
+    /// Marks silent the nodes [`Registry::mark_silent`] finds; writes only
+    /// if it found any. Returns them.
+    pub fn mark_silent(
+        &self,
+        now: u64,
+        grace: Duration,
+        since: u64,
+    ) -> Result<Vec<NodeRecord>, RegistryError> {
+        let marked = self.lock().mark_silent(now, grace, since);
+        if !marked.is_empty() {
+            self.write()?;
+        }
+        Ok(marked)
+    }
+
     /// Writes the registry as it is now, with every change that comes
     /// before the write starts.
     fn write(&self) -> Result<(), RegistryError> {
@@ -673,5 +688,15 @@ mod tests {
         assert_eq!(store.merge(theirs).unwrap(), 0);
         assert_eq!(store.write_stats().rounds, rounds + 1);
         assert_eq!(on_disk().nodes.len(), 4);
+        // Nor does a sweep that finds nobody silent.
+        let grace = Duration::from_secs(60);
+        assert!(store.mark_silent(now(), grace, 0).unwrap().is_empty());
+        assert_eq!(store.write_stats().rounds, rounds + 1);
+        assert_eq!(store.mark_silent(now() + 120, grace, 0).unwrap().len(), 4);
+        assert_eq!(store.write_stats().rounds, rounds + 2);
+        assert!(on_disk()
+            .nodes
+            .values()
+            .all(|n| n.verdict == Verdict::Silent));
     }
 }

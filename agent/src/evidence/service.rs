@@ -321,10 +321,12 @@ impl EvidenceService {
             failure,
         };
         let (previous, record) = self
-            .store(move |r| {
-                let previous = r.record(&evidence)?;
-                let record = r.nodes.get(&evidence.ek.to_string()).cloned();
-                Ok((previous, record))
+            .store(move |s| {
+                s.update(|r| {
+                    let previous = r.record(&evidence)?;
+                    let record = r.nodes.get(&evidence.ek.to_string()).cloned();
+                    Ok((previous, record))
+                })
             })
             .await?;
         let Some(record) = record else {
@@ -357,7 +359,9 @@ impl EvidenceService {
             record.reason.as_deref().unwrap_or("")
         );
         let record = record.clone();
-        let revocation = self.store(move |r| r.revoke(&record, &reason)).await?;
+        let revocation = self
+            .store(move |s| s.update(|r| r.revoke(&record, &reason)))
+            .await?;
         tracing::warn!(%revocation, "node revoked by policy");
         Ok(())
     }
@@ -368,7 +372,7 @@ impl EvidenceService {
         let grace = self.inner.config.interval() * SILENT_AFTER;
         let since = self.inner.started;
         let marked = self
-            .store(move |r| Ok(r.mark_silent(registry::now(), grace, since)))
+            .store(move |s| s.mark_silent(registry::now(), grace, since))
             .await?;
         for record in &marked {
             tracing::warn!(
@@ -405,12 +409,14 @@ impl EvidenceService {
         }
     }
 
+    /// Runs `op` on the registry store on a blocking thread (it writes
+    /// the file).
     async fn store<T: Send + 'static>(
         &self,
-        change: impl FnOnce(&mut registry::Registry) -> Result<T, RegistryError> + Send + 'static,
+        op: impl FnOnce(&RegistryStore) -> Result<T, RegistryError> + Send + 'static,
     ) -> Result<T, EvidenceError> {
         let registry = self.inner.registry.clone();
-        tokio::task::spawn_blocking(move || registry.update(change))
+        tokio::task::spawn_blocking(move || op(&registry))
             .await
             .map_err(|_| EvidenceError::Registry(RegistryError::Task))?
             .map_err(EvidenceError::Registry)
