@@ -5,7 +5,8 @@
 //! (levels default to 1, 10 and 100 clients)
 //!
 //! One join service (its own swtpm, stand-in kubeadm registering the
-//! tickets' bootstrap tokens) and, per level, 4 fresh swtpm-backed members;
+//! tickets' bootstrap tokens, a node registry recording each ticket as on a
+//! control plane) and, per level, 4 fresh swtpm-backed members;
 //! tickets go to the members in turn, so 100 clients share 4 TPMs (and one
 //! EK never has more disks bound than the service allows). Every request is
 //! a full mutual aTLS handshake (a fresh quote on each side, each covering
