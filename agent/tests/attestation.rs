@@ -1,11 +1,11 @@
 //! Attestation documents issued by a node's swtpm and judged by the validator.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod join_common;
+
 use std::collections::BTreeMap;
 
-use keel_agent::attestation::issuer::TpmIssuer;
-use keel_agent::measured::MeasuredTpm;
-use keel_agent::tpm::{TctiSpec, Tpm};
+use join_common::{issuing_node_on, IssuingNode as Node};
 use keel_proto::attestation::AttestationDocument;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
@@ -16,35 +16,19 @@ use keel_verifier::quote::QuoteError;
 use keel_verifier::validator::{ValidationError, Validator};
 use prost::Message;
 
-struct Node {
-    issuer: TpmIssuer,
-    config: NodeConfig,
-    _dir: tempfile::TempDir,
-    _swtpm: Swtpm,
-}
-
 fn node(ca: &EkCa) -> Node {
-    let swtpm = Swtpm::start(ca).unwrap();
-    node_on(swtpm)
+    node_on(Swtpm::start(ca).unwrap())
 }
 
+/// An issuing node on `swtpm` that also recorded its identity.
 fn node_on(swtpm: Swtpm) -> Node {
-    let dir = tempfile::tempdir().unwrap();
-    let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
-    let mut measured = MeasuredTpm::open(tpm, &dir.path().join("log")).unwrap();
-    let config = NodeConfig::parse(br#"{"node":{"name":"n1"}}"#, "t".as_ref()).unwrap();
-    measured
-        .record(EventType::NodeConfig, "config", config.cluster_bytes())
+    let n = issuing_node_on(swtpm, None);
+    n.tpm
+        .lock()
+        .unwrap()
+        .record(EventType::NodeIdentity, "identity", n.config.node_bytes())
         .unwrap();
-    measured
-        .record(EventType::NodeIdentity, "identity", config.node_bytes())
-        .unwrap();
-    Node {
-        _swtpm: swtpm,
-        _dir: dir,
-        issuer: TpmIssuer::new(measured.shared()),
-        config,
-    }
+    n
 }
 
 /// What a swtpm node with `config` measures, all enforced: PCRs 4, 9 and

@@ -784,7 +784,11 @@ pub struct IssuingNode {
 
 /// Starts an [`IssuingNode`] on a fresh swtpm of `ca`.
 pub fn issuing_node(ca: &EkCa, cpu: Option<Arc<dyn CpuReporter>>) -> IssuingNode {
-    let swtpm = Swtpm::start(ca).unwrap();
+    issuing_node_on(Swtpm::start(ca).unwrap(), cpu)
+}
+
+/// Starts an [`IssuingNode`] on `swtpm`.
+pub fn issuing_node_on(swtpm: Swtpm, cpu: Option<Arc<dyn CpuReporter>>) -> IssuingNode {
     let dir = tempfile::tempdir().unwrap();
     let tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
     let mut measured = MeasuredTpm::open(tpm, &dir.path().join("log")).unwrap();
