@@ -36,6 +36,18 @@ pub enum BatchError<E: std::error::Error + 'static> {
     Abandoned,
 }
 
+impl<E: std::error::Error + 'static> BatchError<E> {
+    /// The error to give the request's caller: the round's own error when
+    /// the request was alone in it, else `shared` of the error it shares
+    /// with the others; `abandoned` when the round left it without a result.
+    pub fn into_cause(self, shared: impl FnOnce(Arc<E>) -> E, abandoned: E) -> E {
+        match self {
+            Self::Failed(e) => Arc::try_unwrap(e).unwrap_or_else(shared),
+            Self::Abandoned => abandoned,
+        }
+    }
+}
+
 impl<E: std::error::Error + 'static> Clone for BatchError<E> {
     fn clone(&self) -> Self {
         match self {

@@ -22,7 +22,7 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::batching::{BatchError, Batcher};
+use crate::batching::Batcher;
 use crate::files::WriteFileError;
 pub use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::DiskKeyIdError;
@@ -269,14 +269,9 @@ impl DiskBindings {
     /// in the next one, in the order they were asked for.
     pub fn bind(&self, uuid: &str, ek: &EkDigest) -> Result<Bind, DiskBindingsError> {
         let uuid = normalise_uuid(uuid)?;
-        match self.binds.submit((uuid, *ek)) {
-            Ok(result) => result,
-            // Alone in its round, the caller gets the cause itself.
-            Err(BatchError::Failed(shared)) => {
-                Err(Arc::try_unwrap(shared).unwrap_or_else(DiskBindingsError::Shared))
-            }
-            Err(BatchError::Abandoned) => Err(DiskBindingsError::Task),
-        }
+        self.binds
+            .submit((uuid, *ek))
+            .map_err(|e| e.into_cause(DiskBindingsError::Shared, DiskBindingsError::Task))?
     }
 }
 
@@ -316,15 +311,14 @@ impl StoreFile {
     /// wrote if the file is still the one it left, else the file's.
     fn current<'a>(&self, stores: &'a mut Stores) -> Result<&'a mut Cached, DiskBindingsError> {
         let stamp = Stamp::of(&self.path).map_err(|source| self.read_error(source))?;
-        let fresh = stores.get(&self.path).is_some_and(|c| c.stamp == stamp);
-        if !fresh {
-            stores.remove(&self.path);
-            let (stamp, disks) = self.load()?;
-            stores.insert(self.path.clone(), Cached::new(stamp, disks));
-        }
-        stores
-            .get_mut(&self.path)
-            .ok_or_else(|| self.corrupt("vanished from the cache"))
+        let cached = match stores.remove(&self.path) {
+            Some(cached) if cached.stamp == stamp => cached,
+            _ => {
+                let (stamp, disks) = self.load()?;
+                Cached::new(stamp, disks)
+            }
+        };
+        Ok(stores.entry(self.path.clone()).or_insert(cached))
     }
 
     fn read_error(&self, source: std::io::Error) -> DiskBindingsError {

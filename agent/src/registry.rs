@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::batching::{BatchError, Batcher};
+use crate::batching::Batcher;
 use crate::disk_bindings::EkDigest;
 use crate::paths;
 
@@ -528,14 +528,9 @@ impl RegistryStore {
     /// Writes the registry as it is now, with every change that comes
     /// before the write starts.
     fn write(&self) -> Result<(), RegistryError> {
-        match self.writes.submit(()) {
-            Ok(()) => Ok(()),
-            // Alone in its write, the caller gets the cause itself.
-            Err(BatchError::Failed(shared)) => {
-                Err(Arc::try_unwrap(shared).unwrap_or_else(RegistryError::Shared))
-            }
-            Err(BatchError::Abandoned) => Err(RegistryError::Task),
-        }
+        self.writes
+            .submit(())
+            .map_err(|e| e.into_cause(RegistryError::Shared, RegistryError::Task))
     }
 
     /// How many writes made how many changes durable.
