@@ -1,9 +1,9 @@
 //! A test-only AMD-like root of trust, generated per test: an ARK and an
 //! ASK (RSA, RSASSA-PSS with SHA-384 as AMD signs), a VCEK (P-384) with
 //! AMD's hwID and TCB extensions, and SEV-SNP reports (version 2, Milan
-//! TCB layout) signed by that VCEK. A verifier configured with
-//! [`TestAmd::roots_pem`] as its roots checks them exactly as it checks
-//! AMD's; the pinned AMD roots refuse them.
+//! TCB layout) signed by that VCEK, and CRLs signed by the ARK as AMD signs
+//! its own. A verifier configured with [`TestAmd::roots_pem`] as its roots
+//! checks them exactly as it checks AMD's; the pinned AMD roots refuse them.
 
 use p384::ecdsa::signature::hazmat::PrehashSigner as _;
 use rand::rngs::OsRng;
@@ -136,6 +136,9 @@ pub struct ReportFields {
 /// A generated AMD-like chain and the chip whose VCEK it certifies.
 pub struct TestAmd {
     roots_pem: String,
+    ark: RsaPss,
+    ark_params: CertificateParams,
+    ask_der: Vec<u8>,
     vcek_der: Vec<u8>,
     vcek: p384::ecdsa::SigningKey,
     chip_id: [u8; 64],
@@ -144,20 +147,28 @@ pub struct TestAmd {
 
 impl TestAmd {
     /// Generates ARK, ASK and a VCEK for a random chip with TCB
-    /// bootloader 3, TEE 0, SNP 8, microcode 115.
+    /// bootloader 3, TEE 0, SNP 8, microcode 115, for the product line
+    /// `Test` (`ARK-Test`, `SEV-Test`).
     pub fn new() -> Result<Self, AmdError> {
+        Self::for_line("Test")
+    }
+
+    /// As [`TestAmd::new`], with AMD's names for the product line `line`
+    /// (`ARK-Milan`, `SEV-Milan`): a look-alike of AMD's chain that only
+    /// its keys tell apart.
+    pub fn for_line(line: &str) -> Result<Self, AmdError> {
         let tcb = [3, 0, 8, 115];
         let mut chip_id = [0u8; 64];
         rand::RngCore::fill_bytes(&mut OsRng, &mut chip_id);
 
         let ark = RsaPss::generate()?;
-        let ark_params = ca_params("ARK-Test")?;
+        let ark_params = ca_params(&format!("ARK-{line}"))?;
         let ark_der = pss(ark_params.self_signed(&ark)?.der().to_vec());
 
         let ask = RsaPss::generate()?;
-        let ask_params = ca_params("SEV-Test")?;
+        let ask_params = ca_params(&format!("SEV-{line}"))?;
         let ask_der = pss(ask_params
-            .signed_by(&ask, &Issuer::new(ark_params, &ark))?
+            .signed_by(&ask, &Issuer::new(ark_params.clone(), &ark))?
             .der()
             .to_vec());
 
@@ -192,6 +203,9 @@ impl TestAmd {
             .to_vec());
         Ok(Self {
             roots_pem: format!("{}{}", certificate_pem(&ask_der), certificate_pem(&ark_der)),
+            ark,
+            ark_params,
+            ask_der,
             vcek_der,
             vcek,
             chip_id,
@@ -207,6 +221,40 @@ impl TestAmd {
     /// The VCEK, DER.
     pub fn vcek_der(&self) -> &[u8] {
         &self.vcek_der
+    }
+
+    /// The ASK, DER.
+    pub fn ask_der(&self) -> &[u8] {
+        &self.ask_der
+    }
+
+    /// A CRL of the ARK revoking the certificates with the serial numbers
+    /// (DER integer contents) in `revoked`, valid from `this_update` to
+    /// `next_update`, signed by the ARK with RSASSA-PSS SHA-384.
+    pub fn crl(
+        &self,
+        revoked: &[Vec<u8>],
+        this_update: time::OffsetDateTime,
+        next_update: time::OffsetDateTime,
+    ) -> Result<Vec<u8>, AmdError> {
+        let params = rcgen::CertificateRevocationListParams {
+            this_update,
+            next_update,
+            crl_number: rcgen::SerialNumber::from(1u64),
+            issuing_distribution_point: None,
+            revoked_certs: revoked
+                .iter()
+                .map(|serial| rcgen::RevokedCertParams {
+                    serial_number: rcgen::SerialNumber::from_slice(serial),
+                    revocation_time: this_update,
+                    reason_code: None,
+                    invalidity_date: None,
+                })
+                .collect(),
+            key_identifier_method: rcgen::KeyIdMethod::Sha256,
+        };
+        let issuer = Issuer::new(self.ark_params.clone(), &self.ark);
+        Ok(pss(params.signed_by(&issuer)?.der().to_vec()))
     }
 
     /// The TCB the VCEK certifies: bootloader, TEE, SNP, microcode.

@@ -1,15 +1,15 @@
 //! AMD's Key Distribution Service: the VCEK that signed a SEV-SNP report
 //! (named by chip and reported TCB), the product line's ASK/ARK chain and
-//! its CRL. The chain must be the one pinned in `keel-verifier`, and the
-//! VCEK must verify the report against those pinned roots before anything
-//! is written.
+//! its CRL. The chain must be the one pinned in `keel-verifier`, the VCEK
+//! must verify the report against those pinned roots, and the CRL must be
+//! the ARK's, signed by it, current, and revoke neither the ASK nor the
+//! VCEK (the verifier's own check) before anything is written.
 
 use keel_verifier::cpu::binding::HclReport;
-use keel_verifier::cpu::collateral::{snp_certificate_path, MAX_COLLATERAL_BYTES};
-use keel_verifier::cpu::snp::{self, AmdRoots, SnpError, PINNED};
+use keel_verifier::cpu::collateral::{snp_certificate_path, snp_crl_path, MAX_COLLATERAL_BYTES};
+use keel_verifier::cpu::snp::{self, AmdRoots, SnpError};
 use keel_verifier::cpu::{BindingError, MAX_CERTIFICATE_BYTES};
 use x509_parser::prelude::{FromDer as _, X509Certificate};
-use x509_parser::revocation_list::CertificateRevocationList;
 
 use super::http::{Http, HttpError};
 use super::CacheFile;
@@ -104,32 +104,22 @@ pub enum KdsError {
     /// The VCEK does not verify the report against the pinned roots.
     #[error("the fetched VCEK does not verify the report against AMD's pinned roots")]
     Vcek(#[source] SnpError),
-    /// The CRL is malformed, from another issuer, or past its next update.
-    #[error("{product} CRL: {reason}")]
-    Crl {
-        /// The product line.
-        product: &'static str,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The CRL lists the VCEK.
-    #[error("{product} CRL revokes the VCEK (serial {serial})")]
-    Revoked {
-        /// The product line.
-        product: &'static str,
-        /// The VCEK's serial (hex).
-        serial: String,
-    },
+    /// AMD's CRL is not the ARK's (its issuer or its signature), is not
+    /// current, or revokes the ASK or the VCEK.
+    #[error(transparent)]
+    Crl(SnpError),
 }
 
 /// Fetches what the cache needs for `evidence` (a raw SNP report or an Azure
-/// HCL report) from the KDS at `base`, checked at `now`.
+/// HCL report) from the KDS at `base`, checked at `now` against `roots`
+/// (PEM bundles of an ASK and its ARK: [`snp::PINNED`] but in tests).
 pub async fn fetch(
     http: &Http,
     base: &str,
     evidence: &[u8],
     product: Option<Product>,
     now: u64,
+    roots: &[&str],
 ) -> Result<Vec<CacheFile>, KdsError> {
     let raw = if evidence.starts_with(b"HCLA") {
         HclReport::parse(evidence).map_err(KdsError::Hcl)?.report
@@ -202,20 +192,29 @@ pub async fn fetch(
     let max_crl = usize::try_from(MAX_COLLATERAL_BYTES).unwrap_or(usize::MAX);
     let crl = super::get(http, "CRL", &crl_url, max_crl).await?.body;
 
-    let pinned = pinned_chain(product, &chain)?;
-    snp::verify_signed(raw, &report, &vcek, &AmdRoots::pinned(), now).map_err(KdsError::Vcek)?;
+    pinned_chain(product, &chain, roots)?;
+    let trusted =
+        AmdRoots::from_pem_bundles(&roots.iter().map(|r| r.as_bytes()).collect::<Vec<_>>());
+    snp::verify_signed(raw, &report, &vcek, &trusted, now).map_err(KdsError::Vcek)?;
     eprintln!("keel: the VCEK verifies the report against AMD's pinned {name} roots");
-    check_crl(product, &crl, &pinned, &vcek, now)?;
+    let revoked = snp::check_revocation(&crl, &vcek, &trusted, now).map_err(KdsError::Crl)?;
+    eprintln!(
+        "keel: the {name} CRL is the ARK's, current, and names {revoked} revoked certificates, \
+         neither the ASK nor this VCEK"
+    );
+    let crl_path = snp_crl_path(name).ok_or(KdsError::ProductUnknown {
+        version: report.version,
+    })?;
 
     Ok(vec![
         CacheFile::new(vcek_path, vcek),
         CacheFile::new(format!("snp/{name}/cert_chain.pem"), chain),
-        CacheFile::new(format!("snp/{name}/crl.der"), crl),
+        CacheFile::new(crl_path, crl),
     ])
 }
 
-/// The served chain as DER (ASK, ARK), which must equal the pinned one.
-fn pinned_chain(product: Product, served: &[u8]) -> Result<Vec<Vec<u8>>, KdsError> {
+/// The served chain as DER (ASK, ARK), which must equal one of `roots`.
+fn pinned_chain(product: Product, served: &[u8], roots: &[&str]) -> Result<(), KdsError> {
     let ders = |pem: &[u8]| -> Vec<Vec<u8>> {
         x509_parser::pem::Pem::iter_from_buffer(pem)
             .filter_map(Result::ok)
@@ -236,10 +235,11 @@ fn pinned_chain(product: Product, served: &[u8]) -> Result<Vec<Vec<u8>>, KdsErro
             })
             .unwrap_or(false)
     };
-    PINNED
+    roots
         .iter()
         .map(|pem| ders(pem.as_bytes()))
         .find(|pinned| is_product(pinned) && *pinned == served)
+        .map(drop)
         .ok_or_else(|| KdsError::Chain {
             product: product.name(),
             actual: describe(&served),
@@ -261,55 +261,140 @@ fn describe(chain: &[Vec<u8>]) -> String {
         .join(", then ")
 }
 
-/// The CRL must parse, be issued by the ARK, be current, and not list the
-/// VCEK. Its RSA-PSS signature is not checked here (nothing reads the CRL
-/// while verifying; see the collateral docs).
-fn check_crl(
-    product: Product,
-    crl: &[u8],
-    pinned: &[Vec<u8>],
-    vcek: &[u8],
-    now: u64,
-) -> Result<(), KdsError> {
-    let bad = |reason: String| KdsError::Crl {
-        product: product.name(),
-        reason,
-    };
-    let (_, crl) = CertificateRevocationList::from_der(crl)
-        .map_err(|e| bad(format!("does not parse: {e}")))?;
-    let ark = pinned
-        .get(1)
-        .and_then(|der| X509Certificate::from_der(der).ok())
-        .map(|(_, ark)| ark.subject().to_string())
-        .unwrap_or_default();
-    let issuer = crl.issuer().to_string();
-    if issuer != ark {
-        return Err(bad(format!("issuer: expected {ark}, actual {issuer}")));
+/// The whole fetch against a generated look-alike of AMD's Milan chain,
+/// whose ARK signs CRLs as AMD's does (AMD's own CRL is not among the test
+/// vectors, and its ARK signs nothing here).
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use keel_testkit::amd::{ReportFields, TestAmd};
+    use keel_testkit::mirror::MirrorServer;
+    use keel_verifier::cpu::Collateral;
+    use time::{Duration, OffsetDateTime};
+
+    struct GeneratedKds {
+        amd: TestAmd,
+        report: Vec<u8>,
+        mirror: MirrorServer,
     }
-    if let Some(next) = crl.next_update() {
-        let next = next.timestamp();
-        if next < i64::try_from(now).unwrap_or(i64::MAX) {
-            return Err(bad(format!(
-                "nextUpdate {next} is before the current time {now}"
-            )));
+
+    impl GeneratedKds {
+        fn new() -> Self {
+            let amd = TestAmd::for_line("Milan").unwrap();
+            let report = amd
+                .report(&ReportFields {
+                    policy: 0x30000,
+                    report_data: [1; 64],
+                    measurement: [2; 48],
+                    host_data: [0; 32],
+                })
+                .unwrap();
+            let chip = snp::parse(&report).unwrap().chip_id;
+            let mirror = MirrorServer::start().unwrap();
+            mirror.serve(
+                &format!(
+                    "/vcek/v1/Milan/{}?blSPL=03&teeSPL=00&snpSPL=08&ucodeSPL=115",
+                    hex::encode(chip)
+                ),
+                amd.vcek_der().to_vec(),
+            );
+            mirror.serve(
+                "/vcek/v1/Milan/cert_chain",
+                amd.roots_pem().as_bytes().to_vec(),
+            );
+            let kds = Self {
+                amd,
+                report,
+                mirror,
+            };
+            kds.serve_crl(&[], 7);
+            kds
+        }
+
+        /// Serves a CRL revoking `revoked`, its next update `days` from now.
+        fn serve_crl(&self, revoked: &[Vec<u8>], days: i64) {
+            let now = OffsetDateTime::now_utc();
+            let crl = self
+                .amd
+                .crl(revoked, now - Duration::days(8), now + Duration::days(days))
+                .unwrap();
+            self.mirror.serve("/vcek/v1/Milan/crl", crl);
+        }
+
+        fn fetch(&self) -> Result<Vec<CacheFile>, KdsError> {
+            let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
+            let roots = [self.amd.roots_pem()];
+            let now = u64::try_from(OffsetDateTime::now_utc().unix_timestamp()).unwrap();
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(fetch(
+                    &http,
+                    &self.mirror.base_url(),
+                    &self.report,
+                    Some(Product::Milan),
+                    now,
+                    &roots,
+                ))
         }
     }
-    let serial = X509Certificate::from_der(vcek)
-        .map(|(_, c)| c.raw_serial().to_vec())
-        .unwrap_or_default();
-    if crl
-        .iter_revoked_certificates()
-        .any(|r| r.raw_serial() == serial)
-    {
-        return Err(KdsError::Revoked {
-            product: product.name(),
-            serial: hex::encode(serial),
-        });
+
+    fn serial(der: &[u8]) -> Vec<u8> {
+        X509Certificate::from_der(der)
+            .unwrap()
+            .1
+            .raw_serial()
+            .to_vec()
     }
-    eprintln!(
-        "keel: the {} CRL names {} revoked certificates, not this VCEK",
-        product.name(),
-        crl.iter_revoked_certificates().count()
-    );
-    Ok(())
+
+    #[test]
+    fn a_checked_crl_is_cached_where_the_verifier_reads_it() {
+        let kds = GeneratedKds::new();
+        let files = kds.fetch().unwrap();
+        let names: Vec<&str> = files.iter().map(|f| f.relative.as_str()).collect();
+        assert_eq!(
+            names[1..],
+            ["snp/Milan/cert_chain.pem", "snp/Milan/crl.der"]
+        );
+        let cache = tempfile::tempdir().unwrap();
+        for f in &files {
+            let path = cache.path().join(&f.relative);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, &f.bytes).unwrap();
+        }
+        let crl = Collateral::at(cache.path())
+            .snp_crl(snp::product_line("SEV-Milan"))
+            .unwrap()
+            .expect("the cached CRL");
+        assert_eq!(crl, files[2].bytes);
+    }
+
+    #[test]
+    fn a_crl_that_revokes_is_forged_or_stale_refuses_the_fetch() {
+        let kds = GeneratedKds::new();
+        kds.serve_crl(&[serial(kds.amd.vcek_der())], 7);
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(e.contains("Milan CRL revokes the endorsement key"), "{e}");
+
+        kds.serve_crl(&[serial(kds.amd.ask_der())], 7);
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(e.contains("Milan CRL revokes the ASK"), "{e}");
+
+        kds.serve_crl(&[], -1);
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(e.contains("fetch it again"), "{e}");
+
+        let impostor = TestAmd::for_line("Milan").unwrap();
+        let now = OffsetDateTime::now_utc();
+        kds.mirror.serve(
+            "/vcek/v1/Milan/crl",
+            impostor
+                .crl(&[], now - Duration::days(1), now + Duration::days(7))
+                .unwrap(),
+        );
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(e.contains("signature does not verify with the ARK"), "{e}");
+    }
 }

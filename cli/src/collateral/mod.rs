@@ -25,8 +25,10 @@ pub enum CollateralCommand {
     /// report's chip and reported TCB (snp/vcek-<chip>-<bl>-<tee>-<snp>-<ucode>.der),
     /// the product line's ASK/ARK chain (snp/<product>/cert_chain.pem) and
     /// its CRL (snp/<product>/crl.der). The chain must be AMD's roots pinned
-    /// in keel, the VCEK must verify the report against them and the CRL
-    /// must not list it; otherwise nothing is written.
+    /// in keel, the VCEK must verify the report against them, and the CRL
+    /// must be signed by the ARK, be current and revoke neither the ASK nor
+    /// the VCEK; otherwise nothing is written. Verifiers check every report
+    /// of the product line against the cached CRL from then on.
     ///
     /// TDX (--tdx-quote): from Intel's PCS, the TCB info for the quote's
     /// FMSPC, the TD quoting enclave's identity, the CRL of the CA that
@@ -111,7 +113,15 @@ async fn fetch(args: FetchArgs) -> anyhow::Result<()> {
         (Some(report), _) => {
             let evidence = read_evidence(report, limit)?;
             eprintln!("keel: fetching from AMD's KDS at {}", args.kds_url);
-            kds::fetch(&http, &args.kds_url, &evidence, args.product, now).await?
+            kds::fetch(
+                &http,
+                &args.kds_url,
+                &evidence,
+                args.product,
+                now,
+                &keel_verifier::cpu::snp::PINNED,
+            )
+            .await?
         }
         (None, Some(quote)) => {
             let quote = read_evidence(quote, limit)?;

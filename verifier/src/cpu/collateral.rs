@@ -11,13 +11,18 @@
 //!   when the document does not carry the certificate itself.
 //! * `tdx/<FMSPC, 12 upper-case hex digits>.json`: `dcap-qvl`'s
 //!   `QuoteCollateralV3` (TCB info, QE identity, CRLs, issuer chains).
-//! * `snp/<product>/cert_chain.pem` and `snp/<product>/crl.der`: AMD's
-//!   ASK/ARK chain and CRL for a product line, as `keel collateral fetch`
-//!   stores them with a VCEK. Kept for the operator; the verifier uses its
-//!   pinned roots and reads neither.
+//! * `snp/<product>/crl.der`: AMD's CRL for a product line (`Milan`,
+//!   `Genoa`, `Turin`). When present, every SNP report of that line is
+//!   checked against it ([`super::snp::check_revocation`]): a CRL that is
+//!   not the ARK's, not current, or revokes the ASK or the endorsement key
+//!   refuses the evidence. When absent, revocation is not checked.
+//! * `snp/<product>/cert_chain.pem`: AMD's ASK/ARK chain, as `keel
+//!   collateral fetch` stores it with a VCEK. Kept for the operator; the
+//!   verifier uses its pinned roots.
 //!
-//! [`snp_certificate_path`] and [`tdx_collateral_path`] name the files, for
-//! the reader here and for the command that fills the cache.
+//! [`snp_certificate_path`], [`snp_crl_path`] and [`tdx_collateral_path`]
+//! name the files, for the reader here and for the command that fills the
+//! cache.
 
 use std::path::{Path, PathBuf};
 
@@ -97,6 +102,25 @@ impl Collateral {
         read_bounded(&self.path("a VCEK or VLEK certificate", snp_certificate_path(report))?)
     }
 
+    /// AMD's CRL for the product line `line`, if the cache holds one
+    /// (none without a cache).
+    pub fn snp_crl(&self, line: &str) -> Result<Option<Vec<u8>>, CollateralError> {
+        let Some(relative) = snp_crl_path(line) else {
+            return Ok(None);
+        };
+        let Some(path) = self.dir.as_ref().map(|d| d.join(relative)) else {
+            return Ok(None);
+        };
+        match read_bounded(&path) {
+            Err(CollateralError::Read { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Ok(None)
+            }
+            other => other.map(Some),
+        }
+    }
+
     /// The TDX collateral for `quote`'s FMSPC.
     pub fn tdx_collateral(&self, quote: &[u8]) -> Result<QuoteCollateralV3, CollateralError> {
         let parsed = Quote::parse(quote).map_err(|e| CollateralError::Fmspc(format!("{e:#}")))?;
@@ -116,6 +140,14 @@ pub fn snp_certificate_path(report: &AttestationReport) -> String {
     } else {
         format!("snp/vcek-{}-{tcb}.der", hex::encode(report.chip_id))
     }
+}
+
+/// Where a cache keeps AMD's CRL for the product line `line` (`Milan`),
+/// relative to the cache directory; `None` for a name that is not a plain
+/// word.
+pub fn snp_crl_path(line: &str) -> Option<String> {
+    let plain = !line.is_empty() && line.bytes().all(|b| b.is_ascii_alphanumeric());
+    plain.then(|| format!("snp/{line}/crl.der"))
 }
 
 /// Where a cache keeps the TDX collateral for `fmspc`, relative to the

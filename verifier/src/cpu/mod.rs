@@ -173,14 +173,13 @@ impl CpuTrust {
                 } else {
                     evidence.certificate.clone()
                 };
-                CpuClaims::Snp(snp::verify(
-                    report,
-                    &parsed,
-                    &certificate,
-                    &self.snp_roots,
-                    policy,
-                    now,
-                )?)
+                let claims =
+                    snp::verify(report, &parsed, &certificate, &self.snp_roots, policy, now)?;
+                let line = snp::product_line(&claims.product);
+                if let Some(crl) = self.collateral.snp_crl(line)? {
+                    snp::check_revocation(&crl, &certificate, &self.snp_roots, now)?;
+                }
+                CpuClaims::Snp(claims)
             }
             CpuPolicy::Tdx(policy) => {
                 if evidence.binding != Binding::Guest {

@@ -9,6 +9,10 @@
 //! endorsement key certificate must be valid at the verification time (the
 //! `sev` crate never checks dates), certify this chip (`hwID`, VCEK only:
 //! a VLEK report masks the chip ID) and certify exactly the reported TCB.
+//!
+//! [`check_revocation`] checks AMD's CRL for a product line (the ARK's, as
+//! KDS serves it): signed by the ARK with RSASSA-PSS SHA-384, current, and
+//! listing neither the ASK (or ASVK) nor the endorsement key.
 
 use p384::ecdsa::signature::hazmat::PrehashVerifier as _;
 use sev::certs::snp::{Certificate, Verifiable as _};
@@ -17,6 +21,7 @@ use sev::parser::ByteParser as _;
 use sha2::{Digest as _, Sha384};
 use subtle::ConstantTimeEq as _;
 use x509_parser::prelude::{FromDer as _, X509Certificate};
+use x509_parser::revocation_list::CertificateRevocationList;
 
 use super::policy::{SnpPolicy, Tcb};
 
@@ -167,6 +172,25 @@ pub enum SnpError {
         /// Reported (hex).
         actual: String,
     },
+    /// AMD's CRL is malformed, not the ARK's, not signed by it, or not
+    /// current.
+    #[error("AMD {line} CRL: {reason}")]
+    Crl {
+        /// The product line, e.g. `Milan`.
+        line: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// AMD's CRL revokes a certificate of the chain.
+    #[error("AMD {line} CRL revokes the {certificate} (serial {serial})")]
+    Revoked {
+        /// The product line.
+        line: String,
+        /// `ASK` (the ASK or ASVK) or `endorsement key` (the VCEK or VLEK).
+        certificate: &'static str,
+        /// Its serial number (hex).
+        serial: String,
+    },
 }
 
 /// Which key signed a report.
@@ -212,6 +236,12 @@ struct AmdChain {
     ask: Certificate,
     /// DER of the ASK's subject name.
     ask_subject: Vec<u8>,
+    /// The ASK's serial number (DER integer content).
+    ask_serial: Vec<u8>,
+    /// DER of the ARK's subject name, the issuer of its CRL.
+    ark_subject: Vec<u8>,
+    /// The ARK's public key (PKCS #1 `RSAPublicKey`).
+    ark_key: Vec<u8>,
     /// The ASK's common name, e.g. `SEV-Milan`.
     product: String,
 }
@@ -272,11 +302,15 @@ impl AmdChain {
             return None;
         };
         let (_, ask) = X509Certificate::from_der(ask_der).ok()?;
+        let (_, ark) = X509Certificate::from_der(ark_der).ok()?;
         let product = common_name(&ask).unwrap_or_default();
         Some(Self {
             ark: Certificate::from_der(ark_der).ok()?,
             ask: Certificate::from_der(ask_der).ok()?,
             ask_subject: ask.subject().as_raw().to_vec(),
+            ask_serial: ask.raw_serial().to_vec(),
+            ark_subject: ark.subject().as_raw().to_vec(),
+            ark_key: ark.public_key().subject_public_key.data.to_vec(),
             product,
         })
     }
@@ -402,6 +436,18 @@ pub fn verify_signed(
     })
 }
 
+/// The trusted chain whose ASK (by name) issued `vek`.
+fn chain_of<'r>(vek: &X509Certificate<'_>, roots: &'r AmdRoots) -> Result<&'r AmdChain, SnpError> {
+    let issuer = vek.issuer().as_raw();
+    roots
+        .chains
+        .iter()
+        .find(|c| c.ask_subject == issuer)
+        .ok_or_else(|| SnpError::UntrustedIssuer {
+            issuer: vek.issuer().to_string(),
+        })
+}
+
 /// The pinned chain whose ASK issued `vek`, verified link by link; returns
 /// the product (the ASK's common name).
 fn verify_chain(
@@ -409,14 +455,7 @@ fn verify_chain(
     vek_der: &[u8],
     roots: &AmdRoots,
 ) -> Result<String, SnpError> {
-    let issuer = vek.issuer().as_raw();
-    let chain = roots
-        .chains
-        .iter()
-        .find(|c| c.ask_subject == issuer)
-        .ok_or_else(|| SnpError::UntrustedIssuer {
-            issuer: vek.issuer().to_string(),
-        })?;
+    let chain = chain_of(vek, roots)?;
     let vek = Certificate::from_der(vek_der).map_err(|_| SnpError::Certificate)?;
     let link = |link| move |source| SnpError::Chain { link, source };
     (&chain.ark, &chain.ark)
@@ -427,6 +466,94 @@ fn verify_chain(
         .map_err(link("ARK -> ASK"))?;
     (&chain.ask, &vek).verify().map_err(link("ASK -> VEK"))?;
     Ok(chain.product.clone())
+}
+
+/// Checks AMD's CRL `crl` (DER) for the chain of the endorsement key
+/// `certificate` (DER) at `now`: it must parse whole, be issued by that
+/// chain's ARK and signed by it with RSASSA-PSS SHA-384 (AMD's only
+/// algorithm, whatever the CRL declares), have `thisUpdate <= now <=
+/// nextUpdate`, and list neither the ASK (or ASVK) nor the endorsement
+/// key. Returns how many certificates it revokes. The chain itself is
+/// checked by [`verify_signed`].
+pub fn check_revocation(
+    crl: &[u8],
+    certificate: &[u8],
+    roots: &AmdRoots,
+    now: u64,
+) -> Result<usize, SnpError> {
+    let (_, vek) = X509Certificate::from_der(certificate).map_err(|_| SnpError::Certificate)?;
+    let chain = chain_of(&vek, roots)?;
+    let line = product_line(&chain.product);
+    let bad = |reason: String| SnpError::Crl {
+        line: line.to_owned(),
+        reason,
+    };
+    let (rest, crl) = CertificateRevocationList::from_der(crl)
+        .map_err(|e| bad(format!("does not parse: {e}")))?;
+    if !rest.is_empty() {
+        return Err(bad(format!("{} bytes after the CRL", rest.len())));
+    }
+    if crl.issuer().as_raw() != chain.ark_subject {
+        return Err(bad(format!(
+            "issued by {}, not by the ARK of {}",
+            crl.issuer(),
+            chain.product
+        )));
+    }
+    ring::signature::UnparsedPublicKey::new(
+        &ring::signature::RSA_PSS_2048_8192_SHA384,
+        &chain.ark_key,
+    )
+    .verify(crl.tbs_cert_list.as_ref(), &crl.signature_value.data)
+    .map_err(|_| bad("its signature does not verify with the ARK (RSASSA-PSS SHA-384)".into()))?;
+    let now_signed = i64::try_from(now).unwrap_or(i64::MAX);
+    let this_update = crl.last_update().timestamp();
+    if this_update > now_signed {
+        return Err(bad(format!(
+            "thisUpdate {this_update} is after the verification time {now}"
+        )));
+    }
+    let next_update = crl
+        .next_update()
+        .ok_or_else(|| bad("it has no nextUpdate".into()))?
+        .timestamp();
+    if next_update < now_signed {
+        return Err(bad(format!(
+            "nextUpdate {next_update} is before the verification time {now}: fetch it again"
+        )));
+    }
+    for (what, serial) in [
+        ("ASK", chain.ask_serial.as_slice()),
+        ("endorsement key", vek.raw_serial()),
+    ] {
+        if crl
+            .iter_revoked_certificates()
+            .any(|r| same_serial(r.raw_serial(), serial))
+        {
+            return Err(SnpError::Revoked {
+                line: line.to_owned(),
+                certificate: what,
+                serial: hex::encode(serial),
+            });
+        }
+    }
+    Ok(crl.iter_revoked_certificates().count())
+}
+
+/// Whether two DER integer contents name the same serial (leading zero
+/// octets aside).
+fn same_serial(a: &[u8], b: &[u8]) -> bool {
+    let trim = |s: &[u8]| -> Vec<u8> { s.iter().copied().skip_while(|b| *b == 0).collect() };
+    trim(a) == trim(b)
+}
+
+/// The product line an ASK's common name names: `SEV-Milan` and
+/// `SEV-VLEK-Milan` are `Milan`.
+pub fn product_line(ask_common_name: &str) -> &str {
+    ask_common_name
+        .strip_prefix("SEV-VLEK-")
+        .or_else(|| ask_common_name.strip_prefix("SEV-"))
+        .unwrap_or(ask_common_name)
 }
 
 fn components(tcb: &Tcb) -> [(&'static str, &'static str, u8); 4] {
