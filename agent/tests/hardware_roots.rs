@@ -73,14 +73,8 @@ fn snp_node(ca: &EkCa, amd: &Arc<TestAmd>, policy: u64) -> Node {
 }
 
 fn snp_policy(amd: &TestAmd) -> SnpPolicy {
-    let [bootloader, tee, snp, microcode] = amd.tcb();
     SnpPolicy {
-        minimum_tcb: Tcb {
-            bootloader,
-            tee,
-            snp,
-            microcode,
-        },
+        minimum_tcb: Tcb::from(amd.tcb()),
         measurement: Hex(MEASUREMENT),
         host_data: Some(Hex([0; 32])),
         allow_migration_agent: false,

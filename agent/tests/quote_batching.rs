@@ -337,15 +337,9 @@ fn one_cpu_report_binds_the_batch_root_and_not_another_batch() {
         reports: Default::default(),
     });
     let n = node(&ca, Some(chip.clone()));
-    let [bootloader, tee, snp, microcode] = amd.tcb();
     let trust = CpuTrust::new(
         CpuPolicy::SevSnp(SnpPolicy {
-            minimum_tcb: Tcb {
-                bootloader,
-                tee,
-                snp,
-                microcode,
-            },
+            minimum_tcb: Tcb::from(amd.tcb()),
             measurement: Hex(MEASUREMENT),
             host_data: Some(Hex([0; 32])),
             allow_migration_agent: false,

@@ -183,14 +183,8 @@ fn a_crl_in_the_name_of_amds_milan_ark_not_signed_by_it_refuses() {
 
 /// A verifier of `amd`'s chips whose collateral cache is `cache`.
 fn trust(amd: &TestAmd, cache: &Path) -> CpuTrust {
-    let [bootloader, tee, snp, microcode] = amd.tcb();
     let policy = SnpPolicy {
-        minimum_tcb: Tcb {
-            bootloader,
-            tee,
-            snp,
-            microcode,
-        },
+        minimum_tcb: Tcb::from(amd.tcb()),
         measurement: Hex(MEASUREMENT),
         host_data: None,
         allow_migration_agent: false,

@@ -71,6 +71,18 @@ pub struct Tcb {
     pub microcode: u8,
 }
 
+impl From<[u8; 4]> for Tcb {
+    /// Bootloader, TEE, SNP and microcode SVNs, in that order.
+    fn from([bootloader, tee, snp, microcode]: [u8; 4]) -> Self {
+        Self {
+            bootloader,
+            tee,
+            snp,
+            microcode,
+        }
+    }
+}
+
 /// What a SEV-SNP report must show.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
