@@ -5,10 +5,12 @@
 //! evidence service (members' validator, registry on disk) in-process.
 //! Prints the median time of one validation (EK certificate, quote,
 //! replay, measurements, cluster lock, components), of one whole
-//! submission (nonce check, validation, registry written to disk), and the
-//! encoded sizes of the messages of one round.
+//! submission (nonce check, validation, registry written to disk), the same
+//! with the registry holding thousands of other nodes (a large cluster's
+//! control plane), and the encoded sizes of the messages of one round.
 //!
-//! `cargo run --release -p keel-agent --example evidence_bench -- [rounds]`
+//! `cargo run --release -p keel-agent --example evidence_bench -- [rounds [other nodes]]`
+//! (9,000 other nodes unless given)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 use std::sync::Arc;
@@ -42,6 +44,10 @@ async fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(10);
+    let others: u32 = std::env::args()
+        .nth(2)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(9_000);
     let ca = EkCa::new().unwrap();
     let swtpm = Swtpm::start(&ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -121,7 +127,12 @@ async fn main() {
         config.expected_config_pcr(),
     ));
     let registry = RegistryStore::shared(&dir.path().join("root")).unwrap();
-    let service = EvidenceService::new(&slot, members.clone(), registry, config.cluster.evidence);
+    let service = EvidenceService::new(
+        &slot,
+        members.clone(),
+        registry.clone(),
+        config.cluster.evidence,
+    );
     let issuer = TpmIssuer::new(tpm);
 
     // The handshake's claims, as aTLS would hand them to the service.
@@ -137,23 +148,38 @@ async fn main() {
 
     let (disk, version) = ("0a1b2c3d-0000-4000-8000-00000000000a", "v1.31.13");
     let data = user_data(disk, version);
-    let mut submits = Vec::new();
-    let mut last = None;
-    for _ in 0..rounds {
-        let nonce = service.next_nonce(&peer).await.unwrap();
-        let request = SubmitEvidenceRequest {
-            nonce: nonce.to_vec(),
-            document: issuer.issue(&nonce, &data).unwrap(),
-            disk_uuid: disk.into(),
-            kubernetes_version: version.into(),
-        };
-        let t = Instant::now();
-        let verdict = service.submit(&peer, request.clone()).await.unwrap();
-        submits.push(t.elapsed());
-        assert_eq!(verdict.as_str(), "trusted");
-        last = Some(request);
-    }
-    let request = last.unwrap();
+    let submit_rounds = || async {
+        let mut submits = Vec::new();
+        let mut last = None;
+        for _ in 0..rounds {
+            let nonce = service.next_nonce(&peer).await.unwrap();
+            let request = SubmitEvidenceRequest {
+                nonce: nonce.to_vec(),
+                document: issuer.issue(&nonce, &data).unwrap(),
+                disk_uuid: disk.into(),
+                kubernetes_version: version.into(),
+            };
+            let t = Instant::now();
+            let verdict = service.submit(&peer, request.clone()).await.unwrap();
+            submits.push(t.elapsed());
+            assert_eq!(verdict.as_str(), "trusted");
+            last = Some(request);
+        }
+        (submits, last.unwrap())
+    };
+    let (mut submits, request) = submit_rounds().await;
+    // A large cluster: `others` more nodes in the registry, then the same
+    // submissions again.
+    registry
+        .update(|r| {
+            for i in 0..others {
+                let ek = keel_agent::disk_bindings::EkDigest::of_marshalled(&i.to_le_bytes());
+                r.register(&ek, "", &format!("node-{i}"), "worker")?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    let (mut crowded, _) = submit_rounds().await;
 
     let mut validations = Vec::new();
     for _ in 0..200 {
@@ -183,6 +209,10 @@ async fn main() {
     println!(
         "one submission (nonce, keys, validation, components, registry written): {:.2} ms median of {rounds}",
         median(&mut submits).as_secs_f64() * 1e3
+    );
+    println!(
+        "the same with {others} other nodes in the registry: {:.2} ms median of {rounds}",
+        median(&mut crowded).as_secs_f64() * 1e3
     );
     println!(
         "messages of one round: evidence {} B (document {} B), nonce {} B, verdict {} B; {} B in all",

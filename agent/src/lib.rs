@@ -32,6 +32,7 @@ pub mod files;
 pub mod grpc;
 pub mod init;
 pub mod join;
+pub mod journal;
 pub mod kubeadm;
 pub mod logging;
 pub mod measured;

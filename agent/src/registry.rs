@@ -7,25 +7,31 @@
 //! verdict, time and reason. The revocation list names EKs and disk UUIDs
 //! that get no join ticket, no rejoin ticket and no disk key here.
 //!
-//! The registry lives on the control plane's state disk
-//! ([`paths::NODE_REGISTRY`] under the node root), written atomically after
-//! every change, so a reboot keeps it. Changes made while the file is being
-//! written go to disk together in the next write ([`crate::batching`]), so
-//! tickets and evidence checks arriving together share one write instead
-//! of queueing for a write each. Control planes share it: each pulls
+//! The registry lives on the control plane's state disk, so a reboot keeps
+//! it: a snapshot ([`paths::NODE_REGISTRY`] under the node root) and a
+//! journal beside it ([`crate::journal`]). A change is on disk when the
+//! call that made it returns: the state of each node record it touched
+//! (and each new revocation) is appended to the journal and synced, so a
+//! write costs what changed, not the size of the cluster. Once the journal
+//! outgrows the snapshot (and 1 MiB), the next write replaces the snapshot
+//! atomically and empties the journal. Changes made while a write runs go
+//! to disk together in the next one ([`crate::batching`]), so tickets and
+//! evidence checks arriving together share one write instead of queueing
+//! for a write each. Control planes share it: each pulls
 //! the others' registries with its own evidence and merges them
 //! ([`Registry::merge`]: revocations are a union, a node's newest evidence
 //! wins), and `keel revoke` goes to every control plane. One store per file
 //! and process ([`RegistryStore::shared`]): the join service, the evidence
 //! service and the operator API of a control plane see the same list.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::batching::Batcher;
 use crate::disk_bindings::EkDigest;
+use crate::journal::{self, Journal, JournalError};
 use crate::paths;
 
 /// Most nodes a registry holds.
@@ -34,6 +40,13 @@ pub const MAX_NODES: usize = 10_000;
 pub const MAX_REVOCATIONS: usize = 10_000;
 /// Largest registry file read, or accepted from another control plane.
 pub const MAX_REGISTRY_BYTES: usize = 8 * 1024 * 1024;
+/// Largest journal read: its records are node records and revocations,
+/// each bounded, and a journal is folded into the snapshot once it
+/// outgrows it.
+const MAX_JOURNAL_BYTES: u64 = 4 * MAX_REGISTRY_BYTES as u64;
+/// The journal is folded into a new snapshot once it is larger than the
+/// snapshot and than this.
+const COMPACT_AT_LEAST: u64 = 1024 * 1024;
 /// Longest stored reason; longer ones are cut.
 const MAX_REASON: usize = 512;
 /// Longest stored name, disk UUID or version.
@@ -124,13 +137,38 @@ impl std::fmt::Display for Revocation {
 }
 
 /// The registry's content: nodes by EK hash, and the revocation list.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Registry {
     /// Nodes by the hex SHA-256 of their EK.
     pub nodes: BTreeMap<String, NodeRecord>,
-    /// Revoked nodes, oldest first.
+    /// Revoked nodes, oldest first. Only ever appended to.
     pub revoked: Vec<Revocation>,
+    /// Keys of the node records the methods here changed since a store
+    /// last took them to its journal.
+    #[serde(skip)]
+    changed: BTreeSet<String>,
+}
+
+impl PartialEq for Registry {
+    /// The same nodes and revocations (what is still to be written aside).
+    fn eq(&self, other: &Self) -> bool {
+        self.nodes == other.nodes && self.revoked == other.revoked
+    }
+}
+
+impl Eq for Registry {}
+
+/// One record of the registry's journal: the whole state of one entry, so
+/// replaying it twice, or over a snapshot that already holds it, changes
+/// nothing.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+enum Change {
+    /// A node record as it is now.
+    Node(NodeRecord),
+    /// A revocation (revocations are never removed).
+    Revoked(Revocation),
 }
 
 /// A registry operation failed.
@@ -165,6 +203,9 @@ pub enum RegistryError {
     /// same for all of them).
     #[error(transparent)]
     Shared(Arc<RegistryError>),
+    /// Reading or appending to the registry's journal failed.
+    #[error("the node registry's journal")]
+    Journal(#[from] JournalError),
 }
 
 /// What a node record is updated with after one evidence check.
@@ -239,6 +280,7 @@ impl Registry {
             return Err(RegistryError::Full);
         }
         let at = now();
+        self.changed.insert(key.clone());
         let record = self.nodes.entry(key.clone()).or_insert_with(|| NodeRecord {
             name: String::new(),
             role: String::new(),
@@ -308,6 +350,7 @@ impl Registry {
                 .max(since);
             let quiet = now.saturating_sub(heard);
             if quiet >= grace.as_secs() {
+                self.changed.insert(record.ek.clone());
                 record.verdict = Verdict::Silent;
                 record.verdict_at = now;
                 record.reason = Some(format!("no evidence for {quiet} s"));
@@ -384,11 +427,171 @@ impl Registry {
                 None => self.nodes.len() < MAX_NODES,
             };
             if newer && key == theirs.ek {
+                self.changed.insert(key.clone());
                 self.nodes.insert(key, theirs);
                 taken += 1;
             }
         }
         (added, taken)
+    }
+
+    /// Replays one journal record.
+    fn apply(&mut self, change: Change) -> Result<(), RegistryError> {
+        match change {
+            Change::Node(record) => {
+                if !self.nodes.contains_key(&record.ek) && self.nodes.len() >= MAX_NODES {
+                    return Err(RegistryError::Invalid("journal: too many nodes".into()));
+                }
+                self.nodes.insert(record.ek.clone(), record);
+            }
+            Change::Revoked(revocation) => {
+                if !self.revoked.iter().any(|r| r.ek == revocation.ek) {
+                    if self.revoked.len() >= MAX_REVOCATIONS {
+                        return Err(RegistryError::Invalid(
+                            "journal: too many revocations".into(),
+                        ));
+                    }
+                    self.revoked.push(revocation);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the snapshot at `path` (none: empty) and replays the journal
+    /// `records` over it.
+    fn restore(path: &Path, records: Vec<Change>) -> Result<Self, RegistryError> {
+        use std::io::Read as _;
+        let mut registry = match std::fs::File::open(path) {
+            Ok(file) => {
+                let mut bytes = Vec::new();
+                file.take(MAX_REGISTRY_BYTES as u64 + 1)
+                    .read_to_end(&mut bytes)
+                    .map_err(|source| RegistryError::Read {
+                        path: path.to_owned(),
+                        source,
+                    })?;
+                Registry::parse(&bytes)?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry::default(),
+            Err(source) => {
+                return Err(RegistryError::Read {
+                    path: path.to_owned(),
+                    source,
+                })
+            }
+        };
+        for change in records {
+            registry.apply(change)?;
+        }
+        registry.changed.clear();
+        Ok(registry)
+    }
+
+    /// The registry a restart would load from the snapshot at `path` and
+    /// its journal, read without opening a store.
+    pub fn on_disk(path: &Path) -> Result<Self, RegistryError> {
+        Self::restore(path, journal::read(&journal_path(path), MAX_JOURNAL_BYTES)?)
+    }
+}
+
+/// The journal beside the snapshot at `path`.
+fn journal_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".journal");
+    path.with_file_name(name)
+}
+
+/// The registry's files as the writer sees them.
+struct Disk {
+    /// Open once the first write needs it.
+    journal: Option<Journal>,
+    /// Revocations the snapshot and the journal hold.
+    revoked_written: usize,
+    /// Size of the snapshot last written or read.
+    snapshot_bytes: u64,
+}
+
+/// What one write takes from the registry, under its lock.
+struct Round {
+    /// The keys it writes (given back if the write fails).
+    keys: BTreeSet<String>,
+    /// A new snapshot, or the records to append.
+    snapshot: Option<Vec<u8>>,
+    records: Vec<Change>,
+    /// How many revocations the registry holds.
+    revoked: usize,
+}
+
+impl Disk {
+    fn take(&self, registry: &mut Registry) -> Round {
+        let keys = std::mem::take(&mut registry.changed);
+        let journal = self.journal.as_ref().map_or(0, Journal::len);
+        let revoked = registry.revoked.len();
+        if journal > COMPACT_AT_LEAST.max(self.snapshot_bytes) {
+            return Round {
+                keys,
+                snapshot: Some(registry.to_json()),
+                records: Vec::new(),
+                revoked,
+            };
+        }
+        let mut records: Vec<Change> = keys
+            .iter()
+            .filter_map(|k| registry.nodes.get(k).cloned().map(Change::Node))
+            .collect();
+        records.extend(
+            registry
+                .revoked
+                .get(self.revoked_written..)
+                .unwrap_or_default()
+                .iter()
+                .cloned()
+                .map(Change::Revoked),
+        );
+        Round {
+            keys,
+            snapshot: None,
+            records,
+            revoked,
+        }
+    }
+
+    /// Makes `round` durable: its records appended, or its snapshot
+    /// written and the journal emptied.
+    fn write(&mut self, path: &Path, round: &Round) -> Result<(), RegistryError> {
+        let journal = match &mut self.journal {
+            Some(journal) => journal,
+            None => {
+                let dir = path.parent().unwrap_or(Path::new("."));
+                std::os::unix::fs::DirBuilderExt::mode(
+                    std::fs::DirBuilder::new().recursive(true),
+                    0o700,
+                )
+                .create(dir)
+                .map_err(|source| RegistryError::Read {
+                    path: dir.to_owned(),
+                    source,
+                })?;
+                let (journal, _replayed_at_load) =
+                    Journal::open::<Change>(&journal_path(path), MAX_JOURNAL_BYTES)?;
+                self.journal.insert(journal)
+            }
+        };
+        match &round.snapshot {
+            Some(json) => {
+                crate::files::write_private(path, json)?;
+                self.snapshot_bytes = json.len() as u64;
+                // The snapshot holds every record; should emptying the
+                // journal fail, replaying it later changes nothing.
+                if let Err(e) = journal.clear() {
+                    tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying the node registry's journal");
+                }
+            }
+            None => journal.append(&round.records)?,
+        }
+        self.revoked_written = round.revoked;
+        Ok(())
     }
 }
 
@@ -437,30 +640,33 @@ impl RegistryStore {
     }
 
     fn load(path: PathBuf) -> Result<Self, RegistryError> {
-        use std::io::Read as _;
-        let registry = match std::fs::File::open(&path) {
-            Ok(file) => {
-                let mut bytes = Vec::new();
-                file.take(MAX_REGISTRY_BYTES as u64 + 1)
-                    .read_to_end(&mut bytes)
-                    .map_err(|source| RegistryError::Read {
-                        path: path.clone(),
-                        source,
-                    })?;
-                Registry::parse(&bytes)?
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry::default(),
-            Err(source) => return Err(RegistryError::Read { path, source }),
-        };
+        let registry = Registry::on_disk(&path)?;
+        let disk = Mutex::new(Disk {
+            journal: None,
+            revoked_written: registry.revoked.len(),
+            snapshot_bytes: std::fs::metadata(&path).map_or(0, |m| m.len()),
+        });
         let registry = Arc::new(Mutex::new(registry));
         let writes = {
             let (path, registry) = (path.clone(), registry.clone());
             Batcher::new(MAX_CHANGES_PER_WRITE, move |changes: Vec<()>| {
-                let _span =
-                    tracing::debug_span!("registry.write", changes = changes.len()).entered();
-                let json = lock(&registry).to_json();
-                crate::files::write_private(&path, &json)?;
-                Ok(changes)
+                let mut disk = disk.lock().unwrap_or_else(PoisonError::into_inner);
+                let round = disk.take(&mut lock(&registry));
+                let _span = tracing::debug_span!(
+                    "registry.write",
+                    changes = changes.len(),
+                    records = round.records.len(),
+                    snapshot = round.snapshot.is_some()
+                )
+                .entered();
+                match disk.write(&path, &round) {
+                    Ok(()) => Ok(changes),
+                    Err(e) => {
+                        // Still in effect here: the next write carries them.
+                        lock(&registry).changed.extend(round.keys);
+                        Err(e)
+                    }
+                }
             })
         };
         Ok(Self {
@@ -639,7 +845,7 @@ mod tests {
                     store
                         .update(|r| r.register(&ek(n), "", &format!("w-{n}"), "worker"))
                         .unwrap();
-                    let on_disk = Registry::parse(&std::fs::read(store.path()).unwrap()).unwrap();
+                    let on_disk = Registry::on_disk(store.path()).unwrap();
                     assert!(on_disk.find(&format!("w-{n}")).is_ok(), "w-{n} not on disk");
                 })
             })
@@ -650,7 +856,7 @@ mod tests {
         let stats = store.write_stats();
         assert_eq!(stats.requests, 48);
         assert!(stats.rounds <= 48);
-        let on_disk = Registry::parse(&std::fs::read(store.path()).unwrap()).unwrap();
+        let on_disk = Registry::on_disk(store.path()).unwrap();
         assert_eq!(on_disk.nodes.len(), 48);
         assert_eq!(on_disk, store.snapshot());
     }
@@ -659,19 +865,22 @@ mod tests {
     fn a_failed_write_fails_the_change_and_the_next_write_carries_it() {
         let dir = tempfile::tempdir().unwrap();
         let store = RegistryStore::shared(dir.path()).unwrap();
-        store.update(|r| r.record(&evidence(1, None))).unwrap();
-        // The temp file's name is taken by a directory: the write fails.
+        // The journal's name is taken by a directory: the write fails.
         let path = store.path().to_owned();
-        let name = path.file_name().unwrap().to_str().unwrap();
-        let temp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-        std::fs::create_dir(&temp).unwrap();
-        let failed = store.update(|r| r.record(&evidence(2, None)));
-        assert!(matches!(failed, Err(RegistryError::Write(_))), "{failed:?}");
-        let on_disk = || Registry::parse(&std::fs::read(&path).unwrap()).unwrap();
-        assert_eq!(on_disk().nodes.len(), 1);
+        let journal = journal_path(&path);
+        std::fs::create_dir_all(&journal).unwrap();
+        let failed = store.update(|r| r.record(&evidence(1, None)));
+        assert!(
+            matches!(failed, Err(RegistryError::Journal(_))),
+            "{failed:?}"
+        );
+        std::fs::remove_dir(&journal).unwrap();
+        let on_disk = || Registry::on_disk(&path).unwrap();
+        assert_eq!(on_disk().nodes.len(), 0);
         // Still in effect here, and written with the next change.
-        assert_eq!(store.snapshot().nodes.len(), 2);
-        std::fs::remove_dir(&temp).unwrap();
+        assert_eq!(store.snapshot().nodes.len(), 1);
+        store.update(|r| r.record(&evidence(2, None))).unwrap();
+        assert_eq!(on_disk().nodes.len(), 2);
         store.update(|r| r.record(&evidence(3, None))).unwrap();
         assert_eq!(on_disk().nodes.len(), 3);
         // A merge that brings nothing does not write.
@@ -693,5 +902,116 @@ mod tests {
             .nodes
             .values()
             .all(|n| n.verdict == Verdict::Silent));
+    }
+
+    /// Registers `n` nodes from `first` in one change.
+    fn register_many(store: &RegistryStore, first: u32, n: u32) {
+        store
+            .update(|r| {
+                for i in first..first + n {
+                    let ek = EkDigest::of_marshalled(&i.to_le_bytes());
+                    r.register(&ek, "", &format!("n-{i}"), "worker")?;
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn a_write_appends_what_changed_and_the_journal_folds_into_a_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        let path = store.path().to_owned();
+        let journal = journal_path(&path);
+        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+
+        // 3,000 nodes in one change: one append, no snapshot.
+        register_many(&store, 0, 3000);
+        assert_eq!(size(&path), 0);
+        // One node's evidence appends that node's record, nothing more.
+        let before = size(&journal);
+        store.update(|r| r.record(&evidence(7, None))).unwrap();
+        let appended = size(&journal) - before;
+        assert!(appended < 1024, "{appended} bytes for one change");
+        register_many(&store, 3000, 1000);
+        let grown = size(&journal);
+        assert!(grown > COMPACT_AT_LEAST, "{grown}");
+        assert_eq!(size(&path), 0);
+        // The journal outgrew 1 MiB (and the empty snapshot): this write
+        // folds it into a snapshot.
+        let kept = std::fs::read(&journal).unwrap();
+        store.update(|r| r.record(&evidence(8, None))).unwrap();
+        assert_eq!(size(&journal), 0);
+        assert_eq!(
+            Registry::parse(&std::fs::read(&path).unwrap())
+                .unwrap()
+                .nodes
+                .len(),
+            4002
+        );
+        store.update(|r| r.record(&evidence(9, None))).unwrap();
+        assert_eq!(Registry::on_disk(&path).unwrap(), store.snapshot());
+
+        // A crash between the snapshot and the emptied journal: replaying
+        // records the snapshot holds changes nothing.
+        let mut stale = kept;
+        stale.extend(std::fs::read(&journal).unwrap());
+        std::fs::write(&journal, stale).unwrap();
+        assert_eq!(Registry::on_disk(&path).unwrap(), store.snapshot());
+    }
+
+    #[test]
+    fn a_restart_replays_the_journal_and_drops_an_append_cut_short() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        register_many(&store, 0, 3);
+        let node = store.snapshot().find("n-1").unwrap().clone();
+        let revocation = store.update(|r| r.revoke(&node, "operator")).unwrap();
+        store
+            .update(|r| r.record(&evidence(4, Some("PCR 9"))))
+            .unwrap();
+        let expected = store.snapshot();
+        let journal = journal_path(store.path());
+        drop(store);
+
+        // A crash in the middle of the next append.
+        use std::io::Write as _;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&journal)
+            .unwrap();
+        f.write_all(b"{\"node\":{\"name\":\"w-").unwrap();
+        drop(f);
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        assert_eq!(store.snapshot(), expected);
+        assert_eq!(store.revocation(&ek(0), &node.disk_uuid), None);
+        assert_eq!(
+            store
+                .snapshot()
+                .revocation(&EkDigest::of_marshalled(&1u32.to_le_bytes()), ""),
+            Some(&revocation)
+        );
+        assert_eq!(
+            store.snapshot().find("w-4").unwrap().verdict,
+            Verdict::Drifted
+        );
+        // The cut line is gone before the next append follows it.
+        store.update(|r| r.record(&evidence(5, None))).unwrap();
+        drop(store);
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        assert_eq!(store.snapshot().nodes.len(), 5);
+
+        // Corruption before the last line is not a crash: refused.
+        drop(store);
+        let mut bytes = std::fs::read(&journal).unwrap();
+        bytes[2] = b'#';
+        std::fs::write(&journal, bytes).unwrap();
+        assert!(matches!(
+            RegistryStore::shared(dir.path()),
+            Err(RegistryError::Journal(JournalError::Corrupt {
+                line: 1,
+                ..
+            }))
+        ));
     }
 }

@@ -390,7 +390,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         .unwrap()
         .path()
         .to_owned();
-    let stored = Registry::parse(&std::fs::read(path).unwrap()).unwrap();
+    let stored = Registry::on_disk(&path).unwrap();
     assert_eq!(stored.revoked.len(), 1);
     assert_eq!(stored.revoked[0].disk_uuid, disk);
 }

@@ -1,0 +1,293 @@
+//! An append-only journal of JSON records, one per line, kept beside a
+//! snapshot file: a store appends what changed and syncs it (one small
+//! write and one `fdatasync`), instead of rewriting its whole file for
+//! every change; now and then it writes a new snapshot and empties the
+//! journal. Reading a store is its snapshot, then its journal replayed in
+//! order, so records must be idempotent (the state of an entry, not a
+//! delta): a crash between a new snapshot and the emptied journal replays
+//! records the snapshot already holds, to the same result.
+//!
+//! A crash can cut the last append short. [`Journal::open`] drops a last
+//! line that is incomplete or does not parse, and cuts it off the file; a
+//! bad line before the last is corruption, and an error. A failed append
+//! is cut off at once, so later appends never follow a partial line.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read as _, Write as _};
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// A journal operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JournalError {
+    /// Opening, reading, appending to or truncating the file failed.
+    #[error("{what} the journal {path:?}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line other than the last does not parse.
+    #[error("line {line} of the journal {path:?} is corrupt: {reason}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The line (from 1).
+        line: usize,
+        /// Why it does not parse.
+        reason: String,
+    },
+    /// The file is larger than the store allows.
+    #[error("the journal {path:?} is larger than {limit} bytes")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The bound.
+        limit: u64,
+    },
+}
+
+/// A journal open for appending.
+#[derive(Debug)]
+pub struct Journal {
+    path: PathBuf,
+    file: File,
+    len: u64,
+}
+
+/// The records of the journal at `path` (none if there is no file), in
+/// order, without changing the file; a last line cut short is left out.
+pub fn read<R: DeserializeOwned>(path: &Path, limit: u64) -> Result<Vec<R>, JournalError> {
+    match File::open(path) {
+        Ok(file) => Ok(parse(path, &read_bounded(path, file, limit)?)?.0),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(source) => Err(io("opening", path, source)),
+    }
+}
+
+impl Journal {
+    /// Opens the journal at `path`, creating it (0600) if needed, and
+    /// reads its records (at most `limit` bytes of them). A last line cut
+    /// short is cut off the file.
+    pub fn open<R: DeserializeOwned>(
+        path: &Path,
+        limit: u64,
+    ) -> Result<(Self, Vec<R>), JournalError> {
+        let existed = path.exists();
+        let file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|source| io("opening", path, source))?;
+        if !existed {
+            // The new file's name must survive a crash as its content will.
+            let dir = path.parent().unwrap_or(Path::new("."));
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|source| io("creating", path, source))?;
+        }
+        let bytes = read_bounded(
+            path,
+            file.try_clone().map_err(|e| io("opening", path, e))?,
+            limit,
+        )?;
+        let (records, good) = parse(path, &bytes)?;
+        let mut journal = Self {
+            path: path.to_owned(),
+            file,
+            len: bytes.len() as u64,
+        };
+        if good < journal.len {
+            tracing::warn!(
+                path = %path.display(),
+                dropped = journal.len - good,
+                "the journal's last record was cut short (a crash while appending): dropped"
+            );
+            journal.cut(good)?;
+        }
+        Ok((journal, records))
+    }
+
+    /// Appends one line per record and syncs them: when it returns `Ok`,
+    /// the records survive a crash. On failure the file is cut back to
+    /// what it was.
+    pub fn append<'a, R: Serialize + 'a>(
+        &mut self,
+        records: impl IntoIterator<Item = &'a R>,
+    ) -> Result<(), JournalError> {
+        let mut lines = Vec::new();
+        for record in records {
+            serde_json::to_writer(&mut lines, record).map_err(|e| JournalError::Io {
+                what: "encoding a record for",
+                path: self.path.clone(),
+                source: e.into(),
+            })?;
+            lines.push(b'\n');
+        }
+        if lines.is_empty() {
+            return Ok(());
+        }
+        let written = self
+            .file
+            .write_all(&lines)
+            .and_then(|()| self.file.sync_data());
+        match written {
+            Ok(()) => {
+                self.len += lines.len() as u64;
+                Ok(())
+            }
+            Err(source) => {
+                let failed = io("appending to", &self.path, source);
+                let before = self.len;
+                if let Err(e) = self.cut(before) {
+                    tracing::error!(error = %keel_atls::ErrorChain(&e), "cutting a failed append off the journal");
+                }
+                Err(failed)
+            }
+        }
+    }
+
+    /// Empties the journal (its records are in a new snapshot), durably.
+    pub fn clear(&mut self) -> Result<(), JournalError> {
+        self.cut(0)
+    }
+
+    /// Bytes in the journal.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the journal holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn cut(&mut self, len: u64) -> Result<(), JournalError> {
+        self.file
+            .set_len(len)
+            .and_then(|()| self.file.sync_all())
+            .map_err(|source| io("truncating", &self.path, source))?;
+        self.len = len;
+        Ok(())
+    }
+}
+
+fn io(what: &'static str, path: &Path, source: std::io::Error) -> JournalError {
+    JournalError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn read_bounded(path: &Path, file: File, limit: u64) -> Result<Vec<u8>, JournalError> {
+    let mut bytes = Vec::new();
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|source| io("reading", path, source))?;
+    if bytes.len() as u64 > limit {
+        return Err(JournalError::TooLarge {
+            path: path.to_owned(),
+            limit,
+        });
+    }
+    Ok(bytes)
+}
+
+/// The records of `bytes` and how many bytes hold whole, parsed lines.
+fn parse<R: DeserializeOwned>(path: &Path, bytes: &[u8]) -> Result<(Vec<R>, u64), JournalError> {
+    let mut records = Vec::new();
+    let mut good = 0;
+    let mut rest = bytes;
+    let mut line = 0;
+    while !rest.is_empty() {
+        line += 1;
+        let (text, after, whole) = match rest.iter().position(|b| *b == b'\n') {
+            Some(end) => (&rest[..end], &rest[end + 1..], true),
+            None => (rest, &rest[rest.len()..], false),
+        };
+        let parsed = if whole {
+            serde_json::from_slice::<R>(text).map_err(|e| e.to_string())
+        } else {
+            Err("no end of line".to_owned())
+        };
+        match parsed {
+            Ok(record) => {
+                records.push(record);
+                good += text.len() as u64 + 1;
+            }
+            // The last line: an append a crash cut short.
+            Err(_) if after.is_empty() => break,
+            Err(reason) => {
+                return Err(JournalError::Corrupt {
+                    path: path.to_owned(),
+                    line,
+                    reason,
+                })
+            }
+        }
+        rest = after;
+    }
+    Ok((records, good))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_survive_reopening_and_a_cut_last_line_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j");
+        let (mut j, none) = Journal::open::<u32>(&path, 1024).unwrap();
+        assert!(none.is_empty() && j.is_empty());
+        j.append(&[1u32, 2]).unwrap();
+        j.append(&[3u32]).unwrap();
+        drop(j);
+        assert_eq!(read::<u32>(&path, 1024).unwrap(), [1, 2, 3]);
+
+        // A crash in the middle of an append.
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(b"4").unwrap();
+        drop(f);
+        assert_eq!(read::<u32>(&path, 1024).unwrap(), [1, 2, 3]);
+        let (mut j, records) = Journal::open::<u32>(&path, 1024).unwrap();
+        assert_eq!(records, [1, 2, 3]);
+        assert_eq!(std::fs::read(&path).unwrap(), b"1\n2\n3\n");
+        j.append(&[5u32]).unwrap();
+        assert_eq!(read::<u32>(&path, 1024).unwrap(), [1, 2, 3, 5]);
+        j.clear().unwrap();
+        assert_eq!(read::<u32>(&path, 1024).unwrap(), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_bad_line_before_the_last_and_an_oversized_journal_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j");
+        std::fs::write(&path, b"1\nx\n3\n").unwrap();
+        assert!(matches!(
+            Journal::open::<u32>(&path, 1024),
+            Err(JournalError::Corrupt { line: 2, .. })
+        ));
+        // A whole last line that does not parse is what a crash leaves too.
+        std::fs::write(&path, b"1\n\0\0\0\n").unwrap();
+        assert_eq!(Journal::open::<u32>(&path, 1024).unwrap().1, [1]);
+        assert_eq!(std::fs::read(&path).unwrap(), b"1\n");
+        std::fs::write(&path, vec![b'\n'; 2000]).unwrap();
+        assert!(matches!(
+            read::<u32>(&path, 1024),
+            Err(JournalError::TooLarge { .. })
+        ));
+    }
+}
