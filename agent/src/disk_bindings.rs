@@ -5,15 +5,20 @@
 //! to, and a join ticket for a disk bound to another TPM is refused, so an
 //! attested node cannot obtain another node's disk key by naming its UUID.
 //!
-//! The store is a JSON file in the join service's work directory, replaced
-//! atomically (0600), bounded in size, entries and disks per EK; a corrupt
-//! file is refused loudly and left alone for an operator. Bindings requested
-//! while the file is being written are checked and recorded together in the
-//! next write ([`crate::batching`]): one durable write (two fsyncs) per
-//! round instead of per join. The process keeps the store it last read or
-//! wrote in memory and reads the file again only when it is no longer the
-//! file it left (another inode, size or modification time), so a round
-//! costs no parse of the whole store.
+//! The store is a JSON snapshot in the join service's work directory and a
+//! journal beside it ([`crate::journal`]), both 0600, bounded in size,
+//! entries and disks per EK; a corrupt store is refused loudly and left
+//! alone for an operator. A new binding is appended to the journal and
+//! synced, so a write costs the bindings it records, not the size of the
+//! store; once the journal outgrows the snapshot (and 256 KiB), the next
+//! write replaces the snapshot atomically and empties the journal. A
+//! binding is never removed or changed: a journal record that binds a
+//! disk to another EK than the snapshot does is corruption. Bindings
+//! requested while a write runs are checked and recorded together in the
+//! next one ([`crate::batching`]). The process keeps the store it last read
+//! or wrote in memory and reads the files again only when they are no
+//! longer the files it left (another inode, size or modification time), so
+//! a round costs no parse of the whole store.
 
 use crate::paths::DISK_BINDINGS;
 use std::collections::{BTreeMap, HashMap};
@@ -24,6 +29,7 @@ use std::sync::Arc;
 
 use crate::batching::Batcher;
 use crate::files::WriteFileError;
+use crate::journal::{self, Journal, JournalError};
 pub use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::DiskKeyIdError;
 
@@ -38,6 +44,11 @@ const MAX_DISK_BINDINGS_BYTES: u64 = 2 * 1024 * 1024;
 const MAX_BINDINGS_PER_WRITE: usize = 256;
 /// Format version of the binding store file.
 const DISK_BINDINGS_VERSION: u32 = 1;
+/// Largest journal read: one record per binding, and bindings are bounded.
+const MAX_JOURNAL_BYTES: u64 = 2 * MAX_DISK_BINDINGS_BYTES;
+/// The journal is folded into a new snapshot once it is larger than the
+/// snapshot and than this.
+const COMPACT_AT_LEAST: u64 = 256 * 1024;
 
 /// Why a disk binding refused a ticket (the local log's detail; the peer
 /// only learns that the disk is not bound to its TPM).
@@ -100,6 +111,10 @@ pub enum DiskBindingsError {
     /// Writing the store failed; the binding was not recorded.
     #[error("writing the disk bindings")]
     Write(#[source] WriteFileError),
+    /// Reading or appending to the store's journal failed; a binding of
+    /// that write was not recorded.
+    #[error("the disk bindings' journal")]
+    Journal(#[source] JournalError),
     /// The blocking task running a store operation failed.
     #[error("the disk binding task failed")]
     Task,
@@ -132,6 +147,16 @@ struct DiskBindingsFile {
     disks: BTreeMap<String, String>,
 }
 
+/// One journal record: a binding, in the snapshot's form.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BindingRecord {
+    /// Lower-case disk UUID.
+    disk: String,
+    /// Lower-case hex EK digest.
+    ek: String,
+}
+
 /// The stores this process read or wrote, by file, as it left them. The
 /// mutex serialises every store operation in this process: a binding is
 /// checked and recorded as one step, and one writer at a time uses the
@@ -141,15 +166,17 @@ static STORES: std::sync::LazyLock<std::sync::Mutex<Stores>> =
 
 /// A store as this process last read or wrote it.
 struct Cached {
-    /// The file it was read from or written to (`None`: there was none).
-    stamp: Option<Stamp>,
+    /// The files it was read from or written to.
+    stamp: Stamps,
     disks: BTreeMap<String, EkDigest>,
     /// How many disks each EK has bound.
     per_ek: HashMap<EkDigest, usize>,
+    /// The journal, open once a write needs it.
+    journal: Option<Journal>,
 }
 
 impl Cached {
-    fn new(stamp: Option<Stamp>, disks: BTreeMap<String, EkDigest>) -> Self {
+    fn new(stamp: Stamps, disks: BTreeMap<String, EkDigest>) -> Self {
         let mut per_ek = HashMap::new();
         for ek in disks.values() {
             *per_ek.entry(*ek).or_insert(0) += 1;
@@ -158,7 +185,24 @@ impl Cached {
             stamp,
             disks,
             per_ek,
+            journal: None,
         }
+    }
+}
+
+/// The stamps of a store's snapshot and journal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamps {
+    snapshot: Option<Stamp>,
+    journal: Option<Stamp>,
+}
+
+impl Stamps {
+    fn of(snapshot: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            snapshot: Stamp::of(snapshot)?,
+            journal: Stamp::of(&journal::beside(snapshot))?,
+        })
     }
 }
 
@@ -195,10 +239,10 @@ impl Stamp {
 }
 
 /// The disks of this cluster and the TPMs they belong to: disk UUID (lower
-/// case, as the disk key derivation uses it) to [`EkDigest`], in one JSON
-/// file written atomically with mode 0600 (temp file, fsync, rename).
-/// Reads are bounded ([`MAX_DISK_BINDINGS`] entries, 2 MiB). The methods
-/// block on file I/O.
+/// case, as the disk key derivation uses it) to [`EkDigest`], in a JSON
+/// snapshot (replaced atomically, mode 0600) and its journal. Reads are
+/// bounded ([`MAX_DISK_BINDINGS`] entries, 2 MiB). The methods block on
+/// file I/O.
 pub struct DiskBindings {
     file: StoreFile,
     binds: Batcher<(String, EkDigest), Result<Bind, DiskBindingsError>, DiskBindingsError>,
@@ -235,7 +279,7 @@ impl DiskBindings {
         }
     }
 
-    /// The store file.
+    /// The store's snapshot file (its journal is beside it).
     pub fn path(&self) -> &Path {
         &self.file.path
     }
@@ -286,22 +330,24 @@ impl StoreFile {
         let _span = tracing::debug_span!("join.disk_binding", disks = requests.len()).entered();
         let mut stores = lock_stores();
         let store = self.current(&mut stores)?;
-        let mut recorded = false;
+        let mut recorded = Vec::new();
         let results = requests
             .into_iter()
             .map(|(uuid, ek)| {
-                let result = bind_one(store, uuid, &ek);
-                recorded |= matches!(result, Ok(Bind::Recorded));
+                let result = bind_one(store, uuid.clone(), &ek);
+                if matches!(result, Ok(Bind::Recorded)) {
+                    recorded.push(BindingRecord {
+                        disk: uuid,
+                        ek: hex::encode(ek.as_bytes()),
+                    });
+                }
                 result
             })
             .collect();
-        if recorded {
-            match self.store(&store.disks) {
-                Ok(stamp) => store.stamp = stamp,
-                Err(e) => {
-                    stores.remove(&self.path);
-                    return Err(e);
-                }
+        if !recorded.is_empty() {
+            if let Err(e) = self.persist(store, &recorded) {
+                stores.remove(&self.path);
+                return Err(e);
             }
         }
         Ok(results)
@@ -310,13 +356,10 @@ impl StoreFile {
     /// The store as the file holds it: the one this process last read or
     /// wrote if the file is still the one it left, else the file's.
     fn current<'a>(&self, stores: &'a mut Stores) -> Result<&'a mut Cached, DiskBindingsError> {
-        let stamp = Stamp::of(&self.path).map_err(|source| self.read_error(source))?;
+        let stamp = Stamps::of(&self.path).map_err(|source| self.read_error(source))?;
         let cached = match stores.remove(&self.path) {
             Some(cached) if cached.stamp == stamp => cached,
-            _ => {
-                let (stamp, disks) = self.load()?;
-                Cached::new(stamp, disks)
-            }
+            _ => self.load()?,
         };
         Ok(stores.entry(self.path.clone()).or_insert(cached))
     }
@@ -335,18 +378,97 @@ impl StoreFile {
         }
     }
 
-    /// Reads the store, with the stamp of the file read; a missing file is
-    /// an empty store.
-    fn load(&self) -> Result<(Option<Stamp>, BTreeMap<String, EkDigest>), DiskBindingsError> {
+    /// Makes the bindings of one round (already in `store`) durable: appended
+    /// to the journal, or in a new snapshot that replaces an outgrown one.
+    fn persist(
+        &self,
+        store: &mut Cached,
+        recorded: &[BindingRecord],
+    ) -> Result<(), DiskBindingsError> {
+        let journal = match &mut store.journal {
+            Some(journal) => journal,
+            None => {
+                let (journal, _replayed_at_load) =
+                    Journal::open::<BindingRecord>(&journal::beside(&self.path), MAX_JOURNAL_BYTES)
+                        .map_err(DiskBindingsError::Journal)?;
+                store.journal.insert(journal)
+            }
+        };
+        let snapshot_bytes = store.stamp.snapshot.map_or(0, |s| s.len);
+        if journal.len() > COMPACT_AT_LEAST.max(snapshot_bytes) {
+            self.store(&store.disks)?;
+            // The snapshot holds every binding; should emptying the journal
+            // fail, replaying it later changes nothing.
+            if let Err(e) = journal.clear() {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying the disk bindings' journal");
+            }
+        } else {
+            journal
+                .append(recorded)
+                .map_err(DiskBindingsError::Journal)?;
+        }
+        store.stamp = Stamps::of(&self.path).map_err(|source| self.read_error(source))?;
+        Ok(())
+    }
+
+    /// Reads the store (its snapshot, then its journal), with the stamps of
+    /// the files read; no files is an empty store.
+    fn load(&self) -> Result<Cached, DiskBindingsError> {
+        let stamp = Stamps::of(&self.path).map_err(|source| self.read_error(source))?;
+        let mut disks = self.load_snapshot()?;
+        let records: Vec<BindingRecord> =
+            journal::read(&journal::beside(&self.path), MAX_JOURNAL_BYTES).map_err(
+                |e| match e {
+                    JournalError::Corrupt { line, reason, .. } => {
+                        self.corrupt(format!("journal line {line}: {reason}"))
+                    }
+                    other => DiskBindingsError::Journal(other),
+                },
+            )?;
+        for record in records {
+            let (uuid, ek) = self.binding(record.disk, &record.ek)?;
+            match disks.get(&uuid) {
+                Some(bound) if *bound == ek => {}
+                Some(_) => {
+                    return Err(self.corrupt(format!(
+                        "the journal binds disk {uuid} to another EK than before"
+                    )))
+                }
+                None if disks.len() >= MAX_DISK_BINDINGS => {
+                    return Err(self.corrupt(format!("more than {MAX_DISK_BINDINGS} disks")))
+                }
+                None => {
+                    disks.insert(uuid, ek);
+                }
+            }
+        }
+        Ok(Cached::new(stamp, disks))
+    }
+
+    /// A stored binding, checked: a lower-case disk UUID and a lower-case
+    /// hex EK digest.
+    fn binding(&self, uuid: String, ek: &str) -> Result<(String, EkDigest), DiskBindingsError> {
+        if normalise_uuid(&uuid).ok().as_deref() != Some(uuid.as_str()) {
+            return Err(self.corrupt(format!(
+                "invalid disk UUID {:?}",
+                uuid.escape_debug().to_string()
+            )));
+        }
+        let digest = (ek.len() == 64 && ek == ek.to_ascii_lowercase())
+            .then(|| EkDigest::from_hex(ek))
+            .flatten()
+            .ok_or_else(|| self.corrupt(format!("invalid EK digest for disk {uuid}")))?;
+        Ok((uuid, digest))
+    }
+
+    /// Reads the snapshot; a missing file is an empty store.
+    fn load_snapshot(&self) -> Result<BTreeMap<String, EkDigest>, DiskBindingsError> {
         let read_err = |source| self.read_error(source);
         let file = match std::fs::File::open(&self.path) {
             Ok(file) => file,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok((None, BTreeMap::new()))
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
             Err(e) => return Err(read_err(e)),
         };
-        let stamp = Stamp::from_metadata(&file.metadata().map_err(read_err)?);
         let mut bytes = Vec::new();
         file.take(MAX_DISK_BINDINGS_BYTES + 1)
             .read_to_end(&mut bytes)
@@ -364,26 +486,14 @@ impl StoreFile {
         }
         let mut disks = BTreeMap::new();
         for (uuid, ek) in raw.disks {
-            if normalise_uuid(&uuid).ok().as_deref() != Some(uuid.as_str()) {
-                return Err(self.corrupt(format!(
-                    "invalid disk UUID {:?}",
-                    uuid.escape_debug().to_string()
-                )));
-            }
-            let digest = (ek.len() == 64 && ek == ek.to_ascii_lowercase())
-                .then(|| EkDigest::from_hex(&ek))
-                .flatten()
-                .ok_or_else(|| self.corrupt(format!("invalid EK digest for disk {uuid}")))?;
+            let (uuid, digest) = self.binding(uuid, &ek)?;
             disks.insert(uuid, digest);
         }
-        Ok((Some(stamp), disks))
+        Ok(disks)
     }
 
-    /// Replaces the file with `disks`; returns the new file's stamp.
-    fn store(
-        &self,
-        disks: &BTreeMap<String, EkDigest>,
-    ) -> Result<Option<Stamp>, DiskBindingsError> {
+    /// Replaces the snapshot with `disks`.
+    fn store(&self, disks: &BTreeMap<String, EkDigest>) -> Result<(), DiskBindingsError> {
         let file = DiskBindingsFile {
             version: DISK_BINDINGS_VERSION,
             disks: disks
@@ -398,8 +508,7 @@ impl StoreFile {
             })
         })?;
         json.push(b'\n');
-        crate::files::write_private(&self.path, &json).map_err(DiskBindingsError::Write)?;
-        Stamp::of(&self.path).map_err(|source| self.read_error(source))
+        crate::files::write_private(&self.path, &json).map_err(DiskBindingsError::Write)
     }
 }
 
@@ -478,16 +587,14 @@ mod tests {
         assert_eq!(reopened.lookup(DISK).unwrap(), Some(ek(1)));
         assert_eq!(reopened.len().unwrap(), 1);
         use std::os::unix::fs::PermissionsExt as _;
-        let mode = std::fs::metadata(store.path())
-            .unwrap()
-            .permissions()
-            .mode();
+        let journal = journal::beside(store.path());
+        let mode = std::fs::metadata(&journal).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         let names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
-            .map(|e| e.unwrap().file_name())
+            .map(|e| e.unwrap().path())
             .collect();
-        assert_eq!(names, [DISK_BINDINGS], "a temporary file was left");
+        assert_eq!(names, [journal], "another file was left");
     }
 
     #[test]
@@ -540,37 +647,111 @@ mod tests {
         assert_eq!(second.bind(DISK, &ek(2)).unwrap(), Bind::OtherEk(ek(1)));
         assert_eq!(second.bind(&other, &ek(2)).unwrap(), Bind::Recorded);
         assert_eq!(store.lookup(&other).unwrap(), Some(ek(2)));
-        // An operator restores a file written elsewhere, in place.
+        // An operator restores a store written elsewhere, in place: its
+        // snapshot, and no journal.
         let restored = format!(
             "{{\"version\":1,\"disks\":{{\"{DISK}\":\"{}\"}}}}",
             hex::encode(ek(3).as_bytes())
         );
+        let journal = journal::beside(store.path());
+        let appended = std::fs::read(&journal).unwrap();
         std::fs::write(store.path(), restored).unwrap();
+        std::fs::remove_file(&journal).unwrap();
         assert_eq!(store.lookup(DISK).unwrap(), Some(ek(3)));
         assert_eq!(store.lookup(&other).unwrap(), None);
         assert_eq!(store.bind(DISK, &ek(1)).unwrap(), Bind::OtherEk(ek(3)));
+        // A journal that binds the disk to another EK than the snapshot:
+        // corruption, not a second owner.
+        std::fs::write(&journal, appended).unwrap();
+        assert!(matches!(
+            store.lookup(DISK),
+            Err(DiskBindingsError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn a_write_appends_its_bindings_and_the_journal_folds_into_a_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskBindings::new(dir.path());
+        let journal = journal::beside(store.path());
+        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+        let uuid = |i: usize| format!("00000000-0000-4000-8000-{i:012x}");
+        let mut i = 0;
+        while size(&journal) <= COMPACT_AT_LEAST {
+            let before = size(&journal);
+            assert_eq!(
+                store.bind(&uuid(i), &ek((i / 100) as u8)).unwrap(),
+                Bind::Recorded
+            );
+            assert!(
+                size(&journal) - before < 200,
+                "a binding appends one record"
+            );
+            i += 1;
+        }
+        assert_eq!(size(store.path()), 0);
+        let kept = std::fs::read(&journal).unwrap();
+        // The journal outgrew 256 KiB and the (empty) snapshot: the next
+        // binding goes into a new snapshot with all the others. Should
+        // that write fail (the temp file's name is taken), the binding is
+        // not recorded, though no file changed.
+        let temp = dir
+            .path()
+            .join(format!(".{DISK_BINDINGS}.tmp-{}", std::process::id()));
+        std::fs::create_dir(&temp).unwrap();
+        assert!(matches!(
+            store.bind(&uuid(i), &ek(200)),
+            Err(DiskBindingsError::Write(_))
+        ));
+        assert_eq!(store.lookup(&uuid(i)).unwrap(), None);
+        std::fs::remove_dir(&temp).unwrap();
+        assert_eq!(store.bind(&uuid(i), &ek(200)).unwrap(), Bind::Recorded);
+        assert_eq!(size(&journal), 0);
+        assert!(size(store.path()) > 0);
+        assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), i + 1);
+        // A crash between the new snapshot and the emptied journal: the
+        // journal's bindings are all in the snapshot, replaying them is a
+        // no-op.
+        std::fs::write(&journal, &kept).unwrap();
+        let reopened = DiskBindings::new(dir.path());
+        assert_eq!(reopened.len().unwrap(), i + 1);
+        assert_eq!(reopened.lookup(&uuid(0)).unwrap(), Some(ek(0)));
+        // A crash in the middle of an append: the cut record is dropped.
+        use std::io::Write as _;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&journal)
+            .unwrap();
+        f.write_all(b"{\"disk\":\"00000000-").unwrap();
+        drop(f);
+        assert_eq!(reopened.len().unwrap(), i + 1);
+        assert_eq!(
+            reopened.bind(&uuid(i + 1), &ek(201)).unwrap(),
+            Bind::Recorded
+        );
+        assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), i + 2);
     }
 
     #[test]
     fn a_failed_write_records_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let store = DiskBindings::new(dir.path());
-        assert_eq!(store.bind(DISK, &ek(1)).unwrap(), Bind::Recorded);
-        // The temp file's name is taken by a directory: the write fails.
-        let temp = dir
-            .path()
-            .join(format!(".{DISK_BINDINGS}.tmp-{}", std::process::id()));
-        std::fs::create_dir(&temp).unwrap();
-        let other = DISK.replace("000a", "000b");
+        // The journal's name is taken by a directory: the write fails.
+        let journal = journal::beside(store.path());
+        std::fs::create_dir(&journal).unwrap();
         assert!(matches!(
-            store.bind(&other, &ek(2)),
-            Err(DiskBindingsError::Write(_))
+            store.bind(DISK, &ek(1)),
+            Err(DiskBindingsError::Journal(_))
         ));
-        assert_eq!(store.lookup(&other).unwrap(), None);
-        assert_eq!(store.len().unwrap(), 1);
-        std::fs::remove_dir(&temp).unwrap();
-        assert_eq!(store.bind(&other, &ek(2)).unwrap(), Bind::Recorded);
-        assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), 2);
+        std::fs::remove_dir(&journal).unwrap();
+        assert_eq!(store.lookup(DISK).unwrap(), None);
+        assert_eq!(store.len().unwrap(), 0);
+        // Not recorded, so free for another TPM.
+        assert_eq!(store.bind(DISK, &ek(2)).unwrap(), Bind::Recorded);
+        assert_eq!(
+            DiskBindings::new(dir.path()).lookup(DISK).unwrap(),
+            Some(ek(2))
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read as _, Write as _};
-use std::os::unix::fs::OpenOptionsExt as _;
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
@@ -63,6 +63,14 @@ pub struct Journal {
     len: u64,
 }
 
+/// The journal of the snapshot at `snapshot`: the same name with
+/// `.journal` appended, in the same directory.
+pub fn beside(snapshot: &Path) -> PathBuf {
+    let mut name = snapshot.file_name().unwrap_or_default().to_os_string();
+    name.push(".journal");
+    snapshot.with_file_name(name)
+}
+
 /// The records of the journal at `path` (none if there is no file), in
 /// order, without changing the file; a last line cut short is left out.
 pub fn read<R: DeserializeOwned>(path: &Path, limit: u64) -> Result<Vec<R>, JournalError> {
@@ -74,13 +82,19 @@ pub fn read<R: DeserializeOwned>(path: &Path, limit: u64) -> Result<Vec<R>, Jour
 }
 
 impl Journal {
-    /// Opens the journal at `path`, creating it (0600) if needed, and
-    /// reads its records (at most `limit` bytes of them). A last line cut
-    /// short is cut off the file.
+    /// Opens the journal at `path`, creating it (0600, and its directory,
+    /// 0700) if needed, and reads its records (at most `limit` bytes of
+    /// them). A last line cut short is cut off the file.
     pub fn open<R: DeserializeOwned>(
         path: &Path,
         limit: u64,
     ) -> Result<(Self, Vec<R>), JournalError> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|source| io("creating", path, source))?;
         let existed = path.exists();
         let file = OpenOptions::new()
             .read(true)
@@ -91,7 +105,6 @@ impl Journal {
             .map_err(|source| io("opening", path, source))?;
         if !existed {
             // The new file's name must survive a crash as its content will.
-            let dir = path.parent().unwrap_or(Path::new("."));
             File::open(dir)
                 .and_then(|d| d.sync_all())
                 .map_err(|source| io("creating", path, source))?;

@@ -491,15 +491,11 @@ impl Registry {
     /// The registry a restart would load from the snapshot at `path` and
     /// its journal, read without opening a store.
     pub fn on_disk(path: &Path) -> Result<Self, RegistryError> {
-        Self::restore(path, journal::read(&journal_path(path), MAX_JOURNAL_BYTES)?)
+        Self::restore(
+            path,
+            journal::read(&journal::beside(path), MAX_JOURNAL_BYTES)?,
+        )
     }
-}
-
-/// The journal beside the snapshot at `path`.
-fn journal_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".journal");
-    path.with_file_name(name)
 }
 
 /// The registry's files as the writer sees them.
@@ -563,18 +559,8 @@ impl Disk {
         let journal = match &mut self.journal {
             Some(journal) => journal,
             None => {
-                let dir = path.parent().unwrap_or(Path::new("."));
-                std::os::unix::fs::DirBuilderExt::mode(
-                    std::fs::DirBuilder::new().recursive(true),
-                    0o700,
-                )
-                .create(dir)
-                .map_err(|source| RegistryError::Read {
-                    path: dir.to_owned(),
-                    source,
-                })?;
                 let (journal, _replayed_at_load) =
-                    Journal::open::<Change>(&journal_path(path), MAX_JOURNAL_BYTES)?;
+                    Journal::open::<Change>(&journal::beside(path), MAX_JOURNAL_BYTES)?;
                 self.journal.insert(journal)
             }
         };
@@ -867,7 +853,7 @@ mod tests {
         let store = RegistryStore::shared(dir.path()).unwrap();
         // The journal's name is taken by a directory: the write fails.
         let path = store.path().to_owned();
-        let journal = journal_path(&path);
+        let journal = journal::beside(&path);
         std::fs::create_dir_all(&journal).unwrap();
         let failed = store.update(|r| r.record(&evidence(1, None)));
         assert!(
@@ -922,7 +908,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = RegistryStore::shared(dir.path()).unwrap();
         let path = store.path().to_owned();
-        let journal = journal_path(&path);
+        let journal = journal::beside(&path);
         let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
 
         // 3,000 nodes in one change: one append, no snapshot.
@@ -971,7 +957,7 @@ mod tests {
             .update(|r| r.record(&evidence(4, Some("PCR 9"))))
             .unwrap();
         let expected = store.snapshot();
-        let journal = journal_path(store.path());
+        let journal = journal::beside(store.path());
         drop(store);
 
         // A crash in the middle of the next append.
