@@ -226,10 +226,12 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
     assert_eq!(key, expected.as_slice());
     let bindings = keel_agent::disk_bindings::DiskBindings::new(&service.work_dir());
     assert_eq!(bindings.len().unwrap(), 1);
-    let file = bindings.path().to_owned();
+    // Recorded in the store's journal, private to the service.
+    let journal = keel_agent::journal::beside(bindings.path());
     assert_eq!(
-        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&file).unwrap().permissions())
-            & 0o777,
+        std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&journal).unwrap().permissions()
+        ) & 0o777,
         0o600
     );
     let tokens = service.registered_tokens().len();
@@ -280,7 +282,11 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
 
     // A store that no longer loads stops the service from issuing anything:
     // refused with a fixed message, the file left for an operator.
-    std::fs::write(&file, b"{\"version\":1,\"disks\":{\"not-a-uuid\":\"00\"}}").unwrap();
+    std::fs::write(
+        bindings.path(),
+        b"{\"version\":1,\"disks\":{\"not-a-uuid\":\"00\"}}",
+    )
+    .unwrap();
     match owner_tickets.rejoin_ticket(&service.endpoint, &disk).await {
         Err(TicketError::Refused(status)) => {
             assert_eq!(status.code(), tonic::Code::Internal);
