@@ -34,7 +34,8 @@ pub const CONTROL_PLANE_PKI_DIR: &str = "etc/kubernetes/pki";
 /// The admin kubeconfig kubeadm writes.
 pub const ADMIN_CONF: &str = "etc/kubernetes/admin.conf";
 /// A control plane's node registry: verdicts of the members' evidence and
-/// the revocation list, on its state disk (see the registry module).
+/// the revocation list, on its state disk (see the registry module); its
+/// journal is beside it.
 pub const NODE_REGISTRY: &str = "etc/kubernetes/keel/registry.json";
 /// A control plane's facts about its cluster, on its state disk (see
 /// `ControlPlaneFacts` in the cluster module).
@@ -57,5 +58,6 @@ pub const TOKEN_CONFIG_DIR: &str = "join-tokens";
 /// The measurements the join service checks joining nodes against (work
 /// directory, unless the agent is told otherwise).
 pub const JOIN_MEASUREMENTS: &str = "join-measurements.json";
-/// The join service's disk bindings (work directory).
+/// The join service's disk bindings (work directory); their journal is
+/// beside them.
 pub const DISK_BINDINGS: &str = "disk-bindings.json";
