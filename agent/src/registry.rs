@@ -140,9 +140,11 @@ impl std::fmt::Display for Revocation {
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Registry {
-    /// Nodes by the hex SHA-256 of their EK.
+    /// Nodes by the hex SHA-256 of their EK. Change them through the
+    /// methods here only: a store journals the records they mark.
     pub nodes: BTreeMap<String, NodeRecord>,
-    /// Revoked nodes, oldest first. Only ever appended to.
+    /// Revoked nodes, oldest first. Only ever appended to (a store journals
+    /// the revocations past those it wrote).
     pub revoked: Vec<Revocation>,
     /// Keys of the node records the methods here changed since a store
     /// last took them to its journal.
