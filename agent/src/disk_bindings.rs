@@ -22,7 +22,6 @@
 
 use crate::paths::DISK_BINDINGS;
 use std::collections::{BTreeMap, HashMap};
-use std::io::Read as _;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -359,7 +358,7 @@ impl StoreFile {
         let stamp = Stamps::of(&self.path).map_err(|source| self.read_error(source))?;
         let cached = match stores.remove(&self.path) {
             Some(cached) if cached.stamp == stamp => cached,
-            _ => self.load()?,
+            _ => self.load(stamp)?,
         };
         Ok(stores.entry(self.path.clone()).or_insert(cached))
     }
@@ -411,10 +410,9 @@ impl StoreFile {
         Ok(())
     }
 
-    /// Reads the store (its snapshot, then its journal), with the stamps of
-    /// the files read; no files is an empty store.
-    fn load(&self) -> Result<Cached, DiskBindingsError> {
-        let stamp = Stamps::of(&self.path).map_err(|source| self.read_error(source))?;
+    /// Reads the store (its snapshot, then its journal), whose files had
+    /// `stamp` before they were read; no files is an empty store.
+    fn load(&self, stamp: Stamps) -> Result<Cached, DiskBindingsError> {
         let mut disks = self.load_snapshot()?;
         let records: Vec<BindingRecord> =
             journal::read(&journal::beside(&self.path), MAX_JOURNAL_BYTES).map_err(
@@ -463,19 +461,14 @@ impl StoreFile {
 
     /// Reads the snapshot; a missing file is an empty store.
     fn load_snapshot(&self) -> Result<BTreeMap<String, EkDigest>, DiskBindingsError> {
-        let read_err = |source| self.read_error(source);
-        let file = match std::fs::File::open(&self.path) {
-            Ok(file) => file,
+        let bytes = match keel_verifier::bounded::read(&self.path, MAX_DISK_BINDINGS_BYTES) {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => {
+                return Err(self.corrupt(format!("larger than {MAX_DISK_BINDINGS_BYTES} bytes")))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
-            Err(e) => return Err(read_err(e)),
+            Err(e) => return Err(self.read_error(e)),
         };
-        let mut bytes = Vec::new();
-        file.take(MAX_DISK_BINDINGS_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(read_err)?;
-        if bytes.len() as u64 > MAX_DISK_BINDINGS_BYTES {
-            return Err(self.corrupt(format!("larger than {MAX_DISK_BINDINGS_BYTES} bytes")));
-        }
         let raw: DiskBindingsFile = serde_json::from_slice(&bytes)
             .map_err(|e| self.corrupt(format!("not a binding store: {e}")))?;
         if raw.version != DISK_BINDINGS_VERSION {
@@ -717,13 +710,7 @@ mod tests {
         assert_eq!(reopened.len().unwrap(), i + 1);
         assert_eq!(reopened.lookup(&uuid(0)).unwrap(), Some(ek(0)));
         // A crash in the middle of an append: the cut record is dropped.
-        use std::io::Write as _;
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&journal)
-            .unwrap();
-        f.write_all(b"{\"disk\":\"00000000-").unwrap();
-        drop(f);
+        journal::append_cut_short(&journal, b"{\"disk\":\"00000000-");
         assert_eq!(reopened.len().unwrap(), i + 1);
         assert_eq!(
             reopened.bind(&uuid(i + 1), &ek(201)).unwrap(),

@@ -13,7 +13,7 @@
 //! is cut off at once, so later appends never follow a partial line.
 
 use std::fs::{File, OpenOptions};
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 
@@ -74,10 +74,9 @@ pub fn beside(snapshot: &Path) -> PathBuf {
 /// The records of the journal at `path` (none if there is no file), in
 /// order, without changing the file; a last line cut short is left out.
 pub fn read<R: DeserializeOwned>(path: &Path, limit: u64) -> Result<Vec<R>, JournalError> {
-    match File::open(path) {
-        Ok(file) => Ok(parse(path, &read_bounded(path, file, limit)?)?.0),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(source) => Err(io("opening", path, source)),
+    match contents(path, limit)? {
+        Some(bytes) => Ok(parse(path, &bytes)?.0),
+        None => Ok(Vec::new()),
     }
 }
 
@@ -97,7 +96,6 @@ impl Journal {
             .map_err(|source| io("creating", path, source))?;
         let existed = path.exists();
         let file = OpenOptions::new()
-            .read(true)
             .append(true)
             .create(true)
             .mode(0o600)
@@ -109,11 +107,7 @@ impl Journal {
                 .and_then(|d| d.sync_all())
                 .map_err(|source| io("creating", path, source))?;
         }
-        let bytes = read_bounded(
-            path,
-            file.try_clone().map_err(|e| io("opening", path, e))?,
-            limit,
-        )?;
+        let bytes = contents(path, limit)?.unwrap_or_default();
         let (records, good) = parse(path, &bytes)?;
         let mut journal = Self {
             path: path.to_owned(),
@@ -203,18 +197,18 @@ fn io(what: &'static str, path: &Path, source: std::io::Error) -> JournalError {
     }
 }
 
-fn read_bounded(path: &Path, file: File, limit: u64) -> Result<Vec<u8>, JournalError> {
-    let mut bytes = Vec::new();
-    file.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|source| io("reading", path, source))?;
-    if bytes.len() as u64 > limit {
-        return Err(JournalError::TooLarge {
+/// The journal's bytes, at most `limit` of them; `None` if there is no
+/// file.
+fn contents(path: &Path, limit: u64) -> Result<Option<Vec<u8>>, JournalError> {
+    match keel_verifier::bounded::read(path, limit) {
+        Ok(Some(bytes)) => Ok(Some(bytes)),
+        Ok(None) => Err(JournalError::TooLarge {
             path: path.to_owned(),
             limit,
-        });
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(io("reading", path, source)),
     }
-    Ok(bytes)
 }
 
 /// The records of `bytes` and how many bytes hold whole, parsed lines.
@@ -254,6 +248,15 @@ fn parse<R: DeserializeOwned>(path: &Path, bytes: &[u8]) -> Result<(Vec<R>, u64)
     Ok((records, good))
 }
 
+/// Appends `bytes` to the journal at `path` without an end of line, as a
+/// crash in the middle of an append leaves it.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn append_cut_short(path: &Path, bytes: &[u8]) {
+    let mut file = OpenOptions::new().append(true).open(path).unwrap();
+    file.write_all(bytes).unwrap();
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -271,9 +274,7 @@ mod tests {
         assert_eq!(read::<u32>(&path, 1024).unwrap(), [1, 2, 3]);
 
         // A crash in the middle of an append.
-        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
-        f.write_all(b"4").unwrap();
-        drop(f);
+        append_cut_short(&path, b"4");
         assert_eq!(read::<u32>(&path, 1024).unwrap(), [1, 2, 3]);
         let (mut j, records) = Journal::open::<u32>(&path, 1024).unwrap();
         assert_eq!(records, [1, 2, 3]);

@@ -463,18 +463,9 @@ impl Registry {
     /// Reads the snapshot at `path` (none: empty) and replays the journal
     /// `records` over it.
     fn restore(path: &Path, records: Vec<Change>) -> Result<Self, RegistryError> {
-        use std::io::Read as _;
-        let mut registry = match std::fs::File::open(path) {
-            Ok(file) => {
-                let mut bytes = Vec::new();
-                file.take(MAX_REGISTRY_BYTES as u64 + 1)
-                    .read_to_end(&mut bytes)
-                    .map_err(|source| RegistryError::Read {
-                        path: path.to_owned(),
-                        source,
-                    })?;
-                Registry::parse(&bytes)?
-            }
+        let mut registry = match keel_verifier::bounded::read(path, MAX_REGISTRY_BYTES as u64) {
+            Ok(Some(bytes)) => Registry::parse(&bytes)?,
+            Ok(None) => return Err(RegistryError::Invalid("larger than 8 MiB".into())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry::default(),
             Err(source) => {
                 return Err(RegistryError::Read {
@@ -963,13 +954,7 @@ mod tests {
         drop(store);
 
         // A crash in the middle of the next append.
-        use std::io::Write as _;
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&journal)
-            .unwrap();
-        f.write_all(b"{\"node\":{\"name\":\"w-").unwrap();
-        drop(f);
+        journal::append_cut_short(&journal, b"{\"node\":{\"name\":\"w-");
         let store = RegistryStore::shared(dir.path()).unwrap();
         assert_eq!(store.snapshot(), expected);
         assert_eq!(store.revocation(&ek(0), &node.disk_uuid), None);
