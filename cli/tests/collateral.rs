@@ -140,29 +140,7 @@ fn ark_crl(revoked: &[Vec<u8>]) -> Vec<u8> {
         .unwrap()
         .unwrap()
         .contents;
-    let key = rcgen::KeyPair::generate().unwrap();
-    let issuer = rcgen::Issuer::from_ca_cert_der(&ark.into(), key).unwrap();
-    let now = time::OffsetDateTime::now_utc();
-    rcgen::CertificateRevocationListParams {
-        this_update: now - time::Duration::days(1),
-        next_update: now + time::Duration::days(7),
-        crl_number: rcgen::SerialNumber::from(7u64),
-        issuing_distribution_point: None,
-        revoked_certs: revoked
-            .iter()
-            .map(|serial| rcgen::RevokedCertParams {
-                serial_number: rcgen::SerialNumber::from_slice(serial),
-                revocation_time: now - time::Duration::days(1),
-                reason_code: None,
-                invalidity_date: None,
-            })
-            .collect(),
-        key_identifier_method: rcgen::KeyIdMethod::Sha256,
-    }
-    .signed_by(&issuer)
-    .unwrap()
-    .der()
-    .to_vec()
+    keel_testkit::amd::crl_in_the_name_of(&ark, revoked).unwrap()
 }
 
 #[test]

@@ -97,6 +97,47 @@ fn pss(mut der: Vec<u8>) -> Vec<u8> {
     der
 }
 
+/// CRL parameters revoking the certificates with the serial numbers (DER
+/// integer contents) in `revoked`, valid from `this_update` to
+/// `next_update`.
+fn crl_params(
+    revoked: &[Vec<u8>],
+    this_update: time::OffsetDateTime,
+    next_update: time::OffsetDateTime,
+) -> rcgen::CertificateRevocationListParams {
+    rcgen::CertificateRevocationListParams {
+        this_update,
+        next_update,
+        crl_number: rcgen::SerialNumber::from(1u64),
+        issuing_distribution_point: None,
+        revoked_certs: revoked
+            .iter()
+            .map(|serial| rcgen::RevokedCertParams {
+                serial_number: rcgen::SerialNumber::from_slice(serial),
+                revocation_time: this_update,
+                reason_code: None,
+                invalidity_date: None,
+            })
+            .collect(),
+        key_identifier_method: rcgen::KeyIdMethod::Sha256,
+    }
+}
+
+/// A CRL that names the CA certificate `ca_der` (DER) as its issuer and
+/// revokes `revoked`, current from a day ago for a week, but is signed by
+/// a key of its own: what anyone holding only the CA's public certificate
+/// can make.
+pub fn crl_in_the_name_of(ca_der: &[u8], revoked: &[Vec<u8>]) -> Result<Vec<u8>, AmdError> {
+    let issuer = Issuer::from_ca_cert_der(&ca_der.to_vec().into(), rcgen::KeyPair::generate()?)?;
+    let now = time::OffsetDateTime::now_utc();
+    let params = crl_params(
+        revoked,
+        now - time::Duration::days(1),
+        now + time::Duration::days(7),
+    );
+    Ok(params.signed_by(&issuer)?.der().to_vec())
+}
+
 /// A DER certificate as PEM.
 pub fn certificate_pem(der: &[u8]) -> String {
     use base64::Engine as _;
@@ -237,24 +278,9 @@ impl TestAmd {
         this_update: time::OffsetDateTime,
         next_update: time::OffsetDateTime,
     ) -> Result<Vec<u8>, AmdError> {
-        let params = rcgen::CertificateRevocationListParams {
-            this_update,
-            next_update,
-            crl_number: rcgen::SerialNumber::from(1u64),
-            issuing_distribution_point: None,
-            revoked_certs: revoked
-                .iter()
-                .map(|serial| rcgen::RevokedCertParams {
-                    serial_number: rcgen::SerialNumber::from_slice(serial),
-                    revocation_time: this_update,
-                    reason_code: None,
-                    invalidity_date: None,
-                })
-                .collect(),
-            key_identifier_method: rcgen::KeyIdMethod::Sha256,
-        };
         let issuer = Issuer::new(self.ark_params.clone(), &self.ark);
-        Ok(pss(params.signed_by(&issuer)?.der().to_vec()))
+        let crl = crl_params(revoked, this_update, next_update).signed_by(&issuer)?;
+        Ok(pss(crl.der().to_vec()))
     }
 
     /// The TCB the VCEK certifies: bootloader, TEE, SNP, microcode.

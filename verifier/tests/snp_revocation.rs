@@ -151,21 +151,9 @@ fn a_crl_in_the_name_of_amds_milan_ark_not_signed_by_it_refuses() {
         .unwrap()
         .unwrap()
         .contents;
-    let issuer =
-        rcgen::Issuer::from_ca_cert_der(&ark.clone().into(), rcgen::KeyPair::generate().unwrap())
-            .unwrap();
-    let crl = rcgen::CertificateRevocationListParams {
-        this_update: now() - Duration::days(1),
-        next_update: now() + Duration::days(7),
-        crl_number: rcgen::SerialNumber::from(1u64),
-        issuing_distribution_point: None,
-        revoked_certs: Vec::new(),
-        key_identifier_method: rcgen::KeyIdMethod::Sha256,
-    }
-    .signed_by(&issuer)
-    .unwrap();
+    let crl = keel_testkit::amd::crl_in_the_name_of(&ark, &[]).unwrap();
     let (_, parsed) =
-        x509_parser::revocation_list::CertificateRevocationList::from_der(crl.der()).unwrap();
+        x509_parser::revocation_list::CertificateRevocationList::from_der(&crl).unwrap();
     let (_, ark) = x509_parser::certificate::X509Certificate::from_der(&ark).unwrap();
     assert_eq!(
         parsed.issuer(),
@@ -173,7 +161,7 @@ fn a_crl_in_the_name_of_amds_milan_ark_not_signed_by_it_refuses() {
         "the CRL names AMD's Milan ARK"
     );
     let vcek = data("snp/milan-virtee/vcek_milan.der");
-    let e = snp::check_revocation(crl.der(), &vcek, &AmdRoots::pinned(), unix(now())).unwrap_err();
+    let e = snp::check_revocation(&crl, &vcek, &AmdRoots::pinned(), unix(now())).unwrap_err();
     assert!(
         e.to_string()
             .contains("AMD Milan CRL: its signature does not verify with the ARK"),
