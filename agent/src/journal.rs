@@ -11,6 +11,10 @@
 //! line that is incomplete or does not parse, and cuts it off the file; a
 //! bad line before the last is corruption, and an error. A failed append
 //! is cut off at once, so later appends never follow a partial line.
+//!
+//! A journal never grows past the bound it is read with: an append that
+//! would is refused, so a store whose snapshots keep failing stops taking
+//! changes instead of writing a file it could not load again.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write as _;
@@ -45,8 +49,9 @@ pub enum JournalError {
         /// Why it does not parse.
         reason: String,
     },
-    /// The file is larger than the store allows.
-    #[error("the journal {path:?} is larger than {limit} bytes")]
+    /// The file is larger than the store allows, or an append would make
+    /// it so.
+    #[error("the journal {path:?} is (or would grow) larger than {limit} bytes")]
     TooLarge {
         /// The file.
         path: PathBuf,
@@ -61,6 +66,8 @@ pub struct Journal {
     path: PathBuf,
     file: File,
     len: u64,
+    /// The most bytes the file may hold: what it is read with.
+    limit: u64,
 }
 
 /// The journal of the snapshot at `snapshot`: the same name with
@@ -83,7 +90,8 @@ pub fn read<R: DeserializeOwned>(path: &Path, limit: u64) -> Result<Vec<R>, Jour
 impl Journal {
     /// Opens the journal at `path`, creating it (0600, and its directory,
     /// 0700) if needed, and reads its records (at most `limit` bytes of
-    /// them). A last line cut short is cut off the file.
+    /// them; appends that would grow it past `limit` are refused). A last
+    /// line cut short is cut off the file.
     pub fn open<R: DeserializeOwned>(
         path: &Path,
         limit: u64,
@@ -113,6 +121,7 @@ impl Journal {
             path: path.to_owned(),
             file,
             len: bytes.len() as u64,
+            limit,
         };
         if good < journal.len {
             tracing::warn!(
@@ -127,7 +136,8 @@ impl Journal {
 
     /// Appends one line per record and syncs them: when it returns `Ok`,
     /// the records survive a crash. On failure the file is cut back to
-    /// what it was.
+    /// what it was. Records that would grow the file past its limit are
+    /// refused, and nothing is written.
     pub fn append<'a, R: Serialize + 'a>(
         &mut self,
         records: impl IntoIterator<Item = &'a R>,
@@ -143,6 +153,12 @@ impl Journal {
         }
         if lines.is_empty() {
             return Ok(());
+        }
+        if self.len.saturating_add(lines.len() as u64) > self.limit {
+            return Err(JournalError::TooLarge {
+                path: self.path.clone(),
+                limit: self.limit,
+            });
         }
         let written = self
             .file
@@ -303,5 +319,27 @@ mod tests {
             read::<u32>(&path, 1024),
             Err(JournalError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn an_append_past_the_limit_is_refused_and_the_journal_still_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j");
+        let (mut j, _) = Journal::open::<u32>(&path, 8).unwrap();
+        j.append(&[1u32, 22]).unwrap();
+        // "1\n22\n" is 5 bytes; "333\n" would make 9.
+        assert!(matches!(
+            j.append(&[333u32]),
+            Err(JournalError::TooLarge { limit: 8, .. })
+        ));
+        assert_eq!(std::fs::read(&path).unwrap(), b"1\n22\n");
+        assert_eq!(j.len(), 5);
+        // Exactly up to the limit is fine, and the file loads again.
+        j.append(&[33u32]).unwrap();
+        assert_eq!(Journal::open::<u32>(&path, 8).unwrap().1, [1, 22, 33]);
+        // Once emptied (its records in a new snapshot), it takes appends.
+        j.clear().unwrap();
+        j.append(&[333u32]).unwrap();
+        assert_eq!(read::<u32>(&path, 8).unwrap(), [333]);
     }
 }
