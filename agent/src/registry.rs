@@ -137,15 +137,16 @@ impl std::fmt::Display for Revocation {
 }
 
 /// The registry's content: nodes by EK hash, and the revocation list.
+/// Both change only through the methods here, which mark what a store's
+/// journal must record.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Registry {
-    /// Nodes by the hex SHA-256 of their EK. Change them through the
-    /// methods here only: a store journals the records they mark.
-    pub nodes: BTreeMap<String, NodeRecord>,
+    /// Nodes by the hex SHA-256 of their EK.
+    nodes: BTreeMap<String, NodeRecord>,
     /// Revoked nodes, oldest first. Only ever appended to (a store journals
     /// the revocations past those it wrote).
-    pub revoked: Vec<Revocation>,
+    revoked: Vec<Revocation>,
     /// Keys of the node records the methods here changed since a store
     /// last took them to its journal.
     #[serde(skip)]
@@ -258,6 +259,16 @@ impl Registry {
     /// The JSON form.
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec_pretty(self).unwrap_or_default()
+    }
+
+    /// Nodes by the hex SHA-256 of their EK.
+    pub fn nodes(&self) -> &BTreeMap<String, NodeRecord> {
+        &self.nodes
+    }
+
+    /// Revoked nodes, oldest first.
+    pub fn revoked(&self) -> &[Revocation] {
+        &self.revoked
     }
 
     /// The revocation that covers `ek` or `disk_uuid`, if any.

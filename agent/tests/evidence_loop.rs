@@ -166,7 +166,7 @@ impl Cluster {
     }
 
     fn worker_record(registry: &Registry) -> Option<&keel_agent::registry::NodeRecord> {
-        registry.nodes.values().find(|r| r.name == "w-1")
+        registry.nodes().values().find(|r| r.name == "w-1")
     }
 
     /// cp-1's operator API, and a proof for `kind` over `body` on a fresh
@@ -262,7 +262,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     let reason = drifted.reason.unwrap();
     assert!(reason.contains("PCR 13"), "{reason}");
     // The `log` policy revokes nothing.
-    assert!(c.registry().snapshot().revoked.is_empty());
+    assert!(c.registry().snapshot().revoked().is_empty());
     // It stops reporting: silent after three intervals.
     evidence.abort();
     let _ = evidence.await;
@@ -374,7 +374,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     let mut s = c.session(&c.cp1).await;
     assert_eq!(s.merge_registry(&other_cp).await.unwrap(), 1);
     assert_eq!(s.merge_registry(&other_cp).await.unwrap(), 0);
-    assert_eq!(other_cp.snapshot().revoked[0].ek, revoked.ek);
+    assert_eq!(other_cp.snapshot().revoked()[0].ek, revoked.ek);
     // The revoked worker reboots: no rejoin ticket, so no disk key.
     let endpoint = c.endpoint();
     let worker = c.worker.reboot(&c.ca);
@@ -391,22 +391,22 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         .path()
         .to_owned();
     let stored = Registry::on_disk(&path).unwrap();
-    assert_eq!(stored.revoked.len(), 1);
-    assert_eq!(stored.revoked[0].disk_uuid, disk);
+    assert_eq!(stored.revoked().len(), 1);
+    assert_eq!(stored.revoked()[0].disk_uuid, disk);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_revoke_policy_refuses_a_drifted_node_after_a_tpm_reset() {
     let c = Cluster::start(EvidencePolicy::Revoke).await;
     let evidence = c.worker_trusted().await;
-    assert!(c.registry().snapshot().revoked.is_empty());
+    assert!(c.registry().snapshot().revoked().is_empty());
     tamper(&c.worker);
     c.wait_for("revoked", INTERVAL * 2 + Duration::from_secs(1), |r| {
-        !r.revoked.is_empty()
+        !r.revoked().is_empty()
     })
     .await;
     evidence.abort();
-    let revocation = c.registry().snapshot().revoked[0].clone();
+    let revocation = c.registry().snapshot().revoked()[0].clone();
     assert_eq!(revocation.name, "w-1");
     assert!(
         revocation.reason.contains("PCR 13"),

@@ -324,7 +324,7 @@ impl EvidenceService {
             .store(move |s| {
                 s.update(|r| {
                     let previous = r.record(&evidence)?;
-                    let record = r.nodes.get(&evidence.ek.to_string()).cloned();
+                    let record = r.nodes().get(&evidence.ek.to_string()).cloned();
                     Ok((previous, record))
                 })
             })
