@@ -7,7 +7,9 @@
 //! replay, measurements, cluster lock, components), of one whole
 //! submission (nonce check, validation, registry written to disk), the same
 //! with the registry holding thousands of other nodes (a large cluster's
-//! control plane), and the encoded sizes of the messages of one round.
+//! control plane), then, with half of those revoked, a merge of a peer's
+//! registry and a sweep for silent nodes, and the encoded sizes of the
+//! messages of one round.
 //!
 //! `cargo run --release -p keel-agent --example evidence_bench -- [rounds [other nodes]]`
 //! (9,000 other nodes unless given)
@@ -181,6 +183,40 @@ async fn main() {
         .unwrap();
     let (mut crowded, _) = submit_rounds().await;
 
+    // Half of those revoked, then what a control plane does under the
+    // registry's lock besides submissions: merging a peer's registry (here
+    // its own, so nothing is new and nothing is written) and the sweep for
+    // silent nodes (nobody is silent yet, so it only scans).
+    let revoked = registry
+        .update(|r| {
+            let records: Vec<_> = r
+                .nodes()
+                .values()
+                .take(others as usize / 2)
+                .cloned()
+                .collect();
+            for record in &records {
+                r.revoke(record, "bench")?;
+            }
+            Ok(records.len())
+        })
+        .unwrap();
+    let peer = registry.snapshot();
+    let mut merges = Vec::new();
+    let mut sweeps = Vec::new();
+    for _ in 0..rounds {
+        let theirs = peer.clone();
+        let t = Instant::now();
+        assert_eq!(registry.merge(theirs).unwrap(), 0);
+        merges.push(t.elapsed());
+        let t = Instant::now();
+        let marked = registry
+            .mark_silent(keel_agent::registry::now(), Duration::from_secs(3600), 0)
+            .unwrap();
+        sweeps.push(t.elapsed());
+        assert!(marked.is_empty());
+    }
+
     let mut validations = Vec::new();
     for _ in 0..200 {
         let t = Instant::now();
@@ -213,6 +249,11 @@ async fn main() {
     println!(
         "the same with {others} other nodes in the registry: {:.2} ms median of {rounds}",
         median(&mut crowded).as_secs_f64() * 1e3
+    );
+    println!(
+        "with {revoked} of them revoked: merging a peer's registry {:.2} ms, the sweep for silent nodes {:.2} ms (medians of {rounds})",
+        median(&mut merges).as_secs_f64() * 1e3,
+        median(&mut sweeps).as_secs_f64() * 1e3
     );
     println!(
         "messages of one round: evidence {} B (document {} B), nonce {} B, verdict {} B; {} B in all",
