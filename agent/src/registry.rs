@@ -817,6 +817,40 @@ mod tests {
     }
 
     #[test]
+    fn the_sweep_passes_over_revoked_nodes_and_a_merge_takes_each_revocation_once() {
+        let mut r = Registry::default();
+        for n in 1..=3 {
+            r.record(&evidence(n, None)).unwrap();
+        }
+        let t = r
+            .nodes()
+            .values()
+            .filter_map(|n| n.last_evidence_at)
+            .max()
+            .unwrap();
+        let revoked = r.nodes()[&ek(2).to_string()].clone();
+        r.revoke(&revoked, "operator").unwrap();
+        let marked = r.mark_silent(t + 20, Duration::from_secs(10), 0);
+        let mut names: Vec<_> = marked.iter().map(|n| n.ek.clone()).collect();
+        names.sort();
+        let mut expected = vec![ek(1).to_string(), ek(3).to_string()];
+        expected.sort();
+        assert_eq!(names, expected);
+        assert_ne!(r.nodes()[&revoked.ek].verdict, Verdict::Silent);
+
+        // A peer's list naming the same EK twice, and one this list has.
+        let mut peer = r.clone();
+        let again = peer.nodes()[&ek(1).to_string()].clone();
+        peer.revoke(&again, "peer").unwrap();
+        let twice = peer.revoked()[1].clone();
+        peer.revoked.push(twice);
+        let mut ours = r.clone();
+        assert_eq!(ours.merge(peer).0, 1);
+        assert_eq!(ours.revoked().len(), 2);
+        assert!(ours.revocation(&ek(1), "").is_some());
+    }
+
+    #[test]
     fn the_store_persists_and_is_shared() {
         let dir = tempfile::tempdir().unwrap();
         let store = RegistryStore::shared(dir.path()).unwrap();
