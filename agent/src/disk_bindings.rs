@@ -384,23 +384,12 @@ impl StoreFile {
         store: &mut Cached,
         recorded: &[BindingRecord],
     ) -> Result<(), DiskBindingsError> {
-        let journal = match &mut store.journal {
-            Some(journal) => journal,
-            None => {
-                let (journal, _replayed_at_load) =
-                    Journal::open::<BindingRecord>(&journal::beside(&self.path), MAX_JOURNAL_BYTES)
-                        .map_err(DiskBindingsError::Journal)?;
-                store.journal.insert(journal)
-            }
-        };
+        let journal =
+            journal::opened::<BindingRecord>(&mut store.journal, &self.path, MAX_JOURNAL_BYTES)
+                .map_err(DiskBindingsError::Journal)?;
         let snapshot_bytes = store.stamp.snapshot.map_or(0, |s| s.len);
-        if journal.len() > COMPACT_AT_LEAST.max(snapshot_bytes) {
-            self.store(&store.disks)?;
-            // The snapshot holds every binding; should emptying the journal
-            // fail, replaying it later changes nothing.
-            if let Err(e) = journal.clear() {
-                tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying the disk bindings' journal");
-            }
+        if journal.outgrows(snapshot_bytes, COMPACT_AT_LEAST) {
+            journal.fold(|| self.store(&store.disks))?;
         } else {
             journal
                 .append(recorded)

@@ -78,6 +78,23 @@ pub fn beside(snapshot: &Path) -> PathBuf {
     snapshot.with_file_name(name)
 }
 
+/// The journal in `slot`, first opened (see [`Journal::open`]) beside
+/// `snapshot` if the slot is empty: a store opens its journal for its first
+/// write, having replayed it when it loaded.
+pub fn opened<'a, R: DeserializeOwned>(
+    slot: &'a mut Option<Journal>,
+    snapshot: &Path,
+    limit: u64,
+) -> Result<&'a mut Journal, JournalError> {
+    match slot {
+        Some(journal) => Ok(journal),
+        None => {
+            let (journal, _replayed_at_load) = Journal::open::<R>(&beside(snapshot), limit)?;
+            Ok(slot.insert(journal))
+        }
+    }
+}
+
 /// The records of the journal at `path` (none if there is no file), in
 /// order, without changing the file; a last line cut short is left out.
 pub fn read<R: DeserializeOwned>(path: &Path, limit: u64) -> Result<Vec<R>, JournalError> {
@@ -183,6 +200,26 @@ impl Journal {
     /// Empties the journal (its records are in a new snapshot), durably.
     pub fn clear(&mut self) -> Result<(), JournalError> {
         self.cut(0)
+    }
+
+    /// Whether the journal is due to be folded into a new snapshot: once
+    /// it is larger than the snapshot (`snapshot_bytes`) and than
+    /// `at_least`, so a fold costs no more than the appends it replaces.
+    pub fn outgrows(&self, snapshot_bytes: u64, at_least: u64) -> bool {
+        self.len > at_least.max(snapshot_bytes)
+    }
+
+    /// Folds the journal into a new snapshot: `write_snapshot` writes one
+    /// that holds every record, then the journal is emptied. Should
+    /// emptying it fail, replaying its records over the new snapshot later
+    /// changes nothing (they are idempotent), so that is logged, not
+    /// returned.
+    pub fn fold<E>(&mut self, write_snapshot: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        write_snapshot()?;
+        if let Err(e) = self.clear() {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying a journal folded into its snapshot");
+        }
+        Ok(())
     }
 
     /// Bytes in the journal.

@@ -536,9 +536,12 @@ struct Round {
 impl Disk {
     fn take(&self, registry: &mut Registry) -> Round {
         let keys = std::mem::take(&mut registry.changed);
-        let journal = self.journal.as_ref().map_or(0, Journal::len);
         let revoked = registry.revoked.len();
-        if journal > COMPACT_AT_LEAST.max(self.snapshot_bytes) {
+        let outgrown = self
+            .journal
+            .as_ref()
+            .is_some_and(|j| j.outgrows(self.snapshot_bytes, COMPACT_AT_LEAST));
+        if outgrown {
             return Round {
                 keys,
                 snapshot: Some(registry.to_json()),
@@ -570,23 +573,11 @@ impl Disk {
     /// Makes `round` durable: its records appended, or its snapshot
     /// written and the journal emptied.
     fn write(&mut self, path: &Path, round: &Round) -> Result<(), RegistryError> {
-        let journal = match &mut self.journal {
-            Some(journal) => journal,
-            None => {
-                let (journal, _replayed_at_load) =
-                    Journal::open::<Change>(&journal::beside(path), MAX_JOURNAL_BYTES)?;
-                self.journal.insert(journal)
-            }
-        };
+        let journal = journal::opened::<Change>(&mut self.journal, path, MAX_JOURNAL_BYTES)?;
         match &round.snapshot {
             Some(json) => {
-                crate::files::write_private(path, json)?;
+                journal.fold(|| crate::files::write_private(path, json))?;
                 self.snapshot_bytes = json.len() as u64;
-                // The snapshot holds every record; should emptying the
-                // journal fail, replaying it later changes nothing.
-                if let Err(e) = journal.clear() {
-                    tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying the node registry's journal");
-                }
             }
             None => journal.append(&round.records)?,
         }
