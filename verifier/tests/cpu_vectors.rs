@@ -393,6 +393,72 @@ fn a_chain_with_the_wrong_root_is_refused() {
     assert!(matches!(err, SnpError::UntrustedIssuer { .. }), "{err:?}");
 }
 
+/// The position of `needle`'s last occurrence in `haystack`.
+fn last_position(haystack: &[u8], needle: &[u8]) -> usize {
+    haystack
+        .windows(needle.len())
+        .rposition(|w| w == needle)
+        .unwrap()
+}
+
+/// The links between pinned certificates are verified once, when the roots
+/// load; the endorsement key's on every report. Each refuses by name.
+#[test]
+fn a_tampered_certificate_in_the_chain_is_refused_with_its_link() {
+    let v = &snp_vectors()[0];
+    let vek_link = |err: SnpError| matches!(err, SnpError::Chain { link: "ASK -> VEK" });
+    // A bit of the VCEK's public key (inside what the ASK signed).
+    let (_, parsed) =
+        <x509_parser::certificate::X509Certificate as x509_parser::prelude::FromDer<_>>::from_der(
+            &v.vek,
+        )
+        .unwrap();
+    let key = parsed.public_key().subject_public_key.data.to_vec();
+    let mut vek = v.vek.clone();
+    vek[last_position(&v.vek, &key) + key.len() - 1] ^= 1;
+    let err = verify_pinned(v, &vek, &policy_for(v), SNP_TIME).unwrap_err();
+    assert!(vek_link(err), "public key");
+    // A bit of the ASK's signature over the VCEK.
+    let mut vek = v.vek.clone();
+    *vek.last_mut().unwrap() ^= 1;
+    let err = verify_pinned(v, &vek, &policy_for(v), SNP_TIME).unwrap_err();
+    assert!(vek_link(err), "signature");
+    // The same signature declared as another algorithm (sha256WithRSA):
+    // only RSASSA-PSS is AMD's.
+    let pss = [
+        0x06, 0x09, 0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0a,
+    ];
+    let mut vek = v.vek.clone();
+    vek[last_position(&v.vek, &pss) + pss.len() - 1] = 0x0b;
+    let err = verify_pinned(v, &vek, &policy_for(v), SNP_TIME).unwrap_err();
+    assert!(vek_link(err), "algorithm");
+
+    // An ARK whose self-signature is broken: every report under it is
+    // refused, though its key still verifies the ASK.
+    let milan = pem_certs("snp/amd-roots/ask_ark_milan.pem");
+    let mut ark = milan[1].clone();
+    *ark.last_mut().unwrap() ^= 1;
+    let bundle = format!("{}{}", certificate_pem(&milan[0]), certificate_pem(&ark));
+    let roots = AmdRoots::from_pem_bundles(&[bundle.as_bytes()]);
+    let err = verify_under(v, &roots).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SnpError::Chain {
+                link: "ARK self-signature"
+            }
+        ),
+        "{err:?}"
+    );
+    // The untampered bundle verifies the same report.
+    let bundle = format!(
+        "{}{}",
+        certificate_pem(&milan[0]),
+        certificate_pem(&milan[1])
+    );
+    verify_under(v, &AmdRoots::from_pem_bundles(&[bundle.as_bytes()])).unwrap();
+}
+
 #[test]
 fn a_tcb_below_the_minimum_is_refused_per_component() {
     let v = &snp_vectors()[0];

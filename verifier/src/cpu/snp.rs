@@ -2,23 +2,23 @@
 //! roots pinned here (ARK for Milan, Genoa and Turin; the Milan ASVK for
 //! VLEK-signed reports).
 //!
-//! `sev` parses the report and verifies the RSA-PSS chain (ARK self-signed,
-//! ARK → ASK/ASVK → VCEK/VLEK). The report's own ECDSA P-384 signature is
-//! checked here over the report's bytes exactly as received (`sev` hashes
-//! a re-encoding of its parsed form, which need not cover every byte). The
-//! endorsement key certificate must be valid at the verification time (the
-//! `sev` crate never checks dates), certify this chip (`hwID`, VCEK only:
-//! a VLEK report masks the chip ID) and certify exactly the reported TCB.
+//! `sev` parses the report. The RSASSA-PSS SHA-384 chain (ARK self-signed,
+//! ARK → ASK/ASVK → VCEK/VLEK) and the report's own ECDSA P-384 signature
+//! are checked here with `ring`, over the bytes exactly as received (`sev`
+//! verifies a re-encoding of its parsed form, which need not cover every
+//! byte). The two links between pinned certificates are checked once, when
+//! the roots are loaded: only the endorsement key's link is per report. The
+//! endorsement key certificate must be valid at the verification time,
+//! certify this chip (`hwID`, VCEK only: a VLEK report masks the chip ID)
+//! and certify exactly the reported TCB.
 //!
 //! [`check_revocation`] checks AMD's CRL for a product line (the ARK's, as
 //! KDS serves it): signed by the ARK with RSASSA-PSS SHA-384, current, and
 //! listing neither the ASK (or ASVK) nor the endorsement key.
 
-use p384::ecdsa::signature::hazmat::PrehashVerifier as _;
-use sev::certs::snp::{Certificate, Verifiable as _};
+use ring::signature::{UnparsedPublicKey, ECDSA_P384_SHA384_FIXED, RSA_PSS_2048_8192_SHA384};
 use sev::firmware::guest::{AttestationReport, GuestPolicy};
 use sev::parser::ByteParser as _;
-use sha2::{Digest as _, Sha384};
 use subtle::ConstantTimeEq as _;
 use x509_parser::prelude::{FromDer as _, X509Certificate};
 use x509_parser::revocation_list::CertificateRevocationList;
@@ -48,6 +48,8 @@ mod oid {
     pub const SNP: &str = "1.3.6.1.4.1.3704.1.3.3";
     pub const MICROCODE: &str = "1.3.6.1.4.1.3704.1.3.8";
     pub const HW_ID: &str = "1.3.6.1.4.1.3704.1.4";
+    /// RSASSA-PSS, the algorithm of every certificate in AMD's chains.
+    pub const RSASSA_PSS: &str = "1.2.840.113549.1.1.10";
 }
 
 /// Why a SEV-SNP report was refused; each variant names its check.
@@ -84,14 +86,12 @@ pub enum SnpError {
         /// The certificate's issuer.
         issuer: String,
     },
-    /// A signature of the chain does not verify.
-    #[error("SNP certificate chain: {link} signature does not verify")]
+    /// A signature of the chain is not RSASSA-PSS SHA-384 or does not
+    /// verify.
+    #[error("SNP certificate chain: {link} signature does not verify (RSASSA-PSS SHA-384)")]
     Chain {
         /// Which link: `ARK self-signature`, `ARK -> ASK`, `ASK -> VEK`.
         link: &'static str,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
     },
     /// The endorsement key certificate is outside its validity period.
     #[error(
@@ -232,8 +232,12 @@ pub struct SnpClaims {
 /// One ASK (or ASVK) with its ARK.
 #[derive(Clone, Debug)]
 struct AmdChain {
-    ark: Certificate,
-    ask: Certificate,
+    /// The first link between the two that did not verify when the roots
+    /// were loaded (`ARK self-signature` or `ARK -> ASK`): every report
+    /// under this chain is refused with it.
+    broken: Option<&'static str>,
+    /// The ASK's public key (PKCS #1 `RSAPublicKey`).
+    ask_key: Vec<u8>,
     /// DER of the ASK's subject name.
     ask_subject: Vec<u8>,
     /// The ASK's serial number (DER integer content).
@@ -304,13 +308,21 @@ impl AmdChain {
         let (_, ask) = X509Certificate::from_der(ask_der).ok()?;
         let (_, ark) = X509Certificate::from_der(ark_der).ok()?;
         let product = common_name(&ask).unwrap_or_default();
+        let ark_key = &ark.public_key().subject_public_key.data;
+        let broken = if !signed_by(&ark, ark_key) {
+            Some("ARK self-signature")
+        } else if !signed_by(&ask, ark_key) {
+            Some("ARK -> ASK")
+        } else {
+            None
+        };
         Some(Self {
-            ark: Certificate::from_der(ark_der).ok()?,
-            ask: Certificate::from_der(ask_der).ok()?,
+            broken,
+            ask_key: ask.public_key().subject_public_key.data.to_vec(),
             ask_subject: ask.subject().as_raw().to_vec(),
             ask_serial: ask.raw_serial().to_vec(),
             ark_subject: ark.subject().as_raw().to_vec(),
-            ark_key: ark.public_key().subject_public_key.data.to_vec(),
+            ark_key: ark_key.to_vec(),
             product,
         })
     }
@@ -374,7 +386,7 @@ pub fn verify_signed(
         actual => return Err(SnpError::SigningKey { actual }),
     };
     let (_, vek) = X509Certificate::from_der(certificate).map_err(|_| SnpError::Certificate)?;
-    let product = verify_chain(&vek, certificate, roots)?;
+    let product = verify_chain(&vek, roots)?;
     let validity = vek.validity();
     let (not_before, not_after) = (
         validity.not_before.timestamp(),
@@ -448,24 +460,32 @@ fn chain_of<'r>(vek: &X509Certificate<'_>, roots: &'r AmdRoots) -> Result<&'r Am
         })
 }
 
-/// The pinned chain whose ASK issued `vek`, verified link by link; returns
-/// the product (the ASK's common name).
-fn verify_chain(
-    vek: &X509Certificate<'_>,
-    vek_der: &[u8],
-    roots: &AmdRoots,
-) -> Result<String, SnpError> {
+/// The pinned chain whose ASK issued `vek`, with every link verified (the
+/// ARK's and the ASK's when the roots were loaded, the endorsement key's
+/// here); returns the product (the ASK's common name).
+fn verify_chain(vek: &X509Certificate<'_>, roots: &AmdRoots) -> Result<String, SnpError> {
     let chain = chain_of(vek, roots)?;
-    let vek = Certificate::from_der(vek_der).map_err(|_| SnpError::Certificate)?;
-    let link = |link| move |source| SnpError::Chain { link, source };
-    (&chain.ark, &chain.ark)
-        .verify()
-        .map_err(link("ARK self-signature"))?;
-    (&chain.ark, &chain.ask)
-        .verify()
-        .map_err(link("ARK -> ASK"))?;
-    (&chain.ask, &vek).verify().map_err(link("ASK -> VEK"))?;
+    if let Some(link) = chain.broken {
+        return Err(SnpError::Chain { link });
+    }
+    if !signed_by(vek, &chain.ask_key) {
+        return Err(SnpError::Chain { link: "ASK -> VEK" });
+    }
     Ok(chain.product.clone())
+}
+
+/// Whether `certificate` declares RSASSA-PSS and its signature over the
+/// to-be-signed bytes as received verifies with `issuer_key` (PKCS #1
+/// `RSAPublicKey`) as RSASSA-PSS SHA-384 with MGF1 SHA-384 and a 48-byte
+/// salt, the only parameters AMD signs with.
+fn signed_by(certificate: &X509Certificate<'_>, issuer_key: &[u8]) -> bool {
+    certificate.signature_algorithm.algorithm.to_id_string() == oid::RSASSA_PSS
+        && UnparsedPublicKey::new(&RSA_PSS_2048_8192_SHA384, issuer_key)
+            .verify(
+                certificate.tbs_certificate.as_ref(),
+                &certificate.signature_value.data,
+            )
+            .is_ok()
 }
 
 /// Checks AMD's CRL `crl` (DER) for the chain of the endorsement key
@@ -500,12 +520,11 @@ pub fn check_revocation(
             chain.product
         )));
     }
-    ring::signature::UnparsedPublicKey::new(
-        &ring::signature::RSA_PSS_2048_8192_SHA384,
-        &chain.ark_key,
-    )
-    .verify(crl.tbs_cert_list.as_ref(), &crl.signature_value.data)
-    .map_err(|_| bad("its signature does not verify with the ARK (RSASSA-PSS SHA-384)".into()))?;
+    UnparsedPublicKey::new(&RSA_PSS_2048_8192_SHA384, &chain.ark_key)
+        .verify(crl.tbs_cert_list.as_ref(), &crl.signature_value.data)
+        .map_err(|_| {
+            bad("its signature does not verify with the ARK (RSASSA-PSS SHA-384)".into())
+        })?;
     let now_signed = i64::try_from(now).unwrap_or(i64::MAX);
     let this_update = crl.last_update().timestamp();
     if this_update > now_signed {
@@ -610,11 +629,15 @@ fn verify_signature(raw: &[u8], vek: &X509Certificate<'_>) -> Result<(), SnpErro
     let (r, s) = scalar(SIGNED_BYTES)
         .zip(scalar(SIGNED_BYTES + 72))
         .ok_or(SnpError::Signature)?;
-    let signature = p384::ecdsa::Signature::from_scalars(r, s).map_err(|_| SnpError::Signature)?;
-    let key = p384::ecdsa::VerifyingKey::from_sec1_bytes(&vek.public_key().subject_public_key.data)
-        .map_err(|_| SnpError::Signature)?;
-    key.verify_prehash(&Sha384::digest(&raw[..SIGNED_BYTES]), &signature)
-        .map_err(|_| SnpError::Signature)
+    let mut signature = [0u8; 96];
+    signature[..48].copy_from_slice(&r);
+    signature[48..].copy_from_slice(&s);
+    UnparsedPublicKey::new(
+        &ECDSA_P384_SHA384_FIXED,
+        &vek.public_key().subject_public_key.data,
+    )
+    .verify(&raw[..SIGNED_BYTES], &signature)
+    .map_err(|_| SnpError::Signature)
 }
 
 impl SnpClaims {
