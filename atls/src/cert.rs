@@ -14,9 +14,9 @@
 use std::sync::Arc;
 
 use rcgen::{CertificateParams, CustomExtension, KeyPair, PublicKeyData, PKCS_ECDSA_P256_SHA256};
-use rustls::crypto::CryptoProvider;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use rustls::sign::CertifiedKey;
+use rustls::pki_types::CertificateDer;
+use rustls::sign::{CertifiedKey, Signer, SigningKey};
+use rustls::{SignatureAlgorithm, SignatureScheme};
 use sha2::{Digest, Sha256};
 use x509_parser::der_parser::der::parse_der_octetstring;
 use x509_parser::oid_registry::{
@@ -49,42 +49,37 @@ pub fn user_data(subject_public_key_info: &[u8]) -> [u8; 32] {
 
 /// Makes a fresh key and a self-signed certificate carrying a document that
 /// `issuer` issues for `nonce` and the new key.
-pub(crate) fn issue(
-    issuer: &dyn Issuer,
-    nonce: &[u8],
-    provider: &CryptoProvider,
-) -> Result<Arc<CertifiedKey>, CertError> {
+pub(crate) fn issue(issuer: &dyn Issuer, nonce: &[u8]) -> Result<Arc<CertifiedKey>, CertError> {
     let _span = tracing::debug_span!("atls.certificate").entered();
     let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)?;
     let document = issuer
         .issue(nonce, &user_data(&key.subject_public_key_info()))
         .map_err(CertError::Issue)?;
-    embed(&key, &document, ATTESTATION_OID, provider)
+    embed(key, &document, ATTESTATION_OID)
 }
 
 /// Makes a self-signed certificate for `key` that carries `document` under
 /// `oid`, ready to present in a handshake.
 pub(crate) fn embed(
-    key: &KeyPair,
+    key: KeyPair,
     document: &[u8],
     oid: &[u64],
-    provider: &CryptoProvider,
 ) -> Result<Arc<CertifiedKey>, CertError> {
     if document.len() > MAX_DOCUMENT_LEN {
         return Err(CertError::DocumentTooLarge {
             len: document.len(),
         });
     }
-    let der = self_signed(key, Some((oid, document)))?;
-    certified_key(key, der, provider)
+    let der = self_signed(&key, Some((oid, document)))?;
+    certified_key(key, der)
 }
 
 /// Makes a key and a certificate with no attestation, for a side that does
 /// not attest: TLS still needs a certificate to sign the handshake with.
-pub(crate) fn unattested(provider: &CryptoProvider) -> Result<Arc<CertifiedKey>, CertError> {
+pub(crate) fn unattested() -> Result<Arc<CertifiedKey>, CertError> {
     let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)?;
     let der = self_signed(&key, None)?;
-    certified_key(&key, der, provider)
+    certified_key(key, der)
 }
 
 fn self_signed(
@@ -109,16 +104,51 @@ fn self_signed(
 }
 
 fn certified_key(
-    key: &KeyPair,
+    key: KeyPair,
     cert: CertificateDer<'static>,
-    provider: &CryptoProvider,
 ) -> Result<Arc<CertifiedKey>, CertError> {
-    let private = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-    let signer = provider
-        .key_provider
-        .load_private_key(private)
-        .map_err(CertError::LoadKey)?;
+    if key.algorithm() != &PKCS_ECDSA_P256_SHA256 {
+        return Err(CertError::KeyAlgorithm);
+    }
+    let signer = Arc::new(HandshakeKey(Arc::new(key)));
     Ok(Arc::new(CertifiedKey::new(vec![cert], signer)))
+}
+
+/// The certificate's key as TLS signs the handshake with it: the P-256 key
+/// rcgen made and signed the certificate with, used as it is. Loading it
+/// again through the crypto provider's PKCS#8 parser made ring derive its
+/// public key a second time per handshake (a base-point multiplication
+/// and a field inversion) and left one more PKCS#8 copy of the private key
+/// in freed memory.
+#[derive(Debug)]
+struct HandshakeKey(Arc<KeyPair>);
+
+impl SigningKey for HandshakeKey {
+    fn choose_scheme(&self, offered: &[SignatureScheme]) -> Option<Box<dyn Signer>> {
+        offered
+            .contains(&SignatureScheme::ECDSA_NISTP256_SHA256)
+            .then(|| Box::new(HandshakeSigner(self.0.clone())) as Box<dyn Signer>)
+    }
+
+    fn algorithm(&self) -> SignatureAlgorithm {
+        SignatureAlgorithm::ECDSA
+    }
+}
+
+/// Signs one handshake with a [`HandshakeKey`]: ECDSA P-256 with SHA-256,
+/// the signature DER-encoded as TLS wants it.
+#[derive(Debug)]
+struct HandshakeSigner(Arc<KeyPair>);
+
+impl Signer for HandshakeSigner {
+    fn sign(&self, message: &[u8]) -> Result<Vec<u8>, rustls::Error> {
+        rcgen::SigningKey::sign(self.0.as_ref(), message)
+            .map_err(|e| rustls::Error::General(format!("signing the handshake: {e}")))
+    }
+
+    fn scheme(&self) -> SignatureScheme {
+        SignatureScheme::ECDSA_NISTP256_SHA256
+    }
 }
 
 /// DER OCTET STRING around `content` (definite length, any size).
@@ -238,9 +268,9 @@ pub enum CertError {
     /// Signing the certificate failed.
     #[error("signing the certificate failed")]
     Sign(#[source] rcgen::Error),
-    /// The crypto provider refused the new key.
-    #[error("loading the TLS key failed")]
-    LoadKey(#[source] rustls::Error),
+    /// The key is not the ECDSA P-256 key a handshake is signed with.
+    #[error("the TLS key is not an ECDSA P-256 key")]
+    KeyAlgorithm,
 }
 
 /// A peer's certificate is not an acceptable attested certificate.
@@ -287,14 +317,8 @@ pub enum PeerCertError {
 mod tests {
     use super::*;
 
-    fn provider() -> CryptoProvider {
-        rustls::crypto::ring::default_provider()
-    }
-
     fn cert_der(key: &KeyPair, oid: &[u64], document: &[u8]) -> Vec<u8> {
-        embed(key, document, oid, &provider()).unwrap().cert[0]
-            .as_ref()
-            .to_vec()
+        self_signed(key, Some((oid, document))).unwrap().to_vec()
     }
 
     fn p256() -> KeyPair {
@@ -364,12 +388,43 @@ mod tests {
 
     #[test]
     fn oversized_documents_are_refused_when_embedding() {
-        let result = embed(
-            &p256(),
-            &vec![0; MAX_DOCUMENT_LEN + 1],
-            ATTESTATION_OID,
-            &provider(),
-        );
+        let result = embed(p256(), &vec![0; MAX_DOCUMENT_LEN + 1], ATTESTATION_OID);
         assert!(matches!(result, Err(CertError::DocumentTooLarge { .. })));
+    }
+
+    #[test]
+    fn the_handshake_key_signs_with_the_certificates_key() {
+        let key = p256();
+        let spki = key.subject_public_key_info();
+        let certified = embed(key, b"document", ATTESTATION_OID).unwrap();
+        assert!(certified
+            .key
+            .choose_scheme(&[SignatureScheme::ED25519])
+            .is_none());
+        let signer = certified
+            .key
+            .choose_scheme(&[
+                SignatureScheme::ED25519,
+                SignatureScheme::ECDSA_NISTP256_SHA256,
+            ])
+            .unwrap();
+        let signature = signer.sign(b"transcript").unwrap();
+        let (_, cert) = X509Certificate::from_der(&certified.cert[0]).unwrap();
+        assert_eq!(cert.public_key().raw, &spki[..]);
+        let public = ring::signature::UnparsedPublicKey::new(
+            &ring::signature::ECDSA_P256_SHA256_ASN1,
+            &cert.public_key().subject_public_key.data,
+        );
+        public.verify(b"transcript", &signature).unwrap();
+        assert!(public.verify(b"transcripT", &signature).is_err());
+    }
+
+    #[test]
+    fn a_key_of_another_algorithm_is_not_presented() {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
+        assert!(matches!(
+            embed(key, b"document", ATTESTATION_OID),
+            Err(CertError::KeyAlgorithm)
+        ));
     }
 }

@@ -183,7 +183,6 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
         };
         let resolver = Arc::new(ClientResolver {
             presenter: self.presenter.clone(),
-            provider: self.provider.clone(),
             requested: AtomicBool::new(false),
             failure: Mutex::new(None),
         });
@@ -292,7 +291,6 @@ fn classify(e: io::Error) -> ConnectError {
 /// nonce from the CertificateRequest and makes the attested certificate.
 struct ClientResolver {
     presenter: Option<Presenter>,
-    provider: Arc<CryptoProvider>,
     /// Whether the server asked for a client certificate.
     requested: AtomicBool,
     failure: Mutex<Option<ConnectError>>,
@@ -335,7 +333,7 @@ impl ResolvesClientCert for ClientResolver {
             Ok(nonce) => nonce,
             Err(e) => return self.fail(ConnectError::ServerNonce(e)),
         };
-        match crate::blocking::run(|| presenter.present(&nonce, &self.provider)) {
+        match crate::blocking::run(|| presenter.present(&nonce)) {
             Ok(certified) => Some(certified),
             Err(e) => self.fail(ConnectError::Certificate(e)),
         }

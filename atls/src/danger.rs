@@ -29,22 +29,22 @@ pub fn attested_certificate(
     issuer: &dyn Issuer,
     nonce: &Nonce,
 ) -> Result<Arc<CertifiedKey>, CertError> {
-    cert::issue(issuer, nonce.as_bytes(), &crate::provider())
+    cert::issue(issuer, nonce.as_bytes())
 }
 
 /// A certificate for `key` carrying `content` in an extension under `oid`,
 /// encoded the way the attestation extension is.
 pub fn certificate_with_extension(
-    key: &KeyPair,
+    key: KeyPair,
     oid: &[u64],
     content: &[u8],
 ) -> Result<Arc<CertifiedKey>, CertError> {
-    cert::embed(key, content, oid, &crate::provider())
+    cert::embed(key, content, oid)
 }
 
 /// A certificate with a fresh key and no attestation extension.
 pub fn certificate_without_attestation() -> Result<Arc<CertifiedKey>, CertError> {
-    cert::unattested(&crate::provider())
+    cert::unattested()
 }
 
 /// A fresh ECDSA P-256 key, as this crate makes per handshake.

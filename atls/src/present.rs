@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use rustls::crypto::CryptoProvider;
 use rustls::sign::CertifiedKey;
 
 use crate::attestation::DynIssuer;
@@ -34,14 +33,10 @@ impl Presenter {
     }
 
     /// The certificate for a handshake in which the peer sent `nonce`.
-    pub(crate) fn present(
-        &self,
-        nonce: &Nonce,
-        provider: &CryptoProvider,
-    ) -> Result<Arc<CertifiedKey>, CertError> {
+    pub(crate) fn present(&self, nonce: &Nonce) -> Result<Arc<CertifiedKey>, CertError> {
         match self {
-            Self::Attest(issuer) => cert::issue(issuer.as_ref(), nonce.as_bytes(), provider),
-            Self::Unattested => cert::unattested(provider),
+            Self::Attest(issuer) => cert::issue(issuer.as_ref(), nonce.as_bytes()),
+            Self::Unattested => cert::unattested(),
             Self::Custom(present, _) => present(nonce),
         }
     }

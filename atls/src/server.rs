@@ -193,11 +193,10 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
             .await
             .map_err(|_| HandshakeError::IssuerGateClosed)?;
         let presenter = self.presenter.clone();
-        let provider = self.provider.clone();
         let certified = tokio::task::spawn_blocking(move || {
             // Held until the issuer returns, also if the handshake gave up.
             let _turn = turn;
-            presenter.present(&client_nonce, &provider)
+            presenter.present(&client_nonce)
         })
         .await
         .map_err(HandshakeError::IssuerTask)?
@@ -366,7 +365,7 @@ mod tests {
     #[test]
     fn per_connection_config_allows_no_resumption() {
         let server = AtlsServer::<()>::new(Presenter::Unattested, None);
-        let certified = crate::cert::unattested(&server.provider).unwrap();
+        let certified = crate::cert::unattested().unwrap();
         let config = server.config(certified, None).unwrap();
         assert_eq!(config.send_tls13_tickets, 0);
         assert!(!config.session_storage.can_cache());

@@ -146,7 +146,7 @@ fn moving(issuer: Arc<TestIssuer>) -> danger::PresentFn {
         let bound_key = danger::generate_key()?;
         let document = issuer.document(nonce.as_bytes(), &danger::user_data_for(&bound_key));
         let other_key = danger::generate_key()?;
-        danger::certificate_with_extension(&other_key, ATTESTATION_OID, &document)
+        danger::certificate_with_extension(other_key, ATTESTATION_OID, &document)
     })
 }
 
@@ -156,7 +156,7 @@ fn unknown_oid(issuer: Arc<TestIssuer>) -> danger::PresentFn {
     Arc::new(move |nonce: &Nonce| {
         let key = danger::generate_key()?;
         let document = issuer.document(nonce.as_bytes(), &danger::user_data_for(&key));
-        danger::certificate_with_extension(&key, &[1, 3, 9901, 1, 2], &document)
+        danger::certificate_with_extension(key, &[1, 3, 9901, 1, 2], &document)
     })
 }
 
@@ -562,7 +562,7 @@ async fn the_largest_document_fits_in_a_handshake() {
     let large: danger::PresentFn = Arc::new(|_: &Nonce| {
         let key = danger::generate_key()?;
         danger::certificate_with_extension(
-            &key,
+            key,
             ATTESTATION_OID,
             &vec![0x5a; cert::MAX_DOCUMENT_LEN],
         )
