@@ -51,7 +51,7 @@ pub fn user_data(subject_public_key_info: &[u8]) -> [u8; 32] {
 /// `issuer` issues for `nonce` and the new key.
 pub(crate) fn issue(issuer: &dyn Issuer, nonce: &[u8]) -> Result<Arc<CertifiedKey>, CertError> {
     let _span = tracing::debug_span!("atls.certificate").entered();
-    let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)?;
+    let key = generate_key()?;
     let document = issuer
         .issue(nonce, &user_data(&key.subject_public_key_info()))
         .map_err(CertError::Issue)?;
@@ -77,9 +77,14 @@ pub(crate) fn embed(
 /// Makes a key and a certificate with no attestation, for a side that does
 /// not attest: TLS still needs a certificate to sign the handshake with.
 pub(crate) fn unattested() -> Result<Arc<CertifiedKey>, CertError> {
-    let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)?;
+    let key = generate_key()?;
     let der = self_signed(&key, None)?;
     certified_key(key, der)
+}
+
+/// A fresh ECDSA P-256 key, as every handshake gets.
+pub(crate) fn generate_key() -> Result<KeyPair, CertError> {
+    KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)
 }
 
 fn self_signed(
@@ -119,15 +124,16 @@ fn certified_key(
 /// again through the crypto provider's PKCS#8 parser made ring derive its
 /// public key a second time per handshake (a base-point multiplication
 /// and a field inversion) and left one more PKCS#8 copy of the private key
-/// in freed memory.
-#[derive(Debug)]
+/// in freed memory. It is its own signer: ECDSA P-256 with SHA-256, the
+/// signature DER-encoded as TLS wants it.
+#[derive(Clone, Debug)]
 struct HandshakeKey(Arc<KeyPair>);
 
 impl SigningKey for HandshakeKey {
     fn choose_scheme(&self, offered: &[SignatureScheme]) -> Option<Box<dyn Signer>> {
         offered
             .contains(&SignatureScheme::ECDSA_NISTP256_SHA256)
-            .then(|| Box::new(HandshakeSigner(self.0.clone())) as Box<dyn Signer>)
+            .then(|| Box::new(self.clone()) as Box<dyn Signer>)
     }
 
     fn algorithm(&self) -> SignatureAlgorithm {
@@ -135,12 +141,7 @@ impl SigningKey for HandshakeKey {
     }
 }
 
-/// Signs one handshake with a [`HandshakeKey`]: ECDSA P-256 with SHA-256,
-/// the signature DER-encoded as TLS wants it.
-#[derive(Debug)]
-struct HandshakeSigner(Arc<KeyPair>);
-
-impl Signer for HandshakeSigner {
+impl Signer for HandshakeKey {
     fn sign(&self, message: &[u8]) -> Result<Vec<u8>, rustls::Error> {
         rcgen::SigningKey::sign(self.0.as_ref(), message)
             .map_err(|e| rustls::Error::General(format!("signing the handshake: {e}")))

@@ -49,7 +49,7 @@ pub fn certificate_without_attestation() -> Result<Arc<CertifiedKey>, CertError>
 
 /// A fresh ECDSA P-256 key, as this crate makes per handshake.
 pub fn generate_key() -> Result<KeyPair, CertError> {
-    KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)
+    cert::generate_key()
 }
 
 /// The key-binding value a document for a certificate with `key` must carry.
