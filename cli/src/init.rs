@@ -5,7 +5,7 @@ use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use keel_atls::AtlsClient;
@@ -149,25 +149,12 @@ pub(crate) async fn connect(
     endpoint: Endpoint,
     wait: Duration,
 ) -> anyhow::Result<keel_atls::BoundChannel<Verified>> {
-    let deadline = Instant::now() + wait;
-    let mut pause = Duration::from_secs(1);
-    loop {
-        match client.bind_channel(endpoint.clone()).await {
-            Ok(bound) => return Ok(bound),
-            Err(e) if e.is_unreachable() && Instant::now() + pause < deadline => {
-                eprintln!(
-                    "the node is not reachable yet ({}); retrying in {} s",
-                    keel_atls::ErrorChain(&e),
-                    pause.as_secs()
-                );
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(10));
-            }
-            Err(e) => return Err(anyhow::anyhow!("{}", keel_atls::ErrorChain(&e))).context(
-                "the node's attestation was not accepted or it was not reachable; nothing was sent",
-            ),
-        }
-    }
+    crate::reach::until_reachable(wait, || client.bind_channel(endpoint.clone()))
+        .await
+        .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
+        .context(
+            "the node's attestation was not accepted or it was not reachable; nothing was sent",
+        )
 }
 
 /// Runs `keel init`.

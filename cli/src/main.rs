@@ -11,6 +11,7 @@ mod init;
 mod logging;
 mod operator;
 mod push;
+mod reach;
 mod recover;
 mod revoke;
 mod settings;
@@ -94,6 +95,11 @@ enum Command {
         /// ID): one cluster-ID event naming it, PCR 15 its extend.
         #[arg(long, value_name = "ID")]
         cluster_id: Option<String>,
+        /// Seconds to keep trying while the node is not reachable yet (it
+        /// may still be booting or bringing its network up). A refused
+        /// attestation is never retried.
+        #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+        wait: u64,
     },
     /// Put a node on every named control plane's revocation list: no join
     /// ticket, no rejoin ticket, no disk key for its EK and its disk. A
@@ -201,7 +207,17 @@ fn main() -> ExitCode {
                 endpoint,
                 output,
                 cluster_id,
-            } => verify::run(&settings, endpoint, output, cluster_id.as_deref()).await,
+                wait,
+            } => {
+                verify::run(
+                    &settings,
+                    endpoint,
+                    output,
+                    cluster_id.as_deref(),
+                    Duration::from_secs(wait),
+                )
+                .await
+            }
             Command::Revoke { node, to } => {
                 revoke::run(
                     &to.settings,

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use keel_atls::AtlsClient;
@@ -97,6 +98,7 @@ pub async fn run(
     endpoint: Option<String>,
     output: Output,
     cluster_id: Option<&str>,
+    wait: Duration,
 ) -> anyhow::Result<()> {
     let settings = Settings::load(settings_path)?;
     let endpoint = endpoint.unwrap_or_else(|| settings.endpoint.clone());
@@ -104,11 +106,14 @@ pub async fn run(
     let measurements = settings.measurements()?;
     let cluster_id = cluster_id.map(parse_cluster_id).transpose()?;
     if output == Output::Json {
-        return report(&settings, measurements, endpoint, &host, port, cluster_id).await;
+        let client = AtlsClient::server_attested(Arc::new(
+            settings.diagnostic_validator(measurements.clone())?,
+        ));
+        let connected = reach(&client, &host, port, wait).await;
+        return report(measurements, endpoint, connected, cluster_id);
     }
     let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
-    let stream = client
-        .connect(&host, port)
+    let stream = reach(&client, &host, port, wait)
         .await
         .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
         .with_context(|| format!("{endpoint}: attestation not accepted"))?;
@@ -152,22 +157,27 @@ pub async fn run(
     Ok(())
 }
 
-/// `-o json`: validates the document with a diagnostic validator (every
-/// check, but measurement mismatches reported rather than refused), so a
-/// node that differs is still reported PCR by PCR, then judges the PCRs
-/// against the real measurements. Nothing is sent to the node.
-async fn report(
-    settings: &Settings,
-    measurements: Measurements,
-    endpoint: String,
+/// Connects to the node, retrying for up to `wait` while it is unreachable.
+async fn reach(
+    client: &AtlsClient<Verified>,
     host: &str,
     port: u16,
+    wait: Duration,
+) -> Result<keel_atls::AtlsStream<Verified>, keel_atls::ConnectError> {
+    crate::reach::until_reachable(wait, || client.connect(host, port)).await
+}
+
+/// `-o json`: the connection was validated with a diagnostic validator
+/// (every check, but measurement mismatches reported rather than refused),
+/// so a node that differs is still reported PCR by PCR; its PCRs are judged
+/// here against the real measurements. Nothing is sent to the node.
+fn report(
+    measurements: Measurements,
+    endpoint: String,
+    connected: Result<keel_atls::AtlsStream<Verified>, keel_atls::ConnectError>,
     cluster_id: Option<[u8; 32]>,
 ) -> anyhow::Result<()> {
-    let client = AtlsClient::server_attested(Arc::new(
-        settings.diagnostic_validator(measurements.clone())?,
-    ));
-    let verified: Result<Verified, String> = match client.connect(host, port).await {
+    let verified: Result<Verified, String> = match connected {
         Ok(stream) => stream
             .peer()
             .attested()

@@ -45,7 +45,18 @@ impl Drop for Node {
     }
 }
 
+/// A loopback address free a moment ago.
+fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
 async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
+    node_at(ca, kubeadm_env, free_addr()).await
+}
+
+/// A node whose init server listens on `addr`.
+async fn node_at(ca: &EkCa, kubeadm_env: &[(&str, &str)], addr: SocketAddr) -> Node {
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
@@ -82,9 +93,6 @@ async fn node(ca: &EkCa, kubeadm_env: &[(&str, &str)]) -> Node {
         kubelet: KubeletStart::Systemd,
         reboot: RebootPolicy::Never,
     };
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    drop(listener);
     let cluster = Arc::new(ClusterSlot::new(None));
     let task = tokio::spawn({
         let (config, tpm, cluster) = (config.clone(), tpm.clone(), cluster.clone());
@@ -278,6 +286,66 @@ async fn an_unreachable_node_is_retried_until_the_wait_ends() {
     assert!(retries >= 1, "{t}");
     assert!(t.contains("nothing was sent"), "{t}");
     assert_eq!(n.pcr15(), [0; 32]);
+}
+
+/// `keel verify` started before the node's init server listens keeps
+/// trying (the node may still be booting or bringing its network up) and
+/// verifies the node once it is up; with no time left to wait it gives up
+/// at once, naming why. A refused attestation is not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_waits_for_a_node_that_is_still_booting() {
+    let ca = EkCa::new().unwrap();
+    let addr = free_addr();
+    let dir = tempfile::tempdir().unwrap();
+    // The CA's certificates, which the settings name, exist once it has
+    // certified a TPM.
+    let tpm = dir.path().join("tpm");
+    std::fs::create_dir(&tpm).unwrap();
+    ca.manufacture(&tpm).unwrap();
+    let config = harness::control_plane_config(&harness::secret_hash());
+    let settings = Settings {
+        endpoint: addr,
+        measurements: &harness::measurements(
+            config.expected_config_pcr(),
+            Expected::enforced([0; 32]),
+        ),
+        ek_ca: &ca,
+        init_secret: SECRET,
+        components: None,
+    }
+    .write(dir.path());
+
+    let out = run_keel(&["verify", "--wait", "0"], &settings, None).await;
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(t.contains("connecting to the server failed"), "{t}");
+    assert!(!t.contains("not reachable yet"), "{t}");
+
+    let verify = tokio::spawn({
+        let settings = settings.clone();
+        async move { run_keel(&["verify", "--wait", "60"], &settings, None).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let n = node_at(&ca, &[], addr).await;
+    let out = verify.await.unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("not reachable yet"), "{t}");
+    assert!(t.contains("attestation verified"), "{t}");
+
+    let out = run_keel(
+        &["verify", "--wait", "60"],
+        &n.settings(&ca, SECRET, Some([3; 32])),
+        None,
+    )
+    .await;
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(t.contains("PCR 12"), "{t}");
+    assert!(
+        !t.contains("not reachable yet"),
+        "a refusal is not retried: {t}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

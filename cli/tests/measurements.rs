@@ -149,7 +149,7 @@ fn verify_refuses_them_before_connecting() {
     let good = file(&[4, 9, 11, 12].map(|p| entry(p, false)));
     let settings = setup.settings(&good);
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["verify", "--settings"])
+        .args(["verify", "--wait", "0", "--settings"])
         .arg(&settings)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

@@ -464,6 +464,22 @@ impl Vm {
         self.console.wait_for_any(needles, patience)
     }
 
+    /// Waits until a console line satisfies `matches` (called once per
+    /// line, in order), for at most `patience`; returns the line and when
+    /// it arrived. `awaited` says what the line shows, for the error.
+    pub fn wait_for_line_where(
+        &self,
+        mut matches: impl FnMut(&str) -> bool,
+        awaited: &str,
+        patience: Duration,
+    ) -> Result<(String, Duration), VmError> {
+        self.console.wait_for_match(
+            |line| matches(line).then(|| line.to_owned()),
+            awaited,
+            patience,
+        )
+    }
+
     /// Every console line so far.
     pub fn lines(&self) -> Vec<String> {
         self.console.lines()
@@ -626,14 +642,29 @@ impl Console {
         needles: &[&str],
         patience: Duration,
     ) -> Result<(usize, Duration), VmError> {
+        self.wait_for_match(
+            |line| needles.iter().position(|n| line.contains(n)),
+            &needles.join("\" or \""),
+            patience,
+        )
+    }
+
+    /// Waits until `matches` returns `Some` for a console line; `awaited`
+    /// names what was awaited in the error.
+    fn wait_for_match<T>(
+        &self,
+        mut matches: impl FnMut(&str) -> Option<T>,
+        awaited: &str,
+        patience: Duration,
+    ) -> Result<(T, Duration), VmError> {
         let deadline = Instant::now() + patience;
         let mut seen = 0;
         let mut state = self.shared.lock();
-        let awaited = || needles.join("\" or \"");
+        let awaited = || awaited.to_owned();
         loop {
             for (at, line) in state.lines.get(seen..).unwrap_or_default() {
-                if let Some(which) = needles.iter().position(|n| line.contains(n)) {
-                    return Ok((which, *at));
+                if let Some(found) = matches(line) {
+                    return Ok((found, *at));
                 }
             }
             seen = state.lines.len();

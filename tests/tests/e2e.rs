@@ -55,6 +55,7 @@
 //! Opt-in: set `KEEL_IMAGE_DIR` (`make e2e` does); without it the test
 //! says so and passes.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -76,6 +77,8 @@ use keel_verifier::config::Role;
 
 type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
+/// The join services a node tries: `keel-cp-0`'s and `keel-cp-1`'s.
+const JOIN_SERVICES: usize = 2;
 /// How long a refused node's join client runs before it is checked to be
 /// still outside the cluster. A node the service admits is locked (PCR 15
 /// set) within seconds of its first attempt, made as soon as it is ready.
@@ -363,15 +366,23 @@ fn refused_nodes(cluster: &Cluster) -> TestResult {
     Ok(())
 }
 
-/// Waits until `node` is ready and its join client has had
-/// [`JOIN_WINDOW`]; then judges its attestation by the join service's
-/// policy (the measurements `keel init` gave it: PCRs 4, 9, 11, 12 and
-/// PCR 15 zero). Returns the enforced PCRs that differ, after checking
-/// that the document itself is valid and the node is in no cluster.
+/// Waits until `node`'s join client has reached a join service and been
+/// refused (the node's network comes up well after `keel-agent: ready`
+/// on a loaded machine); then judges its attestation by the join
+/// service's policy (the measurements `keel init` gave it: PCRs 4, 9, 11,
+/// 12 and PCR 15 zero). Returns the enforced PCRs that differ, after
+/// checking that the document itself is valid and the node is in no
+/// cluster.
 fn refused(cluster: &Cluster, node: &Node) -> TestResult<Vec<u32>> {
-    let (_, ready) = node.wait_for(&[READY_LINE], cluster.patience)?;
-    let since_ready = node.vm()?.uptime().saturating_sub(ready);
-    std::thread::sleep(JOIN_WINDOW.saturating_sub(since_ready));
+    let mut judged_by = BTreeSet::new();
+    node.vm()?.wait_for_line_where(
+        |line| {
+            judged_by.extend(refused_join_attempt(line).map(str::to_owned));
+            judged_by.len() == JOIN_SERVICES
+        },
+        "a refused join attempt at each join service",
+        cluster.patience,
+    )?;
     let v = cluster.verify(node, MEASUREMENTS)?;
     let report = node.dir.join("verify.json");
     assert!(
@@ -397,6 +408,52 @@ fn refused(cluster: &Cluster, node: &Node) -> TestResult<Vec<u32>> {
     );
     assert_eq!(v.report.cluster_id(), None, "{}: it locked", node.short);
     Ok(v.report.refused_pcrs())
+}
+
+/// The join service of a join client's line for an attempt that got as
+/// far as an attestation verdict: the service refused this node, or this
+/// node refused the service (a changed image expects other peers). `None`
+/// for any other line, a connection that failed (`Connection refused (os
+/// error 111)` included).
+fn refused_join_attempt(line: &str) -> Option<&str> {
+    let (_, rest) = line.split_once("no join ticket from this endpoint endpoint=")?;
+    let (endpoint, error) = rest.split_once(' ')?;
+    let judged = (error.contains("refused") && !error.contains("os error"))
+        || error.contains("instead of accepting this client's attestation");
+    judged.then_some(endpoint)
+}
+
+#[test]
+fn a_refused_join_attempt_is_told_from_an_unreachable_service() {
+    let line = |error: &str| {
+        format!(
+            "keel-agent[150]: 2026-11-27T07:02:23Z  WARN keel_agent::join::client: \
+             no join ticket from this endpoint endpoint=10.0.2.2:45411 error=connecting \
+             to the join service: {error}"
+        )
+    };
+    for judged in [
+        "the server refused this client (TLS alert HandshakeFailure); the server's log has the reason",
+        "the server's attestation was refused: attestation document rejected: measurements do not match",
+        "the server closed the connection instead of accepting this client's attestation; the server's log has the reason",
+    ] {
+        assert_eq!(refused_join_attempt(&line(judged)), Some("10.0.2.2:45411"), "{judged}");
+    }
+    for unreachable in [
+        "connecting to the server failed: Network unreachable (os error 101)",
+        "connecting to the server failed: Connection refused (os error 111)",
+        "the aTLS connection did not finish within 30s",
+    ] {
+        assert_eq!(
+            refused_join_attempt(&line(unreachable)),
+            None,
+            "{unreachable}"
+        );
+    }
+    assert_eq!(
+        refused_join_attempt("keel_agent::join::client: retrying the join ticket pause_ms=539"),
+        None
+    );
 }
 
 /// Scenario 5, started before the refused nodes boot so that the three
