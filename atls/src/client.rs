@@ -487,6 +487,26 @@ impl ConnectError {
     }
 }
 
+impl ConnectError {
+    /// Whether the TCP connection was refused at once, before the server
+    /// did any work: no route to it yet (this host's network is not up),
+    /// or nothing listening on the port (its server has not started).
+    /// Retrying such a failure soon costs neither side more than a packet;
+    /// a timeout, by contrast, may be an overloaded server.
+    pub fn is_refused_at_once(&self) -> bool {
+        match self {
+            Self::Tcp(e) => matches!(
+                e.kind(),
+                io::ErrorKind::NetworkUnreachable
+                    | io::ErrorKind::HostUnreachable
+                    | io::ErrorKind::ConnectionRefused
+                    | io::ErrorKind::AddrNotAvailable
+            ),
+            _ => false,
+        }
+    }
+}
+
 /// Connects to `host:port` from `local`, trying each address of `host` of
 /// the same family.
 async fn connect_from(local: IpAddr, host: &str, port: u16) -> std::io::Result<TcpStream> {

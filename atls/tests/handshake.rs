@@ -591,3 +591,48 @@ async fn the_accept_loop_counts_refusals_and_keeps_serving() {
     assert_eq!(seen_by_server, parties.client_issuer.last_issued());
     assert_eq!(server.stats.accepted(), 1);
 }
+
+/// Only a connection refused before the server did any work counts as
+/// refused at once (worth retrying soon): nothing listening on the port.
+/// A server that accepts and then stays silent until the client's bound,
+/// or that refuses the client's attestation, does not.
+#[tokio::test]
+async fn only_a_connection_refused_before_any_work_is_refused_at_once() {
+    let parties = Parties::new();
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let closed_addr = closed.local_addr().unwrap();
+    drop(closed);
+    let Err(err) = parties
+        .mutual_client()
+        .connect("127.0.0.1", closed_addr.port())
+        .await
+    else {
+        panic!("nothing listens, yet it connected");
+    };
+    assert!(err.is_refused_at_once(), "{err:?}");
+    assert!(err.is_unreachable(), "{err:?}");
+
+    let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let Err(err) = parties
+        .mutual_client()
+        .with_timeout(Duration::from_millis(200))
+        .connect("127.0.0.1", silent_addr.port())
+        .await
+    else {
+        panic!("the server never answers, yet it connected");
+    };
+    assert!(matches!(err, ConnectError::Timeout(_)), "{err:?}");
+    assert!(!err.is_refused_at_once(), "{err:?}");
+    drop(silent);
+
+    let (_, client_result) = parties
+        .server_presenting(Arc::new(|_: &Nonce| {
+            danger::certificate_with_extension(danger::generate_key()?, ATTESTATION_OID, b"junk")
+        }))
+        .await;
+    let Err(err) = client_result else {
+        panic!("the server's document is junk, yet it was accepted");
+    };
+    assert!(!err.is_refused_at_once(), "{err:?}");
+}

@@ -38,7 +38,7 @@ use keel_verifier::config::{NodeConfig, Role};
 use zeroize::Zeroizing;
 
 use super::kubelet::KubeletKey;
-use super::settings::{JoinError, JoinSettings};
+use super::settings::{JoinError, JoinSettings, Rounds};
 use super::ticket::{JoinTicket, TicketError};
 use super::transport::TicketClient;
 use crate::cluster::{ClusterSlot, ClusterState};
@@ -205,8 +205,9 @@ impl JoinClient {
         F: FnMut(String) -> Fut,
         Fut: std::future::Future<Output = Result<T, TicketError>>,
     {
-        let mut round: u32 = 0;
+        let mut rounds = Rounds::default();
         loop {
+            let mut refused_at_once = true;
             for endpoint in self.endpoints() {
                 if self.lock.is_locked() {
                     return None;
@@ -216,15 +217,17 @@ impl JoinClient {
                         tracing::info!(%endpoint, "{what} ticket issued by {endpoint}");
                         return Some(ticket);
                     }
-                    Err(e) => tracing::warn!(
-                        %endpoint,
-                        error = %keel_atls::ErrorChain(&e),
-                        "no {what} ticket from this endpoint"
-                    ),
+                    Err(e) => {
+                        refused_at_once &= e.is_refused_at_once();
+                        tracing::warn!(
+                            %endpoint,
+                            error = %keel_atls::ErrorChain(&e),
+                            "no {what} ticket from this endpoint"
+                        )
+                    }
                 }
             }
-            let pause = self.settings.backoff.delay(round);
-            round = round.saturating_add(1);
+            let pause = rounds.after(&self.settings.backoff, refused_at_once);
             tracing::info!(
                 pause_ms = pause.as_millis() as u64,
                 "retrying the {what} ticket"

@@ -56,6 +56,44 @@ impl Backoff {
     }
 }
 
+/// The longest pause after a round in which every connection was refused
+/// at once.
+pub const REFUSED_AT_ONCE_MAX_PAUSE: Duration = Duration::from_secs(4);
+
+/// Where a join client is in its rounds of attempts.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Rounds {
+    /// Rounds that ended in a failure that cost a service work.
+    backed_off: u32,
+    /// Rounds in which every connection was refused at once.
+    refused_at_once: u32,
+}
+
+impl Rounds {
+    /// The pause after a round that failed. A round in which every
+    /// attempt was refused at once (no route yet while this node's network
+    /// comes up, or no service listening yet while a control plane boots)
+    /// costs the services nothing, so it backs off on its own short scale,
+    /// capped at [`REFUSED_AT_ONCE_MAX_PAUSE`]: the node asks within
+    /// seconds of its network or a service coming up, and a long outage
+    /// still logs a round only every few seconds. Any other failure backs
+    /// off on the settings' scale.
+    pub(crate) fn after(&mut self, backoff: &Backoff, refused_at_once: bool) -> Duration {
+        let (count, backoff) = if refused_at_once {
+            let short = Backoff {
+                initial: backoff.initial,
+                max: backoff.max.min(REFUSED_AT_ONCE_MAX_PAUSE),
+            };
+            (&mut self.refused_at_once, short)
+        } else {
+            (&mut self.backed_off, *backoff)
+        };
+        let pause = backoff.delay(*count);
+        *count = count.saturating_add(1);
+        pause
+    }
+}
+
 /// The join client's settings.
 #[derive(Clone, Debug)]
 pub struct JoinSettings {
@@ -183,5 +221,29 @@ mod tests {
         }
         let draws: std::collections::BTreeSet<_> = (0..20).map(|_| b.delay(10)).collect();
         assert!(draws.len() > 1, "no jitter");
+    }
+
+    #[test]
+    fn rounds_refused_at_once_back_off_on_a_short_scale_and_others_on_theirs() {
+        let b = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(30),
+        };
+        let mut rounds = Rounds::default();
+        let refused: Vec<_> = (0..50).map(|_| rounds.after(&b, true)).collect();
+        assert!(refused[0] <= Duration::from_millis(100));
+        assert!(refused.iter().all(|p| *p <= REFUSED_AT_ONCE_MAX_PAUSE));
+        assert!(refused[49] >= REFUSED_AT_ONCE_MAX_PAUSE / 2);
+        // The first failure that cost a service work starts its own
+        // backoff from the first step; it grows past the short cap.
+        assert!(rounds.after(&b, false) <= Duration::from_millis(100));
+        for _ in 0..10 {
+            rounds.after(&b, false);
+        }
+        assert!(rounds.after(&b, false) >= Duration::from_secs(15));
+        // A round refused at once in between neither resets it nor waits
+        // as long.
+        assert!(rounds.after(&b, true) <= REFUSED_AT_ONCE_MAX_PAUSE);
+        assert!(rounds.after(&b, false) >= Duration::from_secs(15));
     }
 }

@@ -83,6 +83,14 @@ pub enum TicketError {
     Invalid(String),
 }
 
+impl TicketError {
+    /// Whether the connection to the service was refused at once, before
+    /// either side did any work (see [`ConnectError::is_refused_at_once`]).
+    pub fn is_refused_at_once(&self) -> bool {
+        matches!(self, Self::Connect(e) if e.is_refused_at_once())
+    }
+}
+
 /// A ticket as the service sent it, with the service's validated attestation.
 pub struct RawTicket<T> {
     /// The response.
