@@ -32,6 +32,9 @@ const INIT_SERVER_PATIENCE: Duration = Duration::from_secs(120);
 /// How long a control plane may take to serve joins after it joined,
 /// rejoined or was recovered.
 pub const JOIN_SERVICE_PATIENCE: Duration = Duration::from_secs(120);
+/// How long `keel verify` tries a node that does not answer yet (its
+/// network may come up well after its agent is ready on a loaded machine).
+const VERIFY_WAIT: Duration = Duration::from_secs(60);
 /// The agent's line once its init server listens.
 const INIT_SERVER_LINE: &str = "init server listening";
 /// The agent's line once its join service listens (after init, a join, a
@@ -795,8 +798,9 @@ impl Cluster {
 
     /// `keel verify -o json` against `node` with the measurements file
     /// `measurements` (`config::MEASUREMENTS`: as a fresh node, the join
-    /// service's policy; `config::MEASUREMENTS_MEMBER`: as a member). The
-    /// report is kept in the node's `verify.json`.
+    /// service's policy; `config::MEASUREMENTS_MEMBER`: as a member),
+    /// trying for [`VERIFY_WAIT`] while it does not answer. The report is
+    /// kept in the node's `verify.json`.
     pub fn verify(&self, node: &Node, measurements: &str) -> Result<Verification, MiniError> {
         let settings = self.dir.join(format!(
             "verify-{}-{}.json",
@@ -807,7 +811,12 @@ impl Cluster {
             &settings,
             &CliSettings::verify(node.init_port, measurements),
         )?;
-        verify::run(&self.tools.keel, &settings, &node.dir.join("verify.json"))
+        verify::run(
+            &self.tools.keel,
+            &settings,
+            VERIFY_WAIT,
+            &node.dir.join("verify.json"),
+        )
     }
 
     /// `keel recover` against `node` with the workspace `keel init` wrote,
@@ -1094,9 +1103,12 @@ pub fn status(dir: &Path, tools: &Tools) -> Result<bool, MiniError> {
         );
     }
     for node in &kept.nodes {
+        // What each node shows now: a node that does not answer is
+        // reported at once, not waited for.
         let v = verify::run(
             &tools.keel,
             &dir.join(&node.verify_settings),
+            Duration::ZERO,
             &dir.join(&node.dir).join("verify.json"),
         )?;
         let member = v.report.cluster_id().as_deref() == Some(kept.cluster_id.as_str());

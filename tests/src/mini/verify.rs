@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
 
 use keel_verifier::measurement::{Event, EventType};
 use serde::Deserialize;
@@ -86,16 +87,26 @@ impl VerifyReport {
     }
 }
 
-/// Runs `keel verify -o json --settings settings` and reads its report.
-/// The report is required whatever the exit status; `log` receives it.
-pub fn run(keel: &Path, settings: &Path, log: &Path) -> Result<Verification, MiniError> {
+/// Runs `keel verify -o json --settings settings --wait wait` and reads
+/// its report: `wait` is how long a node that does not answer yet is tried
+/// again. The report is required whatever the exit status; `log` receives
+/// it.
+pub fn run(
+    keel: &Path,
+    settings: &Path,
+    wait: Duration,
+    log: &Path,
+) -> Result<Verification, MiniError> {
     // The log is for people; the report below is what counts.
+    let wait = wait.as_secs().to_string();
     let args = [
         std::ffi::OsStr::new("verify"),
         "-o".as_ref(),
         "json".as_ref(),
         "--settings".as_ref(),
         settings.as_os_str(),
+        "--wait".as_ref(),
+        wait.as_ref(),
     ];
     let output = super::run_keel(keel, args, log)?;
     let report = serde_json::from_slice(&output.stdout).map_err(|source| MiniError::Json {
