@@ -485,9 +485,7 @@ impl ConnectError {
             _ => false,
         }
     }
-}
 
-impl ConnectError {
     /// Whether the TCP connection was refused at once, before the server
     /// did any work: no route to it yet (this host's network is not up),
     /// or nothing listening on the port (its server has not started).

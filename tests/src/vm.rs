@@ -660,7 +660,6 @@ impl Console {
         let deadline = Instant::now() + patience;
         let mut seen = 0;
         let mut state = self.shared.lock();
-        let awaited = || awaited.to_owned();
         loop {
             for (at, line) in state.lines.get(seen..).unwrap_or_default() {
                 if let Some(found) = matches(line) {
@@ -670,7 +669,7 @@ impl Console {
             seen = state.lines.len();
             if state.closed {
                 return Err(VmError::Exited {
-                    needle: awaited(),
+                    needle: awaited.to_owned(),
                     serial: self.serial_log.clone(),
                     qemu: self.qemu_log.clone(),
                 });
@@ -678,7 +677,7 @@ impl Console {
             let now = Instant::now();
             if now >= deadline {
                 return Err(VmError::Timeout {
-                    needle: awaited(),
+                    needle: awaited.to_owned(),
                     patience,
                     serial: self.serial_log.clone(),
                 });
