@@ -21,7 +21,7 @@ use super::{io, MiniError, Phases};
 use crate::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
 use crate::report::READY_LINE;
 use crate::timeline::BootTimeline;
-use crate::vm::{Accel, Firmware, Vm, VmBuilder};
+use crate::vm::{Accel, Firmware, Vm, VmBuilder, VmError};
 
 /// The Rust target the host tools are built for (`.cargo/config.toml`).
 const TARGET: &str = "x86_64-unknown-linux-musl";
@@ -37,6 +37,15 @@ pub const JOIN_SERVICE_PATIENCE: Duration = Duration::from_secs(120);
 const VERIFY_WAIT: Duration = Duration::from_secs(60);
 /// The agent's line once its init server listens.
 const INIT_SERVER_LINE: &str = "init server listening";
+/// The keel initrd's first line: the kernel has finished its own start.
+const INITRD_LINE: &str = "keel-initrd: started";
+/// How long a boot may take to reach its initrd before it counts as
+/// stalled. Under TCG on a loaded machine it takes up to about a minute; a
+/// kernel whose second virtual CPU stopped getting timer interrupts (the
+/// console shows RCU stall reports, then nothing more) never gets there.
+const KERNEL_PATIENCE: Duration = Duration::from_secs(240);
+/// What the kernel prints while a CPU stalls.
+const RCU_STALL_LINE: &str = "rcu_preempt detected stalls";
 /// The agent's line once its join service listens (after init, a join, a
 /// rejoin or a recovery).
 pub const JOIN_SERVICE_LINE: &str = "join service listening (mutual aTLS)";
@@ -364,6 +373,38 @@ impl Node {
         Ok(())
     }
 
+    /// Waits for the agent's ready line, for at most `patience`; returns
+    /// when it arrived. A boot whose kernel stalled before its initrd (no
+    /// initrd line [`KERNEL_PATIENCE`] after QEMU started) is cut and the
+    /// node booted once more at normal priority, saying so; the stalled
+    /// boot's logs are kept as `*.bootN.*`.
+    pub fn wait_until_ready(&mut self, patience: Duration) -> Result<Duration, MiniError> {
+        let vm = self.vm()?;
+        let left = KERNEL_PATIENCE.saturating_sub(vm.uptime());
+        match vm.wait_for_line(INITRD_LINE, left) {
+            Ok(_) => {}
+            Err(VmError::Timeout { .. }) => {
+                let accel = vm.accel();
+                let stalls = vm.lines().iter().any(|l| l.contains(RCU_STALL_LINE));
+                eprintln!(
+                    "keel-mini: {}: no {INITRD_LINE:?} within {KERNEL_PATIENCE:?} of QEMU's start \
+                     ({}); booting it again (the stalled boot's serial log: serial.boot{}.log)",
+                    self.name(),
+                    if stalls {
+                        "its kernel reported stalled CPUs"
+                    } else {
+                        "its kernel did not finish starting"
+                    },
+                    self.boots
+                );
+                self.kill();
+                self.boot(accel)?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(self.wait_for(&[READY_LINE], patience)?.1)
+    }
+
     /// Sets the CPU priority of the node's VM ([`Vm::renice`]).
     pub fn renice(&self, niceness: i32) -> Result<(), MiniError> {
         Ok(self.vm()?.renice(niceness)?)
@@ -578,7 +619,7 @@ impl Cluster {
                         self.dir.display()
                     );
                 }
-                self.cp.wait_for(&[READY_LINE], patience)?;
+                self.cp.wait_until_ready(patience)?;
                 Ok(())
             })?;
             self.cp
@@ -611,8 +652,8 @@ impl Cluster {
                 }
             }
             phases.run("joins (cp-1, worker)", || {
-                for node in [&self.cp1, &self.worker] {
-                    node.wait_for(&[READY_LINE], patience)?;
+                for node in [&mut self.cp1, &mut self.worker] {
+                    node.wait_until_ready(patience)?;
                     let (which, _) = node.wait_for(&[JOINED_LINE, JOIN_FAILED_LINE], patience)?;
                     if which != 0 {
                         return Err(MiniError::Check(format!(
