@@ -9,6 +9,10 @@ use keel_verifier::measurement::Digest32;
 /// The line the agent prints once its config is measured and it is ready.
 pub const READY_LINE: &str = "keel-agent: ready";
 
+/// The keel initrd's first line (`mkosi/initrd/init`): the kernel has
+/// finished its own start.
+pub const INITRD_STARTED_LINE: &str = "keel-initrd: started";
+
 /// The PCR values in the agent's `pcr N sha256:<hex>` lines. A PCR printed
 /// more than once (the agent restarted) keeps its last value; lines that do
 /// not parse are ignored.

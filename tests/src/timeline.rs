@@ -9,7 +9,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::report::READY_LINE;
+use crate::report::{INITRD_STARTED_LINE, READY_LINE};
 
 /// The phases of a boot, in order, each with the line that ends it.
 pub const PHASES: [&str; 7] = [
@@ -66,7 +66,7 @@ impl BootTimeline {
         };
         let firmware = arrival("BdsDxe: loading")?.0;
         let loaded = arrival("BdsDxe: starting")?.0;
-        let (initrd_at, initrd) = guest("keel-initrd: started")?;
+        let (initrd_at, initrd) = guest(INITRD_STARTED_LINE)?;
         // The initrd writes to the console itself, so its line arrives when
         // it is written: the kernel started `initrd` seconds before.
         let kernel = initrd_at - initrd;

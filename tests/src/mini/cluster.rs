@@ -19,7 +19,7 @@ use super::recover::{self, Recovery};
 use super::verify::{self, Verification};
 use super::{io, MiniError, Phases};
 use crate::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
-use crate::report::READY_LINE;
+use crate::report::{INITRD_STARTED_LINE, READY_LINE};
 use crate::timeline::BootTimeline;
 use crate::vm::{Accel, Firmware, Vm, VmBuilder, VmError};
 
@@ -37,8 +37,6 @@ pub const JOIN_SERVICE_PATIENCE: Duration = Duration::from_secs(120);
 const VERIFY_WAIT: Duration = Duration::from_secs(60);
 /// The agent's line once its init server listens.
 const INIT_SERVER_LINE: &str = "init server listening";
-/// The keel initrd's first line: the kernel has finished its own start.
-const INITRD_LINE: &str = "keel-initrd: started";
 /// How long a boot may take to reach its initrd before it counts as
 /// stalled. Under TCG on a loaded machine it takes up to about a minute; a
 /// kernel whose second virtual CPU stopped getting timer interrupts (the
@@ -381,13 +379,13 @@ impl Node {
     pub fn wait_until_ready(&mut self, patience: Duration) -> Result<Duration, MiniError> {
         let vm = self.vm()?;
         let left = KERNEL_PATIENCE.saturating_sub(vm.uptime());
-        match vm.wait_for_line(INITRD_LINE, left) {
+        match vm.wait_for_line(INITRD_STARTED_LINE, left) {
             Ok(_) => {}
             Err(VmError::Timeout { .. }) => {
                 let accel = vm.accel();
                 let stalls = vm.lines().iter().any(|l| l.contains(RCU_STALL_LINE));
                 eprintln!(
-                    "keel-mini: {}: no {INITRD_LINE:?} within {KERNEL_PATIENCE:?} of QEMU's start \
+                    "keel-mini: {}: no {INITRD_STARTED_LINE:?} within {KERNEL_PATIENCE:?} of QEMU's start \
                      ({}); booting it again (the stalled boot's serial log: serial.boot{}.log)",
                     self.name(),
                     if stalls {
