@@ -24,6 +24,7 @@ use rand::RngCore;
 use sha2::Sha256;
 use zeroize::Zeroizing;
 
+use crate::rsa_oaep;
 use crate::tpm_wire::{alg, Public, PublicKey};
 
 /// Length of a credential: the AEAD key of a sealed payload, or a
@@ -108,19 +109,13 @@ fn make_credential(
         return Err(CredentialError::UnsupportedEk);
     }
     let exponent = if *exponent == 0 { 65537 } else { *exponent };
-    let rsa_key = rsa::RsaPublicKey::new(
-        rsa::BigUint::from_bytes_be(modulus),
-        rsa::BigUint::from(exponent),
-    )
-    .map_err(|_| CredentialError::UnsupportedEk)?;
 
     let mut rng = rand::rngs::OsRng;
     let mut seed = Zeroizing::new([0u8; 32]);
     rng.fill_bytes(seed.as_mut());
-    let padding = rsa::Oaep::new_with_label::<Sha256, _>("IDENTITY\0");
-    let encrypted_seed = rsa_key
-        .encrypt(&mut rng, padding, seed.as_ref())
-        .map_err(|_| CredentialError::SeedEncryption)?;
+    let encrypted_seed =
+        rsa_oaep::encrypt(&mut rng, modulus, exponent, b"IDENTITY\0", seed.as_ref())
+            .map_err(|_| CredentialError::SeedEncryption)?;
 
     let sym_key = kdfa(seed.as_ref(), "STORAGE", ak_name, &[], 128);
     let mut enc_identity = Zeroizing::new(Vec::with_capacity(2 + CREDENTIAL_LEN));
@@ -139,7 +134,7 @@ fn make_credential(
     blob.extend_from_slice(&(outer_hmac.len() as u16).to_be_bytes());
     blob.extend_from_slice(&outer_hmac);
     blob.extend_from_slice(&enc_identity);
-    Ok((blob, encrypted_seed))
+    Ok((blob, encrypted_seed.to_vec()))
 }
 
 /// A key-residency challenge for the TPM holding `ek` and the AK named

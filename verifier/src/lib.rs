@@ -17,6 +17,7 @@ pub mod keys;
 pub mod measurement;
 pub mod measurements;
 pub mod quote;
+mod rsa_oaep;
 pub mod signature;
 pub mod tpm_wire;
 pub mod validator;
