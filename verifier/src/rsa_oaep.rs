@@ -7,13 +7,14 @@
 //! domain, then every bit of the exponent's 64-bit word in 4-bit windows,
 //! about 95 products where the EK's exponent, 65537, needs 17. A join
 //! service makes two credentials per ticket (the residency challenge and
-//! the ticket), so that was a large share of what a ticket costs it. This
-//! module raises to the exponent by square-and-multiply over its bits in
-//! crypto-bigint's fixed-size Montgomery arithmetic (constant-time in the
-//! encrypted seed; 24 products for 65537, the 6 that enter the Montgomery
-//! domain included, and 64 modular doublings) and encodes OAEP as the RFC says. The unit tests check
-//! ciphertexts against the `rsa` crate's OAEP decryption, the TPM tests
-//! against TPM2_ActivateCredential.
+//! the ticket), so that was a large share of what a ticket costs it.
+//!
+//! This module raises to the exponent by square-and-multiply over its bits
+//! in crypto-bigint's fixed-size Montgomery arithmetic, constant-time in
+//! the encrypted seed: for 65537, 64 modular doublings and 24 products (6
+//! to enter the Montgomery domain, 17, and 1 to leave it). OAEP is encoded
+//! as the RFC says. The unit tests check ciphertexts against the `rsa`
+//! crate's OAEP decryption; the TPM tests against TPM2_ActivateCredential.
 
 use crypto_bigint::modular::montgomery_reduction;
 use crypto_bigint::{Encoding, Limb, Word, U2048};
@@ -110,11 +111,12 @@ impl Modulus {
         montgomery_reduction(&a.mul_wide(b), &self.n, self.neg_inv)
     }
 
-    /// base^exponent mod n (base < n), left-to-right square-and-multiply.
+    /// base^exponent mod n (base < n, exponent > 0), left-to-right
+    /// square-and-multiply.
     fn pow(&self, base: &U2048, exponent: u32) -> U2048 {
         let base = Zeroizing::new(self.product(base, &self.r2));
         let mut result = Zeroizing::new(*base);
-        for bit in (0..31 - exponent.leading_zeros()).rev() {
+        for bit in (0..exponent.ilog2()).rev() {
             *result = self.product(&result, &result);
             if exponent >> bit & 1 == 1 {
                 *result = self.product(&result, &base);
@@ -197,7 +199,7 @@ mod tests {
             let big = BigUint::from_bytes_be(base);
             let mut padded = [0u8; KEY_LEN];
             padded[KEY_LEN - base.len()..].copy_from_slice(base);
-            for e in [3u32, 17, 65537, 0xffff_ffff] {
+            for e in [1u32, 3, 17, 65537, 0xffff_ffff] {
                 let expected = big.modpow(&BigUint::from(e), n).to_bytes_be();
                 let got = modulus.pow(&U2048::from_be_slice(&padded), e).to_be_bytes();
                 let first = got.iter().position(|&b| b != 0).unwrap_or(KEY_LEN - 1);
