@@ -269,7 +269,8 @@ fn precision(e: &EkError) -> u8 {
     }
 }
 
-fn strip_zeros(v: &[u8]) -> &[u8] {
+/// `v` without its leading zero bytes (a big-endian integer's minimal form).
+pub(crate) fn strip_zeros(v: &[u8]) -> &[u8] {
     let first = v.iter().position(|&b| b != 0).unwrap_or(v.len());
     &v[first..]
 }

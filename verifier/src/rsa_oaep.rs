@@ -22,6 +22,8 @@ use rand::{CryptoRng, RngCore};
 use sha2::{Digest, Sha256};
 use zeroize::Zeroizing;
 
+use crate::ek::strip_zeros;
+
 const HASH_LEN: usize = 32;
 /// Bytes of an RSA-2048 modulus, and of a ciphertext.
 const KEY_LEN: usize = 256;
@@ -42,13 +44,13 @@ pub fn encrypt(
     label: &[u8],
     message: &[u8],
 ) -> Result<[u8; KEY_LEN], OaepError> {
-    let key = Modulus::new(modulus)?;
     if exponent < 3 || exponent & 1 == 0 {
         return Err(OaepError("the public exponent is not odd and at least 3"));
     }
     if message.len() > MAX_MESSAGE_LEN {
         return Err(OaepError("the message is too long for the key"));
     }
+    let key = Modulus::new(modulus)?;
 
     // EM = 0x00 || maskedSeed || maskedDB, DB = lHash || PS || 0x01 || M.
     let mut encoded = Zeroizing::new([0u8; KEY_LEN]);
@@ -77,11 +79,7 @@ struct Modulus {
 
 impl Modulus {
     fn new(modulus: &[u8]) -> Result<Self, OaepError> {
-        let first = modulus
-            .iter()
-            .position(|&b| b != 0)
-            .unwrap_or(modulus.len());
-        let modulus = &modulus[first..];
+        let modulus = strip_zeros(modulus);
         if modulus.len() != KEY_LEN || modulus[0] < 0x80 || modulus[KEY_LEN - 1] & 1 == 0 {
             return Err(OaepError("the modulus is not an odd 2048-bit number"));
         }
