@@ -11,6 +11,7 @@
 #   times), QEMU log and TPM state are kept in build/vm/bootN/.
 # Env:   KEEL_VM_ACCEL=kvm|tcg forces the accelerator (default: KVM if a
 #        probe VM boots with it, else TCG).
+#        KEEL_VM_CPU=MODEL is QEMU's CPU model under TCG (default: max).
 # Exit status 0 only if every boot reached "ready" with the predicted PCRs.
 set -euo pipefail
 source "$(dirname "$0")/image-lib.sh"

@@ -164,6 +164,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let tpm = measured.shared();
             let lock = Arc::new(NodeLock::new(tpm.clone())?);
             systemd::notify("READY=1")?;
+            // The boot timeline's end by the guest's clock: this output
+            // reaches the console through journald, which may start later.
+            if let Some(t) = systemd::since_boot() {
+                tracing::info!(since_boot_s = t.as_secs_f64(), "agent ready");
+            }
             println!("keel-agent: ready");
             if once {
                 return Ok(());
