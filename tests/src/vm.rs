@@ -29,10 +29,10 @@ use std::time::{Duration, Instant};
 pub const ACCEL_VAR: &str = "KEEL_VM_ACCEL";
 
 /// The environment variable that names QEMU's CPU model under TCG
-/// (default `max`). `max,-la57,-erms,-fsrm` boots to ready 10-15% sooner
-/// (no five-level page tables, no `rep movsb` memcpy in the guest), but one
-/// boot of fifteen with it stalled in the kernel (docs/measured-boot.md), so
-/// it is not the default.
+/// (default `max`). `max,-la57,-erms,-fsrm` boots to ready about 10%
+/// sooner (no five-level page tables, no `rep movsb` memcpy in the guest),
+/// but one boot in about twenty with it stalled in the kernel
+/// (docs/measured-boot.md), so it is not the default.
 pub const TCG_CPU_VAR: &str = "KEEL_VM_CPU";
 /// Size of the blank state disk (`/dev/vdb`) each VM gets.
 const STATE_DISK_BYTES: u64 = 256 * 1024 * 1024;
