@@ -69,6 +69,14 @@ enum Command {
     Eventlog,
 }
 
+/// Logs `event` with the time since the kernel started: a line a boot
+/// timeline can anchor on (`make vm-check`, `tests/src/timeline.rs`).
+fn log_boot_time(event: &str) {
+    if let Some(t) = systemd::since_boot() {
+        tracing::info!(since_boot_s = t.as_secs_f64(), "{event}");
+    }
+}
+
 fn main() -> std::process::ExitCode {
     // The TSS logs to stderr on its own; its failures reach us as errors
     // with the TPM return code, so keep it quiet unless asked (TSS2_LOG).
@@ -123,10 +131,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             once,
             measurements,
         } => {
-            // One line a boot timeline can anchor on (`make vm-check`).
-            if let Some(t) = systemd::since_boot() {
-                tracing::info!(since_boot_s = t.as_secs_f64(), "agent started");
-            }
+            log_boot_time("agent started");
             let (config, source) = NodeConfig::load(config.as_deref())?;
             tracing::info!(%source, "node config loaded");
             // Stop signals are caught from here on: one that comes before
@@ -166,9 +171,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             systemd::notify("READY=1")?;
             // The boot timeline's end by the guest's clock: this output
             // reaches the console through journald, which may start later.
-            if let Some(t) = systemd::since_boot() {
-                tracing::info!(since_boot_s = t.as_secs_f64(), "agent ready");
-            }
+            log_boot_time("agent ready");
             println!("keel-agent: ready");
             if once {
                 return Ok(());

@@ -140,24 +140,15 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
     for (pcr, e) in expected.iter() {
         eprintln!("pcr {pcr:>2} predicted = booted {}", HexDigest(&e.digest));
     }
-    times.sort();
-    let median = times[times.len() / 2];
     eprintln!(
-        "VM start -> {READY_LINE:?}: median {:.1} s over {} boot(s) (min {:.1}, max {:.1})",
-        median.as_secs_f64(),
-        times.len(),
-        times[0].as_secs_f64(),
-        times[times.len() - 1].as_secs_f64()
+        "VM start -> {READY_LINE:?}: {} over {} boot(s)",
+        spread(times.iter().map(Duration::as_secs_f64).collect()),
+        times.len()
     );
     if !timelines.is_empty() {
-        let mut ready: Vec<f64> = timelines.iter().map(|t| t.ready().as_secs_f64()).collect();
-        ready.sort_by(f64::total_cmp);
         eprintln!(
-            "VM start -> agent ready (the guest's clock, before journald shows the line): \
-             median {:.1} s (min {:.1}, max {:.1})",
-            ready[ready.len() / 2],
-            ready[0],
-            ready[ready.len() - 1]
+            "VM start -> agent ready (the guest's clock, before journald shows the line): {}",
+            spread(timelines.iter().map(|t| t.ready().as_secs_f64()).collect())
         );
         eprint!(
             "where the time goes, median of {} boot(s):\n{}",
@@ -166,6 +157,17 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
         );
     }
     Ok(())
+}
+
+/// "median M s (min A, max B)" of `seconds` (not empty).
+fn spread(mut seconds: Vec<f64>) -> String {
+    seconds.sort_by(f64::total_cmp);
+    format!(
+        "median {:.1} s (min {:.1}, max {:.1})",
+        seconds[seconds.len() / 2],
+        seconds[0],
+        seconds[seconds.len() - 1]
+    )
 }
 
 /// The check above can fail: a config that differs only in the cluster
