@@ -5,6 +5,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 TARGET := x86_64-unknown-linux-musl
 AGENT := target/$(TARGET)/release/keel-agent
+INITRD := target/$(TARGET)/release/keel-initrd
 # Cargo finds the static TPM libraries through .cargo/config.toml.
 CARGO ?= cargo
 
@@ -19,9 +20,10 @@ deps: ## Install every host package the build, tests and image need (idempotent)
 tss: deps ## Build the static Mbed TLS + tpm2-tss for musl (cached in target/musl-sysroot)
 	@scripts/build-tss.sh
 
-agent: tss ## Build the static agent binary; report its path and size, fail above 8 MiB
-	$(CARGO) build --release --locked -p keel-agent --bin keel-agent
+agent: tss ## Build the static agent and the initrd's init; report paths and sizes, fail above 8 MiB
+	$(CARGO) build --release --locked -p keel-agent --bin keel-agent -p keel-initrd
 	@scripts/check-static.sh $(AGENT)
+	@scripts/check-static.sh $(INITRD)
 
 test: tss ## Run every test that does not boot a VM (TPM tests use swtpm)
 	$(CARGO) test --locked --workspace

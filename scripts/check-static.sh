@@ -22,7 +22,7 @@ case "$target" in
 esac
 verdict=$([ "$size" -le "$target" ] && echo "within" || echo "OVER")
 awk -v b="$bin" -v d="$desc" -v s="$size" -v t="$target" -v v="$verdict" 'BEGIN {
-  printf "agent: %s\n  %s\n  size: %d bytes (%.2f MiB; %s the %.2f MiB target)\n",
+  printf "%s\n  %s\n  size: %d bytes (%.2f MiB; %s the %.2f MiB target)\n",
     b, d, s, s / 1048576, v, t / 1048576 }'
 "$bin" --version
 if [ "$size" -gt "$target" ]; then

@@ -8,6 +8,7 @@
 #                                               sources, tools tree, stub), so it
 #                                               can run while the agent builds
 # Env:   KEEL_AGENT_BIN     agent binary to install (default: the musl release build)
+#        KEEL_INITRD_BIN    the initrd's init (default: the musl release build)
 #        KEEL_EXTRA_TREE    directory copied over the image root (experiments only)
 #        SOURCE_DATE_EPOCH  timestamp for every file (default: the commit time)
 #        KEEL_PACKAGE_CACHE package cache (default /var/cache/mkosi)
@@ -35,7 +36,7 @@ epoch=$(source_date_epoch)
 inputs=$(
   {
     echo "epoch $epoch"
-    sha256sum "$KEEL_AGENT_BIN"
+    sha256sum "$KEEL_AGENT_BIN" "$KEEL_INITRD_BIN"
     (cd "$KEEL_ROOT" && find mkosi scripts/image-*.sh -type f -print0 | sort -z | xargs -0 sha256sum)
     (cd "$KEEL_ROOT" && find mkosi -type l -printf '%p -> %l\n' | sort)
     [ -z "${KEEL_EXTRA_TREE:-}" ] || (cd "$KEEL_EXTRA_TREE" && find . -type f -print0 | sort -z | xargs -0 sha256sum)

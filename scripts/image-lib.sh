@@ -7,6 +7,7 @@ KEEL_MKOSI_WORK=$KEEL_BUILD/mkosi          # generated sources, tools tree, stag
 KEEL_IMAGE_OUT=${KEEL_IMAGE_OUT:-$KEEL_BUILD/image}
 KEEL_PACKAGE_CACHE=${KEEL_PACKAGE_CACHE:-/var/cache/mkosi}
 KEEL_AGENT_BIN=${KEEL_AGENT_BIN:-$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-agent}
+KEEL_INITRD_BIN=${KEEL_INITRD_BIN:-$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-initrd}
 APT_SOURCES=${APT_SOURCES:-/etc/apt/sources.list.d/debian.sources}
 
 log() { printf 'image: %s\n' "$*" >&2; }
@@ -70,7 +71,8 @@ source_date_epoch() {
   fi
 }
 
-# The static agent binary, built here if the TPM libraries are ready.
+# The static agent binary, built here if the TPM libraries are ready, and
+# the static initrd binary (it needs no C libraries).
 ensure_agent() {
   if [ ! -x "$KEEL_AGENT_BIN" ]; then
     if [ "$KEEL_AGENT_BIN" = "$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-agent" ] &&
@@ -82,10 +84,19 @@ ensure_agent() {
       die "agent binary $KEEL_AGENT_BIN is missing: run 'make agent' first (it needs the static TPM libraries from scripts/build-tss.sh)"
     fi
   fi
-  # The image carries no libraries for the agent: an ELF must be static.
-  if file -b "$KEEL_AGENT_BIN" | grep -q '^ELF' && ! file -b "$KEEL_AGENT_BIN" | grep -q 'static'; then
-    die "$KEEL_AGENT_BIN is not statically linked"
+  if [ ! -x "$KEEL_INITRD_BIN" ]; then
+    [ "$KEEL_INITRD_BIN" = "$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-initrd" ] ||
+      die "initrd binary $KEEL_INITRD_BIN is missing"
+    log "building the initrd's init (cargo build --release -p keel-initrd)"
+    (cd "$KEEL_ROOT" && cargo build --release -p keel-initrd) || die "building keel-initrd failed"
   fi
+  # The image carries no libraries for either: an ELF must be static.
+  local bin
+  for bin in "$KEEL_AGENT_BIN" "$KEEL_INITRD_BIN"; do
+    if file -b "$bin" | grep -q '^ELF' && ! file -b "$bin" | grep -q 'static'; then
+      die "$bin is not statically linked"
+    fi
+  done
 }
 
 # Assembles the tree mkosi overlays onto the image root: the agent, the

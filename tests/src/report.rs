@@ -9,7 +9,7 @@ use keel_verifier::measurement::Digest32;
 /// The line the agent prints once its config is measured and it is ready.
 pub const READY_LINE: &str = "keel-agent: ready";
 
-/// The keel initrd's first line (`mkosi/initrd/init`): the kernel has
+/// The keel initrd's first line (`keel-initrd`, crate `initrd/`): the kernel has
 /// finished its own start.
 pub const INITRD_STARTED_LINE: &str = "keel-initrd: started";
 
