@@ -4,7 +4,9 @@
 # 11 from the UKI and PCR 12 from tests/fixtures/node-config.json, boots the
 # image BOOTS times with that config passed by fw_cfg, compares the PCRs
 # the agent prints, checks that the agent's startup measurements replay, and
-# reports the median time from VM start to "keel-agent: ready".
+# reports the median time from VM start to "keel-agent: ready"; then boots a
+# copy of the disk with one byte of the root changed, which the initrd must
+# refuse (dm-verity) and power off.
 #
 # Usage: scripts/vm-boot.sh [-n BOOTS] [-t PATIENCE_S] [IMAGE_DIR]
 #   IMAGE_DIR defaults to build/image. Each boot's serial log (with arrival

@@ -3,7 +3,9 @@
 //! prediction made from the image files alone (4, 9, 11 from the UKI, 12
 //! from the node config), and that the agent's startup measurements replay
 //! to PCRs 12, 13 and 15. Reports the time from VM start to
-//! `keel-agent: ready`, and where it went ([`keel_e2e::timeline`]).
+//! `keel-agent: ready`, and where it went ([`keel_e2e::timeline`]). Then
+//! boots a copy whose root partition has one byte changed, which must not
+//! get past the initrd.
 //!
 //! Opt-in: set `KEEL_IMAGE_DIR` (e.g. `build/image`); without it the test
 //! says so and passes. `KEEL_VM_BOOTS` boots more than once and reports the
@@ -156,6 +158,94 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
             timeline::median_table(&timelines)
         );
     }
+    Ok(())
+}
+
+/// The attacker's move against the root file system: change it on disk and
+/// leave the UKI, and with it every PCR, as it is. One byte changes in the
+/// root partition's first block, in the 1 KiB erofs leaves unused before its
+/// superblock: without dm-verity the root would mount and boot as before.
+/// With it the initrd's mount fails with an I/O error, the initrd says so on
+/// the console and powers the VM off, and nothing on the root runs.
+#[test]
+fn a_changed_root_does_not_boot() -> TestResult {
+    let Some(image) = ImageDir::from_env()? else {
+        eprintln!("skipped: no image to boot (set {IMAGE_DIR_VAR}=build/image)");
+        return Ok(());
+    };
+    let patience = Duration::from_secs(env_number("KEEL_VM_PATIENCE_S", 600)?);
+    let config_path = workspace_root().join("tests/fixtures/node-config.json");
+    let tmp = tempfile::tempdir()?;
+    let work = std::env::var_os("KEEL_VM_WORK")
+        .map_or_else(|| tmp.path().into(), PathBuf::from)
+        .join("changed-root");
+    std::fs::create_dir_all(&work)?;
+    // The copy is large: it lives in the temporary directory, not the logs.
+    let disk = tmp.path().join("changed-root.raw");
+    std::fs::copy(image.disk(), &disk)?;
+    let root = partition_offset(&disk, ROOT_PARTITION)?;
+    flip_byte(&disk, root + 512)?;
+
+    let vm = VmBuilder::new(&disk, &work)
+        .node_config(&config_path)
+        .start()?;
+    vm.wait_for_line("keel-initrd: mounting", patience)?;
+    let lines = vm.lines();
+    let refusal = lines
+        .iter()
+        .find(|l| l.contains("keel-initrd: mounting"))
+        .ok_or("no refusal line")?;
+    assert!(
+        refusal.contains("I/O error") && refusal.contains("powering off"),
+        "{refusal}"
+    );
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l.contains("root opened") || l.contains(READY_LINE)),
+        "the changed root was opened; serial log {}",
+        vm.serial_log().display()
+    );
+    eprintln!("changed root refused: {}", refusal.trim());
+    Ok(())
+}
+
+/// The root is the image's second partition (`mkosi/mkosi.repart`).
+const ROOT_PARTITION: u64 = 2;
+const SECTOR: u64 = 512;
+
+/// The byte offset of GPT partition `number` (from 1) in `disk`.
+fn partition_offset(disk: &Path, number: u64) -> Result<u64, Box<dyn std::error::Error>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(disk)?;
+    let mut header = [0u8; 92];
+    file.seek(SeekFrom::Start(SECTOR))?;
+    file.read_exact(&mut header)?;
+    if &header[..8] != b"EFI PART" {
+        return Err(format!("{} has no GPT header", disk.display()).into());
+    }
+    let u64_at = |b: &[u8], at: usize| -> Result<u64, Box<dyn std::error::Error>> {
+        Ok(u64::from_le_bytes(b[at..at + 8].try_into()?))
+    };
+    let entries = u64_at(&header, 72)?;
+    let entry_size = u64::from(u32::from_le_bytes(header[84..88].try_into()?));
+    let mut entry = [0u8; 48];
+    file.seek(SeekFrom::Start(
+        entries * SECTOR + (number - 1) * entry_size,
+    ))?;
+    file.read_exact(&mut entry)?;
+    Ok(u64_at(&entry, 32)? * SECTOR)
+}
+
+fn flip_byte(path: &Path, offset: u64) -> Result<(), Box<dyn std::error::Error>> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, offset)?;
+    file.write_all_at(&[byte[0] ^ 0xff], offset)?;
     Ok(())
 }
 
