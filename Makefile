@@ -21,7 +21,7 @@ tss: deps ## Build the static Mbed TLS + tpm2-tss for musl (cached in target/mus
 	@scripts/build-tss.sh
 
 agent: tss ## Build the static agent and the initrd's init; report paths and sizes, fail above 8 MiB
-	$(CARGO) build --release --locked -p keel-agent --bin keel-agent -p keel-initrd
+	$(CARGO) build --release --locked -p keel-agent --bin keel-agent -p keel-initrd --bin keel-initrd
 	@scripts/check-static.sh $(AGENT)
 	@scripts/check-static.sh $(INITRD)
 
