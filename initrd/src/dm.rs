@@ -103,7 +103,7 @@ fn table(name: &str, target: &Target) -> Result<Vec<u8>, Error> {
     let spec = HEADER_LEN;
     put(&mut buf, spec, &0u64.to_ne_bytes()); // sector_start
     put(&mut buf, spec + 8, &target.sectors.to_ne_bytes()); // length
-                                                            // status (+16) stays 0; next (+20): offset of a following target.
+                                                            // status (+16) stays 0; next (+20): the offset of a following target.
     put(&mut buf, spec + 20, &(spec_len as u32).to_ne_bytes());
     put(&mut buf, spec + 24, target.kind.as_bytes()); // target_type[16]
     put(&mut buf, spec + TARGET_SPEC_LEN, target.params.as_bytes());
@@ -134,11 +134,12 @@ fn call(control: &File, nr: u8, buf: &mut [u8]) -> io::Result<()> {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
     }
     let len = u32::try_from(buf.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    put(buf, 12, &len.to_ne_bytes()); // data_size: how far the kernel may read and write
-                                      // SAFETY: `buf` is exclusively borrowed for the call and `buf.len()`
-                                      // bytes long, at least a full `struct dm_ioctl`; its `data_size`, the
-                                      // bound the kernel honours for both reading and writing back, was just
-                                      // set to `buf.len()`. The kernel keeps no reference after returning.
+    // data_size: how far the kernel may read and write.
+    put(buf, 12, &len.to_ne_bytes());
+    // SAFETY: `buf` is exclusively borrowed for the call and `buf.len()`
+    // bytes long, at least a full `struct dm_ioctl`; its `data_size`, the
+    // bound the kernel honours for both reading and writing back, was just
+    // set to `buf.len()`. The kernel keeps no reference after returning.
     let rc = unsafe {
         libc::ioctl(
             control.as_raw_fd(),

@@ -97,8 +97,7 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
     let (config, _) = NodeConfig::load(Some(&config_path))?;
     let expected = predict(&image, &config)?;
     let tmp = tempfile::tempdir()?;
-    let work_root: PathBuf =
-        std::env::var_os("KEEL_VM_WORK").map_or_else(|| tmp.path().into(), Into::into);
+    let work_root = work_root(tmp.path());
 
     let mut times = Vec::new();
     let mut timelines = Vec::new();
@@ -176,9 +175,7 @@ fn a_changed_root_does_not_boot() -> TestResult {
     let patience = Duration::from_secs(env_number("KEEL_VM_PATIENCE_S", 600)?);
     let config_path = workspace_root().join("tests/fixtures/node-config.json");
     let tmp = tempfile::tempdir()?;
-    let work = std::env::var_os("KEEL_VM_WORK")
-        .map_or_else(|| tmp.path().into(), PathBuf::from)
-        .join("changed-root");
+    let work = work_root(tmp.path()).join("changed-root");
     std::fs::create_dir_all(&work)?;
     // The copy is large: it lives in the temporary directory, not the logs.
     let disk = tmp.path().join("changed-root.raw");
@@ -247,6 +244,11 @@ fn flip_byte(path: &Path, offset: u64) -> Result<(), Box<dyn std::error::Error>>
     file.read_exact_at(&mut byte, offset)?;
     file.write_all_at(&[byte[0] ^ 0xff], offset)?;
     Ok(())
+}
+
+/// Where the VMs' logs go: `KEEL_VM_WORK`, else `tmp`.
+fn work_root(tmp: &Path) -> PathBuf {
+    std::env::var_os("KEEL_VM_WORK").map_or_else(|| tmp.into(), Into::into)
 }
 
 /// "median M s (min A, max B)" of `seconds` (not empty).
