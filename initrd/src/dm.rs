@@ -101,9 +101,10 @@ fn table(name: &str, target: &Target) -> Result<Vec<u8>, Error> {
     let spec_len = (TARGET_SPEC_LEN + target.params.len() + 1).next_multiple_of(8);
     let mut buf = header(name, READONLY_FLAG, 1, HEADER_LEN + spec_len)?;
     let spec = HEADER_LEN;
-    put(&mut buf, spec, &0u64.to_ne_bytes()); // sector_start
-    put(&mut buf, spec + 8, &target.sectors.to_ne_bytes()); // length
-                                                            // status (+16) stays 0; next (+20): the offset of a following target.
+    // sector_start (+0), length (+8); status (+16) stays 0; next (+20):
+    // the offset of a following target.
+    put(&mut buf, spec, &0u64.to_ne_bytes());
+    put(&mut buf, spec + 8, &target.sectors.to_ne_bytes());
     put(&mut buf, spec + 20, &(spec_len as u32).to_ne_bytes());
     put(&mut buf, spec + 24, target.kind.as_bytes()); // target_type[16]
     put(&mut buf, spec + TARGET_SPEC_LEN, target.params.as_bytes());
