@@ -37,15 +37,21 @@ const REQUIRED: &[&str] = &[
 ///   udev handles network devices first in its coldplug, where left to udev
 ///   the driver loads only when its turn among all devices comes (tens of
 ///   seconds under emulation);
-/// - autofs4, the one module systemd loads itself before anything else
-///   (from the verity root, through libkmod's indexes); with it loaded,
-///   systemd skips that.
+/// - autofs4 and ip_tables (with x_tables), which systemd loads itself
+///   before anything else when they are missing, through a libkmod context
+///   over the module indexes of the verity root; with both loaded, systemd
+///   never creates that context;
+/// - efivarfs, which systemd mounts first thing: without the module the
+///   kernel would start `modprobe` for it.
 const OPTIONAL: &[&str] = &[
     "drivers/firmware/qemu_fw_cfg",
     "net/core/failover",
     "drivers/net/net_failover",
     "drivers/net/virtio_net",
     "fs/autofs/autofs4",
+    "net/netfilter/x_tables",
+    "net/ipv4/netfilter/ip_tables",
+    "fs/efivarfs/efivarfs",
 ];
 
 /// Loads every required module (failing on the first that does not load)
