@@ -42,6 +42,9 @@ const PARTITION_WAIT: Duration = Duration::from_secs(30);
 const ROOT_NAME: &str = "root";
 const NEW_ROOT: &str = "/sysroot";
 const SYSTEMD: &str = "/sbin/init";
+/// Starts the console line for an optional module that did not load (the
+/// image's boot test looks for it: on QEMU every one should load).
+const OPTIONAL_MODULE_SKIPPED: &str = "keel-initrd: optional module not loaded: ";
 
 fn main() {
     if std::process::id() != 1 {
@@ -82,7 +85,10 @@ fn boot() -> Result<Infallible, Error> {
         .release()
         .to_string_lossy()
         .into_owned();
-    modules::load_all(Path::new("/usr/lib/modules").join(release).as_path())?;
+    let skipped = modules::load_all(Path::new("/usr/lib/modules").join(release).as_path())?;
+    for reason in skipped {
+        say(&format!("{OPTIONAL_MODULE_SKIPPED}{reason}"));
+    }
 
     let cmdline = fs::read_to_string("/proc/cmdline").context("reading /proc/cmdline")?;
     let root_hash = verity::root_hash(&cmdline)?;

@@ -56,17 +56,23 @@ const OPTIONAL: &[&str] = &[
 
 /// Loads every required module (failing on the first that does not load)
 /// and then every optional one that does, from `release_dir`
-/// (`/usr/lib/modules/<kernel release>`).
-pub fn load_all(release_dir: &Path) -> Result<(), Error> {
+/// (`/usr/lib/modules/<kernel release>`). Returns why each optional module
+/// that did not load failed (`module: cause`), for the console: a module
+/// missing from mkosi's include list shows there, not only as a slower boot.
+pub fn load_all(release_dir: &Path) -> Result<Vec<String>, Error> {
     let kernel = release_dir.join("kernel");
     for module in REQUIRED {
         let path = kernel.join(format!("{module}.ko"));
         load(&path).with_context(|| format!("loading {}", path.display()))?;
     }
-    for module in OPTIONAL {
-        let _ = load(&kernel.join(format!("{module}.ko")));
-    }
-    Ok(())
+    Ok(OPTIONAL
+        .iter()
+        .filter_map(|module| {
+            load(&kernel.join(format!("{module}.ko")))
+                .err()
+                .map(|e| format!("{module}: {e}"))
+        })
+        .collect())
 }
 
 /// One module, without parameters; one already loaded counts as loaded.

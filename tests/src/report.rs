@@ -13,6 +13,10 @@ pub const READY_LINE: &str = "keel-agent: ready";
 /// finished its own start.
 pub const INITRD_STARTED_LINE: &str = "keel-initrd: started";
 
+/// The keel initrd's line for an optional module that did not load, one per
+/// module (`keel-initrd: optional module not loaded: <module>: <cause>`).
+pub const INITRD_MODULE_SKIPPED_LINE: &str = "keel-initrd: optional module not loaded";
+
 /// The PCR values in the agent's `pcr N sha256:<hex>` lines. A PCR printed
 /// more than once (the agent restarted) keeps its last value; lines that do
 /// not parse are ignored.

@@ -2,8 +2,9 @@
 //! by fw_cfg, and checks that the PCRs the agent reports equal the
 //! prediction made from the image files alone (4, 9, 11 from the UKI, 12
 //! from the node config), and that the agent's startup measurements replay
-//! to PCRs 12, 13 and 15. Reports the time from VM start to
-//! `keel-agent: ready`, and where it went ([`keel_e2e::timeline`]). Then
+//! to PCRs 12, 13 and 15, and that the initrd loaded every optional
+//! module. Reports the time from VM start to `keel-agent: ready`, and
+//! where it went ([`keel_e2e::timeline`]). Then
 //! boots a copy whose root partition has one byte changed, which must not
 //! get past the initrd.
 //!
@@ -17,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use keel_e2e::image::{workspace_root, ImageDir, IMAGE_DIR_VAR};
-use keel_e2e::report::{reported_pcrs, READY_LINE};
+use keel_e2e::report::{reported_pcrs, INITRD_MODULE_SKIPPED_LINE, READY_LINE};
 use keel_e2e::timeline::{self, BootTimeline};
 use keel_e2e::vm::{Vm, VmBuilder};
 use keel_image::predict::{self, Uki};
@@ -114,6 +115,18 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
             mismatches.is_empty(),
             "boot {boot}: predicted and booted PCRs differ; serial log {}",
             vm.serial_log().display()
+        );
+        // On QEMU every optional module of the initrd loads: one that does
+        // not is missing from mkosi.conf's KernelModulesInitrdInclude, and
+        // the boot falls back to slower paths without failing.
+        let lines = vm.lines();
+        let skipped: Vec<&String> = lines
+            .iter()
+            .filter(|l| l.contains(INITRD_MODULE_SKIPPED_LINE))
+            .collect();
+        assert!(
+            skipped.is_empty(),
+            "boot {boot}: the initrd skipped optional modules: {skipped:?}"
         );
         measurement::verify_replay(&startup_events(&config), &reported).map_err(|e| {
             format!(
