@@ -105,7 +105,8 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
     for boot in 1..=boots {
         let work = work_root.join(format!("boot{boot}"));
         let (vm, ready) = boot_once(&image, &config_path, &work, patience)?;
-        let reported = reported_pcrs(vm.lines().iter().map(String::as_str));
+        let lines = vm.lines();
+        let reported = reported_pcrs(lines.iter().map(String::as_str));
 
         let mismatches = expected.compare(&reported);
         for m in &mismatches {
@@ -119,7 +120,6 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
         // On QEMU every optional module of the initrd loads: one that does
         // not is missing from mkosi.conf's KernelModulesInitrdInclude, and
         // the boot falls back to slower paths without failing.
-        let lines = vm.lines();
         let skipped: Vec<&String> = lines
             .iter()
             .filter(|l| l.contains(INITRD_MODULE_SKIPPED_LINE))
