@@ -9,7 +9,7 @@ INITRD := target/$(TARGET)/release/keel-initrd
 # Cargo finds the static TPM libraries through .cargo/config.toml.
 CARGO ?= cargo
 
-.PHONY: help deps tss agent host-tools test lint fmt image image-prepare image-repro measurements vm-check demo e2e
+.PHONY: help deps tss agent binaries test lint fmt image image-prepare image-repro measurements vm-check demo e2e
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{ printf "  %-14s %s\n", $$1, $$2 }'
@@ -41,10 +41,18 @@ image: agent ## Build the reproducible mkosi image (UKI, dm-verity erofs root) a
 image-prepare: deps ## What the image needs besides the agent: package sources, tools tree, stub
 	@scripts/image-build.sh --prepare
 
-host-tools: deps ## Release builds of keel, keel-mini and the local cluster's stand-ins (no TPM libraries needed)
-	@start=$$SECONDS; $(CARGO) build --release --locked -p keel-cli --bin keel -p keel-e2e --bin keel-mini \
-	  -p keel-testkit --bin keel-standin --bin keel-mini-mirror; \
-	  echo "host-tools: built in $$((SECONDS - start)) s"
+# Everything the local cluster runs from a release build: the agent and the
+# initrd's init (for the image) and the host tools (keel, keel-mini, the
+# stand-ins). One cargo invocation runs their long link steps side by side;
+# and because the workspace declares the features every crate is built with,
+# `make agent` resolves the same units afterwards and has nothing to do.
+RELEASE_BINS := -p keel-agent --bin keel-agent -p keel-initrd --bin keel-initrd \
+  -p keel-cli --bin keel -p keel-e2e --bin keel-mini \
+  -p keel-testkit --bin keel-standin --bin keel-mini-mirror
+
+binaries: tss ## Release builds of the agent, the initrd's init, keel, keel-mini and the local cluster's stand-ins
+	@start=$$SECONDS; $(CARGO) build --release --locked $(RELEASE_BINS); \
+	  echo "binaries: built in $$((SECONDS - start)) s"
 
 image-repro: agent ## Build the image twice from clean and compare every artifact
 	@scripts/image-repro.sh
@@ -57,12 +65,12 @@ measurements: ## Predict PCRs 4, 9, 11 and 12 of the built image for NODE_CONFIG
 vm-check: image ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time to ready
 	@scripts/vm-boot.sh -n 3
 
-# The first build overlaps what does not depend on each other: the static
-# TPM libraries and the image's tools tree build while cargo compiles the
-# host tools (and with them most of the agent's dependencies).
+# The first build overlaps what does not depend on each other: the image's
+# tools tree and package sources are fetched while the TPM libraries and then
+# every binary build.
 demo: deps ## Local cluster on QEMU + swtpm: build, boot two control planes and a worker, init, joins, summary
-	@$(MAKE) --no-print-directory -j3 tss image-prepare host-tools
-	$(CARGO) run --release --locked --quiet -p keel-e2e --bin keel-mini -- up
+	@$(MAKE) --no-print-directory -j2 image-prepare binaries
+	target/$(TARGET)/release/keel-mini up
 
 e2e: image ## The local cluster, then the end-to-end scenarios (refusals, second init, rejoin, disk)
 	KEEL_IMAGE_DIR=build/image $(CARGO) test --locked -p keel-e2e --test e2e -- --nocapture

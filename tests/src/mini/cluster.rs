@@ -197,42 +197,64 @@ fn as_from_the_shell(cmd: &mut Command) -> &mut Command {
     cmd
 }
 
-/// The build phase: `make agent image` (when `image`; cached when
-/// unchanged), then the host tools (`keel`, `keel-standin`,
-/// `keel-mini-mirror`). Their output goes to standard error.
+/// The build phase. A release `keel-mini` (`make demo`) runs `make
+/// binaries image`: the agent, the initrd's init and the host tools (`keel`,
+/// `keel-standin`, `keel-mini-mirror`) in the one cargo invocation `make
+/// demo` built them with, so nothing is rebuilt, and the image, cached when
+/// unchanged. A debug one (the end-to-end tests) runs `make agent image` and
+/// builds the host tools in its own profile. `image` false (`--no-build`)
+/// leaves the image out. Their output goes to standard error.
 pub fn build(root: &Path, image: bool) -> Result<Tools, MiniError> {
-    if image {
+    if own_profile() == "release" {
+        let targets: &[&str] = if image {
+            &["binaries", "image"]
+        } else {
+            &["binaries"]
+        };
         let mut make = Command::new("make");
         as_from_the_shell(&mut make)
             .current_dir(root)
-            .args(["--no-print-directory", "agent", "image"])
+            .arg("--no-print-directory")
+            .args(targets)
             .stdout(Stdio::inherit());
-        run_checked(make, "make agent image", Path::new("build/image.log"))?;
+        let what = format!("make {}", targets.join(" "));
+        let log = if image {
+            "build/image.log (the image) or cargo's output above"
+        } else {
+            "(cargo's output above)"
+        };
+        run_checked(make, &what, Path::new(log))?;
+    } else {
+        if image {
+            let mut make = Command::new("make");
+            as_from_the_shell(&mut make)
+                .current_dir(root)
+                .args(["--no-print-directory", "agent", "image"])
+                .stdout(Stdio::inherit());
+            run_checked(make, "make agent image", Path::new("build/image.log"))?;
+        }
+        let mut build = Command::new("cargo");
+        as_from_the_shell(&mut build).current_dir(root).args([
+            "build",
+            "--locked",
+            "--quiet",
+            "-p",
+            "keel-cli",
+            "--bin",
+            "keel",
+            "-p",
+            "keel-testkit",
+            "--bin",
+            "keel-standin",
+            "--bin",
+            "keel-mini-mirror",
+        ]);
+        run_checked(
+            build,
+            "building the host tools",
+            Path::new("(cargo's output above)"),
+        )?;
     }
-    let mut build = Command::new("cargo");
-    as_from_the_shell(&mut build).current_dir(root).args([
-        "build",
-        "--locked",
-        "--quiet",
-        "-p",
-        "keel-cli",
-        "--bin",
-        "keel",
-        "-p",
-        "keel-testkit",
-        "--bin",
-        "keel-standin",
-        "--bin",
-        "keel-mini-mirror",
-    ]);
-    if own_profile() == "release" {
-        build.arg("--release");
-    }
-    run_checked(
-        build,
-        "building the host tools",
-        Path::new("(cargo's output above)"),
-    )?;
     let tools = Tools::locate(root);
     tools.check()?;
     Ok(tools)
