@@ -197,6 +197,18 @@ fn as_from_the_shell(cmd: &mut Command) -> &mut Command {
     cmd
 }
 
+/// Runs `make <targets>` in `root` as from the shell; `log` is where a
+/// failure's details are.
+fn make(root: &Path, targets: &[&str], log: &str) -> Result<(), MiniError> {
+    let mut make = Command::new("make");
+    as_from_the_shell(&mut make)
+        .current_dir(root)
+        .arg("--no-print-directory")
+        .args(targets)
+        .stdout(Stdio::inherit());
+    run_checked(make, &format!("make {}", targets.join(" ")), Path::new(log))
+}
+
 /// The build phase. A release `keel-mini` (`make demo`) runs `make
 /// binaries image`: the agent, the initrd's init and the host tools (`keel`,
 /// `keel-standin`, `keel-mini-mirror`) in the one cargo invocation `make
@@ -206,32 +218,18 @@ fn as_from_the_shell(cmd: &mut Command) -> &mut Command {
 /// leaves the image out. Their output goes to standard error.
 pub fn build(root: &Path, image: bool) -> Result<Tools, MiniError> {
     if own_profile() == "release" {
-        let targets: &[&str] = if image {
-            &["binaries", "image"]
+        let (targets, log): (&[&str], &str) = if image {
+            (
+                &["binaries", "image"],
+                "build/image.log (the image) or cargo's output above",
+            )
         } else {
-            &["binaries"]
+            (&["binaries"], "(cargo's output above)")
         };
-        let mut make = Command::new("make");
-        as_from_the_shell(&mut make)
-            .current_dir(root)
-            .arg("--no-print-directory")
-            .args(targets)
-            .stdout(Stdio::inherit());
-        let what = format!("make {}", targets.join(" "));
-        let log = if image {
-            "build/image.log (the image) or cargo's output above"
-        } else {
-            "(cargo's output above)"
-        };
-        run_checked(make, &what, Path::new(log))?;
+        make(root, targets, log)?;
     } else {
         if image {
-            let mut make = Command::new("make");
-            as_from_the_shell(&mut make)
-                .current_dir(root)
-                .args(["--no-print-directory", "agent", "image"])
-                .stdout(Stdio::inherit());
-            run_checked(make, "make agent image", Path::new("build/image.log"))?;
+            make(root, &["agent", "image"], "build/image.log")?;
         }
         let mut build = Command::new("cargo");
         as_from_the_shell(&mut build).current_dir(root).args([
