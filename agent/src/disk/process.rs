@@ -48,6 +48,7 @@ where
         program: program.to_owned(),
         source,
     };
+    let started = std::time::Instant::now();
     let mut child = Command::new(program)
         .args(args)
         .stdin(if stdin.is_some() {
@@ -73,7 +74,16 @@ where
         }
         // Dropping the pipe closes it: cryptsetup reads the key to EOF.
     }
-    child.wait_with_output().map_err(spawn_err)
+    let out = child.wait_with_output().map_err(spawn_err)?;
+    // First-boot disk set-up is a handful of these; their times show where
+    // a slow one went.
+    tracing::info!(
+        operation,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        status = %out.status,
+        "disk tool finished"
+    );
+    Ok(out)
 }
 
 pub(super) fn failed_named(
