@@ -5,7 +5,8 @@
 #
 # Usage: scripts/image-build.sh [OUTPUT_DIR]     (default build/image)
 #        scripts/image-build.sh --prepare       only what needs no agent (package
-#                                               sources, tools tree, stub), so it
+#                                               sources, tools tree, stub, the
+#                                               installed packages' cache), so it
 #                                               can run while the agent builds
 # Env:   KEEL_AGENT_BIN     agent binary to install (default: the musl release build)
 #        KEEL_INITRD_BIN    the initrd's init (default: the musl release build)
@@ -14,6 +15,8 @@
 #        KEEL_PACKAGE_CACHE package cache (default /var/cache/mkosi)
 #        KEEL_IMAGE_FORCE=1 rebuild even if the output was built from the
 #                           same inputs (agent, mkosi/, image scripts, epoch)
+#        KEEL_IMAGE_INCREMENTAL=0  install the packages afresh, without the
+#                           cache of installed packages (image-lib.sh)
 set -euo pipefail
 source "$(dirname "$0")/image-lib.sh"
 
@@ -22,7 +25,8 @@ if [ "${1:-}" = --prepare ]; then
   generate_sources
   ensure_tools_tree
   ensure_stub_package
-  log "prepared in $(( $(date +%s) - start )) s (package sources, tools tree, stub)"
+  ensure_image_cache "$(source_date_epoch)"
+  log "prepared in $(( $(date +%s) - start )) s (package sources, tools tree, stub, installed packages)"
   exit 0
 fi
 out=$(realpath -m "${1:-$KEEL_IMAGE_OUT}")
@@ -58,18 +62,13 @@ rm -rf "$out"
 mkdir -p "$out" "$work/workspace"
 log "building the image into $out (SOURCE_DATE_EPOCH=$epoch)"
 start=$(date +%s)
-mkosi \
-  --directory "$KEEL_ROOT/mkosi" \
-  --tools-tree "$work/tools/tools" \
-  --package-manager-tree "$work/sources/image" \
+mapfile -t cache_opts < <(image_cache_opts "$epoch")
+image_mkosi "$epoch" "${cache_opts[@]}" \
   --extra-tree "$work/agent-tree:/" \
   --initrd "$work/initrd.cpio.zst" \
   --output-dir "$out" \
-  --workspace-dir "$work/workspace" \
-  --package-cache-dir "$KEEL_PACKAGE_CACHE" \
-  --source-date-epoch "$epoch" \
-  --force \
   build >"$out.log" 2>&1 || { tail -40 "$out.log" >&2; die "mkosi failed (full log: $out.log)"; }
+[ "${#cache_opts[@]}" = 0 ] || touch "$IMAGE_CACHE/filled"
 echo "$inputs" >"$out/.inputs"
 log "image built in $(( $(date +%s) - start )) s (log: $out.log)"
 report_artifacts "$out"

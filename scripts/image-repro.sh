@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Proves the image build is reproducible: builds the image twice, each time
-# into an empty output directory (the tools tree and package cache are
+# Proves the image build is reproducible: builds the image three times, each
+# time into an empty output directory (the tools tree and package cache are
 # shared), and compares the SHA-256 of every artifact: disk image, UKI,
 # partitions, kernel and initrd. Names every artifact that differs.
+#   a: without the installed-packages cache (KEEL_IMAGE_INCREMENTAL=0);
+#   b: with an emptied cache: installs the packages again and fills it;
+#   c: from the cache b filled, as a build after `make image-prepare` does.
+# So two installs from the packages agree, and the cache changes no byte.
 #
 # Usage: scripts/image-repro.sh     (exit 0 only if every artifact is identical)
 set -euo pipefail
@@ -11,12 +15,15 @@ source "$(dirname "$0")/image-lib.sh"
 repro=$KEEL_BUILD/repro
 rm -rf "$repro"
 mkdir -p "$repro"
-# One timestamp for both builds, even if a commit lands in between.
+# One timestamp for every build, even if a commit lands in between.
 SOURCE_DATE_EPOCH=$(source_date_epoch)
 export SOURCE_DATE_EPOCH
 start=$(date +%s)
-for run in a b; do
-  log "reproducibility build $run"
+log "reproducibility build a (no cache)"
+KEEL_IMAGE_INCREMENTAL=0 "$KEEL_ROOT/scripts/image-build.sh" "$repro/a" >"$repro/a.report"
+rm -rf "$IMAGE_CACHE"
+for run in b c; do
+  log "reproducibility build $run ($([ $run = b ] && echo "fills the cache" || echo "from the cache"))"
   "$KEEL_ROOT/scripts/image-build.sh" "$repro/$run" >"$repro/$run.report"
 done
 
@@ -26,18 +33,22 @@ for f in "$repro"/a/keel.raw "$repro"/a/keel.efi "$repro"/a/keel.*.raw "$repro"/
   [ -f "$f" ] || continue
   name=$(basename "$f")
   a=$(sha256sum "$f" | cut -d' ' -f1)
-  if [ ! -f "$repro/b/$name" ]; then
-    printf '%-24s MISSING in the second build\n' "$name"
-    status=1
-  elif b=$(sha256sum "$repro/b/$name" | cut -d' ' -f1) && [ "$a" = "$b" ]; then
-    printf '%-24s identical %s\n' "$name" "$a"
-  else
-    printf '%-24s DIFFERS %s vs %s\n' "$name" "$a" "$b"
-    status=1
-  fi
+  result="identical $a"
+  for run in b c; do
+    if [ ! -f "$repro/$run/$name" ]; then
+      result="MISSING in build $run"
+      status=1
+    elif other=$(sha256sum "$repro/$run/$name" | cut -d' ' -f1) && [ "$other" != "$a" ]; then
+      result="DIFFERS: a $a, $run $other"
+      status=1
+    fi
+  done
+  printf '%-24s %s\n' "$name" "$result"
 done
-for f in "$repro"/b/keel*; do
-  [ -e "$repro/a/$(basename "$f")" ] || { printf '%-24s MISSING in the first build\n' "$(basename "$f")"; status=1; }
+for run in b c; do
+  for f in "$repro/$run"/keel*; do
+    [ -e "$repro/a/$(basename "$f")" ] || { printf '%-24s MISSING in build a\n' "$(basename "$f")"; status=1; }
+  done
 done
-log "two builds in $(( $(date +%s) - start )) s: $([ $status = 0 ] && echo reproducible || echo NOT reproducible)"
+log "three builds in $(( $(date +%s) - start )) s: $([ $status = 0 ] && echo reproducible || echo NOT reproducible)"
 exit $status
