@@ -38,7 +38,7 @@ fmt: ## Format the code
 image: agent ## Build the reproducible mkosi image (UKI, dm-verity erofs root) and print its artifacts
 	@scripts/image-build.sh
 
-image-prepare: deps ## What the image needs besides the agent: package sources, tools tree, stub
+image-prepare: deps ## What the image needs besides the agent: package sources, tools tree, stub, its packages installed (cached)
 	@scripts/image-build.sh --prepare
 
 # Everything the local cluster runs from a release build: the agent and the
@@ -54,7 +54,7 @@ binaries: tss ## Release builds of the agent, the initrd's init, keel, keel-mini
 	@start=$$SECONDS; $(CARGO) build --release --locked $(RELEASE_BINS); \
 	  echo "binaries: built in $$((SECONDS - start)) s"
 
-image-repro: agent ## Build the image twice from clean and compare every artifact
+image-repro: agent ## Build the image three times (no cache, filling the package cache, from it) and compare every artifact
 	@scripts/image-repro.sh
 
 measurements: ## Predict PCRs 4, 9, 11 and 12 of the built image for NODE_CONFIG into build/image/measurements.json
@@ -66,8 +66,8 @@ vm-check: image ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time
 	@scripts/vm-boot.sh -n 3
 
 # The first build overlaps what does not depend on each other: the image's
-# tools tree and package sources are fetched while the TPM libraries and then
-# every binary build.
+# tools tree and package sources are fetched, and its packages installed
+# into mkosi's cache, while the TPM libraries and then every binary build.
 demo: deps ## Local cluster on QEMU + swtpm: build, boot two control planes and a worker, init, joins, summary
 	@$(MAKE) --no-print-directory -j2 image-prepare binaries
 	target/$(TARGET)/release/keel-mini up
