@@ -301,7 +301,7 @@ const BREAKDOWN: &[(&str, &str)] = &[
     ),
     (
         "atls.peer_certificate",
-        "  peer certificate: parse, self-signature (both sides)",
+        "  peer certificate: parse, key and algorithm checks (both sides)",
     ),
     (
         "attest.validate",

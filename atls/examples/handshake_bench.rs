@@ -1,7 +1,7 @@
 //! Measures aTLS on loopback: the median time of a mutual aTLS handshake
 //! (TCP connect, both documents issued and validated, confirmation), of a
 //! handshake followed by one unary gRPC call, and the median CPU time of one
-//! validation of a peer certificate (parse, self-signature, document).
+//! validation of a peer certificate (parse, key and algorithm checks, document).
 //!
 //! Uses the Ed25519 test attestation scheme of the tests; swap in another
 //! issuer and validator in `main` to measure those.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use rcgen::KeyPair;
 use rustls::crypto::CryptoProvider;
+use rustls::pki_types::CertificateDer;
 use rustls::sign::CertifiedKey;
 
 use crate::attestation::Issuer;
@@ -45,6 +46,16 @@ pub fn certificate_with_extension(
 /// A certificate with a fresh key and no attestation extension.
 pub fn certificate_without_attestation() -> Result<Arc<CertifiedKey>, CertError> {
     cert::unattested()
+}
+
+/// The certificate `cert` with handshake signatures made by `key` instead
+/// of the certificate's own key: what a side that copied another side's
+/// certificate, but not its private key, can present.
+pub fn certificate_without_its_key(
+    cert: CertificateDer<'static>,
+    key: KeyPair,
+) -> Result<Arc<CertifiedKey>, CertError> {
+    cert::with_other_key(cert, key)
 }
 
 /// A fresh ECDSA P-256 key, as this crate makes per handshake.

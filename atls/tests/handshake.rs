@@ -160,6 +160,16 @@ fn unknown_oid(issuer: Arc<TestIssuer>) -> danger::PresentFn {
     })
 }
 
+/// A presenter that takes an honest certificate for this handshake's nonce
+/// (a fresh document, bound to the certificate's key) and presents it
+/// without that key: its handshake signatures come from another key.
+fn without_its_key(issuer: Arc<TestIssuer>) -> danger::PresentFn {
+    Arc::new(move |nonce: &Nonce| {
+        let honest = danger::attested_certificate(issuer.as_ref(), nonce)?;
+        danger::certificate_without_its_key(honest.cert[0].clone(), danger::generate_key()?)
+    })
+}
+
 fn unattested() -> danger::PresentFn {
     Arc::new(|_: &Nonce| danger::certificate_without_attestation())
 }
@@ -280,6 +290,44 @@ async fn document_moved_into_another_certificate_is_refused() {
         .client_presenting(moving(parties.client_issuer.clone()))
         .await;
     assert_server_refuses(&outcome, key_binding, AlertDescription::AccessDenied);
+}
+
+/// The certificate's self-signature is not what protects it: a peer that
+/// presents a genuine, fresh certificate without holding its key fails the
+/// TLS handshake signature, in both directions, before anything is sent.
+#[tokio::test]
+async fn a_certificate_presented_without_its_key_is_refused() {
+    let parties = Parties::new();
+    let (server_result, client_result) = parties
+        .server_presenting(without_its_key(parties.server_issuer.clone()))
+        .await;
+    assert!(
+        matches!(&client_result, Err(ConnectError::Tls(e)) if bad_signature(e)),
+        "{client_result:?}"
+    );
+    assert!(server_result.is_err(), "{server_result:?}");
+
+    let (server_result, client_result) = parties
+        .client_presenting(without_its_key(parties.client_issuer.clone()))
+        .await;
+    assert!(
+        matches!(&server_result, Err(HandshakeError::Tls(e)) if bad_signature(e)),
+        "{server_result:?}"
+    );
+    assert_refused_by_server(&client_result, AlertDescription::DecryptError);
+}
+
+/// The handshake failed because the peer's CertificateVerify signature does
+/// not verify under its certificate's key.
+fn bad_signature(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|e| {
+            matches!(
+                e,
+                rustls::Error::InvalidCertificate(rustls::CertificateError::BadSignature)
+            )
+        })
 }
 
 #[tokio::test]
