@@ -23,6 +23,11 @@
 //!    none;
 //! 3. `verdict`: whether the peer's answer checked out.
 //!
+//! A side that sent an empty challenge already knows its verdict (it accepts
+//! only an empty answer), so it sends the verdict right behind its answer:
+//! one round trip fewer when neither side challenges, as between peers that
+//! know each other, with the frames and their order unchanged.
+//!
 //! A frame is `tag (1) || u16be(len) || body`, the body at most
 //! [`MAX_FRAME_BODY`] bytes.
 
@@ -176,7 +181,14 @@ where
             },
         }
     };
-    write_frame(stream, TAG_ANSWER, &proof).await?;
+    let mut frames = frame(TAG_ANSWER, &proof)?;
+    if challenge.is_none() {
+        // Whatever the peer answers, this side accepts only nothing: an
+        // answer where none was asked for ends the exchange with an error
+        // below, and the connection with it.
+        frames.extend(frame(TAG_VERDICT, &[VERDICT_ACCEPTED])?);
+    }
+    send(stream, &frames).await?;
     let peer_proof = read_frame(stream, TAG_ANSWER).await?;
 
     // 3. Verdicts both ways.
@@ -190,12 +202,14 @@ where
                 .map_err(|_| ResidencyError::WrongAnswer)
         }
     };
-    let verdict = if outcome.is_ok() {
-        VERDICT_ACCEPTED
-    } else {
-        VERDICT_REFUSED
-    };
-    write_frame(stream, TAG_VERDICT, &[verdict]).await?;
+    if challenge.is_some() {
+        let verdict = if outcome.is_ok() {
+            VERDICT_ACCEPTED
+        } else {
+            VERDICT_REFUSED
+        };
+        write_frame(stream, TAG_VERDICT, &[verdict]).await?;
+    }
     outcome?;
     if let (Some(_), Some(p)) = (&challenge, &peer) {
         p.validator.residency_proven(p.claims);
@@ -241,11 +255,8 @@ fn proof(secret: &ResidencySecret, prover: Role, exporter: &[u8; 32]) -> hmac::T
     hmac::sign(&key, &proof_message(prover, exporter))
 }
 
-async fn write_frame<S: AsyncWrite + Unpin>(
-    stream: &mut S,
-    tag: u8,
-    body: &[u8],
-) -> Result<(), ResidencyError> {
+/// The frame `tag || u16be(len) || body`.
+fn frame(tag: u8, body: &[u8]) -> Result<Vec<u8>, ResidencyError> {
     let len = u16::try_from(body.len())
         .ok()
         .filter(|&l| usize::from(l) <= MAX_FRAME_BODY)
@@ -254,7 +265,20 @@ async fn write_frame<S: AsyncWrite + Unpin>(
     frame.push(tag);
     frame.extend_from_slice(&len.to_be_bytes());
     frame.extend_from_slice(body);
-    stream.write_all(&frame).await.map_err(io_error)?;
+    Ok(frame)
+}
+
+async fn write_frame<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    tag: u8,
+    body: &[u8],
+) -> Result<(), ResidencyError> {
+    send(stream, &frame(tag, body)?).await
+}
+
+/// Writes `frames` in one go and flushes them.
+async fn send<S: AsyncWrite + Unpin>(stream: &mut S, frames: &[u8]) -> Result<(), ResidencyError> {
+    stream.write_all(frames).await.map_err(io_error)?;
     stream.flush().await.map_err(io_error)
 }
 
@@ -297,6 +321,59 @@ mod tests {
         assert_ne!(server.as_ref(), client.as_ref());
         let other_session = proof(&secret, Role::Server, &[2u8; 32]);
         assert_ne!(server.as_ref(), other_session.as_ref());
+    }
+
+    /// A side that neither challenges nor is challenged: `exchange` against
+    /// a peer scripted frame by frame, as a peer that sends its verdict
+    /// only after reading the answer does. The peer sends `peer_answer`.
+    async fn unchallenged_exchange(peer_answer: &[u8]) -> (Result<(), ResidencyError>, Vec<u8>) {
+        let (mut ours, mut theirs) = tokio::io::duplex(4096);
+        let exchange = exchange::<_, ()>(&mut ours, &[0; 32], Role::Server, None, None);
+        let peer_answer = peer_answer.to_vec();
+        let peer = async move {
+            let mut seen = Vec::new();
+            for (tag, body) in [
+                (TAG_CHALLENGE, Vec::new()),
+                (TAG_ANSWER, peer_answer),
+                (TAG_VERDICT, vec![VERDICT_ACCEPTED]),
+            ] {
+                write_frame(&mut theirs, tag, &body).await.unwrap();
+                let Ok(received) = read_frame(&mut theirs, tag).await else {
+                    break;
+                };
+                seen.extend([tag, 0, u8::try_from(received.len()).unwrap()]);
+                seen.extend(received);
+            }
+            seen
+        };
+        tokio::join!(exchange, peer)
+    }
+
+    #[tokio::test]
+    async fn without_challenges_the_frames_and_their_order_are_unchanged() {
+        let (outcome, seen) = unchallenged_exchange(&[]).await;
+        outcome.unwrap();
+        assert_eq!(
+            seen,
+            [
+                TAG_CHALLENGE,
+                0,
+                0,
+                TAG_ANSWER,
+                0,
+                0,
+                TAG_VERDICT,
+                0,
+                1,
+                VERDICT_ACCEPTED
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn an_answer_nobody_asked_for_ends_the_exchange() {
+        let (outcome, _) = unchallenged_exchange(&[7; 32]).await;
+        assert!(matches!(outcome, Err(ResidencyError::Frame)), "{outcome:?}");
     }
 
     #[tokio::test]
