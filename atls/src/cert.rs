@@ -91,15 +91,6 @@ pub(crate) fn unattested() -> Result<Arc<CertifiedKey>, CertError> {
     certified_key(key, der)
 }
 
-/// The certificate `cert` as presented by a side that holds `key` instead of
-/// the certificate's own key: its handshake signatures are made with `key`.
-pub(crate) fn with_other_key(
-    cert: CertificateDer<'static>,
-    key: KeyPair,
-) -> Result<Arc<CertifiedKey>, CertError> {
-    certified_key(key, cert)
-}
-
 /// A fresh ECDSA P-256 key, as every handshake gets.
 pub(crate) fn generate_key() -> Result<KeyPair, CertError> {
     KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(CertError::GenerateKey)
@@ -126,7 +117,9 @@ fn self_signed(
     Ok(cert.der().clone())
 }
 
-fn certified_key(
+/// `cert` ready to present, its handshake signed with `key` (the
+/// certificate's own key, except in [`crate::danger`]'s tests).
+pub(crate) fn certified_key(
     key: KeyPair,
     cert: CertificateDer<'static>,
 ) -> Result<Arc<CertifiedKey>, CertError> {

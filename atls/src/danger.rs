@@ -55,7 +55,7 @@ pub fn certificate_without_its_key(
     cert: CertificateDer<'static>,
     key: KeyPair,
 ) -> Result<Arc<CertifiedKey>, CertError> {
-    cert::with_other_key(cert, key)
+    cert::certified_key(key, cert)
 }
 
 /// A fresh ECDSA P-256 key, as this crate makes per handshake.
