@@ -33,7 +33,7 @@ use crate::danger::PresentFn;
 use crate::nonce::{Nonce, NonceError};
 use crate::present::Presenter;
 use crate::residency::{self, PeerKey, Prover, ResidencyError, Role};
-use crate::stream::{AtlsStream, CLIENT_ACCEPTED};
+use crate::stream::{self, AtlsStream, CLIENT_ACCEPTED};
 use crate::verify::{PeerCheck, PeerError, ServerVerifier};
 use crate::{rustls_error, DEFAULT_HANDSHAKE_TIMEOUT};
 
@@ -228,6 +228,7 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
         // Nothing is sent before the server's attestation key is proven to
         // be in its TPM (and this client's in its own, when it attests).
         let exporter = residency::export(&**tls.get_ref().1).map_err(ConnectError::Residency)?;
+        let mut tls = stream::buffered(tls);
         let peer = match (&self.server_validator, &attested) {
             (Some(validator), Some(attested)) => Some(PeerKey {
                 validator,
@@ -243,7 +244,7 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
         residency::exchange(&mut tls, &exporter, Role::Client, prover, peer)
             .await
             .map_err(ConnectError::Residency)?;
-        Ok(AtlsStream::new(tls.into(), remote_addr, attested))
+        Ok(AtlsStream::new(tls, remote_addr, attested))
     }
 
     fn config(

@@ -33,7 +33,7 @@ use crate::incoming::{IssuerGate, Limits, Source};
 use crate::nonce::{Nonce, NonceError};
 use crate::present::Presenter;
 use crate::residency::{self, PeerKey, Prover, ResidencyError, Role};
-use crate::stream::{AtlsStream, CLIENT_ACCEPTED};
+use crate::stream::{self, AtlsStream, CLIENT_ACCEPTED};
 use crate::verify::{ClientVerifier, PeerCheck, PeerError};
 use crate::{rustls_error, DEFAULT_HANDSHAKE_TIMEOUT};
 
@@ -212,10 +212,12 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         };
         let config = self.config(certified, check.clone())?;
 
-        let mut tls = match start.into_stream(Arc::new(config)).await {
+        let tls = match start.into_stream(Arc::new(config)).await {
             Ok(tls) => tls,
             Err(e) => return Err(classify(e, check.as_deref())),
         };
+        let exporter = residency::export(&**tls.get_ref().1).map_err(HandshakeError::Residency)?;
+        let mut tls = stream::buffered(tls);
         let attested = match &check {
             Some(check) => {
                 let attested = match check.take() {
@@ -223,10 +225,11 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
                     Some(Err(e)) => return Err(HandshakeError::ClientRefused(e)),
                     None => return Err(HandshakeError::ClientNotChecked),
                 };
+                // Flushed with this side's first residency frame, which
+                // the client reads right after it.
                 tls.write_all(&[CLIENT_ACCEPTED])
                     .await
                     .map_err(HandshakeError::Confirm)?;
-                tls.flush().await.map_err(HandshakeError::Confirm)?;
                 Some(attested)
             }
             None => None,
@@ -234,7 +237,6 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         // No connection reaches the application before the client's
         // attestation key is proven to be in its TPM (and, when the client
         // validates this server, this server's key in its own).
-        let exporter = residency::export(&**tls.get_ref().1).map_err(HandshakeError::Residency)?;
         let peer = match (&self.client_validator, &attested) {
             (Some(validator), Some(attested)) => Some(PeerKey {
                 validator,
@@ -249,7 +251,7 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         residency::exchange(&mut tls, &exporter, Role::Server, prover, peer)
             .await
             .map_err(HandshakeError::Residency)?;
-        Ok(AtlsStream::new(tls.into(), remote_addr, attested))
+        Ok(AtlsStream::new(tls, remote_addr, attested))
     }
 
     fn config(

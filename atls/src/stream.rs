@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, BufWriter, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsStream;
 use tonic::transport::server::Connected;
@@ -20,6 +20,26 @@ use crate::attestation::Attested;
 /// (in TLS 1.3 the client's side of the handshake is complete before the
 /// server has checked the client's certificate).
 pub(crate) const CLIENT_ACCEPTED: u8 = 0x01;
+
+/// Bytes an aTLS connection collects before they go to TLS: one record's
+/// worth of plaintext (RFC 8446, 5.1).
+///
+/// tokio-rustls seals every write into its own record and sends it at once,
+/// each a TCP segment and a wake-up of the peer: the client's HTTP/2
+/// preface and its SETTINGS went out as two, as did the server's verdict
+/// byte and its first residency frame. Collected until the writer flushes
+/// (h2 flushes whenever it has written what it has; the residency exchange
+/// flushes each step), each flush is one record. A larger write goes
+/// straight through.
+const WRITE_BUFFER: usize = 16 * 1024;
+
+/// The TLS connection `tls` with its writes collected until a flush.
+pub(crate) type Buffered = BufWriter<TlsStream<TcpStream>>;
+
+/// `tls` with its writes collected until a flush (see [`WRITE_BUFFER`]).
+pub(crate) fn buffered(tls: impl Into<TlsStream<TcpStream>>) -> Buffered {
+    BufWriter::with_capacity(WRITE_BUFFER, tls.into())
+}
 
 /// What an aTLS connection knows about its peer. On the server, tonic puts it
 /// into every request's extensions:
@@ -62,13 +82,13 @@ impl<C> PeerInfo<C> {
 
 /// A TLS connection whose handshake passed aTLS checks.
 pub struct AtlsStream<C> {
-    inner: TlsStream<TcpStream>,
+    inner: Buffered,
     peer: PeerInfo<C>,
 }
 
 impl<C> AtlsStream<C> {
     pub(crate) fn new(
-        inner: TlsStream<TcpStream>,
+        inner: Buffered,
         remote_addr: Option<SocketAddr>,
         attested: Option<Arc<Attested<C>>>,
     ) -> Self {

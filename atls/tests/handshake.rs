@@ -19,6 +19,7 @@ use keel_atls::{
     PeerError, SwappableValidator, ValidationError, ATTESTATION_OID,
 };
 use rustls::AlertDescription;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 
 type ServerResult = Result<AtlsStream<TestClaims>, HandshakeError>;
@@ -441,6 +442,31 @@ async fn a_client_in_server_attested_mode_refuses_during_the_handshake() {
         matches!(server_result, Err(HandshakeError::RefusedByClient(_))),
         "{server_result:?}"
     );
+}
+
+/// An established connection collects what is written until the writer
+/// flushes (one TLS record, not one per write): nothing reaches the peer
+/// before the flush, and everything does after it.
+#[tokio::test]
+async fn writes_reach_the_peer_when_the_writer_flushes() {
+    let parties = Parties::new();
+    let (server, client) = handshake(&parties.mutual_server(), &parties.mutual_client()).await;
+    let (mut server, mut client) = (server.unwrap(), client.unwrap());
+    client.write_all(b"frame header, ").await.unwrap();
+    client.write_all(b"then its payload").await.unwrap();
+    let mut received = [0u8; 30];
+    let early = tokio::time::timeout(Duration::from_millis(300), server.read(&mut received)).await;
+    assert!(early.is_err(), "bytes reached the peer before the flush");
+    client.flush().await.unwrap();
+    server.read_exact(&mut received).await.unwrap();
+    assert_eq!(&received, b"frame header, then its payload");
+    // The other direction, and a write larger than the buffer.
+    let large = vec![7u8; 40 * 1024];
+    server.write_all(&large).await.unwrap();
+    server.flush().await.unwrap();
+    let mut back = vec![0u8; large.len()];
+    client.read_exact(&mut back).await.unwrap();
+    assert_eq!(back, large);
 }
 
 #[tokio::test]
