@@ -33,7 +33,7 @@ pub(crate) const CLIENT_ACCEPTED: u8 = 0x01;
 /// straight through.
 const WRITE_BUFFER: usize = 16 * 1024;
 
-/// The TLS connection `tls` with its writes collected until a flush.
+/// A TLS connection whose writes are collected until a flush.
 pub(crate) type Buffered = BufWriter<TlsStream<TcpStream>>;
 
 /// `tls` with its writes collected until a flush (see [`WRITE_BUFFER`]).
@@ -80,7 +80,9 @@ impl<C> PeerInfo<C> {
     }
 }
 
-/// A TLS connection whose handshake passed aTLS checks.
+/// A TLS connection whose handshake passed aTLS checks. What is written
+/// reaches the peer when the writer flushes (or fills a record), as with
+/// any buffered writer.
 pub struct AtlsStream<C> {
     inner: Buffered,
     peer: PeerInfo<C>,
