@@ -6,7 +6,8 @@
 //!   key residency proof included);
 //! * its resident memory when idle, before and after load;
 //! * its peak resident memory while 100 clients at once make attested
-//!   handshakes and a call on it, several rounds.
+//!   handshakes and a call on it, several rounds, and the most threads it
+//!   ran meanwhile.
 //!
 //! `cargo run --release -p keel-agent --example footprint_bench -- [rounds]`
 //! (`KEEL_AGENT=<path>` measures another build of the agent instead)
@@ -67,8 +68,8 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// A field of `/proc/<pid>/status` in KiB.
-fn status_kib(pid: u32, name: &str) -> u64 {
+/// A number field of `/proc/<pid>/status` (memory fields are in KiB).
+fn status_number(pid: u32, name: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     status
         .lines()
@@ -79,7 +80,7 @@ fn status_kib(pid: u32, name: &str) -> u64 {
 
 /// `VmRSS` and `VmHWM` (peak) of `pid`, in KiB.
 fn memory_kib(pid: u32) -> (u64, u64) {
-    (status_kib(pid, "VmRSS:"), status_kib(pid, "VmHWM:"))
+    (status_number(pid, "VmRSS:"), status_number(pid, "VmHWM:"))
 }
 
 /// RSS with its parts: anonymous memory (heap, stacks) and file pages (the
@@ -87,9 +88,9 @@ fn memory_kib(pid: u32) -> (u64, u64) {
 fn rss(pid: u32) -> String {
     format!(
         "{} (anonymous {}, file {})",
-        mib(status_kib(pid, "VmRSS:")),
-        mib(status_kib(pid, "RssAnon:")),
-        mib(status_kib(pid, "RssFile:"))
+        mib(status_number(pid, "VmRSS:")),
+        mib(status_number(pid, "RssAnon:")),
+        mib(status_number(pid, "RssFile:"))
     )
 }
 
@@ -175,6 +176,8 @@ struct Figures {
     idle_served: String,
     peak: u64,
     sampled_peak: u64,
+    /// The most threads sampled under load.
+    threads: u64,
     calls: Vec<Duration>,
     load_time: Duration,
     idle_after: String,
@@ -252,12 +255,13 @@ async fn measure(binary: &Path, rounds: usize) -> Result<Figures, String> {
     let sampler = {
         let sampling = sampling.clone();
         std::thread::spawn(move || {
-            let mut peak = 0;
+            let (mut peak, mut threads) = (0, 0);
             while sampling.load(std::sync::atomic::Ordering::Relaxed) {
                 peak = peak.max(memory_kib(pid).0);
+                threads = threads.max(status_number(pid, "Threads:"));
                 std::thread::sleep(Duration::from_millis(2));
             }
-            peak
+            (peak, threads)
         })
     };
     let load = Instant::now();
@@ -282,7 +286,7 @@ async fn measure(binary: &Path, rounds: usize) -> Result<Figures, String> {
     }
     let load_time = load.elapsed();
     sampling.store(false, std::sync::atomic::Ordering::Relaxed);
-    let sampled_peak = sampler.join().unwrap_or(0);
+    let (sampled_peak, threads) = sampler.join().unwrap_or((0, 0));
     if let Some(e) = failure {
         return Err(format!("a call failed under load: {e}"));
     }
@@ -299,6 +303,7 @@ async fn measure(binary: &Path, rounds: usize) -> Result<Figures, String> {
         idle_served,
         peak,
         sampled_peak,
+        threads,
         calls,
         load_time,
         idle_after,
@@ -343,9 +348,10 @@ async fn main() {
     );
     println!(
         "  RSS peak, {CLIENTS} concurrent attested handshakes + call, {rounds} rounds: {} \
-         (sampled max {}); {} calls in {:.2?}, median {:.1?}, p95 {:.1?}",
+         (sampled max {}, at most {} threads); {} calls in {:.2?}, median {:.1?}, p95 {:.1?}",
         mib(f.peak),
         mib(f.sampled_peak),
+        f.threads,
         f.calls.len(),
         f.load_time,
         p(50),

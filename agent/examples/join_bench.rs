@@ -27,6 +27,15 @@
 //! the level (both sides) and divides by the tickets: time inside each
 //! operation, not CPU time, so on a loaded machine it includes waiting for
 //! a core.
+//!
+//! The service's stores, the stand-in kubeadm's token records and the TPMs'
+//! state are files in the system's temporary directory (`TMPDIR`). On an
+//! ext4 without a journal the kernel does not reuse an inode freed in the
+//! last minute or more, and scans past every such inode when it creates a
+//! file: the more files the bench (or anything else) deleted lately, the
+//! more each new file costs, mostly in the kubeadm runs. A node's state
+//! disk is ext4 with a journal; `TMPDIR=/dev/shm` measures without that
+//! cost (and without a disk under `fsync`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 #[path = "../tests/join_common/mod.rs"]
