@@ -392,11 +392,18 @@ impl Node {
     }
 
     /// Waits for the agent's ready line, for at most `patience`; returns
-    /// when it arrived. A boot whose kernel stalled before its initrd (no
-    /// initrd line [`KERNEL_PATIENCE`] after QEMU started) is cut and the
-    /// node booted once more at normal priority, saying so; the stalled
-    /// boot's logs are kept as `*.bootN.*`.
+    /// when it arrived. A boot whose kernel stalled is booted again first
+    /// ([`Node::wait_until_started`]).
     pub fn wait_until_ready(&mut self, patience: Duration) -> Result<Duration, MiniError> {
+        self.wait_until_started()?;
+        Ok(self.wait_for(&[READY_LINE], patience)?.1)
+    }
+
+    /// Waits until the node's initrd runs. A boot whose kernel stalled
+    /// before it (no initrd line [`KERNEL_PATIENCE`] after QEMU started) is
+    /// cut and the node booted once more at normal priority, saying so; the
+    /// stalled boot's logs are kept as `*.bootN.*`.
+    pub fn wait_until_started(&mut self) -> Result<(), MiniError> {
         let vm = self.vm()?;
         let left = KERNEL_PATIENCE.saturating_sub(vm.uptime());
         match vm.wait_for_line(INITRD_STARTED_LINE, left) {
@@ -420,7 +427,7 @@ impl Node {
             }
             Err(e) => return Err(e.into()),
         }
-        Ok(self.wait_for(&[READY_LINE], patience)?.1)
+        Ok(())
     }
 
     /// Sets the CPU priority of the node's VM ([`Vm::renice`]).
