@@ -68,29 +68,33 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// A number field of `/proc/<pid>/status` (memory fields are in KiB).
-fn status_number(pid: u32, name: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(name))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
+/// `/proc/<pid>/status`, read once.
+struct Status(String);
 
-/// `VmRSS` and `VmHWM` (peak) of `pid`, in KiB.
-fn memory_kib(pid: u32) -> (u64, u64) {
-    (status_number(pid, "VmRSS:"), status_number(pid, "VmHWM:"))
+impl Status {
+    fn of(pid: u32) -> Self {
+        Self(std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap())
+    }
+
+    /// A number field (memory fields are in KiB).
+    fn number(&self, name: &str) -> u64 {
+        self.0
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
 }
 
 /// RSS with its parts: anonymous memory (heap, stacks) and file pages (the
 /// binary's code and data that were touched).
 fn rss(pid: u32) -> String {
+    let status = Status::of(pid);
     format!(
         "{} (anonymous {}, file {})",
-        mib(status_number(pid, "VmRSS:")),
-        mib(status_number(pid, "RssAnon:")),
-        mib(status_number(pid, "RssFile:"))
+        mib(status.number("VmRSS:")),
+        mib(status.number("RssAnon:")),
+        mib(status.number("RssFile:"))
     )
 }
 
@@ -257,8 +261,9 @@ async fn measure(binary: &Path, rounds: usize) -> Result<Figures, String> {
         std::thread::spawn(move || {
             let (mut peak, mut threads) = (0, 0);
             while sampling.load(std::sync::atomic::Ordering::Relaxed) {
-                peak = peak.max(memory_kib(pid).0);
-                threads = threads.max(status_number(pid, "Threads:"));
+                let status = Status::of(pid);
+                peak = peak.max(status.number("VmRSS:"));
+                threads = threads.max(status.number("Threads:"));
                 std::thread::sleep(Duration::from_millis(2));
             }
             (peak, threads)
@@ -290,7 +295,7 @@ async fn measure(binary: &Path, rounds: usize) -> Result<Figures, String> {
     if let Some(e) = failure {
         return Err(format!("a call failed under load: {e}"));
     }
-    let (_, peak) = memory_kib(pid);
+    let peak = Status::of(pid).number("VmHWM:");
     // The runtime's blocking threads end after 10 s without work.
     tokio::time::sleep(Duration::from_secs(12)).await;
     let idle_after = rss(pid);
