@@ -131,3 +131,189 @@ pub fn verify_quote(
     }
     Ok(info)
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use ring::rand::SystemRandom;
+    use ring::signature::{EcdsaKeyPair, KeyPair as _, ECDSA_P256_SHA256_FIXED_SIGNING};
+
+    use super::*;
+
+    /// A software P-256 key and the TPMT_PUBLIC of an AK with its point
+    /// (the attributes a TPM-resident AK has: only residency tells them
+    /// apart, and that is not this module's check).
+    fn ak() -> (EcdsaKeyPair, Public) {
+        let rng = SystemRandom::new();
+        let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
+        let key = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &rng)
+            .unwrap();
+        let point = key.public_key().as_ref();
+        let attributes = attr::FIXED_TPM
+            | attr::FIXED_PARENT
+            | attr::SENSITIVE_DATA_ORIGIN
+            | (1 << 6) // userWithAuth
+            | attr::RESTRICTED
+            | attr::SIGN;
+        let mut public = Vec::new();
+        public.extend_from_slice(&alg::ECC.to_be_bytes());
+        public.extend_from_slice(&alg::SHA256.to_be_bytes());
+        public.extend_from_slice(&attributes.to_be_bytes());
+        public.extend_from_slice(&0u16.to_be_bytes()); // authPolicy
+        public.extend_from_slice(&alg::NULL.to_be_bytes()); // symmetric
+        public.extend_from_slice(&alg::ECDSA.to_be_bytes());
+        public.extend_from_slice(&alg::SHA256.to_be_bytes());
+        public.extend_from_slice(&0x0003u16.to_be_bytes()); // NIST P-256
+        public.extend_from_slice(&alg::NULL.to_be_bytes()); // KDF
+        for coordinate in [&point[1..33], &point[33..65]] {
+            public.extend_from_slice(&32u16.to_be_bytes());
+            public.extend_from_slice(coordinate);
+        }
+        (key, Public::parse(&public).unwrap())
+    }
+
+    /// A TPMS_ATTEST of a quote with these SHA-256 selections, its digest
+    /// made as a TPM makes it: selection by selection, each in ascending
+    /// PCR order.
+    fn attest(
+        qualifying: &Digest32,
+        selections: &[&[u32]],
+        pcrs: &BTreeMap<u32, Digest32>,
+    ) -> Vec<u8> {
+        let mut a = Vec::new();
+        a.extend_from_slice(&0xff54_4347u32.to_be_bytes());
+        a.extend_from_slice(&0x8018u16.to_be_bytes());
+        a.extend_from_slice(&0u16.to_be_bytes()); // qualifiedSigner
+        a.extend_from_slice(&32u16.to_be_bytes());
+        a.extend_from_slice(qualifying);
+        a.extend_from_slice(&[0; 8 + 4 + 4 + 1 + 8]); // clock info, firmware
+        a.extend_from_slice(&(selections.len() as u32).to_be_bytes());
+        let mut digest = Sha256::new();
+        for selection in selections {
+            let mut bitmap = [0u8; 3];
+            for &pcr in *selection {
+                bitmap[pcr as usize / 8] |= 1 << (pcr % 8);
+            }
+            a.extend_from_slice(&alg::SHA256.to_be_bytes());
+            a.push(3);
+            a.extend_from_slice(&bitmap);
+            let mut sorted = selection.to_vec();
+            sorted.sort_unstable();
+            for pcr in sorted {
+                digest.update(pcrs[&pcr]);
+            }
+        }
+        a.extend_from_slice(&32u16.to_be_bytes());
+        a.extend_from_slice(&digest.finalize());
+        a
+    }
+
+    fn sign(key: &EcdsaKeyPair, attest: &[u8]) -> Vec<u8> {
+        let rs = key.sign(&SystemRandom::new(), attest).unwrap();
+        let mut signature = Vec::new();
+        signature.extend_from_slice(&alg::ECDSA.to_be_bytes());
+        signature.extend_from_slice(&alg::SHA256.to_be_bytes());
+        for scalar in [&rs.as_ref()[..32], &rs.as_ref()[32..]] {
+            signature.extend_from_slice(&32u16.to_be_bytes());
+            signature.extend_from_slice(scalar);
+        }
+        signature
+    }
+
+    fn values(pcrs: std::ops::RangeInclusive<u32>) -> BTreeMap<u32, Digest32> {
+        pcrs.map(|i| (i, [i as u8 + 1; 32])).collect()
+    }
+
+    #[test]
+    fn a_quote_of_one_selection_verifies() {
+        let (key, ak) = ak();
+        let qualifying = [9; 32];
+        let pcrs = values(0..=16);
+        let all: Vec<u32> = pcrs.keys().copied().collect();
+        let attest = attest(&qualifying, &[&all], &pcrs);
+        let info = verify_quote(&ak, &attest, &sign(&key, &attest), &qualifying, &pcrs).unwrap();
+        assert_eq!(info.pcrs, all);
+        // The same quote with two values swapped no longer matches.
+        let mut swapped = pcrs.clone();
+        swapped.insert(4, pcrs[&16]);
+        swapped.insert(16, pcrs[&4]);
+        assert_eq!(
+            verify_quote(&ak, &attest, &sign(&key, &attest), &qualifying, &swapped),
+            Err(QuoteError::PcrDigest)
+        );
+    }
+
+    /// The attack: a quote whose selections put PCR 16 (resettable, so
+    /// free to hold anything) where PCR 4 goes in ascending order, and PCR
+    /// 4 last. Its digest is that of the values in ascending order with
+    /// PCRs 4 and 16 swapped, so reporting them swapped would pass a
+    /// verifier that merges the selections: PCR 4 would read as the value
+    /// in PCR 16.
+    #[test]
+    fn a_quote_of_several_selections_of_one_bank_is_refused() {
+        let (key, ak) = ak();
+        let qualifying = [9; 32];
+        let real = values(0..=16);
+        let attest = attest(
+            &qualifying,
+            &[
+                &[0, 1, 2, 3, 16],
+                &[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+                &[4],
+            ],
+            &real,
+        );
+        let mut reported = real.clone();
+        reported.insert(4, real[&16]);
+        reported.insert(16, real[&4]);
+        // The reported values in ascending order hash to the quoted digest.
+        assert_eq!(
+            pcr_digest(&reported).as_slice(),
+            &attest[attest.len() - 32..]
+        );
+        let refused = verify_quote(&ak, &attest, &sign(&key, &attest), &qualifying, &reported);
+        assert!(
+            matches!(refused, Err(QuoteError::Malformed(_))),
+            "{refused:?}"
+        );
+        // Two selections that do not overlap, in ascending order, are
+        // refused all the same: one selection is the only shape a node's
+        // quote has.
+        let attest = attest_split(&qualifying, &real);
+        let refused = verify_quote(&ak, &attest, &sign(&key, &attest), &qualifying, &real);
+        assert!(
+            matches!(refused, Err(QuoteError::Malformed(_))),
+            "{refused:?}"
+        );
+    }
+
+    fn attest_split(qualifying: &Digest32, pcrs: &BTreeMap<u32, Digest32>) -> Vec<u8> {
+        let low: Vec<u32> = (0..8).collect();
+        let high: Vec<u32> = (8..=16).collect();
+        attest(qualifying, &[&low, &high], pcrs)
+    }
+
+    #[test]
+    fn an_oversized_or_foreign_selection_is_refused() {
+        let (key, ak) = ak();
+        let qualifying = [9; 32];
+        let pcrs = values(0..=3);
+        let good = attest(&qualifying, &[&[0, 1, 2, 3]], &pcrs);
+        // The selection starts after magic, type, the two 2Bs (0 and 32
+        // bytes), clock info and firmware, and the count.
+        let hash_at = 4 + 2 + 2 + 2 + 32 + 25 + 4;
+        let mut foreign = good.clone();
+        foreign[hash_at..hash_at + 2].copy_from_slice(&0x0004u16.to_be_bytes()); // SHA-1
+        let mut oversized = good[..hash_at + 2].to_vec();
+        oversized.push(255);
+        oversized.extend_from_slice(&[0xff; 255]);
+        oversized.extend_from_slice(&good[hash_at + 6..]);
+        for attest in [foreign, oversized] {
+            let refused = verify_quote(&ak, &attest, &sign(&key, &attest), &qualifying, &pcrs);
+            assert!(
+                matches!(refused, Err(QuoteError::Malformed(_))),
+                "{refused:?}"
+            );
+        }
+    }
+}

@@ -40,6 +40,9 @@ pub mod attr {
 
 const TPM_GENERATED_VALUE: u32 = 0xff54_4347;
 const TPM_ST_ATTEST_QUOTE: u16 = 0x8018;
+/// Most bytes of a PCR selection bitmap a TPM takes (32 PCRs; TPMs with
+/// the usual 24 take 3).
+const PCR_SELECT_MAX: usize = 4;
 const TPM_ECC_NIST_P256: u16 = 0x0003;
 
 /// A structure that does not parse.
@@ -271,29 +274,35 @@ impl QuoteInfo {
         let restart_count = r.u32()?;
         let _safe = r.u8()?;
         let _firmware = r.u64()?;
-        let count = r.u32()?;
+        // Exactly one selection, of the SHA-256 bank. The TPM hashes the
+        // selected values selection by selection, in the order the caller
+        // gave them, so a quote over several selections of one bank (a TPM
+        // takes up to one per bank it implements, repeats allowed) digests
+        // its values in an order of the caller's choosing: with values
+        // reported in ascending order, two PCRs' values could be swapped.
+        // One selection is digested in ascending PCR order, as
+        // [`crate::quote::pcr_digest`] recomputes it.
+        if r.u32()? != 1 {
+            return Err(r.err("not exactly one PCR selection"));
+        }
+        if r.u16()? != alg::SHA256 {
+            return Err(r.err("selection of a bank other than SHA-256"));
+        }
+        let size = usize::from(r.u8()?);
+        if size > PCR_SELECT_MAX {
+            return Err(r.err("PCR selection larger than 32 PCRs"));
+        }
+        let select = r.take(size)?;
         let mut pcrs = Vec::new();
-        for _ in 0..count {
-            let hash = r.u16()?;
-            let size = usize::from(r.u8()?);
-            let select = r.take(size)?;
-            if hash != alg::SHA256 {
-                return Err(r.err("selection of a bank other than SHA-256"));
-            }
-            for (byte_index, byte) in select.iter().enumerate() {
-                for bit in 0..8 {
-                    if byte & (1 << bit) != 0 {
-                        pcrs.push(
-                            u32::try_from(byte_index * 8 + bit).map_err(|_| r.err("PCR index"))?,
-                        );
-                    }
+        for (byte_index, byte) in select.iter().enumerate() {
+            for bit in 0..8 {
+                if byte & (1 << bit) != 0 {
+                    pcrs.push(u32::try_from(byte_index * 8 + bit).map_err(|_| r.err("PCR index"))?);
                 }
             }
         }
         let pcr_digest = r.tpm2b()?.to_vec();
         r.finish()?;
-        pcrs.sort_unstable();
-        pcrs.dedup();
         Ok(Self {
             qualified_signer,
             extra_data,
