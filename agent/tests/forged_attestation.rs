@@ -153,3 +153,44 @@ async fn a_joining_node_refuses_a_forged_join_service_before_asking_for_a_ticket
     );
     node.assert_untouched();
 }
+
+/// An EK's identity (revocation, disk bindings and keys, per-EK limits) is
+/// a digest of its whole public area, while its certificate certifies only
+/// the modulus: a node that rewrote another field of its genuine document
+/// (here the authorization policy) would still activate credentials with
+/// its real EK and count as a new EK. Only the template's area is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_genuine_document_with_another_ek_area_is_refused() {
+    use keel_verifier::ek::EkError;
+    use keel_verifier::validator::ValidationError;
+    use prost::Message as _;
+
+    let ca = EkCa::new().unwrap();
+    let node = member(&ca, free_port(), "w-0", "worker");
+    let measurements = join_common::measurements_of(&node.tpm, &[4, 9, 11, 12, 15]);
+    let validator = Validator::new(
+        measurements,
+        EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap(),
+    );
+    let issuer = TpmIssuer::new(node.tpm.clone());
+    let (nonce, user_data) = ([7; 32], [6; 32]);
+    let genuine = issuer.issue(&nonce, &user_data).unwrap();
+    validator.validate(&genuine, &nonce, &user_data).unwrap();
+
+    let document =
+        keel_proto::attestation::AttestationDocument::decode(genuine.as_slice()).unwrap();
+    // Byte 10 is the first of the authorization policy's digest; 4-7 are
+    // the object attributes (userWithAuth added); 52-55 the exponent.
+    for (at, bit) in [(10, 0x01), (7, 0x40), (55, 0x03)] {
+        let mut other = document.clone();
+        other.ek_public[at] ^= bit;
+        let refused = validator.validate(&other.encode_to_vec(), &nonce, &user_data);
+        assert!(
+            matches!(
+                refused,
+                Err(ValidationError::Endorsement(EkError::Template(_)))
+            ),
+            "byte {at}: {refused:?}"
+        );
+    }
+}

@@ -67,6 +67,66 @@ pub enum EkError {
     /// The certificate certifies another key than the document's EK.
     #[error("EK certificate is for another key than the endorsement key in the document")]
     KeyMismatch,
+    /// The certificate is not fit to certify an endorsement key.
+    #[error("EK certificate is not an endorsement key certificate: {0}")]
+    NotEkCertificate(&'static str),
+    /// The document's EK public area is not the RSA-2048 EK template.
+    #[error("endorsement key public area is not the TCG RSA-2048 EK template: {0}")]
+    Template(&'static str),
+}
+
+/// The marshalled TPMT_PUBLIC of the TCG EK Credential Profile's RSA-2048
+/// EK template (L-1) up to its modulus: type RSA, nameAlg SHA-256,
+/// fixedTPM | fixedParent | sensitiveDataOrigin | adminWithPolicy |
+/// restricted | decrypt, authPolicy PolicySecret(TPM_RH_ENDORSEMENT),
+/// AES-128-CFB, no scheme, 2048 bits, the default exponent; then the
+/// modulus's size, 256.
+const EK_TEMPLATE_PREFIX: [u8; 58] = [
+    0x00, 0x01, // TPM_ALG_RSA
+    0x00, 0x0b, // TPM_ALG_SHA256
+    0x00, 0x03, 0x00, 0xb2, // objectAttributes
+    0x00, 0x20, // authPolicy
+    0x83, 0x71, 0x97, 0x67, 0x44, 0x84, 0xb3, 0xf8, 0x1a, 0x90, 0xcc, 0x8d, 0x46, 0xa5, 0xd7, 0x24,
+    0xfd, 0x52, 0xd7, 0x6e, 0x06, 0x52, 0x0b, 0x64, 0xf2, 0xa1, 0xda, 0x1b, 0x33, 0x14, 0x69,
+    0xaa, //
+    0x00, 0x06, 0x00, 0x80, 0x00, 0x43, // AES, 128 bits, CFB
+    0x00, 0x10, // no scheme
+    0x08, 0x00, // 2048 bits
+    0x00, 0x00, 0x00, 0x00, // exponent: 65537
+    0x01, 0x00, // unique: 256 bytes
+];
+
+/// Requires a document's marshalled EK public area to be the RSA-2048 EK
+/// template ([`EK_TEMPLATE_PREFIX`]) with a 256-byte modulus. The EK
+/// certificate certifies only the modulus, and an EK's identity
+/// ([`EkDigest`]: revocation, disk bindings and keys, per-EK limits) is a
+/// digest of the whole area: any other field left free would let one TPM
+/// present as many EKs as it liked. A TPM's real EK, which is what
+/// activates the residency credential under PolicySecret(endorsement), has
+/// exactly this area.
+pub fn check_template(marshalled: &[u8]) -> Result<(), EkError> {
+    let Some((prefix, modulus)) = marshalled.split_at_checked(EK_TEMPLATE_PREFIX.len()) else {
+        return Err(EkError::Template("shorter than the template"));
+    };
+    if prefix != EK_TEMPLATE_PREFIX {
+        let field = match prefix
+            .iter()
+            .zip(EK_TEMPLATE_PREFIX)
+            .position(|(a, b)| *a != b)
+        {
+            Some(0..=3) => "type or name algorithm",
+            Some(4..=7) => "object attributes",
+            Some(8..=41) => "authorization policy",
+            Some(42..=49) => "symmetric algorithm or scheme",
+            Some(50..=55) => "key size or exponent",
+            _ => "modulus size",
+        };
+        return Err(EkError::Template(field));
+    }
+    if modulus.len() != 256 {
+        return Err(EkError::Template("modulus size"));
+    }
+    Ok(())
 }
 
 /// The CAs trusted to issue EK certificates. Clones share the memory of
@@ -204,16 +264,55 @@ impl EkTrust {
         if !cert.validity().is_valid() {
             return Err(EkError::Validity);
         }
+        endorsement_profile(&cert)?;
         let PublicKey::Rsa { modulus, .. } = &ek.key else {
             return Err(EkError::KeyMismatch);
         };
         match cert.public_key().parsed() {
-            Ok(CertKey::RSA(rsa)) if strip_zeros(rsa.modulus) == strip_zeros(modulus) => {
+            Ok(CertKey::RSA(rsa))
+                if strip_zeros(rsa.modulus) == strip_zeros(modulus)
+                    && strip_zeros(rsa.exponent) == RSA_DEFAULT_EXPONENT =>
+            {
                 let (from, to) = window(&cert);
                 Ok((from.max(ca_from), to.min(ca_to)))
             }
             _ => Err(EkError::KeyMismatch),
         }
+    }
+}
+
+/// 65537, big-endian: the exponent of the EK template (0 in its area).
+const RSA_DEFAULT_EXPONENT: &[u8] = &[0x01, 0x00, 0x01];
+
+/// Refuses a certificate that could not be an EK's, whatever signed it: a
+/// CA certificate, or one whose key usage excludes key encipherment (an
+/// EK's only use; a TLS server's RSA key, say, may carry only
+/// digitalSignature). A certificate of a key whose private half exists
+/// outside a TPM would let software answer the residency challenge.
+fn endorsement_profile(cert: &X509Certificate<'_>) -> Result<(), EkError> {
+    match cert.get_extension_unique(&OID_X509_EXT_BASIC_CONSTRAINTS) {
+        Err(_) => {
+            return Err(EkError::NotEkCertificate(
+                "basicConstraints appears more than once",
+            ))
+        }
+        Ok(None) => {}
+        Ok(Some(ext)) => match ext.parsed_extension() {
+            ParsedExtension::BasicConstraints(bc) if !bc.ca => {}
+            ParsedExtension::BasicConstraints(_) => {
+                return Err(EkError::NotEkCertificate("it is a CA certificate"))
+            }
+            _ => return Err(EkError::NotEkCertificate("basicConstraints does not parse")),
+        },
+    }
+    match cert.key_usage() {
+        Err(_) => Err(EkError::NotEkCertificate(
+            "keyUsage does not parse or appears more than once",
+        )),
+        Ok(Some(usage)) if !usage.value.key_encipherment() => {
+            Err(EkError::NotEkCertificate("keyUsage lacks keyEncipherment"))
+        }
+        Ok(_) => Ok(()),
     }
 }
 
@@ -350,13 +449,18 @@ mod tests {
 
     impl FakeEk {
         fn new(seed: u8) -> Self {
+            Self::with_exponent(seed, &[0x01, 0x00, 0x01])
+        }
+
+        fn with_exponent(seed: u8, exponent: &[u8]) -> Self {
             let mut modulus = vec![seed; 256];
             modulus[0] = 0xc5;
             modulus[255] |= 1;
             // RSAPublicKey ::= SEQUENCE { modulus INTEGER, publicExponent INTEGER }
             let mut body = vec![0x02, 0x82, 0x01, 0x01, 0x00];
             body.extend_from_slice(&modulus);
-            body.extend_from_slice(&[0x02, 0x03, 0x01, 0x00, 0x01]);
+            body.extend_from_slice(&[0x02, u8::try_from(exponent.len()).unwrap()]);
+            body.extend_from_slice(exponent);
             let len = u16::try_from(body.len()).unwrap().to_be_bytes();
             let mut rsa_public_key = vec![0x30, 0x82, len[0], len[1]];
             rsa_public_key.extend_from_slice(&body);
@@ -455,6 +559,84 @@ mod tests {
         assert_eq!(
             trust(&[&ca]).verify(&cert, &FakeEk::new(2).public()),
             Err(EkError::KeyMismatch)
+        );
+    }
+
+    #[test]
+    fn a_certificate_that_could_not_be_an_eks_is_refused() {
+        let ek = FakeEk::new(1);
+        let ca = ca(|_| {});
+        let trust = trust(&[&ca]);
+        let as_ca = ca.issue_with(&ek, |p| {
+            p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            p.key_usages = vec![
+                KeyUsagePurpose::KeyEncipherment,
+                KeyUsagePurpose::KeyCertSign,
+            ];
+        });
+        assert_eq!(
+            trust.verify(&as_ca, &ek.public()),
+            Err(EkError::NotEkCertificate("it is a CA certificate"))
+        );
+        let signing_only = ca.issue_with(&ek, |p| {
+            p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        });
+        assert_eq!(
+            trust.verify(&signing_only, &ek.public()),
+            Err(EkError::NotEkCertificate("keyUsage lacks keyEncipherment"))
+        );
+        // The template's exponent is 65537; a certificate of the same
+        // modulus with another exponent certifies another key.
+        let other_exponent = FakeEk::with_exponent(1, &[0x03]);
+        let cert = ca.issue(&other_exponent);
+        assert_eq!(
+            trust.verify(&cert, &other_exponent.public()),
+            Err(EkError::KeyMismatch)
+        );
+        // Without a key usage extension the certificate says nothing
+        // against it.
+        let unrestricted = ca.issue_with(&ek, |p| p.key_usages = Vec::new());
+        trust.verify(&unrestricted, &ek.public()).unwrap();
+    }
+
+    #[test]
+    fn only_the_rsa_2048_ek_template_is_taken() {
+        let mut template = EK_TEMPLATE_PREFIX.to_vec();
+        template.extend_from_slice(&[0xc5; 256]);
+        check_template(&template).unwrap();
+        let parsed = Public::parse(&template).unwrap();
+        assert!(matches!(
+            parsed.key,
+            PublicKey::Rsa {
+                bits: 2048,
+                exponent: 0,
+                ..
+            }
+        ));
+        for (at, field) in [
+            (1, "type or name algorithm"),
+            (7, "object attributes"),
+            (20, "authorization policy"),
+            (45, "symmetric algorithm or scheme"),
+            (55, "key size or exponent"),
+        ] {
+            let mut other = template.clone();
+            other[at] ^= 0x04;
+            assert_eq!(check_template(&other), Err(EkError::Template(field)));
+        }
+        let mut longer = template.clone();
+        longer.push(0);
+        assert_eq!(
+            check_template(&longer),
+            Err(EkError::Template("modulus size"))
+        );
+        assert_eq!(
+            check_template(&template[..100]),
+            Err(EkError::Template("modulus size"))
+        );
+        assert_eq!(
+            check_template(&template[..20]),
+            Err(EkError::Template("shorter than the template"))
         );
     }
 

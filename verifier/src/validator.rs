@@ -329,6 +329,7 @@ impl Validator {
             return Err(ValidationError::TooLarge);
         }
         let doc = AttestationDocument::decode(document).map_err(ValidationError::Decode)?;
+        crate::ek::check_template(&doc.ek_public)?;
         let ek = Public::parse(&doc.ek_public)?;
         tracing::debug_span!("attest.validate.ek_certificate")
             .in_scope(|| self.ek_trust.verify(&doc.ek_certificate, &ek))?;
