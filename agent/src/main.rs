@@ -77,6 +77,32 @@ fn log_boot_time(event: &str) {
     }
 }
 
+/// Raises the soft limit of open files to
+/// [`keel_agent::node::FILE_DESCRIPTORS`] (or the hard limit, if lower):
+/// under systemd the soft limit is 1024, fewer than the ports' bounds on
+/// open connections, and a process out of descriptors can neither accept a
+/// join nor write its stores.
+fn raise_file_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let wanted = keel_agent::node::FILE_DESCRIPTORS;
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < wanted => {
+            let raised = wanted.min(hard);
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, raised, hard) {
+                tracing::warn!(error = %e, soft, "raising the open file limit failed");
+            } else if raised < wanted {
+                tracing::warn!(
+                    limit = raised,
+                    wanted,
+                    "open file limit below what the ports' connection bounds need"
+                );
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "reading the open file limit failed"),
+    }
+}
+
 fn main() -> std::process::ExitCode {
     // The TSS logs to stderr on its own; its failures reach us as errors
     // with the TPM return code, so keep it quiet unless asked (TSS2_LOG).
@@ -132,6 +158,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             measurements,
         } => {
             log_boot_time("agent started");
+            raise_file_limit();
             let (config, source) = NodeConfig::load(config.as_deref())?;
             tracing::info!(%source, "node config loaded");
             // Stop signals are caught from here on: one that comes before

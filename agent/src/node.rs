@@ -54,6 +54,17 @@ pub const JOIN_ISSUING_PER_SOURCE: usize = 16;
 /// Handshakes of all sources that the join port admits to its issuer at
 /// once.
 pub const JOIN_ISSUING: usize = 64;
+/// Connections the join port keeps open at once: every member's evidence
+/// stream stays open, and in a local cluster every node reaches the port
+/// from one address (the VM network's gateway), so a source may take up to
+/// half of them before it is held to [`JOIN_CONNECTIONS_PER_SOURCE`].
+pub const JOIN_CONNECTIONS: usize = 2048;
+/// A source's share of [`JOIN_CONNECTIONS`] once half are taken.
+pub const JOIN_CONNECTIONS_PER_SOURCE: usize = 64;
+/// File descriptors the agent asks for (its soft limit, up to the hard
+/// one): the join port's and the init port's connections (keel-atls's
+/// default bound, 512) with room for the agent's files, pipes and TPM.
+pub const FILE_DESCRIPTORS: u64 = 4096;
 
 /// The environment of a real node: installs under `/`, kubeadm from
 /// [`BIN_DIR`], the configured state disk mounted at [`STATE_MOUNT`], the
@@ -207,6 +218,7 @@ pub async fn serve_join_port(
     let issuer = Arc::new(TpmIssuer::new(tpm));
     let incoming = AtlsServer::mutual(issuer, validator)
         .with_issuer_limits(JOIN_ISSUING_PER_SOURCE, JOIN_ISSUING)
+        .with_connection_limits(JOIN_CONNECTIONS_PER_SOURCE, JOIN_CONNECTIONS)
         .incoming(listener);
     let limits = GrpcLimits {
         request_timeout: JOIN_REQUEST_TIMEOUT,

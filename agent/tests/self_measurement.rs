@@ -192,3 +192,48 @@ fn measurement_interrupted_before_extend_is_completed() {
         after[&pcr::NODE]
     );
 }
+
+/// Under systemd the soft limit of open files is 1024, fewer than the
+/// ports' bounds on open connections: the agent raises its own soft limit
+/// (to 4096, within the hard limit) before it serves.
+#[test]
+fn the_agent_raises_its_open_file_limit_before_serving() {
+    use std::io::BufRead as _;
+    let node = Node::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = node.dir.path().join("config.json");
+    let json =
+        format!(r#"{{"cluster":{{"init_port":{port}}},"node":{{"name":"a","role":"worker"}}}}"#);
+    std::fs::write(&config, json).unwrap();
+    let mut agent = Command::new("prlimit")
+        .arg("--nofile=256:8192")
+        .arg(env!("CARGO_BIN_EXE_keel-agent"))
+        .args(["--tcti", &node.swtpm.tcti(), "--state-dir"])
+        .arg(node.dir.path().join("state"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = agent.stdout.take().unwrap();
+    let ready = std::io::BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .any(|line| line == "keel-agent: ready");
+    // prlimit execs the agent: same process.
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", agent.id())).unwrap();
+    let _ = agent.kill();
+    let _ = agent.wait();
+    assert!(ready, "the agent never got ready");
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let fields: Vec<&str> = open_files.split_whitespace().collect();
+    assert_eq!(&fields[3..5], ["4096", "8192"], "{open_files}");
+}

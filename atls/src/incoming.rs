@@ -37,6 +37,11 @@ pub(crate) const DEFAULT_HANDSHAKES: usize = 256;
 pub(crate) const DEFAULT_ISSUING_PER_SOURCE: usize = 2;
 /// Default number of handshakes waiting for or running the issuer in total.
 pub(crate) const DEFAULT_ISSUING: usize = 8;
+/// Default number of open connections (in handshake or established) from
+/// one source.
+pub(crate) const DEFAULT_CONNECTIONS_PER_SOURCE: usize = 32;
+/// Default number of open connections in total.
+pub(crate) const DEFAULT_CONNECTIONS: usize = 512;
 
 /// Validated connections waiting for the server to take them.
 const READY_QUEUE: usize = 64;
@@ -53,6 +58,8 @@ pub(crate) struct Limits {
     pub(crate) handshakes: usize,
     pub(crate) issuing_per_source: usize,
     pub(crate) issuing: usize,
+    pub(crate) connections_per_source: usize,
+    pub(crate) connections: usize,
 }
 
 impl Default for Limits {
@@ -63,6 +70,8 @@ impl Default for Limits {
             handshakes: DEFAULT_HANDSHAKES,
             issuing_per_source: DEFAULT_ISSUING_PER_SOURCE,
             issuing: DEFAULT_ISSUING,
+            connections_per_source: DEFAULT_CONNECTIONS_PER_SOURCE,
+            connections: DEFAULT_CONNECTIONS,
         }
     }
 }
@@ -113,7 +122,8 @@ impl HandshakeStats {
     }
 
     /// Connections closed right after accept, without a handshake, because
-    /// their source or the server had its limit of handshakes in progress.
+    /// their source or the server had its limit of handshakes in progress
+    /// or of open connections.
     pub fn shed(&self) -> u64 {
         self.shed.load(Ordering::Relaxed)
     }
@@ -126,6 +136,13 @@ impl HandshakeStats {
 /// What a connection may hold before it is validated is bounded, per source
 /// and in total (set with [`AtlsServer`]'s `with_*` methods):
 ///
+/// - Open connections (in handshake or established, until the application
+///   drops them) are bounded the same way: 512 in all, and 32 per source
+///   while at least half of them are taken, by default. An established
+///   connection stays as long as the application keeps it (an idle gRPC
+///   connection 30 s, one with a request in flight until its timeout), so
+///   without this bound a client that completed handshakes and kept them
+///   open could exhaust the process's file descriptors and memory.
 /// - Every connection is accepted at once. Right after `accept`, one is
 ///   closed at once (a TCP reset) and counted in [`HandshakeStats::shed`]
 ///   when all handshake slots are taken (default 256), or when its source
@@ -207,6 +224,10 @@ async fn accept_loop<C: Send + Sync + 'static>(
         limits.handshakes_per_source,
         limits.handshakes,
     ));
+    let open = Arc::new(Admission::new(
+        limits.connections_per_source,
+        limits.connections,
+    ));
     let shed_log = Arc::new(Throttle::new(1));
     let refusal_log = Arc::new(Throttle::new(REFUSALS_LOGGED_PER_WINDOW));
     loop {
@@ -219,17 +240,22 @@ async fn accept_loop<C: Send + Sync + 'static>(
                 continue;
             }
         };
-        let Some(slot) = admission.admit(Source::of(Some(remote))) else {
+        let source = Source::of(Some(remote));
+        let admitted = open
+            .admit(source)
+            .and_then(|held| Some((held, admission.admit(source)?)));
+        let Some((held, slot)) = admitted else {
             stats.shed.fetch_add(1, Ordering::Relaxed);
             // A reset frees the connection on both ends at once.
             let _ = tcp.set_zero_linger();
             drop(tcp);
-            tracing::debug!(%remote, "connection closed at once: handshake limit reached");
+            tracing::debug!(%remote, "connection closed at once: connection or handshake limit reached");
             if let Some(count) = shed_log.record() {
                 tracing::warn!(
                     count,
                     "closed connections at once because their source or the server had its \
-                     limit of handshakes in progress (count since the last report)"
+                     limit of open connections or of handshakes in progress (count since the \
+                     last report)"
                 );
             }
             continue;
@@ -247,7 +273,7 @@ async fn accept_loop<C: Send + Sync + 'static>(
                     stats.accepted.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(%remote, "aTLS handshake accepted");
                     // Fails only when the server stopped; the connection is dropped.
-                    let _ = tx.send(stream).await;
+                    let _ = tx.send(stream.holding(held)).await;
                 }
                 Err(e) => {
                     stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -279,7 +305,8 @@ fn before_client_hello(e: &HandshakeError) -> bool {
     )
 }
 
-/// The handshakes in progress per source and in total.
+/// Connections counted per source and in total: the handshakes in
+/// progress, or the open connections.
 struct Admission {
     per_source: usize,
     total: usize,
@@ -334,8 +361,9 @@ impl Admission {
     }
 }
 
-/// One handshake in progress; released when dropped.
-struct AdmissionSlot {
+/// One handshake in progress, or one open connection; released when
+/// dropped.
+pub(crate) struct AdmissionSlot {
     admission: Arc<Admission>,
     source: Source,
 }
@@ -390,11 +418,13 @@ impl IssuerGate {
         let mut permit = IssuerPermit {
             gate: self.clone(),
             source,
-            own,
+            own: Some(own),
             holds_own: false,
             shared: None,
         };
-        permit.own.acquire().await?.forget();
+        if let Some(own) = &permit.own {
+            own.acquire().await?.forget();
+        }
         permit.holds_own = true;
         permit.shared = Some(self.total.clone().acquire_owned().await?);
         Ok(permit)
@@ -405,7 +435,8 @@ impl IssuerGate {
 pub(crate) struct IssuerPermit {
     gate: Arc<IssuerGate>,
     source: Source,
-    own: Arc<Semaphore>,
+    /// This source's share; `None` only while being dropped.
+    own: Option<Arc<Semaphore>>,
     holds_own: bool,
     shared: Option<OwnedSemaphorePermit>,
 }
@@ -413,17 +444,25 @@ pub(crate) struct IssuerPermit {
 impl Drop for IssuerPermit {
     fn drop(&mut self) {
         drop(self.shared.take());
+        let Some(own) = self.own.take() else { return };
         if self.holds_own {
-            self.own.add_permits(1);
+            own.add_permits(1);
         }
         let mut sources = self
             .gate
             .sources
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        // Clones are only made under this lock: the table's and this one
-        // mean nobody else waits for or holds this source's share.
-        if Arc::strong_count(&self.own) == 2 {
+        // Clones are made and dropped only under this lock (this one just
+        // below): with this one gone, the table's alone means nobody else
+        // waits for or holds this source's share. Two permits of a source
+        // dropped at once both count under the lock, so the second sees
+        // the first's clone gone and forgets the source.
+        drop(own);
+        if sources
+            .get(&self.source)
+            .is_some_and(|own| Arc::strong_count(own) == 1)
+        {
             sources.remove(&self.source);
         }
     }

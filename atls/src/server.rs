@@ -132,6 +132,17 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         self
     }
 
+    /// Bounds the connections open at once, from accept until the
+    /// application drops them: `per_source` for one source once half of
+    /// `total` is taken, `total` in all (defaults 32 and 512). A connection
+    /// over either is closed right after accept. Keep `total`, with the
+    /// process's other descriptors, under its file descriptor limit.
+    pub fn with_connection_limits(mut self, per_source: usize, total: usize) -> Self {
+        self.limits.connections_per_source = per_source.max(1);
+        self.limits.connections = total.max(1);
+        self
+    }
+
     /// Bounds the handshakes that wait for or run the issuer (on a node a
     /// TPM quote): `per_source` for one source, `total` in all (defaults 2
     /// and 8). Further handshakes wait for a turn, first come first served

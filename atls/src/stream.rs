@@ -11,6 +11,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsStream;
 use tonic::transport::server::Connected;
 
+use crate::incoming::AdmissionSlot;
 use crate::attestation::Attested;
 
 /// The byte a server sends as its first application data after it validated
@@ -86,6 +87,9 @@ impl<C> PeerInfo<C> {
 pub struct AtlsStream<C> {
     inner: Buffered,
     peer: PeerInfo<C>,
+    /// The server's count of this source's open connections, released
+    /// when the connection is dropped.
+    _held: Option<AdmissionSlot>,
 }
 
 impl<C> AtlsStream<C> {
@@ -100,7 +104,14 @@ impl<C> AtlsStream<C> {
                 remote_addr,
                 attested,
             },
+            _held: None,
         }
+    }
+
+    /// Counts this connection against `held` until it is dropped.
+    pub(crate) fn holding(mut self, held: AdmissionSlot) -> Self {
+        self._held = Some(held);
+        self
     }
 
     /// What this connection knows about its peer.

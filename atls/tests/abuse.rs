@@ -418,3 +418,45 @@ async fn a_flood_of_client_hellos_does_not_queue_a_client_from_elsewhere() {
     assert_eq!(server.stats.shed(), 0);
     drop(flood);
 }
+
+/// Completed handshakes are cheap for a client to keep open and each holds
+/// a descriptor and buffers on the server: open connections are bounded
+/// like handshakes in progress (a source bursts below half of the slots,
+/// keeps to its share above, and the total is a hard bound), from accept
+/// until the application drops them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_connections_are_bounded_per_source_and_in_total() {
+    let issuer = TestIssuer::generate();
+    let server =
+        TestServer::start(server_attested(dyn_issuer(&issuer)).with_connection_limits(3, 10))
+            .await;
+    let client = |s: u8| {
+        AtlsClient::server_attested(dyn_validator(issuer.validator()))
+            .with_local_address(source(s).into())
+    };
+    let mut open = Vec::new();
+    // Source 2 bursts to half of the slots, then is over its share; source
+    // 3 gets its share; source 4 the rest, until the port is full.
+    for (s, admitted) in [(2, 5), (3, 3), (4, 2)] {
+        for _ in 0..admitted {
+            open.push(client(s).bind_channel(server.endpoint()).await.unwrap());
+        }
+        assert!(
+            client(s).bind_channel(server.endpoint()).await.is_err(),
+            "source {s} over its bound"
+        );
+    }
+    assert_eq!(server.stats.shed(), 3);
+    assert_eq!(server.stats.accepted(), 10);
+    // A connection that closes frees its slot.
+    drop(open.remove(0));
+    let mut reopened = None;
+    for _ in 0..100 {
+        if let Ok(bound) = client(5).bind_channel(server.endpoint()).await {
+            reopened = Some(bound);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(reopened.is_some(), "no slot after a connection closed");
+}
