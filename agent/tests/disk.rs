@@ -1,12 +1,17 @@
 //! LUKS2 state-disk operations with the real `cryptsetup` on a regular file
 //! (no loop device or device-mapper here, so `open` itself is left to the
-//! VM tests).
+//! VM tests; where device-mapper works, a genuine disk is opened too).
+//! Hostile headers the CLI cannot write without device-mapper are made by
+//! editing a genuine header's JSON and checksums.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
+use std::process::{Command, Stdio};
+
 use keel_agent::disk::{make_filesystem, Cryptsetup, DiskError};
+use sha2::{Digest as _, Sha256};
 
 const KEY: [u8; 32] = *b"0123456789abcdef\x00\x01\x02\xff-not-a-key!!";
 
@@ -140,6 +145,13 @@ fn the_key_travels_on_stdin_only() {
         }
     }
     assert_eq!(keyed, 2, "format and the key check read the key");
+    // The key check read the checked, detached header copy.
+    let test = std::fs::read_dir(&log)
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap_or_default())
+        .find(|a| a.contains("--test-passphrase"))
+        .unwrap();
+    assert!(test.contains("--header\n"), "{test}");
 }
 
 #[test]
@@ -163,5 +175,250 @@ fn mkfs_makes_an_ext4_file_system() {
             }
         ),
         "{err:?}"
+    );
+}
+
+/// Runs the real `cryptsetup` with `key` on stdin; whether it succeeded.
+fn raw_cryptsetup(args: &[&str], key: &[u8]) -> bool {
+    use std::io::Write as _;
+    let mut child = Command::new("cryptsetup")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _ = child.stdin.take().unwrap().write_all(key);
+    child.wait().unwrap().success()
+}
+
+/// Replaces, in both LUKS2 metadata copies of `dev`, the first `from` after
+/// `after` in the JSON area by `to` (same length), and fixes the header
+/// checksums: what a host that can write the disk can do.
+fn edit_header(dev: &Path, after: &str, from: &str, to: &str) {
+    assert_eq!(from.len(), to.len());
+    let mut bytes = std::fs::read(dev).unwrap();
+    assert_eq!(&bytes[..8], b"LUKS\xba\xbe\x00\x02");
+    let hdr_size = u64::from_be_bytes(bytes[8..16].try_into().unwrap()) as usize;
+    for copy in [0, hdr_size] {
+        let hdr = &mut bytes[copy..copy + hdr_size];
+        assert!(hdr[72..78].starts_with(b"sha256"));
+        let json = &hdr[4096..];
+        let start = find(json, after.as_bytes()).unwrap();
+        let at = start + find(&json[start..], from.as_bytes()).unwrap();
+        hdr[4096 + at..4096 + at + to.len()].copy_from_slice(to.as_bytes());
+        hdr[448..512].fill(0);
+        let sum = Sha256::digest(&*hdr);
+        hdr[448..480].copy_from_slice(&sum);
+    }
+    std::fs::write(dev, bytes).unwrap();
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The header error `result` must be, with the field it names.
+fn refused_field<T: std::fmt::Debug>(result: Result<T, DiskError>) -> String {
+    match result {
+        Err(DiskError::Header { mismatch, .. }) => mismatch.field,
+        other => panic!("expected a header refusal, got {other:?}"),
+    }
+}
+
+/// Whether device-mapper works here (root in a VM): `open` can run.
+fn device_mapper() -> bool {
+    Command::new("dmsetup")
+        .arg("version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn a_genuine_disk_passes_the_header_check_and_opens() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = disk(dir.path());
+    let cs = Cryptsetup::default();
+    cs.format(&dev, &KEY).unwrap();
+    let copy = cs.detached_header(&dev).unwrap();
+    let copy_dir = copy.path().parent().unwrap().to_owned();
+    let mode = std::fs::metadata(&copy_dir).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700);
+    // The copy alone is the header: the key check works on it even after
+    // the disk's own header is gone.
+    cs.mark_for_reset(&dev).unwrap();
+    let header = copy.path().to_str().unwrap();
+    let dev_str = dev.to_str().unwrap();
+    assert!(raw_cryptsetup(
+        &[
+            "open",
+            "--test-passphrase",
+            "--type",
+            "luks2",
+            "--header",
+            header,
+            "--key-file=-",
+            dev_str
+        ],
+        &KEY
+    ));
+    drop(copy);
+    assert!(!copy_dir.exists(), "the header copy is removed");
+
+    cs.format(&dev, &KEY).unwrap();
+    assert!(cs.key_matches(&dev, &KEY).unwrap());
+    let name = format!("keel-test-{}", std::process::id());
+    match cs.open(&dev, &name, &KEY) {
+        Ok(mapped) => {
+            assert!(mapped.exists());
+            cs.close(&name).unwrap();
+        }
+        // No device-mapper: the header check passed, `open` itself failed.
+        Err(DiskError::Failed {
+            operation: "open", ..
+        }) if !device_mapper() => {
+            eprintln!("no device-mapper: the genuine disk passed the header check, not opened");
+        }
+        Err(e) => panic!("opening a genuine disk: {e:?}"),
+    }
+}
+
+/// The genuine keyslot kept, the data segment switched to `cipher_null`
+/// (CVE-2025-59054): the key still passes `--test-passphrase`, so that
+/// check alone would mount plaintext the host wrote.
+#[test]
+fn a_cipher_null_data_segment_is_refused_before_the_key_check_and_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = disk(dir.path());
+    let cs = Cryptsetup::default();
+    cs.format(&dev, &KEY).unwrap();
+    edit_header(&dev, "\"segments\"", "aes-xts-plain64", "cipher_null-ecb");
+    let dev_str = dev.to_str().unwrap();
+    assert!(
+        raw_cryptsetup(
+            &["open", "--test-passphrase", "--key-file=-", dev_str],
+            &KEY
+        ),
+        "the forged header is valid to cryptsetup and the key test alone passes"
+    );
+    assert_eq!(
+        refused_field(cs.key_matches(&dev, &KEY)),
+        "segments.0.encryption"
+    );
+    assert_eq!(
+        refused_field(cs.open(&dev, "keel-never", &KEY)),
+        "segments.0.encryption"
+    );
+    let err = cs.key_matches(&dev, &KEY).unwrap_err().to_string();
+    assert!(
+        err.contains("cipher_null-ecb") && err.contains("segments.0.encryption"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_cipher_null_keyslot_is_refused_before_the_key_check_and_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let cs = Cryptsetup::default();
+
+    let dev = disk(dir.path());
+    cs.format(&dev, &KEY).unwrap();
+    edit_header(&dev, "\"keyslots\"", "aes-xts-plain64", "cipher_null-ecb");
+    let mut wrong = KEY;
+    wrong[0] ^= 1;
+    for key in [&KEY, &wrong] {
+        assert_eq!(
+            refused_field(cs.key_matches(&dev, key)),
+            "keyslots.0.area.encryption"
+        );
+        assert_eq!(
+            refused_field(cs.open(&dev, "keel-never", key)),
+            "keyslots.0.area.encryption"
+        );
+    }
+
+    // The same made by the CLI: needs device-mapper (the kernel's user-space
+    // crypto API has no cipher_null, so cryptsetup writes the keyslot
+    // through dm-crypt).
+    let null = dir.path().join("null.img");
+    std::fs::File::create(&null)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    let formatted = raw_cryptsetup(
+        &[
+            "luksFormat",
+            "--batch-mode",
+            "--type",
+            "luks2",
+            "--cipher",
+            "cipher_null-ecb",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file=-",
+            null.to_str().unwrap(),
+        ],
+        &KEY,
+    );
+    if formatted {
+        for key in [&KEY, &wrong] {
+            assert!(refused_field(cs.key_matches(&null, key)).ends_with("encryption"));
+            assert!(refused_field(cs.open(&null, "keel-never", key)).ends_with("encryption"));
+        }
+    } else {
+        assert!(
+            !device_mapper(),
+            "luksFormat --cipher cipher_null-ecb failed"
+        );
+        eprintln!("no device-mapper: cipher_null luksFormat skipped (edited header tested)");
+    }
+}
+
+#[test]
+fn luks1_and_reencrypting_headers_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cs = Cryptsetup::default();
+
+    let dev = disk(dir.path());
+    assert!(raw_cryptsetup(
+        &[
+            "luksFormat",
+            "--batch-mode",
+            "--type",
+            "luks1",
+            "--key-file=-",
+            dev.to_str().unwrap()
+        ],
+        &KEY
+    ));
+    assert_eq!(refused_field(cs.key_matches(&dev, &KEY)), "version");
+
+    let dev = dir.path().join("reencrypt.img");
+    std::fs::File::create(&dev)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    cs.format(&dev, &KEY).unwrap();
+    assert!(raw_cryptsetup(
+        &[
+            "reencrypt",
+            "--init-only",
+            "--batch-mode",
+            "--key-file=-",
+            dev.to_str().unwrap()
+        ],
+        &KEY
+    ));
+    assert_eq!(
+        refused_field(cs.key_matches(&dev, &KEY)),
+        "config.requirements"
+    );
+    assert_eq!(
+        refused_field(cs.open(&dev, "keel-never", &KEY)),
+        "config.requirements"
     );
 }

@@ -14,10 +14,15 @@
 //!   erased keyslots. A flag file would need a writable place outside the
 //!   disk and could survive a failed format; the header is the one place
 //!   every boot reads anyway.
+//! * **Cipher pinned: `aes-xts-plain64`, 512-bit key, SHA-256** (cryptsetup's
+//!   own defaults, spelt out): an existing disk is key-checked and opened
+//!   only if its header says exactly that, through a checked copy of the
+//!   header ([`Cryptsetup::detached_header`], [`super::header`]).
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 
+use super::header::{self, DetachedHeader, CIPHER, HASH, KEY_SIZE};
 use super::process::{failed_named, run_program, run_tool};
 use super::DiskError;
 
@@ -44,13 +49,25 @@ pub enum Operation<'a> {
     },
     /// `luksUUID`.
     Uuid,
-    /// `open --test-passphrase` (keyed).
-    TestKey,
-    /// `open` as `/dev/mapper/<name>` (keyed).
+    /// `open --test-passphrase` (keyed), with a detached header.
+    TestKey {
+        /// The checked header copy (`--header`).
+        header: &'a Path,
+    },
+    /// `open` as `/dev/mapper/<name>` (keyed), with a detached header.
     Open {
         /// The mapping name.
         name: &'a str,
+        /// The checked header copy (`--header`).
+        header: &'a Path,
     },
+    /// `luksHeaderBackup`: copies the device's header to `file`.
+    HeaderBackup {
+        /// The copy; must not exist.
+        file: &'a Path,
+    },
+    /// `luksDump --dump-json-metadata`: the header's JSON metadata.
+    DumpMetadata,
     /// `close`.
     Close {
         /// The mapping name.
@@ -67,8 +84,10 @@ impl Operation<'_> {
             Self::IsLuks => "isLuks",
             Self::Format | Self::FormatWithUuid { .. } => "luksFormat",
             Self::Uuid => "luksUUID",
-            Self::TestKey => "open --test-passphrase",
+            Self::TestKey { .. } => "open --test-passphrase",
             Self::Open { .. } => "open",
+            Self::HeaderBackup { .. } => "luksHeaderBackup",
+            Self::DumpMetadata => "luksDump",
             Self::Close { .. } => "close",
             Self::Erase => "erase",
         }
@@ -78,7 +97,7 @@ impl Operation<'_> {
     pub fn keyed(self) -> bool {
         matches!(
             self,
-            Self::Format | Self::FormatWithUuid { .. } | Self::TestKey | Self::Open { .. }
+            Self::Format | Self::FormatWithUuid { .. } | Self::TestKey { .. } | Self::Open { .. }
         )
     }
 }
@@ -123,6 +142,16 @@ impl Cryptsetup {
                     "--batch-mode",
                     "--type",
                     "luks2",
+                    "--cipher",
+                    CIPHER,
+                    "--key-size",
+                ] {
+                    push(a);
+                }
+                push(&(KEY_SIZE * 8).to_string());
+                for a in [
+                    "--hash",
+                    HASH,
                     "--pbkdf",
                     "pbkdf2",
                     "--pbkdf-force-iterations",
@@ -132,14 +161,24 @@ impl Cryptsetup {
                 push(&PBKDF2_ITERATIONS.to_string());
             }
             Operation::Uuid => push("luksUUID"),
-            Operation::TestKey => {
+            Operation::TestKey { header } | Operation::Open { header, .. } => {
                 push("open");
-                push("--test-passphrase");
-            }
-            Operation::Open { .. } => {
-                push("open");
+                if matches!(operation, Operation::TestKey { .. }) {
+                    push("--test-passphrase");
+                }
                 push("--type");
                 push("luks2");
+                push("--header");
+                args.push(header.as_os_str().to_owned());
+            }
+            Operation::HeaderBackup { file } => {
+                push("luksHeaderBackup");
+                push("--header-backup-file");
+                args.push(file.as_os_str().to_owned());
+            }
+            Operation::DumpMetadata => {
+                push("luksDump");
+                push("--dump-json-metadata");
             }
             Operation::Close { name } => {
                 push("close");
@@ -155,7 +194,7 @@ impl Cryptsetup {
             args.push("--key-file=-".into());
         }
         args.push(device.as_os_str().to_owned());
-        if let Operation::Open { name } = operation {
+        if let Operation::Open { name, .. } = operation {
             args.push(name.into());
         }
         args
@@ -195,21 +234,52 @@ impl Cryptsetup {
         Ok(uuid)
     }
 
-    /// Whether `key` opens a keyslot of `device` (nothing is activated).
+    /// A private copy of `device`'s LUKS header, checked against what
+    /// [`Cryptsetup::format`] creates ([`super::header`]); fails with
+    /// [`DiskError::Header`] naming the first field that differs. The copy
+    /// is what the key check and `open` use, so a header changed on the
+    /// disk afterwards is never read.
+    pub fn detached_header(&self, device: &Path) -> Result<DetachedHeader, DiskError> {
+        let copy = DetachedHeader::new_dir()?;
+        self.run_ok(Operation::HeaderBackup { file: copy.path() }, device, None)?;
+        let refused = |mismatch| DiskError::Header {
+            device: device.to_owned(),
+            mismatch,
+        };
+        header::check_version(&copy.read_start()?).map_err(refused)?;
+        let out = self.run_ok(Operation::DumpMetadata, copy.path(), None)?;
+        header::check_metadata(&out.stdout).map_err(refused)?;
+        Ok(copy)
+    }
+
+    /// Whether `key` opens a keyslot of `device` (nothing is activated),
+    /// after the header check ([`Cryptsetup::detached_header`]).
     pub fn key_matches(&self, device: &Path, key: &[u8]) -> Result<bool, DiskError> {
-        let out = self.run(Operation::TestKey, device, Some(key))?;
+        Self::check_key_len(key)?;
+        let copy = self.detached_header(device)?;
+        let operation = Operation::TestKey {
+            header: copy.path(),
+        };
+        let out = self.run(operation, device, Some(key))?;
         match out.status.code() {
             Some(0) => Ok(true),
             // cryptsetup: 2 = no key available with this passphrase.
             Some(2) => Ok(false),
-            _ => Err(failed(Operation::TestKey, device, &out)),
+            _ => Err(failed(operation, device, &out)),
         }
     }
 
-    /// Opens `device` as `/dev/mapper/<name>` and returns that path. Needs
-    /// device-mapper.
+    /// Opens `device` as `/dev/mapper/<name>` and returns that path, after
+    /// the header check ([`Cryptsetup::detached_header`]) and with the
+    /// checked copy as its header. Needs device-mapper.
     pub fn open(&self, device: &Path, name: &str, key: &[u8]) -> Result<PathBuf, DiskError> {
-        self.run_ok(Operation::Open { name }, device, Some(key))?;
+        Self::check_key_len(key)?;
+        let copy = self.detached_header(device)?;
+        let operation = Operation::Open {
+            name,
+            header: copy.path(),
+        };
+        self.run_ok(operation, device, Some(key))?;
         Ok(Path::new("/dev/mapper").join(name))
     }
 
@@ -248,9 +318,7 @@ impl Cryptsetup {
         key: Option<&[u8]>,
     ) -> Result<std::process::Output, DiskError> {
         if let Some(key) = key {
-            if !(MIN_KEY_LEN..=MAX_KEY_LEN).contains(&key.len()) {
-                return Err(DiskError::KeyLength(key.len()));
-            }
+            Self::check_key_len(key)?;
         }
         run_program(
             &self.program,
@@ -258,6 +326,14 @@ impl Cryptsetup {
             Self::args(operation, device),
             key,
         )
+    }
+
+    fn check_key_len(key: &[u8]) -> Result<(), DiskError> {
+        if (MIN_KEY_LEN..=MAX_KEY_LEN).contains(&key.len()) {
+            Ok(())
+        } else {
+            Err(DiskError::KeyLength(key.len()))
+        }
     }
 
     fn run_ok(
@@ -291,8 +367,17 @@ mod tests {
             Operation::IsLuks,
             Operation::Format,
             Operation::Uuid,
-            Operation::TestKey,
-            Operation::Open { name: "state" },
+            Operation::TestKey {
+                header: Path::new("/tmp/h"),
+            },
+            Operation::Open {
+                name: "state",
+                header: Path::new("/tmp/h"),
+            },
+            Operation::HeaderBackup {
+                file: Path::new("/tmp/h"),
+            },
+            Operation::DumpMetadata,
             Operation::Close { name: "state" },
             Operation::Erase,
         ];
@@ -309,11 +394,19 @@ mod tests {
             );
         }
         assert_eq!(
-            Cryptsetup::args(Operation::Open { name: "state" }, dev),
+            Cryptsetup::args(
+                Operation::Open {
+                    name: "state",
+                    header: Path::new("/tmp/h")
+                },
+                dev
+            ),
             [
                 "open",
                 "--type",
                 "luks2",
+                "--header",
+                "/tmp/h",
                 "--key-file=-",
                 "/dev/vdb",
                 "state"
@@ -326,10 +419,34 @@ mod tests {
                 "--batch-mode",
                 "--type",
                 "luks2",
+                "--cipher",
+                "aes-xts-plain64",
+                "--key-size",
+                "512",
+                "--hash",
+                "sha256",
                 "--pbkdf",
                 "pbkdf2",
                 "--pbkdf-force-iterations",
                 "1000",
+                "--key-file=-",
+                "/dev/vdb"
+            ]
+        );
+        assert_eq!(
+            Cryptsetup::args(
+                Operation::TestKey {
+                    header: Path::new("/tmp/h")
+                },
+                dev
+            ),
+            [
+                "open",
+                "--test-passphrase",
+                "--type",
+                "luks2",
+                "--header",
+                "/tmp/h",
                 "--key-file=-",
                 "/dev/vdb"
             ]

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitStatus;
 
 use super::cryptsetup::{MAX_KEY_LEN, MIN_KEY_LEN};
+use super::header::HeaderMismatch;
 
 /// A disk operation that failed; each variant names the operation.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +49,24 @@ pub enum DiskError {
     #[error("creating mount point {path:?}")]
     CreateMountPoint {
         /// The mount point.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The disk's LUKS header is not one the agent creates: refused before
+    /// any key check or open.
+    #[error("refusing the LUKS header of {device:?}: {mismatch}")]
+    Header {
+        /// The device.
+        device: PathBuf,
+        /// The offending field and what is wrong with it.
+        mismatch: HeaderMismatch,
+    },
+    /// The private copy of the LUKS header could not be made or read.
+    #[error("LUKS header copy {path:?}")]
+    HeaderCopy {
+        /// The directory or file.
         path: PathBuf,
         /// The cause.
         #[source]

@@ -7,6 +7,8 @@
 //!
 //! * [`cryptsetup`]: the `cryptsetup` program's operations on a LUKS2
 //!   device, the reset marker, and the choices behind them (KDF, reset);
+//! * [`header`]: an existing disk's LUKS2 header, checked against what the
+//!   agent creates on a private copy that the key check and `open` then use;
 //! * [`state`]: the node's state disk: set up or unlocked, its file
 //!   system, its mount and bind mounts;
 //! * [`error`] holds [`DiskError`];
@@ -18,9 +20,11 @@
 
 pub mod cryptsetup;
 pub mod error;
+pub mod header;
 mod process;
 pub mod state;
 
 pub use cryptsetup::{Cryptsetup, Operation, MAX_KEY_LEN, MIN_KEY_LEN, PBKDF2_ITERATIONS};
 pub use error::DiskError;
+pub use header::{DetachedHeader, HeaderMismatch};
 pub use state::{make_filesystem, mount, new_uuid, StateDisk, StateMount, STATE_MAPPING};

@@ -1,0 +1,560 @@
+//! The LUKS2 header check: an existing disk is key-checked or opened only if
+//! its header is one the agent itself creates (see [`Cryptsetup::args`] for
+//! `luksFormat`), and only through a detached copy of that header.
+//!
+//! The host can write the disk. Without this check it could put a header
+//! whose keyslot uses `cipher_null` (which cryptsetup before 2.8.1 opens with
+//! any passphrase) in front of a plaintext file system of its own, or keep
+//! the genuine keyslot and switch the data segment to `cipher_null`
+//! (CVE-2025-59054, CVE-2025-58356): the node would mount and run
+//! attacker-chosen data. So [`Cryptsetup::detached_header`] copies the
+//! header (`luksHeaderBackup`) into a private directory, checks the copy's
+//! binary header ([`check_version`]) and JSON metadata ([`check_metadata`]),
+//! and the key check and `open` then use that copy (`--header`): a header
+//! swapped on the disk after the check is never read.
+//!
+//! [`Cryptsetup::args`]: super::Cryptsetup::args
+//! [`Cryptsetup::detached_header`]: super::Cryptsetup::detached_header
+
+use std::fmt::Display;
+use std::io::Read as _;
+use std::os::unix::fs::DirBuilderExt as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use super::DiskError;
+
+/// Data and keyslot cipher of every disk the agent formats.
+pub const CIPHER: &str = "aes-xts-plain64";
+/// Volume key size in bytes (`--key-size 512`: AES-256 in XTS mode).
+pub const KEY_SIZE: u64 = 64;
+/// Hash of the keyslot KDF, anti-forensic splitter and digest.
+pub const HASH: &str = "sha256";
+/// Encryption sector sizes `luksFormat` picks for the device by itself.
+pub const SECTOR_SIZES: [u64; 2] = [512, 4096];
+/// Most JSON metadata accepted from `luksDump`; an agent-made header has
+/// 12 KiB of JSON area.
+pub const MAX_METADATA_JSON: usize = 64 * 1024;
+/// Longest header value quoted in an error.
+const MAX_QUOTED: usize = 64;
+
+/// Why a header is not one the agent creates: the field (a JSON path such as
+/// `segments.0.encryption`) and what is wrong with it. Holds no key material.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {problem}")]
+pub struct HeaderMismatch {
+    /// The offending field.
+    pub field: String,
+    /// What is wrong with it.
+    pub problem: String,
+}
+
+fn mismatch(field: impl Display, problem: impl Into<String>) -> HeaderMismatch {
+    HeaderMismatch {
+        field: field.to_string(),
+        problem: problem.into(),
+    }
+}
+
+/// A JSON value for an error message: short, escaped.
+fn quoted(value: &Value) -> String {
+    let text = value.to_string();
+    match text.char_indices().nth(MAX_QUOTED) {
+        Some((cut, _)) => format!("{}...", &text[..cut]),
+        None => text,
+    }
+}
+
+/// Checks the start of a binary LUKS header: the LUKS magic and version 2.
+pub fn check_version(start: &[u8]) -> Result<(), HeaderMismatch> {
+    const MAGIC: &[u8] = b"LUKS\xba\xbe";
+    match start {
+        [m0, m1, m2, m3, m4, m5, v0, v1, ..] => {
+            if [*m0, *m1, *m2, *m3, *m4, *m5] != MAGIC {
+                return Err(mismatch("magic", "not a LUKS header"));
+            }
+            match u16::from_be_bytes([*v0, *v1]) {
+                2 => Ok(()),
+                v => Err(mismatch("version", format!("LUKS{v}, expected LUKS2"))),
+            }
+        }
+        _ => Err(mismatch("magic", "header too short")),
+    }
+}
+
+/// Checks the JSON metadata of a LUKS2 header (`luksDump
+/// --dump-json-metadata`) against what the agent creates:
+/// * `keyslots`: at least one, each `luks2` with a `raw` area encrypted with
+///   [`CIPHER`], [`KEY_SIZE`] keys, PBKDF2 and an AF with [`HASH`];
+/// * `segments`: exactly one, `crypt` with [`CIPHER`], a sector size of
+///   [`SECTOR_SIZES`], no integrity, no flags, IV tweak 0, dynamic size,
+///   data after the keyslot area;
+/// * `digests`: at least one, PBKDF2 with [`HASH`], each bound to keyslots
+///   and segments;
+/// * `tokens`: none; `config`: no `requirements` (reencryption), no flags;
+/// * `cipher_null` nowhere.
+pub fn check_metadata(json: &[u8]) -> Result<(), HeaderMismatch> {
+    if json.len() > MAX_METADATA_JSON {
+        return Err(mismatch(
+            "metadata",
+            format!("{} bytes, more than {MAX_METADATA_JSON}", json.len()),
+        ));
+    }
+    let root: Value =
+        serde_json::from_slice(json).map_err(|_| mismatch("metadata", "not valid JSON"))?;
+    let root = object(&root, "metadata")?;
+
+    let config = object(member(root, "", "config")?, "config")?;
+    if config.contains_key("requirements") {
+        return Err(mismatch(
+            "config.requirements",
+            "present (e.g. online reencryption)",
+        ));
+    }
+    if let Some(flags) = config.get("flags") {
+        if flags.as_array().is_none_or(|f| !f.is_empty()) {
+            return Err(mismatch("config.flags", quoted(flags)));
+        }
+    }
+    let json_size = u64_string(member(config, "config", "json_size")?, "config.json_size")?;
+    let keyslots_size = u64_string(
+        member(config, "config", "keyslots_size")?,
+        "config.keyslots_size",
+    )?;
+    // Both metadata copies (4 KiB binary header plus JSON area each), then
+    // the keyslot area: the data must start after them.
+    let header_end = json_size
+        .checked_add(4096)
+        .and_then(|m| m.checked_mul(2))
+        .and_then(|m| m.checked_add(keyslots_size))
+        .ok_or_else(|| mismatch("config", "sizes overflow"))?;
+
+    let keyslots = nonempty(member(root, "", "keyslots")?, "keyslots")?;
+    for (id, slot) in keyslots {
+        let at = format!("keyslots.{id}");
+        let slot = object(slot, &at)?;
+        expect_str(slot, &at, "type", "luks2")?;
+        expect_u64(slot, &at, "key_size", KEY_SIZE)?;
+        let area_at = format!("{at}.area");
+        let area = object(member(slot, &at, "area")?, &area_at)?;
+        expect_str(area, &area_at, "type", "raw")?;
+        expect_str(area, &area_at, "encryption", CIPHER)?;
+        expect_u64(area, &area_at, "key_size", KEY_SIZE)?;
+        let kdf_at = format!("{at}.kdf");
+        let kdf = object(member(slot, &at, "kdf")?, &kdf_at)?;
+        expect_str(kdf, &kdf_at, "type", "pbkdf2")?;
+        expect_str(kdf, &kdf_at, "hash", HASH)?;
+        let af_at = format!("{at}.af");
+        let af = object(member(slot, &at, "af")?, &af_at)?;
+        expect_str(af, &af_at, "type", "luks1")?;
+        expect_str(af, &af_at, "hash", HASH)?;
+    }
+
+    let segments = nonempty(member(root, "", "segments")?, "segments")?;
+    if segments.len() != 1 {
+        return Err(mismatch(
+            "segments",
+            format!("{} segments, expected 1", segments.len()),
+        ));
+    }
+    for (id, segment) in segments {
+        let at = format!("segments.{id}");
+        let segment = object(segment, &at)?;
+        expect_str(segment, &at, "type", "crypt")?;
+        expect_str(segment, &at, "encryption", CIPHER)?;
+        let sector = member(segment, &at, "sector_size")?;
+        if !sector.as_u64().is_some_and(|s| SECTOR_SIZES.contains(&s)) {
+            return Err(mismatch(
+                format!("{at}.sector_size"),
+                format!("{}, expected one of {SECTOR_SIZES:?}", quoted(sector)),
+            ));
+        }
+        expect_str(segment, &at, "iv_tweak", "0")?;
+        expect_str(segment, &at, "size", "dynamic")?;
+        for absent in ["integrity", "flags"] {
+            if segment.contains_key(absent) {
+                return Err(mismatch(format!("{at}.{absent}"), "present"));
+            }
+        }
+        let offset = u64_string(member(segment, &at, "offset")?, &format!("{at}.offset"))?;
+        if offset < header_end {
+            return Err(mismatch(
+                format!("{at}.offset"),
+                format!("{offset} overlaps the header (ends at {header_end})"),
+            ));
+        }
+    }
+
+    let digests = nonempty(member(root, "", "digests")?, "digests")?;
+    for (id, digest) in digests {
+        let at = format!("digests.{id}");
+        let digest = object(digest, &at)?;
+        expect_str(digest, &at, "type", "pbkdf2")?;
+        expect_str(digest, &at, "hash", HASH)?;
+        for list in ["keyslots", "segments"] {
+            let value = member(digest, &at, list)?;
+            if value.as_array().is_none_or(|l| l.is_empty()) {
+                return Err(mismatch(format!("{at}.{list}"), "empty or not a list"));
+            }
+        }
+    }
+
+    let tokens = object(member(root, "", "tokens")?, "tokens")?;
+    if !tokens.is_empty() {
+        return Err(mismatch(
+            "tokens",
+            format!("{} present, expected none", tokens.len()),
+        ));
+    }
+
+    // Anything the checks above did not reach (unknown fields included).
+    if json
+        .windows(b"cipher_null".len())
+        .any(|w| w.eq_ignore_ascii_case(b"cipher_null"))
+    {
+        return Err(mismatch("metadata", "names cipher_null"));
+    }
+    Ok(())
+}
+
+fn object<'a>(value: &'a Value, at: &str) -> Result<&'a Map<String, Value>, HeaderMismatch> {
+    value
+        .as_object()
+        .ok_or_else(|| mismatch(at, "not a JSON object"))
+}
+
+fn nonempty<'a>(value: &'a Value, at: &str) -> Result<&'a Map<String, Value>, HeaderMismatch> {
+    let map = object(value, at)?;
+    if map.is_empty() {
+        return Err(mismatch(at, "empty"));
+    }
+    Ok(map)
+}
+
+fn member<'a>(
+    map: &'a Map<String, Value>,
+    at: &str,
+    key: &str,
+) -> Result<&'a Value, HeaderMismatch> {
+    map.get(key).ok_or_else(|| {
+        let field = if at.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{at}.{key}")
+        };
+        mismatch(field, "missing")
+    })
+}
+
+fn expect_str(
+    map: &Map<String, Value>,
+    at: &str,
+    key: &str,
+    expected: &str,
+) -> Result<(), HeaderMismatch> {
+    let value = member(map, at, key)?;
+    if value.as_str() == Some(expected) {
+        Ok(())
+    } else {
+        Err(mismatch(
+            format!("{at}.{key}"),
+            format!("{}, expected {expected:?}", quoted(value)),
+        ))
+    }
+}
+
+fn expect_u64(
+    map: &Map<String, Value>,
+    at: &str,
+    key: &str,
+    expected: u64,
+) -> Result<(), HeaderMismatch> {
+    let value = member(map, at, key)?;
+    if value.as_u64() == Some(expected) {
+        Ok(())
+    } else {
+        Err(mismatch(
+            format!("{at}.{key}"),
+            format!("{}, expected {expected}", quoted(value)),
+        ))
+    }
+}
+
+/// LUKS2 writes 64-bit sizes and offsets as decimal strings.
+fn u64_string(value: &Value, at: &str) -> Result<u64, HeaderMismatch> {
+    value
+        .as_str()
+        .filter(|s| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| mismatch(at, format!("{}, expected a decimal size", quoted(value))))
+}
+
+/// A checked copy of a disk's LUKS2 header, in a private (0700) directory
+/// that is removed when this is dropped. Pass [`DetachedHeader::path`] as
+/// `--header`.
+#[derive(Debug)]
+pub struct DetachedHeader {
+    dir: PathBuf,
+    file: PathBuf,
+}
+
+impl DetachedHeader {
+    /// A fresh private directory under the temporary directory (`/tmp`, a
+    /// tmpfs on a node), with the path the copy is to be written to (which
+    /// must not exist yet: `luksHeaderBackup` refuses to overwrite).
+    pub(super) fn new_dir() -> Result<Self, DiskError> {
+        let mut random = [0u8; 12];
+        rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut random);
+        let dir = std::env::temp_dir().join(format!("keel-luks-{}", hex::encode(random)));
+        // Fails if the path exists (a symlink included): nobody else's
+        // directory is ever used.
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|source| DiskError::HeaderCopy {
+                path: dir.clone(),
+                source,
+            })?;
+        let file = dir.join("luks-header");
+        Ok(Self { dir, file })
+    }
+
+    /// The header copy.
+    pub fn path(&self) -> &Path {
+        &self.file
+    }
+
+    /// The first bytes of the copy (magic and version), for [`check_version`].
+    pub(super) fn read_start(&self) -> Result<Vec<u8>, DiskError> {
+        let err = |source| DiskError::HeaderCopy {
+            path: self.file.clone(),
+            source,
+        };
+        let mut start = Vec::with_capacity(8);
+        std::fs::File::open(&self.file)
+            .map_err(err)?
+            .take(8)
+            .read_to_end(&mut start)
+            .map_err(err)?;
+        Ok(start)
+    }
+}
+
+impl Drop for DetachedHeader {
+    fn drop(&mut self) {
+        if let Err(error) = std::fs::remove_dir_all(&self.dir) {
+            tracing::warn!(dir = %self.dir.display(), %error, "removing the LUKS header copy");
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// `luksDump --dump-json-metadata` of a disk formatted by the agent
+    /// (cryptsetup 2.6.1).
+    const GENUINE: &str = r#"{
+      "keyslots":{"0":{"type":"luks2","key_size":64,
+        "af":{"type":"luks1","stripes":4000,"hash":"sha256"},
+        "area":{"type":"raw","offset":"32768","size":"258048",
+                "encryption":"aes-xts-plain64","key_size":64},
+        "kdf":{"type":"pbkdf2","hash":"sha256","iterations":1000,
+               "salt":"h6cjiuMW5eMSfVcRqf82LgaU5dF7EBdh/+24Izbz3Ac="}}},
+      "tokens":{},
+      "segments":{"0":{"type":"crypt","offset":"16777216","size":"dynamic",
+        "iv_tweak":"0","encryption":"aes-xts-plain64","sector_size":4096}},
+      "digests":{"0":{"type":"pbkdf2","keyslots":["0"],"segments":["0"],
+        "hash":"sha256","iterations":1000,
+        "salt":"+NIr2xb8hAVsrk+GXDmfbBxRKz1lF+UfhEtuIYPgcN0=",
+        "digest":"uXvAtx9ohr+M98y9MxaYStU1lStwjGUJNgzKgMnMyZY="}},
+      "config":{"json_size":"12288","keyslots_size":"16744448"}
+    }"#;
+
+    fn genuine() -> Value {
+        serde_json::from_str(GENUINE).unwrap()
+    }
+
+    /// The genuine metadata changed by `edit`, checked.
+    fn check_edited(edit: impl FnOnce(&mut Value)) -> Result<(), HeaderMismatch> {
+        let mut v = genuine();
+        edit(&mut v);
+        check_metadata(&serde_json::to_vec(&v).unwrap())
+    }
+
+    fn refused_at(edit: impl FnOnce(&mut Value), field: &str) -> HeaderMismatch {
+        let err = check_edited(edit).unwrap_err();
+        assert_eq!(err.field, field, "{err}");
+        err
+    }
+
+    #[test]
+    fn the_agents_own_header_passes() {
+        check_metadata(GENUINE.as_bytes()).unwrap();
+        check_edited(|v| v["segments"]["0"]["sector_size"] = 512.into()).unwrap();
+    }
+
+    #[test]
+    fn cipher_null_data_segment_is_refused() {
+        let err = refused_at(
+            |v| v["segments"]["0"]["encryption"] = "cipher_null-ecb".into(),
+            "segments.0.encryption",
+        );
+        assert!(err.to_string().contains("cipher_null-ecb"), "{err}");
+        assert!(err.to_string().contains(CIPHER), "{err}");
+    }
+
+    #[test]
+    fn cipher_null_keyslot_is_refused() {
+        refused_at(
+            |v| v["keyslots"]["0"]["area"]["encryption"] = "cipher_null-ecb".into(),
+            "keyslots.0.area.encryption",
+        );
+        // A second, hostile keyslot next to the genuine one.
+        refused_at(
+            |v| {
+                let mut slot = v["keyslots"]["0"].clone();
+                slot["area"]["encryption"] = "cipher_null-ecb".into();
+                v["keyslots"]["7"] = slot;
+            },
+            "keyslots.7.area.encryption",
+        );
+    }
+
+    #[test]
+    fn other_ciphers_and_key_sizes_are_refused() {
+        refused_at(
+            |v| v["segments"]["0"]["encryption"] = "aes-cbc-essiv:sha256".into(),
+            "segments.0.encryption",
+        );
+        refused_at(
+            |v| v["keyslots"]["0"]["area"]["encryption"] = "aes-cbc-plain".into(),
+            "keyslots.0.area.encryption",
+        );
+        refused_at(
+            |v| v["keyslots"]["0"]["key_size"] = 32.into(),
+            "keyslots.0.key_size",
+        );
+        refused_at(
+            |v| v["keyslots"]["0"]["area"]["key_size"] = 32.into(),
+            "keyslots.0.area.key_size",
+        );
+        refused_at(
+            |v| v["segments"]["0"]["sector_size"] = 1024.into(),
+            "segments.0.sector_size",
+        );
+        refused_at(
+            |v| v["keyslots"]["0"]["kdf"]["type"] = "argon2id".into(),
+            "keyslots.0.kdf.type",
+        );
+    }
+
+    #[test]
+    fn reencryption_and_extra_segments_are_refused() {
+        refused_at(
+            |v| {
+                v["config"]["requirements"] =
+                    serde_json::json!({"mandatory": ["online-reencrypt-v2"]})
+            },
+            "config.requirements",
+        );
+        refused_at(
+            |v| {
+                v["segments"]["1"] =
+                    serde_json::json!({"type": "linear", "offset": "16777216", "size": "dynamic"});
+            },
+            "segments",
+        );
+        refused_at(
+            |v| v["segments"]["0"]["type"] = "linear".into(),
+            "segments.0.type",
+        );
+        refused_at(
+            |v| v["keyslots"]["0"]["type"] = "reencrypt".into(),
+            "keyslots.0.type",
+        );
+        refused_at(
+            |v| v["segments"]["0"]["integrity"] = serde_json::json!({"type": "hmac(sha256)", "journal_encryption": "none", "journal_integrity": "none"}),
+            "segments.0.integrity",
+        );
+    }
+
+    #[test]
+    fn layout_tokens_flags_and_digests_are_checked() {
+        refused_at(
+            |v| v["segments"]["0"]["iv_tweak"] = "8".into(),
+            "segments.0.iv_tweak",
+        );
+        refused_at(
+            |v| v["segments"]["0"]["offset"] = "32768".into(),
+            "segments.0.offset",
+        );
+        refused_at(
+            |v| v["segments"]["0"]["offset"] = "-1".into(),
+            "segments.0.offset",
+        );
+        refused_at(
+            |v| v["config"]["flags"] = serde_json::json!(["allow-discards"]),
+            "config.flags",
+        );
+        check_edited(|v| v["config"]["flags"] = serde_json::json!([])).unwrap();
+        refused_at(
+            |v| v["tokens"]["0"] = serde_json::json!({"type": "systemd-tpm2", "keyslots": ["0"]}),
+            "tokens",
+        );
+        refused_at(|v| v["digests"] = serde_json::json!({}), "digests");
+        refused_at(
+            |v| v["digests"]["0"]["segments"] = serde_json::json!([]),
+            "digests.0.segments",
+        );
+        refused_at(
+            |v| {
+                v.as_object_mut().unwrap().remove("keyslots");
+            },
+            "keyslots",
+        );
+    }
+
+    #[test]
+    fn cipher_null_anywhere_and_oversized_or_broken_metadata_are_refused() {
+        refused_at(
+            |v| v["unknown"] = serde_json::json!({"x": "CIPHER_NULL"}),
+            "metadata",
+        );
+        let big = format!("{{\"pad\":\"{}\"}}", "a".repeat(MAX_METADATA_JSON));
+        assert_eq!(
+            check_metadata(big.as_bytes()).unwrap_err().field,
+            "metadata"
+        );
+        assert_eq!(
+            check_metadata(b"{\"keyslots\":").unwrap_err().field,
+            "metadata"
+        );
+        assert_eq!(check_metadata(b"[]").unwrap_err().field, "metadata");
+    }
+
+    #[test]
+    fn error_values_are_short() {
+        let long = "x".repeat(10_000);
+        let err = refused_at(
+            |v| v["segments"]["0"]["encryption"] = long.into(),
+            "segments.0.encryption",
+        );
+        assert!(err.to_string().len() < 200, "{err}");
+    }
+
+    #[test]
+    fn only_luks2_binary_headers_pass() {
+        check_version(b"LUKS\xba\xbe\x00\x02rest").unwrap();
+        let luks1 = check_version(b"LUKS\xba\xbe\x00\x01").unwrap_err();
+        assert_eq!(luks1.field, "version");
+        assert!(luks1.to_string().contains("LUKS1"), "{luks1}");
+        assert_eq!(
+            check_version(b"SKUL\xba\xbe\x00\x02").unwrap_err().field,
+            "magic"
+        );
+        assert_eq!(check_version(b"LUKS").unwrap_err().field, "magic");
+    }
+}
