@@ -11,8 +11,8 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsStream;
 use tonic::transport::server::Connected;
 
-use crate::incoming::AdmissionSlot;
 use crate::attestation::Attested;
+use crate::incoming::AdmissionSlot;
 
 /// The byte a server sends as its first application data after it validated
 /// the client's attestation. The client waits for it before it sends

@@ -428,8 +428,7 @@ async fn a_flood_of_client_hellos_does_not_queue_a_client_from_elsewhere() {
 async fn open_connections_are_bounded_per_source_and_in_total() {
     let issuer = TestIssuer::generate();
     let server =
-        TestServer::start(server_attested(dyn_issuer(&issuer)).with_connection_limits(3, 10))
-            .await;
+        TestServer::start(server_attested(dyn_issuer(&issuer)).with_connection_limits(3, 10)).await;
     let client = |s: u8| {
         AtlsClient::server_attested(dyn_validator(issuer.validator()))
             .with_local_address(source(s).into())
