@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use keel_agent::attestation::issuer::TpmIssuer;
 use keel_agent::cluster::{ClusterSlot, ClusterState};
+use keel_agent::disk_bindings::DiskBindings;
 use keel_agent::evidence::admission::MemberPolicy;
 use keel_agent::evidence::{user_data, EvidenceService};
 use keel_agent::measured::MeasuredTpm;
@@ -133,6 +134,7 @@ async fn main() {
         &slot,
         members.clone(),
         registry.clone(),
+        Arc::new(DiskBindings::new(dir.path())),
         config.cluster.evidence,
     );
     let issuer = TpmIssuer::new(tpm);
@@ -196,7 +198,7 @@ async fn main() {
                 .cloned()
                 .collect();
             for record in &records {
-                r.revoke(record, "bench")?;
+                r.revoke(record, None, "bench")?;
             }
             Ok(records.len())
         })

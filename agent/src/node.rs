@@ -21,6 +21,7 @@ use crate::attestation::issuer::TpmIssuer;
 use crate::attestation::policy::{cpu_trust, ReloadableValidator};
 use crate::cluster::ClusterSlot;
 use crate::disk::{Cryptsetup, StateDisk, StateMount};
+use crate::disk_bindings::DiskBindings;
 use crate::evidence::admission::{MemberPolicy, PortValidator};
 use crate::evidence::EvidenceService;
 use crate::grpc::{self, GrpcLimits};
@@ -137,7 +138,8 @@ pub async fn serve_operator_port(
         measurements,
         node.env.root().to_owned(),
         Some(upgrader),
-    );
+    )
+    .with_disk_bindings(Arc::new(DiskBindings::new(&node.env.work_dir)));
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
     let recovery = RecoveryServer::new(node.clone());
     let init = InitServer::new(node);
@@ -279,6 +281,7 @@ pub async fn serve_join_as_control_plane(
         &cluster,
         members.clone(),
         registry,
+        Arc::new(DiskBindings::new(&env.work_dir)),
         config.cluster.evidence.clone(),
     );
     let _sweep = AbortOnDrop(tokio::spawn(evidence.clone().sweep_forever()));

@@ -15,6 +15,9 @@
 //! join service accepts: the file the join service re-reads, the facts on
 //! the state disk (so a reboot keeps them) and the cluster state the next
 //! tickets carry (so a control plane that joins later serves the same).
+//! When the cluster has a measurements signing key, the file must carry its
+//! signature, checked as a staged file's (`verify_signed`): the operator
+//! key alone does not admit an image. Without a key, the proof suffices.
 //!
 //! An image upgrade (control planes) goes in two steps.
 //! `StageImageMeasurements` adds the new image's measurements as a second
@@ -43,7 +46,9 @@ use keel_proto::operator::{
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::OperatorKey;
 use keel_verifier::measurements::Measurements;
-use keel_verifier::signature::{SignatureError, SignedMeasurements, SignedMeasurementsError};
+use keel_verifier::signature::{
+    SignatureError, SignedMeasurements, SignedMeasurementsError, SigningPublicKey,
+};
 use prost::Message as _;
 use rand::RngCore as _;
 use subtle::ConstantTimeEq as _;
@@ -51,7 +56,8 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::attestation::policy::write_accepted;
 use crate::cluster::{change_state, ClusterSlot, ClusterState, FactsError};
-use crate::registry::{RegistryError, RegistryStore, Revocation};
+use crate::disk_bindings::DiskBindings;
+use crate::registry::{BoundDisk, RegistryError, RegistryStore, Revocation};
 use crate::throttle::FailureThrottle;
 use crate::transcript::{self, Transcript};
 use crate::upgrade::{Step, Target, UpgradeError, Upgrader};
@@ -266,10 +272,28 @@ impl OperatorAuth {
     }
 }
 
+/// Checks that `body` carries a valid detached `signature` by the cluster's
+/// measurements signing `key`, over exactly those bytes, and is a
+/// measurements file: the one check of every signed set (staged, or
+/// replacing the current one). A bad signature is `PermissionDenied`.
+fn verify_signed(
+    key: &SigningPublicKey,
+    body: &[u8],
+    signature: &[u8],
+) -> Result<SignedMeasurements, OperatorError> {
+    SignedMeasurements::verify(key, body, signature).map_err(|e| match e {
+        SignedMeasurementsError::Signature(e) => OperatorError::Signature(e),
+        other => OperatorError::Measurements(other.to_string()),
+    })
+}
+
 /// The operator service of a node.
 #[derive(Clone)]
 pub struct OperatorServer {
     inner: Arc<Inner>,
+    /// The join service's disk bindings: a revocation names a node's disk
+    /// only if they bind it to the node's EK (`None`: never).
+    disks: Option<Arc<DiskBindings>>,
 }
 
 struct Inner {
@@ -301,7 +325,16 @@ impl OperatorServer {
                 root,
                 upgrader: upgrader.map(Arc::new),
             }),
+            disks: None,
         }
+    }
+
+    /// The same service, naming in a revocation the revoked node's disk
+    /// when `disks` (the join service's binding store) binds it to the
+    /// node's EK; without it a revocation names the EK only.
+    pub fn with_disk_bindings(mut self, disks: Arc<DiskBindings>) -> Self {
+        self.disks = Some(disks);
+        self
     }
 
     /// The tonic service, requests bounded to [`MAX_OPERATOR_REQUEST_BYTES`].
@@ -342,6 +375,10 @@ impl OperatorServer {
 
     /// Replaces the join measurements, for a request from `peer`; returns
     /// the SHA-256 of the measurements now in force. A staged set stays.
+    /// With a measurements signing key configured, the file must be signed
+    /// with it (`verify_signed`) and its signed file replaces those of
+    /// sets no longer accepted; without one, the operator's proof suffices
+    /// (a signature sent is then ignored).
     pub fn set_join_measurements(
         &self,
         request: &SetJoinMeasurementsRequest,
@@ -354,10 +391,22 @@ impl OperatorServer {
             &request.proof,
             peer,
         )?;
-        let measurements = Measurements::parse(&request.measurements)
-            .map_err(|e| OperatorError::Measurements(e.to_string()))?;
         let updated = self.change(|state| {
-            Ok(state.with_measurements(measurements, state.staged_measurements.clone()))
+            let staged = state.staged_measurements.clone();
+            let Some(key) = &state.measurements_key else {
+                let measurements = Measurements::parse(&request.measurements)
+                    .map_err(|e| OperatorError::Measurements(e.to_string()))?;
+                return Ok(state.with_measurements(measurements, staged));
+            };
+            let signed = verify_signed(key, &request.measurements, &request.signature)?;
+            let mut replaced = state
+                .with_measurements(signed.measurements().clone(), staged.clone())
+                .with_signed(signed);
+            let current = replaced.join_measurements.clone();
+            replaced.signed_measurements.retain(|s| {
+                *s.measurements() == current || staged.as_ref() == Some(s.measurements())
+            });
+            Ok(replaced)
         })?;
         let digest = updated.join_measurements.digest();
         tracing::info!(digest = %hex::encode(digest), "join measurements replaced by the operator");
@@ -385,11 +434,7 @@ impl OperatorServer {
                 .measurements_key
                 .as_ref()
                 .ok_or(OperatorError::NoSigningKey)?;
-            let signed = SignedMeasurements::verify(key, &request.measurements, &request.signature)
-                .map_err(|e| match e {
-                    SignedMeasurementsError::Signature(e) => OperatorError::Signature(e),
-                    other => OperatorError::Measurements(other.to_string()),
-                })?;
+            let signed = verify_signed(key, &request.measurements, &request.signature)?;
             let staged = signed.measurements().clone();
             Ok(state
                 .with_measurements(state.join_measurements.clone(), Some(staged))
@@ -461,9 +506,11 @@ impl OperatorServer {
             peer,
         )?;
         let selector = request.node.clone();
+        let disks = self.disks.as_deref();
         let revocation = self.registry()?.update(|r| {
             let record = r.find(&selector)?.clone();
-            r.revoke(&record, "revoked by the operator")
+            let disk = BoundDisk::of_record(disks, &record);
+            r.revoke(&record, disk.as_ref(), "revoked by the operator")
         });
         let revocation = revocation.map_err(|e| match e {
             RegistryError::UnknownNode(what) => OperatorError::UnknownNode(format!(

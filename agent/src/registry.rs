@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::batching::Batcher;
-use crate::disk_bindings::EkDigest;
+use crate::disk_bindings::{DiskBindings, DiskBindingsError, EkDigest};
 use crate::journal::{self, Journal, JournalError};
 use crate::paths;
 
@@ -211,13 +211,102 @@ pub enum RegistryError {
     Journal(#[from] JournalError),
 }
 
+/// A disk UUID that the disk binding store binds to one EK (the binding a
+/// join ticket made): the only disk UUID evidence may record for that EK,
+/// and the only one a revocation of it may name. A UUID a member reports
+/// is only its claim: a compromised member could name another node's disk
+/// and, once revoked, take that disk down with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BoundDisk {
+    ek: EkDigest,
+    uuid: String,
+}
+
+/// What the disk binding store says of a disk UUID reported for an EK.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DiskClaim {
+    /// The disk is bound to that EK.
+    Bound(BoundDisk),
+    /// No binding here: no UUID, a malformed one, or a disk that joined
+    /// through another control plane. Nothing is recorded for it.
+    Unbound,
+    /// The disk is bound to another EK (given): the report is false.
+    OtherEk(EkDigest),
+}
+
+impl BoundDisk {
+    /// What `disks` says of the disk `uuid` reported for `ek`.
+    pub fn check(
+        disks: &DiskBindings,
+        ek: &EkDigest,
+        uuid: &str,
+    ) -> Result<DiskClaim, DiskBindingsError> {
+        if uuid.is_empty() {
+            return Ok(DiskClaim::Unbound);
+        }
+        match disks.lookup(uuid) {
+            Ok(Some(bound)) if bound.ct_eq(ek) => Ok(DiskClaim::Bound(Self {
+                ek: *ek,
+                uuid: cut(&uuid.to_ascii_lowercase(), MAX_FIELD),
+            })),
+            Ok(Some(bound)) => Ok(DiskClaim::OtherEk(bound)),
+            Ok(None) | Err(DiskBindingsError::Uuid(_)) => Ok(DiskClaim::Unbound),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The disk a revocation of `record` may name: its recorded disk UUID
+    /// if `disks` binds it to the record's EK, else none (logged, naming
+    /// the EK: the revocation then names the EK alone).
+    pub fn of_record(disks: Option<&DiskBindings>, record: &NodeRecord) -> Option<Self> {
+        if record.disk_uuid.is_empty() {
+            return None;
+        }
+        let ek = record
+            .ek
+            .strip_prefix("sha256:")
+            .and_then(EkDigest::from_hex)?;
+        let claim = match disks {
+            Some(disks) => Self::check(disks, &ek, &record.disk_uuid),
+            None => Ok(DiskClaim::Unbound),
+        };
+        match claim {
+            Ok(DiskClaim::Bound(disk)) => return Some(disk),
+            Ok(claim) => tracing::warn!(
+                ek = %ek,
+                disk = %record.disk_uuid.escape_debug(),
+                bound_to = ?match claim { DiskClaim::OtherEk(other) => Some(other), _ => None },
+                "the node's recorded disk is not bound to its EK here; its revocation names the EK only"
+            ),
+            Err(e) => tracing::error!(
+                ek = %ek,
+                error = %keel_atls::ErrorChain(&e),
+                "the disk bindings could not be read; the revocation names the EK only"
+            ),
+        }
+        None
+    }
+
+    /// The disk UUID (lower case).
+    pub fn uuid(&self) -> &str {
+        &self.uuid
+    }
+
+    /// The EK it is bound to.
+    pub fn ek(&self) -> &EkDigest {
+        &self.ek
+    }
+}
+
 /// What a node record is updated with after one evidence check.
 #[derive(Clone, Debug)]
 pub struct Evidence {
     /// The node's EK.
     pub ek: EkDigest,
-    /// Its disk UUID.
-    pub disk_uuid: String,
+    /// Its disk, if the disk binding store binds the UUID it reported to
+    /// its EK; `None` keeps the disk UUID the record has.
+    pub disk: Option<BoundDisk>,
     /// Its measured name.
     pub name: String,
     /// Its measured role.
@@ -288,6 +377,18 @@ impl Registry {
         name: &str,
         role: &str,
     ) -> Result<(), RegistryError> {
+        self.enter(ek, Some(disk_uuid), name, role)
+    }
+
+    /// Adds or updates the record of `ek`: its name, role and, if given,
+    /// disk UUID (`None` keeps the recorded one).
+    fn enter(
+        &mut self,
+        ek: &EkDigest,
+        disk_uuid: Option<&str>,
+        name: &str,
+        role: &str,
+    ) -> Result<(), RegistryError> {
         let key = ek.to_string();
         if !self.nodes.contains_key(&key) && self.nodes.len() >= MAX_NODES {
             return Err(RegistryError::Full);
@@ -309,20 +410,23 @@ impl Registry {
         });
         record.name = cut(name, MAX_FIELD);
         record.role = cut(role, MAX_FIELD);
-        record.disk_uuid = cut(&disk_uuid.to_ascii_lowercase(), MAX_FIELD);
+        if let Some(disk_uuid) = disk_uuid {
+            record.disk_uuid = cut(&disk_uuid.to_ascii_lowercase(), MAX_FIELD);
+        }
         Ok(())
     }
 
     /// Records one evidence check; returns the node's previous verdict
-    /// (`None` for a node new to the registry).
+    /// (`None` for a node new to the registry). The disk UUID changes only
+    /// to a disk bound to the evidence's EK.
     pub fn record(&mut self, evidence: &Evidence) -> Result<Option<Verdict>, RegistryError> {
         let previous = self.nodes.get(&evidence.ek.to_string()).map(|r| r.verdict);
-        self.register(
-            &evidence.ek,
-            &evidence.disk_uuid,
-            &evidence.name,
-            &evidence.role,
-        )?;
+        let disk = evidence
+            .disk
+            .as_ref()
+            .filter(|d| d.ek.ct_eq(&evidence.ek))
+            .map(BoundDisk::uuid);
+        self.enter(&evidence.ek, disk, &evidence.name, &evidence.role)?;
         let at = now();
         if let Some(record) = self.nodes.get_mut(&evidence.ek.to_string()) {
             record.last_evidence_at = Some(at);
@@ -390,11 +494,14 @@ impl Registry {
         }
     }
 
-    /// Puts `record`'s EK and disk on the revocation list for `reason`;
-    /// returns the revocation (the existing one if it was revoked).
+    /// Puts `record`'s EK on the revocation list for `reason`, with `disk`
+    /// if it is bound to that EK ([`BoundDisk::of_record`]; the disk UUID
+    /// the record names is not taken on its own word); returns the
+    /// revocation (the existing one if it was revoked).
     pub fn revoke(
         &mut self,
         record: &NodeRecord,
+        disk: Option<&BoundDisk>,
         reason: &str,
     ) -> Result<Revocation, RegistryError> {
         if let Some(existing) = self.revoked.iter().find(|r| r.ek == record.ek) {
@@ -403,10 +510,14 @@ impl Registry {
         if self.revoked.len() >= MAX_REVOCATIONS {
             return Err(RegistryError::Full);
         }
+        let disk_uuid = disk
+            .filter(|d| d.ek.to_string() == record.ek)
+            .map(|d| d.uuid.clone())
+            .unwrap_or_default();
         let revocation = Revocation {
             name: record.name.clone(),
             ek: record.ek.clone(),
-            disk_uuid: record.disk_uuid.clone(),
+            disk_uuid,
             reason: cut(reason, MAX_REASON),
             at: now(),
         };
@@ -754,10 +865,18 @@ mod tests {
         EkDigest::from_hex(&hex::encode([n; 32])).unwrap()
     }
 
+    /// Disk `n`, bound to EK `n`.
+    fn bound(n: u8) -> BoundDisk {
+        BoundDisk {
+            ek: ek(n),
+            uuid: format!("0000000{n}-0000-4000-8000-000000000000"),
+        }
+    }
+
     fn evidence(n: u8, failure: Option<&str>) -> Evidence {
         Evidence {
             ek: ek(n),
-            disk_uuid: format!("0000000{n}-0000-4000-8000-000000000000"),
+            disk: Some(bound(n)),
             name: format!("w-{n}"),
             role: "worker".into(),
             kubernetes_version: "v1.31.13".into(),
@@ -790,11 +909,11 @@ mod tests {
         assert_eq!(r.mark_silent(t + 20, Duration::from_secs(10), 0).len(), 1);
         assert_eq!(r.find("w-1").unwrap().verdict, Verdict::Silent);
 
-        let revocation = r.revoke(&node, "operator").unwrap();
+        let revocation = r.revoke(&node, Some(&bound(1)), "operator").unwrap();
         assert!(r.revocation(&ek(1), "").is_some());
         assert!(r.revocation(&ek(2), &node.disk_uuid).is_some());
         assert!(r.revocation(&ek(2), "").is_none());
-        assert_eq!(r.revoke(&node, "again").unwrap(), revocation);
+        assert_eq!(r.revoke(&node, None, "again").unwrap(), revocation);
 
         // Another control plane's list: revocations join, newer evidence wins.
         let mut other = Registry::default();
@@ -805,6 +924,65 @@ mod tests {
         assert_eq!(other.merge(r.clone()), (0, 0));
         let bytes = other.to_json();
         assert_eq!(Registry::parse(&bytes).unwrap(), other);
+    }
+
+    #[test]
+    fn only_a_disk_bound_to_the_nodes_ek_is_recorded_or_revoked() {
+        let dir = tempfile::tempdir().unwrap();
+        let disks = DiskBindings::new(dir.path());
+        let (victim, other) = (bound(2).uuid, bound(3).uuid);
+        assert_eq!(
+            disks.bind(&victim, &ek(2)).unwrap(),
+            crate::disk_bindings::Bind::Recorded
+        );
+        // What the store says of a reported UUID.
+        assert_eq!(
+            BoundDisk::check(&disks, &ek(1), &victim).unwrap(),
+            DiskClaim::OtherEk(ek(2))
+        );
+        assert_eq!(
+            BoundDisk::check(&disks, &ek(2), &victim.to_ascii_uppercase()).unwrap(),
+            DiskClaim::Bound(bound(2))
+        );
+        for unbound in [other.as_str(), "", "not-a-uuid"] {
+            assert_eq!(
+                BoundDisk::check(&disks, &ek(1), unbound).unwrap(),
+                DiskClaim::Unbound,
+                "{unbound:?}"
+            );
+        }
+
+        // Evidence without a bound disk keeps the recorded disk; a bound
+        // disk of another EK is not taken either.
+        let mut r = Registry::default();
+        r.register(&ek(1), &bound(1).uuid, "w-1", "worker").unwrap();
+        let mut claimed = evidence(1, None);
+        claimed.disk = None;
+        r.record(&claimed).unwrap();
+        assert_eq!(r.find("w-1").unwrap().disk_uuid, bound(1).uuid);
+        claimed.disk = Some(bound(2));
+        r.record(&claimed).unwrap();
+        assert_eq!(r.find("w-1").unwrap().disk_uuid, bound(1).uuid);
+
+        // A record naming another node's disk (a ticket's UUID taken on its
+        // word): revoking it names the EK only, and the disk stays usable.
+        r.register(&ek(1), &victim, "w-1", "worker").unwrap();
+        let attacker = r.find("w-1").unwrap().clone();
+        assert_eq!(BoundDisk::of_record(Some(&disks), &attacker), None);
+        assert_eq!(BoundDisk::of_record(None, &attacker), None);
+        let revocation = r.revoke(&attacker, Some(&bound(2)), "policy").unwrap();
+        assert_eq!(revocation.disk_uuid, "");
+        assert!(r.revocation(&ek(1), "").is_some());
+        assert!(r.revocation(&ek(2), &victim).is_none());
+
+        // The victim's own record: its bound disk goes on the list with it.
+        r.register(&ek(2), &victim, "w-2", "worker").unwrap();
+        let victim_record = r.find("w-2").unwrap().clone();
+        let disk = BoundDisk::of_record(Some(&disks), &victim_record);
+        assert_eq!(disk, Some(bound(2)));
+        let revocation = r.revoke(&victim_record, disk.as_ref(), "operator").unwrap();
+        assert_eq!(revocation.disk_uuid, victim);
+        assert!(r.revocation(&ek(9), &victim).is_some());
     }
 
     #[test]
@@ -820,7 +998,7 @@ mod tests {
             .max()
             .unwrap();
         let revoked = r.nodes()[&ek(2).to_string()].clone();
-        r.revoke(&revoked, "operator").unwrap();
+        r.revoke(&revoked, None, "operator").unwrap();
         let marked = r.mark_silent(t + 20, Duration::from_secs(10), 0);
         let mut names: Vec<_> = marked.iter().map(|n| n.ek.clone()).collect();
         names.sort();
@@ -832,7 +1010,7 @@ mod tests {
         // A peer's list naming the same EK twice, and one this list has.
         let mut peer = r.clone();
         let again = peer.nodes()[&ek(1).to_string()].clone();
-        peer.revoke(&again, "peer").unwrap();
+        peer.revoke(&again, None, "peer").unwrap();
         let twice = peer.revoked()[1].clone();
         peer.revoked.push(twice);
         let mut ours = r.clone();
@@ -991,7 +1169,7 @@ mod tests {
         let store = RegistryStore::shared(dir.path()).unwrap();
         register_many(&store, 0, 3);
         let node = store.snapshot().find("n-1").unwrap().clone();
-        let revocation = store.update(|r| r.revoke(&node, "operator")).unwrap();
+        let revocation = store.update(|r| r.revoke(&node, None, "operator")).unwrap();
         store
             .update(|r| r.record(&evidence(4, Some("PCR 9"))))
             .unwrap();

@@ -5,7 +5,9 @@
 //! is marked drifted with the PCR named; one that stops is marked silent;
 //! bad evidence is refused without a verdict; a revoked node (by the
 //! operator, or by the `revoke` policy) gets no rejoin ticket and no disk
-//! key, for its EK nor its disk.
+//! key, for its EK nor its disk. A member that reports another node's disk
+//! is refused, and its revocation does not take that disk with it; during
+//! an image rollout a member of the staged image keeps reporting.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -18,17 +20,25 @@ use join_common::{
 };
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::disk::Cryptsetup;
+use keel_agent::disk_bindings::DiskBindings;
+use keel_agent::evidence::client::EvidenceClientError;
 use keel_agent::evidence::client::Session;
 use keel_agent::evidence::{user_data, EvidenceClient};
+use keel_agent::join::settings::SHARED_PCRS;
 use keel_agent::join::{service_validator, JoinOutcome, TicketError};
-use keel_agent::operator::{OperatorAuth, OperatorServer, NODE_STATUS, REVOKE_NODE};
+use keel_agent::operator::{
+    OperatorAuth, OperatorServer, NODE_STATUS, REVOKE_NODE, STAGE_IMAGE_MEASUREMENTS,
+};
 use keel_agent::registry::{Registry, RegistryStore, Verdict};
+use keel_atls::ConnectError;
 use keel_proto::evidence::NextNonceRequest;
-use keel_proto::operator::{NodeStatusRequest, RevokeNodeRequest};
+use keel_proto::operator::{NodeStatusRequest, RevokeNodeRequest, StageImageMeasurementsRequest};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::{EvidencePolicy, NodeConfig};
 use keel_verifier::ek::EkTrust;
+use keel_verifier::signature::SigningPrivateKey;
+use keel_verifier::validator::Validator;
 
 const LIMIT: Duration = Duration::from_secs(120);
 const INTERVAL_S: u32 = 2;
@@ -121,12 +131,18 @@ impl Cluster {
 
     /// The worker's evidence client toward cp-1.
     fn evidence_client(&self, node: &Joiner) -> EvidenceClient {
+        let disk = Cryptsetup::default().uuid(&node.disk).unwrap_or_default();
+        self.evidence_client_reporting(node, disk)
+    }
+
+    /// `node`'s evidence client toward cp-1, reporting the disk `disk`.
+    fn evidence_client_reporting(&self, node: &Joiner, disk: String) -> EvidenceClient {
         let trust = EkTrust::from_pem(&self.ca.issuer_pem().unwrap()).unwrap();
         EvidenceClient::new(
             node.tpm.clone(),
             service_validator(&node.tpm, trust, None).unwrap(),
             node.root.clone(),
-            Cryptsetup::default().uuid(&node.disk).unwrap_or_default(),
+            disk,
             Duration::from_millis(200),
         )
     }
@@ -179,7 +195,8 @@ impl Cluster {
             Some(self.cp1.work.join("join-measurements.json")),
             self.cp1.root.clone(),
             None,
-        );
+        )
+        .with_disk_bindings(Arc::new(DiskBindings::new(&self.cp1.work)));
         let challenge = server.challenge().to_vec();
         let key = self
             .cp1_slot
@@ -418,4 +435,163 @@ async fn the_revoke_policy_refuses_a_drifted_node_after_a_tpm_reset() {
     let (disk, endpoint) = (c.worker_disk(), c.endpoint());
     let worker = c.worker.reboot(&c.ca);
     assert_rejoin_revoked(&c.ca, &endpoint, &worker, &disk).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_member_reporting_another_nodes_disk_is_refused_and_its_revocation_spares_that_disk() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    // The victim: the worker, whose disk its ticket from cp-1 bound to its
+    // EK. The attacker: another member (cp-1's own TPM stands in for it).
+    let victim_disk = c.worker_disk();
+    let attacker_ek = join_common::ek_digest(&c.cp1.tpm);
+    let attacker_key = attacker_ek.to_string();
+
+    // Valid evidence (its quote binds the UUID it reports) naming the
+    // victim's disk: refused, and nothing recorded for the attacker.
+    let mut forged = c
+        .evidence_client_reporting(&c.cp1, victim_disk.clone())
+        .connect(&c.endpoint(), &c.cluster_id())
+        .await
+        .unwrap();
+    match forged.round().await {
+        Err(EvidenceClientError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+            assert!(status.message().contains("not bound"), "{status:?}");
+        }
+        other => panic!("evidence naming another node's disk: {other:?}"),
+    }
+    assert!(!c.registry().snapshot().nodes().contains_key(&attacker_key));
+
+    // Its evidence naming its own disk (bound by cp-0, not here): trusted,
+    // and no disk recorded for it on cp-1's word alone.
+    let mut own = c.session(&c.cp1).await;
+    assert_eq!(own.round().await.unwrap(), "trusted");
+    let record = c.registry().snapshot().nodes()[&attacker_key].clone();
+    assert_eq!(record.verdict, Verdict::Trusted);
+    assert!(record.disk_uuid.is_empty(), "{record:?}");
+
+    // However a record came to name the victim's disk (here: a ticket's
+    // UUID taken on its word), revoking the attacker names its EK alone.
+    c.registry()
+        .update(|r| r.register(&attacker_ek, &victim_disk, "cp-1", "control-plane"))
+        .unwrap();
+    let (op, challenge, proof) = c.operator(REVOKE_NODE, attacker_key.as_bytes());
+    let revoked = op
+        .revoke_node(
+            &RevokeNodeRequest {
+                node: attacker_key.clone(),
+                challenge,
+                proof,
+            },
+            None,
+        )
+        .unwrap();
+    assert_eq!(revoked.ek, attacker_key);
+    assert_eq!(revoked.disk_uuid, "", "the victim's disk was revoked");
+    let registry = c.registry().snapshot();
+    assert!(registry.revocation(&attacker_ek, "").is_some());
+    let victim_ek = join_common::ek_digest(&c.worker.tpm);
+    assert!(registry.revocation(&victim_ek, &victim_disk).is_none());
+
+    // The victim still reports, and after a reboot still gets its disk key.
+    let mut victim = c.session(&c.worker).await;
+    assert_eq!(victim.round().await.unwrap(), "trusted");
+    drop(victim);
+    let (endpoint, ca) = (c.endpoint(), &c.ca);
+    let worker = c.worker.reboot(ca);
+    worker
+        .tickets(ca)
+        .rejoin_ticket(&endpoint, &victim_disk)
+        .await
+        .expect("the victim's disk was refused a rejoin ticket");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_member_of_the_staged_image_reports_during_an_image_rollout() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let signing = SigningPrivateKey::generate();
+    let state = c.cp1_slot.borrow().clone().unwrap();
+    c.cp1_slot
+        .send_replace(Some(Arc::new(keel_agent::cluster::ClusterState {
+            measurements_key: Some(signing.public_key()),
+            ..(*state).clone()
+        })));
+    // The worker rejoined on a new image: its UKI (PCR 4) differs.
+    c.worker
+        .tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(4, &[0x4e; 32])
+        .unwrap();
+    // The worker accepts cp-1 by cp-1's own PCRs: what this test checks is
+    // cp-1's side (a node of another image accepts it by the signed file it
+    // presents, `image_upgrade.rs`).
+    let trust = EkTrust::from_pem(&c.ca.issuer_pem().unwrap()).unwrap();
+    let cp1_pcrs = join_common::measurements_of(&c.cp1.tpm, &SHARED_PCRS);
+    let connect = || async {
+        EvidenceClient::new(
+            c.worker.tpm.clone(),
+            Validator::new(cp1_pcrs.clone(), trust.clone()),
+            c.worker.root.clone(),
+            c.worker_disk(),
+            Duration::from_millis(200),
+        )
+        .connect(&c.endpoint(), &c.cluster_id())
+        .await
+    };
+    let refused_by_cp1 = |result: Result<Session, EvidenceClientError>, case: &str| match result {
+        Err(EvidenceClientError::Connect(
+            ConnectError::RefusedByServer(_) | ConnectError::ClosedByServer,
+        )) => {}
+        Err(e) => panic!("{case}: not refused by cp-1: {}", keel_atls::ErrorChain(&e)),
+        Ok(_) => panic!("{case}: admitted"),
+    };
+    refused_by_cp1(connect().await, "a member of an image not accepted");
+
+    // The operator stages the new image's signed measurements.
+    let new_set = join_common::measurements_of(&c.worker.tpm, &[4, 9, 11, 12]);
+    let body = format!("{}\n", new_set.to_json()).into_bytes();
+    let (op, challenge, proof) = c.operator(STAGE_IMAGE_MEASUREMENTS, &body);
+    let (staged, current) = op
+        .stage_image_measurements(
+            &StageImageMeasurementsRequest {
+                measurements: body.clone(),
+                signature: signing.sign(&body),
+                challenge,
+                proof,
+            },
+            None,
+        )
+        .unwrap();
+    assert_eq!(staged, new_set.digest());
+    assert_eq!(current, state.join_measurements.digest());
+
+    // Admitted, trusted, and checked against the staged set.
+    let mut session = connect().await.expect("a member of the staged image");
+    assert_eq!(session.round().await.unwrap(), "trusted");
+    let record = Cluster::worker_record(&c.registry().snapshot())
+        .cloned()
+        .unwrap();
+    assert_eq!(record.verdict, Verdict::Trusted);
+    assert_eq!(record.measurements, hex::encode(new_set.digest()));
+
+    // Neither image (PCR 9 differs too): refused on a new connection, and
+    // drifted on the one it holds.
+    c.worker
+        .tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(9, &[0x99; 32])
+        .unwrap();
+    refused_by_cp1(connect().await, "a member matching neither set");
+    assert_eq!(session.round().await.unwrap(), "drifted");
+    let record = Cluster::worker_record(&c.registry().snapshot())
+        .cloned()
+        .unwrap();
+    assert!(
+        record.reason.as_deref().unwrap_or("").contains("PCR"),
+        "{record:?}"
+    );
 }

@@ -1,6 +1,7 @@
 //! The operator API of a control plane: only a proof made with the operator
 //! key, for a challenge this node issued and only once, replaces the join
-//! measurements; everything else is refused and changes nothing.
+//! measurements; with a measurements signing key configured, only a file
+//! signed with it does; everything else is refused and changes nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -9,21 +10,33 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use join_common::{boot_measurements, boot_measurements_with, free_port};
-use keel_agent::cluster::{ClusterSlot, ControlPlaneFacts};
+use keel_agent::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts};
 use keel_agent::operator::{OperatorAuth, OperatorError, OperatorServer, SET_JOIN_MEASUREMENTS};
 use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_testkit::swtpm::EkCa;
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::operator_proof;
 use keel_verifier::measurements::{Expected, Measurements};
+use keel_verifier::signature::SigningPrivateKey;
 
 fn request(challenge: &[u8; 32], key: &[u8], body: &[u8]) -> SetJoinMeasurementsRequest {
+    signed(challenge, key, body, &[])
+}
+
+/// [`request`] carrying `signature`.
+fn signed(
+    challenge: &[u8; 32],
+    key: &[u8],
+    body: &[u8],
+    signature: &[u8],
+) -> SetJoinMeasurementsRequest {
     SetJoinMeasurementsRequest {
         measurements: body.to_vec(),
         challenge: challenge.to_vec(),
         proof: operator_proof(key, SET_JOIN_MEASUREMENTS, challenge, body)
             .unwrap()
             .to_vec(),
+        signature: signature.to_vec(),
     }
 }
 
@@ -150,5 +163,119 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
     refused(
         server.set_join_measurements(&request(&c, key, &new), Some(guesser)),
         tonic::Code::ResourceExhausted,
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_signing_key_only_a_signed_file_replaces_the_join_measurements() {
+    let ca = EkCa::new().unwrap();
+    let service = join_common::start_service(&ca, free_port()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("work/join-measurements.json");
+    let root = dir.path().join("root");
+    let signing = SigningPrivateKey::generate();
+    let state = ClusterState {
+        measurements_key: Some(signing.public_key()),
+        ..(*service.state).clone()
+    };
+    let slot = Arc::new(ClusterSlot::new(Some(Arc::new(state.clone()))));
+    let own_ek = join_common::ek_digest(&service.tpm);
+    let auth = OperatorAuth::new(own_ek, slot.clone(), Arc::default());
+    let server = OperatorServer::new(auth, slot.clone(), Some(path.clone()), root.clone(), None);
+    let key = service.state.keys.operator_key(&own_ek).unwrap();
+    let key = key.expose();
+    let new = format!(
+        "{}\n",
+        boot_measurements_with(&service.config, [(13, Expected::warn_only([7; 32]))]).to_json()
+    )
+    .into_bytes();
+    let signature = signing.sign(&new);
+    let mut flipped = signature.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 1;
+    let mut weak: serde_json::Value = serde_json::from_slice(&new).unwrap();
+    weak.as_object_mut().unwrap().remove("12").unwrap();
+    let weak = serde_json::to_vec(&weak).unwrap();
+    let padded = [new.as_slice(), b" "].concat();
+    let unchanged = |case: &str| {
+        assert!(!path.exists(), "{case}: the measurements file was written");
+        let now = slot.borrow().clone().unwrap();
+        assert_eq!(now.join_measurements, state.join_measurements, "{case}");
+        assert!(now.signed_measurements.is_empty(), "{case}");
+        assert!(
+            ControlPlaneFacts::load(&root).is_err(),
+            "{case}: facts written"
+        );
+    };
+
+    // The operator's proof is valid in every case; the signature is not.
+    let cases: [(&str, &[u8], Vec<u8>, tonic::Code); 6] = [
+        ("unsigned", &new, Vec::new(), tonic::Code::PermissionDenied),
+        (
+            "wrong signature",
+            &new,
+            flipped,
+            tonic::Code::PermissionDenied,
+        ),
+        (
+            "signature over other bytes",
+            &new,
+            signing.sign(b"{}"),
+            tonic::Code::PermissionDenied,
+        ),
+        (
+            "signature by another key",
+            &new,
+            SigningPrivateKey::generate().sign(&new),
+            tonic::Code::PermissionDenied,
+        ),
+        (
+            "signature of the file with a byte added",
+            &padded,
+            signature.clone(),
+            tonic::Code::PermissionDenied,
+        ),
+        (
+            "signed file that enforces less (no PCR 12)",
+            &weak,
+            signing.sign(&weak),
+            tonic::Code::InvalidArgument,
+        ),
+    ];
+    for (case, body, sig, code) in cases {
+        let c = server.challenge();
+        match server.set_join_measurements(&signed(&c, key, body, &sig), None) {
+            Err(e) => {
+                let status = tonic::Status::from(&e);
+                assert_eq!(status.code(), code, "{case}: {e}");
+                if code == tonic::Code::PermissionDenied {
+                    assert!(status.message().contains("signing key"), "{case}: {e}");
+                }
+            }
+            Ok(_) => panic!("{case}: accepted"),
+        }
+        unchanged(case);
+    }
+
+    // Signed: replaced everywhere, and its signed file is the one kept.
+    let c = server.challenge();
+    let digest = server
+        .set_join_measurements(&signed(&c, key, &new, &signature), None)
+        .unwrap();
+    let expected = Measurements::parse(&new).unwrap();
+    assert_eq!(digest, expected.digest());
+    assert_eq!(
+        Measurements::parse(&std::fs::read(&path).unwrap()).unwrap(),
+        expected
+    );
+    let now = slot.borrow().clone().unwrap();
+    assert_eq!(now.join_measurements, expected);
+    assert_eq!(now.signed_measurements.len(), 1);
+    assert_eq!(now.signed_measurements[0].body(), new.as_slice());
+    assert_eq!(now.signed_measurements[0].signature(), signature.as_slice());
+    let facts = ControlPlaneFacts::load(&root).unwrap();
+    assert_eq!(
+        Measurements::parse(facts.join_measurements.to_string().as_bytes()).unwrap(),
+        expected
     );
 }

@@ -134,6 +134,11 @@ enum Command {
         /// The new measurements file.
         #[arg(long)]
         file: PathBuf,
+        /// Its detached signature by the measurements signing key (DER
+        /// ECDSA P-256; default: FILE.sig). Required when the settings name
+        /// a measurements_signing_key.
+        #[arg(long, value_name = "FILE")]
+        signature: Option<PathBuf>,
         /// A control plane's init port (host:port); repeat for each.
         #[arg(long = "endpoint", required = true)]
         endpoints: Vec<String>,
@@ -242,6 +247,7 @@ fn main() -> ExitCode {
                 settings,
                 workspace,
                 file,
+                signature,
                 endpoints,
                 wait,
             } => {
@@ -249,6 +255,7 @@ fn main() -> ExitCode {
                     &settings,
                     &workspace,
                     &file,
+                    signature.as_deref(),
                     &endpoints,
                     Duration::from_secs(wait),
                 )

@@ -7,6 +7,13 @@
 //! the file with the operator's proof for that challenge (made with the
 //! node's operator key, derived from the master secret for the EK the node
 //! attested; the secret itself never leaves this machine).
+//!
+//! The file travels with its detached signature, found as `keel upgrade
+//! apply` finds it (`--signature`, default `FILE.sig`): where the settings
+//! name a `measurements_signing_key`, the signature is required and checked
+//! before any node is contacted; a control plane whose config names the key
+//! refuses a file without a valid one. Where the settings name no key, a
+//! signature file present is sent as it is, for the nodes to check.
 
 use std::path::Path;
 use std::time::Duration;
@@ -16,25 +23,25 @@ use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_verifier::measurements::Measurements;
 
 use crate::operator::{refused, Operator};
-use crate::settings::read_bounded;
+use crate::settings::{read_bounded, Settings};
+use crate::upgrade::image::{signature_of, SignedMeasurements};
 
 use keel_verifier::keys::kind::SET_JOIN_MEASUREMENTS;
 
-/// Runs `keel push-measurements`.
+/// Runs `keel push-measurements`: `file` (signed by `signature`, default
+/// `FILE.sig`) to each of `endpoints`.
 pub async fn run(
     settings_path: &Path,
     workspace: &Path,
     file: &Path,
+    signature: Option<&Path>,
     endpoints: &[String],
     wait: Duration,
 ) -> anyhow::Result<()> {
     if endpoints.is_empty() {
         bail!("name each control plane's init port with --endpoint");
     }
-    let body = read_bounded(file)?;
-    // The control planes refuse what does not parse; refuse it here first.
-    Measurements::parse(&body)
-        .with_context(|| format!("{} is not a measurements file", file.display()))?;
+    let (body, signature) = load(settings_path, file, signature)?;
     let operator = Operator::load(settings_path, workspace, wait)?;
     for endpoint in endpoints {
         let (mut cp, challenge, proof) = operator
@@ -46,6 +53,7 @@ pub async fn run(
                 measurements: body.clone(),
                 challenge,
                 proof,
+                signature: signature.clone(),
             })
             .await
             .map_err(|s| refused(endpoint, &s))?
@@ -56,4 +64,33 @@ pub async fn run(
         );
     }
     Ok(())
+}
+
+/// The file's exact bytes and its signature (empty: none): checked with
+/// the settings' signing key when they name one, else read if present.
+fn load(
+    settings_path: &Path,
+    file: &Path,
+    signature: Option<&Path>,
+) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+    if Settings::load(settings_path)?.signing_key()?.is_some() {
+        let signed = SignedMeasurements::load(settings_path, file, signature)?;
+        return Ok((signed.body, signed.signature));
+    }
+    let body = read_bounded(file)?;
+    // The control planes refuse what does not parse; refuse it here first.
+    Measurements::parse(&body)
+        .with_context(|| format!("{} is not a measurements file", file.display()))?;
+    let signature = match signature {
+        Some(path) => read_bounded(path)?,
+        None => {
+            let path = signature_of(file);
+            if path.exists() {
+                read_bounded(&path)?
+            } else {
+                Vec::new()
+            }
+        }
+    };
+    Ok((body, signature))
 }

@@ -299,8 +299,8 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let new = boot_measurements_with(&config1, [(13, Expected::warn_only([7; 32]))]);
     let new_file = operator.path().join("new-measurements.json");
     std::fs::write(&new_file, new.to_json()).unwrap();
-    let push = |workspace: std::path::PathBuf| {
-        let (settings, new_file) = (settings.clone(), new_file.clone());
+    let push_with = |workspace: std::path::PathBuf, settings: std::path::PathBuf| {
+        let new_file = new_file.clone();
         let endpoint = operator_addr.to_string();
         async move {
             run_keel(
@@ -319,6 +319,48 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
             .await
         }
     };
+    let push = |workspace: std::path::PathBuf| push_with(workspace, settings.clone());
+    // The cluster has a measurements signing key: the operator's proof
+    // alone replaces nothing. Settings that name no key (so the CLI checks
+    // nothing) and no signature beside the file: refused by the node.
+    let mut no_key: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&settings).unwrap()).unwrap();
+    no_key
+        .as_object_mut()
+        .unwrap()
+        .remove("measurements_signing_key");
+    let no_key_settings = operator.path().join("keel-no-key.json");
+    std::fs::write(&no_key_settings, no_key.to_string()).unwrap();
+    let out = push_with(ws.path().to_owned(), no_key_settings.clone()).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("not signed with the measurements signing key"),
+        "{}",
+        text(&out)
+    );
+    // A signature by another key, sent as found beside the file: refused too.
+    let new_signature = operator.path().join("new-measurements.json.sig");
+    std::fs::write(
+        &new_signature,
+        keel_verifier::signature::SigningPrivateKey::generate().sign(new.to_json().as_bytes()),
+    )
+    .unwrap();
+    let out = push_with(ws.path().to_owned(), no_key_settings).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("not signed with the measurements signing key"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        keel_verifier::measurements::Measurements::parse(
+            &std::fs::read(&join_measurements).unwrap()
+        )
+        .unwrap(),
+        boot_measurements(&config1)
+    );
+    // Signed with the cluster's key from here on.
+    std::fs::write(&new_signature, signing.sign(new.to_json().as_bytes())).unwrap();
     // Another cluster's master secret: refused by the node, nothing replaced.
     let forged = tempfile::tempdir().unwrap();
     for name in ["keel-id.json", "keel-master-secret.json"] {

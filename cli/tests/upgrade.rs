@@ -1,4 +1,5 @@
-//! `keel upgrade apply` refuses a new image's measurements whose signature
+//! `keel upgrade apply` (and `keel push-measurements`, when the settings
+//! name a signing key) refuses measurements whose signature
 //! is wrong, missing or by another key (and a phase it cannot run) before
 //! it contacts any node: the endpoint is a listener the test holds, and no
 //! connection may reach it.
@@ -218,5 +219,82 @@ fn upgrade_apply_refuses_a_bad_signature_before_contacting_any_node() {
         "{}",
         text(&out)
     );
+    assert!(!setup.connected());
+}
+
+/// A refused push: its name, the file, the signature at `FILE.sig`
+/// (`None`: absent), and what the refusal must say.
+type PushCase<'a> = (&'a str, Vec<u8>, Option<Vec<u8>>, &'a str);
+
+#[test]
+fn push_measurements_refuses_a_bad_signature_before_contacting_any_node() {
+    let setup = Setup::new();
+    let settings = setup.settings(true);
+    let body = new_image();
+    let good = setup.key.sign(&body);
+    let mut flipped = good.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 1;
+    let other = SigningPrivateKey::generate().sign(&body);
+    let push = |extra: &[&str]| {
+        let endpoint = setup.endpoint();
+        let path = setup.path("new.json");
+        let mut args = vec![
+            "push-measurements",
+            "--file",
+            path.to_str().unwrap(),
+            "--endpoint",
+            &endpoint,
+            "--wait",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        harness::keel(&args, &settings, Some(setup.dir.path()))
+            .output()
+            .unwrap()
+    };
+    let cases: Vec<PushCase> = vec![
+        ("missing signature", body.clone(), None, "no signature for"),
+        (
+            "wrong signature",
+            body.clone(),
+            Some(flipped),
+            "is not signed with the measurements signing key",
+        ),
+        (
+            "signature by another key",
+            body.clone(),
+            Some(other),
+            "is not signed with the measurements signing key",
+        ),
+        (
+            "file changed after signing",
+            [body.as_slice(), b" "].concat(),
+            Some(good.clone()),
+            "is not signed with the measurements signing key",
+        ),
+    ];
+    for (case, file, signature, expected) in cases {
+        std::fs::write(setup.path("new.json"), &file).unwrap();
+        let sig = setup.path("new.json.sig");
+        let _ = std::fs::remove_file(&sig);
+        if let Some(signature) = signature {
+            std::fs::write(&sig, signature).unwrap();
+        }
+        let out = push(&[]);
+        let t = text(&out);
+        assert!(!out.status.success(), "{case}: {t}");
+        assert!(t.contains(expected), "{case}: {t}");
+        assert!(!setup.connected(), "{case}: the CLI connected");
+    }
+
+    // A signature named explicitly is the one checked.
+    std::fs::write(setup.path("new.json"), &body).unwrap();
+    std::fs::write(setup.path("new.json.sig"), &good).unwrap();
+    std::fs::write(setup.path("elsewhere.sig"), b"junk").unwrap();
+    let elsewhere = setup.path("elsewhere.sig");
+    let out = push(&["--signature", elsewhere.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(text(&out).contains("is not signed"), "{}", text(&out));
     assert!(!setup.connected());
 }

@@ -5,9 +5,12 @@
 //!
 //! Both are judged by [`keel_verifier::validator::Validator`]; the members'
 //! validator is built from the measurements the cluster state carries (the
-//! ones the join service's file is written from) and rebuilt when the
-//! operator replaces them. Key residency is proven through the join
-//! policy's validator for both, so a proven AK is remembered once.
+//! ones the join service's files are written from) and rebuilt when the
+//! operator replaces them. It accepts what the join service accepts: the
+//! current set or, during an image rollout, the staged one
+//! ([`member_validator`]), so a node that rejoined on the new image keeps
+//! reporting. Key residency is proven through the join policy's validator
+//! for both, so a proven AK is remembered once.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -16,7 +19,6 @@ use keel_verifier::keys::ClusterId;
 use keel_verifier::measurement::{pcr, Digest32};
 use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
 use keel_verifier::validator::{ValidationError, Validator, Verified};
-use sha2::{Digest as _, Sha256};
 
 use crate::attestation::policy::ReloadableValidator;
 use crate::cluster::{ClusterSlot, ClusterState};
@@ -26,7 +28,15 @@ pub struct MemberPolicy {
     cluster: tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>,
     ek_trust: EkTrust,
     config_pcr: Digest32,
-    built: Mutex<Option<(Digest32, Arc<Validator>)>>,
+    built: Mutex<Option<(AcceptedSets, MemberValidator)>>,
+}
+
+/// The names ([`Measurements::digest`]) of the sets a member validator
+/// accepts: the current one and, during an image rollout, the staged one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct AcceptedSets {
+    current: Digest32,
+    staged: Option<Digest32>,
 }
 
 /// The validator members are checked with now, and the SHA-256 of the
@@ -35,10 +45,60 @@ pub struct MemberPolicy {
 pub struct MemberValidator {
     /// The validator.
     pub validator: Arc<Validator>,
-    /// SHA-256 of the join measurements (JSON) it enforces.
+    /// SHA-256 of the current join measurements (JSON) it enforces.
     pub measurements: Digest32,
+    /// SHA-256 of the staged measurements (JSON) it also accepts, if any.
+    pub staged: Option<Digest32>,
     /// The cluster members must be locked into.
     pub cluster_id: ClusterId,
+    /// What the validator names the staged set (PCR 15 removed), as
+    /// [`Verified::measurements`] reports the set a member matched.
+    staged_member_set: Option<Digest32>,
+}
+
+impl MemberValidator {
+    /// SHA-256 of the join measurements (JSON) `verified` matched: the
+    /// staged set's if it matched that one, else the current set's.
+    pub fn matched(&self, verified: &Verified) -> Digest32 {
+        match (self.staged, self.staged_member_set) {
+            (Some(staged), Some(named)) if verified.measurements == named => staged,
+            _ => self.measurements,
+        }
+    }
+}
+
+/// A set of join measurements as members are held to it: PCR 15 removed
+/// (a member's is checked against the cluster ID instead).
+fn member_set(join: &Measurements) -> Result<Measurements, MeasurementsError> {
+    Measurements::new(
+        join.iter()
+            .filter(|(p, _)| **p != pcr::CLUSTER_ID)
+            .map(|(p, e): (&u32, &Expected)| (*p, e.clone())),
+    )
+}
+
+/// The one place a members' validator is built from a cluster state: it
+/// accepts a member matching the current join measurements or, during an
+/// image rollout, the staged ones (what the join service accepts), each
+/// without PCR 15 and with the cluster's config PCR `config_pcr` required.
+pub fn member_validator(
+    state: &ClusterState,
+    ek_trust: EkTrust,
+    config_pcr: Digest32,
+) -> Result<Validator, MeasurementsError> {
+    let current = member_set(&state.join_measurements)?;
+    let staged = state
+        .staged_measurements
+        .as_ref()
+        .map(member_set)
+        .transpose()?;
+    Ok(Validator::accepting(
+        current,
+        staged,
+        &[(pcr::CONFIG, config_pcr)],
+        ek_trust,
+        Arc::default(),
+    ))
 }
 
 /// Why a member's document was refused beyond its validation.
@@ -75,31 +135,34 @@ impl MemberPolicy {
             .borrow()
             .clone()
             .ok_or(AdmissionError::NoCluster)?;
-        let json = state.join_measurements.to_json();
-        let digest: Digest32 = Sha256::digest(json.as_bytes()).into();
-        let mut built = self.built.lock().unwrap_or_else(PoisonError::into_inner);
-        let validator = match &*built {
-            Some((d, v)) if *d == digest => v.clone(),
-            _ => {
-                let mut measurements = Measurements::new(
-                    state
-                        .join_measurements
-                        .iter()
-                        .filter(|(p, _)| **p != pcr::CLUSTER_ID)
-                        .map(|(p, e): (&u32, &Expected)| (*p, e.clone())),
-                )
-                .map_err(AdmissionError::Measurements)?;
-                measurements.require(pcr::CONFIG, self.config_pcr);
-                let v = Arc::new(Validator::new(measurements, self.ek_trust.clone()));
-                *built = Some((digest, v.clone()));
-                v
-            }
+        let sets = AcceptedSets {
+            current: state.join_measurements.digest(),
+            staged: state.staged_measurements.as_ref().map(Measurements::digest),
         };
-        Ok(MemberValidator {
-            validator,
-            measurements: digest,
+        let mut built = self.built.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((s, member)) = &*built {
+            if *s == sets && member.cluster_id == state.cluster_id {
+                return Ok(member.clone());
+            }
+        }
+        let validator = member_validator(&state, self.ek_trust.clone(), self.config_pcr)
+            .map_err(AdmissionError::Measurements)?;
+        let staged_member_set = state
+            .staged_measurements
+            .as_ref()
+            .map(member_set)
+            .transpose()
+            .map_err(AdmissionError::Measurements)?
+            .map(|m| m.digest());
+        let member = MemberValidator {
+            staged_member_set,
+            validator: Arc::new(validator),
+            measurements: sets.current,
+            staged: sets.staged,
             cluster_id: state.cluster_id,
-        })
+        };
+        *built = Some((sets, member.clone()));
+        Ok(member)
     }
 }
 

@@ -8,6 +8,11 @@
 //! against its nonce, its EK and its AK before anything is validated, so a
 //! flood of submissions costs a lookup each and at most one validation per
 //! interval per node; requests are bounded to [`MAX_EVIDENCE_REQUEST_BYTES`].
+//!
+//! The disk UUID a member reports is its claim: it is recorded (and can
+//! later go into the node's revocation) only if the join service's disk
+//! bindings bind it to the member's EK; a UUID bound to another EK refuses
+//! the evidence, one not bound here is not recorded ([`BoundDisk`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -30,8 +35,10 @@ use subtle::ConstantTimeEq as _;
 use super::admission::{check_member, MemberPolicy};
 use super::{user_data, MAX_FIELD_BYTES, SILENT_AFTER};
 use crate::cluster::{ClusterSlot, ClusterState};
-use crate::disk_bindings::EkDigest;
-use crate::registry::{self, Evidence, RegistryError, RegistryStore, Revocation, Verdict};
+use crate::disk_bindings::{DiskBindings, DiskBindingsError, EkDigest};
+use crate::registry::{
+    self, BoundDisk, DiskClaim, Evidence, RegistryError, RegistryStore, Revocation, Verdict,
+};
 
 /// Most EKs paced at once.
 pub const MAX_NODES: usize = registry::MAX_NODES;
@@ -68,6 +75,12 @@ pub enum EvidenceError {
     /// A field is invalid.
     #[error("invalid request: {0}")]
     InvalidRequest(&'static str),
+    /// The reported disk is bound to another node's TPM.
+    #[error("the reported disk is bound to another node's TPM")]
+    DiskNotBound,
+    /// The disk bindings could not be read.
+    #[error("the disk bindings could not be read")]
+    DiskBindings(#[source] DiskBindingsError),
     /// Only control planes may read the registry.
     #[error("only control planes read the registry")]
     NotControlPlane,
@@ -108,6 +121,11 @@ impl From<&EvidenceError> for tonic::Status {
                 "the evidence is not from the TPM key proven on this connection",
             ),
             E::InvalidRequest(what) => (tonic::Code::InvalidArgument, *what),
+            E::DiskNotBound => (
+                tonic::Code::PermissionDenied,
+                "the state disk is not bound to this node's TPM",
+            ),
+            E::DiskBindings(_) => (tonic::Code::Internal, "the disk bindings failed"),
             E::NotControlPlane => (
                 tonic::Code::PermissionDenied,
                 "only control planes read the registry",
@@ -136,6 +154,7 @@ struct Inner {
     members: Arc<MemberPolicy>,
     cluster: tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>,
     registry: Arc<RegistryStore>,
+    disks: Arc<DiskBindings>,
     config: EvidenceConfig,
     started: u64,
     paces: Mutex<HashMap<[u8; 32], Pace>>,
@@ -157,11 +176,14 @@ impl Drop for Waiting<'_> {
 
 impl EvidenceService {
     /// The service of a control plane whose cluster appears in `cluster`,
-    /// judging members by `members`, keeping verdicts in `registry`.
+    /// judging members by `members`, keeping verdicts in `registry`, and
+    /// recording only disks that `disks` (its join service's binding
+    /// store) binds to the reporting member's EK.
     pub fn new(
         cluster: &ClusterSlot,
         members: Arc<MemberPolicy>,
         registry: Arc<RegistryStore>,
+        disks: Arc<DiskBindings>,
         config: EvidenceConfig,
     ) -> Self {
         Self {
@@ -169,6 +191,7 @@ impl EvidenceService {
                 members,
                 cluster: cluster.subscribe(),
                 registry,
+                disks,
                 config,
                 started: registry::now(),
                 paces: Mutex::new(HashMap::new()),
@@ -284,6 +307,7 @@ impl EvidenceService {
         if !EkDigest::of_marshalled(&doc.ek_public).ct_eq(&ek) || ak.name != peer.ak.name {
             return Err(EvidenceError::UnknownKey);
         }
+        let disk = self.bound_disk(ek, request.disk_uuid.clone()).await?;
         let member = self
             .inner
             .members
@@ -298,22 +322,26 @@ impl EvidenceService {
         let disk_uuid = request.disk_uuid.clone();
         let version = request.kubernetes_version.clone();
         let started = Instant::now();
-        let measurements = hex::encode(member.measurements);
-        let failure = tokio::task::spawn_blocking(move || {
+        let current = member.measurements;
+        let (matched, failure) = tokio::task::spawn_blocking(move || {
             let data = user_data(&disk_uuid, &version);
             match member
                 .validator
                 .validate(&request.document, &request.nonce, &data)
             {
-                Ok(verified) => judge(&verified, &member.cluster_id, cluster.as_deref()),
-                Err(e) => Some(e.to_string()),
+                Ok(verified) => (
+                    member.matched(&verified),
+                    judge(&verified, &member.cluster_id, cluster.as_deref()),
+                ),
+                Err(e) => (member.measurements, Some(e.to_string())),
             }
         })
         .await
-        .unwrap_or_else(|_| Some("the validation task failed".into()));
+        .unwrap_or_else(|_| (current, Some("the validation task failed".into())));
+        let measurements = hex::encode(matched);
         let evidence = Evidence {
             ek,
-            disk_uuid: request.disk_uuid,
+            disk,
             name,
             role,
             kubernetes_version: request.kubernetes_version,
@@ -348,7 +376,35 @@ impl EvidenceService {
         Ok(record.verdict)
     }
 
-    /// Under the `revoke` policy, revokes the node of `record`.
+    /// The disk `uuid` reported by the member of `ek`, if the disk bindings
+    /// bind it to that EK; refused if they bind it to another (logged with
+    /// both EK digests).
+    async fn bound_disk(
+        &self,
+        ek: EkDigest,
+        uuid: String,
+    ) -> Result<Option<BoundDisk>, EvidenceError> {
+        let disks = self.inner.disks.clone();
+        let claim = tokio::task::spawn_blocking(move || BoundDisk::check(&disks, &ek, &uuid))
+            .await
+            .map_err(|_| EvidenceError::DiskBindings(DiskBindingsError::Task))?
+            .map_err(EvidenceError::DiskBindings)?;
+        match claim {
+            DiskClaim::Bound(disk) => Ok(Some(disk)),
+            DiskClaim::OtherEk(bound) => {
+                tracing::warn!(
+                    ek = %ek,
+                    disk_bound_to = %bound,
+                    "evidence refused: it reports a disk bound to another EK"
+                );
+                Err(EvidenceError::DiskNotBound)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Under the `revoke` policy, revokes the node of `record` (with its
+    /// disk only if bound to its EK, [`BoundDisk::of_record`]).
     async fn apply_policy(&self, record: &registry::NodeRecord) -> Result<(), EvidenceError> {
         if self.inner.config.policy != EvidencePolicy::Revoke {
             return Ok(());
@@ -359,8 +415,12 @@ impl EvidenceService {
             record.reason.as_deref().unwrap_or("")
         );
         let record = record.clone();
+        let disks = self.inner.disks.clone();
         let revocation = self
-            .store(move |s| s.update(|r| r.revoke(&record, &reason)))
+            .store(move |s| {
+                let disk = BoundDisk::of_record(Some(&disks), &record);
+                s.update(|r| r.revoke(&record, disk.as_ref(), &reason))
+            })
             .await?;
         tracing::warn!(%revocation, "node revoked by policy");
         Ok(())
