@@ -207,6 +207,9 @@ pub async fn run(
         .attested
         .context("the node presented no attestation")?;
     let verified = attested.claims();
+    settings
+        .check_node_attestation(verified)
+        .context("nothing was sent")?;
     for w in &verified.warnings {
         eprintln!("warning: {w}");
     }

@@ -73,6 +73,9 @@ pub async fn run(
         .attested
         .context("the node presented no attestation")?;
     let verified = attested.claims();
+    settings
+        .check_node_attestation(verified)
+        .context("nothing was sent")?;
     let sealed = credential::seal(&verified.ek, &verified.ak.name, &payload)
         .context("sealing the master secret to the node's TPM")?;
     if output == Output::Text {

@@ -8,7 +8,7 @@ use keel_verifier::cpu::{AttestationConfig, Collateral, CpuPolicy, CpuTrust};
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::SigningPublicKey;
-use keel_verifier::validator::Validator;
+use keel_verifier::validator::{Validator, Verified};
 use serde::Deserialize;
 
 /// Largest settings, measurements or secret file read.
@@ -143,6 +143,28 @@ impl Settings {
         let ca = self.resolve(&self.ek_ca);
         EkTrust::from_pem(&read_bounded(&ca)?)
             .with_context(|| format!("EK CA bundle {} holds no certificate", ca.display()))
+    }
+
+    /// Refuses a node whose measured config names other attestation
+    /// settings (`cluster.attestation`: the variant and the expected CPU
+    /// values) than these settings, which decide what CPU evidence the
+    /// node must bring: a `sev-snp` or `tdx` cluster checked with settings
+    /// that leave `attestation` out (`vtpm`) would take a host's software
+    /// TPM, with a copied event log and no CPU evidence, for the node.
+    pub fn check_node_attestation(&self, node: &Verified) -> anyhow::Result<()> {
+        let config = node
+            .cluster_config()
+            .context("the node's event log holds no node config that parses")?;
+        if config.attestation != self.attestation {
+            anyhow::bail!(
+                "the node's config names attestation variant {} with other CPU values than \
+                 the settings (variant {}): set the settings' attestation to the cluster's \
+                 cluster.attestation",
+                config.attestation.variant.as_str(),
+                self.attestation.variant.as_str()
+            );
+        }
+        Ok(())
     }
 
     /// The measurements signing key the settings name, if any.

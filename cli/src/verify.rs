@@ -122,6 +122,9 @@ pub async fn run(
         .attested()
         .context("the node presented no attestation")?;
     let v = attested.claims();
+    settings
+        .check_node_attestation(v)
+        .with_context(|| format!("{endpoint}: attestation not accepted"))?;
     if let Some(id) = &cluster_id {
         if let Err(why) = check_cluster_lock(v, id) {
             anyhow::bail!(

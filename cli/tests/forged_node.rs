@@ -122,3 +122,79 @@ async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
     assert!(text(&out).contains("key residency"), "{}", text(&out));
     server.abort();
 }
+
+/// A cluster of a hardware variant, checked with settings that leave
+/// `attestation` out (so `vtpm`: no CPU evidence asked for). The host of
+/// such a cluster is not trusted and controls its vTPM's EK CA: it could
+/// present a software TPM with a copied event log. The CLI compares the
+/// node's measured `cluster.attestation` with its settings and sends
+/// nothing when they differ; here the node is genuine, so only that check
+/// stands between it and the secrets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() {
+    let ca = EkCa::new().unwrap();
+    let swtpm = Swtpm::start(&ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let doc = serde_json::json!({
+        "cluster": {
+            "init_secret_hash": "sha256:0000000000000000000000000000000000000000000000000000000000000000",
+            "attestation": {
+                "variant": "sev-snp",
+                "sev_snp": {
+                    "minimum_tcb": {"bootloader": 3, "tee": 0, "snp": 8, "microcode": 115},
+                    "measurement": "00".repeat(48),
+                },
+            },
+        },
+        "node": {"name": "cp-0", "role": "control-plane"},
+    });
+    let config = NodeConfig::parse(doc.to_string().as_bytes(), "t".as_ref()).unwrap();
+    let tpm = harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config);
+    let node = Victim {
+        tpm,
+        config,
+        _swtpm: swtpm,
+        _dir: dir,
+    };
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let recorder = Recorder::default();
+    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+    let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
+    let server = tokio::spawn({
+        let recorder = recorder.clone();
+        async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(InitServiceServer::new(recorder))
+                .serve_with_incoming(incoming)
+                .await;
+        }
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let settings = settings(dir.path(), &ca, &node, addr);
+    let ws = dir.path().join("workspace");
+    let out = run_keel(&["init", "--wait", "5"], &settings, Some(&ws)).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("attestation variant sev-snp"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    assert_eq!(
+        recorder.0.load(Ordering::SeqCst),
+        0,
+        "a request reached the node"
+    );
+
+    let out = run_keel(&["verify"], &settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("attestation variant sev-snp"),
+        "{}",
+        text(&out)
+    );
+    server.abort();
+}
