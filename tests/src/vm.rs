@@ -243,6 +243,7 @@ pub struct VmBuilder {
     network: bool,
     forwards: Vec<(u16, u16)>,
     niceness: i32,
+    credentials: Vec<(String, String)>,
 }
 
 impl VmBuilder {
@@ -263,6 +264,7 @@ impl VmBuilder {
             network: false,
             forwards: Vec::new(),
             niceness: 0,
+            credentials: Vec::new(),
         }
     }
 
@@ -343,6 +345,15 @@ impl VmBuilder {
         self
     }
 
+    /// Offers the guest a systemd credential `name` = `value` the way a host
+    /// can without changing anything measured: as an SMBIOS type 11 string
+    /// (`io.systemd.credential:name=value`) and as fw_cfg item
+    /// `opt/io.systemd.credentials/name`.
+    pub fn host_credential(mut self, name: &str, value: &str) -> Self {
+        self.credentials.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
     /// Provisions a TPM (unless one was given), starts swtpm and QEMU. The
     /// VM's clock (see [`Vm::wait_for_line`]) starts when QEMU is spawned.
     pub fn start(self) -> Result<Vm, VmError> {
@@ -415,6 +426,20 @@ impl VmBuilder {
             cmd.arg("-netdev")
                 .arg(netdev)
                 .args(["-device", "virtio-net-pci,netdev=n0,romfile="]);
+        }
+        for (name, value) in &self.credentials {
+            // QEMU's option syntax doubles a comma inside a value.
+            let escaped = |s: &str| s.replace(',', ",,");
+            cmd.arg("-smbios").arg(format!(
+                "type=11,value=io.systemd.credential:{}={}",
+                escaped(name),
+                escaped(value)
+            ));
+            cmd.arg("-fw_cfg").arg(format!(
+                "name=opt/io.systemd.credentials/{},string={}",
+                escaped(name),
+                escaped(value)
+            ));
         }
         if let Some(config) = &self.node_config {
             cmd.arg("-fw_cfg").arg(format!(

@@ -220,6 +220,44 @@ fn a_changed_root_does_not_boot() -> TestResult {
     Ok(())
 }
 
+/// The host can hand a VM systemd credentials without changing anything
+/// measured: SMBIOS type 11 strings and fw_cfg items. systemd imports them
+/// by default, and its units act on them (`tmpfiles.extra` lines run as
+/// root, `sysctl.extra` settings such as `kernel.modprobe`, a root password
+/// for the console), so a host could run code in an attested node. The
+/// image's measured command line turns the import off. Here the host offers
+/// a `tmpfiles.extra` line that writes a marker to the console: the node
+/// boots to ready and the marker never shows.
+#[test]
+fn host_credentials_are_not_imported() -> TestResult {
+    let Some(image) = ImageDir::from_env()? else {
+        eprintln!("skipped: no image to boot (set {IMAGE_DIR_VAR}=build/image)");
+        return Ok(());
+    };
+    let patience = Duration::from_secs(env_number("KEEL_VM_PATIENCE_S", 600)?);
+    let config_path = workspace_root().join("tests/fixtures/node-config.json");
+    let tmp = tempfile::tempdir()?;
+    let work = work_root(tmp.path()).join("host-credentials");
+    const MARKER: &str = "keel-test: a host credential was imported";
+    let vm = VmBuilder::new(image.disk(), &work)
+        .node_config(&config_path)
+        .host_credential(
+            "tmpfiles.extra",
+            &format!("w /dev/console - - - - {MARKER}"),
+        )
+        .start()?;
+    vm.wait_for_line(READY_LINE, patience)?;
+    // systemd-tmpfiles-setup runs during sysinit, seconds after the agent
+    // (which starts before it) is ready.
+    let shown = vm.wait_for_line(MARKER, Duration::from_secs(40));
+    assert!(
+        shown.is_err(),
+        "the host's credential was imported and acted on; serial log {}",
+        vm.serial_log().display()
+    );
+    Ok(())
+}
+
 /// The root is the image's second partition (`mkosi/mkosi.repart`).
 const ROOT_PARTITION: u64 = 2;
 const SECTOR: u64 = 512;
