@@ -195,6 +195,9 @@ pub enum ProvisionError {
     /// The control plane's facts could not be recorded or restored.
     #[error("control-plane facts")]
     Facts(#[source] FactsError),
+    /// The node registry could not be read or written.
+    #[error("the node registry")]
+    Registry(#[source] crate::registry::RegistryError),
     /// The node's version record could not be written or read.
     #[error("the node's version record")]
     Record(#[source] crate::upgrade::RecordError),

@@ -345,6 +345,17 @@ impl Registry {
         Ok(registry)
     }
 
+    /// This registry's revocations alone, without node records: what a
+    /// control-plane ticket carries, so that the new control plane refuses
+    /// what this one refuses from its first ticket on.
+    pub fn revocations_only(&self) -> Self {
+        Self {
+            nodes: BTreeMap::new(),
+            revoked: self.revoked.clone(),
+            changed: BTreeSet::new(),
+        }
+    }
+
     /// The JSON form.
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec_pretty(self).unwrap_or_default()
@@ -786,6 +797,11 @@ impl RegistryStore {
     /// A copy of the registry.
     pub fn snapshot(&self) -> Registry {
         self.lock().clone()
+    }
+
+    /// A copy of the revocations alone ([`Registry::revocations_only`]).
+    pub fn revocations(&self) -> Registry {
+        self.lock().revocations_only()
     }
 
     /// The revocation covering `ek` or `disk_uuid`, if any.

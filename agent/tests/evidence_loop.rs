@@ -402,6 +402,25 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         Swtpm::start(&c.ca).unwrap(),
     );
     assert_rejoin_revoked(&c.ca, &endpoint, &other, &disk).await;
+    // A control plane that joins after the revocation enforces it from its
+    // first ticket on: its ticket carried the list, before it exchanged a
+    // registry with anyone.
+    let cp2 = joiner_with(
+        config(&c.ca, &c.ports, "cp-2", "control-plane", c.policy),
+        Swtpm::start(&c.ca).unwrap(),
+    );
+    let cp2_slot = Arc::new(ClusterSlot::new(None));
+    assert!(matches!(
+        run_client(&cp2, &c.ca, &cp2_slot).await,
+        JoinOutcome::Joined { .. }
+    ));
+    let taken = RegistryStore::shared(&cp2.root).unwrap().snapshot();
+    assert_eq!(taken.revoked().len(), 1);
+    assert_eq!(taken.revoked()[0].ek, revoked.ek);
+    assert!(taken.nodes().is_empty(), "a ticket carries no node records");
+    let cp2_port = free_port();
+    let _cp2_serving = cp2.serve_join(cp2_port, cp2_slot).await;
+    assert_rejoin_revoked(&c.ca, &format!("127.0.0.1:{cp2_port}"), &worker, &disk).await;
     // The list survives a restart of the registry (it is on the state disk).
     let path = RegistryStore::shared(&c.cp1.root)
         .unwrap()

@@ -49,6 +49,7 @@ use crate::nodelock::{LockError, NodeLock};
 use crate::operator::OperatorKeySlot;
 use crate::paths;
 use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
+use crate::registry::RegistryStore;
 use keel_verifier::keys::ClusterId;
 
 /// Most endpoints a client tries (its config's and those tickets named).
@@ -484,6 +485,14 @@ impl JoinClient {
         let measurement_secret = keys
             .measurement_secret()
             .map_err(|e| ProvisionError::Lock(format!("deriving the measurement secret: {e}")))?;
+        // The issuing control plane's revocations, in this node's registry
+        // before its join service (which opens the same store) can issue a
+        // ticket: a revoked node gets none from a control plane that joined
+        // after the revocation and has not yet exchanged registries.
+        let added = RegistryStore::shared(self.env.root())
+            .and_then(|store| store.merge(measurements.revocations))
+            .map_err(ProvisionError::Registry)?;
+        tracing::info!(revocations = added, "revocation list taken from the ticket");
         Ok(Some(ClusterState {
             keys: Arc::new(keys),
             measurement_salt: ticket.measurement_salt,

@@ -376,6 +376,10 @@ impl JoinService {
                         .collect(),
                 }
             }),
+            revocations: match &self.registry {
+                Some(registry) if request.is_control_plane => registry.revocations().to_json(),
+                _ => Vec::new(),
+            },
         })
     }
 

@@ -20,6 +20,7 @@ use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 
 use crate::cluster::MAX_SIGNED_MEASUREMENTS;
+use crate::registry::Registry;
 use keel_verifier::validator::Verified;
 use subtle::ConstantTimeEq as _;
 use zeroize::Zeroizing;
@@ -28,8 +29,10 @@ use super::kubelet;
 use crate::kubeadm::{BootstrapToken, CaCertHash};
 use keel_verifier::keys::{ClusterId, ClusterIdError, KeyService, OperatorKey, DISK_KEY_LEN};
 
-/// Largest accepted ticket message.
-pub const MAX_TICKET_BYTES: usize = 1024 * 1024;
+/// Largest accepted ticket message: a control-plane ticket carries the
+/// cluster's revocation list (at most 10,000 entries, about 3 MiB as
+/// JSON) beside measurements and PKI files.
+pub const MAX_TICKET_BYTES: usize = 4 * 1024 * 1024;
 /// The control-plane PKI files a control-plane join receives (relative to
 /// the PKI directory), as kubeadm's `--upload-certs` would share them.
 /// `ca.crt` and `ca.key` are required, the others are sent when present.
@@ -111,6 +114,8 @@ pub struct TicketMeasurements {
     pub signed: Vec<SignedMeasurements>,
     /// Components of other Kubernetes versions the operator authorised.
     pub authorised: Vec<Component>,
+    /// The issuing control plane's revocations.
+    pub revocations: Registry,
 }
 
 /// A checked join ticket.
@@ -412,6 +417,11 @@ pub fn parse_join_ticket(
                 .map(Component::try_from)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TicketError::Invalid(format!("authorised component: {e}")))?;
+            let revocations = match response.revocations.as_slice() {
+                [] => Registry::default(),
+                bytes => Registry::parse(bytes)
+                    .map_err(|e| TicketError::Invalid(format!("revocations: {e}")))?,
+            };
             Some((
                 keys,
                 TicketMeasurements {
@@ -419,6 +429,7 @@ pub fn parse_join_ticket(
                     staged,
                     signed,
                     authorised,
+                    revocations,
                 },
             ))
         }
