@@ -20,6 +20,7 @@ use rand::RngCore;
 use tonic::transport::Endpoint;
 use zeroize::Zeroizing;
 
+use crate::printable::printable;
 use crate::settings::{read_bounded, Settings};
 use crate::workspace::{
     IdFile, MasterSecretFile, FAILURE_LOG_FILE, ID_FILE, KUBECONFIG_FILE, MASTER_SECRET_FILE,
@@ -254,7 +255,13 @@ pub async fn run(
     let mut stream = InitServiceClient::new(bound.channel)
         .init(request)
         .await
-        .map_err(|s| anyhow::anyhow!("the node refused init ({:?}): {}", s.code(), s.message()))?
+        .map_err(|s| {
+            anyhow::anyhow!(
+                "the node refused init ({:?}): {}",
+                s.code(),
+                printable(s.message())
+            )
+        })?
         .into_inner();
 
     let mut failure: Option<(String, bool)> = None;
@@ -267,19 +274,20 @@ pub async fn run(
                 if let Some((error, _)) = &failure {
                     write_failure_logs(workspace, &logs)?;
                     bail!(
-                        "init failed: {error}; the log stream broke off ({}): partial logs in {}",
-                        s.message(),
+                        "init failed: {}; the log stream broke off ({}): partial logs in {}",
+                        printable(error),
+                        printable(s.message()),
                         workspace.join(FAILURE_LOG_FILE).display()
                     );
                 }
                 bail!(
                     "the connection to the node was lost during init: {}",
-                    s.message()
+                    printable(s.message())
                 );
             }
         };
         match message.kind {
-            Some(Kind::LogLine(line)) => eprintln!("  node: {line}"),
+            Some(Kind::LogLine(line)) => eprintln!("  node: {}", printable(&line)),
             Some(Kind::Success(success)) => {
                 let kubeconfig = workspace.join(KUBECONFIG_FILE);
                 write_atomic(&kubeconfig, &success.kubeconfig, 0o600)?;
@@ -314,7 +322,8 @@ pub async fn run(
                 ""
             };
             bail!(
-                "init failed on the node: {error}.{reset} Node logs: {}",
+                "init failed on the node: {}.{reset} Node logs: {}",
+                printable(&error),
                 path.display()
             )
         }

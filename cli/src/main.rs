@@ -10,6 +10,7 @@ mod collateral;
 mod init;
 mod logging;
 mod operator;
+mod printable;
 mod push;
 mod reach;
 mod recover;

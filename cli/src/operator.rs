@@ -49,7 +49,11 @@ pub struct Member {
 
 /// Formats a refusal of `endpoint`.
 pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{endpoint} refused: {}: {}", s.code(), s.message())
+    anyhow::anyhow!(
+        "{endpoint} refused: {}: {}",
+        s.code(),
+        crate::printable::printable(s.message())
+    )
 }
 
 impl Member {

@@ -91,7 +91,7 @@ pub async fn run(
             anyhow::anyhow!(
                 "the node refused recovery: {}: {}",
                 status.code(),
-                status.message()
+                crate::printable::printable(status.message())
             )
         })?
         .into_inner();

@@ -11,6 +11,7 @@ use anyhow::bail;
 use keel_proto::operator::RevokeNodeRequest;
 
 use crate::operator::{refused, Operator};
+use crate::printable::printable;
 
 use keel_verifier::keys::kind::REVOKE_NODE;
 
@@ -71,8 +72,8 @@ async fn revoke_at(operator: &Operator, endpoint: &str, node: &str) -> anyhow::R
         .into_inner();
     Ok(format!(
         "{endpoint}: revoked node {} (EK {}, disk {})",
-        done.name.escape_debug(),
-        done.ek,
-        done.disk_uuid.escape_debug()
+        printable(&done.name),
+        printable(&done.ek),
+        printable(&done.disk_uuid)
     ))
 }

@@ -13,6 +13,7 @@ use keel_verifier::measurements::{Measurements, Mismatch};
 use keel_verifier::validator::{check_cluster_lock, Verified};
 use serde::Serialize;
 
+use crate::printable::printable;
 use crate::settings::Settings;
 
 /// How `keel verify` prints its result.
@@ -142,7 +143,7 @@ pub async fn run(
         println!("pcr {pcr:2} {}", HexDigest(value));
     }
     for w in &v.warnings {
-        println!("warning: {w}");
+        println!("warning: {}", printable(&w.to_string()));
     }
     println!(
         "event log ({} events, replays to PCRs 12, 13, 15):",
@@ -154,7 +155,7 @@ pub async fn run(
             e.seq,
             e.pcr,
             e.event_type.as_str(),
-            e.description
+            printable(&e.description)
         );
     }
     Ok(())

@@ -1,7 +1,9 @@
 //! `keel collateral fetch` against a local server laid out like AMD's KDS
-//! and Intel's PCS: what it writes is what the verifier reads and accepts
-//! (real evidence from `shared/data/cvm` verified offline afterwards, and a
-//! generated Intel-like PKI), and every refusal leaves the cache untouched.
+//! and Intel's PCS: real evidence from `shared/data/cvm` and a generated
+//! Intel-like PKI; every refusal (collateral that does not verify against
+//! the pinned roots now included) leaves the cache untouched. What a fetch
+//! writes is checked against the verifier in the unit tests, which can
+//! name generated roots.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
@@ -419,40 +421,45 @@ fn fetch_tdx(mirror: &MirrorServer, cache: &Path, quote: &Path) -> Output {
     ])
 }
 
+/// A good entry already in the cache, where the fetch would write.
+fn planted_entry(cache: &Path, fmspc: &str) -> (PathBuf, Vec<u8>) {
+    let path = cache.join(format!("tdx/{fmspc}.json"));
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let good = br#"{"the":"good collateral"}"#.to_vec();
+    std::fs::write(&path, &good).unwrap();
+    (path, good)
+}
+
 #[test]
-fn fetching_tdx_collateral_assembles_what_verifies_a_real_quote_offline() {
+fn real_collateral_that_has_expired_is_refused_and_the_cache_entry_kept() {
     let original: serde_json::Value =
         serde_json::from_slice(&read("tdx/dcap-qvl/tdx_quote_collateral.json")).unwrap();
     let mirror = MirrorServer::start().unwrap();
     PcsParts::from_collateral_json(&original).serve(&mirror, "B0C06F000000", "platform");
     let cache = tempfile::tempdir().unwrap();
+    let (entry, good) = planted_entry(cache.path(), "B0C06F000000");
     let out = fetch_tdx(&mirror, cache.path(), &data("tdx/dcap-qvl/tdx_quote"));
     let log = stderr(&out);
-    assert!(out.status.success(), "{log}");
+    // Genuine, but expired: the quote does not verify with it now, as a
+    // verifier would find; the entry in the cache is kept.
+    assert!(!out.status.success(), "accepted: {log}");
     assert!(log.contains("FMSPC B0C06F000000"), "{log}");
-    // The real collateral has expired: the command says so, and still
-    // writes it (the verifier judges time).
     assert!(
-        log.contains("does not verify with this collateral"),
+        log.contains("the quote does not verify with the served collateral against Intel's root now, so nothing was written"),
         "{log}"
     );
+    assert!(log.contains("TDX collateral time"), "{log}");
+    assert_eq!(std::fs::read(&entry).unwrap(), good);
     assert_eq!(files(cache.path()), ["tdx/B0C06F000000.json"]);
-
-    let fetched = tdx_collateral_file(&cache.path().join("tdx/B0C06F000000.json")).unwrap();
-    assert_eq!(fetched.tcb_info, original["tcb_info"].as_str().unwrap());
-    assert_eq!(
-        fetched.qe_identity,
-        original["qe_identity"].as_str().unwrap()
-    );
-
-    // Offline, at a time the collateral was valid: the quote verifies.
+    // (The same collateral verifies the quote offline at a time it was
+    // valid: `collateral::pcs` unit tests.)
     let quote = read("tdx/dcap-qvl/tdx_quote");
-    let collateral = Collateral::at(cache.path()).tdx_collateral(&quote).unwrap();
     let policy = TdxPolicy {
         mrtd: Hex(hex::decode("91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a3520c942a604a407de03ae6dc5f87f27428b2538873118b7").unwrap().try_into().unwrap()),
         rtmr: [None, None, None, None],
         allow_tcb_status: Vec::new(),
     };
+    let collateral = tdx_collateral_file(&data("tdx/dcap-qvl/tdx_quote_collateral.json")).unwrap();
     let claims = tdx::verify(&quote, &collateral, &IntelRoot::pinned(), &policy, TDX_TIME).unwrap();
     assert_eq!(claims.status, "UpToDate");
 }
@@ -475,20 +482,30 @@ fn fetching_tdx_collateral_for_a_generated_platform_and_refusals() {
     std::fs::write(&quote_path, &quote).unwrap();
     let fmspc = intel.fmspc_hex();
 
-    let mirror = MirrorServer::start().unwrap();
-    parts.serve(&mirror, &fmspc, "platform");
-    let cache = tempfile::tempdir().unwrap();
-    let out = fetch_tdx(&mirror, cache.path(), &quote_path);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let cached = Collateral::at(cache.path()).tdx_collateral(&quote).unwrap();
+    // Current collateral that verifies the quote, but against a generated
+    // root, not Intel's: a PCS (--pcs-url) serving it overwrites nothing.
+    let root = IntelRoot::from_der(intel.root_der().to_vec());
     let policy = TdxPolicy {
         mrtd: Hex([1; 48]),
         rtmr: [None, None, None, None],
         allow_tcb_status: Vec::new(),
     };
-    let root = IntelRoot::from_der(intel.root_der().to_vec());
-    let claims = tdx::verify(&quote, &cached, &root, &policy, now()).unwrap();
-    assert_eq!(claims.status, "UpToDate");
+    let served = dir.path().join("served.json");
+    std::fs::write(&served, collateral.to_json()).unwrap();
+    let served = tdx_collateral_file(&served).unwrap();
+    let claims = tdx::verify(&quote, &served, &root, &policy, now());
+    assert_eq!(claims.unwrap().status, "UpToDate");
+    let mirror = MirrorServer::start().unwrap();
+    parts.serve(&mirror, &fmspc, "platform");
+    let cache = tempfile::tempdir().unwrap();
+    let (entry, good) = planted_entry(cache.path(), &fmspc);
+    let out = fetch_tdx(&mirror, cache.path(), &quote_path);
+    let log = stderr(&out);
+    assert!(!out.status.success(), "accepted: {log}");
+    assert!(log.contains("nothing was written"), "{log}");
+    assert!(log.contains("TDX "), "{log}");
+    assert_eq!(std::fs::read(&entry).unwrap(), good);
+    assert_eq!(files(cache.path()), [format!("tdx/{fmspc}.json")]);
 
     let refused = |mirror: &MirrorServer, expected: &str| {
         let cache = tempfile::tempdir().unwrap();

@@ -392,6 +392,33 @@ async fn kubeadm_failure_streams_the_error_and_the_logs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_characters_from_the_node_reach_the_terminal_escaped() {
+    // The stand-in kubeadm claims this version and fails on it, so the
+    // sequences come back in a streamed log line and the failure text.
+    let claim = "v1.31.13\u{1b}[2J\u{1b}]0;owned\u{7}\rfake";
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[("KEEL_STANDIN_VERSION", claim)]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws.path()).await;
+    assert!(!out.status.success());
+    let t = text(&out);
+    let escaped = "v1.31.13\\u{1b}[2J\\u{1b}]0;owned\\u{7}\\rfake";
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("  node: ") && l.contains(escaped)),
+        "{t}"
+    );
+    assert!(
+        t.contains("init failed on the node") && t.matches(escaped).count() >= 2,
+        "{t}"
+    );
+    assert!(
+        !t.contains('\u{1b}') && !t.contains('\u{7}') && !t.contains('\r'),
+        "{t:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_inits_lock_once() {
     let ca = EkCa::new().unwrap();
     let n = node(&ca, &[]).await;

@@ -33,8 +33,9 @@ pub enum CollateralCommand {
     /// TDX (--tdx-quote): from Intel's PCS, the TCB info for the quote's
     /// FMSPC, the TD quoting enclave's identity, the CRL of the CA that
     /// issued the quote's PCK certificate, and the SGX root CA's CRL, as
-    /// one file tdx/<FMSPC>.json. The command prints the collateral's
-    /// validity and whether the quote verifies with it now.
+    /// one file tdx/<FMSPC>.json. The quote must verify with it against
+    /// Intel's root now, as verifiers check it; otherwise nothing is
+    /// written. The command prints the collateral's validity.
     ///
     /// Copy the cache to /var/lib/keel/collateral on the nodes (and name
     /// it as `collateral` in the CLI settings); fetch again before the
@@ -131,14 +132,14 @@ async fn fetch(args: FetchArgs) -> anyhow::Result<()> {
                 &args.pcs_url,
                 &args.root_ca_crl_url,
                 &quote,
-                Some(now),
+                now,
+                &keel_verifier::cpu::tdx::IntelRoot::pinned(),
             )
             .await?
         }
         (None, None) => anyhow::bail!("name --vcek-from-report or --tdx-quote"),
     };
-    for file in &files {
-        let path = write(&args.cache, file)?;
+    for (path, file) in write_all(&args.cache, &files)?.iter().zip(&files) {
         eprintln!(
             "keel: wrote {} ({} bytes)",
             path.display(),
@@ -176,9 +177,42 @@ fn read_evidence(path: &Path, limit: u64) -> anyhow::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Writes `file` under `cache` through a temporary file and a rename, so a
-/// verifier never reads half a file.
-fn write(cache: &Path, file: &CacheFile) -> anyhow::Result<PathBuf> {
+/// Writes `files` under `cache`: each first to a temporary file of its
+/// own, and only when all were written are they renamed into place, so a
+/// failure leaves the cache as it was and a verifier never reads half a
+/// file. Limitation: the renames are atomic one by one, not as a set.
+fn write_all(cache: &Path, files: &[CacheFile]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut staged: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(files.len());
+    let mut renamed = 0;
+    let outcome = (|| {
+        for file in files {
+            staged.push(stage(cache, file)?);
+        }
+        for (temporary, path) in &staged {
+            std::fs::rename(temporary, path).with_context(|| {
+                format!(
+                    "renaming {} to {} ({renamed} of {} files already in place)",
+                    temporary.display(),
+                    path.display(),
+                    staged.len()
+                )
+            })?;
+            renamed += 1;
+        }
+        Ok(())
+    })();
+    if outcome.is_err() {
+        for (temporary, _) in staged.iter().skip(renamed) {
+            let _ = std::fs::remove_file(temporary);
+        }
+    }
+    outcome.map(|()| staged.into_iter().map(|(_, path)| path).collect())
+}
+
+/// Writes `file` to a new temporary file beside its place in `cache`;
+/// returns the temporary file and the place.
+fn stage(cache: &Path, file: &CacheFile) -> anyhow::Result<(PathBuf, PathBuf)> {
+    use std::io::Write as _;
     let path = cache.join(&file.relative);
     let dir = path
         .parent()
@@ -188,10 +222,120 @@ fn write(cache: &Path, file: &CacheFile) -> anyhow::Result<PathBuf> {
         .file_name()
         .and_then(|n| n.to_str())
         .unwrap_or("collateral");
-    let temporary = dir.join(format!(".{name}.partial"));
-    std::fs::write(&temporary, &file.bytes)
-        .with_context(|| format!("writing {}", temporary.display()))?;
-    std::fs::rename(&temporary, &path)
-        .with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
-    Ok(path)
+    let (temporary, mut out) = create_temporary(dir, name)?;
+    let written = out
+        .write_all(&file.bytes)
+        .and_then(|()| out.sync_all())
+        .with_context(|| format!("writing {}", temporary.display()));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written.map(|()| (temporary, path))
+}
+
+/// A new file `.<name>.<random>.partial` in `dir`, created exclusively:
+/// whatever is at that name (a file, a symbolic link) is never written
+/// through.
+fn create_temporary(dir: &Path, name: &str) -> anyhow::Result<(PathBuf, std::fs::File)> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut last = None;
+    for _ in 0..8 {
+        let temporary = dir.join(format!(".{name}.{:016x}.partial", rand::random::<u64>()));
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&temporary)
+        {
+            Ok(file) => return Ok((temporary, file)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e).with_context(|| format!("creating {}", temporary.display())),
+        }
+    }
+    Err(anyhow::anyhow!(
+        "creating a temporary file in {}: {}",
+        dir.display(),
+        last.map(|e| e.to_string()).unwrap_or_default()
+    ))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    /// Every entry under `dir` (files and links), relative, sorted.
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut pending = vec![dir.to_owned()];
+        while let Some(d) = pending.pop() {
+            for entry in std::fs::read_dir(&d).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() && !path.is_symlink() {
+                    pending.push(path);
+                } else {
+                    out.push(path.strip_prefix(dir).unwrap().display().to_string());
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn a_link_at_the_target_is_replaced_not_written_through() {
+        let cache = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let victim = elsewhere.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        std::fs::create_dir_all(cache.path().join("tdx")).unwrap();
+        let target = cache.path().join("tdx/B0C06F000000.json");
+        std::os::unix::fs::symlink(&victim, &target).unwrap();
+
+        let files = [CacheFile::new("tdx/B0C06F000000.json", b"fresh".to_vec())];
+        let written = write_all(cache.path(), &files).unwrap();
+        assert_eq!(written, std::slice::from_ref(&target));
+        assert!(!target.is_symlink());
+        assert_eq!(std::fs::read(&target).unwrap(), b"fresh");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(entries(cache.path()), ["tdx/B0C06F000000.json"]);
+    }
+
+    #[test]
+    fn temporary_files_are_new_and_unpredictable() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, _) = create_temporary(dir.path(), "crl.der").unwrap();
+        let (b, _) = create_temporary(dir.path(), "crl.der").unwrap();
+        assert_ne!(a, b);
+        for path in [&a, &b] {
+            let name = path.file_name().unwrap().to_str().unwrap();
+            assert!(
+                name.starts_with(".crl.der.") && name.ends_with(".partial"),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_failure_midway_leaves_the_cache_as_it_was() {
+        let cache = tempfile::tempdir().unwrap();
+        let chain = cache.path().join("snp/Milan/cert_chain.pem");
+        std::fs::create_dir_all(chain.parent().unwrap()).unwrap();
+        std::fs::write(&chain, b"old chain").unwrap();
+        // A file where the third one's directory must be.
+        std::fs::write(cache.path().join("blocked"), b"").unwrap();
+        let files = [
+            CacheFile::new("snp/Milan/cert_chain.pem", b"new chain".to_vec()),
+            CacheFile::new("snp/vcek.der", b"new vcek".to_vec()),
+            CacheFile::new("blocked/crl.der", b"new crl".to_vec()),
+        ];
+        let e = write_all(cache.path(), &files).unwrap_err();
+        assert!(format!("{e:#}").contains("blocked"), "{e:#}");
+        assert_eq!(std::fs::read(&chain).unwrap(), b"old chain");
+        // Neither the new files nor temporary files remain.
+        assert_eq!(
+            entries(cache.path()),
+            ["blocked", "snp/Milan/cert_chain.pem"]
+        );
+    }
 }

@@ -2,12 +2,15 @@
 //! TDX quote's FMSPC, the TD quoting enclave's identity, the CRL of the CA
 //! that issued the quote's PCK certificate, and the root CA's CRL,
 //! assembled into the `QuoteCollateralV3` file the verifier reads. The
-//! signed TCB info and QE identity are kept byte for byte as served.
+//! signed TCB info and QE identity are kept byte for byte as served. The
+//! quote must verify with the assembled collateral against Intel's root
+//! now (the verifier's own check) before anything is written.
 
 use dcap_qvl::quote::Quote;
-use dcap_qvl::verify::QuoteVerifier;
 use dcap_qvl::QuoteCollateralV3;
 use keel_verifier::cpu::collateral::{tdx_collateral_path, MAX_COLLATERAL_BYTES};
+use keel_verifier::cpu::policy::{Hex, TdxPolicy};
+use keel_verifier::cpu::tdx::{self, IntelRoot, TdxError};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use x509_parser::prelude::FromDer as _;
@@ -71,6 +74,10 @@ pub enum PcsError {
         /// Its size.
         actual: usize,
     },
+    /// The quote does not verify with the served collateral against the
+    /// Intel root now: verifiers would refuse it, so it is not cached.
+    #[error("the quote does not verify with the served collateral against Intel's root now, so nothing was written (a verifier would refuse it; check --pcs-url and fetch again): {0}")]
+    Unverified(TdxError),
 }
 
 /// A PCS answer holding one signed JSON object and its signature.
@@ -82,17 +89,22 @@ struct Signed<'a> {
 }
 
 /// Fetches the collateral for `quote` from the PCS at `base` (and the root
-/// CA's CRL from `root_ca_crl_url`). When `check_at` is given, the quote
-/// is verified with it against Intel's pinned root at that time, and the
-/// outcome printed.
+/// CA's CRL from `root_ca_crl_url`); returns it only if the quote verifies
+/// with it against `root` at `now`.
 pub async fn fetch(
     http: &Http,
     base: &str,
     root_ca_crl_url: &str,
     quote: &[u8],
-    check_at: Option<u64>,
+    now: u64,
+    root: &IntelRoot,
 ) -> Result<Vec<CacheFile>, PcsError> {
     let parsed = Quote::parse(quote).map_err(|e| PcsError::Quote(format!("{e:#}")))?;
+    let mrtd = parsed
+        .report
+        .as_td10()
+        .map(|td| td.mr_td)
+        .ok_or_else(|| PcsError::Quote("carries no TD report".into()))?;
     let fmspc =
         dcap_qvl::intel::quote_fmspc(&parsed).map_err(|e| PcsError::Quote(format!("{e:#}")))?;
     let ca = dcap_qvl::intel::quote_ca(&parsed)
@@ -174,18 +186,40 @@ pub async fn fetch(
             window("nextUpdate")
         );
     }
-    if let Some(now) = check_at {
-        match QuoteVerifier::new_prod().verify(quote, &collateral, now) {
-            Ok(verified) => eprintln!(
-                "keel: the quote verifies with this collateral against Intel's root now: TCB status {}",
-                verified.status
-            ),
-            Err(e) => eprintln!(
-                "keel: note: the quote does not verify with this collateral against Intel's root now: {e:#}"
-            ),
-        }
-    }
+    check(quote, &collateral, mrtd, root, now)?;
     Ok(vec![CacheFile::new(tdx_collateral_path(&fmspc), json)])
+}
+
+/// The verifier's check of `quote` with `collateral` (the quote's own MRTD,
+/// no RTMRs): the collateral is good when the DCAP verification passes,
+/// whatever the TCB status or TD attributes the verifier's policy then
+/// judges.
+fn check(
+    quote: &[u8],
+    collateral: &QuoteCollateralV3,
+    mrtd: [u8; 48],
+    root: &IntelRoot,
+    now: u64,
+) -> Result<(), PcsError> {
+    let policy = TdxPolicy {
+        mrtd: Hex(mrtd),
+        rtmr: [None, None, None, None],
+        allow_tcb_status: Vec::new(),
+    };
+    let verdict = "keel: the quote verifies with this collateral against Intel's root now";
+    match tdx::verify(quote, collateral, root, &policy, now) {
+        Ok(claims) => eprintln!("{verdict}: TCB status {}", claims.status),
+        Err(TdxError::TcbStatus {
+            actual, advisories, ..
+        }) => eprintln!(
+            "{verdict}: TCB status {actual} (advisories {advisories:?}); verifiers accept it only if cluster.attestation allows it"
+        ),
+        Err(TdxError::Debug) => {
+            eprintln!("{verdict}; note: the TD is debuggable, which verifiers refuse")
+        }
+        Err(e) => return Err(PcsError::Unverified(e)),
+    }
+    Ok(())
 }
 
 /// The signed object's exact text and its raw `r || s` signature.
@@ -273,4 +307,227 @@ fn crl(what: &'static str, body: &[u8]) -> Result<Vec<u8>, PcsError> {
         reason: format!("does not parse as a CRL: {e}"),
     })?;
     Ok(der)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use keel_testkit::intel::{CollateralOptions, TdFields, TestIntel, TD_ATTRIBUTES};
+    use keel_testkit::mirror::MirrorServer;
+    use keel_verifier::cpu::Collateral;
+
+    /// The time the real TDX collateral was valid at (see the vectors' README).
+    const TDX_TIME: u64 = 1_752_919_234;
+
+    fn now() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    }
+
+    fn url_encoded(text: &str) -> String {
+        text.bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    char::from(b).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect()
+    }
+
+    /// A PCS on `mirror` serving the parts of a `QuoteCollateralV3` JSON
+    /// for `fmspc`, with the PCK CRL of the platform CA.
+    fn serve(mirror: &MirrorServer, json: &serde_json::Value, fmspc: &str) {
+        let s = |k: &str| json[k].as_str().unwrap().to_owned();
+        let tcb_chain = url_encoded(&s("tcb_info_issuer_chain"));
+        mirror.serve_with_headers(
+            &format!("/tdx/certification/v4/tcb?fmspc={fmspc}"),
+            format!(
+                r#"{{"tcbInfo":{},"signature":"{}"}}"#,
+                s("tcb_info"),
+                s("tcb_info_signature")
+            ),
+            &[("TCB-Info-Issuer-Chain", &tcb_chain)],
+        );
+        mirror.serve_with_headers(
+            "/tdx/certification/v4/qe/identity",
+            format!(
+                r#"{{"enclaveIdentity":{},"signature":"{}"}}"#,
+                s("qe_identity"),
+                s("qe_identity_signature")
+            ),
+            &[("SGX-Enclave-Identity-Issuer-Chain", &tcb_chain)],
+        );
+        mirror.serve_with_headers(
+            "/sgx/certification/v4/pckcrl?ca=platform&encoding=der",
+            hex::decode(s("pck_crl")).unwrap(),
+            &[(
+                "SGX-PCK-CRL-Issuer-Chain",
+                &url_encoded(&s("pck_crl_issuer_chain")),
+            )],
+        );
+        mirror.serve(
+            "/IntelSGXRootCA.der",
+            hex::decode(s("root_ca_crl")).unwrap(),
+        );
+    }
+
+    fn fetch_from(
+        mirror: &MirrorServer,
+        quote: &[u8],
+        now: u64,
+        root: &IntelRoot,
+    ) -> Result<Vec<CacheFile>, PcsError> {
+        let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(fetch(
+                &http,
+                &mirror.base_url(),
+                &mirror.url("/IntelSGXRootCA.der"),
+                quote,
+                now,
+                root,
+            ))
+    }
+
+    /// A generated platform, its quote, and a PCS serving its collateral.
+    fn generated(options: &CollateralOptions) -> (TestIntel, Vec<u8>, MirrorServer) {
+        let intel = TestIntel::new().unwrap();
+        let collateral = intel.collateral(options).unwrap();
+        let quote = intel
+            .quote(&TdFields {
+                td_attributes: TD_ATTRIBUTES,
+                mrtd: [1; 48],
+                rtmr: [[0; 48]; 4],
+                report_data: [2; 64],
+            })
+            .unwrap();
+        let mirror = MirrorServer::start().unwrap();
+        let json = serde_json::from_str(&collateral.to_json()).unwrap();
+        serve(&mirror, &json, &intel.fmspc_hex());
+        (intel, quote, mirror)
+    }
+
+    /// The policy a verifier of the generated quote holds.
+    fn policy(mrtd: [u8; 48]) -> TdxPolicy {
+        TdxPolicy {
+            mrtd: Hex(mrtd),
+            rtmr: [None, None, None, None],
+            allow_tcb_status: Vec::new(),
+        }
+    }
+
+    /// Writes `files` into a new cache directory.
+    fn cache_of(files: &[CacheFile]) -> tempfile::TempDir {
+        let cache = tempfile::tempdir().unwrap();
+        super::super::write_all(cache.path(), files).unwrap();
+        cache
+    }
+
+    #[test]
+    fn collateral_that_verifies_with_the_root_is_returned_where_the_verifier_reads_it() {
+        let (intel, quote, mirror) = generated(&CollateralOptions::default());
+        let root = IntelRoot::from_der(intel.root_der().to_vec());
+        let files = fetch_from(&mirror, &quote, now(), &root).unwrap();
+        assert_eq!(files.len(), 1);
+        assert_eq!(files[0].relative, format!("tdx/{}.json", intel.fmspc_hex()));
+        let cache = cache_of(&files);
+        let cached = Collateral::at(cache.path()).tdx_collateral(&quote).unwrap();
+        let claims = tdx::verify(&quote, &cached, &root, &policy([1; 48]), now()).unwrap();
+        assert_eq!(claims.status, "UpToDate");
+    }
+
+    #[test]
+    fn an_out_of_date_tcb_still_caches_its_collateral() {
+        // The collateral is good; whether OutOfDate is accepted is the
+        // verifier's policy.
+        let (intel, quote, mirror) = generated(&CollateralOptions {
+            platform_status: "OutOfDate".into(),
+            ..CollateralOptions::default()
+        });
+        let root = IntelRoot::from_der(intel.root_der().to_vec());
+        assert_eq!(fetch_from(&mirror, &quote, now(), &root).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn collateral_that_does_not_verify_is_refused() {
+        // Signed by a root that is not Intel's.
+        let (intel, quote, mirror) = generated(&CollateralOptions::default());
+        let e = fetch_from(&mirror, &quote, now(), &IntelRoot::pinned()).unwrap_err();
+        assert!(matches!(e, PcsError::Unverified(_)), "{e}");
+        assert!(e.to_string().contains("nothing was written"), "{e}");
+
+        // Signed by another generated root.
+        let other = TestIntel::new().unwrap();
+        let root = IntelRoot::from_der(other.root_der().to_vec());
+        let e = fetch_from(&mirror, &quote, now(), &root).unwrap_err();
+        assert!(matches!(e, PcsError::Unverified(_)), "{e}");
+
+        // Expired.
+        let now_utc = time::OffsetDateTime::now_utc();
+        let (intel2, quote2, mirror2) = generated(&CollateralOptions {
+            issued: now_utc - time::Duration::days(30),
+            next_update: now_utc - time::Duration::days(1),
+            ..CollateralOptions::default()
+        });
+        let root2 = IntelRoot::from_der(intel2.root_der().to_vec());
+        let e = fetch_from(&mirror2, &quote2, now(), &root2).unwrap_err();
+        assert!(
+            e.to_string().contains("TDX collateral time"),
+            "expired collateral: {e}"
+        );
+
+        // The PCK certificate revoked.
+        let (intel3, quote3, mirror3) = generated(&CollateralOptions {
+            revoke_pck: true,
+            ..CollateralOptions::default()
+        });
+        let root3 = IntelRoot::from_der(intel3.root_der().to_vec());
+        let e = fetch_from(&mirror3, &quote3, now(), &root3).unwrap_err();
+        assert!(matches!(e, PcsError::Unverified(_)), "{e}");
+        drop(intel);
+    }
+
+    #[test]
+    fn real_collateral_verifies_a_real_quote_at_its_time_and_is_refused_now() {
+        let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/data/cvm/tdx/dcap-qvl");
+        let original: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(data.join("tdx_quote_collateral.json")).unwrap())
+                .unwrap();
+        let quote = std::fs::read(data.join("tdx_quote")).unwrap();
+        let mirror = MirrorServer::start().unwrap();
+        serve(&mirror, &original, "B0C06F000000");
+
+        // At a time the collateral was valid, against Intel's pinned root.
+        let files = fetch_from(&mirror, &quote, TDX_TIME, &IntelRoot::pinned()).unwrap();
+        assert_eq!(files[0].relative, "tdx/B0C06F000000.json");
+        let cache = cache_of(&files);
+        let cached = Collateral::at(cache.path()).tdx_collateral(&quote).unwrap();
+        assert_eq!(cached.tcb_info, original["tcb_info"].as_str().unwrap());
+        assert_eq!(
+            cached.qe_identity,
+            original["qe_identity"].as_str().unwrap()
+        );
+        let mrtd = hex::decode("91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a3520c942a604a407de03ae6dc5f87f27428b2538873118b7").unwrap();
+        let claims = tdx::verify(
+            &quote,
+            &cached,
+            &IntelRoot::pinned(),
+            &policy(mrtd.try_into().unwrap()),
+            TDX_TIME,
+        )
+        .unwrap();
+        assert_eq!(claims.status, "UpToDate");
+
+        // Now it has expired.
+        let e = fetch_from(&mirror, &quote, now(), &IntelRoot::pinned()).unwrap_err();
+        assert!(e.to_string().contains("TDX collateral time"), "{e}");
+    }
 }

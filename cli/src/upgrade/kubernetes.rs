@@ -21,6 +21,7 @@ use prost::Message as _;
 
 use super::Cluster;
 use crate::operator::{refused, Member, Operator};
+use crate::printable::printable;
 use crate::settings::Settings;
 
 use keel_verifier::keys::kind::UPGRADE;
@@ -137,14 +138,14 @@ async fn request(mut member: Member, target: &Target, step: UpgradeStep) -> anyh
     while let Some(message) = stream.message().await.map_err(|s| refused(&endpoint, &s))? {
         match message.event {
             Some(Event::Log(line)) if step != UpgradeStep::Authorise => {
-                println!("{endpoint}: {line}");
+                println!("{endpoint}: {}", printable(&line));
             }
             Some(Event::Done(done)) => {
                 if step != UpgradeStep::Authorise {
                     println!(
                         "{endpoint}: runs Kubernetes {} (was {}), {:.1} s",
-                        done.kubernetes_version,
-                        done.previous_version,
+                        printable(&done.kubernetes_version),
+                        printable(&done.previous_version),
                         started.elapsed().as_secs_f64()
                     );
                 }
@@ -153,13 +154,16 @@ async fn request(mut member: Member, target: &Target, step: UpgradeStep) -> anyh
             Some(Event::Failed(failed)) => {
                 bail!(
                     "{endpoint}: upgrade failed: {}; {}",
-                    failed.error,
+                    printable(&failed.error),
                     if failed.rolled_back {
-                        format!("switched back, runs Kubernetes {}", failed.running_version)
+                        format!(
+                            "switched back, runs Kubernetes {}",
+                            printable(&failed.running_version)
+                        )
                     } else {
                         format!(
                             "nothing switched, runs Kubernetes {}",
-                            failed.running_version
+                            printable(&failed.running_version)
                         )
                     }
                 )
