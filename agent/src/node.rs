@@ -55,17 +55,20 @@ pub const JOIN_ISSUING_PER_SOURCE: usize = 16;
 /// Handshakes of all sources that the join port admits to its issuer at
 /// once.
 pub const JOIN_ISSUING: usize = 64;
-/// Connections the join port keeps open at once: every member's evidence
-/// stream stays open, and in a local cluster every node reaches the port
-/// from one address (the VM network's gateway), so a source may take up to
-/// half of them before it is held to [`JOIN_CONNECTIONS_PER_SOURCE`].
-pub const JOIN_CONNECTIONS: usize = 2048;
-/// A source's share of [`JOIN_CONNECTIONS`] once half are taken.
+/// Connections the join port keeps open at once: every member keeps its
+/// evidence stream to every control plane open, so this is the registry's
+/// bound on nodes ([`crate::registry::MAX_NODES`]) with room for joins.
+/// Only a peer that passed mutual attestation holds a connection here past
+/// its handshake.
+pub const JOIN_CONNECTIONS: usize = crate::registry::MAX_NODES + 2048;
+/// A source's share of [`JOIN_CONNECTIONS`] once half are taken: below
+/// that, nodes behind one address (a local cluster's VM network gateway, a
+/// NAT, an IPv6 /64) may hold as many as they need.
 pub const JOIN_CONNECTIONS_PER_SOURCE: usize = 64;
 /// File descriptors the agent asks for (its soft limit, up to the hard
 /// one): the join port's and the init port's connections (keel-atls's
 /// default bound, 512) with room for the agent's files, pipes and TPM.
-pub const FILE_DESCRIPTORS: u64 = 4096;
+pub const FILE_DESCRIPTORS: u64 = 16 * 1024;
 
 /// The environment of a real node: installs under `/`, kubeadm from
 /// [`BIN_DIR`], the configured state disk mounted at [`STATE_MOUNT`], the

@@ -195,7 +195,7 @@ fn measurement_interrupted_before_extend_is_completed() {
 
 /// Under systemd the soft limit of open files is 1024, fewer than the
 /// ports' bounds on open connections: the agent raises its own soft limit
-/// (to 4096, within the hard limit) before it serves.
+/// (to 16384, within the hard limit) before it serves.
 #[test]
 fn the_agent_raises_its_open_file_limit_before_serving() {
     use std::io::BufRead as _;
@@ -210,7 +210,9 @@ fn the_agent_raises_its_open_file_limit_before_serving() {
         format!(r#"{{"cluster":{{"init_port":{port}}},"node":{{"name":"a","role":"worker"}}}}"#);
     std::fs::write(&config, json).unwrap();
     let mut agent = Command::new("prlimit")
-        .arg("--nofile=256:8192")
+        // The soft limit only: raising the hard one needs a privilege a
+        // test may lack.
+        .arg("--nofile=256:")
         .arg(env!("CARGO_BIN_EXE_keel-agent"))
         .args(["--tcti", &node.swtpm.tcti(), "--state-dir"])
         .arg(node.dir.path().join("state"))
@@ -235,5 +237,7 @@ fn the_agent_raises_its_open_file_limit_before_serving() {
         .find(|l| l.starts_with("Max open files"))
         .unwrap();
     let fields: Vec<&str> = open_files.split_whitespace().collect();
-    assert_eq!(&fields[3..5], ["4096", "8192"], "{open_files}");
+    let (soft, hard): (u64, u64) = (fields[3].parse().unwrap(), fields[4].parse().unwrap());
+    assert!(hard > 256, "{open_files}");
+    assert_eq!(soft, hard.min(16384), "{open_files}");
 }
