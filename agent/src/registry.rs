@@ -356,6 +356,12 @@ impl Registry {
         }
     }
 
+    /// The JSON form without whitespace (a control-plane ticket's copy of
+    /// the revocations).
+    pub fn to_compact_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
     /// The JSON form.
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec_pretty(self).unwrap_or_default()

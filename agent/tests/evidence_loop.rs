@@ -372,6 +372,18 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         tonic::Status::from(&err).code(),
         tonic::Code::PermissionDenied
     );
+    // A control plane that is down while the node is revoked: it joined
+    // before and has exchanged no registry since.
+    let cp3 = joiner_with(
+        config(&c.ca, &c.ports, "cp-3", "control-plane", c.policy),
+        Swtpm::start(&c.ca).unwrap(),
+    );
+    assert!(matches!(
+        run_client(&cp3, &c.ca, &Arc::new(ClusterSlot::new(None))).await,
+        JoinOutcome::Joined { .. }
+    ));
+    let cp3_registry = RegistryStore::shared(&cp3.root).unwrap();
+    assert!(cp3_registry.snapshot().revoked().is_empty());
     let (op, challenge, proof) = c.operator(REVOKE_NODE, disk.as_bytes());
     let revoked = op
         .revoke_node(
@@ -421,6 +433,15 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     let cp2_port = free_port();
     let _cp2_serving = cp2.serve_join(cp2_port, cp2_slot).await;
     assert_rejoin_revoked(&c.ca, &format!("127.0.0.1:{cp2_port}"), &worker, &disk).await;
+    // The control plane that was down comes back: its rejoin ticket
+    // carries the list too.
+    let cp3 = cp3.reboot(&c.ca);
+    assert!(matches!(
+        run_client(&cp3, &c.ca, &Arc::new(ClusterSlot::new(None))).await,
+        JoinOutcome::Rejoined { .. }
+    ));
+    assert_eq!(cp3_registry.snapshot().revoked().len(), 1);
+    assert_eq!(cp3_registry.snapshot().revoked()[0].ek, revoked.ek);
     // The list survives a restart of the registry (it is on the state disk).
     let path = RegistryStore::shared(&c.cp1.root)
         .unwrap()

@@ -316,7 +316,7 @@ impl JoinClient {
             let request = request.clone();
             async move { tickets.join_ticket(&endpoint, request, spki).await }
         };
-        let ticket = match self.locked_ticket("join", attempt, |t| t.cluster_id).await {
+        let mut ticket = match self.locked_ticket("join", attempt, |t| t.cluster_id).await {
             Ok(ticket) => ticket,
             Err(outcome) => return outcome,
         };
@@ -325,9 +325,16 @@ impl JoinClient {
         self.operator_key.set(ticket.operator_key.clone());
         let (plan, join) = self.join_plan(&ticket, disk_uuid, &kubelet, is_control_plane);
         let cluster_id = ticket.cluster_id;
+        let revocations = ticket
+            .control_plane
+            .as_mut()
+            .map(|(_, m)| std::mem::take(&mut m.revocations));
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
         let result = async {
             p.prepare(plan).await?;
+            if let Some(revocations) = revocations {
+                self.take_revocations(revocations).await?;
+            }
             p.kubeadm_join(&join).await?;
             match self.control_plane_state(ticket)? {
                 Some(state) => p.serve_as_control_plane(state, &self.cluster),
@@ -377,7 +384,7 @@ impl JoinClient {
                 Ok(ticket)
             }
         };
-        let ticket = match self
+        let mut ticket = match self
             .locked_ticket("rejoin", attempt, |t| t.cluster_id)
             .await
         {
@@ -394,6 +401,7 @@ impl JoinClient {
             components: None,
         };
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
+        let revocations = std::mem::take(&mut ticket.revocations);
         let result = async {
             p.prepare(plan).await?;
             // A control plane restores its state before the kubelet starts
@@ -404,6 +412,9 @@ impl JoinClient {
                 }
                 None => None,
             };
+            if state.is_some() {
+                self.take_revocations(revocations).await?;
+            }
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
             match state {
@@ -418,6 +429,27 @@ impl JoinClient {
             },
             Err(outcome) => outcome,
         }
+    }
+
+    /// Merges the issuing control plane's revocations (from a control
+    /// plane's ticket) into this node's registry, on its opened state disk,
+    /// before its join service (which opens the same store) can issue a
+    /// ticket: a revoked node gets none from a control plane that joined,
+    /// or was down, when the node was revoked, before it exchanged
+    /// registries with the others.
+    async fn take_revocations(
+        &self,
+        revocations: crate::registry::Registry,
+    ) -> Result<(), ProvisionError> {
+        let root = self.env.root().to_owned();
+        let added = tokio::task::spawn_blocking(move || {
+            RegistryStore::shared(&root).and_then(|store| store.merge(revocations))
+        })
+        .await
+        .map_err(ProvisionError::Blocking)?
+        .map_err(ProvisionError::Registry)?;
+        tracing::info!(revocations = added, "revocation list taken from the ticket");
+        Ok(())
     }
 
     /// The work after a join ticket: a fresh state disk, the kubelet's
@@ -485,14 +517,6 @@ impl JoinClient {
         let measurement_secret = keys
             .measurement_secret()
             .map_err(|e| ProvisionError::Lock(format!("deriving the measurement secret: {e}")))?;
-        // The issuing control plane's revocations, in this node's registry
-        // before its join service (which opens the same store) can issue a
-        // ticket: a revoked node gets none from a control plane that joined
-        // after the revocation and has not yet exchanged registries.
-        let added = RegistryStore::shared(self.env.root())
-            .and_then(|store| store.merge(measurements.revocations))
-            .map_err(ProvisionError::Registry)?;
-        tracing::info!(revocations = added, "revocation list taken from the ticket");
         Ok(Some(ClusterState {
             keys: Arc::new(keys),
             measurement_salt: ticket.measurement_salt,

@@ -188,6 +188,16 @@ impl JoinService {
         self
     }
 
+    /// What a ticket carries of the revocation list: for a control plane,
+    /// this service's revocations (a registry document without node
+    /// records), which it enforces before it serves; nothing for a worker.
+    fn revocations_for(&self, control_plane: bool) -> Vec<u8> {
+        match &self.registry {
+            Some(registry) if control_plane => registry.revocations().to_compact_json(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Refuses a revoked peer: its EK or its disk is on the list.
     fn check_revocation(&self, ek: &EkDigest, disk_uuid: &str) -> Result<(), JoinServiceError> {
         match self
@@ -376,10 +386,7 @@ impl JoinService {
                         .collect(),
                 }
             }),
-            revocations: match &self.registry {
-                Some(registry) if request.is_control_plane => registry.revocations().to_json(),
-                _ => Vec::new(),
-            },
+            revocations: self.revocations_for(request.is_control_plane),
         })
     }
 
@@ -444,6 +451,7 @@ impl JoinService {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
             control_plane_endpoints: cluster.control_plane_endpoints.clone(),
+            revocations: self.revocations_for(is_control_plane),
         })
     }
 

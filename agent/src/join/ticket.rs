@@ -20,7 +20,7 @@ use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 
 use crate::cluster::MAX_SIGNED_MEASUREMENTS;
-use crate::registry::Registry;
+use crate::registry::{Registry, MAX_REGISTRY_BYTES};
 use keel_verifier::validator::Verified;
 use subtle::ConstantTimeEq as _;
 use zeroize::Zeroizing;
@@ -30,9 +30,10 @@ use crate::kubeadm::{BootstrapToken, CaCertHash};
 use keel_verifier::keys::{ClusterId, ClusterIdError, KeyService, OperatorKey, DISK_KEY_LEN};
 
 /// Largest accepted ticket message: a control-plane ticket carries the
-/// cluster's revocation list (at most 10,000 entries, about 3 MiB as
-/// JSON) beside measurements and PKI files.
-pub const MAX_TICKET_BYTES: usize = 4 * 1024 * 1024;
+/// cluster's revocation list (a registry document, at most
+/// [`MAX_REGISTRY_BYTES`]) beside measurements and PKI files (at most
+/// 1 MiB).
+pub const MAX_TICKET_BYTES: usize = MAX_REGISTRY_BYTES + 1024 * 1024;
 /// The control-plane PKI files a control-plane join receives (relative to
 /// the PKI directory), as kubeadm's `--upload-certs` would share them.
 /// `ca.crt` and `ca.key` are required, the others are sent when present.
@@ -211,6 +212,9 @@ pub struct RejoinTicket {
     pub control_plane_endpoints: Vec<String>,
     /// The key this node checks the operator's requests with.
     pub operator_key: OperatorKey,
+    /// A control plane's rejoin ticket: the issuing control plane's
+    /// revocations.
+    pub revocations: Registry,
 }
 
 impl RejoinTicket {
@@ -221,6 +225,7 @@ impl RejoinTicket {
         cluster_id: ClusterId,
         is_control_plane: bool,
         endpoints: Vec<String>,
+        revocations: &[u8],
     ) -> Result<Self, TicketError> {
         if secrets.state_disk_key.len() != DISK_KEY_LEN {
             return Err(TicketError::Invalid("disk key length".into()));
@@ -231,7 +236,22 @@ impl RejoinTicket {
             control_plane_keys: control_plane_keys(secrets, is_control_plane)?,
             control_plane_endpoints: check_endpoints(endpoints)?,
             operator_key: operator_key(secrets)?,
+            revocations: if is_control_plane {
+                revocations_of(revocations)?
+            } else {
+                Registry::default()
+            },
         })
+    }
+}
+
+/// The revocation list a control plane's ticket carries (none: empty).
+fn revocations_of(bytes: &[u8]) -> Result<Registry, TicketError> {
+    match bytes {
+        [] => Ok(Registry::default()),
+        bytes => {
+            Registry::parse(bytes).map_err(|e| TicketError::Invalid(format!("revocations: {e}")))
+        }
     }
 }
 
@@ -417,11 +437,7 @@ pub fn parse_join_ticket(
                 .map(Component::try_from)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TicketError::Invalid(format!("authorised component: {e}")))?;
-            let revocations = match response.revocations.as_slice() {
-                [] => Registry::default(),
-                bytes => Registry::parse(bytes)
-                    .map_err(|e| TicketError::Invalid(format!("revocations: {e}")))?,
-            };
+            let revocations = revocations_of(&response.revocations)?;
             Some((
                 keys,
                 TicketMeasurements {
