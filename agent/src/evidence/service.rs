@@ -378,17 +378,31 @@ impl EvidenceService {
 
     /// The disk `uuid` reported by the member of `ek`, if the disk bindings
     /// bind it to that EK; refused if they bind it to another (logged with
-    /// both EK digests).
+    /// both EK digests). When the bindings cannot be read, no disk is
+    /// recorded and the evidence is still taken (logged): a store error
+    /// must not turn every member silent, and under the `revoke` policy
+    /// revoke them all.
     async fn bound_disk(
         &self,
         ek: EkDigest,
         uuid: String,
     ) -> Result<Option<BoundDisk>, EvidenceError> {
         let disks = self.inner.disks.clone();
-        let claim = tokio::task::spawn_blocking(move || BoundDisk::check(&disks, &ek, &uuid))
+        let checked = tokio::task::spawn_blocking(move || BoundDisk::check(&disks, &ek, &uuid))
             .await
-            .map_err(|_| EvidenceError::DiskBindings(DiskBindingsError::Task))?
-            .map_err(EvidenceError::DiskBindings)?;
+            .map_err(|_| DiskBindingsError::Task)
+            .and_then(|claim| claim);
+        let claim = match checked {
+            Ok(claim) => claim,
+            Err(e) => {
+                tracing::error!(
+                    ek = %ek,
+                    error = %keel_atls::ErrorChain(&e),
+                    "the disk bindings could not be read; the evidence is recorded without its disk"
+                );
+                return Ok(None);
+            }
+        };
         match claim {
             DiskClaim::Bound(disk) => Ok(Some(disk)),
             DiskClaim::OtherEk(bound) => {
