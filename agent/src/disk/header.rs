@@ -300,13 +300,21 @@ pub struct DetachedHeader {
 }
 
 impl DetachedHeader {
-    /// A fresh private directory under the temporary directory (`/tmp`, a
-    /// tmpfs on a node), with the path the copy is to be written to (which
-    /// must not exist yet: `luksHeaderBackup` refuses to overwrite).
+    /// A fresh private directory under `/run` (a tmpfs that systemd mounts
+    /// before any unit, unlike `/tmp`, which the agent does not wait for;
+    /// the temporary directory where there is no `/run`), with the path
+    /// the copy is to be written to (which must not exist yet:
+    /// `luksHeaderBackup` refuses to overwrite).
     pub(super) fn new_dir() -> Result<Self, DiskError> {
         let mut random = [0u8; 12];
         rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut random);
-        let dir = std::env::temp_dir().join(format!("keel-luks-{}", hex::encode(random)));
+        let run = Path::new("/run");
+        let base = if run.is_dir() {
+            run.to_owned()
+        } else {
+            std::env::temp_dir()
+        };
+        let dir = base.join(format!("keel-luks-{}", hex::encode(random)));
         // Fails if the path exists (a symlink included): nobody else's
         // directory is ever used.
         std::fs::DirBuilder::new()
