@@ -155,13 +155,32 @@ impl Settings {
         let config = node
             .cluster_config()
             .context("the node's event log holds no node config that parses")?;
-        if config.attestation != self.attestation {
+        // Compared as checked policies: the variant's own section only,
+        // the TDX statuses allowed as a set.
+        let policy = |c: &AttestationConfig| {
+            CpuPolicy::try_from(c).map(|mut p| {
+                if let CpuPolicy::Tdx(tdx) = &mut p {
+                    tdx.allow_tcb_status.sort();
+                    tdx.allow_tcb_status.dedup();
+                }
+                p
+            })
+        };
+        let node_policy = policy(&config.attestation)
+            .map_err(|reason| anyhow::anyhow!("the node's cluster.attestation: {reason}"))?;
+        let own = policy(&self.attestation)
+            .map_err(|reason| anyhow::anyhow!("settings attestation: {reason}"))?;
+        if node_policy != own {
             anyhow::bail!(
-                "the node's config names attestation variant {} with other CPU values than \
-                 the settings (variant {}): set the settings' attestation to the cluster's \
-                 cluster.attestation",
-                config.attestation.variant.as_str(),
-                self.attestation.variant.as_str()
+                "the node's config names attestation variant {}, the settings {}{}: set the \
+                 settings' attestation to the cluster's cluster.attestation",
+                node_policy.variant().as_str(),
+                own.variant().as_str(),
+                if node_policy.variant() == own.variant() {
+                    ", with other expected CPU values"
+                } else {
+                    ""
+                }
             );
         }
         Ok(())
