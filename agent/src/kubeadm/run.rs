@@ -245,11 +245,16 @@ impl Kubeadm {
         }
     }
 
-    /// Runs `kubeadm upgrade apply <version> --yes` (the first control
-    /// plane of an upgrade), limited like `kubeadm init`.
+    /// Runs `kubeadm upgrade apply <version> --yes --patches <patches>`
+    /// (the first control plane of an upgrade), limited like `kubeadm
+    /// init`. kubeadm keeps no patches between runs: without the
+    /// directory it would write the static pods' manifests with its
+    /// default, tag-only images, not the digests the patches pin (and
+    /// PCR 13 measures).
     pub async fn upgrade_apply(
         &self,
         version: KubernetesVersion,
+        patches: &Path,
         on_line: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(), KubeadmError> {
         let args = [
@@ -257,6 +262,8 @@ impl Kubeadm {
             "apply".to_owned(),
             version.to_string(),
             "--yes".to_owned(),
+            "--patches".to_owned(),
+            patches.display().to_string(),
         ];
         self.run("upgrade", &args, self.init_timeout, Stdout::Stream, on_line)
             .await
@@ -266,9 +273,15 @@ impl Kubeadm {
     /// limited like one `kubeadm join` attempt.
     pub async fn upgrade_node(
         &self,
+        patches: &Path,
         on_line: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(), KubeadmError> {
-        let args = ["upgrade".to_owned(), "node".to_owned()];
+        let args = [
+            "upgrade".to_owned(),
+            "node".to_owned(),
+            "--patches".to_owned(),
+            patches.display().to_string(),
+        ];
         self.run("upgrade", &args, self.join_timeout, Stdout::Stream, on_line)
             .await
     }

@@ -399,14 +399,18 @@ impl Upgrader {
         log("switched to the new components".into());
         let mut on_line = |line: &str| log(line.to_owned());
         let kubeadm = &self.env.kubeadm;
+        // The new version's patches, switched in with its components.
+        let patches = self.env.patches_dir();
         match target.step {
             Step::Apply => {
                 log(format!("running kubeadm upgrade apply {}", target.version));
-                kubeadm.upgrade_apply(target.version, &mut on_line).await
+                kubeadm
+                    .upgrade_apply(target.version, &patches, &mut on_line)
+                    .await
             }
             Step::Node | Step::Authorise => {
                 log("running kubeadm upgrade node".into());
-                kubeadm.upgrade_node(&mut on_line).await
+                kubeadm.upgrade_node(&patches, &mut on_line).await
             }
         }
         .map_err(UpgradeError::Kubeadm)?;

@@ -410,6 +410,31 @@ fn check_extra_args(doc: &Value, kind: &str, api: &str) -> Result<()> {
     }
 }
 
+/// `--patches DIR` among an upgrade's flags: required, as the patch files
+/// are what pin the control plane's images by digest and kubeadm keeps none
+/// between runs; the directory must exist. Returns the other flags.
+fn upgrade_patches(kind: &str, flags: &[String]) -> Result<Vec<String>> {
+    let mut rest = Vec::new();
+    let mut dir = None;
+    let mut flags = flags.iter();
+    while let Some(flag) = flags.next() {
+        if flag == "--patches" {
+            dir = flags.next().map(PathBuf::from);
+        } else {
+            rest.push(flag.clone());
+        }
+    }
+    let Some(dir) = dir else {
+        return fail(format!(
+            "{kind}: no --patches: the static pods would lose their pinned image digests"
+        ));
+    };
+    if !dir.is_dir() {
+        return fail(format!("could not list patch files for path {dir:?}"));
+    }
+    Ok(rest)
+}
+
 fn check_patches(doc: &Value) -> Result<Option<PathBuf>> {
     let Some(dir) = get(doc, &["patches", "directory"]).and_then(Value::as_str) else {
         return Ok(None);
@@ -846,6 +871,7 @@ fn upgrade(args: &[String]) -> Result<()> {
                 Some((v, flags)) if !v.starts_with("--") => (v.clone(), flags),
                 _ => return fail("upgrade apply: the version to upgrade to is required"),
             };
+            let flags = upgrade_patches("upgrade apply", flags)?;
             for flag in flags {
                 if flag != "--yes" && !flag.starts_with("--v") {
                     return fail(format!("unknown flag: {flag}"));
@@ -881,6 +907,7 @@ fn upgrade(args: &[String]) -> Result<()> {
             Ok(())
         }
         Some((sub, rest)) if sub == "node" => {
+            let rest = upgrade_patches("upgrade node", rest)?;
             if let Some(flag) = rest.iter().find(|f| !f.starts_with("--v")) {
                 return fail(format!("unknown flag: {flag}"));
             }
