@@ -80,19 +80,15 @@ fn settings(dir: &Path, ca: &EkCa, v: &Victim, endpoint: std::net::SocketAddr) -
     .write(dir)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
-    let ca = EkCa::new().unwrap();
-    let v = victim(&ca);
-    let real = Arc::new(TpmIssuer::new(v.tpm.clone()));
-    // Anyone who connects to a node gets a genuine document to copy from.
-    let genuine = real.issue(&[0; 32], &[0; 32]).unwrap();
-    let forger = Arc::new(SoftwareAk::new(&genuine, Some(real)).unwrap());
-
+/// Serves a recording init API on a fresh port over server-attested aTLS
+/// with `issuer`'s documents: its address, the recorder and the task.
+async fn serve_recorder(
+    issuer: Arc<dyn keel_atls::Issuer>,
+) -> (std::net::SocketAddr, Recorder, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let recorder = Recorder::default();
-    let incoming = AtlsServer::<()>::server_attested(forger.clone()).incoming(listener);
+    let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
     let server = tokio::spawn({
         let recorder = recorder.clone();
         async move {
@@ -102,6 +98,18 @@ async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
                 .await;
         }
     });
+    (addr, recorder, server)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
+    let ca = EkCa::new().unwrap();
+    let v = victim(&ca);
+    let real = Arc::new(TpmIssuer::new(v.tpm.clone()));
+    // Anyone who connects to a node gets a genuine document to copy from.
+    let genuine = real.issue(&[0; 32], &[0; 32]).unwrap();
+    let forger = Arc::new(SoftwareAk::new(&genuine, Some(real)).unwrap());
+    let (addr, recorder, server) = serve_recorder(forger.clone()).await;
 
     let dir = tempfile::tempdir().unwrap();
     let settings = settings(dir.path(), &ca, &v, addr);
@@ -157,20 +165,7 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
         _dir: dir,
     };
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let recorder = Recorder::default();
-    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
-    let server = tokio::spawn({
-        let recorder = recorder.clone();
-        async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(InitServiceServer::new(recorder))
-                .serve_with_incoming(incoming)
-                .await;
-        }
-    });
+    let (addr, recorder, server) = serve_recorder(Arc::new(TpmIssuer::new(node.tpm.clone()))).await;
 
     let dir = tempfile::tempdir().unwrap();
     let settings = settings(dir.path(), &ca, &node, addr);

@@ -173,6 +173,35 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
     Ok(())
 }
 
+/// What a single-boot test needs: the built image (none: the test is
+/// skipped), the patience for its boot, the node config, a temporary
+/// directory and the boot's work directory in it (named `name`).
+struct Boot {
+    image: ImageDir,
+    patience: Duration,
+    config_path: std::path::PathBuf,
+    tmp: tempfile::TempDir,
+    work: std::path::PathBuf,
+}
+
+impl Boot {
+    fn new(name: &str) -> Result<Option<Self>, Box<dyn std::error::Error>> {
+        let Some(image) = ImageDir::from_env()? else {
+            eprintln!("skipped: no image to boot (set {IMAGE_DIR_VAR}=build/image)");
+            return Ok(None);
+        };
+        let tmp = tempfile::tempdir()?;
+        let work = work_root(tmp.path()).join(name);
+        Ok(Some(Self {
+            image,
+            patience: Duration::from_secs(env_number("KEEL_VM_PATIENCE_S", 600)?),
+            config_path: workspace_root().join("tests/fixtures/node-config.json"),
+            tmp,
+            work,
+        }))
+    }
+}
+
 /// The attacker's move against the root file system: change it on disk and
 /// leave the UKI, and with it every PCR, as it is. One byte changes in the
 /// root partition's first block, in the 1 KiB erofs leaves unused before its
@@ -181,14 +210,16 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
 /// the console and powers the VM off, and nothing on the root runs.
 #[test]
 fn a_changed_root_does_not_boot() -> TestResult {
-    let Some(image) = ImageDir::from_env()? else {
-        eprintln!("skipped: no image to boot (set {IMAGE_DIR_VAR}=build/image)");
+    let Some(Boot {
+        image,
+        patience,
+        config_path,
+        tmp,
+        work,
+    }) = Boot::new("changed-root")?
+    else {
         return Ok(());
     };
-    let patience = Duration::from_secs(env_number("KEEL_VM_PATIENCE_S", 600)?);
-    let config_path = workspace_root().join("tests/fixtures/node-config.json");
-    let tmp = tempfile::tempdir()?;
-    let work = work_root(tmp.path()).join("changed-root");
     std::fs::create_dir_all(&work)?;
     // The copy is large: it lives in the temporary directory, not the logs.
     let disk = tmp.path().join("changed-root.raw");
@@ -230,14 +261,16 @@ fn a_changed_root_does_not_boot() -> TestResult {
 /// boots to ready and the marker never shows.
 #[test]
 fn host_credentials_are_not_imported() -> TestResult {
-    let Some(image) = ImageDir::from_env()? else {
-        eprintln!("skipped: no image to boot (set {IMAGE_DIR_VAR}=build/image)");
+    let Some(Boot {
+        image,
+        patience,
+        config_path,
+        tmp: _tmp,
+        work,
+    }) = Boot::new("host-credentials")?
+    else {
         return Ok(());
     };
-    let patience = Duration::from_secs(env_number("KEEL_VM_PATIENCE_S", 600)?);
-    let config_path = workspace_root().join("tests/fixtures/node-config.json");
-    let tmp = tempfile::tempdir()?;
-    let work = work_root(tmp.path()).join("host-credentials");
     const MARKER: &str = "keel-test: a host credential was imported";
     let vm = VmBuilder::new(image.disk(), &work)
         .node_config(&config_path)
