@@ -173,7 +173,21 @@ pub async fn run(
     // Refuse a bad key before anything reaches the node.
     let signing_key = settings.signing_key()?;
     let init_secret = match &settings.init_secret_file {
-        Some(p) => Zeroizing::new(read_bounded(&settings.resolve(p))?),
+        Some(p) => {
+            let path = settings.resolve(p);
+            let secret = Zeroizing::new(read_bounded(&path)?);
+            if secret.len() < MIN_INIT_SECRET_BYTES {
+                bail!(
+                    "{} holds {} bytes; an init secret needs at least {MIN_INIT_SECRET_BYTES}: \
+                     its SHA-256 is in the node's measured config, which anyone who connects \
+                     to the node can read, so a short one can be guessed offline (make one \
+                     with `head -c 32 /dev/urandom | base64 > FILE`); nothing was sent",
+                    path.display(),
+                    secret.len()
+                );
+            }
+            secret
+        }
         None => bail!("the settings name no init_secret_file"),
     };
     let components = match &settings.components_file {
@@ -336,6 +350,12 @@ fn write_failure_logs(workspace: &Path, logs: &[u8]) -> anyhow::Result<PathBuf> 
     write_atomic(&path, logs, 0o600)?;
     Ok(path)
 }
+
+/// Fewest bytes an init secret may have. Its hash is public (in the node
+/// config every node measures and shows in its event log), so guessing it
+/// is an offline search that no per-address backoff slows: 16 random bytes
+/// put that out of reach.
+pub const MIN_INIT_SECRET_BYTES: usize = 16;
 
 /// The signature of the measurements file, when the node's measured config
 /// names a measurements signing key: it must be the settings' key, and the

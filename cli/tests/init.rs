@@ -232,16 +232,40 @@ async fn second_init_is_failed_precondition() {
     );
 }
 
+/// An init secret's hash is in every node's measured config, which the
+/// node shows anyone who connects: a short secret could be guessed
+/// offline. The CLI refuses one before it connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_init_secret_is_refused_before_anything_is_sent() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let out = keel_init(&n.settings(&ca, b"fifteen bytes!!", None), ws.path()).await;
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("holds 15 bytes; an init secret needs at least 16"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    assert!(
+        !text(&out).contains("fifteen bytes!!"),
+        "the secret must not be echoed"
+    );
+    assert_eq!(n.pcr15(), [0; 32]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_init_secret_is_refused_and_the_node_stays_unlocked() {
     let ca = EkCa::new().unwrap();
     let n = node(&ca, &[]).await;
     let ws = tempfile::tempdir().unwrap();
-    let out = keel_init(&n.settings(&ca, b"wrong secret", None), ws.path()).await;
+    let wrong = b"a wrong init secret of a fair length";
+    let out = keel_init(&n.settings(&ca, wrong, None), ws.path()).await;
     assert!(!out.status.success());
     assert!(text(&out).contains("Unauthenticated"), "{}", text(&out));
     assert!(
-        !text(&out).contains("wrong secret\n"),
+        !text(&out).contains("a wrong init secret"),
         "the secret must not be echoed"
     );
     assert_eq!(n.pcr15(), [0; 32]);

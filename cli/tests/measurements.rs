@@ -35,7 +35,11 @@ impl Setup {
             .push(rcgen::DnType::CommonName, "test EK CA");
         let ca = params.self_signed(&key).unwrap();
         std::fs::write(dir.path().join("ek-ca.pem"), ca.pem()).unwrap();
-        std::fs::write(dir.path().join("init-secret"), "an init secret").unwrap();
+        std::fs::write(
+            dir.path().join("init-secret"),
+            "an init secret, long enough",
+        )
+        .unwrap();
         let settings = serde_json::json!({
             "endpoint": listener.local_addr().unwrap().to_string(),
             "measurements": "measurements.json",
