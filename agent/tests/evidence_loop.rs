@@ -635,3 +635,21 @@ async fn a_member_of_the_staged_image_reports_during_an_image_rollout() {
         "{record:?}"
     );
 }
+
+/// The disk bindings can fail to read (a corrupt file, an I/O error): the
+/// evidence is still taken, without its disk, so that a store error does
+/// not turn every member silent and, under the `revoke` policy, revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn evidence_is_taken_when_the_disk_bindings_cannot_be_read() {
+    let c = Cluster::start(EvidencePolicy::Revoke).await;
+    let bindings = DiskBindings::new(&c.cp1.work).path().to_owned();
+    std::fs::write(&bindings, b"not a disk binding store").unwrap();
+    let mut session = c.session(&c.worker).await;
+    assert_eq!(session.round().await.unwrap(), "trusted");
+    assert_eq!(session.round().await.unwrap(), "trusted");
+    assert!(c.registry().snapshot().revoked().is_empty());
+    let record = Cluster::worker_record(&c.registry().snapshot())
+        .cloned()
+        .unwrap();
+    assert_eq!(record.verdict, Verdict::Trusted);
+}
