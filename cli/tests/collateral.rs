@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use keel_testkit::intel::{CollateralOptions, TdFields, TestIntel, TD_ATTRIBUTES};
+use keel_testkit::intel::{CollateralOptions, PcsParts, TdFields, TestIntel, TD_ATTRIBUTES};
 use keel_testkit::mirror::{Fault, MirrorServer};
 use keel_verifier::cpu::collateral::tdx_collateral_file;
 use keel_verifier::cpu::policy::{Hex, TdxPolicy};
@@ -67,18 +67,6 @@ fn files(dir: &Path) -> Vec<String> {
     walk(dir, dir, &mut out);
     out.sort();
     out
-}
-
-/// A header value as Intel's PCS sends certificate chains: URL-encoded.
-fn url_encoded(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                char::from(b).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 // ---------------------------------------------------------------- SEV-SNP
@@ -343,65 +331,6 @@ fn an_azure_hcl_report_names_its_vcek_through_the_snp_report_inside() {
 
 // ---------------------------------------------------------------- TDX
 
-/// The parts of a collateral as PCS serves them.
-struct PcsParts {
-    tcb_info: String,
-    tcb_info_signature: String,
-    qe_identity: String,
-    qe_identity_signature: String,
-    tcb_chain: String,
-    pck_crl_chain: String,
-    pck_crl: Vec<u8>,
-    root_ca_crl: Vec<u8>,
-}
-
-impl PcsParts {
-    /// From a `QuoteCollateralV3` JSON file's fields.
-    fn from_collateral_json(json: &serde_json::Value) -> Self {
-        let s = |k: &str| json[k].as_str().unwrap().to_owned();
-        Self {
-            tcb_info: s("tcb_info"),
-            tcb_info_signature: s("tcb_info_signature"),
-            qe_identity: s("qe_identity"),
-            qe_identity_signature: s("qe_identity_signature"),
-            tcb_chain: s("tcb_info_issuer_chain"),
-            pck_crl_chain: s("pck_crl_issuer_chain"),
-            pck_crl: hex::decode(s("pck_crl")).unwrap(),
-            root_ca_crl: hex::decode(s("root_ca_crl")).unwrap(),
-        }
-    }
-
-    /// Serves them on `mirror` for `fmspc`, with the PCK CRL of `ca`.
-    fn serve(&self, mirror: &MirrorServer, fmspc: &str, ca: &str) {
-        let tcb_chain = url_encoded(&self.tcb_chain);
-        mirror.serve_with_headers(
-            &format!("/tdx/certification/v4/tcb?fmspc={fmspc}"),
-            format!(
-                r#"{{"tcbInfo":{},"signature":"{}"}}"#,
-                self.tcb_info, self.tcb_info_signature
-            ),
-            &[("TCB-Info-Issuer-Chain", &tcb_chain)],
-        );
-        mirror.serve_with_headers(
-            "/tdx/certification/v4/qe/identity",
-            format!(
-                r#"{{"enclaveIdentity":{},"signature":"{}"}}"#,
-                self.qe_identity, self.qe_identity_signature
-            ),
-            &[("SGX-Enclave-Identity-Issuer-Chain", &tcb_chain)],
-        );
-        mirror.serve_with_headers(
-            &format!("/sgx/certification/v4/pckcrl?ca={ca}&encoding=der"),
-            self.pck_crl.clone(),
-            &[(
-                "SGX-PCK-CRL-Issuer-Chain",
-                &url_encoded(&self.pck_crl_chain),
-            )],
-        );
-        mirror.serve("/IntelSGXRootCA.der", self.root_ca_crl.clone());
-    }
-}
-
 fn fetch_tdx(mirror: &MirrorServer, cache: &Path, quote: &Path) -> Output {
     let base = mirror.base_url();
     let root_crl = mirror.url("/IntelSGXRootCA.der");
@@ -435,7 +364,9 @@ fn real_collateral_that_has_expired_is_refused_and_the_cache_entry_kept() {
     let original: serde_json::Value =
         serde_json::from_slice(&read("tdx/dcap-qvl/tdx_quote_collateral.json")).unwrap();
     let mirror = MirrorServer::start().unwrap();
-    PcsParts::from_collateral_json(&original).serve(&mirror, "B0C06F000000", "platform");
+    PcsParts::from_collateral_json(&original)
+        .unwrap()
+        .serve(&mirror, "B0C06F000000", "platform");
     let cache = tempfile::tempdir().unwrap();
     let (entry, good) = planted_entry(cache.path(), "B0C06F000000");
     let out = fetch_tdx(&mirror, cache.path(), &data("tdx/dcap-qvl/tdx_quote"));
@@ -469,7 +400,8 @@ fn fetching_tdx_collateral_for_a_generated_platform_and_refusals() {
     let intel = TestIntel::new().unwrap();
     let collateral = intel.collateral(&CollateralOptions::default()).unwrap();
     let parts =
-        PcsParts::from_collateral_json(&serde_json::from_str(&collateral.to_json()).unwrap());
+        PcsParts::from_collateral_json(&serde_json::from_str(&collateral.to_json()).unwrap())
+            .unwrap();
     let fields = TdFields {
         td_attributes: TD_ATTRIBUTES,
         mrtd: [1; 48],
@@ -527,6 +459,7 @@ fn fetching_tdx_collateral_for_a_generated_platform_and_refusals() {
     PcsParts {
         tcb_info: theirs.tcb_info.clone(),
         ..PcsParts::from_collateral_json(&serde_json::from_str(&collateral.to_json()).unwrap())
+            .unwrap()
     }
     .serve(&mirror, &fmspc, "platform");
     refused(

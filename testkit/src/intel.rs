@@ -21,6 +21,7 @@ use sha2::{Digest as _, Sha256};
 use time::{Duration, OffsetDateTime};
 
 use crate::amd::certificate_pem;
+use crate::mirror::MirrorServer;
 
 /// Intel's QE vendor ID, which a DCAP verifier requires in the header.
 const INTEL_QE_VENDOR_ID: [u8; 16] = [
@@ -259,6 +260,93 @@ impl TdxCollateral {
         })
         .to_string()
     }
+}
+
+/// The parts of a TDX collateral as Intel's PCS serves them, for a stand-in
+/// PCS on a [`MirrorServer`].
+#[derive(Clone, Debug)]
+pub struct PcsParts {
+    /// The TCB info object's JSON text.
+    pub tcb_info: String,
+    /// Its signature, hex.
+    pub tcb_info_signature: String,
+    /// The QE identity object's JSON text.
+    pub qe_identity: String,
+    /// Its signature, hex.
+    pub qe_identity_signature: String,
+    /// The TCB signing chain, PEM (for both signed objects).
+    pub tcb_chain: String,
+    /// The PCK CRL's issuer chain, PEM.
+    pub pck_crl_chain: String,
+    /// The PCK CRL, DER.
+    pub pck_crl: Vec<u8>,
+    /// The root CA's CRL, DER.
+    pub root_ca_crl: Vec<u8>,
+}
+
+impl PcsParts {
+    /// From a `QuoteCollateralV3` JSON document's fields (a cache file, or
+    /// [`TdxCollateral::to_json`]); `None` if a field is missing, or a CRL
+    /// is not hex.
+    pub fn from_collateral_json(json: &serde_json::Value) -> Option<Self> {
+        let s = |k: &str| json[k].as_str().map(str::to_owned);
+        let bytes = |k: &str| hex::decode(s(k)?).ok();
+        Some(Self {
+            tcb_info: s("tcb_info")?,
+            tcb_info_signature: s("tcb_info_signature")?,
+            qe_identity: s("qe_identity")?,
+            qe_identity_signature: s("qe_identity_signature")?,
+            tcb_chain: s("tcb_info_issuer_chain")?,
+            pck_crl_chain: s("pck_crl_issuer_chain")?,
+            pck_crl: bytes("pck_crl")?,
+            root_ca_crl: bytes("root_ca_crl")?,
+        })
+    }
+
+    /// Serves them on `mirror` at PCS v4's paths for `fmspc`, with the PCK
+    /// CRL of `ca` (`platform` or `processor`), each signed object's
+    /// issuer chain in its URL-encoded response header, and the root CA's
+    /// CRL at `/IntelSGXRootCA.der`.
+    pub fn serve(&self, mirror: &MirrorServer, fmspc: &str, ca: &str) {
+        let tcb_chain = url_encoded(&self.tcb_chain);
+        mirror.serve_with_headers(
+            &format!("/tdx/certification/v4/tcb?fmspc={fmspc}"),
+            format!(
+                r#"{{"tcbInfo":{},"signature":"{}"}}"#,
+                self.tcb_info, self.tcb_info_signature
+            ),
+            &[("TCB-Info-Issuer-Chain", &tcb_chain)],
+        );
+        mirror.serve_with_headers(
+            "/tdx/certification/v4/qe/identity",
+            format!(
+                r#"{{"enclaveIdentity":{},"signature":"{}"}}"#,
+                self.qe_identity, self.qe_identity_signature
+            ),
+            &[("SGX-Enclave-Identity-Issuer-Chain", &tcb_chain)],
+        );
+        mirror.serve_with_headers(
+            &format!("/sgx/certification/v4/pckcrl?ca={ca}&encoding=der"),
+            self.pck_crl.clone(),
+            &[(
+                "SGX-PCK-CRL-Issuer-Chain",
+                &url_encoded(&self.pck_crl_chain),
+            )],
+        );
+        mirror.serve("/IntelSGXRootCA.der", self.root_ca_crl.clone());
+    }
+}
+
+/// A header value as Intel's PCS sends certificate chains: URL-encoded.
+fn url_encoded(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// The fields a test chooses in a TD report.

@@ -313,7 +313,7 @@ fn crl(what: &'static str, body: &[u8]) -> Result<Vec<u8>, PcsError> {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
-    use keel_testkit::intel::{CollateralOptions, TdFields, TestIntel, TD_ATTRIBUTES};
+    use keel_testkit::intel::{CollateralOptions, PcsParts, TdFields, TestIntel, TD_ATTRIBUTES};
     use keel_testkit::mirror::MirrorServer;
     use keel_verifier::cpu::Collateral;
 
@@ -325,54 +325,6 @@ mod tests {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs()
-    }
-
-    fn url_encoded(text: &str) -> String {
-        text.bytes()
-            .map(|b| match b {
-                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                    char::from(b).to_string()
-                }
-                _ => format!("%{b:02X}"),
-            })
-            .collect()
-    }
-
-    /// A PCS on `mirror` serving the parts of a `QuoteCollateralV3` JSON
-    /// for `fmspc`, with the PCK CRL of the platform CA.
-    fn serve(mirror: &MirrorServer, json: &serde_json::Value, fmspc: &str) {
-        let s = |k: &str| json[k].as_str().unwrap().to_owned();
-        let tcb_chain = url_encoded(&s("tcb_info_issuer_chain"));
-        mirror.serve_with_headers(
-            &format!("/tdx/certification/v4/tcb?fmspc={fmspc}"),
-            format!(
-                r#"{{"tcbInfo":{},"signature":"{}"}}"#,
-                s("tcb_info"),
-                s("tcb_info_signature")
-            ),
-            &[("TCB-Info-Issuer-Chain", &tcb_chain)],
-        );
-        mirror.serve_with_headers(
-            "/tdx/certification/v4/qe/identity",
-            format!(
-                r#"{{"enclaveIdentity":{},"signature":"{}"}}"#,
-                s("qe_identity"),
-                s("qe_identity_signature")
-            ),
-            &[("SGX-Enclave-Identity-Issuer-Chain", &tcb_chain)],
-        );
-        mirror.serve_with_headers(
-            "/sgx/certification/v4/pckcrl?ca=platform&encoding=der",
-            hex::decode(s("pck_crl")).unwrap(),
-            &[(
-                "SGX-PCK-CRL-Issuer-Chain",
-                &url_encoded(&s("pck_crl_issuer_chain")),
-            )],
-        );
-        mirror.serve(
-            "/IntelSGXRootCA.der",
-            hex::decode(s("root_ca_crl")).unwrap(),
-        );
     }
 
     fn fetch_from(
@@ -410,7 +362,11 @@ mod tests {
             .unwrap();
         let mirror = MirrorServer::start().unwrap();
         let json = serde_json::from_str(&collateral.to_json()).unwrap();
-        serve(&mirror, &json, &intel.fmspc_hex());
+        PcsParts::from_collateral_json(&json).unwrap().serve(
+            &mirror,
+            &intel.fmspc_hex(),
+            "platform",
+        );
         (intel, quote, mirror)
     }
 
@@ -503,7 +459,11 @@ mod tests {
                 .unwrap();
         let quote = std::fs::read(data.join("tdx_quote")).unwrap();
         let mirror = MirrorServer::start().unwrap();
-        serve(&mirror, &original, "B0C06F000000");
+        PcsParts::from_collateral_json(&original).unwrap().serve(
+            &mirror,
+            "B0C06F000000",
+            "platform",
+        );
 
         // At a time the collateral was valid, against Intel's pinned root.
         let files = fetch_from(&mirror, &quote, TDX_TIME, &IntelRoot::pinned()).unwrap();
