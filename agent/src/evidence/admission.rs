@@ -28,15 +28,7 @@ pub struct MemberPolicy {
     cluster: tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>,
     ek_trust: EkTrust,
     config_pcr: Digest32,
-    built: Mutex<Option<(AcceptedSets, MemberValidator)>>,
-}
-
-/// The names ([`Measurements::digest`]) of the sets a member validator
-/// accepts: the current one and, during an image rollout, the staged one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct AcceptedSets {
-    current: Digest32,
-    staged: Option<Digest32>,
+    built: Mutex<Option<MemberValidator>>,
 }
 
 /// The validator members are checked with now, and the SHA-256 of the
@@ -85,20 +77,27 @@ pub fn member_validator(
     state: &ClusterState,
     ek_trust: EkTrust,
     config_pcr: Digest32,
-) -> Result<Validator, MeasurementsError> {
+) -> Result<MemberValidator, MeasurementsError> {
     let current = member_set(&state.join_measurements)?;
     let staged = state
         .staged_measurements
         .as_ref()
         .map(member_set)
         .transpose()?;
-    Ok(Validator::accepting(
-        current,
-        staged,
-        &[(pcr::CONFIG, config_pcr)],
-        ek_trust,
-        Arc::default(),
-    ))
+    let staged_member_set = staged.as_ref().map(Measurements::digest);
+    Ok(MemberValidator {
+        validator: Arc::new(Validator::accepting(
+            current,
+            staged,
+            &[(pcr::CONFIG, config_pcr)],
+            ek_trust,
+            Arc::default(),
+        )),
+        measurements: state.join_measurements.digest(),
+        staged: state.staged_measurements.as_ref().map(Measurements::digest),
+        cluster_id: state.cluster_id,
+        staged_member_set,
+    })
 }
 
 /// Why a member's document was refused beyond its validation.
@@ -135,33 +134,19 @@ impl MemberPolicy {
             .borrow()
             .clone()
             .ok_or(AdmissionError::NoCluster)?;
-        let sets = AcceptedSets {
-            current: state.join_measurements.digest(),
-            staged: state.staged_measurements.as_ref().map(Measurements::digest),
-        };
         let mut built = self.built.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((s, member)) = &*built {
-            if *s == sets && member.cluster_id == state.cluster_id {
+        if let Some(member) = &*built {
+            let staged = state.staged_measurements.as_ref().map(Measurements::digest);
+            if member.measurements == state.join_measurements.digest()
+                && member.staged == staged
+                && member.cluster_id == state.cluster_id
+            {
                 return Ok(member.clone());
             }
         }
-        let validator = member_validator(&state, self.ek_trust.clone(), self.config_pcr)
+        let member = member_validator(&state, self.ek_trust.clone(), self.config_pcr)
             .map_err(AdmissionError::Measurements)?;
-        let staged_member_set = state
-            .staged_measurements
-            .as_ref()
-            .map(member_set)
-            .transpose()
-            .map_err(AdmissionError::Measurements)?
-            .map(|m| m.digest());
-        let member = MemberValidator {
-            staged_member_set,
-            validator: Arc::new(validator),
-            measurements: sets.current,
-            staged: sets.staged,
-            cluster_id: state.cluster_id,
-        };
-        *built = Some((sets, member.clone()));
+        *built = Some(member.clone());
         Ok(member)
     }
 }
