@@ -95,6 +95,17 @@ impl ClusterState {
         updated
     }
 
+    /// The same state without the signed files of sets it no longer
+    /// accepts (neither the current measurements nor the staged ones): a
+    /// control plane of a retired image is not one joining nodes should
+    /// accept.
+    pub fn without_retired_signed(mut self) -> Self {
+        let (current, staged) = (&self.join_measurements, &self.staged_measurements);
+        self.signed_measurements
+            .retain(|s| s.measurements() == current || staged.as_ref() == Some(s.measurements()));
+        self
+    }
+
     /// The signed file, of those held, that describes the image whose PCRs
     /// are `own` (its PCRs 4, 9 and 11): what this control plane presents.
     pub fn own_image(

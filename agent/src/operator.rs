@@ -399,14 +399,10 @@ impl OperatorServer {
                 return Ok(state.with_measurements(measurements, staged));
             };
             let signed = verify_signed(key, &request.measurements, &request.signature)?;
-            let mut replaced = state
-                .with_measurements(signed.measurements().clone(), staged.clone())
-                .with_signed(signed);
-            let current = replaced.join_measurements.clone();
-            replaced.signed_measurements.retain(|s| {
-                *s.measurements() == current || staged.as_ref() == Some(s.measurements())
-            });
-            Ok(replaced)
+            Ok(state
+                .with_measurements(signed.measurements().clone(), staged)
+                .with_signed(signed)
+                .without_retired_signed())
         })?;
         let digest = updated.join_measurements.digest();
         tracing::info!(digest = %hex::encode(digest), "join measurements replaced by the operator");
@@ -469,13 +465,10 @@ impl OperatorServer {
                 .staged_measurements
                 .clone()
                 .ok_or(OperatorError::NothingStaged)?;
-            // The old image's signed file goes too: a control plane still on
-            // it is no longer one that joining nodes should accept.
-            let mut finished = state.with_measurements(staged.clone(), None);
-            finished
-                .signed_measurements
-                .retain(|s| *s.measurements() == staged);
-            Ok(finished)
+            // The old image's signed file goes too.
+            Ok(state
+                .with_measurements(staged, None)
+                .without_retired_signed())
         })?;
         let digest = updated.join_measurements.digest();
         tracing::info!(digest = %hex::encode(digest), "image upgrade finished: the staged measurements are the only ones accepted");
