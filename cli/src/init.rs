@@ -1,6 +1,5 @@
 //! `keel init`: create a cluster on its first node.
 
-use std::ffi::{OsStr, OsString};
 use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
@@ -20,6 +19,7 @@ use rand::RngCore;
 use tonic::transport::Endpoint;
 use zeroize::Zeroizing;
 
+use crate::files::create_temporary;
 use crate::printable::printable;
 use crate::settings::{read_bounded, Settings};
 use crate::workspace::{
@@ -75,32 +75,6 @@ fn refuse_link(path: &Path) -> anyhow::Result<()> {
     }
 }
 
-/// Creates a new file with a random name next to `path`, mode 0600:
-/// `O_CREAT | O_EXCL | O_NOFOLLOW`, so it never opens an existing file and
-/// never follows a symbolic link, whatever was planted in the directory.
-fn create_temporary(dir: &Path, name: &OsStr) -> std::io::Result<(PathBuf, std::fs::File)> {
-    let mut attempt = 0;
-    loop {
-        let mut temp_name = OsString::from(".");
-        temp_name.push(name);
-        temp_name.push(format!(".{:016x}.tmp", rand::rngs::OsRng.next_u64()));
-        let temp = dir.join(temp_name);
-        match std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&temp)
-        {
-            Ok(file) => return Ok((temp, file)),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 8 => {
-                attempt += 1;
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
 /// Writes `data` to `path` atomically with `mode`: a new temporary file in
 /// the same directory ([`create_temporary`]) is written and synced, renamed
 /// over `path`, and the directory synced. A reader sees the old content or
@@ -116,7 +90,7 @@ fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Result<()> {
     let name = path
         .file_name()
         .with_context(|| format!("{} names no file", path.display()))?;
-    let (temp, mut file) = create_temporary(dir, name).with_context(|| {
+    let (temp, mut file) = create_temporary(dir, name, "tmp").with_context(|| {
         format!(
             "creating a temporary file for {} in {}",
             path.display(),

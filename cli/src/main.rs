@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 mod collateral;
+mod files;
 mod init;
 mod logging;
 mod operator;

@@ -233,30 +233,19 @@ fn stage(cache: &Path, file: &CacheFile) -> anyhow::Result<(PathBuf, PathBuf)> {
     written.map(|()| (temporary, path))
 }
 
-/// A new file `.<name>.<random>.partial` in `dir`, created exclusively:
-/// whatever is at that name (a file, a symbolic link) is never written
-/// through.
+/// A new file `.<name>.<random>.partial` in `dir`, mode 0644, created
+/// exclusively ([`crate::files::create_temporary`]): whatever is at that
+/// name (a file, a symbolic link) is never written through.
 fn create_temporary(dir: &Path, name: &str) -> anyhow::Result<(PathBuf, std::fs::File)> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut last = None;
-    for _ in 0..8 {
-        let temporary = dir.join(format!(".{name}.{:016x}.partial", rand::random::<u64>()));
-        match std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .open(&temporary)
-        {
-            Ok(file) => return Ok((temporary, file)),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
-            Err(e) => return Err(e).with_context(|| format!("creating {}", temporary.display())),
-        }
+    use std::os::unix::fs::PermissionsExt as _;
+    let (temporary, file) =
+        crate::files::create_temporary(dir, std::ffi::OsStr::new(name), "partial")
+            .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    if let Err(e) = file.set_permissions(std::fs::Permissions::from_mode(0o644)) {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(e).with_context(|| format!("setting the mode of {}", temporary.display()));
     }
-    Err(anyhow::anyhow!(
-        "creating a temporary file in {}: {}",
-        dir.display(),
-        last.map(|e| e.to_string()).unwrap_or_default()
-    ))
+    Ok((temporary, file))
 }
 
 #[cfg(test)]
