@@ -320,6 +320,13 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         }
     };
     let push = |workspace: std::path::PathBuf| push_with(workspace, settings.clone());
+    // The measurements the node's join service holds now.
+    let in_force = || {
+        keel_verifier::measurements::Measurements::parse(
+            &std::fs::read(&join_measurements).unwrap(),
+        )
+        .unwrap()
+    };
     // The cluster has a measurements signing key: the operator's proof
     // alone replaces nothing. Settings that name no key (so the CLI checks
     // nothing) and no signature beside the file: refused by the node.
@@ -352,13 +359,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         "{}",
         text(&out)
     );
-    assert_eq!(
-        keel_verifier::measurements::Measurements::parse(
-            &std::fs::read(&join_measurements).unwrap()
-        )
-        .unwrap(),
-        boot_measurements(&config1)
-    );
+    assert_eq!(in_force(), boot_measurements(&config1));
     // Signed with the cluster's key from here on.
     std::fs::write(&new_signature, signing.sign(new.to_json().as_bytes())).unwrap();
     // Another cluster's master secret: refused by the node, nothing replaced.
@@ -378,13 +379,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         "{}",
         text(&out)
     );
-    assert_eq!(
-        keel_verifier::measurements::Measurements::parse(
-            &std::fs::read(&join_measurements).unwrap()
-        )
-        .unwrap(),
-        boot_measurements(&config1)
-    );
+    assert_eq!(in_force(), boot_measurements(&config1));
     // The workspace's own secret, at once: this address waits first.
     let out = push(ws.path().to_owned()).await;
     assert!(!out.status.success(), "{}", text(&out));
@@ -397,13 +392,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let out = push(ws.path().to_owned()).await;
     assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(
-        keel_verifier::measurements::Measurements::parse(
-            &std::fs::read(&join_measurements).unwrap()
-        )
-        .unwrap(),
-        new
-    );
+    assert_eq!(in_force(), new);
 
     // An image upgrade through the CLI: the new image's signed measurements
     // are staged next to the current ones, then finish makes them the only

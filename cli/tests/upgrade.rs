@@ -92,16 +92,23 @@ fn apply(setup: &Setup, settings: &Path, extra: &[&str]) -> std::process::Output
         .unwrap()
 }
 
+/// Signatures of `body`: by the setup's key, the same with its last byte
+/// flipped, and by another key.
+fn signatures(setup: &Setup, body: &[u8]) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    let good = setup.key.sign(body);
+    let mut flipped = good.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 1;
+    let other = SigningPrivateKey::generate().sign(body);
+    (good, flipped, other)
+}
+
 #[test]
 fn upgrade_apply_refuses_a_bad_signature_before_contacting_any_node() {
     let setup = Setup::new();
     let settings = setup.settings(true);
     let body = new_image();
-    let good = setup.key.sign(&body);
-    let mut flipped = good.clone();
-    let last = flipped.len() - 1;
-    flipped[last] ^= 1;
-    let other = SigningPrivateKey::generate().sign(&body);
+    let (good, flipped, other) = signatures(&setup, &body);
     let mut weak: serde_json::Value = serde_json::from_slice(&body).unwrap();
     weak.as_object_mut().unwrap().remove("12").unwrap();
     let weak = serde_json::to_vec(&weak).unwrap();
@@ -231,11 +238,7 @@ fn push_measurements_refuses_a_bad_signature_before_contacting_any_node() {
     let setup = Setup::new();
     let settings = setup.settings(true);
     let body = new_image();
-    let good = setup.key.sign(&body);
-    let mut flipped = good.clone();
-    let last = flipped.len() - 1;
-    flipped[last] ^= 1;
-    let other = SigningPrivateKey::generate().sign(&body);
+    let (good, flipped, other) = signatures(&setup, &body);
     let push = |extra: &[&str]| {
         let endpoint = setup.endpoint();
         let path = setup.path("new.json");
