@@ -55,12 +55,9 @@ pub async fn run(
     Ok(())
 }
 
+/// The string at `key`, escaped for the terminal: it comes from a node.
 fn text(v: &Value, key: &str) -> String {
-    v.get(key)
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .escape_debug()
-        .to_string()
+    crate::printable::printable(v.get(key).and_then(Value::as_str).unwrap_or("")).to_string()
 }
 
 /// "12 s ago" for a Unix time, "never" for none.
@@ -113,5 +110,20 @@ fn print_view(view: &Value) {
             text(r, "disk_uuid"),
             text(r, "reason")
         );
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_text_reaches_the_terminal_escaped() {
+        let record = serde_json::json!({ "name": "w-1\u{1b}[2J\u{202e}fake\nline", "reason": "PCR 12: \"x\"" });
+        assert_eq!(text(&record, "name"), "w-1\\u{1b}[2J\\u{202e}fake\\nline");
+        // Printable text stays as it is (no backslashes before quotes).
+        assert_eq!(text(&record, "reason"), "PCR 12: \"x\"");
+        assert_eq!(text(&record, "missing"), "");
     }
 }
