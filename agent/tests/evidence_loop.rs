@@ -653,3 +653,32 @@ async fn evidence_is_taken_when_the_disk_bindings_cannot_be_read() {
         .unwrap();
     assert_eq!(record.verdict, Verdict::Trusted);
 }
+
+/// Attacker's move: a compromised worker serves the evidence port of a
+/// control-plane endpoint (the host sends the control planes' registry
+/// exchange to it) and hands out a crafted registry: junk revocations
+/// that fill the list, revocations of every node, records that never go
+/// silent. It runs the cluster's image under the cluster's lock; its
+/// measured role is what the control plane's client refuses, before it
+/// asks for anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_serving_a_control_planes_port_gets_no_registry_merged() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let rogue_port = free_port();
+    // The worker serves what a control plane serves (here with cp-1's
+    // state; what it serves is never asked for).
+    let _rogue = c.worker.serve_join(rogue_port, c.cp1_slot.clone()).await;
+    let refused = c
+        .evidence_client(&c.cp1)
+        .connect(&format!("127.0.0.1:{rogue_port}"), &c.cluster_id())
+        .await;
+    match refused {
+        Err(EvidenceClientError::OtherCluster(TicketError::ServiceCluster(why))) => {
+            assert!(why.contains("not a control plane"), "{why}")
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a worker's registry port was trusted"),
+    }
+    // The same client trusts cp-1.
+    c.session(&c.cp1).await;
+}

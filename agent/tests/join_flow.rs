@@ -58,6 +58,50 @@ async fn a_node_keeps_retrying_until_the_join_service_is_up() {
     assert!(node.root.join("etc/kubernetes/kubelet.conf").is_file());
 }
 
+/// Attacker's move: a compromised worker of the cluster serves the join
+/// port (the host sends a joining node's connection to it). It runs the
+/// cluster's image under the cluster's lock, so image and PCR 15 match;
+/// only its measured role tells it from a control plane, and the joining
+/// node refuses its ticket for that before using anything in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_serving_the_join_port_gets_no_ticket_used() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    // The CA's certificates (in the config) exist once it made a TPM.
+    let swtpm = keel_testkit::swtpm::Swtpm::start(&ca).unwrap();
+    let config = join_common::config_for(&ca, &[port], "w-0", "worker");
+    let worker = join_common::start_service_config(
+        port,
+        config,
+        swtpm,
+        Some(stand_in_components(&mirror)),
+        false,
+    )
+    .await;
+    let deceived = joiner(&ca, &ca, port, "w-1", "worker");
+    let key = KubeletKey::generate("w-1").unwrap();
+    let request = IssueJoinTicketRequest {
+        disk_uuid: join_common::uuid(),
+        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: "w-1".into(),
+    };
+    let err = deceived
+        .tickets(&ca)
+        .join_ticket(&worker.endpoint, request, &key.spki())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TicketError::ServiceCluster(why) if why.contains("not a control plane")),
+        "{err}"
+    );
+    // The join loop keeps retrying and leaves the node as it was.
+    let run = tokio::time::timeout(WATCH, deceived.client(&ca).run()).await;
+    assert!(run.is_err(), "{run:?}");
+    deceived.assert_untouched();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_nodes_stay_unlocked_and_untouched() {
     let ca = EkCa::new().unwrap();

@@ -198,6 +198,7 @@ pub async fn run(
     let verified = attested.claims();
     settings
         .check_node_attestation(verified)
+        .and_then(|()| check_control_plane(verified))
         .context("nothing was sent")?;
     for w in &verified.warnings {
         eprintln!("warning: {w}");
@@ -323,6 +324,14 @@ fn write_failure_logs(workspace: &Path, logs: &[u8]) -> anyhow::Result<PathBuf> 
     let path = workspace.join(FAILURE_LOG_FILE);
     write_atomic(&path, logs, 0o600)?;
     Ok(path)
+}
+
+/// The node's replayed identity must name the control-plane role: the
+/// master secret goes to control planes only, and a worker's image and
+/// cluster lock are the same as theirs.
+pub fn check_control_plane(node: &Verified) -> anyhow::Result<()> {
+    keel_verifier::validator::check_control_plane(node)
+        .map_err(|why| anyhow::anyhow!("the node is not a control plane: {why}"))
 }
 
 /// Fewest bytes an init secret may have. Its hash is public (in the node

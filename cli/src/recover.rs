@@ -75,6 +75,7 @@ pub async fn run(
     let verified = attested.claims();
     settings
         .check_node_attestation(verified)
+        .and_then(|()| crate::init::check_control_plane(verified))
         .context("nothing was sent")?;
     let sealed = credential::seal(&verified.ek, &verified.ak.name, &payload)
         .context("sealing the master secret to the node's TPM")?;

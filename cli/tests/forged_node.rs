@@ -16,6 +16,8 @@ use keel_agent::measured::SharedTpm;
 use keel_atls::AtlsServer;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitRequest, InitResponse};
+use keel_proto::recovery::recovery_service_server::{RecoveryService, RecoveryServiceServer};
+use keel_proto::recovery::{RecoverRequest, RecoverResponse};
 use keel_testkit::forgery::SoftwareAk;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
@@ -190,6 +192,97 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
         text(&out).contains("attestation variant sev-snp"),
         "{}",
         text(&out)
+    );
+    server.abort();
+}
+
+/// The recovery API of a node: counts the requests that reach it.
+#[tonic::async_trait]
+impl RecoveryService for Recorder {
+    async fn recover(
+        &self,
+        _request: tonic::Request<RecoverRequest>,
+    ) -> Result<tonic::Response<RecoverResponse>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(tonic::Status::unavailable("a worker"))
+    }
+}
+
+/// Attacker's move: the host sends the operator's `keel init` or `keel
+/// recover` to a worker of the cluster's image, outside any cluster, which
+/// it has compromised (or to one booted for the purpose). Image, config
+/// and PCR 15 all pass; its measured role does not, and neither the init
+/// secret nor the master secret is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
+    let ca = EkCa::new().unwrap();
+    let swtpm = Swtpm::start(&ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = harness::control_plane_config(
+        "sha256:0000000000000000000000000000000000000000000000000000000000000000",
+    );
+    config.node.role = keel_verifier::config::Role::Worker;
+    let tpm = harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config);
+    let node = Victim {
+        tpm,
+        config,
+        _swtpm: swtpm,
+        _dir: dir,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let recorder = Recorder::default();
+    let incoming = AtlsServer::<()>::server_attested(Arc::new(TpmIssuer::new(node.tpm.clone())))
+        .incoming(listener);
+    let server = tokio::spawn({
+        let recorder = recorder.clone();
+        async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(InitServiceServer::new(recorder.clone()))
+                .add_service(RecoveryServiceServer::new(recorder))
+                .serve_with_incoming(incoming)
+                .await;
+        }
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let settings = settings(dir.path(), &ca, &node, addr);
+    let ws = dir.path().join("workspace");
+    let out = run_keel(&["init", "--wait", "5"], &settings, Some(&ws)).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("not a control plane"), "{}", text(&out));
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(
+        ws.join("keel-master-secret.json"),
+        serde_json::json!({
+            "key": "11".repeat(32),
+            "salt": "22".repeat(32),
+            "measurement_salt": "33".repeat(32),
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let out = run_keel(
+        &[
+            "recover",
+            "--workspace",
+            ws.to_str().unwrap(),
+            "--wait",
+            "5",
+        ],
+        &settings,
+        None,
+    )
+    .await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("not a control plane"), "{}", text(&out));
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    assert_eq!(
+        recorder.0.load(Ordering::SeqCst),
+        0,
+        "a request reached the worker"
     );
     server.abort();
 }

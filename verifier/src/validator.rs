@@ -459,6 +459,19 @@ fn cpu_evidence(e: &keel_proto::attestation::CpuEvidence) -> Result<Evidence, Va
     })
 }
 
+/// Whether a validated peer's replayed node identity names the
+/// control-plane role. Its image and cluster lock are the same on every
+/// node of a cluster: only this tells a control plane from a worker, so
+/// whoever trusts a peer to serve control-plane state (join tickets,
+/// registries, recovery) checks it.
+pub fn check_control_plane(peer: &Verified) -> Result<(), &'static str> {
+    match peer.identity() {
+        Some(identity) if identity.role == crate::config::Role::ControlPlane => Ok(()),
+        Some(_) => Err("its measured node identity is not a control plane"),
+        None => Err("its event log holds no node identity that parses"),
+    }
+}
+
 /// Whether a validated peer is locked into exactly `cluster_id`: its log
 /// has exactly one cluster-ID event, naming `cluster_id`, and its PCR 15 is
 /// that event's single extend. Returns what is wrong otherwise.

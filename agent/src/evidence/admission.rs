@@ -112,7 +112,7 @@ pub enum AdmissionError {
     Measurements(#[source] MeasurementsError),
     /// PCR 15 is not the extend of exactly this cluster's ID.
     #[error("not a member of this cluster: {0}")]
-    NotMember(#[source] crate::join::TicketError),
+    NotMember(&'static str),
 }
 
 impl MemberPolicy {
@@ -151,9 +151,11 @@ impl MemberPolicy {
     }
 }
 
-/// The member's PCR 15 must be the extend of exactly `cluster_id`.
+/// The member's PCR 15 must be the extend of exactly `cluster_id` (of any
+/// role).
 pub fn check_member(peer: &Verified, cluster_id: &ClusterId) -> Result<(), AdmissionError> {
-    crate::join::ticket::check_service_cluster(peer, cluster_id).map_err(AdmissionError::NotMember)
+    keel_verifier::validator::check_cluster_lock(peer, cluster_id)
+        .map_err(AdmissionError::NotMember)
 }
 
 /// The join port's validator: the join policy, or else a member of this

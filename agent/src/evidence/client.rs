@@ -20,7 +20,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::{reported_kubernetes_version, user_data};
 use crate::attestation::issuer::TpmIssuer;
-use crate::join::ticket::check_service_cluster;
+use crate::join::ticket::check_service;
 use crate::measured::SharedTpm;
 use crate::provision::Node;
 use crate::registry::{Registry, RegistryStore, MAX_REGISTRY_BYTES};
@@ -35,8 +35,8 @@ pub enum EvidenceClientError {
     /// The aTLS connection failed.
     #[error("connecting to the control plane")]
     Connect(#[source] ConnectError),
-    /// The control plane is not locked into this node's cluster.
-    #[error("the control plane is not of this node's cluster")]
+    /// The peer is not a control plane locked into this node's cluster.
+    #[error("the peer is not a control plane of this node's cluster")]
     OtherCluster(#[source] crate::join::TicketError),
     /// The control plane refused a request.
     #[error("the control plane refused: {}: {}", .0.code(), .0.message())]
@@ -120,8 +120,7 @@ impl EvidenceClient {
         let service = bound
             .attested
             .ok_or(EvidenceClientError::Connect(ConnectError::ServerNotChecked))?;
-        check_service_cluster(service.claims(), cluster_id)
-            .map_err(EvidenceClientError::OtherCluster)?;
+        check_service(service.claims(), cluster_id).map_err(EvidenceClientError::OtherCluster)?;
         Ok(Session {
             client: EvidenceServiceClient::new(bound.channel)
                 .max_decoding_message_size(MAX_REGISTRY_BYTES),

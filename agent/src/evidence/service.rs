@@ -24,7 +24,7 @@ use keel_proto::evidence::{
     NextNonceRequest, NextNonceResponse, RegistryRequest, RegistryResponse, SubmitEvidenceRequest,
     SubmitEvidenceResponse,
 };
-use keel_verifier::config::{EvidenceConfig, EvidencePolicy, Role};
+use keel_verifier::config::{EvidenceConfig, EvidencePolicy};
 use keel_verifier::measurement::EventType;
 use keel_verifier::tpm_wire::Public;
 use keel_verifier::validator::{Verified, MAX_DOCUMENT_BYTES};
@@ -475,12 +475,9 @@ impl EvidenceService {
     /// The registry, for a peer that is a control plane of this cluster.
     pub fn registry_for(&self, peer: &Verified) -> Result<Vec<u8>, EvidenceError> {
         self.admit(peer)?;
-        match crate::join::service::measured_identity(peer) {
-            Ok(identity) if identity.role == Role::ControlPlane => {
-                Ok(self.inner.registry.snapshot().to_json())
-            }
-            _ => Err(EvidenceError::NotControlPlane),
-        }
+        keel_verifier::validator::check_control_plane(peer)
+            .map_err(|_| EvidenceError::NotControlPlane)?;
+        Ok(self.inner.registry.snapshot().to_json())
     }
 
     /// Runs `op` on the registry store on a blocking thread (it writes

@@ -2,8 +2,8 @@
 //! them before it uses anything.
 //!
 //! A ticket is only as good as the service that issued it: after the sealed
-//! secrets are opened, [`check_service_cluster`] requires that the service
-//! is locked into exactly the cluster the ticket's secrets derive, and
+//! secrets are opened, [`check_service`] requires that the service is a
+//! control plane locked into exactly the cluster the ticket's secrets derive, and
 //! [`parse_join_ticket`] checks every field (key lengths, the token and
 //! hash formats, the CA against its discovery hash, the kubelet certificate
 //! against this node's key and the CA, the version against the versions
@@ -79,7 +79,8 @@ pub enum TicketError {
     /// The cluster ID cannot be derived from the ticket.
     #[error("deriving the cluster ID from the ticket")]
     ClusterId(#[source] ClusterIdError),
-    /// The service's attestation does not show the ticket's cluster.
+    /// The service's attestation does not show a control plane of the
+    /// ticket's cluster.
     #[error("the join service's attestation does not match the ticket: {0}")]
     ServiceCluster(&'static str),
     /// A ticket field is invalid.
@@ -344,13 +345,14 @@ fn control_plane_keys(
     Ok(Some(keys))
 }
 
-/// The service's PCR 15 must be the extend of exactly `cluster_id`, logged
-/// as the one cluster-ID event of its replayed log.
-pub fn check_service_cluster(
-    service: &Verified,
-    cluster_id: &ClusterId,
-) -> Result<(), TicketError> {
+/// The service must be a control plane (its replayed node identity) whose
+/// PCR 15 is the extend of exactly `cluster_id`, logged as the one
+/// cluster-ID event of its replayed log. A worker of the cluster runs the
+/// same image under the same lock: without the role, a compromised one
+/// could serve tickets, or a registry, to the nodes the host sends it.
+pub fn check_service(service: &Verified, cluster_id: &ClusterId) -> Result<(), TicketError> {
     keel_verifier::validator::check_cluster_lock(service, cluster_id)
+        .and_then(|()| keel_verifier::validator::check_control_plane(service))
         .map_err(TicketError::ServiceCluster)
 }
 

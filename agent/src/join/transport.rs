@@ -14,7 +14,7 @@ use keel_verifier::validator::{Validator, Verified};
 use tonic::transport::Endpoint;
 
 use super::ticket::{
-    check_service_cluster, parse_join_ticket, JoinTicket, OpenedSecrets, RawTicket, RejoinTicket,
+    check_service, parse_join_ticket, JoinTicket, OpenedSecrets, RawTicket, RejoinTicket,
     TicketError, MAX_TICKET_BYTES,
 };
 use crate::attestation::credential;
@@ -140,7 +140,7 @@ impl TicketClient {
         let secrets = self.open(response.secrets.take()).await?;
         let cluster_id = keys::cluster_id(&secrets.measurement_secret, &response.measurement_salt)
             .map_err(TicketError::ClusterId)?;
-        check_service_cluster(raw.service.claims(), &cluster_id)?;
+        check_service(raw.service.claims(), &cluster_id)?;
         parse_join_ticket(
             response,
             &secrets,
@@ -169,7 +169,7 @@ impl TicketClient {
         let secrets = self.open(response.secrets.take()).await?;
         let cluster_id = keys::cluster_id(&secrets.measurement_secret, &response.measurement_salt)
             .map_err(TicketError::ClusterId)?;
-        check_service_cluster(service.claims(), &cluster_id)?;
+        check_service(service.claims(), &cluster_id)?;
         RejoinTicket::parse(
             &secrets,
             cluster_id,
