@@ -364,7 +364,7 @@ impl Downloader {
             .map_err(|_| idle_error())?
             .map_err(|source| DownloadError::Request {
                 url: shown.to_owned(),
-                source,
+                source: source.without_url(),
             })?;
         let status = response.status();
         if status != StatusCode::OK {
@@ -391,18 +391,23 @@ impl Downloader {
                 let chunk = timeout(idle, response.chunk())
                     .await
                     .map_err(|_| idle_error())?
-                    .map_err(|source| match total {
-                        Some(expected) if received < expected => DownloadError::Truncated {
-                            url: shown.to_owned(),
-                            received,
-                            expected,
-                            source: Some(source),
-                        },
-                        _ => DownloadError::ReadBody {
-                            url: shown.to_owned(),
-                            received,
-                            source,
-                        },
+                    .map_err(|source| {
+                        // reqwest's errors show the whole URL, query
+                        // included: the redacted one is in ours.
+                        let source = source.without_url();
+                        match total {
+                            Some(expected) if received < expected => DownloadError::Truncated {
+                                url: shown.to_owned(),
+                                received,
+                                expected,
+                                source: Some(source),
+                            },
+                            _ => DownloadError::ReadBody {
+                                url: shown.to_owned(),
+                                received,
+                                source,
+                            },
+                        }
                     })?;
                 let Some(chunk) = chunk else { return Ok(()) };
                 received = received.saturating_add(chunk.len() as u64);

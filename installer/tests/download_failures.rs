@@ -48,6 +48,19 @@ impl keel_installer::Progress for Recorder {
     }
 }
 
+/// Records the errors that retries were for, as the node logs them.
+#[derive(Default)]
+struct RetryLog(std::sync::Mutex<Vec<String>>);
+
+impl keel_installer::Progress for RetryLog {
+    fn started(&self, _: &str, _: Option<u64>) {}
+    fn advanced(&self, _: &str, _: u64, _: Option<u64>) {}
+    fn retrying(&self, _: &str, _: u32, _: Duration, error: &(dyn std::error::Error + 'static)) {
+        self.0.lock().unwrap().push(chain(error));
+    }
+    fn finished(&self, _: &str, _: u64, _: Duration) {}
+}
+
 const PATH: &str = "/v1.31.13/bin/linux/amd64/kubelet";
 
 fn body() -> Vec<u8> {
@@ -147,6 +160,43 @@ async fn a_truncated_body_is_retried_then_refused() {
     );
     assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
     assert_eq!(mirror.requests(PATH), 3);
+}
+
+/// A signed URL's query is a credential: it reaches neither the retry
+/// progress (the node's log) nor the error, whichever way the request
+/// fails (refused connection, body cut short; reqwest's own errors name
+/// the whole URL).
+#[tokio::test]
+async fn a_query_in_the_url_reaches_neither_log_nor_error() {
+    const SECRET: &str = "X-Amz-Signature=d0c5ec7e7";
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_always(PATH, Fault::Truncate(1000));
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    for url in [
+        format!("{}?{SECRET}", mirror.url(PATH)),
+        format!("http://{closed}/kubelet?{SECRET}"),
+    ] {
+        let component =
+            Component::new(&url, &sha256(&body()), "/run/state/bin/kubelet", false).unwrap();
+        let progress = RetryLog::default();
+        let err = installer(root.path(), None, fast_retries())
+            .install(&component, &progress)
+            .await
+            .unwrap_err();
+        let text = chain(&err);
+        assert!(text.contains("giving up after 3 attempts"), "{text}");
+        assert!(!text.contains("d0c5ec7e7"), "{text}");
+        let logged = progress.0.lock().unwrap().join("\n");
+        assert!(
+            !logged.is_empty() && !logged.contains("d0c5ec7e7"),
+            "{logged}"
+        );
+    }
 }
 
 #[tokio::test]
