@@ -201,6 +201,9 @@ pub enum ProvisionError {
     /// The node's version record could not be written or read.
     #[error("the node's version record")]
     Record(#[source] crate::upgrade::RecordError),
+    /// The node's own registry revokes it.
+    #[error("this node is on its cluster's revocation list: {0}")]
+    Revoked(String),
 }
 
 /// Runs plans for one node, reporting each step to a log sink.

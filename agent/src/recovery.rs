@@ -32,8 +32,11 @@ use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::attestation::{credential, own_ek_digest};
 use crate::disk::StateDisk;
+use crate::disk_bindings::EkDigest;
 use crate::nodelock::LockError;
+use crate::paths;
 use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
+use crate::registry::Registry;
 use crate::throttle::FailureThrottle;
 use keel_verifier::keys::{self, ClusterId, KeyService};
 
@@ -112,6 +115,8 @@ struct Accepted {
     keys: KeyService,
     cluster_id: ClusterId,
     disk_key: Zeroizing<Vec<u8>>,
+    own_ek: EkDigest,
+    disk_uuid: String,
 }
 
 impl RecoveryServer {
@@ -190,6 +195,13 @@ impl RecoveryServer {
                 components: None,
             })
             .await?;
+            // A control plane revoked before every control plane went down
+            // stays revoked: its own registry, now readable, says so.
+            let registry = Registry::on_disk(&inner.node.env.root().join(paths::NODE_REGISTRY))
+                .map_err(ProvisionError::Registry)?;
+            if let Some(revocation) = registry.revocation(&accepted.own_ek, &accepted.disk_uuid) {
+                return Err(ProvisionError::Revoked(revocation.to_string()));
+            }
             let key = inner
                 .node
                 .config
@@ -274,6 +286,8 @@ impl RecoveryServer {
             keys,
             cluster_id,
             disk_key,
+            own_ek,
+            disk_uuid: uuid,
         })
     }
 }

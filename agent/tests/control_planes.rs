@@ -18,6 +18,7 @@ use join_common::{
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::join::JoinOutcome;
+use keel_agent::provision::ProvisionError;
 use keel_agent::recovery::{RecoveryError, RecoveryServer};
 use keel_proto::join::ControlPlaneSecrets;
 use keel_proto::recovery::RecoverRequest;
@@ -212,4 +213,33 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         other => panic!("{other:?}"),
     }
     serving.abort();
+    let _ = serving.await;
+
+    // cp-1 is revoked (the revocation reached its registry as another
+    // control plane's), then every control plane goes down: recovery with
+    // the right master secret does not bring it back (its own registry,
+    // read once its disk is open, names it), and it serves nothing.
+    let registry = keel_agent::registry::RegistryStore::shared(&cp1.root).unwrap();
+    let own = join_common::ek_digest(&cp1.tpm);
+    registry
+        .update(|r| {
+            r.register(&own, "", "cp-1", "control-plane")?;
+            let record = r.find(&own.to_string())?.clone();
+            r.revoke(&record, None, "test: revoked by the operator")
+        })
+        .unwrap();
+    let cp1 = cp1.reboot(&ca);
+    let slot = Arc::new(ClusterSlot::new(None));
+    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+    let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(right, None).await {
+        Err(RecoveryError::Provision(ProvisionError::Revoked(why))) => {
+            assert!(why.contains("revoked by the operator"), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        slot.borrow().is_none(),
+        "a revoked node got a cluster state"
+    );
 }
