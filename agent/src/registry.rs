@@ -39,18 +39,21 @@ pub const MAX_NODES: usize = 10_000;
 /// Most revocations a registry holds.
 pub const MAX_REVOCATIONS: usize = 10_000;
 /// Largest registry file read, or accepted from another control plane.
-pub const MAX_REGISTRY_BYTES: usize = 8 * 1024 * 1024;
+pub use keel_proto::MAX_REGISTRY_BYTES;
 /// Largest journal read: its records are node records and revocations,
 /// each bounded, and a journal is folded into the snapshot once it
 /// outgrows it.
-const MAX_JOURNAL_BYTES: u64 = 4 * MAX_REGISTRY_BYTES as u64;
+const MAX_JOURNAL_BYTES: u64 = 2 * MAX_REGISTRY_BYTES as u64;
 /// The journal is folded into a new snapshot once it is larger than the
 /// snapshot and than this.
 const COMPACT_AT_LEAST: u64 = 1024 * 1024;
-/// Longest stored reason; longer ones are cut.
-const MAX_REASON: usize = 512;
-/// Longest stored name, disk UUID or version.
+/// Longest stored reason, in bytes; longer ones are cut.
+const MAX_REASON: usize = 256;
+/// Longest stored name, disk UUID or version, in bytes.
 const MAX_FIELD: usize = 64;
+/// How far ahead of this control plane's clock another's records may be
+/// dated and still be merged.
+const MAX_CLOCK_SKEW: Duration = Duration::from_secs(300);
 
 /// A node's verdict.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -326,8 +329,26 @@ pub fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// `text` as stored: control characters (which JSON would spell as six
+/// bytes each) replaced with `?`, then cut to at most `max` bytes on a
+/// character boundary. So a stored field is at most twice `max` bytes in
+/// JSON (a quote or backslash is two).
 fn cut(text: &str, max: usize) -> String {
-    text.chars().take(max).collect()
+    let mut stored = String::with_capacity(text.len().min(max));
+    for c in text.chars().map(|c| if c.is_control() { '?' } else { c }) {
+        if stored.len() + c.len_utf8() > max {
+            break;
+        }
+        stored.push(c);
+    }
+    stored
+}
+
+/// Whether `text` is an EK digest as [`EkDigest`] shows it.
+fn is_ek_digest(text: &str) -> bool {
+    text.strip_prefix("sha256:").is_some_and(|hex| {
+        hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
 }
 
 impl Registry {
@@ -335,14 +356,59 @@ impl Registry {
     /// [`MAX_NODES`] nodes and [`MAX_REVOCATIONS`] revocations).
     pub fn parse(bytes: &[u8]) -> Result<Self, RegistryError> {
         if bytes.len() > MAX_REGISTRY_BYTES {
-            return Err(RegistryError::Invalid("larger than 8 MiB".into()));
+            return Err(RegistryError::Invalid("larger than 32 MiB".into()));
         }
         let registry: Self =
             serde_json::from_slice(bytes).map_err(|e| RegistryError::Invalid(e.to_string()))?;
         if registry.nodes.len() > MAX_NODES || registry.revoked.len() > MAX_REVOCATIONS {
             return Err(RegistryError::Invalid("too many entries".into()));
         }
+        registry.check_entries()?;
         Ok(registry)
+    }
+
+    /// Every entry as this registry writes them: EK digests in their one
+    /// form, each node under its own EK, no field longer than it is cut
+    /// to. Another control plane's document (or a ticket's revocations)
+    /// holds nothing else either.
+    fn check_entries(&self) -> Result<(), RegistryError> {
+        let within = |text: &str, max: usize| text.len() <= max;
+        let fields_fit = |fields: &[&str], reason: Option<&str>| {
+            fields.iter().all(|f| within(f, MAX_FIELD))
+                && reason.is_none_or(|r| within(r, MAX_REASON))
+        };
+        for (key, r) in &self.nodes {
+            if *key != r.ek || !is_ek_digest(&r.ek) {
+                return Err(RegistryError::Invalid(
+                    "a node record is not under its EK digest".into(),
+                ));
+            }
+            let fields = [
+                r.name.as_str(),
+                &r.role,
+                &r.disk_uuid,
+                &r.kubernetes_version,
+                &r.measurements,
+            ];
+            if !fields_fit(&fields, r.reason.as_deref()) {
+                return Err(RegistryError::Invalid(
+                    "a node record's field is too long".into(),
+                ));
+            }
+        }
+        for r in &self.revoked {
+            if !is_ek_digest(&r.ek) {
+                return Err(RegistryError::Invalid(
+                    "a revocation names no EK digest".into(),
+                ));
+            }
+            if !fields_fit(&[r.name.as_str(), &r.disk_uuid], Some(&r.reason)) {
+                return Err(RegistryError::Invalid(
+                    "a revocation's field is too long".into(),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// This registry's revocations alone, without node records: what a
@@ -356,15 +422,11 @@ impl Registry {
         }
     }
 
-    /// The JSON form without whitespace (a control-plane ticket's copy of
-    /// the revocations).
-    pub fn to_compact_json(&self) -> Vec<u8> {
-        serde_json::to_vec(self).unwrap_or_default()
-    }
-
-    /// The JSON form.
+    /// The JSON form, without whitespace: what the snapshot holds, and
+    /// what another control plane, the operator or a control-plane ticket
+    /// gets ([`MAX_REGISTRY_BYTES`] bounds it at every entry bound).
     pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec_pretty(self).unwrap_or_default()
+        serde_json::to_vec(self).unwrap_or_default()
     }
 
     /// Nodes by the hex SHA-256 of their EK.
@@ -544,7 +606,8 @@ impl Registry {
 
     /// Takes in another control plane's registry: its revocations join
     /// this list, and each node record it has with newer evidence (or that
-    /// this one lacks) replaces this one's. Returns how many revocations
+    /// this one lacks) replaces this one's, unless it is dated more than
+    /// [`MAX_CLOCK_SKEW`] ahead of this clock. Returns how many revocations
     /// were new and how many node records were taken.
     pub fn merge(&mut self, other: Self) -> (usize, usize) {
         let mut added = 0;
@@ -559,7 +622,19 @@ impl Registry {
                 added += 1;
             }
         }
+        // A record dated ahead of this clock (by more than the skew two
+        // control planes may have) would win every later merge and never
+        // fall silent here: it is not taken.
+        let latest = now().saturating_add(MAX_CLOCK_SKEW.as_secs());
         for (key, theirs) in other.nodes {
+            let dated = [
+                Some(theirs.registered_at),
+                Some(theirs.verdict_at),
+                theirs.last_evidence_at,
+            ];
+            if dated.into_iter().flatten().any(|t| t > latest) {
+                continue;
+            }
             let newer = match self.nodes.get(&key) {
                 Some(ours) => theirs.last_evidence_at > ours.last_evidence_at,
                 None => self.nodes.len() < MAX_NODES,
@@ -613,7 +688,7 @@ impl Registry {
     fn restore(path: &Path, records: Vec<Change>) -> Result<Self, RegistryError> {
         let mut registry = match keel_verifier::bounded::read(path, MAX_REGISTRY_BYTES as u64) {
             Ok(Some(bytes)) => Registry::parse(&bytes)?,
-            Ok(None) => return Err(RegistryError::Invalid("larger than 8 MiB".into())),
+            Ok(None) => return Err(RegistryError::Invalid("larger than 32 MiB".into())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry::default(),
             Err(source) => {
                 return Err(RegistryError::Read {
@@ -905,6 +980,123 @@ mod tests {
             measurements: "ab".into(),
             failure: failure.map(str::to_owned),
         }
+    }
+
+    /// Attacker's move: a peer's document (or a ticket's revocation list)
+    /// with entries this registry never writes: a record under another
+    /// node's key, a revocation naming no EK, a field longer than any
+    /// stored one. The whole document is refused.
+    #[test]
+    fn a_document_with_entries_this_registry_never_writes_is_refused() {
+        let mut r = Registry::default();
+        r.record(&evidence(1, Some("PCR 13"))).unwrap();
+        let node = r.find("w-1").unwrap().clone();
+        r.revoke(&node, None, "operator").unwrap();
+        assert_eq!(Registry::parse(&r.to_json()).unwrap(), r);
+
+        let mut json: serde_json::Value = serde_json::from_slice(&r.to_json()).unwrap();
+        let key = ek(1).to_string();
+        type Edit = fn(&mut serde_json::Value, &str);
+        let cases: [(&str, Edit); 5] = [
+            ("moved", |j, key| {
+                let record = j["nodes"][key].take();
+                j["nodes"][ek(2).to_string()] = record;
+            }),
+            ("EK", |j, key| {
+                let record = j["nodes"][key].take();
+                j["nodes"] = serde_json::json!({ "sha256:XY": record });
+                j["nodes"]["sha256:XY"]["ek"] = "sha256:XY".into();
+            }),
+            ("revoked EK", |j, _| j["revoked"][0]["ek"] = "junk".into()),
+            ("reason", |j, key| {
+                j["nodes"][key]["reason"] = "x".repeat(MAX_REASON + 1).into()
+            }),
+            ("name", |j, _| {
+                j["revoked"][0]["name"] = "n".repeat(MAX_FIELD + 1).into()
+            }),
+        ];
+        for (what, change) in cases {
+            let mut bad = json.clone();
+            change(&mut bad, &key);
+            let bytes = serde_json::to_vec(&bad).unwrap();
+            assert!(
+                matches!(Registry::parse(&bytes), Err(RegistryError::Invalid(_))),
+                "{what}"
+            );
+        }
+        // The longest reason stored parses.
+        json["nodes"][&key]["reason"] = "y".repeat(MAX_REASON).into();
+        assert!(Registry::parse(&serde_json::to_vec(&json).unwrap()).is_ok());
+    }
+
+    /// Attacker's move: a peer dates a node's record far ahead, so that it
+    /// wins every later merge and the node never falls silent. It is not
+    /// taken; one within the clock skew is.
+    #[test]
+    fn a_record_dated_ahead_of_this_clock_is_not_merged() {
+        let mut peer = Registry::default();
+        peer.record(&evidence(1, None)).unwrap();
+        peer.record(&evidence(2, None)).unwrap();
+        let ahead = now() + MAX_CLOCK_SKEW.as_secs() + 60;
+        peer.nodes
+            .get_mut(&ek(1).to_string())
+            .unwrap()
+            .last_evidence_at = Some(ahead);
+        peer.nodes
+            .get_mut(&ek(2).to_string())
+            .unwrap()
+            .last_evidence_at = Some(now() + 60);
+        let mut ours = Registry::default();
+        assert_eq!(ours.merge(peer), (0, 1));
+        assert!(ours.find("w-1").is_err());
+        assert!(ours.find("w-2").is_ok());
+    }
+
+    /// A registry at every bound (nodes, revocations, each field at its
+    /// longest in JSON) is still one this registry reads back, sends, and
+    /// a ticket carries: a control plane that filled it restarts.
+    #[test]
+    fn a_registry_at_every_bound_is_read_back() {
+        let longest = |max: usize| cut(&"\"".repeat(max + 10), max);
+        assert_eq!(longest(MAX_FIELD).len(), MAX_FIELD);
+        let mut r = Registry::default();
+        for i in 0..MAX_NODES {
+            let mut digest = [0u8; 32];
+            digest[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            let ek = EkDigest::from_hex(&hex::encode(digest))
+                .unwrap()
+                .to_string();
+            r.nodes.insert(
+                ek.clone(),
+                NodeRecord {
+                    name: longest(MAX_FIELD),
+                    role: longest(MAX_FIELD),
+                    ek: ek.clone(),
+                    disk_uuid: longest(MAX_FIELD),
+                    verdict: Verdict::Registered,
+                    registered_at: u64::MAX,
+                    last_evidence_at: Some(u64::MAX),
+                    verdict_at: u64::MAX,
+                    reason: Some(longest(MAX_REASON)),
+                    kubernetes_version: longest(MAX_FIELD),
+                    measurements: longest(MAX_FIELD),
+                },
+            );
+            r.revoked.push(Revocation {
+                name: longest(MAX_FIELD),
+                ek,
+                disk_uuid: longest(MAX_FIELD),
+                reason: longest(MAX_REASON),
+                at: u64::MAX,
+            });
+        }
+        let json = r.to_json();
+        assert!(json.len() <= MAX_REGISTRY_BYTES, "{} bytes", json.len());
+        assert_eq!(Registry::parse(&json).unwrap(), r);
+        // Stored text has no control characters, and is cut on a
+        // character boundary.
+        assert_eq!(cut("a\u{1b}[2Jb\n", 64), "a?[2Jb?");
+        assert_eq!(cut("ééé", 5), "éé");
     }
 
     #[test]

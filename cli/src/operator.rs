@@ -137,7 +137,10 @@ impl Operator {
         let identity = claims.identity();
         Ok(Member {
             endpoint: endpoint.to_owned(),
-            client: OperatorServiceClient::new(bound.channel),
+            // `keel status` gets a whole registry (tonic's default
+            // allows 4 MiB).
+            client: OperatorServiceClient::new(bound.channel)
+                .max_decoding_message_size(keel_proto::MAX_REGISTRY_BYTES + 1024),
             identity,
             key,
         })

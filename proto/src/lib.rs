@@ -63,3 +63,10 @@ pub use keel::kms::v1 as kms;
 pub use keel::operator::v1 as operator;
 /// The recovery API (operator CLI → a control plane that lost its cluster).
 pub use keel::recovery::v1 as recovery;
+
+/// Largest node registry document a control plane keeps, sends another
+/// control plane (`Registry`) or the operator (`GetRegistry`), or puts in a
+/// control-plane ticket. A registry at every bound its entries have
+/// (10,000 nodes and 10,000 revocations, every field at its longest)
+/// stays below it.
+pub const MAX_REGISTRY_BYTES: usize = 32 * 1024 * 1024;

@@ -123,7 +123,8 @@ impl EvidenceClient {
         check_service(service.claims(), cluster_id).map_err(EvidenceClientError::OtherCluster)?;
         Ok(Session {
             client: EvidenceServiceClient::new(bound.channel)
-                .max_decoding_message_size(MAX_REGISTRY_BYTES),
+                // The registry document and its message's few bytes.
+                .max_decoding_message_size(MAX_REGISTRY_BYTES + 1024),
             tpm: self.tpm.clone(),
             disk_uuid: self.disk_uuid.clone(),
             kubernetes_version: reported_kubernetes_version(&self.root),

@@ -193,7 +193,7 @@ impl JoinService {
     /// records), which it enforces before it serves; nothing for a worker.
     fn revocations_for(&self, control_plane: bool) -> Vec<u8> {
         match &self.registry {
-            Some(registry) if control_plane => registry.revocations().to_compact_json(),
+            Some(registry) if control_plane => registry.revocations().to_json(),
             _ => Vec::new(),
         }
     }
