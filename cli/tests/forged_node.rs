@@ -53,17 +53,12 @@ struct Victim {
 /// The real node: its own swtpm with an EK certificate from `ca`, its config
 /// measured as the agent measures it.
 fn victim(ca: &EkCa) -> Victim {
-    let swtpm = Swtpm::start(ca).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let config = harness::control_plane_config(
-        "sha256:0000000000000000000000000000000000000000000000000000000000000000",
-    );
-    Victim {
-        tpm: harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config),
-        config,
-        _swtpm: swtpm,
-        _dir: dir,
-    }
+    node_with(
+        ca,
+        harness::control_plane_config(
+            "sha256:0000000000000000000000000000000000000000000000000000000000000000",
+        ),
+    )
 }
 
 /// The CLI's settings for the node at `endpoint`, expecting the victim's
@@ -82,8 +77,9 @@ fn settings(dir: &Path, ca: &EkCa, v: &Victim, endpoint: std::net::SocketAddr) -
     .write(dir)
 }
 
-/// Serves a recording init API on a fresh port over server-attested aTLS
-/// with `issuer`'s documents: its address, the recorder and the task.
+/// Serves a recording init and recovery API on a fresh port over
+/// server-attested aTLS with `issuer`'s documents: its address, the
+/// recorder and the task.
 async fn serve_recorder(
     issuer: Arc<dyn keel_atls::Issuer>,
 ) -> (std::net::SocketAddr, Recorder, tokio::task::JoinHandle<()>) {
@@ -95,12 +91,33 @@ async fn serve_recorder(
         let recorder = recorder.clone();
         async move {
             let _ = tonic::transport::Server::builder()
-                .add_service(InitServiceServer::new(recorder))
+                .add_service(InitServiceServer::new(recorder.clone()))
+                .add_service(RecoveryServiceServer::new(recorder))
                 .serve_with_incoming(incoming)
                 .await;
         }
     });
     (addr, recorder, server)
+}
+
+/// Runs `keel args`, which must fail for `why` with nothing sent.
+async fn sent_nothing(args: &[&str], settings: &Path, workspace: Option<&Path>, why: &str) {
+    let out = run_keel(args, settings, workspace).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains(why), "{}", text(&out));
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+}
+
+/// A genuine node with `config`, measured as the agent measures it.
+fn node_with(ca: &EkCa, config: NodeConfig) -> Victim {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    Victim {
+        tpm: harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config),
+        config,
+        _swtpm: swtpm,
+        _dir: dir,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,8 +160,6 @@ async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() {
     let ca = EkCa::new().unwrap();
-    let swtpm = Swtpm::start(&ca).unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let doc = serde_json::json!({
         "cluster": {
             "init_secret_hash": "sha256:0000000000000000000000000000000000000000000000000000000000000000",
@@ -159,27 +174,20 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
         "node": {"name": "cp-0", "role": "control-plane"},
     });
     let config = NodeConfig::parse(doc.to_string().as_bytes(), "t".as_ref()).unwrap();
-    let tpm = harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config);
-    let node = Victim {
-        tpm,
-        config,
-        _swtpm: swtpm,
-        _dir: dir,
-    };
+    let node = node_with(&ca, config);
 
     let (addr, recorder, server) = serve_recorder(Arc::new(TpmIssuer::new(node.tpm.clone()))).await;
 
     let dir = tempfile::tempdir().unwrap();
     let settings = settings(dir.path(), &ca, &node, addr);
     let ws = dir.path().join("workspace");
-    let out = run_keel(&["init", "--wait", "5"], &settings, Some(&ws)).await;
-    assert!(!out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("attestation variant sev-snp"),
-        "{}",
-        text(&out)
-    );
-    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    sent_nothing(
+        &["init", "--wait", "5"],
+        &settings,
+        Some(&ws),
+        "attestation variant sev-snp",
+    )
+    .await;
     assert_eq!(
         recorder.0.load(Ordering::SeqCst),
         0,
@@ -216,42 +224,23 @@ impl RecoveryService for Recorder {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
     let ca = EkCa::new().unwrap();
-    let swtpm = Swtpm::start(&ca).unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let mut config = harness::control_plane_config(
         "sha256:0000000000000000000000000000000000000000000000000000000000000000",
     );
     config.node.role = keel_verifier::config::Role::Worker;
-    let tpm = harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config);
-    let node = Victim {
-        tpm,
-        config,
-        _swtpm: swtpm,
-        _dir: dir,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let recorder = Recorder::default();
-    let incoming = AtlsServer::<()>::server_attested(Arc::new(TpmIssuer::new(node.tpm.clone())))
-        .incoming(listener);
-    let server = tokio::spawn({
-        let recorder = recorder.clone();
-        async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(InitServiceServer::new(recorder.clone()))
-                .add_service(RecoveryServiceServer::new(recorder))
-                .serve_with_incoming(incoming)
-                .await;
-        }
-    });
+    let node = node_with(&ca, config);
+    let (addr, recorder, server) = serve_recorder(Arc::new(TpmIssuer::new(node.tpm.clone()))).await;
 
     let dir = tempfile::tempdir().unwrap();
     let settings = settings(dir.path(), &ca, &node, addr);
     let ws = dir.path().join("workspace");
-    let out = run_keel(&["init", "--wait", "5"], &settings, Some(&ws)).await;
-    assert!(!out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("not a control plane"), "{}", text(&out));
-    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    sent_nothing(
+        &["init", "--wait", "5"],
+        &settings,
+        Some(&ws),
+        "not a control plane",
+    )
+    .await;
 
     std::fs::create_dir_all(&ws).unwrap();
     std::fs::write(
@@ -264,21 +253,14 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
         .to_string(),
     )
     .unwrap();
-    let out = run_keel(
-        &[
-            "recover",
-            "--workspace",
-            ws.to_str().unwrap(),
-            "--wait",
-            "5",
-        ],
-        &settings,
-        None,
-    )
-    .await;
-    assert!(!out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("not a control plane"), "{}", text(&out));
-    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    let recover = [
+        "recover",
+        "--workspace",
+        ws.to_str().unwrap(),
+        "--wait",
+        "5",
+    ];
+    sent_nothing(&recover, &settings, None, "not a control plane").await;
     assert_eq!(
         recorder.0.load(Ordering::SeqCst),
         0,
