@@ -197,7 +197,10 @@ impl RecoveryServer {
             .await?;
             // A control plane revoked before every control plane went down
             // stays revoked: its own registry, now readable, says so.
-            let registry = Registry::on_disk(&inner.node.env.root().join(paths::NODE_REGISTRY))
+            let path = inner.node.env.root().join(paths::NODE_REGISTRY);
+            let registry = tokio::task::spawn_blocking(move || Registry::on_disk(&path))
+                .await
+                .map_err(ProvisionError::Blocking)?
                 .map_err(ProvisionError::Registry)?;
             if let Some(revocation) = registry.revocation(&accepted.own_ek, &accepted.disk_uuid) {
                 return Err(ProvisionError::Revoked(revocation.to_string()));

@@ -3,8 +3,8 @@
 //!
 //! A ticket is only as good as the service that issued it: after the sealed
 //! secrets are opened, [`check_service`] requires that the service is a
-//! control plane locked into exactly the cluster the ticket's secrets derive, and
-//! [`parse_join_ticket`] checks every field (key lengths, the token and
+//! control plane locked into exactly the cluster the ticket's secrets
+//! derive, and [`parse_join_ticket`] checks every field (key lengths, the token and
 //! hash formats, the CA against its discovery hash, the kubelet certificate
 //! against this node's key and the CA, the version against the versions
 //! table, the control-plane files against the expected set).
