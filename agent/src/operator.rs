@@ -4,12 +4,15 @@
 //! a member. Each change carries a proof made with the node's operator key
 //! ([`keel_verifier::keys::OperatorKey`]: derived from the master secret
 //! for this node's EK; a control plane derives its own, a worker got its
-//! own sealed in its ticket) over a challenge this node issued: at most
-//! [`MAX_CHALLENGES`] are outstanding, each is valid for [`CHALLENGE_TTL`]
-//! and used once, so a recorded request cannot be replayed (here or on
-//! another node, whose key differs) and a flood of challenges only evicts
-//! the oldest. An address that sends a wrong proof waits, doubling per
-//! failure. [`OperatorAuth::authorize`] is the one place these checks run.
+//! own sealed in its ticket) over a challenge this node issued. A
+//! challenge carries its issue time and a MAC with a key this process
+//! holds, so the node keeps nothing per challenge it hands out: anyone may
+//! ask for challenges, and asking for many takes no one else's away. Each
+//! is valid for [`CHALLENGE_TTL`] and used once (the node remembers the
+//! ones spent by a valid proof until they expire), so a recorded request
+//! cannot be replayed (here or on another node, whose key differs). An
+//! address that sends a wrong proof waits, doubling per failure.
+//! [`OperatorAuth::authorize`] is the one place these checks run.
 //!
 //! `SetJoinMeasurements` (control planes) replaces the measurements the
 //! join service accepts: the file the join service re-reads, the facts on
@@ -29,7 +32,7 @@
 //! `FinishImageUpgrade` makes the staged set the only one. Both are kept
 //! where `SetJoinMeasurements` keeps its file.
 
-use std::collections::VecDeque;
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -62,8 +65,6 @@ use crate::throttle::FailureThrottle;
 use crate::transcript::{self, Transcript};
 use crate::upgrade::{Step, Target, UpgradeError, Upgrader};
 
-/// Challenges outstanding at once; a new one evicts the oldest.
-pub const MAX_CHALLENGES: usize = 64;
 /// How long a challenge is valid.
 pub const CHALLENGE_TTL: Duration = Duration::from_secs(60);
 /// Largest accepted request (a measurements file is a few KiB).
@@ -182,8 +183,78 @@ pub struct OperatorAuth {
     own_ek: EkDigest,
     cluster: Arc<ClusterSlot>,
     joined: Arc<OperatorKeySlot>,
-    challenges: Mutex<VecDeque<([u8; 32], Instant)>>,
+    challenges: Challenges,
     throttle: FailureThrottle,
+}
+
+/// Challenges made and checked without state per challenge: issue time
+/// (milliseconds since this process made the key, 8 bytes), 8 random
+/// bytes, and the first 16 bytes of HMAC-SHA256 over both with a key
+/// that never leaves this process.
+struct Challenges {
+    key: [u8; 32],
+    epoch: Instant,
+    /// The MACs of challenges spent by a valid proof, with when they were
+    /// spent; dropped once the challenge could no longer be valid.
+    spent: Mutex<HashMap<[u8; 16], Instant>>,
+}
+
+impl Challenges {
+    fn new() -> Self {
+        let mut key = [0u8; 32];
+        rand::rngs::OsRng.fill_bytes(&mut key);
+        Self {
+            key,
+            epoch: Instant::now(),
+            spent: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn mac(&self, issued_and_random: &[u8]) -> Option<[u8; 16]> {
+        use hmac::Mac as _;
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.key).ok()?;
+        mac.update(b"keel operator challenge v1\0");
+        mac.update(issued_and_random);
+        let mut tag = [0u8; 16];
+        tag.copy_from_slice(mac.finalize().into_bytes().get(..16)?);
+        Some(tag)
+    }
+
+    fn issue(&self) -> [u8; 32] {
+        let mut challenge = [0u8; 32];
+        let issued = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        challenge[..8].copy_from_slice(&issued.to_be_bytes());
+        rand::rngs::OsRng.fill_bytes(&mut challenge[8..16]);
+        // (HMAC takes any key: the MAC is always there; a challenge
+        // without one would be refused.)
+        let tag = self.mac(&challenge[..16]).unwrap_or_default();
+        challenge[16..].copy_from_slice(&tag);
+        challenge
+    }
+
+    /// The challenge's MAC if this process issued it less than
+    /// [`CHALLENGE_TTL`] ago.
+    fn check(&self, challenge: &[u8]) -> Option<[u8; 16]> {
+        let challenge: &[u8; 32] = challenge.try_into().ok()?;
+        let tag = self.mac(&challenge[..16])?;
+        if !bool::from(tag.as_slice().ct_eq(&challenge[16..])) {
+            return None;
+        }
+        let mut issued = [0u8; 8];
+        issued.copy_from_slice(&challenge[..8]);
+        let age = self
+            .epoch
+            .elapsed()
+            .checked_sub(Duration::from_millis(u64::from_be_bytes(issued)))?;
+        (age < CHALLENGE_TTL).then_some(tag)
+    }
+
+    /// Marks the challenge of MAC `tag` spent; false if it already was.
+    fn spend(&self, tag: [u8; 16]) -> bool {
+        let mut spent = self.spent.lock().unwrap_or_else(PoisonError::into_inner);
+        spent.retain(|_, at| at.elapsed() < CHALLENGE_TTL);
+        spent.insert(tag, Instant::now()).is_none()
+    }
 }
 
 impl OperatorAuth {
@@ -195,41 +266,14 @@ impl OperatorAuth {
             own_ek,
             cluster,
             joined,
-            challenges: Mutex::new(VecDeque::new()),
+            challenges: Challenges::new(),
             throttle: FailureThrottle::default(),
         }
     }
 
     /// A fresh challenge.
     pub fn challenge(&self) -> [u8; 32] {
-        let mut challenge = [0u8; 32];
-        rand::rngs::OsRng.fill_bytes(&mut challenge);
-        let mut outstanding = self.challenges();
-        let now = Instant::now();
-        outstanding.retain(|(_, issued)| now.duration_since(*issued) < CHALLENGE_TTL);
-        if outstanding.len() >= MAX_CHALLENGES {
-            outstanding.pop_front();
-        }
-        outstanding.push_back((challenge, now));
-        challenge
-    }
-
-    fn challenges(&self) -> std::sync::MutexGuard<'_, VecDeque<([u8; 32], Instant)>> {
-        self.challenges
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Takes `challenge` if it is outstanding and fresh: each is used once.
-    fn take_challenge(&self, challenge: &[u8]) -> bool {
-        let mut outstanding = self.challenges();
-        let found = outstanding
-            .iter()
-            .position(|(c, _)| bool::from(c.as_slice().ct_eq(challenge)));
-        match found.and_then(|i| outstanding.remove(i)) {
-            Some((_, issued)) => issued.elapsed() < CHALLENGE_TTL,
-            None => false,
-        }
+        self.challenges.issue()
     }
 
     /// This node's operator key, once it is a member.
@@ -257,7 +301,11 @@ impl OperatorAuth {
                 .map_err(|wait| OperatorError::Throttled(wait.as_secs().max(1)))?;
         }
         let key = self.key().ok_or(OperatorError::NotServing)?;
-        let proven = self.take_challenge(challenge) && key.verifies(kind, challenge, body, proof);
+        // Spent only by a valid proof, at once (two copies of one request
+        // racing: one is refused).
+        let proven = self.challenges.check(challenge).is_some_and(|tag| {
+            key.verifies(kind, challenge, body, proof) && self.challenges.spend(tag)
+        });
         if !proven {
             if let Some(ip) = peer {
                 let (failures, wait) = self.throttle.failed(ip);
