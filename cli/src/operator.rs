@@ -6,8 +6,9 @@
 //! by `keel push-measurements`, `keel revoke`, `keel status` and
 //! `keel upgrade`.
 
+use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
@@ -33,6 +34,9 @@ pub struct Operator {
     cluster_id: [u8; 32],
     client: AtlsClient<Verified>,
     wait: Duration,
+    /// The EK each endpoint answered with so far: one node per endpoint,
+    /// one endpoint per node.
+    answered: Mutex<BTreeMap<String, EkDigest>>,
 }
 
 /// One node, attested and a member of the workspace's cluster.
@@ -111,7 +115,35 @@ impl Operator {
             cluster_id,
             client,
             wait,
+            answered: Mutex::new(BTreeMap::new()),
         })
+    }
+
+    /// Records that `endpoint` answered with `ek`. Refuses a node that
+    /// already answered at another endpoint, and an endpoint that answered
+    /// with another node before: the host that sends one endpoint's
+    /// connection to another node would otherwise have the operator's
+    /// request done twice on one node and never on the other, reported as
+    /// done on both.
+    fn answered(&self, endpoint: &str, ek: &EkDigest) -> anyhow::Result<()> {
+        let mut answered = self.answered.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((other, _)) = answered.iter().find(|(e, k)| *e != endpoint && *k == ek) {
+            bail!(
+                "{endpoint} answered as the node at {other} (EK {ek}): two endpoints, one node; \
+                 nothing was sent"
+            );
+        }
+        match answered.get(endpoint) {
+            Some(before) if before != ek => bail!(
+                "{endpoint} answered as another node (EK {ek}) than before (EK {before}); \
+                 nothing was sent"
+            ),
+            Some(_) => {}
+            None => {
+                answered.insert(endpoint.to_owned(), *ek);
+            }
+        }
+        Ok(())
     }
 
     /// Connects to the node at `endpoint`; it must be locked into exactly
@@ -130,9 +162,11 @@ impl Operator {
                 "{endpoint} is not a member of the workspace's cluster ({why}); nothing was sent"
             );
         }
+        let ek = EkDigest::of_public(&claims.ek);
+        self.answered(endpoint, &ek)?;
         let key = self
             .keys
-            .operator_key(&EkDigest::of_public(&claims.ek))
+            .operator_key(&ek)
             .context("deriving the node's operator key")?;
         let identity = claims.identity();
         Ok(Member {

@@ -489,6 +489,32 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         "{}",
         text(&out)
     );
+    // The host sends a second control plane's connection to this one: one
+    // node answers at two endpoints. The CLI says so instead of reporting
+    // the revocation done on a control plane that never got it.
+    let alias = format!("localhost:{}", operator_addr.port());
+    let out = operator_cmd(vec![
+        "revoke".into(),
+        "w-1".into(),
+        "--endpoint".into(),
+        alias.clone(),
+    ])
+    .await;
+    assert!(
+        text(&out).contains(&format!(
+            "{operator_addr} answered as the node at {alias} (EK {}): two endpoints, one node",
+            join_common::ek_digest(&tpm1)
+        )),
+        "{}",
+        text(&out)
+    );
+    assert!(
+        text(&out).contains(&format!(
+            "revoked on 1 control plane(s); the others ({operator_addr})"
+        )),
+        "{}",
+        text(&out)
+    );
     let out = operator_cmd(vec!["revoke".into(), "w-1".into()]).await;
     assert!(out.status.success(), "{}", text(&out));
     assert!(
