@@ -36,7 +36,7 @@ host_pkgs=(swtpm swtpm-tools tpm2-tools ovmf erofs-utils squashfs-tools dosfstoo
   mtools cryptsetup-bin kmod cpio python3-pefile zstd uidmap bubblewrap musl-tools
   autoconf automake libtool libltdl-dev autoconf-archive pkg-config protobuf-compiler
   dpkg-dev curl ca-certificates make gcc binutils file iproute2 xz-utils openssl)
-bp_pkgs=(mkosi systemd systemd-boot systemd-boot-efi systemd-container
+bp_pkgs=(mkosi systemd systemd-boot systemd-boot-efi systemd-container python3-virt-firmware
   qemu-system-x86 qemu-utils)
 
 missing=()

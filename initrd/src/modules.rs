@@ -40,9 +40,10 @@ const REQUIRED: &[&str] = &[
 /// - autofs4 and ip_tables (with x_tables), which systemd loads itself
 ///   before anything else when they are missing, through a libkmod context
 ///   over the module indexes of the verity root; with both loaded, systemd
-///   never creates that context;
-/// - efivarfs, which systemd mounts first thing: without the module the
-///   kernel would start `modprobe` for it.
+///   never creates that context.
+///
+/// Not efivarfs: the image boots with `efi=noruntime` (no EFI variables),
+/// so systemd finds no efivars mount point and mounts nothing there.
 const OPTIONAL: &[&str] = &[
     "drivers/firmware/qemu_fw_cfg",
     "net/core/failover",
@@ -51,7 +52,6 @@ const OPTIONAL: &[&str] = &[
     "fs/autofs/autofs4",
     "net/netfilter/x_tables",
     "net/ipv4/netfilter/ip_tables",
-    "fs/efivarfs/efivarfs",
 ];
 
 /// Loads every required module (failing on the first that does not load)

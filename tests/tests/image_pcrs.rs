@@ -294,6 +294,73 @@ fn host_credentials_are_not_imported() -> TestResult {
     Ok(())
 }
 
+/// Attacker's move: put `SystemdOptions` (systemd's EFI variable of extra
+/// kernel command line options, which no PCR covers and systemd reads
+/// when Secure Boot is off) in the VM's firmware variable store, asking
+/// for the emergency target with a passwordless root shell on the serial
+/// console. The node must boot as if the variable were not there: its
+/// agent comes up and reports ready.
+#[test]
+fn host_efi_options_are_ignored() -> TestResult {
+    let Some(Boot {
+        image,
+        patience,
+        config_path,
+        tmp: _tmp,
+        work,
+    }) = Boot::new("host-efi-options")?
+    else {
+        return Ok(());
+    };
+    let options = "systemd.unit=emergency.target systemd.setenv=SYSTEMD_SULOGIN_FORCE=1";
+    let utf16: Vec<u8> = options.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    let json = work.join("systemd-options.json");
+    std::fs::create_dir_all(&work)?;
+    std::fs::write(
+        &json,
+        serde_json::json!({
+            "version": 2,
+            "variables": [{
+                "name": "SystemdOptions",
+                "guid": "8cf2644b-4b0b-428f-9387-6d876050dc67",
+                // non-volatile, boot-service and runtime access
+                "attr": 7,
+                "data": hex::encode(&utf16),
+            }],
+        })
+        .to_string(),
+    )?;
+    let vars = work.join("vars.fd");
+    let made = std::process::Command::new("virt-fw-vars")
+        .arg("--input")
+        .arg(keel_e2e::vm::Firmware::ovmf().vars)
+        .arg("--output")
+        .arg(&vars)
+        .arg("--set-json")
+        .arg(&json)
+        .output()
+        .map_err(|e| format!("virt-fw-vars (python3-virt-firmware, `make deps`): {e}"))?;
+    if !made.status.success() {
+        return Err(format!(
+            "virt-fw-vars failed: {}",
+            String::from_utf8_lossy(&made.stderr)
+        )
+        .into());
+    }
+    let vm = VmBuilder::new(image.disk(), &work)
+        .node_config(&config_path)
+        .vars(&vars)
+        .start()?;
+    let ready = vm.wait_for_line(READY_LINE, patience);
+    assert!(
+        ready.is_ok(),
+        "the node did not come up with the host's SystemdOptions in its firmware \
+         variables ({ready:?}); serial log {}",
+        vm.serial_log().display()
+    );
+    Ok(())
+}
+
 /// The root is the image's second partition (`mkosi/mkosi.repart`).
 const ROOT_PARTITION: u64 = 2;
 const SECTOR: u64 = 512;
