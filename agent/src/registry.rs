@@ -109,6 +109,24 @@ pub struct NodeRecord {
     pub measurements: String,
 }
 
+impl NodeRecord {
+    /// Its text fields cut to their bounds ([`cut`]).
+    fn cut_fields(&mut self) {
+        for field in [
+            &mut self.name,
+            &mut self.role,
+            &mut self.disk_uuid,
+            &mut self.kubernetes_version,
+            &mut self.measurements,
+        ] {
+            *field = cut(field, MAX_FIELD);
+        }
+        if let Some(reason) = &mut self.reason {
+            *reason = cut(reason, MAX_REASON);
+        }
+    }
+}
+
 /// One entry of the revocation list.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -123,6 +141,15 @@ pub struct Revocation {
     pub reason: String,
     /// When (Unix seconds).
     pub at: u64,
+}
+
+impl Revocation {
+    /// Its text fields cut to their bounds ([`cut`]).
+    fn cut_fields(&mut self) {
+        self.name = cut(&self.name, MAX_FIELD);
+        self.disk_uuid = cut(&self.disk_uuid, MAX_FIELD);
+        self.reason = cut(&self.reason, MAX_REASON);
+    }
 }
 
 impl std::fmt::Display for Revocation {
@@ -364,51 +391,46 @@ impl Registry {
             return Err(RegistryError::Invalid("too many entries".into()));
         }
         registry.check_entries()?;
+        let mut registry = registry;
+        registry.cut_fields();
         Ok(registry)
     }
 
-    /// Every entry as this registry writes them: EK digests in their one
-    /// form, each node under its own EK, no field longer than it is cut
-    /// to. Another control plane's document (or a ticket's revocations)
+    /// Refuses a document with an entry this code never writes: a node
+    /// record not under its own EK digest, or an EK digest in another
+    /// form. Another control plane's document (or a ticket's revocations)
     /// holds nothing else either.
     fn check_entries(&self) -> Result<(), RegistryError> {
-        let within = |text: &str, max: usize| text.len() <= max;
-        let fields_fit = |fields: &[&str], reason: Option<&str>| {
-            fields.iter().all(|f| within(f, MAX_FIELD))
-                && reason.is_none_or(|r| within(r, MAX_REASON))
-        };
-        for (key, r) in &self.nodes {
-            if *key != r.ek || !is_ek_digest(&r.ek) {
-                return Err(RegistryError::Invalid(
-                    "a node record is not under its EK digest".into(),
-                ));
-            }
-            let fields = [
-                r.name.as_str(),
-                &r.role,
-                &r.disk_uuid,
-                &r.kubernetes_version,
-                &r.measurements,
-            ];
-            if !fields_fit(&fields, r.reason.as_deref()) {
-                return Err(RegistryError::Invalid(
-                    "a node record's field is too long".into(),
-                ));
-            }
+        if let Some(key) = self
+            .nodes
+            .iter()
+            .find_map(|(key, r)| (*key != r.ek || !is_ek_digest(&r.ek)).then_some(key))
+        {
+            return Err(RegistryError::Invalid(format!(
+                "a node record is not under its EK digest ({})",
+                key.escape_debug()
+            )));
         }
-        for r in &self.revoked {
-            if !is_ek_digest(&r.ek) {
-                return Err(RegistryError::Invalid(
-                    "a revocation names no EK digest".into(),
-                ));
-            }
-            if !fields_fit(&[r.name.as_str(), &r.disk_uuid], Some(&r.reason)) {
-                return Err(RegistryError::Invalid(
-                    "a revocation's field is too long".into(),
-                ));
-            }
+        if self.revoked.iter().any(|r| !is_ek_digest(&r.ek)) {
+            return Err(RegistryError::Invalid(
+                "a revocation names no EK digest".into(),
+            ));
         }
         Ok(())
+    }
+
+    /// Cuts every stored field to its bound, as this code stores it:
+    /// documents written before the bounds were in bytes (reasons of up to
+    /// 512 characters, pretty JSON) or by a peer that still writes them are
+    /// taken, and a registry at every bound still fits
+    /// [`MAX_REGISTRY_BYTES`].
+    fn cut_fields(&mut self) {
+        for r in self.nodes.values_mut() {
+            r.cut_fields();
+        }
+        for r in &mut self.revoked {
+            r.cut_fields();
+        }
     }
 
     /// This registry's revocations alone, without node records: what a
@@ -663,13 +685,15 @@ impl Registry {
         revoked: &mut HashSet<String>,
     ) -> Result<(), RegistryError> {
         match change {
-            Change::Node(record) => {
+            Change::Node(mut record) => {
+                record.cut_fields();
                 if !self.nodes.contains_key(&record.ek) && self.nodes.len() >= MAX_NODES {
                     return Err(RegistryError::Invalid("journal: too many nodes".into()));
                 }
                 self.nodes.insert(record.ek.clone(), record);
             }
-            Change::Revoked(revocation) => {
+            Change::Revoked(mut revocation) => {
+                revocation.cut_fields();
                 if revoked.insert(revocation.ek.clone()) {
                     if self.revoked.len() >= MAX_REVOCATIONS {
                         return Err(RegistryError::Invalid(
@@ -984,8 +1008,10 @@ mod tests {
 
     /// Attacker's move: a peer's document (or a ticket's revocation list)
     /// with entries this registry never writes: a record under another
-    /// node's key, a revocation naming no EK, a field longer than any
-    /// stored one. The whole document is refused.
+    /// node's key, an EK digest in another form. The whole document is
+    /// refused. Fields beyond their bounds (as an older version of this
+    /// code stored them, or a peer sends them) are cut as this code cuts
+    /// them, so an old registry still loads and a new one stays bounded.
     #[test]
     fn a_document_with_entries_this_registry_never_writes_is_refused() {
         let mut r = Registry::default();
@@ -997,7 +1023,7 @@ mod tests {
         let mut json: serde_json::Value = serde_json::from_slice(&r.to_json()).unwrap();
         let key = ek(1).to_string();
         type Edit = fn(&mut serde_json::Value, &str);
-        let cases: [(&str, Edit); 5] = [
+        let cases: [(&str, Edit); 3] = [
             ("moved", |j, key| {
                 let record = j["nodes"][key].take();
                 j["nodes"][ek(2).to_string()] = record;
@@ -1008,12 +1034,6 @@ mod tests {
                 j["nodes"]["sha256:XY"]["ek"] = "sha256:XY".into();
             }),
             ("revoked EK", |j, _| j["revoked"][0]["ek"] = "junk".into()),
-            ("reason", |j, key| {
-                j["nodes"][key]["reason"] = "x".repeat(MAX_REASON + 1).into()
-            }),
-            ("name", |j, _| {
-                j["revoked"][0]["name"] = "n".repeat(MAX_FIELD + 1).into()
-            }),
         ];
         for (what, change) in cases {
             let mut bad = json.clone();
@@ -1024,9 +1044,18 @@ mod tests {
                 "{what}"
             );
         }
-        // The longest reason stored parses.
-        json["nodes"][&key]["reason"] = "y".repeat(MAX_REASON).into();
-        assert!(Registry::parse(&serde_json::to_vec(&json).unwrap()).is_ok());
+        // An older registry: pretty JSON, a 512-character reason, a long
+        // name with control characters. It loads, cut to the bounds.
+        json["nodes"][&key]["reason"] = "é".repeat(512).into();
+        json["revoked"][0]["name"] = format!("n\u{1b}{}", "n".repeat(100)).into();
+        let old = serde_json::to_vec_pretty(&json).unwrap();
+        let loaded = Registry::parse(&old).unwrap();
+        let reason = loaded.nodes[&key].reason.clone().unwrap();
+        assert_eq!(reason, "é".repeat(MAX_REASON / 2));
+        assert_eq!(
+            loaded.revoked[0].name,
+            format!("n?{}", "n".repeat(MAX_FIELD - 2))
+        );
     }
 
     /// Attacker's move: a peer dates a node's record far ahead, so that it
