@@ -382,6 +382,39 @@ impl Registry {
     /// Parses a registry document (at most [`MAX_REGISTRY_BYTES`], at most
     /// [`MAX_NODES`] nodes and [`MAX_REVOCATIONS`] revocations).
     pub fn parse(bytes: &[u8]) -> Result<Self, RegistryError> {
+        let mut registry = Self::parse_bounded(bytes)?;
+        registry.check_entries()?;
+        registry.cut_fields();
+        Ok(registry)
+    }
+
+    /// A registry this node stored: as [`Registry::parse`], except that
+    /// entries this code never writes are dropped and logged rather than
+    /// refused (an older version merged a peer's revocations as sent), so
+    /// a control plane always starts with what it holds.
+    fn parse_stored(bytes: &[u8]) -> Result<Self, RegistryError> {
+        let mut registry = Self::parse_bounded(bytes)?;
+        let before = (registry.nodes.len(), registry.revoked.len());
+        registry
+            .nodes
+            .retain(|key, r| *key == r.ek && is_ek_digest(&r.ek));
+        registry.revoked.retain(|r| is_ek_digest(&r.ek));
+        let dropped = (
+            before.0 - registry.nodes.len(),
+            before.1 - registry.revoked.len(),
+        );
+        if dropped != (0, 0) {
+            tracing::warn!(
+                nodes = dropped.0,
+                revocations = dropped.1,
+                "dropped registry entries not under an EK digest"
+            );
+        }
+        registry.cut_fields();
+        Ok(registry)
+    }
+
+    fn parse_bounded(bytes: &[u8]) -> Result<Self, RegistryError> {
         if bytes.len() > MAX_REGISTRY_BYTES {
             return Err(RegistryError::Invalid("larger than 32 MiB".into()));
         }
@@ -390,9 +423,6 @@ impl Registry {
         if registry.nodes.len() > MAX_NODES || registry.revoked.len() > MAX_REVOCATIONS {
             return Err(RegistryError::Invalid("too many entries".into()));
         }
-        registry.check_entries()?;
-        let mut registry = registry;
-        registry.cut_fields();
         Ok(registry)
     }
 
@@ -685,6 +715,10 @@ impl Registry {
         revoked: &mut HashSet<String>,
     ) -> Result<(), RegistryError> {
         match change {
+            // Entries this code never writes are skipped (see
+            // `parse_stored`).
+            Change::Node(record) if !is_ek_digest(&record.ek) => {}
+            Change::Revoked(revocation) if !is_ek_digest(&revocation.ek) => {}
             Change::Node(mut record) => {
                 record.cut_fields();
                 if !self.nodes.contains_key(&record.ek) && self.nodes.len() >= MAX_NODES {
@@ -711,7 +745,7 @@ impl Registry {
     /// `records` over it.
     fn restore(path: &Path, records: Vec<Change>) -> Result<Self, RegistryError> {
         let mut registry = match keel_verifier::bounded::read(path, MAX_REGISTRY_BYTES as u64) {
-            Ok(Some(bytes)) => Registry::parse(&bytes)?,
+            Ok(Some(bytes)) => Registry::parse_stored(&bytes)?,
             Ok(None) => return Err(RegistryError::Invalid("larger than 32 MiB".into())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry::default(),
             Err(source) => {
@@ -1404,6 +1438,55 @@ mod tests {
         stale.extend(std::fs::read(&journal).unwrap());
         std::fs::write(&journal, stale).unwrap();
         assert_eq!(Registry::on_disk(&path).unwrap(), store.snapshot());
+    }
+
+    #[test]
+    fn a_registry_an_older_version_stored_loads() {
+        // Pretty JSON, a 512-character reason, and a revocation whose EK
+        // is no digest (an older version merged a peer's list as sent); a
+        // journal with another such revocation and a long record.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(paths::NODE_REGISTRY);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let mut old = Registry::default();
+        old.record(&evidence(1, Some(&"r".repeat(512)))).unwrap();
+        let record = old.find("w-1").unwrap().clone();
+        old.revoke(&record, None, "operator").unwrap();
+        let mut json: serde_json::Value = serde_json::from_slice(&old.to_json()).unwrap();
+        json["nodes"][ek(1).to_string()]["reason"] = "r".repeat(512).into();
+        json["revoked"].as_array_mut().unwrap().push(
+            serde_json::json!({"name": "x", "ek": "junk", "disk_uuid": "", "reason": "", "at": 1}),
+        );
+        std::fs::write(&path, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
+        let mut long = record.clone();
+        long.ek = ek(3).to_string();
+        long.name = "w-3".into();
+        long.reason = Some("q".repeat(512));
+        let lines = [
+            serde_json::json!({"revoked": {"name": "y", "ek": "also junk", "disk_uuid": "", "reason": "", "at": 2}}),
+            serde_json::json!({"node": long}),
+        ];
+        let journal: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        std::fs::write(journal::beside(&path), journal).unwrap();
+
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        let loaded = store.snapshot();
+        assert_eq!(loaded.revoked().len(), 1, "{:?}", loaded.revoked());
+        assert_eq!(loaded.revoked()[0].ek, ek(1).to_string());
+        let reason = |name: &str| loaded.find(name).unwrap().reason.clone().unwrap();
+        assert_eq!(reason("w-1").len(), MAX_REASON);
+        assert_eq!(reason("w-3").len(), MAX_REASON);
+        // It keeps working: a change, a restart.
+        store.update(|r| r.record(&evidence(4, None))).unwrap();
+        drop(store);
+        assert_eq!(
+            RegistryStore::shared(dir.path())
+                .unwrap()
+                .snapshot()
+                .nodes
+                .len(),
+            3
+        );
     }
 
     #[test]
