@@ -230,7 +230,7 @@ fn main() -> ExitCode {
                     &to.settings,
                     &to.workspace,
                     &node,
-                    &to.endpoints,
+                    &operator::distinct(&to.endpoints),
                     Duration::from_secs(to.wait),
                 )
                 .await
@@ -239,7 +239,7 @@ fn main() -> ExitCode {
                 status::run(
                     &to.settings,
                     &to.workspace,
-                    &to.endpoints,
+                    &operator::distinct(&to.endpoints),
                     output,
                     Duration::from_secs(to.wait),
                 )
@@ -258,7 +258,7 @@ fn main() -> ExitCode {
                     &workspace,
                     &file,
                     signature.as_deref(),
-                    &endpoints,
+                    &operator::distinct(&endpoints),
                     Duration::from_secs(wait),
                 )
                 .await

@@ -51,6 +51,17 @@ pub struct Member {
     key: OperatorKey,
 }
 
+/// `endpoints` with each named once (in the order first named): one named
+/// twice would have its request made twice.
+pub fn distinct(endpoints: &[String]) -> Vec<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    endpoints
+        .iter()
+        .filter(|e| seen.insert(e.as_str()))
+        .cloned()
+        .collect()
+}
+
 /// Formats a refusal of `endpoint`.
 pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
     anyhow::anyhow!(
@@ -180,7 +191,9 @@ impl Operator {
         })
     }
 
-    /// Connects to `endpoint` ([`Operator::connect`]) and proves a request
+    /// Connects to the control plane at `endpoint` ([`Operator::connect`];
+    /// its measured role must be the control plane's, or a compromised
+    /// worker the host put there could answer for it) and proves a request
     /// of `kind` over `body` on a fresh challenge of it: returns the node,
     /// the challenge and the proof.
     pub async fn authorise(
@@ -190,7 +203,23 @@ impl Operator {
         body: &[u8],
     ) -> anyhow::Result<(Member, Vec<u8>, Vec<u8>)> {
         let mut member = self.connect(endpoint).await?;
+        if !member.is_control_plane() {
+            bail!(
+                "{endpoint} is not a control plane (its measured node identity); nothing was sent"
+            );
+        }
         let (challenge, proof) = member.prove(kind, body).await?;
         Ok((member, challenge, proof))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::distinct;
+
+    #[test]
+    fn an_endpoint_named_twice_is_used_once() {
+        let named = ["a:1", "b:2", "a:1", "c:3", "b:2"].map(String::from);
+        assert_eq!(distinct(&named), ["a:1", "b:2", "c:3"]);
     }
 }

@@ -515,6 +515,35 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         "{}",
         text(&out)
     );
+    // The host sends a control plane's connection to a (compromised)
+    // worker, which would answer "revoked": the CLI sends nothing to a
+    // node whose measured role is not the control plane's.
+    let worker_addr: SocketAddr = format!("127.0.0.1:{}", join_common::free_port())
+        .parse()
+        .unwrap();
+    let worker_operator = tokio::spawn({
+        let node = rebooted.node(slot.clone());
+        async move {
+            let _ = keel_agent::node::serve_operator_port(worker_addr, node, None).await;
+        }
+    });
+    join_common::wait_for_port(worker_addr).await;
+    let revoke_at_worker = [
+        "revoke",
+        "w-1",
+        "--workspace",
+        ws.path().to_str().unwrap(),
+        "--endpoint",
+        &worker_addr.to_string(),
+    ];
+    let out = run_keel(&revoke_at_worker, &settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("{worker_addr} is not a control plane")),
+        "{}",
+        text(&out)
+    );
+    worker_operator.abort();
     let out = operator_cmd(vec!["revoke".into(), "w-1".into()]).await;
     assert!(out.status.success(), "{}", text(&out));
     assert!(

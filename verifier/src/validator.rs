@@ -465,6 +465,14 @@ fn cpu_evidence(e: &keel_proto::attestation::CpuEvidence) -> Result<Evidence, Va
 /// whoever trusts a peer to serve control-plane state (join tickets,
 /// registries, recovery) checks it.
 pub fn check_control_plane(peer: &Verified) -> Result<(), &'static str> {
+    let identities = peer
+        .events
+        .iter()
+        .filter(|e| e.event_type == EventType::NodeIdentity)
+        .count();
+    if identities != 1 {
+        return Err("its event log holds no single node identity");
+    }
     match peer.identity() {
         Some(identity) if identity.role == crate::config::Role::ControlPlane => Ok(()),
         Some(_) => Err("its measured node identity is not a control plane"),

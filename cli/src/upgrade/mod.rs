@@ -96,8 +96,14 @@ pub enum Phase {
 /// Runs `keel upgrade`.
 pub async fn run(command: UpgradeCommand) -> anyhow::Result<()> {
     match command {
-        UpgradeCommand::Apply(args) => apply(args).await,
-        UpgradeCommand::Finish(cluster) => image::finish(&cluster).await,
+        UpgradeCommand::Apply(mut args) => {
+            args.cluster.endpoints = crate::operator::distinct(&args.cluster.endpoints);
+            apply(args).await
+        }
+        UpgradeCommand::Finish(mut cluster) => {
+            cluster.endpoints = crate::operator::distinct(&cluster.endpoints);
+            image::finish(&cluster).await
+        }
     }
 }
 
