@@ -165,6 +165,20 @@ pub fn change_state<E: From<FactsError>>(
     root: &Path,
     update: impl FnOnce(&ClusterState) -> Result<ClusterState, E>,
 ) -> Result<Option<Arc<ClusterState>>, E> {
+    change_state_then(slot, root, update, |_| Ok(()))
+}
+
+/// [`change_state`], and then, under the same turn and once the facts
+/// are saved, `then` over the new state (a file derived from it). If
+/// `then` fails, the new state stays (it is on the disk) and its error is
+/// returned: what `then` writes may lag the facts until the change is
+/// made again, never lead them.
+pub fn change_state_then<E: From<FactsError>>(
+    slot: &ClusterSlot,
+    root: &Path,
+    update: impl FnOnce(&ClusterState) -> Result<ClusterState, E>,
+    then: impl FnOnce(&ClusterState) -> Result<(), E>,
+) -> Result<Option<Arc<ClusterState>>, E> {
     let mut outcome = Ok(None);
     slot.send_if_modified(|current| {
         let Some(state) = current.as_ref() else {
@@ -177,7 +191,7 @@ pub fn change_state<E: From<FactsError>>(
         match changed {
             Ok(updated) => {
                 *current = Some(updated.clone());
-                outcome = Ok(Some(updated));
+                outcome = then(&updated).map(|()| Some(updated));
                 true
             }
             Err(e) => {

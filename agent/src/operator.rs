@@ -58,7 +58,7 @@ use subtle::ConstantTimeEq as _;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::attestation::policy::write_accepted;
-use crate::cluster::{change_state, ClusterSlot, ClusterState, FactsError};
+use crate::cluster::{change_state_then, ClusterSlot, ClusterState, FactsError};
 use crate::disk_bindings::DiskBindings;
 use crate::registry::{BoundDisk, RegistryError, RegistryStore, Revocation};
 use crate::throttle::FailureThrottle;
@@ -408,15 +408,16 @@ impl OperatorServer {
             .measurements
             .as_ref()
             .ok_or(OperatorError::NotControlPlane)?;
-        change_state(&inner.cluster, &inner.root, |state| {
-            let updated = update(state)?;
+        // The facts first, then the file the join service reads: a change
+        // whose facts fail to save is not enforced meanwhile (to be undone
+        // by the next reboot).
+        change_state_then(&inner.cluster, &inner.root, update, |updated| {
             write_accepted(
                 path,
                 &updated.join_measurements,
                 updated.staged_measurements.as_ref(),
             )
-            .map_err(|e| OperatorError::Store(e.into()))?;
-            Ok::<_, OperatorError>(updated)
+            .map_err(|e| OperatorError::Store(e.into()))
         })?
         .ok_or(OperatorError::NotControlPlane)
     }

@@ -153,6 +153,28 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
         expected
     );
 
+    // The facts cannot be saved (a full disk; here a directory in the
+    // file's place): the change fails and the join service keeps
+    // enforcing the set in force, which a reboot would keep too.
+    let facts = dir
+        .path()
+        .join("root")
+        .join(keel_agent::paths::CONTROL_PLANE_FACTS);
+    std::fs::remove_file(&facts).unwrap();
+    std::fs::create_dir(&facts).unwrap();
+    let other = boot_measurements_with(&service.config, [(13, Expected::warn_only([8; 32]))])
+        .to_json()
+        .into_bytes();
+    let c = server.challenge();
+    assert!(server
+        .set_join_measurements(&request(&c, key, &other), None)
+        .is_err());
+    assert_eq!(
+        Measurements::parse(&std::fs::read(&path).unwrap()).unwrap(),
+        expected
+    );
+    std::fs::remove_dir(&facts).unwrap();
+
     // Guessing from one address: it waits after the first wrong proof.
     let guesser: IpAddr = "192.0.2.9".parse().unwrap();
     let c = server.challenge();
