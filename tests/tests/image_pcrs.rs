@@ -200,6 +200,12 @@ impl Boot {
             work,
         }))
     }
+
+    /// A VM booting `disk` with the fixture config, its files in this
+    /// boot's work directory.
+    fn vm(&self, disk: impl Into<PathBuf>) -> VmBuilder {
+        VmBuilder::new(disk, &self.work).node_config(&self.config_path)
+    }
 }
 
 /// The attacker's move against the root file system: change it on disk and
@@ -210,27 +216,18 @@ impl Boot {
 /// the console and powers the VM off, and nothing on the root runs.
 #[test]
 fn a_changed_root_does_not_boot() -> TestResult {
-    let Some(Boot {
-        image,
-        patience,
-        config_path,
-        tmp,
-        work,
-    }) = Boot::new("changed-root")?
-    else {
+    let Some(boot) = Boot::new("changed-root")? else {
         return Ok(());
     };
-    std::fs::create_dir_all(&work)?;
+    std::fs::create_dir_all(&boot.work)?;
     // The copy is large: it lives in the temporary directory, not the logs.
-    let disk = tmp.path().join("changed-root.raw");
-    std::fs::copy(image.disk(), &disk)?;
+    let disk = boot.tmp.path().join("changed-root.raw");
+    std::fs::copy(boot.image.disk(), &disk)?;
     let root = partition_offset(&disk, ROOT_PARTITION)?;
     flip_byte(&disk, root + 512)?;
 
-    let vm = VmBuilder::new(&disk, &work)
-        .node_config(&config_path)
-        .start()?;
-    vm.wait_for_line("keel-initrd: mounting", patience)?;
+    let vm = boot.vm(&disk).start()?;
+    vm.wait_for_line("keel-initrd: mounting", boot.patience)?;
     let lines = vm.lines();
     let refusal = lines
         .iter()
@@ -261,25 +258,18 @@ fn a_changed_root_does_not_boot() -> TestResult {
 /// boots to ready and the marker never shows.
 #[test]
 fn host_credentials_are_not_imported() -> TestResult {
-    let Some(Boot {
-        image,
-        patience,
-        config_path,
-        tmp: _tmp,
-        work,
-    }) = Boot::new("host-credentials")?
-    else {
+    let Some(boot) = Boot::new("host-credentials")? else {
         return Ok(());
     };
     const MARKER: &str = "keel-test: a host credential was imported";
-    let vm = VmBuilder::new(image.disk(), &work)
-        .node_config(&config_path)
+    let vm = boot
+        .vm(boot.image.disk())
         .host_credential(
             "tmpfiles.extra",
             &format!("w /dev/console - - - - {MARKER}"),
         )
         .start()?;
-    vm.wait_for_line(READY_LINE, patience)?;
+    vm.wait_for_line(READY_LINE, boot.patience)?;
     // systemd-tmpfiles-setup runs during sysinit, seconds after the agent
     // (which starts before it) is ready.
     // The wait must end by running out of time, with the VM still up: a
@@ -302,56 +292,20 @@ fn host_credentials_are_not_imported() -> TestResult {
 /// agent comes up and reports ready.
 #[test]
 fn host_efi_options_are_ignored() -> TestResult {
-    let Some(Boot {
-        image,
-        patience,
-        config_path,
-        tmp: _tmp,
-        work,
-    }) = Boot::new("host-efi-options")?
-    else {
+    let Some(boot) = Boot::new("host-efi-options")? else {
         return Ok(());
     };
     let options = "systemd.unit=emergency.target systemd.setenv=SYSTEMD_SULOGIN_FORCE=1";
     let utf16: Vec<u8> = options.encode_utf16().flat_map(u16::to_le_bytes).collect();
-    let json = work.join("systemd-options.json");
-    std::fs::create_dir_all(&work)?;
-    std::fs::write(
-        &json,
-        serde_json::json!({
-            "version": 2,
-            "variables": [{
-                "name": "SystemdOptions",
-                "guid": "8cf2644b-4b0b-428f-9387-6d876050dc67",
-                // non-volatile, boot-service and runtime access
-                "attr": 7,
-                "data": hex::encode(&utf16),
-            }],
-        })
-        .to_string(),
-    )?;
-    let vars = work.join("vars.fd");
-    let made = std::process::Command::new("virt-fw-vars")
-        .arg("--input")
-        .arg(keel_e2e::vm::Firmware::ovmf().vars)
-        .arg("--output")
-        .arg(&vars)
-        .arg("--set-json")
-        .arg(&json)
-        .output()
-        .map_err(|e| format!("virt-fw-vars (python3-virt-firmware, `make deps`): {e}"))?;
-    if !made.status.success() {
-        return Err(format!(
-            "virt-fw-vars failed: {}",
-            String::from_utf8_lossy(&made.stderr)
+    let vm = boot
+        .vm(boot.image.disk())
+        .host_efi_variable(
+            "SystemdOptions",
+            "8cf2644b-4b0b-428f-9387-6d876050dc67",
+            &utf16,
         )
-        .into());
-    }
-    let vm = VmBuilder::new(image.disk(), &work)
-        .node_config(&config_path)
-        .vars(&vars)
         .start()?;
-    let ready = vm.wait_for_line(READY_LINE, patience);
+    let ready = vm.wait_for_line(READY_LINE, boot.patience);
     assert!(
         ready.is_ok(),
         "the node did not come up with the host's SystemdOptions in its firmware \
