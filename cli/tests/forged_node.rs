@@ -53,13 +53,12 @@ struct Victim {
 /// The real node: its own swtpm with an EK certificate from `ca`, its config
 /// measured as the agent measures it.
 fn victim(ca: &EkCa) -> Victim {
-    node_with(
-        ca,
-        harness::control_plane_config(
-            "sha256:0000000000000000000000000000000000000000000000000000000000000000",
-        ),
-    )
+    node_with(ca, harness::control_plane_config(NO_SECRET_HASH))
 }
+
+/// An init secret hash no secret matches (nothing reaches these nodes).
+const NO_SECRET_HASH: &str =
+    "sha256:0000000000000000000000000000000000000000000000000000000000000000";
 
 /// The CLI's settings for the node at `endpoint`, expecting the victim's
 /// measurements.
@@ -77,27 +76,54 @@ fn settings(dir: &Path, ca: &EkCa, v: &Victim, endpoint: std::net::SocketAddr) -
     .write(dir)
 }
 
-/// Serves a recording init and recovery API on a fresh port over
-/// server-attested aTLS with `issuer`'s documents: its address, the
-/// recorder and the task.
-async fn serve_recorder(
-    issuer: Arc<dyn keel_atls::Issuer>,
-) -> (std::net::SocketAddr, Recorder, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let recorder = Recorder::default();
-    let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
-    let server = tokio::spawn({
-        let recorder = recorder.clone();
-        async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(InitServiceServer::new(recorder.clone()))
-                .add_service(RecoveryServiceServer::new(recorder))
-                .serve_with_incoming(incoming)
-                .await;
+/// A recording init and recovery API served over server-attested aTLS,
+/// and the CLI's settings and workspace for the node behind it.
+struct Served {
+    recorder: Recorder,
+    server: tokio::task::JoinHandle<()>,
+    settings: PathBuf,
+    workspace: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Served {
+    /// Serves on a fresh port with `issuer`'s documents; the settings
+    /// expect `node`'s measurements.
+    async fn start(ca: &EkCa, node: &Victim, issuer: Arc<dyn keel_atls::Issuer>) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let recorder = Recorder::default();
+        let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
+        let server = tokio::spawn({
+            let recorder = recorder.clone();
+            async move {
+                let _ = tonic::transport::Server::builder()
+                    .add_service(InitServiceServer::new(recorder.clone()))
+                    .add_service(RecoveryServiceServer::new(recorder))
+                    .serve_with_incoming(incoming)
+                    .await;
+            }
+        });
+        let dir = tempfile::tempdir().unwrap();
+        Self {
+            recorder,
+            server,
+            settings: settings(dir.path(), ca, node, addr),
+            workspace: dir.path().join("workspace"),
+            _dir: dir,
         }
-    });
-    (addr, recorder, server)
+    }
+
+    /// Requests that reached the API.
+    fn requests(&self) -> usize {
+        self.recorder.0.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
 }
 
 /// Runs `keel args`, which must fail for `why` with nothing sent.
@@ -128,26 +154,17 @@ async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
     // Anyone who connects to a node gets a genuine document to copy from.
     let genuine = real.issue(&[0; 32], &[0; 32]).unwrap();
     let forger = Arc::new(SoftwareAk::new(&genuine, Some(real)).unwrap());
-    let (addr, recorder, server) = serve_recorder(forger.clone()).await;
+    let served = Served::start(&ca, &v, forger.clone()).await;
 
-    let dir = tempfile::tempdir().unwrap();
-    let settings = settings(dir.path(), &ca, &v, addr);
-    let ws = dir.path().join("workspace");
-    let out = run_keel(&["init", "--wait", "5"], &settings, Some(&ws)).await;
-    assert!(!out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("key residency"), "{}", text(&out));
-    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
-    assert_eq!(
-        recorder.0.load(Ordering::SeqCst),
-        0,
-        "a request reached the forger"
-    );
+    let init = ["init", "--wait", "5"];
+    let (settings, ws) = (&served.settings, Some(served.workspace.as_path()));
+    sent_nothing(&init, settings, ws, "key residency").await;
+    assert_eq!(served.requests(), 0, "a request reached the forger");
     assert!(forger.challenges_received() >= 1);
 
-    let out = run_keel(&["verify"], &settings, None).await;
+    let out = run_keel(&["verify"], settings, None).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("key residency"), "{}", text(&out));
-    server.abort();
 }
 
 /// A cluster of a hardware variant, checked with settings that leave
@@ -175,33 +192,20 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
     });
     let config = NodeConfig::parse(doc.to_string().as_bytes(), "t".as_ref()).unwrap();
     let node = node_with(&ca, config);
+    let served = Served::start(&ca, &node, Arc::new(TpmIssuer::new(node.tpm.clone()))).await;
 
-    let (addr, recorder, server) = serve_recorder(Arc::new(TpmIssuer::new(node.tpm.clone()))).await;
+    let init = ["init", "--wait", "5"];
+    let (settings, ws) = (&served.settings, Some(served.workspace.as_path()));
+    sent_nothing(&init, settings, ws, "attestation variant sev-snp").await;
+    assert_eq!(served.requests(), 0, "a request reached the node");
 
-    let dir = tempfile::tempdir().unwrap();
-    let settings = settings(dir.path(), &ca, &node, addr);
-    let ws = dir.path().join("workspace");
-    sent_nothing(
-        &["init", "--wait", "5"],
-        &settings,
-        Some(&ws),
-        "attestation variant sev-snp",
-    )
-    .await;
-    assert_eq!(
-        recorder.0.load(Ordering::SeqCst),
-        0,
-        "a request reached the node"
-    );
-
-    let out = run_keel(&["verify"], &settings, None).await;
+    let out = run_keel(&["verify"], settings, None).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(
         text(&out).contains("attestation variant sev-snp"),
         "{}",
         text(&out)
     );
-    server.abort();
 }
 
 /// The recovery API of a node: counts the requests that reach it.
@@ -224,25 +228,16 @@ impl RecoveryService for Recorder {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
     let ca = EkCa::new().unwrap();
-    let mut config = harness::control_plane_config(
-        "sha256:0000000000000000000000000000000000000000000000000000000000000000",
-    );
+    let mut config = harness::control_plane_config(NO_SECRET_HASH);
     config.node.role = keel_verifier::config::Role::Worker;
     let node = node_with(&ca, config);
-    let (addr, recorder, server) = serve_recorder(Arc::new(TpmIssuer::new(node.tpm.clone()))).await;
+    let served = Served::start(&ca, &node, Arc::new(TpmIssuer::new(node.tpm.clone()))).await;
 
-    let dir = tempfile::tempdir().unwrap();
-    let settings = settings(dir.path(), &ca, &node, addr);
-    let ws = dir.path().join("workspace");
-    sent_nothing(
-        &["init", "--wait", "5"],
-        &settings,
-        Some(&ws),
-        "not a control plane",
-    )
-    .await;
+    let init = ["init", "--wait", "5"];
+    let (settings, ws) = (&served.settings, &served.workspace);
+    sent_nothing(&init, settings, Some(ws), "not a control plane").await;
 
-    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::create_dir_all(ws).unwrap();
     std::fs::write(
         ws.join("keel-master-secret.json"),
         serde_json::json!({
@@ -260,11 +255,6 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
         "--wait",
         "5",
     ];
-    sent_nothing(&recover, &settings, None, "not a control plane").await;
-    assert_eq!(
-        recorder.0.load(Ordering::SeqCst),
-        0,
-        "a request reached the worker"
-    );
-    server.abort();
+    sent_nothing(&recover, settings, None, "not a control plane").await;
+    assert_eq!(served.requests(), 0, "a request reached the worker");
 }
