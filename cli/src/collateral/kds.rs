@@ -326,18 +326,14 @@ mod tests {
             let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
             let roots = [self.amd.roots_pem()];
             let now = u64::try_from(OffsetDateTime::now_utc().unix_timestamp()).unwrap();
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(fetch(
-                    &http,
-                    &self.mirror.base_url(),
-                    &self.report,
-                    Some(Product::Milan),
-                    now,
-                    &roots,
-                ))
+            super::super::block_on(fetch(
+                &http,
+                &self.mirror.base_url(),
+                &self.report,
+                Some(Product::Milan),
+                now,
+                &roots,
+            ))
         }
     }
 

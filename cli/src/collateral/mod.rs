@@ -248,6 +248,17 @@ fn create_temporary(dir: &Path, name: &str) -> anyhow::Result<(PathBuf, std::fs:
     Ok((temporary, file))
 }
 
+/// Runs `future` (a fetch of the unit tests) on a runtime of its own.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(future)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {

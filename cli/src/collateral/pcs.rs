@@ -334,18 +334,14 @@ mod tests {
         root: &IntelRoot,
     ) -> Result<Vec<CacheFile>, PcsError> {
         let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(fetch(
-                &http,
-                &mirror.base_url(),
-                &mirror.url("/IntelSGXRootCA.der"),
-                quote,
-                now,
-                root,
-            ))
+        super::super::block_on(fetch(
+            &http,
+            &mirror.base_url(),
+            &mirror.url("/IntelSGXRootCA.der"),
+            quote,
+            now,
+            root,
+        ))
     }
 
     /// A generated platform, its quote, and a PCS serving its collateral.
