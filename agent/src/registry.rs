@@ -293,10 +293,7 @@ impl BoundDisk {
         if record.disk_uuid.is_empty() {
             return None;
         }
-        let ek = record
-            .ek
-            .strip_prefix("sha256:")
-            .and_then(EkDigest::from_hex)?;
+        let ek = ek_digest(&record.ek)?;
         let claim = match disks {
             Some(disks) => Self::check(disks, &ek, &record.disk_uuid),
             None => Ok(DiskClaim::Unbound),
@@ -371,11 +368,28 @@ fn cut(text: &str, max: usize) -> String {
     stored
 }
 
-/// Whether `text` is an EK digest as [`EkDigest`] shows it.
-fn is_ek_digest(text: &str) -> bool {
-    text.strip_prefix("sha256:").is_some_and(|hex| {
-        hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-    })
+/// The EK digest `text` is, if it is one exactly as [`EkDigest`] shows it
+/// (as this registry stores them).
+fn ek_digest(text: &str) -> Option<EkDigest> {
+    text.strip_prefix("sha256:")
+        .and_then(EkDigest::from_hex)
+        .filter(|ek| ek.to_string() == text)
+}
+
+/// Whether the node record under `key` is one this code writes: under its
+/// own EK digest.
+fn well_formed_node(key: &str, record: &NodeRecord) -> bool {
+    key == record.ek && ek_digest(&record.ek).is_some()
+}
+
+/// Whether a revocation is one this code writes: naming an EK digest.
+fn well_formed_revocation(revocation: &Revocation) -> bool {
+    ek_digest(&revocation.ek).is_some()
+}
+
+/// The error for a registry file or document over [`MAX_REGISTRY_BYTES`].
+fn too_large() -> RegistryError {
+    RegistryError::Invalid(format!("larger than {} MiB", MAX_REGISTRY_BYTES >> 20))
 }
 
 impl Registry {
@@ -395,10 +409,8 @@ impl Registry {
     fn parse_stored(bytes: &[u8]) -> Result<Self, RegistryError> {
         let mut registry = Self::parse_bounded(bytes)?;
         let before = (registry.nodes.len(), registry.revoked.len());
-        registry
-            .nodes
-            .retain(|key, r| *key == r.ek && is_ek_digest(&r.ek));
-        registry.revoked.retain(|r| is_ek_digest(&r.ek));
+        registry.nodes.retain(|key, r| well_formed_node(key, r));
+        registry.revoked.retain(well_formed_revocation);
         let dropped = (
             before.0 - registry.nodes.len(),
             before.1 - registry.revoked.len(),
@@ -416,7 +428,7 @@ impl Registry {
 
     fn parse_bounded(bytes: &[u8]) -> Result<Self, RegistryError> {
         if bytes.len() > MAX_REGISTRY_BYTES {
-            return Err(RegistryError::Invalid("larger than 32 MiB".into()));
+            return Err(too_large());
         }
         let registry: Self =
             serde_json::from_slice(bytes).map_err(|e| RegistryError::Invalid(e.to_string()))?;
@@ -434,14 +446,14 @@ impl Registry {
         if let Some(key) = self
             .nodes
             .iter()
-            .find_map(|(key, r)| (*key != r.ek || !is_ek_digest(&r.ek)).then_some(key))
+            .find_map(|(key, r)| (!well_formed_node(key, r)).then_some(key))
         {
             return Err(RegistryError::Invalid(format!(
                 "a node record is not under its EK digest ({})",
                 key.escape_debug()
             )));
         }
-        if self.revoked.iter().any(|r| !is_ek_digest(&r.ek)) {
+        if !self.revoked.iter().all(well_formed_revocation) {
             return Err(RegistryError::Invalid(
                 "a revocation names no EK digest".into(),
             ));
@@ -717,8 +729,8 @@ impl Registry {
         match change {
             // Entries this code never writes are skipped (see
             // `parse_stored`).
-            Change::Node(record) if !is_ek_digest(&record.ek) => {}
-            Change::Revoked(revocation) if !is_ek_digest(&revocation.ek) => {}
+            Change::Node(record) if !well_formed_node(&record.ek, &record) => {}
+            Change::Revoked(revocation) if !well_formed_revocation(&revocation) => {}
             Change::Node(mut record) => {
                 record.cut_fields();
                 if !self.nodes.contains_key(&record.ek) && self.nodes.len() >= MAX_NODES {
@@ -746,7 +758,7 @@ impl Registry {
     fn restore(path: &Path, records: Vec<Change>) -> Result<Self, RegistryError> {
         let mut registry = match keel_verifier::bounded::read(path, MAX_REGISTRY_BYTES as u64) {
             Ok(Some(bytes)) => Registry::parse_stored(&bytes)?,
-            Ok(None) => return Err(RegistryError::Invalid("larger than 32 MiB".into())),
+            Ok(None) => return Err(too_large()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry::default(),
             Err(source) => {
                 return Err(RegistryError::Read {
