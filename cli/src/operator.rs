@@ -15,12 +15,11 @@ use anyhow::{bail, Context as _};
 use keel_atls::AtlsClient;
 use keel_proto::operator::operator_service_client::OperatorServiceClient;
 use keel_proto::operator::ChallengeRequest;
-use keel_verifier::config::{NodeIdentity, Role};
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::{KeyService, OperatorKey};
 use keel_verifier::measurement::pcr;
 use keel_verifier::measurements::Measurements;
-use keel_verifier::validator::{check_cluster_lock, Verified};
+use keel_verifier::validator::{check_cluster_lock, check_control_plane, Verified};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::init::connect;
@@ -45,8 +44,9 @@ pub struct Member {
     pub endpoint: String,
     /// Its operator API.
     pub client: OperatorServiceClient<Channel>,
-    /// Its name and role, as its measured event log says.
-    pub identity: Option<NodeIdentity>,
+    /// Whether its replayed node identity names the control-plane role
+    /// ([`keel_verifier::validator::check_control_plane`]).
+    control_plane: bool,
     /// Its operator key.
     key: OperatorKey,
 }
@@ -74,9 +74,7 @@ pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
 impl Member {
     /// Whether the node attests the control-plane role.
     pub fn is_control_plane(&self) -> bool {
-        self.identity
-            .as_ref()
-            .is_some_and(|i| i.role == Role::ControlPlane)
+        self.control_plane
     }
 
     /// A fresh challenge of the node and the operator's proof for a request
@@ -179,14 +177,14 @@ impl Operator {
             .keys
             .operator_key(&ek)
             .context("deriving the node's operator key")?;
-        let identity = claims.identity();
+        let control_plane = check_control_plane(claims).is_ok();
         Ok(Member {
             endpoint: endpoint.to_owned(),
             // `keel status` gets a whole registry (tonic's default
             // allows 4 MiB).
             client: OperatorServiceClient::new(bound.channel)
                 .max_decoding_message_size(keel_proto::MAX_REGISTRY_BYTES + 1024),
-            identity,
+            control_plane,
             key,
         })
     }
