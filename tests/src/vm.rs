@@ -223,6 +223,24 @@ fn kvm_boots_firmware(firmware: &Firmware) -> bool {
     booted
 }
 
+/// Runs the setup program `cmd` (`program`, no input) to completion; a
+/// failure names `log`, where its output went.
+fn run_setup(program: &'static str, cmd: &mut Command, log: PathBuf) -> Result<(), VmError> {
+    let status = cmd
+        .stdin(Stdio::null())
+        .status()
+        .map_err(|source| VmError::Spawn { program, source })?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(VmError::Setup {
+            program,
+            status,
+            log,
+        })
+    }
+}
+
 fn pflash(file: &Path, option: &str) -> String {
     format!("if=pflash,format=raw,{option},file={}", file.display())
 }
@@ -407,29 +425,16 @@ impl VmBuilder {
         .map_err(io(&json))?;
         let log = self.work_dir.join("virt-fw-vars.log");
         let log_file = File::create(&log).map_err(io(&log))?;
-        let status = Command::new("virt-fw-vars")
-            .arg("--input")
+        let mut cmd = Command::new("virt-fw-vars");
+        cmd.arg("--input")
             .arg(&self.firmware.vars)
             .arg("--output")
             .arg(vars)
             .arg("--set-json")
             .arg(&json)
-            .stdin(Stdio::null())
             .stdout(log_file.try_clone().map_err(io(&log))?)
-            .stderr(log_file)
-            .status()
-            .map_err(|source| VmError::Spawn {
-                program: "virt-fw-vars",
-                source,
-            })?;
-        if !status.success() {
-            return Err(VmError::Setup {
-                program: "virt-fw-vars",
-                status,
-                log,
-            });
-        }
-        Ok(())
+            .stderr(log_file);
+        run_setup("virt-fw-vars", &mut cmd, log)
     }
 
     /// Provisions a TPM (unless one was given), starts swtpm and QEMU. The
@@ -928,33 +933,21 @@ impl Swtpm {
         let state = dir.join("state");
         fs::create_dir_all(&state).map_err(io(&state))?;
         let setup_log = dir.join("swtpm_setup.log");
-        let status = Command::new("swtpm_setup")
-            .args([
-                "--tpm2",
-                "--createek",
-                "--pcr-banks",
-                "sha256",
-                "--overwrite",
-            ])
-            .arg("--tpmstate")
-            .arg(&state)
-            .arg("--logfile")
-            .arg(&setup_log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .map_err(|source| VmError::Spawn {
-                program: "swtpm_setup",
-                source,
-            })?;
-        if !status.success() {
-            return Err(VmError::Setup {
-                program: "swtpm_setup",
-                status,
-                log: setup_log,
-            });
-        }
+        let mut cmd = Command::new("swtpm_setup");
+        cmd.args([
+            "--tpm2",
+            "--createek",
+            "--pcr-banks",
+            "sha256",
+            "--overwrite",
+        ])
+        .arg("--tpmstate")
+        .arg(&state)
+        .arg("--logfile")
+        .arg(&setup_log)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        run_setup("swtpm_setup", &mut cmd, setup_log)?;
         Self::start(&state, &dir)
     }
 
