@@ -166,8 +166,15 @@ impl RecoveryServer {
         let accepted = match self.accept(request, disk.clone()).await {
             Ok(a) => a,
             Err(e) => {
-                if let (Some(ip), RecoveryError::WrongSecret | RecoveryError::Sealed(_)) =
-                    (peer, &e)
+                // Every refusal of what the caller sent is throttled: a
+                // request that decodes wrong has cost the TPM as much as
+                // one with a wrong secret.
+                if let (
+                    Some(ip),
+                    RecoveryError::WrongSecret
+                    | RecoveryError::Sealed(_)
+                    | RecoveryError::InvalidRequest(_),
+                ) = (peer, &e)
                 {
                     let (failures, wait) = inner.throttle.failed(ip);
                     tracing::warn!(peer = %ip, failures, wait_s = wait.as_secs_f64(), "recovery refused: {e}");

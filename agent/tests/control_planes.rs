@@ -168,6 +168,25 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         }
         other => panic!("{other:?}"),
     }
+    // Sealed secrets that do not decode cost the TPM as much: throttled
+    // too, however well sealed.
+    let prober: IpAddr = "192.0.2.8".parse().unwrap();
+    let garbage = RecoverRequest {
+        secrets: Some(cp1.sealed(&[0xff; 40])),
+        measurement_salt: cp0.state.measurement_salt.to_vec(),
+    };
+    match recovery.recover(garbage, Some(prober)).await {
+        Err(e @ RecoveryError::InvalidRequest(_)) => {
+            assert_eq!(tonic::Status::from(&e).code(), tonic::Code::InvalidArgument)
+        }
+        other => panic!("{other:?}"),
+    }
+    let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(right, Some(prober)).await {
+        Err(RecoveryError::Throttled(_)) => {}
+        other => panic!("after a request that does not decode: {other:?}"),
+    }
+    assert!(!cp1.lock.is_locked());
     // A worker is never recovered.
     let worker_recovery = RecoveryServer::new(worker.node(Arc::new(ClusterSlot::new(None))));
     let request = recover_request(&worker, master, salt, &cp0.state.measurement_salt);
