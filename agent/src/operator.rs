@@ -106,6 +106,19 @@ pub enum OperatorError {
     /// Finish with no image rollout in progress.
     #[error("no image measurements are staged; nothing to finish")]
     NothingStaged,
+    /// Finish naming a set other than the staged one.
+    #[error(
+        "the staged image measurements are sha256:{}, not the sha256:{} this request finishes; \
+         nothing changed (stage the intended file again, then finish it)",
+        hex::encode(staged),
+        hex::encode(named)
+    )]
+    OtherStaged {
+        /// The staged set's SHA-256.
+        staged: [u8; 32],
+        /// The set the request names.
+        named: [u8; 32],
+    },
     /// The new measurements could not be stored.
     #[error("storing the measurements failed")]
     Store(#[source] anyhow::Error),
@@ -134,9 +147,11 @@ impl From<&OperatorError> for tonic::Status {
     fn from(e: &OperatorError) -> Self {
         use OperatorError as E;
         let code = match e {
-            E::NotServing | E::NotControlPlane | E::NoSigningKey | E::NothingStaged => {
-                tonic::Code::FailedPrecondition
-            }
+            E::NotServing
+            | E::NotControlPlane
+            | E::NoSigningKey
+            | E::NothingStaged
+            | E::OtherStaged { .. } => tonic::Code::FailedPrecondition,
             E::Signature(_) => tonic::Code::PermissionDenied,
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
@@ -496,7 +511,8 @@ impl OperatorServer {
     }
 
     /// Ends an image rollout, for a request from `peer`: the staged set
-    /// becomes the only accepted set. Returns its SHA-256.
+    /// becomes the only accepted set, if it is the one the request names.
+    /// Returns its SHA-256.
     pub fn finish_image_upgrade(
         &self,
         request: &FinishImageUpgradeRequest,
@@ -505,15 +521,25 @@ impl OperatorServer {
         self.inner.auth.authorize(
             FINISH_IMAGE_UPGRADE,
             &request.challenge,
-            &[],
+            &request.staged_digest,
             &request.proof,
             peer,
         )?;
+        let named: [u8; 32] = request.staged_digest.as_slice().try_into().map_err(|_| {
+            OperatorError::Measurements("the staged set's SHA-256 must be 32 bytes".into())
+        })?;
         let updated = self.change(|state| {
             let staged = state
                 .staged_measurements
                 .clone()
                 .ok_or(OperatorError::NothingStaged)?;
+            let digest = staged.digest();
+            if named != digest {
+                return Err(OperatorError::OtherStaged {
+                    staged: digest,
+                    named,
+                });
+            }
             // The old image's signed file goes too.
             Ok(state
                 .with_measurements(staged, None)

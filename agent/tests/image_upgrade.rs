@@ -58,13 +58,19 @@ fn stage_request(
     }
 }
 
-fn finish_request(server: &OperatorServer, key: &[u8]) -> FinishImageUpgradeRequest {
+/// A request to finish the rollout of the set whose SHA-256 is `staged`.
+fn finish_request(
+    server: &OperatorServer,
+    key: &[u8],
+    staged: [u8; 32],
+) -> FinishImageUpgradeRequest {
     let challenge = server.challenge();
     FinishImageUpgradeRequest {
         challenge: challenge.to_vec(),
-        proof: operator_proof(key, FINISH_IMAGE_UPGRADE, &challenge, &[])
+        proof: operator_proof(key, FINISH_IMAGE_UPGRADE, &challenge, &staged)
             .unwrap()
             .to_vec(),
+        staged_digest: staged.to_vec(),
     }
 }
 
@@ -298,7 +304,10 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
         nothing_staged(&service, &root, case);
     }
     refused(
-        server.finish_image_upgrade(&finish_request(&server, operator_key), None),
+        server.finish_image_upgrade(
+            &finish_request(&server, operator_key, new_set.digest()),
+            None,
+        ),
         tonic::Code::FailedPrecondition,
         "finish with nothing staged",
     );
@@ -352,19 +361,53 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
     let challenge = server.challenge();
     let wrong_kind = FinishImageUpgradeRequest {
         challenge: challenge.to_vec(),
-        proof: operator_proof(operator_key, STAGE_IMAGE_MEASUREMENTS, &challenge, &[])
-            .unwrap()
-            .to_vec(),
+        proof: operator_proof(
+            operator_key,
+            STAGE_IMAGE_MEASUREMENTS,
+            &challenge,
+            &new_set.digest(),
+        )
+        .unwrap()
+        .to_vec(),
+        staged_digest: new_set.digest().to_vec(),
     };
-    refused(
-        server.finish_image_upgrade(&wrong_kind, None),
-        tonic::Code::PermissionDenied,
-        "finish with a stage proof",
-    );
-    assert!(staged_path(&service.measurements).exists());
+    // Nor does a finish of another set than the staged one (one staged
+    // since the operator's, or left from an earlier rollout), nor one
+    // whose named set was changed after the proof.
+    let mut moved = finish_request(&server, operator_key, [7; 32]);
+    moved.staged_digest = new_set.digest().to_vec();
+    let cases = [
+        (
+            "finish with a stage proof",
+            wrong_kind,
+            tonic::Code::PermissionDenied,
+        ),
+        (
+            "finish of another set",
+            finish_request(&server, operator_key, [7; 32]),
+            tonic::Code::FailedPrecondition,
+        ),
+        (
+            "named set changed after the proof",
+            moved,
+            tonic::Code::PermissionDenied,
+        ),
+    ];
+    for (case, request, code) in cases {
+        refused(server.finish_image_upgrade(&request, None), code, case);
+        let staged = std::fs::read(staged_path(&service.measurements)).unwrap();
+        assert_eq!(Measurements::parse(&staged).unwrap(), new_set, "{case}");
+        assert!(
+            ControlPlaneFacts::load(&root)
+                .unwrap()
+                .staged_measurements
+                .is_some(),
+            "{case}"
+        );
+    }
 
     // Finished: only the new image joins.
-    let finish = finish_request(&server, operator_key);
+    let finish = finish_request(&server, operator_key, new_set.digest());
     assert_eq!(
         server.finish_image_upgrade(&finish, None).unwrap(),
         new_set.digest()
@@ -392,7 +435,10 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
         "replayed finish",
     );
     refused(
-        server.finish_image_upgrade(&finish_request(&server, operator_key), None),
+        server.finish_image_upgrade(
+            &finish_request(&server, operator_key, new_set.digest()),
+            None,
+        ),
         tonic::Code::FailedPrecondition,
         "second finish",
     );
@@ -610,7 +656,14 @@ async fn a_node_of_a_new_image_accepts_a_join_service_presenting_its_signed_imag
     // Finished: the old image's signed file goes; the service (still the
     // old image) has nothing to present, and the new node refuses it.
     server
-        .finish_image_upgrade(&finish_request(&server, operator_key.expose()), None)
+        .finish_image_upgrade(
+            &finish_request(
+                &server,
+                operator_key.expose(),
+                Measurements::parse(&new_body).unwrap().digest(),
+            ),
+            None,
+        )
         .unwrap();
     presented(&service, None).await;
     assert_eq!(

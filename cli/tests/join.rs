@@ -397,15 +397,22 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     // An image upgrade through the CLI: the new image's signed measurements
     // are staged next to the current ones, then finish makes them the only
     // ones.
+    let signed_file = |name: &str, set: &keel_verifier::measurements::Measurements| {
+        let file = operator.path().join(name);
+        let body = format!("{}\n", set.to_json());
+        std::fs::write(&file, &body).unwrap();
+        std::fs::write(
+            operator.path().join(format!("{name}.sig")),
+            signing.sign(body.as_bytes()),
+        )
+        .unwrap();
+        file
+    };
     let image = boot_measurements_with(&config1, [(11, Expected::enforced([5; 32]))]);
-    let image_file = operator.path().join("image.json");
-    let image_body = format!("{}\n", image.to_json());
-    std::fs::write(&image_file, &image_body).unwrap();
-    std::fs::write(
-        operator.path().join("image.json.sig"),
-        signing.sign(image_body.as_bytes()),
-    )
-    .unwrap();
+    let image_file = signed_file("image.json", &image);
+    // A second signed image that was never staged.
+    let other = boot_measurements_with(&config1, [(11, Expected::enforced([6; 32]))]);
+    let other_file = signed_file("other.json", &other);
     let endpoint = operator_addr.to_string();
     let ws_arg = ws.path().to_str().unwrap();
     let out = run_keel(
@@ -437,15 +444,42 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     };
     assert_eq!(read(&staged_file), image);
     assert_eq!(read(&join_measurements), new);
-    let finish_args = [
-        "upgrade",
-        "finish",
-        "--workspace",
-        ws_arg,
-        "--endpoint",
-        &endpoint,
-    ];
-    let finish = || run_keel(&finish_args, &settings, None);
+    // Finishing another set than the staged one changes nothing.
+    let finish_args = |file: &std::path::Path| {
+        [
+            "upgrade",
+            "finish",
+            "--workspace",
+            ws_arg,
+            "--image-measurements",
+            file.to_str().unwrap(),
+            "--endpoint",
+            &endpoint,
+        ]
+        .map(str::to_owned)
+    };
+    let finish_file = |file: std::path::PathBuf| {
+        let args = finish_args(&file);
+        let settings = &settings;
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run_keel(&args, settings, None).await
+        }
+    };
+    let out = finish_file(other_file).await;
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains(&format!(
+            "the staged image measurements are sha256:{}, not the sha256:{}",
+            hex::encode(image.digest()),
+            hex::encode(other.digest())
+        )),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(read(&staged_file), image);
+    assert_eq!(read(&join_measurements), new);
+    let finish = || finish_file(image_file.clone());
     let out = finish().await;
     assert!(out.status.success(), "{}", text(&out));
     assert!(!staged_file.exists());

@@ -114,20 +114,33 @@ pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Res
         },
     )
     .await?;
-    println!("image: nodes of the old and the new image join; run `keel upgrade finish` once every node runs the new image");
+    println!(
+        "image: nodes of the old and the new image join; run `keel upgrade finish \
+         --image-measurements <the same file>` once every node runs the new image"
+    );
     Ok(())
 }
 
-/// Finishes the image rollout on every control plane of `cluster`.
-pub async fn finish(cluster: &Cluster) -> anyhow::Result<()> {
+/// Finishes the rollout of `image` on every control plane of `cluster`:
+/// each makes it its only accepted set if it is the set staged there.
+pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Result<()> {
     let settings = Settings::load(&cluster.settings)?;
     let operator = &Operator::new(&settings, &cluster.workspace, cluster.wait())?;
+    println!(
+        "image: finishing the rollout of measurements sha256:{} on {} control plane(s)",
+        hex::encode(image.digest),
+        cluster.endpoints.len()
+    );
     on_each(cluster, "finish the image upgrade", |endpoint| async move {
         let (mut node, challenge, proof) = operator
-            .authorise(&endpoint, FINISH_IMAGE_UPGRADE, &[])
+            .authorise(&endpoint, FINISH_IMAGE_UPGRADE, &image.digest)
             .await?;
         node.client
-            .finish_image_upgrade(FinishImageUpgradeRequest { challenge, proof })
+            .finish_image_upgrade(FinishImageUpgradeRequest {
+                challenge,
+                proof,
+                staged_digest: image.digest.to_vec(),
+            })
             .await
             .map_err(|s| refused(&endpoint, &s))
             .map(|done| {

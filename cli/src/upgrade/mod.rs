@@ -26,9 +26,9 @@ pub enum UpgradeCommand {
     /// new image both join until `keel upgrade finish`.
     Apply(ApplyArgs),
     /// End an image rollout on every control plane named: the staged
-    /// measurements become the only ones accepted, nodes of the old image
-    /// no longer join.
-    Finish(Cluster),
+    /// measurements, if they are the file named, become the only ones
+    /// accepted; nodes of the old image no longer join.
+    Finish(FinishArgs),
 }
 
 /// The cluster an upgrade command talks to.
@@ -56,6 +56,21 @@ impl Cluster {
     pub fn wait(&self) -> Duration {
         Duration::from_secs(self.wait)
     }
+}
+
+/// `keel upgrade finish`.
+#[derive(Debug, Args)]
+pub struct FinishArgs {
+    /// The cluster.
+    #[command(flatten)]
+    pub cluster: Cluster,
+    /// The new image's measurements file, as given to `keel upgrade apply`:
+    /// a control plane where another set is staged refuses, and keeps it.
+    #[arg(long, value_name = "FILE")]
+    pub image_measurements: PathBuf,
+    /// Its detached signature (DER ECDSA P-256; default: FILE.sig).
+    #[arg(long, value_name = "FILE")]
+    pub image_measurements_signature: Option<PathBuf>,
 }
 
 /// `keel upgrade apply`.
@@ -100,9 +115,14 @@ pub async fn run(command: UpgradeCommand) -> anyhow::Result<()> {
             args.cluster.endpoints = crate::operator::distinct(&args.cluster.endpoints);
             apply(args).await
         }
-        UpgradeCommand::Finish(mut cluster) => {
-            cluster.endpoints = crate::operator::distinct(&cluster.endpoints);
-            image::finish(&cluster).await
+        UpgradeCommand::Finish(mut args) => {
+            args.cluster.endpoints = crate::operator::distinct(&args.cluster.endpoints);
+            let image = image::SignedMeasurements::load(
+                &args.cluster.settings,
+                &args.image_measurements,
+                args.image_measurements_signature.as_deref(),
+            )?;
+            image::finish(&args.cluster, &image).await
         }
     }
 }
