@@ -12,6 +12,11 @@
 //! Every attempt starts from byte zero: the file is truncated and the hash
 //! restarted, so a retried download is verified as a whole.
 //!
+//! Redirects are followed, [`MAX_REDIRECTS`] at most, and never from HTTPS
+//! to another scheme: the hash already fixes the bytes, but a download
+//! begun over TLS does not go on in the clear, where anyone on the path
+//! sees what the node fetches and can cut or stall it unnoticed.
+//!
 //! TLS is rustls with the *ring* provider and the Mozilla roots (plus any
 //! extra roots for a private mirror), configured here rather than through a
 //! process-wide default provider.
@@ -75,6 +80,9 @@ pub struct DownloadConfig {
     /// Extra trusted root certificates (DER), e.g. a private mirror's CA.
     pub extra_roots: Vec<CertificateDer<'static>>,
 }
+
+/// Redirects one download follows at most (dl.k8s.io takes one or two).
+pub const MAX_REDIRECTS: usize = 5;
 
 /// Default bound on one component: the largest upstream binary (kubelet) is
 /// under 100 MiB.
@@ -204,6 +212,33 @@ pub enum DownloadError {
     },
 }
 
+/// Why a redirect was not followed (the source of a redirect error).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RedirectRefused {
+    /// A redirect from HTTPS to another scheme.
+    #[error("a redirect from https to {0} is refused")]
+    Downgrade(String),
+    /// More than [`MAX_REDIRECTS`] redirects.
+    #[error("more than {MAX_REDIRECTS} redirects")]
+    TooMany,
+}
+
+/// Follows a redirect unless it leaves HTTPS or is one too many.
+fn redirect_policy() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        if attempt.previous().len() > MAX_REDIRECTS {
+            return attempt.error(RedirectRefused::TooMany);
+        }
+        let scheme = attempt.url().scheme().to_owned();
+        let from_https = attempt.previous().iter().any(|u| u.scheme() == "https");
+        if from_https && scheme != "https" {
+            return attempt.error(RedirectRefused::Downgrade(scheme));
+        }
+        attempt.follow()
+    })
+}
+
 impl DownloadError {
     /// Whether another attempt may succeed.
     pub fn is_transient(&self) -> bool {
@@ -257,6 +292,7 @@ impl Downloader {
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let client = reqwest::Client::builder()
             .use_preconfigured_tls(tls)
+            .redirect(redirect_policy())
             .connect_timeout(config.retry.connect_timeout)
             .user_agent(concat!("keel-installer/", env!("CARGO_PKG_VERSION")))
             .build()

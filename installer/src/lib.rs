@@ -26,7 +26,9 @@ pub mod versions;
 
 pub use component::{Component, ComponentError, InstallPath, Source};
 pub use digest::{ParseDigestError, Sha256Digest};
-pub use download::{DownloadConfig, DownloadError, Downloader, RetryPolicy};
+pub use download::{
+    DownloadConfig, DownloadError, Downloader, RedirectRefused, RetryPolicy, MAX_REDIRECTS,
+};
 pub use extract::{ExtractError, ExtractLimits};
 pub use installer::{InstallError, InstalledComponent, Installer, InstallerConfig, Outcome};
 pub use mirror::Mirror;

@@ -408,3 +408,72 @@ async fn inline_content_is_checked_against_its_hash() {
     assert_eq!(std::fs::read(&install).unwrap(), b"[]");
     assert_eq!(mode(&install), 0o644);
 }
+
+/// An installer below `root` that trusts the HTTPS mirror `tls`.
+fn trusting(root: &std::path::Path, tls: &MirrorServer) -> keel_installer::Installer {
+    keel_installer::Installer::new(keel_installer::InstallerConfig {
+        download: keel_installer::DownloadConfig {
+            retry: fast_retries(),
+            extra_roots: vec![tls.tls_root().unwrap()],
+            ..keel_installer::DownloadConfig::default()
+        },
+        root: root.to_path_buf(),
+        ..keel_installer::InstallerConfig::default()
+    })
+    .unwrap()
+}
+
+#[tokio::test]
+async fn redirects_never_leave_https_and_are_bounded() {
+    let plain = MirrorServer::start().unwrap();
+    plain.serve(PATH, body());
+    let tls = MirrorServer::start_tls().unwrap();
+    let hash = sha256(&body());
+    // /hop0 → /hop1 → … → /hopN, the body at the end: N redirects.
+    let chain_of = |name: &str, redirects: usize| {
+        for hop in 0..redirects {
+            let next = tls.url(&format!("/{name}{}", hop + 1));
+            tls.redirect(&format!("/{name}{hop}"), &next);
+        }
+        tls.serve(&format!("/{name}{redirects}"), body());
+        Component::new(
+            &tls.url(&format!("/{name}0")),
+            &hash,
+            &format!("/run/state/bin/{name}"),
+            false,
+        )
+        .unwrap()
+    };
+    let root = tempfile::tempdir().unwrap();
+    let installer = trusting(root.path(), &tls);
+
+    // HTTPS to HTTPS is followed, up to the bound.
+    let within = chain_of("within", keel_installer::MAX_REDIRECTS);
+    installer.install(&within, &NoProgress).await.unwrap();
+    assert_eq!(
+        std::fs::read(root.path().join("run/state/bin/within")).unwrap(),
+        body()
+    );
+
+    // One more is refused, at once (not retried).
+    let beyond = chain_of("beyond", keel_installer::MAX_REDIRECTS + 1);
+    let err = installer.install(&beyond, &NoProgress).await.unwrap_err();
+    let text = chain(&err);
+    assert!(text.contains("more than 5 redirects"), "{text}");
+    assert!(!download_error(&err).is_transient(), "{text}");
+    assert_nothing_installed(&root.path().join("run/state/bin/beyond"));
+
+    // HTTPS to HTTP is refused before the plain mirror sees a request,
+    // even where the bytes there have the right hash.
+    tls.redirect("/down", &plain.url(PATH));
+    let down = Component::new(&tls.url("/down"), &hash, "/run/state/bin/down", false).unwrap();
+    let err = installer.install(&down, &NoProgress).await.unwrap_err();
+    let text = chain(&err);
+    assert!(
+        text.contains("a redirect from https to http is refused"),
+        "{text}"
+    );
+    assert_eq!(plain.total_requests(), 0);
+    assert_eq!(tls.requests("/down"), 1, "not retried");
+    assert_nothing_installed(&root.path().join("run/state/bin/down"));
+}

@@ -10,6 +10,10 @@
 //! It runs on its own thread and runtime, so it works from synchronous and
 //! asynchronous callers alike, and stops (closing every connection) when the
 //! [`MirrorServer`] is dropped. Every response closes its connection.
+//!
+//! [`MirrorServer::start_tls`] serves the same over HTTPS, with a
+//! certificate for `127.0.0.1` from a fresh CA that
+//! [`MirrorServer::tls_root`] returns.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -19,8 +23,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 
@@ -56,6 +61,8 @@ pub enum Fault {
 #[derive(Debug, Default)]
 struct Route {
     body: Option<Body>,
+    /// A `302 Found` to this URL instead of the body.
+    redirect: Option<String>,
     /// Extra response headers of a 200.
     headers: Vec<(String, String)>,
     /// Faults used up one per request, before `always`.
@@ -82,12 +89,20 @@ pub enum MirrorError {
     /// Building the mirror's runtime failed.
     #[error("starting the mirror's runtime thread")]
     Runtime(#[source] std::io::Error),
+    /// Making the HTTPS mirror's certificate failed.
+    #[error("making the mirror's TLS certificate")]
+    Certificate(#[source] rcgen::Error),
+    /// Configuring the HTTPS mirror's TLS failed.
+    #[error("configuring the mirror's TLS")]
+    Tls(#[source] rustls::Error),
 }
 
 /// A running mirror. Dropping it stops the server.
 #[derive(Debug)]
 pub struct MirrorServer {
     addr: SocketAddr,
+    /// The CA of an HTTPS mirror's certificate.
+    tls_root: Option<CertificateDer<'static>>,
     state: Arc<Mutex<State>>,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
@@ -96,6 +111,44 @@ pub struct MirrorServer {
 impl MirrorServer {
     /// Starts a mirror on an ephemeral loopback port.
     pub fn start() -> Result<Self, MirrorError> {
+        Self::start_with(None)
+    }
+
+    /// Starts an HTTPS mirror on an ephemeral loopback port; its
+    /// certificate (for `127.0.0.1`) is issued by [`Self::tls_root`].
+    pub fn start_tls() -> Result<Self, MirrorError> {
+        let ca_key = rcgen::KeyPair::generate().map_err(MirrorError::Certificate)?;
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())
+            .map_err(MirrorError::Certificate)?;
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_cert = ca.self_signed(&ca_key).map_err(MirrorError::Certificate)?;
+        let key = rcgen::KeyPair::generate().map_err(MirrorError::Certificate)?;
+        let leaf = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .map_err(MirrorError::Certificate)?
+            .signed_by(&key, &rcgen::Issuer::new(ca, &ca_key))
+            .map_err(MirrorError::Certificate)?;
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(MirrorError::Tls)?
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![leaf.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )
+        .map_err(MirrorError::Tls)?;
+        let mut mirror = Self::start_with(Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))))?;
+        mirror.tls_root = Some(ca_cert.der().clone());
+        Ok(mirror)
+    }
+
+    /// The CA certificate (DER) of an HTTPS mirror; `None` for HTTP.
+    pub fn tls_root(&self) -> Option<CertificateDer<'static>> {
+        self.tls_root.clone()
+    }
+
+    fn start_with(tls: Option<tokio_rustls::TlsAcceptor>) -> Result<Self, MirrorError> {
         let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(MirrorError::Bind)?;
         listener.set_nonblocking(true).map_err(MirrorError::Bind)?;
         let addr = listener.local_addr().map_err(MirrorError::Bind)?;
@@ -108,19 +161,26 @@ impl MirrorServer {
         let served = Arc::clone(&state);
         let thread = std::thread::Builder::new()
             .name(format!("mirror-{}", addr.port()))
-            .spawn(move || runtime.block_on(serve(listener, served, stop)))
+            .spawn(move || runtime.block_on(serve(listener, tls, served, stop)))
             .map_err(MirrorError::Runtime)?;
         Ok(Self {
             addr,
+            tls_root: None,
             state,
             shutdown: Some(shutdown),
             thread: Some(thread),
         })
     }
 
-    /// `http://127.0.0.1:<port>` (no trailing slash).
+    /// `http://127.0.0.1:<port>` (`https://` for an HTTPS mirror; no
+    /// trailing slash).
     pub fn base_url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls_root.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// The URL of `path` (which starts with `/`).
@@ -156,6 +216,12 @@ impl MirrorServer {
             r.body = Some(body);
             r.headers = headers;
         });
+    }
+
+    /// Answers requests of `path` with `302 Found` to `location`.
+    pub fn redirect(&self, path: &str, location: &str) {
+        let location = location.to_owned();
+        self.with_route(path, |r| r.redirect = Some(location));
     }
 
     /// Serves the file at `file` at `path`, read at request time.
@@ -207,6 +273,7 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 
 async fn serve(
     listener: std::net::TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     state: Arc<Mutex<State>>,
     mut stop: oneshot::Receiver<()>,
 ) {
@@ -220,7 +287,16 @@ async fn serve(
             _ = &mut stop => break,
             accepted = listener.accept() => {
                 if let Ok((stream, _)) = accepted {
-                    connections.spawn(handle(stream, Arc::clone(&state)));
+                    let state = Arc::clone(&state);
+                    match tls.clone() {
+                        None => connections.spawn(handle(stream, state)),
+                        Some(tls) => connections.spawn(async move {
+                            let handshake = tls.accept(stream);
+                            if let Ok(Ok(stream)) = tokio::time::timeout(REQUEST_TIMEOUT, handshake).await {
+                                handle(stream, state).await;
+                            }
+                        }),
+                    };
                 }
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -233,10 +309,11 @@ enum Reply {
     NotFound,
     MethodNotAllowed,
     Fault(Fault, Option<Body>),
+    Redirect(String),
     Body(Body, Vec<(String, String)>),
 }
 
-async fn handle(mut stream: TcpStream, state: Arc<Mutex<State>>) {
+async fn handle<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, state: Arc<Mutex<State>>) {
     let Ok(Ok(Some((method, target)))) =
         tokio::time::timeout(REQUEST_TIMEOUT, read_request_line(&mut stream)).await
     else {
@@ -259,6 +336,9 @@ async fn handle(mut stream: TcpStream, state: Arc<Mutex<State>>) {
                 route.requests += 1;
                 match route.next.pop_front().or(route.always) {
                     Some(fault) => Reply::Fault(fault, route.body.clone()),
+                    None if route.redirect.is_some() => {
+                        Reply::Redirect(route.redirect.clone().unwrap_or_default())
+                    }
                     None => match route.body.clone() {
                         Some(body) => Reply::Body(body, route.headers.clone()),
                         None => Reply::NotFound,
@@ -271,6 +351,7 @@ async fn handle(mut stream: TcpStream, state: Arc<Mutex<State>>) {
         Reply::NotFound => status(&mut stream, 404).await,
         Reply::MethodNotAllowed => status(&mut stream, 405).await,
         Reply::Fault(Fault::Status(code), _) => status(&mut stream, code).await,
+        Reply::Redirect(location) => redirect(&mut stream, &location).await,
         Reply::Fault(Fault::Hang, _) => std::future::pending::<std::io::Result<()>>().await,
         Reply::Fault(Fault::Truncate(keep), body) => match body {
             Some(body) => send_body(&mut stream, body, &[], Some(keep), head_only).await,
@@ -282,7 +363,9 @@ async fn handle(mut stream: TcpStream, state: Arc<Mutex<State>>) {
 }
 
 /// Reads the request head and returns the method and target (path and query).
-async fn read_request_line(stream: &mut TcpStream) -> std::io::Result<Option<(String, String)>> {
+async fn read_request_line<S: AsyncRead + Unpin>(
+    stream: &mut S,
+) -> std::io::Result<Option<(String, String)>> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -303,7 +386,14 @@ async fn read_request_line(stream: &mut TcpStream) -> std::io::Result<Option<(St
     Ok(Some((method.to_owned(), target.to_owned())))
 }
 
-async fn status(stream: &mut TcpStream, code: u16) -> std::io::Result<()> {
+async fn redirect<S: AsyncWrite + Unpin>(stream: &mut S, location: &str) -> std::io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await
+}
+
+async fn status<S: AsyncWrite + Unpin>(stream: &mut S, code: u16) -> std::io::Result<()> {
     let body = format!("mirror: status {code}\n");
     let head = format!(
         "HTTP/1.1 {code} Mirror\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -314,8 +404,8 @@ async fn status(stream: &mut TcpStream, code: u16) -> std::io::Result<()> {
 }
 
 /// Sends a 200 with `headers` and the body, or only its first `keep` bytes.
-async fn send_body(
-    stream: &mut TcpStream,
+async fn send_body<S: AsyncWrite + Unpin>(
+    stream: &mut S,
     body: Body,
     headers: &[(String, String)],
     keep: Option<u64>,
