@@ -43,6 +43,10 @@ pub const CONTROL_PLANE_FACTS: &str = "etc/kubernetes/keel/control-plane.json";
 /// The Kubernetes version a node runs and its components, on its state
 /// disk (see `NodeVersion` in the upgrade module).
 pub const NODE_VERSION: &str = "etc/kubernetes/keel/node-version.json";
+/// The component directories an upgrade is switching, from just before the
+/// switch until the version record names what they hold (see `Switching`
+/// in the upgrade module).
+pub const UPGRADE_SWITCHING: &str = "etc/kubernetes/keel/upgrade-switching.json";
 /// kubeadm's patches directory; kubeadm requires it to exist, even empty.
 pub const PATCHES_DIR: &str = "opt/kubernetes/patches";
 

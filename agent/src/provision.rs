@@ -47,7 +47,7 @@ use crate::kubeadm::{ConfigError, InitConfig, JoinConfig, Kubeadm, KubeadmError}
 use crate::measured::SharedTpm;
 use crate::paths;
 use crate::reboot::{self, RebootPolicy};
-use crate::upgrade::NodeVersion;
+use crate::upgrade::{clear_switched, NodeVersion, StagingError, Switching};
 use keel_verifier::keys::KeyService;
 
 /// How long `systemctl start kubelet` may take.
@@ -204,6 +204,9 @@ pub enum ProvisionError {
     /// The node's own registry revokes it.
     #[error("this node is on its cluster's revocation list: {0}")]
     Revoked(String),
+    /// The directories of an interrupted upgrade could not be emptied.
+    #[error("emptying the component directories of an interrupted upgrade")]
+    Switched(#[source] StagingError),
 }
 
 /// Runs plans for one node, reporting each step to a log sink.
@@ -405,10 +408,26 @@ impl<'a> Provisioner<'a> {
     /// their hash are not fetched again). A disk without a record is left
     /// as it is.
     pub async fn reinstall_recorded(&self) -> Result<(), ProvisionError> {
-        match NodeVersion::load(self.env.root()).map_err(ProvisionError::Record)? {
+        let root = self.env.root();
+        match NodeVersion::load(root).map_err(ProvisionError::Record)? {
             Some(record) => {
                 (self.log)(format!("state disk records Kubernetes {}", record.version));
-                self.install(record.version, &record.components).await
+                let interrupted = Switching::load(root).map_err(ProvisionError::Record)?;
+                if let Some(switching) = &interrupted {
+                    (self.log)(format!(
+                        "an upgrade stopped while switching {}: installing Kubernetes {} into them afresh",
+                        switching.directories.join(", "),
+                        record.version
+                    ));
+                    clear_switched(root, &switching.directories)
+                        .map_err(ProvisionError::Switched)?;
+                }
+                self.install(record.version, &record.components).await?;
+                if interrupted.is_some() {
+                    durable().await;
+                    Switching::end(root).map_err(ProvisionError::Record)?;
+                }
+                Ok(())
             }
             None => {
                 (self.log)(

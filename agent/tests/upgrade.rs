@@ -4,7 +4,8 @@
 //! kubeadm that fails after the switch, leaves the node on its previous
 //! version (switched back, measured again); downgrades, skipped minor
 //! versions, requests without the node's operator proof and replayed
-//! proofs are refused before anything changes.
+//! proofs are refused before anything changes; a node stopped between the
+//! switch and the record comes back with only its recorded version's files.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -17,7 +18,7 @@ use keel_agent::cluster::ClusterSlot;
 use keel_agent::measured::SharedTpm;
 use keel_agent::operator::{OperatorAuth, OperatorKeySlot, OperatorServer, UPGRADE};
 use keel_agent::provision::{DiskStep, NodeEnv, Plan, Provisioner};
-use keel_agent::upgrade::{NodeVersion, Upgrader, STAGED_SUFFIX};
+use keel_agent::upgrade::{NodeVersion, Switching, Target, Upgrader, STAGED_SUFFIX};
 use keel_proto::components::Components;
 use keel_proto::operator::upgrade_response::Event;
 use keel_proto::operator::{UpgradePlan, UpgradeRequest, UpgradeStep};
@@ -382,4 +383,76 @@ async fn a_failure_after_the_switch_switches_back_and_measures_it() {
         last.contains(&format!("rollback to Kubernetes {FROM}")),
         "{events:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_version() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let work = node.root.parent().unwrap().join("work");
+
+    // The agent stops while kubeadm runs: the directories hold v1.31, the
+    // record still names v1.30. (Dropping the upgrade runs none of its
+    // code after that point; kubeadm is killed with it.)
+    let hanging = Upgrader::new(
+        env(&node.root, &work, &[("KEEL_STANDIN_SLEEP", "60")]),
+        node.tpm.clone(),
+        Arc::new(ClusterSlot::new(None)),
+    );
+    let target =
+        Target::parse(UpgradePlan::decode(&plan(TO, Some(&new), UpgradeStep::Node)[..]).unwrap())
+            .unwrap();
+    let log = |_line: String| {};
+    let upgrade = hanging.run(&target, &log);
+    let switched = async {
+        while Switching::load(&node.root).unwrap().is_none() || !node.kubelet_claims().contains(TO)
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        result = upgrade => panic!("the upgrade ended: {result:?}"),
+        () = switched => {}
+    }
+    assert_eq!(node.version(), FROM);
+    let switching = Switching::load(&node.root).unwrap().unwrap();
+    assert!(
+        switching.directories.contains(&"/run/state/bin".to_owned()),
+        "{switching:?}"
+    );
+    // A file only the new version has (as an archive of it would bring).
+    std::fs::write(node.root.join("run/state/bin/only-in-v1.31"), "new").unwrap();
+
+    // The reboot: the recorded version, and nothing else, is installed
+    // and measured again.
+    let boot = env(&node.root, &work, &[]);
+    Provisioner::new(&boot, &node.tpm, &log)
+        .reinstall_recorded()
+        .await
+        .unwrap();
+    assert!(
+        node.kubelet_claims().contains(FROM),
+        "{}",
+        node.kubelet_claims()
+    );
+    assert!(!node.root.join("run/state/bin/only-in-v1.31").exists());
+    node.assert_no_staging_left();
+    assert!(Switching::load(&node.root).unwrap().is_none());
+    assert_eq!(node.version(), FROM);
+    let events = node.component_events();
+    assert!(
+        events.last().unwrap().contains(FROM),
+        "the log ends with what the node runs: {events:?}"
+    );
+
+    // The node upgrades normally afterwards, and leaves no switch record.
+    let (_, last) = node
+        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
+        .await
+        .unwrap();
+    assert!(matches!(last, Event::Done(_)), "{last:?}");
+    assert!(Switching::load(&node.root).unwrap().is_none());
+    assert!(node.kubelet_claims().contains(TO));
 }

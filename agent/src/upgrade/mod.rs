@@ -26,6 +26,11 @@
 //! previous components again (so the event log ends with what the node
 //! runs) and restarts the kubelet: the node keeps serving at its previous
 //! version, and the failure names what went wrong and that it rolled back.
+//!
+//! A node that stops between 4 and 5 (power loss, a crash) finds the
+//! [`Switching`] record, written before the switch, when it boots: its
+//! component directories are emptied and the recorded version installed
+//! into them again, so they hold that version's files and no other.
 
 mod record;
 mod staging;
@@ -41,8 +46,8 @@ use crate::cluster::{change_state, ClusterSlot, FactsError};
 use crate::measured::SharedTpm;
 use crate::provision::{restart_kubelet, NodeEnv};
 
-pub use record::{NodeVersion, RecordError};
-pub use staging::{Staging, StagingError, STAGED_SUFFIX};
+pub use record::{NodeVersion, RecordError, Switching};
+pub use staging::{clear as clear_switched, Staging, StagingError, STAGED_SUFFIX};
 
 /// Most components an upgrade plan may list.
 pub const MAX_PLAN_COMPONENTS: usize = 64;
@@ -395,6 +400,9 @@ impl Upgrader {
         staging: &mut Staging,
         log: &(dyn Fn(String) + Sync),
     ) -> Result<(), UpgradeError> {
+        // From here until the record names the new version (or the
+        // directories are back), a reboot finds the switch unfinished.
+        Switching::begin(self.env.root(), staging.directories()).map_err(UpgradeError::Record)?;
         staging.switch().map_err(UpgradeError::Staging)?;
         log("switched to the new components".into());
         let mut on_line = |line: &str| log(line.to_owned());
@@ -425,6 +433,7 @@ impl Upgrader {
         record.save(self.env.root()).map_err(UpgradeError::Record)?;
         self.follow_on_control_plane(&record)?;
         crate::provision::durable().await;
+        Switching::end(self.env.root()).map_err(UpgradeError::Record)?;
         Ok(())
     }
 
@@ -464,8 +473,14 @@ impl Upgrader {
                 keel_atls::ErrorChain(&e)
             ));
         }
-        let restored = previous.save(self.env.root()).is_ok()
-            && restart_kubelet(&self.env.kubelet).await.is_ok();
+        let saved = previous.save(self.env.root()).is_ok();
+        if saved {
+            crate::provision::durable().await;
+            if let Err(e) = Switching::end(self.env.root()) {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the switch record failed");
+            }
+        }
+        let restored = saved && restart_kubelet(&self.env.kubelet).await.is_ok();
         if let Err(e) = self.follow_on_control_plane(previous) {
             log(format!(
                 "restoring the control-plane facts failed: {}",

@@ -56,24 +56,9 @@ impl NodeVersion {
     /// The record under the node `root`; `None` where there is none (a
     /// node without a state disk, or one provisioned before records).
     pub fn load(root: &Path) -> Result<Option<Self>, RecordError> {
-        use std::io::Read as _;
-        let path = root.join(paths::NODE_VERSION);
-        let read = |source| RecordError::Read {
-            path: path.clone(),
-            source,
+        let Some(bytes) = read_bounded(&root.join(paths::NODE_VERSION))? else {
+            return Ok(None);
         };
-        let file = match std::fs::File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(read(e)),
-        };
-        let mut bytes = Vec::new();
-        file.take(MAX_RECORD_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(read)?;
-        if bytes.len() as u64 > MAX_RECORD_BYTES {
-            return Err(RecordError::Invalid("larger than 1 MiB".into()));
-        }
         let stored: Stored =
             serde_json::from_slice(&bytes).map_err(|e| RecordError::Invalid(e.to_string()))?;
         let version = stored
@@ -122,5 +107,93 @@ mod tests {
             NodeVersion::load(root.path()),
             Err(RecordError::Invalid(_))
         ));
+    }
+}
+
+/// The bytes of the record at `path`, `None` if there is none; at most
+/// [`MAX_RECORD_BYTES`].
+fn read_bounded(path: &Path) -> Result<Option<Vec<u8>>, RecordError> {
+    use std::io::Read as _;
+    let read = |source| RecordError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(read(e)),
+    };
+    let mut bytes = Vec::new();
+    file.take(MAX_RECORD_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read)?;
+    if bytes.len() as u64 > MAX_RECORD_BYTES {
+        return Err(RecordError::Invalid("larger than 1 MiB".into()));
+    }
+    Ok(Some(bytes))
+}
+
+/// The component directories an upgrade switches, recorded on the state
+/// disk just before the switch and removed once the version record names
+/// what they hold (or they were switched back). Found after a reboot, it
+/// says the node stopped in between: the directories may hold the new
+/// version while the record names the old one, and reinstalling the old
+/// one file by file would leave the new version's other files (an
+/// archive's) in place, unmeasured. They are emptied and installed again
+/// from the record instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Switching {
+    /// The directories, as install paths name them (`/run/state/bin`).
+    pub directories: Vec<String>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StoredSwitching {
+    directories: Vec<String>,
+}
+
+impl Switching {
+    /// Records, durably, that `directories` are being switched.
+    pub fn begin(root: &Path, directories: Vec<String>) -> Result<Self, RecordError> {
+        let json = serde_json::to_vec(&StoredSwitching {
+            directories: directories.clone(),
+        })
+        .map_err(|e| RecordError::Invalid(e.to_string()))?;
+        write_private(&root.join(paths::UPGRADE_SWITCHING), &json)?;
+        Ok(Self { directories })
+    }
+
+    /// The switch a node stopped in, if any. Every directory must be an
+    /// install path's (absolute, normalised, not the root).
+    pub fn load(root: &Path) -> Result<Option<Self>, RecordError> {
+        let path = root.join(paths::UPGRADE_SWITCHING);
+        let Some(bytes) = read_bounded(&path)? else {
+            return Ok(None);
+        };
+        let stored: StoredSwitching =
+            serde_json::from_slice(&bytes).map_err(|e| RecordError::Invalid(e.to_string()))?;
+        for dir in &stored.directories {
+            keel_installer::InstallPath::new(dir)
+                .map_err(|e| RecordError::Invalid(format!("switched directory: {e}")))?;
+        }
+        Ok(Some(Self {
+            directories: stored.directories,
+        }))
+    }
+
+    /// Removes the record, durably: the directories hold what the version
+    /// record names.
+    pub fn end(root: &Path) -> Result<(), RecordError> {
+        let path = root.join(paths::UPGRADE_SWITCHING);
+        let removed = match std::fs::remove_file(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            other => other,
+        };
+        let synced = removed.and_then(|()| match path.parent() {
+            Some(dir) => std::fs::File::open(dir)?.sync_all(),
+            None => Ok(()),
+        });
+        synced.map_err(|source| RecordError::Read { path, source })
     }
 }

@@ -126,6 +126,11 @@ impl Staging {
         Ok((Self { twins }, staged))
     }
 
+    /// The component directories, as install paths name them.
+    pub fn directories(&self) -> Vec<String> {
+        self.twins.iter().map(|t| t.dir.clone()).collect()
+    }
+
     /// Switches every directory to its twin. On an error the directories
     /// switched so far stay switched: call [`Staging::switch_back`].
     pub fn switch(&mut self) -> Result<(), StagingError> {
@@ -189,6 +194,18 @@ impl Staging {
         }
         Ok(())
     }
+}
+
+/// Removes each of `directories` (install paths) under the node `root`,
+/// and its twin: what a switch left half done, before its version is
+/// installed again.
+pub fn clear(root: &Path, directories: &[String]) -> Result<(), StagingError> {
+    for dir in directories {
+        let live = root.join(dir.trim_start_matches('/'));
+        remove_dir(&live)?;
+        remove_dir(&root.join(format!("{}{STAGED_SUFFIX}", dir.trim_start_matches('/'))))?;
+    }
+    Ok(())
 }
 
 fn remove_dir(path: &Path) -> Result<(), StagingError> {
