@@ -17,8 +17,9 @@ help: ## List targets
 deps: ## Install every host package the build, tests and image need (idempotent)
 	@scripts/deps.sh
 
-tss: deps ## Build the static Mbed TLS + tpm2-tss for musl (cached in target/musl-sysroot)
+tss: deps ## Build the static Mbed TLS + tpm2-tss for musl (cached in target/musl-sysroot); keep build paths out of binaries
 	@scripts/build-tss.sh
+	@scripts/build-paths.sh
 
 agent: tss ## Build the static agent and the initrd's init; report paths and sizes, fail above 8 MiB
 	$(CARGO) build --release --locked -p keel-agent --bin keel-agent -p keel-initrd --bin keel-initrd

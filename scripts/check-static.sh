@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Checks that a binary is a stripped static-pie executable, runs it, and
+# Checks that a binary is a stripped static-pie executable that embeds no
+# path of the machine that built it (scripts/build-paths.sh), runs it, and
 # fails when it is larger than the 8 MiB target (KEEL_AGENT_MAX_BYTES).
 set -euo pipefail
 bin=${1:?usage: check-static.sh BINARY}
@@ -15,6 +16,18 @@ esac
 if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep -q 'statically linked'; then
   echo "check-static: ldd resolves dynamic dependencies of $bin" >&2; exit 1
 fi
+# A build path in the binary makes its bytes, and the image's PCRs, depend on
+# where the checkout and cargo's home are.
+root=$(cd "$(dirname "$0")/.." && pwd -P)
+home=$(cd "${CARGO_HOME:-$HOME/.cargo}" 2>/dev/null && pwd -P || true)
+for path in "$root" "$home"; do
+  [ -n "$path" ] || continue
+  if n=$(grep -a -o -F "$path/" "$bin" | wc -l) && [ "$n" -gt 0 ]; then
+    echo "check-static: $bin embeds the build path $path/ $n times, so a build elsewhere" \
+      "gives other bytes; run scripts/build-paths.sh (make tss) and rebuild" >&2
+    exit 1
+  fi
+done
 size=$(stat -c %s "$bin")
 target=${KEEL_AGENT_MAX_BYTES:-$((8 * 1024 * 1024))}
 case "$target" in

@@ -34,6 +34,7 @@ work=$KEEL_MKOSI_WORK
 mkdir -p "$work"
 
 ensure_agent
+normalize_checkout_modes
 epoch=$(source_date_epoch)
 # Everything the image is built from; an output built from the same inputs
 # is kept (KEEL_IMAGE_FORCE=1 rebuilds anyway).

@@ -10,6 +10,10 @@ KEEL_AGENT_BIN=${KEEL_AGENT_BIN:-$KEEL_ROOT/target/x86_64-unknown-linux-musl/rel
 KEEL_INITRD_BIN=${KEEL_INITRD_BIN:-$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-initrd}
 APT_SOURCES=${APT_SOURCES:-/etc/apt/sources.list.d/debian.sources}
 
+# What the image scripts create has the same modes whatever the caller's
+# umask: a build on a machine with a stricter one gives the same image.
+umask 022
+
 log() { printf 'image: %s\n' "$*" >&2; }
 die() { printf 'image: error: %s\n' "$*" >&2; exit 1; }
 
@@ -97,6 +101,14 @@ ensure_agent() {
       die "$bin is not statically linked"
     fi
   done
+}
+
+# The files the image takes from the checkout (mkosi.extra) got their modes
+# from the umask of whoever cloned it. They are set as a clone under umask
+# 022 has them: owner rw, group and others r, and x for all where git
+# records an executable.
+normalize_checkout_modes() {
+  chmod -R u=rwX,go=rX "$KEEL_ROOT/mkosi/mkosi.extra"
 }
 
 # Assembles the tree mkosi overlays onto the image root: the agent, the
