@@ -47,7 +47,9 @@ use crate::kubeadm::{ConfigError, InitConfig, JoinConfig, Kubeadm, KubeadmError}
 use crate::measured::SharedTpm;
 use crate::paths;
 use crate::reboot::{self, RebootPolicy};
-use crate::upgrade::{clear_switched, NodeVersion, StagingError, Switching};
+use crate::upgrade::{
+    clear_switched, component_dirs, NodeVersion, RecordError, StagingError, Switching,
+};
 use keel_verifier::keys::KeyService;
 
 /// How long `systemctl start kubelet` may take.
@@ -412,7 +414,18 @@ impl<'a> Provisioner<'a> {
         match NodeVersion::load(root).map_err(ProvisionError::Record)? {
             Some(record) => {
                 (self.log)(format!("state disk records Kubernetes {}", record.version));
-                let interrupted = Switching::load(root).map_err(ProvisionError::Record)?;
+                let interrupted = match Switching::load(root) {
+                    Ok(found) => found,
+                    // Unreadable: the recorded version's own directories
+                    // are emptied, never a directory the file names.
+                    Err(e @ RecordError::InvalidSwitch(_)) => {
+                        (self.log)(format!("{e}; emptying the recorded version's directories"));
+                        Some(Switching {
+                            directories: component_dirs(&record.components),
+                        })
+                    }
+                    Err(e) => return Err(ProvisionError::Record(e)),
+                };
                 if let Some(switching) = &interrupted {
                     (self.log)(format!(
                         "an upgrade stopped while switching {}: installing Kubernetes {} into them afresh",

@@ -424,6 +424,16 @@ async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_v
     );
     // A file only the new version has (as an archive of it would bring).
     std::fs::write(node.root.join("run/state/bin/only-in-v1.31"), "new").unwrap();
+    // No upgrade starts over the half-done switch: its record would be
+    // overwritten, and a rollback would leave the directories as they are.
+    let refused = node
+        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
+        .await;
+    match &refused {
+        Err(status) => assert!(status.message().contains("half switched"), "{status:?}"),
+        Ok(other) => panic!("accepted: {other:?}"),
+    }
+    assert_eq!(code(refused), tonic::Code::FailedPrecondition);
 
     // The reboot: the recorded version, and nothing else, is installed
     // and measured again.
@@ -455,4 +465,30 @@ async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_v
     assert!(matches!(last, Event::Done(_)), "{last:?}");
     assert!(Switching::load(&node.root).unwrap().is_none());
     assert!(node.kubelet_claims().contains(TO));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_record_naming_other_directories_empties_only_the_components() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let work = node.root.parent().unwrap().join("work");
+    // A record that names a mount point of the state disk, beside a file
+    // there and a stray one among the components.
+    let canary = node.root.join("opt/cni/canary");
+    std::fs::write(&canary, "kept").unwrap();
+    std::fs::write(node.root.join("run/state/bin/stray"), "x").unwrap();
+    let record = node.root.join("etc/kubernetes/keel/upgrade-switching.json");
+    std::fs::write(&record, r#"{"directories":["/opt/cni"]}"#).unwrap();
+    assert!(Switching::load(&node.root).is_err());
+
+    let log = |_line: String| {};
+    Provisioner::new(&env(&node.root, &work, &[]), &node.tpm, &log)
+        .reinstall_recorded()
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read_to_string(&canary).unwrap(), "kept");
+    assert!(!node.root.join("run/state/bin/stray").exists());
+    assert!(node.kubelet_claims().contains(FROM));
+    assert!(!record.exists());
 }

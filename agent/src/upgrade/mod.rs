@@ -47,7 +47,9 @@ use crate::measured::SharedTpm;
 use crate::provision::{restart_kubelet, NodeEnv};
 
 pub use record::{NodeVersion, RecordError, Switching};
-pub use staging::{clear as clear_switched, Staging, StagingError, STAGED_SUFFIX};
+pub use staging::{
+    clear as clear_switched, component_dirs, switchable, Staging, StagingError, STAGED_SUFFIX,
+};
 
 /// Most components an upgrade plan may list.
 pub const MAX_PLAN_COMPONENTS: usize = 64;
@@ -133,6 +135,13 @@ pub enum UpgradeError {
     /// The node records no version (it is no member, or has no state disk).
     #[error("this node records no Kubernetes version; it cannot be upgraded")]
     NoRecord,
+    /// An earlier upgrade's switch was not finished (its switching back
+    /// failed); the next boot installs the recorded version again.
+    #[error(
+        "an earlier upgrade left {0} half switched; reboot the node (it installs its recorded \
+         version into them again), then upgrade"
+    )]
+    Unfinished(String),
     /// The skew policy refuses the step.
     #[error(transparent)]
     Step(#[from] UpgradeStepError),
@@ -189,6 +198,7 @@ impl UpgradeError {
                 | Self::Plan(_)
                 | Self::Busy
                 | Self::NoRecord
+                | Self::Unfinished(_)
                 | Self::Step(_)
                 | Self::NotControlPlane
         )
@@ -265,11 +275,22 @@ impl Upgrader {
         if self.running.try_lock().is_err() {
             return Err(UpgradeError::Busy);
         }
-        let current = NodeVersion::load(self.env.root())
-            .map_err(UpgradeError::Record)?
-            .ok_or(UpgradeError::NoRecord)?;
+        let current = self.current()?;
         current.version.upgrade_to(target.version)?;
         Ok(current)
+    }
+
+    /// The version this node runs, if no earlier switch is unfinished: a
+    /// new upgrade would overwrite the record of the directories that
+    /// switch left, and a rollback of it would leave them as they are.
+    fn current(&self) -> Result<NodeVersion, UpgradeError> {
+        let root = self.env.root();
+        if let Some(switching) = Switching::load(root).map_err(UpgradeError::Record)? {
+            return Err(UpgradeError::Unfinished(switching.directories.join(", ")));
+        }
+        NodeVersion::load(root)
+            .map_err(UpgradeError::Record)?
+            .ok_or(UpgradeError::NoRecord)
     }
 
     /// Moves this node to `target`, reporting each step to `log`.
@@ -283,9 +304,7 @@ impl Upgrader {
         }
         let _one = self.running.try_lock().map_err(|_| UpgradeError::Busy)?;
         let root = self.env.root();
-        let current = NodeVersion::load(root)
-            .map_err(UpgradeError::Record)?
-            .ok_or(UpgradeError::NoRecord)?;
+        let current = self.current()?;
         let failure = |error, rolled_back| UpgradeFailure {
             error,
             rolled_back,
@@ -306,7 +325,14 @@ impl Upgrader {
         // 2. Stage: nothing the node runs changes.
         let (mut staging, staged) = Staging::prepare(root, &target.components)
             .map_err(|e| failure(UpgradeError::Staging(e), false))?;
-        if let Err(error) = self.stage(target, &staged, log).await {
+        // From here until the record names the new version (or the
+        // directories are back), a reboot finds the switch unfinished.
+        let staged_ok = self.stage(target, &staged, log).await.and_then(|()| {
+            Switching::begin(root, staging.directories())
+                .map(|_| ())
+                .map_err(UpgradeError::Record)
+        });
+        if let Err(error) = staged_ok {
             if let Err(e) = staging.discard() {
                 tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the staged components failed");
             }
@@ -314,9 +340,15 @@ impl Upgrader {
         }
         // 3. Measure before anything runs them.
         let note = format!("Kubernetes {}", target.version);
-        self.measure(&target.components, &note)
-            .await
-            .map_err(|e| failure(e, false))?;
+        if let Err(error) = self.measure(&target.components, &note).await {
+            if let Err(e) = staging.discard() {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the staged components failed");
+            }
+            if let Err(e) = Switching::end(root) {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the switch record failed");
+            }
+            return Err(failure(error, false));
+        }
         log(format!(
             "{} components verified and measured into PCR 13",
             target.components.len()
@@ -400,9 +432,6 @@ impl Upgrader {
         staging: &mut Staging,
         log: &(dyn Fn(String) + Sync),
     ) -> Result<(), UpgradeError> {
-        // From here until the record names the new version (or the
-        // directories are back), a reboot finds the switch unfinished.
-        Switching::begin(self.env.root(), staging.directories()).map_err(UpgradeError::Record)?;
         staging.switch().map_err(UpgradeError::Staging)?;
         log("switched to the new components".into());
         let mut on_line = |line: &str| log(line.to_owned());
@@ -433,7 +462,11 @@ impl Upgrader {
         record.save(self.env.root()).map_err(UpgradeError::Record)?;
         self.follow_on_control_plane(&record)?;
         crate::provision::durable().await;
-        Switching::end(self.env.root()).map_err(UpgradeError::Record)?;
+        // The upgrade is done either way: a record left behind only makes
+        // the next boot install this version afresh.
+        if let Err(e) = Switching::end(self.env.root()) {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the switch record failed");
+        }
         Ok(())
     }
 

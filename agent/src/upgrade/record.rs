@@ -50,6 +50,22 @@ pub enum RecordError {
     /// Writing the file failed.
     #[error("writing the node's version record")]
     Write(#[from] WriteFileError),
+    /// The upgrade's switch record does not parse or names a directory no
+    /// switch may touch.
+    #[error("the upgrade switch record (upgrade-switching.json) is invalid: {0}")]
+    InvalidSwitch(String),
+    /// Writing the upgrade's switch record failed.
+    #[error("writing the upgrade switch record")]
+    WriteSwitch(#[source] WriteFileError),
+    /// Removing the upgrade's switch record failed.
+    #[error("removing the upgrade switch record {path:?}")]
+    RemoveSwitch {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl NodeVersion {
@@ -159,23 +175,29 @@ impl Switching {
         let json = serde_json::to_vec(&StoredSwitching {
             directories: directories.clone(),
         })
-        .map_err(|e| RecordError::Invalid(e.to_string()))?;
-        write_private(&root.join(paths::UPGRADE_SWITCHING), &json)?;
+        .map_err(|e| RecordError::InvalidSwitch(e.to_string()))?;
+        write_private(&root.join(paths::UPGRADE_SWITCHING), &json)
+            .map_err(RecordError::WriteSwitch)?;
         Ok(Self { directories })
     }
 
-    /// The switch a node stopped in, if any. Every directory must be an
-    /// install path's (absolute, normalised, not the root).
+    /// The switch a node stopped in, if any. Every directory must be one
+    /// a switch may touch ([`super::staging::switchable`]).
     pub fn load(root: &Path) -> Result<Option<Self>, RecordError> {
         let path = root.join(paths::UPGRADE_SWITCHING);
         let Some(bytes) = read_bounded(&path)? else {
             return Ok(None);
         };
-        let stored: StoredSwitching =
-            serde_json::from_slice(&bytes).map_err(|e| RecordError::Invalid(e.to_string()))?;
-        for dir in &stored.directories {
-            keel_installer::InstallPath::new(dir)
-                .map_err(|e| RecordError::Invalid(format!("switched directory: {e}")))?;
+        let stored: StoredSwitching = serde_json::from_slice(&bytes)
+            .map_err(|e| RecordError::InvalidSwitch(e.to_string()))?;
+        if let Some(dir) = stored
+            .directories
+            .iter()
+            .find(|d| !super::staging::switchable(d))
+        {
+            return Err(RecordError::InvalidSwitch(format!(
+                "it names {dir:?}, which is no component directory"
+            )));
         }
         Ok(Some(Self {
             directories: stored.directories,
@@ -194,6 +216,6 @@ impl Switching {
             Some(dir) => std::fs::File::open(dir)?.sync_all(),
             None => Ok(()),
         });
-        synced.map_err(|source| RecordError::Read { path, source })
+        synced.map_err(|source| RecordError::RemoveSwitch { path, source })
     }
 }

@@ -21,6 +21,22 @@ use rustix::fs::{renameat_with, RenameFlags, CWD};
 /// Suffix of a staged directory.
 pub const STAGED_SUFFIX: &str = ".keel-next";
 
+/// Where component directories may be: the binaries' directory on the
+/// state disk itself or below it, or strictly below the state-disk
+/// directories bind-mounted at `/opt/cni` and `/opt/kubernetes` (the
+/// versions table uses `/run/state/bin`, `/opt/cni/bin` and
+/// `/opt/kubernetes/patches`). A switch, and the emptying of an
+/// interrupted one, never reaches a mount point, the state disk's other
+/// directories or the records under `/etc/kubernetes`.
+pub fn switchable(dir: &str) -> bool {
+    let below = |parent: &str| dir.strip_prefix(parent).is_some_and(|r| r.starts_with('/'));
+    keel_installer::InstallPath::new(dir).is_ok()
+        && (dir == crate::paths::BIN_DIR
+            || below(crate::paths::BIN_DIR)
+            || below("/opt/cni")
+            || below("/opt/kubernetes"))
+}
+
 /// A component directory and its staged twin.
 #[derive(Debug)]
 struct Twin {
@@ -48,6 +64,11 @@ pub enum StagingError {
     /// Two component directories nest; they cannot be switched apart.
     #[error("component directories {0} and {1} nest")]
     Nested(String, String),
+    /// A component directory is not one a switch may touch.
+    #[error(
+        "component directory {0} is not /run/state/bin or below it, nor below /opt/cni or /opt/kubernetes"
+    )]
+    NotSwitchable(String),
     /// A component path could not be rewritten into the staged directory.
     #[error("component {0}: staged install path")]
     Path(String, #[source] keel_installer::ComponentError),
@@ -62,6 +83,14 @@ pub enum StagingError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// The directories `components` install into, sorted, each once.
+pub fn component_dirs(components: &[Component]) -> Vec<String> {
+    let mut dirs: Vec<String> = components.iter().map(component_dir).collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs
 }
 
 /// The directory a component installs into.
@@ -84,15 +113,16 @@ impl Staging {
         root: &Path,
         components: &[Component],
     ) -> Result<(Self, Vec<Component>), StagingError> {
-        let mut dirs: Vec<String> = components.iter().map(component_dir).collect();
-        dirs.sort();
-        dirs.dedup();
+        let dirs = component_dirs(components);
         for (i, a) in dirs.iter().enumerate() {
             for b in dirs.iter().skip(i + 1) {
                 if a == "/" || b.starts_with(&format!("{a}/")) {
                     return Err(StagingError::Nested(a.clone(), b.clone()));
                 }
             }
+        }
+        if let Some(dir) = dirs.iter().find(|d| !switchable(d)) {
+            return Err(StagingError::NotSwitchable(dir.clone()));
         }
         let under = |dir: &str| root.join(dir.trim_start_matches('/'));
         let twins: Vec<Twin> = dirs
@@ -198,8 +228,12 @@ impl Staging {
 
 /// Removes each of `directories` (install paths) under the node `root`,
 /// and its twin: what a switch left half done, before its version is
-/// installed again.
+/// installed again. Nothing is removed if any of them is not
+/// [`switchable`].
 pub fn clear(root: &Path, directories: &[String]) -> Result<(), StagingError> {
+    if let Some(dir) = directories.iter().find(|d| !switchable(d)) {
+        return Err(StagingError::NotSwitchable(dir.clone()));
+    }
     for dir in directories {
         let live = root.join(dir.trim_start_matches('/'));
         remove_dir(&live)?;
@@ -270,6 +304,44 @@ mod tests {
         staging.discard().unwrap();
         assert_eq!(std::fs::read_to_string(bin.join("kubelet")).unwrap(), "new");
         assert!(!root.path().join("run/state/bin.keel-next").exists());
+    }
+
+    #[test]
+    fn only_component_directories_are_switched_or_cleared() {
+        for dir in [
+            "/run/state/bin",
+            "/run/state/bin/x",
+            "/opt/cni/bin",
+            "/opt/kubernetes/patches",
+        ] {
+            assert!(switchable(dir), "{dir}");
+        }
+        for dir in [
+            "/opt/cni",
+            "/opt/kubernetes",
+            "/run/state",
+            "/run/state/kubernetes",
+            "/run/state/binary",
+            "/etc/kubernetes/keel",
+            "/var/lib/kubelet",
+            "/opt/cni/../../etc",
+            "/",
+        ] {
+            assert!(!switchable(dir), "{dir}");
+        }
+        let root = tempfile::tempdir().unwrap();
+        let canary = root.path().join("opt/cni/canary");
+        std::fs::create_dir_all(canary.parent().unwrap()).unwrap();
+        std::fs::write(&canary, "kept").unwrap();
+        assert!(matches!(
+            clear(root.path(), &["/opt/cni/bin".into(), "/opt/cni".into()]),
+            Err(StagingError::NotSwitchable(_))
+        ));
+        assert!(canary.exists());
+        assert!(matches!(
+            Staging::prepare(root.path(), &[component("/opt/cni/x", false)]),
+            Err(StagingError::NotSwitchable(_))
+        ));
     }
 
     #[test]
