@@ -2,7 +2,7 @@
 # Writes target/build-paths.toml, which .cargo/config.toml includes: rustc
 # flags that rewrite the absolute paths a build would embed in its binaries
 # (panic locations in the dependencies under cargo's home, sources generated
-# under target/) to fixed prefixes. The agent's bytes, and so the image's
+# under target/ or CARGO_TARGET_DIR) to fixed prefixes. The agent's bytes, and so the image's
 # PCRs, then do not depend on where the checkout or cargo's home is: anyone
 # who rebuilds a commit gets the measurements its release published.
 # scripts/check-static.sh refuses an agent that embeds either path.
@@ -13,11 +13,20 @@ set -euo pipefail
 
 # Cargo compiles from the physical working directory; its home is used as
 # given. Both forms are remapped where they differ.
-root_logical=$(cd "$(dirname "$0")/.." && pwd)
-root=$(cd "$root_logical" && pwd -P)
-home=${CARGO_HOME:-$HOME/.cargo}
+root_logical=$(CDPATH='' cd -- "$(dirname -- "$0")/.." && pwd)
+root=$(CDPATH='' cd -- "$root_logical" && pwd -P)
+home=${CARGO_HOME:-${HOME:-/root}/.cargo}
 case "$home" in /*) ;; *) home=$root_logical/$home ;; esac
-home_physical=$(cd "$home" 2>/dev/null && pwd -P || echo "$home")
+home_physical=$(CDPATH='' cd -- "$home" 2>/dev/null && pwd -P || echo "$home")
+target_dir=${CARGO_TARGET_DIR:-}
+case "$target_dir" in ''|/*) ;; *) target_dir=$root_logical/$target_dir ;; esac
+target_physical=$target_dir
+[ -z "$target_dir" ] || target_physical=$(CDPATH='' cd -- "$target_dir" 2>/dev/null && pwd -P || echo "$target_dir")
+for path in "$root_logical" "$root" "$home" "$home_physical" "$target_dir"; do
+  case "$path" in
+    *[[:cntrl:]]*) echo "build-paths: a control character in $path: move the checkout or cargo's home" >&2; exit 1 ;;
+  esac
+done
 
 toml_string() { # $1: a path, printed as a TOML basic string
   local s=${1//\\/\\\\}
@@ -35,6 +44,7 @@ new=$(
   {
     printf '%s\t/cargo-home\n' "$home" "$home_physical"
     printf '%s\t/keel\n' "$root_logical" "$root"
+    [ -z "$target_dir" ] || printf '%s\t/keel/target\n' "$target_dir" "$target_physical"
   } | sort -u | awk -F'\t' '{ print length($1) "\t" $0 }' | sort -n | cut -f2- |
     while IFS=$'\t' read -r from to; do remap "$from" "$to"; done
   echo ']'

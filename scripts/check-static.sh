@@ -17,14 +17,27 @@ if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep -q 'statically linked'
   echo "check-static: ldd resolves dynamic dependencies of $bin" >&2; exit 1
 fi
 # A build path in the binary makes its bytes, and the image's PCRs, depend on
-# where the checkout and cargo's home are.
-root=$(cd "$(dirname "$0")/.." && pwd -P)
-home=$(cd "${CARGO_HOME:-$HOME/.cargo}" 2>/dev/null && pwd -P || true)
-for path in "$root" "$home"; do
-  [ -n "$path" ] || continue
-  if n=$(grep -a -o -F "$path/" "$bin" | wc -l) && [ "$n" -gt 0 ]; then
-    echo "check-static: $bin embeds the build path $path/ $n times, so a build elsewhere" \
-      "gives other bytes; run scripts/build-paths.sh (make tss) and rebuild" >&2
+# where the checkout and cargo's home are. What rustc would embed: sources
+# generated under the checkout's target/, and the dependencies' sources under
+# cargo's home; each as given and with symlinks resolved.
+root=$(CDPATH='' cd -- "$(dirname -- "$0")/.." && pwd)
+home=${CARGO_HOME:-${HOME:-/root}/.cargo}
+patterns=()
+for dir in "$root" "$home" ${CARGO_TARGET_DIR:+"$CARGO_TARGET_DIR"}; do
+  physical=$(CDPATH='' cd -- "$dir" 2>/dev/null && pwd -P) || physical=$dir
+  for form in "$dir" "$physical"; do
+    case "$dir" in
+      "$root") patterns+=("$form/target/") ;;
+      "$home") patterns+=("$form/registry/" "$form/git/") ;;
+      *) patterns+=("$form/") ;;
+    esac
+  done
+done
+for pattern in "${patterns[@]}"; do
+  if n=$(grep -a -o -F -- "$pattern" "$bin" | wc -l) && [ "$n" -gt 0 ]; then
+    echo "check-static: $bin embeds the build path $pattern $n times, so a build elsewhere" \
+      "gives other bytes; run scripts/build-paths.sh (make tss) and rebuild, without RUSTFLAGS" \
+      "(it replaces the flags .cargo/config.toml sets)" >&2
     exit 1
   fi
 done
