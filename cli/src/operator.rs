@@ -23,13 +23,17 @@ use keel_verifier::validator::{check_cluster_lock, check_control_plane, Verified
 use tonic::transport::{Channel, Endpoint};
 
 use crate::init::connect;
-use crate::settings::Settings;
+use crate::settings::{check_node_attestation, Settings};
 use crate::workspace::{self, MasterSecret};
+use keel_verifier::cpu::AttestationConfig;
 
 /// What every operator request needs: the cluster's keys, its ID and a
 /// client that validates its members.
 pub struct Operator {
     keys: KeyService,
+    /// The settings' attestation section, which every node's measured
+    /// config must name ([`crate::settings::check_node_attestation`]).
+    attestation: AttestationConfig,
     cluster_id: [u8; 32],
     client: AtlsClient<Verified>,
     wait: Duration,
@@ -121,6 +125,7 @@ impl Operator {
         let client = AtlsClient::server_attested(Arc::new(settings.validator(relaxed)?));
         Ok(Self {
             keys,
+            attestation: settings.attestation.clone(),
             cluster_id,
             client,
             wait,
@@ -166,6 +171,8 @@ impl Operator {
             .attested
             .context("the node presented no attestation")?;
         let claims = attested.claims();
+        check_node_attestation(&self.attestation, claims)
+            .with_context(|| format!("{endpoint}: attestation not accepted; nothing was sent"))?;
         if let Err(why) = check_cluster_lock(claims, &self.cluster_id) {
             bail!(
                 "{endpoint} is not a member of the workspace's cluster ({why}); nothing was sent"

@@ -152,38 +152,7 @@ impl Settings {
     /// that leave `attestation` out (`vtpm`) would take a host's software
     /// TPM, with a copied event log and no CPU evidence, for the node.
     pub fn check_node_attestation(&self, node: &Verified) -> anyhow::Result<()> {
-        let config = node
-            .cluster_config()
-            .context("the node's event log holds no node config that parses")?;
-        // Compared as checked policies: the variant's own section only,
-        // the TDX statuses allowed as a set.
-        let policy = |c: &AttestationConfig| {
-            CpuPolicy::try_from(c).map(|mut p| {
-                if let CpuPolicy::Tdx(tdx) = &mut p {
-                    tdx.allow_tcb_status.sort();
-                    tdx.allow_tcb_status.dedup();
-                }
-                p
-            })
-        };
-        let node_policy = policy(&config.attestation)
-            .map_err(|reason| anyhow::anyhow!("the node's cluster.attestation: {reason}"))?;
-        let own = policy(&self.attestation)
-            .map_err(|reason| anyhow::anyhow!("settings attestation: {reason}"))?;
-        if node_policy != own {
-            anyhow::bail!(
-                "the node's config names attestation variant {}, the settings {}{}: set the \
-                 settings' attestation to the cluster's cluster.attestation",
-                node_policy.variant().as_str(),
-                own.variant().as_str(),
-                if node_policy.variant() == own.variant() {
-                    ", with other expected CPU values"
-                } else {
-                    ""
-                }
-            );
-        }
-        Ok(())
+        check_node_attestation(&self.attestation, node)
     }
 
     /// The measurements signing key the settings name, if any.
@@ -236,4 +205,44 @@ pub fn read_components(path: &Path) -> anyhow::Result<keel_proto::components::Co
             })
             .collect(),
     })
+}
+
+/// [`Settings::check_node_attestation`] with the settings' attestation
+/// section `own_config`.
+pub fn check_node_attestation(
+    own_config: &AttestationConfig,
+    node: &Verified,
+) -> anyhow::Result<()> {
+    let config = node
+        .cluster_config()
+        .context("the node's event log holds no node config that parses")?;
+    // Compared as checked policies: the variant's own section only,
+    // the TDX statuses allowed as a set.
+    let policy = |c: &AttestationConfig| {
+        CpuPolicy::try_from(c).map(|mut p| {
+            if let CpuPolicy::Tdx(tdx) = &mut p {
+                tdx.allow_tcb_status.sort();
+                tdx.allow_tcb_status.dedup();
+            }
+            p
+        })
+    };
+    let node_policy = policy(&config.attestation)
+        .map_err(|reason| anyhow::anyhow!("the node's cluster.attestation: {reason}"))?;
+    let own =
+        policy(own_config).map_err(|reason| anyhow::anyhow!("settings attestation: {reason}"))?;
+    if node_policy != own {
+        anyhow::bail!(
+            "the node's config names attestation variant {}, the settings {}{}: set the \
+             settings' attestation to the cluster's cluster.attestation",
+            node_policy.variant().as_str(),
+            own.variant().as_str(),
+            if node_policy.variant() == own.variant() {
+                ", with other expected CPU values"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
 }

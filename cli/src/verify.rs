@@ -111,7 +111,7 @@ pub async fn run(
             settings.diagnostic_validator(measurements.clone())?,
         ));
         let connected = reach(&client, &host, port, wait).await;
-        return report(measurements, endpoint, connected, cluster_id);
+        return report(&settings, measurements, endpoint, connected, cluster_id);
     }
     let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
     let stream = reach(&client, &host, port, wait)
@@ -176,6 +176,7 @@ async fn reach(
 /// so a node that differs is still reported PCR by PCR; its PCRs are judged
 /// here against the real measurements. Nothing is sent to the node.
 fn report(
+    settings: &Settings,
     measurements: Measurements,
     endpoint: String,
     connected: Result<keel_atls::AtlsStream<Verified>, keel_atls::ConnectError>,
@@ -192,6 +193,12 @@ fn report(
     let report = match verified {
         Ok(v) => {
             let mismatches = measurements.compare(&v.pcrs);
+            // As in text mode: the node's measured config must name the
+            // settings' attestation variant and CPU values.
+            let variant = settings
+                .check_node_attestation(&v)
+                .err()
+                .map(|e| format!("{e:#}"));
             let cluster = cluster_id.map(|id| {
                 let lock = check_cluster_lock(&v, &id);
                 ClusterReport {
@@ -203,10 +210,11 @@ fn report(
             Report {
                 endpoint,
                 attested: true,
-                verified: mismatches.iter().all(|m| m.warn_only)
+                verified: variant.is_none()
+                    && mismatches.iter().all(|m| m.warn_only)
                     && cluster.as_ref().is_none_or(|c| c.member),
                 cluster,
-                error: None,
+                error: variant,
                 pcrs: v.pcrs.iter().map(|(p, d)| (*p, hex::encode(d))).collect(),
                 mismatches: mismatches.iter().map(Into::into).collect(),
                 ek_digest: Some(hex::encode(EkDigest::of_public(&v.ek).as_bytes())),

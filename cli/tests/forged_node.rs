@@ -81,6 +81,8 @@ fn settings(dir: &Path, ca: &EkCa, v: &Victim, endpoint: std::net::SocketAddr) -
 struct Served {
     recorder: Recorder,
     server: tokio::task::JoinHandle<()>,
+    /// host:port it serves on.
+    endpoint: String,
     settings: PathBuf,
     workspace: PathBuf,
     _dir: tempfile::TempDir,
@@ -108,6 +110,7 @@ impl Served {
         Self {
             recorder,
             server,
+            endpoint: addr.to_string(),
             settings: settings(dir.path(), ca, node, addr),
             workspace: dir.path().join("workspace"),
             _dir: dir,
@@ -199,13 +202,56 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
     sent_nothing(&init, settings, ws, "attestation variant sev-snp").await;
     assert_eq!(served.requests(), 0, "a request reached the node");
 
-    let out = run_keel(&["verify"], settings, None).await;
+    // Verification refuses it in either output format: the JSON report
+    // says why, and the exit status is a failure.
+    for verify in [&["verify"][..], &["verify", "-o", "json"]] {
+        let out = run_keel(verify, settings, None).await;
+        assert!(!out.status.success(), "{verify:?}: {}", text(&out));
+        assert!(
+            text(&out).contains("attestation variant sev-snp"),
+            "{verify:?}: {}",
+            text(&out)
+        );
+    }
+
+    // Nor does an operator request reach it (status, revoke, the image
+    // upgrade's steps, push-measurements all connect the same way).
+    let ws = served.workspace.as_path();
+    std::fs::create_dir_all(ws).unwrap();
+    std::fs::write(
+        ws.join("keel-master-secret.json"),
+        serde_json::json!({
+            "key": "11".repeat(32),
+            "salt": "22".repeat(32),
+            "measurement_salt": "33".repeat(32),
+        })
+        .to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        ws.join("keel-id.json"),
+        serde_json::json!({ "cluster_id": "44".repeat(32), "endpoint": served.endpoint })
+            .to_string(),
+    )
+    .unwrap();
+    let endpoint = served.endpoint.clone();
+    let status = [
+        "status",
+        "--workspace",
+        ws.to_str().unwrap(),
+        "--endpoint",
+        &endpoint,
+        "--wait",
+        "5",
+    ];
+    let out = run_keel(&status, settings, None).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(
         text(&out).contains("attestation variant sev-snp"),
         "{}",
         text(&out)
     );
+    assert_eq!(served.requests(), 0, "a request reached the node");
 }
 
 /// The recovery API of a node: counts the requests that reach it.

@@ -219,16 +219,18 @@ pub enum RedirectRefused {
     /// A redirect from HTTPS to another scheme.
     #[error("a redirect from https to {0} is refused")]
     Downgrade(String),
-    /// More than [`MAX_REDIRECTS`] redirects.
-    #[error("more than {MAX_REDIRECTS} redirects")]
-    TooMany,
+    /// More redirects than allowed.
+    #[error("more than {0} redirects")]
+    TooMany(usize),
 }
 
-/// Follows a redirect unless it leaves HTTPS or is one too many.
-fn redirect_policy() -> reqwest::redirect::Policy {
-    reqwest::redirect::Policy::custom(|attempt| {
-        if attempt.previous().len() > MAX_REDIRECTS {
-            return attempt.error(RedirectRefused::TooMany);
+/// Follows at most `max` redirects, none of which leaves HTTPS once the
+/// chain has used it. The downloader's policy (with [`MAX_REDIRECTS`]),
+/// and the CLI's for attestation collateral.
+pub fn redirect_policy(max: usize) -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(move |attempt| {
+        if attempt.previous().len() > max {
+            return attempt.error(RedirectRefused::TooMany(max));
         }
         let scheme = attempt.url().scheme().to_owned();
         let from_https = attempt.previous().iter().any(|u| u.scheme() == "https");
@@ -292,7 +294,7 @@ impl Downloader {
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let client = reqwest::Client::builder()
             .use_preconfigured_tls(tls)
-            .redirect(redirect_policy())
+            .redirect(redirect_policy(MAX_REDIRECTS))
             .connect_timeout(config.retry.connect_timeout)
             .user_agent(concat!("keel-installer/", env!("CARGO_PKG_VERSION")))
             .build()

@@ -27,7 +27,8 @@ pub mod versions;
 pub use component::{Component, ComponentError, InstallPath, Source};
 pub use digest::{ParseDigestError, Sha256Digest};
 pub use download::{
-    DownloadConfig, DownloadError, Downloader, RedirectRefused, RetryPolicy, MAX_REDIRECTS,
+    redirect_policy, DownloadConfig, DownloadError, Downloader, RedirectRefused, RetryPolicy,
+    MAX_REDIRECTS,
 };
 pub use extract::{ExtractError, ExtractLimits};
 pub use installer::{InstallError, InstalledComponent, Installer, InstallerConfig, Outcome};

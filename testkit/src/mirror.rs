@@ -50,6 +50,9 @@ pub enum Body {
 pub enum Fault {
     /// Answer with this status and a short body.
     Status(u16),
+    /// Answer with this status and the path's body (an error page of the
+    /// server's own words).
+    StatusWithBody(u16),
     /// Announce the full Content-Length, send only this many body bytes,
     /// then close the connection.
     Truncate(u64),
@@ -351,13 +354,19 @@ async fn handle<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, state: Arc<Mut
         Reply::NotFound => status(&mut stream, 404).await,
         Reply::MethodNotAllowed => status(&mut stream, 405).await,
         Reply::Fault(Fault::Status(code), _) => status(&mut stream, code).await,
+        Reply::Fault(Fault::StatusWithBody(code), body) => match body {
+            Some(body) => send_body_as(&mut stream, code, body, &[], None, head_only).await,
+            None => status(&mut stream, code).await,
+        },
         Reply::Redirect(location) => redirect(&mut stream, &location).await,
         Reply::Fault(Fault::Hang, _) => std::future::pending::<std::io::Result<()>>().await,
         Reply::Fault(Fault::Truncate(keep), body) => match body {
-            Some(body) => send_body(&mut stream, body, &[], Some(keep), head_only).await,
+            Some(body) => send_body_as(&mut stream, 200, body, &[], Some(keep), head_only).await,
             None => status(&mut stream, 404).await,
         },
-        Reply::Body(body, headers) => send_body(&mut stream, body, &headers, None, head_only).await,
+        Reply::Body(body, headers) => {
+            send_body_as(&mut stream, 200, body, &headers, None, head_only).await
+        }
     };
     let _ = stream.shutdown().await;
 }
@@ -403,9 +412,11 @@ async fn status<S: AsyncWrite + Unpin>(stream: &mut S, code: u16) -> std::io::Re
     stream.write_all(body.as_bytes()).await
 }
 
-/// Sends a 200 with `headers` and the body, or only its first `keep` bytes.
-async fn send_body<S: AsyncWrite + Unpin>(
+/// Sends `code` with `headers` and the body, or only its first `keep`
+/// bytes.
+async fn send_body_as<S: AsyncWrite + Unpin>(
     stream: &mut S,
+    code: u16,
     body: Body,
     headers: &[(String, String)],
     keep: Option<u64>,
@@ -420,7 +431,7 @@ async fn send_body<S: AsyncWrite + Unpin>(
         .map(|(name, value)| format!("{name}: {value}\r\n"))
         .collect();
     let head = format!(
-        "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {length}\r\n{extra}Connection: close\r\n\r\n"
+        "HTTP/1.1 {code} Mirror\r\nContent-Type: application/octet-stream\r\nContent-Length: {length}\r\n{extra}Connection: close\r\n\r\n"
     );
     stream.write_all(head.as_bytes()).await?;
     if head_only {

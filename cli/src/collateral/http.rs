@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 use reqwest::header::HeaderMap;
 use reqwest::StatusCode;
 
+use crate::printable::printable;
+
 /// Why a GET failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -87,7 +89,7 @@ impl Http {
         let client = reqwest::Client::builder()
             .use_preconfigured_tls(tls)
             .connect_timeout(timeout)
-            .redirect(reqwest::redirect::Policy::limited(3))
+            .redirect(keel_installer::redirect_policy(3))
             .user_agent(concat!("keel/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(HttpError::Client)?;
@@ -135,6 +137,8 @@ impl Http {
                     detail = String::from_utf8_lossy(start).trim().to_owned();
                 }
             }
+            // The server's words reach the operator's terminal.
+            let detail = printable(&detail).to_string();
             return Err(HttpError::Status {
                 url: url.to_owned(),
                 status,
@@ -185,6 +189,30 @@ pub fn decoded_header(headers: &HeaderMap, name: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use keel_testkit::mirror::{Fault, MirrorServer};
+
+    /// A collateral server's error page reaches the operator's terminal
+    /// escaped: it may not set the window title or move the cursor.
+    #[test]
+    fn an_error_page_reaches_the_terminal_escaped() {
+        let mirror = MirrorServer::start().unwrap();
+        mirror.serve("/crl", &b"\x1b]0;owned\x07\x1b[2J denied"[..]);
+        mirror.fail_always("/crl", Fault::StatusWithBody(403));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let http = Http::new(Duration::from_secs(5)).unwrap();
+        let e = runtime
+            .block_on(http.get(&mirror.url("/crl"), 1024))
+            .unwrap_err();
+        let shown = e.to_string();
+        assert!(
+            !shown.contains('\x1b') && !shown.contains('\x07'),
+            "{shown:?}"
+        );
+        assert!(shown.contains("\\u{1b}]0;owned"), "{shown:?}");
+    }
 
     #[test]
     fn percent_decoding_keeps_plus_signs_and_refuses_bad_escapes() {

@@ -13,6 +13,7 @@ use x509_parser::prelude::{FromDer as _, X509Certificate};
 
 use super::http::{Http, HttpError};
 use super::CacheFile;
+use crate::printable::printable;
 
 /// AMD's KDS.
 pub const DEFAULT_URL: &str = "https://kdsintf.amd.com";
@@ -254,7 +255,7 @@ fn describe(chain: &[Vec<u8>]) -> String {
     chain
         .iter()
         .map(|der| match X509Certificate::from_der(der) {
-            Ok((_, c)) => c.subject().to_string(),
+            Ok((_, c)) => printable(&c.subject().to_string()).to_string(),
             Err(_) => "a certificate that does not parse".into(),
         })
         .collect::<Vec<_>>()

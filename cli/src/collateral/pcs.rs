@@ -18,6 +18,7 @@ use x509_parser::revocation_list::CertificateRevocationList;
 
 use super::http::{decoded_header, Answer, Http, HttpError};
 use super::CacheFile;
+use crate::printable::printable;
 
 /// Intel's PCS.
 pub const DEFAULT_URL: &str = "https://api.trustedservices.intel.com";
@@ -182,8 +183,8 @@ pub async fn fetch(
         };
         eprintln!(
             "keel: {what} issued {}, next update {}",
-            window("issueDate"),
-            window("nextUpdate")
+            printable(&window("issueDate")),
+            printable(&window("nextUpdate"))
         );
     }
     check(quote, &collateral, mrtd, root, now)?;
@@ -260,7 +261,7 @@ fn expect_field(
             what,
             field,
             expected: expected.to_owned(),
-            actual: actual.to_owned(),
+            actual: printable(actual).to_string(),
         });
     }
     Ok(())
