@@ -239,6 +239,10 @@ pub enum RegistryError {
     /// Reading or appending to the registry's journal failed.
     #[error("the node registry's journal")]
     Journal(#[from] JournalError),
+    /// A ticket was to be recorded for a revoked node (revoked while its
+    /// ticket was being made).
+    #[error("the node is revoked: {0}")]
+    Revoked(Box<Revocation>),
 }
 
 /// A disk UUID that the disk binding store binds to one EK (the binding a
@@ -511,8 +515,11 @@ impl Registry {
         })
     }
 
-    /// Records that a ticket was issued to a node; keeps its verdict if
-    /// it is known.
+    /// Records that a ticket is issued to a node; keeps its verdict if it
+    /// is known. `disk_uuid` is a disk bound to its EK, or empty (the
+    /// recorded disk stays). Refuses a node that a revocation covers, by
+    /// EK or by that disk: checked under the registry's lock, so a ticket
+    /// still being made when the operator's revocation lands is not issued.
     pub fn register(
         &mut self,
         ek: &EkDigest,
@@ -520,7 +527,11 @@ impl Registry {
         name: &str,
         role: &str,
     ) -> Result<(), RegistryError> {
-        self.enter(ek, Some(disk_uuid), name, role)
+        if let Some(revocation) = self.revocation(ek, disk_uuid) {
+            return Err(RegistryError::Revoked(Box::new(revocation.clone())));
+        }
+        let disk = (!disk_uuid.is_empty()).then_some(disk_uuid);
+        self.enter(ek, disk, name, role)
     }
 
     /// Adds or updates the record of `ek`: its name, role and, if given,
@@ -614,6 +625,18 @@ impl Registry {
             }
         }
         marked
+    }
+
+    /// The nodes whose verdict is drifted or silent and whose EK no
+    /// revocation covers: what the `revoke` policy has yet to revoke.
+    pub fn failing_unrevoked(&self) -> Vec<NodeRecord> {
+        let revoked = self.revoked_eks();
+        self.nodes
+            .values()
+            .filter(|r| matches!(r.verdict, Verdict::Drifted | Verdict::Silent))
+            .filter(|r| !revoked.contains(&r.ek))
+            .cloned()
+            .collect()
     }
 
     /// The node `selector` names: its name, its EK hash (hex) or its disk
@@ -960,6 +983,11 @@ impl RegistryStore {
         self.lock().revocation(ek, disk_uuid).cloned()
     }
 
+    /// [`Registry::failing_unrevoked`].
+    pub fn failing_unrevoked(&self) -> Vec<NodeRecord> {
+        self.lock().failing_unrevoked()
+    }
+
     /// Applies `change` and, if it succeeded, writes the registry; blocks on
     /// the file system. `change` must leave the registry as it found it
     /// when it fails, as every [`Registry`] method does. A failed write
@@ -1272,6 +1300,29 @@ mod tests {
         let revocation = r.revoke(&victim_record, disk.as_ref(), "operator").unwrap();
         assert_eq!(revocation.disk_uuid, victim);
         assert!(r.revocation(&ek(9), &victim).is_some());
+    }
+
+    #[test]
+    fn no_ticket_is_recorded_for_a_revoked_node_and_no_disk_is_taken_from_nothing() {
+        let mut r = Registry::default();
+        r.register(&ek(1), &bound(1).uuid, "w-1", "worker").unwrap();
+        // A ticket without a bound disk keeps the recorded one.
+        r.register(&ek(1), "", "w-1", "worker").unwrap();
+        assert_eq!(r.find("w-1").unwrap().disk_uuid, bound(1).uuid);
+        // Revoked while a ticket was being made: it is not recorded, by
+        // its EK or by its disk under another EK.
+        let record = r.find("w-1").unwrap().clone();
+        r.revoke(&record, Some(&bound(1)), "operator").unwrap();
+        let before = r.nodes().clone();
+        for (who, disk) in [(ek(1), ""), (ek(3), bound(1).uuid.as_str())] {
+            match r.register(&who, disk, "w-1", "worker") {
+                Err(RegistryError::Revoked(revocation)) => {
+                    assert_eq!(revocation.ek, ek(1).to_string())
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(r.nodes(), &before);
     }
 
     #[test]

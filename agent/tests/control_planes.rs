@@ -108,7 +108,8 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     assert_eq!(worker.pcr15(), join_common::pcr15(&cp0.tpm));
     worker.assert_disk_opens(&cp0);
 
-    // The worker reboots and rejoins through cp-1, which never saw its disk.
+    // The worker reboots and rejoins through cp-1, where it joined (cp-0
+    // is still down).
     let worker = worker.reboot(&ca);
     match run_client(&worker, &ca, &none).await {
         JoinOutcome::Rejoined { cluster_id: id } => assert_eq!(id, cluster_id),
@@ -120,6 +121,24 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     serving.abort();
     let _ = serving.await;
     cp0.restart().await;
+
+    // The worker reboots again and rejoins through cp-0, which never saw
+    // its disk (it joined while cp-0 was down): cp-0 records the node but
+    // not the disk it only claims, since a record naming a disk is what
+    // `keel revoke <disk>` finds.
+    let worker = worker.reboot(&ca);
+    match run_client(&worker, &ca, &none).await {
+        JoinOutcome::Rejoined { cluster_id: id } => assert_eq!(id, cluster_id),
+        other => panic!("{other:?}"),
+    }
+    let seen = keel_agent::registry::RegistryStore::shared(&cp0.root)
+        .unwrap()
+        .snapshot();
+    let record = seen
+        .nodes()
+        .get(&join_common::ek_digest(&worker.tpm).to_string())
+        .expect("cp-0 registered the rejoined worker");
+    assert_eq!(record.disk_uuid, "", "{record:?}");
     let cp1 = cp1.reboot(&ca);
     assert_eq!(cp1.pcr15(), [0; 32]);
     let slot = Arc::new(ClusterSlot::new(None));

@@ -477,6 +477,41 @@ async fn the_revoke_policy_refuses_a_drifted_node_after_a_tpm_reset() {
     assert_rejoin_revoked(&c.ca, &endpoint, &worker, &disk).await;
 }
 
+/// A node another control plane found drifted, whose revocation there
+/// never reached the disk (its write failed, or that control plane
+/// restarted in between): the merged verdict is newer than this control
+/// plane's record, and its sweep revokes the node, not only nodes it
+/// judged itself. (So does a node marked here whose revocation failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_revoke_policy_revokes_a_failing_node_it_did_not_judge_itself() {
+    let c = Cluster::start(EvidencePolicy::Revoke).await;
+    let ek = join_common::ek_digest(&c.worker.tpm);
+    let mut peer = Registry::default();
+    peer.record(&keel_agent::registry::Evidence {
+        ek,
+        disk: None,
+        name: "w-1".into(),
+        role: "worker".into(),
+        kubernetes_version: "v1.31.13".into(),
+        measurements: "00".repeat(32),
+        failure: Some("PCR 4: expected another value".into()),
+    })
+    .unwrap();
+    c.registry().merge(peer).unwrap();
+    let merged = c.registry().snapshot();
+    assert_eq!(
+        Cluster::worker_record(&merged).map(|r| r.verdict),
+        Some(Verdict::Drifted)
+    );
+    assert!(merged.revoked().is_empty());
+    c.wait_for("revoked", INTERVAL * 2 + Duration::from_secs(1), |r| {
+        r.revoked().iter().any(|v| v.ek == ek.to_string())
+    })
+    .await;
+    let revocation = c.registry().snapshot().revoked()[0].clone();
+    assert!(revocation.reason.contains("PCR 4"), "{}", revocation.reason);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_member_reporting_another_nodes_disk_is_refused_and_its_revocation_spares_that_disk() {
     let c = Cluster::start(EvidencePolicy::Log).await;

@@ -441,14 +441,18 @@ impl EvidenceService {
     }
 
     /// Marks silent the nodes that sent nothing for three intervals (counted
-    /// from this service's start at the earliest); returns how many.
+    /// from this service's start at the earliest); returns how many. Under
+    /// the `revoke` policy, then revokes every drifted or silent node not
+    /// yet revoked: not only those just marked, but also those whose
+    /// revocation failed to be written before (a full disk, a restart in
+    /// between) and those another control plane's registry reported.
     pub async fn sweep(&self) -> Result<usize, EvidenceError> {
         let grace = self.inner.config.interval() * SILENT_AFTER;
         let since = self.inner.started;
         let marked = self
             .store(move |s| s.mark_silent(registry::now(), grace, since))
-            .await?;
-        for record in &marked {
+            .await;
+        for record in marked.iter().flatten() {
             tracing::warn!(
                 node = %record.name.escape_debug(),
                 ek = %record.ek,
@@ -456,9 +460,22 @@ impl EvidenceService {
                 reason = %record.reason.as_deref().unwrap_or("").escape_debug(),
                 "node silent"
             );
-            self.apply_policy(record).await?;
         }
-        Ok(marked.len())
+        if self.inner.config.policy == EvidencePolicy::Revoke {
+            let pending = self.store(|s| Ok(s.failing_unrevoked())).await?;
+            for record in &pending {
+                // One failure does not keep the others unrevoked.
+                if let Err(e) = self.apply_policy(record).await {
+                    tracing::error!(
+                        node = %record.name.escape_debug(),
+                        ek = %record.ek,
+                        error = %keel_atls::ErrorChain(&e),
+                        "revoking a node by policy failed; the next sweep tries again"
+                    );
+                }
+            }
+        }
+        marked.map(|m| m.len())
     }
 
     /// Sweeps every interval until the task is dropped.

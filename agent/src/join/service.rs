@@ -210,7 +210,9 @@ impl JoinService {
         }
     }
 
-    /// Records in the registry that `peer` got a ticket.
+    /// Records in the registry that `peer` gets a ticket, with `disk_uuid`
+    /// if it is bound to its EK (else empty); refused if it was revoked
+    /// meanwhile.
     async fn register(
         &self,
         ek: EkDigest,
@@ -225,7 +227,12 @@ impl JoinService {
         })
         .await
         .map_err(|_| JoinServiceError::Registry(crate::registry::RegistryError::Task))?
-        .map_err(JoinServiceError::Registry)
+        .map_err(|e| match e {
+            crate::registry::RegistryError::Revoked(revocation) => {
+                JoinServiceError::Revoked(*revocation)
+            }
+            other => JoinServiceError::Registry(other),
+        })
     }
 
     /// The same service, issuing tickets from the latest cluster state in
@@ -413,7 +420,9 @@ impl JoinService {
             .disk_key(&request.disk_uuid, &ek)
             .map_err(JoinServiceError::DiskUuid)?;
         let uuid = request.disk_uuid.clone();
-        match self.with_disks(move |d| d.lookup(&uuid)).await? {
+        // The registry records the disk only where this service's
+        // bindings bind it to the peer: elsewhere it is the peer's claim.
+        let recorded = match self.with_disks(move |d| d.lookup(&uuid)).await? {
             Some(bound) if !bound.ct_eq(&ek) => {
                 return Err(JoinServiceError::DiskNotBound(
                     DiskBindingRefusal::OtherEk {
@@ -423,15 +432,17 @@ impl JoinService {
                     },
                 ))
             }
-            Some(_) => {}
-            None => tracing::info!(
-                disk = %request.disk_uuid.escape_debug(),
-                peer_ek = %ek,
-                "disk not seen here; its key is bound to the peer's EK"
-            ),
-        }
-        self.register(ek, request.disk_uuid.clone(), identity.clone())
-            .await?;
+            Some(_) => request.disk_uuid.clone(),
+            None => {
+                tracing::info!(
+                    disk = %request.disk_uuid.escape_debug(),
+                    peer_ek = %ek,
+                    "disk not seen here; its key is bound to the peer's EK"
+                );
+                String::new()
+            }
+        };
+        self.register(ek, recorded, identity.clone()).await?;
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),

@@ -205,7 +205,8 @@ impl Service {
             self.work_dir(),
         )
         .unwrap()
-        .following(&self.slot);
+        .following(&self.slot)
+        .with_registry(keel_agent::registry::RegistryStore::shared(&self.root).unwrap());
         self.task = tokio::spawn({
             let (tpm, policy) = (self.tpm.clone(), self.policy.clone());
             async move {
