@@ -217,23 +217,7 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
     // Nor does an operator request reach it (status, revoke, the image
     // upgrade's steps, push-measurements all connect the same way).
     let ws = served.workspace.as_path();
-    std::fs::create_dir_all(ws).unwrap();
-    std::fs::write(
-        ws.join("keel-master-secret.json"),
-        serde_json::json!({
-            "key": "11".repeat(32),
-            "salt": "22".repeat(32),
-            "measurement_salt": "33".repeat(32),
-        })
-        .to_string(),
-    )
-    .unwrap();
-    std::fs::write(
-        ws.join("keel-id.json"),
-        serde_json::json!({ "cluster_id": "44".repeat(32), "endpoint": served.endpoint })
-            .to_string(),
-    )
-    .unwrap();
+    operator_workspace(ws, Some(&served.endpoint));
     let endpoint = served.endpoint.clone();
     let status = [
         "status",
@@ -252,6 +236,29 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
         text(&out)
     );
     assert_eq!(served.requests(), 0, "a request reached the node");
+}
+
+/// A workspace as `keel init` leaves it in `ws`: a master secret and, with
+/// the `endpoint` init ran against, the cluster ID.
+fn operator_workspace(ws: &std::path::Path, endpoint: Option<&str>) {
+    std::fs::create_dir_all(ws).unwrap();
+    std::fs::write(
+        ws.join("keel-master-secret.json"),
+        serde_json::json!({
+            "key": "11".repeat(32),
+            "salt": "22".repeat(32),
+            "measurement_salt": "33".repeat(32),
+        })
+        .to_string(),
+    )
+    .unwrap();
+    if let Some(endpoint) = endpoint {
+        std::fs::write(
+            ws.join("keel-id.json"),
+            serde_json::json!({ "cluster_id": "44".repeat(32), "endpoint": endpoint }).to_string(),
+        )
+        .unwrap();
+    }
 }
 
 /// The recovery API of a node: counts the requests that reach it.
@@ -283,17 +290,7 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
     let (settings, ws) = (&served.settings, &served.workspace);
     sent_nothing(&init, settings, Some(ws), "not a control plane").await;
 
-    std::fs::create_dir_all(ws).unwrap();
-    std::fs::write(
-        ws.join("keel-master-secret.json"),
-        serde_json::json!({
-            "key": "11".repeat(32),
-            "salt": "22".repeat(32),
-            "measurement_salt": "33".repeat(32),
-        })
-        .to_string(),
-    )
-    .unwrap();
+    operator_workspace(ws, None);
     let recover = [
         "recover",
         "--workspace",
