@@ -26,7 +26,9 @@ use crate::workspace::{
     IdFile, MasterSecretFile, FAILURE_LOG_FILE, ID_FILE, KUBECONFIG_FILE, MASTER_SECRET_FILE,
 };
 
-/// Writes `data` to `path` with mode 0600, refusing to replace an existing file.
+/// Writes `data` to `path` with mode 0600, refusing to replace an existing
+/// file, and syncs the file and its directory: the secret is on disk before
+/// any node can receive it.
 fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -35,12 +37,21 @@ fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {
         .open(path)
         .with_context(|| {
             format!(
-                "creating {} (an existing file is never replaced)",
+                "creating {} (an existing master secret is never replaced: if an earlier \
+                 init sent it, a node holds it; keep the file and give this init another \
+                 --workspace)",
                 path.display()
             )
         })?;
     f.write_all(data)?;
     f.sync_all()?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing {}", dir.display()))?;
     Ok(())
 }
 
