@@ -29,6 +29,82 @@ impl fmt::Display for Printable<'_> {
     }
 }
 
+/// `value` as pretty JSON for the terminal: as `serde_json` writes it,
+/// but with every character [`printable`] escapes written as a `\uXXXX`
+/// escape, not only the C0 controls JSON requires escaped. The text
+/// parses back to the same strings.
+pub fn json_pretty<T: serde::Serialize>(value: &T) -> serde_json::Result<String> {
+    let mut out = Vec::new();
+    let mut serializer = serde_json::Serializer::with_formatter(
+        &mut out,
+        TerminalFormatter(serde_json::ser::PrettyFormatter::new()),
+    );
+    value.serialize(&mut serializer)?;
+    // The serializer writes only UTF-8.
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// serde_json's pretty formatter, escaping what [`printable`] escapes.
+struct TerminalFormatter<'a>(serde_json::ser::PrettyFormatter<'a>);
+
+impl serde_json::ser::Formatter for TerminalFormatter<'_> {
+    fn write_string_fragment<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        fragment: &str,
+    ) -> std::io::Result<()> {
+        let mut rest = fragment;
+        while let Some((at, c)) = rest
+            .char_indices()
+            .find(|(_, c)| c.is_control() || is_bidi_format(*c))
+        {
+            writer.write_all(rest.get(..at).unwrap_or_default().as_bytes())?;
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                write!(writer, "\\u{unit:04x}")?;
+            }
+            rest = rest.get(at + c.len_utf8()..).unwrap_or_default();
+        }
+        writer.write_all(rest.as_bytes())
+    }
+
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.begin_array(w)
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.end_array(w)
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.0.begin_array_value(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.end_array_value(w)
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.begin_object(w)
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.end_object(w)
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.0.begin_object_key(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.begin_object_value(w)
+    }
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.end_object_value(w)
+    }
+}
+
 /// Characters that reorder how the text around them is displayed.
 fn is_bidi_format(c: char) -> bool {
     matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
@@ -37,6 +113,31 @@ fn is_bidi_format(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::printable;
+
+    #[test]
+    fn json_for_the_terminal_escapes_what_printable_escapes_and_parses_back() {
+        let raw = "ok \u{1b}[2J \u{7f} \u{9b}31m a\u{202e}b ünï 日本 \"q\" \\ \n";
+        let value = serde_json::json!({ "event": raw, "list": [raw] });
+        let shown = super::json_pretty(&value).unwrap();
+        assert!(
+            !shown
+                .chars()
+                .any(|c| (c.is_control() && c != '\n') || c == '\u{202e}'),
+            "{shown:?}"
+        );
+        assert!(
+            shown.contains("\\u009b31m") && shown.contains("\\u202e"),
+            "{shown}"
+        );
+        assert!(shown.contains("ünï 日本"), "{shown}");
+        let back: serde_json::Value = serde_json::from_str(&shown).unwrap();
+        assert_eq!(back, value);
+        // Laid out as serde_json's pretty printer does.
+        assert_eq!(
+            super::json_pretty(&serde_json::json!({"a": [1, 2]})).unwrap(),
+            serde_json::to_string_pretty(&serde_json::json!({"a": [1, 2]})).unwrap()
+        );
+    }
 
     #[test]
     fn printable_text_is_kept() {

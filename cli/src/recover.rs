@@ -105,7 +105,7 @@ pub async fn run(
         seconds: started.elapsed().as_secs_f64(),
     };
     match output {
-        Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Output::Json => println!("{}", crate::printable::json_pretty(&report)?),
         Output::Text => println!(
             "{} recovered: locked to cluster {} and serving joins ({:.1} s)",
             report.endpoint, report.cluster_id, report.seconds

@@ -44,7 +44,7 @@ pub async fn run(
     match output {
         Output::Json => println!(
             "{}",
-            serde_json::to_string_pretty(&serde_json::json!({ "control_planes": views }))?
+            crate::printable::json_pretty(&serde_json::json!({ "control_planes": views }))?
         ),
         Output::Text => {
             for view in &views {

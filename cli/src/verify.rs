@@ -237,7 +237,7 @@ fn report(
             }),
         },
     };
-    println!("{}", serde_json::to_string_pretty(&report)?);
+    println!("{}", crate::printable::json_pretty(&report)?);
     anyhow::ensure!(
         report.verified,
         "{}: not verified (see the report)",
