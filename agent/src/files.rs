@@ -26,10 +26,7 @@ pub fn write_private(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
         path: path.to_owned(),
         source,
     };
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = parent_dir(path);
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -58,6 +55,22 @@ pub fn write_private(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
         let _ = fs::remove_file(&temp);
     }
     written.map_err(fail)
+}
+
+/// Removes the file at `path`, if there is one, and syncs its directory:
+/// once this returns, a crash does not bring the file back.
+pub fn remove_durably(path: &Path) -> std::io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        removed => removed.and_then(|()| fs::File::open(parent_dir(path))?.sync_all()),
+    }
+}
+
+/// The directory `path` is in (`.` for a bare name).
+fn parent_dir(path: &Path) -> &Path {
+    path.parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 /// Writes `data` to a new file `path` with mode 0600, without syncing it:

@@ -45,14 +45,18 @@ fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {
         })?;
     f.write_all(data)?;
     f.sync_all()?;
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = parent_dir(path);
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .with_context(|| format!("syncing {}", dir.display()))?;
     Ok(())
+}
+
+/// The directory `path` is in (`.` for a bare name).
+fn parent_dir(path: &Path) -> &Path {
+    path.parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 /// Creates the workspace, mode 0700 for every directory created, and refuses
@@ -94,10 +98,7 @@ fn refuse_link(path: &Path) -> anyhow::Result<()> {
 /// someone else can write in the workspace).
 fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Result<()> {
     refuse_link(path)?;
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = parent_dir(path);
     let name = path
         .file_name()
         .with_context(|| format!("{} names no file", path.display()))?;

@@ -15,6 +15,7 @@ use anyhow::{bail, Context as _};
 use keel_atls::AtlsClient;
 use keel_proto::operator::operator_service_client::OperatorServiceClient;
 use keel_proto::operator::ChallengeRequest;
+use keel_verifier::cpu::AttestationConfig;
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::{KeyService, OperatorKey};
 use keel_verifier::measurement::pcr;
@@ -25,7 +26,6 @@ use tonic::transport::{Channel, Endpoint};
 use crate::init::connect;
 use crate::settings::{check_node_attestation, Settings};
 use crate::workspace::{self, MasterSecret};
-use keel_verifier::cpu::AttestationConfig;
 
 /// What every operator request needs: the cluster's keys, its ID and a
 /// client that validates its members.

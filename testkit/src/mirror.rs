@@ -337,12 +337,10 @@ async fn handle<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, state: Arc<Mut
             None => Reply::NotFound,
             Some(route) => {
                 route.requests += 1;
-                match route.next.pop_front().or(route.always) {
-                    Some(fault) => Reply::Fault(fault, route.body.clone()),
-                    None if route.redirect.is_some() => {
-                        Reply::Redirect(route.redirect.clone().unwrap_or_default())
-                    }
-                    None => match route.body.clone() {
+                match (route.next.pop_front().or(route.always), &route.redirect) {
+                    (Some(fault), _) => Reply::Fault(fault, route.body.clone()),
+                    (None, Some(location)) => Reply::Redirect(location.clone()),
+                    (None, None) => match route.body.clone() {
                         Some(body) => Reply::Body(body, route.headers.clone()),
                         None => Reply::NotFound,
                     },

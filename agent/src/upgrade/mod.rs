@@ -328,19 +328,16 @@ impl Upgrader {
         // From here until the record names the new version (or the
         // directories are back), a reboot finds the switch unfinished.
         let staged_ok = self.stage(target, &staged, log).await.and_then(|()| {
-            Switching::begin(root, staging.directories())
-                .map(|_| ())
-                .map_err(UpgradeError::Record)
+            Switching::begin(root, staging.directories()).map_err(UpgradeError::Record)
         });
-        if let Err(error) = staged_ok {
-            if let Err(e) = staging.discard() {
-                tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the staged components failed");
-            }
-            return Err(failure(error, false));
-        }
         // 3. Measure before anything runs them.
         let note = format!("Kubernetes {}", target.version);
-        if let Err(error) = self.measure(&target.components, &note).await {
+        let measured = match staged_ok {
+            Ok(()) => self.measure(&target.components, &note).await,
+            Err(error) => Err(error),
+        };
+        if let Err(error) = measured {
+            // Nothing switched: the staged files and any switch record go.
             if let Err(e) = staging.discard() {
                 tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the staged components failed");
             }

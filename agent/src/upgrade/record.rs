@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use keel_installer::{Component, KubernetesVersion};
 
-use crate::files::{write_private, WriteFileError};
+use crate::files::{remove_durably, write_private, WriteFileError};
 use crate::paths;
 
 /// Largest record read.
@@ -100,32 +100,6 @@ impl NodeVersion {
     }
 }
 
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_record_round_trips_and_a_bad_one_is_refused() {
-        let root = tempfile::tempdir().unwrap();
-        assert_eq!(NodeVersion::load(root.path()).unwrap(), None);
-        let entry = keel_installer::resolve("v1.30").unwrap();
-        let record = NodeVersion {
-            version: entry.version(),
-            components: entry.components().to_vec(),
-        };
-        record.save(root.path()).unwrap();
-        assert_eq!(NodeVersion::load(root.path()).unwrap(), Some(record));
-
-        let path = root.path().join(paths::NODE_VERSION);
-        std::fs::write(&path, br#"{"kubernetes_version":"1.30","components":[]}"#).unwrap();
-        assert!(matches!(
-            NodeVersion::load(root.path()),
-            Err(RecordError::Invalid(_))
-        ));
-    }
-}
-
 /// The bytes of the record at `path`, `None` if there is none; at most
 /// [`MAX_RECORD_BYTES`].
 fn read_bounded(path: &Path) -> Result<Option<Vec<u8>>, RecordError> {
@@ -171,14 +145,10 @@ struct StoredSwitching {
 
 impl Switching {
     /// Records, durably, that `directories` are being switched.
-    pub fn begin(root: &Path, directories: Vec<String>) -> Result<Self, RecordError> {
-        let json = serde_json::to_vec(&StoredSwitching {
-            directories: directories.clone(),
-        })
-        .map_err(|e| RecordError::InvalidSwitch(e.to_string()))?;
-        write_private(&root.join(paths::UPGRADE_SWITCHING), &json)
-            .map_err(RecordError::WriteSwitch)?;
-        Ok(Self { directories })
+    pub fn begin(root: &Path, directories: Vec<String>) -> Result<(), RecordError> {
+        let json = serde_json::to_vec(&StoredSwitching { directories })
+            .map_err(|e| RecordError::InvalidSwitch(e.to_string()))?;
+        write_private(&root.join(paths::UPGRADE_SWITCHING), &json).map_err(RecordError::WriteSwitch)
     }
 
     /// The switch a node stopped in, if any. Every directory must be one
@@ -208,14 +178,32 @@ impl Switching {
     /// record names.
     pub fn end(root: &Path) -> Result<(), RecordError> {
         let path = root.join(paths::UPGRADE_SWITCHING);
-        let removed = match std::fs::remove_file(&path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            other => other,
+        remove_durably(&path).map_err(|source| RecordError::RemoveSwitch { path, source })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_round_trips_and_a_bad_one_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        assert_eq!(NodeVersion::load(root.path()).unwrap(), None);
+        let entry = keel_installer::resolve("v1.30").unwrap();
+        let record = NodeVersion {
+            version: entry.version(),
+            components: entry.components().to_vec(),
         };
-        let synced = removed.and_then(|()| match path.parent() {
-            Some(dir) => std::fs::File::open(dir)?.sync_all(),
-            None => Ok(()),
-        });
-        synced.map_err(|source| RecordError::RemoveSwitch { path, source })
+        record.save(root.path()).unwrap();
+        assert_eq!(NodeVersion::load(root.path()).unwrap(), Some(record));
+
+        let path = root.path().join(paths::NODE_VERSION);
+        std::fs::write(&path, br#"{"kubernetes_version":"1.30","components":[]}"#).unwrap();
+        assert!(matches!(
+            NodeVersion::load(root.path()),
+            Err(RecordError::Invalid(_))
+        ));
     }
 }

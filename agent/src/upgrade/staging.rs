@@ -124,14 +124,16 @@ impl Staging {
         if let Some(dir) = dirs.iter().find(|d| !switchable(d)) {
             return Err(StagingError::NotSwitchable(dir.clone()));
         }
-        let under = |dir: &str| root.join(dir.trim_start_matches('/'));
         let twins: Vec<Twin> = dirs
             .iter()
-            .map(|dir| Twin {
-                dir: dir.clone(),
-                live: under(dir),
-                next: under(&format!("{dir}{STAGED_SUFFIX}")),
-                switched: None,
+            .map(|dir| {
+                let (live, next) = twin_paths(root, dir);
+                Twin {
+                    dir: dir.clone(),
+                    live,
+                    next,
+                    switched: None,
+                }
             })
             .collect();
         for twin in &twins {
@@ -235,11 +237,18 @@ pub fn clear(root: &Path, directories: &[String]) -> Result<(), StagingError> {
         return Err(StagingError::NotSwitchable(dir.clone()));
     }
     for dir in directories {
-        let live = root.join(dir.trim_start_matches('/'));
+        let (live, next) = twin_paths(root, dir);
         remove_dir(&live)?;
-        remove_dir(&root.join(format!("{}{STAGED_SUFFIX}", dir.trim_start_matches('/'))))?;
+        remove_dir(&next)?;
     }
     Ok(())
+}
+
+/// The component directory `dir` (an install path) under the node `root`,
+/// and its staged twin.
+fn twin_paths(root: &Path, dir: &str) -> (PathBuf, PathBuf) {
+    let under = |dir: &str| root.join(dir.trim_start_matches('/'));
+    (under(dir), under(&format!("{dir}{STAGED_SUFFIX}")))
 }
 
 fn remove_dir(path: &Path) -> Result<(), StagingError> {
