@@ -12,7 +12,7 @@ use keel_verifier::cpu::{BindingError, MAX_CERTIFICATE_BYTES};
 use x509_parser::prelude::{FromDer as _, X509Certificate};
 
 use super::http::{Http, HttpError};
-use super::CacheFile;
+use super::{CacheFile, Kind};
 use crate::printable::printable;
 
 /// AMD's KDS.
@@ -208,9 +208,13 @@ pub async fn fetch(
     })?;
 
     Ok(vec![
-        CacheFile::new(vcek_path, vcek),
-        CacheFile::new(format!("snp/{name}/cert_chain.pem"), chain),
-        CacheFile::new(crl_path, crl),
+        CacheFile::new(vcek_path, vcek, Kind::Certificate),
+        CacheFile::new(
+            format!("snp/{name}/cert_chain.pem"),
+            chain,
+            Kind::Certificate,
+        ),
+        CacheFile::new(crl_path, crl, Kind::Crl),
     ])
 }
 
@@ -315,10 +319,20 @@ mod tests {
 
         /// Serves a CRL revoking `revoked`, its next update `days` from now.
         fn serve_crl(&self, revoked: &[Vec<u8>], days: i64) {
+            self.serve_crl_issued(revoked, 8, days);
+        }
+
+        /// Serves a CRL revoking `revoked`, issued `ago` days ago, its next
+        /// update `days` from now.
+        fn serve_crl_issued(&self, revoked: &[Vec<u8>], ago: i64, days: i64) {
             let now = OffsetDateTime::now_utc();
             let crl = self
                 .amd
-                .crl(revoked, now - Duration::days(8), now + Duration::days(days))
+                .crl(
+                    revoked,
+                    now - Duration::days(ago),
+                    now + Duration::days(days),
+                )
                 .unwrap();
             self.mirror.serve("/vcek/v1/Milan/crl", crl);
         }
@@ -393,5 +407,42 @@ mod tests {
         );
         let e = kds.fetch().unwrap_err().to_string();
         assert!(e.contains("signature does not verify with the ARK"), "{e}");
+    }
+
+    #[test]
+    fn a_crl_older_than_the_cached_one_is_refused_and_the_cache_kept() {
+        let kds = GeneratedKds::new();
+        let cache = tempfile::tempdir().unwrap();
+        let crl_path = cache.path().join("snp/Milan/crl.der");
+        // The cache holds a CRL from yesterday that revokes another chip's
+        // VCEK.
+        let other_chip = vec![0x42; 8];
+        kds.serve_crl_issued(std::slice::from_ref(&other_chip), 1, 7);
+        super::super::store(cache.path(), &kds.fetch().unwrap()).unwrap();
+        let newer = std::fs::read(&crl_path).unwrap();
+
+        // An older CRL, signed and current, that does not revoke it: every
+        // check of the fetch passes, the cache refuses it.
+        kds.serve_crl_issued(&[], 8, 7);
+        let files = kds.fetch().unwrap();
+        let e = super::super::store(cache.path(), &files).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("refusing snp/Milan/crl.der: its CRL's thisUpdate is")
+                && e.contains("older than the cached one's"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&crl_path).unwrap(), newer);
+        let (_, kept) =
+            x509_parser::revocation_list::CertificateRevocationList::from_der(&newer).unwrap();
+        assert_eq!(kept.iter_revoked_certificates().count(), 1);
+
+        // The same CRL again, and a newer one, replace it.
+        kds.serve_crl_issued(std::slice::from_ref(&other_chip), 1, 7);
+        super::super::store(cache.path(), &kds.fetch().unwrap()).unwrap();
+        kds.serve_crl_issued(&[], 0, 7);
+        let files = kds.fetch().unwrap();
+        super::super::store(cache.path(), &files).unwrap();
+        assert_eq!(std::fs::read(&crl_path).unwrap(), files[2].bytes);
     }
 }

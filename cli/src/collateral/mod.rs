@@ -9,9 +9,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::Context as _;
 use clap::Args;
 
+mod freshness;
 mod http;
 mod kds;
 mod pcs;
+
+use freshness::Kind;
 
 use http::{Answer, Http, HttpError};
 
@@ -41,7 +44,10 @@ pub enum CollateralCommand {
     /// it as `collateral` in the CLI settings); fetch again before the
     /// collateral's next update. Each download must finish within
     /// --timeout and stay under a size bound; files are written only when
-    /// every download and check succeeded, each replaced atomically.
+    /// every download and check succeeded, each replaced atomically. A CRL,
+    /// TCB info or QE identity issued before the one already cached is
+    /// refused (an older answer may be a replay that drops a revocation):
+    /// remove the cached file to take it on purpose.
     #[command(verbatim_doc_comment)]
     Fetch(FetchArgs),
 }
@@ -85,13 +91,15 @@ pub struct FetchArgs {
 pub struct CacheFile {
     relative: String,
     bytes: Vec<u8>,
+    kind: Kind,
 }
 
 impl CacheFile {
-    fn new(relative: impl Into<String>, bytes: Vec<u8>) -> Self {
+    fn new(relative: impl Into<String>, bytes: Vec<u8>, kind: Kind) -> Self {
         Self {
             relative: relative.into(),
             bytes,
+            kind,
         }
     }
 }
@@ -139,7 +147,7 @@ async fn fetch(args: FetchArgs) -> anyhow::Result<()> {
         }
         (None, None) => anyhow::bail!("name --vcek-from-report or --tdx-quote"),
     };
-    for (path, file) in write_all(&args.cache, &files)?.iter().zip(&files) {
+    for (path, file) in store(&args.cache, &files)?.iter().zip(&files) {
         eprintln!(
             "keel: wrote {} ({} bytes)",
             path.display(),
@@ -175,6 +183,13 @@ fn read_evidence(path: &Path, limit: u64) -> anyhow::Result<Vec<u8>> {
         path.display()
     );
     Ok(bytes)
+}
+
+/// Puts `files` into `cache`, unless one of them is older than the file it
+/// would replace ([`freshness::refuse_rollback`]).
+fn store(cache: &Path, files: &[CacheFile]) -> anyhow::Result<Vec<PathBuf>> {
+    freshness::refuse_rollback(cache, files)?;
+    write_all(cache, files)
 }
 
 /// Writes `files` under `cache`: each first to a temporary file of its
@@ -292,7 +307,11 @@ mod tests {
         let target = cache.path().join("tdx/B0C06F000000.json");
         std::os::unix::fs::symlink(&victim, &target).unwrap();
 
-        let files = [CacheFile::new("tdx/B0C06F000000.json", b"fresh".to_vec())];
+        let files = [CacheFile::new(
+            "tdx/B0C06F000000.json",
+            b"fresh".to_vec(),
+            Kind::TdxCollateral,
+        )];
         let written = write_all(cache.path(), &files).unwrap();
         assert_eq!(written, std::slice::from_ref(&target));
         assert!(!target.is_symlink());
@@ -325,9 +344,13 @@ mod tests {
         // A file where the third one's directory must be.
         std::fs::write(cache.path().join("blocked"), b"").unwrap();
         let files = [
-            CacheFile::new("snp/Milan/cert_chain.pem", b"new chain".to_vec()),
-            CacheFile::new("snp/vcek.der", b"new vcek".to_vec()),
-            CacheFile::new("blocked/crl.der", b"new crl".to_vec()),
+            CacheFile::new(
+                "snp/Milan/cert_chain.pem",
+                b"new chain".to_vec(),
+                Kind::Certificate,
+            ),
+            CacheFile::new("snp/vcek.der", b"new vcek".to_vec(), Kind::Certificate),
+            CacheFile::new("blocked/crl.der", b"new crl".to_vec(), Kind::Crl),
         ];
         let e = write_all(cache.path(), &files).unwrap_err();
         assert!(format!("{e:#}").contains("blocked"), "{e:#}");

@@ -17,7 +17,7 @@ use x509_parser::prelude::FromDer as _;
 use x509_parser::revocation_list::CertificateRevocationList;
 
 use super::http::{decoded_header, Answer, Http, HttpError};
-use super::CacheFile;
+use super::{CacheFile, Kind};
 use crate::printable::printable;
 
 /// Intel's PCS.
@@ -188,7 +188,11 @@ pub async fn fetch(
         );
     }
     check(quote, &collateral, mrtd, root, now)?;
-    Ok(vec![CacheFile::new(tdx_collateral_path(&fmspc), json)])
+    Ok(vec![CacheFile::new(
+        tdx_collateral_path(&fmspc),
+        json,
+        Kind::TdxCollateral,
+    )])
 }
 
 /// The verifier's check of `quote` with `collateral` (the quote's own MRTD,
@@ -314,7 +318,9 @@ fn crl(what: &'static str, body: &[u8]) -> Result<Vec<u8>, PcsError> {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
-    use keel_testkit::intel::{CollateralOptions, PcsParts, TdFields, TestIntel, TD_ATTRIBUTES};
+    use keel_testkit::intel::{
+        CollateralOptions, PcsParts, TdFields, TdxCollateral, TestIntel, TD_ATTRIBUTES,
+    };
     use keel_testkit::mirror::MirrorServer;
     use keel_verifier::cpu::Collateral;
 
@@ -358,13 +364,18 @@ mod tests {
             })
             .unwrap();
         let mirror = MirrorServer::start().unwrap();
+        serve(&mirror, &intel, &collateral);
+        (intel, quote, mirror)
+    }
+
+    /// Serves `collateral` of `intel`'s platform from `mirror`, as a PCS.
+    fn serve(mirror: &MirrorServer, intel: &TestIntel, collateral: &TdxCollateral) {
         let json = serde_json::from_str(&collateral.to_json()).unwrap();
         PcsParts::from_collateral_json(&json).unwrap().serve(
-            &mirror,
+            mirror,
             &intel.fmspc_hex(),
             "platform",
         );
-        (intel, quote, mirror)
     }
 
     /// The policy a verifier of the generated quote holds.
@@ -406,6 +417,39 @@ mod tests {
         });
         let root = IntelRoot::from_der(intel.root_der().to_vec());
         assert_eq!(fetch_from(&mirror, &quote, now(), &root).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn collateral_older_than_the_cached_one_is_refused_and_the_cache_kept() {
+        let (intel, quote, mirror) = generated(&CollateralOptions::default());
+        let root = IntelRoot::from_der(intel.root_der().to_vec());
+        let cache = tempfile::tempdir().unwrap();
+        let newer = fetch_from(&mirror, &quote, now(), &root).unwrap();
+        super::super::store(cache.path(), &newer).unwrap();
+        let path = cache.path().join(&newer[0].relative);
+
+        // Collateral of the same platform issued five days ago, signed and
+        // current: the fetch's checks pass it, the cache refuses it.
+        let older = intel
+            .collateral(&CollateralOptions {
+                issued: time::OffsetDateTime::now_utc() - time::Duration::days(5),
+                ..CollateralOptions::default()
+            })
+            .unwrap();
+        serve(&mirror, &intel, &older);
+        let files = fetch_from(&mirror, &quote, now(), &root).unwrap();
+        let e = format!(
+            "{:#}",
+            super::super::store(cache.path(), &files).unwrap_err()
+        );
+        assert!(
+            e.contains("its TCB info's issueDate is") && e.contains("older than the cached one's"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), newer[0].bytes);
+
+        // The same collateral again is taken.
+        super::super::store(cache.path(), &newer).unwrap();
     }
 
     #[test]
