@@ -157,6 +157,7 @@ impl From<&OperatorError> for tonic::Status {
             E::Throttled(_) => tonic::Code::ResourceExhausted,
             E::Measurements(_) => tonic::Code::InvalidArgument,
             E::UnknownNode(_) => tonic::Code::NotFound,
+            E::Registry(RegistryError::RevocationsFull { .. }) => tonic::Code::ResourceExhausted,
             E::Store(_) | E::Registry(_) => tonic::Code::Internal,
             E::PlanDecode => tonic::Code::InvalidArgument,
             E::Upgrade(u) => match u {
@@ -167,6 +168,7 @@ impl From<&OperatorError> for tonic::Status {
         };
         let message = match e {
             E::Upgrade(u) => format!("upgrade refused: {u}"),
+            E::Registry(full @ RegistryError::RevocationsFull { .. }) => full.to_string(),
             other => other.to_string(),
         };
         tonic::Status::new(code, message)

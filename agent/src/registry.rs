@@ -226,6 +226,16 @@ pub enum RegistryError {
     /// The registry holds as many entries as it may.
     #[error("the node registry is full")]
     Full,
+    /// The revocation list holds [`MAX_REVOCATIONS`]: a revocation made or
+    /// merged from now on may be lost, so no ticket is issued.
+    #[error(
+        "the revocation list is full ({MAX_REVOCATIONS} revocations; {dropped} more not \
+         recorded): this control plane issues no tickets"
+    )]
+    RevocationsFull {
+        /// Revocations that were not recorded (0: none yet).
+        dropped: usize,
+    },
     /// A blocking registry task did not complete.
     #[error("the node registry task failed")]
     Task,
@@ -520,6 +530,9 @@ impl Registry {
     /// recorded disk stays). Refuses a node that a revocation covers, by
     /// EK or by that disk: checked under the registry's lock, so a ticket
     /// still being made when the operator's revocation lands is not issued.
+    /// Refuses every node once the revocation list is full: a revocation
+    /// that no longer fits (the operator's, the policy's, a peer's) must
+    /// not leave its node a ticket.
     pub fn register(
         &mut self,
         ek: &EkDigest,
@@ -529,6 +542,9 @@ impl Registry {
     ) -> Result<(), RegistryError> {
         if let Some(revocation) = self.revocation(ek, disk_uuid) {
             return Err(RegistryError::Revoked(Box::new(revocation.clone())));
+        }
+        if self.revoked.len() >= MAX_REVOCATIONS {
+            return Err(RegistryError::RevocationsFull { dropped: 0 });
         }
         let disk = (!disk_uuid.is_empty()).then_some(disk_uuid);
         self.enter(ek, disk, name, role)
@@ -674,7 +690,7 @@ impl Registry {
             return Ok(existing.clone());
         }
         if self.revoked.len() >= MAX_REVOCATIONS {
-            return Err(RegistryError::Full);
+            return Err(RegistryError::RevocationsFull { dropped: 1 });
         }
         let disk_uuid = disk
             .filter(|d| d.ek.to_string() == record.ek)
@@ -692,22 +708,25 @@ impl Registry {
     }
 
     /// Takes in another control plane's registry: its revocations join
-    /// this list, and each node record it has with newer evidence (or that
+    /// this list (each one no revocation here covers: another EK, or
+    /// another disk of a revoked EK), as many as the list holds, and each
+    /// node record it has with newer evidence (or that
     /// this one lacks) replaces this one's, unless it is dated more than
-    /// [`MAX_CLOCK_SKEW`] ahead of this clock. Returns how many revocations
-    /// were new and how many node records were taken.
-    pub fn merge(&mut self, other: Self) -> (usize, usize) {
-        let mut added = 0;
-        let mut taken = 0;
-        let mut known = self.revoked_eks();
+    /// [`MAX_CLOCK_SKEW`] ahead of this clock.
+    pub fn merge(&mut self, other: Self) -> Merged {
+        let mut merged = Merged::default();
+        let mut covered = Covered::of(&self.revoked);
         for revocation in other.revoked {
+            if covered.covers(&revocation) {
+                continue;
+            }
             if self.revoked.len() >= MAX_REVOCATIONS {
-                break;
+                merged.dropped += 1;
+                continue;
             }
-            if known.insert(revocation.ek.clone()) {
-                self.revoked.push(revocation);
-                added += 1;
-            }
+            covered.add(&revocation);
+            self.revoked.push(revocation);
+            merged.added += 1;
         }
         // A record dated ahead of this clock (by more than the skew two
         // control planes may have) would win every later merge and never
@@ -729,26 +748,20 @@ impl Registry {
             if newer && key == theirs.ek {
                 self.changed.insert(key.clone());
                 self.nodes.insert(key, theirs);
-                taken += 1;
+                merged.taken += 1;
             }
         }
-        (added, taken)
+        merged
     }
 
-    /// The EKs on the revocation list, to add to it without a scan per
-    /// revocation (quadratic in a list that may hold MAX_REVOCATIONS: 0.8 s
-    /// under the registry's lock to merge a full list).
+    /// The EKs on the revocation list.
     fn revoked_eks(&self) -> HashSet<String> {
         self.revoked.iter().map(|r| r.ek.clone()).collect()
     }
 
-    /// Replays one journal record; `revoked` holds the EKs on the
-    /// revocation list.
-    fn apply(
-        &mut self,
-        change: Change,
-        revoked: &mut HashSet<String>,
-    ) -> Result<(), RegistryError> {
+    /// Replays one journal record; `revoked` is what the revocation list
+    /// covers.
+    fn apply(&mut self, change: Change, revoked: &mut Covered) -> Result<(), RegistryError> {
         match change {
             // Entries this code never writes are skipped (see
             // `parse_stored`).
@@ -763,12 +776,13 @@ impl Registry {
             }
             Change::Revoked(mut revocation) => {
                 revocation.cut_fields();
-                if revoked.insert(revocation.ek.clone()) {
+                if !revoked.covers(&revocation) {
                     if self.revoked.len() >= MAX_REVOCATIONS {
                         return Err(RegistryError::Invalid(
                             "journal: too many revocations".into(),
                         ));
                     }
+                    revoked.add(&revocation);
                     self.revoked.push(revocation);
                 }
             }
@@ -790,7 +804,7 @@ impl Registry {
                 })
             }
         };
-        let mut revoked = registry.revoked_eks();
+        let mut revoked = Covered::of(&registry.revoked);
         for change in records {
             registry.apply(change, &mut revoked)?;
         }
@@ -805,6 +819,63 @@ impl Registry {
             path,
             journal::read(&journal::beside(path), MAX_JOURNAL_BYTES)?,
         )
+    }
+}
+
+/// What [`Registry::merge`] took from another registry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Merged {
+    /// Revocations new to this list.
+    pub added: usize,
+    /// Node records taken.
+    pub taken: usize,
+    /// New revocations left out because the list is full.
+    pub dropped: usize,
+}
+
+/// What a revocation list covers, to add to it without a scan per
+/// revocation (quadratic in a list that may hold MAX_REVOCATIONS: 0.8 s
+/// under the registry's lock to merge a full list).
+struct Covered {
+    /// Revoked EKs.
+    eks: HashSet<String>,
+    /// Revoked EKs with a disk, the disk UUID in lower case.
+    disks: HashSet<(String, String)>,
+}
+
+impl Covered {
+    fn of(revoked: &[Revocation]) -> Self {
+        let mut covered = Self {
+            eks: HashSet::with_capacity(revoked.len()),
+            disks: HashSet::with_capacity(revoked.len()),
+        };
+        for revocation in revoked {
+            covered.add(revocation);
+        }
+        covered
+    }
+
+    fn add(&mut self, revocation: &Revocation) {
+        self.eks.insert(revocation.ek.clone());
+        if !revocation.disk_uuid.is_empty() {
+            self.disks.insert((
+                revocation.ek.clone(),
+                revocation.disk_uuid.to_ascii_lowercase(),
+            ));
+        }
+    }
+
+    /// Whether a revocation here already revokes all `revocation` does:
+    /// its EK, and its disk if it names one.
+    fn covers(&self, revocation: &Revocation) -> bool {
+        if revocation.disk_uuid.is_empty() {
+            self.eks.contains(&revocation.ek)
+        } else {
+            self.disks.contains(&(
+                revocation.ek.clone(),
+                revocation.disk_uuid.to_ascii_lowercase(),
+            ))
+        }
     }
 }
 
@@ -1004,13 +1075,19 @@ impl RegistryStore {
 
     /// Takes in another control plane's registry ([`Registry::merge`]);
     /// writes only if anything changed. Returns how many revocations were
-    /// new.
+    /// new; [`RegistryError::RevocationsFull`] (once what fits is written)
+    /// if some did not fit.
     pub fn merge(&self, theirs: Registry) -> Result<usize, RegistryError> {
-        let (added, taken) = self.lock().merge(theirs);
-        if added + taken > 0 {
+        let merged = self.lock().merge(theirs);
+        if merged.added + merged.taken > 0 {
             self.write()?;
         }
-        Ok(added)
+        if merged.dropped > 0 {
+            return Err(RegistryError::RevocationsFull {
+                dropped: merged.dropped,
+            });
+        }
+        Ok(merged.added)
     }
 
     /// Marks silent the nodes [`Registry::mark_silent`] finds; writes only
@@ -1150,7 +1227,8 @@ mod tests {
             .unwrap()
             .last_evidence_at = Some(now() + 60);
         let mut ours = Registry::default();
-        assert_eq!(ours.merge(peer), (0, 1));
+        let merged = ours.merge(peer);
+        assert_eq!((merged.added, merged.taken), (0, 1));
         assert!(ours.find("w-1").is_err());
         assert!(ours.find("w-2").is_ok());
     }
@@ -1235,10 +1313,11 @@ mod tests {
         // Another control plane's list: revocations join, newer evidence wins.
         let mut other = Registry::default();
         other.record(&evidence(2, None)).unwrap();
-        assert_eq!(other.merge(r.clone()), (1, 1));
+        let merged = other.merge(r.clone());
+        assert_eq!((merged.added, merged.taken), (1, 1));
         assert!(other.revocation(&ek(1), "").is_some());
         assert_eq!(other.nodes.len(), 2);
-        assert_eq!(other.merge(r.clone()), (0, 0));
+        assert_eq!(other.merge(r.clone()), Merged::default());
         let bytes = other.to_json();
         assert_eq!(Registry::parse(&bytes).unwrap(), other);
     }
@@ -1354,9 +1433,109 @@ mod tests {
         let twice = peer.revoked()[1].clone();
         peer.revoked.push(twice);
         let mut ours = r.clone();
-        assert_eq!(ours.merge(peer).0, 1);
+        assert_eq!(ours.merge(peer).added, 1);
         assert_eq!(ours.revoked().len(), 2);
         assert!(ours.revocation(&ek(1), "").is_some());
+    }
+
+    /// A revocation of the `i`th EK of a full list.
+    fn numbered_revocation(i: usize) -> Revocation {
+        let mut digest = [0xeeu8; 32];
+        digest[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        Revocation {
+            name: format!("gone-{i}"),
+            ek: EkDigest::from_hex(&hex::encode(digest))
+                .unwrap()
+                .to_string(),
+            disk_uuid: String::new(),
+            reason: "operator".into(),
+            at: 1,
+        }
+    }
+
+    #[test]
+    fn a_full_revocation_list_refuses_every_ticket_and_reports_what_a_merge_drops() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        let full = Registry {
+            revoked: (0..MAX_REVOCATIONS - 1).map(numbered_revocation).collect(),
+            ..Registry::default()
+        };
+        assert_eq!(store.merge(full).unwrap(), MAX_REVOCATIONS - 1);
+        store
+            .update(|r| r.register(&ek(7), "", "w-7", "worker"))
+            .unwrap();
+
+        // A peer revoked w-1 and w-2; only one more fits here.
+        let mut peer = Registry::default();
+        peer.record(&evidence(1, None)).unwrap();
+        peer.record(&evidence(2, None)).unwrap();
+        for n in [1, 2] {
+            let record = peer.nodes()[&ek(n).to_string()].clone();
+            peer.revoke(&record, Some(&bound(n)), "drifted").unwrap();
+        }
+        let e = store.merge(peer).unwrap_err();
+        assert!(
+            matches!(e, RegistryError::RevocationsFull { dropped: 1 }),
+            "{e}"
+        );
+        // The one left out gets no ticket; nor does any node, as another
+        // revocation could not be kept either.
+        for n in [1, 2, 7, 9] {
+            let refused = store
+                .update(|r| r.register(&ek(n), "", &format!("w-{n}"), "worker"))
+                .unwrap_err();
+            assert!(
+                matches!(
+                    refused,
+                    RegistryError::Revoked(_) | RegistryError::RevocationsFull { .. }
+                ),
+                "w-{n}: {refused}"
+            );
+        }
+        let e = store
+            .update(|r| {
+                let record = r.find("w-7")?.clone();
+                r.revoke(&record, None, "operator")
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("revocation list is full"), "{e}");
+        // A restart holds the same.
+        let path = store.path().to_owned();
+        drop(store);
+        let again = Registry::on_disk(&path).unwrap();
+        assert_eq!(again.revoked().len(), MAX_REVOCATIONS);
+    }
+
+    #[test]
+    fn a_peers_revocation_naming_a_disk_joins_one_of_the_same_ek_without_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        // Here w-1 was revoked before its disk was known; the peer knew it.
+        store
+            .update(|r| {
+                r.record(&evidence(1, None))?;
+                let record = r.nodes()[&ek(1).to_string()].clone();
+                r.revoke(&record, None, "operator")
+            })
+            .unwrap();
+        let mut peer = Registry::default();
+        peer.record(&evidence(1, None)).unwrap();
+        let record = peer.nodes()[&ek(1).to_string()].clone();
+        peer.revoke(&record, Some(&bound(1)), "operator").unwrap();
+
+        assert_eq!(store.merge(peer.clone()).unwrap(), 1);
+        // The disk is revoked for any EK that brings it, after a restart too.
+        let disk = bound(1).uuid;
+        assert!(store.snapshot().revocation(&ek(5), &disk).is_some());
+        let path = store.path().to_owned();
+        drop(store);
+        let again = Registry::on_disk(&path).unwrap();
+        assert!(again.revocation(&ek(5), &disk.to_uppercase()).is_some());
+        assert_eq!(again.revoked().len(), 2);
+        // Merged again, nothing is new.
+        let mut twice = again.clone();
+        assert_eq!(twice.merge(peer).added, 0);
     }
 
     #[test]
