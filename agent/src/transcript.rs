@@ -62,7 +62,7 @@ impl Streamed for keel_proto::operator::upgrade_response::Event {
 pub type Receiver<K> = mpsc::Receiver<Result<<K as Streamed>::Message, tonic::Status>>;
 
 /// Most bytes of node logs sent after a failure.
-pub const MAX_FAILURE_LOGS: usize = 1024 * 1024;
+pub const MAX_FAILURE_LOGS: usize = keel_proto::MAX_FAILURE_LOG_BYTES;
 /// Messages the stream holds for a slow client; lines beyond it are
 /// dropped (and counted) rather than waited for.
 const STREAM_BUFFER: usize = 256;

@@ -11,6 +11,7 @@ use keel_atls::AtlsClient;
 use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
+use keel_proto::MAX_FAILURE_LOG_BYTES;
 use keel_verifier::credential;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use keel_verifier::validator::Verified;
@@ -150,6 +151,7 @@ pub async fn run(
     workspace: &Path,
     skip_helm_wait: bool,
     wait: Duration,
+    deadline: Duration,
 ) -> anyhow::Result<()> {
     let settings = Settings::load(settings_path)?;
     // Read once: the node is validated against, and its join service gets,
@@ -253,27 +255,94 @@ pub async fn run(
         join_measurements: measurements_body,
         join_measurements_signature,
     };
-    let mut stream = InitServiceClient::new(bound.channel)
-        .init(request)
-        .await
-        .map_err(|s| {
-            anyhow::anyhow!(
-                "the node refused init ({:?}): {}",
-                s.code(),
-                printable(s.message())
-            )
-        })?
-        .into_inner();
+    let ends = tokio::time::Instant::now() + deadline;
+    let late = || {
+        anyhow::anyhow!(
+            "the node did not answer init within {} s (--timeout)",
+            deadline.as_secs()
+        )
+    };
+    let mut stream =
+        tokio::time::timeout_at(ends, InitServiceClient::new(bound.channel).init(request))
+            .await
+            .map_err(|_| late())?
+            .map_err(|s| {
+                anyhow::anyhow!(
+                    "the node refused init ({:?}): {}",
+                    s.code(),
+                    printable(s.message())
+                )
+            })?
+            .into_inner();
 
-    let mut failure: Option<(String, bool)> = None;
-    let mut logs = Vec::new();
+    let mut outcome = Outcome::default();
+    let followed = tokio::time::timeout_at(
+        ends,
+        follow(
+            &mut stream,
+            &mut outcome,
+            workspace,
+            &settings,
+            skip_helm_wait,
+        ),
+    )
+    .await;
+    match followed {
+        Ok(result) => result,
+        Err(_) => {
+            let logs = match &outcome.failure {
+                Some(_) => format!(
+                    "; partial node logs in {}",
+                    write_failure_logs(workspace, &outcome)?.display()
+                ),
+                None => String::new(),
+            };
+            bail!(
+                "init did not end within {} s (--timeout){logs}. The node may still be \
+                 working: its console shows where it stands, but its result, the kubeconfig \
+                 included, no longer reaches this machine",
+                deadline.as_secs()
+            )
+        }
+    }
+}
+
+/// What the node's init stream said so far.
+#[derive(Default)]
+struct Outcome {
+    /// The node's error, and whether it resets.
+    failure: Option<(String, bool)>,
+    /// Its logs, at most [`MAX_FAILURE_LOG_BYTES`].
+    logs: Vec<u8>,
+    /// Log bytes beyond the bound, dropped.
+    dropped: usize,
+}
+
+impl Outcome {
+    fn take_logs(&mut self, chunk: &[u8]) {
+        let room = MAX_FAILURE_LOG_BYTES.saturating_sub(self.logs.len());
+        let kept = chunk.len().min(room);
+        self.logs.extend_from_slice(&chunk[..kept]);
+        self.dropped = self.dropped.saturating_add(chunk.len() - kept);
+    }
+}
+
+/// Follows the node's init stream to its end: prints its lines, keeps its
+/// logs in `outcome`, writes the kubeconfig and cluster ID on success.
+async fn follow(
+    stream: &mut tonic::Streaming<keel_proto::init::InitResponse>,
+    outcome: &mut Outcome,
+    workspace: &Path,
+    settings: &Settings,
+    skip_helm_wait: bool,
+) -> anyhow::Result<()> {
     loop {
         let message = match stream.message().await {
             Ok(Some(m)) => m,
             Ok(None) => break,
             Err(s) => {
-                if let Some((error, _)) = &failure {
-                    write_failure_logs(workspace, &logs)?;
+                if let Some((error, _)) = &outcome.failure {
+                    write_failure_logs(workspace, outcome)?;
                     bail!(
                         "init failed: {}; the log stream broke off ({}): partial logs in {}",
                         printable(error),
@@ -309,22 +378,22 @@ pub async fn run(
                 }
                 return Ok(());
             }
-            Some(Kind::Failure(f)) => failure = Some((f.error, f.node_reset)),
-            Some(Kind::LogChunk(chunk)) => logs.extend_from_slice(&chunk),
+            Some(Kind::Failure(f)) => outcome.failure = Some((f.error, f.node_reset)),
+            Some(Kind::LogChunk(chunk)) => outcome.take_logs(&chunk),
             None => {}
         }
     }
-    match failure {
+    match &outcome.failure {
         Some((error, reset)) => {
-            let path = write_failure_logs(workspace, &logs)?;
-            let reset = if reset {
+            let path = write_failure_logs(workspace, outcome)?;
+            let reset = if *reset {
                 " The node marked its state disk for reset and reboots."
             } else {
                 ""
             };
             bail!(
                 "init failed on the node: {}.{reset} Node logs: {}",
-                printable(&error),
+                printable(error),
                 path.display()
             )
         }
@@ -332,9 +401,21 @@ pub async fn run(
     }
 }
 
-fn write_failure_logs(workspace: &Path, logs: &[u8]) -> anyhow::Result<PathBuf> {
+/// Writes the node's logs kept in `outcome`, with a last line saying how
+/// much was dropped, if anything was.
+fn write_failure_logs(workspace: &Path, outcome: &Outcome) -> anyhow::Result<PathBuf> {
     let path = workspace.join(FAILURE_LOG_FILE);
-    write_atomic(&path, logs, 0o600)?;
+    let mut logs = outcome.logs.clone();
+    if outcome.dropped > 0 {
+        logs.extend_from_slice(
+            format!(
+                "\n[keel: the node sent {} more bytes of logs than the {} kept; they were dropped]\n",
+                outcome.dropped, MAX_FAILURE_LOG_BYTES
+            )
+            .as_bytes(),
+        );
+    }
+    write_atomic(&path, &logs, 0o600)?;
     Ok(path)
 }
 

@@ -73,6 +73,11 @@ enum Command {
         /// may still be booting). A refused attestation is never retried.
         #[arg(long, default_value_t = 300, value_name = "SECONDS")]
         wait: u64,
+        /// Seconds the node may take once it accepted init (component
+        /// downloads, kubeadm). Past it the CLI stops waiting; the node may
+        /// still finish, and its console shows where it stands.
+        #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+        timeout: u64,
     },
     /// Fill the CPU collateral cache (SEV-SNP VCEKs, TDX collateral) from
     /// AMD's KDS or Intel's PCS, once, for the evidence of a node: the
@@ -200,12 +205,14 @@ fn main() -> ExitCode {
                 workspace,
                 skip_helm_wait,
                 wait,
+                timeout,
             } => {
                 init::run(
                     &settings,
                     &workspace,
                     skip_helm_wait,
                     Duration::from_secs(wait),
+                    Duration::from_secs(timeout.max(1)),
                 )
                 .await
             }

@@ -26,9 +26,14 @@ use tokio_stream::wrappers::ReceiverStream;
 
 const SECRET: &[u8] = b"the init secret a forger wants";
 
-/// The forger's init API: counts the requests that reach it.
+/// The forger's init API: counts the requests that reach it. Refuses
+/// them, or with `flood`, answers as a hostile node would.
 #[derive(Default, Clone)]
-struct Recorder(Arc<AtomicUsize>);
+struct Recorder(Arc<AtomicUsize>, bool);
+
+/// What a flooding init API sends: a failure, then this many 64 KiB log
+/// chunks (3 MiB), and then it keeps the stream open without a word.
+const FLOOD_CHUNKS: usize = 48;
 
 #[tonic::async_trait]
 impl InitService for Recorder {
@@ -38,8 +43,29 @@ impl InitService for Recorder {
         &self,
         _request: tonic::Request<InitRequest>,
     ) -> Result<tonic::Response<Self::InitStream>, tonic::Status> {
+        use keel_proto::init::init_response::Kind;
         self.0.fetch_add(1, Ordering::SeqCst);
-        Err(tonic::Status::unavailable("a forged node"))
+        if !self.1 {
+            return Err(tonic::Status::unavailable("a forged node"));
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let failure = Kind::Failure(keel_proto::init::InitFailure {
+                error: "kubeadm failed".into(),
+                node_reset: false,
+            });
+            let chunks = (0..FLOOD_CHUNKS).map(|_| Kind::LogChunk(vec![b'x'; 64 * 1024]));
+            for kind in std::iter::once(failure).chain(chunks) {
+                let message = InitResponse { kind: Some(kind) };
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+            }
+            // Never ends the stream.
+            let _keep = tx;
+            std::future::pending::<()>().await;
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
 }
 
@@ -92,9 +118,18 @@ impl Served {
     /// Serves on a fresh port with `issuer`'s documents; the settings
     /// expect `node`'s measurements.
     async fn start(ca: &EkCa, node: &Victim, issuer: Arc<dyn keel_atls::Issuer>) -> Self {
+        Self::serving(ca, node, issuer, Recorder::default()).await
+    }
+
+    /// As [`Served::start`], with `recorder` as the init and recovery API.
+    async fn serving(
+        ca: &EkCa,
+        node: &Victim,
+        issuer: Arc<dyn keel_atls::Issuer>,
+        recorder: Recorder,
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let recorder = Recorder::default();
         let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
         let server = tokio::spawn({
             let recorder = recorder.clone();
@@ -300,4 +335,43 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
     ];
     sent_nothing(&recover, settings, None, "not a control plane").await;
     assert_eq!(served.requests(), 0, "a request reached the worker");
+}
+
+/// Attacker's move: a control plane of the cluster's image, compromised
+/// after it booted (attestation passes), keeps `keel init` busy and its
+/// memory growing: a failure, then far more logs than a node sends, then
+/// silence with the stream open. The CLI keeps at most 1 MiB of the logs,
+/// says what it dropped, and gives up at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
+    use sha2::Digest as _;
+    let ca = EkCa::new().unwrap();
+    let hash = format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
+    let node = node_with(&ca, harness::control_plane_config(&hash));
+    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+    let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
+
+    let started = std::time::Instant::now();
+    let init = ["init", "--wait", "5", "--timeout", "4"];
+    let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
+    let took = started.elapsed();
+    assert!(!out.status.success(), "{}", text(&out));
+    assert_eq!(served.requests(), 1);
+    assert!(
+        text(&out).contains("init did not end within 4 s (--timeout)"),
+        "{}",
+        text(&out)
+    );
+    assert!(took < std::time::Duration::from_secs(60), "{took:?}");
+    let logs = std::fs::read(served.workspace.join("keel-init-failure.log")).unwrap();
+    let kept = logs.iter().filter(|b| **b == b'x').count();
+    assert_eq!(kept, keel_proto::MAX_FAILURE_LOG_BYTES);
+    let note = String::from_utf8_lossy(&logs[kept..]).into_owned();
+    assert!(
+        note.contains(&format!(
+            "sent {} more bytes",
+            FLOOD_CHUNKS * 64 * 1024 - keel_proto::MAX_FAILURE_LOG_BYTES
+        )),
+        "{note}"
+    );
 }

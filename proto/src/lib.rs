@@ -64,6 +64,9 @@ pub use keel::operator::v1 as operator;
 /// The recovery API (operator CLI → a control plane that lost its cluster).
 pub use keel::recovery::v1 as recovery;
 
+/// Most bytes of node logs an init failure sends, and `keel init` keeps.
+pub const MAX_FAILURE_LOG_BYTES: usize = 1024 * 1024;
+
 /// Largest node registry document a control plane keeps, sends another
 /// control plane (`Registry`) or the operator (`GetRegistry`), or puts in a
 /// control-plane ticket. A registry at every bound its entries have
