@@ -113,7 +113,7 @@ pub enum DiskBindingsError {
     /// Reading or appending to the store's journal failed; a binding of
     /// that write was not recorded.
     #[error("the disk bindings' journal")]
-    Journal(#[source] JournalError),
+    Journal(#[from] JournalError),
     /// The blocking task running a store operation failed.
     #[error("the disk binding task failed")]
     Task,
@@ -378,7 +378,8 @@ impl StoreFile {
     }
 
     /// Makes the bindings of one round (already in `store`) durable: appended
-    /// to the journal, or in a new snapshot that replaces an outgrown one.
+    /// to the journal, or also in a new snapshot that replaces an outgrown
+    /// one ([`journal::Journal::fold`]).
     fn persist(
         &self,
         store: &mut Cached,
@@ -389,7 +390,7 @@ impl StoreFile {
                 .map_err(DiskBindingsError::Journal)?;
         let snapshot_bytes = store.stamp.snapshot.map_or(0, |s| s.len);
         if journal.outgrows(snapshot_bytes, COMPACT_AT_LEAST) {
-            journal.fold(|| self.store(&store.disks))?;
+            journal.fold(recorded, || self.store(&store.disks))?;
         } else {
             journal
                 .append(recorded)

@@ -4,13 +4,17 @@
 //! every change; now and then it writes a new snapshot and empties the
 //! journal. Reading a store is its snapshot, then its journal replayed in
 //! order, so records must be idempotent (the state of an entry, not a
-//! delta): a crash between a new snapshot and the emptied journal replays
-//! records the snapshot already holds, to the same result.
+//! delta). A fold appends the changes it is made for before it writes the
+//! snapshot, so the last record of each entry in the journal is the state
+//! the snapshot holds: a crash between a new snapshot and the emptied
+//! journal, or a failure to empty it, replays records to the same result,
+//! never to an older state of an entry.
 //!
 //! A crash can cut the last append short. [`Journal::open`] drops a last
 //! line that is incomplete or does not parse, and cuts it off the file; a
 //! bad line before the last is corruption, and an error. A failed append
-//! is cut off at once, so later appends never follow a partial line.
+//! is cut off at once; if that fails too, no later append is written
+//! until the cut succeeds, so a good record never follows a partial line.
 //!
 //! A journal never grows past the bound it is read with: an append that
 //! would is refused, so a store whose snapshots keep failing stops taking
@@ -68,6 +72,8 @@ pub struct Journal {
     len: u64,
     /// The most bytes the file may hold: what it is read with.
     limit: u64,
+    /// A failed append may have left bytes past `len` that could not be cut.
+    torn: bool,
 }
 
 /// The journal of the snapshot at `snapshot`: the same name with
@@ -139,6 +145,7 @@ impl Journal {
             file,
             len: bytes.len() as u64,
             limit,
+            torn: false,
         };
         if good < journal.len {
             tracing::warn!(
@@ -153,12 +160,16 @@ impl Journal {
 
     /// Appends one line per record and syncs them: when it returns `Ok`,
     /// the records survive a crash. On failure the file is cut back to
-    /// what it was. Records that would grow the file past its limit are
-    /// refused, and nothing is written.
+    /// what it was (and, should that fail, before the next append).
+    /// Records that would grow the file past its limit are refused, and
+    /// nothing is written.
     pub fn append<'a, R: Serialize + 'a>(
         &mut self,
         records: impl IntoIterator<Item = &'a R>,
     ) -> Result<(), JournalError> {
+        if self.torn {
+            self.cut(self.len)?;
+        }
         let mut lines = Vec::new();
         for record in records {
             serde_json::to_writer(&mut lines, record).map_err(|e| JournalError::Io {
@@ -188,9 +199,9 @@ impl Journal {
             }
             Err(source) => {
                 let failed = io("appending to", &self.path, source);
-                let before = self.len;
-                if let Err(e) = self.cut(before) {
-                    tracing::error!(error = %keel_atls::ErrorChain(&e), "cutting a failed append off the journal");
+                self.torn = true;
+                if let Err(e) = self.cut(self.len) {
+                    tracing::error!(error = %keel_atls::ErrorChain(&e), "cutting a failed append off the journal; retried before the next append");
                 }
                 Err(failed)
             }
@@ -209,17 +220,38 @@ impl Journal {
         self.len > at_least.max(snapshot_bytes)
     }
 
-    /// Folds the journal into a new snapshot: `write_snapshot` writes one
-    /// that holds every record, then the journal is emptied. Should
-    /// emptying it fail, replaying its records over the new snapshot later
-    /// changes nothing (they are idempotent), so that is logged, not
-    /// returned.
-    pub fn fold<E>(&mut self, write_snapshot: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
-        write_snapshot()?;
-        if let Err(e) = self.clear() {
-            tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying a journal folded into its snapshot");
+    /// Folds the journal into a new snapshot: `records`, the changes the
+    /// snapshot is written for, are appended first; then `write_snapshot`
+    /// writes a snapshot that holds every record, and the journal is
+    /// emptied. Should emptying it fail, replaying the journal over the new
+    /// snapshot ends in the snapshot's state (the last record of each entry
+    /// is that state), so that is logged, not returned; unless the append
+    /// failed too (a full journal), when the journal may hold older states
+    /// than the snapshot and the fold fails.
+    pub fn fold<'a, R: Serialize + 'a, E: From<JournalError>>(
+        &mut self,
+        records: impl IntoIterator<Item = &'a R>,
+        write_snapshot: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        let before = self.len;
+        let appended = self.append(records);
+        if let Err(e) = write_snapshot() {
+            // The fold failed: so does what it was made for.
+            if appended.is_ok() {
+                if let Err(cut) = self.cut(before) {
+                    tracing::warn!(error = %keel_atls::ErrorChain(&cut), "cutting the records of a failed fold off the journal");
+                }
+            }
+            return Err(e);
         }
-        Ok(())
+        match (self.clear(), appended) {
+            (Ok(()), _) => Ok(()),
+            (Err(e), Ok(())) => {
+                tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying a journal folded into its snapshot");
+                Ok(())
+            }
+            (Err(e), Err(_)) => Err(e.into()),
+        }
     }
 
     /// Bytes in the journal.
@@ -238,6 +270,7 @@ impl Journal {
             .and_then(|()| self.file.sync_all())
             .map_err(|source| io("truncating", &self.path, source))?;
         self.len = len;
+        self.torn = false;
         Ok(())
     }
 }
@@ -378,5 +411,82 @@ mod tests {
         j.clear().unwrap();
         j.append(&[333u32]).unwrap();
         assert_eq!(read::<u32>(&path, 8).unwrap(), [333]);
+    }
+
+    /// Replays `records` ((entry, state) pairs) over `snapshot`.
+    fn replayed(mut snapshot: Vec<(u8, u32)>, records: Vec<(u8, u32)>) -> Vec<(u8, u32)> {
+        for (entry, state) in records {
+            match snapshot.iter_mut().find(|(e, _)| *e == entry) {
+                Some(held) => held.1 = state,
+                None => snapshot.push((entry, state)),
+            }
+        }
+        snapshot
+    }
+
+    #[test]
+    fn a_crash_or_a_failure_after_a_folds_snapshot_replays_to_the_snapshots_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j");
+        let (mut j, _) = Journal::open::<(u8, u32)>(&path, 1024).unwrap();
+        j.append(&[(1u8, 10u32), (2, 20)]).unwrap();
+        // Entry 1 changes again; the change is folded into a snapshot. The
+        // journal as the snapshot is written is what a crash (or a failure
+        // to empty it) leaves beside the snapshot.
+        let snapshot = vec![(1u8, 11u32), (2, 20)];
+        let mut left = Vec::new();
+        j.fold(&[(1u8, 11u32)], || {
+            left = read::<(u8, u32)>(&path, 1024)?;
+            Ok::<(), JournalError>(())
+        })
+        .unwrap();
+        assert_eq!(replayed(snapshot.clone(), left), snapshot);
+        assert!(j.is_empty());
+
+        // A snapshot that cannot be written fails the fold, and takes its
+        // records off the journal again.
+        j.append(&[(2u8, 21u32)]).unwrap();
+        let failed = j.fold(&[(2u8, 22u32)], || {
+            Err(io("writing", &path, std::io::ErrorKind::Other.into()))
+        });
+        assert!(failed.is_err());
+        assert_eq!(read::<(u8, u32)>(&path, 1024).unwrap(), [(2, 21)]);
+    }
+
+    #[test]
+    fn after_an_append_that_could_not_be_cut_off_nothing_is_appended_until_it_is() {
+        // /dev/full fails every write, and cannot be truncated.
+        let file = OpenOptions::new().append(true).open("/dev/full").unwrap();
+        let mut j = Journal {
+            path: "/dev/full".into(),
+            file,
+            len: 0,
+            limit: 1024,
+            torn: false,
+        };
+        let e = j.append(&[1u32]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                JournalError::Io {
+                    what: "appending to",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // The next append first cuts the journal back, and writes nothing
+        // when it cannot.
+        let e = j.append(&[2u32]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                JournalError::Io {
+                    what: "truncating",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -893,8 +893,9 @@ struct Disk {
 struct Round {
     /// The keys it writes (given back if the write fails).
     keys: BTreeSet<String>,
-    /// A new snapshot, or the records to append.
+    /// A new snapshot, if the journal is to be folded into one.
     snapshot: Option<Vec<u8>>,
+    /// The records of what changed (appended, and before a fold too).
     records: Vec<Change>,
     /// How many revocations the registry holds.
     revoked: usize,
@@ -908,14 +909,6 @@ impl Disk {
             .journal
             .as_ref()
             .is_some_and(|j| j.outgrows(self.snapshot_bytes, COMPACT_AT_LEAST));
-        if outgrown {
-            return Round {
-                keys,
-                snapshot: Some(registry.to_json()),
-                records: Vec::new(),
-                revoked,
-            };
-        }
         let mut records: Vec<Change> = keys
             .iter()
             .filter_map(|k| registry.nodes.get(k).cloned().map(Change::Node))
@@ -931,19 +924,21 @@ impl Disk {
         );
         Round {
             keys,
-            snapshot: None,
+            snapshot: outgrown.then(|| registry.to_json()),
             records,
             revoked,
         }
     }
 
-    /// Makes `round` durable: its records appended, or its snapshot
-    /// written and the journal emptied.
+    /// Makes `round` durable: its records appended, or the journal folded
+    /// into its snapshot ([`Journal::fold`]).
     fn write(&mut self, path: &Path, round: &Round) -> Result<(), RegistryError> {
         let journal = journal::opened::<Change>(&mut self.journal, path, MAX_JOURNAL_BYTES)?;
         match &round.snapshot {
             Some(json) => {
-                journal.fold(|| crate::files::write_private(path, json))?;
+                journal.fold(&round.records, || {
+                    crate::files::write_private(path, json).map_err(RegistryError::from)
+                })?;
                 self.snapshot_bytes = json.len() as u64;
             }
             None => journal.append(&round.records)?,
