@@ -4,11 +4,15 @@
 //! file first, then extended into its PCR. After a crash between the two,
 //! [`MeasuredLog::open`] finds the log one event ahead of the TPM and
 //! completes the extend; any other difference means the log or the PCRs
-//! were tampered with, and the log is refused.
+//! were tampered with, and the log is refused. A last line without its end
+//! of line is an append that never completed, so never extended: `open`
+//! drops it and cuts it off the file. A record that fails once its append
+//! began leaves the log for the next `open` to settle, and no later record
+//! is written after it.
 
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use keel_verifier::measurement::{self, pcr, Event, EventType, ReplayError};
@@ -51,12 +55,21 @@ pub enum MeasuredLogError {
     /// The same kind of one-off event was recorded before with other data.
     #[error("{0} was already measured with different content in this boot")]
     Conflict(&'static str),
+    /// An earlier record failed after its append began; what it left is
+    /// settled when the log is opened again (the agent's restart).
+    #[error(
+        "an earlier measurement did not complete; the agent must restart to settle the event log"
+    )]
+    Unsettled,
 }
 
 /// The log file and its events.
 pub struct MeasuredLog {
     path: PathBuf,
     events: Vec<Event>,
+    /// A record failed after its append began: the file may hold a line
+    /// that is not in `events`, cut short or not extended.
+    unsettled: bool,
 }
 
 impl MeasuredLog {
@@ -69,11 +82,23 @@ impl MeasuredLog {
         if let Some(dir) = path.parent() {
             fs::create_dir_all(dir).map_err(io)?;
         }
-        let events = read_events(path)?;
+        let (events, whole) = read_events(path)?;
+        if let Some(whole) = whole {
+            tracing::warn!(
+                path = %path.display(),
+                "dropping the event log's last line, cut short by a crash while it was appended"
+            );
+            OpenOptions::new()
+                .write(true)
+                .open(path)
+                .and_then(|f| f.set_len(whole).and_then(|()| f.sync_all()))
+                .map_err(io)?;
+        }
         let reported = tpm.pcr_read(&pcr::AGENT_OWNED)?;
         let log = Self {
             path: path.to_owned(),
             events,
+            unsettled: false,
         };
         match measurement::verify_replay(&log.events, &reported) {
             Ok(()) => Ok(log),
@@ -107,6 +132,9 @@ impl MeasuredLog {
     }
 
     /// Records a new event: appends it to the log, then extends its PCR.
+    /// Once an append began, a failure leaves the log unsettled: every
+    /// later record fails ([`MeasuredLogError::Unsettled`]) until the log
+    /// is opened again.
     pub fn record(
         &mut self,
         tpm: &mut Tpm,
@@ -114,6 +142,9 @@ impl MeasuredLog {
         description: impl Into<String>,
         data: Vec<u8>,
     ) -> Result<(), MeasuredLogError> {
+        if self.unsettled {
+            return Err(MeasuredLogError::Unsettled);
+        }
         let seq = u32::try_from(self.events.len())
             .map_err(|_| MeasuredLogError::Conflict("the event log"))?;
         let event = Event::new(seq, event_type, description, data);
@@ -132,9 +163,11 @@ impl MeasuredLog {
             .append(true)
             .open(&self.path)
             .map_err(io)?;
+        self.unsettled = true;
         file.write_all(&line).map_err(io)?;
         file.sync_data().map_err(io)?;
         tpm.pcr_extend(event.pcr, &event.digest)?;
+        self.unsettled = false;
         tracing::info!(
             pcr = event.pcr,
             event_type = event.event_type.as_str(),
@@ -163,33 +196,38 @@ impl MeasuredLog {
     }
 }
 
-fn read_events(path: &Path) -> Result<Vec<Event>, MeasuredLogError> {
+/// The events of the log at `path`, and if its last line has no end of
+/// line (an append cut short), the length of the whole lines before it.
+fn read_events(path: &Path) -> Result<(Vec<Event>, Option<u64>), MeasuredLogError> {
     let io = |source| MeasuredLogError::Io {
         path: path.to_owned(),
         source,
     };
-    let file = match fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+    let bytes = match keel_verifier::bounded::read(path, MAX_LOG_BYTES) {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => return Err(io(std::io::Error::other("event log too large"))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), None)),
         Err(e) => return Err(io(e)),
     };
-    if file.metadata().map_err(io)?.len() > MAX_LOG_BYTES {
-        return Err(io(std::io::Error::other("event log too large")));
-    }
+    let (whole, cut_short) = match bytes.iter().rposition(|b| *b == b'\n') {
+        Some(end) if end + 1 == bytes.len() => (&bytes[..], None),
+        Some(end) => (&bytes[..=end], Some(end as u64 + 1)),
+        None if bytes.is_empty() => (&bytes[..], None),
+        None => (&bytes[..0], Some(0)),
+    };
     let mut events = Vec::new();
-    for (i, line) in BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(io)?;
-        if line.trim().is_empty() {
+    for (i, line) in whole.split(|b| *b == b'\n').enumerate() {
+        if line.trim_ascii().is_empty() {
             continue;
         }
-        let event = serde_json::from_str(&line).map_err(|source| MeasuredLogError::Parse {
+        let event = serde_json::from_slice(line).map_err(|source| MeasuredLogError::Parse {
             path: path.to_owned(),
             line: i + 1,
             source,
         })?;
         events.push(event);
     }
-    Ok(events)
+    Ok((events, cut_short))
 }
 
 /// The TPM together with the measurement log that describes its agent-owned
@@ -292,5 +330,37 @@ impl MeasuredTpm {
     /// Shares this value between tasks.
     pub fn shared(self) -> SharedTpm {
         std::sync::Arc::new(std::sync::Mutex::new(self))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::tpm::TctiSpec;
+    use keel_testkit::swtpm::{EkCa, Swtpm};
+
+    #[test]
+    fn a_record_that_failed_once_its_append_began_blocks_later_records() {
+        let ca = EkCa::new().unwrap();
+        let swtpm = Swtpm::start(&ca).unwrap();
+        let mut tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+        let before = tpm.pcr_read(&pcr::AGENT_OWNED).unwrap();
+        // /dev/full fails every write: the append begins and fails.
+        let mut log = MeasuredLog {
+            path: "/dev/full".into(),
+            events: Vec::new(),
+            unsettled: false,
+        };
+        let e = log
+            .record(&mut tpm, EventType::Component, "kubelet", b"a".to_vec())
+            .unwrap_err();
+        assert!(matches!(e, MeasuredLogError::Io { .. }), "{e}");
+        let e = log
+            .record(&mut tpm, EventType::Component, "kubeadm", b"b".to_vec())
+            .unwrap_err();
+        assert!(matches!(e, MeasuredLogError::Unsettled), "{e}");
+        assert!(log.events().is_empty());
+        assert_eq!(tpm.pcr_read(&pcr::AGENT_OWNED).unwrap(), before);
     }
 }

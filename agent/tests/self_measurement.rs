@@ -193,6 +193,35 @@ fn measurement_interrupted_before_extend_is_completed() {
     );
 }
 
+#[test]
+fn an_append_cut_short_by_a_crash_is_dropped_and_cut_off() {
+    let node = Node::new();
+    node.run_with(CONFIG_A);
+    let before = node.pcrs();
+    let original = std::fs::read(node.log_path()).unwrap();
+    // A crash in the middle of appending an event: never extended.
+    let extra = Event::new(2, EventType::Component, "kubelet", b"kubelet".to_vec());
+    let line = serde_json::to_vec(&extra).unwrap();
+    let mut content = original.clone();
+    content.extend_from_slice(&line[..line.len() / 2]);
+    std::fs::write(node.log_path(), content).unwrap();
+
+    let out = node.agent(&["eventlog"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read(node.log_path()).unwrap(), original);
+    assert_eq!(node.pcrs(), before);
+    // The next start appends on a line of its own, and replays.
+    node.run_with(CONFIG_A);
+    assert_eq!(
+        replay(&node.events()).unwrap()[&pcr::CONFIG],
+        node.pcrs()[&pcr::CONFIG]
+    );
+}
+
 /// Under systemd the soft limit of open files is 1024, fewer than the
 /// ports' bounds on open connections: the agent raises its own soft limit
 /// (to 16384, within the hard limit) before it serves.
