@@ -75,6 +75,32 @@ pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
     )
 }
 
+/// Longest one operator call may take, its answer included (`keel status`
+/// receives a registry of up to 32 MiB): a node that stalls does not hold
+/// the CLI.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The answer of `endpoint` to `call`: its refusal as an error
+/// ([`refused`]), and no answer within [`CALL_TIMEOUT`] too.
+pub async fn answer<T>(
+    endpoint: &str,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> anyhow::Result<T> {
+    answer_within(endpoint, CALL_TIMEOUT, call).await
+}
+
+async fn answer_within<T>(
+    endpoint: &str,
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(Ok(response)) => Ok(response.into_inner()),
+        Ok(Err(status)) => Err(refused(endpoint, &status)),
+        Err(_) => bail!("{endpoint} did not answer within {} s", limit.as_secs()),
+    }
+}
+
 impl Member {
     /// Whether the node attests the control-plane role.
     pub fn is_control_plane(&self) -> bool {
@@ -84,12 +110,8 @@ impl Member {
     /// A fresh challenge of the node and the operator's proof for a request
     /// of `kind` over `body` on it.
     pub async fn prove(&mut self, kind: &str, body: &[u8]) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
-        let challenge = self
-            .client
-            .challenge(ChallengeRequest {})
-            .await
-            .map_err(|s| refused(&self.endpoint, &s))?
-            .into_inner()
+        let challenge = answer(&self.endpoint, self.client.challenge(ChallengeRequest {}))
+            .await?
             .challenge;
         let proof = self.key.prove(kind, &challenge, body).to_vec();
         Ok((challenge, proof))
@@ -219,8 +241,25 @@ impl Operator {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
-    use super::distinct;
+    use super::*;
+
+    #[tokio::test]
+    async fn a_node_that_does_not_answer_is_given_up_on() {
+        let limit = Duration::from_secs(1);
+        let stalled = std::future::pending::<Result<tonic::Response<u8>, tonic::Status>>();
+        let e = answer_within("cp:9000", limit, stalled).await.unwrap_err();
+        assert_eq!(e.to_string(), "cp:9000 did not answer within 1 s");
+        let refusal = async { Err::<tonic::Response<u8>, _>(tonic::Status::not_found("\x1b[2J")) };
+        let e = answer_within("cp:9000", limit, refusal).await.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "cp:9000 refused: Some requested entity was not found: \\u{1b}[2J"
+        );
+        let answered = async { Ok(tonic::Response::new(7u8)) };
+        assert_eq!(answer_within("cp:9000", limit, answered).await.unwrap(), 7);
+    }
 
     #[test]
     fn an_endpoint_named_twice_is_used_once() {

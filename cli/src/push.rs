@@ -22,7 +22,7 @@ use anyhow::{bail, Context as _};
 use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_verifier::measurements::Measurements;
 
-use crate::operator::{refused, Operator};
+use crate::operator::{answer, Operator};
 use crate::settings::{read_bounded, Settings};
 use crate::upgrade::image::{signature_of, SignedMeasurements};
 
@@ -47,17 +47,16 @@ pub async fn run(
         let (mut cp, challenge, proof) = operator
             .authorise(endpoint, SET_JOIN_MEASUREMENTS, &body)
             .await?;
-        let done = cp
-            .client
-            .set_join_measurements(SetJoinMeasurementsRequest {
+        let done = answer(
+            endpoint,
+            cp.client.set_join_measurements(SetJoinMeasurementsRequest {
                 measurements: body.clone(),
                 challenge,
                 proof,
                 signature: signature.clone(),
-            })
-            .await
-            .map_err(|s| refused(endpoint, &s))?
-            .into_inner();
+            }),
+        )
+        .await?;
         println!(
             "{endpoint}: join measurements replaced (sha256:{})",
             hex::encode(done.digest)

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::bail;
 use keel_proto::operator::RevokeNodeRequest;
 
-use crate::operator::{refused, Operator};
+use crate::operator::{answer, Operator};
 use crate::printable::printable;
 
 use keel_verifier::keys::kind::REVOKE_NODE;
@@ -60,16 +60,15 @@ async fn revoke_at(operator: &Operator, endpoint: &str, node: &str) -> anyhow::R
     let (mut cp, challenge, proof) = operator
         .authorise(endpoint, REVOKE_NODE, node.as_bytes())
         .await?;
-    let done = cp
-        .client
-        .revoke_node(RevokeNodeRequest {
+    let done = answer(
+        endpoint,
+        cp.client.revoke_node(RevokeNodeRequest {
             node: node.to_owned(),
             challenge,
             proof,
-        })
-        .await
-        .map_err(|s| refused(endpoint, &s))?
-        .into_inner();
+        }),
+    )
+    .await?;
     Ok(format!(
         "{endpoint}: revoked node {} (EK {}, disk {})",
         printable(&done.name),

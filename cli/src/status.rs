@@ -10,7 +10,7 @@ use anyhow::{bail, Context as _};
 use keel_proto::operator::NodeStatusRequest;
 use serde_json::Value;
 
-use crate::operator::{refused, Operator};
+use crate::operator::{answer, Operator};
 use crate::verify::Output;
 
 use keel_verifier::keys::kind::NODE_STATUS;
@@ -30,13 +30,13 @@ pub async fn run(
     let mut views = Vec::new();
     for endpoint in endpoints {
         let (mut cp, challenge, proof) = operator.authorise(endpoint, NODE_STATUS, &[]).await?;
-        let registry = cp
-            .client
-            .node_status(NodeStatusRequest { challenge, proof })
-            .await
-            .map_err(|s| refused(endpoint, &s))?
-            .into_inner()
-            .registry;
+        let registry = answer(
+            endpoint,
+            cp.client
+                .node_status(NodeStatusRequest { challenge, proof }),
+        )
+        .await?
+        .registry;
         let registry: Value = serde_json::from_slice(&registry)
             .with_context(|| format!("{endpoint} sent a registry that does not parse"))?;
         views.push(serde_json::json!({ "endpoint": endpoint, "registry": registry }));

@@ -17,7 +17,7 @@ use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequ
 use keel_verifier::measurements::Measurements;
 
 use super::Cluster;
-use crate::operator::{refused, Operator};
+use crate::operator::{answer, Operator};
 use crate::settings::{read_bounded, Settings};
 
 use keel_verifier::keys::kind::FINISH_IMAGE_UPGRADE;
@@ -94,23 +94,24 @@ pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Res
             let (mut node, challenge, proof) = operator
                 .authorise(&endpoint, STAGE_IMAGE_MEASUREMENTS, &image.body)
                 .await?;
-            node.client
-                .stage_image_measurements(StageImageMeasurementsRequest {
-                    measurements: image.body.clone(),
-                    signature: image.signature.clone(),
-                    challenge,
-                    proof,
-                })
-                .await
-                .map_err(|s| refused(&endpoint, &s))
-                .map(|done| {
-                    let done = done.into_inner();
-                    format!(
-                        "image measurements staged (sha256:{}); current sha256:{} still accepted",
-                        hex::encode(done.staged_digest),
-                        hex::encode(done.current_digest)
-                    )
-                })
+            answer(
+                &endpoint,
+                node.client
+                    .stage_image_measurements(StageImageMeasurementsRequest {
+                        measurements: image.body.clone(),
+                        signature: image.signature.clone(),
+                        challenge,
+                        proof,
+                    }),
+            )
+            .await
+            .map(|done| {
+                format!(
+                    "image measurements staged (sha256:{}); current sha256:{} still accepted",
+                    hex::encode(done.staged_digest),
+                    hex::encode(done.current_digest)
+                )
+            })
         },
     )
     .await?;
@@ -135,20 +136,21 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
         let (mut node, challenge, proof) = operator
             .authorise(&endpoint, FINISH_IMAGE_UPGRADE, &image.digest)
             .await?;
-        node.client
-            .finish_image_upgrade(FinishImageUpgradeRequest {
+        answer(
+            &endpoint,
+            node.client.finish_image_upgrade(FinishImageUpgradeRequest {
                 challenge,
                 proof,
                 staged_digest: image.digest.to_vec(),
-            })
-            .await
-            .map_err(|s| refused(&endpoint, &s))
-            .map(|done| {
-                format!(
-                    "image upgrade finished; only sha256:{} is accepted",
-                    hex::encode(done.into_inner().digest)
-                )
-            })
+            }),
+        )
+        .await
+        .map(|done| {
+            format!(
+                "image upgrade finished; only sha256:{} is accepted",
+                hex::encode(done.digest)
+            )
+        })
     })
     .await
 }

@@ -11,7 +11,7 @@
 //! keeps serving; a failed control plane stops the rollout, a failed worker
 //! is reported and the others go on.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use keel_proto::components::Components;
@@ -20,7 +20,7 @@ use keel_proto::operator::{UpgradePlan, UpgradeRequest, UpgradeStep};
 use prost::Message as _;
 
 use super::Cluster;
-use crate::operator::{refused, Member, Operator};
+use crate::operator::{answer, refused, Member, Operator};
 use crate::printable::printable;
 use crate::settings::Settings;
 
@@ -125,17 +125,39 @@ async fn request(mut member: Member, target: &Target, step: UpgradeStep) -> anyh
     let plan = target.plan(step);
     let (challenge, proof) = member.prove(UPGRADE, &plan).await?;
     let endpoint = member.endpoint.clone();
-    let mut stream = member
-        .client
-        .upgrade(UpgradeRequest {
+    let mut stream = answer(
+        &endpoint,
+        member.client.upgrade(UpgradeRequest {
             plan,
             challenge,
             proof,
-        })
-        .await
-        .map_err(|s| refused(&endpoint, &s))?
-        .into_inner();
-    while let Some(message) = stream.message().await.map_err(|s| refused(&endpoint, &s))? {
+        }),
+    )
+    .await?;
+    let followed =
+        tokio::time::timeout(NODE_TIMEOUT, follow(&mut stream, &endpoint, step, started)).await;
+    followed.unwrap_or_else(|_| {
+        bail!(
+            "{endpoint}: no result within {} s; the node may still be upgrading: \
+             `keel status` shows the version it runs once it is done",
+            NODE_TIMEOUT.as_secs()
+        )
+    })
+}
+
+/// Longest one node's upgrade may take (components downloaded, kubeadm,
+/// the kubelet restarted), its answer included.
+const NODE_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// Prints the node's progress until its result; fails unless it reports
+/// done.
+async fn follow(
+    stream: &mut tonic::Streaming<keel_proto::operator::UpgradeResponse>,
+    endpoint: &str,
+    step: UpgradeStep,
+    started: Instant,
+) -> anyhow::Result<()> {
+    while let Some(message) = stream.message().await.map_err(|s| refused(endpoint, &s))? {
         match message.event {
             Some(Event::Log(line)) if step != UpgradeStep::Authorise => {
                 println!("{endpoint}: {}", printable(&line));
