@@ -280,8 +280,14 @@ impl Installer {
             .map(Path::to_path_buf)
             .unwrap_or_else(|| self.root.clone());
         let dir = parent.clone();
+        let name = dest.file_name().unwrap_or_default().to_owned();
         blocking(move || {
-            fs::create_dir_all(&dir).map_err(|source| InstallError::CreateDir { path: dir, source })
+            fs::create_dir_all(&dir).map_err(|source| InstallError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+            remove_leftovers(&dir, &name);
+            Ok(())
         })
         .await?;
 
@@ -358,12 +364,10 @@ impl Installer {
                 path: path.clone(),
                 source,
             };
-            let mut prefix = std::ffi::OsString::from(".");
-            prefix.push(path.file_name().unwrap_or_default());
-            prefix.push(".");
+            let prefix = part_prefix(path.file_name().unwrap_or_default());
             let temp = tempfile::Builder::new()
                 .prefix(&prefix)
-                .suffix(".keel-part")
+                .suffix(PART_SUFFIX)
                 .tempfile_in(&dir)
                 .map_err(temp_error)?;
             if let Some(content) = inline {
@@ -399,6 +403,51 @@ impl Installer {
             );
         }
         Ok(temp)
+    }
+}
+
+/// The name of a temporary file for `name` in its directory starts with
+/// this (a dot, then the name and a dot) ...
+fn part_prefix(name: &std::ffi::OsStr) -> std::ffi::OsString {
+    let mut prefix = std::ffi::OsString::from(".");
+    prefix.push(name);
+    prefix.push(".");
+    prefix
+}
+
+/// ... and ends with this.
+const PART_SUFFIX: &str = ".keel-part";
+
+/// Removes the temporary files of `name` in `dir` that an install which
+/// did not end (a crash, a power cut) left behind: unmeasured bytes beside
+/// the components. Only regular files of that pattern are touched; a
+/// failure to remove one is logged.
+fn remove_leftovers(dir: &Path, name: &std::ffi::OsStr) {
+    use std::os::unix::ffi::OsStrExt as _;
+    let prefix = part_prefix(name);
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let bytes = file_name.as_bytes();
+        if !(bytes.starts_with(prefix.as_bytes()) && bytes.ends_with(PART_SUFFIX.as_bytes())) {
+            continue;
+        }
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        match fs::remove_file(entry.path()) {
+            Ok(()) => tracing::warn!(
+                file = %entry.path().display(),
+                "removed a partial download an interrupted install left"
+            ),
+            Err(e) => tracing::warn!(
+                file = %entry.path().display(),
+                error = %e,
+                "could not remove a partial download an interrupted install left"
+            ),
+        }
     }
 }
 

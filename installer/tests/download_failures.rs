@@ -477,3 +477,38 @@ async fn redirects_never_leave_https_and_are_bounded() {
     assert_eq!(tls.requests("/down"), 1, "not retried");
     assert_nothing_installed(&root.path().join("run/state/bin/down"));
 }
+
+/// A crash (or a power cut) during a download leaves the temporary file
+/// beside the components: unmeasured bytes in a directory the kubelet or
+/// the CNI runs from. The next install of the component removes them, and
+/// only them.
+#[tokio::test]
+async fn partial_downloads_an_interrupted_install_left_are_removed() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+    let dir = root.path().join("run/state/bin");
+    std::fs::create_dir_all(&dir).unwrap();
+    let leftover = dir.join(".kubelet.Ab3dE9.keel-part");
+    std::fs::write(&leftover, &body()[..1000]).unwrap();
+    // Not this component's, or not a file: kept.
+    let others = [
+        dir.join(".kubeadm.Zz9yX8.keel-part"),
+        dir.join(".kubelet.notes"),
+    ];
+    for other in &others {
+        std::fs::write(other, b"keep").unwrap();
+    }
+    let a_dir = dir.join(".kubelet.Qq1wE2.keel-part");
+    std::fs::create_dir(&a_dir).unwrap();
+
+    installer(root.path(), None, fast_retries())
+        .install(&component, &NoProgress)
+        .await
+        .unwrap();
+
+    assert!(!leftover.exists());
+    assert!(others.iter().all(|o| o.exists()) && a_dir.is_dir());
+    assert_eq!(std::fs::read(dir.join("kubelet")).unwrap(), body());
+}
