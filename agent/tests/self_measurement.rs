@@ -51,6 +51,17 @@ impl Node {
         out
     }
 
+    /// Runs `keel-agent eventlog`, which opens (and settles) the event
+    /// log; it must succeed.
+    fn settle_event_log(&self) {
+        let out = self.agent(&["eventlog"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     fn pcrs(&self) -> std::collections::BTreeMap<u32, [u8; 32]> {
         Tpm::open(&self.swtpm.tcti().parse::<TctiSpec>().unwrap())
             .unwrap()
@@ -179,12 +190,7 @@ fn measurement_interrupted_before_extend_is_completed() {
     content.push_str(&serde_json::to_string(&extra).unwrap());
     content.push('\n');
     std::fs::write(node.log_path(), content).unwrap();
-    let out = node.agent(&["eventlog"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    node.settle_event_log();
     let after = node.pcrs();
     assert_ne!(after[&pcr::NODE], before[&pcr::NODE]);
     assert_eq!(
@@ -206,12 +212,7 @@ fn an_append_cut_short_by_a_crash_is_dropped_and_cut_off() {
     content.extend_from_slice(&line[..line.len() / 2]);
     std::fs::write(node.log_path(), content).unwrap();
 
-    let out = node.agent(&["eventlog"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    node.settle_event_log();
     assert_eq!(std::fs::read(node.log_path()).unwrap(), original);
     assert_eq!(node.pcrs(), before);
     // The next start appends on a line of its own, and replays.
