@@ -378,8 +378,7 @@ impl StoreFile {
     }
 
     /// Makes the bindings of one round (already in `store`) durable: appended
-    /// to the journal, or also in a new snapshot that replaces an outgrown
-    /// one ([`journal::Journal::fold`]).
+    /// to the journal, or in a new snapshot that replaces an outgrown one.
     fn persist(
         &self,
         store: &mut Cached,
@@ -390,7 +389,11 @@ impl StoreFile {
                 .map_err(DiskBindingsError::Journal)?;
         let snapshot_bytes = store.stamp.snapshot.map_or(0, |s| s.len);
         if journal.outgrows(snapshot_bytes, COMPACT_AT_LEAST) {
-            journal.fold(recorded, || self.store(&store.disks))?;
+            // A binding never changes once recorded, so the journal's older
+            // records replay over the new snapshot to its state: the fold
+            // appends nothing first, and a failed snapshot records none of
+            // this round's bindings.
+            journal.fold(&[] as &[BindingRecord], || self.store(&store.disks))?;
         } else {
             journal
                 .append(recorded)

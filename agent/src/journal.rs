@@ -223,27 +223,22 @@ impl Journal {
     /// Folds the journal into a new snapshot: `records`, the changes the
     /// snapshot is written for, are appended first; then `write_snapshot`
     /// writes a snapshot that holds every record, and the journal is
-    /// emptied. Should emptying it fail, replaying the journal over the new
-    /// snapshot ends in the snapshot's state (the last record of each entry
-    /// is that state), so that is logged, not returned; unless the append
-    /// failed too (a full journal), when the journal may hold older states
-    /// than the snapshot and the fold fails.
+    /// emptied. Whatever fails after the append, and a crash anywhere,
+    /// leave a journal whose last record of each entry is the state the
+    /// newest snapshot holds, so replaying it changes nothing: a failed
+    /// snapshot (which may be in place already, its directory not synced)
+    /// keeps the appended records, and a failure to empty the journal is
+    /// logged, not returned. Only if the append was refused too (a journal
+    /// at its bound because snapshots kept failing) may the journal hold
+    /// older states than the snapshot; then a failure to empty it fails
+    /// the fold, and a crash before it is emptied can replay them.
     pub fn fold<'a, R: Serialize + 'a, E: From<JournalError>>(
         &mut self,
         records: impl IntoIterator<Item = &'a R>,
         write_snapshot: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
-        let before = self.len;
         let appended = self.append(records);
-        if let Err(e) = write_snapshot() {
-            // The fold failed: so does what it was made for.
-            if appended.is_ok() {
-                if let Err(cut) = self.cut(before) {
-                    tracing::warn!(error = %keel_atls::ErrorChain(&cut), "cutting the records of a failed fold off the journal");
-                }
-            }
-            return Err(e);
-        }
+        write_snapshot()?;
         match (self.clear(), appended) {
             (Ok(()), _) => Ok(()),
             (Err(e), Ok(())) => {
@@ -443,14 +438,18 @@ mod tests {
         assert_eq!(replayed(snapshot.clone(), left), snapshot);
         assert!(j.is_empty());
 
-        // A snapshot that cannot be written fails the fold, and takes its
-        // records off the journal again.
+        // A snapshot that failed fails the fold; it may be in place all the
+        // same (renamed, its directory not synced), so the journal keeps
+        // the records of its state.
         j.append(&[(2u8, 21u32)]).unwrap();
         let failed = j.fold(&[(2u8, 22u32)], || {
             Err(io("writing", &path, std::io::ErrorKind::Other.into()))
         });
         assert!(failed.is_err());
-        assert_eq!(read::<(u8, u32)>(&path, 1024).unwrap(), [(2, 21)]);
+        let left = read::<(u8, u32)>(&path, 1024).unwrap();
+        assert_eq!(left, [(2, 21), (2, 22)]);
+        let in_place = vec![(1u8, 11u32), (2, 22)];
+        assert_eq!(replayed(in_place.clone(), left), in_place);
     }
 
     #[test]

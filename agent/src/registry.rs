@@ -42,8 +42,10 @@ pub const MAX_REVOCATIONS: usize = 10_000;
 pub use keel_proto::MAX_REGISTRY_BYTES;
 /// Largest journal read: its records are node records and revocations,
 /// each bounded, and a journal is folded into the snapshot once it
-/// outgrows it.
-const MAX_JOURNAL_BYTES: u64 = 2 * MAX_REGISTRY_BYTES as u64;
+/// outgrows it. A fold first appends the records of its own write (which
+/// may be the whole registry, a merge's), so the bound leaves room for the
+/// snapshot's size twice over that.
+const MAX_JOURNAL_BYTES: u64 = 3 * MAX_REGISTRY_BYTES as u64;
 /// The journal is folded into a new snapshot once it is larger than the
 /// snapshot and than this.
 const COMPACT_AT_LEAST: u64 = 1024 * 1024;
@@ -229,8 +231,9 @@ pub enum RegistryError {
     /// The revocation list holds [`MAX_REVOCATIONS`]: a revocation made or
     /// merged from now on may be lost, so no ticket is issued.
     #[error(
-        "the revocation list is full ({MAX_REVOCATIONS} revocations; {dropped} more not \
-         recorded): this control plane issues no tickets"
+        "the revocation list is full ({MAX_REVOCATIONS} revocations{}): this control plane \
+         issues no tickets",
+        not_recorded(*.dropped)
     )]
     RevocationsFull {
         /// Revocations that were not recorded (0: none yet).
@@ -822,6 +825,14 @@ impl Registry {
     }
 }
 
+/// "; N more not recorded", or nothing for none.
+fn not_recorded(dropped: usize) -> String {
+    match dropped {
+        0 => String::new(),
+        n => format!("; {n} more not recorded"),
+    }
+}
+
 /// What [`Registry::merge`] took from another registry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Merged {
@@ -1078,6 +1089,12 @@ impl RegistryStore {
             self.write()?;
         }
         if merged.dropped > 0 {
+            tracing::error!(
+                added = merged.added,
+                taken = merged.taken,
+                dropped = merged.dropped,
+                "merged what the revocation list holds; it is full"
+            );
             return Err(RegistryError::RevocationsFull {
                 dropped: merged.dropped,
             });
