@@ -7,8 +7,8 @@
 //! were tampered with, and the log is refused. A last line without its end
 //! of line is an append that never completed, so never extended: `open`
 //! drops it and cuts it off the file. A record that fails once its append
-//! began leaves the log for the next `open` to settle, and no later record
-//! is written after it.
+//! began leaves the log unsettled: the next record first settles it as
+//! `open` does, and writes nothing if that fails.
 
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
@@ -55,12 +55,10 @@ pub enum MeasuredLogError {
     /// The same kind of one-off event was recorded before with other data.
     #[error("{0} was already measured with different content in this boot")]
     Conflict(&'static str),
-    /// An earlier record failed after its append began; what it left is
-    /// settled when the log is opened again (the agent's restart).
-    #[error(
-        "an earlier measurement did not complete; the agent must restart to settle the event log"
-    )]
-    Unsettled,
+    /// An earlier record failed after its append began, and the log could
+    /// not be settled since.
+    #[error("an earlier measurement did not complete, and the event log could not be settled")]
+    Unsettled(#[source] Box<MeasuredLogError>),
 }
 
 /// The log file and its events.
@@ -132,9 +130,10 @@ impl MeasuredLog {
     }
 
     /// Records a new event: appends it to the log, then extends its PCR.
-    /// Once an append began, a failure leaves the log unsettled: every
-    /// later record fails ([`MeasuredLogError::Unsettled`]) until the log
-    /// is opened again.
+    /// Once an append began, a failure leaves the log unsettled: the next
+    /// record first settles it as [`MeasuredLog::open`] does (a line cut
+    /// short dropped, a logged event not yet extended extended), and fails
+    /// ([`MeasuredLogError::Unsettled`]) without writing if it cannot.
     pub fn record(
         &mut self,
         tpm: &mut Tpm,
@@ -143,7 +142,8 @@ impl MeasuredLog {
         data: Vec<u8>,
     ) -> Result<(), MeasuredLogError> {
         if self.unsettled {
-            return Err(MeasuredLogError::Unsettled);
+            *self = Self::open(&self.path, tpm)
+                .map_err(|e| MeasuredLogError::Unsettled(Box::new(e)))?;
         }
         let seq = u32::try_from(self.events.len())
             .map_err(|_| MeasuredLogError::Conflict("the event log"))?;
@@ -341,7 +341,7 @@ mod tests {
     use keel_testkit::swtpm::{EkCa, Swtpm};
 
     #[test]
-    fn a_record_that_failed_once_its_append_began_blocks_later_records() {
+    fn a_record_after_one_that_failed_settles_the_log_first_or_writes_nothing() {
         let ca = EkCa::new().unwrap();
         let swtpm = Swtpm::start(&ca).unwrap();
         let mut tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
@@ -356,11 +356,35 @@ mod tests {
             .record(&mut tpm, EventType::Component, "kubelet", b"a".to_vec())
             .unwrap_err();
         assert!(matches!(e, MeasuredLogError::Io { .. }), "{e}");
+        // Unsettled, and it cannot be settled (nor written): nothing is.
         let e = log
             .record(&mut tpm, EventType::Component, "kubeadm", b"b".to_vec())
             .unwrap_err();
-        assert!(matches!(e, MeasuredLogError::Unsettled), "{e}");
+        assert!(matches!(e, MeasuredLogError::Unsettled(_)), "{e}");
         assert!(log.events().is_empty());
         assert_eq!(tpm.pcr_read(&pcr::AGENT_OWNED).unwrap(), before);
+
+        // What a failed extend leaves (a whole line, not extended) and a
+        // write that failed after it (a line cut short): the next record
+        // settles both, and is written after them.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("eventlog.jsonl");
+        let pending = Event::new(0, EventType::Component, "kubelet", b"a".to_vec());
+        let mut text = serde_json::to_vec(&pending).unwrap();
+        text.extend_from_slice(b"\n{\"seq\":1,\"ev");
+        std::fs::write(&path, text).unwrap();
+        log.path = path.clone();
+        log.record(&mut tpm, EventType::Component, "kubeadm", b"b".to_vec())
+            .unwrap();
+        let described: Vec<&str> = log
+            .events()
+            .iter()
+            .map(|e| e.description.as_str())
+            .collect();
+        assert_eq!(described, ["kubelet", "kubeadm"]);
+        let reported = tpm.pcr_read(&pcr::AGENT_OWNED).unwrap();
+        measurement::verify_replay(log.events(), &reported).unwrap();
+        let (on_disk, cut_short) = read_events(&path).unwrap();
+        assert_eq!((on_disk.len(), cut_short), (2, None));
     }
 }
