@@ -73,9 +73,10 @@ enum Command {
         /// may still be booting). A refused attestation is never retried.
         #[arg(long, default_value_t = 300, value_name = "SECONDS")]
         wait: u64,
-        /// Seconds the node may take once it accepted init (component
-        /// downloads, kubeadm). Past it the CLI stops waiting; the node may
-        /// still finish, and its console shows where it stands.
+        /// Seconds the init request may take on the node, from sending it
+        /// to its result (component downloads, kubeadm). Past it the CLI
+        /// stops waiting; the node may still finish, and its console shows
+        /// where it stands.
         #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
         timeout: u64,
     },

@@ -29,9 +29,27 @@ pub enum Kind {
     TdxCollateral,
 }
 
-/// One dated part of a cache file: what it is and when it was issued
-/// (Unix seconds).
-type Dated = (&'static str, i64);
+/// How new a part of a cache file is: when it was issued, or a number its
+/// issuer only ever raises.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Stamp {
+    /// Unix seconds.
+    Date(i64),
+    /// Intel's `tcbEvaluationDataNumber`.
+    Number(i64),
+}
+
+impl std::fmt::Display for Stamp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Date(at) => f.write_str(&iso(*at)),
+            Self::Number(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// One dated part of a cache file: what it is and how new.
+type Dated = (&'static str, Stamp);
 
 /// Refuses `files` if any of them holds a part issued before the same part
 /// of the file the cache already holds at its place. A cached file that
@@ -47,7 +65,14 @@ pub fn refuse_rollback(cache: &Path, files: &[CacheFile]) -> anyhow::Result<()> 
             keel_verifier::cpu::collateral::MAX_COLLATERAL_BYTES,
         ) {
             Ok(Some(bytes)) => bytes,
-            Ok(None) | Err(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Ok(None) | Err(_) => {
+                eprintln!(
+                    "keel: the cached {} is too large or unreadable; replacing it",
+                    file.relative
+                );
+                continue;
+            }
         };
         let Ok(before) = dates(file.kind, &cached) else {
             eprintln!(
@@ -61,12 +86,10 @@ pub fn refuse_rollback(cache: &Path, files: &[CacheFile]) -> anyhow::Result<()> 
         for ((what, fetched), (_, held)) in now.iter().zip(&before) {
             anyhow::ensure!(
                 fetched >= held,
-                "refusing {}: its {what} is {}, older than the cached one's {}; an older \
-                 answer may be a replay that drops a revocation or a TCB update (the cache is \
-                 unchanged; remove {} to take the older one on purpose)",
+                "refusing {}: its {what} is {fetched}, older than the cached one's {held}; an \
+                 older answer may be a replay that drops a revocation or a TCB update (the cache \
+                 is unchanged; remove {} to take the older one on purpose)",
                 file.relative,
-                iso(*fetched),
-                iso(*held),
                 path.display()
             );
         }
@@ -82,15 +105,13 @@ fn dates(kind: Kind, bytes: &[u8]) -> Result<Vec<Dated>, String> {
         Kind::TdxCollateral => {
             let collateral: QuoteCollateralV3 =
                 serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+            let tcb = Issued::of(&collateral.tcb_info, "TCB info")?;
+            let qe = Issued::of(&collateral.qe_identity, "QE identity")?;
             Ok(vec![
-                (
-                    "TCB info's issueDate",
-                    issue_date(&collateral.tcb_info, "TCB info")?,
-                ),
-                (
-                    "QE identity's issueDate",
-                    issue_date(&collateral.qe_identity, "QE identity")?,
-                ),
+                ("TCB info's issueDate", tcb.date),
+                ("TCB info's tcbEvaluationDataNumber", tcb.evaluation),
+                ("QE identity's issueDate", qe.date),
+                ("QE identity's tcbEvaluationDataNumber", qe.evaluation),
                 ("PCK CRL's thisUpdate", this_update(&collateral.pck_crl)?),
                 (
                     "root CA CRL's thisUpdate",
@@ -102,28 +123,41 @@ fn dates(kind: Kind, bytes: &[u8]) -> Result<Vec<Dated>, String> {
 }
 
 /// A DER CRL's thisUpdate.
-fn this_update(der: &[u8]) -> Result<i64, String> {
+fn this_update(der: &[u8]) -> Result<Stamp, String> {
     let (_, crl) = CertificateRevocationList::from_der(der).map_err(|e| format!("a CRL: {e}"))?;
-    Ok(crl.last_update().timestamp())
+    Ok(Stamp::Date(crl.last_update().timestamp()))
 }
 
-/// The `issueDate` of a signed TCB info or QE identity body.
-fn issue_date(json: &str, what: &str) -> Result<i64, String> {
-    #[derive(serde::Deserialize)]
-    struct Issued {
-        #[serde(rename = "issueDate")]
-        issue_date: String,
-    }
-    let issued: Issued =
-        serde_json::from_str(json).map_err(|e| format!("{what}'s issueDate: {e}"))?;
-    OffsetDateTime::parse(&issued.issue_date, &Rfc3339)
-        .map(OffsetDateTime::unix_timestamp)
-        .map_err(|e| {
+/// How new a signed TCB info or QE identity body is.
+struct Issued {
+    /// Its `issueDate`.
+    date: Stamp,
+    /// Its `tcbEvaluationDataNumber`, which Intel raises with each TCB
+    /// recovery: a body dated later may still be of an older evaluation.
+    evaluation: Stamp,
+}
+
+impl Issued {
+    fn of(json: &str, what: &str) -> Result<Self, String> {
+        #[derive(serde::Deserialize)]
+        struct Fields {
+            #[serde(rename = "issueDate")]
+            issue_date: String,
+            #[serde(rename = "tcbEvaluationDataNumber")]
+            evaluation: i64,
+        }
+        let fields: Fields = serde_json::from_str(json).map_err(|e| format!("{what}: {e}"))?;
+        let date = OffsetDateTime::parse(&fields.issue_date, &Rfc3339).map_err(|e| {
             format!(
                 "{what}'s issueDate \"{}\": {e}",
-                printable(&issued.issue_date)
+                printable(&fields.issue_date)
             )
+        })?;
+        Ok(Self {
+            date: Stamp::Date(date.unix_timestamp()),
+            evaluation: Stamp::Number(fields.evaluation),
         })
+    }
 }
 
 /// `at` as an RFC 3339 time, or the number if it has none.
@@ -175,10 +209,72 @@ mod tests {
     #[test]
     fn dates_print_as_rfc3339() {
         assert_eq!(iso(1_752_919_234), "2025-07-19T10:00:34Z");
-        assert_eq!(
-            issue_date(r#"{"issueDate":"2025-07-19T10:00:34Z"}"#, "TCB info").unwrap(),
-            1_752_919_234
+        let issued = Issued::of(
+            r#"{"issueDate":"2025-07-19T10:00:34Z","tcbEvaluationDataNumber":17}"#,
+            "TCB info",
+        )
+        .unwrap();
+        assert_eq!(issued.date.to_string(), "2025-07-19T10:00:34Z");
+        assert_eq!(issued.evaluation, Stamp::Number(17));
+        let yesterday = r#"{"issueDate":"yesterday","tcbEvaluationDataNumber":17}"#;
+        assert!(Issued::of(yesterday, "TCB info").is_err());
+    }
+
+    /// A PCCS or proxy serves TCB info dated later than the cached one but
+    /// of an older TCB evaluation (Intel publishes more than one
+    /// evaluation at a time): a TCB recovery the cached one carries would
+    /// be undone.
+    #[test]
+    fn an_older_tcb_evaluation_is_refused_however_it_is_dated() {
+        let now = OffsetDateTime::now_utc();
+        let crl = keel_testkit::amd::TestAmd::for_line("Milan")
+            .unwrap()
+            .crl(
+                &[],
+                now - time::Duration::days(1),
+                now + time::Duration::days(7),
+            )
+            .unwrap();
+        let collateral = |date: &str, evaluation: u32| -> Vec<u8> {
+            let body =
+                format!(r#"{{"issueDate":"{date}","tcbEvaluationDataNumber":{evaluation}}}"#);
+            let collateral = QuoteCollateralV3 {
+                pck_crl_issuer_chain: String::new(),
+                root_ca_crl: crl.clone(),
+                pck_crl: crl.clone(),
+                tcb_info_issuer_chain: String::new(),
+                tcb_info: body.clone(),
+                tcb_info_signature: Vec::new(),
+                qe_identity_issuer_chain: String::new(),
+                qe_identity: body,
+                qe_identity_signature: Vec::new(),
+                pck_certificate_chain: None,
+            };
+            serde_json::to_vec(&collateral).unwrap()
+        };
+        let cache = tempfile::tempdir().unwrap();
+        let place = cache.path().join("tdx/00806F050000.json");
+        std::fs::create_dir_all(place.parent().unwrap()).unwrap();
+        std::fs::write(&place, collateral("2025-07-01T00:00:00Z", 18)).unwrap();
+        let fetched = |bytes| {
+            [CacheFile::new(
+                "tdx/00806F050000.json",
+                bytes,
+                Kind::TdxCollateral,
+            )]
+        };
+        let later_but_older = fetched(collateral("2025-07-19T00:00:00Z", 17));
+        let e = format!(
+            "{:#}",
+            refuse_rollback(cache.path(), &later_but_older).unwrap_err()
         );
-        assert!(issue_date(r#"{"issueDate":"yesterday"}"#, "TCB info").is_err());
+        assert!(
+            e.contains(
+                "its TCB info's tcbEvaluationDataNumber is 17, older than the cached one's 18"
+            ),
+            "{e}"
+        );
+        let later = fetched(collateral("2025-07-19T00:00:00Z", 18));
+        refuse_rollback(cache.path(), &later).unwrap();
     }
 }

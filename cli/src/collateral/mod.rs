@@ -45,9 +45,10 @@ pub enum CollateralCommand {
     /// collateral's next update. Each download must finish within
     /// --timeout and stay under a size bound; files are written only when
     /// every download and check succeeded, each replaced atomically. A CRL,
-    /// TCB info or QE identity issued before the one already cached is
-    /// refused (an older answer may be a replay that drops a revocation):
-    /// remove the cached file to take it on purpose.
+    /// TCB info or QE identity older than the one already cached (issued
+    /// before it, or of a lower TCB evaluation) is refused: an older answer
+    /// may be a replay that drops a revocation. Remove the cached file to
+    /// take it on purpose.
     #[command(verbatim_doc_comment)]
     Fetch(FetchArgs),
 }
