@@ -361,8 +361,8 @@ pub fn extract_tgz(
         source,
     };
     let staging = tempfile::Builder::new()
-        .prefix(&staging_prefix(target))
-        .suffix(".keel-extract")
+        .prefix(&temporary_prefix(target.file_name().unwrap_or_default()))
+        .suffix(STAGING_SUFFIX)
         .tempdir_in(parent)
         .map_err(staging_error)?;
     fs::set_permissions(staging.path(), Permissions::from_mode(0o755)).map_err(staging_error)?;
@@ -395,12 +395,18 @@ pub fn extract_tgz(
     Ok(summary)
 }
 
-fn staging_prefix(target: &Path) -> OsString {
+/// The start of the name of a temporary file or directory for `name`, in
+/// its directory: a dot, the name and a dot.
+pub(crate) fn temporary_prefix(name: &std::ffi::OsStr) -> OsString {
     let mut prefix = OsString::from(".");
-    prefix.push(target.file_name().unwrap_or_default());
+    prefix.push(name);
     prefix.push(".");
     prefix
 }
+
+/// The name of an extraction's staging directory ends with this; it
+/// starts with [`temporary_prefix`].
+pub(crate) const STAGING_SUFFIX: &str = ".keel-extract";
 
 /// Unpacks every entry into `root`; returns the summary and the symlinks
 /// (relative paths) to check once the tree is complete.

@@ -25,7 +25,9 @@ use sha2::{Digest as _, Sha256};
 use crate::component::{redact, Component, InstallPath, Source};
 use crate::digest::Sha256Digest;
 use crate::download::{DownloadConfig, DownloadError, Downloader};
-use crate::extract::{extract_tgz, ExtractError, ExtractLimits, ExtractSummary};
+use crate::extract::{
+    extract_tgz, temporary_prefix, ExtractError, ExtractLimits, ExtractSummary, STAGING_SUFFIX,
+};
 use crate::mirror::Mirror;
 use crate::progress::Progress;
 
@@ -364,7 +366,7 @@ impl Installer {
                 path: path.clone(),
                 source,
             };
-            let prefix = part_prefix(path.file_name().unwrap_or_default());
+            let prefix = temporary_prefix(path.file_name().unwrap_or_default());
             let temp = tempfile::Builder::new()
                 .prefix(&prefix)
                 .suffix(PART_SUFFIX)
@@ -406,46 +408,46 @@ impl Installer {
     }
 }
 
-/// The name of a temporary file for `name` in its directory starts with
-/// this (a dot, then the name and a dot) ...
-fn part_prefix(name: &std::ffi::OsStr) -> std::ffi::OsString {
-    let mut prefix = std::ffi::OsString::from(".");
-    prefix.push(name);
-    prefix.push(".");
-    prefix
-}
-
-/// ... and ends with this.
+/// The name of a download in progress ends with this; it starts with
+/// [`temporary_prefix`].
 const PART_SUFFIX: &str = ".keel-part";
 
-/// Removes the temporary files of `name` in `dir` that an install which
-/// did not end (a crash, a power cut) left behind: unmeasured bytes beside
-/// the components. Only regular files of that pattern are touched; a
-/// failure to remove one is logged.
+/// Removes what an install of `name` in `dir` that did not end (a crash, a
+/// power cut) left behind: unmeasured bytes beside the components. Only
+/// regular files named as its downloads and directories named as its
+/// extraction staging ([`temporary_prefix`], [`PART_SUFFIX`],
+/// [`STAGING_SUFFIX`]) are touched; a failure to remove one is logged.
 fn remove_leftovers(dir: &Path, name: &std::ffi::OsStr) {
     use std::os::unix::ffi::OsStrExt as _;
-    let prefix = part_prefix(name);
+    let prefix = temporary_prefix(name);
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         let file_name = entry.file_name();
         let bytes = file_name.as_bytes();
-        if !(bytes.starts_with(prefix.as_bytes()) && bytes.ends_with(PART_SUFFIX.as_bytes())) {
+        if !bytes.starts_with(prefix.as_bytes()) {
             continue;
         }
-        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+        let Ok(kind) = entry.file_type() else {
             continue;
-        }
-        match fs::remove_file(entry.path()) {
+        };
+        let removed = if kind.is_file() && bytes.ends_with(PART_SUFFIX.as_bytes()) {
+            fs::remove_file(entry.path())
+        } else if kind.is_dir() && bytes.ends_with(STAGING_SUFFIX.as_bytes()) {
+            fs::remove_dir_all(entry.path())
+        } else {
+            continue;
+        };
+        match removed {
             Ok(()) => tracing::warn!(
-                file = %entry.path().display(),
-                "removed a partial download an interrupted install left"
+                path = %entry.path().display(),
+                "removed what an interrupted install left"
             ),
             Err(e) => tracing::warn!(
-                file = %entry.path().display(),
+                path = %entry.path().display(),
                 error = %e,
-                "could not remove a partial download an interrupted install left"
+                "could not remove what an interrupted install left"
             ),
         }
     }

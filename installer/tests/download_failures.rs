@@ -478,10 +478,10 @@ async fn redirects_never_leave_https_and_are_bounded() {
     assert_nothing_installed(&root.path().join("run/state/bin/down"));
 }
 
-/// A crash (or a power cut) during a download leaves the temporary file
-/// beside the components: unmeasured bytes in a directory the kubelet or
-/// the CNI runs from. The next install of the component removes them, and
-/// only them.
+/// A crash (or a power cut) during a download or an extraction leaves the
+/// temporary file or staging directory beside the components: unmeasured
+/// bytes in a directory the kubelet or the CNI runs from. The next install
+/// of the component removes them, and only them.
 #[tokio::test]
 async fn partial_downloads_an_interrupted_install_left_are_removed() {
     let mirror = MirrorServer::start().unwrap();
@@ -502,13 +502,17 @@ async fn partial_downloads_an_interrupted_install_left_are_removed() {
     }
     let a_dir = dir.join(".kubelet.Qq1wE2.keel-part");
     std::fs::create_dir(&a_dir).unwrap();
+    // An extraction's staging directory cut short: removed with what it holds.
+    let staging = dir.join(".kubelet.Rt5yU6.keel-extract");
+    std::fs::create_dir_all(staging.join("bin")).unwrap();
+    std::fs::write(staging.join("bin/half"), b"half").unwrap();
 
     installer(root.path(), None, fast_retries())
         .install(&component, &NoProgress)
         .await
         .unwrap();
 
-    assert!(!leftover.exists());
+    assert!(!leftover.exists() && !staging.exists());
     assert!(others.iter().all(|o| o.exists()) && a_dir.is_dir());
     assert_eq!(std::fs::read(dir.join("kubelet")).unwrap(), body());
 }
