@@ -129,6 +129,13 @@ impl MeasuredLog {
         &self.events
     }
 
+    /// The events of the log at `path` as they are, without settling it
+    /// against a TPM or changing the file (a last line cut short is left
+    /// out): for a reader beside the agent, which may be appending.
+    pub fn read(path: &Path) -> Result<Vec<Event>, MeasuredLogError> {
+        read_events(path).map(|(events, _)| events)
+    }
+
     /// Records a new event: appends it to the log, then extends its PCR.
     /// Once an append began, a failure leaves the log unsettled: the next
     /// record first settles it as [`MeasuredLog::open`] does (a line cut

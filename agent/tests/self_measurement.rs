@@ -51,17 +51,6 @@ impl Node {
         out
     }
 
-    /// Runs `keel-agent eventlog`, which opens (and settles) the event
-    /// log; it must succeed.
-    fn settle_event_log(&self) {
-        let out = self.agent(&["eventlog"]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
     fn pcrs(&self) -> std::collections::BTreeMap<u32, [u8; 32]> {
         Tpm::open(&self.swtpm.tcti().parse::<TctiSpec>().unwrap())
             .unwrap()
@@ -190,7 +179,17 @@ fn measurement_interrupted_before_extend_is_completed() {
     content.push_str(&serde_json::to_string(&extra).unwrap());
     content.push('\n');
     std::fs::write(node.log_path(), content).unwrap();
-    node.settle_event_log();
+    // `eventlog` only reads: it names the pending event...
+    let out = node.agent(&["eventlog"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("last event is not extended yet"),
+        "{stderr}"
+    );
+    assert_eq!(node.pcrs(), before);
+    // ...and the agent's next start completes it.
+    node.run_with(CONFIG_A);
     let after = node.pcrs();
     assert_ne!(after[&pcr::NODE], before[&pcr::NODE]);
     assert_eq!(
@@ -210,13 +209,16 @@ fn an_append_cut_short_by_a_crash_is_dropped_and_cut_off() {
     let line = serde_json::to_vec(&extra).unwrap();
     let mut content = original.clone();
     content.extend_from_slice(&line[..line.len() / 2]);
-    std::fs::write(node.log_path(), content).unwrap();
+    std::fs::write(node.log_path(), content.clone()).unwrap();
 
-    node.settle_event_log();
+    // `eventlog` reads past the cut line and leaves the file alone...
+    let out = node.agent(&["eventlog"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("replay: ok (2 events)"));
+    assert_eq!(std::fs::read(node.log_path()).unwrap(), content);
+    // ...the agent's next start cuts it off.
+    node.run_with(CONFIG_A);
     assert_eq!(std::fs::read(node.log_path()).unwrap(), original);
     assert_eq!(node.pcrs(), before);
-    // The next start appends on a line of its own, and replays.
-    node.run_with(CONFIG_A);
     assert_eq!(
         replay(&node.events()).unwrap()[&pcr::CONFIG],
         node.pcrs()[&pcr::CONFIG]
