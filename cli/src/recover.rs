@@ -82,12 +82,21 @@ pub async fn run(
     if output == Output::Text {
         eprintln!("node attested and outside any cluster; sending the sealed master secret");
     }
-    let response = RecoveryServiceClient::new(bound.channel)
-        .recover(RecoverRequest {
-            secrets: Some(sealed),
-            measurement_salt: secret.measurement_salt,
-        })
+    // The channel's timeout ends with the answer's headers; this one
+    // covers its body too.
+    let mut client = RecoveryServiceClient::new(bound.channel);
+    let call = client.recover(RecoverRequest {
+        secrets: Some(sealed),
+        measurement_salt: secret.measurement_salt,
+    });
+    let response = tokio::time::timeout(RECOVER_TIMEOUT, call)
         .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "the node did not answer within {} s",
+                RECOVER_TIMEOUT.as_secs()
+            )
+        })?
         .map_err(|status| {
             anyhow::anyhow!(
                 "the node refused recovery: {}: {}",
