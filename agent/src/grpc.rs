@@ -379,6 +379,23 @@ impl InFlight {
     }
 }
 
+/// The answer to a client `call`, bounded in full by `limit`: a channel's
+/// own timeout ends with the answer's headers, so a peer that sent them and
+/// then held back its message would hold the call forever. Past `limit`,
+/// `DEADLINE_EXCEEDED`.
+pub async fn answer_within<T>(
+    limit: Duration,
+    call: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(answer) => answer.map(tonic::Response::into_inner),
+        Err(_) => Err(tonic::Status::deadline_exceeded(format!(
+            "no answer within {} s",
+            limit.as_secs()
+        ))),
+    }
+}
+
 /// The address of the peer of `request` on an aTLS server without a
 /// client validator (init, recovery, operator).
 pub fn peer_ip<T>(request: &tonic::Request<T>) -> Option<std::net::IpAddr> {
@@ -530,5 +547,23 @@ mod tests {
         }
         assert!(f.overflowed);
         assert_eq!(f.open.len(), MAX_TRACKED_STREAMS);
+    }
+
+    /// A peer that sends the answer's headers and then holds back its
+    /// message: the channel's timeout has ended, this one has not.
+    #[tokio::test]
+    async fn an_answer_held_back_is_given_up_on() {
+        let limit = Duration::from_millis(200);
+        let held = std::future::pending::<Result<tonic::Response<u8>, tonic::Status>>();
+        let e = answer_within(limit, held).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
+        let refused =
+            async { Err::<tonic::Response<u8>, _>(tonic::Status::permission_denied("no")) };
+        assert_eq!(
+            answer_within(limit, refused).await.unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
+        let answered = async { Ok(tonic::Response::new(7u8)) };
+        assert_eq!(answer_within(limit, answered).await.unwrap(), 7);
     }
 }

@@ -20,10 +20,15 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::{reported_kubernetes_version, user_data};
 use crate::attestation::issuer::TpmIssuer;
+use crate::grpc::answer_within;
 use crate::join::ticket::check_service;
 use crate::measured::SharedTpm;
 use crate::provision::Node;
 use crate::registry::{Registry, RegistryStore, MAX_REGISTRY_BYTES};
+
+/// Longest one call to a control plane may take, its answer included: a
+/// nonce request waits up to one interval (at most 90 s).
+const CALL_TIMEOUT: Duration = Duration::from_secs(150);
 
 /// Why a round of evidence failed.
 #[derive(Debug, thiserror::Error)]
@@ -108,10 +113,9 @@ impl EvidenceClient {
         endpoint: &str,
         cluster_id: &ClusterId,
     ) -> Result<Session, EvidenceClientError> {
-        // A nonce request waits up to one interval (at most 90 s).
         let uri = Endpoint::from_shared(format!("http://{endpoint}"))
             .map_err(|_| EvidenceClientError::Endpoint(endpoint.to_owned()))?
-            .timeout(Duration::from_secs(150));
+            .timeout(CALL_TIMEOUT);
         let bound = self
             .atls
             .bind_channel(uri)
@@ -191,12 +195,10 @@ impl Session {
 
     /// Waits for the control plane's next nonce.
     pub async fn next_nonce(&mut self) -> Result<Vec<u8>, EvidenceClientError> {
-        Ok(self
-            .client
-            .next_nonce(NextNonceRequest {})
+        let call = self.client.next_nonce(NextNonceRequest {});
+        Ok(answer_within(CALL_TIMEOUT, call)
             .await
             .map_err(EvidenceClientError::Refused)?
-            .into_inner()
             .nonce)
     }
 
@@ -204,12 +206,9 @@ impl Session {
     pub async fn round(&mut self) -> Result<String, EvidenceClientError> {
         let nonce = self.next_nonce().await?;
         let request = self.evidence(nonce).await?;
-        Ok(self
-            .client
-            .submit(request)
+        Ok(answer_within(CALL_TIMEOUT, self.client.submit(request))
             .await
             .map_err(EvidenceClientError::Refused)?
-            .into_inner()
             .verdict)
     }
 
@@ -218,12 +217,10 @@ impl Session {
         &mut self,
         registry: &RegistryStore,
     ) -> Result<usize, EvidenceClientError> {
-        let bytes = self
-            .client
-            .registry(RegistryRequest {})
+        let call = self.client.registry(RegistryRequest {});
+        let bytes = answer_within(CALL_TIMEOUT, call)
             .await
             .map_err(EvidenceClientError::Refused)?
-            .into_inner()
             .registry;
         let theirs = Registry::parse(&bytes).map_err(EvidenceClientError::Registry)?;
         let added = registry

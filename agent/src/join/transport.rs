@@ -19,6 +19,7 @@ use super::ticket::{
 };
 use crate::attestation::credential;
 use crate::attestation::issuer::TpmIssuer;
+use crate::grpc::answer_within;
 use crate::measured::SharedTpm;
 use keel_verifier::keys;
 
@@ -101,11 +102,9 @@ impl TicketClient {
         request: IssueJoinTicketRequest,
     ) -> Result<RawTicket<IssueJoinTicketResponse>, TicketError> {
         let (mut client, service) = self.connect(endpoint).await?;
-        let response = client
-            .issue_join_ticket(request)
+        let response = answer_within(self.timeout, client.issue_join_ticket(request))
             .await
-            .map_err(TicketError::Refused)?
-            .into_inner();
+            .map_err(TicketError::Refused)?;
         Ok(RawTicket { response, service })
     }
 
@@ -159,13 +158,12 @@ impl TicketClient {
         disk_uuid: &str,
     ) -> Result<RejoinTicket, TicketError> {
         let (mut client, service) = self.connect(endpoint).await?;
-        let mut response = client
-            .issue_rejoin_ticket(IssueRejoinTicketRequest {
-                disk_uuid: disk_uuid.to_owned(),
-            })
+        let request = IssueRejoinTicketRequest {
+            disk_uuid: disk_uuid.to_owned(),
+        };
+        let mut response = answer_within(self.timeout, client.issue_rejoin_ticket(request))
             .await
-            .map_err(TicketError::Refused)?
-            .into_inner();
+            .map_err(TicketError::Refused)?;
         let secrets = self.open(response.secrets.take()).await?;
         let cluster_id = keys::cluster_id(&secrets.measurement_secret, &response.measurement_salt)
             .map_err(TicketError::ClusterId)?;
