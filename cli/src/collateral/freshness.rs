@@ -173,20 +173,25 @@ fn iso(at: i64) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_cached_file_that_cannot_be_dated_is_replaced_a_fetched_one_refused() {
-        let cache = tempfile::tempdir().unwrap();
-        let place = cache.path().join("snp/Milan/crl.der");
-        std::fs::create_dir_all(place.parent().unwrap()).unwrap();
+    /// A CRL issued yesterday, current for a week.
+    fn current_crl() -> Vec<u8> {
         let now = OffsetDateTime::now_utc();
-        let crl = keel_testkit::amd::TestAmd::for_line("Milan")
+        keel_testkit::amd::TestAmd::for_line("Milan")
             .unwrap()
             .crl(
                 &[],
                 now - time::Duration::days(1),
                 now + time::Duration::days(7),
             )
-            .unwrap();
+            .unwrap()
+    }
+
+    #[test]
+    fn a_cached_file_that_cannot_be_dated_is_replaced_a_fetched_one_refused() {
+        let cache = tempfile::tempdir().unwrap();
+        let place = cache.path().join("snp/Milan/crl.der");
+        std::fs::create_dir_all(place.parent().unwrap()).unwrap();
+        let crl = current_crl();
         let fetched = |bytes: &[u8]| {
             [CacheFile::new(
                 "snp/Milan/crl.der",
@@ -226,15 +231,7 @@ mod tests {
     /// be undone.
     #[test]
     fn an_older_tcb_evaluation_is_refused_however_it_is_dated() {
-        let now = OffsetDateTime::now_utc();
-        let crl = keel_testkit::amd::TestAmd::for_line("Milan")
-            .unwrap()
-            .crl(
-                &[],
-                now - time::Duration::days(1),
-                now + time::Duration::days(7),
-            )
-            .unwrap();
+        let crl = current_crl();
         let collateral = |date: &str, evaluation: u32| -> Vec<u8> {
             let body =
                 format!(r#"{{"issueDate":"{date}","tcbEvaluationDataNumber":{evaluation}}}"#);
