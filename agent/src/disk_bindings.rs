@@ -378,7 +378,8 @@ impl StoreFile {
     }
 
     /// Makes the bindings of one round (already in `store`) durable: appended
-    /// to the journal, or in a new snapshot that replaces an outgrown one.
+    /// to the journal, and folded into a new snapshot once the journal
+    /// outgrew the last one ([`journal::Journal::fold`]).
     fn persist(
         &self,
         store: &mut Cached,
@@ -389,11 +390,7 @@ impl StoreFile {
                 .map_err(DiskBindingsError::Journal)?;
         let snapshot_bytes = store.stamp.snapshot.map_or(0, |s| s.len);
         if journal.outgrows(snapshot_bytes, COMPACT_AT_LEAST) {
-            // A binding never changes once recorded, so the journal's older
-            // records replay over the new snapshot to its state: the fold
-            // appends nothing first, and a failed snapshot records none of
-            // this round's bindings.
-            journal.fold(&[] as &[BindingRecord], || self.store(&store.disks))?;
+            journal.fold(recorded, || self.store(&store.disks))?;
         } else {
             journal
                 .append(recorded)
@@ -678,20 +675,20 @@ mod tests {
         assert_eq!(size(store.path()), 0);
         let kept = std::fs::read(&journal).unwrap();
         // The journal outgrew 256 KiB and the (empty) snapshot: the next
-        // binding goes into a new snapshot with all the others. Should
-        // that write fail (the temp file's name is taken), the binding is
-        // not recorded, though no file changed.
+        // binding is appended and then goes into a new snapshot with all
+        // the others. Should the snapshot fail (the temp file's name is
+        // taken), the binding is recorded all the same, in the journal,
+        // and the next write folds it.
         let temp = dir
             .path()
             .join(format!(".{DISK_BINDINGS}.tmp-{}", std::process::id()));
         std::fs::create_dir(&temp).unwrap();
-        assert!(matches!(
-            store.bind(&uuid(i), &ek(200)),
-            Err(DiskBindingsError::Write(_))
-        ));
-        assert_eq!(store.lookup(&uuid(i)).unwrap(), None);
-        std::fs::remove_dir(&temp).unwrap();
         assert_eq!(store.bind(&uuid(i), &ek(200)).unwrap(), Bind::Recorded);
+        assert_eq!(size(store.path()), 0);
+        assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), i + 1);
+        std::fs::remove_dir(&temp).unwrap();
+        i += 1;
+        assert_eq!(store.bind(&uuid(i), &ek(201)).unwrap(), Bind::Recorded);
         assert_eq!(size(&journal), 0);
         assert!(size(store.path()) > 0);
         assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), i + 1);

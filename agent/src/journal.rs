@@ -220,32 +220,43 @@ impl Journal {
         self.len > at_least.max(snapshot_bytes)
     }
 
-    /// Folds the journal into a new snapshot: `records`, the changes the
-    /// snapshot is written for, are appended first; then `write_snapshot`
-    /// writes a snapshot that holds every record, and the journal is
-    /// emptied. Whatever fails after the append, and a crash anywhere,
-    /// leave a journal whose last record of each entry is the state the
-    /// newest snapshot holds, so replaying it changes nothing: a failed
-    /// snapshot (which may be in place already, its directory not synced)
-    /// keeps the appended records, and a failure to empty the journal is
-    /// logged, not returned. Only if the append was refused too (a journal
-    /// at its bound because snapshots kept failing) may the journal hold
-    /// older states than the snapshot; then a failure to empty it fails
-    /// the fold, and a crash before it is emptied can replay them.
-    pub fn fold<'a, R: Serialize + 'a, E: From<JournalError>>(
+    /// Makes `records` (the changes of one write) durable and folds the
+    /// journal into a new snapshot that `write_snapshot` writes, holding
+    /// every record; returns whether it did fold.
+    ///
+    /// The records are appended first: once that succeeds the write is
+    /// durable, and the snapshot only compacts. A snapshot that fails
+    /// (which may be in place already, its directory not synced) is logged
+    /// and tried again by the next write; a failure to empty the journal
+    /// after it is logged. Either way the journal's last record of each
+    /// entry is the state the newest snapshot holds, so a restart replays
+    /// it to that state. Only a journal at its bound (snapshots kept
+    /// failing) refuses the append: then only a snapshot makes room, and
+    /// it is written and the journal emptied, or the fold fails; a crash
+    /// between the two can replay older states. Any other failure of the
+    /// append fails the fold before a snapshot is written.
+    pub fn fold<'a, R: Serialize + 'a, E: From<JournalError> + std::error::Error + 'static>(
         &mut self,
         records: impl IntoIterator<Item = &'a R>,
         write_snapshot: impl FnOnce() -> Result<(), E>,
-    ) -> Result<(), E> {
-        let appended = self.append(records);
-        write_snapshot()?;
-        match (self.clear(), appended) {
-            (Ok(()), _) => Ok(()),
-            (Err(e), Ok(())) => {
-                tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying a journal folded into its snapshot");
-                Ok(())
+    ) -> Result<bool, E> {
+        match self.append(records) {
+            Ok(()) => {
+                if let Err(e) = write_snapshot() {
+                    tracing::warn!(error = %keel_atls::ErrorChain(&e), "writing a snapshot failed; the journal keeps the changes, and the next write tries again");
+                    return Ok(false);
+                }
+                if let Err(e) = self.clear() {
+                    tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying a journal folded into its snapshot");
+                }
+                Ok(true)
             }
-            (Err(e), Err(_)) => Err(e.into()),
+            Err(JournalError::TooLarge { .. }) => {
+                write_snapshot()?;
+                self.clear()?;
+                Ok(true)
+            }
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -438,14 +449,15 @@ mod tests {
         assert_eq!(replayed(snapshot.clone(), left), snapshot);
         assert!(j.is_empty());
 
-        // A snapshot that failed fails the fold; it may be in place all the
-        // same (renamed, its directory not synced), so the journal keeps
-        // the records of its state.
+        // A snapshot that failed: the write is durable in the journal all
+        // the same, and the snapshot may be in place (renamed, its
+        // directory not synced); the journal keeps the records of its
+        // state.
         j.append(&[(2u8, 21u32)]).unwrap();
-        let failed = j.fold(&[(2u8, 22u32)], || {
+        let folded = j.fold(&[(2u8, 22u32)], || {
             Err(io("writing", &path, std::io::ErrorKind::Other.into()))
         });
-        assert!(failed.is_err());
+        assert!(!folded.unwrap());
         let left = read::<(u8, u32)>(&path, 1024).unwrap();
         assert_eq!(left, [(2, 21), (2, 22)]);
         let in_place = vec![(1u8, 11u32), (2, 22)];
@@ -487,5 +499,37 @@ mod tests {
             ),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_fold_at_the_bound_makes_room_and_any_other_failed_append_writes_no_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j");
+        let (mut j, _) = Journal::open::<u32>(&path, 8).unwrap();
+        j.append(&[1u32, 22]).unwrap();
+        // "333\n" would pass the bound: the snapshot is written, the
+        // journal emptied.
+        let mut written = false;
+        let folded = j.fold(&[333u32], || {
+            written = true;
+            Ok::<(), JournalError>(())
+        });
+        assert!(folded.unwrap() && written && j.is_empty());
+
+        // A write that fails (not the bound): no snapshot.
+        let file = OpenOptions::new().append(true).open("/dev/full").unwrap();
+        let mut full = Journal {
+            path: "/dev/full".into(),
+            file,
+            len: 0,
+            limit: 1024,
+            torn: false,
+        };
+        let mut written = false;
+        let folded = full.fold(&[1u32], || {
+            written = true;
+            Ok::<(), JournalError>(())
+        });
+        assert!(folded.is_err() && !written);
     }
 }

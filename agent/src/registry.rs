@@ -947,10 +947,12 @@ impl Disk {
         let journal = journal::opened::<Change>(&mut self.journal, path, MAX_JOURNAL_BYTES)?;
         match &round.snapshot {
             Some(json) => {
-                journal.fold(&round.records, || {
+                let folded = journal.fold(&round.records, || {
                     crate::files::write_private(path, json).map_err(RegistryError::from)
                 })?;
-                self.snapshot_bytes = json.len() as u64;
+                if folded {
+                    self.snapshot_bytes = json.len() as u64;
+                }
             }
             None => journal.append(&round.records)?,
         }
@@ -1085,9 +1087,6 @@ impl RegistryStore {
     /// if some did not fit.
     pub fn merge(&self, theirs: Registry) -> Result<usize, RegistryError> {
         let merged = self.lock().merge(theirs);
-        if merged.added + merged.taken > 0 {
-            self.write()?;
-        }
         if merged.dropped > 0 {
             tracing::error!(
                 added = merged.added,
@@ -1095,6 +1094,11 @@ impl RegistryStore {
                 dropped = merged.dropped,
                 "merged what the revocation list holds; it is full"
             );
+        }
+        if merged.added + merged.taken > 0 {
+            self.write()?;
+        }
+        if merged.dropped > 0 {
             return Err(RegistryError::RevocationsFull {
                 dropped: merged.dropped,
             });
