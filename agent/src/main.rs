@@ -134,9 +134,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Eventlog => {
             // Read only: the agent may be running, and settles its own log.
+            // The PCRs before the log: an event the agent records meanwhile
+            // then shows as one not extended yet, not as a mismatch.
             let mut tpm = Tpm::open(&tcti)?;
-            let events = MeasuredLog::read(&log_path);
             let reported = tpm.pcr_read(&pcr::AGENT_OWNED)?;
+            let events = MeasuredLog::read(&log_path);
             for (index, value) in &reported {
                 println!("pcr {index} {}", HexDigest(value));
             }

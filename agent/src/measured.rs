@@ -148,10 +148,7 @@ impl MeasuredLog {
         description: impl Into<String>,
         data: Vec<u8>,
     ) -> Result<(), MeasuredLogError> {
-        if self.unsettled {
-            *self = Self::open(&self.path, tpm)
-                .map_err(|e| MeasuredLogError::Unsettled(Box::new(e)))?;
-        }
+        self.settle(tpm)?;
         let seq = u32::try_from(self.events.len())
             .map_err(|_| MeasuredLogError::Conflict("the event log"))?;
         let event = Event::new(seq, event_type, description, data);
@@ -186,6 +183,17 @@ impl MeasuredLog {
         Ok(())
     }
 
+    /// If a record failed once its append began, settles the log as
+    /// [`MeasuredLog::open`] does; fails ([`MeasuredLogError::Unsettled`])
+    /// if it cannot.
+    fn settle(&mut self, tpm: &mut Tpm) -> Result<(), MeasuredLogError> {
+        if self.unsettled {
+            *self = Self::open(&self.path, tpm)
+                .map_err(|e| MeasuredLogError::Unsettled(Box::new(e)))?;
+        }
+        Ok(())
+    }
+
     /// Records an event unless one of its type was recorded in this boot:
     /// then it must carry the same data (an agent restart), or the call fails.
     pub fn record_once(
@@ -195,6 +203,10 @@ impl MeasuredLog {
         description: impl Into<String>,
         data: Vec<u8>,
     ) -> Result<(), MeasuredLogError> {
+        // A failed record of this event may be pending in the file: settled
+        // first, it counts as recorded (the node lock's retry must not add
+        // a second cluster ID).
+        self.settle(tpm)?;
         match self.events.iter().find(|e| e.event_type == event_type) {
             Some(existing) if existing.data == data => Ok(()),
             Some(_) => Err(MeasuredLogError::Conflict(event_type.as_str())),
@@ -393,5 +405,37 @@ mod tests {
         measurement::verify_replay(log.events(), &reported).unwrap();
         let (on_disk, cut_short) = read_events(&path).unwrap();
         assert_eq!((on_disk.len(), cut_short), (2, None));
+    }
+
+    /// The node lock's retry after a record of its cluster ID failed once
+    /// appended (the extend failed): the pending event is settled and
+    /// counts as the lock; a second cluster ID is never added.
+    #[test]
+    fn a_one_off_event_left_pending_is_settled_not_recorded_twice() {
+        let ca = EkCa::new().unwrap();
+        let swtpm = Swtpm::start(&ca).unwrap();
+        let mut tpm = Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("eventlog.jsonl");
+        let pending = Event::new(0, EventType::ClusterId, "node lock", vec![0xa; 32]);
+        let mut text = serde_json::to_vec(&pending).unwrap();
+        text.push(b'\n');
+        std::fs::write(&path, text).unwrap();
+        let mut log = MeasuredLog {
+            path,
+            events: Vec::new(),
+            unsettled: true,
+        };
+
+        log.record_once(&mut tpm, EventType::ClusterId, "node lock", vec![0xa; 32])
+            .unwrap();
+        assert_eq!(log.events().len(), 1);
+        let reported = tpm.pcr_read(&pcr::AGENT_OWNED).unwrap();
+        measurement::verify_replay(log.events(), &reported).unwrap();
+        let e = log
+            .record_once(&mut tpm, EventType::ClusterId, "node lock", vec![0xb; 32])
+            .unwrap_err();
+        assert!(matches!(e, MeasuredLogError::Conflict(_)), "{e}");
+        assert_eq!(log.events().len(), 1);
     }
 }

@@ -70,7 +70,10 @@ impl NodeLock {
         }
         let recorded = {
             let mut tpm = self.tpm.lock().map_err(|_| LockError::Poisoned)?;
-            tpm.record(
+            // One-off: a cluster ID whose record failed once appended is
+            // settled first and counts, rather than being followed by a
+            // second one.
+            tpm.record_once(
                 EventType::ClusterId,
                 format!("node lock: cluster ID {}", hex::encode(cluster_id)),
                 cluster_id.to_vec(),
