@@ -30,13 +30,22 @@ pub enum Kind {
 }
 
 /// How new a part of a cache file is: when it was issued, or a number its
-/// issuer only ever raises.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// issuer only ever raises. A date and a number do not compare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stamp {
     /// Unix seconds.
     Date(i64),
     /// Intel's `tcbEvaluationDataNumber`.
     Number(i64),
+}
+
+impl PartialOrd for Stamp {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        match (self, other) {
+            (Self::Date(a), Self::Date(b)) | (Self::Number(a), Self::Number(b)) => Some(a.cmp(b)),
+            _ => None,
+        }
+    }
 }
 
 impl std::fmt::Display for Stamp {
@@ -66,12 +75,18 @@ pub fn refuse_rollback(cache: &Path, files: &[CacheFile]) -> anyhow::Result<()> 
         ) {
             Ok(Some(bytes)) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Ok(None) | Err(_) => {
+            Ok(None) => {
                 eprintln!(
-                    "keel: the cached {} is too large or unreadable; replacing it",
+                    "keel: the cached {} is larger than a verifier reads; replacing it",
                     file.relative
                 );
                 continue;
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "reading the cached {} to compare the fetched one with it; nothing was written",
+                    path.display()
+                )))
             }
         };
         let Ok(before) = dates(file.kind, &cached) else {
