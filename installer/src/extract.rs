@@ -362,6 +362,7 @@ pub fn extract_tgz(
     };
     let staging = tempfile::Builder::new()
         .prefix(&temporary_prefix(target.file_name().unwrap_or_default()))
+        .rand_bytes(crate::installer::RANDOM_CHARS)
         .suffix(STAGING_SUFFIX)
         .tempdir_in(parent)
         .map_err(staging_error)?;

@@ -369,6 +369,7 @@ impl Installer {
             let prefix = temporary_prefix(path.file_name().unwrap_or_default());
             let temp = tempfile::Builder::new()
                 .prefix(&prefix)
+                .rand_bytes(RANDOM_CHARS)
                 .suffix(PART_SUFFIX)
                 .tempfile_in(&dir)
                 .map_err(temp_error)?;
@@ -425,16 +426,15 @@ fn remove_leftovers(dir: &Path, name: &std::ffi::OsStr) {
     };
     for entry in entries.flatten() {
         let file_name = entry.file_name();
-        let bytes = file_name.as_bytes();
-        if !bytes.starts_with(prefix.as_bytes()) {
+        let Some(rest) = file_name.as_bytes().strip_prefix(prefix.as_bytes()) else {
             continue;
-        }
+        };
         let Ok(kind) = entry.file_type() else {
             continue;
         };
-        let removed = if kind.is_file() && bytes.ends_with(PART_SUFFIX.as_bytes()) {
+        let removed = if kind.is_file() && random_then(rest, PART_SUFFIX) {
             fs::remove_file(entry.path())
-        } else if kind.is_dir() && bytes.ends_with(STAGING_SUFFIX.as_bytes()) {
+        } else if kind.is_dir() && random_then(rest, STAGING_SUFFIX) {
             fs::remove_dir_all(entry.path())
         } else {
             continue;
@@ -452,6 +452,18 @@ fn remove_leftovers(dir: &Path, name: &std::ffi::OsStr) {
         }
     }
 }
+
+/// Whether `rest` is the random part of a temporary name (as many
+/// alphanumerics as [`RANDOM_CHARS`]) and then `suffix`: so the leftovers
+/// of a component `a` are never those of a component `a.b`.
+fn random_then(rest: &[u8], suffix: &str) -> bool {
+    rest.strip_suffix(suffix.as_bytes()).is_some_and(|random| {
+        random.len() == RANDOM_CHARS && random.iter().all(u8::is_ascii_alphanumeric)
+    })
+}
+
+/// Random characters in a temporary name.
+pub(crate) const RANDOM_CHARS: usize = 6;
 
 /// The mode a single-file component is installed with.
 fn file_mode(component: &Component) -> u32 {

@@ -496,6 +496,8 @@ async fn partial_downloads_an_interrupted_install_left_are_removed() {
     let others = [
         dir.join(".kubeadm.Zz9yX8.keel-part"),
         dir.join(".kubelet.notes"),
+        // Component "kubelet.d"'s download, not "kubelet"'s.
+        dir.join(".kubelet.d.Zz9yX8.keel-part"),
     ];
     for other in &others {
         std::fs::write(other, b"keep").unwrap();
