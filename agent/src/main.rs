@@ -153,10 +153,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             if let Err(e) = measurement::verify_replay(&events, &reported) {
-                let pending = events.split_last().is_some_and(|(_, applied)| {
-                    measurement::verify_replay(applied, &reported).is_ok()
-                });
-                if pending {
+                if keel_agent::measured::pending(&events, &reported).is_some() {
                     anyhow::bail!(
                         "the event log's last event is not extended yet: the agent extends it \
                          when it next opens the log ({e})"

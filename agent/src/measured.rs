@@ -106,16 +106,16 @@ impl MeasuredLog {
         }
     }
 
-    /// If all but the last event replay to the TPM, extends the last one.
+    /// If all but the last event replay to the TPM ([`pending`]), extends
+    /// the last one.
     fn complete_pending(
         self,
         tpm: &mut Tpm,
         reported: &BTreeMap<u32, measurement::Digest32>,
     ) -> Result<Self, MeasuredLogError> {
-        let Some((last, applied)) = self.events.split_last() else {
+        let Some(last) = pending(&self.events, reported) else {
             return Err(MeasuredLogError::Conflict("the event log"));
         };
-        measurement::verify_replay(applied, reported).map_err(MeasuredLogError::Replay)?;
         tracing::warn!(
             event = last.event_type.as_str(),
             "completing an interrupted measurement"
@@ -213,6 +213,18 @@ impl MeasuredLog {
             None => self.record(tpm, event_type, description, data),
         }
     }
+}
+
+/// The last of `events` if every event before it replays to `reported`:
+/// logged ahead of its extend, which has not happened yet.
+pub fn pending<'a>(
+    events: &'a [Event],
+    reported: &BTreeMap<u32, measurement::Digest32>,
+) -> Option<&'a Event> {
+    let (last, applied) = events.split_last()?;
+    measurement::verify_replay(applied, reported)
+        .is_ok()
+        .then_some(last)
 }
 
 /// The events of the log at `path`, and if its last line has no end of
