@@ -89,7 +89,8 @@ pub async fn answer<T>(
     answer_within(endpoint, CALL_TIMEOUT, call).await
 }
 
-async fn answer_within<T>(
+/// [`answer`], within `limit`.
+pub async fn answer_within<T>(
     endpoint: &str,
     limit: Duration,
     call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,

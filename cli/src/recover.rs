@@ -89,22 +89,9 @@ pub async fn run(
         secrets: Some(sealed),
         measurement_salt: secret.measurement_salt,
     });
-    let response = tokio::time::timeout(RECOVER_TIMEOUT, call)
+    let response = crate::operator::answer_within(&endpoint, RECOVER_TIMEOUT, call)
         .await
-        .map_err(|_| {
-            anyhow::anyhow!(
-                "the node did not answer within {} s",
-                RECOVER_TIMEOUT.as_secs()
-            )
-        })?
-        .map_err(|status| {
-            anyhow::anyhow!(
-                "the node refused recovery: {}: {}",
-                status.code(),
-                crate::printable::printable(status.message())
-            )
-        })?
-        .into_inner();
+        .context("recovery")?;
     if response.cluster_id.len() != 32 {
         bail!("the node answered without a cluster ID");
     }
