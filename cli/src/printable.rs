@@ -21,7 +21,7 @@ impl fmt::Display for Printable<'_> {
                 '\n' => f.write_str("\\n")?,
                 '\r' => f.write_str("\\r")?,
                 '\t' => f.write_str("\\t")?,
-                c if c.is_control() || is_bidi_format(c) => write!(f, "{}", c.escape_unicode())?,
+                c if escaped(c) => write!(f, "{}", c.escape_unicode())?,
                 c => f.write_char(c)?,
             }
         }
@@ -54,10 +54,7 @@ impl serde_json::ser::Formatter for TerminalFormatter<'_> {
         fragment: &str,
     ) -> std::io::Result<()> {
         let mut rest = fragment;
-        while let Some((at, c)) = rest
-            .char_indices()
-            .find(|(_, c)| c.is_control() || is_bidi_format(*c))
-        {
+        while let Some((at, c)) = rest.char_indices().find(|(_, c)| escaped(*c)) {
             writer.write_all(rest.get(..at).unwrap_or_default().as_bytes())?;
             let mut units = [0u16; 2];
             for unit in c.encode_utf16(&mut units) {
@@ -103,6 +100,12 @@ impl serde_json::ser::Formatter for TerminalFormatter<'_> {
     fn end_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         self.0.end_object_value(w)
     }
+}
+
+/// Whether the terminal gets `c` escaped: a control character or a
+/// bidirectional formatting character.
+fn escaped(c: char) -> bool {
+    c.is_control() || is_bidi_format(c)
 }
 
 /// Characters that reorder how the text around them is displayed.
