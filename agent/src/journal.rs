@@ -464,17 +464,22 @@ mod tests {
         assert_eq!(replayed(in_place.clone(), left), in_place);
     }
 
-    #[test]
-    fn after_an_append_that_could_not_be_cut_off_nothing_is_appended_until_it_is() {
-        // /dev/full fails every write, and cannot be truncated.
+    /// A journal on /dev/full, which fails every write and cannot be
+    /// truncated.
+    fn on_dev_full() -> Journal {
         let file = OpenOptions::new().append(true).open("/dev/full").unwrap();
-        let mut j = Journal {
+        Journal {
             path: "/dev/full".into(),
             file,
             len: 0,
             limit: 1024,
             torn: false,
-        };
+        }
+    }
+
+    #[test]
+    fn after_an_append_that_could_not_be_cut_off_nothing_is_appended_until_it_is() {
+        let mut j = on_dev_full();
         let e = j.append(&[1u32]).unwrap_err();
         assert!(
             matches!(
@@ -517,14 +522,7 @@ mod tests {
         assert!(folded.unwrap() && written && j.is_empty());
 
         // A write that fails (not the bound): no snapshot.
-        let file = OpenOptions::new().append(true).open("/dev/full").unwrap();
-        let mut full = Journal {
-            path: "/dev/full".into(),
-            file,
-            len: 0,
-            limit: 1024,
-            torn: false,
-        };
+        let mut full = on_dev_full();
         let mut written = false;
         let folded = full.fold(&[1u32], || {
             written = true;

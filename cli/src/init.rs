@@ -256,16 +256,15 @@ pub async fn run(
         join_measurements_signature,
     };
     let ends = tokio::time::Instant::now() + deadline;
-    let late = || {
-        anyhow::anyhow!(
-            "the node did not answer init within {} s (--timeout)",
-            deadline.as_secs()
-        )
-    };
     let mut stream =
         tokio::time::timeout_at(ends, InitServiceClient::new(bound.channel).init(request))
             .await
-            .map_err(|_| late())?
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "the node did not answer init within {} s (--timeout)",
+                    deadline.as_secs()
+                )
+            })?
             .map_err(|s| {
                 anyhow::anyhow!(
                     "the node refused init ({:?}): {}",
