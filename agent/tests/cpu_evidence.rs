@@ -43,6 +43,47 @@ fn kernel_entry(dir: &Path, provider: &str, outblob: &[u8], auxblob: &[u8]) {
     std::fs::write(dir.join("auxblob"), auxblob).unwrap();
 }
 
+/// The kernel's side of one request in `dir` (made by [`kernel_entry`]):
+/// `inblob` and `outblob` become FIFOs; once the request's write has
+/// arrived, `generation` is set to each of `generations` in turn, the last
+/// one while the request reads `outblob` (`report`). Returns what the
+/// request wrote.
+fn kernel_serves(
+    dir: &Path,
+    report: Vec<u8>,
+    generations: &'static [&'static str],
+) -> std::thread::JoinHandle<Vec<u8>> {
+    use std::io::{Read as _, Write as _};
+    let (inblob, outblob, generation) = (
+        dir.join("inblob"),
+        dir.join("outblob"),
+        dir.join("generation"),
+    );
+    let _ = std::fs::remove_file(&outblob);
+    for fifo in [&inblob, &outblob] {
+        nix::unistd::mkfifo(fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    }
+    std::thread::spawn(move || {
+        let mut written = Vec::new();
+        std::fs::File::open(&inblob)
+            .unwrap()
+            .read_to_end(&mut written)
+            .unwrap();
+        let (last, first) = generations.split_last().unwrap();
+        for count in first {
+            std::fs::write(&generation, count).unwrap();
+        }
+        // Opening blocks until the request opens outblob for reading.
+        let mut out = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&outblob)
+            .unwrap();
+        std::fs::write(&generation, last).unwrap();
+        out.write_all(&report).unwrap();
+        written
+    })
+}
+
 #[test]
 fn configfs_tsm_writes_report_data_and_reads_report_and_vcek() {
     let root = tempfile::tempdir().unwrap();
@@ -50,11 +91,12 @@ fn configfs_tsm_writes_report_data_and_reads_report_and_vcek() {
     let report = data("snp/milan-virtee/report_milan.bin");
     let vcek = data("snp/milan-virtee/vcek_milan.der");
     kernel_entry(&entry, "sev_guest", &report, &cert_table(&vcek));
+    let kernel = kernel_serves(&entry, report.clone(), &["2\n"]);
 
     let tsm = ConfigfsTsm::new(root.path(), Variant::SevSnp).unwrap();
     let rd = report_data(b"nonce", b"ak public area");
     let got = tsm.report_in(&entry, &rd).unwrap();
-    assert_eq!(std::fs::read(entry.join("inblob")).unwrap(), rd);
+    assert_eq!(kernel.join().unwrap(), rd);
     assert_eq!(got.outblob, report);
     assert_eq!(endorsement_certificate(&got.auxblob).unwrap(), vcek);
     // What the node read is the real report, verifiable as such.
@@ -172,35 +214,40 @@ fn the_hcl_report_is_read_from_the_vtpm_nv_index() {
     assert!(err.to_string().contains("0x01400002"), "{err}");
 }
 
-/// Race: another writer changes `inblob` while this request reads its
-/// report (the kernel bumps `generation`); the report, which may carry the
-/// other writer's `report_data`, is refused. `outblob` is a FIFO here, so
-/// the "other writer" acts exactly while the report is being read.
+/// Race: another writer changes the request between this request's write
+/// and its read of the report (the kernel counts every write in
+/// `generation`); the report, which may carry the other writer's
+/// `report_data`, is refused. So is a report that this request's write did
+/// not count: it is someone else's, from before.
 #[test]
 fn configfs_tsm_refuses_a_report_raced_by_another_writer() {
+    let report = data("snp/milan-virtee/report_milan.bin");
+    let tsm = |root: &Path| ConfigfsTsm::new(root, Variant::SevSnp).unwrap();
+    for (generations, after) in [
+        // Another write while the report is read.
+        (&["2\n", "3\n"][..], "3"),
+        // Another write right after this one, before the report is read.
+        (&["3\n", "3\n"][..], "3"),
+        // This write not counted.
+        (&["1\n"][..], "1"),
+    ] {
+        let root = tempfile::tempdir().unwrap();
+        let entry = root.path().join("entry0");
+        kernel_entry(&entry, "sev_guest", b"", b"");
+        let kernel = kernel_serves(&entry, report.clone(), generations);
+        let err = tsm(root.path()).report_in(&entry, &[7; 64]).unwrap_err();
+        assert_eq!(kernel.join().unwrap(), [7; 64]);
+        assert!(
+            matches!(&err, CpuReportError::Raced { before, after: a } if before == "1" && a == after),
+            "{generations:?}: {err:?}"
+        );
+    }
+
+    // A generation that is not a count is refused as such.
     let root = tempfile::tempdir().unwrap();
     let entry = root.path().join("entry0");
-    kernel_entry(&entry, "sev_guest", b"", b"");
-    let outblob = entry.join("outblob");
-    std::fs::remove_file(&outblob).unwrap();
-    nix::unistd::mkfifo(&outblob, nix::sys::stat::Mode::S_IRWXU).unwrap();
-    let generation = entry.join("generation");
-    let kernel = std::thread::spawn(move || {
-        use std::io::Write as _;
-        // Opening blocks until the request opens outblob for reading.
-        let mut fifo = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&outblob)
-            .unwrap();
-        std::fs::write(&generation, "2\n").unwrap();
-        fifo.write_all(&data("snp/milan-virtee/report_milan.bin"))
-            .unwrap();
-    });
-    let tsm = ConfigfsTsm::new(root.path(), Variant::SevSnp).unwrap();
-    let err = tsm.report_in(&entry, &[7; 64]).unwrap_err();
-    kernel.join().unwrap();
-    assert!(
-        matches!(&err, CpuReportError::Raced { before, after } if before == "1" && after == "2"),
-        "{err:?}"
-    );
+    kernel_entry(&entry, "sev_guest", &report, b"");
+    std::fs::write(entry.join("generation"), "one\n").unwrap();
+    let err = tsm(root.path()).report_in(&entry, &[7; 64]).unwrap_err();
+    assert!(matches!(err, CpuReportError::Generation { .. }), "{err:?}");
 }

@@ -5,8 +5,9 @@
 //!   (`/sys/kernel/config/tsm/report`): a directory made per request, the
 //!   64 `report_data` bytes written to `inblob`, the report (SNP) or quote
 //!   (TDX) read from `outblob`, the SNP certificate table from `auxblob`.
-//!   The kernel counts writes in `generation`; a count that moved while the
-//!   report was read means another writer raced this one and the report is
+//!   The kernel counts writes in `generation`; unless the count read after
+//!   the report is one more than the count read before this request's write
+//!   (its own write), another writer raced this one, and the report is
 //!   refused rather than shipped with someone else's `report_data`.
 //! * [`AzureHcl`]: the report Azure's paravisor stores in the vTPM's NV
 //!   index 0x01400001.
@@ -63,15 +64,21 @@ pub enum CpuReportError {
         /// What the kernel reports.
         actual: String,
     },
-    /// Another writer changed `inblob` while this report was made.
+    /// Another writer changed the request while this report was made.
     #[error(
-        "configfs-tsm generation moved from {before} to {after}: another writer raced this report"
+        "configfs-tsm generation went from {before} to {after}, not one write: another writer raced this report"
     )]
     Raced {
-        /// After this request's write.
+        /// Before this request's write.
         before: String,
         /// After reading the report.
         after: String,
+    },
+    /// `generation` is not a count.
+    #[error("configfs-tsm {path} is not a count")]
+    Generation {
+        /// The file.
+        path: PathBuf,
     },
     /// The TPM failed (reading the HCL report).
     #[error("reading the HCL report from the vTPM")]
@@ -118,7 +125,7 @@ impl ConfigfsTsm {
 
     /// One request in an existing report directory `entry`: checks the
     /// provider, writes `inblob`, reads `outblob` and `auxblob`, and refuses
-    /// the report if `generation` moved meanwhile.
+    /// the report unless `generation` moved by exactly this write.
     pub fn report_in(
         &self,
         entry: &Path,
@@ -132,12 +139,13 @@ impl ConfigfsTsm {
                 actual: provider,
             });
         }
+        let generation = entry.join("generation");
+        let before = read_generation(&generation)?;
         let inblob = entry.join("inblob");
         fs::write(&inblob, report_data).map_err(|source| CpuReportError::Io {
             path: inblob,
             source,
         })?;
-        let before = read_bounded(&entry.join("generation"), 32)?;
         let outblob = read_bounded(&entry.join("outblob"), MAX_EVIDENCE_BYTES)?;
         let aux_path = entry.join("auxblob");
         let auxblob = if aux_path.exists() {
@@ -145,12 +153,11 @@ impl ConfigfsTsm {
         } else {
             Vec::new()
         };
-        let after = read_bounded(&entry.join("generation"), 32)?;
-        if before != after {
-            let text = |b: &[u8]| String::from_utf8_lossy(b).trim().to_owned();
+        let after = read_generation(&generation)?;
+        if before.checked_add(1) != Some(after) {
             return Err(CpuReportError::Raced {
-                before: text(&before),
-                after: text(&after),
+                before: before.to_string(),
+                after: after.to_string(),
             });
         }
         Ok(TsmReport { outblob, auxblob })
@@ -231,6 +238,17 @@ impl CpuReporter for AzureHcl {
             certificate: Vec::new(),
         })
     }
+}
+
+/// The write count in a request's `generation` file.
+fn read_generation(path: &Path) -> Result<u64, CpuReportError> {
+    let text = read_bounded(path, 32)?;
+    std::str::from_utf8(&text)
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .ok_or_else(|| CpuReportError::Generation {
+            path: path.to_owned(),
+        })
 }
 
 fn read_bounded(path: &Path, limit: usize) -> Result<Vec<u8>, CpuReportError> {
