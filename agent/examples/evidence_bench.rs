@@ -128,6 +128,7 @@ async fn main() {
         &slot,
         trust,
         config.expected_config_pcr(),
+        Arc::default(),
     ));
     let registry = RegistryStore::shared(&dir.path().join("root")).unwrap();
     let service = EvidenceService::new(

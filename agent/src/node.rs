@@ -279,6 +279,7 @@ pub async fn serve_join_as_control_plane(
         &cluster,
         EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,
         config.expected_config_pcr(),
+        policy.cpu(),
     ));
     let evidence = EvidenceService::new(
         &cluster,

@@ -400,6 +400,84 @@ async fn the_join_path_runs_with_the_sev_snp_variant() {
     assert!(chain.contains("requires CPU evidence"), "{chain}");
 }
 
+/// Continuous attestation holds a member to the variant on every document
+/// it sends, as the join service holds a joining node: the members'
+/// validator (the evidence loop's, built as on a control plane with the
+/// join policy's CPU trust) refuses a member's document without CPU
+/// evidence, and one carrying the CPU evidence of an earlier document.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_evidence_is_held_to_the_variant_on_every_document() {
+    use join_common::{free_port, measured_with, start_service_hardware, Hardware};
+    use keel_agent::attestation::issuer::TpmIssuer;
+    use keel_agent::evidence::admission::{check_member, MemberPolicy};
+    use keel_agent::nodelock::NodeLock;
+
+    let ca = EkCa::new().unwrap();
+    let amd = Arc::new(TestAmd::new().unwrap());
+    let hardware = Hardware {
+        reporter: Arc::new(GeneratedSnp {
+            amd: amd.clone(),
+            policy: 0x30000,
+        }),
+        trust: Arc::new(generated_trust(&amd)),
+    };
+    let service = start_service_hardware(&ca, free_port(), &hardware).await;
+    let members = MemberPolicy::new(
+        &service.slot,
+        EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap(),
+        service.config.expected_config_pcr(),
+        service.policy.cpu(),
+    );
+    // A member: the cluster's config measured, locked into its ID.
+    let member = |cpu: Option<Arc<dyn CpuReporter>>| {
+        let swtpm = Swtpm::start(&ca).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let tpm = measured_with(&swtpm, &dir.path().join("log"), &service.config, cpu);
+        NodeLock::new(tpm.clone())
+            .unwrap()
+            .try_lock(service.state.cluster_id)
+            .unwrap();
+        (TpmIssuer::new(tpm), swtpm, dir)
+    };
+    let validator = members.current().unwrap().validator;
+
+    let (honest, _swtpm, _dir) = member(Some(hardware.reporter.clone()));
+    let doc = honest.issue(b"nonce-1", b"user").unwrap();
+    let verified = validator.validate(&doc, b"nonce-1", b"user").unwrap();
+    assert!(
+        matches!(verified.cpu, Some(CpuClaims::Snp(_))),
+        "{:?}",
+        verified.cpu
+    );
+    check_member(&verified, &service.state.cluster_id).unwrap();
+
+    // Strip: a member whose documents carry no CPU evidence.
+    let (bare, _swtpm2, _dir2) = member(None);
+    let stripped = bare.issue(b"nonce-2", b"user").unwrap();
+    let err = cpu_error(
+        validator
+            .validate(&stripped, b"nonce-2", b"user")
+            .unwrap_err(),
+    );
+    assert!(matches!(err, CpuError::Missing { .. }), "{err:?}");
+
+    // Replay: the CPU evidence of an earlier document in a fresh one.
+    let fresh = honest.issue(b"nonce-3", b"user").unwrap();
+    let mut replayed = AttestationDocument::decode(fresh.as_slice()).unwrap();
+    replayed.cpu_evidence = AttestationDocument::decode(doc.as_slice())
+        .unwrap()
+        .cpu_evidence;
+    let err = cpu_error(
+        validator
+            .validate(&replayed.encode_to_vec(), b"nonce-3", b"user")
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(err, CpuError::Binding(BindingError::ReportData { .. })),
+        "{err:?}"
+    );
+}
+
 // ---------------------------------------------------------------- TDX
 
 const MRTD: [u8; 48] = [0x3d; 48];

@@ -124,6 +124,12 @@ impl ReloadableValidator {
         })
     }
 
+    /// What the policy requires of CPU evidence (the variant and its
+    /// roots), for validators that hold the same nodes to it.
+    pub fn cpu(&self) -> Arc<CpuTrust> {
+        self.cpu.clone()
+    }
+
     /// The same policy requiring CPU evidence as `cpu` says (the default
     /// is the `vtpm` variant), now and after every reload.
     pub fn with_cpu(mut self, cpu: Arc<CpuTrust>) -> Self {

@@ -10,10 +10,13 @@
 //! current set or, during an image rollout, the staged one
 //! ([`member_validator`]), so a node that rejoined on the new image keeps
 //! reporting. Key residency is proven through the join policy's validator
-//! for both, so a proven AK is remembered once.
+//! for both, so a proven AK is remembered once. Members are held to the
+//! join policy's CPU evidence too (its variant, roots and collateral), on
+//! every document they send, not only at the handshake.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use keel_verifier::cpu::CpuTrust;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::keys::ClusterId;
 use keel_verifier::measurement::{pcr, Digest32};
@@ -28,6 +31,7 @@ pub struct MemberPolicy {
     cluster: tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>,
     ek_trust: EkTrust,
     config_pcr: Digest32,
+    cpu: Arc<CpuTrust>,
     built: Mutex<Option<MemberValidator>>,
 }
 
@@ -72,11 +76,13 @@ fn member_set(join: &Measurements) -> Result<Measurements, MeasurementsError> {
 /// The one place a members' validator is built from a cluster state: it
 /// accepts a member matching the current join measurements or, during an
 /// image rollout, the staged ones (what the join service accepts), each
-/// without PCR 15 and with the cluster's config PCR `config_pcr` required.
+/// without PCR 15 and with the cluster's config PCR `config_pcr` required,
+/// and CPU evidence as `cpu` requires it (the join policy's).
 pub fn member_validator(
     state: &ClusterState,
     ek_trust: EkTrust,
     config_pcr: Digest32,
+    cpu: Arc<CpuTrust>,
 ) -> Result<MemberValidator, MeasurementsError> {
     let current = member_set(&state.join_measurements)?;
     let staged = state
@@ -86,13 +92,16 @@ pub fn member_validator(
         .transpose()?;
     let staged_member_set = staged.as_ref().map(Measurements::digest);
     Ok(MemberValidator {
-        validator: Arc::new(Validator::accepting(
-            current,
-            staged,
-            &[(pcr::CONFIG, config_pcr)],
-            ek_trust,
-            Arc::default(),
-        )),
+        validator: Arc::new(
+            Validator::accepting(
+                current,
+                staged,
+                &[(pcr::CONFIG, config_pcr)],
+                ek_trust,
+                Arc::default(),
+            )
+            .with_cpu(cpu),
+        ),
         measurements: state.join_measurements.digest(),
         staged: state.staged_measurements.as_ref().map(Measurements::digest),
         cluster_id: state.cluster_id,
@@ -116,13 +125,20 @@ pub enum AdmissionError {
 }
 
 impl MemberPolicy {
-    /// A policy following `cluster`, trusting EKs of `ek_trust` and
-    /// requiring the config PCR `config_pcr` (the cluster config's).
-    pub fn new(cluster: &ClusterSlot, ek_trust: EkTrust, config_pcr: Digest32) -> Self {
+    /// A policy following `cluster`, trusting EKs of `ek_trust`, requiring
+    /// the config PCR `config_pcr` (the cluster config's) and CPU evidence
+    /// as `cpu` says (the join policy's, [`ReloadableValidator::cpu`]).
+    pub fn new(
+        cluster: &ClusterSlot,
+        ek_trust: EkTrust,
+        config_pcr: Digest32,
+        cpu: Arc<CpuTrust>,
+    ) -> Self {
         Self {
             cluster: cluster.subscribe(),
             ek_trust,
             config_pcr,
+            cpu,
             built: Mutex::new(None),
         }
     }
@@ -144,8 +160,13 @@ impl MemberPolicy {
                 return Ok(member.clone());
             }
         }
-        let member = member_validator(&state, self.ek_trust.clone(), self.config_pcr)
-            .map_err(AdmissionError::Measurements)?;
+        let member = member_validator(
+            &state,
+            self.ek_trust.clone(),
+            self.config_pcr,
+            self.cpu.clone(),
+        )
+        .map_err(AdmissionError::Measurements)?;
         *built = Some(member.clone());
         Ok(member)
     }
