@@ -13,7 +13,7 @@ mod join_common;
 use std::collections::HashSet;
 use std::time::Instant;
 
-use join_common::{member, start_service, uuid, Member, Service};
+use join_common::{member, start_service, start_service_slow_tokens, uuid, Member, Service};
 use keel_agent::join::{KubeletKey, TicketClient, TicketError};
 use keel_atls::ConnectError;
 use keel_proto::join::{IssueJoinTicketRequest, IssueJoinTicketResponse};
@@ -200,4 +200,72 @@ async fn refused_requests_get_nothing() {
         .await
         .is_ok());
     assert_eq!(service.registered_tokens().len(), 1);
+}
+
+/// Whether a stand-in kubeadm of `service` runs now (a child of this
+/// process whose `KEEL_STANDIN_ROOT` is the service's).
+fn kubeadm_runs(service: &Service) -> bool {
+    let root = format!("KEEL_STANDIN_ROOT={}", service.root.display());
+    let Ok(processes) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    processes.flatten().any(|p| {
+        let stat = std::fs::read_to_string(p.path().join("stat")).unwrap_or_default();
+        // pid (comm) state ppid ...
+        let ppid = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.split(' ').nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        ppid == Some(std::process::id())
+            && std::fs::read(p.path().join("environ"))
+                .unwrap_or_default()
+                .split(|b| *b == 0)
+                .any(|v| v == root.as_bytes())
+    })
+}
+
+/// Race: the operator revokes a known node while its join ticket waits
+/// for its bootstrap token (a kubeadm run, here slowed to 3 s): the ticket
+/// is refused as revoked, not sealed and sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_while_the_token_is_registered_refuses_the_ticket() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service_slow_tokens(&ca, port, 3).await;
+    let m = member(&ca, port, "w-1", "worker");
+    let ek = join_common::ek_digest(&m.tpm);
+    // The node is known: it joined before (and was reset since).
+    let registry = keel_agent::registry::RegistryStore::shared(&service.root).unwrap();
+    registry
+        .update(|r| r.register(&ek, "", "w-1", "worker"))
+        .unwrap();
+
+    let tickets = m.tickets(&ca);
+    let (req, _key) = request(&m);
+    let endpoint = service.endpoint.clone();
+    let pending = tokio::spawn(async move { tickets.request_join_ticket(&endpoint, req).await });
+    let waiting = Instant::now();
+    while !kubeadm_runs(&service) {
+        assert!(
+            waiting.elapsed() < std::time::Duration::from_secs(60),
+            "no kubeadm run"
+        );
+        assert!(!pending.is_finished(), "answered before its token");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    registry
+        .update(|r| {
+            let record = r.find(&ek.to_string())?.clone();
+            r.revoke(&record, None, "test: revoked by the operator")
+        })
+        .unwrap();
+
+    match pending.await.unwrap() {
+        Err(TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+            assert!(status.message().contains("revoked"), "{status:?}");
+        }
+        Ok(_) => panic!("a ticket was issued after the revocation"),
+        Err(e) => panic!("not refused as revoked: {e:?}"),
+    }
 }

@@ -328,14 +328,18 @@ impl JoinService {
                 }))
             }
         }
-        self.register(ek, request.disk_uuid.clone(), measured_identity(peer)?)
-            .await?;
         let token = BootstrapToken::generate();
         self.inner
             .tokens
             .register(&token, cluster.kubernetes_version)
             .await
             .map_err(JoinServiceError::Token)?;
+        // Last before sealing: a revocation that landed while the token was
+        // registered (a kubeadm run, maybe behind another) refuses the
+        // ticket here, under the registry's lock. A token registered for a
+        // refused ticket is never sent and expires.
+        self.register(ek, request.disk_uuid.clone(), measured_identity(peer)?)
+            .await?;
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),

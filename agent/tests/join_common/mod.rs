@@ -302,6 +302,15 @@ pub async fn start_service_hardware(ca: &EkCa, port: u16, hardware: &Hardware) -
     start_service_on(ca, &[port], None, false, Some(hardware)).await
 }
 
+/// [`start_service`] whose stand-in kubeadm takes `secs` seconds to
+/// register each batch of bootstrap tokens.
+pub async fn start_service_slow_tokens(ca: &EkCa, port: u16, secs: u64) -> Service {
+    let swtpm = Swtpm::start(ca).unwrap();
+    let config = config_for(ca, &[port], "cp-0", "control-plane");
+    let env = [("KEEL_STANDIN_SLEEP".to_owned(), secs.to_string())];
+    start_service_node(port, config, swtpm, None, false, None, &env).await
+}
+
 async fn start_service_on(
     ca: &EkCa,
     ports: &[u16],
@@ -312,7 +321,16 @@ async fn start_service_on(
     // The CA's certificates (in the config) exist once it made a TPM.
     let swtpm = Swtpm::start(ca).unwrap();
     let config = config_for(ca, ports, "cp-0", "control-plane");
-    start_service_node(ports[0], config, swtpm, components, foreign_lock, hardware).await
+    start_service_node(
+        ports[0],
+        config,
+        swtpm,
+        components,
+        foreign_lock,
+        hardware,
+        &[],
+    )
+    .await
 }
 
 /// [`start_service_for`] with the node config `config` (its cluster part
@@ -324,7 +342,7 @@ pub async fn start_service_config(
     components: Option<Vec<Component>>,
     foreign_lock: bool,
 ) -> Service {
-    start_service_node(port, config, swtpm, components, foreign_lock, None).await
+    start_service_node(port, config, swtpm, components, foreign_lock, None, &[]).await
 }
 
 async fn start_service_node(
@@ -334,6 +352,7 @@ async fn start_service_node(
     components: Option<Vec<Component>>,
     foreign_lock: bool,
     hardware: Option<&Hardware>,
+    kubeadm_env: &[(String, String)],
 ) -> Service {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
@@ -402,15 +421,13 @@ async fn start_service_node(
         policy = Arc::new(only.with_cpu(h.trust.clone()));
     }
     let slot = Arc::new(ClusterSlot::new(Some(state.clone())));
-    let service = JoinService::new(
-        state.clone(),
-        standin_kubeadm(&root),
-        dir.path().join("work"),
-    )
-    .unwrap()
-    .following(&slot)
-    // As on a control plane: each ticket is recorded in the node registry.
-    .with_registry(keel_agent::registry::RegistryStore::shared(&root).unwrap());
+    let mut kubeadm = standin_kubeadm(&root);
+    kubeadm.env.extend_from_slice(kubeadm_env);
+    let service = JoinService::new(state.clone(), kubeadm, dir.path().join("work"))
+        .unwrap()
+        .following(&slot)
+        // As on a control plane: each ticket is recorded in the node registry.
+        .with_registry(keel_agent::registry::RegistryStore::shared(&root).unwrap());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let task = tokio::spawn({
         let (tpm, policy) = (tpm.clone(), policy.clone());

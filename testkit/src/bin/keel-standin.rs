@@ -46,7 +46,7 @@
 //! Environment: `KEEL_STANDIN_ROOT` (default `/`) is where `etc/kubernetes`
 //! lives; `KEEL_STANDIN_FAIL` makes `init`/`join` fail: `always`, or a
 //! number N to fail the first N runs under the root; `KEEL_STANDIN_SLEEP`
-//! (seconds) delays `init`/`join`; `KEEL_STANDIN_VERSION` is the version it
+//! (seconds) delays `init`/`join` and `token create`; `KEEL_STANDIN_VERSION` is the version it
 //! claims to be (a config asking for another one is refused); without it,
 //! the version the component mirror appended to this copy.
 
@@ -247,11 +247,16 @@ fn kubeadm(args: &[String]) -> Result<()> {
     }
 }
 
-/// Applies `KEEL_STANDIN_SLEEP` and `KEEL_STANDIN_FAIL`.
-fn injected_faults(phase: &str) -> Result<()> {
+/// Applies `KEEL_STANDIN_SLEEP`.
+fn injected_delay() {
     if let Some(secs) = std::env::var(SLEEP_ENV).ok().and_then(|s| s.parse().ok()) {
         std::thread::sleep(Duration::from_secs(secs));
     }
+}
+
+/// Applies `KEEL_STANDIN_SLEEP` and `KEEL_STANDIN_FAIL`.
+fn injected_faults(phase: &str) -> Result<()> {
+    injected_delay();
     let Ok(spec) = std::env::var(FAIL_ENV) else {
         return Ok(());
     };
@@ -768,6 +773,7 @@ fn join(flags: &Flags) -> Result<()> {
 }
 
 fn token_create(flags: &Flags) -> Result<()> {
+    injected_delay();
     let docs = read_config(flags)?;
     known_kinds(&docs, &["InitConfiguration"])?;
     let init = document(&docs, "InitConfiguration")?;
