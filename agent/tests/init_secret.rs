@@ -112,5 +112,33 @@ async fn secrets_sealed_to_another_tpm_do_not_open() {
     let addr = serve(&node).await;
     let code = init(&ca, &node, addr, other.sealed(&secrets(SECRET)), "c").await;
     assert_eq!(code, tonic::Code::InvalidArgument);
+    // Flood: a request that does not open cost the TPM as much as a wrong
+    // secret, and slows its sender down the same way.
+    let code = init(&ca, &node, addr, node.sealed(&secrets(SECRET)), "c").await;
+    assert_eq!(
+        code,
+        tonic::Code::ResourceExhausted,
+        "a second try was not held back"
+    );
     node.assert_untouched();
+}
+
+/// Flood: every node measures the cluster's init secret hash, so every
+/// node serves the init API; a node already in a cluster refuses any init
+/// request before its TPM opens anything (here a sealed blob that would
+/// not open, which an unlocked node would try).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_node_refuses_init_before_opening_anything() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "w-1", "worker");
+    node.lock.try_lock([1; 32]).unwrap();
+    let addr = serve(&node).await;
+    let garbage = SealedSecret {
+        encrypted_seed: vec![0x5a; 256],
+        ..node.sealed(b"anything")
+    };
+    for _ in 0..3 {
+        let code = init(&ca, &node, addr, garbage.clone(), "c").await;
+        assert_eq!(code, tonic::Code::FailedPrecondition);
+    }
 }

@@ -156,28 +156,12 @@ impl InitServer {
         InitServiceServer::new(self)
     }
 
-    /// Checks `request` completely, without side effects.
-    async fn accept(
+    /// Opens the sealed secrets of a request with this node's TPM and
+    /// checks their init secret; also returns this node's EK digest.
+    async fn open(
         &self,
-        request: InitRequest,
-        peer: Option<IpAddr>,
-    ) -> Result<Accepted, InitError> {
-        let config = &self.inner.node.config;
-        if config.cluster.init_secret_hash.is_empty() {
-            return Err(InitError::NotInitNode);
-        }
-        // One request at a time is opened (each costs a TPM operation), and
-        // an address that sent wrong init secrets waits, doubling per failure.
-        let _one_at_a_time = self.inner.opening.lock().await;
-        if let Some(ip) = peer {
-            self.inner
-                .throttle
-                .check(ip)
-                .map_err(|wait| InitError::Throttled(wait.as_secs().max(1)))?;
-        }
-        let sealed = request
-            .secrets
-            .ok_or_else(|| InitError::InvalidRequest("sealed secrets missing".into()))?;
+        sealed: keel_proto::attestation::SealedSecret,
+    ) -> Result<(SecretsGuard, keel_verifier::ek::EkDigest), InitError> {
         let tpm = self.inner.node.tpm.clone();
         let (opened, own_ek) = tokio::task::spawn_blocking(move || {
             let mut guard = tpm.lock().map_err(|_| InitError::Tpm)?;
@@ -190,21 +174,73 @@ impl InitServer {
         let secrets = InitSecrets::decode(opened.as_slice())
             .map_err(|_| InitError::InvalidRequest("sealed secrets do not decode".into()))?;
         let secrets = SecretsGuard(secrets);
-        if !config.init_secret_matches(&secrets.0.init_secret) {
-            if let Some(ip) = peer {
-                let (failures, wait) = self.inner.throttle.failed(ip);
-                tracing::warn!(
-                    peer = %ip,
-                    failures,
-                    wait_s = wait.as_secs_f64(),
-                    "init refused: wrong init secret"
-                );
-            }
+        if !self
+            .inner
+            .node
+            .config
+            .init_secret_matches(&secrets.0.init_secret)
+        {
             return Err(InitError::WrongInitSecret);
         }
+        Ok((secrets, own_ek))
+    }
+
+    /// Checks `request` completely, without side effects.
+    async fn accept(
+        &self,
+        request: InitRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<Accepted, InitError> {
+        let config = &self.inner.node.config;
+        if config.cluster.init_secret_hash.is_empty() {
+            return Err(InitError::NotInitNode);
+        }
+        // A node in a cluster takes no init: refused before the request
+        // costs its TPM anything.
+        if self.inner.node.lock.is_locked() {
+            return Err(InitError::Locked);
+        }
+        // One request at a time is opened (each costs a TPM operation), and
+        // an address whose request did not open to the right init secret
+        // waits, doubling per failure.
+        let _one_at_a_time = self.inner.opening.lock().await;
+        if let Some(ip) = peer {
+            self.inner
+                .throttle
+                .check(ip)
+                .map_err(|wait| InitError::Throttled(wait.as_secs().max(1)))?;
+        }
+        let sealed = request
+            .secrets
+            .ok_or_else(|| InitError::InvalidRequest("sealed secrets missing".into()))?;
+        let (secrets, own_ek) = match self.open(sealed).await {
+            Ok(opened) => opened,
+            Err(e) => {
+                // Every request that reached the TPM and did not open to the
+                // right secret is throttled: one that does not open has cost
+                // the TPM as much as one with a wrong secret.
+                if let (
+                    Some(ip),
+                    InitError::Sealed(_)
+                    | InitError::InvalidRequest(_)
+                    | InitError::WrongInitSecret,
+                ) = (peer, &e)
+                {
+                    let (failures, wait) = self.inner.throttle.failed(ip);
+                    tracing::warn!(
+                        peer = %ip,
+                        failures,
+                        wait_s = wait.as_secs_f64(),
+                        "init refused: {e}"
+                    );
+                }
+                return Err(e);
+            }
+        };
         if let Some(ip) = peer {
             self.inner.throttle.succeeded(ip);
         }
+        // Locked (by a join) while this request was opened.
         if self.inner.node.lock.is_locked() {
             return Err(InitError::Locked);
         }
