@@ -262,12 +262,12 @@ struct StoreFile {
 }
 
 impl DiskBindings {
-    /// The store in `dir` ([`DISK_BINDINGS`](crate::paths::DISK_BINDINGS)); nothing is read yet.
-    /// The init path records the first node's own disk through the same
-    /// directory the join service uses.
-    pub fn new(dir: &Path) -> Self {
+    /// The store of the node root `root`
+    /// ([`DISK_BINDINGS`](crate::paths::DISK_BINDINGS) under it, on the
+    /// state disk); nothing is read yet.
+    pub fn new(root: &Path) -> Self {
         let file = StoreFile {
-            path: dir.join(DISK_BINDINGS),
+            path: root.join(DISK_BINDINGS),
         };
         let writer = file.clone();
         Self {
@@ -573,7 +573,7 @@ mod tests {
         let journal = journal::beside(store.path());
         let mode = std::fs::metadata(&journal).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
-        let names: Vec<_> = std::fs::read_dir(dir.path())
+        let names: Vec<_> = std::fs::read_dir(store.path().parent().unwrap())
             .unwrap()
             .map(|e| e.unwrap().path())
             .collect();
@@ -679,9 +679,10 @@ mod tests {
         // the others. Should the snapshot fail (the temp file's name is
         // taken), the binding is recorded all the same, in the journal,
         // and the next write folds it.
-        let temp = dir
+        let file_name = store.path().file_name().unwrap().to_string_lossy();
+        let temp = store
             .path()
-            .join(format!(".{DISK_BINDINGS}.tmp-{}", std::process::id()));
+            .with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
         std::fs::create_dir(&temp).unwrap();
         assert_eq!(store.bind(&uuid(i), &ek(200)).unwrap(), Bind::Recorded);
         assert_eq!(size(store.path()), 0);
@@ -715,7 +716,7 @@ mod tests {
         let store = DiskBindings::new(dir.path());
         // The journal's name is taken by a directory: the write fails.
         let journal = journal::beside(store.path());
-        std::fs::create_dir(&journal).unwrap();
+        std::fs::create_dir_all(&journal).unwrap();
         assert!(matches!(
             store.bind(DISK, &ek(1)),
             Err(DiskBindingsError::Journal(_))
@@ -769,6 +770,7 @@ mod tests {
         for text in cases {
             let dir = tempfile::tempdir().unwrap();
             let store = DiskBindings::new(dir.path());
+            std::fs::create_dir_all(store.path().parent().unwrap()).unwrap();
             std::fs::write(store.path(), &text).unwrap();
             let shown = text.get(..60).unwrap_or(&text).to_owned();
             assert!(
@@ -792,6 +794,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = DiskBindings::new(dir.path());
         let text = format!("{{\"version\":1,\"disks\":{{\"{DISK}\":\"{good_ek}\"}}}}");
+        std::fs::create_dir_all(store.path().parent().unwrap()).unwrap();
         std::fs::write(store.path(), text).unwrap();
         assert_eq!(
             store.lookup(DISK).unwrap(),

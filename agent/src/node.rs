@@ -142,7 +142,7 @@ pub async fn serve_operator_port(
         node.env.root().to_owned(),
         Some(upgrader),
     )
-    .with_disk_bindings(Arc::new(DiskBindings::new(&node.env.work_dir)));
+    .with_disk_bindings(Arc::new(DiskBindings::new(node.env.root())));
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
     let recovery = RecoveryServer::new(node.clone());
     let init = InitServer::new(node);
@@ -272,9 +272,15 @@ pub async fn serve_join_as_control_plane(
     let policy = join_service_policy(&config, &measurements)?;
     let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
     let registry = RegistryStore::shared(env.root())?;
-    let service = JoinService::new(state, env.kubeadm.clone(), env.work_dir.clone())?
-        .following(&cluster)
-        .with_registry(registry.clone());
+    let disks = Arc::new(DiskBindings::new(env.root()));
+    let service = JoinService::new(
+        state,
+        env.kubeadm.clone(),
+        env.work_dir.clone(),
+        disks.clone(),
+    )?
+    .following(&cluster)
+    .with_registry(registry.clone());
     let members = Arc::new(MemberPolicy::new(
         &cluster,
         EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,
@@ -285,7 +291,7 @@ pub async fn serve_join_as_control_plane(
         &cluster,
         members.clone(),
         registry,
-        Arc::new(DiskBindings::new(&env.work_dir)),
+        disks,
         config.cluster.evidence.clone(),
     );
     let _sweep = AbortOnDrop(tokio::spawn(evidence.clone().sweep_forever()));

@@ -37,6 +37,10 @@ pub const ADMIN_CONF: &str = "etc/kubernetes/admin.conf";
 /// the revocation list, on its state disk (see the registry module); its
 /// journal is beside it.
 pub const NODE_REGISTRY: &str = "etc/kubernetes/keel/registry.json";
+/// A control plane's disk bindings (the EK each disk joined with), on its
+/// state disk, so that they outlive a reboot (see the disk_bindings
+/// module); their journal is beside them.
+pub const DISK_BINDINGS: &str = "etc/kubernetes/keel/disk-bindings.json";
 /// A control plane's facts about its cluster, on its state disk (see
 /// `ControlPlaneFacts` in the cluster module).
 pub const CONTROL_PLANE_FACTS: &str = "etc/kubernetes/keel/control-plane.json";
@@ -62,6 +66,3 @@ pub const TOKEN_CONFIG_DIR: &str = "join-tokens";
 /// The measurements the join service checks joining nodes against (work
 /// directory, unless the agent is told otherwise).
 pub const JOIN_MEASUREMENTS: &str = "join-measurements.json";
-/// The join service's disk bindings (work directory); their journal is
-/// beside them.
-pub const DISK_BINDINGS: &str = "disk-bindings.json";

@@ -196,7 +196,7 @@ impl Cluster {
             self.cp1.root.clone(),
             None,
         )
-        .with_disk_bindings(Arc::new(DiskBindings::new(&self.cp1.work)));
+        .with_disk_bindings(Arc::new(DiskBindings::new(&self.cp1.root)));
         let challenge = server.challenge().to_vec();
         let key = self
             .cp1_slot
@@ -677,7 +677,7 @@ async fn a_member_of_the_staged_image_reports_during_an_image_rollout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn evidence_is_taken_when_the_disk_bindings_cannot_be_read() {
     let c = Cluster::start(EvidencePolicy::Revoke).await;
-    let bindings = DiskBindings::new(&c.cp1.work).path().to_owned();
+    let bindings = DiskBindings::new(&c.cp1.root).path().to_owned();
     std::fs::write(&bindings, b"not a disk binding store").unwrap();
     let mut session = c.session(&c.worker).await;
     assert_eq!(session.round().await.unwrap(), "trusted");

@@ -268,7 +268,7 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
         .await
         .unwrap();
     assert_eq!(key, expected.as_slice());
-    let bindings = keel_agent::disk_bindings::DiskBindings::new(&service.work_dir());
+    let bindings = keel_agent::disk_bindings::DiskBindings::new(&service.root);
     assert_eq!(bindings.len().unwrap(), 1);
     // Recorded in the store's journal, private to the service.
     let journal = keel_agent::journal::beside(bindings.path());
@@ -303,7 +303,15 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
         .unwrap();
     assert_eq!(again, expected.as_slice());
 
-    // The binding survives a restart of the join service.
+    // The binding survives a restart of the join service, and a reboot of
+    // its node: the work directory, a tmpfs there, is gone.
+    service.restart().await;
+    let ticket = owner_tickets
+        .rejoin_ticket(&service.endpoint, &disk)
+        .await
+        .unwrap();
+    assert_eq!(ticket.disk_key.as_slice(), expected.as_slice());
+    std::fs::remove_dir_all(service.work_dir()).unwrap();
     service.restart().await;
     let ticket = owner_tickets
         .rejoin_ticket(&service.endpoint, &disk)
@@ -343,6 +351,7 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
         service.state.clone(),
         join_common::standin_kubeadm(&service.root),
         service.work_dir(),
+        std::sync::Arc::new(keel_agent::disk_bindings::DiskBindings::new(&service.root)),
     )
     .is_err());
 }

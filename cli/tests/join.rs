@@ -157,7 +157,13 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let measurements = d.join("measurements.json");
     std::fs::write(&measurements, boot_measurements(&config1).to_json()).unwrap();
     let policy = keel_agent::node::join_service_policy(&config1, &measurements).unwrap();
-    let service = JoinService::new(state.clone(), env1.kubeadm.clone(), d.join("work")).unwrap();
+    let service = JoinService::new(
+        state.clone(),
+        env1.kubeadm.clone(),
+        d.join("work"),
+        Arc::new(keel_agent::disk_bindings::DiskBindings::new(env1.root())),
+    )
+    .unwrap();
     let join_addr: SocketAddr = format!("127.0.0.1:{join_port}").parse().unwrap();
     let join_task = tokio::spawn({
         let tpm = tpm1.clone();

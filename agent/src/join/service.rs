@@ -156,16 +156,16 @@ struct Inner {
 impl JoinService {
     /// A join service for `cluster`; reads the cluster CA from its PKI
     /// directory. Bootstrap tokens are registered with `kubeadm`, whose
-    /// token files go to `work_dir`; the disk bindings are kept there too
-    /// ([`paths::DISK_BINDINGS`]), and a store that exists but does not
-    /// load stops the service here.
+    /// token files go to `work_dir`; `disks` are the node's disk bindings
+    /// ([`DiskBindings::new`] of its root), and a store that exists but
+    /// does not load stops the service here.
     pub fn new(
         cluster: Arc<ClusterState>,
         kubeadm: Kubeadm,
         work_dir: PathBuf,
+        disks: Arc<DiskBindings>,
     ) -> Result<Self, NewJoinServiceError> {
         let ca = ClusterCa::load(&cluster.pki_dir)?;
-        let disks = DiskBindings::new(&work_dir);
         let bound = disks.len().map_err(NewJoinServiceError::DiskBindings)?;
         tracing::info!(path = %disks.path().display(), disks = bound, "disk bindings loaded");
         Ok(Self {
@@ -174,7 +174,7 @@ impl JoinService {
                 ca,
                 tokens: TokenRegistrar::new(kubeadm, work_dir.join(paths::TOKEN_CONFIG_DIR)),
                 slots: Semaphore::new(MAX_CONCURRENT_TICKETS),
-                disks: Arc::new(disks),
+                disks,
             }),
             updates: None,
             registry: None,

@@ -22,6 +22,7 @@ use keel_agent::attestation::policy::ReloadableValidator;
 use keel_agent::cluster::{ClusterSlot, ClusterState};
 use keel_agent::disk::Cryptsetup;
 use keel_agent::disk::StateDisk;
+use keel_agent::disk_bindings::DiskBindings;
 use keel_agent::init::InitServer;
 use keel_agent::join::JoinService;
 use keel_agent::join::{service_validator, TicketClient};
@@ -175,7 +176,8 @@ impl Drop for Service {
 }
 
 impl Service {
-    /// The join service's work directory (token files, disk bindings).
+    /// The join service's work directory (token files; the tmpfs
+    /// `/run/keel` on a node).
     pub fn work_dir(&self) -> PathBuf {
         self._dir.path().join("work")
     }
@@ -203,6 +205,7 @@ impl Service {
             self.state.clone(),
             standin_kubeadm(&self.root),
             self.work_dir(),
+            Arc::new(DiskBindings::new(&self.root)),
         )
         .unwrap()
         .following(&self.slot)
@@ -423,11 +426,16 @@ async fn start_service_node(
     let slot = Arc::new(ClusterSlot::new(Some(state.clone())));
     let mut kubeadm = standin_kubeadm(&root);
     kubeadm.env.extend_from_slice(kubeadm_env);
-    let service = JoinService::new(state.clone(), kubeadm, dir.path().join("work"))
-        .unwrap()
-        .following(&slot)
-        // As on a control plane: each ticket is recorded in the node registry.
-        .with_registry(keel_agent::registry::RegistryStore::shared(&root).unwrap());
+    let service = JoinService::new(
+        state.clone(),
+        kubeadm,
+        dir.path().join("work"),
+        Arc::new(DiskBindings::new(&root)),
+    )
+    .unwrap()
+    .following(&slot)
+    // As on a control plane: each ticket is recorded in the node registry.
+    .with_registry(keel_agent::registry::RegistryStore::shared(&root).unwrap());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let task = tokio::spawn({
         let (tpm, policy) = (tpm.clone(), policy.clone());
