@@ -137,6 +137,7 @@ async fn main() {
         registry.clone(),
         Arc::new(DiskBindings::new(dir.path())),
         config.cluster.evidence,
+        keel_agent::disk_bindings::EkDigest::from_hex(&"00".repeat(32)).unwrap(),
     );
     let issuer = TpmIssuer::new(tpm);
 

@@ -477,6 +477,39 @@ async fn the_revoke_policy_refuses_a_drifted_node_after_a_tpm_reset() {
     assert_rejoin_revoked(&c.ca, &endpoint, &worker, &disk).await;
 }
 
+/// A cut-off control plane under the `revoke` policy: from where it stands
+/// every other node falls silent at once, and its revocations would reach
+/// every control plane. One that hears no member other than itself (here
+/// cp-1, whose own evidence loop keeps reporting to it, while the worker
+/// stops) marks the worker silent but revokes nobody for silence
+/// (`evidence::hearing`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_control_plane_hearing_no_other_member_revokes_nobody_for_silence() {
+    let c = Cluster::start(EvidencePolicy::Revoke).await;
+    let own = tokio::spawn(c.evidence_client(&c.cp1).run(c.endpoint(), c.cluster_id()));
+    let worker = c.worker_trusted().await;
+    worker.abort();
+    let _ = worker.await;
+    c.wait_for("silent", INTERVAL * 6, |r| {
+        Cluster::worker_record(r).is_some_and(|w| w.verdict == Verdict::Silent)
+    })
+    .await;
+    // Past the interval after which a silent node heard by a connected
+    // control plane would be revoked.
+    tokio::time::sleep(INTERVAL * 3).await;
+    let registry = c.registry().snapshot();
+    assert!(
+        registry.revoked().is_empty(),
+        "revoked while hearing no other member: {:?}",
+        registry.revoked()
+    );
+    assert_eq!(
+        Cluster::worker_record(&registry).map(|w| w.verdict),
+        Some(Verdict::Silent)
+    );
+    own.abort();
+}
+
 /// A node another control plane found drifted, whose revocation there
 /// never reached the disk (its write failed, or that control plane
 /// restarted in between): the merged verdict is newer than this control

@@ -11,9 +11,12 @@
 //!   [registry](crate::registry), and marks nodes silent.
 //! * [`admission`]: which peers the join port admits (joining nodes, and
 //!   members of this cluster).
+//! * [`hearing`]: when a control plane's silence verdicts may be acted on
+//!   (not while it is cut off, or just back from an absence).
 
 pub mod admission;
 pub mod client;
+pub mod hearing;
 pub mod service;
 
 use sha2::{Digest as _, Sha256};

@@ -33,6 +33,7 @@ use rand::RngCore as _;
 use subtle::ConstantTimeEq as _;
 
 use super::admission::{check_member, MemberPolicy};
+use super::hearing::Hearing;
 use super::{user_data, MAX_FIELD_BYTES, SILENT_AFTER};
 use crate::cluster::{ClusterSlot, ClusterState};
 use crate::disk_bindings::{DiskBindings, DiskBindingsError, EkDigest};
@@ -156,7 +157,10 @@ struct Inner {
     registry: Arc<RegistryStore>,
     disks: Arc<DiskBindings>,
     config: EvidenceConfig,
-    started: u64,
+    /// This control plane's own EK: its evidence to itself is not hearing
+    /// the cluster.
+    own_ek: EkDigest,
+    hearing: Mutex<Hearing>,
     paces: Mutex<HashMap<[u8; 32], Pace>>,
 }
 
@@ -185,7 +189,9 @@ impl EvidenceService {
         registry: Arc<RegistryStore>,
         disks: Arc<DiskBindings>,
         config: EvidenceConfig,
+        own_ek: EkDigest,
     ) -> Self {
+        let hearing = Hearing::new(registry::now(), config.interval());
         Self {
             inner: Arc::new(Inner {
                 members,
@@ -193,7 +199,8 @@ impl EvidenceService {
                 registry,
                 disks,
                 config,
-                started: registry::now(),
+                own_ek,
+                hearing: Mutex::new(hearing),
                 paces: Mutex::new(HashMap::new()),
             }),
         }
@@ -360,6 +367,9 @@ impl EvidenceService {
         let Some(record) = record else {
             return Err(EvidenceError::Registry(RegistryError::Full));
         };
+        if !ek.ct_eq(&self.inner.own_ek) {
+            self.hearing().heard(registry::now());
+        }
         tracing::debug!(node = %record.name.escape_debug(), ek = %ek, ms = started.elapsed().as_secs_f64() * 1e3, "evidence checked");
         if record.verdict == Verdict::Drifted {
             tracing::warn!(
@@ -441,17 +451,25 @@ impl EvidenceService {
     }
 
     /// Marks silent the nodes that sent nothing for three intervals (counted
-    /// from this service's start at the earliest); returns how many. Under
-    /// the `revoke` policy, then revokes every drifted or silent node not
-    /// yet revoked: not only those just marked, but also those whose
-    /// revocation failed to be written before (a full disk, a restart in
-    /// between) and those another control plane's registry reported.
+    /// from this service's start, or its return from an absence, at the
+    /// earliest; [`Hearing`]); returns how many. Under the `revoke` policy,
+    /// then revokes every drifted node not yet revoked, and every silent
+    /// one while this control plane hears the cluster: not only those just
+    /// marked, but also those whose revocation failed to be written before
+    /// (a full disk, a restart in between) and those another control
+    /// plane's registry reported.
     pub async fn sweep(&self) -> Result<usize, EvidenceError> {
         let grace = self.inner.config.interval() * SILENT_AFTER;
-        let since = self.inner.started;
-        let marked = self
-            .store(move |s| s.mark_silent(registry::now(), grace, since))
-            .await;
+        let now = registry::now();
+        let sweep = self.hearing().sweep(now, grace);
+        if let Some(away) = sweep.away {
+            tracing::warn!(
+                away_s = away,
+                "this control plane did not sweep for a while (paused, stopped, or its clock jumped): silence is counted from now"
+            );
+        }
+        let since = sweep.counting_from;
+        let marked = self.store(move |s| s.mark_silent(now, grace, since)).await;
         for record in marked.iter().flatten() {
             tracing::warn!(
                 node = %record.name.escape_debug(),
@@ -463,7 +481,19 @@ impl EvidenceService {
         }
         if self.inner.config.policy == EvidencePolicy::Revoke {
             let pending = self.store(|s| Ok(s.failing_unrevoked())).await?;
-            for record in &pending {
+            let (revocable, held): (Vec<_>, Vec<_>) = pending.into_iter().partition(|r| {
+                r.verdict != Verdict::Silent
+                    || (sweep.may_revoke_silent
+                        && self.hearing().marked_long_enough(r.verdict_at, now))
+            });
+            if !held.is_empty() && !sweep.may_revoke_silent {
+                tracing::warn!(
+                    silent = held.len(),
+                    grace_s = grace.as_secs(),
+                    "silent nodes not revoked: this control plane has not heard other members throughout the grace period (cut off, or back from an absence)"
+                );
+            }
+            for record in &revocable {
                 // One failure does not keep the others unrevoked.
                 if let Err(e) = self.apply_policy(record).await {
                     tracing::error!(
@@ -476,6 +506,13 @@ impl EvidenceService {
             }
         }
         marked.map(|m| m.len())
+    }
+
+    fn hearing(&self) -> MutexGuard<'_, Hearing> {
+        self.inner
+            .hearing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Sweeps every interval until the task is dropped.
