@@ -116,7 +116,6 @@ struct Accepted {
     cluster_id: ClusterId,
     disk_key: Zeroizing<Vec<u8>>,
     own_ek: EkDigest,
-    disk_uuid: String,
 }
 
 impl RecoveryServer {
@@ -209,7 +208,7 @@ impl RecoveryServer {
                 .await
                 .map_err(ProvisionError::Blocking)?
                 .map_err(ProvisionError::Registry)?;
-            if let Some(revocation) = registry.revocation(&accepted.own_ek, &accepted.disk_uuid) {
+            if let Some(revocation) = registry.revocation(&accepted.own_ek) {
                 return Err(ProvisionError::Revoked(revocation.to_string()));
             }
             let key = inner
@@ -297,7 +296,6 @@ impl RecoveryServer {
             cluster_id,
             disk_key,
             own_ek,
-            disk_uuid: uuid,
         })
     }
 }

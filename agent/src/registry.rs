@@ -520,12 +520,14 @@ impl Registry {
         &self.revoked
     }
 
-    /// The revocation that covers `ek` or `disk_uuid`, if any.
-    pub fn revocation(&self, ek: &EkDigest, disk_uuid: &str) -> Option<&Revocation> {
+    /// The revocation of `ek`, if any. A revocation's disk is not matched
+    /// on its own: the disk key is bound to the EK, so another EK naming
+    /// that disk gets a key that does not open it; and a revocation a peer
+    /// made of a disk it bound on a node's claim must not lock the disk's
+    /// owner out.
+    pub fn revocation(&self, ek: &EkDigest) -> Option<&Revocation> {
         let ek = ek.to_string();
-        self.revoked.iter().find(|r| {
-            r.ek == ek || (!disk_uuid.is_empty() && r.disk_uuid.eq_ignore_ascii_case(disk_uuid))
-        })
+        self.revoked.iter().find(|r| r.ek == ek)
     }
 
     /// Records that a ticket is issued to a node; keeps its verdict if it
@@ -543,7 +545,7 @@ impl Registry {
         name: &str,
         role: &str,
     ) -> Result<(), RegistryError> {
-        if let Some(revocation) = self.revocation(ek, disk_uuid) {
+        if let Some(revocation) = self.revocation(ek) {
             return Err(RegistryError::Revoked(Box::new(revocation.clone())));
         }
         if self.revoked.len() >= MAX_REVOCATIONS {
@@ -1057,9 +1059,9 @@ impl RegistryStore {
         self.lock().revocations_only()
     }
 
-    /// The revocation covering `ek` or `disk_uuid`, if any.
-    pub fn revocation(&self, ek: &EkDigest, disk_uuid: &str) -> Option<Revocation> {
-        self.lock().revocation(ek, disk_uuid).cloned()
+    /// The revocation of `ek`, if any ([`Registry::revocation`]).
+    pub fn revocation(&self, ek: &EkDigest) -> Option<Revocation> {
+        self.lock().revocation(ek).cloned()
     }
 
     /// [`Registry::failing_unrevoked`].
@@ -1321,9 +1323,8 @@ mod tests {
         assert_eq!(r.find("w-1").unwrap().verdict, Verdict::Silent);
 
         let revocation = r.revoke(&node, Some(&bound(1)), "operator").unwrap();
-        assert!(r.revocation(&ek(1), "").is_some());
-        assert!(r.revocation(&ek(2), &node.disk_uuid).is_some());
-        assert!(r.revocation(&ek(2), "").is_none());
+        assert!(r.revocation(&ek(1)).is_some());
+        assert!(r.revocation(&ek(2)).is_none());
         assert_eq!(r.revoke(&node, None, "again").unwrap(), revocation);
 
         // Another control plane's list: revocations join, newer evidence wins.
@@ -1331,7 +1332,7 @@ mod tests {
         other.record(&evidence(2, None)).unwrap();
         let merged = other.merge(r.clone());
         assert_eq!((merged.added, merged.taken), (1, 1));
-        assert!(other.revocation(&ek(1), "").is_some());
+        assert!(other.revocation(&ek(1)).is_some());
         assert_eq!(other.nodes.len(), 2);
         assert_eq!(other.merge(r.clone()), Merged::default());
         let bytes = other.to_json();
@@ -1384,17 +1385,57 @@ mod tests {
         assert_eq!(BoundDisk::of_record(None, &attacker), None);
         let revocation = r.revoke(&attacker, Some(&bound(2)), "policy").unwrap();
         assert_eq!(revocation.disk_uuid, "");
-        assert!(r.revocation(&ek(1), "").is_some());
-        assert!(r.revocation(&ek(2), &victim).is_none());
-
-        // The victim's own record: its bound disk goes on the list with it.
+        assert!(r.revocation(&ek(1)).is_some());
+        assert!(r.revocation(&ek(2)).is_none());
         r.register(&ek(2), &victim, "w-2", "worker").unwrap();
+
+        // The victim's own record: its bound disk goes on the list with it
+        // (for the record: another EK naming that disk is not refused for
+        // it, its key would not open the disk).
         let victim_record = r.find("w-2").unwrap().clone();
         let disk = BoundDisk::of_record(Some(&disks), &victim_record);
         assert_eq!(disk, Some(bound(2)));
         let revocation = r.revoke(&victim_record, disk.as_ref(), "operator").unwrap();
         assert_eq!(revocation.disk_uuid, victim);
-        assert!(r.revocation(&ek(9), &victim).is_some());
+        assert!(r.revocation(&ek(2)).is_some());
+        assert!(r.revocation(&ek(9)).is_none());
+        r.register(&ek(9), &victim, "w-9", "worker").unwrap();
+    }
+
+    /// Lock a disk's owner out by proxy: a node claims the victim's disk
+    /// UUID at a control plane that never saw that disk (which binds it
+    /// there to the claimant's EK), then gets itself revoked; that
+    /// revocation names the disk and reaches every control plane. The
+    /// victim, whose EK is not revoked, still gets its tickets.
+    #[test]
+    fn a_revocation_naming_a_disk_refuses_only_its_own_ek() {
+        let victim_disk = bound(2).uuid;
+        let mut elsewhere = Registry::default();
+        elsewhere
+            .register(&ek(1), &victim_disk, "w-x", "worker")
+            .unwrap();
+        let claimant = elsewhere.find("w-x").unwrap().clone();
+        let claimed = BoundDisk {
+            ek: ek(1),
+            uuid: victim_disk.clone(),
+        };
+        let revocation = elsewhere
+            .revoke(&claimant, Some(&claimed), "policy")
+            .unwrap();
+        assert_eq!(revocation.disk_uuid, victim_disk);
+
+        let mut here = Registry::default();
+        here.register(&ek(2), &victim_disk, "w-2", "worker")
+            .unwrap();
+        assert_eq!(here.merge(elsewhere).added, 1);
+        assert!(here.revocation(&ek(1)).is_some());
+        assert!(here.revocation(&ek(2)).is_none());
+        here.register(&ek(2), &victim_disk, "w-2", "worker")
+            .unwrap();
+        assert!(matches!(
+            here.register(&ek(1), "", "w-x", "worker"),
+            Err(RegistryError::Revoked(_))
+        ));
     }
 
     #[test]
@@ -1404,13 +1445,13 @@ mod tests {
         // A ticket without a bound disk keeps the recorded one.
         r.register(&ek(1), "", "w-1", "worker").unwrap();
         assert_eq!(r.find("w-1").unwrap().disk_uuid, bound(1).uuid);
-        // Revoked while a ticket was being made: it is not recorded, by
-        // its EK or by its disk under another EK.
+        // Revoked while a ticket was being made: it is not recorded, with
+        // its disk or without.
         let record = r.find("w-1").unwrap().clone();
         r.revoke(&record, Some(&bound(1)), "operator").unwrap();
         let before = r.nodes().clone();
-        for (who, disk) in [(ek(1), ""), (ek(3), bound(1).uuid.as_str())] {
-            match r.register(&who, disk, "w-1", "worker") {
+        for disk in ["", bound(1).uuid.as_str()] {
+            match r.register(&ek(1), disk, "w-1", "worker") {
                 Err(RegistryError::Revoked(revocation)) => {
                     assert_eq!(revocation.ek, ek(1).to_string())
                 }
@@ -1451,7 +1492,7 @@ mod tests {
         let mut ours = r.clone();
         assert_eq!(ours.merge(peer).added, 1);
         assert_eq!(ours.revoked().len(), 2);
-        assert!(ours.revocation(&ek(1), "").is_some());
+        assert!(ours.revocation(&ek(1)).is_some());
     }
 
     /// A revocation of the `i`th EK of a full list.
@@ -1541,13 +1582,16 @@ mod tests {
         peer.revoke(&record, Some(&bound(1)), "operator").unwrap();
 
         assert_eq!(store.merge(peer.clone()).unwrap(), 1);
-        // The disk is revoked for any EK that brings it, after a restart too.
+        // The list names the disk too, after a restart as well (it is
+        // matched with its EK only, see `Registry::revocation`).
         let disk = bound(1).uuid;
-        assert!(store.snapshot().revocation(&ek(5), &disk).is_some());
+        let names_disk = |r: &Registry| r.revoked().iter().any(|v| v.disk_uuid == disk);
+        assert!(names_disk(&store.snapshot()));
+        assert!(store.snapshot().revocation(&ek(5)).is_none());
         let path = store.path().to_owned();
         drop(store);
         let again = Registry::on_disk(&path).unwrap();
-        assert!(again.revocation(&ek(5), &disk.to_uppercase()).is_some());
+        assert!(names_disk(&again));
         assert_eq!(again.revoked().len(), 2);
         // Merged again, nothing is new.
         let mut twice = again.clone();
@@ -1765,11 +1809,11 @@ mod tests {
         journal::append_cut_short(&journal, b"{\"node\":{\"name\":\"w-");
         let store = RegistryStore::shared(dir.path()).unwrap();
         assert_eq!(store.snapshot(), expected);
-        assert_eq!(store.revocation(&ek(0), &node.disk_uuid), None);
+        assert_eq!(store.revocation(&ek(0)), None);
         assert_eq!(
             store
                 .snapshot()
-                .revocation(&EkDigest::of_marshalled(&1u32.to_le_bytes()), ""),
+                .revocation(&EkDigest::of_marshalled(&1u32.to_le_bytes())),
             Some(&revocation)
         );
         assert_eq!(

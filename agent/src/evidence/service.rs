@@ -232,7 +232,7 @@ impl EvidenceService {
             .map_err(EvidenceError::NotReady)?;
         check_member(peer, &member.cluster_id).map_err(EvidenceError::NotMember)?;
         let ek = EkDigest::of_public(&peer.ek);
-        match self.inner.registry.revocation(&ek, "") {
+        match self.inner.registry.revocation(&ek) {
             Some(revocation) => Err(EvidenceError::Revoked(revocation)),
             None => Ok(ek),
         }
@@ -300,7 +300,7 @@ impl EvidenceService {
         if request.document.len() > MAX_DOCUMENT_BYTES {
             return Err(EvidenceError::InvalidRequest("evidence too large"));
         }
-        if let Some(revocation) = self.inner.registry.revocation(&ek, &request.disk_uuid) {
+        if let Some(revocation) = self.inner.registry.revocation(&ek) {
             return Err(EvidenceError::Revoked(revocation));
         }
         if !self.take_nonce(ek.as_bytes(), &request.nonce) {

@@ -198,13 +198,9 @@ impl JoinService {
         }
     }
 
-    /// Refuses a revoked peer: its EK or its disk is on the list.
-    fn check_revocation(&self, ek: &EkDigest, disk_uuid: &str) -> Result<(), JoinServiceError> {
-        match self
-            .registry
-            .as_ref()
-            .and_then(|r| r.revocation(ek, disk_uuid))
-        {
+    /// Refuses a revoked peer: its EK is on the list.
+    fn check_revocation(&self, ek: &EkDigest) -> Result<(), JoinServiceError> {
+        match self.registry.as_ref().and_then(|r| r.revocation(ek)) {
             Some(revocation) => Err(JoinServiceError::Revoked(revocation)),
             None => Ok(()),
         }
@@ -291,7 +287,7 @@ impl JoinService {
         require_outside_cluster(peer)?;
         check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_revocation(&ek, &request.disk_uuid)?;
+        self.check_revocation(&ek)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
@@ -418,7 +414,7 @@ impl JoinService {
         let identity = measured_identity(peer)?;
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_revocation(&ek, &request.disk_uuid)?;
+        self.check_revocation(&ek)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
