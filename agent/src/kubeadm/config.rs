@@ -81,21 +81,24 @@ pub enum ParseSecretError {
 }
 
 /// A kubeadm bootstrap token `abcdef.0123456789abcdef`: a public ID and a
-/// secret. `Debug` shows the ID only.
+/// secret. `Debug` shows the ID only; zeroized when dropped.
 #[derive(Clone, PartialEq, Eq)]
-pub struct BootstrapToken(String);
+pub struct BootstrapToken(zeroize::Zeroizing<String>);
 
 impl BootstrapToken {
     /// A fresh random token.
     pub fn generate() -> Self {
         const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
         let mut rng = rand::rngs::OsRng;
-        let mut pick = |n: usize| -> String {
-            (0..n)
-                .map(|_| char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())]))
-                .collect()
-        };
-        Self(format!("{}.{}", pick(6), pick(16)))
+        // ID (6), dot, secret (16), written in place: no copy to zeroize.
+        let mut token = zeroize::Zeroizing::new(String::with_capacity(23));
+        for i in 0..23 {
+            token.push(match i {
+                6 => '.',
+                _ => char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())]),
+            });
+        }
+        Self(token)
     }
 
     /// The whole token (secret).
@@ -120,7 +123,7 @@ impl FromStr for BootstrapToken {
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
         };
         match s.split_once('.') {
-            Some((id, secret)) if ok(id, 6) && ok(secret, 16) => Ok(Self(s.to_owned())),
+            Some((id, secret)) if ok(id, 6) && ok(secret, 16) => Ok(Self(s.to_owned().into())),
             _ => Err(ParseSecretError::BootstrapToken),
         }
     }
