@@ -5,7 +5,7 @@
 //! to, and a join ticket for a disk bound to another TPM is refused, so an
 //! attested node cannot obtain another node's disk key by naming its UUID.
 //!
-//! The store is a JSON snapshot in the join service's work directory and a
+//! The store is a JSON snapshot on the control plane's state disk and a
 //! journal beside it ([`crate::journal`]), both 0600, bounded in size,
 //! entries and disks per EK; a corrupt store is refused loudly and left
 //! alone for an operator. A new binding is appended to the journal and

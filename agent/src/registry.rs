@@ -4,8 +4,9 @@
 //! A node is identified by the SHA-256 of its EK public area and its state
 //! disk's UUID. It enters the registry when this control plane issues it a
 //! ticket or first validates its evidence; each evidence updates its
-//! verdict, time and reason. The revocation list names EKs and disk UUIDs
-//! that get no join ticket, no rejoin ticket and no disk key here.
+//! verdict, time and reason. The revocation list names EKs that get no join
+//! ticket, no rejoin ticket and no disk key here (and, for the record, the
+//! disk bound to each).
 //!
 //! The registry lives on the control plane's state disk, so a reboot keeps
 //! it: a snapshot ([`paths::NODE_REGISTRY`] under the node root) and a
@@ -648,6 +649,25 @@ impl Registry {
         marked
     }
 
+    /// How the unrevoked nodes stand: how many there are, how many of them
+    /// are drifted or silent, and how many are control planes other than
+    /// `own_ek`.
+    pub fn standing(&self, own_ek: &EkDigest) -> Standing {
+        let revoked = self.revoked_eks();
+        let own = own_ek.to_string();
+        let mut standing = Standing::default();
+        for r in self.nodes.values().filter(|r| !revoked.contains(&r.ek)) {
+            standing.unrevoked += 1;
+            if matches!(r.verdict, Verdict::Drifted | Verdict::Silent) {
+                standing.failing += 1;
+            }
+            if r.role == "control-plane" && r.ek != own {
+                standing.peers += 1;
+            }
+        }
+        standing
+    }
+
     /// The nodes whose verdict is drifted or silent and whose EK no
     /// revocation covers: what the `revoke` policy has yet to revoke.
     pub fn failing_unrevoked(&self) -> Vec<NodeRecord> {
@@ -846,6 +866,28 @@ pub struct Merged {
     pub dropped: usize,
 }
 
+/// How a registry's unrevoked nodes stand ([`Registry::standing`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Standing {
+    /// Nodes no revocation covers.
+    pub unrevoked: usize,
+    /// Of those, the drifted or silent ones.
+    pub failing: usize,
+    /// Of those, the control planes other than this one.
+    pub peers: usize,
+}
+
+impl Standing {
+    /// Whether more nodes fail at once than the `revoke` policy acts on
+    /// alone: two or more, and more than half of the unrevoked ones. That
+    /// many is likelier a fault of this control plane's view or inputs (a
+    /// partition, stale CPU collateral, wrong measurements) than that many
+    /// nodes compromised together.
+    pub fn too_many_failing(&self) -> bool {
+        self.failing >= 2 && self.failing * 2 > self.unrevoked
+    }
+}
+
 /// What a revocation list covers, to add to it without a scan per
 /// revocation (quadratic in a list that may hold MAX_REVOCATIONS: 0.8 s
 /// under the registry's lock to merge a full list).
@@ -970,6 +1012,8 @@ pub struct RegistryStore {
     registry: Arc<Mutex<Registry>>,
     /// Writes of the registry as it is when each write starts.
     writes: Batcher<(), (), RegistryError>,
+    /// When another control plane's registry was last merged (Unix s).
+    merged_at: Mutex<Option<u64>>,
 }
 
 impl std::fmt::Debug for RegistryStore {
@@ -1041,6 +1085,7 @@ impl RegistryStore {
             path,
             registry,
             writes,
+            merged_at: Mutex::new(None),
         })
     }
 
@@ -1089,6 +1134,10 @@ impl RegistryStore {
     /// if some did not fit.
     pub fn merge(&self, theirs: Registry) -> Result<usize, RegistryError> {
         let merged = self.lock().merge(theirs);
+        *self
+            .merged_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(now());
         if merged.dropped > 0 {
             tracing::error!(
                 added = merged.added,
@@ -1106,6 +1155,15 @@ impl RegistryStore {
             });
         }
         Ok(merged.added)
+    }
+
+    /// When another control plane's registry was last merged here (Unix
+    /// seconds), if ever since this process started.
+    pub fn merged_at(&self) -> Option<u64> {
+        *self
+            .merged_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Marks silent the nodes [`Registry::mark_silent`] finds; writes only
@@ -1436,6 +1494,46 @@ mod tests {
             here.register(&ek(1), "", "w-x", "worker"),
             Err(RegistryError::Revoked(_))
         ));
+    }
+
+    #[test]
+    fn standing_counts_the_unrevoked_failing_nodes_and_peer_control_planes() {
+        let mut r = Registry::default();
+        for n in 1..=4 {
+            r.record(&evidence(n, (n > 2).then_some("PCR 4"))).unwrap();
+        }
+        r.register(&ek(5), "", "cp-1", "control-plane").unwrap();
+        r.register(&ek(6), "", "cp-0", "control-plane").unwrap();
+        let standing = r.standing(&ek(6));
+        assert_eq!(
+            standing,
+            Standing {
+                unrevoked: 6,
+                failing: 2,
+                peers: 1
+            }
+        );
+        assert!(!standing.too_many_failing());
+        // A revoked node counts no more; two of four failing is half.
+        let node = r.find(&ek(1).to_string()).unwrap().clone();
+        r.revoke(&node, None, "operator").unwrap();
+        let node = r.find(&ek(5).to_string()).unwrap().clone();
+        r.revoke(&node, None, "operator").unwrap();
+        let standing = r.standing(&ek(6));
+        assert_eq!(
+            (standing.unrevoked, standing.failing, standing.peers),
+            (4, 2, 0)
+        );
+        assert!(!standing.too_many_failing());
+        // Three of four: too many at once. One alone never is.
+        r.record(&evidence(2, Some("PCR 4"))).unwrap();
+        assert!(r.standing(&ek(6)).too_many_failing());
+        let one = Standing {
+            unrevoked: 1,
+            failing: 1,
+            peers: 0,
+        };
+        assert!(!one.too_many_failing());
     }
 
     #[test]

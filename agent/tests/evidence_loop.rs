@@ -20,7 +20,7 @@ use join_common::{
 };
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::disk::Cryptsetup;
-use keel_agent::disk_bindings::DiskBindings;
+use keel_agent::disk_bindings::{DiskBindings, EkDigest};
 use keel_agent::evidence::client::EvidenceClientError;
 use keel_agent::evidence::client::Session;
 use keel_agent::evidence::{user_data, EvidenceClient};
@@ -408,12 +408,20 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     let endpoint = c.endpoint();
     let worker = c.worker.reboot(&c.ca);
     assert_rejoin_revoked(&c.ca, &endpoint, &worker, &disk).await;
-    // Another TPM asking for the revoked disk gets no key either.
+    // Another TPM asking for the revoked disk gets no key either: the disk
+    // is bound to the worker's EK (and a key for another EK would not open
+    // it).
     let other = joiner_with(
         config(&c.ca, &c.ports, "w-2", "worker", c.policy),
         Swtpm::start(&c.ca).unwrap(),
     );
-    assert_rejoin_revoked(&c.ca, &endpoint, &other, &disk).await;
+    match other.tickets(&c.ca).rejoin_ticket(&endpoint, &disk).await {
+        Err(TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+            assert!(status.message().contains("not bound"), "{status:?}");
+        }
+        other => panic!("not refused as not bound: {:?}", other.map(|_| ())),
+    }
     // A control plane that joins after the revocation enforces it from its
     // first ticket on: its ticket carried the list, before it exchanged a
     // registry with anyone.
@@ -543,6 +551,44 @@ async fn the_revoke_policy_revokes_a_failing_node_it_did_not_judge_itself() {
     .await;
     let revocation = c.registry().snapshot().revoked()[0].clone();
     assert!(revocation.reason.contains("PCR 4"), "{}", revocation.reason);
+}
+
+/// One control plane with stale CPU collateral, a wrong measurements file
+/// or a broken view finds most nodes failing at once, and under the
+/// `revoke` policy its revocations would reach every control plane. When
+/// more than half of the unrevoked nodes fail together (here three of
+/// three, merged from a peer), the policy revokes none of them; one
+/// failing node alone is still revoked (the test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_revoke_policy_revokes_nobody_when_most_nodes_fail_at_once() {
+    let c = Cluster::start(EvidencePolicy::Revoke).await;
+    let mut peer = Registry::default();
+    let worker = join_common::ek_digest(&c.worker.tpm);
+    let others = ["ab", "cd"].map(|b| EkDigest::from_hex(&b.repeat(32)).unwrap());
+    for (n, ek) in [worker].iter().chain(&others).enumerate() {
+        peer.record(&keel_agent::registry::Evidence {
+            ek: *ek,
+            disk: None,
+            name: format!("w-{}", n + 1),
+            role: "worker".into(),
+            kubernetes_version: "v1.31.13".into(),
+            measurements: "00".repeat(32),
+            failure: Some("CPU evidence: the CRL is past its next update".into()),
+        })
+        .unwrap();
+    }
+    c.registry().merge(peer).unwrap();
+    tokio::time::sleep(INTERVAL * 3).await;
+    let registry = c.registry().snapshot();
+    assert!(
+        registry.revoked().is_empty(),
+        "revoked: {:?}",
+        registry.revoked()
+    );
+    assert_eq!(
+        Cluster::worker_record(&registry).map(|r| r.verdict),
+        Some(Verdict::Drifted)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1,7 +1,7 @@
 //! `keel revoke NODE`: put a node on the revocation list of every control
 //! plane named. Each must know the node (by name, EK hash or disk UUID);
 //! from then on it issues no join ticket, no rejoin ticket and so no disk
-//! key for the node's EK or its disk. A running node keeps the key it has
+//! key for the node's EK (its disk opens with that EK only). A running node keeps the key it has
 //! until it reboots (docs/attestation.md says how to complete the removal).
 
 use std::path::Path;

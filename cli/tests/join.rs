@@ -591,7 +591,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         "{}",
         text(&out)
     );
-    assert!(registry.revocation(&worker_ek, "").is_some());
+    assert!(registry.revocation(&worker_ek).is_some());
     let out = operator_cmd(vec!["status".into(), "-o".into(), "json".into()]).await;
     assert!(out.status.success(), "{}", text(&out));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -71,6 +71,8 @@ pub struct EvidenceClient {
 /// One connection to a control plane's evidence service.
 pub struct Session {
     client: EvidenceServiceClient<Channel>,
+    /// The control plane's EK, as its handshake attested it.
+    server_ek: keel_verifier::ek::EkDigest,
     tpm: SharedTpm,
     disk_uuid: String,
     kubernetes_version: String,
@@ -126,6 +128,7 @@ impl EvidenceClient {
             .ok_or(EvidenceClientError::Connect(ConnectError::ServerNotChecked))?;
         check_service(service.claims(), cluster_id).map_err(EvidenceClientError::OtherCluster)?;
         Ok(Session {
+            server_ek: keel_verifier::ek::EkDigest::of_public(&service.claims().ek),
             client: EvidenceServiceClient::new(bound.channel)
                 // The registry document and its message's few bytes.
                 .max_decoding_message_size(MAX_REGISTRY_BYTES + 1024),
@@ -137,6 +140,14 @@ impl EvidenceClient {
 
     /// Sends evidence to `endpoint` for as long as the task runs.
     pub async fn run(self, endpoint: String, cluster_id: ClusterId) {
+        // A control plane's own registry is not merged into itself: a merge
+        // tells its evidence service that another control plane's view is
+        // current.
+        let own_ek = self
+            .tpm
+            .lock()
+            .ok()
+            .and_then(|mut t| crate::attestation::own_ek_digest(t.tpm()).ok());
         loop {
             match self.connect(&endpoint, &cluster_id).await {
                 Ok(mut session) => loop {
@@ -152,7 +163,11 @@ impl EvidenceClient {
                             break;
                         }
                     }
-                    if let Some(registry) = &self.registry {
+                    if let Some(registry) = self
+                        .registry
+                        .as_ref()
+                        .filter(|_| Some(session.server_ek) != own_ek)
+                    {
                         if let Err(e) = session.merge_registry(registry).await {
                             tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "registry exchange failed");
                         }

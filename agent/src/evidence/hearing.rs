@@ -16,6 +16,11 @@
 //!   at least one interval ago, so that a node marked by a sweep that came
 //!   too early has one more interval to report.
 //!
+//! The evidence service adds two guards of its own: where other control
+//! planes are registered, one of their registries merged within the grace
+//! period; and no revocation by policy while more than half of the nodes
+//! fail at once ([`crate::registry::Standing::too_many_failing`]).
+//!
 //! Where a control plane hears no other member (a one-node cluster, or its
 //! last worker down), no node is revoked for silence: the price of not
 //! revoking a cluster from one cut-off control plane. The operator revokes

@@ -107,7 +107,7 @@ impl From<&EvidenceError> for tonic::Status {
             ),
             E::Revoked(_) => (
                 tonic::Code::PermissionDenied,
-                "the node is revoked: its EK or disk is on the cluster's revocation list",
+                "the node is revoked: its EK is on the cluster's revocation list",
             ),
             E::Busy => (
                 tonic::Code::ResourceExhausted,
@@ -428,7 +428,9 @@ impl EvidenceService {
     }
 
     /// Under the `revoke` policy, revokes the node of `record` (with its
-    /// disk only if bound to its EK, [`BoundDisk::of_record`]).
+    /// disk only if bound to its EK, [`BoundDisk::of_record`]), unless more
+    /// nodes fail at once than the policy acts on alone
+    /// ([`Standing::too_many_failing`], judged under the registry's lock).
     async fn apply_policy(&self, record: &registry::NodeRecord) -> Result<(), EvidenceError> {
         if self.inner.config.policy != EvidencePolicy::Revoke {
             return Ok(());
@@ -438,15 +440,26 @@ impl EvidenceService {
             record.verdict.as_str(),
             record.reason.as_deref().unwrap_or("")
         );
+        let (node, ek) = (record.name.clone(), record.ek.clone());
         let record = record.clone();
         let disks = self.inner.disks.clone();
-        let revocation = self
+        let own_ek = self.inner.own_ek;
+        let revoked = self
             .store(move |s| {
                 let disk = BoundDisk::of_record(Some(&disks), &record);
-                s.update(|r| r.revoke(&record, disk.as_ref(), &reason))
+                s.update(|r| {
+                    let standing = r.standing(&own_ek);
+                    if standing.too_many_failing() {
+                        return Ok(Err(standing));
+                    }
+                    r.revoke(&record, disk.as_ref(), &reason).map(Ok)
+                })
             })
             .await?;
-        tracing::warn!(%revocation, "node revoked by policy");
+        match revoked {
+            Ok(revocation) => tracing::warn!(%revocation, "node revoked by policy"),
+            Err(standing) => held_back(&standing, Some((&node, &ek))),
+        }
         Ok(())
     }
 
@@ -480,17 +493,39 @@ impl EvidenceService {
             );
         }
         if self.inner.config.policy == EvidencePolicy::Revoke {
-            let pending = self.store(|s| Ok(s.failing_unrevoked())).await?;
+            let own_ek = self.inner.own_ek;
+            let (pending, standing) = self
+                .store(move |s| {
+                    let registry = s.snapshot();
+                    Ok((registry.failing_unrevoked(), registry.standing(&own_ek)))
+                })
+                .await?;
+            if standing.too_many_failing() {
+                held_back(&standing, None);
+                return marked.map(|m| m.len());
+            }
+            // With other control planes, silence is judged on a view that
+            // includes theirs: one of their registries merged within the
+            // grace period (a host that lets a peer's evidence reach this
+            // control plane but not its registry pulls must not make the
+            // nodes only the peers hear look silent).
+            let view_current = standing.peers == 0
+                || self
+                    .inner
+                    .registry
+                    .merged_at()
+                    .is_some_and(|at| now.saturating_sub(at) <= grace.as_secs());
+            let may_revoke_silent = sweep.may_revoke_silent && view_current;
             let (revocable, held): (Vec<_>, Vec<_>) = pending.into_iter().partition(|r| {
                 r.verdict != Verdict::Silent
-                    || (sweep.may_revoke_silent
-                        && self.hearing().marked_long_enough(r.verdict_at, now))
+                    || (may_revoke_silent && self.hearing().marked_long_enough(r.verdict_at, now))
             });
-            if !held.is_empty() && !sweep.may_revoke_silent {
+            if !held.is_empty() && !may_revoke_silent {
                 tracing::warn!(
                     silent = held.len(),
                     grace_s = grace.as_secs(),
-                    "silent nodes not revoked: this control plane has not heard other members throughout the grace period (cut off, or back from an absence)"
+                    peers_merged = view_current,
+                    "silent nodes not revoked: this control plane has not heard other members, or merged another control plane's registry, throughout the grace period (cut off, or back from an absence)"
                 );
             }
             for record in &revocable {
@@ -546,6 +581,19 @@ impl EvidenceService {
             .map_err(|_| EvidenceError::Registry(RegistryError::Task))?
             .map_err(EvidenceError::Registry)
     }
+}
+
+/// Logs that the `revoke` policy held back (for `node`, or for a whole
+/// sweep) because too many nodes fail at once.
+fn held_back(standing: &registry::Standing, node: Option<(&str, &str)>) {
+    let (name, ek) = node.unwrap_or_default();
+    tracing::error!(
+        node = %name.escape_debug(),
+        ek,
+        failing = standing.failing,
+        unrevoked = standing.unrevoked,
+        "not revoked by policy: more than half of the nodes fail at once, likelier a fault of this control plane's view or inputs (a partition, stale CPU collateral, wrong measurements) than that many nodes compromised; revoke by hand (keel revoke) what is really lost"
+    );
 }
 
 /// What validation does not cover: PCR 15 names exactly this cluster, and

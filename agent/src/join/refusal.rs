@@ -62,7 +62,7 @@ pub enum JoinServiceError {
     /// member sends evidence on this port, it gets no ticket.
     #[error("the node is already locked into a cluster")]
     Member,
-    /// The revocation list names the peer's EK or its disk.
+    /// The revocation list names the peer's EK.
     #[error("the node is revoked: {0}")]
     Revoked(crate::registry::Revocation),
     /// The node registry failed: nothing was issued.
@@ -101,9 +101,7 @@ impl JoinServiceError {
             E::DiskNotBound(_) => "the state disk is not bound to this node's TPM",
             E::DiskBindings(_) => "the disk binding store is unavailable",
             E::Member => "the node is already locked into a cluster",
-            E::Revoked(_) => {
-                "the node is revoked: its EK or disk is on the cluster's revocation list"
-            }
+            E::Revoked(_) => "the node is revoked: its EK is on the cluster's revocation list",
             E::Registry(_) => "the node registry is unavailable",
         }
     }
