@@ -400,6 +400,28 @@ mod tests {
 
     const H: &str = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 
+    /// A signed mirror URL's credential is not measured: the event log
+    /// goes to everyone who attests the node.
+    #[test]
+    fn the_measured_record_names_no_credential() {
+        let c = Component::new(
+            "https://user:pw123@mirror.example/v1/kubelet?X-Amz-Signature=d0c5ec7e7",
+            H,
+            "/run/state/bin/kubelet",
+            false,
+        )
+        .unwrap();
+        let record = String::from_utf8(c.measurement_record()).unwrap();
+        assert!(
+            record.starts_with(r#"{"url":"https://mirror.example/v1/kubelet?…","hash":"#),
+            "{record}"
+        );
+        for secret in ["d0c5ec7e7", "pw123", "user"] {
+            assert!(!record.contains(secret), "{record}");
+            assert!(!c.description().contains(secret));
+        }
+    }
+
     #[test]
     fn round_trips_through_the_wire_type() {
         let c = Component::new(

@@ -87,7 +87,7 @@ pub struct InstalledComponent {
 /// The measured fields, in their fixed order.
 #[derive(Serialize)]
 struct Record<'a> {
-    url: &'a str,
+    url: String,
     hash: String,
     install_path: &'a str,
     extract: bool,
@@ -117,10 +117,12 @@ impl InstalledComponent {
 
 impl Component {
     /// The canonical bytes to measure: compact JSON with the fields `url`,
-    /// `hash`, `install_path`, `extract` in that order.
+    /// `hash`, `install_path`, `extract` in that order. The URL is
+    /// [`redact`]ed (no user, password or query): the event log goes to
+    /// everyone who attests the node, and the hash fixes the bytes.
     pub fn measurement_record(&self) -> Vec<u8> {
         let record = Record {
-            url: self.url(),
+            url: redact(self.url()),
             hash: self.hash().to_string(),
             install_path: self.install_path().as_str(),
             extract: self.extract(),

@@ -102,7 +102,10 @@ async fn installs_every_v1_31_component_from_the_mirror() {
     for (record, component) in installed.iter().zip(&list) {
         assert_eq!(record.component(), component);
         let json: serde_json::Value = serde_json::from_slice(&record.measurement_record()).unwrap();
-        assert_eq!(json["url"], component.url());
+        assert_eq!(
+            json["url"],
+            keel_installer::component::redact(component.url())
+        );
         assert!(!component.url().contains("127.0.0.1"));
         assert_eq!(json["hash"], component.hash().to_string());
         assert_eq!(json["install_path"], component.install_path().as_str());
