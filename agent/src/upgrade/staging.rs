@@ -27,10 +27,13 @@ pub const STAGED_SUFFIX: &str = ".keel-next";
 /// versions table uses `/run/state/bin`, `/opt/cni/bin` and
 /// `/opt/kubernetes/patches`). A switch, and the emptying of an
 /// interrupted one, never reaches a mount point, the state disk's other
-/// directories or the records under `/etc/kubernetes`.
+/// directories or the records under `/etc/kubernetes`. A directory named
+/// like a twin (`….keel-next`, or below one) is not switchable: it would be
+/// another directory's twin, removed when that one is staged or discarded.
 pub fn switchable(dir: &str) -> bool {
     let below = |parent: &str| dir.strip_prefix(parent).is_some_and(|r| r.starts_with('/'));
     keel_installer::InstallPath::new(dir).is_ok()
+        && !dir.split('/').any(|part| part.ends_with(STAGED_SUFFIX))
         && (dir == crate::paths::BIN_DIR
             || below(crate::paths::BIN_DIR)
             || below("/opt/cni")
@@ -335,6 +338,10 @@ mod tests {
             "/var/lib/kubelet",
             "/opt/cni/../../etc",
             "/",
+            // Another directory's twin, or below one.
+            "/opt/cni/bin.keel-next",
+            "/opt/cni/bin.keel-next/x",
+            "/run/state/bin/x.keel-next",
         ] {
             assert!(!switchable(dir), "{dir}");
         }
