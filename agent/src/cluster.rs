@@ -70,13 +70,27 @@ impl ClusterState {
     }
 
     /// The same state, also authorising `components` (a version being
-    /// rolled out, or one the cluster ran before), each listed once.
+    /// rolled out, or one the cluster ran before), each listed once; past
+    /// [`MAX_AUTHORISED_COMPONENTS`] the oldest authorisations go (a member
+    /// still running those would have gone through dozens of upgrades
+    /// without a reboot).
     pub fn authorising(&self, components: &[Component]) -> Self {
         let mut updated = self.clone();
         for c in components {
             if !updated.authorised_components.contains(c) {
                 updated.authorised_components.push(c.clone());
             }
+        }
+        let excess = updated
+            .authorised_components
+            .len()
+            .saturating_sub(MAX_AUTHORISED_COMPONENTS);
+        if excess > 0 {
+            tracing::warn!(
+                dropped = excess,
+                "the oldest authorised components are no longer authorised"
+            );
+            updated.authorised_components.drain(..excess);
         }
         updated
     }
@@ -146,6 +160,11 @@ impl std::fmt::Debug for ClusterState {
 /// Most signed measurements files a control plane keeps: the current and
 /// the staged image's, and the ones before them.
 pub const MAX_SIGNED_MEASUREMENTS: usize = 4;
+
+/// Most components of other versions a cluster state authorises (a
+/// version is 6-10 components; the ticket of a joining control plane
+/// carries them all).
+pub const MAX_AUTHORISED_COMPONENTS: usize = 512;
 
 /// The PCRs that tell one image from another: the UKI, the kernel command
 /// line and initrd, the UKI's sections.

@@ -66,6 +66,24 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let ports = [free_port(), free_port()];
     let mut cp0 = start_service_for(&ca, &ports, Some(stand_in_components(&mirror)), false).await;
     let cluster_id = cp0.state.cluster_id;
+    // A cluster through many upgrades: more components of other versions
+    // authorised than a state keeps; the oldest go, and a control-plane
+    // ticket carries the rest.
+    let many: Vec<keel_installer::Component> = (0..600u32)
+        .map(|i| {
+            keel_installer::Component::new(
+                &format!("https://dl.example/v{i}/kubelet"),
+                &format!("sha256:{i:064x}"),
+                "/run/state/bin/kubelet",
+                false,
+            )
+            .unwrap()
+        })
+        .collect();
+    let authorised = cp0.state.authorising(&many);
+    let kept = keel_agent::cluster::MAX_AUTHORISED_COMPONENTS;
+    assert_eq!(authorised.authorised_components, many[600 - kept..]);
+    cp0.slot.send_replace(Some(Arc::new(authorised)));
 
     // cp-1 joins as a control plane and gets what serving joins takes.
     let cp1 = joiner_with(
@@ -81,6 +99,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     assert_eq!(state.cluster_id, cluster_id);
     assert_eq!(state.keys.expose_master(), cp0.state.keys.expose_master());
     assert_eq!(state.control_plane_endpoints.len(), 2);
+    assert_eq!(state.authorised_components, many[600 - kept..]);
     assert!(cp1.root.join("etc/kubernetes/pki/ca.key").is_file());
     assert!(cp1
         .root

@@ -282,9 +282,6 @@ fn check_endpoints(endpoints: Vec<String>) -> Result<Vec<String>, TicketError> {
     Ok(endpoints)
 }
 
-/// Most authorised components a ticket may carry (a few versions' worth).
-const MAX_AUTHORISED_COMPONENTS: usize = 64;
-
 /// The signed measurements files of a control plane's ticket, each checked
 /// with the node config's `key`: at most [`MAX_SIGNED_MEASUREMENTS`], and
 /// none without a key.
@@ -431,7 +428,7 @@ pub fn parse_join_ticket(
                 .authorised_components
                 .map(|list| list.components)
                 .unwrap_or_default();
-            if authorised.len() > MAX_AUTHORISED_COMPONENTS {
+            if authorised.len() > crate::cluster::MAX_AUTHORISED_COMPONENTS {
                 return Err(invalid("too many authorised components"));
             }
             let authorised = authorised
