@@ -48,6 +48,8 @@ pub struct Member {
     pub endpoint: String,
     /// Its operator API.
     pub client: OperatorServiceClient<Channel>,
+    /// Its EK, as it attested.
+    pub ek: EkDigest,
     /// Whether its replayed node identity names the control-plane role
     /// ([`keel_verifier::validator::check_control_plane`]).
     control_plane: bool,
@@ -214,6 +216,7 @@ impl Operator {
             // allows 4 MiB).
             client: OperatorServiceClient::new(bound.channel)
                 .max_decoding_message_size(keel_proto::MAX_REGISTRY_BYTES + 1024),
+            ek,
             control_plane,
             key,
         })

@@ -29,16 +29,7 @@ pub async fn run(
     let operator = Operator::load(settings_path, workspace, wait)?;
     let mut views = Vec::new();
     for endpoint in endpoints {
-        let (mut cp, challenge, proof) = operator.authorise(endpoint, NODE_STATUS, &[]).await?;
-        let registry = answer(
-            endpoint,
-            cp.client
-                .node_status(NodeStatusRequest { challenge, proof }),
-        )
-        .await?
-        .registry;
-        let registry: Value = serde_json::from_slice(&registry)
-            .with_context(|| format!("{endpoint} sent a registry that does not parse"))?;
+        let registry = registry_of(&operator, endpoint).await?;
         views.push(serde_json::json!({ "endpoint": endpoint, "registry": registry }));
     }
     match output {
@@ -53,6 +44,21 @@ pub async fn run(
         }
     }
     Ok(())
+}
+
+/// The node registry of the control plane at `endpoint` (JSON, as it sent
+/// it: every string in it is the node's to choose).
+pub async fn registry_of(operator: &Operator, endpoint: &str) -> anyhow::Result<Value> {
+    let (mut cp, challenge, proof) = operator.authorise(endpoint, NODE_STATUS, &[]).await?;
+    let registry = answer(
+        endpoint,
+        cp.client
+            .node_status(NodeStatusRequest { challenge, proof }),
+    )
+    .await?
+    .registry;
+    serde_json::from_slice(&registry)
+        .with_context(|| format!("{endpoint} sent a registry that does not parse"))
 }
 
 /// The string at `key`, escaped for the terminal: it comes from a node.

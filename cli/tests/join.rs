@@ -599,6 +599,37 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     assert_eq!(view["nodes"][worker_ek.to_string()]["name"], "w-1");
     assert_eq!(view["revoked"][0]["ek"], worker_ek.to_string());
 
+    // A Kubernetes upgrade that leaves out a control plane this one knows:
+    // that one would never authorise the target, and would judge the
+    // upgraded nodes drifted (under the revoke policy, revoke them). The
+    // CLI refuses before it changes anything.
+    let other_cp = keel_verifier::ek::EkDigest::from_hex(&"cd".repeat(32)).unwrap();
+    registry
+        .update(|r| r.register(&other_cp, "", "cp-9", "control-plane"))
+        .unwrap();
+    let out = operator_cmd(
+        [
+            "upgrade",
+            "apply",
+            "--kubernetes",
+            "v1.31",
+            "--skip-phases",
+            "image",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+    )
+    .await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!(
+            "knows control planes not named with --endpoint: cp-9 ({other_cp})"
+        )),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("nothing was changed"), "{}", text(&out));
+
     // `keel verify --cluster-id`: locked into exactly that cluster, or not.
     for (id, member) in [
         (hex::encode(state.cluster_id), true),
