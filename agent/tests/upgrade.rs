@@ -253,7 +253,30 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
         tonic::Code::InvalidArgument,
         "v1.29 is not supported"
     );
+    // A plan that installs nothing into a directory the node runs
+    // components from: its old binaries would keep running, measured by no
+    // event after the next boot.
+    let without_cni: Vec<_> = new
+        .iter()
+        .filter(|c| !c.install_path.starts_with("/opt/cni/"))
+        .cloned()
+        .collect();
+    assert!(without_cni.len() < new.len());
+    let partial = cp.request(plan(TO, Some(&without_cni), UpgradeStep::Apply));
+    match cp.run(&partial).await {
+        Ok((_, Event::Failed(failed))) => {
+            assert!(
+                failed
+                    .error
+                    .contains("installs nothing into /opt/cni/bin, which this node runs"),
+                "{failed:?}"
+            );
+            assert!(!failed.rolled_back, "nothing was switched: {failed:?}");
+        }
+        other => panic!("not refused: {other:?}"),
+    }
     assert_eq!(cp.version(), FROM);
+    cp.assert_no_staging_left();
 
     // The control plane upgrades: kubeadm upgrade apply, new binaries,
     // each measured with its version, the record moved on.

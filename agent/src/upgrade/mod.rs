@@ -314,6 +314,21 @@ impl Upgrader {
             .version
             .upgrade_to(target.version)
             .map_err(|e| failure(e.into(), false))?;
+        // Every directory the node runs components from is switched: one
+        // the plan left out would keep its old binaries running, measured
+        // by no event once the next boot installs the recorded version.
+        let planned = staging::component_dirs(&target.components);
+        if let Some(dir) = staging::component_dirs(&current.components)
+            .into_iter()
+            .find(|d| !planned.contains(d))
+        {
+            return Err(failure(
+                UpgradeError::Plan(format!(
+                    "it installs nothing into {dir}, which this node runs components from"
+                )),
+                false,
+            ));
+        }
         let started = Instant::now();
         log(format!(
             "upgrading from Kubernetes {} to {} ({} components)",
