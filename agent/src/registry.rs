@@ -102,7 +102,8 @@ pub struct NodeRecord {
     pub registered_at: u64,
     /// When its last evidence arrived (Unix seconds), if ever.
     pub last_evidence_at: Option<u64>,
-    /// When its verdict last changed or was confirmed (Unix seconds).
+    /// When its verdict last changed (Unix seconds): since when it is
+    /// drifted, say.
     pub verdict_at: u64,
     /// Why its last evidence failed, or why it is silent.
     pub reason: Option<String>,
@@ -606,18 +607,21 @@ impl Registry {
         let at = now();
         if let Some(record) = self.nodes.get_mut(&evidence.ek.to_string()) {
             record.last_evidence_at = Some(at);
-            record.verdict_at = at;
             record.kubernetes_version = cut(&evidence.kubernetes_version, MAX_FIELD);
             record.measurements = cut(&evidence.measurements, MAX_FIELD);
-            match &evidence.failure {
+            let verdict = match &evidence.failure {
                 None => {
-                    record.verdict = Verdict::Trusted;
                     record.reason = None;
+                    Verdict::Trusted
                 }
                 Some(reason) => {
-                    record.verdict = Verdict::Drifted;
                     record.reason = Some(cut(reason, MAX_REASON));
+                    Verdict::Drifted
                 }
+            };
+            if record.verdict != verdict {
+                record.verdict = verdict;
+                record.verdict_at = at;
             }
         }
         Ok(previous)
@@ -650,7 +654,7 @@ impl Registry {
     }
 
     /// How the unrevoked nodes stand: how many there are, how many of them
-    /// are drifted or silent, and how many are control planes other than
+    /// are drifted and silent, and how many are control planes other than
     /// `own_ek`.
     pub fn standing(&self, own_ek: &EkDigest) -> Standing {
         let revoked = self.revoked_eks();
@@ -658,8 +662,10 @@ impl Registry {
         let mut standing = Standing::default();
         for r in self.nodes.values().filter(|r| !revoked.contains(&r.ek)) {
             standing.unrevoked += 1;
-            if matches!(r.verdict, Verdict::Drifted | Verdict::Silent) {
-                standing.failing += 1;
+            match r.verdict {
+                Verdict::Drifted => standing.drifted += 1,
+                Verdict::Silent => standing.silent += 1,
+                _ => {}
             }
             if r.role == "control-plane" && r.ek != own {
                 standing.peers += 1;
@@ -871,20 +877,22 @@ pub struct Merged {
 pub struct Standing {
     /// Nodes no revocation covers.
     pub unrevoked: usize,
-    /// Of those, the drifted or silent ones.
-    pub failing: usize,
+    /// Of those, the drifted ones.
+    pub drifted: usize,
+    /// Of those, the silent ones.
+    pub silent: usize,
     /// Of those, the control planes other than this one.
     pub peers: usize,
 }
 
 impl Standing {
-    /// Whether more nodes fail at once than the `revoke` policy acts on
-    /// alone: two or more, and more than half of the unrevoked ones. That
-    /// many is likelier a fault of this control plane's view or inputs (a
-    /// partition, stale CPU collateral, wrong measurements) than that many
-    /// nodes compromised together.
-    pub fn too_many_failing(&self) -> bool {
-        self.failing >= 2 && self.failing * 2 > self.unrevoked
+    /// Whether `failing` nodes (drifted, or silent) are more than the
+    /// `revoke` policy acts on alone: two or more, and more than half of
+    /// the unrevoked ones. That many at once is likelier a fault of this
+    /// control plane's view or inputs (a partition, stale CPU collateral,
+    /// wrong measurements) than that many nodes compromised together.
+    pub fn too_many(&self, failing: usize) -> bool {
+        failing >= 2 && failing * 2 > self.unrevoked
     }
 }
 
@@ -1134,10 +1142,6 @@ impl RegistryStore {
     /// if some did not fit.
     pub fn merge(&self, theirs: Registry) -> Result<usize, RegistryError> {
         let merged = self.lock().merge(theirs);
-        *self
-            .merged_at
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(now());
         if merged.dropped > 0 {
             tracing::error!(
                 added = merged.added,
@@ -1157,8 +1161,21 @@ impl RegistryStore {
         Ok(merged.added)
     }
 
-    /// When another control plane's registry was last merged here (Unix
-    /// seconds), if ever since this process started.
+    /// [`RegistryStore::merge`] of the registry another control plane
+    /// serves now, noting when ([`RegistryStore::merged_at`]): its node
+    /// records are a current view of the nodes it hears.
+    pub fn merge_from_peer(&self, theirs: Registry) -> Result<usize, RegistryError> {
+        let merged = self.merge(theirs);
+        *self
+            .merged_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(now());
+        merged
+    }
+
+    /// When another control plane's registry was last merged here by
+    /// [`RegistryStore::merge_from_peer`] (Unix seconds), if ever since
+    /// this process started.
     pub fn merged_at(&self) -> Option<u64> {
         *self
             .merged_at
@@ -1504,36 +1521,60 @@ mod tests {
         }
         r.register(&ek(5), "", "cp-1", "control-plane").unwrap();
         r.register(&ek(6), "", "cp-0", "control-plane").unwrap();
+        for n in [1, 2, 5] {
+            r.nodes.get_mut(&ek(n).to_string()).unwrap().verdict = Verdict::Silent;
+        }
         let standing = r.standing(&ek(6));
         assert_eq!(
             standing,
             Standing {
                 unrevoked: 6,
-                failing: 2,
+                drifted: 2,
+                silent: 3,
                 peers: 1
             }
         );
-        assert!(!standing.too_many_failing());
-        // A revoked node counts no more; two of four failing is half.
-        let node = r.find(&ek(1).to_string()).unwrap().clone();
-        r.revoke(&node, None, "operator").unwrap();
-        let node = r.find(&ek(5).to_string()).unwrap().clone();
-        r.revoke(&node, None, "operator").unwrap();
+        assert!(!standing.too_many(standing.drifted));
+        assert!(!standing.too_many(standing.silent));
+        r.nodes.get_mut(&ek(6).to_string()).unwrap().verdict = Verdict::Silent;
+        assert!(r.standing(&ek(6)).too_many(4));
+        r.nodes.get_mut(&ek(6).to_string()).unwrap().verdict = Verdict::Trusted;
+        // A revoked node counts no more; two of four drifted is half.
+        for n in [1, 5] {
+            let node = r.find(&ek(n).to_string()).unwrap().clone();
+            r.revoke(&node, None, "operator").unwrap();
+        }
         let standing = r.standing(&ek(6));
         assert_eq!(
-            (standing.unrevoked, standing.failing, standing.peers),
+            (standing.unrevoked, standing.drifted, standing.peers),
             (4, 2, 0)
         );
-        assert!(!standing.too_many_failing());
+        assert!(!standing.too_many(standing.drifted));
         // Three of four: too many at once. One alone never is.
         r.record(&evidence(2, Some("PCR 4"))).unwrap();
-        assert!(r.standing(&ek(6)).too_many_failing());
+        let standing = r.standing(&ek(6));
+        assert!(standing.too_many(standing.drifted));
         let one = Standing {
             unrevoked: 1,
-            failing: 1,
+            drifted: 1,
+            silent: 0,
             peers: 0,
         };
-        assert!(!one.too_many_failing());
+        assert!(!one.too_many(one.drifted));
+    }
+
+    /// The verdict's time is when it changed: a node drifted for an
+    /// interval keeps the time it drifted at through later evidence.
+    #[test]
+    fn a_verdict_keeps_the_time_it_changed() {
+        let mut r = Registry::default();
+        r.record(&evidence(1, Some("PCR 4"))).unwrap();
+        let key = ek(1).to_string();
+        r.nodes.get_mut(&key).unwrap().verdict_at = 5;
+        r.record(&evidence(1, Some("PCR 4 again"))).unwrap();
+        assert_eq!(r.nodes[&key].verdict_at, 5);
+        r.record(&evidence(1, None)).unwrap();
+        assert!(r.nodes[&key].verdict_at > 5);
     }
 
     #[test]

@@ -239,7 +239,7 @@ impl Session {
             .registry;
         let theirs = Registry::parse(&bytes).map_err(EvidenceClientError::Registry)?;
         let added = registry
-            .merge(theirs)
+            .merge_from_peer(theirs)
             .map_err(EvidenceClientError::Registry)?;
         if added > 0 {
             tracing::info!(added, "revocations taken from another control plane");

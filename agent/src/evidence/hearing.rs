@@ -19,7 +19,7 @@
 //! The evidence service adds two guards of its own: where other control
 //! planes are registered, one of their registries merged within the grace
 //! period; and no revocation by policy while more than half of the nodes
-//! fail at once ([`crate::registry::Standing::too_many_failing`]).
+//! are drifted, or silent, at once ([`crate::registry::Standing::too_many`]).
 //!
 //! Where a control plane hears no other member (a one-node cluster, or its
 //! last worker down), no node is revoked for silence: the price of not

@@ -379,7 +379,6 @@ impl EvidenceService {
                 reason = %record.reason.as_deref().unwrap_or("").escape_debug(),
                 "node drifted: its evidence failed validation"
             );
-            self.apply_policy(&record).await?;
         } else if previous != Some(Verdict::Trusted) {
             tracing::info!(node = %record.name.escape_debug(), ek = %ek, "node trusted: its evidence validated");
         }
@@ -427,50 +426,36 @@ impl EvidenceService {
         }
     }
 
-    /// Under the `revoke` policy, revokes the node of `record` (with its
-    /// disk only if bound to its EK, [`BoundDisk::of_record`]), unless more
-    /// nodes fail at once than the policy acts on alone
-    /// ([`Standing::too_many_failing`], judged under the registry's lock).
+    /// Revokes the node of `record` by policy (with its disk only if bound
+    /// to its EK, [`BoundDisk::of_record`]).
     async fn apply_policy(&self, record: &registry::NodeRecord) -> Result<(), EvidenceError> {
-        if self.inner.config.policy != EvidencePolicy::Revoke {
-            return Ok(());
-        }
         let reason = format!(
             "policy revoke: {}: {}",
             record.verdict.as_str(),
             record.reason.as_deref().unwrap_or("")
         );
-        let (node, ek) = (record.name.clone(), record.ek.clone());
         let record = record.clone();
         let disks = self.inner.disks.clone();
-        let own_ek = self.inner.own_ek;
-        let revoked = self
+        let revocation = self
             .store(move |s| {
                 let disk = BoundDisk::of_record(Some(&disks), &record);
-                s.update(|r| {
-                    let standing = r.standing(&own_ek);
-                    if standing.too_many_failing() {
-                        return Ok(Err(standing));
-                    }
-                    r.revoke(&record, disk.as_ref(), &reason).map(Ok)
-                })
+                s.update(|r| r.revoke(&record, disk.as_ref(), &reason))
             })
             .await?;
-        match revoked {
-            Ok(revocation) => tracing::warn!(%revocation, "node revoked by policy"),
-            Err(standing) => held_back(&standing, Some((&node, &ek))),
-        }
+        tracing::warn!(%revocation, "node revoked by policy");
         Ok(())
     }
 
     /// Marks silent the nodes that sent nothing for three intervals (counted
     /// from this service's start, or its return from an absence, at the
     /// earliest; [`Hearing`]); returns how many. Under the `revoke` policy,
-    /// then revokes every drifted node not yet revoked, and every silent
-    /// one while this control plane hears the cluster: not only those just
-    /// marked, but also those whose revocation failed to be written before
-    /// (a full disk, a restart in between) and those another control
-    /// plane's registry reported.
+    /// then revokes every node drifted, or silent, for an interval or more
+    /// that no revocation covers, unless that kind is most of the nodes
+    /// ([`registry::Standing::too_many`]), and silent ones only while this
+    /// control plane hears the cluster: not only those just marked, but
+    /// also those whose revocation failed to be written before (a full
+    /// disk, a restart in between) and those another control plane's
+    /// registry reported.
     pub async fn sweep(&self) -> Result<usize, EvidenceError> {
         let grace = self.inner.config.interval() * SILENT_AFTER;
         let now = registry::now();
@@ -500,9 +485,21 @@ impl EvidenceService {
                     Ok((registry.failing_unrevoked(), registry.standing(&own_ek)))
                 })
                 .await?;
-            if standing.too_many_failing() {
-                held_back(&standing, None);
-                return marked.map(|m| m.len());
+            // Drifted or silent nodes, each kind on its own, are revoked
+            // only while they are not most of the cluster (a fault of this
+            // control plane's view or inputs is likelier), and only once
+            // their verdict held for an interval: by then every member has
+            // reported under the same conditions, so a fault that turns
+            // them all is seen as one before any is revoked.
+            let drift_held = standing.too_many(standing.drifted);
+            let silence_held = standing.too_many(standing.silent);
+            for (held, count, kind) in [
+                (drift_held, standing.drifted, "drifted"),
+                (silence_held, standing.silent, "silent"),
+            ] {
+                if held {
+                    held_back(&standing, count, kind);
+                }
             }
             // With other control planes, silence is judged on a view that
             // includes theirs: one of their registries merged within the
@@ -515,17 +512,22 @@ impl EvidenceService {
                     .registry
                     .merged_at()
                     .is_some_and(|at| now.saturating_sub(at) <= grace.as_secs());
-            let may_revoke_silent = sweep.may_revoke_silent && view_current;
-            let (revocable, held): (Vec<_>, Vec<_>) = pending.into_iter().partition(|r| {
-                r.verdict != Verdict::Silent
-                    || (may_revoke_silent && self.hearing().marked_long_enough(r.verdict_at, now))
-            });
-            if !held.is_empty() && !may_revoke_silent {
+            let may_revoke_silent = sweep.may_revoke_silent && view_current && !silence_held;
+            let held_long_enough =
+                |r: &registry::NodeRecord| self.hearing().marked_long_enough(r.verdict_at, now);
+            let (revocable, held): (Vec<_>, Vec<_>) =
+                pending.into_iter().partition(|r| match r.verdict {
+                    Verdict::Silent => may_revoke_silent && held_long_enough(r),
+                    _ => !drift_held && held_long_enough(r),
+                });
+            let silent_held = held.iter().filter(|r| r.verdict == Verdict::Silent).count();
+            if silent_held > 0 && !(sweep.may_revoke_silent && view_current) {
                 tracing::warn!(
-                    silent = held.len(),
+                    silent = silent_held,
                     grace_s = grace.as_secs(),
+                    peers = standing.peers,
                     peers_merged = view_current,
-                    "silent nodes not revoked: this control plane has not heard other members, or merged another control plane's registry, throughout the grace period (cut off, or back from an absence)"
+                    "silent nodes not revoked: this control plane has not heard other members, or merged another control plane's registry, throughout the grace period (cut off, back from an absence, or its peers are down: revoke a control plane that is gone for good)"
                 );
             }
             for record in &revocable {
@@ -583,16 +585,14 @@ impl EvidenceService {
     }
 }
 
-/// Logs that the `revoke` policy held back (for `node`, or for a whole
-/// sweep) because too many nodes fail at once.
-fn held_back(standing: &registry::Standing, node: Option<(&str, &str)>) {
-    let (name, ek) = node.unwrap_or_default();
+/// Logs that the `revoke` policy held back its revocations of `kind`
+/// nodes this sweep: `count` of them is too many at once.
+fn held_back(standing: &registry::Standing, count: usize, kind: &str) {
     tracing::error!(
-        node = %name.escape_debug(),
-        ek,
-        failing = standing.failing,
+        kind,
+        count,
         unrevoked = standing.unrevoked,
-        "not revoked by policy: more than half of the nodes fail at once, likelier a fault of this control plane's view or inputs (a partition, stale CPU collateral, wrong measurements) than that many nodes compromised; revoke by hand (keel revoke) what is really lost"
+        "not revoked by policy: more than half of the nodes are {kind} at once, likelier a fault of this control plane's view or inputs (a partition, stale CPU collateral, wrong measurements) than that many nodes compromised; revoke by hand (keel revoke) what is really lost"
     );
 }
 
