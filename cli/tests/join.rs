@@ -472,7 +472,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
             run_keel(&args, settings, None).await
         }
     };
-    let out = finish_file(other_file).await;
+    let out = finish_file(other_file.clone()).await;
     assert!(!out.status.success());
     assert!(
         text(&out).contains(&format!(
@@ -629,6 +629,23 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         text(&out)
     );
     assert!(text(&out).contains("nothing was changed"), "{}", text(&out));
+    // The same for an image rollout: nothing staged.
+    let out = operator_cmd(vec![
+        "upgrade".into(),
+        "apply".into(),
+        "--image-measurements".into(),
+        other_file.to_str().unwrap().to_owned(),
+        "--skip-phases".into(),
+        "kubernetes".into(),
+    ])
+    .await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("knows control planes not named"),
+        "{}",
+        text(&out)
+    );
+    assert!(!staged_file.exists());
 
     // `keel verify --cluster-id`: locked into exactly that cluster, or not.
     for (id, member) in [

@@ -11,7 +11,6 @@
 //! keeps serving; a failed control plane stops the rollout, a failed worker
 //! is reported and the others go on.
 
-use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
@@ -63,30 +62,17 @@ pub async fn run(cluster: &Cluster, target: &Target) -> anyhow::Result<()> {
     let operator = Operator::new(&settings, &cluster.workspace, cluster.wait())?;
     // Roles first: the attested identity of each node decides its turn.
     let mut control_planes = Vec::new();
-    let mut named = BTreeSet::new();
     let mut workers = Vec::new();
     for endpoint in &cluster.endpoints {
         let member = operator.connect(endpoint).await?;
         if member.is_control_plane() {
             control_planes.push(endpoint.clone());
-            named.insert(member.ek.to_string());
         } else {
             workers.push(endpoint.clone());
         }
     }
-    let Some(first) = control_planes.first() else {
+    if control_planes.is_empty() {
         bail!("name at least one control plane with --endpoint: the first one runs kubeadm upgrade apply");
-    };
-    let unnamed =
-        unnamed_control_planes(&crate::status::registry_of(&operator, first).await?, &named);
-    if !unnamed.is_empty() {
-        bail!(
-            "{first} knows control planes not named with --endpoint: {}. Each must authorise \
-             the target, or it judges the upgraded nodes drifted (and, under the revoke policy, \
-             revokes them): name every control plane, or revoke one that is gone for good; \
-             nothing was changed",
-            unnamed.join(", ")
-        );
     }
     println!(
         "kubernetes: upgrading {} control plane(s), then {} worker(s), to {}",
@@ -130,32 +116,6 @@ pub async fn run(cluster: &Cluster, target: &Target) -> anyhow::Result<()> {
     }
     println!("kubernetes: every node runs {}", target.version);
     Ok(())
-}
-
-/// The unrevoked control planes of `registry` (a control plane's, JSON)
-/// whose EK is not in `named`, as `name (EK)` escaped for the terminal.
-fn unnamed_control_planes(registry: &serde_json::Value, named: &BTreeSet<String>) -> Vec<String> {
-    let revoked: BTreeSet<&str> = registry["revoked"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|r| r["ek"].as_str())
-        .collect();
-    registry["nodes"]
-        .as_object()
-        .into_iter()
-        .flat_map(|nodes| nodes.values())
-        .filter(|n| n["role"] == "control-plane")
-        .filter_map(|n| n["ek"].as_str().map(|ek| (n, ek)))
-        .filter(|(_, ek)| !revoked.contains(ek) && !named.contains(*ek))
-        .map(|(n, ek)| {
-            format!(
-                "{} ({})",
-                printable(n["name"].as_str().unwrap_or("")),
-                printable(ek)
-            )
-        })
-        .collect()
 }
 
 /// Sends the plan for `step` to `member` and prints its progress; fails
@@ -234,32 +194,4 @@ async fn follow(
         }
     }
     bail!("{endpoint}: the upgrade stream ended without a result")
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_unrevoked_control_plane_must_be_named() {
-        let ek = |b: &str| format!("sha256:{}", b.repeat(32));
-        let registry = serde_json::json!({
-            "nodes": {
-                "a": {"name": "cp-0", "role": "control-plane", "ek": ek("aa")},
-                "b": {"name": "cp-1\u{1b}[2J", "role": "control-plane", "ek": ek("bb")},
-                "c": {"name": "cp-2", "role": "control-plane", "ek": ek("cc")},
-                "d": {"name": "w-1", "role": "worker", "ek": ek("dd")},
-            },
-            "revoked": [{"ek": ek("cc")}],
-        });
-        let named: BTreeSet<String> = [ek("aa")].into();
-        assert_eq!(
-            unnamed_control_planes(&registry, &named),
-            [format!("cp-1\\u{{1b}}[2J ({})", ek("bb"))]
-        );
-        let all: BTreeSet<String> = [ek("aa"), ek("bb")].into();
-        assert!(unnamed_control_planes(&registry, &all).is_empty());
-        assert!(unnamed_control_planes(&serde_json::json!({}), &named).is_empty());
-    }
 }

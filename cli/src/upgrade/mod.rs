@@ -6,11 +6,16 @@
 //! leaves phases out. Every phase that runs checks its input before
 //! anything is sent. `keel upgrade finish` ends an image rollout.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::bail;
 use clap::{Args, Subcommand, ValueEnum};
+
+use crate::operator::Operator;
+use crate::printable::printable;
+use crate::settings::Settings;
 
 pub mod image;
 pub mod kubernetes;
@@ -152,6 +157,7 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
              (a phase named in --skip-phases does not run)"
         );
     }
+    every_control_plane_named(&args.cluster).await?;
     // The image first: nodes that reboot into the new image during the
     // Kubernetes phase can join again.
     if let Some(image) = &image {
@@ -161,4 +167,93 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
         kubernetes::run(&args.cluster, target).await?;
     }
     Ok(())
+}
+
+/// Refuses, before any phase changes anything, while the first control
+/// plane named knows (by its registry) an unrevoked control plane that is
+/// not named: that one would neither authorise the target's components nor
+/// stage the new image's measurements, and would judge the upgraded nodes
+/// drifted (under the `revoke` policy, revoke them).
+async fn every_control_plane_named(cluster: &Cluster) -> anyhow::Result<()> {
+    let settings = Settings::load(&cluster.settings)?;
+    let operator = Operator::new(&settings, &cluster.workspace, cluster.wait())?;
+    let mut first = None;
+    let mut named = BTreeSet::new();
+    for endpoint in &cluster.endpoints {
+        let member = operator.connect(endpoint).await?;
+        if member.is_control_plane() {
+            first.get_or_insert_with(|| endpoint.clone());
+            named.insert(member.ek.to_string());
+        }
+    }
+    // Without a control plane, each phase says what it needs.
+    let Some(first) = first else {
+        return Ok(());
+    };
+    let registry = crate::status::registry_of(&operator, &first).await?;
+    let unnamed = unnamed_control_planes(&registry, &named);
+    if !unnamed.is_empty() {
+        bail!(
+            "{first} knows control planes not named with --endpoint: {}. Each must take the \
+             upgrade, or it judges the upgraded nodes drifted (and, under the revoke policy, \
+             revokes them): name every control plane, or revoke one that is gone for good; \
+             nothing was changed",
+            unnamed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// The unrevoked control planes of `registry` (a control plane's, JSON)
+/// whose EK is not in `named`, as `name (EK)` escaped for the terminal.
+fn unnamed_control_planes(registry: &serde_json::Value, named: &BTreeSet<String>) -> Vec<String> {
+    let revoked: BTreeSet<&str> = registry["revoked"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["ek"].as_str())
+        .collect();
+    registry["nodes"]
+        .as_object()
+        .into_iter()
+        .flat_map(|nodes| nodes.values())
+        .filter(|n| n["role"] == "control-plane")
+        .filter_map(|n| n["ek"].as_str().map(|ek| (n, ek)))
+        .filter(|(_, ek)| !revoked.contains(ek) && !named.contains(*ek))
+        .map(|(n, ek)| {
+            format!(
+                "{} ({})",
+                printable(n["name"].as_str().unwrap_or("")),
+                printable(ek)
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_unrevoked_control_plane_must_be_named() {
+        let ek = |b: &str| format!("sha256:{}", b.repeat(32));
+        let registry = serde_json::json!({
+            "nodes": {
+                "a": {"name": "cp-0", "role": "control-plane", "ek": ek("aa")},
+                "b": {"name": "cp-1\u{1b}[2J", "role": "control-plane", "ek": ek("bb")},
+                "c": {"name": "cp-2", "role": "control-plane", "ek": ek("cc")},
+                "d": {"name": "w-1", "role": "worker", "ek": ek("dd")},
+            },
+            "revoked": [{"ek": ek("cc")}],
+        });
+        let named: BTreeSet<String> = [ek("aa")].into();
+        assert_eq!(
+            unnamed_control_planes(&registry, &named),
+            [format!("cp-1\\u{{1b}}[2J ({})", ek("bb"))]
+        );
+        let all: BTreeSet<String> = [ek("aa"), ek("bb")].into();
+        assert!(unnamed_control_planes(&registry, &all).is_empty());
+        assert!(unnamed_control_planes(&serde_json::json!({}), &named).is_empty());
+    }
 }
