@@ -70,16 +70,16 @@ impl ClusterState {
     }
 
     /// The same state, also authorising `components` (a version being
-    /// rolled out, or one the cluster ran before), each listed once; past
-    /// [`MAX_AUTHORISED_COMPONENTS`] the oldest authorisations go (a member
-    /// still running those would have gone through dozens of upgrades
-    /// without a reboot).
+    /// rolled out, or one the cluster ran before), each listed once, as
+    /// the newest (a component several versions share moves up with each);
+    /// past [`MAX_AUTHORISED_COMPONENTS`] the oldest authorisations go (a
+    /// member still running those would have gone through dozens of
+    /// upgrades without a reboot).
     pub fn authorising(&self, components: &[Component]) -> Self {
         let mut updated = self.clone();
         for c in components {
-            if !updated.authorised_components.contains(c) {
-                updated.authorised_components.push(c.clone());
-            }
+            updated.authorised_components.retain(|a| a != c);
+            updated.authorised_components.push(c.clone());
         }
         let excess = updated
             .authorised_components

@@ -83,6 +83,15 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let authorised = cp0.state.authorising(&many);
     let kept = keel_agent::cluster::MAX_AUTHORISED_COMPONENTS;
     assert_eq!(authorised.authorised_components, many[600 - kept..]);
+    // A component authorised again (one several versions share) is the
+    // newest: the next to go is another.
+    let shared = &many[600 - kept];
+    let again = authorised.authorising(std::slice::from_ref(shared));
+    assert_eq!(again.authorised_components.last(), Some(shared));
+    assert_eq!(again.authorised_components.len(), kept);
+    let more = again.authorising(&many[..1]);
+    assert!(more.authorised_components.contains(shared));
+    assert!(!more.authorised_components.contains(&many[601 - kept]));
     cp0.slot.send_replace(Some(Arc::new(authorised)));
 
     // cp-1 joins as a control plane and gets what serving joins takes.

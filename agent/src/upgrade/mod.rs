@@ -116,6 +116,24 @@ impl Target {
     }
 }
 
+/// Every directory `current` runs components from is one `target`
+/// installs into, so the switch covers it: one left out would keep its old
+/// binaries running, measured by no event once the next boot installs the
+/// recorded version.
+fn covers(current: &NodeVersion, target: &Target) -> Result<(), UpgradeError> {
+    let planned = staging::component_dirs(&target.components);
+    match staging::component_dirs(&current.components)
+        .into_iter()
+        .find(|d| !planned.contains(d))
+    {
+        Some(dir) => Err(UpgradeError::Plan(format!(
+            "it installs nothing into {dir}, which this node runs components from \
+             (a components file must list every directory the running version uses)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Why an upgrade was refused or failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -277,6 +295,7 @@ impl Upgrader {
         }
         let current = self.current()?;
         current.version.upgrade_to(target.version)?;
+        covers(&current, target)?;
         Ok(current)
     }
 
@@ -314,21 +333,7 @@ impl Upgrader {
             .version
             .upgrade_to(target.version)
             .map_err(|e| failure(e.into(), false))?;
-        // Every directory the node runs components from is switched: one
-        // the plan left out would keep its old binaries running, measured
-        // by no event once the next boot installs the recorded version.
-        let planned = staging::component_dirs(&target.components);
-        if let Some(dir) = staging::component_dirs(&current.components)
-            .into_iter()
-            .find(|d| !planned.contains(d))
-        {
-            return Err(failure(
-                UpgradeError::Plan(format!(
-                    "it installs nothing into {dir}, which this node runs components from"
-                )),
-                false,
-            ));
-        }
+        covers(&current, target).map_err(|e| failure(e, false))?;
         let started = Instant::now();
         log(format!(
             "upgrading from Kubernetes {} to {} ({} components)",

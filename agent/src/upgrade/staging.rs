@@ -69,7 +69,7 @@ pub enum StagingError {
     Nested(String, String),
     /// A component directory is not one a switch may touch.
     #[error(
-        "component directory {0} is not /run/state/bin or below it, nor below /opt/cni or /opt/kubernetes"
+        "component directory {0} is not /run/state/bin or below it, nor below /opt/cni or /opt/kubernetes, or it is named like a staged twin (*.keel-next)"
     )]
     NotSwitchable(String),
     /// A component path could not be rewritten into the staged directory.
