@@ -30,7 +30,7 @@ use keel_verifier::credential::CredentialError;
 use prost::Message as _;
 use zeroize::{Zeroize as _, Zeroizing};
 
-use crate::attestation::{credential, own_ek_digest};
+use crate::attestation::credential;
 use crate::disk::StateDisk;
 use crate::disk_bindings::EkDigest;
 use crate::nodelock::LockError;
@@ -244,15 +244,12 @@ impl RecoveryServer {
         let sealed = request
             .secrets
             .ok_or(RecoveryError::InvalidRequest("sealed secrets missing"))?;
-        let tpm = self.inner.node.tpm.clone();
-        let (opened, own_ek) = tokio::task::spawn_blocking(move || {
-            let mut guard = tpm.lock().map_err(|_| RecoveryError::Unavailable)?;
-            let opened = credential::open(guard.tpm(), &sealed).map_err(RecoveryError::Sealed)?;
-            let own_ek = own_ek_digest(guard.tpm()).map_err(|_| RecoveryError::Unavailable)?;
-            Ok::<_, RecoveryError>((opened, own_ek))
-        })
-        .await
-        .map_err(|_| RecoveryError::Unavailable)??;
+        let (opened, own_ek) = credential::open_on(&self.inner.node.tpm, sealed)
+            .await
+            .map_err(|e| match e {
+                credential::OpenOnError::Tpm => RecoveryError::Unavailable,
+                credential::OpenOnError::Sealed(e) => RecoveryError::Sealed(e),
+            })?;
         let mut secrets = ControlPlaneSecrets::decode(opened.as_slice())
             .map_err(|_| RecoveryError::InvalidRequest("sealed secrets do not decode"))?;
         let keys = KeyService::new(&secrets.master_secret, &secrets.master_salt);

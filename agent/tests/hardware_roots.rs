@@ -96,6 +96,17 @@ fn generated_trust(amd: &TestAmd) -> CpuTrust {
         .with_snp_roots(AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]))
 }
 
+/// A node's generated SNP chip (guest policy 0x30000) and the trust in it.
+fn snp_hardware(amd: &Arc<TestAmd>) -> join_common::Hardware {
+    join_common::Hardware {
+        reporter: Arc::new(GeneratedSnp {
+            amd: amd.clone(),
+            policy: 0x30000,
+        }),
+        trust: Arc::new(generated_trust(amd)),
+    }
+}
+
 fn cpu_error(e: ValidationError) -> CpuError {
     match e {
         ValidationError::Cpu(e) => e,
@@ -321,22 +332,14 @@ async fn atls_requires_the_cpu_evidence_of_the_variant() {
 /// ticket from a service without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_join_path_runs_with_the_sev_snp_variant() {
-    use join_common::{
-        config, free_port, measured_with, start_service, start_service_hardware, Hardware,
-    };
+    use join_common::{config, free_port, measured_with, start_service, start_service_hardware};
     use keel_agent::join::{service_validator, KubeletKey, TicketClient, TicketError};
     use keel_proto::join::IssueJoinTicketRequest;
     use std::time::Duration;
 
     let ca = EkCa::new().unwrap();
     let amd = Arc::new(TestAmd::new().unwrap());
-    let hardware = Hardware {
-        reporter: Arc::new(GeneratedSnp {
-            amd: amd.clone(),
-            policy: 0x30000,
-        }),
-        trust: Arc::new(generated_trust(&amd)),
-    };
+    let hardware = snp_hardware(&amd);
     let port = free_port();
     let service = start_service_hardware(&ca, port, &hardware).await;
 
@@ -407,20 +410,14 @@ async fn the_join_path_runs_with_the_sev_snp_variant() {
 /// evidence, and one carrying the CPU evidence of an earlier document.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_members_evidence_is_held_to_the_variant_on_every_document() {
-    use join_common::{free_port, measured_with, start_service_hardware, Hardware};
+    use join_common::{free_port, measured_with, start_service_hardware};
     use keel_agent::attestation::issuer::TpmIssuer;
     use keel_agent::evidence::admission::{check_member, MemberPolicy};
     use keel_agent::nodelock::NodeLock;
 
     let ca = EkCa::new().unwrap();
     let amd = Arc::new(TestAmd::new().unwrap());
-    let hardware = Hardware {
-        reporter: Arc::new(GeneratedSnp {
-            amd: amd.clone(),
-            policy: 0x30000,
-        }),
-        trust: Arc::new(generated_trust(&amd)),
-    };
+    let hardware = snp_hardware(&amd);
     let service = start_service_hardware(&ca, free_port(), &hardware).await;
     let members = MemberPolicy::new(
         &service.slot,

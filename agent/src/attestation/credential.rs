@@ -35,6 +35,32 @@ pub fn answer_residency(
     Ok(out)
 }
 
+/// Why [`open_on`] failed.
+#[derive(Debug)]
+pub enum OpenOnError {
+    /// The TPM could not be used (its lock poisoned, the task lost).
+    Tpm,
+    /// The secret did not open.
+    Sealed(CredentialError),
+}
+
+/// [`open`] on the node's shared TPM, on a blocking thread; also returns
+/// the digest of the TPM's EK (the one the secret was sealed to).
+pub async fn open_on(
+    tpm: &crate::measured::SharedTpm,
+    sealed: SealedSecret,
+) -> Result<(Zeroizing<Vec<u8>>, keel_verifier::ek::EkDigest), OpenOnError> {
+    let tpm = tpm.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut guard = tpm.lock().map_err(|_| OpenOnError::Tpm)?;
+        let opened = open(guard.tpm(), &sealed).map_err(OpenOnError::Sealed)?;
+        let own_ek = super::own_ek_digest(guard.tpm()).map_err(|_| OpenOnError::Tpm)?;
+        Ok((opened, own_ek))
+    })
+    .await
+    .map_err(|_| OpenOnError::Tpm)?
+}
+
 /// Opens a secret sealed to this TPM and its attestation key.
 pub fn open(
     tpm: &mut crate::tpm::Tpm,

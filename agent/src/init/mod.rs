@@ -25,7 +25,7 @@ use prost::Message as _;
 use tokio_stream::wrappers::ReceiverStream;
 use zeroize::Zeroizing;
 
-use crate::attestation::{credential, own_ek_digest};
+use crate::attestation::credential;
 use crate::cluster::ClusterState;
 use crate::kubeadm::{self, BootstrapToken, InitConfig};
 use crate::nodelock::LockError;
@@ -162,15 +162,12 @@ impl InitServer {
         &self,
         sealed: keel_proto::attestation::SealedSecret,
     ) -> Result<(SecretsGuard, keel_verifier::ek::EkDigest), InitError> {
-        let tpm = self.inner.node.tpm.clone();
-        let (opened, own_ek) = tokio::task::spawn_blocking(move || {
-            let mut guard = tpm.lock().map_err(|_| InitError::Tpm)?;
-            let opened = credential::open(guard.tpm(), &sealed).map_err(InitError::Sealed)?;
-            let own_ek = own_ek_digest(guard.tpm()).map_err(|_| InitError::Tpm)?;
-            Ok::<_, InitError>((opened, own_ek))
-        })
-        .await
-        .map_err(|_| InitError::Tpm)??;
+        let (opened, own_ek) = credential::open_on(&self.inner.node.tpm, sealed)
+            .await
+            .map_err(|e| match e {
+                credential::OpenOnError::Tpm => InitError::Tpm,
+                credential::OpenOnError::Sealed(e) => InitError::Sealed(e),
+            })?;
         let secrets = InitSecrets::decode(opened.as_slice())
             .map_err(|_| InitError::InvalidRequest("sealed secrets do not decode".into()))?;
         let secrets = SecretsGuard(secrets);
