@@ -597,6 +597,18 @@ impl Registry {
     /// (`None` for a node new to the registry). The disk UUID changes only
     /// to a disk bound to the evidence's EK.
     pub fn record(&mut self, evidence: &Evidence) -> Result<Option<Verdict>, RegistryError> {
+        self.record_holding_drift(evidence, Duration::ZERO)
+    }
+
+    /// [`Registry::record`], where a drift stands for at least `hold`: a
+    /// trusted check within `hold` of the drift leaves the node drifted, so
+    /// the `revoke` policy judges every drift, also one the node reset its
+    /// TPM (and rejoined) to leave behind.
+    pub fn record_holding_drift(
+        &mut self,
+        evidence: &Evidence,
+        hold: Duration,
+    ) -> Result<Option<Verdict>, RegistryError> {
         let previous = self.nodes.get(&evidence.ek.to_string()).map(|r| r.verdict);
         let disk = evidence
             .disk
@@ -609,7 +621,10 @@ impl Registry {
             record.last_evidence_at = Some(at);
             record.kubernetes_version = cut(&evidence.kubernetes_version, MAX_FIELD);
             record.measurements = cut(&evidence.measurements, MAX_FIELD);
+            let drift_stands = record.verdict == Verdict::Drifted
+                && at.saturating_sub(record.verdict_at) < hold.as_secs();
             let verdict = match &evidence.failure {
+                None if drift_stands => Verdict::Drifted,
                 None => {
                     record.reason = None;
                     Verdict::Trusted
@@ -777,6 +792,13 @@ impl Registry {
                 None => self.nodes.len() < MAX_NODES,
             };
             if newer && key == theirs.ek {
+                // A verdict new here counts from now on this clock: a
+                // peer's drift must hold an interval here too before this
+                // control plane's policy acts on it.
+                let mut theirs = theirs;
+                if self.nodes.get(&key).map(|o| o.verdict) != Some(theirs.verdict) {
+                    theirs.verdict_at = now();
+                }
                 self.changed.insert(key.clone());
                 self.nodes.insert(key, theirs);
                 merged.taken += 1;
@@ -1561,6 +1583,32 @@ mod tests {
             peers: 0,
         };
         assert!(!one.too_many(one.drifted));
+    }
+
+    /// A drift stands for its hold: trusted evidence within it (the node
+    /// reset its TPM and rejoined, say) leaves the node drifted, and after
+    /// it clears the drift. A peer's drift counts from when it arrives.
+    #[test]
+    fn a_drift_stands_for_its_hold_and_a_peers_counts_from_its_arrival() {
+        let hold = Duration::from_secs(90);
+        let key = ek(1).to_string();
+        let mut r = Registry::default();
+        r.record(&evidence(1, Some("PCR 13"))).unwrap();
+        r.record_holding_drift(&evidence(1, None), hold).unwrap();
+        assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
+        assert_eq!(r.nodes[&key].reason.as_deref(), Some("PCR 13"));
+        r.nodes.get_mut(&key).unwrap().verdict_at = now() - 100;
+        r.record_holding_drift(&evidence(1, None), hold).unwrap();
+        assert_eq!(r.nodes[&key].verdict, Verdict::Trusted);
+
+        let mut peer = Registry::default();
+        peer.record(&evidence(1, Some("PCR 4"))).unwrap();
+        let theirs = peer.nodes.get_mut(&key).unwrap();
+        theirs.verdict_at = now() - 1000;
+        theirs.last_evidence_at = Some(now() + 1);
+        assert_eq!(r.merge(peer).taken, 1);
+        assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
+        assert!(r.nodes[&key].verdict_at + 5 >= now());
     }
 
     /// The verdict's time is when it changed: a node drifted for an

@@ -355,10 +355,11 @@ impl EvidenceService {
             measurements,
             failure,
         };
+        let drift_hold = self.drift_hold();
         let (previous, record) = self
             .store(move |s| {
                 s.update(|r| {
-                    let previous = r.record(&evidence)?;
+                    let previous = r.record_holding_drift(&evidence, drift_hold)?;
                     let record = r.nodes().get(&evidence.ek.to_string()).cloned();
                     Ok((previous, record))
                 })
@@ -426,8 +427,16 @@ impl EvidenceService {
         }
     }
 
+    /// How long a drift stands before the `revoke` policy acts on it, and
+    /// before trusted evidence clears it: an interval and a half, so that
+    /// every member has reported under the same conditions by then.
+    fn drift_hold(&self) -> Duration {
+        self.inner.config.interval() * 3 / 2
+    }
+
     /// Revokes the node of `record` by policy (with its disk only if bound
-    /// to its EK, [`BoundDisk::of_record`]).
+    /// to its EK, [`BoundDisk::of_record`]), unless its verdict changed
+    /// since the sweep read it.
     async fn apply_policy(&self, record: &registry::NodeRecord) -> Result<(), EvidenceError> {
         let reason = format!(
             "policy revoke: {}: {}",
@@ -439,10 +448,18 @@ impl EvidenceService {
         let revocation = self
             .store(move |s| {
                 let disk = BoundDisk::of_record(Some(&disks), &record);
-                s.update(|r| r.revoke(&record, disk.as_ref(), &reason))
+                s.update(|r| {
+                    let now = r.nodes().get(&record.ek).map(|n| (n.verdict, n.verdict_at));
+                    if now != Some((record.verdict, record.verdict_at)) {
+                        return Ok(None);
+                    }
+                    r.revoke(&record, disk.as_ref(), &reason).map(Some)
+                })
             })
             .await?;
-        tracing::warn!(%revocation, "node revoked by policy");
+        if let Some(revocation) = revocation {
+            tracing::warn!(%revocation, "node revoked by policy");
+        }
         Ok(())
     }
 
@@ -513,12 +530,13 @@ impl EvidenceService {
                     .merged_at()
                     .is_some_and(|at| now.saturating_sub(at) <= grace.as_secs());
             let may_revoke_silent = sweep.may_revoke_silent && view_current && !silence_held;
-            let held_long_enough =
-                |r: &registry::NodeRecord| self.hearing().marked_long_enough(r.verdict_at, now);
+            let drift_hold = self.drift_hold().as_secs();
             let (revocable, held): (Vec<_>, Vec<_>) =
                 pending.into_iter().partition(|r| match r.verdict {
-                    Verdict::Silent => may_revoke_silent && held_long_enough(r),
-                    _ => !drift_held && held_long_enough(r),
+                    Verdict::Silent => {
+                        may_revoke_silent && self.hearing().marked_long_enough(r.verdict_at, now)
+                    }
+                    _ => !drift_held && now.saturating_sub(r.verdict_at) >= drift_hold,
                 });
             let silent_held = held.iter().filter(|r| r.verdict == Verdict::Silent).count();
             if silent_held > 0 && !(sweep.may_revoke_silent && view_current) {

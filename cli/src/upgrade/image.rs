@@ -79,9 +79,11 @@ pub(crate) fn signature_of(file: &Path) -> PathBuf {
 }
 
 /// Stages `image` on every control plane of `cluster`, reporting each.
-pub async fn stage(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Result<()> {
-    let settings = Settings::load(&cluster.settings)?;
-    let operator = &Operator::new(&settings, &cluster.workspace, cluster.wait())?;
+pub async fn stage(
+    operator: &Operator,
+    cluster: &Cluster,
+    image: &SignedMeasurements,
+) -> anyhow::Result<()> {
     println!(
         "image: staging measurements sha256:{} on {} control plane(s)",
         hex::encode(image.digest),

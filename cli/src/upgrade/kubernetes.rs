@@ -22,7 +22,6 @@ use prost::Message as _;
 use super::Cluster;
 use crate::operator::{answer, refused, Member, Operator};
 use crate::printable::printable;
-use crate::settings::Settings;
 
 use keel_verifier::keys::kind::UPGRADE;
 
@@ -57,9 +56,7 @@ impl Target {
 }
 
 /// Moves every node of `cluster` to `target`, printing each node's progress.
-pub async fn run(cluster: &Cluster, target: &Target) -> anyhow::Result<()> {
-    let settings = Settings::load(&cluster.settings)?;
-    let operator = Operator::new(&settings, &cluster.workspace, cluster.wait())?;
+pub async fn run(operator: &Operator, cluster: &Cluster, target: &Target) -> anyhow::Result<()> {
     // Roles first: the attested identity of each node decides its turn.
     let mut control_planes = Vec::new();
     let mut workers = Vec::new();

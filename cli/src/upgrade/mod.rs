@@ -157,14 +157,18 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
              (a phase named in --skip-phases does not run)"
         );
     }
-    every_control_plane_named(&args.cluster).await?;
+    // One operator for the whole run: an endpoint answers as the same node
+    // in the check and in every phase ([`Operator::connect`]).
+    let settings = Settings::load(&args.cluster.settings)?;
+    let operator = Operator::new(&settings, &args.cluster.workspace, args.cluster.wait())?;
+    every_control_plane_named(&operator, &args.cluster).await?;
     // The image first: nodes that reboot into the new image during the
     // Kubernetes phase can join again.
     if let Some(image) = &image {
-        image::stage(&args.cluster, image).await?;
+        image::stage(&operator, &args.cluster, image).await?;
     }
     if let Some(target) = &kubernetes {
-        kubernetes::run(&args.cluster, target).await?;
+        kubernetes::run(&operator, &args.cluster, target).await?;
     }
     Ok(())
 }
@@ -174,9 +178,7 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
 /// not named: that one would neither authorise the target's components nor
 /// stage the new image's measurements, and would judge the upgraded nodes
 /// drifted (under the `revoke` policy, revoke them).
-async fn every_control_plane_named(cluster: &Cluster) -> anyhow::Result<()> {
-    let settings = Settings::load(&cluster.settings)?;
-    let operator = Operator::new(&settings, &cluster.workspace, cluster.wait())?;
+async fn every_control_plane_named(operator: &Operator, cluster: &Cluster) -> anyhow::Result<()> {
     let mut first = None;
     let mut named = BTreeSet::new();
     for endpoint in &cluster.endpoints {
@@ -190,7 +192,7 @@ async fn every_control_plane_named(cluster: &Cluster) -> anyhow::Result<()> {
     let Some(first) = first else {
         return Ok(());
     };
-    let registry = crate::status::registry_of(&operator, &first).await?;
+    let registry = crate::status::registry_of(operator, &first).await?;
     let unnamed = unnamed_control_planes(&registry, &named);
     if !unnamed.is_empty() {
         bail!(
