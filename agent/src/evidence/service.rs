@@ -466,8 +466,8 @@ impl EvidenceService {
     /// Marks silent the nodes that sent nothing for three intervals (counted
     /// from this service's start, or its return from an absence, at the
     /// earliest; [`Hearing`]); returns how many. Under the `revoke` policy,
-    /// then revokes every node drifted, or silent, for an interval or more
-    /// that no revocation covers, unless that kind is most of the nodes
+    /// then revokes every node drifted for an interval and a half, or
+    /// silent for an interval since it was marked, that no revocation covers, unless that kind is most of the nodes
     /// ([`registry::Standing::too_many`]), and silent ones only while this
     /// control plane hears the cluster: not only those just marked, but
     /// also those whose revocation failed to be written before (a full
@@ -505,7 +505,8 @@ impl EvidenceService {
             // Drifted or silent nodes, each kind on its own, are revoked
             // only while they are not most of the cluster (a fault of this
             // control plane's view or inputs is likelier), and only once
-            // their verdict held for an interval: by then every member has
+            // their verdict held a while (a drift [`Self::drift_hold`], a
+            // silence an interval after marking): by then every member has
             // reported under the same conditions, so a fault that turns
             // them all is seen as one before any is revoked.
             let drift_held = standing.too_many(standing.drifted);
