@@ -126,7 +126,7 @@ pub async fn serve_operator_port(
 ) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "init server listening (server-attested aTLS)");
-    let own_ek = own_ek(&node.tpm)?;
+    let own_ek = crate::attestation::shared_own_ek_digest(&node.tpm)?;
     let auth = OperatorAuth::new(own_ek, node.cluster.clone(), node.operator_key.clone());
     let upgrader = Upgrader::new(node.env.clone(), node.tpm.clone(), node.cluster.clone());
     let operator = OperatorServer::new(
@@ -232,14 +232,6 @@ pub async fn serve_join_port(
     Ok(())
 }
 
-/// The digest of this node's EK.
-fn own_ek(tpm: &SharedTpm) -> anyhow::Result<crate::disk_bindings::EkDigest> {
-    let mut tpm = tpm
-        .lock()
-        .map_err(|_| anyhow::anyhow!("the TPM handle is poisoned"))?;
-    Ok(crate::attestation::own_ek_digest(tpm.tpm())?)
-}
-
 /// On a control-plane node: waits until this node has a cluster state
 /// (it created the cluster, joined or rejoined as a control plane, or was
 /// recovered),
@@ -289,7 +281,7 @@ pub async fn serve_join_as_control_plane(
         config.expected_config_pcr(),
         policy.cpu(),
     ));
-    let own_ek = own_ek(&tpm)?;
+    let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
     let evidence = EvidenceService::new(
         &cluster,
         members.clone(),

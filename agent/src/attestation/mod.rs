@@ -17,3 +17,13 @@ use crate::tpm::{Tpm, TpmError};
 pub fn own_ek_digest(tpm: &mut Tpm) -> Result<EkDigest, TpmError> {
     Ok(EkDigest::of_marshalled(&tpm.endorsement()?.public))
 }
+
+/// [`own_ek_digest`] of the node's shared TPM, its lock taken even if a
+/// panicked task poisoned it (as [`crate::measured::shutdown`] does):
+/// reading the EK changes nothing.
+pub fn shared_own_ek_digest(tpm: &crate::measured::SharedTpm) -> Result<EkDigest, TpmError> {
+    let mut guard = tpm
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    own_ek_digest(guard.tpm())
+}

@@ -143,11 +143,7 @@ impl EvidenceClient {
         // A control plane's own registry is not merged into itself: a merge
         // tells its evidence service that another control plane's view is
         // current.
-        let own_ek = self
-            .tpm
-            .lock()
-            .ok()
-            .and_then(|mut t| crate::attestation::own_ek_digest(t.tpm()).ok());
+        let own_ek = crate::attestation::shared_own_ek_digest(&self.tpm).ok();
         loop {
             match self.connect(&endpoint, &cluster_id).await {
                 Ok(mut session) => loop {

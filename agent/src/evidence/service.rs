@@ -467,7 +467,8 @@ impl EvidenceService {
     /// from this service's start, or its return from an absence, at the
     /// earliest; [`Hearing`]); returns how many. Under the `revoke` policy,
     /// then revokes every node drifted for an interval and a half, or
-    /// silent for an interval since it was marked, that no revocation covers, unless that kind is most of the nodes
+    /// silent for an interval since it was marked, that no revocation
+    /// covers, unless that kind is most of the nodes
     /// ([`registry::Standing::too_many`]), and silent ones only while this
     /// control plane hears the cluster: not only those just marked, but
     /// also those whose revocation failed to be written before (a full

@@ -52,7 +52,7 @@ use sha2::Digest as _;
 /// The digest of the EK of the TPM behind `tpm`: what its disk keys are
 /// bound to.
 pub fn ek_digest(tpm: &SharedTpm) -> keel_verifier::ek::EkDigest {
-    keel_agent::attestation::own_ek_digest(tpm.lock().unwrap().tpm()).unwrap()
+    keel_agent::attestation::shared_own_ek_digest(tpm).unwrap()
 }
 
 /// Measurements enforcing the current values of `pcrs` in `tpm`: what a

@@ -19,7 +19,7 @@ use keel_proto::operator::upgrade_response::Event;
 use keel_proto::operator::{UpgradePlan, UpgradeRequest, UpgradeStep};
 use prost::Message as _;
 
-use super::Cluster;
+use super::Roles;
 use crate::operator::{answer, refused, Member, Operator};
 use crate::printable::printable;
 
@@ -55,19 +55,14 @@ impl Target {
     }
 }
 
-/// Moves every node of `cluster` to `target`, printing each node's progress.
-pub async fn run(operator: &Operator, cluster: &Cluster, target: &Target) -> anyhow::Result<()> {
-    // Roles first: the attested identity of each node decides its turn.
-    let mut control_planes = Vec::new();
-    let mut workers = Vec::new();
-    for endpoint in &cluster.endpoints {
-        let member = operator.connect(endpoint).await?;
-        if member.is_control_plane() {
-            control_planes.push(endpoint.clone());
-        } else {
-            workers.push(endpoint.clone());
-        }
-    }
+/// Moves every node named to `target`, in the turn its attested role gives
+/// it (`roles`), printing each node's progress.
+pub async fn run(operator: &Operator, roles: &Roles, target: &Target) -> anyhow::Result<()> {
+    let Roles {
+        control_planes,
+        workers,
+        ..
+    } = roles;
     if control_planes.is_empty() {
         bail!("name at least one control plane with --endpoint: the first one runs kubeadm upgrade apply");
     }
@@ -77,7 +72,7 @@ pub async fn run(operator: &Operator, cluster: &Cluster, target: &Target) -> any
         workers.len(),
         target.version
     );
-    for endpoint in &control_planes {
+    for endpoint in control_planes {
         let member = operator.connect(endpoint).await?;
         request(member, target, UpgradeStep::Authorise).await?;
         println!("{endpoint}: components of {} authorised", target.version);
@@ -94,7 +89,7 @@ pub async fn run(operator: &Operator, cluster: &Cluster, target: &Target) -> any
             .with_context(|| format!("{endpoint}: the rollout stops at this control plane"))?;
     }
     let mut failed = Vec::new();
-    for endpoint in &workers {
+    for endpoint in workers {
         let result = match operator.connect(endpoint).await {
             Ok(member) => request(member, target, UpgradeStep::Node).await,
             Err(e) => Err(e),

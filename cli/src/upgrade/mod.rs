@@ -161,16 +161,49 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
     // in the check and in every phase ([`Operator::connect`]).
     let settings = Settings::load(&args.cluster.settings)?;
     let operator = Operator::new(&settings, &args.cluster.workspace, args.cluster.wait())?;
-    every_control_plane_named(&operator, &args.cluster).await?;
+    let roles = Roles::of(&operator, &args.cluster.endpoints).await?;
+    every_control_plane_named(&operator, &roles).await?;
     // The image first: nodes that reboot into the new image during the
     // Kubernetes phase can join again.
     if let Some(image) = &image {
         image::stage(&operator, &args.cluster, image).await?;
     }
     if let Some(target) = &kubernetes {
-        kubernetes::run(&operator, &args.cluster, target).await?;
+        kubernetes::run(&operator, &roles, target).await?;
     }
     Ok(())
+}
+
+/// The nodes named, by the role their attested identity gives them, in
+/// the order named.
+pub struct Roles {
+    /// The control planes' endpoints.
+    pub control_planes: Vec<String>,
+    /// The workers' endpoints.
+    pub workers: Vec<String>,
+    /// The control planes' EKs (`sha256:` and hex).
+    pub control_plane_eks: BTreeSet<String>,
+}
+
+impl Roles {
+    /// Connects to each of `endpoints` once and sorts it by role.
+    async fn of(operator: &Operator, endpoints: &[String]) -> anyhow::Result<Self> {
+        let mut roles = Self {
+            control_planes: Vec::new(),
+            workers: Vec::new(),
+            control_plane_eks: BTreeSet::new(),
+        };
+        for endpoint in endpoints {
+            let member = operator.connect(endpoint).await?;
+            if member.is_control_plane() {
+                roles.control_planes.push(endpoint.clone());
+                roles.control_plane_eks.insert(member.ek.to_string());
+            } else {
+                roles.workers.push(endpoint.clone());
+            }
+        }
+        Ok(roles)
+    }
 }
 
 /// Refuses, before any phase changes anything, while the first control
@@ -178,22 +211,13 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
 /// not named: that one would neither authorise the target's components nor
 /// stage the new image's measurements, and would judge the upgraded nodes
 /// drifted (under the `revoke` policy, revoke them).
-async fn every_control_plane_named(operator: &Operator, cluster: &Cluster) -> anyhow::Result<()> {
-    let mut first = None;
-    let mut named = BTreeSet::new();
-    for endpoint in &cluster.endpoints {
-        let member = operator.connect(endpoint).await?;
-        if member.is_control_plane() {
-            first.get_or_insert_with(|| endpoint.clone());
-            named.insert(member.ek.to_string());
-        }
-    }
+async fn every_control_plane_named(operator: &Operator, roles: &Roles) -> anyhow::Result<()> {
     // Without a control plane, each phase says what it needs.
-    let Some(first) = first else {
+    let Some(first) = roles.control_planes.first() else {
         return Ok(());
     };
-    let registry = crate::status::registry_of(operator, &first).await?;
-    let unnamed = unnamed_control_planes(&registry, &named);
+    let registry = crate::status::registry_of(operator, first).await?;
+    let unnamed = unnamed_control_planes(&registry, &roles.control_plane_eks);
     if !unnamed.is_empty() {
         bail!(
             "{first} knows control planes not named with --endpoint: {}. Each must take the \
