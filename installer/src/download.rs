@@ -15,7 +15,13 @@
 //! Redirects are followed, [`MAX_REDIRECTS`] at most, and never from HTTPS
 //! to another scheme: the hash already fixes the bytes, but a download
 //! begun over TLS does not go on in the clear, where anyone on the path
-//! sees what the node fetches and can cut or stall it unnoticed.
+//! sees what the node fetches and can cut or stall it unnoticed. A plain
+//! HTTP answer may redirect only within its own origin (scheme, host and
+//! port) or to HTTPS: anyone on the path can forge that answer, and the
+//! node must not become their way to send requests to addresses only it
+//! reaches (its own loopback services, the cluster's network, a cloud's
+//! metadata endpoint). Over HTTPS the target must prove a trusted name
+//! before it sees any request.
 //!
 //! TLS is rustls with the *ring* provider and the Mozilla roots (plus any
 //! extra roots for a private mirror), configured here rather than through a
@@ -222,23 +228,44 @@ pub enum RedirectRefused {
     /// More redirects than allowed.
     #[error("more than {0} redirects")]
     TooMany(usize),
+    /// A plain-HTTP redirect to another origin over a scheme other than
+    /// HTTPS.
+    #[error("a plain http redirect to another origin ({0}) is refused; only https may leave it")]
+    LeavesOrigin(String),
 }
 
 /// Follows at most `max` redirects, none of which leaves HTTPS once the
-/// chain has used it. The downloader's policy (with [`MAX_REDIRECTS`]),
-/// and the CLI's for attestation collateral.
+/// chain has used it, and none from plain HTTP to another origin unless to
+/// HTTPS. The downloader's policy (with [`MAX_REDIRECTS`]), and the CLI's
+/// for attestation collateral.
 pub fn redirect_policy(max: usize) -> reqwest::redirect::Policy {
     reqwest::redirect::Policy::custom(move |attempt| {
-        if attempt.previous().len() > max {
-            return attempt.error(RedirectRefused::TooMany(max));
+        match refusal(attempt.url(), attempt.previous(), max) {
+            Some(refused) => attempt.error(refused),
+            None => attempt.follow(),
         }
-        let scheme = attempt.url().scheme().to_owned();
-        let from_https = attempt.previous().iter().any(|u| u.scheme() == "https");
-        if from_https && scheme != "https" {
-            return attempt.error(RedirectRefused::Downgrade(scheme));
-        }
-        attempt.follow()
     })
+}
+
+/// Why the redirect to `next` after the chain `previous` (the first URL
+/// first) is not followed, if it is not.
+fn refusal(next: &Url, previous: &[Url], max: usize) -> Option<RedirectRefused> {
+    if previous.len() > max {
+        return Some(RedirectRefused::TooMany(max));
+    }
+    let scheme = next.scheme();
+    if scheme == "https" {
+        return None;
+    }
+    if previous.iter().any(|u| u.scheme() == "https") {
+        return Some(RedirectRefused::Downgrade(scheme.to_owned()));
+    }
+    match previous.last() {
+        Some(from) if from.origin() == next.origin() => None,
+        _ => Some(RedirectRefused::LeavesOrigin(
+            next.origin().ascii_serialization(),
+        )),
+    }
 }
 
 impl DownloadError {
@@ -561,6 +588,56 @@ fn retry_after(response: &reqwest::Response) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn urls(list: &[&str]) -> Vec<Url> {
+        list.iter().map(|u| Url::parse(u).unwrap()).collect()
+    }
+
+    #[test]
+    fn plain_http_redirects_stay_in_their_origin_or_go_to_https() {
+        let refused = |next: &str, previous: &[&str]| {
+            refusal(&Url::parse(next).unwrap(), &urls(previous), MAX_REDIRECTS)
+        };
+        let mirror = "http://mirror.example:8080/v1/kubelet";
+        // Within the origin, or up to HTTPS anywhere: followed.
+        assert!(refused("http://mirror.example:8080/blobs/1", &[mirror]).is_none());
+        assert!(refused("https://cdn.example/kubelet", &[mirror]).is_none());
+        // Anywhere else in the clear: the node's own loopback, another
+        // port of the same host, another host, a link-local address.
+        for next in [
+            "http://127.0.0.1:10248/healthz",
+            "http://mirror.example:8081/v1/kubelet",
+            "http://mirror.example/v1/kubelet",
+            "http://other.example:8080/v1/kubelet",
+            "http://169.254.169.254/latest/meta-data/",
+            "ftp://mirror.example:8080/v1/kubelet",
+        ] {
+            assert!(
+                matches!(
+                    refused(next, &[mirror]),
+                    Some(RedirectRefused::LeavesOrigin(_))
+                ),
+                "{next}"
+            );
+        }
+        // Hops within the origin go on within it.
+        let within = [mirror, "http://mirror.example:8080/blobs/1"];
+        assert!(refused("http://mirror.example:8080/blobs/2", &within).is_none());
+        assert!(refused("http://127.0.0.1/", &within).is_some());
+        // Once HTTPS, always HTTPS, same origin or not.
+        let via_tls = [mirror, "https://cdn.example/kubelet"];
+        assert!(matches!(
+            refused("http://cdn.example/kubelet", &via_tls),
+            Some(RedirectRefused::Downgrade(_))
+        ));
+        // The refusal names the origin only: no path or query (which may
+        // carry a credential) reaches the log.
+        let text = refused("http://127.0.0.1:10248/x?token=secret", &[mirror])
+            .unwrap()
+            .to_string();
+        assert!(text.contains("http://127.0.0.1:10248"), "{text}");
+        assert!(!text.contains("secret") && !text.contains("/x"), "{text}");
+    }
 
     #[test]
     fn backoff_grows_and_is_capped() {

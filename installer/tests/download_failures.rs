@@ -478,6 +478,64 @@ async fn redirects_never_leave_https_and_are_bounded() {
     assert_nothing_installed(&root.path().join("run/state/bin/down"));
 }
 
+/// Anyone on the path of a plain-HTTP download can answer with a redirect:
+/// followed anywhere, it would make the node send requests to addresses
+/// only the node reaches. Within the mirror's own origin, or up to HTTPS,
+/// a redirect is followed; to any other plain-HTTP origin it is refused
+/// before that origin sees a request.
+#[tokio::test]
+async fn plain_http_redirects_do_not_leave_their_origin_in_the_clear() {
+    let mirror = MirrorServer::start().unwrap();
+    let elsewhere = MirrorServer::start().unwrap();
+    let tls = MirrorServer::start_tls().unwrap();
+    let hash = sha256(&body());
+    for server in [&mirror, &elsewhere, &tls] {
+        server.serve(PATH, body());
+    }
+    mirror.redirect("/here", &mirror.url(PATH));
+    mirror.redirect("/up", &tls.url(PATH));
+    mirror.redirect("/away", &elsewhere.url(PATH));
+    let root = tempfile::tempdir().unwrap();
+    let installer = trusting(root.path(), &tls);
+    let component = |path: &str, name: &str| {
+        Component::new(
+            &mirror.url(path),
+            &hash,
+            &format!("/run/state/bin/{name}"),
+            false,
+        )
+        .unwrap()
+    };
+
+    installer
+        .install(&component("/here", "here"), &NoProgress)
+        .await
+        .unwrap();
+    installer
+        .install(&component("/up", "up"), &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(tls.requests(PATH), 1);
+    assert_eq!(
+        std::fs::read(root.path().join("run/state/bin/up")).unwrap(),
+        body()
+    );
+
+    let err = installer
+        .install(&component("/away", "away"), &NoProgress)
+        .await
+        .unwrap_err();
+    let text = chain(&err);
+    assert!(
+        text.contains("a plain http redirect to another origin"),
+        "{text}"
+    );
+    assert!(text.contains(&elsewhere.base_url()), "{text}");
+    assert_eq!(elsewhere.total_requests(), 0);
+    assert_eq!(mirror.requests("/away"), 1, "not retried");
+    assert_nothing_installed(&root.path().join("run/state/bin/away"));
+}
+
 /// A crash (or a power cut) during a download or an extraction leaves the
 /// temporary file or staging directory beside the components: unmeasured
 /// bytes in a directory the kubelet or the CNI runs from. The next install
