@@ -34,7 +34,6 @@ use keel_verifier::config::NodeConfig;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurements::{Expected, Measurements};
 use keel_verifier::validator::{Validator, Verified};
-use sha2::Digest as _;
 use tonic::transport::Endpoint;
 
 const CLIENTS: usize = 100;
@@ -135,7 +134,7 @@ fn config_json(ca: &EkCa, init_port: u16, join_port: u16) -> String {
             "ek_ca_pem": ek_ca,
             "init_port": init_port,
             "join_port": join_port,
-            "init_secret_hash": format!("sha256:{}", hex::encode(sha2::Sha256::digest(b"footprint"))),
+            "init_secret_hash": keel_verifier::init_secret::hash(b"footprint").unwrap(),
         },
         "node": {"name": "cp-0", "role": "control-plane"},
     })

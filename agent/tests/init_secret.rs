@@ -19,7 +19,6 @@ use keel_testkit::swtpm::EkCa;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::validator::{Validator, Verified};
 use prost::Message as _;
-use sha2::Digest as _;
 use tonic::transport::Endpoint;
 
 const SECRET: &[u8] = b"the right init secret";
@@ -27,8 +26,7 @@ const SECRET: &[u8] = b"the right init secret";
 /// Serves `node`'s init API on a free port; returns the address.
 async fn serve(node: &Joiner) -> std::net::SocketAddr {
     let mut config = node.config.clone();
-    config.cluster.init_secret_hash =
-        format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
+    config.cluster.init_secret_hash = keel_verifier::init_secret::hash(SECRET).unwrap();
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let mut served = node.node(Arc::new(ClusterSlot::new(None)));
     served.config = config;

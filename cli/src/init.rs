@@ -30,20 +30,13 @@ use crate::workspace::{
 /// Writes `data` to `path` with mode 0600, refusing to replace an existing
 /// file, and syncs the file and its directory: the secret is on disk before
 /// any node can receive it.
-fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {
+fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .with_context(|| {
-            format!(
-                "creating {} (an existing master secret is never replaced: if an earlier \
-                 init sent it, a node holds it; keep the file and give this init another \
-                 --workspace)",
-                path.display()
-            )
-        })?;
+        .with_context(|| format!("creating {} ({if_exists})", path.display()))?;
     f.write_all(data)?;
     f.sync_all()?;
     let dir = parent_dir(path);
@@ -51,6 +44,21 @@ fn write_new_secret_file(path: &Path, data: &[u8]) -> anyhow::Result<()> {
         .and_then(|d| d.sync_all())
         .with_context(|| format!("syncing {}", dir.display()))?;
     Ok(())
+}
+
+/// `keel init-secret`: writes a new init secret (32 random bytes as 64 hex
+/// digits) to `path`, mode 0600, never replacing a file; returns its hash
+/// for the node config's `cluster.init_secret_hash`.
+pub fn new_init_secret(path: &Path) -> anyhow::Result<String> {
+    let secret = Zeroizing::new(hex::encode(&*random32()));
+    let hash = keel_verifier::init_secret::hash(secret.as_bytes())
+        .map_err(|e| anyhow::anyhow!("hashing the init secret: {e}"))?;
+    write_new_secret_file(
+        path,
+        secret.as_bytes(),
+        "an existing init secret is never replaced: its hash may be in a node config already",
+    )?;
+    Ok(hash)
 }
 
 /// The directory `path` is in (`.` for a bare name).
@@ -167,9 +175,9 @@ pub async fn run(
             if secret.len() < MIN_INIT_SECRET_BYTES {
                 bail!(
                     "{} holds {} bytes; an init secret needs at least {MIN_INIT_SECRET_BYTES}: \
-                     its SHA-256 is in the node's measured config, which anyone who connects \
+                     its hash is in the node's measured config, which anyone who connects \
                      to the node can read, so a short one can be guessed offline (make one \
-                     with `head -c 32 /dev/urandom | base64 > FILE`); nothing was sent",
+                     with `keel init-secret FILE`); nothing was sent",
                     path.display(),
                     secret.len()
                 );
@@ -194,7 +202,12 @@ pub async fn run(
         salt: hex::encode(&*master_salt),
         measurement_salt: hex::encode(&*measurement_salt),
     })?);
-    write_new_secret_file(&secret_path, &secret_json)?;
+    write_new_secret_file(
+        &secret_path,
+        &secret_json,
+        "an existing master secret is never replaced: if an earlier init sent it, a node \
+         holds it; keep the file and give this init another --workspace",
+    )?;
     eprintln!(
         "master secret written to {} (mode 0600): keep it to recover the cluster",
         secret_path.display()

@@ -80,6 +80,16 @@ enum Command {
         #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
         timeout: u64,
     },
+    /// Make a new init secret: 32 random bytes (as 64 hex digits) written
+    /// to FILE with mode 0600, never over an existing file. Prints the value
+    /// for the node config's `cluster.init_secret_hash` (an argon2id hash
+    /// with a fresh salt); name FILE as `init_secret_file` in the settings
+    /// of `keel init`.
+    InitSecret {
+        /// Where to write the secret.
+        #[arg(value_name = "FILE")]
+        out: PathBuf,
+    },
     /// Fill the CPU collateral cache (SEV-SNP VCEKs, TDX collateral) from
     /// AMD's KDS or Intel's PCS, once, for the evidence of a node: the
     /// only network access keel makes for CPU evidence.
@@ -273,6 +283,16 @@ fn main() -> ExitCode {
             }
             Command::Upgrade { command } => upgrade::run(command).await,
             Command::Collateral { command } => collateral::run(command).await,
+            Command::InitSecret { out } => {
+                let hash = init::new_init_secret(&out)?;
+                eprintln!(
+                    "init secret written to {} (mode 0600); its hash for the node config's \
+                     cluster.init_secret_hash:",
+                    out.display()
+                );
+                println!("{hash}");
+                Ok(())
+            }
             Command::Recover {
                 settings,
                 endpoint,

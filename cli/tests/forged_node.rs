@@ -79,12 +79,15 @@ struct Victim {
 /// The real node: its own swtpm with an EK certificate from `ca`, its config
 /// measured as the agent measures it.
 fn victim(ca: &EkCa) -> Victim {
-    node_with(ca, harness::control_plane_config(NO_SECRET_HASH))
+    node_with(ca, harness::control_plane_config(&no_secret_hash()))
 }
 
-/// An init secret hash no secret matches (nothing reaches these nodes).
-const NO_SECRET_HASH: &str =
-    "sha256:0000000000000000000000000000000000000000000000000000000000000000";
+/// An init secret hash no secret the tests know matches (nothing reaches
+/// these nodes).
+fn no_secret_hash() -> String {
+    let unknown: [u8; 32] = rand::random();
+    keel_verifier::init_secret::hash(&unknown).unwrap()
+}
 
 /// The CLI's settings for the node at `endpoint`, expecting the victim's
 /// measurements.
@@ -217,7 +220,7 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
     let ca = EkCa::new().unwrap();
     let doc = serde_json::json!({
         "cluster": {
-            "init_secret_hash": "sha256:0000000000000000000000000000000000000000000000000000000000000000",
+            "init_secret_hash": no_secret_hash(),
             "attestation": {
                 "variant": "sev-snp",
                 "sev_snp": {
@@ -316,7 +319,7 @@ impl RecoveryService for Recorder {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
     let ca = EkCa::new().unwrap();
-    let mut config = harness::control_plane_config(NO_SECRET_HASH);
+    let mut config = harness::control_plane_config(&no_secret_hash());
     config.node.role = keel_verifier::config::Role::Worker;
     let node = node_with(&ca, config);
     let served = Served::start(&ca, &node, Arc::new(TpmIssuer::new(node.tpm.clone()))).await;
@@ -344,10 +347,8 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
 /// says what it dropped, and gives up at its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
-    use sha2::Digest as _;
     let ca = EkCa::new().unwrap();
-    let hash = format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
-    let node = node_with(&ca, harness::control_plane_config(&hash));
+    let node = node_with(&ca, harness::control_plane_config(&harness::secret_hash()));
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
     let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
 

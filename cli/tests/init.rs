@@ -592,3 +592,44 @@ async fn a_new_workspace_is_private() {
     assert_eq!(mode(&ws.join("keel-admin.conf")), 0o600);
     assert_eq!(mode(&ws.join("keel-master-secret.json")), 0o600);
 }
+
+/// `keel init-secret FILE` makes a secret only its file holds (0600, 64 hex
+/// digits) and prints a salted hash a node config accepts and that matches
+/// only that secret; it never replaces a secret that may already be in use.
+#[test]
+fn init_secret_writes_a_private_secret_and_prints_its_hash() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("init-secret");
+    let run = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_keel"))
+            .arg("init-secret")
+            .arg(&path)
+            .output()
+            .unwrap()
+    };
+    let out = run();
+    assert!(out.status.success(), "{}", text(&out));
+    let secret = std::fs::read(&path).unwrap();
+    assert_eq!(secret.len(), 64);
+    assert!(secret.iter().all(u8::is_ascii_hexdigit));
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let hash = String::from_utf8(out.stdout.clone()).unwrap();
+    let hash = hash.trim_end();
+    assert!(!hash.contains(std::str::from_utf8(&secret).unwrap()));
+    keel_verifier::init_secret::check(hash).unwrap();
+    assert!(keel_verifier::init_secret::matches(hash, &secret));
+    assert!(!keel_verifier::init_secret::matches(hash, SECRET));
+    let doc = serde_json::json!({"cluster": {"init_secret_hash": hash}});
+    let config = NodeConfig::parse(&serde_json::to_vec(&doc).unwrap(), Path::new("t")).unwrap();
+    assert!(config.init_secret_matches(&secret));
+
+    let again = run();
+    assert!(!again.status.success());
+    assert!(
+        text(&again).contains("an existing init secret is never replaced"),
+        "{}",
+        text(&again)
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), secret);
+}

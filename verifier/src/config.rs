@@ -11,8 +11,6 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest as _, Sha256};
-use subtle::ConstantTimeEq;
 
 use crate::cpu::{AttestationConfig, CpuPolicy};
 use crate::signature::SigningPublicKey;
@@ -87,7 +85,8 @@ impl Role {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
-    /// `sha256:<hex>` of the init secret; empty disables the init server.
+    /// The init secret's argon2id hash ([`crate::init_secret`]); empty
+    /// disables the init server.
     #[serde(default)]
     pub init_secret_hash: String,
     /// Join service endpoints (`host:port`) of the control plane, tried in turn.
@@ -297,9 +296,9 @@ impl NodeConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         let c = &self.cluster;
         if !c.init_secret_hash.is_empty() {
-            parse_sha256(&c.init_secret_hash).ok_or_else(|| ConfigError::Invalid {
+            crate::init_secret::check(&c.init_secret_hash).map_err(|why| ConfigError::Invalid {
                 field: "cluster.init_secret_hash",
-                reason: "expected sha256:<64 hex digits>".into(),
+                reason: why.to_string(),
             })?;
         }
         for e in &c.control_plane_endpoints {
@@ -351,13 +350,11 @@ impl NodeConfig {
         )
     }
 
-    /// Whether `secret` hashes to the configured init secret hash, compared
-    /// in constant time. False when no hash is configured.
+    /// Whether `secret` hashes to the configured init secret hash
+    /// ([`crate::init_secret::matches`]: memory-hard, so call it off an
+    /// async runtime). False when no hash is configured.
     pub fn init_secret_matches(&self, secret: &[u8]) -> bool {
-        match parse_sha256(&self.cluster.init_secret_hash) {
-            Some(expected) => bool::from(Sha256::digest(secret).as_slice().ct_eq(&expected)),
-            None => false,
-        }
+        crate::init_secret::matches(&self.cluster.init_secret_hash, secret)
     }
 }
 
@@ -366,13 +363,6 @@ impl NodeConfig {
 fn canonical<T: Serialize>(value: &T) -> Vec<u8> {
     // Serialising these plain structs cannot fail.
     serde_json::to_vec(value).unwrap_or_default()
-}
-
-fn parse_sha256(s: &str) -> Option<[u8; 32]> {
-    let hex_digits = s.strip_prefix("sha256:")?;
-    let mut out = [0u8; 32];
-    hex::decode_to_slice(hex_digits, &mut out).ok()?;
-    Some(out)
 }
 
 /// Reads a file of at most [`MAX_CONFIG_BYTES`].
@@ -502,13 +492,19 @@ mod tests {
 
     #[test]
     fn init_secret_compare() {
-        let hash = hex::encode(Sha256::digest(b"secret"));
-        let c = parse(&format!(
-            r#"{{"cluster":{{"init_secret_hash":"sha256:{hash}"}}}}"#
-        ))
-        .unwrap();
+        let hash = crate::init_secret::hash(b"secret").unwrap();
+        let c = parse(&format!(r#"{{"cluster":{{"init_secret_hash":"{hash}"}}}}"#)).unwrap();
         assert!(c.init_secret_matches(b"secret"));
         assert!(!c.init_secret_matches(b"secreT"));
+        // The fast hash of earlier configs is refused, not matched.
+        let fast = format!("sha256:{}", "00".repeat(32));
+        assert!(matches!(
+            parse(&format!(r#"{{"cluster":{{"init_secret_hash":"{fast}"}}}}"#)),
+            Err(ConfigError::Invalid {
+                field: "cluster.init_secret_hash",
+                ..
+            })
+        ));
         assert!(!NodeConfig::default().init_secret_matches(b""));
     }
 

@@ -13,6 +13,7 @@ pub mod config;
 pub mod cpu;
 pub mod credential;
 pub mod ek;
+pub mod init_secret;
 pub mod keys;
 pub mod measurement;
 pub mod measurements;

@@ -171,12 +171,15 @@ impl InitServer {
         let secrets = InitSecrets::decode(opened.as_slice())
             .map_err(|_| InitError::InvalidRequest("sealed secrets do not decode".into()))?;
         let secrets = SecretsGuard(secrets);
-        if !self
-            .inner
-            .node
-            .config
-            .init_secret_matches(&secrets.0.init_secret)
-        {
+        // Memory-hard: checked off the runtime's workers.
+        let config = self.inner.node.config.clone();
+        let (secrets, matches) = tokio::task::spawn_blocking(move || {
+            let matches = config.init_secret_matches(&secrets.0.init_secret);
+            (secrets, matches)
+        })
+        .await
+        .map_err(|_| InitError::Tpm)?;
+        if !matches {
             return Err(InitError::WrongInitSecret);
         }
         Ok((secrets, own_ek))

@@ -47,7 +47,6 @@ use keel_verifier::measurement::EventType;
 use keel_verifier::measurements::{Expected, Measurements};
 use keel_verifier::tpm_wire::Public;
 use rand::RngCore as _;
-use sha2::Digest as _;
 
 /// The digest of the EK of the TPM behind `tpm`: what its disk keys are
 /// bound to.
@@ -687,8 +686,7 @@ impl Joiner {
     /// into the config); with the state disk when `disk`.
     pub fn init_server(&self, secret: &[u8], disk: bool) -> InitServer {
         let mut config = self.config.clone();
-        config.cluster.init_secret_hash =
-            format!("sha256:{}", hex::encode(sha2::Sha256::digest(secret)));
+        config.cluster.init_secret_hash = keel_verifier::init_secret::hash(secret).unwrap();
         InitServer::new(Node {
             config,
             tpm: self.tpm.clone(),

@@ -20,8 +20,10 @@ pub const SECRET: &[u8] = b"correct horse battery staple init secret";
 
 /// [`SECRET`] as a node config names it.
 pub fn secret_hash() -> String {
-    use sha2::Digest as _;
-    format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)))
+    // One salt per test process: configs built apart measure the same.
+    static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HASH.get_or_init(|| keel_verifier::init_secret::hash(SECRET).unwrap())
+        .clone()
 }
 
 /// The config of control-plane node `cp-0`, accepting init secrets whose

@@ -14,7 +14,6 @@ use keel_verifier::config::{
 use keel_verifier::measurements::{Expected, Measurements};
 use rand::RngCore as _;
 use serde::Serialize;
-use sha2::{Digest as _, Sha256};
 
 use super::{io, MiniError};
 
@@ -100,7 +99,8 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), MiniError>
 }
 
 /// Creates a random init secret (64 hex digits) in `path` with mode 0600
-/// and returns its hash as the node config names it (`sha256:<hex>`).
+/// and returns its hash as the node config names it (argon2id,
+/// [`keel_verifier::init_secret`]).
 pub fn init_secret(path: &Path) -> Result<String, MiniError> {
     let mut bytes = [0u8; 32];
     rand::rngs::OsRng.fill_bytes(&mut bytes);
@@ -112,7 +112,8 @@ pub fn init_secret(path: &Path) -> Result<String, MiniError> {
         .open(path)
         .map_err(io(path))?;
     file.write_all(secret.as_bytes()).map_err(io(path))?;
-    Ok(format!("sha256:{}", hex::encode(Sha256::digest(secret))))
+    keel_verifier::init_secret::hash(secret.as_bytes())
+        .map_err(|e| io(path)(std::io::Error::other(e.to_string())))
 }
 
 /// The measurements of `uki` booted with `config`: PCRs 4, 9, 11 from the
