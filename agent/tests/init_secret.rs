@@ -140,3 +140,49 @@ async fn a_locked_node_refuses_init_before_opening_anything() {
         assert_eq!(code, tonic::Code::FailedPrecondition);
     }
 }
+
+/// Attacker's move: send a wrong init secret and go away before the node
+/// answers, so that the failure is never counted against the address and
+/// the memory-hard check runs again at once. The request counts as its
+/// address's failure from the moment it reaches the TPM: the next request
+/// from that address is held back, though the first never got an answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_goes_away_still_counts_against_its_address() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "cp-0", "control-plane");
+    let addr = serve(&node).await;
+    // What the node's check of a secret costs in this build.
+    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
+    let started = std::time::Instant::now();
+    assert!(!keel_verifier::init_secret::matches(&hash, b"guess"));
+    let check = started.elapsed();
+
+    let measurements = join_common::measurements_of(&node.tpm, &[4, 9, 11, 12, 15]);
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let client =
+        AtlsClient::<Verified>::server_attested(Arc::new(Validator::new(measurements, trust)));
+    let bound = client
+        .bind_channel(Endpoint::from_shared(format!("http://{addr}")).unwrap())
+        .await
+        .unwrap();
+    let request = InitRequest {
+        secrets: Some(node.sealed(&secrets(b"guess"))),
+        ..InitRequest::default()
+    };
+    // Gone halfway through the node's check.
+    let mut service = InitServiceClient::new(bound.channel);
+    let gone = tokio::time::timeout(check / 2, service.init(request)).await;
+    assert!(
+        gone.is_err(),
+        "the node answered before its check could end"
+    );
+    drop(service);
+
+    let code = init(&ca, &node, addr, node.sealed(&secrets(SECRET)), "c").await;
+    assert_eq!(
+        code,
+        tonic::Code::ResourceExhausted,
+        "the request that went away was not counted"
+    );
+    node.assert_untouched();
+}

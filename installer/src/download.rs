@@ -620,6 +620,16 @@ mod tests {
                 "{next}"
             );
         }
+        // The origin as the URL standard has it: case, a default port
+        // spelled out and credentials do not make another origin.
+        let plain = "http://mirror.example/v1/kubelet";
+        for next in [
+            "HTTP://MIRROR.example/blobs/1",
+            "http://mirror.example:80/blobs/1",
+            "http://user:pass@mirror.example/blobs/1",
+        ] {
+            assert!(refused(next, &[plain]).is_none(), "{next}");
+        }
         // Hops within the origin go on within it.
         let within = [mirror, "http://mirror.example:8080/blobs/1"];
         assert!(refused("http://mirror.example:8080/blobs/2", &within).is_none());

@@ -295,7 +295,13 @@ impl NodeConfig {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let c = &self.cluster;
-        if !c.init_secret_hash.is_empty() {
+        if crate::init_secret::is_legacy_sha256(&c.init_secret_hash) {
+            tracing::warn!(
+                "cluster.init_secret_hash is a SHA-256, the form before argon2id: this node \
+                 takes no init (a member's config keeps its measurement); a new cluster's \
+                 config needs the hash `keel init-secret` prints"
+            );
+        } else if !c.init_secret_hash.is_empty() {
             crate::init_secret::check(&c.init_secret_hash).map_err(|why| ConfigError::Invalid {
                 field: "cluster.init_secret_hash",
                 reason: why.to_string(),
@@ -496,15 +502,25 @@ mod tests {
         let c = parse(&format!(r#"{{"cluster":{{"init_secret_hash":"{hash}"}}}}"#)).unwrap();
         assert!(c.init_secret_matches(b"secret"));
         assert!(!c.init_secret_matches(b"secreT"));
-        // The fast hash of earlier configs is refused, not matched.
-        let fast = format!("sha256:{}", "00".repeat(32));
-        assert!(matches!(
-            parse(&format!(r#"{{"cluster":{{"init_secret_hash":"{fast}"}}}}"#)),
-            Err(ConfigError::Invalid {
-                field: "cluster.init_secret_hash",
-                ..
-            })
-        ));
+        // The SHA-256 of earlier configs still parses (a member's config
+        // keeps its measurement), but no secret matches it, its own
+        // preimage included; anything else that is not argon2id is refused.
+        use sha2::Digest as _;
+        let fast = hex::encode(sha2::Sha256::digest(b"secret"));
+        let c = parse(&format!(
+            r#"{{"cluster":{{"init_secret_hash":"sha256:{fast}"}}}}"#
+        ))
+        .unwrap();
+        assert!(!c.init_secret_matches(b"secret"));
+        for bad in [format!("sha256:{}", &fast[2..]), format!("sha512:{fast}")] {
+            assert!(matches!(
+                parse(&format!(r#"{{"cluster":{{"init_secret_hash":"{bad}"}}}}"#)),
+                Err(ConfigError::Invalid {
+                    field: "cluster.init_secret_hash",
+                    ..
+                })
+            ));
+        }
         assert!(!NodeConfig::default().init_secret_matches(b""));
     }
 

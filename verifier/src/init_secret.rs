@@ -64,6 +64,16 @@ pub fn hash(secret: &[u8]) -> Result<String, argon2::password_hash::Error> {
         .to_string())
 }
 
+/// Whether `value` is the SHA-256 form (`sha256:` and 64 hex digits) that
+/// configs named before argon2id: still parsed, so that a cluster's locked
+/// members keep their measured config across an image upgrade, but no
+/// secret matches it, so a node whose config names one takes no init.
+pub fn is_legacy_sha256(value: &str) -> bool {
+    value
+        .strip_prefix("sha256:")
+        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Checks that `phc` is a hash [`matches`] accepts.
 pub fn check(phc: &str) -> Result<(), InitSecretHashError> {
     parse(phc).map(|_| ())
@@ -122,6 +132,22 @@ mod tests {
     }
 
     #[test]
+    fn the_sha256_form_is_recognised_and_matches_nothing() {
+        let digest = "ab".repeat(32);
+        assert!(is_legacy_sha256(&format!("sha256:{digest}")));
+        assert!(!matches(&format!("sha256:{digest}"), SECRET));
+        for other in [
+            format!("sha256:{}", &digest[1..]),
+            format!("sha256:{digest}0"),
+            format!("sha256:{}", "zz".repeat(32)),
+            format!("SHA256:{digest}"),
+            String::new(),
+        ] {
+            assert!(!is_legacy_sha256(&other), "{other}");
+        }
+    }
+
+    #[test]
     fn each_hash_has_its_own_salt() {
         let (a, b) = (hash(SECRET).unwrap(), hash(SECRET).unwrap());
         assert_ne!(a, b);
@@ -159,15 +185,24 @@ mod tests {
             assert!(!matches(&phc, SECRET), "{phc}");
         }
         assert_eq!(check(&with(MIN_MEMORY_KIB, MIN_PASSES, 1)), Ok(()));
-        let short_salt = {
-            let params = Params::new(MEMORY_KIB, PASSES, 1, Some(HASH_BYTES)).unwrap();
-            let salt = SaltString::encode_b64(&[7u8; 8]).unwrap();
+        let shaped = |salt_bytes: usize, hash_bytes: usize| {
+            let params = Params::new(MEMORY_KIB, PASSES, 1, Some(hash_bytes)).unwrap();
+            let salt = SaltString::encode_b64(&vec![7u8; salt_bytes]).unwrap();
             Argon2::new(Algorithm::Argon2id, Version::V0x13, params)
                 .hash_password(SECRET, &salt)
                 .unwrap()
                 .to_string()
         };
-        assert_eq!(check(&short_salt), Err(InitSecretHashError::Lengths));
-        assert!(!matches(&short_salt, SECRET));
+        for (salt, out) in [
+            (8, HASH_BYTES),
+            (MIN_SALT_BYTES - 1, HASH_BYTES),
+            (16, 16),
+            (16, 64),
+        ] {
+            let phc = shaped(salt, out);
+            assert_eq!(check(&phc), Err(InitSecretHashError::Lengths), "{phc}");
+            assert!(!matches(&phc, SECRET), "{phc}");
+        }
+        assert_eq!(check(&shaped(MIN_SALT_BYTES, HASH_BYTES)), Ok(()));
     }
 }

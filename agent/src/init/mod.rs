@@ -70,6 +70,9 @@ pub enum InitError {
     /// The TPM could not be used.
     #[error("the TPM is unavailable")]
     Tpm,
+    /// A task of the check ended without its result (it panicked).
+    #[error("an internal task failed")]
+    Internal,
     /// The peer sent wrong init secrets and must wait this many seconds.
     #[error("too many wrong init secrets from this address; retry in {0} s")]
     Throttled(u64),
@@ -92,6 +95,7 @@ impl From<&InitError> for tonic::Status {
                 tonic::Code::FailedPrecondition
             }
             InitError::Lock(_) | InitError::Tpm => tonic::Code::Unavailable,
+            InitError::Internal => tonic::Code::Internal,
             InitError::Throttled(_) => tonic::Code::ResourceExhausted,
         };
         tonic::Status::new(code, e.to_string())
@@ -126,6 +130,9 @@ struct Inner {
     node: Node,
     throttle: FailureThrottle,
     opening: tokio::sync::Mutex<()>,
+    /// One init secret check at a time, held by the check itself: a
+    /// request whose client goes away ends, its check does not.
+    checking: Arc<tokio::sync::Semaphore>,
 }
 
 /// The opened secrets of a request, wiped when dropped.
@@ -147,6 +154,7 @@ impl InitServer {
                 node,
                 throttle: FailureThrottle::default(),
                 opening: tokio::sync::Mutex::new(()),
+                checking: Arc::new(tokio::sync::Semaphore::new(1)),
             }),
         }
     }
@@ -171,14 +179,23 @@ impl InitServer {
         let secrets = InitSecrets::decode(opened.as_slice())
             .map_err(|_| InitError::InvalidRequest("sealed secrets do not decode".into()))?;
         let secrets = SecretsGuard(secrets);
-        // Memory-hard: checked off the runtime's workers.
-        let config = self.inner.node.config.clone();
+        // Memory-hard: checked off the runtime's workers, one at a time
+        // even when the requests that started them are gone.
+        let hash = self.inner.node.config.cluster.init_secret_hash.clone();
+        let permit = self
+            .inner
+            .checking
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| InitError::Internal)?;
         let (secrets, matches) = tokio::task::spawn_blocking(move || {
-            let matches = config.init_secret_matches(&secrets.0.init_secret);
+            let matches = keel_verifier::init_secret::matches(&hash, &secrets.0.init_secret);
+            drop(permit);
             (secrets, matches)
         })
         .await
-        .map_err(|_| InitError::Tpm)?;
+        .map_err(|_| InitError::Internal)?;
         if !matches {
             return Err(InitError::WrongInitSecret);
         }
@@ -213,20 +230,16 @@ impl InitServer {
         let sealed = request
             .secrets
             .ok_or_else(|| InitError::InvalidRequest("sealed secrets missing".into()))?;
+        // Every request that reaches the TPM counts as a failure of its
+        // address until it opens to the right secret: one that does not
+        // open has cost the TPM as much as one with a wrong secret, and one
+        // whose client goes away midway (this future dropped) has cost the
+        // TPM and the secret's check all the same.
+        let counted = peer.map(|ip| (ip, self.inner.throttle.failed(ip)));
         let (secrets, own_ek) = match self.open(sealed).await {
             Ok(opened) => opened,
             Err(e) => {
-                // Every request that reached the TPM and did not open to the
-                // right secret is throttled: one that does not open has cost
-                // the TPM as much as one with a wrong secret.
-                if let (
-                    Some(ip),
-                    InitError::Sealed(_)
-                    | InitError::InvalidRequest(_)
-                    | InitError::WrongInitSecret,
-                ) = (peer, &e)
-                {
-                    let (failures, wait) = self.inner.throttle.failed(ip);
+                if let Some((ip, (failures, wait))) = counted {
                     tracing::warn!(
                         peer = %ip,
                         failures,
@@ -248,7 +261,7 @@ impl InitServer {
             let initialised =
                 tokio::task::spawn_blocking(move || disk.cryptsetup.is_luks(&disk.device))
                     .await
-                    .map_err(|_| InitError::Tpm)?
+                    .map_err(|_| InitError::Internal)?
                     .unwrap_or(false);
             if initialised {
                 return Err(InitError::DiskInitialised);
