@@ -185,6 +185,11 @@ impl OperatorKeySlot {
         *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(key);
     }
 
+    /// Whether a key is kept.
+    pub fn is_set(&self) -> bool {
+        self.get().is_some()
+    }
+
     fn get(&self) -> Option<OperatorKey> {
         self.0
             .lock()

@@ -58,6 +58,45 @@ async fn a_node_keeps_retrying_until_the_join_service_is_up() {
     assert!(node.root.join("etc/kubernetes/kubelet.conf").is_file());
 }
 
+/// Attacker's move: time an operator request (an upgrade, with the
+/// operator's proof) to reach a node while it is still being provisioned
+/// (the host reboots it as the rollout reaches it, and stalls its
+/// downloads), so the upgrade's switch and the join's install run at once.
+/// The operator key comes with the ticket, but the node takes it into use
+/// only once the join has finished: until then operator requests are
+/// refused for want of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_key_is_taken_into_use_only_once_the_node_is_provisioned() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let _service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+    let node = joiner(&ca, &ca, port, "w-1", "worker");
+    let slot = std::sync::Arc::new(keel_agent::operator::OperatorKeySlot::default());
+    let client = node
+        .client_with_kubeadm_env(&ca, &[("KEEL_STANDIN_SLEEP", "3")])
+        .with_operator_key_slot(slot.clone());
+    let run = tokio::spawn(client.run());
+    // The ticket arrived (the node is locked); kubeadm join is still on.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !node.lock.is_locked() {
+        assert!(std::time::Instant::now() < deadline, "no ticket");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!run.is_finished());
+    assert!(
+        !slot.is_set(),
+        "the operator key was in use during the join"
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(90), run)
+        .await
+        .expect("the join did not finish")
+        .unwrap();
+    assert!(matches!(outcome, JoinOutcome::Joined { .. }), "{outcome:?}");
+    assert!(slot.is_set());
+}
+
 /// Attacker's move: a compromised worker of the cluster serves the join
 /// port (the host sends a joining node's connection to it). It runs the
 /// cluster's image under the cluster's lock, so image and PCR 15 match;

@@ -237,8 +237,26 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
     let mut unproven = cp.request(to_new.clone());
     unproven.proof = vec![0; 32];
     assert_eq!(code(cp.run(&unproven).await), tonic::Code::PermissionDenied);
-    let foreign = worker.request(to_new.clone());
+    // Another node's key over this node's own challenge: the challenge
+    // is good, the proof is not this node's.
+    let challenge = cp.server.challenge().to_vec();
+    let foreign = UpgradeRequest {
+        proof: worker.key.prove(UPGRADE, &challenge, &to_new).to_vec(),
+        plan: to_new.clone(),
+        challenge,
+    };
     assert_eq!(code(cp.run(&foreign).await), tonic::Code::PermissionDenied);
+    // And this node's key over another node's challenge.
+    let challenge = worker.server.challenge().to_vec();
+    let elsewhere = UpgradeRequest {
+        proof: cp.key.prove(UPGRADE, &challenge, &to_new).to_vec(),
+        plan: to_new.clone(),
+        challenge,
+    };
+    assert_eq!(
+        code(cp.run(&elsewhere).await),
+        tonic::Code::PermissionDenied
+    );
     let skip = cp.request(plan("v1.32", None, UpgradeStep::Apply));
     let refused = cp.run(&skip).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
@@ -272,6 +290,20 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
         "{}",
         refused.message()
     );
+    // Nor does a control plane authorise such plans for its members'
+    // evidence: every node would refuse them.
+    for (version, components, why) in [
+        ("v1.32", None, "next minor version"),
+        (
+            TO,
+            Some(&without_cni[..]),
+            "installs nothing into /opt/cni/bin",
+        ),
+    ] {
+        let authorise = cp.request(plan(version, components, UpgradeStep::Authorise));
+        let refused = cp.run(&authorise).await.unwrap_err();
+        assert!(refused.message().contains(why), "{}", refused.message());
+    }
     assert_eq!(cp.version(), FROM);
     cp.assert_no_staging_left();
 

@@ -646,6 +646,24 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         text(&out)
     );
     assert!(!staged_file.exists());
+    // And for the end of an image rollout, which the left-out control plane
+    // would never see: it would go on accepting the old image.
+    let out = operator_cmd(vec![
+        "upgrade".into(),
+        "finish".into(),
+        "--image-measurements".into(),
+        other_file.to_str().unwrap().to_owned(),
+    ])
+    .await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!(
+            "knows control planes not named with --endpoint: cp-9 ({other_cp})"
+        )),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("nothing was changed"), "{}", text(&out));
 
     // `keel verify --cluster-id`: locked into exactly that cluster, or not.
     for (id, member) in [

@@ -322,7 +322,9 @@ impl JoinClient {
         };
         tracing::info!(cluster_id = %hex::encode(ticket.cluster_id), "node locked for join");
         self.learn_endpoints(&ticket.control_plane_endpoints);
-        self.operator_key.set(ticket.operator_key.clone());
+        // Taken into use once the node is provisioned: an operator request
+        // (an upgrade) must not run while the join installs components.
+        let operator_key = ticket.operator_key.clone();
         let (plan, join) = self.join_plan(&ticket, disk_uuid, &kubelet, is_control_plane);
         let cluster_id = ticket.cluster_id;
         let revocations = ticket
@@ -344,6 +346,7 @@ impl JoinClient {
         .await;
         match settle(&p, result).await {
             Ok(()) => {
+                self.operator_key.set(operator_key);
                 tracing::info!("this node joined the cluster");
                 JoinOutcome::Joined { cluster_id }
             }
@@ -392,7 +395,8 @@ impl JoinClient {
             Err(outcome) => return outcome,
         };
         self.learn_endpoints(&ticket.control_plane_endpoints);
-        self.operator_key.set(ticket.operator_key.clone());
+        // As for a join: not while the recorded components are reinstalled.
+        let operator_key = ticket.operator_key.clone();
         let plan = Plan {
             disk: DiskStep::Open {
                 key: ticket.disk_key,
@@ -424,9 +428,12 @@ impl JoinClient {
         }
         .await;
         match settle(&p, result).await {
-            Ok(()) => JoinOutcome::Rejoined {
-                cluster_id: ticket.cluster_id,
-            },
+            Ok(()) => {
+                self.operator_key.set(operator_key);
+                JoinOutcome::Rejoined {
+                    cluster_id: ticket.cluster_id,
+                }
+            }
             Err(outcome) => outcome,
         }
     }

@@ -277,7 +277,16 @@ impl Upgrader {
 
     /// On a control plane: authorises the components of `target` for its
     /// members' evidence (state, facts), before any node switches to them.
+    /// Only a target this control plane could move to itself (or runs
+    /// already, for a rollout run again) is authorised: a downgrade, a
+    /// skipped minor version or a plan that leaves out a directory it runs
+    /// components from, which every node would refuse, authorises nothing.
     pub fn authorise(&self, target: &Target) -> Result<(), UpgradeError> {
+        let current = self.current()?;
+        if current.version != target.version {
+            current.version.upgrade_to(target.version)?;
+        }
+        covers(&current, target)?;
         change_state(&self.cluster, self.env.root(), |state| {
             Ok::<_, UpgradeError>(state.authorising(&target.components))
         })?

@@ -661,6 +661,15 @@ fn with_tpm(config: NodeConfig, dir: NodeDir, disk: PathBuf) -> Joiner {
 impl Joiner {
     /// The join client, with short pauses.
     pub fn client(&self, ca: &EkCa) -> JoinClient {
+        self.client_with_kubeadm_env(ca, &[])
+    }
+
+    /// [`Joiner::client`] with `extra` in the stand-in kubeadm's environment.
+    pub fn client_with_kubeadm_env(&self, ca: &EkCa, extra: &[(&str, &str)]) -> JoinClient {
+        let mut env = node_env(&self.root, &self.work, Some(&self.disk));
+        env.kubeadm
+            .env
+            .extend(extra.iter().map(|(k, v)| ((*k).into(), (*v).into())));
         let mut settings = JoinSettings::from_config(&self.config).unwrap();
         settings.ek_trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
         settings.backoff = Backoff {
@@ -672,7 +681,7 @@ impl Joiner {
             self.config.clone(),
             self.tpm.clone(),
             self.lock.clone(),
-            node_env(&self.root, &self.work, Some(&self.disk)),
+            env,
             settings,
         )
         .unwrap()

@@ -16,7 +16,7 @@ use anyhow::{bail, Context as _};
 use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequest};
 use keel_verifier::measurements::Measurements;
 
-use super::Cluster;
+use super::{every_control_plane_named, Cluster, Roles};
 use crate::operator::{answer, Operator};
 use crate::settings::{read_bounded, Settings};
 
@@ -78,19 +78,22 @@ pub(crate) fn signature_of(file: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Stages `image` on every control plane of `cluster`, reporting each.
+/// Stages `image` on every control plane of `roles`, reporting each.
 pub async fn stage(
     operator: &Operator,
-    cluster: &Cluster,
+    roles: &Roles,
     image: &SignedMeasurements,
 ) -> anyhow::Result<()> {
+    if roles.control_planes.is_empty() {
+        bail!("no control plane named: the image's measurements are staged on control planes; nothing was changed");
+    }
     println!(
         "image: staging measurements sha256:{} on {} control plane(s)",
         hex::encode(image.digest),
-        cluster.endpoints.len()
+        roles.control_planes.len()
     );
     on_each(
-        cluster,
+        &roles.control_planes,
         "stage the image measurements",
         |endpoint| async move {
             let (mut node, challenge, proof) = operator
@@ -126,47 +129,58 @@ pub async fn stage(
 
 /// Finishes the rollout of `image` on every control plane of `cluster`:
 /// each makes it its only accepted set if it is the set staged there.
+/// Refused before any change while a control plane the named ones know is
+/// not named: it would go on accepting the old image.
 pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Result<()> {
     let settings = Settings::load(&cluster.settings)?;
     let operator = &Operator::new(&settings, &cluster.workspace, cluster.wait())?;
+    let roles = Roles::of(operator, &cluster.endpoints).await?;
+    if roles.control_planes.is_empty() {
+        bail!("no control plane named: the image's measurements are a control plane's; nothing was changed");
+    }
+    every_control_plane_named(operator, &roles).await?;
     println!(
         "image: finishing the rollout of measurements sha256:{} on {} control plane(s)",
         hex::encode(image.digest),
-        cluster.endpoints.len()
+        roles.control_planes.len()
     );
-    on_each(cluster, "finish the image upgrade", |endpoint| async move {
-        let (mut node, challenge, proof) = operator
-            .authorise(&endpoint, FINISH_IMAGE_UPGRADE, &image.digest)
-            .await?;
-        answer(
-            &endpoint,
-            node.client.finish_image_upgrade(FinishImageUpgradeRequest {
-                challenge,
-                proof,
-                staged_digest: image.digest.to_vec(),
-            }),
-        )
-        .await
-        .map(|done| {
-            format!(
-                "image upgrade finished; only sha256:{} is accepted",
-                hex::encode(done.digest)
+    on_each(
+        &roles.control_planes,
+        "finish the image upgrade",
+        |endpoint| async move {
+            let (mut node, challenge, proof) = operator
+                .authorise(&endpoint, FINISH_IMAGE_UPGRADE, &image.digest)
+                .await?;
+            answer(
+                &endpoint,
+                node.client.finish_image_upgrade(FinishImageUpgradeRequest {
+                    challenge,
+                    proof,
+                    staged_digest: image.digest.to_vec(),
+                }),
             )
-        })
-    })
+            .await
+            .map(|done| {
+                format!(
+                    "image upgrade finished; only sha256:{} is accepted",
+                    hex::encode(done.digest)
+                )
+            })
+        },
+    )
     .await
 }
 
-/// Runs `request` for every control plane of `cluster` in turn, printing
+/// Runs `request` for each control plane of `endpoints` in turn, printing
 /// one line per control plane (what it did, or why it failed); fails if any
 /// did not `what`.
-async fn on_each<F, Fut>(cluster: &Cluster, what: &str, request: F) -> anyhow::Result<()>
+async fn on_each<F, Fut>(endpoints: &[String], what: &str, request: F) -> anyhow::Result<()>
 where
     F: Fn(String) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<String>>,
 {
     let mut failed = 0;
-    for endpoint in &cluster.endpoints {
+    for endpoint in endpoints {
         match request(endpoint.clone()).await {
             Ok(line) => println!("{endpoint}: {line}"),
             Err(e) => {
@@ -178,7 +192,7 @@ where
     if failed > 0 {
         bail!(
             "{failed} of {} control plane(s) did not {what}; run the command again for them",
-            cluster.endpoints.len()
+            endpoints.len()
         );
     }
     Ok(())

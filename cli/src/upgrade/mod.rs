@@ -166,7 +166,7 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
     // The image first: nodes that reboot into the new image during the
     // Kubernetes phase can join again.
     if let Some(image) = &image {
-        image::stage(&operator, &args.cluster, image).await?;
+        image::stage(&operator, &roles, image).await?;
     }
     if let Some(target) = &kubernetes {
         kubernetes::run(&operator, &roles, target).await?;
@@ -187,7 +187,7 @@ pub struct Roles {
 
 impl Roles {
     /// Connects to each of `endpoints` once and sorts it by role.
-    async fn of(operator: &Operator, endpoints: &[String]) -> anyhow::Result<Self> {
+    pub(crate) async fn of(operator: &Operator, endpoints: &[String]) -> anyhow::Result<Self> {
         let mut roles = Self {
             control_planes: Vec::new(),
             workers: Vec::new(),
@@ -206,26 +206,29 @@ impl Roles {
     }
 }
 
-/// Refuses, before any phase changes anything, while the first control
-/// plane named knows (by its registry) an unrevoked control plane that is
-/// not named: that one would neither authorise the target's components nor
-/// stage the new image's measurements, and would judge the upgraded nodes
-/// drifted (under the `revoke` policy, revoke them).
-async fn every_control_plane_named(operator: &Operator, roles: &Roles) -> anyhow::Result<()> {
-    // Without a control plane, each phase says what it needs.
-    let Some(first) = roles.control_planes.first() else {
-        return Ok(());
-    };
-    let registry = crate::status::registry_of(operator, first).await?;
-    let unnamed = unnamed_control_planes(&registry, &roles.control_plane_eks);
-    if !unnamed.is_empty() {
-        bail!(
-            "{first} knows control planes not named with --endpoint: {}. Each must take the \
-             upgrade, or it judges the upgraded nodes drifted (and, under the revoke policy, \
-             revokes them): name every control plane, or revoke one that is gone for good; \
-             nothing was changed",
-            unnamed.join(", ")
-        );
+/// Refuses, before any phase changes anything, while a control plane named
+/// knows (by its registry) an unrevoked control plane that is not named:
+/// that one would neither authorise the target's components nor stage or
+/// finish the new image's measurements, and would judge the upgraded nodes
+/// drifted (under the `revoke` policy, revoke them). Every named control
+/// plane's registry is read: a host that keeps one of them from hearing a
+/// control plane does not hide it from the others'.
+pub(crate) async fn every_control_plane_named(
+    operator: &Operator,
+    roles: &Roles,
+) -> anyhow::Result<()> {
+    for endpoint in &roles.control_planes {
+        let registry = crate::status::registry_of(operator, endpoint).await?;
+        let unnamed = unnamed_control_planes(&registry, &roles.control_plane_eks);
+        if !unnamed.is_empty() {
+            bail!(
+                "{endpoint} knows control planes not named with --endpoint: {}. Each must take \
+                 the upgrade, or it judges the upgraded nodes drifted (and, under the revoke \
+                 policy, revokes them), or goes on accepting the old image: name every control \
+                 plane, or revoke one that is gone for good; nothing was changed",
+                unnamed.join(", ")
+            );
+        }
     }
     Ok(())
 }
