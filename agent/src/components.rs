@@ -10,6 +10,7 @@
 
 use keel_installer::{Component, InstallError, InstalledComponent, Installer, Progress};
 use keel_verifier::measurement::EventType;
+use keel_verifier::signature::SigningPublicKey;
 
 use crate::measured::{MeasuredLogError, SharedTpm};
 
@@ -85,4 +86,50 @@ pub async fn install_and_measure(
         installed.push(done);
     }
     Ok(installed)
+}
+
+/// Why a list of components the operator chose is not taken.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SignedListError {
+    /// No components file or no signature came with the list.
+    #[error(
+        "the request lists its own components, and this cluster takes them only with their \
+         components file signed by its measurements signing key"
+    )]
+    Unsigned,
+    /// The signature does not verify with the key.
+    #[error(
+        "the components file's signature does not verify with the cluster's measurements \
+         signing key"
+    )]
+    Signature,
+    /// The signed file does not parse.
+    #[error("the signed components file: {0}")]
+    File(#[source] keel_installer::components_file::ComponentsFileError),
+    /// The signed file lists other components than the request.
+    #[error("the request's components are not the ones its signed components file lists")]
+    Mismatch,
+}
+
+/// Checks that `file` (a components file) carries `signature` by `key`,
+/// the cluster's measurements signing key, and lists exactly `listed`:
+/// where a cluster has that key, the operator key alone chooses no
+/// binaries, as it admits no image.
+pub fn check_signed_list(
+    key: &SigningPublicKey,
+    file: &[u8],
+    signature: &[u8],
+    listed: &[keel_proto::components::Component],
+) -> Result<(), SignedListError> {
+    if file.is_empty() || signature.is_empty() {
+        return Err(SignedListError::Unsigned);
+    }
+    key.verify(file, signature)
+        .map_err(|_| SignedListError::Signature)?;
+    let signed = keel_installer::components_file::parse(file).map_err(SignedListError::File)?;
+    if signed.components != listed {
+        return Err(SignedListError::Mismatch);
+    }
+    Ok(())
 }

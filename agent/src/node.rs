@@ -128,7 +128,8 @@ pub async fn serve_operator_port(
     tracing::info!(%addr, "init server listening (server-attested aTLS)");
     let own_ek = crate::attestation::shared_own_ek_digest(&node.tpm)?;
     let auth = OperatorAuth::new(own_ek, node.cluster.clone(), node.operator_key.clone());
-    let upgrader = Upgrader::new(node.env.clone(), node.tpm.clone(), node.cluster.clone());
+    let upgrader = Upgrader::new(node.env.clone(), node.tpm.clone(), node.cluster.clone())
+        .with_signing_key(node.config.cluster.signing_key()?);
     let operator = OperatorServer::new(
         auth,
         node.cluster.clone(),

@@ -63,7 +63,7 @@ use crate::disk_bindings::DiskBindings;
 use crate::registry::{BoundDisk, RegistryError, RegistryStore, Revocation};
 use crate::throttle::FailureThrottle;
 use crate::transcript::{self, Transcript};
-use crate::upgrade::{Step, Target, UpgradeError, Upgrader};
+use crate::upgrade::{Step, UpgradeError, Upgrader};
 
 /// How long a challenge is valid.
 pub const CHALLENGE_TTL: Duration = Duration::from_secs(60);
@@ -162,6 +162,7 @@ impl From<&OperatorError> for tonic::Status {
             E::PlanDecode => tonic::Code::InvalidArgument,
             E::Upgrade(u) => match u {
                 UpgradeError::Version(_) | UpgradeError::Plan(_) => tonic::Code::InvalidArgument,
+                UpgradeError::Unsigned(_) => tonic::Code::PermissionDenied,
                 UpgradeError::Busy => tonic::Code::Aborted,
                 _ => tonic::Code::FailedPrecondition,
             },
@@ -646,7 +647,7 @@ impl OperatorServer {
             .ok_or(OperatorError::NotServing)?;
         let plan =
             UpgradePlan::decode(request.plan.as_slice()).map_err(|_| OperatorError::PlanDecode)?;
-        let target = Target::parse(plan).map_err(OperatorError::Upgrade)?;
+        let target = upgrader.target(plan).map_err(OperatorError::Upgrade)?;
         let (log, rx) = Transcript::<Event>::new();
         if target.step == Step::Authorise {
             upgrader

@@ -125,3 +125,88 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
         assert_eq!(pcr15, [0; 32], "{case}");
     }
 }
+
+/// Attacker's move: someone who can change the operator's components file
+/// (or who holds the init secret) initialises the cluster with binaries of
+/// their choosing. Where the node's measured config names a measurements
+/// signing key, the operator's own components count only with their
+/// components file signed by that key, and exactly as it lists them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_signing_key_an_init_takes_only_signed_components() {
+    let ca = EkCa::new().unwrap();
+    let key = keel_verifier::signature::SigningPrivateKey::generate();
+    // The CA's certificates exist once it manufactured a TPM.
+    let swtpm = keel_testkit::swtpm::Swtpm::start(&ca).unwrap();
+    let mut config = join_common::config(&ca, free_port(), "checked-0", "control-plane");
+    config.cluster.measurements_signing_key = Some(key.public_key().to_pem().unwrap());
+    let node = join_common::joiner_with(config, swtpm);
+    let init = node.init_server(SECRET, false);
+    let sealed = node.sealed(
+        &InitSecrets {
+            init_secret: SECRET.to_vec(),
+            master_secret: vec![7; 32],
+        }
+        .encode_to_vec(),
+    );
+    let listed = vec![keel_proto::components::Component {
+        url: "http://127.0.0.1:1/kubelet".into(),
+        hash: format!("sha256:{H}"),
+        install_path: "/run/state/bin/kubelet".into(),
+        extract: false,
+    }];
+    let file = |hash: &str| {
+        format!(
+            r#"[{{"url":"http://127.0.0.1:1/kubelet","hash":"sha256:{hash}","install_path":"/run/state/bin/kubelet"}}]"#
+        )
+        .into_bytes()
+    };
+    let other = "1".repeat(64);
+    let other_key = keel_verifier::signature::SigningPrivateKey::generate();
+    for (case, components_file, components_signature, expected) in [
+        (
+            "unsigned",
+            Vec::new(),
+            Vec::new(),
+            "only with their components file signed",
+        ),
+        (
+            "signed by another key",
+            file(H),
+            other_key.sign(&file(H)),
+            "does not verify",
+        ),
+        (
+            "a signed file of other components",
+            file(&other),
+            key.sign(&file(&other)),
+            "not the ones its signed components file lists",
+        ),
+    ] {
+        let request = InitRequest {
+            secrets: Some(sealed.clone()),
+            master_salt: vec![1; 32],
+            measurement_salt: vec![2; 32],
+            kubernetes_version: "v1.31".into(),
+            cluster_name: "checked".into(),
+            kubernetes_components: Some(keel_proto::components::Components {
+                components: listed.clone(),
+            }),
+            components_file,
+            components_signature,
+            join_measurements: file_of_enforced(),
+            ..InitRequest::default()
+        };
+        let status = init
+            .init(tonic::Request::new(request))
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{case}: accepted"));
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{case}");
+        assert!(status.message().contains(expected), "{case}: {status:?}");
+        assert!(!node.lock.is_locked(), "{case}: the node got locked");
+    }
+}
+
+fn file_of_enforced() -> Vec<u8> {
+    file(&enforced(&[4, 9, 11, 12, 15]))
+}

@@ -27,6 +27,7 @@ use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::keys::{KeyService, OperatorKey};
 use keel_verifier::measurement::{pcr, verify_replay, EventType};
+use keel_verifier::signature::{SigningPrivateKey, SigningPublicKey};
 use prost::Message as _;
 use zeroize::Zeroizing;
 
@@ -71,6 +72,18 @@ async fn node(
     mirror: &MirrorServer,
     role: &str,
     extra_env: &[(&str, &str)],
+) -> UpgradableNode {
+    node_with_key(ca, mirror, role, extra_env, None).await
+}
+
+/// [`node`], of a cluster whose config names the measurements signing key
+/// `signing_key`.
+async fn node_with_key(
+    ca: &EkCa,
+    mirror: &MirrorServer,
+    role: &str,
+    extra_env: &[(&str, &str)],
+    signing_key: Option<SigningPublicKey>,
 ) -> UpgradableNode {
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -117,7 +130,7 @@ async fn node(
     joined.set(key.clone());
     let cluster = Arc::new(ClusterSlot::new(None));
     let auth = OperatorAuth::new(ek, cluster.clone(), joined);
-    let upgrader = Upgrader::new(env, tpm.clone(), cluster.clone());
+    let upgrader = Upgrader::new(env, tpm.clone(), cluster.clone()).with_signing_key(signing_key);
     let server = OperatorServer::new(auth, cluster, None, root.clone(), Some(upgrader));
     UpgradableNode {
         tpm,
@@ -140,6 +153,7 @@ fn plan(
             components: c.to_vec(),
         }),
         step: step.into(),
+        ..UpgradePlan::default()
     }
     .encode_to_vec()
 }
@@ -453,9 +467,11 @@ async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_v
         node.tpm.clone(),
         Arc::new(ClusterSlot::new(None)),
     );
-    let target =
-        Target::parse(UpgradePlan::decode(&plan(TO, Some(&new), UpgradeStep::Node)[..]).unwrap())
-            .unwrap();
+    let target = Target::parse(
+        UpgradePlan::decode(&plan(TO, Some(&new), UpgradeStep::Node)[..]).unwrap(),
+        None,
+    )
+    .unwrap();
     let log = |_line: String| {};
     let upgrade = hanging.run(&target, &log);
     let switched = async {
@@ -543,4 +559,89 @@ async fn a_switch_record_naming_other_directories_empties_only_the_components() 
     assert!(!node.root.join("run/state/bin/stray").exists());
     assert!(node.kubelet_claims().contains(FROM));
     assert!(!record.exists());
+}
+
+/// A components file listing `components`, as an operator writes it.
+fn components_file(components: &[keel_proto::components::Component]) -> Vec<u8> {
+    let list: Vec<serde_json::Value> = components
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "url": c.url,
+                "hash": c.hash,
+                "install_path": c.install_path,
+                "extract": c.extract,
+            })
+        })
+        .collect();
+    serde_json::to_vec_pretty(&list).unwrap()
+}
+
+/// Attacker's move: with the master secret alone (the operator key of
+/// every node), roll out binaries of one's choosing: a plan that lists its
+/// own components with their hashes. Where the cluster has a measurements
+/// signing key, the master secret does not admit an image, and it does
+/// not choose binaries either: a plan's own components count only with
+/// their components file signed by that key, and exactly as it lists them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plans_own_components_need_their_file_signed_by_the_clusters_key() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let cluster_key = SigningPrivateKey::generate();
+    let cp = node_with_key(
+        &ca,
+        &mirror,
+        "control-plane",
+        &[],
+        Some(cluster_key.public_key()),
+    )
+    .await;
+    let signed_plan = |file: Vec<u8>, signature: Vec<u8>, listed: &[_]| {
+        UpgradePlan {
+            kubernetes_version: TO.into(),
+            components: Some(keel_proto::components::Components {
+                components: listed.to_vec(),
+            }),
+            step: UpgradeStep::Apply.into(),
+            components_file: file,
+            components_signature: signature,
+        }
+        .encode_to_vec()
+    };
+    let file = components_file(&new);
+    let other_key = SigningPrivateKey::generate();
+    let mut fewer = new.clone();
+    fewer.pop();
+    let fewer_file = components_file(&fewer);
+    for (plan, why) in [
+        (
+            plan(TO, Some(&new), UpgradeStep::Apply),
+            "only with their components file signed",
+        ),
+        (
+            signed_plan(file.clone(), other_key.sign(&file), &new),
+            "does not verify with the cluster's measurements signing key",
+        ),
+        (
+            signed_plan(fewer_file.clone(), cluster_key.sign(&fewer_file), &new),
+            "not the ones its signed components file lists",
+        ),
+    ] {
+        let refused = cp.run(&cp.request(plan)).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+        assert!(refused.message().contains(why), "{}", refused.message());
+    }
+    assert_eq!(cp.version(), FROM);
+    cp.assert_no_staging_left();
+
+    // Signed by the cluster's key, exactly as listed: the node moves.
+    let good = signed_plan(file.clone(), cluster_key.sign(&file), &new);
+    let (lines, last) = cp.run(&cp.request(good)).await.unwrap();
+    assert!(
+        matches!(last, Event::Done(_)),
+        "{last:?}\n{}",
+        lines.join("\n")
+    );
+    assert_eq!(cp.version(), TO);
 }

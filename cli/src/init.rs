@@ -187,8 +187,16 @@ pub async fn run(
         None => bail!("the settings name no init_secret_file"),
     };
     let components = match &settings.components_file {
-        Some(p) => Some(crate::settings::read_components(&settings.resolve(p))?),
+        Some(p) => Some(crate::settings::read_components(
+            &settings.resolve(p),
+            None,
+            signing_key.as_ref(),
+        )?),
         None => None,
+    };
+    let (components, (components_file, components_signature)) = match components {
+        Some(file) => (Some(file.components), file.signed.unwrap_or_default()),
+        None => (None, Default::default()),
     };
     create_workspace(workspace)?;
 
@@ -267,6 +275,8 @@ pub async fn run(
         // matched: the file as read, so its signature still covers it.
         join_measurements: measurements_body,
         join_measurements_signature,
+        components_file,
+        components_signature,
     };
     let ends = tokio::time::Instant::now() + deadline;
     let mut stream =
@@ -482,7 +492,7 @@ fn image_signature(
         ),
         (Some(key), _) => {
             let file = settings.resolve(&settings.measurements);
-            let path = crate::upgrade::image::signature_of(&file);
+            let path = crate::settings::signature_of(&file);
             let signature = read_bounded(&path).with_context(|| {
                 format!(
                     "the node's config names a measurements signing key, so {} needs its \

@@ -23,8 +23,9 @@ use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_verifier::measurements::Measurements;
 
 use crate::operator::{answer, Operator};
+use crate::settings::signature_of;
 use crate::settings::{read_bounded, Settings};
-use crate::upgrade::image::{signature_of, SignedMeasurements};
+use crate::upgrade::image::SignedMeasurements;
 
 use keel_verifier::keys::kind::SET_JOIN_MEASUREMENTS;
 

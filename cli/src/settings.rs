@@ -179,32 +179,61 @@ impl Settings {
     }
 }
 
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ComponentJson {
-    url: String,
-    hash: String,
-    install_path: String,
-    #[serde(default)]
-    extract: bool,
+/// A components file as a request carries it.
+pub struct ComponentsFile {
+    /// The components it lists (the node checks each again).
+    pub components: keel_proto::components::Components,
+    /// The file's bytes and their detached signature, where a measurements
+    /// signing key is named: nodes of such a cluster take the operator's
+    /// own components only with them.
+    pub signed: Option<(Vec<u8>, Vec<u8>)>,
 }
 
-/// A components file: a JSON list of `{url, hash, install_path, extract}`
-/// (the node checks each component again).
-pub fn read_components(path: &Path) -> anyhow::Result<keel_proto::components::Components> {
-    let list: Vec<ComponentJson> = serde_json::from_slice(&read_bounded(path)?)
+/// Reads the components file at `path` (a JSON list of `{url, hash,
+/// install_path, extract}`) and, with `key` (the settings' measurements
+/// signing key), its signature (`signature`, default the file + `.sig`),
+/// which must verify: checked before anything is sent.
+pub fn read_components(
+    path: &Path,
+    signature: Option<&Path>,
+    key: Option<&SigningPublicKey>,
+) -> anyhow::Result<ComponentsFile> {
+    let body = read_bounded(path)?;
+    let components = keel_installer::components_file::parse(&body)
         .with_context(|| format!("components file {} is invalid", path.display()))?;
-    Ok(keel_proto::components::Components {
-        components: list
-            .into_iter()
-            .map(|c| keel_proto::components::Component {
-                url: c.url,
-                hash: c.hash,
-                install_path: c.install_path,
-                extract: c.extract,
-            })
-            .collect(),
+    let Some(key) = key else {
+        return Ok(ComponentsFile {
+            components,
+            signed: None,
+        });
+    };
+    let signature_path = signature.map_or_else(|| signature_of(path), Path::to_owned);
+    let signature = read_bounded(&signature_path).with_context(|| {
+        format!(
+            "no signature for {} (`keel-measure sign --signing-key KEY {}` writes {}): nodes of \
+             a cluster with a measurements signing key take no other components; nothing was sent",
+            path.display(),
+            path.display(),
+            signature_path.display()
+        )
+    })?;
+    key.verify(&body, &signature).with_context(|| {
+        format!(
+            "{} is not signed with the settings' measurements signing key; nothing was sent",
+            signature_path.display()
+        )
+    })?;
+    Ok(ComponentsFile {
+        components,
+        signed: Some((body, signature)),
     })
+}
+
+/// `FILE.sig` for `FILE`: where a detached signature is looked for.
+pub fn signature_of(file: &Path) -> PathBuf {
+    let mut name = std::ffi::OsString::from(file.as_os_str());
+    name.push(".sig");
+    PathBuf::from(name)
 }
 
 /// [`Settings::check_node_attestation`] with the settings' attestation

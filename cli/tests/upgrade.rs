@@ -301,3 +301,64 @@ fn push_measurements_refuses_a_bad_signature_before_contacting_any_node() {
     assert!(text(&out).contains("is not signed"), "{}", text(&out));
     assert!(!setup.connected());
 }
+
+/// Where the settings name a signing key, `--components` needs the file's
+/// signature (nodes of such a cluster take no other components): missing,
+/// by another key, or over other bytes, the run stops before it contacts
+/// any node.
+#[test]
+fn upgrade_apply_refuses_unsigned_components_before_contacting_any_node() {
+    let setup = Setup::new();
+    let settings = setup.settings(true);
+    let file = setup.path("components.json");
+    let body = br#"[{"url":"https://example.org/kubelet","hash":"sha256:0000000000000000000000000000000000000000000000000000000000000000","install_path":"/run/state/bin/kubelet"}]"#.to_vec();
+    std::fs::write(&file, &body).unwrap();
+    let (good, flipped, other) = signatures(&setup, &body);
+    let signature = setup.path("components.json.sig");
+    let args = [
+        "--kubernetes",
+        "v1.31",
+        "--components",
+        file.to_str().unwrap(),
+        "--skip-phases",
+        "image",
+    ];
+    for (case, sig, expected) in [
+        ("missing", None, "no signature for"),
+        (
+            "flipped",
+            Some(flipped),
+            "is not signed with the settings' measurements signing key",
+        ),
+        (
+            "another key",
+            Some(other),
+            "is not signed with the settings' measurements signing key",
+        ),
+    ] {
+        let _ = std::fs::remove_file(&signature);
+        if let Some(sig) = sig {
+            std::fs::write(&signature, sig).unwrap();
+        }
+        let out = apply(&setup, &settings, &args);
+        assert!(!out.status.success(), "{case}");
+        assert!(text(&out).contains(expected), "{case}: {}", text(&out));
+        assert!(
+            text(&out).contains("nothing was sent"),
+            "{case}: {}",
+            text(&out)
+        );
+        assert!(!setup.connected(), "{case}: a node was contacted");
+    }
+    // Signed, but changed since: refused as well.
+    std::fs::write(&signature, &good).unwrap();
+    std::fs::write(&file, [body.as_slice(), b" "].concat()).unwrap();
+    let out = apply(&setup, &settings, &args);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("is not signed with the settings' measurements signing key"),
+        "{}",
+        text(&out)
+    );
+    assert!(!setup.connected());
+}

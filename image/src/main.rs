@@ -5,6 +5,7 @@
 //! keel-measure --uki build/image/keel.efi --node-config FILE [--output FILE] [--events]
 //!              [--signing-key KEY.pem]
 //! keel-measure keygen --out DIR
+//! keel-measure sign --signing-key KEY.pem FILE
 //! ```
 
 use std::io::Write as _;
@@ -69,6 +70,18 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Sign FILE (a components file for `keel init` or `keel upgrade
+    /// apply --components`, where the cluster has a measurements signing
+    /// key) with the key, writing the detached signature to `FILE.sig`, as
+    /// `--signing-key` does for measurements. An existing FILE.sig is
+    /// replaced.
+    Sign {
+        /// The private key (PEM PKCS#8, ECDSA P-256).
+        #[arg(long, value_name = "KEY")]
+        signing_key: PathBuf,
+        /// The file to sign.
+        file: PathBuf,
+    },
 }
 
 /// Largest key file read.
@@ -76,8 +89,10 @@ const MAX_KEY_FILE: u64 = 16 * 1024;
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if let Some(Command::Keygen { out }) = &args.command {
-        return keygen(out);
+    match &args.command {
+        Some(Command::Keygen { out }) => return keygen(out),
+        Some(Command::Sign { signing_key, file }) => return sign(signing_key, file),
+        None => {}
     }
     let (Some(uki_path), Some(path)) = (&args.uki, &args.node_config) else {
         bail!("--uki and --node-config are required");
@@ -127,6 +142,18 @@ fn main() -> Result<()> {
         }
         None => print!("{json}"),
     }
+    Ok(())
+}
+
+/// `keel-measure sign`: a detached signature of `file` by the key at
+/// `key` in `file` + `.sig`.
+fn sign(key: &Path, file: &Path) -> Result<()> {
+    let key = read_signing_key(key)?;
+    let bytes = std::fs::read(file).with_context(|| format!("read {}", file.display()))?;
+    let signature = signature_path(file);
+    std::fs::write(&signature, key.sign(&bytes))
+        .with_context(|| format!("write {}", signature.display()))?;
+    eprintln!("signature: {}", signature.display());
     Ok(())
 }
 

@@ -16,6 +16,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod component;
+pub mod components_file;
 pub mod digest;
 pub mod download;
 pub mod extract;

@@ -280,23 +280,35 @@ impl InitServer {
         }
         let entry = keel_installer::resolve(&request.kubernetes_version)
             .map_err(invalid("unsupported Kubernetes version"))?;
+        // The key comes from the measured config, never from the request.
+        let measurements_key = config.cluster.signing_key().map_err(invalid(
+            "invalid measurements signing key in the node config",
+        ))?;
         let components = match request.kubernetes_components {
-            Some(list) if !list.components.is_empty() => list
-                .components
-                .into_iter()
-                .map(Component::try_from)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(invalid("invalid component"))?,
+            Some(list) if !list.components.is_empty() => {
+                // With a signing key, the operator's own components come
+                // with their file signed by it, as they do in an upgrade.
+                if let Some(key) = &measurements_key {
+                    crate::components::check_signed_list(
+                        key,
+                        &request.components_file,
+                        &request.components_signature,
+                        &list.components,
+                    )
+                    .map_err(invalid("components"))?;
+                }
+                list.components
+                    .into_iter()
+                    .map(Component::try_from)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(invalid("invalid component"))?
+            }
             _ => entry.components().to_vec(),
         };
         let join_measurements = Measurements::parse(&request.join_measurements)
             .map_err(invalid("invalid join measurements"))?;
-        // The key comes from the measured config, never from the request;
-        // with one, the measurements must carry its signature, so that
-        // nodes of a later image accept this image's join services.
-        let measurements_key = config.cluster.signing_key().map_err(invalid(
-            "invalid measurements signing key in the node config",
-        ))?;
+        // With a signing key, the measurements must carry its signature, so
+        // that nodes of a later image accept this image's join services.
         let signed_measurements = match &measurements_key {
             Some(key) => vec![SignedMeasurements::verify(
                 key,

@@ -41,6 +41,7 @@ use std::time::Instant;
 use keel_installer::{Component, Installer, KubernetesVersion, LogProgress, UpgradeStepError};
 use keel_proto::operator::{UpgradePlan, UpgradeStep};
 use keel_verifier::measurement::EventType;
+use keel_verifier::signature::SigningPublicKey;
 
 use crate::cluster::{change_state, ClusterSlot, FactsError};
 use crate::measured::SharedTpm;
@@ -79,8 +80,15 @@ pub struct Target {
 }
 
 impl Target {
-    /// Checks the fields of `plan`.
-    pub fn parse(plan: UpgradePlan) -> Result<Self, UpgradeError> {
+    /// Checks the fields of `plan`. Where `signing_key` is the cluster's
+    /// measurements signing key (the node's config names it), components
+    /// the plan lists (rather than the versions table's) count only with
+    /// their components file signed by that key
+    /// ([`crate::components::check_signed_list`]).
+    pub fn parse(
+        plan: UpgradePlan,
+        signing_key: Option<&SigningPublicKey>,
+    ) -> Result<Self, UpgradeError> {
         let entry = keel_installer::resolve(&plan.kubernetes_version)
             .map_err(|e| UpgradeError::Version(e.to_string()))?;
         let listed = plan.components.map(|c| c.components).unwrap_or_default();
@@ -88,6 +96,15 @@ impl Target {
             return Err(UpgradeError::Plan(format!(
                 "more than {MAX_PLAN_COMPONENTS} components"
             )));
+        }
+        if let (false, Some(key)) = (listed.is_empty(), signing_key) {
+            crate::components::check_signed_list(
+                key,
+                &plan.components_file,
+                &plan.components_signature,
+                &listed,
+            )
+            .map_err(|e| UpgradeError::Unsigned(e.to_string()))?;
         }
         let components = if listed.is_empty() {
             entry.components().to_vec()
@@ -144,6 +161,9 @@ pub enum UpgradeError {
     /// The plan is malformed.
     #[error("invalid upgrade plan: {0}")]
     Plan(String),
+    /// The plan's own components lack a valid signature of their file.
+    #[error("{0}")]
+    Unsigned(String),
     /// Another upgrade runs on this node.
     #[error("an upgrade is already running on this node")]
     Busy,
@@ -260,6 +280,7 @@ pub struct Upgrader {
     env: NodeEnv,
     tpm: SharedTpm,
     cluster: Arc<ClusterSlot>,
+    signing_key: Option<SigningPublicKey>,
     running: tokio::sync::Mutex<()>,
 }
 
@@ -271,8 +292,22 @@ impl Upgrader {
             env,
             tpm,
             cluster,
+            signing_key: None,
             running: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// With the cluster's measurements signing key (the node's config
+    /// names it): a plan's own components need their file signed with it.
+    pub fn with_signing_key(mut self, key: Option<SigningPublicKey>) -> Self {
+        self.signing_key = key;
+        self
+    }
+
+    /// The checked target of `plan` ([`Target::parse`] with this node's
+    /// signing key).
+    pub fn target(&self, plan: UpgradePlan) -> Result<Target, UpgradeError> {
+        Target::parse(plan, self.signing_key.as_ref())
     }
 
     /// On a control plane: authorises the components of `target` for its

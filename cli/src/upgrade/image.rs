@@ -9,8 +9,7 @@
 //! exactly the workspace's cluster) and each request carries the
 //! operator's proof for a challenge of that node.
 
-use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{bail, Context as _};
 use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequest};
@@ -18,7 +17,7 @@ use keel_verifier::measurements::Measurements;
 
 use super::{every_control_plane_named, Cluster, Roles};
 use crate::operator::{answer, Operator};
-use crate::settings::{read_bounded, Settings};
+use crate::settings::{read_bounded, signature_of, Settings};
 
 use keel_verifier::keys::kind::FINISH_IMAGE_UPGRADE;
 use keel_verifier::keys::kind::STAGE_IMAGE_MEASUREMENTS;
@@ -69,13 +68,6 @@ impl SignedMeasurements {
             digest: measurements.digest(),
         })
     }
-}
-
-/// `FILE.sig` for `FILE`.
-pub(crate) fn signature_of(file: &Path) -> PathBuf {
-    let mut name = OsString::from(file.as_os_str());
-    name.push(".sig");
-    PathBuf::from(name)
 }
 
 /// Stages `image` on every control plane of `roles`, reporting each.

@@ -11,6 +11,7 @@
 //! keeps serving; a failed control plane stops the rollout, a failed worker
 //! is reported and the others go on.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
@@ -22,6 +23,7 @@ use prost::Message as _;
 use super::Roles;
 use crate::operator::{answer, refused, Member, Operator};
 use crate::printable::printable;
+use crate::settings::Settings;
 
 use keel_verifier::keys::kind::UPGRADE;
 
@@ -29,27 +31,47 @@ use keel_verifier::keys::kind::UPGRADE;
 pub struct Target {
     version: String,
     components: Option<Components>,
+    /// The components file and its signature, where the settings name a
+    /// measurements signing key (nodes then take no other components).
+    signed: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl Target {
     /// `version` (`vX.Y` or the pinned `vX.Y.Z`), with the components of
-    /// `components_file` (default: the versions table's).
-    pub fn new(version: &str, components_file: Option<&std::path::Path>) -> anyhow::Result<Self> {
+    /// `components_file` (default: the versions table's). Where the
+    /// settings at `settings` name a measurements signing key, the file's
+    /// signature (`signature`, default the file + `.sig`) must verify with
+    /// it.
+    pub fn new(
+        settings: &Path,
+        version: &str,
+        components_file: Option<&Path>,
+        signature: Option<&Path>,
+    ) -> anyhow::Result<Self> {
         let entry = keel_installer::resolve(version)?;
-        let components = components_file
-            .map(crate::settings::read_components)
-            .transpose()?;
-        Ok(Self {
+        let mut target = Self {
             version: entry.version().to_string(),
-            components,
-        })
+            components: None,
+            signed: None,
+        };
+        let Some(file) = components_file else {
+            return Ok(target);
+        };
+        let key = Settings::load(settings)?.signing_key()?;
+        let read = crate::settings::read_components(file, signature, key.as_ref())?;
+        target.components = Some(read.components);
+        target.signed = read.signed;
+        Ok(target)
     }
 
     fn plan(&self, step: UpgradeStep) -> Vec<u8> {
+        let (components_file, components_signature) = self.signed.clone().unwrap_or_default();
         UpgradePlan {
             kubernetes_version: self.version.clone(),
             components: self.components.clone(),
             step: step.into(),
+            components_file,
+            components_signature,
         }
         .encode_to_vec()
     }

@@ -95,9 +95,15 @@ pub struct ApplyArgs {
     #[arg(long, value_name = "VERSION")]
     pub kubernetes: Option<String>,
     /// The components of that version (JSON list of {url, hash,
-    /// install_path, extract}); default: the versions table's.
+    /// install_path, extract}); default: the versions table's. Where the
+    /// settings name a measurements_signing_key, the file must be signed
+    /// with it (`keel-measure sign`), as nodes take no other components.
     #[arg(long, value_name = "FILE", requires = "kubernetes")]
     pub components: Option<PathBuf>,
+    /// The components file's detached signature (DER ECDSA P-256; default:
+    /// FILE.sig).
+    #[arg(long, value_name = "FILE", requires = "components")]
+    pub components_signature: Option<PathBuf>,
     /// Phases to leave out (comma-separated or repeated), even when their
     /// input is given; a phase whose input is not given does not run.
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -138,8 +144,10 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
     let runs = |phase| !args.skip_phases.contains(&phase);
     let kubernetes = match &args.kubernetes {
         Some(version) if runs(Phase::Kubernetes) => Some(kubernetes::Target::new(
+            &args.cluster.settings,
             version,
             args.components.as_deref(),
+            args.components_signature.as_deref(),
         )?),
         _ => None,
     };

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use keel_atls::AtlsClient;
-use keel_proto::components::{Component, Components};
+
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_verifier::credential;
@@ -101,15 +101,6 @@ pub struct InitInputs<'a> {
     pub components: &'a Path,
 }
 
-#[derive(Deserialize)]
-struct ComponentJson {
-    url: String,
-    hash: String,
-    install_path: String,
-    #[serde(default)]
-    extract: bool,
-}
-
 fn read(path: &Path) -> Result<Vec<u8>, MiniError> {
     std::fs::read(path).map_err(io(path))
 }
@@ -125,22 +116,8 @@ pub fn request(inputs: &InitInputs<'_>) -> Result<Result<(), tonic::Status>, Min
     let trust = EkTrust::from_pem(&read(inputs.ek_ca)?)
         .map_err(|e| MiniError::Check(format!("{}: {e}", inputs.ek_ca.display())))?;
     let init_secret = Zeroizing::new(read(inputs.init_secret)?);
-    let components: Vec<ComponentJson> = serde_json::from_slice(&read(inputs.components)?)
-        .map_err(|source| MiniError::Json {
-            path: inputs.components.to_owned(),
-            source,
-        })?;
-    let components = Components {
-        components: components
-            .into_iter()
-            .map(|c| Component {
-                url: c.url,
-                hash: c.hash,
-                install_path: c.install_path,
-                extract: c.extract,
-            })
-            .collect(),
-    };
+    let components = keel_installer::components_file::parse(&read(inputs.components)?)
+        .map_err(|e| MiniError::Check(format!("{}: {e}", inputs.components.display())))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -184,6 +161,10 @@ pub fn request(inputs: &InitInputs<'_>) -> Result<Result<(), tonic::Status>, Min
         let sealed = credential::seal(&verified.ek, &verified.ak.name, &secrets)
             .map_err(|e| failed("sealing the init and master secrets", &e))?;
         let request = InitRequest {
+            // The local cluster names no measurements signing key: its
+            // components need no signed file.
+            components_file: Vec::new(),
+            components_signature: Vec::new(),
             secrets: Some(sealed),
             master_salt: random().to_vec(),
             measurement_salt: random().to_vec(),
