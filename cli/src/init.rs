@@ -243,6 +243,19 @@ pub async fn run(
         verified.pcrs.len(),
         verified.events.len()
     );
+    // The node's measured config names the init secret by its hash: a
+    // secret that does not match is said here, with nothing sent, instead
+    // of costing the node a check and this address a wait.
+    let node_hash = verified
+        .cluster_config()
+        .map(|c| c.init_secret_hash)
+        .unwrap_or_default();
+    if !keel_verifier::init_secret::matches(&node_hash, &init_secret) {
+        bail!(
+            "the init secret does not match the hash in the node's measured config \
+             (cluster.init_secret_hash), or the node names none it accepts; nothing was sent"
+        );
+    }
     let join_measurements_signature = image_signature(
         &settings,
         verified,

@@ -574,7 +574,11 @@ impl Upgrader {
                 tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the switch record failed");
             }
         }
-        let restored = saved && restart_kubelet(&self.env.kubelet).await.is_ok();
+        // The kubelet the switch started runs the other version's binary:
+        // restarted from what the directories hold now, whether or not the
+        // record could be written.
+        let restarted = restart_kubelet(&self.env.kubelet).await.is_ok();
+        let restored = saved && restarted;
         if let Err(e) = self.follow_on_control_plane(previous) {
             log(format!(
                 "restoring the control-plane facts failed: {}",
@@ -586,9 +590,14 @@ impl Upgrader {
         }
         crate::provision::durable().await;
         log(format!(
-            "switched back to Kubernetes {}{}",
+            "switched back to Kubernetes {}{}{}",
             previous.version,
-            if restored {
+            if saved {
+                ""
+            } else {
+                " (writing its version record failed)"
+            },
+            if restarted {
                 ""
             } else {
                 " (restarting the kubelet failed)"
