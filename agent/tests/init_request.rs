@@ -33,13 +33,7 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
     let ca = EkCa::new().unwrap();
     let node = joiner(&ca, &ca, free_port(), "checked-0", "control-plane");
     let init = node.init_server(SECRET, false);
-    let sealed = node.sealed(
-        &InitSecrets {
-            init_secret: SECRET.to_vec(),
-            master_secret: vec![7; 32],
-        }
-        .encode_to_vec(),
-    );
+    let sealed = sealed_secrets(&node);
     let mut cases = vec![
         ("missing", Vec::new(), "join measurements"),
         ("empty", b"{}".to_vec(), "name no PCR"),
@@ -107,14 +101,7 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
             cluster_name: "checked".into(),
             ..request
         };
-        let status = init
-            .init(tonic::Request::new(request))
-            .await
-            .err()
-            .unwrap_or_else(|| panic!("{case}: accepted"));
-        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{case}");
-        assert!(status.message().contains(expected), "{case}: {status:?}");
-        assert!(!node.lock.is_locked(), "{case}: the node got locked");
+        refused_before_the_lock(&init, &node, request, case, expected).await;
         let pcr15 = node
             .tpm
             .lock()
@@ -141,13 +128,7 @@ async fn with_a_signing_key_an_init_takes_only_signed_components() {
     config.cluster.measurements_signing_key = Some(key.public_key().to_pem().unwrap());
     let node = join_common::joiner_with(config, swtpm);
     let init = node.init_server(SECRET, false);
-    let sealed = node.sealed(
-        &InitSecrets {
-            init_secret: SECRET.to_vec(),
-            master_secret: vec![7; 32],
-        }
-        .encode_to_vec(),
-    );
+    let sealed = sealed_secrets(&node);
     let listed = vec![keel_proto::components::Component {
         url: "http://127.0.0.1:1/kubelet".into(),
         hash: format!("sha256:{H}"),
@@ -196,17 +177,40 @@ async fn with_a_signing_key_an_init_takes_only_signed_components() {
             join_measurements: file_of_enforced(),
             ..InitRequest::default()
         };
-        let status = init
-            .init(tonic::Request::new(request))
-            .await
-            .err()
-            .unwrap_or_else(|| panic!("{case}: accepted"));
-        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{case}");
-        assert!(status.message().contains(expected), "{case}: {status:?}");
-        assert!(!node.lock.is_locked(), "{case}: the node got locked");
+        refused_before_the_lock(&init, &node, request, case, expected).await;
     }
 }
 
 fn file_of_enforced() -> Vec<u8> {
     file(&enforced(&[4, 9, 11, 12, 15]))
+}
+
+/// Sends `request` to `init` and checks that it is refused as invalid,
+/// saying `expected`, with `node` left unlocked.
+async fn refused_before_the_lock(
+    init: &keel_agent::init::InitServer,
+    node: &join_common::Joiner,
+    request: InitRequest,
+    case: &str,
+    expected: &str,
+) {
+    let status = init
+        .init(tonic::Request::new(request))
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("{case}: accepted"));
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{case}");
+    assert!(status.message().contains(expected), "{case}: {status:?}");
+    assert!(!node.lock.is_locked(), "{case}: the node got locked");
+}
+
+/// The right init secret and a master secret, sealed to `node`'s TPM.
+fn sealed_secrets(node: &join_common::Joiner) -> keel_proto::attestation::SealedSecret {
+    node.sealed(
+        &InitSecrets {
+            init_secret: SECRET.to_vec(),
+            master_secret: vec![7; 32],
+        }
+        .encode_to_vec(),
+    )
 }

@@ -38,6 +38,19 @@ async fn serve(node: &Joiner) -> std::net::SocketAddr {
     addr
 }
 
+/// An attested channel to the init server of `node` at `addr`.
+async fn bind(ca: &EkCa, node: &Joiner, addr: std::net::SocketAddr) -> tonic::transport::Channel {
+    let measurements = join_common::measurements_of(&node.tpm, &[4, 9, 11, 12, 15]);
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let client =
+        AtlsClient::<Verified>::server_attested(Arc::new(Validator::new(measurements, trust)));
+    client
+        .bind_channel(Endpoint::from_shared(format!("http://{addr}")).unwrap())
+        .await
+        .unwrap()
+        .channel
+}
+
 /// Sends one init request; the code of the refusal.
 async fn init(
     ca: &EkCa,
@@ -46,14 +59,7 @@ async fn init(
     secrets: SealedSecret,
     name: &str,
 ) -> tonic::Code {
-    let measurements = join_common::measurements_of(&node.tpm, &[4, 9, 11, 12, 15]);
-    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
-    let client =
-        AtlsClient::<Verified>::server_attested(Arc::new(Validator::new(measurements, trust)));
-    let bound = client
-        .bind_channel(Endpoint::from_shared(format!("http://{addr}")).unwrap())
-        .await
-        .unwrap();
+    let channel = bind(ca, node, addr).await;
     let request = InitRequest {
         secrets: Some(secrets),
         master_salt: vec![1; 32],
@@ -63,7 +69,7 @@ async fn init(
         join_measurements: Vec::new(),
         ..InitRequest::default()
     };
-    match InitServiceClient::new(bound.channel).init(request).await {
+    match InitServiceClient::new(channel).init(request).await {
         Ok(_) => panic!("init was accepted"),
         Err(status) => status.code(),
     }
@@ -157,20 +163,13 @@ async fn a_request_whose_client_goes_away_still_counts_against_its_address() {
     assert!(!keel_verifier::init_secret::matches(&hash, b"guess"));
     let check = started.elapsed();
 
-    let measurements = join_common::measurements_of(&node.tpm, &[4, 9, 11, 12, 15]);
-    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
-    let client =
-        AtlsClient::<Verified>::server_attested(Arc::new(Validator::new(measurements, trust)));
-    let bound = client
-        .bind_channel(Endpoint::from_shared(format!("http://{addr}")).unwrap())
-        .await
-        .unwrap();
+    let channel = bind(&ca, &node, addr).await;
     let request = InitRequest {
         secrets: Some(node.sealed(&secrets(b"guess"))),
         ..InitRequest::default()
     };
     // Gone halfway through the node's check.
-    let mut service = InitServiceClient::new(bound.channel);
+    let mut service = InitServiceClient::new(channel);
     let gone = tokio::time::timeout(check / 2, service.init(request)).await;
     assert!(
         gone.is_err(),

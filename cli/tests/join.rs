@@ -628,63 +628,48 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     registry
         .update(|r| r.register(&other_cp, "", "cp-9", "control-plane"))
         .unwrap();
-    let out = operator_cmd(
-        [
+    let refused_for_cp9 = |out: &std::process::Output| {
+        assert!(!out.status.success(), "{}", text(out));
+        assert!(
+            text(out).contains(&format!(
+                "knows control planes not named with --endpoint: cp-9 ({other_cp})"
+            )),
+            "{}",
+            text(out)
+        );
+        assert!(text(out).contains("nothing was changed"), "{}", text(out));
+    };
+    let args = |list: &[&str]| list.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>();
+    let other = other_file.to_str().unwrap();
+    refused_for_cp9(
+        &operator_cmd(args(&[
             "upgrade",
             "apply",
             "--kubernetes",
             "v1.31",
             "--skip-phases",
             "image",
-        ]
-        .map(str::to_owned)
-        .to_vec(),
-    )
-    .await;
-    assert!(!out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains(&format!(
-            "knows control planes not named with --endpoint: cp-9 ({other_cp})"
-        )),
-        "{}",
-        text(&out)
+        ]))
+        .await,
     );
-    assert!(text(&out).contains("nothing was changed"), "{}", text(&out));
     // The same for an image rollout: nothing staged.
-    let out = operator_cmd(vec![
-        "upgrade".into(),
-        "apply".into(),
-        "--image-measurements".into(),
-        other_file.to_str().unwrap().to_owned(),
-        "--skip-phases".into(),
-        "kubernetes".into(),
-    ])
-    .await;
-    assert!(!out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("knows control planes not named"),
-        "{}",
-        text(&out)
+    refused_for_cp9(
+        &operator_cmd(args(&[
+            "upgrade",
+            "apply",
+            "--image-measurements",
+            other,
+            "--skip-phases",
+            "kubernetes",
+        ]))
+        .await,
     );
     assert!(!staged_file.exists());
     // And for the end of an image rollout, which the left-out control plane
     // would never see: it would go on accepting the old image.
-    let out = operator_cmd(vec![
-        "upgrade".into(),
-        "finish".into(),
-        "--image-measurements".into(),
-        other_file.to_str().unwrap().to_owned(),
-    ])
-    .await;
-    assert!(!out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains(&format!(
-            "knows control planes not named with --endpoint: cp-9 ({other_cp})"
-        )),
-        "{}",
-        text(&out)
+    refused_for_cp9(
+        &operator_cmd(args(&["upgrade", "finish", "--image-measurements", other])).await,
     );
-    assert!(text(&out).contains("nothing was changed"), "{}", text(&out));
 
     // `keel verify --cluster-id`: locked into exactly that cluster, or not.
     for (id, member) in [
