@@ -95,13 +95,15 @@ pub enum SignedListError {
     /// No components file or no signature came with the list.
     #[error(
         "the request lists its own components, and this cluster takes them only with their \
-         components file signed by its measurements signing key"
+         components file signed by its measurements signing key (name it as the settings' \
+         measurements_signing_key; `keel-measure sign` signs the file)"
     )]
     Unsigned,
-    /// The signature does not verify with the key.
+    /// The signature does not verify with the key (or not for the
+    /// request's version).
     #[error(
         "the components file's signature does not verify with the cluster's measurements \
-         signing key"
+         signing key as the file for this Kubernetes version"
     )]
     Signature,
     /// The signed file does not parse.
@@ -113,11 +115,14 @@ pub enum SignedListError {
 }
 
 /// Checks that `file` (a components file) carries `signature` by `key`,
-/// the cluster's measurements signing key, and lists exactly `listed`:
-/// where a cluster has that key, the operator key alone chooses no
-/// binaries, as it admits no image.
+/// the cluster's measurements signing key, as the file for `version`
+/// ([`keel_installer::components_file::signed_message`]), and lists
+/// exactly `listed`: where a cluster has that key, the operator key alone
+/// chooses no binaries, as it admits no image, and a file signed for one
+/// version does not pass as another's.
 pub fn check_signed_list(
     key: &SigningPublicKey,
+    version: keel_installer::KubernetesVersion,
     file: &[u8],
     signature: &[u8],
     listed: &[keel_proto::components::Component],
@@ -125,7 +130,8 @@ pub fn check_signed_list(
     if file.is_empty() || signature.is_empty() {
         return Err(SignedListError::Unsigned);
     }
-    key.verify(file, signature)
+    let message = keel_installer::components_file::signed_message(version, file);
+    key.verify(&message, signature)
         .map_err(|_| SignedListError::Signature)?;
     let signed = keel_installer::components_file::parse(file).map_err(SignedListError::File)?;
     if signed.components != listed {

@@ -679,6 +679,7 @@ impl OperatorServer {
                         error,
                         rolled_back: failure.rolled_back,
                         running_version: failure.running.map(|v| v.to_string()).unwrap_or_default(),
+                        switched: failure.switched,
                     })
                 }
             };

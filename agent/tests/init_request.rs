@@ -143,6 +143,12 @@ async fn with_a_signing_key_an_init_takes_only_signed_components() {
     };
     let other = "1".repeat(64);
     let other_key = keel_verifier::signature::SigningPrivateKey::generate();
+    let for_version = |version: &str, file: &[u8]| {
+        keel_installer::components_file::signed_message(
+            keel_installer::resolve(version).unwrap().version(),
+            file,
+        )
+    };
     for (case, components_file, components_signature, expected) in [
         (
             "unsigned",
@@ -153,14 +159,28 @@ async fn with_a_signing_key_an_init_takes_only_signed_components() {
         (
             "signed by another key",
             file(H),
-            other_key.sign(&file(H)),
+            other_key.sign(&for_version("v1.31", &file(H))),
+            "does not verify",
+        ),
+        (
+            "signed as another version's file",
+            file(H),
+            key.sign(&for_version("v1.32", &file(H))),
             "does not verify",
         ),
         (
             "a signed file of other components",
             file(&other),
-            key.sign(&file(&other)),
+            key.sign(&for_version("v1.31", &file(&other))),
             "not the ones its signed components file lists",
+        ),
+        // Signed right: the request passes this check and is refused by
+        // the next, the join measurements' signature (left out here).
+        (
+            "signed right",
+            file(H),
+            key.sign(&for_version("v1.31", &file(H))),
+            "the join measurements are not signed",
         ),
     ] {
         let request = InitRequest {

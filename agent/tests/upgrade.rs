@@ -361,6 +361,31 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
     cp.assert_no_staging_left();
     // Replayed: the challenge was spent.
     assert_eq!(code(cp.run(&request).await), tonic::Code::PermissionDenied);
+    // The same rollout run again (a later node of it failed): done, with
+    // nothing changed; the same version with other components is refused.
+    let events_before = cp.component_events().len();
+    let (lines, last) = cp.run(&cp.request(to_new.clone())).await.unwrap();
+    let Event::Done(again) = last else {
+        panic!("{last:?}\n{}", lines.join("\n"));
+    };
+    assert_eq!(again.previous_version, TO);
+    assert!(
+        lines.iter().any(|l| l.contains("nothing to do")),
+        "{lines:?}"
+    );
+    assert_eq!(cp.component_events().len(), events_before);
+    let mut other_mirror = new.clone();
+    other_mirror[0].url.push_str("?other");
+    let refused = cp
+        .run(&cp.request(plan(TO, Some(&other_mirror), UpgradeStep::Apply)))
+        .await
+        .unwrap_err();
+    assert!(
+        refused.message().contains("already runs"),
+        "{}",
+        refused.message()
+    );
+    cp.assert_no_staging_left();
     // A downgrade to the version it ran.
     let back = cp.request(plan(FROM, Some(&old), UpgradeStep::Apply));
     let refused = cp.run(&back).await.unwrap_err();
@@ -610,6 +635,13 @@ async fn a_plans_own_components_need_their_file_signed_by_the_clusters_key() {
         .encode_to_vec()
     };
     let file = components_file(&new);
+    // What a signature covers: the file, as the file for one version.
+    let for_version = |version: &str, file: &[u8]| {
+        keel_installer::components_file::signed_message(
+            keel_installer::resolve(version).unwrap().version(),
+            file,
+        )
+    };
     let other_key = SigningPrivateKey::generate();
     let mut fewer = new.clone();
     fewer.pop();
@@ -620,11 +652,29 @@ async fn a_plans_own_components_need_their_file_signed_by_the_clusters_key() {
             "only with their components file signed",
         ),
         (
-            signed_plan(file.clone(), other_key.sign(&file), &new),
+            signed_plan(file.clone(), other_key.sign(&for_version(TO, &file)), &new),
+            "does not verify with the cluster's measurements signing key",
+        ),
+        // The file's bytes alone, or signed as another version's file: a
+        // plan cannot label binaries signed for one version as another's.
+        (
+            signed_plan(file.clone(), cluster_key.sign(&file), &new),
             "does not verify with the cluster's measurements signing key",
         ),
         (
-            signed_plan(fewer_file.clone(), cluster_key.sign(&fewer_file), &new),
+            signed_plan(
+                file.clone(),
+                cluster_key.sign(&for_version(FROM, &file)),
+                &new,
+            ),
+            "as the file for this Kubernetes version",
+        ),
+        (
+            signed_plan(
+                fewer_file.clone(),
+                cluster_key.sign(&for_version(TO, &fewer_file)),
+                &new,
+            ),
             "not the ones its signed components file lists",
         ),
     ] {
@@ -636,7 +686,11 @@ async fn a_plans_own_components_need_their_file_signed_by_the_clusters_key() {
     cp.assert_no_staging_left();
 
     // Signed by the cluster's key, exactly as listed: the node moves.
-    let good = signed_plan(file.clone(), cluster_key.sign(&file), &new);
+    let good = signed_plan(
+        file.clone(),
+        cluster_key.sign(&for_version(TO, &file)),
+        &new,
+    );
     let (lines, last) = cp.run(&cp.request(good)).await.unwrap();
     assert!(
         matches!(last, Event::Done(_)),

@@ -186,40 +186,21 @@ pub async fn run(
         }
         None => bail!("the settings name no init_secret_file"),
     };
-    let components = match &settings.components_file {
-        Some(p) => Some(crate::settings::read_components(
-            &settings.resolve(p),
-            None,
-            signing_key.as_ref(),
-        )?),
-        None => None,
-    };
-    let (components, (components_file, components_signature)) = match components {
-        Some(file) => (Some(file.components), file.signed.unwrap_or_default()),
-        None => (None, Default::default()),
-    };
+    let version = keel_installer::resolve(&settings.kubernetes_version)
+        .map_err(|e| anyhow::anyhow!("{e}; nothing was sent"))?
+        .version();
     create_workspace(workspace)?;
 
-    // The master secret is on disk before anything leaves this machine.
-    let master_secret = random32();
-    let master_salt = random32();
-    let measurement_salt = random32();
+    // An earlier init's master secret is never replaced; said before
+    // connecting (the new one is written once every check passed).
     let secret_path = workspace.join(MASTER_SECRET_FILE);
-    let secret_json = Zeroizing::new(serde_json::to_vec_pretty(&MasterSecretFile {
-        key: hex::encode(&*master_secret),
-        salt: hex::encode(&*master_salt),
-        measurement_salt: hex::encode(&*measurement_salt),
-    })?);
-    write_new_secret_file(
-        &secret_path,
-        &secret_json,
-        "an existing master secret is never replaced: if an earlier init sent it, a node \
-         holds it; keep the file and give this init another --workspace",
-    )?;
-    eprintln!(
-        "master secret written to {} (mode 0600): keep it to recover the cluster",
-        secret_path.display()
-    );
+    if std::fs::symlink_metadata(&secret_path).is_ok() {
+        bail!(
+            "{} exists: an existing master secret is never replaced: if an earlier init sent \
+             it, a node holds it; keep the file and give this init another --workspace",
+            secret_path.display()
+        );
+    }
 
     let (host, port) = Settings::host_port(&settings.endpoint)?;
     eprintln!("connecting to {host}:{port} and verifying its attestation");
@@ -262,6 +243,41 @@ pub async fn run(
         signing_key.as_ref(),
         &measurements_body,
     )?;
+    // The operator's own components, signed where the settings' key (now
+    // known to be the node's) is named.
+    let components = match &settings.components_file {
+        Some(p) => Some(crate::settings::read_components(
+            &settings.resolve(p),
+            version,
+            None,
+            signing_key.as_ref(),
+        )?),
+        None => None,
+    };
+    let (components, (components_file, components_signature)) = match components {
+        Some(file) => (Some(file.components), file.signed.unwrap_or_default()),
+        None => (None, Default::default()),
+    };
+    // The master secret is on disk before anything leaves this machine.
+    let master_secret = random32();
+    let master_salt = random32();
+    let measurement_salt = random32();
+    let secret_json = Zeroizing::new(serde_json::to_vec_pretty(&MasterSecretFile {
+        key: hex::encode(&*master_secret),
+        salt: hex::encode(&*master_salt),
+        measurement_salt: hex::encode(&*measurement_salt),
+    })?);
+    write_new_secret_file(
+        &secret_path,
+        &secret_json,
+        "an existing master secret is never replaced: if an earlier init sent it, a node \
+         holds it; keep the file and give this init another --workspace",
+    )?;
+    eprintln!(
+        "master secret written to {} (mode 0600): keep it to recover the cluster",
+        secret_path.display()
+    );
+
     // Both secrets are sealed to the TPM whose EK and AK were just proven
     // (attested, and resident by credential activation in the handshake).
     let secrets = Zeroizing::new(

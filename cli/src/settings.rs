@@ -41,15 +41,18 @@ pub struct Settings {
     #[serde(default)]
     pub service_cidr: String,
     /// A components file (JSON list of {url, hash, install_path, extract})
-    /// replacing the version's pinned set, e.g. for a local mirror.
+    /// replacing the version's pinned set, e.g. for a local mirror. With a
+    /// measurements_signing_key, it needs its signature for the version
+    /// (`FILE.sig`, `keel-measure sign --kubernetes-version`).
     #[serde(default)]
     pub components_file: Option<PathBuf>,
     /// Base URL replacing upstream download hosts.
     #[serde(default)]
     pub component_mirror: Option<String>,
     /// The public key (PEM, ECDSA P-256) that measurements files of a new
-    /// image must be signed with (`keel-measure --signing-key`). Sent at
-    /// init; without it, the cluster refuses image upgrades.
+    /// image, and components files, must be signed with (`keel-measure
+    /// --signing-key`, `keel-measure sign`): the nodes' measured config
+    /// names the same key; without it, the cluster refuses image upgrades.
     #[serde(default)]
     pub measurements_signing_key: Option<PathBuf>,
     /// The cluster's attestation variant and expected CPU values (the
@@ -192,9 +195,11 @@ pub struct ComponentsFile {
 /// Reads the components file at `path` (a JSON list of `{url, hash,
 /// install_path, extract}`) and, with `key` (the settings' measurements
 /// signing key), its signature (`signature`, default the file + `.sig`),
-/// which must verify: checked before anything is sent.
+/// which must verify as the file for `version`: checked before anything
+/// is sent.
 pub fn read_components(
     path: &Path,
+    version: keel_installer::KubernetesVersion,
     signature: Option<&Path>,
     key: Option<&SigningPublicKey>,
 ) -> anyhow::Result<ComponentsFile> {
@@ -210,17 +215,21 @@ pub fn read_components(
     let signature_path = signature.map_or_else(|| signature_of(path), Path::to_owned);
     let signature = read_bounded(&signature_path).with_context(|| {
         format!(
-            "no signature for {} (`keel-measure sign --signing-key KEY {}` writes {}): nodes of \
-             a cluster with a measurements signing key take no other components; nothing was sent",
+            "no signature for {} (`keel-measure sign --signing-key KEY --kubernetes-version \
+             {version} {}` writes {}): where the settings name a measurements signing key, the \
+             cluster's nodes take no other components; nothing was sent",
             path.display(),
             path.display(),
             signature_path.display()
         )
     })?;
-    key.verify(&body, &signature).with_context(|| {
+    let message = keel_installer::components_file::signed_message(version, &body);
+    key.verify(&message, &signature).with_context(|| {
         format!(
-            "{} is not signed with the settings' measurements signing key; nothing was sent",
-            signature_path.display()
+            "{} is not a signature of {} for Kubernetes {version} with the settings' \
+             measurements signing key; nothing was sent",
+            signature_path.display(),
+            path.display()
         )
     })?;
     Ok(ComponentsFile {

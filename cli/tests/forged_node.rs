@@ -348,7 +348,8 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
     let ca = EkCa::new().unwrap();
-    let node = node_with(&ca, harness::control_plane_config(&harness::secret_hash()));
+    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&hash));
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
     let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
 
@@ -357,7 +358,7 @@ async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
     let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
     let took = started.elapsed();
     assert!(!out.status.success(), "{}", text(&out));
-    assert_eq!(served.requests(), 1);
+    assert_eq!(served.requests(), 1, "{}", text(&out));
     assert!(
         text(&out).contains("init did not end within 4 s (--timeout)"),
         "{}",

@@ -101,27 +101,6 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         serde_json::from_slice(&std::fs::read(&settings).unwrap()).unwrap();
     with_key["measurements_signing_key"] = "signing.pub.pem".into();
     std::fs::write(&settings, with_key.to_string()).unwrap();
-    // The settings name the operator's own components: with a signing key,
-    // the node takes them only with their file signed too.
-    let out = run_keel(
-        &["init", "--skip-helm-wait"],
-        &settings,
-        Some(tempfile::tempdir().unwrap().path()),
-    )
-    .await;
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("no signature for") && text(&out).contains("components.json"),
-        "{}",
-        text(&out)
-    );
-    assert!(slot.borrow().is_none(), "a refused init reached the node");
-    let components_file = operator.path().join("components.json");
-    std::fs::write(
-        operator.path().join("components.json.sig"),
-        signing.sign(&std::fs::read(&components_file).unwrap()),
-    )
-    .unwrap();
     let measurements_file = operator.path().join("measurements.json");
     let signature_file = operator.path().join("measurements.json.sig");
     let out = run_keel(&["init", "--skip-helm-wait"], &settings, Some(ws.path())).await;
@@ -150,6 +129,53 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     std::fs::write(
         &signature_file,
         signing.sign(&std::fs::read(&measurements_file).unwrap()),
+    )
+    .unwrap();
+    // The settings name the operator's own components: with a signing key,
+    // the node takes them only with their file signed too.
+    let out = run_keel(
+        &["init", "--skip-helm-wait"],
+        &settings,
+        Some(tempfile::tempdir().unwrap().path()),
+    )
+    .await;
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("no signature for") && text(&out).contains("components.json"),
+        "{}",
+        text(&out)
+    );
+    assert!(slot.borrow().is_none(), "a refused init reached the node");
+    // Signed as the file for another version: refused as well.
+    let components_file = operator.path().join("components.json");
+    let components_for = |version: &str| {
+        keel_installer::components_file::signed_message(
+            keel_installer::resolve(version).unwrap().version(),
+            &std::fs::read(&components_file).unwrap(),
+        )
+    };
+    let components_signature = operator.path().join("components.json.sig");
+    std::fs::write(
+        &components_signature,
+        signing.sign(&components_for("v1.32")),
+    )
+    .unwrap();
+    let out = run_keel(
+        &["init", "--skip-helm-wait"],
+        &settings,
+        Some(tempfile::tempdir().unwrap().path()),
+    )
+    .await;
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("is not a signature of") && text(&out).contains("for Kubernetes v1.31"),
+        "{}",
+        text(&out)
+    );
+    assert!(slot.borrow().is_none(), "a refused init reached the node");
+    std::fs::write(
+        &components_signature,
+        signing.sign(&components_for("v1.31")),
     )
     .unwrap();
     let ws = tempfile::tempdir().unwrap();

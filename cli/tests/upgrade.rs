@@ -313,7 +313,14 @@ fn upgrade_apply_refuses_unsigned_components_before_contacting_any_node() {
     let file = setup.path("components.json");
     let body = br#"[{"url":"https://example.org/kubelet","hash":"sha256:0000000000000000000000000000000000000000000000000000000000000000","install_path":"/run/state/bin/kubelet"}]"#.to_vec();
     std::fs::write(&file, &body).unwrap();
-    let (good, flipped, other) = signatures(&setup, &body);
+    let for_version = |version: &str| {
+        keel_installer::components_file::signed_message(
+            keel_installer::resolve(version).unwrap().version(),
+            &body,
+        )
+    };
+    let (good, flipped, other) = signatures(&setup, &for_version("v1.31"));
+    let other_version = setup.key.sign(&for_version("v1.32"));
     let signature = setup.path("components.json.sig");
     let args = [
         "--kubernetes",
@@ -328,12 +335,22 @@ fn upgrade_apply_refuses_unsigned_components_before_contacting_any_node() {
         (
             "flipped",
             Some(flipped),
-            "is not signed with the settings' measurements signing key",
+            "with the settings' measurements signing key",
         ),
         (
             "another key",
             Some(other),
-            "is not signed with the settings' measurements signing key",
+            "with the settings' measurements signing key",
+        ),
+        (
+            "the file alone",
+            Some(setup.key.sign(&body)),
+            "with the settings' measurements signing key",
+        ),
+        (
+            "as another version's file",
+            Some(other_version),
+            "for Kubernetes v1.31",
         ),
     ] {
         let _ = std::fs::remove_file(&signature);
@@ -356,7 +373,7 @@ fn upgrade_apply_refuses_unsigned_components_before_contacting_any_node() {
     let out = apply(&setup, &settings, &args);
     assert!(!out.status.success());
     assert!(
-        text(&out).contains("is not signed with the settings' measurements signing key"),
+        text(&out).contains("with the settings' measurements signing key"),
         "{}",
         text(&out)
     );

@@ -5,7 +5,7 @@
 //! keel-measure --uki build/image/keel.efi --node-config FILE [--output FILE] [--events]
 //!              [--signing-key KEY.pem]
 //! keel-measure keygen --out DIR
-//! keel-measure sign --signing-key KEY.pem FILE
+//! keel-measure sign --signing-key KEY.pem --kubernetes-version VERSION FILE
 //! ```
 
 use std::io::Write as _;
@@ -70,16 +70,21 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Sign FILE (a components file for `keel init` or `keel upgrade
-    /// apply --components`, where the cluster has a measurements signing
-    /// key) with the key, writing the detached signature to `FILE.sig`, as
-    /// `--signing-key` does for measurements. An existing FILE.sig is
-    /// replaced.
+    /// Sign FILE, a components file for `keel init` or `keel upgrade
+    /// apply --components` where the cluster has a measurements signing
+    /// key, as the file for one Kubernetes version, writing the detached
+    /// signature to `FILE.sig`. The signature covers a fixed prefix, the
+    /// pinned version and the file's bytes, so it is valid for that
+    /// version only. An existing FILE.sig is replaced.
     Sign {
         /// The private key (PEM PKCS#8, ECDSA P-256).
         #[arg(long, value_name = "KEY")]
         signing_key: PathBuf,
-        /// The file to sign.
+        /// The Kubernetes version the file is for (`vX.Y` or its pinned
+        /// `vX.Y.Z`).
+        #[arg(long, value_name = "VERSION")]
+        kubernetes_version: String,
+        /// The components file to sign.
         file: PathBuf,
     },
 }
@@ -91,7 +96,11 @@ fn main() -> Result<()> {
     let args = Args::parse();
     match &args.command {
         Some(Command::Keygen { out }) => return keygen(out),
-        Some(Command::Sign { signing_key, file }) => return sign(signing_key, file),
+        Some(Command::Sign {
+            signing_key,
+            kubernetes_version,
+            file,
+        }) => return sign(signing_key, kubernetes_version, file),
         None => {}
     }
     let (Some(uki_path), Some(path)) = (&args.uki, &args.node_config) else {
@@ -145,15 +154,23 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// `keel-measure sign`: a detached signature of `file` by the key at
-/// `key` in `file` + `.sig`.
-fn sign(key: &Path, file: &Path) -> Result<()> {
+/// `keel-measure sign`: a detached signature by the key at `key` of the
+/// components file `file` as the file for `version`, in `file` + `.sig`.
+fn sign(key: &Path, version: &str, file: &Path) -> Result<()> {
     let key = read_signing_key(key)?;
+    let version = keel_installer::resolve(version)?.version();
     let bytes = std::fs::read(file).with_context(|| format!("read {}", file.display()))?;
+    keel_installer::components_file::parse(&bytes)
+        .with_context(|| format!("{} is not a components file", file.display()))?;
     let signature = signature_path(file);
-    std::fs::write(&signature, key.sign(&bytes))
+    let message = keel_installer::components_file::signed_message(version, &bytes);
+    std::fs::write(&signature, key.sign(&message))
         .with_context(|| format!("write {}", signature.display()))?;
-    eprintln!("signature: {}", signature.display());
+    eprintln!(
+        "signature of {} for Kubernetes {version}: {}",
+        file.display(),
+        signature.display()
+    );
     Ok(())
 }
 

@@ -45,10 +45,10 @@ fn keygen_writes_a_pair_openssl_reads_and_keeps_existing_keys() {
 }
 
 /// `keel-measure sign` writes `FILE.sig`, a signature that the public key
-/// verifies over the file's exact bytes (as a node checks a components
-/// file) and that openssl verifies too.
+/// verifies over the components file as the file for the version named
+/// (as a node checks it), and for no other version.
 #[test]
-fn sign_writes_a_detached_signature_of_the_file() {
+fn sign_writes_a_signature_of_the_file_for_one_version() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("keys");
     let keygen = Command::new(env!("CARGO_BIN_EXE_keel-measure"))
@@ -58,32 +58,47 @@ fn sign_writes_a_detached_signature_of_the_file() {
         .unwrap();
     assert!(keygen.status.success());
     let file = dir.path().join("components.json");
+    let sign = |version: &str| {
+        Command::new(env!("CARGO_BIN_EXE_keel-measure"))
+            .args(["sign", "--kubernetes-version", version, "--signing-key"])
+            .arg(out.join("measurements-signing-key.pem"))
+            .arg(&file)
+            .output()
+            .unwrap()
+    };
+    // Not a components file: nothing signed.
+    std::fs::write(&file, b"{}\n").unwrap();
+    assert!(!sign("v1.31").status.success());
+    assert!(!dir.path().join("components.json.sig").exists());
+
     std::fs::write(&file, b"[]\n").unwrap();
-    let sign = Command::new(env!("CARGO_BIN_EXE_keel-measure"))
-        .args(["sign", "--signing-key"])
-        .arg(out.join("measurements-signing-key.pem"))
-        .arg(&file)
-        .output()
-        .unwrap();
+    let signed = sign("v1.31");
     assert!(
-        sign.status.success(),
+        signed.status.success(),
         "{}",
-        String::from_utf8_lossy(&sign.stderr)
+        String::from_utf8_lossy(&signed.stderr)
     );
     let signature = std::fs::read(dir.path().join("components.json.sig")).unwrap();
     let public = keel_verifier::signature::SigningPublicKey::from_pem(
         &std::fs::read(out.join("measurements-signing-key.pub.pem")).unwrap(),
     )
     .unwrap();
-    public.verify(b"[]\n", &signature).unwrap();
-    assert!(public.verify(b"[] \n", &signature).is_err());
-    let openssl = Command::new("openssl")
-        .args(["dgst", "-sha256", "-verify"])
-        .arg(out.join("measurements-signing-key.pub.pem"))
-        .arg("-signature")
-        .arg(dir.path().join("components.json.sig"))
-        .arg(&file)
-        .output()
-        .expect("the openssl command line is installed");
-    assert!(openssl.status.success());
+    let for_version = |version: &str, bytes: &[u8]| {
+        keel_installer::components_file::signed_message(
+            keel_installer::resolve(version).unwrap().version(),
+            bytes,
+        )
+    };
+    public
+        .verify(&for_version("v1.31", b"[]\n"), &signature)
+        .unwrap();
+    assert!(public
+        .verify(&for_version("v1.32", b"[]\n"), &signature)
+        .is_err());
+    assert!(public
+        .verify(&for_version("v1.31", b"[] \n"), &signature)
+        .is_err());
+    assert!(public.verify(b"[]\n", &signature).is_err());
+    // An unknown version: refused.
+    assert!(!sign("v0.1").status.success());
 }

@@ -2,14 +2,27 @@
 //! `keel upgrade apply --components`): a JSON list of
 //! `{url, hash, install_path, extract}`, one entry per component. The node
 //! checks each component again ([`crate::Component::try_from`]); where the
-//! cluster has a measurements signing key, a node takes such a list in an
-//! upgrade only with the file's detached signature, and parses the signed
-//! bytes itself with [`parse`].
+//! cluster has a measurements signing key, a node takes such a list only
+//! with a detached signature of [`signed_message`] (the file for one pinned
+//! Kubernetes version), and parses the signed bytes itself with [`parse`].
 
 use keel_proto::components::{Component, Components};
 
-/// Largest components file read.
-pub const MAX_COMPONENTS_FILE_BYTES: usize = 256 * 1024;
+use crate::KubernetesVersion;
+
+/// Largest components file read: a request carries the file beside the
+/// list it parses to, within the operator API's bound on a request.
+pub const MAX_COMPONENTS_FILE_BYTES: usize = 48 * 1024;
+
+/// What a components file's signature covers: a fixed prefix (no other
+/// signed document of the key starts with it), the pinned version the file
+/// is for, and the file's exact bytes. A file signed for one version is no
+/// signed list of another's: a plan cannot label old binaries as new.
+pub fn signed_message(version: KubernetesVersion, file: &[u8]) -> Vec<u8> {
+    let mut message = format!("keel components file\nkubernetes {version}\n").into_bytes();
+    message.extend_from_slice(file);
+    message
+}
 
 /// Why a components file does not parse.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +69,14 @@ pub fn parse(bytes: &[u8]) -> Result<Components, ComponentsFileError> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_signed_message_names_the_version() {
+        let v = |s: &str| s.parse::<KubernetesVersion>().unwrap();
+        let a = signed_message(v("v1.31.13"), b"[]");
+        assert_eq!(a, b"keel components file\nkubernetes v1.31.13\n[]");
+        assert_ne!(a, signed_message(v("v1.32.9"), b"[]"));
+    }
 
     #[test]
     fn a_file_parses_to_its_list_and_nothing_else_does() {

@@ -291,6 +291,7 @@ impl InitServer {
                 if let Some(key) = &measurements_key {
                     crate::components::check_signed_list(
                         key,
+                        entry.version(),
                         &request.components_file,
                         &request.components_signature,
                         &list.components,

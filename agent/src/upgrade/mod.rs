@@ -100,6 +100,7 @@ impl Target {
         if let (false, Some(key)) = (listed.is_empty(), signing_key) {
             crate::components::check_signed_list(
                 key,
+                entry.version(),
                 &plan.components_file,
                 &plan.components_signature,
                 &listed,
@@ -131,6 +132,12 @@ impl Target {
             step,
         })
     }
+}
+
+/// Whether the node recorded as `current` runs `target` already: the same
+/// version with the same components.
+fn runs_already(current: &NodeVersion, target: &Target) -> bool {
+    current.version == target.version && current.components == target.components
 }
 
 /// Every directory `current` runs components from is one `target`
@@ -226,23 +233,6 @@ impl From<FactsError> for UpgradeError {
     }
 }
 
-impl UpgradeError {
-    /// Whether the node refused the request before changing anything (the
-    /// operator's mistake, not a failed upgrade).
-    pub fn is_refusal(&self) -> bool {
-        matches!(
-            self,
-            Self::Version(_)
-                | Self::Plan(_)
-                | Self::Busy
-                | Self::NoRecord
-                | Self::Unfinished(_)
-                | Self::Step(_)
-                | Self::NotControlPlane
-        )
-    }
-}
-
 /// A node that runs the target version now.
 #[derive(Debug, Clone, Copy)]
 pub struct Upgraded {
@@ -259,6 +249,8 @@ pub struct Upgraded {
 pub struct UpgradeFailure {
     /// What went wrong.
     pub error: UpgradeError,
+    /// The node had switched to the new binaries.
+    pub switched: bool,
     /// The node switched back to its previous binaries.
     pub rolled_back: bool,
     /// The version the node runs (`None` if it is not known).
@@ -269,6 +261,7 @@ impl From<UpgradeError> for UpgradeFailure {
     fn from(error: UpgradeError) -> Self {
         Self {
             error,
+            switched: false,
             rolled_back: false,
             running: None,
         }
@@ -338,8 +331,10 @@ impl Upgrader {
             return Err(UpgradeError::Busy);
         }
         let current = self.current()?;
-        current.version.upgrade_to(target.version)?;
-        covers(&current, target)?;
+        if !runs_already(&current, target) {
+            current.version.upgrade_to(target.version)?;
+            covers(&current, target)?;
+        }
         Ok(current)
     }
 
@@ -368,16 +363,30 @@ impl Upgrader {
         let _one = self.running.try_lock().map_err(|_| UpgradeError::Busy)?;
         let root = self.env.root();
         let current = self.current()?;
-        let failure = |error, rolled_back| UpgradeFailure {
+        let failure = |error, switched, rolled_back| UpgradeFailure {
             error,
+            switched,
             rolled_back,
             running: Some(current.version),
         };
+        // A rollout run again (after a node of it failed) reaches nodes it
+        // already moved: done, with nothing changed.
+        if runs_already(&current, target) {
+            log(format!(
+                "already runs Kubernetes {} with these components: nothing to do",
+                target.version
+            ));
+            return Ok(Upgraded {
+                previous: current.version,
+                version: target.version,
+                elapsed: std::time::Duration::ZERO,
+            });
+        }
         current
             .version
             .upgrade_to(target.version)
-            .map_err(|e| failure(e.into(), false))?;
-        covers(&current, target).map_err(|e| failure(e, false))?;
+            .map_err(|e| failure(e.into(), false, false))?;
+        covers(&current, target).map_err(|e| failure(e, false, false))?;
         let started = Instant::now();
         log(format!(
             "upgrading from Kubernetes {} to {} ({} components)",
@@ -388,7 +397,7 @@ impl Upgrader {
 
         // 2. Stage: nothing the node runs changes.
         let (mut staging, staged) = Staging::prepare(root, &target.components)
-            .map_err(|e| failure(UpgradeError::Staging(e), false))?;
+            .map_err(|e| failure(UpgradeError::Staging(e), false, false))?;
         // From here until the record names the new version (or the
         // directories are back), a reboot finds the switch unfinished.
         let staged_ok = self.stage(target, &staged, log).await.and_then(|()| {
@@ -408,7 +417,7 @@ impl Upgrader {
             if let Err(e) = Switching::end(root) {
                 tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the switch record failed");
             }
-            return Err(failure(error, false));
+            return Err(failure(error, false, false));
         }
         log(format!(
             "{} components verified and measured into PCR 13",
@@ -435,7 +444,7 @@ impl Upgrader {
             Err(error) => {
                 log(format!("upgrade failed: {}", keel_atls::ErrorChain(&error)));
                 let rolled_back = self.roll_back(&current, staging, log).await;
-                Err(failure(error, rolled_back))
+                Err(failure(error, true, rolled_back))
             }
         }
     }

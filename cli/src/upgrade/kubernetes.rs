@@ -58,7 +58,8 @@ impl Target {
             return Ok(target);
         };
         let key = Settings::load(settings)?.signing_key()?;
-        let read = crate::settings::read_components(file, signature, key.as_ref())?;
+        let read =
+            crate::settings::read_components(file, entry.version(), signature, key.as_ref())?;
         target.components = Some(read.components);
         target.signed = read.signed;
         Ok(target)
@@ -178,12 +179,19 @@ async fn follow(
             }
             Some(Event::Done(done)) => {
                 if step != UpgradeStep::Authorise {
-                    println!(
-                        "{endpoint}: runs Kubernetes {} (was {}), {:.1} s",
-                        printable(&done.kubernetes_version),
-                        printable(&done.previous_version),
-                        started.elapsed().as_secs_f64()
-                    );
+                    if done.previous_version == done.kubernetes_version {
+                        println!(
+                            "{endpoint}: runs Kubernetes {} already (nothing to do)",
+                            printable(&done.kubernetes_version)
+                        );
+                    } else {
+                        println!(
+                            "{endpoint}: runs Kubernetes {} (was {}), {:.1} s",
+                            printable(&done.kubernetes_version),
+                            printable(&done.previous_version),
+                            started.elapsed().as_secs_f64()
+                        );
+                    }
                 }
                 return Ok(());
             }
@@ -191,16 +199,18 @@ async fn follow(
                 bail!(
                     "{endpoint}: upgrade failed: {}; {}",
                     printable(&failed.error),
-                    if failed.rolled_back {
-                        format!(
+                    match (failed.switched, failed.rolled_back) {
+                        (_, true) => format!(
                             "switched back, runs Kubernetes {}",
                             printable(&failed.running_version)
-                        )
-                    } else {
-                        format!(
+                        ),
+                        (false, false) => format!(
                             "nothing switched, runs Kubernetes {}",
                             printable(&failed.running_version)
-                        )
+                        ),
+                        (true, false) => "switched, and switching back did not complete: the \
+                                          node needs attention (its console says what failed)"
+                            .to_owned(),
                     }
                 )
             }
