@@ -351,7 +351,7 @@ fn refused_nodes(cluster: &Cluster) -> TestResult {
     std::fs::create_dir_all(cluster.path("other-image"))?;
     changed_image(&cluster.image.disk(), &image)?;
     let image_config = cluster.node_config("keel-other-image", Role::Worker);
-    let mut image_node = cluster.add_node("other-image", image_config, image, 9000)?;
+    let mut image_node = cluster.add_node("other-image", image_config, image.clone(), 9000)?;
     config_node.boot(cluster.accel)?;
     image_node.boot(cluster.accel)?;
     config_node.wait_until_started()?;
@@ -372,6 +372,13 @@ fn refused_nodes(cluster: &Cluster) -> TestResult {
         image_node.dir.join("verify.json").display()
     );
     pass("changed-image-refused-pcr4", t);
+    // The changed image is a full copy of the disk: gone once its VM is,
+    // so later scenarios (and a small CI disk) do not carry it.
+    drop(config_node);
+    drop(image_node);
+    if let Err(e) = std::fs::remove_file(&image) {
+        eprintln!("removing {}: {e}", image.display());
+    }
     Ok(())
 }
 
