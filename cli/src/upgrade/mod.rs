@@ -225,45 +225,61 @@ pub(crate) async fn every_control_plane_named(
     operator: &Operator,
     roles: &Roles,
 ) -> anyhow::Result<()> {
+    let mut registries = Vec::new();
     for endpoint in &roles.control_planes {
         let registry = crate::status::registry_of(operator, endpoint).await?;
-        let unnamed = unnamed_control_planes(&registry, &roles.control_plane_eks);
-        if !unnamed.is_empty() {
-            bail!(
-                "{endpoint} knows control planes not named with --endpoint: {}. Each must take \
-                 the upgrade, or it judges the upgraded nodes drifted (and, under the revoke \
-                 policy, revokes them), or goes on accepting the old image: name every control \
-                 plane, or revoke one that is gone for good; nothing was changed",
-                unnamed.join(", ")
-            );
-        }
+        registries.push((endpoint.clone(), registry));
+    }
+    if let Some((endpoint, unnamed)) = unnamed_control_planes(&registries, &roles.control_plane_eks)
+        .into_iter()
+        .next()
+    {
+        bail!(
+            "{endpoint} knows control planes not named with --endpoint: {}. Each must take \
+             the upgrade, or it judges the upgraded nodes drifted (and, under the revoke \
+             policy, revokes them), or goes on accepting the old image: name every control \
+             plane, or revoke one that is gone for good; nothing was changed",
+            unnamed.join(", ")
+        );
     }
     Ok(())
 }
 
-/// The unrevoked control planes of `registry` (a control plane's, JSON)
-/// whose EK is not in `named`, as `name (EK)` escaped for the terminal.
-fn unnamed_control_planes(registry: &serde_json::Value, named: &BTreeSet<String>) -> Vec<String> {
-    let revoked: BTreeSet<&str> = registry["revoked"]
-        .as_array()
-        .into_iter()
-        .flatten()
+/// For each `(endpoint, registry)` (a control plane's registry, JSON) that
+/// knows any: the control planes whose EK is not in `named` and that no
+/// registry has revoked (revocations are one list across the cluster; a
+/// registry that has not yet merged one does not count), as `name (EK)`
+/// escaped for the terminal.
+fn unnamed_control_planes(
+    registries: &[(String, serde_json::Value)],
+    named: &BTreeSet<String>,
+) -> Vec<(String, Vec<String>)> {
+    let revoked: BTreeSet<&str> = registries
+        .iter()
+        .flat_map(|(_, registry)| registry["revoked"].as_array().into_iter().flatten())
         .filter_map(|r| r["ek"].as_str())
         .collect();
-    registry["nodes"]
-        .as_object()
-        .into_iter()
-        .flat_map(|nodes| nodes.values())
-        .filter(|n| n["role"] == "control-plane")
-        .filter_map(|n| n["ek"].as_str().map(|ek| (n, ek)))
-        .filter(|(_, ek)| !revoked.contains(ek) && !named.contains(*ek))
-        .map(|(n, ek)| {
-            format!(
-                "{} ({})",
-                printable(n["name"].as_str().unwrap_or("")),
-                printable(ek)
-            )
+    registries
+        .iter()
+        .map(|(endpoint, registry)| {
+            let unnamed = registry["nodes"]
+                .as_object()
+                .into_iter()
+                .flat_map(|nodes| nodes.values())
+                .filter(|n| n["role"] == "control-plane")
+                .filter_map(|n| n["ek"].as_str().map(|ek| (n, ek)))
+                .filter(|(_, ek)| !revoked.contains(ek) && !named.contains(*ek))
+                .map(|(n, ek)| {
+                    format!(
+                        "{} ({})",
+                        printable(n["name"].as_str().unwrap_or("")),
+                        printable(ek)
+                    )
+                })
+                .collect::<Vec<_>>();
+            (endpoint.clone(), unnamed)
         })
+        .filter(|(_, unnamed)| !unnamed.is_empty())
         .collect()
 }
 
@@ -275,6 +291,7 @@ mod tests {
     #[test]
     fn every_unrevoked_control_plane_must_be_named() {
         let ek = |b: &str| format!("sha256:{}", b.repeat(32));
+        let one = |registry| vec![("cp-0:9000".to_owned(), registry)];
         let registry = serde_json::json!({
             "nodes": {
                 "a": {"name": "cp-0", "role": "control-plane", "ek": ek("aa")},
@@ -286,11 +303,44 @@ mod tests {
         });
         let named: BTreeSet<String> = [ek("aa")].into();
         assert_eq!(
-            unnamed_control_planes(&registry, &named),
-            [format!("cp-1\\u{{1b}}[2J ({})", ek("bb"))]
+            unnamed_control_planes(&one(registry.clone()), &named),
+            [(
+                "cp-0:9000".to_owned(),
+                vec![format!("cp-1\\u{{1b}}[2J ({})", ek("bb"))]
+            )]
         );
         let all: BTreeSet<String> = [ek("aa"), ek("bb")].into();
-        assert!(unnamed_control_planes(&registry, &all).is_empty());
-        assert!(unnamed_control_planes(&serde_json::json!({}), &named).is_empty());
+        assert!(unnamed_control_planes(&one(registry), &all).is_empty());
+        assert!(unnamed_control_planes(&one(serde_json::json!({})), &named).is_empty());
+    }
+
+    /// A control plane one named control plane does not know (its host
+    /// keeps that one from hearing it) is found in another's registry; one
+    /// that a registry has revoked counts as revoked, even where another
+    /// has not merged that revocation yet.
+    #[test]
+    fn every_named_registry_counts_and_revocations_are_one_list() {
+        let ek = |b: &str| format!("sha256:{}", b.repeat(32));
+        let cp = |name: &str, e: &str| serde_json::json!({"name": name, "role": "control-plane", "ek": ek(e)});
+        let named: BTreeSet<String> = [ek("aa"), ek("bb")].into();
+        let first = serde_json::json!({"nodes": {"a": cp("cp-0", "aa"), "b": cp("cp-1", "bb")}});
+        let second = serde_json::json!({
+            "nodes": {"a": cp("cp-0", "aa"), "b": cp("cp-1", "bb"), "x": cp("cp-x", "ee")},
+        });
+        let registries = vec![
+            ("cp-0:9000".to_owned(), first.clone()),
+            ("cp-1:9000".to_owned(), second.clone()),
+        ];
+        assert_eq!(
+            unnamed_control_planes(&registries, &named),
+            [("cp-1:9000".to_owned(), vec![format!("cp-x ({})", ek("ee"))])]
+        );
+        let mut revoking = first;
+        revoking["revoked"] = serde_json::json!([{"ek": ek("ee")}]);
+        let registries = vec![
+            ("cp-0:9000".to_owned(), revoking),
+            ("cp-1:9000".to_owned(), second),
+        ];
+        assert!(unnamed_control_planes(&registries, &named).is_empty());
     }
 }
