@@ -46,6 +46,10 @@ fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::R
     Ok(())
 }
 
+/// Why a workspace's master secret file is never written over.
+const MASTER_SECRET_KEPT: &str = "an existing master secret is never replaced: if an earlier \
+     init sent it, a node holds it; keep the file and give this init another --workspace";
+
 /// `keel init-secret`: writes a new init secret (32 random bytes as 64 hex
 /// digits) to `path`, mode 0600, never replacing a file; returns its hash
 /// for the node config's `cluster.init_secret_hash`.
@@ -195,11 +199,7 @@ pub async fn run(
     // connecting (the new one is written once every check passed).
     let secret_path = workspace.join(MASTER_SECRET_FILE);
     if std::fs::symlink_metadata(&secret_path).is_ok() {
-        bail!(
-            "{} exists: an existing master secret is never replaced: if an earlier init sent \
-             it, a node holds it; keep the file and give this init another --workspace",
-            secret_path.display()
-        );
+        bail!("{} exists: {MASTER_SECRET_KEPT}", secret_path.display());
     }
 
     let (host, port) = Settings::host_port(&settings.endpoint)?;
@@ -267,12 +267,7 @@ pub async fn run(
         salt: hex::encode(&*master_salt),
         measurement_salt: hex::encode(&*measurement_salt),
     })?);
-    write_new_secret_file(
-        &secret_path,
-        &secret_json,
-        "an existing master secret is never replaced: if an earlier init sent it, a node \
-         holds it; keep the file and give this init another --workspace",
-    )?;
+    write_new_secret_file(&secret_path, &secret_json, MASTER_SECRET_KEPT)?;
     eprintln!(
         "master secret written to {} (mode 0600): keep it to recover the cluster",
         secret_path.display()
@@ -521,7 +516,7 @@ fn image_signature(
         ),
         (Some(key), _) => {
             let file = settings.resolve(&settings.measurements);
-            let path = crate::settings::signature_of(&file);
+            let path = keel_verifier::signature::detached_signature_path(&file);
             let signature = read_bounded(&path).with_context(|| {
                 format!(
                     "the node's config names a measurements signing key, so {} needs its \

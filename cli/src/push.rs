@@ -23,7 +23,6 @@ use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_verifier::measurements::Measurements;
 
 use crate::operator::{answer, Operator};
-use crate::settings::signature_of;
 use crate::settings::{read_bounded, Settings};
 use crate::upgrade::image::SignedMeasurements;
 
@@ -84,7 +83,7 @@ fn load(
     let signature = match signature {
         Some(path) => read_bounded(path)?,
         None => {
-            let path = signature_of(file);
+            let path = keel_verifier::signature::detached_signature_path(file);
             if path.exists() {
                 read_bounded(&path)?
             } else {

@@ -212,7 +212,10 @@ pub fn read_components(
             signed: None,
         });
     };
-    let signature_path = signature.map_or_else(|| signature_of(path), Path::to_owned);
+    let signature_path = signature.map_or_else(
+        || keel_verifier::signature::detached_signature_path(path),
+        Path::to_owned,
+    );
     let signature = read_bounded(&signature_path).with_context(|| {
         format!(
             "no signature for {} (`keel-measure sign --signing-key KEY --kubernetes-version \
@@ -236,13 +239,6 @@ pub fn read_components(
         components,
         signed: Some((body, signature)),
     })
-}
-
-/// `FILE.sig` for `FILE`: where a detached signature is looked for.
-pub fn signature_of(file: &Path) -> PathBuf {
-    let mut name = std::ffi::OsString::from(file.as_os_str());
-    name.push(".sig");
-    PathBuf::from(name)
 }
 
 /// [`Settings::check_node_attestation`] with the settings' attestation

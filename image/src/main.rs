@@ -143,7 +143,7 @@ fn main() -> Result<()> {
         Some(path) => {
             std::fs::write(path, &json).with_context(|| format!("write {}", path.display()))?;
             if let Some(key) = &signing_key {
-                let signature = signature_path(path);
+                let signature = keel_verifier::signature::detached_signature_path(path);
                 std::fs::write(&signature, key.sign(json.as_bytes()))
                     .with_context(|| format!("write {}", signature.display()))?;
                 eprintln!("signature: {}", signature.display());
@@ -162,7 +162,7 @@ fn sign(key: &Path, version: &str, file: &Path) -> Result<()> {
     let bytes = std::fs::read(file).with_context(|| format!("read {}", file.display()))?;
     keel_installer::components_file::parse(&bytes)
         .with_context(|| format!("{} is not a components file", file.display()))?;
-    let signature = signature_path(file);
+    let signature = keel_verifier::signature::detached_signature_path(file);
     let message = keel_installer::components_file::signed_message(version, &bytes);
     std::fs::write(&signature, key.sign(&message))
         .with_context(|| format!("write {}", signature.display()))?;
@@ -172,13 +172,6 @@ fn sign(key: &Path, version: &str, file: &Path) -> Result<()> {
         signature.display()
     );
     Ok(())
-}
-
-/// `FILE.sig` for `FILE`.
-fn signature_path(file: &Path) -> PathBuf {
-    let mut name = file.as_os_str().to_owned();
-    name.push(".sig");
-    PathBuf::from(name)
 }
 
 fn read_signing_key(path: &Path) -> Result<SigningPrivateKey> {

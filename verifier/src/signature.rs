@@ -47,6 +47,14 @@ pub enum SignatureError {
     Encode,
 }
 
+/// `FILE.sig` for `FILE`: where the tools write, and look for, a detached
+/// signature of a file.
+pub fn detached_signature_path(file: &std::path::Path) -> std::path::PathBuf {
+    let mut name = file.as_os_str().to_owned();
+    name.push(".sig");
+    std::path::PathBuf::from(name)
+}
+
 /// The public key that measurements files must be signed with.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SigningPublicKey(VerifyingKey);

@@ -140,6 +140,14 @@ fn runs_already(current: &NodeVersion, target: &Target) -> bool {
     current.version == target.version && current.components == target.components
 }
 
+/// Whether the node recorded as `current` may move to `target`: the step
+/// the skew policy allows ([`KubernetesVersion::upgrade_to`]), covering
+/// every directory it runs components from ([`covers`]).
+fn may_move(current: &NodeVersion, target: &Target) -> Result<(), UpgradeError> {
+    current.version.upgrade_to(target.version)?;
+    covers(current, target)
+}
+
 /// Every directory `current` runs components from is one `target`
 /// installs into, so the switch covers it: one left out would keep its old
 /// binaries running, measured by no event once the next boot installs the
@@ -332,8 +340,7 @@ impl Upgrader {
         }
         let current = self.current()?;
         if !runs_already(&current, target) {
-            current.version.upgrade_to(target.version)?;
-            covers(&current, target)?;
+            may_move(&current, target)?;
         }
         Ok(current)
     }
@@ -382,11 +389,7 @@ impl Upgrader {
                 elapsed: std::time::Duration::ZERO,
             });
         }
-        current
-            .version
-            .upgrade_to(target.version)
-            .map_err(|e| failure(e.into(), false, false))?;
-        covers(&current, target).map_err(|e| failure(e, false, false))?;
+        may_move(&current, target).map_err(|e| failure(e, false, false))?;
         let started = Instant::now();
         log(format!(
             "upgrading from Kubernetes {} to {} ({} components)",

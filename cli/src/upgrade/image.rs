@@ -17,7 +17,8 @@ use keel_verifier::measurements::Measurements;
 
 use super::{every_control_plane_named, Cluster, Roles};
 use crate::operator::{answer, Operator};
-use crate::settings::{read_bounded, signature_of, Settings};
+use crate::settings::{read_bounded, Settings};
+use keel_verifier::signature::detached_signature_path;
 
 use keel_verifier::keys::kind::FINISH_IMAGE_UPGRADE;
 use keel_verifier::keys::kind::STAGE_IMAGE_MEASUREMENTS;
@@ -45,7 +46,8 @@ impl SignedMeasurements {
             );
         };
         let body = read_bounded(file)?;
-        let signature_path = signature.map_or_else(|| signature_of(file), Path::to_owned);
+        let signature_path =
+            signature.map_or_else(|| detached_signature_path(file), Path::to_owned);
         let signature = read_bounded(&signature_path).with_context(|| {
             format!(
                 "no signature for {} (keel-measure --signing-key writes {})",
@@ -76,16 +78,14 @@ pub async fn stage(
     roles: &Roles,
     image: &SignedMeasurements,
 ) -> anyhow::Result<()> {
-    if roles.control_planes.is_empty() {
-        bail!("no control plane named: the image's measurements are staged on control planes; nothing was changed");
-    }
+    let control_planes = named_control_planes(roles)?;
     println!(
         "image: staging measurements sha256:{} on {} control plane(s)",
         hex::encode(image.digest),
-        roles.control_planes.len()
+        control_planes.len()
     );
     on_each(
-        &roles.control_planes,
+        control_planes,
         "stage the image measurements",
         |endpoint| async move {
             let (mut node, challenge, proof) = operator
@@ -127,17 +127,15 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
     let settings = Settings::load(&cluster.settings)?;
     let operator = &Operator::new(&settings, &cluster.workspace, cluster.wait())?;
     let roles = Roles::of(operator, &cluster.endpoints).await?;
-    if roles.control_planes.is_empty() {
-        bail!("no control plane named: the image's measurements are a control plane's; nothing was changed");
-    }
+    let control_planes = named_control_planes(&roles)?;
     every_control_plane_named(operator, &roles).await?;
     println!(
         "image: finishing the rollout of measurements sha256:{} on {} control plane(s)",
         hex::encode(image.digest),
-        roles.control_planes.len()
+        control_planes.len()
     );
     on_each(
-        &roles.control_planes,
+        control_planes,
         "finish the image upgrade",
         |endpoint| async move {
             let (mut node, challenge, proof) = operator
@@ -161,6 +159,18 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
         },
     )
     .await
+}
+
+/// The control planes of `roles`, which stage and finish an image's
+/// measurements; refused, with nothing changed, when none is named.
+fn named_control_planes(roles: &Roles) -> anyhow::Result<&[String]> {
+    if roles.control_planes.is_empty() {
+        bail!(
+            "no control plane named: the image's measurements are a control plane's; nothing \
+             was changed"
+        );
+    }
+    Ok(&roles.control_planes)
 }
 
 /// Runs `request` for each control plane of `endpoints` in turn, printing
