@@ -93,14 +93,7 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
         "the node config names no measurements signing key",
     ));
     for (case, request, expected) in requests {
-        let request = InitRequest {
-            secrets: Some(sealed.clone()),
-            master_salt: vec![1; 32],
-            measurement_salt: vec![2; 32],
-            kubernetes_version: "v1.31".into(),
-            cluster_name: "checked".into(),
-            ..request
-        };
+        let request = complete(&sealed, request);
         refused_before_the_lock(&init, &node, request, case, expected).await;
         let pcr15 = node
             .tpm
@@ -183,20 +176,18 @@ async fn with_a_signing_key_an_init_takes_only_signed_components() {
             "the join measurements are not signed",
         ),
     ] {
-        let request = InitRequest {
-            secrets: Some(sealed.clone()),
-            master_salt: vec![1; 32],
-            measurement_salt: vec![2; 32],
-            kubernetes_version: "v1.31".into(),
-            cluster_name: "checked".into(),
-            kubernetes_components: Some(keel_proto::components::Components {
-                components: listed.clone(),
-            }),
-            components_file,
-            components_signature,
-            join_measurements: file_of_enforced(),
-            ..InitRequest::default()
-        };
+        let request = complete(
+            &sealed,
+            InitRequest {
+                kubernetes_components: Some(keel_proto::components::Components {
+                    components: listed.clone(),
+                }),
+                components_file,
+                components_signature,
+                join_measurements: file_of_enforced(),
+                ..InitRequest::default()
+            },
+        );
         refused_before_the_lock(&init, &node, request, case, expected).await;
     }
 }
@@ -233,4 +224,17 @@ fn sealed_secrets(node: &join_common::Joiner) -> keel_proto::attestation::Sealed
         }
         .encode_to_vec(),
     )
+}
+
+/// `request` with the fields every case shares: the sealed secrets, salts,
+/// a supported version and a valid cluster name.
+fn complete(sealed: &keel_proto::attestation::SealedSecret, request: InitRequest) -> InitRequest {
+    InitRequest {
+        secrets: Some(sealed.clone()),
+        master_salt: vec![1; 32],
+        measurement_salt: vec![2; 32],
+        kubernetes_version: "v1.31".into(),
+        cluster_name: "checked".into(),
+        ..request
+    }
 }

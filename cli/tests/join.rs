@@ -77,7 +77,6 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     join_common::wait_for_port(init_addr).await;
 
     // `keel init` against it, from the operator's own directory.
-    let ws = tempfile::tempdir().unwrap();
     let operator = tempfile::tempdir().unwrap();
     let components: Vec<keel_proto::components::Component> =
         components.iter().map(Into::into).collect();
@@ -103,29 +102,29 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     std::fs::write(&settings, with_key.to_string()).unwrap();
     let measurements_file = operator.path().join("measurements.json");
     let signature_file = operator.path().join("measurements.json.sig");
-    let out = run_keel(&["init", "--skip-helm-wait"], &settings, Some(ws.path())).await;
-    assert!(!out.status.success());
-    assert!(text(&out).contains("needs its signature"), "{}", text(&out));
+    // `keel init` in a fresh workspace, refused for `why` (each text must be
+    // in its output) before anything reached the node.
+    let refused_init = |why: &'static [&'static str]| {
+        let settings = settings.clone();
+        let slot = slot.clone();
+        async move {
+            let ws = tempfile::tempdir().unwrap();
+            let out = run_keel(&["init", "--skip-helm-wait"], &settings, Some(ws.path())).await;
+            assert!(!out.status.success());
+            for text_part in why {
+                assert!(text(&out).contains(text_part), "{}", text(&out));
+            }
+            assert!(slot.borrow().is_none(), "a refused init reached the node");
+        }
+    };
+    refused_init(&["needs its signature"]).await;
     let other = keel_verifier::signature::SigningPrivateKey::generate();
     std::fs::write(
         &signature_file,
         other.sign(&std::fs::read(&measurements_file).unwrap()),
     )
     .unwrap();
-    let ws_refused = tempfile::tempdir().unwrap();
-    let out = run_keel(
-        &["init", "--skip-helm-wait"],
-        &settings,
-        Some(ws_refused.path()),
-    )
-    .await;
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("is not signed with the measurements signing key"),
-        "{}",
-        text(&out)
-    );
-    assert!(slot.borrow().is_none(), "a refused init reached the node");
+    refused_init(&["is not signed with the measurements signing key"]).await;
     std::fs::write(
         &signature_file,
         signing.sign(&std::fs::read(&measurements_file).unwrap()),
@@ -133,19 +132,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     .unwrap();
     // The settings name the operator's own components: with a signing key,
     // the node takes them only with their file signed too.
-    let out = run_keel(
-        &["init", "--skip-helm-wait"],
-        &settings,
-        Some(tempfile::tempdir().unwrap().path()),
-    )
-    .await;
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("no signature for") && text(&out).contains("components.json"),
-        "{}",
-        text(&out)
-    );
-    assert!(slot.borrow().is_none(), "a refused init reached the node");
+    refused_init(&["no signature for", "components.json"]).await;
     // Signed as the file for another version: refused as well.
     let components_file = operator.path().join("components.json");
     let components_for = |version: &str| {
@@ -160,19 +147,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         signing.sign(&components_for("v1.32")),
     )
     .unwrap();
-    let out = run_keel(
-        &["init", "--skip-helm-wait"],
-        &settings,
-        Some(tempfile::tempdir().unwrap().path()),
-    )
-    .await;
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("is not a signature of") && text(&out).contains("for Kubernetes v1.31"),
-        "{}",
-        text(&out)
-    );
-    assert!(slot.borrow().is_none(), "a refused init reached the node");
+    refused_init(&["is not a signature of", "for Kubernetes v1.31"]).await;
     std::fs::write(
         &components_signature,
         signing.sign(&components_for("v1.31")),
