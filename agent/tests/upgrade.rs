@@ -58,6 +58,25 @@ fn stand_ins(mirror: &MirrorServer, version: &str) -> Vec<keel_proto::components
 /// as (no version forced), kubeadm as `extra_env` says.
 fn env(root: &Path, work: &Path, extra_env: &[(&str, &str)]) -> NodeEnv {
     let mut env = join_common::node_env(root, work, None);
+    // Each kubelet (re)start appends what the kubelet in its directory
+    // claims to be to a file beside the root
+    // ([`UpgradableNode::kubelet_starts`]).
+    let starter = root.with_file_name("start-kubelet");
+    std::fs::write(
+        &starter,
+        format!(
+            "#!/bin/sh\nexec '{}' \"$@\" >> '{}'\n",
+            root.join("run/state/bin/kubelet").display(),
+            root.with_file_name("kubelet-starts").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &starter,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    env.kubelet = keel_agent::provision::KubeletStart::Program(starter);
     env.kubeadm.env.retain(|(k, _)| k != "KEEL_STANDIN_VERSION");
     env.kubeadm
         .env
@@ -195,6 +214,16 @@ impl UpgradableNode {
     }
 
     /// The version the installed kubelet claims to be.
+    /// What the kubelet claimed to be at each (re)start, in order.
+    fn kubelet_starts(&self) -> Vec<String> {
+        let log = self.root.with_file_name("kubelet-starts");
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
     fn kubelet_claims(&self) -> String {
         let out = std::process::Command::new(self.root.join("run/state/bin/kubelet"))
             .arg("--version")
@@ -313,6 +342,9 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
             Some(&without_cni[..]),
             "installs nothing into /opt/cni/bin",
         ),
+        // The version it runs, with other components: no node moves to
+        // it, so no evidence may show them either.
+        (FROM, Some(&new[..]), "already runs Kubernetes"),
     ] {
         let authorise = cp.request(plan(version, components, UpgradeStep::Authorise));
         let refused = cp.run(&authorise).await.unwrap_err();
@@ -474,6 +506,50 @@ async fn a_failure_after_the_switch_switches_back_and_measures_it() {
         last.contains(&format!("rollback to Kubernetes {FROM}")),
         "{events:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_that_cannot_write_its_record_still_restarts_the_old_kubelet() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    // kubeadm succeeds and the new kubelet starts, but the version record
+    // cannot be replaced: its temporary file's name (this process writes
+    // it) is taken by a directory that is not empty.
+    let record = node.root.join("etc/kubernetes/keel/node-version.json");
+    let blocker = record.with_file_name(format!(".node-version.json.tmp-{}", std::process::id()));
+    std::fs::create_dir_all(blocker.join("taken")).unwrap();
+    let (lines, last) = node
+        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
+        .await
+        .unwrap();
+    let Event::Failed(failed) = last else {
+        panic!("{last:?}");
+    };
+    // Not restored in full, and said so; but the kubelet the switch
+    // started (the new version's) is not left running.
+    assert!(!failed.rolled_back, "{failed:?}");
+    assert!(
+        failed.error.contains("node-version.json"),
+        "{}",
+        failed.error
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("switched back to Kubernetes")
+                && l.contains("writing its version record failed")
+                && !l.contains("restarting the kubelet failed")),
+        "{lines:?}"
+    );
+    let starts = node.kubelet_starts();
+    assert!(
+        starts.len() >= 2 && starts[starts.len() - 2].contains(TO),
+        "{starts:?}"
+    );
+    assert!(starts.last().unwrap().contains(FROM), "{starts:?}");
+    assert_eq!(node.version(), FROM);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -319,10 +319,9 @@ impl Upgrader {
     /// components from, which every node would refuse, authorises nothing.
     pub fn authorise(&self, target: &Target) -> Result<(), UpgradeError> {
         let current = self.current()?;
-        if current.version != target.version {
-            current.version.upgrade_to(target.version)?;
+        if !runs_already(&current, target) {
+            may_move(&current, target)?;
         }
-        covers(&current, target)?;
         change_state(&self.cluster, self.env.root(), |state| {
             Ok::<_, UpgradeError>(state.authorising(&target.components))
         })?
