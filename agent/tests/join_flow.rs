@@ -392,3 +392,67 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
     )
     .is_err());
 }
+
+/// The handshake judged the node by the measurements accepted then; a
+/// connection kept open past their withdrawal gets no ticket on it, and a
+/// new one is refused at its handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_outliving_its_image_gets_no_ticket() {
+    use keel_agent::attestation::issuer::TpmIssuer;
+    use keel_agent::attestation::policy::write_accepted;
+    use keel_proto::join::join_service_client::JoinServiceClient;
+    use std::sync::Arc;
+
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let service = join_common::start_service(&ca, port).await;
+    let node = join_common::member(&ca, port, "w-1", "worker");
+    let trust = keel_verifier::ek::EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let validator = keel_agent::join::service_validator(&node.tpm, trust, None).unwrap();
+    let client = keel_atls::AtlsClient::mutual(
+        Arc::new(TpmIssuer::new(node.tpm.clone())),
+        Arc::new(validator),
+    );
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", service.endpoint)).unwrap();
+    let bound = client.bind_channel(endpoint.clone()).await.unwrap();
+    let mut open = JoinServiceClient::new(bound.channel);
+    let request = || {
+        let key = KubeletKey::generate(&node.name).unwrap();
+        IssueJoinTicketRequest {
+            disk_uuid: join_common::uuid(),
+            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+            is_control_plane: false,
+            node_name: node.name.clone(),
+        }
+    };
+
+    // The operator replaces the join measurements (another image), as
+    // SetJoinMeasurements does: the cluster state and the service's file.
+    let other = boot_measurements_with(&service.config, [(11, Expected::enforced([1; 32]))]);
+    let admitted = service.state.clone();
+    service
+        .slot
+        .send_replace(Some(Arc::new(keel_agent::cluster::ClusterState {
+            join_measurements: other.clone(),
+            ..(*admitted).clone()
+        })));
+    write_accepted(&service.measurements, &other, None).unwrap();
+    service.policy.reload().unwrap();
+
+    let refused = open.issue_join_ticket(request()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(
+        refused.message().contains("no longer accepted"),
+        "{}",
+        refused.message()
+    );
+    assert!(client.bind_channel(endpoint).await.is_err());
+    assert!(service.registered_tokens().is_empty());
+
+    // Accepted again, the same connection gets its ticket: the refusal was
+    // the withdrawal's.
+    service.slot.send_replace(Some(admitted));
+    open.issue_join_ticket(request()).await.unwrap();
+    assert_eq!(service.registered_tokens().len(), 1);
+}

@@ -65,6 +65,10 @@ pub enum JoinServiceError {
     /// The revocation list names the peer's EK.
     #[error("the node is revoked: {0}")]
     Revoked(crate::registry::Revocation),
+    /// The measurements the peer matched at its handshake (this digest)
+    /// are no longer accepted: the image was withdrawn since.
+    #[error("the measurements the node was admitted by ({0}) are no longer accepted")]
+    Withdrawn(String),
     /// The node registry failed: nothing was issued.
     #[error("the node registry is unavailable")]
     Registry(#[source] crate::registry::RegistryError),
@@ -102,6 +106,7 @@ impl JoinServiceError {
             E::DiskBindings(_) => "the disk binding store is unavailable",
             E::Member => "the node is already locked into a cluster",
             E::Revoked(_) => "the node is revoked: its EK is on the cluster's revocation list",
+            E::Withdrawn(_) => "the node's image is no longer accepted by the cluster",
             E::Registry(_) => "the node registry is unavailable",
         }
     }
@@ -115,7 +120,9 @@ impl From<&JoinServiceError> for tonic::Status {
         let code = match e {
             E::NotAttested => tonic::Code::Unauthenticated,
             E::InvalidRequest(_) | E::DiskUuid(_) | E::Csr(_) => tonic::Code::InvalidArgument,
-            E::Identity(_) | E::DiskNotBound(_) | E::Revoked(_) => tonic::Code::PermissionDenied,
+            E::Identity(_) | E::DiskNotBound(_) | E::Revoked(_) | E::Withdrawn(_) => {
+                tonic::Code::PermissionDenied
+            }
             E::Member => tonic::Code::FailedPrecondition,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
             E::Busy | E::Token(_) => tonic::Code::Unavailable,

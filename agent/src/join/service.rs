@@ -285,6 +285,7 @@ impl JoinService {
         let _slot = self.slot().await?;
         let cluster = &self.cluster();
         require_outside_cluster(peer)?;
+        require_accepted_image(cluster, peer)?;
         check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
         self.check_revocation(&ek)?;
@@ -411,6 +412,7 @@ impl JoinService {
         let _slot = self.slot().await?;
         let cluster = &self.cluster();
         require_outside_cluster(peer)?;
+        require_accepted_image(cluster, peer)?;
         let identity = measured_identity(peer)?;
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
@@ -499,6 +501,21 @@ fn require_outside_cluster(peer: &Verified) -> Result<(), JoinServiceError> {
     match peer.pcrs.get(&keel_verifier::measurement::pcr::CLUSTER_ID) {
         Some(value) if *value == [0; 32] => Ok(()),
         _ => Err(JoinServiceError::Member),
+    }
+}
+
+/// The handshake judged the peer by the measurements accepted then; a
+/// connection can outlive them (the operator withdraws an image while it
+/// is open). A ticket goes only to a peer whose matched set is still one
+/// the cluster accepts: its current join measurements or the staged ones.
+fn require_accepted_image(cluster: &ClusterState, peer: &Verified) -> Result<(), JoinServiceError> {
+    let accepted = std::iter::once(&cluster.join_measurements)
+        .chain(cluster.staged_measurements.as_ref())
+        .any(|set| set.digest() == peer.measurements);
+    if accepted {
+        Ok(())
+    } else {
+        Err(JoinServiceError::Withdrawn(hex::encode(peer.measurements)))
     }
 }
 
