@@ -662,11 +662,11 @@ impl OperatorServer {
             .await;
             return Ok(rx);
         }
-        upgrader.check(&target).map_err(OperatorError::Upgrade)?;
+        let turn = upgrader.check(&target).map_err(OperatorError::Upgrade)?;
         tracing::info!(version = %target.version, step = ?target.step, "upgrade requested by the operator");
         tokio::spawn(async move {
             let line = |l: String| log.line(l);
-            let last = match upgrader.run(&target, &line).await {
+            let last = match upgrader.run(&target, turn, &line).await {
                 Ok(done) => Event::Done(UpgradeDone {
                     kubernetes_version: done.version.to_string(),
                     previous_version: done.previous.to_string(),

@@ -213,7 +213,6 @@ impl UpgradableNode {
             .to_string()
     }
 
-    /// The version the installed kubelet claims to be.
     /// What the kubelet claimed to be at each (re)start, in order.
     fn kubelet_starts(&self) -> Vec<String> {
         let log = self.root.with_file_name("kubelet-starts");
@@ -224,6 +223,7 @@ impl UpgradableNode {
             .collect()
     }
 
+    /// The version the installed kubelet claims to be.
     fn kubelet_claims(&self) -> String {
         let out = std::process::Command::new(self.root.join("run/state/bin/kubelet"))
             .arg("--version")
@@ -508,6 +508,42 @@ async fn a_failure_after_the_switch_switches_back_and_measures_it() {
     );
 }
 
+// One thread: the first upgrade's task cannot start before the second
+// request is answered, whatever the machine's timing.
+#[tokio::test(flavor = "current_thread")]
+async fn a_second_upgrade_while_one_runs_is_refused_before_it_starts() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let plan = plan(TO, Some(&new), UpgradeStep::Node);
+    // The first is admitted and runs in its own task; the second, sent
+    // before that task could start, is refused as busy (`Aborted`), not
+    // admitted and then streamed as a failure.
+    let mut first = node
+        .server
+        .start_upgrade(&node.request(plan.clone()), None)
+        .await
+        .unwrap();
+    let second = node
+        .server
+        .start_upgrade(&node.request(plan), None)
+        .await
+        .map(|_| ())
+        .map_err(|e| tonic::Status::from(&e));
+    let refused = second.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Aborted, "{refused:?}");
+    assert!(refused.message().contains("already running"), "{refused:?}");
+    let last = loop {
+        match first.recv().await.unwrap().unwrap().event.unwrap() {
+            Event::Log(_) => {}
+            last => break last,
+        }
+    };
+    assert!(matches!(last, Event::Done(_)), "{last:?}");
+    assert_eq!(node.version(), TO);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollback_that_cannot_write_its_record_still_restarts_the_old_kubelet() {
     let ca = EkCa::new().unwrap();
@@ -574,7 +610,8 @@ async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_v
     )
     .unwrap();
     let log = |_line: String| {};
-    let upgrade = hanging.run(&target, &log);
+    let turn = hanging.check(&target).unwrap();
+    let upgrade = hanging.run(&target, turn, &log);
     let switched = async {
         while Switching::load(&node.root).unwrap().is_none() || !node.kubelet_claims().contains(TO)
         {

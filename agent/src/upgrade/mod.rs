@@ -282,8 +282,13 @@ pub struct Upgrader {
     tpm: SharedTpm,
     cluster: Arc<ClusterSlot>,
     signing_key: Option<SigningPublicKey>,
-    running: tokio::sync::Mutex<()>,
+    running: Arc<tokio::sync::Mutex<()>>,
 }
+
+/// This node's one upgrade, held from the check that admits it
+/// ([`Upgrader::check`]) to the end of its run: a second request is
+/// refused as busy before it is answered, not after.
+pub struct UpgradeTurn(#[allow(dead_code)] tokio::sync::OwnedMutexGuard<()>);
 
 impl Upgrader {
     /// The upgrader of the node `env`, measuring into `tpm`; a control
@@ -294,7 +299,7 @@ impl Upgrader {
             tpm,
             cluster,
             signing_key: None,
-            running: tokio::sync::Mutex::new(()),
+            running: Arc::new(tokio::sync::Mutex::new(())),
         }
     }
 
@@ -332,16 +337,19 @@ impl Upgrader {
 
     /// Whether this node may move to `target` now: it records a version
     /// that `target` may follow, and runs no other upgrade. Returns the
-    /// version it runs.
-    pub fn check(&self, target: &Target) -> Result<NodeVersion, UpgradeError> {
-        if self.running.try_lock().is_err() {
-            return Err(UpgradeError::Busy);
-        }
+    /// turn to [`run`](Self::run) it in.
+    pub fn check(&self, target: &Target) -> Result<UpgradeTurn, UpgradeError> {
+        let turn = UpgradeTurn(
+            self.running
+                .clone()
+                .try_lock_owned()
+                .map_err(|_| UpgradeError::Busy)?,
+        );
         let current = self.current()?;
         if !runs_already(&current, target) {
             may_move(&current, target)?;
         }
-        Ok(current)
+        Ok(turn)
     }
 
     /// The version this node runs, if no earlier switch is unfinished: a
@@ -357,16 +365,17 @@ impl Upgrader {
             .ok_or(UpgradeError::NoRecord)
     }
 
-    /// Moves this node to `target`, reporting each step to `log`.
+    /// Moves this node to `target` in `turn`, reporting each step to `log`.
     pub async fn run(
         &self,
         target: &Target,
+        turn: UpgradeTurn,
         log: &(dyn Fn(String) + Sync),
     ) -> Result<Upgraded, UpgradeFailure> {
+        let _turn = turn;
         if target.step == Step::Authorise {
             return Err(UpgradeError::Plan("authorising installs nothing".into()).into());
         }
-        let _one = self.running.try_lock().map_err(|_| UpgradeError::Busy)?;
         let root = self.env.root();
         let current = self.current()?;
         let failure = |error, switched, rolled_back| UpgradeFailure {
