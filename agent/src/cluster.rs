@@ -72,19 +72,34 @@ impl ClusterState {
     /// The same state, also authorising `components` (a version being
     /// rolled out, or one the cluster ran before), each listed once, as
     /// the newest (a component several versions share moves up with each);
-    /// past [`MAX_AUTHORISED_COMPONENTS`] the oldest authorisations go (a
-    /// member still running those would have gone through dozens of
-    /// upgrades without a reboot).
+    /// past [`MAX_AUTHORISED_COMPONENTS`] or [`MAX_AUTHORISED_BYTES`] the
+    /// oldest authorisations go (a member still running those would have
+    /// gone through dozens of upgrades without a reboot).
     pub fn authorising(&self, components: &[Component]) -> Self {
         let mut updated = self.clone();
         for c in components {
             updated.authorised_components.retain(|a| a != c);
             updated.authorised_components.push(c.clone());
         }
+        let mut bytes: usize = updated
+            .authorised_components
+            .iter()
+            .map(authorised_bytes)
+            .sum();
+        let over_bytes = updated
+            .authorised_components
+            .iter()
+            .take_while(|c| {
+                let over = bytes > MAX_AUTHORISED_BYTES;
+                bytes -= authorised_bytes(c);
+                over
+            })
+            .count();
         let excess = updated
             .authorised_components
             .len()
-            .saturating_sub(MAX_AUTHORISED_COMPONENTS);
+            .saturating_sub(MAX_AUTHORISED_COMPONENTS)
+            .max(over_bytes);
         if excess > 0 {
             tracing::warn!(
                 dropped = excess,
@@ -165,6 +180,17 @@ pub const MAX_SIGNED_MEASUREMENTS: usize = 4;
 /// version is 6-10 components; the ticket of a joining control plane
 /// carries them all).
 pub const MAX_AUTHORISED_COMPONENTS: usize = 512;
+/// Most bytes the authorised components may take (their URLs, an inline
+/// one's data included, hashes and paths): they are in the facts and in
+/// every control-plane ticket, both bounded in size, and an upgrade plan
+/// brings at most 128 KiB of them.
+pub const MAX_AUTHORISED_BYTES: usize = 256 * 1024;
+
+/// What `c` adds to the authorised components' size: its URL, its path
+/// and its hash (`sha256:` and 64 hex digits).
+fn authorised_bytes(c: &Component) -> usize {
+    c.url().len() + c.install_path().as_str().len() + 7 + 64
+}
 
 /// The PCRs that tell one image from another: the UKI, the kernel command
 /// line and initrd, the UKI's sections.
@@ -337,6 +363,13 @@ pub enum FactsError {
     /// The file does not parse or a field is invalid.
     #[error("the control-plane facts are invalid: {0}")]
     Invalid(String),
+    /// The facts would be larger than a control plane reads back: the
+    /// change is not made.
+    #[error(
+        "the control-plane facts would take {0} bytes, more than the 4 MiB a control plane \
+         reads back; nothing changed"
+    )]
+    TooLarge(usize),
     /// The facts belong to another cluster than the secrets.
     #[error("the control-plane facts are of cluster {stored}, the secrets derive {derived}")]
     OtherCluster {
@@ -374,6 +407,11 @@ impl ControlPlaneFacts {
     pub fn save(&self, root: &Path) -> Result<(), FactsError> {
         let json =
             serde_json::to_vec_pretty(self).map_err(|e| FactsError::Invalid(e.to_string()))?;
+        // Never a file [`load`](Self::load) refuses: the control plane
+        // could not restore its cluster after a reboot.
+        if json.len() as u64 > MAX_FACTS_BYTES {
+            return Err(FactsError::TooLarge(json.len()));
+        }
         crate::files::write_private(&root.join(paths::CONTROL_PLANE_FACTS), &json)?;
         Ok(())
     }

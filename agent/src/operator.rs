@@ -158,17 +158,23 @@ impl From<&OperatorError> for tonic::Status {
             E::Measurements(_) => tonic::Code::InvalidArgument,
             E::UnknownNode(_) => tonic::Code::NotFound,
             E::Registry(RegistryError::RevocationsFull { .. }) => tonic::Code::ResourceExhausted,
+            E::Store(e) if matches!(e.downcast_ref(), Some(FactsError::TooLarge(_))) => {
+                tonic::Code::ResourceExhausted
+            }
             E::Store(_) | E::Registry(_) => tonic::Code::Internal,
             E::PlanDecode => tonic::Code::InvalidArgument,
             E::Upgrade(u) => match u {
                 UpgradeError::Version(_) | UpgradeError::Plan(_) => tonic::Code::InvalidArgument,
                 UpgradeError::Unsigned(_) => tonic::Code::PermissionDenied,
                 UpgradeError::Busy => tonic::Code::Aborted,
+                UpgradeError::Facts(FactsError::TooLarge(_)) => tonic::Code::ResourceExhausted,
                 _ => tonic::Code::FailedPrecondition,
             },
         };
+        // The caller is the operator: causes are theirs to see.
         let message = match e {
-            E::Upgrade(u) => format!("upgrade refused: {u}"),
+            E::Upgrade(u) => format!("upgrade refused: {}", keel_atls::ErrorChain(u)),
+            E::Store(_) => keel_atls::ErrorChain(e).to_string(),
             E::Registry(full @ RegistryError::RevocationsFull { .. }) => full.to_string(),
             other => other.to_string(),
         };
@@ -537,10 +543,14 @@ impl OperatorServer {
             OperatorError::Measurements("the staged set's SHA-256 must be 32 bytes".into())
         })?;
         let updated = self.change(|state| {
-            let staged = state
-                .staged_measurements
-                .clone()
-                .ok_or(OperatorError::NothingStaged)?;
+            let Some(staged) = state.staged_measurements.clone() else {
+                // Finished already, and asked again (its file could not be
+                // written the first time): the same state, written again.
+                if state.join_measurements.digest() == named {
+                    return Ok(state.clone());
+                }
+                return Err(OperatorError::NothingStaged);
+            };
             let digest = staged.digest();
             if named != digest {
                 return Err(OperatorError::OtherStaged {

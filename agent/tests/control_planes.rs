@@ -309,3 +309,56 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         "a revoked node got a cluster state"
     );
 }
+
+/// The cluster state's facts stay what a control plane reads back after a
+/// reboot: authorised components are bounded in bytes (the oldest go), and
+/// a state past the facts' bound is not saved, nothing changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_facts_never_outgrow_what_a_control_plane_reads_back() {
+    use keel_agent::cluster::{change_state, ClusterState, ControlPlaneFacts, FactsError};
+
+    let ca = EkCa::new().unwrap();
+    let service = join_common::start_service(&ca, free_port()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    // Inline patches of 20 KiB each, as upgrade plans may carry.
+    let inline = |i: u32| {
+        keel_installer::Component::new(
+            &format!("data:,{}{i}", "a".repeat(20 * 1024)),
+            &format!("sha256:{i:064x}"),
+            &format!("/opt/kubernetes/patches/p{i}.json"),
+            false,
+        )
+        .unwrap()
+    };
+    let many: Vec<_> = (0..40).map(inline).collect();
+    let authorised = service.state.authorising(&many);
+    let kept = authorised.authorised_components.len();
+    assert!((10..40).contains(&kept), "{kept}");
+    assert_eq!(authorised.authorised_components, many[40 - kept..]);
+    change_state::<FactsError>(&service.slot, root, |_| Ok(authorised.clone())).unwrap();
+    let saved = ControlPlaneFacts::load(root).unwrap();
+    assert_eq!(
+        saved.authorised_components,
+        authorised.authorised_components
+    );
+
+    // A state past the bound (not made through `authorising`): refused,
+    // neither the facts nor the state change.
+    let huge = ClusterState {
+        authorised_components: (0..300).map(inline).collect(),
+        ..authorised.clone()
+    };
+    let refused = change_state::<FactsError>(&service.slot, root, |_| Ok(huge)).unwrap_err();
+    assert!(matches!(refused, FactsError::TooLarge(_)), "{refused}");
+    let state = service.slot.borrow().clone().unwrap();
+    assert_eq!(
+        state.authorised_components,
+        authorised.authorised_components
+    );
+    let saved = ControlPlaneFacts::load(root).unwrap();
+    assert_eq!(
+        saved.authorised_components,
+        authorised.authorised_components
+    );
+}

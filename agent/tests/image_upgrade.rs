@@ -406,7 +406,20 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
         );
     }
 
-    // Finished: only the new image joins.
+    // Finished, though the join service's file cannot be replaced (a
+    // directory holds its name): the error says so, and the same finish
+    // asked again writes it.
+    std::fs::remove_file(&service.measurements).unwrap();
+    std::fs::create_dir_all(service.measurements.join("taken")).unwrap();
+    let failed = server
+        .finish_image_upgrade(
+            &finish_request(&server, operator_key, new_set.digest()),
+            None,
+        )
+        .unwrap_err();
+    assert!(matches!(failed, OperatorError::Store(_)), "{failed}");
+    std::fs::remove_dir_all(&service.measurements).unwrap();
+    // Only the new image joins.
     let finish = finish_request(&server, operator_key, new_set.digest());
     assert_eq!(
         server.finish_image_upgrade(&finish, None).unwrap(),
@@ -434,13 +447,25 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
         tonic::Code::PermissionDenied,
         "replayed finish",
     );
+    // Nothing is staged now: a finish of another set is refused, one of
+    // the set in force changes nothing.
     refused(
-        server.finish_image_upgrade(
-            &finish_request(&server, operator_key, new_set.digest()),
-            None,
-        ),
+        server.finish_image_upgrade(&finish_request(&server, operator_key, [7; 32]), None),
         tonic::Code::FailedPrecondition,
-        "second finish",
+        "finish with nothing staged",
+    );
+    assert_eq!(
+        server
+            .finish_image_upgrade(
+                &finish_request(&server, operator_key, new_set.digest()),
+                None,
+            )
+            .unwrap(),
+        new_set.digest()
+    );
+    assert_eq!(
+        Measurements::parse(&std::fs::read(&service.measurements).unwrap()).unwrap(),
+        new_set
     );
 }
 
