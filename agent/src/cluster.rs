@@ -110,6 +110,16 @@ impl ClusterState {
         updated
     }
 
+    /// The same state running `version` with `components` (an upgrade or a
+    /// rollback moved the node): the components it ran stay authorised, as
+    /// members show them in PCR 13 until they reboot.
+    pub fn running(&self, version: KubernetesVersion, components: &[Component]) -> Self {
+        let mut updated = self.authorising(&self.components);
+        updated.kubernetes_version = version;
+        updated.components = components.to_vec();
+        updated
+    }
+
     /// The same state also holding `signed` (a file the operator signed),
     /// each file once, the oldest dropped past [`MAX_SIGNED_MEASUREMENTS`].
     pub fn with_signed(&self, signed: SignedMeasurements) -> Self {

@@ -304,7 +304,10 @@ impl<'a> Provisioner<'a> {
 
     /// A control plane's cluster state after a reboot: the facts on its
     /// (opened) state disk with the cluster's `keys`, which must derive the
-    /// stored cluster ID, and its config's `measurements_key`.
+    /// stored cluster ID, and its config's `measurements_key`. The version
+    /// is the one the node's record names, which the boot installs: an
+    /// upgrade that stopped between its record and the facts left the
+    /// facts at the version before.
     pub fn restore_control_plane(
         &self,
         keys: KeyService,
@@ -314,7 +317,7 @@ impl<'a> Provisioner<'a> {
             self.env.advertise_address.resolve(),
             crate::kubeadm::config::API_SERVER_PORT,
         );
-        ControlPlaneFacts::load(self.env.root())
+        let state = ControlPlaneFacts::load(self.env.root())
             .and_then(|facts| {
                 facts.into_state(
                     Arc::new(keys),
@@ -323,7 +326,22 @@ impl<'a> Provisioner<'a> {
                     self.env.pki_dir(),
                 )
             })
-            .map_err(ProvisionError::Facts)
+            .map_err(ProvisionError::Facts)?;
+        // An unreadable record fails the reinstall that follows.
+        match crate::upgrade::NodeVersion::load(self.env.root()) {
+            Ok(Some(record))
+                if record.version != state.kubernetes_version
+                    || record.components != state.components =>
+            {
+                (self.log)(format!(
+                    "the control-plane facts name Kubernetes {}, the node's record {}: \
+                     serving {}",
+                    state.kubernetes_version, record.version, record.version
+                ));
+                Ok(state.running(record.version, &record.components))
+            }
+            _ => Ok(state),
+        }
     }
 
     /// After a fatal failure: marks a disk formatted in this boot for reset

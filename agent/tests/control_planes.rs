@@ -362,3 +362,49 @@ async fn the_facts_never_outgrow_what_a_control_plane_reads_back() {
         authorised.authorised_components
     );
 }
+
+/// An upgrade that stopped between the node's version record and the
+/// control-plane facts: after the reboot the control plane serves the
+/// version its record names (the one the boot installs), the version
+/// before still authorised for members that run it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_stopped_between_record_and_facts_serves_the_recorded_version() {
+    use keel_agent::cluster::ControlPlaneFacts;
+    use keel_agent::provision::Provisioner;
+    use keel_agent::upgrade::NodeVersion;
+
+    let ca = EkCa::new().unwrap();
+    let service = join_common::start_service(&ca, free_port()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (root, work) = (dir.path().join("root"), dir.path().join("work"));
+    ControlPlaneFacts::of(&service.state).save(&root).unwrap();
+    let next = keel_installer::resolve("v1.32").unwrap();
+    assert_ne!(next.version(), service.state.kubernetes_version);
+    NodeVersion {
+        version: next.version(),
+        components: next.components().to_vec(),
+    }
+    .save(&root)
+    .unwrap();
+
+    let env = join_common::node_env(&root, &work, None);
+    let lines = std::sync::Mutex::new(Vec::new());
+    let log = |line: String| lines.lock().unwrap().push(line);
+    let (master, salt) = service.state.keys.expose_master();
+    let keys = keel_verifier::keys::KeyService::new(master, salt).unwrap();
+    let state = Provisioner::new(&env, &service.tpm, &log)
+        .restore_control_plane(keys, None)
+        .unwrap();
+    assert_eq!(state.kubernetes_version, next.version());
+    assert_eq!(state.components, next.components());
+    for before in &service.state.components {
+        assert!(state.authorises(&before.hash().to_string()), "{before:?}");
+    }
+    let lines = lines.lock().unwrap();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(&format!("serving {}", next.version()))),
+        "{lines:?}"
+    );
+}

@@ -555,12 +555,7 @@ impl Upgrader {
     /// so the nodes that join from now on install it.
     fn follow_on_control_plane(&self, record: &NodeVersion) -> Result<(), UpgradeError> {
         change_state(&self.cluster, self.env.root(), |state| {
-            // The version it ran stays authorised: members still show its
-            // components in PCR 13 until they reboot.
-            let mut updated = state.authorising(&state.components);
-            updated.kubernetes_version = record.version;
-            updated.components = record.components.clone();
-            Ok::<_, UpgradeError>(updated)
+            Ok::<_, UpgradeError>(state.running(record.version, &record.components))
         })?;
         Ok(())
     }
