@@ -121,10 +121,14 @@ impl ClusterState {
     }
 
     /// The same state also holding `signed` (a file the operator signed),
-    /// each file once, the oldest dropped past [`MAX_SIGNED_MEASUREMENTS`].
+    /// one file per set of measurements (a newer signature of a set
+    /// replaces the older), the oldest dropped past
+    /// [`MAX_SIGNED_MEASUREMENTS`].
     pub fn with_signed(&self, signed: SignedMeasurements) -> Self {
         let mut updated = self.clone();
-        updated.signed_measurements.retain(|s| *s != signed);
+        updated
+            .signed_measurements
+            .retain(|s| s.measurements() != signed.measurements());
         updated.signed_measurements.push(signed);
         let excess = updated
             .signed_measurements

@@ -510,9 +510,12 @@ impl OperatorServer {
                 .ok_or(OperatorError::NoSigningKey)?;
             let signed = verify_signed(key, &request.measurements, &request.signature)?;
             let staged = signed.measurements().clone();
+            // A set staged before and replaced now is retired with its
+            // signed file; the current set's stays.
             Ok(state
                 .with_measurements(state.join_measurements.clone(), Some(staged))
-                .with_signed(signed))
+                .with_signed(signed)
+                .without_retired_signed())
         })?;
         let current = updated.join_measurements.digest();
         let staged = updated

@@ -696,3 +696,66 @@ async fn a_node_of_a_new_image_accepts_a_join_service_presenting_its_signed_imag
         vec![SignedMeasurements::verify(&key, &new_body, &new_signature).unwrap()]
     );
 }
+
+/// Staging again (a corrected build, another candidate) retires the set it
+/// replaces with its signed file, never the current image's: control
+/// planes of the current image keep presenting it to nodes of the new one
+/// however often the operator stages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staging_again_keeps_the_current_images_signed_file() {
+    let ca = EkCa::new().unwrap();
+    let ControlPlane {
+        service,
+        port,
+        _dir,
+        root: _,
+        own_ek,
+        server,
+    } = control_plane(&ca).await;
+    let operator_key = service.state.keys.operator_key(&own_ek).unwrap();
+    let signing = SigningPrivateKey::generate();
+    // As init leaves it: the current set signed.
+    let current_body = format!("{}\n", service.state.join_measurements.to_json()).into_bytes();
+    let current = SignedMeasurements::verify(
+        &signing.public_key(),
+        &current_body,
+        &signing.sign(&current_body),
+    )
+    .unwrap();
+    service.slot.send_replace(Some(Arc::new(
+        with_key(&service.state, Some(signing.public_key())).with_signed(current.clone()),
+    )));
+
+    // Five candidates in turn, each a build whose UKI (PCR 4) differs.
+    let candidate = member(&ca, port, "w-new", "worker");
+    let mut last = Vec::new();
+    for i in 0..5u8 {
+        candidate
+            .tpm
+            .lock()
+            .unwrap()
+            .tpm()
+            .pcr_extend(4, &[i; 32])
+            .unwrap();
+        last = format!(
+            "{}\n",
+            measurements_of(&candidate.tpm, &[4, 9, 11, 12]).to_json()
+        )
+        .into_bytes();
+        let signature = signing.sign(&last);
+        server
+            .stage_image_measurements(
+                &stage_request(&server, operator_key.expose(), &last, &signature),
+                None,
+            )
+            .unwrap();
+    }
+    let state = service.slot.borrow().clone().unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let held: Vec<String> = state
+        .signed_measurements
+        .iter()
+        .map(|s| text(s.body()))
+        .collect();
+    assert_eq!(held, [text(&current_body), text(&last)]);
+}
