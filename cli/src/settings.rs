@@ -77,15 +77,19 @@ fn default_name() -> String {
 
 /// Reads a file of bounded size.
 pub fn read_bounded(path: &Path) -> anyhow::Result<Vec<u8>> {
-    let len = std::fs::metadata(path)
-        .with_context(|| format!("reading {}", path.display()))?
-        .len();
+    use std::io::Read as _;
+    // Bounded as it is read: a pipe (`<(...)`) or a growing file reports
+    // no size that holds.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_FILE + 1).read_to_end(&mut bytes))
+        .with_context(|| format!("reading {}", path.display()))?;
     anyhow::ensure!(
-        len <= MAX_FILE,
+        bytes.len() as u64 <= MAX_FILE,
         "{} is larger than {MAX_FILE} bytes",
         path.display()
     );
-    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+    Ok(bytes)
 }
 
 impl Settings {
@@ -279,4 +283,24 @@ pub fn check_node_attestation(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_without_a_size_are_bounded_as_they_are_read() {
+        // A device (like a pipe) reports size 0 and never ends.
+        let refused = read_bounded(Path::new("/dev/zero")).unwrap_err();
+        assert!(refused.to_string().contains("larger than"), "{refused:#}");
+        let dir = tempfile::tempdir().unwrap();
+        let small = dir.path().join("small");
+        std::fs::write(&small, b"secret").unwrap();
+        assert_eq!(read_bounded(&small).unwrap(), b"secret");
+        let large = dir.path().join("large");
+        std::fs::write(&large, vec![0; MAX_FILE as usize + 1]).unwrap();
+        assert!(read_bounded(&large).is_err());
+    }
 }
