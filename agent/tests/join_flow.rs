@@ -456,3 +456,41 @@ async fn a_connection_outliving_its_image_gets_no_ticket() {
     open.issue_join_ticket(request()).await.unwrap();
     assert_eq!(service.registered_tokens().len(), 1);
 }
+
+/// The agent measures its node identity once: a log with a second one
+/// (here a control plane's after a worker's, both in PCR 13, which no
+/// measurements fix) names no identity, and no ticket is issued for
+/// either role.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_with_two_node_identities_gets_no_ticket() {
+    use keel_verifier::measurement::EventType;
+
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let service = join_common::start_service(&ca, port).await;
+    let node = join_common::member(&ca, port, "w-1", "worker");
+    let second = join_common::config(&ca, port, "w-1", "control-plane").node_bytes();
+    node.tpm
+        .lock()
+        .unwrap()
+        .record(EventType::NodeIdentity, "node", second)
+        .unwrap();
+    let tickets = node.tickets(&ca);
+    for is_control_plane in [false, true] {
+        let key = KubeletKey::generate(&node.name).unwrap();
+        let request = IssueJoinTicketRequest {
+            disk_uuid: join_common::uuid(),
+            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+            is_control_plane,
+            node_name: node.name.clone(),
+        };
+        let refused = tickets
+            .request_join_ticket(&service.endpoint, request)
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        let chain = keel_atls::ErrorChain(&refused).to_string();
+        assert!(chain.contains("measured identity"), "{chain}");
+    }
+    assert!(service.registered_tokens().is_empty());
+}

@@ -117,20 +117,26 @@ pub struct Verified {
 
 impl Verified {
     /// The node name and role of the peer's replayed node-identity event:
-    /// `None` when the log has none or it does not parse.
+    /// `None` when the log has none, more than one (the agent measures its
+    /// identity once; a second is not its own) or it does not parse.
     pub fn identity(&self) -> Option<crate::config::NodeIdentity> {
         self.measured(EventType::NodeIdentity)
     }
 
     /// The cluster part of the peer's node config, from its replayed
     /// config event (what its PCR 12 measures): `None` when the log has
-    /// none or it does not parse.
+    /// none, more than one or it does not parse.
     pub fn cluster_config(&self) -> Option<crate::config::ClusterConfig> {
         self.measured(EventType::NodeConfig)
     }
 
+    /// The data of the log's one event of `kind`, parsed.
     fn measured<T: serde::de::DeserializeOwned>(&self, kind: EventType) -> Option<T> {
-        let event = self.events.iter().find(|e| e.event_type == kind)?;
+        let mut of_kind = self.events.iter().filter(|e| e.event_type == kind);
+        let event = of_kind.next()?;
+        if of_kind.next().is_some() {
+            return None;
+        }
         serde_json::from_slice(&event.data).ok()
     }
 }
