@@ -334,6 +334,11 @@ impl Validator {
         if document.len() > MAX_DOCUMENT_BYTES {
             return Err(ValidationError::TooLarge);
         }
+        // A batch leaf encodes the nonce's length in 16 bits: a longer one
+        // would be ambiguous. The verifier's own nonces are 32 bytes.
+        if nonce.len() > usize::from(u16::MAX) {
+            return Err(ValidationError::Field("nonce longer than 65535 bytes"));
+        }
         let doc = AttestationDocument::decode(document).map_err(ValidationError::Decode)?;
         crate::ek::check_template(&doc.ek_public)?;
         let ek = Public::parse(&doc.ek_public)?;
@@ -606,6 +611,22 @@ mod tests {
             REQUIRED_PCRS.iter().map(|p| (*p, [value; 32])).collect();
         pcrs.insert(15, [pcr15; 32]);
         pcrs
+    }
+
+    #[test]
+    fn a_nonce_longer_than_its_length_field_is_refused_before_anything_else() {
+        let validator = Validator::new(set(1), EkTrust::default());
+        let long = vec![7; usize::from(u16::MAX) + 1];
+        assert!(matches!(
+            validator.validate(b"", &long, b""),
+            Err(ValidationError::Field(f)) if f.contains("nonce")
+        ));
+        // Of the length field's size, the document is what fails.
+        let longest = vec![7; usize::from(u16::MAX)];
+        assert!(matches!(
+            validator.validate(b"\xff", &longest, b""),
+            Err(ValidationError::Decode(_))
+        ));
     }
 
     #[test]
