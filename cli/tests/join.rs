@@ -174,10 +174,11 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     );
     init_task.abort();
 
-    // Node 1 serves the join service, with the image's reference values.
+    // Node 1 serves the join service, its file written from the cluster
+    // state as a control plane's is: the measurements init validated it by.
     let d = dir1.path();
     let measurements = d.join("measurements.json");
-    std::fs::write(&measurements, boot_measurements(&config1).to_json()).unwrap();
+    std::fs::write(&measurements, state.join_measurements.to_json()).unwrap();
     let policy = keel_agent::node::join_service_policy(&config1, &measurements).unwrap();
     let service = JoinService::new(
         state.clone(),
@@ -512,9 +513,16 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     assert!(out.status.success(), "{}", text(&out));
     assert!(!staged_file.exists());
     assert_eq!(read(&join_measurements), image);
-    let out = finish().await;
+    // Finished: another set has nothing to finish, the same one (asked
+    // again, as after a failure to write the join service's file) changes
+    // nothing.
+    let out = finish_file(other_file.clone()).await;
     assert!(!out.status.success());
     assert!(text(&out).contains("nothing to finish"), "{}", text(&out));
+    let out = finish().await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!staged_file.exists());
+    assert_eq!(read(&join_measurements), image);
     // `keel revoke` and `keel status` over the same operator API: the node
     // the control plane knows (registered as a ticket registers it) is put
     // on its revocation list; an unknown one is a clear error.
