@@ -161,6 +161,23 @@ async fn node_with_key(
     }
 }
 
+/// An upgrade's stream read to its end: the progress lines and the last
+/// event.
+async fn to_the_end(
+    mut rx: tokio::sync::mpsc::Receiver<
+        Result<keel_proto::operator::UpgradeResponse, tonic::Status>,
+    >,
+) -> (Vec<String>, Event) {
+    let mut lines = Vec::new();
+    while let Some(message) = rx.recv().await {
+        match message.unwrap().event.unwrap() {
+            Event::Log(line) => lines.push(line),
+            last => return (lines, last),
+        }
+    }
+    panic!("the stream ended without a result: {lines:?}");
+}
+
 fn plan(
     version: &str,
     components: Option<&[keel_proto::components::Component]>,
@@ -190,19 +207,12 @@ impl UpgradableNode {
 
     /// Runs `request` to its end: the progress lines and the last event.
     async fn run(&self, request: &UpgradeRequest) -> Result<(Vec<String>, Event), tonic::Status> {
-        let mut rx = self
+        let rx = self
             .server
             .start_upgrade(request, None)
             .await
             .map_err(|e| tonic::Status::from(&e))?;
-        let mut lines = Vec::new();
-        while let Some(message) = rx.recv().await {
-            match message.unwrap().event.unwrap() {
-                Event::Log(line) => lines.push(line),
-                last => return Ok((lines, last)),
-            }
-        }
-        panic!("the stream ended without a result: {lines:?}");
+        Ok(to_the_end(rx).await)
     }
 
     fn version(&self) -> String {
@@ -520,7 +530,7 @@ async fn a_second_upgrade_while_one_runs_is_refused_before_it_starts() {
     // The first is admitted and runs in its own task; the second, sent
     // before that task could start, is refused as busy (`Aborted`), not
     // admitted and then streamed as a failure.
-    let mut first = node
+    let first = node
         .server
         .start_upgrade(&node.request(plan.clone()), None)
         .await
@@ -534,12 +544,7 @@ async fn a_second_upgrade_while_one_runs_is_refused_before_it_starts() {
     let refused = second.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Aborted, "{refused:?}");
     assert!(refused.message().contains("already running"), "{refused:?}");
-    let last = loop {
-        match first.recv().await.unwrap().unwrap().event.unwrap() {
-            Event::Log(_) => {}
-            last => break last,
-        }
-    };
+    let (_, last) = to_the_end(first).await;
     assert!(matches!(last, Event::Done(_)), "{last:?}");
     assert_eq!(node.version(), TO);
 }
