@@ -393,39 +393,68 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
     .is_err());
 }
 
+/// A mutual aTLS connection of `node` to `service`'s join port, held open
+/// for as many requests as a test makes on it, and a maker of join
+/// ticket requests for `node`.
+struct OpenConnection {
+    atls: keel_atls::AtlsClient<keel_verifier::validator::Verified>,
+    endpoint: tonic::transport::Endpoint,
+    tickets: keel_proto::join::join_service_client::JoinServiceClient<tonic::transport::Channel>,
+    name: String,
+}
+
+impl OpenConnection {
+    async fn new(node: &join_common::Member, ca: &EkCa, service: &Service) -> Self {
+        use keel_agent::attestation::issuer::TpmIssuer;
+        let trust = keel_verifier::ek::EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+        let validator = keel_agent::join::service_validator(&node.tpm, trust, None).unwrap();
+        let atls = keel_atls::AtlsClient::mutual(
+            std::sync::Arc::new(TpmIssuer::new(node.tpm.clone())),
+            std::sync::Arc::new(validator),
+        );
+        let endpoint =
+            tonic::transport::Endpoint::from_shared(format!("http://{}", service.endpoint))
+                .unwrap();
+        let bound = atls.bind_channel(endpoint.clone()).await.unwrap();
+        Self {
+            atls,
+            endpoint,
+            tickets: keel_proto::join::join_service_client::JoinServiceClient::new(bound.channel),
+            name: node.name.clone(),
+        }
+    }
+
+    /// Asks for a join ticket (a new disk each time) on this connection.
+    async fn ticket(&mut self) -> Result<(), tonic::Status> {
+        let key = KubeletKey::generate(&self.name).unwrap();
+        let request = IssueJoinTicketRequest {
+            disk_uuid: join_common::uuid(),
+            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+            is_control_plane: false,
+            node_name: self.name.clone(),
+        };
+        self.tickets.issue_join_ticket(request).await.map(|_| ())
+    }
+
+    /// Whether a new connection of the same node passes the handshake.
+    async fn connects_again(&self) -> bool {
+        self.atls.bind_channel(self.endpoint.clone()).await.is_ok()
+    }
+}
+
 /// The handshake judged the node by the measurements accepted then; a
 /// connection kept open past their withdrawal gets no ticket on it, and a
 /// new one is refused at its handshake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_outliving_its_image_gets_no_ticket() {
-    use keel_agent::attestation::issuer::TpmIssuer;
     use keel_agent::attestation::policy::write_accepted;
-    use keel_proto::join::join_service_client::JoinServiceClient;
     use std::sync::Arc;
 
     let ca = EkCa::new().unwrap();
     let port = free_port();
     let service = join_common::start_service(&ca, port).await;
     let node = join_common::member(&ca, port, "w-1", "worker");
-    let trust = keel_verifier::ek::EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
-    let validator = keel_agent::join::service_validator(&node.tpm, trust, None).unwrap();
-    let client = keel_atls::AtlsClient::mutual(
-        Arc::new(TpmIssuer::new(node.tpm.clone())),
-        Arc::new(validator),
-    );
-    let endpoint =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", service.endpoint)).unwrap();
-    let bound = client.bind_channel(endpoint.clone()).await.unwrap();
-    let mut open = JoinServiceClient::new(bound.channel);
-    let request = || {
-        let key = KubeletKey::generate(&node.name).unwrap();
-        IssueJoinTicketRequest {
-            disk_uuid: join_common::uuid(),
-            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
-            is_control_plane: false,
-            node_name: node.name.clone(),
-        }
-    };
+    let mut open = OpenConnection::new(&node, &ca, &service).await;
 
     // The operator replaces the join measurements (another image), as
     // SetJoinMeasurements does: the cluster state and the service's file.
@@ -440,20 +469,20 @@ async fn a_connection_outliving_its_image_gets_no_ticket() {
     write_accepted(&service.measurements, &other, None).unwrap();
     service.policy.reload().unwrap();
 
-    let refused = open.issue_join_ticket(request()).await.unwrap_err();
+    let refused = open.ticket().await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
     assert!(
         refused.message().contains("no longer accepted"),
         "{}",
         refused.message()
     );
-    assert!(client.bind_channel(endpoint).await.is_err());
+    assert!(!open.connects_again().await);
     assert!(service.registered_tokens().is_empty());
 
     // Accepted again, the same connection gets its ticket: the refusal was
     // the withdrawal's.
     service.slot.send_replace(Some(admitted));
-    open.issue_join_ticket(request()).await.unwrap();
+    open.ticket().await.unwrap();
     assert_eq!(service.registered_tokens().len(), 1);
 }
 
@@ -493,4 +522,33 @@ async fn a_log_with_two_node_identities_gets_no_ticket() {
         assert!(chain.contains("measured identity"), "{chain}");
     }
     assert!(service.registered_tokens().is_empty());
+}
+
+/// A connection asks for its ticket within a window of its handshake,
+/// where the policy of the moment judged it (CPU evidence and collateral
+/// included); later it must connect again and be judged anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_is_asked_for_within_the_window_of_its_handshake() {
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let mut service = join_common::start_service(&ca, port).await;
+    service
+        .restart_with(|s| s.with_ticket_window(Duration::from_millis(500)))
+        .await;
+    let node = join_common::member(&ca, port, "w-1", "worker");
+    let mut open = OpenConnection::new(&node, &ca, &service).await;
+    open.ticket().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let refused = open.ticket().await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    assert!(refused.message().contains("connect again"), "{refused:?}");
+    assert_eq!(service.registered_tokens().len(), 1);
+    // Connected again, it is judged now and gets its ticket.
+    let mut again = OpenConnection::new(&node, &ca, &service).await;
+    again.ticket().await.unwrap();
+    assert_eq!(service.registered_tokens().len(), 2);
 }

@@ -153,11 +153,22 @@ pub type DynIssuer = Arc<dyn Issuer>;
 pub struct Attested<C> {
     document: Vec<u8>,
     claims: C,
+    validated: std::time::Instant,
 }
 
 impl<C> Attested<C> {
     pub(crate) fn new(document: Vec<u8>, claims: C) -> Self {
-        Self { document, claims }
+        Self {
+            document,
+            claims,
+            validated: std::time::Instant::now(),
+        }
+    }
+
+    /// How long ago the validator judged the document: the claims are the
+    /// policy of that moment, which a long-lived connection outlives.
+    pub fn age(&self) -> std::time::Duration {
+        self.validated.elapsed()
     }
 
     /// The attestation document exactly as the peer presented it.

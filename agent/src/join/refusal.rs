@@ -65,6 +65,10 @@ pub enum JoinServiceError {
     /// The revocation list names the peer's EK.
     #[error("the node is revoked: {0}")]
     Revoked(crate::registry::Revocation),
+    /// The connection's handshake is older than the ticket window (its
+    /// age in seconds): the peer must connect again to be judged now.
+    #[error("the connection's attestation is {0} s old")]
+    StaleHandshake(u64),
     /// The measurements the peer matched at its handshake (this digest)
     /// are no longer accepted: the image was withdrawn since.
     #[error("the measurements the node was admitted by ({0}) are no longer accepted")]
@@ -107,6 +111,9 @@ impl JoinServiceError {
             E::Member => "the node is already locked into a cluster",
             E::Revoked(_) => "the node is revoked: its EK is on the cluster's revocation list",
             E::Withdrawn(_) => "the node's image is no longer accepted by the cluster",
+            E::StaleHandshake(_) => {
+                "the connection's attestation is too old for a ticket; connect again"
+            }
             E::Registry(_) => "the node registry is unavailable",
         }
     }
@@ -123,7 +130,7 @@ impl From<&JoinServiceError> for tonic::Status {
             E::Identity(_) | E::DiskNotBound(_) | E::Revoked(_) | E::Withdrawn(_) => {
                 tonic::Code::PermissionDenied
             }
-            E::Member => tonic::Code::FailedPrecondition,
+            E::Member | E::StaleHandshake(_) => tonic::Code::FailedPrecondition,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
             E::Busy | E::Token(_) => tonic::Code::Unavailable,
             E::Sign(_)

@@ -72,6 +72,9 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 pub const MAX_CONCURRENT_TICKETS: usize = 128;
 /// How long a request waits for a ticket slot before it is refused as busy.
 pub const QUEUE_WAIT: Duration = Duration::from_secs(30);
+/// How long after its handshake a connection may ask for a ticket: a
+/// joining node asks at once, on a connection of its own.
+pub const TICKET_WINDOW: Duration = Duration::from_secs(60);
 /// Largest control-plane PKI file read.
 const MAX_PKI_FILE: u64 = 64 * 1024;
 
@@ -143,6 +146,8 @@ pub struct JoinService {
     updates: Option<tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>>,
     /// The node registry whose revocation list this service enforces.
     registry: Option<Arc<RegistryStore>>,
+    /// How long after its handshake a connection may ask for a ticket.
+    ticket_window: Duration,
 }
 
 struct Inner {
@@ -178,7 +183,15 @@ impl JoinService {
             }),
             updates: None,
             registry: None,
+            ticket_window: TICKET_WINDOW,
         })
+    }
+
+    /// The same service, taking ticket requests only within `window` of
+    /// their connection's handshake (default [`TICKET_WINDOW`]).
+    pub fn with_ticket_window(mut self, window: Duration) -> Self {
+        self.ticket_window = window;
+        self
     }
 
     /// The same service, refusing every ticket to a node the registry's
@@ -598,11 +611,20 @@ async fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<
     Ok(data)
 }
 
-/// The validated claims of the peer of `request`.
+/// The validated claims of the peer of `request`, judged at most `window`
+/// ago: the handshake is where the policy of the moment (measurements, CPU
+/// evidence and its collateral) judged the peer, and a connection held
+/// open is not judged again.
 fn peer_claims<T>(
     request: &tonic::Request<T>,
+    window: Duration,
 ) -> Result<Arc<keel_atls::Attested<Verified>>, JoinServiceError> {
-    crate::grpc::attested_peer(request).ok_or(JoinServiceError::NotAttested)
+    let peer = crate::grpc::attested_peer(request).ok_or(JoinServiceError::NotAttested)?;
+    let age = peer.age();
+    if age > window {
+        return Err(JoinServiceError::StaleHandshake(age.as_secs()));
+    }
+    Ok(peer)
 }
 
 /// Logs a refusal with its causes and makes the peer's status.
@@ -617,7 +639,7 @@ impl join_service_server::JoinService for JoinService {
         &self,
         request: tonic::Request<IssueJoinTicketRequest>,
     ) -> Result<tonic::Response<IssueJoinTicketResponse>, tonic::Status> {
-        let result = match peer_claims(&request) {
+        let result = match peer_claims(&request, self.ticket_window) {
             Ok(peer) => {
                 self.join_ticket(peer.claims(), request.into_inner())
                     .instrument(tracing::debug_span!("join.ticket"))
@@ -634,7 +656,7 @@ impl join_service_server::JoinService for JoinService {
         &self,
         request: tonic::Request<IssueRejoinTicketRequest>,
     ) -> Result<tonic::Response<IssueRejoinTicketResponse>, tonic::Status> {
-        let result = match peer_claims(&request) {
+        let result = match peer_claims(&request, self.ticket_window) {
             Ok(peer) => {
                 self.rejoin_ticket(peer.claims(), request.into_inner())
                     .await

@@ -191,6 +191,12 @@ impl Service {
     /// Stops the join service and starts a new one on the same port, over
     /// the same cluster and work directory: what an agent restart serves.
     pub async fn restart(&mut self) {
+        self.restart_with(|service| service).await;
+    }
+
+    /// [`Service::restart`], the new service made by `adjust` from the one
+    /// an agent restart serves.
+    pub async fn restart_with(&mut self, adjust: impl FnOnce(JoinService) -> JoinService) {
         self.stop().await;
         let addr: SocketAddr = self.endpoint.parse().unwrap();
         // The listener goes with the server's accept task, aborted in turn.
@@ -209,6 +215,7 @@ impl Service {
         .unwrap()
         .following(&self.slot)
         .with_registry(keel_agent::registry::RegistryStore::shared(&self.root).unwrap());
+        let service = adjust(service);
         self.task = tokio::spawn({
             let (tpm, policy) = (self.tpm.clone(), self.policy.clone());
             async move {
