@@ -58,8 +58,9 @@ enum Command {
         #[arg(long)]
         once: bool,
         /// Where the join service keeps the measurements it checks joining
-        /// nodes against (written from the init request, re-read every 10 s;
-        /// default: `join-measurements.json` in the state directory).
+        /// nodes against (written from the cluster state, which the operator
+        /// API changes; default: `join-measurements.json` in the state
+        /// directory).
         #[arg(long, env = "KEEL_MEASUREMENTS")]
         measurements: Option<PathBuf>,
     },

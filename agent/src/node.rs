@@ -233,12 +233,54 @@ pub async fn serve_join_port(
     Ok(())
 }
 
+/// Keeps the join service's measurements file, and its policy, those of
+/// the cluster state in `cluster`: written and reloaded at each change of
+/// the state, a failed write tried again every 5 s. The ticket handlers
+/// admit only peers of the state's sets, so a file left behind (a change
+/// that landed while serving started, a write that failed) would let no
+/// node join. Runs until aborted.
+pub async fn follow_join_measurements(
+    cluster: Arc<ClusterSlot>,
+    path: PathBuf,
+    policy: Arc<ReloadableValidator>,
+) {
+    let mut states = cluster.subscribe();
+    loop {
+        let state = states.borrow_and_update().clone();
+        if let Some(state) = state {
+            let (path, policy) = (path.clone(), policy.clone());
+            let written = tokio::task::spawn_blocking(move || {
+                crate::attestation::policy::write_accepted(
+                    &path,
+                    &state.join_measurements,
+                    state.staged_measurements.as_ref(),
+                )
+                .map_err(|e| keel_atls::ErrorChain(&e).to_string())?;
+                // A file the policy refuses is logged by the reload.
+                let _ = policy.reload();
+                Ok::<_, String>(())
+            })
+            .await
+            .unwrap_or_else(|_| Err("the writing task ended".into()));
+            if let Err(e) = written {
+                tracing::error!(error = %e, "writing the join measurements failed; trying again in 5 s");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                continue;
+            }
+        }
+        if states.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 /// On a control-plane node: waits until this node has a cluster state
 /// (it created the cluster, joined or rejoined as a control plane, or was
-/// recovered),
-/// writes the measurements its cluster state carries to `measurements`,
-/// then serves the join service on `addr`, re-reading that
-/// file every 10 s (an operator may replace it to roll out a new image).
+/// recovered), writes the measurements its cluster state carries to
+/// `measurements`, then serves the join service on `addr`. The file
+/// follows the cluster state (the operator API changes it), and the
+/// join service's policy follows the file ([`follow_join_measurements`]);
+/// the file is also re-read every 10 s.
 pub async fn serve_join_as_control_plane(
     addr: SocketAddr,
     config: NodeConfig,
@@ -266,6 +308,11 @@ pub async fn serve_join_as_control_plane(
     );
     let policy = join_service_policy(&config, &measurements)?;
     let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
+    let _follow = AbortOnDrop(tokio::spawn(follow_join_measurements(
+        cluster.clone(),
+        measurements.clone(),
+        policy.clone(),
+    )));
     let registry = RegistryStore::shared(env.root())?;
     let disks = Arc::new(DiskBindings::new(env.root()));
     let service = JoinService::new(

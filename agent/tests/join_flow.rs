@@ -424,16 +424,26 @@ impl OpenConnection {
         }
     }
 
-    /// Asks for a join ticket (a new disk each time) on this connection.
-    async fn ticket(&mut self) -> Result<(), tonic::Status> {
+    /// Asks for a join ticket (a new disk each time) on this connection;
+    /// returns the disk's UUID.
+    async fn ticket(&mut self) -> Result<String, tonic::Status> {
         let key = KubeletKey::generate(&self.name).unwrap();
+        let disk = join_common::uuid();
         let request = IssueJoinTicketRequest {
-            disk_uuid: join_common::uuid(),
+            disk_uuid: disk.clone(),
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane: false,
             node_name: self.name.clone(),
         };
-        self.tickets.issue_join_ticket(request).await.map(|_| ())
+        self.tickets.issue_join_ticket(request).await.map(|_| disk)
+    }
+
+    /// Asks for a rejoin ticket for `disk` on this connection.
+    async fn rejoin(&mut self, disk: &str) -> Result<(), tonic::Status> {
+        let request = keel_proto::join::IssueRejoinTicketRequest {
+            disk_uuid: disk.to_owned(),
+        };
+        self.tickets.issue_rejoin_ticket(request).await.map(|_| ())
     }
 
     /// Whether a new connection of the same node passes the handshake.
@@ -469,13 +479,17 @@ async fn a_connection_outliving_its_image_gets_no_ticket() {
     write_accepted(&service.measurements, &other, None).unwrap();
     service.policy.reload().unwrap();
 
-    let refused = open.ticket().await.unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
-    assert!(
-        refused.message().contains("no longer accepted"),
-        "{}",
-        refused.message()
-    );
+    for refused in [
+        open.ticket().await.unwrap_err(),
+        open.rejoin(&join_common::uuid()).await.unwrap_err(),
+    ] {
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+        assert!(
+            refused.message().contains("no longer accepted"),
+            "{}",
+            refused.message()
+        );
+    }
     assert!(!open.connects_again().await);
     assert!(service.registered_tokens().is_empty());
 
@@ -537,18 +551,79 @@ async fn a_ticket_is_asked_for_within_the_window_of_its_handshake() {
         .await;
     let node = join_common::member(&ca, port, "w-1", "worker");
     let mut open = OpenConnection::new(&node, &ca, &service).await;
-    open.ticket().await.unwrap();
+    let disk = open.ticket().await.unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let refused = open.ticket().await.unwrap_err();
-    assert_eq!(
-        refused.code(),
-        tonic::Code::FailedPrecondition,
-        "{refused:?}"
-    );
-    assert!(refused.message().contains("connect again"), "{refused:?}");
+    for refused in [
+        open.ticket().await.unwrap_err(),
+        open.rejoin(&disk).await.unwrap_err(),
+    ] {
+        assert_eq!(
+            refused.code(),
+            tonic::Code::FailedPrecondition,
+            "{refused:?}"
+        );
+        assert!(refused.message().contains("connect again"), "{refused:?}");
+    }
     assert_eq!(service.registered_tokens().len(), 1);
-    // Connected again, it is judged now and gets its ticket.
+    // Connected again, it is judged now and gets its tickets.
     let mut again = OpenConnection::new(&node, &ca, &service).await;
     again.ticket().await.unwrap();
+    again.rejoin(&disk).await.unwrap();
     assert_eq!(service.registered_tokens().len(), 2);
+}
+
+/// The join service's measurements file and its policy follow the cluster
+/// state: the ticket handlers admit only the state's sets, so a file left
+/// behind (stale, or a write that failed) would let no node join.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_join_measurements_file_and_policy_follow_the_cluster_state() {
+    use keel_verifier::measurements::Measurements;
+    use std::sync::Arc;
+
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let service = join_common::start_service(&ca, port).await;
+    // A stale file: what a change that landed while serving started, or
+    // a failed write, leaves.
+    let stale = boot_measurements_with(&service.config, [(11, Expected::enforced([1; 32]))]);
+    std::fs::write(&service.measurements, stale.to_json()).unwrap();
+    service.policy.reload().unwrap();
+    let follow = tokio::spawn(keel_agent::node::follow_join_measurements(
+        service.slot.clone(),
+        service.measurements.clone(),
+        service.policy.clone(),
+    ));
+    let in_force = || {
+        let state = service.slot.borrow().clone().unwrap();
+        let file = Measurements::parse(&std::fs::read(&service.measurements).unwrap()).ok();
+        // The policy's set is the file's with the required values added.
+        file.as_ref() == Some(&state.join_measurements)
+            && service.policy.current().measurements().get(11) == state.join_measurements.get(11)
+    };
+    let settle = || async {
+        for _ in 0..250 {
+            if in_force() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    };
+    assert!(settle().await, "the state's set was not written at start");
+    // A node of the state's image joins.
+    let node = join_common::member(&ca, port, "w-1", "worker");
+    OpenConnection::new(&node, &ca, &service)
+        .await
+        .ticket()
+        .await
+        .unwrap();
+    // The state changes: the file and the policy follow.
+    service
+        .slot
+        .send_replace(Some(Arc::new(keel_agent::cluster::ClusterState {
+            join_measurements: stale,
+            ..(*service.state).clone()
+        })));
+    assert!(settle().await, "the changed set was not written");
+    follow.abort();
 }

@@ -72,12 +72,15 @@ pub fn staged_path(path: &Path) -> PathBuf {
 
 /// Writes the accepted sets for a [`ReloadableValidator`] of `path`: the
 /// current set to `path`, then the staged set to [`staged_path`] (removed
-/// when there is none). Each file is replaced atomically.
+/// when there is none). Each file is replaced atomically; writers in this
+/// process take turns (their temporary files share a name).
 pub fn write_accepted(
     path: &Path,
     current: &Measurements,
     staged: Option<&Measurements>,
 ) -> Result<(), WriteFileError> {
+    static WRITING: Mutex<()> = Mutex::new(());
+    let _turn = WRITING.lock().unwrap_or_else(PoisonError::into_inner);
     crate::files::write_private(path, current.to_json().as_bytes())?;
     let staged_file = staged_path(path);
     match staged {

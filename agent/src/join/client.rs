@@ -524,7 +524,9 @@ impl JoinClient {
         let measurement_secret = keys
             .measurement_secret()
             .map_err(|e| ProvisionError::Lock(format!("deriving the measurement secret: {e}")))?;
-        Ok(Some(ClusterState {
+        // Held to this version's bounds (a control plane of an older one
+        // may keep more authorised components than the facts take).
+        let state = ClusterState {
             keys: Arc::new(keys),
             measurement_salt: ticket.measurement_salt,
             measurement_secret,
@@ -542,7 +544,8 @@ impl JoinClient {
             measurements_key: self.settings.measurements_key.clone(),
             signed_measurements: measurements.signed,
             control_plane_endpoints: self.endpoints(),
-        }))
+        };
+        Ok(Some(state.authorising(&[])))
     }
 
     /// After the lock could not be recorded: the node is unusable.

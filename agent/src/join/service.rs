@@ -34,6 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use keel_atls::Attested;
 use keel_proto::join::join_service_server::{self, JoinServiceServer};
 use keel_proto::join::{
     ControlPlaneFile, ControlPlaneSecrets, IssueJoinTicketRequest, IssueJoinTicketResponse,
@@ -194,6 +195,22 @@ impl JoinService {
         self
     }
 
+    /// The claims of `peer` if they were judged within the ticket window,
+    /// counted once the request has its slot: the handshake is where the
+    /// policy of the moment (measurements, CPU evidence and its
+    /// collateral) judged the peer, and a connection held open is not
+    /// judged again.
+    fn judged_lately<'a>(
+        &self,
+        peer: &'a Attested<Verified>,
+    ) -> Result<&'a Verified, JoinServiceError> {
+        let age = peer.age();
+        if age > self.ticket_window {
+            return Err(JoinServiceError::StaleHandshake(age.as_secs()));
+        }
+        Ok(peer.claims())
+    }
+
     /// The same service, refusing every ticket to a node the registry's
     /// revocation list names, and registering each node it issues one to.
     pub fn with_registry(mut self, registry: Arc<RegistryStore>) -> Self {
@@ -292,10 +309,11 @@ impl JoinService {
     /// Issues a join ticket to the validated peer `peer`.
     pub async fn join_ticket(
         &self,
-        peer: &Verified,
+        peer: &Attested<Verified>,
         request: IssueJoinTicketRequest,
     ) -> Result<IssueJoinTicketResponse, JoinServiceError> {
         let _slot = self.slot().await?;
+        let peer = self.judged_lately(peer)?;
         let cluster = &self.cluster();
         require_outside_cluster(peer)?;
         require_accepted_image(cluster, peer)?;
@@ -419,10 +437,11 @@ impl JoinService {
     /// TPM is refused outright.
     pub async fn rejoin_ticket(
         &self,
-        peer: &Verified,
+        peer: &Attested<Verified>,
         request: IssueRejoinTicketRequest,
     ) -> Result<IssueRejoinTicketResponse, JoinServiceError> {
         let _slot = self.slot().await?;
+        let peer = self.judged_lately(peer)?;
         let cluster = &self.cluster();
         require_outside_cluster(peer)?;
         require_accepted_image(cluster, peer)?;
@@ -611,20 +630,11 @@ async fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<
     Ok(data)
 }
 
-/// The validated claims of the peer of `request`, judged at most `window`
-/// ago: the handshake is where the policy of the moment (measurements, CPU
-/// evidence and its collateral) judged the peer, and a connection held
-/// open is not judged again.
+/// The validated claims of the peer of `request`.
 fn peer_claims<T>(
     request: &tonic::Request<T>,
-    window: Duration,
-) -> Result<Arc<keel_atls::Attested<Verified>>, JoinServiceError> {
-    let peer = crate::grpc::attested_peer(request).ok_or(JoinServiceError::NotAttested)?;
-    let age = peer.age();
-    if age > window {
-        return Err(JoinServiceError::StaleHandshake(age.as_secs()));
-    }
-    Ok(peer)
+) -> Result<Arc<Attested<Verified>>, JoinServiceError> {
+    crate::grpc::attested_peer(request).ok_or(JoinServiceError::NotAttested)
 }
 
 /// Logs a refusal with its causes and makes the peer's status.
@@ -639,9 +649,9 @@ impl join_service_server::JoinService for JoinService {
         &self,
         request: tonic::Request<IssueJoinTicketRequest>,
     ) -> Result<tonic::Response<IssueJoinTicketResponse>, tonic::Status> {
-        let result = match peer_claims(&request, self.ticket_window) {
+        let result = match peer_claims(&request) {
             Ok(peer) => {
-                self.join_ticket(peer.claims(), request.into_inner())
+                self.join_ticket(&peer, request.into_inner())
                     .instrument(tracing::debug_span!("join.ticket"))
                     .await
             }
@@ -656,11 +666,8 @@ impl join_service_server::JoinService for JoinService {
         &self,
         request: tonic::Request<IssueRejoinTicketRequest>,
     ) -> Result<tonic::Response<IssueRejoinTicketResponse>, tonic::Status> {
-        let result = match peer_claims(&request, self.ticket_window) {
-            Ok(peer) => {
-                self.rejoin_ticket(peer.claims(), request.into_inner())
-                    .await
-            }
+        let result = match peer_claims(&request) {
+            Ok(peer) => self.rejoin_ticket(&peer, request.into_inner()).await,
             Err(e) => Err(e),
         };
         result
