@@ -92,7 +92,24 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let more = again.authorising(&many[..1]);
     assert!(more.authorised_components.contains(shared));
     assert!(!more.authorised_components.contains(&many[601 - kept]));
-    cp0.slot.send_replace(Some(Arc::new(authorised)));
+    // A control plane of an older version may hold more than this
+    // version's byte bound: large inline patches (200 KiB) as the newest
+    // of the 512.
+    let patches: Vec<_> = (0..10u32)
+        .map(|i| {
+            keel_installer::Component::new(
+                &format!("data:,{}{i}", "p".repeat(20 * 1024)),
+                &format!("sha256:{:064x}", 1000 + i),
+                &format!("/opt/kubernetes/patches/q{i}.json"),
+                false,
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut older = authorised.clone();
+    older.authorised_components.drain(..patches.len());
+    older.authorised_components.extend(patches.iter().cloned());
+    cp0.slot.send_replace(Some(Arc::new(older.clone())));
 
     // cp-1 joins as a control plane and gets what serving joins takes.
     let cp1 = joiner_with(
@@ -108,7 +125,14 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     assert_eq!(state.cluster_id, cluster_id);
     assert_eq!(state.keys.expose_master(), cp0.state.keys.expose_master());
     assert_eq!(state.control_plane_endpoints.len(), 2);
-    assert_eq!(state.authorised_components, many[600 - kept..]);
+    // The authorised components, held to this version's bounds: the
+    // oldest go, the newest (the patches) stay.
+    assert_eq!(
+        state.authorised_components,
+        older.authorising(&[]).authorised_components
+    );
+    assert!(state.authorised_components.len() < older.authorised_components.len());
+    assert!(state.authorised_components.ends_with(&patches));
     assert!(cp1.root.join("etc/kubernetes/pki/ca.key").is_file());
     assert!(cp1
         .root
