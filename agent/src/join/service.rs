@@ -195,22 +195,6 @@ impl JoinService {
         self
     }
 
-    /// The claims of `peer` if they were judged within the ticket window,
-    /// counted once the request has its slot: the handshake is where the
-    /// policy of the moment (measurements, CPU evidence and its
-    /// collateral) judged the peer, and a connection held open is not
-    /// judged again.
-    fn judged_lately<'a>(
-        &self,
-        peer: &'a Attested<Verified>,
-    ) -> Result<&'a Verified, JoinServiceError> {
-        let age = peer.age();
-        if age > self.ticket_window {
-            return Err(JoinServiceError::StaleHandshake(age.as_secs()));
-        }
-        Ok(peer.claims())
-    }
-
     /// The same service, refusing every ticket to a node the registry's
     /// revocation list names, and registering each node it issues one to.
     pub fn with_registry(mut self, registry: Arc<RegistryStore>) -> Self {
@@ -312,11 +296,12 @@ impl JoinService {
         peer: &Attested<Verified>,
         request: IssueJoinTicketRequest,
     ) -> Result<IssueJoinTicketResponse, JoinServiceError> {
-        let _slot = self.slot().await?;
-        let peer = self.judged_lately(peer)?;
-        let cluster = &self.cluster();
-        require_outside_cluster(peer)?;
-        require_accepted_image(cluster, peer)?;
+        let Admitted {
+            _slot,
+            peer,
+            cluster,
+        } = self.admit(peer).await?;
+        let cluster = &cluster;
         check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
         self.check_revocation(&ek)?;
@@ -440,11 +425,12 @@ impl JoinService {
         peer: &Attested<Verified>,
         request: IssueRejoinTicketRequest,
     ) -> Result<IssueRejoinTicketResponse, JoinServiceError> {
-        let _slot = self.slot().await?;
-        let peer = self.judged_lately(peer)?;
-        let cluster = &self.cluster();
-        require_outside_cluster(peer)?;
-        require_accepted_image(cluster, peer)?;
+        let Admitted {
+            _slot,
+            peer,
+            cluster,
+        } = self.admit(peer).await?;
+        let cluster = &cluster;
         let identity = measured_identity(peer)?;
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
@@ -500,6 +486,32 @@ impl JoinService {
         })
     }
 
+    /// What every ticket takes before its own checks: one of the ticket
+    /// slots, then a peer judged within the ticket window (the handshake
+    /// is where the policy of the moment, measurements and CPU evidence
+    /// with its collateral, judged it; a connection held open is not
+    /// judged again), outside any cluster, whose matched set the cluster
+    /// still accepts.
+    async fn admit<'s, 'p>(
+        &'s self,
+        peer: &'p Attested<Verified>,
+    ) -> Result<Admitted<'s, 'p>, JoinServiceError> {
+        let slot = self.slot().await?;
+        let age = peer.age();
+        if age > self.ticket_window {
+            return Err(JoinServiceError::StaleHandshake(age.as_secs()));
+        }
+        let peer = peer.claims();
+        let cluster = self.cluster();
+        require_outside_cluster(peer)?;
+        require_accepted_image(&cluster, peer)?;
+        Ok(Admitted {
+            _slot: slot,
+            peer,
+            cluster,
+        })
+    }
+
     async fn slot(&self) -> Result<tokio::sync::SemaphorePermit<'_>, JoinServiceError> {
         tokio::time::timeout(QUEUE_WAIT, self.inner.slots.acquire())
             .instrument(tracing::debug_span!("join.slot"))
@@ -525,6 +537,15 @@ impl JoinService {
         }
         Ok(files)
     }
+}
+
+/// A ticket request admitted ([`JoinService::admit`]): its slot, held
+/// until the ticket is issued, the peer's claims and the cluster state to
+/// issue from.
+struct Admitted<'s, 'p> {
+    _slot: tokio::sync::SemaphorePermit<'s>,
+    peer: &'p Verified,
+    cluster: Arc<ClusterState>,
 }
 
 /// The join port also admits members (their evidence): a ticket goes only to
