@@ -148,6 +148,16 @@ fn may_move(current: &NodeVersion, target: &Target) -> Result<(), UpgradeError> 
     covers(current, target)
 }
 
+/// Whether the node recorded as `current` may take `target` in a rollout:
+/// it runs it already (a rollout run again) or may move to it.
+fn may_take(current: &NodeVersion, target: &Target) -> Result<(), UpgradeError> {
+    if runs_already(current, target) {
+        Ok(())
+    } else {
+        may_move(current, target)
+    }
+}
+
 /// Every directory `current` runs components from is one `target`
 /// installs into, so the switch covers it: one left out would keep its old
 /// binaries running, measured by no event once the next boot installs the
@@ -324,9 +334,7 @@ impl Upgrader {
     /// components from, which every node would refuse, authorises nothing.
     pub fn authorise(&self, target: &Target) -> Result<(), UpgradeError> {
         let current = self.current()?;
-        if !runs_already(&current, target) {
-            may_move(&current, target)?;
-        }
+        may_take(&current, target)?;
         change_state(&self.cluster, self.env.root(), |state| {
             Ok::<_, UpgradeError>(state.authorising(&target.components))
         })?
@@ -346,9 +354,7 @@ impl Upgrader {
                 .map_err(|_| UpgradeError::Busy)?,
         );
         let current = self.current()?;
-        if !runs_already(&current, target) {
-            may_move(&current, target)?;
-        }
+        may_take(&current, target)?;
         Ok(turn)
     }
 
