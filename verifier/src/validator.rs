@@ -556,6 +556,24 @@ fn events(doc: &AttestationDocument) -> Result<Vec<Event>, ValidationError> {
         .collect()
 }
 
+/// The aTLS kind of a refusal: a document that does not parse is
+/// malformed, a wrong key binding or nonce is named as such, anything else
+/// is rejected.
+impl From<ValidationError> for keel_atls::ValidationError {
+    fn from(e: ValidationError) -> Self {
+        match e {
+            ValidationError::TooLarge
+            | ValidationError::Decode(_)
+            | ValidationError::Field(_)
+            | ValidationError::Wire(_)
+            | ValidationError::BatchPath(_) => Self::malformed(e),
+            ValidationError::UserData => Self::KeyBindingMismatch,
+            ValidationError::Quote(QuoteError::QualifyingData) => Self::NonceMismatch,
+            other => Self::rejected(other),
+        }
+    }
+}
+
 impl keel_atls::Validator for Validator {
     type Claims = Verified;
 
@@ -565,18 +583,7 @@ impl keel_atls::Validator for Validator {
         nonce: &[u8],
         user_data: &[u8],
     ) -> Result<Verified, keel_atls::ValidationError> {
-        Validator::validate(self, document, nonce, user_data).map_err(|e| match e {
-            ValidationError::TooLarge
-            | ValidationError::Decode(_)
-            | ValidationError::Field(_)
-            | ValidationError::Wire(_)
-            | ValidationError::BatchPath(_) => keel_atls::ValidationError::malformed(e),
-            ValidationError::UserData => keel_atls::ValidationError::KeyBindingMismatch,
-            ValidationError::Quote(QuoteError::QualifyingData) => {
-                keel_atls::ValidationError::NonceMismatch
-            }
-            other => keel_atls::ValidationError::rejected(other),
-        })
+        Validator::validate(self, document, nonce, user_data).map_err(Into::into)
     }
 
     fn residency_challenge(

@@ -212,8 +212,7 @@ impl keel_atls::Validator for PortValidator {
         match Validator::validate(&join, document, nonce, user_data) {
             Ok(verified) => return Ok(verified),
             Err(e) if refused_for_pcr15(&e) => {}
-            // Judged again through the trait for its aTLS error kind.
-            Err(_) => return keel_atls::Validator::validate(&*join, document, nonce, user_data),
+            Err(e) => return Err(e.into()),
         }
         let member = self
             .members
