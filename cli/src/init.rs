@@ -1,6 +1,7 @@
 //! `keel init`: create a cluster on its first node.
 
 use std::io::Write as _;
+use std::os::fd::AsRawFd as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -103,37 +104,90 @@ fn refuse_link(path: &Path) -> anyhow::Result<()> {
     }
 }
 
-/// Writes `data` to `path` atomically with `mode`: a new temporary file in
-/// the same directory ([`create_temporary`]) is written and synced, renamed
-/// over `path`, and the directory synced. A reader sees the old content or
-/// the new, never a part. `path` must not be a symbolic link (the rename
-/// would replace the link, not write through it, but a planted link means
-/// someone else can write in the workspace).
+/// Writes `data` to `path` atomically with `mode` ([`Reserved`]).
 fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Result<()> {
-    refuse_link(path)?;
-    let dir = parent_dir(path);
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} names no file", path.display()))?;
-    let (temp, mut file) = create_temporary(dir, name, "tmp").with_context(|| {
-        format!(
-            "creating a temporary file for {} in {}",
-            path.display(),
-            dir.display()
-        )
-    })?;
-    let written = (|| {
-        // Exactly `mode`, whatever the umask.
-        file.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        file.write_all(data)?;
-        file.sync_all()?;
-        std::fs::rename(&temp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&temp);
+    Reserved::new(path, mode, 0)?.commit(data)
+}
+
+/// A file's replacement, made ready before its content exists: a new
+/// temporary file in the same directory ([`create_temporary`]) with room
+/// allocated for it, so that writing the content later does not fail for
+/// want of space or of a writable directory. [`Reserved::commit`] writes
+/// and syncs it, renames it over the file and syncs the directory: a
+/// reader sees the old content or the new, never a part. Dropped without
+/// a commit, the temporary file is removed.
+struct Reserved {
+    path: PathBuf,
+    temp: PathBuf,
+    file: std::fs::File,
+    mode: u32,
+    committed: bool,
+}
+
+impl Reserved {
+    /// Reserves `room` bytes for `path`, which must not be a symbolic link
+    /// (the rename would replace the link, not write through it, but a
+    /// planted link means someone else can write in the workspace).
+    fn new(path: &Path, mode: u32, room: u64) -> anyhow::Result<Self> {
+        refuse_link(path)?;
+        let dir = parent_dir(path);
+        let name = path
+            .file_name()
+            .with_context(|| format!("{} names no file", path.display()))?;
+        let (temp, file) = create_temporary(dir, name, "tmp").with_context(|| {
+            format!(
+                "creating a temporary file for {} in {}",
+                path.display(),
+                dir.display()
+            )
+        })?;
+        let reserved = Self {
+            path: path.to_owned(),
+            temp,
+            file,
+            mode,
+            committed: false,
+        };
+        if let Ok(len) = i64::try_from(room) {
+            if len > 0 {
+                match nix::fcntl::posix_fallocate(reserved.file.as_raw_fd(), 0, len) {
+                    // Filesystems without allocation: the write may still
+                    // find room.
+                    Ok(()) | Err(nix::errno::Errno::EOPNOTSUPP | nix::errno::Errno::EINVAL) => {}
+                    Err(e) => {
+                        return Err(std::io::Error::from(e)).with_context(|| {
+                            format!("allocating {room} bytes for {}", path.display())
+                        })
+                    }
+                }
+            }
+        }
+        Ok(reserved)
     }
-    written.with_context(|| format!("writing {}", path.display()))
+
+    /// Writes `data` as the file's content (see [`Reserved`]).
+    fn commit(mut self, data: &[u8]) -> anyhow::Result<()> {
+        let written = (|| {
+            // Exactly `mode`, whatever the umask.
+            self.file
+                .set_permissions(std::fs::Permissions::from_mode(self.mode))?;
+            self.file.write_all(data)?;
+            self.file.set_len(data.len() as u64)?;
+            self.file.sync_all()?;
+            std::fs::rename(&self.temp, &self.path)?;
+            self.committed = true;
+            std::fs::File::open(parent_dir(&self.path))?.sync_all()
+        })();
+        written.with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.temp);
+        }
+    }
 }
 
 fn random32() -> Zeroizing<Vec<u8>> {
@@ -258,6 +312,13 @@ pub async fn run(
         Some(file) => (Some(file.components), file.signed.unwrap_or_default()),
         None => (None, Default::default()),
     };
+    // Where the result goes is ready, with room for it, before anything
+    // leaves this machine: once the node is initialised, its kubeconfig
+    // is never sent again.
+    let outputs = Outputs {
+        kubeconfig: Reserved::new(&workspace.join(KUBECONFIG_FILE), 0o600, KUBECONFIG_ROOM)?,
+        id: Reserved::new(&workspace.join(ID_FILE), 0o644, ID_ROOM)?,
+    };
     // The master secret is on disk before anything leaves this machine.
     let master_secret = random32();
     let master_salt = random32();
@@ -328,6 +389,7 @@ pub async fn run(
             &mut stream,
             &mut outcome,
             workspace,
+            outputs,
             &settings,
             skip_helm_wait,
         ),
@@ -353,6 +415,18 @@ pub async fn run(
     }
 }
 
+/// Room allocated for the kubeconfig before init (an admin kubeconfig is a
+/// few KiB; a larger one is still written, into what room the disk has).
+const KUBECONFIG_ROOM: u64 = 64 * 1024;
+/// Room allocated for the cluster ID file before init.
+const ID_ROOM: u64 = 4 * 1024;
+
+/// The files a successful init writes, reserved before it is sent.
+struct Outputs {
+    kubeconfig: Reserved,
+    id: Reserved,
+}
+
 /// What the node's init stream said so far.
 #[derive(Default)]
 struct Outcome {
@@ -374,11 +448,13 @@ impl Outcome {
 }
 
 /// Follows the node's init stream to its end: prints its lines, keeps its
-/// logs in `outcome`, writes the kubeconfig and cluster ID on success.
+/// logs in `outcome`, writes the kubeconfig and cluster ID to `outputs` on
+/// success.
 async fn follow(
     stream: &mut tonic::Streaming<keel_proto::init::InitResponse>,
     outcome: &mut Outcome,
     workspace: &Path,
+    outputs: Outputs,
     settings: &Settings,
     skip_helm_wait: bool,
 ) -> anyhow::Result<()> {
@@ -406,16 +482,22 @@ async fn follow(
             Some(Kind::LogLine(line)) => eprintln!("  node: {}", printable(&line)),
             Some(Kind::Success(success)) => {
                 let kubeconfig = workspace.join(KUBECONFIG_FILE);
-                write_atomic(&kubeconfig, &success.kubeconfig, 0o600)?;
                 let id = IdFile {
                     cluster_id: hex::encode(&success.cluster_id),
                     endpoint: settings.endpoint.clone(),
                 };
-                write_atomic(
-                    &workspace.join(ID_FILE),
-                    &serde_json::to_vec_pretty(&id)?,
-                    0o644,
-                )?;
+                // Each file is tried whatever became of the other.
+                let wrote_kubeconfig = outputs.kubeconfig.commit(&success.kubeconfig);
+                let wrote_id = serde_json::to_vec_pretty(&id)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|json| outputs.id.commit(&json));
+                if let Err(e) = wrote_kubeconfig.and(wrote_id) {
+                    bail!(
+                        "the cluster was created (cluster ID {}), but its result could not be \
+                         kept: {e:#}",
+                        id.cluster_id
+                    );
+                }
                 println!("cluster created");
                 println!("cluster ID: {}", id.cluster_id);
                 println!("kubeconfig: {}", kubeconfig.display());
@@ -534,5 +616,118 @@ fn image_signature(
             })?;
             Ok(signature)
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use std::os::unix::fs::MetadataExt as _;
+
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_reservation_holds_its_room_and_commits_exactly_the_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel-admin.conf");
+        let reserved = Reserved::new(&path, 0o600, KUBECONFIG_ROOM).unwrap();
+        let temp = std::fs::metadata(&reserved.temp).unwrap();
+        assert!(
+            temp.blocks() * 512 >= KUBECONFIG_ROOM,
+            "{} bytes allocated",
+            temp.blocks() * 512
+        );
+        assert!(!path.exists());
+
+        reserved.commit(b"apiVersion: v1\n").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"apiVersion: v1\n");
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        assert_eq!(names(dir.path()), ["keel-admin.conf"]);
+    }
+
+    #[test]
+    fn a_reservation_dropped_without_its_content_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel-id.json");
+        std::fs::write(&path, b"old").unwrap();
+        drop(Reserved::new(&path, 0o644, ID_ROOM).unwrap());
+        assert_eq!(names(dir.path()), ["keel-id.json"]);
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+    }
+
+    /// A filesystem of 1 MiB mounted for the test, unmounted when dropped.
+    struct SmallDisk(tempfile::TempDir);
+
+    impl SmallDisk {
+        /// `None` where this process may not mount (not root): said, and
+        /// the test returns.
+        fn mount() -> Option<Self> {
+            let dir = tempfile::tempdir().unwrap();
+            match nix::mount::mount(
+                Some("tmpfs"),
+                dir.path(),
+                Some("tmpfs"),
+                nix::mount::MsFlags::empty(),
+                Some("size=1m,mode=0700"),
+            ) {
+                Ok(()) => Some(Self(dir)),
+                Err(e) => {
+                    eprintln!("skipped: mounting a tmpfs needs CAP_SYS_ADMIN ({e})");
+                    None
+                }
+            }
+        }
+
+        /// Fills the filesystem with one file until no byte fits.
+        fn fill(&self) {
+            let mut f = std::fs::File::create(self.0.path().join("filler")).unwrap();
+            let chunk = [0u8; 4096];
+            loop {
+                if let Err(e) = f.write_all(&chunk) {
+                    assert_eq!(e.raw_os_error(), Some(nix::libc::ENOSPC), "{e}");
+                    break;
+                }
+            }
+            // What partial block is left, too.
+            while f.write_all(&[0]).is_ok() {}
+        }
+    }
+
+    impl Drop for SmallDisk {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(self.0.path(), nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+
+    /// The disk fills up while the node initialises: the kubeconfig, which
+    /// the node never sends again, still fits in the room reserved for it;
+    /// without the reservation the same write fails.
+    #[test]
+    fn a_disk_that_fills_during_init_still_takes_the_kubeconfig() {
+        let Some(disk) = SmallDisk::mount() else {
+            return;
+        };
+        let path = disk.0.path().join("keel-admin.conf");
+        let kubeconfig = vec![b'k'; 16 * 1024];
+        let reserved = Reserved::new(&path, 0o600, KUBECONFIG_ROOM).unwrap();
+        let unreserved = Reserved::new(&disk.0.path().join("other.conf"), 0o600, 0).unwrap();
+        disk.fill();
+
+        let refused = unreserved.commit(&kubeconfig).unwrap_err();
+        assert!(
+            format!("{refused:#}").contains("No space left"),
+            "{refused:#}"
+        );
+        reserved.commit(&kubeconfig).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), kubeconfig);
     }
 }
