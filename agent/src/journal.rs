@@ -11,8 +11,11 @@
 //! never to an older state of an entry.
 //!
 //! A crash can cut the last append short. [`Journal::open`] drops a last
-//! line that is incomplete or does not parse, and cuts it off the file; a
-//! bad line before the last is corruption, and an error. A failed append
+//! line that is incomplete or does not parse, and cuts it off the file,
+//! keeping its bytes in `<journal>.cut` (a whole line this agent cannot
+//! read may be a newer agent's record, written before the node went back
+//! to an older image); a bad line before the last is corruption, and an
+//! error. A failed append
 //! is cut off at once; if that fails too, no later append is written
 //! until the cut succeeds, so a good record never follows a partial line.
 //!
@@ -148,11 +151,22 @@ impl Journal {
             torn: false,
         };
         if good < journal.len {
-            tracing::warn!(
-                path = %path.display(),
-                dropped = journal.len - good,
-                "the journal's last record was cut short (a crash while appending): dropped"
-            );
+            let dropped = bytes.get(usize::try_from(good).unwrap_or(usize::MAX)..);
+            let aside = set_aside(path, dropped.unwrap_or_default(), limit);
+            match &aside {
+                Ok(aside) => tracing::warn!(
+                    path = %path.display(),
+                    dropped = journal.len - good,
+                    set_aside = %aside.display(),
+                    "the journal's last line does not parse (cut short by a crash while appending, or written by another version of the agent): cut off the journal, its bytes kept beside it"
+                ),
+                Err(e) => tracing::error!(
+                    path = %path.display(),
+                    dropped = journal.len - good,
+                    error = %e,
+                    "the journal's last line does not parse (cut short by a crash while appending, or written by another version of the agent): cut off the journal, and keeping its bytes beside it failed"
+                ),
+            }
             journal.cut(good)?;
         }
         Ok((journal, records))
@@ -281,6 +295,38 @@ impl Journal {
     }
 }
 
+/// Keeps `bytes`, a last line cut off the journal at `path`, at the end of
+/// `<path>.cut` (0600, synced): a record this agent cannot read may be one
+/// a newer agent wrote before the node went back to this image. The file is
+/// started afresh when it would grow past `limit`; returns its path.
+fn set_aside(path: &Path, bytes: &[u8], limit: u64) -> std::io::Result<PathBuf> {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".cut");
+    let aside = path.with_file_name(name);
+    let held = match std::fs::symlink_metadata(&aside) {
+        Ok(meta) => meta.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(e),
+    };
+    let mut options = OpenOptions::new();
+    options
+        .create(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW);
+    if held.saturating_add(bytes.len() as u64) > limit {
+        options.write(true).truncate(true);
+    } else {
+        options.append(true);
+    }
+    let mut file = options.open(&aside)?;
+    file.write_all(bytes)?;
+    file.sync_data()?;
+    if held == 0 {
+        File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()?;
+    }
+    Ok(aside)
+}
+
 fn io(what: &'static str, path: &Path, source: std::io::Error) -> JournalError {
     JournalError::Io {
         what,
@@ -352,6 +398,8 @@ pub(crate) fn append_cut_short(path: &Path, bytes: &[u8]) {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
     use super::*;
 
     #[test]
@@ -377,6 +425,38 @@ mod tests {
         assert_eq!(read::<u32>(&path, 1024).unwrap(), Vec::<u32>::new());
     }
 
+    /// A last line this agent cannot read (a newer agent's record, before
+    /// the node went back to this image) is cut off so the store loads,
+    /// and kept beside the journal: appended to what is kept already,
+    /// bounded by the journal's own limit.
+    #[test]
+    fn a_last_line_cut_off_is_kept_beside_the_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j");
+        let aside = dir.path().join("j.cut");
+        std::fs::write(&path, b"1\n{\"newer\":2}\n").unwrap();
+        let (mut j, records) = Journal::open::<u32>(&path, 64).unwrap();
+        assert_eq!(records, [1]);
+        assert_eq!(std::fs::read(&path).unwrap(), b"1\n");
+        assert_eq!(std::fs::read(&aside).unwrap(), b"{\"newer\":2}\n");
+        assert_eq!(
+            std::fs::metadata(&aside).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+
+        // A torn append later: kept after the first.
+        j.append(&[3u32]).unwrap();
+        drop(j);
+        append_cut_short(&path, b"4");
+        assert_eq!(Journal::open::<u32>(&path, 64).unwrap().1, [1, 3]);
+        assert_eq!(std::fs::read(&aside).unwrap(), b"{\"newer\":2}\n4");
+
+        // What would grow the kept bytes past the bound starts them afresh.
+        std::fs::write(&path, [b"1\n".as_slice(), &[b'x'; 60]].concat()).unwrap();
+        assert_eq!(Journal::open::<u32>(&path, 64).unwrap().1, [1]);
+        assert_eq!(std::fs::read(&aside).unwrap(), vec![b'x'; 60]);
+    }
+
     #[test]
     fn a_bad_line_before_the_last_and_an_oversized_journal_are_errors() {
         let dir = tempfile::tempdir().unwrap();
@@ -390,6 +470,7 @@ mod tests {
         std::fs::write(&path, b"1\n\0\0\0\n").unwrap();
         assert_eq!(Journal::open::<u32>(&path, 1024).unwrap().1, [1]);
         assert_eq!(std::fs::read(&path).unwrap(), b"1\n");
+        std::fs::remove_file(dir.path().join("j.cut")).unwrap();
         std::fs::write(&path, vec![b'\n'; 2000]).unwrap();
         assert!(matches!(
             read::<u32>(&path, 1024),
