@@ -5,6 +5,7 @@ use std::fs::{self, OpenOptions};
 use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::{Condvar, Mutex, PoisonError};
 
 /// Writing a file failed.
 #[derive(Debug, thiserror::Error)]
@@ -20,12 +21,15 @@ pub struct WriteFileError {
 /// Writes `data` to `path` atomically with mode 0600: a temporary file in
 /// the same directory (created 0600, written, synced), renamed over `path`,
 /// then the directory synced. Creates the directory (0700) if needed. A
-/// reader sees the old content or the new, never a part.
+/// reader sees the old content or the new, never a part. Writers of one
+/// path in this process take turns ([`Turn`]): the temporary file's name
+/// is the path's and the process's.
 pub fn write_private(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
     let fail = |source| WriteFileError {
         path: path.to_owned(),
         source,
     };
+    let _turn = Turn::take(path);
     let dir = parent_dir(path);
     fs::DirBuilder::new()
         .recursive(true)
@@ -55,6 +59,38 @@ pub fn write_private(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
         let _ = fs::remove_file(&temp);
     }
     written.map_err(fail)
+}
+
+/// The paths [`write_private`] is writing now, and the signal that one of
+/// them is done.
+static WRITING: (Mutex<Vec<PathBuf>>, Condvar) = (Mutex::new(Vec::new()), Condvar::new());
+
+/// One writer's turn at a path: while it is held, no other writer in this
+/// process removes or renames the path's temporary file.
+struct Turn<'a>(&'a Path);
+
+impl<'a> Turn<'a> {
+    /// Waits until no other writer holds `path`, then holds it.
+    fn take(path: &'a Path) -> Self {
+        let (writing, done) = &WRITING;
+        let mut paths = writing.lock().unwrap_or_else(PoisonError::into_inner);
+        while paths.iter().any(|p| p == path) {
+            paths = done.wait(paths).unwrap_or_else(PoisonError::into_inner);
+        }
+        paths.push(path.to_owned());
+        Self(path)
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let (writing, done) = &WRITING;
+        let mut paths = writing.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = paths.iter().position(|p| p == self.0) {
+            paths.swap_remove(i);
+        }
+        done.notify_all();
+    }
 }
 
 /// Removes the file at `path`, if there is one, and syncs its directory:
@@ -122,6 +158,34 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["key.pem"], "no temporary file left");
+    }
+
+    /// Writers of one path in one process (the join service's file from
+    /// its follower and an operator's change, say) share a temporary name:
+    /// they take turns, every write succeeds, and the file is always one
+    /// writer's whole content.
+    #[test]
+    fn concurrent_writers_of_one_path_all_succeed_and_never_mix() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("measurements.json");
+        std::thread::scope(|scope| {
+            for writer in 0..8u8 {
+                let path = &path;
+                scope.spawn(move || {
+                    for _ in 0..20 {
+                        write_private(path, &[b'a' + writer; 64 * 1024]).unwrap();
+                        let read = fs::read(path).unwrap();
+                        assert_eq!(read.len(), 64 * 1024);
+                        assert!(read.iter().all(|b| *b == read[0]));
+                    }
+                });
+            }
+        });
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["measurements.json"], "no temporary file left");
     }
 
     #[test]

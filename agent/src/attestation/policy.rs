@@ -73,7 +73,7 @@ pub fn staged_path(path: &Path) -> PathBuf {
 /// Writes the accepted sets for a [`ReloadableValidator`] of `path`: the
 /// current set to `path`, then the staged set to [`staged_path`] (removed
 /// when there is none). Each file is replaced atomically; writers in this
-/// process take turns (their temporary files share a name).
+/// process take turns over both, so the two files are one writer's pair.
 pub fn write_accepted(
     path: &Path,
     current: &Measurements,
