@@ -600,14 +600,15 @@ impl Registry {
         self.record_holding_drift(evidence, Duration::ZERO)
     }
 
-    /// [`Registry::record`], where a drift stands for at least `hold`: a
-    /// trusted check within `hold` of the drift leaves the node drifted, so
-    /// the `revoke` policy judges every drift, also one the node reset its
-    /// TPM (and rejoined) to leave behind.
+    /// [`Registry::record`], where a drift stands for at least `stands`
+    /// (`EvidenceConfig::drift_stands`, longer than the policy's hold by
+    /// two sweeps): a trusted check within `stands` of the drift leaves the
+    /// node drifted, so the `revoke` policy judges every drift, also one
+    /// the node reset its TPM (and rejoined) to leave behind.
     pub fn record_holding_drift(
         &mut self,
         evidence: &Evidence,
-        hold: Duration,
+        stands: Duration,
     ) -> Result<Option<Verdict>, RegistryError> {
         let previous = self.nodes.get(&evidence.ek.to_string()).map(|r| r.verdict);
         let disk = evidence
@@ -622,7 +623,7 @@ impl Registry {
             record.kubernetes_version = cut(&evidence.kubernetes_version, MAX_FIELD);
             record.measurements = cut(&evidence.measurements, MAX_FIELD);
             let drift_stands = record.verdict == Verdict::Drifted
-                && at.saturating_sub(record.verdict_at) < hold.as_secs();
+                && at.saturating_sub(record.verdict_at) < stands.as_secs();
             let verdict = match &evidence.failure {
                 None if drift_stands => Verdict::Drifted,
                 None => {
@@ -760,6 +761,16 @@ impl Registry {
     /// this one lacks) replaces this one's, unless it is dated more than
     /// [`MAX_CLOCK_SKEW`] ahead of this clock.
     pub fn merge(&mut self, other: Self) -> Merged {
+        self.merge_holding_drift(other, Duration::ZERO)
+    }
+
+    /// [`Registry::merge`], where a drift here stands for at least
+    /// `stands` (as in [`Registry::record_holding_drift`]): a peer's newer
+    /// record that is not a drift does not replace it, so a node that
+    /// drifted before one control plane and then, after a TPM reset, sent
+    /// trusted evidence to another is still judged here.
+    pub fn merge_holding_drift(&mut self, other: Self, stands: Duration) -> Merged {
+        let at = now();
         let mut merged = Merged::default();
         let mut covered = Covered::of(&self.revoked);
         for revocation in other.revoked {
@@ -788,7 +799,12 @@ impl Registry {
                 continue;
             }
             let newer = match self.nodes.get(&key) {
-                Some(ours) => theirs.last_evidence_at > ours.last_evidence_at,
+                Some(ours) => {
+                    let drift_stands = ours.verdict == Verdict::Drifted
+                        && theirs.verdict != Verdict::Drifted
+                        && at.saturating_sub(ours.verdict_at) < stands.as_secs();
+                    theirs.last_evidence_at > ours.last_evidence_at && !drift_stands
+                }
                 None => self.nodes.len() < MAX_NODES,
             };
             if newer && key == theirs.ek {
@@ -1163,7 +1179,16 @@ impl RegistryStore {
     /// new; [`RegistryError::RevocationsFull`] (once what fits is written)
     /// if some did not fit.
     pub fn merge(&self, theirs: Registry) -> Result<usize, RegistryError> {
-        let merged = self.lock().merge(theirs);
+        self.merge_holding_drift(theirs, Duration::ZERO)
+    }
+
+    /// [`RegistryStore::merge`] with [`Registry::merge_holding_drift`].
+    fn merge_holding_drift(
+        &self,
+        theirs: Registry,
+        stands: Duration,
+    ) -> Result<usize, RegistryError> {
+        let merged = self.lock().merge_holding_drift(theirs, stands);
         if merged.dropped > 0 {
             tracing::error!(
                 added = merged.added,
@@ -1185,9 +1210,15 @@ impl RegistryStore {
 
     /// [`RegistryStore::merge`] of the registry another control plane
     /// serves now, noting when ([`RegistryStore::merged_at`]): its node
-    /// records are a current view of the nodes it hears.
-    pub fn merge_from_peer(&self, theirs: Registry) -> Result<usize, RegistryError> {
-        let merged = self.merge(theirs);
+    /// records are a current view of the nodes it hears. A drift here
+    /// stands against the peer's records for `drift_stands`
+    /// ([`Registry::merge_holding_drift`]).
+    pub fn merge_from_peer(
+        &self,
+        theirs: Registry,
+        drift_stands: Duration,
+    ) -> Result<usize, RegistryError> {
+        let merged = self.merge_holding_drift(theirs, drift_stands);
         *self
             .merged_at
             .lock()
@@ -1609,6 +1640,58 @@ mod tests {
         assert_eq!(r.merge(peer).taken, 1);
         assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
         assert!(r.nodes[&key].verdict_at + 5 >= now());
+    }
+
+    /// Sweeps run every interval, so the first to find a drift's hold over
+    /// comes up to an interval after it: trusted evidence that arrives
+    /// before that sweep (a TPM reset and a rejoin timed for the gap)
+    /// leaves the node drifted, for the sweep to judge.
+    #[test]
+    fn a_drift_still_stands_when_the_first_sweep_after_its_hold_comes() {
+        let config = keel_verifier::config::EvidenceConfig {
+            interval_seconds: 60,
+            policy: keel_verifier::config::EvidencePolicy::Revoke,
+        };
+        let latest_sweep = config.drift_hold() + config.interval();
+        let key = ek(1).to_string();
+        let mut r = Registry::default();
+        r.record(&evidence(1, Some("PCR 13"))).unwrap();
+        r.nodes.get_mut(&key).unwrap().verdict_at = now() - latest_sweep.as_secs() - 5;
+        r.record_holding_drift(&evidence(1, None), config.drift_stands())
+            .unwrap();
+        assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
+    }
+
+    /// A node drifts before this control plane, resets its TPM and sends
+    /// trusted evidence to another: the peer's newer trusted record does
+    /// not replace the drift while it stands here, and does after.
+    #[test]
+    fn a_peers_trusted_record_does_not_replace_a_drift_that_stands() {
+        let stands = Duration::from_secs(90 * 3 / 2 + 2 * 90);
+        let key = ek(1).to_string();
+        let mut r = Registry::default();
+        r.record(&evidence(1, Some("PCR 13"))).unwrap();
+        let trusted_elsewhere = || {
+            let mut peer = Registry::default();
+            peer.record(&evidence(1, None)).unwrap();
+            peer.nodes.get_mut(&key).unwrap().last_evidence_at = Some(now() + 2);
+            peer
+        };
+        assert_eq!(r.merge_holding_drift(trusted_elsewhere(), stands).taken, 0);
+        assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
+        assert_eq!(r.nodes[&key].reason.as_deref(), Some("PCR 13"));
+
+        // A peer's drift of the node is still taken (the newer reason).
+        let mut peer = Registry::default();
+        peer.record(&evidence(1, Some("PCR 4"))).unwrap();
+        peer.nodes.get_mut(&key).unwrap().last_evidence_at = Some(now() + 1);
+        assert_eq!(r.merge_holding_drift(peer, stands).taken, 1);
+        assert_eq!(r.nodes[&key].reason.as_deref(), Some("PCR 4"));
+
+        // Once the drift no longer stands, the peer's newer record wins.
+        r.nodes.get_mut(&key).unwrap().verdict_at = now() - stands.as_secs();
+        assert_eq!(r.merge_holding_drift(trusted_elsewhere(), stands).taken, 1);
+        assert_eq!(r.nodes[&key].verdict, Verdict::Trusted);
     }
 
     /// The verdict's time is when it changed: a node drifted for an

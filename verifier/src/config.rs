@@ -176,6 +176,21 @@ impl EvidenceConfig {
                 .clamp(1, MAX_EVIDENCE_INTERVAL_SECONDS),
         ))
     }
+
+    /// How long a drift holds before the `revoke` policy acts on it: an
+    /// interval and a half, so that every member has reported under the
+    /// same conditions by then.
+    pub fn drift_hold(&self) -> std::time::Duration {
+        self.interval() * 3 / 2
+    }
+
+    /// How long a drift stands against trusted evidence, a control
+    /// plane's own or a peer's record: its hold and two intervals more, so
+    /// that the sweep (every interval) that first finds the hold over
+    /// finds the drift still standing, even a tick late.
+    pub fn drift_stands(&self) -> std::time::Duration {
+        self.drift_hold() + self.interval() * 2
+    }
 }
 
 fn default_init_port() -> u16 {

@@ -355,11 +355,11 @@ impl EvidenceService {
             measurements,
             failure,
         };
-        let drift_hold = self.drift_hold();
+        let drift_stands = self.inner.config.drift_stands();
         let (previous, record) = self
             .store(move |s| {
                 s.update(|r| {
-                    let previous = r.record_holding_drift(&evidence, drift_hold)?;
+                    let previous = r.record_holding_drift(&evidence, drift_stands)?;
                     let record = r.nodes().get(&evidence.ek.to_string()).cloned();
                     Ok((previous, record))
                 })
@@ -427,11 +427,10 @@ impl EvidenceService {
         }
     }
 
-    /// How long a drift stands before the `revoke` policy acts on it, and
-    /// before trusted evidence clears it: an interval and a half, so that
-    /// every member has reported under the same conditions by then.
+    /// How long a drift holds before the `revoke` policy acts on it
+    /// ([`EvidenceConfig::drift_hold`]).
     fn drift_hold(&self) -> Duration {
-        self.inner.config.interval() * 3 / 2
+        self.inner.config.drift_hold()
     }
 
     /// Revokes the node of `record` by policy (with its disk only if bound
