@@ -401,8 +401,9 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     let elsewhere = tempfile::tempdir().unwrap();
     let other_cp = RegistryStore::shared(elsewhere.path()).unwrap();
     let mut s = c.session(&c.cp1).await;
-    assert_eq!(s.merge_registry(&other_cp).await.unwrap(), 1);
-    assert_eq!(s.merge_registry(&other_cp).await.unwrap(), 0);
+    let stands = Duration::from_secs(60);
+    assert_eq!(s.merge_registry(&other_cp, stands).await.unwrap(), 1);
+    assert_eq!(s.merge_registry(&other_cp, stands).await.unwrap(), 0);
     assert_eq!(other_cp.snapshot().revoked()[0].ek, revoked.ek);
     // The revoked worker reboots: no rejoin ticket, so no disk key.
     let endpoint = c.endpoint();
@@ -797,4 +798,30 @@ async fn a_worker_serving_a_control_planes_port_gets_no_registry_merged() {
     }
     // The same client trusts cp-1.
     c.session(&c.cp1).await;
+}
+
+/// A node upgraded while its evidence session lasts reports (and binds
+/// into its quote) the version it now runs, not the one it connected with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_round_reports_the_version_the_node_runs_now() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let mut s = c.session(&c.worker).await;
+    let nonce = s.next_nonce().await.unwrap();
+    let before = s.evidence(nonce).await.unwrap();
+
+    let mut record = keel_agent::upgrade::NodeVersion::load(&c.worker.root)
+        .unwrap()
+        .expect("a joined node has a version record");
+    let upgraded = "v1.99.0";
+    assert_ne!(before.kubernetes_version, upgraded);
+    record.version = upgraded.parse().unwrap();
+    record.save(&c.worker.root).unwrap();
+
+    let nonce = s.next_nonce().await.unwrap();
+    let after = s.evidence(nonce).await.unwrap();
+    assert_eq!(after.kubernetes_version, upgraded);
+    s.client().submit(after).await.unwrap();
+    let registry = c.registry().snapshot();
+    let record = Cluster::worker_record(&registry).unwrap();
+    assert_eq!(record.kubernetes_version, upgraded);
 }

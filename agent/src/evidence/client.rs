@@ -65,7 +65,8 @@ pub struct EvidenceClient {
     root: PathBuf,
     disk_uuid: String,
     retry: Duration,
-    registry: Option<Arc<RegistryStore>>,
+    /// On a control plane: its registry, and how long a drift there stands.
+    registry: Option<(Arc<RegistryStore>, Duration)>,
 }
 
 /// One connection to a control plane's evidence service.
@@ -75,7 +76,8 @@ pub struct Session {
     server_ek: keel_verifier::ek::EkDigest,
     tpm: SharedTpm,
     disk_uuid: String,
-    kubernetes_version: String,
+    /// The node root, where each round reads the node's version record.
+    root: PathBuf,
 }
 
 impl EvidenceClient {
@@ -104,8 +106,10 @@ impl EvidenceClient {
 
     /// The same client on a control plane: after each round it merges the
     /// other control plane's registry into `registry`.
-    pub fn merging_into(mut self, registry: Arc<RegistryStore>) -> Self {
-        self.registry = Some(registry);
+    /// A drift there stands against the other's records for
+    /// `drift_stands` (`EvidenceConfig::drift_stands`).
+    pub fn merging_into(mut self, registry: Arc<RegistryStore>, drift_stands: Duration) -> Self {
+        self.registry = Some((registry, drift_stands));
         self
     }
 
@@ -134,7 +138,7 @@ impl EvidenceClient {
                 .max_decoding_message_size(MAX_REGISTRY_BYTES + 1024),
             tpm: self.tpm.clone(),
             disk_uuid: self.disk_uuid.clone(),
-            kubernetes_version: reported_kubernetes_version(&self.root),
+            root: self.root.clone(),
         })
     }
 
@@ -159,12 +163,12 @@ impl EvidenceClient {
                             break;
                         }
                     }
-                    if let Some(registry) = self
+                    if let Some((registry, drift_stands)) = self
                         .registry
                         .as_ref()
                         .filter(|_| Some(session.server_ek) != own_ek)
                     {
-                        if let Err(e) = session.merge_registry(registry).await {
+                        if let Err(e) = session.merge_registry(registry, *drift_stands).await {
                             tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "registry exchange failed");
                         }
                     }
@@ -190,7 +194,9 @@ impl Session {
         nonce: Vec<u8>,
     ) -> Result<SubmitEvidenceRequest, EvidenceClientError> {
         let issuer = TpmIssuer::new(self.tpm.clone());
-        let data = user_data(&self.disk_uuid, &self.kubernetes_version);
+        // Read each round: an upgrade changes it while a session lasts.
+        let kubernetes_version = reported_kubernetes_version(&self.root);
+        let data = user_data(&self.disk_uuid, &kubernetes_version);
         let quoted = nonce.clone();
         let document = tokio::task::spawn_blocking(move || issuer.issue(&quoted, &data))
             .await
@@ -200,7 +206,7 @@ impl Session {
             nonce,
             document,
             disk_uuid: self.disk_uuid.clone(),
-            kubernetes_version: self.kubernetes_version.clone(),
+            kubernetes_version,
         })
     }
 
@@ -223,20 +229,28 @@ impl Session {
             .verdict)
     }
 
-    /// Pulls the control plane's registry and merges it into `registry`.
+    /// Pulls the control plane's registry and merges it into `registry`,
+    /// where a drift stands against its records for `drift_stands`.
     pub async fn merge_registry(
         &mut self,
-        registry: &RegistryStore,
+        registry: &Arc<RegistryStore>,
+        drift_stands: Duration,
     ) -> Result<usize, EvidenceClientError> {
         let call = self.client.registry(RegistryRequest {});
         let bytes = answer_within(CALL_TIMEOUT, call)
             .await
             .map_err(EvidenceClientError::Refused)?
             .registry;
-        let theirs = Registry::parse(&bytes).map_err(EvidenceClientError::Registry)?;
-        let added = registry
-            .merge_from_peer(theirs)
-            .map_err(EvidenceClientError::Registry)?;
+        // Parsing up to the registry bound, the registry's lock and the
+        // write after the merge block: not on a worker of the runtime.
+        let registry = registry.clone();
+        let added = tokio::task::spawn_blocking(move || {
+            let theirs = Registry::parse(&bytes)?;
+            registry.merge_from_peer(theirs, drift_stands)
+        })
+        .await
+        .map_err(|_| EvidenceClientError::Task)?
+        .map_err(EvidenceClientError::Registry)?;
         if added > 0 {
             tracing::info!(added, "revocations taken from another control plane");
         }
@@ -280,7 +294,10 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
         while slot.borrow_and_update().is_none() {
             slot.changed().await?;
         }
-        client = client.merging_into(RegistryStore::shared(node.env.root())?);
+        client = client.merging_into(
+            RegistryStore::shared(node.env.root())?,
+            node.config.cluster.evidence.drift_stands(),
+        );
     }
     tracing::info!(
         endpoints = endpoints.len(),
