@@ -96,6 +96,17 @@ const EK_TEMPLATE_PREFIX: [u8; 58] = [
     0x01, 0x00, // unique: 256 bytes
 ];
 
+/// The certificate at the start of `nv` (an EK certificate index's
+/// contents), without what follows it: some TPMs pad the index past the
+/// certificate, and a verifier takes exactly one certificate
+/// ([`EkTrust::verify`]). `nv` as it is if it does not start with one.
+pub fn certificate_in(nv: &[u8]) -> &[u8] {
+    match X509Certificate::from_der(nv) {
+        Ok((rest, _)) => &nv[..nv.len() - rest.len()],
+        Err(_) => nv,
+    }
+}
+
 /// Requires a document's marshalled EK public area to be the RSA-2048 EK
 /// template ([`EK_TEMPLATE_PREFIX`]) with a 256-byte modulus. The EK
 /// certificate certifies only the modulus, and an EK's identity
@@ -232,7 +243,12 @@ impl EkTrust {
     /// The whole check of [`EkTrust::verify`]; returns the window in which
     /// the certificate and the CA that issued it are both valid.
     fn check(&self, cert_der: &[u8], ek: &Public) -> Result<(i64, i64), EkError> {
-        let (_, cert) = X509Certificate::from_der(cert_der).map_err(|_| EkError::Parse)?;
+        // Exactly one certificate: bytes after it would make another
+        // cache key for the same certificate, each checked afresh.
+        let (rest, cert) = X509Certificate::from_der(cert_der).map_err(|_| EkError::Parse)?;
+        if !rest.is_empty() {
+            return Err(EkError::Parse);
+        }
         let mut refusal: Option<EkError> = None;
         let mut issuer_window = None;
         for ca in self
@@ -560,6 +576,18 @@ mod tests {
             trust(&[&ca]).verify(&cert, &FakeEk::new(2).public()),
             Err(EkError::KeyMismatch)
         );
+        // ... and only as exactly itself: with bytes after it, each length
+        // would be another entry of the accepted set, checked afresh. A
+        // node sends what its TPM's index holds up to the certificate's end.
+        let padded = [cert.as_slice(), &[0xff; 7]].concat();
+        assert_eq!(
+            trust(&[&ca]).verify(&padded, &ek.public()),
+            Err(EkError::Parse)
+        );
+        assert_eq!(certificate_in(&padded), cert.as_slice());
+        trust(&[&ca])
+            .verify(certificate_in(&padded), &ek.public())
+            .unwrap();
     }
 
     #[test]

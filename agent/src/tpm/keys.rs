@@ -92,11 +92,13 @@ impl Tpm {
             what: "EK public",
             source,
         })?;
+        // The certificate alone, without any padding of its index.
         let certificate = ek::retrieve_ek_pubcert(
             &mut self.ctx,
             AsymmetricAlgorithmSelection::Rsa(RsaKeyBits::Rsa2048),
         )
-        .ok();
+        .ok()
+        .map(|nv| keel_verifier::ek::certificate_in(&nv).to_vec());
         let endorsement = Endorsement {
             public,
             certificate,
