@@ -895,6 +895,8 @@ fn cpu_trust_bounds_evidence_before_parsing_and_requires_it() {
         "{err:?}"
     );
     // Without the certificate, the cache must supply it; none is configured.
+    // A report copied from another node is refused on its binding before
+    // any of that is looked for; the vendor's verification alone needs it.
     let no_cert = Evidence {
         certificate: Vec::new(),
         ..real
@@ -902,6 +904,11 @@ fn cpu_trust_bounds_evidence_before_parsing_and_requires_it() {
     let err = trust
         .verify(Some(&no_cert), b"ak", b"nonce", SNP_TIME)
         .unwrap_err();
+    assert!(
+        matches!(err, CpuError::Binding(BindingError::ReportData { .. })),
+        "{err:?}"
+    );
+    let err = trust.vendor_claims(&no_cert, SNP_TIME).unwrap_err();
     assert!(matches!(err, CpuError::Collateral(_)), "{err:?}");
     // The vtpm variant ignores CPU evidence.
     assert!(CpuTrust::default()
@@ -912,7 +919,7 @@ fn cpu_trust_bounds_evidence_before_parsing_and_requires_it() {
 
 #[test]
 fn the_collateral_cache_supplies_a_vcek_and_tdx_collateral_by_fmspc() {
-    use keel_verifier::cpu::{Collateral, CpuError, CpuPolicy, CpuTrust, Evidence};
+    use keel_verifier::cpu::{Collateral, CpuClaims, CpuError, CpuPolicy, CpuTrust, Evidence};
     let cache = tempfile::tempdir().unwrap();
     let v = &snp_vectors()[0];
     std::fs::create_dir_all(cache.path().join("snp")).unwrap();
@@ -931,11 +938,11 @@ fn the_collateral_cache_supplies_a_vcek_and_tdx_collateral_by_fmspc() {
         report: v.report.clone(),
         certificate: Vec::new(),
     };
-    // The VCEK came from the cache: the report verifies, only the binding fails.
-    let err = trust
-        .verify(Some(&evidence), b"ak", b"nonce", SNP_TIME)
-        .unwrap_err();
-    assert!(matches!(err, CpuError::Binding(_)), "{err:?}");
+    // The VCEK came from the cache: the report verifies.
+    assert!(matches!(
+        trust.vendor_claims(&evidence, SNP_TIME).unwrap(),
+        Some(CpuClaims::Snp(_))
+    ));
 
     let t = &tdx_vectors()[0];
     std::fs::create_dir_all(cache.path().join("tdx")).unwrap();
@@ -953,6 +960,13 @@ fn the_collateral_cache_supplies_a_vcek_and_tdx_collateral_by_fmspc() {
         report: data(t.quote),
         certificate: Vec::new(),
     };
+    assert!(matches!(
+        trust.vendor_claims(&evidence, t.now).unwrap(),
+        Some(CpuClaims::Tdx(_))
+    ));
+    // A quote copied from another node is refused on its binding, before
+    // its collateral is read.
+    std::fs::remove_file(cache.path().join("tdx/B0C06F000000.json")).unwrap();
     let err = trust
         .verify(Some(&evidence), b"ak", b"nonce", t.now)
         .unwrap_err();
@@ -963,9 +977,7 @@ fn the_collateral_cache_supplies_a_vcek_and_tdx_collateral_by_fmspc() {
         vec![b' '; 300 * 1024],
     )
     .unwrap();
-    let err = trust
-        .verify(Some(&evidence), b"ak", b"nonce", t.now)
-        .unwrap_err();
+    let err = trust.vendor_claims(&evidence, t.now).unwrap_err();
     assert!(
         matches!(err, CpuError::Collateral(CollateralError::TooLarge { .. })),
         "{err:?}"

@@ -145,6 +145,11 @@ impl CpuTrust {
     /// Verifies `evidence` at `now` (seconds since the Unix epoch) and that
     /// it binds `ak_public` and `nonce`. `None` for the `vtpm` variant,
     /// which ignores CPU evidence.
+    ///
+    /// The binding the evidence claims is checked first: a report copied
+    /// from another node is refused for one hash, before the vendor's
+    /// chain, its revocation list and its collateral cost anything. It is
+    /// checked again on the verified claims.
     pub fn verify(
         &self,
         evidence: Option<&Evidence>,
@@ -163,7 +168,44 @@ impl CpuTrust {
             evidence.certificate.len(),
             MAX_CERTIFICATE_BYTES,
         )?;
-        let claims = match &self.policy {
+        if let Some(claimed) = self.claimed_report_data(evidence)? {
+            evidence
+                .binding
+                .check(&evidence.report, &claimed, ak_public, nonce)?;
+        }
+        let Some(claims) = self.vendor_claims(evidence, now)? else {
+            return Ok(None);
+        };
+        evidence
+            .binding
+            .check(&evidence.report, claims.report_data(), ak_public, nonce)?;
+        Ok(Some(claims))
+    }
+
+    /// The report data `evidence` claims, before any of it is verified;
+    /// `None` where it cannot be read (the verification refuses it).
+    fn claimed_report_data(&self, evidence: &Evidence) -> Result<Option<[u8; 64]>, CpuError> {
+        Ok(match &self.policy {
+            CpuPolicy::Vtpm => None,
+            CpuPolicy::SevSnp(_) => {
+                let report = evidence.binding.snp_report(&evidence.report)?;
+                Some(snp::parse(report)?.report_data)
+            }
+            CpuPolicy::Tdx(_) => tdx::claimed_report_data(&evidence.report),
+        })
+    }
+
+    /// The vendor's verification of `evidence` at `now` alone (its chain,
+    /// revocation list, collateral and this policy), without its binding
+    /// to a TPM key: what [`CpuTrust::verify`] does between the binding's
+    /// two checks. `None` for the `vtpm` variant.
+    pub fn vendor_claims(
+        &self,
+        evidence: &Evidence,
+        now: u64,
+    ) -> Result<Option<CpuClaims>, CpuError> {
+        let variant = self.variant();
+        Ok(Some(match &self.policy {
             CpuPolicy::Vtpm => return Ok(None),
             CpuPolicy::SevSnp(policy) => {
                 let report = evidence.binding.snp_report(&evidence.report)?;
@@ -198,11 +240,7 @@ impl CpuTrust {
                     now,
                 )?)
             }
-        };
-        evidence
-            .binding
-            .check(&evidence.report, claims.report_data(), ak_public, nonce)?;
-        Ok(Some(claims))
+        }))
     }
 }
 

@@ -109,6 +109,17 @@ impl IntelRoot {
     }
 }
 
+/// The report data a TD quote claims, before any of it is verified: for a
+/// refusal that costs less than the verification. `None` if `quote` is not
+/// a TD 1.0 quote.
+pub fn claimed_report_data(quote: &[u8]) -> Option<[u8; 64]> {
+    if quote.len() > MAX_QUOTE_BYTES {
+        return None;
+    }
+    let parsed = dcap_qvl::quote::Quote::parse(quote).ok()?;
+    parsed.report.as_td10().map(|td| td.report_data)
+}
+
 /// Verifies `quote` with `collateral` at `now` against `root` and `policy`.
 pub fn verify(
     quote: &[u8],
