@@ -380,6 +380,8 @@ pub(crate) struct IssuerGate {
     per_source: usize,
     total: Arc<Semaphore>,
     sources: Mutex<HashMap<Source, Arc<Semaphore>>>,
+    /// How often key residency challenges are answered.
+    answers: crate::rate::AnswerRate,
 }
 
 impl std::fmt::Debug for IssuerGate {
@@ -397,7 +399,14 @@ impl IssuerGate {
             per_source: per_source.max(1),
             total: Arc::new(Semaphore::new(total.max(1))),
             sources: Mutex::default(),
+            answers: crate::rate::AnswerRate::new(),
         }
+    }
+
+    /// Whether a key residency challenge from `source` may be answered now
+    /// ([`crate::rate`]); counts it if so.
+    pub(crate) fn may_answer(&self, source: Source) -> bool {
+        self.answers.allow(source)
     }
 
     /// Waits for a turn at the issuer for a handshake from `source`. Fails

@@ -29,6 +29,7 @@ pub mod danger;
 mod incoming;
 pub mod nonce;
 mod present;
+mod rate;
 mod residency;
 mod server;
 mod stream;

@@ -108,6 +108,10 @@ pub enum ResidencyError {
     /// The queue for the issuer was closed (never expected).
     #[error("the issuer queue is closed")]
     IssuerGateClosed,
+    /// This side's TPM answered as many challenges as it does for a while
+    /// (from the peer's address, or from all).
+    #[error("too many key residency challenges answered lately; try again later")]
+    AnswerRate,
     /// The blocking task that answers the challenge did not finish.
     #[error("the key residency answer task failed")]
     Task(#[source] tokio::task::JoinError),
@@ -228,11 +232,16 @@ where
 /// Runs the issuer's answer on a blocking thread (it may talk to a TPM).
 async fn answer(prover: Prover, challenge: Vec<u8>) -> Result<ResidencySecret, ResidencyError> {
     let turn = match &prover.gate {
-        Some((gate, source)) => Some(
-            gate.enter(*source)
-                .await
-                .map_err(|_| ResidencyError::IssuerGateClosed)?,
-        ),
+        Some((gate, source)) => {
+            if !gate.may_answer(*source) {
+                return Err(ResidencyError::AnswerRate);
+            }
+            Some(
+                gate.enter(*source)
+                    .await
+                    .map_err(|_| ResidencyError::IssuerGateClosed)?,
+            )
+        }
         None => None,
     };
     let issuer = prover.issuer;

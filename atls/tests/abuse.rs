@@ -459,3 +459,44 @@ async fn open_connections_are_bounded_per_source_and_in_total() {
     }
     assert!(reopened.is_some(), "no slot after a connection closed");
 }
+
+/// Attacker's move: connect again and again, each time with a fresh
+/// key residency challenge, so that the server's TPM decrypts with its EK
+/// for every handshake (and quotes wait behind it). Answers are bounded in
+/// rate per source (a burst of 128, then four a second) and in total: past
+/// the burst the server sends no proof and the handshake fails, while a
+/// client from another address is still answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn residency_answers_are_bounded_in_rate_per_source() {
+    let issuer = TestIssuer::generate();
+    let server = TestServer::start(server_attested(dyn_issuer(&issuer))).await;
+    let port = server.addr.port();
+    let mut answered = 0;
+    let mut refused = 0;
+    for _ in 0..136 {
+        // A fresh verifier each time: it has seen no key proven.
+        let client = AtlsClient::server_attested(dyn_validator(issuer.validator()))
+            .with_local_address(source(7).into());
+        match client.connect("127.0.0.1", port).await {
+            Ok(_) => answered += 1,
+            Err(e) => {
+                assert!(
+                    format!("{}", keel_atls::ErrorChain(&e)).contains("did not answer"),
+                    "{}",
+                    keel_atls::ErrorChain(&e)
+                );
+                refused += 1;
+            }
+        }
+    }
+    // A handshake takes under 250 ms here: at most a few more than the
+    // burst are answered as the source's tokens come back.
+    assert!((128..=131).contains(&answered), "{answered} answered");
+    assert_eq!(answered + refused, 136);
+    assert_eq!(issuer.answered_count(), answered);
+
+    let other = AtlsClient::server_attested(dyn_validator(issuer.validator()))
+        .with_local_address(source(8).into());
+    other.connect("127.0.0.1", port).await.unwrap();
+    assert_eq!(issuer.answered_count(), answered + 1);
+}
