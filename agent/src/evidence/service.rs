@@ -582,12 +582,14 @@ impl EvidenceService {
         }
     }
 
-    /// The registry, for a peer that is a control plane of this cluster.
-    pub fn registry_for(&self, peer: &Verified) -> Result<Vec<u8>, EvidenceError> {
+    /// The registry, for a peer that is a control plane of this cluster;
+    /// copied and encoded (up to the registry's bound) on a blocking
+    /// thread.
+    pub async fn registry_for(&self, peer: &Verified) -> Result<Vec<u8>, EvidenceError> {
         self.admit(peer)?;
         keel_verifier::validator::check_control_plane(peer)
             .map_err(|_| EvidenceError::NotControlPlane)?;
-        Ok(self.inner.registry.snapshot().to_json())
+        self.store(|s| Ok(s.snapshot().to_json())).await
     }
 
     /// Runs `op` on the registry store on a blocking thread (it writes
@@ -694,6 +696,7 @@ impl evidence_service_server::EvidenceService for EvidenceService {
         let peer = peer_claims(&request).map_err(|e| refused("registry request", &e))?;
         let registry = self
             .registry_for(peer.claims())
+            .await
             .map_err(|e| refused("registry request", &e))?;
         Ok(tonic::Response::new(RegistryResponse { registry }))
     }
