@@ -98,8 +98,7 @@ const EK_TEMPLATE_PREFIX: [u8; 58] = [
 
 /// The certificate at the start of `nv` (an EK certificate index's
 /// contents), without what follows it: some TPMs pad the index past the
-/// certificate, and a verifier takes exactly one certificate
-/// ([`EkTrust::verify`]). `nv` as it is if it does not start with one.
+/// certificate. `nv` as it is if it does not start with one.
 pub fn certificate_in(nv: &[u8]) -> &[u8] {
     match X509Certificate::from_der(nv) {
         Ok((rest, _)) => &nv[..nv.len() - rest.len()],
@@ -228,6 +227,10 @@ impl EkTrust {
         if cert_der.is_empty() {
             return Err(EkError::NoCertificate);
         }
+        // The certificate alone: a TPM's index may pad it (and agents
+        // before 2026-11-29 send the index as it is), and padding must not
+        // make another entry of the accepted set.
+        let cert_der = certificate_in(cert_der);
         let PublicKey::Rsa { modulus, .. } = &ek.key else {
             return Err(EkError::KeyMismatch);
         };
@@ -243,12 +246,7 @@ impl EkTrust {
     /// The whole check of [`EkTrust::verify`]; returns the window in which
     /// the certificate and the CA that issued it are both valid.
     fn check(&self, cert_der: &[u8], ek: &Public) -> Result<(i64, i64), EkError> {
-        // Exactly one certificate: bytes after it would make another
-        // cache key for the same certificate, each checked afresh.
-        let (rest, cert) = X509Certificate::from_der(cert_der).map_err(|_| EkError::Parse)?;
-        if !rest.is_empty() {
-            return Err(EkError::Parse);
-        }
+        let (_, cert) = X509Certificate::from_der(cert_der).map_err(|_| EkError::Parse)?;
         let mut refusal: Option<EkError> = None;
         let mut issuer_window = None;
         for ca in self
@@ -576,18 +574,15 @@ mod tests {
             trust(&[&ca]).verify(&cert, &FakeEk::new(2).public()),
             Err(EkError::KeyMismatch)
         );
-        // ... and only as exactly itself: with bytes after it, each length
-        // would be another entry of the accepted set, checked afresh. A
-        // node sends what its TPM's index holds up to the certificate's end.
-        let padded = [cert.as_slice(), &[0xff; 7]].concat();
-        assert_eq!(
-            trust(&[&ca]).verify(&padded, &ek.public()),
-            Err(EkError::Parse)
-        );
-        assert_eq!(certificate_in(&padded), cert.as_slice());
-        trust(&[&ca])
-            .verify(certificate_in(&padded), &ek.public())
-            .unwrap();
+        // ... padded as a TPM's index may pad it, as one entry of the
+        // accepted set: each length of padding is not checked afresh.
+        let trust = trust(&[&ca]);
+        for padding in 0..5 {
+            let padded = [cert.as_slice(), &vec![0xff; padding]].concat();
+            assert_eq!(certificate_in(&padded), cert.as_slice());
+            trust.verify(&padded, &ek.public()).unwrap();
+        }
+        assert_eq!(trust.accepted.0.lock().unwrap().order.len(), 1);
     }
 
     #[test]
