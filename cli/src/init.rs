@@ -165,7 +165,9 @@ impl Reserved {
         Ok(reserved)
     }
 
-    /// Writes `data` as the file's content (see [`Reserved`]).
+    /// Writes `data` as the file's content (see [`Reserved`]). Once the
+    /// content is in the temporary file, nothing removes it: should the
+    /// rename fail, the error names the file that holds it.
     fn commit(mut self, data: &[u8]) -> anyhow::Result<()> {
         let written = (|| {
             // Exactly `mode`, whatever the umask.
@@ -173,16 +175,30 @@ impl Reserved {
                 .set_permissions(std::fs::Permissions::from_mode(self.mode))?;
             self.file.write_all(data)?;
             self.file.set_len(data.len() as u64)?;
-            self.file.sync_all()?;
-            std::fs::rename(&self.temp, &self.path)?;
-            self.committed = true;
-            std::fs::File::open(parent_dir(&self.path))?.sync_all()
+            self.file.sync_all()
         })();
-        written.with_context(|| format!("writing {}", self.path.display()))
+        written.with_context(|| format!("writing {}", self.path.display()))?;
+        self.committed = true;
+        std::fs::rename(&self.temp, &self.path).with_context(|| {
+            format!(
+                "renaming {} to {}: the content is in the former",
+                self.temp.display(),
+                self.path.display()
+            )
+        })?;
+        if let Err(e) = std::fs::File::open(parent_dir(&self.path)).and_then(|d| d.sync_all()) {
+            eprintln!(
+                "warning: {} is written, but syncing its directory failed ({e}): a crash \
+                 now may lose it",
+                self.path.display()
+            );
+        }
+        Ok(())
     }
 }
 
 impl Drop for Reserved {
+    /// Removes the temporary file unless it holds content.
     fn drop(&mut self) {
         if !self.committed {
             let _ = std::fs::remove_file(&self.temp);
@@ -493,8 +509,8 @@ async fn follow(
                     .and_then(|json| outputs.id.commit(&json));
                 if let Err(e) = wrote_kubeconfig.and(wrote_id) {
                     bail!(
-                        "the cluster was created (cluster ID {}), but its result could not be \
-                         kept: {e:#}",
+                        "the cluster was created (cluster ID {}), but writing its result \
+                         failed: {e:#}",
                         id.cluster_id
                     );
                 }
@@ -652,6 +668,21 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), b"apiVersion: v1\n");
         assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
         assert_eq!(names(dir.path()), ["keel-admin.conf"]);
+    }
+
+    /// The content is written but cannot be renamed into place (here a
+    /// directory took the name): it is kept, and the error says where.
+    #[test]
+    fn content_that_cannot_be_renamed_into_place_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel-admin.conf");
+        let reserved = Reserved::new(&path, 0o600, KUBECONFIG_ROOM).unwrap();
+        let temp = reserved.temp.clone();
+        std::fs::create_dir(&path).unwrap();
+        std::fs::write(path.join("x"), b"").unwrap();
+        let err = format!("{:#}", reserved.commit(b"apiVersion: v1\n").unwrap_err());
+        assert!(err.contains(&temp.display().to_string()), "{err}");
+        assert_eq!(std::fs::read(&temp).unwrap(), b"apiVersion: v1\n");
     }
 
     #[test]
