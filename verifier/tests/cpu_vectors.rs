@@ -983,3 +983,32 @@ fn the_collateral_cache_supplies_a_vcek_and_tdx_collateral_by_fmspc() {
         "{err:?}"
     );
 }
+
+/// A quote of an SGX enclave, not a TD, is refused as such before its
+/// collateral is looked for (none is configured here).
+#[test]
+fn a_quote_that_is_not_a_tds_is_refused_before_its_collateral() {
+    use keel_verifier::cpu::tdx::TdxError;
+    use keel_verifier::cpu::{Collateral, CpuError, CpuPolicy, CpuTrust, Evidence};
+    let t = &tdx_vectors()[0];
+    let td = data(t.quote);
+    // A version 4 quote: a 48-byte header, the TD report (584 bytes), then
+    // the signature data. An SGX quote has TEE type 0 in its header and a
+    // 384-byte enclave report in its place.
+    let mut quote = td[..48].to_vec();
+    quote[4..8].copy_from_slice(&0u32.to_le_bytes());
+    quote.extend_from_slice(&td[48..48 + 384]);
+    quote.extend_from_slice(&td[48 + 584..]);
+    let claimed = keel_verifier::cpu::tdx::claimed_report_data(&quote);
+    assert!(matches!(claimed, Err(TdxError::NotTd)), "{claimed:?}");
+    let trust = CpuTrust::new(CpuPolicy::Tdx(tdx_policy_for(t)), Collateral::default());
+    let evidence = Evidence {
+        binding: Binding::Guest,
+        report: quote,
+        certificate: Vec::new(),
+    };
+    let err = trust
+        .verify(Some(&evidence), b"ak", b"nonce", t.now)
+        .unwrap_err();
+    assert!(matches!(err, CpuError::Tdx(TdxError::NotTd)), "{err:?}");
+}

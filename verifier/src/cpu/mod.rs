@@ -191,7 +191,7 @@ impl CpuTrust {
                 let report = evidence.binding.snp_report(&evidence.report)?;
                 Some(snp::parse(report)?.report_data)
             }
-            CpuPolicy::Tdx(_) => tdx::claimed_report_data(&evidence.report),
+            CpuPolicy::Tdx(_) => tdx::claimed_report_data(&evidence.report)?,
         })
     }
 

@@ -110,14 +110,21 @@ impl IntelRoot {
 }
 
 /// The report data a TD quote claims, before any of it is verified: for a
-/// refusal that costs less than the verification. `None` if `quote` is not
-/// a TD 1.0 quote.
-pub fn claimed_report_data(quote: &[u8]) -> Option<[u8; 64]> {
+/// refusal that costs less than the verification. `None` if `quote` does
+/// not parse (the verification refuses it); a quote of something other
+/// than a TD is refused here.
+pub fn claimed_report_data(quote: &[u8]) -> Result<Option<[u8; 64]>, TdxError> {
     if quote.len() > MAX_QUOTE_BYTES {
-        return None;
+        return Ok(None);
     }
-    let parsed = dcap_qvl::quote::Quote::parse(quote).ok()?;
-    parsed.report.as_td10().map(|td| td.report_data)
+    let Ok(parsed) = dcap_qvl::quote::Quote::parse(quote) else {
+        return Ok(None);
+    };
+    parsed
+        .report
+        .as_td10()
+        .map(|td| Some(td.report_data))
+        .ok_or(TdxError::NotTd)
 }
 
 /// Verifies `quote` with `collateral` at `now` against `root` and `policy`.
