@@ -12,10 +12,11 @@
 //!
 //! A crash can cut the last append short. [`Journal::open`] drops a last
 //! line that is incomplete or does not parse, and cuts it off the file,
-//! keeping its bytes in `<journal>.cut` (a whole line this agent cannot
-//! read may be a newer agent's record, written before the node went back
-//! to an older image); a bad line before the last is corruption, and an
-//! error. A failed append
+//! keeping its bytes in `<journal>.cut` where it can (a whole line this
+//! agent cannot read may be a newer agent's record, written before the
+//! node went back to an older image; that file holds at most the
+//! journal's bound, and the log says when keeping fails); a bad line
+//! before the last is corruption, and an error. A failed append
 //! is cut off at once; if that fails too, no later append is written
 //! until the cut succeeds, so a good record never follows a partial line.
 //!
@@ -295,10 +296,11 @@ impl Journal {
     }
 }
 
-/// Keeps `bytes`, a last line cut off the journal at `path`, at the end of
-/// `<path>.cut` (0600, synced): a record this agent cannot read may be one
-/// a newer agent wrote before the node went back to this image. The file is
-/// started afresh when it would grow past `limit`; returns its path.
+/// Keeps `bytes`, a last line cut off the journal at `path`, as a line at
+/// the end of `<path>.cut` (0600, synced): a record this agent cannot read
+/// may be one a newer agent wrote before the node went back to this image.
+/// The file is started afresh (what it kept is lost) when it would grow
+/// past `limit`; returns its path.
 fn set_aside(path: &Path, bytes: &[u8], limit: u64) -> std::io::Result<PathBuf> {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(".cut");
@@ -320,6 +322,10 @@ fn set_aside(path: &Path, bytes: &[u8], limit: u64) -> std::io::Result<PathBuf> 
     }
     let mut file = options.open(&aside)?;
     file.write_all(bytes)?;
+    if !bytes.ends_with(b"\n") {
+        // One line per cut, a torn one included.
+        file.write_all(b"\n")?;
+    }
     file.sync_data()?;
     if held == 0 {
         File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()?;
@@ -449,12 +455,15 @@ mod tests {
         drop(j);
         append_cut_short(&path, b"4");
         assert_eq!(Journal::open::<u32>(&path, 64).unwrap().1, [1, 3]);
-        assert_eq!(std::fs::read(&aside).unwrap(), b"{\"newer\":2}\n4");
+        assert_eq!(std::fs::read(&aside).unwrap(), b"{\"newer\":2}\n4\n");
 
         // What would grow the kept bytes past the bound starts them afresh.
         std::fs::write(&path, [b"1\n".as_slice(), &[b'x'; 60]].concat()).unwrap();
         assert_eq!(Journal::open::<u32>(&path, 64).unwrap().1, [1]);
-        assert_eq!(std::fs::read(&aside).unwrap(), vec![b'x'; 60]);
+        assert_eq!(
+            std::fs::read(&aside).unwrap(),
+            [[b'x'; 60].as_slice(), b"\n"].concat()
+        );
     }
 
     #[test]
