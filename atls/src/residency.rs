@@ -14,14 +14,20 @@
 //! keying material exported from this TLS session, so an answer is bound to
 //! this connection and to the direction it proves.
 //!
-//! The exchange has three steps, each a frame sent by both sides before
-//! either reads the peer's (so no ordering can deadlock):
+//! The exchange has three steps, each a frame sent by both sides:
 //!
 //! 1. `challenge`: this side's challenge for the peer, or empty when it does
 //!    not validate the peer or its validator has already seen this key proven;
 //! 2. `answer`: the proof for the peer's challenge, or empty when there was
 //!    none;
 //! 3. `verdict`: whether the peer's answer checked out.
+//!
+//! Each side sends its frame of a step before it reads the peer's, but for
+//! one: a server that challenged its client reads the client's answer, and
+//! checks it, before it answers (an empty answer if the client's was not
+//! right), so that only a client that proved its own key costs the
+//! server's TPM a decryption. The client always answers first, so no order
+//! deadlocks, and a client of either kind works with a server of either.
 //!
 //! A side that sent an empty challenge already knows its verdict (it accepts
 //! only an empty answer), so it sends the verdict right behind its answer:
@@ -173,39 +179,43 @@ where
     let received = read_frame(stream, TAG_CHALLENGE).await?;
 
     // 2. Answers both ways. A side that cannot answer sends an empty proof
-    // and goes on, so the peer reaches its verdict and logs the reason.
-    let (proof, cannot_answer) = if received.is_empty() {
-        (Vec::new(), None)
-    } else {
-        match prover {
-            None => (Vec::new(), Some(ResidencyError::UnexpectedChallenge)),
-            Some(prover) => match answer(prover, received).await {
-                Ok(secret) => (proof(&secret, role, exporter).as_ref().to_vec(), None),
-                Err(e) => (Vec::new(), Some(e)),
-            },
-        }
-    };
-    let mut frames = frame(TAG_ANSWER, &proof)?;
-    if challenge.is_none() {
-        // Whatever the peer answers, this side accepts only nothing: an
-        // answer where none was asked for ends the exchange with an error
-        // below, and the connection with it.
-        frames.extend(frame(TAG_VERDICT, &[VERDICT_ACCEPTED])?);
-    }
-    send(stream, &frames).await?;
-    let peer_proof = read_frame(stream, TAG_ANSWER).await?;
-
-    // 3. Verdicts both ways.
-    let outcome = match &challenge {
+    // and goes on, so the peer reaches its verdict and logs the reason. A
+    // server that challenged its client answers only once the client's
+    // proof checked out: a forger (a copied EK certificate, a software AK)
+    // gets nothing from this TPM, whose every answer is an EK decryption.
+    // The client answers first either way, so no order can deadlock.
+    let judge = |peer_proof: &[u8]| match &challenge {
         None if peer_proof.is_empty() => Ok(()),
         None => Err(ResidencyError::Frame),
         Some(_) if peer_proof.is_empty() => Err(ResidencyError::NoAnswer),
         Some(c) => {
             let key = hmac::Key::new(hmac::HMAC_SHA256, c.secret());
-            hmac::verify(&key, &proof_message(role.peer(), exporter), &peer_proof)
+            hmac::verify(&key, &proof_message(role.peer(), exporter), peer_proof)
                 .map_err(|_| ResidencyError::WrongAnswer)
         }
     };
+    let (outcome, cannot_answer) = if role == Role::Server && challenge.is_some() {
+        let outcome = judge(&read_frame(stream, TAG_ANSWER).await?);
+        let (proof, cannot_answer) = match &outcome {
+            Ok(()) => prove(prover, received, role, exporter).await,
+            Err(_) => (Vec::new(), None),
+        };
+        send(stream, &frame(TAG_ANSWER, &proof)?).await?;
+        (outcome, cannot_answer)
+    } else {
+        let (proof, cannot_answer) = prove(prover, received, role, exporter).await;
+        let mut frames = frame(TAG_ANSWER, &proof)?;
+        if challenge.is_none() {
+            // Whatever the peer answers, this side accepts only nothing: an
+            // answer where none was asked for ends the exchange with an
+            // error below, and the connection with it.
+            frames.extend(frame(TAG_VERDICT, &[VERDICT_ACCEPTED])?);
+        }
+        send(stream, &frames).await?;
+        (judge(&read_frame(stream, TAG_ANSWER).await?), cannot_answer)
+    };
+
+    // 3. Verdicts both ways.
     if challenge.is_some() {
         let verdict = if outcome.is_ok() {
             VERDICT_ACCEPTED
@@ -226,6 +236,26 @@ where
         [VERDICT_ACCEPTED] => Ok(()),
         [VERDICT_REFUSED] => Err(ResidencyError::RefusedByPeer),
         _ => Err(ResidencyError::Frame),
+    }
+}
+
+/// This side's proof for the peer's challenge `received` (empty if there
+/// was none), and why it could not answer, if it could not.
+async fn prove(
+    prover: Option<Prover>,
+    received: Vec<u8>,
+    role: Role,
+    exporter: &[u8; 32],
+) -> (Vec<u8>, Option<ResidencyError>) {
+    if received.is_empty() {
+        return (Vec::new(), None);
+    }
+    match prover {
+        None => (Vec::new(), Some(ResidencyError::UnexpectedChallenge)),
+        Some(prover) => match answer(prover, received).await {
+            Ok(secret) => (proof(&secret, role, exporter).as_ref().to_vec(), None),
+            Err(e) => (Vec::new(), Some(e)),
+        },
     }
 }
 

@@ -462,10 +462,11 @@ async fn open_connections_are_bounded_per_source_and_in_total() {
 
 /// Attacker's move: connect again and again, each time with a fresh
 /// key residency challenge, so that the server's TPM decrypts with its EK
-/// for every handshake (and quotes wait behind it). Answers are bounded in
-/// rate per source (a burst of 128, then four a second) and in total: past
-/// the burst the server sends no proof and the handshake fails, while a
-/// client from another address is still answered.
+/// for every handshake (and quotes wait behind it). On a port that
+/// validates no client, answers are bounded in rate per source (a burst of
+/// 128, then four a second): past the burst the server sends no proof and
+/// the handshake fails, while a client from another address is still
+/// answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn residency_answers_are_bounded_in_rate_per_source() {
     let issuer = TestIssuer::generate();

@@ -52,14 +52,18 @@ async fn a_client_whose_key_is_elsewhere_is_refused_by_the_server() {
     let server = TestServer::start(mutual_server(&server_issuer, &real_client)).await;
     let client = mutual_client(&impostor, &server_issuer);
     let e = call(&client, &server).await.expect_err("refused");
-    assert_residency(&e, |r| matches!(r, ResidencyError::RefusedByPeer));
+    // The server checks the client's proof before it answers: the impostor
+    // gets no proof, and the server's TPM did nothing for it.
+    assert_residency(&e, |r| matches!(r, ResidencyError::NoAnswer));
     server.wait_for_handshakes(1).await;
     assert_eq!(server.stats.accepted(), 0);
     assert_eq!(server.stats.refused(), 1);
+    assert_eq!(server_issuer.answered_count(), 0);
 
-    // The genuine client gets through the same server.
+    // The genuine client gets through the same server, which answers it.
     let client = mutual_client(&real_client, &server_issuer);
     call(&client, &server).await.unwrap();
+    assert_eq!(server_issuer.answered_count(), 1);
 }
 
 /// Issues genuine documents but cannot answer challenges (its key is gone).
