@@ -994,8 +994,9 @@ struct Disk {
 struct Round {
     /// The keys it writes (given back if the write fails).
     keys: BTreeSet<String>,
-    /// A new snapshot, if the journal is to be folded into one.
-    snapshot: Option<Vec<u8>>,
+    /// The registry for a new snapshot, if the journal is to be folded
+    /// into one: copied under the registry's lock, encoded after it.
+    snapshot: Option<Box<Registry>>,
     /// The records of what changed (appended, and before a fold too).
     records: Vec<Change>,
     /// How many revocations the registry holds.
@@ -1025,7 +1026,7 @@ impl Disk {
         );
         Round {
             keys,
-            snapshot: outgrown.then(|| registry.to_json()),
+            snapshot: outgrown.then(|| Box::new(registry.clone())),
             records,
             revoked,
         }
@@ -1036,9 +1037,10 @@ impl Disk {
     fn write(&mut self, path: &Path, round: &Round) -> Result<(), RegistryError> {
         let journal = journal::opened::<Change>(&mut self.journal, path, MAX_JOURNAL_BYTES)?;
         match &round.snapshot {
-            Some(json) => {
+            Some(snapshot) => {
+                let json = snapshot.to_json();
                 let folded = journal.fold(&round.records, || {
-                    crate::files::write_private(path, json).map_err(RegistryError::from)
+                    crate::files::write_private(path, &json).map_err(RegistryError::from)
                 })?;
                 if folded {
                     self.snapshot_bytes = json.len() as u64;
