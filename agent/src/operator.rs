@@ -626,6 +626,18 @@ impl OperatorServer {
 
 /// The tonic form of an operator result: refusals are logged with their
 /// chain and sent with their code and message.
+/// Runs `op` on a blocking thread: the operator's changes write and sync
+/// files, and a status encodes the whole registry.
+async fn off_the_runtime<T: Send + 'static>(
+    server: &OperatorServer,
+    op: impl FnOnce(&OperatorServer) -> Result<T, OperatorError> + Send + 'static,
+) -> Result<T, OperatorError> {
+    let server = server.clone();
+    tokio::task::spawn_blocking(move || op(&server))
+        .await
+        .map_err(|_| OperatorError::Store(anyhow::anyhow!("the operator request's task failed")))?
+}
+
 fn respond<T>(result: Result<T, OperatorError>) -> Result<tonic::Response<T>, tonic::Status> {
     match result {
         Ok(response) => Ok(tonic::Response::new(response)),
@@ -735,12 +747,13 @@ impl OperatorService for OperatorServer {
         request: tonic::Request<SetJoinMeasurementsRequest>,
     ) -> Result<tonic::Response<SetJoinMeasurementsResponse>, tonic::Status> {
         let peer = crate::grpc::peer_ip(&request);
+        let request = request.into_inner();
         respond(
-            OperatorServer::set_join_measurements(self, request.get_ref(), peer).map(|digest| {
-                SetJoinMeasurementsResponse {
+            off_the_runtime(self, move |s| s.set_join_measurements(&request, peer))
+                .await
+                .map(|digest| SetJoinMeasurementsResponse {
                     digest: digest.to_vec(),
-                }
-            }),
+                }),
         )
     }
 
@@ -749,13 +762,14 @@ impl OperatorService for OperatorServer {
         request: tonic::Request<StageImageMeasurementsRequest>,
     ) -> Result<tonic::Response<StageImageMeasurementsResponse>, tonic::Status> {
         let peer = crate::grpc::peer_ip(&request);
+        let request = request.into_inner();
         respond(
-            OperatorServer::stage_image_measurements(self, request.get_ref(), peer).map(
-                |(staged, current)| StageImageMeasurementsResponse {
+            off_the_runtime(self, move |s| s.stage_image_measurements(&request, peer))
+                .await
+                .map(|(staged, current)| StageImageMeasurementsResponse {
                     staged_digest: staged.to_vec(),
                     current_digest: current.to_vec(),
-                },
-            ),
+                }),
         )
     }
 
@@ -764,12 +778,13 @@ impl OperatorService for OperatorServer {
         request: tonic::Request<FinishImageUpgradeRequest>,
     ) -> Result<tonic::Response<FinishImageUpgradeResponse>, tonic::Status> {
         let peer = crate::grpc::peer_ip(&request);
+        let request = request.into_inner();
         respond(
-            OperatorServer::finish_image_upgrade(self, request.get_ref(), peer).map(|digest| {
-                FinishImageUpgradeResponse {
+            off_the_runtime(self, move |s| s.finish_image_upgrade(&request, peer))
+                .await
+                .map(|digest| FinishImageUpgradeResponse {
                     digest: digest.to_vec(),
-                }
-            }),
+                }),
         )
     }
 
@@ -778,14 +793,15 @@ impl OperatorService for OperatorServer {
         request: tonic::Request<RevokeNodeRequest>,
     ) -> Result<tonic::Response<RevokeNodeResponse>, tonic::Status> {
         let peer = crate::grpc::peer_ip(&request);
+        let request = request.into_inner();
         respond(
-            OperatorServer::revoke_node(self, request.get_ref(), peer).map(|r| {
-                RevokeNodeResponse {
+            off_the_runtime(self, move |s| s.revoke_node(&request, peer))
+                .await
+                .map(|r| RevokeNodeResponse {
                     name: r.name,
                     ek: r.ek,
                     disk_uuid: r.disk_uuid,
-                }
-            }),
+                }),
         )
     }
 
@@ -794,8 +810,10 @@ impl OperatorService for OperatorServer {
         request: tonic::Request<NodeStatusRequest>,
     ) -> Result<tonic::Response<NodeStatusResponse>, tonic::Status> {
         let peer = crate::grpc::peer_ip(&request);
+        let request = request.into_inner();
         respond(
-            OperatorServer::node_status(self, request.get_ref(), peer)
+            off_the_runtime(self, move |s| s.node_status(&request, peer))
+                .await
                 .map(|registry| NodeStatusResponse { registry }),
         )
     }
