@@ -83,6 +83,39 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
             (case, request, expected)
         })
         .collect();
+    // Good measurements, but network settings the kubeadm configuration
+    // would refuse after the lock.
+    for (case, service_cidr, sans, expected) in [
+        (
+            "a service CIDR without a prefix",
+            "10.96.0.0",
+            vec![],
+            "CIDR",
+        ),
+        (
+            "a service CIDR with a bad prefix",
+            "10.96.0.0/33",
+            vec![],
+            "CIDR",
+        ),
+        (
+            "a certificate name that is neither a DNS name nor an address",
+            "",
+            vec!["not a name".to_owned()],
+            "not a name",
+        ),
+    ] {
+        requests.push((
+            case,
+            InitRequest {
+                join_measurements: file(&enforced(&[4, 9, 11, 12, 15])),
+                service_cidr: service_cidr.to_owned(),
+                api_server_cert_sans: sans,
+                ..InitRequest::default()
+            },
+            expected,
+        ));
+    }
     requests.push((
         "a signature without a key in the config",
         InitRequest {

@@ -342,6 +342,8 @@ impl InitServer {
         } else {
             request.service_cidr
         };
+        crate::kubeadm::config::check_cluster_network(&service_cidr, &request.api_server_cert_sans)
+            .map_err(invalid("invalid cluster network settings"))?;
         Ok(Accepted {
             keys: Arc::new(keys),
             disk_uuid,

@@ -475,6 +475,14 @@ fn check_name(field: &'static str, value: &str) -> Result<(), ConfigError> {
     }
 }
 
+/// Checks an init request's network settings as the configuration will:
+/// the service CIDR and the API server certificate's extra names. Init
+/// calls it before the node is locked.
+pub fn check_cluster_network(service_cidr: &str, cert_sans: &[String]) -> Result<(), ConfigError> {
+    check_cidr("service CIDR", service_cidr)?;
+    cert_sans.iter().try_for_each(|san| check_san(san))
+}
+
 fn check_cidr(field: &'static str, value: &str) -> Result<(), ConfigError> {
     let refuse = || ConfigError::Cidr {
         field,
