@@ -206,6 +206,15 @@ pub enum ProvisionError {
     /// The node's own registry revokes it.
     #[error("this node is on its cluster's revocation list: {0}")]
     Revoked(String),
+    /// The state disk's facts are of another cluster than the one the
+    /// node was locked to (a recovery with another measurement salt).
+    #[error("the node was locked to cluster {locked}, but its state disk holds cluster {recorded}: the measurement salt is not this cluster's")]
+    OtherCluster {
+        /// The cluster ID the node was locked to (hex).
+        locked: String,
+        /// The cluster ID its facts record (hex).
+        recorded: String,
+    },
     /// The directories of an interrupted upgrade could not be emptied.
     #[error("emptying the component directories of an interrupted upgrade")]
     Switched(#[source] StagingError),

@@ -218,6 +218,14 @@ impl RecoveryServer {
                 .signing_key()
                 .map_err(|e| ProvisionError::Lock(e.to_string()))?;
             let state = p.restore_control_plane(accepted.keys, key)?;
+            // The lock came from the request's measurement salt, which
+            // nothing sealed covers: it must name the disk's cluster.
+            if state.cluster_id != accepted.cluster_id {
+                return Err(ProvisionError::OtherCluster {
+                    locked: hex::encode(accepted.cluster_id),
+                    recorded: hex::encode(state.cluster_id),
+                });
+            }
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
             p.serve_as_control_plane(state, &inner.node.cluster)

@@ -271,6 +271,21 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         other => panic!("{other:?}"),
     }
 
+    // The right master secret with another measurement salt (which no
+    // seal covers): the node locks to another cluster ID, finds its disk
+    // holds this cluster, and fails without serving; after a reboot the
+    // right request recovers it.
+    let other_salt = recover_request(&cp1, master, salt, &[9; 32]);
+    match recovery.recover(other_salt, None).await {
+        Err(RecoveryError::Provision(e @ ProvisionError::OtherCluster { .. })) => {
+            assert!(e.to_string().contains("measurement salt"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(slot.borrow().is_none());
+    let cp1 = cp1.reboot(&ca);
+    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+
     // The right master secret: the node locks to the cluster ID stored on
     // its disk and serves joins.
     let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
