@@ -114,6 +114,14 @@ pub struct NodeRecord {
 }
 
 impl NodeRecord {
+    /// Whether its drift still stands at `at` (Unix seconds): it drifted
+    /// less than `stands` ago, so trusted evidence does not clear it, here
+    /// or from a peer ([`Registry::record_holding_drift`],
+    /// [`Registry::merge_holding_drift`]).
+    fn drift_stands(&self, at: u64, stands: Duration) -> bool {
+        self.verdict == Verdict::Drifted && at.saturating_sub(self.verdict_at) < stands.as_secs()
+    }
+
     /// Its text fields cut to their bounds ([`cut`]).
     fn cut_fields(&mut self) {
         for field in [
@@ -622,8 +630,7 @@ impl Registry {
             record.last_evidence_at = Some(at);
             record.kubernetes_version = cut(&evidence.kubernetes_version, MAX_FIELD);
             record.measurements = cut(&evidence.measurements, MAX_FIELD);
-            let drift_stands = record.verdict == Verdict::Drifted
-                && at.saturating_sub(record.verdict_at) < stands.as_secs();
+            let drift_stands = record.drift_stands(at, stands);
             let verdict = match &evidence.failure {
                 None if drift_stands => Verdict::Drifted,
                 None => {
@@ -800,9 +807,8 @@ impl Registry {
             }
             let newer = match self.nodes.get(&key) {
                 Some(ours) => {
-                    let drift_stands = ours.verdict == Verdict::Drifted
-                        && theirs.verdict != Verdict::Drifted
-                        && at.saturating_sub(ours.verdict_at) < stands.as_secs();
+                    let drift_stands =
+                        theirs.verdict != Verdict::Drifted && ours.drift_stands(at, stands);
                     theirs.last_evidence_at > ours.last_evidence_at && !drift_stands
                 }
                 None => self.nodes.len() < MAX_NODES,

@@ -427,12 +427,6 @@ impl EvidenceService {
         }
     }
 
-    /// How long a drift holds before the `revoke` policy acts on it
-    /// ([`EvidenceConfig::drift_hold`]).
-    fn drift_hold(&self) -> Duration {
-        self.inner.config.drift_hold()
-    }
-
     /// Revokes the node of `record` by policy (with its disk only if bound
     /// to its EK, [`BoundDisk::of_record`]), unless its verdict changed
     /// since the sweep read it.
@@ -505,7 +499,7 @@ impl EvidenceService {
             // Drifted or silent nodes, each kind on its own, are revoked
             // only while they are not most of the cluster (a fault of this
             // control plane's view or inputs is likelier), and only once
-            // their verdict held a while (a drift [`Self::drift_hold`], a
+            // their verdict held a while (a drift [`EvidenceConfig::drift_hold`], a
             // silence an interval after marking): by then every member has
             // reported under the same conditions, so a fault that turns
             // them all is seen as one before any is revoked.
@@ -531,7 +525,7 @@ impl EvidenceService {
                     .merged_at()
                     .is_some_and(|at| now.saturating_sub(at) <= grace.as_secs());
             let may_revoke_silent = sweep.may_revoke_silent && view_current && !silence_held;
-            let drift_hold = self.drift_hold().as_secs();
+            let drift_hold = self.inner.config.drift_hold().as_secs();
             let (revocable, held): (Vec<_>, Vec<_>) =
                 pending.into_iter().partition(|r| match r.verdict {
                     Verdict::Silent => {
