@@ -83,9 +83,14 @@ pub struct Journal {
 /// The journal of the snapshot at `snapshot`: the same name with
 /// `.journal` appended, in the same directory.
 pub fn beside(snapshot: &Path) -> PathBuf {
-    let mut name = snapshot.file_name().unwrap_or_default().to_os_string();
-    name.push(".journal");
-    snapshot.with_file_name(name)
+    with_suffix(snapshot, ".journal")
+}
+
+/// `path` with `suffix` appended to its file name.
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    path.with_file_name(name)
 }
 
 /// The journal in `slot`, first opened (see [`Journal::open`]) beside
@@ -302,9 +307,7 @@ impl Journal {
 /// The file is started afresh (what it kept is lost) when it would grow
 /// past `limit`; returns its path.
 fn set_aside(path: &Path, bytes: &[u8], limit: u64) -> std::io::Result<PathBuf> {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".cut");
-    let aside = path.with_file_name(name);
+    let aside = with_suffix(path, ".cut");
     let held = match std::fs::symlink_metadata(&aside) {
         Ok(meta) => meta.len(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,

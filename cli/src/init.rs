@@ -148,17 +148,15 @@ impl Reserved {
             mode,
             committed: false,
         };
-        if let Ok(len) = i64::try_from(room) {
-            if len > 0 {
-                match nix::fcntl::posix_fallocate(reserved.file.as_raw_fd(), 0, len) {
-                    // Filesystems without allocation: the write may still
-                    // find room.
-                    Ok(()) | Err(nix::errno::Errno::EOPNOTSUPP | nix::errno::Errno::EINVAL) => {}
-                    Err(e) => {
-                        return Err(std::io::Error::from(e)).with_context(|| {
-                            format!("allocating {room} bytes for {}", path.display())
-                        })
-                    }
+        let len = i64::try_from(room).unwrap_or(i64::MAX);
+        if len > 0 {
+            match nix::fcntl::posix_fallocate(reserved.file.as_raw_fd(), 0, len) {
+                // Filesystems without allocation: the write may still find
+                // room.
+                Ok(()) | Err(nix::errno::Errno::EOPNOTSUPP | nix::errno::Errno::EINVAL) => {}
+                Err(e) => {
+                    return Err(std::io::Error::from(e))
+                        .with_context(|| format!("allocating {room} bytes for {}", path.display()))
                 }
             }
         }
@@ -497,7 +495,7 @@ async fn follow(
         match message.kind {
             Some(Kind::LogLine(line)) => eprintln!("  node: {}", printable(&line)),
             Some(Kind::Success(success)) => {
-                let kubeconfig = workspace.join(KUBECONFIG_FILE);
+                let kubeconfig = outputs.kubeconfig.path.clone();
                 let id = IdFile {
                     cluster_id: hex::encode(&success.cluster_id),
                     endpoint: settings.endpoint.clone(),
