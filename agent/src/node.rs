@@ -111,6 +111,30 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
     })
 }
 
+/// Before the node serves anything: a state disk whose set-up never
+/// finished (the node stopped during an earlier init or join) is reset, so
+/// this boot starts over. A disk that cannot be inspected is left alone;
+/// init and join refuse it until it can.
+pub async fn reset_unfinished_disk(env: &NodeEnv) {
+    let Some(disk) = env.state_disk.clone() else {
+        return;
+    };
+    let device = disk.device.display().to_string();
+    match tokio::task::spawn_blocking(move || disk.reset_unfinished()).await {
+        Ok(Ok(true)) => tracing::warn!(
+            disk = device,
+            "the state disk's set-up never finished (the node stopped during init or join): reset; starting over"
+        ),
+        Ok(Ok(false)) => {}
+        Ok(Err(e)) => tracing::warn!(
+            disk = device,
+            error = %keel_atls::ErrorChain(&e),
+            "inspecting the state disk at start failed"
+        ),
+        Err(e) => tracing::warn!(disk = device, error = %e, "inspecting the state disk at start failed"),
+    }
+}
+
 /// Serves the init API on `addr` until the task is dropped.
 pub async fn serve_init(addr: SocketAddr, node: Node) -> anyhow::Result<()> {
     serve_operator_port(addr, node, None).await

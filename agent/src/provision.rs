@@ -24,6 +24,10 @@
 //!    facts go on the state disk and its cluster state to the join service
 //!    ([`Provisioner::serve_as_control_plane`]).
 //!
+//! 6. **Finish**: a disk set up in this boot is labelled finished
+//!    ([`Provisioner::finish`]); a boot that finds one still labelled
+//!    unfinished resets it and starts over.
+//!
 //! A failure is fatal for this boot: PCR 15 already carries the cluster ID,
 //! so the node cannot start over. [`Provisioner::fail`] marks a disk that
 //! was formatted in this boot for reset (a disk that held data before is
@@ -246,10 +250,7 @@ impl<'a> Provisioner<'a> {
     /// the first failure.
     pub async fn prepare(&self, plan: Plan) -> Result<(), ProvisionError> {
         self.state_disk(plan.disk).await?;
-        let root = self.env.root();
-        for (relative, data) in &plan.files {
-            write_private(&root.join(relative), data)?;
-        }
+        self.write_files(&plan.files)?;
         if let Some((version, components)) = &plan.components {
             self.install(*version, components).await?;
         }
@@ -275,14 +276,29 @@ impl<'a> Provisioner<'a> {
         Ok(kubeconfig)
     }
 
-    /// Step 4 of a join: `kubeadm join` (bounded retries).
-    pub async fn kubeadm_join(&self, config: &JoinConfig) -> Result<(), ProvisionError> {
+    /// Writes `files` (paths relative to the node root), each private.
+    fn write_files(&self, files: &[(PathBuf, Zeroizing<Vec<u8>>)]) -> Result<(), WriteFileError> {
+        let root = self.env.root();
+        files
+            .iter()
+            .try_for_each(|(relative, data)| write_private(&root.join(relative), data))
+    }
+
+    /// Step 4 of a join: `kubeadm join` (bounded retries). `files` are the
+    /// plan's: the reset between attempts removes them, and they are
+    /// written again before each retry.
+    pub async fn kubeadm_join(
+        &self,
+        config: &JoinConfig,
+        files: &[(PathBuf, Zeroizing<Vec<u8>>)],
+    ) -> Result<(), ProvisionError> {
         let path = self.write_config(paths::KUBEADM_JOIN_CONFIG, config.to_yaml())?;
         (self.log)("running kubeadm join".into());
         let mut on_line = |line: &str| (self.log)(line.to_owned());
+        let mut restore = || self.write_files(files);
         self.env
             .kubeadm
-            .join(&path, &mut on_line)
+            .join(&path, &mut restore, &mut on_line)
             .await
             .map_err(ProvisionError::Kubeadm)?;
         durable().await;
@@ -351,6 +367,27 @@ impl<'a> Provisioner<'a> {
             }
             _ => Ok(state),
         }
+    }
+
+    /// The last step of a provisioning that set up a fresh disk: once
+    /// everything before is on disk, the disk's header is labelled
+    /// finished ([`crate::disk::StateDisk::finish`]). Until then a boot
+    /// after a crash or power cut finds the set-up unfinished and resets
+    /// the disk instead of rejoining with a node that never got its setup.
+    pub async fn finish(&self) -> Result<(), ProvisionError> {
+        let Some(disk) = self.env.state_disk.clone() else {
+            return Ok(());
+        };
+        if !self.formatted.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        durable().await;
+        tokio::task::spawn_blocking(move || disk.finish())
+            .await
+            .map_err(ProvisionError::Blocking)?
+            .map_err(ProvisionError::Disk)?;
+        (self.log)("state disk set-up finished".into());
+        Ok(())
     }
 
     /// After a fatal failure: marks a disk formatted in this boot for reset

@@ -53,6 +53,56 @@ fn format_open_check_and_reset() {
     assert_ne!(cs.uuid(&dev).unwrap(), uuid);
 }
 
+/// A disk the agent formats says its set-up is unfinished until the
+/// provisioning relabels it; only an unfinished one is reset at start.
+#[test]
+fn an_unfinished_set_up_is_told_from_a_members_disk() {
+    use keel_agent::disk::{DiskState, StateDisk, PROVISIONED_LABEL, PROVISIONING_LABEL};
+
+    let dir = tempfile::tempdir().unwrap();
+    let disk = StateDisk {
+        device: disk(dir.path()),
+        cryptsetup: Cryptsetup::default(),
+        mount: None,
+    };
+    assert_eq!(disk.inspect().unwrap(), DiskState::Fresh);
+    assert!(!disk.reset_unfinished().unwrap());
+
+    let uuid = keel_agent::disk::new_uuid();
+    disk.set_up(&uuid, &KEY).unwrap();
+    assert_eq!(
+        disk.cryptsetup.label(&disk.device).unwrap(),
+        PROVISIONING_LABEL
+    );
+    assert_eq!(
+        disk.inspect().unwrap(),
+        DiskState::Unfinished { uuid: uuid.clone() }
+    );
+    disk.finish().unwrap();
+    assert_eq!(
+        disk.cryptsetup.label(&disk.device).unwrap(),
+        PROVISIONED_LABEL
+    );
+    assert_eq!(
+        disk.inspect().unwrap(),
+        DiskState::Member { uuid: uuid.clone() }
+    );
+    assert!(!disk.reset_unfinished().unwrap());
+    assert!(disk.cryptsetup.key_matches(&disk.device, &KEY).unwrap());
+
+    // A disk formatted before the label existed (none) is a member's.
+    let device = disk.device.to_str().unwrap();
+    assert!(raw_cryptsetup(&["config", "--label", "", device], &[]));
+    assert_eq!(disk.cryptsetup.label(&disk.device).unwrap(), "");
+    assert_eq!(disk.inspect().unwrap(), DiskState::Member { uuid });
+
+    // Unfinished: reset at start, and fresh afterwards.
+    let uuid = keel_agent::disk::new_uuid();
+    disk.set_up(&uuid, &KEY).unwrap();
+    assert!(disk.reset_unfinished().unwrap());
+    assert_eq!(disk.inspect().unwrap(), DiskState::Fresh);
+}
+
 #[test]
 fn bad_inputs_fail_with_the_operation_named() {
     let dir = tempfile::tempdir().unwrap();

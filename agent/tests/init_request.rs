@@ -225,6 +225,45 @@ async fn with_a_signing_key_an_init_takes_only_signed_components() {
     }
 }
 
+/// Attacker's move: make the node unsure whether its state disk holds a
+/// cluster (a header that cannot be read, a device that is gone) so that
+/// init formats it. A disk that carries a LUKS header refuses init; one
+/// whose header cannot be read refuses it too, and the node stays
+/// unlocked with the disk as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "disk-0", "control-plane");
+    let init = node.init_server(SECRET, true);
+    let sealed = sealed_secrets(&node);
+    let request = || {
+        complete(
+            &sealed,
+            InitRequest {
+                join_measurements: file_of_enforced(),
+                ..InitRequest::default()
+            },
+        )
+    };
+
+    let cryptsetup = keel_agent::disk::Cryptsetup::default();
+    cryptsetup.format(&node.disk, &[9; 32]).unwrap();
+    let before = std::fs::read(&node.disk).unwrap();
+    let status = init.init(tonic::Request::new(request())).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("initialised"), "{status:?}");
+    assert!(!node.lock.is_locked());
+    assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
+
+    // The device is gone: whether it holds a cluster cannot be told.
+    std::fs::remove_file(&node.disk).unwrap();
+    let status = init.init(tonic::Request::new(request())).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("state disk"), "{status:?}");
+    assert!(!node.lock.is_locked());
+    assert!(!node.disk.exists(), "something wrote the missing disk");
+}
+
 fn file_of_enforced() -> Vec<u8> {
     file(&enforced(&[4, 9, 11, 12, 15]))
 }

@@ -58,6 +58,106 @@ async fn a_node_keeps_retrying_until_the_join_service_is_up() {
     assert!(node.root.join("etc/kubernetes/kubelet.conf").is_file());
 }
 
+/// Attacker's move (or a slow device): make the state disk impossible to
+/// inspect as the node boots, so that it takes a member's disk for a fresh
+/// one and a join formats it. The node waits, never locks, and joins once
+/// the disk can be told fresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_that_cannot_be_inspected_is_never_taken_for_fresh() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+    let node = joiner(&ca, &ca, port, "w-unread", "worker");
+    std::fs::remove_file(&node.disk).unwrap();
+    let run = tokio::spawn(node.client(&ca).run());
+    tokio::time::sleep(WATCH).await;
+    assert!(!run.is_finished(), "{:?}", run.await);
+    assert_eq!(node.pcr15(), [0; 32], "the node got locked");
+    assert!(!node.lock.is_locked());
+    assert!(!node.disk.exists(), "something wrote the missing disk");
+
+    std::fs::File::create(&node.disk)
+        .unwrap()
+        .set_len(20 << 20)
+        .unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(90), run)
+        .await
+        .expect("the node did not join once its disk could be inspected")
+        .unwrap();
+    let JoinOutcome::Joined { cluster_id } = outcome else {
+        panic!("{outcome:?}");
+    };
+    assert_eq!(cluster_id, service.state.cluster_id);
+    node.assert_disk_opens(&service);
+}
+
+/// A node that stops while it provisions (a crash, a power cut, a host
+/// that kills the VM during `kubeadm join`) leaves a formatted disk
+/// without the setup a member has. Its next boot must not rejoin with it
+/// (it would start a kubelet that never joined, or fail to restore a
+/// control plane on every boot): the disk's header still says unfinished,
+/// the start resets it, and the node joins afresh. A finished join's disk
+/// says finished and survives the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
+    use keel_agent::disk::{DiskState, PROVISIONED_LABEL, PROVISIONING_LABEL};
+
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+    let node = joiner(&ca, &ca, port, "w-cut", "worker");
+    let run = tokio::spawn(
+        node.client_with_kubeadm_env(&ca, &[("KEEL_STANDIN_SLEEP", "60")])
+            .run(),
+    );
+    // Cut off once kubeadm runs: the disk is set up, kubeadm never ends.
+    let started = std::time::Instant::now();
+    while !node.work.join("kubeadm-join.yaml").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "kubeadm never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    run.abort();
+    let _ = run.await;
+    let cs = Cryptsetup::default();
+    assert_eq!(cs.label(&node.disk).unwrap(), PROVISIONING_LABEL);
+    let old_uuid = cs.uuid(&node.disk).unwrap();
+
+    let node = node.reboot(&ca);
+    let env = node.env();
+    let disk = env.state_disk.clone().unwrap();
+    assert_eq!(
+        disk.inspect().unwrap(),
+        DiskState::Unfinished {
+            uuid: old_uuid.clone()
+        }
+    );
+    keel_agent::node::reset_unfinished_disk(&env).await;
+    assert_eq!(disk.inspect().unwrap(), DiskState::Fresh);
+    let cluster_id = joined(&node, &ca).await;
+    assert_eq!(cluster_id, service.state.cluster_id);
+    node.assert_disk_opens(&service);
+    assert_ne!(cs.uuid(&node.disk).unwrap(), old_uuid);
+    assert_eq!(cs.label(&node.disk).unwrap(), PROVISIONED_LABEL);
+
+    // The finished disk survives the next start, and the node rejoins.
+    let node = node.reboot(&ca);
+    let env = node.env();
+    keel_agent::node::reset_unfinished_disk(&env).await;
+    let outcome = tokio::time::timeout(Duration::from_secs(90), node.client(&ca).run())
+        .await
+        .expect("the rejoin did not finish");
+    assert!(
+        matches!(outcome, JoinOutcome::Rejoined { .. }),
+        "{outcome:?}"
+    );
+    node.assert_disk_opens(&service);
+}
+
 /// Attacker's move: time an operator request (an upgrade, with the
 /// operator's proof) to reach a node while it is still being provisioned
 /// (the host reboots it as the rollout reaches it, and stalls its

@@ -284,9 +284,17 @@ async fn run_init(k: &Kubeadm, config: &Path) -> (Result<Vec<u8>, KubeadmError>,
 }
 
 async fn run_join(k: &Kubeadm, config: &Path) -> (Result<(), KubeadmError>, Vec<String>) {
+    run_join_restoring(k, config, &mut || Ok(())).await
+}
+
+async fn run_join_restoring(
+    k: &Kubeadm,
+    config: &Path,
+    restore: &mut (dyn FnMut() -> Result<(), keel_agent::files::WriteFileError> + Send),
+) -> (Result<(), KubeadmError>, Vec<String>) {
     let mut lines = Vec::new();
     let result = k
-        .join(config, &mut |l: &str| lines.push(l.to_owned()))
+        .join(config, restore, &mut |l: &str| lines.push(l.to_owned()))
         .await;
     (result, lines)
 }
@@ -535,6 +543,66 @@ async fn control_plane_join_needs_the_cluster_ca_or_a_certificate_key() {
     );
 }
 
+/// A failed join is reset before the next attempt, and the reset empties
+/// the certificates directory and the kubelet's directory: what the join
+/// ticket brought (the cluster CA and its key, the kubelet's certificate)
+/// must be put back, or every retry of a control plane fails for want of
+/// the CA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_join_gets_back_what_the_reset_removed() {
+    let v = "v1.31.13";
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let files = [
+        (
+            "etc/kubernetes/pki/ca.crt",
+            params.self_signed(&key).unwrap().pem(),
+        ),
+        ("etc/kubernetes/pki/ca.key", key.serialize_pem()),
+        (
+            "var/lib/kubelet/pki/kubelet-client.crt",
+            "kubelet certificate".to_owned(),
+        ),
+    ];
+    let files = &files;
+    for restoring in [false, true] {
+        let node = Node::new(v).await;
+        let root = node.root().to_owned();
+        let write = move || {
+            files
+                .iter()
+                .try_for_each(|(path, data)| write_private(&root.join(path), data.as_bytes()))
+        };
+        write().unwrap();
+        let mut cp = join_config(node.root(), v);
+        cp.control_plane = Some(ControlPlaneJoin {
+            advertise_address: "10.0.0.7".parse().unwrap(),
+            certificate_key: None,
+        });
+        let config = node.write("join.yaml", &cp.to_yaml().unwrap());
+        let mut k = node.kubeadm(v, &[("KEEL_STANDIN_FAIL", "1")]);
+        k.join_attempts = 2;
+        let mut restore = || if restoring { write() } else { Ok(()) };
+        let (result, lines) = run_join_restoring(&k, &config, &mut restore).await;
+        let kubelet_cert = node.root().join("var/lib/kubelet/pki/kubelet-client.crt");
+        if restoring {
+            result.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+            assert!(kubelet_cert.exists());
+        } else {
+            let Err(KubeadmError::JoinAttempts { last, .. }) = &result else {
+                panic!("{result:?}: {lines:#?}");
+            };
+            assert!(
+                last.to_string()
+                    .contains("failure loading certificate authority"),
+                "{last}"
+            );
+            assert!(!kubelet_cert.exists(), "the reset left the kubelet's files");
+        }
+    }
+}
+
 /// The init server and join client run these on tokio tasks: the futures
 /// must be `Send`.
 #[test]
@@ -544,7 +612,8 @@ fn futures_are_send() {
     let mut sink = |_: &str| {};
     send(&k.init(Path::new("/x"), &mut sink));
     let mut sink = |_: &str| {};
-    send(&k.join(Path::new("/x"), &mut sink));
+    let mut restore = || Ok(());
+    send(&k.join(Path::new("/x"), &mut restore, &mut sink));
 }
 
 #[tokio::test(flavor = "current_thread")]

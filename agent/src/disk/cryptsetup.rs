@@ -14,6 +14,13 @@
 //!   erased keyslots. A flag file would need a writable place outside the
 //!   disk and could survive a failed format; the header is the one place
 //!   every boot reads anyway.
+//! * **Unfinished set-up: the header's label.** A disk is formatted with the
+//!   label [`PROVISIONING_LABEL`] and relabelled [`PROVISIONED_LABEL`]
+//!   ([`Cryptsetup::relabel`]) once the node's provisioning has finished,
+//!   so a boot tells a disk whose set-up a crash or power cut interrupted
+//!   from a member's ([`Cryptsetup::label`]). The label is outside the
+//!   encryption and anyone who can write the disk can change it; so can
+//!   they erase the disk, and a changed label gains no more.
 //! * **Cipher pinned: `aes-xts-plain64`, 512-bit key, SHA-256** (cryptsetup's
 //!   own defaults, spelt out): an existing disk is key-checked and opened
 //!   only if its header says exactly that, through a checked copy of the
@@ -32,6 +39,13 @@ pub const MIN_KEY_LEN: usize = 16;
 pub const MAX_KEY_LEN: usize = 512;
 /// PBKDF2 iterations for the keyslot (cryptsetup's minimum).
 pub const PBKDF2_ITERATIONS: u32 = 1000;
+
+/// The LUKS label of a disk whose provisioning has not finished.
+pub const PROVISIONING_LABEL: &str = "keel-provisioning";
+/// The LUKS label of a disk whose node finished its provisioning.
+pub const PROVISIONED_LABEL: &str = "keel-state";
+/// Most `luksDump` output read for the label.
+const MAX_DUMP: usize = 64 * 1024;
 
 /// A cryptsetup operation, without its key. The key of keyed operations is
 /// sent on standard input.
@@ -68,6 +82,13 @@ pub enum Operation<'a> {
     },
     /// `luksDump --dump-json-metadata`: the header's JSON metadata.
     DumpMetadata,
+    /// `luksDump`: the header's summary, which names its label.
+    Dump,
+    /// `config --label`: sets the header's label.
+    Relabel {
+        /// The new label.
+        label: &'a str,
+    },
     /// `close`.
     Close {
         /// The mapping name.
@@ -87,7 +108,8 @@ impl Operation<'_> {
             Self::TestKey { .. } => "open --test-passphrase",
             Self::Open { .. } => "open",
             Self::HeaderBackup { .. } => "luksHeaderBackup",
-            Self::DumpMetadata => "luksDump",
+            Self::DumpMetadata | Self::Dump => "luksDump",
+            Self::Relabel { .. } => "config --label",
             Self::Close { .. } => "close",
             Self::Erase => "erase",
         }
@@ -142,6 +164,8 @@ impl Cryptsetup {
                     "--batch-mode",
                     "--type",
                     "luks2",
+                    "--label",
+                    PROVISIONING_LABEL,
                     "--cipher",
                     CIPHER,
                     "--key-size",
@@ -179,6 +203,12 @@ impl Cryptsetup {
             Operation::DumpMetadata => {
                 push("luksDump");
                 push("--dump-json-metadata");
+            }
+            Operation::Dump => push("luksDump"),
+            Operation::Relabel { label } => {
+                push("config");
+                push("--label");
+                push(label);
             }
             Operation::Close { name } => {
                 push("close");
@@ -232,6 +262,30 @@ impl Cryptsetup {
             device: device.to_owned(),
         })?;
         Ok(uuid)
+    }
+
+    /// The LUKS header's label, empty for none.
+    pub fn label(&self, device: &Path) -> Result<String, DiskError> {
+        let out = self.run_ok(Operation::Dump, device, None)?;
+        let dump = out.stdout.get(..MAX_DUMP).unwrap_or(&out.stdout);
+        let label = String::from_utf8_lossy(dump)
+            .lines()
+            .find_map(|line| line.strip_prefix("Label:").map(str::trim))
+            .map(str::to_owned)
+            .ok_or_else(|| DiskError::Label {
+                device: device.to_owned(),
+            })?;
+        Ok(if label == "(no label)" {
+            String::new()
+        } else {
+            label
+        })
+    }
+
+    /// Sets the LUKS header's label to `label`.
+    pub fn relabel(&self, device: &Path, label: &str) -> Result<(), DiskError> {
+        self.run_ok(Operation::Relabel { label }, device, None)
+            .map(drop)
     }
 
     /// A private copy of `device`'s LUKS header, checked against what
@@ -378,6 +432,10 @@ mod tests {
                 file: Path::new("/tmp/h"),
             },
             Operation::DumpMetadata,
+            Operation::Dump,
+            Operation::Relabel {
+                label: PROVISIONED_LABEL,
+            },
             Operation::Close { name: "state" },
             Operation::Erase,
         ];
@@ -419,6 +477,8 @@ mod tests {
                 "--batch-mode",
                 "--type",
                 "luks2",
+                "--label",
+                "keel-provisioning",
                 "--cipher",
                 "aes-xts-plain64",
                 "--key-size",

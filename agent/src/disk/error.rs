@@ -78,4 +78,10 @@ pub enum DiskError {
         /// The device.
         device: PathBuf,
     },
+    /// `luksDump` printed no label line.
+    #[error("luksDump of {device:?} printed no label")]
+    Label {
+        /// The device.
+        device: PathBuf,
+    },
 }

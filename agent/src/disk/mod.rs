@@ -24,7 +24,12 @@ pub mod header;
 mod process;
 pub mod state;
 
-pub use cryptsetup::{Cryptsetup, Operation, MAX_KEY_LEN, MIN_KEY_LEN, PBKDF2_ITERATIONS};
+pub use cryptsetup::{
+    Cryptsetup, Operation, MAX_KEY_LEN, MIN_KEY_LEN, PBKDF2_ITERATIONS, PROVISIONED_LABEL,
+    PROVISIONING_LABEL,
+};
 pub use error::DiskError;
 pub use header::{DetachedHeader, HeaderMismatch};
-pub use state::{make_filesystem, mount, new_uuid, StateDisk, StateMount, STATE_MAPPING};
+pub use state::{
+    make_filesystem, mount, new_uuid, DiskState, StateDisk, StateMount, STATE_MAPPING,
+};

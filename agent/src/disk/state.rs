@@ -40,6 +40,24 @@ pub struct StateMount {
     pub services: Vec<String>,
 }
 
+/// What a boot finds on the state disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskState {
+    /// No LUKS header: a new disk, or one marked for reset.
+    Fresh,
+    /// The disk of a node that finished its provisioning.
+    Member {
+        /// The LUKS header's UUID.
+        uuid: String,
+    },
+    /// Set up by a provisioning that never finished (the node stopped
+    /// during init or join): it holds nothing a member relies on.
+    Unfinished {
+        /// The LUKS header's UUID.
+        uuid: String,
+    },
+}
+
 impl StateDisk {
     /// The UUID of the disk's LUKS header, `None` for a fresh disk (no
     /// header): whether the node was a member before this boot.
@@ -49,6 +67,43 @@ impl StateDisk {
         } else {
             Ok(None)
         }
+    }
+
+    /// What the disk holds: fresh, a member's, or an unfinished set-up
+    /// (its header still labelled [`super::PROVISIONING_LABEL`]). A disk
+    /// with any other label, none included, is a member's.
+    pub fn inspect(&self) -> Result<DiskState, DiskError> {
+        let Some(uuid) = self.initialised_uuid()? else {
+            return Ok(DiskState::Fresh);
+        };
+        Ok(
+            if self.cryptsetup.label(&self.device)? == super::PROVISIONING_LABEL {
+                DiskState::Unfinished { uuid }
+            } else {
+                DiskState::Member { uuid }
+            },
+        )
+    }
+
+    /// Resets the disk if its set-up never finished ([`DiskState::Unfinished`]:
+    /// the node stopped during an earlier init or join); returns whether
+    /// it did. Run at start, before anything can take the node lock: an
+    /// unfinished set-up found later may be one in progress.
+    pub fn reset_unfinished(&self) -> Result<bool, DiskError> {
+        match self.inspect()? {
+            DiskState::Unfinished { .. } => {
+                self.cryptsetup.mark_for_reset(&self.device)?;
+                Ok(true)
+            }
+            DiskState::Fresh | DiskState::Member { .. } => Ok(false),
+        }
+    }
+
+    /// Records that the node's provisioning finished: the header's label
+    /// becomes [`super::PROVISIONED_LABEL`].
+    pub fn finish(&self) -> Result<(), DiskError> {
+        self.cryptsetup
+            .relabel(&self.device, super::PROVISIONED_LABEL)
     }
 
     /// Sets up a fresh disk: LUKS2 with header UUID `uuid` and `key`, then,

@@ -64,6 +64,10 @@ pub enum InitError {
     /// The state disk holds a cluster's data: init would format it.
     #[error("this node's state disk is initialised; it rejoins or is recovered, never initialised again")]
     DiskInitialised,
+    /// Whether the state disk holds a cluster's data could not be told:
+    /// init refuses rather than risk formatting it.
+    #[error("reading the state disk's header failed")]
+    DiskUnreadable(#[source] crate::disk::DiskError),
     /// Taking the lock failed for another reason.
     #[error("taking the node lock failed")]
     Lock(#[source] LockError),
@@ -94,7 +98,9 @@ impl From<&InitError> for tonic::Status {
             InitError::NotInitNode | InitError::Locked | InitError::DiskInitialised => {
                 tonic::Code::FailedPrecondition
             }
-            InitError::Lock(_) | InitError::Tpm => tonic::Code::Unavailable,
+            InitError::Lock(_) | InitError::Tpm | InitError::DiskUnreadable(_) => {
+                tonic::Code::Unavailable
+            }
             InitError::Internal => tonic::Code::Internal,
             InitError::Throttled(_) => tonic::Code::ResourceExhausted,
         };
@@ -262,7 +268,7 @@ impl InitServer {
                 tokio::task::spawn_blocking(move || disk.cryptsetup.is_luks(&disk.device))
                     .await
                     .map_err(|_| InitError::Internal)?
-                    .unwrap_or(false);
+                    .map_err(InitError::DiskUnreadable)?;
             if initialised {
                 return Err(InitError::DiskInitialised);
             }
@@ -415,6 +421,7 @@ impl InitServer {
                 .clone(),
         };
         provisioner.serve_as_control_plane(state, &self.inner.node.cluster)?;
+        provisioner.finish().await?;
         Ok(kubeconfig)
     }
 }

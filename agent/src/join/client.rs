@@ -42,7 +42,7 @@ use super::settings::{JoinError, JoinSettings, Rounds};
 use super::ticket::{JoinTicket, TicketError};
 use super::transport::TicketClient;
 use crate::cluster::{ClusterSlot, ClusterState};
-use crate::disk::StateDisk;
+use crate::disk::{DiskState, StateDisk};
 use crate::kubeadm::{ControlPlaneJoin, JoinConfig};
 use crate::measured::SharedTpm;
 use crate::nodelock::{LockError, NodeLock};
@@ -173,29 +173,47 @@ impl JoinClient {
     /// Runs until the node joined, lost the race for the lock, or failed
     /// after the lock.
     pub async fn run(self) -> JoinOutcome {
-        let disk = self.env.state_disk.clone();
-        let existing = match &disk {
-            Some(disk) => self.initialised_disk_uuid(disk).await,
-            None => None,
+        let Some(disk) = self.env.state_disk.clone() else {
+            return self.join().await;
         };
-        match existing {
-            Some(uuid) => self.rejoin(&uuid).await,
-            None => self.join().await,
+        match self.member_disk_uuid(disk).await {
+            Some(Some(uuid)) => self.rejoin(&uuid).await,
+            Some(None) => self.join().await,
+            None => JoinOutcome::LostRace,
         }
     }
 
-    /// The UUID of the state disk when it already carries a LUKS header.
-    /// A disk that cannot be inspected counts as fresh.
-    async fn initialised_disk_uuid(&self, disk: &StateDisk) -> Option<String> {
-        let disk = disk.clone();
-        let found = tokio::task::spawn_blocking(move || disk.initialised_uuid()).await;
-        match found {
-            Ok(Ok(uuid)) => uuid,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %keel_atls::ErrorChain(&e), "inspecting the state disk failed; joining afresh");
-                None
+    /// The UUID of a member's state disk, `Some(None)` for a fresh disk.
+    /// A disk that cannot be inspected, or whose set-up is unfinished (a
+    /// provisioning runs, or the reset at start failed), is inspected again
+    /// after a pause, never taken for fresh: a join would format it, and
+    /// it may hold a member's data or another provisioning's. `None` when
+    /// the node got locked meanwhile (init won).
+    async fn member_disk_uuid(&self, disk: StateDisk) -> Option<Option<String>> {
+        let mut failures = 0;
+        loop {
+            let inspect = disk.clone();
+            let error = match tokio::task::spawn_blocking(move || inspect.inspect()).await {
+                Ok(Ok(DiskState::Member { uuid })) => return Some(Some(uuid)),
+                Ok(Ok(DiskState::Fresh)) => return Some(None),
+                Ok(Ok(DiskState::Unfinished { uuid })) => {
+                    format!("the set-up of the disk {uuid} is unfinished")
+                }
+                Ok(Err(e)) => keel_atls::ErrorChain(&e).to_string(),
+                Err(e) => e.to_string(),
+            };
+            let pause = self.settings.backoff.delay(failures);
+            tracing::warn!(
+                %error,
+                disk = %disk.device.display(),
+                retry_in = ?pause,
+                "inspecting the state disk failed; not joining until it can be told whether it holds a cluster's data"
+            );
+            tokio::time::sleep(pause).await;
+            if self.lock.is_locked() {
+                return None;
             }
-            Err(_) => None,
+            failures = failures.saturating_add(1);
         }
     }
 
@@ -331,17 +349,18 @@ impl JoinClient {
             .control_plane
             .as_mut()
             .map(|(_, m)| std::mem::take(&mut m.revocations));
+        let files = plan.files.clone();
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
         let result = async {
             p.prepare(plan).await?;
             if let Some(revocations) = revocations {
                 self.take_revocations(revocations).await?;
             }
-            p.kubeadm_join(&join).await?;
-            match self.control_plane_state(ticket)? {
-                Some(state) => p.serve_as_control_plane(state, &self.cluster),
-                None => Ok(()),
+            p.kubeadm_join(&join, &files).await?;
+            if let Some(state) = self.control_plane_state(ticket)? {
+                p.serve_as_control_plane(state, &self.cluster)?;
             }
+            p.finish().await
         }
         .await;
         match settle(&p, result).await {

@@ -11,7 +11,9 @@
 //! * `kubeadm join --config FILE [--skip-phases=...]`. A failed join is
 //!   followed by `kubeadm reset --force` (a half-done join leaves manifests
 //!   and kubeconfigs that make the next attempt fail its preflight checks),
-//!   then a pause that doubles after each attempt.
+//!   then a pause that doubles after each attempt. The reset also empties
+//!   the certificates directory and the kubelet's directory, which hold what
+//!   the join ticket brought: the caller puts that back before each retry.
 //! * `kubeadm upgrade apply VERSION --yes` on the first control plane of an
 //!   upgrade, `kubeadm upgrade node` on every other node; neither retried
 //!   (the agent switches the node back to its previous binaries instead).
@@ -87,6 +89,10 @@ pub enum KubeadmError {
     /// The configuration file could not be written.
     #[error("writing the kubeadm configuration")]
     WriteConfig(#[source] WriteFileError),
+    /// What a reset removed could not be put back before the next join
+    /// attempt.
+    #[error("restoring the node's certificates after kubeadm reset")]
+    Restore(#[source] WriteFileError),
     /// The admin kubeconfig could not be read after `init`.
     #[error("reading the admin kubeconfig {path:?}")]
     ReadKubeconfig {
@@ -198,11 +204,13 @@ impl Kubeadm {
     }
 
     /// Runs `kubeadm join` with the configuration file `config`, up to
-    /// [`Kubeadm::join_attempts`] times, with `kubeadm reset --force` and a
-    /// pause between attempts.
+    /// [`Kubeadm::join_attempts`] times, with `kubeadm reset --force`,
+    /// `restore` (which puts back the files the next attempt needs and the
+    /// reset removed) and a pause between attempts.
     pub async fn join(
         &self,
         config: &Path,
+        restore: &mut (dyn FnMut() -> Result<(), WriteFileError> + Send),
         on_line: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(), KubeadmError> {
         let attempts = self.join_attempts.max(1);
@@ -239,6 +247,7 @@ impl Kubeadm {
             {
                 tracing::warn!(error = %err, "kubeadm reset failed");
             }
+            restore().map_err(KubeadmError::Restore)?;
             tokio::time::sleep(pause).await;
             pause = pause.saturating_mul(2);
             attempt += 1;

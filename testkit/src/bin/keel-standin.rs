@@ -19,7 +19,8 @@
 //!   prints, which the agent must scrub);
 //! * `join --config F`: checks the `JoinConfiguration` and writes
 //!   `kubelet.conf`;
-//! * `reset --force`: removes what `init`/`join` wrote, as kubeadm does;
+//! * `reset --force`: removes what `init`/`join` wrote and empties the
+//!   certificates directory and `var/lib/kubelet`, as kubeadm does;
 //! * `upgrade apply VERSION --yes` and `upgrade node`: check that the node
 //!   is in a cluster, that this kubeadm is the target version and that the
 //!   target follows the cluster's version (recorded at init, join and each
@@ -847,18 +848,33 @@ fn reset(flags: &Flags) -> Result<()> {
         "pki",
     ] {
         let path = dir.join(entry);
-        let removed = if path.is_dir() {
-            std::fs::remove_dir_all(&path)
-        } else {
-            std::fs::remove_file(&path)
-        };
-        match removed {
+        match remove(&path) {
             Ok(()) => println!("[reset] Deleted {}", path.display()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return fail(format!("removing {}: {e}", path.display())),
         }
     }
+    // As kubeadm empties the kubelet's directory (its certificates too).
+    let kubelet = root().join("var/lib/kubelet");
+    println!("[reset] Deleting contents of {}", kubelet.display());
+    if let Ok(entries) = std::fs::read_dir(&kubelet) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if let Err(e) = remove(&path) {
+                return fail(format!("removing {}: {e}", path.display()));
+            }
+        }
+    }
     Ok(())
+}
+
+/// Removes `path`: a directory with what it holds, anything else itself.
+fn remove(path: &Path) -> std::io::Result<()> {
+    if std::fs::symlink_metadata(path)?.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    }
 }
 
 /// `upgrade apply VERSION --yes` (the first control plane) and
