@@ -312,7 +312,7 @@ async fn serve(
         tpm,
         lock,
     };
-    node::reset_unfinished_disk(&node.env).await;
+    node::reset_unfinished_disk(&node.env, &node.lock).await;
     let control_plane = node.config.node.role == Role::ControlPlane;
     let mut tasks = tokio::task::JoinSet::new();
     if control_plane {

@@ -29,6 +29,7 @@ use crate::init::InitServer;
 use crate::join::{JoinClient, JoinOutcome, JoinService, JoinSettings};
 use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
+use crate::nodelock::NodeLock;
 use crate::operator::{OperatorAuth, OperatorServer};
 use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT, STATE_SERVICES};
 use crate::provision::Node;
@@ -114,24 +115,41 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
 /// Before the node serves anything: a state disk whose set-up never
 /// finished (the node stopped during an earlier init or join) is reset, so
 /// this boot starts over. A disk that cannot be inspected is left alone;
-/// init and join refuse it until it can.
-pub async fn reset_unfinished_disk(env: &NodeEnv) {
+/// init and join refuse it until it can. If the node is locked already,
+/// the agent itself stopped within this boot (it was restarted) and PCR 15
+/// holds the cluster ID: unless the disk is a finished member's, only a
+/// reboot lets the node start over, so one is scheduled.
+pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) {
     let Some(disk) = env.state_disk.clone() else {
         return;
     };
     let device = disk.device.display().to_string();
-    match tokio::task::spawn_blocking(move || disk.reset_unfinished()).await {
-        Ok(Ok(true)) => tracing::warn!(
-            disk = device,
-            "the state disk's set-up never finished (the node stopped during init or join): reset; starting over"
-        ),
-        Ok(Ok(false)) => {}
-        Ok(Err(e)) => tracing::warn!(
-            disk = device,
-            error = %keel_atls::ErrorChain(&e),
-            "inspecting the state disk at start failed"
-        ),
-        Err(e) => tracing::warn!(disk = device, error = %e, "inspecting the state disk at start failed"),
+    let member = match tokio::task::spawn_blocking(move || disk.reset_unfinished()).await {
+        Ok(Ok(true)) => {
+            tracing::warn!(
+                disk = device,
+                "the state disk's set-up never finished (the node stopped during init or join): reset; starting over"
+            );
+            false
+        }
+        Ok(Ok(false)) => true,
+        Ok(Err(e)) => {
+            tracing::warn!(
+                disk = device,
+                error = %keel_atls::ErrorChain(&e),
+                "inspecting the state disk at start failed"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!(disk = device, error = %e, "inspecting the state disk at start failed");
+            false
+        }
+    };
+    if !member && lock.is_locked() {
+        for line in crate::reboot::reset_node(None, env.reboot).await {
+            tracing::error!("the node was locked before this start: {line}");
+        }
     }
 }
 

@@ -21,12 +21,12 @@
 //! Steps 1 to 3 are a [`Plan`] run by [`Provisioner::prepare`].
 //!
 //! 5. **Control plane** (init, control-plane join, rejoin, recovery): its
-//!    facts go on the state disk and its cluster state to the join service
-//!    ([`Provisioner::serve_as_control_plane`]).
-//!
+//!    facts go on the state disk.
 //! 6. **Finish**: a disk set up in this boot is labelled finished
 //!    ([`Provisioner::finish`]); a boot that finds one still labelled
 //!    unfinished resets it and starts over.
+//! 7. **Serving**: a control plane hands its cluster state to the join
+//!    service. [`Provisioner::serve_as_control_plane`] runs steps 5 to 7.
 //!
 //! A failure is fatal for this boot: PCR 15 already carries the cluster ID,
 //! so the node cannot start over. [`Provisioner::fail`] marks a disk that
@@ -312,9 +312,11 @@ impl<'a> Provisioner<'a> {
         Ok(())
     }
 
-    /// Step 5 of a control plane: records its facts on the state disk and
-    /// hands its cluster state to the join service (through `slot`).
-    pub fn serve_as_control_plane(
+    /// Step 5 of a control plane: records its facts on the state disk,
+    /// finishes a disk set up in this boot ([`Provisioner::finish`]), then
+    /// hands its cluster state to the join service (through `slot`): once
+    /// it serves, nothing of the set-up can fail or be undone any more.
+    pub async fn serve_as_control_plane(
         &self,
         state: ClusterState,
         slot: &ClusterSlot,
@@ -322,6 +324,7 @@ impl<'a> Provisioner<'a> {
         ControlPlaneFacts::of(&state)
             .save(self.env.root())
             .map_err(ProvisionError::Facts)?;
+        self.finish().await?;
         slot.send_replace(Some(Arc::new(state)));
         (self.log)("serving as a control plane".into());
         Ok(())
@@ -374,6 +377,8 @@ impl<'a> Provisioner<'a> {
     /// finished ([`crate::disk::StateDisk::finish`]). Until then a boot
     /// after a crash or power cut finds the set-up unfinished and resets
     /// the disk instead of rejoining with a node that never got its setup.
+    /// From then on the disk is a member's: a later failure leaves it
+    /// alone. Does nothing for a disk this boot did not set up, or twice.
     pub async fn finish(&self) -> Result<(), ProvisionError> {
         let Some(disk) = self.env.state_disk.clone() else {
             return Ok(());
@@ -386,6 +391,7 @@ impl<'a> Provisioner<'a> {
             .await
             .map_err(ProvisionError::Blocking)?
             .map_err(ProvisionError::Disk)?;
+        self.formatted.store(false, Ordering::SeqCst);
         (self.log)("state disk set-up finished".into());
         Ok(())
     }

@@ -31,7 +31,7 @@ use prost::Message as _;
 use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::attestation::credential;
-use crate::disk::StateDisk;
+use crate::disk::{DiskState, StateDisk};
 use crate::disk_bindings::EkDigest;
 use crate::nodelock::LockError;
 use crate::paths;
@@ -50,7 +50,8 @@ pub enum RecoveryError {
     /// Only a control plane holds the master secret.
     #[error("only a control plane is recovered; a worker rejoins")]
     NotControlPlane,
-    /// The node has no state disk, or a fresh one.
+    /// The node has no state disk, a fresh one, or one whose set-up
+    /// never finished.
     #[error("this node has no initialised state disk")]
     NoInitialisedDisk,
     /// The node is already locked (rejoined, or recovered).
@@ -228,7 +229,7 @@ impl RecoveryServer {
             }
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
-            p.serve_as_control_plane(state, &inner.node.cluster)
+            p.serve_as_control_plane(state, &inner.node.cluster).await
         }
         .await;
         match result {
@@ -269,9 +270,13 @@ impl RecoveryServer {
             .map_err(|_| RecoveryError::InvalidRequest("master secret"))?;
         let cluster_id = keys::cluster_id(&measurement_secret, &request.measurement_salt)
             .map_err(|_| RecoveryError::InvalidRequest("measurement salt length"))?;
+        // An unfinished set-up holds no cluster to recover (and the next
+        // start would reset it).
         let inspected = tokio::task::spawn_blocking(move || {
-            disk.initialised_uuid()
-                .map(|uuid| uuid.map(|uuid| (disk, uuid)))
+            disk.inspect().map(|state| match state {
+                DiskState::Member { uuid } => Some((disk, uuid)),
+                DiskState::Fresh | DiskState::Unfinished { .. } => None,
+            })
         })
         .await
         .map_err(|_| RecoveryError::Unavailable)?

@@ -5,13 +5,16 @@
 mod join_common;
 
 use join_common::{boot_measurements, free_port, joiner, stand_in_components, start_service_with};
+use keel_agent::disk::{Cryptsetup, PROVISIONED_LABEL};
 use keel_agent::join::JoinOutcome;
+use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::EkCa;
 use keel_verifier::measurement::EventType;
 use prost::Message as _;
+use tokio_stream::StreamExt as _;
 
 const SECRET: &[u8] = b"init secret of the racing node";
 
@@ -59,18 +62,39 @@ async fn init_and_join_racing_lock_once() {
             locks, 1,
             "round {round}: the node lock was taken {locks} times"
         );
-        match (&init_result, &join_outcome) {
-            (Ok(_), JoinOutcome::LostRace) => {}
+        match (init_result, &join_outcome) {
+            (Ok(stream), JoinOutcome::LostRace) => {
+                // The init runs to the end, and only then says the disk's
+                // set-up finished.
+                let mut stream = stream.into_inner();
+                let mut succeeded = false;
+                while let Some(response) = stream.next().await {
+                    if let Some(Kind::Success(_)) = response.unwrap().kind {
+                        succeeded = true;
+                    }
+                }
+                assert!(succeeded, "round {round}: the init did not succeed");
+                assert_eq!(
+                    Cryptsetup::default().label(&node.disk).unwrap(),
+                    PROVISIONED_LABEL,
+                    "round {round}"
+                );
+            }
             (Err(status), JoinOutcome::Joined { .. }) => {
                 assert_eq!(
                     status.code(),
                     tonic::Code::FailedPrecondition,
                     "round {round}: {status:?}"
                 );
+                assert_eq!(
+                    Cryptsetup::default().label(&node.disk).unwrap(),
+                    PROVISIONED_LABEL,
+                    "round {round}"
+                );
             }
             (init, join) => panic!(
                 "round {round}: init {:?} and join {join:?} both or neither won",
-                init.as_ref().err()
+                init.err()
             ),
         }
     }

@@ -6,6 +6,7 @@
 mod join_common;
 
 use join_common::{free_port, joiner};
+use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::swtpm::EkCa;
@@ -262,6 +263,40 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
     assert!(status.message().contains("state disk"), "{status:?}");
     assert!(!node.lock.is_locked());
     assert!(!node.disk.exists(), "something wrote the missing disk");
+
+    // A fresh disk: the init runs to the end, and only then does the
+    // disk's header say its set-up finished.
+    std::fs::File::create(&node.disk)
+        .unwrap()
+        .set_len(20 << 20)
+        .unwrap();
+    let mirror = keel_testkit::mirror::MirrorServer::start().unwrap();
+    let components = join_common::stand_in_components(&mirror)
+        .into_iter()
+        .map(Into::into)
+        .collect();
+    let mut stream = init
+        .init(tonic::Request::new(InitRequest {
+            kubernetes_components: Some(keel_proto::components::Components { components }),
+            ..request()
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut succeeded = false;
+    while let Some(response) = tokio_stream::StreamExt::next(&mut stream).await {
+        match response.unwrap().kind {
+            Some(Kind::Success(_)) => succeeded = true,
+            Some(Kind::Failure(failure)) => panic!("{failure:?}"),
+            _ => {}
+        }
+    }
+    assert!(succeeded);
+    assert!(node.lock.is_locked());
+    assert_eq!(
+        cryptsetup.label(&node.disk).unwrap(),
+        keel_agent::disk::PROVISIONED_LABEL
+    );
 }
 
 fn file_of_enforced() -> Vec<u8> {

@@ -420,8 +420,9 @@ impl InitServer {
                 .control_plane_endpoints
                 .clone(),
         };
-        provisioner.serve_as_control_plane(state, &self.inner.node.cluster)?;
-        provisioner.finish().await?;
+        provisioner
+            .serve_as_control_plane(state, &self.inner.node.cluster)
+            .await?;
         Ok(kubeconfig)
     }
 }

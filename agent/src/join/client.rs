@@ -193,22 +193,32 @@ impl JoinClient {
         let mut failures = 0;
         loop {
             let inspect = disk.clone();
-            let error = match tokio::task::spawn_blocking(move || inspect.inspect()).await {
+            let inspected = tokio::task::spawn_blocking(move || inspect.inspect()).await;
+            let pause = self.settings.backoff.delay(failures);
+            let device = disk.device.display();
+            let error = match inspected {
                 Ok(Ok(DiskState::Member { uuid })) => return Some(Some(uuid)),
                 Ok(Ok(DiskState::Fresh)) => return Some(None),
                 Ok(Ok(DiskState::Unfinished { uuid })) => {
-                    format!("the set-up of the disk {uuid} is unfinished")
+                    tracing::warn!(
+                        disk = %device,
+                        uuid,
+                        retry_in = ?pause,
+                        "the state disk's set-up is unfinished and resetting it at start failed; not joining until it is reset"
+                    );
+                    None
                 }
-                Ok(Err(e)) => keel_atls::ErrorChain(&e).to_string(),
-                Err(e) => e.to_string(),
+                Ok(Err(e)) => Some(keel_atls::ErrorChain(&e).to_string()),
+                Err(e) => Some(e.to_string()),
             };
-            let pause = self.settings.backoff.delay(failures);
-            tracing::warn!(
-                %error,
-                disk = %disk.device.display(),
-                retry_in = ?pause,
-                "inspecting the state disk failed; not joining until it can be told whether it holds a cluster's data"
-            );
+            if let Some(error) = error {
+                tracing::warn!(
+                    %error,
+                    disk = %device,
+                    retry_in = ?pause,
+                    "inspecting the state disk failed; not joining until it can be told whether it holds a cluster's data"
+                );
+            }
             tokio::time::sleep(pause).await;
             if self.lock.is_locked() {
                 return None;
@@ -357,10 +367,10 @@ impl JoinClient {
                 self.take_revocations(revocations).await?;
             }
             p.kubeadm_join(&join, &files).await?;
-            if let Some(state) = self.control_plane_state(ticket)? {
-                p.serve_as_control_plane(state, &self.cluster)?;
+            match self.control_plane_state(ticket)? {
+                Some(state) => p.serve_as_control_plane(state, &self.cluster).await,
+                None => p.finish().await,
             }
-            p.finish().await
         }
         .await;
         match settle(&p, result).await {
@@ -441,7 +451,7 @@ impl JoinClient {
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
             match state {
-                Some(state) => p.serve_as_control_plane(state, &self.cluster),
+                Some(state) => p.serve_as_control_plane(state, &self.cluster).await,
                 None => Ok(()),
             }
         }
