@@ -266,10 +266,7 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
 
     // A fresh disk: the init runs to the end, and only then does the
     // disk's header say its set-up finished.
-    std::fs::File::create(&node.disk)
-        .unwrap()
-        .set_len(20 << 20)
-        .unwrap();
+    join_common::fresh_disk(&node.disk);
     let mirror = keel_testkit::mirror::MirrorServer::start().unwrap();
     let components = join_common::stand_in_components(&mirror)
         .into_iter()

@@ -77,10 +77,7 @@ async fn a_disk_that_cannot_be_inspected_is_never_taken_for_fresh() {
     assert!(!node.lock.is_locked());
     assert!(!node.disk.exists(), "something wrote the missing disk");
 
-    std::fs::File::create(&node.disk)
-        .unwrap()
-        .set_len(20 << 20)
-        .unwrap();
+    join_common::fresh_disk(&node.disk);
     let outcome = tokio::time::timeout(Duration::from_secs(90), run)
         .await
         .expect("the node did not join once its disk could be inspected")

@@ -625,14 +625,19 @@ pub fn joiner(cluster_ca: &EkCa, tpm_ca: &EkCa, port: u16, name: &str, role: &st
     joiner_with(config, swtpm)
 }
 
+/// Creates `path` as a fresh 20 MiB state-disk image (zeros, no header).
+pub fn fresh_disk(path: &Path) {
+    std::fs::File::create(path)
+        .unwrap()
+        .set_len(20 << 20)
+        .unwrap();
+}
+
 /// A joining node with `config` and the TPM `swtpm`.
 pub fn joiner_with(config: NodeConfig, swtpm: Swtpm) -> Joiner {
     let dir = tempfile::tempdir().unwrap();
     let disk = dir.path().join("state.img");
-    std::fs::File::create(&disk)
-        .unwrap()
-        .set_len(20 << 20)
-        .unwrap();
+    fresh_disk(&disk);
     let dir = NodeDir {
         swtpm,
         dir,
