@@ -20,7 +20,7 @@ use crate::address::AdvertiseAddress;
 use crate::attestation::issuer::TpmIssuer;
 use crate::attestation::policy::{cpu_trust, ReloadableValidator};
 use crate::cluster::ClusterSlot;
-use crate::disk::{Cryptsetup, StateDisk, StateMount};
+use crate::disk::{Cryptsetup, DiskState, StateDisk, StateMount};
 use crate::disk_bindings::DiskBindings;
 use crate::evidence::admission::{MemberPolicy, PortValidator};
 use crate::evidence::EvidenceService;
@@ -112,43 +112,49 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
     })
 }
 
+/// Tries to inspect the state disk at start this many times, a second
+/// apart, before giving up.
+const START_INSPECTIONS: u32 = 3;
+
 /// Before the node serves anything: a state disk whose set-up never
 /// finished (the node stopped during an earlier init or join) is reset, so
 /// this boot starts over. A disk that cannot be inspected is left alone;
 /// init and join refuse it until it can. If the node is locked already,
 /// the agent itself stopped within this boot (it was restarted) and PCR 15
-/// holds the cluster ID: unless the disk is a finished member's, only a
-/// reboot lets the node start over, so one is scheduled.
+/// holds the cluster ID: unless the disk is a finished member's, nothing
+/// this boot can do lets the node start over, so a reboot is scheduled.
 pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) {
     let Some(disk) = env.state_disk.clone() else {
         return;
     };
     let device = disk.device.display().to_string();
-    let member = match tokio::task::spawn_blocking(move || disk.reset_unfinished()).await {
-        Ok(Ok(true)) => {
-            tracing::warn!(
-                disk = device,
-                "the state disk's set-up never finished (the node stopped during init or join): reset; starting over"
-            );
-            false
+    let mut attempt = 1;
+    let found = loop {
+        let inspect = disk.clone();
+        let error = match tokio::task::spawn_blocking(move || inspect.reset_unfinished()).await {
+            Ok(Ok(found)) => break Some(found),
+            Ok(Err(e)) => keel_atls::ErrorChain(&e).to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(disk = device, attempt, %error, "inspecting the state disk at start failed");
+        if attempt >= START_INSPECTIONS {
+            break None;
         }
-        Ok(Ok(false)) => true,
-        Ok(Err(e)) => {
-            tracing::warn!(
-                disk = device,
-                error = %keel_atls::ErrorChain(&e),
-                "inspecting the state disk at start failed"
-            );
-            false
-        }
-        Err(e) => {
-            tracing::warn!(disk = device, error = %e, "inspecting the state disk at start failed");
-            false
-        }
+        attempt += 1;
+        tokio::time::sleep(Duration::from_secs(1)).await;
     };
-    if !member && lock.is_locked() {
+    if let Some(DiskState::Unfinished { uuid }) = &found {
+        tracing::warn!(
+            disk = device,
+            uuid,
+            "the state disk's set-up never finished (the node stopped during init or join): reset; starting over"
+        );
+    }
+    if lock.is_locked() && !matches!(found, Some(DiskState::Member { .. })) {
         for line in crate::reboot::reset_node(None, env.reboot).await {
-            tracing::error!("the node was locked before this start: {line}");
+            tracing::error!(
+                "the node was locked before this start and its disk is no member's: {line}"
+            );
         }
     }
 }

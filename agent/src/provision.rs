@@ -229,8 +229,9 @@ pub struct Provisioner<'a> {
     env: &'a NodeEnv,
     tpm: &'a SharedTpm,
     log: &'a (dyn Fn(String) + Sync),
-    /// A fresh disk was formatted: a failure marks it for reset. A disk
-    /// that held the node's data before is never reset by a failure.
+    /// A fresh disk was formatted in this boot and its set-up is not
+    /// finished yet: a failure marks it for reset. A disk that held the
+    /// node's data before, or one finished, is never reset by a failure.
     formatted: AtomicBool,
 }
 

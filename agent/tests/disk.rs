@@ -66,7 +66,7 @@ fn an_unfinished_set_up_is_told_from_a_members_disk() {
         mount: None,
     };
     assert_eq!(disk.inspect().unwrap(), DiskState::Fresh);
-    assert!(!disk.reset_unfinished().unwrap());
+    assert_eq!(disk.reset_unfinished().unwrap(), DiskState::Fresh);
 
     let uuid = keel_agent::disk::new_uuid();
     disk.set_up(&uuid, &KEY).unwrap();
@@ -83,11 +83,9 @@ fn an_unfinished_set_up_is_told_from_a_members_disk() {
         disk.cryptsetup.label(&disk.device).unwrap(),
         PROVISIONED_LABEL
     );
-    assert_eq!(
-        disk.inspect().unwrap(),
-        DiskState::Member { uuid: uuid.clone() }
-    );
-    assert!(!disk.reset_unfinished().unwrap());
+    let member = DiskState::Member { uuid: uuid.clone() };
+    assert_eq!(disk.inspect().unwrap(), member);
+    assert_eq!(disk.reset_unfinished().unwrap(), member);
     assert!(disk.cryptsetup.key_matches(&disk.device, &KEY).unwrap());
 
     // A disk formatted before the label existed (none) is a member's.
@@ -99,7 +97,10 @@ fn an_unfinished_set_up_is_told_from_a_members_disk() {
     // Unfinished: reset at start, and fresh afterwards.
     let uuid = keel_agent::disk::new_uuid();
     disk.set_up(&uuid, &KEY).unwrap();
-    assert!(disk.reset_unfinished().unwrap());
+    assert_eq!(
+        disk.reset_unfinished().unwrap(),
+        DiskState::Unfinished { uuid }
+    );
     assert_eq!(disk.inspect().unwrap(), DiskState::Fresh);
 }
 

@@ -14,6 +14,7 @@ use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::EkCa;
 use keel_verifier::measurement::EventType;
 use prost::Message as _;
+use std::time::Duration;
 use tokio_stream::StreamExt as _;
 
 const SECRET: &[u8] = b"init secret of the racing node";
@@ -24,6 +25,11 @@ async fn init_and_join_racing_lock_once() {
     let mirror = MirrorServer::start().unwrap();
     let port = free_port();
     let _service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+    // An init that wins installs the same stand-ins from the mirror.
+    let components: Vec<keel_proto::components::Component> = stand_in_components(&mirror)
+        .into_iter()
+        .map(Into::into)
+        .collect();
 
     for round in 0..3 {
         let node = joiner(&ca, &ca, port, &format!("racer-{round}"), "worker");
@@ -43,6 +49,9 @@ async fn init_and_join_racing_lock_once() {
             kubernetes_version: "v1.31".into(),
             cluster_name: "race".into(),
             join_measurements: boot_measurements(&node.config).to_json().into_bytes(),
+            kubernetes_components: Some(keel_proto::components::Components {
+                components: components.clone(),
+            }),
             ..InitRequest::default()
         };
 
@@ -68,11 +77,17 @@ async fn init_and_join_racing_lock_once() {
                 // set-up finished.
                 let mut stream = stream.into_inner();
                 let mut succeeded = false;
-                while let Some(response) = stream.next().await {
-                    if let Some(Kind::Success(_)) = response.unwrap().kind {
-                        succeeded = true;
+                let drained = tokio::time::timeout(Duration::from_secs(90), async {
+                    while let Some(response) = stream.next().await {
+                        match response.unwrap().kind {
+                            Some(Kind::Success(_)) => succeeded = true,
+                            Some(Kind::Failure(failure)) => panic!("round {round}: {failure:?}"),
+                            _ => {}
+                        }
                     }
-                }
+                })
+                .await;
+                assert!(drained.is_ok(), "round {round}: the init did not end");
                 assert!(succeeded, "round {round}: the init did not succeed");
                 assert_eq!(
                     Cryptsetup::default().label(&node.disk).unwrap(),

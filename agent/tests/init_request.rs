@@ -249,6 +249,9 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
 
     let cryptsetup = keel_agent::disk::Cryptsetup::default();
     cryptsetup.format(&node.disk, &[9; 32]).unwrap();
+    cryptsetup
+        .relabel(&node.disk, keel_agent::disk::PROVISIONED_LABEL)
+        .unwrap();
     let before = std::fs::read(&node.disk).unwrap();
     let status = init.init(tonic::Request::new(request())).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
@@ -281,13 +284,17 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
         .unwrap()
         .into_inner();
     let mut succeeded = false;
-    while let Some(response) = tokio_stream::StreamExt::next(&mut stream).await {
-        match response.unwrap().kind {
-            Some(Kind::Success(_)) => succeeded = true,
-            Some(Kind::Failure(failure)) => panic!("{failure:?}"),
-            _ => {}
+    let drained = tokio::time::timeout(std::time::Duration::from_secs(90), async {
+        while let Some(response) = tokio_stream::StreamExt::next(&mut stream).await {
+            match response.unwrap().kind {
+                Some(Kind::Success(_)) => succeeded = true,
+                Some(Kind::Failure(failure)) => panic!("{failure:?}"),
+                _ => {}
+            }
         }
-    }
+    })
+    .await;
+    assert!(drained.is_ok(), "the init did not end");
     assert!(succeeded);
     assert!(node.lock.is_locked());
     assert_eq!(

@@ -86,17 +86,15 @@ impl StateDisk {
     }
 
     /// Resets the disk if its set-up never finished ([`DiskState::Unfinished`]:
-    /// the node stopped during an earlier init or join); returns whether
-    /// it did. Run at start, before anything can take the node lock: an
+    /// the node stopped during an earlier init or join); returns what it
+    /// found. Run at start, before anything can take the node lock: an
     /// unfinished set-up found later may be one in progress.
-    pub fn reset_unfinished(&self) -> Result<bool, DiskError> {
-        match self.inspect()? {
-            DiskState::Unfinished { .. } => {
-                self.cryptsetup.mark_for_reset(&self.device)?;
-                Ok(true)
-            }
-            DiskState::Fresh | DiskState::Member { .. } => Ok(false),
+    pub fn reset_unfinished(&self) -> Result<DiskState, DiskError> {
+        let found = self.inspect()?;
+        if let DiskState::Unfinished { .. } = found {
+            self.cryptsetup.mark_for_reset(&self.device)?;
         }
+        Ok(found)
     }
 
     /// Records that the node's provisioning finished: the header's label
