@@ -7,15 +7,12 @@ mod join_common;
 use join_common::{boot_measurements, free_port, joiner, stand_in_components, start_service_with};
 use keel_agent::disk::{Cryptsetup, PROVISIONED_LABEL};
 use keel_agent::join::JoinOutcome;
-use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::EkCa;
 use keel_verifier::measurement::EventType;
 use prost::Message as _;
-use std::time::Duration;
-use tokio_stream::StreamExt as _;
 
 const SECRET: &[u8] = b"init secret of the racing node";
 
@@ -75,19 +72,7 @@ async fn init_and_join_racing_lock_once() {
             (Ok(stream), JoinOutcome::LostRace) => {
                 // The init runs to the end, and only then says the disk's
                 // set-up finished.
-                let mut stream = stream.into_inner();
-                let mut succeeded = false;
-                let drained = tokio::time::timeout(Duration::from_secs(90), async {
-                    while let Some(response) = stream.next().await {
-                        match response.unwrap().kind {
-                            Some(Kind::Success(_)) => succeeded = true,
-                            Some(Kind::Failure(failure)) => panic!("round {round}: {failure:?}"),
-                            _ => {}
-                        }
-                    }
-                })
-                .await;
-                assert!(drained.is_ok(), "round {round}: the init did not end");
+                let succeeded = join_common::init_succeeds(stream).await;
                 assert!(succeeded, "round {round}: the init did not succeed");
                 assert_eq!(
                     Cryptsetup::default().label(&node.disk).unwrap(),

@@ -6,7 +6,6 @@
 mod join_common;
 
 use join_common::{free_port, joiner};
-use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::swtpm::EkCa;
@@ -275,27 +274,14 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
         .into_iter()
         .map(Into::into)
         .collect();
-    let mut stream = init
+    let stream = init
         .init(tonic::Request::new(InitRequest {
             kubernetes_components: Some(keel_proto::components::Components { components }),
             ..request()
         }))
         .await
-        .unwrap()
-        .into_inner();
-    let mut succeeded = false;
-    let drained = tokio::time::timeout(std::time::Duration::from_secs(90), async {
-        while let Some(response) = tokio_stream::StreamExt::next(&mut stream).await {
-            match response.unwrap().kind {
-                Some(Kind::Success(_)) => succeeded = true,
-                Some(Kind::Failure(failure)) => panic!("{failure:?}"),
-                _ => {}
-            }
-        }
-    })
-    .await;
-    assert!(drained.is_ok(), "the init did not end");
-    assert!(succeeded);
+        .unwrap();
+    assert!(join_common::init_succeeds(stream).await);
     assert!(node.lock.is_locked());
     assert_eq!(
         cryptsetup.label(&node.disk).unwrap(),

@@ -625,6 +625,32 @@ pub fn joiner(cluster_ca: &EkCa, tpm_ca: &EkCa, port: u16, name: &str, role: &st
     joiner_with(config, swtpm)
 }
 
+/// Reads an init response stream to its end (within 90 s); panics on a
+/// failure, returns whether the init reported success.
+pub async fn init_succeeds(
+    stream: tonic::Response<
+        tokio_stream::wrappers::ReceiverStream<
+            Result<keel_proto::init::InitResponse, tonic::Status>,
+        >,
+    >,
+) -> bool {
+    use keel_proto::init::init_response::Kind;
+    let mut stream = stream.into_inner();
+    let mut succeeded = false;
+    let drained = tokio::time::timeout(Duration::from_secs(90), async {
+        while let Some(response) = tokio_stream::StreamExt::next(&mut stream).await {
+            match response.unwrap().kind {
+                Some(Kind::Success(_)) => succeeded = true,
+                Some(Kind::Failure(failure)) => panic!("init failed: {failure:?}"),
+                _ => {}
+            }
+        }
+    })
+    .await;
+    assert!(drained.is_ok(), "the init did not end");
+    succeeded
+}
+
 /// Creates `path` as a fresh 20 MiB state-disk image (zeros, no header).
 pub fn fresh_disk(path: &Path) {
     std::fs::File::create(path)
