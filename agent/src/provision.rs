@@ -313,7 +313,7 @@ impl<'a> Provisioner<'a> {
         Ok(())
     }
 
-    /// Step 5 of a control plane: records its facts on the state disk,
+    /// Steps 5 to 7 of a control plane: records its facts on the state disk,
     /// finishes a disk set up in this boot ([`Provisioner::finish`]), then
     /// hands its cluster state to the join service (through `slot`): once
     /// it serves, nothing of the set-up can fail or be undone any more.
