@@ -624,8 +624,6 @@ impl OperatorServer {
     }
 }
 
-/// The tonic form of an operator result: refusals are logged with their
-/// chain and sent with their code and message.
 /// Runs `op` on a blocking thread: the operator's changes write and sync
 /// files, and a status encodes the whole registry.
 async fn off_the_runtime<T: Send + 'static>(
@@ -638,6 +636,8 @@ async fn off_the_runtime<T: Send + 'static>(
         .map_err(|_| OperatorError::Store(anyhow::anyhow!("the operator request's task failed")))?
 }
 
+/// The tonic form of an operator result: refusals are logged with their
+/// chain and sent with their code and message.
 fn respond<T>(result: Result<T, OperatorError>) -> Result<tonic::Response<T>, tonic::Status> {
     match result {
         Ok(response) => Ok(tonic::Response::new(response)),
