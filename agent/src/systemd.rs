@@ -1,7 +1,18 @@
-//! systemd readiness notification (`sd_notify`), without libsystemd.
+//! The service manager's side of the agent, without libsystemd: readiness
+//! notification (`sd_notify`) and its file-descriptor store, which keeps
+//! descriptors across a restart of the service (not across a reboot).
 
+use std::io::IoSlice;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
+
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
+
+/// The first descriptor systemd passes (`SD_LISTEN_FDS_START`).
+const LISTEN_FDS_START: i32 = 3;
+/// Most passed descriptors taken: the unit stores one.
+const MAX_LISTEN_FDS: i32 = 16;
 
 /// Sends `state` (e.g. `READY=1`) to `$NOTIFY_SOCKET`, if systemd set one.
 /// Returns whether a message was sent.
@@ -19,9 +30,186 @@ pub fn notify(state: &str) -> std::io::Result<bool> {
     Ok(true)
 }
 
+/// Hands `fd` to the service manager's file-descriptor store under `name`
+/// (`FDSTORE=1`), replacing what was stored under that name, if systemd
+/// set `$NOTIFY_SOCKET`. The unit must allow it (`FileDescriptorStoreMax=`).
+/// Returns whether it was sent.
+pub fn store_fd(name: &str, fd: BorrowedFd<'_>) -> std::io::Result<bool> {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return Ok(false);
+    };
+    store_fd_at(&path.to_string_lossy(), name, fd)?;
+    Ok(true)
+}
+
+/// [`store_fd`] to the notification socket `socket` (a path, or `@` and an
+/// abstract name).
+pub fn store_fd_at(socket: &str, name: &str, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+    if name.is_empty()
+        || name.len() > 255
+        || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
+    {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a stored descriptor's name is 1-255 printable characters without ':'",
+        ));
+    }
+    let addr = match socket.strip_prefix('@') {
+        Some(abstract_name) => UnixAddr::new_abstract(abstract_name.as_bytes())?,
+        None => UnixAddr::new(socket)?,
+    };
+    let sender = UnixDatagram::unbound()?;
+    let send = |state: &str, fds: &[i32]| -> std::io::Result<()> {
+        let control = [ControlMessage::ScmRights(fds)];
+        let control: &[ControlMessage] = if fds.is_empty() { &[] } else { &control };
+        sendmsg(
+            sender.as_raw_fd(),
+            &[IoSlice::new(state.as_bytes())],
+            control,
+            MsgFlags::empty(),
+            Some(&addr),
+        )?;
+        Ok(())
+    };
+    send(&format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[])?;
+    send(&format!("FDSTORE=1\nFDNAME={name}"), &[fd.as_raw_fd()])
+}
+
+/// Takes the files the service manager passed to this process
+/// (`$LISTEN_FDS`, named by `$LISTEN_FDNAMES`): those of its store, at a
+/// restart. Each is opened again read-only through `/proc/self/fd` and the
+/// passed descriptor closed; one that cannot be opened so (a socket) is
+/// only closed. Empty when none were passed or they are another process's.
+/// Call once, before other threads start: the variables are removed.
+pub fn take_passed_fds() -> Vec<(String, std::fs::File)> {
+    let var = |name| std::env::var(name).ok();
+    let passed = passed_fds(
+        var("LISTEN_PID").as_deref(),
+        var("LISTEN_FDS").as_deref(),
+        var("LISTEN_FDNAMES").as_deref(),
+        std::process::id(),
+    );
+    for name in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
+        std::env::remove_var(name);
+    }
+    passed
+        .into_iter()
+        .filter_map(|(name, fd)| {
+            let file = std::fs::File::open(format!("/proc/self/fd/{fd}"));
+            if let Err(e) = nix::unistd::close(fd) {
+                tracing::warn!(fd, error = %e, "closing a passed descriptor failed");
+            }
+            file.ok().map(|file| (name, file))
+        })
+        .collect()
+}
+
+/// The descriptors (names and numbers) that `LISTEN_*` values pass to the
+/// process `own_pid`: none unless `listen_pid` is that process; unnamed
+/// ones are called `unknown`, as systemd calls them.
+pub fn passed_fds(
+    listen_pid: Option<&str>,
+    listen_fds: Option<&str>,
+    listen_fdnames: Option<&str>,
+    own_pid: u32,
+) -> Vec<(String, i32)> {
+    if listen_pid.and_then(|p| p.parse::<u32>().ok()) != Some(own_pid) {
+        return Vec::new();
+    }
+    let count = listen_fds
+        .and_then(|n| n.parse::<i32>().ok())
+        .unwrap_or(0)
+        .clamp(0, MAX_LISTEN_FDS);
+    let mut names = listen_fdnames.unwrap_or_default().split(':');
+    (0..count)
+        .map(|i| {
+            let name = names.next().filter(|n| !n.is_empty()).unwrap_or("unknown");
+            (name.to_owned(), LISTEN_FDS_START + i)
+        })
+        .collect()
+}
+
 /// Time since the kernel started (`/proc/uptime`), for boot timelines.
 pub fn since_boot() -> Option<std::time::Duration> {
     let text = std::fs::read_to_string("/proc/uptime").ok()?;
     let seconds: f64 = text.split_whitespace().next()?.parse().ok()?;
     std::time::Duration::try_from_secs_f64(seconds).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::io::{IoSliceMut, Read as _, Write as _};
+    use std::os::fd::AsFd as _;
+
+    #[test]
+    fn passed_descriptors_are_this_processs_only() {
+        let fds = |pid, count, names| passed_fds(pid, count, names, 42);
+        assert_eq!(
+            fds(Some("42"), Some("2"), Some("keel-resume:")),
+            [("keel-resume".to_owned(), 3), ("unknown".to_owned(), 4)]
+        );
+        assert!(fds(Some("41"), Some("1"), Some("keel-resume")).is_empty());
+        assert!(fds(None, Some("1"), Some("keel-resume")).is_empty());
+        assert!(fds(Some("42"), Some("-1"), None).is_empty());
+        assert!(fds(Some("42"), Some("x"), None).is_empty());
+        assert_eq!(
+            fds(Some("42"), Some("1000"), None).len(),
+            MAX_LISTEN_FDS as usize
+        );
+    }
+
+    #[test]
+    fn a_stored_descriptor_reaches_the_service_manager_with_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify");
+        let manager = UnixDatagram::bind(&path).unwrap();
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(b"kept").unwrap();
+        store_fd_at(path.to_str().unwrap(), "keel-resume", file.as_fd()).unwrap();
+
+        let receive = || {
+            let mut buf = [0u8; 256];
+            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            let msg = nix::sys::socket::recvmsg::<()>(
+                manager.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::empty(),
+            )
+            .unwrap();
+            let fds: Vec<i32> = msg
+                .cmsgs()
+                .unwrap()
+                .flat_map(|c| match c {
+                    nix::sys::socket::ControlMessageOwned::ScmRights(fds) => fds,
+                    _ => Vec::new(),
+                })
+                .collect();
+            let len = msg.bytes;
+            (String::from_utf8(buf[..len].to_vec()).unwrap(), fds)
+        };
+        // The earlier descriptor of that name goes first.
+        assert_eq!(
+            receive(),
+            ("FDSTOREREMOVE=1\nFDNAME=keel-resume".to_owned(), vec![])
+        );
+        let (state, fds) = receive();
+        assert_eq!(state, "FDSTORE=1\nFDNAME=keel-resume");
+        assert_eq!(fds.len(), 1);
+        let mut text = String::new();
+        std::fs::File::open(format!("/proc/self/fd/{}", fds[0]))
+            .unwrap()
+            .read_to_string(&mut text)
+            .unwrap();
+        nix::unistd::close(fds[0]).unwrap();
+        assert_eq!(text, "kept");
+
+        // A name systemd would refuse is refused here.
+        for name in ["", "a:b", "a b"] {
+            assert!(store_fd_at(path.to_str().unwrap(), name, file.as_fd()).is_err());
+        }
+    }
 }
