@@ -44,6 +44,7 @@ pub mod provision;
 pub mod reboot;
 pub mod recovery;
 pub mod registry;
+pub mod resume;
 pub mod systemd;
 mod throttle;
 pub mod tpm;

@@ -16,6 +16,7 @@ use keel_agent::cluster::ClusterSlot;
 use keel_agent::measured::{self, MeasuredLog, MeasuredTpm, SharedTpm};
 use keel_agent::node;
 use keel_agent::nodelock::NodeLock;
+use keel_agent::resume;
 use keel_agent::systemd;
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_verifier::measurement::{self, pcr, EventType, HexDigest};
@@ -172,6 +173,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             measurements,
         } => {
             log_boot_time("agent started");
+            // Taken before any thread starts: what the agent kept in the
+            // service manager's store before it restarted (this boot).
+            let kept = resume::take_kept(systemd::take_passed_fds());
             raise_file_limit();
             let (config, source) = NodeConfig::load(config.as_deref())?;
             tracing::info!(%source, "node config loaded");
@@ -226,6 +230,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 cli.state_dir,
                 measurements,
                 stop,
+                kept,
             ));
             // The tasks are gone: end the TPM's cycle so that its next
             // startup finds an orderly shutdown.
@@ -303,6 +308,7 @@ async fn serve(
     state_dir: PathBuf,
     measurements: PathBuf,
     mut stop: StopSignals,
+    kept: Option<Result<resume::ResumeRecord, resume::ResumeError>>,
 ) -> anyhow::Result<()> {
     let node = keel_agent::provision::Node {
         env: node::node_env(&config, state_dir)?,
@@ -313,6 +319,9 @@ async fn serve(
         lock,
     };
     node::reset_unfinished_disk(&node.env, &node.lock).await;
+    // Locked already: the agent restarted within this boot.
+    let restarted = node.lock.is_locked();
+    resume::at_start(&node, kept).await;
     let control_plane = node.config.node.role == Role::ControlPlane;
     let mut tasks = tokio::task::JoinSet::new();
     if control_plane {
@@ -328,7 +337,9 @@ async fn serve(
     if node.config.cluster.control_plane_endpoints.is_empty() {
         tracing::info!("no control-plane endpoints configured: this node does not join");
     } else {
-        tasks.spawn(node::run_join_client(node.clone()));
+        if !restarted {
+            tasks.spawn(node::run_join_client(node.clone()));
+        }
         // Once locked into the cluster (init or join), the node attests on.
         tasks.spawn(keel_agent::evidence::client::run_for_node(node.clone()));
     }

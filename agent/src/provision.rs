@@ -326,7 +326,9 @@ impl<'a> Provisioner<'a> {
             .save(self.env.root())
             .map_err(ProvisionError::Facts)?;
         self.finish().await?;
+        let record = crate::resume::ResumeRecord::of_control_plane(&state);
         slot.send_replace(Some(Arc::new(state)));
+        crate::resume::keep(record);
         (self.log)("serving as a control plane".into());
         Ok(())
     }

@@ -50,6 +50,7 @@ use crate::operator::OperatorKeySlot;
 use crate::paths;
 use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
 use crate::registry::RegistryStore;
+use crate::resume::ResumeRecord;
 use keel_verifier::keys::ClusterId;
 
 /// Most endpoints a client tries (its config's and those tickets named).
@@ -375,7 +376,8 @@ impl JoinClient {
         .await;
         match settle(&p, result).await {
             Ok(()) => {
-                self.operator_key.set(operator_key);
+                self.operator_key.set(operator_key.clone());
+                crate::resume::keep(ResumeRecord::of_member(cluster_id, operator_key));
                 tracing::info!("this node joined the cluster");
                 JoinOutcome::Joined { cluster_id }
             }
@@ -458,7 +460,8 @@ impl JoinClient {
         .await;
         match settle(&p, result).await {
             Ok(()) => {
-                self.operator_key.set(operator_key);
+                self.operator_key.set(operator_key.clone());
+                crate::resume::keep(ResumeRecord::of_member(ticket.cluster_id, operator_key));
                 JoinOutcome::Rejoined {
                     cluster_id: ticket.cluster_id,
                 }

@@ -684,6 +684,11 @@ pub fn reboot(config: NodeConfig, _tpm_ca: &EkCa, mut dir: NodeDir, disk: PathBu
 fn with_tpm(config: NodeConfig, dir: NodeDir, disk: PathBuf) -> Joiner {
     let log = dir.path().join(format!("log-boot-{}", dir.boots));
     let tpm = measured(&dir.swtpm, &log, &config);
+    on_tpm(config, dir, disk, tpm)
+}
+
+/// The node of `dir` with its measured TPM `tpm`.
+fn on_tpm(config: NodeConfig, dir: NodeDir, disk: PathBuf, tpm: SharedTpm) -> Joiner {
     let lock = Arc::new(NodeLock::new(tpm.clone()).unwrap());
     Joiner {
         config,
@@ -803,6 +808,30 @@ impl Joiner {
     /// directory stay.
     pub fn reboot(self, tpm_ca: &EkCa) -> Joiner {
         reboot(self.config, tpm_ca, self.dir, self.disk)
+    }
+
+    /// Restarts the node's agent within its boot: its TPM keeps its PCRs,
+    /// the agent opens its event log again and measures its config only if
+    /// the log lacks it, as the agent does at start.
+    pub fn restart_agent(self) -> Joiner {
+        let Joiner {
+            config,
+            tpm,
+            lock,
+            disk,
+            dir,
+            ..
+        } = self;
+        drop(lock);
+        drop(tpm);
+        let log = dir.path().join(format!("log-boot-{}", dir.boots));
+        let tpm = Tpm::open(&dir.swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+        let mut m = MeasuredTpm::open(tpm, &log).unwrap();
+        m.record_once(EventType::NodeConfig, "config", config.cluster_bytes())
+            .unwrap();
+        m.record_once(EventType::NodeIdentity, "node", config.node_bytes())
+            .unwrap();
+        on_tpm(config, dir, disk, m.shared())
     }
 
     /// `secret` sealed to this node's TPM, as the CLI seals the master secret.

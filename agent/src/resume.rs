@@ -1,0 +1,498 @@
+//! Resuming after an agent restart within one boot.
+//!
+//! The node lock cannot be taken twice in a boot (PCR 15 holds the cluster
+//! ID until the next reboot), so an agent that systemd restarts after a
+//! crash finds its node locked and its disk open, but without what it held
+//! in memory: a control plane's master secret (without it, no joins, keys,
+//! operator requests or registry merges, and its evidence stops, so peers
+//! record it silent and, under the `revoke` policy, revoke it), a member's
+//! operator key.
+//!
+//! So once a node is a member, the agent keeps a [`ResumeRecord`] in the
+//! service manager's file-descriptor store: a sealed memfd that systemd
+//! holds while the service runs or restarts, drops when it is stopped, and
+//! never keeps across a reboot. A restarted agent takes it back before its
+//! flows start ([`take_kept`]) and resumes ([`resume`]) only if the record
+//! names the cluster PCR 15 holds, and a control plane's master secret
+//! derives that cluster ID from the facts on its disk.
+//!
+//! The record is as secret as the agent's memory and guarded alike: only
+//! root reaches the store (PID 1's descriptors), as only root can read the
+//! agent's memory.
+
+use std::io::Write as _;
+use std::os::fd::AsFd as _;
+use std::os::unix::fs::FileExt as _;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use keel_verifier::keys::{ClusterId, KeyService, OperatorKey};
+use prost::Message as _;
+use zeroize::{Zeroize as _, Zeroizing};
+
+use crate::provision::{Node, ProvisionError, Provisioner};
+
+/// The name of the record in the descriptor store.
+pub const STORE_NAME: &str = "keel-resume";
+/// Largest record read back: a master secret, salts and a key take well
+/// under 1 KiB.
+const MAX_RECORD_BYTES: usize = 4096;
+
+/// What a member needs to resume its role after an agent restart.
+#[derive(Clone)]
+pub struct ResumeRecord {
+    cluster_id: ClusterId,
+    /// A control plane's master secret and salt.
+    keys: Option<Arc<KeyService>>,
+    /// A member's operator key, from its ticket.
+    operator_key: Option<OperatorKey>,
+}
+
+impl std::fmt::Debug for ResumeRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResumeRecord")
+            .field("cluster_id", &hex::encode(self.cluster_id))
+            .field("control_plane", &self.keys.is_some())
+            .field("operator_key", &self.operator_key.is_some())
+            .finish()
+    }
+}
+
+/// The record as stored (protobuf).
+#[derive(Clone, PartialEq, prost::Message)]
+struct Stored {
+    #[prost(bytes = "vec", tag = "1")]
+    cluster_id: Vec<u8>,
+    #[prost(bytes = "vec", tag = "2")]
+    master_secret: Vec<u8>,
+    #[prost(bytes = "vec", tag = "3")]
+    master_salt: Vec<u8>,
+    #[prost(bytes = "vec", tag = "4")]
+    operator_key: Vec<u8>,
+}
+
+impl Drop for Stored {
+    fn drop(&mut self) {
+        self.master_secret.zeroize();
+        self.master_salt.zeroize();
+        self.operator_key.zeroize();
+    }
+}
+
+/// Why no record was kept or taken back, or the node did not resume.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResumeError {
+    /// Making, writing or storing the record failed.
+    #[error("keeping the resume record")]
+    Keep(#[source] std::io::Error),
+    /// The stored record could not be read.
+    #[error("reading the resume record")]
+    Read(#[source] std::io::Error),
+    /// The stored record does not decode, or a field is invalid.
+    #[error("the resume record is invalid: {0}")]
+    Invalid(&'static str),
+    /// The node is not locked: there is nothing to resume.
+    #[error("the node is not locked")]
+    NotLocked,
+    /// PCR 15 holds another cluster ID than the record (or none the agent's
+    /// event log names).
+    #[error("the node is locked into cluster {locked}, the resume record names {kept}")]
+    OtherCluster {
+        /// The cluster ID of the lock (hex), or `unknown`.
+        locked: String,
+        /// The record's (hex).
+        kept: String,
+    },
+    /// The record is a control plane's and the node is a worker's, or the
+    /// other way round.
+    #[error("the resume record is a {kept}'s, this node is a {node}")]
+    Role {
+        /// The record's role.
+        kept: &'static str,
+        /// The node's role.
+        node: &'static str,
+    },
+    /// Reading the lock failed.
+    #[error("reading the node lock")]
+    Lock(#[source] crate::nodelock::LockError),
+    /// The control plane's state could not be restored from its disk.
+    #[error("restoring the control plane's state")]
+    Restore(#[source] ProvisionError),
+}
+
+impl ResumeRecord {
+    /// The record of a control plane serving `state`.
+    pub fn of_control_plane(state: &crate::cluster::ClusterState) -> Self {
+        Self {
+            cluster_id: state.cluster_id,
+            keys: Some(state.keys.clone()),
+            operator_key: None,
+        }
+    }
+
+    /// The record of a member of `cluster_id` whose ticket carried
+    /// `operator_key`.
+    pub fn of_member(cluster_id: ClusterId, operator_key: OperatorKey) -> Self {
+        Self {
+            cluster_id,
+            keys: None,
+            operator_key: Some(operator_key),
+        }
+    }
+
+    /// The record's cluster ID.
+    pub fn cluster_id(&self) -> ClusterId {
+        self.cluster_id
+    }
+
+    /// Whether the record is a control plane's (holds the master secret).
+    pub fn is_control_plane(&self) -> bool {
+        self.keys.is_some()
+    }
+
+    /// `self`, with what `earlier` holds and `self` does not, when both
+    /// are of one cluster.
+    fn merged(mut self, earlier: Option<&Self>) -> Self {
+        if let Some(earlier) = earlier.filter(|e| e.cluster_id == self.cluster_id) {
+            self.keys = self.keys.or_else(|| earlier.keys.clone());
+            self.operator_key = self.operator_key.or_else(|| earlier.operator_key.clone());
+        }
+        self
+    }
+
+    /// The stored form.
+    pub fn encode(&self) -> Zeroizing<Vec<u8>> {
+        let (secret, salt) = self
+            .keys
+            .as_ref()
+            .map(|k| k.expose_master())
+            .unwrap_or_default();
+        let stored = Stored {
+            cluster_id: self.cluster_id.to_vec(),
+            master_secret: secret.to_vec(),
+            master_salt: salt.to_vec(),
+            operator_key: self
+                .operator_key
+                .as_ref()
+                .map(|k| k.expose().to_vec())
+                .unwrap_or_default(),
+        };
+        Zeroizing::new(stored.encode_to_vec())
+    }
+
+    /// A record from its stored form.
+    pub fn decode(bytes: &[u8]) -> Result<Self, ResumeError> {
+        if bytes.len() > MAX_RECORD_BYTES {
+            return Err(ResumeError::Invalid("larger than 4 KiB"));
+        }
+        let stored = Stored::decode(bytes).map_err(|_| ResumeError::Invalid("does not decode"))?;
+        let cluster_id = ClusterId::try_from(stored.cluster_id.as_slice())
+            .map_err(|_| ResumeError::Invalid("cluster ID length"))?;
+        let keys = match (
+            stored.master_secret.is_empty(),
+            stored.master_salt.is_empty(),
+        ) {
+            (true, true) => None,
+            _ => Some(Arc::new(
+                KeyService::new(&stored.master_secret, &stored.master_salt)
+                    .map_err(|_| ResumeError::Invalid("master secret or salt length"))?,
+            )),
+        };
+        let operator_key = match stored.operator_key.as_slice() {
+            [] => None,
+            key => Some(
+                OperatorKey::from_slice(key).ok_or(ResumeError::Invalid("operator key length"))?,
+            ),
+        };
+        if keys.is_none() && operator_key.is_none() {
+            return Err(ResumeError::Invalid(
+                "neither a master secret nor an operator key",
+            ));
+        }
+        Ok(Self {
+            cluster_id,
+            keys,
+            operator_key,
+        })
+    }
+}
+
+/// The record this agent kept last: a later one of the same cluster
+/// keeps what it does not replace.
+static KEPT: Mutex<Option<ResumeRecord>> = Mutex::new(None);
+
+/// Keeps `record` (merged with the one kept before) in the service
+/// manager's descriptor store, where a restarted agent finds it. Without a
+/// service manager (`$NOTIFY_SOCKET` unset) it is kept in memory only. A
+/// failure is logged: the node works on, but a restart of its agent would
+/// need a reboot.
+pub fn keep(record: ResumeRecord) {
+    let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+    let record = record.merged(kept.as_ref());
+    match store(&record) {
+        Ok(true) => tracing::info!(
+            control_plane = record.is_control_plane(),
+            "resume record kept in the service manager's descriptor store"
+        ),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(
+            error = %keel_atls::ErrorChain(&e),
+            "the resume record could not be kept: if the agent restarts, this node needs a reboot"
+        ),
+    }
+    *kept = Some(record);
+}
+
+/// Stores `record` ([`sealed`]) if a service manager listens.
+fn store(record: &ResumeRecord) -> Result<bool, ResumeError> {
+    if std::env::var_os("NOTIFY_SOCKET").is_none() {
+        return Ok(false);
+    }
+    let file = sealed(record)?;
+    crate::systemd::store_fd(STORE_NAME, file.as_fd()).map_err(ResumeError::Keep)
+}
+
+/// `record` in a memfd sealed against every change (its size and bytes,
+/// and its seals).
+pub fn sealed(record: &ResumeRecord) -> Result<std::fs::File, ResumeError> {
+    use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+    use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+    let io = |e: nix::Error| ResumeError::Keep(e.into());
+    let fd = memfd_create(
+        c"keel-resume",
+        MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
+    )
+    .map_err(io)?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(&record.encode())
+        .map_err(ResumeError::Keep)?;
+    fcntl(
+        std::os::fd::AsRawFd::as_raw_fd(&file),
+        FcntlArg::F_ADD_SEALS(
+            SealFlag::F_SEAL_WRITE
+                | SealFlag::F_SEAL_GROW
+                | SealFlag::F_SEAL_SHRINK
+                | SealFlag::F_SEAL_SEAL,
+        ),
+    )
+    .map_err(io)?;
+    Ok(file)
+}
+
+/// The record among the descriptors passed to this process at start
+/// ([`crate::systemd::take_passed_fds`]). `None`
+/// when none was passed.
+pub fn take_kept(
+    passed: Vec<(String, std::fs::File)>,
+) -> Option<Result<ResumeRecord, ResumeError>> {
+    let file = passed.into_iter().find(|(name, _)| name == STORE_NAME)?.1;
+    Some(read(&file))
+}
+
+/// Reads a stored record from `file`, from its start.
+pub fn read(file: &std::fs::File) -> Result<ResumeRecord, ResumeError> {
+    let mut bytes = Zeroizing::new(vec![0u8; MAX_RECORD_BYTES + 1]);
+    let mut len = 0;
+    while len < bytes.len() {
+        match file.read_at(&mut bytes[len..], len as u64) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(ResumeError::Read(e)),
+        }
+    }
+    ResumeRecord::decode(&bytes[..len])
+}
+
+/// What a node resumed as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resumed {
+    /// A control plane: its cluster state is back in its slot, so its
+    /// join service, evidence service and operator API serve again.
+    ControlPlane,
+    /// A member: its operator key is back.
+    Member,
+}
+
+/// Resumes the role `record` describes on `node`, locked within this boot
+/// by the agent before it restarted: the record must name the cluster ID
+/// of the lock; a control plane's master secret must derive the cluster ID
+/// of the facts on its (still open) state disk.
+pub async fn resume(node: &Node, record: ResumeRecord) -> Result<Resumed, ResumeError> {
+    if !node.lock.is_locked() {
+        return Err(ResumeError::NotLocked);
+    }
+    let locked = node.lock.cluster_id().map_err(ResumeError::Lock)?;
+    if locked != Some(record.cluster_id) {
+        return Err(ResumeError::OtherCluster {
+            locked: locked.map_or_else(|| "unknown".to_owned(), hex::encode),
+            kept: hex::encode(record.cluster_id),
+        });
+    }
+    let control_plane = node.config.node.role == keel_verifier::config::Role::ControlPlane;
+    let role = |cp: bool| if cp { "control plane" } else { "worker" };
+    if record.is_control_plane() != control_plane {
+        return Err(ResumeError::Role {
+            kept: role(record.is_control_plane()),
+            node: role(control_plane),
+        });
+    }
+    let resumed = match &record.keys {
+        Some(keys) => {
+            let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
+            let p = Provisioner::new(&node.env, &node.tpm, &log);
+            let keys = KeyService::new(keys.expose_master().0, keys.expose_master().1)
+                .map_err(|_| ResumeError::Invalid("master secret or salt length"))?;
+            let signing_key = node
+                .config
+                .cluster
+                .signing_key()
+                .map_err(|e| ResumeError::Restore(ProvisionError::Lock(e.to_string())))?;
+            let state = p
+                .restore_control_plane(keys, signing_key)
+                .map_err(ResumeError::Restore)?;
+            // The keys derive the facts' cluster ID (checked by the
+            // restore); it must also be the lock's.
+            if state.cluster_id != record.cluster_id {
+                return Err(ResumeError::OtherCluster {
+                    locked: hex::encode(record.cluster_id),
+                    kept: hex::encode(state.cluster_id),
+                });
+            }
+            node.cluster.send_replace(Some(Arc::new(state)));
+            Resumed::ControlPlane
+        }
+        None => Resumed::Member,
+    };
+    if let Some(key) = &record.operator_key {
+        node.operator_key.set(key.clone());
+    }
+    *KEPT.lock().unwrap_or_else(PoisonError::into_inner) = Some(record);
+    Ok(resumed)
+}
+
+/// At start, before the node's flows run: a node locked within this boot
+/// (its agent restarted) resumes with the record kept before the restart,
+/// or says plainly what it cannot do until it reboots.
+pub async fn at_start(node: &Node, kept: Option<Result<ResumeRecord, ResumeError>>) {
+    if !node.lock.is_locked() {
+        return;
+    }
+    let cause = match kept {
+        Some(Ok(record)) => match resume(node, record).await {
+            Ok(Resumed::ControlPlane) => {
+                tracing::info!("resumed after an agent restart: serving as a control plane again");
+                return;
+            }
+            Ok(Resumed::Member) => {
+                tracing::info!("resumed after an agent restart: a member of the cluster");
+                return;
+            }
+            Err(e) => keel_atls::ErrorChain(&e).to_string(),
+        },
+        Some(Err(e)) => keel_atls::ErrorChain(&e).to_string(),
+        None => "no resume record was kept (the service was stopped, or the store refused it)"
+            .to_owned(),
+    };
+    tracing::error!(
+        cause,
+        "the agent restarted after the node was locked in this boot and cannot resume: \
+         until the node reboots it takes no operator requests and, on a control plane, \
+         serves no joins, keys or evidence; reboot it to rejoin (or recover a last control plane)"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn keys() -> Arc<KeyService> {
+        Arc::new(KeyService::new(&[7; 32], &[9; 32]).unwrap())
+    }
+
+    #[test]
+    fn a_record_survives_its_sealed_memfd() {
+        let record = ResumeRecord {
+            cluster_id: [3; 32],
+            keys: Some(keys()),
+            operator_key: OperatorKey::from_slice(&[5; keel_verifier::keys::OPERATOR_KEY_LEN]),
+        };
+        let file = sealed(&record).unwrap();
+        // Sealed: no byte of it changes.
+        assert!(file.write_at(b"x", 0).is_err());
+        assert!(file.set_len(1).is_err());
+        let back = read(&file).unwrap();
+        assert_eq!(back.cluster_id, [3; 32]);
+        assert_eq!(back.keys.unwrap().expose_master(), keys().expose_master());
+        assert_eq!(back.operator_key.unwrap().expose(), &[5; 32]);
+    }
+
+    #[test]
+    fn a_later_record_keeps_what_an_earlier_one_of_its_cluster_held() {
+        let key = OperatorKey::from_slice(&[5; keel_verifier::keys::OPERATOR_KEY_LEN]).unwrap();
+        let control_plane = ResumeRecord {
+            cluster_id: [3; 32],
+            keys: Some(keys()),
+            operator_key: None,
+        };
+        let merged = ResumeRecord::of_member([3; 32], key.clone()).merged(Some(&control_plane));
+        assert!(merged.is_control_plane() && merged.operator_key.is_some());
+        // Another cluster's record keeps nothing of it.
+        let other = ResumeRecord::of_member([4; 32], key).merged(Some(&control_plane));
+        assert!(!other.is_control_plane());
+    }
+
+    #[test]
+    fn invalid_records_are_refused() {
+        let stored = |f: &dyn Fn(&mut Stored)| {
+            let mut s = Stored {
+                cluster_id: vec![3; 32],
+                master_secret: vec![7; 32],
+                master_salt: vec![9; 32],
+                operator_key: Vec::new(),
+            };
+            f(&mut s);
+            ResumeRecord::decode(&s.encode_to_vec())
+        };
+        assert!(stored(&|_| {}).is_ok());
+        for (what, f) in [
+            (
+                "short cluster ID",
+                &(|s: &mut Stored| s.cluster_id.truncate(31)) as &dyn Fn(&mut Stored),
+            ),
+            ("short master secret", &|s| s.master_secret.truncate(8)),
+            ("salt without a secret", &|s| s.master_secret.clear()),
+            ("short operator key", &|s| s.operator_key = vec![1; 31]),
+            ("nothing to resume with", &|s| {
+                s.master_secret.clear();
+                s.master_salt.clear();
+            }),
+        ] {
+            assert!(
+                matches!(stored(f), Err(ResumeError::Invalid(_))),
+                "{what} accepted"
+            );
+        }
+        assert!(ResumeRecord::decode(b"\xff\xff\xff").is_err());
+        assert!(matches!(
+            ResumeRecord::decode(&vec![0; MAX_RECORD_BYTES + 1]),
+            Err(ResumeError::Invalid("larger than 4 KiB"))
+        ));
+    }
+
+    #[test]
+    fn the_debug_form_shows_no_secret() {
+        let record = ResumeRecord {
+            cluster_id: [3; 32],
+            keys: Some(keys()),
+            operator_key: None,
+        };
+        let shown = format!("{record:?}");
+        assert!(
+            !shown.contains("07, 07") && !shown.contains("[7"),
+            "{shown}"
+        );
+        assert!(shown.contains(&hex::encode([3; 32])));
+    }
+}
