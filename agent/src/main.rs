@@ -318,10 +318,12 @@ async fn serve(
         tpm,
         lock,
     };
-    node::reset_unfinished_disk(&node.env, &node.lock).await;
+    let rebooting = node::reset_unfinished_disk(&node.env, &node.lock).await;
     // Locked already: the agent restarted within this boot.
     let restarted = node.lock.is_locked();
-    resume::at_start(&node, kept).await;
+    if !rebooting {
+        resume::at_start(&node, kept).await;
+    }
     let control_plane = node.config.node.role == Role::ControlPlane;
     let mut tasks = tokio::task::JoinSet::new();
     if control_plane {

@@ -123,9 +123,10 @@ const START_INSPECTIONS: u32 = 3;
 /// the agent itself stopped within this boot (it was restarted) and PCR 15
 /// holds the cluster ID: unless the disk is a finished member's, nothing
 /// this boot can do lets the node start over, so a reboot is scheduled.
-pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) {
+/// Returns whether it was.
+pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) -> bool {
     let Some(disk) = env.state_disk.clone() else {
-        return;
+        return false;
     };
     let device = disk.device.display().to_string();
     let mut attempt = 1;
@@ -156,7 +157,9 @@ pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) {
                 "the node was locked before this start and its disk is no member's: {line}"
             );
         }
+        return true;
     }
+    false
 }
 
 /// Serves the init API on `addr` until the task is dropped.

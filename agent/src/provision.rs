@@ -333,6 +333,25 @@ impl<'a> Provisioner<'a> {
         Ok(())
     }
 
+    /// Refuses a control plane whose own registry (on its opened state
+    /// disk) revokes `own_ek`: a revocation stands when every control
+    /// plane went down, and when the agent restarted.
+    pub async fn refuse_revoked(
+        &self,
+        own_ek: &crate::disk_bindings::EkDigest,
+    ) -> Result<(), ProvisionError> {
+        let path = self.env.root().join(paths::NODE_REGISTRY);
+        let registry =
+            tokio::task::spawn_blocking(move || crate::registry::Registry::on_disk(&path))
+                .await
+                .map_err(ProvisionError::Blocking)?
+                .map_err(ProvisionError::Registry)?;
+        match registry.revocation(own_ek) {
+            Some(revocation) => Err(ProvisionError::Revoked(revocation.to_string())),
+            None => Ok(()),
+        }
+    }
+
     /// A control plane's cluster state after a reboot: the facts on its
     /// (opened) state disk with the cluster's `keys`, which must derive the
     /// stored cluster ID, and its config's `measurements_key`. The version

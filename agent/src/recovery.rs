@@ -34,9 +34,7 @@ use crate::attestation::credential;
 use crate::disk::{DiskState, StateDisk};
 use crate::disk_bindings::EkDigest;
 use crate::nodelock::LockError;
-use crate::paths;
 use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
-use crate::registry::Registry;
 use crate::throttle::FailureThrottle;
 use keel_verifier::keys::{self, ClusterId, KeyService};
 
@@ -204,14 +202,7 @@ impl RecoveryServer {
             .await?;
             // A control plane revoked before every control plane went down
             // stays revoked: its own registry, now readable, says so.
-            let path = inner.node.env.root().join(paths::NODE_REGISTRY);
-            let registry = tokio::task::spawn_blocking(move || Registry::on_disk(&path))
-                .await
-                .map_err(ProvisionError::Blocking)?
-                .map_err(ProvisionError::Registry)?;
-            if let Some(revocation) = registry.revocation(&accepted.own_ek) {
-                return Err(ProvisionError::Revoked(revocation.to_string()));
-            }
+            p.refuse_revoked(&accepted.own_ek).await?;
             let key = inner
                 .node
                 .config

@@ -33,8 +33,8 @@ use crate::provision::{Node, ProvisionError, Provisioner};
 
 /// The name of the record in the descriptor store.
 pub const STORE_NAME: &str = "keel-resume";
-/// Largest record read back: a master secret, salts and a key take well
-/// under 1 KiB.
+/// Largest record read back: the longest master secret and salt the key
+/// service takes, a cluster ID and an operator key are about 1 KiB.
 const MAX_RECORD_BYTES: usize = 4096;
 
 /// What a member needs to resume its role after an agent restart.
@@ -59,6 +59,7 @@ impl std::fmt::Debug for ResumeRecord {
 
 /// The record as stored (protobuf).
 #[derive(Clone, PartialEq, prost::Message)]
+#[prost(skip_debug)]
 struct Stored {
     #[prost(bytes = "vec", tag = "1")]
     cluster_id: Vec<u8>,
@@ -68,6 +69,12 @@ struct Stored {
     master_salt: Vec<u8>,
     #[prost(bytes = "vec", tag = "4")]
     operator_key: Vec<u8>,
+}
+
+impl std::fmt::Debug for Stored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Stored(<redacted>)")
+    }
 }
 
 impl Drop for Stored {
@@ -232,7 +239,7 @@ pub fn keep(record: ResumeRecord) {
     match store(&record) {
         Ok(true) => tracing::info!(
             control_plane = record.is_control_plane(),
-            "resume record kept in the service manager's descriptor store"
+            "resume record sent to the service manager's descriptor store"
         ),
         Ok(false) => {}
         Err(e) => tracing::warn!(
@@ -359,6 +366,13 @@ pub async fn resume(node: &Node, record: ResumeRecord) -> Result<Resumed, Resume
                     kept: hex::encode(state.cluster_id),
                 });
             }
+            // Revoked while it ran (or while its agent was down): it serves
+            // nothing, as after a reboot.
+            let own_ek = crate::attestation::shared_own_ek_digest(&node.tpm)
+                .map_err(|e| ResumeError::Restore(ProvisionError::Lock(e.to_string())))?;
+            p.refuse_revoked(&own_ek)
+                .await
+                .map_err(ResumeError::Restore)?;
             node.cluster.send_replace(Some(Arc::new(state)));
             Resumed::ControlPlane
         }
@@ -366,6 +380,14 @@ pub async fn resume(node: &Node, record: ResumeRecord) -> Result<Resumed, Resume
     };
     if let Some(key) = &record.operator_key {
         node.operator_key.set(key.clone());
+    }
+    // An upgrade's switch the restart cut off stays as it was: upgrades
+    // are refused until a reboot, whose reinstall settles it.
+    if let Ok(Some(_)) = crate::upgrade::Switching::load(node.env.root()) {
+        tracing::error!(
+            "an upgrade's switch was cut off by the agent's restart: this node may run \
+             components of two versions, and refuses upgrades until it reboots; reboot it"
+        );
     }
     *KEPT.lock().unwrap_or_else(PoisonError::into_inner) = Some(record);
     Ok(resumed)
@@ -489,10 +511,21 @@ mod tests {
             operator_key: None,
         };
         let shown = format!("{record:?}");
+        for secret in [7u8, 9] {
+            assert!(!shown.contains(&hex::encode([secret; 4])), "{shown}");
+            assert!(!shown.contains(&format!("{secret}, {secret}")), "{shown}");
+        }
+        assert!(shown.contains(&hex::encode([3; 32])));
+        let stored = Stored {
+            cluster_id: Vec::new(),
+            master_secret: vec![7; 32],
+            master_salt: vec![9; 32],
+            operator_key: Vec::new(),
+        };
+        let shown = format!("{stored:?}");
         assert!(
-            !shown.contains("07, 07") && !shown.contains("[7"),
+            !shown.contains("7, 7") && !shown.contains("9, 9"),
             "{shown}"
         );
-        assert!(shown.contains(&hex::encode([3; 32])));
     }
 }

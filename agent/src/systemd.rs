@@ -99,7 +99,11 @@ pub fn take_passed_fds() -> Vec<(String, std::fs::File)> {
             if let Err(e) = nix::unistd::close(fd) {
                 tracing::warn!(fd, error = %e, "closing a passed descriptor failed");
             }
-            file.ok().map(|file| (name, file))
+            file.map_err(|e| {
+                tracing::warn!(fd, name, error = %e, "a passed descriptor cannot be read");
+            })
+            .ok()
+            .map(|file| (name, file))
         })
         .collect()
 }
@@ -207,7 +211,7 @@ mod tests {
         nix::unistd::close(fds[0]).unwrap();
         assert_eq!(text, "kept");
 
-        // A name systemd would refuse is refused here.
+        // Names systemd refuses, and one with a space, are refused here.
         for name in ["", "a:b", "a b"] {
             assert!(store_fd_at(path.to_str().unwrap(), name, file.as_fd()).is_err());
         }

@@ -1,41 +1,106 @@
 //! An agent that restarts within a boot, after its node was locked into a
-//! cluster, on swtpm-backed nodes over real mutual aTLS: a control plane
-//! and a worker resume their roles from the record kept before the
-//! restart (through a sealed memfd, as the service manager hands it back);
-//! a record of another cluster, a forged one (another cluster's master
-//! secret under this cluster's ID), one of the other role, and any record
-//! on a node that is not locked resume nothing.
+//! cluster, on swtpm-backed nodes over real mutual aTLS. A worker and a
+//! control plane join; each sends the record it keeps to the service
+//! manager (a socket standing in for systemd's, as `$NOTIFY_SOCKET`); their
+//! agents restart and resume from those records: the control plane serves
+//! a new worker's join, the worker has its operator key. A record of
+//! another cluster, a forged one (another cluster's master secret under
+//! this cluster's ID), one of the other role, a control plane revoked in
+//! its own registry, and a node that is not locked resume nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
 
+use std::io::IoSliceMut;
+use std::os::fd::AsRawFd as _;
+use std::os::unix::net::UnixDatagram;
 use std::sync::Arc;
 use std::time::Duration;
 
 use join_common::{config_for, free_port, joiner_with, stand_in_components, start_service_for};
 use keel_agent::cluster::ClusterSlot;
 use keel_agent::join::JoinOutcome;
+use keel_agent::provision::ProvisionError;
 use keel_agent::resume::{self, ResumeError, ResumeRecord, Resumed};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
-use keel_verifier::keys::{KeyService, OperatorKey};
+use keel_verifier::keys::KeyService;
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// `record` as a restarted agent reads it back from the store.
-fn through_the_store(record: &ResumeRecord) -> ResumeRecord {
-    resume::read(&resume::sealed(record).unwrap()).unwrap()
+/// The stand-in service manager's notification socket.
+struct Manager {
+    socket: UnixDatagram,
+    _dir: tempfile::TempDir,
+}
+
+impl Manager {
+    /// Binds the socket and points this process's `$NOTIFY_SOCKET` at it.
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify");
+        let socket = UnixDatagram::bind(&path).unwrap();
+        socket.set_nonblocking(true).unwrap();
+        std::env::set_var("NOTIFY_SOCKET", &path);
+        Self { socket, _dir: dir }
+    }
+
+    /// The record of the last `FDSTORE=1` message received so far, read as
+    /// a restarted agent reads it (the others are dropped).
+    fn last_record(&self) -> ResumeRecord {
+        let mut last = None;
+        loop {
+            let mut buf = [0u8; 256];
+            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            let Ok(msg) = recvmsg::<()>(
+                self.socket.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::empty(),
+            ) else {
+                break;
+            };
+            for cmsg in msg.cmsgs().unwrap() {
+                if let ControlMessageOwned::ScmRights(fds) = cmsg {
+                    for fd in fds {
+                        let file = std::fs::File::open(format!("/proc/self/fd/{fd}")).unwrap();
+                        nix::unistd::close(fd).unwrap();
+                        last = Some(file);
+                    }
+                }
+            }
+        }
+        let passed = vec![(
+            resume::STORE_NAME.to_owned(),
+            last.expect("no record stored"),
+        )];
+        resume::take_kept(passed).unwrap().unwrap()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn members_resume_their_roles_after_an_agent_restart() {
+    let manager = Manager::start();
     let ca = EkCa::new().unwrap();
     let mirror = MirrorServer::start().unwrap();
     let ports = [free_port(), free_port()];
-    let cp0 = start_service_for(&ca, &ports, Some(stand_in_components(&mirror)), false).await;
+    let mut cp0 = start_service_for(&ca, &ports, Some(stand_in_components(&mirror)), false).await;
     let cluster_id = cp0.state.cluster_id;
 
-    // cp-1 joins as a control plane; a worker joins.
+    // A worker joins, then cp-1 as a control plane; each keeps a record.
+    let worker = joiner_with(
+        config_for(&ca, &ports, "w-1", "worker"),
+        Swtpm::start(&ca).unwrap(),
+    );
+    let joined = tokio::time::timeout(LIMIT, worker.client(&ca).run())
+        .await
+        .unwrap();
+    assert!(matches!(joined, JoinOutcome::Joined { .. }), "{joined:?}");
+    let worker_record = manager.last_record();
+    assert!(!worker_record.is_control_plane());
+    assert_eq!(worker_record.cluster_id(), cluster_id);
     let cp1 = joiner_with(
         config_for(&ca, &ports, "cp-1", "control-plane"),
         Swtpm::start(&ca).unwrap(),
@@ -46,20 +111,9 @@ async fn members_resume_their_roles_after_an_agent_restart() {
         .unwrap();
     assert!(matches!(joined, JoinOutcome::Joined { .. }), "{joined:?}");
     let state = slot.borrow().clone().unwrap();
-    let worker = joiner_with(
-        config_for(&ca, &ports, "w-1", "worker"),
-        Swtpm::start(&ca).unwrap(),
-    );
-    let joined = tokio::time::timeout(LIMIT, worker.client(&ca).run())
-        .await
-        .unwrap();
-    assert!(matches!(joined, JoinOutcome::Joined { .. }), "{joined:?}");
-
-    // What each kept (the worker's operator key stands in for its ticket's).
-    let cp_record = through_the_store(&ResumeRecord::of_control_plane(&state));
-    let operator_key = OperatorKey::from_slice(&[6; 32]).unwrap();
-    let worker_record =
-        through_the_store(&ResumeRecord::of_member(cluster_id, operator_key.clone()));
+    let cp_record = manager.last_record();
+    assert!(cp_record.is_control_plane());
+    assert_eq!(cp_record.cluster_id(), cluster_id);
 
     // Their agents restart: locked, empty-handed.
     let cp1 = cp1.restart_agent();
@@ -69,9 +123,8 @@ async fn members_resume_their_roles_after_an_agent_restart() {
     let worker_node = worker.node(Arc::new(ClusterSlot::new(None)));
 
     // Another cluster's record.
-    let other_keys = Arc::new(KeyService::new(&[1; 32], &[2; 32]).unwrap());
     let mut other = state.as_ref().clone();
-    other.keys = other_keys.clone();
+    other.keys = Arc::new(KeyService::new(&[1; 32], &[2; 32]).unwrap());
     other.cluster_id = [0x77; 32];
     let refused = resume::resume(&cp_node, ResumeRecord::of_control_plane(&other)).await;
     assert!(
@@ -83,7 +136,7 @@ async fn members_resume_their_roles_after_an_agent_restart() {
     other.cluster_id = cluster_id;
     let refused = resume::resume(&cp_node, ResumeRecord::of_control_plane(&other)).await;
     assert!(
-        matches!(refused, Err(ResumeError::Restore(_))),
+        matches!(refused, Err(ResumeError::Restore(ProvisionError::Facts(_)))),
         "{refused:?}"
     );
     // The other role's record.
@@ -101,6 +154,7 @@ async fn members_resume_their_roles_after_an_agent_restart() {
         cp_node.cluster.borrow().is_none(),
         "a refused record resumed"
     );
+    assert!(!worker_node.operator_key.is_set());
 
     // The records they kept.
     let resumed = resume::resume(&cp_node, cp_record.clone()).await.unwrap();
@@ -108,20 +162,50 @@ async fn members_resume_their_roles_after_an_agent_restart() {
     let back = cp_node.cluster.borrow().clone().expect("no cluster state");
     assert_eq!(back.cluster_id, cluster_id);
     assert_eq!(back.keys.expose_master(), cp0.state.keys.expose_master());
-    assert_eq!(back.join_measurements, state.join_measurements);
     let resumed = resume::resume(&worker_node, worker_record).await.unwrap();
     assert_eq!(resumed, Resumed::Member);
     assert!(worker_node.operator_key.is_set());
 
-    // A node that is not locked resumes nothing.
+    // The resumed control plane serves joins: with cp-0 down, a new
+    // worker joins through it.
+    cp0.stop().await;
+    let serving = cp1.serve_join(ports[1], cp_node.cluster.clone()).await;
     let fresh = joiner_with(
         config_for(&ca, &ports, "w-2", "worker"),
         Swtpm::start(&ca).unwrap(),
     );
-    let refused = resume::resume(&fresh.node(Arc::new(ClusterSlot::new(None))), cp_record).await;
+    let joined = tokio::time::timeout(LIMIT, fresh.client(&ca).run())
+        .await
+        .unwrap();
+    match joined {
+        JoinOutcome::Joined { cluster_id: id } => assert_eq!(id, cluster_id),
+        other => panic!("{other:?}"),
+    }
+    serving.abort();
+    let _ = serving.await;
+
+    // A control plane revoked in its own registry (the revocation reached
+    // it as another control plane's) does not resume.
+    cp1.revoke_in_own_registry();
+    let cp1 = cp1.restart_agent();
+    let cp_node = cp1.node(Arc::new(ClusterSlot::new(None)));
+    match resume::resume(&cp_node, cp_record.clone()).await {
+        Err(ResumeError::Restore(ProvisionError::Revoked(why))) => {
+            assert!(why.contains("revoked by the operator"), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(cp_node.cluster.borrow().is_none(), "a revoked node resumed");
+
+    // A node that is not locked resumes nothing.
+    let unlocked = joiner_with(
+        config_for(&ca, &ports, "w-3", "worker"),
+        Swtpm::start(&ca).unwrap(),
+    );
+    let refused = resume::resume(&unlocked.node(Arc::new(ClusterSlot::new(None))), cp_record).await;
     assert!(
         matches!(refused, Err(ResumeError::NotLocked)),
         "{refused:?}"
     );
-    fresh.assert_untouched();
+    unlocked.assert_untouched();
 }

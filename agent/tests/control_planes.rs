@@ -324,15 +324,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     // control plane's), then every control plane goes down: recovery with
     // the right master secret does not bring it back (its own registry,
     // read once its disk is open, names it), and it serves nothing.
-    let registry = keel_agent::registry::RegistryStore::shared(&cp1.root).unwrap();
-    let own = join_common::ek_digest(&cp1.tpm);
-    registry
-        .update(|r| {
-            r.register(&own, "", "cp-1", "control-plane")?;
-            let record = r.find(&own.to_string())?.clone();
-            r.revoke(&record, None, "test: revoked by the operator")
-        })
-        .unwrap();
+    cp1.revoke_in_own_registry();
     let cp1 = cp1.reboot(&ca);
     let slot = Arc::new(ClusterSlot::new(None));
     let recovery = RecoveryServer::new(cp1.node(slot.clone()));

@@ -133,7 +133,8 @@ async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
             uuid: old_uuid.clone()
         }
     );
-    keel_agent::node::reset_unfinished_disk(&env, &node.lock).await;
+    // Unlocked (PCR 15 zero after the reboot): reset, and no reboot.
+    assert!(!keel_agent::node::reset_unfinished_disk(&env, &node.lock).await);
     assert_eq!(disk.inspect().unwrap(), DiskState::Fresh);
     let cluster_id = joined(&node, &ca).await;
     assert_eq!(cluster_id, service.state.cluster_id);
@@ -144,7 +145,7 @@ async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
     // The finished disk survives the next start, and the node rejoins.
     let node = node.reboot(&ca);
     let env = node.env();
-    keel_agent::node::reset_unfinished_disk(&env, &node.lock).await;
+    assert!(!keel_agent::node::reset_unfinished_disk(&env, &node.lock).await);
     let outcome = tokio::time::timeout(Duration::from_secs(90), node.client(&ca).run())
         .await
         .expect("the rejoin did not finish");

@@ -834,6 +834,21 @@ impl Joiner {
         on_tpm(config, dir, disk, m.shared())
     }
 
+    /// Revokes this control plane in its own registry, as when another
+    /// control plane's revocation reached it, with the reason
+    /// `test: revoked by the operator`.
+    pub fn revoke_in_own_registry(&self) {
+        let registry = keel_agent::registry::RegistryStore::shared(&self.root).unwrap();
+        let own = ek_digest(&self.tpm);
+        registry
+            .update(|r| {
+                r.register(&own, "", &self.config.node.name, "control-plane")?;
+                let record = r.find(&own.to_string())?.clone();
+                r.revoke(&record, None, "test: revoked by the operator")
+            })
+            .unwrap();
+    }
+
     /// `secret` sealed to this node's TPM, as the CLI seals the master secret.
     pub fn sealed(&self, secret: &[u8]) -> SealedSecret {
         let mut m = self.tpm.lock().unwrap();
