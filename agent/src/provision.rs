@@ -360,7 +360,7 @@ impl<'a> Provisioner<'a> {
     /// facts at the version before.
     pub fn restore_control_plane(
         &self,
-        keys: KeyService,
+        keys: impl Into<Arc<KeyService>>,
         measurements_key: Option<keel_verifier::signature::SigningPublicKey>,
     ) -> Result<ClusterState, ProvisionError> {
         let api_server = SocketAddr::new(
@@ -370,7 +370,7 @@ impl<'a> Provisioner<'a> {
         let state = ControlPlaneFacts::load(self.env.root())
             .and_then(|facts| {
                 facts.into_state(
-                    Arc::new(keys),
+                    keys.into(),
                     measurements_key,
                     api_server,
                     self.env.pki_dir(),

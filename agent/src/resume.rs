@@ -122,6 +122,12 @@ pub enum ResumeError {
     /// Reading the lock failed.
     #[error("reading the node lock")]
     Lock(#[source] crate::nodelock::LockError),
+    /// Reading the node's own EK failed.
+    #[error("reading this node's EK")]
+    Tpm(#[source] crate::tpm::TpmError),
+    /// The node config's measurements signing key is invalid.
+    #[error("the node config's measurements signing key: {0}")]
+    Config(String),
     /// The control plane's state could not be restored from its disk.
     #[error("restoring the control plane's state")]
     Restore(#[source] ProvisionError),
@@ -252,7 +258,7 @@ pub fn keep(record: ResumeRecord) {
 
 /// Stores `record` ([`sealed`]) if a service manager listens.
 fn store(record: &ResumeRecord) -> Result<bool, ResumeError> {
-    if std::env::var_os("NOTIFY_SOCKET").is_none() {
+    if !crate::systemd::has_manager() {
         return Ok(false);
     }
     let file = sealed(record)?;
@@ -348,15 +354,13 @@ pub async fn resume(node: &Node, record: ResumeRecord) -> Result<Resumed, Resume
         Some(keys) => {
             let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
             let p = Provisioner::new(&node.env, &node.tpm, &log);
-            let keys = KeyService::new(keys.expose_master().0, keys.expose_master().1)
-                .map_err(|_| ResumeError::Invalid("master secret or salt length"))?;
             let signing_key = node
                 .config
                 .cluster
                 .signing_key()
-                .map_err(|e| ResumeError::Restore(ProvisionError::Lock(e.to_string())))?;
+                .map_err(|e| ResumeError::Config(e.to_string()))?;
             let state = p
-                .restore_control_plane(keys, signing_key)
+                .restore_control_plane(keys.clone(), signing_key)
                 .map_err(ResumeError::Restore)?;
             // The keys derive the facts' cluster ID (checked by the
             // restore); it must also be the lock's.
@@ -368,8 +372,8 @@ pub async fn resume(node: &Node, record: ResumeRecord) -> Result<Resumed, Resume
             }
             // Revoked while it ran (or while its agent was down): it serves
             // nothing, as after a reboot.
-            let own_ek = crate::attestation::shared_own_ek_digest(&node.tpm)
-                .map_err(|e| ResumeError::Restore(ProvisionError::Lock(e.to_string())))?;
+            let own_ek =
+                crate::attestation::shared_own_ek_digest(&node.tpm).map_err(ResumeError::Tpm)?;
             p.refuse_revoked(&own_ek)
                 .await
                 .map_err(ResumeError::Restore)?;

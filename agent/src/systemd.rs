@@ -3,9 +3,8 @@
 //! descriptors across a restart of the service (not across a reboot).
 
 use std::io::IoSlice;
-use std::os::fd::{AsRawFd, BorrowedFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::net::UnixDatagram;
 
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
 
@@ -17,17 +16,42 @@ const MAX_LISTEN_FDS: i32 = 16;
 /// Sends `state` (e.g. `READY=1`) to `$NOTIFY_SOCKET`, if systemd set one.
 /// Returns whether a message was sent.
 pub fn notify(state: &str) -> std::io::Result<bool> {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+    let Some(socket) = manager_socket() else {
         return Ok(false);
     };
-    let path = path.to_string_lossy().into_owned();
-    let addr = match path.strip_prefix('@') {
-        Some(name) => SocketAddr::from_abstract_name(name.as_bytes())?,
-        None => SocketAddr::from_pathname(&path)?,
-    };
-    let socket = UnixDatagram::unbound()?;
-    socket.send_to_addr(state.as_bytes(), &addr)?;
+    send_to(&socket, state, &[])?;
     Ok(true)
+}
+
+/// Whether a service manager listens (systemd set `$NOTIFY_SOCKET`).
+pub fn has_manager() -> bool {
+    manager_socket().is_some()
+}
+
+/// The service manager's notification socket (`$NOTIFY_SOCKET`), if
+/// systemd set one.
+fn manager_socket() -> Option<String> {
+    std::env::var_os("NOTIFY_SOCKET").map(|path| path.to_string_lossy().into_owned())
+}
+
+/// Sends `state`, with the descriptors `fds`, to the notification socket
+/// `socket` (a path, or `@` and an abstract name).
+fn send_to(socket: &str, state: &str, fds: &[RawFd]) -> std::io::Result<()> {
+    let addr = match socket.strip_prefix('@') {
+        Some(abstract_name) => UnixAddr::new_abstract(abstract_name.as_bytes())?,
+        None => UnixAddr::new(socket)?,
+    };
+    let sender = UnixDatagram::unbound()?;
+    let rights = [ControlMessage::ScmRights(fds)];
+    let control: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
+    sendmsg(
+        sender.as_raw_fd(),
+        &[IoSlice::new(state.as_bytes())],
+        control,
+        MsgFlags::empty(),
+        Some(&addr),
+    )?;
+    Ok(())
 }
 
 /// Hands `fd` to the service manager's file-descriptor store under `name`
@@ -35,10 +59,10 @@ pub fn notify(state: &str) -> std::io::Result<bool> {
 /// set `$NOTIFY_SOCKET`. The unit must allow it (`FileDescriptorStoreMax=`).
 /// Returns whether it was sent.
 pub fn store_fd(name: &str, fd: BorrowedFd<'_>) -> std::io::Result<bool> {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+    let Some(socket) = manager_socket() else {
         return Ok(false);
     };
-    store_fd_at(&path.to_string_lossy(), name, fd)?;
+    store_fd_at(&socket, name, fd)?;
     Ok(true)
 }
 
@@ -54,25 +78,12 @@ pub fn store_fd_at(socket: &str, name: &str, fd: BorrowedFd<'_>) -> std::io::Res
             "a stored descriptor's name is 1-255 printable characters without ':'",
         ));
     }
-    let addr = match socket.strip_prefix('@') {
-        Some(abstract_name) => UnixAddr::new_abstract(abstract_name.as_bytes())?,
-        None => UnixAddr::new(socket)?,
-    };
-    let sender = UnixDatagram::unbound()?;
-    let send = |state: &str, fds: &[i32]| -> std::io::Result<()> {
-        let control = [ControlMessage::ScmRights(fds)];
-        let control: &[ControlMessage] = if fds.is_empty() { &[] } else { &control };
-        sendmsg(
-            sender.as_raw_fd(),
-            &[IoSlice::new(state.as_bytes())],
-            control,
-            MsgFlags::empty(),
-            Some(&addr),
-        )?;
-        Ok(())
-    };
-    send(&format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[])?;
-    send(&format!("FDSTORE=1\nFDNAME={name}"), &[fd.as_raw_fd()])
+    send_to(socket, &format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[])?;
+    send_to(
+        socket,
+        &format!("FDSTORE=1\nFDNAME={name}"),
+        &[fd.as_raw_fd()],
+    )
 }
 
 /// Takes the files the service manager passed to this process

@@ -51,7 +51,7 @@ use crate::paths;
 use crate::provision::{DiskStep, NodeEnv, Plan, ProvisionError, Provisioner};
 use crate::registry::RegistryStore;
 use crate::resume::ResumeRecord;
-use keel_verifier::keys::ClusterId;
+use keel_verifier::keys::{ClusterId, OperatorKey};
 
 /// Most endpoints a client tries (its config's and those tickets named).
 const MAX_KNOWN_ENDPOINTS: usize = 32;
@@ -147,6 +147,13 @@ impl JoinClient {
     pub fn with_operator_key_slot(mut self, slot: Arc<OperatorKeySlot>) -> Self {
         self.operator_key = slot;
         self
+    }
+
+    /// Takes into use the operator key of the ticket this node became a
+    /// member of `cluster_id` with, and keeps it for an agent restart.
+    fn take_operator_key(&self, cluster_id: ClusterId, key: OperatorKey) {
+        self.operator_key.set(key.clone());
+        crate::resume::keep(ResumeRecord::of_member(cluster_id, key));
     }
 
     /// The endpoints to try now.
@@ -376,8 +383,7 @@ impl JoinClient {
         .await;
         match settle(&p, result).await {
             Ok(()) => {
-                self.operator_key.set(operator_key.clone());
-                crate::resume::keep(ResumeRecord::of_member(cluster_id, operator_key));
+                self.take_operator_key(cluster_id, operator_key);
                 tracing::info!("this node joined the cluster");
                 JoinOutcome::Joined { cluster_id }
             }
@@ -460,8 +466,7 @@ impl JoinClient {
         .await;
         match settle(&p, result).await {
             Ok(()) => {
-                self.operator_key.set(operator_key.clone());
-                crate::resume::keep(ResumeRecord::of_member(ticket.cluster_id, operator_key));
+                self.take_operator_key(ticket.cluster_id, operator_key);
                 JoinOutcome::Rejoined {
                     cluster_id: ticket.cluster_id,
                 }
