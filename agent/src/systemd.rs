@@ -176,6 +176,27 @@ mod tests {
     }
 
     #[test]
+    fn a_state_reaches_the_service_manager_at_a_path_and_an_abstract_name() {
+        use std::os::linux::net::SocketAddrExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify");
+        let at_path = UnixDatagram::bind(&path).unwrap();
+        let name = format!("keel-test-notify-{}", std::process::id());
+        let abstract_addr =
+            std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let at_name = UnixDatagram::bind_addr(&abstract_addr).unwrap();
+        for (socket, manager) in [
+            (path.to_str().unwrap().to_owned(), &at_path),
+            (format!("@{name}"), &at_name),
+        ] {
+            send_to(&socket, "READY=1", &[]).unwrap();
+            let mut buf = [0u8; 64];
+            let n = manager.recv(&mut buf).unwrap();
+            assert_eq!(&buf[..n], b"READY=1", "{socket}");
+        }
+    }
+
+    #[test]
     fn a_stored_descriptor_reaches_the_service_manager_with_its_name() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("notify");
