@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_atls::AtlsServer;
-use keel_installer::{InstallerConfig, Mirror};
+use keel_installer::{InstallPath, InstallerConfig, Mirror};
 use keel_proto::init::init_service_server::InitServiceServer;
 use keel_verifier::config::NodeConfig;
 use keel_verifier::ek::EkTrust;
@@ -31,7 +31,7 @@ use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
 use crate::nodelock::NodeLock;
 use crate::operator::{OperatorAuth, OperatorServer};
-use crate::paths::{BIN_DIR, STATE_BINDS, STATE_MOUNT, STATE_SERVICES};
+use crate::paths::{BIN_DIR, KEPT_ARCHIVES, STATE_BINDS, STATE_MOUNT, STATE_SERVICES};
 use crate::provision::Node;
 use crate::provision::{KubeletStart, NodeEnv};
 use crate::reboot::RebootPolicy;
@@ -76,7 +76,10 @@ pub const FILE_DESCRIPTORS: u64 = 16 * 1024;
 /// address of the route toward the first control-plane endpoint (or of the
 /// default route), reboot after 60 s on failure.
 pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeEnv> {
-    let mut installer = InstallerConfig::default();
+    let mut installer = InstallerConfig {
+        kept_archives: Some(InstallPath::new(KEPT_ARCHIVES)?),
+        ..InstallerConfig::default()
+    };
     if let Some(m) = &config.cluster.component_mirror {
         installer.mirror = Some(Mirror::new(m)?);
     }

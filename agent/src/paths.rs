@@ -26,6 +26,10 @@ pub const STATE_SERVICES: [&str; 1] = ["containerd.service"];
 /// Where components install their binaries on a node (see the versions
 /// table): on the state disk.
 pub const BIN_DIR: &str = "/run/state/bin";
+/// Where the installer keeps the verified archive components (named by
+/// their hash), so that a reboot extracts them again without a download:
+/// on the state disk.
+pub const KEPT_ARCHIVES: &str = "/run/state/archives";
 
 /// The kubelet's client certificate, key and the cluster CA.
 pub const KUBELET_PKI_DIR: &str = "var/lib/kubelet/pki";

@@ -479,6 +479,7 @@ impl<'a> Provisioner<'a> {
         install_and_measure(&installer, self.tpm, components, &LogProgress::default())
             .await
             .map_err(ProvisionError::Install)?;
+        installer.keep_only_archives_of(components).await;
         // kubeadm requires the patches directory even when no component
         // put a patch there.
         let patches = self.env.patches_dir();

@@ -704,6 +704,39 @@ async fn a_switch_record_naming_other_directories_empties_only_the_components() 
     assert!(!record.exists());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reboot_reinstalls_the_recorded_version_with_the_mirror_gone() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let work = node.root.parent().unwrap().join("work");
+    let before = node.component_events().len();
+    // The upstream hosts (here the mirror) out of reach, and the extracted
+    // archives gone: only the state disk's kept copies can bring them back.
+    drop(mirror);
+    std::fs::remove_dir_all(node.root.join("opt/cni/bin")).unwrap();
+    std::fs::remove_file(node.root.join("run/state/bin/crictl")).unwrap();
+
+    let log = |_line: String| {};
+    Provisioner::new(&env(&node.root, &work, &[]), &node.tpm, &log)
+        .reinstall_recorded()
+        .await
+        .unwrap();
+    assert!(node.root.join("run/state/bin/crictl").is_file());
+    assert!(node
+        .root
+        .join("opt/cni/bin")
+        .read_dir()
+        .unwrap()
+        .next()
+        .is_some());
+    assert!(node.kubelet_claims().contains(FROM));
+    // Every component measured again, the archives included.
+    let events = node.component_events();
+    assert_eq!(events.len(), 2 * before, "{events:?}");
+    assert_eq!(events[..before], events[before..]);
+}
+
 /// A components file listing `components`, as an operator writes it.
 fn components_file(components: &[keel_proto::components::Component]) -> Vec<u8> {
     let list: Vec<serde_json::Value> = components

@@ -6,7 +6,11 @@
 //!   `data:` content: kubeadm patches, configuration).
 //! * An existing file with the expected hash is left alone (a no-op); any
 //!   other file at the path is replaced atomically. Archives are always
-//!   extracted again and replace what they contain.
+//!   extracted again and replace what they contain; with
+//!   [`InstallerConfig::kept_archives`] set, each verified archive is kept
+//!   there under its hash, and installing it again extracts the kept copy
+//!   (its hash checked again) instead of fetching it: a node that reboots
+//!   needs no network for what it already had.
 //! * A failure leaves nothing at the install path: the temporary file or
 //!   staging directory is removed.
 //!
@@ -48,6 +52,11 @@ pub struct InstallerConfig {
     /// Install below this directory instead of `/` (image builds, tests).
     /// Measurements record the component's own install path, not this prefix.
     pub root: PathBuf,
+    /// Keep each verified archive in this directory (below `root`, as
+    /// install paths are), named `<sha256 hex>.tgz`, and extract the kept
+    /// copy when the archive is installed again. `None`: archives are
+    /// fetched on every install.
+    pub kept_archives: Option<InstallPath>,
 }
 
 impl Default for InstallerConfig {
@@ -57,6 +66,7 @@ impl Default for InstallerConfig {
             extract: ExtractLimits::default(),
             mirror: None,
             root: PathBuf::from("/"),
+            kept_archives: None,
         }
     }
 }
@@ -69,8 +79,11 @@ pub enum Outcome {
         /// Bytes fetched.
         bytes: u64,
     },
-    /// The archive was extracted.
+    /// The archive was fetched (or decoded) and extracted.
     Extracted(ExtractSummary),
+    /// The kept copy of the archive had the expected hash and was
+    /// extracted; nothing was fetched.
+    ExtractedKept(ExtractSummary),
     /// A file with the expected hash was already there.
     AlreadyPresent,
 }
@@ -240,6 +253,7 @@ pub struct Installer {
     mirror: Option<Mirror>,
     root: PathBuf,
     extract_limits: ExtractLimits,
+    kept_archives: Option<PathBuf>,
 }
 
 impl Installer {
@@ -248,12 +262,15 @@ impl Installer {
         Ok(Self {
             downloader: Downloader::new(config.download).map_err(InstallError::Setup)?,
             mirror: config.mirror,
+            kept_archives: config.kept_archives.map(|dir| dir.under(&config.root)),
             root: config.root,
             extract_limits: config.extract,
         })
     }
 
-    /// Installs every component in order, stopping at the first failure.
+    /// Installs every component in order, stopping at the first failure;
+    /// then keeps only the archives of `components`
+    /// ([`Installer::keep_only_archives_of`]).
     pub async fn install_all(
         &self,
         components: &[Component],
@@ -263,7 +280,54 @@ impl Installer {
         for component in components {
             installed.push(self.install(component, progress).await?);
         }
+        self.keep_only_archives_of(components).await;
         Ok(installed)
+    }
+
+    /// Removes the kept archives that none of `components` (a node's whole
+    /// list) extracts, such as those of a version the node left. Only files
+    /// named as kept archives are touched; a failure to remove one is
+    /// logged.
+    pub async fn keep_only_archives_of(&self, components: &[Component]) {
+        let Some(dir) = self.kept_archives.clone() else {
+            return;
+        };
+        let wanted: Vec<String> = components
+            .iter()
+            .filter(|c| c.extract())
+            .map(|c| kept_archive_name(c.hash()))
+            .collect();
+        let removed = tokio::task::spawn_blocking(move || {
+            let Ok(entries) = fs::read_dir(&dir) else {
+                return;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let Some(name) = name.to_str() else {
+                    continue;
+                };
+                let is_kept = name.strip_suffix(KEPT_SUFFIX).is_some_and(|hex| {
+                    hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())
+                });
+                if !is_kept || wanted.iter().any(|w| w == name) {
+                    continue;
+                }
+                match fs::remove_file(entry.path()) {
+                    Ok(()) => {
+                        tracing::info!(archive = name, "removed a kept archive no longer listed")
+                    }
+                    Err(e) => tracing::warn!(
+                        archive = name,
+                        error = %e,
+                        "could not remove a kept archive no longer listed"
+                    ),
+                }
+            }
+        })
+        .await;
+        if let Err(e) = removed {
+            tracing::warn!(error = %e, "removing kept archives did not complete");
+        }
     }
 
     /// Installs one component.
@@ -306,23 +370,11 @@ impl Installer {
             });
         }
 
-        let temp = self.fetch(component, &dest, &parent, progress).await?;
         let outcome = if component.extract() {
-            let limits = self.extract_limits;
-            let target = dest.clone();
-            let summary = blocking(move || {
-                let result = extract_tgz(temp.path(), &target, &limits);
-                drop(temp);
-                Ok(result)
-            })
-            .await?
-            .map_err(|source| InstallError::Extract {
-                name: component.name().to_owned(),
-                path: component.install_path().clone(),
-                source,
-            })?;
-            Outcome::Extracted(summary)
+            self.install_archive(component, &dest, &parent, progress)
+                .await?
         } else {
+            let temp = self.fetch(component, &dest, &parent, progress).await?;
             let mode = file_mode(component);
             let target = dest.clone();
             blocking(move || place_file(temp, &target, mode)).await?
@@ -336,6 +388,73 @@ impl Installer {
             component: component.clone(),
             outcome,
         })
+    }
+
+    /// Extracts an archive component into `dest`: from its kept copy when
+    /// that has the expected hash, else fetched into a temporary file (in
+    /// the kept archives' directory when there is one, to be kept there
+    /// once extracted; else in `parent`).
+    async fn install_archive(
+        &self,
+        component: &Component,
+        dest: &Path,
+        parent: &Path,
+        progress: &dyn Progress,
+    ) -> Result<Outcome, InstallError> {
+        let extract_error = |source| InstallError::Extract {
+            name: component.name().to_owned(),
+            path: component.install_path().clone(),
+            source,
+        };
+        let limits = self.extract_limits;
+        let Some(kept_dir) = self.kept_archives.clone() else {
+            let temp = self.fetch(component, dest, parent, progress).await?;
+            let target = dest.to_owned();
+            let summary = blocking(move || Ok(extract_tgz(temp.path(), &target, &limits)))
+                .await?
+                .map_err(extract_error)?;
+            return Ok(Outcome::Extracted(summary));
+        };
+        let name = kept_archive_name(component.hash());
+        let kept = kept_dir.join(&name);
+        let dir = kept_dir.clone();
+        let file_name = std::ffi::OsString::from(&name);
+        blocking(move || {
+            fs::create_dir_all(&dir).map_err(|source| InstallError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+            remove_leftovers(&dir, &file_name);
+            Ok(())
+        })
+        .await?;
+        if existing_matches(&kept, component.hash()).await? {
+            let (archive, target) = (kept.clone(), dest.to_owned());
+            let summary = blocking(move || Ok(extract_tgz(&archive, &target, &limits)))
+                .await?
+                .map_err(extract_error)?;
+            tracing::info!(archive = %kept.display(), "extracted the kept archive");
+            return Ok(Outcome::ExtractedKept(summary));
+        }
+        if fs::symlink_metadata(&kept).is_ok() {
+            tracing::warn!(
+                archive = %kept.display(),
+                "the kept archive does not have the expected hash; fetching it again"
+            );
+        }
+        let temp = self.fetch(component, &kept, &kept_dir, progress).await?;
+        let target = dest.to_owned();
+        let (summary, temp) = blocking(move || {
+            let summary = extract_tgz(temp.path(), &target, &limits);
+            Ok((summary, temp))
+        })
+        .await?;
+        let summary = summary.map_err(extract_error)?;
+        // Keeping is a saving for the next install, not part of this one.
+        if let Err(e) = blocking(move || place_file(temp, &kept, DATA_MODE)).await {
+            tracing::warn!(error = %crate::ErrorChain(&e), "could not keep the verified archive");
+        }
+        Ok(Outcome::Extracted(summary))
     }
 
     /// Fetches or decodes the component into a verified temporary file in
@@ -414,6 +533,14 @@ impl Installer {
 /// The name of a download in progress ends with this; it starts with
 /// [`temporary_prefix`].
 const PART_SUFFIX: &str = ".keel-part";
+
+/// The name of a kept archive ends with this, after its hash's hex.
+const KEPT_SUFFIX: &str = ".tgz";
+
+/// The file name of the kept copy of an archive with `hash`.
+fn kept_archive_name(hash: Sha256Digest) -> String {
+    format!("{}{KEPT_SUFFIX}", hash.to_hex())
+}
 
 /// Removes what an install of `name` in `dir` that did not end (a crash, a
 /// power cut) left behind: unmeasured bytes beside the components. Only

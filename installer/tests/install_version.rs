@@ -15,11 +15,13 @@ mod support;
 use std::path::Path;
 use std::process::Command;
 
-use keel_installer::{Component, InstalledComponent, LogProgress, NoProgress, Outcome, Source};
+use keel_installer::{
+    Component, InstalledComponent, LogProgress, NoProgress, Outcome, Sha256Digest, Source,
+};
 use keel_proto::components::Component as WireComponent;
 use keel_testkit::components::{self, CNI_PLUGINS};
 use keel_testkit::mirror::MirrorServer;
-use support::{fast_retries, installer, mode};
+use support::{entries, fast_retries, installer, keeping_installer, mode, KEPT};
 
 const VERSION: &str = "v1.31.13";
 
@@ -206,6 +208,84 @@ async fn a_second_install_is_a_no_op_and_a_changed_file_is_replaced() {
     installer.install(&list[2], &NoProgress).await.unwrap();
     assert_eq!(mode(&kubelet), 0o755);
     assert_eq!(mirror.requests(kubelet_path), 2);
+}
+
+#[tokio::test]
+async fn a_kept_archive_is_extracted_without_a_fetch_and_a_wrong_copy_is_fetched_again() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let list = v1_31_stand_ins(&mirror);
+    let installer = keeping_installer(r, &mirror, fast_retries());
+    let kept_dir = r.join(KEPT.trim_start_matches('/'));
+    let kept = |c: &Component| kept_dir.join(format!("{}.tgz", c.hash().to_hex()));
+    let (cni, crictl) = (&list[0], &list[1]);
+    assert!(cni.install_path().as_str().ends_with("/cni/bin") && cni.extract());
+    assert!(crictl.extract());
+    let kept_hash = |c: &Component| Sha256Digest::of(&std::fs::read(kept(c)).unwrap());
+    let outcomes = |v: &[InstalledComponent]| (v[0].outcome(), v[1].outcome());
+
+    // First install: both archives fetched, extracted and kept under their
+    // hash, byte for byte what was verified; nothing else in the directory.
+    let first = installer.install_all(&list, &NoProgress).await.unwrap();
+    assert!(matches!(
+        outcomes(&first),
+        (Outcome::Extracted(_), Outcome::Extracted(_))
+    ));
+    let fetched = mirror.total_requests();
+    assert_eq!(entries(&kept_dir).len(), 2, "{:?}", entries(&kept_dir));
+    assert_eq!(kept_hash(cni), cni.hash());
+    assert_eq!(kept_hash(crictl), crictl.hash());
+
+    // As after a reboot whose extracted files are gone: extracted again
+    // from the kept copies, nothing fetched.
+    std::fs::remove_file(r.join("run/state/bin/crictl")).unwrap();
+    std::fs::remove_dir_all(r.join("opt/cni/bin")).unwrap();
+    let again = installer.install_all(&list, &NoProgress).await.unwrap();
+    assert!(matches!(
+        outcomes(&again),
+        (Outcome::ExtractedKept(_), Outcome::ExtractedKept(_))
+    ));
+    assert_eq!(mirror.total_requests(), fetched);
+    assert_eq!(entries(&r.join("opt/cni/bin")), CNI_PLUGINS);
+    assert!(run(&r.join("run/state/bin/crictl")).starts_with("crictl v1.33.0"));
+    let records = |v: &[InstalledComponent]| {
+        v.iter()
+            .map(InstalledComponent::measurement_record)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(records(&first), records(&again));
+
+    // A copy that is not the archive (another archive moved to its name,
+    // or damaged bytes) is never extracted: fetched again and replaced.
+    std::fs::copy(kept(crictl), kept(cni)).unwrap();
+    std::fs::remove_dir_all(r.join("opt/cni/bin")).unwrap();
+    let replaced = installer.install_all(&list, &NoProgress).await.unwrap();
+    assert!(matches!(
+        outcomes(&replaced),
+        (Outcome::Extracted(_), Outcome::ExtractedKept(_))
+    ));
+    assert_eq!(mirror.total_requests(), fetched + 1);
+    assert_eq!(kept_hash(cni), cni.hash());
+    assert_eq!(entries(&r.join("opt/cni/bin")), CNI_PLUGINS);
+    assert!(!r.join("opt/cni/bin/crictl").exists());
+
+    // With the mirror gone the whole version still installs.
+    drop(mirror);
+    std::fs::remove_dir_all(r.join("opt/cni/bin")).unwrap();
+    installer.install_all(&list, &NoProgress).await.unwrap();
+    assert_eq!(entries(&r.join("opt/cni/bin")), CNI_PLUGINS);
+
+    // Only the listed version's archives stay: a kept archive no longer
+    // listed goes, files not named as kept archives stay.
+    let stray = kept_dir.join(format!("{}.tgz", "0".repeat(64)));
+    std::fs::write(&stray, b"left by an earlier version").unwrap();
+    std::fs::write(kept_dir.join("notes"), b"not an archive").unwrap();
+    installer.keep_only_archives_of(&list[1..]).await;
+    assert!(!stray.exists());
+    assert!(!kept(cni).exists());
+    assert!(kept(crictl).exists());
+    assert!(kept_dir.join("notes").exists());
 }
 
 #[tokio::test]
