@@ -31,7 +31,10 @@ use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::provision::{Node, ProvisionError, Provisioner};
 
-/// The name of the record in the descriptor store.
+/// The names of records in the descriptor store: this, `-` and the
+/// record's generation (0, 1, …). A new record is stored under the next
+/// generation before the earlier one is removed, so the store holds a
+/// record at every moment; a restarted agent takes the newest.
 pub const STORE_NAME: &str = "keel-resume";
 /// Largest record read back: the longest master secret and salt the key
 /// service takes, a cluster ID and an operator key are about 1 KiB.
@@ -230,9 +233,20 @@ impl ResumeRecord {
     }
 }
 
-/// The record this agent kept last: a later one of the same cluster
-/// keeps what it does not replace.
-static KEPT: Mutex<Option<ResumeRecord>> = Mutex::new(None);
+/// What this agent kept last.
+#[derive(Default)]
+struct Kept {
+    /// The record: a later one of the same cluster keeps what it does not
+    /// replace.
+    record: Option<ResumeRecord>,
+    /// The generation of the record in the service manager's store.
+    stored: Option<u64>,
+}
+
+static KEPT: Mutex<Kept> = Mutex::new(Kept {
+    record: None,
+    stored: None,
+});
 
 /// Keeps `record` (merged with the one kept before) in the service
 /// manager's descriptor store, where a restarted agent finds it. Without a
@@ -241,28 +255,65 @@ static KEPT: Mutex<Option<ResumeRecord>> = Mutex::new(None);
 /// need a reboot.
 pub fn keep(record: ResumeRecord) {
     let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
-    let record = record.merged(kept.as_ref());
-    match store(&record) {
-        Ok(true) => tracing::info!(
-            control_plane = record.is_control_plane(),
-            "resume record sent to the service manager's descriptor store"
-        ),
-        Ok(false) => {}
-        Err(e) => tracing::warn!(
-            error = %keel_atls::ErrorChain(&e),
-            "the resume record could not be kept: if the agent restarts, this node needs a reboot"
-        ),
-    }
-    *kept = Some(record);
+    keep_at(
+        &mut kept,
+        record,
+        crate::systemd::manager_socket().as_deref(),
+    );
 }
 
-/// Stores `record` ([`sealed`]) if a service manager listens.
-fn store(record: &ResumeRecord) -> Result<bool, ResumeError> {
-    if !crate::systemd::has_manager() {
-        return Ok(false);
+/// [`keep`] into `kept`, stored with the service manager at `socket`: the
+/// new record under the next generation first, then the earlier one
+/// removed. Should the agent stop between the two, the store holds both
+/// and the restarted agent takes the newer ([`take_kept`]).
+fn keep_at(kept: &mut Kept, record: ResumeRecord, socket: Option<&str>) {
+    let record = record.merged(kept.record.as_ref());
+    if let Some(socket) = socket {
+        let generation = kept.stored.map_or(0, |g| g.saturating_add(1));
+        let stored = sealed(&record).and_then(|file| {
+            crate::systemd::store_fd_at(socket, &store_name(generation), file.as_fd())
+                .map_err(ResumeError::Keep)
+        });
+        match stored {
+            Ok(()) => {
+                tracing::info!(
+                    control_plane = record.is_control_plane(),
+                    generation,
+                    "resume record sent to the service manager's descriptor store"
+                );
+                if let Some(earlier) = kept.stored.replace(generation) {
+                    remove_stored(socket, earlier);
+                }
+            }
+            Err(e) => tracing::warn!(
+                error = %keel_atls::ErrorChain(&e),
+                "the resume record could not be kept: if the agent restarts, this node needs a reboot"
+            ),
+        }
     }
-    let file = sealed(record)?;
-    crate::systemd::store_fd(STORE_NAME, file.as_fd()).map_err(ResumeError::Keep)
+    kept.record = Some(record);
+}
+
+/// The store name of the record of `generation`.
+fn store_name(generation: u64) -> String {
+    format!("{STORE_NAME}-{generation}")
+}
+
+/// The generation a store name names, if it is a record's.
+fn generation_of(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(STORE_NAME)?.strip_prefix('-')?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Removes the record of `generation` from the store; a failure is logged
+/// (the store then holds one record more, up to the unit's bound).
+fn remove_stored(socket: &str, generation: u64) {
+    if let Err(e) = crate::systemd::remove_fd_at(socket, &store_name(generation)) {
+        tracing::warn!(generation, error = %e, "removing an earlier resume record failed");
+    }
 }
 
 /// `record` in a memfd sealed against every change (its size and bytes,
@@ -292,13 +343,40 @@ pub fn sealed(record: &ResumeRecord) -> Result<std::fs::File, ResumeError> {
     Ok(file)
 }
 
-/// The record among the descriptors passed to this process at start
-/// ([`crate::systemd::take_passed_fds`]). `None`
-/// when none was passed.
+/// The newest record among the descriptors passed to this process at
+/// start ([`crate::systemd::take_passed_fds`]); older ones (left by an
+/// agent that stopped while replacing its record) are removed from the
+/// store, and later records continue from its generation. `None` when none
+/// was passed.
 pub fn take_kept(
     passed: Vec<(String, std::fs::File)>,
 ) -> Option<Result<ResumeRecord, ResumeError>> {
-    let file = passed.into_iter().find(|(name, _)| name == STORE_NAME)?.1;
+    let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+    take_kept_at(
+        &mut kept,
+        passed,
+        crate::systemd::manager_socket().as_deref(),
+    )
+}
+
+/// [`take_kept`] into `kept`, with the service manager at `socket`.
+fn take_kept_at(
+    kept: &mut Kept,
+    passed: Vec<(String, std::fs::File)>,
+    socket: Option<&str>,
+) -> Option<Result<ResumeRecord, ResumeError>> {
+    let mut records: Vec<(u64, std::fs::File)> = passed
+        .into_iter()
+        .filter_map(|(name, file)| generation_of(&name).map(|g| (g, file)))
+        .collect();
+    records.sort_by_key(|(generation, _)| *generation);
+    let (newest, file) = records.pop()?;
+    if let Some(socket) = socket {
+        for (older, _) in &records {
+            remove_stored(socket, *older);
+        }
+    }
+    kept.stored = Some(newest);
     Some(read(&file))
 }
 
@@ -393,7 +471,7 @@ pub async fn resume(node: &Node, record: ResumeRecord) -> Result<Resumed, Resume
              components of two versions, and refuses upgrades until it reboots; reboot it"
         );
     }
-    *KEPT.lock().unwrap_or_else(PoisonError::into_inner) = Some(record);
+    KEPT.lock().unwrap_or_else(PoisonError::into_inner).record = Some(record);
     Ok(resumed)
 }
 
@@ -467,6 +545,88 @@ mod tests {
         // Another cluster's record keeps nothing of it.
         let other = ResumeRecord::of_member([4; 32], key).merged(Some(&control_plane));
         assert!(!other.is_control_plane());
+    }
+
+    #[test]
+    fn a_record_is_replaced_by_storing_the_new_one_before_removing_the_old() {
+        let manager = crate::systemd::StandInManager::new();
+        let socket = Some(manager.socket());
+        let mut kept = Kept::default();
+        let control_plane = ResumeRecord {
+            cluster_id: [3; 32],
+            keys: Some(keys()),
+            operator_key: None,
+        };
+        let key = OperatorKey::from_slice(&[5; keel_verifier::keys::OPERATOR_KEY_LEN]).unwrap();
+        keep_at(&mut kept, control_plane, socket);
+        keep_at(&mut kept, ResumeRecord::of_member([3; 32], key), socket);
+        let mut messages = Vec::new();
+        while let Some((state, files)) = manager.receive() {
+            messages.push((state, files));
+        }
+        let states: Vec<&str> = messages.iter().map(|(s, _)| s.as_str()).collect();
+        // At every moment the store holds a record: the second is stored
+        // before the first goes.
+        assert_eq!(
+            states,
+            [
+                "FDSTORE=1\nFDNAME=keel-resume-0",
+                "FDSTORE=1\nFDNAME=keel-resume-1",
+                "FDSTOREREMOVE=1\nFDNAME=keel-resume-0",
+            ]
+        );
+        let second = read(&messages[1].1[0]).unwrap();
+        assert!(second.is_control_plane() && second.operator_key.is_some());
+
+        // An agent that stopped between the two leaves both: the restarted
+        // one takes the newer, removes the older, and goes on from there.
+        let first = std::mem::take(&mut messages[0].1).remove(0);
+        let newer = std::mem::take(&mut messages[1].1).remove(0);
+        let mut restarted = Kept::default();
+        let passed = vec![
+            ("keel-resume-1".to_owned(), newer),
+            ("keel-resume-0".to_owned(), first),
+            ("other".to_owned(), tempfile::tempfile().unwrap()),
+        ];
+        let taken = take_kept_at(&mut restarted, passed, socket)
+            .unwrap()
+            .unwrap();
+        assert!(taken.is_control_plane() && taken.operator_key.is_some());
+        let (state, _) = manager.receive().unwrap();
+        assert_eq!(state, "FDSTOREREMOVE=1\nFDNAME=keel-resume-0");
+        assert_eq!(restarted.stored, Some(1));
+        keep_at(
+            &mut restarted,
+            ResumeRecord::of_member([3; 32], OperatorKey::from_slice(&[6; 32]).unwrap()),
+            socket,
+        );
+        let states: Vec<String> =
+            std::iter::from_fn(|| manager.receive().map(|(s, _)| s)).collect();
+        assert_eq!(
+            states,
+            [
+                "FDSTORE=1\nFDNAME=keel-resume-2",
+                "FDSTOREREMOVE=1\nFDNAME=keel-resume-1",
+            ]
+        );
+
+        // Nothing of ours passed: nothing taken.
+        let none = take_kept_at(
+            &mut Kept::default(),
+            vec![("keel-resume".to_owned(), tempfile::tempfile().unwrap())],
+            socket,
+        );
+        assert!(none.is_none());
+        for (name, generation) in [
+            ("keel-resume-0", Some(0)),
+            ("keel-resume-17", Some(17)),
+            ("keel-resume-", None),
+            ("keel-resume-+1", None),
+            ("keel-resume-1x", None),
+            ("keel-resumed-1", None),
+        ] {
+            assert_eq!(generation_of(name), generation, "{name}");
+        }
     }
 
     #[test]

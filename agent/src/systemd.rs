@@ -10,7 +10,7 @@ use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
 
 /// The first descriptor systemd passes (`SD_LISTEN_FDS_START`).
 const LISTEN_FDS_START: i32 = 3;
-/// Most passed descriptors taken: the unit stores one.
+/// Most passed descriptors taken: the unit stores two.
 const MAX_LISTEN_FDS: i32 = 16;
 
 /// Sends `state` (e.g. `READY=1`) to `$NOTIFY_SOCKET`, if systemd set one.
@@ -23,14 +23,9 @@ pub fn notify(state: &str) -> std::io::Result<bool> {
     Ok(true)
 }
 
-/// Whether a service manager listens (systemd set `$NOTIFY_SOCKET`).
-pub fn has_manager() -> bool {
-    manager_socket().is_some()
-}
-
 /// The service manager's notification socket (`$NOTIFY_SOCKET`), if
-/// systemd set one.
-fn manager_socket() -> Option<String> {
+/// systemd set one: a path, or `@` and an abstract name.
+pub fn manager_socket() -> Option<String> {
     std::env::var_os("NOTIFY_SOCKET").map(|path| path.to_string_lossy().into_owned())
 }
 
@@ -54,21 +49,30 @@ fn send_to(socket: &str, state: &str, fds: &[RawFd]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Hands `fd` to the service manager's file-descriptor store under `name`
-/// (`FDSTORE=1`), replacing what was stored under that name, if systemd
-/// set `$NOTIFY_SOCKET`. The unit must allow it (`FileDescriptorStoreMax=`).
-/// Returns whether it was sent.
-pub fn store_fd(name: &str, fd: BorrowedFd<'_>) -> std::io::Result<bool> {
-    let Some(socket) = manager_socket() else {
-        return Ok(false);
-    };
-    store_fd_at(&socket, name, fd)?;
-    Ok(true)
+/// Hands `fd` to the file-descriptor store of the service manager
+/// listening at `socket` under `name` (`FDSTORE=1`). The store keeps every
+/// descriptor handed to it, names repeated or not, up to the unit's
+/// `FileDescriptorStoreMax=`: replacing one is storing the new one, then
+/// [`remove_fd_at`] of the old one's name.
+pub fn store_fd_at(socket: &str, name: &str, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+    check_fd_name(name)?;
+    send_to(
+        socket,
+        &format!("FDSTORE=1\nFDNAME={name}"),
+        &[fd.as_raw_fd()],
+    )
 }
 
-/// [`store_fd`] to the notification socket `socket` (a path, or `@` and an
-/// abstract name).
-pub fn store_fd_at(socket: &str, name: &str, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+/// Has the service manager listening at `socket` close and forget the
+/// descriptors it stores under `name` (`FDSTOREREMOVE=1`).
+pub fn remove_fd_at(socket: &str, name: &str) -> std::io::Result<()> {
+    check_fd_name(name)?;
+    send_to(socket, &format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[])
+}
+
+/// A stored descriptor's name: 1-255 printable characters without `:`
+/// (the separator of `$LISTEN_FDNAMES`).
+fn check_fd_name(name: &str) -> std::io::Result<()> {
     if name.is_empty()
         || name.len() > 255
         || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
@@ -78,12 +82,7 @@ pub fn store_fd_at(socket: &str, name: &str, fd: BorrowedFd<'_>) -> std::io::Res
             "a stored descriptor's name is 1-255 printable characters without ':'",
         ));
     }
-    send_to(socket, &format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[])?;
-    send_to(
-        socket,
-        &format!("FDSTORE=1\nFDNAME={name}"),
-        &[fd.as_raw_fd()],
-    )
+    Ok(())
 }
 
 /// Takes the files the service manager passed to this process
@@ -151,11 +150,76 @@ pub fn since_boot() -> Option<std::time::Duration> {
     std::time::Duration::try_from_secs_f64(seconds).ok()
 }
 
+/// A stand-in service manager for unit tests: a notification socket that
+/// collects what the agent sends.
+#[cfg(test)]
+pub(crate) struct StandInManager {
+    socket: UnixDatagram,
+    path: String,
+    _dir: tempfile::TempDir,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+impl StandInManager {
+    /// Binds a socket at a path in a new temporary directory.
+    pub(crate) fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify");
+        let socket = UnixDatagram::bind(&path).unwrap();
+        socket.set_nonblocking(true).unwrap();
+        Self {
+            socket,
+            path: path.to_str().unwrap().to_owned(),
+            _dir: dir,
+        }
+    }
+
+    /// The socket's address, as `$NOTIFY_SOCKET` names it.
+    pub(crate) fn socket(&self) -> &str {
+        &self.path
+    }
+
+    /// The next message, with the files its descriptors open (read-only,
+    /// through `/proc/self/fd`); `None` when none is waiting.
+    pub(crate) fn receive(&self) -> Option<(String, Vec<std::fs::File>)> {
+        use std::io::IoSliceMut;
+        let mut buf = [0u8; 256];
+        let mut space = nix::cmsg_space!([RawFd; 4]);
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = nix::sys::socket::recvmsg::<()>(
+            self.socket.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::empty(),
+        )
+        .ok()?;
+        let fds: Vec<RawFd> = msg
+            .cmsgs()
+            .unwrap()
+            .flat_map(|c| match c {
+                nix::sys::socket::ControlMessageOwned::ScmRights(fds) => fds,
+                _ => Vec::new(),
+            })
+            .collect();
+        let len = msg.bytes;
+        let files = fds
+            .into_iter()
+            .map(|fd| {
+                let file = std::fs::File::open(format!("/proc/self/fd/{fd}")).unwrap();
+                nix::unistd::close(fd).unwrap();
+                file
+            })
+            .collect();
+        Some((String::from_utf8(buf[..len].to_vec()).unwrap(), files))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use std::io::{IoSliceMut, Read as _, Write as _};
+    use std::io::{Read as _, Write as _};
     use std::os::fd::AsFd as _;
 
     #[test]
@@ -198,54 +262,28 @@ mod tests {
 
     #[test]
     fn a_stored_descriptor_reaches_the_service_manager_with_its_name() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("notify");
-        let manager = UnixDatagram::bind(&path).unwrap();
+        let manager = StandInManager::new();
         let mut file = tempfile::tempfile().unwrap();
         file.write_all(b"kept").unwrap();
-        store_fd_at(path.to_str().unwrap(), "keel-resume", file.as_fd()).unwrap();
+        store_fd_at(manager.socket(), "keel-resume", file.as_fd()).unwrap();
 
-        let receive = || {
-            let mut buf = [0u8; 256];
-            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
-            let mut iov = [IoSliceMut::new(&mut buf)];
-            let msg = nix::sys::socket::recvmsg::<()>(
-                manager.as_raw_fd(),
-                &mut iov,
-                Some(&mut space),
-                MsgFlags::empty(),
-            )
-            .unwrap();
-            let fds: Vec<i32> = msg
-                .cmsgs()
-                .unwrap()
-                .flat_map(|c| match c {
-                    nix::sys::socket::ControlMessageOwned::ScmRights(fds) => fds,
-                    _ => Vec::new(),
-                })
-                .collect();
-            let len = msg.bytes;
-            (String::from_utf8(buf[..len].to_vec()).unwrap(), fds)
-        };
-        // The earlier descriptor of that name goes first.
-        assert_eq!(
-            receive(),
-            ("FDSTOREREMOVE=1\nFDNAME=keel-resume".to_owned(), vec![])
-        );
-        let (state, fds) = receive();
+        let (state, files) = manager.receive().unwrap();
         assert_eq!(state, "FDSTORE=1\nFDNAME=keel-resume");
-        assert_eq!(fds.len(), 1);
+        assert_eq!(files.len(), 1);
         let mut text = String::new();
-        std::fs::File::open(format!("/proc/self/fd/{}", fds[0]))
-            .unwrap()
-            .read_to_string(&mut text)
-            .unwrap();
-        nix::unistd::close(fds[0]).unwrap();
+        (&files[0]).read_to_string(&mut text).unwrap();
         assert_eq!(text, "kept");
+
+        remove_fd_at(manager.socket(), "keel-resume").unwrap();
+        let (state, files) = manager.receive().unwrap();
+        assert_eq!(state, "FDSTOREREMOVE=1\nFDNAME=keel-resume");
+        assert!(files.is_empty());
+        assert!(manager.receive().is_none());
 
         // Names systemd refuses, and one with a space, are refused here.
         for name in ["", "a:b", "a b"] {
-            assert!(store_fd_at(path.to_str().unwrap(), name, file.as_fd()).is_err());
+            assert!(store_fd_at(manager.socket(), name, file.as_fd()).is_err());
+            assert!(remove_fd_at(manager.socket(), name).is_err());
         }
     }
 }

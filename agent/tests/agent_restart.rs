@@ -47,7 +47,8 @@ impl Manager {
     }
 
     /// The record of the last `FDSTORE=1` message received so far, read as
-    /// a restarted agent reads it (the others are dropped).
+    /// a restarted agent reads it, under its stored name (the others are
+    /// dropped).
     fn last_record(&self) -> ResumeRecord {
         let mut last = None;
         loop {
@@ -62,20 +63,25 @@ impl Manager {
             ) else {
                 break;
             };
+            let mut files = Vec::new();
             for cmsg in msg.cmsgs().unwrap() {
                 if let ControlMessageOwned::ScmRights(fds) = cmsg {
                     for fd in fds {
                         let file = std::fs::File::open(format!("/proc/self/fd/{fd}")).unwrap();
                         nix::unistd::close(fd).unwrap();
-                        last = Some(file);
+                        files.push(file);
                     }
                 }
             }
+            let len = msg.bytes;
+            let state = String::from_utf8(buf[..len].to_vec()).unwrap();
+            if let (Some(name), Some(file)) =
+                (state.strip_prefix("FDSTORE=1\nFDNAME="), files.pop())
+            {
+                last = Some((name.to_owned(), file));
+            }
         }
-        let passed = vec![(
-            resume::STORE_NAME.to_owned(),
-            last.expect("no record stored"),
-        )];
+        let passed = vec![last.expect("no record stored")];
         resume::take_kept(passed).unwrap().unwrap()
     }
 }
