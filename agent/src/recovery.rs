@@ -73,6 +73,10 @@ pub enum RecoveryError {
     /// Taking the lock failed for another reason.
     #[error("taking the node lock failed")]
     Lock(#[source] LockError),
+    /// The node's config does not give what a control plane needs (its
+    /// measurements signing key).
+    #[error("the node's config: {0}")]
+    Config(String),
     /// The work after the lock failed; the node reboots.
     #[error("recovery failed after the node lock; the node reboots")]
     Provision(#[source] ProvisionError),
@@ -84,7 +88,7 @@ impl From<&RecoveryError> for tonic::Status {
     fn from(e: &RecoveryError) -> Self {
         use RecoveryError as E;
         let code = match e {
-            E::NotControlPlane | E::NoInitialisedDisk | E::Locked => {
+            E::NotControlPlane | E::NoInitialisedDisk | E::Locked | E::Config(_) => {
                 tonic::Code::FailedPrecondition
             }
             E::InvalidRequest(_) | E::Sealed(_) => tonic::Code::InvalidArgument,
@@ -183,6 +187,14 @@ impl RecoveryServer {
         if let Some(ip) = peer {
             inner.throttle.succeeded(ip);
         }
+        // Read before the lock: what the config lacks is no reason to
+        // reboot.
+        let signing_key = inner
+            .node
+            .config
+            .cluster
+            .signing_key()
+            .map_err(|e| RecoveryError::Config(e.to_string()))?;
         match inner.node.lock.try_lock(accepted.cluster_id) {
             Ok(()) => {}
             Err(LockError::AlreadyLocked) => return Err(RecoveryError::Locked),
@@ -203,13 +215,7 @@ impl RecoveryServer {
             // A control plane revoked before every control plane went down
             // stays revoked: its own registry, now readable, says so.
             p.refuse_revoked(&accepted.own_ek).await?;
-            let key = inner
-                .node
-                .config
-                .cluster
-                .signing_key()
-                .map_err(|e| ProvisionError::Lock(e.to_string()))?;
-            let state = p.restore_control_plane(accepted.keys, key)?;
+            let state = p.restore_control_plane(accepted.keys, signing_key)?;
             // The lock came from the request's measurement salt, which
             // nothing sealed covers: it must name the disk's cluster.
             if state.cluster_id != accepted.cluster_id {
