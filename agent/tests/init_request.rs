@@ -127,7 +127,14 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
     ));
     for (case, request, expected) in requests {
         let request = complete(&sealed, request);
-        refused_before_the_lock(&init, &node, request, case, expected).await;
+        refused_before_the_lock(
+            &init,
+            &node,
+            request,
+            case,
+            (tonic::Code::InvalidArgument, expected),
+        )
+        .await;
         let pcr15 = node
             .tpm
             .lock()
@@ -221,7 +228,14 @@ async fn with_a_signing_key_an_init_takes_only_signed_components() {
                 ..InitRequest::default()
             },
         );
-        refused_before_the_lock(&init, &node, request, case, expected).await;
+        refused_before_the_lock(
+            &init,
+            &node,
+            request,
+            case,
+            (tonic::Code::PermissionDenied, expected),
+        )
+        .await;
     }
 }
 
@@ -293,21 +307,21 @@ fn file_of_enforced() -> Vec<u8> {
     file(&enforced(&[4, 9, 11, 12, 15]))
 }
 
-/// Sends `request` to `init` and checks that it is refused as invalid,
-/// saying `expected`, with `node` left unlocked.
+/// Sends `request` to `init` and checks that it is refused with the
+/// expected code, saying the expected text, with `node` left unlocked.
 async fn refused_before_the_lock(
     init: &keel_agent::init::InitServer,
     node: &join_common::Joiner,
     request: InitRequest,
     case: &str,
-    expected: &str,
+    (code, expected): (tonic::Code, &str),
 ) {
     let status = init
         .init(tonic::Request::new(request))
         .await
         .err()
         .unwrap_or_else(|| panic!("{case}: accepted"));
-    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{case}");
+    assert_eq!(status.code(), code, "{case}: {status:?}");
     assert!(status.message().contains(expected), "{case}: {status:?}");
     assert!(!node.lock.is_locked(), "{case}: the node got locked");
 }

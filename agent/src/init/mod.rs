@@ -55,6 +55,11 @@ pub enum InitError {
     /// secret matched carry detail: the caller is then the operator.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// What the request chose (its own components, the join measurements)
+    /// lacks a valid signature by the cluster's measurements signing key,
+    /// which the node's config names.
+    #[error("{0}")]
+    Unsigned(String),
     /// The master secret was not sealed to this node's TPM.
     #[error("the master secret is not sealed to this node's TPM")]
     Sealed(#[source] keel_verifier::credential::CredentialError),
@@ -94,6 +99,7 @@ impl From<&InitError> for tonic::Status {
     fn from(e: &InitError) -> Self {
         let code = match e {
             InitError::WrongInitSecret => tonic::Code::Unauthenticated,
+            InitError::Unsigned(_) => tonic::Code::PermissionDenied,
             InitError::InvalidRequest(_) | InitError::Sealed(_) => tonic::Code::InvalidArgument,
             InitError::NotInitNode | InitError::Locked | InitError::DiskInitialised => {
                 tonic::Code::FailedPrecondition
@@ -302,7 +308,7 @@ impl InitServer {
                         &request.components_signature,
                         &list.components,
                     )
-                    .map_err(invalid("components"))?;
+                    .map_err(|e| InitError::Unsigned(format!("components: {e}")))?;
                 }
                 list.components
                     .into_iter()
@@ -322,9 +328,12 @@ impl InitServer {
                 &request.join_measurements,
                 &request.join_measurements_signature,
             )
-            .map_err(invalid(
-                "the join measurements are not signed with the node config's measurements signing key",
-            ))?],
+            .map_err(|e| {
+                InitError::Unsigned(format!(
+                    "the join measurements are not signed with the node config's measurements \
+                     signing key: {e}"
+                ))
+            })?],
             None if request.join_measurements_signature.is_empty() => Vec::new(),
             None => {
                 return Err(InitError::InvalidRequest(
