@@ -125,6 +125,39 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
         },
         "the node config names no measurements signing key",
     ));
+    // The operator's own components, installed where no later upgrade
+    // could switch them: the cluster would be stuck on them.
+    let component = |install_path: &str, extract: bool| keel_proto::components::Component {
+        url: "http://127.0.0.1:1/tool".into(),
+        hash: format!("sha256:{}", "a".repeat(64)),
+        install_path: install_path.into(),
+        extract,
+    };
+    for (case, components, expected) in [
+        (
+            "a component outside the component directories",
+            vec![component("/etc/kubernetes/tool", false)],
+            "/etc/kubernetes is not /run/state/bin",
+        ),
+        (
+            "component directories that nest",
+            vec![
+                component("/opt/cni/bin", true),
+                component("/opt/cni/bin/extra/tool", false),
+            ],
+            "/opt/cni/bin and /opt/cni/bin/extra nest",
+        ),
+    ] {
+        requests.push((
+            case,
+            InitRequest {
+                join_measurements: file(&enforced(&[4, 9, 11, 12, 15])),
+                kubernetes_components: Some(keel_proto::components::Components { components }),
+                ..InitRequest::default()
+            },
+            expected,
+        ));
+    }
     for (case, request, expected) in requests {
         let request = complete(&sealed, request);
         refused_before_the_lock(

@@ -68,7 +68,7 @@ async fn node_at(ca: &EkCa, kubeadm_env: &[(&str, &str)], addr: SocketAddr) -> N
     let mirror = MirrorServer::start().unwrap();
     let components = stand_in_set_with(
         &mirror,
-        &root,
+        Path::new("/"),
         "v1.31.13",
         &KubeExecutables::standin().unwrap(),
     )
@@ -85,7 +85,10 @@ async fn node_at(ca: &EkCa, kubeadm_env: &[(&str, &str)], addr: SocketAddr) -> N
     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
     .collect();
     let env = NodeEnv {
-        installer: InstallerConfig::default(),
+        installer: InstallerConfig {
+            root: root.clone(),
+            ..InstallerConfig::default()
+        },
         kubeadm,
         work_dir: dir.path().to_owned(),
         advertise_address: AdvertiseAddress::Fixed("127.0.0.1".parse().unwrap()),

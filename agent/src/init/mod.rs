@@ -318,6 +318,9 @@ impl InitServer {
             }
             _ => entry.components().to_vec(),
         };
+        // Every later upgrade switches these components' directories.
+        crate::upgrade::check_switchable(&components)
+            .map_err(invalid("components an upgrade could not replace"))?;
         let join_measurements = Measurements::parse(&request.join_measurements)
             .map_err(invalid("invalid join measurements"))?;
         // With a signing key, the measurements must carry its signature, so

@@ -49,7 +49,8 @@ use crate::provision::{restart_kubelet, NodeEnv};
 
 pub use record::{NodeVersion, RecordError, Switching};
 pub use staging::{
-    clear as clear_switched, component_dirs, switchable, Staging, StagingError, STAGED_SUFFIX,
+    check_switchable, clear as clear_switched, component_dirs, switchable, Staging, StagingError,
+    STAGED_SUFFIX,
 };
 
 /// Most components an upgrade plan may list.

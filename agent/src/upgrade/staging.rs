@@ -96,6 +96,25 @@ pub fn component_dirs(components: &[Component]) -> Vec<String> {
     dirs
 }
 
+/// The directories `components` install into ([`component_dirs`]), if an
+/// upgrade can switch them: none nests in another and each is
+/// [`switchable`]. Init checks a cluster's components with it, so that no
+/// cluster starts with components no upgrade could replace.
+pub fn check_switchable(components: &[Component]) -> Result<Vec<String>, StagingError> {
+    let dirs = component_dirs(components);
+    for (i, a) in dirs.iter().enumerate() {
+        for b in dirs.iter().skip(i + 1) {
+            if a == "/" || b.starts_with(&format!("{a}/")) {
+                return Err(StagingError::Nested(a.clone(), b.clone()));
+            }
+        }
+    }
+    if let Some(dir) = dirs.iter().find(|d| !switchable(d)) {
+        return Err(StagingError::NotSwitchable(dir.clone()));
+    }
+    Ok(dirs)
+}
+
 /// The directory a component installs into.
 fn component_dir(component: &Component) -> String {
     let path = component.install_path().as_str();
@@ -116,17 +135,7 @@ impl Staging {
         root: &Path,
         components: &[Component],
     ) -> Result<(Self, Vec<Component>), StagingError> {
-        let dirs = component_dirs(components);
-        for (i, a) in dirs.iter().enumerate() {
-            for b in dirs.iter().skip(i + 1) {
-                if a == "/" || b.starts_with(&format!("{a}/")) {
-                    return Err(StagingError::Nested(a.clone(), b.clone()));
-                }
-            }
-        }
-        if let Some(dir) = dirs.iter().find(|d| !switchable(d)) {
-            return Err(StagingError::NotSwitchable(dir.clone()));
-        }
+        let dirs = check_switchable(components)?;
         let twins: Vec<Twin> = dirs
             .iter()
             .map(|dir| {
