@@ -365,6 +365,30 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
 
     // The control plane upgrades: kubeadm upgrade apply, new binaries,
     // each measured with its version, the record moved on.
+    let kept_dir = cp
+        .root
+        .join(keel_agent::paths::KEPT_ARCHIVES.trim_start_matches('/'));
+    let kept_names = |components: &[keel_proto::components::Component]| {
+        let mut names: Vec<String> = components
+            .iter()
+            .filter(|c| c.extract)
+            .map(|c| format!("{}.tgz", c.hash.trim_start_matches("sha256:")))
+            .collect();
+        names.sort();
+        names
+    };
+    let kept_now = || {
+        let mut names: Vec<String> = std::fs::read_dir(&kept_dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(kept_now(), kept_names(&old));
+    // An archive of a version before: gone once the node runs the target.
+    let earlier = kept_dir.join(format!("{}.tgz", "e".repeat(64)));
+    std::fs::write(&earlier, b"an archive of an earlier version").unwrap();
     let request = cp.request(to_new.clone());
     let (lines, last) = cp.run(&request).await.unwrap();
     let Event::Done(done) = last else {
@@ -385,6 +409,7 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
     );
     assert_eq!(cp.version(), TO);
     assert!(cp.kubelet_claims().contains(TO), "{}", cp.kubelet_claims());
+    assert_eq!(kept_now(), kept_names(&new));
     let events = cp.component_events();
     assert_eq!(events.len(), old.len() + new.len());
     let upgraded = &events[old.len()..];

@@ -49,7 +49,10 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Component as PathPart, Path, PathBuf};
 
+use sha2::{Digest as _, Sha256};
 use tar::EntryType;
+
+use crate::digest::Sha256Digest;
 
 /// Bounds on one archive.
 #[derive(Debug, Clone, Copy)]
@@ -156,6 +159,15 @@ pub enum ExtractError {
     /// The archive is not valid gzip/tar or could not be read.
     #[error("reading the archive")]
     ReadArchive(#[source] io::Error),
+    /// The archive's bytes do not have the expected hash; nothing was put
+    /// in place.
+    #[error("the archive's hash is {actual}, not the expected {expected}")]
+    HashMismatch {
+        /// The hash expected.
+        expected: Box<Sha256Digest>,
+        /// The hash of the bytes read.
+        actual: Box<Sha256Digest>,
+    },
     /// The decompressed archive is larger than the limit.
     #[error("the archive unpacks to more than {0} bytes")]
     TooLarge(u64),
@@ -335,12 +347,67 @@ fn push_escaped(out: &mut String, chars: &mut usize, max_chars: usize, piece: Pi
     true
 }
 
-/// Unpacks the gzip-compressed tar archive at `archive` into the directory
-/// `target`, whose parent must exist.
+/// Unpacks the gzip-compressed tar archive `archive` (an open file, read
+/// from where it stands) into the directory `target`, whose parent must
+/// exist.
 pub fn extract_tgz(
-    archive: &Path,
+    archive: fs::File,
     target: &Path,
     limits: &ExtractLimits,
+) -> Result<ExtractSummary, ExtractError> {
+    extract_then(archive, target, limits, |_| Ok(()))
+}
+
+/// [`extract_tgz`] of an archive that must hash to `expected`: its bytes
+/// are hashed as they are read, to the file's end, and nothing reaches
+/// `target` unless they match. One read serves both, so the bytes
+/// extracted are the bytes hashed, whatever happens to the file meanwhile.
+pub fn extract_tgz_verified(
+    archive: fs::File,
+    expected: Sha256Digest,
+    target: &Path,
+    limits: &ExtractLimits,
+) -> Result<ExtractSummary, ExtractError> {
+    let hashing = Hashing {
+        inner: archive,
+        hasher: Sha256::new(),
+    };
+    extract_then(hashing, target, limits, |mut rest| {
+        io::copy(&mut rest, &mut io::sink()).map_err(ExtractError::ReadArchive)?;
+        let actual = Sha256Digest::from_hasher(rest.hasher);
+        if actual == expected {
+            Ok(())
+        } else {
+            Err(ExtractError::HashMismatch {
+                expected: Box::new(expected),
+                actual: Box::new(actual),
+            })
+        }
+    })
+}
+
+/// A reader that hashes what it reads.
+struct Hashing<R> {
+    inner: R,
+    hasher: Sha256,
+}
+
+impl<R: Read> Read for Hashing<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(buf.get(..n).unwrap_or_default());
+        Ok(n)
+    }
+}
+
+/// Unpacks the archive `source` into a staging directory and checks it,
+/// then runs `finish` on what is left of `source`; only if that passes
+/// does anything move into `target`.
+fn extract_then<R: Read>(
+    mut source: R,
+    target: &Path,
+    limits: &ExtractLimits,
+    finish: impl FnOnce(R) -> Result<(), ExtractError>,
 ) -> Result<ExtractSummary, ExtractError> {
     let target_exists = match fs::symlink_metadata(target) {
         Ok(meta) if meta.is_dir() => true,
@@ -368,8 +435,7 @@ pub fn extract_tgz(
         .map_err(staging_error)?;
     fs::set_permissions(staging.path(), Permissions::from_mode(0o755)).map_err(staging_error)?;
 
-    let file = fs::File::open(archive).map_err(ExtractError::ReadArchive)?;
-    let gunzip = flate2::read::GzDecoder::new(BufReader::with_capacity(256 * 1024, file));
+    let gunzip = flate2::read::GzDecoder::new(BufReader::with_capacity(256 * 1024, &mut source));
     let bounded = Bounded {
         inner: gunzip,
         remaining: limits.max_unpacked_bytes,
@@ -379,6 +445,7 @@ pub fn extract_tgz(
     for link in &symlinks {
         check_symlink_resolves(staging.path(), link)?;
     }
+    finish(source)?;
 
     if target_exists {
         merge_dir(staging.path(), target)?;

@@ -30,7 +30,8 @@ use crate::component::{redact, Component, InstallPath, Source};
 use crate::digest::Sha256Digest;
 use crate::download::{DownloadConfig, DownloadError, Downloader};
 use crate::extract::{
-    extract_tgz, temporary_prefix, ExtractError, ExtractLimits, ExtractSummary, STAGING_SUFFIX,
+    extract_tgz, extract_tgz_verified, temporary_prefix, ExtractError, ExtractLimits,
+    ExtractSummary, STAGING_SUFFIX,
 };
 use crate::mirror::Mirror;
 use crate::progress::Progress;
@@ -268,9 +269,7 @@ impl Installer {
         })
     }
 
-    /// Installs every component in order, stopping at the first failure;
-    /// then keeps only the archives of `components`
-    /// ([`Installer::keep_only_archives_of`]).
+    /// Installs every component in order, stopping at the first failure.
     pub async fn install_all(
         &self,
         components: &[Component],
@@ -280,14 +279,14 @@ impl Installer {
         for component in components {
             installed.push(self.install(component, progress).await?);
         }
-        self.keep_only_archives_of(components).await;
         Ok(installed)
     }
 
     /// Removes the kept archives that none of `components` (a node's whole
-    /// list) extracts, such as those of a version the node left. Only files
-    /// named as kept archives are touched; a failure to remove one is
-    /// logged.
+    /// list) extracts, such as those of a version the node left, and what
+    /// interrupted downloads into the directory left. Call it with no
+    /// install running. Only files named as kept archives or as their
+    /// downloads are touched; a failure to remove one is logged.
     pub async fn keep_only_archives_of(&self, components: &[Component]) {
         let Some(dir) = self.kept_archives.clone() else {
             return;
@@ -298,26 +297,31 @@ impl Installer {
             .map(|c| kept_archive_name(c.hash()))
             .collect();
         let removed = tokio::task::spawn_blocking(move || {
-            let Ok(entries) = fs::read_dir(&dir) else {
-                return;
+            let entries = match fs::read_dir(&dir) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return,
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot list the kept archives");
+                    return;
+                }
             };
             for entry in entries.flatten() {
                 let name = entry.file_name();
                 let Some(name) = name.to_str() else {
                     continue;
                 };
-                let is_kept = name.strip_suffix(KEPT_SUFFIX).is_some_and(|hex| {
-                    hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())
-                });
-                if !is_kept || wanted.iter().any(|w| w == name) {
+                let stale = match kept_archive_of(name) {
+                    Some(KeptFile::Archive) => !wanted.iter().any(|w| w == name),
+                    Some(KeptFile::Download) => true,
+                    None => false,
+                };
+                if !stale {
                     continue;
                 }
                 match fs::remove_file(entry.path()) {
-                    Ok(()) => {
-                        tracing::info!(archive = name, "removed a kept archive no longer listed")
-                    }
+                    Ok(()) => tracing::info!(file = name, "removed a kept archive no longer listed"),
                     Err(e) => tracing::warn!(
-                        archive = name,
+                        file = name,
                         error = %e,
                         "could not remove a kept archive no longer listed"
                     ),
@@ -347,16 +351,10 @@ impl Installer {
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_else(|| self.root.clone());
-        let dir = parent.clone();
-        let name = dest.file_name().unwrap_or_default().to_owned();
-        blocking(move || {
-            fs::create_dir_all(&dir).map_err(|source| InstallError::CreateDir {
-                path: dir.clone(),
-                source,
-            })?;
-            remove_leftovers(&dir, &name);
-            Ok(())
-        })
+        prepare_dir(
+            parent.clone(),
+            dest.file_name().unwrap_or_default().to_owned(),
+        )
         .await?;
 
         if !component.extract() && existing_matches(&dest, component.hash()).await? {
@@ -391,9 +389,11 @@ impl Installer {
     }
 
     /// Extracts an archive component into `dest`: from its kept copy when
-    /// that has the expected hash, else fetched into a temporary file (in
-    /// the kept archives' directory when there is one, to be kept there
-    /// once extracted; else in `parent`).
+    /// that hashes right as it is extracted, else fetched into a temporary
+    /// file (in the kept archives' directory when it can be used, to be
+    /// kept there once extracted; else in `parent`). What the kept copy
+    /// lacks (the directory cannot be made, the copy is not a regular file,
+    /// unreadable or not the archive) makes it a miss, never a failure.
     async fn install_archive(
         &self,
         component: &Component,
@@ -407,58 +407,76 @@ impl Installer {
             source,
         };
         let limits = self.extract_limits;
-        let Some(kept_dir) = self.kept_archives.clone() else {
-            let temp = self.fetch(component, dest, parent, progress).await?;
-            let target = dest.to_owned();
-            let summary = blocking(move || Ok(extract_tgz(temp.path(), &target, &limits)))
-                .await?
-                .map_err(extract_error)?;
-            return Ok(Outcome::Extracted(summary));
-        };
-        let name = kept_archive_name(component.hash());
-        let kept = kept_dir.join(&name);
-        let dir = kept_dir.clone();
-        let file_name = std::ffi::OsString::from(&name);
-        blocking(move || {
-            fs::create_dir_all(&dir).map_err(|source| InstallError::CreateDir {
-                path: dir.clone(),
-                source,
-            })?;
-            remove_leftovers(&dir, &file_name);
-            Ok(())
-        })
-        .await?;
-        if existing_matches(&kept, component.hash()).await? {
-            let (archive, target) = (kept.clone(), dest.to_owned());
-            let summary = blocking(move || Ok(extract_tgz(&archive, &target, &limits)))
-                .await?
-                .map_err(extract_error)?;
-            tracing::info!(archive = %kept.display(), "extracted the kept archive");
-            return Ok(Outcome::ExtractedKept(summary));
+        let kept = self.kept_path(component).await;
+        if let Some(kept) = kept.clone() {
+            let (target, expected) = (dest.to_owned(), component.hash());
+            let extracted = blocking(move || {
+                Ok(open_kept(&kept).map(|file| {
+                    file.map(|file| extract_tgz_verified(file, expected, &target, &limits))
+                }))
+            })
+            .await?;
+            match extracted {
+                Ok(Some(Ok(summary))) => {
+                    tracing::info!("extracted the kept archive");
+                    return Ok(Outcome::ExtractedKept(summary));
+                }
+                Ok(None) => {}
+                Ok(Some(Err(e))) => tracing::warn!(
+                    error = %crate::ErrorChain(&e),
+                    "the kept archive is not the archive; fetching it again"
+                ),
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    "the kept archive cannot be read; fetching it again"
+                ),
+            }
         }
-        if fs::symlink_metadata(&kept).is_ok() {
-            tracing::warn!(
-                archive = %kept.display(),
-                "the kept archive does not have the expected hash; fetching it again"
-            );
-        }
-        let temp = self.fetch(component, &kept, &kept_dir, progress).await?;
+        let temp_dir = kept.as_deref().and_then(Path::parent).unwrap_or(parent);
+        let named = kept.as_deref().unwrap_or(dest);
+        let temp = self.fetch(component, named, temp_dir, progress).await?;
         let target = dest.to_owned();
         let (summary, temp) = blocking(move || {
-            let summary = extract_tgz(temp.path(), &target, &limits);
+            // The downloaded file's own handle: no path is looked up again.
+            let summary = temp
+                .reopen()
+                .map_err(ExtractError::ReadArchive)
+                .and_then(|file| extract_tgz(file, &target, &limits));
             Ok((summary, temp))
         })
         .await?;
         let summary = summary.map_err(extract_error)?;
-        // Keeping is a saving for the next install, not part of this one.
-        if let Err(e) = blocking(move || place_file(temp, &kept, DATA_MODE)).await {
-            tracing::warn!(error = %crate::ErrorChain(&e), "could not keep the verified archive");
+        if let Some(kept) = kept {
+            // Keeping is a saving for the next install, not part of this one.
+            if let Err(e) = blocking(move || place_file(temp, &kept, DATA_MODE)).await {
+                tracing::warn!(error = %crate::ErrorChain(&e), "could not keep the verified archive");
+            }
         }
         Ok(Outcome::Extracted(summary))
     }
 
+    /// Where the kept copy of `component` (an archive) is, its directory
+    /// made and cleared of an interrupted download's leftovers; `None`
+    /// without a kept archives' directory or when it cannot be made.
+    async fn kept_path(&self, component: &Component) -> Option<PathBuf> {
+        let dir = self.kept_archives.clone()?;
+        let name = kept_archive_name(component.hash());
+        let path = dir.join(&name);
+        match prepare_dir(dir, name.into()).await {
+            Ok(()) => Some(path),
+            Err(e) => {
+                tracing::warn!(
+                    error = %crate::ErrorChain(&e),
+                    "the kept archives' directory cannot be used; the archive is not kept"
+                );
+                None
+            }
+        }
+    }
+
     /// Fetches or decodes the component into a verified temporary file in
-    /// `dir` (the install path's directory, hence the same filesystem).
+    /// `dir`, named after `dest`: the directory it is renamed within (the
+    /// install path's, or the kept archives').
     async fn fetch(
         &self,
         component: &Component,
@@ -530,6 +548,40 @@ impl Installer {
     }
 }
 
+/// Creates `dir` and removes what an interrupted install of `name` there
+/// left ([`remove_leftovers`]).
+async fn prepare_dir(dir: PathBuf, name: std::ffi::OsString) -> Result<(), InstallError> {
+    blocking(move || {
+        fs::create_dir_all(&dir).map_err(|source| InstallError::CreateDir {
+            path: dir.clone(),
+            source,
+        })?;
+        remove_leftovers(&dir, &name);
+        Ok(())
+    })
+    .await
+}
+
+/// Opens the kept archive at `path` for reading, if it is a regular file:
+/// `None` if there is none (or something else is there). Opened without
+/// following a symlink and without blocking on a FIFO, then checked on
+/// the open handle.
+fn open_kept(path: &Path) -> io::Result<Option<File>> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        // A symlink there (ELOOP) is no kept archive.
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    Ok(file.metadata()?.is_file().then_some(file))
+}
+
 /// The name of a download in progress ends with this; it starts with
 /// [`temporary_prefix`].
 const PART_SUFFIX: &str = ".keel-part";
@@ -540,6 +592,35 @@ const KEPT_SUFFIX: &str = ".tgz";
 /// The file name of the kept copy of an archive with `hash`.
 fn kept_archive_name(hash: Sha256Digest) -> String {
     format!("{}{KEPT_SUFFIX}", hash.to_hex())
+}
+
+/// What a file in the kept archives' directory is, by its name.
+enum KeptFile {
+    /// A kept archive: `<sha256 hex>.tgz`.
+    Archive,
+    /// A download into the directory that did not end:
+    /// `.<sha256 hex>.tgz.<random>.keel-part`.
+    Download,
+}
+
+/// What the file `name` in the kept archives' directory is, if it is one
+/// the installer writes there.
+fn kept_archive_of(name: &str) -> Option<KeptFile> {
+    let is_archive = |n: &str| {
+        n.strip_suffix(KEPT_SUFFIX)
+            .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    if is_archive(name) {
+        return Some(KeptFile::Archive);
+    }
+    // A download's name: the temporary prefix of an archive's name, then
+    // the random part and the suffix.
+    let rest = name.strip_prefix('.')?;
+    let archive_len = 64 + KEPT_SUFFIX.len();
+    let (archive, after) = (rest.get(..archive_len)?, rest.get(archive_len..)?);
+    let random_and_suffix = after.strip_prefix('.')?;
+    (is_archive(archive) && random_then(random_and_suffix.as_bytes(), PART_SUFFIX))
+        .then_some(KeptFile::Download)
 }
 
 /// Removes what an install of `name` in `dir` that did not end (a crash, a

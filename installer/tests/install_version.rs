@@ -277,15 +277,81 @@ async fn a_kept_archive_is_extracted_without_a_fetch_and_a_wrong_copy_is_fetched
     assert_eq!(entries(&r.join("opt/cni/bin")), CNI_PLUGINS);
 
     // Only the listed version's archives stay: a kept archive no longer
-    // listed goes, files not named as kept archives stay.
+    // listed goes, as does an interrupted download; files not named as
+    // the installer names them stay.
     let stray = kept_dir.join(format!("{}.tgz", "0".repeat(64)));
     std::fs::write(&stray, b"left by an earlier version").unwrap();
-    std::fs::write(kept_dir.join("notes"), b"not an archive").unwrap();
+    let part = kept_dir.join(format!(".{}.tgz.a1B2c3.keel-part", "1".repeat(64)));
+    std::fs::write(&part, b"half a download").unwrap();
+    for other in ["notes", ".notes.a1B2c3.keel-part"] {
+        std::fs::write(kept_dir.join(other), b"not the installer's").unwrap();
+    }
     installer.keep_only_archives_of(&list[1..]).await;
-    assert!(!stray.exists());
+    assert!(!stray.exists() && !part.exists());
     assert!(!kept(cni).exists());
     assert!(kept(crictl).exists());
     assert!(kept_dir.join("notes").exists());
+    assert!(kept_dir.join(".notes.a1B2c3.keel-part").exists());
+}
+
+/// What is at a kept archive's path, or a kept archives' directory that
+/// cannot be made, is never a reason to fail: the archive is fetched (and
+/// kept where it can be).
+#[tokio::test]
+async fn whatever_is_at_the_kept_path_the_archive_installs() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let list = v1_31_stand_ins(&mirror);
+    let crictl = &list[1];
+    let installer = keeping_installer(r, &mirror, fast_retries());
+    let kept_dir = r.join(KEPT.trim_start_matches('/'));
+    let kept = kept_dir.join(format!("{}.tgz", crictl.hash().to_hex()));
+    std::fs::create_dir_all(&kept_dir).unwrap();
+    let elsewhere = r.join("elsewhere.tgz");
+    let mut fetched = mirror.total_requests();
+
+    // A symlink to the very archive: not followed, replaced by a copy.
+    installer.install(crictl, &NoProgress).await.unwrap();
+    fetched += 1;
+    std::fs::rename(&kept, &elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &kept).unwrap();
+    let installed = installer.install(crictl, &NoProgress).await.unwrap();
+    assert!(matches!(installed.outcome(), Outcome::Extracted(_)));
+    fetched += 1;
+    assert_eq!(mirror.total_requests(), fetched);
+    assert!(std::fs::symlink_metadata(&kept).unwrap().is_file());
+
+    // A FIFO: opened without blocking, not read.
+    std::fs::remove_file(&kept).unwrap();
+    let fifo = std::process::Command::new("mkfifo")
+        .arg(&kept)
+        .status()
+        .unwrap();
+    assert!(fifo.success());
+    let installed = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        installer.install(crictl, &NoProgress),
+    )
+    .await
+    .expect("blocked on the FIFO")
+    .unwrap();
+    assert!(matches!(installed.outcome(), Outcome::Extracted(_)));
+    assert!(std::fs::symlink_metadata(&kept).unwrap().is_file());
+
+    // A directory there cannot be replaced: installed, not kept.
+    std::fs::remove_file(&kept).unwrap();
+    std::fs::create_dir(&kept).unwrap();
+    let installed = installer.install(crictl, &NoProgress).await.unwrap();
+    assert!(matches!(installed.outcome(), Outcome::Extracted(_)));
+    assert!(kept.is_dir());
+
+    // The directory itself cannot be made (a file is in the way).
+    std::fs::remove_dir_all(&kept_dir).unwrap();
+    std::fs::write(&kept_dir, b"in the way").unwrap();
+    let installed = installer.install(crictl, &NoProgress).await.unwrap();
+    assert!(matches!(installed.outcome(), Outcome::Extracted(_)));
+    assert!(run(&r.join("run/state/bin/crictl")).starts_with("crictl v1.33.0"));
 }
 
 #[tokio::test]

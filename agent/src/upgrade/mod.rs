@@ -448,6 +448,14 @@ impl Upgrader {
                 if let Err(e) = staging.discard() {
                     tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the previous components failed");
                 }
+                // The version is recorded: a reboot installs the target's
+                // archives, never the previous ones.
+                match Installer::new(self.env.installer.clone()) {
+                    Ok(installer) => installer.keep_only_archives_of(&target.components).await,
+                    Err(e) => {
+                        tracing::warn!(error = %keel_atls::ErrorChain(&e), "the previous kept archives stay")
+                    }
+                }
                 log(format!(
                     "upgraded to Kubernetes {} in {:.1} s",
                     target.version,
