@@ -816,11 +816,14 @@ impl Registry {
             if newer && key == theirs.ek {
                 // A verdict new here counts from now on this clock: a
                 // peer's drift must hold an interval here too before this
-                // control plane's policy acts on it.
+                // control plane's policy acts on it. One this control plane
+                // holds already keeps its time here: a peer's later time
+                // for it would push back its hold and its stand.
                 let mut theirs = theirs;
-                if self.nodes.get(&key).map(|o| o.verdict) != Some(theirs.verdict) {
-                    theirs.verdict_at = now();
-                }
+                theirs.verdict_at = match self.nodes.get(&key) {
+                    Some(ours) if ours.verdict == theirs.verdict => ours.verdict_at,
+                    _ => now(),
+                };
                 self.changed.insert(key.clone());
                 self.nodes.insert(key, theirs);
                 merged.taken += 1;
@@ -1648,6 +1651,20 @@ mod tests {
         assert_eq!(r.merge(peer).taken, 1);
         assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
         assert!(r.nodes[&key].verdict_at + 5 >= now());
+
+        // A drift held here already keeps its time: a peer's later first
+        // drift (shown to it later, or re-dated by it) does not push back
+        // its hold.
+        let since = now() - 200;
+        r.nodes.get_mut(&key).unwrap().verdict_at = since;
+        let mut later = Registry::default();
+        later.record(&evidence(1, Some("PCR 4"))).unwrap();
+        let theirs = later.nodes.get_mut(&key).unwrap();
+        theirs.verdict_at = now();
+        theirs.last_evidence_at = Some(now() + 2);
+        assert_eq!(r.merge(later).taken, 1);
+        assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
+        assert_eq!(r.nodes[&key].verdict_at, since);
     }
 
     /// Sweeps run every interval, so the first to find a drift's hold over

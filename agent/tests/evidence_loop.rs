@@ -405,6 +405,26 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     assert_eq!(s.merge_registry(&other_cp, stands).await.unwrap(), 1);
     assert_eq!(s.merge_registry(&other_cp, stands).await.unwrap(), 0);
     assert_eq!(other_cp.snapshot().revoked()[0].ek, revoked.ek);
+    // A control plane that revoked cp-1 takes nothing from its registry
+    // (a compromised control plane, once revoked, can no longer fill the
+    // others' lists or re-date their nodes), nor counts it as heard.
+    let revoking = tempfile::tempdir().unwrap();
+    let revoking = RegistryStore::shared(revoking.path()).unwrap();
+    let cp1_ek = join_common::ek_digest(&c.cp1.tpm);
+    revoking
+        .update(|r| {
+            r.register(&cp1_ek, "", "cp-1", "control-plane")?;
+            let record = r.find(&cp1_ek.to_string())?.clone();
+            r.revoke(&record, None, "test: compromised")
+        })
+        .unwrap();
+    assert!(matches!(
+        s.merge_registry(&revoking, stands).await,
+        Err(EvidenceClientError::PeerRevoked)
+    ));
+    assert_eq!(revoking.snapshot().revoked().len(), 1);
+    assert!(revoking.snapshot().find(&revoked.ek).is_err());
+    assert_eq!(revoking.merged_at(), None);
     // The revoked worker reboots: no rejoin ticket, so no disk key.
     let endpoint = c.endpoint();
     let worker = c.worker.reboot(&c.ca);

@@ -55,6 +55,10 @@ pub enum EvidenceClientError {
     /// Another control plane's registry is unusable.
     #[error("merging another control plane's registry")]
     Registry(#[source] crate::registry::RegistryError),
+    /// The other control plane is revoked here: what its registry says is
+    /// not taken.
+    #[error("the other control plane is on this control plane's revocation list; its registry is not merged")]
+    PeerRevoked,
 }
 
 /// Sends this node's evidence.
@@ -230,12 +234,19 @@ impl Session {
     }
 
     /// Pulls the control plane's registry and merges it into `registry`,
-    /// where a drift stands against its records for `drift_stands`.
+    /// where a drift stands against its records for `drift_stands`. A
+    /// control plane that `registry` revokes gets nothing merged (nor
+    /// counts as a peer heard from): revoking a compromised control plane
+    /// must end what its registry can do to the others' (fill their lists,
+    /// re-date their nodes' verdicts).
     pub async fn merge_registry(
         &mut self,
         registry: &Arc<RegistryStore>,
         drift_stands: Duration,
     ) -> Result<usize, EvidenceClientError> {
+        if self.peer_revoked_in(registry).await? {
+            return Err(EvidenceClientError::PeerRevoked);
+        }
         let call = self.client.registry(RegistryRequest {});
         let bytes = answer_within(CALL_TIMEOUT, call)
             .await
@@ -244,17 +255,34 @@ impl Session {
         // Parsing up to the registry bound, the registry's lock and the
         // write after the merge block: not on a worker of the runtime.
         let registry = registry.clone();
+        let peer = self.server_ek;
         let added = tokio::task::spawn_blocking(move || {
+            // Checked again: a revocation may have landed during the call.
+            if registry.revocation(&peer).is_some() {
+                return Ok(None);
+            }
             let theirs = Registry::parse(&bytes)?;
-            registry.merge_from_peer(theirs, drift_stands)
+            registry.merge_from_peer(theirs, drift_stands).map(Some)
         })
         .await
         .map_err(|_| EvidenceClientError::Task)?
-        .map_err(EvidenceClientError::Registry)?;
+        .map_err(EvidenceClientError::Registry)?
+        .ok_or(EvidenceClientError::PeerRevoked)?;
         if added > 0 {
             tracing::info!(added, "revocations taken from another control plane");
         }
         Ok(added)
+    }
+
+    /// Whether `registry` revokes this session's control plane.
+    async fn peer_revoked_in(
+        &self,
+        registry: &Arc<RegistryStore>,
+    ) -> Result<bool, EvidenceClientError> {
+        let (registry, peer) = (registry.clone(), self.server_ek);
+        tokio::task::spawn_blocking(move || registry.revocation(&peer).is_some())
+            .await
+            .map_err(|_| EvidenceClientError::Task)
     }
 }
 
