@@ -80,6 +80,9 @@ pub enum RecoveryError {
     /// The work after the lock failed; the node reboots.
     #[error("recovery failed after the node lock; the node reboots")]
     Provision(#[source] ProvisionError),
+    /// The recovery task ended without its result (it panicked).
+    #[error("an internal task failed")]
+    Internal,
 }
 
 impl From<&RecoveryError> for tonic::Status {
@@ -95,7 +98,7 @@ impl From<&RecoveryError> for tonic::Status {
             E::WrongSecret => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
             E::Unavailable | E::Lock(_) => tonic::Code::Unavailable,
-            E::Provision(_) => tonic::Code::Internal,
+            E::Provision(_) | E::Internal => tonic::Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
     }
@@ -139,8 +142,25 @@ impl RecoveryServer {
         RecoveryServiceServer::new(self).max_decoding_message_size(MAX_RECOVER_REQUEST_BYTES)
     }
 
-    /// Runs one recovery request from `peer`.
+    /// Runs one recovery request from `peer`, on a task of its own: a
+    /// caller that goes away (a reset stream, the server's request
+    /// timeout) stops neither the check, so a refusal is counted against
+    /// its address and the TPM is not free for the next one before it
+    /// ends, nor the work after the node lock, which ends serving or
+    /// failing (the node reboots) whatever became of the request.
     pub async fn recover(
+        &self,
+        request: RecoverRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<ClusterId, RecoveryError> {
+        let this = self.clone();
+        tokio::spawn(async move { this.run(request, peer).await })
+            .await
+            .map_err(|_| RecoveryError::Internal)?
+    }
+
+    /// [`RecoveryServer::recover`], on the caller's task.
+    async fn run(
         &self,
         request: RecoverRequest,
         peer: Option<IpAddr>,

@@ -1,18 +1,23 @@
 //! Backoff for peers that keep failing authentication (a wrong init secret):
 //! after each failure a peer address waits twice as long, up to a cap,
-//! before its next attempt is even looked at. Bounded in memory.
+//! before its next attempt is even looked at. Peers are counted as aTLS
+//! counts connections ([`keel_atls::Source`]): an IPv6 peer by its /64, so
+//! a host does not start afresh from each of its addresses. Bounded in
+//! memory.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use keel_atls::Source;
+
 /// Per-address failure backoff.
 #[derive(Debug)]
 pub struct FailureThrottle {
     first_delay: Duration,
     max_delay: Duration,
-    peers: Mutex<HashMap<IpAddr, Failures>>,
+    peers: Mutex<HashMap<Source, Failures>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -46,7 +51,7 @@ impl FailureThrottle {
     pub fn check(&self, peer: IpAddr) -> Result<(), Duration> {
         let peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
-        match peers.get(&peer) {
+        match peers.get(&Source::of_ip(peer)) {
             Some(f) if f.blocked_until > now => Err(f.blocked_until - now),
             _ => Ok(()),
         }
@@ -55,6 +60,7 @@ impl FailureThrottle {
     /// Records a failure of `peer`; returns its failure count and how long
     /// it now waits.
     pub fn failed(&self, peer: IpAddr) -> (u32, Duration) {
+        let peer = Source::of_ip(peer);
         let mut peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
         if peers.len() >= Self::MAX_PEERS && !peers.contains_key(&peer) {
@@ -63,7 +69,7 @@ impl FailureThrottle {
                 if let Some(first) = peers
                     .iter()
                     .min_by_key(|(_, f)| f.blocked_until)
-                    .map(|(ip, _)| *ip)
+                    .map(|(source, _)| *source)
                 {
                     peers.remove(&first);
                 }
@@ -88,7 +94,7 @@ impl FailureThrottle {
         self.peers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(&peer);
+            .remove(&Source::of_ip(peer));
     }
 }
 
@@ -110,6 +116,22 @@ mod tests {
         assert_eq!(t.failed(a).1, Duration::from_millis(350));
         t.succeeded(a);
         assert!(t.check(a).is_ok());
+    }
+
+    #[test]
+    fn an_ipv6_peer_is_counted_by_its_64() {
+        let t = FailureThrottle::default();
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let same_64: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
+        let other_64: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        t.failed(a);
+        assert!(t.check(same_64).is_err(), "a fresh address of the same /64");
+        assert_eq!(t.failed(same_64).0, 2);
+        assert!(t.check(other_64).is_ok());
+        // An IPv4 peer and its IPv4-mapped IPv6 form are one peer.
+        let v4: IpAddr = "192.0.2.1".parse().unwrap();
+        t.failed(v4);
+        assert!(t.check("::ffff:192.0.2.1".parse().unwrap()).is_err());
     }
 
     #[test]

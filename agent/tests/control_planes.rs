@@ -257,6 +257,25 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         Err(RecoveryError::Throttled(_)) => {}
         other => panic!("after a request that does not decode: {other:?}"),
     }
+    // A caller that goes away while the TPM opens its request (it resets
+    // the stream) is counted all the same, and the next request waits
+    // for the TPM to finish with it.
+    let canceller: IpAddr = "192.0.2.9".parse().unwrap();
+    let garbage = RecoverRequest {
+        secrets: Some(cp1.sealed(&[0xff; 40])),
+        measurement_salt: cp0.state.measurement_salt.to_vec(),
+    };
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(1),
+        recovery.recover(garbage, Some(canceller)),
+    )
+    .await;
+    assert!(dropped.is_err(), "answered within 1 ms: {dropped:?}");
+    let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(right, Some(canceller)).await {
+        Err(RecoveryError::Throttled(_)) => {}
+        other => panic!("after a request whose caller went away: {other:?}"),
+    }
     assert!(!cp1.lock.is_locked());
     // A worker is never recovered.
     let worker_recovery = RecoveryServer::new(worker.node(Arc::new(ClusterSlot::new(None))));

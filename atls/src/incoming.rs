@@ -76,20 +76,31 @@ impl Default for Limits {
     }
 }
 
-/// What connections are counted under: an IPv4 address, the /64 of an IPv6
-/// address, or one shared bucket for connections whose address is unknown.
+/// What a peer is counted under (connections here, and failures in the
+/// agent's throttles): an IPv4 address, the /64 of an IPv6 address (one
+/// host may hold all of it), or one shared bucket for connections whose
+/// address is unknown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Source {
+pub enum Source {
+    /// An IPv4 address (or an IPv4-mapped IPv6 one).
     V4(Ipv4Addr),
+    /// The first 64 bits of an IPv6 address.
     V6Prefix([u8; 8]),
+    /// No address known.
     Unknown,
 }
 
 impl Source {
-    pub(crate) fn of(addr: Option<SocketAddr>) -> Self {
-        match addr.map(|a| a.ip()) {
-            Some(IpAddr::V4(v4)) => Self::V4(v4),
-            Some(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+    /// The source of a connection from `addr`.
+    pub fn of(addr: Option<SocketAddr>) -> Self {
+        addr.map_or(Self::Unknown, |a| Self::of_ip(a.ip()))
+    }
+
+    /// The source of the address `ip`.
+    pub fn of_ip(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => Self::V4(v4),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
                 Some(v4) => Self::V4(v4),
                 None => {
                     let mut prefix = [0u8; 8];
@@ -97,7 +108,6 @@ impl Source {
                     Self::V6Prefix(prefix)
                 }
             },
-            None => Self::Unknown,
         }
     }
 }

@@ -47,7 +47,7 @@ pub use attestation::{
 };
 pub use cert::{PeerCertError, ATTESTATION_OID};
 pub use client::{AtlsClient, BoundChannel, ConnectError};
-pub use incoming::{HandshakeStats, Incoming};
+pub use incoming::{HandshakeStats, Incoming, Source};
 pub use nonce::Nonce;
 pub use residency::ResidencyError;
 pub use server::{AtlsServer, HandshakeError};
