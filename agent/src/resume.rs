@@ -241,11 +241,16 @@ struct Kept {
     record: Option<ResumeRecord>,
     /// The generation of the record in the service manager's store.
     stored: Option<u64>,
+    /// Names in the store that should be gone, their removal to be tried
+    /// again before the next record is stored (the unit's bound would
+    /// otherwise refuse it).
+    stale: Vec<String>,
 }
 
 static KEPT: Mutex<Kept> = Mutex::new(Kept {
     record: None,
     stored: None,
+    stale: Vec::new(),
 });
 
 /// Keeps `record` (merged with the one kept before) in the service
@@ -269,6 +274,7 @@ pub fn keep(record: ResumeRecord) {
 fn keep_at(kept: &mut Kept, record: ResumeRecord, socket: Option<&str>) {
     let record = record.merged(kept.record.as_ref());
     if let Some(socket) = socket {
+        kept.stale.retain(|name| !remove_stored(socket, name));
         let generation = kept.stored.map_or(0, |g| g.saturating_add(1));
         let stored = sealed(&record).and_then(|file| {
             crate::systemd::store_fd_at(socket, &store_name(generation), file.as_fd())
@@ -282,7 +288,10 @@ fn keep_at(kept: &mut Kept, record: ResumeRecord, socket: Option<&str>) {
                     "resume record sent to the service manager's descriptor store"
                 );
                 if let Some(earlier) = kept.stored.replace(generation) {
-                    remove_stored(socket, earlier);
+                    let earlier = store_name(earlier);
+                    if !remove_stored(socket, &earlier) {
+                        kept.stale.push(earlier);
+                    }
                 }
             }
             Err(e) => tracing::warn!(
@@ -308,11 +317,16 @@ fn generation_of(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// Removes the record of `generation` from the store; a failure is logged
-/// (the store then holds one record more, up to the unit's bound).
-fn remove_stored(socket: &str, generation: u64) {
-    if let Err(e) = crate::systemd::remove_fd_at(socket, &store_name(generation)) {
-        tracing::warn!(generation, error = %e, "removing an earlier resume record failed");
+/// Removes the record stored as `name`; a failure is logged (the store
+/// then holds one record more, up to the unit's bound). Returns whether
+/// the removal was sent.
+fn remove_stored(socket: &str, name: &str) -> bool {
+    match crate::systemd::remove_fd_at(socket, name) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(name, error = %e, "removing an earlier resume record failed");
+            false
+        }
     }
 }
 
@@ -365,17 +379,24 @@ fn take_kept_at(
     passed: Vec<(String, std::fs::File)>,
     socket: Option<&str>,
 ) -> Option<Result<ResumeRecord, ResumeError>> {
-    let mut records: Vec<(u64, std::fs::File)> = passed
-        .into_iter()
-        .filter_map(|(name, file)| generation_of(&name).map(|g| (g, file)))
-        .collect();
-    records.sort_by_key(|(generation, _)| *generation);
-    let (newest, file) = records.pop()?;
-    if let Some(socket) = socket {
-        for (older, _) in &records {
-            remove_stored(socket, *older);
+    let mut records: Vec<(u64, std::fs::File)> = Vec::new();
+    for (name, file) in passed {
+        match generation_of(&name) {
+            Some(generation) => records.push((generation, file)),
+            // Not a name this agent stores under, but one of its kind:
+            // it only takes room in the store.
+            None if name.starts_with(STORE_NAME) => kept.stale.push(name),
+            None => {}
         }
     }
+    records.sort_by_key(|(generation, _)| *generation);
+    let newest = records.pop();
+    kept.stale
+        .extend(records.iter().map(|(older, _)| store_name(*older)));
+    if let Some(socket) = socket {
+        kept.stale.retain(|name| !remove_stored(socket, name));
+    }
+    let (newest, file) = newest?;
     kept.stored = Some(newest);
     Some(read(&file))
 }
@@ -617,6 +638,32 @@ mod tests {
             socket,
         );
         assert!(none.is_none());
+        // A name of its kind that is no generation's only takes room: it
+        // goes.
+        let (state, _) = manager.receive().unwrap();
+        assert_eq!(state, "FDSTOREREMOVE=1\nFDNAME=keel-resume");
+        // A removal that failed is tried again before the next record.
+        let mut behind = Kept {
+            stale: vec!["keel-resume-7".to_owned()],
+            stored: Some(8),
+            ..Kept::default()
+        };
+        keep_at(
+            &mut behind,
+            ResumeRecord::of_member([3; 32], OperatorKey::from_slice(&[6; 32]).unwrap()),
+            socket,
+        );
+        let states: Vec<String> =
+            std::iter::from_fn(|| manager.receive().map(|(s, _)| s)).collect();
+        assert_eq!(
+            states,
+            [
+                "FDSTOREREMOVE=1\nFDNAME=keel-resume-7",
+                "FDSTORE=1\nFDNAME=keel-resume-9",
+                "FDSTOREREMOVE=1\nFDNAME=keel-resume-8",
+            ]
+        );
+        assert!(behind.stale.is_empty());
         for (name, generation) in [
             ("keel-resume-0", Some(0)),
             ("keel-resume-17", Some(17)),
