@@ -306,7 +306,7 @@ pub mod kind {
     pub const UPGRADE: &str = "upgrade";
     /// `StageImageMeasurements` (body: the measurements).
     pub const STAGE_IMAGE_MEASUREMENTS: &str = "stage-image-measurements";
-    /// `FinishImageUpgrade` (body: empty).
+    /// `FinishImageUpgrade` (body: SHA-256 of the staged set it finishes).
     pub const FINISH_IMAGE_UPGRADE: &str = "finish-image-upgrade";
     /// `RevokeNode` (body: the node selector).
     pub const REVOKE_NODE: &str = "revoke-node";
