@@ -573,6 +573,11 @@ mod tests {
         let manager = crate::systemd::StandInManager::new();
         let socket = Some(manager.socket());
         let mut kept = Kept::default();
+        let member =
+            || ResumeRecord::of_member([3; 32], OperatorKey::from_slice(&[6; 32]).unwrap());
+        let states = || -> Vec<String> {
+            std::iter::from_fn(|| manager.receive().map(|(s, _)| s)).collect()
+        };
         let control_plane = ResumeRecord {
             cluster_id: [3; 32],
             keys: Some(keys()),
@@ -585,11 +590,11 @@ mod tests {
         while let Some((state, files)) = manager.receive() {
             messages.push((state, files));
         }
-        let states: Vec<&str> = messages.iter().map(|(s, _)| s.as_str()).collect();
+        let sent: Vec<&str> = messages.iter().map(|(s, _)| s.as_str()).collect();
         // At every moment the store holds a record: the second is stored
         // before the first goes.
         assert_eq!(
-            states,
+            sent,
             [
                 "FDSTORE=1\nFDNAME=keel-resume-0",
                 "FDSTORE=1\nFDNAME=keel-resume-1",
@@ -616,15 +621,9 @@ mod tests {
         let (state, _) = manager.receive().unwrap();
         assert_eq!(state, "FDSTOREREMOVE=1\nFDNAME=keel-resume-0");
         assert_eq!(restarted.stored, Some(1));
-        keep_at(
-            &mut restarted,
-            ResumeRecord::of_member([3; 32], OperatorKey::from_slice(&[6; 32]).unwrap()),
-            socket,
-        );
-        let states: Vec<String> =
-            std::iter::from_fn(|| manager.receive().map(|(s, _)| s)).collect();
+        keep_at(&mut restarted, member(), socket);
         assert_eq!(
-            states,
+            states(),
             [
                 "FDSTORE=1\nFDNAME=keel-resume-2",
                 "FDSTOREREMOVE=1\nFDNAME=keel-resume-1",
@@ -648,15 +647,9 @@ mod tests {
             stored: Some(8),
             ..Kept::default()
         };
-        keep_at(
-            &mut behind,
-            ResumeRecord::of_member([3; 32], OperatorKey::from_slice(&[6; 32]).unwrap()),
-            socket,
-        );
-        let states: Vec<String> =
-            std::iter::from_fn(|| manager.receive().map(|(s, _)| s)).collect();
+        keep_at(&mut behind, member(), socket);
         assert_eq!(
-            states,
+            states(),
             [
                 "FDSTOREREMOVE=1\nFDNAME=keel-resume-7",
                 "FDSTORE=1\nFDNAME=keel-resume-9",
