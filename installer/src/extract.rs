@@ -277,6 +277,22 @@ pub enum ExtractError {
     },
 }
 
+impl ExtractError {
+    /// Whether the error is the place the archive goes to (the target, the
+    /// staging directory, the disk), not the archive: another copy of the
+    /// same archive would fail the same way.
+    pub fn is_at_target(&self) -> bool {
+        matches!(
+            self,
+            Self::TargetNotDirectory(_)
+                | Self::CreateStaging { .. }
+                | Self::WriteEntry { .. }
+                | Self::WouldReplaceDirectory(_)
+                | Self::Install { .. }
+        )
+    }
+}
+
 /// Most characters [`display_archive_path`] keeps, escapes included; a cut
 /// path is followed by a `…(+N bytes)` marker.
 pub const MAX_SHOWN_PATH_CHARS: usize = 128;
@@ -349,19 +365,10 @@ fn push_escaped(out: &mut String, chars: &mut usize, max_chars: usize, piece: Pi
 
 /// Unpacks the gzip-compressed tar archive `archive` (an open file, read
 /// from where it stands) into the directory `target`, whose parent must
-/// exist.
-pub fn extract_tgz(
-    archive: fs::File,
-    target: &Path,
-    limits: &ExtractLimits,
-) -> Result<ExtractSummary, ExtractError> {
-    extract_then(archive, target, limits, |_| Ok(()))
-}
-
-/// [`extract_tgz`] of an archive that must hash to `expected`: its bytes
-/// are hashed as they are read, to the file's end, and nothing reaches
-/// `target` unless they match. One read serves both, so the bytes
-/// extracted are the bytes hashed, whatever happens to the file meanwhile.
+/// exist, if its bytes hash to `expected`: they are hashed as they are
+/// read, to the file's end, and nothing reaches `target` unless they
+/// match. One read serves both, so the bytes extracted are the bytes
+/// hashed, whatever happens to the file meanwhile.
 pub fn extract_tgz_verified(
     archive: fs::File,
     expected: Sha256Digest,

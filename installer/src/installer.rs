@@ -30,8 +30,8 @@ use crate::component::{redact, Component, InstallPath, Source};
 use crate::digest::Sha256Digest;
 use crate::download::{DownloadConfig, DownloadError, Downloader};
 use crate::extract::{
-    extract_tgz, extract_tgz_verified, temporary_prefix, ExtractError, ExtractLimits,
-    ExtractSummary, STAGING_SUFFIX,
+    extract_tgz_verified, temporary_prefix, ExtractError, ExtractLimits, ExtractSummary,
+    STAGING_SUFFIX,
 };
 use crate::mirror::Mirror;
 use crate::progress::Progress;
@@ -422,6 +422,8 @@ impl Installer {
                     return Ok(Outcome::ExtractedKept(summary));
                 }
                 Ok(None) => {}
+                // The target's fault: a fetched copy would fare no better.
+                Ok(Some(Err(e))) if e.is_at_target() => return Err(extract_error(e)),
                 Ok(Some(Err(e))) => tracing::warn!(
                     error = %crate::ErrorChain(&e),
                     "the kept archive is not the archive; fetching it again"
@@ -435,13 +437,14 @@ impl Installer {
         let temp_dir = kept.as_deref().and_then(Path::parent).unwrap_or(parent);
         let named = kept.as_deref().unwrap_or(dest);
         let temp = self.fetch(component, named, temp_dir, progress).await?;
-        let target = dest.to_owned();
+        let (target, expected) = (dest.to_owned(), component.hash());
         let (summary, temp) = blocking(move || {
-            // The downloaded file's own handle: no path is looked up again.
+            // Hashed again as it is extracted: the file sat on the disk
+            // between its download and now.
             let summary = temp
                 .reopen()
                 .map_err(ExtractError::ReadArchive)
-                .and_then(|file| extract_tgz(file, &target, &limits));
+                .and_then(|file| extract_tgz_verified(file, expected, &target, &limits));
             Ok((summary, temp))
         })
         .await?;

@@ -12,6 +12,7 @@
 
 mod support;
 
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 use std::process::Command;
 
@@ -21,7 +22,7 @@ use keel_installer::{
 use keel_proto::components::Component as WireComponent;
 use keel_testkit::components::{self, CNI_PLUGINS};
 use keel_testkit::mirror::MirrorServer;
-use support::{entries, fast_retries, installer, keeping_installer, mode, KEPT};
+use support::{chain, entries, fast_retries, installer, keeping_installer, mode, KEPT};
 
 const VERSION: &str = "v1.31.13";
 
@@ -275,6 +276,18 @@ async fn a_kept_archive_is_extracted_without_a_fetch_and_a_wrong_copy_is_fetched
     std::fs::remove_dir_all(r.join("opt/cni/bin")).unwrap();
     installer.install_all(&list, &NoProgress).await.unwrap();
     assert_eq!(entries(&r.join("opt/cni/bin")), CNI_PLUGINS);
+    // A fault of the target (a file where the directory goes) is the
+    // install's error, not a reason to fetch the archive again (which,
+    // with the mirror gone, would hide it behind a download error).
+    std::fs::remove_dir_all(r.join("opt/cni/bin")).unwrap();
+    std::fs::write(r.join("opt/cni/bin"), b"in the way").unwrap();
+    let refused = installer.install(cni, &NoProgress).await.unwrap_err();
+    assert!(
+        chain(&refused).contains("exists and is not a directory"),
+        "{}",
+        chain(&refused)
+    );
+    std::fs::remove_file(r.join("opt/cni/bin")).unwrap();
 
     // Only the listed version's archives stay: a kept archive no longer
     // listed goes, as does an interrupted download; files not named as
@@ -329,6 +342,16 @@ async fn whatever_is_at_the_kept_path_the_archive_installs() {
         .status()
         .unwrap();
     assert!(fifo.success());
+    // Were the open to block, a writer after the timeout below releases
+    // it, so that the test fails instead of hanging.
+    let release = kept.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(25));
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(release);
+    });
     let installed = tokio::time::timeout(
         std::time::Duration::from_secs(20),
         installer.install(crictl, &NoProgress),
