@@ -220,6 +220,10 @@ enum Change {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RegistryError {
+    /// The control plane whose registry was to be merged is on this
+    /// registry's revocation list: nothing of it is taken.
+    #[error("the other control plane is on this control plane's revocation list; its registry is not merged")]
+    PeerRevoked,
     /// Reading the registry file failed.
     #[error("reading the node registry {path:?}")]
     Read {
@@ -1190,16 +1194,25 @@ impl RegistryStore {
     /// new; [`RegistryError::RevocationsFull`] (once what fits is written)
     /// if some did not fit.
     pub fn merge(&self, theirs: Registry) -> Result<usize, RegistryError> {
-        self.merge_holding_drift(theirs, Duration::ZERO)
+        self.merge_holding_drift(theirs, Duration::ZERO, None)
     }
 
-    /// [`RegistryStore::merge`] with [`Registry::merge_holding_drift`].
+    /// [`RegistryStore::merge`] with [`Registry::merge_holding_drift`];
+    /// nothing is taken if this registry revokes `from`, the control plane
+    /// that served `theirs` (checked under the same lock as the merge).
     fn merge_holding_drift(
         &self,
         theirs: Registry,
         stands: Duration,
+        from: Option<&EkDigest>,
     ) -> Result<usize, RegistryError> {
-        let merged = self.lock().merge_holding_drift(theirs, stands);
+        let merged = {
+            let mut registry = self.lock();
+            if from.is_some_and(|peer| registry.revocation(peer).is_some()) {
+                return Err(RegistryError::PeerRevoked);
+            }
+            registry.merge_holding_drift(theirs, stands)
+        };
         if merged.dropped > 0 {
             tracing::error!(
                 added = merged.added,
@@ -1219,17 +1232,25 @@ impl RegistryStore {
         Ok(merged.added)
     }
 
-    /// [`RegistryStore::merge`] of the registry another control plane
-    /// serves now, noting when ([`RegistryStore::merged_at`]): its node
-    /// records are a current view of the nodes it hears. A drift here
-    /// stands against the peer's records for `drift_stands`
-    /// ([`Registry::merge_holding_drift`]).
+    /// [`RegistryStore::merge`] of the registry the control plane of the
+    /// EK `from` serves now, noting when ([`RegistryStore::merged_at`]):
+    /// its node records are a current view of the nodes it hears. A drift
+    /// here stands against the peer's records for `drift_stands`
+    /// ([`Registry::merge_holding_drift`]). A control plane this registry
+    /// revokes gets nothing merged and does not count as heard
+    /// ([`RegistryError::PeerRevoked`]): revoking a compromised control
+    /// plane ends what its registry can do to this one (fill its lists,
+    /// re-date its nodes' verdicts).
     pub fn merge_from_peer(
         &self,
         theirs: Registry,
         drift_stands: Duration,
+        from: &EkDigest,
     ) -> Result<usize, RegistryError> {
-        let merged = self.merge_holding_drift(theirs, drift_stands);
+        let merged = self.merge_holding_drift(theirs, drift_stands, Some(from));
+        if matches!(merged, Err(RegistryError::PeerRevoked)) {
+            return merged;
+        }
         *self
             .merged_at
             .lock()
@@ -1803,6 +1824,39 @@ mod tests {
             reason: "operator".into(),
             at: 1,
         }
+    }
+
+    #[test]
+    fn a_revoked_control_planes_registry_is_not_merged_nor_counted_as_heard() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        let full = || Registry {
+            revoked: (0..100).map(numbered_revocation).collect(),
+            ..Registry::default()
+        };
+        // Control plane 9, revoked here.
+        store
+            .update(|r| {
+                r.register(&ek(9), "", "cp-9", "control-plane")?;
+                let record = r.find("cp-9")?.clone();
+                r.revoke(&record, None, "compromised")
+            })
+            .unwrap();
+        let refused = store.merge_from_peer(full(), Duration::from_secs(60), &ek(9));
+        assert!(
+            matches!(refused, Err(RegistryError::PeerRevoked)),
+            "{refused:?}"
+        );
+        assert_eq!(store.snapshot().revoked().len(), 1);
+        assert_eq!(store.merged_at(), None);
+        // Another control plane's is.
+        assert_eq!(
+            store
+                .merge_from_peer(full(), Duration::from_secs(60), &ek(8))
+                .unwrap(),
+            100
+        );
+        assert!(store.merged_at().is_some());
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::grpc::answer_within;
 use crate::join::ticket::check_service;
 use crate::measured::SharedTpm;
 use crate::provision::Node;
-use crate::registry::{Registry, RegistryStore, MAX_REGISTRY_BYTES};
+use crate::registry::{Registry, RegistryError, RegistryStore, MAX_REGISTRY_BYTES};
 
 /// Longest one call to a control plane may take, its answer included: a
 /// nonce request waits up to one interval (at most 90 s).
@@ -235,10 +235,9 @@ impl Session {
 
     /// Pulls the control plane's registry and merges it into `registry`,
     /// where a drift stands against its records for `drift_stands`. A
-    /// control plane that `registry` revokes gets nothing merged (nor
-    /// counts as a peer heard from): revoking a compromised control plane
-    /// must end what its registry can do to the others' (fill their lists,
-    /// re-date their nodes' verdicts).
+    /// control plane that `registry` revokes gets nothing merged
+    /// ([`RegistryStore::merge_from_peer`]); its registry is not even
+    /// pulled.
     pub async fn merge_registry(
         &mut self,
         registry: &Arc<RegistryStore>,
@@ -257,17 +256,17 @@ impl Session {
         let registry = registry.clone();
         let peer = self.server_ek;
         let added = tokio::task::spawn_blocking(move || {
-            // Checked again: a revocation may have landed during the call.
-            if registry.revocation(&peer).is_some() {
-                return Ok(None);
-            }
             let theirs = Registry::parse(&bytes)?;
-            registry.merge_from_peer(theirs, drift_stands).map(Some)
+            // Checked again under the merge's lock: a revocation may have
+            // landed during the call.
+            registry.merge_from_peer(theirs, drift_stands, &peer)
         })
         .await
         .map_err(|_| EvidenceClientError::Task)?
-        .map_err(EvidenceClientError::Registry)?
-        .ok_or(EvidenceClientError::PeerRevoked)?;
+        .map_err(|e| match e {
+            RegistryError::PeerRevoked => EvidenceClientError::PeerRevoked,
+            e => EvidenceClientError::Registry(e),
+        })?;
         if added > 0 {
             tracing::info!(added, "revocations taken from another control plane");
         }
