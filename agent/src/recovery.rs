@@ -83,6 +83,9 @@ pub enum RecoveryError {
     /// The recovery task ended without its result (it panicked).
     #[error("an internal task failed")]
     Internal,
+    /// [`MAX_WAITING`] requests are running or waiting already.
+    #[error("other recovery requests are being handled; retry")]
+    Busy,
 }
 
 impl From<&RecoveryError> for tonic::Status {
@@ -97,7 +100,7 @@ impl From<&RecoveryError> for tonic::Status {
             E::InvalidRequest(_) | E::Sealed(_) => tonic::Code::InvalidArgument,
             E::WrongSecret => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
-            E::Unavailable | E::Lock(_) => tonic::Code::Unavailable,
+            E::Unavailable | E::Lock(_) | E::Busy => tonic::Code::Unavailable,
             E::Provision(_) | E::Internal => tonic::Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
@@ -114,7 +117,12 @@ struct Inner {
     node: Node,
     throttle: FailureThrottle,
     one_at_a_time: tokio::sync::Mutex<()>,
+    /// A permit per request running or waiting for its turn.
+    waiting: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most recovery requests running or waiting for their turn at once.
+pub const MAX_WAITING: usize = 4;
 
 /// A request that passed every check.
 struct Accepted {
@@ -133,6 +141,7 @@ impl RecoveryServer {
                 node,
                 throttle: FailureThrottle::default(),
                 one_at_a_time: tokio::sync::Mutex::new(()),
+                waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITING)),
             }),
         }
     }
@@ -147,24 +156,32 @@ impl RecoveryServer {
     /// timeout) stops neither the check, so a refusal is counted against
     /// its address and the TPM is not free for the next one before it
     /// ends, nor the work after the node lock, which ends serving or
-    /// failing (the node reboots) whatever became of the request.
+    /// failing (the node reboots) whatever became of the request. What
+    /// can be refused without the TPM is refused before the task starts,
+    /// and at most [`MAX_WAITING`] requests wait for their turn; past
+    /// that, `Busy`.
     pub async fn recover(
         &self,
         request: RecoverRequest,
         peer: Option<IpAddr>,
     ) -> Result<ClusterId, RecoveryError> {
+        self.refusal(peer)?;
+        let waiting = Arc::clone(&self.inner.waiting)
+            .try_acquire_owned()
+            .map_err(|_| RecoveryError::Busy)?;
         let this = self.clone();
-        tokio::spawn(async move { this.run(request, peer).await })
-            .await
-            .map_err(|_| RecoveryError::Internal)?
+        tokio::spawn(async move {
+            let _waiting = waiting;
+            this.run(request, peer).await
+        })
+        .await
+        .map_err(|_| RecoveryError::Internal)?
     }
 
-    /// [`RecoveryServer::recover`], on the caller's task.
-    async fn run(
-        &self,
-        request: RecoverRequest,
-        peer: Option<IpAddr>,
-    ) -> Result<ClusterId, RecoveryError> {
+    /// What refuses a request from `peer` now, before any TPM work: the
+    /// node's role, its lock, its disk, the peer's backoff. Returns the
+    /// state disk.
+    fn refusal(&self, peer: Option<IpAddr>) -> Result<StateDisk, RecoveryError> {
         let inner = &self.inner;
         if inner.node.config.node.role != Role::ControlPlane {
             return Err(RecoveryError::NotControlPlane);
@@ -178,13 +195,26 @@ impl RecoveryServer {
             .state_disk
             .clone()
             .ok_or(RecoveryError::NoInitialisedDisk)?;
-        let _one = inner.one_at_a_time.lock().await;
         if let Some(ip) = peer {
             inner
                 .throttle
                 .check(ip)
                 .map_err(|wait| RecoveryError::Throttled(wait.as_secs().max(1)))?;
         }
+        Ok(disk)
+    }
+
+    /// [`RecoveryServer::recover`], on the caller's task: one request at a
+    /// time, checked again once it has its turn (a request before it may
+    /// have locked the node or failed from the same address).
+    async fn run(
+        &self,
+        request: RecoverRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<ClusterId, RecoveryError> {
+        let inner = &self.inner;
+        let _one = inner.one_at_a_time.lock().await;
+        let disk = self.refusal(peer)?;
         let accepted = match self.accept(request, disk.clone()).await {
             Ok(a) => a,
             Err(e) => {

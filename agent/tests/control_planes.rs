@@ -276,6 +276,26 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         Err(RecoveryError::Throttled(_)) => {}
         other => panic!("after a request whose caller went away: {other:?}"),
     }
+    // A flood from many addresses: a bounded number runs or waits, the
+    // rest are told to retry at once, before the TPM.
+    let flood = (0..=keel_agent::recovery::MAX_WAITING).map(|i| {
+        let from: IpAddr = format!("198.51.100.{}", i + 1).parse().unwrap();
+        let junk = RecoverRequest {
+            secrets: Some(cp1.sealed(&[0xff; 40])),
+            measurement_salt: cp0.state.measurement_salt.to_vec(),
+        };
+        recovery.recover(junk, Some(from))
+    });
+    let answers = futures_util::future::join_all(flood).await;
+    let busy = answers
+        .iter()
+        .filter(|a| matches!(a, Err(RecoveryError::Busy)))
+        .count();
+    assert_eq!(busy, 1, "{answers:?}");
+    assert_eq!(
+        tonic::Status::from(&RecoveryError::Busy).code(),
+        tonic::Code::Unavailable
+    );
     assert!(!cp1.lock.is_locked());
     // A worker is never recovered.
     let worker_recovery = RecoveryServer::new(worker.node(Arc::new(ClusterSlot::new(None))));
