@@ -275,6 +275,18 @@ fn keep_at(kept: &mut Kept, record: ResumeRecord, socket: Option<&str>) {
     let record = record.merged(kept.record.as_ref());
     if let Some(socket) = socket {
         kept.stale.retain(|name| !remove_stored(socket, name));
+        if !kept.stale.is_empty() {
+            // The store may be full: the new record could be dropped, and
+            // removing the one before would then leave an older one, or
+            // none. It is sent once the older ones are gone; till then
+            // the store keeps the last record it took.
+            tracing::warn!(
+                stale = kept.stale.len(),
+                "earlier resume records could not be removed; the new record waits"
+            );
+            kept.record = Some(record);
+            return;
+        }
         let generation = kept.stored.map_or(0, |g| g.saturating_add(1));
         let stored = sealed(&record).and_then(|file| {
             crate::systemd::store_fd_at(socket, &store_name(generation), file.as_fd())
@@ -657,6 +669,28 @@ mod tests {
             ]
         );
         assert!(behind.stale.is_empty());
+        // While a removal keeps failing (here: no one listens), no new
+        // record is sent, so the store keeps the last one it took; once
+        // the removal goes through, the waiting record follows.
+        let mut stuck = Kept {
+            stale: vec!["keel-resume-3".to_owned()],
+            stored: Some(4),
+            ..Kept::default()
+        };
+        let gone = manager.socket().replace("notify", "gone");
+        keep_at(&mut stuck, member(), Some(&gone));
+        assert_eq!(stuck.stale, ["keel-resume-3"]);
+        assert_eq!(stuck.stored, Some(4));
+        assert!(stuck.record.is_some());
+        keep_at(&mut stuck, member(), socket);
+        assert_eq!(
+            states(),
+            [
+                "FDSTOREREMOVE=1\nFDNAME=keel-resume-3",
+                "FDSTORE=1\nFDNAME=keel-resume-5",
+                "FDSTOREREMOVE=1\nFDNAME=keel-resume-4",
+            ]
+        );
         for (name, generation) in [
             ("keel-resume-0", Some(0)),
             ("keel-resume-17", Some(17)),
