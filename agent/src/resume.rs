@@ -582,7 +582,7 @@ mod tests {
 
     #[test]
     fn a_record_is_replaced_by_storing_the_new_one_before_removing_the_old() {
-        let manager = crate::systemd::StandInManager::new();
+        let manager = keel_testkit::notify::NotifySocket::new().unwrap();
         let socket = Some(manager.socket());
         let mut kept = Kept::default();
         let member =

@@ -150,71 +150,6 @@ pub fn since_boot() -> Option<std::time::Duration> {
     std::time::Duration::try_from_secs_f64(seconds).ok()
 }
 
-/// A stand-in service manager for unit tests: a notification socket that
-/// collects what the agent sends.
-#[cfg(test)]
-pub(crate) struct StandInManager {
-    socket: UnixDatagram,
-    path: String,
-    _dir: tempfile::TempDir,
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-impl StandInManager {
-    /// Binds a socket at a path in a new temporary directory.
-    pub(crate) fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("notify");
-        let socket = UnixDatagram::bind(&path).unwrap();
-        socket.set_nonblocking(true).unwrap();
-        Self {
-            socket,
-            path: path.to_str().unwrap().to_owned(),
-            _dir: dir,
-        }
-    }
-
-    /// The socket's address, as `$NOTIFY_SOCKET` names it.
-    pub(crate) fn socket(&self) -> &str {
-        &self.path
-    }
-
-    /// The next message, with the files its descriptors open (read-only,
-    /// through `/proc/self/fd`); `None` when none is waiting.
-    pub(crate) fn receive(&self) -> Option<(String, Vec<std::fs::File>)> {
-        use std::io::IoSliceMut;
-        let mut buf = [0u8; 256];
-        let mut space = nix::cmsg_space!([RawFd; 4]);
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = nix::sys::socket::recvmsg::<()>(
-            self.socket.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::empty(),
-        )
-        .ok()?;
-        let fds: Vec<RawFd> = msg
-            .cmsgs()
-            .unwrap()
-            .flat_map(|c| match c {
-                nix::sys::socket::ControlMessageOwned::ScmRights(fds) => fds,
-                _ => Vec::new(),
-            })
-            .collect();
-        let len = msg.bytes;
-        let files = fds
-            .into_iter()
-            .map(|fd| {
-                let file = std::fs::File::open(format!("/proc/self/fd/{fd}")).unwrap();
-                nix::unistd::close(fd).unwrap();
-                file
-            })
-            .collect();
-        Some((String::from_utf8(buf[..len].to_vec()).unwrap(), files))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -262,7 +197,7 @@ mod tests {
 
     #[test]
     fn a_stored_descriptor_reaches_the_service_manager_with_its_name() {
-        let manager = StandInManager::new();
+        let manager = keel_testkit::notify::NotifySocket::new().unwrap();
         let mut file = tempfile::tempfile().unwrap();
         file.write_all(b"kept").unwrap();
         store_fd_at(manager.socket(), "keel-resume", file.as_fd()).unwrap();

@@ -11,9 +11,6 @@
 
 mod join_common;
 
-use std::io::IoSliceMut;
-use std::os::fd::AsRawFd as _;
-use std::os::unix::net::UnixDatagram;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,27 +20,21 @@ use keel_agent::join::JoinOutcome;
 use keel_agent::provision::ProvisionError;
 use keel_agent::resume::{self, ResumeError, ResumeRecord, Resumed};
 use keel_testkit::mirror::MirrorServer;
+use keel_testkit::notify::NotifySocket;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::keys::KeyService;
-use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
 /// The stand-in service manager's notification socket.
-struct Manager {
-    socket: UnixDatagram,
-    _dir: tempfile::TempDir,
-}
+struct Manager(NotifySocket);
 
 impl Manager {
     /// Binds the socket and points this process's `$NOTIFY_SOCKET` at it.
     fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("notify");
-        let socket = UnixDatagram::bind(&path).unwrap();
-        socket.set_nonblocking(true).unwrap();
-        std::env::set_var("NOTIFY_SOCKET", &path);
-        Self { socket, _dir: dir }
+        let socket = NotifySocket::new().unwrap();
+        std::env::set_var("NOTIFY_SOCKET", socket.socket());
+        Self(socket)
     }
 
     /// The record of the last `FDSTORE=1` message received so far, read as
@@ -51,30 +42,7 @@ impl Manager {
     /// dropped).
     fn last_record(&self) -> ResumeRecord {
         let mut last = None;
-        loop {
-            let mut buf = [0u8; 256];
-            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
-            let mut iov = [IoSliceMut::new(&mut buf)];
-            let Ok(msg) = recvmsg::<()>(
-                self.socket.as_raw_fd(),
-                &mut iov,
-                Some(&mut space),
-                MsgFlags::empty(),
-            ) else {
-                break;
-            };
-            let mut files = Vec::new();
-            for cmsg in msg.cmsgs().unwrap() {
-                if let ControlMessageOwned::ScmRights(fds) = cmsg {
-                    for fd in fds {
-                        let file = std::fs::File::open(format!("/proc/self/fd/{fd}")).unwrap();
-                        nix::unistd::close(fd).unwrap();
-                        files.push(file);
-                    }
-                }
-            }
-            let len = msg.bytes;
-            let state = String::from_utf8(buf[..len].to_vec()).unwrap();
+        while let Some((state, mut files)) = self.0.receive() {
             if let (Some(name), Some(file)) =
                 (state.strip_prefix("FDSTORE=1\nFDNAME="), files.pop())
             {

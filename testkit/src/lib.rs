@@ -1,7 +1,8 @@
 //! Test support: swtpm instances with their own EK CA, the local component
-//! mirror, an attacker's issuer with a software attestation key, and a
-//! container check for nodes, and generated AMD-like and Intel-like roots of
-//! trust for the hardware variants.
+//! mirror, a stand-in for systemd's notification socket, an attacker's
+//! issuer with a software attestation key, and a container check for nodes,
+//! and generated AMD-like and Intel-like roots of trust for the hardware
+//! variants.
 
 pub mod amd;
 pub mod components;
@@ -9,4 +10,5 @@ pub mod container;
 pub mod forgery;
 pub mod intel;
 pub mod mirror;
+pub mod notify;
 pub mod swtpm;
