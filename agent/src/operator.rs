@@ -675,13 +675,14 @@ impl OperatorServer {
         let target = upgrader.target(plan).map_err(OperatorError::Upgrade)?;
         let (log, rx) = Transcript::<Event>::new();
         if target.step == Step::Authorise {
-            // It saves the facts (a write and its fsync on the state disk):
-            // not on a worker of the runtime.
+            // It saves the facts (a write and its fsync on the state disk).
             let (authoriser, authorised) = (upgrader.clone(), target.clone());
-            tokio::task::spawn_blocking(move || authoriser.authorise(&authorised))
-                .await
-                .map_err(|_| OperatorError::Store(anyhow::anyhow!("the authorising task failed")))?
-                .map_err(OperatorError::Upgrade)?;
+            off_the_runtime(self, move |_| {
+                authoriser
+                    .authorise(&authorised)
+                    .map_err(OperatorError::Upgrade)
+            })
+            .await?;
             let version = target.version.to_string();
             log.finish([Event::Done(UpgradeDone {
                 kubernetes_version: version.clone(),
