@@ -375,47 +375,6 @@ pub fn extract_tgz_verified(
     target: &Path,
     limits: &ExtractLimits,
 ) -> Result<ExtractSummary, ExtractError> {
-    let hashing = Hashing {
-        inner: archive,
-        hasher: Sha256::new(),
-    };
-    extract_then(hashing, target, limits, |mut rest| {
-        io::copy(&mut rest, &mut io::sink()).map_err(ExtractError::ReadArchive)?;
-        let actual = Sha256Digest::from_hasher(rest.hasher);
-        if actual == expected {
-            Ok(())
-        } else {
-            Err(ExtractError::HashMismatch {
-                expected: Box::new(expected),
-                actual: Box::new(actual),
-            })
-        }
-    })
-}
-
-/// A reader that hashes what it reads.
-struct Hashing<R> {
-    inner: R,
-    hasher: Sha256,
-}
-
-impl<R: Read> Read for Hashing<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.hasher.update(buf.get(..n).unwrap_or_default());
-        Ok(n)
-    }
-}
-
-/// Unpacks the archive `source` into a staging directory and checks it,
-/// then runs `finish` on what is left of `source`; only if that passes
-/// does anything move into `target`.
-fn extract_then<R: Read>(
-    mut source: R,
-    target: &Path,
-    limits: &ExtractLimits,
-    finish: impl FnOnce(R) -> Result<(), ExtractError>,
-) -> Result<ExtractSummary, ExtractError> {
     let target_exists = match fs::symlink_metadata(target) {
         Ok(meta) if meta.is_dir() => true,
         Ok(_) => return Err(ExtractError::TargetNotDirectory(target.to_owned())),
@@ -442,6 +401,10 @@ fn extract_then<R: Read>(
         .map_err(staging_error)?;
     fs::set_permissions(staging.path(), Permissions::from_mode(0o755)).map_err(staging_error)?;
 
+    let mut source = Hashing {
+        inner: archive,
+        hasher: Sha256::new(),
+    };
     let gunzip = flate2::read::GzDecoder::new(BufReader::with_capacity(256 * 1024, &mut source));
     let bounded = Bounded {
         inner: gunzip,
@@ -452,7 +415,16 @@ fn extract_then<R: Read>(
     for link in &symlinks {
         check_symlink_resolves(staging.path(), link)?;
     }
-    finish(source)?;
+    // What the gzip and tar readers left is hashed too: the hash is of
+    // the whole file, and it decides before anything moves.
+    io::copy(&mut source, &mut io::sink()).map_err(ExtractError::ReadArchive)?;
+    let actual = Sha256Digest::from_hasher(source.hasher);
+    if actual != expected {
+        return Err(ExtractError::HashMismatch {
+            expected: Box::new(expected),
+            actual: Box::new(actual),
+        });
+    }
 
     if target_exists {
         merge_dir(staging.path(), target)?;
@@ -468,6 +440,20 @@ fn extract_then<R: Read>(
         })?;
     }
     Ok(summary)
+}
+
+/// A reader that hashes what it reads.
+struct Hashing<R> {
+    inner: R,
+    hasher: Sha256,
+}
+
+impl<R: Read> Read for Hashing<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(buf.get(..n).unwrap_or_default());
+        Ok(n)
+    }
 }
 
 /// The start of the name of a temporary file or directory for `name`, in
