@@ -120,6 +120,7 @@ async fn main() {
         staged_measurements: None,
         measurements_key: None,
         signed_measurements: Vec::new(),
+        image_epoch: 0,
         control_plane_endpoints: Vec::new(),
     };
     let slot = ClusterSlot::new(Some(Arc::new(state)));

@@ -54,6 +54,11 @@ pub struct ClusterState {
     /// one that describes its own image, so joining nodes of another
     /// image accept it.
     pub signed_measurements: Vec<SignedMeasurements>,
+    /// The image rollback floor: the highest epoch of a signed file whose
+    /// set became current here (at init, set by the operator, or finished
+    /// after staging), or received in a control-plane ticket. No signed
+    /// file below it is staged or made current (0: every file is taken).
+    pub image_epoch: u64,
     /// Join endpoints (`host:port`) of the cluster's control planes, as
     /// this node knows them; tickets pass them on.
     pub control_plane_endpoints: Vec<String>,
@@ -159,6 +164,26 @@ impl ClusterState {
             .iter()
             .rev()
             .find(|s| s.describes(&IMAGE_PCRS, own))
+    }
+
+    /// The epoch of the signed file held for `set` (0: none held, as
+    /// without a measurements signing key).
+    pub fn epoch_of(&self, set: &Measurements) -> u64 {
+        self.signed_measurements
+            .iter()
+            .rev()
+            .find(|s| s.measurements() == set)
+            .map_or(0, SignedMeasurements::epoch)
+    }
+
+    /// The same state with its image rollback floor at least `floor` and
+    /// at least the current set's own epoch (that image was made current):
+    /// how init, a control-plane ticket and the facts set it.
+    pub fn with_floor(mut self, floor: u64) -> Self {
+        self.image_epoch = floor
+            .max(self.image_epoch)
+            .max(self.epoch_of(&self.join_measurements));
+        self
     }
 
     /// The same state with other accepted measurements: `join_measurements`
@@ -337,6 +362,9 @@ pub struct ControlPlaneFacts {
     /// node config's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub signed_measurements: Vec<SignedFile>,
+    /// The image rollback floor ([`ClusterState::image_epoch`]; absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub image_epoch: u64,
     /// Join endpoints of the cluster's control planes.
     pub control_plane_endpoints: Vec<String>,
 }
@@ -349,6 +377,10 @@ pub struct SignedFile {
     pub measurements: String,
     /// The signature (hex DER).
     pub signature: String,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 fn measurements_json(m: &Measurements) -> serde_json::Value {
@@ -413,6 +445,7 @@ impl ControlPlaneFacts {
                     signature: hex::encode(s.signature()),
                 })
                 .collect(),
+            image_epoch: state.image_epoch,
             control_plane_endpoints: state.control_plane_endpoints.clone(),
         }
     }
@@ -513,7 +546,9 @@ impl ControlPlaneFacts {
             staged_measurements,
             measurements_key,
             signed_measurements,
+            image_epoch: 0,
             control_plane_endpoints: self.control_plane_endpoints,
-        })
+        }
+        .with_floor(self.image_epoch))
     }
 }

@@ -119,6 +119,31 @@ pub enum OperatorError {
         /// The set the request names.
         named: [u8; 32],
     },
+    /// A signed file below the image rollback floor: an image older than
+    /// one this control plane already made current.
+    #[error(
+        "the measurements file's epoch {epoch} is below {floor}, the epoch of an image this \
+         cluster already made current: an older image is not brought back (a file for a newer \
+         image needs an epoch of at least {floor})"
+    )]
+    Rollback {
+        /// The file's epoch.
+        epoch: u64,
+        /// The floor ([`ClusterState::image_epoch`]).
+        floor: u64,
+    },
+    /// Setting a file whose epoch passes that of the staged set, which
+    /// could then never be finished.
+    #[error(
+        "the staged image's epoch {staged} is below this file's epoch {epoch}; nothing changed \
+         (finish the staged image, or stage this file instead)"
+    )]
+    StagedOlder {
+        /// The staged set's epoch.
+        staged: u64,
+        /// The file's epoch.
+        epoch: u64,
+    },
     /// The new measurements could not be stored.
     #[error("storing the measurements failed")]
     Store(#[source] anyhow::Error),
@@ -151,7 +176,9 @@ impl From<&OperatorError> for tonic::Status {
             | E::NotControlPlane
             | E::NoSigningKey
             | E::NothingStaged
-            | E::OtherStaged { .. } => tonic::Code::FailedPrecondition,
+            | E::OtherStaged { .. }
+            | E::Rollback { .. }
+            | E::StagedOlder { .. } => tonic::Code::FailedPrecondition,
             E::Signature(_) => tonic::Code::PermissionDenied,
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
@@ -364,6 +391,18 @@ fn verify_signed(
     })
 }
 
+/// Refuses `signed` if its epoch is below the image rollback floor of
+/// `state`.
+fn not_rolled_back(state: &ClusterState, signed: &SignedMeasurements) -> Result<(), OperatorError> {
+    if signed.epoch() < state.image_epoch {
+        return Err(OperatorError::Rollback {
+            epoch: signed.epoch(),
+            floor: state.image_epoch,
+        });
+    }
+    Ok(())
+}
+
 /// The operator service of a node.
 #[derive(Clone)]
 pub struct OperatorServer {
@@ -455,8 +494,10 @@ impl OperatorServer {
     /// the SHA-256 of the measurements now in force. A staged set stays.
     /// With a measurements signing key configured, the file must be signed
     /// with it (`verify_signed`) and its signed file replaces those of
-    /// sets no longer accepted; without one, the operator's proof suffices
-    /// (a signature sent is then ignored).
+    /// sets no longer accepted, refused below the image rollback floor or
+    /// above the staged file's epoch, raising the floor to its own;
+    /// without one, the operator's proof suffices (a signature sent is
+    /// then ignored).
     pub fn set_join_measurements(
         &self,
         request: &SetJoinMeasurementsRequest,
@@ -477,10 +518,20 @@ impl OperatorServer {
                 return Ok(state.with_measurements(measurements, staged));
             };
             let signed = verify_signed(key, &request.measurements, &request.signature)?;
-            Ok(state
+            not_rolled_back(state, &signed)?;
+            let epoch = signed.epoch();
+            if let Some(staged) = &staged {
+                let staged = state.epoch_of(staged);
+                if staged < epoch {
+                    return Err(OperatorError::StagedOlder { staged, epoch });
+                }
+            }
+            let mut updated = state
                 .with_measurements(signed.measurements().clone(), staged)
                 .with_signed(signed)
-                .without_retired_signed())
+                .without_retired_signed();
+            updated.image_epoch = updated.image_epoch.max(epoch);
+            Ok(updated)
         })?;
         let digest = updated.join_measurements.digest();
         tracing::info!(digest = %hex::encode(digest), "join measurements replaced by the operator");
@@ -489,7 +540,8 @@ impl OperatorServer {
 
     /// Stages a new image's measurements as a second accepted set, for a
     /// request from `peer`: the file must be signed with the cluster's
-    /// measurements signing key and enforce what every set must. Returns
+    /// measurements signing key, carry an epoch no lower than the image
+    /// rollback floor and enforce what every set must. Returns
     /// the SHA-256 of the staged set and of the current one.
     pub fn stage_image_measurements(
         &self,
@@ -509,6 +561,7 @@ impl OperatorServer {
                 .as_ref()
                 .ok_or(OperatorError::NoSigningKey)?;
             let signed = verify_signed(key, &request.measurements, &request.signature)?;
+            not_rolled_back(state, &signed)?;
             let staged = signed.measurements().clone();
             // A set staged before and replaced now is retired with its
             // signed file; the current set's stays.
@@ -528,8 +581,8 @@ impl OperatorServer {
     }
 
     /// Ends an image rollout, for a request from `peer`: the staged set
-    /// becomes the only accepted set, if it is the one the request names.
-    /// Returns its SHA-256.
+    /// becomes the only accepted set, if it is the one the request names,
+    /// and its file's epoch the image rollback floor. Returns its SHA-256.
     pub fn finish_image_upgrade(
         &self,
         request: &FinishImageUpgradeRequest,
@@ -561,10 +614,21 @@ impl OperatorServer {
                     named,
                 });
             }
+            // Staged at or above the floor, which only a set can raise,
+            // and not past a staged set: checked again all the same.
+            let epoch = state.epoch_of(&staged);
+            if epoch < state.image_epoch {
+                return Err(OperatorError::Rollback {
+                    epoch,
+                    floor: state.image_epoch,
+                });
+            }
             // The old image's signed file goes too.
-            Ok(state
+            let mut updated = state
                 .with_measurements(staged, None)
-                .without_retired_signed())
+                .without_retired_signed();
+            updated.image_epoch = epoch.max(state.image_epoch);
+            Ok(updated)
         })?;
         let digest = updated.join_measurements.digest();
         tracing::info!(digest = %hex::encode(digest), "image upgrade finished: the staged measurements are the only ones accepted");

@@ -4,7 +4,8 @@
 //! the old image join during the rollout and no longer after it finished.
 //! Every refused request (no signing key at init, no or a replayed proof,
 //! a wrong, missing or foreign signature, a file that enforces less, a
-//! finish with nothing staged) changes nothing.
+//! finish with nothing staged, a file older than the current image)
+//! changes nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -21,11 +22,14 @@ use keel_agent::cluster::{
 use keel_agent::join::settings::SHARED_PCRS;
 use keel_agent::join::{service_validator, JoinTicket, KubeletKey, TicketClient, TicketError};
 use keel_agent::operator::{
-    OperatorAuth, OperatorError, OperatorServer, FINISH_IMAGE_UPGRADE, STAGE_IMAGE_MEASUREMENTS,
+    OperatorAuth, OperatorError, OperatorServer, FINISH_IMAGE_UPGRADE, SET_JOIN_MEASUREMENTS,
+    STAGE_IMAGE_MEASUREMENTS,
 };
 use keel_atls::ConnectError;
 use keel_proto::join::IssueJoinTicketRequest;
-use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequest};
+use keel_proto::operator::{
+    FinishImageUpgradeRequest, SetJoinMeasurementsRequest, StageImageMeasurementsRequest,
+};
 use keel_testkit::swtpm::EkCa;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::keys::operator_proof;
@@ -53,6 +57,24 @@ fn stage_request(
         signature: signature.to_vec(),
         challenge: challenge.to_vec(),
         proof: operator_proof(key, STAGE_IMAGE_MEASUREMENTS, &challenge, body)
+            .unwrap()
+            .to_vec(),
+    }
+}
+
+/// A request to make the signed file `body` the current set.
+fn set_request(
+    server: &OperatorServer,
+    key: &[u8],
+    body: &[u8],
+    signature: &[u8],
+) -> SetJoinMeasurementsRequest {
+    let challenge = server.challenge();
+    SetJoinMeasurementsRequest {
+        measurements: body.to_vec(),
+        signature: signature.to_vec(),
+        challenge: challenge.to_vec(),
+        proof: operator_proof(key, SET_JOIN_MEASUREMENTS, &challenge, body)
             .unwrap()
             .to_vec(),
     }
@@ -758,4 +780,193 @@ async fn staging_again_keeps_the_current_images_signed_file() {
         .map(|s| text(s.body()))
         .collect();
     assert_eq!(held, [text(&current_body), text(&last)]);
+}
+
+/// An image rollback: the operator's credentials (the master secret) are
+/// enough to stage, finish or set any file the measurements signing key
+/// ever signed, so the files carry an epoch and a control plane takes none
+/// below the highest epoch it made current. The old image's own signed
+/// file, bytes and signature intact, is refused once a newer image is
+/// current: staged, set, or finished after a staging. The floor survives a
+/// reboot (the facts) and reaches a control plane that joins (its ticket),
+/// and a set never passes the staged image's epoch, which could then never
+/// be finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_older_than_one_made_current_is_not_brought_back() {
+    let ca = EkCa::new().unwrap();
+    let ControlPlane {
+        service,
+        port,
+        _dir,
+        root,
+        own_ek,
+        server,
+    } = control_plane(&ca).await;
+    let operator_key = service.state.keys.operator_key(&own_ek).unwrap();
+    let key = operator_key.expose();
+    let signing = SigningPrivateKey::generate();
+    let sign = |set: &Measurements, epoch: u64| {
+        let body = format!("{}\n", set.to_json_with_epoch(epoch)).into_bytes();
+        let signature = signing.sign(&body);
+        (body, signature)
+    };
+    // As init leaves it: the current image (A) signed at epoch 1.
+    let image_a = service.state.join_measurements.clone();
+    let (a_body, a_signature) = sign(&image_a, 1);
+    let current = SignedMeasurements::verify(&signing.public_key(), &a_body, &a_signature).unwrap();
+    assert_eq!(current.epoch(), 1);
+    // Init (and a control-plane ticket) raise the floor to the current
+    // set's epoch.
+    let initial = with_key(&service.state, Some(signing.public_key()))
+        .with_signed(current)
+        .with_floor(0);
+    assert_eq!(initial.image_epoch, 1);
+    service.slot.send_replace(Some(Arc::new(initial)));
+    let floor = || service.slot.borrow().clone().unwrap().image_epoch;
+    let current_set = || {
+        service
+            .slot
+            .borrow()
+            .clone()
+            .unwrap()
+            .join_measurements
+            .clone()
+    };
+
+    // A new image (B): its UKI, PCR 4, differs.
+    let node_b = member(&ca, port, "w-b", "worker");
+    node_b
+        .tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(4, &[0xb; 32])
+        .unwrap();
+    let image_b = measurements_of(&node_b.tpm, &[4, 9, 11, 12]);
+
+    // B signed below the current image's epoch: a file from before A.
+    let (body, signature) = sign(&image_b, 0);
+    let refusal = server
+        .stage_image_measurements(&stage_request(&server, key, &body, &signature), None)
+        .unwrap_err();
+    assert!(
+        matches!(refusal, OperatorError::Rollback { epoch: 0, floor: 1 }),
+        "{refusal:?}"
+    );
+    assert_eq!(
+        tonic::Status::from(&refusal).code(),
+        tonic::Code::FailedPrecondition
+    );
+    assert!(refusal.to_string().contains("at least 1"), "{refusal}");
+    nothing_staged(&service, &root, "B below the floor");
+    assert!(!admitted(&node_b, &ca, &service).await, "B admitted");
+
+    // B at epoch 2 stages and finishes: the floor is B's epoch.
+    let (b_body, b_signature) = sign(&image_b, 2);
+    let (staged, _) = server
+        .stage_image_measurements(&stage_request(&server, key, &b_body, &b_signature), None)
+        .unwrap();
+    assert_eq!(floor(), 1, "staging alone keeps the floor");
+    server
+        .finish_image_upgrade(&finish_request(&server, key, staged), None)
+        .unwrap();
+    assert_eq!((current_set(), floor()), (image_b.clone(), 2));
+    service.policy.reload().unwrap();
+    assert!(admitted(&node_b, &ca, &service).await, "B refused");
+
+    // The old image's own file, exactly as signed, is not brought back:
+    // neither staged nor set.
+    refused(
+        server.stage_image_measurements(&stage_request(&server, key, &a_body, &a_signature), None),
+        tonic::Code::FailedPrecondition,
+        "A staged again",
+    );
+    nothing_staged(&service, &root, "A staged again");
+    refused(
+        server.set_join_measurements(&set_request(&server, key, &a_body, &a_signature), None),
+        tonic::Code::FailedPrecondition,
+        "A set again",
+    );
+    assert_eq!((current_set(), floor()), (image_b.clone(), 2));
+    let node_a = member(&ca, port, "w-a", "worker");
+    service.policy.reload().unwrap();
+    assert!(!admitted(&node_a, &ca, &service).await, "A admitted");
+
+    // The floor survives a reboot and reaches a control plane that joins.
+    let facts_path = root.join(keel_agent::paths::CONTROL_PLANE_FACTS);
+    let facts: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&facts_path).unwrap()).unwrap();
+    assert_eq!(facts["image_epoch"], 2);
+    assert_eq!(
+        restored(&service, &root, signing.public_key())
+            .unwrap()
+            .image_epoch,
+        2
+    );
+    // Facts an agent before epochs wrote (no floor): the current image's
+    // epoch is the floor.
+    let mut older = facts.clone();
+    older.as_object_mut().unwrap().remove("image_epoch");
+    std::fs::write(&facts_path, serde_json::to_vec(&older).unwrap()).unwrap();
+    assert_eq!(
+        restored(&service, &root, signing.public_key())
+            .unwrap()
+            .image_epoch,
+        2
+    );
+    std::fs::write(&facts_path, serde_json::to_vec(&facts).unwrap()).unwrap();
+    let cp = member(&ca, port, "cp-1", "control-plane");
+    cp.tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(4, &[0xb; 32])
+        .unwrap();
+    let (_, carried) = ticket(&cp, &ca, &service, true, Some(signing.public_key()))
+        .await
+        .unwrap()
+        .control_plane
+        .expect("a control-plane ticket");
+    assert_eq!(carried.image_epoch, 2);
+
+    // C staged at epoch 3; a set of B re-signed at epoch 4 would leave C
+    // unfinishable below the floor: refused, C still staged. At epoch 3
+    // (equal) B is set; C then finishes.
+    let node_c = member(&ca, port, "w-c", "worker");
+    node_c
+        .tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(4, &[0xc; 32])
+        .unwrap();
+    let image_c = measurements_of(&node_c.tpm, &[4, 9, 11, 12]);
+    let (c_body, c_signature) = sign(&image_c, 3);
+    let (staged_c, _) = server
+        .stage_image_measurements(&stage_request(&server, key, &c_body, &c_signature), None)
+        .unwrap();
+    let (body, signature) = sign(&image_b, 4);
+    let refusal = server
+        .set_join_measurements(&set_request(&server, key, &body, &signature), None)
+        .unwrap_err();
+    assert!(
+        matches!(
+            refusal,
+            OperatorError::StagedOlder {
+                staged: 3,
+                epoch: 4
+            }
+        ),
+        "{refusal:?}"
+    );
+    assert_eq!(floor(), 2);
+    let (body, signature) = sign(&image_b, 3);
+    server
+        .set_join_measurements(&set_request(&server, key, &body, &signature), None)
+        .unwrap();
+    assert_eq!((current_set(), floor()), (image_b.clone(), 3));
+    server
+        .finish_image_upgrade(&finish_request(&server, key, staged_c), None)
+        .unwrap();
+    assert_eq!((current_set(), floor()), (image_c, 3));
 }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! keel-measure --uki build/image/keel.efi --node-config FILE [--output FILE] [--events]
-//!              [--signing-key KEY.pem]
+//!              [--signing-key KEY.pem] [--epoch N]
 //! keel-measure keygen --out DIR
 //! keel-measure sign --signing-key KEY.pem --kubernetes-version VERSION FILE
 //! ```
@@ -56,6 +56,16 @@ struct Args {
     /// write the signature to `<output>.sig`. Needs --output.
     #[arg(long, value_name = "KEY", requires = "output")]
     signing_key: Option<PathBuf>,
+    /// The image's rollback epoch, written into the file (`"epoch": N`). A
+    /// control plane that made an image of epoch N current (at init, or
+    /// by finishing its rollout) stages and sets no signed file of a lower
+    /// epoch, so a known-bad older image cannot be brought back with the
+    /// operator's credentials alone. Raise it with an image that must
+    /// replace every one before it (a security fix); keep it for one
+    /// that may be rolled back from. Default 0: no epoch in the file.
+    #[arg(long, value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=keel_verifier::measurements::MAX_EPOCH))]
+    epoch: u64,
 }
 
 /// Commands other than predicting.
@@ -138,7 +148,7 @@ fn main() -> Result<()> {
     }
     let measurements = predict::measurements(&uki, &config)?;
 
-    let json = measurements.to_json() + "\n";
+    let json = measurements.to_json_with_epoch(args.epoch) + "\n";
     match &args.output {
         Some(path) => {
             std::fs::write(path, &json).with_context(|| format!("write {}", path.display()))?;

@@ -6,6 +6,14 @@
 //! indices outside 0-23, bad hex and digests that are not 32 bytes are
 //! errors.
 //!
+//! A signed file may also carry `"epoch": <integer>`, the image's rollback
+//! epoch: the operator raises it with each image that must replace the
+//! ones before, and a control plane refuses a signed file whose epoch is
+//! below that of an image it already made current (docs/attestation.md,
+//! "Image rollback"). The epoch is not part of the set: [`Measurements`]
+//! compare, digest and serialise without it ([`Measurements::parse_file`]
+//! returns it beside the set).
+//!
 //! A set of measurements must also enforce something: it is refused when it
 //! is empty, when every entry is warn-only, or when any PCR of
 //! [`REQUIRED_PCRS`] (what the image and the agent measure) has no enforced
@@ -30,6 +38,9 @@ pub const MAX_MEASUREMENTS_BYTES: usize = 64 * 1024;
 /// loaded it (4), the kernel command line and initrd (9), the UKI's
 /// sections (11) and the cluster part of the node config (12).
 pub const REQUIRED_PCRS: [u32; 4] = [4, 9, 11, pcr::CONFIG];
+
+/// The top-level key of a file's rollback epoch.
+pub const EPOCH_KEY: &str = "epoch";
 
 /// Number of PCRs of a bank; indices are below it.
 const PCR_COUNT: u32 = 24;
@@ -79,6 +90,10 @@ pub enum MeasurementsError {
     /// A PCR is listed twice (JSON would silently keep the last).
     #[error("measurements: PCR key {0:?} appears more than once")]
     DuplicateKey(String),
+    /// The rollback epoch is not an integer from 0 to 2^53 - 1 (what
+    /// every JSON reader holds exactly).
+    #[error("measurements: \"epoch\" is not an integer from 0 to 2^53 - 1")]
+    Epoch,
     /// A value is not 64 hex digits.
     #[error("measurements: PCR {pcr}: expected value is not 64 hex digits")]
     Digest {
@@ -140,8 +155,16 @@ struct FullEntry {
 }
 
 /// The file's top-level object with every key as written, in order, repeats
-/// included, so that a repeated key can be refused by name.
-struct RawEntries(Vec<(String, Entry)>);
+/// included, so that a repeated key can be refused by name; the epoch's
+/// values apart.
+struct RawEntries {
+    entries: Vec<(String, Entry)>,
+    epochs: Vec<serde_json::Number>,
+}
+
+/// Largest epoch: 2^53 - 1, the largest integer a JSON reader that keeps
+/// numbers as doubles holds exactly.
+pub const MAX_EPOCH: u64 = (1 << 53) - 1;
 
 impl<'de> Deserialize<'de> for RawEntries {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -155,11 +178,15 @@ impl<'de> Deserialize<'de> for RawEntries {
             }
 
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEntries, A::Error> {
-                let mut entries = Vec::new();
-                while let Some((key, entry)) = map.next_entry::<String, Entry>()? {
-                    entries.push((key, entry));
+                let (mut entries, mut epochs) = (Vec::new(), Vec::new());
+                while let Some(key) = map.next_key::<String>()? {
+                    if key == EPOCH_KEY {
+                        epochs.push(map.next_value()?);
+                    } else {
+                        entries.push((key, map.next_value()?));
+                    }
                 }
-                Ok(RawEntries(entries))
+                Ok(RawEntries { entries, epochs })
             }
         }
 
@@ -197,14 +224,29 @@ impl fmt::Display for Mismatch {
 
 impl Measurements {
     /// Parses a measurements file and checks that it enforces
-    /// [`REQUIRED_PCRS`].
+    /// [`REQUIRED_PCRS`]; an epoch in it is checked and left out.
     pub fn parse(bytes: &[u8]) -> Result<Self, MeasurementsError> {
+        Self::parse_file(bytes).map(|(set, _)| set)
+    }
+
+    /// [`Measurements::parse`], also returning the file's rollback epoch
+    /// (0 where it names none).
+    pub fn parse_file(bytes: &[u8]) -> Result<(Self, u64), MeasurementsError> {
         if bytes.len() > MAX_MEASUREMENTS_BYTES {
             return Err(MeasurementsError::TooLarge);
         }
-        let RawEntries(raw) = serde_json::from_slice(bytes).map_err(MeasurementsError::Json)?;
+        let RawEntries { entries, epochs } =
+            serde_json::from_slice(bytes).map_err(MeasurementsError::Json)?;
+        let epoch = match epochs.as_slice() {
+            [] => 0,
+            [one] => one
+                .as_u64()
+                .filter(|e| *e <= MAX_EPOCH)
+                .ok_or(MeasurementsError::Epoch)?,
+            _ => return Err(MeasurementsError::DuplicateKey(EPOCH_KEY.into())),
+        };
         let mut out = BTreeMap::new();
-        for (key, entry) in raw {
+        for (key, entry) in entries {
             let pcr: u32 = key
                 .parse()
                 .ok()
@@ -221,7 +263,7 @@ impl Measurements {
                 return Err(MeasurementsError::DuplicateKey(key));
             }
         }
-        Self::checked(out)
+        Ok((Self::checked(out)?, epoch))
     }
 
     /// A set from `entries`, under the same rules as [`Measurements::parse`]:
@@ -321,6 +363,27 @@ impl Measurements {
         // Keys sorted numerically would need a custom map; lexical order is fine for JSON.
         serde_json::to_string_pretty(&map).unwrap_or_default()
     }
+
+    /// The file form with the rollback epoch `epoch` (no key where it is 0,
+    /// which is what a file without one means).
+    pub fn to_json_with_epoch(&self, epoch: u64) -> String {
+        if epoch == 0 {
+            return self.to_json();
+        }
+        let mut map = serde_json::Map::new();
+        map.insert(EPOCH_KEY.into(), epoch.into());
+        for (p, e) in &self.0 {
+            let entry = FullEntry {
+                expected: hex::encode(e.digest),
+                warn_only: e.warn_only,
+            };
+            map.insert(
+                p.to_string(),
+                serde_json::to_value(entry).unwrap_or_default(),
+            );
+        }
+        serde_json::to_string_pretty(&map).unwrap_or_default()
+    }
 }
 
 #[cfg(test)]
@@ -387,6 +450,51 @@ mod tests {
         // The same files without the bad entry are fine: the rejections
         // above are for that entry.
         Measurements::parse(file("").as_bytes()).unwrap();
+    }
+
+    #[test]
+    fn an_epoch_is_read_apart_from_the_set_and_checked() {
+        let plain = Measurements::parse(file("").as_bytes()).unwrap();
+        assert_eq!(Measurements::parse_file(file("").as_bytes()).unwrap().1, 0);
+        let (set, epoch) = Measurements::parse_file(file(r#""epoch": 7"#).as_bytes()).unwrap();
+        assert_eq!((&set, epoch), (&plain, 7));
+        // The set, its digest and its JSON are those of the file without
+        // the epoch; the file form with one reads back to both.
+        assert_eq!(set.digest(), plain.digest());
+        let with = set.to_json_with_epoch(7);
+        assert_eq!(
+            Measurements::parse_file(with.as_bytes()).unwrap(),
+            (plain.clone(), 7)
+        );
+        assert_eq!(set.to_json_with_epoch(0), set.to_json());
+        let largest = format!(r#""epoch": {MAX_EPOCH}"#);
+        assert_eq!(
+            Measurements::parse_file(file(&largest).as_bytes())
+                .unwrap()
+                .1,
+            MAX_EPOCH
+        );
+        for bad in [
+            r#""epoch": -1"#.to_string(),
+            r#""epoch": 1.5"#.to_string(),
+            r#""epoch": "7""#.to_string(),
+            r#""epoch": null"#.to_string(),
+            format!(r#""epoch": {}"#, MAX_EPOCH + 1),
+            "\"epoch\": 1e3".to_string(),
+        ] {
+            let err = Measurements::parse(file(&bad).as_bytes()).unwrap_err();
+            assert!(
+                matches!(err, MeasurementsError::Epoch | MeasurementsError::Json(_)),
+                "{bad}: {err:?}"
+            );
+        }
+        // Twice, even with one value: which one counts would be the
+        // reader's choice.
+        let err = Measurements::parse(file(r#""epoch": 7, "epoch": 7"#).as_bytes()).unwrap_err();
+        assert!(
+            matches!(err, MeasurementsError::DuplicateKey(ref k) if k == EPOCH_KEY),
+            "{err:?}"
+        );
     }
 
     #[test]

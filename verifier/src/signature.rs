@@ -126,6 +126,7 @@ pub struct SignedMeasurements {
     body: Vec<u8>,
     signature: Vec<u8>,
     measurements: Measurements,
+    epoch: u64,
 }
 
 impl SignedMeasurements {
@@ -139,8 +140,10 @@ impl SignedMeasurements {
             return Err(SignedMeasurementsError::Size);
         }
         key.verify(body, signature)?;
+        let (measurements, epoch) = Measurements::parse_file(body)?;
         Ok(Self {
-            measurements: Measurements::parse(body)?,
+            measurements,
+            epoch,
             body: body.to_vec(),
             signature: signature.to_vec(),
         })
@@ -159,6 +162,12 @@ impl SignedMeasurements {
     /// The parsed set.
     pub fn measurements(&self) -> &Measurements {
         &self.measurements
+    }
+
+    /// The file's rollback epoch (0 where it names none): a control plane
+    /// takes no signed file below the epoch of an image it made current.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     /// Whether this set enforces every PCR of `pcrs` with the value `own`
@@ -269,6 +278,31 @@ mod tests {
                 Err(SignatureError::Encoding)
             ));
         }
+    }
+
+    /// The epoch is the one inside the signed bytes: changing it breaks
+    /// the signature.
+    #[test]
+    fn a_signed_files_epoch_is_part_of_what_was_signed() {
+        let key = SigningPrivateKey::generate();
+        let set = Measurements::new(
+            crate::measurements::REQUIRED_PCRS
+                .map(|p| (p, crate::measurements::Expected::enforced([p as u8; 32]))),
+        )
+        .unwrap();
+        let body = set.to_json_with_epoch(5).into_bytes();
+        let signature = key.sign(&body);
+        let signed = SignedMeasurements::verify(&key.public_key(), &body, &signature).unwrap();
+        assert_eq!((signed.epoch(), signed.measurements()), (5, &set));
+        let raised = set.to_json_with_epoch(6).into_bytes();
+        assert!(matches!(
+            SignedMeasurements::verify(&key.public_key(), &raised, &signature),
+            Err(SignedMeasurementsError::Signature(SignatureError::Mismatch))
+        ));
+        let none = set.to_json().into_bytes();
+        let signed =
+            SignedMeasurements::verify(&key.public_key(), &none, &key.sign(&none)).unwrap();
+        assert_eq!(signed.epoch(), 0);
     }
 
     #[test]

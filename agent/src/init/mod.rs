@@ -424,6 +424,7 @@ impl InitServer {
             staged_measurements: None,
             measurements_key: a.measurements_key.clone(),
             signed_measurements: a.signed_measurements.clone(),
+            image_epoch: 0,
             control_plane_endpoints: self
                 .inner
                 .node
@@ -431,7 +432,9 @@ impl InitServer {
                 .cluster
                 .control_plane_endpoints
                 .clone(),
-        };
+        }
+        // The initial image's epoch: no older image is staged after it.
+        .with_floor(0);
         provisioner
             .serve_as_control_plane(state, &self.inner.node.cluster)
             .await?;

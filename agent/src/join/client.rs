@@ -580,9 +580,12 @@ impl JoinClient {
             staged_measurements: measurements.staged,
             measurements_key: self.settings.measurements_key.clone(),
             signed_measurements: measurements.signed,
+            image_epoch: 0,
             control_plane_endpoints: self.endpoints(),
         };
-        Ok(Some(state.authorising(&[])))
+        Ok(Some(
+            state.authorising(&[]).with_floor(measurements.image_epoch),
+        ))
     }
 
     /// After the lock could not be recorded: the node is unusable.

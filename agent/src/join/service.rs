@@ -411,6 +411,11 @@ impl JoinService {
                 }
             }),
             revocations: self.revocations_for(request.is_control_plane),
+            image_epoch: if request.is_control_plane {
+                cluster.image_epoch
+            } else {
+                0
+            },
         })
     }
 

@@ -114,6 +114,9 @@ pub struct TicketMeasurements {
     /// The signed measurements files of the accepted sets, checked with
     /// the node config's key.
     pub signed: Vec<SignedMeasurements>,
+    /// The issuing control plane's image rollback floor (the new control
+    /// plane's is at least this and its current set's epoch).
+    pub image_epoch: u64,
     /// Components of other Kubernetes versions the operator authorised.
     pub authorised: Vec<Component>,
     /// The issuing control plane's revocations.
@@ -424,6 +427,7 @@ pub fn parse_join_ticket(
                 ),
             };
             let signed = signed_measurements(&response.signed_measurements, measurements_key)?;
+            let image_epoch = response.image_epoch;
             let authorised = response
                 .authorised_components
                 .map(|list| list.components)
@@ -443,6 +447,7 @@ pub fn parse_join_ticket(
                     join,
                     staged,
                     signed,
+                    image_epoch,
                     authorised,
                     revocations,
                 },

@@ -419,6 +419,7 @@ async fn start_service_node(
         staged_measurements: None,
         measurements_key: None,
         signed_measurements: Vec::new(),
+        image_epoch: 0,
         control_plane_endpoints: config.cluster.control_plane_endpoints.clone(),
     });
 

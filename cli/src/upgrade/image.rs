@@ -32,6 +32,8 @@ pub struct SignedMeasurements {
     pub signature: Vec<u8>,
     /// SHA-256 of the parsed set, as the control planes report it.
     pub digest: [u8; 32],
+    /// The file's rollback epoch (0: none).
+    pub epoch: u64,
 }
 
 impl SignedMeasurements {
@@ -62,12 +64,13 @@ impl SignedMeasurements {
                 signature_path.display()
             )
         })?;
-        let measurements = Measurements::parse(&body)
+        let (measurements, epoch) = Measurements::parse_file(&body)
             .with_context(|| format!("{} is not a measurements file", file.display()))?;
         Ok(Self {
             body,
             signature,
             digest: measurements.digest(),
+            epoch,
         })
     }
 }
@@ -80,8 +83,9 @@ pub async fn stage(
 ) -> anyhow::Result<()> {
     let control_planes = named_control_planes(roles)?;
     println!(
-        "image: staging measurements sha256:{} on {} control plane(s)",
+        "image: staging measurements sha256:{} (epoch {}) on {} control plane(s)",
         hex::encode(image.digest),
+        image.epoch,
         control_planes.len()
     );
     on_each(
