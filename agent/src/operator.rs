@@ -103,6 +103,12 @@ pub enum OperatorError {
     /// The new image's measurements are not signed with the cluster's key.
     #[error("the measurements file is not signed with the measurements signing key")]
     Signature(#[source] SignatureError),
+    /// Staging the set already in force.
+    #[error(
+        "these measurements are the current set: nothing to stage (push-measurements replaces \
+         the current set's signed file)"
+    )]
+    AlreadyCurrent,
     /// Finish with no image rollout in progress.
     #[error("no image measurements are staged; nothing to finish")]
     NothingStaged,
@@ -177,6 +183,7 @@ impl From<&OperatorError> for tonic::Status {
             | E::NoSigningKey
             | E::NothingStaged
             | E::OtherStaged { .. }
+            | E::AlreadyCurrent
             | E::Rollback { .. }
             | E::StagedOlder { .. } => tonic::Code::FailedPrecondition,
             E::Signature(_) => tonic::Code::PermissionDenied,
@@ -562,6 +569,11 @@ impl OperatorServer {
                 .ok_or(OperatorError::NoSigningKey)?;
             let signed = verify_signed(key, &request.measurements, &request.signature)?;
             not_rolled_back(state, &signed)?;
+            // Staged, the current set's file would replace the one it was
+            // made current with, epoch and all, without a finish.
+            if signed.measurements() == &state.join_measurements {
+                return Err(OperatorError::AlreadyCurrent);
+            }
             let staged = signed.measurements().clone();
             // A set staged before and replaced now is retired with its
             // signed file; the current set's stays.

@@ -210,6 +210,16 @@ pub enum ProvisionError {
     /// The node's own registry revokes it.
     #[error("this node is on its cluster's revocation list: {0}")]
     Revoked(String),
+    /// The node's image is neither the current nor the staged one of the
+    /// cluster state it would restore.
+    #[error(
+        "this node's image (PCRs 4, 9 and 11) is neither its cluster's current nor its staged \
+         image: a control plane of a retired image is not recovered; boot it from the current image"
+    )]
+    ImageNotAccepted,
+    /// Reading the node's image PCRs failed.
+    #[error("reading this node's image PCRs: {0}")]
+    ImagePcrs(String),
     /// The state disk's facts are of another cluster than the one the
     /// node was locked to (a recovery with another measurement salt).
     #[error("the node was locked to cluster {locked}, but its state disk holds cluster {recorded}: the measurement salt is not this cluster's")]
@@ -349,6 +359,33 @@ impl<'a> Provisioner<'a> {
         match registry.revocation(own_ek) {
             Some(revocation) => Err(ProvisionError::Revoked(revocation.to_string())),
             None => Ok(()),
+        }
+    }
+
+    /// Refuses a control plane whose own image (PCRs 4, 9 and 11) `state`
+    /// neither runs nor stages: a recovery has no peer whose join service
+    /// checks the node's image, and would otherwise serve the cluster from
+    /// an image the operator retired (an older epoch's).
+    pub async fn refuse_unaccepted_image(
+        &self,
+        state: &ClusterState,
+    ) -> Result<(), ProvisionError> {
+        let tpm = self.tpm.clone();
+        let own = tokio::task::spawn_blocking(move || {
+            let mut measured = tpm
+                .lock()
+                .map_err(|_| ProvisionError::ImagePcrs("the TPM handle is poisoned".into()))?;
+            measured
+                .tpm()
+                .pcr_read(&crate::cluster::IMAGE_PCRS)
+                .map_err(|e| ProvisionError::ImagePcrs(keel_atls::ErrorChain(&e).to_string()))
+        })
+        .await
+        .map_err(ProvisionError::Blocking)??;
+        if state.accepts_image(&own) {
+            Ok(())
+        } else {
+            Err(ProvisionError::ImageNotAccepted)
         }
     }
 

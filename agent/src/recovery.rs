@@ -266,6 +266,7 @@ impl RecoveryServer {
             // stays revoked: its own registry, now readable, says so.
             p.refuse_revoked(&accepted.own_ek).await?;
             let state = p.restore_control_plane(accepted.keys, signing_key)?;
+            p.refuse_unaccepted_image(&state).await?;
             // The lock came from the request's measurement salt, which
             // nothing sealed covers: it must name the disk's cluster.
             if state.cluster_id != accepted.cluster_id {

@@ -325,6 +325,30 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let cp1 = cp1.reboot(&ca);
     let recovery = RecoveryServer::new(cp1.node(slot.clone()));
 
+    // Booted from another image (its UKI, PCR 4, differs: say one the
+    // operator retired): the node locks, finds that its disk's cluster
+    // neither runs nor stages its image, and serves nothing. No peer's
+    // join service checks a recovering node's image; this check does.
+    cp1.tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(4, &[0xa; 32])
+        .unwrap();
+    let retired = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(retired, None).await {
+        Err(RecoveryError::Provision(e @ ProvisionError::ImageNotAccepted)) => {
+            assert!(e.to_string().contains("retired image"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        slot.borrow().is_none(),
+        "a retired image got a cluster state"
+    );
+    let cp1 = cp1.reboot(&ca);
+    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+
     // The right master secret: the node locks to the cluster ID stored on
     // its disk and serves joins.
     let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);

@@ -874,6 +874,19 @@ async fn an_image_older_than_one_made_current_is_not_brought_back() {
     service.policy.reload().unwrap();
     assert!(admitted(&node_b, &ca, &service).await, "B refused");
 
+    // The current image staged again (here at a higher epoch, which would
+    // replace the file it was made current with): refused.
+    let (body, signature) = sign(&image_b, 9);
+    let refusal = server
+        .stage_image_measurements(&stage_request(&server, key, &body, &signature), None)
+        .unwrap_err();
+    assert!(
+        matches!(refusal, OperatorError::AlreadyCurrent),
+        "{refusal:?}"
+    );
+    nothing_staged(&service, &root, "the current set staged");
+    assert_eq!(service.slot.borrow().clone().unwrap().epoch_of(&image_b), 2);
+
     // The old image's own file, exactly as signed, is not brought back:
     // neither staged nor set.
     refused(
