@@ -93,6 +93,8 @@ fn init_config_uses_v1beta4_from_1_31_and_v1beta3_for_1_30() {
     let args = field(&d[0], &["nodeRegistration", "kubeletExtraArgs"]);
     assert_eq!(args[0]["name"], "node-ip");
     assert_eq!(args[0]["value"], "10.0.0.5");
+    // The cluster's keys are ECDSA P-256, in each version's way.
+    assert_eq!(field(&d[1], &["encryptionAlgorithm"]), "ECDSA-P256");
 
     let d = docs(&init_config(root, "v1.30.14").to_yaml().unwrap());
     assert_eq!(field(&d[0], &["apiVersion"]), "kubeadm.k8s.io/v1beta3");
@@ -102,6 +104,11 @@ fn init_config_uses_v1beta4_from_1_31_and_v1beta3_for_1_30() {
         field(&d[0], &["nodeRegistration", "kubeletExtraArgs", "node-ip"]),
         "10.0.0.5"
     );
+    assert_eq!(
+        field(&d[1], &["featureGates", "PublicKeysECDSA"]),
+        &Value::Bool(true)
+    );
+    assert!(d[1].get("encryptionAlgorithm").is_none());
 }
 
 #[test]

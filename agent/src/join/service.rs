@@ -126,7 +126,7 @@ impl ClusterCa {
         };
         let cert_pem = read("ca.crt")?;
         let key_pem = read("ca.key")?;
-        let key = KeyPair::from_pem(&key_pem).map_err(|e| bad(format!("ca.key: {e}")))?;
+        let key = ca_key(&key_pem).map_err(|e| bad(format!("ca.key: {e}")))?;
         let hash = CaCertHash::of_ca_pem(cert_pem.as_bytes())
             .ok_or_else(|| bad("ca.crt does not parse".into()))?;
         let issuer =
@@ -136,6 +136,56 @@ impl ClusterCa {
             cert_pem: cert_pem.to_string(),
             hash,
         })
+    }
+}
+
+/// The cluster CA's private key as kubeadm writes it: PKCS#8 (`PRIVATE
+/// KEY`), PKCS#1 (`RSA PRIVATE KEY`, kubeadm's default RSA-2048 and its
+/// other RSA sizes) or SEC1 (`EC PRIVATE KEY`, `encryptionAlgorithm:
+/// ECDSA-P256` or `ECDSA-P384`). The signing library takes PKCS#8 only,
+/// so the other two are wrapped in a PKCS#8 envelope naming their
+/// algorithm; the key itself is checked by the library as it loads.
+fn ca_key(pem: &str) -> Result<KeyPair, String> {
+    use p256::pkcs8::der::asn1::{AnyRef, ObjectIdentifier};
+    use p256::pkcs8::der::{pem as der_pem, Encode as _};
+    use p256::pkcs8::{AlgorithmIdentifierRef, PrivateKeyInfo};
+
+    const RSA_ENCRYPTION: ObjectIdentifier = ObjectIdentifier::new_unwrap("1.2.840.113549.1.1.1");
+    const EC_PUBLIC_KEY: ObjectIdentifier = ObjectIdentifier::new_unwrap("1.2.840.10045.2.1");
+    const P256: ObjectIdentifier = ObjectIdentifier::new_unwrap("1.2.840.10045.3.1.7");
+    const P384: ObjectIdentifier = ObjectIdentifier::new_unwrap("1.3.132.0.34");
+
+    let (label, der) = der_pem::decode_vec(pem.trim().as_bytes())
+        .map_err(|_| "not a PEM private key".to_owned())?;
+    let der = Zeroizing::new(der);
+    let wrapped = |oid: ObjectIdentifier, parameters: AnyRef<'_>, alg| {
+        let info = PrivateKeyInfo::new(
+            AlgorithmIdentifierRef {
+                oid,
+                parameters: Some(parameters),
+            },
+            &der,
+        );
+        let pkcs8 = Zeroizing::new(info.to_der().map_err(|e| e.to_string())?);
+        KeyPair::from_pkcs8_der_and_sign_algo(&pkcs8.as_slice().into(), alg)
+            .map_err(|e| e.to_string())
+    };
+    match label {
+        "PRIVATE KEY" => KeyPair::try_from(der.as_slice()).map_err(|e| e.to_string()),
+        "RSA PRIVATE KEY" => wrapped(RSA_ENCRYPTION, AnyRef::NULL, &rcgen::PKCS_RSA_SHA256),
+        "EC PRIVATE KEY" => wrapped(
+            EC_PUBLIC_KEY,
+            (&P256).into(),
+            &rcgen::PKCS_ECDSA_P256_SHA256,
+        )
+        .or_else(|_| {
+            wrapped(
+                EC_PUBLIC_KEY,
+                (&P384).into(),
+                &rcgen::PKCS_ECDSA_P384_SHA384,
+            )
+        }),
+        other => Err(format!("a PEM {other:?}, not a private key")),
     }
 }
 
@@ -699,5 +749,115 @@ impl join_service_server::JoinService for JoinService {
         result
             .map(tonic::Response::new)
             .map_err(|e| refused("rejoin", &e))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    /// kubeadm's own CA: an RSA-2048 key in PKCS#1 (`RSA PRIVATE KEY`) and
+    /// a self-signed SHA256-with-RSA certificate, as `kubeadm init` writes
+    /// them without an `encryptionAlgorithm`.
+    #[test]
+    fn a_kubeadm_rsa_ca_signs_kubelet_certificates() {
+        let dir = tempfile::tempdir().unwrap();
+        let openssl = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(dir.path())
+                .output()
+                .expect("openssl");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        openssl(&["genrsa", "-traditional", "-out", "ca.key", "2048"]);
+        openssl(&[
+            "req",
+            "-x509",
+            "-new",
+            "-key",
+            "ca.key",
+            "-subj",
+            "/CN=kubernetes",
+            "-days",
+            "3650",
+            "-sha256",
+            "-out",
+            "ca.crt",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,digitalSignature,keyEncipherment,keyCertSign",
+        ]);
+        let key = std::fs::read_to_string(dir.path().join("ca.key")).unwrap();
+        assert!(key.starts_with("-----BEGIN RSA PRIVATE KEY-----"), "{key}");
+        let ca =
+            ClusterCa::load(dir.path()).unwrap_or_else(|e| panic!("{}", keel_atls::ErrorChain(&e)));
+        let node = kubelet::KubeletKey::generate("n-1").unwrap();
+        let cert = kubelet::sign_csr(&ca.issuer, node.csr_pem().as_bytes(), "n-1").unwrap();
+        kubelet::check_cert(&cert, &ca.cert_pem, &node.spki()).unwrap();
+        // What openssl itself says of the chain.
+        std::fs::write(dir.path().join("kubelet.crt"), &cert).unwrap();
+        openssl(&["verify", "-CAfile", "ca.crt", "kubelet.crt"]);
+    }
+
+    /// The same with kubeadm's ECDSA CAs (`encryptionAlgorithm:
+    /// ECDSA-P256` / `ECDSA-P384`, SEC1 `EC PRIVATE KEY`) and a PKCS#8 key;
+    /// anything else is refused by name.
+    #[test]
+    fn ecdsa_and_pkcs8_ca_keys_load_and_other_pem_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let openssl = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(dir.path())
+                .output()
+                .expect("openssl");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            out.stdout
+        };
+        for (curve, label) in [
+            ("prime256v1", "-----BEGIN EC PRIVATE KEY-----"),
+            ("secp384r1", "-----BEGIN EC PRIVATE KEY-----"),
+        ] {
+            let sec1 = openssl(&["ecparam", "-name", curve, "-genkey", "-noout"]);
+            let pem = String::from_utf8(sec1).unwrap();
+            assert!(pem.starts_with(label), "{pem}");
+            ca_key(&pem).unwrap_or_else(|e| panic!("{curve}: {e}"));
+        }
+        let pkcs8 = openssl(&[
+            "genpkey",
+            "-algorithm",
+            "EC",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+        ]);
+        ca_key(std::str::from_utf8(&pkcs8).unwrap()).unwrap();
+        let rsa = openssl(&["genrsa", "2048"]);
+        ca_key(std::str::from_utf8(&rsa).unwrap()).unwrap();
+
+        let cert = KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["x".into()])
+            .unwrap()
+            .self_signed(&cert)
+            .unwrap()
+            .pem();
+        let err = ca_key(&cert).unwrap_err();
+        assert!(err.contains("CERTIFICATE"), "{err}");
+        assert!(ca_key("junk").is_err());
+        // A label that lies about its contents.
+        let lying = std::str::from_utf8(&rsa)
+            .unwrap()
+            .replace("PRIVATE KEY", "EC PRIVATE KEY");
+        assert!(ca_key(&lying).is_err());
     }
 }

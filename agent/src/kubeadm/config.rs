@@ -7,6 +7,14 @@
 //! touch is the shape of extra arguments: a map in v1beta3, a list of
 //! `{name, value}` in v1beta4.
 //!
+//! The cluster's keys and certificates are ECDSA P-256, not kubeadm's
+//! default RSA-2048 (`encryptionAlgorithm: ECDSA-P256` in v1beta4, the
+//! `PublicKeysECDSA` feature gate in v1beta3): the join service signs a
+//! kubelet certificate with the cluster CA for every ticket, and an
+//! RSA-2048 signature costs that ticket about as much again as all of its
+//! P-256 work. A CA kubeadm made RSA (a cluster from before this setting)
+//! is still read and used (`join::service`).
+//!
 //! Every input is checked before it reaches a file (names, addresses,
 //! CIDRs, SANs, token formats), and secrets (the bootstrap token, the
 //! certificate key) have redacted `Debug` output.
@@ -228,6 +236,18 @@ impl ConfigApi {
         }
     }
 
+    /// The `ClusterConfiguration` entry that makes kubeadm create ECDSA
+    /// P-256 keys for the cluster.
+    fn ecdsa_keys(self) -> (&'static str, Yaml) {
+        match self {
+            Self::V1Beta3 => (
+                "featureGates",
+                Yaml::map(vec![("PublicKeysECDSA", Yaml::Bool(true))]),
+            ),
+            Self::V1Beta4 => ("encryptionAlgorithm", Yaml::str("ECDSA-P256")),
+        }
+    }
+
     /// Extra arguments in this version's shape.
     fn extra_args(self, args: &[(&str, String)]) -> Yaml {
         match self {
@@ -340,6 +360,7 @@ impl InitConfig {
                 ]),
             ),
             ("apiServer", Yaml::map(vec![("certSANs", Yaml::strs(sans))])),
+            api.ecdsa_keys(),
         ]);
         Ok(Yaml::documents(&[init, cluster]))
     }

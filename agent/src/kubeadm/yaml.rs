@@ -12,6 +12,8 @@ pub enum Yaml {
     Str(String),
     /// An integer.
     Int(i64),
+    /// A boolean.
+    Bool(bool),
     /// A sequence.
     List(Vec<Yaml>),
     /// A mapping in the order given.
@@ -59,6 +61,7 @@ impl Yaml {
             // Serialising a string to JSON cannot fail.
             Self::Str(s) => Some(serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())),
             Self::Int(i) => Some(i.to_string()),
+            Self::Bool(b) => Some(b.to_string()),
             Self::List(l) if l.is_empty() => Some("[]".into()),
             Self::Map(m) if m.is_empty() => Some("{}".into()),
             Self::List(_) | Self::Map(_) => None,

@@ -373,6 +373,42 @@ fn parse_version(v: &str) -> Option<(u32, u32)> {
     parts.next().is_none().then_some((major, minor))
 }
 
+/// kubeadm's key algorithm setting, as kubeadm validates it; this stand-in
+/// makes ECDSA P-256 keys only, so a config that asks for anything else
+/// (or for kubeadm's default, RSA-2048) fails here rather than pass with
+/// keys of another kind than a real cluster would have.
+fn check_key_algorithm(cluster: &Value, api: &str) -> Result<()> {
+    let algorithm = get(cluster, &["encryptionAlgorithm"]);
+    let ecdsa_gate = get(cluster, &["featureGates", "PublicKeysECDSA"]).and_then(Value::as_bool);
+    let asked = if api.ends_with("v1beta3") {
+        if algorithm.is_some() {
+            return fail("ClusterConfiguration: unknown field \"encryptionAlgorithm\" in v1beta3");
+        }
+        if ecdsa_gate == Some(true) {
+            "ECDSA-P256"
+        } else {
+            "RSA-2048"
+        }
+    } else {
+        if ecdsa_gate.is_some() {
+            return fail("ClusterConfiguration: the PublicKeysECDSA feature gate is replaced by encryptionAlgorithm in v1beta4");
+        }
+        match algorithm.map(|a| a.as_str()) {
+            None => "RSA-2048",
+            Some(Some(
+                a @ ("RSA-2048" | "RSA-3072" | "RSA-4096" | "ECDSA-P256" | "ECDSA-P384"),
+            )) => a,
+            Some(_) => return fail("ClusterConfiguration: encryptionAlgorithm: Unsupported value"),
+        }
+    };
+    if asked != "ECDSA-P256" {
+        return fail(format!(
+            "keel-standin makes ECDSA-P256 keys only; the config asks for {asked}"
+        ));
+    }
+    Ok(())
+}
+
 fn check_version(api: &str, version: &str) -> Result<()> {
     let Some((major, minor)) = parse_version(version) else {
         return fail(format!(
@@ -585,6 +621,8 @@ fn init(flags: &Flags) -> Result<()> {
             || fail("ClusterConfiguration: certSANs must be strings"),
             Ok,
         )?;
+
+    check_key_algorithm(cluster, api)?;
 
     injected_faults("init")?;
     check_preflight(flags, &["admin.conf", "manifests/kube-apiserver.yaml"])?;
