@@ -103,10 +103,10 @@ pub enum OperatorError {
     /// The new image's measurements are not signed with the cluster's key.
     #[error("the measurements file is not signed with the measurements signing key")]
     Signature(#[source] SignatureError),
-    /// Staging the set already in force.
+    /// Staging another file of the set already in force.
     #[error(
-        "these measurements are the current set: nothing to stage (push-measurements replaces \
-         the current set's signed file)"
+        "these measurements are the current set, signed in another file than the one it was made \
+         current with: nothing changed (push-measurements replaces the current set's file)"
     )]
     AlreadyCurrent,
     /// Finish with no image rollout in progress.
@@ -548,7 +548,9 @@ impl OperatorServer {
     /// Stages a new image's measurements as a second accepted set, for a
     /// request from `peer`: the file must be signed with the cluster's
     /// measurements signing key, carry an epoch no lower than the image
-    /// rollback floor and enforce what every set must. Returns
+    /// rollback floor and enforce what every set must. The current set's
+    /// own file withdraws a staged set (staged and current are then the
+    /// same); another file of the current set is refused. Returns
     /// the SHA-256 of the staged set and of the current one.
     pub fn stage_image_measurements(
         &self,
@@ -569,10 +571,20 @@ impl OperatorServer {
                 .ok_or(OperatorError::NoSigningKey)?;
             let signed = verify_signed(key, &request.measurements, &request.signature)?;
             not_rolled_back(state, &signed)?;
-            // Staged, the current set's file would replace the one it was
-            // made current with, epoch and all, without a finish.
             if signed.measurements() == &state.join_measurements {
-                return Err(OperatorError::AlreadyCurrent);
+                // The file the current set was made current with: the
+                // rollout of any other set is withdrawn (a retry after a
+                // finish changes nothing). Another file of the current set
+                // would replace that one, epoch and all, without a finish.
+                let held = state.signed_measurements.iter().any(|s| {
+                    s.measurements() == signed.measurements() && s.body() == signed.body()
+                });
+                if !held {
+                    return Err(OperatorError::AlreadyCurrent);
+                }
+                return Ok(state
+                    .with_measurements(state.join_measurements.clone(), None)
+                    .without_retired_signed());
             }
             let staged = signed.measurements().clone();
             // A set staged before and replaced now is retired with its
@@ -583,11 +595,14 @@ impl OperatorServer {
                 .without_retired_signed())
         })?;
         let current = updated.join_measurements.digest();
-        let staged = updated
+        let Some(staged) = updated
             .staged_measurements
             .as_ref()
             .map(Measurements::digest)
-            .unwrap_or_default();
+        else {
+            tracing::info!(current = %hex::encode(current), "the current image staged by the operator: no other image is staged");
+            return Ok((current, current));
+        };
         tracing::info!(staged = %hex::encode(staged), current = %hex::encode(current), "new image measurements staged by the operator");
         Ok((staged, current))
     }

@@ -101,6 +101,13 @@ impl From<&RecoveryError> for tonic::Status {
             E::WrongSecret => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
             E::Unavailable | E::Lock(_) | E::Busy => tonic::Code::Unavailable,
+            // What the node found on its own disk and TPM that rules it
+            // out: the operator's to see (no secret in these texts).
+            E::Provision(
+                inner @ (ProvisionError::ImageNotAccepted
+                | ProvisionError::OtherCluster { .. }
+                | ProvisionError::Revoked(_)),
+            ) => return tonic::Status::failed_precondition(format!("{e}: {inner}")),
             E::Provision(_) | E::Internal => tonic::Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
@@ -266,7 +273,6 @@ impl RecoveryServer {
             // stays revoked: its own registry, now readable, says so.
             p.refuse_revoked(&accepted.own_ek).await?;
             let state = p.restore_control_plane(accepted.keys, signing_key)?;
-            p.refuse_unaccepted_image(&state).await?;
             // The lock came from the request's measurement salt, which
             // nothing sealed covers: it must name the disk's cluster.
             if state.cluster_id != accepted.cluster_id {
@@ -275,6 +281,7 @@ impl RecoveryServer {
                     recorded: hex::encode(state.cluster_id),
                 });
             }
+            p.refuse_unaccepted_image(&state).await?;
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
             p.serve_as_control_plane(state, &inner.node.cluster).await

@@ -337,8 +337,11 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         .unwrap();
     let retired = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
     match recovery.recover(retired, None).await {
-        Err(RecoveryError::Provision(e @ ProvisionError::ImageNotAccepted)) => {
-            assert!(e.to_string().contains("retired image"), "{e}")
+        Err(e @ RecoveryError::Provision(ProvisionError::ImageNotAccepted)) => {
+            // The operator's CLI is told why.
+            let status = tonic::Status::from(&e);
+            assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+            assert!(status.message().contains("retired image"), "{status:?}")
         }
         other => panic!("{other:?}"),
     }

@@ -874,8 +874,10 @@ async fn an_image_older_than_one_made_current_is_not_brought_back() {
     service.policy.reload().unwrap();
     assert!(admitted(&node_b, &ca, &service).await, "B refused");
 
-    // The current image staged again (here at a higher epoch, which would
-    // replace the file it was made current with): refused.
+    // The current image staged again in another file (here at a higher
+    // epoch, which would replace the file it was made current with):
+    // refused. In its own file, as a retried `upgrade apply` sends it:
+    // nothing to stage, no error.
     let (body, signature) = sign(&image_b, 9);
     let refusal = server
         .stage_image_measurements(&stage_request(&server, key, &body, &signature), None)
@@ -884,8 +886,16 @@ async fn an_image_older_than_one_made_current_is_not_brought_back() {
         matches!(refusal, OperatorError::AlreadyCurrent),
         "{refusal:?}"
     );
-    nothing_staged(&service, &root, "the current set staged");
+    nothing_staged(&service, &root, "the current set in another file");
     assert_eq!(service.slot.borrow().clone().unwrap().epoch_of(&image_b), 2);
+    let b_digest = image_b.digest();
+    assert_eq!(
+        server
+            .stage_image_measurements(&stage_request(&server, key, &b_body, &b_signature), None)
+            .unwrap(),
+        (b_digest, b_digest)
+    );
+    nothing_staged(&service, &root, "the current set in its own file");
 
     // The old image's own file, exactly as signed, is not brought back:
     // neither staged nor set.
@@ -941,6 +951,34 @@ async fn an_image_older_than_one_made_current_is_not_brought_back() {
         .control_plane
         .expect("a control-plane ticket");
     assert_eq!(carried.image_epoch, 2);
+
+    // A rollout withdrawn: D staged, then the current image's own file
+    // staged again unstages D (its signed file goes too); D's nodes are
+    // refused again.
+    let node_d = member(&ca, port, "w-d", "worker");
+    node_d
+        .tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(4, &[0xd; 32])
+        .unwrap();
+    let image_d = measurements_of(&node_d.tpm, &[4, 9, 11, 12]);
+    let (d_body, d_signature) = sign(&image_d, 2);
+    server
+        .stage_image_measurements(&stage_request(&server, key, &d_body, &d_signature), None)
+        .unwrap();
+    service.policy.reload().unwrap();
+    assert!(admitted(&node_d, &ca, &service).await, "staged D refused");
+    server
+        .stage_image_measurements(&stage_request(&server, key, &b_body, &b_signature), None)
+        .unwrap();
+    nothing_staged(&service, &root, "D withdrawn");
+    assert_eq!(service.slot.borrow().clone().unwrap().epoch_of(&image_d), 0);
+    assert!(
+        !admitted(&node_d, &ca, &service).await,
+        "withdrawn D admitted"
+    );
 
     // C staged at epoch 3; a set of B re-signed at epoch 4 would leave C
     // unfinishable below the floor: refused, C still staged. At epoch 3

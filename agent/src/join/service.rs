@@ -178,12 +178,13 @@ fn ca_key(pem: &str) -> Result<KeyPair, String> {
             (&P256).into(),
             &rcgen::PKCS_ECDSA_P256_SHA256,
         )
-        .or_else(|_| {
+        .or_else(|p256| {
             wrapped(
                 EC_PUBLIC_KEY,
                 (&P384).into(),
                 &rcgen::PKCS_ECDSA_P384_SHA384,
             )
+            .map_err(|p384| format!("neither a P-256 key ({p256}) nor a P-384 key ({p384})"))
         }),
         other => Err(format!("a PEM {other:?}, not a private key")),
     }

@@ -107,11 +107,18 @@ pub async fn stage(
             )
             .await
             .map(|done| {
-                format!(
-                    "image measurements staged (sha256:{}); current sha256:{} still accepted",
-                    hex::encode(done.staged_digest),
-                    hex::encode(done.current_digest)
-                )
+                if done.staged_digest == done.current_digest {
+                    format!(
+                        "sha256:{} is the current image; no other image is staged",
+                        hex::encode(done.current_digest)
+                    )
+                } else {
+                    format!(
+                        "image measurements staged (sha256:{}); current sha256:{} still accepted",
+                        hex::encode(done.staged_digest),
+                        hex::encode(done.current_digest)
+                    )
+                }
             })
         },
     )
