@@ -758,24 +758,28 @@ impl join_service_server::JoinService for JoinService {
 mod tests {
     use super::*;
 
+    /// Runs the openssl command line in `dir`; its standard output.
+    fn openssl(dir: &Path, args: &[&str]) -> Vec<u8> {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    }
+
     /// kubeadm's own CA: an RSA-2048 key in PKCS#1 (`RSA PRIVATE KEY`) and
     /// a self-signed SHA256-with-RSA certificate, as `kubeadm init` writes
     /// them without an `encryptionAlgorithm`.
     #[test]
     fn a_kubeadm_rsa_ca_signs_kubelet_certificates() {
         let dir = tempfile::tempdir().unwrap();
-        let openssl = |args: &[&str]| {
-            let out = std::process::Command::new("openssl")
-                .args(args)
-                .current_dir(dir.path())
-                .output()
-                .expect("openssl");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
+        let openssl = |args: &[&str]| openssl(dir.path(), args);
         openssl(&["genrsa", "-traditional", "-out", "ca.key", "2048"]);
         openssl(&[
             "req",
@@ -813,19 +817,7 @@ mod tests {
     #[test]
     fn ecdsa_and_pkcs8_ca_keys_load_and_other_pem_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let openssl = |args: &[&str]| {
-            let out = std::process::Command::new("openssl")
-                .args(args)
-                .current_dir(dir.path())
-                .output()
-                .expect("openssl");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            out.stdout
-        };
+        let openssl = |args: &[&str]| openssl(dir.path(), args);
         for (curve, label) in [
             ("prime256v1", "-----BEGIN EC PRIVATE KEY-----"),
             ("secp384r1", "-----BEGIN EC PRIVATE KEY-----"),
