@@ -102,6 +102,13 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     std::fs::write(&settings, with_key.to_string()).unwrap();
     let measurements_file = operator.path().join("measurements.json");
     let signature_file = operator.path().join("measurements.json.sig");
+    // The first image's file carries rollback epoch 1: the control plane
+    // takes no file below it from then on (every file below is at 1).
+    let first = keel_verifier::measurements::Measurements::parse(
+        &std::fs::read(&measurements_file).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(&measurements_file, first.to_json_with_epoch(1)).unwrap();
     // `keel init` in a fresh workspace, refused for `why` (each text must be
     // in its output) before anything reached the node.
     let refused_init = |why: &'static [&'static str]| {
@@ -172,6 +179,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         state.signed_measurements[0].body(),
         std::fs::read(&measurements_file).unwrap().as_slice()
     );
+    assert_eq!(state.image_epoch, 1, "init takes the first image's epoch");
     init_task.abort();
 
     // Node 1 serves the join service, its file written from the cluster
@@ -327,7 +335,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     join_common::wait_for_port(operator_addr).await;
     let new = boot_measurements_with(&config1, [(13, Expected::warn_only([7; 32]))]);
     let new_file = operator.path().join("new-measurements.json");
-    std::fs::write(&new_file, new.to_json()).unwrap();
+    std::fs::write(&new_file, new.to_json_with_epoch(1)).unwrap();
     let push_with = |workspace: std::path::PathBuf, settings: std::path::PathBuf| {
         let new_file = new_file.clone();
         let endpoint = operator_addr.to_string();
@@ -378,7 +386,8 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let new_signature = operator.path().join("new-measurements.json.sig");
     std::fs::write(
         &new_signature,
-        keel_verifier::signature::SigningPrivateKey::generate().sign(new.to_json().as_bytes()),
+        keel_verifier::signature::SigningPrivateKey::generate()
+            .sign(new.to_json_with_epoch(1).as_bytes()),
     )
     .unwrap();
     let out = push_with(ws.path().to_owned(), no_key_settings).await;
@@ -390,7 +399,11 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     );
     assert_eq!(in_force(), boot_measurements(&config1));
     // Signed with the cluster's key from here on.
-    std::fs::write(&new_signature, signing.sign(new.to_json().as_bytes())).unwrap();
+    std::fs::write(
+        &new_signature,
+        signing.sign(new.to_json_with_epoch(1).as_bytes()),
+    )
+    .unwrap();
     // Another cluster's master secret: refused by the node, nothing replaced.
     let forged = tempfile::tempdir().unwrap();
     for name in ["keel-id.json", "keel-master-secret.json"] {
@@ -428,7 +441,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     // ones.
     let signed_file = |name: &str, set: &keel_verifier::measurements::Measurements| {
         let file = operator.path().join(name);
-        let body = format!("{}\n", set.to_json());
+        let body = format!("{}\n", set.to_json_with_epoch(1));
         std::fs::write(&file, &body).unwrap();
         std::fs::write(
             operator.path().join(format!("{name}.sig")),
@@ -521,6 +534,49 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     assert!(text(&out).contains("nothing to finish"), "{}", text(&out));
     let out = finish().await;
     assert!(out.status.success(), "{}", text(&out));
+    assert!(!staged_file.exists());
+    assert_eq!(read(&join_measurements), image);
+    // `upgrade apply` of the finished image again (a retry): nothing to
+    // stage, no error. A file signed without an epoch (0, below the
+    // cluster's 1): refused with the reason, nothing staged.
+    let apply_image = |file: std::path::PathBuf| {
+        let settings = &settings;
+        let endpoint = &endpoint;
+        async move {
+            let file = file.to_str().unwrap().to_owned();
+            let args = [
+                "upgrade",
+                "apply",
+                "--workspace",
+                ws_arg,
+                "--image-measurements",
+                &file,
+                "--skip-phases",
+                "kubernetes",
+                "--endpoint",
+                endpoint,
+            ];
+            run_keel(&args, settings, None).await
+        }
+    };
+    let out = apply_image(image_file.clone()).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("is the current image"),
+        "{}",
+        text(&out)
+    );
+    let old_body = format!("{}\n", other.to_json());
+    let old_file = operator.path().join("old.json");
+    std::fs::write(&old_file, &old_body).unwrap();
+    std::fs::write(
+        operator.path().join("old.json.sig"),
+        signing.sign(old_body.as_bytes()),
+    )
+    .unwrap();
+    let out = apply_image(old_file).await;
+    assert!(!out.status.success());
+    assert!(text(&out).contains("epoch 0 is below 1"), "{}", text(&out));
     assert!(!staged_file.exists());
     assert_eq!(read(&join_measurements), image);
     // `keel revoke` and `keel status` over the same operator API: the node
