@@ -24,7 +24,7 @@ use keel_verifier::measurements::Measurements;
 
 use crate::operator::{answer, Operator};
 use crate::settings::{read_bounded, Settings};
-use crate::upgrade::image::SignedMeasurements;
+use crate::upgrade::image::load_signed;
 
 use keel_verifier::keys::kind::SET_JOIN_MEASUREMENTS;
 
@@ -73,8 +73,8 @@ fn load(
     signature: Option<&Path>,
 ) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
     if Settings::load(settings_path)?.signing_key()?.is_some() {
-        let signed = SignedMeasurements::load(settings_path, file, signature)?;
-        return Ok((signed.body, signed.signature));
+        let signed = load_signed(settings_path, file, signature)?;
+        return Ok((signed.body().to_vec(), signed.signature().to_vec()));
     }
     let body = read_bounded(file)?;
     // The control planes refuse what does not parse; refuse it here first.

@@ -13,66 +13,50 @@ use std::path::Path;
 
 use anyhow::{bail, Context as _};
 use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequest};
-use keel_verifier::measurements::Measurements;
 
 use super::{every_control_plane_named, Cluster, Roles};
 use crate::operator::{answer, Operator};
 use crate::settings::{read_bounded, Settings};
-use keel_verifier::signature::detached_signature_path;
+use keel_verifier::signature::{
+    detached_signature_path, SignedMeasurements, SignedMeasurementsError,
+};
 
 use keel_verifier::keys::kind::FINISH_IMAGE_UPGRADE;
 use keel_verifier::keys::kind::STAGE_IMAGE_MEASUREMENTS;
 
-/// A new image's measurements file whose signature verified.
-#[derive(Debug)]
-pub struct SignedMeasurements {
-    /// The file's exact bytes.
-    pub body: Vec<u8>,
-    /// The detached signature.
-    pub signature: Vec<u8>,
-    /// SHA-256 of the parsed set, as the control planes report it.
-    pub digest: [u8; 32],
-    /// The file's rollback epoch (0: none).
-    pub epoch: u64,
-}
-
-impl SignedMeasurements {
-    /// Reads `file` and its signature (`signature`, default `file` + `.sig`)
-    /// and checks them with the key the settings at `settings` name.
-    pub fn load(settings: &Path, file: &Path, signature: Option<&Path>) -> anyhow::Result<Self> {
-        let settings = Settings::load(settings)?;
-        let Some(key) = settings.signing_key()? else {
-            bail!(
-                "the settings name no measurements_signing_key: image upgrades need the \
-                 measurements signing key the cluster was initialised with"
-            );
-        };
-        let body = read_bounded(file)?;
-        let signature_path =
-            signature.map_or_else(|| detached_signature_path(file), Path::to_owned);
-        let signature = read_bounded(&signature_path).with_context(|| {
-            format!(
-                "no signature for {} (keel-measure --signing-key writes {})",
-                file.display(),
-                signature_path.display()
-            )
-        })?;
-        key.verify(&body, &signature).with_context(|| {
-            format!(
-                "{} is not signed with the measurements signing key ({}); nothing was sent",
-                file.display(),
-                signature_path.display()
-            )
-        })?;
-        let (measurements, epoch) = Measurements::parse_file(&body)
-            .with_context(|| format!("{} is not a measurements file", file.display()))?;
-        Ok(Self {
-            body,
-            signature,
-            digest: measurements.digest(),
-            epoch,
-        })
-    }
+/// Reads `file` and its signature (`signature`, default `file` + `.sig`)
+/// and checks them with the key the settings at `settings` name, as every
+/// control plane checks them again (`SignedMeasurements::verify`).
+pub fn load_signed(
+    settings: &Path,
+    file: &Path,
+    signature: Option<&Path>,
+) -> anyhow::Result<SignedMeasurements> {
+    let settings = Settings::load(settings)?;
+    let Some(key) = settings.signing_key()? else {
+        bail!(
+            "the settings name no measurements_signing_key: image upgrades need the \
+             measurements signing key the cluster was initialised with"
+        );
+    };
+    let body = read_bounded(file)?;
+    let signature_path = signature.map_or_else(|| detached_signature_path(file), Path::to_owned);
+    let signature = read_bounded(&signature_path).with_context(|| {
+        format!(
+            "no signature for {} (keel-measure --signing-key writes {})",
+            file.display(),
+            signature_path.display()
+        )
+    })?;
+    SignedMeasurements::verify(&key, &body, &signature).map_err(|e| match e {
+        SignedMeasurementsError::Signature(e) => anyhow::Error::new(e).context(format!(
+            "{} is not signed with the measurements signing key ({}); nothing was sent",
+            file.display(),
+            signature_path.display()
+        )),
+        other => anyhow::Error::new(other)
+            .context(format!("{} is not a measurements file", file.display())),
+    })
 }
 
 /// Stages `image` on every control plane of `roles`, reporting each.
@@ -84,8 +68,8 @@ pub async fn stage(
     let control_planes = named_control_planes(roles)?;
     println!(
         "image: staging measurements sha256:{} (epoch {}) on {} control plane(s)",
-        hex::encode(image.digest),
-        image.epoch,
+        hex::encode(image.measurements().digest()),
+        image.epoch(),
         control_planes.len()
     );
     on_each(
@@ -93,14 +77,14 @@ pub async fn stage(
         "stage the image measurements",
         |endpoint| async move {
             let (mut node, challenge, proof) = operator
-                .authorise(&endpoint, STAGE_IMAGE_MEASUREMENTS, &image.body)
+                .authorise(&endpoint, STAGE_IMAGE_MEASUREMENTS, image.body())
                 .await?;
             answer(
                 &endpoint,
                 node.client
                     .stage_image_measurements(StageImageMeasurementsRequest {
-                        measurements: image.body.clone(),
-                        signature: image.signature.clone(),
+                        measurements: image.body().to_vec(),
+                        signature: image.signature().to_vec(),
                         challenge,
                         proof,
                     }),
@@ -140,9 +124,10 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
     let roles = Roles::of(operator, &cluster.endpoints).await?;
     let control_planes = named_control_planes(&roles)?;
     every_control_plane_named(operator, &roles).await?;
+    let digest = &image.measurements().digest();
     println!(
         "image: finishing the rollout of measurements sha256:{} on {} control plane(s)",
-        hex::encode(image.digest),
+        hex::encode(digest),
         control_planes.len()
     );
     on_each(
@@ -150,14 +135,14 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
         "finish the image upgrade",
         |endpoint| async move {
             let (mut node, challenge, proof) = operator
-                .authorise(&endpoint, FINISH_IMAGE_UPGRADE, &image.digest)
+                .authorise(&endpoint, FINISH_IMAGE_UPGRADE, digest)
                 .await?;
             answer(
                 &endpoint,
                 node.client.finish_image_upgrade(FinishImageUpgradeRequest {
                     challenge,
                     proof,
-                    staged_digest: image.digest.to_vec(),
+                    staged_digest: digest.to_vec(),
                 }),
             )
             .await

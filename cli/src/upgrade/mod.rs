@@ -128,7 +128,7 @@ pub async fn run(command: UpgradeCommand) -> anyhow::Result<()> {
         }
         UpgradeCommand::Finish(mut args) => {
             args.cluster.endpoints = crate::operator::distinct(&args.cluster.endpoints);
-            let image = image::SignedMeasurements::load(
+            let image = image::load_signed(
                 &args.cluster.settings,
                 &args.image_measurements,
                 args.image_measurements_signature.as_deref(),
@@ -152,7 +152,7 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let image = match &args.image_measurements {
-        Some(file) if runs(Phase::Image) => Some(image::SignedMeasurements::load(
+        Some(file) if runs(Phase::Image) => Some(image::load_signed(
             &args.cluster.settings,
             file,
             args.image_measurements_signature.as_deref(),
