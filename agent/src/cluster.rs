@@ -169,14 +169,11 @@ impl ClusterState {
     /// Whether the image whose PCRs are `own` (its PCRs 4, 9 and 11) is
     /// the current or the staged one.
     pub fn accepts_image(&self, own: &std::collections::BTreeMap<u32, [u8; 32]>) -> bool {
-        let describes = |set: &Measurements| {
-            IMAGE_PCRS.iter().all(|index| {
-                set.get(*index)
-                    .is_some_and(|e| own.get(index) == Some(&e.digest))
-            })
-        };
-        describes(&self.join_measurements)
-            || self.staged_measurements.as_ref().is_some_and(describes)
+        self.join_measurements.describes(&IMAGE_PCRS, own)
+            || self
+                .staged_measurements
+                .as_ref()
+                .is_some_and(|staged| staged.describes(&IMAGE_PCRS, own))
     }
 
     /// The epoch of the signed file held for `set` (0: none held, as

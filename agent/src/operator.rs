@@ -576,9 +576,10 @@ impl OperatorServer {
                 // rollout of any other set is withdrawn (a retry after a
                 // finish changes nothing). Another file of the current set
                 // would replace that one, epoch and all, without a finish.
-                let held = state.signed_measurements.iter().any(|s| {
-                    s.measurements() == signed.measurements() && s.body() == signed.body()
-                });
+                let held = state
+                    .signed_measurements
+                    .iter()
+                    .any(|s| s.body() == signed.body());
                 if !held {
                     return Err(OperatorError::AlreadyCurrent);
                 }
@@ -654,7 +655,7 @@ impl OperatorServer {
             let mut updated = state
                 .with_measurements(staged, None)
                 .without_retired_signed();
-            updated.image_epoch = epoch.max(state.image_epoch);
+            updated.image_epoch = epoch;
             Ok(updated)
         })?;
         let digest = updated.join_measurements.digest();

@@ -345,23 +345,33 @@ impl Measurements {
         sha2::Sha256::digest(self.to_json().as_bytes()).into()
     }
 
-    /// The file form, with every entry in the `{"expected", "warnOnly"}` shape.
-    pub fn to_json(&self) -> String {
-        let map: BTreeMap<String, FullEntry> = self
-            .0
+    /// Whether this set enforces every PCR of `pcrs` with the value `own`
+    /// holds for it: the image of a node whose PCRs are `own`.
+    pub fn describes(&self, pcrs: &[u32], own: &BTreeMap<u32, Digest32>) -> bool {
+        pcrs.iter().all(|index| {
+            self.get(*index)
+                .is_some_and(|e| !e.warn_only && own.get(index) == Some(&e.digest))
+        })
+    }
+
+    /// The entries in the file's `{"expected", "warnOnly"}` shape, by PCR.
+    fn entries(&self) -> BTreeMap<String, FullEntry> {
+        self.0
             .iter()
             .map(|(p, e)| {
-                (
-                    p.to_string(),
-                    FullEntry {
-                        expected: hex::encode(e.digest),
-                        warn_only: e.warn_only,
-                    },
-                )
+                let entry = FullEntry {
+                    expected: hex::encode(e.digest),
+                    warn_only: e.warn_only,
+                };
+                (p.to_string(), entry)
             })
-            .collect();
+            .collect()
+    }
+
+    /// The file form, with every entry in the `{"expected", "warnOnly"}` shape.
+    pub fn to_json(&self) -> String {
         // Keys sorted numerically would need a custom map; lexical order is fine for JSON.
-        serde_json::to_string_pretty(&map).unwrap_or_default()
+        serde_json::to_string_pretty(&self.entries()).unwrap_or_default()
     }
 
     /// The file form with the rollback epoch `epoch` (no key where it is 0,
@@ -372,15 +382,8 @@ impl Measurements {
         }
         let mut map = serde_json::Map::new();
         map.insert(EPOCH_KEY.into(), epoch.into());
-        for (p, e) in &self.0 {
-            let entry = FullEntry {
-                expected: hex::encode(e.digest),
-                warn_only: e.warn_only,
-            };
-            map.insert(
-                p.to_string(),
-                serde_json::to_value(entry).unwrap_or_default(),
-            );
+        for (pcr, entry) in self.entries() {
+            map.insert(pcr, serde_json::to_value(entry).unwrap_or_default());
         }
         serde_json::to_string_pretty(&map).unwrap_or_default()
     }

@@ -173,11 +173,7 @@ impl SignedMeasurements {
     /// Whether this set enforces every PCR of `pcrs` with the value `own`
     /// holds for it: the image of a node whose PCRs are `own`.
     pub fn describes(&self, pcrs: &[u32], own: &std::collections::BTreeMap<u32, [u8; 32]>) -> bool {
-        pcrs.iter().all(|index| {
-            self.measurements
-                .get(*index)
-                .is_some_and(|e| !e.warn_only && own.get(index) == Some(&e.digest))
-        })
+        self.measurements.describes(pcrs, own)
     }
 
     /// The wire form.
