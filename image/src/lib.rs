@@ -21,5 +21,6 @@ pub mod pcr;
 pub mod pe;
 pub mod predict;
 
-#[cfg(test)]
-mod testpe;
+#[cfg(any(test, feature = "test-support"))]
+#[doc(hidden)]
+pub mod testpe;
