@@ -274,8 +274,9 @@ async fn with_a_signing_key_an_init_takes_only_signed_components() {
 
 /// Attacker's move: make the node unsure whether its state disk holds a
 /// cluster (a header that cannot be read, a device that is gone) so that
-/// init formats it. A disk that carries a LUKS header refuses init; one
-/// whose header cannot be read refuses it too, and the node stays
+/// init formats it. A disk that carries a LUKS header refuses init (a
+/// member's, or a set-up that never finished, each with its own remedy);
+/// one whose header cannot be read refuses it too, and the node stays
 /// unlocked with the disk as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
@@ -293,8 +294,23 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
         )
     };
 
+    // A set-up that never finished (the start could not reset it): it
+    // may be a provisioning still running, so init leaves it alone and
+    // says that a reboot resets it.
     let cryptsetup = keel_agent::disk::Cryptsetup::default();
     cryptsetup.format(&node.disk, &[9; 32]).unwrap();
+    cryptsetup
+        .relabel(&node.disk, keel_agent::disk::PROVISIONING_LABEL)
+        .unwrap();
+    let before = std::fs::read(&node.disk).unwrap();
+    let status = init.init(tonic::Request::new(request())).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("never finished"), "{status:?}");
+    assert!(status.message().contains("reboot"), "{status:?}");
+    assert!(!node.lock.is_locked());
+    assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
+
+    // A member's disk: it rejoins or is recovered.
     cryptsetup
         .relabel(&node.disk, keel_agent::disk::PROVISIONED_LABEL)
         .unwrap();
@@ -302,6 +318,7 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
     let status = init.init(tonic::Request::new(request())).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
     assert!(status.message().contains("initialised"), "{status:?}");
+    assert!(status.message().contains("rejoins"), "{status:?}");
     assert!(!node.lock.is_locked());
     assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
 

@@ -27,6 +27,7 @@ use zeroize::Zeroizing;
 
 use crate::attestation::credential;
 use crate::cluster::ClusterState;
+use crate::disk::DiskState;
 use crate::kubeadm::{self, BootstrapToken, InitConfig};
 use crate::nodelock::LockError;
 use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
@@ -69,6 +70,11 @@ pub enum InitError {
     /// The state disk holds a cluster's data: init would format it.
     #[error("this node's state disk is initialised; it rejoins or is recovered, never initialised again")]
     DiskInitialised,
+    /// The state disk holds a set-up that never finished, which the
+    /// agent's start could not reset: init would format it, and it may be
+    /// a provisioning still running. The next boot resets it.
+    #[error("this node's state disk holds a set-up that never finished and was not reset at start; reboot the node to reset it")]
+    DiskUnfinished,
     /// Whether the state disk holds a cluster's data could not be told:
     /// init refuses rather than risk formatting it.
     #[error("reading the state disk's header failed")]
@@ -101,9 +107,10 @@ impl From<&InitError> for tonic::Status {
             InitError::WrongInitSecret => tonic::Code::Unauthenticated,
             InitError::Unsigned(_) => tonic::Code::PermissionDenied,
             InitError::InvalidRequest(_) | InitError::Sealed(_) => tonic::Code::InvalidArgument,
-            InitError::NotInitNode | InitError::Locked | InitError::DiskInitialised => {
-                tonic::Code::FailedPrecondition
-            }
+            InitError::NotInitNode
+            | InitError::Locked
+            | InitError::DiskInitialised
+            | InitError::DiskUnfinished => tonic::Code::FailedPrecondition,
             InitError::Lock(_) | InitError::Tpm | InitError::DiskUnreadable(_) => {
                 tonic::Code::Unavailable
             }
@@ -270,13 +277,14 @@ impl InitServer {
             return Err(InitError::Locked);
         }
         if let Some(disk) = self.inner.node.env.state_disk.clone() {
-            let initialised =
-                tokio::task::spawn_blocking(move || disk.cryptsetup.is_luks(&disk.device))
-                    .await
-                    .map_err(|_| InitError::Internal)?
-                    .map_err(InitError::DiskUnreadable)?;
-            if initialised {
-                return Err(InitError::DiskInitialised);
+            let found = tokio::task::spawn_blocking(move || disk.inspect())
+                .await
+                .map_err(|_| InitError::Internal)?
+                .map_err(InitError::DiskUnreadable)?;
+            match found {
+                DiskState::Fresh => {}
+                DiskState::Member { .. } => return Err(InitError::DiskInitialised),
+                DiskState::Unfinished { .. } => return Err(InitError::DiskUnfinished),
             }
         }
         let cluster_name = request.cluster_name;
