@@ -284,6 +284,11 @@ impl InitServer {
             match found {
                 DiskState::Fresh => {}
                 DiskState::Member { .. } => return Err(InitError::DiskInitialised),
+                // A join that locked the node since the check above sets
+                // its disk up now: that is no leftover to reboot for.
+                DiskState::Unfinished { .. } if self.inner.node.lock.is_locked() => {
+                    return Err(InitError::Locked)
+                }
                 DiskState::Unfinished { .. } => return Err(InitError::DiskUnfinished),
             }
         }
