@@ -294,14 +294,15 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
         )
     };
 
-    // A set-up that never finished (the start could not reset it): it
-    // may be a provisioning still running, so init leaves it alone and
-    // says that a reboot resets it.
+    // A set-up that never finished (a format labels the header as being
+    // provisioned) and that the start could not reset: init leaves it
+    // alone and says that a reboot resets it.
     let cryptsetup = keel_agent::disk::Cryptsetup::default();
     cryptsetup.format(&node.disk, &[9; 32]).unwrap();
-    cryptsetup
-        .relabel(&node.disk, keel_agent::disk::PROVISIONING_LABEL)
-        .unwrap();
+    assert_eq!(
+        cryptsetup.label(&node.disk).unwrap(),
+        keel_agent::disk::PROVISIONING_LABEL
+    );
     let before = std::fs::read(&node.disk).unwrap();
     let status = init.init(tonic::Request::new(request())).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");

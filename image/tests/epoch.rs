@@ -43,7 +43,8 @@ fn measure(dir: &Path, output: &Path, epoch: Option<&str>) -> Output {
         .arg("--signing-key")
         .arg(dir.join("keys/measurements-signing-key.pem"));
     if let Some(epoch) = epoch {
-        command.args(["--epoch", epoch]);
+        // One argument, so that a negative value reaches the parser.
+        command.arg(format!("--epoch={epoch}"));
     }
     command.output().unwrap()
 }
@@ -108,8 +109,12 @@ fn the_epoch_is_written_inside_the_signed_file() {
     for bad in ["9007199254740992", "-1", "1.5"] {
         let out = dir.path().join(format!("bad-{bad}.json"));
         let run = measure(dir.path(), &out, Some(bad));
-        assert!(!run.status.success(), "--epoch {bad} was taken");
-        assert!(String::from_utf8_lossy(&run.stderr).contains(&format!("'{bad}'")));
+        assert!(!run.status.success(), "--epoch={bad} was taken");
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(
+            stderr.contains(&format!("invalid value '{bad}' for '--epoch")),
+            "{stderr}"
+        );
         assert!(!out.exists() && !detached_signature_path(&out).exists());
     }
     let largest = dir.path().join("largest.json");

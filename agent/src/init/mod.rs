@@ -70,9 +70,11 @@ pub enum InitError {
     /// The state disk holds a cluster's data: init would format it.
     #[error("this node's state disk is initialised; it rejoins or is recovered, never initialised again")]
     DiskInitialised,
-    /// The state disk holds a set-up that never finished, which the
-    /// agent's start could not reset: init would format it, and it may be
-    /// a provisioning still running. The next boot resets it.
+    /// The state disk holds a set-up that never finished, left by an
+    /// earlier boot, which the agent's start could not reset. Init does
+    /// not reset it itself: a reset decided before a join takes the lock
+    /// and done after could erase the header that join formats. The next
+    /// boot's start resets it.
     #[error("this node's state disk holds a set-up that never finished and was not reset at start; reboot the node to reset it")]
     DiskUnfinished,
     /// Whether the state disk holds a cluster's data could not be told:
@@ -279,16 +281,16 @@ impl InitServer {
         if let Some(disk) = self.inner.node.env.state_disk.clone() {
             let found = tokio::task::spawn_blocking(move || disk.inspect())
                 .await
-                .map_err(|_| InitError::Internal)?
-                .map_err(InitError::DiskUnreadable)?;
-            match found {
+                .map_err(|_| InitError::Internal)?;
+            // A join that locked the node since the check above may be
+            // setting the disk up now (or be done): whatever the disk
+            // showed, the answer is that the node is taken.
+            if self.inner.node.lock.is_locked() {
+                return Err(InitError::Locked);
+            }
+            match found.map_err(InitError::DiskUnreadable)? {
                 DiskState::Fresh => {}
                 DiskState::Member { .. } => return Err(InitError::DiskInitialised),
-                // A join that locked the node since the check above sets
-                // its disk up now: that is no leftover to reboot for.
-                DiskState::Unfinished { .. } if self.inner.node.lock.is_locked() => {
-                    return Err(InitError::Locked)
-                }
                 DiskState::Unfinished { .. } => return Err(InitError::DiskUnfinished),
             }
         }
