@@ -104,6 +104,60 @@ fn an_unfinished_set_up_is_told_from_a_members_disk() {
     assert_eq!(disk.inspect().unwrap(), DiskState::Fresh);
 }
 
+/// Failure (or the host's move, to make a node format its own data): both
+/// copies of a member's LUKS2 header damaged, their magic intact.
+/// `cryptsetup isLuks` then says "not LUKS"; the disk is still not taken
+/// for an empty one, so neither init nor a join formats it, and the
+/// erase that marks a disk for reset still works on it.
+#[test]
+fn a_damaged_header_is_not_taken_for_an_empty_disk() {
+    use keel_agent::disk::StateDisk;
+
+    let dir = tempfile::tempdir().unwrap();
+    let dev = disk(dir.path());
+    let cs = Cryptsetup::default();
+    cs.format(&dev, &KEY).unwrap();
+    let damage = |at: u64, bytes: &[u8]| {
+        use std::os::unix::fs::FileExt as _;
+        let file = std::fs::OpenOptions::new().write(true).open(&dev).unwrap();
+        file.write_all_at(bytes, at).unwrap();
+    };
+    // The primary's JSON alone: cryptsetup reads (and may repair it from)
+    // the secondary copy.
+    damage(4096 + 2, b"{{{{damaged");
+    assert!(cs.is_luks(&dev).unwrap());
+    // Both copies (the secondary right after a 16 KiB primary).
+    damage(4096 + 2, b"{{{{damaged");
+    damage(16384 + 4096 + 2, b"{{{{damaged");
+    let err = cs.is_luks(&dev).unwrap_err();
+    assert!(
+        matches!(err, DiskError::DamagedHeader { offset: 0, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("header is damaged"), "{err}");
+    let state = StateDisk {
+        device: dev.clone(),
+        cryptsetup: Cryptsetup::default(),
+        mount: None,
+    };
+    assert!(matches!(
+        state.inspect(),
+        Err(DiskError::DamagedHeader { .. })
+    ));
+    // Only the secondary's magic left (the primary's wiped by hand): still
+    // a signature.
+    damage(0, &[0; 6]);
+    assert!(matches!(
+        cs.is_luks(&dev),
+        Err(DiskError::DamagedHeader { offset: 16384, .. })
+    ));
+
+    // Marking it for reset removes every signature: then it is empty.
+    cs.mark_for_reset(&dev).unwrap();
+    assert!(!cs.is_luks(&dev).unwrap());
+    assert_eq!(state.inspect().unwrap(), keel_agent::disk::DiskState::Fresh);
+}
+
 #[test]
 fn bad_inputs_fail_with_the_operation_named() {
     let dir = tempfile::tempdir().unwrap();

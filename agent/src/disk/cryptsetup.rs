@@ -13,7 +13,10 @@
 //!   contents are unrecoverable, since the volume key lived only in the
 //!   erased keyslots. A flag file would need a writable place outside the
 //!   disk and could survive a failed format; the header is the one place
-//!   every boot reads anyway.
+//!   every boot reads anyway. A disk whose signatures are there but whose
+//!   header cryptsetup cannot read is not taken for such an empty one: it
+//!   is a damaged header ([`DiskError::DamagedHeader`]), which nothing
+//!   formats.
 //! * **Unfinished set-up: the header's label.** A disk is formatted with the
 //!   label [`PROVISIONING_LABEL`] and relabelled [`PROVISIONED_LABEL`]
 //!   ([`Cryptsetup::relabel`]) once the node's provisioning has finished,
@@ -230,12 +233,23 @@ impl Cryptsetup {
         args
     }
 
-    /// Whether `device` carries a LUKS header.
+    /// Whether `device` carries a LUKS header. A device that `cryptsetup`
+    /// does not read as LUKS but that still carries a LUKS signature (both
+    /// header copies damaged) is [`DiskError::DamagedHeader`], never taken
+    /// for an empty disk: formatting it would end any chance of restoring
+    /// its header. A disk marked for reset carries none
+    /// ([`Cryptsetup::mark_for_reset`]).
     pub fn is_luks(&self, device: &Path) -> Result<bool, DiskError> {
         let out = self.run(Operation::IsLuks, device, None)?;
         match out.status.code() {
             Some(0) => Ok(true),
-            Some(1) => Ok(false),
+            Some(1) => match luks_signature(device)? {
+                Some(offset) => Err(DiskError::DamagedHeader {
+                    device: device.to_owned(),
+                    offset,
+                }),
+                None => Ok(false),
+            },
             _ => Err(failed(Operation::IsLuks, device, &out)),
         }
     }
@@ -347,8 +361,12 @@ impl Cryptsetup {
     /// signatures, so the next boot formats it (see the module docs). The
     /// data becomes unrecoverable.
     pub fn mark_for_reset(&self, device: &Path) -> Result<(), DiskError> {
-        if self.is_luks(device)? {
-            self.run_ok(Operation::Erase, device, None)?;
+        match self.is_luks(device) {
+            Ok(true) => self.run_ok(Operation::Erase, device, None).map(drop)?,
+            // No keyslot to erase that cryptsetup could read; wipefs
+            // removes the signatures.
+            Ok(false) | Err(DiskError::DamagedHeader { .. }) => {}
+            Err(e) => return Err(e),
         }
         // --force: the device may still be held open by dm-crypt; the node
         // reboots right after this.
@@ -407,6 +425,48 @@ impl Cryptsetup {
 
 fn failed(operation: Operation<'_>, device: &Path, out: &std::process::Output) -> DiskError {
     failed_named(operation.name(), device, out)
+}
+
+/// The LUKS magic of a primary header (LUKS1 and LUKS2), at offset 0.
+const PRIMARY_MAGIC: &[u8; 6] = b"LUKS\xba\xbe";
+/// The magic of a LUKS2 secondary header.
+const SECONDARY_MAGIC: &[u8; 6] = b"SKUL\xba\xbe";
+/// Where a LUKS2 secondary header can start: right after the primary,
+/// whose size is one of 16 KiB to 4 MiB, doubling.
+const SECONDARY_OFFSETS: [u64; 9] = [
+    16 << 10,
+    32 << 10,
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+    2 << 20,
+    4 << 20,
+];
+
+/// The offset of the first LUKS signature on `device`, if any: the
+/// primary magic at 0 or a secondary one where LUKS2 puts it.
+fn luks_signature(device: &Path) -> Result<Option<u64>, DiskError> {
+    use std::os::unix::fs::FileExt as _;
+    let read = |source| DiskError::ReadSignature {
+        device: device.to_owned(),
+        source,
+    };
+    let file = std::fs::File::open(device).map_err(read)?;
+    let candidates =
+        std::iter::once((0, PRIMARY_MAGIC)).chain(SECONDARY_OFFSETS.map(|o| (o, SECONDARY_MAGIC)));
+    for (offset, magic) in candidates {
+        let mut found = [0u8; 6];
+        match file.read_exact_at(&mut found, offset) {
+            Ok(()) if &found == magic => return Ok(Some(offset)),
+            Ok(()) => {}
+            // The device ends before this offset.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            Err(e) => return Err(read(e)),
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -72,6 +72,26 @@ pub enum DiskError {
         #[source]
         source: std::io::Error,
     },
+    /// `cryptsetup` does not read the device as LUKS, yet a LUKS signature
+    /// is on it: both header copies are damaged. Not an empty disk: it is
+    /// neither formatted nor opened until someone restores its header
+    /// (`cryptsetup luksHeaderRestore`) or wipes it (`wipefs --all`).
+    #[error("{device:?} carries a LUKS signature (at byte {offset}) that cryptsetup cannot read: its header is damaged; restore the header or wipe the disk")]
+    DamagedHeader {
+        /// The device.
+        device: PathBuf,
+        /// Where the signature is.
+        offset: u64,
+    },
+    /// Reading the device to look for LUKS signatures failed.
+    #[error("reading {device:?} to look for a LUKS signature")]
+    ReadSignature {
+        /// The device.
+        device: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// `luksUUID` printed something that is not a UUID.
     #[error("luksUUID of {device:?} printed no UUID")]
     Uuid {

@@ -77,6 +77,11 @@ pub enum InitError {
     /// boot's start resets it.
     #[error("this node's state disk holds a set-up that never finished and was not reset at start; reboot the node to reset it")]
     DiskUnfinished,
+    /// The state disk carries a LUKS signature whose header cryptsetup
+    /// cannot read ([`crate::disk::DiskError::DamagedHeader`]): init does
+    /// not format what may be a member's data.
+    #[error("this node's state disk carries a damaged LUKS header; init does not format it: restore the header or wipe the disk")]
+    DiskDamaged(#[source] crate::disk::DiskError),
     /// Whether the state disk holds a cluster's data could not be told:
     /// init refuses rather than risk formatting it.
     #[error("reading the state disk's header failed")]
@@ -112,7 +117,8 @@ impl From<&InitError> for tonic::Status {
             InitError::NotInitNode
             | InitError::Locked
             | InitError::DiskInitialised
-            | InitError::DiskUnfinished => tonic::Code::FailedPrecondition,
+            | InitError::DiskUnfinished
+            | InitError::DiskDamaged(_) => tonic::Code::FailedPrecondition,
             InitError::Lock(_) | InitError::Tpm | InitError::DiskUnreadable(_) => {
                 tonic::Code::Unavailable
             }
@@ -288,7 +294,11 @@ impl InitServer {
             if self.inner.node.lock.is_locked() {
                 return Err(InitError::Locked);
             }
-            match found.map_err(InitError::DiskUnreadable)? {
+            let found = found.map_err(|e| match e {
+                crate::disk::DiskError::DamagedHeader { .. } => InitError::DiskDamaged(e),
+                e => InitError::DiskUnreadable(e),
+            })?;
+            match found {
                 DiskState::Fresh => {}
                 DiskState::Member { .. } => return Err(InitError::DiskInitialised),
                 DiskState::Unfinished { .. } => return Err(InitError::DiskUnfinished),
