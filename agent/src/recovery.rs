@@ -70,6 +70,10 @@ pub enum RecoveryError {
     /// The TPM or the disk could not be used.
     #[error("the node's TPM or disk is unavailable")]
     Unavailable,
+    /// The state disk's LUKS header is damaged (both copies): nothing to
+    /// open until its header is restored from a backup.
+    #[error("this node's state disk carries a damaged LUKS header: restore it from a backup, or recover another control plane")]
+    DiskDamaged,
     /// Taking the lock failed for another reason.
     #[error("taking the node lock failed")]
     Lock(#[source] LockError),
@@ -94,9 +98,11 @@ impl From<&RecoveryError> for tonic::Status {
     fn from(e: &RecoveryError) -> Self {
         use RecoveryError as E;
         let code = match e {
-            E::NotControlPlane | E::NoInitialisedDisk | E::Locked | E::Config(_) => {
-                tonic::Code::FailedPrecondition
-            }
+            E::NotControlPlane
+            | E::NoInitialisedDisk
+            | E::Locked
+            | E::Config(_)
+            | E::DiskDamaged => tonic::Code::FailedPrecondition,
             E::InvalidRequest(_) | E::Sealed(_) => tonic::Code::InvalidArgument,
             E::WrongSecret => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
@@ -337,7 +343,10 @@ impl RecoveryServer {
         .map_err(|_| RecoveryError::Unavailable)?
         .map_err(|e| {
             tracing::warn!(error = %keel_atls::ErrorChain(&e), "inspecting the state disk failed");
-            RecoveryError::Unavailable
+            match e {
+                crate::disk::DiskError::DamagedHeader { .. } => RecoveryError::DiskDamaged,
+                _ => RecoveryError::Unavailable,
+            }
         })?;
         let (disk, uuid) = inspected.ok_or(RecoveryError::NoInitialisedDisk)?;
         let disk_key = keys

@@ -352,6 +352,38 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let cp1 = cp1.reboot(&ca);
     let recovery = RecoveryServer::new(cp1.node(slot.clone()));
 
+    // Both copies of its disk's LUKS header damaged: the operator is told
+    // so, and nothing is locked or written; with the header restored from
+    // a backup, recovery goes on.
+    let backup = std::fs::read(&cp1.disk).unwrap();
+    {
+        use std::os::unix::fs::FileExt as _;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&cp1.disk)
+            .unwrap();
+        for header in [0, 16384] {
+            file.write_all_at(b"{{{{damaged", header + 4096 + 2)
+                .unwrap();
+        }
+    }
+    let damaged = std::fs::read(&cp1.disk).unwrap();
+    let request = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(request, None).await {
+        Err(e @ RecoveryError::DiskDamaged) => {
+            let status = tonic::Status::from(&e);
+            assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+            assert!(
+                status.message().contains("damaged LUKS header"),
+                "{status:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!cp1.lock.is_locked());
+    assert!(std::fs::read(&cp1.disk).unwrap() == damaged, "disk changed");
+    std::fs::write(&cp1.disk, &backup).unwrap();
+
     // The right master secret: the node locks to the cluster ID stored on
     // its disk and serves joins.
     let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);

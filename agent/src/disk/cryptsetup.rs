@@ -359,7 +359,8 @@ impl Cryptsetup {
 
     /// Marks `device` for reset: erases its keyslots and removes its LUKS
     /// signatures, so the next boot formats it (see the module docs). The
-    /// data becomes unrecoverable.
+    /// data becomes unrecoverable, except on a disk whose header was
+    /// damaged already: cryptsetup cannot erase keyslots it cannot read.
     pub fn mark_for_reset(&self, device: &Path) -> Result<(), DiskError> {
         match self.is_luks(device) {
             Ok(true) => self.run_ok(Operation::Erase, device, None).map(drop)?,
@@ -380,7 +381,12 @@ impl Cryptsetup {
                 device.as_os_str(),
             ],
             device,
-        )
+        )?;
+        // A wipefs that leaves a signature it does not take for a LUKS
+        // header (newer util-linux skips a secondary header whose recorded
+        // offset is not where it lies) would leave the disk refused as
+        // damaged on every boot.
+        clear_luks_signatures(device)
     }
 
     fn run(
@@ -445,28 +451,55 @@ const SECONDARY_OFFSETS: [u64; 9] = [
     4 << 20,
 ];
 
-/// The offset of the first LUKS signature on `device`, if any: the
-/// primary magic at 0 or a secondary one where LUKS2 puts it.
-fn luks_signature(device: &Path) -> Result<Option<u64>, DiskError> {
+/// The offsets of the LUKS signatures on `device`: the primary magic at 0
+/// and secondary ones where LUKS2 puts them.
+fn luks_signatures(device: &Path) -> Result<Vec<u64>, DiskError> {
     use std::os::unix::fs::FileExt as _;
-    let read = |source| DiskError::ReadSignature {
-        device: device.to_owned(),
-        source,
-    };
-    let file = std::fs::File::open(device).map_err(read)?;
+    let file = std::fs::File::open(device).map_err(|e| signature_error(device, e))?;
     let candidates =
         std::iter::once((0, PRIMARY_MAGIC)).chain(SECONDARY_OFFSETS.map(|o| (o, SECONDARY_MAGIC)));
+    let mut found = Vec::new();
     for (offset, magic) in candidates {
-        let mut found = [0u8; 6];
-        match file.read_exact_at(&mut found, offset) {
-            Ok(()) if &found == magic => return Ok(Some(offset)),
+        let mut bytes = [0u8; 6];
+        match file.read_exact_at(&mut bytes, offset) {
+            Ok(()) if &bytes == magic => found.push(offset),
             Ok(()) => {}
             // The device ends before this offset.
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
-            Err(e) => return Err(read(e)),
+            Err(e) => return Err(signature_error(device, e)),
         }
     }
-    Ok(None)
+    Ok(found)
+}
+
+/// The offset of the first LUKS signature on `device`, if any.
+fn luks_signature(device: &Path) -> Result<Option<u64>, DiskError> {
+    Ok(luks_signatures(device)?.first().copied())
+}
+
+/// Overwrites every LUKS signature left on `device` with zeros.
+fn clear_luks_signatures(device: &Path) -> Result<(), DiskError> {
+    use std::os::unix::fs::FileExt as _;
+    let left = luks_signatures(device)?;
+    if left.is_empty() {
+        return Ok(());
+    }
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(device)
+        .map_err(|e| signature_error(device, e))?;
+    for offset in left {
+        file.write_all_at(&[0; PRIMARY_MAGIC.len()], offset)
+            .map_err(|e| signature_error(device, e))?;
+    }
+    file.sync_all().map_err(|e| signature_error(device, e))
+}
+
+fn signature_error(device: &Path, source: std::io::Error) -> DiskError {
+    DiskError::ReadSignature {
+        device: device.to_owned(),
+        source,
+    }
 }
 
 #[cfg(test)]

@@ -75,16 +75,18 @@ pub enum DiskError {
     /// `cryptsetup` does not read the device as LUKS, yet a LUKS signature
     /// is on it: both header copies are damaged. Not an empty disk: it is
     /// neither formatted nor opened until someone restores its header
-    /// (`cryptsetup luksHeaderRestore`) or wipes it (`wipefs --all`).
-    #[error("{device:?} carries a LUKS signature (at byte {offset}) that cryptsetup cannot read: its header is damaged; restore the header or wipe the disk")]
+    /// from a backup of their own (`cryptsetup luksHeaderRestore`; the agent
+    /// keeps none) or wipes it.
+    #[error("{device:?} carries a LUKS signature (at byte {offset}) that cryptsetup cannot read: its header is damaged; restore the header from a backup, or wipe the disk")]
     DamagedHeader {
         /// The device.
         device: PathBuf,
         /// Where the signature is.
         offset: u64,
     },
-    /// Reading the device to look for LUKS signatures failed.
-    #[error("reading {device:?} to look for a LUKS signature")]
+    /// Reading the device to look for LUKS signatures, or clearing them,
+    /// failed.
+    #[error("looking for or clearing LUKS signatures on {device:?}")]
     ReadSignature {
         /// The device.
         device: PathBuf,

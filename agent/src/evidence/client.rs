@@ -299,9 +299,17 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
     let disk_uuid = match node.env.state_disk.clone() {
-        Some(disk) => tokio::task::spawn_blocking(move || disk.initialised_uuid())
-            .await??
-            .unwrap_or_default(),
+        Some(disk) => match tokio::task::spawn_blocking(move || disk.initialised_uuid()).await? {
+            Ok(uuid) => uuid.unwrap_or_default(),
+            // Damaged since the node set it up (it is open already): the
+            // evidence goes without the disk's UUID, as for a node without
+            // a header, and the control plane judges that.
+            Err(e @ crate::disk::DiskError::DamagedHeader { .. }) => {
+                tracing::warn!(error = %e, "the state disk's header is damaged; evidence without its UUID");
+                String::new()
+            }
+            Err(e) => return Err(e.into()),
+        },
         None => String::new(),
     };
     // The same validator as the join client's: the control plane's image
