@@ -356,17 +356,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     // so, and nothing is locked or written; with the header restored from
     // a backup, recovery goes on.
     let backup = std::fs::read(&cp1.disk).unwrap();
-    {
-        use std::os::unix::fs::FileExt as _;
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&cp1.disk)
-            .unwrap();
-        for header in [0, 16384] {
-            file.write_all_at(b"{{{{damaged", header + 4096 + 2)
-                .unwrap();
-        }
-    }
+    join_common::damage_luks_headers(&cp1.disk);
     let damaged = std::fs::read(&cp1.disk).unwrap();
     let request = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
     match recovery.recover(request, None).await {

@@ -325,17 +325,7 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
 
     // Both copies of the member's header damaged (cryptsetup no longer
     // calls it LUKS): a damaged header, not an empty disk.
-    {
-        use std::os::unix::fs::FileExt as _;
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&node.disk)
-            .unwrap();
-        for header in [0, 16384] {
-            file.write_all_at(b"{{{{damaged", header + 4096 + 2)
-                .unwrap();
-        }
-    }
+    join_common::damage_luks_headers(&node.disk);
     let before = std::fs::read(&node.disk).unwrap();
     let status = init.init(tonic::Request::new(request())).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");

@@ -663,6 +663,18 @@ pub fn fresh_disk(path: &Path) {
         .unwrap();
 }
 
+/// Damages the JSON of both copies of the LUKS2 header on `disk` (the
+/// secondary right after a 16 KiB primary), their magic left: cryptsetup
+/// then reads no header there.
+pub fn damage_luks_headers(disk: &Path) {
+    use std::os::unix::fs::FileExt as _;
+    let file = std::fs::OpenOptions::new().write(true).open(disk).unwrap();
+    for header in [0, 16384] {
+        file.write_all_at(b"{{{{damaged", header + 4096 + 2)
+            .unwrap();
+    }
+}
+
 /// A joining node with `config` and the TPM `swtpm`.
 pub fn joiner_with(config: NodeConfig, swtpm: Swtpm) -> Joiner {
     let dir = tempfile::tempdir().unwrap();
