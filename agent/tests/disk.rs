@@ -24,6 +24,19 @@ fn disk(dir: &Path) -> PathBuf {
     path
 }
 
+/// The installed `cryptsetup` program, for tests that put a stand-in
+/// beside it.
+fn real_cryptsetup() -> &'static str {
+    [
+        "/usr/sbin/cryptsetup",
+        "/sbin/cryptsetup",
+        "/usr/bin/cryptsetup",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
+    .expect("cryptsetup installed")
+}
+
 #[test]
 fn format_open_check_and_reset() {
     let dir = tempfile::tempdir().unwrap();
@@ -164,11 +177,7 @@ fn a_damaged_header_is_not_taken_for_an_empty_disk() {
     cs.format(&dev, &KEY).unwrap();
     damage(4096 + 2, b"{{{{damaged");
     damage(16384 + 4096 + 2, b"{{{{damaged");
-    let cryptsetup = ["/usr/sbin/cryptsetup", "/sbin/cryptsetup"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-        .expect("cryptsetup installed");
-    let idle_wipefs = Cryptsetup::new(cryptsetup, "true");
+    let idle_wipefs = Cryptsetup::new(real_cryptsetup(), "true");
     assert!(matches!(
         idle_wipefs.is_luks(&dev),
         Err(DiskError::DamagedHeader { offset: 0, .. })
@@ -227,14 +236,7 @@ fn bad_inputs_fail_with_the_operation_named() {
 fn the_key_travels_on_stdin_only() {
     let dir = tempfile::tempdir().unwrap();
     let dev = disk(dir.path());
-    let real = [
-        "/usr/sbin/cryptsetup",
-        "/sbin/cryptsetup",
-        "/usr/bin/cryptsetup",
-    ]
-    .into_iter()
-    .find(|p| Path::new(p).exists())
-    .expect("cryptsetup installed");
+    let real = real_cryptsetup();
     let log = dir.path().join("log");
     std::fs::create_dir(&log).unwrap();
     let wrapper = dir.path().join("cryptsetup");

@@ -496,7 +496,7 @@ fn clear_luks_signatures(device: &Path) -> Result<(), DiskError> {
 }
 
 fn signature_error(device: &Path, source: std::io::Error) -> DiskError {
-    DiskError::ReadSignature {
+    DiskError::SignatureIo {
         device: device.to_owned(),
         source,
     }

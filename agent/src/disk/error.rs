@@ -87,7 +87,7 @@ pub enum DiskError {
     /// Reading the device to look for LUKS signatures, or clearing them,
     /// failed.
     #[error("looking for or clearing LUKS signatures on {device:?}")]
-    ReadSignature {
+    SignatureIo {
         /// The device.
         device: PathBuf,
         /// The cause.
