@@ -413,3 +413,74 @@ fn complete(sealed: &keel_proto::attestation::SealedSecret, request: InitRequest
         ..request
     }
 }
+
+/// Race: a join locks the node and starts formatting its state disk while
+/// init is inspecting that disk. The disk then shows a set-up that never
+/// finished, and init must not answer from it ("reboot the node to reset
+/// it" would have the operator reboot a node in the middle of its join):
+/// the lock, checked again after the inspection, makes the answer that the
+/// node is taken, and init leaves the disk as the join left it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_locking_during_inits_disk_inspection_wins_the_answer() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "inspected-0", "control-plane");
+    let dir = tempfile::tempdir().unwrap();
+    let (inspecting, go) = (dir.path().join("inspecting"), dir.path().join("go"));
+    // `cryptsetup isLuks` holds until the test says go, once.
+    let wrapper = dir.path().join("slow-cryptsetup");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = isLuks ] && [ ! -e {go} ]; then\n  touch {inspecting}\n  \
+             while [ ! -e {go} ]; do sleep 0.01; done\nfi\nexec cryptsetup \"$@\"\n",
+            go = go.display(),
+            inspecting = inspecting.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut env = node.env();
+    env.state_disk.as_mut().unwrap().cryptsetup =
+        keel_agent::disk::Cryptsetup::new(&wrapper, "wipefs");
+    let init = node.init_server_in(SECRET, env);
+    let request = complete(
+        &sealed_secrets(&node),
+        InitRequest {
+            join_measurements: file_of_enforced(),
+            ..InitRequest::default()
+        },
+    );
+
+    let answer = tokio::spawn(async move { init.init(tonic::Request::new(request)).await });
+    let waited = std::time::Instant::now();
+    while !inspecting.exists() {
+        assert!(
+            waited.elapsed() < std::time::Duration::from_secs(60),
+            "init never inspected the disk"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // The join: the lock, then the format that labels the header as being
+    // provisioned.
+    node.lock.try_lock([5; 32]).unwrap();
+    let cryptsetup = keel_agent::disk::Cryptsetup::default();
+    cryptsetup.format(&node.disk, &[9; 32]).unwrap();
+    let formatted = std::fs::read(&node.disk).unwrap();
+    std::fs::write(&go, b"").unwrap();
+
+    let status = answer.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(
+        status.message().contains("already part of a cluster"),
+        "{status:?}"
+    );
+    assert!(
+        std::fs::read(&node.disk).unwrap() == formatted,
+        "init changed the disk"
+    );
+    assert_eq!(
+        cryptsetup.label(&node.disk).unwrap(),
+        keel_agent::disk::PROVISIONING_LABEL
+    );
+}

@@ -753,13 +753,21 @@ impl Joiner {
     /// The init server of this node, accepting `secret` (its hash goes
     /// into the config); with the state disk when `disk`.
     pub fn init_server(&self, secret: &[u8], disk: bool) -> InitServer {
+        self.init_server_in(
+            secret,
+            node_env(&self.root, &self.work, disk.then_some(self.disk.as_path())),
+        )
+    }
+
+    /// The init server of this node, accepting `secret`, provisioning in `env`.
+    pub fn init_server_in(&self, secret: &[u8], env: NodeEnv) -> InitServer {
         let mut config = self.config.clone();
         config.cluster.init_secret_hash = keel_verifier::init_secret::hash(secret).unwrap();
         InitServer::new(Node {
             config,
             tpm: self.tpm.clone(),
             lock: self.lock.clone(),
-            env: node_env(&self.root, &self.work, disk.then_some(self.disk.as_path())),
+            env,
             cluster: Arc::new(ClusterSlot::new(None)),
             operator_key: Default::default(),
         })
