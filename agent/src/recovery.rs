@@ -74,6 +74,11 @@ pub enum RecoveryError {
     /// open until its header is restored from a backup.
     #[error("this node's state disk carries a damaged LUKS header: restore it from a backup, or recover another control plane")]
     DiskDamaged,
+    /// The state disk carries a LUKS header keel cannot use
+    /// ([`crate::disk::DiskError::is_foreign_header`]): no keel cluster's
+    /// data to open there.
+    #[error("this node's state disk carries a LUKS header keel cannot use (LUKS1, or no UUID or label it can read): recover another control plane")]
+    DiskForeign,
     /// Taking the lock failed for another reason.
     #[error("taking the node lock failed")]
     Lock(#[source] LockError),
@@ -102,7 +107,8 @@ impl From<&RecoveryError> for tonic::Status {
             | E::NoInitialisedDisk
             | E::Locked
             | E::Config(_)
-            | E::DiskDamaged => tonic::Code::FailedPrecondition,
+            | E::DiskDamaged
+            | E::DiskForeign => tonic::Code::FailedPrecondition,
             E::InvalidRequest(_) | E::Sealed(_) => tonic::Code::InvalidArgument,
             E::WrongSecret => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
@@ -345,6 +351,7 @@ impl RecoveryServer {
             tracing::warn!(error = %keel_atls::ErrorChain(&e), "inspecting the state disk failed");
             match e {
                 crate::disk::DiskError::DamagedHeader { .. } => RecoveryError::DiskDamaged,
+                e if e.is_foreign_header() => RecoveryError::DiskForeign,
                 _ => RecoveryError::Unavailable,
             }
         })?;

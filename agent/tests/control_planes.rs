@@ -352,9 +352,9 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let cp1 = cp1.reboot(&ca);
     let recovery = RecoveryServer::new(cp1.node(slot.clone()));
 
-    // Both copies of its disk's LUKS header damaged: the operator is told
-    // so, and nothing is locked or written; with the header restored from
-    // a backup, recovery goes on.
+    // Both copies of its disk's LUKS header damaged, then a LUKS1 header:
+    // the operator is told so, and nothing is locked or written; with the
+    // header restored from a backup, recovery goes on.
     let backup = std::fs::read(&cp1.disk).unwrap();
     join_common::damage_luks_headers(&cp1.disk);
     let damaged = std::fs::read(&cp1.disk).unwrap();
@@ -372,6 +372,21 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     }
     assert!(!cp1.lock.is_locked());
     assert!(std::fs::read(&cp1.disk).unwrap() == damaged, "disk changed");
+
+    // A LUKS1 header in its place: not keel's, refused as such.
+    join_common::format_luks1(&cp1.disk);
+    let foreign = std::fs::read(&cp1.disk).unwrap();
+    let request = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(request, None).await {
+        Err(e @ RecoveryError::DiskForeign) => {
+            let status = tonic::Status::from(&e);
+            assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+            assert!(status.message().contains("keel cannot use"), "{status:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!cp1.lock.is_locked());
+    assert!(std::fs::read(&cp1.disk).unwrap() == foreign, "disk changed");
     std::fs::write(&cp1.disk, &backup).unwrap();
 
     // The right master secret: the node locks to the cluster ID stored on

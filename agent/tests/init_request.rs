@@ -336,6 +336,16 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
     assert!(!node.lock.is_locked());
     assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
 
+    // A LUKS1 header (no label; keel writes LUKS2 only): someone's data,
+    // and no retry changes that.
+    join_common::format_luks1(&node.disk);
+    let before = std::fs::read(&node.disk).unwrap();
+    let status = init.init(tonic::Request::new(request())).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("keel cannot use"), "{status:?}");
+    assert!(!node.lock.is_locked());
+    assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
+
     // The device is gone: whether it holds a cluster cannot be told.
     std::fs::remove_file(&node.disk).unwrap();
     let status = init.init(tonic::Request::new(request())).await.unwrap_err();

@@ -107,3 +107,13 @@ pub enum DiskError {
         device: PathBuf,
     },
 }
+
+impl DiskError {
+    /// Whether the device carries a LUKS header that cryptsetup reads but
+    /// keel cannot use: no UUID or no label in it (a LUKS1 header, or one
+    /// another tool wrote). No retry changes that; the disk must be wiped
+    /// (or its header restored) before the node can use it.
+    pub fn is_foreign_header(&self) -> bool {
+        matches!(self, DiskError::Uuid { .. } | DiskError::Label { .. })
+    }
+}

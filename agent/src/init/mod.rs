@@ -82,6 +82,11 @@ pub enum InitError {
     /// not format what may be a member's data.
     #[error("this node's state disk carries a damaged LUKS header; init does not format it: restore the header or wipe the disk")]
     DiskDamaged(#[source] crate::disk::DiskError),
+    /// The state disk carries a LUKS header keel cannot use
+    /// ([`crate::disk::DiskError::is_foreign_header`]): init does not
+    /// format what may be someone's data.
+    #[error("this node's state disk carries a LUKS header keel cannot use (LUKS1, or no UUID or label it can read); init does not format it: wipe the disk to use it")]
+    DiskForeign(#[source] crate::disk::DiskError),
     /// Whether the state disk holds a cluster's data could not be told:
     /// init refuses rather than risk formatting it.
     #[error("reading the state disk's header failed")]
@@ -118,7 +123,8 @@ impl From<&InitError> for tonic::Status {
             | InitError::Locked
             | InitError::DiskInitialised
             | InitError::DiskUnfinished
-            | InitError::DiskDamaged(_) => tonic::Code::FailedPrecondition,
+            | InitError::DiskDamaged(_)
+            | InitError::DiskForeign(_) => tonic::Code::FailedPrecondition,
             InitError::Lock(_) | InitError::Tpm | InitError::DiskUnreadable(_) => {
                 tonic::Code::Unavailable
             }
@@ -296,6 +302,7 @@ impl InitServer {
             }
             let found = found.map_err(|e| match e {
                 crate::disk::DiskError::DamagedHeader { .. } => InitError::DiskDamaged(e),
+                e if e.is_foreign_header() => InitError::DiskForeign(e),
                 e => InitError::DiskUnreadable(e),
             })?;
             match found {

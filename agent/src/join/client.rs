@@ -216,6 +216,18 @@ impl JoinClient {
                     );
                     None
                 }
+                Ok(Err(e))
+                    if e.is_foreign_header()
+                        || matches!(e, crate::disk::DiskError::DamagedHeader { .. }) =>
+                {
+                    tracing::warn!(
+                        error = %keel_atls::ErrorChain(&e),
+                        disk = %device,
+                        retry_in = ?pause,
+                        "the state disk carries a LUKS header keel cannot use (damaged, or not keel's); not joining until the disk is wiped or its header restored"
+                    );
+                    None
+                }
                 Ok(Err(e)) => Some(keel_atls::ErrorChain(&e).to_string()),
                 Err(e) => Some(e.to_string()),
             };

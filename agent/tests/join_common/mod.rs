@@ -663,6 +663,28 @@ pub fn fresh_disk(path: &Path) {
         .unwrap();
 }
 
+/// Writes a LUKS1 header on `disk` (one keel never writes: it has no
+/// label), with the key on standard input.
+pub fn format_luks1(disk: &Path) {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("cryptsetup")
+        .args([
+            "luksFormat",
+            "--type",
+            "luks1",
+            "--batch-mode",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file=-",
+        ])
+        .arg(disk)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"a key").unwrap();
+    assert!(child.wait().unwrap().success(), "luksFormat --type luks1");
+}
+
 /// Damages the JSON of both copies of the LUKS2 header on `disk` (the
 /// secondary right after a 16 KiB primary), their magic left: cryptsetup
 /// then reads no header there.
