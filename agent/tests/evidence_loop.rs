@@ -845,3 +845,52 @@ async fn each_round_reports_the_version_the_node_runs_now() {
     let record = Cluster::worker_record(&registry).unwrap();
     assert_eq!(record.kubernetes_version, upgraded);
 }
+
+/// A node locks into its cluster before it formats a fresh state disk, so
+/// its evidence loop starts while the disk is being set up. The loop reads
+/// the disk's UUID once the set-up finished (the header labelled
+/// provisioned), not once at its start: until then a round reports no
+/// disk, after it every round reports the disk, and the UUID it found is
+/// kept even if the header is damaged later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_disk_is_reported_once_its_set_up_finished() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let uuid = c.worker_disk();
+    let cryptsetup = Cryptsetup::default();
+    cryptsetup
+        .relabel(&c.worker.disk, keel_agent::disk::PROVISIONING_LABEL)
+        .unwrap();
+    let disk = keel_agent::disk::StateDisk {
+        device: c.worker.disk.clone(),
+        cryptsetup: cryptsetup.clone(),
+        mount: None,
+    };
+    let mut s = c
+        .evidence_client_reporting(&c.worker, String::new())
+        .reading_disk(disk)
+        .connect(&c.endpoint(), &c.cluster_id())
+        .await
+        .unwrap();
+
+    let nonce = s.next_nonce().await.unwrap();
+    let during = s.evidence(nonce).await.unwrap();
+    assert_eq!(during.disk_uuid, "", "a disk still being set up");
+    s.client().submit(during).await.unwrap();
+
+    cryptsetup
+        .relabel(&c.worker.disk, keel_agent::disk::PROVISIONED_LABEL)
+        .unwrap();
+    let nonce = s.next_nonce().await.unwrap();
+    let after = s.evidence(nonce).await.unwrap();
+    assert_eq!(after.disk_uuid, uuid);
+    assert_eq!(
+        s.client().submit(after).await.unwrap().into_inner().verdict,
+        "trusted"
+    );
+    let registry = c.registry().snapshot();
+    assert_eq!(Cluster::worker_record(&registry).unwrap().disk_uuid, uuid);
+
+    join_common::damage_luks_headers(&c.worker.disk);
+    let nonce = s.next_nonce().await.unwrap();
+    assert_eq!(s.evidence(nonce).await.unwrap().disk_uuid, uuid);
+}

@@ -20,6 +20,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::{reported_kubernetes_version, user_data};
 use crate::attestation::issuer::TpmIssuer;
+use crate::disk::{DiskState, StateDisk};
 use crate::grpc::answer_within;
 use crate::join::ticket::check_service;
 use crate::measured::SharedTpm;
@@ -29,6 +30,8 @@ use crate::registry::{Registry, RegistryError, RegistryStore, MAX_REGISTRY_BYTES
 /// Longest one call to a control plane may take, its answer included: a
 /// nonce request waits up to one interval (at most 90 s).
 const CALL_TIMEOUT: Duration = Duration::from_secs(150);
+/// The longest pause between two tries of the evidence loop's set-up.
+const SETUP_RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// Why a round of evidence failed.
 #[derive(Debug, thiserror::Error)]
@@ -61,13 +64,64 @@ pub enum EvidenceClientError {
     PeerRevoked,
 }
 
+/// The state disk's UUID as a node's evidence reports it.
+#[derive(Clone)]
+enum DiskId {
+    /// Given when the client was made.
+    Fixed(String),
+    /// Read from the disk once its set-up finished (its header labelled
+    /// provisioned), then kept; empty until then. The node locks into its
+    /// cluster before it formats a fresh disk, so the loop starts while
+    /// the disk is still being set up.
+    Read {
+        disk: StateDisk,
+        found: Arc<std::sync::OnceLock<String>>,
+    },
+}
+
+impl DiskId {
+    /// The UUID to report now; empty while there is none to report.
+    async fn current(&self) -> String {
+        let (disk, found) = match self {
+            DiskId::Fixed(uuid) => return uuid.clone(),
+            DiskId::Read { disk, found } => (disk, found),
+        };
+        if let Some(uuid) = found.get() {
+            return uuid.clone();
+        }
+        let inspect = disk.clone();
+        match tokio::task::spawn_blocking(move || inspect.inspect()).await {
+            Ok(Ok(DiskState::Member { uuid })) => found.get_or_init(|| uuid).clone(),
+            Ok(Ok(DiskState::Fresh | DiskState::Unfinished { .. })) => {
+                tracing::debug!("the state disk is not set up yet; evidence without its UUID");
+                String::new()
+            }
+            // Damaged since the node set it up (it is open already), or
+            // unreadable for now: this round goes without the disk's UUID,
+            // as for a node without a header, the control plane judges
+            // that, and the next round reads the disk again.
+            Ok(Err(e)) => {
+                tracing::warn!(
+                    error = %keel_atls::ErrorChain(&e),
+                    "reading the state disk's UUID failed; evidence without it this round"
+                );
+                String::new()
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the state disk's UUID failed; evidence without it this round");
+                String::new()
+            }
+        }
+    }
+}
+
 /// Sends this node's evidence.
 #[derive(Clone)]
 pub struct EvidenceClient {
     atls: AtlsClient<Verified>,
     tpm: SharedTpm,
     root: PathBuf,
-    disk_uuid: String,
+    disk: DiskId,
     retry: Duration,
     /// On a control plane: its registry, and how long a drift there stands.
     registry: Option<(Arc<RegistryStore>, Duration)>,
@@ -79,7 +133,7 @@ pub struct Session {
     /// The control plane's EK, as its handshake attested it.
     server_ek: keel_verifier::ek::EkDigest,
     tpm: SharedTpm,
-    disk_uuid: String,
+    disk: DiskId,
     /// The node root, where each round reads the node's version record.
     root: PathBuf,
 }
@@ -102,10 +156,20 @@ impl EvidenceClient {
             atls,
             tpm,
             root,
-            disk_uuid,
+            disk: DiskId::Fixed(disk_uuid),
             retry,
             registry: None,
         }
+    }
+
+    /// The same client reporting the UUID of `disk` instead, read once the
+    /// disk's set-up finished.
+    pub fn reading_disk(mut self, disk: StateDisk) -> Self {
+        self.disk = DiskId::Read {
+            disk,
+            found: Arc::default(),
+        };
+        self
     }
 
     /// The same client on a control plane: after each round it merges the
@@ -141,7 +205,7 @@ impl EvidenceClient {
                 // The registry document and its message's few bytes.
                 .max_decoding_message_size(MAX_REGISTRY_BYTES + 1024),
             tpm: self.tpm.clone(),
-            disk_uuid: self.disk_uuid.clone(),
+            disk: self.disk.clone(),
             root: self.root.clone(),
         })
     }
@@ -200,7 +264,8 @@ impl Session {
         let issuer = TpmIssuer::new(self.tpm.clone());
         // Read each round: an upgrade changes it while a session lasts.
         let kubernetes_version = reported_kubernetes_version(&self.root);
-        let data = user_data(&self.disk_uuid, &kubernetes_version);
+        let disk_uuid = self.disk.current().await;
+        let data = user_data(&disk_uuid, &kubernetes_version);
         let quoted = nonce.clone();
         let document = tokio::task::spawn_blocking(move || issuer.issue(&quoted, &data))
             .await
@@ -209,7 +274,7 @@ impl Session {
         Ok(SubmitEvidenceRequest {
             nonce,
             document,
-            disk_uuid: self.disk_uuid.clone(),
+            disk_uuid,
             kubernetes_version,
         })
     }
@@ -287,53 +352,34 @@ impl Session {
 
 /// Runs the evidence loops of a booted node: waits until it is locked into
 /// its cluster, then attests to every control-plane endpoint of its config.
+/// A set-up that fails (the TPM, the registry) is tried again with backoff:
+/// a node that stopped sending evidence would be found silent, and under
+/// the `revoke` policy revoked for good.
 pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
     let endpoints = node.config.cluster.control_plane_endpoints.clone();
     if endpoints.is_empty() {
         return Ok(());
     }
-    let cluster_id = loop {
-        if let Some(id) = node.lock.cluster_id()? {
-            break id;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+    let backoff = crate::join::Backoff {
+        initial: Duration::from_secs(1),
+        max: SETUP_RETRY_MAX,
     };
-    let disk_uuid = match node.env.state_disk.clone() {
-        Some(disk) => match tokio::task::spawn_blocking(move || disk.initialised_uuid()).await? {
-            Ok(uuid) => uuid.unwrap_or_default(),
-            // Damaged since the node set it up (it is open already): the
-            // evidence goes without the disk's UUID, as for a node without
-            // a header, and the control plane judges that.
-            Err(e @ crate::disk::DiskError::DamagedHeader { .. }) => {
-                tracing::warn!(error = %e, "the state disk's header is damaged; evidence without its UUID");
-                String::new()
+    let mut failures = 0;
+    let (client, cluster_id) = loop {
+        match client_for(&node).await {
+            Ok(ready) => break ready,
+            Err(e) => {
+                let pause = backoff.delay(failures);
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    retry_in = ?pause,
+                    "setting up the evidence loop failed; retrying"
+                );
+                tokio::time::sleep(pause).await;
+                failures = failures.saturating_add(1);
             }
-            Err(e) => return Err(e.into()),
-        },
-        None => String::new(),
-    };
-    // The same validator as the join client's: the control plane's image
-    // and config, and its CPU evidence for the hardware variants.
-    let validator =
-        crate::join::JoinSettings::from_config(&node.config)?.service_validator(&node.tpm)?;
-    let mut client = EvidenceClient::new(
-        node.tpm.clone(),
-        validator,
-        node.env.root().to_owned(),
-        disk_uuid,
-        node.config.cluster.evidence.interval(),
-    );
-    if node.config.node.role == Role::ControlPlane {
-        // The control plane's state disk is mounted once it serves a cluster.
-        let mut slot = node.cluster.subscribe();
-        while slot.borrow_and_update().is_none() {
-            slot.changed().await?;
         }
-        client = client.merging_into(
-            RegistryStore::shared(node.env.root())?,
-            node.config.cluster.evidence.drift_stands(),
-        );
-    }
+    };
     tracing::info!(
         endpoints = endpoints.len(),
         interval_s = node.config.cluster.evidence.interval().as_secs(),
@@ -345,4 +391,41 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
     }
     while loops.join_next().await.is_some() {}
     Ok(())
+}
+
+/// The evidence client of `node` once it is locked into its cluster (a
+/// control plane's once it serves the cluster), with the cluster's ID.
+async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> {
+    let cluster_id = loop {
+        if let Some(id) = node.lock.cluster_id()? {
+            break id;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    // The same validator as the join client's: the control plane's image
+    // and config, and its CPU evidence for the hardware variants.
+    let validator =
+        crate::join::JoinSettings::from_config(&node.config)?.service_validator(&node.tpm)?;
+    let mut client = EvidenceClient::new(
+        node.tpm.clone(),
+        validator,
+        node.env.root().to_owned(),
+        String::new(),
+        node.config.cluster.evidence.interval(),
+    );
+    if let Some(disk) = node.env.state_disk.clone() {
+        client = client.reading_disk(disk);
+    }
+    if node.config.node.role == Role::ControlPlane {
+        // The control plane's state disk is mounted once it serves a cluster.
+        let mut slot = node.cluster.subscribe();
+        while slot.borrow_and_update().is_none() {
+            slot.changed().await?;
+        }
+        client = client.merging_into(
+            RegistryStore::shared(node.env.root())?,
+            node.config.cluster.evidence.drift_stands(),
+        );
+    }
+    Ok((client, cluster_id))
 }
