@@ -984,6 +984,19 @@ fn make_dirs(root: &Path, relative: &Path, shown: &str) -> Result<(), ExtractErr
     Ok(())
 }
 
+/// A reader that remembers whether it failed: `io::copy` returns read and
+/// write errors alike.
+struct ReadSide<R> {
+    inner: R,
+    failed: bool,
+}
+
+impl<R: Read> Read for ReadSide<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf).inspect_err(|_| self.failed = true)
+    }
+}
+
 /// Writes one regular file; `create_new` refuses an existing path, including
 /// a symlink there, so nothing is written through a link.
 fn write_file<R: Read>(
@@ -1009,11 +1022,19 @@ fn write_file<R: Read>(
                 write_error(e)
             }
         })?;
-    // Read errors (a bomb, a cut archive) and write errors look alike here;
-    // the bound is the one worth naming.
-    let copied = io::copy(entry, &mut file).map_err(|e| match read_error(e) {
-        ExtractError::ReadArchive(e) => write_error(e),
-        too_large => too_large,
+    // A read error is the archive's (a bomb, a cut or damaged stream: a
+    // kept copy damaged on disk is fetched again), a write error the
+    // target's.
+    let mut source = ReadSide {
+        inner: entry,
+        failed: false,
+    };
+    let copied = io::copy(&mut source, &mut file).map_err(|e| {
+        if source.failed {
+            read_error(e)
+        } else {
+            write_error(e)
+        }
     })?;
     if copied != size {
         return Err(ExtractError::TruncatedEntry(shown.to_owned()));

@@ -919,3 +919,38 @@ async fn refuses_metadata_without_its_entry_or_with_two_meanings() {
         a.message()
     );
 }
+
+/// A compressed stream damaged inside a file's data (a kept archive
+/// damaged on disk: the state disk has no integrity protection) fails as
+/// a read of the archive, never as a write to the target: the installer
+/// fetches a kept archive again on the first, and gives up on the second
+/// ("a fetched copy would fare no better").
+#[test]
+fn a_stream_damaged_inside_a_files_data_is_the_archives_fault() {
+    // Compressible, so the damage lands in Huffman-coded data.
+    let data: Vec<u8> = (0..400_000u32)
+        .map(|i| b"kubelet "[(i % 8) as usize] ^ ((i / 4096) as u8 & 3))
+        .collect();
+    let mut bytes = tgz(&[file("bin/tool", &data)]);
+    let middle = bytes.len() / 2;
+    for b in &mut bytes[middle..middle + 32] {
+        *b ^= 0xa5;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (kept, target) = (dir.path().join("kept.tgz"), dir.path().join("bin"));
+    std::fs::write(&kept, &bytes).unwrap();
+    let refused = keel_installer::extract::extract_tgz_verified(
+        std::fs::File::open(&kept).unwrap(),
+        keel_installer::Sha256Digest::of(&bytes),
+        &target,
+        &ExtractLimits::default(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(refused, ExtractError::ReadArchive(_)),
+        "{refused:?}"
+    );
+    assert!(!refused.is_at_target());
+    assert!(!target.exists());
+    assert_eq!(entries(dir.path()), ["kept.tgz"]);
+}
