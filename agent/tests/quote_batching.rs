@@ -294,6 +294,27 @@ fn the_key_binding_cannot_move_between_leaves() {
     );
 }
 
+/// A leaf encodes its nonce's length in 16 bits, so a longer nonce would
+/// share its leaf with a cut nonce followed by other user data: the
+/// issuer refuses to quote one (a control plane's evidence loop hands the
+/// node nonces of its choosing), as the validator refuses to check one.
+#[test]
+fn a_nonce_longer_than_a_leaf_encodes_is_not_quoted() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, None);
+    let longest = vec![7u8; keel_verifier::batch::MAX_NONCE_BYTES];
+    n.issuer.issue(&longest, b"key").unwrap();
+    let longer = vec![7u8; keel_verifier::batch::MAX_NONCE_BYTES + 1];
+    let err = n.issuer.issue(&longer, b"key").unwrap_err();
+    assert!(
+        matches!(
+            err,
+            keel_agent::attestation::issuer::IssueError::NonceTooLong
+        ),
+        "{err}"
+    );
+}
+
 /// A generated SEV-SNP chip that signs whatever `report_data` it is asked
 /// for, and counts the reports.
 struct GeneratedSnp {

@@ -32,6 +32,10 @@ use crate::measurement::Digest32;
 pub const MAX_DEPTH: usize = 8;
 /// Most leaves in one tree (one quote).
 pub const MAX_LEAVES: usize = 1 << MAX_DEPTH;
+/// The longest nonce a leaf encodes: its length is a 16-bit field, so a
+/// longer nonce would be ambiguous. Issuers and verifiers refuse longer
+/// ones; keel's own nonces are 32 bytes.
+pub const MAX_NONCE_BYTES: usize = u16::MAX as usize;
 
 const LEAF_CONTEXT: &[u8] = b"keel-quote-leaf-v2";
 const NODE_CONTEXT: &[u8] = b"keel-quote-node-v2";
@@ -67,7 +71,9 @@ pub enum BatchError {
 pub fn leaf(nonce: &[u8], user_data: &[u8]) -> Digest32 {
     let mut h = Sha256::new();
     h.update(LEAF_CONTEXT);
-    // Nonces are at most a few dozen bytes; longer ones are cut to the length field.
+    // At most MAX_NONCE_BYTES: issuers and verifiers refuse longer nonces
+    // before they make a leaf (a longer one would share its leaf with a
+    // cut nonce followed by other user data).
     let len = u16::try_from(nonce.len()).unwrap_or(u16::MAX);
     h.update(len.to_be_bytes());
     h.update(nonce);

@@ -336,7 +336,7 @@ impl Validator {
         }
         // A batch leaf encodes the nonce's length in 16 bits: a longer one
         // would be ambiguous. The verifier's own nonces are 32 bytes.
-        if nonce.len() > usize::from(u16::MAX) {
+        if nonce.len() > crate::batch::MAX_NONCE_BYTES {
             return Err(ValidationError::Field("nonce longer than 65535 bytes"));
         }
         let doc = AttestationDocument::decode(document).map_err(ValidationError::Decode)?;
