@@ -210,6 +210,21 @@ pub fn extract(cert_der: &[u8]) -> Result<Embedded, PeerCertError> {
     })
 }
 
+/// The certificate's subject public key info, as [`extract`] reads it (and
+/// hashes it into the user data): the handshake signature is checked
+/// against these very bytes, so that no difference between two
+/// certificate parsers could make the key that signed differ from the key
+/// the document binds.
+pub fn public_key_info(cert_der: &[u8]) -> Result<&[u8], PeerCertError> {
+    let (rest, cert) =
+        X509Certificate::from_der(cert_der).map_err(|e| PeerCertError::Parse(e.into()))?;
+    if !rest.is_empty() {
+        return Err(PeerCertError::TrailingData);
+    }
+    check_key_and_algorithm(&cert)?;
+    Ok(cert.tbs_certificate.subject_pki.raw)
+}
+
 fn check_key_and_algorithm(cert: &X509Certificate<'_>) -> Result<(), PeerCertError> {
     let spki = cert.public_key();
     let curve = spki

@@ -6,16 +6,17 @@
 //! certificate ([`cert::extract`]), runs the validator, and keeps the outcome
 //! so the connection code can report the precise reason of a failure, or hand
 //! the validated [`Attested`] peer to the application. The TLS 1.3
-//! handshake signature is checked by rustls' `verify_tls13_signature` against
-//! the same certificate, which proves the peer holds the key the document is
-//! bound to.
+//! handshake signature is checked against the subject public key info that
+//! the same parser read from the same certificate and hashed into the user
+//! data ([`cert::public_key_info`]), which proves the peer holds the key
+//! the document is bound to.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName, SubjectPublicKeyInfoDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
 
@@ -120,9 +121,11 @@ fn tls13_signature(
     cert: &CertificateDer<'_>,
     dss: &DigitallySignedStruct,
 ) -> Result<HandshakeSignatureValid, rustls::Error> {
-    rustls::crypto::verify_tls13_signature(
+    let spki = cert::public_key_info(cert)
+        .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding))?;
+    rustls::crypto::verify_tls13_signature_with_raw_key(
         message,
-        cert,
+        &SubjectPublicKeyInfoDer::from(spki),
         dss,
         &provider.signature_verification_algorithms,
     )
