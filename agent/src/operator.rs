@@ -350,6 +350,15 @@ impl OperatorAuth {
 
     /// Accepts a request of `kind` with `body` from `peer` only with a
     /// valid `proof` for an outstanding `challenge` (which it spends).
+    ///
+    /// A valid proof is accepted from any address, one that is waiting
+    /// after wrong proofs included: the throttle would otherwise let anyone
+    /// behind the operator's address (a NAT, a load balancer) keep the
+    /// operator from revoking a node by sending a wrong proof now and then.
+    /// A proof costs a MAC to check, and a guess has no chance against its
+    /// 256-bit key; what the throttle bounds is the failures an address
+    /// gets counted and logged: a wrong proof from a waiting address is
+    /// refused as throttled, neither counted nor logged.
     pub fn authorize(
         &self,
         kind: &str,
@@ -358,28 +367,29 @@ impl OperatorAuth {
         proof: &[u8],
         peer: Option<IpAddr>,
     ) -> Result<(), OperatorError> {
-        if let Some(ip) = peer {
-            self.throttle
-                .check(ip)
-                .map_err(|wait| OperatorError::Throttled(wait.as_secs().max(1)))?;
-        }
         let key = self.key().ok_or(OperatorError::NotServing)?;
         // Spent only by a valid proof, at once (two copies of one request
         // racing: one is refused).
         let proven = self.challenges.check(challenge).is_some_and(|tag| {
             key.verifies(kind, challenge, body, proof) && self.challenges.spend(tag)
         });
-        if !proven {
-            if let Some(ip) = peer {
-                let (failures, wait) = self.throttle.failed(ip);
-                tracing::warn!(peer = %ip, kind, failures, wait_s = wait.as_secs_f64(), "operator request refused: no valid proof");
-            }
-            return Err(OperatorError::Proof);
-        }
-        if let Some(ip) = peer {
+        let Some(ip) = peer else {
+            return if proven {
+                Ok(())
+            } else {
+                Err(OperatorError::Proof)
+            };
+        };
+        if proven {
             self.throttle.succeeded(ip);
+            return Ok(());
         }
-        Ok(())
+        self.throttle
+            .check(ip)
+            .map_err(|wait| OperatorError::Throttled(wait.as_secs().max(1)))?;
+        let (failures, wait) = self.throttle.failed(ip);
+        tracing::warn!(peer = %ip, kind, failures, wait_s = wait.as_secs_f64(), "operator request refused: no valid proof");
+        Err(OperatorError::Proof)
     }
 }
 

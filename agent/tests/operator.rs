@@ -175,7 +175,8 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
     );
     std::fs::remove_dir(&facts).unwrap();
 
-    // Guessing from one address: it waits after the first wrong proof.
+    // Guessing from one address: after the first wrong proof, its next
+    // wrong proofs are refused as throttled (neither counted nor logged).
     let guesser: IpAddr = "192.0.2.9".parse().unwrap();
     let c = server.challenge();
     refused(
@@ -184,9 +185,16 @@ async fn only_the_operator_replaces_the_join_measurements_once_per_challenge() {
     );
     let c = server.challenge();
     refused(
-        server.set_join_measurements(&request(&c, key, &new), Some(guesser)),
+        server.set_join_measurements(&request(&c, &[3; 32], &new), Some(guesser)),
         tonic::Code::ResourceExhausted,
     );
+    // Attacker's move: keep the operator from acting by sending wrong
+    // proofs from the operator's own address (a shared NAT). The
+    // operator's valid proof is accepted all the same.
+    let c = server.challenge();
+    server
+        .set_join_measurements(&request(&c, key, &new), Some(guesser))
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
