@@ -249,11 +249,14 @@ pub const IMAGE_PCRS: [u32; 3] = [4, 9, 11];
 pub type ClusterSlot = tokio::sync::watch::Sender<Option<Arc<ClusterState>>>;
 
 /// Changes the cluster state in `slot` with `update`, one change at a time
-/// (the slot's lock is held throughout, so two changes never start from the
-/// same state): `update` sees the state in force and returns the new one,
-/// or refuses; the new state's facts go on the state disk under `root`
-/// before anything reading `slot` sees it. `Ok(None)` where the node has no
-/// cluster state (it is not a control plane); nothing changes on an error.
+/// (a lock of the changes is held throughout, so two changes never start
+/// from the same state): `update` sees the state in force and returns the
+/// new one, or refuses; the new state's facts go on the state disk under
+/// `root` before anything reading `slot` sees it. Readers are not held up
+/// by the disk: they see the state in force until the new one is saved.
+/// `Ok(None)` where the node has no cluster state (it is not a control
+/// plane); nothing changes on an error. Every change of a state in the
+/// slot goes through here; only the first state is put there directly.
 pub fn change_state<E: From<FactsError>>(
     slot: &ClusterSlot,
     root: &Path,
@@ -273,28 +276,18 @@ pub fn change_state_then<E: From<FactsError>>(
     update: impl FnOnce(&ClusterState) -> Result<ClusterState, E>,
     then: impl FnOnce(&ClusterState) -> Result<(), E>,
 ) -> Result<Option<Arc<ClusterState>>, E> {
-    let mut outcome = Ok(None);
-    slot.send_if_modified(|current| {
-        let Some(state) = current.as_ref() else {
-            return false;
-        };
-        let changed = update(state).and_then(|updated| {
-            ControlPlaneFacts::of(&updated).save(root)?;
-            Ok(Arc::new(updated))
-        });
-        match changed {
-            Ok(updated) => {
-                *current = Some(updated.clone());
-                outcome = then(&updated).map(|()| Some(updated));
-                true
-            }
-            Err(e) => {
-                outcome = Err(e);
-                false
-            }
-        }
-    });
-    outcome
+    static CHANGES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = CHANGES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(state) = slot.borrow().clone() else {
+        return Ok(None);
+    };
+    let updated = Arc::new(update(&state)?);
+    ControlPlaneFacts::of(&updated).save(root)?;
+    slot.send_replace(Some(updated.clone()));
+    then(&updated)?;
+    Ok(Some(updated))
 }
 
 /// Keeps this control plane's attestation documents presenting the signed

@@ -310,3 +310,58 @@ async fn with_a_signing_key_only_a_signed_file_replaces_the_join_measurements() 
         expected
     );
 }
+
+/// A change of the cluster state (an upgrade's, an operator request's)
+/// does not hold readers up while it is worked out and its facts are
+/// saved: the join port's handshakes and the evidence service read the
+/// state in force meanwhile, however slow the disk, and see the new state
+/// once it is saved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_see_the_state_in_force_while_a_change_is_made() {
+    #[derive(Debug)]
+    enum Failed {
+        Facts(#[allow(dead_code)] keel_agent::cluster::FactsError),
+        ReaderHeldUp,
+    }
+    impl From<keel_agent::cluster::FactsError> for Failed {
+        fn from(e: keel_agent::cluster::FactsError) -> Self {
+            Failed::Facts(e)
+        }
+    }
+    let ca = EkCa::new().unwrap();
+    let service = join_common::start_service(&ca, free_port()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let slot = service.slot.clone();
+    let before = slot.borrow().as_ref().unwrap().image_epoch;
+    let root = dir.path().to_owned();
+    let changed = tokio::task::spawn_blocking(move || {
+        keel_agent::cluster::change_state(&slot, &root, |state| {
+            // Another thread reads the slot while this change is made.
+            let (seen, reader) = (std::sync::mpsc::channel(), slot.clone());
+            std::thread::spawn(move || {
+                let epoch = reader.borrow().as_ref().map(|s| s.image_epoch);
+                seen.0.send(epoch).unwrap();
+            });
+            match seen.1.recv_timeout(std::time::Duration::from_secs(10)) {
+                Ok(Some(epoch)) if epoch == before => Ok(ClusterState {
+                    image_epoch: before + 1,
+                    ..state.clone()
+                }),
+                _ => Err(Failed::ReaderHeldUp),
+            }
+        })
+    })
+    .await
+    .unwrap()
+    .unwrap()
+    .unwrap();
+    assert_eq!(changed.image_epoch, before + 1);
+    assert_eq!(
+        service.slot.borrow().as_ref().unwrap().image_epoch,
+        before + 1
+    );
+    assert_eq!(
+        ControlPlaneFacts::load(dir.path()).unwrap().image_epoch,
+        before + 1
+    );
+}
