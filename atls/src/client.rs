@@ -171,8 +171,10 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
         Ok(BoundChannel { channel, attested })
     }
 
-    /// Runs the aTLS handshake on a connected socket.
-    pub async fn handshake(&self, tcp: TcpStream) -> Result<AtlsStream<C>, ConnectError> {
+    /// Runs the aTLS handshake on a connected socket, without a bound of
+    /// its own: [`AtlsClient::connect`], its one caller, runs it within the
+    /// client's timeout.
+    async fn handshake(&self, tcp: TcpStream) -> Result<AtlsStream<C>, ConnectError> {
         tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
         let remote_addr = tcp.peer_addr().ok();
         let rng = self.provider.secure_random;
