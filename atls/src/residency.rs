@@ -114,8 +114,10 @@ pub enum ResidencyError {
     /// The queue for the issuer was closed (never expected).
     #[error("the issuer queue is closed")]
     IssuerGateClosed,
-    /// This side's TPM answered as many challenges as it does for a while
-    /// (from the peer's address, or from all).
+    /// This side's TPM answered as many challenges from the peer's address
+    /// as it does for a while, or its table of addresses is full
+    /// of buckets still refilling (`rate`; there is no bound across
+    /// addresses).
     #[error("too many key residency challenges answered lately; try again later")]
     AnswerRate,
     /// The blocking task that answers the challenge did not finish.
