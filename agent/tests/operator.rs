@@ -312,10 +312,11 @@ async fn with_a_signing_key_only_a_signed_file_replaces_the_join_measurements() 
 }
 
 /// A change of the cluster state (an upgrade's, an operator request's)
-/// does not hold readers up while it is worked out and its facts are
-/// saved: the join port's handshakes and the evidence service read the
-/// state in force meanwhile, however slow the disk, and see the new state
-/// once it is saved.
+/// does not hold readers up while it is worked out: the join port's
+/// handshakes and the evidence service read the state in force meanwhile
+/// (here from another thread, during the change's update), and see the new
+/// state once its facts are saved. The save runs outside the readers' lock
+/// too, after the update; the test reads during the update only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readers_see_the_state_in_force_while_a_change_is_made() {
     #[derive(Debug)]

@@ -993,7 +993,10 @@ struct ReadSide<R> {
 
 impl<R: Read> Read for ReadSide<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.inner.read(buf).inspect_err(|_| self.failed = true)
+        // An interrupted read is retried by `io::copy`: not a failure.
+        self.inner
+            .read(buf)
+            .inspect_err(|e| self.failed |= e.kind() != io::ErrorKind::Interrupted)
     }
 }
 

@@ -927,7 +927,9 @@ async fn refuses_metadata_without_its_entry_or_with_two_meanings() {
 /// ("a fetched copy would fare no better").
 #[test]
 fn a_stream_damaged_inside_a_files_data_is_the_archives_fault() {
-    // Compressible, so the damage lands in Huffman-coded data.
+    // Compressible, so the damage lands in Huffman-coded data, inside the
+    // file's: before the read side was told apart, this very stream failed
+    // as `WriteEntry` for `bin/tool`.
     let data: Vec<u8> = (0..400_000u32)
         .map(|i| b"kubelet "[(i % 8) as usize] ^ ((i / 4096) as u8 & 3))
         .collect();

@@ -110,9 +110,10 @@ pub enum DiskError {
 
 impl DiskError {
     /// Whether the device carries a LUKS header that cryptsetup reads but
-    /// keel cannot use: no UUID or no label in it (a LUKS1 header, or one
-    /// another tool wrote). No retry changes that; the disk must be wiped
-    /// (or its header restored) before the node can use it.
+    /// keel cannot use: its dump has no label line (a LUKS1 header) or its
+    /// UUID does not read as one. No retry changes that; the disk must be
+    /// wiped (or its header restored) before the node can use it. (A LUKS2
+    /// header without a label is a member's as far as the disk tells.)
     pub fn is_foreign_header(&self) -> bool {
         matches!(self, DiskError::Uuid { .. } | DiskError::Label { .. })
     }
