@@ -309,7 +309,9 @@ fn a_nonce_longer_than_a_leaf_encodes_is_not_quoted() {
     assert!(
         matches!(
             err,
-            keel_agent::attestation::issuer::IssueError::NonceTooLong
+            keel_agent::attestation::issuer::IssueError::Tree(
+                keel_verifier::batch::BatchError::NonceTooLong(65_536)
+            )
         ),
         "{err}"
     );

@@ -51,7 +51,7 @@ struct Quoted {
 fn quote(tpm: &mut Tpm, nonce: &[u8]) -> Quoted {
     tpm.pcr_extend(12, &[1; 32]).unwrap();
     let pcrs = [4, 9, 11, 12, 13, 15];
-    let qualifying = qualifying_data(&leaf(nonce, b"user data"));
+    let qualifying = qualifying_data(&leaf(nonce, b"user data").unwrap());
     let q = tpm.quote(&qualifying, &pcrs).unwrap();
     Quoted {
         ak: tpm.attestation_key().unwrap(),
@@ -80,7 +80,7 @@ fn quote_verifies_and_each_tampering_fails_distinctly() {
     verify(&good).unwrap();
 
     let mut other_nonce = quote(&mut tpm, b"nonce-1");
-    other_nonce.qualifying = qualifying_data(&leaf(b"nonce-2", b"user data"));
+    other_nonce.qualifying = qualifying_data(&leaf(b"nonce-2", b"user data").unwrap());
     assert_eq!(verify(&other_nonce), Err(QuoteError::QualifyingData));
 
     let mut changed_pcr = quote(&mut tpm, b"nonce-1");

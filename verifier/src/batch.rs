@@ -33,8 +33,8 @@ pub const MAX_DEPTH: usize = 8;
 /// Most leaves in one tree (one quote).
 pub const MAX_LEAVES: usize = 1 << MAX_DEPTH;
 /// The longest nonce a leaf encodes: its length is a 16-bit field, so a
-/// longer nonce would be ambiguous. Issuers and verifiers refuse longer
-/// ones; keel's own nonces are 32 bytes.
+/// longer nonce would be ambiguous, and [`leaf`] refuses it. keel's own
+/// nonces are 32 bytes.
 pub const MAX_NONCE_BYTES: usize = u16::MAX as usize;
 
 const LEAF_CONTEXT: &[u8] = b"keel-quote-leaf-v2";
@@ -65,20 +65,23 @@ pub enum BatchError {
         /// The number of steps in its path.
         depth: usize,
     },
+    /// The nonce is longer than a leaf encodes ([`MAX_NONCE_BYTES`]).
+    #[error("nonce of {0} bytes; a quote batch leaf encodes at most {MAX_NONCE_BYTES}")]
+    NonceTooLong(usize),
 }
 
-/// The leaf of one request: its nonce and user data.
-pub fn leaf(nonce: &[u8], user_data: &[u8]) -> Digest32 {
+/// The leaf of one request: its nonce and user data. A nonce longer than
+/// [`MAX_NONCE_BYTES`] is refused: its length would not fit the leaf's
+/// length field, and the leaf would equal that of a cut nonce followed by
+/// other user data.
+pub fn leaf(nonce: &[u8], user_data: &[u8]) -> Result<Digest32, BatchError> {
+    let len = u16::try_from(nonce.len()).map_err(|_| BatchError::NonceTooLong(nonce.len()))?;
     let mut h = Sha256::new();
     h.update(LEAF_CONTEXT);
-    // At most MAX_NONCE_BYTES: issuers and verifiers refuse longer nonces
-    // before they make a leaf (a longer one would share its leaf with a
-    // cut nonce followed by other user data).
-    let len = u16::try_from(nonce.len()).unwrap_or(u16::MAX);
     h.update(len.to_be_bytes());
     h.update(nonce);
     h.update(user_data);
-    h.finalize().into()
+    Ok(h.finalize().into())
 }
 
 fn node(left: &Digest32, right: &Digest32) -> Digest32 {
@@ -230,7 +233,7 @@ mod tests {
 
     fn leaves(n: usize) -> Vec<Digest32> {
         (0..n)
-            .map(|i| leaf(&(i as u32).to_be_bytes(), b"user data"))
+            .map(|i| leaf(&(i as u32).to_be_bytes(), b"user data").unwrap())
             .collect()
     }
 
@@ -261,7 +264,7 @@ mod tests {
 
     #[test]
     fn a_single_leaf_is_its_own_root_with_an_empty_path() {
-        let l = leaf(b"nonce", b"key");
+        let l = leaf(b"nonce", b"key").unwrap();
         let tree = Tree::new(&[l]).unwrap();
         assert_eq!(tree.root(), l);
         let path = tree.path(0).unwrap();
@@ -334,16 +337,27 @@ mod tests {
     }
 
     #[test]
+    fn a_nonce_longer_than_the_length_field_makes_no_leaf() {
+        let longest = vec![1u8; MAX_NONCE_BYTES];
+        leaf(&longest, b"u").unwrap();
+        let longer = vec![1u8; MAX_NONCE_BYTES + 1];
+        assert_eq!(
+            leaf(&longer, b"u").unwrap_err(),
+            BatchError::NonceTooLong(MAX_NONCE_BYTES + 1)
+        );
+    }
+
+    #[test]
     fn leaves_nodes_and_padding_are_domain_separated() {
-        let (a, b) = (leaf(b"n", b"u"), leaf(b"n2", b"u"));
+        let (a, b) = (leaf(b"n", b"u").unwrap(), leaf(b"n2", b"u").unwrap());
         // The nonce's length is bound: moving bytes between nonce and user
         // data changes the leaf.
-        assert_ne!(leaf(b"nu", b""), leaf(b"n", b"u"));
+        assert_ne!(leaf(b"nu", b"").unwrap(), leaf(b"n", b"u").unwrap());
         // A leaf whose bytes are an interior node's input is not that node.
         let mut joined = a.to_vec();
         joined.extend_from_slice(&b);
-        assert_ne!(leaf(&[], &joined), node(&a, &b));
+        assert_ne!(leaf(&[], &joined).unwrap(), node(&a, &b));
         assert_ne!(node(&a, &b), node(&b, &a));
-        assert_ne!(empty(), leaf(b"", b""));
+        assert_ne!(empty(), leaf(b"", b"").unwrap());
     }
 }

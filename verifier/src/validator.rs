@@ -336,7 +336,7 @@ impl Validator {
         }
         // A batch leaf encodes the nonce's length in 16 bits: a longer one
         // would be ambiguous. The verifier's own nonces are 32 bytes.
-        if nonce.len() > crate::batch::MAX_NONCE_BYTES {
+        if nonce.len() > batch::MAX_NONCE_BYTES {
             return Err(ValidationError::Field("nonce longer than 65535 bytes"));
         }
         let doc = AttestationDocument::decode(document).map_err(ValidationError::Decode)?;
@@ -351,7 +351,7 @@ impl Validator {
         // a nonce outside the batch, or a path or user data moved between
         // leaves, fails here.
         let path = InclusionPath::new(doc.quote_batch_index, &doc.quote_batch_path)?;
-        let root = path.root(&batch::leaf(nonce, &doc.user_data));
+        let root = path.root(&batch::leaf(nonce, &doc.user_data)?);
         tracing::debug_span!("attest.validate.quote").in_scope(|| {
             verify_quote(
                 &ak,

@@ -49,13 +49,6 @@ pub enum IssueError {
     /// The TPM's quote does not parse.
     #[error("attestation: the TPM's quote does not parse")]
     Quote(#[from] keel_verifier::tpm_wire::WireError),
-    /// The nonce is longer than a batch leaf encodes
-    /// ([`keel_verifier::batch::MAX_NONCE_BYTES`]).
-    #[error(
-        "attestation: nonce longer than {} bytes",
-        keel_verifier::batch::MAX_NONCE_BYTES
-    )]
-    NonceTooLong,
     /// The quote of the batch this request was part of failed.
     #[error("attestation: the quote of this request's batch failed")]
     Batch(#[source] BatchError<IssueError>),
@@ -113,12 +106,9 @@ impl TpmIssuer {
     /// of this one, if any).
     pub fn issue(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, IssueError> {
         let _span = tracing::debug_span!("attest.issue").entered();
-        if nonce.len() > batch::MAX_NONCE_BYTES {
-            return Err(IssueError::NonceTooLong);
-        }
         let included = self
             .batches
-            .submit(batch::leaf(nonce, user_data))
+            .submit(batch::leaf(nonce, user_data)?)
             .map_err(IssueError::Batch)?;
         let path = included
             .batch
