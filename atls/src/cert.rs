@@ -197,16 +197,11 @@ pub struct Embedded {
 /// self-signature (the handshake signature proves the key; see the module
 /// documentation).
 pub fn extract(cert_der: &[u8]) -> Result<Embedded, PeerCertError> {
-    let (rest, cert) =
-        X509Certificate::from_der(cert_der).map_err(|e| PeerCertError::Parse(e.into()))?;
-    if !rest.is_empty() {
-        return Err(PeerCertError::TrailingData);
-    }
-    check_key_and_algorithm(&cert)?;
+    let cert = parse(cert_der)?;
     let document = find_document(&cert)?;
     Ok(Embedded {
         document,
-        user_data: user_data(cert.public_key().raw),
+        user_data: user_data(cert.tbs_certificate.subject_pki.raw),
     })
 }
 
@@ -216,13 +211,19 @@ pub fn extract(cert_der: &[u8]) -> Result<Embedded, PeerCertError> {
 /// certificate parsers could make the key that signed differ from the key
 /// the document binds.
 pub fn public_key_info(cert_der: &[u8]) -> Result<&[u8], PeerCertError> {
+    Ok(parse(cert_der)?.tbs_certificate.subject_pki.raw)
+}
+
+/// The one parse of a peer's certificate: DER with nothing after it, a
+/// P-256 key, signed with ecdsa-with-SHA256.
+fn parse(cert_der: &[u8]) -> Result<X509Certificate<'_>, PeerCertError> {
     let (rest, cert) =
         X509Certificate::from_der(cert_der).map_err(|e| PeerCertError::Parse(e.into()))?;
     if !rest.is_empty() {
         return Err(PeerCertError::TrailingData);
     }
     check_key_and_algorithm(&cert)?;
-    Ok(cert.tbs_certificate.subject_pki.raw)
+    Ok(cert)
 }
 
 fn check_key_and_algorithm(cert: &X509Certificate<'_>) -> Result<(), PeerCertError> {
