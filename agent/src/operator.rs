@@ -373,22 +373,19 @@ impl OperatorAuth {
         let proven = self.challenges.check(challenge).is_some_and(|tag| {
             key.verifies(kind, challenge, body, proof) && self.challenges.spend(tag)
         });
-        let Some(ip) = peer else {
-            return if proven {
-                Ok(())
-            } else {
-                Err(OperatorError::Proof)
-            };
-        };
         if proven {
-            self.throttle.succeeded(ip);
+            if let Some(ip) = peer {
+                self.throttle.succeeded(ip);
+            }
             return Ok(());
         }
-        self.throttle
-            .check(ip)
-            .map_err(|wait| OperatorError::Throttled(wait.as_secs().max(1)))?;
-        let (failures, wait) = self.throttle.failed(ip);
-        tracing::warn!(peer = %ip, kind, failures, wait_s = wait.as_secs_f64(), "operator request refused: no valid proof");
+        if let Some(ip) = peer {
+            self.throttle
+                .check(ip)
+                .map_err(|wait| OperatorError::Throttled(wait.as_secs().max(1)))?;
+            let (failures, wait) = self.throttle.failed(ip);
+            tracing::warn!(peer = %ip, kind, failures, wait_s = wait.as_secs_f64(), "operator request refused: no valid proof");
+        }
         Err(OperatorError::Proof)
     }
 }
