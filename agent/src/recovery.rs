@@ -31,7 +31,7 @@ use prost::Message as _;
 use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::attestation::credential;
-use crate::disk::{DiskState, StateDisk};
+use crate::disk::{DiskState, StateDisk, UnusableHeader};
 use crate::disk_bindings::EkDigest;
 use crate::nodelock::LockError;
 use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
@@ -75,7 +75,7 @@ pub enum RecoveryError {
     #[error("this node's state disk carries a damaged LUKS header: restore it from a backup, or recover another control plane")]
     DiskDamaged,
     /// The state disk carries a LUKS header keel cannot use
-    /// ([`crate::disk::DiskError::is_foreign_header`]): no keel cluster's
+    /// ([`crate::disk::UnusableHeader::Foreign`]): no keel cluster's
     /// data to open there.
     #[error("this node's state disk carries a LUKS header keel cannot use (LUKS1, or no UUID or label it can read): recover another control plane")]
     DiskForeign,
@@ -349,10 +349,10 @@ impl RecoveryServer {
         .map_err(|_| RecoveryError::Unavailable)?
         .map_err(|e| {
             tracing::warn!(error = %keel_atls::ErrorChain(&e), "inspecting the state disk failed");
-            match e {
-                crate::disk::DiskError::DamagedHeader { .. } => RecoveryError::DiskDamaged,
-                e if e.is_foreign_header() => RecoveryError::DiskForeign,
-                _ => RecoveryError::Unavailable,
+            match e.unusable_header() {
+                Some(UnusableHeader::Damaged) => RecoveryError::DiskDamaged,
+                Some(UnusableHeader::Foreign) => RecoveryError::DiskForeign,
+                None => RecoveryError::Unavailable,
             }
         })?;
         let (disk, uuid) = inspected.ok_or(RecoveryError::NoInitialisedDisk)?;

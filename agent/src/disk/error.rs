@@ -108,13 +108,28 @@ pub enum DiskError {
     },
 }
 
-impl DiskError {
-    /// Whether the device carries a LUKS header that cryptsetup reads but
-    /// keel cannot use: its dump has no label line (a LUKS1 header) or its
-    /// UUID does not read as one. No retry changes that; the disk must be
-    /// wiped (or its header restored) before the node can use it. (A LUKS2
+/// A LUKS header the node neither formats nor opens, whatever it retries:
+/// the disk must be wiped, or its header restored, before the node can
+/// use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnusableHeader {
+    /// A LUKS signature that cryptsetup does not read as a header
+    /// ([`DiskError::DamagedHeader`]).
+    Damaged,
+    /// A header cryptsetup reads but keel cannot use: its dump has no label
+    /// line (a LUKS1 header) or its UUID does not read as one. (A LUKS2
     /// header without a label is a member's as far as the disk tells.)
-    pub fn is_foreign_header(&self) -> bool {
-        matches!(self, DiskError::Uuid { .. } | DiskError::Label { .. })
+    Foreign,
+}
+
+impl DiskError {
+    /// The lasting header problem this error is, if it is one rather than
+    /// a failure a retry may get past.
+    pub fn unusable_header(&self) -> Option<UnusableHeader> {
+        match self {
+            DiskError::DamagedHeader { .. } => Some(UnusableHeader::Damaged),
+            DiskError::Uuid { .. } | DiskError::Label { .. } => Some(UnusableHeader::Foreign),
+            _ => None,
+        }
     }
 }

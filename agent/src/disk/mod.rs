@@ -28,7 +28,7 @@ pub use cryptsetup::{
     Cryptsetup, Operation, MAX_KEY_LEN, MIN_KEY_LEN, PBKDF2_ITERATIONS, PROVISIONED_LABEL,
     PROVISIONING_LABEL,
 };
-pub use error::DiskError;
+pub use error::{DiskError, UnusableHeader};
 pub use header::{DetachedHeader, HeaderMismatch};
 pub use state::{
     make_filesystem, mount, new_uuid, DiskState, StateDisk, StateMount, STATE_MAPPING,

@@ -27,7 +27,7 @@ use zeroize::Zeroizing;
 
 use crate::attestation::credential;
 use crate::cluster::ClusterState;
-use crate::disk::DiskState;
+use crate::disk::{DiskState, UnusableHeader};
 use crate::kubeadm::{self, BootstrapToken, InitConfig};
 use crate::nodelock::LockError;
 use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
@@ -83,7 +83,7 @@ pub enum InitError {
     #[error("this node's state disk carries a damaged LUKS header; init does not format it: restore the header or wipe the disk")]
     DiskDamaged(#[source] crate::disk::DiskError),
     /// The state disk carries a LUKS header keel cannot use
-    /// ([`crate::disk::DiskError::is_foreign_header`]): init does not
+    /// ([`crate::disk::UnusableHeader::Foreign`]): init does not
     /// format what may be someone's data.
     #[error("this node's state disk carries a LUKS header keel cannot use (LUKS1, or no UUID or label it can read); init does not format it: wipe the disk to use it")]
     DiskForeign(#[source] crate::disk::DiskError),
@@ -300,10 +300,10 @@ impl InitServer {
             if self.inner.node.lock.is_locked() {
                 return Err(InitError::Locked);
             }
-            let found = found.map_err(|e| match e {
-                crate::disk::DiskError::DamagedHeader { .. } => InitError::DiskDamaged(e),
-                e if e.is_foreign_header() => InitError::DiskForeign(e),
-                e => InitError::DiskUnreadable(e),
+            let found = found.map_err(|e| match e.unusable_header() {
+                Some(UnusableHeader::Damaged) => InitError::DiskDamaged(e),
+                Some(UnusableHeader::Foreign) => InitError::DiskForeign(e),
+                None => InitError::DiskUnreadable(e),
             })?;
             match found {
                 DiskState::Fresh => {}

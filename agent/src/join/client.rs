@@ -216,10 +216,7 @@ impl JoinClient {
                     );
                     None
                 }
-                Ok(Err(e))
-                    if e.is_foreign_header()
-                        || matches!(e, crate::disk::DiskError::DamagedHeader { .. }) =>
-                {
+                Ok(Err(e)) if e.unusable_header().is_some() => {
                     tracing::warn!(
                         error = %keel_atls::ErrorChain(&e),
                         disk = %device,
