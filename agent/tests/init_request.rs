@@ -303,48 +303,23 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
         cryptsetup.label(&node.disk).unwrap(),
         keel_agent::disk::PROVISIONING_LABEL
     );
-    let before = std::fs::read(&node.disk).unwrap();
-    let status = init.init(tonic::Request::new(request())).await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
-    assert!(status.message().contains("never finished"), "{status:?}");
-    assert!(status.message().contains("reboot"), "{status:?}");
-    assert!(!node.lock.is_locked());
-    assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
+    refused_leaving_the_disk(&init, &node, request(), "never finished", &["reboot"]).await;
 
     // A member's disk: it rejoins or is recovered.
     cryptsetup
         .relabel(&node.disk, keel_agent::disk::PROVISIONED_LABEL)
         .unwrap();
-    let before = std::fs::read(&node.disk).unwrap();
-    let status = init.init(tonic::Request::new(request())).await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
-    assert!(status.message().contains("initialised"), "{status:?}");
-    assert!(status.message().contains("rejoins"), "{status:?}");
-    assert!(!node.lock.is_locked());
-    assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
+    refused_leaving_the_disk(&init, &node, request(), "initialised", &["rejoins"]).await;
 
     // Both copies of the member's header damaged (cryptsetup no longer
     // calls it LUKS): a damaged header, not an empty disk.
     join_common::damage_luks_headers(&node.disk);
-    let before = std::fs::read(&node.disk).unwrap();
-    let status = init.init(tonic::Request::new(request())).await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
-    assert!(
-        status.message().contains("damaged LUKS header"),
-        "{status:?}"
-    );
-    assert!(!node.lock.is_locked());
-    assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
+    refused_leaving_the_disk(&init, &node, request(), "damaged LUKS header", &[]).await;
 
     // A LUKS1 header (no label; keel writes LUKS2 only): someone's data,
     // and no retry changes that.
     join_common::format_luks1(&node.disk);
-    let before = std::fs::read(&node.disk).unwrap();
-    let status = init.init(tonic::Request::new(request())).await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
-    assert!(status.message().contains("keel cannot use"), "{status:?}");
-    assert!(!node.lock.is_locked());
-    assert!(std::fs::read(&node.disk).unwrap() == before, "disk changed");
+    refused_leaving_the_disk(&init, &node, request(), "keel cannot use", &[]).await;
 
     // The device is gone: whether it holds a cluster cannot be told.
     std::fs::remove_file(&node.disk).unwrap();
@@ -382,14 +357,15 @@ fn file_of_enforced() -> Vec<u8> {
 }
 
 /// Sends `request` to `init` and checks that it is refused with the
-/// expected code, saying the expected text, with `node` left unlocked.
+/// expected code, saying the expected text, with `node` left unlocked;
+/// returns the refusal.
 async fn refused_before_the_lock(
     init: &keel_agent::init::InitServer,
     node: &join_common::Joiner,
     request: InitRequest,
     case: &str,
     (code, expected): (tonic::Code, &str),
-) {
+) -> tonic::Status {
     let status = init
         .init(tonic::Request::new(request))
         .await
@@ -398,6 +374,28 @@ async fn refused_before_the_lock(
     assert_eq!(status.code(), code, "{case}: {status:?}");
     assert!(status.message().contains(expected), "{case}: {status:?}");
     assert!(!node.lock.is_locked(), "{case}: the node got locked");
+    status
+}
+
+/// [`refused_before_the_lock`] with `FailedPrecondition`, saying `text`
+/// and each of `more`, and `node`'s state disk byte for byte as it was.
+async fn refused_leaving_the_disk(
+    init: &keel_agent::init::InitServer,
+    node: &join_common::Joiner,
+    request: InitRequest,
+    text: &str,
+    more: &[&str],
+) {
+    let before = std::fs::read(&node.disk).unwrap();
+    let code = tonic::Code::FailedPrecondition;
+    let status = refused_before_the_lock(init, node, request, text, (code, text)).await;
+    for text in more {
+        assert!(status.message().contains(text), "{text}: {status:?}");
+    }
+    assert!(
+        std::fs::read(&node.disk).unwrap() == before,
+        "{text}: disk changed"
+    );
 }
 
 /// The right init secret and a master secret, sealed to `node`'s TPM.
