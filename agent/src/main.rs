@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use keel_verifier::config::{NodeConfig, Role};
+use keel_verifier::cpu::CpuPolicy;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use tokio::signal::unix::{signal, Signal, SignalKind};
@@ -192,9 +193,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let mut tpm = Tpm::open(&tcti)?;
             log_tpm_state(&mut tpm);
             let mut measured = MeasuredTpm::open(tpm, &log_path)?;
-            if let Some(tsm) =
-                ConfigfsTsm::new(CONFIGFS_TSM_ROOT, config.cluster.cpu_policy()?.variant())
-            {
+            let cpu_policy = config.cluster.cpu_policy()?;
+            if let Some(mut tsm) = ConfigfsTsm::new(CONFIGFS_TSM_ROOT, cpu_policy.variant()) {
+                if let CpuPolicy::SevSnp(snp) = &cpu_policy {
+                    tsm = tsm.with_privlevel(snp.vmpl);
+                }
                 measured = measured.with_cpu_reporter(Arc::new(tsm));
             }
             // Measured before anything below reads it.

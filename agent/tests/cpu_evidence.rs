@@ -112,6 +112,50 @@ fn configfs_tsm_writes_report_data_and_reads_report_and_vcek() {
     assert!(ConfigfsTsm::new(root.path(), Variant::Vtpm).is_none());
 }
 
+/// A config that names VMPL 2 has the node ask at that level: `privlevel`
+/// is written before `inblob`, and both writes must be the only ones the
+/// kernel counted.
+#[test]
+fn configfs_tsm_requests_at_the_configured_privilege_level() {
+    let report = data("snp/milan-virtee/report_milan.bin");
+    for (generations, accepted) in [(&["3\n"][..], true), (&["2\n"][..], false)] {
+        let root = tempfile::tempdir().unwrap();
+        let entry = root.path().join("entry0");
+        kernel_entry(&entry, "sev_guest", &report, b"");
+        let kernel = kernel_serves(&entry, report.clone(), generations);
+        let tsm = ConfigfsTsm::new(root.path(), Variant::SevSnp)
+            .unwrap()
+            .with_privlevel(2);
+        let got = tsm.report_in(&entry, &[7; 64]);
+        assert_eq!(kernel.join().unwrap(), [7; 64]);
+        assert_eq!(
+            std::fs::read_to_string(entry.join("privlevel")).unwrap(),
+            "2"
+        );
+        match got {
+            Ok(got) => {
+                assert!(accepted);
+                assert_eq!(got.outblob, report);
+            }
+            Err(err) => {
+                assert!(!accepted, "{err:?}");
+                assert!(matches!(err, CpuReportError::Raced { .. }), "{err:?}");
+            }
+        }
+    }
+    // The default level writes nothing: the kernel's own default applies.
+    let root = tempfile::tempdir().unwrap();
+    let entry = root.path().join("entry0");
+    kernel_entry(&entry, "sev_guest", &report, b"");
+    let kernel = kernel_serves(&entry, report.clone(), &["2\n"]);
+    let tsm = ConfigfsTsm::new(root.path(), Variant::SevSnp)
+        .unwrap()
+        .with_privlevel(0);
+    tsm.report_in(&entry, &[7; 64]).unwrap();
+    kernel.join().unwrap();
+    assert!(!entry.join("privlevel").exists());
+}
+
 #[test]
 fn configfs_tsm_refuses_oversized_blobs() {
     let root = tempfile::tempdir().unwrap();

@@ -78,6 +78,7 @@ fn snp_policy(amd: &TestAmd) -> SnpPolicy {
         measurement: Hex(MEASUREMENT),
         host_data: Some(Hex([0; 32])),
         allow_migration_agent: false,
+        vmpl: 0,
     }
 }
 

@@ -366,6 +366,7 @@ fn one_cpu_report_binds_the_batch_root_and_not_another_batch() {
             measurement: Hex(MEASUREMENT),
             host_data: Some(Hex([0; 32])),
             allow_migration_agent: false,
+            vmpl: 0,
         }),
         Collateral::default(),
     )

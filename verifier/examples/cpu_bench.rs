@@ -44,6 +44,7 @@ fn main() {
         measurement: Hex(hex48("7a1e5c266c0108dbc9bb94fa926951320940915d0aafb42464bd88b579ea158d3e1a0dc39b2c60bd95b9c480cd81841f")),
         host_data: None,
         allow_migration_agent: false,
+        vmpl: 0,
     };
     time("sev-snp (guest report, Milan VCEK)", 50, || {
         let parsed = snp::parse(&report).unwrap();

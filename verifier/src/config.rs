@@ -469,6 +469,29 @@ mod tests {
             snp.cluster.cpu_policy().unwrap(),
             CpuPolicy::SevSnp(_)
         ));
+        // The VMPL: 0 is the default and measures as before; another is
+        // measured; one SNP does not define is refused.
+        let snp_at = |vmpl: u32| {
+            parse(&format!(
+                r#"{{"cluster":{{"join_port":1,"attestation":{{"variant":"sev-snp","sev_snp":{{
+                    "minimum_tcb":{{"bootloader":3,"tee":0,"snp":8,"microcode":115}},
+                    "measurement":"{m}","vmpl":{vmpl}}}}}}}}}"#
+            ))
+        };
+        assert_eq!(snp_at(0).unwrap().cluster_bytes(), snp.cluster_bytes());
+        let at_two = snp_at(2).unwrap();
+        assert_ne!(at_two.expected_config_pcr(), snp.expected_config_pcr());
+        assert!(matches!(
+            at_two.cluster.cpu_policy().unwrap(),
+            CpuPolicy::SevSnp(crate::cpu::SnpPolicy { vmpl: 2, .. })
+        ));
+        assert!(matches!(
+            snp_at(4),
+            Err(ConfigError::Invalid {
+                field: "cluster.attestation",
+                ..
+            })
+        ));
 
         let tdx = parse(&format!(
             r#"{{"cluster":{{"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}",

@@ -154,14 +154,15 @@ fn snp_vectors() -> Vec<SnpVector> {
     ]
 }
 
-/// A policy that the vector meets exactly: its own TCB as the minimum and
-/// its own measurement.
+/// A policy that the vector meets exactly: its own TCB as the minimum, its
+/// own measurement and VMPL.
 fn policy_for(v: &SnpVector) -> SnpPolicy {
     SnpPolicy {
         minimum_tcb: v.tcb,
         measurement: Hex(h(v.measurement)),
         host_data: None,
         allow_migration_agent: false,
+        vmpl: v.vmpl,
     }
 }
 
@@ -257,6 +258,98 @@ fn every_snp_vector_verifies_with_the_readme_facts() {
     }
 }
 
+/// The report's VMPL must be the one the policy names. AWS's VLEK report
+/// was requested at VMPL 1: refused under the default (0), accepted where
+/// the config names 1; a VMPL-0 report is refused where it names 1.
+#[test]
+fn a_report_from_another_vmpl_is_refused() {
+    let vectors = snp_vectors();
+    let aws = vectors.iter().find(|v| v.name == "aws-milan-vlek").unwrap();
+    assert_eq!(aws.vmpl, 1);
+    let at_zero = SnpPolicy {
+        vmpl: 0,
+        ..policy_for(aws)
+    };
+    let err = verify_pinned(aws, &aws.vek, &at_zero, SNP_TIME).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SnpError::Vmpl {
+                expected: 0,
+                actual: 1
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(err.to_string(), "SNP vmpl: expected 0, actual 1");
+    verify_pinned(aws, &aws.vek, &policy_for(aws), SNP_TIME).unwrap();
+
+    let milan = vectors.iter().find(|v| v.name == "milan-virtee").unwrap();
+    let at_one = SnpPolicy {
+        vmpl: 1,
+        ..policy_for(milan)
+    };
+    let err = verify_pinned(milan, &milan.vek, &at_one, SNP_TIME).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SnpError::Vmpl {
+                expected: 1,
+                actual: 0
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+/// Firmware updated while a guest runs raises its reported TCB, not the
+/// TCB it was launched under: a launch TCB below the minimum is refused,
+/// naming the component. Every real vector was launched at or above its
+/// reported TCB (AWS's at microcode 219, above the 217 it reports).
+#[test]
+fn a_launch_tcb_below_the_minimum_is_refused() {
+    let roots = AmdRoots::pinned();
+    for v in snp_vectors()
+        .into_iter()
+        .filter(|v| v.name != "milan-gosevguest")
+    {
+        let raw = v.binding.snp_report(&v.report).unwrap();
+        let parsed = snp::parse(raw).unwrap();
+        let claims = snp::verify_signed(raw, &parsed, &v.vek, &roots, SNP_TIME).unwrap();
+        if v.name == "aws-milan-vlek" {
+            assert_eq!(claims.launch_tcb, tcb(4, 0, 24, 219));
+        } else {
+            assert_eq!(claims.launch_tcb, v.tcb, "{}", v.name);
+        }
+        claims.check(&policy_for(&v)).unwrap();
+        for component in ["bootloader", "snp", "microcode"] {
+            let mut launched_lower = claims.clone();
+            let min = policy_for(&v).minimum_tcb;
+            let field = match component {
+                "bootloader" => &mut launched_lower.launch_tcb.bootloader,
+                "snp" => &mut launched_lower.launch_tcb.snp,
+                _ => &mut launched_lower.launch_tcb.microcode,
+            };
+            let minimum = match component {
+                "bootloader" => min.bootloader,
+                "snp" => min.snp,
+                _ => min.microcode,
+            };
+            *field = minimum - 1;
+            let err = launched_lower.check(&policy_for(&v)).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    SnpError::LaunchTcbBelowMinimum { component: c, minimum: m, actual: a }
+                        if c == component && m == minimum && a == minimum - 1
+                ),
+                "{}: {err:?}",
+                v.name
+            );
+        }
+    }
+}
+
 #[test]
 fn a_vcek_from_another_chip_is_refused() {
     // The kinvolk fixture: a valid chain whose VCEK belongs to another chip.
@@ -267,6 +360,7 @@ fn a_vcek_from_another_chip_is_refused() {
         measurement: Hex(h("5a71e4ba7e0b83e44c8e853130a65557db0a7782cdb2d906c54b0bf5878202805ab159bfe0cf7d5749aa6f62b7094508")),
         host_data: None,
         allow_migration_agent: false,
+        vmpl: 0,
     };
     let err = verify_snp(
         &report,
@@ -513,6 +607,7 @@ fn measurement_host_data_and_migration_agent_are_checked() {
     );
     let allowed = SnpPolicy {
         allow_migration_agent: true,
+        vmpl: 0,
         ..policy_for(v)
     };
     claims.check(&allowed).unwrap();

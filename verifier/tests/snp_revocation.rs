@@ -176,6 +176,7 @@ fn trust(amd: &TestAmd, cache: &Path) -> CpuTrust {
         measurement: Hex(MEASUREMENT),
         host_data: None,
         allow_migration_agent: false,
+        vmpl: 0,
     };
     CpuTrust::new(CpuPolicy::SevSnp(policy), Collateral::at(cache)).with_snp_roots(roots(amd))
 }

@@ -4,11 +4,12 @@
 //! * [`ConfigfsTsm`]: Linux's configfs-tsm interface
 //!   (`/sys/kernel/config/tsm/report`): a directory made per request, the
 //!   64 `report_data` bytes written to `inblob`, the report (SNP) or quote
-//!   (TDX) read from `outblob`, the SNP certificate table from `auxblob`.
+//!   (TDX) read from `outblob`, the SNP certificate table from `auxblob`;
+//!   `privlevel` written first where the config names a VMPL other than 0.
 //!   The kernel counts writes in `generation`; unless the count read after
-//!   the report is one more than the count read before this request's write
-//!   (its own write), another writer raced this one, and the report is
-//!   refused rather than shipped with someone else's `report_data`.
+//!   the report moved by exactly this request's own writes, another writer
+//!   raced this one, and the report is refused rather than shipped with
+//!   someone else's `report_data`.
 //! * [`AzureHcl`]: the report Azure's paravisor stores in the vTPM's NV
 //!   index 0x01400001.
 
@@ -106,6 +107,9 @@ pub struct TsmReport {
 pub struct ConfigfsTsm {
     root: PathBuf,
     provider: &'static str,
+    /// The privilege level to request the report at, when not the kernel's
+    /// default 0 (SEV-SNP: the VMPL the report names).
+    privlevel: Option<u32>,
 }
 
 impl ConfigfsTsm {
@@ -120,12 +124,23 @@ impl ConfigfsTsm {
         Some(Self {
             root: root.into(),
             provider,
+            privlevel: None,
         })
     }
 
+    /// Requests reports at `level` (written to `privlevel` before each
+    /// request) instead of the kernel's default 0: a guest that runs above
+    /// VMPL 0 (under an SVSM) asks at its own level, which its config names.
+    #[must_use]
+    pub fn with_privlevel(mut self, level: u32) -> Self {
+        self.privlevel = (level != 0).then_some(level);
+        self
+    }
+
     /// One request in an existing report directory `entry`: checks the
-    /// provider, writes `inblob`, reads `outblob` and `auxblob`, and refuses
-    /// the report unless `generation` moved by exactly this write.
+    /// provider, writes `privlevel` (if not the default) and `inblob`, reads
+    /// `outblob` and `auxblob`, and refuses the report unless `generation`
+    /// moved by exactly these writes.
     pub fn report_in(
         &self,
         entry: &Path,
@@ -141,6 +156,13 @@ impl ConfigfsTsm {
         }
         let generation = entry.join("generation");
         let before = read_generation(&generation)?;
+        let mut writes = 1u64;
+        if let Some(level) = self.privlevel {
+            let path = entry.join("privlevel");
+            fs::write(&path, level.to_string())
+                .map_err(|source| CpuReportError::Io { path, source })?;
+            writes += 1;
+        }
         let inblob = entry.join("inblob");
         fs::write(&inblob, report_data).map_err(|source| CpuReportError::Io {
             path: inblob,
@@ -154,7 +176,7 @@ impl ConfigfsTsm {
             Vec::new()
         };
         let after = read_generation(&generation)?;
-        if before.checked_add(1) != Some(after) {
+        if before.checked_add(writes) != Some(after) {
             return Err(CpuReportError::Raced {
                 before: before.to_string(),
                 after: after.to_string(),

@@ -97,6 +97,20 @@ pub struct SnpPolicy {
     /// Accept a guest policy that allows a migration agent.
     #[serde(default)]
     pub allow_migration_agent: bool,
+    /// The VMPL the report must have been requested at (0-3). 0, the
+    /// default and left out of the canonical form, is the guest's most
+    /// privileged level, where a guest without a paravisor or SVSM runs
+    /// its kernel; a report requested from a less privileged level is
+    /// someone else's word.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub vmpl: u32,
+}
+
+/// Highest VMPL SEV-SNP defines.
+pub const MAX_VMPL: u32 = 3;
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// TCB statuses the TCB info can give; only `UpToDate` is accepted unless
@@ -190,11 +204,19 @@ impl TryFrom<&AttestationConfig> for CpuPolicy {
             Variant::Vtpm if c.tdx.is_some() => Err(other("tdx")),
             Variant::Vtpm => Ok(Self::Vtpm),
             Variant::SevSnp if c.tdx.is_some() => Err(other("tdx")),
-            Variant::SevSnp => c
-                .sev_snp
-                .clone()
-                .map(Self::SevSnp)
-                .ok_or_else(|| "the sev-snp variant needs a sev_snp section".into()),
+            Variant::SevSnp => {
+                let snp = c
+                    .sev_snp
+                    .clone()
+                    .ok_or_else(|| "the sev-snp variant needs a sev_snp section".to_string())?;
+                if snp.vmpl > MAX_VMPL {
+                    return Err(format!(
+                        "sev_snp.vmpl {} is not a VMPL (0-{MAX_VMPL})",
+                        snp.vmpl
+                    ));
+                }
+                Ok(Self::SevSnp(snp))
+            }
             Variant::Tdx if c.sev_snp.is_some() => Err(other("sev_snp")),
             Variant::Tdx => {
                 let tdx = c

@@ -156,6 +156,25 @@ pub enum SnpError {
         /// The report's SVN.
         actual: u8,
     },
+    /// The guest was launched under a TCB component below the configured
+    /// minimum (firmware updated while it ran does not undo its launch).
+    #[error("SNP launch_tcb.{component}: expected at least {minimum}, actual {actual}")]
+    LaunchTcbBelowMinimum {
+        /// The TCB component.
+        component: &'static str,
+        /// The configured minimum.
+        minimum: u8,
+        /// The SVN at launch.
+        actual: u8,
+    },
+    /// The report was requested at another VMPL than the config names.
+    #[error("SNP vmpl: expected {expected}, actual {actual}")]
+    Vmpl {
+        /// Configured.
+        expected: u32,
+        /// Reported.
+        actual: u32,
+    },
     /// The launch measurement differs.
     #[error("SNP measurement: expected {expected}, actual {actual}")]
     Measurement {
@@ -215,6 +234,8 @@ pub struct SnpClaims {
     pub chip_id: [u8; 64],
     /// The TCB the endorsement key was derived for.
     pub reported_tcb: Tcb,
+    /// The TCB when the guest was launched.
+    pub launch_tcb: Tcb,
     /// The guest policy.
     pub policy: u64,
     /// The VMPL that requested the report.
@@ -413,12 +434,7 @@ pub fn verify_signed(
             });
         }
     }
-    let tcb = Tcb {
-        bootloader: report.reported_tcb.bootloader,
-        tee: report.reported_tcb.tee,
-        snp: report.reported_tcb.snp,
-        microcode: report.reported_tcb.microcode,
-    };
+    let tcb = tcb_of(&report.reported_tcb);
     for (component, id, actual) in components(&tcb) {
         let expected = der_small_integer(extension(&vek, id)?).ok_or(SnpError::Extension {
             oid: id,
@@ -439,6 +455,7 @@ pub fn verify_signed(
         signing_key,
         chip_id: report.chip_id,
         reported_tcb: tcb,
+        launch_tcb: tcb_of(&report.launch_tcb),
         policy: u64::from(report.policy),
         vmpl: report.vmpl,
         guest_svn: report.guest_svn,
@@ -446,6 +463,16 @@ pub fn verify_signed(
         host_data: report.host_data,
         report_data: report.report_data,
     })
+}
+
+/// The four SVNs keel's policy names, from one of the report's TCB fields.
+fn tcb_of(version: &sev::firmware::host::TcbVersion) -> Tcb {
+    Tcb {
+        bootloader: version.bootloader,
+        tee: version.tee,
+        snp: version.snp,
+        microcode: version.microcode,
+    }
 }
 
 /// The trusted chain whose ASK (by name) issued `vek`.
@@ -584,6 +611,16 @@ fn components(tcb: &Tcb) -> [(&'static str, &'static str, u8); 4] {
     ]
 }
 
+/// The first component of `tcb` below `minimum`: its name, the minimum and
+/// its SVN.
+fn below(tcb: &Tcb, minimum: &Tcb) -> Option<(&'static str, u8, u8)> {
+    components(tcb)
+        .into_iter()
+        .zip(components(minimum))
+        .find(|((_, _, actual), (_, _, minimum))| actual < minimum)
+        .map(|((component, _, actual), (_, _, minimum))| (component, minimum, actual))
+}
+
 fn extension<'a>(cert: &'a X509Certificate<'_>, id: &'static str) -> Result<&'a [u8], SnpError> {
     let mut found = cert
         .extensions()
@@ -641,10 +678,17 @@ fn verify_signature(raw: &[u8], vek: &X509Certificate<'_>) -> Result<(), SnpErro
 }
 
 impl SnpClaims {
-    /// Checks the guest against `policy`: debugging refused, a migration
-    /// agent refused unless allowed, every TCB component at least the
+    /// Checks the guest against `policy`: the VMPL the report was requested
+    /// at, debugging refused, a migration agent refused unless allowed,
+    /// every component of the reported and of the launch TCB at least the
     /// minimum, the launch measurement and (if configured) the host data.
     pub fn check(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
+        if self.vmpl != policy.vmpl {
+            return Err(SnpError::Vmpl {
+                expected: policy.vmpl,
+                actual: self.vmpl,
+            });
+        }
         let guest = GuestPolicy::from(self.policy);
         if guest.debug_allowed() {
             return Err(SnpError::Debug {
@@ -656,17 +700,19 @@ impl SnpClaims {
                 policy: self.policy,
             });
         }
-        for ((component, _, actual), (_, _, minimum)) in components(&self.reported_tcb)
-            .into_iter()
-            .zip(components(&policy.minimum_tcb))
-        {
-            if actual < minimum {
-                return Err(SnpError::TcbBelowMinimum {
-                    component,
-                    minimum,
-                    actual,
-                });
-            }
+        if let Some((component, minimum, actual)) = below(&self.reported_tcb, &policy.minimum_tcb) {
+            return Err(SnpError::TcbBelowMinimum {
+                component,
+                minimum,
+                actual,
+            });
+        }
+        if let Some((component, minimum, actual)) = below(&self.launch_tcb, &policy.minimum_tcb) {
+            return Err(SnpError::LaunchTcbBelowMinimum {
+                component,
+                minimum,
+                actual,
+            });
         }
         if !bool::from(self.measurement.ct_eq(&policy.measurement.0)) {
             return Err(SnpError::Measurement {
