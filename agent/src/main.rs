@@ -10,6 +10,7 @@ use keel_verifier::config::{NodeConfig, Role};
 use keel_verifier::cpu::CpuPolicy;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
+use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use keel_agent::attestation::cpu::{ConfigfsTsm, CONFIGFS_TSM_ROOT};
@@ -216,13 +217,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let tpm = measured.shared();
             let lock = Arc::new(NodeLock::new(tpm.clone())?);
-            systemd::notify("READY=1")?;
-            // The boot timeline's end by the guest's clock: this output
-            // reaches the console through journald, which may start later.
-            log_boot_time("agent ready");
-            println!("keel-agent: ready");
             if once {
-                return Ok(());
+                return announce_ready();
             }
             let measurements = measurements
                 .unwrap_or_else(|| cli.state_dir.join(keel_agent::paths::JOIN_MEASUREMENTS));
@@ -248,6 +244,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             served
         }
     }
+}
+
+/// Tells systemd and the console that the node is measured and its init
+/// port accepts connections: the end of the boot timeline by the guest's
+/// clock (this output reaches the console through journald, which may start
+/// later).
+fn announce_ready() -> anyhow::Result<()> {
+    systemd::notify("READY=1")?;
+    log_boot_time("agent ready");
+    println!("keel-agent: ready");
+    Ok(())
 }
 
 /// Logs how the TPM's previous cycle ended and its dictionary-attack
@@ -313,6 +320,16 @@ async fn serve(
     mut stop: StopSignals,
     kept: Option<Result<resume::ResumeRecord, resume::ResumeError>>,
 ) -> anyhow::Result<()> {
+    // Every node serves its init port: init (where an init secret is
+    // configured), recovery (control planes) and the operator API. Bound
+    // before the node says it is ready, so an operator who acts on "ready"
+    // finds it listening: connections wait in the backlog until the server
+    // below accepts them.
+    let init_port = SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.cluster.init_port));
+    let init_listener = TcpListener::bind(init_port)
+        .await
+        .with_context(|| format!("binding the init port {init_port}"))?;
+    announce_ready()?;
     let node = keel_agent::provision::Node {
         env: node::node_env(&config, state_dir)?,
         cluster: Arc::new(ClusterSlot::new(None)),
@@ -351,11 +368,8 @@ async fn serve(
     if node.config.cluster.init_secret_hash.is_empty() {
         tracing::info!("no init secret configured: this node does not accept init");
     }
-    // Every node serves its init port: init (where an init secret is
-    // configured), recovery (control planes) and the operator API.
-    let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, node.config.cluster.init_port));
     let measurements = control_plane.then_some(measurements);
-    tasks.spawn(node::serve_operator_port(addr, node, measurements));
+    tasks.spawn(node::serve_operator_port(init_listener, node, measurements));
     let supervise = async {
         while let Some(done) = tasks.join_next().await {
             match done {

@@ -167,18 +167,18 @@ pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) -> bool {
 
 /// Serves the init API on `addr` until the task is dropped.
 pub async fn serve_init(addr: SocketAddr, node: Node) -> anyhow::Result<()> {
-    serve_operator_port(addr, node, None).await
+    serve_operator_port(TcpListener::bind(addr).await?, node, None).await
 }
 
 /// Serves the init API and, on a control plane, recovery and the operator
-/// API (its join service reads `measurements`) on `addr` until the task is
-/// dropped.
+/// API (its join service reads `measurements`) on `listener` until the task
+/// is dropped.
 pub async fn serve_operator_port(
-    addr: SocketAddr,
+    listener: TcpListener,
     node: Node,
     measurements: Option<PathBuf>,
 ) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
+    let addr = listener.local_addr()?;
     tracing::info!(%addr, "init server listening (server-attested aTLS)");
     let own_ek = crate::attestation::shared_own_ek_digest(&node.tpm)?;
     let auth = OperatorAuth::new(own_ek, node.cluster.clone(), node.operator_key.clone());

@@ -273,3 +273,61 @@ fn the_agent_raises_its_open_file_limit_before_serving() {
     assert!(hard > 256, "{open_files}");
     assert_eq!(soft, hard.min(16384), "{open_files}");
 }
+
+/// "ready" means the init port accepts connections: an operator who acts on
+/// the line at once is not refused. A port the agent cannot bind is no
+/// ready node: it exits with an error naming the port, having said nothing.
+#[test]
+fn the_agent_is_ready_only_once_its_init_port_listens() {
+    use std::io::BufRead as _;
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let free = std::net::TcpListener::bind("0.0.0.0:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    // A node per start: a boot measures one config.
+    let start = |node: &Node, port: u16| {
+        let config = node.dir.path().join("config.json");
+        let json = format!(
+            r#"{{"cluster":{{"init_port":{port}}},"node":{{"name":"a","role":"worker"}}}}"#
+        );
+        std::fs::write(&config, json).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_keel-agent"))
+            .args(["--tcti", &node.swtpm.tcti(), "--state-dir"])
+            .arg(node.dir.path().join("state"))
+            .args(["run", "--config"])
+            .arg(&config)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    let node = Node::new();
+    let mut agent = start(&node, free);
+    let ready = std::io::BufReader::new(agent.stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .any(|line| line == "keel-agent: ready");
+    let connected = std::net::TcpStream::connect(("127.0.0.1", free));
+    let _ = agent.kill();
+    let _ = agent.wait();
+    assert!(ready, "the agent never got ready");
+    connected.expect("the init port refused a connection right after ready");
+
+    let other = Node::new();
+    let agent = start(&other, taken.local_addr().unwrap().port());
+    let out = agent.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!stdout.contains("keel-agent: ready"), "{stdout}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "binding the init port 0.0.0.0:{}",
+            taken.local_addr().unwrap().port()
+        )),
+        "{stderr}"
+    );
+}

@@ -329,7 +329,12 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
                 cluster: slot,
                 operator_key: Default::default(),
             };
-            let _ = keel_agent::node::serve_operator_port(operator_addr, node, Some(path)).await;
+            let _ = keel_agent::node::serve_operator_port(
+                tokio::net::TcpListener::bind(operator_addr).await.unwrap(),
+                node,
+                Some(path),
+            )
+            .await;
         }
     });
     join_common::wait_for_port(operator_addr).await;
@@ -651,7 +656,12 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let worker_operator = tokio::spawn({
         let node = rebooted.node(slot.clone());
         async move {
-            let _ = keel_agent::node::serve_operator_port(worker_addr, node, None).await;
+            let _ = keel_agent::node::serve_operator_port(
+                tokio::net::TcpListener::bind(worker_addr).await.unwrap(),
+                node,
+                None,
+            )
+            .await;
         }
     });
     join_common::wait_for_port(worker_addr).await;
