@@ -51,6 +51,7 @@ impl CpuReporter for GeneratedSnp {
                 report_data: *report_data,
                 measurement: MEASUREMENT,
                 host_data: [0; 32],
+                vmpl: 0,
             })
             .unwrap();
         Ok(CpuEvidence {

@@ -172,6 +172,9 @@ pub struct ReportFields {
     pub measurement: [u8; 48],
     /// Host data.
     pub host_data: [u8; 32],
+    /// The VMPL the report was requested for (0: the guest's most
+    /// privileged level).
+    pub vmpl: u32,
 }
 
 /// A generated AMD-like chain and the chip whose VCEK it certifies.
@@ -293,6 +296,7 @@ impl TestAmd {
         let mut r = vec![0u8; 1184];
         r[0..4].copy_from_slice(&2u32.to_le_bytes());
         r[0x08..0x10].copy_from_slice(&fields.policy.to_le_bytes());
+        r[0x30..0x34].copy_from_slice(&fields.vmpl.to_le_bytes());
         r[0x34..0x38].copy_from_slice(&1u32.to_le_bytes()); // ECDSA P-384 SHA-384
         let [bl, tee, snp, ucode] = self.tcb;
         let tcb = [bl, tee, 0, 0, 0, 0, snp, ucode];

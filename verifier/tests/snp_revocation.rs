@@ -190,6 +190,7 @@ fn the_verifier_checks_the_cached_crl_of_the_product_line() {
             report_data: report_data(NONCE, AK),
             measurement: MEASUREMENT,
             host_data: [0; 32],
+            vmpl: 0,
         })
         .unwrap();
     let evidence = Evidence {

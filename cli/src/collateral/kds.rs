@@ -293,6 +293,7 @@ mod tests {
                     report_data: [1; 64],
                     measurement: [2; 48],
                     host_data: [0; 32],
+                    vmpl: 0,
                 })
                 .unwrap();
             let chip = snp::parse(&report).unwrap().chip_id;

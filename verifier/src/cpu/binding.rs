@@ -99,6 +99,14 @@ pub enum BindingError {
     /// The runtime data names another AK than the document's.
     #[error("HCL runtime data names another attestation key than the document's")]
     AkMismatch,
+    /// An HCL report comes from Azure's paravisor, at VMPL 0, whatever the
+    /// config's VMPL for the guest binding: one for a less privileged level
+    /// was asked for by guest code over a blob of its choosing.
+    #[error("HCL report vmpl: expected 0 (the paravisor's), actual {actual}")]
+    HclVmpl {
+        /// The report's VMPL.
+        actual: u32,
+    },
 }
 
 /// `report_data` of the guest binding:

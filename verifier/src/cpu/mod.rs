@@ -217,6 +217,12 @@ impl CpuTrust {
                 };
                 let claims =
                     snp::verify(report, &parsed, &certificate, &self.snp_roots, policy, now)?;
+                if evidence.binding == Binding::AzureHcl && claims.vmpl != 0 {
+                    return Err(BindingError::HclVmpl {
+                        actual: claims.vmpl,
+                    }
+                    .into());
+                }
                 let line = snp::product_line(&claims.product);
                 if let Some(crl) = self.collateral.snp_crl(line)? {
                     snp::check_revocation(&crl, &certificate, &self.snp_roots, now)?;

@@ -97,11 +97,11 @@ pub struct SnpPolicy {
     /// Accept a guest policy that allows a migration agent.
     #[serde(default)]
     pub allow_migration_agent: bool,
-    /// The VMPL the report must have been requested at (0-3). 0, the
+    /// The VMPL the report must have been requested for (0-3). 0, the
     /// default and left out of the canonical form, is the guest's most
     /// privileged level, where a guest without a paravisor or SVSM runs
-    /// its kernel; a report requested from a less privileged level is
-    /// someone else's word.
+    /// its kernel; a report for a less privileged level speaks for less
+    /// privileged code.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub vmpl: u32,
 }

@@ -167,7 +167,7 @@ pub enum SnpError {
         /// The SVN at launch.
         actual: u8,
     },
-    /// The report was requested at another VMPL than the config names.
+    /// The report was requested for another VMPL than the config names.
     #[error("SNP vmpl: expected {expected}, actual {actual}")]
     Vmpl {
         /// Configured.
