@@ -246,10 +246,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Tells systemd and the console that the node is measured and its init
-/// port accepts connections: the end of the boot timeline by the guest's
-/// clock (this output reaches the console through journald, which may start
-/// later).
+/// Tells systemd and the console that the node is measured and (unless it
+/// only measures, `--once`) its init port accepts connections: the end of
+/// the boot timeline by the guest's clock (this output reaches the console
+/// through journald, which may start later).
 fn announce_ready() -> anyhow::Result<()> {
     systemd::notify("READY=1")?;
     log_boot_time("agent ready");
@@ -329,7 +329,6 @@ async fn serve(
     let init_listener = TcpListener::bind(init_port)
         .await
         .with_context(|| format!("binding the init port {init_port}"))?;
-    announce_ready()?;
     let node = keel_agent::provision::Node {
         env: node::node_env(&config, state_dir)?,
         cluster: Arc::new(ClusterSlot::new(None)),
@@ -339,6 +338,9 @@ async fn serve(
         lock,
     };
     let rebooting = node::reset_unfinished_disk(&node.env, &node.lock).await;
+    // Ready once the disk was checked (a node that found it must reboot
+    // logged why above).
+    announce_ready()?;
     // Locked already: the agent restarted within this boot.
     let restarted = node.lock.is_locked();
     if !rebooting {

@@ -317,7 +317,16 @@ fn the_agent_is_ready_only_once_its_init_port_listens() {
     connected.expect("the init port refused a connection right after ready");
 
     let other = Node::new();
-    let agent = start(&other, taken.local_addr().unwrap().port());
+    let mut agent = start(&other, taken.local_addr().unwrap().port());
+    // An agent that went on without its port would never exit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while agent.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = agent.kill();
+            panic!("the agent kept running without its init port");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let out = agent.wait_with_output().unwrap();
     assert!(!out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
