@@ -306,10 +306,20 @@ fn the_agent_is_ready_only_once_its_init_port_listens() {
 
     let node = Node::new();
     let mut agent = start(&node, free);
-    let ready = std::io::BufReader::new(agent.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .any(|line| line == "keel-agent: ready");
+    // Read on a thread, so an agent that stalls before the line fails the
+    // test at a deadline instead of holding it.
+    let stdout = agent.stdout.take().unwrap();
+    let (said, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let ready = std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line == "keel-agent: ready");
+        let _ = said.send(ready);
+    });
+    let ready = ready_rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .unwrap_or(false);
     let connected = std::net::TcpStream::connect(("127.0.0.1", free));
     let _ = agent.kill();
     let _ = agent.wait();

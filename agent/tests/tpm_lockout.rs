@@ -29,14 +29,26 @@ use nix::unistd::Pid;
 /// Hard kills in a row; more than swtpm's default of 3 tries.
 const KILLS: usize = 4;
 
-const CONFIG: &str = r#"{"node":{"name":"n1","role":"worker"}}"#;
+/// The node config: a worker whose init port is free (an agent that
+/// cannot bind its init port stops before it is ready).
+fn config_json() -> &'static str {
+    static CONFIG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    CONFIG.get_or_init(|| {
+        let port = std::net::TcpListener::bind("0.0.0.0:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        format!(r#"{{"cluster":{{"init_port":{port}}},"node":{{"name":"n1","role":"worker"}}}}"#)
+    })
+}
 
 fn open(swtpm: &Swtpm) -> Tpm {
     Tpm::open(&swtpm.tcti().parse::<TctiSpec>().unwrap()).unwrap()
 }
 
 fn config() -> NodeConfig {
-    NodeConfig::parse(CONFIG.as_bytes(), "test".as_ref()).unwrap()
+    NodeConfig::parse(config_json().as_bytes(), "test".as_ref()).unwrap()
 }
 
 /// What a swtpm node with `config` measures, enforced: PCRs 4, 9, 11 and
@@ -200,7 +212,7 @@ fn shutdown_ends_the_tpm_cycle_orderly_and_retires_the_handle() {
 /// (a boot: the event log starts empty), once it reported readiness.
 fn start_agent(swtpm: &Swtpm, dir: &Path, boot: &str) -> Child {
     let config = dir.join("config.json");
-    std::fs::write(&config, CONFIG).unwrap();
+    std::fs::write(&config, config_json()).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel-agent"))
         .args(["--tcti", &swtpm.tcti(), "--state-dir"])
         .arg(dir.join(boot))

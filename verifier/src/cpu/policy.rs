@@ -87,7 +87,8 @@ impl From<[u8; 4]> for Tcb {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SnpPolicy {
-    /// Every component of `reported_tcb` must be at least this.
+    /// Every component of `reported_tcb` and of `launch_tcb` must be at
+    /// least this.
     pub minimum_tcb: Tcb,
     /// The launch measurement (48 bytes).
     pub measurement: Hex<48>,
