@@ -60,11 +60,7 @@ fn build_agent() -> PathBuf {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    keel_testkit::free_port().unwrap()
 }
 
 /// `/proc/<pid>/status`, read once.

@@ -232,11 +232,7 @@ fn an_append_cut_short_by_a_crash_is_dropped_and_cut_off() {
 fn the_agent_raises_its_open_file_limit_before_serving() {
     use std::io::BufRead as _;
     let node = Node::new();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = keel_testkit::free_port().unwrap();
     let config = node.dir.path().join("config.json");
     let json =
         format!(r#"{{"cluster":{{"init_port":{port}}},"node":{{"name":"a","role":"worker"}}}}"#);
@@ -281,11 +277,7 @@ fn the_agent_raises_its_open_file_limit_before_serving() {
 fn the_agent_is_ready_only_once_its_init_port_listens() {
     use std::io::BufRead as _;
     let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
-    let free = std::net::TcpListener::bind("0.0.0.0:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let free = keel_testkit::free_port().unwrap();
     // A node per start: a boot measures one config.
     let start = |node: &Node, port: u16| {
         let config = node.dir.path().join("config.json");

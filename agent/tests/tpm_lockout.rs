@@ -34,11 +34,7 @@ const KILLS: usize = 4;
 fn config_json() -> &'static str {
     static CONFIG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     CONFIG.get_or_init(|| {
-        let port = std::net::TcpListener::bind("0.0.0.0:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = keel_testkit::free_port().unwrap();
         format!(r#"{{"cluster":{{"init_port":{port}}},"node":{{"name":"n1","role":"worker"}}}}"#)
     })
 }

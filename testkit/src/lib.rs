@@ -12,3 +12,11 @@ pub mod intel;
 pub mod mirror;
 pub mod notify;
 pub mod swtpm;
+
+/// A TCP port free on every local address at the time of asking (bound on
+/// `0.0.0.0` and released), for a server a test starts next.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("0.0.0.0:0")?
+        .local_addr()?
+        .port())
+}

@@ -61,13 +61,9 @@ pub fn measurements_of(tpm: &SharedTpm, pcrs: &[u32]) -> Measurements {
     Measurements::new(values.into_iter().map(|(i, v)| (i, Expected::enforced(v)))).unwrap()
 }
 
-/// A free loopback port (bound and released).
+/// A free port ([`keel_testkit::free_port`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    keel_testkit::free_port().unwrap()
 }
 
 /// The node config of one member: the cluster part is the same for all.
