@@ -264,43 +264,31 @@ fn every_snp_vector_verifies_with_the_readme_facts() {
 #[test]
 fn a_report_from_another_vmpl_is_refused() {
     let vectors = snp_vectors();
-    let aws = vectors.iter().find(|v| v.name == "aws-milan-vlek").unwrap();
+    let named = |name: &str| vectors.iter().find(|v| v.name == name).unwrap();
+    let aws = named("aws-milan-vlek");
     assert_eq!(aws.vmpl, 1);
-    let at_zero = SnpPolicy {
-        vmpl: 0,
-        ..policy_for(aws)
-    };
-    let err = verify_pinned(aws, &aws.vek, &at_zero, SNP_TIME).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            SnpError::Vmpl {
-                expected: 0,
-                actual: 1
-            }
-        ),
-        "{err:?}"
-    );
-    assert_eq!(err.to_string(), "SNP vmpl: expected 0, actual 1");
     verify_pinned(aws, &aws.vek, &policy_for(aws), SNP_TIME).unwrap();
-
-    let milan = vectors.iter().find(|v| v.name == "milan-virtee").unwrap();
-    let at_one = SnpPolicy {
-        vmpl: 1,
-        ..policy_for(milan)
-    };
-    let err = verify_pinned(milan, &milan.vek, &at_one, SNP_TIME).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            SnpError::Vmpl {
-                expected: 1,
-                actual: 0
-            }
-        ),
-        "{err:?}"
-    );
+    for (v, configured) in [(aws, 0), (named("milan-virtee"), 1)] {
+        let policy = SnpPolicy {
+            vmpl: configured,
+            ..policy_for(v)
+        };
+        let err = verify_pinned(v, &v.vek, &policy, SNP_TIME).unwrap_err();
+        assert!(
+            matches!(err, SnpError::Vmpl { expected, actual }
+                if expected == configured && actual == v.vmpl),
+            "{}: {err:?}",
+            v.name
+        );
+        assert_eq!(
+            err.to_string(),
+            format!("SNP vmpl: expected {configured}, actual {}", v.vmpl)
+        );
+    }
 }
+
+/// One SVN of a TCB, to read or set.
+type Component = fn(&mut Tcb) -> &mut u8;
 
 /// Firmware updated while a guest runs raises its reported TCB, not the
 /// TCB it was launched under: a launch TCB below the minimum is refused,
@@ -322,20 +310,15 @@ fn a_launch_tcb_below_the_minimum_is_refused() {
             assert_eq!(claims.launch_tcb, v.tcb, "{}", v.name);
         }
         claims.check(&policy_for(&v)).unwrap();
-        for component in ["bootloader", "snp", "microcode"] {
+        let fields: [(&str, Component); 3] = [
+            ("bootloader", |t| &mut t.bootloader),
+            ("snp", |t| &mut t.snp),
+            ("microcode", |t| &mut t.microcode),
+        ];
+        for (component, field) in fields {
+            let minimum = *field(&mut policy_for(&v).minimum_tcb);
             let mut launched_lower = claims.clone();
-            let min = policy_for(&v).minimum_tcb;
-            let field = match component {
-                "bootloader" => &mut launched_lower.launch_tcb.bootloader,
-                "snp" => &mut launched_lower.launch_tcb.snp,
-                _ => &mut launched_lower.launch_tcb.microcode,
-            };
-            let minimum = match component {
-                "bootloader" => min.bootloader,
-                "snp" => min.snp,
-                _ => min.microcode,
-            };
-            *field = minimum - 1;
+            *field(&mut launched_lower.launch_tcb) = minimum - 1;
             let err = launched_lower.check(&policy_for(&v)).unwrap_err();
             assert!(
                 matches!(
