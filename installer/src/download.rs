@@ -4,10 +4,13 @@
 //!
 //! * Transient (retried): connection and transport errors, a body cut short,
 //!   no data for [`RetryPolicy::idle_timeout`], HTTP 408, 425, 429 and 5xx
-//!   (a `Retry-After` in seconds is honoured up to the backoff cap).
+//!   (a `Retry-After` in seconds is honoured up to the backoff cap), and a
+//!   hash mismatch of a body sent without Content-Length: such a body ends
+//!   when the server closes the connection, so a connection cut part-way
+//!   looks like its end.
 //! * Permanent (returned at once): other HTTP statuses (404, 403, …), a body
-//!   larger than [`DownloadConfig::max_bytes`], a hash mismatch, a local
-//!   write error.
+//!   larger than [`DownloadConfig::max_bytes`], a hash mismatch of a body of
+//!   announced length, a local write error.
 //!
 //! Every attempt starts from byte zero: the file is truncated and the hash
 //! restarted, so a retried download is verified as a whole.
@@ -190,6 +193,23 @@ pub enum DownloadError {
         /// The hash of what was received.
         actual: Sha256Digest,
     },
+    /// A body sent without Content-Length ended with bytes of another hash.
+    /// The end of such a body is the end of the connection, so this may be
+    /// a cut connection rather than wrong bytes: retried.
+    #[error(
+        "{url}: hash mismatch after {received} bytes of a body sent without Content-Length \
+         (the connection may have been cut): expected {expected}, got {actual}"
+    )]
+    UnannouncedLengthMismatch {
+        /// The URL (redacted).
+        url: String,
+        /// Bytes received before the server closed the connection.
+        received: u64,
+        /// The hash the component list requires.
+        expected: Sha256Digest,
+        /// The hash of what was received.
+        actual: Sha256Digest,
+    },
     /// The overall deadline passed.
     #[error(
         "{url}: no complete download within the deadline of {deadline:?} ({attempts} attempts)"
@@ -274,7 +294,10 @@ impl DownloadError {
         match self {
             Self::Request { source, .. } => !source.is_builder() && !source.is_redirect(),
             Self::Status { status, .. } => is_transient_status(*status),
-            Self::ReadBody { .. } | Self::Idle { .. } | Self::Truncated { .. } => true,
+            Self::ReadBody { .. }
+            | Self::Idle { .. }
+            | Self::Truncated { .. }
+            | Self::UnannouncedLengthMismatch { .. } => true,
             _ => false,
         }
     }
@@ -367,14 +390,22 @@ impl Downloader {
                         last: last.map(Box::new),
                     });
                 }
-                Ok(Ok((actual, bytes))) => {
-                    if actual != expected {
+                Ok(Ok(body)) if body.digest != expected => {
+                    if body.announced {
                         return Err(DownloadError::HashMismatch {
                             url: shown,
                             expected,
-                            actual,
+                            actual: body.digest,
                         });
                     }
+                    DownloadError::UnannouncedLengthMismatch {
+                        url: shown.clone(),
+                        received: body.bytes,
+                        expected,
+                        actual: body.digest,
+                    }
+                }
+                Ok(Ok(Body { bytes, .. })) => {
                     let elapsed = started.elapsed();
                     progress.finished(name, bytes, elapsed);
                     return Ok(Fetched {
@@ -410,7 +441,7 @@ impl Downloader {
         }
     }
 
-    /// One attempt: request, stream, hash. Returns the digest and length.
+    /// One attempt: request, stream, hash.
     async fn attempt(
         &self,
         url: &Url,
@@ -418,7 +449,7 @@ impl Downloader {
         file: &File,
         name: &str,
         progress: &dyn Progress,
-    ) -> Result<(Sha256Digest, u64), DownloadError> {
+    ) -> Result<Body, DownloadError> {
         let idle = self.config.retry.idle_timeout;
         let idle_error = || DownloadError::Idle {
             url: shown.to_owned(),
@@ -503,8 +534,20 @@ impl Downloader {
                 });
             }
         }
-        Ok((digest, written))
+        Ok(Body {
+            digest,
+            bytes: written,
+            announced: total.is_some(),
+        })
     }
+}
+
+/// What one attempt received.
+struct Body {
+    digest: Sha256Digest,
+    bytes: u64,
+    /// Whether the server announced the length (Content-Length).
+    announced: bool,
 }
 
 /// Hashes and writes chunks on a blocking thread, so hashing and disk writes

@@ -162,6 +162,75 @@ async fn a_truncated_body_is_retried_then_refused() {
     assert_eq!(mirror.requests(PATH), 3);
 }
 
+/// Without Content-Length a body ends when the server closes the
+/// connection, so a connection cut part-way looks like a complete body:
+/// its hash mismatch is retried, and the next whole body installs.
+#[tokio::test]
+async fn a_body_of_unannounced_length_cut_short_is_retried() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_next(PATH, Fault::TruncateUnannounced(1000), 1);
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+    let progress = RetryLog::default();
+
+    installer(root.path(), None, fast_retries())
+        .install(&component, &progress)
+        .await
+        .unwrap_or_else(|e| panic!("{}", chain(&e)));
+
+    let installed = std::fs::read(root.path().join("run/state/bin/kubelet")).unwrap();
+    assert_eq!(installed, body());
+    assert_eq!(mirror.requests(PATH), 2);
+    let logged = progress.0.lock().unwrap().join("\n");
+    assert!(
+        logged.contains("after 1000 bytes of a body sent without Content-Length"),
+        "{logged}"
+    );
+}
+
+/// A server that never sends the right bytes is still refused, after the
+/// retries, with the mismatch named; nothing is installed.
+#[tokio::test]
+async fn a_body_of_unannounced_length_that_never_matches_is_refused() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_always(PATH, Fault::TruncateUnannounced(1000));
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+
+    let err = installer(root.path(), None, fast_retries())
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+
+    let DownloadError::AttemptsExhausted {
+        attempts: 3, last, ..
+    } = download_error(&err)
+    else {
+        panic!("{}", chain(&err));
+    };
+    assert!(
+        matches!(
+            **last,
+            DownloadError::UnannouncedLengthMismatch { received: 1000, .. }
+        ),
+        "{}",
+        chain(&err)
+    );
+    let text = chain(&err);
+    assert!(
+        text.contains(&format!(
+            "expected {}, got {}",
+            sha256(&body()),
+            sha256(&body()[..1000])
+        )),
+        "{text}"
+    );
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+    assert_eq!(mirror.requests(PATH), 3);
+}
+
 /// A signed URL's query is a credential: it reaches neither the retry
 /// progress (the node's log) nor the error, whichever way the request
 /// fails (refused connection, body cut short; reqwest's own errors name

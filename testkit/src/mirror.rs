@@ -56,6 +56,10 @@ pub enum Fault {
     /// Announce the full Content-Length, send only this many body bytes,
     /// then close the connection.
     Truncate(u64),
+    /// Send no Content-Length (the body is delimited by the end of the
+    /// connection, as HTTP/1.1 allows a response), only this many body
+    /// bytes, then close: to the client the cut looks like the end.
+    TruncateUnannounced(u64),
     /// Read the request and never answer (the connection stays open until
     /// the mirror stops).
     Hang,
@@ -353,17 +357,25 @@ async fn handle<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, state: Arc<Mut
         Reply::MethodNotAllowed => status(&mut stream, 405).await,
         Reply::Fault(Fault::Status(code), _) => status(&mut stream, code).await,
         Reply::Fault(Fault::StatusWithBody(code), body) => match body {
-            Some(body) => send_body_as(&mut stream, code, body, &[], None, head_only).await,
+            Some(body) => {
+                send_body_as(&mut stream, code, body, &[], Framing::WHOLE, head_only).await
+            }
             None => status(&mut stream, code).await,
         },
         Reply::Redirect(location) => redirect(&mut stream, &location).await,
         Reply::Fault(Fault::Hang, _) => std::future::pending::<std::io::Result<()>>().await,
-        Reply::Fault(Fault::Truncate(keep), body) => match body {
-            Some(body) => send_body_as(&mut stream, 200, body, &[], Some(keep), head_only).await,
-            None => status(&mut stream, 404).await,
-        },
+        Reply::Fault(fault @ (Fault::Truncate(keep) | Fault::TruncateUnannounced(keep)), body) => {
+            let framing = Framing {
+                keep: Some(keep),
+                announce_length: matches!(fault, Fault::Truncate(_)),
+            };
+            match body {
+                Some(body) => send_body_as(&mut stream, 200, body, &[], framing, head_only).await,
+                None => status(&mut stream, 404).await,
+            }
+        }
         Reply::Body(body, headers) => {
-            send_body_as(&mut stream, 200, body, &headers, None, head_only).await
+            send_body_as(&mut stream, 200, body, &headers, Framing::WHOLE, head_only).await
         }
     };
     let _ = stream.shutdown().await;
@@ -410,32 +422,51 @@ async fn status<S: AsyncWrite + Unpin>(stream: &mut S, code: u16) -> std::io::Re
     stream.write_all(body.as_bytes()).await
 }
 
-/// Sends `code` with `headers` and the body, or only its first `keep`
-/// bytes.
+/// How much of a body goes out, and whether its length is announced.
+#[derive(Clone, Copy)]
+struct Framing {
+    /// Send only this many bytes of the body.
+    keep: Option<u64>,
+    /// A Content-Length of the whole body; without it the body ends with
+    /// the connection.
+    announce_length: bool,
+}
+
+impl Framing {
+    const WHOLE: Self = Self {
+        keep: None,
+        announce_length: true,
+    };
+}
+
+/// Sends `code` with `headers` and the body as `framing` says.
 async fn send_body_as<S: AsyncWrite + Unpin>(
     stream: &mut S,
     code: u16,
     body: Body,
     headers: &[(String, String)],
-    keep: Option<u64>,
+    framing: Framing,
     head_only: bool,
 ) -> std::io::Result<()> {
     let length = match &body {
         Body::Bytes(bytes) => bytes.len() as u64,
         Body::File(path) => tokio::fs::metadata(path).await?.len(),
     };
-    let extra: String = headers
+    let mut extra: String = headers
         .iter()
         .map(|(name, value)| format!("{name}: {value}\r\n"))
         .collect();
+    if framing.announce_length {
+        extra.insert_str(0, &format!("Content-Length: {length}\r\n"));
+    }
     let head = format!(
-        "HTTP/1.1 {code} Mirror\r\nContent-Type: application/octet-stream\r\nContent-Length: {length}\r\n{extra}Connection: close\r\n\r\n"
+        "HTTP/1.1 {code} Mirror\r\nContent-Type: application/octet-stream\r\n{extra}Connection: close\r\n\r\n"
     );
     stream.write_all(head.as_bytes()).await?;
     if head_only {
         return Ok(());
     }
-    let mut remaining = keep.unwrap_or(length).min(length);
+    let mut remaining = framing.keep.unwrap_or(length).min(length);
     match body {
         Body::Bytes(bytes) => {
             let end = usize::try_from(remaining).unwrap_or(usize::MAX);
@@ -519,6 +550,20 @@ mod tests {
         assert!(get(&mirror, "/a").0.starts_with("HTTP/1.1 503 "));
         assert!(get(&mirror, "/a").0.starts_with("HTTP/1.1 503 "));
         assert_eq!(get(&mirror, "/a").1, b"ok");
+    }
+
+    #[test]
+    fn cuts_bodies_of_unannounced_length() {
+        let mirror = MirrorServer::start().unwrap();
+        mirror.serve("/a", vec![7u8; 10_000]);
+        mirror.fail_next("/a", Fault::TruncateUnannounced(100), 1);
+        let (head, body) = get(&mirror, "/a");
+        assert!(head.starts_with("HTTP/1.1 200 "), "{head}");
+        assert!(!head.contains("Content-Length"), "{head}");
+        assert_eq!(body, vec![7u8; 100]);
+        let (head, body) = get(&mirror, "/a");
+        assert!(head.contains("Content-Length: 10000"), "{head}");
+        assert_eq!(body.len(), 10_000);
     }
 
     #[test]
