@@ -364,22 +364,7 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
         initial: Duration::from_secs(1),
         max: SETUP_RETRY_MAX,
     };
-    let mut failures = 0;
-    let (client, cluster_id) = loop {
-        match client_for(&node).await {
-            Ok(ready) => break ready,
-            Err(e) => {
-                let pause = backoff.delay(failures);
-                tracing::warn!(
-                    error = format!("{e:#}"),
-                    retry_in = ?pause,
-                    "setting up the evidence loop failed; retrying"
-                );
-                tokio::time::sleep(pause).await;
-                failures = failures.saturating_add(1);
-            }
-        }
-    };
+    let (client, cluster_id) = until_set_up(&backoff, || client_for(&node)).await;
     tracing::info!(
         endpoints = endpoints.len(),
         interval_s = node.config.cluster.evidence.interval().as_secs(),
@@ -391,6 +376,31 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
     }
     while loops.join_next().await.is_some() {}
     Ok(())
+}
+
+/// Runs `set_up` until it succeeds, logging each failure and pausing as
+/// `backoff` says (the failures counted from the first): the evidence loop
+/// is never given up for the boot.
+async fn until_set_up<T, F>(backoff: &crate::join::Backoff, mut set_up: impl FnMut() -> F) -> T
+where
+    F: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut failures = 0;
+    loop {
+        match set_up().await {
+            Ok(ready) => return ready,
+            Err(e) => {
+                let pause = backoff.delay(failures);
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    retry_in = ?pause,
+                    "setting up the evidence loop failed; retrying"
+                );
+                tokio::time::sleep(pause).await;
+                failures = failures.saturating_add(1);
+            }
+        }
+    }
 }
 
 /// The evidence client of `node` once it is locked into its cluster (a
@@ -428,4 +438,62 @@ async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> 
         );
     }
     Ok((client, cluster_id))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A set-up failing three times (a TPM read, the registry) is tried
+    /// again after pauses that grow as the backoff says, and its value is
+    /// what the loop goes on with.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_set_up_is_tried_again_with_growing_pauses() {
+        let backoff = crate::join::Backoff {
+            initial: Duration::from_secs(1),
+            max: SETUP_RETRY_MAX,
+        };
+        let tries = AtomicU32::new(0);
+        let start = tokio::time::Instant::now();
+        let value = until_set_up(&backoff, || async {
+            match tries.fetch_add(1, Ordering::SeqCst) {
+                0..=2 => Err(anyhow::anyhow!("reading the TPM failed")),
+                _ => Ok(7),
+            }
+        })
+        .await;
+        assert_eq!(value, 7);
+        assert_eq!(tries.load(Ordering::SeqCst), 4);
+        // Pauses drawn from [0.5, 1], [1, 2] and [2, 4] s.
+        let waited = start.elapsed();
+        assert!(
+            (Duration::from_millis(3500)..=Duration::from_secs(7)).contains(&waited),
+            "{waited:?}"
+        );
+    }
+
+    /// Past its cap the pause stops growing: a set-up failing for an hour
+    /// is still tried at least once a minute.
+    #[tokio::test(start_paused = true)]
+    async fn a_set_up_failing_for_long_is_still_tried_each_minute() {
+        let backoff = crate::join::Backoff {
+            initial: Duration::from_secs(1),
+            max: SETUP_RETRY_MAX,
+        };
+        let tries = AtomicU32::new(0);
+        let start = tokio::time::Instant::now();
+        until_set_up(&backoff, || async {
+            if start.elapsed() < Duration::from_secs(3600) {
+                tries.fetch_add(1, Ordering::SeqCst);
+                return Err(anyhow::anyhow!("the registry is not readable"));
+            }
+            Ok(())
+        })
+        .await;
+        let waited = start.elapsed();
+        assert!(waited <= Duration::from_secs(3660), "{waited:?}");
+        assert!(tries.load(Ordering::SeqCst) >= 60, "{tries:?}");
+    }
 }
