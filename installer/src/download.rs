@@ -5,12 +5,13 @@
 //! * Transient (retried): connection and transport errors, a body cut short,
 //!   no data for [`RetryPolicy::idle_timeout`], HTTP 408, 425, 429 and 5xx
 //!   (a `Retry-After` in seconds is honoured up to the backoff cap), and a
-//!   hash mismatch of a body sent without Content-Length: such a body ends
-//!   when the server closes the connection, so a connection cut part-way
-//!   looks like its end.
+//!   hash mismatch of a body delimited by the end of its connection (HTTP/1.x
+//!   with neither Content-Length nor chunked framing): a connection cut
+//!   part-way looks like the end of such a body.
 //! * Permanent (returned at once): other HTTP statuses (404, 403, …), a body
-//!   larger than [`DownloadConfig::max_bytes`], a hash mismatch of a body of
-//!   announced length, a local write error.
+//!   larger than [`DownloadConfig::max_bytes`], a hash mismatch of a body
+//!   whose end is framed (Content-Length, chunked, HTTP/2), a local write
+//!   error.
 //!
 //! Every attempt starts from byte zero: the file is truncated and the hash
 //! restarted, so a retried download is verified as a whole.
@@ -193,14 +194,15 @@ pub enum DownloadError {
         /// The hash of what was received.
         actual: Sha256Digest,
     },
-    /// A body sent without Content-Length ended with bytes of another hash.
-    /// The end of such a body is the end of the connection, so this may be
-    /// a cut connection rather than wrong bytes: retried.
+    /// A body delimited by the end of its connection (HTTP/1.x, neither
+    /// Content-Length nor chunked framing) ended with bytes of another hash:
+    /// a cut connection looks the same as its end, so this is retried.
     #[error(
-        "{url}: hash mismatch after {received} bytes of a body sent without Content-Length \
-         (the connection may have been cut): expected {expected}, got {actual}"
+        "{url}: hash mismatch after {received} bytes of a body that ends with its connection \
+         (no Content-Length, not chunked; the connection may have been cut): \
+         expected {expected}, got {actual}"
     )]
-    UnannouncedLengthMismatch {
+    CloseDelimitedMismatch {
         /// The URL (redacted).
         url: String,
         /// Bytes received before the server closed the connection.
@@ -297,7 +299,7 @@ impl DownloadError {
             Self::ReadBody { .. }
             | Self::Idle { .. }
             | Self::Truncated { .. }
-            | Self::UnannouncedLengthMismatch { .. } => true,
+            | Self::CloseDelimitedMismatch { .. } => true,
             _ => false,
         }
     }
@@ -391,14 +393,14 @@ impl Downloader {
                     });
                 }
                 Ok(Ok(body)) if body.digest != expected => {
-                    if body.announced {
+                    if !body.close_delimited {
                         return Err(DownloadError::HashMismatch {
                             url: shown,
                             expected,
                             actual: body.digest,
                         });
                     }
-                    DownloadError::UnannouncedLengthMismatch {
+                    DownloadError::CloseDelimitedMismatch {
                         url: shown.clone(),
                         received: body.bytes,
                         expected,
@@ -471,6 +473,8 @@ impl Downloader {
             });
         }
         let total = response.content_length();
+        let close_delimited =
+            total.is_none() && ends_with_connection(response.version(), response.headers());
         let limit = self.config.max_bytes;
         if total.is_some_and(|t| t > limit) {
             return Err(DownloadError::TooLarge {
@@ -537,7 +541,7 @@ impl Downloader {
         Ok(Body {
             digest,
             bytes: written,
-            announced: total.is_some(),
+            close_delimited,
         })
     }
 }
@@ -546,8 +550,27 @@ impl Downloader {
 struct Body {
     digest: Sha256Digest,
     bytes: u64,
-    /// Whether the server announced the length (Content-Length).
-    announced: bool,
+    /// Whether the body's end was only the end of its connection.
+    close_delimited: bool,
+}
+
+/// Whether a response without Content-Length ends its body by closing the
+/// connection: HTTP/1.x unless chunked is its last transfer coding (HTTP/2
+/// ends a stream with a flag, and a chunked body with a last chunk, so a
+/// cut there is an error, not an end).
+fn ends_with_connection(version: reqwest::Version, headers: &reqwest::header::HeaderMap) -> bool {
+    let http1 = matches!(
+        version,
+        reqwest::Version::HTTP_09 | reqwest::Version::HTTP_10 | reqwest::Version::HTTP_11
+    );
+    let last_coding = headers
+        .get_all(reqwest::header::TRANSFER_ENCODING)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(str::trim)
+        .rfind(|coding| !coding.is_empty());
+    http1 && !last_coding.is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"))
 }
 
 /// Hashes and writes chunks on a blocking thread, so hashing and disk writes
@@ -634,6 +657,40 @@ mod tests {
 
     fn urls(list: &[&str]) -> Vec<Url> {
         list.iter().map(|u| Url::parse(u).unwrap()).collect()
+    }
+
+    #[test]
+    fn only_an_http1_body_not_chunked_ends_with_its_connection() {
+        use reqwest::header::{HeaderMap, HeaderValue, TRANSFER_ENCODING};
+        use reqwest::Version;
+        let coded = |codings: &[&'static str]| {
+            let mut headers = HeaderMap::new();
+            for coding in codings {
+                headers.append(TRANSFER_ENCODING, HeaderValue::from_static(coding));
+            }
+            headers
+        };
+        assert!(ends_with_connection(Version::HTTP_11, &coded(&[])));
+        assert!(ends_with_connection(Version::HTTP_10, &coded(&[])));
+        assert!(!ends_with_connection(Version::HTTP_2, &coded(&[])));
+        assert!(!ends_with_connection(
+            Version::HTTP_11,
+            &coded(&["chunked"])
+        ));
+        assert!(!ends_with_connection(
+            Version::HTTP_11,
+            &coded(&["gzip, Chunked"])
+        ));
+        assert!(!ends_with_connection(
+            Version::HTTP_11,
+            &coded(&["gzip", "chunked"])
+        ));
+        // Chunked not last: the body still ends with the connection.
+        assert!(ends_with_connection(
+            Version::HTTP_11,
+            &coded(&["chunked, gzip"])
+        ));
+        assert!(ends_with_connection(Version::HTTP_11, &coded(&["gzip"])));
     }
 
     #[test]

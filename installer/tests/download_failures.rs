@@ -162,11 +162,12 @@ async fn a_truncated_body_is_retried_then_refused() {
     assert_eq!(mirror.requests(PATH), 3);
 }
 
-/// Without Content-Length a body ends when the server closes the
-/// connection, so a connection cut part-way looks like a complete body:
-/// its hash mismatch is retried, and the next whole body installs.
+/// Without Content-Length or chunked framing a body ends when the server
+/// closes the connection, so a connection cut part-way looks like a
+/// complete body: its hash mismatch is retried, and the next whole body
+/// installs.
 #[tokio::test]
-async fn a_body_of_unannounced_length_cut_short_is_retried() {
+async fn a_close_delimited_body_cut_short_is_retried() {
     let mirror = MirrorServer::start().unwrap();
     let root = tempfile::tempdir().unwrap();
     mirror.serve(PATH, body());
@@ -184,7 +185,7 @@ async fn a_body_of_unannounced_length_cut_short_is_retried() {
     assert_eq!(mirror.requests(PATH), 2);
     let logged = progress.0.lock().unwrap().join("\n");
     assert!(
-        logged.contains("after 1000 bytes of a body sent without Content-Length"),
+        logged.contains("after 1000 bytes of a body that ends with its connection"),
         "{logged}"
     );
 }
@@ -192,7 +193,7 @@ async fn a_body_of_unannounced_length_cut_short_is_retried() {
 /// A server that never sends the right bytes is still refused, after the
 /// retries, with the mismatch named; nothing is installed.
 #[tokio::test]
-async fn a_body_of_unannounced_length_that_never_matches_is_refused() {
+async fn a_close_delimited_body_that_never_matches_is_refused() {
     let mirror = MirrorServer::start().unwrap();
     let root = tempfile::tempdir().unwrap();
     mirror.serve(PATH, body());
@@ -213,7 +214,7 @@ async fn a_body_of_unannounced_length_that_never_matches_is_refused() {
     assert!(
         matches!(
             **last,
-            DownloadError::UnannouncedLengthMismatch { received: 1000, .. }
+            DownloadError::CloseDelimitedMismatch { received: 1000, .. }
         ),
         "{}",
         chain(&err)
@@ -229,6 +230,31 @@ async fn a_body_of_unannounced_length_that_never_matches_is_refused() {
     );
     assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
     assert_eq!(mirror.requests(PATH), 3);
+}
+
+/// A chunked body ends with its last chunk, so a cut shows as a transport
+/// error: a whole chunked body of other bytes is a hash mismatch, final at
+/// once like one of announced length.
+#[tokio::test]
+async fn a_chunked_body_of_other_bytes_is_not_retried() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_always(PATH, Fault::ChunkedPrefix(1000));
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+
+    let err = installer(root.path(), None, fast_retries())
+        .install(&component, &NoProgress)
+        .await
+        .unwrap_err();
+
+    assert!(
+        matches!(download_error(&err), DownloadError::HashMismatch { .. }),
+        "{}",
+        chain(&err)
+    );
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+    assert_eq!(mirror.requests(PATH), 1);
 }
 
 /// A signed URL's query is a credential: it reaches neither the retry

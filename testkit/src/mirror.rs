@@ -60,6 +60,9 @@ pub enum Fault {
     /// connection, as HTTP/1.1 allows a response), only this many body
     /// bytes, then close: to the client the cut looks like the end.
     TruncateUnannounced(u64),
+    /// Send only this many body bytes as a whole chunked body (its last
+    /// chunk included): a well-framed body of other bytes.
+    ChunkedPrefix(u64),
     /// Read the request and never answer (the connection stays open until
     /// the mirror stops).
     Hang,
@@ -364,10 +367,19 @@ async fn handle<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, state: Arc<Mut
         },
         Reply::Redirect(location) => redirect(&mut stream, &location).await,
         Reply::Fault(Fault::Hang, _) => std::future::pending::<std::io::Result<()>>().await,
-        Reply::Fault(fault @ (Fault::Truncate(keep) | Fault::TruncateUnannounced(keep)), body) => {
+        Reply::Fault(
+            fault @ (Fault::Truncate(keep)
+            | Fault::TruncateUnannounced(keep)
+            | Fault::ChunkedPrefix(keep)),
+            body,
+        ) => {
             let framing = Framing {
                 keep: Some(keep),
-                announce_length: matches!(fault, Fault::Truncate(_)),
+                length: match fault {
+                    Fault::Truncate(_) => Length::Announced,
+                    Fault::ChunkedPrefix(_) => Length::Chunked,
+                    _ => Length::ByClose,
+                },
             };
             match body {
                 Some(body) => send_body_as(&mut stream, 200, body, &[], framing, head_only).await,
@@ -422,20 +434,29 @@ async fn status<S: AsyncWrite + Unpin>(stream: &mut S, code: u16) -> std::io::Re
     stream.write_all(body.as_bytes()).await
 }
 
-/// How much of a body goes out, and whether its length is announced.
+/// How much of a body goes out, and how its end is marked.
 #[derive(Clone, Copy)]
 struct Framing {
     /// Send only this many bytes of the body.
     keep: Option<u64>,
-    /// A Content-Length of the whole body; without it the body ends with
-    /// the connection.
-    announce_length: bool,
+    length: Length,
+}
+
+/// How a response marks the end of its body.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Length {
+    /// A Content-Length of the whole body.
+    Announced,
+    /// One chunk with the bytes sent, then the last chunk.
+    Chunked,
+    /// Nothing: the body ends with the connection.
+    ByClose,
 }
 
 impl Framing {
     const WHOLE: Self = Self {
         keep: None,
-        announce_length: true,
+        length: Length::Announced,
     };
 }
 
@@ -456,8 +477,11 @@ async fn send_body_as<S: AsyncWrite + Unpin>(
         .iter()
         .map(|(name, value)| format!("{name}: {value}\r\n"))
         .collect();
-    if framing.announce_length {
-        extra.insert_str(0, &format!("Content-Length: {length}\r\n"));
+    let mut remaining = framing.keep.unwrap_or(length).min(length);
+    match framing.length {
+        Length::Announced => extra.insert_str(0, &format!("Content-Length: {length}\r\n")),
+        Length::Chunked => extra.insert_str(0, "Transfer-Encoding: chunked\r\n"),
+        Length::ByClose => {}
     }
     let head = format!(
         "HTTP/1.1 {code} Mirror\r\nContent-Type: application/octet-stream\r\n{extra}Connection: close\r\n\r\n"
@@ -466,7 +490,13 @@ async fn send_body_as<S: AsyncWrite + Unpin>(
     if head_only {
         return Ok(());
     }
-    let mut remaining = framing.keep.unwrap_or(length).min(length);
+    let chunked = framing.length == Length::Chunked;
+    let chunk = remaining;
+    if chunked && chunk > 0 {
+        stream
+            .write_all(format!("{chunk:x}\r\n").as_bytes())
+            .await?;
+    }
     match body {
         Body::Bytes(bytes) => {
             let end = usize::try_from(remaining).unwrap_or(usize::MAX);
@@ -487,6 +517,14 @@ async fn send_body_as<S: AsyncWrite + Unpin>(
                 remaining -= n as u64;
             }
         }
+    }
+    if chunked {
+        let last: &[u8] = if chunk > 0 {
+            b"\r\n0\r\n\r\n"
+        } else {
+            b"0\r\n\r\n"
+        };
+        stream.write_all(last).await?;
     }
     stream.flush().await
 }
@@ -564,6 +602,18 @@ mod tests {
         let (head, body) = get(&mirror, "/a");
         assert!(head.contains("Content-Length: 10000"), "{head}");
         assert_eq!(body.len(), 10_000);
+    }
+
+    #[test]
+    fn sends_a_prefix_as_a_whole_chunked_body() {
+        let mirror = MirrorServer::start().unwrap();
+        mirror.serve("/a", vec![7u8; 10_000]);
+        mirror.fail_always("/a", Fault::ChunkedPrefix(100));
+        let (head, body) = get(&mirror, "/a");
+        assert!(head.contains("Transfer-Encoding: chunked"), "{head}");
+        assert!(!head.contains("Content-Length"), "{head}");
+        let expected = [b"64\r\n".as_slice(), &[7u8; 100], b"\r\n0\r\n\r\n"].concat();
+        assert_eq!(body, expected);
     }
 
     #[test]
