@@ -360,11 +360,11 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
     if endpoints.is_empty() {
         return Ok(());
     }
-    let backoff = crate::join::Backoff {
-        initial: Duration::from_secs(1),
-        max: SETUP_RETRY_MAX,
-    };
-    let (client, cluster_id) = until_set_up(&backoff, || client_for(&node)).await;
+    let (client, cluster_id) = until_set_up(
+        &setup_backoff(node.config.cluster.evidence.interval()),
+        || client_for(&node),
+    )
+    .await;
     tracing::info!(
         endpoints = endpoints.len(),
         interval_s = node.config.cluster.evidence.interval().as_secs(),
@@ -376,6 +376,17 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
     }
     while loops.join_next().await.is_some() {}
     Ok(())
+}
+
+/// The pauses between tries of the set-up: from 0.5-1 s, doubling, at most
+/// a minute and at most the evidence interval, so a node whose set-up
+/// failure cleared sends evidence again within an interval or so, before it
+/// is found silent.
+fn setup_backoff(interval: Duration) -> crate::join::Backoff {
+    crate::join::Backoff {
+        initial: Duration::from_secs(1),
+        max: SETUP_RETRY_MAX.min(interval),
+    }
 }
 
 /// Runs `set_up` until it succeeds, logging each failure and pausing as
@@ -444,56 +455,73 @@ async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> 
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Mutex;
+    use tokio::time::Instant;
 
-    /// A set-up failing three times (a TPM read, the registry) is tried
-    /// again after pauses that grow as the backoff says, and its value is
-    /// what the loop goes on with.
-    #[tokio::test(start_paused = true)]
-    async fn a_failing_set_up_is_tried_again_with_growing_pauses() {
-        let backoff = crate::join::Backoff {
-            initial: Duration::from_secs(1),
-            max: SETUP_RETRY_MAX,
-        };
-        let tries = AtomicU32::new(0);
-        let start = tokio::time::Instant::now();
-        let value = until_set_up(&backoff, || async {
-            match tries.fetch_add(1, Ordering::SeqCst) {
-                0..=2 => Err(anyhow::anyhow!("reading the TPM failed")),
-                _ => Ok(7),
+    /// Runs `until_set_up` with a set-up failing until `fails` says it
+    /// succeeds (given the time since the start); returns the pauses
+    /// between tries.
+    async fn pauses(
+        backoff: crate::join::Backoff,
+        fails: impl Fn(Duration) -> bool,
+    ) -> Vec<Duration> {
+        let start = Instant::now();
+        let tries = Mutex::new(Vec::new());
+        until_set_up(&backoff, || {
+            let now = Instant::now();
+            tries.lock().unwrap().push(now);
+            let failing = fails(now - start);
+            async move {
+                if failing {
+                    return Err(anyhow::anyhow!("reading the TPM failed"));
+                }
+                Ok(())
             }
         })
         .await;
-        assert_eq!(value, 7);
-        assert_eq!(tries.load(Ordering::SeqCst), 4);
-        // Pauses drawn from [0.5, 1], [1, 2] and [2, 4] s.
-        let waited = start.elapsed();
-        assert!(
-            (Duration::from_millis(3500)..=Duration::from_secs(7)).contains(&waited),
-            "{waited:?}"
-        );
+        let tries = tries.into_inner().unwrap();
+        tries.windows(2).map(|w| w[1] - w[0]).collect()
     }
 
-    /// Past its cap the pause stops growing: a set-up failing for an hour
-    /// is still tried at least once a minute.
+    /// A set-up failing three times (a TPM read, the registry) is tried
+    /// again after pauses of 0.5-1, 1-2 and 2-4 s.
     #[tokio::test(start_paused = true)]
-    async fn a_set_up_failing_for_long_is_still_tried_each_minute() {
-        let backoff = crate::join::Backoff {
-            initial: Duration::from_secs(1),
-            max: SETUP_RETRY_MAX,
-        };
-        let tries = AtomicU32::new(0);
-        let start = tokio::time::Instant::now();
-        until_set_up(&backoff, || async {
-            if start.elapsed() < Duration::from_secs(3600) {
-                tries.fetch_add(1, Ordering::SeqCst);
-                return Err(anyhow::anyhow!("the registry is not readable"));
-            }
-            Ok(())
+    async fn a_failing_set_up_is_tried_again_with_growing_pauses() {
+        let failures = std::sync::atomic::AtomicU32::new(0);
+        let gaps = pauses(setup_backoff(Duration::from_secs(60)), |_| {
+            failures.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 3
         })
         .await;
-        let waited = start.elapsed();
-        assert!(waited <= Duration::from_secs(3660), "{waited:?}");
-        assert!(tries.load(Ordering::SeqCst) >= 60, "{tries:?}");
+        assert_eq!(gaps.len(), 3, "{gaps:?}");
+        for (gap, low_ms) in gaps.iter().zip([500, 1000, 2000]) {
+            let low = Duration::from_millis(low_ms);
+            assert!((low..=low * 2).contains(gap), "{gaps:?}");
+        }
+    }
+
+    /// Past the cap the pauses stop growing: a set-up failing for an hour
+    /// is tried again every 30-60 s; and never less often than the
+    /// evidence interval, when that is shorter.
+    #[tokio::test(start_paused = true)]
+    async fn a_set_up_failing_for_long_is_tried_at_least_once_a_minute_or_an_interval() {
+        let hour = Duration::from_secs(3600);
+        let gaps = pauses(setup_backoff(Duration::from_secs(60)), |since| since < hour).await;
+        assert!(
+            gaps.iter().all(|g| *g <= Duration::from_secs(60)),
+            "{gaps:?}"
+        );
+        assert!(
+            gaps[6..].iter().all(|g| *g >= Duration::from_secs(30)),
+            "{gaps:?}"
+        );
+        let gaps = pauses(setup_backoff(Duration::from_secs(10)), |since| since < hour).await;
+        assert!(
+            gaps.iter().all(|g| *g <= Duration::from_secs(10)),
+            "{gaps:?}"
+        );
+        assert!(
+            gaps[4..].iter().all(|g| *g >= Duration::from_secs(5)),
+            "{gaps:?}"
+        );
     }
 }
