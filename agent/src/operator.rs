@@ -334,6 +334,14 @@ impl OperatorAuth {
         }
     }
 
+    /// The same checks with another backoff for addresses that sent wrong
+    /// proofs: `first` after the first, doubling up to `max` (by default
+    /// 1 s and 60 s).
+    pub fn with_failure_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.throttle = FailureThrottle::new(first, max);
+        self
+    }
+
     /// A fresh challenge.
     pub fn challenge(&self) -> [u8; 32] {
         self.challenges.issue()
