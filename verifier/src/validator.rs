@@ -491,6 +491,19 @@ pub fn check_control_plane(peer: &Verified) -> Result<(), &'static str> {
     }
 }
 
+/// The value `document` claims for PCR `index`, read without checking
+/// anything: only to pick which of two policies validates the document
+/// (validation then checks the quote over that very value). `None` when the
+/// document is too large or malformed, or names no such PCR.
+pub fn claimed_pcr(document: &[u8], index: u32) -> Option<Digest32> {
+    if document.len() > MAX_DOCUMENT_BYTES {
+        return None;
+    }
+    let doc = AttestationDocument::decode(document).ok()?;
+    let claimed = doc.pcrs.iter().find(|v| v.index == index)?;
+    claimed.digest.as_slice().try_into().ok()
+}
+
 /// Whether a validated peer is locked into exactly `cluster_id`: its log
 /// has exactly one cluster-ID event, naming `cluster_id`, and its PCR 15 is
 /// that event's single extend. Returns what is wrong otherwise.
@@ -618,6 +631,26 @@ mod tests {
             REQUIRED_PCRS.iter().map(|p| (*p, [value; 32])).collect();
         pcrs.insert(15, [pcr15; 32]);
         pcrs
+    }
+
+    #[test]
+    fn a_claimed_pcr_is_read_only_from_a_well_formed_document() {
+        use keel_proto::attestation::PcrValue;
+        let doc = |pcrs: Vec<PcrValue>| AttestationDocument {
+            pcrs,
+            ..AttestationDocument::default()
+        };
+        let value = |index, digest: Vec<u8>| PcrValue { index, digest };
+        let encoded = doc(vec![value(4, vec![1; 32]), value(15, vec![0; 32])]).encode_to_vec();
+        assert_eq!(claimed_pcr(&encoded, 15), Some([0; 32]));
+        assert_eq!(claimed_pcr(&encoded, 4), Some([1; 32]));
+        assert_eq!(claimed_pcr(&encoded, 12), None);
+        let short = doc(vec![value(15, vec![0; 31])]).encode_to_vec();
+        assert_eq!(claimed_pcr(&short, 15), None);
+        assert_eq!(claimed_pcr(b"\xff\xff\xff", 15), None);
+        // Past the size bound nothing is read.
+        let big = [encoded.as_slice(), &vec![0; MAX_DOCUMENT_BYTES]].concat();
+        assert_eq!(claimed_pcr(&big, 15), None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use keel_verifier::ek::EkTrust;
 use keel_verifier::keys::ClusterId;
 use keel_verifier::measurement::{pcr, Digest32};
 use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
-use keel_verifier::validator::{ValidationError, Validator, Verified};
+use keel_verifier::validator::{claimed_pcr, Validator, Verified};
 
 use crate::attestation::policy::ReloadableValidator;
 use crate::cluster::{ClusterSlot, ClusterState};
@@ -193,12 +193,6 @@ impl PortValidator {
     }
 }
 
-/// Whether the join policy refused a document for its PCR 15 (among
-/// others): only then may it be a member's.
-fn refused_for_pcr15(e: &ValidationError) -> bool {
-    matches!(e, ValidationError::Measurements(m) if m.iter().any(|x| x.pcr == pcr::CLUSTER_ID))
-}
-
 impl keel_atls::Validator for PortValidator {
     type Claims = Verified;
 
@@ -208,11 +202,13 @@ impl keel_atls::Validator for PortValidator {
         nonce: &[u8],
         user_data: &[u8],
     ) -> Result<Verified, keel_atls::ValidationError> {
-        let join = self.join.current();
-        match Validator::validate(&join, document, nonce, user_data) {
-            Ok(verified) => return Ok(verified),
-            Err(e) if refused_for_pcr15(&e) => {}
-            Err(e) => return Err(e.into()),
+        // The join policy requires PCR 15 zero, and a member's PCR 15 is
+        // the extend of the cluster ID: the value the document claims picks
+        // the one policy that can accept it, which then checks the quote
+        // over that value. A member's handshake is validated once.
+        if claimed_pcr(document, pcr::CLUSTER_ID) == Some([0; 32]) {
+            return Validator::validate(&self.join.current(), document, nonce, user_data)
+                .map_err(Into::into);
         }
         let member = self
             .members
