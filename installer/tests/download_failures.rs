@@ -132,33 +132,44 @@ async fn a_component_without_a_hash_is_refused_before_any_download() {
     assert_eq!(mirror.total_requests(), 0);
 }
 
-#[tokio::test]
-async fn a_truncated_body_is_retried_then_refused() {
+/// Installs the kubelet stand-in from a mirror that shows `fault` on every
+/// request; checks that nothing was installed and returns the mirror and
+/// the error.
+async fn install_failing_always(fault: Fault) -> (MirrorServer, InstallError) {
     let mirror = MirrorServer::start().unwrap();
     let root = tempfile::tempdir().unwrap();
     mirror.serve(PATH, body());
-    mirror.fail_always(PATH, Fault::Truncate(1000));
+    mirror.fail_always(PATH, fault);
     let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
-
     let err = installer(root.path(), None, fast_retries())
         .install(&component, &NoProgress)
         .await
         .unwrap_err();
+    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
+    (mirror, err)
+}
 
-    let DownloadError::AttemptsExhausted {
-        attempts: 3, last, ..
-    } = download_error(&err)
-    else {
-        panic!("{}", chain(&err));
-    };
-    assert!(last.is_transient());
+/// The last failure of an install that used up its 3 attempts.
+fn last_of_three(err: &InstallError) -> &DownloadError {
+    match download_error(err) {
+        DownloadError::AttemptsExhausted {
+            attempts: 3, last, ..
+        } => last,
+        _ => panic!("{}", chain(err)),
+    }
+}
+
+#[tokio::test]
+async fn a_truncated_body_is_retried_then_refused() {
+    let (mirror, err) = install_failing_always(Fault::Truncate(1000)).await;
+
+    assert!(last_of_three(&err).is_transient());
     let text = chain(&err);
     assert!(text.contains("giving up after 3 attempts"), "{text}");
     assert!(
         text.contains("body truncated: received 1000 of 262144 bytes"),
         "{text}"
     );
-    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
     assert_eq!(mirror.requests(PATH), 3);
 }
 
@@ -194,26 +205,11 @@ async fn a_close_delimited_body_cut_short_is_retried() {
 /// retries, with the mismatch named; nothing is installed.
 #[tokio::test]
 async fn a_close_delimited_body_that_never_matches_is_refused() {
-    let mirror = MirrorServer::start().unwrap();
-    let root = tempfile::tempdir().unwrap();
-    mirror.serve(PATH, body());
-    mirror.fail_always(PATH, Fault::TruncateUnannounced(1000));
-    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+    let (mirror, err) = install_failing_always(Fault::TruncateUnannounced(1000)).await;
 
-    let err = installer(root.path(), None, fast_retries())
-        .install(&component, &NoProgress)
-        .await
-        .unwrap_err();
-
-    let DownloadError::AttemptsExhausted {
-        attempts: 3, last, ..
-    } = download_error(&err)
-    else {
-        panic!("{}", chain(&err));
-    };
     assert!(
         matches!(
-            **last,
+            last_of_three(&err),
             DownloadError::CloseDelimitedMismatch { received: 1000, .. }
         ),
         "{}",
@@ -228,7 +224,6 @@ async fn a_close_delimited_body_that_never_matches_is_refused() {
         )),
         "{text}"
     );
-    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
     assert_eq!(mirror.requests(PATH), 3);
 }
 
@@ -237,23 +232,13 @@ async fn a_close_delimited_body_that_never_matches_is_refused() {
 /// once like one of announced length.
 #[tokio::test]
 async fn a_chunked_body_of_other_bytes_is_not_retried() {
-    let mirror = MirrorServer::start().unwrap();
-    let root = tempfile::tempdir().unwrap();
-    mirror.serve(PATH, body());
-    mirror.fail_always(PATH, Fault::ChunkedPrefix(1000));
-    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
-
-    let err = installer(root.path(), None, fast_retries())
-        .install(&component, &NoProgress)
-        .await
-        .unwrap_err();
+    let (mirror, err) = install_failing_always(Fault::ChunkedPrefix(1000)).await;
 
     assert!(
         matches!(download_error(&err), DownloadError::HashMismatch { .. }),
         "{}",
         chain(&err)
     );
-    assert_nothing_installed(&root.path().join("run/state/bin/kubelet"));
     assert_eq!(mirror.requests(PATH), 1);
 }
 
