@@ -10,8 +10,8 @@
 //!   part-way looks like the end of such a body.
 //! * Permanent (returned at once): other HTTP statuses (404, 403, …), a body
 //!   larger than [`DownloadConfig::max_bytes`], a hash mismatch of a body
-//!   whose end is framed (Content-Length, chunked, HTTP/2), a local write
-//!   error.
+//!   whose end is framed (Content-Length, chunked as the last transfer
+//!   coding, HTTP/2), a local write error.
 //!
 //! Every attempt starts from byte zero: the file is truncated and the hash
 //! restarted, so a retried download is verified as a whole.
@@ -563,14 +563,15 @@ fn ends_with_connection(version: reqwest::Version, headers: &reqwest::header::He
         version,
         reqwest::Version::HTTP_09 | reqwest::Version::HTTP_10 | reqwest::Version::HTTP_11
     );
-    let last_coding = headers
+    // As hyper reads it: the last Transfer-Encoding line's last coding.
+    let chunked = headers
         .get_all(reqwest::header::TRANSFER_ENCODING)
         .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .map(str::trim)
-        .rfind(|coding| !coding.is_empty());
-    http1 && !last_coding.is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"))
+        .next_back()
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.rsplit(',').next())
+        .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"));
+    http1 && !chunked
 }
 
 /// Hashes and writes chunks on a blocking thread, so hashing and disk writes

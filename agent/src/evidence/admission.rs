@@ -179,8 +179,9 @@ pub fn check_member(peer: &Verified, cluster_id: &ClusterId) -> Result<(), Admis
         .map_err(AdmissionError::NotMember)
 }
 
-/// The join port's validator: the join policy, or else a member of this
-/// cluster.
+/// The join port's validator: the join policy for a document that claims
+/// PCR 15 zero, the members' policy (a member of this cluster) for any
+/// other.
 pub struct PortValidator {
     join: Arc<ReloadableValidator>,
     members: Arc<MemberPolicy>,

@@ -493,6 +493,9 @@ mod tests {
         })
         .await;
         assert_eq!(gaps.len(), 3, "{gaps:?}");
+        // What the set-up made is what the loop goes on with.
+        let made = until_set_up(&setup_backoff(Duration::from_secs(60)), || async { Ok(7) }).await;
+        assert_eq!(made, 7);
         for (gap, low_ms) in gaps.iter().zip([500, 1000, 2000]) {
             let low = Duration::from_millis(low_ms);
             assert!((low..=low * 2).contains(gap), "{gaps:?}");
