@@ -13,10 +13,66 @@ pub mod mirror;
 pub mod notify;
 pub mod swtpm;
 
+/// The lowest port [`free_port`] hands out.
+const FIRST_FREE_PORT: u32 = 10_000;
+
+/// The first port of the kernel's ephemeral range (32768 if unreadable).
+fn ephemeral_start() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
 /// A TCP port free on every local address at the time of asking (bound on
 /// `0.0.0.0` and released), for a server a test starts next.
+///
+/// Chosen from 10000 up to below the kernel's ephemeral range
+/// (`ip_local_port_range`), never twice in one process. A port the kernel
+/// picks for a bind to port 0 comes from the ephemeral range, from which
+/// every outgoing connection of the tests running beside takes its local
+/// port too: one of them could hold it by the time the server binds.
 pub fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("0.0.0.0:0")?
-        .local_addr()?
-        .port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    static START: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let span = ephemeral_start().saturating_sub(FIRST_FREE_PORT);
+    if span < 1000 {
+        return Ok(std::net::TcpListener::bind("0.0.0.0:0")?
+            .local_addr()?
+            .port());
+    }
+    let start = *START.get_or_init(|| rand::random::<u32>() % span);
+    for _ in 0..span {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed);
+        let Ok(port) = u16::try_from(FIRST_FREE_PORT + (start + offset) % span) else {
+            continue;
+        };
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        "no free port below the ephemeral range",
+    ))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    #[test]
+    fn free_ports_are_distinct_bindable_and_below_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..50).map(|_| super::free_port().unwrap()).collect();
+        let distinct: std::collections::BTreeSet<_> = ports.iter().collect();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        for port in ports {
+            let port_number = u32::from(port);
+            assert!(
+                (super::FIRST_FREE_PORT..super::ephemeral_start()).contains(&port_number),
+                "{port}"
+            );
+            std::net::TcpListener::bind(("0.0.0.0", port)).unwrap();
+        }
+    }
 }
