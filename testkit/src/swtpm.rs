@@ -10,10 +10,9 @@
 
 use std::fs;
 use std::io;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
@@ -161,8 +160,6 @@ pub struct Swtpm {
     state: TempDir,
 }
 
-static NEXT_PORT: AtomicU16 = AtomicU16::new(0);
-
 impl Swtpm {
     /// Manufactures a fresh TPM with an EK certificate from `ca` and starts it.
     pub fn start(ca: &EkCa) -> Result<Self, SwtpmError> {
@@ -262,7 +259,7 @@ impl Drop for Swtpm {
 fn spawn(state: &Path) -> Result<(Child, u16), SwtpmError> {
     let mut last = String::new();
     for _ in 0..20 {
-        let port = free_port_pair();
+        let port = crate::free_ports(2).map_err(io_err("choosing swtpm's ports"))?;
         let mut child = Command::new("swtpm")
             .args(["socket", "--tpm2", "--flags", "not-need-init,startup-clear"])
             .arg("--server")
@@ -297,19 +294,4 @@ fn spawn(state: &Path) -> Result<(Child, u16), SwtpmError> {
         }
     }
     Err(SwtpmError::Start(last))
-}
-
-/// A port `p` such that `p` and `p + 1` were free a moment ago.
-fn free_port_pair() -> u16 {
-    loop {
-        // Spread parallel test processes across the range by the process ID.
-        let seed = u32::from(NEXT_PORT.fetch_add(2, Ordering::Relaxed));
-        let spread = (std::process::id() % 2000) * 16;
-        let base = u16::try_from(20_000 + (spread + seed) % 40_000).unwrap_or(20_000) & !1;
-        if TcpListener::bind(("127.0.0.1", base)).is_ok()
-            && TcpListener::bind(("127.0.0.1", base + 1)).is_ok()
-        {
-            return base;
-        }
-    }
 }
