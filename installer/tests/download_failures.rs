@@ -149,6 +149,26 @@ async fn install_failing_always(fault: Fault) -> (MirrorServer, InstallError) {
     (mirror, err)
 }
 
+/// Installs the kubelet stand-in from a mirror that shows `fault` on its
+/// first `times` requests, reporting to `progress`; the install must
+/// succeed. Returns the mirror and the root it installed under.
+async fn install_after_faults(
+    fault: Fault,
+    times: usize,
+    progress: &dyn keel_installer::Progress,
+) -> (MirrorServer, tempfile::TempDir) {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mirror.serve(PATH, body());
+    mirror.fail_next(PATH, fault, times);
+    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
+    installer(root.path(), None, fast_retries())
+        .install(&component, progress)
+        .await
+        .unwrap_or_else(|e| panic!("{}", chain(&e)));
+    (mirror, root)
+}
+
 /// The last failure of an install that used up its 3 attempts.
 fn last_of_three(err: &InstallError) -> &DownloadError {
     match download_error(err) {
@@ -179,17 +199,8 @@ async fn a_truncated_body_is_retried_then_refused() {
 /// installs.
 #[tokio::test]
 async fn a_close_delimited_body_cut_short_is_retried() {
-    let mirror = MirrorServer::start().unwrap();
-    let root = tempfile::tempdir().unwrap();
-    mirror.serve(PATH, body());
-    mirror.fail_next(PATH, Fault::TruncateUnannounced(1000), 1);
-    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
     let progress = RetryLog::default();
-
-    installer(root.path(), None, fast_retries())
-        .install(&component, &progress)
-        .await
-        .unwrap_or_else(|e| panic!("{}", chain(&e)));
+    let (mirror, root) = install_after_faults(Fault::TruncateUnannounced(1000), 1, &progress).await;
 
     let installed = std::fs::read(root.path().join("run/state/bin/kubelet")).unwrap();
     assert_eq!(installed, body());
@@ -302,17 +313,8 @@ async fn a_404_is_not_retried() {
 
 #[tokio::test]
 async fn a_503_twice_then_200_succeeds() {
-    let mirror = MirrorServer::start().unwrap();
-    let root = tempfile::tempdir().unwrap();
-    mirror.serve(PATH, body());
-    mirror.fail_next(PATH, Fault::Status(503), 2);
-    let component = file_component(&mirror, PATH, &sha256(&body()), "kubelet");
-
     let progress = Recorder::default();
-    installer(root.path(), None, fast_retries())
-        .install(&component, &progress)
-        .await
-        .unwrap();
+    let (mirror, root) = install_after_faults(Fault::Status(503), 2, &progress).await;
 
     let path = root.path().join("run/state/bin/kubelet");
     assert_eq!(std::fs::read(&path).unwrap(), body());
