@@ -676,9 +676,12 @@ async fn the_accept_loop_counts_refusals_and_keeps_serving() {
 #[tokio::test]
 async fn only_a_connection_refused_before_any_work_is_refused_at_once() {
     let parties = Parties::new();
-    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // Bound but not listening: the port stays this test's, and a
+    // connection to it is refused (a listener bound and dropped would
+    // free it for any other test's listener).
+    let closed = tokio::net::TcpSocket::new_v4().unwrap();
+    closed.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let closed_addr = closed.local_addr().unwrap();
-    drop(closed);
     let Err(err) = parties
         .mutual_client()
         .connect("127.0.0.1", closed_addr.port())
@@ -688,6 +691,7 @@ async fn only_a_connection_refused_before_any_work_is_refused_at_once() {
     };
     assert!(err.is_refused_at_once(), "{err:?}");
     assert!(err.is_unreachable(), "{err:?}");
+    drop(closed);
 
     let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let silent_addr = silent.local_addr().unwrap();

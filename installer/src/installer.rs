@@ -174,7 +174,8 @@ pub enum InstallError {
         #[source]
         source: io::Error,
     },
-    /// The existing file at the install path could not be checked.
+    /// The existing file at the install path could not be checked or given
+    /// its mode.
     #[error("checking the existing file {path:?}")]
     CheckExisting {
         /// The file.
@@ -357,10 +358,9 @@ impl Installer {
         )
         .await?;
 
-        if !component.extract() && existing_matches(&dest, component.hash()).await? {
-            let mode = file_mode(component);
-            let path = dest.clone();
-            blocking(move || set_mode(&path, mode)).await?;
+        if !component.extract()
+            && keep_if_matching(&dest, component.hash(), file_mode(component)).await?
+        {
             tracing::info!("already installed with the expected hash");
             return Ok(InstalledComponent {
                 component: component.clone(),
@@ -697,21 +697,37 @@ where
         .map_err(InstallError::Blocking)?
 }
 
-/// Whether `dest` is a regular file (not a symlink) with the expected hash.
-async fn existing_matches(dest: &Path, expected: Sha256Digest) -> Result<bool, InstallError> {
+/// Whether `dest` is a regular file (not a symlink) with the expected hash;
+/// if so, gives it `mode`. The file is opened without following a symlink
+/// and checked, hashed and changed through that one descriptor, so a path
+/// swapped in between cannot have its target hashed or its mode changed.
+async fn keep_if_matching(
+    dest: &Path,
+    expected: Sha256Digest,
+    mode: u32,
+) -> Result<bool, InstallError> {
+    use std::os::unix::fs::OpenOptionsExt as _;
     let path = dest.to_path_buf();
     blocking(move || {
         let check_error = |source| InstallError::CheckExisting {
             path: path.clone(),
             source,
         };
-        match fs::symlink_metadata(&path) {
-            Ok(meta) if meta.is_file() => {}
-            Ok(_) => return Ok(false),
+        // O_NONBLOCK: opening a FIFO put there must not wait for a writer.
+        let opened = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path);
+        let mut file = match opened {
+            Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            // A symlink (ELOOP with O_NOFOLLOW) is replaced, not followed.
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Ok(false),
             Err(e) => return Err(check_error(e)),
+        };
+        if !file.metadata().map_err(check_error)?.is_file() {
+            return Ok(false);
         }
-        let mut file = File::open(&path).map_err(check_error)?;
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; 256 * 1024];
         loop {
@@ -721,16 +737,14 @@ async fn existing_matches(dest: &Path, expected: Sha256Digest) -> Result<bool, I
             }
             hasher.update(buf.get(..n).unwrap_or_default());
         }
-        Ok(Sha256Digest::from_hasher(hasher) == expected)
+        if Sha256Digest::from_hasher(hasher) != expected {
+            return Ok(false);
+        }
+        file.set_permissions(Permissions::from_mode(mode))
+            .map_err(check_error)?;
+        Ok(true)
     })
     .await
-}
-
-fn set_mode(path: &Path, mode: u32) -> Result<(), InstallError> {
-    fs::set_permissions(path, Permissions::from_mode(mode)).map_err(|source| InstallError::Rename {
-        path: path.to_owned(),
-        source,
-    })
 }
 
 /// Sets the mode, makes the content durable, renames into place and makes

@@ -209,6 +209,40 @@ async fn a_second_install_is_a_no_op_and_a_changed_file_is_replaced() {
     installer.install(&list[2], &NoProgress).await.unwrap();
     assert_eq!(mode(&kubelet), 0o755);
     assert_eq!(mirror.requests(kubelet_path), 2);
+
+    // A symlink to a right copy is neither followed nor its target's mode
+    // changed: the file is fetched again in its place.
+    let elsewhere = root.path().join("kubelet-elsewhere");
+    std::fs::rename(&kubelet, &elsewhere).unwrap();
+    std::fs::set_permissions(
+        &elsewhere,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &kubelet).unwrap();
+    let fourth = installer.install(&list[2], &NoProgress).await.unwrap();
+    assert!(matches!(fourth.outcome(), Outcome::Written { .. }));
+    assert_eq!(mirror.requests(kubelet_path), 3);
+    assert!(std::fs::symlink_metadata(&kubelet).unwrap().is_file());
+    assert_eq!(mode(&elsewhere), 0o600);
+
+    // A FIFO is opened without waiting for a writer and replaced.
+    std::fs::remove_file(&kubelet).unwrap();
+    let fifo = std::process::Command::new("mkfifo")
+        .arg(&kubelet)
+        .status()
+        .unwrap();
+    assert!(fifo.success());
+    let fifth = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        installer.install(&list[2], &NoProgress),
+    )
+    .await
+    .expect("the install waited on the FIFO")
+    .unwrap();
+    assert!(matches!(fifth.outcome(), Outcome::Written { .. }));
+    assert_eq!(mirror.requests(kubelet_path), 4);
+    assert!(std::fs::symlink_metadata(&kubelet).unwrap().is_file());
 }
 
 #[tokio::test]

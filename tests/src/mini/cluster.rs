@@ -458,23 +458,12 @@ fn ticket_issuer(line: &str) -> Option<String> {
     (!endpoint.is_empty()).then_some(endpoint)
 }
 
-/// A free TCP port on 127.0.0.1 (free a moment ago), never one this
-/// process handed out before: the cluster's host forwards must differ.
+/// A TCP port that was free a moment ago, never one this process handed
+/// out before (the cluster's host forwards must differ), taken from below
+/// the ephemeral range so that no outgoing connection holds it by the time
+/// QEMU binds it.
 pub fn free_port() -> Result<u16, MiniError> {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    loop {
-        let port = std::net::TcpListener::bind(("127.0.0.1", 0))
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .map_err(io("127.0.0.1:0"))?;
-        let mut given = GIVEN
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !given.contains(&port) {
-            given.push(port);
-            return Ok(port);
-        }
-    }
+    keel_testkit::free_port().map_err(io("a port below the ephemeral range"))
 }
 
 /// The niceness of the VMs that boot beside the first control plane.
