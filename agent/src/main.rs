@@ -338,15 +338,20 @@ async fn serve(
         lock,
     };
     let rebooting = node::reset_unfinished_disk(&node.env, &node.lock).await;
+    let control_plane = node.config.node.role == Role::ControlPlane;
+    let operator_port = node::OperatorPort::set_up(
+        init_listener,
+        node.clone(),
+        control_plane.then(|| measurements.clone()),
+    )?;
     // Ready once the disk was checked (a node that found it must reboot
-    // logged why above).
+    // logged why above) and the init port's server is set up.
     announce_ready()?;
     // Locked already: the agent restarted within this boot.
     let restarted = node.lock.is_locked();
     if !rebooting {
         resume::at_start(&node, kept).await;
     }
-    let control_plane = node.config.node.role == Role::ControlPlane;
     let mut tasks = tokio::task::JoinSet::new();
     if control_plane {
         tasks.spawn(node::serve_join_as_control_plane(
@@ -370,8 +375,7 @@ async fn serve(
     if node.config.cluster.init_secret_hash.is_empty() {
         tracing::info!("no init secret configured: this node does not accept init");
     }
-    let measurements = control_plane.then_some(measurements);
-    tasks.spawn(node::serve_operator_port(init_listener, node, measurements));
+    tasks.spawn(operator_port.serve());
     let supervise = async {
         while let Some(done) = tasks.join_next().await {
             match done {

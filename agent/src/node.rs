@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use keel_atls::AtlsServer;
 use keel_installer::{InstallPath, InstallerConfig, Mirror};
 use keel_proto::init::init_service_server::InitServiceServer;
@@ -178,35 +179,69 @@ pub async fn serve_operator_port(
     node: Node,
     measurements: Option<PathBuf>,
 ) -> anyhow::Result<()> {
-    let addr = listener.local_addr()?;
-    tracing::info!(%addr, "init server listening (server-attested aTLS)");
-    let own_ek = crate::attestation::shared_own_ek_digest(&node.tpm)?;
-    let auth = OperatorAuth::new(own_ek, node.cluster.clone(), node.operator_key.clone());
-    let upgrader = Upgrader::new(node.env.clone(), node.tpm.clone(), node.cluster.clone())
-        .with_signing_key(node.config.cluster.signing_key()?);
-    let operator = OperatorServer::new(
-        auth,
-        node.cluster.clone(),
-        measurements,
-        node.env.root().to_owned(),
-        Some(upgrader),
-    )
-    .with_disk_bindings(Arc::new(DiskBindings::new(node.env.root())));
-    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let recovery = RecoveryServer::new(node.clone());
-    let init = InitServer::new(node);
-    let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
-    let init = init_service(init);
-    let recovery = recovery.into_service();
-    let operator = operator.into_service();
-    grpc::serve(incoming, &GrpcLimits::default(), |server| {
-        server
-            .add_service(init)
-            .add_service(recovery)
-            .add_service(operator)
-    })
-    .await?;
-    Ok(())
+    OperatorPort::set_up(listener, node, measurements)?
+        .serve()
+        .await
+}
+
+/// The init port's server, set up and not yet serving: what can fail
+/// (reading the node's own EK) has run, so a node that says it is ready
+/// after [`OperatorPort::set_up`] does serve its init port.
+pub struct OperatorPort {
+    addr: SocketAddr,
+    serving: std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>> + Send>>,
+}
+
+impl OperatorPort {
+    /// Sets up the init API and, on a control plane, recovery and the
+    /// operator API (its join service reads `measurements`) on `listener`.
+    pub fn set_up(
+        listener: TcpListener,
+        node: Node,
+        measurements: Option<PathBuf>,
+    ) -> anyhow::Result<Self> {
+        let addr = listener.local_addr()?;
+        let own_ek = crate::attestation::shared_own_ek_digest(&node.tpm)
+            .context("reading the node's own endorsement key for the operator API")?;
+        let auth = OperatorAuth::new(own_ek, node.cluster.clone(), node.operator_key.clone());
+        let upgrader = Upgrader::new(node.env.clone(), node.tpm.clone(), node.cluster.clone())
+            .with_signing_key(node.config.cluster.signing_key()?);
+        let operator = OperatorServer::new(
+            auth,
+            node.cluster.clone(),
+            measurements,
+            node.env.root().to_owned(),
+            Some(upgrader),
+        )
+        .with_disk_bindings(Arc::new(DiskBindings::new(node.env.root())));
+        let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+        let recovery = RecoveryServer::new(node.clone());
+        let init = InitServer::new(node);
+        let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
+        let init = init_service(init);
+        let recovery = recovery.into_service();
+        let operator = operator.into_service();
+        let serving = async move {
+            grpc::serve(incoming, &GrpcLimits::default(), |server| {
+                server
+                    .add_service(init)
+                    .add_service(recovery)
+                    .add_service(operator)
+            })
+            .await?;
+            Ok(())
+        };
+        Ok(Self {
+            addr,
+            serving: Box::pin(serving),
+        })
+    }
+
+    /// Serves until the task is dropped.
+    pub async fn serve(self) -> anyhow::Result<()> {
+        tracing::info!(addr = %self.addr, "init server listening (server-attested aTLS)");
+        self.serving.await
+    }
 }
 
 /// Serves `init` alone on `listener` over server-attested aTLS (attesting
