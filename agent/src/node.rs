@@ -50,6 +50,10 @@ pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
 /// How long a join ticket request may take: a wait for a slot plus
 /// creating the bootstrap token.
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a request on the init port may take: recovery opens the disk,
+/// reinstalls the recorded components and starts the kubelet (the CLI's
+/// `keel recover` waits as long).
+pub const OPERATOR_PORT_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 /// Handshakes of one source that the join port admits to its issuer at
 /// once (keel-atls's default, 2, is meant for an issuer that quotes per
 /// handshake; the agent's issuer batches, so one quote serves all of them).
@@ -221,8 +225,12 @@ impl OperatorPort {
         let init = init_service(init);
         let recovery = recovery.into_service();
         let operator = operator.into_service();
+        let limits = GrpcLimits {
+            request_timeout: OPERATOR_PORT_REQUEST_TIMEOUT,
+            ..GrpcLimits::default()
+        };
         let serving = async move {
-            grpc::serve(incoming, &GrpcLimits::default(), |server| {
+            grpc::serve(incoming, &limits, |server| {
                 server
                     .add_service(init)
                     .add_service(recovery)

@@ -264,14 +264,27 @@ impl RecoveryServer {
             .cluster
             .signing_key()
             .map_err(|e| RecoveryError::Config(e.to_string()))?;
-        match inner.node.lock.try_lock(accepted.cluster_id) {
+        let lock = inner.node.lock.clone();
+        let cluster_id = accepted.cluster_id;
+        let taken = tokio::task::spawn_blocking(move || lock.try_lock(cluster_id))
+            .await
+            .map_err(|_| RecoveryError::Unavailable)?;
+        let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
+        let p = Provisioner::new(&inner.node.env, &inner.node.tpm, &log);
+        match taken {
             Ok(()) => {}
             Err(LockError::AlreadyLocked) => return Err(RecoveryError::Locked),
+            // A failed record may still have extended PCR 15: then the node
+            // is locked for good with nothing served, and starts over from
+            // a reboot, as after any failure past the lock.
+            Err(e) if inner.node.lock.is_locked() => {
+                let error = ProvisionError::Lock(keel_atls::ErrorChain(&e).to_string());
+                p.fail(&error).await;
+                return Err(RecoveryError::Lock(e));
+            }
             Err(e) => return Err(RecoveryError::Lock(e)),
         }
         tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "node locked for recovery");
-        let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
-        let p = Provisioner::new(&inner.node.env, &inner.node.tpm, &log);
         let result = async {
             p.prepare(Plan {
                 disk: DiskStep::Open {
@@ -317,6 +330,26 @@ impl RecoveryServer {
         request: RecoverRequest,
         disk: StateDisk,
     ) -> Result<Accepted, RecoveryError> {
+        // An unfinished set-up holds no cluster to recover (and the next
+        // start would reset it). Checked before the TPM opens anything: a
+        // request to a node with no cluster on its disk costs no TPM work.
+        let inspected = tokio::task::spawn_blocking(move || {
+            disk.inspect().map(|state| match state {
+                DiskState::Member { uuid } => Some((disk, uuid)),
+                DiskState::Fresh | DiskState::Unfinished { .. } => None,
+            })
+        })
+        .await
+        .map_err(|_| RecoveryError::Unavailable)?
+        .map_err(|e| {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "inspecting the state disk failed");
+            match e.unusable_header() {
+                Some(UnusableHeader::Damaged) => RecoveryError::DiskDamaged,
+                Some(UnusableHeader::Foreign) => RecoveryError::DiskForeign,
+                None => RecoveryError::Unavailable,
+            }
+        })?;
+        let (disk, uuid) = inspected.ok_or(RecoveryError::NoInitialisedDisk)?;
         let sealed = request
             .secrets
             .ok_or(RecoveryError::InvalidRequest("sealed secrets missing"))?;
@@ -337,25 +370,6 @@ impl RecoveryServer {
             .map_err(|_| RecoveryError::InvalidRequest("master secret"))?;
         let cluster_id = keys::cluster_id(&measurement_secret, &request.measurement_salt)
             .map_err(|_| RecoveryError::InvalidRequest("measurement salt length"))?;
-        // An unfinished set-up holds no cluster to recover (and the next
-        // start would reset it).
-        let inspected = tokio::task::spawn_blocking(move || {
-            disk.inspect().map(|state| match state {
-                DiskState::Member { uuid } => Some((disk, uuid)),
-                DiskState::Fresh | DiskState::Unfinished { .. } => None,
-            })
-        })
-        .await
-        .map_err(|_| RecoveryError::Unavailable)?
-        .map_err(|e| {
-            tracing::warn!(error = %keel_atls::ErrorChain(&e), "inspecting the state disk failed");
-            match e.unusable_header() {
-                Some(UnusableHeader::Damaged) => RecoveryError::DiskDamaged,
-                Some(UnusableHeader::Foreign) => RecoveryError::DiskForeign,
-                None => RecoveryError::Unavailable,
-            }
-        })?;
-        let (disk, uuid) = inspected.ok_or(RecoveryError::NoInitialisedDisk)?;
         let disk_key = keys
             .disk_key(&uuid, &own_ek)
             .map_err(|_| RecoveryError::Unavailable)?;

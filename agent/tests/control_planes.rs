@@ -372,6 +372,20 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     }
     assert!(!cp1.lock.is_locked());
     assert!(std::fs::read(&cp1.disk).unwrap() == damaged, "disk changed");
+    // The disk is judged before the TPM opens anything: sealed bytes that
+    // do not decode get the disk's answer, not the TPM's, twice from one
+    // address (nothing it sent was judged, so it is not throttled).
+    let from: IpAddr = "203.0.113.7".parse().unwrap();
+    for _ in 0..2 {
+        let junk = RecoverRequest {
+            secrets: Some(cp1.sealed(&[0xff; 40])),
+            measurement_salt: cp0.state.measurement_salt.to_vec(),
+        };
+        match recovery.recover(junk, Some(from)).await {
+            Err(RecoveryError::DiskDamaged) => {}
+            other => panic!("{other:?}"),
+        }
+    }
 
     // A LUKS1 header in its place: not keel's, refused as such.
     join_common::format_luks1(&cp1.disk);

@@ -27,7 +27,9 @@ use crate::settings::Settings;
 use crate::verify::Output;
 use crate::workspace::MasterSecret;
 
-/// How long the node may take to recover (open its disk, start the kubelet).
+/// How long the node may take to recover (open its disk, start the kubelet):
+/// the node's own bound on a request of its init port
+/// (`OPERATOR_PORT_REQUEST_TIMEOUT` in the agent).
 const RECOVER_TIMEOUT: Duration = Duration::from_secs(300);
 
 #[derive(Serialize)]
@@ -108,4 +110,18 @@ pub async fn run(
         ),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The CLI waits as long as the node lets a recovery run: with a
+    /// shorter bound on the node, a recovery that succeeds late is reported
+    /// to the operator as a failure.
+    #[test]
+    fn the_cli_waits_as_long_as_the_node_lets_recovery_run() {
+        assert_eq!(
+            super::RECOVER_TIMEOUT,
+            keel_agent::node::OPERATOR_PORT_REQUEST_TIMEOUT
+        );
+    }
 }
