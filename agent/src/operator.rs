@@ -150,6 +150,18 @@ pub enum OperatorError {
         /// The file's epoch.
         epoch: u64,
     },
+    /// The set is staged already with a file of a higher epoch: this file
+    /// would lower the floor its finish sets.
+    #[error(
+        "this image is staged already with a file of epoch {held}; a file of epoch {epoch} \
+         would lower the rollback floor its finish sets"
+    )]
+    RestagedOlder {
+        /// The staged file's epoch.
+        held: u64,
+        /// This file's epoch.
+        epoch: u64,
+    },
     /// The new measurements could not be stored.
     #[error("storing the measurements failed")]
     Store(#[source] anyhow::Error),
@@ -185,7 +197,8 @@ impl From<&OperatorError> for tonic::Status {
             | E::OtherStaged { .. }
             | E::AlreadyCurrent
             | E::Rollback { .. }
-            | E::StagedOlder { .. } => tonic::Code::FailedPrecondition,
+            | E::StagedOlder { .. }
+            | E::RestagedOlder { .. } => tonic::Code::FailedPrecondition,
             E::Signature(_) => tonic::Code::PermissionDenied,
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
@@ -603,6 +616,18 @@ impl OperatorServer {
                     .without_retired_signed());
             }
             let staged = signed.measurements().clone();
+            // The staged set again: its file may be replaced by one of the
+            // same or a higher epoch, never a lower one (the finish, which
+            // names only the set, takes the floor from the file held).
+            if state.staged_measurements.as_ref() == Some(&staged) {
+                let held = state.epoch_of(&staged);
+                if signed.epoch() < held {
+                    return Err(OperatorError::RestagedOlder {
+                        held,
+                        epoch: signed.epoch(),
+                    });
+                }
+            }
             // A set staged before and replaced now is retired with its
             // signed file; the current set's stays.
             Ok(state

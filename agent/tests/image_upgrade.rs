@@ -867,6 +867,28 @@ async fn an_image_older_than_one_made_current_is_not_brought_back() {
         .stage_image_measurements(&stage_request(&server, key, &b_body, &b_signature), None)
         .unwrap();
     assert_eq!(floor(), 1, "staging alone keeps the floor");
+    // Staged again in an older file of B (epoch 1, at the floor): refused,
+    // since the finish names only the set and would take its floor from
+    // the older file; the same file again is taken.
+    let (b_older, b_older_signature) = sign(&image_b, 1);
+    let refusal = server
+        .stage_image_measurements(
+            &stage_request(&server, key, &b_older, &b_older_signature),
+            None,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(refusal, OperatorError::RestagedOlder { held: 2, epoch: 1 }),
+        "{refusal:?}"
+    );
+    assert_eq!(
+        tonic::Status::from(&refusal).code(),
+        tonic::Code::FailedPrecondition
+    );
+    server
+        .stage_image_measurements(&stage_request(&server, key, &b_body, &b_signature), None)
+        .unwrap();
+    assert_eq!(service.slot.borrow().clone().unwrap().epoch_of(&image_b), 2);
     server
         .finish_image_upgrade(&finish_request(&server, key, staged), None)
         .unwrap();

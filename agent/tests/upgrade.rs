@@ -601,6 +601,15 @@ async fn a_rollback_that_cannot_write_its_record_still_restarts_the_old_kubelet(
         "{}",
         failed.error
     );
+    // kubeadm's upgrade had succeeded: the operator is told what stays and
+    // what to do.
+    assert!(
+        failed.error.contains(&format!(
+            "kubeadm had upgraded this node to Kubernetes {TO}"
+        )) && failed.error.contains("run the same upgrade again"),
+        "{}",
+        failed.error
+    );
     assert!(
         lines
             .iter()

@@ -26,6 +26,10 @@
 //! previous components again (so the event log ends with what the node
 //! runs) and restarts the kubelet: the node keeps serving at its previous
 //! version, and the failure names what went wrong and that it rolled back.
+//! A failure after kubeadm's upgrade succeeded is not a rollback: the
+//! binaries go back, but what kubeadm changed stays, and the failure says
+//! to run the same upgrade again (the node's record still names the
+//! previous version, so it is admitted).
 //!
 //! A node that stops between 4 and 5 (power loss, a crash) finds the
 //! [`Switching`] record, written before the switch, when it boots: its
@@ -244,6 +248,21 @@ pub enum UpgradeError {
     /// A control plane's facts could not be updated.
     #[error("updating the control-plane facts")]
     Facts(#[source] FactsError),
+    /// A step after kubeadm's upgrade failed. kubeadm's changes (the
+    /// static pods' manifests, the kubelet's config, the cluster's kubeadm
+    /// config on the first control plane) are not undone by switching the
+    /// binaries back: running the same upgrade again finishes it.
+    #[error(
+        "kubeadm had upgraded this node to Kubernetes {version} (its manifests and \
+         configuration stay so); run the same upgrade again to finish it"
+    )]
+    AfterKubeadm {
+        /// The version kubeadm upgraded to.
+        version: KubernetesVersion,
+        /// What failed after it.
+        #[source]
+        source: Box<UpgradeError>,
+    },
 }
 
 impl From<FactsError> for UpgradeError {
@@ -469,7 +488,11 @@ impl Upgrader {
             }
             Err(error) => {
                 log(format!("upgrade failed: {}", keel_atls::ErrorChain(&error)));
-                let rolled_back = self.roll_back(&current, staging, log).await;
+                // After kubeadm's upgrade, switching the binaries back does
+                // not undo it: the node is not rolled back, whatever the
+                // switch back does.
+                let applied = matches!(error, UpgradeError::AfterKubeadm { .. });
+                let rolled_back = self.roll_back(&current, staging, log).await && !applied;
                 Err(failure(error, true, rolled_back))
             }
         }
@@ -547,16 +570,22 @@ impl Upgrader {
             }
         }
         .map_err(UpgradeError::Kubeadm)?;
+        let applied = |error| UpgradeError::AfterKubeadm {
+            version: target.version,
+            source: Box::new(error),
+        };
         restart_kubelet(&self.env.kubelet)
             .await
-            .map_err(UpgradeError::Kubelet)?;
+            .map_err(|e| applied(UpgradeError::Kubelet(e)))?;
         log("kubelet restarted".into());
         let record = NodeVersion {
             version: target.version,
             components: target.components.clone(),
         };
-        record.save(self.env.root()).map_err(UpgradeError::Record)?;
-        self.follow_on_control_plane(&record)?;
+        record
+            .save(self.env.root())
+            .map_err(|e| applied(UpgradeError::Record(e)))?;
+        self.follow_on_control_plane(&record).map_err(applied)?;
         crate::provision::durable().await;
         // The upgrade is done either way: a record left behind only makes
         // the next boot install this version afresh.
@@ -591,12 +620,18 @@ impl Upgrader {
             return false;
         }
         let note = format!("rollback to Kubernetes {}", previous.version);
-        if let Err(e) = self.measure(&previous.components, &note).await {
-            log(format!(
-                "measuring the previous components failed: {}",
-                keel_atls::ErrorChain(&e)
-            ));
-        }
+        // The event log must end with what the node runs: unmeasured, the
+        // rollback is not complete.
+        let measured = match self.measure(&previous.components, &note).await {
+            Ok(()) => true,
+            Err(e) => {
+                log(format!(
+                    "measuring the previous components failed: {}",
+                    keel_atls::ErrorChain(&e)
+                ));
+                false
+            }
+        };
         let saved = previous.save(self.env.root()).is_ok();
         if saved {
             crate::provision::durable().await;
@@ -608,7 +643,7 @@ impl Upgrader {
         // restarted from what the directories hold now, whether or not the
         // record could be written.
         let restarted = restart_kubelet(&self.env.kubelet).await.is_ok();
-        let restored = saved && restarted;
+        let restored = measured && saved && restarted;
         if let Err(e) = self.follow_on_control_plane(previous) {
             log(format!(
                 "restoring the control-plane facts failed: {}",

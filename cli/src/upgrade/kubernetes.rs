@@ -208,8 +208,9 @@ async fn follow(
                             "nothing switched, runs Kubernetes {}",
                             printable(&failed.running_version)
                         ),
-                        (true, false) => "switched, and switching back did not complete: the \
-                                          node needs attention (its console says what failed)"
+                        (true, false) => "switched, and not rolled back in full: the node \
+                                          needs attention (the error above and its console say \
+                                          what failed)"
                             .to_owned(),
                     }
                 )
