@@ -371,6 +371,12 @@ pub async fn follow_join_measurements(
     }
 }
 
+/// The first pause before the join service is set up again after a
+/// failure; it doubles up to [`JOIN_SERVICE_RETRY_MAX`].
+const JOIN_SERVICE_RETRY_FIRST: Duration = Duration::from_secs(1);
+/// The longest pause between two set-ups of the join service.
+const JOIN_SERVICE_RETRY_MAX: Duration = Duration::from_secs(30);
+
 /// On a control-plane node: waits until this node has a cluster state
 /// (it created the cluster, joined or rejoined as a control plane, or was
 /// recovered), writes the measurements its cluster state carries to
@@ -378,7 +384,45 @@ pub async fn follow_join_measurements(
 /// follows the cluster state (the operator API changes it), and the
 /// join service's policy follows the file ([`follow_join_measurements`]);
 /// the file is also re-read every 10 s.
+///
+/// A node that has its cluster state told the operator it serves joins
+/// (`keel init`, a rejoin, `keel recover`): a set-up that fails (the port
+/// held a moment by another process, a full `/run`) is logged and tried
+/// again, with pauses from 1 s doubling to 30 s, until it serves.
 pub async fn serve_join_as_control_plane(
+    addr: SocketAddr,
+    config: NodeConfig,
+    tpm: SharedTpm,
+    env: NodeEnv,
+    cluster: Arc<ClusterSlot>,
+    measurements: PathBuf,
+) -> anyhow::Result<()> {
+    let mut pause = JOIN_SERVICE_RETRY_FIRST;
+    loop {
+        let served = serve_join_once(
+            addr,
+            config.clone(),
+            tpm.clone(),
+            env.clone(),
+            cluster.clone(),
+            measurements.clone(),
+        )
+        .await;
+        match served {
+            Ok(()) => return Ok(()),
+            Err(e) => tracing::error!(
+                error = format!("{e:#}"),
+                retry_in_s = pause.as_secs(),
+                "the join service failed; setting it up again"
+            ),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(JOIN_SERVICE_RETRY_MAX);
+    }
+}
+
+/// One set-up and run of [`serve_join_as_control_plane`].
+async fn serve_join_once(
     addr: SocketAddr,
     config: NodeConfig,
     tpm: SharedTpm,

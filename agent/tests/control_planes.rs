@@ -414,7 +414,16 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         .clone()
         .expect("the recovered node has no cluster state");
     assert_eq!(state.cluster_id, cluster_id);
-    let serving = cp1.serve_join(ports[1], slot.clone()).await;
+    // Its join port is held a moment by another process (a host-network
+    // pod, say) when the recovered node sets up its join service: the
+    // set-up is tried again, not given up, and the node serves once the
+    // port is free.
+    let held = std::net::TcpListener::bind(("127.0.0.1", ports[1])).unwrap();
+    let serving = cp1.start_join_service(ports[1], slot.clone());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!serving.is_finished(), "the join service gave up");
+    drop(held);
+    join_common::wait_for_port(format!("127.0.0.1:{}", ports[1]).parse().unwrap()).await;
 
     // Once recovered, the node is locked: a second recovery is refused.
     let again = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);

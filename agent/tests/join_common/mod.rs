@@ -828,6 +828,18 @@ impl Joiner {
         port: u16,
         slot: Arc<ClusterSlot>,
     ) -> tokio::task::JoinHandle<()> {
+        let task = self.start_join_service(port, slot);
+        wait_for_port(format!("127.0.0.1:{port}").parse().unwrap()).await;
+        task
+    }
+
+    /// Starts the node's join service on `port` (once it has a cluster
+    /// state in `slot`), without waiting for it to listen.
+    pub fn start_join_service(
+        &self,
+        port: u16,
+        slot: Arc<ClusterSlot>,
+    ) -> tokio::task::JoinHandle<()> {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let serve = keel_agent::node::serve_join_as_control_plane(
             addr,
@@ -837,13 +849,11 @@ impl Joiner {
             slot,
             self.work.join("join-measurements.json"),
         );
-        let task = tokio::spawn(async move {
+        tokio::spawn(async move {
             if let Err(e) = serve.await {
                 panic!("join service: {e:#}");
             }
-        });
-        wait_for_port(addr).await;
-        task
+        })
     }
 
     /// Reboots the node: its TPM restarts (PCRs zero), its disk and
