@@ -105,7 +105,7 @@ fn refuse_link(path: &Path) -> anyhow::Result<()> {
 }
 
 /// Writes `data` to `path` atomically with `mode` ([`Reserved`]).
-fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Result<()> {
+pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Result<()> {
     Reserved::new(path, mode, 0)?.commit(data)
 }
 

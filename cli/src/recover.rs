@@ -61,6 +61,11 @@ pub async fn run(
     // The node must be one of ours (the measurements) and in no cluster:
     // a node that already rejoined has PCR 15 set and gets nothing.
     let mut measurements = settings.measurements()?;
+    // After an image rollout, only the finished image: the settings may
+    // still name the image it retired.
+    if let Some(image) = crate::workspace::FinishedImage::load(workspace)? {
+        image.require(&measurements).context("nothing was sent")?;
+    }
     measurements.require(pcr::CLUSTER_ID, [0; 32]);
     let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
     let (host, port) = Settings::host_port(&endpoint)?;

@@ -17,6 +17,9 @@ pub const KUBECONFIG_FILE: &str = "keel-admin.conf";
 pub const ID_FILE: &str = "keel-id.json";
 /// The node's logs after a failed init.
 pub const FAILURE_LOG_FILE: &str = "keel-init-failure.log";
+/// The image measurements the last `keel upgrade finish` made the only
+/// accepted ones.
+pub const IMAGE_FILE: &str = "keel-image.json";
 
 /// [`MASTER_SECRET_FILE`] as stored: hex fields.
 #[derive(Serialize, Deserialize)]
@@ -81,4 +84,62 @@ pub fn cluster_id(workspace: &Path) -> anyhow::Result<Vec<u8>> {
     let id: IdFile = serde_json::from_slice(&read_bounded(&path)?)
         .with_context(|| format!("{} is not a cluster ID file", path.display()))?;
     hex::decode(&id.cluster_id).context("the cluster ID is not hex")
+}
+
+/// [`IMAGE_FILE`]: the set of measurements the cluster's control planes
+/// accept alone since the last finished image rollout.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FinishedImage {
+    /// SHA-256 of the set's canonical JSON (hex), as `keel upgrade
+    /// finish` printed it.
+    pub digest: String,
+    /// The finished file's rollback epoch.
+    pub epoch: u64,
+}
+
+impl FinishedImage {
+    /// Writes the record to `workspace` (atomically).
+    pub fn save(&self, workspace: &Path) -> anyhow::Result<()> {
+        let body = serde_json::to_vec_pretty(self).context("encoding the image record")?;
+        crate::init::write_atomic(&workspace.join(IMAGE_FILE), &body, 0o644)
+    }
+
+    /// The record in `workspace`; `None` where no image rollout was
+    /// finished from it.
+    pub fn load(workspace: &Path) -> anyhow::Result<Option<Self>> {
+        let path = workspace.join(IMAGE_FILE);
+        let body = match read_bounded(&path) {
+            Ok(body) => body,
+            Err(e)
+                if e.downcast_ref::<std::io::Error>()
+                    .is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        serde_json::from_slice(&body)
+            .map(Some)
+            .with_context(|| format!("{} is not an image record", path.display()))
+    }
+
+    /// Refuses `measurements` (the set the operator's settings name) unless
+    /// it is the finished one: a node of a retired image is never sent the
+    /// master secret because the settings still name its measurements.
+    pub fn require(
+        &self,
+        measurements: &keel_verifier::measurements::Measurements,
+    ) -> anyhow::Result<()> {
+        let named = hex::encode(measurements.digest());
+        if named != self.digest {
+            anyhow::bail!(
+                "the settings' measurements (sha256:{named}) are not the image this cluster \
+                 accepts since the last `keel upgrade finish` (sha256:{}, epoch {}): point \
+                 `measurements` in the settings at that image's file",
+                self.digest,
+                self.epoch
+            );
+        }
+        Ok(())
+    }
 }

@@ -532,6 +532,10 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     assert!(out.status.success(), "{}", text(&out));
     assert!(!staged_file.exists());
     assert_eq!(read(&join_measurements), image);
+    // The workspace records the finished image, for `keel recover`.
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ws.path().join("keel-image.json")).unwrap()).unwrap();
+    assert_eq!(record["digest"], hex::encode(image.digest()));
     // Finished: another set has nothing to finish, the same one (asked
     // again, as after a failure to write the join service's file) changes
     // nothing.
@@ -775,13 +779,46 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         }
     }
 
-    // `keel recover` against a node that is a member (PCR 15 set): the CLI
-    // refuses it before it sends anything, whatever the node would answer.
+    // `keel recover` with settings that still name the image the finish
+    // retired: refused before anything is sent (a host could boot that
+    // image and route the operator to it).
     let out = run_keel(
         &[
             "recover",
             "--workspace",
             ws.path().to_str().unwrap(),
+            "--endpoint",
+            &operator_addr.to_string(),
+            "--wait",
+            "0",
+        ],
+        &settings,
+        None,
+    )
+    .await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!(
+            "are not the image this cluster accepts since the last `keel upgrade finish` \
+             (sha256:{}, epoch",
+            hex::encode(image.digest())
+        )),
+        "{}",
+        text(&out)
+    );
+    // `keel recover` against a node that is a member (PCR 15 set), from a
+    // workspace that finished no image rollout: the CLI refuses it before
+    // it sends anything, whatever the node would answer.
+    let before_rollout = tempfile::tempdir().unwrap();
+    for file in ["keel-master-secret.json", "keel-id.json"] {
+        std::fs::copy(ws.path().join(file), before_rollout.path().join(file)).unwrap();
+    }
+    let out = run_keel(
+        &[
+            "recover",
+            "--workspace",
+            before_rollout.path().to_str().unwrap(),
             "--endpoint",
             &operator_addr.to_string(),
             "--wait",

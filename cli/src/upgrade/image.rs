@@ -154,7 +154,19 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
             })
         },
     )
-    .await
+    .await?;
+    // What `keel recover` holds its settings to from now on.
+    crate::workspace::FinishedImage {
+        digest: hex::encode(digest),
+        epoch: image.epoch(),
+    }
+    .save(&cluster.workspace)
+    .context("recording the finished image in the workspace")?;
+    println!(
+        "image: recorded in the workspace; `keel recover` now takes only this image's \
+         measurements"
+    );
+    Ok(())
 }
 
 /// The control planes of `roles`, which stage and finish an image's
