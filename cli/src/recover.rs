@@ -102,6 +102,18 @@ pub async fn run(
     if response.cluster_id.len() != 32 {
         bail!("the node answered without a cluster ID");
     }
+    // The node locked to the cluster its disk holds, which the workspace's
+    // secret opened: another ID means the workspace's ID file is not this
+    // secret's cluster (or the node misreports), said rather than hidden.
+    if let Ok(expected) = crate::workspace::cluster_id(workspace) {
+        if expected != response.cluster_id {
+            bail!(
+                "{endpoint} recovered, but locked to cluster {}, not the workspace's {}",
+                hex::encode(&response.cluster_id),
+                hex::encode(&expected)
+            );
+        }
+    }
     let report = Report {
         endpoint,
         cluster_id: hex::encode(&response.cluster_id),

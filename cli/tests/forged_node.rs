@@ -307,8 +307,47 @@ impl RecoveryService for Recorder {
         _request: tonic::Request<RecoverRequest>,
     ) -> Result<tonic::Response<RecoverResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
+        if self.1 {
+            // A compromised control plane: "recovered", to another cluster.
+            return Ok(tonic::Response::new(RecoverResponse {
+                cluster_id: vec![0x55; 32],
+            }));
+        }
         Err(tonic::Status::unavailable("a worker"))
     }
+}
+
+/// Attacker's move: a control plane of the cluster's image, compromised
+/// after it booted (attestation passes), answers `keel recover` as
+/// recovered, but to a cluster other than the workspace's. The operator is
+/// told so instead of "recovered".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_to_another_cluster_is_reported() {
+    let ca = EkCa::new().unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+    let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
+    let ws = &served.workspace;
+    operator_workspace(ws, Some(&served.endpoint));
+    let recover = [
+        "recover",
+        "--workspace",
+        ws.to_str().unwrap(),
+        "--wait",
+        "5",
+    ];
+    let out = run_keel(&recover, &served.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert_eq!(served.requests(), 1, "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!(
+            "recovered, but locked to cluster {}, not the workspace's {}",
+            "55".repeat(32),
+            "44".repeat(32)
+        )),
+        "{}",
+        text(&out)
+    );
 }
 
 /// Attacker's move: the host sends the operator's `keel init` or `keel
