@@ -32,10 +32,26 @@ pub enum LockError {
     /// Measuring the cluster ID failed. Whether the node ended up locked is
     /// decided by PCR 15 afterwards, see [`NodeLock::try_lock`].
     #[error("measuring the cluster ID into the node lock PCR")]
-    Record(#[source] MeasuredLogError),
+    Record {
+        /// Why.
+        #[source]
+        source: MeasuredLogError,
+        /// PCR 15 was set (or could not be read) after the failure: this
+        /// attempt left the node locked for good.
+        locked: bool,
+    },
     /// Another thread panicked while holding the TPM.
     #[error("the TPM handle is poisoned")]
     Poisoned,
+}
+
+impl LockError {
+    /// This failed attempt itself left the node locked (its PCR 15 set):
+    /// nothing this boot can do lets the node start over. Decided under the
+    /// lock's own mutex, so a later winner's lock is not mistaken for it.
+    pub fn left_locked(&self) -> bool {
+        matches!(self, Self::Record { locked: true, .. })
+    }
 }
 
 /// The node lock over the node's measured TPM.
@@ -85,9 +101,12 @@ impl NodeLock {
                 tracing::info!(cluster_id = %hex::encode(cluster_id), "node locked");
                 Ok(())
             }
-            Err(err) => {
+            Err(source) => {
                 *locked = pcr15_set(&self.tpm).unwrap_or(true);
-                Err(LockError::Record(err))
+                Err(LockError::Record {
+                    source,
+                    locked: *locked,
+                })
             }
         }
     }

@@ -175,10 +175,11 @@ impl RecoveryServer {
     /// timeout) stops neither the check, so a refusal is counted against
     /// its address and the TPM is not free for the next one before it
     /// ends, nor the work after the node lock, which ends serving or
-    /// failing (the node reboots) whatever became of the request. What
-    /// can be refused without the TPM is refused before the task starts,
-    /// and at most [`MAX_WAITING`] requests wait for their turn; past
-    /// that, `Busy`.
+    /// failing (the node reboots) whatever became of the request. The
+    /// node's role, lock and the peer's backoff are checked before the task
+    /// starts, the state disk first in the task (before the TPM opens
+    /// anything); at most [`MAX_WAITING`] requests wait for their turn;
+    /// past that, `Busy`.
     pub async fn recover(
         &self,
         request: RecoverRequest,
@@ -277,7 +278,7 @@ impl RecoveryServer {
             // A failed record may still have extended PCR 15: then the node
             // is locked for good with nothing served, and starts over from
             // a reboot, as after any failure past the lock.
-            Err(e) if inner.node.lock.is_locked() => {
+            Err(e) if e.left_locked() => {
                 let error = ProvisionError::Lock(keel_atls::ErrorChain(&e).to_string());
                 p.fail(&error).await;
                 return Err(RecoveryError::Lock(e));

@@ -493,6 +493,17 @@ impl InitService for InitServer {
         match self.inner.node.lock.try_lock(accepted.cluster_id) {
             Ok(()) => {}
             Err(LockError::AlreadyLocked) => return Err((&InitError::Locked).into()),
+            // A failed record that set PCR 15 anyway: the node is locked
+            // for good with nothing served, and starts over from a reboot,
+            // as after any failure past the lock.
+            Err(e) if e.left_locked() => {
+                let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
+                let error = ProvisionError::Lock(keel_atls::ErrorChain(&e).to_string());
+                Provisioner::new(&self.inner.node.env, &self.inner.node.tpm, &log)
+                    .fail(&error)
+                    .await;
+                return Err((&InitError::Lock(e)).into());
+            }
             Err(e) => return Err((&InitError::Lock(e)).into()),
         }
         tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "node locked for init");

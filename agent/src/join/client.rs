@@ -329,9 +329,7 @@ impl JoinClient {
             Ok(Err(LockError::AlreadyLocked)) => Locking::Lost,
             // A failed record may still have extended PCR 15: then the
             // node is locked for good and cannot continue.
-            Ok(Err(e)) if self.lock.is_locked() => {
-                Locking::Broken(keel_atls::ErrorChain(&e).to_string())
-            }
+            Ok(Err(e)) if e.left_locked() => Locking::Broken(keel_atls::ErrorChain(&e).to_string()),
             Ok(Err(e)) => Locking::Retry(keel_atls::ErrorChain(&e).to_string()),
             Err(e) => Locking::Retry(format!("lock task: {e}")),
         }
