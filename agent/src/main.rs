@@ -339,11 +339,23 @@ async fn serve(
     };
     let rebooting = node::reset_unfinished_disk(&node.env, &node.lock).await;
     let control_plane = node.config.node.role == Role::ControlPlane;
-    let operator_port = node::OperatorPort::set_up(
+    let operator_port = match node::OperatorPort::set_up(
         init_listener,
         node.clone(),
         control_plane.then(|| measurements.clone()),
-    )?;
+    ) {
+        Ok(port) => Some(port),
+        // The reboot scheduled above must still happen: the agent runs on
+        // to it, serving nothing on its init port.
+        Err(e) if rebooting => {
+            tracing::error!(
+                error = format!("{e:#}"),
+                "setting up the init port's server failed"
+            );
+            None
+        }
+        Err(e) => return Err(e),
+    };
     // Ready once the disk was checked (a node that found it must reboot
     // logged why above) and the init port's server is set up.
     announce_ready()?;
@@ -375,7 +387,9 @@ async fn serve(
     if node.config.cluster.init_secret_hash.is_empty() {
         tracing::info!("no init secret configured: this node does not accept init");
     }
-    tasks.spawn(operator_port.serve());
+    if let Some(port) = operator_port {
+        tasks.spawn(port.serve());
+    }
     let supervise = async {
         while let Some(done) = tasks.join_next().await {
             match done {

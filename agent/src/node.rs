@@ -221,7 +221,6 @@ impl OperatorPort {
         let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
         let recovery = RecoveryServer::new(node.clone());
         let init = InitServer::new(node);
-        let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
         let init = init_service(init);
         let recovery = recovery.into_service();
         let operator = operator.into_service();
@@ -230,6 +229,9 @@ impl OperatorPort {
             ..GrpcLimits::default()
         };
         let serving = async move {
+            // Accepting starts here: until then connections wait in the
+            // backlog.
+            let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
             grpc::serve(incoming, &limits, |server| {
                 server
                     .add_service(init)
@@ -399,6 +401,7 @@ pub async fn serve_join_as_control_plane(
 ) -> anyhow::Result<()> {
     let mut pause = JOIN_SERVICE_RETRY_FIRST;
     loop {
+        let started = tokio::time::Instant::now();
         let served = serve_join_once(
             addr,
             config.clone(),
@@ -415,6 +418,11 @@ pub async fn serve_join_as_control_plane(
                 retry_in_s = pause.as_secs(),
                 "the join service failed; setting it up again"
             ),
+        }
+        // A service that ran a while before it failed starts the pauses
+        // over.
+        if started.elapsed() > JOIN_SERVICE_RETRY_MAX {
+            pause = JOIN_SERVICE_RETRY_FIRST;
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(JOIN_SERVICE_RETRY_MAX);

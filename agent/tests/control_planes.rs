@@ -420,7 +420,8 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     // port is free.
     let held = std::net::TcpListener::bind(("127.0.0.1", ports[1])).unwrap();
     let serving = cp1.start_join_service(ports[1], slot.clone());
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Past the first set-up and the first retry (1 s later).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(!serving.is_finished(), "the join service gave up");
     drop(held);
     join_common::wait_for_port(format!("127.0.0.1:{}", ports[1]).parse().unwrap()).await;
