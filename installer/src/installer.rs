@@ -721,8 +721,11 @@ async fn keep_if_matching(
         let mut file = match opened {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-            // A symlink (ELOOP with O_NOFOLLOW) is replaced, not followed.
-            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Ok(false),
+            // A symlink (ELOOP with O_NOFOLLOW) is replaced, not followed;
+            // so is a UNIX socket, which cannot be opened (ENXIO).
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENXIO)) => {
+                return Ok(false)
+            }
             Err(e) => return Err(check_error(e)),
         };
         if !file.metadata().map_err(check_error)?.is_file() {

@@ -243,6 +243,15 @@ async fn a_second_install_is_a_no_op_and_a_changed_file_is_replaced() {
     assert!(matches!(fifth.outcome(), Outcome::Written { .. }));
     assert_eq!(mirror.requests(kubelet_path), 4);
     assert!(std::fs::symlink_metadata(&kubelet).unwrap().is_file());
+
+    // A UNIX socket, which cannot be opened: replaced too.
+    std::fs::remove_file(&kubelet).unwrap();
+    let socket = std::os::unix::net::UnixListener::bind(&kubelet).unwrap();
+    let sixth = installer.install(&list[2], &NoProgress).await.unwrap();
+    assert!(matches!(sixth.outcome(), Outcome::Written { .. }));
+    assert_eq!(mirror.requests(kubelet_path), 5);
+    assert!(std::fs::symlink_metadata(&kubelet).unwrap().is_file());
+    drop(socket);
 }
 
 #[tokio::test]

@@ -460,10 +460,28 @@ fn ticket_issuer(line: &str) -> Option<String> {
 
 /// A TCP port that was free a moment ago, never one this process handed
 /// out before (the cluster's host forwards must differ), taken from below
-/// the ephemeral range so that no outgoing connection holds it by the time
-/// QEMU binds it.
+/// the ephemeral range where there is room, so that no outgoing connection
+/// holds it by the time QEMU binds it.
 pub fn free_port() -> Result<u16, MiniError> {
-    keel_testkit::free_port().map_err(io("a port below the ephemeral range"))
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    if let Ok(port) = keel_testkit::free_port() {
+        return Ok(port);
+    }
+    // Too few ports below the ephemeral range (`ip_local_port_range`
+    // starts low): one the kernel picks, never one handed out before.
+    loop {
+        let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(io("127.0.0.1:0"))?;
+        let mut given = GIVEN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
 }
 
 /// The niceness of the VMs that boot beside the first control plane.
