@@ -62,6 +62,14 @@ pub async fn run(
             hex::encode(done.digest)
         );
     }
+    // The pushed set is the current one now, for `keel recover`.
+    let (pushed, epoch) = Measurements::parse_file(&body)
+        .with_context(|| format!("{} is not a measurements file", file.display()))?;
+    crate::workspace::ImageRecord::update(workspace, |record| {
+        record.digest = hex::encode(pushed.digest());
+        record.epoch = record.epoch.max(epoch);
+    })
+    .context("recording the pushed measurements in the workspace")?;
     Ok(())
 }
 

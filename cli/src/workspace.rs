@@ -86,18 +86,25 @@ pub fn cluster_id(workspace: &Path) -> anyhow::Result<Vec<u8>> {
     hex::decode(&id.cluster_id).context("the cluster ID is not hex")
 }
 
-/// [`IMAGE_FILE`]: the set of measurements the cluster's control planes
-/// accept alone since the last finished image rollout.
+/// [`IMAGE_FILE`]: the sets of measurements the cluster's control planes
+/// accept, as this workspace last changed them: the current set (made so
+/// by `keel upgrade finish` or `keel push-measurements`) and, during a
+/// rollout, the staged one. Written first by a finished rollout; until
+/// then the workspace holds none, and the settings' measurements alone
+/// decide.
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct FinishedImage {
-    /// SHA-256 of the set's canonical JSON (hex), as `keel upgrade
-    /// finish` printed it.
+pub struct ImageRecord {
+    /// SHA-256 of the current set's canonical JSON (hex), as the control
+    /// planes name it.
     pub digest: String,
-    /// The finished file's rollback epoch.
+    /// The highest rollback epoch of a file this workspace made current.
     pub epoch: u64,
+    /// SHA-256 of the staged set (hex), while a rollout runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged: Option<String>,
 }
 
-impl FinishedImage {
+impl ImageRecord {
     /// Writes the record to `workspace` (atomically).
     pub fn save(&self, workspace: &Path) -> anyhow::Result<()> {
         let body = serde_json::to_vec_pretty(self).context("encoding the image record")?;
@@ -123,23 +130,87 @@ impl FinishedImage {
             .with_context(|| format!("{} is not an image record", path.display()))
     }
 
+    /// Applies `change` to the record in `workspace`, if there is one.
+    pub fn update(workspace: &Path, change: impl FnOnce(&mut Self)) -> anyhow::Result<()> {
+        if let Some(mut record) = Self::load(workspace)? {
+            change(&mut record);
+            record.save(workspace)?;
+        }
+        Ok(())
+    }
+
     /// Refuses `measurements` (the set the operator's settings name) unless
-    /// it is the finished one: a node of a retired image is never sent the
-    /// master secret because the settings still name its measurements.
+    /// it is the current or the staged set: a node of a retired image is
+    /// never sent the master secret because the settings still name its
+    /// measurements.
     pub fn require(
         &self,
         measurements: &keel_verifier::measurements::Measurements,
     ) -> anyhow::Result<()> {
         let named = hex::encode(measurements.digest());
-        if named != self.digest {
+        if named != self.digest && self.staged.as_deref() != Some(named.as_str()) {
             anyhow::bail!(
-                "the settings' measurements (sha256:{named}) are not the image this cluster \
-                 accepts since the last `keel upgrade finish` (sha256:{}, epoch {}): point \
-                 `measurements` in the settings at that image's file",
+                "the settings' measurements (sha256:{named}) are not an image this cluster \
+                 accepts (sha256:{}, epoch {}, as `keel upgrade finish` or `keel \
+                 push-measurements` left it{}): point `measurements` in the settings at \
+                 that image's file",
                 self.digest,
-                self.epoch
+                self.epoch,
+                self.staged
+                    .as_deref()
+                    .map(|s| format!("; staged sha256:{s}"))
+                    .unwrap_or_default()
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use keel_verifier::measurements::{Expected, Measurements, REQUIRED_PCRS};
+
+    fn set(byte: u8) -> Measurements {
+        Measurements::new(
+            REQUIRED_PCRS
+                .iter()
+                .map(|&pcr| (pcr, Expected::enforced([byte; 32]))),
+        )
+        .unwrap()
+    }
+
+    /// The record takes the current and the staged set, nothing else, and
+    /// survives a round trip through the workspace; a workspace without one
+    /// has none.
+    #[test]
+    fn the_record_takes_the_current_and_the_staged_set_only() {
+        let ws = tempfile::tempdir().unwrap();
+        assert_eq!(ImageRecord::load(ws.path()).unwrap(), None);
+        ImageRecord::update(ws.path(), |r| r.epoch = 9).unwrap();
+        assert_eq!(
+            ImageRecord::load(ws.path()).unwrap(),
+            None,
+            "update made one"
+        );
+        let (current, staged, retired) = (set(1), set(2), set(3));
+        let record = ImageRecord {
+            digest: hex::encode(current.digest()),
+            epoch: 2,
+            staged: None,
+        };
+        record.save(ws.path()).unwrap();
+        let staged_digest = hex::encode(staged.digest());
+        ImageRecord::update(ws.path(), |r| r.staged = Some(staged_digest)).unwrap();
+        let record = ImageRecord::load(ws.path()).unwrap().unwrap();
+        record.require(&current).unwrap();
+        record.require(&staged).unwrap();
+        let refused = record.require(&retired).unwrap_err().to_string();
+        assert!(
+            refused.contains(&format!("sha256:{}", hex::encode(retired.digest())))
+                && refused.contains(&format!("staged sha256:{}", hex::encode(staged.digest()))),
+            "{refused}"
+        );
     }
 }

@@ -800,8 +800,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
     assert!(
         text(&out).contains(&format!(
-            "are not the image this cluster accepts since the last `keel upgrade finish` \
-             (sha256:{}, epoch",
+            "are not an image this cluster accepts (sha256:{}, epoch",
             hex::encode(image.digest())
         )),
         "{}",

@@ -25,8 +25,8 @@
 //! A failure in 4 or 5 switches the directories back, measures the
 //! previous components again (so the event log ends with what the node
 //! runs) and restarts the kubelet: the node keeps serving at its previous
-//! version, and the failure names what went wrong and that it rolled back.
-//! A failure after kubeadm's upgrade succeeded is not a rollback: the
+//! version, and the failure names what went wrong and whether it rolled
+//! back. A failure after kubeadm's upgrade succeeded is not a rollback: the
 //! binaries go back, but what kubeadm changed stays, and the failure says
 //! to run the same upgrade again (the node's record still names the
 //! previous version, so it is admitted).
@@ -289,7 +289,8 @@ pub struct UpgradeFailure {
     pub error: UpgradeError,
     /// The node had switched to the new binaries.
     pub switched: bool,
-    /// The node switched back to its previous binaries.
+    /// The node is back at its previous version: binaries switched back,
+    /// measured, recorded and running, and kubeadm had not upgraded it.
     pub rolled_back: bool,
     /// The version the node runs (`None` if it is not known).
     pub running: Option<KubernetesVersion>,

@@ -64,6 +64,7 @@ pub async fn stage(
     operator: &Operator,
     roles: &Roles,
     image: &SignedMeasurements,
+    workspace: &Path,
 ) -> anyhow::Result<()> {
     let control_planes = named_control_planes(roles)?;
     println!(
@@ -107,6 +108,13 @@ pub async fn stage(
         },
     )
     .await?;
+    // A control plane of the staged image may be recovered meanwhile; the
+    // current set's own file withdraws the staged one.
+    let staged = hex::encode(image.measurements().digest());
+    crate::workspace::ImageRecord::update(workspace, |record| {
+        record.staged = (staged != record.digest).then_some(staged);
+    })
+    .context("recording the staged image in the workspace")?;
     println!(
         "image: nodes of the old and the new image join; run `keel upgrade finish \
          --image-measurements <the same file>` once every node runs the new image"
@@ -156,9 +164,10 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
     )
     .await?;
     // What `keel recover` holds its settings to from now on.
-    crate::workspace::FinishedImage {
+    crate::workspace::ImageRecord {
         digest: hex::encode(digest),
         epoch: image.epoch(),
+        staged: None,
     }
     .save(&cluster.workspace)
     .context("recording the finished image in the workspace")?;

@@ -174,7 +174,7 @@ async fn apply(args: ApplyArgs) -> anyhow::Result<()> {
     // The image first: nodes that reboot into the new image during the
     // Kubernetes phase can join again.
     if let Some(image) = &image {
-        image::stage(&operator, &roles, image).await?;
+        image::stage(&operator, &roles, image, &args.cluster.workspace).await?;
     }
     if let Some(target) = &kubernetes {
         kubernetes::run(&operator, &roles, target).await?;
