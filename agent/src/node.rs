@@ -399,101 +399,102 @@ pub async fn serve_join_as_control_plane(
     cluster: Arc<ClusterSlot>,
     measurements: PathBuf,
 ) -> anyhow::Result<()> {
-    let mut pause = JOIN_SERVICE_RETRY_FIRST;
-    loop {
-        let started = tokio::time::Instant::now();
-        let served = serve_join_once(
-            addr,
+    retry_with_backoff(|| {
+        let (config, tpm, env, cluster, measurements) = (
             config.clone(),
             tpm.clone(),
             env.clone(),
             cluster.clone(),
             measurements.clone(),
-        )
-        .await;
-        match served {
-            Ok(()) => return Ok(()),
-            Err(e) => tracing::error!(
+        );
+        async move {
+            let mut slot = cluster.subscribe();
+            let state = loop {
+                if let Some(state) = slot.borrow_and_update().clone() {
+                    break state;
+                }
+                slot.changed().await?;
+            };
+            crate::attestation::policy::write_accepted(
+                &measurements,
+                &state.join_measurements,
+                state.staged_measurements.as_ref(),
+            )?;
+            tracing::info!(
+                path = %measurements.display(),
+                staged = state.staged_measurements.is_some(),
+                "join measurements written"
+            );
+            let policy = join_service_policy(&config, &measurements)?;
+            let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
+            let _follow = AbortOnDrop(tokio::spawn(follow_join_measurements(
+                cluster.clone(),
+                measurements.clone(),
+                policy.clone(),
+            )));
+            let registry = RegistryStore::shared(env.root())?;
+            let disks = Arc::new(DiskBindings::new(env.root()));
+            let service = JoinService::new(
+                state,
+                env.kubeadm.clone(),
+                env.work_dir.clone(),
+                disks.clone(),
+            )?
+            .following(&cluster)
+            .with_registry(registry.clone());
+            let members = Arc::new(MemberPolicy::new(
+                &cluster,
+                EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,
+                config.expected_config_pcr(),
+                policy.cpu(),
+            ));
+            let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
+            let evidence = EvidenceService::new(
+                &cluster,
+                members.clone(),
+                registry,
+                disks,
+                config.cluster.evidence.clone(),
+                own_ek,
+            );
+            let _sweep = AbortOnDrop(tokio::spawn(evidence.clone().sweep_forever()));
+            let _present = AbortOnDrop(tokio::spawn({
+                let (cluster, tpm) = (cluster.clone(), tpm.clone());
+                async move { crate::cluster::present_own_image(&cluster, tpm).await }
+            }));
+            let validator = Arc::new(PortValidator::new(policy, members));
+            serve_join_port(addr, tpm, validator, service, Some(evidence)).await
+        }
+    })
+    .await
+}
+
+/// Runs `set_up_and_serve` again after each failure (logged), with pauses
+/// from [`JOIN_SERVICE_RETRY_FIRST`] doubling to [`JOIN_SERVICE_RETRY_MAX`];
+/// a run that lasted longer than the longest pause starts the pauses over.
+async fn retry_with_backoff<F, Fut>(mut set_up_and_serve: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let mut pause = JOIN_SERVICE_RETRY_FIRST;
+    loop {
+        let started = tokio::time::Instant::now();
+        if let Err(e) = set_up_and_serve().await {
+            if started.elapsed() > JOIN_SERVICE_RETRY_MAX {
+                pause = JOIN_SERVICE_RETRY_FIRST;
+            }
+            tracing::error!(
                 error = format!("{e:#}"),
                 retry_in_s = pause.as_secs(),
                 "the join service failed; setting it up again"
-            ),
-        }
-        // A service that ran a while before it failed starts the pauses
-        // over.
-        if started.elapsed() > JOIN_SERVICE_RETRY_MAX {
-            pause = JOIN_SERVICE_RETRY_FIRST;
+            );
+        } else {
+            return Ok(());
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(JOIN_SERVICE_RETRY_MAX);
     }
-}
-
-/// One set-up and run of [`serve_join_as_control_plane`].
-async fn serve_join_once(
-    addr: SocketAddr,
-    config: NodeConfig,
-    tpm: SharedTpm,
-    env: NodeEnv,
-    cluster: Arc<ClusterSlot>,
-    measurements: PathBuf,
-) -> anyhow::Result<()> {
-    let mut slot = cluster.subscribe();
-    let state = loop {
-        if let Some(state) = slot.borrow_and_update().clone() {
-            break state;
-        }
-        slot.changed().await?;
-    };
-    crate::attestation::policy::write_accepted(
-        &measurements,
-        &state.join_measurements,
-        state.staged_measurements.as_ref(),
-    )?;
-    tracing::info!(
-        path = %measurements.display(),
-        staged = state.staged_measurements.is_some(),
-        "join measurements written"
-    );
-    let policy = join_service_policy(&config, &measurements)?;
-    let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
-    let _follow = AbortOnDrop(tokio::spawn(follow_join_measurements(
-        cluster.clone(),
-        measurements.clone(),
-        policy.clone(),
-    )));
-    let registry = RegistryStore::shared(env.root())?;
-    let disks = Arc::new(DiskBindings::new(env.root()));
-    let service = JoinService::new(
-        state,
-        env.kubeadm.clone(),
-        env.work_dir.clone(),
-        disks.clone(),
-    )?
-    .following(&cluster)
-    .with_registry(registry.clone());
-    let members = Arc::new(MemberPolicy::new(
-        &cluster,
-        EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,
-        config.expected_config_pcr(),
-        policy.cpu(),
-    ));
-    let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
-    let evidence = EvidenceService::new(
-        &cluster,
-        members.clone(),
-        registry,
-        disks,
-        config.cluster.evidence.clone(),
-        own_ek,
-    );
-    let _sweep = AbortOnDrop(tokio::spawn(evidence.clone().sweep_forever()));
-    let _present = AbortOnDrop(tokio::spawn({
-        let (cluster, tpm) = (cluster.clone(), tpm.clone());
-        async move { crate::cluster::present_own_image(&cluster, tpm).await }
-    }));
-    let validator = Arc::new(PortValidator::new(policy, members));
-    serve_join_port(addr, tpm, validator, service, Some(evidence)).await
 }
 
 /// Runs the join client of this node and logs how it ended; a control
@@ -522,5 +523,41 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// Failures are retried after 1, 2, 4 … s; a run that lasted longer
+    /// than the longest pause starts them over; a success ends the loop.
+    #[tokio::test(start_paused = true)]
+    async fn the_join_service_is_set_up_again_with_growing_pauses() {
+        let runs = std::sync::Mutex::new(Vec::new());
+        let start = tokio::time::Instant::now();
+        retry_with_backoff(|| {
+            let n = {
+                let mut runs = runs.lock().unwrap();
+                runs.push(start.elapsed().as_secs());
+                runs.len()
+            };
+            async move {
+                match n {
+                    // The fourth run serves 100 s, then fails.
+                    4 => {
+                        tokio::time::sleep(Duration::from_secs(100)).await;
+                        anyhow::bail!("failed after a long run")
+                    }
+                    6 => Ok(()),
+                    _ => anyhow::bail!("set-up failed"),
+                }
+            }
+        })
+        .await
+        .unwrap();
+        // 0, +1, +2, +4 (runs 100 s), +1 (started over), +2.
+        assert_eq!(*runs.lock().unwrap(), [0, 1, 3, 7, 108, 110]);
     }
 }

@@ -276,6 +276,17 @@ async fn a_node_of_another_attestation_variant_than_the_settings_gets_nothing() 
     assert_eq!(served.requests(), 0, "a request reached the node");
 }
 
+/// `keel recover` with the workspace `ws`, waiting 5 s for the node.
+fn recover_args(ws: &std::path::Path) -> [&str; 5] {
+    [
+        "recover",
+        "--workspace",
+        ws.to_str().unwrap(),
+        "--wait",
+        "5",
+    ]
+}
+
 /// A workspace as `keel init` leaves it in `ws`: a master secret and, with
 /// the `endpoint` init ran against, the cluster ID.
 fn operator_workspace(ws: &std::path::Path, endpoint: Option<&str>) {
@@ -329,14 +340,7 @@ async fn a_recovery_to_another_cluster_is_reported() {
     let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
     let ws = &served.workspace;
     operator_workspace(ws, Some(&served.endpoint));
-    let recover = [
-        "recover",
-        "--workspace",
-        ws.to_str().unwrap(),
-        "--wait",
-        "5",
-    ];
-    let out = run_keel(&recover, &served.settings, None).await;
+    let out = run_keel(&recover_args(ws), &served.settings, None).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert_eq!(served.requests(), 1, "{}", text(&out));
     assert!(
@@ -368,14 +372,7 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
     sent_nothing(&init, settings, Some(ws), "not a control plane").await;
 
     operator_workspace(ws, None);
-    let recover = [
-        "recover",
-        "--workspace",
-        ws.to_str().unwrap(),
-        "--wait",
-        "5",
-    ];
-    sent_nothing(&recover, settings, None, "not a control plane").await;
+    sent_nothing(&recover_args(ws), settings, None, "not a control plane").await;
     assert_eq!(served.requests(), 0, "a request reached the worker");
 }
 

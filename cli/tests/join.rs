@@ -782,20 +782,26 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     // `keel recover` with settings that still name the image the finish
     // retired: refused before anything is sent (a host could boot that
     // image and route the operator to it).
-    let out = run_keel(
-        &[
-            "recover",
-            "--workspace",
-            ws.path().to_str().unwrap(),
-            "--endpoint",
-            &operator_addr.to_string(),
-            "--wait",
-            "0",
-        ],
-        &settings,
-        None,
-    )
-    .await;
+    let recover_from = |workspace: &std::path::Path| {
+        let (workspace, endpoint) = (
+            workspace.to_str().unwrap().to_owned(),
+            operator_addr.to_string(),
+        );
+        let settings = settings.clone();
+        async move {
+            let args = [
+                "recover",
+                "--workspace",
+                &workspace,
+                "--endpoint",
+                &endpoint,
+                "--wait",
+                "0",
+            ];
+            run_keel(&args, &settings, None).await
+        }
+    };
+    let out = recover_from(ws.path()).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
     assert!(
@@ -813,20 +819,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     for file in ["keel-master-secret.json", "keel-id.json"] {
         std::fs::copy(ws.path().join(file), before_rollout.path().join(file)).unwrap();
     }
-    let out = run_keel(
-        &[
-            "recover",
-            "--workspace",
-            before_rollout.path().to_str().unwrap(),
-            "--endpoint",
-            &operator_addr.to_string(),
-            "--wait",
-            "0",
-        ],
-        &settings,
-        None,
-    )
-    .await;
+    let out = recover_from(before_rollout.path()).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
     assert!(text(&out).contains("PCR 15"), "{}", text(&out));
