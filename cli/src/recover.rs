@@ -62,8 +62,8 @@ pub async fn run(
     // The node must be one of ours (the measurements) and in no cluster:
     // a node that already rejoined has PCR 15 set and gets nothing.
     let mut measurements = settings.measurements()?;
-    // After an image rollout, only the finished image: the settings may
-    // still name the image it retired.
+    // After an image rollout, only the current or the staged image, as the
+    // workspace recorded them: the settings may still name a retired one.
     if let Some(image) = crate::workspace::ImageRecord::load(workspace)? {
         image.require(&measurements).context("nothing was sent")?;
     }

@@ -17,8 +17,8 @@ pub const KUBECONFIG_FILE: &str = "keel-admin.conf";
 pub const ID_FILE: &str = "keel-id.json";
 /// The node's logs after a failed init.
 pub const FAILURE_LOG_FILE: &str = "keel-init-failure.log";
-/// The image measurements the last `keel upgrade finish` made the only
-/// accepted ones.
+/// The image measurement sets the cluster accepts, as this workspace last
+/// changed them ([`ImageRecord`]).
 pub const IMAGE_FILE: &str = "keel-image.json";
 
 /// [`MASTER_SECRET_FILE`] as stored: hex fields.
