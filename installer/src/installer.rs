@@ -411,7 +411,7 @@ impl Installer {
         if let Some(kept) = kept.clone() {
             let (target, expected) = (dest.to_owned(), component.hash());
             let extracted = blocking(move || {
-                Ok(open_kept(&kept).map(|file| {
+                Ok(open_regular_file(&kept).map(|file| {
                     file.map(|file| extract_tgz_verified(file, expected, &target, &limits))
                 }))
             })
@@ -565,11 +565,12 @@ async fn prepare_dir(dir: PathBuf, name: std::ffi::OsString) -> Result<(), Insta
     .await
 }
 
-/// Opens the kept archive at `path` for reading, if it is a regular file:
-/// `None` if there is none (or something else is there). Opened without
-/// following a symlink and without blocking on a FIFO, then checked on
-/// the open handle.
-fn open_kept(path: &Path) -> io::Result<Option<File>> {
+/// Opens `path` for reading if it is a regular file: `None` if there is
+/// none, or something else is there (a symlink, a FIFO, a socket, a
+/// directory). Opened without following a symlink and without blocking on
+/// a FIFO, then checked on the open handle, so whatever is read (or given
+/// a mode) through it is that file, whatever the path names meanwhile.
+fn open_regular_file(path: &Path) -> io::Result<Option<File>> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let file = match fs::OpenOptions::new()
         .read(true)
@@ -578,8 +579,8 @@ fn open_kept(path: &Path) -> io::Result<Option<File>> {
     {
         Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        // A symlink there (ELOOP) is no kept archive.
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Ok(None),
+        // A symlink (ELOOP with O_NOFOLLOW) or a UNIX socket (ENXIO).
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENXIO)) => return Ok(None),
         Err(e) => return Err(e),
     };
     Ok(file.metadata()?.is_file().then_some(file))
@@ -706,31 +707,15 @@ async fn keep_if_matching(
     expected: Sha256Digest,
     mode: u32,
 ) -> Result<bool, InstallError> {
-    use std::os::unix::fs::OpenOptionsExt as _;
     let path = dest.to_path_buf();
     blocking(move || {
         let check_error = |source| InstallError::CheckExisting {
             path: path.clone(),
             source,
         };
-        // O_NONBLOCK: opening a FIFO put there must not wait for a writer.
-        let opened = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open(&path);
-        let mut file = match opened {
-            Ok(file) => file,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-            // A symlink (ELOOP with O_NOFOLLOW) is replaced, not followed;
-            // so is a UNIX socket, which cannot be opened (ENXIO).
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENXIO)) => {
-                return Ok(false)
-            }
-            Err(e) => return Err(check_error(e)),
-        };
-        if !file.metadata().map_err(check_error)?.is_file() {
+        let Some(mut file) = open_regular_file(&path).map_err(check_error)? else {
             return Ok(false);
-        }
+        };
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; 256 * 1024];
         loop {
