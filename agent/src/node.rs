@@ -52,7 +52,7 @@ pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a request on the init port may take: recovery opens the disk,
 /// reinstalls the recorded components and starts the kubelet (the CLI's
-/// `keel recover` waits as long).
+/// `keel recover` waits a little longer, so this bound answers first).
 pub const OPERATOR_PORT_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 /// Handshakes of one source that the join port admits to its issuer at
 /// once (keel-atls's default, 2, is meant for an issuer that quotes per
