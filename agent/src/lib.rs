@@ -18,10 +18,13 @@
 //!   rollback);
 //! * serving: [`grpc`] (limits), [`node`] (what runs on a booted node),
 //!   [`transcript`] (progress streamed to the operator), [`batching`]
-//!   (group commit of quotes, disk bindings and bootstrap tokens).
+//!   (group commit of quotes, disk bindings and bootstrap tokens),
+//!   [`backoff`] (pauses between tries, and the loop that keeps a set-up
+//!   trying).
 
 pub mod address;
 pub mod attestation;
+pub mod backoff;
 pub mod batching;
 pub mod cluster;
 pub mod components;

@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use crate::address::AdvertiseAddress;
 use crate::attestation::issuer::TpmIssuer;
 use crate::attestation::policy::{cpu_trust, ReloadableValidator};
+use crate::backoff::Backoff;
 use crate::cluster::ClusterSlot;
 use crate::disk::{Cryptsetup, DiskState, StateDisk, StateMount};
 use crate::disk_bindings::DiskBindings;
@@ -373,12 +374,6 @@ pub async fn follow_join_measurements(
     }
 }
 
-/// The first pause before the join service is set up again after a
-/// failure; it doubles up to [`JOIN_SERVICE_RETRY_MAX`].
-const JOIN_SERVICE_RETRY_FIRST: Duration = Duration::from_secs(1);
-/// The longest pause between two set-ups of the join service.
-const JOIN_SERVICE_RETRY_MAX: Duration = Duration::from_secs(30);
-
 /// On a control-plane node: waits until this node has a cluster state
 /// (it created the cluster, joined or rejoined as a control plane, or was
 /// recovered), writes the measurements its cluster state carries to
@@ -390,7 +385,8 @@ const JOIN_SERVICE_RETRY_MAX: Duration = Duration::from_secs(30);
 /// A node that has its cluster state told the operator it serves joins
 /// (`keel init`, a rejoin, `keel recover`): a set-up that fails (the port
 /// held a moment by another process, a full `/run`) is logged and tried
-/// again, with pauses from 1 s doubling to 30 s, until it serves.
+/// again, with pauses from 0.5-1 s doubling to 15-30 s ([`Backoff`]'s
+/// default), until it serves.
 pub async fn serve_join_as_control_plane(
     addr: SocketAddr,
     config: NodeConfig,
@@ -399,102 +395,76 @@ pub async fn serve_join_as_control_plane(
     cluster: Arc<ClusterSlot>,
     measurements: PathBuf,
 ) -> anyhow::Result<()> {
-    retry_with_backoff(|| {
-        let (config, tpm, env, cluster, measurements) = (
-            config.clone(),
-            tpm.clone(),
-            env.clone(),
-            cluster.clone(),
-            measurements.clone(),
-        );
-        async move {
-            let mut slot = cluster.subscribe();
-            let state = loop {
-                if let Some(state) = slot.borrow_and_update().clone() {
-                    break state;
-                }
-                slot.changed().await?;
-            };
-            crate::attestation::policy::write_accepted(
-                &measurements,
-                &state.join_measurements,
-                state.staged_measurements.as_ref(),
-            )?;
-            tracing::info!(
-                path = %measurements.display(),
-                staged = state.staged_measurements.is_some(),
-                "join measurements written"
-            );
-            let policy = join_service_policy(&config, &measurements)?;
-            let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
-            let _follow = AbortOnDrop(tokio::spawn(follow_join_measurements(
+    Backoff::default()
+        .retry("the join service", || {
+            let (config, tpm, env, cluster, measurements) = (
+                config.clone(),
+                tpm.clone(),
+                env.clone(),
                 cluster.clone(),
                 measurements.clone(),
-                policy.clone(),
-            )));
-            let registry = RegistryStore::shared(env.root())?;
-            let disks = Arc::new(DiskBindings::new(env.root()));
-            let service = JoinService::new(
-                state,
-                env.kubeadm.clone(),
-                env.work_dir.clone(),
-                disks.clone(),
-            )?
-            .following(&cluster)
-            .with_registry(registry.clone());
-            let members = Arc::new(MemberPolicy::new(
-                &cluster,
-                EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,
-                config.expected_config_pcr(),
-                policy.cpu(),
-            ));
-            let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
-            let evidence = EvidenceService::new(
-                &cluster,
-                members.clone(),
-                registry,
-                disks,
-                config.cluster.evidence.clone(),
-                own_ek,
             );
-            let _sweep = AbortOnDrop(tokio::spawn(evidence.clone().sweep_forever()));
-            let _present = AbortOnDrop(tokio::spawn({
-                let (cluster, tpm) = (cluster.clone(), tpm.clone());
-                async move { crate::cluster::present_own_image(&cluster, tpm).await }
-            }));
-            let validator = Arc::new(PortValidator::new(policy, members));
-            serve_join_port(addr, tpm, validator, service, Some(evidence)).await
-        }
-    })
-    .await
-}
-
-/// Runs `set_up_and_serve` again after each failure (logged), with pauses
-/// from [`JOIN_SERVICE_RETRY_FIRST`] doubling to [`JOIN_SERVICE_RETRY_MAX`];
-/// a run that lasted longer than the longest pause starts the pauses over.
-async fn retry_with_backoff<F, Fut>(mut set_up_and_serve: F) -> anyhow::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<()>>,
-{
-    let mut pause = JOIN_SERVICE_RETRY_FIRST;
-    loop {
-        let started = tokio::time::Instant::now();
-        if let Err(e) = set_up_and_serve().await {
-            if started.elapsed() > JOIN_SERVICE_RETRY_MAX {
-                pause = JOIN_SERVICE_RETRY_FIRST;
+            async move {
+                let mut slot = cluster.subscribe();
+                let state = loop {
+                    if let Some(state) = slot.borrow_and_update().clone() {
+                        break state;
+                    }
+                    slot.changed().await?;
+                };
+                crate::attestation::policy::write_accepted(
+                    &measurements,
+                    &state.join_measurements,
+                    state.staged_measurements.as_ref(),
+                )?;
+                tracing::info!(
+                    path = %measurements.display(),
+                    staged = state.staged_measurements.is_some(),
+                    "join measurements written"
+                );
+                let policy = join_service_policy(&config, &measurements)?;
+                let _watch = AbortOnDrop(policy.clone().watch(Duration::from_secs(10)));
+                let _follow = AbortOnDrop(tokio::spawn(follow_join_measurements(
+                    cluster.clone(),
+                    measurements.clone(),
+                    policy.clone(),
+                )));
+                let registry = RegistryStore::shared(env.root())?;
+                let disks = Arc::new(DiskBindings::new(env.root()));
+                let service = JoinService::new(
+                    state,
+                    env.kubeadm.clone(),
+                    env.work_dir.clone(),
+                    disks.clone(),
+                )?
+                .following(&cluster)
+                .with_registry(registry.clone());
+                let members = Arc::new(MemberPolicy::new(
+                    &cluster,
+                    EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,
+                    config.expected_config_pcr(),
+                    policy.cpu(),
+                ));
+                let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
+                let evidence = EvidenceService::new(
+                    &cluster,
+                    members.clone(),
+                    registry,
+                    disks,
+                    config.cluster.evidence.clone(),
+                    own_ek,
+                );
+                let _sweep = AbortOnDrop(tokio::spawn(evidence.clone().sweep_forever()));
+                let _present = AbortOnDrop(tokio::spawn({
+                    let (cluster, tpm) = (cluster.clone(), tpm.clone());
+                    async move { crate::cluster::present_own_image(&cluster, tpm).await }
+                }));
+                let validator = Arc::new(PortValidator::new(policy, members));
+                serve_join_port(addr, tpm, validator, service, Some(evidence)).await
             }
-            tracing::error!(
-                error = format!("{e:#}"),
-                retry_in_s = pause.as_secs(),
-                "the join service failed; setting it up again"
-            );
-        } else {
-            return Ok(());
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(JOIN_SERVICE_RETRY_MAX);
-    }
+        })
+        .await;
+    Ok(())
 }
 
 /// Runs the join client of this node and logs how it ended; a control
@@ -523,41 +493,5 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
-    }
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    /// Failures are retried after 1, 2, 4 … s; a run that lasted longer
-    /// than the longest pause starts them over; a success ends the loop.
-    #[tokio::test(start_paused = true)]
-    async fn the_join_service_is_set_up_again_with_growing_pauses() {
-        let runs = std::sync::Mutex::new(Vec::new());
-        let start = tokio::time::Instant::now();
-        retry_with_backoff(|| {
-            let n = {
-                let mut runs = runs.lock().unwrap();
-                runs.push(start.elapsed().as_secs());
-                runs.len()
-            };
-            async move {
-                match n {
-                    // The fourth run serves 100 s, then fails.
-                    4 => {
-                        tokio::time::sleep(Duration::from_secs(100)).await;
-                        anyhow::bail!("failed after a long run")
-                    }
-                    6 => Ok(()),
-                    _ => anyhow::bail!("set-up failed"),
-                }
-            }
-        })
-        .await
-        .unwrap();
-        // 0, +1, +2, +4 (runs 100 s), +1 (started over), +2.
-        assert_eq!(*runs.lock().unwrap(), [0, 1, 3, 7, 108, 110]);
     }
 }

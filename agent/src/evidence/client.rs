@@ -20,6 +20,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::{reported_kubernetes_version, user_data};
 use crate::attestation::issuer::TpmIssuer;
+use crate::backoff::Backoff;
 use crate::disk::{DiskState, StateDisk};
 use crate::grpc::answer_within;
 use crate::join::ticket::check_service;
@@ -360,11 +361,9 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
     if endpoints.is_empty() {
         return Ok(());
     }
-    let (client, cluster_id) = until_set_up(
-        &setup_backoff(node.config.cluster.evidence.interval()),
-        || client_for(&node),
-    )
-    .await;
+    let (client, cluster_id) = setup_backoff(node.config.cluster.evidence.interval())
+        .retry("setting up the evidence loop", || client_for(&node))
+        .await;
     tracing::info!(
         endpoints = endpoints.len(),
         interval_s = node.config.cluster.evidence.interval().as_secs(),
@@ -382,35 +381,10 @@ pub async fn run_for_node(node: Node) -> anyhow::Result<()> {
 /// a minute and at most the evidence interval, so a node whose set-up
 /// failure cleared sends evidence again within an interval or so, before it
 /// is found silent.
-fn setup_backoff(interval: Duration) -> crate::join::Backoff {
-    crate::join::Backoff {
+fn setup_backoff(interval: Duration) -> Backoff {
+    Backoff {
         initial: Duration::from_secs(1),
         max: SETUP_RETRY_MAX.min(interval),
-    }
-}
-
-/// Runs `set_up` until it succeeds, logging each failure and pausing as
-/// `backoff` says (the failures counted from the first): the evidence loop
-/// is never given up for the boot.
-async fn until_set_up<T, F>(backoff: &crate::join::Backoff, mut set_up: impl FnMut() -> F) -> T
-where
-    F: std::future::Future<Output = anyhow::Result<T>>,
-{
-    let mut failures = 0;
-    loop {
-        match set_up().await {
-            Ok(ready) => return ready,
-            Err(e) => {
-                let pause = backoff.delay(failures);
-                tracing::warn!(
-                    error = format!("{e:#}"),
-                    retry_in = ?pause,
-                    "setting up the evidence loop failed; retrying"
-                );
-                tokio::time::sleep(pause).await;
-                failures = failures.saturating_add(1);
-            }
-        }
     }
 }
 
@@ -458,27 +432,25 @@ mod tests {
     use std::sync::Mutex;
     use tokio::time::Instant;
 
-    /// Runs `until_set_up` with a set-up failing until `fails` says it
-    /// succeeds (given the time since the start); returns the pauses
-    /// between tries.
-    async fn pauses(
-        backoff: crate::join::Backoff,
-        fails: impl Fn(Duration) -> bool,
-    ) -> Vec<Duration> {
+    /// Runs the set-up's retry loop with a set-up failing until `fails`
+    /// says it succeeds (given the time since the start); returns the
+    /// pauses between tries.
+    async fn pauses(backoff: Backoff, fails: impl Fn(Duration) -> bool) -> Vec<Duration> {
         let start = Instant::now();
         let tries = Mutex::new(Vec::new());
-        until_set_up(&backoff, || {
-            let now = Instant::now();
-            tries.lock().unwrap().push(now);
-            let failing = fails(now - start);
-            async move {
-                if failing {
-                    return Err(anyhow::anyhow!("reading the TPM failed"));
+        backoff
+            .retry("the test set-up", || {
+                let now = Instant::now();
+                tries.lock().unwrap().push(now);
+                let failing = fails(now - start);
+                async move {
+                    if failing {
+                        return Err(anyhow::anyhow!("reading the TPM failed"));
+                    }
+                    Ok(())
                 }
-                Ok(())
-            }
-        })
-        .await;
+            })
+            .await;
         let tries = tries.into_inner().unwrap();
         tries.windows(2).map(|w| w[1] - w[0]).collect()
     }
@@ -493,9 +465,6 @@ mod tests {
         })
         .await;
         assert_eq!(gaps.len(), 3, "{gaps:?}");
-        // What the set-up made is what the loop goes on with.
-        let made = until_set_up(&setup_backoff(Duration::from_secs(60)), || async { Ok(7) }).await;
-        assert_eq!(made, 7);
         for (gap, low_ms) in gaps.iter().zip([500, 1000, 2000]) {
             let low = Duration::from_millis(low_ms);
             assert!((low..=low * 2).contains(gap), "{gaps:?}");

@@ -27,6 +27,6 @@ pub mod transport;
 pub use client::{JoinClient, JoinOutcome};
 pub use kubelet::KubeletKey;
 pub use service::JoinService;
-pub use settings::{service_validator, Backoff, JoinError, JoinSettings};
+pub use settings::{service_validator, JoinError, JoinSettings};
 pub use ticket::{JoinTicket, RejoinTicket, TicketError, TicketMeasurements};
 pub use transport::TicketClient;

@@ -8,12 +8,13 @@ use std::time::Duration;
 use keel_verifier::config::NodeConfig;
 use keel_verifier::cpu::CpuTrust;
 use keel_verifier::ek::EkTrust;
-use rand::Rng as _;
 
 use keel_verifier::measurement::pcr;
 use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
 use keel_verifier::signature::SigningPublicKey;
 use keel_verifier::validator::Validator;
+
+use crate::backoff::Backoff;
 
 use crate::attestation::policy::cpu_trust;
 use crate::measured::SharedTpm;
@@ -22,39 +23,6 @@ use crate::tpm::TpmError;
 /// PCRs the join service must share with this node: the boot chain the
 /// image predicts and the cluster config.
 pub const SHARED_PCRS: [u32; 4] = [4, 9, 11, pcr::CONFIG];
-
-/// Capped exponential backoff with jitter.
-#[derive(Clone, Copy, Debug)]
-pub struct Backoff {
-    /// Pause after the first failure.
-    pub initial: Duration,
-    /// Longest pause.
-    pub max: Duration,
-}
-
-impl Default for Backoff {
-    /// 1 s, doubling, capped at 30 s.
-    fn default() -> Self {
-        Self {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(30),
-        }
-    }
-}
-
-impl Backoff {
-    /// The pause after failure number `attempt` (from 0): uniformly drawn
-    /// from the upper half of `min(max, initial * 2^attempt)`, so clients
-    /// that failed together spread out.
-    pub fn delay(&self, attempt: u32) -> Duration {
-        let full = self
-            .initial
-            .saturating_mul(1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX))
-            .min(self.max);
-        let half = full / 2;
-        half + rand::thread_rng().gen_range(Duration::ZERO..=half)
-    }
-}
 
 /// The longest pause after a round in which every connection was refused
 /// at once.
@@ -206,22 +174,6 @@ pub fn service_validator(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_is_capped_and_jittered() {
-        let b = Backoff {
-            initial: Duration::from_millis(100),
-            max: Duration::from_secs(2),
-        };
-        for attempt in 0..64 {
-            let full = (Duration::from_millis(100) * 2u32.saturating_pow(attempt.min(20)))
-                .min(Duration::from_secs(2));
-            let d = b.delay(attempt);
-            assert!(d >= full / 2 && d <= full, "{attempt}: {d:?}");
-        }
-        let draws: std::collections::BTreeSet<_> = (0..20).map(|_| b.delay(10)).collect();
-        assert!(draws.len() > 1, "no jitter");
-    }
 
     #[test]
     fn rounds_refused_at_once_back_off_on_a_short_scale_and_others_on_theirs() {
