@@ -1,7 +1,15 @@
 //! Resetting the node after a fatal failure past the node lock: the state
 //! disk is marked for reset and the node reboots, which zeroes the PCRs, so
 //! it can be tried again from a clean state.
+//!
+//! The reboot waits out a grace period in the agent's process. So that an
+//! agent that restarts within it (a crash, systemd restarting it) still
+//! reboots, the deadline is also written to a file in the agent's runtime
+//! directory ([`REBOOT_PENDING`]), which the next start reads
+//! ([`resume_pending`]); that directory is a tmpfs, so the file is gone
+//! once the node rebooted.
 
+use std::path::Path;
 use std::time::Duration;
 
 use crate::disk::StateDisk;
@@ -15,9 +23,18 @@ pub enum RebootPolicy {
     Never,
 }
 
+/// The file in the agent's runtime directory that holds a scheduled
+/// reboot's deadline: seconds on the boot-time clock, in decimal.
+pub const REBOOT_PENDING: &str = "reboot-pending";
+
 /// Marks the state disk (if any) for reset and schedules the reboot the
-/// policy asks for. Returns what happened, one line each, for the report.
-pub async fn reset_node(state_disk: Option<&StateDisk>, policy: RebootPolicy) -> Vec<String> {
+/// policy asks for, recording it in `run_dir` ([`REBOOT_PENDING`]).
+/// Returns what happened, one line each, for the report.
+pub async fn reset_node(
+    state_disk: Option<&StateDisk>,
+    policy: RebootPolicy,
+    run_dir: &Path,
+) -> Vec<String> {
     let mut report = Vec::new();
     if let Some(disk) = state_disk.cloned() {
         let marked =
@@ -28,14 +45,18 @@ pub async fn reset_node(state_disk: Option<&StateDisk>, policy: RebootPolicy) ->
     }
     match policy {
         RebootPolicy::After(grace) => {
+            if let Err(e) = record_pending(run_dir, grace) {
+                report.push(format!(
+                    "recording the pending reboot failed ({}): an agent restarted before it \
+                     does not reboot",
+                    keel_atls::ErrorChain(&e)
+                ));
+            }
             report.push(format!(
                 "this node is unusable and reboots in {} s",
                 grace.as_secs()
             ));
-            tokio::spawn(async move {
-                tokio::time::sleep(grace).await;
-                reboot_now();
-            });
+            schedule(grace);
         }
         RebootPolicy::Never => {
             report.push("this node is unusable; reboot it to try again".to_owned())
@@ -44,10 +65,99 @@ pub async fn reset_node(state_disk: Option<&StateDisk>, policy: RebootPolicy) ->
     report
 }
 
+/// At start: schedules the reboot that an earlier run of the agent in this
+/// boot recorded in `run_dir`, after what is left of its grace period.
+/// Returns what is left, `None` if no reboot is pending (or the policy
+/// never reboots).
+pub fn resume_pending(run_dir: &Path, policy: RebootPolicy) -> Option<Duration> {
+    if matches!(policy, RebootPolicy::Never) {
+        return None;
+    }
+    let left = pending(run_dir)?;
+    schedule(left);
+    Some(left)
+}
+
+/// Reboots after `grace`, on a task of the current runtime.
+fn schedule(grace: Duration) {
+    tokio::spawn(async move {
+        tokio::time::sleep(grace).await;
+        reboot_now();
+    });
+}
+
+/// Writes the deadline `grace` from now to `run_dir`'s [`REBOOT_PENDING`].
+fn record_pending(run_dir: &Path, grace: Duration) -> Result<(), crate::files::WriteFileError> {
+    let deadline = boot_time().saturating_add(grace).as_secs();
+    crate::files::write_private(
+        &run_dir.join(REBOOT_PENDING),
+        format!("{deadline}\n").as_bytes(),
+    )
+}
+
+/// What is left of the grace of the reboot recorded in `run_dir`: zero if
+/// its deadline passed or the record cannot be read (it was cut short
+/// while written); `None` if there is none.
+fn pending(run_dir: &Path) -> Option<Duration> {
+    let path = run_dir.join(REBOOT_PENDING);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(_) => return Some(Duration::ZERO),
+    };
+    let Ok(deadline) = text.trim().parse::<u64>() else {
+        return Some(Duration::ZERO);
+    };
+    Some(Duration::from_secs(deadline).saturating_sub(boot_time()))
+}
+
+/// Time since boot, suspend included (`CLOCK_BOOTTIME`): the clock an
+/// agent that restarted within this boot reads alike.
+fn boot_time() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
+        .map(Duration::from)
+        .unwrap_or_default()
+}
+
 /// Syncs file systems and reboots immediately. Returns only if the reboot
 /// was refused (e.g. not running as root); that is logged.
 pub fn reboot_now() {
     nix::unistd::sync();
     let Err(e) = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_AUTOBOOT);
     tracing::error!(error = %e, "reboot failed");
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A recorded reboot is found again with what is left of its grace; a
+    /// deadline that passed, or a record cut short, means at once.
+    #[test]
+    fn a_recorded_reboot_is_found_with_what_is_left_of_its_grace() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(pending(dir.path()), None);
+        record_pending(dir.path(), Duration::from_secs(3600)).unwrap();
+        let left = pending(dir.path()).unwrap();
+        assert!(
+            (Duration::from_secs(3590)..=Duration::from_secs(3600)).contains(&left),
+            "{left:?}"
+        );
+        record_pending(dir.path(), Duration::ZERO).unwrap();
+        assert_eq!(pending(dir.path()), Some(Duration::ZERO));
+        // A deadline long past, a record cut short, one not a number.
+        for text in ["12", "", "soon"] {
+            std::fs::write(dir.path().join(REBOOT_PENDING), text).unwrap();
+            assert_eq!(pending(dir.path()), Some(Duration::ZERO), "{text:?}");
+        }
+    }
+
+    /// A policy that never reboots schedules nothing, recorded or not.
+    #[test]
+    fn a_node_that_never_reboots_resumes_no_reboot() {
+        let dir = tempfile::tempdir().unwrap();
+        record_pending(dir.path(), Duration::from_secs(3600)).unwrap();
+        assert_eq!(resume_pending(dir.path(), RebootPolicy::Never), None);
+    }
 }
