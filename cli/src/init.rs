@@ -30,16 +30,32 @@ use crate::workspace::{
 
 /// Writes `data` to `path` with mode 0600, refusing to replace an existing
 /// file, and syncs the file and its directory: the secret is on disk before
-/// any node can receive it.
+/// any node can receive it. A file that could not be written whole is
+/// removed again: nothing was sent, and a later run must not find a part
+/// of a secret there.
 fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::Result<()> {
-    let mut f = std::fs::OpenOptions::new()
+    let mut f = match std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .with_context(|| format!("creating {} ({if_exists})", path.display()))?;
-    f.write_all(data)?;
-    f.sync_all()?;
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            return Err(e).with_context(|| format!("creating {} ({if_exists})", path.display()))
+        }
+        Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
+    };
+    if let Err(e) = f.write_all(data).and_then(|()| f.sync_all()) {
+        drop(f);
+        let _ = std::fs::remove_file(path);
+        return Err(e).with_context(|| {
+            format!(
+                "writing {} (removed again; nothing was sent)",
+                path.display()
+            )
+        });
+    }
     let dir = parent_dir(path);
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
@@ -283,6 +299,7 @@ pub async fn run(
     settings
         .check_node_attestation(verified)
         .and_then(|()| check_control_plane(verified))
+        .and_then(|()| settings.check_component_mirror(verified))
         .context("nothing was sent")?;
     for w in &verified.warnings {
         eprintln!("warning: {w}");
@@ -364,12 +381,12 @@ pub async fn run(
         secrets: Some(sealed),
         master_salt: master_salt.to_vec(),
         measurement_salt: measurement_salt.to_vec(),
-        kubernetes_version: settings.kubernetes_version.clone(),
+        // The version resolved here, whose components were checked above.
+        kubernetes_version: version.to_string(),
         kubernetes_components: components,
         cluster_name: settings.cluster_name.clone(),
         api_server_cert_sans: settings.api_server_cert_sans.clone(),
         service_cidr: settings.service_cidr.clone(),
-        component_mirror: settings.component_mirror.clone().unwrap_or_default(),
         // The node's join service admits nodes that match what this node
         // matched: the file as read, so its signature still covers it.
         join_measurements: measurements_body,

@@ -49,8 +49,17 @@ struct OperatorArgs {
     #[arg(long = "endpoint", required = true)]
     endpoints: Vec<String>,
     /// Seconds to keep trying while a node is not reachable.
-    #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 60, value_name = "SECONDS", value_parser = crate::seconds())]
     wait: u64,
+}
+
+/// The longest wait or timeout an option takes: a week, in seconds.
+const MAX_SECONDS: u64 = 7 * 24 * 3600;
+
+/// Parses a number of seconds for a wait or a timeout, at most
+/// [`MAX_SECONDS`] (a larger one would overflow the clock's deadline).
+fn seconds() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(..=MAX_SECONDS)
 }
 
 #[derive(Subcommand)]
@@ -71,13 +80,13 @@ enum Command {
         skip_helm_wait: bool,
         /// Seconds to keep trying while the node is not reachable yet (it
         /// may still be booting). A refused attestation is never retried.
-        #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+        #[arg(long, default_value_t = 300, value_name = "SECONDS", value_parser = crate::seconds())]
         wait: u64,
         /// Seconds the init request may take on the node, from sending it
         /// to its result (component downloads, kubeadm). Past it the CLI
         /// stops waiting; the node may still finish, and its console shows
         /// where it stands.
-        #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+        #[arg(long, default_value_t = 3600, value_name = "SECONDS", value_parser = crate::seconds())]
         timeout: u64,
     },
     /// Make a new init secret: 32 random bytes (as 64 hex digits) written
@@ -99,7 +108,8 @@ enum Command {
     },
     /// Verify a node's attestation against the measurements and print what it attests.
     Verify {
-        /// Settings file (JSON); only endpoint, measurements and EK CA are used.
+        /// Settings file (JSON); only endpoint, measurements, EK CA, attestation and
+        /// collateral are used.
         #[arg(long, default_value = "keel.json")]
         settings: PathBuf,
         /// Node to verify (host:port), instead of the settings' endpoint.
@@ -116,7 +126,7 @@ enum Command {
         /// Seconds to keep trying while the node is not reachable yet (it
         /// may still be booting or bringing its network up). A refused
         /// attestation is never retried.
-        #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+        #[arg(long, default_value_t = 60, value_name = "SECONDS", value_parser = crate::seconds())]
         wait: u64,
     },
     /// Put a node on every named control plane's revocation list: no join
@@ -161,7 +171,7 @@ enum Command {
         #[arg(long = "endpoint", required = true)]
         endpoints: Vec<String>,
         /// Seconds to keep trying while a node is not reachable.
-        #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+        #[arg(long, default_value_t = 60, value_name = "SECONDS", value_parser = crate::seconds())]
         wait: u64,
     },
     /// Upgrade a running cluster: `apply` moves every node named to another
@@ -178,7 +188,8 @@ enum Command {
     /// locks to the cluster ID stored there and serves joins again; the
     /// other nodes then rejoin through it.
     Recover {
-        /// Settings file (JSON); endpoint, measurements and EK CA are used.
+        /// Settings file (JSON); endpoint, measurements, EK CA, attestation and
+        /// collateral are used.
         #[arg(long, default_value = "keel.json")]
         settings: PathBuf,
         /// The node's init port (host:port), instead of the settings' endpoint.
@@ -191,7 +202,7 @@ enum Command {
         #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
         output: verify::Output,
         /// Seconds to keep trying while the node is not reachable yet.
-        #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+        #[arg(long, default_value_t = 300, value_name = "SECONDS", value_parser = crate::seconds())]
         wait: u64,
     },
 }

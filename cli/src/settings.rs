@@ -46,7 +46,11 @@ pub struct Settings {
     /// (`FILE.sig`, `keel-measure sign --kubernetes-version`).
     #[serde(default)]
     pub components_file: Option<PathBuf>,
-    /// Base URL replacing upstream download hosts.
+    /// The base URL replacing the upstream download hosts that the nodes'
+    /// measured config names (`cluster.component_mirror`), where it names
+    /// one: the nodes download only from that. `keel init` checks that
+    /// the node's config names this one, so that a mirror set here and not
+    /// in the image's config is said before anything is sent.
     #[serde(default)]
     pub component_mirror: Option<String>,
     /// The public key (PEM, ECDSA P-256) that measurements files of a new
@@ -160,6 +164,31 @@ impl Settings {
     /// TPM, with a copied event log and no CPU evidence, for the node.
     pub fn check_node_attestation(&self, node: &Verified) -> anyhow::Result<()> {
         check_node_attestation(&self.attestation, node)
+    }
+
+    /// Where the settings name a component mirror, the node's measured
+    /// config must name the same one (the node takes no mirror from init).
+    pub fn check_component_mirror(&self, node: &Verified) -> anyhow::Result<()> {
+        let Some(own) = &self.component_mirror else {
+            return Ok(());
+        };
+        let node_mirror = node
+            .cluster_config()
+            .context("the node's event log holds no node config that parses")?
+            .component_mirror;
+        if node_mirror.as_deref() != Some(own.as_str()) {
+            anyhow::bail!(
+                "the settings' component_mirror is {}, the node's measured config names {}: \
+                 a node downloads only from the mirror its config names \
+                 (cluster.component_mirror); set the same in both",
+                crate::printable::printable(own),
+                match &node_mirror {
+                    Some(m) => crate::printable::printable(m).to_string(),
+                    None => "none".to_owned(),
+                }
+            );
+        }
+        Ok(())
     }
 
     /// The measurements signing key the settings name, if any.

@@ -375,6 +375,32 @@ async fn verify_waits_for_a_node_that_is_still_booting() {
     );
 }
 
+/// A node downloads only from the mirror its measured config names: a
+/// mirror in the settings that the node's config does not name is said
+/// before anything is sent (init used to send it, and the node ignored it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_the_node_does_not_name_stops_init_before_anything_is_sent() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let settings = n.settings(&ca, SECRET, None);
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&settings).unwrap()).unwrap();
+    json["component_mirror"] = "http://10.0.0.5/k8s/".into();
+    std::fs::write(&settings, json.to_string()).unwrap();
+    let out = keel_init(&settings, ws.path()).await;
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(
+        t.contains(
+            "component_mirror is http://10.0.0.5/k8s/, the node's measured config names none"
+        ) && t.contains("nothing was sent"),
+        "{t}"
+    );
+    assert_eq!(n.pcr15(), [0; 32]);
+    assert!(!ws.path().join("keel-master-secret.json").exists());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatching_measurements_stop_the_cli_before_it_sends_anything() {
     let ca = EkCa::new().unwrap();

@@ -102,7 +102,11 @@ impl InstallPath {
             }
         }
         // Path::components hides "a/./b" and "a//b"; the text must be canonical.
-        if path.contains("/./") || path.contains("//") || path.ends_with("/.") {
+        if path.contains("/./")
+            || path.contains("//")
+            || path.ends_with("/.")
+            || path.ends_with('/')
+        {
             return Err(refuse("is not normalised"));
         }
         if normal_parts == 0 {
@@ -484,7 +488,15 @@ mod tests {
 
     #[test]
     fn refuses_bad_install_paths_and_schemes() {
-        for path in ["relative/x", "/", "/a/../b", "/a/./b", "/a//b", "/a/."] {
+        for path in [
+            "relative/x",
+            "/",
+            "/a/../b",
+            "/a/./b",
+            "/a//b",
+            "/a/.",
+            "/a/b/",
+        ] {
             assert!(
                 matches!(
                     Component::new("https://h/x", H, path, false),

@@ -29,6 +29,13 @@ pub enum MirrorError {
     /// The base URL has a query or fragment, which a path cannot be appended to.
     #[error("the mirror base URL must not have a query or fragment")]
     QueryOrFragment,
+    /// The base URL carries a user name or password: it is part of the
+    /// measured node config, which every node shows anyone who attests it.
+    #[error(
+        "the mirror base URL must not carry a user name or password (the node config, and so \
+         the URL, is shown to anyone who attests the node)"
+    )]
+    Credentials,
 }
 
 impl Mirror {
@@ -40,6 +47,9 @@ impl Mirror {
         }
         if base.query().is_some() || base.fragment().is_some() {
             return Err(MirrorError::QueryOrFragment);
+        }
+        if !base.username().is_empty() || base.password().is_some() {
+            return Err(MirrorError::Credentials);
         }
         if !base.path().ends_with('/') {
             let path = format!("{}/", base.path());
@@ -112,5 +122,15 @@ mod tests {
             Mirror::new("not a url"),
             Err(MirrorError::Parse(_))
         ));
+        for base in [
+            "http://user:secret@m/k8s/",
+            "https://user@m/",
+            "http://:secret@m/",
+        ] {
+            assert!(
+                matches!(Mirror::new(base), Err(MirrorError::Credentials)),
+                "{base}"
+            );
+        }
     }
 }

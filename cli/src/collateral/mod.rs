@@ -83,7 +83,7 @@ pub struct FetchArgs {
     #[arg(long, value_name = "URL", default_value = pcs::DEFAULT_ROOT_CA_CRL_URL)]
     root_ca_crl_url: String,
     /// Seconds each download may take, connection included.
-    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = crate::seconds())]
     timeout: u64,
 }
 

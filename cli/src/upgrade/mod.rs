@@ -52,7 +52,7 @@ pub struct Cluster {
     #[arg(long = "endpoint", required = true)]
     pub endpoints: Vec<String>,
     /// Seconds to keep trying while a node is not reachable.
-    #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 60, value_name = "SECONDS", value_parser = crate::seconds())]
     pub wait: u64,
 }
 

@@ -173,7 +173,6 @@ pub fn request(inputs: &InitInputs<'_>) -> Result<Result<(), tonic::Status>, Min
             cluster_name: "keel".into(),
             api_server_cert_sans: Vec::new(),
             service_cidr: String::new(),
-            component_mirror: String::new(),
             join_measurements: measurements_json,
             join_measurements_signature: Vec::new(),
         };
