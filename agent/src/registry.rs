@@ -193,6 +193,14 @@ pub struct Registry {
     /// last took them to its journal.
     #[serde(skip)]
     changed: BTreeSet<String>,
+    /// When this control plane took a peer's newer record of a node (Unix
+    /// seconds, this clock), by the node's key; not written. A peer's
+    /// clock may run behind this one (up to [`MAX_CLOCK_SKEW`]), and so
+    /// do the evidence times on its records: counted from those alone, a
+    /// node that only that peer hears would look quiet here for that much
+    /// longer, and fall silent though it reports every interval.
+    #[serde(skip)]
+    heard_from_peers: BTreeMap<String, u64>,
 }
 
 impl PartialEq for Registry {
@@ -513,7 +521,7 @@ impl Registry {
         Self {
             nodes: BTreeMap::new(),
             revoked: self.revoked.clone(),
-            changed: BTreeSet::new(),
+            ..Self::default()
         }
     }
 
@@ -656,17 +664,20 @@ impl Registry {
 
     /// Marks silent every node that is not revoked and sent no evidence
     /// since `since` (Unix seconds) and for `grace` before `now`; returns
-    /// the nodes newly marked.
+    /// the nodes newly marked. Evidence that reached this registry through
+    /// a peer counts from when it was taken here, if that is later than
+    /// the peer's time for it.
     pub fn mark_silent(&mut self, now: u64, grace: Duration, since: u64) -> Vec<NodeRecord> {
         let revoked = self.revoked_eks();
         let mut marked = Vec::new();
-        for record in self.nodes.values_mut() {
+        for (key, record) in &mut self.nodes {
             if record.verdict == Verdict::Silent || revoked.contains(&record.ek) {
                 continue;
             }
             let heard = record
                 .last_evidence_at
                 .unwrap_or(record.registered_at)
+                .max(self.heard_from_peers.get(key).copied().unwrap_or(0))
                 .max(since);
             let quiet = now.saturating_sub(heard);
             if quiet >= grace.as_secs() {
@@ -829,6 +840,7 @@ impl Registry {
                     _ => now(),
                 };
                 self.changed.insert(key.clone());
+                self.heard_from_peers.insert(key.clone(), at);
                 self.nodes.insert(key, theirs);
                 merged.taken += 1;
             }
@@ -1409,6 +1421,38 @@ mod tests {
         assert_eq!((merged.added, merged.taken), (0, 1));
         assert!(ours.find("w-1").is_err());
         assert!(ours.find("w-2").is_ok());
+    }
+
+    /// Attacker's move: partition a node from this control plane only,
+    /// while the peer that still hears it has a clock behind this one's
+    /// (within the skew control planes may have), so that its records make
+    /// the node look quiet here and this control plane marks it silent
+    /// (and under `revoke`, revokes it everywhere). A record taken from a
+    /// peer counts as heard when it was taken; once no newer one comes,
+    /// the node falls silent as before.
+    #[test]
+    fn a_peer_clock_behind_this_one_does_not_make_its_nodes_silent() {
+        let grace = Duration::from_secs(180);
+        let mut ours = Registry::default();
+        for round in 1..=3 {
+            let mut peer = Registry::default();
+            peer.record(&evidence(1, None)).unwrap();
+            // The peer's clock runs 250 s behind this one's.
+            let lagging = now() - 250 + round;
+            let record = peer.nodes.get_mut(&ek(1).to_string()).unwrap();
+            record.last_evidence_at = Some(lagging);
+            record.registered_at = lagging;
+            record.verdict_at = lagging;
+            assert_eq!(ours.merge(peer).taken, 1, "round {round}");
+            // A sweep an interval after the merge: not silent.
+            assert!(ours.mark_silent(now() + 60, grace, 0).is_empty());
+        }
+        // No newer record comes: silent once the grace passed since the
+        // last one was taken.
+        assert!(ours.mark_silent(now() + 170, grace, 0).is_empty());
+        let marked = ours.mark_silent(now() + 190, grace, 0);
+        assert_eq!(marked.len(), 1);
+        assert_eq!(marked[0].verdict, Verdict::Silent);
     }
 
     /// A registry at every bound (nodes, revocations, each field at its
