@@ -298,11 +298,18 @@ impl EkTrust {
 /// 65537, big-endian: the exponent of the EK template (0 in its area).
 const RSA_DEFAULT_EXPONENT: &[u8] = &[0x01, 0x00, 0x01];
 
+/// tcg-kp-EKCertificate (TCG EK Credential Profile): the one extended key
+/// usage an EK certificate names, where it names one.
+const TCG_KP_EK_CERTIFICATE: &[u64] = &[2, 23, 133, 8, 1];
+
 /// Refuses a certificate that could not be an EK's, whatever signed it: a
-/// CA certificate, or one whose key usage excludes key encipherment (an
-/// EK's only use; a TLS server's RSA key, say, may carry only
-/// digitalSignature). A certificate of a key whose private half exists
-/// outside a TPM would let software answer the residency challenge.
+/// CA certificate, one whose key usage excludes key encipherment (an EK's
+/// only use; a TLS server's RSA key, say, may carry only
+/// digitalSignature), or one whose extended key usage names any purpose
+/// but tcg-kp-EKCertificate (a TLS server's or client's certificate names
+/// serverAuth or clientAuth, and may allow key encipherment too). A
+/// certificate of a key whose private half exists outside a TPM would let
+/// software answer the residency challenge.
 fn endorsement_profile(cert: &X509Certificate<'_>) -> Result<(), EkError> {
     match cert.get_extension_unique(&OID_X509_EXT_BASIC_CONSTRAINTS) {
         Err(_) => {
@@ -318,6 +325,33 @@ fn endorsement_profile(cert: &X509Certificate<'_>) -> Result<(), EkError> {
             }
             _ => return Err(EkError::NotEkCertificate("basicConstraints does not parse")),
         },
+    }
+    match cert.extended_key_usage() {
+        Err(_) => {
+            return Err(EkError::NotEkCertificate(
+                "extendedKeyUsage does not parse or appears more than once",
+            ))
+        }
+        Ok(None) => {}
+        Ok(Some(eku)) => {
+            let eku = eku.value;
+            let ek_oid = x509_parser::der_parser::oid::Oid::from(TCG_KP_EK_CERTIFICATE)
+                .map_err(|_| EkError::NotEkCertificate("extendedKeyUsage"))?;
+            let named = [
+                eku.any,
+                eku.server_auth,
+                eku.client_auth,
+                eku.code_signing,
+                eku.email_protection,
+                eku.time_stamping,
+                eku.ocsp_signing,
+            ];
+            if named.into_iter().any(|n| n) || eku.other.iter().any(|oid| *oid != ek_oid) {
+                return Err(EkError::NotEkCertificate(
+                    "extendedKeyUsage names a purpose other than tcg-kp-EKCertificate",
+                ));
+            }
+        }
     }
     match cert.key_usage() {
         Err(_) => Err(EkError::NotEkCertificate(
@@ -449,8 +483,8 @@ impl std::fmt::Debug for EkDigest {
 mod tests {
     use super::*;
     use rcgen::{
-        BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-        PublicKeyData, SignatureAlgorithm,
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+        KeyPair, KeyUsagePurpose, PublicKeyData, SignatureAlgorithm,
     };
     use time::{Duration, OffsetDateTime};
 
@@ -620,6 +654,41 @@ mod tests {
         // against it.
         let unrestricted = ca.issue_with(&ek, |p| p.key_usages = Vec::new());
         trust.verify(&unrestricted, &ek.public()).unwrap();
+        // Attacker's move: a TLS certificate of a software RSA key from a
+        // CA the EK trust names, which allows key encipherment as RSA TLS
+        // certificates do.
+        for purpose in [
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+            ExtendedKeyUsagePurpose::Any,
+            ExtendedKeyUsagePurpose::Other(vec![1, 3, 6, 1, 4, 1, 99999, 1]),
+        ] {
+            let tls = ca.issue_with(&ek, |p| {
+                p.key_usages = vec![
+                    KeyUsagePurpose::DigitalSignature,
+                    KeyUsagePurpose::KeyEncipherment,
+                ];
+                p.extended_key_usages = vec![
+                    ExtendedKeyUsagePurpose::Other(TCG_KP_EK_CERTIFICATE.to_vec()),
+                    purpose.clone(),
+                ];
+            });
+            assert_eq!(
+                trust.verify(&tls, &ek.public()),
+                Err(EkError::NotEkCertificate(
+                    "extendedKeyUsage names a purpose other than tcg-kp-EKCertificate"
+                )),
+                "{purpose:?}"
+            );
+        }
+        // tcg-kp-EKCertificate alone, as swtpm's and TPM vendors' EK
+        // certificates name it.
+        let marked = ca.issue_with(&ek, |p| {
+            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::Other(
+                TCG_KP_EK_CERTIFICATE.to_vec(),
+            )];
+        });
+        trust.verify(&marked, &ek.public()).unwrap();
     }
 
     #[test]
