@@ -23,6 +23,7 @@ use keel_agent::disk::Cryptsetup;
 use keel_agent::disk_bindings::{DiskBindings, EkDigest};
 use keel_agent::evidence::client::EvidenceClientError;
 use keel_agent::evidence::client::Session;
+use keel_agent::evidence::service::REGISTRY_GAP;
 use keel_agent::evidence::{user_data, EvidenceClient};
 use keel_agent::join::settings::SHARED_PCRS;
 use keel_agent::join::{service_validator, JoinOutcome, TicketError};
@@ -403,8 +404,28 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     let mut s = c.session(&c.cp1).await;
     let stands = Duration::from_secs(60);
     assert_eq!(s.merge_registry(&other_cp, stands).await.unwrap(), 1);
+    let again = Instant::now();
     assert_eq!(s.merge_registry(&other_cp, stands).await.unwrap(), 0);
     assert_eq!(other_cp.snapshot().revoked()[0].ek, revoked.ek);
+    // Attacker's move (a compromised control plane, not yet revoked): pile
+    // up registry requests, each a copy and an encoding of the whole
+    // registry. One is in flight at a time, each at least REGISTRY_GAP
+    // after the last: the second above waited; one sent while another
+    // waits is refused. (The gap counts from the start of the last
+    // request, a little before its answer came back here.)
+    assert!(again.elapsed() >= REGISTRY_GAP / 2, "{:?}", again.elapsed());
+    let mut s2 = c.session(&c.cp1).await;
+    let (first, second) = tokio::join!(s.merge_registry(&other_cp, stands), async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s2.merge_registry(&other_cp, stands).await
+    });
+    assert_eq!(first.unwrap(), 0);
+    match second {
+        Err(EvidenceClientError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        }
+        other => panic!("a second registry request in flight: {other:?}"),
+    }
     // A control plane that revoked cp-1 takes nothing from its registry
     // (a compromised control plane, once revoked, can no longer fill the
     // others' lists or re-date their nodes), nor counts it as heard.

@@ -124,8 +124,20 @@ pub struct EvidenceClient {
     root: PathBuf,
     disk: DiskId,
     retry: Duration,
-    /// On a control plane: its registry, and how long a drift there stands.
-    registry: Option<(Arc<RegistryStore>, Duration)>,
+    /// On a control plane: what it merges the others' registries into.
+    registry: Option<Merging>,
+}
+
+/// A control plane's registry, which it merges the others' into.
+#[derive(Clone)]
+struct Merging {
+    registry: Arc<RegistryStore>,
+    /// How long a drift there stands against the others' records.
+    drift_stands: Duration,
+    /// Its own EK's digest: its own registry is not merged into itself,
+    /// since a merge tells its evidence service that another control
+    /// plane's view is current.
+    own_ek: keel_verifier::ek::EkDigest,
 }
 
 /// One connection to a control plane's evidence service.
@@ -173,12 +185,22 @@ impl EvidenceClient {
         self
     }
 
-    /// The same client on a control plane: after each round it merges the
-    /// other control plane's registry into `registry`.
-    /// A drift there stands against the other's records for
-    /// `drift_stands` (`EvidenceConfig::drift_stands`).
-    pub fn merging_into(mut self, registry: Arc<RegistryStore>, drift_stands: Duration) -> Self {
-        self.registry = Some((registry, drift_stands));
+    /// The same client on a control plane whose EK has the digest
+    /// `own_ek`: after each round with another control plane it merges
+    /// that one's registry into `registry`. A drift there stands against
+    /// the other's records for `drift_stands`
+    /// (`EvidenceConfig::drift_stands`).
+    pub fn merging_into(
+        mut self,
+        registry: Arc<RegistryStore>,
+        drift_stands: Duration,
+        own_ek: keel_verifier::ek::EkDigest,
+    ) -> Self {
+        self.registry = Some(Merging {
+            registry,
+            drift_stands,
+            own_ek,
+        });
         self
     }
 
@@ -213,10 +235,6 @@ impl EvidenceClient {
 
     /// Sends evidence to `endpoint` for as long as the task runs.
     pub async fn run(self, endpoint: String, cluster_id: ClusterId) {
-        // A control plane's own registry is not merged into itself: a merge
-        // tells its evidence service that another control plane's view is
-        // current.
-        let own_ek = crate::attestation::shared_own_ek_digest(&self.tpm).ok();
         loop {
             match self.connect(&endpoint, &cluster_id).await {
                 Ok(mut session) => loop {
@@ -232,12 +250,15 @@ impl EvidenceClient {
                             break;
                         }
                     }
-                    if let Some((registry, drift_stands)) = self
+                    if let Some(merging) = self
                         .registry
                         .as_ref()
-                        .filter(|_| Some(session.server_ek) != own_ek)
+                        .filter(|m| session.server_ek != m.own_ek)
                     {
-                        if let Err(e) = session.merge_registry(registry, *drift_stands).await {
+                        if let Err(e) = session
+                            .merge_registry(&merging.registry, merging.drift_stands)
+                            .await
+                        {
                             tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "registry exchange failed");
                         }
                     }
@@ -417,9 +438,14 @@ async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> 
         while slot.borrow_and_update().is_none() {
             slot.changed().await?;
         }
+        let tpm = node.tpm.clone();
+        let own_ek =
+            tokio::task::spawn_blocking(move || crate::attestation::shared_own_ek_digest(&tpm))
+                .await??;
         client = client.merging_into(
             RegistryStore::shared(node.env.root())?,
             node.config.cluster.evidence.drift_stands(),
+            own_ek,
         );
     }
     Ok((client, cluster_id))

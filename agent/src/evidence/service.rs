@@ -8,6 +8,9 @@
 //! against its nonce, its EK and its AK before anything is validated, so a
 //! flood of submissions costs a lookup each and at most one validation per
 //! interval per node; requests are bounded to [`MAX_EVIDENCE_REQUEST_BYTES`].
+//! A control plane reads the registry one request at a time, each at least
+//! [`REGISTRY_GAP`] after its last (a copy and an encoding of up to the
+//! registry's bound each), so a compromised one cannot pile them up.
 //!
 //! The disk UUID a member reports is its claim: it is recorded (and can
 //! later go into the node's revocation) only if the join service's disk
@@ -45,6 +48,10 @@ use crate::registry::{
 pub const MAX_NODES: usize = registry::MAX_NODES;
 /// How long a nonce outlives its interval.
 pub const NONCE_GRACE: Duration = Duration::from_secs(30);
+/// The shortest time between the starts of two registry requests of one
+/// control plane; a request that comes sooner waits (its own client pulls
+/// once per evidence round, an interval apart).
+pub const REGISTRY_GAP: Duration = Duration::from_secs(1);
 /// Largest accepted request: a document and two short strings.
 pub const MAX_EVIDENCE_REQUEST_BYTES: usize = MAX_DOCUMENT_BYTES + 4096;
 
@@ -67,6 +74,9 @@ pub enum EvidenceError {
     /// The peer already waits for a nonce, or too many nodes are paced.
     #[error("a nonce request of this node is already waiting, or too many nodes")]
     Busy,
+    /// A registry request of the peer is already in flight.
+    #[error("a registry request of this control plane is already in flight")]
+    RegistryBusy,
     /// The nonce is not the one this control plane issued to this EK.
     #[error("the nonce was not issued to this node, was used or expired")]
     NonceNotIssued,
@@ -113,6 +123,10 @@ impl From<&EvidenceError> for tonic::Status {
                 tonic::Code::ResourceExhausted,
                 "a nonce request is already waiting",
             ),
+            E::RegistryBusy => (
+                tonic::Code::ResourceExhausted,
+                "a registry request of this control plane is already in flight",
+            ),
             E::NonceNotIssued => (
                 tonic::Code::PermissionDenied,
                 "the nonce was not issued to this node, was used or expired",
@@ -137,12 +151,16 @@ impl From<&EvidenceError> for tonic::Status {
     }
 }
 
-/// The pace of one EK's evidence.
+/// The pace of one EK's evidence, and of its registry requests.
 #[derive(Default)]
 struct Pace {
     waiting: bool,
     nonce: Option<([u8; 32], Instant)>,
     last: Option<Instant>,
+    /// A registry request is in flight.
+    reading: bool,
+    /// When its last registry request started.
+    last_read: Option<Instant>,
 }
 
 /// The evidence service of a control plane.
@@ -164,16 +182,18 @@ struct Inner {
     paces: Mutex<HashMap<[u8; 32], Pace>>,
 }
 
-/// Clears an EK's waiting mark when its nonce request ends, answered or not.
+/// Clears a mark of an EK's pace (its waiting nonce request, its registry
+/// request in flight) when the request ends, answered or not.
 struct Waiting<'a> {
     service: &'a EvidenceService,
     ek: [u8; 32],
+    mark: fn(&mut Pace) -> &mut bool,
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         if let Some(p) = self.service.paces().get_mut(&self.ek) {
-            p.waiting = false;
+            *(self.mark)(p) = false;
         }
     }
 }
@@ -254,7 +274,11 @@ impl EvidenceService {
             pace.waiting = true;
             pace.last.map(|last| last + interval)
         };
-        let _waiting = Waiting { service: self, ek };
+        let _waiting = Waiting {
+            service: self,
+            ek,
+            mark: |p| &mut p.waiting,
+        };
         if let Some(due) = due {
             tokio::time::sleep_until(due.into()).await;
         }
@@ -580,9 +604,32 @@ impl EvidenceService {
     /// copied and encoded (up to the registry's bound) on a blocking
     /// thread.
     pub async fn registry_for(&self, peer: &Verified) -> Result<Vec<u8>, EvidenceError> {
-        self.admit(peer)?;
+        let ek = *self.admit(peer)?.as_bytes();
         keel_verifier::validator::check_control_plane(peer)
             .map_err(|_| EvidenceError::NotControlPlane)?;
+        let due = {
+            let mut paces = self.paces();
+            if !paces.contains_key(&ek) && paces.len() >= MAX_NODES {
+                return Err(EvidenceError::Busy);
+            }
+            let pace = paces.entry(ek).or_default();
+            if pace.reading {
+                return Err(EvidenceError::RegistryBusy);
+            }
+            pace.reading = true;
+            pace.last_read.map(|last| last + REGISTRY_GAP)
+        };
+        let _reading = Waiting {
+            service: self,
+            ek,
+            mark: |p| &mut p.reading,
+        };
+        if let Some(due) = due {
+            tokio::time::sleep_until(due.into()).await;
+        }
+        if let Some(pace) = self.paces().get_mut(&ek) {
+            pace.last_read = Some(Instant::now());
+        }
         self.store(|s| Ok(s.snapshot().to_json())).await
     }
 
