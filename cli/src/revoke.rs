@@ -28,7 +28,8 @@ pub async fn run(
     }
     let operator = Operator::load(settings_path, workspace, wait)?;
     // Every control plane is tried: one that does not know the node (or is
-    // down) takes the list from the others with its next evidence round.
+    // down) takes the list from the others with its next evidence round,
+    // but the command fails, so that the operator sees it.
     let mut revoked = 0;
     let mut failures = Vec::new();
     for endpoint in endpoints {
@@ -47,8 +48,13 @@ pub async fn run(
         bail!("no control plane revoked {node:?}");
     }
     if !failures.is_empty() {
-        eprintln!(
-            "keel: revoked on {revoked} control plane(s); the others ({}) take the list from them",
+        // Not a success: a control plane cut off from the others (its
+        // host can arrange that) keeps issuing tickets to the node.
+        bail!(
+            "revoked on {revoked} of {} control planes; {} did not (see above): each takes the \
+             list from the others at its next registry exchange, if it reaches them; run this \
+             again naming it, or check `keel status`",
+            endpoints.len(),
             failures.join(", ")
         );
     }

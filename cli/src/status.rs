@@ -27,10 +27,20 @@ pub async fn run(
         bail!("name each control plane's init port with --endpoint");
     }
     let operator = Operator::load(settings_path, workspace, wait)?;
+    // One control plane that does not answer (down, cut off, refused)
+    // does not hide the others' views: that is when they matter most.
     let mut views = Vec::new();
+    let mut failed = Vec::new();
     for endpoint in endpoints {
-        let registry = registry_of(&operator, endpoint).await?;
-        views.push(serde_json::json!({ "endpoint": endpoint, "registry": registry }));
+        match registry_of(&operator, endpoint).await {
+            Ok(registry) => {
+                views.push(serde_json::json!({ "endpoint": endpoint, "registry": registry }));
+            }
+            Err(e) => {
+                views.push(serde_json::json!({ "endpoint": endpoint, "error": format!("{e:#}") }));
+                failed.push(endpoint.as_str());
+            }
+        }
     }
     match output {
         Output::Json => println!(
@@ -42,6 +52,14 @@ pub async fn run(
                 print_view(view);
             }
         }
+    }
+    if !failed.is_empty() {
+        bail!(
+            "{} of {} control planes did not answer: {}",
+            failed.len(),
+            endpoints.len(),
+            failed.join(", ")
+        );
     }
     Ok(())
 }
@@ -80,9 +98,13 @@ fn age(v: &Value) -> String {
 fn print_view(view: &Value) {
     let registry = &view["registry"];
     println!("control plane {}", text(view, "endpoint"));
+    if view.get("error").is_some() {
+        println!("  did not answer: {}", text(view, "error"));
+        return;
+    }
     println!(
-        "  {:<16} {:<14} {:<12} {:<36} {:<10} {:<14} {:<10} reason",
-        "node", "role", "EK", "disk", "verdict", "last evidence", "k8s"
+        "  {:<16} {:<14} {:<16} {:<36} {:<10} {:<14} {:<10} reason",
+        "node", "role", "EK (SHA-256)", "disk", "verdict", "last evidence", "k8s"
     );
     let revoked = registry["revoked"].as_array().cloned().unwrap_or_default();
     for node in registry["nodes"]
@@ -90,13 +112,17 @@ fn print_view(view: &Value) {
         .into_iter()
         .flat_map(|m| m.values())
     {
+        // The first 16 hex digits of the EK's hash (64 bits); `keel
+        // revoke` takes the whole hash, which the JSON output and the
+        // revocation lines below show.
         let ek = text(node, "ek");
+        let hex = ek.strip_prefix("sha256:").unwrap_or(&ek);
         let is_revoked = revoked.iter().any(|r| r["ek"] == node["ek"]);
         println!(
-            "  {:<16} {:<14} {:<12} {:<36} {:<10} {:<14} {:<10} {}",
+            "  {:<16} {:<14} {:<16} {:<36} {:<10} {:<14} {:<10} {}",
             text(node, "name"),
             text(node, "role"),
-            ek.get(..12).unwrap_or(&ek),
+            hex.get(..16).unwrap_or(hex),
             text(node, "disk_uuid"),
             if is_revoked {
                 "revoked".to_owned()
