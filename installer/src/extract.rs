@@ -411,12 +411,18 @@ pub fn extract_tgz_verified(
         remaining: limits.max_unpacked_bytes,
         limit: limits.max_unpacked_bytes,
     };
-    let (summary, symlinks) = unpack(bounded, staging.path(), limits)?;
-    for link in &symlinks {
-        check_symlink_resolves(staging.path(), link)?;
-    }
+    let unpacked = unpack(bounded, staging.path(), limits).and_then(|(summary, symlinks)| {
+        for link in &symlinks {
+            check_symlink_resolves(staging.path(), link)?;
+        }
+        Ok(summary)
+    });
     // What the gzip and tar readers left is hashed too: the hash is of
-    // the whole file, and it decides before anything moves.
+    // the whole file, and it decides before anything moves. It decides
+    // first also when unpacking failed: bytes that are not the archive
+    // are said to be so, whatever they did to the unpacking (a name too
+    // long for the file system, a disk filled), so that a kept copy that
+    // is not the archive is fetched again rather than failing the install.
     io::copy(&mut source, &mut io::sink()).map_err(ExtractError::ReadArchive)?;
     let actual = Sha256Digest::from_hasher(source.hasher);
     if actual != expected {
@@ -425,6 +431,7 @@ pub fn extract_tgz_verified(
             actual: Box::new(actual),
         });
     }
+    let summary = unpacked?;
 
     if target_exists {
         merge_dir(staging.path(), target)?;

@@ -314,6 +314,29 @@ async fn a_kept_archive_is_extracted_without_a_fetch_and_a_wrong_copy_is_fetched
     assert_eq!(entries(&r.join("opt/cni/bin")), CNI_PLUGINS);
     assert!(!r.join("opt/cni/bin/crictl").exists());
 
+    // Nor is a copy whose unpacking fails in a way that looks like the
+    // target's fault (an entry name longer than the file system takes,
+    // as a disk filled by a bomb would): the hash says first that it is
+    // not the archive, and it is fetched again.
+    let mut long_name = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::fast(),
+    ));
+    let mut header = tar::Header::new_gnu();
+    header.set_size(1);
+    header.set_mode(0o755);
+    long_name
+        .append_data(&mut header, "n".repeat(300), &b"x"[..])
+        .unwrap();
+    let long_name = long_name.into_inner().unwrap().finish().unwrap();
+    std::fs::write(kept(crictl), long_name).unwrap();
+    std::fs::remove_file(r.join("run/state/bin/crictl")).unwrap();
+    let refetched = installer.install(crictl, &NoProgress).await.unwrap();
+    assert!(matches!(refetched.outcome(), Outcome::Extracted(_)));
+    assert_eq!(mirror.total_requests(), fetched + 2);
+    assert_eq!(kept_hash(crictl), crictl.hash());
+    assert!(run(&r.join("run/state/bin/crictl")).starts_with("crictl v1.33.0"));
+
     // With the mirror gone the whole version still installs.
     drop(mirror);
     std::fs::remove_dir_all(r.join("opt/cni/bin")).unwrap();
