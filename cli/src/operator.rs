@@ -68,6 +68,34 @@ pub fn distinct(endpoints: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// Runs `request` for each control plane of `endpoints` in turn, printing
+/// one line per control plane (what it did, or why it failed); fails if any
+/// did not `what`. A control plane named twice is asked once.
+pub async fn on_each<F, Fut>(endpoints: &[String], what: &str, request: F) -> anyhow::Result<()>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<String>>,
+{
+    let endpoints = distinct(endpoints);
+    let mut failed = 0;
+    for endpoint in &endpoints {
+        match request(endpoint.clone()).await {
+            Ok(line) => println!("{endpoint}: {line}"),
+            Err(e) => {
+                failed += 1;
+                println!("{endpoint}: FAILED: {e:#}");
+            }
+        }
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} of {} control plane(s) did not {what}; run the command again for them",
+            endpoints.len()
+        );
+    }
+    Ok(())
+}
+
 /// Formats a refusal of `endpoint`.
 pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
     anyhow::anyhow!(

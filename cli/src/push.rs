@@ -22,7 +22,7 @@ use anyhow::{bail, Context as _};
 use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_verifier::measurements::Measurements;
 
-use crate::operator::{answer, Operator};
+use crate::operator::{answer, on_each, Operator};
 use crate::settings::{read_bounded, Settings};
 use crate::upgrade::image::load_signed;
 
@@ -43,25 +43,31 @@ pub async fn run(
     }
     let (body, signature) = load(settings_path, file, signature)?;
     let operator = Operator::load(settings_path, workspace, wait)?;
-    for endpoint in endpoints {
-        let (mut cp, challenge, proof) = operator
-            .authorise(endpoint, SET_JOIN_MEASUREMENTS, &body)
+    // Every control plane is tried, and the workspace records the set
+    // only once every one took it.
+    on_each(endpoints, "replace their join measurements", |endpoint| {
+        let (operator, body, signature) = (&operator, &body, &signature);
+        async move {
+            let (mut cp, challenge, proof) = operator
+                .authorise(&endpoint, SET_JOIN_MEASUREMENTS, body)
+                .await?;
+            let done = answer(
+                &endpoint,
+                cp.client.set_join_measurements(SetJoinMeasurementsRequest {
+                    measurements: body.clone(),
+                    challenge,
+                    proof,
+                    signature: signature.clone(),
+                }),
+            )
             .await?;
-        let done = answer(
-            endpoint,
-            cp.client.set_join_measurements(SetJoinMeasurementsRequest {
-                measurements: body.clone(),
-                challenge,
-                proof,
-                signature: signature.clone(),
-            }),
-        )
-        .await?;
-        println!(
-            "{endpoint}: join measurements replaced (sha256:{})",
-            hex::encode(done.digest)
-        );
-    }
+            Ok(format!(
+                "join measurements replaced (sha256:{})",
+                hex::encode(done.digest)
+            ))
+        }
+    })
+    .await?;
     // The pushed set is the current one now, for `keel recover`.
     let (pushed, epoch) = Measurements::parse_file(&body)
         .with_context(|| format!("{} is not a measurements file", file.display()))?;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::bail;
 use keel_proto::operator::RevokeNodeRequest;
 
-use crate::operator::{answer, Operator};
+use crate::operator::{answer, on_each, Operator};
 use crate::printable::printable;
 
 use keel_verifier::keys::kind::REVOKE_NODE;
@@ -27,38 +27,15 @@ pub async fn run(
         bail!("name each control plane's init port with --endpoint");
     }
     let operator = Operator::load(settings_path, workspace, wait)?;
-    // Every control plane is tried: one that does not know the node (or is
-    // down) takes the list from the others with its next evidence round,
-    // but the command fails, so that the operator sees it.
-    let mut revoked = 0;
-    let mut failures = Vec::new();
-    for endpoint in endpoints {
-        match revoke_at(&operator, endpoint, node).await {
-            Ok(line) => {
-                println!("{line}");
-                revoked += 1;
-            }
-            Err(e) => {
-                eprintln!("keel: {e:#}");
-                failures.push(endpoint.as_str());
-            }
-        }
-    }
-    if revoked == 0 {
-        bail!("no control plane revoked {node:?}");
-    }
-    if !failures.is_empty() {
-        // Not a success: a control plane cut off from the others (its
-        // host can arrange that) keeps issuing tickets to the node.
-        bail!(
-            "revoked on {revoked} of {} control planes; {} did not (see above): each takes the \
-             list from the others at its next registry exchange, if it reaches them; run this \
-             again naming it, or check `keel status`",
-            endpoints.len(),
-            failures.join(", ")
-        );
-    }
-    Ok(())
+    // Every control plane is tried. One that does not know the node (or
+    // is down) takes the list from the others with its next registry
+    // exchange, if it reaches them; the command fails all the same, since
+    // one cut off from the others keeps issuing tickets to the node.
+    on_each(endpoints, "revoke the node", |endpoint| {
+        let operator = &operator;
+        async move { revoke_at(operator, &endpoint, node).await }
+    })
+    .await
 }
 
 /// Revokes `node` on the control plane at `endpoint`; returns what to print.
@@ -76,7 +53,7 @@ async fn revoke_at(operator: &Operator, endpoint: &str, node: &str) -> anyhow::R
     )
     .await?;
     Ok(format!(
-        "{endpoint}: revoked node {} (EK {}, disk {})",
+        "revoked node {} (EK {}, disk {})",
         printable(&done.name),
         printable(&done.ek),
         printable(&done.disk_uuid)

@@ -15,7 +15,7 @@ use anyhow::{bail, Context as _};
 use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequest};
 
 use super::{every_control_plane_named, Cluster, Roles};
-use crate::operator::{answer, Operator};
+use crate::operator::{answer, on_each, Operator};
 use crate::settings::{read_bounded, Settings};
 use keel_verifier::signature::{
     detached_signature_path, SignedMeasurements, SignedMeasurementsError,
@@ -188,31 +188,4 @@ fn named_control_planes(roles: &Roles) -> anyhow::Result<&[String]> {
         );
     }
     Ok(&roles.control_planes)
-}
-
-/// Runs `request` for each control plane of `endpoints` in turn, printing
-/// one line per control plane (what it did, or why it failed); fails if any
-/// did not `what`.
-async fn on_each<F, Fut>(endpoints: &[String], what: &str, request: F) -> anyhow::Result<()>
-where
-    F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<String>>,
-{
-    let mut failed = 0;
-    for endpoint in endpoints {
-        match request(endpoint.clone()).await {
-            Ok(line) => println!("{endpoint}: {line}"),
-            Err(e) => {
-                failed += 1;
-                println!("{endpoint}: FAILED: {e:#}");
-            }
-        }
-    }
-    if failed > 0 {
-        bail!(
-            "{failed} of {} control plane(s) did not {what}; run the command again for them",
-            endpoints.len()
-        );
-    }
-    Ok(())
 }
