@@ -13,6 +13,9 @@ use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_proto::MAX_FAILURE_LOG_BYTES;
+use keel_verifier::cluster_settings::{
+    check_cluster_name, check_cluster_network, DEFAULT_SERVICE_CIDR,
+};
 use keel_verifier::credential;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use keel_verifier::validator::Verified;
@@ -277,6 +280,20 @@ pub async fn run(
     let version = keel_installer::resolve(&settings.kubernetes_version)
         .map_err(|e| anyhow::anyhow!("{e}; nothing was sent"))?
         .version();
+    // What the node would refuse is said here, before a master secret is
+    // made for a request that cannot succeed.
+    check_cluster_name(&settings.cluster_name)
+        .and_then(|()| {
+            check_cluster_network(
+                if settings.service_cidr.is_empty() {
+                    DEFAULT_SERVICE_CIDR
+                } else {
+                    &settings.service_cidr
+                },
+                &settings.api_server_cert_sans,
+            )
+        })
+        .map_err(|e| anyhow::anyhow!("settings: {e}; nothing was sent"))?;
     create_workspace(workspace)?;
 
     // An earlier init's master secret is never replaced; said before

@@ -375,6 +375,49 @@ async fn verify_waits_for_a_node_that_is_still_booting() {
     );
 }
 
+/// Settings the node would refuse (its cluster name, service CIDR, API
+/// server names) are said before a master secret is made for them: a
+/// rerun with the settings fixed can use the same workspace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_the_node_would_refuse_stop_init_before_a_master_secret_is_made() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let settings = n.settings(&ca, SECRET, None);
+    let good: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&settings).unwrap()).unwrap();
+    for (field, value, said) in [
+        (
+            "cluster_name",
+            serde_json::json!("Prod"),
+            "cluster name \"Prod\"",
+        ),
+        (
+            "service_cidr",
+            serde_json::json!("10.96.0.0"),
+            "service CIDR \"10.96.0.0\"",
+        ),
+        (
+            "api_server_cert_sans",
+            serde_json::json!(["a name"]),
+            "SAN \"a name\"",
+        ),
+    ] {
+        let mut json = good.clone();
+        json[field] = value;
+        std::fs::write(&settings, json.to_string()).unwrap();
+        let out = keel_init(&settings, ws.path()).await;
+        assert!(!out.status.success());
+        let t = text(&out);
+        assert!(t.contains(said) && t.contains("nothing was sent"), "{t}");
+        assert!(!ws.path().join("keel-master-secret.json").exists());
+    }
+    assert_eq!(n.pcr15(), [0; 32]);
+    std::fs::write(&settings, good.to_string()).unwrap();
+    let out = keel_init(&settings, ws.path()).await;
+    assert!(out.status.success(), "{}", text(&out));
+}
+
 /// A node downloads only from the mirror its measured config names: a
 /// mirror in the settings that the node's config does not name is said
 /// before anything is sent (init used to send it, and the node ignored it).

@@ -9,6 +9,7 @@
 
 pub mod batch;
 pub mod bounded;
+pub mod cluster_settings;
 pub mod config;
 pub mod cpu;
 pub mod credential;

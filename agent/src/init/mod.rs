@@ -19,6 +19,9 @@ use keel_installer::{Component, KubernetesVersion};
 use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitFailure, InitRequest, InitResponse, InitSecrets, InitSuccess};
+use keel_verifier::cluster_settings::{
+    check_cluster_name, check_cluster_network, DEFAULT_SERVICE_CIDR,
+};
 use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use prost::Message as _;
@@ -38,9 +41,6 @@ use crate::transcript::Transcript;
 
 /// Size of one log chunk on the init stream.
 pub const LOG_CHUNK: usize = 32 * 1024;
-
-/// Longest accepted cluster name.
-const MAX_NAME: usize = 63;
 
 /// Why an init request was refused before the node lock.
 #[derive(Debug, thiserror::Error)]
@@ -312,16 +312,7 @@ impl InitServer {
             }
         }
         let cluster_name = request.cluster_name;
-        if cluster_name.is_empty()
-            || cluster_name.len() > MAX_NAME
-            || !cluster_name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        {
-            return Err(InitError::InvalidRequest(
-                "cluster name must be 1-63 characters of a-z, 0-9 and '-'".into(),
-            ));
-        }
+        check_cluster_name(&cluster_name).map_err(|e| InitError::InvalidRequest(e.to_string()))?;
         let entry = keel_installer::resolve(&request.kubernetes_version)
             .map_err(invalid("unsupported Kubernetes version"))?;
         // The key comes from the measured config, never from the request.
@@ -388,11 +379,11 @@ impl InitServer {
             .disk_key(&disk_uuid, &own_ek)
             .map_err(invalid("invalid master secret or salt"))?;
         let service_cidr = if request.service_cidr.is_empty() {
-            "10.96.0.0/12".to_owned()
+            DEFAULT_SERVICE_CIDR.to_owned()
         } else {
             request.service_cidr
         };
-        crate::kubeadm::config::check_cluster_network(&service_cidr, &request.api_server_cert_sans)
+        check_cluster_network(&service_cidr, &request.api_server_cert_sans)
             .map_err(invalid("invalid cluster network settings"))?;
         Ok(Accepted {
             keys: Arc::new(keys),

@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use keel_installer::KubernetesVersion;
+use keel_verifier::cluster_settings::{is_cert_san, is_cidr, is_dns_name};
 use rand::Rng as _;
 
 use super::yaml::Yaml;
@@ -471,20 +472,6 @@ fn is_lower_hex(s: &str, len: usize) -> bool {
 
 /// A DNS-1123 subdomain: lower-case labels of `[a-z0-9-]`, not starting or
 /// ending with `-`, at most 253 characters.
-fn is_dns_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        })
-}
-
 fn check_name(field: &'static str, value: &str) -> Result<(), ConfigError> {
     if is_dns_name(value) {
         Ok(())
@@ -496,34 +483,19 @@ fn check_name(field: &'static str, value: &str) -> Result<(), ConfigError> {
     }
 }
 
-/// Checks an init request's network settings as the configuration will:
-/// the service CIDR and the API server certificate's extra names. Init
-/// calls it before the node is locked.
-pub fn check_cluster_network(service_cidr: &str, cert_sans: &[String]) -> Result<(), ConfigError> {
-    check_cidr("service CIDR", service_cidr)?;
-    cert_sans.iter().try_for_each(|san| check_san(san))
-}
-
 fn check_cidr(field: &'static str, value: &str) -> Result<(), ConfigError> {
-    let refuse = || ConfigError::Cidr {
-        field,
-        value: value.to_owned(),
-    };
-    let (addr, prefix) = value.split_once('/').ok_or_else(refuse)?;
-    let addr: IpAddr = addr.parse().map_err(|_| refuse())?;
-    let canonical = !prefix.is_empty()
-        && prefix.bytes().all(|b| b.is_ascii_digit())
-        && (prefix == "0" || !prefix.starts_with('0'));
-    let max = if addr.is_ipv4() { 32 } else { 128 };
-    match prefix.parse::<u8>() {
-        Ok(bits) if canonical && bits <= max => Ok(()),
-        _ => Err(refuse()),
+    if is_cidr(value) {
+        Ok(())
+    } else {
+        Err(ConfigError::Cidr {
+            field,
+            value: value.to_owned(),
+        })
     }
 }
 
 fn check_san(san: &str) -> Result<(), ConfigError> {
-    let name = san.strip_prefix("*.").unwrap_or(san);
-    if san.parse::<IpAddr>().is_ok() || is_dns_name(name) {
+    if is_cert_san(san) {
         Ok(())
     } else {
         Err(ConfigError::CertSan(san.to_owned()))
