@@ -1281,18 +1281,22 @@ impl RegistryStore {
     }
 
     /// Marks silent the nodes [`Registry::mark_silent`] finds; writes only
-    /// if it found any. Returns them.
+    /// if it found any. Returns them, and how the write went: they are
+    /// marked here either way (a failed write's changes go with the next
+    /// one), so they are reported either way.
     pub fn mark_silent(
         &self,
         now: u64,
         grace: Duration,
         since: u64,
-    ) -> Result<Vec<NodeRecord>, RegistryError> {
+    ) -> (Vec<NodeRecord>, Result<(), RegistryError>) {
         let marked = self.lock().mark_silent(now, grace, since);
-        if !marked.is_empty() {
-            self.write()?;
-        }
-        Ok(marked)
+        let written = if marked.is_empty() {
+            Ok(())
+        } else {
+            self.write()
+        };
+        (marked, written)
     }
 
     /// Writes the registry as it is now, with every change that comes
@@ -2069,9 +2073,11 @@ mod tests {
         assert_eq!(on_disk().nodes.len(), 4);
         // Nor does a sweep that finds nobody silent.
         let grace = Duration::from_secs(60);
-        assert!(store.mark_silent(now(), grace, 0).unwrap().is_empty());
+        assert!(store.mark_silent(now(), grace, 0).0.is_empty());
         assert_eq!(store.write_stats().rounds, rounds + 1);
-        assert_eq!(store.mark_silent(now() + 120, grace, 0).unwrap().len(), 4);
+        let (marked, written) = store.mark_silent(now() + 120, grace, 0);
+        assert_eq!(marked.len(), 4);
+        written.unwrap();
         assert_eq!(store.write_stats().rounds, rounds + 2);
         assert!(on_disk()
             .nodes

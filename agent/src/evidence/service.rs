@@ -502,8 +502,10 @@ impl EvidenceService {
             );
         }
         let since = sweep.counting_from;
-        let marked = self.store(move |s| s.mark_silent(now, grace, since)).await;
-        for record in marked.iter().flatten() {
+        let (marked, written) = self
+            .store(move |s| Ok(s.mark_silent(now, grace, since)))
+            .await?;
+        for record in &marked {
             tracing::warn!(
                 node = %record.name.escape_debug(),
                 ek = %record.ek,
@@ -579,7 +581,8 @@ impl EvidenceService {
                 }
             }
         }
-        marked.map(|m| m.len())
+        written.map_err(EvidenceError::Registry)?;
+        Ok(marked.len())
     }
 
     fn hearing(&self) -> MutexGuard<'_, Hearing> {
