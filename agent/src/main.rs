@@ -179,6 +179,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             // service manager's store before it restarted (this boot).
             let kept = resume::take_kept(systemd::take_passed_fds());
             raise_file_limit();
+            // A reboot an earlier run of the agent scheduled in this boot
+            // still happens, whatever fails below.
+            let reboot_pending = keel_agent::reboot::resume_pending(&cli.state_dir);
+            if let Some(left) = reboot_pending {
+                tracing::error!(
+                    "the agent restarted after it had scheduled a reboot in this boot: \
+                     the node still reboots, in {} s",
+                    left.as_secs()
+                );
+            }
             let (config, source) = NodeConfig::load(config.as_deref())?;
             tracing::info!(%source, "node config loaded");
             // Stop signals are caught from here on: one that comes before
@@ -229,7 +239,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 cli.state_dir,
                 measurements,
                 stop,
-                kept,
+                EarlierRun {
+                    kept,
+                    reboot_pending: reboot_pending.is_some(),
+                },
             ));
             // The tasks are gone: end the TPM's cycle so that its next
             // startup finds an orderly shutdown.
@@ -307,6 +320,14 @@ impl StopSignals {
     }
 }
 
+/// What an earlier run of the agent in this boot left for this one.
+struct EarlierRun {
+    /// The record it kept in the service manager's store, if any.
+    kept: Option<Result<resume::ResumeRecord, resume::ResumeError>>,
+    /// It had scheduled a reboot, which is still to come.
+    reboot_pending: bool,
+}
+
 /// Serves the node's APIs until `stop` fires, then ends every task: the
 /// init server (when an init secret is configured) and the join client
 /// (when control-plane endpoints are configured) race for the node lock; a
@@ -318,8 +339,12 @@ async fn serve(
     state_dir: PathBuf,
     measurements: PathBuf,
     mut stop: StopSignals,
-    kept: Option<Result<resume::ResumeRecord, resume::ResumeError>>,
+    earlier: EarlierRun,
 ) -> anyhow::Result<()> {
+    let EarlierRun {
+        kept,
+        reboot_pending,
+    } = earlier;
     // Every node serves its init port: init (where an init secret is
     // configured), recovery (control planes) and the operator API. Bound
     // before the node says it is ready, so an operator who acts on "ready"
@@ -337,7 +362,8 @@ async fn serve(
         tpm,
         lock,
     };
-    let rebooting = node::reset_unfinished_disk(&node.env, &node.lock).await;
+    // A node that reboots anyway leaves its disk as it is.
+    let rebooting = reboot_pending || node::reset_unfinished_disk(&node.env, &node.lock).await;
     let control_plane = node.config.node.role == Role::ControlPlane;
     let operator_port = match node::OperatorPort::set_up(
         init_listener,

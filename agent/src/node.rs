@@ -132,18 +132,9 @@ const START_INSPECTIONS: u32 = 3;
 /// the agent itself stopped within this boot (it was restarted) and PCR 15
 /// holds the cluster ID: unless the disk is a finished member's, nothing
 /// this boot can do lets the node start over, so a reboot is scheduled.
-/// A reboot that the agent had scheduled before it restarted still happens,
-/// after what is left of its grace period, and the disk is left as it is.
-/// Returns whether a reboot is scheduled.
+/// Returns whether a reboot is scheduled. (A reboot the agent scheduled
+/// before it restarted is resumed earlier, [`crate::reboot::resume_pending`].)
 pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) -> bool {
-    if let Some(left) = crate::reboot::resume_pending(&env.work_dir, env.reboot) {
-        tracing::error!(
-            "the agent restarted after it had scheduled a reboot in this boot: \
-             the node still reboots, in {} s",
-            left.as_secs()
-        );
-        return true;
-    }
     let Some(disk) = env.state_disk.clone() else {
         return false;
     };
@@ -171,7 +162,10 @@ pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) -> bool {
         );
     }
     if lock.is_locked() && !matches!(found, Some(DiskState::Member { .. })) {
-        for line in crate::reboot::reset_node(None, env.reboot, &env.work_dir).await {
+        // Recorded for a later start only when the disk was read: one that
+        // could not be read now may be read after a restart.
+        let record_in = found.is_some().then_some(env.work_dir.as_path());
+        for line in crate::reboot::reset_node(None, env.reboot, record_in).await {
             tracing::error!(
                 "the node was locked before this start and its disk is no member's: {line}"
             );

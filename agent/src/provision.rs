@@ -465,7 +465,7 @@ impl<'a> Provisioner<'a> {
         } else {
             None
         };
-        for line in reboot::reset_node(reset, self.env.reboot, &self.env.work_dir).await {
+        for line in reboot::reset_node(reset, self.env.reboot, Some(&self.env.work_dir)).await {
             (self.log)(line);
         }
     }

@@ -2,12 +2,12 @@
 //! disk is marked for reset and the node reboots, which zeroes the PCRs, so
 //! it can be tried again from a clean state.
 //!
-//! The reboot waits out a grace period in the agent's process. So that an
-//! agent that restarts within it (a crash, systemd restarting it) still
-//! reboots, the deadline is also written to a file in the agent's runtime
-//! directory ([`REBOOT_PENDING`]), which the next start reads
-//! ([`resume_pending`]); that directory is a tmpfs, so the file is gone
-//! once the node rebooted.
+//! The reboot waits out a grace period on a thread of the agent's process.
+//! So that an agent that restarts within it (a crash, systemd restarting
+//! it) still reboots, the deadline is also written to a file in the agent's
+//! runtime directory ([`REBOOT_PENDING`]), which the next start reads first
+//! of all ([`resume_pending`]), before anything that could fail; that
+//! directory is a tmpfs, so the file is gone once the node rebooted.
 
 use std::path::Path;
 use std::time::Duration;
@@ -28,12 +28,13 @@ pub enum RebootPolicy {
 pub const REBOOT_PENDING: &str = "reboot-pending";
 
 /// Marks the state disk (if any) for reset and schedules the reboot the
-/// policy asks for, recording it in `run_dir` ([`REBOOT_PENDING`]).
-/// Returns what happened, one line each, for the report.
+/// policy asks for, recording it in `record_in` (the agent's runtime
+/// directory, [`REBOOT_PENDING`]) if given: a start within the grace then
+/// reboots too. Returns what happened, one line each, for the report.
 pub async fn reset_node(
     state_disk: Option<&StateDisk>,
     policy: RebootPolicy,
-    run_dir: &Path,
+    record_in: Option<&Path>,
 ) -> Vec<String> {
     let mut report = Vec::new();
     if let Some(disk) = state_disk.cloned() {
@@ -45,7 +46,7 @@ pub async fn reset_node(
     }
     match policy {
         RebootPolicy::After(grace) => {
-            if let Err(e) = record_pending(run_dir, grace) {
+            if let Err(e) = record_in.map_or(Ok(()), |dir| record_pending(dir, grace)) {
                 report.push(format!(
                     "recording the pending reboot failed ({}): an agent restarted before it \
                      does not reboot",
@@ -65,25 +66,29 @@ pub async fn reset_node(
     report
 }
 
-/// At start: schedules the reboot that an earlier run of the agent in this
-/// boot recorded in `run_dir`, after what is left of its grace period.
-/// Returns what is left, `None` if no reboot is pending (or the policy
-/// never reboots).
-pub fn resume_pending(run_dir: &Path, policy: RebootPolicy) -> Option<Duration> {
-    if matches!(policy, RebootPolicy::Never) {
-        return None;
-    }
+/// At start, before anything that could fail: schedules the reboot that
+/// an earlier run of the agent in this boot recorded in `run_dir`, after
+/// what is left of its grace period. Returns what is left, `None` if no
+/// reboot is pending. Only a node's agent records one.
+pub fn resume_pending(run_dir: &Path) -> Option<Duration> {
     let left = pending(run_dir)?;
     schedule(left);
     Some(left)
 }
 
-/// Reboots after `grace`, on a task of the current runtime.
+/// Reboots after `grace`, on a thread of its own: it happens whatever the
+/// agent's runtime does meanwhile (a runtime that ends drops its tasks).
 fn schedule(grace: Duration) {
-    tokio::spawn(async move {
-        tokio::time::sleep(grace).await;
+    let spawned = std::thread::Builder::new()
+        .name("keel-reboot".into())
+        .spawn(move || {
+            std::thread::sleep(grace);
+            reboot_now();
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "scheduling the reboot failed; rebooting now");
         reboot_now();
-    });
+    }
 }
 
 /// Writes the deadline `grace` from now to `run_dir`'s [`REBOOT_PENDING`].
@@ -151,13 +156,5 @@ mod tests {
             std::fs::write(dir.path().join(REBOOT_PENDING), text).unwrap();
             assert_eq!(pending(dir.path()), Some(Duration::ZERO), "{text:?}");
         }
-    }
-
-    /// A policy that never reboots schedules nothing, recorded or not.
-    #[test]
-    fn a_node_that_never_reboots_resumes_no_reboot() {
-        let dir = tempfile::tempdir().unwrap();
-        record_pending(dir.path(), Duration::from_secs(3600)).unwrap();
-        assert_eq!(resume_pending(dir.path(), RebootPolicy::Never), None);
     }
 }
