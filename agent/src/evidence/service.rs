@@ -184,13 +184,13 @@ struct Inner {
 
 /// Clears a mark of an EK's pace (its waiting nonce request, its registry
 /// request in flight) when the request ends, answered or not.
-struct Waiting<'a> {
-    service: &'a EvidenceService,
+struct Waiting {
+    service: EvidenceService,
     ek: [u8; 32],
     mark: fn(&mut Pace) -> &mut bool,
 }
 
-impl Drop for Waiting<'_> {
+impl Drop for Waiting {
     fn drop(&mut self) {
         if let Some(p) = self.service.paces().get_mut(&self.ek) {
             *(self.mark)(p) = false;
@@ -261,33 +261,57 @@ impl EvidenceService {
     /// Waits until `peer`'s next evidence is due and returns its nonce.
     pub async fn next_nonce(&self, peer: &Verified) -> Result<[u8; 32], EvidenceError> {
         let ek = *self.admit(peer)?.as_bytes();
-        let interval = self.inner.config.interval();
-        let due = {
-            let mut paces = self.paces();
-            if !paces.contains_key(&ek) && paces.len() >= MAX_NODES {
-                return Err(EvidenceError::Busy);
-            }
-            let pace = paces.entry(ek).or_default();
-            if pace.waiting {
-                return Err(EvidenceError::Busy);
-            }
-            pace.waiting = true;
-            pace.last.map(|last| last + interval)
-        };
-        let _waiting = Waiting {
-            service: self,
-            ek,
-            mark: |p| &mut p.waiting,
-        };
-        if let Some(due) = due {
-            tokio::time::sleep_until(due.into()).await;
-        }
+        let _waiting = self
+            .wait_turn(
+                ek,
+                |p| &mut p.waiting,
+                |p| p.last,
+                self.inner.config.interval(),
+                EvidenceError::Busy,
+            )
+            .await?;
         let mut nonce = [0u8; 32];
         rand::rngs::OsRng.fill_bytes(&mut nonce);
         if let Some(pace) = self.paces().get_mut(&ek) {
             pace.nonce = Some((nonce, Instant::now()));
         }
         Ok(nonce)
+    }
+
+    /// Marks a request of `ek` in flight (the mark `busy`; `refused` if
+    /// one is already) and waits until `gap` after the time `last` of its
+    /// pace. The guard returned ends the mark when the request ends,
+    /// answered or not. At most [`MAX_NODES`] EKs are paced.
+    async fn wait_turn(
+        &self,
+        ek: [u8; 32],
+        busy: fn(&mut Pace) -> &mut bool,
+        last: fn(&Pace) -> Option<Instant>,
+        gap: Duration,
+        refused: EvidenceError,
+    ) -> Result<Waiting, EvidenceError> {
+        let due = {
+            let mut paces = self.paces();
+            if !paces.contains_key(&ek) && paces.len() >= MAX_NODES {
+                return Err(EvidenceError::Busy);
+            }
+            let pace = paces.entry(ek).or_default();
+            let mark = busy(pace);
+            if *mark {
+                return Err(refused);
+            }
+            *mark = true;
+            last(pace).map(|last| last + gap)
+        };
+        let turn = Waiting {
+            service: self.clone(),
+            ek,
+            mark: busy,
+        };
+        if let Some(due) = due {
+            tokio::time::sleep_until(due.into()).await;
+        }
+        Ok(turn)
     }
 
     /// Takes `nonce` if it is the one outstanding for `ek` and fresh.
@@ -610,30 +634,26 @@ impl EvidenceService {
         let ek = *self.admit(peer)?.as_bytes();
         keel_verifier::validator::check_control_plane(peer)
             .map_err(|_| EvidenceError::NotControlPlane)?;
-        let due = {
-            let mut paces = self.paces();
-            if !paces.contains_key(&ek) && paces.len() >= MAX_NODES {
-                return Err(EvidenceError::Busy);
-            }
-            let pace = paces.entry(ek).or_default();
-            if pace.reading {
-                return Err(EvidenceError::RegistryBusy);
-            }
-            pace.reading = true;
-            pace.last_read.map(|last| last + REGISTRY_GAP)
-        };
-        let _reading = Waiting {
-            service: self,
-            ek,
-            mark: |p| &mut p.reading,
-        };
-        if let Some(due) = due {
-            tokio::time::sleep_until(due.into()).await;
-        }
+        let reading = self
+            .wait_turn(
+                ek,
+                |p| &mut p.reading,
+                |p| p.last_read,
+                REGISTRY_GAP,
+                EvidenceError::RegistryBusy,
+            )
+            .await?;
         if let Some(pace) = self.paces().get_mut(&ek) {
             pace.last_read = Some(Instant::now());
         }
-        self.store(|s| Ok(s.snapshot().to_json())).await
+        // The mark ends with the copy and its encoding, not with the call:
+        // a caller that gives up on the call cannot start another copy
+        // while this one runs.
+        self.store(move |s| {
+            let _reading = reading;
+            Ok(s.snapshot().to_json())
+        })
+        .await
     }
 
     /// Runs `op` on the registry store on a blocking thread (it writes
