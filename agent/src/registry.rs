@@ -839,8 +839,17 @@ impl Registry {
                     Some(ours) if ours.verdict == theirs.verdict => ours.verdict_at,
                     _ => now(),
                 };
+                // Counted from when it was taken here, but never more than
+                // the skew past the peer's own time: a record a peer held
+                // back (say, through a partition) buys no more than that.
+                let heard = at.min(
+                    theirs
+                        .last_evidence_at
+                        .unwrap_or(theirs.registered_at)
+                        .saturating_add(MAX_CLOCK_SKEW.as_secs()),
+                );
                 self.changed.insert(key.clone());
-                self.heard_from_peers.insert(key.clone(), at);
+                self.heard_from_peers.insert(key.clone(), heard);
                 self.nodes.insert(key, theirs);
                 merged.taken += 1;
             }
@@ -1457,6 +1466,19 @@ mod tests {
         let marked = ours.mark_silent(now() + 190, grace, 0);
         assert_eq!(marked.len(), 1);
         assert_eq!(marked[0].verdict, Verdict::Silent);
+        // A record a peer held back (a partition) counts as heard no later
+        // than the skew past the peer's own time for it.
+        let mut peer = Registry::default();
+        peer.record(&evidence(2, None)).unwrap();
+        let old = now() - 1000;
+        let record = peer.nodes.get_mut(&ek(2).to_string()).unwrap();
+        record.last_evidence_at = Some(old);
+        record.registered_at = old;
+        record.verdict_at = old;
+        assert_eq!(ours.merge(peer).taken, 1);
+        let marked = ours.mark_silent(now(), grace, 0);
+        assert_eq!(marked.len(), 1, "{marked:?}");
+        assert_eq!(marked[0].name, "w-2");
     }
 
     /// A registry at every bound (nodes, revocations, each field at its
