@@ -11,6 +11,8 @@ use keel_verifier::signature::SigningPublicKey;
 use keel_verifier::validator::{Validator, Verified};
 use serde::Deserialize;
 
+use crate::printable::printable;
+
 /// Largest settings, measurements or secret file read.
 const MAX_FILE: u64 = 1024 * 1024;
 
@@ -176,14 +178,21 @@ impl Settings {
             .cluster_config()
             .context("the node's event log holds no node config that parses")?
             .component_mirror;
-        if node_mirror.as_deref() != Some(own.as_str()) {
+        // Compared as the node uses them: `http://m/k8s` is `http://m/k8s/`.
+        let own_parsed = keel_installer::Mirror::new(own)
+            .with_context(|| format!("the settings' component_mirror {}", printable(own)))?;
+        let same = node_mirror
+            .as_deref()
+            .and_then(|m| keel_installer::Mirror::new(m).ok())
+            .is_some_and(|m| m == own_parsed);
+        if !same {
             anyhow::bail!(
                 "the settings' component_mirror is {}, the node's measured config names {}: \
                  a node downloads only from the mirror its config names \
                  (cluster.component_mirror); set the same in both",
-                crate::printable::printable(own),
+                printable(own),
                 match &node_mirror {
-                    Some(m) => crate::printable::printable(m).to_string(),
+                    Some(m) => printable(m).to_string(),
                     None => "none".to_owned(),
                 }
             );

@@ -333,6 +333,23 @@ impl NodeConfig {
                 });
             }
         }
+        if let Some(mirror) = &c.component_mirror {
+            // The measured config is shown to anyone who attests the node.
+            let authority = mirror
+                .split_once("://")
+                .map_or(mirror.as_str(), |(_, rest)| rest)
+                .split(['/', '?', '#'])
+                .next()
+                .unwrap_or_default();
+            if authority.contains('@') {
+                return Err(ConfigError::Invalid {
+                    field: "cluster.component_mirror",
+                    reason: "must not carry a user name or password: the node config is shown \
+                             to anyone who attests the node"
+                        .into(),
+                });
+            }
+        }
         self.cluster.cpu_policy()?;
         self.cluster.signing_key()?;
         let n = &self.node;
@@ -427,6 +444,25 @@ mod tests {
             parse(r#"{"cluster":{"bogus":1}}"#),
             Err(ConfigError::Parse { .. })
         ));
+        for mirror in [
+            "http://user:pw@10.0.0.5/k8s/",
+            "https://user@m",
+            "http://:pw@m?x",
+        ] {
+            assert!(
+                matches!(
+                    parse(&format!(
+                        r#"{{"cluster":{{"component_mirror":"{mirror}"}}}}"#
+                    )),
+                    Err(ConfigError::Invalid {
+                        field: "cluster.component_mirror",
+                        ..
+                    })
+                ),
+                "{mirror}"
+            );
+        }
+        parse(r#"{"cluster":{"component_mirror":"http://10.0.0.5/k8s@v1/"}}"#).unwrap();
         assert!(matches!(
             parse(r#"{"cluster":{"init_secret_hash":"md5:00"}}"#),
             Err(ConfigError::Invalid {

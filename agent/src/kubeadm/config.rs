@@ -470,8 +470,8 @@ fn is_lower_hex(s: &str, len: usize) -> bool {
     s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
-/// A DNS-1123 subdomain: lower-case labels of `[a-z0-9-]`, not starting or
-/// ending with `-`, at most 253 characters.
+/// Checks that `value` is a DNS-1123 subdomain
+/// ([`keel_verifier::cluster_settings::is_dns_name`]).
 fn check_name(field: &'static str, value: &str) -> Result<(), ConfigError> {
     if is_dns_name(value) {
         Ok(())
