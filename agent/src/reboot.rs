@@ -24,7 +24,9 @@ pub enum RebootPolicy {
 }
 
 /// The file in the agent's runtime directory that holds a scheduled
-/// reboot's deadline: seconds on the boot-time clock, in decimal.
+/// reboot: the boot's ID (`/proc/sys/kernel/random/boot_id`) and the
+/// deadline in seconds on the boot-time clock. A record of another boot
+/// (a runtime directory that outlived the reboot) is ignored.
 pub const REBOOT_PENDING: &str = "reboot-pending";
 
 /// Marks the state disk (if any) for reset and schedules the reboot the
@@ -96,24 +98,37 @@ fn record_pending(run_dir: &Path, grace: Duration) -> Result<(), crate::files::W
     let deadline = boot_time().saturating_add(grace).as_secs();
     crate::files::write_private(
         &run_dir.join(REBOOT_PENDING),
-        format!("{deadline}\n").as_bytes(),
+        format!("{} {deadline}\n", boot_id()).as_bytes(),
     )
 }
 
-/// What is left of the grace of the reboot recorded in `run_dir`: zero if
-/// its deadline passed or the record cannot be read (it was cut short
-/// while written); `None` if there is none.
+/// What is left of the grace of the reboot recorded in `run_dir` in this
+/// boot (zero if its deadline passed); `None` if there is none, or the
+/// record is another boot's or not one this agent wrote (it writes whole
+/// records only, [`crate::files::write_private`]).
 fn pending(run_dir: &Path) -> Option<Duration> {
     let path = run_dir.join(REBOOT_PENDING);
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(_) => return Some(Duration::ZERO),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "reading the pending reboot failed");
+            return None;
+        }
     };
-    let Ok(deadline) = text.trim().parse::<u64>() else {
-        return Some(Duration::ZERO);
-    };
+    let (boot, deadline) = text.trim().split_once(' ')?;
+    if boot.is_empty() || boot != boot_id() {
+        return None;
+    }
+    let deadline = deadline.parse::<u64>().ok()?;
     Some(Duration::from_secs(deadline).saturating_sub(boot_time()))
+}
+
+/// This boot's ID, empty if it cannot be read.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|id| id.trim().to_owned())
+        .unwrap_or_default()
 }
 
 /// Time since boot, suspend included (`CLOCK_BOOTTIME`): the clock an
@@ -137,8 +152,8 @@ pub fn reboot_now() {
 mod tests {
     use super::*;
 
-    /// A recorded reboot is found again with what is left of its grace; a
-    /// deadline that passed, or a record cut short, means at once.
+    /// A recorded reboot is found again with what is left of its grace:
+    /// nothing left (reboot at once) once its deadline passed.
     #[test]
     fn a_recorded_reboot_is_found_with_what_is_left_of_its_grace() {
         let dir = tempfile::tempdir().unwrap();
@@ -151,10 +166,28 @@ mod tests {
         );
         record_pending(dir.path(), Duration::ZERO).unwrap();
         assert_eq!(pending(dir.path()), Some(Duration::ZERO));
-        // A deadline long past, a record cut short, one not a number.
-        for text in ["12", "", "soon"] {
-            std::fs::write(dir.path().join(REBOOT_PENDING), text).unwrap();
-            assert_eq!(pending(dir.path()), Some(Duration::ZERO), "{text:?}");
+        let past = format!("{} 12", boot_id());
+        std::fs::write(dir.path().join(REBOOT_PENDING), past).unwrap();
+        assert_eq!(pending(dir.path()), Some(Duration::ZERO));
+    }
+
+    /// A record of another boot (a runtime directory that is not a tmpfs,
+    /// kept over the reboot) would reboot the node again and again: it is
+    /// ignored, as is one this agent did not write.
+    #[test]
+    fn a_record_of_another_boot_or_not_the_agents_is_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(!boot_id().is_empty());
+        let deadline = boot_time().as_secs() + 3600;
+        for text in [
+            format!("00000000-0000-0000-0000-000000000000 {deadline}"),
+            format!(" {deadline}"),
+            format!("{deadline}"),
+            format!("{} soon", boot_id()),
+            String::new(),
+        ] {
+            std::fs::write(dir.path().join(REBOOT_PENDING), &text).unwrap();
+            assert_eq!(pending(dir.path()), None, "{text:?}");
         }
     }
 }
