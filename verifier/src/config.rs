@@ -333,22 +333,15 @@ impl NodeConfig {
                 });
             }
         }
+        // The installer's own rule (http or https, no query, no user name
+        // or password, since this config is shown to anyone who attests
+        // the node): a mirror the agent would refuse at start is refused
+        // here.
         if let Some(mirror) = &c.component_mirror {
-            // The measured config is shown to anyone who attests the node.
-            let authority = mirror
-                .split_once("://")
-                .map_or(mirror.as_str(), |(_, rest)| rest)
-                .split(['/', '?', '#'])
-                .next()
-                .unwrap_or_default();
-            if authority.contains('@') {
-                return Err(ConfigError::Invalid {
-                    field: "cluster.component_mirror",
-                    reason: "must not carry a user name or password: the node config is shown \
-                             to anyone who attests the node"
-                        .into(),
-                });
-            }
+            keel_installer::Mirror::new(mirror).map_err(|e| ConfigError::Invalid {
+                field: "cluster.component_mirror",
+                reason: e.to_string(),
+            })?;
         }
         self.cluster.cpu_policy()?;
         self.cluster.signing_key()?;

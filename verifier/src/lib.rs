@@ -4,8 +4,10 @@
 //! checks, quote batches ([`batch`]), the attestation [`validator`], and
 //! sealing secrets to a TPM (MakeCredential), the cluster's key derivation
 //! ([`keys`]), and the detached signatures of measurements files
-//! ([`signature`]). The CLI and `keel-measure` depend on this crate alone;
-//! the agent adds the TPM half (issuing, opening, answering).
+//! ([`signature`]). The CLI and `keel-measure` need no TPM crate for
+//! these; the agent adds the TPM half (issuing, opening, answering). The
+//! node config's component mirror is checked by the installer's own rule
+//! ([`keel_installer::Mirror`]).
 
 pub mod batch;
 pub mod bounded;
