@@ -40,6 +40,56 @@ fn endorsement_key_has_certificate_from_the_ca() {
     assert!(ek.certificate.is_some_and(|c| !c.is_empty()));
 }
 
+#[test]
+fn a_tpm_without_the_certificate_index_has_no_certificate() {
+    let sw = Swtpm::start_bare().unwrap();
+    let mut tpm = Tpm::open(&sw.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let ek = tpm.endorsement().unwrap();
+    assert!(!ek.public.is_empty());
+    assert!(ek.certificate.is_none());
+}
+
+#[test]
+fn a_certificate_index_that_cannot_be_read_is_an_error_not_a_missing_certificate() {
+    // The index exists, but reading it needs a password the agent does not
+    // give: the read fails as a busy or faulty TPM's would. Before, any such
+    // failure became "no certificate" for the life of the process, and every
+    // document after it was refused.
+    let sw = Swtpm::start_bare().unwrap();
+    let tool = |args: &[&str]| {
+        let out = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .args(["-T", &sw.tcti()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    tool(&[
+        "tpm2_nvdefine",
+        "0x1c00002",
+        "-C",
+        "o",
+        "-s",
+        "16",
+        "-a",
+        "authread|authwrite",
+        "-p",
+        "index-password",
+    ]);
+    let mut tpm = Tpm::open(&sw.tcti().parse::<TctiSpec>().unwrap()).unwrap();
+    let err = tpm.endorsement().unwrap_err();
+    assert!(
+        matches!(err, keel_agent::tpm::TpmError::EkCertificate(_)),
+        "{err:?}"
+    );
+    // Not cached: the next call reads again (and fails again).
+    assert!(tpm.endorsement().is_err());
+}
+
 struct Quoted {
     ak: Vec<u8>,
     attest: Vec<u8>,

@@ -41,6 +41,10 @@ pub enum TpmError {
     /// Loading or creating the endorsement key failed.
     #[error("endorsement key unavailable")]
     EndorsementKey(#[source] tss_esapi::Error),
+    /// Reading the EK certificate's NV index failed (a TPM without the
+    /// index is not an error: it has no certificate).
+    #[error("reading the EK certificate failed")]
+    EkCertificate(#[source] tss_esapi::Error),
     /// Creating or loading the attestation key failed.
     #[error("creating the attestation key failed")]
     AttestationKey(#[source] tss_esapi::Error),

@@ -6,7 +6,7 @@
 
 use tss_esapi::abstraction::{ek, AsymmetricAlgorithmSelection, DefaultKey};
 use tss_esapi::attributes::{ObjectAttributesBuilder, SessionAttributesBuilder};
-use tss_esapi::constants::SessionType;
+use tss_esapi::constants::{CapabilityType, SessionType};
 use tss_esapi::handles::{AuthHandle, KeyHandle, PersistentTpmHandle, TpmHandle};
 use tss_esapi::interface_types::algorithm::{
     AsymmetricAlgorithm, HashingAlgorithm, PublicAlgorithm,
@@ -15,9 +15,9 @@ use tss_esapi::interface_types::ecc::EccCurve;
 use tss_esapi::interface_types::key_bits::RsaKeyBits;
 use tss_esapi::interface_types::session_handles::{AuthSession, PolicySession};
 use tss_esapi::structures::{
-    EccPoint, EccScheme, EncryptedSecret, HashScheme, IdObject, KeyDerivationFunctionScheme,
-    Public, PublicBuilder, PublicEccParametersBuilder, SymmetricDefinition,
-    SymmetricDefinitionObject,
+    CapabilityData, EccPoint, EccScheme, EncryptedSecret, HashScheme, IdObject,
+    KeyDerivationFunctionScheme, Public, PublicBuilder, PublicEccParametersBuilder,
+    SymmetricDefinition, SymmetricDefinitionObject,
 };
 use tss_esapi::traits::Marshall;
 use tss_esapi::Context;
@@ -27,6 +27,9 @@ use super::{wrapper_error, Tpm, TpmError};
 
 /// Persistent handle of the RSA-2048 endorsement key (TCG EK profile).
 const EK_PERSISTENT_HANDLE: u32 = 0x8101_0001;
+
+/// NV index of the RSA-2048 EK certificate (TCG EK profile).
+const EK_CERTIFICATE_NV_INDEX: u32 = 0x01c0_0002;
 
 /// The endorsement key's public part and certificate.
 #[derive(Clone, Debug)]
@@ -92,19 +95,46 @@ impl Tpm {
             what: "EK public",
             source,
         })?;
-        // The certificate alone, without any padding of its index.
-        let certificate = ek::retrieve_ek_pubcert(
-            &mut self.ctx,
-            AsymmetricAlgorithmSelection::Rsa(RsaKeyBits::Rsa2048),
-        )
-        .ok()
-        .map(|nv| keel_verifier::ek::certificate_in(&nv).to_vec());
+        // A TPM without the certificate's index has none; any other failure
+        // is an error, not a missing certificate: it is not cached, and the
+        // next call reads again.
+        let certificate = if self.ek_certificate_index_exists()? {
+            let nv = ek::retrieve_ek_pubcert(
+                &mut self.ctx,
+                AsymmetricAlgorithmSelection::Rsa(RsaKeyBits::Rsa2048),
+            )
+            .map_err(TpmError::EkCertificate)?;
+            // The certificate alone, without any padding of its index.
+            Some(keel_verifier::ek::certificate_in(&nv).to_vec())
+        } else {
+            None
+        };
         let endorsement = Endorsement {
             public,
             certificate,
         };
         self.endorsement = Some(endorsement.clone());
         Ok(endorsement)
+    }
+
+    /// Whether the TPM defines the RSA-2048 EK certificate's NV index
+    /// (TPM2_GetCapability over NV handles, starting at that index).
+    fn ek_certificate_index_exists(&mut self) -> Result<bool, TpmError> {
+        let (data, _) = self
+            .ctx
+            .execute_without_session(|c| {
+                c.get_capability(CapabilityType::Handles, EK_CERTIFICATE_NV_INDEX, 1)
+            })
+            .map_err(TpmError::EkCertificate)?;
+        let CapabilityData::Handles(list) = data else {
+            return Err(TpmError::EkCertificate(wrapper_error(
+                tss_esapi::WrapperErrorKind::WrongValueFromTpm,
+            )));
+        };
+        Ok(list
+            .into_inner()
+            .into_iter()
+            .any(|h| u32::from(h) == EK_CERTIFICATE_NV_INDEX))
     }
 
     /// Creates (once per [`Tpm`]) the attestation key under the EK, a
