@@ -246,7 +246,9 @@ impl OperatorKey {
     /// Whether `proof` is this key's proof for the request (constant time).
     pub fn verifies(&self, kind: &str, challenge: &[u8], body: &[u8], proof: &[u8]) -> bool {
         use subtle::ConstantTimeEq as _;
-        bool::from(self.prove(kind, challenge, body).as_slice().ct_eq(proof))
+        // No proof computed (a key HMAC refused) verifies nothing.
+        operator_proof(self.0.as_slice(), kind, challenge, body)
+            .is_some_and(|expected| bool::from(expected.as_slice().ct_eq(proof)))
     }
 }
 
