@@ -422,6 +422,24 @@ fn complete(sealed: &keel_proto::attestation::SealedSecret, request: InitRequest
     }
 }
 
+/// A worker takes no init, even with the right init secret (which every
+/// node's config carries): its agent would hold the master secret and run
+/// no join service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_takes_no_init() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "worker-0", "worker");
+    let init = node.init_server(SECRET, false);
+    let request = complete(
+        &sealed_secrets(&node),
+        InitRequest {
+            join_measurements: file_of_enforced(),
+            ..Default::default()
+        },
+    );
+    refused_leaving_the_disk(&init, &node, request, "this node is a worker", &[]).await;
+}
+
 /// Race: a join locks the node and starts formatting its state disk while
 /// init is inspecting that disk. The disk then shows a set-up that never
 /// finished, and init must not answer from it ("reboot the node to reset

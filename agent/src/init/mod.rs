@@ -22,6 +22,7 @@ use keel_proto::init::{InitFailure, InitRequest, InitResponse, InitSecrets, Init
 use keel_verifier::cluster_settings::{
     check_cluster_name, check_cluster_network, DEFAULT_SERVICE_CIDR,
 };
+use keel_verifier::config::Role;
 use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use prost::Message as _;
@@ -49,6 +50,10 @@ pub enum InitError {
     /// The node has no init secret hash in its config: it does not accept init.
     #[error("this node does not accept init (no init secret configured)")]
     NotInitNode,
+    /// The node is measured as a worker: a cluster starts on a control
+    /// plane, and a worker's agent runs no join service to grow it.
+    #[error("this node is a worker; init runs on a control plane")]
+    NotControlPlane,
     /// The init secret does not match.
     #[error("wrong init secret")]
     WrongInitSecret,
@@ -120,6 +125,7 @@ impl From<&InitError> for tonic::Status {
             InitError::Unsigned(_) => tonic::Code::PermissionDenied,
             InitError::InvalidRequest(_) | InitError::Sealed(_) => tonic::Code::InvalidArgument,
             InitError::NotInitNode
+            | InitError::NotControlPlane
             | InitError::Locked
             | InitError::DiskInitialised
             | InitError::DiskUnfinished
@@ -244,6 +250,9 @@ impl InitServer {
         let config = &self.inner.node.config;
         if config.cluster.init_secret_hash.is_empty() {
             return Err(InitError::NotInitNode);
+        }
+        if config.node.role != Role::ControlPlane {
+            return Err(InitError::NotControlPlane);
         }
         // A node in a cluster takes no init: refused before the request
         // costs its TPM anything.
