@@ -121,6 +121,9 @@ impl MeasuredLog {
             "completing an interrupted measurement"
         );
         tpm.pcr_extend(last.pcr, &last.digest)?;
+        let reported = tpm.pcr_read(&pcr::AGENT_OWNED)?;
+        measurement::verify_replay(&self.events, &reported)
+            .map_err(|_| MeasuredLogError::Conflict("the event log"))?;
         Ok(self)
     }
 
@@ -222,6 +225,10 @@ pub fn pending<'a>(
     reported: &BTreeMap<u32, measurement::Digest32>,
 ) -> Option<&'a Event> {
     let (last, applied) = events.split_last()?;
+    // The last event must be one the log could hold (its sequence number,
+    // its digest over its data, its type's PCR): only a line whose extend
+    // was cut off is completed, never one written by anyone else.
+    measurement::replay(events).ok()?;
     measurement::verify_replay(applied, reported)
         .is_ok()
         .then_some(last)

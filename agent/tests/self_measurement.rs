@@ -198,6 +198,35 @@ fn measurement_interrupted_before_extend_is_completed() {
     );
 }
 
+/// Only a line the agent could have written is completed: a last line
+/// naming another PCR (one the firmware owns), or whose digest is not over
+/// its data, or out of sequence, is refused, and no PCR moves.
+#[test]
+fn a_pending_line_the_agent_did_not_write_is_not_extended() {
+    let node = Node::new();
+    node.run_with(CONFIG_A);
+    let before = node.pcrs();
+    let original = std::fs::read_to_string(node.log_path()).unwrap();
+    let mut wrong_pcr = Event::new(2, EventType::Component, "kubelet", b"kubelet".to_vec());
+    wrong_pcr.pcr = 4;
+    let mut wrong_digest = Event::new(2, EventType::Component, "kubelet", b"kubelet".to_vec());
+    wrong_digest.data = b"something else".to_vec();
+    let wrong_seq = Event::new(7, EventType::Component, "kubelet", b"kubelet".to_vec());
+    let path = node.dir.path().join("config.json");
+    std::fs::write(&path, CONFIG_A).unwrap();
+    for (what, event) in [
+        ("another PCR", wrong_pcr),
+        ("a digest not over its data", wrong_digest),
+        ("out of sequence", wrong_seq),
+    ] {
+        let line = serde_json::to_string(&event).unwrap();
+        std::fs::write(node.log_path(), format!("{original}{line}\n")).unwrap();
+        let out = node.agent(&["run", "--once", "--config", path.to_str().unwrap()]);
+        assert!(!out.status.success(), "{what}: the agent started");
+        assert_eq!(node.pcrs(), before, "{what}: a PCR moved");
+    }
+}
+
 #[test]
 fn an_append_cut_short_by_a_crash_is_dropped_and_cut_off() {
     let node = Node::new();
