@@ -269,3 +269,49 @@ async fn a_revocation_while_the_token_is_registered_refuses_the_ticket() {
         Err(e) => panic!("not refused as revoked: {e:?}"),
     }
 }
+
+/// Race: the operator withdraws the node's image (new join measurements)
+/// while its join ticket waits for its bootstrap token: the ticket is
+/// refused, not built from the state it was admitted by.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_withdrawn_while_the_token_is_registered_refuses_the_ticket() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service_slow_tokens(&ca, port, 3).await;
+    let m = member(&ca, port, "w-1", "worker");
+    let tickets = m.tickets(&ca);
+    let (req, _key) = request(&m);
+    let endpoint = service.endpoint.clone();
+    let pending = tokio::spawn(async move { tickets.request_join_ticket(&endpoint, req).await });
+    let waiting = Instant::now();
+    while !kubeadm_runs(&service) {
+        assert!(
+            waiting.elapsed() < std::time::Duration::from_secs(60),
+            "no kubeadm run"
+        );
+        assert!(!pending.is_finished(), "answered before its token");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // Another image's measurements replace the node's.
+    let state = service.slot.borrow().clone().unwrap();
+    let mut other = state.join_measurements.clone();
+    other.require(4, [0xee; 32]);
+    service.slot.send_replace(Some(std::sync::Arc::new(
+        keel_agent::cluster::ClusterState {
+            join_measurements: other,
+            staged_measurements: None,
+            ..(*state).clone()
+        },
+    )));
+
+    match pending.await.unwrap() {
+        Err(TicketError::Refused(status)) => {
+            assert!(
+                status.message().contains("no longer accepted"),
+                "{status:?}"
+            );
+        }
+        Ok(_) => panic!("a ticket was issued for a withdrawn image"),
+        Err(e) => panic!("not refused as withdrawn: {e:?}"),
+    }
+}

@@ -398,10 +398,14 @@ impl JoinService {
             .register(&token, cluster.kubernetes_version)
             .await
             .map_err(JoinServiceError::Token)?;
+        // The image may have been withdrawn while the token was registered
+        // (a kubeadm run, maybe behind another): judged again on the state
+        // of the moment, which the ticket is then built from.
+        let current = self.still_accepted(peer)?;
+        let cluster = &current;
         // Last before sealing: a revocation that landed while the token was
-        // registered (a kubeadm run, maybe behind another) refuses the
-        // ticket here, under the registry's lock. A token registered for a
-        // refused ticket is never sent and expires.
+        // registered refuses the ticket here, under the registry's lock. A
+        // token registered for a refused ticket is never sent and expires.
         self.register(ek, request.disk_uuid.clone(), measured_identity(peer)?)
             .await?;
         let secrets = JoinSecrets {
@@ -518,6 +522,8 @@ impl JoinService {
                 String::new()
             }
         };
+        let current = self.still_accepted(peer)?;
+        let cluster = &current;
         self.register(ek, recorded, identity.clone()).await?;
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
@@ -566,6 +572,14 @@ impl JoinService {
             peer,
             cluster,
         })
+    }
+
+    /// The cluster state of the moment, if it still accepts the peer's
+    /// image ([`JoinService::admit`] judged it on an earlier state).
+    fn still_accepted(&self, peer: &Verified) -> Result<Arc<ClusterState>, JoinServiceError> {
+        let cluster = self.cluster();
+        require_accepted_image(&cluster, peer)?;
+        Ok(cluster)
     }
 
     async fn slot(&self) -> Result<tokio::sync::SemaphorePermit<'_>, JoinServiceError> {
