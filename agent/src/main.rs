@@ -387,6 +387,8 @@ async fn serve(
     announce_ready()?;
     // Locked already: the agent restarted within this boot.
     let restarted = node.lock.is_locked();
+    // A restart that cannot resume the flow that locked the node reboots
+    // it (a reboot scheduled above is left to happen).
     if !rebooting {
         resume::at_start(&node, kept).await;
     }

@@ -338,7 +338,7 @@ impl<'a> Provisioner<'a> {
         self.finish().await?;
         let record = crate::resume::ResumeRecord::of_control_plane(&state);
         slot.send_replace(Some(Arc::new(state)));
-        crate::resume::keep(record);
+        crate::resume::keep(record, &self.env.work_dir);
         (self.log)("serving as a control plane".into());
         Ok(())
     }

@@ -265,11 +265,13 @@ impl RecoveryServer {
             .cluster
             .signing_key()
             .map_err(|e| RecoveryError::Config(e.to_string()))?;
-        let lock = inner.node.lock.clone();
+        let (lock, run_dir) = (inner.node.lock.clone(), inner.node.env.work_dir.clone());
         let cluster_id = accepted.cluster_id;
-        let taken = tokio::task::spawn_blocking(move || lock.try_lock(cluster_id))
-            .await
-            .map_err(|_| RecoveryError::Unavailable)?;
+        let taken = tokio::task::spawn_blocking(move || {
+            crate::resume::take_lock(&lock, cluster_id, &run_dir)
+        })
+        .await
+        .map_err(|_| RecoveryError::Unavailable)?;
         let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
         let p = Provisioner::new(&inner.node.env, &inner.node.tpm, &log);
         match taken {

@@ -23,6 +23,7 @@
 use std::io::Write as _;
 use std::os::fd::AsFd as _;
 use std::os::unix::fs::FileExt as _;
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use keel_verifier::keys::{ClusterId, KeyService, OperatorKey};
@@ -253,18 +254,59 @@ static KEPT: Mutex<Kept> = Mutex::new(Kept {
     stale: Vec::new(),
 });
 
+/// The file in the agent's runtime directory that says a flow took the
+/// node lock in this boot and has not kept its record yet: a restart that
+/// finds the node locked, no usable record and this file knows the flow
+/// was cut off (a crash during a rejoin, whose disk is already a
+/// member's), and reboots so the node starts over. Without it (the service
+/// was stopped after the node became a member) the restart only says that
+/// it cannot resume.
+pub const UNKEPT: &str = "locked-unkept";
+
+/// Takes the node lock with `cluster_id` for a flow that keeps a record
+/// once the node is a member ([`keep`]), marking `run_dir` ([`UNKEPT`])
+/// first. A mark that cannot be written is logged: a restart after a crash
+/// then only says it cannot resume, as before there was a mark.
+pub fn take_lock(
+    lock: &crate::nodelock::NodeLock,
+    cluster_id: ClusterId,
+    run_dir: &Path,
+) -> Result<(), crate::nodelock::LockError> {
+    if !lock.is_locked() {
+        if let Err(e) = crate::files::write_private(&run_dir.join(UNKEPT), b"") {
+            tracing::warn!(
+                error = %keel_atls::ErrorChain(&e),
+                "marking the flow that takes the node lock failed: a crash before it \
+                 finishes would not reboot the node"
+            );
+        }
+    }
+    lock.try_lock(cluster_id)
+}
+
 /// Keeps `record` (merged with the one kept before) in the service
-/// manager's descriptor store, where a restarted agent finds it. Without a
-/// service manager (`$NOTIFY_SOCKET` unset) it is kept in memory only. A
-/// failure is logged: the node works on, but a restart of its agent would
-/// need a reboot.
-pub fn keep(record: ResumeRecord) {
+/// manager's descriptor store, where a restarted agent finds it, and
+/// removes the mark of a flow under way ([`UNKEPT`]) from `run_dir`.
+/// Without a service manager (`$NOTIFY_SOCKET` unset) it is kept in memory
+/// only. A failure is logged: the node works on, but a restart of its
+/// agent would need a reboot.
+pub fn keep(record: ResumeRecord, run_dir: &Path) {
     let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
     keep_at(
         &mut kept,
         record,
         crate::systemd::manager_socket().as_deref(),
     );
+    clear_unkept(run_dir);
+}
+
+/// Removes `run_dir`'s [`UNKEPT`], if there.
+fn clear_unkept(run_dir: &Path) {
+    match std::fs::remove_file(run_dir.join(UNKEPT)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(error = %e, "removing the mark of a finished flow failed"),
+    }
 }
 
 /// [`keep`] into `kept`, stored with the service manager at `socket`: the
@@ -509,21 +551,29 @@ pub async fn resume(node: &Node, record: ResumeRecord) -> Result<Resumed, Resume
 }
 
 /// At start, before the node's flows run: a node locked within this boot
-/// (its agent restarted) resumes with the record kept before the restart,
-/// or says plainly what it cannot do until it reboots.
-pub async fn at_start(node: &Node, kept: Option<Result<ResumeRecord, ResumeError>>) {
+/// (its agent restarted) resumes with the record kept before the restart.
+/// If it cannot, and the flow that locked it was cut off before it kept a
+/// record ([`UNKEPT`]), the node reboots to start over; otherwise the agent
+/// says plainly what it cannot do until the node reboots. Returns whether
+/// the node was reset (its reboot scheduled, under the node's policy).
+pub async fn at_start(node: &Node, kept: Option<Result<ResumeRecord, ResumeError>>) -> bool {
     if !node.lock.is_locked() {
-        return;
+        return false;
     }
+    let run_dir = node.env.work_dir.as_path();
     let cause = match kept {
         Some(Ok(record)) => match resume(node, record).await {
-            Ok(Resumed::ControlPlane) => {
-                tracing::info!("resumed after an agent restart: serving as a control plane again");
-                return;
-            }
-            Ok(Resumed::Member) => {
-                tracing::info!("resumed after an agent restart: a member of the cluster");
-                return;
+            Ok(resumed) => {
+                clear_unkept(run_dir);
+                match resumed {
+                    Resumed::ControlPlane => tracing::info!(
+                        "resumed after an agent restart: serving as a control plane again"
+                    ),
+                    Resumed::Member => {
+                        tracing::info!("resumed after an agent restart: a member of the cluster")
+                    }
+                }
+                return false;
             }
             Err(e) => keel_atls::ErrorChain(&e).to_string(),
         },
@@ -531,12 +581,23 @@ pub async fn at_start(node: &Node, kept: Option<Result<ResumeRecord, ResumeError
         None => "no resume record was kept (the service was stopped, or the store refused it)"
             .to_owned(),
     };
+    if run_dir.join(UNKEPT).exists() {
+        for line in crate::reboot::reset_node(None, node.env.reboot, Some(run_dir)).await {
+            tracing::error!(
+                cause,
+                "the agent restarted while the flow that locked the node in this boot was \
+                 under way, and cannot resume it: {line}"
+            );
+        }
+        return true;
+    }
     tracing::error!(
         cause,
         "the agent restarted after the node was locked in this boot and cannot resume: \
          until the node reboots it takes no operator requests and, on a control plane, \
          serves no joins, keys or evidence; reboot it to rejoin (or recover a last control plane)"
     );
+    false
 }
 
 #[cfg(test)]

@@ -26,6 +26,10 @@ use keel_verifier::keys::KeyService;
 
 const LIMIT: Duration = Duration::from_secs(120);
 
+/// The tests point this process's `$NOTIFY_SOCKET` at their own stand-in:
+/// one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The stand-in service manager's notification socket.
 struct Manager(NotifySocket);
 
@@ -56,6 +60,7 @@ impl Manager {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn members_resume_their_roles_after_an_agent_restart() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let manager = Manager::start();
     let ca = EkCa::new().unwrap();
     let mirror = MirrorServer::start().unwrap();
@@ -182,4 +187,50 @@ async fn members_resume_their_roles_after_an_agent_restart() {
         "{refused:?}"
     );
     unlocked.assert_untouched();
+}
+
+/// A crash during a rejoin, whose disk is already a member's: the
+/// restarted agent finds the node locked and no record, and the mark the
+/// flow left when it took the lock says the flow was cut off, so the node
+/// is reset to reboot (it rejoins from there) instead of idling until an
+/// operator notices. Without the mark (the service was stopped after the
+/// node became a member) the restart only says it cannot resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restart_that_cut_off_the_flow_that_locked_the_node_reboots_it() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let _manager = Manager::start();
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let ports = [free_port(), free_port()];
+    let _cp0 = start_service_for(&ca, &ports, Some(stand_in_components(&mirror)), false).await;
+    let worker = joiner_with(
+        config_for(&ca, &ports, "w-1", "worker"),
+        Swtpm::start(&ca).unwrap(),
+    );
+    let joined = tokio::time::timeout(LIMIT, worker.client(&ca).run())
+        .await
+        .unwrap();
+    assert!(matches!(joined, JoinOutcome::Joined { .. }), "{joined:?}");
+    let mark = worker.work.join(resume::UNKEPT);
+    assert!(!mark.exists(), "the finished join left its mark");
+
+    // Stopped after it became a member: no record, no mark.
+    let worker = worker.restart_agent();
+    let node = worker.node(Arc::new(ClusterSlot::new(None)));
+    assert!(!resume::at_start(&node, None).await, "a member was reset");
+
+    // Cut off midway: the lock's mark is there, the record is not.
+    std::fs::write(&mark, b"").unwrap();
+    let worker = worker.restart_agent();
+    let node = worker.node(Arc::new(ClusterSlot::new(None)));
+    assert!(resume::at_start(&node, None).await, "not reset");
+
+    // Every flow takes the lock through `take_lock`, which leaves the mark.
+    let fresh = joiner_with(
+        config_for(&ca, &ports, "w-2", "worker"),
+        Swtpm::start(&ca).unwrap(),
+    );
+    resume::take_lock(&fresh.lock, [9; 32], &fresh.work).unwrap();
+    assert!(fresh.lock.is_locked());
+    assert!(fresh.work.join(resume::UNKEPT).exists(), "no mark");
 }

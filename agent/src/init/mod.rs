@@ -490,7 +490,8 @@ impl InitService for InitServer {
                 return Err((&e).into());
             }
         };
-        match self.inner.node.lock.try_lock(accepted.cluster_id) {
+        let node = &self.inner.node;
+        match crate::resume::take_lock(&node.lock, accepted.cluster_id, &node.env.work_dir) {
             Ok(()) => {}
             Err(LockError::AlreadyLocked) => return Err((&InitError::Locked).into()),
             // A failed record that set PCR 15 anyway: the node is locked

@@ -153,7 +153,7 @@ impl JoinClient {
     /// member of `cluster_id` with, and keeps it for an agent restart.
     fn take_operator_key(&self, cluster_id: ClusterId, key: OperatorKey) {
         self.operator_key.set(key.clone());
-        crate::resume::keep(ResumeRecord::of_member(cluster_id, key));
+        crate::resume::keep(ResumeRecord::of_member(cluster_id, key), &self.env.work_dir);
     }
 
     /// The endpoints to try now.
@@ -322,8 +322,11 @@ impl JoinClient {
 
     /// Takes the lock with `cluster_id`.
     async fn lock(&self, cluster_id: ClusterId) -> Locking {
-        let lock = self.lock.clone();
-        let taken = tokio::task::spawn_blocking(move || lock.try_lock(cluster_id)).await;
+        let (lock, run_dir) = (self.lock.clone(), self.env.work_dir.clone());
+        let taken = tokio::task::spawn_blocking(move || {
+            crate::resume::take_lock(&lock, cluster_id, &run_dir)
+        })
+        .await;
         match taken {
             Ok(Ok(())) => Locking::Taken,
             Ok(Err(LockError::AlreadyLocked)) => Locking::Lost,
