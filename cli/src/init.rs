@@ -17,6 +17,7 @@ use keel_verifier::cluster_settings::{
     check_cluster_name, check_cluster_network, DEFAULT_SERVICE_CIDR,
 };
 use keel_verifier::credential;
+use keel_verifier::keys::{self, KeyService};
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use keel_verifier::validator::Verified;
 use prost::Message as _;
@@ -376,6 +377,12 @@ pub async fn run(
         salt: hex::encode(&*master_salt),
         measurement_salt: hex::encode(&*measurement_salt),
     })?);
+    // The cluster ID these secrets make, which the node must report.
+    let cluster_id = KeyService::new(&master_secret, &master_salt)
+        .ok()
+        .and_then(|keys| keys.measurement_secret().ok())
+        .and_then(|secret| keys::cluster_id(&secret, &measurement_salt).ok())
+        .context("deriving the cluster ID")?;
     write_new_secret_file(&secret_path, &secret_json, MASTER_SECRET_KEPT)?;
     eprintln!(
         "master secret written to {} (mode 0600): keep it to recover the cluster",
@@ -440,6 +447,7 @@ pub async fn run(
             outputs,
             &settings,
             skip_helm_wait,
+            cluster_id,
         ),
     )
     .await;
@@ -505,6 +513,7 @@ async fn follow(
     outputs: Outputs,
     settings: &Settings,
     skip_helm_wait: bool,
+    cluster_id: keys::ClusterId,
 ) -> anyhow::Result<()> {
     loop {
         let message = match stream.message().await {
@@ -530,8 +539,9 @@ async fn follow(
             Some(Kind::LogLine(line)) => eprintln!("  node: {}", printable(&line)),
             Some(Kind::Success(success)) => {
                 let kubeconfig = outputs.kubeconfig.path.clone();
+                // The ID the workspace's secrets make is the one recorded.
                 let id = IdFile {
-                    cluster_id: hex::encode(&success.cluster_id),
+                    cluster_id: hex::encode(cluster_id),
                     endpoint: settings.endpoint.clone(),
                 };
                 // Each file is tried whatever became of the other.
@@ -543,6 +553,15 @@ async fn follow(
                     bail!(
                         "the cluster was created (cluster ID {}), but writing its result \
                          failed: {e:#}",
+                        id.cluster_id
+                    );
+                }
+                if success.cluster_id != cluster_id {
+                    bail!(
+                        "the node reports cluster ID {}, but the master secret it was sent \
+                         makes {}: it does not run the agent its measurements name, or \
+                         misreports; do not use this cluster",
+                        hex::encode(&success.cluster_id),
                         id.cluster_id
                     );
                 }

@@ -25,6 +25,7 @@ use keel_verifier::measurements::Measurements;
 use crate::operator::{answer, on_each, Operator};
 use crate::settings::{read_bounded, Settings};
 use crate::upgrade::image::load_signed;
+use crate::upgrade::{every_control_plane_named, Roles};
 
 use keel_verifier::keys::kind::SET_JOIN_MEASUREMENTS;
 
@@ -43,6 +44,13 @@ pub async fn run(
     }
     let (body, signature) = load(settings_path, file, signature)?;
     let operator = Operator::load(settings_path, workspace, wait)?;
+    // A control plane left out would go on accepting what the file
+    // retires, under its lower rollback floor: refused before any change.
+    let roles = Roles::of(&operator, endpoints).await?;
+    if let Some(worker) = roles.workers.first() {
+        bail!("{worker} is a worker: join measurements go to control planes only; nothing was changed");
+    }
+    every_control_plane_named(&operator, &roles).await?;
     // Every control plane is tried, and the workspace records the set
     // only once every one took it.
     on_each(endpoints, "replace their join measurements", |endpoint| {
@@ -68,10 +76,12 @@ pub async fn run(
         }
     })
     .await?;
-    // The pushed set is the current one now, for `keel recover`.
+    // The pushed set is the current one now, for `keel recover`: recorded
+    // even where no rollout made a record yet, so a retired image's node
+    // is not sent the master secret because the settings still name it.
     let (pushed, epoch) = Measurements::parse_file(&body)
         .with_context(|| format!("{} is not a measurements file", file.display()))?;
-    crate::workspace::ImageRecord::update(workspace, |record| {
+    crate::workspace::ImageRecord::update_or_create(workspace, |record| {
         record.digest = hex::encode(pushed.digest());
         record.epoch = record.epoch.max(epoch);
     })

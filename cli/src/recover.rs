@@ -3,7 +3,8 @@
 //!
 //! The node is validated like for init (EK chain, quote, measurements) and
 //! must be outside any cluster (PCR 15 zero); only then is the master
-//! secret from the workspace sealed to that node's TPM and sent. The node
+//! secret from the workspace sealed to that node's TPM and sent, unless the
+//! workspace revoked the node's EK (`keel revoke`). The node
 //! checks that the secret opens its state disk before it changes anything.
 
 use std::path::Path;
@@ -84,6 +85,10 @@ pub async fn run(
     settings
         .check_node_attestation(verified)
         .and_then(|()| crate::init::check_control_plane(verified))
+        .and_then(|()| {
+            crate::workspace::RevokedRecord::load(workspace)?
+                .refuse(&keel_verifier::ek::EkDigest::of_public(&verified.ek))
+        })
         .context("nothing was sent")?;
     let sealed = credential::seal(&verified.ek, &verified.ak.name, &payload)
         .context("sealing the master secret to the node's TPM")?;

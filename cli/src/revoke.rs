@@ -3,11 +3,12 @@
 //! from then on it issues no join ticket, no rejoin ticket and so no disk
 //! key for the node's EK (its disk opens with that EK only). A running node keeps the key it has
 //! until it reboots (docs/attestation.md says how to complete the removal).
+//! The workspace records the revoked EK: `keel recover` refuses it.
 
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{bail, Context as _};
 use keel_proto::operator::RevokeNodeRequest;
 
 use crate::operator::{answer, on_each, Operator};
@@ -33,13 +34,18 @@ pub async fn run(
     // one cut off from the others keeps issuing tickets to the node.
     on_each(endpoints, "revoke the node", |endpoint| {
         let operator = &operator;
-        async move { revoke_at(operator, &endpoint, node).await }
+        async move { revoke_at(operator, &endpoint, node, workspace).await }
     })
     .await
 }
 
 /// Revokes `node` on the control plane at `endpoint`; returns what to print.
-async fn revoke_at(operator: &Operator, endpoint: &str, node: &str) -> anyhow::Result<String> {
+async fn revoke_at(
+    operator: &Operator,
+    endpoint: &str,
+    node: &str,
+    workspace: &Path,
+) -> anyhow::Result<String> {
     let (mut cp, challenge, proof) = operator
         .authorise(endpoint, REVOKE_NODE, node.as_bytes())
         .await?;
@@ -52,6 +58,10 @@ async fn revoke_at(operator: &Operator, endpoint: &str, node: &str) -> anyhow::R
         }),
     )
     .await?;
+    // Recorded as soon as one control plane named the EK: `keel recover`
+    // never sends the master secret to it.
+    crate::workspace::RevokedRecord::add(workspace, &done.ek)
+        .context("recording the revoked EK in the workspace")?;
     Ok(format!(
         "revoked node {} (EK {}, disk {})",
         printable(&done.name),

@@ -21,6 +21,9 @@ pub const FAILURE_LOG_FILE: &str = "keel-init-failure.log";
 /// changed them ([`ImageRecord`]).
 pub const IMAGE_FILE: &str = "keel-image.json";
 
+/// The EKs this workspace revoked ([`RevokedRecord`]).
+pub const REVOKED_FILE: &str = "keel-revoked.json";
+
 /// [`MASTER_SECRET_FILE`] as stored: hex fields.
 #[derive(Serialize, Deserialize)]
 pub struct MasterSecretFile {
@@ -139,6 +142,21 @@ impl ImageRecord {
         Ok(())
     }
 
+    /// Applies `change` to the record in `workspace`, or to an empty one
+    /// if there is none (`change` must then set the current set).
+    pub fn update_or_create(
+        workspace: &Path,
+        change: impl FnOnce(&mut Self),
+    ) -> anyhow::Result<()> {
+        let mut record = Self::load(workspace)?.unwrap_or(Self {
+            digest: String::new(),
+            epoch: 0,
+            staged: None,
+        });
+        change(&mut record);
+        record.save(workspace)
+    }
+
     /// Refuses `measurements` (the set the operator's settings name) unless
     /// it is the current or the staged set: a node of a retired image is
     /// never sent the master secret because the settings still name its
@@ -166,6 +184,64 @@ impl ImageRecord {
     }
 }
 
+/// The EKs `keel revoke` revoked from this workspace, as the control
+/// planes named them (`sha256:` and the hex of the EK public area's
+/// SHA-256). `keel recover` seals the master secret to none of them: a
+/// recovery checks no registry before the secret is sent, and a control
+/// plane revoked while it was cut off may not know it is.
+#[derive(Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RevokedRecord {
+    /// The revoked EKs.
+    pub eks: std::collections::BTreeSet<String>,
+}
+
+impl RevokedRecord {
+    /// The record in `workspace`; empty where nothing was revoked from it.
+    pub fn load(workspace: &Path) -> anyhow::Result<Self> {
+        let path = workspace.join(REVOKED_FILE);
+        let body = match read_bounded(&path) {
+            Ok(body) => body,
+            Err(e)
+                if e.downcast_ref::<std::io::Error>()
+                    .is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
+            {
+                return Ok(Self::default())
+            }
+            Err(e) => return Err(e),
+        };
+        serde_json::from_slice(&body)
+            .with_context(|| format!("{} is not a record of revoked EKs", path.display()))
+    }
+
+    /// Adds `ek` (as a control plane named it) to the record in
+    /// `workspace`; refuses anything but `sha256:` and 64 hex digits.
+    pub fn add(workspace: &Path, ek: &str) -> anyhow::Result<()> {
+        let well_formed = ek.strip_prefix("sha256:").is_some_and(|hex| {
+            hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        });
+        if !well_formed {
+            anyhow::bail!("the control plane named the revoked EK in an unknown form");
+        }
+        let mut record = Self::load(workspace)?;
+        if record.eks.insert(ek.to_owned()) {
+            let body = serde_json::to_vec_pretty(&record).context("encoding the revoked EKs")?;
+            crate::init::write_atomic(&workspace.join(REVOKED_FILE), &body, 0o644)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses `ek` if this workspace revoked it.
+    pub fn refuse(&self, ek: &keel_verifier::ek::EkDigest) -> anyhow::Result<()> {
+        let ek = ek.to_string();
+        if self.eks.contains(&ek) {
+            anyhow::bail!(
+                "the node's EK ({ek}) was revoked from this workspace (`keel revoke`, {REVOKED_FILE})"
+            );
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -181,9 +257,33 @@ mod tests {
         .unwrap()
     }
 
+    /// A revoked EK is refused, another is not; the record survives a round
+    /// trip and takes only EK digests.
+    #[test]
+    fn a_revoked_ek_is_refused_from_the_workspace() {
+        let ws = tempfile::tempdir().unwrap();
+        let (revoked, other) = (
+            keel_verifier::ek::EkDigest::of_marshalled(b"revoked"),
+            keel_verifier::ek::EkDigest::of_marshalled(b"other"),
+        );
+        RevokedRecord::load(ws.path())
+            .unwrap()
+            .refuse(&revoked)
+            .unwrap();
+        RevokedRecord::add(ws.path(), &revoked.to_string()).unwrap();
+        RevokedRecord::add(ws.path(), &revoked.to_string()).unwrap();
+        let record = RevokedRecord::load(ws.path()).unwrap();
+        assert_eq!(record.eks.len(), 1);
+        assert!(record.refuse(&revoked).is_err());
+        record.refuse(&other).unwrap();
+        for bad in ["w-1", "sha256:abc", &format!("sha256:{}", "G".repeat(64))] {
+            assert!(RevokedRecord::add(ws.path(), bad).is_err(), "{bad}");
+        }
+    }
+
     /// The record takes the current and the staged set, nothing else, and
     /// survives a round trip through the workspace; a workspace without one
-    /// has none.
+    /// has none until a push makes one.
     #[test]
     fn the_record_takes_the_current_and_the_staged_set_only() {
         let ws = tempfile::tempdir().unwrap();
@@ -194,6 +294,12 @@ mod tests {
             None,
             "update made one"
         );
+        // A push makes one where there was none.
+        ImageRecord::update_or_create(ws.path(), |r| r.digest = hex::encode(set(4).digest()))
+            .unwrap();
+        let made = ImageRecord::load(ws.path()).unwrap().unwrap();
+        made.require(&set(4)).unwrap();
+        made.require(&set(1)).unwrap_err();
         let (current, staged, retired) = (set(1), set(2), set(3));
         let record = ImageRecord {
             digest: hex::encode(current.digest()),

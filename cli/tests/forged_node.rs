@@ -354,6 +354,40 @@ async fn a_recovery_to_another_cluster_is_reported() {
     );
 }
 
+/// Attacker's move: a control plane the operator revoked (its TPM's key
+/// leaked, say) was cut off when it happened and never heard of it; once
+/// every control plane is down, the host routes `keel recover` to it. It
+/// attests, outside any cluster, but the workspace recorded its EK when it
+/// was revoked: the master secret is not sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
+    let ca = EkCa::new().unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    let ek = {
+        let mut tpm = node.tpm.lock().unwrap();
+        let public = tpm.tpm().endorsement().unwrap().public;
+        keel_verifier::ek::EkDigest::of_marshalled(&public)
+    };
+    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+    let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
+    let ws = &served.workspace;
+    operator_workspace(ws, Some(&served.endpoint));
+    std::fs::write(
+        ws.join("keel-revoked.json"),
+        serde_json::json!({ "eks": [ek.to_string()] }).to_string(),
+    )
+    .unwrap();
+    let out = run_keel(&recover_args(ws), &served.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("the node's EK ({ek}) was revoked")),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(served.requests(), 0, "the master secret was sent");
+}
+
 /// Attacker's move: the host sends the operator's `keel init` or `keel
 /// recover` to a worker of the cluster's image, outside any cluster, which
 /// it has compromised (or to one booted for the purpose). Image, config

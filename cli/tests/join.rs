@@ -441,6 +441,12 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let out = push(ws.path().to_owned()).await;
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(in_force(), new);
+    // The push made the workspace's image record, where no rollout had
+    // made one: `keel recover` holds its settings to the pushed set.
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ws.path().join("keel-image.json")).unwrap()).unwrap();
+    assert_eq!(record["digest"], hex::encode(new.digest()));
+    assert_eq!(record["epoch"], 1);
 
     // An image upgrade through the CLI: the new image's signed measurements
     // are staged next to the current ones, then finish makes them the only
@@ -692,6 +698,12 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         text(&out)
     );
     assert!(registry.revocation(&worker_ek).is_some());
+    // The workspace recorded the EK: `keel recover` never sends it the
+    // master secret.
+    let revoked: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ws.path().join("keel-revoked.json")).unwrap())
+            .unwrap();
+    assert_eq!(revoked["eks"][0], worker_ek.to_string());
     let out = operator_cmd(vec!["status".into(), "-o".into(), "json".into()]).await;
     assert!(out.status.success(), "{}", text(&out));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -749,6 +761,8 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     refused_for_cp9(
         &operator_cmd(args(&["upgrade", "finish", "--image-measurements", other])).await,
     );
+    // And for new measurements pushed outside a rollout, for the same reason.
+    refused_for_cp9(&operator_cmd(args(&["push-measurements", "--file", other])).await);
 
     // `keel verify --cluster-id`: locked into exactly that cluster, or not.
     for (id, member) in [
