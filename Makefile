@@ -61,7 +61,7 @@ image-repro: agent ## Build the image three times (no cache, filling the package
 measurements: ## Predict PCRs 4, 9, 11 and 12 of the built image for NODE_CONFIG into build/image/measurements.json
 	@test -n "$(NODE_CONFIG)" || { echo "make measurements: set NODE_CONFIG=<node config file> (PCR 12 is measured from it)" >&2; exit 2; }
 	$(CARGO) run --release --locked -p keel-image --bin keel-measure -- \
-	  --uki build/image/keel.efi --node-config $(NODE_CONFIG) --output build/image/measurements.json
+	  --uki build/image/keel.efi --node-config "$(NODE_CONFIG)" --output build/image/measurements.json
 
 vm-check: image ## Boot the image 3 times under QEMU + swtpm; compare PCRs, time to ready
 	@scripts/vm-boot.sh -n 3

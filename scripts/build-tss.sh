@@ -10,14 +10,16 @@ set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${TSS_PREFIX:-$top/target/musl-sysroot}
+# tpm2-tss is built from its upstream tarball alone, which every Debian
+# revision of one upstream version shares: the revision the archive has is
+# taken (it keeps only the current one), and it must be of this version.
 tss_version=4.1.3
-tss_debver=4.1.3-1.2
 # Mbed TLS 3.6 is the long-term-support branch; the newest Debian revision of
 # it is taken, so a stable update never leaves the build without a source.
 mbed_branch=3.6
 # The local changes to tpm2-tss (below) are part of the stamp.
 patches=cloexec1
-stamp="$prefix/.stamp-tss-$tss_debver-$patches-mbedtls-$mbed_branch"
+stamp="$prefix/.stamp-tss-$tss_version-$patches-mbedtls-$mbed_branch"
 [ -f "$stamp" ] && { echo "tss: cached in $prefix"; exit 0; }
 
 work="$top/target/tss-build"
@@ -35,7 +37,7 @@ ln -s /usr/include/x86_64-linux-gnu/asm "$khdr/asm"
 # Sections per function and object, so the agent's link drops what is unused.
 cflags="-Os -fPIC -ffunction-sections -fdata-sections"
 
-echo "tss: fetching tpm2-tss $tss_debver and mbedtls $mbed_branch sources"
+echo "tss: fetching tpm2-tss $tss_version and mbedtls $mbed_branch sources"
 apt_dir="$work/apt"
 mkdir -p "$apt_dir/lists/partial" "$apt_dir/sources.list.d"
 awk '/^[[:space:]]*$/ { if (seen) exit; next } /^#/ { next } { seen = 1 }
@@ -47,7 +49,17 @@ apt_opts=(-o Dir::Etc::SourceList=/dev/null
   -o "Dir::State::Lists=$apt_dir/lists"
   -o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache= -q)
 apt-get "${apt_opts[@]}" update >/dev/null
-(cd "$work" && run apt-get "${apt_opts[@]}" source --download-only "tpm2-tss=$tss_debver" mbedtls)
+(cd "$work" && run apt-get "${apt_opts[@]}" source --download-only tpm2-tss mbedtls)
+
+tss_dsc=$(compgen -G "$work/tpm2-tss_*.dsc" | head -n1) ||
+  { echo "tss: no tpm2-tss source package was fetched" >&2; exit 1; }
+tss_debver=${tss_dsc##*/tpm2-tss_}
+tss_debver=${tss_debver%.dsc}
+tss_tar="$work/tpm2-tss_${tss_version}.orig.tar.gz"
+[ "${tss_debver%-*}" = "$tss_version" ] ||
+  { echo "tss: Debian's tpm2-tss $tss_debver is not of upstream $tss_version" >&2; exit 1; }
+[ -f "$tss_tar" ] ||
+  { echo "tss: Debian's tpm2-tss $tss_debver has no ${tss_tar##*/}" >&2; exit 1; }
 
 mbed_tar=$(compgen -G "$work/mbedtls_*.orig.tar.*" | head -n1) ||
   { echo "tss: no mbedtls source tarball was fetched" >&2; exit 1; }
@@ -67,7 +79,7 @@ cp "$mbed/library/libmbedcrypto.a" "$prefix/lib/"
 rm -rf "$prefix/include/mbedtls" "$prefix/include/psa"
 cp -r "$mbed/include/mbedtls" "$mbed/include/psa" "$prefix/include/"
 
-tar -C "$work" -xf "$work"/tpm2-tss_${tss_version}.orig.tar.gz
+tar -C "$work" -xf "$tss_tar"
 src="$work/tpm2-tss-$tss_version"
 
 # Every descriptor tpm2-tss opens is close-on-exec. Upstream opens the TPM
@@ -126,4 +138,4 @@ rm -rf "$work"
 if [ -d "$top/target/x86_64-unknown-linux-musl" ]; then
   (cd "$top" && for p in --profile=dev --release; do cargo clean -q -p tss-esapi-sys "$p"; done)
 fi
-echo "tss: installed in $prefix (tpm2-tss $tss_version, mbedtls $mbed_version)"
+echo "tss: installed in $prefix (tpm2-tss $tss_version from Debian $tss_debver, mbedtls $mbed_version)"

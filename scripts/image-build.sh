@@ -70,6 +70,11 @@ image_mkosi "$epoch" "${cache_opts[@]}" \
   --output-dir "$out" \
   build >"$out.log" 2>&1 || { tail -40 "$out.log" >&2; die "mkosi failed (full log: $out.log)"; }
 [ "${#cache_opts[@]}" = 0 ] || touch "$IMAGE_CACHE/filled"
+# The record of inputs marks a complete output: the disk image and the UKI
+# must both be there.
+for f in keel.raw keel.efi; do
+  [ -f "$out/$f" ] || die "mkosi finished but $out/$f is missing (full log: $out.log)"
+done
 echo "$inputs" >"$out/.inputs"
 log "image built in $(( $(date +%s) - start )) s (log: $out.log)"
 report_artifacts "$out"

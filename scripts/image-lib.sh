@@ -81,9 +81,9 @@ ensure_agent() {
   if [ ! -x "$KEEL_AGENT_BIN" ]; then
     if [ "$KEEL_AGENT_BIN" = "$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-agent" ] &&
       compgen -G "$KEEL_ROOT/target/musl-sysroot/.stamp-*" >/dev/null; then
-      log "building the agent (cargo build --release -p keel-agent)"
+      log "building the agent (cargo build --release --locked -p keel-agent)"
       "$KEEL_ROOT/scripts/build-paths.sh"
-      (cd "$KEEL_ROOT" && cargo build --release -p keel-agent --bin keel-agent) ||
+      (cd "$KEEL_ROOT" && cargo build --release --locked -p keel-agent --bin keel-agent) ||
         die "building the agent failed"
       "$KEEL_ROOT/scripts/check-static.sh" "$KEEL_AGENT_BIN" >&2 || die "the agent fails its checks"
     else
@@ -93,9 +93,9 @@ ensure_agent() {
   if [ ! -x "$KEEL_INITRD_BIN" ]; then
     [ "$KEEL_INITRD_BIN" = "$KEEL_ROOT/target/x86_64-unknown-linux-musl/release/keel-initrd" ] ||
       die "initrd binary $KEEL_INITRD_BIN is missing"
-    log "building the initrd's init (cargo build --release -p keel-initrd)"
+    log "building the initrd's init (cargo build --release --locked -p keel-initrd)"
     "$KEEL_ROOT/scripts/build-paths.sh"
-    (cd "$KEEL_ROOT" && cargo build --release -p keel-initrd) || die "building keel-initrd failed"
+    (cd "$KEEL_ROOT" && cargo build --release --locked -p keel-initrd) || die "building keel-initrd failed"
     "$KEEL_ROOT/scripts/check-static.sh" "$KEEL_INITRD_BIN" >&2 || die "keel-initrd fails its checks"
   fi
   # The image carries no libraries for either: an ELF must be static.

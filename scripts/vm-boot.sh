@@ -26,7 +26,7 @@ while getopts "n:t:" opt; do
   esac
 done
 shift $((OPTIND - 1))
-image_dir=$(realpath "${1:-$KEEL_IMAGE_OUT}")
+image_dir=$(realpath -m "${1:-$KEEL_IMAGE_OUT}")
 [ -f "$image_dir/keel.raw" ] && [ -f "$image_dir/keel.efi" ] ||
   die "no built image in $image_dir: run 'make image'"
 for tool in qemu-system-x86_64 swtpm swtpm_setup; do
