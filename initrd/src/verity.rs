@@ -110,7 +110,12 @@ impl Superblock {
     }
 
     /// The read-only `verity` target over all data blocks, the hash tree
-    /// starting in the block after the superblock.
+    /// starting in the block after the superblock. A block that fails its
+    /// hash panics the kernel (`panic_on_corruption`) instead of failing
+    /// the read: with plain I/O errors, a host that corrupts chosen blocks
+    /// could make chosen directories unreadable, and systemd skips a unit
+    /// or generator directory it cannot read (the image's masks among
+    /// them), while every PCR stays as predicted.
     pub fn target(&self, data: &str, hash: &str, root_hash: &str) -> Result<Target, Error> {
         let bytes = self
             .data_blocks
@@ -128,7 +133,7 @@ impl Superblock {
             sectors: bytes / SECTOR,
             kind: "verity",
             params: format!(
-                "{} {data} {hash} {} {} {} 1 {ALGORITHM} {root_hash} {salt}",
+                "{} {data} {hash} {} {} {} 1 {ALGORITHM} {root_hash} {salt} 1 panic_on_corruption",
                 self.hash_type, self.data_block_size, self.hash_block_size, self.data_blocks
             ),
         })
@@ -197,7 +202,9 @@ mod tests {
         assert_eq!(target.kind, "verity");
         assert_eq!(
             target.params,
-            format!("1 /dev/vda2 /dev/vda3 4096 4096 91126 1 sha256 {HASH} 01fe7a")
+            format!(
+                "1 /dev/vda2 /dev/vda3 4096 4096 91126 1 sha256 {HASH} 01fe7a 1 panic_on_corruption"
+            )
         );
         Ok(())
     }
@@ -206,7 +213,9 @@ mod tests {
     fn an_empty_salt_is_a_dash() -> Result<(), Error> {
         let target = Superblock::parse(&superblock(&[]))?.target("d", "h", HASH)?;
         assert!(
-            target.params.ends_with(&format!("{HASH} -")),
+            target
+                .params
+                .ends_with(&format!("{HASH} - 1 panic_on_corruption")),
             "{}",
             target.params
         );
