@@ -359,8 +359,8 @@ impl RecoveryServer {
         let (opened, own_ek) = credential::open_on(&self.inner.node.tpm, sealed)
             .await
             .map_err(|e| match e {
-                credential::OpenOnError::Tpm => RecoveryError::Unavailable,
-                credential::OpenOnError::Sealed(e) => RecoveryError::Sealed(e),
+                credential::OpenError::Tpm => RecoveryError::Unavailable,
+                credential::OpenError::Sealed(e) => RecoveryError::Sealed(e),
             })?;
         let mut secrets = ControlPlaneSecrets::decode(opened.as_slice())
             .map_err(|_| RecoveryError::InvalidRequest("sealed secrets do not decode"))?;

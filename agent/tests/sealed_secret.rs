@@ -2,7 +2,7 @@
 //! holds the endorsement key and the attestation key they were sealed to.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use keel_agent::attestation::credential::open;
+use keel_agent::attestation::credential::{open, OpenError};
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::credential::{seal, CredentialError};
@@ -31,7 +31,7 @@ fn sealed_secret_opens_only_in_its_tpm() {
     // Another TPM cannot activate it.
     assert!(matches!(
         open(&mut tpm2, &sealed),
-        Err(CredentialError::Open)
+        Err(OpenError::Sealed(CredentialError::Open))
     ));
 
     // Sealed to tpm1's EK but another AK's name (e.g. a software key that
@@ -40,7 +40,7 @@ fn sealed_secret_opens_only_in_its_tpm() {
     let wrong_ak = seal(&ek1, &ak2.name, b"x").unwrap();
     assert!(matches!(
         open(&mut tpm1, &wrong_ak),
-        Err(CredentialError::Open)
+        Err(OpenError::Sealed(CredentialError::Open))
     ));
 
     // A changed ciphertext fails authentication.
@@ -48,7 +48,7 @@ fn sealed_secret_opens_only_in_its_tpm() {
     tampered.ciphertext[0] ^= 1;
     assert!(matches!(
         open(&mut tpm1, &tampered),
-        Err(CredentialError::Open)
+        Err(OpenError::Sealed(CredentialError::Open))
     ));
 
     // The TPM is still usable after refused activations (sessions flushed).
@@ -59,4 +59,10 @@ fn sealed_secret_opens_only_in_its_tpm() {
         open(&mut tpm1, &sealed).unwrap().as_slice(),
         b"the master secret"
     );
+
+    // A TPM that fails as a device (its connection gone) says so, rather
+    // than calling the secret wrong: the caller may ask again instead of
+    // blaming whoever sealed it.
+    drop(sw1);
+    assert!(matches!(open(&mut tpm1, &sealed), Err(OpenError::Tpm)));
 }

@@ -212,8 +212,8 @@ impl InitServer {
         let (opened, own_ek) = credential::open_on(&self.inner.node.tpm, sealed)
             .await
             .map_err(|e| match e {
-                credential::OpenOnError::Tpm => InitError::Tpm,
-                credential::OpenOnError::Sealed(e) => InitError::Sealed(e),
+                credential::OpenError::Tpm => InitError::Tpm,
+                credential::OpenError::Sealed(e) => InitError::Sealed(e),
             })?;
         let secrets = InitSecrets::decode(opened.as_slice())
             .map_err(|_| InitError::InvalidRequest("sealed secrets do not decode".into()))?;

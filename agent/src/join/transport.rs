@@ -117,7 +117,10 @@ impl TicketClient {
         let tpm = self.tpm.clone();
         let payload = tokio::task::spawn_blocking(move || {
             let mut guard = tpm.lock().map_err(|_| TicketError::Tpm)?;
-            credential::open(guard.tpm(), &sealed).map_err(TicketError::Open)
+            credential::open(guard.tpm(), &sealed).map_err(|e| match e {
+                credential::OpenError::Tpm => TicketError::Tpm,
+                credential::OpenError::Sealed(e) => TicketError::Open(e),
+            })
         })
         .await
         .map_err(|_| TicketError::Tpm)??;

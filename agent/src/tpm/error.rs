@@ -51,8 +51,9 @@ pub enum TpmError {
     /// The quote command failed.
     #[error("quote failed")]
     Quote(#[source] tss_esapi::Error),
-    /// ActivateCredential failed: the credential was not made for this TPM's EK and AK.
-    #[error("credential activation failed (not sealed to this TPM)")]
+    /// ActivateCredential failed: the credential was not made for this
+    /// TPM's EK and AK, or the TPM failed (the source says which).
+    #[error("credential activation failed")]
     ActivateCredential(#[source] tss_esapi::Error),
     /// Reading the TPM's properties (TPM2_GetCapability) failed.
     #[error("reading TPM properties failed")]
