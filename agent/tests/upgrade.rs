@@ -55,9 +55,15 @@ fn stand_ins(mirror: &MirrorServer, version: &str) -> Vec<keel_proto::components
 }
 
 /// The node environment: the stand-ins claim the version they were served
-/// as (no version forced), kubeadm as `extra_env` says.
+/// as (no version forced), kubeadm as `extra_env` says. With a
+/// `KEEL_STANDIN_SLEEP` there, kubeadm's runs are limited to 1 s, so the
+/// sleep outlasts them.
 fn env(root: &Path, work: &Path, extra_env: &[(&str, &str)]) -> NodeEnv {
     let mut env = join_common::node_env(root, work, None);
+    if extra_env.iter().any(|(k, _)| *k == "KEEL_STANDIN_SLEEP") {
+        env.kubeadm.init_timeout = std::time::Duration::from_secs(1);
+        env.kubeadm.join_timeout = std::time::Duration::from_secs(1);
+    }
     // Each kubelet (re)start appends what the kubelet in its directory
     // claims to be to a file beside the root
     // ([`UpgradableNode::kubelet_starts`]).
@@ -572,6 +578,37 @@ async fn a_second_upgrade_while_one_runs_is_refused_before_it_starts() {
     let (_, last) = to_the_end(first).await;
     assert!(matches!(last, Event::Done(_)), "{last:?}");
     assert_eq!(node.version(), TO);
+}
+
+/// A kubeadm killed at its limit may have been midway (manifests, the
+/// kubelet's config): the binaries switch back, but the operator is not
+/// told the node was rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubeadm_killed_at_its_limit_is_not_reported_rolled_back() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let node = node(&ca, &mirror, "worker", &[("KEEL_STANDIN_SLEEP", "3")]).await;
+    let (lines, last) = node
+        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
+        .await
+        .unwrap();
+    let Event::Failed(failed) = last else {
+        panic!("{last:?}");
+    };
+    assert!(
+        failed.error.contains("did not finish within"),
+        "{}",
+        failed.error
+    );
+    assert!(failed.switched, "{failed:?}");
+    assert!(!failed.rolled_back, "{failed:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("switched back to Kubernetes")),
+        "{lines:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

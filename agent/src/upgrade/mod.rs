@@ -491,8 +491,14 @@ impl Upgrader {
                 log(format!("upgrade failed: {}", keel_atls::ErrorChain(&error)));
                 // After kubeadm's upgrade, switching the binaries back does
                 // not undo it: the node is not rolled back, whatever the
-                // switch back does.
-                let applied = matches!(error, UpgradeError::AfterKubeadm { .. });
+                // switch back does. Nor after a kubeadm killed at its limit:
+                // it may have been midway (a kubeadm that fails on its own
+                // restores the static pods it changed).
+                let applied = matches!(
+                    error,
+                    UpgradeError::AfterKubeadm { .. }
+                        | UpgradeError::Kubeadm(crate::kubeadm::KubeadmError::Timeout { .. })
+                );
                 let rolled_back = self.roll_back(&current, staging, log).await && !applied;
                 Err(failure(error, true, rolled_back))
             }
