@@ -479,14 +479,23 @@ mod tests {
                 tokio::spawn(async move { (i, b.submit(i).await) })
             })
             .collect();
+        // 13's round fails for every request in it; every other request
+        // gets its own result: at least the 12 of the 19 others that 13's
+        // round (at most 8 requests) could not hold.
+        let mut succeeded = 0;
         for t in tasks {
             let (i, out) = t.await.unwrap();
-            if i == 13 {
-                assert!(matches!(out, Err(BatchError::Failed(_))));
-            } else if let Ok(v) = out {
-                assert_eq!(v, i * 2);
+            match out {
+                Ok(v) => {
+                    assert_ne!(i, 13, "13's round did not fail");
+                    assert_eq!(v, i * 2);
+                    succeeded += 1;
+                }
+                Err(BatchError::Failed(_)) => {}
+                Err(e) => panic!("{i}: {e:?}"),
             }
         }
+        assert!(succeeded >= 19 - 7, "{succeeded} succeeded");
         let stats = batcher.stats();
         assert_eq!(stats.requests, 21);
         assert!(stats.rounds < 21 && stats.largest <= 8, "{stats:?}");
