@@ -64,13 +64,6 @@ pub enum DiskBindingRefusal {
         /// The peer's EK.
         peer: EkDigest,
     },
-    /// No join ticket was ever issued for the disk by this cluster's join
-    /// service (or its binding was lost).
-    #[error("disk {uuid} never joined through this join service")]
-    Unknown {
-        /// The disk UUID (lower case).
-        uuid: String,
-    },
     /// The peer's EK already has [`MAX_DISKS_PER_EK`] disks bound.
     #[error("EK {peer} already has {MAX_DISKS_PER_EK} disks bound")]
     EkFull {

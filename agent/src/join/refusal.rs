@@ -51,8 +51,9 @@ pub enum JoinServiceError {
     /// Deriving a key failed.
     #[error("deriving a key failed")]
     Derive,
-    /// The disk is bound to another TPM, or (rejoin) was never bound. The
-    /// peer gets this fixed message; the cause, logged locally, says which.
+    /// The disk is bound to another TPM, or the peer's TPM has as many
+    /// disks bound as it may. The peer gets this fixed message; the cause,
+    /// logged locally, says which.
     #[error("the state disk is not bound to this node's TPM")]
     DiskNotBound(#[source] DiskBindingRefusal),
     /// The disk binding store failed: nothing was issued.
@@ -167,12 +168,22 @@ mod tests {
             tonic::Code::InvalidArgument
         );
         assert_eq!(code(JoinServiceError::Busy), tonic::Code::Unavailable);
-        let not_bound =
-            JoinServiceError::DiskNotBound(DiskBindingRefusal::Unknown { uuid: DISK.into() });
+        let not_bound = JoinServiceError::DiskNotBound(DiskBindingRefusal::OtherEk {
+            uuid: DISK.into(),
+            bound: keel_verifier::ek::EkDigest::of_marshalled(b"bound"),
+            peer: keel_verifier::ek::EkDigest::of_marshalled(b"peer"),
+        });
         let status = tonic::Status::from(&not_bound);
         assert_eq!(status.code(), tonic::Code::PermissionDenied);
-        // The peer learns nothing about the binding.
+        // The peer learns nothing about the binding: not the disk, not the
+        // EK it is bound to.
         assert!(!status.message().contains(DISK), "{}", status.message());
+        let bound = keel_verifier::ek::EkDigest::of_marshalled(b"bound").to_string();
+        assert!(
+            !status.message().contains(&bound[7..]),
+            "{}",
+            status.message()
+        );
         assert_eq!(
             code(JoinServiceError::DiskBindings(DiskBindingsError::Full)),
             tonic::Code::Internal
