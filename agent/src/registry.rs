@@ -261,6 +261,15 @@ pub enum RegistryError {
         /// Revocations that were not recorded (0: none yet).
         dropped: usize,
     },
+    /// Another node, not revoked, holds the name: a second EK with the same
+    /// name would get a kubelet certificate for the first one's Node.
+    #[error("the node name {name:?} is held by node {holder}; revoke that node to give its name to another")]
+    NameTaken {
+        /// The name asked for.
+        name: String,
+        /// The EK that holds it (`sha256:` and hex).
+        holder: String,
+    },
     /// A blocking registry task did not complete.
     #[error("the node registry task failed")]
     Task,
@@ -559,7 +568,9 @@ impl Registry {
     /// still being made when the operator's revocation lands is not issued.
     /// Refuses every node once the revocation list is full: a revocation
     /// that no longer fits (the operator's, the policy's, a peer's) must
-    /// not leave its node a ticket.
+    /// not leave its node a ticket. Refuses a name another EK holds unless
+    /// that EK is revoked: node names are Kubernetes Node names, one per
+    /// node.
     pub fn register(
         &mut self,
         ek: &EkDigest,
@@ -573,8 +584,25 @@ impl Registry {
         if self.revoked.len() >= MAX_REVOCATIONS {
             return Err(RegistryError::RevocationsFull { dropped: 0 });
         }
+        self.check_name(ek, name)?;
         let disk = (!disk_uuid.is_empty()).then_some(disk_uuid);
         self.enter(ek, disk, name, role)
+    }
+
+    /// Refuses `name` for `ek` while another EK, not revoked, holds it
+    /// ([`RegistryError::NameTaken`]).
+    pub fn check_name(&self, ek: &EkDigest, name: &str) -> Result<(), RegistryError> {
+        let key = ek.to_string();
+        let wanted = cut(name, MAX_FIELD);
+        match self.nodes.values().find(|r| {
+            r.name == wanted && r.ek != key && !self.revoked.iter().any(|rev| rev.ek == r.ek)
+        }) {
+            Some(holder) => Err(RegistryError::NameTaken {
+                name: wanted,
+                holder: holder.ek.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Adds or updates the record of `ek`: its name, role and, if given,
@@ -1191,6 +1219,11 @@ impl RegistryStore {
         self.lock().revocation(ek).cloned()
     }
 
+    /// [`Registry::check_name`].
+    pub fn check_name(&self, ek: &EkDigest, name: &str) -> Result<(), RegistryError> {
+        self.lock().check_name(ek, name)
+    }
+
     /// [`Registry::failing_unrevoked`].
     pub fn failing_unrevoked(&self) -> Vec<NodeRecord> {
         self.lock().failing_unrevoked()
@@ -1358,6 +1391,32 @@ mod tests {
             measurements: "ab".into(),
             failure: failure.map(str::to_owned),
         }
+    }
+
+    /// Attacker's move: a host boots a second VM of the cluster's image
+    /// under a member's node name, to get a kubelet certificate for that
+    /// member's Node. Its ticket is refused while the member is not
+    /// revoked; once it is, the name is free.
+    #[test]
+    fn a_name_another_unrevoked_ek_holds_is_refused() {
+        let mut r = Registry::default();
+        r.register(&ek(1), "", "w-1", "worker").unwrap();
+        // The same node again (a rejoin) keeps its name.
+        r.register(&ek(1), "", "w-1", "worker").unwrap();
+        match r.register(&ek(2), "", "w-1", "worker") {
+            Err(RegistryError::NameTaken { name, holder }) => {
+                assert_eq!(name, "w-1");
+                assert_eq!(holder, ek(1).to_string());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            r.find(&ek(2).to_string()).is_err(),
+            "the second EK was recorded"
+        );
+        let first = r.find("w-1").unwrap().clone();
+        r.revoke(&first, None, "replaced").unwrap();
+        r.register(&ek(2), "", "w-1", "worker").unwrap();
     }
 
     /// Attacker's move: a peer's document (or a ticket's revocation list)

@@ -202,6 +202,44 @@ async fn refused_requests_get_nothing() {
     assert_eq!(service.registered_tokens().len(), 1);
 }
 
+/// Attacker's move: a host boots a second VM of the cluster's image under
+/// a member's node name, for a kubelet certificate of that member's Node.
+/// Refused before a token is made while the member is not revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_tpm_under_a_members_name_gets_no_ticket() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service(&ca, port).await;
+    let first = member(&ca, port, "w-0", "worker");
+    let (req, _key) = request(&first);
+    first
+        .tickets(&ca)
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .unwrap();
+    let second = member(&ca, port, "w-0", "worker");
+    let (req, _key) = request(&second);
+    let err = second
+        .tickets(&ca)
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::PermissionDenied
+            && s.message().contains("holds this node's name")),
+        "{err}"
+    );
+    assert_eq!(service.registered_tokens().len(), 1, "a token was made");
+    // The first again (a rejoin's name) is no conflict.
+    let (req, _key) = request(&first);
+    first
+        .tickets(&ca)
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .unwrap();
+}
+
 /// Whether a stand-in kubeadm of `service` runs now (a child of this
 /// process whose `KEEL_STANDIN_ROOT` is the service's).
 fn kubeadm_runs(service: &Service) -> bool {

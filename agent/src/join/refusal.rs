@@ -74,6 +74,10 @@ pub enum JoinServiceError {
     /// are no longer accepted: the image was withdrawn since.
     #[error("the measurements the node was admitted by ({0}) are no longer accepted")]
     Withdrawn(String),
+    /// Another node of the cluster, not revoked, holds the peer's node
+    /// name ([`RegistryError::NameTaken`](crate::registry::RegistryError::NameTaken)).
+    #[error("the node name is taken")]
+    NameTaken(#[source] crate::registry::RegistryError),
     /// The node registry failed: nothing was issued.
     #[error("the node registry is unavailable")]
     Registry(#[source] crate::registry::RegistryError),
@@ -112,6 +116,7 @@ impl JoinServiceError {
             E::Member => "the node is already locked into a cluster",
             E::Revoked(_) => "the node is revoked: its EK is on the cluster's revocation list",
             E::Withdrawn(_) => "the node's image is no longer accepted by the cluster",
+            E::NameTaken(_) => "another node of the cluster holds this node's name",
             E::StaleHandshake(_) => {
                 "the connection's attestation is too old for a ticket; connect again"
             }
@@ -128,9 +133,11 @@ impl From<&JoinServiceError> for tonic::Status {
         let code = match e {
             E::NotAttested => tonic::Code::Unauthenticated,
             E::InvalidRequest(_) | E::DiskUuid(_) | E::Csr(_) => tonic::Code::InvalidArgument,
-            E::Identity(_) | E::DiskNotBound(_) | E::Revoked(_) | E::Withdrawn(_) => {
-                tonic::Code::PermissionDenied
-            }
+            E::Identity(_)
+            | E::DiskNotBound(_)
+            | E::Revoked(_)
+            | E::Withdrawn(_)
+            | E::NameTaken(_) => tonic::Code::PermissionDenied,
             E::Member | E::StaleHandshake(_) => tonic::Code::FailedPrecondition,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
             E::Busy | E::Token(_) => tonic::Code::Unavailable,

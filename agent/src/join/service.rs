@@ -263,12 +263,19 @@ impl JoinService {
         }
     }
 
-    /// Refuses a revoked peer: its EK is on the list.
-    fn check_revocation(&self, ek: &EkDigest) -> Result<(), JoinServiceError> {
-        match self.registry.as_ref().and_then(|r| r.revocation(ek)) {
-            Some(revocation) => Err(JoinServiceError::Revoked(revocation)),
-            None => Ok(()),
+    /// Refuses a revoked peer (its EK is on the list) and a name another
+    /// node holds, before the ticket costs anything; [`Self::register`]
+    /// checks both again under the registry's lock.
+    fn check_registry(&self, ek: &EkDigest, name: &str) -> Result<(), JoinServiceError> {
+        let Some(registry) = self.registry.as_ref() else {
+            return Ok(());
+        };
+        if let Some(revocation) = registry.revocation(ek) {
+            return Err(JoinServiceError::Revoked(revocation));
         }
+        registry
+            .check_name(ek, name)
+            .map_err(JoinServiceError::NameTaken)
     }
 
     /// Records in the registry that `peer` gets a ticket, with `disk_uuid`
@@ -291,6 +298,9 @@ impl JoinService {
         .map_err(|e| match e {
             crate::registry::RegistryError::Revoked(revocation) => {
                 JoinServiceError::Revoked(*revocation)
+            }
+            taken @ crate::registry::RegistryError::NameTaken { .. } => {
+                JoinServiceError::NameTaken(taken)
             }
             other => JoinServiceError::Registry(other),
         })
@@ -355,7 +365,7 @@ impl JoinService {
         let cluster = &cluster;
         check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_revocation(&ek)?;
+        self.check_registry(&ek, &request.node_name)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
@@ -494,7 +504,7 @@ impl JoinService {
         let identity = measured_identity(peer)?;
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_revocation(&ek)?;
+        self.check_registry(&ek, &identity.name)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
