@@ -490,10 +490,20 @@ async fn join_writes_kubelet_conf_and_retries_with_a_reset() {
     );
     assert_eq!(kc["users"][0]["name"], "system:node:worker-1");
 
-    // A join over a joined node fails preflight; bounded attempts.
+    // A join over a joined node fails preflight; bounded attempts, each
+    // reset, the last one too (a control plane's reset takes its etcd
+    // member out again).
     let mut k = node.kubeadm(v, &[("KEEL_STANDIN_FAIL", "always")]);
     k.join_attempts = 2;
     let (result, lines) = run_join(&k, &config).await;
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|l| l.starts_with("[reset] Deleting contents of"))
+            .count(),
+        2 * 2,
+        "{lines:#?}"
+    );
     match result {
         Err(KubeadmError::JoinAttempts { attempts: 2, last }) => {
             assert!(

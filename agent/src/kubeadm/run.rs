@@ -206,7 +206,11 @@ impl Kubeadm {
     /// Runs `kubeadm join` with the configuration file `config`, up to
     /// [`Kubeadm::join_attempts`] times, with `kubeadm reset --force`,
     /// `restore` (which puts back the files the next attempt needs and the
-    /// reset removed) and a pause between attempts.
+    /// reset removed) and a pause between attempts. The last failed attempt
+    /// is reset too: a control plane's reset takes its etcd member out of
+    /// the cluster, which would otherwise keep a member that never comes
+    /// back (the node starts over from a reboot) and count it against
+    /// quorum.
     pub async fn join(
         &self,
         config: &Path,
@@ -228,15 +232,9 @@ impl Kubeadm {
                 .await;
             let err = match result {
                 Ok(()) => return Ok(()),
-                Err(err) if attempt >= attempts => {
-                    return Err(KubeadmError::JoinAttempts {
-                        attempts,
-                        last: Box::new(err),
-                    })
-                }
                 Err(err) => err,
             };
-            tracing::warn!(attempt, error = %err, "kubeadm join failed; resetting and retrying");
+            tracing::warn!(attempt, error = %err, "kubeadm join failed; resetting");
             on_line(&format!(
                 "keel: kubeadm join attempt {attempt} failed: {err}"
             ));
@@ -246,6 +244,12 @@ impl Kubeadm {
                 .await
             {
                 tracing::warn!(error = %err, "kubeadm reset failed");
+            }
+            if attempt >= attempts {
+                return Err(KubeadmError::JoinAttempts {
+                    attempts,
+                    last: Box::new(err),
+                });
             }
             restore().map_err(KubeadmError::Restore)?;
             tokio::time::sleep(pause).await;
