@@ -277,12 +277,9 @@ impl<'a> Provisioner<'a> {
         (self.log)(format!("advertising {}", config.advertise_address));
         (self.log)("running kubeadm init".into());
         let mut on_line = |line: &str| (self.log)(line.to_owned());
-        let kubeconfig = self
-            .env
-            .kubeadm
-            .init(&path, &mut on_line)
-            .await
-            .map_err(ProvisionError::Kubeadm)?;
+        let result = self.env.kubeadm.init(&path, &mut on_line).await;
+        remove_config(&path);
+        let kubeconfig = result.map_err(ProvisionError::Kubeadm)?;
         durable().await;
         Ok(kubeconfig)
     }
@@ -307,11 +304,13 @@ impl<'a> Provisioner<'a> {
         (self.log)("running kubeadm join".into());
         let mut on_line = |line: &str| (self.log)(line.to_owned());
         let mut restore = || self.write_files(files);
-        self.env
+        let result = self
+            .env
             .kubeadm
             .join(&path, &mut restore, &mut on_line)
-            .await
-            .map_err(ProvisionError::Kubeadm)?;
+            .await;
+        remove_config(&path);
+        result.map_err(ProvisionError::Kubeadm)?;
         durable().await;
         Ok(())
     }
@@ -592,6 +591,20 @@ impl<'a> Provisioner<'a> {
         let path = self.env.work_dir.join(name);
         write_private(&path, yaml.as_bytes())?;
         Ok(path)
+    }
+}
+
+/// Removes a kubeadm configuration once its run ended: it holds the
+/// bootstrap token (valid for an hour in the cluster, and good for a
+/// kubelet certificate of any node name under kubeadm's default approval)
+/// and, on a control plane, the certificate key.
+fn remove_config(path: &Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "removing a kubeadm configuration failed")
+        }
     }
 }
 

@@ -18,7 +18,8 @@
 //!   prints kubeadm-like progress lines (including the token line kubeadm
 //!   prints, which the agent must scrub);
 //! * `join --config F`: checks the `JoinConfiguration` and writes
-//!   `kubelet.conf`;
+//!   `kubelet.conf`, and the ID of the token it joined with to
+//!   `var/lib/keel-standin/joined-with`;
 //! * `reset --force`: removes what `init`/`join` wrote and empties the
 //!   certificates directory and `var/lib/kubelet`, as kubeadm does;
 //! * `upgrade apply VERSION --yes` and `upgrade node`: check that the node
@@ -786,6 +787,13 @@ fn join(flags: &Flags) -> Result<()> {
     );
     write_file(&kube_dir().join("kubelet.conf"), conf.as_bytes(), 0o600)?;
     write_file(&version_record(), version_claim().as_bytes(), 0o644)?;
+    // Which token the join used, by its ID (the secret half stays out).
+    let id = token.split('.').next().unwrap_or_default();
+    write_file(
+        &root().join("var/lib/keel-standin/joined-with"),
+        format!("{id}\n").as_bytes(),
+        0o644,
+    )?;
     if control_plane.is_some() {
         // A control plane gets its own admin kubeconfig, as kubeadm writes
         // one on every control-plane node (the stand-in adds no client
