@@ -88,6 +88,10 @@ fn a_certificate_index_that_cannot_be_read_is_an_error_not_a_missing_certificate
     );
     // Not cached: the next call reads again (and fails again).
     assert!(tpm.endorsement().is_err());
+    // What names the node (its EK's public area, its digest) needs no
+    // certificate and is still there.
+    assert!(!tpm.ek_public().unwrap().is_empty());
+    assert!(keel_agent::attestation::own_ek_digest(&mut tpm).is_ok());
 }
 
 struct Quoted {

@@ -77,78 +77,91 @@ pub fn open(
         OpenError::Tpm
     })?;
     let ak_name = Public::parse(&ak).map_err(|_| OpenError::Tpm)?.name;
-    let credential = tpm
-        .activate_credential(&sealed.credential_blob, &sealed.encrypted_seed)
-        .map_err(|e| {
+    let credential = match tpm.activate_credential(&sealed.credential_blob, &sealed.encrypted_seed)
+    {
+        Ok(credential) => credential,
+        Err(e) => {
             tracing::warn!(error = %keel_atls::ErrorChain(&e), "credential activation failed");
-            if refused_by_the_tpm(&e) {
-                OpenError::Sealed(CredentialError::Open)
-            } else {
-                OpenError::Tpm
-            }
-        })?;
+            return Err(match refused_by_the_tpm(&e) {
+                Refusal::Blobs => OpenError::Sealed(CredentialError::Open),
+                // A failure mode answers every command so: told apart by
+                // the TPM's self-test result.
+                Refusal::Failure if !tpm.failing() => OpenError::Sealed(CredentialError::Open),
+                Refusal::Failure | Refusal::Device => OpenError::Tpm,
+            });
+        }
+    };
     open_with_credential(sealed, &credential, &ak_name).map_err(OpenError::Sealed)
 }
 
-/// Whether ActivateCredential failed on what it was given: blobs too large
-/// for the command, or an error the TPM itself answered (a response code of
-/// the TPM's layer: a format-one code about a parameter, handle or session,
-/// or a format-zero error such as the TPM_RC_FAILURE swtpm answers for a
-/// seed not encrypted to its EK). A warning (retry, lockout, memory) or an
-/// error of the transport or the software stack is the TPM's own failure.
-fn refused_by_the_tpm(e: &crate::tpm::TpmError) -> bool {
+/// What an ActivateCredential failure says about the secret.
+#[derive(Debug, PartialEq, Eq)]
+enum Refusal {
+    /// The blobs: too large for the command, or refused by the TPM in a
+    /// response about one of the command's parameters, handles or
+    /// sessions (a format-one code of the TPM's layer).
+    Blobs,
+    /// TPM_RC_FAILURE: what swtpm answers for a seed not encrypted to its
+    /// EK, and what a TPM in failure mode answers to everything.
+    Failure,
+    /// Anything else: a warning (retry, lockout, memory), another error,
+    /// the transport or the software stack. The TPM's own failure.
+    Device,
+}
+
+/// Sorts an ActivateCredential failure ([`Refusal`]).
+fn refused_by_the_tpm(e: &crate::tpm::TpmError) -> Refusal {
     match e {
-        crate::tpm::TpmError::ActivateCredential(tss_esapi::Error::WrapperError(kind)) => {
-            *kind == tss_esapi::WrapperErrorKind::WrongParamSize
-        }
+        crate::tpm::TpmError::ActivateCredential(tss_esapi::Error::WrapperError(
+            tss_esapi::WrapperErrorKind::WrongParamSize,
+        )) => Refusal::Blobs,
         crate::tpm::TpmError::ActivateCredential(tss_esapi::Error::Tss2Error(rc)) => {
-            answered_by_the_tpm(*rc)
+            refusal_of(*rc)
         }
-        _ => false,
+        _ => Refusal::Device,
     }
 }
 
-/// Whether `rc` is an error of the TPM's own layer (layer 0), neither a
-/// warning nor vendor-specific.
-fn answered_by_the_tpm(rc: tss_esapi::constants::response_code::Tss2ResponseCode) -> bool {
+/// [`Refusal`] of a response code.
+fn refusal_of(rc: tss_esapi::constants::response_code::Tss2ResponseCode) -> Refusal {
     use tss_esapi::constants::response_code::Tss2ResponseCode;
     /// The raw code; its `Display` is the only public view of it.
     fn raw(code: &dyn std::fmt::Display) -> Option<u32> {
         let text = code.to_string();
         u32::from_str_radix(text.rsplit_once("0x")?.1, 16).ok()
     }
+    /// TPM_RC_FAILURE (TPM_RC_VER1 + 1), of the TPM's layer.
+    const FAILURE: u32 = 0x101;
     const LAYER_SHIFT: u32 = 16;
-    const WARNING: u32 = 0x800;
-    const VENDOR: u32 = 0x400;
     match rc {
-        Tss2ResponseCode::Success => false,
-        Tss2ResponseCode::FormatOne(code) => raw(&code).is_some_and(|r| r >> LAYER_SHIFT == 0),
-        Tss2ResponseCode::FormatZero(code) => {
-            raw(&code).is_some_and(|r| r >> LAYER_SHIFT == 0 && r & (WARNING | VENDOR) == 0)
+        Tss2ResponseCode::FormatOne(code) if raw(&code).is_some_and(|r| r >> LAYER_SHIFT == 0) => {
+            Refusal::Blobs
         }
+        Tss2ResponseCode::FormatZero(code) if raw(&code) == Some(FAILURE) => Refusal::Failure,
+        _ => Refusal::Device,
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::answered_by_the_tpm;
+    use super::{refusal_of, Refusal};
     use tss_esapi::constants::response_code::Tss2ResponseCode;
 
     #[test]
-    fn only_the_tpms_own_errors_count_as_its_answer() {
-        for (rc, answered) in [
-            (0x101, true),        // TPM_RC_FAILURE (swtpm, for a seed not to its EK)
-            (0x1df, true),        // TPM_RC_INTEGRITY, parameter 1
-            (0x922, false),       // TPM_RC_RETRY, a warning
-            (0x921, false),       // TPM_RC_LOCKOUT, a warning
-            (0x000a_000a, false), // the TCTI: I/O error
-            (0x0007_0007, false), // ESYS: bad sequence
+    fn response_codes_sort_into_refusals() {
+        for (rc, refusal) in [
+            (0x1df, Refusal::Blobs),               // TPM_RC_INTEGRITY, parameter 1
+            (0x084, Refusal::Blobs),               // TPM_RC_VALUE
+            (0x101, Refusal::Failure),             // TPM_RC_FAILURE
+            (0x100, Refusal::Device),              // TPM_RC_INITIALIZE
+            (0x130, Refusal::Device),              // TPM_RC_REBOOT
+            (0x922, Refusal::Device),              // TPM_RC_RETRY, a warning
+            (0x921, Refusal::Device),              // TPM_RC_LOCKOUT, a warning
+            (0x000a_000a, Refusal::Device),        // the TCTI: I/O error
+            (0x0007_0007, Refusal::Device),        // ESYS: bad sequence
+            (0x0007_0080 | 0x1f, Refusal::Device), // a format-one shape outside the TPM's layer
         ] {
-            assert_eq!(
-                answered_by_the_tpm(Tss2ResponseCode::from(rc)),
-                answered,
-                "{rc:#x}"
-            );
+            assert_eq!(refusal_of(Tss2ResponseCode::from(rc)), refusal, "{rc:#x}");
         }
     }
 }

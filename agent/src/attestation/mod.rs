@@ -15,7 +15,7 @@ use crate::tpm::{Tpm, TpmError};
 /// The digest of this node's own endorsement key: what a disk key is bound
 /// to ([`keel_verifier::keys::disk_key_id`]).
 pub fn own_ek_digest(tpm: &mut Tpm) -> Result<EkDigest, TpmError> {
-    Ok(EkDigest::of_marshalled(&tpm.endorsement()?.public))
+    Ok(EkDigest::of_marshalled(&tpm.ek_public()?))
 }
 
 /// [`own_ek_digest`] of the node's shared TPM, its lock taken even if a

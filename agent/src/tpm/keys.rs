@@ -82,19 +82,10 @@ impl Tpm {
     /// The endorsement key's public area and, if stored, its certificate
     /// (read once; neither changes while the TPM is open).
     pub fn endorsement(&mut self) -> Result<Endorsement, TpmError> {
-        self.live()?;
         if let Some(e) = &self.endorsement {
             return Ok(e.clone());
         }
-        let ek = self.ek;
-        let (public, _, _) = self
-            .ctx
-            .execute_without_session(|c| c.read_public(ek))
-            .map_err(TpmError::EndorsementKey)?;
-        let public = public.marshall().map_err(|source| TpmError::Marshal {
-            what: "EK public",
-            source,
-        })?;
+        let public = self.ek_public()?;
         // A TPM without the certificate's index has none; any other failure
         // is an error, not a missing certificate: it is not cached, and the
         // next call reads again.
@@ -115,6 +106,27 @@ impl Tpm {
         };
         self.endorsement = Some(endorsement.clone());
         Ok(endorsement)
+    }
+
+    /// The endorsement key's marshalled TPMT_PUBLIC (read once). What names
+    /// this node (its EK digest) needs no certificate, so a certificate
+    /// that cannot be read now does not stop it.
+    pub fn ek_public(&mut self) -> Result<Vec<u8>, TpmError> {
+        self.live()?;
+        if let Some(public) = &self.ek_public {
+            return Ok(public.clone());
+        }
+        let ek = self.ek;
+        let (public, _, _) = self
+            .ctx
+            .execute_without_session(|c| c.read_public(ek))
+            .map_err(TpmError::EndorsementKey)?;
+        let public = public.marshall().map_err(|source| TpmError::Marshal {
+            what: "EK public",
+            source,
+        })?;
+        self.ek_public = Some(public.clone());
+        Ok(public)
     }
 
     /// Whether the TPM defines the RSA-2048 EK certificate's NV index
@@ -176,14 +188,16 @@ impl Tpm {
         credential_blob: &[u8],
         encrypted_seed: &[u8],
     ) -> Result<Zeroizing<Vec<u8>>, TpmError> {
-        let ak = self.loaded_ak(TpmError::ActivateCredential)?;
+        // Only the blobs and the command itself fail as ActivateCredential:
+        // the keys and the policy session are the TPM's own part.
+        let ak = self.loaded_ak(TpmError::AttestationKey)?;
         let blob =
             IdObject::try_from(credential_blob.to_vec()).map_err(TpmError::ActivateCredential)?;
         let seed = EncryptedSecret::try_from(encrypted_seed.to_vec())
             .map_err(TpmError::ActivateCredential)?;
         let policy = self
             .endorsement_policy_session()
-            .map_err(TpmError::ActivateCredential)?;
+            .map_err(TpmError::EndorsementKey)?;
         let ek = self.ek;
         let result = self
             .ctx
@@ -193,6 +207,18 @@ impl Tpm {
         self.flush_session(policy);
         let digest = result.map_err(TpmError::ActivateCredential)?;
         Ok(Zeroizing::new(digest.value().to_vec()))
+    }
+
+    /// Whether the TPM reports a failed self-test (TPM2_GetTestResult), or
+    /// cannot be asked: it is then in failure mode, or gone.
+    pub fn failing(&mut self) -> bool {
+        if self.live().is_err() {
+            return true;
+        }
+        !matches!(
+            self.ctx.execute_without_session(|c| c.get_test_result()),
+            Ok((_, Ok(())))
+        )
     }
 
     /// A policy session satisfying the EK's policy: PolicySecret(endorsement).
