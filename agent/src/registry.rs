@@ -590,10 +590,16 @@ impl Registry {
     }
 
     /// Refuses `name` for `ek` while another EK, not revoked, holds it
-    /// ([`RegistryError::NameTaken`]).
+    /// ([`RegistryError::NameTaken`]), unless `ek` holds it too: a
+    /// registry from before this rule, or merged from peers that each
+    /// admitted one, may hold a name twice, and neither holder is locked
+    /// out by the other.
     pub fn check_name(&self, ek: &EkDigest, name: &str) -> Result<(), RegistryError> {
         let key = ek.to_string();
         let wanted = cut(name, MAX_FIELD);
+        if self.nodes.get(&key).is_some_and(|own| own.name == wanted) {
+            return Ok(());
+        }
         match self.nodes.values().find(|r| {
             r.name == wanted && r.ek != key && !self.revoked.iter().any(|rev| rev.ek == r.ek)
         }) {
@@ -763,8 +769,9 @@ impl Registry {
         });
         match (matches.next(), matches.next()) {
             (Some(record), None) => Ok(record),
-            // Two nodes of one name (a node that came back with a new TPM):
-            // the operator names the EK or the disk.
+            // Two nodes of one name (a node that came back with a new TPM
+            // after the old one was revoked, or a registry from before one
+            // name had one holder): the operator names the EK or the disk.
             (Some(_), Some(_)) => Err(RegistryError::UnknownNode(format!(
                 "{} (ambiguous: name the EK hash or the disk UUID)",
                 cut(wanted, MAX_FIELD)
@@ -1414,8 +1421,16 @@ mod tests {
             r.find(&ek(2).to_string()).is_err(),
             "the second EK was recorded"
         );
-        let first = r.find("w-1").unwrap().clone();
-        r.revoke(&first, None, "replaced").unwrap();
+        // Two holders already (a registry from before the rule, or peers
+        // that each admitted one): each keeps its name; a third does not.
+        r.enter(&ek(3), None, "w-1", "worker").unwrap();
+        r.register(&ek(3), "", "w-1", "worker").unwrap();
+        r.register(&ek(1), "", "w-1", "worker").unwrap();
+        assert!(r.register(&ek(4), "", "w-1", "worker").is_err());
+        for n in [1, 3] {
+            let holder = r.find(&ek(n).to_string()).unwrap().clone();
+            r.revoke(&holder, None, "replaced").unwrap();
+        }
         r.register(&ek(2), "", "w-1", "worker").unwrap();
     }
 
