@@ -55,15 +55,9 @@ fn stand_ins(mirror: &MirrorServer, version: &str) -> Vec<keel_proto::components
 }
 
 /// The node environment: the stand-ins claim the version they were served
-/// as (no version forced), kubeadm as `extra_env` says. With a
-/// `KEEL_STANDIN_SLEEP` there, kubeadm's runs are limited to 1 s, so the
-/// sleep outlasts them.
+/// as (no version forced), kubeadm as `extra_env` says.
 fn env(root: &Path, work: &Path, extra_env: &[(&str, &str)]) -> NodeEnv {
     let mut env = join_common::node_env(root, work, None);
-    if extra_env.iter().any(|(k, _)| *k == "KEEL_STANDIN_SLEEP") {
-        env.kubeadm.init_timeout = std::time::Duration::from_secs(1);
-        env.kubeadm.join_timeout = std::time::Duration::from_secs(1);
-    }
     // Each kubelet (re)start appends what the kubelet in its directory
     // claims to be to a file beside the root
     // ([`UpgradableNode::kubelet_starts`]).
@@ -98,7 +92,7 @@ async fn node(
     role: &str,
     extra_env: &[(&str, &str)],
 ) -> UpgradableNode {
-    node_with_key(ca, mirror, role, extra_env, None).await
+    node_with_key(ca, mirror, role, extra_env, None, None).await
 }
 
 /// [`node`], of a cluster whose config names the measurements signing key
@@ -109,6 +103,7 @@ async fn node_with_key(
     role: &str,
     extra_env: &[(&str, &str)],
     signing_key: Option<SigningPublicKey>,
+    kubeadm_limit: Option<std::time::Duration>,
 ) -> UpgradableNode {
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -116,7 +111,11 @@ async fn node_with_key(
     let work = dir.path().join("work");
     let config = config(ca, free_port(), role, role);
     let tpm = measured(&swtpm, &dir.path().join("log"), &config);
-    let env = env(&root, &work, extra_env);
+    let mut env = env(&root, &work, extra_env);
+    if let Some(limit) = kubeadm_limit {
+        env.kubeadm.init_timeout = limit;
+        env.kubeadm.join_timeout = limit;
+    }
     let components: Vec<_> = stand_ins(mirror, FROM)
         .into_iter()
         .map(|c| keel_installer::Component::try_from(c).unwrap())
@@ -588,7 +587,9 @@ async fn a_kubeadm_killed_at_its_limit_is_not_reported_rolled_back() {
     let ca = EkCa::new().unwrap();
     let mirror = MirrorServer::start().unwrap();
     let new = stand_ins(&mirror, TO);
-    let node = node(&ca, &mirror, "worker", &[("KEEL_STANDIN_SLEEP", "3")]).await;
+    let limit = Some(std::time::Duration::from_secs(1));
+    let sleep = [("KEEL_STANDIN_SLEEP", "3")];
+    let node = node_with_key(&ca, &mirror, "worker", &sleep, None, limit).await;
     let (lines, last) = node
         .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
         .await
@@ -842,6 +843,7 @@ async fn a_plans_own_components_need_their_file_signed_by_the_clusters_key() {
         "control-plane",
         &[],
         Some(cluster_key.public_key()),
+        None,
     )
     .await;
     let signed_plan = |file: Vec<u8>, signature: Vec<u8>, listed: &[_]| {

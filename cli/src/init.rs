@@ -538,6 +538,16 @@ async fn follow(
         match message.kind {
             Some(Kind::LogLine(line)) => eprintln!("  node: {}", printable(&line)),
             Some(Kind::Success(success)) => {
+                // Nothing of a node that misreports is kept.
+                if success.cluster_id != cluster_id {
+                    bail!(
+                        "the node reports cluster ID {}, but the master secret it was sent \
+                         makes {}: it does not run the agent its measurements name, or \
+                         misreports; do not use this cluster (its kubeconfig was not written)",
+                        hex::encode(&success.cluster_id),
+                        hex::encode(cluster_id)
+                    );
+                }
                 let kubeconfig = outputs.kubeconfig.path.clone();
                 // The ID the workspace's secrets make is the one recorded.
                 let id = IdFile {
@@ -553,15 +563,6 @@ async fn follow(
                     bail!(
                         "the cluster was created (cluster ID {}), but writing its result \
                          failed: {e:#}",
-                        id.cluster_id
-                    );
-                }
-                if success.cluster_id != cluster_id {
-                    bail!(
-                        "the node reports cluster ID {}, but the master secret it was sent \
-                         makes {}: it does not run the agent its measurements name, or \
-                         misreports; do not use this cluster",
-                        hex::encode(&success.cluster_id),
                         id.cluster_id
                     );
                 }

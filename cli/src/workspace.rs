@@ -118,15 +118,8 @@ impl ImageRecord {
     /// finished from it.
     pub fn load(workspace: &Path) -> anyhow::Result<Option<Self>> {
         let path = workspace.join(IMAGE_FILE);
-        let body = match read_bounded(&path) {
-            Ok(body) => body,
-            Err(e)
-                if e.downcast_ref::<std::io::Error>()
-                    .is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
-            {
-                return Ok(None)
-            }
-            Err(e) => return Err(e),
+        let Some(body) = read_if_there(&path)? else {
+            return Ok(None);
         };
         serde_json::from_slice(&body)
             .map(Some)
@@ -184,6 +177,20 @@ impl ImageRecord {
     }
 }
 
+/// The bytes of `path` (bounded), `None` if there is no such file.
+fn read_if_there(path: &Path) -> anyhow::Result<Option<Vec<u8>>> {
+    match read_bounded(path) {
+        Ok(body) => Ok(Some(body)),
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// The EKs `keel revoke` revoked from this workspace, as the control
 /// planes named them (`sha256:` and the hex of the EK public area's
 /// SHA-256). `keel recover` seals the master secret to none of them: a
@@ -199,26 +206,21 @@ impl RevokedRecord {
     /// The record in `workspace`; empty where nothing was revoked from it.
     pub fn load(workspace: &Path) -> anyhow::Result<Self> {
         let path = workspace.join(REVOKED_FILE);
-        let body = match read_bounded(&path) {
-            Ok(body) => body,
-            Err(e)
-                if e.downcast_ref::<std::io::Error>()
-                    .is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
-            {
-                return Ok(Self::default())
-            }
-            Err(e) => return Err(e),
+        let Some(body) = read_if_there(&path)? else {
+            return Ok(Self::default());
         };
         serde_json::from_slice(&body)
             .with_context(|| format!("{} is not a record of revoked EKs", path.display()))
     }
 
     /// Adds `ek` (as a control plane named it) to the record in
-    /// `workspace`; refuses anything but `sha256:` and 64 hex digits.
+    /// `workspace`; refuses anything but an EK digest as it prints itself
+    /// (`sha256:` and 64 lower-case hex digits).
     pub fn add(workspace: &Path, ek: &str) -> anyhow::Result<()> {
-        let well_formed = ek.strip_prefix("sha256:").is_some_and(|hex| {
-            hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-        });
+        let well_formed = ek
+            .strip_prefix("sha256:")
+            .and_then(keel_verifier::ek::EkDigest::from_hex)
+            .is_some_and(|digest| digest.to_string() == ek);
         if !well_formed {
             anyhow::bail!("the control plane named the revoked EK in an unknown form");
         }
