@@ -58,6 +58,19 @@ impl Manager {
     }
 }
 
+/// A worker `name` of the cluster at `ports`, joined.
+async fn joined_worker(ca: &EkCa, ports: &[u16], name: &str) -> join_common::Joiner {
+    let worker = joiner_with(
+        config_for(ca, ports, name, "worker"),
+        Swtpm::start(ca).unwrap(),
+    );
+    let joined = tokio::time::timeout(LIMIT, worker.client(ca).run())
+        .await
+        .unwrap();
+    assert!(matches!(joined, JoinOutcome::Joined { .. }), "{joined:?}");
+    worker
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn members_resume_their_roles_after_an_agent_restart() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -69,14 +82,7 @@ async fn members_resume_their_roles_after_an_agent_restart() {
     let cluster_id = cp0.state.cluster_id;
 
     // A worker joins, then cp-1 as a control plane; each keeps a record.
-    let worker = joiner_with(
-        config_for(&ca, &ports, "w-1", "worker"),
-        Swtpm::start(&ca).unwrap(),
-    );
-    let joined = tokio::time::timeout(LIMIT, worker.client(&ca).run())
-        .await
-        .unwrap();
-    assert!(matches!(joined, JoinOutcome::Joined { .. }), "{joined:?}");
+    let worker = joined_worker(&ca, &ports, "w-1").await;
     let worker_record = manager.last_record();
     assert!(!worker_record.is_control_plane());
     assert_eq!(worker_record.cluster_id(), cluster_id);
@@ -203,14 +209,7 @@ async fn a_restart_that_cut_off_the_flow_that_locked_the_node_reboots_it() {
     let mirror = MirrorServer::start().unwrap();
     let ports = [free_port(), free_port()];
     let _cp0 = start_service_for(&ca, &ports, Some(stand_in_components(&mirror)), false).await;
-    let worker = joiner_with(
-        config_for(&ca, &ports, "w-1", "worker"),
-        Swtpm::start(&ca).unwrap(),
-    );
-    let joined = tokio::time::timeout(LIMIT, worker.client(&ca).run())
-        .await
-        .unwrap();
-    assert!(matches!(joined, JoinOutcome::Joined { .. }), "{joined:?}");
+    let worker = joined_worker(&ca, &ports, "w-1").await;
     let mark = worker.work.join(resume::UNKEPT);
     assert!(!mark.exists(), "the finished join left its mark");
 

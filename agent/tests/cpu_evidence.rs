@@ -4,7 +4,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use keel_agent::attestation::cpu::{
     endorsement_certificate, AzureHcl, ConfigfsTsm, CpuReportError, CpuReporter,
@@ -189,16 +188,7 @@ fn configfs_tsm_request_directory_is_removed_after_a_failure() {
 }
 
 fn tpm2_tool(swtpm: &Swtpm, args: &[&str]) {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .env("TPM2TOOLS_TCTI", swtpm.tcti())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    swtpm.tool(args).unwrap();
 }
 
 #[test]

@@ -278,19 +278,7 @@ async fn a_revocation_while_the_token_is_registered_refuses_the_ticket() {
         .update(|r| r.register(&ek, "", "w-1", "worker"))
         .unwrap();
 
-    let tickets = m.tickets(&ca);
-    let (req, _key) = request(&m);
-    let endpoint = service.endpoint.clone();
-    let pending = tokio::spawn(async move { tickets.request_join_ticket(&endpoint, req).await });
-    let waiting = Instant::now();
-    while !kubeadm_runs(&service) {
-        assert!(
-            waiting.elapsed() < std::time::Duration::from_secs(60),
-            "no kubeadm run"
-        );
-        assert!(!pending.is_finished(), "answered before its token");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let pending = waiting_for_its_token(&service, &m, &ca).await;
     registry
         .update(|r| {
             let record = r.find(&ek.to_string())?.clone();
@@ -298,13 +286,41 @@ async fn a_revocation_while_the_token_is_registered_refuses_the_ticket() {
         })
         .unwrap();
 
+    refused_with(pending, "revoked").await;
+}
+
+/// Asks for `m`'s join ticket and returns once the service runs kubeadm
+/// for its token (slowed), the request still waiting.
+async fn waiting_for_its_token(
+    service: &Service,
+    m: &Member,
+    ca: &EkCa,
+) -> tokio::task::JoinHandle<Result<impl Sized, TicketError>> {
+    let tickets = m.tickets(ca);
+    let (req, _key) = request(m);
+    let endpoint = service.endpoint.clone();
+    let pending = tokio::spawn(async move { tickets.request_join_ticket(&endpoint, req).await });
+    let waiting = Instant::now();
+    while !kubeadm_runs(service) {
+        assert!(
+            waiting.elapsed() < std::time::Duration::from_secs(60),
+            "no kubeadm run"
+        );
+        assert!(!pending.is_finished(), "answered before its token");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    pending
+}
+
+/// Asserts that `pending` ended refused (`PermissionDenied`), saying `why`.
+async fn refused_with<T>(pending: tokio::task::JoinHandle<Result<T, TicketError>>, why: &str) {
     match pending.await.unwrap() {
         Err(TicketError::Refused(status)) => {
             assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
-            assert!(status.message().contains("revoked"), "{status:?}");
+            assert!(status.message().contains(why), "{status:?}");
         }
-        Ok(_) => panic!("a ticket was issued after the revocation"),
-        Err(e) => panic!("not refused as revoked: {e:?}"),
+        Ok(_) => panic!("a ticket was issued ({why})"),
+        Err(e) => panic!("not refused ({why}): {e:?}"),
     }
 }
 
@@ -317,19 +333,7 @@ async fn an_image_withdrawn_while_the_token_is_registered_refuses_the_ticket() {
     let port = join_common::free_port();
     let service = start_service_slow_tokens(&ca, port, 3).await;
     let m = member(&ca, port, "w-1", "worker");
-    let tickets = m.tickets(&ca);
-    let (req, _key) = request(&m);
-    let endpoint = service.endpoint.clone();
-    let pending = tokio::spawn(async move { tickets.request_join_ticket(&endpoint, req).await });
-    let waiting = Instant::now();
-    while !kubeadm_runs(&service) {
-        assert!(
-            waiting.elapsed() < std::time::Duration::from_secs(60),
-            "no kubeadm run"
-        );
-        assert!(!pending.is_finished(), "answered before its token");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let pending = waiting_for_its_token(&service, &m, &ca).await;
     // Another image's measurements replace the node's.
     let state = service.slot.borrow().clone().unwrap();
     let mut other = state.join_measurements.clone();
@@ -342,14 +346,5 @@ async fn an_image_withdrawn_while_the_token_is_registered_refuses_the_ticket() {
         },
     )));
 
-    match pending.await.unwrap() {
-        Err(TicketError::Refused(status)) => {
-            assert!(
-                status.message().contains("no longer accepted"),
-                "{status:?}"
-            );
-        }
-        Ok(_) => panic!("a ticket was issued for a withdrawn image"),
-        Err(e) => panic!("not refused as withdrawn: {e:?}"),
-    }
+    refused_with(pending, "no longer accepted").await;
 }

@@ -56,19 +56,7 @@ fn a_certificate_index_that_cannot_be_read_is_an_error_not_a_missing_certificate
     // failure became "no certificate" for the life of the process, and every
     // document after it was refused.
     let sw = Swtpm::start_bare().unwrap();
-    let tool = |args: &[&str]| {
-        let out = std::process::Command::new(args[0])
-            .args(&args[1..])
-            .args(["-T", &sw.tcti()])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    tool(&[
+    sw.tool(&[
         "tpm2_nvdefine",
         "0x1c00002",
         "-C",
@@ -79,7 +67,8 @@ fn a_certificate_index_that_cannot_be_read_is_an_error_not_a_missing_certificate
         "authread|authwrite",
         "-p",
         "index-password",
-    ]);
+    ])
+    .unwrap();
     let mut tpm = Tpm::open(&sw.tcti().parse::<TctiSpec>().unwrap()).unwrap();
     let err = tpm.endorsement().unwrap_err();
     assert!(

@@ -35,6 +35,9 @@ pub enum SwtpmError {
     /// swtpm did not come up on any tried port pair.
     #[error("swtpm did not start: {0}")]
     Start(String),
+    /// A tpm2-tools command against the TPM failed.
+    #[error("{0}")]
+    Tool(String),
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> SwtpmError {
@@ -240,6 +243,27 @@ impl Swtpm {
     /// The TCTI string for tss-esapi / tpm2-tools.
     pub fn tcti(&self) -> String {
         format!("swtpm:host=127.0.0.1,port={}", self.port)
+    }
+
+    /// Runs a tpm2-tools command (`args[0]` is the program) against this
+    /// TPM; fails with its error output unless it succeeds.
+    pub fn tool(&self, args: &[&str]) -> Result<(), SwtpmError> {
+        let (program, rest) = args
+            .split_first()
+            .ok_or_else(|| SwtpmError::Tool("no program".into()))?;
+        let out = Command::new(program)
+            .args(rest)
+            .env("TPM2TOOLS_TCTI", self.tcti())
+            .output()
+            .map_err(io_err(format!("running {program}")))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(SwtpmError::Tool(format!(
+                "{args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )))
+        }
     }
 
     /// Directory holding the TPM state.
