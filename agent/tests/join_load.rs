@@ -126,22 +126,19 @@ async fn a_hundred_concurrent_requests_all_get_their_own_ticket() {
     assert_eq!(service.registered_tokens().len(), 3 * CONCURRENT);
 }
 
-/// Sends `req` and asserts the service refused it with `code`.
+/// Sends `req` and asserts the service refused it with `code`; returns
+/// the refusal.
 async fn assert_refused(
     tickets: &TicketClient,
     service: &Service,
     req: IssueJoinTicketRequest,
     code: tonic::Code,
-) {
-    let err = tickets
-        .request_join_ticket(&service.endpoint, req)
-        .await
-        .err()
-        .unwrap();
-    assert!(
-        matches!(&err, TicketError::Refused(s) if s.code() == code),
-        "{err}"
-    );
+) -> tonic::Status {
+    match tickets.request_join_ticket(&service.endpoint, req).await {
+        Err(TicketError::Refused(status)) if status.code() == code => status,
+        Err(e) => panic!("not refused with {code:?}: {e}"),
+        Ok(_) => panic!("a ticket was issued"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,16 +216,11 @@ async fn a_second_tpm_under_a_members_name_gets_no_ticket() {
         .unwrap();
     let second = member(&ca, port, "w-0", "worker");
     let (req, _key) = request(&second);
-    let err = second
-        .tickets(&ca)
-        .request_join_ticket(&service.endpoint, req)
-        .await
-        .err()
-        .unwrap();
+    let denied = tonic::Code::PermissionDenied;
+    let status = assert_refused(&second.tickets(&ca), &service, req, denied).await;
     assert!(
-        matches!(&err, TicketError::Refused(s) if s.code() == tonic::Code::PermissionDenied
-            && s.message().contains("holds this node's name")),
-        "{err}"
+        status.message().contains("holds this node's name"),
+        "{status:?}"
     );
     assert_eq!(service.registered_tokens().len(), 1, "a token was made");
     // The first again (a rejoin's name) is no conflict.
