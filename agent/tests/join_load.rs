@@ -134,7 +134,15 @@ async fn assert_refused(
     req: IssueJoinTicketRequest,
     code: tonic::Code,
 ) -> tonic::Status {
-    match tickets.request_join_ticket(&service.endpoint, req).await {
+    refusal(
+        tickets.request_join_ticket(&service.endpoint, req).await,
+        code,
+    )
+}
+
+/// The refusal `answer` is, with `code`.
+fn refusal<T>(answer: Result<T, TicketError>, code: tonic::Code) -> tonic::Status {
+    match answer {
         Err(TicketError::Refused(status)) if status.code() == code => status,
         Err(e) => panic!("not refused with {code:?}: {e}"),
         Ok(_) => panic!("a ticket was issued"),
@@ -306,14 +314,8 @@ async fn waiting_for_its_token(
 
 /// Asserts that `pending` ended refused (`PermissionDenied`), saying `why`.
 async fn refused_with<T>(pending: tokio::task::JoinHandle<Result<T, TicketError>>, why: &str) {
-    match pending.await.unwrap() {
-        Err(TicketError::Refused(status)) => {
-            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
-            assert!(status.message().contains(why), "{status:?}");
-        }
-        Ok(_) => panic!("a ticket was issued ({why})"),
-        Err(e) => panic!("not refused ({why}): {e:?}"),
-    }
+    let status = refusal(pending.await.unwrap(), tonic::Code::PermissionDenied);
+    assert!(status.message().contains(why), "{status:?}");
 }
 
 /// Race: the operator withdraws the node's image (new join measurements)
