@@ -240,6 +240,32 @@ async fn a_second_tpm_under_a_members_name_gets_no_ticket() {
         .unwrap();
 }
 
+/// A control plane that learned more endpoints than a ticket may name
+/// (its config's and those its own ticket named) names the first 16: a
+/// joining node refuses a ticket naming more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_names_no_more_endpoints_than_a_node_takes() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service(&ca, port).await;
+    let state = service.slot.borrow().clone().unwrap();
+    let many: Vec<String> = (0..20).map(|i| format!("cp-{i}.example:9001")).collect();
+    service.slot.send_replace(Some(std::sync::Arc::new(
+        keel_agent::cluster::ClusterState {
+            control_plane_endpoints: many.clone(),
+            ..(*state).clone()
+        },
+    )));
+    let m = member(&ca, port, "w-0", "worker");
+    let (req, key) = request(&m);
+    let ticket = m
+        .tickets(&ca)
+        .join_ticket(&service.endpoint, req, &key.spki())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ticket.control_plane_endpoints, many[..16]);
+}
+
 /// Whether a stand-in kubeadm of `service` runs now (a child of this
 /// process whose `KEEL_STANDIN_ROOT` is the service's).
 fn kubeadm_runs(service: &Service) -> bool {

@@ -53,8 +53,10 @@ use crate::registry::RegistryStore;
 use crate::resume::ResumeRecord;
 use keel_verifier::keys::{ClusterId, OperatorKey};
 
-/// Most endpoints a client tries (its config's and those tickets named).
-const MAX_KNOWN_ENDPOINTS: usize = 32;
+/// Most endpoints a client keeps (its config's and those tickets named):
+/// a control plane's tickets name them all, and a ticket may name no more
+/// than [`MAX_CONTROL_PLANE_ENDPOINTS`](super::ticket::MAX_CONTROL_PLANE_ENDPOINTS).
+const MAX_KNOWN_ENDPOINTS: usize = super::ticket::MAX_CONTROL_PLANE_ENDPOINTS;
 
 /// The result of one attempt to take the node lock.
 enum Locking {

@@ -452,7 +452,7 @@ impl JoinService {
             } else {
                 Vec::new()
             },
-            control_plane_endpoints: cluster.control_plane_endpoints.clone(),
+            control_plane_endpoints: ticket_endpoints(cluster),
             staged_measurements: match &cluster.staged_measurements {
                 Some(staged) if request.is_control_plane => staged.to_json().into_bytes(),
                 _ => Vec::new(),
@@ -553,7 +553,7 @@ impl JoinService {
         Ok(IssueRejoinTicketResponse {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
-            control_plane_endpoints: cluster.control_plane_endpoints.clone(),
+            control_plane_endpoints: ticket_endpoints(cluster),
             revocations: self.revocations_for(is_control_plane),
         })
     }
@@ -650,6 +650,18 @@ fn require_accepted_image(cluster: &ClusterState, peer: &Verified) -> Result<(),
     } else {
         Err(JoinServiceError::Withdrawn(hex::encode(peer.measurements)))
     }
+}
+
+/// The control-plane endpoints a ticket names: the cluster state's, at
+/// most as many as a joining node takes
+/// ([`MAX_CONTROL_PLANE_ENDPOINTS`](super::ticket::MAX_CONTROL_PLANE_ENDPOINTS)).
+fn ticket_endpoints(cluster: &ClusterState) -> Vec<String> {
+    cluster
+        .control_plane_endpoints
+        .iter()
+        .take(super::ticket::MAX_CONTROL_PLANE_ENDPOINTS)
+        .cloned()
+        .collect()
 }
 
 /// The request's node name and role must be those the peer measured.
