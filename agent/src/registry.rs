@@ -597,12 +597,21 @@ impl Registry {
     pub fn check_name(&self, ek: &EkDigest, name: &str) -> Result<(), RegistryError> {
         let key = ek.to_string();
         let wanted = cut(name, MAX_FIELD);
-        if self.nodes.get(&key).is_some_and(|own| own.name == wanted) {
-            return Ok(());
-        }
-        match self.nodes.values().find(|r| {
+        let other = self.nodes.values().find(|r| {
             r.name == wanted && r.ek != key && !self.revoked.iter().any(|rev| rev.ek == r.ek)
-        }) {
+        });
+        match other {
+            Some(other) if self.nodes.get(&key).is_some_and(|own| own.name == wanted) => {
+                // Kept, but said: one of the two is not the node the name
+                // is for, and only the operator can tell which.
+                tracing::warn!(
+                    name = %wanted.escape_debug(),
+                    ek = %key,
+                    other = %other.ek,
+                    "two unrevoked nodes hold one name; revoke the one that is not this node"
+                );
+                Ok(())
+            }
             Some(holder) => Err(RegistryError::NameTaken {
                 name: wanted,
                 holder: holder.ek.clone(),

@@ -82,6 +82,7 @@ impl Tpm {
     /// The endorsement key's public area and, if stored, its certificate
     /// (read once; neither changes while the TPM is open).
     pub fn endorsement(&mut self) -> Result<Endorsement, TpmError> {
+        self.live()?;
         if let Some(e) = &self.endorsement {
             return Ok(e.clone());
         }
@@ -209,16 +210,21 @@ impl Tpm {
         Ok(Zeroizing::new(digest.value().to_vec()))
     }
 
-    /// Whether the TPM reports a failed self-test (TPM2_GetTestResult), or
-    /// cannot be asked: it is then in failure mode, or gone.
+    /// Whether the TPM is in failure mode (TPM2_GetTestResult names
+    /// TPM_RC_FAILURE), or cannot be asked. A self-test still running or
+    /// not yet run is no failure.
     pub fn failing(&mut self) -> bool {
+        use tss_esapi::constants::response_code::Tss2ResponseCodeKind;
         if self.live().is_err() {
             return true;
         }
-        !matches!(
-            self.ctx.execute_without_session(|c| c.get_test_result()),
-            Ok((_, Ok(())))
-        )
+        match self.ctx.execute_without_session(|c| c.get_test_result()) {
+            Ok((_, Ok(()))) => false,
+            Ok((_, Err(tss_esapi::Error::Tss2Error(rc)))) => {
+                rc.kind() == Some(Tss2ResponseCodeKind::Failure)
+            }
+            Ok((_, Err(_))) | Err(_) => true,
+        }
     }
 
     /// A policy session satisfying the EK's policy: PolicySecret(endorsement).
