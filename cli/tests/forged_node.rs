@@ -26,10 +26,24 @@ use tokio_stream::wrappers::ReceiverStream;
 
 const SECRET: &[u8] = b"the init secret a forger wants";
 
-/// The forger's init API: counts the requests that reach it. Refuses
-/// them, or with `flood`, answers as a hostile node would.
+/// The forger's init and recovery API: counts the requests that reach it,
+/// and answers as [`Answer`] says.
 #[derive(Default, Clone)]
-struct Recorder(Arc<AtomicUsize>, bool);
+struct Recorder(Arc<AtomicUsize>, Answer);
+
+/// How a [`Recorder`] answers.
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// Refuses every request.
+    #[default]
+    Refuse,
+    /// As a hostile node: init floods its stream and stalls; recovery says
+    /// it recovered, to another cluster.
+    Hostile,
+    /// Init says it created a cluster, under an ID its secrets do not
+    /// make, with a kubeconfig.
+    Misreport,
+}
 
 /// What a flooding init API sends: a failure, then this many 64 KiB log
 /// chunks (3 MiB), and then it keeps the stream open without a word.
@@ -45,10 +59,21 @@ impl InitService for Recorder {
     ) -> Result<tonic::Response<Self::InitStream>, tonic::Status> {
         use keel_proto::init::init_response::Kind;
         self.0.fetch_add(1, Ordering::SeqCst);
-        if !self.1 {
-            return Err(tonic::Status::unavailable("a forged node"));
-        }
         let (tx, rx) = tokio::sync::mpsc::channel(4);
+        match self.1 {
+            Answer::Refuse => return Err(tonic::Status::unavailable("a forged node")),
+            Answer::Hostile => {}
+            Answer::Misreport => {
+                let created = Kind::Success(keel_proto::init::InitSuccess {
+                    cluster_id: vec![0x55; 32],
+                    kubeconfig: b"apiVersion: v1\n".to_vec(),
+                });
+                let _ = tx.try_send(Ok(InitResponse {
+                    kind: Some(created),
+                }));
+                return Ok(tonic::Response::new(ReceiverStream::new(rx)));
+            }
+        }
         tokio::spawn(async move {
             let failure = Kind::Failure(keel_proto::init::InitFailure {
                 error: "kubeadm failed".into(),
@@ -318,7 +343,7 @@ impl RecoveryService for Recorder {
         _request: tonic::Request<RecoverRequest>,
     ) -> Result<tonic::Response<RecoverResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
-        if self.1 {
+        if self.1 == Answer::Hostile {
             // A compromised control plane: "recovered", to another cluster.
             return Ok(tonic::Response::new(RecoverResponse {
                 cluster_id: vec![0x55; 32],
@@ -337,7 +362,13 @@ async fn a_recovery_to_another_cluster_is_reported() {
     let ca = EkCa::new().unwrap();
     let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
+    let served = Served::serving(
+        &ca,
+        &node,
+        issuer,
+        Recorder(Arc::default(), Answer::Hostile),
+    )
+    .await;
     let ws = &served.workspace;
     operator_workspace(ws, Some(&served.endpoint));
     let out = run_keel(&recover_args(ws), &served.settings, None).await;
@@ -369,7 +400,13 @@ async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
         keel_verifier::ek::EkDigest::of_marshalled(&public)
     };
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
+    let served = Served::serving(
+        &ca,
+        &node,
+        issuer,
+        Recorder(Arc::default(), Answer::Hostile),
+    )
+    .await;
     let ws = &served.workspace;
     operator_workspace(ws, Some(&served.endpoint));
     std::fs::write(
@@ -386,6 +423,37 @@ async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
         text(&out)
     );
     assert_eq!(served.requests(), 0, "the master secret was sent");
+}
+
+/// Attacker's move: a control plane of the cluster's image, compromised
+/// after it booted (attestation passes), answers `keel init` as done, with
+/// a cluster ID the secrets it was sent do not make and a kubeconfig of its
+/// own. The CLI says so and keeps neither the kubeconfig nor the ID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_init_answered_with_another_cluster_id_keeps_nothing() {
+    let ca = EkCa::new().unwrap();
+    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&hash));
+    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+    let served = Served::serving(
+        &ca,
+        &node,
+        issuer,
+        Recorder(Arc::default(), Answer::Misreport),
+    )
+    .await;
+    let init = ["init", "--wait", "5"];
+    let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert_eq!(served.requests(), 1, "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("the node reports cluster ID {}", "55".repeat(32))),
+        "{}",
+        text(&out)
+    );
+    for kept in ["keel-admin.conf", "keel-id.json"] {
+        assert!(!served.workspace.join(kept).exists(), "{kept} was written");
+    }
 }
 
 /// Attacker's move: the host sends the operator's `keel init` or `keel
@@ -421,7 +489,13 @@ async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
     let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
     let node = node_with(&ca, harness::control_plane_config(&hash));
     let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let served = Served::serving(&ca, &node, issuer, Recorder(Arc::default(), true)).await;
+    let served = Served::serving(
+        &ca,
+        &node,
+        issuer,
+        Recorder(Arc::default(), Answer::Hostile),
+    )
+    .await;
 
     let started = std::time::Instant::now();
     let init = ["init", "--wait", "5", "--timeout", "4"];
