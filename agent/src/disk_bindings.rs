@@ -35,7 +35,8 @@ use keel_verifier::keys::DiskKeyIdError;
 /// Most disks the binding store holds; further new disks are refused.
 pub const MAX_DISK_BINDINGS: usize = 10_000;
 /// Most disks bound to one endorsement key: an attested node that keeps
-/// asking for join tickets with new disk UUIDs cannot fill the store.
+/// asking for join tickets with new disk UUIDs cannot fill the store. Past
+/// it, each new disk of the EK replaces one of its own.
 pub const MAX_DISKS_PER_EK: usize = 128;
 /// Largest accepted binding store file (10 000 entries take about 1.1 MB).
 const MAX_DISK_BINDINGS_BYTES: u64 = 2 * 1024 * 1024;
@@ -61,12 +62,6 @@ pub enum DiskBindingRefusal {
         uuid: String,
         /// The EK the disk is bound to.
         bound: EkDigest,
-        /// The peer's EK.
-        peer: EkDigest,
-    },
-    /// The peer's EK already has [`MAX_DISKS_PER_EK`] disks bound.
-    #[error("EK {peer} already has {MAX_DISKS_PER_EK} disks bound")]
-    EkFull {
         /// The peer's EK.
         peer: EkDigest,
     },
@@ -126,8 +121,6 @@ pub enum Bind {
     AlreadyBound,
     /// The disk is bound to another EK (given); nothing changed.
     OtherEk(EkDigest),
-    /// The EK has [`MAX_DISKS_PER_EK`] disks bound; nothing changed.
-    EkFull,
 }
 
 /// The file form of the store.
@@ -139,7 +132,8 @@ struct DiskBindingsFile {
     disks: BTreeMap<String, String>,
 }
 
-/// One journal record: a binding, in the snapshot's form.
+/// One journal record: a binding, in the snapshot's form, or the end of
+/// one (`unbound`).
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BindingRecord {
@@ -147,6 +141,10 @@ struct BindingRecord {
     disk: String,
     /// Lower-case hex EK digest.
     ek: String,
+    /// The binding ends here: its EK bound a disk past
+    /// [`MAX_DISKS_PER_EK`], which took its place.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    unbound: bool,
 }
 
 /// The stores this process read or wrote, by file, as it left them. The
@@ -326,11 +324,19 @@ impl StoreFile {
         let results = requests
             .into_iter()
             .map(|(uuid, ek)| {
-                let result = bind_one(store, uuid.clone(), &ek);
+                let (result, replaced) = bind_one(store, uuid.clone(), &ek);
+                if let Some(disk) = replaced {
+                    recorded.push(BindingRecord {
+                        disk,
+                        ek: hex::encode(ek.as_bytes()),
+                        unbound: true,
+                    });
+                }
                 if matches!(result, Ok(Bind::Recorded)) {
                     recorded.push(BindingRecord {
                         disk: uuid,
                         ek: hex::encode(ek.as_bytes()),
+                        unbound: false,
                     });
                 }
                 result
@@ -407,7 +413,17 @@ impl StoreFile {
                 },
             )?;
         for record in records {
+            let unbound = record.unbound;
             let (uuid, ek) = self.binding(record.disk, &record.ek)?;
+            if unbound {
+                if disks.get(&uuid) != Some(&ek) {
+                    return Err(self.corrupt(format!(
+                        "the journal ends a binding of disk {uuid} it does not hold"
+                    )));
+                }
+                disks.remove(&uuid);
+                continue;
+            }
             match disks.get(&uuid) {
                 Some(bound) if *bound == ek => {}
                 Some(_) => {
@@ -488,25 +504,52 @@ impl StoreFile {
     }
 }
 
-/// Checks and records one binding in `store` (in memory).
-fn bind_one(store: &mut Cached, uuid: String, ek: &EkDigest) -> Result<Bind, DiskBindingsError> {
+/// Checks and records one binding in `store` (in memory); also returns
+/// the disk whose binding the new one replaced, if any.
+///
+/// An EK that has [`MAX_DISKS_PER_EK`] disks bound gives one of them up
+/// for the new one. A node has one state disk; it binds a new one only
+/// after a join failed past the lock, which resets the disk it had (the
+/// next boot formats a disk with a new UUID), so every other disk of a
+/// full EK is one it no longer has. Without the replacement, a node whose
+/// joins keep failing (a mirror down for hours) would be refused for good
+/// after as many boots. The replaced disk's key stays bound to the EK by
+/// its derivation: another TPM that binds that UUID gets a key that opens
+/// nothing.
+fn bind_one(
+    store: &mut Cached,
+    uuid: String,
+    ek: &EkDigest,
+) -> (Result<Bind, DiskBindingsError>, Option<String>) {
     if let Some(bound) = store.disks.get(&uuid) {
-        return Ok(if bound.ct_eq(ek) {
+        let bind = if bound.ct_eq(ek) {
             Bind::AlreadyBound
         } else {
             Bind::OtherEk(*bound)
-        });
+        };
+        return (Ok(bind), None);
     }
-    let count = store.per_ek.entry(*ek).or_insert(0);
-    if *count >= MAX_DISKS_PER_EK {
-        return Ok(Bind::EkFull);
+    let full = store.per_ek.get(ek).is_some_and(|n| *n >= MAX_DISKS_PER_EK);
+    let replaced = if full {
+        store
+            .disks
+            .iter()
+            .find(|(_, bound)| *bound == ek)
+            .map(|(disk, _)| disk.clone())
+    } else {
+        None
+    };
+    match &replaced {
+        Some(disk) => {
+            store.disks.remove(disk);
+        }
+        None if store.disks.len() >= MAX_DISK_BINDINGS => {
+            return (Err(DiskBindingsError::Full), None)
+        }
+        None => *store.per_ek.entry(*ek).or_insert(0) += 1,
     }
-    if store.disks.len() >= MAX_DISK_BINDINGS {
-        return Err(DiskBindingsError::Full);
-    }
-    *count += 1;
     store.disks.insert(uuid, *ek);
-    Ok(Bind::Recorded)
+    (Ok(Bind::Recorded), replaced)
 }
 
 type Stores = HashMap<PathBuf, Cached>;
@@ -725,18 +768,43 @@ mod tests {
         );
     }
 
+    /// One EK holds at most [`MAX_DISKS_PER_EK`] disks: a node whose joins
+    /// keep failing binds a new disk per boot, and each one past the bound
+    /// replaces one of its own (never another EK's), durably.
     #[test]
-    fn one_ek_binds_a_bounded_number_of_disks() {
+    fn an_ek_past_its_bound_replaces_one_of_its_own_disks() {
         let dir = tempfile::tempdir().unwrap();
         let store = DiskBindings::new(dir.path());
+        let disk = |i: usize| format!("00000000-0000-4000-8000-{i:012x}");
+        assert_eq!(store.bind(&disk(9999), &ek(2)).unwrap(), Bind::Recorded);
         for i in 0..MAX_DISKS_PER_EK {
-            let uuid = format!("00000000-0000-4000-8000-{i:012x}");
-            assert_eq!(store.bind(&uuid, &ek(1)).unwrap(), Bind::Recorded);
+            assert_eq!(store.bind(&disk(i), &ek(1)).unwrap(), Bind::Recorded);
         }
-        let next = format!("00000000-0000-4000-8000-{MAX_DISKS_PER_EK:012x}");
-        assert_eq!(store.bind(&next, &ek(1)).unwrap(), Bind::EkFull);
-        assert_eq!(store.bind(&next, &ek(2)).unwrap(), Bind::Recorded);
+        let past = MAX_DISKS_PER_EK + 5;
+        for i in MAX_DISKS_PER_EK..past {
+            assert_eq!(store.bind(&disk(i), &ek(1)).unwrap(), Bind::Recorded);
+        }
+        let held = |store: &DiskBindings| {
+            (0..past)
+                .filter(|i| store.lookup(&disk(*i)).unwrap() == Some(ek(1)))
+                .count()
+        };
+        assert_eq!(held(&store), MAX_DISKS_PER_EK);
+        assert_eq!(store.lookup(&disk(past - 1)).unwrap(), Some(ek(1)));
+        assert_eq!(store.lookup(&disk(9999)).unwrap(), Some(ek(2)));
         assert_eq!(store.len().unwrap(), MAX_DISKS_PER_EK + 1);
+        // Read again from its files (journal included): the same.
+        lock_stores().clear();
+        let again = DiskBindings::new(dir.path());
+        assert_eq!(held(&again), MAX_DISKS_PER_EK);
+        assert_eq!(again.lookup(&disk(past - 1)).unwrap(), Some(ek(1)));
+        assert_eq!(again.len().unwrap(), MAX_DISKS_PER_EK + 1);
+        // A replaced disk is free: its key stays bound to EK 1 by its
+        // derivation, so another TPM binding it gains nothing.
+        let freed = (0..past)
+            .find(|i| again.lookup(&disk(*i)).unwrap().is_none())
+            .unwrap();
+        assert_eq!(again.bind(&disk(freed), &ek(3)).unwrap(), Bind::Recorded);
     }
 
     #[test]
@@ -793,5 +861,22 @@ mod tests {
             store.lookup(DISK).unwrap(),
             Some(EkDigest::from_hex(&"ab".repeat(32)).unwrap())
         );
+        // A journal that ends a binding the store does not hold (another
+        // EK's, or none) is refused; one that ends its own loads.
+        let other_ek = hex::encode([0xcd_u8; 32]);
+        for (ends, corrupt) in [(&other_ek, true), (&good_ek, false)] {
+            lock_stores().clear();
+            let line = format!("{{\"disk\":\"{DISK}\",\"ek\":\"{ends}\",\"unbound\":true}}\n");
+            std::fs::write(journal::beside(store.path()), line).unwrap();
+            let read = DiskBindings::new(dir.path()).lookup(DISK);
+            if corrupt {
+                assert!(
+                    matches!(read, Err(DiskBindingsError::Corrupt { .. })),
+                    "{read:?}"
+                );
+            } else {
+                assert_eq!(read.unwrap(), None);
+            }
+        }
     }
 }

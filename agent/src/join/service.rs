@@ -396,11 +396,6 @@ impl JoinService {
                     },
                 ))
             }
-            Bind::EkFull => {
-                return Err(JoinServiceError::DiskNotBound(DiskBindingRefusal::EkFull {
-                    peer: ek,
-                }))
-            }
         }
         let token = BootstrapToken::generate();
         self.inner
