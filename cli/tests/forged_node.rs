@@ -180,6 +180,13 @@ impl Served {
         }
     }
 
+    /// As [`Served::start`], with `node`'s own TPM issuing, answering as
+    /// `answer` says.
+    async fn answering(ca: &EkCa, node: &Victim, answer: Answer) -> Self {
+        let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+        Self::serving(ca, node, issuer, Recorder(Arc::default(), answer)).await
+    }
+
     /// Requests that reached the API.
     fn requests(&self) -> usize {
         self.recorder.0.load(Ordering::SeqCst)
@@ -361,14 +368,7 @@ impl RecoveryService for Recorder {
 async fn a_recovery_to_another_cluster_is_reported() {
     let ca = EkCa::new().unwrap();
     let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
-    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let served = Served::serving(
-        &ca,
-        &node,
-        issuer,
-        Recorder(Arc::default(), Answer::Hostile),
-    )
-    .await;
+    let served = Served::answering(&ca, &node, Answer::Hostile).await;
     let ws = &served.workspace;
     operator_workspace(ws, Some(&served.endpoint));
     let out = run_keel(&recover_args(ws), &served.settings, None).await;
@@ -399,14 +399,7 @@ async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
         let public = tpm.tpm().endorsement().unwrap().public;
         keel_verifier::ek::EkDigest::of_marshalled(&public)
     };
-    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let served = Served::serving(
-        &ca,
-        &node,
-        issuer,
-        Recorder(Arc::default(), Answer::Hostile),
-    )
-    .await;
+    let served = Served::answering(&ca, &node, Answer::Hostile).await;
     let ws = &served.workspace;
     operator_workspace(ws, Some(&served.endpoint));
     std::fs::write(
@@ -434,14 +427,7 @@ async fn an_init_answered_with_another_cluster_id_keeps_nothing() {
     let ca = EkCa::new().unwrap();
     let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
     let node = node_with(&ca, harness::control_plane_config(&hash));
-    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let served = Served::serving(
-        &ca,
-        &node,
-        issuer,
-        Recorder(Arc::default(), Answer::Misreport),
-    )
-    .await;
+    let served = Served::answering(&ca, &node, Answer::Misreport).await;
     let init = ["init", "--wait", "5"];
     let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
     assert!(!out.status.success(), "{}", text(&out));
@@ -488,14 +474,7 @@ async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
     let ca = EkCa::new().unwrap();
     let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
     let node = node_with(&ca, harness::control_plane_config(&hash));
-    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
-    let served = Served::serving(
-        &ca,
-        &node,
-        issuer,
-        Recorder(Arc::default(), Answer::Hostile),
-    )
-    .await;
+    let served = Served::answering(&ca, &node, Answer::Hostile).await;
 
     let started = std::time::Instant::now();
     let init = ["init", "--wait", "5", "--timeout", "4"];
