@@ -102,6 +102,17 @@ pub fn remove_durably(path: &Path) -> std::io::Result<()> {
     }
 }
 
+/// Removes the file at `path` if there is one, without syncing (a file of
+/// the agent's runtime directory); a failure is logged as `what`, since
+/// only the file is left behind.
+pub fn remove_or_log(path: &Path, what: &str) {
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(path = %path.display(), error = %e, "{what}"),
+    }
+}
+
 /// The directory `path` is in (`.` for a bare name).
 fn parent_dir(path: &Path) -> &Path {
     path.parent()

@@ -599,13 +599,7 @@ impl<'a> Provisioner<'a> {
 /// kubelet certificate of any node name under kubeadm's default approval)
 /// and, on a control plane, the certificate key.
 fn remove_config(path: &Path) {
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => {
-            tracing::warn!(path = %path.display(), error = %e, "removing a kubeadm configuration failed")
-        }
-    }
+    crate::files::remove_or_log(path, "removing a kubeadm configuration failed");
 }
 
 /// Flushes every file system: what kubeadm wrote (it does not sync its

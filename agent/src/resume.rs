@@ -302,11 +302,10 @@ pub fn keep(record: ResumeRecord, run_dir: &Path) {
 
 /// Removes `run_dir`'s [`UNKEPT`], if there.
 fn clear_unkept(run_dir: &Path) {
-    match std::fs::remove_file(run_dir.join(UNKEPT)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!(error = %e, "removing the mark of a finished flow failed"),
-    }
+    crate::files::remove_or_log(
+        &run_dir.join(UNKEPT),
+        "removing the mark of a finished flow failed",
+    );
 }
 
 /// [`keep`] into `kept`, stored with the service manager at `socket`: the
