@@ -569,9 +569,8 @@ impl JoinService {
             return Err(JoinServiceError::StaleHandshake(age.as_secs()));
         }
         let peer = peer.claims();
-        let cluster = self.cluster();
         require_outside_cluster(peer)?;
-        require_accepted_image(&cluster, peer)?;
+        let cluster = self.still_accepted(peer)?;
         Ok(Admitted {
             _slot: slot,
             peer,
@@ -579,8 +578,8 @@ impl JoinService {
         })
     }
 
-    /// The cluster state of the moment, if it still accepts the peer's
-    /// image ([`JoinService::admit`] judged it on an earlier state).
+    /// The cluster state of the moment, if it accepts the peer's image:
+    /// judged when a ticket is admitted, and again before it is recorded.
     fn still_accepted(&self, peer: &Verified) -> Result<Arc<ClusterState>, JoinServiceError> {
         let cluster = self.cluster();
         require_accepted_image(&cluster, peer)?;
