@@ -220,6 +220,22 @@ impl UpgradableNode {
         Ok(to_the_end(rx).await)
     }
 
+    /// Runs a worker's upgrade to [`TO`] with `components` (`kubeadm
+    /// upgrade node`), which must fail: its progress lines and failure.
+    async fn failed_upgrade(
+        &self,
+        components: &[keel_proto::components::Component],
+    ) -> (Vec<String>, keel_proto::operator::UpgradeFailed) {
+        let (lines, last) = self
+            .run(&self.request(plan(TO, Some(components), UpgradeStep::Node)))
+            .await
+            .unwrap();
+        let Event::Failed(failed) = last else {
+            panic!("{last:?}");
+        };
+        (lines, failed)
+    }
+
     fn version(&self) -> String {
         NodeVersion::load(&self.root)
             .unwrap()
@@ -477,13 +493,7 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
         .unwrap();
     kubelet.hash = format!("sha256:{}", "00".repeat(32));
     let before = worker.component_events().len();
-    let (lines, last) = worker
-        .run(&worker.request(plan(TO, Some(&tampered), UpgradeStep::Node)))
-        .await
-        .unwrap();
-    let Event::Failed(failed) = last else {
-        panic!("{last:?}");
-    };
+    let (lines, failed) = worker.failed_upgrade(&tampered).await;
     assert!(failed.error.contains("kubelet"), "{}", failed.error);
     assert!(!failed.rolled_back);
     assert_eq!(failed.running_version, FROM);
@@ -516,13 +526,7 @@ async fn a_failure_after_the_switch_switches_back_and_measures_it() {
     let mirror = MirrorServer::start().unwrap();
     let new = stand_ins(&mirror, TO);
     let node = node(&ca, &mirror, "worker", &[("KEEL_STANDIN_FAIL", "always")]).await;
-    let (lines, last) = node
-        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
-        .await
-        .unwrap();
-    let Event::Failed(failed) = last else {
-        panic!("{last:?}");
-    };
+    let (lines, failed) = node.failed_upgrade(&new).await;
     assert!(failed.rolled_back, "{failed:?}");
     assert_eq!(failed.running_version, FROM);
     assert!(failed.error.contains("kubeadm upgrade"), "{}", failed.error);
@@ -590,13 +594,7 @@ async fn a_kubeadm_killed_at_its_limit_is_not_reported_rolled_back() {
     let limit = Some(std::time::Duration::from_secs(1));
     let sleep = [("KEEL_STANDIN_SLEEP", "3")];
     let node = node_with_key(&ca, &mirror, "worker", &sleep, None, limit).await;
-    let (lines, last) = node
-        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
-        .await
-        .unwrap();
-    let Event::Failed(failed) = last else {
-        panic!("{last:?}");
-    };
+    let (lines, failed) = node.failed_upgrade(&new).await;
     assert!(
         failed.error.contains("did not finish within"),
         "{}",
@@ -624,13 +622,7 @@ async fn a_rollback_that_cannot_write_its_record_still_restarts_the_old_kubelet(
     let record = node.root.join("etc/kubernetes/keel/node-version.json");
     let blocker = record.with_file_name(format!(".node-version.json.tmp-{}", std::process::id()));
     std::fs::create_dir_all(blocker.join("taken")).unwrap();
-    let (lines, last) = node
-        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
-        .await
-        .unwrap();
-    let Event::Failed(failed) = last else {
-        panic!("{last:?}");
-    };
+    let (lines, failed) = node.failed_upgrade(&new).await;
     // Not restored in full, and said so; but the kubelet the switch
     // started (the new version's) is not left running.
     assert!(!failed.rolled_back, "{failed:?}");
