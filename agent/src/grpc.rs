@@ -102,6 +102,77 @@ where
     routes(&mut server).serve_with_incoming(incoming).await
 }
 
+/// A service whose requests, counted across every connection of the port,
+/// are at most a fixed number in flight: one beyond it is answered at once
+/// with `UNAVAILABLE` and its body is never read. A request is in flight
+/// from its headers until its handler returns its response (for a unary or
+/// server-streaming method, after the request message was read whole), so
+/// the bound caps how many large request messages the port buffers at
+/// once, whatever the number of connections and streams.
+#[derive(Clone)]
+pub struct InFlightLimit<S> {
+    inner: S,
+    permits: std::sync::Arc<tokio::sync::Semaphore>,
+    busy: &'static str,
+}
+
+impl<S> InFlightLimit<S> {
+    /// Wraps `inner`, answering a request beyond `limit` with `busy`.
+    pub fn new(inner: S, limit: usize, busy: &'static str) -> Self {
+        Self {
+            inner,
+            permits: std::sync::Arc::new(tokio::sync::Semaphore::new(limit.max(1))),
+            busy,
+        }
+    }
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for InFlightLimit<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>>
+    for InFlightLimit<S>
+where
+    S: tonic::codegen::Service<
+        tonic::codegen::http::Request<tonic::body::Body>,
+        Response = tonic::codegen::http::Response<tonic::body::Body>,
+        Error = Infallible,
+    >,
+    S::Future: Send + 'static,
+{
+    type Response = tonic::codegen::http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+        match self.permits.clone().try_acquire_owned() {
+            Ok(permit) => {
+                let answer = self.inner.call(request);
+                Box::pin(async move {
+                    let answer = answer.await;
+                    drop(permit);
+                    answer
+                })
+            }
+            Err(_) => {
+                let busy = self.busy;
+                tracing::debug!(
+                    busy,
+                    "request refused: the service's requests in flight are at their bound"
+                );
+                Box::pin(std::future::ready(Ok(
+                    tonic::Status::unavailable(busy).into_http()
+                )))
+            }
+        }
+    }
+}
+
 /// Most streams tracked on one connection; beyond it (far above the
 /// concurrent-stream limit, whose excess the server resets) the connection
 /// is ended.

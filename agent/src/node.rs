@@ -26,7 +26,7 @@ use crate::disk::{Cryptsetup, DiskState, StateDisk, StateMount};
 use crate::disk_bindings::DiskBindings;
 use crate::evidence::admission::{MemberPolicy, PortValidator};
 use crate::evidence::EvidenceService;
-use crate::grpc::{self, GrpcLimits};
+use crate::grpc::{self, GrpcLimits, InFlightLimit};
 use crate::init::InitServer;
 use crate::join::{JoinClient, JoinOutcome, JoinService, JoinSettings};
 use crate::kubeadm::Kubeadm;
@@ -48,6 +48,18 @@ pub const MAX_INIT_REQUEST_BYTES: usize = 2 * 1024 * 1024;
 /// Largest init response message: the admin kubeconfig is at most 1 MiB,
 /// log chunks 32 KiB.
 pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
+/// Init requests the init port holds at once, counted over all its
+/// connections: each may buffer up to [`MAX_INIT_REQUEST_BYTES`] before its
+/// handler runs, and anyone can open a connection to this port. A node
+/// takes one init; a request beyond the bound is answered `UNAVAILABLE`.
+pub const INIT_REQUESTS_IN_FLIGHT: usize = 2;
+/// Connections the init port keeps open at once. Its clients are the
+/// operator's CLI (one connection per command) and, before init, whoever
+/// reaches the port; the operator and recovery requests each connection may
+/// hold are small (at most 128 KiB, 8 streams).
+pub const OPERATOR_PORT_CONNECTIONS: usize = 32;
+/// A source's share of [`OPERATOR_PORT_CONNECTIONS`] once half are taken.
+pub const OPERATOR_PORT_CONNECTIONS_PER_SOURCE: usize = 4;
 /// How long a join ticket request may take: a wait for a slot plus
 /// creating the bootstrap token.
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
@@ -73,8 +85,8 @@ pub const JOIN_CONNECTIONS: usize = crate::registry::MAX_NODES + 2048;
 /// NAT, an IPv6 /64) may hold as many as they need.
 pub const JOIN_CONNECTIONS_PER_SOURCE: usize = 64;
 /// File descriptors the agent asks for (its soft limit, up to the hard
-/// one): the join port's and the init port's connections (keel-atls's
-/// default bound, 512) with room for the agent's files, pipes and TPM.
+/// one): the join port's and the init port's connections with room for
+/// the agent's files, pipes and TPM.
 pub const FILE_DESCRIPTORS: u64 = 16 * 1024;
 
 /// The environment of a real node: installs under `/`, kubeadm from
@@ -236,7 +248,7 @@ impl OperatorPort {
         let serving = async move {
             // Accepting starts here: until then connections wait in the
             // backlog.
-            let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
+            let incoming = operator_port_incoming(issuer, listener);
             grpc::serve(incoming, &limits, |server| {
                 server
                     .add_service(init)
@@ -268,17 +280,37 @@ pub async fn serve_init_on(
     limits: &GrpcLimits,
 ) -> anyhow::Result<()> {
     let issuer = Arc::new(TpmIssuer::new(tpm));
-    let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
+    let incoming = operator_port_incoming(issuer, listener);
     let service = init_service(init);
     grpc::serve(incoming, limits, |server| server.add_service(service)).await?;
     Ok(())
 }
 
-/// The init service with its message sizes bounded.
-pub fn init_service(init: InitServer) -> InitServiceServer<InitServer> {
-    init.into_service()
+/// The init port's validated connections, within its connection bounds.
+fn operator_port_incoming(
+    issuer: Arc<TpmIssuer>,
+    listener: TcpListener,
+) -> keel_atls::Incoming<()> {
+    AtlsServer::<()>::server_attested(issuer)
+        .with_connection_limits(
+            OPERATOR_PORT_CONNECTIONS_PER_SOURCE,
+            OPERATOR_PORT_CONNECTIONS,
+        )
+        .incoming(listener)
+}
+
+/// The init service with its message sizes and its requests in flight
+/// bounded.
+pub fn init_service(init: InitServer) -> InFlightLimit<InitServiceServer<InitServer>> {
+    let service = init
+        .into_service()
         .max_decoding_message_size(MAX_INIT_REQUEST_BYTES)
-        .max_encoding_message_size(MAX_INIT_RESPONSE_BYTES)
+        .max_encoding_message_size(MAX_INIT_RESPONSE_BYTES);
+    InFlightLimit::new(
+        service,
+        INIT_REQUESTS_IN_FLIGHT,
+        "another init request is being received; try again",
+    )
 }
 
 /// The join service's validator: the measurements file, plus the cluster's

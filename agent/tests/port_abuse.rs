@@ -1,7 +1,7 @@
 //! A node's init port (the real init service, aTLS with the node's swtpm,
 //! the shared gRPC configuration) under abuse by a client that completed
-//! the handshake: one connection opening hundreds of streams, and idle
-//! connections. The abusing client speaks HTTP/2 itself (a few frames by
+//! the handshake: one connection opening hundreds of streams, many
+//! connections each sending init requests slowly, and idle connections. The abusing client speaks HTTP/2 itself (a few frames by
 //! hand), since a well-behaved client library never exceeds the server's
 //! stream limit or leaves a request half sent.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use join_common::{free_port, joiner, rss_kib, Joiner};
 use keel_agent::grpc::GrpcLimits;
+use keel_agent::node::{INIT_REQUESTS_IN_FLIGHT, OPERATOR_PORT_CONNECTIONS};
 use keel_atls::{AtlsClient, AtlsStream, Challenge, ValidationError, Validator};
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::InitRequest;
@@ -96,6 +97,7 @@ const PING: u8 = 0x6;
 const GOAWAY: u8 = 0x7;
 const WINDOW_UPDATE: u8 = 0x8;
 const ACK: u8 = 0x1;
+const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const REFUSED_STREAM: u32 = 0x7;
 const CANCEL: u32 = 0x8;
@@ -144,6 +146,9 @@ struct Seen {
     stream_windows: HashMap<u32, i64>,
     /// Streams reset by the server, by error code.
     resets: HashMap<u32, u32>,
+    /// Streams the server answered to the end (HEADERS with END_STREAM),
+    /// such as a refusal before the request was read.
+    answered: std::collections::HashSet<u32>,
     goaway: Option<u32>,
     closed_after: Option<Duration>,
 }
@@ -230,6 +235,9 @@ impl RawH2 {
                 RST_STREAM => {
                     self.seen.lock().unwrap().resets.insert(stream, word(0));
                 }
+                HEADERS if flags & END_STREAM != 0 => {
+                    self.seen.lock().unwrap().answered.insert(stream);
+                }
                 GOAWAY => {
                     self.seen.lock().unwrap().goaway = Some(word(4));
                 }
@@ -274,12 +282,17 @@ impl RawH2 {
                         initial(seen) + seen.stream_windows.get(&stream).copied().unwrap_or(0);
                     seen.closed_after.is_some()
                         || seen.resets.contains_key(&stream)
+                        || seen.answered.contains(&stream)
                         || (seen.conn_window > 0 && stream_window > 0)
                 })
                 .await;
             let room = {
                 let mut seen = self.seen.lock().unwrap();
-                if !open || seen.closed_after.is_some() || seen.resets.contains_key(&stream) {
+                if !open
+                    || seen.closed_after.is_some()
+                    || seen.resets.contains_key(&stream)
+                    || seen.answered.contains(&stream)
+                {
                     return false;
                 }
                 let stream_window =
@@ -342,23 +355,24 @@ async fn one_connection_opening_hundreds_of_streams_is_held_to_the_stream_limit(
     }
     // Every stream beyond the limit is refused.
     let beyond = STREAMS.saturating_sub(cap) as usize;
-    h2.wait_until(Duration::from_secs(10), |s| s.resets.len() >= beyond)
-        .await;
-    let (refused, other_resets, goaway) = {
-        let seen = h2.seen.lock().unwrap();
-        let refused = seen
-            .resets
+    let refused_count = |s: &Seen| {
+        s.resets
             .values()
             .filter(|&&code| code == REFUSED_STREAM)
-            .count();
-        (refused, seen.resets.len() - refused, seen.goaway)
+            .count()
+    };
+    h2.wait_until(Duration::from_secs(10), |s| refused_count(s) >= beyond)
+        .await;
+    let (refused, goaway) = {
+        let seen = h2.seen.lock().unwrap();
+        (refused_count(&seen), seen.goaway)
     };
     let open: Vec<u32> = {
         let seen = h2.seen.lock().unwrap();
         streams
             .iter()
             .copied()
-            .filter(|s| !seen.resets.contains_key(s))
+            .filter(|s| seen.resets.get(s) != Some(&REFUSED_STREAM))
             .collect()
     };
 
@@ -379,10 +393,11 @@ async fn one_connection_opening_hundreds_of_streams_is_held_to_the_stream_limit(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = rss_kib();
     let grown_mib = after.saturating_sub(before) / 1024;
+    let answered = h2.seen.lock().unwrap().answered.len();
     eprintln!(
         "{STREAMS} streams opened on one connection (limit {cap}): {refused} refused, \
-         {other_resets} reset otherwise, goaway {goaway:?}; {} open streams each sent \
-         1 MiB of a request ({pushed} completely) in {push_time:?}; \
+         goaway {goaway:?}; of {} open streams, {answered} answered at once and \
+         {pushed} took 1 MiB of a request in {push_time:?}; \
          RSS {before} KiB -> {after} KiB (+{grown_mib} MiB)",
         open.len()
     );
@@ -392,10 +407,106 @@ async fn one_connection_opening_hundreds_of_streams_is_held_to_the_stream_limit(
         open.len()
     );
     assert_eq!(refused, beyond, "every stream beyond the limit is refused");
-    assert_eq!(pushed, open.len(), "the accepted streams take their data");
+    // The port reads at most its bound of init requests at once; the
+    // other streams are answered (busy) without their bodies being read.
+    assert_eq!(
+        pushed, INIT_REQUESTS_IN_FLIGHT,
+        "init requests read at once"
+    );
+    assert_eq!(
+        answered,
+        open.len() - pushed,
+        "the streams beyond the bound were answered"
+    );
     assert!(
         grown_mib < 64,
         "the server grew by {grown_mib} MiB for one connection"
+    );
+}
+
+/// Attacker's move: from one address, open as many connections as the
+/// port takes and, on each, as many init requests as a connection may
+/// carry, each announcing 1.5 MiB and sending 1 MiB of it, slowly enough to
+/// keep them in flight: each would be buffered until the request timeout.
+/// The port keeps at most its connection share for one source, and reads
+/// at most its bound of init requests at once across all connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_connections_sending_init_requests_are_held_to_the_ports_bounds() {
+    let _serial = SERIAL.lock().await;
+    const DECLARED: u32 = 1536 * 1024;
+    const SENT: usize = 1024 * 1024;
+    const ATTEMPTS: usize = 3 * OPERATOR_PORT_CONNECTIONS;
+    let limits = GrpcLimits::default();
+    let streams_per_connection = limits.max_concurrent_streams;
+    let port = init_port(limits).await;
+
+    // Connections beyond the source's share are closed in the handshake.
+    let mut connections = Vec::new();
+    let mut closed = 0;
+    for _ in 0..ATTEMPTS {
+        match AtlsClient::server_attested(Arc::new(AnyServer))
+            .connect("127.0.0.1", port.addr.port())
+            .await
+        {
+            Ok(stream) => connections.push(RawH2::start(stream).await),
+            Err(_) => closed += 1,
+        }
+    }
+    eprintln!(
+        "{ATTEMPTS} connections from one address: {} kept, {closed} closed",
+        connections.len()
+    );
+    assert_eq!(
+        connections.len(),
+        OPERATOR_PORT_CONNECTIONS / 2,
+        "one source holds half of the port's connections, no more"
+    );
+
+    let before = rss_kib();
+    let headers = init_request_headers();
+    let mut body = Vec::with_capacity(5 + SENT);
+    body.push(0);
+    body.extend_from_slice(&DECLARED.to_be_bytes());
+    body.resize(5 + SENT, 0x42);
+    let mut pushes = Vec::new();
+    for h2 in &connections {
+        for i in 0..streams_per_connection {
+            let stream = 2 * i + 1;
+            h2.send(&frame(HEADERS, END_HEADERS, stream, &headers))
+                .await
+                .unwrap();
+            let (h2, body) = (h2.clone(), body.clone());
+            pushes.push(tokio::spawn(async move {
+                h2.send_data(stream, &body, Duration::from_secs(10)).await
+            }));
+        }
+    }
+    let mut pushed = 0;
+    for push in pushes {
+        if push.await.unwrap() {
+            pushed += 1;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = rss_kib();
+    let grown_mib = after.saturating_sub(before) / 1024;
+    let answered: usize = connections
+        .iter()
+        .map(|h2| h2.seen.lock().unwrap().answered.len())
+        .sum();
+    let opened = connections.len() * streams_per_connection as usize;
+    eprintln!(
+        "{opened} init requests opened: {pushed} took 1 MiB, {answered} answered at once; \
+         RSS {before} KiB -> {after} KiB (+{grown_mib} MiB)"
+    );
+    assert_eq!(
+        pushed, INIT_REQUESTS_IN_FLIGHT,
+        "init requests read at once"
+    );
+    assert_eq!(answered, opened - pushed, "the others were answered (busy)");
+    assert!(
+        grown_mib < 16,
+        "the server grew by {grown_mib} MiB for {opened} slow init requests"
     );
 }
 
