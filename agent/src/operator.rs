@@ -769,10 +769,16 @@ async fn off_the_runtime<T: Send + 'static>(
 }
 
 /// The tonic form of an operator result: refusals are logged with their
-/// chain and sent with their code and message.
+/// chain and sent with their code and message. A refusal as throttled
+/// costs its sender nothing, so it is logged at debug level only: a flood
+/// of them must not push other events out of the journal's rate limit.
 fn respond<T>(result: Result<T, OperatorError>) -> Result<tonic::Response<T>, tonic::Status> {
     match result {
         Ok(response) => Ok(tonic::Response::new(response)),
+        Err(e @ OperatorError::Throttled(_)) => {
+            tracing::debug!(error = %e, "operator request refused");
+            Err((&e).into())
+        }
         Err(e) => {
             tracing::warn!(error = %keel_atls::ErrorChain(&e), "operator request refused");
             Err((&e).into())

@@ -409,6 +409,12 @@ impl RecoveryService for RecoveryServer {
             Ok(cluster_id) => Ok(tonic::Response::new(RecoverResponse {
                 cluster_id: cluster_id.to_vec(),
             })),
+            // Refusals that cost the sender nothing are logged at debug
+            // level only (see the init server).
+            Err(e @ (RecoveryError::Throttled(_) | RecoveryError::Busy)) => {
+                tracing::debug!(error = %e, "recovery refused");
+                Err((&e).into())
+            }
             Err(e) => {
                 tracing::warn!(error = %keel_atls::ErrorChain(&e), "recovery refused");
                 Err((&e).into())

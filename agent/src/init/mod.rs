@@ -485,6 +485,13 @@ impl InitService for InitServer {
         let peer = crate::grpc::peer_ip(&request);
         let accepted = match self.accept(request.into_inner(), peer).await {
             Ok(a) => a,
+            // Refusals that cost the sender nothing (a throttled address,
+            // a node already taken) are logged at debug level only, so a
+            // flood of them cannot crowd other events out of the journal.
+            Err(e @ (InitError::Throttled(_) | InitError::Locked)) => {
+                tracing::debug!(error = %e, "init refused");
+                return Err((&e).into());
+            }
             Err(e) => {
                 tracing::warn!(error = %keel_atls::ErrorChain(&e), "init refused");
                 return Err((&e).into());
