@@ -467,6 +467,7 @@ pub async fn serve_join_as_control_plane(
                 )));
                 let registry = RegistryStore::shared(env.root())?;
                 let disks = Arc::new(DiskBindings::new(env.root()));
+                let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
                 let service = JoinService::new(
                     state,
                     env.kubeadm.clone(),
@@ -474,14 +475,13 @@ pub async fn serve_join_as_control_plane(
                     disks.clone(),
                 )?
                 .following(&cluster)
-                .with_registry(registry.clone());
+                .with_registry(registry.clone(), own_ek);
                 let members = Arc::new(MemberPolicy::new(
                     &cluster,
                     EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,
                     config.expected_config_pcr(),
                     policy.cpu(),
                 ));
-                let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
                 let evidence = EvidenceService::new(
                     &cluster,
                     members.clone(),

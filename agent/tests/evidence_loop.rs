@@ -26,13 +26,14 @@ use keel_agent::evidence::client::Session;
 use keel_agent::evidence::service::REGISTRY_GAP;
 use keel_agent::evidence::{user_data, EvidenceClient};
 use keel_agent::join::settings::SHARED_PCRS;
-use keel_agent::join::{service_validator, JoinOutcome, TicketError};
+use keel_agent::join::{service_validator, JoinOutcome, KubeletKey, TicketError};
 use keel_agent::operator::{
     OperatorAuth, OperatorServer, NODE_STATUS, REVOKE_NODE, STAGE_IMAGE_MEASUREMENTS,
 };
 use keel_agent::registry::{Registry, RegistryStore, Verdict};
 use keel_atls::ConnectError;
 use keel_proto::evidence::NextNonceRequest;
+use keel_proto::join::IssueJoinTicketRequest;
 use keel_proto::operator::{NodeStatusRequest, RevokeNodeRequest, StageImageMeasurementsRequest};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
@@ -810,6 +811,100 @@ async fn evidence_is_taken_when_the_disk_bindings_cannot_be_read() {
         .cloned()
         .unwrap();
     assert_eq!(record.verdict, Verdict::Trusted);
+}
+
+/// Attacker's move (a control plane revoked while cut off from the
+/// operator, e.g. its PCRs drifted in a half-done upgrade): keep issuing
+/// tickets, and so disk keys, from a revocation list that stopped when it
+/// was revoked; a node revoked since rejoins through it. Every other
+/// control plane refuses its evidence, so it never hears of any
+/// revocation again. It must still learn the list, its own revocation in
+/// it, and then issue no ticket at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let cp2_port = free_port();
+    let cp2 = joiner_with(
+        config(&c.ca, &c.ports, "cp-2", "control-plane", c.policy),
+        Swtpm::start(&c.ca).unwrap(),
+    );
+    let cp2_slot = Arc::new(ClusterSlot::new(None));
+    assert!(matches!(
+        run_client(&cp2, &c.ca, &cp2_slot).await,
+        JoinOutcome::Joined { .. }
+    ));
+    let cp2_registry = RegistryStore::shared(&cp2.root).unwrap();
+    let cp2_ek = join_common::ek_digest(&cp2.tpm);
+    let worker_ek = join_common::ek_digest(&c.worker.tpm);
+    assert!(cp2_registry.snapshot().revoked().is_empty());
+
+    // cp-1 revokes cp-2, then the worker.
+    for name in ["cp-2", "w-1"] {
+        let (op, challenge, proof) = c.operator(REVOKE_NODE, name.as_bytes());
+        op.revoke_node(
+            &RevokeNodeRequest {
+                node: name.into(),
+                challenge,
+                proof,
+            },
+            None,
+        )
+        .unwrap();
+    }
+
+    // cp-2's evidence loop: refused as revoked, it takes cp-1's list.
+    let evidence = tokio::spawn(
+        c.evidence_client(&cp2)
+            .merging_into(cp2_registry.clone(), Duration::from_secs(60), cp2_ek)
+            .run(c.endpoint(), c.cluster_id()),
+    );
+    let start = Instant::now();
+    while cp2_registry.revocation(&cp2_ek).is_none()
+        || cp2_registry.revocation(&worker_ek).is_none()
+    {
+        assert!(
+            start.elapsed() < LIMIT,
+            "cp-2 did not learn the revocations: {:#?}",
+            cp2_registry.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    evidence.abort();
+    // What a revoked control plane gets is the list alone: no node
+    // records of cp-1's came with it.
+    assert!(
+        cp2_registry.snapshot().find("w-1").is_err(),
+        "{:#?}",
+        cp2_registry.snapshot()
+    );
+
+    // cp-2's join service issues no ticket, to a node it never saw either.
+    let _serving = cp2.serve_join(cp2_port, cp2_slot.clone()).await;
+    let fresh = joiner_with(
+        config(&c.ca, &c.ports, "w-3", "worker", c.policy),
+        Swtpm::start(&c.ca).unwrap(),
+    );
+    let kubelet = KubeletKey::generate("w-3").unwrap();
+    let request = IssueJoinTicketRequest {
+        disk_uuid: join_common::uuid(),
+        kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: "w-3".into(),
+    };
+    let refused = fresh
+        .tickets(&c.ca)
+        .join_ticket(&format!("127.0.0.1:{cp2_port}"), request, &kubelet.spki())
+        .await;
+    match refused.map(|_| ()) {
+        Err(TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+            assert!(
+                status.message().contains("this control plane is revoked"),
+                "{status:?}"
+            );
+        }
+        other => panic!("a revoked control plane issued a ticket: {other:?}"),
+    }
 }
 
 /// Attacker's move: a compromised worker serves the evidence port of a

@@ -65,6 +65,15 @@ pub enum EvidenceClientError {
     PeerRevoked,
 }
 
+impl EvidenceClientError {
+    /// Whether the control plane refused this node as revoked.
+    pub fn is_revoked(&self) -> bool {
+        matches!(self, Self::Refused(status)
+            if status.code() == tonic::Code::PermissionDenied
+                && status.message() == super::service::REVOKED_MESSAGE)
+    }
+}
+
 /// The state disk's UUID as a node's evidence reports it.
 #[derive(Clone)]
 enum DiskId {
@@ -247,27 +256,50 @@ impl EvidenceClient {
                         }
                         Err(e) => {
                             tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence round failed");
+                            // A control plane refused as revoked still
+                            // takes the peer's revocation list, its own
+                            // revocation in it.
+                            if e.is_revoked() {
+                                self.exchange_registry(&mut session, &endpoint).await;
+                            }
                             break;
                         }
                     }
-                    if let Some(merging) = self
-                        .registry
-                        .as_ref()
-                        .filter(|m| session.server_ek != m.own_ek)
-                    {
-                        if let Err(e) = session
-                            .merge_registry(&merging.registry, merging.drift_stands)
-                            .await
-                        {
-                            tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "registry exchange failed");
-                        }
-                    }
+                    self.exchange_registry(&mut session, &endpoint).await;
                 },
                 Err(e) => {
                     tracing::info!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence connection failed");
                 }
             }
             tokio::time::sleep(self.retry).await;
+        }
+    }
+}
+
+impl EvidenceClient {
+    /// Merges the registry of the session's control plane into this
+    /// control plane's, if this node merges registries and the peer is
+    /// another control plane.
+    async fn exchange_registry(&self, session: &mut Session, endpoint: &str) {
+        let Some(merging) = self
+            .registry
+            .as_ref()
+            .filter(|m| session.server_ek != m.own_ek)
+        else {
+            return;
+        };
+        match session
+            .merge_registry(&merging.registry, merging.drift_stands)
+            .await
+        {
+            Ok(_) => {
+                if let Some(revocation) = merging.registry.revocation(&merging.own_ek) {
+                    tracing::error!(%endpoint, %revocation, "this control plane is revoked: it issues no join tickets");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "registry exchange failed");
+            }
         }
     }
 }

@@ -100,6 +100,10 @@ pub enum EvidenceError {
     Registry(#[source] RegistryError),
 }
 
+/// What a revoked node is told when its evidence is refused (the
+/// evidence client recognises it).
+pub const REVOKED_MESSAGE: &str = "the node is revoked: its EK is on the cluster's revocation list";
+
 impl From<&EvidenceError> for tonic::Status {
     /// The one map from evidence refusals to gRPC codes; the peer gets a
     /// fixed text, the log the full chain.
@@ -115,10 +119,7 @@ impl From<&EvidenceError> for tonic::Status {
                 tonic::Code::PermissionDenied,
                 "not a member of this cluster",
             ),
-            E::Revoked(_) => (
-                tonic::Code::PermissionDenied,
-                "the node is revoked: its EK is on the cluster's revocation list",
-            ),
+            E::Revoked(_) => (tonic::Code::PermissionDenied, REVOKED_MESSAGE),
             E::Busy => (
                 tonic::Code::ResourceExhausted,
                 "a nonce request is already waiting",
@@ -629,9 +630,17 @@ impl EvidenceService {
 
     /// The registry, for a peer that is a control plane of this cluster;
     /// copied and encoded (up to the registry's bound) on a blocking
-    /// thread.
+    /// thread. A control plane this registry revokes gets the revocation
+    /// list alone: no other control plane takes its evidence, so this is
+    /// how it learns that it is revoked (and stops issuing tickets) and
+    /// which nodes were revoked since; it learns nothing of the nodes.
     pub async fn registry_for(&self, peer: &Verified) -> Result<Vec<u8>, EvidenceError> {
-        let ek = *self.admit(peer)?.as_bytes();
+        let (ek, revoked) = match self.admit(peer) {
+            Ok(ek) => (ek, false),
+            Err(EvidenceError::Revoked(_)) => (EkDigest::of_public(&peer.ek), true),
+            Err(e) => return Err(e),
+        };
+        let ek = *ek.as_bytes();
         keel_verifier::validator::check_control_plane(peer)
             .map_err(|_| EvidenceError::NotControlPlane)?;
         let reading = self
@@ -651,7 +660,11 @@ impl EvidenceService {
         // while this one runs.
         self.store(move |s| {
             let _reading = reading;
-            Ok(s.snapshot().to_json())
+            Ok(if revoked {
+                s.revocations().to_json()
+            } else {
+                s.snapshot().to_json()
+            })
         })
         .await
     }

@@ -66,6 +66,11 @@ pub enum JoinServiceError {
     /// The revocation list names the peer's EK.
     #[error("the node is revoked: {0}")]
     Revoked(crate::registry::Revocation),
+    /// The revocation list names this control plane itself: a peer revoked
+    /// it (its evidence drifted, or the operator revoked it), and it issues
+    /// no ticket, so the node asks another control plane.
+    #[error("this control plane is revoked: {0}")]
+    ServiceRevoked(crate::registry::Revocation),
     /// The connection's handshake is older than the ticket window (its
     /// age in seconds): the peer must connect again to be judged now.
     #[error("the connection's attestation is {0} s old")]
@@ -115,6 +120,9 @@ impl JoinServiceError {
             E::DiskBindings(_) => "the disk binding store is unavailable",
             E::Member => "the node is already locked into a cluster",
             E::Revoked(_) => "the node is revoked: its EK is on the cluster's revocation list",
+            E::ServiceRevoked(_) => {
+                "this control plane is revoked and issues no tickets; ask another"
+            }
             E::Withdrawn(_) => "the node's image is no longer accepted by the cluster",
             E::NameTaken(_) => "another node of the cluster holds this node's name",
             E::StaleHandshake(_) => {
@@ -140,7 +148,7 @@ impl From<&JoinServiceError> for tonic::Status {
             | E::NameTaken(_) => tonic::Code::PermissionDenied,
             E::Member | E::StaleHandshake(_) => tonic::Code::FailedPrecondition,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
-            E::Busy | E::Token(_) => tonic::Code::Unavailable,
+            E::Busy | E::Token(_) | E::ServiceRevoked(_) => tonic::Code::Unavailable,
             E::Sign(_)
             | E::ControlPlaneFile { .. }
             | E::Seal(_)

@@ -196,8 +196,9 @@ pub struct JoinService {
     inner: Arc<Inner>,
     /// Later states of the cluster (new join measurements), when followed.
     updates: Option<tokio::sync::watch::Receiver<Option<Arc<ClusterState>>>>,
-    /// The node registry whose revocation list this service enforces.
-    registry: Option<Arc<RegistryStore>>,
+    /// The node registry whose revocation list this service enforces, and
+    /// this node's own EK, which the list may name too.
+    registry: Option<(Arc<RegistryStore>, EkDigest)>,
     /// How long after its handshake a connection may ask for a ticket.
     ticket_window: Duration,
 }
@@ -247,9 +248,11 @@ impl JoinService {
     }
 
     /// The same service, refusing every ticket to a node the registry's
-    /// revocation list names, and registering each node it issues one to.
-    pub fn with_registry(mut self, registry: Arc<RegistryStore>) -> Self {
-        self.registry = Some(registry);
+    /// revocation list names, and registering each node it issues one to;
+    /// once the list names `own_ek` (this control plane was revoked, and
+    /// learnt it from a peer), it issues no ticket at all.
+    pub fn with_registry(mut self, registry: Arc<RegistryStore>, own_ek: EkDigest) -> Self {
+        self.registry = Some((registry, own_ek));
         self
     }
 
@@ -258,7 +261,7 @@ impl JoinService {
     /// records), which it enforces before it serves; nothing for a worker.
     fn revocations_for(&self, control_plane: bool) -> Vec<u8> {
         match &self.registry {
-            Some(registry) if control_plane => registry.revocations().to_json(),
+            Some((registry, _)) if control_plane => registry.revocations().to_json(),
             _ => Vec::new(),
         }
     }
@@ -267,9 +270,12 @@ impl JoinService {
     /// node holds, before the ticket costs anything; [`Self::register`]
     /// checks both again under the registry's lock.
     fn check_registry(&self, ek: &EkDigest, name: &str) -> Result<(), JoinServiceError> {
-        let Some(registry) = self.registry.as_ref() else {
+        let Some((registry, own_ek)) = self.registry.as_ref() else {
             return Ok(());
         };
+        if let Some(revocation) = registry.revocation(own_ek) {
+            return Err(JoinServiceError::ServiceRevoked(revocation));
+        }
         if let Some(revocation) = registry.revocation(ek) {
             return Err(JoinServiceError::Revoked(revocation));
         }
@@ -287,23 +293,27 @@ impl JoinService {
         disk_uuid: String,
         identity: NodeIdentity,
     ) -> Result<(), JoinServiceError> {
-        let Some(registry) = self.registry.clone() else {
+        let Some((registry, own_ek)) = self.registry.clone() else {
             return Ok(());
         };
         tokio::task::spawn_blocking(move || {
-            registry.update(|r| r.register(&ek, &disk_uuid, &identity.name, identity.role.as_str()))
+            if let Some(revocation) = registry.revocation(&own_ek) {
+                return Err(JoinServiceError::ServiceRevoked(revocation));
+            }
+            registry
+                .update(|r| r.register(&ek, &disk_uuid, &identity.name, identity.role.as_str()))
+                .map_err(|e| match e {
+                    crate::registry::RegistryError::Revoked(revocation) => {
+                        JoinServiceError::Revoked(*revocation)
+                    }
+                    taken @ crate::registry::RegistryError::NameTaken { .. } => {
+                        JoinServiceError::NameTaken(taken)
+                    }
+                    other => JoinServiceError::Registry(other),
+                })
         })
         .await
         .map_err(|_| JoinServiceError::Registry(crate::registry::RegistryError::Task))?
-        .map_err(|e| match e {
-            crate::registry::RegistryError::Revoked(revocation) => {
-                JoinServiceError::Revoked(*revocation)
-            }
-            taken @ crate::registry::RegistryError::NameTaken { .. } => {
-                JoinServiceError::NameTaken(taken)
-            }
-            other => JoinServiceError::Registry(other),
-        })
     }
 
     /// The same service, issuing tickets from the latest cluster state in

@@ -211,7 +211,10 @@ impl Service {
         )
         .unwrap()
         .following(&self.slot)
-        .with_registry(keel_agent::registry::RegistryStore::shared(&self.root).unwrap());
+        .with_registry(
+            keel_agent::registry::RegistryStore::shared(&self.root).unwrap(),
+            keel_agent::attestation::shared_own_ek_digest(&self.tpm).unwrap(),
+        );
         let service = adjust(service);
         self.task = tokio::spawn({
             let (tpm, policy) = (self.tpm.clone(), self.policy.clone());
@@ -439,7 +442,10 @@ async fn start_service_node(
     .unwrap()
     .following(&slot)
     // As on a control plane: each ticket is recorded in the node registry.
-    .with_registry(keel_agent::registry::RegistryStore::shared(&root).unwrap());
+    .with_registry(
+        keel_agent::registry::RegistryStore::shared(&root).unwrap(),
+        keel_agent::attestation::shared_own_ek_digest(&tpm).unwrap(),
+    );
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let task = tokio::spawn({
         let (tpm, policy) = (tpm.clone(), policy.clone());
