@@ -125,6 +125,20 @@ async fn a_software_ak_passes_the_document_checks_but_not_key_residency() {
     let stream = client.connect("127.0.0.1", genuine_port).await.unwrap();
     assert!(stream.peer().attested().is_some());
     accept.await.unwrap().unwrap();
+
+    // The validator now remembers the genuine EK and AK as proven. The
+    // forger, with that EK and its own key, is challenged again: what was
+    // proven is the pair, not the EK.
+    let e = client
+        .connect("127.0.0.1", port)
+        .await
+        .expect_err("refused after the genuine node was proven");
+    assert!(
+        matches!(e, ConnectError::Residency(ResidencyError::NoAnswer)),
+        "{e:?}"
+    );
+    assert_eq!(forger.challenges_received(), 2);
+    assert_eq!(recorder.0.load(Ordering::SeqCst), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

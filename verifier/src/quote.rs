@@ -224,6 +224,57 @@ mod tests {
         pcrs.map(|i| (i, [i as u8 + 1; 32])).collect()
     }
 
+    /// An AK must be a TPM-resident, restricted, signing-only key; each
+    /// property is checked on its own. Without fixedTPM, fixedParent or
+    /// sensitiveDataOrigin, the key may have been made outside the TPM or
+    /// duplicated out of it, and whoever holds a copy could sign quotes
+    /// (credential activation proves the key is loaded in the EK's TPM,
+    /// not that it never left one).
+    #[test]
+    fn an_ak_lacking_any_required_property_is_refused() {
+        let (key, ak) = ak();
+        assert_eq!(check_ak(&ak), Ok(()));
+        let qualifying = [9; 32];
+        let pcrs = values(0..=3);
+        let all: Vec<u32> = pcrs.keys().copied().collect();
+        let attest = attest(&qualifying, &[&all], &pcrs);
+        let signature = sign(&key, &attest);
+        assert!(verify_quote(&ak, &attest, &signature, &qualifying, &pcrs).is_ok());
+        for (bit, what) in [
+            (attr::FIXED_TPM, "not fixedTPM"),
+            (attr::FIXED_PARENT, "not fixedParent"),
+            (attr::SENSITIVE_DATA_ORIGIN, "not sensitiveDataOrigin"),
+            (attr::RESTRICTED, "not restricted"),
+            (attr::SIGN, "not a signing key"),
+        ] {
+            let mut weak = ak.clone();
+            weak.attributes &= !bit;
+            assert_eq!(check_ak(&weak), Err(QuoteError::AkAttributes(what)));
+            // A quote it signed is refused, its signature good.
+            assert_eq!(
+                verify_quote(&weak, &attest, &signature, &qualifying, &pcrs),
+                Err(QuoteError::AkAttributes(what))
+            );
+        }
+        let mut decrypting = ak.clone();
+        decrypting.attributes |= attr::DECRYPT;
+        assert_eq!(
+            check_ak(&decrypting),
+            Err(QuoteError::AkAttributes("is also a decryption key"))
+        );
+        for scheme in [
+            None,
+            Some((alg::ECDSA, 0x000c)),
+            Some((0x001a, alg::SHA256)),
+        ] {
+            let mut other = ak.clone();
+            if let PublicKey::Ecc { scheme: s, .. } = &mut other.key {
+                *s = scheme;
+            }
+            assert_eq!(check_ak(&other), Err(QuoteError::AkKeyType), "{scheme:?}");
+        }
+    }
+
     #[test]
     fn a_quote_of_one_selection_verifies() {
         let (key, ak) = ak();
