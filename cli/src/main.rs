@@ -131,9 +131,14 @@ enum Command {
     },
     /// Put a node on every named control plane's revocation list: no join
     /// ticket, no rejoin ticket, no disk key for its EK and its disk. A
-    /// running node keeps the key it has until it reboots.
+    /// running node keeps the key it has until it reboots. Name every
+    /// control plane with --endpoint (a control plane being revoked need
+    /// not be): the node is looked up in all their registries and revoked
+    /// by its EK; a name or disk that means two nodes revokes nothing.
     Revoke {
-        /// The node: its name, its EK hash (hex) or its disk UUID.
+        /// The node: its name, its disk UUID, or its EK hash (`sha256:` and
+        /// hex, the hex alone, or its first 8 or more hex digits, as
+        /// `keel status` shows them).
         node: String,
         #[command(flatten)]
         to: OperatorArgs,

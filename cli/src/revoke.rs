@@ -1,5 +1,7 @@
 //! `keel revoke NODE`: put a node on the revocation list of every control
-//! plane named. Each must know the node (by name, EK hash or disk UUID);
+//! plane named; every control plane the registries know must be named.
+//! The node (by name, EK hash or disk UUID) is looked up once, in all of
+//! their registries, and revoked by its EK. Each must know the node;
 //! from then on it issues no join ticket, no rejoin ticket and so no disk
 //! key for the node's EK (its disk opens with that EK only). A running node keeps the key it has
 //! until it reboots (docs/attestation.md says how to complete the removal).
@@ -8,11 +10,15 @@
 use std::path::Path;
 use std::time::Duration;
 
+use std::collections::BTreeMap;
+
 use anyhow::{bail, Context as _};
 use keel_proto::operator::RevokeNodeRequest;
+use serde_json::Value;
 
 use crate::operator::{answer, on_each, Operator};
 use crate::printable::printable;
+use crate::upgrade::{refuse_unnamed_control_planes, registries_of, Roles};
 
 use keel_verifier::keys::kind::REVOKE_NODE;
 
@@ -28,31 +34,134 @@ pub async fn run(
         bail!("name each control plane's init port with --endpoint");
     }
     let operator = Operator::load(settings_path, workspace, wait)?;
+    let roles = Roles::of(&operator, endpoints).await?;
+    if let Some(worker) = roles.workers.first() {
+        bail!(
+            "{worker} is not a control plane: revocations go to control planes only; \
+             nothing was revoked"
+        );
+    }
+    // The node is looked up once, in every named control plane's registry,
+    // and revoked by its EK everywhere: a name or disk UUID that means
+    // another node to another control plane (two holders of one name, a
+    // node named like another's disk) revokes nothing.
+    let registries = registries_of(&operator, &roles.control_planes).await?;
+    let target = resolve(node, &registries)?;
+    // A control plane left out would go on issuing tickets to the node;
+    // the one being revoked need not be named.
+    let mut named = roles.control_plane_eks.clone();
+    named.insert(target.ek.clone());
+    refuse_unnamed_control_planes(
+        &registries,
+        &named,
+        "Each must revoke the node, or it goes on issuing it tickets (and disk keys) until \
+         it merges another's list",
+    )?;
+    eprintln!(
+        "revoking node {} (EK {})",
+        printable(&target.name),
+        printable(&target.ek)
+    );
     // Every control plane is tried. One that does not know the node (or
     // is down) takes the list from the others with its next registry
     // exchange, if it reaches them; the command fails all the same, since
     // one cut off from the others keeps issuing tickets to the node.
     on_each(endpoints, "revoke the node", |endpoint| {
-        let operator = &operator;
-        async move { revoke_at(operator, &endpoint, node, workspace).await }
+        let (operator, ek) = (&operator, &target.ek);
+        async move { revoke_at(operator, &endpoint, ek, workspace).await }
     })
     .await
 }
 
-/// Revokes `node` on the control plane at `endpoint`; returns what to print.
+/// The node a selector names, as the control planes' registries know it.
+#[derive(Debug, PartialEq, Eq)]
+struct Target {
+    /// Its EK (`sha256:` and hex).
+    ek: String,
+    /// Its name, as the first registry that knows it has it.
+    name: String,
+}
+
+/// Shortest EK hash prefix (hex digits) a selector may give.
+const MIN_EK_PREFIX: usize = 8;
+
+/// The one node `selector` names in `registries` (each control plane's
+/// registry, JSON): by name, by disk UUID, or by EK hash, whole (with or
+/// without `sha256:`) or a prefix of at least 8 hex digits (`keel status`
+/// shows 16). Node records and revocations both count, so revoking again
+/// finds a node already revoked somewhere. Refused when no registry knows
+/// it, or when the registries name more than one EK by it.
+fn resolve(selector: &str, registries: &[(String, Value)]) -> anyhow::Result<Target> {
+    let wanted = selector.trim();
+    let hex_prefix = {
+        let digits = wanted.strip_prefix("sha256:").unwrap_or(wanted);
+        (digits.len() >= MIN_EK_PREFIX
+            && digits.len() <= 64
+            && digits.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| digits.to_ascii_lowercase())
+    };
+    let matches = |entry: &Value| {
+        let field = |name: &str| entry[name].as_str().unwrap_or("");
+        let ek_hex = field("ek").strip_prefix("sha256:").unwrap_or("");
+        field("name") == wanted
+            || (!field("disk_uuid").is_empty() && field("disk_uuid").eq_ignore_ascii_case(wanted))
+            || hex_prefix
+                .as_deref()
+                .is_some_and(|prefix| !ek_hex.is_empty() && ek_hex.starts_with(prefix))
+    };
+    let mut found: BTreeMap<String, String> = BTreeMap::new();
+    for (_, registry) in registries {
+        let nodes = registry["nodes"]
+            .as_object()
+            .into_iter()
+            .flat_map(|n| n.values());
+        let revoked = registry["revoked"].as_array().into_iter().flatten();
+        for entry in nodes.chain(revoked).filter(|e| matches(e)) {
+            if let Some(ek) = entry["ek"].as_str() {
+                let name = entry["name"].as_str().unwrap_or("").to_owned();
+                found.entry(ek.to_owned()).or_insert(name);
+            }
+        }
+    }
+    let mut found = found.into_iter();
+    match (found.next(), found.next()) {
+        (Some((ek, name)), None) => Ok(Target { ek, name }),
+        (None, _) => bail!(
+            "no control plane named knows a node {} (by name, disk UUID or EK hash); \
+             nothing was revoked",
+            printable(wanted)
+        ),
+        (Some(first), Some(second)) => {
+            let all: Vec<String> = [first, second]
+                .into_iter()
+                .chain(found)
+                .map(|(ek, name)| format!("{} ({})", printable(&name), printable(&ek)))
+                .collect();
+            bail!(
+                "{} names more than one node: {}; name the EK hash of the one to revoke; \
+                 nothing was revoked",
+                printable(wanted),
+                all.join(", ")
+            )
+        }
+    }
+}
+
+/// Revokes the node of `ek` on the control plane at `endpoint`; returns
+/// what to print.
 async fn revoke_at(
     operator: &Operator,
     endpoint: &str,
-    node: &str,
+    ek: &str,
     workspace: &Path,
 ) -> anyhow::Result<String> {
     let (mut cp, challenge, proof) = operator
-        .authorise(endpoint, REVOKE_NODE, node.as_bytes())
+        .authorise(endpoint, REVOKE_NODE, ek.as_bytes())
         .await?;
     let done = answer(
         endpoint,
         cp.client.revoke_node(RevokeNodeRequest {
-            node: node.to_owned(),
+            node: ek.to_owned(),
             challenge,
             proof,
         }),
@@ -68,4 +177,98 @@ async fn revoke_at(
         printable(&done.ek),
         printable(&done.disk_uuid)
     ))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const EK_A: &str = "sha256:aaaaaaaa11111111111111111111111111111111111111111111111111111111";
+    const EK_B: &str = "sha256:bbbbbbbb22222222222222222222222222222222222222222222222222222222";
+    const DISK_A: &str = "0a1b2c3d-0000-4000-8000-00000000000a";
+
+    fn registry(nodes: &[(&str, &str, &str)], revoked: &[(&str, &str)]) -> Value {
+        let nodes: serde_json::Map<String, Value> = nodes
+            .iter()
+            .map(|(name, ek, disk)| {
+                (
+                    ek.to_string(),
+                    json!({"name": name, "ek": ek, "disk_uuid": disk, "role": "worker"}),
+                )
+            })
+            .collect();
+        let revoked: Vec<Value> = revoked
+            .iter()
+            .map(|(name, ek)| json!({"name": name, "ek": ek, "disk_uuid": ""}))
+            .collect();
+        json!({"nodes": nodes, "revoked": revoked})
+    }
+
+    fn at(registries: Vec<Value>) -> Vec<(String, Value)> {
+        registries
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| (format!("cp-{i}"), r))
+            .collect()
+    }
+
+    #[test]
+    fn a_node_is_found_by_name_disk_or_ek_in_any_form() {
+        let registries = at(vec![
+            registry(&[("w-1", EK_A, DISK_A)], &[]),
+            registry(&[("w-2", EK_B, "")], &[]),
+        ]);
+        let a = Target {
+            ek: EK_A.into(),
+            name: "w-1".into(),
+        };
+        for selector in [
+            "w-1",
+            DISK_A,
+            &DISK_A.to_uppercase(),
+            EK_A,
+            &EK_A[7..],
+            &EK_A[7..23],
+            "sha256:AAAAAAAA",
+        ] {
+            assert_eq!(resolve(selector, &registries).unwrap(), a, "{selector}");
+        }
+        assert_eq!(resolve("w-2", &registries).unwrap().ek, EK_B);
+        // Too short a prefix, or a name nobody holds, finds nothing.
+        for selector in ["aaaa", "w-9", ""] {
+            let e = resolve(selector, &registries).unwrap_err().to_string();
+            assert!(e.contains("no control plane named knows"), "{e}");
+        }
+    }
+
+    /// Attacker's move: a node takes another node's disk UUID as its name
+    /// (names allow the characters of a UUID), so that, at a control plane
+    /// that has not recorded that disk, `keel revoke <the UUID>` revokes
+    /// the attacker and spares the victim. Or two EKs hold one name (their
+    /// control planes admitted one each before their registries merged).
+    /// Either way the selector names two EKs, and nothing is revoked.
+    #[test]
+    fn a_selector_naming_two_nodes_revokes_nothing() {
+        let uuid_named = at(vec![
+            registry(&[(DISK_A, EK_B, "")], &[]),
+            registry(&[("w-1", EK_A, DISK_A)], &[]),
+        ]);
+        let two_holders = at(vec![
+            registry(&[("w-1", EK_A, "")], &[]),
+            registry(&[("w-1", EK_B, "")], &[]),
+        ]);
+        for (selector, registries) in [(DISK_A, uuid_named), ("w-1", two_holders)] {
+            let e = resolve(selector, &registries).unwrap_err().to_string();
+            assert!(e.contains("names more than one node"), "{e}");
+            assert!(e.contains(EK_A) && e.contains(EK_B), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_node_already_revoked_somewhere_is_found_by_its_revocation() {
+        let registries = at(vec![registry(&[], &[("w-1", EK_A)]), registry(&[], &[])]);
+        assert_eq!(resolve("w-1", &registries).unwrap().ek, EK_A);
+    }
 }

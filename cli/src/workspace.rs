@@ -23,6 +23,8 @@ pub const IMAGE_FILE: &str = "keel-image.json";
 
 /// The EKs this workspace revoked ([`RevokedRecord`]).
 pub const REVOKED_FILE: &str = "keel-revoked.json";
+/// The lock file that orders changes to [`REVOKED_FILE`].
+const REVOKED_LOCK_FILE: &str = ".keel-revoked.lock";
 
 /// [`MASTER_SECRET_FILE`] as stored: hex fields.
 #[derive(Serialize, Deserialize)]
@@ -224,11 +226,22 @@ impl RevokedRecord {
         if !well_formed {
             anyhow::bail!("the control plane named the revoked EK in an unknown form");
         }
+        // Two `keel revoke` runs at once (a script revoking several nodes)
+        // must not lose each other's EK: the read, the change and the
+        // write happen under an exclusive lock on a file beside the record.
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(workspace.join(REVOKED_LOCK_FILE))
+            .and_then(|file| file.lock().map(|()| file))
+            .with_context(|| format!("locking {REVOKED_FILE} in {}", workspace.display()))?;
         let mut record = Self::load(workspace)?;
         if record.eks.insert(ek.to_owned()) {
             let body = serde_json::to_vec_pretty(&record).context("encoding the revoked EKs")?;
             crate::init::write_atomic(&workspace.join(REVOKED_FILE), &body, 0o644)?;
         }
+        drop(lock);
         Ok(())
     }
 

@@ -225,20 +225,40 @@ pub(crate) async fn every_control_plane_named(
     operator: &Operator,
     roles: &Roles,
 ) -> anyhow::Result<()> {
+    let registries = registries_of(operator, &roles.control_planes).await?;
+    refuse_unnamed_control_planes(
+        &registries,
+        &roles.control_plane_eks,
+        "Each must take the upgrade, or it judges the upgraded nodes drifted (and, under \
+         the revoke policy, revokes them), or goes on accepting the old image",
+    )
+}
+
+/// Each of `endpoints` with its registry (JSON), read in turn.
+pub(crate) async fn registries_of(
+    operator: &Operator,
+    endpoints: &[String],
+) -> anyhow::Result<Vec<(String, serde_json::Value)>> {
     let mut registries = Vec::new();
-    for endpoint in &roles.control_planes {
+    for endpoint in endpoints {
         let registry = crate::status::registry_of(operator, endpoint).await?;
         registries.push((endpoint.clone(), registry));
     }
-    if let Some((endpoint, unnamed)) = unnamed_control_planes(&registries, &roles.control_plane_eks)
-        .into_iter()
-        .next()
+    Ok(registries)
+}
+
+/// Refuses while any of `registries` knows an unrevoked control plane
+/// whose EK is not in `named`; `why` says what it would miss.
+pub(crate) fn refuse_unnamed_control_planes(
+    registries: &[(String, serde_json::Value)],
+    named: &BTreeSet<String>,
+    why: &str,
+) -> anyhow::Result<()> {
+    if let Some((endpoint, unnamed)) = unnamed_control_planes(registries, named).into_iter().next()
     {
         bail!(
-            "{endpoint} knows control planes not named with --endpoint: {}. Each must take \
-             the upgrade, or it judges the upgraded nodes drifted (and, under the revoke \
-             policy, revokes them), or goes on accepting the old image: name every control \
-             plane, or revoke one that is gone for good; nothing was changed",
+            "{endpoint} knows control planes not named with --endpoint: {}. {why}: name \
+             every control plane, or revoke one that is gone for good; nothing was changed",
             unnamed.join(", ")
         );
     }
