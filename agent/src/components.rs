@@ -60,7 +60,7 @@ pub async fn install_and_measure(
     for (index, component) in components.iter().enumerate() {
         let name = component.name().to_owned();
         let done = installer
-            .install(component, progress)
+            .install_among(component, components, progress)
             .await
             .map_err(|source| InstallComponentsError::Install {
                 index,

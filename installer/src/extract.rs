@@ -266,6 +266,11 @@ pub enum ExtractError {
     /// An existing directory would be replaced by a non-directory.
     #[error("\"{0}\" is a directory and the archive has a non-directory there")]
     WouldReplaceDirectory(String),
+    /// The archive has an entry at another component's install path: it
+    /// would replace what that component installed, which is measured as
+    /// that component.
+    #[error("the archive has an entry at \"{0}\", another component's install path")]
+    WouldReplaceComponent(String),
     /// Moving extracted entries into the target failed.
     #[error("moving extracted entries into \"{path}\"")]
     Install {
@@ -288,6 +293,7 @@ impl ExtractError {
                 | Self::CreateStaging { .. }
                 | Self::WriteEntry { .. }
                 | Self::WouldReplaceDirectory(_)
+                | Self::WouldReplaceComponent(_)
                 | Self::Install { .. }
         )
     }
@@ -375,6 +381,20 @@ pub fn extract_tgz_verified(
     target: &Path,
     limits: &ExtractLimits,
 ) -> Result<ExtractSummary, ExtractError> {
+    extract_tgz_verified_sparing(archive, expected, target, limits, &[])
+}
+
+/// [`extract_tgz_verified`], refusing (before anything reaches `target`)
+/// an archive with an entry at any of `spare`: the install paths of the
+/// other components of the node's list, which an archive extracted into a
+/// directory they share must not replace.
+pub fn extract_tgz_verified_sparing(
+    archive: fs::File,
+    expected: Sha256Digest,
+    target: &Path,
+    limits: &ExtractLimits,
+    spare: &[PathBuf],
+) -> Result<ExtractSummary, ExtractError> {
     let target_exists = match fs::symlink_metadata(target) {
         Ok(meta) if meta.is_dir() => true,
         Ok(_) => return Err(ExtractError::TargetNotDirectory(target.to_owned())),
@@ -434,6 +454,9 @@ pub fn extract_tgz_verified(
     let summary = unpacked?;
 
     if target_exists {
+        // Every refusal comes before the first entry moves: a merge stops
+        // part way only on an I/O error.
+        check_merge(staging.path(), target, spare)?;
         merge_dir(staging.path(), target)?;
         // `staging` is now empty of entries; dropping it removes it.
     } else {
@@ -1147,6 +1170,36 @@ fn check_symlink_resolves(root: &Path, link: &Path) -> Result<(), ExtractError> 
             Ok(_) if pending.is_empty() => resolved.push(part),
             Ok(_) => return Err(refuse("resolves through a file")),
             Err(_) => return Err(refuse("does not resolve to an entry of the archive")),
+        }
+    }
+    Ok(())
+}
+
+/// Refuses what [`merge_dir`] of `from` into `into` must not do: replace
+/// a directory with a non-directory, or replace any of `spare`.
+fn check_merge(from: &Path, into: &Path, spare: &[PathBuf]) -> Result<(), ExtractError> {
+    let install_error = |path: &Path| {
+        let path = display_path(path);
+        move |source| ExtractError::Install { path, source }
+    };
+    for entry in fs::read_dir(from).map_err(install_error(from))? {
+        let entry = entry.map_err(install_error(from))?;
+        let dest = into.join(entry.file_name());
+        if spare.contains(&dest) {
+            return Err(ExtractError::WouldReplaceComponent(display_path(&dest)));
+        }
+        let source_is_dir = entry
+            .file_type()
+            .map_err(install_error(&entry.path()))?
+            .is_dir();
+        match fs::symlink_metadata(&dest) {
+            Ok(meta) if meta.is_dir() && source_is_dir => check_merge(&entry.path(), &dest, spare)?,
+            Ok(meta) if meta.is_dir() => {
+                return Err(ExtractError::WouldReplaceDirectory(display_path(&dest)))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(install_error(&dest)(e)),
         }
     }
     Ok(())

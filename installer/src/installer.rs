@@ -30,7 +30,7 @@ use crate::component::{redact, Component, InstallPath, Source};
 use crate::digest::Sha256Digest;
 use crate::download::{DownloadConfig, DownloadError, Downloader};
 use crate::extract::{
-    extract_tgz_verified, temporary_prefix, ExtractError, ExtractLimits, ExtractSummary,
+    extract_tgz_verified_sparing, temporary_prefix, ExtractError, ExtractLimits, ExtractSummary,
     STAGING_SUFFIX,
 };
 use crate::mirror::Mirror;
@@ -278,7 +278,7 @@ impl Installer {
     ) -> Result<Vec<InstalledComponent>, InstallError> {
         let mut installed = Vec::with_capacity(components.len());
         for component in components {
-            installed.push(self.install(component, progress).await?);
+            installed.push(self.install_among(component, components, progress).await?);
         }
         Ok(installed)
     }
@@ -335,15 +335,29 @@ impl Installer {
         }
     }
 
-    /// Installs one component.
+    /// Installs one component, on its own ([`Installer::install_among`]
+    /// with no other components to spare).
+    pub async fn install(
+        &self,
+        component: &Component,
+        progress: &dyn Progress,
+    ) -> Result<InstalledComponent, InstallError> {
+        self.install_among(component, &[], progress).await
+    }
+
+    /// Installs `component`, one of the node's list `components`: an
+    /// archive that has an entry at another component's install path is
+    /// refused before anything of it is moved into place (it would replace
+    /// a file measured as that component).
     #[tracing::instrument(
         name = "install",
         skip_all,
         fields(component = component.name(), path = %component.install_path(), hash = %component.hash())
     )]
-    pub async fn install(
+    pub async fn install_among(
         &self,
         component: &Component,
+        components: &[Component],
         progress: &dyn Progress,
     ) -> Result<InstalledComponent, InstallError> {
         let started = Instant::now();
@@ -369,7 +383,12 @@ impl Installer {
         }
 
         let outcome = if component.extract() {
-            self.install_archive(component, &dest, &parent, progress)
+            let spare: Vec<PathBuf> = components
+                .iter()
+                .filter(|other| other.install_path() != component.install_path())
+                .map(|other| other.install_path().under(&self.root))
+                .collect();
+            self.install_archive(component, &dest, &parent, &spare, progress)
                 .await?
         } else {
             let temp = self.fetch(component, &dest, &parent, progress).await?;
@@ -399,6 +418,7 @@ impl Installer {
         component: &Component,
         dest: &Path,
         parent: &Path,
+        spare: &[PathBuf],
         progress: &dyn Progress,
     ) -> Result<Outcome, InstallError> {
         let extract_error = |source| InstallError::Extract {
@@ -409,10 +429,12 @@ impl Installer {
         let limits = self.extract_limits;
         let kept = self.kept_path(component).await;
         if let Some(kept) = kept.clone() {
-            let (target, expected) = (dest.to_owned(), component.hash());
+            let (target, expected, spare) = (dest.to_owned(), component.hash(), spare.to_vec());
             let extracted = blocking(move || {
                 Ok(open_regular_file(&kept).map(|file| {
-                    file.map(|file| extract_tgz_verified(file, expected, &target, &limits))
+                    file.map(|file| {
+                        extract_tgz_verified_sparing(file, expected, &target, &limits, &spare)
+                    })
                 }))
             })
             .await?;
@@ -437,14 +459,16 @@ impl Installer {
         let temp_dir = kept.as_deref().and_then(Path::parent).unwrap_or(parent);
         let named = kept.as_deref().unwrap_or(dest);
         let temp = self.fetch(component, named, temp_dir, progress).await?;
-        let (target, expected) = (dest.to_owned(), component.hash());
+        let (target, expected, spare) = (dest.to_owned(), component.hash(), spare.to_vec());
         let (summary, temp) = blocking(move || {
             // Hashed again as it is extracted: the file sat on the disk
             // between its download and now.
             let summary = temp
                 .reopen()
                 .map_err(ExtractError::ReadArchive)
-                .and_then(|file| extract_tgz_verified(file, expected, &target, &limits));
+                .and_then(|file| {
+                    extract_tgz_verified_sparing(file, expected, &target, &limits, &spare)
+                });
             Ok((summary, temp))
         })
         .await?;

@@ -516,6 +516,128 @@ async fn merges_into_an_existing_directory() {
     assert_eq!(entries(&a.root.path().join("opt/cni")), ["bin"]);
 }
 
+/// A merge into an existing directory is all or nothing: an archive with
+/// a non-directory where the directory has a directory, or a directory
+/// where it has a symlink to one, moves nothing into place (the symlink is
+/// replaced, never followed, when the archive is otherwise fine).
+#[tokio::test]
+async fn a_refused_merge_moves_nothing_and_a_symlinked_directory_is_not_followed() {
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("opt/cni/bin");
+    let outside = root.path().join("outside");
+    std::fs::create_dir_all(target.join("plugins")).unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(target.join("bridge"), b"old").unwrap();
+    std::os::unix::fs::symlink(&outside, target.join("lib")).unwrap();
+
+    // "bridge" sorts before "plugins": a merge that checked as it moved
+    // would have replaced it before refusing.
+    let a = install_with(
+        tgz(&[file("bridge", b"new"), file("plugins", b"not a directory")]),
+        root,
+        |root, _| installer(root, None, fast_retries()),
+    )
+    .await;
+    assert!(
+        matches!(a.extract_error(), ExtractError::WouldReplaceDirectory(_)),
+        "{}",
+        a.message()
+    );
+    assert_eq!(std::fs::read(target.join("bridge")).unwrap(), b"old");
+    assert!(target.join("plugins").is_dir());
+    assert_eq!(entries(&a.root.path().join("opt/cni")), ["bin"]);
+
+    // A directory of the archive where the target has a symlink to one.
+    let a = install_with(
+        tgz(&[dir("lib/"), file("lib/tool", b"plugin")]),
+        a.root,
+        |root, _| installer(root, None, fast_retries()),
+    )
+    .await;
+    a.result.as_ref().unwrap();
+    assert!(std::fs::symlink_metadata(target.join("lib"))
+        .unwrap()
+        .is_dir());
+    assert_eq!(std::fs::read(target.join("lib/tool")).unwrap(), b"plugin");
+    assert!(entries(&outside).is_empty(), "written through the symlink");
+}
+
+/// Attacker's move (whoever writes a components list: an operator without
+/// a signing key, or a mistake in a signed list): an archive extracted into
+/// a directory that another component's file shares, with an entry of that
+/// file's name. Listed after it, the archive would replace the file that
+/// PCR 13 measures as the other component, at every boot. Refused before
+/// anything of the archive is moved into place.
+#[tokio::test]
+async fn an_archive_entry_at_another_components_path_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let kubelet = b"the measured kubelet".to_vec();
+    mirror.serve("/kubelet", kubelet.clone());
+    let archive = tgz(&[
+        file("crictl", b"crictl"),
+        file("kubelet", b"another kubelet"),
+    ]);
+    let archive_hash = sha256(&archive);
+    mirror.serve(ARCHIVE, archive);
+    let list = [
+        Component::new(
+            &mirror.url("/kubelet"),
+            &sha256(&kubelet),
+            "/opt/cni/bin/kubelet",
+            false,
+        )
+        .unwrap(),
+        Component::new(&mirror.url(ARCHIVE), &archive_hash, TARGET, true).unwrap(),
+    ];
+    let installer = installer(root.path(), None, fast_retries());
+    let result = installer.install_all(&list, &NoProgress).await;
+    match result {
+        Err(InstallError::Extract {
+            source: ExtractError::WouldReplaceComponent(path),
+            ..
+        }) => assert!(path.ends_with("opt/cni/bin/kubelet"), "{path}"),
+        other => panic!("not refused: {:?}", other.map(|_| ())),
+    }
+    let target = root.path().join("opt/cni/bin");
+    assert_eq!(std::fs::read(target.join("kubelet")).unwrap(), kubelet);
+    assert_eq!(entries(&target), ["kubelet"]);
+    // On its own, as an install that names no other component, the same
+    // archive goes in.
+    installer.install(&list[1], &NoProgress).await.unwrap();
+    assert_eq!(entries(&target), ["crictl", "kubelet"]);
+}
+
+/// More entries than the bound: refused whole.
+#[tokio::test]
+async fn refuses_an_archive_with_too_many_entries() {
+    let many: Vec<Entry> = (0..11).map(|i| file(&format!("f{i}"), b"x")).collect();
+    let a = install_limited(
+        tgz(&many),
+        ExtractLimits {
+            max_entries: 10,
+            ..ExtractLimits::default()
+        },
+    )
+    .await;
+    a.assert_refused();
+    assert!(
+        matches!(a.extract_error(), ExtractError::TooManyEntries(10)),
+        "{}",
+        a.message()
+    );
+    // Ten go in.
+    let a = install_limited(
+        tgz(&many[..10]),
+        ExtractLimits {
+            max_entries: 10,
+            ..ExtractLimits::default()
+        },
+    )
+    .await;
+    a.result.as_ref().unwrap();
+}
+
 const MIB: u64 = 1024 * 1024;
 
 /// Size of the hostile metadata records: far above their limits.
