@@ -18,7 +18,7 @@ use keel_agent::cluster::ClusterSlot;
 use keel_agent::measured::SharedTpm;
 use keel_agent::operator::{OperatorAuth, OperatorKeySlot, OperatorServer, UPGRADE};
 use keel_agent::provision::{DiskStep, NodeEnv, Plan, Provisioner};
-use keel_agent::upgrade::{NodeVersion, Switching, Target, Upgrader, STAGED_SUFFIX};
+use keel_agent::upgrade::{NodeVersion, Switching, Target, UpgradeError, Upgrader, STAGED_SUFFIX};
 use keel_proto::components::Components;
 use keel_proto::operator::upgrade_response::Event;
 use keel_proto::operator::{UpgradePlan, UpgradeRequest, UpgradeStep};
@@ -655,6 +655,34 @@ async fn a_rollback_that_cannot_write_its_record_still_restarts_the_old_kubelet(
     );
     assert!(starts.last().unwrap().contains(FROM), "{starts:?}");
     assert_eq!(node.version(), FROM);
+}
+
+/// A plan whose components install where no upgrade can switch (here
+/// beside the image's own binaries) is refused when it is read, so a
+/// control plane does not authorise for its members' evidence what every
+/// node would refuse to stage.
+#[test]
+fn a_plan_with_a_directory_no_upgrade_can_switch_is_refused() {
+    let mirror = MirrorServer::start().unwrap();
+    let mut listed = stand_ins(&mirror, TO);
+    let good = Target::parse(
+        UpgradePlan::decode(&plan(TO, Some(&listed), UpgradeStep::Authorise)[..]).unwrap(),
+        None,
+    );
+    assert!(good.is_ok(), "{good:?}");
+    let kubelet = listed
+        .iter_mut()
+        .find(|c| c.install_path.ends_with("/kubelet"))
+        .unwrap();
+    kubelet.install_path = "/usr/bin/kubelet".into();
+    let refused = Target::parse(
+        UpgradePlan::decode(&plan(TO, Some(&listed), UpgradeStep::Authorise)[..]).unwrap(),
+        None,
+    );
+    match refused {
+        Err(UpgradeError::Plan(why)) => assert!(why.contains("/usr/bin"), "{why}"),
+        other => panic!("accepted: {other:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,7 +85,8 @@ pub struct Target {
 }
 
 impl Target {
-    /// Checks the fields of `plan`. Where `signing_key` is the cluster's
+    /// Checks the fields of `plan`, its components' directories switchable
+    /// ([`check_switchable`]). Where `signing_key` is the cluster's
     /// measurements signing key (the node's config names it), components
     /// the plan lists (rather than the versions table's) count only with
     /// their components file signed by that key
@@ -121,6 +122,9 @@ impl Target {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| UpgradeError::Plan(format!("component: {e}")))?
         };
+        // Every node would refuse to stage a plan whose directories it
+        // cannot switch: such a plan authorises nothing either.
+        check_switchable(&components).map_err(|e| UpgradeError::Plan(e.to_string()))?;
         let step = match UpgradeStep::try_from(plan.step) {
             Ok(UpgradeStep::Apply) => Step::Apply,
             Ok(UpgradeStep::Node) => Step::Node,
@@ -515,7 +519,7 @@ impl Upgrader {
             Installer::new(self.env.installer.clone()).map_err(UpgradeError::Installer)?;
         for component in staged {
             installer
-                .install(component, &LogProgress::default())
+                .install_among(component, staged, &LogProgress::default())
                 .await
                 .map_err(|source| UpgradeError::Install {
                     version: target.version,
