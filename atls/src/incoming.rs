@@ -404,12 +404,15 @@ impl std::fmt::Debug for IssuerGate {
 }
 
 impl IssuerGate {
-    pub(crate) fn new(per_source: usize, total: usize) -> Self {
+    /// A gate admitting `per_source` and `total` handshakes to the issuer;
+    /// `answers_bounded_overall` for a server that validates no client
+    /// ([`crate::rate`]).
+    pub(crate) fn new(per_source: usize, total: usize, answers_bounded_overall: bool) -> Self {
         Self {
             per_source: per_source.max(1),
             total: Arc::new(Semaphore::new(total.max(1))),
             sources: Mutex::default(),
-            answers: crate::rate::AnswerRate::new(),
+            answers: crate::rate::AnswerRate::new(answers_bounded_overall),
         }
     }
 
@@ -582,7 +585,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_issuer_gate_holds_each_source_to_its_share() {
-        let gate = Arc::new(IssuerGate::new(1, 2));
+        let gate = Arc::new(IssuerGate::new(1, 2, false));
         let first = gate.enter(v4(1)).await.unwrap();
         // The source's second handshake waits for its own share ...
         let second = gate.enter(v4(1));
@@ -604,7 +607,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_handshake_that_gives_up_waiting_leaves_nothing_behind() {
-        let gate = Arc::new(IssuerGate::new(1, 1));
+        let gate = Arc::new(IssuerGate::new(1, 1, false));
         let held = gate.enter(v4(1)).await.unwrap();
         let gave_up = tokio::time::timeout(Duration::from_millis(20), gate.enter(v4(3))).await;
         assert!(gave_up.is_err());

@@ -9,8 +9,14 @@
 //! many answers run at once. So a source gets a burst of
 //! [`PER_SOURCE_BURST`] answers and then one every [`PER_SOURCE_EVERY`];
 //! past that the server sends no proof, the handshake fails and the peer
-//! tries again. There is no bound across sources: a few addresses could
-//! use it all up and lock out everyone else, the operator's CLI included.
+//! tries again. On a server that validates no client, all sources together
+//! also get at most [`OVERALL_BURST`] and then one every [`OVERALL_EVERY`]:
+//! many addresses cannot keep the TPM busy with answers and starve the
+//! quotes of the node's other ports (a flood still locks out that port's
+//! own clients, the operator's CLI included, until it stops). A server
+//! that validates its clients has no such bound: there, answers go only to
+//! attested nodes, and after a control plane restarts every member may
+//! need one.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -24,6 +30,10 @@ use crate::incoming::Source;
 pub(crate) const PER_SOURCE_BURST: f64 = 128.0;
 /// Then one answer per this long, per source.
 pub(crate) const PER_SOURCE_EVERY: Duration = Duration::from_millis(250);
+/// Answers of all sources at once, where the clients are not validated.
+pub(crate) const OVERALL_BURST: f64 = 32.0;
+/// Then one answer per this long, of all sources together.
+pub(crate) const OVERALL_EVERY: Duration = Duration::from_millis(100);
 /// Most sources remembered; a new source past it is refused until one
 /// that was quiet long enough to be full again is forgotten.
 const MAX_SOURCES: usize = 4096;
@@ -73,12 +83,19 @@ pub(crate) struct AnswerRate {
 #[derive(Debug, Default)]
 struct State {
     sources: HashMap<Source, Bucket>,
+    /// The bucket of all sources, where they are bounded together.
+    overall: Option<Bucket>,
 }
 
 impl AnswerRate {
-    pub(crate) fn new() -> Self {
+    /// The rate of a server; `bounded_overall` for one that validates no
+    /// client (see the module documentation).
+    pub(crate) fn new(bounded_overall: bool) -> Self {
         Self {
-            state: Mutex::default(),
+            state: Mutex::new(State {
+                sources: HashMap::new(),
+                overall: bounded_overall.then(|| Bucket::full(OVERALL_BURST, Instant::now())),
+            }),
         }
     }
 
@@ -99,11 +116,21 @@ impl AnswerRate {
                 return false;
             }
         }
-        state
+        let overall_rate = 1.0 / OVERALL_EVERY.as_secs_f64();
+        if let Some(overall) = &state.overall {
+            if overall.level(OVERALL_BURST, overall_rate, now) < 1.0 {
+                return false;
+            }
+        }
+        let allowed = state
             .sources
             .entry(source)
             .or_insert_with(|| Bucket::full(PER_SOURCE_BURST, now))
-            .take(PER_SOURCE_BURST, per_source, now)
+            .take(PER_SOURCE_BURST, per_source, now);
+        if let (true, Some(overall)) = (allowed, &mut state.overall) {
+            overall.take(OVERALL_BURST, overall_rate, now);
+        }
+        allowed
     }
 }
 
@@ -121,7 +148,7 @@ mod tests {
     #[test]
     fn a_source_gets_its_burst_and_then_one_answer_per_period() {
         let t0 = Instant::now();
-        let rate = AnswerRate::new();
+        let rate = AnswerRate::new(false);
         let allowed = (0..200).filter(|_| rate.allow_at(source(1), t0)).count();
         assert_eq!(allowed, PER_SOURCE_BURST as usize);
         // Another source is not held back by the first.
@@ -132,10 +159,30 @@ mod tests {
         assert!(!rate.allow_at(source(1), later));
     }
 
+    /// Attacker's move: many addresses, each within its own share, ask a
+    /// port that validates no client for answers, to keep the TPM busy.
+    /// All of them together get the overall burst and then one answer per
+    /// period; a port that validates its clients is not bounded so.
+    #[test]
+    fn a_port_of_unvalidated_clients_bounds_all_sources_together() {
+        let t0 = Instant::now();
+        let rate = AnswerRate::new(true);
+        let allowed = (0..1000).filter(|n| rate.allow_at(source(*n), t0)).count();
+        assert_eq!(allowed, OVERALL_BURST as usize);
+        let later = t0 + OVERALL_EVERY;
+        assert!(rate.allow_at(source(5000), later));
+        assert!(!rate.allow_at(source(5001), later));
+        let unbounded = AnswerRate::new(false);
+        let allowed = (0..1000)
+            .filter(|n| unbounded.allow_at(source(*n), t0))
+            .count();
+        assert_eq!(allowed, 1000);
+    }
+
     #[test]
     fn the_sources_remembered_are_bounded() {
         let t0 = Instant::now();
-        let rate = AnswerRate::new();
+        let rate = AnswerRate::new(false);
         {
             let mut state = rate.state.lock().unwrap();
             for n in 0..MAX_SOURCES as u32 {

@@ -97,13 +97,18 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
 
     fn new(presenter: Presenter, client_validator: Option<DynValidator<C>>) -> Self {
         let limits = Limits::default();
+        let unvalidated = client_validator.is_none();
         Self {
             presenter,
             client_validator,
             provider: crate::provider(),
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             limits,
-            issuer_gate: Arc::new(IssuerGate::new(limits.issuing_per_source, limits.issuing)),
+            issuer_gate: Arc::new(IssuerGate::new(
+                limits.issuing_per_source,
+                limits.issuing,
+                unvalidated,
+            )),
         }
     }
 
@@ -153,6 +158,7 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         self.issuer_gate = Arc::new(IssuerGate::new(
             self.limits.issuing_per_source,
             self.limits.issuing,
+            self.client_validator.is_none(),
         ));
         self
     }
