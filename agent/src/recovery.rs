@@ -19,8 +19,11 @@
 //! kubelet starts and the node serves joins again. The join client runs at
 //! the same time: whichever takes the lock first wins, the other stops.
 
+use std::collections::HashSet;
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
+
+use keel_atls::Source;
 
 use keel_proto::join::ControlPlaneSecrets;
 use keel_proto::recovery::recovery_service_server::{RecoveryService, RecoveryServiceServer};
@@ -138,6 +141,26 @@ struct Inner {
     one_at_a_time: tokio::sync::Mutex<()>,
     /// A permit per request running or waiting for its turn.
     waiting: Arc<tokio::sync::Semaphore>,
+    /// The sources with a request running or waiting: one each, so a few
+    /// addresses cannot hold every place while the operator's waits.
+    sources: std::sync::Mutex<HashSet<Source>>,
+}
+
+/// A source's one request running or waiting; its place is freed when
+/// dropped.
+struct SourcePlace {
+    inner: Arc<Inner>,
+    source: Source,
+}
+
+impl Drop for SourcePlace {
+    fn drop(&mut self) {
+        self.inner
+            .sources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.source);
+    }
 }
 
 /// Most recovery requests running or waiting for their turn at once.
@@ -161,8 +184,29 @@ impl RecoveryServer {
                 throttle: FailureThrottle::default(),
                 one_at_a_time: tokio::sync::Mutex::new(()),
                 waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITING)),
+                sources: std::sync::Mutex::default(),
             }),
         }
+    }
+
+    /// The place of `peer`'s request among those running or waiting;
+    /// `Busy` while it has one. A request of no known address takes none.
+    fn place_for(&self, peer: Option<IpAddr>) -> Result<Option<SourcePlace>, RecoveryError> {
+        let Some(source) = peer.map(Source::of_ip) else {
+            return Ok(None);
+        };
+        let mut sources = self
+            .inner
+            .sources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !sources.insert(source) {
+            return Err(RecoveryError::Busy);
+        }
+        Ok(Some(SourcePlace {
+            inner: Arc::clone(&self.inner),
+            source,
+        }))
     }
 
     /// The tonic service, requests bounded to [`MAX_RECOVER_REQUEST_BYTES`].
@@ -178,20 +222,21 @@ impl RecoveryServer {
     /// failing (the node reboots) whatever became of the request. The
     /// node's role, lock and the peer's backoff are checked before the task
     /// starts, the state disk first in the task (before the TPM opens
-    /// anything); at most [`MAX_WAITING`] requests wait for their turn;
-    /// past that, `Busy`.
+    /// anything); at most [`MAX_WAITING`] requests wait for their turn,
+    /// one per source (an IPv6 source by its /64); past that, `Busy`.
     pub async fn recover(
         &self,
         request: RecoverRequest,
         peer: Option<IpAddr>,
     ) -> Result<ClusterId, RecoveryError> {
         self.refusal(peer)?;
+        let place = self.place_for(peer)?;
         let waiting = Arc::clone(&self.inner.waiting)
             .try_acquire_owned()
             .map_err(|_| RecoveryError::Busy)?;
         let this = self.clone();
         tokio::spawn(async move {
-            let _waiting = waiting;
+            let (_waiting, _place) = (waiting, place);
             this.run(request, peer).await
         })
         .await

@@ -258,8 +258,8 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         other => panic!("after a request that does not decode: {other:?}"),
     }
     // A caller that goes away while the TPM opens its request (it resets
-    // the stream) is counted all the same, and the next request waits
-    // for the TPM to finish with it.
+    // the stream) is counted all the same: its address is told to retry
+    // while that request runs, and is throttled once it failed.
     let canceller: IpAddr = "192.0.2.9".parse().unwrap();
     let garbage = RecoverRequest {
         secrets: Some(cp1.sealed(&[0xff; 40])),
@@ -271,8 +271,14 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     )
     .await;
     assert!(dropped.is_err(), "answered within 1 ms: {dropped:?}");
-    let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
-    match recovery.recover(right, Some(canceller)).await {
+    let answer = loop {
+        let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+        match recovery.recover(right, Some(canceller)).await {
+            Err(RecoveryError::Busy) => tokio::time::sleep(Duration::from_millis(20)).await,
+            other => break other,
+        }
+    };
+    match answer {
         Err(RecoveryError::Throttled(_)) => {}
         other => panic!("after a request whose caller went away: {other:?}"),
     }
@@ -296,6 +302,22 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         tonic::Status::from(&RecoveryError::Busy).code(),
         tonic::Code::Unavailable
     );
+    // One address holds one place: its second request while the first
+    // runs or waits is told to retry, and the places stay for others.
+    let from: IpAddr = "198.51.100.200".parse().unwrap();
+    let twice = (0..2).map(|_| {
+        let junk = RecoverRequest {
+            secrets: Some(cp1.sealed(&[0xff; 40])),
+            measurement_salt: cp0.state.measurement_salt.to_vec(),
+        };
+        recovery.recover(junk, Some(from))
+    });
+    let answers = futures_util::future::join_all(twice).await;
+    let busy = answers
+        .iter()
+        .filter(|a| matches!(a, Err(RecoveryError::Busy)))
+        .count();
+    assert_eq!(busy, 1, "{answers:?}");
     assert!(!cp1.lock.is_locked());
     // A worker is never recovered.
     let worker_recovery = RecoveryServer::new(worker.node(Arc::new(ClusterSlot::new(None))));
