@@ -21,7 +21,6 @@ use x509_parser::public_key::PublicKey as CertKey;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
@@ -192,12 +191,6 @@ impl Accepted {
     }
 }
 
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-}
-
 impl EkTrust {
     /// Reads every certificate of a PEM bundle. The certificate that signs
     /// EK certificates must be in it (an intermediate is trusted as given).
@@ -235,7 +228,7 @@ impl EkTrust {
             return Err(EkError::KeyMismatch);
         };
         let key = Accepted::key(cert_der, modulus);
-        if self.accepted.contains(&key, unix_now()) {
+        if self.accepted.contains(&key, crate::clock::now_signed()) {
             return Ok(());
         }
         let window = self.check(cert_der, ek)?;
@@ -275,7 +268,7 @@ impl EkTrust {
                 refusal.unwrap_or_else(|| EkError::UntrustedIssuer(cert.issuer().to_string()))
             );
         };
-        if !cert.validity().is_valid() {
+        if !valid_now(&cert) {
             return Err(EkError::Validity);
         }
         endorsement_profile(&cert)?;
@@ -364,6 +357,12 @@ fn endorsement_profile(cert: &X509Certificate<'_>) -> Result<(), EkError> {
     }
 }
 
+/// Whether `cert` is valid at [`crate::clock::now`].
+fn valid_now(cert: &X509Certificate<'_>) -> bool {
+    let (from, to) = window(cert);
+    (from..=to).contains(&crate::clock::now_signed())
+}
+
 /// The validity period of `cert` in Unix seconds, inclusive.
 fn window(cert: &X509Certificate<'_>) -> (i64, i64) {
     let validity = cert.validity();
@@ -379,7 +378,7 @@ fn issued_by(cert: &X509Certificate<'_>, ca: &X509Certificate<'_>) -> Result<(),
     cert.verify_signature(Some(ca.public_key()))
         .map_err(|_| EkError::Signature)?;
     let subject = || ca.subject().to_string();
-    if !ca.validity().is_valid() {
+    if !valid_now(ca) {
         return Err(EkError::CaValidity(subject()));
     }
     let not_ca = |reason| EkError::NotCa {

@@ -11,6 +11,7 @@
 
 pub mod batch;
 pub mod bounded;
+pub mod clock;
 pub mod cluster_settings;
 pub mod config;
 pub mod cpu;

@@ -25,7 +25,6 @@
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use keel_proto::attestation::{cpu_evidence, AttestationDocument};
 use prost::Message;
@@ -363,9 +362,12 @@ impl Validator {
         })?;
         let evidence = doc.cpu_evidence.as_ref().map(cpu_evidence).transpose()?;
         // The guest binding commits to the batch root, which holds the nonce.
-        let cpu = self
-            .cpu
-            .verify(evidence.as_ref(), &doc.ak_public, &root, unix_now())?;
+        let cpu = self.cpu.verify(
+            evidence.as_ref(),
+            &doc.ak_public,
+            &root,
+            crate::clock::now(),
+        )?;
         // Checked after the quote, against the document's own user data: a
         // replayed document fails on its nonce, a moved one on its key.
         if doc.user_data != user_data {
@@ -448,13 +450,6 @@ impl Validator {
             Ok((set.digest, warnings))
         })())
     }
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 fn cpu_evidence(e: &keel_proto::attestation::CpuEvidence) -> Result<Evidence, ValidationError> {
