@@ -224,8 +224,11 @@ impl CpuTrust {
                     .into());
                 }
                 let line = snp::product_line(&claims.product);
-                if let Some(crl) = self.collateral.snp_crl(line)? {
-                    snp::check_revocation(&crl, &certificate, &self.snp_roots, now)?;
+                match self.collateral.snp_crl(line)? {
+                    Some(crl) => {
+                        snp::check_revocation(&crl, &certificate, &self.snp_roots, now)?;
+                    }
+                    None => no_crl_warning(line),
                 }
                 CpuClaims::Snp(claims)
             }
@@ -259,4 +262,17 @@ fn bounded(what: &'static str, actual: usize, limit: usize) -> Result<(), CpuErr
         });
     }
     Ok(())
+}
+
+/// Says, once per process, that SEV-SNP reports are taken without a
+/// revocation check: no CRL of their product line is cached (a node's
+/// cache is empty unless provisioned; docs/attestation.md).
+fn no_crl_warning(line: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            product_line = line,
+            "no AMD CRL cached for this product line: SEV-SNP certificates are not checked for revocation"
+        );
+    });
 }
