@@ -10,15 +10,15 @@
 use std::path::Path;
 use std::time::Duration;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::{bail, Context as _};
 use keel_proto::operator::RevokeNodeRequest;
 use serde_json::Value;
 
-use crate::operator::{answer, on_each, Operator};
+use crate::operator::{answer, distinct, Operator};
 use crate::printable::printable;
-use crate::upgrade::{refuse_unnamed_control_planes, registries_of, Roles};
+use crate::upgrade::refuse_unnamed_control_planes;
 
 use keel_verifier::keys::kind::REVOKE_NODE;
 
@@ -34,26 +34,47 @@ pub async fn run(
         bail!("name each control plane's init port with --endpoint");
     }
     let operator = Operator::load(settings_path, workspace, wait)?;
-    let roles = Roles::of(&operator, endpoints).await?;
-    if let Some(worker) = roles.workers.first() {
-        bail!(
-            "{worker} is not a control plane: revocations go to control planes only; \
-             nothing was revoked"
-        );
+    let endpoints = distinct(endpoints);
+    // Every named control plane that answers is read first. One that does
+    // not (down, rebooting, refused) does not hold the revocation back: it
+    // is reported as failed, and takes the list from the others at its
+    // next registry exchange if it reaches them.
+    let mut registries = Vec::new();
+    let mut reached_eks = BTreeSet::new();
+    let mut unreached = Vec::new();
+    for endpoint in &endpoints {
+        match read_control_plane(&operator, endpoint).await {
+            Ok(Some((ek, registry))) => {
+                reached_eks.insert(ek);
+                registries.push((endpoint.clone(), registry));
+            }
+            Ok(None) => bail!(
+                "{endpoint} is not a control plane: revocations go to control planes only; \
+                 nothing was revoked"
+            ),
+            Err(e) => unreached.push((endpoint.clone(), e)),
+        }
     }
-    // The node is looked up once, in every named control plane's registry,
-    // and revoked by its EK everywhere: a name or disk UUID that means
-    // another node to another control plane (two holders of one name, a
-    // node named like another's disk) revokes nothing.
-    let registries = registries_of(&operator, &roles.control_planes).await?;
+    if registries.is_empty() {
+        for (endpoint, e) in &unreached {
+            println!("{endpoint}: FAILED: {e:#}");
+        }
+        bail!("no control plane named could be read; nothing was revoked");
+    }
+    // The node is looked up once, in all their registries, and revoked by
+    // its EK everywhere: a name or disk UUID that means another node to
+    // another control plane (two holders of one name, a node named like
+    // another's disk) revokes nothing.
     let target = resolve(node, &registries)?;
     // A control plane left out would go on issuing tickets to the node;
-    // the one being revoked need not be named.
-    let mut named = roles.control_plane_eks.clone();
+    // the one being revoked need not be named, and each named one that
+    // could not be read may be any one the registries know.
+    let mut named = reached_eks;
     named.insert(target.ek.clone());
     refuse_unnamed_control_planes(
         &registries,
         &named,
+        unreached.len(),
         "Each must revoke the node, or it goes on issuing it tickets (and disk keys) until \
          it merges another's list",
     )?;
@@ -62,15 +83,41 @@ pub async fn run(
         printable(&target.name),
         printable(&target.ek)
     );
-    // Every control plane is tried. One that does not know the node (or
-    // is down) takes the list from the others with its next registry
-    // exchange, if it reaches them; the command fails all the same, since
-    // one cut off from the others keeps issuing tickets to the node.
-    on_each(endpoints, "revoke the node", |endpoint| {
-        let (operator, ek) = (&operator, &target.ek);
-        async move { revoke_at(operator, &endpoint, ek, workspace).await }
-    })
-    .await
+    let mut failed = unreached.len();
+    for (endpoint, e) in &unreached {
+        println!("{endpoint}: FAILED: {e:#}");
+    }
+    for (endpoint, _) in &registries {
+        match revoke_at(&operator, endpoint, &target.ek, workspace).await {
+            Ok(line) => println!("{endpoint}: {line}"),
+            Err(e) => {
+                failed += 1;
+                println!("{endpoint}: FAILED: {e:#}");
+            }
+        }
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} of {} control plane(s) did not revoke the node; run the command again \
+             for them",
+            endpoints.len()
+        );
+    }
+    Ok(())
+}
+
+/// The EK and registry of the control plane at `endpoint`; `None` if it
+/// is not a control plane.
+async fn read_control_plane(
+    operator: &Operator,
+    endpoint: &str,
+) -> anyhow::Result<Option<(String, Value)>> {
+    let member = operator.connect(endpoint).await?;
+    if !member.is_control_plane() {
+        return Ok(None);
+    }
+    let registry = crate::status::registry_of(operator, endpoint).await?;
+    Ok(Some((member.ek.to_string(), registry)))
 }
 
 /// The node a selector names, as the control planes' registries know it.

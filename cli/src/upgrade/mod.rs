@@ -229,6 +229,7 @@ pub(crate) async fn every_control_plane_named(
     refuse_unnamed_control_planes(
         &registries,
         &roles.control_plane_eks,
+        0,
         "Each must take the upgrade, or it judges the upgraded nodes drifted (and, under \
          the revoke policy, revokes them), or goes on accepting the old image",
     )
@@ -247,22 +248,26 @@ pub(crate) async fn registries_of(
     Ok(registries)
 }
 
-/// Refuses while any of `registries` knows an unrevoked control plane
-/// whose EK is not in `named`; `why` says what it would miss.
+/// Refuses while `registries` know, in all, more than `unread` unrevoked
+/// control planes whose EK is not in `named` (`unread`: how many named
+/// control planes could not be read, which may be any of them); `why`
+/// says what one left out would miss.
 pub(crate) fn refuse_unnamed_control_planes(
     registries: &[(String, serde_json::Value)],
     named: &BTreeSet<String>,
+    unread: usize,
     why: &str,
 ) -> anyhow::Result<()> {
-    if let Some((endpoint, unnamed)) = unnamed_control_planes(registries, named).into_iter().next()
-    {
-        bail!(
+    let found = unnamed_control_planes(registries, named);
+    let distinct: BTreeSet<&String> = found.iter().flat_map(|(_, unnamed)| unnamed).collect();
+    match found.first() {
+        Some((endpoint, unnamed)) if distinct.len() > unread => bail!(
             "{endpoint} knows control planes not named with --endpoint: {}. {why}: name \
              every control plane, or revoke one that is gone for good; nothing was changed",
             unnamed.join(", ")
-        );
+        ),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// For each `(endpoint, registry)` (a control plane's registry, JSON) that
@@ -362,5 +367,29 @@ mod tests {
             ("cp-1:9000".to_owned(), second),
         ];
         assert!(unnamed_control_planes(&registries, &named).is_empty());
+    }
+
+    /// A named control plane that could not be read may be any one the
+    /// registries know: as many unnamed ones pass as named ones were not
+    /// read, counted once across the registries, and no more.
+    #[test]
+    fn unnamed_control_planes_pass_only_for_as_many_named_ones_not_read() {
+        let ek = |b: &str| format!("sha256:{}", b.repeat(32));
+        let cp = |name: &str, e: &str| serde_json::json!({"name": name, "role": "control-plane", "ek": ek(e)});
+        let named: BTreeSet<String> = [ek("aa")].into();
+        let registry = serde_json::json!({
+            "nodes": {"a": cp("cp-0", "aa"), "b": cp("cp-1", "bb"), "c": cp("cp-2", "cc")},
+        });
+        let registries = vec![
+            ("cp-0:9000".to_owned(), registry.clone()),
+            ("cp-0b:9000".to_owned(), registry),
+        ];
+        for unread in [0, 1] {
+            let e = refuse_unnamed_control_planes(&registries, &named, unread, "why")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("not named with --endpoint"), "{e}");
+        }
+        refuse_unnamed_control_planes(&registries, &named, 2, "why").unwrap();
     }
 }
