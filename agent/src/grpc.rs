@@ -102,27 +102,75 @@ where
     routes(&mut server).serve_with_incoming(incoming).await
 }
 
-/// A service whose requests, counted across every connection of the port,
-/// are at most a fixed number in flight: one beyond it is answered at once
-/// with `UNAVAILABLE` and its body is never read. A request is in flight
-/// from its headers until its handler returns its response (for a unary or
-/// server-streaming method, after the request message was read whole), so
-/// the bound caps how many large request messages the port buffers at
-/// once, whatever the number of connections and streams.
+/// A service whose requests are bounded in flight across every connection
+/// of a server-attested port: at most a fixed number at once, one per
+/// source (an IPv6 source by its /64; sources come from the aTLS peer
+/// information of a port that validates no client), and each request's
+/// body must arrive within a deadline. A request beyond a bound is
+/// answered at once with `UNAVAILABLE` and its body is never read; a body
+/// that is late fails the request with `DEADLINE_EXCEEDED` before its
+/// handler runs. A request is in flight from its headers until its handler
+/// returns its response (for a unary or server-streaming method, after the
+/// request message was read whole), so the bounds cap how many large
+/// request messages the port buffers at once, and for how long, whatever
+/// the number of connections and streams.
 #[derive(Clone)]
 pub struct InFlightLimit<S> {
     inner: S,
     permits: std::sync::Arc<tokio::sync::Semaphore>,
+    sources: std::sync::Arc<std::sync::Mutex<HashSet<keel_atls::Source>>>,
+    body_deadline: Duration,
     busy: &'static str,
 }
 
 impl<S> InFlightLimit<S> {
-    /// Wraps `inner`, answering a request beyond `limit` with `busy`.
-    pub fn new(inner: S, limit: usize, busy: &'static str) -> Self {
+    /// Wraps `inner`: at most `limit` requests at once, one per source,
+    /// each body within `body_deadline`; a request beyond the bounds is
+    /// answered with `busy`.
+    pub fn new(inner: S, limit: usize, body_deadline: Duration, busy: &'static str) -> Self {
         Self {
             inner,
             permits: std::sync::Arc::new(tokio::sync::Semaphore::new(limit.max(1))),
+            sources: std::sync::Arc::default(),
+            body_deadline,
             busy,
+        }
+    }
+
+    /// A place for a request from `source`, if the bounds leave one.
+    fn admit(&self, source: Option<keel_atls::Source>) -> Option<Place> {
+        let permit = self.permits.clone().try_acquire_owned().ok()?;
+        if let Some(source) = source {
+            let mut sources = self
+                .sources
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !sources.insert(source) {
+                return None;
+            }
+        }
+        Some(Place {
+            _permit: permit,
+            sources: self.sources.clone(),
+            source,
+        })
+    }
+}
+
+/// One request's place among those in flight; freed when dropped.
+struct Place {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    sources: std::sync::Arc<std::sync::Mutex<HashSet<keel_atls::Source>>>,
+    source: Option<keel_atls::Source>,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if let Some(source) = self.source {
+            self.sources
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&source);
         }
     }
 }
@@ -150,26 +198,72 @@ where
     }
 
     fn call(&mut self, request: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
-        match self.permits.clone().try_acquire_owned() {
-            Ok(permit) => {
-                let answer = self.inner.call(request);
-                Box::pin(async move {
-                    let answer = answer.await;
-                    drop(permit);
-                    answer
-                })
-            }
-            Err(_) => {
-                let busy = self.busy;
-                tracing::debug!(
-                    busy,
-                    "request refused: the service's requests in flight are at their bound"
-                );
-                Box::pin(std::future::ready(Ok(
-                    tonic::Status::unavailable(busy).into_http()
-                )))
-            }
+        let source = request
+            .extensions()
+            .get::<keel_atls::PeerInfo<()>>()
+            .and_then(keel_atls::PeerInfo::remote_addr)
+            .map(|addr| keel_atls::Source::of_ip(addr.ip()));
+        let Some(place) = self.admit(source) else {
+            let busy = self.busy;
+            tracing::debug!(
+                busy,
+                "request refused: the service's requests in flight are at their bound"
+            );
+            return Box::pin(std::future::ready(Ok(
+                tonic::Status::unavailable(busy).into_http()
+            )));
+        };
+        let deadline = self.body_deadline;
+        let request = request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline)));
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let answer = answer.await;
+            drop(place);
+            answer
+        })
+    }
+}
+
+/// A request body that fails once its deadline passed before it ended.
+struct DeadlineBody {
+    inner: tonic::body::Body,
+    deadline: Pin<Box<Sleep>>,
+}
+
+impl DeadlineBody {
+    fn new(inner: tonic::body::Body, within: Duration) -> Self {
+        Self {
+            inner,
+            deadline: Box::pin(tokio::time::sleep(within)),
         }
+    }
+}
+
+impl http_body::Body for DeadlineBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
+            return Poll::Ready(frame);
+        }
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(
+                "the request's body did not arrive in time",
+            )))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -50,9 +50,14 @@ pub const MAX_INIT_REQUEST_BYTES: usize = 2 * 1024 * 1024;
 pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
 /// Init requests the init port holds at once, counted over all its
 /// connections: each may buffer up to [`MAX_INIT_REQUEST_BYTES`] before its
-/// handler runs, and anyone can open a connection to this port. A node
-/// takes one init; a request beyond the bound is answered `UNAVAILABLE`.
-pub const INIT_REQUESTS_IN_FLIGHT: usize = 2;
+/// handler runs, and anyone can open a connection to this port. One per
+/// source; a node takes one init; a request beyond the bounds is answered
+/// `UNAVAILABLE`.
+pub const INIT_REQUESTS_IN_FLIGHT: usize = 4;
+/// How long an init request's body may take to arrive (at most
+/// [`MAX_INIT_REQUEST_BYTES`]): a client that trickles it holds a place
+/// no longer.
+pub const INIT_REQUEST_BODY_DEADLINE: Duration = Duration::from_secs(30);
 /// Connections the init port keeps open at once. Its clients are the
 /// operator's CLI (one connection per command) and, before init, whoever
 /// reaches the port; the operator and recovery requests each connection may
@@ -272,16 +277,19 @@ impl OperatorPort {
 }
 
 /// Serves `init` alone on `listener` over server-attested aTLS (attesting
-/// with `tpm`) with the gRPC `limits` until the task is dropped.
+/// with `tpm`) with the gRPC `limits`, as the init port does but with
+/// `body_deadline` for each init request's body, until the task is
+/// dropped.
 pub async fn serve_init_on(
     listener: TcpListener,
     tpm: SharedTpm,
     init: InitServer,
     limits: &GrpcLimits,
+    body_deadline: Duration,
 ) -> anyhow::Result<()> {
     let issuer = Arc::new(TpmIssuer::new(tpm));
     let incoming = operator_port_incoming(issuer, listener);
-    let service = init_service(init);
+    let service = bounded_init_service(init, body_deadline);
     grpc::serve(incoming, limits, |server| server.add_service(service)).await?;
     Ok(())
 }
@@ -302,6 +310,13 @@ fn operator_port_incoming(
 /// The init service with its message sizes and its requests in flight
 /// bounded.
 pub fn init_service(init: InitServer) -> InFlightLimit<InitServiceServer<InitServer>> {
+    bounded_init_service(init, INIT_REQUEST_BODY_DEADLINE)
+}
+
+fn bounded_init_service(
+    init: InitServer,
+    body_deadline: Duration,
+) -> InFlightLimit<InitServiceServer<InitServer>> {
     let service = init
         .into_service()
         .max_decoding_message_size(MAX_INIT_REQUEST_BYTES)
@@ -309,7 +324,8 @@ pub fn init_service(init: InitServer) -> InFlightLimit<InitServiceServer<InitSer
     InFlightLimit::new(
         service,
         INIT_REQUESTS_IN_FLIGHT,
-        "another init request is being received; try again",
+        body_deadline,
+        "other init requests are in progress; try again",
     )
 }
 
