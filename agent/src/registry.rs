@@ -1317,8 +1317,30 @@ impl RegistryStore {
         drift_stands: Duration,
         from: &EkDigest,
     ) -> Result<usize, RegistryError> {
+        self.merge_from_peer_noting(theirs, drift_stands, from, true)
+    }
+
+    /// [`RegistryStore::merge_from_peer`] of what a control plane serves
+    /// one it revokes: its revocation list alone, which is no view of the
+    /// nodes, so the merge is not noted as one ([`RegistryStore::merged_at`]).
+    pub fn merge_revocations_from_peer(
+        &self,
+        theirs: Registry,
+        drift_stands: Duration,
+        from: &EkDigest,
+    ) -> Result<usize, RegistryError> {
+        self.merge_from_peer_noting(theirs, drift_stands, from, false)
+    }
+
+    fn merge_from_peer_noting(
+        &self,
+        theirs: Registry,
+        drift_stands: Duration,
+        from: &EkDigest,
+        note: bool,
+    ) -> Result<usize, RegistryError> {
         let merged = self.merge_holding_drift(theirs, drift_stands, Some(from));
-        if matches!(merged, Err(RegistryError::PeerRevoked)) {
+        if !note || matches!(merged, Err(RegistryError::PeerRevoked)) {
             return merged;
         }
         *self

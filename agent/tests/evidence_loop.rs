@@ -874,7 +874,9 @@ async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets(
     }
     evidence.abort();
     // What a revoked control plane gets is the list alone: no node
-    // records of cp-1's came with it.
+    // records of cp-1's came with it, and the merge is no view of the
+    // nodes (silence would be judged on it).
+    assert_eq!(cp2_registry.merged_at(), None);
     assert!(
         cp2_registry.snapshot().find("w-1").is_err(),
         "{:#?}",

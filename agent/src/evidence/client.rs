@@ -147,6 +147,8 @@ struct Merging {
     /// since a merge tells its evidence service that another control
     /// plane's view is current.
     own_ek: keel_verifier::ek::EkDigest,
+    /// Whether this node logged that it found itself revoked.
+    told_revoked: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// One connection to a control plane's evidence service.
@@ -209,6 +211,7 @@ impl EvidenceClient {
             registry,
             drift_stands,
             own_ek,
+            told_revoked: Arc::default(),
         });
         self
     }
@@ -260,12 +263,12 @@ impl EvidenceClient {
                             // takes the peer's revocation list, its own
                             // revocation in it.
                             if e.is_revoked() {
-                                self.exchange_registry(&mut session, &endpoint).await;
+                                self.exchange_registry(&mut session, &endpoint, false).await;
                             }
                             break;
                         }
                     }
-                    self.exchange_registry(&mut session, &endpoint).await;
+                    self.exchange_registry(&mut session, &endpoint, true).await;
                 },
                 Err(e) => {
                     tracing::info!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence connection failed");
@@ -279,8 +282,9 @@ impl EvidenceClient {
 impl EvidenceClient {
     /// Merges the registry of the session's control plane into this
     /// control plane's, if this node merges registries and the peer is
-    /// another control plane.
-    async fn exchange_registry(&self, session: &mut Session, endpoint: &str) {
+    /// another control plane: the whole registry, or after the peer
+    /// refused this one as revoked, its revocation list.
+    async fn exchange_registry(&self, session: &mut Session, endpoint: &str, whole: bool) {
         let Some(merging) = self
             .registry
             .as_ref()
@@ -288,13 +292,25 @@ impl EvidenceClient {
         else {
             return;
         };
-        match session
-            .merge_registry(&merging.registry, merging.drift_stands)
-            .await
-        {
+        let merged = if whole {
+            session
+                .merge_registry(&merging.registry, merging.drift_stands)
+                .await
+        } else {
+            session
+                .take_revocations(&merging.registry, merging.drift_stands)
+                .await
+        };
+        match merged {
             Ok(_) => {
                 if let Some(revocation) = merging.registry.revocation(&merging.own_ek) {
-                    tracing::error!(%endpoint, %revocation, "this control plane is revoked: it issues no join tickets");
+                    // Said once: every later exchange finds it again.
+                    if !merging
+                        .told_revoked
+                        .swap(true, std::sync::atomic::Ordering::Relaxed)
+                    {
+                        tracing::error!(%endpoint, %revocation, "this control plane is revoked: it issues no join tickets");
+                    }
                 }
             }
             Err(e) => {
@@ -362,6 +378,27 @@ impl Session {
         registry: &Arc<RegistryStore>,
         drift_stands: Duration,
     ) -> Result<usize, EvidenceClientError> {
+        self.pull_registry(registry, drift_stands, true).await
+    }
+
+    /// [`Session::merge_registry`] after the control plane refused this
+    /// one as revoked: what it serves then is its revocation list alone,
+    /// taken without counting as a view of the nodes
+    /// ([`RegistryStore::merge_revocations_from_peer`]).
+    pub async fn take_revocations(
+        &mut self,
+        registry: &Arc<RegistryStore>,
+        drift_stands: Duration,
+    ) -> Result<usize, EvidenceClientError> {
+        self.pull_registry(registry, drift_stands, false).await
+    }
+
+    async fn pull_registry(
+        &mut self,
+        registry: &Arc<RegistryStore>,
+        drift_stands: Duration,
+        whole: bool,
+    ) -> Result<usize, EvidenceClientError> {
         if self.peer_revoked_in(registry).await? {
             return Err(EvidenceClientError::PeerRevoked);
         }
@@ -378,7 +415,11 @@ impl Session {
             let theirs = Registry::parse(&bytes)?;
             // Checked again under the merge's lock: a revocation may have
             // landed during the call.
-            registry.merge_from_peer(theirs, drift_stands, &peer)
+            if whole {
+                registry.merge_from_peer(theirs, drift_stands, &peer)
+            } else {
+                registry.merge_revocations_from_peer(theirs, drift_stands, &peer)
+            }
         })
         .await
         .map_err(|_| EvidenceClientError::Task)?

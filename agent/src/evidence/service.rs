@@ -515,7 +515,8 @@ impl EvidenceService {
     /// control plane hears the cluster: not only those just marked, but
     /// also those whose revocation failed to be written before (a full
     /// disk, a restart in between) and those another control plane's
-    /// registry reported.
+    /// registry reported. A control plane whose own EK its registry
+    /// revokes revokes no one.
     pub async fn sweep(&self) -> Result<usize, EvidenceError> {
         let grace = self.inner.config.interval() * SILENT_AFTER;
         let now = registry::now();
@@ -539,8 +540,13 @@ impl EvidenceService {
                 "node silent"
             );
         }
-        if self.inner.config.policy == EvidencePolicy::Revoke {
-            let own_ek = self.inner.own_ek;
+        let own_ek = self.inner.own_ek;
+        // A control plane that another revoked judges no one: its view may
+        // be cut off from the cluster, and it is to be replaced.
+        let revoked_here = self
+            .store(move |s| Ok(s.revocation(&own_ek).is_some()))
+            .await?;
+        if self.inner.config.policy == EvidencePolicy::Revoke && !revoked_here {
             let (pending, standing) = self
                 .store(move |s| {
                     let registry = s.snapshot();
@@ -633,7 +639,8 @@ impl EvidenceService {
     /// thread. A control plane this registry revokes gets the revocation
     /// list alone: no other control plane takes its evidence, so this is
     /// how it learns that it is revoked (and stops issuing tickets) and
-    /// which nodes were revoked since; it learns nothing of the nodes.
+    /// which nodes were revoked since; of the other nodes it learns
+    /// nothing.
     pub async fn registry_for(&self, peer: &Verified) -> Result<Vec<u8>, EvidenceError> {
         let (ek, revoked) = match self.admit(peer) {
             Ok(ek) => (ek, false),
