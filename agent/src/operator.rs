@@ -729,7 +729,18 @@ impl OperatorServer {
         let selector = request.node.clone();
         let disks = self.disks.as_deref();
         let revocation = self.registry()?.update(|r| {
-            let record = r.find(&selector)?.clone();
+            let record = match r.find(&selector) {
+                Ok(record) => record.clone(),
+                // An EK, whole, that no node record here names (the node
+                // joined through another control plane, this one has not
+                // merged it yet, or it is revoked already): revoked by
+                // the EK alone, so the list goes on from here too.
+                Err(RegistryError::UnknownNode(_)) if whole_ek(&selector).is_some() => {
+                    let ek = whole_ek(&selector).ok_or(RegistryError::Task)?;
+                    return r.revoke_ek(&ek, "revoked by the operator");
+                }
+                Err(e) => return Err(e),
+            };
             let disk = BoundDisk::of_record(disks, &record);
             r.revoke(&record, disk.as_ref(), "revoked by the operator")
         });
@@ -754,6 +765,15 @@ impl OperatorServer {
             .authorize(NODE_STATUS, &request.challenge, &[], &request.proof, peer)?;
         Ok(self.registry()?.snapshot().to_json())
     }
+}
+
+/// The EK `selector` names as an EK digest prints itself (`sha256:` and
+/// 64 lower-case hex digits), if it is one.
+fn whole_ek(selector: &str) -> Option<EkDigest> {
+    selector
+        .strip_prefix("sha256:")
+        .and_then(EkDigest::from_hex)
+        .filter(|ek| ek.to_string() == selector)
 }
 
 /// Runs `op` on a blocking thread: the operator's changes write and sync

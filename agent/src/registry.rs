@@ -114,6 +114,23 @@ pub struct NodeRecord {
 }
 
 impl NodeRecord {
+    /// A record of `ek` alone, as a revocation by EK names it.
+    fn named_by_ek(ek: &EkDigest) -> Self {
+        Self {
+            name: String::new(),
+            role: String::new(),
+            ek: ek.to_string(),
+            disk_uuid: String::new(),
+            verdict: Verdict::Registered,
+            registered_at: 0,
+            last_evidence_at: None,
+            verdict_at: 0,
+            reason: None,
+            kubernetes_version: String::new(),
+            measurements: String::new(),
+        }
+    }
+
     /// Whether its drift still stands at `at` (Unix seconds): it drifted
     /// less than `stands` ago, so trusted evidence does not clear it, here
     /// or from a peer ([`Registry::record_holding_drift`],
@@ -818,6 +835,14 @@ impl Registry {
         };
         self.revoked.push(revocation.clone());
         Ok(revocation)
+    }
+
+    /// Puts `ek`, which no node record here names, on the revocation list
+    /// for `reason` (no name, no disk); returns the revocation (the
+    /// existing one if it was revoked).
+    pub fn revoke_ek(&mut self, ek: &EkDigest, reason: &str) -> Result<Revocation, RegistryError> {
+        let record = NodeRecord::named_by_ek(ek);
+        self.revoke(&record, None, reason)
     }
 
     /// Takes in another control plane's registry: its revocations join

@@ -855,6 +855,27 @@ async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets(
         .unwrap();
     }
 
+    // An EK cp-1 never saw is revoked by the EK alone (the node joined
+    // elsewhere), and revoking it again gives the same revocation.
+    let stranger = EkDigest::from_hex(&"ee".repeat(32)).unwrap().to_string();
+    for _ in 0..2 {
+        let (op, challenge, proof) = c.operator(REVOKE_NODE, stranger.as_bytes());
+        let revoked = op
+            .revoke_node(
+                &RevokeNodeRequest {
+                    node: stranger.clone(),
+                    challenge,
+                    proof,
+                },
+                None,
+            )
+            .unwrap();
+        assert_eq!(
+            (revoked.ek.as_str(), revoked.name.as_str()),
+            (stranger.as_str(), "")
+        );
+    }
+
     // cp-2's evidence loop: refused as revoked, it takes cp-1's list.
     let evidence = tokio::spawn(
         c.evidence_client(&cp2)
