@@ -453,10 +453,12 @@ pub fn extract_tgz_verified_sparing(
     }
     let summary = unpacked?;
 
+    // Every refusal comes before the first entry moves: a merge stops part
+    // way only on an I/O error. The spared paths are checked also when the
+    // target is new, so a list whose archive would replace another
+    // component's file is refused from its first install.
+    check_merge(staging.path(), target, spare)?;
     if target_exists {
-        // Every refusal comes before the first entry moves: a merge stops
-        // part way only on an I/O error.
-        check_merge(staging.path(), target, spare)?;
         merge_dir(staging.path(), target)?;
         // `staging` is now empty of entries; dropping it removes it.
     } else {
@@ -1175,8 +1177,9 @@ fn check_symlink_resolves(root: &Path, link: &Path) -> Result<(), ExtractError> 
     Ok(())
 }
 
-/// Refuses what [`merge_dir`] of `from` into `into` must not do: replace
-/// a directory with a non-directory, or replace any of `spare`.
+/// Refuses what moving the entries of `from` into `into` (which may not
+/// exist yet) must not do: replace a directory with a non-directory, or
+/// put an entry at any of `spare`.
 fn check_merge(from: &Path, into: &Path, spare: &[PathBuf]) -> Result<(), ExtractError> {
     let install_error = |path: &Path| {
         let path = display_path(path);
@@ -1197,9 +1200,39 @@ fn check_merge(from: &Path, into: &Path, spare: &[PathBuf]) -> Result<(), Extrac
             Ok(meta) if meta.is_dir() => {
                 return Err(ExtractError::WouldReplaceDirectory(display_path(&dest)))
             }
+            // Moved whole (new, or a file it replaces): nothing below it
+            // exists, but a spared path may lie below.
+            Ok(_) if source_is_dir => check_spared(&entry.path(), &dest, spare)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound && source_is_dir => {
+                check_spared(&entry.path(), &dest, spare)?
+            }
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(install_error(&dest)(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Refuses an entry of `from`, at any depth, whose place under `into` is
+/// one of `spare`.
+fn check_spared(from: &Path, into: &Path, spare: &[PathBuf]) -> Result<(), ExtractError> {
+    let install_error = |path: &Path| {
+        let path = display_path(path);
+        move |source| ExtractError::Install { path, source }
+    };
+    for entry in fs::read_dir(from).map_err(install_error(from))? {
+        let entry = entry.map_err(install_error(from))?;
+        let dest = into.join(entry.file_name());
+        if spare.contains(&dest) {
+            return Err(ExtractError::WouldReplaceComponent(display_path(&dest)));
+        }
+        if entry
+            .file_type()
+            .map_err(install_error(&entry.path()))?
+            .is_dir()
+        {
+            check_spared(&entry.path(), &dest, spare)?;
         }
     }
     Ok(())

@@ -602,10 +602,33 @@ async fn an_archive_entry_at_another_components_path_is_refused() {
     let target = root.path().join("opt/cni/bin");
     assert_eq!(std::fs::read(target.join("kubelet")).unwrap(), kubelet);
     assert_eq!(entries(&target), ["kubelet"]);
+    // Listed first, into a directory that does not exist yet, it is
+    // refused as well: from the first install, not at the next boot.
+    let fresh = tempfile::tempdir().unwrap();
+    let reversed = [list[1].clone(), list[0].clone()];
+    let first = installer_at(fresh.path())
+        .install_all(&reversed, &NoProgress)
+        .await;
+    assert!(
+        matches!(
+            first,
+            Err(InstallError::Extract {
+                source: ExtractError::WouldReplaceComponent(_),
+                ..
+            })
+        ),
+        "{:?}",
+        first.map(|_| ())
+    );
+    assert!(!fresh.path().join("opt/cni/bin").exists());
     // On its own, as an install that names no other component, the same
     // archive goes in.
     installer.install(&list[1], &NoProgress).await.unwrap();
     assert_eq!(entries(&target), ["crictl", "kubelet"]);
+}
+
+fn installer_at(root: &Path) -> Installer {
+    installer(root, None, fast_retries())
 }
 
 /// More entries than the bound: refused whole.
