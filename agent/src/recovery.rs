@@ -98,6 +98,10 @@ pub enum RecoveryError {
     /// [`MAX_WAITING`] requests are running or waiting already.
     #[error("other recovery requests are being handled; retry")]
     Busy,
+    /// A request from the same address is still running or waiting (one
+    /// whose caller went away included).
+    #[error("a recovery request from this address is still being handled; retry when it ends")]
+    SourceBusy,
 }
 
 impl From<&RecoveryError> for tonic::Status {
@@ -115,7 +119,7 @@ impl From<&RecoveryError> for tonic::Status {
             E::InvalidRequest(_) | E::Sealed(_) => tonic::Code::InvalidArgument,
             E::WrongSecret => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
-            E::Unavailable | E::Lock(_) | E::Busy => tonic::Code::Unavailable,
+            E::Unavailable | E::Lock(_) | E::Busy | E::SourceBusy => tonic::Code::Unavailable,
             // What the node found on its own disk and TPM that rules it
             // out: the operator's to see (no secret in these texts).
             E::Provision(
@@ -190,7 +194,7 @@ impl RecoveryServer {
     }
 
     /// The place of `peer`'s request among those running or waiting;
-    /// `Busy` while it has one. A request of no known address takes none.
+    /// `SourceBusy` while it has one. A request of no known address takes none.
     fn place_for(&self, peer: Option<IpAddr>) -> Result<Option<SourcePlace>, RecoveryError> {
         let Some(source) = peer.map(Source::of_ip) else {
             return Ok(None);
@@ -201,7 +205,7 @@ impl RecoveryServer {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if !sources.insert(source) {
-            return Err(RecoveryError::Busy);
+            return Err(RecoveryError::SourceBusy);
         }
         Ok(Some(SourcePlace {
             inner: Arc::clone(&self.inner),
@@ -456,7 +460,9 @@ impl RecoveryService for RecoveryServer {
             })),
             // Refusals that cost the sender nothing are logged at debug
             // level only (see the init server).
-            Err(e @ (RecoveryError::Throttled(_) | RecoveryError::Busy)) => {
+            Err(
+                e @ (RecoveryError::Throttled(_) | RecoveryError::Busy | RecoveryError::SourceBusy),
+            ) => {
                 tracing::debug!(error = %e, "recovery refused");
                 Err((&e).into())
             }

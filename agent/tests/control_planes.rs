@@ -274,7 +274,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let answer = loop {
         let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
         match recovery.recover(right, Some(canceller)).await {
-            Err(RecoveryError::Busy) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(RecoveryError::SourceBusy) => tokio::time::sleep(Duration::from_millis(20)).await,
             other => break other,
         }
     };
@@ -315,7 +315,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let answers = futures_util::future::join_all(twice).await;
     let busy = answers
         .iter()
-        .filter(|a| matches!(a, Err(RecoveryError::Busy)))
+        .filter(|a| matches!(a, Err(RecoveryError::SourceBusy)))
         .count();
     assert_eq!(busy, 1, "{answers:?}");
     assert!(!cp1.lock.is_locked());
