@@ -187,6 +187,22 @@ impl Cluster {
         registry.nodes().values().find(|r| r.name == "w-1")
     }
 
+    /// `keel revoke <selector>` at cp-1.
+    fn revoke(
+        &self,
+        selector: &str,
+    ) -> Result<keel_agent::registry::Revocation, keel_agent::operator::OperatorError> {
+        let (op, challenge, proof) = self.operator(REVOKE_NODE, selector.as_bytes());
+        op.revoke_node(
+            &RevokeNodeRequest {
+                node: selector.into(),
+                challenge,
+                proof,
+            },
+            None,
+        )
+    }
+
     /// cp-1's operator API, and a proof for `kind` over `body` on a fresh
     /// challenge.
     fn operator(&self, kind: &str, body: &[u8]) -> (OperatorServer, Vec<u8>, Vec<u8>) {
@@ -344,17 +360,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         .unwrap();
     let status = Registry::parse(&status).unwrap();
     assert!(Cluster::worker_record(&status).is_some());
-    let (op, challenge, proof) = c.operator(REVOKE_NODE, b"keel-nobody");
-    let err = op
-        .revoke_node(
-            &RevokeNodeRequest {
-                node: "keel-nobody".into(),
-                challenge,
-                proof,
-            },
-            None,
-        )
-        .unwrap_err();
+    let err = c.revoke("keel-nobody").unwrap_err();
     assert_eq!(tonic::Status::from(&err).code(), tonic::Code::NotFound);
     assert!(err.to_string().contains("keel-nobody"), "{err}");
     // A proof for another node does not revoke this one.
@@ -386,17 +392,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     ));
     let cp3_registry = RegistryStore::shared(&cp3.root).unwrap();
     assert!(cp3_registry.snapshot().revoked().is_empty());
-    let (op, challenge, proof) = c.operator(REVOKE_NODE, disk.as_bytes());
-    let revoked = op
-        .revoke_node(
-            &RevokeNodeRequest {
-                node: disk.clone(),
-                challenge,
-                proof,
-            },
-            None,
-        )
-        .unwrap();
+    let revoked = c.revoke(&disk).unwrap();
     assert_eq!(revoked.name, "w-1");
     // Another control plane takes the list over the evidence connection
     // (cp-1's own session stands in for it): the revocation arrives once.
@@ -674,17 +670,7 @@ async fn a_member_reporting_another_nodes_disk_is_refused_and_its_revocation_spa
     c.registry()
         .update(|r| r.register(&attacker_ek, &victim_disk, "cp-1", "control-plane"))
         .unwrap();
-    let (op, challenge, proof) = c.operator(REVOKE_NODE, attacker_key.as_bytes());
-    let revoked = op
-        .revoke_node(
-            &RevokeNodeRequest {
-                node: attacker_key.clone(),
-                challenge,
-                proof,
-            },
-            None,
-        )
-        .unwrap();
+    let revoked = c.revoke(&attacker_key).unwrap();
     assert_eq!(revoked.ek, attacker_key);
     assert_eq!(revoked.disk_uuid, "", "the victim's disk was revoked");
     let registry = c.registry().snapshot();
@@ -843,33 +829,14 @@ async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets(
 
     // cp-1 revokes cp-2, then the worker.
     for name in ["cp-2", "w-1"] {
-        let (op, challenge, proof) = c.operator(REVOKE_NODE, name.as_bytes());
-        op.revoke_node(
-            &RevokeNodeRequest {
-                node: name.into(),
-                challenge,
-                proof,
-            },
-            None,
-        )
-        .unwrap();
+        c.revoke(name).unwrap();
     }
 
     // An EK cp-1 never saw is revoked by the EK alone (the node joined
     // elsewhere), and revoking it again gives the same revocation.
     let stranger = EkDigest::from_hex(&"ee".repeat(32)).unwrap().to_string();
     for _ in 0..2 {
-        let (op, challenge, proof) = c.operator(REVOKE_NODE, stranger.as_bytes());
-        let revoked = op
-            .revoke_node(
-                &RevokeNodeRequest {
-                    node: stranger.clone(),
-                    challenge,
-                    proof,
-                },
-                None,
-            )
-            .unwrap();
+        let revoked = c.revoke(&stranger).unwrap();
         assert_eq!(
             (revoked.ek.as_str(), revoked.name.as_str()),
             (stranger.as_str(), "")

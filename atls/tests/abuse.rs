@@ -468,9 +468,10 @@ async fn open_connections_are_bounded_per_source_and_in_total() {
 /// key residency challenge, so that the server's TPM decrypts with its EK
 /// for every handshake (and quotes wait behind it). On a port that
 /// validates no client, answers are bounded in rate per source (a burst of
-/// 128, then four a second): past the burst the server sends no proof and
-/// the handshake fails, while a client from another address is still
-/// answered.
+/// 128, then four a second) and over all sources that keep asking (a
+/// burst of 32, then ten a second), the lower bound first: past it the
+/// server sends no proof and the handshake fails, while a client from
+/// another address that asked for nothing lately is still answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn residency_answers_are_bounded_in_rate_per_source() {
     let issuer = TestIssuer::generate();
@@ -494,9 +495,10 @@ async fn residency_answers_are_bounded_in_rate_per_source() {
             }
         }
     }
-    // A handshake takes under 250 ms here: at most a few more than the
-    // burst are answered as the source's tokens come back.
-    assert!((128..=131).contains(&answered), "{answered} answered");
+    // The overall burst, and the tokens that come back (ten a second) in
+    // the second or so the handshakes take here: far below the source's
+    // own burst.
+    assert!((32..=64).contains(&answered), "{answered} answered");
     assert_eq!(answered + refused, 136);
     assert_eq!(issuer.answered_count(), answered);
 

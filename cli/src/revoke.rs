@@ -16,7 +16,7 @@ use anyhow::{bail, Context as _};
 use keel_proto::operator::RevokeNodeRequest;
 use serde_json::Value;
 
-use crate::operator::{answer, distinct, Operator};
+use crate::operator::{answer, distinct, on_each, Operator};
 use crate::printable::printable;
 use crate::upgrade::refuse_unnamed_control_planes;
 
@@ -83,27 +83,22 @@ pub async fn run(
         printable(&target.name),
         printable(&target.ek)
     );
-    let mut failed = unreached.len();
-    for (endpoint, e) in &unreached {
-        println!("{endpoint}: FAILED: {e:#}");
-    }
-    for (endpoint, _) in &registries {
-        match revoke_at(&operator, endpoint, &target.ek, workspace).await {
-            Ok(line) => println!("{endpoint}: {line}"),
-            Err(e) => {
-                failed += 1;
-                println!("{endpoint}: FAILED: {e:#}");
+    // Each named control plane in turn: one that could not be read fails
+    // with why, the others revoke.
+    let unreached: BTreeMap<String, String> = unreached
+        .into_iter()
+        .map(|(endpoint, e)| (endpoint, format!("{e:#}")))
+        .collect();
+    on_each(&endpoints, "revoke the node", |endpoint| {
+        let (operator, ek, unreached) = (&operator, &target.ek, &unreached);
+        async move {
+            if let Some(why) = unreached.get(&endpoint) {
+                bail!("{why}");
             }
+            revoke_at(operator, &endpoint, ek, workspace).await
         }
-    }
-    if failed > 0 {
-        bail!(
-            "{failed} of {} control plane(s) did not revoke the node; run the command again \
-             for them",
-            endpoints.len()
-        );
-    }
-    Ok(())
+    })
+    .await
 }
 
 /// The EK and registry of the control plane at `endpoint`; `None` if it

@@ -457,7 +457,7 @@ pub fn extract_tgz_verified_sparing(
     // way only on an I/O error. The spared paths are checked also when the
     // target is new, so a list whose archive would replace another
     // component's file is refused from its first install.
-    check_merge(staging.path(), target, spare)?;
+    check_merge(staging.path(), target, spare, target_exists)?;
     if target_exists {
         merge_dir(staging.path(), target)?;
         // `staging` is now empty of entries; dropping it removes it.
@@ -1177,14 +1177,16 @@ fn check_symlink_resolves(root: &Path, link: &Path) -> Result<(), ExtractError> 
     Ok(())
 }
 
-/// Refuses what moving the entries of `from` into `into` (which may not
-/// exist yet) must not do: replace a directory with a non-directory, or
-/// put an entry at any of `spare`.
-fn check_merge(from: &Path, into: &Path, spare: &[PathBuf]) -> Result<(), ExtractError> {
-    let install_error = |path: &Path| {
-        let path = display_path(path);
-        move |source| ExtractError::Install { path, source }
-    };
+/// Refuses what moving the entries of `from` into `into` must not do:
+/// replace a directory with a non-directory, or put an entry at any of
+/// `spare`. `into` is `existing` or does not exist yet (then nothing
+/// below it does either).
+fn check_merge(
+    from: &Path,
+    into: &Path,
+    spare: &[PathBuf],
+    existing: bool,
+) -> Result<(), ExtractError> {
     for entry in fs::read_dir(from).map_err(install_error(from))? {
         let entry = entry.map_err(install_error(from))?;
         let dest = into.join(entry.file_name());
@@ -1195,56 +1197,33 @@ fn check_merge(from: &Path, into: &Path, spare: &[PathBuf]) -> Result<(), Extrac
             .file_type()
             .map_err(install_error(&entry.path()))?
             .is_dir();
-        match fs::symlink_metadata(&dest) {
-            Ok(meta) if meta.is_dir() && source_is_dir => check_merge(&entry.path(), &dest, spare)?,
-            Ok(meta) if meta.is_dir() => {
-                return Err(ExtractError::WouldReplaceDirectory(display_path(&dest)))
-            }
-            // Moved whole (new, or a file it replaces): nothing below it
+        let dest_is_dir = match existing.then(|| fs::symlink_metadata(&dest)) {
+            None => false,
+            Some(Ok(meta)) => meta.is_dir(),
+            Some(Err(e)) if e.kind() == io::ErrorKind::NotFound => false,
+            Some(Err(e)) => return Err(install_error(&dest)(e)),
+        };
+        match (dest_is_dir, source_is_dir) {
+            (true, true) => check_merge(&entry.path(), &dest, spare, true)?,
+            (true, false) => return Err(ExtractError::WouldReplaceDirectory(display_path(&dest))),
+            // Moved whole (new, or replacing a file): nothing below it
             // exists, but a spared path may lie below.
-            Ok(_) if source_is_dir => check_spared(&entry.path(), &dest, spare)?,
-            Err(e) if e.kind() == io::ErrorKind::NotFound && source_is_dir => {
-                check_spared(&entry.path(), &dest, spare)?
-            }
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(install_error(&dest)(e)),
+            (false, true) => check_merge(&entry.path(), &dest, spare, false)?,
+            (false, false) => {}
         }
     }
     Ok(())
 }
 
-/// Refuses an entry of `from`, at any depth, whose place under `into` is
-/// one of `spare`.
-fn check_spared(from: &Path, into: &Path, spare: &[PathBuf]) -> Result<(), ExtractError> {
-    let install_error = |path: &Path| {
-        let path = display_path(path);
-        move |source| ExtractError::Install { path, source }
-    };
-    for entry in fs::read_dir(from).map_err(install_error(from))? {
-        let entry = entry.map_err(install_error(from))?;
-        let dest = into.join(entry.file_name());
-        if spare.contains(&dest) {
-            return Err(ExtractError::WouldReplaceComponent(display_path(&dest)));
-        }
-        if entry
-            .file_type()
-            .map_err(install_error(&entry.path()))?
-            .is_dir()
-        {
-            check_spared(&entry.path(), &dest, spare)?;
-        }
-    }
-    Ok(())
+/// The error of an install step on `path`.
+fn install_error(path: &Path) -> impl FnOnce(io::Error) -> ExtractError {
+    let path = display_path(path);
+    move |source| ExtractError::Install { path, source }
 }
 
 /// Moves every entry of `from` into the existing directory `into`, merging
 /// directories and replacing files and symlinks of the same name.
 fn merge_dir(from: &Path, into: &Path) -> Result<(), ExtractError> {
-    let install_error = |path: &Path| {
-        let path = display_path(path);
-        move |source| ExtractError::Install { path, source }
-    };
     for entry in fs::read_dir(from).map_err(install_error(from))? {
         let entry = entry.map_err(install_error(from))?;
         let source = entry.path();
