@@ -10,12 +10,12 @@
 //! [`PER_SOURCE_BURST`] answers and then one every [`PER_SOURCE_EVERY`];
 //! past that the server sends no proof, the handshake fails and the peer
 //! tries again. On a server that validates no client, all sources together
-//! also get at most [`OVERALL_BURST`] and then one every [`OVERALL_EVERY`],
-//! except that a source that asked for nothing lately (its own bucket is
-//! full) is still answered: a few addresses cannot keep the TPM busy with
-//! answers and starve the quotes of the node's other ports, nor lock out
-//! the operator's CLI by keeping the overall bound used up; getting past
-//! it takes a fresh address per answer. A server
+//! also get at most [`OVERALL_BURST`] and then one every [`OVERALL_EVERY`].
+//! Past that bound, a source that asked for nothing for [`QUIET_FOR`] is
+//! still answered, from a small bucket of its own kind ([`QUIET_BURST`],
+//! then one every [`QUIET_EVERY`]): a few addresses cannot keep the TPM
+//! busy with answers and starve the quotes of the node's other ports, nor
+//! keep the operator's CLI out by keeping the overall bound used up. A server
 //! that validates its clients has no such bound: there, answers go only to
 //! attested nodes, and after a control plane restarts every member may
 //! need one.
@@ -36,6 +36,13 @@ pub(crate) const PER_SOURCE_EVERY: Duration = Duration::from_millis(250);
 pub(crate) const OVERALL_BURST: f64 = 32.0;
 /// Then one answer per this long, of all sources together.
 pub(crate) const OVERALL_EVERY: Duration = Duration::from_millis(100);
+/// How long a source must have asked for nothing to be answered past the
+/// overall bound.
+pub(crate) const QUIET_FOR: Duration = Duration::from_secs(30);
+/// Answers past the overall bound, to quiet sources, at once.
+pub(crate) const QUIET_BURST: f64 = 4.0;
+/// Then one answer per this long to quiet sources past the overall bound.
+pub(crate) const QUIET_EVERY: Duration = Duration::from_secs(1);
 /// Most sources remembered; a new source past it is refused until one
 /// that was quiet long enough to be full again is forgotten.
 const MAX_SOURCES: usize = 4096;
@@ -85,8 +92,9 @@ pub(crate) struct AnswerRate {
 #[derive(Debug, Default)]
 struct State {
     sources: HashMap<Source, Bucket>,
-    /// The bucket of all sources, where they are bounded together.
-    overall: Option<Bucket>,
+    /// The bucket of all sources, where they are bounded together, and
+    /// that of quiet sources past it.
+    overall: Option<(Bucket, Bucket)>,
 }
 
 impl AnswerRate {
@@ -96,7 +104,13 @@ impl AnswerRate {
         Self {
             state: Mutex::new(State {
                 sources: HashMap::new(),
-                overall: bounded_overall.then(|| Bucket::full(OVERALL_BURST, Instant::now())),
+                overall: bounded_overall.then(|| {
+                    let now = Instant::now();
+                    (
+                        Bucket::full(OVERALL_BURST, now),
+                        Bucket::full(QUIET_BURST, now),
+                    )
+                }),
             }),
         }
     }
@@ -119,27 +133,26 @@ impl AnswerRate {
             }
         }
         let overall_rate = 1.0 / OVERALL_EVERY.as_secs_f64();
-        if let Some(overall) = &state.overall {
-            // Past the overall bound, only a source that asked for nothing
-            // lately (its own bucket full) is answered: a few addresses
-            // that keep the bound used up do not lock out everyone else.
-            let fresh = state
-                .sources
-                .get(&source)
-                .is_none_or(|b| b.level(PER_SOURCE_BURST, per_source, now) >= PER_SOURCE_BURST);
-            if overall.level(OVERALL_BURST, overall_rate, now) < 1.0 && !fresh {
-                return false;
-            }
-        }
+        // A source's bucket notes when it last asked, answered or not.
+        let quiet = state
+            .sources
+            .get(&source)
+            .is_none_or(|b| now.saturating_duration_since(b.at) >= QUIET_FOR);
         let allowed = state
             .sources
             .entry(source)
             .or_insert_with(|| Bucket::full(PER_SOURCE_BURST, now))
             .take(PER_SOURCE_BURST, per_source, now);
-        if let (true, Some(overall)) = (allowed, &mut state.overall) {
-            overall.take(OVERALL_BURST, overall_rate, now);
-        }
+        let Some((overall, quiet_ones)) = &mut state.overall else {
+            return allowed;
+        };
+        // Past the overall bound, only a quiet source is answered, and
+        // quiet sources share a small bucket: a few addresses that keep the
+        // bound used up do not lock out everyone else, and many fresh ones
+        // do not get past it much.
         allowed
+            && (overall.take(OVERALL_BURST, overall_rate, now)
+                || (quiet && quiet_ones.take(QUIET_BURST, 1.0 / QUIET_EVERY.as_secs_f64(), now)))
     }
 }
 
@@ -170,10 +183,11 @@ mod tests {
 
     /// Attacker's move: a few addresses, each within its own share, ask
     /// a port that validates no client for answers, to keep the TPM busy
-    /// and the operator out. Together they get the overall burst and then
-    /// one answer per period; an address that asked for nothing lately (the
-    /// operator's) is still answered. A port that validates its clients is
-    /// not bounded so.
+    /// and the operator out; or many fresh addresses ask once each.
+    /// Together they get the overall burst and then one answer per period;
+    /// an address that asked for nothing lately (the operator's) is still
+    /// answered, and fresh ones past the bound share a small bucket. A
+    /// port that validates its clients is not bounded so.
     #[test]
     fn a_port_of_unvalidated_clients_bounds_sources_that_keep_asking() {
         let t0 = Instant::now();
@@ -188,6 +202,25 @@ mod tests {
         assert_eq!(flood(later), 1);
         assert!(rate.allow_at(source(100), later), "a fresh address");
         assert!(!rate.allow_at(source(1), later));
+        // Asking every 260 ms for ten seconds, each source within its own
+        // share, the three get the overall rate and no more.
+        let mut asked = 0;
+        let mut answered = 0;
+        for step in 1..=40u32 {
+            let at = later + Duration::from_millis(260) * step;
+            for n in 0..3 {
+                asked += 1;
+                answered += usize::from(rate.allow_at(source(n), at));
+            }
+        }
+        let overall = (40.0 * 0.26 / OVERALL_EVERY.as_secs_f64()) as usize + 1;
+        assert!(answered <= overall, "{answered} of {asked} answered");
+        // Many fresh addresses at once, past the bound: the quiet bucket.
+        let at = later + Duration::from_millis(260 * 40);
+        let fresh = (1000..1100)
+            .filter(|n| rate.allow_at(source(*n), at))
+            .count();
+        assert!(fresh <= QUIET_BURST as usize + 1, "{fresh} fresh answered");
         let unbounded = AnswerRate::new(false);
         let allowed = (0..200)
             .filter(|n| unbounded.allow_at(source(n % 3), t0))

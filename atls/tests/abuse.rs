@@ -479,6 +479,7 @@ async fn residency_answers_are_bounded_in_rate_per_source() {
     let port = server.addr.port();
     let mut answered = 0;
     let mut refused = 0;
+    let started = std::time::Instant::now();
     for _ in 0..136 {
         // A fresh verifier each time: it has seen no key proven.
         let client = AtlsClient::server_attested(dyn_validator(issuer.validator()))
@@ -495,10 +496,13 @@ async fn residency_answers_are_bounded_in_rate_per_source() {
             }
         }
     }
-    // The overall burst, and the tokens that come back (ten a second) in
-    // the second or so the handshakes take here: far below the source's
-    // own burst.
-    assert!((32..=64).contains(&answered), "{answered} answered");
+    // The overall burst, and the tokens that came back (ten a second)
+    // while the handshakes ran: below the source's own burst of 128.
+    let came_back = (started.elapsed().as_secs_f64() * 10.0).ceil() as usize;
+    assert!(
+        (32..=33 + came_back).contains(&answered) && answered < 128,
+        "{answered} answered, {came_back} tokens came back"
+    );
     assert_eq!(answered + refused, 136);
     assert_eq!(issuer.answered_count(), answered);
 
