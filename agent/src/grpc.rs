@@ -137,17 +137,20 @@ impl<S> InFlightLimit<S> {
         }
     }
 
-    /// A place for a request from `source`, if the bounds leave one.
+    /// A place for a request from `source`, if the bounds leave one. The
+    /// source's own bound is checked first: a source refused by it holds
+    /// no place of the others, not even for a moment.
     fn admit(&self, source: Option<keel_atls::Source>) -> Option<Place> {
+        let mut sources = self
+            .sources
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if source.is_some_and(|source| sources.contains(&source)) {
+            return None;
+        }
         let permit = self.permits.clone().try_acquire_owned().ok()?;
         if let Some(source) = source {
-            let mut sources = self
-                .sources
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if !sources.insert(source) {
-                return None;
-            }
+            sources.insert(source);
         }
         Some(Place {
             _permit: permit,
@@ -224,17 +227,25 @@ where
     }
 }
 
-/// A request body that fails once its deadline passed before it ended.
+/// A request body that fails once its deadline passed before it ended, or
+/// past [`MAX_BODY_BYTES`].
 struct DeadlineBody {
     inner: tonic::body::Body,
     deadline: Pin<Box<Sleep>>,
+    received: usize,
 }
+
+/// The most a body wrapped in [`DeadlineBody`] carries: the largest
+/// request message a node takes (the init request's) and its gRPC frame
+/// header.
+const MAX_BODY_BYTES: usize = crate::node::MAX_INIT_REQUEST_BYTES + 5;
 
 impl DeadlineBody {
     fn new(inner: tonic::body::Body, within: Duration) -> Self {
         Self {
             inner,
             deadline: Box::pin(tokio::time::sleep(within)),
+            received: 0,
         }
     }
 }
@@ -247,15 +258,28 @@ impl http_body::Body for DeadlineBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
-            return Poll::Ready(frame);
-        }
-        match self.deadline.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(
+        // The deadline first: a client that always has a frame ready (a
+        // trickle of tiny ones) does not outlive it.
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(
                 "the request's body did not arrive in time",
-            )))),
-            Poll::Pending => Poll::Pending,
+            ))));
         }
+        let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        if let Some(Ok(data)) = frame
+            .as_ref()
+            .map(|f| f.as_ref().map(http_body::Frame::data_ref))
+        {
+            self.received = self
+                .received
+                .saturating_add(data.map_or(0, bytes::Bytes::len));
+            if self.received > MAX_BODY_BYTES {
+                return Poll::Ready(Some(Err(tonic::Status::resource_exhausted(
+                    "the request's body is larger than any request",
+                ))));
+            }
+        }
+        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {

@@ -32,6 +32,10 @@ use crate::workspace::{
     IdFile, MasterSecretFile, FAILURE_LOG_FILE, ID_FILE, KUBECONFIG_FILE, MASTER_SECRET_FILE,
 };
 
+/// How long `keel init` waits before it sends again an init request the
+/// node answered as busy.
+const INIT_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Writes `data` to `path` with mode 0600, refusing to replace an existing
 /// file, and syncs the file and its directory: the secret is on disk before
 /// any node can receive it. A file that could not be written whole is
@@ -419,23 +423,43 @@ pub async fn run(
         components_signature,
     };
     let ends = tokio::time::Instant::now() + deadline;
-    let mut stream =
-        tokio::time::timeout_at(ends, InitServiceClient::new(bound.channel).init(request))
+    let mut client = InitServiceClient::new(bound.channel);
+    // The node reads a few init requests at once, one per address: one
+    // told to try again (others hold the places, perhaps someone else's
+    // slow requests) is sent again until the timeout.
+    let answer = loop {
+        let answer = tokio::time::timeout_at(ends, client.init(request.clone()))
             .await
             .map_err(|_| {
                 anyhow::anyhow!(
                     "the node did not answer init within {} s (--timeout)",
                     deadline.as_secs()
                 )
-            })?
-            .map_err(|s| {
-                anyhow::anyhow!(
-                    "the node refused init ({:?}): {}",
-                    s.code(),
-                    printable(s.message())
-                )
-            })?
-            .into_inner();
+            })?;
+        match answer {
+            Err(s)
+                if s.code() == tonic::Code::Unavailable
+                    && tokio::time::Instant::now() + INIT_RETRY < ends =>
+            {
+                eprintln!(
+                    "the node is busy ({}); trying again in {} s",
+                    printable(s.message()),
+                    INIT_RETRY.as_secs()
+                );
+                tokio::time::sleep(INIT_RETRY).await;
+            }
+            answer => break answer,
+        }
+    };
+    let mut stream = answer
+        .map_err(|s| {
+            anyhow::anyhow!(
+                "the node refused init ({:?}): {}",
+                s.code(),
+                printable(s.message())
+            )
+        })?
+        .into_inner();
 
     let mut outcome = Outcome::default();
     let followed = tokio::time::timeout_at(
