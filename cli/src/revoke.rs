@@ -68,13 +68,18 @@ pub async fn run(
     let target = resolve(node, &registries)?;
     // A control plane left out would go on issuing tickets to the node;
     // the one being revoked need not be named, and each named one that
-    // could not be read may be any one the registries know.
+    // could not be read may be any one the registries know, but the node
+    // itself when it is a named control plane that did not answer.
+    let mut allowance = unreached.len();
+    if target.control_plane && !reached_eks.contains(&target.ek) {
+        allowance = allowance.saturating_sub(1);
+    }
     let mut named = reached_eks;
     named.insert(target.ek.clone());
     refuse_unnamed_control_planes(
         &registries,
         &named,
-        unreached.len(),
+        allowance,
         "Each must revoke the node, or it goes on issuing it tickets (and disk keys) until \
          it merges another's list",
     )?;
@@ -122,6 +127,8 @@ struct Target {
     ek: String,
     /// Its name, as the first registry that knows it has it.
     name: String,
+    /// Whether a registry records it as a control plane.
+    control_plane: bool,
 }
 
 /// Shortest EK hash prefix (hex digits) a selector may give.
@@ -151,7 +158,7 @@ fn resolve(selector: &str, registries: &[(String, Value)]) -> anyhow::Result<Tar
                 .as_deref()
                 .is_some_and(|prefix| !ek_hex.is_empty() && ek_hex.starts_with(prefix))
     };
-    let mut found: BTreeMap<String, String> = BTreeMap::new();
+    let mut found: BTreeMap<String, (String, bool)> = BTreeMap::new();
     for (_, registry) in registries {
         let nodes = registry["nodes"]
             .as_object()
@@ -161,13 +168,18 @@ fn resolve(selector: &str, registries: &[(String, Value)]) -> anyhow::Result<Tar
         for entry in nodes.chain(revoked).filter(|e| matches(e)) {
             if let Some(ek) = entry["ek"].as_str() {
                 let name = entry["name"].as_str().unwrap_or("").to_owned();
-                found.entry(ek.to_owned()).or_insert(name);
+                let found = found.entry(ek.to_owned()).or_insert((name, false));
+                found.1 |= entry["role"] == "control-plane";
             }
         }
     }
     let mut found = found.into_iter();
     match (found.next(), found.next()) {
-        (Some((ek, name)), None) => Ok(Target { ek, name }),
+        (Some((ek, (name, control_plane))), None) => Ok(Target {
+            ek,
+            name,
+            control_plane,
+        }),
         (None, _) => bail!(
             "no control plane named knows a node {} (by name, disk UUID or EK hash); \
              nothing was revoked",
@@ -177,7 +189,7 @@ fn resolve(selector: &str, registries: &[(String, Value)]) -> anyhow::Result<Tar
             let all: Vec<String> = [first, second]
                 .into_iter()
                 .chain(found)
-                .map(|(ek, name)| format!("{} ({})", printable(&name), printable(&ek)))
+                .map(|(ek, (name, _))| format!("{} ({})", printable(&name), printable(&ek)))
                 .collect();
             bail!(
                 "{} names more than one node: {}; name the EK hash of the one to revoke; \
@@ -265,6 +277,7 @@ mod tests {
         let a = Target {
             ek: EK_A.into(),
             name: "w-1".into(),
+            control_plane: false,
         };
         for selector in [
             "w-1",
