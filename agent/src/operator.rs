@@ -735,10 +735,10 @@ impl OperatorServer {
                 // joined through another control plane, this one has not
                 // merged it yet, or it is revoked already): revoked by
                 // the EK alone, so the list goes on from here too.
-                Err(RegistryError::UnknownNode(_)) if whole_ek(&selector).is_some() => {
-                    let ek = whole_ek(&selector).ok_or(RegistryError::Task)?;
-                    return r.revoke_ek(&ek, "revoked by the operator");
-                }
+                Err(RegistryError::UnknownNode(what)) => match whole_ek(&selector) {
+                    Some(ek) => return r.revoke_ek(&ek, "revoked by the operator"),
+                    None => return Err(RegistryError::UnknownNode(what)),
+                },
                 Err(e) => return Err(e),
             };
             let disk = BoundDisk::of_record(disks, &record);
