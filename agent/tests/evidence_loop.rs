@@ -187,6 +187,21 @@ impl Cluster {
         registry.nodes().values().find(|r| r.name == "w-1")
     }
 
+    /// A new node `name` of `role` that joined through cp-1, and the
+    /// cluster slot its join filled.
+    async fn joined(&self, name: &str, role: &str) -> (Joiner, Arc<ClusterSlot>) {
+        let node = joiner_with(
+            config(&self.ca, &self.ports, name, role, self.policy),
+            Swtpm::start(&self.ca).unwrap(),
+        );
+        let slot = Arc::new(ClusterSlot::new(None));
+        assert!(matches!(
+            run_client(&node, &self.ca, &slot).await,
+            JoinOutcome::Joined { .. }
+        ));
+        (node, slot)
+    }
+
     /// `keel revoke <selector>` at cp-1.
     fn revoke(
         &self,
@@ -382,14 +397,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     );
     // A control plane that is down while the node is revoked: it joined
     // before and has exchanged no registry since.
-    let cp3 = joiner_with(
-        config(&c.ca, &c.ports, "cp-3", "control-plane", c.policy),
-        Swtpm::start(&c.ca).unwrap(),
-    );
-    assert!(matches!(
-        run_client(&cp3, &c.ca, &Arc::new(ClusterSlot::new(None))).await,
-        JoinOutcome::Joined { .. }
-    ));
+    let (cp3, _) = c.joined("cp-3", "control-plane").await;
     let cp3_registry = RegistryStore::shared(&cp3.root).unwrap();
     assert!(cp3_registry.snapshot().revoked().is_empty());
     let revoked = c.revoke(&disk).unwrap();
@@ -464,6 +472,7 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     // A control plane that joins after the revocation enforces it from its
     // first ticket on: its ticket carried the list, before it exchanged a
     // registry with anyone.
+    // (`c.joined` cannot serve here: the worker was moved out of `c`.)
     let cp2 = joiner_with(
         config(&c.ca, &c.ports, "cp-2", "control-plane", c.policy),
         Swtpm::start(&c.ca).unwrap(),
@@ -806,15 +815,7 @@ async fn evidence_is_taken_when_the_disk_bindings_cannot_be_read() {
 async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets() {
     let c = Cluster::start(EvidencePolicy::Log).await;
     let cp2_port = free_port();
-    let cp2 = joiner_with(
-        config(&c.ca, &c.ports, "cp-2", "control-plane", c.policy),
-        Swtpm::start(&c.ca).unwrap(),
-    );
-    let cp2_slot = Arc::new(ClusterSlot::new(None));
-    assert!(matches!(
-        run_client(&cp2, &c.ca, &cp2_slot).await,
-        JoinOutcome::Joined { .. }
-    ));
+    let (cp2, cp2_slot) = c.joined("cp-2", "control-plane").await;
     let cp2_registry = RegistryStore::shared(&cp2.root).unwrap();
     let cp2_ek = join_common::ek_digest(&cp2.tpm);
     let worker_ek = join_common::ek_digest(&c.worker.tpm);
@@ -865,7 +866,7 @@ async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets(
     );
 
     // cp-2's join service issues no ticket, to a node it never saw either.
-    let _serving = cp2.serve_join(cp2_port, cp2_slot.clone()).await;
+    let _serving = cp2.serve_join(cp2_port, cp2_slot).await;
     let fresh = joiner_with(
         config(&c.ca, &c.ports, "w-3", "worker", c.policy),
         Swtpm::start(&c.ca).unwrap(),
