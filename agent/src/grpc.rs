@@ -45,6 +45,8 @@ use tokio_stream::{Stream, StreamExt as _};
 use tonic::transport::server::{Connected, Router};
 use tonic::transport::Server;
 
+use crate::throttle::{OnePerSource, SourcePlace};
+
 /// What one connection of a node's gRPC server may hold; see the module
 /// documentation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,7 +120,7 @@ where
 pub struct InFlightLimit<S> {
     inner: S,
     permits: std::sync::Arc<tokio::sync::Semaphore>,
-    sources: std::sync::Arc<std::sync::Mutex<HashSet<keel_atls::Source>>>,
+    sources: OnePerSource,
     body_deadline: Duration,
     busy: &'static str,
 }
@@ -131,7 +133,7 @@ impl<S> InFlightLimit<S> {
         Self {
             inner,
             permits: std::sync::Arc::new(tokio::sync::Semaphore::new(limit.max(1))),
-            sources: std::sync::Arc::default(),
+            sources: OnePerSource::default(),
             body_deadline,
             busy,
         }
@@ -141,41 +143,23 @@ impl<S> InFlightLimit<S> {
     /// source's own bound is checked first: a source refused by it holds
     /// no place of the others, not even for a moment.
     fn admit(&self, source: Option<keel_atls::Source>) -> Option<Place> {
-        let mut sources = self
-            .sources
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if source.is_some_and(|source| sources.contains(&source)) {
-            return None;
-        }
+        let own = match source {
+            Some(source) => Some(self.sources.claim(source)?),
+            None => None,
+        };
         let permit = self.permits.clone().try_acquire_owned().ok()?;
-        if let Some(source) = source {
-            sources.insert(source);
-        }
         Some(Place {
             _permit: permit,
-            sources: self.sources.clone(),
-            source,
+            _own: own,
         })
     }
 }
 
-/// One request's place among those in flight; freed when dropped.
+/// One request's place among those in flight, and its source's; freed
+/// when dropped.
 struct Place {
     _permit: tokio::sync::OwnedSemaphorePermit,
-    sources: std::sync::Arc<std::sync::Mutex<HashSet<keel_atls::Source>>>,
-    source: Option<keel_atls::Source>,
-}
-
-impl Drop for Place {
-    fn drop(&mut self) {
-        if let Some(source) = self.source {
-            self.sources
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&source);
-        }
-    }
+    _own: Option<SourcePlace>,
 }
 
 impl<S: tonic::server::NamedService> tonic::server::NamedService for InFlightLimit<S> {

@@ -19,9 +19,8 @@
 //! kubelet starts and the node serves joins again. The join client runs at
 //! the same time: whichever takes the lock first wins, the other stops.
 
-use std::collections::HashSet;
 use std::net::IpAddr;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 
 use keel_atls::Source;
 
@@ -38,7 +37,7 @@ use crate::disk::{DiskState, StateDisk, UnusableHeader};
 use crate::disk_bindings::EkDigest;
 use crate::nodelock::LockError;
 use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
-use crate::throttle::FailureThrottle;
+use crate::throttle::{FailureThrottle, OnePerSource, SourcePlace};
 use keel_verifier::keys::{self, ClusterId, KeyService};
 
 /// Largest accepted recovery request.
@@ -147,24 +146,7 @@ struct Inner {
     waiting: Arc<tokio::sync::Semaphore>,
     /// The sources with a request running or waiting: one each, so a few
     /// addresses cannot hold every place while the operator's waits.
-    sources: std::sync::Mutex<HashSet<Source>>,
-}
-
-/// A source's one request running or waiting; its place is freed when
-/// dropped.
-struct SourcePlace {
-    inner: Arc<Inner>,
-    source: Source,
-}
-
-impl Drop for SourcePlace {
-    fn drop(&mut self) {
-        self.inner
-            .sources
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.source);
-    }
+    sources: OnePerSource,
 }
 
 /// Most recovery requests running or waiting for their turn at once.
@@ -188,7 +170,7 @@ impl RecoveryServer {
                 throttle: FailureThrottle::default(),
                 one_at_a_time: tokio::sync::Mutex::new(()),
                 waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITING)),
-                sources: std::sync::Mutex::default(),
+                sources: OnePerSource::default(),
             }),
         }
     }
@@ -196,21 +178,13 @@ impl RecoveryServer {
     /// The place of `peer`'s request among those running or waiting;
     /// `SourceBusy` while it has one. A request of no known address takes none.
     fn place_for(&self, peer: Option<IpAddr>) -> Result<Option<SourcePlace>, RecoveryError> {
-        let Some(source) = peer.map(Source::of_ip) else {
-            return Ok(None);
-        };
-        let mut sources = self
-            .inner
-            .sources
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if !sources.insert(source) {
-            return Err(RecoveryError::SourceBusy);
-        }
-        Ok(Some(SourcePlace {
-            inner: Arc::clone(&self.inner),
-            source,
-        }))
+        peer.map(|peer| {
+            self.inner
+                .sources
+                .claim(Source::of_ip(peer))
+                .ok_or(RecoveryError::SourceBusy)
+        })
+        .transpose()
     }
 
     /// The tonic service, requests bounded to [`MAX_RECOVER_REQUEST_BYTES`].

@@ -5,9 +5,9 @@
 //! a host does not start afresh from each of its addresses. Bounded in
 //! memory.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use keel_atls::Source;
@@ -95,6 +95,38 @@ impl FailureThrottle {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&Source::of_ip(peer));
+    }
+}
+
+/// Sources with a request in progress, one each (an IPv6 source by its
+/// /64); a source's place is freed when its [`SourcePlace`] drops.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct OnePerSource(Arc<Mutex<HashSet<Source>>>);
+
+impl OnePerSource {
+    /// `source`'s place, unless it holds one already.
+    pub(crate) fn claim(&self, source: Source) -> Option<SourcePlace> {
+        let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        held.insert(source).then(|| SourcePlace {
+            held: Arc::clone(&self.0),
+            source,
+        })
+    }
+}
+
+/// One source's place in a [`OnePerSource`].
+#[derive(Debug)]
+pub(crate) struct SourcePlace {
+    held: Arc<Mutex<HashSet<Source>>>,
+    source: Source,
+}
+
+impl Drop for SourcePlace {
+    fn drop(&mut self) {
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.source);
     }
 }
 
