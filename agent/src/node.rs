@@ -33,7 +33,9 @@ use crate::kubeadm::Kubeadm;
 use crate::measured::SharedTpm;
 use crate::nodelock::NodeLock;
 use crate::operator::{OperatorAuth, OperatorServer};
-use crate::paths::{BIN_DIR, KEPT_ARCHIVES, STATE_BINDS, STATE_MOUNT, STATE_SERVICES};
+use crate::paths::{
+    BIN_DIR, KEPT_COMPONENTS, MEMORY_BINDS, STATE_BINDS, STATE_MOUNT, STATE_SERVICES, STATE_TMPFS,
+};
 use crate::provision::Node;
 use crate::provision::{KubeletStart, NodeEnv};
 use crate::reboot::RebootPolicy;
@@ -94,13 +96,14 @@ pub const JOIN_CONNECTIONS_PER_SOURCE: usize = 64;
 /// the agent's files, pipes and TPM.
 pub const FILE_DESCRIPTORS: u64 = 16 * 1024;
 
-/// The environment of a real node: installs under `/`, kubeadm from
-/// [`BIN_DIR`], the configured state disk mounted at [`STATE_MOUNT`], the
+/// The environment of a real node: installs under `/` (components in
+/// memory, [`STATE_TMPFS`]), kubeadm from [`BIN_DIR`], the configured
+/// state disk mounted at [`STATE_MOUNT`], the
 /// address of the route toward the first control-plane endpoint (or of the
 /// default route), reboot after 60 s on failure.
 pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeEnv> {
     let mut installer = InstallerConfig {
-        kept_archives: Some(InstallPath::new(KEPT_ARCHIVES)?),
+        kept: Some(InstallPath::new(KEPT_COMPONENTS)?),
         ..InstallerConfig::default()
     };
     if let Some(m) = &config.cluster.component_mirror {
@@ -125,6 +128,11 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
             device: d.into(),
             cryptsetup: Cryptsetup::default(),
             mount: Some(StateMount {
+                memory: STATE_TMPFS.into(),
+                memory_binds: MEMORY_BINDS
+                    .iter()
+                    .map(|(inside, target)| (inside.into(), target.into()))
+                    .collect(),
                 point: STATE_MOUNT.into(),
                 binds: STATE_BINDS
                     .iter()

@@ -5,31 +5,42 @@
 //! agent's work directory (`/run/keel` on a node, on the tmpfs: they last
 //! one boot) are names within it.
 
-/// Where the opened state disk is mounted on a node.
-pub const STATE_MOUNT: &str = "/run/state";
+/// Where a node keeps what it runs: a tmpfs, in guest memory, that the
+/// agent mounts before it opens the state disk. The components are
+/// installed in it ([`BIN_DIR`], [`MEMORY_BINDS`]) from verified bytes at
+/// every boot, so a node never runs code from the disk, whose sectors the
+/// host can write back to an earlier ciphertext (LUKS2 here has no
+/// integrity or freshness) after the code was hashed.
+pub const STATE_TMPFS: &str = "/run/state";
+/// Where the opened state disk is mounted on a node: inside
+/// [`STATE_TMPFS`].
+pub const STATE_MOUNT: &str = "/run/state/disk";
 /// Directories of the state disk bind-mounted over the paths Kubernetes
 /// and the container runtime use, which the read-only image provides as
 /// empty mount points (those under the volatile `/var` are created).
-pub const STATE_BINDS: [(&str, &str); 6] = [
+pub const STATE_BINDS: [(&str, &str); 4] = [
     ("kubernetes", "/etc/kubernetes"),
     ("kubelet", "/var/lib/kubelet"),
-    ("cni", "/opt/cni"),
     ("cni-net.d", "/etc/cni/net.d"),
-    ("opt-kubernetes", "/opt/kubernetes"),
     ("containerd", "/var/lib/containerd"),
 ];
+/// Directories of [`STATE_TMPFS`] bind-mounted over the paths components
+/// install into besides [`BIN_DIR`]: the CNI plugins and kubeadm's
+/// patches, installed again at every boot.
+pub const MEMORY_BINDS: [(&str, &str); 2] =
+    [("cni", "/opt/cni"), ("opt-kubernetes", "/opt/kubernetes")];
 /// Services started once the state disk is mounted: containerd keeps its
 /// images, snapshots and metadata in `/var/lib/containerd`, on the disk.
 /// The image does not start it at boot, and its unit refuses to start
 /// unless that directory is a mount point.
 pub const STATE_SERVICES: [&str; 1] = ["containerd.service"];
 /// Where components install their binaries on a node (see the versions
-/// table): on the state disk.
+/// table): in [`STATE_TMPFS`], in memory.
 pub const BIN_DIR: &str = "/run/state/bin";
-/// Where the installer keeps the verified archive components (named by
-/// their hash), so that a reboot extracts them again without a download:
+/// Where the installer keeps the verified downloaded components (named by
+/// their hash), so that a reboot installs them again without a download:
 /// on the state disk.
-pub const KEPT_ARCHIVES: &str = "/run/state/archives";
+pub const KEPT_COMPONENTS: &str = "/run/state/disk/kept";
 
 /// The kubelet's client certificate, key and the cluster CA.
 pub const KUBELET_PKI_DIR: &str = "var/lib/kubelet/pki";

@@ -475,6 +475,7 @@ impl<'a> Provisioner<'a> {
             return Ok(());
         };
         let device = disk.device.display().to_string();
+        let memory = disk.mount.as_ref().map(|m| m.memory.display().to_string());
         let (what, mounted) = match step {
             DiskStep::SetUp { uuid, key } => {
                 (self.log)(format!("setting up the state disk {device}"));
@@ -495,7 +496,11 @@ impl<'a> Provisioner<'a> {
             }
         };
         (self.log)(match mounted {
-            Some(at) => format!("state disk {what}, mounted at {}", at.display()),
+            Some(at) => format!(
+                "state disk {what}, mounted at {}; components run from memory ({}, tmpfs)",
+                at.display(),
+                memory.unwrap_or_default()
+            ),
             None => format!("state disk {what}; key verified, not mounted here"),
         });
         Ok(())
@@ -515,7 +520,7 @@ impl<'a> Provisioner<'a> {
         install_and_measure(&installer, self.tpm, components, &LogProgress::default())
             .await
             .map_err(ProvisionError::Install)?;
-        installer.keep_only_archives_of(components).await;
+        installer.keep_only_copies_of(components).await;
         // kubeadm requires the patches directory even when no component
         // put a patch there.
         let patches = self.env.patches_dir();

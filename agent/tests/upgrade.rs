@@ -388,14 +388,19 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
     // each measured with its version, the record moved on.
     let kept_dir = cp
         .root
-        .join(keel_agent::paths::KEPT_ARCHIVES.trim_start_matches('/'));
+        .join(keel_agent::paths::KEPT_COMPONENTS.trim_start_matches('/'));
     let kept_names = |components: &[keel_proto::components::Component]| {
         let mut names: Vec<String> = components
             .iter()
-            .filter(|c| c.extract)
-            .map(|c| format!("{}.tgz", c.hash.trim_start_matches("sha256:")))
+            .filter(|c| !c.url.starts_with("data:"))
+            .map(|c| {
+                let suffix = if c.extract { "tgz" } else { "bin" };
+                format!("{}.{suffix}", c.hash.trim_start_matches("sha256:"))
+            })
             .collect();
+        // Components with the same bytes share a kept copy.
         names.sort();
+        names.dedup();
         names
     };
     let kept_now = || {

@@ -6,11 +6,14 @@
 //!   `data:` content: kubeadm patches, configuration).
 //! * An existing file with the expected hash is left alone (a no-op); any
 //!   other file at the path is replaced atomically. Archives are always
-//!   extracted again and replace what they contain; with
-//!   [`InstallerConfig::kept_archives`] set, each verified archive is kept
-//!   there under its hash, and installing it again extracts the kept copy
-//!   (its hash checked again) instead of fetching it: a node that reboots
-//!   needs no network for what it already had.
+//!   extracted again and replace what they contain.
+//! * With [`InstallerConfig::kept`] set, each verified downloaded component
+//!   (file or archive) is kept there under its hash, and installing it
+//!   again takes the kept copy (its hash checked again, in the same read
+//!   that copies or extracts it) instead of fetching it: a node that
+//!   reboots needs no network for what it already had. On a node the kept
+//!   copies are on the state disk and the install paths in guest memory,
+//!   so what runs is always bytes hashed on their way into memory.
 //! * A failure leaves nothing at the install path: the temporary file or
 //!   staging directory is removed.
 //!
@@ -53,11 +56,12 @@ pub struct InstallerConfig {
     /// Install below this directory instead of `/` (image builds, tests).
     /// Measurements record the component's own install path, not this prefix.
     pub root: PathBuf,
-    /// Keep each verified archive in this directory (below `root`, as
-    /// install paths are), named `<sha256 hex>.tgz`, and extract the kept
-    /// copy when the archive is installed again. `None`: archives are
-    /// fetched on every install.
-    pub kept_archives: Option<InstallPath>,
+    /// Keep each verified downloaded component in this directory (below
+    /// `root`, as install paths are), named `<sha256 hex>.tgz` (archives)
+    /// or `<sha256 hex>.bin` (single files), and install from the kept copy
+    /// when the component is installed again. `None`: components not in
+    /// place are fetched on every install.
+    pub kept: Option<InstallPath>,
 }
 
 impl Default for InstallerConfig {
@@ -67,7 +71,7 @@ impl Default for InstallerConfig {
             extract: ExtractLimits::default(),
             mirror: None,
             root: PathBuf::from("/"),
-            kept_archives: None,
+            kept: None,
         }
     }
 }
@@ -85,6 +89,12 @@ pub enum Outcome {
     /// The kept copy of the archive had the expected hash and was
     /// extracted; nothing was fetched.
     ExtractedKept(ExtractSummary),
+    /// The kept copy of the file had the expected hash and was copied into
+    /// place; nothing was fetched.
+    CopiedKept {
+        /// Bytes copied.
+        bytes: u64,
+    },
     /// A file with the expected hash was already there.
     AlreadyPresent,
 }
@@ -255,7 +265,7 @@ pub struct Installer {
     mirror: Option<Mirror>,
     root: PathBuf,
     extract_limits: ExtractLimits,
-    kept_archives: Option<PathBuf>,
+    kept: Option<PathBuf>,
 }
 
 impl Installer {
@@ -264,7 +274,7 @@ impl Installer {
         Ok(Self {
             downloader: Downloader::new(config.download).map_err(InstallError::Setup)?,
             mirror: config.mirror,
-            kept_archives: config.kept_archives.map(|dir| dir.under(&config.root)),
+            kept: config.kept.map(|dir| dir.under(&config.root)),
             root: config.root,
             extract_limits: config.extract,
         })
@@ -283,26 +293,27 @@ impl Installer {
         Ok(installed)
     }
 
-    /// Removes the kept archives that none of `components` (a node's whole
-    /// list) extracts, such as those of a version the node left, and what
-    /// interrupted downloads into the directory left. Call it with no
-    /// install running. Only files named as kept archives or as their
-    /// downloads are touched; a failure to remove one is logged.
-    pub async fn keep_only_archives_of(&self, components: &[Component]) {
-        let Some(dir) = self.kept_archives.clone() else {
+    /// Removes the kept copies that none of `components` (a node's whole
+    /// list) installs, such as those of a version the node left, and what
+    /// interrupted downloads and copies into the directory left. Call it
+    /// with no install running. Only files named as kept copies or as
+    /// their temporary files are touched; a failure to remove one is
+    /// logged.
+    pub async fn keep_only_copies_of(&self, components: &[Component]) {
+        let Some(dir) = self.kept.clone() else {
             return;
         };
         let wanted: Vec<String> = components
             .iter()
-            .filter(|c| c.extract())
-            .map(|c| kept_archive_name(c.hash()))
+            .filter(|c| matches!(c.source(), Source::Remote(_)))
+            .map(kept_name)
             .collect();
         let removed = tokio::task::spawn_blocking(move || {
             let entries = match fs::read_dir(&dir) {
                 Ok(entries) => entries,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return,
                 Err(e) => {
-                    tracing::warn!(dir = %dir.display(), error = %e, "cannot list the kept archives");
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot list the kept components");
                     return;
                 }
             };
@@ -311,27 +322,27 @@ impl Installer {
                 let Some(name) = name.to_str() else {
                     continue;
                 };
-                let stale = match kept_archive_of(name) {
-                    Some(KeptFile::Archive) => !wanted.iter().any(|w| w == name),
-                    Some(KeptFile::Download) => true,
+                let stale = match kept_file_of(name) {
+                    Some(KeptFile::Copy) => !wanted.iter().any(|w| w == name),
+                    Some(KeptFile::Temporary) => true,
                     None => false,
                 };
                 if !stale {
                     continue;
                 }
                 match fs::remove_file(entry.path()) {
-                    Ok(()) => tracing::info!(file = name, "removed a kept archive no longer listed"),
+                    Ok(()) => tracing::info!(file = name, "removed a kept component no longer listed"),
                     Err(e) => tracing::warn!(
                         file = name,
                         error = %e,
-                        "could not remove a kept archive no longer listed"
+                        "could not remove a kept component no longer listed"
                     ),
                 }
             }
         })
         .await;
         if let Err(e) = removed {
-            tracing::warn!(error = %e, "removing kept archives did not complete");
+            tracing::warn!(error = %e, "removing kept components did not complete");
         }
     }
 
@@ -391,10 +402,8 @@ impl Installer {
             self.install_archive(component, &dest, &parent, &spare, progress)
                 .await?
         } else {
-            let temp = self.fetch(component, &dest, &parent, progress).await?;
-            let mode = file_mode(component);
-            let target = dest.clone();
-            blocking(move || place_file(temp, &target, mode)).await?
+            self.install_file(component, &dest, &parent, progress)
+                .await?
         };
         tracing::info!(
             elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
@@ -405,6 +414,50 @@ impl Installer {
             component: component.clone(),
             outcome,
         })
+    }
+
+    /// Installs a single-file component at `dest`: from its kept copy when
+    /// that hashes right as it is copied into a temporary file beside
+    /// `dest` (in `parent`), else fetched (or decoded) there; a fetched
+    /// file is then kept. As for archives, a kept copy that is missing,
+    /// unreadable or not the file is a miss, never a failure.
+    async fn install_file(
+        &self,
+        component: &Component,
+        dest: &Path,
+        parent: &Path,
+        progress: &dyn Progress,
+    ) -> Result<Outcome, InstallError> {
+        let mode = file_mode(component);
+        let kept = match component.source() {
+            Source::Remote(_) => self.kept_path(component).await,
+            // The record that lists it carries the content.
+            Source::Inline(_) => None,
+        };
+        if let Some(kept) = kept.clone() {
+            let (target, dir, expected) = (dest.to_owned(), parent.to_owned(), component.hash());
+            let copied = blocking(move || {
+                copy_verified(&kept, &target, &dir, expected)?
+                    .map(|temp| place_file(temp, &target, mode))
+                    .transpose()
+            })
+            .await?;
+            if let Some(Outcome::Written { bytes }) = copied {
+                tracing::info!("copied the kept file");
+                return Ok(Outcome::CopiedKept { bytes });
+            }
+        }
+        let temp = self.fetch(component, dest, parent, progress).await?;
+        let target = dest.to_owned();
+        let outcome = blocking(move || place_file(temp, &target, mode)).await?;
+        if let Some(kept) = kept {
+            // Keeping is a saving for the next install, not part of this one.
+            let placed = dest.to_owned();
+            if let Err(e) = blocking(move || keep_copy(&placed, &kept)).await {
+                tracing::warn!(error = %crate::ErrorChain(&e), "could not keep the verified file");
+            }
+        }
+        Ok(outcome)
     }
 
     /// Extracts an archive component into `dest`: from its kept copy when
@@ -482,19 +535,19 @@ impl Installer {
         Ok(Outcome::Extracted(summary))
     }
 
-    /// Where the kept copy of `component` (an archive) is, its directory
-    /// made and cleared of an interrupted download's leftovers; `None`
-    /// without a kept archives' directory or when it cannot be made.
+    /// Where the kept copy of `component` is, its directory made and
+    /// cleared of an interrupted download's or copy's leftovers; `None`
+    /// without a kept components' directory or when it cannot be made.
     async fn kept_path(&self, component: &Component) -> Option<PathBuf> {
-        let dir = self.kept_archives.clone()?;
-        let name = kept_archive_name(component.hash());
+        let dir = self.kept.clone()?;
+        let name = kept_name(component);
         let path = dir.join(&name);
         match prepare_dir(dir, name.into()).await {
             Ok(()) => Some(path),
             Err(e) => {
                 tracing::warn!(
                     error = %crate::ErrorChain(&e),
-                    "the kept archives' directory cannot be used; the archive is not kept"
+                    "the kept components' directory cannot be used; the component is not kept"
                 );
                 None
             }
@@ -532,13 +585,7 @@ impl Installer {
                 path: path.clone(),
                 source,
             };
-            let prefix = temporary_prefix(path.file_name().unwrap_or_default());
-            let temp = tempfile::Builder::new()
-                .prefix(&prefix)
-                .rand_bytes(RANDOM_CHARS)
-                .suffix(PART_SUFFIX)
-                .tempfile_in(&dir)
-                .map_err(temp_error)?;
+            let temp = temporary_file(&path, &dir).map_err(temp_error)?;
             if let Some(content) = inline {
                 temp.as_file().write_all(&content).map_err(temp_error)?;
             }
@@ -615,40 +662,122 @@ fn open_regular_file(path: &Path) -> io::Result<Option<File>> {
 const PART_SUFFIX: &str = ".keel-part";
 
 /// The name of a kept archive ends with this, after its hash's hex.
-const KEPT_SUFFIX: &str = ".tgz";
+const KEPT_ARCHIVE_SUFFIX: &str = ".tgz";
+/// The name of a kept single file ends with this, after its hash's hex.
+const KEPT_FILE_SUFFIX: &str = ".bin";
 
-/// The file name of the kept copy of an archive with `hash`.
-fn kept_archive_name(hash: Sha256Digest) -> String {
-    format!("{}{KEPT_SUFFIX}", hash.to_hex())
-}
-
-/// What a file in the kept archives' directory is, by its name.
-enum KeptFile {
-    /// A kept archive: `<sha256 hex>.tgz`.
-    Archive,
-    /// A download into the directory that did not end:
-    /// `.<sha256 hex>.tgz.<random>.keel-part`.
-    Download,
-}
-
-/// What the file `name` in the kept archives' directory is, if it is one
-/// the installer writes there.
-fn kept_archive_of(name: &str) -> Option<KeptFile> {
-    let is_archive = |n: &str| {
-        n.strip_suffix(KEPT_SUFFIX)
-            .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+/// The file name of the kept copy of `component`.
+fn kept_name(component: &Component) -> String {
+    let suffix = if component.extract() {
+        KEPT_ARCHIVE_SUFFIX
+    } else {
+        KEPT_FILE_SUFFIX
     };
-    if is_archive(name) {
-        return Some(KeptFile::Archive);
+    format!("{}{suffix}", component.hash().to_hex())
+}
+
+/// What a file in the kept components' directory is, by its name.
+enum KeptFile {
+    /// A kept copy: `<sha256 hex>.tgz` or `<sha256 hex>.bin`.
+    Copy,
+    /// A download or copy into the directory that did not end:
+    /// `.<kept copy's name>.<random>.keel-part`.
+    Temporary,
+}
+
+/// What the file `name` in the kept components' directory is, if it is one
+/// the installer writes there.
+fn kept_file_of(name: &str) -> Option<KeptFile> {
+    let is_copy = |n: &str| {
+        [KEPT_ARCHIVE_SUFFIX, KEPT_FILE_SUFFIX]
+            .iter()
+            .any(|suffix| {
+                n.strip_suffix(suffix).is_some_and(|hex| {
+                    hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())
+                })
+            })
+    };
+    if is_copy(name) {
+        return Some(KeptFile::Copy);
     }
-    // A download's name: the temporary prefix of an archive's name, then
-    // the random part and the suffix.
+    // A temporary file's name: the temporary prefix of a copy's name, then
+    // the random part and the suffix (both suffixes are 4 bytes long).
     let rest = name.strip_prefix('.')?;
-    let archive_len = 64 + KEPT_SUFFIX.len();
-    let (archive, after) = (rest.get(..archive_len)?, rest.get(archive_len..)?);
+    let copy_len = 64 + KEPT_ARCHIVE_SUFFIX.len();
+    let (copy, after) = (rest.get(..copy_len)?, rest.get(copy_len..)?);
     let random_and_suffix = after.strip_prefix('.')?;
-    (is_archive(archive) && random_then(random_and_suffix.as_bytes(), PART_SUFFIX))
-        .then_some(KeptFile::Download)
+    (is_copy(copy) && random_then(random_and_suffix.as_bytes(), PART_SUFFIX))
+        .then_some(KeptFile::Temporary)
+}
+
+/// A temporary file beside `dest` (in `dir`) holding the kept copy at
+/// `kept`, if that is a regular file whose bytes hash to `expected`: they
+/// are hashed as they are copied, so the bytes in the temporary file are
+/// the bytes hashed, whatever happens to the kept copy meanwhile. `None`
+/// when there is no kept copy, or it cannot be read or is not the file
+/// (logged); an error only when the temporary file cannot be written.
+fn copy_verified(
+    kept: &Path,
+    dest: &Path,
+    dir: &Path,
+    expected: Sha256Digest,
+) -> Result<Option<tempfile::NamedTempFile>, InstallError> {
+    let miss = |e: io::Error| {
+        tracing::warn!(error = %e, "the kept file cannot be read; fetching it again");
+        Ok(None)
+    };
+    let mut from = match open_regular_file(kept) {
+        Ok(Some(file)) => file,
+        Ok(None) => return Ok(None),
+        Err(e) => return miss(e),
+    };
+    let temp_error = |source| InstallError::WriteTemp {
+        path: dest.to_owned(),
+        source,
+    };
+    let mut temp = temporary_file(dest, dir).map_err(temp_error)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) => return miss(e),
+        };
+        let chunk = buf.get(..n).unwrap_or_default();
+        hasher.update(chunk);
+        temp.write_all(chunk).map_err(temp_error)?;
+    }
+    if Sha256Digest::from_hasher(hasher) != expected {
+        tracing::warn!("the kept file is not the file; fetching it again");
+        return Ok(None);
+    }
+    Ok(Some(temp))
+}
+
+/// Keeps a copy of the installed file `placed` at `kept`: written to a
+/// temporary file beside it, made durable, then renamed into place.
+fn keep_copy(placed: &Path, kept: &Path) -> Result<(), InstallError> {
+    let dir = kept.parent().unwrap_or(Path::new("/"));
+    let temp_error = |source| InstallError::WriteTemp {
+        path: kept.to_owned(),
+        source,
+    };
+    let mut from = File::open(placed).map_err(temp_error)?;
+    let mut temp = temporary_file(kept, dir).map_err(temp_error)?;
+    io::copy(&mut from, &mut temp).map_err(temp_error)?;
+    place_file(temp, kept, DATA_MODE).map(|_| ())
+}
+
+/// A temporary file in `dir` named for `dest` ([`temporary_prefix`], random
+/// characters, [`PART_SUFFIX`]), so that an install that does not end
+/// leaves a file the next one removes.
+fn temporary_file(dest: &Path, dir: &Path) -> io::Result<tempfile::NamedTempFile> {
+    tempfile::Builder::new()
+        .prefix(&temporary_prefix(dest.file_name().unwrap_or_default()))
+        .rand_bytes(RANDOM_CHARS)
+        .suffix(PART_SUFFIX)
+        .tempfile_in(dir)
 }
 
 /// Removes what an install of `name` in `dir` that did not end (a crash, a

@@ -270,14 +270,27 @@ async fn a_kept_archive_is_extracted_without_a_fetch_and_a_wrong_copy_is_fetched
     let outcomes = |v: &[InstalledComponent]| (v[0].outcome(), v[1].outcome());
 
     // First install: both archives fetched, extracted and kept under their
-    // hash, byte for byte what was verified; nothing else in the directory.
+    // hash, byte for byte what was verified; beside them only the kept
+    // single files (the three downloaded executables; the inline patches
+    // are not kept).
     let first = installer.install_all(&list, &NoProgress).await.unwrap();
     assert!(matches!(
         outcomes(&first),
         (Outcome::Extracted(_), Outcome::Extracted(_))
     ));
     let fetched = mirror.total_requests();
-    assert_eq!(entries(&kept_dir).len(), 2, "{:?}", entries(&kept_dir));
+    let kept_names = entries(&kept_dir);
+    assert_eq!(
+        kept_names.iter().filter(|n| n.ends_with(".tgz")).count(),
+        2,
+        "{kept_names:?}"
+    );
+    assert_eq!(
+        kept_names.iter().filter(|n| n.ends_with(".bin")).count(),
+        3,
+        "{kept_names:?}"
+    );
+    assert_eq!(kept_names.len(), 5, "{kept_names:?}");
     assert_eq!(kept_hash(cni), cni.hash());
     assert_eq!(kept_hash(crictl), crictl.hash());
 
@@ -365,12 +378,119 @@ async fn a_kept_archive_is_extracted_without_a_fetch_and_a_wrong_copy_is_fetched
     for other in ["notes", ".notes.a1B2c3.keel-part"] {
         std::fs::write(kept_dir.join(other), b"not the installer's").unwrap();
     }
-    installer.keep_only_archives_of(&list[1..]).await;
-    assert!(!stray.exists() && !part.exists());
+    let stray_file = kept_dir.join(format!("{}.bin", "2".repeat(64)));
+    std::fs::write(&stray_file, b"a kubelet of an earlier version").unwrap();
+    let kept_file = |c: &Component| kept_dir.join(format!("{}.bin", c.hash().to_hex()));
+    let listed_file = list.iter().find(|c| c.name() == "kubelet").unwrap();
+    installer.keep_only_copies_of(&list[1..]).await;
+    assert!(!stray.exists() && !part.exists() && !stray_file.exists());
     assert!(!kept(cni).exists());
     assert!(kept(crictl).exists());
+    assert!(kept_file(listed_file).exists());
     assert!(kept_dir.join("notes").exists());
     assert!(kept_dir.join(".notes.a1B2c3.keel-part").exists());
+}
+
+/// A single file is kept as archives are: after a reboot (its install path
+/// in memory, empty) it is copied from the kept copy, hashed as it is
+/// copied, with nothing fetched; a copy that is not the file (another
+/// file, damaged or truncated bytes, a symlink) is never installed: the
+/// file is fetched again and the copy replaced.
+#[tokio::test]
+async fn a_kept_file_is_copied_without_a_fetch_and_a_wrong_copy_is_fetched_again() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let list = v1_31_stand_ins(&mirror);
+    let installer = keeping_installer(r, &mirror, fast_retries());
+    let kept_dir = r.join(KEPT.trim_start_matches('/'));
+    let find = |name: &str| list.iter().find(|c| c.name() == name).unwrap();
+    let (kubelet, kubeadm) = (find("kubelet"), find("kubeadm"));
+    let kept = |c: &Component| kept_dir.join(format!("{}.bin", c.hash().to_hex()));
+    let installed = |c: &Component| c.install_path().under(r);
+    let kubelet_path = "/v1.31.13/bin/linux/amd64/kubelet";
+
+    let first = installer.install(kubelet, &NoProgress).await.unwrap();
+    assert!(matches!(first.outcome(), Outcome::Written { .. }));
+    assert_eq!(mirror.requests(kubelet_path), 1);
+    assert_eq!(
+        Sha256Digest::of(&std::fs::read(kept(kubelet)).unwrap()),
+        kubelet.hash()
+    );
+    assert_eq!(mode(&kept(kubelet)), 0o644, "a kept copy is not run");
+
+    // As after a reboot: the install path is empty, the kept copy is
+    // copied into place with the executable's mode; nothing fetched.
+    std::fs::remove_file(installed(kubelet)).unwrap();
+    let again = installer.install(kubelet, &NoProgress).await.unwrap();
+    assert!(
+        matches!(again.outcome(), Outcome::CopiedKept { .. }),
+        "{:?}",
+        again.outcome()
+    );
+    assert_eq!(mirror.requests(kubelet_path), 1);
+    assert_eq!(mode(&installed(kubelet)), 0o755);
+    assert_eq!(
+        Sha256Digest::of(&std::fs::read(installed(kubelet)).unwrap()),
+        kubelet.hash()
+    );
+    assert_eq!(first.measurement_record(), again.measurement_record());
+
+    // Not the file: another component's copy under its name, the file
+    // with a byte changed, the file cut short, a symlink to the file.
+    // Each time the file is fetched again, and what is installed and
+    // kept is the file.
+    let wrong: [&dyn Fn(&Path); 4] = [
+        &|at| {
+            std::fs::copy(kept(kubeadm), at).unwrap();
+        },
+        &|at| {
+            let mut bytes = std::fs::read(at).unwrap();
+            bytes[0] ^= 1;
+            std::fs::write(at, bytes).unwrap();
+        },
+        &|at| {
+            let bytes = std::fs::read(at).unwrap();
+            std::fs::write(at, &bytes[..bytes.len() / 2]).unwrap();
+        },
+        &|at| {
+            let elsewhere = r.join("elsewhere.bin");
+            std::fs::rename(at, &elsewhere).unwrap();
+            std::os::unix::fs::symlink(&elsewhere, at).unwrap();
+        },
+    ];
+    installer.install(kubeadm, &NoProgress).await.unwrap();
+    for (fetches, damage) in (2..).zip(wrong) {
+        damage(&kept(kubelet));
+        std::fs::remove_file(installed(kubelet)).unwrap();
+        let refetched = installer.install(kubelet, &NoProgress).await.unwrap();
+        assert!(matches!(refetched.outcome(), Outcome::Written { .. }));
+        assert_eq!(mirror.requests(kubelet_path), fetches);
+        assert_eq!(
+            Sha256Digest::of(&std::fs::read(installed(kubelet)).unwrap()),
+            kubelet.hash()
+        );
+        assert!(std::fs::symlink_metadata(kept(kubelet)).unwrap().is_file());
+        assert_eq!(
+            Sha256Digest::of(&std::fs::read(kept(kubelet)).unwrap()),
+            kubelet.hash()
+        );
+    }
+
+    // With the mirror gone, the kept copy still installs the file.
+    drop(mirror);
+    std::fs::remove_file(installed(kubelet)).unwrap();
+    let offline = installer.install(kubelet, &NoProgress).await.unwrap();
+    assert!(matches!(offline.outcome(), Outcome::CopiedKept { .. }));
+    assert!(run(&installed(kubelet)).starts_with("kubelet v1.31.13"));
+    // No temporary file is left beside the install path or the copies.
+    for dir in [installed(kubelet).parent().unwrap(), &kept_dir] {
+        assert!(
+            !entries(dir).iter().any(|n| n.ends_with(".keel-part")),
+            "{:?}",
+            entries(dir)
+        );
+    }
 }
 
 /// What is at a kept archive's path, or a kept archives' directory that

@@ -33,7 +33,9 @@ pub const CONTAINERD_ROOT: &str = "/var/lib/containerd";
 /// Where the overlayfs snapshotter keeps its snapshots.
 pub const SNAPSHOTS: &str = "/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots";
 /// The state disk's mount point on a node.
-pub const STATE_MOUNT: &str = "/run/state";
+pub const STATE_MOUNT: &str = "/run/state/disk";
+/// The systemd mount unit of [`STATE_MOUNT`].
+const STATE_MOUNT_UNIT: &str = "run-state-disk.mount";
 
 /// What the check found on a node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,6 +65,11 @@ pub struct ContainerCheck {
     pub state_mounted_us: u64,
     /// When containerd.service became active (monotonic µs).
     pub containerd_active_us: u64,
+    /// The executable running the check (the stand-in kubeadm, a
+    /// component the agent installed).
+    pub running_from: String,
+    /// Whether that executable is on a tmpfs: in memory, not on a disk.
+    pub running_from_memory: bool,
 }
 
 impl ContainerCheck {
@@ -80,7 +87,8 @@ impl ContainerCheck {
     /// Everything that falls short: the runtime did not answer, the image
     /// did not print its message, or containerd's data (the image's
     /// snapshot, the database it has open) is not on the LUKS2 state disk,
-    /// or containerd became active before the disk was mounted. Empty when
+    /// or containerd became active before the disk was mounted, or the
+    /// component running the check does not run from memory. Empty when
     /// all holds.
     pub fn problems(&self) -> Vec<String> {
         let mut out = Vec::new();
@@ -115,6 +123,12 @@ impl ContainerCheck {
                     self.state_device
                 ));
             }
+        }
+        if !self.running_from_memory {
+            out.push(format!(
+                "the component running the check runs from {}, not from memory (tmpfs)",
+                self.running_from
+            ));
         }
         if self.state_mounted_us == 0 || self.containerd_active_us <= self.state_mounted_us {
             out.push(format!(
@@ -380,6 +394,11 @@ pub fn check_node(work_dir: &Path) -> Result<ContainerCheck, String> {
         .ok_or_else(|| format!("no server version in `ctr version`: {version:?}"))?;
 
     let snapshot = snapshot_with(&elf)?;
+    let running = std::env::current_exe().map_err(|e| format!("the running executable: {e}"))?;
+    let running_from_memory = nix::sys::statfs::statfs(&running)
+        .map_err(|e| format!("{}: {e}", running.display()))?
+        .filesystem_type()
+        == nix::sys::statfs::TMPFS_MAGIC;
     let (state_device, state_source) = mount_of(STATE_MOUNT)?;
     let dm_uuid_path = format!("/sys/dev/block/{state_device}/dm/uuid");
     let state_dm_uuid = std::fs::read_to_string(&dm_uuid_path)
@@ -396,8 +415,10 @@ pub fn check_node(work_dir: &Path) -> Result<ContainerCheck, String> {
         state_device,
         state_source,
         state_dm_uuid,
-        state_mounted_us: monotonic_us("run-state.mount")?,
+        state_mounted_us: monotonic_us(STATE_MOUNT_UNIT)?,
         containerd_active_us: monotonic_us("containerd.service")?,
+        running_from: running.to_string_lossy().into_owned(),
+        running_from_memory,
     })
 }
 
@@ -468,6 +489,8 @@ mod tests {
             state_dm_uuid: "CRYPT-LUKS2-abc-keel-state".into(),
             state_mounted_us: 10,
             containerd_active_us: 20,
+            running_from: "/run/state/bin/kubeadm".into(),
+            running_from_memory: true,
         }
     }
 
@@ -487,5 +510,12 @@ mod tests {
         on_tmpfs.state_dm_uuid = String::new();
         on_tmpfs.output = "other".into();
         assert_eq!(on_tmpfs.problems().len(), 4, "{:?}", on_tmpfs.problems());
+
+        let mut on_disk = good();
+        on_disk.running_from = "/run/state/disk/bin/kubeadm".into();
+        on_disk.running_from_memory = false;
+        let problems = on_disk.problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains("not from memory"), "{problems:?}");
     }
 }

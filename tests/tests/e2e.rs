@@ -97,6 +97,10 @@ const POLL: Duration = Duration::from_secs(2);
 const CMDLINE: &[u8] = b" console=ttyS0 quiet ";
 const CMDLINE_CHANGED_AT: usize = 19;
 
+/// The agent's line once the tmpfs its components are installed in and the
+/// state disk inside it are mounted.
+const COMPONENTS_IN_MEMORY_LINE: &str = "components run from memory (/run/state, tmpfs)";
+
 const ZERO: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
 fn pass(name: &str, since: Instant) {
@@ -181,6 +185,8 @@ fn happy_path(cluster: &Cluster, started: Instant) -> TestResult<Lock> {
             node.dir.join("verify.json").display()
         );
         container_runtime(node)?;
+        // What the node runs is installed in memory, not on the disk.
+        node.wait_for(&[COMPONENTS_IN_MEMORY_LINE], Duration::from_secs(1))?;
     }
     pass("happy-path", started);
     Ok(lock)
@@ -189,8 +195,8 @@ fn happy_path(cluster: &Cluster, started: Instant) -> TestResult<Lock> {
 /// The node's container runtime, as the stand-in kubeadm's preflight found
 /// it: containerd answered, the image built and imported on the node ran
 /// and printed its message, the image's snapshot and containerd's open
-/// metadata database are on the LUKS2 state disk, and containerd became
-/// active only after that disk was mounted.
+/// metadata database are on the LUKS2 state disk, containerd became active
+/// only after that disk was mounted, and the stand-in ran from memory.
 fn container_runtime(node: &Node) -> TestResult {
     let check = node.container_check().ok_or_else(|| {
         format!(

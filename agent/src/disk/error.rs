@@ -54,6 +54,15 @@ pub enum DiskError {
         #[source]
         source: std::io::Error,
     },
+    /// What should be in memory (the tmpfs the components are installed
+    /// in) is not.
+    #[error("{path:?} is not in memory: {why}")]
+    NotInMemory {
+        /// The path.
+        path: PathBuf,
+        /// Why not.
+        why: String,
+    },
     /// The disk's LUKS header is not one the agent creates: refused before
     /// any key check or open.
     #[error("refusing the LUKS header of {device:?}: {mismatch}")]

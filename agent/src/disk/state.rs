@@ -26,10 +26,16 @@ pub struct StateDisk {
 
 /// Where an opened state disk is mounted, and which of its directories are
 /// bind-mounted over the paths Kubernetes expects (the image's root is
-/// read-only; what must persist and stay confidential lives on the disk).
+/// read-only; what must persist and stay confidential lives on the disk),
+/// inside the tmpfs the node's components are installed in.
 #[derive(Clone, Debug)]
 pub struct StateMount {
-    /// The mount point (`/run/state` on a node).
+    /// The tmpfs for what the node runs (`/run/state` on a node), mounted
+    /// before the disk: the disk's mount point is inside it.
+    pub memory: PathBuf,
+    /// `(directory in the tmpfs, relative to it; target path)`.
+    pub memory_binds: Vec<(PathBuf, PathBuf)>,
+    /// The disk's mount point (`/run/state/disk` on a node).
     pub point: PathBuf,
     /// `(directory on the disk, relative to the mount point; target path)`.
     pub binds: Vec<(PathBuf, PathBuf)>,
@@ -132,12 +138,15 @@ impl StateDisk {
 }
 
 impl StateMount {
-    /// Mounts `device` at the mount point, then makes the bind mounts
-    /// (creating their directories on the disk).
+    /// Mounts the tmpfs, then `device` at the mount point inside it, then
+    /// makes the bind mounts (creating their directories), then starts the
+    /// services.
     fn mount(&self, device: &Path) -> Result<(), DiskError> {
+        mount_memory(&self.memory)?;
         mount(device, &self.point)?;
-        for (inside, target) in &self.binds {
-            let source = self.point.join(inside);
+        let binds = self.memory_binds.iter().map(|b| (&self.memory, b));
+        for (root, (inside, target)) in binds.chain(self.binds.iter().map(|b| (&self.point, b))) {
+            let source = root.join(inside);
             for dir in [&source, target] {
                 std::fs::create_dir_all(dir).map_err(|source| DiskError::CreateMountPoint {
                     path: dir.clone(),
@@ -161,6 +170,56 @@ impl StateMount {
             tracing::info!(unit, "started on the mounted state disk");
         }
         Ok(())
+    }
+}
+
+/// Largest share of the node's memory the components' tmpfs may take: a
+/// Kubernetes version's components take about 300 MiB, twice that while
+/// an upgrade stages the next one beside them.
+const MEMORY_SIZE: &str = "size=50%";
+
+/// Mounts a tmpfs at `target` (`nosuid,nodev`, mode 0755), creating
+/// `target` if needed, and checks that what is mounted there is a tmpfs:
+/// the node must not install what it runs on a disk.
+pub fn mount_memory(target: &Path) -> Result<(), DiskError> {
+    std::fs::create_dir_all(target).map_err(|source| DiskError::CreateMountPoint {
+        path: target.to_owned(),
+        source,
+    })?;
+    let options = format!("nosuid,nodev,mode=0755,{MEMORY_SIZE}");
+    run_tool(
+        Path::new("mount"),
+        "mount",
+        [
+            OsStr::new("-t"),
+            OsStr::new("tmpfs"),
+            OsStr::new("-o"),
+            OsStr::new(&options),
+            OsStr::new("keel-components"),
+            target.as_os_str(),
+        ],
+        target,
+    )?;
+    check_in_memory(target)
+}
+
+/// Refuses unless `path` is on a tmpfs.
+pub fn check_in_memory(path: &Path) -> Result<(), DiskError> {
+    /// `TMPFS_MAGIC` of `statfs(2)`.
+    const TMPFS_MAGIC: u64 = 0x0102_1994;
+    let stat = rustix::fs::statfs(path).map_err(|e| DiskError::NotInMemory {
+        path: path.to_owned(),
+        why: e.to_string(),
+    })?;
+    // `f_type`'s integer type differs between C libraries.
+    let is_tmpfs = u64::try_from(stat.f_type).is_ok_and(|t| t == TMPFS_MAGIC);
+    if is_tmpfs {
+        Ok(())
+    } else {
+        Err(DiskError::NotInMemory {
+            path: path.to_owned(),
+            why: format!("its file system type is {:#x}, not tmpfs", stat.f_type),
+        })
     }
 }
 
@@ -223,6 +282,16 @@ pub fn new_uuid() -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_tmpfs_counts_as_memory() {
+        // /dev/shm is a tmpfs wherever the tests run (the swtpm tests use
+        // it); a temporary directory of the build is not.
+        check_in_memory(Path::new("/dev/shm")).unwrap();
+        let on_disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let refused = check_in_memory(on_disk.path()).unwrap_err();
+        assert!(refused.to_string().contains("not tmpfs"), "{refused}");
+    }
 
     #[test]
     fn new_uuids_are_fresh_valid_disk_ids() {

@@ -475,7 +475,7 @@ impl Upgrader {
                 // The version is recorded: a reboot installs the target's
                 // archives, never the previous ones.
                 match Installer::new(self.env.installer.clone()) {
-                    Ok(installer) => installer.keep_only_archives_of(&target.components).await,
+                    Ok(installer) => installer.keep_only_copies_of(&target.components).await,
                     Err(e) => {
                         tracing::warn!(error = %keel_atls::ErrorChain(&e), "the previous kept archives stay")
                     }

@@ -5,13 +5,13 @@
 //! `/run/state/bin`, `/opt/cni/bin` and `/opt/kubernetes/patches`: a
 //! component's own directory when it is an archive, its parent otherwise).
 //! The new version goes into a twin of each, `<dir>.keel-next`, on the same
-//! file system (the same bind mount of the state disk), so the running
-//! binaries are untouched while it downloads. The switch exchanges each
-//! twin with its directory in one `renameat2(RENAME_EXCHANGE)`: every
-//! directory moves from old to new at once, never through a state where a
-//! binary is missing or half written. Switching back exchanges them again;
-//! [`Staging::discard`] removes the twins (after a switch: the previous
-//! version).
+//! file system (the components' tmpfs, or the same bind mount of it), so
+//! the running binaries are untouched while it downloads. The switch
+//! exchanges each twin with its directory in one
+//! `renameat2(RENAME_EXCHANGE)`: every directory moves from old to new at
+//! once, never through a state where a binary is missing or half written.
+//! Switching back exchanges them again; [`Staging::discard`] removes the
+//! twins (after a switch: the previous version).
 
 use std::path::{Path, PathBuf};
 
@@ -21,8 +21,8 @@ use rustix::fs::{renameat_with, RenameFlags, CWD};
 /// Suffix of a staged directory.
 pub const STAGED_SUFFIX: &str = ".keel-next";
 
-/// Where component directories may be: the binaries' directory on the
-/// state disk itself or below it, or strictly below the state-disk
+/// Where component directories may be: the binaries' directory in the
+/// components' tmpfs itself or below it, or strictly below the tmpfs
 /// directories bind-mounted at `/opt/cni` and `/opt/kubernetes` (the
 /// versions table uses `/run/state/bin`, `/opt/cni/bin` and
 /// `/opt/kubernetes/patches`). A switch, and the emptying of an

@@ -559,9 +559,7 @@ pub fn stand_in_components(mirror: &MirrorServer) -> Vec<Component> {
 pub fn node_env(root: &Path, work: &Path, disk: Option<&Path>) -> NodeEnv {
     let installer = InstallerConfig {
         root: root.to_owned(),
-        kept_archives: Some(
-            keel_installer::InstallPath::new(keel_agent::paths::KEPT_ARCHIVES).unwrap(),
-        ),
+        kept: Some(keel_installer::InstallPath::new(keel_agent::paths::KEPT_COMPONENTS).unwrap()),
         ..InstallerConfig::default()
     };
     let mut kubeadm = Kubeadm::new(&root.join("run/state/bin"));

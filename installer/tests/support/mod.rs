@@ -35,8 +35,8 @@ pub fn installer(root: &Path, mirror: Option<&MirrorServer>, retry: RetryPolicy)
     .unwrap()
 }
 
-/// An installer like [`installer`] that keeps verified archives in
-/// `/var/lib/keel/archives` below `root`.
+/// An installer like [`installer`] that keeps verified components in
+/// `/var/lib/keel/kept` below `root`.
 pub fn keeping_installer(root: &Path, mirror: &MirrorServer, retry: RetryPolicy) -> Installer {
     Installer::new(InstallerConfig {
         download: DownloadConfig {
@@ -45,14 +45,14 @@ pub fn keeping_installer(root: &Path, mirror: &MirrorServer, retry: RetryPolicy)
         },
         mirror: Some(Mirror::new(&mirror.base_url()).unwrap()),
         root: root.to_path_buf(),
-        kept_archives: Some(keel_installer::InstallPath::new(KEPT).unwrap()),
+        kept: Some(keel_installer::InstallPath::new(KEPT).unwrap()),
         ..InstallerConfig::default()
     })
     .unwrap()
 }
 
-/// Where [`keeping_installer`] keeps archives (below its root).
-pub const KEPT: &str = "/var/lib/keel/archives";
+/// Where [`keeping_installer`] keeps components (below its root).
+pub const KEPT: &str = "/var/lib/keel/kept";
 
 /// A single-file component served by the mirror at `path`, installed at
 /// `/run/state/bin/<name>` (below the installer's root) with the hash `hash`.

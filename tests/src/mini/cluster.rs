@@ -1137,16 +1137,15 @@ fn start_mirror(dir: &Path, tools: &Tools) -> Result<Process, MiniError> {
     }
 }
 
-/// The agent's last state-disk line (`state disk set up (LUKS2)
-/// mount_point=/run/state`), as `state disk set up (LUKS2), mounted at
-/// /run/state`.
+/// The agent's last state-disk line, from its `state disk set up (LUKS2)`
+/// or `state disk opened (LUKS2)` on (`…, mounted at /run/state/disk;
+/// components run from memory (/run/state, tmpfs)`).
 fn agent_disk_line(lines: &[String]) -> Option<String> {
     lines.iter().rev().find_map(|line| {
         let at = line
             .find("state disk set up (LUKS2)")
             .or_else(|| line.find("state disk opened (LUKS2)"))?;
-        let rest = line.get(at..)?;
-        Some(rest.replacen(" mount_point=", ", mounted at ", 1))
+        line.get(at..).map(str::to_owned)
     })
 }
 
