@@ -65,6 +65,14 @@ pub enum PredictError {
     /// `.cmdline` is not UTF-8.
     #[error("the .cmdline section is not UTF-8")]
     CmdlineEncoding,
+    /// Two sections' names are, or begin with, the same measured name: which
+    /// one the stub uses is not what a prediction should guess.
+    #[error("the UKI has more than one section named like {0}")]
+    AmbiguousSection(&'static str),
+    /// The command line lacks an option the image's security rests on, or
+    /// overrides it.
+    #[error("the UKI's command line {0}")]
+    UnsafeCmdline(String),
     /// The predicted values do not make a measurements file verifiers accept.
     #[error("build the measurements file")]
     Measurements(#[source] MeasurementsError),
@@ -77,11 +85,17 @@ pub struct Uki<'a> {
 }
 
 impl<'a> Uki<'a> {
-    /// Parses a UKI.
+    /// Parses a UKI, refusing one with two sections named like one
+    /// measured section (the same name, or one that begins with it).
     pub fn parse(bytes: &'a [u8]) -> Result<Self, PredictError> {
-        PeFile::parse(bytes)
-            .map(|pe| Self { pe })
-            .map_err(PredictError::ParseUki)
+        let pe = PeFile::parse(bytes).map_err(PredictError::ParseUki)?;
+        for name in STUB_MEASURED_SECTIONS {
+            let named = pe.sections().iter().filter(|s| s.name.starts_with(name));
+            if named.count() > 1 {
+                return Err(PredictError::AmbiguousSection(name));
+            }
+        }
+        Ok(Self { pe })
     }
 
     /// The section `name` as loaded in memory, if present.
@@ -104,6 +118,44 @@ impl<'a> Uki<'a> {
         let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
         let text = std::str::from_utf8(&raw[..end]).map_err(|_| PredictError::CmdlineEncoding)?;
         Ok(mangle_cmdline(text))
+    }
+}
+
+/// Options the measured command line must carry, each once and never
+/// given another value: without them a node of the image would take what
+/// the host hands it (credentials, partitions by type, EFI variables; see
+/// docs/measured-boot.md).
+pub const REQUIRED_CMDLINE_OPTIONS: [&str; 3] = [
+    "systemd.import_credentials=no",
+    "systemd.gpt_auto=0",
+    "efi=noruntime",
+];
+
+/// Refuses a command line without [`REQUIRED_CMDLINE_OPTIONS`] or without
+/// exactly one `roothash=` of 64 hex digits (the root it pins).
+pub fn check_cmdline(cmdline: &str) -> Result<(), PredictError> {
+    let words: Vec<&str> = cmdline.split_ascii_whitespace().collect();
+    for required in REQUIRED_CMDLINE_OPTIONS {
+        let key = required.split('=').next().unwrap_or(required);
+        let given: Vec<&&str> = words
+            .iter()
+            .filter(|w| w.split('=').next() == Some(key))
+            .collect();
+        if given.as_slice() != [&required] {
+            return Err(PredictError::UnsafeCmdline(format!(
+                "must carry {required} once and no other {key}"
+            )));
+        }
+    }
+    let roots: Vec<&str> = words
+        .iter()
+        .filter_map(|w| w.strip_prefix("roothash="))
+        .collect();
+    match roots.as_slice() {
+        [root] if root.len() == 64 && root.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(()),
+        _ => Err(PredictError::UnsafeCmdline(
+            "must pin the root with one roothash= of 64 hex digits".into(),
+        )),
     }
 }
 
@@ -192,8 +244,10 @@ pub fn pcr12(config: &NodeConfig) -> Digest {
 
 /// The measurements file for `uki` booted with `config`: PCRs 4, 9, 11 and
 /// 12, each enforced. Built by the verifiers' own type, so a file that the
-/// CLI or a join service would refuse is never produced.
+/// CLI or a join service would refuse is never produced; refused for a UKI
+/// whose command line fails [`check_cmdline`].
 pub fn measurements(uki: &Uki<'_>, config: &NodeConfig) -> Result<Measurements, PredictError> {
+    check_cmdline(&uki.cmdline()?)?;
     Measurements::new([
         (
             PCR_BOOT_LOADER_CODE,
@@ -213,6 +267,54 @@ pub fn measurements(uki: &Uki<'_>, config: &NodeConfig) -> Result<Measurements, 
 mod tests {
     use super::*;
     use crate::testpe::{self, SectionSpec};
+
+    use crate::testpe::SAFE_CMDLINE;
+
+    #[test]
+    fn a_command_line_without_what_the_image_rests_on_is_refused() {
+        check_cmdline(SAFE_CMDLINE).unwrap();
+        let root = "roothash=0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+        for (option, _) in REQUIRED_CMDLINE_OPTIONS.iter().zip(0..) {
+            let without = SAFE_CMDLINE.replace(option, "");
+            assert!(check_cmdline(&without).is_err(), "{without}");
+            let key = option.split('=').next().unwrap();
+            let overridden = format!("{SAFE_CMDLINE} {key}=1");
+            assert!(check_cmdline(&overridden).is_err(), "{overridden}");
+        }
+        for bad in [
+            SAFE_CMDLINE.replace(root, ""),
+            SAFE_CMDLINE.replace(root, &format!("{root} {root}")),
+            SAFE_CMDLINE.replace(root, "roothash=abc"),
+        ] {
+            assert!(check_cmdline(&bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_uki_with_two_sections_named_alike_is_refused() {
+        let uki = |second: &'static str| {
+            testpe::build(
+                &[
+                    SectionSpec::new(".linux", b"kernel", 0x200),
+                    SectionSpec::new(".cmdline", SAFE_CMDLINE.as_bytes(), 0x600),
+                    SectionSpec::new(second, b"other", 0x800),
+                ],
+                b"",
+                b"",
+                0,
+            )
+        };
+        for (second, named) in [
+            (".cmdline", ".cmdline"),
+            (".linux", ".linux"),
+            (".linuxx", ".linux"),
+        ] {
+            let refused = Uki::parse(&uki(second)).unwrap_err();
+            assert!(refused.to_string().contains(named), "{second}: {refused}");
+        }
+        // A name no measured section begins: a section the stub ignores.
+        Uki::parse(&uki(".cmdlin2")).unwrap();
+    }
 
     #[test]
     fn mangling_replaces_controls_and_trims_the_end() {
@@ -248,7 +350,7 @@ mod tests {
         let uki = testpe::build(
             &[
                 SectionSpec::new(".linux", &kernel, 0x200),
-                SectionSpec::new(".cmdline", b"console=ttyS0\n", 0x600),
+                SectionSpec::new(".cmdline", SAFE_CMDLINE.as_bytes(), 0x600),
                 SectionSpec::new(".initrd", b"initrd", 0x800),
             ],
             b"",

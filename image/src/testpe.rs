@@ -14,6 +14,10 @@ pub const CHECKSUM_OFFSET: usize = OPT_OFFSET + 64;
 pub const CERT_ENTRY_OFFSET: usize = OPT_OFFSET + 112 + 4 * 8;
 /// SizeOfHeaders of images built here.
 pub const HEADERS_LEN: usize = 0x200;
+/// A `.cmdline` with everything a prediction requires of it
+/// ([`crate::predict::check_cmdline`]).
+pub const SAFE_CMDLINE: &str = "console=ttyS0 systemd.import_credentials=no systemd.gpt_auto=0 \
+     efi=noruntime roothash=0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef\n";
 
 /// One section to lay out: name, data, and the file offset of its data.
 pub struct SectionSpec {

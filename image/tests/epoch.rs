@@ -22,7 +22,7 @@ fn synthetic_uki() -> Vec<u8> {
     testpe::build(
         &[
             SectionSpec::new(".linux", &kernel, 0x200),
-            SectionSpec::new(".cmdline", b"console=ttyS0\n", 0x600),
+            SectionSpec::new(".cmdline", testpe::SAFE_CMDLINE.as_bytes(), 0x600),
             SectionSpec::new(".initrd", b"initrd", 0x800),
         ],
         b"",

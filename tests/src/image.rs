@@ -64,6 +64,11 @@ impl ImageDir {
     pub fn uki(&self) -> PathBuf {
         self.dir.join("keel.efi")
     }
+
+    /// The root partition alone (erofs; mkosi's split artifact).
+    pub fn root(&self) -> PathBuf {
+        self.dir.join("keel.root.raw")
+    }
 }
 
 /// The workspace root (this crate's parent directory).

@@ -254,6 +254,68 @@ fn a_changed_root_does_not_boot() -> TestResult {
     Ok(())
 }
 
+/// A mask is a file the host can hide: dm-verity panics on a block that
+/// fails its hash but passes a read error from the disk below on as EIO,
+/// and systemd runs a generator or unit whose mask it cannot read. So what
+/// the image masks to keep logins, shells and partitions-by-type away is
+/// not on its root at all; the masks stay, and the control shows that the
+/// lookup finds what is there.
+#[test]
+fn what_the_image_masks_is_not_on_its_root() -> TestResult {
+    let Some(image) = ImageDir::from_env()? else {
+        eprintln!("skipped: no image to read (set {IMAGE_DIR_VAR}=build/image)");
+        return Ok(());
+    };
+    let root = image.root();
+    let present = |path: &str| -> Result<bool, Box<dyn std::error::Error>> {
+        let out = std::process::Command::new("dump.erofs")
+            .arg(format!("--path={path}"))
+            .arg(&root)
+            .output()
+            .map_err(|e| format!("dump.erofs (erofs-utils): {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        if text.contains(&format!("File : {path}")) {
+            Ok(true)
+        } else if text.contains("read inode failed") {
+            Ok(false)
+        } else {
+            Err(format!("dump.erofs --path={path}: {text}").into())
+        }
+    };
+    for gone in [
+        "/usr/lib/systemd/system-generators/systemd-gpt-auto-generator",
+        "/usr/lib/systemd/system-generators/systemd-getty-generator",
+        "/usr/lib/systemd/system-generators/systemd-debug-generator",
+        "/usr/lib/systemd/system-generators/systemd-fstab-generator",
+        "/usr/lib/systemd/system/emergency.service",
+        "/usr/lib/systemd/system/rescue.service",
+        "/usr/lib/systemd/system/debug-shell.service",
+        "/usr/lib/systemd/system/serial-getty@.service",
+        "/usr/lib/systemd/system/getty@.service",
+        "/usr/sbin/sulogin",
+        "/usr/sbin/agetty",
+    ] {
+        assert!(
+            !present(gone)?,
+            "{gone} is on the root of {}",
+            root.display()
+        );
+    }
+    for there in [
+        "/usr/lib/systemd/systemd",
+        "/etc/systemd/system/emergency.service",
+        "/etc/systemd/system-generators/systemd-gpt-auto-generator",
+    ] {
+        assert!(
+            present(there)?,
+            "{there} is not on the root of {}",
+            root.display()
+        );
+    }
+    Ok(())
+}
+
 /// The host can hand a VM systemd credentials without changing anything
 /// measured: SMBIOS type 11 strings and fw_cfg items. systemd imports them
 /// by default, and its units act on them (`tmpfiles.extra` lines run as
