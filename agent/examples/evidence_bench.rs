@@ -207,6 +207,8 @@ async fn main() {
         })
         .unwrap();
     let peer = registry.snapshot();
+    // The sweeping control plane's own EK: none of the records.
+    let own = keel_verifier::ek::EkDigest::from_hex(&"0".repeat(64)).unwrap();
     let mut merges = Vec::new();
     let mut sweeps = Vec::new();
     for _ in 0..rounds {
@@ -215,8 +217,12 @@ async fn main() {
         assert_eq!(registry.merge(theirs).unwrap(), 0);
         merges.push(t.elapsed());
         let t = Instant::now();
-        let (marked, written) =
-            registry.mark_silent(keel_agent::registry::now(), Duration::from_secs(3600), 0);
+        let (marked, written) = registry.mark_silent(
+            keel_agent::registry::now(),
+            Duration::from_secs(3600),
+            0,
+            &own,
+        );
         sweeps.push(t.elapsed());
         written.unwrap();
         assert!(marked.is_empty());

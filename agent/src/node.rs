@@ -200,6 +200,25 @@ pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) -> bool {
     false
 }
 
+/// Records this control plane under its own name in its registry before
+/// its join service serves. Until its own evidence or a registry exchange
+/// brings that record, the registry may not have it (the first control
+/// plane's never had; a joined control plane's ticket carries no node
+/// records), and a second TPM booted under its name would get a ticket
+/// here. What keeps the record from being made (the name held by another
+/// EK, this control plane revoked, a full registry) is logged; the service
+/// serves all the same.
+fn hold_own_name(registry: &RegistryStore, own_ek: &keel_verifier::ek::EkDigest, name: &str) {
+    let held = registry.update(|r| r.register(own_ek, "", name, "control-plane"));
+    if let Err(e) = held {
+        tracing::warn!(
+            name,
+            error = %keel_atls::ErrorChain(&e),
+            "this control plane's name is not recorded in its registry"
+        );
+    }
+}
+
 /// Serves the init API on `addr` until the task is dropped.
 pub async fn serve_init(addr: SocketAddr, node: Node) -> anyhow::Result<()> {
     serve_operator_port(TcpListener::bind(addr).await?, node, None).await
@@ -492,6 +511,7 @@ pub async fn serve_join_as_control_plane(
                 let registry = RegistryStore::shared(env.root())?;
                 let disks = Arc::new(DiskBindings::new(env.root()));
                 let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
+                hold_own_name(&registry, &own_ek, &config.node.name);
                 let service = JoinService::new(
                     state,
                     env.kubeadm.clone(),

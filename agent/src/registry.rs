@@ -726,12 +726,22 @@ impl Registry {
     /// since `since` (Unix seconds) and for `grace` before `now`; returns
     /// the nodes newly marked. Evidence that reached this registry through
     /// a peer counts from when it was taken here, if that is later than
-    /// the peer's time for it.
-    pub fn mark_silent(&mut self, now: u64, grace: Duration, since: u64) -> Vec<NodeRecord> {
+    /// the peer's time for it. The record of `own` (the control plane
+    /// whose registry this is) is never marked: its silence is for its
+    /// peers to judge, and its evidence to itself may lapse (its loop
+    /// restarting) while it serves.
+    pub fn mark_silent(
+        &mut self,
+        now: u64,
+        grace: Duration,
+        since: u64,
+        own: &EkDigest,
+    ) -> Vec<NodeRecord> {
         let revoked = self.revoked_eks();
+        let own = own.to_string();
         let mut marked = Vec::new();
         for (key, record) in &mut self.nodes {
-            if record.verdict == Verdict::Silent || revoked.contains(&record.ek) {
+            if record.verdict == Verdict::Silent || revoked.contains(&record.ek) || *key == own {
                 continue;
             }
             let heard = record
@@ -1394,8 +1404,9 @@ impl RegistryStore {
         now: u64,
         grace: Duration,
         since: u64,
+        own: &EkDigest,
     ) -> (Vec<NodeRecord>, Result<(), RegistryError>) {
-        let marked = self.lock().mark_silent(now, grace, since);
+        let marked = self.lock().mark_silent(now, grace, since, own);
         let written = if marked.is_empty() {
             Ok(())
         } else {
@@ -1454,6 +1465,27 @@ mod tests {
             measurements: "ab".into(),
             failure: failure.map(str::to_owned),
         }
+    }
+
+    /// A control plane holds its own record from the moment it serves,
+    /// before any evidence of its own: its sweep never marks that record
+    /// silent (it would revoke itself under the `revoke` policy, and
+    /// spread the verdict to its peers), while others' records go silent
+    /// as before.
+    #[test]
+    fn a_control_planes_own_record_is_never_marked_silent_by_it() {
+        let mut r = Registry::default();
+        r.register(&ek(7), "", "cp-7", "control-plane").unwrap();
+        r.register(&ek(8), "", "w-8", "worker").unwrap();
+        let later = now() + 3600;
+        let marked = r.mark_silent(later, Duration::from_secs(10), 0, &ek(7));
+        let names: Vec<&str> = marked.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["w-8"]);
+        assert_eq!(r.find("cp-7").unwrap().verdict, Verdict::Registered);
+        // Another control plane's sweep judges it like any node.
+        let marked = r.mark_silent(later, Duration::from_secs(10), 0, &ek(9));
+        assert_eq!(marked.len(), 1);
+        assert_eq!(marked[0].name, "cp-7");
     }
 
     /// Attacker's move: a host boots a second VM of the cluster's image
@@ -1588,12 +1620,12 @@ mod tests {
             record.verdict_at = lagging;
             assert_eq!(ours.merge(peer).taken, 1, "round {round}");
             // A sweep an interval after the merge: not silent.
-            assert!(ours.mark_silent(now() + 60, grace, 0).is_empty());
+            assert!(ours.mark_silent(now() + 60, grace, 0, &ek(0)).is_empty());
         }
         // No newer record comes: silent once the grace passed since the
         // last one was taken.
-        assert!(ours.mark_silent(now() + 170, grace, 0).is_empty());
-        let marked = ours.mark_silent(now() + 190, grace, 0);
+        assert!(ours.mark_silent(now() + 170, grace, 0, &ek(0)).is_empty());
+        let marked = ours.mark_silent(now() + 190, grace, 0, &ek(0));
         assert_eq!(marked.len(), 1);
         assert_eq!(marked[0].verdict, Verdict::Silent);
         // A record a peer held back (a partition) counts as heard no later
@@ -1606,7 +1638,7 @@ mod tests {
         record.registered_at = old;
         record.verdict_at = old;
         assert_eq!(ours.merge(peer).taken, 1);
-        let marked = ours.mark_silent(now(), grace, 0);
+        let marked = ours.mark_silent(now(), grace, 0, &ek(0));
         assert_eq!(marked.len(), 1, "{marked:?}");
         assert_eq!(marked[0].name, "w-2");
     }
@@ -1675,11 +1707,17 @@ mod tests {
 
         // Silent only after the grace, counted from `since` too.
         let t = node.last_evidence_at.unwrap();
-        assert!(r.mark_silent(t + 5, Duration::from_secs(10), 0).is_empty());
         assert!(r
-            .mark_silent(t + 20, Duration::from_secs(10), t + 15)
+            .mark_silent(t + 5, Duration::from_secs(10), 0, &ek(0))
             .is_empty());
-        assert_eq!(r.mark_silent(t + 20, Duration::from_secs(10), 0).len(), 1);
+        assert!(r
+            .mark_silent(t + 20, Duration::from_secs(10), t + 15, &ek(0))
+            .is_empty());
+        assert_eq!(
+            r.mark_silent(t + 20, Duration::from_secs(10), 0, &ek(0))
+                .len(),
+            1
+        );
         assert_eq!(r.find("w-1").unwrap().verdict, Verdict::Silent);
 
         let revocation = r.revoke(&node, Some(&bound(1)), "operator").unwrap();
@@ -1991,7 +2029,7 @@ mod tests {
             .unwrap();
         let revoked = r.nodes()[&ek(2).to_string()].clone();
         r.revoke(&revoked, None, "operator").unwrap();
-        let marked = r.mark_silent(t + 20, Duration::from_secs(10), 0);
+        let marked = r.mark_silent(t + 20, Duration::from_secs(10), 0, &ek(0));
         let mut names: Vec<_> = marked.iter().map(|n| n.ek.clone()).collect();
         names.sort();
         let mut expected = vec![ek(1).to_string(), ek(3).to_string()];
@@ -2225,9 +2263,9 @@ mod tests {
         assert_eq!(on_disk().nodes.len(), 4);
         // Nor does a sweep that finds nobody silent.
         let grace = Duration::from_secs(60);
-        assert!(store.mark_silent(now(), grace, 0).0.is_empty());
+        assert!(store.mark_silent(now(), grace, 0, &ek(0)).0.is_empty());
         assert_eq!(store.write_stats().rounds, rounds + 1);
-        let (marked, written) = store.mark_silent(now() + 120, grace, 0);
+        let (marked, written) = store.mark_silent(now() + 120, grace, 0, &ek(0));
         assert_eq!(marked.len(), 4);
         written.unwrap();
         assert_eq!(store.write_stats().rounds, rounds + 2);

@@ -141,6 +141,30 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     cp1.assert_disk_opens(&cp0);
     let serving = cp1.serve_join(ports[1], slot.clone()).await;
 
+    // cp-1's ticket carried no node records, but cp-1 holds its own name
+    // from the moment it serves: a second TPM under that name gets no
+    // ticket there.
+    let impostor = join_common::member_with(&ca, config_for(&ca, &ports, "cp-1", "worker"));
+    let key = keel_agent::join::KubeletKey::generate("cp-1").unwrap();
+    let request = keel_proto::join::IssueJoinTicketRequest {
+        disk_uuid: join_common::uuid(),
+        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: "cp-1".into(),
+    };
+    match impostor
+        .tickets(&ca)
+        .request_join_ticket(&format!("127.0.0.1:{}", ports[1]), request)
+        .await
+    {
+        Err(keel_agent::join::TicketError::Refused(status)) => assert!(
+            status.message().contains("holds this node's name"),
+            "{status:?}"
+        ),
+        Err(e) => panic!("not refused for its name: {}", keel_atls::ErrorChain(&e)),
+        Ok(_) => panic!("a ticket went to a second TPM under cp-1's name"),
+    }
+
     // cp-0 goes down: a worker joins through cp-1, with a ticket as good as
     // one from cp-0 (same cluster, a disk key cp-0 derives too).
     cp0.stop().await;

@@ -649,6 +649,15 @@ async fn a_member_reporting_another_nodes_disk_is_refused_and_its_revocation_spa
     let victim_disk = c.worker_disk();
     let attacker_ek = join_common::ek_digest(&c.cp1.tpm);
     let attacker_key = attacker_ek.to_string();
+    // cp-1 holds a record of its own from the moment it serves: no
+    // evidence, no disk.
+    let before = c.registry().snapshot().nodes().get(&attacker_key).cloned();
+    assert!(
+        before
+            .as_ref()
+            .is_some_and(|r| r.last_evidence_at.is_none() && r.disk_uuid.is_empty()),
+        "{before:?}"
+    );
 
     // Valid evidence (its quote binds the UUID it reports) naming the
     // victim's disk: refused, and nothing recorded for the attacker.
@@ -664,7 +673,10 @@ async fn a_member_reporting_another_nodes_disk_is_refused_and_its_revocation_spa
         }
         other => panic!("evidence naming another node's disk: {other:?}"),
     }
-    assert!(!c.registry().snapshot().nodes().contains_key(&attacker_key));
+    assert_eq!(
+        c.registry().snapshot().nodes().get(&attacker_key).cloned(),
+        before
+    );
 
     // Its evidence naming its own disk (bound by cp-0, not here): trusted,
     // and no disk recorded for it on cp-1's word alone.

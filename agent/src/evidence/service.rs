@@ -528,8 +528,9 @@ impl EvidenceService {
             );
         }
         let since = sweep.counting_from;
+        let own_ek = self.inner.own_ek;
         let (marked, written) = self
-            .store(move |s| Ok(s.mark_silent(now, grace, since)))
+            .store(move |s| Ok(s.mark_silent(now, grace, since, &own_ek)))
             .await?;
         for record in &marked {
             tracing::warn!(
@@ -540,7 +541,6 @@ impl EvidenceService {
                 "node silent"
             );
         }
-        let own_ek = self.inner.own_ek;
         // A control plane that another revoked judges no one: its view may
         // be cut off from the cluster, and it is to be replaced.
         let revoked_here = self

@@ -390,7 +390,7 @@ impl JoinService {
         let control_plane_files = if request.is_control_plane {
             self.control_plane_files().await?
         } else {
-            Vec::new()
+            PkiFiles::default()
         };
         // Recorded before any key or token leaves; a retry by the same TPM
         // finds its own binding.
@@ -423,16 +423,20 @@ impl JoinService {
         // token registered for a refused ticket is never sent and expires.
         self.register(ek, request.disk_uuid.clone(), measured_identity(peer)?)
             .await?;
+        // Whatever can fail comes before the secrets are copied out of
+        // their wiped buffers: from here to `seal`, which wipes the
+        // copies, nothing returns early.
+        let operator_key = operator_key(cluster, &ek)?;
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),
             bootstrap_token: token.expose().to_owned(),
             kubelet_cert: kubelet_cert.into_bytes(),
-            control_plane_files,
+            control_plane_files: control_plane_files.take(),
             control_plane: request
                 .is_control_plane
                 .then(|| control_plane_secrets(cluster)),
-            operator_key: operator_key(cluster, &ek)?,
+            operator_key: operator_key.to_vec(),
         };
         let sealed = seal(peer, secrets)?;
         tracing::info!(
@@ -540,11 +544,13 @@ impl JoinService {
         let current = self.still_accepted(peer)?;
         let cluster = &current;
         self.register(ek, recorded, identity.clone()).await?;
+        // As for a join ticket: nothing fails between the copies and `seal`.
+        let operator_key = operator_key(cluster, &ek)?;
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),
             control_plane: is_control_plane.then(|| control_plane_secrets(cluster)),
-            operator_key: operator_key(cluster, &ek)?,
+            operator_key: operator_key.to_vec(),
             ..JoinSecrets::default()
         };
         let sealed = seal(peer, secrets)?;
@@ -604,14 +610,14 @@ impl JoinService {
             .map_err(|_| JoinServiceError::Busy)
     }
 
-    async fn control_plane_files(&self) -> Result<Vec<ControlPlaneFile>, JoinServiceError> {
+    async fn control_plane_files(&self) -> Result<PkiFiles, JoinServiceError> {
         let pki = &self.inner.cluster.pki_dir;
-        let mut files = Vec::new();
+        let mut files = PkiFiles::default();
         for name in CONTROL_PLANE_FILES {
             let path = pki.join(name);
             let required = matches!(name, "ca.crt" | "ca.key");
             match read_bounded(&path, MAX_PKI_FILE).await {
-                Ok(data) => files.push(ControlPlaneFile {
+                Ok(data) => files.0.push(ControlPlaneFile {
                     name: name.to_owned(),
                     data: data.to_vec(),
                 }),
@@ -620,6 +626,27 @@ impl JoinService {
             }
         }
         Ok(files)
+    }
+}
+
+/// The control-plane PKI files read for a ticket (the cluster's CA keys
+/// among them): wiped when dropped, as when the ticket is refused after
+/// they were read; [`PkiFiles::take`] hands them to the ticket, which
+/// [`seal`] wipes.
+#[derive(Default)]
+struct PkiFiles(Vec<ControlPlaneFile>);
+
+impl PkiFiles {
+    fn take(mut self) -> Vec<ControlPlaneFile> {
+        std::mem::take(&mut self.0)
+    }
+}
+
+impl Drop for PkiFiles {
+    fn drop(&mut self) {
+        for file in &mut self.0 {
+            file.data.zeroize();
+        }
     }
 }
 
@@ -701,12 +728,15 @@ pub(crate) fn measured_identity(peer: &Verified) -> Result<NodeIdentity, JoinSer
 }
 
 /// The operator key of the node whose EK is `ek`, for its ticket.
-fn operator_key(cluster: &ClusterState, ek: &EkDigest) -> Result<Vec<u8>, JoinServiceError> {
+fn operator_key(
+    cluster: &ClusterState,
+    ek: &EkDigest,
+) -> Result<Zeroizing<Vec<u8>>, JoinServiceError> {
     let key = cluster
         .keys
         .operator_key(ek)
         .map_err(|_| JoinServiceError::Derive)?;
-    Ok(key.expose().to_vec())
+    Ok(Zeroizing::new(key.expose().to_vec()))
 }
 
 /// The master secret and salt, for a control plane's ticket.

@@ -500,12 +500,16 @@ impl Member {
 
 /// A fresh member `name` of the cluster whose join service is on `port`.
 pub fn member(ca: &EkCa, port: u16, name: &str, role: &str) -> Member {
+    member_with(ca, config(ca, port, name, role))
+}
+
+/// A fresh member with `config`.
+pub fn member_with(ca: &EkCa, config: NodeConfig) -> Member {
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = config(ca, port, name, role);
     let tpm = measured(&swtpm, &dir.path().join("log"), &config);
     Member {
-        name: name.to_owned(),
+        name: config.node.name.clone(),
         config,
         tpm,
         _dir: dir,
