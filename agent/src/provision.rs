@@ -456,8 +456,8 @@ impl<'a> Provisioner<'a> {
 
     /// After a fatal failure: marks a disk formatted in this boot for reset
     /// (an existing one keeps its data) and schedules the reboot, logging
-    /// each consequence.
-    pub async fn fail(&self, error: &ProvisionError) {
+    /// each consequence. Returns whether the node reboots.
+    pub async fn fail(&self, error: &ProvisionError) -> bool {
         tracing::error!(error = %keel_atls::ErrorChain(error), "provisioning failed after the node lock");
         let reset = if self.formatted.load(Ordering::SeqCst) {
             self.env.state_disk.as_ref()
@@ -467,6 +467,7 @@ impl<'a> Provisioner<'a> {
         for line in reboot::reset_node(reset, self.env.reboot, Some(&self.env.work_dir)).await {
             (self.log)(line);
         }
+        matches!(self.env.reboot, RebootPolicy::After(_))
     }
 
     async fn state_disk(&self, step: DiskStep) -> Result<(), ProvisionError> {

@@ -42,8 +42,16 @@ pub async fn reset_node(
     if let Some(disk) = state_disk.cloned() {
         let marked =
             tokio::task::spawn_blocking(move || disk.cryptsetup.mark_for_reset(&disk.device)).await;
-        if !matches!(marked, Ok(Ok(()))) {
-            report.push("marking the state disk for reset failed".to_owned());
+        let failed = match marked {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(keel_atls::ErrorChain(&e).to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(cause) = failed {
+            report.push(format!(
+                "marking the state disk for reset failed ({cause}); its header still says its \
+                 set-up is unfinished, so the next start resets it"
+            ));
         }
     }
     match policy {

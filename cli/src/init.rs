@@ -607,7 +607,7 @@ async fn follow(
         Some((error, reset)) => {
             let path = write_failure_logs(workspace, outcome)?;
             let reset = if *reset {
-                " The node marked its state disk for reset and reboots."
+                " The node reboots and starts over, with what this init set up on its state disk reset."
             } else {
                 ""
             };

@@ -476,7 +476,9 @@ async fn kubeadm_failure_streams_the_error_and_the_logs() {
         t.contains("init failed on the node") && t.contains("kubeadm init"),
         "{t}"
     );
-    assert!(t.contains("marked its state disk for reset"), "{t}");
+    // The test node never reboots (the agent's host-test policy), and the
+    // CLI says nothing of a reboot the node did not schedule.
+    assert!(!t.contains("reboots"), "{t}");
     let logs = std::fs::read_to_string(ws.path().join("keel-init-failure.log")).unwrap();
     assert!(
         logs.contains("running kubeadm init") && logs.contains("init failed"),

@@ -539,7 +539,7 @@ impl InitService for InitServer {
                 Err(e) => {
                     let error = keel_atls::ErrorChain(&e).to_string();
                     log.line(format!("init failed: {error}"));
-                    provisioner.fail(&e).await;
+                    let reboots = provisioner.fail(&e).await;
                     let logs = log.collected_logs();
                     let chunks: Vec<Kind> = logs
                         .chunks(LOG_CHUNK)
@@ -548,7 +548,7 @@ impl InitService for InitServer {
                     log.finish(
                         std::iter::once(Kind::Failure(InitFailure {
                             error,
-                            node_reset: true,
+                            node_reset: reboots,
                         }))
                         .chain(chunks),
                     )
