@@ -156,6 +156,75 @@ async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
     node.assert_disk_opens(&service);
 }
 
+/// A failure after the node lock resets what this boot set up and nothing
+/// else: a join that fails (kubeadm) marks the disk it formatted for
+/// reset; a start within that boot (the agent restarted) finds the node
+/// locked with no member's disk and schedules a reboot; a rejoin that
+/// fails (its components can be had from nowhere) leaves the member's disk
+/// as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_after_the_lock_resets_only_what_this_boot_set_up() {
+    use keel_agent::disk::{DiskState, PROVISIONED_LABEL};
+
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+    let node = joiner(&ca, &ca, port, "w-fail", "worker");
+    let cs = Cryptsetup::default();
+
+    let failed = tokio::time::timeout(
+        Duration::from_secs(90),
+        node.client_with_kubeadm_env(&ca, &[("KEEL_STANDIN_FAIL", "always")])
+            .run(),
+    )
+    .await
+    .expect("the join did not finish");
+    assert!(matches!(failed, JoinOutcome::Failed { .. }), "{failed:?}");
+    assert!(node.lock.is_locked());
+    assert!(
+        !cs.is_luks(&node.disk).unwrap(),
+        "the disk it formatted was not reset"
+    );
+
+    // The agent restarts within that boot: locked, and no member's disk.
+    let node = node.restart_agent();
+    let env = node.env();
+    assert!(keel_agent::node::reset_unfinished_disk(&env, &node.lock).await);
+    assert_eq!(
+        env.state_disk.clone().unwrap().inspect().unwrap(),
+        DiskState::Fresh
+    );
+
+    // After the reboot it joins.
+    let node = node.reboot(&ca);
+    assert_eq!(joined(&node, &ca).await, service.state.cluster_id);
+    let member_uuid = cs.uuid(&node.disk).unwrap();
+    assert_eq!(cs.label(&node.disk).unwrap(), PROVISIONED_LABEL);
+
+    // It reboots with its components out of reach (the mirror gone, the
+    // kept copies too): the rejoin fails, and the disk is the member's
+    // still.
+    drop(mirror);
+    let kept = node
+        .root
+        .join(keel_agent::paths::KEPT_COMPONENTS.trim_start_matches('/'));
+    std::fs::remove_dir_all(&kept).unwrap();
+    // What a node installs is in memory, gone after a reboot.
+    for installed in ["run/state/bin", "opt/cni", "opt/kubernetes"] {
+        let _ = std::fs::remove_dir_all(node.root.join(installed));
+    }
+    let node = node.reboot(&ca);
+    let failed = tokio::time::timeout(Duration::from_secs(90), node.client(&ca).run())
+        .await
+        .expect("the rejoin did not finish");
+    assert!(matches!(failed, JoinOutcome::Failed { .. }), "{failed:?}");
+    assert!(node.lock.is_locked());
+    assert_eq!(cs.uuid(&node.disk).unwrap(), member_uuid);
+    assert_eq!(cs.label(&node.disk).unwrap(), PROVISIONED_LABEL);
+    node.assert_disk_opens(&service);
+}
+
 /// Attacker's move: time an operator request (an upgrade, with the
 /// operator's proof) to reach a node while it is still being provisioned
 /// (the host reboots it as the rollout reaches it, and stalls its
