@@ -549,6 +549,7 @@ impl<'a> Provisioner<'a> {
         match NodeVersion::load(root).map_err(ProvisionError::Record)? {
             Some(record) => {
                 (self.log)(format!("state disk records Kubernetes {}", record.version));
+                self.take_over_earlier_layout(&record.components);
                 let interrupted = match Switching::load(root) {
                     Ok(found) => found,
                     // Unreadable: the recorded version's own directories
@@ -582,6 +583,59 @@ impl<'a> Provisioner<'a> {
                     "no version record on the state disk; components not re-measured".into(),
                 );
                 Ok(())
+            }
+        }
+    }
+
+    /// A state disk of an earlier release held the components themselves
+    /// at its top: `bin` (the single files), `cni` and `opt-kubernetes`
+    /// (bound over `/opt/cni` and `/opt/kubernetes`), and the kept archives
+    /// in `archives`. What of them `components` (the recorded version)
+    /// names becomes a kept copy, hashed when it is used like every kept
+    /// copy; then those directories are removed, as nothing runs from the
+    /// disk now. A node whose image is replaced so needs no mirror to come
+    /// back. What cannot be moved is logged, and fetched.
+    fn take_over_earlier_layout(&self, components: &[Component]) {
+        let under = |path: &str| self.env.under_root(path.trim_start_matches('/'));
+        let disk = under(paths::STATE_MOUNT);
+        let earlier: Vec<PathBuf> = ["bin", "cni", "opt-kubernetes", "archives"]
+            .iter()
+            .map(|d| disk.join(d))
+            .filter(|d| std::fs::symlink_metadata(d).is_ok_and(|m| m.is_dir()))
+            .collect();
+        if earlier.is_empty() {
+            return;
+        }
+        (self.log)(
+            "the state disk has an earlier release's layout: its components become kept copies"
+                .into(),
+        );
+        let kept = under(paths::KEPT_COMPONENTS);
+        let bin = format!("{}/", paths::BIN_DIR);
+        let moves = components.iter().filter_map(|c| {
+            let from = if c.extract() {
+                disk.join("archives")
+                    .join(format!("{}.tgz", c.hash().to_hex()))
+            } else {
+                let name = c.install_path().as_str().strip_prefix(&bin)?;
+                disk.join("bin").join(name)
+            };
+            Some((from, kept.join(keel_installer::kept_name(c))))
+        });
+        if let Err(e) = std::fs::create_dir_all(&kept) {
+            tracing::warn!(dir = %kept.display(), error = %e, "cannot make the kept components' directory");
+        }
+        for (from, to) in moves {
+            let regular = std::fs::symlink_metadata(&from).is_ok_and(|m| m.is_file());
+            if regular && !to.exists() {
+                if let Err(e) = std::fs::rename(&from, &to) {
+                    tracing::warn!(from = %from.display(), error = %e, "cannot keep an earlier release's component");
+                }
+            }
+        }
+        for dir in earlier {
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove an earlier release's component directory");
             }
         }
     }

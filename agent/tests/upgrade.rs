@@ -744,12 +744,14 @@ async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_v
     assert_eq!(code(refused), tonic::Code::FailedPrecondition);
 
     // The reboot: the recorded version, and nothing else, is installed
-    // and measured again.
+    // and measured again, from the kept copies (nothing fetched).
+    let fetched = mirror.total_requests();
     let boot = env(&node.root, &work, &[]);
     Provisioner::new(&boot, &node.tpm, &log)
         .reinstall_recorded()
         .await
         .unwrap();
+    assert_eq!(mirror.total_requests(), fetched);
     assert!(
         node.kubelet_claims().contains(FROM),
         "{}",
@@ -808,18 +810,25 @@ async fn a_reboot_reinstalls_the_recorded_version_with_the_mirror_gone() {
     let node = node(&ca, &mirror, "worker", &[]).await;
     let work = node.root.parent().unwrap().join("work");
     let before = node.component_events().len();
-    // The upstream hosts (here the mirror) out of reach, and the extracted
-    // archives gone: only the state disk's kept copies can bring them back.
+    // The upstream hosts (here the mirror) out of reach, and what was
+    // installed gone with the memory it was in: only the state disk's kept
+    // copies can bring it back.
     drop(mirror);
-    std::fs::remove_dir_all(node.root.join("opt/cni/bin")).unwrap();
-    std::fs::remove_file(node.root.join("run/state/bin/crictl")).unwrap();
+    for installed in ["run/state/bin", "opt/cni", "opt/kubernetes"] {
+        std::fs::remove_dir_all(node.root.join(installed)).unwrap();
+    }
 
     let log = |_line: String| {};
     Provisioner::new(&env(&node.root, &work, &[]), &node.tpm, &log)
         .reinstall_recorded()
         .await
         .unwrap();
-    assert!(node.root.join("run/state/bin/crictl").is_file());
+    for file in ["crictl", "kubelet", "kubeadm", "kubectl"] {
+        assert!(
+            node.root.join("run/state/bin").join(file).is_file(),
+            "{file}"
+        );
+    }
     assert!(node
         .root
         .join("opt/cni/bin")
@@ -832,6 +841,62 @@ async fn a_reboot_reinstalls_the_recorded_version_with_the_mirror_gone() {
     let events = node.component_events();
     assert_eq!(events.len(), 2 * before, "{events:?}");
     assert_eq!(events[..before], events[before..]);
+}
+
+/// A node whose image is replaced by one of this release boots on a disk
+/// of the earlier layout: the components on the disk itself (`bin`, `cni`,
+/// `opt-kubernetes`) and the kept archives in `archives`. With no mirror,
+/// the recorded version still installs, from what the disk held, into
+/// memory; the disk's component directories are gone afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_of_the_earlier_layout_is_taken_over_without_a_mirror() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let work = node.root.parent().unwrap().join("work");
+    drop(mirror);
+    // The earlier layout: the installed files on the disk, the archives
+    // in `archives`, no kept single files.
+    let disk = node
+        .root
+        .join(keel_agent::paths::STATE_MOUNT.trim_start_matches('/'));
+    let kept = node
+        .root
+        .join(keel_agent::paths::KEPT_COMPONENTS.trim_start_matches('/'));
+    std::fs::create_dir_all(disk.join("archives")).unwrap();
+    for entry in std::fs::read_dir(&kept).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().into_string().unwrap();
+        if name.ends_with(".tgz") {
+            std::fs::rename(entry.path(), disk.join("archives").join(&name)).unwrap();
+        } else {
+            std::fs::remove_file(entry.path()).unwrap();
+        }
+    }
+    for (memory, on_disk) in [
+        ("run/state/bin", "bin"),
+        ("opt/cni", "cni"),
+        ("opt/kubernetes", "opt-kubernetes"),
+    ] {
+        std::fs::rename(node.root.join(memory), disk.join(on_disk)).unwrap();
+    }
+
+    let log = |_line: String| {};
+    Provisioner::new(&env(&node.root, &work, &[]), &node.tpm, &log)
+        .reinstall_recorded()
+        .await
+        .unwrap();
+    for file in ["crictl", "kubelet", "kubeadm", "kubectl"] {
+        assert!(
+            node.root.join("run/state/bin").join(file).is_file(),
+            "{file}"
+        );
+    }
+    assert!(node.kubelet_claims().contains(FROM));
+    for gone in ["bin", "cni", "opt-kubernetes", "archives"] {
+        assert!(!disk.join(gone).exists(), "{gone} is still on the disk");
+    }
+    assert!(std::fs::read_dir(&kept).unwrap().next().is_some());
 }
 
 /// A components file listing `components`, as an operator writes it.

@@ -429,11 +429,7 @@ impl Installer {
         progress: &dyn Progress,
     ) -> Result<Outcome, InstallError> {
         let mode = file_mode(component);
-        let kept = match component.source() {
-            Source::Remote(_) => self.kept_path(component).await,
-            // The record that lists it carries the content.
-            Source::Inline(_) => None,
-        };
+        let kept = self.kept_path(component).await;
         if let Some(kept) = kept.clone() {
             let (target, dir, expected) = (dest.to_owned(), parent.to_owned(), component.hash());
             let copied = blocking(move || {
@@ -462,7 +458,7 @@ impl Installer {
 
     /// Extracts an archive component into `dest`: from its kept copy when
     /// that hashes right as it is extracted, else fetched into a temporary
-    /// file (in the kept archives' directory when it can be used, to be
+    /// file (in the kept components' directory when it can be used, to be
     /// kept there once extracted; else in `parent`). What the kept copy
     /// lacks (the directory cannot be made, the copy is not a regular file,
     /// unreadable or not the archive) makes it a miss, never a failure.
@@ -537,8 +533,12 @@ impl Installer {
 
     /// Where the kept copy of `component` is, its directory made and
     /// cleared of an interrupted download's or copy's leftovers; `None`
+    /// for an inline component (the list that names it carries it), and
     /// without a kept components' directory or when it cannot be made.
     async fn kept_path(&self, component: &Component) -> Option<PathBuf> {
+        if let Source::Inline(_) = component.source() {
+            return None;
+        }
         let dir = self.kept.clone()?;
         let name = kept_name(component);
         let path = dir.join(&name);
@@ -556,7 +556,7 @@ impl Installer {
 
     /// Fetches or decodes the component into a verified temporary file in
     /// `dir`, named after `dest`: the directory it is renamed within (the
-    /// install path's, or the kept archives').
+    /// install path's, or the kept components').
     async fn fetch(
         &self,
         component: &Component,
@@ -666,8 +666,10 @@ const KEPT_ARCHIVE_SUFFIX: &str = ".tgz";
 /// The name of a kept single file ends with this, after its hash's hex.
 const KEPT_FILE_SUFFIX: &str = ".bin";
 
-/// The file name of the kept copy of `component`.
-fn kept_name(component: &Component) -> String {
+/// The file name of the kept copy of `component` in the kept components'
+/// directory ([`InstallerConfig::kept`]): `<sha256 hex>.tgz` for an
+/// archive, `<sha256 hex>.bin` for a single file.
+pub fn kept_name(component: &Component) -> String {
     let suffix = if component.extract() {
         KEPT_ARCHIVE_SUFFIX
     } else {

@@ -32,7 +32,9 @@ pub use download::{
     MAX_REDIRECTS,
 };
 pub use extract::{ExtractError, ExtractLimits};
-pub use installer::{InstallError, InstalledComponent, Installer, InstallerConfig, Outcome};
+pub use installer::{
+    kept_name, InstallError, InstalledComponent, Installer, InstallerConfig, Outcome,
+};
 pub use mirror::Mirror;
 pub use progress::{LogProgress, NoProgress, Progress};
 pub use versions::{

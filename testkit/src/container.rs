@@ -68,9 +68,15 @@ pub struct ContainerCheck {
     /// The executable running the check (the stand-in kubeadm, a
     /// component the agent installed).
     pub running_from: String,
-    /// Whether that executable is on a tmpfs: in memory, not on a disk.
-    pub running_from_memory: bool,
+    /// Which of that executable and the other directories components
+    /// install into ([`COMPONENT_DIRS`]) are not on a tmpfs (in memory):
+    /// none, on a node that runs nothing from a disk.
+    pub outside_memory: Vec<String>,
 }
+
+/// Directories components install into besides the stand-in's own: the CNI
+/// plugins and kubeadm's patches.
+pub const COMPONENT_DIRS: [&str; 2] = ["/opt/cni/bin", "/opt/kubernetes/patches"];
 
 impl ContainerCheck {
     /// The last report among console `lines`, if any parses.
@@ -124,10 +130,10 @@ impl ContainerCheck {
                 ));
             }
         }
-        if !self.running_from_memory {
+        if !self.outside_memory.is_empty() {
             out.push(format!(
-                "the component running the check runs from {}, not from memory (tmpfs)",
-                self.running_from
+                "not in memory (tmpfs): {}",
+                self.outside_memory.join(", ")
             ));
         }
         if self.state_mounted_us == 0 || self.containerd_active_us <= self.state_mounted_us {
@@ -395,10 +401,13 @@ pub fn check_node(work_dir: &Path) -> Result<ContainerCheck, String> {
 
     let snapshot = snapshot_with(&elf)?;
     let running = std::env::current_exe().map_err(|e| format!("the running executable: {e}"))?;
-    let running_from_memory = nix::sys::statfs::statfs(&running)
-        .map_err(|e| format!("{}: {e}", running.display()))?
-        .filesystem_type()
-        == nix::sys::statfs::TMPFS_MAGIC;
+    let mut outside_memory = Vec::new();
+    for path in std::iter::once(running.as_path()).chain(COMPONENT_DIRS.iter().map(Path::new)) {
+        let on = nix::sys::statfs::statfs(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        if on.filesystem_type() != nix::sys::statfs::TMPFS_MAGIC {
+            outside_memory.push(path.display().to_string());
+        }
+    }
     let (state_device, state_source) = mount_of(STATE_MOUNT)?;
     let dm_uuid_path = format!("/sys/dev/block/{state_device}/dm/uuid");
     let state_dm_uuid = std::fs::read_to_string(&dm_uuid_path)
@@ -418,7 +427,7 @@ pub fn check_node(work_dir: &Path) -> Result<ContainerCheck, String> {
         state_mounted_us: monotonic_us(STATE_MOUNT_UNIT)?,
         containerd_active_us: monotonic_us("containerd.service")?,
         running_from: running.to_string_lossy().into_owned(),
-        running_from_memory,
+        outside_memory,
     })
 }
 
@@ -490,7 +499,7 @@ mod tests {
             state_mounted_us: 10,
             containerd_active_us: 20,
             running_from: "/run/state/bin/kubeadm".into(),
-            running_from_memory: true,
+            outside_memory: Vec::new(),
         }
     }
 
@@ -512,10 +521,9 @@ mod tests {
         assert_eq!(on_tmpfs.problems().len(), 4, "{:?}", on_tmpfs.problems());
 
         let mut on_disk = good();
-        on_disk.running_from = "/run/state/disk/bin/kubeadm".into();
-        on_disk.running_from_memory = false;
+        on_disk.outside_memory = vec!["/opt/cni/bin".into()];
         let problems = on_disk.problems();
         assert_eq!(problems.len(), 1, "{problems:?}");
-        assert!(problems[0].contains("not from memory"), "{problems:?}");
+        assert!(problems[0].contains("not in memory"), "{problems:?}");
     }
 }

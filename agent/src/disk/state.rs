@@ -141,8 +141,9 @@ impl StateMount {
     /// Mounts the tmpfs, then `device` at the mount point inside it, then
     /// makes the bind mounts (creating their directories), then starts the
     /// services.
+    /// What is bound from the tmpfs is checked to be on it once bound.
     fn mount(&self, device: &Path) -> Result<(), DiskError> {
-        mount_memory(&self.memory)?;
+        let memory = mount_memory(&self.memory)?;
         mount(device, &self.point)?;
         let binds = self.memory_binds.iter().map(|b| (&self.memory, b));
         for (root, (inside, target)) in binds.chain(self.binds.iter().map(|b| (&self.point, b))) {
@@ -159,6 +160,14 @@ impl StateMount {
                 [OsStr::new("--bind"), source.as_os_str(), target.as_os_str()],
                 &source,
             )?;
+        }
+        for (_, target) in &self.memory_binds {
+            if device_of(target)? != memory {
+                return Err(DiskError::NotInMemory {
+                    path: target.clone(),
+                    why: format!("it is not on the tmpfs at {}", self.memory.display()),
+                });
+            }
         }
         for unit in &self.services {
             run_tool(
@@ -179,13 +188,21 @@ impl StateMount {
 const MEMORY_SIZE: &str = "size=50%";
 
 /// Mounts a tmpfs at `target` (`nosuid,nodev`, mode 0755), creating
-/// `target` if needed, and checks that what is mounted there is a tmpfs:
-/// the node must not install what it runs on a disk.
-pub fn mount_memory(target: &Path) -> Result<(), DiskError> {
+/// `target` if needed, and checks that a tmpfs of its own is mounted there:
+/// the node must not install what it runs on a disk. Refuses a `target`
+/// that is a mount point already (a second mount would hide the first,
+/// and the disk mounted inside it). Returns the tmpfs's device.
+pub fn mount_memory(target: &Path) -> Result<u64, DiskError> {
     std::fs::create_dir_all(target).map_err(|source| DiskError::CreateMountPoint {
         path: target.to_owned(),
         source,
     })?;
+    if is_mount_point(target)? {
+        return Err(DiskError::NotInMemory {
+            path: target.to_owned(),
+            why: "something is mounted there already".into(),
+        });
+    }
     let options = format!("nosuid,nodev,mode=0755,{MEMORY_SIZE}");
     run_tool(
         Path::new("mount"),
@@ -200,7 +217,34 @@ pub fn mount_memory(target: &Path) -> Result<(), DiskError> {
         ],
         target,
     )?;
-    check_in_memory(target)
+    check_in_memory(target)?;
+    // `/run` is a tmpfs too: the check above holds for a mount that did
+    // not happen.
+    if !is_mount_point(target)? {
+        return Err(DiskError::NotInMemory {
+            path: target.to_owned(),
+            why: "no file system of its own is mounted there".into(),
+        });
+    }
+    device_of(target)
+}
+
+/// The device of the file system `path` is on.
+fn device_of(path: &Path) -> Result<u64, DiskError> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(path)
+        .map(|m| m.dev())
+        .map_err(|e| DiskError::NotInMemory {
+            path: path.to_owned(),
+            why: e.to_string(),
+        })
+}
+
+/// Whether a file system is mounted at `path`: it is on another device
+/// than its parent directory.
+pub fn is_mount_point(path: &Path) -> Result<bool, DiskError> {
+    let parent = path.parent().unwrap_or(Path::new("/"));
+    Ok(device_of(path)? != device_of(parent)?)
 }
 
 /// Refuses unless `path` is on a tmpfs.
@@ -282,6 +326,12 @@ pub fn new_uuid() -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mount_point_is_told_from_a_directory() {
+        assert!(is_mount_point(Path::new("/dev/shm")).unwrap());
+        assert!(!is_mount_point(Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap());
+    }
 
     #[test]
     fn only_a_tmpfs_counts_as_memory() {

@@ -473,11 +473,11 @@ impl Upgrader {
                     tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the previous components failed");
                 }
                 // The version is recorded: a reboot installs the target's
-                // archives, never the previous ones.
+                // kept components, never the previous ones.
                 match Installer::new(self.env.installer.clone()) {
                     Ok(installer) => installer.keep_only_copies_of(&target.components).await,
                     Err(e) => {
-                        tracing::warn!(error = %keel_atls::ErrorChain(&e), "the previous kept archives stay")
+                        tracing::warn!(error = %keel_atls::ErrorChain(&e), "the previous kept components stay")
                     }
                 }
                 log(format!(
