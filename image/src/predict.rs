@@ -132,15 +132,31 @@ pub const REQUIRED_CMDLINE_OPTIONS: [&str; 3] = [
 ];
 
 /// Refuses a command line without [`REQUIRED_CMDLINE_OPTIONS`] or without
-/// exactly one `roothash=` of 64 hex digits (the root it pins).
+/// exactly one `roothash=` of 64 hex digits (the root it pins). The line
+/// must be one the kernel and systemd split as this check does: printable
+/// ASCII words between spaces, no quotes (both readers strip them, so a
+/// quoted option counts for them and not here), no `--` (the kernel stops
+/// there); keys are compared as systemd compares them, `-` the same as
+/// `_` (`systemd.gpt-auto=1` overrides `systemd.gpt_auto=0`).
 pub fn check_cmdline(cmdline: &str) -> Result<(), PredictError> {
-    let words: Vec<&str> = cmdline.split_ascii_whitespace().collect();
+    if let Some(b) = cmdline
+        .bytes()
+        .find(|b| !(*b == b' ' || b.is_ascii_graphic()) || matches!(b, b'"' | b'\''))
+    {
+        return Err(PredictError::UnsafeCmdline(format!(
+            "holds the byte {b:#04x}: only printable ASCII without quotes is read alike by the kernel, systemd and this check"
+        )));
+    }
+    let words: Vec<&str> = cmdline.split(' ').filter(|w| !w.is_empty()).collect();
+    if words.contains(&"--") {
+        return Err(PredictError::UnsafeCmdline(
+            "holds `--`: the kernel reads no option after it".into(),
+        ));
+    }
+    let key_of = |word: &str| word.split('=').next().unwrap_or(word).replace('-', "_");
     for required in REQUIRED_CMDLINE_OPTIONS {
-        let key = required.split('=').next().unwrap_or(required);
-        let given: Vec<&&str> = words
-            .iter()
-            .filter(|w| w.split('=').next() == Some(key))
-            .collect();
+        let key = key_of(required);
+        let given: Vec<&&str> = words.iter().filter(|w| key_of(w) == key).collect();
         if given.as_slice() != [&required] {
             return Err(PredictError::UnsafeCmdline(format!(
                 "must carry {required} once and no other {key}"
@@ -272,21 +288,42 @@ mod tests {
 
     #[test]
     fn a_command_line_without_what_the_image_rests_on_is_refused() {
-        check_cmdline(SAFE_CMDLINE).unwrap();
+        // As the stub hands it on (and `Uki::cmdline` gives it).
+        let safe = mangle_cmdline(SAFE_CMDLINE);
+        check_cmdline(&safe).unwrap();
+        let refusal = |line: &str| match check_cmdline(&mangle_cmdline(line)) {
+            Err(e) => e.to_string(),
+            Ok(()) => panic!("taken: {line}"),
+        };
         let root = "roothash=0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-        for (option, _) in REQUIRED_CMDLINE_OPTIONS.iter().zip(0..) {
-            let without = SAFE_CMDLINE.replace(option, "");
-            assert!(check_cmdline(&without).is_err(), "{without}");
+        for option in REQUIRED_CMDLINE_OPTIONS {
             let key = option.split('=').next().unwrap();
-            let overridden = format!("{SAFE_CMDLINE} {key}=1");
-            assert!(check_cmdline(&overridden).is_err(), "{overridden}");
+            for bad in [
+                safe.replace(option, ""),
+                format!("{safe} {key}=1"),
+                // systemd takes `-` for `_` in its keys, the last value winning.
+                format!("{safe} {}=1", key.replace('_', "-")),
+                format!("{safe} {option}"),
+            ] {
+                assert!(refusal(&bad).contains(option), "{bad}");
+            }
         }
-        for bad in [
-            SAFE_CMDLINE.replace(root, ""),
-            SAFE_CMDLINE.replace(root, &format!("{root} {root}")),
-            SAFE_CMDLINE.replace(root, "roothash=abc"),
+        for (bad, why) in [
+            (safe.replace(root, ""), "roothash"),
+            (safe.replace(root, &format!("{root} {root}")), "roothash"),
+            (safe.replace(root, "roothash=abc"), "roothash"),
+            // Read otherwise by the kernel or systemd than split here.
+            (format!("{safe} \"efi=runtime\""), "0x22"),
+            (format!("{safe} x='a efi=noruntime'"), "0x27"),
+            (safe.replace("efi=noruntime", "-- efi=noruntime"), "--"),
+            // The kernel's isspace() takes 0xa0 for a space: a UTF-8
+            // character holding that byte splits a word for it alone.
+            (format!("{safe} foo\u{2020}efi=runtime"), "0xe2"),
+            (format!("{safe} foo\u{a0}efi=runtime"), "0xc2"),
+            // A tab becomes a space in the stub: another efi= then.
+            (format!("{safe}\tefi=runtime"), "efi=noruntime"),
         ] {
-            assert!(check_cmdline(&bad).is_err(), "{bad}");
+            assert!(refusal(&bad).contains(why), "{bad}: {}", refusal(&bad));
         }
     }
 
