@@ -783,13 +783,17 @@ impl Registry {
     }
 
     /// The nodes whose verdict is drifted or silent and whose EK no
-    /// revocation covers: what the `revoke` policy has yet to revoke.
-    pub fn failing_unrevoked(&self) -> Vec<NodeRecord> {
+    /// revocation covers, but `own` (the control plane whose registry this
+    /// is): what the `revoke` policy has yet to revoke. A control plane
+    /// never revokes itself: its peers judge it, and a lone control plane
+    /// that revoked itself would serve no one again.
+    pub fn failing_unrevoked(&self, own: &EkDigest) -> Vec<NodeRecord> {
         let revoked = self.revoked_eks();
+        let own = own.to_string();
         self.nodes
             .values()
             .filter(|r| matches!(r.verdict, Verdict::Drifted | Verdict::Silent))
-            .filter(|r| !revoked.contains(&r.ek))
+            .filter(|r| !revoked.contains(&r.ek) && r.ek != own)
             .cloned()
             .collect()
     }
@@ -1276,8 +1280,8 @@ impl RegistryStore {
     }
 
     /// [`Registry::failing_unrevoked`].
-    pub fn failing_unrevoked(&self) -> Vec<NodeRecord> {
-        self.lock().failing_unrevoked()
+    pub fn failing_unrevoked(&self, own: &EkDigest) -> Vec<NodeRecord> {
+        self.lock().failing_unrevoked(own)
     }
 
     /// Applies `change` and, if it succeeded, writes the registry; blocks on
@@ -1486,6 +1490,32 @@ mod tests {
         let marked = r.mark_silent(later, Duration::from_secs(10), 0, &ek(9));
         assert_eq!(marked.len(), 1);
         assert_eq!(marked[0].name, "cp-7");
+    }
+
+    /// Nor does its policy revoke it, silent (a peer's verdict merged in)
+    /// or drifted (its own evidence to itself failing): its peers do.
+    #[test]
+    fn a_control_plane_never_revokes_itself() {
+        let mut r = Registry::default();
+        r.register(&ek(7), "", "cp-7", "control-plane").unwrap();
+        r.record(&Evidence {
+            ek: ek(7),
+            disk: None,
+            name: "cp-7".into(),
+            role: "control-plane".into(),
+            ..evidence(7, Some("PCR 4"))
+        })
+        .unwrap();
+        r.record(&evidence(8, Some("PCR 13"))).unwrap();
+        assert_eq!(r.find("cp-7").unwrap().verdict, Verdict::Drifted);
+        let failing = |own: u8| -> Vec<String> {
+            r.failing_unrevoked(&ek(own))
+                .into_iter()
+                .map(|n| n.name)
+                .collect()
+        };
+        assert_eq!(failing(7), ["w-8"]);
+        assert_eq!(failing(9), ["cp-7", "w-8"]);
     }
 
     /// Attacker's move: a host boots a second VM of the cluster's image

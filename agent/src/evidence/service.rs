@@ -550,7 +550,10 @@ impl EvidenceService {
             let (pending, standing) = self
                 .store(move |s| {
                     let registry = s.snapshot();
-                    Ok((registry.failing_unrevoked(), registry.standing(&own_ek)))
+                    Ok((
+                        registry.failing_unrevoked(&own_ek),
+                        registry.standing(&own_ek),
+                    ))
                 })
                 .await?;
             // Drifted or silent nodes, each kind on its own, are revoked
