@@ -1,11 +1,14 @@
 //! Writing the node's private files: kubeadm configurations (they carry the
-//! bootstrap token), keys and certificates, the join measurements.
+//! bootstrap token), keys and certificates, the join measurements; and
+//! reading secret ones back.
 
 use std::fs::{self, OpenOptions};
 use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex, PoisonError};
+
+use zeroize::Zeroizing;
 
 /// Writing a file failed.
 #[derive(Debug, thiserror::Error)]
@@ -149,11 +152,52 @@ pub fn write_private_scratch(path: &Path, data: &[u8]) -> Result<(), WriteFileEr
     })
 }
 
+/// Reads a secret file of at most `limit` bytes (larger: an error) into
+/// one buffer allocated once at its full size and wiped when dropped, so
+/// no partial copy of the secret is left in freed memory (a growing buffer,
+/// or an async file's own buffer, would leave some). Blocks; call it off
+/// the async runtime.
+pub fn read_secret(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<u8>>> {
+    use std::io::Read as _;
+    let capacity = usize::try_from(limit.saturating_add(1))
+        .map_err(|_| std::io::Error::other("the bound does not fit in memory"))?;
+    let mut data = Zeroizing::new(Vec::with_capacity(capacity));
+    std::fs::File::open(path)?
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut data)?;
+    if data.len() as u64 > limit {
+        return Err(std::io::Error::other(format!("larger than {limit} bytes")));
+    }
+    Ok(data)
+}
+
+/// [`read_secret`] on a blocking thread.
+pub async fn read_secret_async(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<u8>>> {
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || read_secret(&path, limit))
+        .await
+        .map_err(std::io::Error::other)?
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt as _;
+
+    #[test]
+    fn a_secret_is_read_whole_up_to_its_bound_and_refused_past_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ca.key");
+        std::fs::write(&path, [7u8; 64]).unwrap();
+        let read = read_secret(&path, 64).unwrap();
+        assert_eq!(read.as_slice(), [7u8; 64]);
+        // Read into the buffer it was given, never a grown one.
+        assert_eq!(read.capacity(), 65);
+        let refused = read_secret(&path, 63).unwrap_err();
+        assert!(refused.to_string().contains("larger than 63 bytes"), "{refused}");
+        assert!(read_secret(&dir.path().join("missing"), 64).is_err());
+    }
 
     #[test]
     fn files_are_0600_and_replaced_atomically() {

@@ -46,7 +46,6 @@ use keel_verifier::signature::SignedMeasurements;
 use keel_verifier::validator::Verified;
 use prost::Message as _;
 use rcgen::{Issuer, KeyPair};
-use tokio::io::AsyncReadExt as _;
 use tokio::sync::Semaphore;
 use tracing::Instrument as _;
 use zeroize::{Zeroize as _, Zeroizing};
@@ -616,7 +615,7 @@ impl JoinService {
         for name in CONTROL_PLANE_FILES {
             let path = pki.join(name);
             let required = matches!(name, "ca.crt" | "ca.key");
-            match read_bounded(&path, MAX_PKI_FILE).await {
+            match crate::files::read_secret_async(&path, MAX_PKI_FILE).await {
                 Ok(data) => files.0.push(ControlPlaneFile {
                     name: name.to_owned(),
                     data: data.to_vec(),
@@ -765,16 +764,6 @@ fn seal(
         cp.master_secret.zeroize();
     }
     credential::seal(&peer.ek, &peer.ak.name, &payload).map_err(JoinServiceError::Seal)
-}
-
-async fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<u8>>> {
-    let file = tokio::fs::File::open(path).await?;
-    let mut data = Zeroizing::new(Vec::new());
-    file.take(limit + 1).read_to_end(&mut data).await?;
-    if data.len() as u64 > limit {
-        return Err(std::io::Error::other(format!("larger than {limit} bytes")));
-    }
-    Ok(data)
 }
 
 /// The validated claims of the peer of `request`.

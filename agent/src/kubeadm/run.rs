@@ -27,7 +27,7 @@ use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use keel_installer::KubernetesVersion;
-use tokio::io::{AsyncBufReadExt as _, AsyncRead, AsyncReadExt as _, BufReader};
+use tokio::io::{AsyncBufReadExt as _, AsyncRead, BufReader};
 use tokio::process::Command;
 use tokio::sync::mpsc;
 use zeroize::Zeroizing;
@@ -198,7 +198,7 @@ impl Kubeadm {
         )
         .await?;
         let path = self.root.join(ADMIN_CONF);
-        read_bounded(&path)
+        crate::files::read_secret_async(&path, MAX_KUBECONFIG)
             .await
             .map_err(|source| KubeadmError::ReadKubeconfig { path, source })
     }
@@ -437,16 +437,6 @@ pub fn scrub_tokens(line: &str) -> String {
         }
     }
     out
-}
-
-async fn read_bounded(path: &Path) -> std::io::Result<Zeroizing<Vec<u8>>> {
-    let file = tokio::fs::File::open(path).await?;
-    let mut data = Zeroizing::new(Vec::new());
-    file.take(MAX_KUBECONFIG + 1).read_to_end(&mut data).await?;
-    if data.len() as u64 > MAX_KUBECONFIG {
-        return Err(std::io::Error::other("kubeconfig larger than 1 MiB"));
-    }
-    Ok(data)
 }
 
 #[cfg(test)]
