@@ -500,12 +500,18 @@ impl Member {
 
 /// A fresh member `name` of the cluster whose join service is on `port`.
 pub fn member(ca: &EkCa, port: u16, name: &str, role: &str) -> Member {
-    member_with(ca, config(ca, port, name, role))
+    // The TPM first: the CA's certificate, which the config names, exists
+    // once it manufactured one.
+    let swtpm = Swtpm::start(ca).unwrap();
+    member_on(swtpm, config(ca, port, name, role))
 }
 
-/// A fresh member with `config`.
+/// A fresh member with `config` (of a CA that manufactured a TPM).
 pub fn member_with(ca: &EkCa, config: NodeConfig) -> Member {
-    let swtpm = Swtpm::start(ca).unwrap();
+    member_on(Swtpm::start(ca).unwrap(), config)
+}
+
+fn member_on(swtpm: Swtpm, config: NodeConfig) -> Member {
     let dir = tempfile::tempdir().unwrap();
     let tpm = measured(&swtpm, &dir.path().join("log"), &config);
     Member {
