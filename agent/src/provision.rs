@@ -549,7 +549,20 @@ impl<'a> Provisioner<'a> {
         match NodeVersion::load(root).map_err(ProvisionError::Record)? {
             Some(record) => {
                 (self.log)(format!("state disk records Kubernetes {}", record.version));
-                self.take_over_earlier_layout(&record.components);
+                let under = |path: &str| self.env.under_root(path.trim_start_matches('/'));
+                let (disk, kept) = (under(paths::STATE_MOUNT), under(paths::KEPT_COMPONENTS));
+                let components = record.components.clone();
+                let taken = tokio::task::spawn_blocking(move || {
+                    take_over_earlier_layout(&disk, &kept, &components)
+                })
+                .await
+                .map_err(ProvisionError::Blocking)?;
+                if taken {
+                    (self.log)(
+                        "the state disk had an earlier release's layout: its components became kept copies"
+                            .into(),
+                    );
+                }
                 let interrupted = match Switching::load(root) {
                     Ok(found) => found,
                     // Unreadable: the recorded version's own directories
@@ -587,59 +600,6 @@ impl<'a> Provisioner<'a> {
         }
     }
 
-    /// A state disk of an earlier release held the components themselves
-    /// at its top: `bin` (the single files), `cni` and `opt-kubernetes`
-    /// (bound over `/opt/cni` and `/opt/kubernetes`), and the kept archives
-    /// in `archives`. What of them `components` (the recorded version)
-    /// names becomes a kept copy, hashed when it is used like every kept
-    /// copy; then those directories are removed, as nothing runs from the
-    /// disk now. A node whose image is replaced so needs no mirror to come
-    /// back. What cannot be moved is logged, and fetched.
-    fn take_over_earlier_layout(&self, components: &[Component]) {
-        let under = |path: &str| self.env.under_root(path.trim_start_matches('/'));
-        let disk = under(paths::STATE_MOUNT);
-        let earlier: Vec<PathBuf> = ["bin", "cni", "opt-kubernetes", "archives"]
-            .iter()
-            .map(|d| disk.join(d))
-            .filter(|d| std::fs::symlink_metadata(d).is_ok_and(|m| m.is_dir()))
-            .collect();
-        if earlier.is_empty() {
-            return;
-        }
-        (self.log)(
-            "the state disk has an earlier release's layout: its components become kept copies"
-                .into(),
-        );
-        let kept = under(paths::KEPT_COMPONENTS);
-        let bin = format!("{}/", paths::BIN_DIR);
-        let moves = components.iter().filter_map(|c| {
-            let from = if c.extract() {
-                disk.join("archives")
-                    .join(format!("{}.tgz", c.hash().to_hex()))
-            } else {
-                let name = c.install_path().as_str().strip_prefix(&bin)?;
-                disk.join("bin").join(name)
-            };
-            Some((from, kept.join(keel_installer::kept_name(c))))
-        });
-        if let Err(e) = std::fs::create_dir_all(&kept) {
-            tracing::warn!(dir = %kept.display(), error = %e, "cannot make the kept components' directory");
-        }
-        for (from, to) in moves {
-            let regular = std::fs::symlink_metadata(&from).is_ok_and(|m| m.is_file());
-            if regular && !to.exists() {
-                if let Err(e) = std::fs::rename(&from, &to) {
-                    tracing::warn!(from = %from.display(), error = %e, "cannot keep an earlier release's component");
-                }
-            }
-        }
-        for dir in earlier {
-            if let Err(e) = std::fs::remove_dir_all(&dir) {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove an earlier release's component directory");
-            }
-        }
-    }
-
     /// Writes a kubeadm configuration (it carries the bootstrap token) into
     /// the work directory.
     fn write_config(
@@ -652,6 +612,82 @@ impl<'a> Provisioner<'a> {
         write_private(&path, yaml.as_bytes())?;
         Ok(path)
     }
+}
+
+/// Directories at the top of a state disk of an earlier release that held
+/// components: `bin` (the single files) and its staged twin, `cni` and
+/// `opt-kubernetes` (bound over `/opt/cni` and `/opt/kubernetes`), and
+/// `archives` (the kept archives).
+const EARLIER_COMPONENT_DIRS: [&str; 5] =
+    ["bin", "bin.keel-next", "cni", "opt-kubernetes", "archives"];
+
+/// Takes over a state disk (mounted at `disk`) of an earlier release: what
+/// of its component directories `components` (the recorded version) names
+/// is moved into `kept` as a kept copy, hashed when it is used like every
+/// kept copy, so a node whose image is replaced needs no mirror to come
+/// back; then those directories are removed, as nothing runs from the disk
+/// now. A directory a move out of failed stays (logged): it may hold the
+/// only copy. Moves only out of those directories themselves (never
+/// through a symlink in their place, or a name with a `/`). Returns whether
+/// the disk had any of them. Blocks.
+fn take_over_earlier_layout(disk: &Path, kept: &Path, components: &[Component]) -> bool {
+    let earlier: Vec<PathBuf> = EARLIER_COMPONENT_DIRS
+        .iter()
+        .map(|d| disk.join(d))
+        .filter(|d| std::fs::symlink_metadata(d).is_ok_and(|m| m.is_dir()))
+        .collect();
+    if earlier.is_empty() {
+        return false;
+    }
+    if let Err(e) = std::fs::create_dir_all(kept) {
+        tracing::warn!(dir = %kept.display(), error = %e, "cannot make the kept components' directory; the earlier release's components stay");
+        return true;
+    }
+    let bin = format!("{}/", paths::BIN_DIR);
+    let mut stay: Vec<&Path> = Vec::new();
+    for component in components {
+        let to = kept.join(keel_installer::kept_name(component));
+        if !matches!(component.source(), keel_installer::Source::Remote(_)) || to.exists() {
+            continue;
+        }
+        let candidates: Vec<PathBuf> = if component.extract() {
+            vec![disk
+                .join("archives")
+                .join(format!("{}.tgz", component.hash().to_hex()))]
+        } else {
+            match component.install_path().as_str().strip_prefix(&bin) {
+                Some(name) if !name.contains('/') => {
+                    vec![
+                        disk.join("bin").join(name),
+                        disk.join("bin.keel-next").join(name),
+                    ]
+                }
+                _ => continue,
+            }
+        };
+        let from = candidates.into_iter().find(|p| {
+            p.parent()
+                .is_some_and(|dir| earlier.iter().any(|e| e == dir))
+                && std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file())
+        });
+        let Some(from) = from else {
+            continue;
+        };
+        if let Err(e) = std::fs::rename(&from, &to) {
+            tracing::warn!(from = %from.display(), error = %e, "cannot keep an earlier release's component");
+            if let Some(dir) = earlier.iter().find(|e| Some(e.as_path()) == from.parent()) {
+                stay.push(dir);
+            }
+        }
+    }
+    for dir in &earlier {
+        if stay.contains(&dir.as_path()) {
+            tracing::warn!(dir = %dir.display(), "an earlier release's component directory stays: a component in it could not be kept");
+        } else if let Err(e) = std::fs::remove_dir_all(dir) {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot remove an earlier release's component directory");
+        }
+    }
+    true
 }
 
 /// Removes a kubeadm configuration once its run ended: it holds the

@@ -873,13 +873,17 @@ async fn a_disk_of_the_earlier_layout_is_taken_over_without_a_mirror() {
             std::fs::remove_file(entry.path()).unwrap();
         }
     }
-    for (memory, on_disk) in [
-        ("run/state/bin", "bin"),
-        ("opt/cni", "cni"),
-        ("opt/kubernetes", "opt-kubernetes"),
-    ] {
+    for (memory, on_disk) in [("run/state/bin", "bin"), ("opt/cni", "cni")] {
         std::fs::rename(node.root.join(memory), disk.join(on_disk)).unwrap();
     }
+    // A staged twin left by an upgrade of that release.
+    std::fs::create_dir_all(disk.join("bin.keel-next")).unwrap();
+    std::fs::write(disk.join("bin.keel-next/kubelet"), "a staged kubelet").unwrap();
+    // A symlink where a component directory was (root on the node, or a
+    // damaged disk): not followed, and what it points at stays.
+    let elsewhere = node.root.join("elsewhere");
+    std::fs::rename(node.root.join("opt/kubernetes"), &elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, disk.join("opt-kubernetes")).unwrap();
 
     let log = |_line: String| {};
     Provisioner::new(&env(&node.root, &work, &[]), &node.tpm, &log)
@@ -893,9 +897,10 @@ async fn a_disk_of_the_earlier_layout_is_taken_over_without_a_mirror() {
         );
     }
     assert!(node.kubelet_claims().contains(FROM));
-    for gone in ["bin", "cni", "opt-kubernetes", "archives"] {
+    for gone in ["bin", "bin.keel-next", "cni", "archives"] {
         assert!(!disk.join(gone).exists(), "{gone} is still on the disk");
     }
+    assert!(std::fs::read_dir(&elsewhere).unwrap().next().is_some());
     assert!(std::fs::read_dir(&kept).unwrap().next().is_some());
 }
 
