@@ -762,8 +762,9 @@ impl Registry {
     }
 
     /// How the unrevoked nodes stand: how many there are, how many of them
-    /// are drifted and silent, and how many are control planes other than
-    /// `own_ek`.
+    /// but `own_ek` are drifted and silent (the policy does not revoke
+    /// `own_ek`, so it does not hold others back either), and how many are
+    /// control planes other than `own_ek`.
     pub fn standing(&self, own_ek: &EkDigest) -> Standing {
         let revoked = self.revoked_eks();
         let own = own_ek.to_string();
@@ -771,6 +772,7 @@ impl Registry {
         for r in self.nodes.values().filter(|r| !revoked.contains(&r.ek)) {
             standing.unrevoked += 1;
             match r.verdict {
+                _ if r.ek == own => {}
                 Verdict::Drifted => standing.drifted += 1,
                 Verdict::Silent => standing.silent += 1,
                 _ => {}

@@ -547,15 +547,28 @@ impl EvidenceService {
             .store(move |s| Ok(s.revocation(&own_ek).is_some()))
             .await?;
         if self.inner.config.policy == EvidencePolicy::Revoke && !revoked_here {
-            let (pending, standing) = self
+            let (pending, standing, own_failing) = self
                 .store(move |s| {
                     let registry = s.snapshot();
+                    let own = registry
+                        .nodes()
+                        .get(&own_ek.to_string())
+                        .filter(|r| matches!(r.verdict, Verdict::Drifted | Verdict::Silent))
+                        .cloned();
                     Ok((
                         registry.failing_unrevoked(&own_ek),
                         registry.standing(&own_ek),
+                        own,
                     ))
                 })
                 .await?;
+            if let Some(own) = own_failing {
+                tracing::error!(
+                    verdict = own.verdict.as_str(),
+                    reason = %own.reason.as_deref().unwrap_or("").escape_debug(),
+                    "this control plane's own evidence fails; its policy does not revoke it: its peers do, or, if it is the only control plane, revoke or replace it by hand"
+                );
+            }
             // Drifted or silent nodes, each kind on its own, are revoked
             // only while they are not most of the cluster (a fault of this
             // control plane's view or inputs is likelier), and only once
