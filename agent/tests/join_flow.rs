@@ -160,8 +160,7 @@ async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
 /// else: a join that fails (kubeadm) marks the disk it formatted for
 /// reset; a start within that boot (the agent restarted) finds the node
 /// locked with no member's disk and schedules a reboot; a rejoin that
-/// fails (its components can be had from nowhere) leaves the member's disk
-/// as it was.
+/// fails (its version record damaged) leaves the member's disk as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failure_after_the_lock_resets_only_what_this_boot_set_up() {
     use keel_agent::disk::{DiskState, PROVISIONED_LABEL};
@@ -213,23 +212,21 @@ async fn a_failure_after_the_lock_resets_only_what_this_boot_set_up() {
     let member_uuid = cs.uuid(&node.disk).unwrap();
     assert_eq!(cs.label(&node.disk).unwrap(), PROVISIONED_LABEL);
 
-    // It reboots with its components out of reach (the mirror gone, the
-    // kept copies too): the rejoin fails, and the disk is the member's
-    // still.
-    drop(mirror);
-    let kept = node
-        .root
-        .join(keel_agent::paths::KEPT_COMPONENTS.trim_start_matches('/'));
-    std::fs::remove_dir_all(&kept).unwrap();
-    // What a node installs is in memory, gone after a reboot.
-    for installed in ["run/state/bin", "opt/cni", "opt/kubernetes"] {
-        let _ = std::fs::remove_dir_all(node.root.join(installed));
-    }
+    // It reboots with its version record unreadable (damaged): the rejoin
+    // fails after the lock, and the disk is the member's still.
+    std::fs::write(
+        node.root.join(keel_agent::paths::NODE_VERSION),
+        b"{ not a record",
+    )
+    .unwrap();
     let node = node.reboot(&ca);
     let failed = tokio::time::timeout(Duration::from_secs(90), node.client(&ca).run())
         .await
         .expect("the rejoin did not finish");
-    assert!(matches!(failed, JoinOutcome::Failed { .. }), "{failed:?}");
+    match &failed {
+        JoinOutcome::Failed { error } => assert!(error.contains("version"), "{error}"),
+        other => panic!("{other:?}"),
+    }
     assert!(node.lock.is_locked());
     assert_eq!(cs.uuid(&node.disk).unwrap(), member_uuid);
     assert_eq!(cs.label(&node.disk).unwrap(), PROVISIONED_LABEL);

@@ -183,7 +183,7 @@ impl StateMount {
 }
 
 /// Largest share of the node's memory the components' tmpfs may take: a
-/// Kubernetes version's components take about 300 MiB, twice that while
+/// Kubernetes version's components take about 330 MiB, twice that while
 /// an upgrade stages the next one beside them.
 const MEMORY_SIZE: &str = "size=50%";
 
