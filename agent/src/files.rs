@@ -155,8 +155,9 @@ pub fn write_private_scratch(path: &Path, data: &[u8]) -> Result<(), WriteFileEr
 /// Reads a secret file of at most `limit` bytes (larger: an error) into
 /// one buffer allocated once at its full size and wiped when dropped, so
 /// no partial copy of the secret is left in freed memory (a growing buffer,
-/// or an async file's own buffer, would leave some). Blocks; call it off
-/// the async runtime.
+/// or an async file's own buffer, would leave some; std reads a `limit`
+/// under 32 bytes through a stack probe first, so keep the bounds above
+/// that). Blocks; call it off the async runtime.
 pub fn read_secret(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<u8>>> {
     use std::io::Read as _;
     let capacity = usize::try_from(limit.saturating_add(1))
@@ -195,7 +196,10 @@ mod tests {
         // Read into the buffer it was given, never a grown one.
         assert_eq!(read.capacity(), 65);
         let refused = read_secret(&path, 63).unwrap_err();
-        assert!(refused.to_string().contains("larger than 63 bytes"), "{refused}");
+        assert!(
+            refused.to_string().contains("larger than 63 bytes"),
+            "{refused}"
+        );
         assert!(read_secret(&dir.path().join("missing"), 64).is_err());
     }
 
