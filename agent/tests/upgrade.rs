@@ -818,17 +818,7 @@ async fn a_reboot_reinstalls_the_recorded_version_with_the_mirror_gone() {
         std::fs::remove_dir_all(node.root.join(installed)).unwrap();
     }
 
-    let log = |_line: String| {};
-    Provisioner::new(&env(&node.root, &work, &[]), &node.tpm, &log)
-        .reinstall_recorded()
-        .await
-        .unwrap();
-    for file in ["crictl", "kubelet", "kubeadm", "kubectl"] {
-        assert!(
-            node.root.join("run/state/bin").join(file).is_file(),
-            "{file}"
-        );
-    }
+    reinstall_after_reboot(&node, &work).await;
     assert!(node
         .root
         .join("opt/cni/bin")
@@ -885,8 +875,20 @@ async fn a_disk_of_the_earlier_layout_is_taken_over_without_a_mirror() {
     std::fs::rename(node.root.join("opt/kubernetes"), &elsewhere).unwrap();
     std::os::unix::fs::symlink(&elsewhere, disk.join("opt-kubernetes")).unwrap();
 
+    reinstall_after_reboot(&node, &work).await;
+    assert!(node.kubelet_claims().contains(FROM));
+    for gone in ["bin", "bin.keel-next", "cni", "archives"] {
+        assert!(!disk.join(gone).exists(), "{gone} is still on the disk");
+    }
+    assert!(std::fs::read_dir(&elsewhere).unwrap().next().is_some());
+    assert!(std::fs::read_dir(&kept).unwrap().next().is_some());
+}
+
+/// What a reboot does on `node`: reinstalls its recorded version; then
+/// every file of it is in `/run/state/bin` again.
+async fn reinstall_after_reboot(node: &UpgradableNode, work: &std::path::Path) {
     let log = |_line: String| {};
-    Provisioner::new(&env(&node.root, &work, &[]), &node.tpm, &log)
+    Provisioner::new(&env(&node.root, work, &[]), &node.tpm, &log)
         .reinstall_recorded()
         .await
         .unwrap();
@@ -896,12 +898,6 @@ async fn a_disk_of_the_earlier_layout_is_taken_over_without_a_mirror() {
             "{file}"
         );
     }
-    assert!(node.kubelet_claims().contains(FROM));
-    for gone in ["bin", "bin.keel-next", "cni", "archives"] {
-        assert!(!disk.join(gone).exists(), "{gone} is still on the disk");
-    }
-    assert!(std::fs::read_dir(&elsewhere).unwrap().next().is_some());
-    assert!(std::fs::read_dir(&kept).unwrap().next().is_some());
 }
 
 /// A components file listing `components`, as an operator writes it.

@@ -38,6 +38,21 @@ fn v1_31_stand_ins(mirror: &MirrorServer) -> Vec<Component> {
         .collect()
 }
 
+/// A local mirror serving the v1.31 stand-ins, a temporary root, the list,
+/// and an installer below the root that keeps what it installs ([`KEPT`]).
+fn keeping_setup() -> (
+    MirrorServer,
+    tempfile::TempDir,
+    Vec<Component>,
+    keel_installer::Installer,
+) {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let list = v1_31_stand_ins(&mirror);
+    let installer = keeping_installer(root.path(), &mirror, fast_retries());
+    (mirror, root, list, installer)
+}
+
 /// Runs a stand-in script. Through `sh` rather than exec: exec of a file
 /// written moments ago can fail with ETXTBSY while another test thread forks.
 fn run(path: &Path) -> String {
@@ -256,11 +271,8 @@ async fn a_second_install_is_a_no_op_and_a_changed_file_is_replaced() {
 
 #[tokio::test]
 async fn a_kept_archive_is_extracted_without_a_fetch_and_a_wrong_copy_is_fetched_again() {
-    let mirror = MirrorServer::start().unwrap();
-    let root = tempfile::tempdir().unwrap();
+    let (mirror, root, list, installer) = keeping_setup();
     let r = root.path();
-    let list = v1_31_stand_ins(&mirror);
-    let installer = keeping_installer(r, &mirror, fast_retries());
     let kept_dir = r.join(KEPT.trim_start_matches('/'));
     let kept = |c: &Component| kept_dir.join(format!("{}.tgz", c.hash().to_hex()));
     let (cni, crictl) = (&list[0], &list[1]);
@@ -398,11 +410,8 @@ async fn a_kept_archive_is_extracted_without_a_fetch_and_a_wrong_copy_is_fetched
 /// file is fetched again and the copy replaced.
 #[tokio::test]
 async fn a_kept_file_is_copied_without_a_fetch_and_a_wrong_copy_is_fetched_again() {
-    let mirror = MirrorServer::start().unwrap();
-    let root = tempfile::tempdir().unwrap();
+    let (mirror, root, list, installer) = keeping_setup();
     let r = root.path();
-    let list = v1_31_stand_ins(&mirror);
-    let installer = keeping_installer(r, &mirror, fast_retries());
     let kept_dir = r.join(KEPT.trim_start_matches('/'));
     let find = |name: &str| list.iter().find(|c| c.name() == name).unwrap();
     let (kubelet, kubeadm) = (find("kubelet"), find("kubeadm"));
