@@ -98,9 +98,9 @@ pub const FILE_DESCRIPTORS: u64 = 16 * 1024;
 
 /// The environment of a real node: installs under `/` (components in
 /// memory, [`STATE_TMPFS`]), kubeadm from [`BIN_DIR`], the configured
-/// state disk mounted at [`STATE_MOUNT`], the
-/// address of the route toward the first control-plane endpoint (or of the
-/// default route), reboot after 60 s on failure.
+/// state disk mounted at [`STATE_MOUNT`], the address of the route toward
+/// the first control-plane endpoint (or of the default route), reboot
+/// after 60 s on failure.
 pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeEnv> {
     let mut installer = InstallerConfig {
         kept: Some(InstallPath::new(KEPT_COMPONENTS)?),

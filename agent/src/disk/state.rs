@@ -139,9 +139,8 @@ impl StateDisk {
 
 impl StateMount {
     /// Mounts the tmpfs, then `device` at the mount point inside it, then
-    /// makes the bind mounts (creating their directories), then starts the
-    /// services.
-    /// What is bound from the tmpfs is checked to be on it once bound.
+    /// makes the bind mounts (creating their directories; what is bound
+    /// from the tmpfs is checked to be on it), then starts the services.
     fn mount(&self, device: &Path) -> Result<(), DiskError> {
         let memory = mount_memory(&self.memory)?;
         mount(device, &self.point)?;
@@ -192,7 +191,7 @@ const MEMORY_SIZE: &str = "size=50%";
 /// the node must not install what it runs on a disk. Refuses a `target`
 /// that is a mount point already (a second mount would hide the first,
 /// and the disk mounted inside it). Returns the tmpfs's device.
-pub fn mount_memory(target: &Path) -> Result<u64, DiskError> {
+fn mount_memory(target: &Path) -> Result<u64, DiskError> {
     std::fs::create_dir_all(target).map_err(|source| DiskError::CreateMountPoint {
         path: target.to_owned(),
         source,
@@ -242,13 +241,13 @@ fn device_of(path: &Path) -> Result<u64, DiskError> {
 
 /// Whether a file system is mounted at `path`: it is on another device
 /// than its parent directory.
-pub fn is_mount_point(path: &Path) -> Result<bool, DiskError> {
+fn is_mount_point(path: &Path) -> Result<bool, DiskError> {
     let parent = path.parent().unwrap_or(Path::new("/"));
     Ok(device_of(path)? != device_of(parent)?)
 }
 
 /// Refuses unless `path` is on a tmpfs.
-pub fn check_in_memory(path: &Path) -> Result<(), DiskError> {
+fn check_in_memory(path: &Path) -> Result<(), DiskError> {
     /// `TMPFS_MAGIC` of `statfs(2)`.
     const TMPFS_MAGIC: u64 = 0x0102_1994;
     let stat = rustix::fs::statfs(path).map_err(|e| DiskError::NotInMemory {
