@@ -94,7 +94,8 @@ impl ContainerCheck {
     /// did not print its message, or containerd's data (the image's
     /// snapshot, the database it has open) is not on the LUKS2 state disk,
     /// or containerd became active before the disk was mounted, or the
-    /// component running the check does not run from memory. Empty when
+    /// stand-in running the check or a component directory is not in
+    /// memory. Empty when
     /// all holds.
     pub fn problems(&self) -> Vec<String> {
         let mut out = Vec::new();

@@ -196,7 +196,8 @@ fn happy_path(cluster: &Cluster, started: Instant) -> TestResult<Lock> {
 /// it: containerd answered, the image built and imported on the node ran
 /// and printed its message, the image's snapshot and containerd's open
 /// metadata database are on the LUKS2 state disk, containerd became active
-/// only after that disk was mounted, and the stand-in ran from memory.
+/// only after that disk was mounted, and the stand-in and the component
+/// directories are in memory.
 fn container_runtime(node: &Node) -> TestResult {
     let check = node.container_check().ok_or_else(|| {
         format!(
