@@ -3,6 +3,7 @@
 //! or "unknown" value, so a component cannot be installed unchecked.
 
 use std::fmt;
+use std::io::{self, Read};
 use std::str::FromStr;
 
 use sha2::{Digest as _, Sha256};
@@ -88,6 +89,35 @@ impl fmt::Display for Sha256Digest {
 impl fmt::Debug for Sha256Digest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(self, f)
+    }
+}
+
+/// A reader that hashes what it reads: whatever reads through it, the
+/// digest is of exactly the bytes handed on.
+pub(crate) struct HashingReader<R> {
+    inner: R,
+    hasher: Sha256,
+}
+
+impl<R: Read> HashingReader<R> {
+    pub(crate) fn new(inner: R) -> Self {
+        Self {
+            inner,
+            hasher: Sha256::new(),
+        }
+    }
+
+    /// The digest of what was read so far.
+    pub(crate) fn digest(self) -> Sha256Digest {
+        Sha256Digest::from_hasher(self.hasher)
+    }
+}
+
+impl<R: Read> Read for HashingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(buf.get(..n).unwrap_or_default());
+        Ok(n)
     }
 }
 

@@ -49,10 +49,9 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Component as PathPart, Path, PathBuf};
 
-use sha2::{Digest as _, Sha256};
 use tar::EntryType;
 
-use crate::digest::Sha256Digest;
+use crate::digest::{HashingReader, Sha256Digest};
 
 /// Bounds on one archive.
 #[derive(Debug, Clone, Copy)]
@@ -421,10 +420,7 @@ pub fn extract_tgz_verified_sparing(
         .map_err(staging_error)?;
     fs::set_permissions(staging.path(), Permissions::from_mode(0o755)).map_err(staging_error)?;
 
-    let mut source = Hashing {
-        inner: archive,
-        hasher: Sha256::new(),
-    };
+    let mut source = HashingReader::new(archive);
     let gunzip = flate2::read::GzDecoder::new(BufReader::with_capacity(256 * 1024, &mut source));
     let bounded = Bounded {
         inner: gunzip,
@@ -444,7 +440,7 @@ pub fn extract_tgz_verified_sparing(
     // long for the file system, a disk filled), so that a kept copy that
     // is not the archive is fetched again rather than failing the install.
     io::copy(&mut source, &mut io::sink()).map_err(ExtractError::ReadArchive)?;
-    let actual = Sha256Digest::from_hasher(source.hasher);
+    let actual = source.digest();
     if actual != expected {
         return Err(ExtractError::HashMismatch {
             expected: Box::new(expected),
@@ -472,20 +468,6 @@ pub fn extract_tgz_verified_sparing(
         })?;
     }
     Ok(summary)
-}
-
-/// A reader that hashes what it reads.
-struct Hashing<R> {
-    inner: R,
-    hasher: Sha256,
-}
-
-impl<R: Read> Read for Hashing<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.hasher.update(buf.get(..n).unwrap_or_default());
-        Ok(n)
-    }
 }
 
 /// The start of the name of a temporary file or directory for `name`, in

@@ -27,10 +27,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
-use sha2::{Digest as _, Sha256};
 
 use crate::component::{redact, Component, InstallPath, Source};
-use crate::digest::Sha256Digest;
+use crate::digest::{HashingReader, Sha256Digest};
 use crate::download::{DownloadConfig, DownloadError, Downloader};
 use crate::extract::{
     extract_tgz_verified_sparing, temporary_prefix, ExtractError, ExtractLimits, ExtractSummary,
@@ -728,7 +727,7 @@ fn copy_verified(
         tracing::warn!(error = %e, "the kept file cannot be read; fetching it again");
         Ok(None)
     };
-    let mut from = match open_regular_file(kept) {
+    let from = match open_regular_file(kept) {
         Ok(Some(file)) => file,
         Ok(None) => return Ok(None),
         Err(e) => return miss(e),
@@ -738,19 +737,18 @@ fn copy_verified(
         source,
     };
     let mut temp = temporary_file(dest, dir).map_err(temp_error)?;
-    let mut hasher = Sha256::new();
+    let mut source = HashingReader::new(&from);
     let mut buf = vec![0u8; 256 * 1024];
     loop {
-        let n = match from.read(&mut buf) {
+        let n = match source.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) => return miss(e),
         };
-        let chunk = buf.get(..n).unwrap_or_default();
-        hasher.update(chunk);
-        temp.write_all(chunk).map_err(temp_error)?;
+        temp.write_all(buf.get(..n).unwrap_or_default())
+            .map_err(temp_error)?;
     }
-    if Sha256Digest::from_hasher(hasher) != expected {
+    if source.digest() != expected {
         tracing::warn!("the kept file is not the file; fetching it again");
         return Ok(None);
     }
@@ -868,19 +866,12 @@ async fn keep_if_matching(
             path: path.clone(),
             source,
         };
-        let Some(mut file) = open_regular_file(&path).map_err(check_error)? else {
+        let Some(file) = open_regular_file(&path).map_err(check_error)? else {
             return Ok(false);
         };
-        let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; 256 * 1024];
-        loop {
-            let n = file.read(&mut buf).map_err(check_error)?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(buf.get(..n).unwrap_or_default());
-        }
-        if Sha256Digest::from_hasher(hasher) != expected {
+        let mut source = HashingReader::new(&file);
+        io::copy(&mut source, &mut io::sink()).map_err(check_error)?;
+        if source.digest() != expected {
             return Ok(false);
         }
         file.set_permissions(Permissions::from_mode(mode))
