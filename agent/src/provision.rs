@@ -646,20 +646,22 @@ fn take_over_earlier_layout(disk: &Path, kept: &Path, components: &[Component]) 
     let bin = format!("{}/", paths::BIN_DIR);
     let mut stay: Vec<&Path> = Vec::new();
     for component in components {
-        let to = kept.join(keel_installer::kept_name(component));
-        if !matches!(component.source(), keel_installer::Source::Remote(_)) || to.exists() {
+        let Some(name) = keel_installer::kept_name(component) else {
+            continue;
+        };
+        let to = kept.join(&name);
+        if to.exists() {
             continue;
         }
+        // An earlier release kept its archives under the same names.
         let candidates: Vec<PathBuf> = if component.extract() {
-            vec![disk
-                .join("archives")
-                .join(format!("{}.tgz", component.hash().to_hex()))]
+            vec![disk.join("archives").join(&name)]
         } else {
             match component.install_path().as_str().strip_prefix(&bin) {
-                Some(name) if !name.contains('/') => {
+                Some(file) if !file.contains('/') => {
                     vec![
-                        disk.join("bin").join(name),
-                        disk.join("bin.keel-next").join(name),
+                        disk.join("bin").join(file),
+                        disk.join("bin.keel-next").join(file),
                     ]
                 }
                 _ => continue,

@@ -302,11 +302,7 @@ impl Installer {
         let Some(dir) = self.kept.clone() else {
             return;
         };
-        let wanted: Vec<String> = components
-            .iter()
-            .filter(|c| matches!(c.source(), Source::Remote(_)))
-            .map(kept_name)
-            .collect();
+        let wanted: Vec<String> = components.iter().filter_map(kept_name).collect();
         let removed = tokio::task::spawn_blocking(move || {
             let entries = match fs::read_dir(&dir) {
                 Ok(entries) => entries,
@@ -535,11 +531,8 @@ impl Installer {
     /// for an inline component (the list that names it carries it), and
     /// without a kept components' directory or when it cannot be made.
     async fn kept_path(&self, component: &Component) -> Option<PathBuf> {
-        if let Source::Inline(_) = component.source() {
-            return None;
-        }
+        let name = kept_name(component)?;
         let dir = self.kept.clone()?;
-        let name = kept_name(component);
         let path = dir.join(&name);
         match prepare_dir(dir, name.into()).await {
             Ok(()) => Some(path),
@@ -667,14 +660,18 @@ const KEPT_FILE_SUFFIX: &str = ".bin";
 
 /// The file name of the kept copy of `component` in the kept components'
 /// directory ([`InstallerConfig::kept`]): `<sha256 hex>.tgz` for an
-/// archive, `<sha256 hex>.bin` for a single file.
-pub fn kept_name(component: &Component) -> String {
+/// archive, `<sha256 hex>.bin` for a single file; `None` for an inline
+/// component, which is never kept (the list that names it carries it).
+pub fn kept_name(component: &Component) -> Option<String> {
+    if let Source::Inline(_) = component.source() {
+        return None;
+    }
     let suffix = if component.extract() {
         KEPT_ARCHIVE_SUFFIX
     } else {
         KEPT_FILE_SUFFIX
     };
-    format!("{}{suffix}", component.hash().to_hex())
+    Some(format!("{}{suffix}", component.hash().to_hex()))
 }
 
 /// What a file in the kept components' directory is, by its name.
