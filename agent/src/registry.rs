@@ -82,6 +82,11 @@ impl Verdict {
             Self::Silent => "silent",
         }
     }
+
+    /// Whether the `revoke` policy acts on it: drifted or silent.
+    pub fn fails(self) -> bool {
+        matches!(self, Self::Drifted | Self::Silent)
+    }
 }
 
 /// What a control plane knows about one node.
@@ -794,7 +799,7 @@ impl Registry {
         let own = own.to_string();
         self.nodes
             .values()
-            .filter(|r| matches!(r.verdict, Verdict::Drifted | Verdict::Silent))
+            .filter(|r| r.verdict.fails())
             .filter(|r| !revoked.contains(&r.ek) && r.ek != own)
             .cloned()
             .collect()

@@ -553,7 +553,7 @@ impl EvidenceService {
                     let own = registry
                         .nodes()
                         .get(&own_ek.to_string())
-                        .filter(|r| matches!(r.verdict, Verdict::Drifted | Verdict::Silent))
+                        .filter(|r| r.verdict.fails())
                         .cloned();
                     Ok((
                         registry.failing_unrevoked(&own_ek),
