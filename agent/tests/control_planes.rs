@@ -111,6 +111,16 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     older.authorised_components.extend(patches.iter().cloned());
     cp0.slot.send_replace(Some(Arc::new(older.clone())));
 
+    // A worker joins through cp-0 before cp-1 exists.
+    let early = joiner_with(
+        config_for(&ca, &ports, "w-0", "worker"),
+        Swtpm::start(&ca).unwrap(),
+    );
+    match run_client(&early, &ca, &Arc::new(ClusterSlot::new(None))).await {
+        JoinOutcome::Joined { cluster_id: id } => assert_eq!(id, cluster_id),
+        other => panic!("{other:?}"),
+    }
+
     // cp-1 joins as a control plane and gets what serving joins takes.
     let cp1 = joiner_with(
         config_for(&ca, &ports, "cp-1", "control-plane"),
@@ -141,28 +151,39 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     cp1.assert_disk_opens(&cp0);
     let serving = cp1.serve_join(ports[1], slot.clone()).await;
 
-    // cp-1's ticket carried no node records, but cp-1 holds its own name
-    // from the moment it serves: a second TPM under that name gets no
-    // ticket there.
-    let impostor = join_common::member_with(&ca, config_for(&ca, &ports, "cp-1", "worker"));
-    let key = keel_agent::join::KubeletKey::generate("cp-1").unwrap();
-    let request = keel_proto::join::IssueJoinTicketRequest {
-        disk_uuid: join_common::uuid(),
-        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
-        is_control_plane: false,
-        node_name: "cp-1".into(),
-    };
-    match impostor
-        .tickets(&ca)
-        .request_join_ticket(&format!("127.0.0.1:{}", ports[1]), request)
-        .await
-    {
-        Err(keel_agent::join::TicketError::Refused(status)) => assert!(
-            status.message().contains("holds this node's name"),
-            "{status:?}"
-        ),
-        Err(e) => panic!("not refused for its name: {}", keel_atls::ErrorChain(&e)),
-        Ok(_) => panic!("a ticket went to a second TPM under cp-1's name"),
+    // cp-1 holds every name before it serves: its own from the moment it
+    // serves, w-0's from its ticket, which carried cp-0's registry. A
+    // second TPM under either name gets no ticket there, before cp-1 ever
+    // exchanged registries with cp-0.
+    let held = keel_agent::registry::RegistryStore::shared(&cp1.root)
+        .unwrap()
+        .snapshot();
+    let names: Vec<_> = held.nodes().values().map(|r| r.name.as_str()).collect();
+    assert!(names.contains(&"w-0"), "{names:?}");
+    for name in ["cp-1", "w-0"] {
+        let impostor = join_common::member_with(&ca, config_for(&ca, &ports, name, "worker"));
+        let key = keel_agent::join::KubeletKey::generate(name).unwrap();
+        let request = keel_proto::join::IssueJoinTicketRequest {
+            disk_uuid: join_common::uuid(),
+            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+            is_control_plane: false,
+            node_name: name.into(),
+        };
+        match impostor
+            .tickets(&ca)
+            .request_join_ticket(&format!("127.0.0.1:{}", ports[1]), request)
+            .await
+        {
+            Err(keel_agent::join::TicketError::Refused(status)) => assert!(
+                status.message().contains("holds this node's name"),
+                "{name}: {status:?}"
+            ),
+            Err(e) => panic!(
+                "{name}: not refused for its name: {}",
+                keel_atls::ErrorChain(&e)
+            ),
+            Ok(_) => panic!("a ticket went to a second TPM under {name}'s name"),
+        }
     }
 
     // cp-0 goes down: a worker joins through cp-1, with a ticket as good as

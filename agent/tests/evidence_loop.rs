@@ -470,8 +470,8 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         other => panic!("not refused as not bound: {:?}", other.map(|_| ())),
     }
     // A control plane that joins after the revocation enforces it from its
-    // first ticket on: its ticket carried the list, before it exchanged a
-    // registry with anyone.
+    // first ticket on: its ticket carried the issuer's registry, before it
+    // exchanged one with anyone.
     // (`c.joined` cannot serve here: the worker was moved out of `c`.)
     let cp2 = joiner_with(
         config(&c.ca, &c.ports, "cp-2", "control-plane", c.policy),
@@ -485,7 +485,12 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     let taken = RegistryStore::shared(&cp2.root).unwrap().snapshot();
     assert_eq!(taken.revoked().len(), 1);
     assert_eq!(taken.revoked()[0].ek, revoked.ek);
-    assert!(taken.nodes().is_empty(), "a ticket carries no node records");
+    // And the issuer's node records: the revoked worker's, cp-2's own.
+    assert!(taken.nodes().contains_key(&revoked.ek), "{taken:?}");
+    assert!(
+        taken.nodes().values().any(|r| r.name == "cp-2"),
+        "{taken:?}"
+    );
     let cp2_port = free_port();
     let _cp2_serving = cp2.serve_join(cp2_port, cp2_slot).await;
     assert_rejoin_revoked(&c.ca, &format!("127.0.0.1:{cp2_port}"), &worker, &disk).await;
@@ -649,13 +654,13 @@ async fn a_member_reporting_another_nodes_disk_is_refused_and_its_revocation_spa
     let victim_disk = c.worker_disk();
     let attacker_ek = join_common::ek_digest(&c.cp1.tpm);
     let attacker_key = attacker_ek.to_string();
-    // cp-1 holds a record of its own from the moment it serves: no
-    // evidence, no disk.
+    // cp-1 holds a record of its own from its ticket (cp-0's registry,
+    // with the disk cp-0 bound): no evidence yet, its own disk.
     let before = c.registry().snapshot().nodes().get(&attacker_key).cloned();
     assert!(
-        before
-            .as_ref()
-            .is_some_and(|r| r.last_evidence_at.is_none() && r.disk_uuid.is_empty()),
+        before.as_ref().is_some_and(|r| r.last_evidence_at.is_none()
+            && !r.disk_uuid.is_empty()
+            && r.disk_uuid != victim_disk),
         "{before:?}"
     );
 
@@ -679,12 +684,17 @@ async fn a_member_reporting_another_nodes_disk_is_refused_and_its_revocation_spa
     );
 
     // Its evidence naming its own disk (bound by cp-0, not here): trusted,
-    // and no disk recorded for it on cp-1's word alone.
+    // and the disk recorded for it still the one cp-0 bound, not changed
+    // on cp-1's word.
     let mut own = c.session(&c.cp1).await;
     assert_eq!(own.round().await.unwrap(), "trusted");
     let record = c.registry().snapshot().nodes()[&attacker_key].clone();
     assert_eq!(record.verdict, Verdict::Trusted);
-    assert!(record.disk_uuid.is_empty(), "{record:?}");
+    assert_eq!(
+        Some(&record.disk_uuid),
+        before.as_ref().map(|r| &r.disk_uuid),
+        "{record:?}"
+    );
 
     // However a record came to name the victim's disk (here: a ticket's
     // UUID taken on its word), revoking the attacker names its EK alone.
@@ -833,6 +843,12 @@ async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets(
     let worker_ek = join_common::ek_digest(&c.worker.tpm);
     assert!(cp2_registry.snapshot().revoked().is_empty());
 
+    // A node cp-2's ticket did not carry: cp-1 records it after.
+    let late = EkDigest::from_hex(&"dd".repeat(32)).unwrap();
+    c.registry()
+        .update(|r| r.register(&late, "", "w-late", "worker"))
+        .unwrap();
+
     // cp-1 revokes cp-2, then the worker.
     for name in ["cp-2", "w-1"] {
         c.revoke(name).unwrap();
@@ -868,11 +884,17 @@ async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets(
     }
     evidence.abort();
     // What a revoked control plane gets is the list alone: no node
-    // records of cp-1's came with it, and the merge is no view of the
-    // nodes (silence would be judged on it).
+    // records of cp-1's came with it (w-1's came with cp-2's ticket,
+    // w-late's would only come with a whole registry), and the merge is
+    // no view of the nodes (silence would be judged on it).
     assert_eq!(cp2_registry.merged_at(), None);
     assert!(
-        cp2_registry.snapshot().find("w-1").is_err(),
+        cp2_registry.snapshot().find("w-1").is_ok(),
+        "{:#?}",
+        cp2_registry.snapshot()
+    );
+    assert!(
+        cp2_registry.snapshot().find("w-late").is_err(),
         "{:#?}",
         cp2_registry.snapshot()
     );

@@ -375,16 +375,16 @@ impl JoinClient {
         let operator_key = ticket.operator_key.clone();
         let (plan, join) = self.join_plan(&ticket, disk_uuid, &kubelet, is_control_plane);
         let cluster_id = ticket.cluster_id;
-        let revocations = ticket
+        let registry = ticket
             .control_plane
             .as_mut()
-            .map(|(_, m)| std::mem::take(&mut m.revocations));
+            .map(|(_, m)| std::mem::take(&mut m.registry));
         let files = plan.files.clone();
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
         let result = async {
             p.prepare(plan).await?;
-            if let Some(revocations) = revocations {
-                self.take_revocations(revocations).await?;
+            if let Some(registry) = registry {
+                self.take_registry(registry).await?;
             }
             p.kubeadm_join(&join, &files).await?;
             match self.control_plane_state(ticket)? {
@@ -454,7 +454,7 @@ impl JoinClient {
             components: None,
         };
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
-        let revocations = std::mem::take(&mut ticket.revocations);
+        let registry = std::mem::take(&mut ticket.registry);
         let result = async {
             p.prepare(plan).await?;
             // A control plane restores its state before the kubelet starts
@@ -466,7 +466,7 @@ impl JoinClient {
                 None => None,
             };
             if state.is_some() {
-                self.take_revocations(revocations).await?;
+                self.take_registry(registry).await?;
             }
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
@@ -487,24 +487,25 @@ impl JoinClient {
         }
     }
 
-    /// Merges the issuing control plane's revocations (from a control
-    /// plane's ticket) into this node's registry, on its opened state disk,
-    /// before its join service (which opens the same store) can issue a
-    /// ticket: a revoked node gets none from a control plane that joined,
-    /// or was down, when the node was revoked, before it exchanged
-    /// registries with the others.
-    async fn take_revocations(
+    /// Merges the issuing control plane's registry (from a control plane's
+    /// ticket) into this node's, on its opened state disk, before its join
+    /// service (which opens the same store) can issue a ticket: a control
+    /// plane that joined, or was down, when a node was revoked or joined
+    /// refuses that node's EK, or a second TPM under its name, before it
+    /// exchanged registries with the others.
+    async fn take_registry(
         &self,
-        revocations: crate::registry::Registry,
+        registry: crate::registry::Registry,
     ) -> Result<(), ProvisionError> {
         let root = self.env.root().to_owned();
+        let nodes = registry.nodes().len();
         let added = tokio::task::spawn_blocking(move || {
-            RegistryStore::shared(&root).and_then(|store| store.merge(revocations))
+            RegistryStore::shared(&root).and_then(|store| store.merge(registry))
         })
         .await
         .map_err(ProvisionError::Blocking)?
         .map_err(ProvisionError::Registry)?;
-        tracing::info!(revocations = added, "revocation list taken from the ticket");
+        tracing::info!(revocations = added, nodes, "registry taken from the ticket");
         Ok(())
     }
 

@@ -255,12 +255,14 @@ impl JoinService {
         self
     }
 
-    /// What a ticket carries of the revocation list: for a control plane,
-    /// this service's revocations (a registry document without node
-    /// records), which it enforces before it serves; nothing for a worker.
-    fn revocations_for(&self, control_plane: bool) -> Vec<u8> {
+    /// What a ticket carries of the registry: for a control plane, this
+    /// service's whole registry (node records and revocations), which it
+    /// holds before it serves: it refuses a revoked node, and a second
+    /// TPM under a name another node holds, from its first ticket on, not
+    /// from its first registry exchange. Nothing for a worker.
+    fn registry_for(&self, control_plane: bool) -> Vec<u8> {
         match &self.registry {
-            Some((registry, _)) if control_plane => registry.revocations().to_json(),
+            Some((registry, _)) if control_plane => registry.snapshot().to_json(),
             _ => Vec::new(),
         }
     }
@@ -483,7 +485,7 @@ impl JoinService {
                         .collect(),
                 }
             }),
-            revocations: self.revocations_for(request.is_control_plane),
+            registry: self.registry_for(request.is_control_plane),
             image_epoch: if request.is_control_plane {
                 cluster.image_epoch
             } else {
@@ -564,7 +566,7 @@ impl JoinService {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
             control_plane_endpoints: ticket_endpoints(cluster),
-            revocations: self.revocations_for(is_control_plane),
+            registry: self.registry_for(is_control_plane),
         })
     }
 

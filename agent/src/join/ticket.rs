@@ -30,7 +30,7 @@ use crate::kubeadm::{BootstrapToken, CaCertHash};
 use keel_verifier::keys::{ClusterId, ClusterIdError, KeyService, OperatorKey, DISK_KEY_LEN};
 
 /// Largest accepted ticket message: a control-plane ticket carries the
-/// cluster's revocation list (a registry document, at most
+/// issuing control plane's registry (a document of at most
 /// [`MAX_REGISTRY_BYTES`]) beside measurements and PKI files (at most
 /// 1 MiB).
 pub const MAX_TICKET_BYTES: usize = MAX_REGISTRY_BYTES + 1024 * 1024;
@@ -119,8 +119,8 @@ pub struct TicketMeasurements {
     pub image_epoch: u64,
     /// Components of other Kubernetes versions the operator authorised.
     pub authorised: Vec<Component>,
-    /// The issuing control plane's revocations.
-    pub revocations: Registry,
+    /// The issuing control plane's registry: node records and revocations.
+    pub registry: Registry,
 }
 
 /// A checked join ticket.
@@ -217,8 +217,8 @@ pub struct RejoinTicket {
     /// The key this node checks the operator's requests with.
     pub operator_key: OperatorKey,
     /// A control plane's rejoin ticket: the issuing control plane's
-    /// revocations.
-    pub revocations: Registry,
+    /// registry.
+    pub registry: Registry,
 }
 
 impl RejoinTicket {
@@ -229,7 +229,7 @@ impl RejoinTicket {
         cluster_id: ClusterId,
         is_control_plane: bool,
         endpoints: Vec<String>,
-        revocations: &[u8],
+        registry: &[u8],
     ) -> Result<Self, TicketError> {
         if secrets.state_disk_key.len() != DISK_KEY_LEN {
             return Err(TicketError::Invalid("disk key length".into()));
@@ -240,8 +240,8 @@ impl RejoinTicket {
             control_plane_keys: control_plane_keys(secrets, is_control_plane)?,
             control_plane_endpoints: check_endpoints(endpoints)?,
             operator_key: operator_key(secrets)?,
-            revocations: if is_control_plane {
-                revocations_of(revocations)?
+            registry: if is_control_plane {
+                registry_of(registry)?
             } else {
                 Registry::default()
             },
@@ -249,13 +249,11 @@ impl RejoinTicket {
     }
 }
 
-/// The revocation list a control plane's ticket carries (none: empty).
-fn revocations_of(bytes: &[u8]) -> Result<Registry, TicketError> {
+/// The registry a control plane's ticket carries (none: empty).
+fn registry_of(bytes: &[u8]) -> Result<Registry, TicketError> {
     match bytes {
         [] => Ok(Registry::default()),
-        bytes => {
-            Registry::parse(bytes).map_err(|e| TicketError::Invalid(format!("revocations: {e}")))
-        }
+        bytes => Registry::parse(bytes).map_err(|e| TicketError::Invalid(format!("registry: {e}"))),
     }
 }
 
@@ -440,7 +438,7 @@ pub fn parse_join_ticket(
                 .map(Component::try_from)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TicketError::Invalid(format!("authorised component: {e}")))?;
-            let revocations = revocations_of(&response.revocations)?;
+            let registry = registry_of(&response.registry)?;
             Some((
                 keys,
                 TicketMeasurements {
@@ -449,7 +447,7 @@ pub fn parse_join_ticket(
                     signed,
                     image_epoch,
                     authorised,
-                    revocations,
+                    registry,
                 },
             ))
         }

@@ -176,7 +176,7 @@ impl TicketClient {
             cluster_id,
             self.is_control_plane,
             response.control_plane_endpoints,
-            &response.revocations,
+            &response.registry,
         )
     }
 }
