@@ -1,8 +1,8 @@
 //! A test-only AMD-like root of trust, generated per test: an ARK and an
 //! ASK (RSA, RSASSA-PSS with SHA-384 as AMD signs), a VCEK (P-384) with
 //! AMD's hwID and TCB extensions, and SEV-SNP reports (version 2, Milan
-//! TCB layout) signed by that VCEK, and CRLs signed by the ARK as AMD signs
-//! its own. A verifier configured with [`TestAmd::roots_pem`] as its roots
+//! TCB layout; for a chain under Turin's names, version 3 in Turin's)
+//! signed by that VCEK, and CRLs signed by the ARK as AMD signs its own. A verifier configured with [`TestAmd::roots_pem`] as its roots
 //! checks them exactly as it checks AMD's; the pinned AMD roots refuse them.
 
 use p384::ecdsa::signature::hazmat::PrehashSigner as _;
@@ -187,6 +187,7 @@ pub struct TestAmd {
     vcek: p384::ecdsa::SigningKey,
     chip_id: [u8; 64],
     tcb: [u8; 4],
+    fmc: Option<u8>,
 }
 
 impl TestAmd {
@@ -199,11 +200,16 @@ impl TestAmd {
 
     /// As [`TestAmd::new`], with AMD's names for the product line `line`
     /// (`ARK-Milan`, `SEV-Milan`): a look-alike of AMD's chain that only
-    /// its keys tell apart.
+    /// its keys tell apart. For `Turin`, as Turin's: an 8-byte chip ID (the
+    /// report's 64 bytes end in 56 zeros), an FMC SVN of 1 in the VCEK, and
+    /// version 3 reports of a family 0x1A CPU in Turin's TCB layout.
     pub fn for_line(line: &str) -> Result<Self, AmdError> {
         let tcb = [3, 0, 8, 115];
+        let turin = line == "Turin";
+        let fmc = turin.then_some(1u8);
         let mut chip_id = [0u8; 64];
-        rand::RngCore::fill_bytes(&mut OsRng, &mut chip_id);
+        let id_len = if turin { 8 } else { 64 };
+        rand::RngCore::fill_bytes(&mut OsRng, &mut chip_id[..id_len]);
 
         let ark = RsaPss::generate()?;
         let ark_params = ca_params(&format!("ARK-{line}"))?;
@@ -227,11 +233,16 @@ impl TestAmd {
             .distinguished_name
             .push(DnType::CommonName, "SEV-VCEK");
         let amd = |arc: &[u64]| [&[1u64, 3, 6, 1, 4, 1, 3704, 1][..], arc].concat();
-        params.custom_extensions = vec![CustomExtension::from_oid_content(
-            &amd(&[4]),
-            chip_id.to_vec(),
-        )];
-        for (arc, value) in [(1u64, tcb[0]), (2, tcb[1]), (3, tcb[2]), (8, tcb[3])] {
+        // Milan's and Genoa's VCEKs carry the chip ID bare, Turin's as an
+        // OCTET STRING: the verifier reads both.
+        let hw_id = if turin {
+            [&[0x04, 8][..], &chip_id[..8]].concat()
+        } else {
+            chip_id.to_vec()
+        };
+        params.custom_extensions = vec![CustomExtension::from_oid_content(&amd(&[4]), hw_id)];
+        let svns = [(1u64, tcb[0]), (2, tcb[1]), (3, tcb[2]), (8, tcb[3])];
+        for (arc, value) in svns.into_iter().chain(fmc.map(|f| (9, f))) {
             let der = if value < 0x80 {
                 vec![0x02, 1, value]
             } else {
@@ -254,6 +265,7 @@ impl TestAmd {
             vcek,
             chip_id,
             tcb,
+            fmc,
         })
     }
 
@@ -291,21 +303,52 @@ impl TestAmd {
         self.tcb
     }
 
-    /// A version 2 report with `fields`, signed by the VCEK.
+    /// The chip ID the reports carry.
+    pub fn chip_id(&self) -> [u8; 64] {
+        self.chip_id
+    }
+
+    /// The report's eight TCB bytes for this chip's TCB: Milan's layout, or
+    /// Turin's (FMC first).
+    pub fn tcb_bytes(&self) -> [u8; 8] {
+        let [bl, tee, snp, ucode] = self.tcb;
+        match self.fmc {
+            Some(fmc) => [fmc, bl, tee, snp, 0, 0, 0, ucode],
+            None => [bl, tee, 0, 0, 0, 0, snp, ucode],
+        }
+    }
+
+    /// A report with `fields`, signed by the VCEK: version 2, or 3 for
+    /// Turin.
     pub fn report(&self, fields: &ReportFields) -> Result<Vec<u8>, AmdError> {
+        self.report_claiming(fields, &self.chip_id, self.tcb_bytes())
+    }
+
+    /// [`TestAmd::report`] claiming `chip_id` and the TCB bytes `tcb` (in
+    /// every TCB field), signed by this chip's VCEK all the same: what a
+    /// verifier must hold to the VCEK's extensions.
+    pub fn report_claiming(
+        &self,
+        fields: &ReportFields,
+        chip_id: &[u8; 64],
+        tcb: [u8; 8],
+    ) -> Result<Vec<u8>, AmdError> {
         let mut r = vec![0u8; 1184];
-        r[0..4].copy_from_slice(&2u32.to_le_bytes());
+        let version: u32 = if self.fmc.is_some() { 3 } else { 2 };
+        r[0..4].copy_from_slice(&version.to_le_bytes());
+        if self.fmc.is_some() {
+            r[0x188] = 0x1a; // CPUID family: Turin's
+            r[0x189] = 0x02; // model
+        }
         r[0x08..0x10].copy_from_slice(&fields.policy.to_le_bytes());
         r[0x30..0x34].copy_from_slice(&fields.vmpl.to_le_bytes());
         r[0x34..0x38].copy_from_slice(&1u32.to_le_bytes()); // ECDSA P-384 SHA-384
-        let [bl, tee, snp, ucode] = self.tcb;
-        let tcb = [bl, tee, 0, 0, 0, 0, snp, ucode];
         r[0x38..0x40].copy_from_slice(&tcb); // current_tcb
         r[0x50..0x90].copy_from_slice(&fields.report_data);
         r[0x90..0xc0].copy_from_slice(&fields.measurement);
         r[0xc0..0xe0].copy_from_slice(&fields.host_data);
         r[0x180..0x188].copy_from_slice(&tcb); // reported_tcb
-        r[0x1a0..0x1e0].copy_from_slice(&self.chip_id);
+        r[0x1a0..0x1e0].copy_from_slice(chip_id);
         r[0x1e0..0x1e8].copy_from_slice(&tcb); // committed_tcb
         r[0x1f0..0x1f8].copy_from_slice(&tcb); // launch_tcb
         let signature: p384::ecdsa::Signature =

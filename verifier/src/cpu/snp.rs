@@ -47,6 +47,8 @@ mod oid {
     pub const TEE: &str = "1.3.6.1.4.1.3704.1.3.2";
     pub const SNP: &str = "1.3.6.1.4.1.3704.1.3.3";
     pub const MICROCODE: &str = "1.3.6.1.4.1.3704.1.3.8";
+    /// The FMC SVN, in Turin's VCEKs (and its reports' TCB) only.
+    pub const FMC: &str = "1.3.6.1.4.1.3704.1.3.9";
     pub const HW_ID: &str = "1.3.6.1.4.1.3704.1.4";
     /// RSASSA-PSS, the algorithm of every certificate in AMD's chains.
     pub const RSASSA_PSS: &str = "1.2.840.113549.1.1.10";
@@ -422,20 +424,14 @@ pub fn verify_signed(
         });
     }
     if signing_key == SigningKey::Vcek {
-        let hw_id = extension(&vek, oid::HW_ID)?;
-        let hw_id = match hw_id {
-            [0x04, 0x40, rest @ ..] if rest.len() == 64 => rest,
-            raw => raw,
-        };
-        if hw_id != report.chip_id.as_slice() {
-            return Err(SnpError::ChipId {
-                expected: hex::encode(hw_id),
-                actual: hex::encode(report.chip_id),
-            });
-        }
+        check_chip_id(extension(&vek, oid::HW_ID)?, &report.chip_id, &product)?;
     }
     let tcb = tcb_of(&report.reported_tcb);
-    for (component, id, actual) in components(&tcb) {
+    // A report in Turin's TCB layout carries the FMC SVN, which its VCEK
+    // certifies too (no other line's VCEK has the extension, so a report
+    // of another line read in that layout is refused here).
+    let fmc = report.reported_tcb.fmc.map(|fmc| ("fmc", oid::FMC, fmc));
+    for (component, id, actual) in components(&tcb).into_iter().chain(fmc) {
         let expected = der_small_integer(extension(&vek, id)?).ok_or(SnpError::Extension {
             oid: id,
             reason: "not a DER integer of at most 255",
@@ -463,6 +459,30 @@ pub fn verify_signed(
         host_data: report.host_data,
         report_data: report.report_data,
     })
+}
+
+/// Checks the chip ID a VCEK of the ASK named `product` certifies (its
+/// hwID extension, as an OCTET STRING or bare) against the report's: all
+/// 64 bytes, or for Turin, whose VCEKs certify 8, the report's first 8
+/// with the other 56 zero.
+fn check_chip_id(hw_id: &[u8], chip_id: &[u8; 64], product: &str) -> Result<(), SnpError> {
+    let len = if product_line(product) == "Turin" {
+        8
+    } else {
+        64
+    };
+    let hw_id = match hw_id {
+        [0x04, n, rest @ ..] if usize::from(*n) == len && rest.len() == len => rest,
+        raw => raw,
+    };
+    let (head, tail) = chip_id.split_at(len);
+    if hw_id != head || tail.iter().any(|&b| b != 0) {
+        return Err(SnpError::ChipId {
+            expected: hex::encode(hw_id),
+            actual: hex::encode(chip_id),
+        });
+    }
+    Ok(())
 }
 
 /// The four SVNs keel's policy names, from one of the report's TCB fields.

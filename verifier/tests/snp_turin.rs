@@ -1,0 +1,108 @@
+//! Turin's VCEKs, with generated AMD-like roots under Turin's names (no
+//! real Turin report is among the samples): an 8-byte chip ID, which the
+//! report's 64 bytes carry first with 56 zeros after, and an FMC SVN,
+//! which the report's Turin TCB layout carries too.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use keel_testkit::amd::{ReportFields, TestAmd};
+use keel_verifier::cpu::snp::{self, AmdRoots, SnpError};
+
+fn fields() -> ReportFields {
+    ReportFields {
+        policy: 0x30000,
+        report_data: [5; 64],
+        measurement: [7; 48],
+        host_data: [0; 32],
+        vmpl: 0,
+    }
+}
+
+/// Seconds since the epoch: the generated VCEK is valid now.
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn verify(amd: &TestAmd, raw: &[u8]) -> Result<snp::SnpClaims, SnpError> {
+    let report = snp::parse(raw).unwrap();
+    let roots = AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]);
+    snp::verify_signed(raw, &report, amd.vcek_der(), &roots, now())
+}
+
+#[test]
+fn a_turin_report_verifies_with_its_8_byte_chip_id_and_fmc() {
+    let amd = TestAmd::for_line("Turin").unwrap();
+    assert_eq!(amd.chip_id()[8..], [0; 56]);
+    let claims = verify(&amd, &amd.report(&fields()).unwrap()).unwrap();
+    assert_eq!(claims.product, "SEV-Turin");
+    assert_eq!(claims.version, 3);
+    assert_eq!(claims.chip_id, amd.chip_id());
+    let [bootloader, tee, snp, microcode] = amd.tcb();
+    assert_eq!(
+        (
+            claims.reported_tcb.bootloader,
+            claims.reported_tcb.tee,
+            claims.reported_tcb.snp,
+            claims.reported_tcb.microcode
+        ),
+        (bootloader, tee, snp, microcode)
+    );
+}
+
+/// Attacker's move: a report of another chip presented with this chip's
+/// Turin VCEK, which certifies 8 bytes only: another first 8 bytes, or the
+/// same 8 followed by anything but zeros (a chip ID the certificate does
+/// not name).
+#[test]
+fn a_turin_report_of_another_chip_id_is_refused() {
+    let amd = TestAmd::for_line("Turin").unwrap();
+    for at in [0, 7, 8, 63] {
+        let mut chip_id = amd.chip_id();
+        chip_id[at] ^= 1;
+        let raw = amd
+            .report_claiming(&fields(), &chip_id, amd.tcb_bytes())
+            .unwrap();
+        let err = verify(&amd, &raw).unwrap_err();
+        assert!(matches!(err, SnpError::ChipId { .. }), "byte {at}: {err:?}");
+    }
+}
+
+/// Attacker's move: a report whose FMC SVN is not the one the VCEK
+/// certifies (the key is derived from the whole TCB, so only a report of
+/// another TCB could carry it).
+#[test]
+fn a_turin_report_with_another_fmc_is_refused() {
+    let amd = TestAmd::for_line("Turin").unwrap();
+    let mut tcb = amd.tcb_bytes();
+    tcb[0] += 1;
+    let raw = amd.report_claiming(&fields(), &amd.chip_id(), tcb).unwrap();
+    let err = verify(&amd, &raw).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SnpError::CertifiedTcb {
+                component: "fmc",
+                expected: 1,
+                actual: 2
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+/// Other lines keep their 64-byte chip ID: a Milan-named chain's VCEK
+/// certifies all 64, and a report matching only its first 8 is refused.
+#[test]
+fn other_lines_compare_all_64_bytes() {
+    let amd = TestAmd::for_line("Milan").unwrap();
+    verify(&amd, &amd.report(&fields()).unwrap()).unwrap();
+    let mut chip_id = amd.chip_id();
+    chip_id[8..].fill(0);
+    let raw = amd
+        .report_claiming(&fields(), &chip_id, amd.tcb_bytes())
+        .unwrap();
+    let err = verify(&amd, &raw).unwrap_err();
+    assert!(matches!(err, SnpError::ChipId { .. }), "{err:?}");
+}
