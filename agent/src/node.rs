@@ -65,8 +65,11 @@ pub const INIT_REQUEST_BODY_DEADLINE: Duration = Duration::from_secs(30);
 /// reaches the port; the operator and recovery requests each connection may
 /// hold are small (at most 128 KiB, 8 streams).
 pub const OPERATOR_PORT_CONNECTIONS: usize = 32;
-/// A source's share of [`OPERATOR_PORT_CONNECTIONS`] once half are taken.
-pub const OPERATOR_PORT_CONNECTIONS_PER_SOURCE: usize = 4;
+/// A source's share of [`OPERATOR_PORT_CONNECTIONS`], at every load: an
+/// address that wants to hold the port (completed handshakes kept open
+/// with cheap requests) holds 2 connections, so filling it takes 16
+/// addresses.
+pub const OPERATOR_PORT_CONNECTIONS_PER_SOURCE: usize = 2;
 /// How long a join ticket request may take: a wait for a slot plus
 /// creating the bootstrap token.
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
@@ -330,6 +333,7 @@ fn operator_port_incoming(
             OPERATOR_PORT_CONNECTIONS_PER_SOURCE,
             OPERATOR_PORT_CONNECTIONS,
         )
+        .with_connection_share_always()
         .incoming(listener)
 }
 

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use join_common::{free_port, joiner, rss_kib, Joiner};
 use keel_agent::grpc::GrpcLimits;
-use keel_agent::node::{INIT_REQUEST_BODY_DEADLINE, OPERATOR_PORT_CONNECTIONS};
+use keel_agent::node::{
+    INIT_REQUEST_BODY_DEADLINE, OPERATOR_PORT_CONNECTIONS, OPERATOR_PORT_CONNECTIONS_PER_SOURCE,
+};
 use keel_atls::{AtlsClient, AtlsStream, Challenge, ValidationError, Validator};
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::InitRequest;
@@ -461,8 +463,8 @@ async fn many_connections_sending_init_requests_are_held_to_the_ports_bounds() {
     );
     assert_eq!(
         connections.len(),
-        OPERATOR_PORT_CONNECTIONS / 2,
-        "one source holds half of the port's connections, no more"
+        OPERATOR_PORT_CONNECTIONS_PER_SOURCE,
+        "one source holds its share of the port's connections, even on an idle port"
     );
 
     let before = rss_kib();

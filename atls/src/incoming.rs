@@ -60,6 +60,9 @@ pub(crate) struct Limits {
     pub(crate) issuing: usize,
     pub(crate) connections_per_source: usize,
     pub(crate) connections: usize,
+    /// Whether a source is held to its share of open connections at every
+    /// load, not only once half are taken.
+    pub(crate) connection_share_always: bool,
 }
 
 impl Default for Limits {
@@ -72,6 +75,7 @@ impl Default for Limits {
             issuing: DEFAULT_ISSUING,
             connections_per_source: DEFAULT_CONNECTIONS_PER_SOURCE,
             connections: DEFAULT_CONNECTIONS,
+            connection_share_always: false,
         }
     }
 }
@@ -234,10 +238,10 @@ async fn accept_loop<C: Send + Sync + 'static>(
         limits.handshakes_per_source,
         limits.handshakes,
     ));
-    let open = Arc::new(Admission::new(
-        limits.connections_per_source,
-        limits.connections,
-    ));
+    let open = Arc::new(
+        Admission::new(limits.connections_per_source, limits.connections)
+            .share_always(limits.connection_share_always),
+    );
     let shed_log = Arc::new(Throttle::new(1));
     let refusal_log = Arc::new(Throttle::new(REFUSALS_LOGGED_PER_WINDOW));
     loop {
@@ -320,6 +324,8 @@ fn before_client_hello(e: &HandshakeError) -> bool {
 struct Admission {
     per_source: usize,
     total: usize,
+    /// Each source held to `per_source` at every load.
+    always: bool,
     state: Mutex<AdmissionState>,
 }
 
@@ -334,19 +340,27 @@ impl Admission {
         Self {
             per_source: per_source.max(1),
             total: total.max(1),
+            always: false,
             state: Mutex::default(),
         }
     }
 
+    /// Holds each source to its share at every load (`always`), not only
+    /// once half of the slots are taken.
+    fn share_always(mut self, always: bool) -> Self {
+        self.always = always;
+        self
+    }
+
     /// A slot for a new connection from `source`, or `None` when it must be
     /// closed: all slots are taken, or the source has its share and at least
-    /// half of the slots are taken.
+    /// half of the slots are taken (or at any load, if so set).
     fn admit(self: &Arc<Self>, source: Source) -> Option<AdmissionSlot> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if state.in_progress >= self.total {
             return None;
         }
-        let under_load = state.in_progress >= self.total / 2;
+        let under_load = self.always || state.in_progress >= self.total / 2;
         let held = state.sources.get(&source).copied().unwrap_or(0);
         if held >= self.per_source && under_load {
             return None;
@@ -581,6 +595,20 @@ mod tests {
         let state = admission.state.lock().unwrap();
         assert_eq!(state.in_progress, 0);
         assert!(state.sources.is_empty(), "released sources are forgotten");
+    }
+
+    #[test]
+    fn a_source_held_to_its_share_always_never_bursts() {
+        let admission = Arc::new(Admission::new(2, 8).share_always(true));
+        let held: Vec<_> = (0..2).map(|_| admission.admit(v4(1)).unwrap()).collect();
+        // Idle as the server is, the source has its share.
+        assert!(admission.admit(v4(1)).is_none());
+        let others: Vec<_> = (2..5)
+            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
+            .collect();
+        assert!(others.iter().all(Option::is_some));
+        drop(held);
+        assert!(admission.admit(v4(1)).is_some());
     }
 
     #[tokio::test]

@@ -148,6 +148,17 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         self
     }
 
+    /// Holds each source to its share of open connections
+    /// ([`AtlsServer::with_connection_limits`]) at every load, not only
+    /// once half are taken: for a port whose clients never come many from
+    /// one address (an operator's CLI, one connection per command), where
+    /// a source bursting into the free half would leave fewer addresses to
+    /// fill the rest.
+    pub fn with_connection_share_always(mut self) -> Self {
+        self.limits.connection_share_always = true;
+        self
+    }
+
     /// Bounds the handshakes that wait for or run the issuer (on a node a
     /// TPM quote): `per_source` for one source, `total` in all (defaults 2
     /// and 8). Further handshakes wait for a turn, first come first served
