@@ -569,14 +569,48 @@ pub async fn answer_within<T>(
     }
 }
 
-/// The address of the peer of `request` on an aTLS server without a
-/// client validator (init, recovery, operator).
-pub fn peer_ip<T>(request: &tonic::Request<T>) -> Option<std::net::IpAddr> {
-    request
-        .extensions()
-        .get::<keel_atls::PeerInfo<()>>()
-        .and_then(keel_atls::PeerInfo::remote_addr)
-        .map(|a| a.ip())
+/// Who sent a request on an aTLS server without a client validator (the
+/// init port: init, recovery, operator): its address, and its connection.
+/// When every place on the port is taken, the port closes the oldest
+/// connection that proved nothing to make room for a newcomer; a handler
+/// keeps its connection open while it runs ([`Caller::protect`]: a
+/// handler runs once the request's message arrived whole, and ends soon
+/// for a request that proves nothing) and vouches for it once the request
+/// proved itself ([`Caller::vouch`]).
+#[derive(Clone, Debug, Default)]
+pub struct Caller(Option<keel_atls::PeerInfo<()>>);
+
+impl Caller {
+    /// The sender of `request`.
+    pub fn of<T>(request: &tonic::Request<T>) -> Self {
+        Self(
+            request
+                .extensions()
+                .get::<keel_atls::PeerInfo<()>>()
+                .cloned(),
+        )
+    }
+
+    /// The sender's address.
+    pub fn ip(&self) -> Option<std::net::IpAddr> {
+        self.0
+            .as_ref()
+            .and_then(keel_atls::PeerInfo::remote_addr)
+            .map(|a| a.ip())
+    }
+
+    /// Keeps the sender's connection open until the guard drops.
+    pub fn protect(&self) -> Option<keel_atls::Protected> {
+        self.0.as_ref().map(keel_atls::PeerInfo::protect)
+    }
+
+    /// The request proved itself (the operator's key, the init or master
+    /// secret): its connection stays open until it closes or idles out.
+    pub fn vouch(&self) {
+        if let Some(peer) = &self.0 {
+            peer.vouch();
+        }
+    }
 }
 
 /// The validated attestation of the peer of `request` on a mutual aTLS

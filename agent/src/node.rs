@@ -65,11 +65,17 @@ pub const INIT_REQUEST_BODY_DEADLINE: Duration = Duration::from_secs(30);
 /// reaches the port; the operator and recovery requests each connection may
 /// hold are small (at most 128 KiB, 8 streams).
 pub const OPERATOR_PORT_CONNECTIONS: usize = 32;
-/// A source's share of [`OPERATOR_PORT_CONNECTIONS`], at every load: an
-/// address that wants to hold the port (completed handshakes kept open
-/// with cheap requests) holds 2 connections, so filling it takes 16
-/// addresses.
+/// A source's share of [`OPERATOR_PORT_CONNECTIONS`], at every load.
 pub const OPERATOR_PORT_CONNECTIONS_PER_SOURCE: usize = 2;
+/// When every place on the init port is taken, a newcomer waits up to
+/// [`OPERATOR_PORT_WAIT`] for one (under the CLI's 10 s handshake
+/// timeout), and for each one waiting the oldest connection open for at
+/// least this long whose requests proved nothing is closed
+/// ([`crate::grpc::Caller`]). The operator's CLI proves itself well within
+/// it: one handshake, a challenge, the request.
+pub const OPERATOR_PORT_EVICTION_AGE: Duration = Duration::from_secs(3);
+/// See [`OPERATOR_PORT_EVICTION_AGE`].
+pub const OPERATOR_PORT_WAIT: Duration = Duration::from_secs(5);
 /// How long a join ticket request may take: a wait for a slot plus
 /// creating the bootstrap token.
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
@@ -334,6 +340,7 @@ fn operator_port_incoming(
             OPERATOR_PORT_CONNECTIONS,
         )
         .with_connection_share_always()
+        .with_eviction(OPERATOR_PORT_EVICTION_AGE, OPERATOR_PORT_WAIT)
         .incoming(listener)
 }
 

@@ -792,9 +792,15 @@ async fn off_the_runtime<T: Send + 'static>(
 /// chain and sent with their code and message. A refusal as throttled
 /// costs its sender nothing, so it is logged at debug level only: a flood
 /// of them must not push other events out of the journal's rate limit.
-fn respond<T>(result: Result<T, OperatorError>) -> Result<tonic::Response<T>, tonic::Status> {
+fn respond<T>(
+    result: Result<T, OperatorError>,
+    caller: &crate::grpc::Caller,
+) -> Result<tonic::Response<T>, tonic::Status> {
     match result {
-        Ok(response) => Ok(tonic::Response::new(response)),
+        Ok(response) => {
+            caller.vouch();
+            Ok(tonic::Response::new(response))
+        }
         Err(e @ OperatorError::Throttled(_)) => {
             tracing::debug!(error = %e, "operator request refused");
             Err((&e).into())
@@ -895,9 +901,13 @@ impl OperatorService for OperatorServer {
         &self,
         request: tonic::Request<UpgradeRequest>,
     ) -> Result<tonic::Response<Self::UpgradeStream>, tonic::Status> {
-        let peer = crate::grpc::peer_ip(&request);
-        match self.start_upgrade(request.get_ref(), peer).await {
-            Ok(rx) => Ok(tonic::Response::new(ReceiverStream::new(rx))),
+        let caller = crate::grpc::Caller::of(&request);
+        let _open = caller.protect();
+        match self.start_upgrade(request.get_ref(), caller.ip()).await {
+            Ok(rx) => {
+                caller.vouch();
+                Ok(tonic::Response::new(ReceiverStream::new(rx)))
+            }
             Err(e) => {
                 tracing::warn!(error = %keel_atls::ErrorChain(&e), "upgrade request refused");
                 Err((&e).into())
@@ -909,7 +919,9 @@ impl OperatorService for OperatorServer {
         &self,
         request: tonic::Request<SetJoinMeasurementsRequest>,
     ) -> Result<tonic::Response<SetJoinMeasurementsResponse>, tonic::Status> {
-        let peer = crate::grpc::peer_ip(&request);
+        let caller = crate::grpc::Caller::of(&request);
+        let _open = caller.protect();
+        let peer = caller.ip();
         let request = request.into_inner();
         respond(
             off_the_runtime(self, move |s| s.set_join_measurements(&request, peer))
@@ -917,6 +929,7 @@ impl OperatorService for OperatorServer {
                 .map(|digest| SetJoinMeasurementsResponse {
                     digest: digest.to_vec(),
                 }),
+            &caller,
         )
     }
 
@@ -924,7 +937,9 @@ impl OperatorService for OperatorServer {
         &self,
         request: tonic::Request<StageImageMeasurementsRequest>,
     ) -> Result<tonic::Response<StageImageMeasurementsResponse>, tonic::Status> {
-        let peer = crate::grpc::peer_ip(&request);
+        let caller = crate::grpc::Caller::of(&request);
+        let _open = caller.protect();
+        let peer = caller.ip();
         let request = request.into_inner();
         respond(
             off_the_runtime(self, move |s| s.stage_image_measurements(&request, peer))
@@ -933,6 +948,7 @@ impl OperatorService for OperatorServer {
                     staged_digest: staged.to_vec(),
                     current_digest: current.to_vec(),
                 }),
+            &caller,
         )
     }
 
@@ -940,7 +956,9 @@ impl OperatorService for OperatorServer {
         &self,
         request: tonic::Request<FinishImageUpgradeRequest>,
     ) -> Result<tonic::Response<FinishImageUpgradeResponse>, tonic::Status> {
-        let peer = crate::grpc::peer_ip(&request);
+        let caller = crate::grpc::Caller::of(&request);
+        let _open = caller.protect();
+        let peer = caller.ip();
         let request = request.into_inner();
         respond(
             off_the_runtime(self, move |s| s.finish_image_upgrade(&request, peer))
@@ -948,6 +966,7 @@ impl OperatorService for OperatorServer {
                 .map(|digest| FinishImageUpgradeResponse {
                     digest: digest.to_vec(),
                 }),
+            &caller,
         )
     }
 
@@ -955,7 +974,9 @@ impl OperatorService for OperatorServer {
         &self,
         request: tonic::Request<RevokeNodeRequest>,
     ) -> Result<tonic::Response<RevokeNodeResponse>, tonic::Status> {
-        let peer = crate::grpc::peer_ip(&request);
+        let caller = crate::grpc::Caller::of(&request);
+        let _open = caller.protect();
+        let peer = caller.ip();
         let request = request.into_inner();
         respond(
             off_the_runtime(self, move |s| s.revoke_node(&request, peer))
@@ -965,6 +986,7 @@ impl OperatorService for OperatorServer {
                     ek: r.ek,
                     disk_uuid: r.disk_uuid,
                 }),
+            &caller,
         )
     }
 
@@ -972,12 +994,15 @@ impl OperatorService for OperatorServer {
         &self,
         request: tonic::Request<NodeStatusRequest>,
     ) -> Result<tonic::Response<NodeStatusResponse>, tonic::Status> {
-        let peer = crate::grpc::peer_ip(&request);
+        let caller = crate::grpc::Caller::of(&request);
+        let _open = caller.protect();
+        let peer = caller.ip();
         let request = request.into_inner();
         respond(
             off_the_runtime(self, move |s| s.node_status(&request, peer))
                 .await
                 .map(|registry| NodeStatusResponse { registry }),
+            &caller,
         )
     }
 }

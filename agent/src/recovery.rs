@@ -427,8 +427,11 @@ impl RecoveryService for RecoveryServer {
         &self,
         request: tonic::Request<RecoverRequest>,
     ) -> Result<tonic::Response<RecoverResponse>, tonic::Status> {
-        let peer = crate::grpc::peer_ip(&request);
-        match RecoveryServer::recover(self, request.into_inner(), peer).await {
+        let caller = crate::grpc::Caller::of(&request);
+        // Held open throughout: the recovery runs on whatever becomes of
+        // the request, and its answer is the operator's only report.
+        let _open = caller.protect();
+        match RecoveryServer::recover(self, request.into_inner(), caller.ip()).await {
             Ok(cluster_id) => Ok(tonic::Response::new(RecoverResponse {
                 cluster_id: cluster_id.to_vec(),
             })),

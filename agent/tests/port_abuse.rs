@@ -17,6 +17,7 @@ use join_common::{free_port, joiner, rss_kib, Joiner};
 use keel_agent::grpc::GrpcLimits;
 use keel_agent::node::{
     INIT_REQUEST_BODY_DEADLINE, OPERATOR_PORT_CONNECTIONS, OPERATOR_PORT_CONNECTIONS_PER_SOURCE,
+    OPERATOR_PORT_EVICTION_AGE,
 };
 use keel_atls::{AtlsClient, AtlsStream, Challenge, ValidationError, Validator};
 use keel_proto::init::init_service_client::InitServiceClient;
@@ -654,4 +655,61 @@ async fn a_connection_without_a_request_in_flight_is_closed_after_the_idle_timeo
         tonic::Code::InvalidArgument,
         "the request reached the server over the idle connection"
     );
+}
+
+/// Whether the server closed `stream` (what it sent before is skipped).
+async fn closed_by_server(stream: &mut AtlsStream<()>) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_millis(300), stream.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Attacker's move: from 16 addresses, take every place on the init port
+/// with completed handshakes (anyone can complete one) and keep them open,
+/// so that the operator's `keel init`, `recover`, `revoke` or `status` is
+/// reset at accept. The operator's connection waits for a place instead,
+/// and the oldest connection that proved nothing is closed for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_init_port_makes_room_for_a_newcomer() {
+    let _serial = SERIAL.lock().await;
+    let port = init_port(GrpcLimits::default()).await;
+    let client = |last: u8| {
+        AtlsClient::server_attested(Arc::new(AnyServer))
+            .with_local_address(std::net::IpAddr::from([127, 0, 0, last]))
+    };
+    let sources = OPERATOR_PORT_CONNECTIONS / OPERATOR_PORT_CONNECTIONS_PER_SOURCE;
+    let mut held = Vec::new();
+    for last in 0..sources {
+        let last = u8::try_from(last + 2).unwrap();
+        for _ in 0..OPERATOR_PORT_CONNECTIONS_PER_SOURCE {
+            held.push(
+                client(last)
+                    .connect("127.0.0.1", port.addr.port())
+                    .await
+                    .unwrap(),
+            );
+        }
+    }
+    // Full, and every connection old enough to be closed for a newcomer.
+    tokio::time::sleep(OPERATOR_PORT_EVICTION_AGE).await;
+    let started = Instant::now();
+    let newcomer = client(101).connect("127.0.0.1", port.addr.port()).await;
+    eprintln!(
+        "a newcomer on a full init port: {:?} after {:?}",
+        newcomer.as_ref().map(|_| "admitted"),
+        started.elapsed()
+    );
+    assert!(newcomer.is_ok(), "{:?}", newcomer.err());
+    let mut evicted = 0;
+    for stream in &mut held {
+        if closed_by_server(stream).await {
+            evicted += 1;
+        }
+    }
+    assert_eq!(evicted, 1, "one held connection closed for the newcomer");
 }

@@ -8,17 +8,17 @@
 //! Nothing about a connection is known before its handshake, so what a
 //! not-yet-validated connection may hold is bounded; see [`Incoming`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, AcquireError, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, AcquireError, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_stream::Stream;
 
@@ -63,6 +63,22 @@ pub(crate) struct Limits {
     /// Whether a source is held to its share of open connections at every
     /// load, not only once half are taken.
     pub(crate) connection_share_always: bool,
+    /// Whether a newcomer finding every open-connection place taken waits
+    /// for one, and what may be closed to make room.
+    pub(crate) eviction: Option<Eviction>,
+}
+
+/// How a server whose open-connection places are all taken makes room: a
+/// newcomer waits for a place (at most `wait`, one waiting per source, at
+/// most as many waiting as there are places), first come first served,
+/// and while anyone waits, the oldest established connection that the
+/// application neither vouched for ([`crate::PeerInfo::vouch`]) nor
+/// protects ([`crate::PeerInfo::protect`]), open for at least `min_age`,
+/// is closed for each waiting one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Eviction {
+    pub(crate) min_age: Duration,
+    pub(crate) wait: Duration,
 }
 
 impl Default for Limits {
@@ -76,6 +92,7 @@ impl Default for Limits {
             connections_per_source: DEFAULT_CONNECTIONS_PER_SOURCE,
             connections: DEFAULT_CONNECTIONS,
             connection_share_always: false,
+            eviction: None,
         }
     }
 }
@@ -156,7 +173,12 @@ impl HandshakeStats {
 ///   connection stays as long as the application keeps it (an idle gRPC
 ///   connection 30 s, one with a request in flight until its timeout), so
 ///   without this bound a client that completed handshakes and kept them
-///   open could exhaust the process's file descriptors and memory.
+///   open could exhaust the process's file descriptors and memory. A
+///   server may hold sources to their share at every load
+///   ([`AtlsServer::with_connection_share_always`]), and may make room for
+///   a newcomer when every place is taken rather than close it
+///   ([`AtlsServer::with_eviction`]): it waits, and the oldest established
+///   connection the application neither vouched for nor protects is closed.
 /// - Every connection is accepted at once. Right after `accept`, one is
 ///   closed at once (a TCP reset) and counted in [`HandshakeStats::shed`]
 ///   when all handshake slots are taken (default 256), or when its source
@@ -234,16 +256,23 @@ async fn accept_loop<C: Send + Sync + 'static>(
     stats: Arc<HandshakeStats>,
 ) {
     let limits = server.limits();
-    let admission = Arc::new(Admission::new(
+    let handshakes = Arc::new(Admission::new(
         limits.handshakes_per_source,
         limits.handshakes,
     ));
     let open = Arc::new(
         Admission::new(limits.connections_per_source, limits.connections)
-            .share_always(limits.connection_share_always),
+            .share_always(limits.connection_share_always)
+            .evicting(limits.eviction),
     );
-    let shed_log = Arc::new(Throttle::new(1));
-    let refusal_log = Arc::new(Throttle::new(REFUSALS_LOGGED_PER_WINDOW));
+    let accepting = Arc::new(Accepting {
+        server,
+        handshakes,
+        tx,
+        stats,
+        shed_log: Throttle::new(1),
+        refusal_log: Throttle::new(REFUSALS_LOGGED_PER_WINDOW),
+    });
     loop {
         let (tcp, remote) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -255,46 +284,82 @@ async fn accept_loop<C: Send + Sync + 'static>(
             }
         };
         let source = Source::of(Some(remote));
-        let admitted = open
-            .admit(source)
-            .and_then(|held| Some((held, admission.admit(source)?)));
-        let Some((held, slot)) = admitted else {
-            stats.shed.fetch_add(1, Ordering::Relaxed);
-            // A reset frees the connection on both ends at once.
-            let _ = tcp.set_zero_linger();
-            drop(tcp);
-            tracing::debug!(%remote, "connection closed at once: connection or handshake limit reached");
-            if let Some(count) = shed_log.record() {
-                tracing::warn!(
-                    count,
-                    "closed connections at once because their source or the server had its \
-                     limit of open connections or of handshakes in progress (count since the \
-                     last report)"
-                );
+        match open.admit(source) {
+            Admit::Now(held) => accepting.clone().handshake(tcp, remote, source, held),
+            Admit::Refused => accepting.shed(tcp, remote),
+            Admit::Wait(waiting) => {
+                let (accepting, open) = (accepting.clone(), open.clone());
+                tokio::spawn(async move {
+                    tracing::debug!(%remote, "waiting for a place among the open connections");
+                    match open.wait(waiting).await {
+                        Some(held) => accepting.handshake(tcp, remote, source, held),
+                        None => accepting.shed(tcp, remote),
+                    }
+                });
             }
-            continue;
+        }
+    }
+}
+
+/// What every accepted connection's handshake shares.
+struct Accepting<C> {
+    server: AtlsServer<C>,
+    handshakes: Arc<Admission>,
+    tx: mpsc::Sender<AtlsStream<C>>,
+    stats: Arc<HandshakeStats>,
+    shed_log: Throttle,
+    refusal_log: Throttle,
+}
+
+impl<C: Send + Sync + 'static> Accepting<C> {
+    /// Closes `tcp` at once: no place for it.
+    fn shed(&self, tcp: tokio::net::TcpStream, remote: SocketAddr) {
+        self.stats.shed.fetch_add(1, Ordering::Relaxed);
+        // A reset frees the connection on both ends at once.
+        let _ = tcp.set_zero_linger();
+        drop(tcp);
+        tracing::debug!(%remote, "connection closed at once: connection or handshake limit reached");
+        if let Some(count) = self.shed_log.record() {
+            tracing::warn!(
+                count,
+                "closed connections at once because their source or the server had its \
+                 limit of open connections or of handshakes in progress (count since the \
+                 last report)"
+            );
+        }
+    }
+
+    /// Runs the handshake of `tcp`, counted as `held` among the open
+    /// connections, in a task of its own, if a handshake place is free.
+    fn handshake(
+        self: Arc<Self>,
+        tcp: tokio::net::TcpStream,
+        remote: SocketAddr,
+        source: Source,
+        held: AdmissionSlot,
+    ) {
+        let Admit::Now(slot) = self.handshakes.admit(source) else {
+            self.shed(tcp, remote);
+            return;
         };
-        let server = server.clone();
-        let tx = tx.clone();
-        let stats = stats.clone();
-        let refusal_log = refusal_log.clone();
         tokio::spawn(async move {
-            let result = server.accept(tcp).await;
+            let result = self.server.accept(tcp).await;
             // The connection is no longer unauthenticated either way.
             drop(slot);
             match result {
                 Ok(stream) => {
-                    stats.accepted.fetch_add(1, Ordering::Relaxed);
+                    self.stats.accepted.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(%remote, "aTLS handshake accepted");
+                    held.established();
                     // Fails only when the server stopped; the connection is dropped.
-                    let _ = tx.send(stream.holding(held)).await;
+                    let _ = self.tx.send(stream.holding(held)).await;
                 }
                 Err(e) => {
-                    stats.refused.fetch_add(1, Ordering::Relaxed);
+                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
                     if before_client_hello(&e) {
                         // Silent, slow or non-TLS sockets: expected noise.
                         tracing::debug!(%remote, error = %ErrorChain(&e), "aTLS handshake refused");
-                    } else if let Some(count) = refusal_log.record() {
+                    } else if let Some(count) = self.refusal_log.record() {
                         tracing::warn!(
                             %remote,
                             error = %ErrorChain(&e),
@@ -320,12 +385,14 @@ fn before_client_hello(e: &HandshakeError) -> bool {
 }
 
 /// Connections counted per source and in total: the handshakes in
-/// progress, or the open connections.
+/// progress, or the open connections (which, with an [`Eviction`], make
+/// room for a newcomer that finds every place taken).
 struct Admission {
     per_source: usize,
     total: usize,
     /// Each source held to `per_source` at every load.
     always: bool,
+    eviction: Option<Eviction>,
     state: Mutex<AdmissionState>,
 }
 
@@ -333,6 +400,53 @@ struct Admission {
 struct AdmissionState {
     in_progress: usize,
     sources: HashMap<Source, usize>,
+    /// The connections holding a place, oldest first (with an eviction).
+    held: BTreeMap<u64, Held>,
+    next_id: u64,
+    /// Newcomers waiting for a place, first come first served.
+    waiting: VecDeque<Waiting>,
+    /// Connections closed to make room whose places are not free yet.
+    evicting: usize,
+}
+
+/// A connection holding a place, as an eviction sees it.
+struct Held {
+    since: Instant,
+    standing: Arc<Standing>,
+}
+
+/// A newcomer waiting for a place.
+struct Waiting {
+    id: u64,
+    source: Source,
+    place: oneshot::Sender<AdmissionSlot>,
+}
+
+/// A newcomer's turn in the queue, from [`Admission::admit`].
+struct Turn {
+    id: u64,
+    place: oneshot::Receiver<AdmissionSlot>,
+}
+
+/// What [`Admission::admit`] decided.
+enum Admit {
+    /// A place now.
+    Now(AdmissionSlot),
+    /// A turn in the queue: [`Admission::wait`].
+    Wait(Turn),
+    /// No place: close the connection.
+    Refused,
+}
+
+#[cfg(test)]
+impl Admit {
+    /// The place, if admitted at once.
+    fn now(self) -> Option<AdmissionSlot> {
+        match self {
+            Self::Now(slot) => Some(slot),
+            _ => None,
+        }
+    }
 }
 
 impl Admission {
@@ -341,6 +455,7 @@ impl Admission {
             per_source: per_source.max(1),
             total: total.max(1),
             always: false,
+            eviction: None,
             state: Mutex::default(),
         }
     }
@@ -352,36 +467,212 @@ impl Admission {
         self
     }
 
-    /// A slot for a new connection from `source`, or `None` when it must be
-    /// closed: all slots are taken, or the source has its share and at least
-    /// half of the slots are taken (or at any load, if so set).
-    fn admit(self: &Arc<Self>, source: Source) -> Option<AdmissionSlot> {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if state.in_progress >= self.total {
-            return None;
-        }
+    /// Makes room for newcomers as `eviction` says, if set.
+    fn evicting(mut self, eviction: Option<Eviction>) -> Self {
+        self.eviction = eviction;
+        self
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, AdmissionState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A slot for a new connection from `source`; refused when the source
+    /// has its share and at least half of the slots are taken (or at any
+    /// load, if so set), or when all slots are taken, unless this admission
+    /// evicts: then a turn in the queue, refused only when the source
+    /// already waits (or would then exceed its share) or the queue is full.
+    fn admit(self: &Arc<Self>, source: Source) -> Admit {
+        let mut state = self.lock();
         let under_load = self.always || state.in_progress >= self.total / 2;
         let held = state.sources.get(&source).copied().unwrap_or(0);
         if held >= self.per_source && under_load {
-            return None;
+            return Admit::Refused;
         }
-        state.in_progress += 1;
-        state.sources.insert(source, held + 1);
-        Some(AdmissionSlot {
-            admission: self.clone(),
+        if state.in_progress < self.total && state.waiting.is_empty() {
+            return Admit::Now(self.take(&mut state, source));
+        }
+        let Some(eviction) = self.eviction else {
+            return Admit::Refused;
+        };
+        if state.waiting.len() >= self.total || state.waiting.iter().any(|w| w.source == source) {
+            return Admit::Refused;
+        }
+        let (tx, rx) = oneshot::channel();
+        let id = state.next_id;
+        state.next_id += 1;
+        state.waiting.push_back(Waiting {
+            id,
             source,
-        })
+            place: tx,
+        });
+        self.evict_for_waiting(&mut state, eviction);
+        Admit::Wait(Turn { id, place: rx })
     }
 
-    fn release(&self, source: Source) {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        state.in_progress = state.in_progress.saturating_sub(1);
-        if let Some(held) = state.sources.get_mut(&source) {
-            *held = held.saturating_sub(1);
-            if *held == 0 {
-                state.sources.remove(&source);
+    /// Waits for `turn`'s place, at most the eviction's wait; evictions
+    /// are tried again as connections age.
+    async fn wait(self: &Arc<Self>, mut turn: Turn) -> Option<AdmissionSlot> {
+        let eviction = self.eviction?;
+        let deadline = tokio::time::Instant::now() + eviction.wait;
+        loop {
+            let retry = (tokio::time::Instant::now() + EVICTION_RETRY).min(deadline);
+            tokio::select! {
+                place = &mut turn.place => return place.ok(),
+                () = tokio::time::sleep_until(retry) => {}
+            }
+            let mut state = self.lock();
+            if tokio::time::Instant::now() >= deadline {
+                state.waiting.retain(|w| w.id != turn.id);
+                drop(state);
+                // A place handed over meanwhile is taken, not lost.
+                return turn.place.try_recv().ok();
+            }
+            self.evict_for_waiting(&mut state, eviction);
+        }
+    }
+
+    /// Closes, for each newcomer waiting beyond the connections already
+    /// being closed, the oldest evictable connection open at least the
+    /// eviction's minimum age.
+    fn evict_for_waiting(&self, state: &mut AdmissionState, eviction: Eviction) {
+        let Some(old_enough) = Instant::now().checked_sub(eviction.min_age) else {
+            return;
+        };
+        while state.evicting < state.waiting.len() {
+            let Some(held) = state
+                .held
+                .values()
+                .take_while(|h| h.since <= old_enough)
+                .find(|h| h.standing.evictable())
+            else {
+                return;
+            };
+            held.standing.evict();
+            state.evicting += 1;
+        }
+    }
+
+    /// Takes a place for `source` (there is one).
+    fn take(self: &Arc<Self>, state: &mut AdmissionState, source: Source) -> AdmissionSlot {
+        state.in_progress += 1;
+        *state.sources.entry(source).or_insert(0) += 1;
+        let id = state.next_id;
+        state.next_id += 1;
+        let standing = Arc::new(Standing::default());
+        if self.eviction.is_some() {
+            state.held.insert(
+                id,
+                Held {
+                    since: Instant::now(),
+                    standing: standing.clone(),
+                },
+            );
+        }
+        AdmissionSlot {
+            admission: self.clone(),
+            source,
+            id,
+            standing,
+        }
+    }
+
+    fn release(self: &Arc<Self>, source: Source, id: u64) {
+        let mut handed = Vec::new();
+        {
+            let mut state = self.lock();
+            if let Some(held) = state.held.remove(&id) {
+                if held.standing.evicted.load(Ordering::Acquire) {
+                    state.evicting = state.evicting.saturating_sub(1);
+                }
+            }
+            state.in_progress = state.in_progress.saturating_sub(1);
+            if let Some(held) = state.sources.get_mut(&source) {
+                *held = held.saturating_sub(1);
+                if *held == 0 {
+                    state.sources.remove(&source);
+                }
+            }
+            // The freed place goes to the first newcomer still waiting.
+            while state.in_progress < self.total {
+                let Some(next) = state.waiting.pop_front() else {
+                    break;
+                };
+                if next.place.is_closed() {
+                    continue;
+                }
+                let slot = self.take(&mut state, next.source);
+                handed.push((next.place, slot));
             }
         }
+        // Outside the lock: a place whose newcomer went away meanwhile is
+        // released again (and handed on) as its slot drops.
+        for (place, slot) in handed {
+            let _ = place.send(slot);
+        }
+    }
+}
+
+/// How often a newcomer waiting for a place tries evictions again (the
+/// connections age meanwhile).
+const EVICTION_RETRY: Duration = Duration::from_millis(250);
+
+/// What the application and the server know of an open connection that
+/// matters to an eviction.
+#[derive(Debug, Default)]
+pub(crate) struct Standing {
+    established: AtomicBool,
+    vouched: AtomicBool,
+    protected: AtomicUsize,
+    evicted: AtomicBool,
+    reader: Mutex<Option<Waker>>,
+}
+
+impl Standing {
+    /// Established, neither vouched for nor protected, not already closing.
+    fn evictable(&self) -> bool {
+        self.established.load(Ordering::Acquire)
+            && !self.vouched.load(Ordering::Acquire)
+            && self.protected.load(Ordering::Acquire) == 0
+            && !self.evicted.load(Ordering::Acquire)
+    }
+
+    fn evict(&self) {
+        self.evicted.store(true, Ordering::Release);
+        let reader = self
+            .reader
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(waker) = reader {
+            waker.wake();
+        }
+    }
+
+    /// Whether the connection was closed to make room; if not, the reader
+    /// of `cx` is woken when it is.
+    pub(crate) fn poll_evicted(&self, cx: &Context<'_>) -> bool {
+        if self.evicted.load(Ordering::Acquire) {
+            return true;
+        }
+        let mut reader = self.reader.lock().unwrap_or_else(PoisonError::into_inner);
+        if !reader.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            *reader = Some(cx.waker().clone());
+        }
+        drop(reader);
+        self.evicted.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn vouch(&self) {
+        self.vouched.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn protect(&self) {
+        self.protected.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub(crate) fn unprotect(&self) {
+        self.protected.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -390,11 +681,25 @@ impl Admission {
 pub(crate) struct AdmissionSlot {
     admission: Arc<Admission>,
     source: Source,
+    id: u64,
+    standing: Arc<Standing>,
+}
+
+impl AdmissionSlot {
+    /// The handshake completed: an eviction may close the connection.
+    fn established(&self) {
+        self.standing.established.store(true, Ordering::Release);
+    }
+
+    /// What an eviction knows of this connection.
+    pub(crate) fn standing(&self) -> &Arc<Standing> {
+        &self.standing
+    }
 }
 
 impl Drop for AdmissionSlot {
     fn drop(&mut self) {
-        self.admission.release(self.source);
+        self.admission.release(self.source, self.id);
     }
 }
 
@@ -575,22 +880,24 @@ mod tests {
     fn a_source_bursts_while_idle_and_keeps_its_share_under_load() {
         let admission = Arc::new(Admission::new(2, 8));
         // Below half load one source may take more than its share.
-        let burst: Vec<_> = (0..4).map(|_| admission.admit(v4(1)).unwrap()).collect();
+        let burst: Vec<_> = (0..4)
+            .map(|_| admission.admit(v4(1)).now().unwrap())
+            .collect();
         // At half load it is held to its share; others still get theirs.
-        assert!(admission.admit(v4(1)).is_none());
+        assert!(admission.admit(v4(1)).now().is_none());
         let others: Vec<_> = (2..4)
             .flat_map(|s| {
                 [
-                    admission.admit(v4(s)).unwrap(),
-                    admission.admit(v4(s)).unwrap(),
+                    admission.admit(v4(s)).now().unwrap(),
+                    admission.admit(v4(s)).now().unwrap(),
                 ]
             })
             .collect();
-        assert!(admission.admit(v4(2)).is_none());
+        assert!(admission.admit(v4(2)).now().is_none());
         // Full: nobody.
-        assert!(admission.admit(v4(9)).is_none());
+        assert!(admission.admit(v4(9)).now().is_none());
         drop(others);
-        assert!(admission.admit(v4(9)).is_some());
+        assert!(admission.admit(v4(9)).now().is_some());
         drop(burst);
         let state = admission.state.lock().unwrap();
         assert_eq!(state.in_progress, 0);
@@ -600,15 +907,119 @@ mod tests {
     #[test]
     fn a_source_held_to_its_share_always_never_bursts() {
         let admission = Arc::new(Admission::new(2, 8).share_always(true));
-        let held: Vec<_> = (0..2).map(|_| admission.admit(v4(1)).unwrap()).collect();
+        let held: Vec<_> = (0..2)
+            .map(|_| admission.admit(v4(1)).now().unwrap())
+            .collect();
         // Idle as the server is, the source has its share.
-        assert!(admission.admit(v4(1)).is_none());
+        assert!(admission.admit(v4(1)).now().is_none());
         let others: Vec<_> = (2..5)
-            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
+            .flat_map(|s| [admission.admit(v4(s)).now(), admission.admit(v4(s)).now()])
             .collect();
         assert!(others.iter().all(Option::is_some));
         drop(held);
-        assert!(admission.admit(v4(1)).is_some());
+        assert!(admission.admit(v4(1)).now().is_some());
+    }
+
+    /// An admission of 4 places, 2 per source at every load, that makes
+    /// room for newcomers: connections of 50 ms or older are evictable,
+    /// newcomers wait up to `wait`.
+    fn evicting(wait: Duration) -> Arc<Admission> {
+        Arc::new(
+            Admission::new(2, 4)
+                .share_always(true)
+                .evicting(Some(Eviction {
+                    min_age: Duration::from_millis(50),
+                    wait,
+                })),
+        )
+    }
+
+    fn turn(admit: Admit) -> Turn {
+        match admit {
+            Admit::Wait(turn) => turn,
+            Admit::Now(_) => panic!("admitted at once"),
+            Admit::Refused => panic!("refused"),
+        }
+    }
+
+    fn evicted(slot: &AdmissionSlot) -> bool {
+        slot.standing.evicted.load(Ordering::Acquire)
+    }
+
+    /// Attacker's move: hold every place with established connections
+    /// kept open by requests that prove nothing. A newcomer waits, and the
+    /// oldest connection neither vouched for nor protected (nor still in
+    /// its handshake) is closed for it; vouched and protected ones stay.
+    #[tokio::test]
+    async fn a_newcomer_waits_and_the_oldest_unvouched_connection_makes_room() {
+        let admission = evicting(Duration::from_secs(5));
+        let vouched = admission.admit(v4(1)).now().unwrap();
+        let protected = admission.admit(v4(1)).now().unwrap();
+        let in_handshake = admission.admit(v4(2)).now().unwrap();
+        let idle = admission.admit(v4(2)).now().unwrap();
+        for slot in [&vouched, &protected, &idle] {
+            slot.established();
+        }
+        vouched.standing.vouch();
+        protected.standing.protect();
+        let waiting = tokio::spawn({
+            let admission = admission.clone();
+            let turn = turn(admission.admit(v4(3)));
+            async move { admission.wait(turn).await }
+        });
+        // One waiting per source; a source at its share does not queue.
+        assert!(matches!(admission.admit(v4(3)), Admit::Refused));
+        assert!(matches!(admission.admit(v4(2)), Admit::Refused));
+        let start = Instant::now();
+        while !evicted(&idle) {
+            assert!(start.elapsed() < Duration::from_secs(2), "nothing evicted");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for slot in [&vouched, &protected, &in_handshake] {
+            assert!(!evicted(slot));
+        }
+        // The evicted connection closes: its place goes to the newcomer.
+        drop(idle);
+        let place = waiting.await.unwrap().expect("the newcomer got no place");
+        assert_eq!(place.source, v4(3));
+        // Unprotected, the other one is evictable for the next newcomer.
+        protected.standing.unprotect();
+        let next = turn(admission.admit(v4(4)));
+        let _ = tokio::time::timeout(Duration::from_millis(400), admission.wait(next)).await;
+        assert!(evicted(&protected));
+        assert!(!evicted(&vouched));
+    }
+
+    /// Newcomers get freed places in arrival order, and one that finds
+    /// nothing evictable gives up at its wait, leaving the queue.
+    #[tokio::test]
+    async fn waiting_newcomers_are_served_in_order_and_give_up_at_their_wait() {
+        let admission = evicting(Duration::from_millis(300));
+        let held: Vec<_> = (1..3)
+            .flat_map(|s| {
+                [
+                    admission.admit(v4(s)).now().unwrap(),
+                    admission.admit(v4(s)).now().unwrap(),
+                ]
+            })
+            .collect();
+        for slot in &held {
+            slot.established();
+            slot.standing.vouch();
+        }
+        let first = turn(admission.admit(v4(7)));
+        let second = turn(admission.admit(v4(8)));
+        // A newcomer while others wait queues behind them, even if a place
+        // is free at that moment.
+        let mut held = held;
+        drop(held.pop());
+        let got = admission.wait(first).await.expect("the first got no place");
+        assert_eq!(got.source, v4(7));
+        // Nothing evictable, nothing freed: the second gives up.
+        assert!(admission.wait(second).await.is_none());
+        assert!(admission.lock().waiting.is_empty());
+        drop(got);
+        assert!(admission.admit(v4(9)).now().is_some());
     }
 
     #[tokio::test]

@@ -51,7 +51,7 @@ pub use incoming::{HandshakeStats, Incoming, Source};
 pub use nonce::Nonce;
 pub use residency::ResidencyError;
 pub use server::{AtlsServer, HandshakeError};
-pub use stream::{AtlsStream, PeerInfo};
+pub use stream::{AtlsStream, PeerInfo, Protected};
 pub use swap::SwappableValidator;
 pub use verify::PeerError;
 

@@ -159,6 +159,23 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         self
     }
 
+    /// Makes room for newcomers once every open-connection place is taken
+    /// ([`AtlsServer::with_connection_limits`]), instead of closing them at
+    /// once: a newcomer waits up to `wait` for a place (first come first
+    /// served; one waiting per source, and no more waiting than there are
+    /// places), and for each one waiting, the oldest established
+    /// connection open for at least `min_age` that the application neither
+    /// vouched for ([`crate::PeerInfo::vouch`]) nor protects
+    /// ([`crate::PeerInfo::protect`]) is closed. Connections kept open
+    /// with requests that prove nothing then cannot keep a newcomer out;
+    /// `min_age` leaves a newcomer the time to prove itself before a burst
+    /// of connects could close it in turn. Keep `wait` under the clients'
+    /// handshake timeout.
+    pub fn with_eviction(mut self, min_age: Duration, wait: Duration) -> Self {
+        self.limits.eviction = Some(crate::incoming::Eviction { min_age, wait });
+        self
+    }
+
     /// Bounds the handshakes that wait for or run the issuer (on a node a
     /// TPM quote): `per_source` for one source, `total` in all (defaults 2
     /// and 8). Further handshakes wait for a turn, first come first served

@@ -12,7 +12,7 @@ use tokio_rustls::TlsStream;
 use tonic::transport::server::Connected;
 
 use crate::attestation::Attested;
-use crate::incoming::AdmissionSlot;
+use crate::incoming::{AdmissionSlot, Standing};
 
 /// The byte a server sends as its first application data after it validated
 /// the client's attestation. The client waits for it before it sends
@@ -48,6 +48,9 @@ pub(crate) fn buffered(tls: impl Into<TlsStream<TcpStream>>) -> Buffered {
 pub struct PeerInfo<C> {
     remote_addr: Option<SocketAddr>,
     attested: Option<Arc<Attested<C>>>,
+    /// What the server's admission knows of the connection (a server's
+    /// connection only).
+    standing: Option<Arc<Standing>>,
 }
 
 impl<C> Clone for PeerInfo<C> {
@@ -55,6 +58,7 @@ impl<C> Clone for PeerInfo<C> {
         Self {
             remote_addr: self.remote_addr,
             attested: self.attested.clone(),
+            standing: self.standing.clone(),
         }
     }
 }
@@ -78,6 +82,39 @@ impl<C> PeerInfo<C> {
     /// not to validate the peer.
     pub fn attested(&self) -> Option<&Arc<Attested<C>>> {
         self.attested.as_ref()
+    }
+
+    /// Vouches for the peer of this server connection: it proved itself to
+    /// the application (say, with the operator's key). A server that makes
+    /// room for newcomers ([`crate::AtlsServer::with_eviction`]) never
+    /// closes it for one. Once vouched, always vouched.
+    pub fn vouch(&self) {
+        if let Some(standing) = &self.standing {
+            standing.vouch();
+        }
+    }
+
+    /// Keeps this server connection from being closed for a newcomer
+    /// while the guard lives: a request whose number the application
+    /// bounds on its own is in flight on it.
+    pub fn protect(&self) -> Protected {
+        if let Some(standing) = &self.standing {
+            standing.protect();
+        }
+        Protected(self.standing.clone())
+    }
+}
+
+/// A connection kept from being closed for a newcomer until dropped
+/// ([`PeerInfo::protect`]).
+#[derive(Debug)]
+pub struct Protected(Option<Arc<Standing>>);
+
+impl Drop for Protected {
+    fn drop(&mut self) {
+        if let Some(standing) = &self.0 {
+            standing.unprotect();
+        }
     }
 }
 
@@ -103,6 +140,7 @@ impl<C> AtlsStream<C> {
             peer: PeerInfo {
                 remote_addr,
                 attested,
+                standing: None,
             },
             _held: None,
         }
@@ -110,6 +148,7 @@ impl<C> AtlsStream<C> {
 
     /// Counts this connection against `held` until it is dropped.
     pub(crate) fn holding(mut self, held: AdmissionSlot) -> Self {
+        self.peer.standing = Some(held.standing().clone());
         self._held = Some(held);
         self
     }
@@ -142,6 +181,16 @@ impl<C> AsyncRead for AtlsStream<C> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        // Closed to make room for a newcomer: the end, as if the peer had
+        // closed (the HTTP/2 server then closes the connection).
+        if self
+            .peer
+            .standing
+            .as_ref()
+            .is_some_and(|s| s.poll_evicted(cx))
+        {
+            return Poll::Ready(Ok(()));
+        }
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }

@@ -464,6 +464,56 @@ async fn open_connections_are_bounded_per_source_and_in_total() {
     assert!(reopened.is_some(), "no slot after a connection closed");
 }
 
+/// Attacker's move: take every place of a server that makes room for
+/// newcomers with connections that prove nothing. A newcomer gets a place:
+/// the oldest connection neither vouched for nor protected is closed for
+/// it; one whose request proved itself stays, and a newcomer that finds
+/// only such connections is closed after its wait.
+#[tokio::test]
+async fn a_server_making_room_closes_unvouched_connections_only() {
+    let issuer = TestIssuer::generate();
+    let server = TestServer::start(
+        server_attested(dyn_issuer(&issuer))
+            .with_connection_limits(1, 2)
+            .with_connection_share_always()
+            .with_eviction(Duration::ZERO, Duration::from_secs(1)),
+    )
+    .await;
+    let client = |s: u8| {
+        AtlsClient::server_attested(dyn_validator(issuer.validator()))
+            .with_local_address(source(s).into())
+    };
+    let ask = |channel: tonic::transport::Channel, key: &str| {
+        let request = keel_proto::kms::GetDataKeyRequest {
+            data_key_id: key.into(),
+            length: 32,
+        };
+        async move {
+            keel_proto::kms::key_service_client::KeyServiceClient::new(channel)
+                .get_data_key(request)
+                .await
+        }
+    };
+    let vouched = client(2).bind_channel(server.endpoint()).await.unwrap();
+    ask(vouched.channel.clone(), "vouch").await.unwrap();
+    let plain = client(3).bind_channel(server.endpoint()).await.unwrap();
+    ask(plain.channel.clone(), "plain").await.unwrap();
+    // Full: the newcomer gets the unvouched connection's place.
+    let newcomer = client(4).bind_channel(server.endpoint()).await.unwrap();
+    ask(newcomer.channel.clone(), "vouch").await.unwrap();
+    assert!(
+        ask(plain.channel.clone(), "plain").await.is_err(),
+        "the unvouched connection was not closed"
+    );
+    ask(vouched.channel.clone(), "plain").await.unwrap();
+    // Only vouched connections left: the next newcomer waits, then goes.
+    let started = Instant::now();
+    assert!(client(5).bind_channel(server.endpoint()).await.is_err());
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    ask(vouched.channel, "plain").await.unwrap();
+    ask(newcomer.channel, "plain").await.unwrap();
+}
+
 /// Attacker's move: connect again and again, each time with a fresh
 /// key residency challenge, so that the server's TPM decrypts with its EK
 /// for every handshake (and quotes wait behind it). On a port that

@@ -482,9 +482,17 @@ impl InitService for InitServer {
         &self,
         request: tonic::Request<InitRequest>,
     ) -> Result<tonic::Response<Self::InitStream>, tonic::Status> {
-        let peer = crate::grpc::peer_ip(&request);
-        let accepted = match self.accept(request.into_inner(), peer).await {
-            Ok(a) => a,
+        let caller = crate::grpc::Caller::of(&request);
+        let accepted = {
+            let _open = caller.protect();
+            self.accept(request.into_inner(), caller.ip()).await
+        };
+        let accepted = match accepted {
+            Ok(a) => {
+                // The init secret matched: the stream of the init stays.
+                caller.vouch();
+                a
+            }
             // Refusals that cost the sender nothing (a throttled address,
             // a node already taken) are logged at debug level only, so a
             // flood of them cannot crowd other events out of the journal.
