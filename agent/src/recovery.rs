@@ -432,9 +432,13 @@ impl RecoveryService for RecoveryServer {
         // the request, and its answer is the operator's only report.
         let _open = caller.protect();
         match RecoveryServer::recover(self, request.into_inner(), caller.ip()).await {
-            Ok(cluster_id) => Ok(tonic::Response::new(RecoverResponse {
-                cluster_id: cluster_id.to_vec(),
-            })),
+            Ok(cluster_id) => {
+                // The answer must reach the operator after the guard drops.
+                caller.vouch();
+                Ok(tonic::Response::new(RecoverResponse {
+                    cluster_id: cluster_id.to_vec(),
+                }))
+            }
             // Refusals that cost the sender nothing are logged at debug
             // level only (see the init server).
             Err(

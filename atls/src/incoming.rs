@@ -8,7 +8,7 @@
 //! Nothing about a connection is known before its handshake, so what a
 //! not-yet-validated connection may hold is bounded; see [`Incoming`].
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::pin::Pin;
@@ -70,11 +70,10 @@ pub(crate) struct Limits {
 
 /// How a server whose open-connection places are all taken makes room: a
 /// newcomer waits for a place (at most `wait`, one waiting per source, at
-/// most as many waiting as there are places), first come first served,
-/// and while anyone waits, the oldest established connection that the
-/// application neither vouched for ([`crate::PeerInfo::vouch`]) nor
-/// protects ([`crate::PeerInfo::protect`]), open for at least `min_age`,
-/// is closed for each waiting one.
+/// most [`WAITING_PER_PLACE`] per place), first come first served, and
+/// for each one waiting, the oldest connection that the application
+/// neither vouched for ([`crate::PeerInfo::vouch`]) nor protects
+/// ([`crate::PeerInfo::protect`]), `min_age` old, is closed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Eviction {
     pub(crate) min_age: Duration,
@@ -177,8 +176,8 @@ impl HandshakeStats {
 ///   server may hold sources to their share at every load
 ///   ([`AtlsServer::with_connection_share_always`]), and may make room for
 ///   a newcomer when every place is taken rather than close it
-///   ([`AtlsServer::with_eviction`]): it waits, and the oldest established
-///   connection the application neither vouched for nor protects is closed.
+///   ([`AtlsServer::with_eviction`]): it waits, and the oldest connection
+///   the application neither vouched for nor protects is closed.
 /// - Every connection is accepted at once. Right after `accept`, one is
 ///   closed at once (a TCP reset) and counted in [`HandshakeStats::shed`]
 ///   when all handshake slots are taken (default 256), or when its source
@@ -343,7 +342,14 @@ impl<C: Send + Sync + 'static> Accepting<C> {
             return;
         };
         tokio::spawn(async move {
-            let result = self.server.accept(tcp).await;
+            let result = tokio::select! {
+                result = self.server.accept(tcp) => result,
+                () = held.evicted() => {
+                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%remote, "connection closed in its handshake to make room for a newcomer");
+                    return;
+                }
+            };
             // The connection is no longer unauthenticated either way.
             drop(slot);
             match result {
@@ -400,18 +406,21 @@ struct Admission {
 struct AdmissionState {
     in_progress: usize,
     sources: HashMap<Source, usize>,
-    /// The connections holding a place, oldest first (with an eviction).
-    held: BTreeMap<u64, Held>,
+    /// The connections holding a place (with an eviction).
+    held: HashMap<u64, Held>,
     next_id: u64,
     /// Newcomers waiting for a place, first come first served.
     waiting: VecDeque<Waiting>,
-    /// Connections closed to make room whose places are not free yet.
-    evicting: usize,
 }
 
 /// A connection holding a place, as an eviction sees it.
 struct Held {
+    /// When its place was taken, then when its handshake completed: its
+    /// age counts from the later, so a slow handshake does not eat the
+    /// time a newcomer has to prove itself.
     since: Instant,
+    /// When it was closed to make room, if it was.
+    evicted_at: Option<Instant>,
     standing: Arc<Standing>,
 }
 
@@ -449,6 +458,17 @@ impl Admit {
     }
 }
 
+/// Newcomers that may wait, per place: a lockout takes this many more
+/// addresses (one waiting per source) than the places alone.
+const WAITING_PER_PLACE: usize = 4;
+/// How often a newcomer waiting for a place tries evictions again (the
+/// connections age meanwhile).
+const EVICTION_RETRY: Duration = Duration::from_millis(250);
+/// How long a connection closed to make room counts as making it: one
+/// still open after this (its task not run, its peer stalling a write the
+/// close is behind) no longer holds back the eviction of another.
+const EVICTION_GRACE: Duration = Duration::from_secs(2);
+
 impl Admission {
     fn new(per_source: usize, total: usize) -> Self {
         Self {
@@ -481,7 +501,7 @@ impl Admission {
     /// has its share and at least half of the slots are taken (or at any
     /// load, if so set), or when all slots are taken, unless this admission
     /// evicts: then a turn in the queue, refused only when the source
-    /// already waits (or would then exceed its share) or the queue is full.
+    /// already waits or the queue is full.
     fn admit(self: &Arc<Self>, source: Source) -> Admit {
         let mut state = self.lock();
         let under_load = self.always || state.in_progress >= self.total / 2;
@@ -495,7 +515,9 @@ impl Admission {
         let Some(eviction) = self.eviction else {
             return Admit::Refused;
         };
-        if state.waiting.len() >= self.total || state.waiting.iter().any(|w| w.source == source) {
+        if state.waiting.len() >= self.total.saturating_mul(WAITING_PER_PLACE)
+            || state.waiting.iter().any(|w| w.source == source)
+        {
             return Admit::Refused;
         }
         let (tx, rx) = oneshot::channel();
@@ -506,7 +528,7 @@ impl Admission {
             source,
             place: tx,
         });
-        self.evict_for_waiting(&mut state, eviction);
+        evict_for_waiting(&mut state, eviction);
         Admit::Wait(Turn { id, place: rx })
     }
 
@@ -528,28 +550,7 @@ impl Admission {
                 // A place handed over meanwhile is taken, not lost.
                 return turn.place.try_recv().ok();
             }
-            self.evict_for_waiting(&mut state, eviction);
-        }
-    }
-
-    /// Closes, for each newcomer waiting beyond the connections already
-    /// being closed, the oldest evictable connection open at least the
-    /// eviction's minimum age.
-    fn evict_for_waiting(&self, state: &mut AdmissionState, eviction: Eviction) {
-        let Some(old_enough) = Instant::now().checked_sub(eviction.min_age) else {
-            return;
-        };
-        while state.evicting < state.waiting.len() {
-            let Some(held) = state
-                .held
-                .values()
-                .take_while(|h| h.since <= old_enough)
-                .find(|h| h.standing.evictable())
-            else {
-                return;
-            };
-            held.standing.evict();
-            state.evicting += 1;
+            evict_for_waiting(&mut state, eviction);
         }
     }
 
@@ -559,16 +560,18 @@ impl Admission {
         *state.sources.entry(source).or_insert(0) += 1;
         let id = state.next_id;
         state.next_id += 1;
-        let standing = Arc::new(Standing::default());
-        if self.eviction.is_some() {
+        let standing = self.eviction.map(|_| {
+            let standing = Arc::new(Standing::default());
             state.held.insert(
                 id,
                 Held {
                     since: Instant::now(),
+                    evicted_at: None,
                     standing: standing.clone(),
                 },
             );
-        }
+            standing
+        });
         AdmissionSlot {
             admission: self.clone(),
             source,
@@ -577,15 +580,18 @@ impl Admission {
         }
     }
 
+    /// The handshake of the connection `id` completed: its age restarts.
+    fn established(&self, id: u64) {
+        if let Some(held) = self.lock().held.get_mut(&id) {
+            held.since = Instant::now();
+        }
+    }
+
     fn release(self: &Arc<Self>, source: Source, id: u64) {
         let mut handed = Vec::new();
         {
             let mut state = self.lock();
-            if let Some(held) = state.held.remove(&id) {
-                if held.standing.evicted.load(Ordering::Acquire) {
-                    state.evicting = state.evicting.saturating_sub(1);
-                }
-            }
+            state.held.remove(&id);
             state.in_progress = state.in_progress.saturating_sub(1);
             if let Some(held) = state.sources.get_mut(&source) {
                 *held = held.saturating_sub(1);
@@ -613,32 +619,60 @@ impl Admission {
     }
 }
 
-/// How often a newcomer waiting for a place tries evictions again (the
-/// connections age meanwhile).
-const EVICTION_RETRY: Duration = Duration::from_millis(250);
+/// Closes, for each newcomer waiting beyond the connections closed for
+/// them within [`EVICTION_GRACE`], the oldest connection the application
+/// neither vouched for nor protects, open (or established) at least the
+/// eviction's minimum age: established, or still in its handshake.
+fn evict_for_waiting(state: &mut AdmissionState, eviction: Eviction) {
+    let now = Instant::now();
+    let making_room = state
+        .held
+        .values()
+        .filter(|h| {
+            h.evicted_at
+                .is_some_and(|at| now.duration_since(at) < EVICTION_GRACE)
+        })
+        .count();
+    for _ in making_room..state.waiting.len() {
+        let oldest = state
+            .held
+            .values_mut()
+            .filter(|h| {
+                h.evicted_at.is_none()
+                    && now.duration_since(h.since) >= eviction.min_age
+                    && h.standing.evictable()
+            })
+            .min_by_key(|h| h.since);
+        let Some(held) = oldest else {
+            return;
+        };
+        held.evicted_at = Some(now);
+        held.standing.evict();
+    }
+}
 
 /// What the application and the server know of an open connection that
 /// matters to an eviction.
 #[derive(Debug, Default)]
 pub(crate) struct Standing {
-    established: AtomicBool,
     vouched: AtomicBool,
     protected: AtomicUsize,
     evicted: AtomicBool,
+    /// The task reading the established connection.
     reader: Mutex<Option<Waker>>,
+    /// The handshake's task.
+    handshake: tokio::sync::Notify,
 }
 
 impl Standing {
-    /// Established, neither vouched for nor protected, not already closing.
+    /// Neither vouched for nor protected.
     fn evictable(&self) -> bool {
-        self.established.load(Ordering::Acquire)
-            && !self.vouched.load(Ordering::Acquire)
-            && self.protected.load(Ordering::Acquire) == 0
-            && !self.evicted.load(Ordering::Acquire)
+        !self.vouched.load(Ordering::Acquire) && self.protected.load(Ordering::Acquire) == 0
     }
 
     fn evict(&self) {
         self.evicted.store(true, Ordering::Release);
+        self.handshake.notify_one();
         let reader = self
             .reader
             .lock()
@@ -649,8 +683,8 @@ impl Standing {
         }
     }
 
-    /// Whether the connection was closed to make room; if not, the reader
-    /// of `cx` is woken when it is.
+    /// Whether the connection was closed to make room; if not, the task of
+    /// `cx` is woken when it is.
     pub(crate) fn poll_evicted(&self, cx: &Context<'_>) -> bool {
         if self.evicted.load(Ordering::Acquire) {
             return true;
@@ -661,6 +695,13 @@ impl Standing {
         }
         drop(reader);
         self.evicted.load(Ordering::Acquire)
+    }
+
+    /// Until the connection is closed to make room.
+    async fn evicted(&self) {
+        while !self.evicted.load(Ordering::Acquire) {
+            self.handshake.notified().await;
+        }
     }
 
     pub(crate) fn vouch(&self) {
@@ -682,18 +723,30 @@ pub(crate) struct AdmissionSlot {
     admission: Arc<Admission>,
     source: Source,
     id: u64,
-    standing: Arc<Standing>,
+    /// What an eviction knows of the connection (an admission that
+    /// evicts only).
+    standing: Option<Arc<Standing>>,
 }
 
 impl AdmissionSlot {
-    /// The handshake completed: an eviction may close the connection.
+    /// The handshake completed: the connection's age restarts.
     fn established(&self) {
-        self.standing.established.store(true, Ordering::Release);
+        if self.standing.is_some() {
+            self.admission.established(self.id);
+        }
     }
 
-    /// What an eviction knows of this connection.
-    pub(crate) fn standing(&self) -> &Arc<Standing> {
-        &self.standing
+    /// What an eviction knows of this connection, if anything.
+    pub(crate) fn standing(&self) -> Option<&Arc<Standing>> {
+        self.standing.as_ref()
+    }
+
+    /// Until an eviction closes the connection (never, without one).
+    async fn evicted(&self) {
+        match &self.standing {
+            Some(standing) => standing.evicted().await,
+            None => std::future::pending().await,
+        }
     }
 }
 
@@ -942,14 +995,40 @@ mod tests {
         }
     }
 
-    fn evicted(slot: &AdmissionSlot) -> bool {
-        slot.standing.evicted.load(Ordering::Acquire)
+    fn standing(slot: &AdmissionSlot) -> &Standing {
+        slot.standing
+            .as_deref()
+            .expect("an evicting admission's slot")
     }
 
-    /// Attacker's move: hold every place with established connections
-    /// kept open by requests that prove nothing. A newcomer waits, and the
-    /// oldest connection neither vouched for nor protected (nor still in
-    /// its handshake) is closed for it; vouched and protected ones stay.
+    fn evicted(slot: &AdmissionSlot) -> bool {
+        standing(slot).evicted.load(Ordering::Acquire)
+    }
+
+    /// A newcomer from `source` waiting in the background.
+    fn newcomer(
+        admission: &Arc<Admission>,
+        source: Source,
+    ) -> tokio::task::JoinHandle<Option<AdmissionSlot>> {
+        let admission = admission.clone();
+        let turn = turn(admission.admit(source));
+        tokio::spawn(async move { admission.wait(turn).await })
+    }
+
+    async fn until_evicted(slot: &AdmissionSlot) {
+        let start = Instant::now();
+        while !evicted(slot) {
+            assert!(start.elapsed() < Duration::from_secs(4), "not evicted");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Attacker's move: hold every place with connections that prove
+    /// nothing: established ones kept open by cheap requests, or
+    /// handshakes stalled to their timeout. A newcomer waits, and for it
+    /// the oldest connection neither vouched for nor protected is closed,
+    /// its age counted from its handshake's end once it has one; vouched
+    /// and protected ones stay.
     #[tokio::test]
     async fn a_newcomer_waits_and_the_oldest_unvouched_connection_makes_room() {
         let admission = evicting(Duration::from_secs(5));
@@ -957,37 +1036,63 @@ mod tests {
         let protected = admission.admit(v4(1)).now().unwrap();
         let in_handshake = admission.admit(v4(2)).now().unwrap();
         let idle = admission.admit(v4(2)).now().unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Their handshakes end: younger than the stalled one now.
         for slot in [&vouched, &protected, &idle] {
             slot.established();
         }
-        vouched.standing.vouch();
-        protected.standing.protect();
-        let waiting = tokio::spawn({
-            let admission = admission.clone();
-            let turn = turn(admission.admit(v4(3)));
-            async move { admission.wait(turn).await }
-        });
+        standing(&vouched).vouch();
+        standing(&protected).protect();
+        let first = newcomer(&admission, v4(3));
         // One waiting per source; a source at its share does not queue.
         assert!(matches!(admission.admit(v4(3)), Admit::Refused));
         assert!(matches!(admission.admit(v4(2)), Admit::Refused));
-        let start = Instant::now();
-        while !evicted(&idle) {
-            assert!(start.elapsed() < Duration::from_secs(2), "nothing evicted");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        for slot in [&vouched, &protected, &in_handshake] {
+        until_evicted(&in_handshake).await;
+        for slot in [&vouched, &protected, &idle] {
             assert!(!evicted(slot));
         }
-        // The evicted connection closes: its place goes to the newcomer.
-        drop(idle);
-        let place = waiting.await.unwrap().expect("the newcomer got no place");
+        // The handshake learns of it.
+        tokio::time::timeout(Duration::from_secs(1), in_handshake.evicted())
+            .await
+            .unwrap();
+        // Its place goes to the newcomer once it closes.
+        drop(in_handshake);
+        let place = first.await.unwrap().expect("the newcomer got no place");
         assert_eq!(place.source, v4(3));
-        // Unprotected, the other one is evictable for the next newcomer.
-        protected.standing.unprotect();
-        let next = turn(admission.admit(v4(4)));
-        let _ = tokio::time::timeout(Duration::from_millis(400), admission.wait(next)).await;
-        assert!(evicted(&protected));
+        // The next newcomer: the idle established connection.
+        let second = newcomer(&admission, v4(4));
+        until_evicted(&idle).await;
+        drop(idle);
+        let _second = second.await.unwrap().expect("the second got no place");
+        // Unprotected, the other one goes for the next; vouched, never.
+        standing(&protected).unprotect();
+        let third = newcomer(&admission, v4(5));
+        until_evicted(&protected).await;
         assert!(!evicted(&vouched));
+        drop(protected);
+        assert!(third.await.unwrap().is_some());
+    }
+
+    /// A connection closed to make room that stays open (its peer stalls
+    /// the writes the close is behind) holds back another eviction only
+    /// for a while.
+    #[tokio::test]
+    async fn a_closed_connection_that_stays_open_does_not_hold_back_the_next_eviction() {
+        let admission = evicting(Duration::from_secs(5));
+        let held: Vec<_> = (1..3)
+            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
+            .map(|a| a.now().unwrap())
+            .collect();
+        let waiting = newcomer(&admission, v4(7));
+        until_evicted(&held[0]).await;
+        let evicted_now = held.iter().filter(|s| evicted(s)).count();
+        assert_eq!(evicted_now, 1, "one eviction per newcomer");
+        // It never closes: past the grace, another is closed.
+        tokio::time::sleep(EVICTION_GRACE).await;
+        until_evicted(&held[1]).await;
+        let mut held = held;
+        drop(held.remove(1));
+        assert!(waiting.await.unwrap().is_some());
     }
 
     /// Newcomers get freed places in arrival order, and one that finds
@@ -995,23 +1100,16 @@ mod tests {
     #[tokio::test]
     async fn waiting_newcomers_are_served_in_order_and_give_up_at_their_wait() {
         let admission = evicting(Duration::from_millis(300));
-        let held: Vec<_> = (1..3)
-            .flat_map(|s| {
-                [
-                    admission.admit(v4(s)).now().unwrap(),
-                    admission.admit(v4(s)).now().unwrap(),
-                ]
-            })
+        let mut held: Vec<_> = (1..3)
+            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
+            .map(|a| a.now().unwrap())
             .collect();
         for slot in &held {
             slot.established();
-            slot.standing.vouch();
+            standing(slot).vouch();
         }
         let first = turn(admission.admit(v4(7)));
         let second = turn(admission.admit(v4(8)));
-        // A newcomer while others wait queues behind them, even if a place
-        // is free at that moment.
-        let mut held = held;
         drop(held.pop());
         let got = admission.wait(first).await.expect("the first got no place");
         assert_eq!(got.source, v4(7));

@@ -162,11 +162,12 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// Makes room for newcomers once every open-connection place is taken
     /// ([`AtlsServer::with_connection_limits`]), instead of closing them at
     /// once: a newcomer waits up to `wait` for a place (first come first
-    /// served; one waiting per source, and no more waiting than there are
-    /// places), and for each one waiting, the oldest established
-    /// connection open for at least `min_age` that the application neither
-    /// vouched for ([`crate::PeerInfo::vouch`]) nor protects
-    /// ([`crate::PeerInfo::protect`]) is closed. Connections kept open
+    /// served; one waiting per source, at most four per place), and for
+    /// each one waiting, the oldest connection that the application
+    /// neither vouched for ([`crate::PeerInfo::vouch`]) nor protects
+    /// ([`crate::PeerInfo::protect`]) is closed, once it is `min_age` old
+    /// (counted from the end of its handshake, or from its start while the
+    /// handshake lasts). Connections kept open
     /// with requests that prove nothing then cannot keep a newcomer out;
     /// `min_age` leaves a newcomer the time to prove itself before a burst
     /// of connects could close it in turn. Keep `wait` under the clients'

@@ -148,7 +148,7 @@ impl<C> AtlsStream<C> {
 
     /// Counts this connection against `held` until it is dropped.
     pub(crate) fn holding(mut self, held: AdmissionSlot) -> Self {
-        self.peer.standing = Some(held.standing().clone());
+        self.peer.standing = held.standing().cloned();
         self._held = Some(held);
         self
     }
@@ -183,16 +183,32 @@ impl<C> AsyncRead for AtlsStream<C> {
     ) -> Poll<io::Result<()>> {
         // Closed to make room for a newcomer: the end, as if the peer had
         // closed (the HTTP/2 server then closes the connection).
-        if self
-            .peer
-            .standing
-            .as_ref()
-            .is_some_and(|s| s.poll_evicted(cx))
-        {
+        if self.evicted(cx) {
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
+}
+
+impl<C> AtlsStream<C> {
+    /// Whether the server closed this connection to make room for a
+    /// newcomer; if not, the task of `cx` is woken when it does.
+    fn evicted(&self, cx: &Context<'_>) -> bool {
+        self.peer
+            .standing
+            .as_ref()
+            .is_some_and(|s| s.poll_evicted(cx))
+    }
+}
+
+/// The error of a write on a connection closed to make room: a peer that
+/// keeps the connection's writes stalled (it reads nothing) would otherwise
+/// keep it open, as the HTTP/2 server reads nothing while its writes wait.
+fn evicted_error() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "connection closed to make room for a newcomer",
+    )
 }
 
 impl<C> AsyncWrite for AtlsStream<C> {
@@ -201,10 +217,16 @@ impl<C> AsyncWrite for AtlsStream<C> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if self.evicted(cx) {
+            return Poll::Ready(Err(evicted_error()));
+        }
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.evicted(cx) {
+            return Poll::Ready(Err(evicted_error()));
+        }
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
@@ -217,6 +239,9 @@ impl<C> AsyncWrite for AtlsStream<C> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        if self.evicted(cx) {
+            return Poll::Ready(Err(evicted_error()));
+        }
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
 
