@@ -871,7 +871,8 @@ impl Registry {
     /// another disk of a revoked EK), as many as the list holds, and each
     /// node record it has with newer evidence (or that
     /// this one lacks) replaces this one's, unless it is dated more than
-    /// [`MAX_CLOCK_SKEW`] ahead of this clock.
+    /// [`MAX_CLOCK_SKEW`] ahead of this clock (then it is taken only if
+    /// this one lacks it, dated now).
     pub fn merge(&mut self, other: Self) -> Merged {
         self.merge_holding_drift(other, Duration::ZERO)
     }
@@ -899,16 +900,22 @@ impl Registry {
         }
         // A record dated ahead of this clock (by more than the skew two
         // control planes may have) would win every later merge and never
-        // fall silent here: it is not taken.
+        // fall silent here: it does not replace a record. One this registry
+        // lacks is taken dated now, so that its EK and name are held here
+        // all the same (a clock set back must not free a member's name).
         let latest = now().saturating_add(MAX_CLOCK_SKEW.as_secs());
-        for (key, theirs) in other.nodes {
+        for (key, mut theirs) in other.nodes {
             let dated = [
                 Some(theirs.registered_at),
                 Some(theirs.verdict_at),
                 theirs.last_evidence_at,
             ];
             if dated.into_iter().flatten().any(|t| t > latest) {
-                continue;
+                if self.nodes.contains_key(&key) {
+                    continue;
+                }
+                theirs.registered_at = theirs.registered_at.min(at);
+                theirs.last_evidence_at = theirs.last_evidence_at.map(|t| t.min(at));
             }
             let newer = match self.nodes.get(&key) {
                 Some(ours) => {
@@ -924,7 +931,6 @@ impl Registry {
                 // control plane's policy acts on it. One this control plane
                 // holds already keeps its time here: a peer's later time
                 // for it would push back its hold and its stand.
-                let mut theirs = theirs;
                 theirs.verdict_at = match self.nodes.get(&key) {
                     Some(ours) if ours.verdict == theirs.verdict => ours.verdict_at,
                     _ => now(),
@@ -1322,6 +1328,17 @@ impl RegistryStore {
         stands: Duration,
         from: Option<&EkDigest>,
     ) -> Result<usize, RegistryError> {
+        self.merge_counting(theirs, stands, from)
+            .map(|merged| merged.added)
+    }
+
+    /// [`RegistryStore::merge_holding_drift`], returning all it took.
+    fn merge_counting(
+        &self,
+        theirs: Registry,
+        stands: Duration,
+        from: Option<&EkDigest>,
+    ) -> Result<Merged, RegistryError> {
         let merged = {
             let mut registry = self.lock();
             if from.is_some_and(|peer| registry.revocation(peer).is_some()) {
@@ -1345,7 +1362,7 @@ impl RegistryStore {
                 dropped: merged.dropped,
             });
         }
-        Ok(merged.added)
+        Ok(merged)
     }
 
     /// [`RegistryStore::merge`] of the registry the control plane of the
@@ -1364,6 +1381,20 @@ impl RegistryStore {
         from: &EkDigest,
     ) -> Result<usize, RegistryError> {
         self.merge_from_peer_noting(theirs, drift_stands, from, true)
+    }
+
+    /// [`RegistryStore::merge_from_peer`] of the registry a control-plane
+    /// ticket carried from the control plane of the EK `from`: refused if
+    /// this registry revokes it (a revoked control plane a host routes a
+    /// rejoin to must not fill the lists or re-date the verdicts), not
+    /// noted as a current view of the nodes. Returns what it took.
+    pub fn merge_from_ticket(
+        &self,
+        theirs: Registry,
+        drift_stands: Duration,
+        from: &EkDigest,
+    ) -> Result<Merged, RegistryError> {
+        self.merge_counting(theirs, drift_stands, Some(from))
     }
 
     /// [`RegistryStore::merge_from_peer`] of what a control plane serves
@@ -1612,27 +1643,39 @@ mod tests {
     }
 
     /// Attacker's move: a peer dates a node's record far ahead, so that it
-    /// wins every later merge and the node never falls silent. It is not
-    /// taken; one within the clock skew is.
+    /// wins every later merge and the node never falls silent; or the host
+    /// sets this control plane's clock back, so that every live record a
+    /// peer (or a ticket) brings is "ahead" and a second TPM gets a ticket
+    /// under a name this registry then lacks. A record dated ahead does not
+    /// replace one held here; one this registry lacks is taken, dated now.
     #[test]
-    fn a_record_dated_ahead_of_this_clock_is_not_merged() {
-        let mut peer = Registry::default();
-        peer.record(&evidence(1, None)).unwrap();
-        peer.record(&evidence(2, None)).unwrap();
+    fn a_record_dated_ahead_of_this_clock_replaces_nothing_and_holds_its_name() {
         let ahead = now() + MAX_CLOCK_SKEW.as_secs() + 60;
-        peer.nodes
-            .get_mut(&ek(1).to_string())
-            .unwrap()
-            .last_evidence_at = Some(ahead);
-        peer.nodes
-            .get_mut(&ek(2).to_string())
-            .unwrap()
-            .last_evidence_at = Some(now() + 60);
+        let peer = || {
+            let mut peer = Registry::default();
+            peer.record(&evidence(1, None)).unwrap();
+            peer.record(&evidence(2, None)).unwrap();
+            let record = peer.nodes.get_mut(&ek(1).to_string()).unwrap();
+            record.last_evidence_at = Some(ahead);
+            record.registered_at = ahead;
+            peer.nodes
+                .get_mut(&ek(2).to_string())
+                .unwrap()
+                .last_evidence_at = Some(now() + 60);
+            peer
+        };
         let mut ours = Registry::default();
-        let merged = ours.merge(peer);
-        assert_eq!((merged.added, merged.taken), (0, 1));
-        assert!(ours.find("w-1").is_err());
+        let merged = ours.merge(peer());
+        assert_eq!((merged.added, merged.taken), (0, 2));
+        let taken = ours.find("w-1").unwrap();
+        let dated = [Some(taken.registered_at), taken.last_evidence_at];
+        assert!(dated.into_iter().flatten().all(|t| t <= now()), "{taken:?}");
+        assert!(ours.check_name(&ek(9), "w-1").is_err(), "the name is held");
         assert!(ours.find("w-2").is_ok());
+        // Held here now, it is not replaced by the record dated ahead.
+        let before = ours.find("w-1").unwrap().clone();
+        ours.merge(peer());
+        assert_eq!(ours.find("w-1").unwrap(), &before);
     }
 
     /// Attacker's move: partition a node from this control plane only,
@@ -2132,6 +2175,47 @@ mod tests {
             100
         );
         assert!(store.merged_at().is_some());
+    }
+
+    /// Attacker's move: route a control plane's rejoin to a control plane
+    /// this one revoked (compromised, still running), whose ticket brings
+    /// a registry of junk records, or newer trusted records that would
+    /// wipe a drift this control plane holds. Nothing is taken from a
+    /// revoked issuer; from another, the drift held here stands, and the
+    /// merge is no view of the nodes.
+    #[test]
+    fn a_tickets_registry_is_refused_from_a_revoked_issuer_and_keeps_a_held_drift() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        let key = ek(1).to_string();
+        store
+            .update(|r| {
+                r.record(&evidence(1, Some("PCR 13")))?;
+                r.register(&ek(9), "", "cp-9", "control-plane")?;
+                let record = r.find("cp-9")?.clone();
+                r.revoke(&record, None, "compromised")
+            })
+            .unwrap();
+        let ticket = || {
+            let mut theirs = Registry::default();
+            theirs.record(&evidence(1, None)).unwrap();
+            theirs.nodes.get_mut(&key).unwrap().last_evidence_at = Some(now() + 5);
+            theirs.record(&evidence(2, None)).unwrap();
+            theirs
+        };
+        let hold = Duration::from_secs(3600);
+        let refused = store.merge_from_ticket(ticket(), hold, &ek(9));
+        assert!(
+            matches!(refused, Err(RegistryError::PeerRevoked)),
+            "{refused:?}"
+        );
+        assert!(store.snapshot().find("w-2").is_err());
+        let merged = store.merge_from_ticket(ticket(), hold, &ek(8)).unwrap();
+        assert_eq!(merged.taken, 1, "{merged:?}");
+        let now_held = store.snapshot();
+        assert_eq!(now_held.nodes()[&key].verdict, Verdict::Drifted);
+        assert!(now_held.find("w-2").is_ok());
+        assert_eq!(store.merged_at(), None);
     }
 
     #[test]

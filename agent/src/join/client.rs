@@ -378,13 +378,13 @@ impl JoinClient {
         let registry = ticket
             .control_plane
             .as_mut()
-            .map(|(_, m)| std::mem::take(&mut m.registry));
+            .map(|(_, m)| (std::mem::take(&mut m.registry), m.issuer));
         let files = plan.files.clone();
         let p = Provisioner::new(&self.env, &self.tpm, &log_line);
         let result = async {
             p.prepare(plan).await?;
-            if let Some(registry) = registry {
-                self.take_registry(registry).await?;
+            if let Some((registry, issuer)) = registry {
+                self.take_registry(registry, issuer).await?;
             }
             p.kubeadm_join(&join, &files).await?;
             match self.control_plane_state(ticket)? {
@@ -466,7 +466,7 @@ impl JoinClient {
                 None => None,
             };
             if state.is_some() {
-                self.take_registry(registry).await?;
+                self.take_registry(registry, ticket.issuer).await?;
             }
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
@@ -487,25 +487,37 @@ impl JoinClient {
         }
     }
 
-    /// Merges the issuing control plane's registry (from a control plane's
-    /// ticket) into this node's, on its opened state disk, before its join
-    /// service (which opens the same store) can issue a ticket: a control
-    /// plane that joined, or was down, when a node was revoked or joined
-    /// refuses that node's EK, or a second TPM under its name, before it
-    /// exchanged registries with the others.
+    /// Merges the registry of the issuing control plane (of the EK
+    /// `issuer`) from a control plane's ticket into this node's, on its
+    /// opened state disk, before its join service (which opens the same
+    /// store) can issue a ticket: a control plane that joined, or was
+    /// down, when a node was revoked or joined refuses that node's EK, or
+    /// a second TPM under its name, before it exchanged registries with
+    /// the others. As in that exchange, a drift held here stands against
+    /// the issuer's records, and nothing is taken from an issuer this
+    /// registry revokes (the host may route a rejoin to a revoked control
+    /// plane that still runs): the ticket is refused.
     async fn take_registry(
         &self,
         registry: crate::registry::Registry,
+        issuer: keel_verifier::ek::EkDigest,
     ) -> Result<(), ProvisionError> {
         let root = self.env.root().to_owned();
-        let nodes = registry.nodes().len();
-        let added = tokio::task::spawn_blocking(move || {
-            RegistryStore::shared(&root).and_then(|store| store.merge(registry))
+        let stands = self.config.cluster.evidence.drift_stands();
+        let offered = registry.nodes().len();
+        let merged = tokio::task::spawn_blocking(move || {
+            RegistryStore::shared(&root)
+                .and_then(|store| store.merge_from_ticket(registry, stands, &issuer))
         })
         .await
         .map_err(ProvisionError::Blocking)?
         .map_err(ProvisionError::Registry)?;
-        tracing::info!(revocations = added, nodes, "registry taken from the ticket");
+        tracing::info!(
+            revocations = merged.added,
+            nodes = merged.taken,
+            offered,
+            "registry taken from the ticket (a node record older than this one's is not taken)"
+        );
         Ok(())
     }
 

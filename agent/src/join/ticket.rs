@@ -27,6 +27,7 @@ use zeroize::Zeroizing;
 
 use super::kubelet;
 use crate::kubeadm::{BootstrapToken, CaCertHash};
+use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::{ClusterId, ClusterIdError, KeyService, OperatorKey, DISK_KEY_LEN};
 
 /// Largest accepted ticket message: a control-plane ticket carries the
@@ -121,6 +122,8 @@ pub struct TicketMeasurements {
     pub authorised: Vec<Component>,
     /// The issuing control plane's registry: node records and revocations.
     pub registry: Registry,
+    /// The issuing control plane's EK.
+    pub issuer: EkDigest,
 }
 
 /// A checked join ticket.
@@ -219,17 +222,21 @@ pub struct RejoinTicket {
     /// A control plane's rejoin ticket: the issuing control plane's
     /// registry.
     pub registry: Registry,
+    /// The issuing control plane's EK.
+    pub issuer: EkDigest,
 }
 
 impl RejoinTicket {
     /// Checks the opened `secrets` of a rejoin ticket for `cluster_id`,
-    /// asked for by a node in role `is_control_plane`.
+    /// asked for by a node in role `is_control_plane`, issued by the
+    /// control plane of the EK `issuer`.
     pub fn parse(
         secrets: &JoinSecrets,
         cluster_id: ClusterId,
         is_control_plane: bool,
         endpoints: Vec<String>,
         registry: &[u8],
+        issuer: EkDigest,
     ) -> Result<Self, TicketError> {
         if secrets.state_disk_key.len() != DISK_KEY_LEN {
             return Err(TicketError::Invalid("disk key length".into()));
@@ -245,6 +252,7 @@ impl RejoinTicket {
             } else {
                 Registry::default()
             },
+            issuer,
         })
     }
 }
@@ -354,8 +362,8 @@ pub fn check_service(service: &Verified, cluster_id: &ClusterId) -> Result<(), T
         .map_err(TicketError::ServiceCluster)
 }
 
-/// Checks every field of a join ticket the service sent, with its opened
-/// `secrets`, for the kubelet key `kubelet_spki`.
+/// Checks every field of a join ticket the service of the EK `issuer`
+/// sent, with its opened `secrets`, for the kubelet key `kubelet_spki`.
 pub fn parse_join_ticket(
     response: IssueJoinTicketResponse,
     secrets: &JoinSecrets,
@@ -363,6 +371,7 @@ pub fn parse_join_ticket(
     kubelet_spki: &[u8],
     is_control_plane: bool,
     measurements_key: Option<&SigningPublicKey>,
+    issuer: EkDigest,
 ) -> Result<JoinTicket, TicketError> {
     let invalid = |m: &str| TicketError::Invalid(m.to_owned());
     if secrets.state_disk_key.len() != DISK_KEY_LEN {
@@ -448,6 +457,7 @@ pub fn parse_join_ticket(
                     image_epoch,
                     authorised,
                     registry,
+                    issuer,
                 },
             ))
         }

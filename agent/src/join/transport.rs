@@ -9,6 +9,7 @@ use keel_atls::{AtlsClient, Attested};
 use keel_proto::join::join_service_client::JoinServiceClient;
 use keel_proto::join::{IssueJoinTicketRequest, IssueJoinTicketResponse, IssueRejoinTicketRequest};
 use keel_verifier::config::Role;
+use keel_verifier::ek::EkDigest;
 use keel_verifier::signature::SigningPublicKey;
 use keel_verifier::validator::{Validator, Verified};
 use tonic::transport::Endpoint;
@@ -150,6 +151,7 @@ impl TicketClient {
             kubelet_spki,
             is_control_plane,
             self.measurements_key.as_ref(),
+            EkDigest::of_public(&raw.service.claims().ek),
         )
     }
 
@@ -177,6 +179,7 @@ impl TicketClient {
             self.is_control_plane,
             response.control_plane_endpoints,
             &response.registry,
+            EkDigest::of_public(&service.claims().ek),
         )
     }
 }
