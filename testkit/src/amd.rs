@@ -333,12 +333,26 @@ impl TestAmd {
         chip_id: &[u8; 64],
         tcb: [u8; 8],
     ) -> Result<Vec<u8>, AmdError> {
+        let cpu = self.fmc.map(|_| (0x1a, 0x02)); // Turin's family, a model
+        self.report_of_cpu(fields, chip_id, tcb, cpu)
+    }
+
+    /// [`TestAmd::report_claiming`] as a version 3 report of the CPU
+    /// family and model `cpu`, or as version 2 (`None`: the TCB layout is
+    /// then read from the chip ID).
+    pub fn report_of_cpu(
+        &self,
+        fields: &ReportFields,
+        chip_id: &[u8; 64],
+        tcb: [u8; 8],
+        cpu: Option<(u8, u8)>,
+    ) -> Result<Vec<u8>, AmdError> {
         let mut r = vec![0u8; 1184];
-        let version: u32 = if self.fmc.is_some() { 3 } else { 2 };
+        let version: u32 = if cpu.is_some() { 3 } else { 2 };
         r[0..4].copy_from_slice(&version.to_le_bytes());
-        if self.fmc.is_some() {
-            r[0x188] = 0x1a; // CPUID family: Turin's
-            r[0x189] = 0x02; // model
+        if let Some((family, model)) = cpu {
+            r[0x188] = family;
+            r[0x189] = model;
         }
         r[0x08..0x10].copy_from_slice(&fields.policy.to_le_bytes());
         r[0x30..0x34].copy_from_slice(&fields.vmpl.to_le_bytes());

@@ -872,6 +872,16 @@ mod tests {
             trust(&[&issuing]).verify(&old_cert, &ek.public()),
             Err(EkError::Validity)
         );
+        // Not yet valid either (a CA's key can sign ahead).
+        let early_cert = issuing.issue_with(&ek, |p| {
+            let now = OffsetDateTime::now_utc();
+            p.not_before = now + Duration::days(1);
+            p.not_after = now + Duration::days(30);
+        });
+        assert_eq!(
+            trust(&[&issuing]).verify(&early_cert, &ek.public()),
+            Err(EkError::Validity)
+        );
         assert_eq!(
             trust(&[&issuing]).verify(&[], &ek.public()),
             Err(EkError::NoCertificate)

@@ -106,3 +106,52 @@ fn other_lines_compare_all_64_bytes() {
     let err = verify(&amd, &raw).unwrap_err();
     assert!(matches!(err, SnpError::ChipId { .. }), "{err:?}");
 }
+
+/// A VCEK is valid only within its dates: a report verified before the
+/// certificate's start (a clock set back, a certificate issued ahead) is
+/// refused as one verified after its end is.
+#[test]
+fn a_vcek_before_its_validity_is_refused() {
+    let amd = TestAmd::for_line("Turin").unwrap();
+    let raw = amd.report(&fields()).unwrap();
+    let report = snp::parse(&raw).unwrap();
+    let roots = AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]);
+    // rcgen's default validity starts in 1975.
+    let err = snp::verify_signed(&raw, &report, amd.vcek_der(), &roots, 100).unwrap_err();
+    assert!(
+        matches!(err, SnpError::CertificateTime { now: 100, .. }),
+        "{err:?}"
+    );
+}
+
+/// Attacker's move: a report read in another line's TCB layout than its
+/// chain's (the layout comes from the report's CPUID fields, or for
+/// version 2 from its chip ID): under a Turin VCEK, the FMC SVN would go
+/// unchecked and the other SVNs be read from the wrong bytes; under
+/// another line's, the reverse. Refused either way.
+#[test]
+fn a_report_in_another_lines_tcb_layout_is_refused() {
+    let turin = TestAmd::for_line("Turin").unwrap();
+    let as_genoa = turin
+        .report_of_cpu(
+            &fields(),
+            &turin.chip_id(),
+            turin.tcb_bytes(),
+            Some((0x19, 0x11)),
+        )
+        .unwrap();
+    let err = verify(&turin, &as_genoa).unwrap_err();
+    assert!(matches!(err, SnpError::TcbLayout { .. }), "{err:?}");
+
+    let milan = TestAmd::for_line("Milan").unwrap();
+    let as_turin = milan
+        .report_of_cpu(
+            &fields(),
+            &milan.chip_id(),
+            milan.tcb_bytes(),
+            Some((0x1a, 0x02)),
+        )
+        .unwrap();
+    let err = verify(&milan, &as_turin).unwrap_err();
+    assert!(matches!(err, SnpError::TcbLayout { .. }), "{err:?}");
+}

@@ -131,10 +131,13 @@ impl Collateral {
 }
 
 /// Where a cache keeps the VCEK (or VLEK) that signed `report`, relative to
-/// the cache directory: named by chip (VCEK only) and reported TCB.
+/// the cache directory: named by chip (VCEK only) and reported TCB (with
+/// the FMC SVN first where the report carries one, as Turin's do: two
+/// VCEKs of one chip that differ in it do not share a name).
 pub fn snp_certificate_path(report: &AttestationReport) -> String {
     let t = report.reported_tcb;
-    let tcb = format!("{}-{}-{}-{}", t.bootloader, t.tee, t.snp, t.microcode);
+    let fmc = t.fmc.map(|f| format!("{f}-")).unwrap_or_default();
+    let tcb = format!("{fmc}{}-{}-{}-{}", t.bootloader, t.tee, t.snp, t.microcode);
     if report.key_info.signing_key() == 1 {
         format!("snp/vlek-{tcb}.der")
     } else {

@@ -115,6 +115,13 @@ pub enum SnpError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// The report's TCB layout is not its chain's product line's (Turin's
+    /// carries an FMC SVN, the others' do not).
+    #[error("SNP report: its TCB layout is not that of {product}'s reports")]
+    TcbLayout {
+        /// The ASK (or ASVK) that issued the endorsement key.
+        product: String,
+    },
     /// The VCEK was issued for another chip.
     #[error("SNP chip_id: VCEK certifies {expected}, report has {actual}")]
     ChipId {
@@ -426,10 +433,15 @@ pub fn verify_signed(
     if signing_key == SigningKey::Vcek {
         check_chip_id(extension(&vek, oid::HW_ID)?, &report.chip_id, &product)?;
     }
+    // The report's TCB layout (sev reads it from the CPUID fields, or for
+    // a version 2 report from the chip ID) must be the chain's line's:
+    // Turin's, with the FMC SVN, under Turin's ASK, another under another.
+    let turin = product_line(&product) == "Turin";
+    if turin != report.reported_tcb.fmc.is_some() {
+        return Err(SnpError::TcbLayout { product });
+    }
     let tcb = tcb_of(&report.reported_tcb);
-    // A report in Turin's TCB layout carries the FMC SVN, which its VCEK
-    // certifies too (no other line's VCEK has the extension, so a report
-    // of another line read in that layout is refused here).
+    // A Turin report's FMC SVN is certified by its VCEK too.
     let fmc = report.reported_tcb.fmc.map(|fmc| ("fmc", oid::FMC, fmc));
     for (component, id, actual) in components(&tcb).into_iter().chain(fmc) {
         let expected = der_small_integer(extension(&vek, id)?).ok_or(SnpError::Extension {
