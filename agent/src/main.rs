@@ -204,13 +204,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let mut tpm = Tpm::open(&tcti)?;
             log_tpm_state(&mut tpm);
             let mut measured = MeasuredTpm::open(tpm, &log_path)?;
-            let cpu_policy = config.cluster.cpu_policy()?;
-            if let Some(mut tsm) = ConfigfsTsm::new(CONFIGFS_TSM_ROOT, cpu_policy.variant()) {
-                if let CpuPolicy::SevSnp(snp) = &cpu_policy {
-                    tsm = tsm.with_privlevel(snp.vmpl);
-                }
-                measured = measured.with_cpu_reporter(Arc::new(tsm));
-            }
             // Measured before anything below reads it.
             measured.record_once(
                 EventType::NodeConfig,
@@ -222,6 +215,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("node {} ({})", config.node.name, config.node.role.as_str()),
                 config.node_bytes(),
             )?;
+            let cpu_policy = config.cluster.cpu_policy()?;
+            if let Some(mut tsm) = ConfigfsTsm::new(CONFIGFS_TSM_ROOT, cpu_policy.variant()) {
+                if let CpuPolicy::SevSnp(snp) = &cpu_policy {
+                    tsm = tsm.with_privlevel(snp.vmpl);
+                }
+                measured = measured.with_cpu_reporter(Arc::new(tsm));
+            }
             for (index, value) in measured.tpm().pcr_read_all()? {
                 println!("pcr {index} sha256:{}", HexDigest(&value));
             }

@@ -207,6 +207,10 @@ pub enum ProvisionError {
     /// The node's version record could not be written or read.
     #[error("the node's version record")]
     Record(#[source] crate::upgrade::RecordError),
+    /// A member's state disk without a version record: what it runs cannot
+    /// be installed and measured again (the disk was altered).
+    #[error("the state disk has no version record: the components it runs cannot be installed and measured again")]
+    NoRecord,
     /// The node's own registry revokes it.
     #[error("this node is on its cluster's revocation list: {0}")]
     Revoked(String),
@@ -542,8 +546,8 @@ impl<'a> Provisioner<'a> {
     /// After a reboot (rejoin, recovery): installs and measures again the
     /// components the node's version record on its opened state disk names,
     /// so PCR 13 shows what the node runs (files already in place with
-    /// their hash are not fetched again). A disk without a record is left
-    /// as it is.
+    /// their hash are not fetched again). A disk without a record is
+    /// refused ([`ProvisionError::NoRecord`]).
     pub async fn reinstall_recorded(&self) -> Result<(), ProvisionError> {
         let root = self.env.root();
         match NodeVersion::load(root).map_err(ProvisionError::Record)? {
@@ -591,12 +595,11 @@ impl<'a> Provisioner<'a> {
                 }
                 Ok(())
             }
-            None => {
-                (self.log)(
-                    "no version record on the state disk; components not re-measured".into(),
-                );
-                Ok(())
-            }
+            // A member's disk always has one (a join or init installs
+            // before the disk is finished): without it nothing would be
+            // installed into memory, and the kubelet's unit, finding no
+            // binary, would be skipped as if it had started.
+            None => Err(ProvisionError::NoRecord),
         }
     }
 

@@ -160,7 +160,8 @@ async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
 /// else: a join that fails (kubeadm) marks the disk it formatted for
 /// reset; a start within that boot (the agent restarted) finds the node
 /// locked with no member's disk and schedules a reboot; a rejoin that
-/// fails (its version record damaged) leaves the member's disk as it was.
+/// fails (its version record damaged, or gone) leaves the member's disk as
+/// it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failure_after_the_lock_resets_only_what_this_boot_set_up() {
     use keel_agent::disk::{DiskState, PROVISIONED_LABEL};
@@ -231,6 +232,23 @@ async fn a_failure_after_the_lock_resets_only_what_this_boot_set_up() {
     assert_eq!(cs.uuid(&node.disk).unwrap(), member_uuid);
     assert_eq!(cs.label(&node.disk).unwrap(), PROVISIONED_LABEL);
     node.assert_disk_opens(&service);
+
+    // Attacker's move: the host writes back the sectors of the record's
+    // directory entry, so the disk holds no record: the kubelet's unit,
+    // finding no binary, would be skipped as if it had started, and the
+    // node report itself rejoined. The rejoin fails instead.
+    std::fs::remove_file(node.root.join(keel_agent::paths::NODE_VERSION)).unwrap();
+    let node = node.reboot(&ca);
+    let failed = tokio::time::timeout(Duration::from_secs(90), node.client(&ca).run())
+        .await
+        .expect("the rejoin did not finish");
+    match &failed {
+        JoinOutcome::Failed { error } => {
+            assert!(error.contains("no version record"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(cs.uuid(&node.disk).unwrap(), member_uuid);
 }
 
 /// Attacker's move: time an operator request (an upgrade, with the
