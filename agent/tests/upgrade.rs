@@ -557,6 +557,61 @@ async fn a_failure_after_the_switch_switches_back_and_measures_it() {
     );
 }
 
+/// Attacker's move: let each upgrade's downloads succeed and break what
+/// comes after the switch, so that it rolls back, and have the operator
+/// retry: each attempt measures the new components and the old ones again
+/// into a log that only a reboot empties, until the node's attestation no
+/// longer fits a handshake and it drops out of the cluster. Before that,
+/// an upgrade is refused up front, changing nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrades_that_would_outgrow_the_event_log_are_refused_before_they_start() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let node = node(&ca, &mirror, "worker", &[("KEEL_STANDIN_FAIL", "always")]).await;
+    let log_bytes = |node: &UpgradableNode| -> usize {
+        let tpm = node.tpm.lock().unwrap();
+        tpm.events()
+            .iter()
+            .map(|e| e.description.len() + e.data.len() + 64)
+            .sum()
+    };
+    let mut refused = None;
+    for attempt in 0..100 {
+        let (_, failed) = node.failed_upgrade(&new).await;
+        if failed.error.contains("event log") {
+            refused = Some((attempt, failed));
+            break;
+        }
+        assert!(failed.rolled_back, "{failed:?}");
+    }
+    let (attempts, failed) = refused.expect("no upgrade was refused for the event log");
+    eprintln!(
+        "refused after {attempts} rolled-back upgrades, the log at {} bytes: {}",
+        log_bytes(&node),
+        failed.error
+    );
+    assert!(attempts > 0);
+    assert!(
+        !failed.rolled_back && failed.running_version == FROM,
+        "{failed:?}"
+    );
+    assert!(failed.error.contains("reboot the node"), "{}", failed.error);
+    assert!(log_bytes(&node) <= keel_agent::upgrade::EVENT_LOG_BUDGET);
+    // The node still attests.
+    let issuer = keel_agent::attestation::issuer::TpmIssuer::new(node.tpm.clone());
+    let document = tokio::task::spawn_blocking(move || issuer.issue(&[7; 32], b"user data"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(document.len() <= keel_atls::cert::MAX_DOCUMENT_LEN);
+    // Nothing changed: the refusal measured nothing.
+    let before = node.component_events().len();
+    let (_, again) = node.failed_upgrade(&new).await;
+    assert!(again.error.contains("event log"), "{again:?}");
+    assert_eq!(node.component_events().len(), before);
+}
+
 // One thread: the first upgrade's task cannot start before the second
 // request is answered, whatever the machine's timing.
 #[tokio::test(flavor = "current_thread")]

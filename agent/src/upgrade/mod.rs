@@ -59,6 +59,16 @@ pub use staging::{
 
 /// Most components an upgrade plan may list.
 pub const MAX_PLAN_COMPONENTS: usize = 64;
+/// The bytes of its event log a node's attestation document may carry, of
+/// the [`keel_atls::cert::MAX_DOCUMENT_LEN`] that fit a handshake (the rest
+/// holds the quote, the EK certificate, CPU evidence and the image's
+/// signed measurements). Each upgrade adds its components' events, and a
+/// rollback the previous ones again, until the node reboots; an upgrade
+/// that could take the log past this is refused before anything changes.
+pub const EVENT_LOG_BUDGET: usize = 32 * 1024;
+/// What an event costs a document beside its description and data: its
+/// digest, PCR, type and sequence number, and their framing.
+const EVENT_OVERHEAD: usize = 64;
 
 /// What one node does in an upgrade.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -252,6 +262,22 @@ pub enum UpgradeError {
     /// A control plane's facts could not be updated.
     #[error("updating the control-plane facts")]
     Facts(#[source] FactsError),
+    /// The upgrade's measurements, with a rollback's, would take the
+    /// node's event log past what an attestation document carries: every
+    /// handshake of the node would then fail.
+    #[error(
+        "this node's event log holds {used} bytes; the upgrade and a rollback would add up to \
+         {adding}, past the {budget} of it an attestation carries: reboot the node (it \
+         measures only what it runs), then upgrade it"
+    )]
+    EventLogFull {
+        /// The log's bytes now.
+        used: usize,
+        /// What the upgrade and a rollback would add.
+        adding: usize,
+        /// [`EVENT_LOG_BUDGET`].
+        budget: usize,
+    },
     /// A step after kubeadm's upgrade failed. kubeadm's changes (the
     /// static pods' manifests, the kubelet's config, the cluster's kubeadm
     /// config on the first control plane) are not undone by switching the
@@ -429,6 +455,9 @@ impl Upgrader {
             });
         }
         may_move(&current, target).map_err(|e| failure(e, false, false))?;
+        self.log_room(&current, target)
+            .await
+            .map_err(|e| failure(e, false, false))?;
         let started = Instant::now();
         log(format!(
             "upgrading from Kubernetes {} to {} ({} components)",
@@ -446,7 +475,7 @@ impl Upgrader {
             Switching::begin(root, staging.directories()).map_err(UpgradeError::Record)
         });
         // 3. Measure before anything runs them.
-        let note = format!("Kubernetes {}", target.version);
+        let note = upgrade_note(target.version);
         let measured = match staged_ok {
             Ok(()) => self.measure(&target.components, &note).await,
             Err(error) => Err(error),
@@ -531,18 +560,44 @@ impl Upgrader {
         Ok(())
     }
 
+    /// Refuses an upgrade from `current` to `target` whose events, with
+    /// those of a rollback, would take the event log past
+    /// [`EVENT_LOG_BUDGET`].
+    async fn log_room(&self, current: &NodeVersion, target: &Target) -> Result<(), UpgradeError> {
+        let adding: usize = component_events(&target.components, &upgrade_note(target.version))
+            .iter()
+            .chain(&component_events(
+                &current.components,
+                &rollback_note(current.version),
+            ))
+            .map(|(description, data)| event_bytes(description, data))
+            .sum();
+        let tpm = SharedTpm::clone(&self.tpm);
+        let used = tokio::task::spawn_blocking(move || {
+            let tpm = tpm.lock().map_err(|_| UpgradeError::Tpm)?;
+            Ok::<_, UpgradeError>(
+                tpm.events()
+                    .iter()
+                    .map(|e| event_bytes(&e.description, &e.data))
+                    .sum::<usize>(),
+            )
+        })
+        .await
+        .map_err(|_| UpgradeError::Tpm)??;
+        if used.saturating_add(adding) > EVENT_LOG_BUDGET {
+            return Err(UpgradeError::EventLogFull {
+                used,
+                adding,
+                budget: EVENT_LOG_BUDGET,
+            });
+        }
+        Ok(())
+    }
+
     /// Measures `components` (as they are installed: their own install
     /// paths) into PCR 13, each event noting `note`.
     async fn measure(&self, components: &[Component], note: &str) -> Result<(), UpgradeError> {
-        let events: Vec<(String, Vec<u8>)> = components
-            .iter()
-            .map(|c| {
-                (
-                    format!("{} ({note})", c.description()),
-                    c.measurement_record(),
-                )
-            })
-            .collect();
+        let events = component_events(components, note);
         let tpm = SharedTpm::clone(&self.tpm);
         tokio::task::spawn_blocking(move || {
             let mut tpm = tpm.lock().map_err(|_| UpgradeError::Tpm)?;
@@ -630,7 +685,7 @@ impl Upgrader {
             ));
             return false;
         }
-        let note = format!("rollback to Kubernetes {}", previous.version);
+        let note = rollback_note(previous.version);
         // The event log must end with what the node runs: unmeasured, the
         // rollback is not complete.
         let measured = match self.measure(&previous.components, &note).await {
@@ -681,4 +736,33 @@ impl Upgrader {
         ));
         restored
     }
+}
+
+/// What an upgrade's events note.
+fn upgrade_note(version: KubernetesVersion) -> String {
+    format!("Kubernetes {version}")
+}
+
+/// What a rollback's events note.
+fn rollback_note(version: KubernetesVersion) -> String {
+    format!("rollback to Kubernetes {version}")
+}
+
+/// The events (description, data) measuring `components`, each noting
+/// `note`.
+fn component_events(components: &[Component], note: &str) -> Vec<(String, Vec<u8>)> {
+    components
+        .iter()
+        .map(|c| {
+            (
+                format!("{} ({note})", c.description()),
+                c.measurement_record(),
+            )
+        })
+        .collect()
+}
+
+/// What one event costs an attestation document, about.
+fn event_bytes(description: &str, data: &[u8]) -> usize {
+    description.len() + data.len() + EVENT_OVERHEAD
 }
