@@ -612,6 +612,36 @@ async fn upgrades_that_would_outgrow_the_event_log_are_refused_before_they_start
     assert_eq!(node.component_events().len(), before);
 }
 
+/// A plan whose measurements could never fit, even in a fresh boot's log,
+/// is refused as too large (a reboot would not help), changing nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_too_large_for_any_event_log_is_refused_as_such() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    // Never fetched: the plan is refused before anything is staged.
+    let mut big = stand_ins(&mirror, TO);
+    let long = "p".repeat(500);
+    while big.len() < keel_agent::upgrade::MAX_PLAN_COMPONENTS {
+        let n = big.len();
+        big.push(keel_proto::components::Component {
+            url: format!("https://dl.example/{long}/p{n}.json"),
+            hash: format!("sha256:{n:064x}"),
+            install_path: format!("/opt/kubernetes/patches/p{n}.json"),
+            extract: false,
+        });
+    }
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let before = node.component_events().len();
+    let (_, failed) = node.failed_upgrade(&big).await;
+    assert!(failed.error.contains("too many components"), "{failed:?}");
+    assert!(
+        !failed.rolled_back && failed.running_version == FROM,
+        "{failed:?}"
+    );
+    assert_eq!(node.component_events().len(), before);
+    assert_eq!(node.version(), FROM);
+}
+
 // One thread: the first upgrade's task cannot start before the second
 // request is answered, whatever the machine's timing.
 #[tokio::test(flavor = "current_thread")]

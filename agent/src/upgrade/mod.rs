@@ -65,7 +65,7 @@ pub const MAX_PLAN_COMPONENTS: usize = 64;
 /// signed measurements). Each upgrade adds its components' events, and a
 /// rollback the previous ones again, until the node reboots; an upgrade
 /// that could take the log past this is refused before anything changes.
-pub const EVENT_LOG_BUDGET: usize = 32 * 1024;
+pub const EVENT_LOG_BUDGET: usize = 36 * 1024;
 /// What an event costs a document beside its description and data: its
 /// digest, PCR, type and sequence number, and their framing.
 const EVENT_OVERHEAD: usize = 64;
@@ -264,7 +264,8 @@ pub enum UpgradeError {
     Facts(#[source] FactsError),
     /// The upgrade's measurements, with a rollback's, would take the
     /// node's event log past what an attestation document carries: every
-    /// handshake of the node would then fail.
+    /// handshake of the node would then fail. A reboot empties the log of
+    /// earlier upgrades.
     #[error(
         "this node's event log holds {used} bytes; the upgrade and a rollback would add up to \
          {adding}, past the {budget} of it an attestation carries: reboot the node (it \
@@ -273,6 +274,23 @@ pub enum UpgradeError {
     EventLogFull {
         /// The log's bytes now.
         used: usize,
+        /// What the upgrade and a rollback would add.
+        adding: usize,
+        /// [`EVENT_LOG_BUDGET`].
+        budget: usize,
+    },
+    /// As [`UpgradeError::EventLogFull`], but even the log of a fresh boot
+    /// (the config, the identity, the running components) leaves no room:
+    /// the plan's components, or the node's config, are too large.
+    #[error(
+        "this upgrade's measurements, with a rollback's, would add {adding} bytes to an event \
+         log of at least {fresh} even after a reboot, past the {budget} of it an attestation \
+         carries: the plan lists too many components (or too long URLs), or the node's config \
+         is too large"
+    )]
+    PlanTooLarge {
+        /// The log's bytes after a reboot, about.
+        fresh: usize,
         /// What the upgrade and a rollback would add.
         adding: usize,
         /// [`EVENT_LOG_BUDGET`].
@@ -573,17 +591,34 @@ impl Upgrader {
             .map(|(description, data)| event_bytes(description, data))
             .sum();
         let tpm = SharedTpm::clone(&self.tpm);
-        let used = tokio::task::spawn_blocking(move || {
+        let (used, components) = tokio::task::spawn_blocking(move || {
             let tpm = tpm.lock().map_err(|_| UpgradeError::Tpm)?;
-            Ok::<_, UpgradeError>(
+            let bytes = |component: bool| -> usize {
                 tpm.events()
                     .iter()
+                    .filter(|e| (e.event_type == EventType::Component) == component)
                     .map(|e| event_bytes(&e.description, &e.data))
-                    .sum::<usize>(),
-            )
+                    .sum()
+            };
+            Ok::<_, UpgradeError>((bytes(false) + bytes(true), bytes(true)))
         })
         .await
         .map_err(|_| UpgradeError::Tpm)??;
+        // After a reboot: everything but the components, and the running
+        // components once (as a rejoin measures them, without a note).
+        let running: usize = current
+            .components
+            .iter()
+            .map(|c| event_bytes(&c.description(), &c.measurement_record()))
+            .sum();
+        let fresh = used - components + running;
+        if fresh.saturating_add(adding) > EVENT_LOG_BUDGET {
+            return Err(UpgradeError::PlanTooLarge {
+                fresh,
+                adding,
+                budget: EVENT_LOG_BUDGET,
+            });
+        }
         if used.saturating_add(adding) > EVENT_LOG_BUDGET {
             return Err(UpgradeError::EventLogFull {
                 used,
