@@ -903,6 +903,10 @@ impl Registry {
         // fall silent here: it does not replace a record. One this registry
         // lacks is taken dated now, so that its EK and name are held here
         // all the same (a clock set back must not free a member's name).
+        // One with newer evidence than this registry's still counts as the
+        // node heard by a peer, now: a clock set back must not make the
+        // nodes only the peers hear look silent here either (a peer could
+        // say as much with a record dated within the skew).
         let latest = now().saturating_add(MAX_CLOCK_SKEW.as_secs());
         for (key, mut theirs) in other.nodes {
             let dated = [
@@ -911,7 +915,10 @@ impl Registry {
                 theirs.last_evidence_at,
             ];
             if dated.into_iter().flatten().any(|t| t > latest) {
-                if self.nodes.contains_key(&key) {
+                if let Some(ours) = self.nodes.get(&key) {
+                    if key == theirs.ek && theirs.last_evidence_at > ours.last_evidence_at {
+                        self.heard_from_peers.insert(key, at);
+                    }
                     continue;
                 }
                 theirs.registered_at = theirs.registered_at.min(at);
@@ -1672,10 +1679,17 @@ mod tests {
         assert!(dated.into_iter().flatten().all(|t| t <= now()), "{taken:?}");
         assert!(ours.check_name(&ek(9), "w-1").is_err(), "the name is held");
         assert!(ours.find("w-2").is_ok());
-        // Held here now, it is not replaced by the record dated ahead.
+        // Held here now, it is not replaced by the record dated ahead, but
+        // counts as heard by a peer: it does not fall silent here while
+        // the peer hears it.
         let before = ours.find("w-1").unwrap().clone();
+        ours.heard_from_peers.clear();
         ours.merge(peer());
         assert_eq!(ours.find("w-1").unwrap(), &before);
+        assert!(ours
+            .heard_from_peers
+            .get(&ek(1).to_string())
+            .is_some_and(|&t| t + 5 >= now()));
     }
 
     /// Attacker's move: partition a node from this control plane only,
