@@ -1034,10 +1034,11 @@ mod tests {
         let admission = evicting(Duration::from_secs(5));
         let vouched = admission.admit(v4(1)).now().unwrap();
         let protected = admission.admit(v4(1)).now().unwrap();
-        let in_handshake = admission.admit(v4(2)).now().unwrap();
         let idle = admission.admit(v4(2)).now().unwrap();
+        let in_handshake = admission.admit(v4(2)).now().unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
-        // Their handshakes end: younger than the stalled one now.
+        // Their handshakes end: younger than the stalled one now, though
+        // admitted before it.
         for slot in [&vouched, &protected, &idle] {
             slot.established();
         }

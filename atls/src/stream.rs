@@ -231,6 +231,11 @@ impl<C> AsyncWrite for AtlsStream<C> {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Closed to make room: done, without the close_notify a peer that
+        // reads nothing would keep pending.
+        if self.evicted(cx) {
+            return Poll::Ready(Ok(()));
+        }
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 
