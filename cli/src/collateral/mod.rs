@@ -25,7 +25,8 @@ pub enum CollateralCommand {
     /// verified with into a collateral cache directory.
     ///
     /// SEV-SNP (--vcek-from-report): from AMD's KDS, the VCEK for the
-    /// report's chip and reported TCB (snp/vcek-<chip>-<bl>-<tee>-<snp>-<ucode>.der),
+    /// report's chip and reported TCB (snp/vcek-<chip>-<bl>-<tee>-<snp>-<ucode>.der;
+    /// for Turin, snp/vcek-<chip>-<fmc>-<bl>-<tee>-<snp>-<ucode>.der),
     /// the product line's ASK/ARK chain (snp/<product>/cert_chain.pem) and
     /// its CRL (snp/<product>/crl.der). The chain must be AMD's roots pinned
     /// in keel, the VCEK must verify the report against them, and the CRL

@@ -7,8 +7,9 @@
 //! Layout under the cache directory:
 //!
 //! * `snp/vcek-<chip_id hex>-<bl>-<tee>-<snp>-<ucode>.der`: a VCEK for one
-//!   chip and TCB; `snp/vlek-<bl>-<tee>-<snp>-<ucode>.der`: a VLEK. Used only
-//!   when the document does not carry the certificate itself.
+//!   chip and TCB; `snp/vlek-<bl>-<tee>-<snp>-<ucode>.der`: a VLEK (for a
+//!   Turin report, `<fmc>-` before `<bl>`). Used only when the document
+//!   does not carry the certificate itself.
 //! * `tdx/<FMSPC, 12 upper-case hex digits>.json`: `dcap-qvl`'s
 //!   `QuoteCollateralV3` (TCB info, QE identity, CRLs, issuer chains).
 //! * `snp/<product>/crl.der`: AMD's CRL for a product line (`Milan`,
