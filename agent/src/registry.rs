@@ -223,6 +223,11 @@ pub struct Registry {
     /// longer, and fall silent though it reports every interval.
     #[serde(skip)]
     heard_from_peers: BTreeMap<String, u64>,
+    /// The evidence time of the last record dated ahead of this clock that
+    /// counted a node as heard, by the node's key; not written. The same
+    /// record served again counts no more.
+    #[serde(skip)]
+    heard_ahead: BTreeMap<String, u64>,
 }
 
 impl PartialEq for Registry {
@@ -904,9 +909,11 @@ impl Registry {
         // lacks is taken dated now, so that its EK and name are held here
         // all the same (a clock set back must not free a member's name).
         // One with newer evidence than this registry's still counts as the
-        // node heard by a peer, now: a clock set back must not make the
-        // nodes only the peers hear look silent here either (a peer could
-        // say as much with a record dated within the skew).
+        // node heard by a peer, now, once per evidence time (as a record
+        // dated within the skew would, once taken): a clock set back must
+        // not make the nodes only the peers hear look silent here either.
+        // Not a record the peer calls silent, nor one of a drift standing
+        // here.
         let latest = now().saturating_add(MAX_CLOCK_SKEW.as_secs());
         for (key, mut theirs) in other.nodes {
             let dated = [
@@ -916,8 +923,19 @@ impl Registry {
             ];
             if dated.into_iter().flatten().any(|t| t > latest) {
                 if let Some(ours) = self.nodes.get(&key) {
-                    if key == theirs.ek && theirs.last_evidence_at > ours.last_evidence_at {
-                        self.heard_from_peers.insert(key, at);
+                    let evidence = theirs.last_evidence_at.unwrap_or(0);
+                    let news = self
+                        .heard_ahead
+                        .get(&key)
+                        .is_none_or(|&seen| evidence > seen);
+                    if key == theirs.ek
+                        && news
+                        && theirs.verdict != Verdict::Silent
+                        && theirs.last_evidence_at > ours.last_evidence_at
+                        && !ours.drift_stands(at, stands)
+                    {
+                        self.heard_from_peers.insert(key.clone(), at);
+                        self.heard_ahead.insert(key, evidence);
                     }
                     continue;
                 }
@@ -1686,10 +1704,23 @@ mod tests {
         ours.heard_from_peers.clear();
         ours.merge(peer());
         assert_eq!(ours.find("w-1").unwrap(), &before);
+        let key = ek(1).to_string();
         assert!(ours
             .heard_from_peers
-            .get(&ek(1).to_string())
+            .get(&key)
             .is_some_and(|&t| t + 5 >= now()));
+        // The same record again counts no more: a peer serving one record
+        // dated ahead does not keep the node heard for good.
+        ours.heard_from_peers.clear();
+        ours.merge(peer());
+        assert!(!ours.heard_from_peers.contains_key(&key));
+        // Nor does one the peer itself calls silent.
+        let mut silent = peer();
+        let record = silent.nodes.get_mut(&key).unwrap();
+        record.last_evidence_at = Some(ahead + 60);
+        record.verdict = Verdict::Silent;
+        ours.merge(silent);
+        assert!(!ours.heard_from_peers.contains_key(&key));
     }
 
     /// Attacker's move: partition a node from this control plane only,
