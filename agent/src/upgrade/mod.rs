@@ -65,7 +65,7 @@ pub const MAX_PLAN_COMPONENTS: usize = 64;
 /// signed measurements). Each upgrade adds its components' events, and a
 /// rollback the previous ones again, until the node reboots; an upgrade
 /// that could take the log past this is refused before anything changes.
-pub const EVENT_LOG_BUDGET: usize = 36 * 1024;
+pub const EVENT_LOG_BUDGET: usize = 32 * 1024;
 /// What an event costs a document beside its description and data: its
 /// digest, PCR, type and sequence number, and their framing.
 const EVENT_OVERHEAD: usize = 64;
