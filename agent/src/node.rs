@@ -213,9 +213,10 @@ pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) -> bool {
 /// its join service serves. Until its own evidence or a registry exchange
 /// brings that record, the registry may not have it (the first control
 /// plane's never had; one recovered from an older registry may lack it),
-/// and a second TPM booted under its name would get a ticket here. What keeps the record from being made (the name held by another
-/// EK, this control plane revoked, a full registry) is logged; the service
-/// serves all the same.
+/// and a second TPM booted under its name would get a ticket here. What
+/// keeps the record from being made (the name held by another EK, this
+/// control plane revoked, a full registry) is logged; the service serves
+/// all the same.
 fn hold_own_name(registry: &RegistryStore, own_ek: &keel_verifier::ek::EkDigest, name: &str) {
     let held = registry.update(|r| r.register(own_ek, "", name, "control-plane"));
     if let Err(e) = held {
