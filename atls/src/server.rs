@@ -167,11 +167,10 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// neither vouched for ([`crate::PeerInfo::vouch`]) nor protects
     /// ([`crate::PeerInfo::protect`]) is closed, once it is `min_age` old
     /// (counted from the end of its handshake, or from its start while the
-    /// handshake lasts). Connections kept open
-    /// with requests that prove nothing then cannot keep a newcomer out;
-    /// `min_age` leaves a newcomer the time to prove itself before a burst
-    /// of connects could close it in turn. Keep `wait` under the clients'
-    /// handshake timeout.
+    /// handshake lasts). Connections kept open with requests that prove
+    /// nothing then cannot keep a newcomer out; `min_age` leaves a newcomer
+    /// the time to prove itself before a burst of connects could close it
+    /// in turn. Keep `wait` under the clients' handshake timeout.
     pub fn with_eviction(mut self, min_age: Duration, wait: Duration) -> Self {
         self.limits.eviction = Some(crate::incoming::Eviction { min_age, wait });
         self
