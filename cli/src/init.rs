@@ -18,6 +18,7 @@ use keel_verifier::cluster_settings::{
 };
 use keel_verifier::credential;
 use keel_verifier::keys::{self, KeyService};
+use keel_verifier::measurement::pcr;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use keel_verifier::validator::Verified;
 use prost::Message as _;
@@ -260,7 +261,10 @@ pub async fn run(
     let settings = Settings::load(settings_path)?;
     // Read once: the node is validated against, and its join service gets,
     // the same measurements.
-    let (measurements_body, measurements) = settings.measurements_file()?;
+    let (measurements_body, mut measurements) = settings.measurements_file()?;
+    // In no cluster, whatever the file says of PCR 15: a node that joined
+    // one (or was initialised) has it set, and gets no secret of this one.
+    measurements.require(pcr::CLUSTER_ID, [0; 32]);
     let validator = settings.validator(measurements)?;
     // Refuse a bad key before anything reaches the node.
     let signing_key = settings.signing_key()?;

@@ -212,6 +212,11 @@ async fn revoke_at(
     let (mut cp, challenge, proof) = operator
         .authorise(endpoint, REVOKE_NODE, ek.as_bytes())
         .await?;
+    // Recorded before it is sent, and as the EK asked for (not as a
+    // control plane names it): `keel recover` never sends the master
+    // secret to it, whatever becomes of the request.
+    crate::workspace::RevokedRecord::add(workspace, ek)
+        .context("recording the revoked EK in the workspace; nothing was revoked")?;
     let done = answer(
         endpoint,
         cp.client.revoke_node(RevokeNodeRequest {
@@ -221,10 +226,13 @@ async fn revoke_at(
         }),
     )
     .await?;
-    // Recorded as soon as one control plane named the EK: `keel recover`
-    // never sends the master secret to it.
-    crate::workspace::RevokedRecord::add(workspace, &done.ek)
-        .context("recording the revoked EK in the workspace")?;
+    if done.ek != ek {
+        bail!(
+            "the control plane at {endpoint} reports revoking EK {}, not the EK {} asked for",
+            printable(&done.ek),
+            printable(ek)
+        );
+    }
     Ok(format!(
         "revoked node {} (EK {}, disk {})",
         printable(&done.name),

@@ -224,7 +224,7 @@ impl RevokedRecord {
             .and_then(keel_verifier::ek::EkDigest::from_hex)
             .is_some_and(|digest| digest.to_string() == ek);
         if !well_formed {
-            anyhow::bail!("the control plane named the revoked EK in an unknown form");
+            anyhow::bail!("the EK to revoke is not of the form sha256:<64 hex digits>");
         }
         // Two `keel revoke` runs at once (a script revoking several nodes)
         // must not lose each other's EK: the read, the change and the

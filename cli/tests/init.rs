@@ -220,18 +220,19 @@ async fn second_init_is_failed_precondition() {
         .await
         .status
         .success());
-    // A CLI that accepts any PCR 15 (warn-only) reaches the node, which refuses.
+    // Settings whose measurements accept any PCR 15 (warn-only) do not
+    // make the CLI send this node a second cluster's secrets: it requires
+    // PCR 15 zero whatever the file says, and sends nothing.
     let settings = n.settings(&ca, SECRET, None);
     let m = harness::measurements(n.config.expected_config_pcr(), Expected::warn_only([0; 32]));
     std::fs::write(n.dir.path().join("measurements.json"), m.to_json()).unwrap();
     let ws2 = tempfile::tempdir().unwrap();
     let out = keel_init(&settings, ws2.path()).await;
     assert!(!out.status.success());
-    assert!(text(&out).contains("FailedPrecondition"), "{}", text(&out));
+    assert!(text(&out).contains("PCR 15"), "{}", text(&out));
     assert!(
-        text(&out).contains("already part of a cluster"),
-        "{}",
-        text(&out)
+        !ws2.path().join("keel-master-secret.json").exists(),
+        "a master secret was made for a node in a cluster"
     );
 }
 
