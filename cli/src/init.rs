@@ -141,6 +141,37 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Resul
 /// and syncs it, renames it over the file and syncs the directory: a
 /// reader sees the old content or the new, never a part. Dropped without
 /// a commit, the temporary file is removed.
+/// Records, for an init whose result did not arrive, the cluster ID its
+/// secrets make, so that the workspace's operator commands (`status`,
+/// `revoke`, `upgrade`) reach the cluster should the node have finished;
+/// returns what to add to the error.
+fn record_unconfirmed_id(
+    workspace: &Path,
+    settings: &Settings,
+    cluster_id: keys::ClusterId,
+) -> String {
+    let id = IdFile {
+        cluster_id: hex::encode(cluster_id),
+        endpoint: settings.endpoint.clone(),
+    };
+    let path = workspace.join(ID_FILE);
+    let written = serde_json::to_vec_pretty(&id)
+        .map_err(anyhow::Error::from)
+        .and_then(|json| Reserved::new(&path, 0o644, ID_ROOM)?.commit(&json));
+    match written {
+        Ok(()) => format!(
+            ". The cluster ID its secrets make, {}, is recorded in {}: if the node \
+             finished, `keel status` reaches it (its kubeconfig is not sent again)",
+            id.cluster_id,
+            path.display()
+        ),
+        Err(e) => format!(
+            ". Recording the cluster ID its secrets make, {}, failed: {e:#}",
+            id.cluster_id
+        ),
+    }
+}
+
 struct Reserved {
     path: PathBuf,
     temp: PathBuf,
@@ -492,8 +523,14 @@ pub async fn run(
             bail!(
                 "init did not end within {} s (--timeout){logs}. The node may still be \
                  working: its console shows where it stands, but its result, the kubeconfig \
-                 included, no longer reaches this machine",
-                deadline.as_secs()
+                 included, no longer reaches this machine{}",
+                deadline.as_secs(),
+                // A node that reported a failure made no cluster.
+                if outcome.failure.is_none() {
+                    record_unconfirmed_id(workspace, &settings, cluster_id)
+                } else {
+                    String::new()
+                }
             )
         }
     }
@@ -558,8 +595,9 @@ async fn follow(
                     );
                 }
                 bail!(
-                    "the connection to the node was lost during init: {}",
-                    printable(s.message())
+                    "the connection to the node was lost during init: {}{}",
+                    printable(s.message()),
+                    record_unconfirmed_id(workspace, settings, cluster_id)
                 );
             }
         };

@@ -43,6 +43,9 @@ enum Answer {
     /// Init says it created a cluster, under an ID its secrets do not
     /// make, with a kubeconfig.
     Misreport,
+    /// Init sends a log line and then nothing, its stream open (a node
+    /// whose result is lost on the way).
+    Silent,
 }
 
 /// What a flooding init API sends: a failure, then this many 64 KiB log
@@ -63,6 +66,15 @@ impl InitService for Recorder {
         match self.1 {
             Answer::Refuse => return Err(tonic::Status::unavailable("a forged node")),
             Answer::Hostile => {}
+            Answer::Silent => {
+                let line = Kind::LogLine("running kubeadm init".into());
+                let _ = tx.try_send(Ok(InitResponse { kind: Some(line) }));
+                tokio::spawn(async move {
+                    let _keep = tx;
+                    std::future::pending::<()>().await;
+                });
+                return Ok(tonic::Response::new(ReceiverStream::new(rx)));
+            }
             Answer::Misreport => {
                 let created = Kind::Success(keel_proto::init::InitSuccess {
                     cluster_id: vec![0x55; 32],
@@ -464,6 +476,28 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
     assert_eq!(served.requests(), 0, "a request reached the worker");
 }
 
+/// An init whose result never arrives (the node may have finished): the
+/// cluster ID its secrets make is recorded, so that the workspace's
+/// operator commands reach the cluster, and the error says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_init_whose_result_is_lost_keeps_its_cluster_id() {
+    let ca = EkCa::new().unwrap();
+    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&hash));
+    let served = Served::answering(&ca, &node, Answer::Silent).await;
+    let init = ["init", "--wait", "5", "--timeout", "3"];
+    let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("is recorded in"), "{}", text(&out));
+    let id: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(served.workspace.join("keel-id.json")).unwrap())
+            .unwrap();
+    let recorded = id["cluster_id"].as_str().unwrap().to_owned();
+    assert!(text(&out).contains(&recorded), "{}", text(&out));
+    assert_eq!(recorded.len(), 64);
+    assert!(!served.workspace.join("keel-admin.conf").exists());
+}
+
 /// Attacker's move: a control plane of the cluster's image, compromised
 /// after it booted (attestation passes), keeps `keel init` busy and its
 /// memory growing: a failure, then far more logs than a node sends, then
@@ -488,6 +522,8 @@ async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
         text(&out)
     );
     assert!(took < std::time::Duration::from_secs(60), "{took:?}");
+    // It reported a failure: no cluster ID is recorded.
+    assert!(!served.workspace.join("keel-id.json").exists());
     let logs = std::fs::read(served.workspace.join("keel-init-failure.log")).unwrap();
     let kept = logs.iter().filter(|b| **b == b'x').count();
     assert_eq!(kept, keel_proto::MAX_FAILURE_LOG_BYTES);
