@@ -1342,23 +1342,14 @@ impl RegistryStore {
     /// if some did not fit.
     pub fn merge(&self, theirs: Registry) -> Result<usize, RegistryError> {
         self.merge_holding_drift(theirs, Duration::ZERO, None)
+            .map(|merged| merged.added)
     }
 
     /// [`RegistryStore::merge`] with [`Registry::merge_holding_drift`];
     /// nothing is taken if this registry revokes `from`, the control plane
     /// that served `theirs` (checked under the same lock as the merge).
+    /// Returns what it took.
     fn merge_holding_drift(
-        &self,
-        theirs: Registry,
-        stands: Duration,
-        from: Option<&EkDigest>,
-    ) -> Result<usize, RegistryError> {
-        self.merge_counting(theirs, stands, from)
-            .map(|merged| merged.added)
-    }
-
-    /// [`RegistryStore::merge_holding_drift`], returning all it took.
-    fn merge_counting(
         &self,
         theirs: Registry,
         stands: Duration,
@@ -1419,7 +1410,7 @@ impl RegistryStore {
         drift_stands: Duration,
         from: &EkDigest,
     ) -> Result<Merged, RegistryError> {
-        self.merge_counting(theirs, drift_stands, Some(from))
+        self.merge_holding_drift(theirs, drift_stands, Some(from))
     }
 
     /// [`RegistryStore::merge_from_peer`] of what a control plane serves
@@ -1441,7 +1432,9 @@ impl RegistryStore {
         from: &EkDigest,
         note: bool,
     ) -> Result<usize, RegistryError> {
-        let merged = self.merge_holding_drift(theirs, drift_stands, Some(from));
+        let merged = self
+            .merge_holding_drift(theirs, drift_stands, Some(from))
+            .map(|merged| merged.added);
         if !note || matches!(merged, Err(RegistryError::PeerRevoked)) {
             return merged;
         }
