@@ -591,16 +591,18 @@ impl Upgrader {
             .map(|(description, data)| event_bytes(description, data))
             .sum();
         let tpm = SharedTpm::clone(&self.tpm);
+        // The whole log's bytes, and its components' among them.
         let (used, components) = tokio::task::spawn_blocking(move || {
             let tpm = tpm.lock().map_err(|_| UpgradeError::Tpm)?;
-            let bytes = |component: bool| -> usize {
-                tpm.events()
-                    .iter()
-                    .filter(|e| (e.event_type == EventType::Component) == component)
-                    .map(|e| event_bytes(&e.description, &e.data))
-                    .sum()
-            };
-            Ok::<_, UpgradeError>((bytes(false) + bytes(true), bytes(true)))
+            Ok::<_, UpgradeError>(tpm.events().iter().fold((0, 0), |(all, components), e| {
+                let bytes = event_bytes(&e.description, &e.data);
+                let component = if e.event_type == EventType::Component {
+                    bytes
+                } else {
+                    0
+                };
+                (all + bytes, components + component)
+            }))
         })
         .await
         .map_err(|_| UpgradeError::Tpm)??;
