@@ -157,6 +157,15 @@ impl<C> AtlsStream<C> {
     pub fn peer(&self) -> &PeerInfo<C> {
         &self.peer
     }
+
+    /// Whether the server closed this connection to make room for a
+    /// newcomer; if not, the task of `cx` is woken when it does.
+    fn evicted(&self, cx: &Context<'_>) -> bool {
+        self.peer
+            .standing
+            .as_ref()
+            .is_some_and(|s| s.poll_evicted(cx))
+    }
 }
 
 impl<C> std::fmt::Debug for AtlsStream<C> {
@@ -187,17 +196,6 @@ impl<C> AsyncRead for AtlsStream<C> {
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl<C> AtlsStream<C> {
-    /// Whether the server closed this connection to make room for a
-    /// newcomer; if not, the task of `cx` is woken when it does.
-    fn evicted(&self, cx: &Context<'_>) -> bool {
-        self.peer
-            .standing
-            .as_ref()
-            .is_some_and(|s| s.poll_evicted(cx))
     }
 }
 

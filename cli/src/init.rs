@@ -141,6 +141,15 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Resul
 /// and syncs it, renames it over the file and syncs the directory: a
 /// reader sees the old content or the new, never a part. Dropped without
 /// a commit, the temporary file is removed.
+/// What [`ID_FILE`] records of a cluster whose secrets make `cluster_id`,
+/// initialised through the settings' endpoint.
+fn id_file(settings: &Settings, cluster_id: keys::ClusterId) -> IdFile {
+    IdFile {
+        cluster_id: hex::encode(cluster_id),
+        endpoint: settings.endpoint.clone(),
+    }
+}
+
 /// Records, for an init whose result did not arrive, the cluster ID its
 /// secrets make, so that the workspace's operator commands (`status`,
 /// `revoke`, `upgrade`) reach the cluster should the node have finished;
@@ -150,10 +159,7 @@ fn record_unconfirmed_id(
     settings: &Settings,
     cluster_id: keys::ClusterId,
 ) -> String {
-    let id = IdFile {
-        cluster_id: hex::encode(cluster_id),
-        endpoint: settings.endpoint.clone(),
-    };
+    let id = id_file(settings, cluster_id);
     let path = workspace.join(ID_FILE);
     let written = serde_json::to_vec_pretty(&id)
         .map_err(anyhow::Error::from)
@@ -616,10 +622,7 @@ async fn follow(
                 }
                 let kubeconfig = outputs.kubeconfig.path.clone();
                 // The ID the workspace's secrets make is the one recorded.
-                let id = IdFile {
-                    cluster_id: hex::encode(cluster_id),
-                    endpoint: settings.endpoint.clone(),
-                };
+                let id = id_file(settings, cluster_id);
                 // Each file is tried whatever became of the other.
                 let wrote_kubeconfig = outputs.kubeconfig.commit(&success.kubeconfig);
                 let wrote_id = serde_json::to_vec_pretty(&id)
