@@ -196,6 +196,34 @@ impl ClusterState {
         self
     }
 
+    /// The images this state accepts and its rollback floor, as a control
+    /// plane's tickets carry them.
+    pub fn image_state(&self) -> ImageState {
+        ImageState {
+            join: self.join_measurements.clone(),
+            staged: self.staged_measurements.clone(),
+            signed: self.signed_measurements.clone(),
+            floor: self.image_epoch,
+        }
+    }
+
+    /// The same state with the images of `issuer` (a control plane's
+    /// rejoin ticket) where the issuer's floor is above this state's: the
+    /// state disk held an older image state (the host wrote an earlier
+    /// copy back, or this control plane was down while an image rollout
+    /// finished), and with it this control plane would admit an image the
+    /// cluster retired. A floor at or below this one changes nothing, so
+    /// an issuer with an older state cannot take this one back. Returns
+    /// whether the issuer's images were taken.
+    pub fn with_newer_image(self, issuer: ImageState) -> (Self, bool) {
+        if issuer.floor <= self.image_epoch {
+            return (self, false);
+        }
+        let mut updated = self.with_measurements(issuer.join, issuer.staged);
+        updated.signed_measurements = issuer.signed;
+        (updated.with_floor(issuer.floor), true)
+    }
+
     /// The same state with other accepted measurements: `join_measurements`
     /// and, during an image rollout, `staged_measurements`.
     pub fn with_measurements(
@@ -209,6 +237,21 @@ impl ClusterState {
             ..self.clone()
         }
     }
+}
+
+/// The images a control plane's join services accept and its image
+/// rollback floor ([`ClusterState::image_state`]).
+#[derive(Clone, Debug)]
+pub struct ImageState {
+    /// The current measurements.
+    pub join: Measurements,
+    /// A new image's measurements during its rollout.
+    pub staged: Option<Measurements>,
+    /// The signed measurements files of the accepted sets, checked with
+    /// the node config's key.
+    pub signed: Vec<SignedMeasurements>,
+    /// The rollback floor ([`ClusterState::image_epoch`]).
+    pub floor: u64,
 }
 
 impl std::fmt::Debug for ClusterState {

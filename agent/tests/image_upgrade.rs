@@ -31,11 +31,18 @@ use keel_proto::operator::{
     FinishImageUpgradeRequest, SetJoinMeasurementsRequest, StageImageMeasurementsRequest,
 };
 use keel_testkit::swtpm::EkCa;
+use keel_verifier::config::Role;
 use keel_verifier::ek::EkTrust;
 use keel_verifier::keys::operator_proof;
 use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::{SignedMeasurements, SigningPrivateKey, SigningPublicKey};
 use keel_verifier::validator::Validator;
+
+/// The PCRs of the image `set` describes (its values for every PCR it
+/// names).
+fn pcrs_of(set: &Measurements) -> std::collections::BTreeMap<u32, [u8; 32]> {
+    set.iter().map(|(pcr, e)| (*pcr, e.digest)).collect()
+}
 
 /// `state` with another measurements signing key.
 fn with_key(state: &ClusterState, key: Option<SigningPublicKey>) -> ClusterState {
@@ -371,11 +378,11 @@ async fn a_signed_new_image_joins_beside_the_old_until_the_upgrade_finishes() {
         .unwrap()
         .control_plane
         .expect("a control-plane ticket");
-    assert_eq!(carried.join, service.state.join_measurements);
-    assert_eq!(carried.staged.as_ref(), Some(&new_set));
-    assert_eq!(carried.signed.len(), 1, "the staged file, signed");
-    assert_eq!(carried.signed[0].body(), body.as_slice());
-    assert_eq!(carried.signed[0].signature(), signature.as_slice());
+    assert_eq!(carried.image.join, service.state.join_measurements);
+    assert_eq!(carried.image.staged.as_ref(), Some(&new_set));
+    assert_eq!(carried.image.signed.len(), 1, "the staged file, signed");
+    assert_eq!(carried.image.signed[0].body(), body.as_slice());
+    assert_eq!(carried.image.signed[0].signature(), signature.as_slice());
 
     // Replayed: the challenge was used; nothing changes.
     refused(
@@ -696,7 +703,7 @@ async fn a_node_of_a_new_image_accepts_a_join_service_presenting_its_signed_imag
         .unwrap()
         .control_plane
         .expect("a control-plane ticket");
-    assert_eq!(carried.signed.len(), 2);
+    assert_eq!(carried.image.signed.len(), 2);
     assert!(
         ticket(&cp, &ca, &service, true, Some(other.public_key()))
             .await
@@ -825,7 +832,7 @@ async fn an_image_older_than_one_made_current_is_not_brought_back() {
         .with_signed(current)
         .with_floor(0);
     assert_eq!(initial.image_epoch, 1);
-    service.slot.send_replace(Some(Arc::new(initial)));
+    service.slot.send_replace(Some(Arc::new(initial.clone())));
     let floor = || service.slot.borrow().clone().unwrap().image_epoch;
     let current_set = || {
         service
@@ -976,7 +983,46 @@ async fn an_image_older_than_one_made_current_is_not_brought_back() {
         .unwrap()
         .control_plane
         .expect("a control-plane ticket");
-    assert_eq!(carried.image_epoch, 2);
+    assert_eq!(carried.image.floor, 2);
+
+    // A control plane whose state disk holds the state from before B (the
+    // host wrote an earlier copy back) rejoins: its ticket carries the
+    // issuer's images, and the state it restored takes them, floor and
+    // all, so it no longer admits A. A state at or above the issuer's
+    // floor keeps its own, and a worker's ticket carries no images.
+    let rejoin = |node: &Member, role: Role| {
+        let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+        let validator = Validator::new(measurements_of(&service.tpm, &SHARED_PCRS), trust);
+        let client = TicketClient::new(node.tpm.clone(), validator, Duration::from_secs(20))
+            .for_role(role)
+            .with_measurements_key(Some(signing.public_key()));
+        let endpoint = service.endpoint.clone();
+        async move { client.rejoin_ticket(&endpoint, &join_common::uuid()).await }
+    };
+    let image = rejoin(&cp, Role::ControlPlane)
+        .await
+        .unwrap()
+        .image
+        .expect("a control plane's rejoin ticket carries the issuer's images");
+    assert_eq!((&image.join, image.floor), (&image_b, 2));
+    assert_eq!(image.signed.len(), 1, "B's file; A's was retired");
+    let stale = initial.clone();
+    assert!(stale.accepts_image(&pcrs_of(&image_a)));
+    let (taken, was_newer) = stale.with_newer_image(image.clone());
+    assert!(was_newer);
+    assert_eq!((&taken.join_measurements, taken.image_epoch), (&image_b, 2));
+    assert!(!taken.accepts_image(&pcrs_of(&image_a)), "A still admitted");
+    assert!(taken.accepts_image(&pcrs_of(&image_b)));
+    assert_eq!(taken.epoch_of(&image_b), 2);
+    let current = service.slot.borrow().clone().unwrap();
+    let (kept, was_newer) = (*current).clone().with_newer_image(initial.image_state());
+    assert!(!was_newer, "an older issuer's images taken");
+    assert_eq!((&kept.join_measurements, kept.image_epoch), (&image_b, 2));
+    let (kept, was_newer) = (*current).clone().with_newer_image(image);
+    assert!(!was_newer, "images at the same floor taken");
+    assert_eq!(kept.image_epoch, 2);
+    let worker = rejoin(&node_b, Role::Worker).await.unwrap();
+    assert!(worker.image.is_none());
 
     // A rollout withdrawn: D staged, then the current image's own file
     // staged again unstages D (its signed file goes too); D's nodes are

@@ -102,6 +102,12 @@ pub struct JoinClient {
     tickets: TicketClient,
     /// The endpoints tried: the config's, then those tickets named.
     endpoints: Mutex<Vec<String>>,
+    /// Where each round of tries starts in `endpoints` (modulo its
+    /// length), drawn at random for each boot: a control plane that
+    /// answers first but whose tickets this node must refuse after its
+    /// lock (its registry revokes the issuer, seen only on the opened
+    /// disk) would otherwise be the one asked at every boot.
+    first_endpoint: usize,
     /// Where a control plane hands its cluster state to its join service.
     cluster: Arc<ClusterSlot>,
     /// Where the operator key of a ticket goes.
@@ -130,6 +136,7 @@ impl JoinClient {
             lock,
             env,
             endpoints: Mutex::new(settings.endpoints.clone()),
+            first_endpoint: rand::random::<u16>().into(),
             settings,
             tickets,
             cluster: Arc::new(ClusterSlot::new(None)),
@@ -256,7 +263,7 @@ impl JoinClient {
         let mut rounds = Rounds::default();
         loop {
             let mut refused_at_once = true;
-            for endpoint in self.endpoints() {
+            for endpoint in rotated(self.endpoints(), self.first_endpoint) {
                 if self.lock.is_locked() {
                     return None;
                 }
@@ -461,7 +468,12 @@ impl JoinClient {
             // anything: facts that do not match the keys stop it here.
             let state = match ticket.control_plane_keys {
                 Some(keys) => {
-                    Some(p.restore_control_plane(keys, self.settings.measurements_key.clone())?)
+                    let restored =
+                        p.restore_control_plane(keys, self.settings.measurements_key.clone())?;
+                    Some(match ticket.image.take() {
+                        Some(image) => newer_image(restored, image),
+                        None => restored,
+                    })
                 }
                 None => None,
             };
@@ -601,15 +613,15 @@ impl JoinClient {
                 crate::kubeadm::config::API_SERVER_PORT,
             ),
             pki_dir: self.env.pki_dir(),
-            join_measurements: measurements.join,
-            staged_measurements: measurements.staged,
+            join_measurements: measurements.image.join,
+            staged_measurements: measurements.image.staged,
             measurements_key: self.settings.measurements_key.clone(),
-            signed_measurements: measurements.signed,
+            signed_measurements: measurements.image.signed,
             image_epoch: 0,
             control_plane_endpoints: self.endpoints(),
         };
         Ok(Some(
-            state.authorising(&[]).with_floor(measurements.image_epoch),
+            state.authorising(&[]).with_floor(measurements.image.floor),
         ))
     }
 
@@ -638,7 +650,47 @@ async fn settle(
     })
 }
 
+/// `endpoints` starting at the one at `first` (modulo their number).
+fn rotated(mut endpoints: Vec<String>, first: usize) -> Vec<String> {
+    if let Some(by) = first.checked_rem(endpoints.len()) {
+        endpoints.rotate_left(by);
+    }
+    endpoints
+}
+
+/// A restored control-plane state with the images of its rejoin ticket's
+/// issuer where they are newer ([`ClusterState::with_newer_image`]).
+fn newer_image(restored: ClusterState, image: crate::cluster::ImageState) -> ClusterState {
+    let (own, offered) = (restored.image_epoch, image.floor);
+    let (state, taken) = restored.with_newer_image(image);
+    if taken {
+        tracing::warn!(
+            own_floor = own,
+            issuer_floor = offered,
+            join_measurements = %hex::encode(state.join_measurements.digest()),
+            "this state disk held an older image state than the cluster's: \
+             serving with the issuer's accepted images and floor"
+        );
+    }
+    state
+}
+
 /// The join client's provisioning log: the agent's log.
 fn log_line(line: String) {
     tracing::info!(target: "keel_agent::provision", "{line}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rotated;
+
+    #[test]
+    fn each_round_of_tries_starts_at_the_drawn_endpoint() {
+        let endpoints: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).into();
+        let order = |first| rotated(endpoints.clone(), first).join(",");
+        assert_eq!(order(0), "a:1,b:1,c:1");
+        assert_eq!(order(1), "b:1,c:1,a:1");
+        assert_eq!(order(5), "c:1,a:1,b:1");
+        assert!(rotated(Vec::new(), 7).is_empty());
+    }
 }

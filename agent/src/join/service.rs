@@ -447,6 +447,7 @@ impl JoinService {
             measurements = %hex::encode(peer.measurements),
             "issued join ticket"
         );
+        let image = TicketImage::of(cluster, request.is_control_plane);
         Ok(IssueJoinTicketResponse {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
@@ -457,25 +458,10 @@ impl JoinService {
                 components: cluster.components.iter().map(Into::into).collect(),
             }),
             cluster_ca_cert: self.inner.ca.cert_pem.clone().into_bytes(),
-            join_measurements: if request.is_control_plane {
-                cluster.join_measurements.to_json().into_bytes()
-            } else {
-                Vec::new()
-            },
+            join_measurements: image.join,
             control_plane_endpoints: ticket_endpoints(cluster),
-            staged_measurements: match &cluster.staged_measurements {
-                Some(staged) if request.is_control_plane => staged.to_json().into_bytes(),
-                _ => Vec::new(),
-            },
-            signed_measurements: if request.is_control_plane {
-                cluster
-                    .signed_measurements
-                    .iter()
-                    .map(SignedMeasurements::to_proto)
-                    .collect()
-            } else {
-                Vec::new()
-            },
+            staged_measurements: image.staged,
+            signed_measurements: image.signed,
             authorised_components: request.is_control_plane.then(|| {
                 keel_proto::components::Components {
                     components: cluster
@@ -486,11 +472,7 @@ impl JoinService {
                 }
             }),
             registry: self.registry_for(request.is_control_plane),
-            image_epoch: if request.is_control_plane {
-                cluster.image_epoch
-            } else {
-                0
-            },
+            image_epoch: image.floor,
         })
     }
 
@@ -562,11 +544,16 @@ impl JoinService {
             measurements = %hex::encode(peer.measurements),
             "issued rejoin ticket"
         );
+        let image = TicketImage::of(cluster, is_control_plane);
         Ok(IssueRejoinTicketResponse {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
             control_plane_endpoints: ticket_endpoints(cluster),
             registry: self.registry_for(is_control_plane),
+            join_measurements: image.join,
+            staged_measurements: image.staged,
+            signed_measurements: image.signed,
+            image_epoch: image.floor,
         })
     }
 
@@ -681,6 +668,38 @@ fn require_accepted_image(cluster: &ClusterState, peer: &Verified) -> Result<(),
         Ok(())
     } else {
         Err(JoinServiceError::Withdrawn(hex::encode(peer.measurements)))
+    }
+}
+
+/// The image fields of a control plane's ticket: the images `cluster`
+/// accepts, serialised, and its rollback floor; empty in a worker's.
+#[derive(Default)]
+struct TicketImage {
+    join: Vec<u8>,
+    staged: Vec<u8>,
+    signed: Vec<keel_proto::attestation::SignedMeasurements>,
+    floor: u64,
+}
+
+impl TicketImage {
+    fn of(cluster: &ClusterState, is_control_plane: bool) -> Self {
+        if !is_control_plane {
+            return Self::default();
+        }
+        Self {
+            join: cluster.join_measurements.to_json().into_bytes(),
+            staged: cluster
+                .staged_measurements
+                .as_ref()
+                .map(|staged| staged.to_json().into_bytes())
+                .unwrap_or_default(),
+            signed: cluster
+                .signed_measurements
+                .iter()
+                .map(SignedMeasurements::to_proto)
+                .collect(),
+            floor: cluster.image_epoch,
+        }
     }
 }
 

@@ -14,12 +14,12 @@ use std::sync::Arc;
 
 use keel_atls::{Attested, ConnectError};
 use keel_installer::{Component, KubernetesVersion};
-use keel_proto::join::{IssueJoinTicketResponse, JoinSecrets};
+use keel_proto::join::{IssueJoinTicketResponse, IssueRejoinTicketResponse, JoinSecrets};
 use keel_verifier::credential::CredentialError;
 use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 
-use crate::cluster::MAX_SIGNED_MEASUREMENTS;
+use crate::cluster::{ImageState, MAX_SIGNED_MEASUREMENTS};
 use crate::registry::{Registry, MAX_REGISTRY_BYTES};
 use keel_verifier::validator::Verified;
 use subtle::ConstantTimeEq as _;
@@ -108,16 +108,10 @@ pub struct RawTicket<T> {
 /// What a control-plane ticket says its join services accept.
 #[derive(Clone, Debug)]
 pub struct TicketMeasurements {
-    /// The current measurements.
-    pub join: Measurements,
-    /// A new image's measurements during its rollout.
-    pub staged: Option<Measurements>,
-    /// The signed measurements files of the accepted sets, checked with
-    /// the node config's key.
-    pub signed: Vec<SignedMeasurements>,
-    /// The issuing control plane's image rollback floor (the new control
-    /// plane's is at least this and its current set's epoch).
-    pub image_epoch: u64,
+    /// The images the issuing control plane accepts and its rollback
+    /// floor (the new control plane's is at least this and its current
+    /// set's epoch).
+    pub image: ImageState,
     /// Components of other Kubernetes versions the operator authorised.
     pub authorised: Vec<Component>,
     /// The issuing control plane's registry: node records and revocations.
@@ -222,39 +216,85 @@ pub struct RejoinTicket {
     /// A control plane's rejoin ticket: the issuing control plane's
     /// registry.
     pub registry: Registry,
+    /// A control plane's rejoin ticket: the images the issuing control
+    /// plane accepts and its rollback floor, taken where newer than the
+    /// restored state's ([`crate::cluster::ClusterState::with_newer_image`]).
+    pub image: Option<ImageState>,
     /// The issuing control plane's EK.
     pub issuer: EkDigest,
 }
 
 impl RejoinTicket {
-    /// Checks the opened `secrets` of a rejoin ticket for `cluster_id`,
-    /// asked for by a node in role `is_control_plane`, issued by the
-    /// control plane of the EK `issuer`.
+    /// Checks the opened `secrets` and the other fields of a rejoin ticket
+    /// (`response`) for `cluster_id`, asked for by a node in role
+    /// `is_control_plane` whose config names `measurements_key`, issued by
+    /// the control plane of the EK `issuer`.
     pub fn parse(
         secrets: &JoinSecrets,
+        response: IssueRejoinTicketResponse,
         cluster_id: ClusterId,
         is_control_plane: bool,
-        endpoints: Vec<String>,
-        registry: &[u8],
+        measurements_key: Option<&SigningPublicKey>,
         issuer: EkDigest,
     ) -> Result<Self, TicketError> {
         if secrets.state_disk_key.len() != DISK_KEY_LEN {
             return Err(TicketError::Invalid("disk key length".into()));
         }
+        let control_plane_keys = control_plane_keys(secrets, is_control_plane)?;
+        let (registry, image) = if is_control_plane {
+            // A control plane of an earlier version sends no images.
+            let image = match response.join_measurements.as_slice() {
+                [] => None,
+                join => Some(image_state(
+                    join,
+                    &response.staged_measurements,
+                    &response.signed_measurements,
+                    response.image_epoch,
+                    measurements_key,
+                )?),
+            };
+            (registry_of(&response.registry)?, image)
+        } else {
+            (Registry::default(), None)
+        };
         Ok(Self {
             cluster_id,
             disk_key: Zeroizing::new(secrets.state_disk_key.clone()),
-            control_plane_keys: control_plane_keys(secrets, is_control_plane)?,
-            control_plane_endpoints: check_endpoints(endpoints)?,
+            control_plane_keys,
+            control_plane_endpoints: check_endpoints(response.control_plane_endpoints)?,
             operator_key: operator_key(secrets)?,
-            registry: if is_control_plane {
-                registry_of(registry)?
-            } else {
-                Registry::default()
-            },
+            registry,
+            image,
             issuer,
         })
     }
+}
+
+/// The images a control plane's ticket says its join services accept:
+/// the current set (`join`), the staged one (empty: none), the signed
+/// files (checked with the node config's `key`) and the rollback `floor`.
+fn image_state(
+    join: &[u8],
+    staged: &[u8],
+    signed: &[keel_proto::attestation::SignedMeasurements],
+    floor: u64,
+    key: Option<&SigningPublicKey>,
+) -> Result<ImageState, TicketError> {
+    let join = Measurements::parse(join)
+        .map_err(|e| TicketError::Invalid(format!("join measurements: {e}")))?;
+    let staged = match staged {
+        [] => None,
+        bytes => Some(
+            Measurements::parse(bytes)
+                .map_err(|e| TicketError::Invalid(format!("staged measurements: {e}")))?,
+        ),
+    };
+    Ok(ImageState {
+        join,
+        staged,
+        signed: signed_measurements(signed, key)?,
+        floor,
+    })
 }
 
 /// The registry a control plane's ticket carries (none: empty).
@@ -424,17 +464,13 @@ pub fn parse_join_ticket(
     }
     let control_plane = match control_plane_keys(secrets, is_control_plane)? {
         Some(keys) => {
-            let join = Measurements::parse(&response.join_measurements)
-                .map_err(|e| TicketError::Invalid(format!("join measurements: {e}")))?;
-            let staged = match response.staged_measurements.as_slice() {
-                [] => None,
-                bytes => Some(
-                    Measurements::parse(bytes)
-                        .map_err(|e| TicketError::Invalid(format!("staged measurements: {e}")))?,
-                ),
-            };
-            let signed = signed_measurements(&response.signed_measurements, measurements_key)?;
-            let image_epoch = response.image_epoch;
+            let image = image_state(
+                &response.join_measurements,
+                &response.staged_measurements,
+                &response.signed_measurements,
+                response.image_epoch,
+                measurements_key,
+            )?;
             let authorised = response
                 .authorised_components
                 .map(|list| list.components)
@@ -451,10 +487,7 @@ pub fn parse_join_ticket(
             Some((
                 keys,
                 TicketMeasurements {
-                    join,
-                    staged,
-                    signed,
-                    image_epoch,
+                    image,
                     authorised,
                     registry,
                     issuer,

@@ -175,10 +175,10 @@ impl TicketClient {
         check_service(service.claims(), &cluster_id)?;
         RejoinTicket::parse(
             &secrets,
+            response,
             cluster_id,
             self.is_control_plane,
-            response.control_plane_endpoints,
-            &response.registry,
+            self.measurements_key.as_ref(),
             EkDigest::of_public(&service.claims().ek),
         )
     }
