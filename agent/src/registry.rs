@@ -648,7 +648,10 @@ impl Registry {
     }
 
     /// Adds or updates the record of `ek`: its name, role and, if given,
-    /// disk UUID (`None` keeps the recorded one).
+    /// disk UUID (`None` keeps the recorded one). An empty name or role
+    /// keeps the recorded one: evidence whose log names no single identity
+    /// must not blank the node's name, which would free it for another
+    /// node and hide this one from `keel revoke <name>`.
     fn enter(
         &mut self,
         ek: &EkDigest,
@@ -675,8 +678,12 @@ impl Registry {
             kubernetes_version: String::new(),
             measurements: String::new(),
         });
-        record.name = cut(name, MAX_FIELD);
-        record.role = cut(role, MAX_FIELD);
+        if !name.is_empty() {
+            record.name = cut(name, MAX_FIELD);
+        }
+        if !role.is_empty() {
+            record.role = cut(role, MAX_FIELD);
+        }
         if let Some(disk_uuid) = disk_uuid {
             record.disk_uuid = cut(&disk_uuid.to_ascii_lowercase(), MAX_FIELD);
         }
@@ -869,6 +876,32 @@ impl Registry {
     pub fn revoke_ek(&mut self, ek: &EkDigest, reason: &str) -> Result<Revocation, RegistryError> {
         let record = NodeRecord::named_by_ek(ek);
         self.revoke(&record, None, reason)
+    }
+
+    /// This registry as another control plane served it at `served_at`
+    /// (Unix seconds, on its clock), its node records' times moved to this
+    /// clock: a time `served_at` is now here. Two control planes' clocks
+    /// differ, and a host can set one apart on purpose (within the skew
+    /// allowed, gradually enough to pass as no jump). Compared as they
+    /// are, the news of a peer whose clock runs behind would not count
+    /// here until its time passed this clock's last time for the node,
+    /// and the node could fall silent here though it reports to the peer
+    /// every interval; a peer's clock ahead would let its stale record,
+    /// silent even, replace this one's fresh one. 0 (a control plane of an
+    /// earlier version sends no time) moves nothing. Call it when the
+    /// registry arrives: time spent before the merge would count as news.
+    pub fn on_this_clock(mut self, served_at: u64) -> Self {
+        if served_at == 0 {
+            return self;
+        }
+        let offset = i128::from(now()) - i128::from(served_at);
+        let moved = |t: u64| u64::try_from((i128::from(t) + offset).max(0)).unwrap_or(u64::MAX);
+        for record in self.nodes.values_mut() {
+            record.registered_at = moved(record.registered_at);
+            record.verdict_at = moved(record.verdict_at);
+            record.last_evidence_at = record.last_evidence_at.map(moved);
+        }
+        self
     }
 
     /// Takes in another control plane's registry: its revocations join
@@ -1527,6 +1560,28 @@ mod tests {
         }
     }
 
+    /// Evidence without an identity (its log names none, or two) keeps
+    /// the node's recorded name and role: its name stays held, and found.
+    #[test]
+    fn evidence_without_an_identity_keeps_the_recorded_name() {
+        let mut r = Registry::default();
+        r.register(&ek(1), "", "w-1", "worker").unwrap();
+        let nameless = Evidence {
+            name: String::new(),
+            role: String::new(),
+            ..evidence(1, Some("PCR 13: no single node identity"))
+        };
+        r.record(&nameless).unwrap();
+        let record = &r.nodes()[&ek(1).to_string()];
+        assert_eq!(
+            (record.name.as_str(), record.role.as_str()),
+            ("w-1", "worker")
+        );
+        assert_eq!(record.verdict, Verdict::Drifted);
+        assert!(r.find("w-1").is_ok());
+        assert!(r.check_name(&ek(2), "w-1").is_err(), "the name was freed");
+    }
+
     /// A control plane holds its own record from the moment it serves,
     /// before any evidence of its own: its sweep never marks that record
     /// silent (it would revoke itself under the `revoke` policy, and
@@ -1759,6 +1814,70 @@ mod tests {
         let marked = ours.mark_silent(now(), grace, 0, &ek(0));
         assert_eq!(marked.len(), 1, "{marked:?}");
         assert_eq!(marked[0].name, "w-2");
+    }
+
+    /// A peer's clock 250 s behind this one's: its record with newer
+    /// evidence than this registry's (this clock) loses the comparison
+    /// unless its times are moved to this clock, and the node the peer
+    /// hears every interval would fall silent here. A peer's clock ahead:
+    /// its stale silent record would replace this one's fresh one.
+    #[test]
+    fn a_peers_records_are_compared_on_this_clock() {
+        let grace = Duration::from_secs(180);
+        let served = |peer_clock: u64, last: u64, verdict: Verdict| {
+            let mut peer = Registry::default();
+            peer.record(&evidence(1, None)).unwrap();
+            let record = peer.nodes.get_mut(&ek(1).to_string()).unwrap();
+            (record.last_evidence_at, record.verdict) = (Some(last), verdict);
+            (record.registered_at, record.verdict_at) = (last, last);
+            (peer, peer_clock)
+        };
+        let heard_here = |at: u64| {
+            let mut ours = Registry::default();
+            ours.record(&evidence(1, None)).unwrap();
+            ours.nodes
+                .get_mut(&ek(1).to_string())
+                .unwrap()
+                .last_evidence_at = Some(at);
+            ours
+        };
+
+        // Behind: the peer heard the node 10 s ago, on its clock.
+        let behind = now() - 250;
+        for moved in [false, true] {
+            let mut ours = heard_here(now() - 120);
+            let (peer, served_at) = served(behind, behind - 10, Verdict::Trusted);
+            let peer = if moved {
+                peer.on_this_clock(served_at)
+            } else {
+                peer
+            };
+            ours.merge(peer);
+            let silent = ours.mark_silent(now() + 60, grace, 0, &ek(0));
+            assert_eq!(silent.is_empty(), moved, "moved: {moved}, {silent:?}");
+        }
+
+        // Ahead: the peer's record is 200 s old on its clock, and silent.
+        let ahead = now() + 250;
+        for moved in [false, true] {
+            let mut ours = heard_here(now() - 10);
+            let (peer, served_at) = served(ahead, ahead - 200, Verdict::Silent);
+            let peer = if moved {
+                peer.on_this_clock(served_at)
+            } else {
+                peer
+            };
+            ours.merge(peer);
+            let verdict = ours.nodes[&ek(1).to_string()].verdict;
+            assert_eq!(verdict == Verdict::Trusted, moved, "moved: {moved}");
+        }
+
+        // An earlier version's registry (no time) is taken as it is.
+        let (peer, _) = served(now(), 77, Verdict::Trusted);
+        let kept = peer.clone().on_this_clock(0);
+        assert_eq!(kept, peer);
+        let moved = peer.on_this_clock(now() + 1000);
+        assert_eq!(moved.nodes[&ek(1).to_string()].last_evidence_at, Some(0));
     }
 
     /// A registry at every bound (nodes, revocations, each field at its

@@ -403,16 +403,16 @@ impl Session {
             return Err(EvidenceClientError::PeerRevoked);
         }
         let call = self.client.registry(RegistryRequest {});
-        let bytes = answer_within(CALL_TIMEOUT, call)
+        let served = answer_within(CALL_TIMEOUT, call)
             .await
-            .map_err(EvidenceClientError::Refused)?
-            .registry;
+            .map_err(EvidenceClientError::Refused)?;
+        let (bytes, served_at) = (served.registry, served.served_at);
         // Parsing up to the registry bound, the registry's lock and the
         // write after the merge block: not on a worker of the runtime.
         let registry = registry.clone();
         let peer = self.server_ek;
         let added = tokio::task::spawn_blocking(move || {
-            let theirs = Registry::parse(&bytes)?;
+            let theirs = Registry::parse(&bytes)?.on_this_clock(served_at);
             // Checked again under the merge's lock: a revocation may have
             // landed during the call.
             if whole {

@@ -394,6 +394,14 @@ impl EvidenceService {
         })
         .await
         .unwrap_or_else(|_| (current, Some("the validation task failed".into())));
+        // The identity event is in PCR 13, which no measurement pins: a
+        // member that adds a second one (or one that does not parse)
+        // names no identity, and drifts.
+        let failure = failure.or_else(|| {
+            identity
+                .is_none()
+                .then(|| "PCR 13: the event log names no single node identity".to_owned())
+        });
         let measurements = hex::encode(matched);
         let evidence = Evidence {
             ek,
@@ -755,8 +763,26 @@ fn peer_claims<T>(
     crate::grpc::attested_peer(request).ok_or(EvidenceError::NotAttested)
 }
 
+/// Logs a refusal and maps it. Refusals decided before any validation (a
+/// peer that is no member, revoked, busy or without a nonce) are logged at
+/// debug: any peer that completes a handshake can ask again and again,
+/// and at warn its requests would crowd the journal's rate limit and
+/// drop the events an operator needs (drifts, revocations). The rest
+/// cost the peer a nonce each, or are this control plane's own failures.
 fn refused(what: &str, e: &EvidenceError) -> tonic::Status {
-    tracing::warn!(error = %keel_atls::ErrorChain(e), "{what} refused");
+    use EvidenceError as E;
+    match e {
+        E::NotAttested
+        | E::NotMember(_)
+        | E::Revoked(_)
+        | E::Busy
+        | E::RegistryBusy
+        | E::NonceNotIssued
+        | E::NotControlPlane => {
+            tracing::debug!(error = %keel_atls::ErrorChain(e), "{what} refused")
+        }
+        _ => tracing::warn!(error = %keel_atls::ErrorChain(e), "{what} refused"),
+    }
     e.into()
 }
 
@@ -798,6 +824,9 @@ impl evidence_service_server::EvidenceService for EvidenceService {
             .registry_for(peer.claims())
             .await
             .map_err(|e| refused("registry request", &e))?;
-        Ok(tonic::Response::new(RegistryResponse { registry }))
+        Ok(tonic::Response::new(RegistryResponse {
+            registry,
+            served_at: crate::registry::now(),
+        }))
     }
 }

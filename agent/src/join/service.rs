@@ -298,11 +298,15 @@ impl JoinService {
             return Ok(());
         };
         tokio::task::spawn_blocking(move || {
-            if let Some(revocation) = registry.revocation(&own_ek) {
-                return Err(JoinServiceError::ServiceRevoked(revocation));
-            }
-            registry
-                .update(|r| r.register(&ek, &disk_uuid, &identity.name, identity.role.as_str()))
+            // Under the registry's lock: a peer's merge that revokes this
+            // control plane cannot land between the check and the record.
+            let own_revocation = registry
+                .update(|r| match r.revocation(&own_ek) {
+                    Some(revocation) => Ok(Some(revocation.clone())),
+                    None => r
+                        .register(&ek, &disk_uuid, &identity.name, identity.role.as_str())
+                        .map(|()| None),
+                })
                 .map_err(|e| match e {
                     crate::registry::RegistryError::Revoked(revocation) => {
                         JoinServiceError::Revoked(*revocation)
@@ -311,7 +315,11 @@ impl JoinService {
                         JoinServiceError::NameTaken(taken)
                     }
                     other => JoinServiceError::Registry(other),
-                })
+                })?;
+            match own_revocation {
+                Some(revocation) => Err(JoinServiceError::ServiceRevoked(revocation)),
+                None => Ok(()),
+            }
         })
         .await
         .map_err(|_| JoinServiceError::Registry(crate::registry::RegistryError::Task))?
@@ -473,6 +481,7 @@ impl JoinService {
             }),
             registry: self.registry_for(request.is_control_plane),
             image_epoch: image.floor,
+            registry_served_at: crate::registry::now(),
         })
     }
 
@@ -554,6 +563,7 @@ impl JoinService {
             staged_measurements: image.staged,
             signed_measurements: image.signed,
             image_epoch: image.floor,
+            registry_served_at: crate::registry::now(),
         })
     }
 

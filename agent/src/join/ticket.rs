@@ -253,7 +253,10 @@ impl RejoinTicket {
                     measurements_key,
                 )?),
             };
-            (registry_of(&response.registry)?, image)
+            (
+                registry_of(&response.registry, response.registry_served_at)?,
+                image,
+            )
         } else {
             (Registry::default(), None)
         };
@@ -297,11 +300,15 @@ fn image_state(
     })
 }
 
-/// The registry a control plane's ticket carries (none: empty).
-fn registry_of(bytes: &[u8]) -> Result<Registry, TicketError> {
+/// The registry a control plane's ticket carries (none: empty), served at
+/// `served_at` on the issuer's clock and moved to this one
+/// ([`Registry::on_this_clock`]).
+fn registry_of(bytes: &[u8], served_at: u64) -> Result<Registry, TicketError> {
     match bytes {
         [] => Ok(Registry::default()),
-        bytes => Registry::parse(bytes).map_err(|e| TicketError::Invalid(format!("registry: {e}"))),
+        bytes => Registry::parse(bytes)
+            .map(|registry| registry.on_this_clock(served_at))
+            .map_err(|e| TicketError::Invalid(format!("registry: {e}"))),
     }
 }
 
@@ -483,7 +490,7 @@ pub fn parse_join_ticket(
                 .map(Component::try_from)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TicketError::Invalid(format!("authorised component: {e}")))?;
-            let registry = registry_of(&response.registry)?;
+            let registry = registry_of(&response.registry, response.registry_served_at)?;
             Some((
                 keys,
                 TicketMeasurements {
