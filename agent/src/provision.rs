@@ -214,6 +214,9 @@ pub enum ProvisionError {
     /// The node's own registry revokes it.
     #[error("this node is on its cluster's revocation list: {0}")]
     Revoked(String),
+    /// Reading this node's TPM failed.
+    #[error("reading this node's TPM")]
+    Tpm(#[source] crate::tpm::TpmError),
     /// The node's image is neither the current nor the staged one of the
     /// cluster state it would restore.
     #[error(

@@ -533,6 +533,23 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         slot.borrow().is_none(),
         "a revoked node got a cluster state"
     );
+
+    // Nor does a rejoin bring it back through a control plane that never
+    // heard of the revocation (the host kept it cut off meanwhile): the
+    // ticket comes, and the node's own registry refuses it.
+    let cp1 = cp1.reboot(&ca);
+    cp0.restart().await;
+    let slot = Arc::new(ClusterSlot::new(None));
+    match run_client(&cp1, &ca, &slot).await {
+        JoinOutcome::Failed { error } => {
+            assert!(error.contains("revocation list"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        slot.borrow().is_none(),
+        "a revoked node got a cluster state"
+    );
 }
 
 /// The cluster state's facts stay what a control plane reads back after a

@@ -464,6 +464,16 @@ impl JoinClient {
         let registry = std::mem::take(&mut ticket.registry);
         let result = async {
             p.prepare(plan).await?;
+            // Revoked while a control plane the host routes this rejoin to
+            // was cut off from the others: its own registry, now readable,
+            // says so, as it does to recovery and to a restart.
+            let tpm = self.tpm.clone();
+            let own_ek =
+                tokio::task::spawn_blocking(move || crate::attestation::shared_own_ek_digest(&tpm))
+                    .await
+                    .map_err(ProvisionError::Blocking)?
+                    .map_err(ProvisionError::Tpm)?;
+            p.refuse_revoked(&own_ek).await?;
             // A control plane restores its state before the kubelet starts
             // anything: facts that do not match the keys stop it here.
             let state = match ticket.control_plane_keys {
