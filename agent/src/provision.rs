@@ -487,8 +487,18 @@ impl<'a> Provisioner<'a> {
         let (what, mounted) = match step {
             DiskStep::SetUp { uuid, key } => {
                 (self.log)(format!("setting up the state disk {device}"));
+                let formatting = disk.clone();
+                let key = Arc::new(key);
+                let format_key = key.clone();
+                tokio::task::spawn_blocking(move || formatting.format(&uuid, &format_key))
+                    .await
+                    .map_err(ProvisionError::Blocking)?
+                    .map_err(ProvisionError::Disk)?;
+                // Only a disk formatted here is reset after a failure: a
+                // format that failed (the device in use, say, or not the
+                // disk meant) leaves the device as it was.
                 self.formatted.store(true, Ordering::SeqCst);
-                let mounted = tokio::task::spawn_blocking(move || disk.set_up(&uuid, &key))
+                let mounted = tokio::task::spawn_blocking(move || disk.fill(&key))
                     .await
                     .map_err(ProvisionError::Blocking)?
                     .map_err(ProvisionError::Disk)?;

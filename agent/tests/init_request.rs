@@ -510,3 +510,59 @@ async fn a_join_locking_during_inits_disk_inspection_wins_the_answer() {
         keel_agent::disk::PROVISIONING_LABEL
     );
 }
+
+/// A format that fails (the device in use, or not the disk the operator
+/// meant) leaves the device as it was: the failure after the lock resets
+/// only a disk this boot formatted, and this one it did not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_disk_whose_format_failed_is_not_reset() {
+    use keel_agent::provision::{DiskStep, Plan, ProvisionError, Provisioner};
+    use std::os::unix::fs::PermissionsExt as _;
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "format-0", "worker");
+    let dir = tempfile::tempdir().unwrap();
+    // The device holds something that is not keel's (here: bytes that
+    // look like nothing in particular).
+    std::fs::write(&node.disk, vec![0x5a; 4 << 20]).unwrap();
+    let before = std::fs::read(&node.disk).unwrap();
+    let script = |name: &str, body: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    };
+    let wiped = dir.path().join("wiped");
+    let cryptsetup = script(
+        "busy-cryptsetup",
+        "for a; do [ \"$a\" = luksFormat ] && { echo 'Device in use' >&2; exit 5; }; done\n\
+         exec cryptsetup \"$@\"",
+    );
+    let wipefs = script("wipefs", &format!("touch {}", wiped.display()));
+    let mut env = node.env();
+    env.state_disk.as_mut().unwrap().cryptsetup =
+        keel_agent::disk::Cryptsetup::new(&cryptsetup, &wipefs);
+    let lines = std::sync::Mutex::new(Vec::new());
+    let log = |line: String| lines.lock().unwrap().push(line);
+    let p = Provisioner::new(&env, &node.tpm, &log);
+    let failed = p
+        .prepare(Plan {
+            disk: DiskStep::SetUp {
+                uuid: join_common::uuid(),
+                key: zeroize::Zeroizing::new(vec![7; 32]),
+            },
+            files: Vec::new(),
+            components: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(failed, ProvisionError::Disk(_)), "{failed:?}");
+    p.fail(&failed).await;
+    assert!(
+        !wiped.exists(),
+        "wipefs ran on a disk this boot never formatted"
+    );
+    assert!(
+        std::fs::read(&node.disk).unwrap() == before,
+        "the device changed"
+    );
+}

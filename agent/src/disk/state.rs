@@ -110,11 +110,23 @@ impl StateDisk {
             .relabel(&self.device, super::PROVISIONED_LABEL)
     }
 
-    /// Sets up a fresh disk: LUKS2 with header UUID `uuid` and `key`, then,
-    /// with a [`StateMount`], opens it, creates the file system and mounts
-    /// it. Destroys whatever the device held. Returns the mount point.
+    /// Sets up a fresh disk: [`Self::format`], then [`Self::fill`].
+    /// Destroys whatever the device held. Returns the mount point.
     pub fn set_up(&self, uuid: &str, key: &[u8]) -> Result<Option<PathBuf>, DiskError> {
-        self.cryptsetup.format_with_uuid(&self.device, uuid, key)?;
+        self.format(uuid, key)?;
+        self.fill(key)
+    }
+
+    /// Formats a fresh disk: LUKS2 with header UUID `uuid` and `key`.
+    /// Destroys whatever the device held.
+    pub fn format(&self, uuid: &str, key: &[u8]) -> Result<(), DiskError> {
+        self.cryptsetup.format_with_uuid(&self.device, uuid, key)
+    }
+
+    /// After [`Self::format`], with a [`StateMount`]: opens the disk with
+    /// `key`, creates the file system and mounts it. Returns the mount
+    /// point; without a mount, nothing happens.
+    pub fn fill(&self, key: &[u8]) -> Result<Option<PathBuf>, DiskError> {
         let Some(at) = &self.mount else {
             return Ok(None);
         };
