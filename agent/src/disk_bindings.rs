@@ -416,12 +416,18 @@ impl StoreFile {
             let unbound = record.unbound;
             let (uuid, ek) = self.binding(record.disk, &record.ek)?;
             if unbound {
-                if disks.get(&uuid) != Some(&ek) {
-                    return Err(self.corrupt(format!(
-                        "the journal ends a binding of disk {uuid} it does not hold"
-                    )));
-                }
-                disks.remove(&uuid);
+                // Absent: the snapshot is newer than the journal (a crash
+                // between a fold's new snapshot and its emptied journal),
+                // and the binding ended before the fold. Replaying the
+                // journal over it must give the snapshot's state.
+                match disks.get(&uuid) {
+                    Some(bound) if *bound != ek => {
+                        return Err(self.corrupt(format!(
+                            "the journal ends a binding of disk {uuid} to another EK"
+                        )))
+                    }
+                    _ => disks.remove(&uuid),
+                };
                 continue;
             }
             match disks.get(&uuid) {
@@ -861,14 +867,23 @@ mod tests {
             store.lookup(DISK).unwrap(),
             Some(EkDigest::from_hex(&"ab".repeat(32)).unwrap())
         );
-        // A journal that ends a binding the store does not hold (another
-        // EK's, or none) is refused; one that ends its own loads.
+        // A journal that ends a binding of the disk to another EK is
+        // refused; one that ends its own loads, and so does one that ends
+        // a binding the snapshot no longer holds (a crash between a fold's
+        // new snapshot and its emptied journal leaves the journal older
+        // than the snapshot).
         let other_ek = hex::encode([0xcd_u8; 32]);
-        for (ends, corrupt) in [(&other_ek, true), (&good_ek, false)] {
+        let gone = "0f0f0f0f-0000-4000-8000-000000000000";
+        for (disk, ends, corrupt) in [
+            (DISK, &other_ek, true),
+            (DISK, &good_ek, false),
+            (gone, &other_ek, false),
+        ] {
             lock_stores().clear();
-            let line = format!("{{\"disk\":\"{DISK}\",\"ek\":\"{ends}\",\"unbound\":true}}\n");
+            let line = format!("{{\"disk\":\"{disk}\",\"ek\":\"{ends}\",\"unbound\":true}}\n");
             std::fs::write(journal::beside(store.path()), line).unwrap();
-            let read = DiskBindings::new(dir.path()).lookup(DISK);
+            let reopened = DiskBindings::new(dir.path());
+            let read = reopened.lookup(disk);
             if corrupt {
                 assert!(
                     matches!(read, Err(DiskBindingsError::Corrupt { .. })),
@@ -876,6 +891,8 @@ mod tests {
                 );
             } else {
                 assert_eq!(read.unwrap(), None);
+                let kept = if disk == DISK { 0 } else { 1 };
+                assert_eq!(reopened.len().unwrap(), kept, "{disk}");
             }
         }
     }
