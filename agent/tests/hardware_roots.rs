@@ -75,11 +75,8 @@ fn snp_node(ca: &EkCa, amd: &Arc<TestAmd>, policy: u64) -> Node {
 
 fn snp_policy(amd: &TestAmd) -> SnpPolicy {
     SnpPolicy {
-        minimum_tcb: Tcb::from(amd.tcb()),
-        measurement: Hex(MEASUREMENT),
         host_data: Some(Hex([0; 32])),
-        allow_migration_agent: false,
-        vmpl: 0,
+        ..SnpPolicy::new(Tcb::from(amd.tcb()), Hex(MEASUREMENT))
     }
 }
 
@@ -527,9 +524,8 @@ impl CpuReporter for GeneratedTdx {
 
 fn tdx_policy() -> TdxPolicy {
     TdxPolicy {
-        mrtd: Hex(MRTD),
         rtmr: RTMR.map(|r| Some(Hex(r))),
-        allow_tcb_status: Vec::new(),
+        ..TdxPolicy::new(Hex(MRTD))
     }
 }
 

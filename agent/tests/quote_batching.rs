@@ -363,11 +363,8 @@ fn one_cpu_report_binds_the_batch_root_and_not_another_batch() {
     let n = node(&ca, Some(chip.clone()));
     let trust = CpuTrust::new(
         CpuPolicy::SevSnp(SnpPolicy {
-            minimum_tcb: Tcb::from(amd.tcb()),
-            measurement: Hex(MEASUREMENT),
             host_data: Some(Hex([0; 32])),
-            allow_migration_agent: false,
-            vmpl: 0,
+            ..SnpPolicy::new(Tcb::from(amd.tcb()), Hex(MEASUREMENT))
         }),
         Collateral::default(),
     )

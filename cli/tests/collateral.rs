@@ -385,11 +385,7 @@ fn real_collateral_that_has_expired_is_refused_and_the_cache_entry_kept() {
     // (The same collateral verifies the quote offline at a time it was
     // valid: `collateral::pcs` unit tests.)
     let quote = read("tdx/dcap-qvl/tdx_quote");
-    let policy = TdxPolicy {
-        mrtd: Hex(hex::decode("91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a3520c942a604a407de03ae6dc5f87f27428b2538873118b7").unwrap().try_into().unwrap()),
-        rtmr: [None, None, None, None],
-        allow_tcb_status: Vec::new(),
-    };
+    let policy = TdxPolicy::new(Hex(hex::decode("91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a3520c942a604a407de03ae6dc5f87f27428b2538873118b7").unwrap().try_into().unwrap()));
     let collateral = tdx_collateral_file(&data("tdx/dcap-qvl/tdx_quote_collateral.json")).unwrap();
     let claims = tdx::verify(&quote, &collateral, &IntelRoot::pinned(), &policy, TDX_TIME).unwrap();
     assert_eq!(claims.status, "UpToDate");
@@ -417,11 +413,7 @@ fn fetching_tdx_collateral_for_a_generated_platform_and_refusals() {
     // Current collateral that verifies the quote, but against a generated
     // root, not Intel's: a PCS (--pcs-url) serving it overwrites nothing.
     let root = IntelRoot::from_der(intel.root_der().to_vec());
-    let policy = TdxPolicy {
-        mrtd: Hex([1; 48]),
-        rtmr: [None, None, None, None],
-        allow_tcb_status: Vec::new(),
-    };
+    let policy = TdxPolicy::new(Hex([1; 48]));
     let served = dir.path().join("served.json");
     std::fs::write(&served, collateral.to_json()).unwrap();
     let served = tdx_collateral_file(&served).unwrap();

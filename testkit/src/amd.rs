@@ -177,6 +177,33 @@ pub struct ReportFields {
     pub vmpl: u32,
 }
 
+/// What the launch (an ID block, the author key) and the platform put in a
+/// report, beyond [`ReportFields`]; the default is a guest launched without
+/// an ID block on a platform reporting no features.
+#[derive(Clone, Debug)]
+pub struct LaunchFields {
+    /// The guest SVN the ID block set.
+    pub guest_svn: u32,
+    /// The platform info (bit 0 SMT enabled, 1 TSME, 2 ECC, 3 RAPL
+    /// disabled, 4 ciphertext hiding, 5 alias check complete).
+    pub platform_info: u64,
+    /// SHA-384 of the ID key that signed the ID block.
+    pub id_key_digest: [u8; 48],
+    /// SHA-384 of the author key; `Some` also sets `AUTHOR_KEY_EN`.
+    pub author_key_digest: Option<[u8; 48]>,
+}
+
+impl Default for LaunchFields {
+    fn default() -> Self {
+        Self {
+            guest_svn: 0,
+            platform_info: 0,
+            id_key_digest: [0; 48],
+            author_key_digest: None,
+        }
+    }
+}
+
 /// A generated AMD-like chain and the chip whose VCEK it certifies.
 pub struct TestAmd {
     roots_pem: String,
@@ -333,8 +360,7 @@ impl TestAmd {
         chip_id: &[u8; 64],
         tcb: [u8; 8],
     ) -> Result<Vec<u8>, AmdError> {
-        let cpu = self.fmc.map(|_| (0x1a, 0x02)); // Turin's family, a model
-        self.report_of_cpu(fields, chip_id, tcb, cpu)
+        self.report_of_cpu(fields, chip_id, tcb, self.cpu())
     }
 
     /// [`TestAmd::report_claiming`] as a version 3 report of the CPU
@@ -347,6 +373,34 @@ impl TestAmd {
         tcb: [u8; 8],
         cpu: Option<(u8, u8)>,
     ) -> Result<Vec<u8>, AmdError> {
+        self.build(fields, &LaunchFields::default(), chip_id, tcb, cpu)
+    }
+
+    /// [`TestAmd::report`] with the launch and platform facts `launch`.
+    pub fn report_launched(
+        &self,
+        fields: &ReportFields,
+        launch: &LaunchFields,
+    ) -> Result<Vec<u8>, AmdError> {
+        self.build(fields, launch, &self.chip_id, self.tcb_bytes(), self.cpu())
+    }
+
+    /// The CPU family and model a version 3 report names: Turin's family
+    /// and a model for Turin, none (a version 2 report) otherwise.
+    fn cpu(&self) -> Option<(u8, u8)> {
+        self.fmc.map(|_| (0x1a, 0x02))
+    }
+
+    /// A report of `fields` and `launch` claiming `chip_id` and `tcb`, as
+    /// version 3 of the CPU `cpu` or version 2, signed by the VCEK.
+    fn build(
+        &self,
+        fields: &ReportFields,
+        launch: &LaunchFields,
+        chip_id: &[u8; 64],
+        tcb: [u8; 8],
+        cpu: Option<(u8, u8)>,
+    ) -> Result<Vec<u8>, AmdError> {
         let mut r = vec![0u8; 1184];
         let version: u32 = if cpu.is_some() { 3 } else { 2 };
         r[0..4].copy_from_slice(&version.to_le_bytes());
@@ -354,13 +408,20 @@ impl TestAmd {
             r[0x188] = family;
             r[0x189] = model;
         }
+        r[0x04..0x08].copy_from_slice(&launch.guest_svn.to_le_bytes());
         r[0x08..0x10].copy_from_slice(&fields.policy.to_le_bytes());
         r[0x30..0x34].copy_from_slice(&fields.vmpl.to_le_bytes());
         r[0x34..0x38].copy_from_slice(&1u32.to_le_bytes()); // ECDSA P-384 SHA-384
         r[0x38..0x40].copy_from_slice(&tcb); // current_tcb
+        r[0x40..0x48].copy_from_slice(&launch.platform_info.to_le_bytes());
+        if let Some(author) = launch.author_key_digest {
+            r[0x48] |= 1; // key_info.AUTHOR_KEY_EN
+            r[0x110..0x140].copy_from_slice(&author);
+        }
         r[0x50..0x90].copy_from_slice(&fields.report_data);
         r[0x90..0xc0].copy_from_slice(&fields.measurement);
         r[0xc0..0xe0].copy_from_slice(&fields.host_data);
+        r[0xe0..0x110].copy_from_slice(&launch.id_key_digest);
         r[0x180..0x188].copy_from_slice(&tcb); // reported_tcb
         r[0x1a0..0x1e0].copy_from_slice(chip_id);
         r[0x1e0..0x1e8].copy_from_slice(&tcb); // committed_tcb

@@ -39,13 +39,10 @@ fn main() {
 
     let report = data("snp/milan-virtee/report_milan.bin");
     let vcek = data("snp/milan-virtee/vcek_milan.der");
-    let policy = SnpPolicy {
-        minimum_tcb: Tcb { bootloader: 3, tee: 0, snp: 8, microcode: 115 },
-        measurement: Hex(hex48("7a1e5c266c0108dbc9bb94fa926951320940915d0aafb42464bd88b579ea158d3e1a0dc39b2c60bd95b9c480cd81841f")),
-        host_data: None,
-        allow_migration_agent: false,
-        vmpl: 0,
-    };
+    let policy = SnpPolicy::new(
+        Tcb { bootloader: 3, tee: 0, snp: 8, microcode: 115 },
+        Hex(hex48("7a1e5c266c0108dbc9bb94fa926951320940915d0aafb42464bd88b579ea158d3e1a0dc39b2c60bd95b9c480cd81841f")),
+    );
     time("sev-snp (guest report, Milan VCEK)", 50, || {
         let parsed = snp::parse(&report).unwrap();
         snp::verify(&report, &parsed, &vcek, &roots, &policy, now).unwrap();
@@ -69,11 +66,7 @@ fn main() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/cvm");
     let collateral =
         tdx_collateral_file(&root.join("tdx/dcap-qvl/tdx_quote_collateral.json")).unwrap();
-    let tdx_policy = TdxPolicy {
-        mrtd: Hex(hex48("91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a3520c942a604a407de03ae6dc5f87f27428b2538873118b7")),
-        rtmr: [None; 4],
-        allow_tcb_status: Vec::new(),
-    };
+    let tdx_policy = TdxPolicy::new(Hex(hex48("91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a3520c942a604a407de03ae6dc5f87f27428b2538873118b7")));
     time("tdx (v4 quote, collateral from cache)", 50, || {
         tdx::verify(
             &quote,

@@ -563,6 +563,37 @@ mod tests {
         ));
     }
 
+    /// Policies written before the per-line minimum and the guest, platform
+    /// and TD pins existed: each parses, and its canonical form (what PCR
+    /// 12 measures) is byte for byte what it was, so no existing cluster's
+    /// config measures differently. Written out by hand: a new field
+    /// serialised with its default would show here.
+    #[test]
+    fn policies_without_the_newer_fields_measure_as_before() {
+        let m = "ab".repeat(48);
+        let h = "cd".repeat(32);
+        let snp = format!(
+            r#"{{"cluster":{{"join_port":1,"attestation":{{"variant":"sev-snp","sev_snp":{{"minimum_tcb":{{"bootloader":3,"tee":0,"snp":8,"microcode":115}},"measurement":"{m}","host_data":"{h}","allow_migration_agent":false,"vmpl":2}}}}}}}}"#
+        );
+        let expected = format!(
+            r#"{{"init_secret_hash":"","control_plane_endpoints":[],"init_port":9000,"join_port":1,"component_mirror":null,"ek_ca_pem":"","attestation":{{"variant":"sev-snp","sev_snp":{{"minimum_tcb":{{"bootloader":3,"tee":0,"snp":8,"microcode":115}},"measurement":"{m}","host_data":"{h}","allow_migration_agent":false,"vmpl":2}}}}}}"#
+        );
+        assert_eq!(
+            String::from_utf8(parse(&snp).unwrap().cluster_bytes()).unwrap(),
+            expected
+        );
+        let tdx = format!(
+            r#"{{"cluster":{{"join_port":1,"attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","rtmr":["{m}",null,null,null],"allow_tcb_status":["SWHardeningNeeded"]}}}}}}}}"#
+        );
+        let expected = format!(
+            r#"{{"init_secret_hash":"","control_plane_endpoints":[],"init_port":9000,"join_port":1,"component_mirror":null,"ek_ca_pem":"","attestation":{{"variant":"tdx","tdx":{{"mrtd":"{m}","rtmr":["{m}",null,null,null],"allow_tcb_status":["SWHardeningNeeded"]}}}}}}"#
+        );
+        assert_eq!(
+            String::from_utf8(parse(&tdx).unwrap().cluster_bytes()).unwrap(),
+            expected
+        );
+    }
+
     #[test]
     fn init_secret_compare() {
         let hash = crate::init_secret::hash(b"secret").unwrap();

@@ -158,11 +158,8 @@ fn snp_vectors() -> Vec<SnpVector> {
 /// own measurement and VMPL.
 fn policy_for(v: &SnpVector) -> SnpPolicy {
     SnpPolicy {
-        minimum_tcb: v.tcb,
-        measurement: Hex(h(v.measurement)),
-        host_data: None,
-        allow_migration_agent: false,
         vmpl: v.vmpl,
+        ..SnpPolicy::new(v.tcb, Hex(h(v.measurement)))
     }
 }
 
@@ -323,7 +320,7 @@ fn a_launch_tcb_below_the_minimum_is_refused() {
             assert!(
                 matches!(
                     err,
-                    SnpError::LaunchTcbBelowMinimum { component: c, minimum: m, actual: a }
+                    SnpError::LaunchTcbBelowMinimum { component: c, minimum: m, actual: a, .. }
                         if c == component && m == minimum && a == minimum - 1
                 ),
                 "{}: {err:?}",
@@ -338,13 +335,10 @@ fn a_vcek_from_another_chip_is_refused() {
     // The kinvolk fixture: a valid chain whose VCEK belongs to another chip.
     let report = data("snp/azure-milan-hcl-mismatch/hcl-report-snp.bin");
     let vek = pem_certs("snp/azure-milan-hcl-mismatch/certs.pem").remove(0);
-    let policy = SnpPolicy {
-        minimum_tcb: tcb(3, 0, 8, 115),
-        measurement: Hex(h("5a71e4ba7e0b83e44c8e853130a65557db0a7782cdb2d906c54b0bf5878202805ab159bfe0cf7d5749aa6f62b7094508")),
-        host_data: None,
-        allow_migration_agent: false,
-        vmpl: 0,
-    };
+    let policy = SnpPolicy::new(
+        tcb(3, 0, 8, 115),
+        Hex(h("5a71e4ba7e0b83e44c8e853130a65557db0a7782cdb2d906c54b0bf5878202805ab159bfe0cf7d5749aa6f62b7094508")),
+    );
     let err = verify_snp(
         &report,
         Binding::AzureHcl,
@@ -771,9 +765,8 @@ fn tdx_vectors() -> [TdxVector; 3] {
 
 fn tdx_policy_for(v: &TdxVector) -> TdxPolicy {
     TdxPolicy {
-        mrtd: Hex(h(v.mrtd)),
         rtmr: v.rtmr.map(|r| Some(Hex(h(r)))),
-        allow_tcb_status: Vec::new(),
+        ..TdxPolicy::new(Hex(h(v.mrtd)))
     }
 }
 

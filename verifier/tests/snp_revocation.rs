@@ -171,13 +171,7 @@ fn a_crl_in_the_name_of_amds_milan_ark_not_signed_by_it_refuses() {
 
 /// A verifier of `amd`'s chips whose collateral cache is `cache`.
 fn trust(amd: &TestAmd, cache: &Path) -> CpuTrust {
-    let policy = SnpPolicy {
-        minimum_tcb: Tcb::from(amd.tcb()),
-        measurement: Hex(MEASUREMENT),
-        host_data: None,
-        allow_migration_agent: false,
-        vmpl: 0,
-    };
+    let policy = SnpPolicy::new(Tcb::from(amd.tcb()), Hex(MEASUREMENT));
     CpuTrust::new(CpuPolicy::SevSnp(policy), Collateral::at(cache)).with_snp_roots(roots(amd))
 }
 

@@ -16,11 +16,8 @@ const MEASUREMENT: [u8; 48] = [7; 48];
 /// A verifier of `amd`'s chips that expects reports for `vmpl`.
 fn trust(amd: &TestAmd, vmpl: u32) -> CpuTrust {
     let policy = SnpPolicy {
-        minimum_tcb: Tcb::from(amd.tcb()),
-        measurement: Hex(MEASUREMENT),
-        host_data: None,
-        allow_migration_agent: false,
         vmpl,
+        ..SnpPolicy::new(Tcb::from(amd.tcb()), Hex(MEASUREMENT))
     };
     CpuTrust::new(CpuPolicy::SevSnp(policy), Collateral::default())
         .with_snp_roots(AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]))

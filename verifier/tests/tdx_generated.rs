@@ -29,9 +29,8 @@ fn fields() -> TdFields {
 
 fn policy() -> TdxPolicy {
     TdxPolicy {
-        mrtd: Hex(MRTD),
         rtmr: RTMR.map(|r| Some(Hex(r))),
-        allow_tcb_status: Vec::new(),
+        ..TdxPolicy::new(Hex(MRTD))
     }
 }
 

@@ -206,11 +206,7 @@ fn check(
     root: &IntelRoot,
     now: u64,
 ) -> Result<(), PcsError> {
-    let policy = TdxPolicy {
-        mrtd: Hex(mrtd),
-        rtmr: [None, None, None, None],
-        allow_tcb_status: Vec::new(),
-    };
+    let policy = TdxPolicy::new(Hex(mrtd));
     let verdict = "keel: the quote verifies with this collateral against Intel's root now";
     match tdx::verify(quote, collateral, root, &policy, now) {
         Ok(claims) => eprintln!("{verdict}: TCB status {}", claims.status),
@@ -380,11 +376,7 @@ mod tests {
 
     /// The policy a verifier of the generated quote holds.
     fn policy(mrtd: [u8; 48]) -> TdxPolicy {
-        TdxPolicy {
-            mrtd: Hex(mrtd),
-            rtmr: [None, None, None, None],
-            allow_tcb_status: Vec::new(),
-        }
+        TdxPolicy::new(Hex(mrtd))
     }
 
     /// Writes `files` into a new cache directory.

@@ -9,10 +9,11 @@
 //! * [`policy`]: the variant and its expected values, as the cluster config
 //!   states them (measured into PCR 12);
 //! * [`snp`]: a report against the pinned AMD roots (VCEK/VLEK → ASK/ASVK →
-//!   ARK), the minimum TCB, the guest policy and the launch measurement;
+//!   ARK), the minimum TCB of its product line, the guest policy, the
+//!   platform, the launch measurement and the pinned launch identity;
 //! * [`tdx`]: a quote against Intel's SGX root CA with local collateral
 //!   (`dcap-qvl`): PCK chain, CRLs, TCB status, QE identity, TD attributes,
-//!   MRTD and RTMRs;
+//!   MRTD, RTMRs and the pinned XFAM, MRCONFIGID and MROWNER;
 //! * [`binding`]: how `report_data` commits to the attestation key (the
 //!   guest's own configfs-tsm report, or Azure's HCL report);
 //! * [`collateral`]: the local cache of certificates and collateral, read

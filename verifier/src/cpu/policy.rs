@@ -2,6 +2,7 @@
 //! states them (`cluster.attestation`, measured into PCR 12 with the rest of
 //! the cluster part). The `vtpm` variant is the default and has no section.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -83,12 +84,146 @@ impl From<[u8; 4]> for Tcb {
     }
 }
 
-/// What a SEV-SNP report must show.
+/// An AMD product line, as the ASK (or ASVK) that issued a report's
+/// endorsement key names it (`SEV-Milan` and `SEV-VLEK-Milan` are
+/// `Milan`): TCB SVNs are comparable only within one line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum ProductLine {
+    /// EPYC 7003.
+    Milan,
+    /// EPYC 9004.
+    Genoa,
+    /// EPYC 9005: its TCB carries an FMC SVN.
+    Turin,
+}
+
+impl ProductLine {
+    /// The line's name, as its ASK's common name carries it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Milan => "Milan",
+            Self::Genoa => "Genoa",
+            Self::Turin => "Turin",
+        }
+    }
+
+    /// The line named `name` (e.g. `Milan`); `None` for any other name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Milan, Self::Genoa, Self::Turin]
+            .into_iter()
+            .find(|line| line.as_str() == name)
+    }
+}
+
+impl fmt::Display for ProductLine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One product line's minimum TCB: the four SVNs of [`Tcb`] and, for
+/// Turin only, the FMC SVN.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LineTcb {
+    /// PSP bootloader SVN.
+    pub bootloader: u8,
+    /// PSP OS (TEE) SVN.
+    pub tee: u8,
+    /// SNP firmware SVN.
+    pub snp: u8,
+    /// Microcode SVN.
+    pub microcode: u8,
+    /// FMC SVN (Turin only); absent means no minimum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fmc: Option<u8>,
+}
+
+impl LineTcb {
+    /// The four SVNs every line has.
+    pub fn tcb(&self) -> Tcb {
+        Tcb {
+            bootloader: self.bootloader,
+            tee: self.tee,
+            snp: self.snp,
+            microcode: self.microcode,
+        }
+    }
+}
+
+impl From<Tcb> for LineTcb {
+    /// The four SVNs, without an FMC minimum.
+    fn from(tcb: Tcb) -> Self {
+        Self {
+            bootloader: tcb.bootloader,
+            tee: tcb.tee,
+            snp: tcb.snp,
+            microcode: tcb.microcode,
+            fmc: None,
+        }
+    }
+}
+
+/// The minimum TCB a report is held to, and the setting it comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MinimumTcb {
+    /// The SVNs.
+    pub tcb: LineTcb,
+    /// `minimum_tcb` or `minimum_tcb_by_line`.
+    pub setting: &'static str,
+}
+
+/// A platform feature the report's `platform_info` can show enabled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PlatformFeature {
+    /// Transparent SME: all host memory encrypted (bit 1).
+    Tsme,
+    /// ECC memory in use (bit 2).
+    Ecc,
+    /// RAPL, a power side channel, disabled (bit 3).
+    RaplDisabled,
+    /// Ciphertext hiding for DRAM enabled (bit 4).
+    CiphertextHiding,
+    /// Alias detection completed since reset and found no aliased
+    /// addresses (bit 5; the BadRAM mitigation).
+    AliasCheckComplete,
+}
+
+impl PlatformFeature {
+    /// The `platform_info` bit.
+    pub fn bit(self) -> u32 {
+        match self {
+            Self::Tsme => 1,
+            Self::Ecc => 2,
+            Self::RaplDisabled => 3,
+            Self::CiphertextHiding => 4,
+            Self::AliasCheckComplete => 5,
+        }
+    }
+
+    /// The kebab-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tsme => "tsme",
+            Self::Ecc => "ecc",
+            Self::RaplDisabled => "rapl-disabled",
+            Self::CiphertextHiding => "ciphertext-hiding",
+            Self::AliasCheckComplete => "alias-check-complete",
+        }
+    }
+}
+
+/// What a SEV-SNP report must show. Only `minimum_tcb` and `measurement`
+/// are required. The fields after `vmpl` came later: each is left out of
+/// the canonical form at its default, which checks nothing, so a policy
+/// written before them parses to the same value and measures the same.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SnpPolicy {
     /// Every component of `reported_tcb` and of `launch_tcb` must be at
-    /// least this.
+    /// least this, unless `minimum_tcb_by_line` has an entry for the
+    /// report's product line, which then applies instead.
     pub minimum_tcb: Tcb,
     /// The launch measurement (48 bytes).
     pub measurement: Hex<48>,
@@ -105,6 +240,107 @@ pub struct SnpPolicy {
     /// privileged code.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub vmpl: u32,
+    /// The minimum TCB of reports of one product line, replacing
+    /// `minimum_tcb` for that line (SVNs of different lines are not
+    /// comparable); lines without an entry keep `minimum_tcb`. Turin's
+    /// entry may also set `fmc`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub minimum_tcb_by_line: BTreeMap<ProductLine, LineTcb>,
+    /// The guest SVN (set by the ID block at launch) must be at least
+    /// this; 0, the default, checks nothing.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub minimum_guest_svn: u32,
+    /// The SHA-384 digest of the ID key that signed the guest's ID block;
+    /// absent means not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id_key_digest: Option<Hex<48>>,
+    /// The SHA-384 digest of the author key that certified the ID key
+    /// (the report must have `AUTHOR_KEY_EN`); absent means not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub author_key_digest: Option<Hex<48>>,
+    /// Accept a guest that may run on SMT siblings (default). `false`
+    /// requires a guest policy that forbids SMT, which the firmware
+    /// enforces for the guest's life, and a platform that reports SMT
+    /// disabled.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub allow_smt: bool,
+    /// Require a guest policy that restricts the guest to one socket.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub require_single_socket: bool,
+    /// Platform features `platform_info` must show enabled.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub require_platform: BTreeSet<PlatformFeature>,
+}
+
+impl SnpPolicy {
+    /// A policy of `minimum_tcb` and `measurement` that checks nothing
+    /// else beyond what every report must show (no debugging, no migration
+    /// agent, VMPL 0): the base for a struct update.
+    pub fn new(minimum_tcb: Tcb, measurement: Hex<48>) -> Self {
+        Self {
+            minimum_tcb,
+            measurement,
+            host_data: None,
+            allow_migration_agent: false,
+            vmpl: 0,
+            minimum_tcb_by_line: BTreeMap::new(),
+            minimum_guest_svn: 0,
+            id_key_digest: None,
+            author_key_digest: None,
+            allow_smt: true,
+            require_single_socket: false,
+            require_platform: BTreeSet::new(),
+        }
+    }
+
+    /// The minimum a report of the product line `line` (as
+    /// [`super::snp::product_line`] names it) is held to: its entry in
+    /// `minimum_tcb_by_line` if it has one, `minimum_tcb` otherwise.
+    pub fn minimum_tcb_for(&self, line: &str) -> MinimumTcb {
+        match ProductLine::from_name(line).and_then(|l| self.minimum_tcb_by_line.get(&l)) {
+            Some(entry) => MinimumTcb {
+                tcb: *entry,
+                setting: "minimum_tcb_by_line",
+            },
+            None => MinimumTcb {
+                tcb: self.minimum_tcb.into(),
+                setting: "minimum_tcb",
+            },
+        }
+    }
+
+    /// What parsing cannot refuse: a VMPL SNP does not define, an FMC
+    /// minimum for a line without an FMC SVN, a key digest of zeros (the
+    /// report's value when no key was given, so it would name no key).
+    fn validate(&self) -> Result<(), String> {
+        if self.vmpl > MAX_VMPL {
+            return Err(format!(
+                "sev_snp.vmpl {} is not a VMPL (0-{MAX_VMPL})",
+                self.vmpl
+            ));
+        }
+        if let Some((line, _)) = self
+            .minimum_tcb_by_line
+            .iter()
+            .find(|(line, tcb)| **line != ProductLine::Turin && tcb.fmc.is_some())
+        {
+            return Err(format!(
+                "sev_snp.minimum_tcb_by_line.{line}.fmc: only Turin's TCB has an FMC SVN"
+            ));
+        }
+        for (name, digest) in [
+            ("id_key_digest", &self.id_key_digest),
+            ("author_key_digest", &self.author_key_digest),
+        ] {
+            if digest.is_some_and(|d| d.0 == [0; 48]) {
+                return Err(format!(
+                    "sev_snp.{name} is all zeros, what a report without that key shows: \
+                     name the key's SHA-384 digest or leave it out"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Highest VMPL SEV-SNP defines.
@@ -112,6 +348,18 @@ pub const MAX_VMPL: u32 = 3;
 
 fn is_zero(v: &u32) -> bool {
     *v == 0
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
+fn is_true(v: &bool) -> bool {
+    *v
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// TCB statuses the TCB info can give; only `UpToDate` is accepted unless
@@ -128,7 +376,9 @@ pub const TDX_TCB_STATUSES: [&str; 9] = [
     "Revoked",
 ];
 
-/// What a TDX quote must show.
+/// What a TDX quote must show. `xfam`, `mr_config_id` and `mr_owner` came
+/// later: each is left out of the canonical form when absent, so a policy
+/// written before them parses to the same value and measures the same.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TdxPolicy {
@@ -140,6 +390,45 @@ pub struct TdxPolicy {
     /// TCB statuses accepted besides `UpToDate`, by name (never `Revoked`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow_tcb_status: Vec<String>,
+    /// XFAM, the extended features the TD may use (8 bytes as the quote
+    /// carries them, little-endian); absent means not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xfam: Option<Hex<8>>,
+    /// MRCONFIGID, the TD's configuration as its creator set it (48
+    /// bytes); absent means not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mr_config_id: Option<Hex<48>>,
+    /// MROWNER, the TD owner's identity as its creator set it (48 bytes);
+    /// absent means not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mr_owner: Option<Hex<48>>,
+}
+
+impl TdxPolicy {
+    /// A policy of `mrtd` that checks nothing else beyond what every quote
+    /// must show (no debugging, `UpToDate`): the base for a struct update.
+    pub fn new(mrtd: Hex<48>) -> Self {
+        Self {
+            mrtd,
+            rtmr: [None; 4],
+            allow_tcb_status: Vec::new(),
+            xfam: None,
+            mr_config_id: None,
+            mr_owner: None,
+        }
+    }
+
+    /// What parsing cannot refuse: an unknown TCB status, or `Revoked`.
+    fn validate(&self) -> Result<(), String> {
+        match self
+            .allow_tcb_status
+            .iter()
+            .find(|s| *s == "Revoked" || !TDX_TCB_STATUSES.contains(&s.as_str()))
+        {
+            Some(status) => Err(format!("TCB status {status:?} cannot be allowed")),
+            None => Ok(()),
+        }
+    }
 }
 
 /// `cluster.attestation` as written.
@@ -191,8 +480,10 @@ impl CpuPolicy {
 impl TryFrom<&AttestationConfig> for CpuPolicy {
     type Error = String;
 
-    /// Refuses a variant without its section, a section for another variant,
-    /// and unknown or `Revoked` TCB statuses.
+    /// Refuses a variant without its section, a section for another
+    /// variant, and values parsing takes but the variant cannot use (an
+    /// unknown or `Revoked` TCB status, a VMPL above 3, an FMC minimum for
+    /// a line other than Turin, a key digest of zeros).
     fn try_from(c: &AttestationConfig) -> Result<Self, String> {
         let other = |name: &str| {
             format!(
@@ -210,12 +501,7 @@ impl TryFrom<&AttestationConfig> for CpuPolicy {
                     .sev_snp
                     .clone()
                     .ok_or_else(|| "the sev-snp variant needs a sev_snp section".to_string())?;
-                if snp.vmpl > MAX_VMPL {
-                    return Err(format!(
-                        "sev_snp.vmpl {} is not a VMPL (0-{MAX_VMPL})",
-                        snp.vmpl
-                    ));
-                }
+                snp.validate()?;
                 Ok(Self::SevSnp(snp))
             }
             Variant::Tdx if c.sev_snp.is_some() => Err(other("sev_snp")),
@@ -224,11 +510,7 @@ impl TryFrom<&AttestationConfig> for CpuPolicy {
                     .tdx
                     .clone()
                     .ok_or_else(|| "the tdx variant needs a tdx section".to_string())?;
-                for status in &tdx.allow_tcb_status {
-                    if status == "Revoked" || !TDX_TCB_STATUSES.contains(&status.as_str()) {
-                        return Err(format!("TCB status {status:?} cannot be allowed"));
-                    }
-                }
+                tdx.validate()?;
                 Ok(Self::Tdx(tdx))
             }
         }

@@ -10,20 +10,23 @@
 //! the roots are loaded: only the endorsement key's link is per report. The
 //! endorsement key certificate must be valid at the verification time,
 //! certify this chip (`hwID`, VCEK only: a VLEK report masks the chip ID)
-//! and certify exactly the reported TCB.
+//! and certify exactly the reported TCB. [`SnpClaims::check`] then holds
+//! the authentic report to the policy: the TCB to the minimum of its
+//! product line (the chain names the line), the guest policy and platform
+//! bits, the guest SVN, the measurement and the pinned key digests.
 //!
 //! [`check_revocation`] checks AMD's CRL for a product line (the ARK's, as
 //! KDS serves it): signed by the ARK with RSASSA-PSS SHA-384, current, and
 //! listing neither the ASK (or ASVK) nor the endorsement key.
 
 use ring::signature::{UnparsedPublicKey, ECDSA_P384_SHA384_FIXED, RSA_PSS_2048_8192_SHA384};
-use sev::firmware::guest::{AttestationReport, GuestPolicy};
+use sev::firmware::guest::{AttestationReport, GuestPolicy, PlatformInfo};
 use sev::parser::ByteParser as _;
 use subtle::ConstantTimeEq as _;
 use x509_parser::prelude::{FromDer as _, X509Certificate};
 use x509_parser::revocation_list::CertificateRevocationList;
 
-use super::policy::{SnpPolicy, Tcb};
+use super::policy::{MinimumTcb, SnpPolicy, Tcb};
 
 /// Size of an SNP attestation report.
 pub const REPORT_BYTES: usize = 1184;
@@ -155,9 +158,17 @@ pub enum SnpError {
         /// The policy.
         policy: u64,
     },
-    /// A TCB component is below the configured minimum.
-    #[error("SNP reported_tcb.{component}: expected at least {minimum}, actual {actual}")]
+    /// A TCB component is below the configured minimum for the report's
+    /// product line.
+    #[error(
+        "SNP {line} reported_tcb.{component}: expected at least {minimum} ({setting}), actual {actual}"
+    )]
     TcbBelowMinimum {
+        /// The product line, e.g. `Turin`.
+        line: String,
+        /// Where the minimum comes from: `minimum_tcb` or
+        /// `minimum_tcb_by_line`.
+        setting: &'static str,
         /// The TCB component.
         component: &'static str,
         /// The configured minimum.
@@ -166,15 +177,78 @@ pub enum SnpError {
         actual: u8,
     },
     /// The guest was launched under a TCB component below the configured
-    /// minimum (firmware updated while it ran does not undo its launch).
-    #[error("SNP launch_tcb.{component}: expected at least {minimum}, actual {actual}")]
+    /// minimum for the report's product line (firmware updated while it
+    /// ran does not undo its launch).
+    #[error(
+        "SNP {line} launch_tcb.{component}: expected at least {minimum} ({setting}), actual {actual}"
+    )]
     LaunchTcbBelowMinimum {
+        /// The product line, e.g. `Turin`.
+        line: String,
+        /// Where the minimum comes from: `minimum_tcb` or
+        /// `minimum_tcb_by_line`.
+        setting: &'static str,
         /// The TCB component.
         component: &'static str,
         /// The configured minimum.
         minimum: u8,
         /// The SVN at launch.
         actual: u8,
+    },
+    /// The guest policy allows SMT and the config does not.
+    #[error("SNP policy.smt: expected 0 (allow_smt is false), actual 1 (policy {policy:#x})")]
+    SmtAllowed {
+        /// The policy.
+        policy: u64,
+    },
+    /// The platform runs with SMT enabled and the config does not allow it.
+    #[error(
+        "SNP platform_info.smt_en: expected 0 (allow_smt is false), actual 1 (platform_info {platform_info:#x})"
+    )]
+    PlatformSmt {
+        /// The platform info.
+        platform_info: u64,
+    },
+    /// The guest policy does not restrict the guest to one socket and the
+    /// config requires it.
+    #[error("SNP policy.single_socket: expected 1, actual 0 (policy {policy:#x})")]
+    SingleSocket {
+        /// The policy.
+        policy: u64,
+    },
+    /// A platform feature the config requires is not enabled.
+    #[error(
+        "SNP platform_info.{feature}: expected 1, actual 0 (platform_info {platform_info:#x})"
+    )]
+    PlatformFeature {
+        /// The feature, e.g. `alias-check-complete`.
+        feature: &'static str,
+        /// The platform info.
+        platform_info: u64,
+    },
+    /// The guest SVN is below the configured minimum.
+    #[error("SNP guest_svn: expected at least {minimum}, actual {actual}")]
+    GuestSvnBelowMinimum {
+        /// The configured minimum.
+        minimum: u32,
+        /// The report's guest SVN.
+        actual: u32,
+    },
+    /// The ID key digest differs.
+    #[error("SNP id_key_digest: expected {expected}, actual {actual}")]
+    IdKeyDigest {
+        /// Configured (hex).
+        expected: String,
+        /// Reported (hex).
+        actual: String,
+    },
+    /// The author key digest differs, or the report has no author key.
+    #[error("SNP author_key_digest: expected {expected}, actual {actual}")]
+    AuthorKeyDigest {
+        /// Configured (hex).
+        expected: String,
+        /// Reported (hex), or `none` when `AUTHOR_KEY_EN` is 0.
+        actual: String,
     },
     /// The report was requested for another VMPL than the config names.
     #[error("SNP vmpl: expected {expected}, actual {actual}")]
@@ -243,10 +317,16 @@ pub struct SnpClaims {
     pub chip_id: [u8; 64],
     /// The TCB the endorsement key was derived for.
     pub reported_tcb: Tcb,
+    /// The FMC SVN of `reported_tcb` (Turin only).
+    pub reported_fmc: Option<u8>,
     /// The TCB when the guest was launched.
     pub launch_tcb: Tcb,
+    /// The FMC SVN of `launch_tcb` (Turin only).
+    pub launch_fmc: Option<u8>,
     /// The guest policy.
     pub policy: u64,
+    /// The platform info.
+    pub platform_info: u64,
     /// The VMPL that requested the report.
     pub vmpl: u32,
     /// The guest SVN.
@@ -255,6 +335,12 @@ pub struct SnpClaims {
     pub measurement: [u8; 48],
     /// Host data set at launch.
     pub host_data: [u8; 32],
+    /// SHA-384 digest of the ID key that signed the ID block (zeros
+    /// without one).
+    pub id_key_digest: [u8; 48],
+    /// SHA-384 digest of the author key that certified the ID key; `None`
+    /// when `AUTHOR_KEY_EN` is 0.
+    pub author_key_digest: Option<[u8; 48]>,
     /// The 64 guest-chosen bytes.
     pub report_data: [u8; 64],
 }
@@ -463,12 +549,20 @@ pub fn verify_signed(
         signing_key,
         chip_id: report.chip_id,
         reported_tcb: tcb,
+        reported_fmc: report.reported_tcb.fmc,
         launch_tcb: tcb_of(&report.launch_tcb),
+        launch_fmc: report.launch_tcb.fmc,
         policy: u64::from(report.policy),
+        platform_info: u64::from(report.plat_info),
         vmpl: report.vmpl,
         guest_svn: report.guest_svn,
         measurement: report.measurement,
         host_data: report.host_data,
+        id_key_digest: report.id_key_digest,
+        author_key_digest: report
+            .key_info
+            .author_key_en()
+            .then_some(report.author_key_digest),
         report_data: report.report_data,
     })
 }
@@ -643,14 +737,22 @@ fn components(tcb: &Tcb) -> [(&'static str, &'static str, u8); 4] {
     ]
 }
 
-/// The first component of `tcb` below `minimum`: its name, the minimum and
-/// its SVN.
-fn below(tcb: &Tcb, minimum: &Tcb) -> Option<(&'static str, u8, u8)> {
+/// The first component of `tcb` (with the FMC SVN `fmc`, Turin's) below
+/// `minimum`: its name, the minimum and its SVN. An FMC minimum holds a
+/// report without an FMC SVN to 0 (the policy allows one for Turin only,
+/// whose reports always carry it).
+fn below(tcb: &Tcb, fmc: Option<u8>, minimum: &MinimumTcb) -> Option<(&'static str, u8, u8)> {
+    let fmc = minimum
+        .tcb
+        .fmc
+        .map(|minimum| (("fmc", fmc.unwrap_or(0)), minimum));
     components(tcb)
         .into_iter()
-        .zip(components(minimum))
-        .find(|((_, _, actual), (_, _, minimum))| actual < minimum)
-        .map(|((component, _, actual), (_, _, minimum))| (component, minimum, actual))
+        .zip(components(&minimum.tcb.tcb()))
+        .map(|((component, _, actual), (_, _, minimum))| ((component, actual), minimum))
+        .chain(fmc)
+        .find(|((_, actual), minimum)| actual < minimum)
+        .map(|((component, actual), minimum)| (component, minimum, actual))
 }
 
 fn extension<'a>(cert: &'a X509Certificate<'_>, id: &'static str) -> Result<&'a [u8], SnpError> {
@@ -710,10 +812,19 @@ fn verify_signature(raw: &[u8], vek: &X509Certificate<'_>) -> Result<(), SnpErro
 }
 
 impl SnpClaims {
+    /// The product line of the chain that verified the report, e.g.
+    /// `Milan` (a VLEK's too).
+    pub fn product_line(&self) -> &str {
+        product_line(&self.product)
+    }
+
     /// Checks the guest against `policy`: the VMPL the report was requested
-    /// at, debugging refused, a migration agent refused unless allowed,
-    /// every component of the reported and of the launch TCB at least the
-    /// minimum, the launch measurement and (if configured) the host data.
+    /// at, the guest policy (debugging refused, a migration agent refused
+    /// unless allowed, SMT and a single socket as configured), the platform
+    /// features required, every component of the reported and of the
+    /// launch TCB at least the minimum for the report's product line, the
+    /// guest SVN, the launch measurement and (where configured) the host
+    /// data and the ID and author key digests.
     pub fn check(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
         if self.vmpl != policy.vmpl {
             return Err(SnpError::Vmpl {
@@ -721,29 +832,13 @@ impl SnpClaims {
                 actual: self.vmpl,
             });
         }
-        let guest = GuestPolicy::from(self.policy);
-        if guest.debug_allowed() {
-            return Err(SnpError::Debug {
-                policy: self.policy,
-            });
-        }
-        if guest.migrate_ma_allowed() && !policy.allow_migration_agent {
-            return Err(SnpError::MigrationAgent {
-                policy: self.policy,
-            });
-        }
-        if let Some((component, minimum, actual)) = below(&self.reported_tcb, &policy.minimum_tcb) {
-            return Err(SnpError::TcbBelowMinimum {
-                component,
-                minimum,
-                actual,
-            });
-        }
-        if let Some((component, minimum, actual)) = below(&self.launch_tcb, &policy.minimum_tcb) {
-            return Err(SnpError::LaunchTcbBelowMinimum {
-                component,
-                minimum,
-                actual,
+        self.check_guest_policy(policy)?;
+        self.check_platform(policy)?;
+        self.check_tcb(policy)?;
+        if self.guest_svn < policy.minimum_guest_svn {
+            return Err(SnpError::GuestSvnBelowMinimum {
+                minimum: policy.minimum_guest_svn,
+                actual: self.guest_svn,
             });
         }
         if !bool::from(self.measurement.ct_eq(&policy.measurement.0)) {
@@ -757,6 +852,100 @@ impl SnpClaims {
                 return Err(SnpError::HostData {
                     expected: hex::encode(expected.0),
                     actual: hex::encode(self.host_data),
+                });
+            }
+        }
+        self.check_keys(policy)
+    }
+
+    /// The guest policy's bits: debug, migration agent, SMT, single socket.
+    fn check_guest_policy(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
+        let guest = GuestPolicy::from(self.policy);
+        let bits = self.policy;
+        if guest.debug_allowed() {
+            return Err(SnpError::Debug { policy: bits });
+        }
+        if guest.migrate_ma_allowed() && !policy.allow_migration_agent {
+            return Err(SnpError::MigrationAgent { policy: bits });
+        }
+        if guest.smt_allowed() && !policy.allow_smt {
+            return Err(SnpError::SmtAllowed { policy: bits });
+        }
+        if !guest.single_socket_required() && policy.require_single_socket {
+            return Err(SnpError::SingleSocket { policy: bits });
+        }
+        Ok(())
+    }
+
+    /// `platform_info`: SMT off where SMT is not allowed (the guest policy
+    /// already guarantees it; this is the platform's own word), and every
+    /// required feature on.
+    fn check_platform(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
+        let platform_info = self.platform_info;
+        if !policy.allow_smt && PlatformInfo::from(platform_info).smt_enabled() {
+            return Err(SnpError::PlatformSmt { platform_info });
+        }
+        match policy
+            .require_platform
+            .iter()
+            .find(|feature| platform_info & (1 << feature.bit()) == 0)
+        {
+            Some(feature) => Err(SnpError::PlatformFeature {
+                feature: feature.as_str(),
+                platform_info,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The reported and the launch TCB against the minimum for this
+    /// report's product line.
+    fn check_tcb(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
+        let line = self.product_line();
+        let minimum = policy.minimum_tcb_for(line);
+        if let Some((component, min, actual)) =
+            below(&self.reported_tcb, self.reported_fmc, &minimum)
+        {
+            return Err(SnpError::TcbBelowMinimum {
+                line: line.to_owned(),
+                setting: minimum.setting,
+                component,
+                minimum: min,
+                actual,
+            });
+        }
+        if let Some((component, min, actual)) = below(&self.launch_tcb, self.launch_fmc, &minimum) {
+            return Err(SnpError::LaunchTcbBelowMinimum {
+                line: line.to_owned(),
+                setting: minimum.setting,
+                component,
+                minimum: min,
+                actual,
+            });
+        }
+        Ok(())
+    }
+
+    /// The ID and author key digests, where configured, in constant time.
+    fn check_keys(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
+        if let Some(expected) = &policy.id_key_digest {
+            if !bool::from(self.id_key_digest.ct_eq(&expected.0)) {
+                return Err(SnpError::IdKeyDigest {
+                    expected: hex::encode(expected.0),
+                    actual: hex::encode(self.id_key_digest),
+                });
+            }
+        }
+        if let Some(expected) = &policy.author_key_digest {
+            let matches = self
+                .author_key_digest
+                .is_some_and(|actual| bool::from(actual.ct_eq(&expected.0)));
+            if !matches {
+                return Err(SnpError::AuthorKeyDigest {
+                    expected: hex::encode(expected.0),
+                    actual: self
+                        .author_key_digest
+                        .map_or_else(|| "none (AUTHOR_KEY_EN is 0)".to_owned(), hex::encode),
                 });
             }
         }

@@ -3,13 +3,15 @@
 //! the local cache: the PCK chain and CRLs, the TCB info and its status,
 //! the QE identity, and TD attributes (debug, migration and profiling
 //! refused). Then keel's own checks: the TCB status (only `UpToDate`
-//! unless the config allows another by name), MRTD and RTMR 0-3.
+//! unless the config allows another by name), MRTD, RTMR 0-3 and, where the
+//! config pins them, XFAM, MRCONFIGID and MROWNER.
 
+use dcap_qvl::quote::TDReport10;
 use dcap_qvl::verify::QuoteVerifier;
 use dcap_qvl::QuoteCollateralV3;
 use subtle::ConstantTimeEq as _;
 
-use super::policy::TdxPolicy;
+use super::policy::{Hex, TdxPolicy};
 
 /// Largest accepted quote.
 pub const MAX_QUOTE_BYTES: usize = 16 * 1024;
@@ -59,6 +61,30 @@ pub enum TdxError {
         /// Quoted (hex).
         actual: String,
     },
+    /// XFAM differs.
+    #[error("TDX XFAM: expected {expected}, actual {actual}")]
+    Xfam {
+        /// Configured (hex).
+        expected: String,
+        /// Quoted (hex).
+        actual: String,
+    },
+    /// MRCONFIGID differs.
+    #[error("TDX MRCONFIGID: expected {expected}, actual {actual}")]
+    MrConfigId {
+        /// Configured (hex).
+        expected: String,
+        /// Quoted (hex).
+        actual: String,
+    },
+    /// MROWNER differs.
+    #[error("TDX MROWNER: expected {expected}, actual {actual}")]
+    MrOwner {
+        /// Configured (hex).
+        expected: String,
+        /// Quoted (hex).
+        actual: String,
+    },
     /// An RTMR differs.
     #[error("TDX RTMR{index}: expected {expected}, actual {actual}")]
     Rtmr {
@@ -82,8 +108,14 @@ pub struct TdxClaims {
     pub tee_tcb_svn: [u8; 16],
     /// TD attributes.
     pub td_attributes: [u8; 8],
+    /// XFAM.
+    pub xfam: [u8; 8],
     /// MRTD.
     pub mrtd: [u8; 48],
+    /// MRCONFIGID.
+    pub mr_config_id: [u8; 48],
+    /// MROWNER.
+    pub mr_owner: [u8; 48],
     /// RTMR 0-3.
     pub rtmr: [[u8; 48]; 4],
     /// The 64 TD-chosen bytes.
@@ -180,15 +212,52 @@ pub fn verify(
             }
         }
     }
+    check_pins(td, policy)?;
     Ok(TdxClaims {
         status: verified.status,
         advisories: verified.advisory_ids,
         tee_tcb_svn: td.tee_tcb_svn,
         td_attributes: td.td_attributes,
+        xfam: td.xfam,
         mrtd: td.mr_td,
+        mr_config_id: td.mr_config_id,
+        mr_owner: td.mr_owner,
         rtmr,
         report_data: td.report_data,
     })
+}
+
+/// XFAM, MRCONFIGID and MROWNER against the values the config pins, each
+/// in constant time; an absent pin is not compared.
+fn check_pins(td: &TDReport10, policy: &TdxPolicy) -> Result<(), TdxError> {
+    pinned(policy.xfam.as_ref(), &td.xfam, |expected, actual| {
+        TdxError::Xfam { expected, actual }
+    })?;
+    pinned(
+        policy.mr_config_id.as_ref(),
+        &td.mr_config_id,
+        |expected, actual| TdxError::MrConfigId { expected, actual },
+    )?;
+    pinned(
+        policy.mr_owner.as_ref(),
+        &td.mr_owner,
+        |expected, actual| TdxError::MrOwner { expected, actual },
+    )
+}
+
+/// `actual` against `expected` where it is set, in constant time; a
+/// difference is refused with `error(expected, actual)` in hex.
+fn pinned<const N: usize>(
+    expected: Option<&Hex<N>>,
+    actual: &[u8; N],
+    error: impl FnOnce(String, String) -> TdxError,
+) -> Result<(), TdxError> {
+    match expected {
+        Some(expected) if !bool::from(actual.ct_eq(&expected.0)) => {
+            Err(error(hex::encode(expected.0), hex::encode(actual)))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Names the check a DCAP verification error comes from (its messages are
