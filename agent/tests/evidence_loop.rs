@@ -1031,3 +1031,49 @@ async fn the_disk_is_reported_once_its_set_up_finished() {
     let nonce = s.next_nonce().await.unwrap();
     assert_eq!(s.evidence(nonce).await.unwrap().disk_uuid, uuid);
 }
+
+/// A control plane sends evidence from its lock on, as any member does,
+/// not only once it serves: its join (the disk, the downloads, `kubeadm
+/// join`) can take longer than its peers wait before they find it silent,
+/// and under the `revoke` policy revoke it. Once it serves, it merges the
+/// others' registries too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_joining_control_plane_reports_before_it_serves() {
+    let c = Cluster::start(EvidencePolicy::Revoke).await;
+    let cp2 = joiner_with(
+        config(&c.ca, &c.ports, "cp-2", "control-plane", c.policy),
+        Swtpm::start(&c.ca).unwrap(),
+    );
+    // Locked into the cluster, still joining: no cluster state yet.
+    cp2.lock.try_lock(c.cluster_id()).unwrap();
+    let slot = Arc::new(ClusterSlot::new(None));
+    let evidence = tokio::spawn(keel_agent::evidence::client::run_for_node(
+        cp2.node(slot.clone()),
+    ));
+    let cp2_trusted = |r: &Registry| {
+        r.nodes()
+            .values()
+            .any(|n| n.name == "cp-2" && n.verdict == Verdict::Trusted)
+    };
+    c.wait_for("cp-2 trusted before it serves", LIMIT, cp2_trusted)
+        .await;
+    // It serves: cp-1's registry is merged into its own from then on.
+    assert!(RegistryStore::shared(&cp2.root)
+        .unwrap()
+        .snapshot()
+        .nodes()
+        .is_empty());
+    slot.send_replace(c.cp1_slot.borrow().clone());
+    let start = Instant::now();
+    while !RegistryStore::shared(&cp2.root)
+        .unwrap()
+        .snapshot()
+        .nodes()
+        .values()
+        .any(|n| n.name == "w-1")
+    {
+        assert!(start.elapsed() < LIMIT, "cp-1's registry never merged");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    evidence.abort();
+}

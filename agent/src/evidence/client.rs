@@ -7,7 +7,7 @@
 //! merges it into its own.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use keel_atls::{AtlsClient, ConnectError};
@@ -133,8 +133,10 @@ pub struct EvidenceClient {
     root: PathBuf,
     disk: DiskId,
     retry: Duration,
-    /// On a control plane: what it merges the others' registries into.
-    registry: Option<Merging>,
+    /// On a control plane: what it merges the others' registries into,
+    /// once it serves (its state disk mounted); until then it reports
+    /// like any member.
+    registry: Arc<OnceLock<Merging>>,
 }
 
 /// A control plane's registry, which it merges the others' into.
@@ -149,6 +151,28 @@ struct Merging {
     own_ek: keel_verifier::ek::EkDigest,
     /// Whether this node logged that it found itself revoked.
     told_revoked: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The registry an [`EvidenceClient`] merges into, given once it exists.
+pub struct MergeLater(Arc<OnceLock<Merging>>);
+
+impl MergeLater {
+    /// Merges the other control planes' registries into `registry` from
+    /// the next exchange on ([`EvidenceClient::merging_into`]); a second
+    /// call changes nothing.
+    pub fn fill(
+        &self,
+        registry: Arc<RegistryStore>,
+        drift_stands: Duration,
+        own_ek: keel_verifier::ek::EkDigest,
+    ) {
+        let _ = self.0.set(Merging {
+            registry,
+            drift_stands,
+            own_ek,
+            told_revoked: Arc::default(),
+        });
+    }
 }
 
 /// One connection to a control plane's evidence service.
@@ -182,7 +206,7 @@ impl EvidenceClient {
             root,
             disk: DiskId::Fixed(disk_uuid),
             retry,
-            registry: None,
+            registry: Arc::default(),
         }
     }
 
@@ -202,18 +226,19 @@ impl EvidenceClient {
     /// the other's records for `drift_stands`
     /// (`EvidenceConfig::drift_stands`).
     pub fn merging_into(
-        mut self,
+        self,
         registry: Arc<RegistryStore>,
         drift_stands: Duration,
         own_ek: keel_verifier::ek::EkDigest,
     ) -> Self {
-        self.registry = Some(Merging {
-            registry,
-            drift_stands,
-            own_ek,
-            told_revoked: Arc::default(),
-        });
+        self.merge_later().fill(registry, drift_stands, own_ek);
         self
+    }
+
+    /// Where this client (and its clones) later learns the registry it
+    /// merges into ([`Self::merging_into`]); until then it merges nothing.
+    pub fn merge_later(&self) -> MergeLater {
+        MergeLater(self.registry.clone())
     }
 
     /// Connects to `endpoint`, which must be locked into `cluster_id`.
@@ -287,7 +312,7 @@ impl EvidenceClient {
     async fn exchange_registry(&self, session: &mut Session, endpoint: &str, whole: bool) {
         let Some(merging) = self
             .registry
-            .as_ref()
+            .get()
             .filter(|m| session.server_ek != m.own_ek)
         else {
             return;
@@ -482,8 +507,12 @@ fn setup_backoff(interval: Duration) -> Backoff {
     }
 }
 
-/// The evidence client of `node` once it is locked into its cluster (a
-/// control plane's once it serves the cluster), with the cluster's ID.
+/// The evidence client of `node` once it is locked into its cluster, with
+/// the cluster's ID. A control plane's reports from its lock on, as any
+/// member's: its join (the disk, the downloads, `kubeadm join`) may take
+/// longer than its peers wait before they find it silent, and under the
+/// `revoke` policy revoke it. It merges the others' registries into its
+/// own once it serves, when its state disk is mounted.
 async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> {
     let cluster_id = loop {
         if let Some(id) = node.lock.cluster_id()? {
@@ -506,20 +535,32 @@ async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> 
         client = client.reading_disk(disk);
     }
     if node.config.node.role == Role::ControlPlane {
-        // The control plane's state disk is mounted once it serves a cluster.
+        let later = client.merge_later();
+        let (tpm, root) = (node.tpm.clone(), node.env.root().to_owned());
+        let evidence = node.config.cluster.evidence.clone();
         let mut slot = node.cluster.subscribe();
-        while slot.borrow_and_update().is_none() {
-            slot.changed().await?;
-        }
-        let tpm = node.tpm.clone();
-        let own_ek =
-            tokio::task::spawn_blocking(move || crate::attestation::shared_own_ek_digest(&tpm))
-                .await??;
-        client = client.merging_into(
-            RegistryStore::shared(node.env.root())?,
-            node.config.cluster.evidence.drift_stands(),
-            own_ek,
-        );
+        tokio::spawn(async move {
+            // The control plane's state disk is mounted once it serves.
+            while slot.borrow_and_update().is_none() {
+                if slot.changed().await.is_err() {
+                    return;
+                }
+            }
+            let (registry, own_ek) = setup_backoff(evidence.interval())
+                .retry("opening the registry the others' are merged into", || {
+                    let (tpm, root) = (tpm.clone(), root.clone());
+                    async move {
+                        let own_ek = tokio::task::spawn_blocking(move || {
+                            crate::attestation::shared_own_ek_digest(&tpm)
+                        })
+                        .await??;
+                        anyhow::Ok((RegistryStore::shared(&root)?, own_ek))
+                    }
+                })
+                .await;
+            later.fill(registry, evidence.drift_stands(), own_ek);
+            tracing::info!("merging the other control planes' registries");
+        });
     }
     Ok((client, cluster_id))
 }
