@@ -281,9 +281,10 @@ fn a_real_guest_that_allows_smt_is_refused_where_smt_is_not_allowed() {
 /// Per-line minimums on real reports. A cluster of Milan and Genoa hosts
 /// cannot state one minimum for both: Genoa's current microcode SVN (84)
 /// is below Milan's (115). Genoa's own entry replaces the global minimum
-/// for Genoa reports, and only for them.
+/// for Genoa reports; once minimums are given by line, a report of a line
+/// without an entry is refused.
 #[test]
-fn a_lines_entry_replaces_the_global_minimum_for_that_line_only() {
+fn a_lines_entry_replaces_the_global_minimum_and_a_line_left_out_is_refused() {
     let genoa = azure_genoa();
     let milan = milan_virtee();
     // The global minimum alone, Milan's numbers: Genoa's report is refused.
@@ -320,15 +321,30 @@ fn a_lines_entry_replaces_the_global_minimum_for_that_line_only() {
         err.to_string(),
         "SNP Genoa reported_tcb.snp: expected at least 24 (minimum_tcb_by_line), actual 23"
     );
-    // A Milan report under the same policy keeps the global minimum: a low
-    // Genoa entry does not lower it.
+    // A Milan report under minimums by line that give none for Milan is
+    // refused, whatever the global minimum: once an operator lists lines,
+    // a line left out is not held to a global that may be set low.
     let milan_policy = |global: Tcb| SnpPolicy {
         minimum_tcb: global,
         minimum_tcb_by_line: BTreeMap::from([(ProductLine::Genoa, LineTcb::default())]),
         ..milan.policy.clone()
     };
-    verify(&milan, &milan_policy(tcb(3, 0, 8, 115))).unwrap();
-    let err = verify(&milan, &milan_policy(tcb(3, 0, 8, 116))).unwrap_err();
+    let err = verify(&milan, &milan_policy(tcb(0, 0, 0, 0))).unwrap_err();
+    assert!(
+        matches!(&err, SnpError::NoLineMinimum { line } if line == "Milan"),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("no entry for this product line"),
+        "{err}"
+    );
+    // Without minimums by line, the global one holds Milan's report.
+    let global = |minimum: Tcb| SnpPolicy {
+        minimum_tcb_by_line: BTreeMap::new(),
+        ..milan_policy(minimum)
+    };
+    verify(&milan, &global(tcb(3, 0, 8, 115))).unwrap();
+    let err = verify(&milan, &global(tcb(3, 0, 8, 116))).unwrap_err();
     assert!(
         matches!(&err, SnpError::TcbBelowMinimum {
             line, setting: "minimum_tcb", component: "microcode", minimum: 116, actual: 115
@@ -631,7 +647,19 @@ fn turins_entry_sets_an_fmc_minimum() {
         } if line == "Turin"),
         "{err:?}"
     );
-    // Without Turin's entry the global minimum applies, with no FMC check.
+    // Without minimums by line the global minimum applies, with no FMC
+    // check: at the report's own four SVNs it passes, though its FMC SVN
+    // (1) is below what an entry of 2 would require.
+    verify_generated(
+        &turin,
+        &raw,
+        &SnpPolicy {
+            minimum_tcb: tcb(bootloader, tee, snp, microcode),
+            minimum_tcb_by_line: BTreeMap::new(),
+            ..by_line(entry(Some(2)))
+        },
+    )
+    .unwrap();
     let err = verify_generated(
         &turin,
         &raw,
@@ -673,10 +701,20 @@ fn the_config_refuses_what_the_checks_cannot_mean() {
     };
     assert_eq!(policy.minimum_tcb_by_line[&ProductLine::Turin].fmc, Some(4));
     assert_eq!(
-        policy.minimum_tcb_for("Genoa").tcb.tcb(),
+        policy.minimum_tcb_for("Genoa").unwrap().tcb.tcb(),
         tcb(10, 0, 23, 84)
     );
-    assert_eq!(policy.minimum_tcb_for("Milan").setting, "minimum_tcb");
+    // Minimums by line: a line left out has none (its reports are refused).
+    assert_eq!(policy.minimum_tcb_for("Milan"), None);
+    assert_eq!(policy.minimum_tcb_for("Venice"), None);
+    let global = SnpPolicy {
+        minimum_tcb_by_line: BTreeMap::new(),
+        ..policy.clone()
+    };
+    assert_eq!(
+        global.minimum_tcb_for("Milan").unwrap().setting,
+        "minimum_tcb"
+    );
     assert_eq!(
         policy.require_platform,
         BTreeSet::from([PlatformFeature::Ecc, PlatformFeature::AliasCheckComplete])
@@ -861,4 +899,30 @@ fn tdx_xfam_mr_config_id_and_mr_owner_are_pinned() {
     )
     .unwrap_err();
     assert!(matches!(err, TdxError::MrConfigId { .. }), "{err}");
+}
+
+/// The canonical (measured) order of every product line and platform
+/// feature: reordering the enums would change PCR 12 of every config that
+/// names them, so it is pinned here.
+#[test]
+fn lines_and_features_keep_their_canonical_order() {
+    let all_lines: BTreeMap<ProductLine, LineTcb> =
+        [ProductLine::Turin, ProductLine::Genoa, ProductLine::Milan]
+            .into_iter()
+            .map(|line| (line, LineTcb::default()))
+            .collect();
+    let lines = serde_json::to_string(&all_lines).unwrap();
+    let zero = r#"{"bootloader":0,"tee":0,"snp":0,"microcode":0}"#;
+    assert_eq!(
+        lines,
+        format!(r#"{{"Milan":{zero},"Genoa":{zero},"Turin":{zero}}}"#)
+    );
+    let features: BTreeSet<PlatformFeature> = serde_json::from_str(
+        r#"["alias-check-complete","ciphertext-hiding","rapl-disabled","ecc","tsme"]"#,
+    )
+    .unwrap();
+    assert_eq!(
+        serde_json::to_string(&features).unwrap(),
+        r#"["tsme","ecc","rapl-disabled","ciphertext-hiding","alias-check-complete"]"#
+    );
 }

@@ -86,7 +86,9 @@ impl From<[u8; 4]> for Tcb {
 
 /// An AMD product line, as the ASK (or ASVK) that issued a report's
 /// endorsement key names it (`SEV-Milan` and `SEV-VLEK-Milan` are
-/// `Milan`): TCB SVNs are comparable only within one line.
+/// `Milan`): TCB SVNs are comparable only within one line. Append new
+/// lines only: the declaration order is the order of
+/// `minimum_tcb_by_line`'s keys in the canonical (measured) form.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum ProductLine {
     /// EPYC 7003.
@@ -173,7 +175,12 @@ pub struct MinimumTcb {
     pub setting: &'static str,
 }
 
-/// A platform feature the report's `platform_info` can show enabled.
+/// A platform feature the report's `platform_info` can show enabled. Append
+/// new features only: the declaration order is the order of
+/// `require_platform` in the canonical (measured) form. `rapl-disabled`
+/// and `ciphertext-hiding` are the platform's state when the report was
+/// made; the guest policy bits that hold them for the guest's life are not
+/// checked here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PlatformFeature {
@@ -294,19 +301,24 @@ impl SnpPolicy {
     }
 
     /// The minimum a report of the product line `line` (as
-    /// [`super::snp::product_line`] names it) is held to: its entry in
-    /// `minimum_tcb_by_line` if it has one, `minimum_tcb` otherwise.
-    pub fn minimum_tcb_for(&self, line: &str) -> MinimumTcb {
-        match ProductLine::from_name(line).and_then(|l| self.minimum_tcb_by_line.get(&l)) {
-            Some(entry) => MinimumTcb {
-                tcb: *entry,
-                setting: "minimum_tcb_by_line",
-            },
-            None => MinimumTcb {
+    /// [`super::snp::product_line`] names it) is held to: `minimum_tcb`
+    /// where `minimum_tcb_by_line` is empty, else the line's entry there;
+    /// `None` for a line without one. Once an operator gives minimums by
+    /// line, a line left out (a host of another line, or one this code
+    /// does not know) is refused rather than held to a global minimum that
+    /// may have been set low for the lines listed.
+    pub fn minimum_tcb_for(&self, line: &str) -> Option<MinimumTcb> {
+        if self.minimum_tcb_by_line.is_empty() {
+            return Some(MinimumTcb {
                 tcb: self.minimum_tcb.into(),
                 setting: "minimum_tcb",
-            },
+            });
         }
+        let entry = ProductLine::from_name(line).and_then(|l| self.minimum_tcb_by_line.get(&l))?;
+        Some(MinimumTcb {
+            tcb: *entry,
+            setting: "minimum_tcb_by_line",
+        })
     }
 
     /// What parsing cannot refuse: a VMPL SNP does not define, an FMC

@@ -158,6 +158,15 @@ pub enum SnpError {
         /// The policy.
         policy: u64,
     },
+    /// The policy gives minimums by product line, none for the report's.
+    #[error(
+        "SNP {line}: minimum_tcb_by_line has no entry for this product line (once minimums are \
+         given by line, every line the cluster runs on needs one)"
+    )]
+    NoLineMinimum {
+        /// The report's product line, e.g. `Milan`.
+        line: String,
+    },
     /// A TCB component is below the configured minimum for the report's
     /// product line.
     #[error(
@@ -902,7 +911,11 @@ impl SnpClaims {
     /// report's product line.
     fn check_tcb(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
         let line = self.product_line();
-        let minimum = policy.minimum_tcb_for(line);
+        let minimum = policy
+            .minimum_tcb_for(line)
+            .ok_or_else(|| SnpError::NoLineMinimum {
+                line: line.to_owned(),
+            })?;
         if let Some((component, min, actual)) =
             below(&self.reported_tcb, self.reported_fmc, &minimum)
         {
