@@ -879,22 +879,34 @@ impl Registry {
     }
 
     /// This registry as another control plane served it at `served_at`
-    /// (Unix seconds, on its clock), its node records' times moved to this
-    /// clock: a time `served_at` is now here. Two control planes' clocks
+    /// (Unix seconds, on its clock) when this one had asked for it at
+    /// `asked_at` (this clock), its node records' times moved to this
+    /// clock: `served_at` becomes `asked_at`. Two control planes' clocks
     /// differ, and a host can set one apart on purpose (within the skew
     /// allowed, gradually enough to pass as no jump). Compared as they
     /// are, the news of a peer whose clock runs behind would not count
     /// here until its time passed this clock's last time for the node,
     /// and the node could fall silent here though it reports to the peer
     /// every interval; a peer's clock ahead would let its stale record,
-    /// silent even, replace this one's fresh one. 0 (a control plane of an
-    /// earlier version sends no time) moves nothing. Call it when the
-    /// registry arrives: time spent before the merge would count as news.
-    pub fn on_this_clock(mut self, served_at: u64) -> Self {
+    /// silent even, replace this one's fresh one.
+    ///
+    /// The request's time, not the answer's: the registry was served after
+    /// it was asked for, so its records come out at most as old as they
+    /// are plus the call's duration, never newer. A host that delays the
+    /// calls can only age them (by at most the call's timeout); were they
+    /// dated from the answer, a record passed back and forth between two
+    /// control planes through delayed calls would grow newer with every
+    /// pass, and a node that stopped would never fall silent. The move is
+    /// at most [`MAX_CLOCK_SKEW`] either way (a peer whose clock jumped
+    /// far does not date its records to 1970 or the far future here). 0
+    /// (a control plane of an earlier version sends no time) moves
+    /// nothing.
+    pub fn on_this_clock(mut self, served_at: u64, asked_at: u64) -> Self {
         if served_at == 0 {
             return self;
         }
-        let offset = i128::from(now()) - i128::from(served_at);
+        let skew = i128::from(MAX_CLOCK_SKEW.as_secs());
+        let offset = (i128::from(asked_at) - i128::from(served_at)).clamp(-skew, skew);
         let moved = |t: u64| u64::try_from((i128::from(t) + offset).max(0)).unwrap_or(u64::MAX);
         for record in self.nodes.values_mut() {
             record.registered_at = moved(record.registered_at);
@@ -1002,6 +1014,17 @@ impl Registry {
                         .unwrap_or(theirs.registered_at)
                         .saturating_add(MAX_CLOCK_SKEW.as_secs()),
                 );
+                // A name or role the peer's record lacks (an earlier
+                // version blanked it) stays as recorded here: a blank
+                // would free the name for another node.
+                if let Some(ours) = self.nodes.get(&key) {
+                    if theirs.name.is_empty() {
+                        theirs.name.clone_from(&ours.name);
+                    }
+                    if theirs.role.is_empty() {
+                        theirs.role.clone_from(&ours.role);
+                    }
+                }
                 self.changed.insert(key.clone());
                 self.heard_from_peers.insert(key.clone(), heard);
                 self.nodes.insert(key, theirs);
@@ -1580,6 +1603,19 @@ mod tests {
         assert_eq!(record.verdict, Verdict::Drifted);
         assert!(r.find("w-1").is_ok());
         assert!(r.check_name(&ek(2), "w-1").is_err(), "the name was freed");
+        // Nor does a peer's newer record that lacks them (an earlier
+        // version blanked it) blank them here.
+        let mut peer = Registry::default();
+        peer.record(&nameless).unwrap();
+        let record = peer.nodes.get_mut(&ek(1).to_string()).unwrap();
+        (record.name, record.role) = (String::new(), String::new());
+        record.last_evidence_at = Some(now() + 5);
+        assert_eq!(r.merge(peer).taken, 1);
+        let record = &r.nodes()[&ek(1).to_string()];
+        assert_eq!(
+            (record.name.as_str(), record.role.as_str()),
+            ("w-1", "worker")
+        );
     }
 
     /// A control plane holds its own record from the moment it serves,
@@ -1848,7 +1884,7 @@ mod tests {
             let mut ours = heard_here(now() - 120);
             let (peer, served_at) = served(behind, behind - 10, Verdict::Trusted);
             let peer = if moved {
-                peer.on_this_clock(served_at)
+                peer.on_this_clock(served_at, now())
             } else {
                 peer
             };
@@ -1863,7 +1899,7 @@ mod tests {
             let mut ours = heard_here(now() - 10);
             let (peer, served_at) = served(ahead, ahead - 200, Verdict::Silent);
             let peer = if moved {
-                peer.on_this_clock(served_at)
+                peer.on_this_clock(served_at, now())
             } else {
                 peer
             };
@@ -1874,10 +1910,23 @@ mod tests {
 
         // An earlier version's registry (no time) is taken as it is.
         let (peer, _) = served(now(), 77, Verdict::Trusted);
-        let kept = peer.clone().on_this_clock(0);
+        let kept = peer.clone().on_this_clock(0, now());
         assert_eq!(kept, peer);
-        let moved = peer.on_this_clock(now() + 1000);
+        // A peer's clock far off moves its records by the skew at most.
+        let moved = peer.clone().on_this_clock(now() + 1000, now());
         assert_eq!(moved.nodes[&ek(1).to_string()].last_evidence_at, Some(0));
+        let moved = peer.clone().on_this_clock(1000, 100_000);
+        assert_eq!(moved.nodes[&ek(1).to_string()].last_evidence_at, Some(377));
+        // Dated from the request: a registry served 40 s after it was
+        // asked for (the call held up) comes out older, not newer, so a
+        // record passed back and forth through held calls never grows
+        // newer.
+        let (mut passed, _) = served(now(), now() - 10, Verdict::Trusted);
+        for _ in 0..3 {
+            passed = passed.on_this_clock(now() + 40, now());
+        }
+        let last = passed.nodes[&ek(1).to_string()].last_evidence_at.unwrap();
+        assert!(last <= now() - 130, "{last}");
     }
 
     /// A registry at every bound (nodes, revocations, each field at its

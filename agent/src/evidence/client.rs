@@ -31,6 +31,15 @@ use crate::registry::{Registry, RegistryError, RegistryStore, MAX_REGISTRY_BYTES
 /// Longest one call to a control plane may take, its answer included: a
 /// nonce request waits up to one interval (at most 90 s).
 const CALL_TIMEOUT: Duration = Duration::from_secs(150);
+/// Longest a registry call may take: its records are dated from when it
+/// was asked for, so a host that holds the call up ages them by as much
+/// ([`Registry::on_this_clock`]). Also at most one evidence interval, and
+/// at least [`MIN_REGISTRY_CALL`]: a call that runs out fails the exchange,
+/// and a control plane without a current view of its peers revokes no
+/// one for silence.
+const REGISTRY_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The shortest registry call timeout, for intervals of a second or two.
+const MIN_REGISTRY_CALL: Duration = Duration::from_secs(2);
 /// The longest pause between two tries of the evidence loop's set-up.
 const SETUP_RETRY_MAX: Duration = Duration::from_secs(60);
 
@@ -184,6 +193,8 @@ pub struct Session {
     disk: DiskId,
     /// The node root, where each round reads the node's version record.
     root: PathBuf,
+    /// How long a registry call may take ([`REGISTRY_CALL_TIMEOUT`]).
+    registry_timeout: Duration,
 }
 
 impl EvidenceClient {
@@ -267,6 +278,7 @@ impl EvidenceClient {
             tpm: self.tpm.clone(),
             disk: self.disk.clone(),
             root: self.root.clone(),
+            registry_timeout: REGISTRY_CALL_TIMEOUT.min(self.retry).max(MIN_REGISTRY_CALL),
         })
     }
 
@@ -427,8 +439,9 @@ impl Session {
         if self.peer_revoked_in(registry).await? {
             return Err(EvidenceClientError::PeerRevoked);
         }
+        let asked_at = crate::registry::now();
         let call = self.client.registry(RegistryRequest {});
-        let served = answer_within(CALL_TIMEOUT, call)
+        let served = answer_within(self.registry_timeout, call)
             .await
             .map_err(EvidenceClientError::Refused)?;
         let (bytes, served_at) = (served.registry, served.served_at);
@@ -437,7 +450,7 @@ impl Session {
         let registry = registry.clone();
         let peer = self.server_ek;
         let added = tokio::task::spawn_blocking(move || {
-            let theirs = Registry::parse(&bytes)?.on_this_clock(served_at);
+            let theirs = Registry::parse(&bytes)?.on_this_clock(served_at, asked_at);
             // Checked again under the merge's lock: a revocation may have
             // landed during the call.
             if whole {

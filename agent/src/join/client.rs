@@ -480,6 +480,8 @@ impl JoinClient {
                 Some(keys) => {
                     let restored =
                         p.restore_control_plane(keys, self.settings.measurements_key.clone())?;
+                    // Nothing is taken from an issuer this registry revokes.
+                    self.take_registry(registry, ticket.issuer).await?;
                     Some(match ticket.image.take() {
                         Some(image) => newer_image(restored, image),
                         None => restored,
@@ -487,9 +489,6 @@ impl JoinClient {
                 }
                 None => None,
             };
-            if state.is_some() {
-                self.take_registry(registry, ticket.issuer).await?;
-            }
             p.reinstall_recorded().await?;
             p.start_kubelet().await?;
             match state {

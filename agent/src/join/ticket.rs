@@ -227,15 +227,15 @@ pub struct RejoinTicket {
 impl RejoinTicket {
     /// Checks the opened `secrets` and the other fields of a rejoin ticket
     /// (`response`) for `cluster_id`, asked for by a node in role
-    /// `is_control_plane` whose config names `measurements_key`, issued by
-    /// the control plane of the EK `issuer`.
+    /// `is_control_plane` whose config names `measurements_key`, from
+    /// `source`.
     pub fn parse(
         secrets: &JoinSecrets,
         response: IssueRejoinTicketResponse,
         cluster_id: ClusterId,
         is_control_plane: bool,
         measurements_key: Option<&SigningPublicKey>,
-        issuer: EkDigest,
+        source: TicketSource,
     ) -> Result<Self, TicketError> {
         if secrets.state_disk_key.len() != DISK_KEY_LEN {
             return Err(TicketError::Invalid("disk key length".into()));
@@ -254,7 +254,7 @@ impl RejoinTicket {
                 )?),
             };
             (
-                registry_of(&response.registry, response.registry_served_at)?,
+                registry_of(&response.registry, response.registry_served_at, &source)?,
                 image,
             )
         } else {
@@ -268,9 +268,20 @@ impl RejoinTicket {
             operator_key: operator_key(secrets)?,
             registry,
             image,
-            issuer,
+            issuer: source.issuer,
         })
     }
+}
+
+/// Where a ticket came from: the issuing control plane's EK, and when this
+/// node asked for it (Unix seconds, this clock), which dates the registry
+/// it carries ([`Registry::on_this_clock`]).
+#[derive(Clone, Copy, Debug)]
+pub struct TicketSource {
+    /// The issuing control plane's EK.
+    pub issuer: EkDigest,
+    /// When the ticket was asked for.
+    pub asked_at: u64,
 }
 
 /// The images a control plane's ticket says its join services accept:
@@ -303,11 +314,15 @@ fn image_state(
 /// The registry a control plane's ticket carries (none: empty), served at
 /// `served_at` on the issuer's clock and moved to this one
 /// ([`Registry::on_this_clock`]).
-fn registry_of(bytes: &[u8], served_at: u64) -> Result<Registry, TicketError> {
+fn registry_of(
+    bytes: &[u8],
+    served_at: u64,
+    source: &TicketSource,
+) -> Result<Registry, TicketError> {
     match bytes {
         [] => Ok(Registry::default()),
         bytes => Registry::parse(bytes)
-            .map(|registry| registry.on_this_clock(served_at))
+            .map(|registry| registry.on_this_clock(served_at, source.asked_at))
             .map_err(|e| TicketError::Invalid(format!("registry: {e}"))),
     }
 }
@@ -409,8 +424,8 @@ pub fn check_service(service: &Verified, cluster_id: &ClusterId) -> Result<(), T
         .map_err(TicketError::ServiceCluster)
 }
 
-/// Checks every field of a join ticket the service of the EK `issuer`
-/// sent, with its opened `secrets`, for the kubelet key `kubelet_spki`.
+/// Checks every field of a join ticket from `source`, with its opened
+/// `secrets`, for the kubelet key `kubelet_spki`.
 pub fn parse_join_ticket(
     response: IssueJoinTicketResponse,
     secrets: &JoinSecrets,
@@ -418,7 +433,7 @@ pub fn parse_join_ticket(
     kubelet_spki: &[u8],
     is_control_plane: bool,
     measurements_key: Option<&SigningPublicKey>,
-    issuer: EkDigest,
+    source: TicketSource,
 ) -> Result<JoinTicket, TicketError> {
     let invalid = |m: &str| TicketError::Invalid(m.to_owned());
     if secrets.state_disk_key.len() != DISK_KEY_LEN {
@@ -490,14 +505,14 @@ pub fn parse_join_ticket(
                 .map(Component::try_from)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TicketError::Invalid(format!("authorised component: {e}")))?;
-            let registry = registry_of(&response.registry, response.registry_served_at)?;
+            let registry = registry_of(&response.registry, response.registry_served_at, &source)?;
             Some((
                 keys,
                 TicketMeasurements {
                     image,
                     authorised,
                     registry,
-                    issuer,
+                    issuer: source.issuer,
                 },
             ))
         }

@@ -16,7 +16,7 @@ use tonic::transport::Endpoint;
 
 use super::ticket::{
     check_service, parse_join_ticket, JoinTicket, OpenedSecrets, RawTicket, RejoinTicket,
-    TicketError, MAX_TICKET_BYTES,
+    TicketError, TicketSource, MAX_TICKET_BYTES,
 };
 use crate::attestation::credential;
 use crate::attestation::issuer::TpmIssuer;
@@ -138,6 +138,7 @@ impl TicketClient {
         kubelet_spki: &[u8],
     ) -> Result<JoinTicket, TicketError> {
         let is_control_plane = request.is_control_plane;
+        let asked_at = crate::registry::now();
         let raw = self.request_join_ticket(endpoint, request).await?;
         let mut response = raw.response;
         let secrets = self.open(response.secrets.take()).await?;
@@ -151,7 +152,10 @@ impl TicketClient {
             kubelet_spki,
             is_control_plane,
             self.measurements_key.as_ref(),
-            EkDigest::of_public(&raw.service.claims().ek),
+            TicketSource {
+                issuer: EkDigest::of_public(&raw.service.claims().ek),
+                asked_at,
+            },
         )
     }
 
@@ -162,6 +166,7 @@ impl TicketClient {
         endpoint: &str,
         disk_uuid: &str,
     ) -> Result<RejoinTicket, TicketError> {
+        let asked_at = crate::registry::now();
         let (mut client, service) = self.connect(endpoint).await?;
         let request = IssueRejoinTicketRequest {
             disk_uuid: disk_uuid.to_owned(),
@@ -179,7 +184,10 @@ impl TicketClient {
             cluster_id,
             self.is_control_plane,
             self.measurements_key.as_ref(),
-            EkDigest::of_public(&service.claims().ek),
+            TicketSource {
+                issuer: EkDigest::of_public(&service.claims().ek),
+                asked_at,
+            },
         )
     }
 }
