@@ -1077,3 +1077,40 @@ async fn a_joining_control_plane_reports_before_it_serves() {
     }
     evidence.abort();
 }
+
+/// A member that measures a second node identity after its handshake
+/// (PCR 13, which no measurement pins) names none in its evidence: it
+/// drifts, and its recorded name stays, held and found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_member_that_adds_a_second_identity_drifts_and_keeps_its_name() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let evidence = c.worker_trusted().await;
+    let other = keel_verifier::config::NodeIdentity {
+        name: "w-9".into(),
+        ..c.worker.config.node.clone()
+    };
+    c.worker
+        .tpm
+        .lock()
+        .unwrap()
+        .record(
+            keel_verifier::measurement::EventType::NodeIdentity,
+            "node w-9 (worker)",
+            serde_json::to_vec(&other).unwrap(),
+        )
+        .unwrap();
+    c.wait_for("drifted", LIMIT, |r| {
+        Cluster::worker_record(r).is_some_and(|w| {
+            w.verdict == Verdict::Drifted
+                && w.reason
+                    .as_deref()
+                    .is_some_and(|why| why.contains("no single node identity"))
+        })
+    })
+    .await;
+    let registry = c.registry().snapshot();
+    let record = Cluster::worker_record(&registry).expect("the name w-1 was blanked");
+    assert_eq!(record.role, "worker");
+    assert!(registry.find("w-1").is_ok());
+    evidence.abort();
+}

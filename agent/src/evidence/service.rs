@@ -27,7 +27,7 @@ use keel_proto::evidence::{
     NextNonceRequest, NextNonceResponse, RegistryRequest, RegistryResponse, SubmitEvidenceRequest,
     SubmitEvidenceResponse,
 };
-use keel_verifier::config::{EvidenceConfig, EvidencePolicy};
+use keel_verifier::config::{EvidenceConfig, EvidencePolicy, NodeIdentity};
 use keel_verifier::measurement::EventType;
 use keel_verifier::tpm_wire::Public;
 use keel_verifier::validator::{Verified, MAX_DOCUMENT_BYTES};
@@ -387,21 +387,14 @@ impl EvidenceService {
             {
                 Ok(verified) => (
                     member.matched(&verified),
-                    judge(&verified, &member.cluster_id, cluster.as_deref()),
+                    judge(&verified, &member.cluster_id, cluster.as_deref())
+                        .or_else(|| identity_failure(identity.as_ref(), &verified)),
                 ),
                 Err(e) => (member.measurements, Some(e.to_string())),
             }
         })
         .await
         .unwrap_or_else(|_| (current, Some("the validation task failed".into())));
-        // The identity event is in PCR 13, which no measurement pins: a
-        // member that adds a second one (or one that does not parse)
-        // names no identity, and drifts.
-        let failure = failure.or_else(|| {
-            identity
-                .is_none()
-                .then(|| "PCR 13: the event log names no single node identity".to_owned())
-        });
         let measurements = hex::encode(matched);
         let evidence = Evidence {
             ek,
@@ -763,6 +756,18 @@ fn peer_claims<T>(
     crate::grpc::attested_peer(request).ok_or(EvidenceError::NotAttested)
 }
 
+/// The identity event is in PCR 13, which no measurement pins: evidence
+/// whose log names no single identity (a second identity event, or one that
+/// does not parse), or another than the connection's handshake named (an
+/// event added after it), drifts. `handshake` is the handshake's identity.
+fn identity_failure(handshake: Option<&NodeIdentity>, verified: &Verified) -> Option<String> {
+    match (handshake, verified.identity()) {
+        (Some(then), Some(now)) if *then == now => None,
+        (Some(_), Some(_)) => Some("PCR 13: the node identity differs from its handshake's".into()),
+        _ => Some("PCR 13: the event log names no single node identity".into()),
+    }
+}
+
 /// Logs a refusal and maps it. Refusals decided before any validation (a
 /// peer that is no member, revoked, busy or without a nonce) are logged at
 /// debug: any peer that completes a handshake can ask again and again,
@@ -772,6 +777,11 @@ fn peer_claims<T>(
 fn refused(what: &str, e: &EvidenceError) -> tonic::Status {
     use EvidenceError as E;
     match e {
+        // What an operator should see (a revoked node still knocking, a
+        // worker asking for registries), at most once a minute at warn.
+        E::Revoked(_) | E::NotControlPlane if SIGNS.admit(registry::now()) => {
+            tracing::warn!(error = %keel_atls::ErrorChain(e), "{what} refused (such refusals are logged at warn once a minute)")
+        }
         E::NotAttested
         | E::NotMember(_)
         | E::Revoked(_)
@@ -784,6 +794,26 @@ fn refused(what: &str, e: &EvidenceError) -> tonic::Status {
         _ => tracing::warn!(error = %keel_atls::ErrorChain(e), "{what} refused"),
     }
     e.into()
+}
+
+/// When a refusal that is a sign for the operator was last logged at warn.
+static SIGNS: OncePerMinute = OncePerMinute(std::sync::atomic::AtomicU64::new(0));
+
+/// Admits one event a minute (Unix seconds).
+struct OncePerMinute(std::sync::atomic::AtomicU64);
+
+impl OncePerMinute {
+    /// Whether an event at `now` is the first in a minute; if so, it is
+    /// the last admitted from now on.
+    fn admit(&self, now: u64) -> bool {
+        use std::sync::atomic::Ordering;
+        let last = self.0.load(Ordering::Relaxed);
+        (last == 0 || now >= last.saturating_add(60))
+            && self
+                .0
+                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
 }
 
 #[tonic::async_trait]
@@ -828,5 +858,23 @@ impl evidence_service_server::EvidenceService for EvidenceService {
             registry,
             served_at: crate::registry::now(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OncePerMinute;
+
+    #[test]
+    fn a_sign_is_logged_at_warn_once_a_minute() {
+        let signs = OncePerMinute(std::sync::atomic::AtomicU64::new(0));
+        assert!(signs.admit(1_000));
+        assert!(!signs.admit(1_000));
+        assert!(!signs.admit(1_059));
+        assert!(signs.admit(1_060));
+        // A clock at 0 (before 1970 here) is admitted once, then not.
+        let broken = OncePerMinute(std::sync::atomic::AtomicU64::new(0));
+        assert!(broken.admit(0));
+        assert!(!broken.admit(0));
     }
 }
