@@ -437,13 +437,19 @@ impl StoreFile {
                         "the journal binds disk {uuid} to another EK than before"
                     )))
                 }
-                None if disks.len() >= MAX_DISK_BINDINGS => {
-                    return Err(self.corrupt(format!("more than {MAX_DISK_BINDINGS} disks")))
-                }
                 None => {
                     disks.insert(uuid, ek);
                 }
             }
+            // Bounded while replaying too (a journal may be long), with
+            // room for a journal older than its snapshot, whose bindings
+            // ended later come back until their ends are replayed.
+            if disks.len() > 2 * MAX_DISK_BINDINGS {
+                return Err(self.corrupt(format!("more than {MAX_DISK_BINDINGS} disks")));
+            }
+        }
+        if disks.len() > MAX_DISK_BINDINGS {
+            return Err(self.corrupt(format!("more than {MAX_DISK_BINDINGS} disks")));
         }
         Ok(Cached::new(stamp, disks))
     }
