@@ -2,7 +2,7 @@
 
 use std::io::Write as _;
 use std::os::fd::AsRawFd as _;
-use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +24,7 @@ use keel_verifier::validator::Verified;
 use prost::Message as _;
 use rand::RngCore;
 use tonic::transport::Endpoint;
-use zeroize::Zeroizing;
+use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::files::create_temporary;
 use crate::printable::printable;
@@ -39,33 +39,35 @@ const INIT_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Writes `data` to `path` with mode 0600, refusing to replace an existing
 /// file, and syncs the file and its directory: the secret is on disk before
-/// any node can receive it. A file that could not be written whole is
-/// removed again: nothing was sent, and a later run must not find a part
-/// of a secret there.
+/// any node can receive it. It is written whole to a temporary file first
+/// and then linked into place, which fails if `path` exists: a crash or a
+/// failed write never leaves a part of a secret at `path`, where it would
+/// block every later run (an existing secret is never replaced).
 fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::Result<()> {
-    let mut f = match std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            return Err(e).with_context(|| format!("creating {} ({if_exists})", path.display()))
-        }
-        Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
-    };
-    if let Err(e) = f.write_all(data).and_then(|()| f.sync_all()) {
-        drop(f);
-        let _ = std::fs::remove_file(path);
-        return Err(e).with_context(|| {
-            format!(
-                "writing {} (removed again; nothing was sent)",
-                path.display()
-            )
-        });
-    }
     let dir = parent_dir(path);
+    let name = path.file_name().unwrap_or(path.as_os_str());
+    if path.symlink_metadata().is_ok() {
+        bail!("{} exists ({if_exists})", path.display());
+    }
+    let (temp, mut f) = create_temporary(dir, name, "new")
+        .with_context(|| format!("creating a file in {}", dir.display()))?;
+    let placed = f
+        .write_all(data)
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("writing {} (nothing was sent)", temp.display()))
+        .and_then(|()| {
+            std::fs::hard_link(&temp, path).map_err(|e| {
+                let context = if e.kind() == std::io::ErrorKind::AlreadyExists {
+                    format!("creating {} ({if_exists})", path.display())
+                } else {
+                    format!("creating {}", path.display())
+                };
+                anyhow::Error::new(e).context(context)
+            })
+        });
+    drop(f);
+    let _ = std::fs::remove_file(&temp);
+    placed?;
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .with_context(|| format!("syncing {}", dir.display()))?;
@@ -417,11 +419,14 @@ pub async fn run(
     let master_secret = random32();
     let master_salt = random32();
     let measurement_salt = random32();
-    let secret_json = Zeroizing::new(serde_json::to_vec_pretty(&MasterSecretFile {
+    let mut secret_file = MasterSecretFile {
         key: hex::encode(&*master_secret),
         salt: hex::encode(&*master_salt),
         measurement_salt: hex::encode(&*measurement_salt),
-    })?);
+    };
+    let secret_json = serde_json::to_vec_pretty(&secret_file).map(Zeroizing::new);
+    secret_file.key.zeroize();
+    let secret_json = secret_json?;
     // The cluster ID these secrets make, which the node must report.
     let cluster_id = KeyService::new(&master_secret, &master_salt)
         .ok()
@@ -770,6 +775,40 @@ mod tests {
             .collect();
         names.sort();
         names
+    }
+
+    /// A secret file is written whole or not at all, never over another:
+    /// a temporary file left by a run that crashed does not block the
+    /// next, and a file already in place is kept as it is.
+    #[test]
+    fn a_secret_file_is_placed_whole_and_never_replaces_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel-master-secret.json");
+        // What a run that crashed before placing its file left.
+        std::fs::write(
+            dir.path().join(".keel-master-secret.json.0123.new"),
+            b"{\"ke",
+        )
+        .unwrap();
+        write_new_secret_file(&path, b"first", "kept").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"first");
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        let err = write_new_secret_file(&path, b"second", "kept").unwrap_err();
+        assert!(format!("{err:#}").contains("(kept)"), "{err:#}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"first");
+        // A dangling symbolic link in its place is not followed.
+        let link = dir.path().join("keel-init-secret");
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &link).unwrap();
+        assert!(write_new_secret_file(&link, b"third", "kept").is_err());
+        assert!(!dir.path().join("elsewhere").exists());
+        assert_eq!(
+            names(dir.path()),
+            [
+                ".keel-master-secret.json.0123.new",
+                "keel-init-secret",
+                "keel-master-secret.json"
+            ]
+        );
     }
 
     #[test]
