@@ -896,24 +896,31 @@ impl Registry {
     /// calls can only age them (by at most the call's timeout); were they
     /// dated from the answer, a record passed back and forth between two
     /// control planes through delayed calls would grow newer with every
-    /// pass, and a node that stopped would never fall silent. The move is
-    /// at most [`MAX_CLOCK_SKEW`] either way (a peer whose clock jumped
-    /// far does not date its records to 1970 or the far future here). 0
-    /// (a control plane of an earlier version sends no time) moves
-    /// nothing.
-    pub fn on_this_clock(mut self, served_at: u64, asked_at: u64) -> Self {
+    /// pass, and a node that stopped would never fall silent.
+    ///
+    /// Clocks further apart than [`MAX_CLOCK_SKEW`] are not moved by part
+    /// of the gap (around three control planes, moves cut short would no
+    /// longer sum to an ageing, and records passed around would grow newer
+    /// each time): the registry's node records are dropped and only its
+    /// revocations kept; the second value says so, and the caller then
+    /// takes it as a revocation list, not as a view of the nodes. 0 (a
+    /// control plane of an earlier version sends no time) moves nothing.
+    pub fn on_this_clock(mut self, served_at: u64, asked_at: u64) -> (Self, ClockGap) {
         if served_at == 0 {
-            return self;
+            return (self, ClockGap::Within);
         }
-        let skew = i128::from(MAX_CLOCK_SKEW.as_secs());
-        let offset = (i128::from(asked_at) - i128::from(served_at)).clamp(-skew, skew);
+        let offset = i128::from(asked_at) - i128::from(served_at);
+        if offset.unsigned_abs() > u128::from(MAX_CLOCK_SKEW.as_secs()) {
+            let apart = i64::try_from(offset).unwrap_or(i64::MAX);
+            return (self.revocations_only(), ClockGap::Apart(apart));
+        }
         let moved = |t: u64| u64::try_from((i128::from(t) + offset).max(0)).unwrap_or(u64::MAX);
         for record in self.nodes.values_mut() {
             record.registered_at = moved(record.registered_at);
             record.verdict_at = moved(record.verdict_at);
             record.last_evidence_at = record.last_evidence_at.map(moved);
         }
-        self
+        (self, ClockGap::Within)
     }
 
     /// Takes in another control plane's registry: its revocations join
@@ -1108,6 +1115,18 @@ fn not_recorded(dropped: usize) -> String {
         0 => String::new(),
         n => format!("; {n} more not recorded"),
     }
+}
+
+/// How far a peer's clock was from this one's when it served its registry
+/// ([`Registry::on_this_clock`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClockGap {
+    /// Within [`MAX_CLOCK_SKEW`] (or not known): its records were moved to
+    /// this clock.
+    Within,
+    /// Further apart, by this many seconds (this clock minus the peer's):
+    /// only its revocations were kept.
+    Apart(i64),
 }
 
 /// What [`Registry::merge`] took from another registry.
@@ -1884,7 +1903,7 @@ mod tests {
             let mut ours = heard_here(now() - 120);
             let (peer, served_at) = served(behind, behind - 10, Verdict::Trusted);
             let peer = if moved {
-                peer.on_this_clock(served_at, now())
+                peer.on_this_clock(served_at, now()).0
             } else {
                 peer
             };
@@ -1899,7 +1918,7 @@ mod tests {
             let mut ours = heard_here(now() - 10);
             let (peer, served_at) = served(ahead, ahead - 200, Verdict::Silent);
             let peer = if moved {
-                peer.on_this_clock(served_at, now())
+                peer.on_this_clock(served_at, now()).0
             } else {
                 peer
             };
@@ -1910,20 +1929,29 @@ mod tests {
 
         // An earlier version's registry (no time) is taken as it is.
         let (peer, _) = served(now(), 77, Verdict::Trusted);
-        let kept = peer.clone().on_this_clock(0, now());
-        assert_eq!(kept, peer);
-        // A peer's clock far off moves its records by the skew at most.
-        let moved = peer.clone().on_this_clock(now() + 1000, now());
-        assert_eq!(moved.nodes[&ek(1).to_string()].last_evidence_at, Some(0));
-        let moved = peer.clone().on_this_clock(1000, 100_000);
+        let (kept, gap) = peer.clone().on_this_clock(0, now());
+        assert_eq!((kept, gap), (peer.clone(), ClockGap::Within));
+        // Clocks further apart than the skew: the node records are not
+        // moved by part of the gap (around three control planes such moves
+        // would no longer sum to an ageing); only the revocations stay.
+        let mut revoking = peer.clone();
+        revoking
+            .revoke_ek(&ek(5), "revoked by the operator")
+            .unwrap();
+        for (served_at, asked_at, apart) in [(now() + 301, now(), -301), (1000, 1301, 301)] {
+            let (kept, gap) = revoking.clone().on_this_clock(served_at, asked_at);
+            assert_eq!(gap, ClockGap::Apart(apart));
+            assert!(kept.nodes().is_empty());
+            assert!(kept.revocation(&ek(5)).is_some());
+        }
+        let (moved, gap) = peer.clone().on_this_clock(1000, 1300);
+        assert_eq!(gap, ClockGap::Within);
         assert_eq!(moved.nodes[&ek(1).to_string()].last_evidence_at, Some(377));
         // Dated from the request: a registry served 40 s after it was
-        // asked for (the call held up) comes out older, not newer, so a
-        // record passed back and forth through held calls never grows
-        // newer.
+        // asked for (the call held up) comes out older, not newer.
         let (mut passed, _) = served(now(), now() - 10, Verdict::Trusted);
         for _ in 0..3 {
-            passed = passed.on_this_clock(now() + 40, now());
+            passed = passed.on_this_clock(now() + 40, now()).0;
         }
         let last = passed.nodes[&ek(1).to_string()].last_evidence_at.unwrap();
         assert!(last <= now() - 130, "{last}");

@@ -26,20 +26,22 @@ use crate::grpc::answer_within;
 use crate::join::ticket::check_service;
 use crate::measured::SharedTpm;
 use crate::provision::Node;
-use crate::registry::{Registry, RegistryError, RegistryStore, MAX_REGISTRY_BYTES};
+use crate::registry::{ClockGap, Registry, RegistryError, RegistryStore, MAX_REGISTRY_BYTES};
 
 /// Longest one call to a control plane may take, its answer included: a
 /// nonce request waits up to one interval (at most 90 s).
 const CALL_TIMEOUT: Duration = Duration::from_secs(150);
-/// Longest a registry call may take: its records are dated from when it
-/// was asked for, so a host that holds the call up ages them by as much
-/// ([`Registry::on_this_clock`]). Also at most one evidence interval, and
-/// at least [`MIN_REGISTRY_CALL`]: a call that runs out fails the exchange,
-/// and a control plane without a current view of its peers revokes no
-/// one for silence.
-const REGISTRY_CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// The shortest registry call timeout, for intervals of a second or two.
-const MIN_REGISTRY_CALL: Duration = Duration::from_secs(2);
+/// Longest a registry call may take for its node records to be taken:
+/// they are dated from when it was asked for, so a host that holds the
+/// call up ages them by as much ([`Registry::on_this_clock`]). Also at
+/// most half an evidence interval, and at least [`MIN_PROMPT_REGISTRY`].
+/// A slower call (a large registry over a slow link, or one held up)
+/// still brings its revocations, which spread, but is no view of the
+/// nodes: it is not noted as a merge, and a control plane without a
+/// current view of its peers revokes no one for silence.
+const PROMPT_REGISTRY: Duration = Duration::from_secs(10);
+/// The shortest [`PROMPT_REGISTRY`] bound, for intervals of a second or two.
+const MIN_PROMPT_REGISTRY: Duration = Duration::from_secs(1);
 /// The longest pause between two tries of the evidence loop's set-up.
 const SETUP_RETRY_MAX: Duration = Duration::from_secs(60);
 
@@ -193,8 +195,9 @@ pub struct Session {
     disk: DiskId,
     /// The node root, where each round reads the node's version record.
     root: PathBuf,
-    /// How long a registry call may take ([`REGISTRY_CALL_TIMEOUT`]).
-    registry_timeout: Duration,
+    /// How long a registry call may take for its node records to be
+    /// taken ([`PROMPT_REGISTRY`]).
+    prompt_registry: Duration,
 }
 
 impl EvidenceClient {
@@ -278,7 +281,7 @@ impl EvidenceClient {
             tpm: self.tpm.clone(),
             disk: self.disk.clone(),
             root: self.root.clone(),
-            registry_timeout: REGISTRY_CALL_TIMEOUT.min(self.retry).max(MIN_REGISTRY_CALL),
+            prompt_registry: PROMPT_REGISTRY.min(self.retry / 2).max(MIN_PROMPT_REGISTRY),
         })
     }
 
@@ -439,24 +442,26 @@ impl Session {
         if self.peer_revoked_in(registry).await? {
             return Err(EvidenceClientError::PeerRevoked);
         }
-        let asked_at = crate::registry::now();
+        let (asked_at, started) = (crate::registry::now(), std::time::Instant::now());
         let call = self.client.registry(RegistryRequest {});
-        let served = answer_within(self.registry_timeout, call)
+        let served = answer_within(CALL_TIMEOUT, call)
             .await
             .map_err(EvidenceClientError::Refused)?;
+        let took = started.elapsed();
         let (bytes, served_at) = (served.registry, served.served_at);
         // Parsing up to the registry bound, the registry's lock and the
         // write after the merge block: not on a worker of the runtime.
         let registry = registry.clone();
-        let peer = self.server_ek;
+        let (peer, prompt) = (self.server_ek, self.prompt_registry);
         let added = tokio::task::spawn_blocking(move || {
-            let theirs = Registry::parse(&bytes)?.on_this_clock(served_at, asked_at);
+            let (theirs, gap) = Registry::parse(&bytes)?.on_this_clock(served_at, asked_at);
+            let view = whole && takes_records(gap, took, prompt, &peer);
             // Checked again under the merge's lock: a revocation may have
             // landed during the call.
-            if whole {
+            if view {
                 registry.merge_from_peer(theirs, drift_stands, &peer)
             } else {
-                registry.merge_revocations_from_peer(theirs, drift_stands, &peer)
+                registry.merge_revocations_from_peer(theirs.revocations_only(), drift_stands, &peer)
             }
         })
         .await
@@ -480,6 +485,38 @@ impl Session {
         tokio::task::spawn_blocking(move || registry.revocation(&peer).is_some())
             .await
             .map_err(|_| EvidenceClientError::Task)
+    }
+}
+
+/// Whether a peer's registry, its clock `gap` from this one's and its call
+/// having taken `took`, is a view of the nodes to take their records from
+/// (else only its revocations are taken), logging why not.
+fn takes_records(
+    gap: ClockGap,
+    took: Duration,
+    prompt: Duration,
+    peer: &keel_verifier::ek::EkDigest,
+) -> bool {
+    match gap {
+        ClockGap::Apart(apart) => {
+            tracing::warn!(
+                %peer,
+                apart_s = apart,
+                "this control plane's clock and the other's are further apart than the skew \
+                 allowed: only its revocations are taken"
+            );
+            false
+        }
+        ClockGap::Within if took > prompt => {
+            tracing::warn!(
+                %peer,
+                took_ms = took.as_millis() as u64,
+                prompt_ms = prompt.as_millis() as u64,
+                "the other control plane's registry came late: only its revocations are taken"
+            );
+            false
+        }
+        ClockGap::Within => true,
     }
 }
 

@@ -322,7 +322,17 @@ fn registry_of(
     match bytes {
         [] => Ok(Registry::default()),
         bytes => Registry::parse(bytes)
-            .map(|registry| registry.on_this_clock(served_at, source.asked_at))
+            .map(|registry| {
+                let (registry, gap) = registry.on_this_clock(served_at, source.asked_at);
+                if let crate::registry::ClockGap::Apart(apart) = gap {
+                    tracing::warn!(
+                        apart_s = apart,
+                        "the issuer's clock and this node's are further apart than the skew \
+                         allowed: only the revocations of its registry are taken"
+                    );
+                }
+                registry
+            })
             .map_err(|e| TicketError::Invalid(format!("registry: {e}"))),
     }
 }
