@@ -779,7 +779,7 @@ fn refused(what: &str, e: &EvidenceError) -> tonic::Status {
     match e {
         // What an operator should see (a revoked node still knocking, a
         // worker asking for registries), at most once a minute at warn.
-        E::Revoked(_) | E::NotControlPlane if SIGNS.admit(registry::now()) => {
+        E::Revoked(_) | E::NotControlPlane if SIGNS.admit(Instant::now()) => {
             tracing::warn!(error = %keel_atls::ErrorChain(e), "{what} refused (such refusals are logged at warn once a minute)")
         }
         E::NotAttested
@@ -797,22 +797,25 @@ fn refused(what: &str, e: &EvidenceError) -> tonic::Status {
 }
 
 /// When a refusal that is a sign for the operator was last logged at warn.
-static SIGNS: OncePerMinute = OncePerMinute(std::sync::atomic::AtomicU64::new(0));
+static SIGNS: OncePerMinute = OncePerMinute(std::sync::Mutex::new(None));
 
-/// Admits one event a minute (Unix seconds).
-struct OncePerMinute(std::sync::atomic::AtomicU64);
+/// Admits one event a minute (on the monotonic clock, which the host
+/// cannot step).
+struct OncePerMinute(std::sync::Mutex<Option<Instant>>);
 
 impl OncePerMinute {
     /// Whether an event at `now` is the first in a minute; if so, it is
     /// the last admitted from now on.
-    fn admit(&self, now: u64) -> bool {
-        use std::sync::atomic::Ordering;
-        let last = self.0.load(Ordering::Relaxed);
-        (last == 0 || now >= last.saturating_add(60))
-            && self
-                .0
-                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
+    fn admit(&self, now: Instant) -> bool {
+        let mut last = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.is_some_and(|last| now.saturating_duration_since(last) < Duration::from_secs(60)) {
+            return false;
+        }
+        *last = Some(now);
+        true
     }
 }
 
@@ -867,14 +870,14 @@ mod tests {
 
     #[test]
     fn a_sign_is_logged_at_warn_once_a_minute() {
-        let signs = OncePerMinute(std::sync::atomic::AtomicU64::new(0));
-        assert!(signs.admit(1_000));
-        assert!(!signs.admit(1_000));
-        assert!(!signs.admit(1_059));
-        assert!(signs.admit(1_060));
-        // A clock at 0 (before 1970 here) is admitted once, then not.
-        let broken = OncePerMinute(std::sync::atomic::AtomicU64::new(0));
-        assert!(broken.admit(0));
-        assert!(!broken.admit(0));
+        use std::time::{Duration, Instant};
+        let signs = OncePerMinute(std::sync::Mutex::new(None));
+        let start = Instant::now();
+        let at = |s: u64| start + Duration::from_secs(s);
+        assert!(signs.admit(at(0)));
+        assert!(!signs.admit(at(0)));
+        assert!(!signs.admit(at(59)));
+        assert!(signs.admit(at(60)));
+        assert!(!signs.admit(at(61)));
     }
 }
