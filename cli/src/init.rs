@@ -42,35 +42,89 @@ const INIT_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
 /// any node can receive it. It is written whole to a temporary file first
 /// and then linked into place, which fails if `path` exists: a crash or a
 /// failed write never leaves a part of a secret at `path`, where it would
-/// block every later run (an existing secret is never replaced).
+/// block every later run (an existing secret is never replaced). What an
+/// earlier run that crashed left of its temporary files goes first. On a
+/// file system without hard links, the file is created in place instead
+/// (and removed again if it could not be written whole).
 fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::Result<()> {
     let dir = parent_dir(path);
     let name = path.file_name().unwrap_or(path.as_os_str());
     if path.symlink_metadata().is_ok() {
         bail!("{} exists ({if_exists})", path.display());
     }
+    remove_temporaries(dir, name, "new");
     let (temp, mut f) = create_temporary(dir, name, "new")
         .with_context(|| format!("creating a file in {}", dir.display()))?;
-    let placed = f
+    let written = f
         .write_all(data)
         .and_then(|()| f.sync_all())
-        .with_context(|| format!("writing {} (nothing was sent)", temp.display()))
-        .and_then(|()| {
-            std::fs::hard_link(&temp, path).map_err(|e| {
-                let context = if e.kind() == std::io::ErrorKind::AlreadyExists {
-                    format!("creating {} ({if_exists})", path.display())
-                } else {
-                    format!("creating {}", path.display())
-                };
-                anyhow::Error::new(e).context(context)
-            })
-        });
+        .with_context(|| format!("writing {} (nothing was sent)", temp.display()));
     drop(f);
+    let placed = written.and_then(|()| match std::fs::hard_link(&temp, path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            Err(anyhow::Error::new(e).context(format!("creating {} ({if_exists})", path.display())))
+        }
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(nix::libc::EPERM | nix::libc::EOPNOTSUPP | nix::libc::ENOSYS)
+            ) =>
+        {
+            write_in_place(path, data, if_exists)
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("creating {}", path.display()))),
+    });
     let _ = std::fs::remove_file(&temp);
     placed?;
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .with_context(|| format!("syncing {}", dir.display()))?;
+    Ok(())
+}
+
+/// Removes the files `.<name>.<random>.<suffix>` in `dir` that
+/// [`create_temporary`] made for runs that did not finish (they may hold a
+/// secret, or be a second link to one).
+fn remove_temporaries(dir: &Path, name: &std::ffi::OsStr, suffix: &str) {
+    let (prefix, suffix) = (
+        format!(".{}.", name.to_string_lossy()),
+        format!(".{suffix}"),
+    );
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let file = file.to_string_lossy();
+        if file.starts_with(&prefix) && file.ends_with(&suffix) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// [`write_new_secret_file`] where hard links are not supported: created
+/// in place (never over a file), written, synced; removed again if it
+/// could not be written whole.
+fn write_in_place(path: &Path, data: &[u8], if_exists: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+        .with_context(|| format!("creating {} ({if_exists})", path.display()))?;
+    if let Err(e) = f.write_all(data).and_then(|()| f.sync_all()) {
+        drop(f);
+        let _ = std::fs::remove_file(path);
+        return Err(e).with_context(|| {
+            format!(
+                "writing {} (removed again; nothing was sent)",
+                path.display()
+            )
+        });
+    }
     Ok(())
 }
 
@@ -784,13 +838,21 @@ mod tests {
     fn a_secret_file_is_placed_whole_and_never_replaces_one() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keel-master-secret.json");
-        // What a run that crashed before placing its file left.
+        // What a run that crashed before placing its file left: removed.
         std::fs::write(
             dir.path().join(".keel-master-secret.json.0123.new"),
             b"{\"ke",
         )
         .unwrap();
         write_new_secret_file(&path, b"first", "kept").unwrap();
+        assert_eq!(names(dir.path()), ["keel-master-secret.json"]);
+        // The fallback where hard links are not supported: the same
+        // refusal of a file in place.
+        assert!(write_in_place(&path, b"second", "kept").is_err());
+        let other = dir.path().join("other-secret");
+        write_in_place(&other, b"other", "kept").unwrap();
+        assert_eq!(std::fs::metadata(&other).unwrap().mode() & 0o777, 0o600);
+        std::fs::remove_file(&other).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"first");
         assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
         let err = write_new_secret_file(&path, b"second", "kept").unwrap_err();
@@ -803,11 +865,7 @@ mod tests {
         assert!(!dir.path().join("elsewhere").exists());
         assert_eq!(
             names(dir.path()),
-            [
-                ".keel-master-secret.json.0123.new",
-                "keel-init-secret",
-                "keel-master-secret.json"
-            ]
+            ["keel-init-secret", "keel-master-secret.json"]
         );
     }
 
