@@ -15,6 +15,11 @@ const SALT_MAX: usize = 256;
 /// digits).
 const ALGORITHM: &str = "sha256";
 const SECTOR: u64 = 512;
+/// The data and hash block size of the image's verity root
+/// (`VerityDataBlockSizeBytes` and `VerityHashBlockSizeBytes` in
+/// `mkosi/mkosi.repart`): the superblock, which the host can write, does
+/// not get to choose another layout for the tree the root hash pins.
+const BLOCK_SIZE: u32 = 4096;
 
 /// The value of the single `roothash=` on the kernel command line: 64 hex
 /// digits, returned in lower case. None, two, or a malformed one is an
@@ -50,9 +55,9 @@ pub struct Superblock {
 }
 
 impl Superblock {
-    /// Parses the superblock: version 1, SHA-256, block sizes the kernel
-    /// accepts on x86 (powers of two, 512 bytes to the 4 KiB page), a salt
-    /// of at most 256 bytes.
+    /// Parses the superblock: version 1, SHA-256, the image's block sizes
+    /// ([`BLOCK_SIZE`] for data and hash blocks), a salt of at most 256
+    /// bytes.
     pub fn parse(block: &[u8; SUPERBLOCK_LEN]) -> Result<Self, Error> {
         let u16_at = |at: usize| u16::from_le_bytes([block[at], block[at + 1]]);
         let u32_at = |at: usize| {
@@ -83,11 +88,10 @@ impl Superblock {
                 String::from_utf8_lossy(&algorithm[..name_len])
             )));
         }
-        let block_size_ok = |size: u32| size.is_power_of_two() && (512..=4096).contains(&size);
         let (data_block_size, hash_block_size) = (u32_at(64), u32_at(68));
-        if !block_size_ok(data_block_size) || !block_size_ok(hash_block_size) {
+        if (data_block_size, hash_block_size) != (BLOCK_SIZE, BLOCK_SIZE) {
             return Err(Error::new(format!(
-                "verity block sizes {data_block_size}/{hash_block_size} are not powers of two from 512 to 4096"
+                "verity block sizes {data_block_size}/{hash_block_size}, the image's are {BLOCK_SIZE}/{BLOCK_SIZE}"
             )));
         }
         let data_blocks = u64_at(72);
@@ -225,7 +229,7 @@ mod tests {
     #[test]
     fn a_superblock_the_kernel_would_not_take_is_refused() {
         type Change = fn(&mut [u8; SUPERBLOCK_LEN]);
-        let cases: [(Change, &str); 9] = [
+        let cases: [(Change, &str); 10] = [
             (|b| b[0] = b'V', "no verity superblock"),
             (|b| b[8] = 2, "version 2"),
             (|b| b[12] = 7, "hash type 7"),
@@ -241,6 +245,11 @@ mod tests {
             (
                 |b| b[68..72].copy_from_slice(&8192u32.to_le_bytes()),
                 "block sizes 4096/8192",
+            ),
+            // A size the kernel takes, but not the image's.
+            (
+                |b| b[64..68].copy_from_slice(&512u32.to_le_bytes()),
+                "block sizes 512/4096, the image's are 4096/4096",
             ),
             (|b| b[72..80].fill(0), "no data blocks"),
             (
