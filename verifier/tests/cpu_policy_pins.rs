@@ -5,8 +5,9 @@
 //! refuses a wrong one with its own error naming the field.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod vectors;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 
 use keel_testkit::amd::{LaunchFields, ReportFields, TestAmd};
 use keel_verifier::cpu::collateral::tdx_collateral_file;
@@ -17,19 +18,10 @@ use keel_verifier::cpu::policy::{
 use keel_verifier::cpu::snp::{self, AmdRoots, SnpClaims, SnpError};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxClaims, TdxError};
 use keel_verifier::cpu::{Binding, CpuPolicy};
+use vectors::{data, data_path, h};
 
 /// 2025-11-23T00:00:00Z: every real SNP endorsement certificate is valid.
 const SNP_TIME: u64 = 1_763_856_000;
-
-fn data_path(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/data/cvm")
-        .join(path)
-}
-
-fn data(path: &str) -> Vec<u8> {
-    std::fs::read(data_path(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
-}
 
 fn first_pem(path: &str) -> Vec<u8> {
     x509_parser::pem::Pem::iter_from_buffer(&data(path))
@@ -37,12 +29,6 @@ fn first_pem(path: &str) -> Vec<u8> {
         .unwrap()
         .unwrap()
         .contents
-}
-
-fn h<const N: usize>(s: &str) -> [u8; N] {
-    let mut out = [0u8; N];
-    hex::decode_to_slice(s, &mut out).unwrap();
-    out
 }
 
 fn tcb(bootloader: u8, tee: u8, snp: u8, microcode: u8) -> Tcb {

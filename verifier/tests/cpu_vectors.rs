@@ -3,7 +3,7 @@
 //! and each tampering is refused with its own error.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
+mod vectors;
 
 use keel_testkit::amd::certificate_pem;
 use keel_verifier::cpu::binding::{report_data, HclReport};
@@ -12,6 +12,7 @@ use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb, TdxPolicy};
 use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpClaims, SnpError};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxClaims, TdxError};
 use keel_verifier::cpu::{Binding, BindingError, CollateralError};
+use vectors::{data, data_path, h};
 
 /// 2025-11-23T00:00:00Z: every SNP endorsement certificate here is valid
 /// (the AWS VLEK expires on 2025-12-10).
@@ -20,27 +21,10 @@ const SNP_TIME: u64 = 1_763_856_000;
 const SNP_LATER: u64 = 1_795_392_000;
 const DAY: u64 = 86_400;
 
-/// A file of the shared test vectors (`shared/` sits beside the clone).
-fn data_path(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/data/cvm")
-        .join(path)
-}
-
-fn data(path: &str) -> Vec<u8> {
-    std::fs::read(data_path(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
 fn pem_certs(path: &str) -> Vec<Vec<u8>> {
     x509_parser::pem::Pem::iter_from_buffer(&data(path))
         .map(|p| p.unwrap().contents)
         .collect()
-}
-
-fn h<const N: usize>(s: &str) -> [u8; N] {
-    let mut out = [0u8; N];
-    hex::decode_to_slice(s, &mut out).unwrap();
-    out
 }
 
 struct SnpVector {
