@@ -561,6 +561,41 @@ impl Registry {
         }
     }
 
+    /// This registry's revocations, and its node records reduced to the
+    /// names they hold (EK, name and role; registered at `at`, no
+    /// evidence, no disk): what is taken from a registry that is no view
+    /// of the nodes (a peer's clock too far from this one's, an answer
+    /// that came late). Merged, such a record is taken only where this
+    /// registry has none for the EK and never replaces one, so the names
+    /// members hold stay held here, and nothing counts as news of a node.
+    pub fn names_only(&self, at: u64) -> Self {
+        let nodes = self
+            .nodes
+            .iter()
+            .map(|(key, record)| {
+                let named = NodeRecord {
+                    name: record.name.clone(),
+                    role: record.role.clone(),
+                    ek: record.ek.clone(),
+                    disk_uuid: String::new(),
+                    verdict: Verdict::Registered,
+                    registered_at: at,
+                    last_evidence_at: None,
+                    verdict_at: at,
+                    reason: None,
+                    kubernetes_version: String::new(),
+                    measurements: String::new(),
+                };
+                (key.clone(), named)
+            })
+            .collect();
+        Self {
+            nodes,
+            revoked: self.revoked.clone(),
+            ..Self::default()
+        }
+    }
+
     /// The JSON form, without whitespace: what the snapshot holds, and
     /// what another control plane, the operator or a control-plane ticket
     /// gets ([`MAX_REGISTRY_BYTES`] bounds it at every entry bound).
@@ -901,10 +936,11 @@ impl Registry {
     /// Clocks further apart than [`MAX_CLOCK_SKEW`] are not moved by part
     /// of the gap (around three control planes, moves cut short would no
     /// longer sum to an ageing, and records passed around would grow newer
-    /// each time): the registry's node records are dropped and only its
-    /// revocations kept; the second value says so, and the caller then
-    /// takes it as a revocation list, not as a view of the nodes. 0 (a
-    /// control plane of an earlier version sends no time) moves nothing.
+    /// each time): the registry is reduced to its revocations and the
+    /// names its records hold ([`Registry::names_only`], dated
+    /// `asked_at`); the second value says so, and the caller then takes it
+    /// as no view of the nodes. 0 (a control plane of an earlier version
+    /// sends no time) moves nothing.
     pub fn on_this_clock(mut self, served_at: u64, asked_at: u64) -> (Self, ClockGap) {
         if served_at == 0 {
             return (self, ClockGap::Within);
@@ -912,7 +948,7 @@ impl Registry {
         let offset = i128::from(asked_at) - i128::from(served_at);
         if offset.unsigned_abs() > u128::from(MAX_CLOCK_SKEW.as_secs()) {
             let apart = i64::try_from(offset).unwrap_or(i64::MAX);
-            return (self.revocations_only(), ClockGap::Apart(apart));
+            return (self.names_only(asked_at), ClockGap::Apart(apart));
         }
         let moved = |t: u64| u64::try_from((i128::from(t) + offset).max(0)).unwrap_or(u64::MAX);
         for record in self.nodes.values_mut() {
@@ -1938,12 +1974,36 @@ mod tests {
         revoking
             .revoke_ek(&ek(5), "revoked by the operator")
             .unwrap();
-        for (served_at, asked_at, apart) in [(now() + 301, now(), -301), (1000, 1301, 301)] {
+        let t = now();
+        for (served_at, asked_at, apart) in [(t + 301, t, -301), (1000, 1301, 301)] {
             let (kept, gap) = revoking.clone().on_this_clock(served_at, asked_at);
             assert_eq!(gap, ClockGap::Apart(apart));
-            assert!(kept.nodes().is_empty());
             assert!(kept.revocation(&ek(5)).is_some());
+            // The names its records hold stay, as news of nothing.
+            let named = &kept.nodes()[&ek(1).to_string()];
+            assert_eq!(
+                (named.name.as_str(), named.verdict),
+                ("w-1", Verdict::Registered)
+            );
+            assert_eq!(
+                (named.registered_at, named.last_evidence_at),
+                (asked_at, None)
+            );
         }
+        // Taken where this registry lacks the EK (its name then held here),
+        // and never over a record it has.
+        let (named, _) = revoking.clone().on_this_clock(t + 301, t);
+        let mut lacking = Registry::default();
+        lacking.merge(named.clone());
+        assert!(
+            lacking.check_name(&ek(7), "w-1").is_err(),
+            "the name is free"
+        );
+        let mut holding = Registry::default();
+        holding.record(&evidence(1, None)).unwrap();
+        let before = holding.nodes()[&ek(1).to_string()].clone();
+        holding.merge(named);
+        assert_eq!(holding.nodes()[&ek(1).to_string()], before);
         let (moved, gap) = peer.clone().on_this_clock(1000, 1300);
         assert_eq!(gap, ClockGap::Within);
         assert_eq!(moved.nodes[&ek(1).to_string()].last_evidence_at, Some(377));
