@@ -49,10 +49,10 @@ const INIT_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
 fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::Result<()> {
     let dir = parent_dir(path);
     let name = path.file_name().unwrap_or(path.as_os_str());
+    remove_temporaries(dir, name, "new");
     if path.symlink_metadata().is_ok() {
         bail!("{} exists ({if_exists})", path.display());
     }
-    remove_temporaries(dir, name, "new");
     let (temp, mut f) = create_temporary(dir, name, "new")
         .with_context(|| format!("creating a file in {}", dir.display()))?;
     let written = f
@@ -83,9 +83,10 @@ fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::R
     Ok(())
 }
 
-/// Removes the files `.<name>.<random>.<suffix>` in `dir` that
+/// Removes the files `.<name>.<16 hex digits>.<suffix>` in `dir` that
 /// [`create_temporary`] made for runs that did not finish (they may hold a
-/// secret, or be a second link to one).
+/// secret, or be a second link to one, if a run stopped between placing
+/// its file and removing its temporary one).
 fn remove_temporaries(dir: &Path, name: &std::ffi::OsStr, suffix: &str) {
     let (prefix, suffix) = (
         format!(".{}.", name.to_string_lossy()),
@@ -97,7 +98,10 @@ fn remove_temporaries(dir: &Path, name: &std::ffi::OsStr, suffix: &str) {
     for entry in entries.flatten() {
         let file = entry.file_name();
         let file = file.to_string_lossy();
-        if file.starts_with(&prefix) && file.ends_with(&suffix) {
+        let random = file
+            .strip_prefix(prefix.as_str())
+            .and_then(|rest| rest.strip_suffix(suffix.as_str()));
+        if random.is_some_and(|r| r.len() == 16 && r.bytes().all(|b| b.is_ascii_hexdigit())) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
@@ -838,13 +842,39 @@ mod tests {
     fn a_secret_file_is_placed_whole_and_never_replaces_one() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keel-master-secret.json");
-        // What a run that crashed before placing its file left: removed.
-        std::fs::write(
-            dir.path().join(".keel-master-secret.json.0123.new"),
-            b"{\"ke",
+        // What a run that crashed before placing its file left: removed;
+        // a file of another name, or the user's own, stays.
+        for leftover in [
+            ".keel-master-secret.json.0123456789abcdef.new",
+            ".keel-master-secret.json.mine.new",
+            ".keel-master-secret.json.json.0123456789abcdef.new",
+        ] {
+            std::fs::write(dir.path().join(leftover), b"{\"ke").unwrap();
+        }
+        write_new_secret_file(&path, b"first", "kept").unwrap();
+        assert_eq!(
+            names(dir.path()),
+            [
+                ".keel-master-secret.json.json.0123456789abcdef.new",
+                ".keel-master-secret.json.mine.new",
+                "keel-master-secret.json"
+            ]
+        );
+        for leftover in [
+            ".keel-master-secret.json.json.0123456789abcdef.new",
+            ".keel-master-secret.json.mine.new",
+        ] {
+            std::fs::remove_file(dir.path().join(leftover)).unwrap();
+        }
+        // A second link a run left after placing its file goes too, though
+        // the file is there.
+        std::fs::hard_link(
+            &path,
+            dir.path()
+                .join(".keel-master-secret.json.fedcba9876543210.new"),
         )
         .unwrap();
-        write_new_secret_file(&path, b"first", "kept").unwrap();
+        assert!(write_new_secret_file(&path, b"again", "kept").is_err());
         assert_eq!(names(dir.path()), ["keel-master-secret.json"]);
         // The fallback where hard links are not supported: the same
         // refusal of a file in place.
