@@ -567,7 +567,8 @@ impl Registry {
     /// of the nodes (a peer's clock too far from this one's, an answer
     /// that came late). Merged, such a record is taken only where this
     /// registry has none for the EK and never replaces one, so the names
-    /// members hold stay held here, and nothing counts as news of a node.
+    /// members hold stay held here. Such a node counts as registered now
+    /// (heard, for one silence grace), without the peer's verdict.
     pub fn names_only(&self, at: u64) -> Self {
         let nodes = self
             .nodes

@@ -27,7 +27,6 @@ use crate::join::ticket::check_service;
 use crate::measured::SharedTpm;
 use crate::provision::Node;
 use crate::registry::{ClockGap, Registry, RegistryError, RegistryStore, MAX_REGISTRY_BYTES};
-use keel_verifier::ek::EkDigest;
 
 /// Longest one call to a control plane may take, its answer included: a
 /// nonce request waits up to one interval (at most 90 s).
@@ -43,15 +42,6 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(150);
 const PROMPT_REGISTRY: Duration = Duration::from_secs(10);
 /// The shortest [`PROMPT_REGISTRY`] bound, for intervals of a few seconds.
 const MIN_PROMPT_REGISTRY: Duration = Duration::from_secs(2);
-/// How far a peer's clock may move against this one's between two of its
-/// registries (what the seconds of the two timestamps and the calls' own
-/// spread account for) for its node records to be taken. A host that
-/// steps one control plane's clock back and forth between exchanges,
-/// each step within the skew, would otherwise make a record passed
-/// between two control planes newer at each pass, and a node that stopped
-/// would never fall silent; a step within this bound gains a record at
-/// most twice as much per interval.
-const MAX_OFFSET_STEP: u64 = 2;
 /// The longest pause between two tries of the evidence loop's set-up.
 const SETUP_RETRY_MAX: Duration = Duration::from_secs(60);
 
@@ -154,8 +144,6 @@ pub struct EvidenceClient {
     root: PathBuf,
     disk: DiskId,
     retry: Duration,
-    /// The other control planes' clock offsets as last seen.
-    offsets: Arc<PeerOffsets>,
     /// On a control plane: what it merges the others' registries into,
     /// once it serves (its state disk mounted); until then it reports
     /// like any member.
@@ -210,27 +198,6 @@ pub struct Session {
     /// How long a registry call may take for its node records to be
     /// taken ([`PROMPT_REGISTRY`]).
     prompt_registry: Duration,
-    /// The peers' clock offsets as last seen, shared with the client.
-    offsets: Arc<PeerOffsets>,
-}
-
-/// The clock offset of each control plane this client took a registry
-/// from (this clock minus its, as of the request), as last seen: one
-/// entry per control plane it reaches.
-#[derive(Debug, Default)]
-struct PeerOffsets(std::sync::Mutex<std::collections::HashMap<EkDigest, i64>>);
-
-impl PeerOffsets {
-    /// Records `offset` for `peer`; whether it is within
-    /// [`MAX_OFFSET_STEP`] of the last one seen (a first is).
-    fn steady(&self, peer: EkDigest, offset: i64) -> bool {
-        let mut seen = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        seen.insert(peer, offset)
-            .is_none_or(|previous| offset.abs_diff(previous) <= MAX_OFFSET_STEP)
-    }
 }
 
 impl EvidenceClient {
@@ -254,7 +221,6 @@ impl EvidenceClient {
             disk: DiskId::Fixed(disk_uuid),
             retry,
             registry: Arc::default(),
-            offsets: Arc::default(),
         }
     }
 
@@ -316,7 +282,6 @@ impl EvidenceClient {
             disk: self.disk.clone(),
             root: self.root.clone(),
             prompt_registry: PROMPT_REGISTRY.min(self.retry / 2).max(MIN_PROMPT_REGISTRY),
-            offsets: self.offsets.clone(),
         })
     }
 
@@ -488,22 +453,21 @@ impl Session {
         // write after the merge block: not on a worker of the runtime.
         let registry = registry.clone();
         let (peer, prompt) = (self.server_ek, self.prompt_registry);
-        let offset =
-            i64::try_from(i128::from(asked_at) - i128::from(served_at)).unwrap_or(i64::MAX);
-        let steady = served_at == 0 || self.offsets.steady(peer, offset);
         let added = tokio::task::spawn_blocking(move || {
             let (theirs, gap) = Registry::parse(&bytes)?.on_this_clock(served_at, asked_at);
-            let view = whole && takes_records(gap, took, prompt, steady, &peer);
+            let view = whole && takes_records(gap, took, prompt, &peer);
             // Checked again under the merge's lock: a revocation may have
-            // landed during the call. What is no view of the nodes still
-            // brings its revocations, and the names its records hold.
+            // landed during the call. A registry that is no view of the
+            // nodes still brings its revocations, and the names its
+            // records hold; one a control plane serves a caller it revokes,
+            // its revocations alone.
             if view {
                 registry.merge_from_peer(theirs, drift_stands, &peer)
             } else if whole {
                 let named = theirs.names_only(crate::registry::now());
                 registry.merge_revocations_from_peer(named, drift_stands, &peer)
             } else {
-                registry.merge_revocations_from_peer(theirs, drift_stands, &peer)
+                registry.merge_revocations_from_peer(theirs.revocations_only(), drift_stands, &peer)
             }
         })
         .await
@@ -530,17 +494,15 @@ impl Session {
     }
 }
 
-/// Whether a peer's registry, its clock `gap` from this one's, its call
-/// having taken `took` and its clock `steady` against this one's since
-/// the last exchange, is a view of the nodes to take their records from
-/// (else only its revocations and the names its records hold are
-/// taken), logging why not.
+/// Whether a peer's registry, its clock `gap` from this one's and its call
+/// having taken `took`, is a view of the nodes to take their records from
+/// (else only its revocations and the names its records hold are taken),
+/// logging why not.
 fn takes_records(
     gap: ClockGap,
     took: Duration,
     prompt: Duration,
-    steady: bool,
-    peer: &EkDigest,
+    peer: &keel_verifier::ek::EkDigest,
 ) -> bool {
     match gap {
         ClockGap::Apart(apart) => {
@@ -548,7 +510,7 @@ fn takes_records(
                 %peer,
                 apart_s = apart,
                 "this control plane's clock and the other's are further apart than the skew \
-                 allowed: only its revocations are taken"
+                 allowed: only its revocations and the names it holds are taken"
             );
             false
         }
@@ -557,15 +519,8 @@ fn takes_records(
                 %peer,
                 took_ms = took.as_millis() as u64,
                 prompt_ms = prompt.as_millis() as u64,
-                "the other control plane's registry came late: only its revocations are taken"
-            );
-            false
-        }
-        ClockGap::Within if !steady => {
-            tracing::warn!(
-                %peer,
-                "the other control plane's clock moved against this one's since the last \
-                 exchange: only its revocations are taken"
+                "the other control plane's registry came late: only its revocations and the \
+                 names it holds are taken"
             );
             false
         }
@@ -675,41 +630,21 @@ mod tests {
     use std::sync::Mutex;
     use tokio::time::Instant;
 
-    /// A peer whose clock moved against this one's since the last
-    /// exchange, whose registry came late or whose clock is too far off
-    /// gives no view of the nodes; a steady, prompt one does.
+    /// A registry that came late, or from a peer whose clock is too far
+    /// off, gives no view of the nodes; a prompt one does.
     #[test]
-    fn only_a_steady_prompt_peer_gives_a_view_of_the_nodes() {
-        let ek = |b: u8| EkDigest::from_hex(&hex::encode([b; 32])).unwrap();
-        let offsets = PeerOffsets::default();
-        assert!(offsets.steady(ek(1), 250), "a first offset");
-        assert!(offsets.steady(ek(1), 252));
-        assert!(!offsets.steady(ek(1), 190), "stepped back 62 s");
-        assert!(offsets.steady(ek(1), 191), "steady against the last seen");
-        assert!(offsets.steady(ek(2), -250), "another peer's own");
+    fn only_a_prompt_peer_within_the_skew_gives_a_view_of_the_nodes() {
+        let peer = keel_verifier::ek::EkDigest::from_hex(&hex::encode([1; 32])).unwrap();
         let (prompt, quick) = (Duration::from_secs(2), Duration::from_millis(10));
-        assert!(takes_records(ClockGap::Within, quick, prompt, true, &ek(1)));
+        assert!(takes_records(ClockGap::Within, quick, prompt, &peer));
         assert!(!takes_records(
             ClockGap::Within,
             Duration::from_secs(3),
             prompt,
-            true,
-            &ek(1)
+            &peer
         ));
-        assert!(!takes_records(
-            ClockGap::Within,
-            quick,
-            prompt,
-            false,
-            &ek(1)
-        ));
-        assert!(!takes_records(
-            ClockGap::Apart(301),
-            quick,
-            prompt,
-            true,
-            &ek(1)
-        ));
+        assert!(!takes_records(ClockGap::Apart(301), quick, prompt, &peer));
+        assert!(!takes_records(ClockGap::Apart(-301), quick, prompt, &peer));
     }
 
     /// Runs the set-up's retry loop with a set-up failing until `fails`

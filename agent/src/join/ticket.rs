@@ -328,7 +328,7 @@ fn registry_of(
                     tracing::warn!(
                         apart_s = apart,
                         "the issuer's clock and this node's are further apart than the skew \
-                         allowed: only the revocations of its registry are taken"
+                         allowed: only the revocations of its registry and the names it holds are taken"
                     );
                 }
                 registry
