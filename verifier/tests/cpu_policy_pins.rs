@@ -18,7 +18,7 @@ use keel_verifier::cpu::policy::{
 use keel_verifier::cpu::snp::{self, AmdRoots, SnpClaims, SnpError};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxClaims, TdxError};
 use keel_verifier::cpu::{Binding, CpuPolicy};
-use vectors::{data, data_path, h};
+use vectors::{data, data_path, h, tcb};
 
 /// 2025-11-23T00:00:00Z: every real SNP endorsement certificate is valid.
 const SNP_TIME: u64 = 1_763_856_000;
@@ -29,15 +29,6 @@ fn first_pem(path: &str) -> Vec<u8> {
         .unwrap()
         .unwrap()
         .contents
-}
-
-fn tcb(bootloader: u8, tee: u8, snp: u8, microcode: u8) -> Tcb {
-    Tcb {
-        bootloader,
-        tee,
-        snp,
-        microcode,
-    }
 }
 
 // ------------------------------------------------------- real SNP reports

@@ -12,7 +12,7 @@ use keel_verifier::cpu::policy::{Hex, SnpPolicy, Tcb, TdxPolicy};
 use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpClaims, SnpError};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxClaims, TdxError};
 use keel_verifier::cpu::{Binding, BindingError, CollateralError};
-use vectors::{data, data_path, h};
+use vectors::{data, data_path, h, tcb};
 
 /// 2025-11-23T00:00:00Z: every SNP endorsement certificate here is valid
 /// (the AWS VLEK expires on 2025-12-10).
@@ -42,15 +42,6 @@ struct SnpVector {
     policy: u64,
     vmpl: u32,
     guest_svn: u32,
-}
-
-fn tcb(bootloader: u8, tee: u8, snp: u8, microcode: u8) -> Tcb {
-    Tcb {
-        bootloader,
-        tee,
-        snp,
-        microcode,
-    }
 }
 
 fn snp_vectors() -> Vec<SnpVector> {

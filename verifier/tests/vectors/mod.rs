@@ -4,6 +4,8 @@
 
 use std::path::PathBuf;
 
+use keel_verifier::cpu::policy::Tcb;
+
 /// A file of the shared test vectors (`shared/` sits beside the clone).
 pub fn data_path(path: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -21,4 +23,14 @@ pub fn h<const N: usize>(s: &str) -> [u8; N] {
     let mut out = [0u8; N];
     hex::decode_to_slice(s, &mut out).unwrap();
     out
+}
+
+/// An SEV-SNP TCB of these SVNs.
+pub fn tcb(bootloader: u8, tee: u8, snp: u8, microcode: u8) -> Tcb {
+    Tcb {
+        bootloader,
+        tee,
+        snp,
+        microcode,
+    }
 }
