@@ -118,7 +118,14 @@ fn write_in_place(path: &Path, data: &[u8], if_exists: &str) -> anyhow::Result<(
         .mode(0o600)
         .custom_flags(nix::libc::O_NOFOLLOW)
         .open(path)
-        .with_context(|| format!("creating {} ({if_exists})", path.display()))?;
+        .map_err(|e| {
+            let context = if e.kind() == std::io::ErrorKind::AlreadyExists {
+                format!("creating {} ({if_exists})", path.display())
+            } else {
+                format!("creating {}", path.display())
+            };
+            anyhow::Error::new(e).context(context)
+        })?;
     if let Err(e) = f.write_all(data).and_then(|()| f.sync_all()) {
         drop(f);
         let _ = std::fs::remove_file(path);
@@ -878,7 +885,11 @@ mod tests {
         assert_eq!(names(dir.path()), ["keel-master-secret.json"]);
         // The fallback where hard links are not supported: the same
         // refusal of a file in place.
-        assert!(write_in_place(&path, b"second", "kept").is_err());
+        let err = write_in_place(&path, b"second", "kept").unwrap_err();
+        assert!(format!("{err:#}").contains("(kept)"), "{err:#}");
+        let elsewhere = dir.path().join("no-such-dir/secret");
+        let err = write_in_place(&elsewhere, b"second", "kept").unwrap_err();
+        assert!(!format!("{err:#}").contains("(kept)"), "{err:#}");
         let other = dir.path().join("other-secret");
         write_in_place(&other, b"other", "kept").unwrap();
         assert_eq!(std::fs::metadata(&other).unwrap().mode() & 0o777, 0o600);
