@@ -41,6 +41,22 @@ impl fmt::Display for Variant {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hex<const N: usize>(pub [u8; N]);
 
+/// `actual` against `expected` where it is set, in constant time; a
+/// difference is refused with `error(expected, actual)` in hex.
+pub(crate) fn pinned<const N: usize, E>(
+    expected: Option<&Hex<N>>,
+    actual: &[u8; N],
+    error: impl FnOnce(String, String) -> E,
+) -> Result<(), E> {
+    use subtle::ConstantTimeEq as _;
+    match expected {
+        Some(expected) if !bool::from(actual.ct_eq(&expected.0)) => {
+            Err(error(hex::encode(expected.0), hex::encode(actual)))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl<const N: usize> Serialize for Hex<N> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&hex::encode(self.0))

@@ -26,7 +26,7 @@ use subtle::ConstantTimeEq as _;
 use x509_parser::prelude::{FromDer as _, X509Certificate};
 use x509_parser::revocation_list::CertificateRevocationList;
 
-use super::policy::{MinimumTcb, SnpPolicy, Tcb};
+use super::policy::{pinned, MinimumTcb, SnpPolicy, Tcb};
 
 /// Size of an SNP attestation report.
 pub const REPORT_BYTES: usize = 1184;
@@ -850,20 +850,16 @@ impl SnpClaims {
                 actual: self.guest_svn,
             });
         }
-        if !bool::from(self.measurement.ct_eq(&policy.measurement.0)) {
-            return Err(SnpError::Measurement {
-                expected: hex::encode(policy.measurement.0),
-                actual: hex::encode(self.measurement),
-            });
-        }
-        if let Some(expected) = &policy.host_data {
-            if !bool::from(self.host_data.ct_eq(&expected.0)) {
-                return Err(SnpError::HostData {
-                    expected: hex::encode(expected.0),
-                    actual: hex::encode(self.host_data),
-                });
-            }
-        }
+        pinned(
+            Some(&policy.measurement),
+            &self.measurement,
+            |expected, actual| SnpError::Measurement { expected, actual },
+        )?;
+        pinned(
+            policy.host_data.as_ref(),
+            &self.host_data,
+            |expected, actual| SnpError::HostData { expected, actual },
+        )?;
         self.check_keys(policy)
     }
 
@@ -941,14 +937,11 @@ impl SnpClaims {
 
     /// The ID and author key digests, where configured, in constant time.
     fn check_keys(&self, policy: &SnpPolicy) -> Result<(), SnpError> {
-        if let Some(expected) = &policy.id_key_digest {
-            if !bool::from(self.id_key_digest.ct_eq(&expected.0)) {
-                return Err(SnpError::IdKeyDigest {
-                    expected: hex::encode(expected.0),
-                    actual: hex::encode(self.id_key_digest),
-                });
-            }
-        }
+        pinned(
+            policy.id_key_digest.as_ref(),
+            &self.id_key_digest,
+            |expected, actual| SnpError::IdKeyDigest { expected, actual },
+        )?;
         if let Some(expected) = &policy.author_key_digest {
             let matches = self
                 .author_key_digest

@@ -11,7 +11,7 @@ use dcap_qvl::verify::QuoteVerifier;
 use dcap_qvl::QuoteCollateralV3;
 use subtle::ConstantTimeEq as _;
 
-use super::policy::{Hex, TdxPolicy};
+use super::policy::{pinned, TdxPolicy};
 
 /// Largest accepted quote.
 pub const MAX_QUOTE_BYTES: usize = 16 * 1024;
@@ -243,21 +243,6 @@ fn check_pins(td: &TDReport10, policy: &TdxPolicy) -> Result<(), TdxError> {
         &td.mr_owner,
         |expected, actual| TdxError::MrOwner { expected, actual },
     )
-}
-
-/// `actual` against `expected` where it is set, in constant time; a
-/// difference is refused with `error(expected, actual)` in hex.
-fn pinned<const N: usize>(
-    expected: Option<&Hex<N>>,
-    actual: &[u8; N],
-    error: impl FnOnce(String, String) -> TdxError,
-) -> Result<(), TdxError> {
-    match expected {
-        Some(expected) if !bool::from(actual.ct_eq(&expected.0)) => {
-            Err(error(hex::encode(expected.0), hex::encode(actual)))
-        }
-        _ => Ok(()),
-    }
 }
 
 /// Names the check a DCAP verification error comes from (its messages are
