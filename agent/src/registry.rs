@@ -1934,17 +1934,22 @@ mod tests {
             ours
         };
 
-        // Behind: the peer heard the node 10 s ago, on its clock.
-        let behind = now() - 250;
-        for moved in [false, true] {
-            let mut ours = heard_here(now() - 120);
-            let (peer, served_at) = served(behind, behind - 10, Verdict::Trusted);
-            let peer = if moved {
+        // `peer`, served at `served_at`, merged into `ours`, its times
+        // moved to this clock or not.
+        let merged = |mut ours: Registry, (peer, served_at): (Registry, u64), moved: bool| {
+            ours.merge(if moved {
                 peer.on_this_clock(served_at, now()).0
             } else {
                 peer
-            };
-            ours.merge(peer);
+            });
+            ours
+        };
+
+        // Behind: the peer heard the node 10 s ago, on its clock.
+        let behind = now() - 250;
+        for moved in [false, true] {
+            let peer = served(behind, behind - 10, Verdict::Trusted);
+            let mut ours = merged(heard_here(now() - 120), peer, moved);
             let silent = ours.mark_silent(now() + 60, grace, 0, &ek(0));
             assert_eq!(silent.is_empty(), moved, "moved: {moved}, {silent:?}");
         }
@@ -1952,14 +1957,8 @@ mod tests {
         // Ahead: the peer's record is 200 s old on its clock, and silent.
         let ahead = now() + 250;
         for moved in [false, true] {
-            let mut ours = heard_here(now() - 10);
-            let (peer, served_at) = served(ahead, ahead - 200, Verdict::Silent);
-            let peer = if moved {
-                peer.on_this_clock(served_at, now()).0
-            } else {
-                peer
-            };
-            ours.merge(peer);
+            let peer = served(ahead, ahead - 200, Verdict::Silent);
+            let ours = merged(heard_here(now() - 10), peer, moved);
             let verdict = ours.nodes[&ek(1).to_string()].verdict;
             assert_eq!(verdict == Verdict::Trusted, moved, "moved: {moved}");
         }
