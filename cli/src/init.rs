@@ -26,7 +26,7 @@ use rand::RngCore;
 use tonic::transport::Endpoint;
 use zeroize::{Zeroize as _, Zeroizing};
 
-use crate::files::create_temporary;
+use crate::files::{create_temporary, remove_temporaries};
 use crate::printable::printable;
 use crate::settings::{read_bounded, Settings};
 use crate::workspace::{
@@ -81,30 +81,6 @@ fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::R
         .and_then(|d| d.sync_all())
         .with_context(|| format!("syncing {}", dir.display()))?;
     Ok(())
-}
-
-/// Removes the files `.<name>.<16 hex digits>.<suffix>` in `dir` that
-/// [`create_temporary`] made for runs that did not finish (they may hold a
-/// secret, or be a second link to one, if a run stopped between placing
-/// its file and removing its temporary one).
-fn remove_temporaries(dir: &Path, name: &std::ffi::OsStr, suffix: &str) {
-    let (prefix, suffix) = (
-        format!(".{}.", name.to_string_lossy()),
-        format!(".{suffix}"),
-    );
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let file = entry.file_name();
-        let file = file.to_string_lossy();
-        let random = file
-            .strip_prefix(prefix.as_str())
-            .and_then(|rest| rest.strip_suffix(suffix.as_str()));
-        if random.is_some_and(|r| r.len() == 16 && r.bytes().all(|b| b.is_ascii_hexdigit())) {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
 }
 
 /// [`write_new_secret_file`] where hard links are not supported: created
