@@ -119,6 +119,21 @@ pub struct NodeRecord {
 }
 
 impl NodeRecord {
+    /// Its name and role, as `name (role)`.
+    fn identity(&self) -> String {
+        format!("{} ({})", self.name, self.role)
+    }
+
+    /// `name (role)` if `name` or `role` is another than the one recorded
+    /// (a blank on either side is no other).
+    fn other_identity(&self, name: &str, role: &str) -> Option<String> {
+        let differs = |held: &str, asked: &str| {
+            !held.is_empty() && !asked.is_empty() && cut(asked, MAX_FIELD) != held
+        };
+        (differs(&self.name, name) || differs(&self.role, role))
+            .then(|| format!("{} ({})", cut(name, MAX_FIELD), cut(role, MAX_FIELD)))
+    }
+
     /// A record of `ek` alone, as a revocation by EK names it.
     fn named_by_ek(ek: &EkDigest) -> Self {
         Self {
@@ -296,6 +311,17 @@ pub enum RegistryError {
         name: String,
         /// The EK that holds it (`sha256:` and hex).
         holder: String,
+    },
+    /// The node's EK holds another name or role than the one asked for: a
+    /// node keeps the identity it joined with. Renaming a member would free
+    /// its name for a second TPM while the member still holds a kubelet
+    /// certificate for it.
+    #[error("the node's EK joined as {held:?}; it asks as {asked:?}: a node keeps the name and role it joined with (revoke it and replace the VM to rename it)")]
+    Renamed {
+        /// The recorded name and role (`name (role)`).
+        held: String,
+        /// The name and role asked for.
+        asked: String,
     },
     /// A blocking registry task did not complete.
     #[error("the node registry task failed")]
@@ -633,7 +659,8 @@ impl Registry {
     /// that no longer fits (the operator's, the policy's, a peer's) must
     /// not leave its node a ticket. Refuses a name another EK holds unless
     /// that EK is revoked: node names are Kubernetes Node names, one per
-    /// node.
+    /// node; and another name or role than the EK holds
+    /// ([`Registry::check_identity`]).
     pub fn register(
         &mut self,
         ek: &EkDigest,
@@ -647,9 +674,31 @@ impl Registry {
         if self.revoked.len() >= MAX_REVOCATIONS {
             return Err(RegistryError::RevocationsFull { dropped: 0 });
         }
-        self.check_name(ek, name)?;
+        self.check_identity(ek, name, role)?;
         let disk = (!disk_uuid.is_empty()).then_some(disk_uuid);
         self.enter(ek, disk, name, role)
+    }
+
+    /// Refuses `name` and `role` for `ek` where `ek` holds another name or
+    /// role ([`RegistryError::Renamed`]): the host writes the node part of
+    /// a node's config, and a member it renamed would free its name, for a
+    /// second TPM to get a kubelet certificate of a Node whose certificate
+    /// the member still holds. Then [`Registry::check_name`].
+    pub fn check_identity(
+        &self,
+        ek: &EkDigest,
+        name: &str,
+        role: &str,
+    ) -> Result<(), RegistryError> {
+        if let Some(held) = self.nodes.get(&ek.to_string()) {
+            if let Some(asked) = held.other_identity(name, role) {
+                return Err(RegistryError::Renamed {
+                    held: held.identity(),
+                    asked,
+                });
+            }
+        }
+        self.check_name(ek, name)
     }
 
     /// Refuses `name` for `ek` while another EK, not revoked, holds it
@@ -684,10 +733,12 @@ impl Registry {
     }
 
     /// Adds or updates the record of `ek`: its name, role and, if given,
-    /// disk UUID (`None` keeps the recorded one). An empty name or role
-    /// keeps the recorded one: evidence whose log names no single identity
-    /// must not blank the node's name, which would free it for another
-    /// node and hide this one from `keel revoke <name>`.
+    /// disk UUID (`None` keeps the recorded one). A recorded name or role
+    /// is never replaced, only a blank one filled: evidence whose log names
+    /// no single identity must not blank the node's name, which would free
+    /// it for another node and hide this one from `keel revoke <name>`; and
+    /// evidence under another name (its host renamed it) must not free it
+    /// either ([`Registry::record`] judges that evidence drifted).
     fn enter(
         &mut self,
         ek: &EkDigest,
@@ -714,10 +765,10 @@ impl Registry {
             kubernetes_version: String::new(),
             measurements: String::new(),
         });
-        if !name.is_empty() {
+        if record.name.is_empty() {
             record.name = cut(name, MAX_FIELD);
         }
-        if !role.is_empty() {
+        if record.role.is_empty() {
             record.role = cut(role, MAX_FIELD);
         }
         if let Some(disk_uuid) = disk_uuid {
@@ -743,7 +794,22 @@ impl Registry {
         evidence: &Evidence,
         stands: Duration,
     ) -> Result<Option<Verdict>, RegistryError> {
-        let previous = self.nodes.get(&evidence.ek.to_string()).map(|r| r.verdict);
+        let held = self.nodes.get(&evidence.ek.to_string());
+        let previous = held.map(|r| r.verdict);
+        // Evidence under another name or role than the node holds: its
+        // host renamed it (the name is in the host-written node config).
+        // The record keeps its identity ([`Registry::enter`]) and the node
+        // drifts.
+        let renamed = held.and_then(|r| {
+            r.other_identity(&evidence.name, &evidence.role)
+                .map(|asked| {
+                    format!(
+                        "its evidence names it {asked}; it joined as {}",
+                        r.identity()
+                    )
+                })
+        });
+        let failure = evidence.failure.as_ref().or(renamed.as_ref());
         let disk = evidence
             .disk
             .as_ref()
@@ -756,7 +822,7 @@ impl Registry {
             record.kubernetes_version = cut(&evidence.kubernetes_version, MAX_FIELD);
             record.measurements = cut(&evidence.measurements, MAX_FIELD);
             let drift_stands = record.drift_stands(at, stands);
-            let verdict = match &evidence.failure {
+            let verdict = match failure {
                 None if drift_stands => Verdict::Drifted,
                 None => {
                     record.reason = None;
@@ -1058,14 +1124,16 @@ impl Registry {
                         .unwrap_or(theirs.registered_at)
                         .saturating_add(MAX_CLOCK_SKEW.as_secs()),
                 );
-                // A name or role the peer's record lacks (an earlier
-                // version blanked it) stays as recorded here: a blank
-                // would free the name for another node.
+                // The name and role recorded here stay: a blank in the
+                // peer's record (an earlier version blanked them) would
+                // free the name for another node, and another name (a
+                // peer of an earlier version took a renamed node's
+                // evidence) would free this one.
                 if let Some(ours) = self.nodes.get(&key) {
-                    if theirs.name.is_empty() {
+                    if !ours.name.is_empty() {
                         theirs.name.clone_from(&ours.name);
                     }
-                    if theirs.role.is_empty() {
+                    if !ours.role.is_empty() {
                         theirs.role.clone_from(&ours.role);
                     }
                 }
@@ -1424,9 +1492,14 @@ impl RegistryStore {
         self.lock().revocation(ek).cloned()
     }
 
-    /// [`Registry::check_name`].
-    pub fn check_name(&self, ek: &EkDigest, name: &str) -> Result<(), RegistryError> {
-        self.lock().check_name(ek, name)
+    /// [`Registry::check_identity`].
+    pub fn check_identity(
+        &self,
+        ek: &EkDigest,
+        name: &str,
+        role: &str,
+    ) -> Result<(), RegistryError> {
+        self.lock().check_identity(ek, name, role)
     }
 
     /// [`Registry::failing_unrevoked`].
@@ -1637,6 +1710,65 @@ mod tests {
             measurements: "ab".into(),
             failure: failure.map(str::to_owned),
         }
+    }
+
+    /// The host writes the node part of a member's config. Renamed and
+    /// rebooted, the member must not get a ticket under its new name (its
+    /// old one, whose kubelet certificate it keeps, would be free for a
+    /// second TPM), nor free its name by evidence under the new one, nor
+    /// through a peer's record; nor take another role.
+    #[test]
+    fn a_node_keeps_the_name_and_role_it_joined_with() {
+        let mut r = Registry::default();
+        r.register(&ek(1), "", "w-1", "worker").unwrap();
+        for (name, role) in [("w-2", "worker"), ("w-1", "control-plane")] {
+            match r.register(&ek(1), "", name, role) {
+                Err(RegistryError::Renamed { held, asked }) => {
+                    assert_eq!(held, "w-1 (worker)");
+                    assert_eq!(asked, format!("{name} ({role})"));
+                }
+                other => panic!("{name} ({role}): {other:?}"),
+            }
+        }
+        let holds = |r: &Registry| {
+            let record = &r.nodes()[&ek(1).to_string()];
+            assert_eq!(
+                (record.name.as_str(), record.role.as_str()),
+                ("w-1", "worker")
+            );
+            assert!(matches!(
+                r.check_identity(&ek(2), "w-1", "worker"),
+                Err(RegistryError::NameTaken { .. })
+            ));
+            assert!(r.check_identity(&ek(2), "w-2", "worker").is_ok());
+        };
+        holds(&r);
+        // Its evidence under the new name drifts, and the name stays.
+        let renamed = Evidence {
+            name: "w-2".into(),
+            ..evidence(1, None)
+        };
+        r.record(&renamed).unwrap();
+        holds(&r);
+        let record = &r.nodes()[&ek(1).to_string()];
+        assert_eq!(record.verdict, Verdict::Drifted);
+        assert_eq!(
+            record.reason.as_deref(),
+            Some("its evidence names it w-2 (worker); it joined as w-1 (worker)")
+        );
+        // Its evidence under its own name is trusted again.
+        r.record(&evidence(1, None)).unwrap();
+        assert_eq!(r.nodes()[&ek(1).to_string()].verdict, Verdict::Trusted);
+        // A peer's newer record under the new name (a peer of an earlier
+        // version) leaves the name recorded here.
+        let mut peer = Registry::default();
+        peer.record(&renamed).unwrap();
+        peer.nodes
+            .get_mut(&ek(1).to_string())
+            .unwrap()
+            .last_evidence_at = Some(now() + 5);
+        assert_eq!(r.merge(peer).taken, 1);
+        holds(&r);
     }
 
     /// Evidence without an identity (its log names none, or two) keeps

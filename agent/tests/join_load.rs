@@ -240,6 +240,48 @@ async fn a_second_tpm_under_a_members_name_gets_no_ticket() {
         .unwrap();
 }
 
+/// The host rewrites a member's node config to another name and reboots
+/// it: the renamed member gets no ticket, so its name (whose kubelet
+/// certificate it keeps) is not freed, and a second TPM under that name
+/// gets none either. Nor does it get one as a control plane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_renamed_by_its_host_gets_no_ticket_and_keeps_its_name() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service(&ca, port).await;
+    let first = member(&ca, port, "w-0", "worker");
+    let (req, _key) = request(&first);
+    first
+        .tickets(&ca)
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .unwrap();
+    let renamed = first.rebooted_with(join_common::config(&ca, port, "w-9", "worker"));
+    let (req, _key) = request(&renamed);
+    let denied = tonic::Code::PermissionDenied;
+    let status = assert_refused(&renamed.tickets(&ca), &service, req, denied).await;
+    assert!(
+        status.message().contains("under another name or role"),
+        "{status:?}"
+    );
+    let promoted = renamed.rebooted_with(join_common::config(&ca, port, "w-0", "control-plane"));
+    let (mut req, _key) = request(&promoted);
+    req.is_control_plane = true;
+    let status = assert_refused(&promoted.tickets(&ca), &service, req, denied).await;
+    assert!(
+        status.message().contains("under another name or role"),
+        "{status:?}"
+    );
+    let second = member(&ca, port, "w-0", "worker");
+    let (req, _key) = request(&second);
+    let status = assert_refused(&second.tickets(&ca), &service, req, denied).await;
+    assert!(
+        status.message().contains("holds this node's name"),
+        "{status:?}"
+    );
+    assert_eq!(service.registered_tokens().len(), 1, "a token was made");
+}
+
 /// A control plane that learned more endpoints than a ticket may name
 /// (its config's and those its own ticket named) names the first 16: a
 /// joining node refuses a ticket naming more.

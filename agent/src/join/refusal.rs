@@ -83,6 +83,10 @@ pub enum JoinServiceError {
     /// name ([`RegistryError::NameTaken`](crate::registry::RegistryError::NameTaken)).
     #[error("the node name is taken")]
     NameTaken(#[source] crate::registry::RegistryError),
+    /// The peer's EK holds another name or role than it asks under
+    /// ([`RegistryError::Renamed`](crate::registry::RegistryError::Renamed)).
+    #[error("the node asks under another name or role than it joined with")]
+    Renamed(#[source] crate::registry::RegistryError),
     /// The node registry failed: nothing was issued.
     #[error("the node registry is unavailable")]
     Registry(#[source] crate::registry::RegistryError),
@@ -98,6 +102,18 @@ impl From<SignCsrError> for JoinServiceError {
 }
 
 impl JoinServiceError {
+    /// The refusal for a registry check or record of a peer's EK and
+    /// identity.
+    pub(crate) fn from_identity_check(e: crate::registry::RegistryError) -> Self {
+        use crate::registry::RegistryError as R;
+        match e {
+            R::Revoked(revocation) => Self::Revoked(*revocation),
+            taken @ R::NameTaken { .. } => Self::NameTaken(taken),
+            renamed @ R::Renamed { .. } => Self::Renamed(renamed),
+            other => Self::Registry(other),
+        }
+    }
+
     /// What the peer is told: a fixed text per kind of refusal. Causes
     /// (kubeadm's output, file errors, binding details) stay in the
     /// service's log.
@@ -125,6 +141,9 @@ impl JoinServiceError {
             }
             E::Withdrawn(_) => "the node's image is no longer accepted by the cluster",
             E::NameTaken(_) => "another node of the cluster holds this node's name",
+            E::Renamed(_) => {
+                "the node's TPM joined the cluster under another name or role; a node keeps its name"
+            }
             E::StaleHandshake(_) => {
                 "the connection's attestation is too old for a ticket; connect again"
             }
@@ -145,7 +164,8 @@ impl From<&JoinServiceError> for tonic::Status {
             | E::DiskNotBound(_)
             | E::Revoked(_)
             | E::Withdrawn(_)
-            | E::NameTaken(_) => tonic::Code::PermissionDenied,
+            | E::NameTaken(_)
+            | E::Renamed(_) => tonic::Code::PermissionDenied,
             E::Member | E::StaleHandshake(_) => tonic::Code::FailedPrecondition,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
             E::Busy | E::Token(_) | E::ServiceRevoked(_) => tonic::Code::Unavailable,

@@ -267,10 +267,15 @@ impl JoinService {
         }
     }
 
-    /// Refuses a revoked peer (its EK is on the list) and a name another
-    /// node holds, before the ticket costs anything; [`Self::register`]
-    /// checks both again under the registry's lock.
-    fn check_registry(&self, ek: &EkDigest, name: &str) -> Result<(), JoinServiceError> {
+    /// Refuses a revoked peer (its EK is on the list), a name another node
+    /// holds and another name or role than its EK holds, before the ticket
+    /// costs anything; [`Self::register`] checks them again under the
+    /// registry's lock.
+    fn check_registry(
+        &self,
+        ek: &EkDigest,
+        identity: &NodeIdentity,
+    ) -> Result<(), JoinServiceError> {
         let Some((registry, own_ek)) = self.registry.as_ref() else {
             return Ok(());
         };
@@ -281,8 +286,8 @@ impl JoinService {
             return Err(JoinServiceError::Revoked(revocation));
         }
         registry
-            .check_name(ek, name)
-            .map_err(JoinServiceError::NameTaken)
+            .check_identity(ek, &identity.name, identity.role.as_str())
+            .map_err(JoinServiceError::from_identity_check)
     }
 
     /// Records in the registry that `peer` gets a ticket, with `disk_uuid`
@@ -307,15 +312,7 @@ impl JoinService {
                         .register(&ek, &disk_uuid, &identity.name, identity.role.as_str())
                         .map(|()| None),
                 })
-                .map_err(|e| match e {
-                    crate::registry::RegistryError::Revoked(revocation) => {
-                        JoinServiceError::Revoked(*revocation)
-                    }
-                    taken @ crate::registry::RegistryError::NameTaken { .. } => {
-                        JoinServiceError::NameTaken(taken)
-                    }
-                    other => JoinServiceError::Registry(other),
-                })?;
+                .map_err(JoinServiceError::from_identity_check)?;
             match own_revocation {
                 Some(revocation) => Err(JoinServiceError::ServiceRevoked(revocation)),
                 None => Ok(()),
@@ -384,7 +381,7 @@ impl JoinService {
         let cluster = &cluster;
         check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_registry(&ek, &request.node_name)?;
+        self.check_registry(&ek, &measured_identity(peer)?)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
@@ -505,7 +502,7 @@ impl JoinService {
         let identity = measured_identity(peer)?;
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_registry(&ek, &identity.name)?;
+        self.check_registry(&ek, &identity)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)

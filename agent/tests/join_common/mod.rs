@@ -496,6 +496,17 @@ impl Member {
     pub fn swtpm_pid(&self) -> Option<u32> {
         self._swtpm.pid()
     }
+
+    /// The same TPM rebooted (PCRs reset, same EK) with `config`: as when
+    /// the host rewrites the node part of the config and reboots the VM.
+    pub fn rebooted_with(self, config: NodeConfig) -> Member {
+        let Member {
+            tpm, mut _swtpm, ..
+        } = self;
+        drop(tpm);
+        _swtpm.restart().unwrap();
+        member_on(_swtpm, config)
+    }
 }
 
 /// A fresh member `name` of the cluster whose join service is on `port`.
