@@ -31,20 +31,27 @@
 //! attacker placed on the operator's disk) cannot admit a foreign image.
 //! `FinishImageUpgrade` makes the staged set the only one. Both are kept
 //! where `SetJoinMeasurements` keeps its file.
+//!
+//! `AdminKubeconfig` (control planes that serve their cluster) sends the
+//! node's admin kubeconfig ([`crate::paths::ADMIN_CONF`]) again, for an
+//! operator whose `keel init` result was lost: bounded to
+//! [`MAX_ADMIN_KUBECONFIG_BYTES`], read into a buffer wiped when dropped,
+//! and never logged.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use keel_proto::operator::operator_service_server::{OperatorService, OperatorServiceServer};
 use keel_proto::operator::upgrade_response::Event;
 use keel_proto::operator::{
-    ChallengeRequest, ChallengeResponse, FinishImageUpgradeRequest, FinishImageUpgradeResponse,
-    NodeStatusRequest, NodeStatusResponse, RevokeNodeRequest, RevokeNodeResponse,
-    SetJoinMeasurementsRequest, SetJoinMeasurementsResponse, StageImageMeasurementsRequest,
-    StageImageMeasurementsResponse, UpgradeDone, UpgradeFailed, UpgradePlan, UpgradeRequest,
+    AdminKubeconfigRequest, AdminKubeconfigResponse, ChallengeRequest, ChallengeResponse,
+    FinishImageUpgradeRequest, FinishImageUpgradeResponse, NodeStatusRequest, NodeStatusResponse,
+    RevokeNodeRequest, RevokeNodeResponse, SetJoinMeasurementsRequest, SetJoinMeasurementsResponse,
+    StageImageMeasurementsRequest, StageImageMeasurementsResponse, UpgradeDone, UpgradeFailed,
+    UpgradePlan, UpgradeRequest,
 };
 use keel_verifier::ek::EkDigest;
 use keel_verifier::keys::OperatorKey;
@@ -56,10 +63,12 @@ use prost::Message as _;
 use rand::RngCore as _;
 use subtle::ConstantTimeEq as _;
 use tokio_stream::wrappers::ReceiverStream;
+use zeroize::Zeroizing;
 
 use crate::attestation::policy::write_accepted;
 use crate::cluster::{change_state_then, ClusterSlot, ClusterState, FactsError};
 use crate::disk_bindings::DiskBindings;
+use crate::paths::ADMIN_CONF;
 use crate::registry::{BoundDisk, RegistryError, RegistryStore, Revocation};
 use crate::throttle::FailureThrottle;
 use crate::transcript::{self, Transcript};
@@ -69,8 +78,9 @@ use crate::upgrade::{Step, UpgradeError, Upgrader};
 pub const CHALLENGE_TTL: Duration = Duration::from_secs(60);
 /// Largest accepted request (a measurements file is a few KiB).
 pub const MAX_OPERATOR_REQUEST_BYTES: usize = 128 * 1024;
+pub use keel_proto::MAX_ADMIN_KUBECONFIG_BYTES;
 pub use keel_verifier::keys::kind::{
-    FINISH_IMAGE_UPGRADE, NODE_STATUS, REVOKE_NODE, SET_JOIN_MEASUREMENTS,
+    ADMIN_KUBECONFIG, FINISH_IMAGE_UPGRADE, NODE_STATUS, REVOKE_NODE, SET_JOIN_MEASUREMENTS,
     STAGE_IMAGE_MEASUREMENTS, UPGRADE,
 };
 
@@ -178,6 +188,29 @@ pub enum OperatorError {
     /// The upgrade was refused before anything changed.
     #[error("upgrade refused: {0}")]
     Upgrade(#[source] UpgradeError),
+    /// A control plane that does not serve its cluster yet: its init (or
+    /// join, or recovery) has not finished.
+    #[error(
+        "this control plane has not finished its init (or join, or recovery) and serves no \
+         cluster yet: its admin kubeconfig is not ready; wait until it serves (its console \
+         says `serving as a control plane`) and ask again"
+    )]
+    NotFinished,
+    /// The admin kubeconfig is not there (or not a regular file).
+    #[error(
+        "this control plane has no admin kubeconfig (/{ADMIN_CONF} {0}); ask another control \
+         plane"
+    )]
+    NoKubeconfig(&'static str),
+    /// The admin kubeconfig is larger than this API sends.
+    #[error(
+        "this control plane's admin kubeconfig (/{ADMIN_CONF}) is larger than {MAX_ADMIN_KUBECONFIG_BYTES} \
+         bytes, far more than kubeadm writes: not sent; inspect the file on the node"
+    )]
+    KubeconfigTooLarge,
+    /// Reading the admin kubeconfig failed.
+    #[error("reading the admin kubeconfig (/{ADMIN_CONF}) failed")]
+    ReadKubeconfig(#[source] std::io::Error),
 }
 
 impl From<FactsError> for OperatorError {
@@ -198,7 +231,10 @@ impl From<&OperatorError> for tonic::Status {
             | E::AlreadyCurrent
             | E::Rollback { .. }
             | E::StagedOlder { .. }
-            | E::RestagedOlder { .. } => tonic::Code::FailedPrecondition,
+            | E::RestagedOlder { .. }
+            | E::NotFinished
+            | E::NoKubeconfig(_)
+            | E::KubeconfigTooLarge => tonic::Code::FailedPrecondition,
             E::Signature(_) => tonic::Code::PermissionDenied,
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
             E::Throttled(_) => tonic::Code::ResourceExhausted,
@@ -208,7 +244,7 @@ impl From<&OperatorError> for tonic::Status {
             E::Store(e) if matches!(e.downcast_ref(), Some(FactsError::TooLarge(_))) => {
                 tonic::Code::ResourceExhausted
             }
-            E::Store(_) | E::Registry(_) => tonic::Code::Internal,
+            E::Store(_) | E::Registry(_) | E::ReadKubeconfig(_) => tonic::Code::Internal,
             E::PlanDecode => tonic::Code::InvalidArgument,
             E::Upgrade(u) => match u {
                 UpgradeError::Version(_) | UpgradeError::Plan(_) => tonic::Code::InvalidArgument,
@@ -221,7 +257,7 @@ impl From<&OperatorError> for tonic::Status {
         // The caller is the operator: causes are theirs to see.
         let message = match e {
             E::Upgrade(u) => format!("upgrade refused: {}", keel_atls::ErrorChain(u)),
-            E::Store(_) => keel_atls::ErrorChain(e).to_string(),
+            E::Store(_) | E::ReadKubeconfig(_) => keel_atls::ErrorChain(e).to_string(),
             E::Registry(full @ RegistryError::RevocationsFull { .. }) => full.to_string(),
             other => other.to_string(),
         };
@@ -765,6 +801,61 @@ impl OperatorServer {
             .authorize(NODE_STATUS, &request.challenge, &[], &request.proof, peer)?;
         Ok(self.registry()?.snapshot().to_json())
     }
+
+    /// This control plane's admin kubeconfig, for a request from `peer`
+    /// ([`read_admin_kubeconfig`]). A worker, and a control plane that does
+    /// not serve its cluster yet, are refused before the proof is checked:
+    /// neither says more than its attestation and the proof check would.
+    pub fn admin_kubeconfig(
+        &self,
+        request: &AdminKubeconfigRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<Zeroizing<Vec<u8>>, OperatorError> {
+        if self.inner.measurements.is_none() {
+            return Err(OperatorError::NotControlPlane);
+        }
+        if self.inner.cluster.borrow().is_none() {
+            return Err(OperatorError::NotFinished);
+        }
+        self.inner.auth.authorize(
+            ADMIN_KUBECONFIG,
+            &request.challenge,
+            &[],
+            &request.proof,
+            peer,
+        )?;
+        let kubeconfig = read_admin_kubeconfig(&self.inner.root)?;
+        tracing::info!(
+            ?peer,
+            bytes = kubeconfig.len(),
+            "admin kubeconfig sent to the operator"
+        );
+        Ok(kubeconfig)
+    }
+}
+
+/// The admin kubeconfig under the node root `root` ([`ADMIN_CONF`]): a
+/// regular file (a link, a FIFO or a directory is not read) of at most
+/// [`MAX_ADMIN_KUBECONFIG_BYTES`], read into a buffer wiped when dropped.
+/// Blocks; call it off the async runtime.
+pub fn read_admin_kubeconfig(root: &Path) -> Result<Zeroizing<Vec<u8>>, OperatorError> {
+    let path = root.join(ADMIN_CONF);
+    let limit = MAX_ADMIN_KUBECONFIG_BYTES as u64;
+    match std::fs::symlink_metadata(&path) {
+        Ok(meta) if !meta.is_file() => return Err(OperatorError::NoKubeconfig("is not a file")),
+        Ok(meta) if meta.len() > limit => return Err(OperatorError::KubeconfigTooLarge),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(OperatorError::NoKubeconfig("is missing"))
+        }
+        Err(e) => return Err(OperatorError::ReadKubeconfig(e)),
+    }
+    crate::files::read_secret(&path, limit).map_err(|e| match e.kind() {
+        // Only the bound makes an error of this kind (the file grew since).
+        std::io::ErrorKind::Other => OperatorError::KubeconfigTooLarge,
+        std::io::ErrorKind::NotFound => OperatorError::NoKubeconfig("is missing"),
+        _ => OperatorError::ReadKubeconfig(e),
+    })
 }
 
 /// The EK `selector` names as an EK digest prints itself (`sha256:` and
@@ -1001,8 +1092,209 @@ impl OperatorService for OperatorServer {
         respond(
             off_the_runtime(self, move |s| s.node_status(&request, peer))
                 .await
-                .map(|registry| NodeStatusResponse { registry }),
+                // The registry's times are on this clock: the operator
+                // counts their ages from it.
+                .map(|registry| NodeStatusResponse {
+                    registry,
+                    served_at: crate::registry::now(),
+                }),
             &caller,
         )
+    }
+
+    async fn admin_kubeconfig(
+        &self,
+        request: tonic::Request<AdminKubeconfigRequest>,
+    ) -> Result<tonic::Response<AdminKubeconfigResponse>, tonic::Status> {
+        let caller = crate::grpc::Caller::of(&request);
+        let _open = caller.protect();
+        let peer = caller.ip();
+        let request = request.into_inner();
+        respond(
+            off_the_runtime(self, move |s| s.admin_kubeconfig(&request, peer))
+                .await
+                // Moved out, not copied: the wiped buffer is left empty.
+                .map(|mut kubeconfig| AdminKubeconfigResponse {
+                    kubeconfig: std::mem::take(&mut *kubeconfig),
+                }),
+            &caller,
+        )
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use keel_verifier::keys::KeyService;
+    use keel_verifier::measurements::{Expected, REQUIRED_PCRS};
+
+    /// A control plane's cluster state, keys and all (no TPM needed: the
+    /// operator API only derives this node's operator key from it).
+    fn state() -> ClusterState {
+        ClusterState {
+            keys: Arc::new(KeyService::new(&[1; 32], &[2; 32]).unwrap()),
+            measurement_salt: vec![3; 32],
+            measurement_secret: Zeroizing::new(vec![4; 32]),
+            cluster_id: [5; 32],
+            kubernetes_version: keel_installer::resolve("v1.30").unwrap().version(),
+            components: Vec::new(),
+            authorised_components: Vec::new(),
+            api_server: "192.0.2.1:6443".parse().unwrap(),
+            pki_dir: PathBuf::from("etc/kubernetes/pki"),
+            join_measurements: Measurements::new(
+                REQUIRED_PCRS
+                    .iter()
+                    .map(|&pcr| (pcr, Expected::enforced([6; 32]))),
+            )
+            .unwrap(),
+            staged_measurements: None,
+            measurements_key: None,
+            signed_measurements: Vec::new(),
+            image_epoch: 0,
+            control_plane_endpoints: Vec::new(),
+        }
+    }
+
+    /// A node's operator service with its root in `root`: a control plane
+    /// (serving its cluster once `slot` holds a state) or a worker.
+    fn server(root: &Path, slot: &Arc<ClusterSlot>, control_plane: bool) -> OperatorServer {
+        let hour = Duration::from_secs(3600);
+        let auth = OperatorAuth::new(own_ek(), slot.clone(), Arc::default())
+            .with_failure_backoff(hour, hour);
+        let measurements = control_plane.then(|| root.join("work/join-measurements.json"));
+        OperatorServer::new(auth, slot.clone(), measurements, root.to_owned(), None)
+    }
+
+    fn own_ek() -> EkDigest {
+        EkDigest::of_marshalled(b"this node's EK")
+    }
+
+    /// A request for the kubeconfig on a fresh challenge of `server`, proven
+    /// with `key`.
+    fn request(server: &OperatorServer, key: &OperatorKey) -> AdminKubeconfigRequest {
+        let challenge = server.challenge();
+        AdminKubeconfigRequest {
+            challenge: challenge.to_vec(),
+            proof: key.prove(ADMIN_KUBECONFIG, &challenge, &[]).to_vec(),
+        }
+    }
+
+    fn code(e: &OperatorError) -> tonic::Code {
+        tonic::Status::from(e).code()
+    }
+
+    fn write_kubeconfig(root: &Path, content: &[u8]) {
+        let path = root.join(ADMIN_CONF);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, content).unwrap();
+    }
+
+    #[test]
+    fn the_operator_gets_the_admin_kubeconfig_and_no_one_else_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let slot = Arc::new(ClusterSlot::new(None));
+        let server = server(dir.path(), &slot, true);
+        let state = state();
+        let key = state.keys.operator_key(&own_ek()).unwrap();
+        write_kubeconfig(dir.path(), b"apiVersion: v1\nkind: Config\n");
+
+        // Not serving yet (init under way): refused with what to do,
+        // whatever the proof.
+        let e = server
+            .admin_kubeconfig(&request(&server, &key), None)
+            .unwrap_err();
+        assert_eq!(code(&e), tonic::Code::FailedPrecondition, "{e}");
+        assert!(e.to_string().contains("has not finished its init"), "{e}");
+        slot.send_replace(Some(Arc::new(state.clone())));
+
+        // The operator's proof: the file, as it is on the node.
+        let sent = server
+            .admin_kubeconfig(&request(&server, &key), None)
+            .unwrap();
+        assert_eq!(sent.as_slice(), b"apiVersion: v1\nkind: Config\n");
+
+        // Another node's key, a proof for another kind, a replayed request.
+        let other = state
+            .keys
+            .operator_key(&EkDigest::of_marshalled(b"another EK"))
+            .unwrap();
+        let e = server
+            .admin_kubeconfig(&request(&server, &other), None)
+            .unwrap_err();
+        assert!(matches!(e, OperatorError::Proof), "{e}");
+        assert_eq!(code(&e), tonic::Code::PermissionDenied);
+        let challenge = server.challenge();
+        let status_proof = AdminKubeconfigRequest {
+            challenge: challenge.to_vec(),
+            proof: key.prove(NODE_STATUS, &challenge, &[]).to_vec(),
+        };
+        let e = server.admin_kubeconfig(&status_proof, None).unwrap_err();
+        assert!(matches!(e, OperatorError::Proof), "{e}");
+        let once = request(&server, &key);
+        server.admin_kubeconfig(&once, None).unwrap();
+        let e = server.admin_kubeconfig(&once, None).unwrap_err();
+        assert!(matches!(e, OperatorError::Proof), "{e}");
+    }
+
+    #[test]
+    fn a_missing_or_oversized_kubeconfig_is_refused_and_its_content_never_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        let slot = Arc::new(ClusterSlot::new(Some(Arc::new(state()))));
+        let server = server(dir.path(), &slot, true);
+        let key = state().keys.operator_key(&own_ek()).unwrap();
+
+        let e = server
+            .admin_kubeconfig(&request(&server, &key), None)
+            .unwrap_err();
+        assert_eq!(code(&e), tonic::Code::FailedPrecondition, "{e}");
+        assert_eq!(
+            tonic::Status::from(&e).message(),
+            "this control plane has no admin kubeconfig (/etc/kubernetes/admin.conf is \
+             missing); ask another control plane"
+        );
+
+        // At the bound: sent; one byte more: refused, without its content.
+        let mut big = vec![b'k'; MAX_ADMIN_KUBECONFIG_BYTES];
+        write_kubeconfig(dir.path(), &big);
+        let sent = server
+            .admin_kubeconfig(&request(&server, &key), None)
+            .unwrap();
+        assert_eq!(sent.len(), MAX_ADMIN_KUBECONFIG_BYTES);
+        big.push(b'k');
+        write_kubeconfig(dir.path(), &big);
+        let e = server
+            .admin_kubeconfig(&request(&server, &key), None)
+            .unwrap_err();
+        assert!(matches!(e, OperatorError::KubeconfigTooLarge), "{e}");
+        assert_eq!(code(&e), tonic::Code::FailedPrecondition);
+        let message = tonic::Status::from(&e).message().to_owned();
+        assert!(message.contains("larger than 65536 bytes"), "{message}");
+        assert!(!message.contains("kkk"), "{message}");
+
+        // Something other than a file in its place is not read.
+        let path = dir.path().join(ADMIN_CONF);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let e = read_admin_kubeconfig(dir.path()).unwrap_err();
+        assert!(matches!(e, OperatorError::NoKubeconfig(_)), "{e}");
+        std::fs::remove_dir(&path).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &path).unwrap();
+        let e = read_admin_kubeconfig(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("is not a file"), "{e}");
+    }
+
+    #[test]
+    fn a_worker_has_no_admin_kubeconfig_to_send() {
+        let dir = tempfile::tempdir().unwrap();
+        let slot = Arc::new(ClusterSlot::new(None));
+        let server = server(dir.path(), &slot, false);
+        write_kubeconfig(dir.path(), b"apiVersion: v1\n");
+        let key = state().keys.operator_key(&own_ek()).unwrap();
+        let e = server
+            .admin_kubeconfig(&request(&server, &key), None)
+            .unwrap_err();
+        assert!(matches!(e, OperatorError::NotControlPlane), "{e}");
+        assert_eq!(code(&e), tonic::Code::FailedPrecondition);
     }
 }

@@ -83,6 +83,24 @@ fn write_new_secret_file(path: &Path, data: &[u8], if_exists: &str) -> anyhow::R
     Ok(())
 }
 
+/// Writes the secret `data` to `path` with mode 0600: a new file as
+/// [`write_new_secret_file`] does (never over one, `if_exists` saying why
+/// and what to do), or, with `replace`, over the file there, through a
+/// temporary file renamed into place ([`write_atomic`]; never through a
+/// symbolic link).
+pub(crate) fn write_secret_file(
+    path: &Path,
+    data: &[u8],
+    replace: bool,
+    if_exists: &str,
+) -> anyhow::Result<()> {
+    if replace {
+        write_atomic(path, data, 0o600)
+    } else {
+        write_new_secret_file(path, data, if_exists)
+    }
+}
+
 /// [`write_new_secret_file`] where hard links are not supported: created
 /// in place (never over a file), written, synced; removed again if it
 /// could not be written whole.
@@ -210,15 +228,26 @@ fn record_unconfirmed_id(
     match written {
         Ok(()) => format!(
             ". The cluster ID its secrets make, {}, is recorded in {}: if the node \
-             finished, `keel status` reaches it (its kubeconfig is not sent again)",
+             finished, {}, and `keel status` reaches it",
             id.cluster_id,
-            path.display()
+            path.display(),
+            fetch_again(settings)
         ),
         Err(e) => format!(
             ". Recording the cluster ID its secrets make, {}, failed: {e:#}",
             id.cluster_id
         ),
     }
+}
+
+/// How the operator gets the admin kubeconfig of the cluster initialised
+/// through the settings' endpoint when its init result was lost.
+fn fetch_again(settings: &Settings) -> String {
+    format!(
+        "`keel kubeconfig --endpoint {}` (with this init's --settings and --workspace) \
+         fetches its admin kubeconfig into the workspace",
+        printable(&settings.endpoint)
+    )
 }
 
 struct Reserved {
@@ -674,10 +703,18 @@ async fn follow(
                 let wrote_id = serde_json::to_vec_pretty(&id)
                     .map_err(anyhow::Error::from)
                     .and_then(|json| outputs.id.commit(&json));
+                let again = match (&wrote_kubeconfig, &wrote_id) {
+                    (Err(_), Ok(())) => format!(". {}", fetch_again(settings)),
+                    (Err(_), Err(_)) => format!(
+                        ". Once {ID_FILE} records this cluster ID, {}",
+                        fetch_again(settings)
+                    ),
+                    _ => String::new(),
+                };
                 if let Err(e) = wrote_kubeconfig.and(wrote_id) {
                     bail!(
                         "the cluster was created (cluster ID {}), but writing its result \
-                         failed: {e:#}",
+                         failed: {e:#}{again}",
                         id.cluster_id
                     );
                 }

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod collateral;
 mod files;
 mod init;
+mod kubeconfig;
 mod logging;
 mod operator;
 mod printable;
@@ -24,7 +25,8 @@ mod workspace;
 
 /// Operate keel clusters: initialise the first node over attested TLS, verify
 /// a node's attestation, recover a control plane, roll out measurements,
-/// revoke a node and show the nodes' attestation verdicts.
+/// revoke a node, show the nodes' attestation verdicts and fetch the admin
+/// kubeconfig again.
 ///
 /// Secrets never go on the command line: the init secret is read from the
 /// file the settings name, and the generated master secret is written to a
@@ -153,6 +155,26 @@ enum Command {
         #[arg(short, long, value_enum, default_value_t = verify::Output::Text)]
         output: verify::Output,
     },
+    /// Fetch the cluster's admin kubeconfig again from a control plane and
+    /// write it to the workspace's keel-admin.conf (mode 0600).
+    ///
+    /// Use it when `keel init` lost its result after the node finished (the
+    /// connection broke, or --timeout passed: the workspace then holds the
+    /// master secret and keel-id.json but no kubeconfig), or when the
+    /// workspace lost its copy. The control planes named are asked in turn,
+    /// each attested as a member of the workspace's cluster; the first that
+    /// answers sends its own admin kubeconfig. A control plane that has not
+    /// finished its init (or join, or recovery) refuses: ask again once its
+    /// console says `serving as a control plane`. A keel-admin.conf already
+    /// in the workspace is kept unless --force.
+    Kubeconfig {
+        #[command(flatten)]
+        to: OperatorArgs,
+        /// Replace a keel-admin.conf the workspace holds (by default one
+        /// there is kept and nothing is fetched).
+        #[arg(long)]
+        force: bool,
+    },
     /// Replace the measurements every join service accepts: for each
     /// control plane named, verify it is a member of the workspace's cluster,
     /// then send the file with a proof made from the master secret (which
@@ -275,6 +297,16 @@ fn main() -> ExitCode {
                     &to.workspace,
                     &operator::distinct(&to.endpoints),
                     output,
+                    Duration::from_secs(to.wait),
+                )
+                .await
+            }
+            Command::Kubeconfig { to, force } => {
+                kubeconfig::run(
+                    &to.settings,
+                    &to.workspace,
+                    &operator::distinct(&to.endpoints),
+                    force,
                     Duration::from_secs(to.wait),
                 )
                 .await

@@ -3,8 +3,8 @@
 //! proof for one request on a fresh challenge of that node, with the
 //! node's own operator key (derived from the master secret for the EK the
 //! node just attested; the secret itself never leaves this machine). Used
-//! by `keel push-measurements`, `keel revoke`, `keel status` and
-//! `keel upgrade`.
+//! by `keel push-measurements`, `keel revoke`, `keel status`,
+//! `keel kubeconfig` and `keel upgrade`.
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -1,7 +1,9 @@
 //! `keel status`: each control plane's view of the cluster's nodes: role,
 //! EK hash, disk UUID, verdict of the continuous attestation, time of the
 //! last evidence, reason of the last failure, reported Kubernetes version,
-//! and the revocation list.
+//! and the revocation list. The registry's times are on the control
+//! plane's clock: their ages are counted to its clock when it answered
+//! (`served_at`), not to this machine's.
 
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -32,9 +34,19 @@ pub async fn run(
     let mut views = Vec::new();
     let mut failed = Vec::new();
     for endpoint in endpoints {
-        match registry_of(&operator, endpoint).await {
-            Ok(registry) => {
-                views.push(serde_json::json!({ "endpoint": endpoint, "registry": registry }));
+        match status_of(&operator, endpoint).await {
+            Ok(ControlPlaneStatus {
+                registry,
+                served_at,
+            }) => {
+                // null where the control plane did not say (an earlier
+                // version).
+                let served_at = (served_at != 0).then_some(served_at);
+                views.push(serde_json::json!({
+                    "endpoint": endpoint,
+                    "served_at": served_at,
+                    "registry": registry,
+                }));
             }
             Err(e) => {
                 views.push(serde_json::json!({ "endpoint": endpoint, "error": format!("{e:#}") }));
@@ -64,19 +76,37 @@ pub async fn run(
     Ok(())
 }
 
-/// The node registry of the control plane at `endpoint` (JSON, as it sent
-/// it: every string in it is the node's to choose).
-pub async fn registry_of(operator: &Operator, endpoint: &str) -> anyhow::Result<Value> {
+/// A control plane's answer to `NodeStatus`.
+pub struct ControlPlaneStatus {
+    /// Its node registry (JSON, as it sent it: every string in it is the
+    /// node's to choose).
+    pub registry: Value,
+    /// Its registry clock when it answered (Unix seconds); 0 from a
+    /// control plane of an earlier version.
+    pub served_at: u64,
+}
+
+/// The node registry of the control plane at `endpoint` and the time it
+/// answered on its clock.
+pub async fn status_of(operator: &Operator, endpoint: &str) -> anyhow::Result<ControlPlaneStatus> {
     let (mut cp, challenge, proof) = operator.authorise(endpoint, NODE_STATUS, &[]).await?;
-    let registry = answer(
+    let response = answer(
         endpoint,
         cp.client
             .node_status(NodeStatusRequest { challenge, proof }),
     )
-    .await?
-    .registry;
-    serde_json::from_slice(&registry)
-        .with_context(|| format!("{endpoint} sent a registry that does not parse"))
+    .await?;
+    let registry = serde_json::from_slice(&response.registry)
+        .with_context(|| format!("{endpoint} sent a registry that does not parse"))?;
+    Ok(ControlPlaneStatus {
+        registry,
+        served_at: response.served_at,
+    })
+}
+
+/// The node registry of the control plane at `endpoint` ([`status_of`]).
+pub async fn registry_of(operator: &Operator, endpoint: &str) -> anyhow::Result<Value> {
+    Ok(status_of(operator, endpoint).await?.registry)
 }
 
 /// The string at `key`, escaped for the terminal: it comes from a node.
@@ -84,12 +114,24 @@ fn text(v: &Value, key: &str) -> String {
     crate::printable::printable(v.get(key).and_then(Value::as_str).unwrap_or("")).to_string()
 }
 
-/// "12 s ago" for a Unix time, "never" for none.
-fn age(v: &Value) -> String {
-    let now = SystemTime::now()
+/// This machine's clock (Unix seconds).
+fn local_now() -> u64 {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    v.as_u64().map_or_else(
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The time a registry's ages are counted to: `served_at`, the control
+/// plane's clock when it answered (the clock its times are on), or, where
+/// it did not say (0: a control plane of an earlier version), `local`.
+fn ages_counted_to(served_at: Option<u64>, local: impl FnOnce() -> u64) -> u64 {
+    served_at.filter(|&t| t != 0).unwrap_or_else(local)
+}
+
+/// "12 s ago" for a Unix time `t` counted to `now`, "never" for none; a
+/// time after `now` (the control plane's clock stepped back) is "0 s ago".
+fn age(t: &Value, now: u64) -> String {
+    t.as_u64().map_or_else(
         || "never".into(),
         |t| format!("{} s ago", now.saturating_sub(t)),
     )
@@ -102,6 +144,13 @@ fn print_view(view: &Value) {
         println!("  did not answer: {}", text(view, "error"));
         return;
     }
+    let served_at = view["served_at"].as_u64();
+    if served_at.is_none() {
+        println!(
+            "  (an earlier version, which does not say its clock: ages are on this machine's)"
+        );
+    }
+    let now = ages_counted_to(served_at, local_now);
     println!(
         "  {:<16} {:<14} {:<16} {:<36} {:<10} {:<14} {:<10} reason",
         "node", "role", "EK (SHA-256)", "disk", "verdict", "last evidence", "k8s"
@@ -129,7 +178,7 @@ fn print_view(view: &Value) {
             } else {
                 text(node, "verdict")
             },
-            age(&node["last_evidence_at"]),
+            age(&node["last_evidence_at"], now),
             text(node, "kubernetes_version"),
             text(node, "reason"),
         );
@@ -157,5 +206,24 @@ mod tests {
         // Printable text stays as it is (no backslashes before quotes).
         assert_eq!(text(&record, "reason"), "PCR 12: \"x\"");
         assert_eq!(text(&record, "missing"), "");
+    }
+
+    /// Ages are counted on the control plane's clock when it says it, on
+    /// this machine's otherwise; a time after it is no negative age.
+    #[test]
+    fn ages_are_counted_to_the_control_planes_clock() {
+        let local = || 5_000;
+        let served = ages_counted_to(Some(1_000), local);
+        assert_eq!(served, 1_000);
+        assert_eq!(age(&serde_json::json!(988), served), "12 s ago");
+        // An earlier version (no served_at, or 0): this machine's clock.
+        let earlier = ages_counted_to(None, local);
+        assert_eq!(earlier, 5_000);
+        assert_eq!(ages_counted_to(Some(0), local), 5_000);
+        assert_eq!(age(&serde_json::json!(988), earlier), "4012 s ago");
+        // After served_at (the control plane's clock stepped back between
+        // the evidence and the answer).
+        assert_eq!(age(&serde_json::json!(1_030), served), "0 s ago");
+        assert_eq!(age(&Value::Null, served), "never");
     }
 }

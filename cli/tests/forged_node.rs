@@ -489,6 +489,12 @@ async fn an_init_whose_result_is_lost_keeps_its_cluster_id() {
     let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("is recorded in"), "{}", text(&out));
+    // The way to the kubeconfig the lost result carried.
+    assert!(
+        text(&out).contains("`keel kubeconfig --endpoint "),
+        "{}",
+        text(&out)
+    );
     let id: serde_json::Value =
         serde_json::from_slice(&std::fs::read(served.workspace.join("keel-id.json")).unwrap())
             .unwrap();

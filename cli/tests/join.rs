@@ -720,6 +720,41 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     let view = &status["control_planes"][0]["registry"];
     assert_eq!(view["nodes"][worker_ek.to_string()]["name"], "w-1");
     assert_eq!(view["revoked"][1]["ek"], worker_ek.to_string());
+    // The registry's clock when it answered: the ages' reference.
+    let served_at = status["control_planes"][0]["served_at"].as_u64().unwrap();
+    assert!(served_at >= keel_agent::registry::now() - 60, "{status}");
+
+    // `keel kubeconfig` over the same operator API: the control plane's
+    // admin kubeconfig, the one init wrote, fetched again; a kubeconfig in
+    // the workspace is kept without --force, and nothing is fetched.
+    let kubeconfig = ws.path().join("keel-admin.conf");
+    let from_init = std::fs::read(&kubeconfig).unwrap();
+    assert_eq!(
+        from_init,
+        std::fs::read(root1.join(keel_agent::paths::ADMIN_CONF)).unwrap()
+    );
+    let out = operator_cmd(vec!["kubeconfig".into()]).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("pass --force") && text(&out).contains("nothing was fetched"),
+        "{}",
+        text(&out)
+    );
+    std::fs::remove_file(&kubeconfig).unwrap();
+    let out = operator_cmd(vec!["kubeconfig".into()]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(std::fs::read(&kubeconfig).unwrap(), from_init);
+    assert_eq!(mode(&kubeconfig), 0o600);
+    std::fs::write(&kubeconfig, b"stale").unwrap();
+    let out = operator_cmd(vec!["kubeconfig".into(), "--force".into()]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("replaced the one there"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(std::fs::read(&kubeconfig).unwrap(), from_init);
+    assert_eq!(mode(&kubeconfig), 0o600);
 
     // A Kubernetes upgrade that leaves out a control plane this one knows:
     // that one would never authorise the target, and would judge the

@@ -73,3 +73,8 @@ pub const MAX_FAILURE_LOG_BYTES: usize = 1024 * 1024;
 /// (10,000 nodes and 10,000 revocations, every field at its longest)
 /// stays below it.
 pub const MAX_REGISTRY_BYTES: usize = 32 * 1024 * 1024;
+
+/// Largest admin kubeconfig a control plane sends the operator
+/// (`AdminKubeconfig`), and `keel kubeconfig` takes: kubeadm's is a few
+/// KiB.
+pub const MAX_ADMIN_KUBECONFIG_BYTES: usize = 64 * 1024;

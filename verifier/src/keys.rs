@@ -314,6 +314,8 @@ pub mod kind {
     pub const REVOKE_NODE: &str = "revoke-node";
     /// `NodeStatus` (body: empty).
     pub const NODE_STATUS: &str = "node-status";
+    /// `AdminKubeconfig` (body: empty).
+    pub const ADMIN_KUBECONFIG: &str = "admin-kubeconfig";
 }
 
 /// The operator's proof for one request: HMAC-SHA256 under the operator
