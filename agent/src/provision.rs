@@ -709,7 +709,7 @@ fn take_over_earlier_layout(disk: &Path, kept: &Path, components: &[Component]) 
 }
 
 /// Removes a kubeadm configuration once its run ended: it holds the
-/// bootstrap token (valid for an hour in the cluster, and good for a
+/// bootstrap token (valid for 15 minutes in the cluster, and good for a
 /// kubelet certificate of any node name under kubeadm's default approval)
 /// and, on a control plane, the certificate key.
 fn remove_config(path: &Path) {

@@ -685,7 +685,7 @@ async fn tokens_asked_for_together_are_registered_by_one_kubeadm_run() {
             .join(token.id());
         assert_eq!(
             std::fs::read_to_string(record).unwrap(),
-            format!("{} ttl=1h0m0s\n", token.expose())
+            format!("{} ttl=15m0s\n", token.expose())
         );
     }
     // All were queued before the first run started: one run for twenty.

@@ -21,14 +21,46 @@ use super::config::{BootstrapToken, ConfigApi};
 use super::run::{Kubeadm, KubeadmError, Stdout};
 use crate::paths::ADMIN_CONF;
 
-/// Lifetime of a ticket's bootstrap token.
-pub const TOKEN_TTL: &str = "1h0m0s";
+/// Lifetime of a ticket's bootstrap token: the node's `kubeadm join` must
+/// start within it (the ticket comes first, then the state disk and the
+/// downloads). Short, because kubeadm's default approval signs a node
+/// client certificate of any node name for a CSR under such a token: a
+/// node compromised while its token lives could ask for another node's.
+pub const TOKEN_TTL: &str = "15m0s";
 /// Most tokens registered by one `kubeadm token create`.
 pub const MAX_TOKENS_PER_RUN: usize = 64;
 /// The kubeadm group of bootstrap tokens for joining nodes.
 const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
 /// Limit for one `kubeadm token create`.
 const TOKEN_CREATE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Most bytes of the configuration's header and of each token's entry in
+/// it (an entry is about 170).
+const HEADER_ROOM: usize = 96;
+const ENTRY_ROOM: usize = 256;
+
+/// The `InitConfiguration` registering `tokens`, in a buffer wiped when
+/// dropped and sized up front, so that no earlier, smaller copy of it (with
+/// tokens in it) is left behind unwiped by a reallocation.
+fn tokens_config(api_version: &str, tokens: &[BootstrapToken]) -> Zeroizing<String> {
+    let mut yaml = Zeroizing::new(String::with_capacity(
+        HEADER_ROOM + tokens.len() * ENTRY_ROOM,
+    ));
+    // Writing to a String cannot fail.
+    let _ = write!(
+        yaml,
+        "apiVersion: {api_version}\nkind: InitConfiguration\nbootstrapTokens:\n"
+    );
+    for token in tokens {
+        let _ = write!(
+            yaml,
+            "- token: \"{token}\"\n  ttl: \"{TOKEN_TTL}\"\n  usages: [\"signing\", \"authentication\"]\n  \
+             groups: [\"{TOKEN_GROUP}\"]\n  description: \"keel join ticket\"\n",
+            token = token.expose(),
+        );
+    }
+    yaml
+}
 
 impl Kubeadm {
     /// Registers `token` with the cluster of this control plane (running
@@ -60,19 +92,7 @@ impl Kubeadm {
             return Err(KubeadmError::TooManyTokens(tokens.len()));
         }
         let api = ConfigApi::for_version(version).map_err(KubeadmError::Config)?;
-        let mut yaml = Zeroizing::new(format!(
-            "apiVersion: {}\nkind: InitConfiguration\nbootstrapTokens:\n",
-            api.api_version()
-        ));
-        for token in tokens {
-            // Writing to a String cannot fail.
-            let _ = write!(
-                yaml,
-                "- token: \"{token}\"\n  ttl: \"{TOKEN_TTL}\"\n  usages: [\"signing\", \"authentication\"]\n  \
-                 groups: [\"{TOKEN_GROUP}\"]\n  description: \"keel join ticket\"\n",
-                token = token.expose(),
-            );
-        }
+        let yaml = tokens_config(api.api_version(), tokens);
         let path = config_dir.join(format!("token-{}.yaml", first.id()));
         // Read by this one run and removed after it: not synced.
         crate::files::write_private_scratch(&path, yaml.as_bytes())
@@ -97,5 +117,24 @@ impl Kubeadm {
             .await;
         let _ = tokio::fs::remove_file(&path).await;
         result
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The configuration is written into the room reserved for it: the
+    /// buffer never grew, so no copy of its tokens was freed unwiped.
+    #[test]
+    fn the_tokens_config_never_outgrows_its_buffer() {
+        for n in [1, 2, MAX_TOKENS_PER_RUN] {
+            let tokens: Vec<_> = (0..n).map(|_| BootstrapToken::generate()).collect();
+            let yaml = tokens_config("kubeadm.k8s.io/v1beta4", &tokens);
+            assert_eq!(yaml.capacity(), HEADER_ROOM + n * ENTRY_ROOM, "{n} tokens");
+            assert_eq!(yaml.matches("- token: ").count(), n);
+            assert!(yaml.contains(&format!("ttl: \"{TOKEN_TTL}\"")));
+        }
     }
 }
