@@ -745,7 +745,13 @@ async fn follow(
                 path.display()
             )
         }
-        None => bail!("the node ended the init stream without a result"),
+        // A stream that ends cleanly without a result (a proxy or the
+        // host cut it short) may come from a node that finished: its
+        // cluster is reachable as after a lost connection.
+        None => bail!(
+            "the node ended the init stream without a result{}",
+            record_unconfirmed_id(workspace, settings, cluster_id)
+        ),
     }
 }
 

@@ -46,6 +46,9 @@ enum Answer {
     /// Init sends a log line and then nothing, its stream open (a node
     /// whose result is lost on the way).
     Silent,
+    /// Init sends a log line and ends its stream without a result (one
+    /// cut short on the way).
+    Ended,
 }
 
 /// What a flooding init API sends: a failure, then this many 64 KiB log
@@ -66,13 +69,15 @@ impl InitService for Recorder {
         match self.1 {
             Answer::Refuse => return Err(tonic::Status::unavailable("a forged node")),
             Answer::Hostile => {}
-            Answer::Silent => {
+            Answer::Silent | Answer::Ended => {
                 let line = Kind::LogLine("running kubeadm init".into());
                 let _ = tx.try_send(Ok(InitResponse { kind: Some(line) }));
-                tokio::spawn(async move {
-                    let _keep = tx;
-                    std::future::pending::<()>().await;
-                });
+                if self.1 == Answer::Silent {
+                    tokio::spawn(async move {
+                        let _keep = tx;
+                        std::future::pending::<()>().await;
+                    });
+                }
                 return Ok(tonic::Response::new(ReceiverStream::new(rx)));
             }
             Answer::Misreport => {
@@ -481,10 +486,16 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
 /// operator commands reach the cluster, and the error says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_init_whose_result_is_lost_keeps_its_cluster_id() {
+    for answer in [Answer::Silent, Answer::Ended] {
+        init_result_lost(answer).await;
+    }
+}
+
+async fn init_result_lost(answer: Answer) {
     let ca = EkCa::new().unwrap();
     let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
     let node = node_with(&ca, harness::control_plane_config(&hash));
-    let served = Served::answering(&ca, &node, Answer::Silent).await;
+    let served = Served::answering(&ca, &node, answer).await;
     let init = ["init", "--wait", "5", "--timeout", "3"];
     let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
     assert!(!out.status.success(), "{}", text(&out));
