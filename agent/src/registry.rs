@@ -54,6 +54,8 @@ const COMPACT_AT_LEAST: u64 = 1024 * 1024;
 const MAX_REASON: usize = 256;
 /// Longest stored name, disk UUID or version, in bytes.
 const MAX_FIELD: usize = 64;
+/// Most other names a node record holds ([`NodeRecord::other_names`]).
+const MAX_OTHER_NAMES: usize = 2;
 /// How far ahead of this control plane's clock another's records may be
 /// dated and still be merged.
 const MAX_CLOCK_SKEW: Duration = Duration::from_secs(300);
@@ -116,6 +118,13 @@ pub struct NodeRecord {
     pub kubernetes_version: String,
     /// SHA-256 (hex) of the measurements its last evidence was checked against.
     pub measurements: String,
+    /// Other names other control planes hold this node's EK under (at most
+    /// [`MAX_OTHER_NAMES`]): a node renamed by its host and admitted under
+    /// the new name by a control plane that did not know it. Held here
+    /// too, so that no other node gets them; the node stays drifted.
+    /// Absent when empty, so registries without a conflict read as before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub other_names: Vec<String>,
 }
 
 impl NodeRecord {
@@ -148,6 +157,7 @@ impl NodeRecord {
             reason: None,
             kubernetes_version: String::new(),
             measurements: String::new(),
+            other_names: Vec::new(),
         }
     }
 
@@ -173,6 +183,42 @@ impl NodeRecord {
         if let Some(reason) = &mut self.reason {
             *reason = cut(reason, MAX_REASON);
         }
+        self.other_names.truncate(MAX_OTHER_NAMES);
+        for name in &mut self.other_names {
+            *name = cut(name, MAX_FIELD);
+        }
+    }
+
+    /// Whether it holds `name` (cut as stored): its own or another.
+    fn holds(&self, name: &str) -> bool {
+        self.name == name || self.other_names.iter().any(|n| n == name)
+    }
+
+    /// Takes the names `theirs` (a peer's record of the same EK) holds
+    /// that this one does not, as other names (up to [`MAX_OTHER_NAMES`];
+    /// a blank is no name). Returns whether it took any.
+    fn take_other_names(&mut self, theirs: &Self) -> bool {
+        let mut took = false;
+        for name in std::iter::once(&theirs.name).chain(&theirs.other_names) {
+            if name.is_empty() || self.holds(name) || self.other_names.len() >= MAX_OTHER_NAMES {
+                continue;
+            }
+            self.other_names.push(name.clone());
+            took = true;
+        }
+        took
+    }
+
+    /// Why a node that holds other names stands drifted.
+    fn other_names_reason(&self) -> Option<String> {
+        (!self.other_names.is_empty()).then(|| {
+            format!(
+                "other control planes admitted its EK under another name ({}); it joined here \
+                 as {}: revoke it (its host renamed it)",
+                self.other_names.join(", "),
+                self.name
+            )
+        })
     }
 }
 
@@ -612,6 +658,7 @@ impl Registry {
                     reason: None,
                     kubernetes_version: String::new(),
                     measurements: String::new(),
+                    other_names: record.other_names.clone(),
                 };
                 (key.clone(), named)
             })
@@ -710,10 +757,10 @@ impl Registry {
         let key = ek.to_string();
         let wanted = cut(name, MAX_FIELD);
         let other = self.nodes.values().find(|r| {
-            r.name == wanted && r.ek != key && !self.revoked.iter().any(|rev| rev.ek == r.ek)
+            r.holds(&wanted) && r.ek != key && !self.revoked.iter().any(|rev| rev.ek == r.ek)
         });
         match other {
-            Some(other) if self.nodes.get(&key).is_some_and(|own| own.name == wanted) => {
+            Some(other) if self.nodes.get(&key).is_some_and(|own| own.holds(&wanted)) => {
                 // Kept, but said: one of the two is not the node the name
                 // is for, and only the operator can tell which.
                 tracing::warn!(
@@ -764,6 +811,7 @@ impl Registry {
             reason: None,
             kubernetes_version: String::new(),
             measurements: String::new(),
+            other_names: Vec::new(),
         });
         if record.name.is_empty() {
             record.name = cut(name, MAX_FIELD);
@@ -809,7 +857,12 @@ impl Registry {
                     )
                 })
         });
-        let failure = evidence.failure.as_ref().or(renamed.as_ref());
+        let held_apart = held.and_then(NodeRecord::other_names_reason);
+        let failure = evidence
+            .failure
+            .as_ref()
+            .or(renamed.as_ref())
+            .or(held_apart.as_ref());
         let disk = evidence
             .disk
             .as_ref()
@@ -1071,6 +1124,9 @@ impl Registry {
         // here.
         let latest = now().saturating_add(MAX_CLOCK_SKEW.as_secs());
         for (key, mut theirs) in other.nodes {
+            if key == theirs.ek {
+                self.take_identity(&key, &theirs, at);
+            }
             let dated = [
                 Some(theirs.registered_at),
                 Some(theirs.verdict_at),
@@ -1124,17 +1180,21 @@ impl Registry {
                         .unwrap_or(theirs.registered_at)
                         .saturating_add(MAX_CLOCK_SKEW.as_secs()),
                 );
-                // The name and role recorded here stay: a blank in the
-                // peer's record (an earlier version blanked them) would
-                // free the name for another node, and another name (a
-                // peer of an earlier version took a renamed node's
-                // evidence) would free this one.
+                // The name, role and other names recorded here stay
+                // ([`Registry::take_identity`] took the peer's): a blank in
+                // the peer's record would free the name for another node,
+                // another name would free this one; and a node held under
+                // two names stays drifted, whatever the peer's verdict.
                 if let Some(ours) = self.nodes.get(&key) {
-                    if !ours.name.is_empty() {
-                        theirs.name.clone_from(&ours.name);
-                    }
-                    if !ours.role.is_empty() {
-                        theirs.role.clone_from(&ours.role);
+                    theirs.name.clone_from(&ours.name);
+                    theirs.role.clone_from(&ours.role);
+                    theirs.other_names.clone_from(&ours.other_names);
+                    if let Some(reason) = ours.other_names_reason() {
+                        if theirs.verdict != Verdict::Drifted {
+                            theirs.verdict = Verdict::Drifted;
+                            theirs.verdict_at = ours.verdict_at;
+                        }
+                        theirs.reason = Some(reason);
                     }
                 }
                 self.changed.insert(key.clone());
@@ -1144,6 +1204,46 @@ impl Registry {
             }
         }
         merged
+    }
+
+    /// Takes the identity a peer's record `theirs` holds for the node of
+    /// `key` where this registry has a record of it, whatever the record's
+    /// age: a name or role where this record has none, and a name other
+    /// than this record's as one of its other names. A node held under
+    /// two names (its host renamed it and a control plane that did not
+    /// know it admitted it) is marked drifted at `at`: both names stay
+    /// held here, for the node alone, until the operator revokes it.
+    fn take_identity(&mut self, key: &str, theirs: &NodeRecord, at: u64) {
+        let Some(ours) = self.nodes.get_mut(key) else {
+            return;
+        };
+        let mut changed = false;
+        for (field, offered) in [
+            (&mut ours.name, &theirs.name),
+            (&mut ours.role, &theirs.role),
+        ] {
+            if field.is_empty() && !offered.is_empty() {
+                field.clone_from(offered);
+                changed = true;
+            }
+        }
+        if ours.take_other_names(theirs) {
+            if ours.verdict != Verdict::Drifted {
+                ours.verdict = Verdict::Drifted;
+                ours.verdict_at = at;
+            }
+            ours.reason = ours.other_names_reason();
+            tracing::warn!(
+                node = %ours.name.escape_debug(),
+                ek = %ours.ek,
+                other_names = ?ours.other_names,
+                "control planes hold one node under two names (its host renamed it): both are held for it; revoke it"
+            );
+            changed = true;
+        }
+        if changed {
+            self.changed.insert(key.to_owned());
+        }
     }
 
     /// The EKs on the revocation list.
@@ -1759,16 +1859,86 @@ mod tests {
         // Its evidence under its own name is trusted again.
         r.record(&evidence(1, None)).unwrap();
         assert_eq!(r.nodes()[&ek(1).to_string()].verdict, Verdict::Trusted);
-        // A peer's newer record under the new name (a peer of an earlier
-        // version) leaves the name recorded here.
-        let mut peer = Registry::default();
-        peer.record(&renamed).unwrap();
-        peer.nodes
+    }
+
+    /// The host renames a member and sends its rejoin to a control plane
+    /// cut off from the one that admitted it, which has no record of it
+    /// and admits it under the new name. Once their registries meet, each
+    /// holds both names for it (no second TPM gets either, on either
+    /// side) and judges it drifted, whatever verdict the other sends, and
+    /// whatever its own evidence says, until the operator revokes it.
+    #[test]
+    fn a_node_two_control_planes_hold_under_two_names_holds_both_and_drifts() {
+        let (mut a, mut b) = (Registry::default(), Registry::default());
+        a.register(&ek(1), "", "w-1", "worker").unwrap();
+        b.register(&ek(1), "", "w-9", "worker").unwrap();
+        let renamed = Evidence {
+            name: "w-9".into(),
+            ..evidence(1, None)
+        };
+        b.record(&renamed).unwrap();
+        assert_eq!(b.nodes()[&ek(1).to_string()].verdict, Verdict::Trusted);
+        // A newer trusted record from each side.
+        let newer = |r: &Registry| {
+            let mut copy = r.clone();
+            copy.nodes
+                .get_mut(&ek(1).to_string())
+                .unwrap()
+                .last_evidence_at = Some(now() + 5);
+            copy
+        };
+        let (from_a, from_b) = (newer(&a), newer(&b));
+        a.merge(from_b);
+        b.merge(from_a);
+        for (r, own, other) in [(&a, "w-1", "w-9"), (&b, "w-9", "w-1")] {
+            let record = &r.nodes()[&ek(1).to_string()];
+            assert_eq!(record.name, own);
+            assert_eq!(record.other_names, [other]);
+            assert_eq!(record.verdict, Verdict::Drifted, "at {own}'s side");
+            assert!(
+                record.reason.as_deref().unwrap().contains(other),
+                "{:?}",
+                record.reason
+            );
+            for name in ["w-1", "w-9"] {
+                assert!(
+                    matches!(
+                        r.check_identity(&ek(2), name, "worker"),
+                        Err(RegistryError::NameTaken { .. })
+                    ),
+                    "{name} is free at {own}'s side"
+                );
+            }
+            // The node itself gets no ticket under the other name.
+            assert!(matches!(
+                r.check_identity(&ek(1), other, "worker"),
+                Err(RegistryError::Renamed { .. })
+            ));
+        }
+        // Its own evidence, trusted, leaves it drifted.
+        b.record(&renamed).unwrap();
+        assert_eq!(b.nodes()[&ek(1).to_string()].verdict, Verdict::Drifted);
+        // A peer of an earlier version, whose newer trusted record knows
+        // one name only, neither clears the drift nor drops a name.
+        let mut earlier = Registry::default();
+        earlier.record(&renamed).unwrap();
+        let earlier = newer(&earlier);
+        b.nodes
             .get_mut(&ek(1).to_string())
             .unwrap()
-            .last_evidence_at = Some(now() + 5);
-        assert_eq!(r.merge(peer).taken, 1);
-        holds(&r);
+            .last_evidence_at = Some(now());
+        assert_eq!(b.merge(earlier).taken, 1);
+        let record = &b.nodes()[&ek(1).to_string()];
+        assert_eq!(record.verdict, Verdict::Drifted);
+        assert_eq!(record.other_names, ["w-1"]);
+        // Written as stored, and read back.
+        assert_eq!(Registry::parse(&b.to_json()).unwrap(), b);
+        // A record without other names writes none: earlier versions,
+        // which know no such field, read it.
+        let mut single = Registry::default();
+        single.register(&ek(3), "", "w-3", "worker").unwrap();
+        let single = String::from_utf8(single.to_json()).unwrap();
+        assert!(!single.contains("other_names"), "{single}");
     }
 
     /// Evidence without an identity (its log names none, or two) keeps
@@ -2177,6 +2347,7 @@ mod tests {
                     reason: Some(longest(MAX_REASON)),
                     kubernetes_version: longest(MAX_FIELD),
                     measurements: longest(MAX_FIELD),
+                    other_names: vec![longest(MAX_FIELD); MAX_OTHER_NAMES],
                 },
             );
             r.revoked.push(Revocation {

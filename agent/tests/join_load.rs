@@ -264,6 +264,16 @@ async fn a_member_renamed_by_its_host_gets_no_ticket_and_keeps_its_name() {
         status.message().contains("under another name or role"),
         "{status:?}"
     );
+    // Its rejoin (the reboot's usual way back) neither.
+    let rejoin = renamed
+        .tickets(&ca)
+        .rejoin_ticket(&service.endpoint, &uuid())
+        .await;
+    let status = refusal(rejoin, denied);
+    assert!(
+        status.message().contains("under another name or role"),
+        "{status:?}"
+    );
     let promoted = renamed.rebooted_with(join_common::config(&ca, port, "w-0", "control-plane"));
     let (mut req, _key) = request(&promoted);
     req.is_control_plane = true;
