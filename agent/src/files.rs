@@ -157,15 +157,27 @@ pub fn write_private_scratch(path: &Path, data: &[u8]) -> Result<(), WriteFileEr
 /// no partial copy of the secret is left in freed memory (a growing buffer,
 /// or an async file's own buffer, would leave some; std reads a `limit`
 /// under 32 bytes through a stack probe first, so keep the bounds above
-/// that). Blocks; call it off the async runtime.
+/// that). Only a regular file is read, through no symbolic link in its
+/// last component and never waiting on a FIFO: what is checked is what is
+/// read ([`std::io::ErrorKind::InvalidInput`] otherwise). Blocks; call it
+/// off the async runtime.
 pub fn read_secret(path: &Path, limit: u64) -> std::io::Result<Zeroizing<Vec<u8>>> {
     use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
     let capacity = usize::try_from(limit.saturating_add(1))
         .map_err(|_| std::io::Error::other("the bound does not fit in memory"))?;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK | nix::libc::O_CLOEXEC)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
     let mut data = Zeroizing::new(Vec::with_capacity(capacity));
-    std::fs::File::open(path)?
-        .take(limit.saturating_add(1))
-        .read_to_end(&mut data)?;
+    file.take(limit.saturating_add(1)).read_to_end(&mut data)?;
     if data.len() as u64 > limit {
         return Err(std::io::Error::other(format!("larger than {limit} bytes")));
     }
@@ -201,6 +213,15 @@ mod tests {
             "{refused}"
         );
         assert!(read_secret(&dir.path().join("missing"), 64).is_err());
+        // A link to the secret, a directory and a FIFO are not read (the
+        // FIFO, with no writer, would block a plain open for good).
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRUSR).unwrap();
+        for other in [&link, &dir.path().to_path_buf(), &fifo] {
+            assert!(read_secret(other, 64).is_err(), "{}", other.display());
+        }
     }
 
     #[test]

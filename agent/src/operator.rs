@@ -854,6 +854,8 @@ pub fn read_admin_kubeconfig(root: &Path) -> Result<Zeroizing<Vec<u8>>, Operator
         // Only the bound makes an error of this kind (the file grew since).
         std::io::ErrorKind::Other => OperatorError::KubeconfigTooLarge,
         std::io::ErrorKind::NotFound => OperatorError::NoKubeconfig("is missing"),
+        // Swapped for something else since it was looked at.
+        std::io::ErrorKind::InvalidInput => OperatorError::NoKubeconfig("is not a file"),
         _ => OperatorError::ReadKubeconfig(e),
     })
 }
