@@ -214,6 +214,10 @@ pub enum ProvisionError {
     /// The node's own registry revokes it.
     #[error("this node is on its cluster's revocation list: {0}")]
     Revoked(String),
+    /// The node's own registry holds its EK under another name or role
+    /// than its config gives: its host renamed it.
+    #[error("this node's registry refuses its identity")]
+    Renamed(#[source] crate::registry::RegistryError),
     /// Reading this node's TPM failed.
     #[error("reading this node's TPM")]
     Tpm(#[source] crate::tpm::TpmError),
@@ -351,10 +355,14 @@ impl<'a> Provisioner<'a> {
 
     /// Refuses a control plane whose own registry (on its opened state
     /// disk) revokes `own_ek`: a revocation stands when every control
-    /// plane went down, and when the agent restarted.
+    /// plane went down, and when the agent restarted. Refuses it too where
+    /// that registry holds `own_ek` under another name or role than
+    /// `identity` (its host renamed it: a recovery, which no peer checks,
+    /// would serve the cluster under a name it never joined with).
     pub async fn refuse_revoked(
         &self,
         own_ek: &crate::disk_bindings::EkDigest,
+        identity: &keel_verifier::config::NodeIdentity,
     ) -> Result<(), ProvisionError> {
         let path = self.env.root().join(paths::NODE_REGISTRY);
         let registry =
@@ -362,10 +370,12 @@ impl<'a> Provisioner<'a> {
                 .await
                 .map_err(ProvisionError::Blocking)?
                 .map_err(ProvisionError::Registry)?;
-        match registry.revocation(own_ek) {
-            Some(revocation) => Err(ProvisionError::Revoked(revocation.to_string())),
-            None => Ok(()),
+        if let Some(revocation) = registry.revocation(own_ek) {
+            return Err(ProvisionError::Revoked(revocation.to_string()));
         }
+        registry
+            .check_own_identity(own_ek, &identity.name, identity.role.as_str())
+            .map_err(ProvisionError::Renamed)
     }
 
     /// Refuses a control plane whose own image (PCRs 4, 9 and 11) `state`

@@ -124,8 +124,14 @@ impl From<&RecoveryError> for tonic::Status {
             E::Provision(
                 inner @ (ProvisionError::ImageNotAccepted
                 | ProvisionError::OtherCluster { .. }
-                | ProvisionError::Revoked(_)),
-            ) => return tonic::Status::failed_precondition(format!("{e}: {inner}")),
+                | ProvisionError::Revoked(_)
+                | ProvisionError::Renamed(_)),
+            ) => {
+                return tonic::Status::failed_precondition(format!(
+                    "{e}: {}",
+                    keel_atls::ErrorChain(inner)
+                ))
+            }
             E::Provision(_) | E::Internal => tonic::Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
@@ -322,7 +328,8 @@ impl RecoveryServer {
             .await?;
             // A control plane revoked before every control plane went down
             // stays revoked: its own registry, now readable, says so.
-            p.refuse_revoked(&accepted.own_ek).await?;
+            p.refuse_revoked(&accepted.own_ek, &inner.node.config.node)
+                .await?;
             let state = p.restore_control_plane(accepted.keys, signing_key)?;
             // The lock came from the request's measurement salt, which
             // nothing sealed covers: it must name the disk's cluster.

@@ -737,15 +737,30 @@ impl Registry {
         name: &str,
         role: &str,
     ) -> Result<(), RegistryError> {
-        if let Some(held) = self.nodes.get(&ek.to_string()) {
-            if let Some(asked) = held.other_identity(name, role) {
-                return Err(RegistryError::Renamed {
+        self.check_own_identity(ek, name, role)?;
+        self.check_name(ek, name)
+    }
+
+    /// The first half of [`Registry::check_identity`]: refuses `name` and
+    /// `role` where `ek` holds another name or role. What a node checks of
+    /// itself in its own registry before it serves again (a recovery, a
+    /// restart, a rejoin).
+    pub fn check_own_identity(
+        &self,
+        ek: &EkDigest,
+        name: &str,
+        role: &str,
+    ) -> Result<(), RegistryError> {
+        match self.nodes.get(&ek.to_string()) {
+            Some(held) => match held.other_identity(name, role) {
+                Some(asked) => Err(RegistryError::Renamed {
                     held: held.identity(),
                     asked,
-                });
-            }
+                }),
+                None => Ok(()),
+            },
+            None => Ok(()),
         }
-        self.check_name(ek, name)
     }
 
     /// Refuses `name` for `ek` while another EK, not revoked, holds it

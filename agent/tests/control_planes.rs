@@ -514,6 +514,36 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     serving.abort();
     let _ = serving.await;
 
+    // cp-1's host rewrites its node config to another name, and every
+    // control plane goes down: recovery does not bring it back under that
+    // name (its own registry, read once its disk is open, holds its EK as
+    // cp-1), and it serves nothing.
+    let mut renamed = cp1.config.clone();
+    renamed.node.name = "cp-9".into();
+    let config = cp1.config.clone();
+    let cp1 = join_common::reboot(renamed, &ca, cp1.dir, cp1.disk);
+    let slot = Arc::new(ClusterSlot::new(None));
+    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+    let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    match recovery.recover(right, None).await {
+        Err(e @ RecoveryError::Provision(ProvisionError::Renamed(_))) => {
+            let status = tonic::Status::from(&e);
+            assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+            assert!(
+                status
+                    .message()
+                    .contains("joined as \"cp-1 (control-plane)\""),
+                "{status:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        slot.borrow().is_none(),
+        "a renamed node got a cluster state"
+    );
+    let cp1 = join_common::reboot(config, &ca, cp1.dir, cp1.disk);
+
     // cp-1 is revoked (the revocation reached its registry as another
     // control plane's), then every control plane goes down: recovery with
     // the right master secret does not bring it back (its own registry,
