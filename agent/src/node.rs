@@ -90,6 +90,19 @@ pub const JOIN_ISSUING_PER_SOURCE: usize = 16;
 /// Handshakes of all sources that the join port admits to its issuer at
 /// once.
 pub const JOIN_ISSUING: usize = 64;
+/// When every handshake place on the join port is taken (keel-atls's 256,
+/// 8 per source once half are taken: 17 addresses can take them all, each
+/// handshake stalled after the server's flight holding its place until the
+/// 10 s handshake timeout), a newcomer waits up to [`JOIN_HANDSHAKE_WAIT`]
+/// for one, and for each one waiting the oldest handshake in progress for
+/// at least this long is closed. A genuine handshake takes well under a
+/// second (the server's quote batched, the joining node's quote, a few
+/// signatures), so only stalled ones reach it.
+pub const JOIN_HANDSHAKE_EVICTION_AGE: Duration = Duration::from_secs(3);
+/// See [`JOIN_HANDSHAKE_EVICTION_AGE`]; above it, so a newcomer outwaits
+/// a port filled just before it, and under the join and evidence clients'
+/// 30 s timeouts.
+pub const JOIN_HANDSHAKE_WAIT: Duration = Duration::from_secs(5);
 /// Connections the join port keeps open at once: every member keeps its
 /// evidence stream to every control plane open, so this is the registry's
 /// bound on nodes ([`crate::registry::MAX_NODES`]) with room for joins.
@@ -409,6 +422,7 @@ pub async fn serve_join_port(
     let incoming = AtlsServer::mutual(issuer, validator)
         .with_issuer_limits(JOIN_ISSUING_PER_SOURCE, JOIN_ISSUING)
         .with_connection_limits(JOIN_CONNECTIONS_PER_SOURCE, JOIN_CONNECTIONS)
+        .with_handshake_eviction(JOIN_HANDSHAKE_EVICTION_AGE, JOIN_HANDSHAKE_WAIT)
         .incoming(listener);
     let limits = GrpcLimits {
         request_timeout: JOIN_REQUEST_TIMEOUT,

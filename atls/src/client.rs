@@ -461,8 +461,8 @@ pub enum ConnectError {
     #[error("building the gRPC channel failed")]
     Channel(#[source] tonic::transport::Error),
     /// The key residency exchange failed: the server's attestation key is
-    /// not proven to be in its TPM, or the server refused this client's
-    /// proof.
+    /// not proven to be in its TPM, the server refused this client's
+    /// proof, or the server was busy ([`ConnectError::is_busy`]).
     #[error("key residency")]
     Residency(#[source] ResidencyError),
     /// A bound channel tried to reconnect.
@@ -487,6 +487,15 @@ impl ConnectError {
             ),
             _ => false,
         }
+    }
+
+    /// Whether the server was busy: it would answer this client's key
+    /// residency challenge but answers no more for a while, having answered
+    /// as many as it does lately ([`ResidencyError::Busy`]). Worth trying
+    /// again after a pause (the same address keeps its turn at the server
+    /// for a while); it says nothing against the server's attestation.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Self::Residency(ResidencyError::Busy))
     }
 
     /// Whether the TCP connection was refused at once, before the server

@@ -56,6 +56,9 @@ pub(crate) struct Limits {
     pub(crate) client_hello_timeout: Duration,
     pub(crate) handshakes_per_source: usize,
     pub(crate) handshakes: usize,
+    /// Whether a newcomer finding every handshake place taken waits for
+    /// one, and how old a handshake must be to be closed for it.
+    pub(crate) handshake_eviction: Option<Eviction>,
     pub(crate) issuing_per_source: usize,
     pub(crate) issuing: usize,
     pub(crate) connections_per_source: usize,
@@ -86,6 +89,7 @@ impl Default for Limits {
             client_hello_timeout: DEFAULT_CLIENT_HELLO_TIMEOUT,
             handshakes_per_source: DEFAULT_HANDSHAKES_PER_SOURCE,
             handshakes: DEFAULT_HANDSHAKES,
+            handshake_eviction: None,
             issuing_per_source: DEFAULT_ISSUING_PER_SOURCE,
             issuing: DEFAULT_ISSUING,
             connections_per_source: DEFAULT_CONNECTIONS_PER_SOURCE,
@@ -185,7 +189,13 @@ impl HandshakeStats {
 ///   the slots are taken. Below half load a source may burst beyond its
 ///   share (many nodes behind one address); under load each source keeps
 ///   its share, so a client from a fresh address gets a slot while a flood
-///   from a few addresses cannot take them all.
+///   from a few addresses cannot take them all. But one source's burst and
+///   a few more sources' shares can (17 addresses hold the default 256),
+///   and a handshake that stalls after the server's flight holds its slot
+///   until the handshake timeout; a server may therefore make room for a
+///   newcomer that finds every slot taken
+///   ([`AtlsServer::with_handshake_eviction`]): it waits, and the oldest
+///   handshake in progress is closed for it.
 /// - A connection has 3 s (by default) to deliver a complete ClientHello,
 ///   so a silent or trickling socket is dropped early, and the handshake
 ///   timeout for the whole handshake.
@@ -255,10 +265,10 @@ async fn accept_loop<C: Send + Sync + 'static>(
     stats: Arc<HandshakeStats>,
 ) {
     let limits = server.limits();
-    let handshakes = Arc::new(Admission::new(
-        limits.handshakes_per_source,
-        limits.handshakes,
-    ));
+    let handshakes = Arc::new(
+        Admission::new(limits.handshakes_per_source, limits.handshakes)
+            .evicting(limits.handshake_eviction),
+    );
     let open = Arc::new(
         Admission::new(limits.connections_per_source, limits.connections)
             .share_always(limits.connection_share_always)
@@ -329,7 +339,9 @@ impl<C: Send + Sync + 'static> Accepting<C> {
     }
 
     /// Runs the handshake of `tcp`, counted as `held` among the open
-    /// connections, in a task of its own, if a handshake place is free.
+    /// connections, in a task of its own, once it has a handshake place:
+    /// at once if one is free, after a wait if the server makes room for
+    /// newcomers ([`Limits::handshake_eviction`]); else `tcp` is closed.
     fn handshake(
         self: Arc<Self>,
         tcp: tokio::net::TcpStream,
@@ -337,45 +349,69 @@ impl<C: Send + Sync + 'static> Accepting<C> {
         source: Source,
         held: AdmissionSlot,
     ) {
-        let Admit::Now(slot) = self.handshakes.admit(source) else {
-            self.shed(tcp, remote);
-            return;
-        };
-        tokio::spawn(async move {
-            let result = tokio::select! {
-                result = self.server.accept(tcp) => result,
-                () = held.evicted() => {
-                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%remote, "connection closed in its handshake to make room for a newcomer");
-                    return;
-                }
-            };
-            // The connection is no longer unauthenticated either way.
-            drop(slot);
-            match result {
-                Ok(stream) => {
-                    self.stats.accepted.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%remote, "aTLS handshake accepted");
-                    held.established();
-                    // Fails only when the server stopped; the connection is dropped.
-                    let _ = self.tx.send(stream.holding(held)).await;
-                }
-                Err(e) => {
-                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
-                    if before_client_hello(&e) {
-                        // Silent, slow or non-TLS sockets: expected noise.
-                        tracing::debug!(%remote, error = %ErrorChain(&e), "aTLS handshake refused");
-                    } else if let Some(count) = self.refusal_log.record() {
-                        tracing::warn!(
-                            %remote,
-                            error = %ErrorChain(&e),
-                            refusals = count,
-                            "aTLS handshake refused"
-                        );
+        match self.handshakes.admit(source) {
+            Admit::Now(slot) => {
+                tokio::spawn(self.run(tcp, remote, held, slot));
+            }
+            Admit::Refused => self.shed(tcp, remote),
+            Admit::Wait(turn) => {
+                tokio::spawn(async move {
+                    tracing::debug!(%remote, "waiting for a place among the handshakes");
+                    match self.handshakes.wait(turn).await {
+                        Some(slot) => self.run(tcp, remote, held, slot).await,
+                        None => self.shed(tcp, remote),
                     }
+                });
+            }
+        }
+    }
+
+    /// Runs the handshake of `tcp`, which holds `held` among the open
+    /// connections and `slot` among the handshakes, until it ends or either
+    /// is closed to make room for a newcomer.
+    async fn run(
+        self: Arc<Self>,
+        tcp: tokio::net::TcpStream,
+        remote: SocketAddr,
+        held: AdmissionSlot,
+        slot: AdmissionSlot,
+    ) {
+        let result = tokio::select! {
+            result = self.server.accept(tcp) => result,
+            () = held.evicted() => return self.evicted_in_handshake(remote),
+            () = slot.evicted() => return self.evicted_in_handshake(remote),
+        };
+        // The connection is no longer unauthenticated either way.
+        drop(slot);
+        match result {
+            Ok(stream) => {
+                self.stats.accepted.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%remote, "aTLS handshake accepted");
+                held.established();
+                // Fails only when the server stopped; the connection is dropped.
+                let _ = self.tx.send(stream.holding(held)).await;
+            }
+            Err(e) => {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                if before_client_hello(&e) {
+                    // Silent, slow or non-TLS sockets: expected noise.
+                    tracing::debug!(%remote, error = %ErrorChain(&e), "aTLS handshake refused");
+                } else if let Some(count) = self.refusal_log.record() {
+                    tracing::warn!(
+                        %remote,
+                        error = %ErrorChain(&e),
+                        refusals = count,
+                        "aTLS handshake refused"
+                    );
                 }
             }
-        });
+        }
+    }
+
+    /// Counts a handshake closed to make room for a newcomer.
+    fn evicted_in_handshake(&self, remote: SocketAddr) {
+        self.stats.refused.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%remote, "connection closed in its handshake to make room for a newcomer");
     }
 }
 
@@ -788,10 +824,11 @@ impl IssuerGate {
         }
     }
 
-    /// Whether a key residency challenge from `source` may be answered now
-    /// ([`crate::rate`]); counts it if so.
-    pub(crate) fn may_answer(&self, source: Source) -> bool {
-        self.answers.allow(source)
+    /// Whether a key residency challenge from `source` may be answered
+    /// ([`crate::rate`]); counts it if so. A request of a quiet prefix past
+    /// the overall bound waits for its turn, briefly.
+    pub(crate) async fn may_answer(&self, source: Source) -> bool {
+        self.answers.allow(source).await
     }
 
     /// Waits for a turn at the issuer for a handshake from `source`. Fails

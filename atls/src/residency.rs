@@ -19,7 +19,9 @@
 //! 1. `challenge`: this side's challenge for the peer, or empty when it does
 //!    not validate the peer or its validator has already seen this key proven;
 //! 2. `answer`: the proof for the peer's challenge, or empty when there was
-//!    none;
+//!    none; or, in its place, `busy`: this side would answer but answers no
+//!    more challenges for a while (its answer rate, `rate`), so the peer may
+//!    try again later rather than take it for a forger;
 //! 3. `verdict`: whether the peer's answer checked out.
 //!
 //! Each side sends its frame of a step before it reads the peer's, but for
@@ -35,7 +37,12 @@
 //! know each other, with the frames and their order unchanged.
 //!
 //! A frame is `tag (1) || u16be(len) || body`, the body at most
-//! [`MAX_FRAME_BODY`] bytes.
+//! [`MAX_FRAME_BODY`] bytes. `busy` is a frame of its own tag with an empty
+//! body, sent only where a challenge came: a peer from before it (which
+//! reads only an answer there) ends the exchange with
+//! [`ResidencyError::Frame`], a malformed frame, where it used to see an
+//! empty answer ([`ResidencyError::NoAnswer`], which reads as a forged
+//! node); every other exchange is unchanged on the wire.
 
 use std::io;
 use std::sync::Arc;
@@ -58,6 +65,8 @@ const PROOF_CONTEXT: &[u8] = b"keel-atls-residency-v1";
 const TAG_CHALLENGE: u8 = 0x21;
 const TAG_ANSWER: u8 = 0x22;
 const TAG_VERDICT: u8 = 0x23;
+/// In place of an answer: busy, try again later (an empty body).
+const TAG_BUSY: u8 = 0x24;
 const VERDICT_ACCEPTED: u8 = 0x01;
 const VERDICT_REFUSED: u8 = 0x00;
 
@@ -115,10 +124,11 @@ pub enum ResidencyError {
     #[error("the issuer queue is closed")]
     IssuerGateClosed,
     /// This side's TPM answered as many challenges from the peer's address
-    /// as it does for a while, or its table of addresses is full
-    /// of buckets still refilling (`rate`; there is no bound across
-    /// addresses).
-    #[error("too many key residency challenges answered lately; try again later")]
+    /// (or, on a port that validates no client, from all addresses) as it
+    /// does for a while (`rate`); the peer was told this side is busy.
+    #[error(
+        "too many key residency challenges answered lately; the peer was told to try again later"
+    )]
     AnswerRate,
     /// The blocking task that answers the challenge did not finish.
     #[error("the key residency answer task failed")]
@@ -126,6 +136,12 @@ pub enum ResidencyError {
     /// The peer did not answer this side's challenge.
     #[error("the peer did not answer the key residency challenge: its attestation key is not proven to be in the TPM of its endorsement key")]
     NoAnswer,
+    /// The peer would answer this side's challenge, but answers no more for
+    /// a while: it answered as many as it does lately (its answer rate).
+    /// Worth trying again after a pause; it says nothing against the
+    /// peer's attestation key.
+    #[error("the peer is busy: it answers no more key residency challenges for a while (too many asked of it lately); try again shortly. This says nothing against its attestation")]
+    Busy,
     /// The peer's answer is wrong.
     #[error("the peer's key residency proof is wrong: its attestation key is not in the TPM of its endorsement key")]
     WrongAnswer,
@@ -186,27 +202,28 @@ where
     // proof checked out: a forger (a copied EK certificate, a software AK)
     // gets nothing from this TPM, whose every answer is an EK decryption.
     // The client answers first either way, so no order can deadlock.
-    let judge = |peer_proof: &[u8]| match &challenge {
-        None if peer_proof.is_empty() => Ok(()),
-        None => Err(ResidencyError::Frame),
-        Some(_) if peer_proof.is_empty() => Err(ResidencyError::NoAnswer),
-        Some(c) => {
+    let judge = |peer_answer: Answer| match (&challenge, peer_answer) {
+        (None, Answer::Proof(proof)) if proof.is_empty() => Ok(()),
+        (None, _) => Err(ResidencyError::Frame),
+        (Some(_), Answer::Busy) => Err(ResidencyError::Busy),
+        (Some(_), Answer::Proof(proof)) if proof.is_empty() => Err(ResidencyError::NoAnswer),
+        (Some(c), Answer::Proof(proof)) => {
             let key = hmac::Key::new(hmac::HMAC_SHA256, c.secret());
-            hmac::verify(&key, &proof_message(role.peer(), exporter), peer_proof)
+            hmac::verify(&key, &proof_message(role.peer(), exporter), &proof)
                 .map_err(|_| ResidencyError::WrongAnswer)
         }
     };
     let (outcome, cannot_answer) = if role == Role::Server && challenge.is_some() {
-        let outcome = judge(&read_frame(stream, TAG_ANSWER).await?);
-        let (proof, cannot_answer) = match &outcome {
+        let outcome = judge(read_answer(stream).await?);
+        let (answer, cannot_answer) = match &outcome {
             Ok(()) => prove(prover, received, role, exporter).await,
-            Err(_) => (Vec::new(), None),
+            Err(_) => (Answer::none(), None),
         };
-        send(stream, &frame(TAG_ANSWER, &proof)?).await?;
+        send(stream, &answer.frame()?).await?;
         (outcome, cannot_answer)
     } else {
-        let (proof, cannot_answer) = prove(prover, received, role, exporter).await;
-        let mut frames = frame(TAG_ANSWER, &proof)?;
+        let (answer, cannot_answer) = prove(prover, received, role, exporter).await;
+        let mut frames = answer.frame()?;
         if challenge.is_none() {
             // Whatever the peer answers, this side accepts only nothing: an
             // answer where none was asked for ends the exchange with an
@@ -214,7 +231,7 @@ where
             frames.extend(frame(TAG_VERDICT, &[VERDICT_ACCEPTED])?);
         }
         send(stream, &frames).await?;
-        (judge(&read_frame(stream, TAG_ANSWER).await?), cannot_answer)
+        (judge(read_answer(stream).await?), cannot_answer)
     };
 
     // 3. Verdicts both ways.
@@ -230,33 +247,62 @@ where
     if let (Some(_), Some(p)) = (&challenge, &peer) {
         p.validator.residency_proven(p.claims);
     }
-    let peer_verdict = read_frame(stream, TAG_VERDICT).await?;
+    // Why this side could not answer comes first: a peer that had no
+    // answer may close without its verdict.
+    let peer_verdict = read_frame(stream, TAG_VERDICT).await;
     if let Some(e) = cannot_answer {
         return Err(e);
     }
-    match peer_verdict.as_slice() {
+    match peer_verdict?.as_slice() {
         [VERDICT_ACCEPTED] => Ok(()),
         [VERDICT_REFUSED] => Err(ResidencyError::RefusedByPeer),
         _ => Err(ResidencyError::Frame),
     }
 }
 
-/// This side's proof for the peer's challenge `received` (empty if there
-/// was none), and why it could not answer, if it could not.
+/// What a side sends in the answer step.
+#[derive(Debug, PartialEq, Eq)]
+enum Answer {
+    /// The proof for the peer's challenge; empty when there was none or
+    /// this side could not answer.
+    Proof(Vec<u8>),
+    /// Busy: this side answers no more challenges for a while.
+    Busy,
+}
+
+impl Answer {
+    fn none() -> Self {
+        Self::Proof(Vec::new())
+    }
+
+    fn frame(&self) -> Result<Vec<u8>, ResidencyError> {
+        match self {
+            Self::Proof(proof) => frame(TAG_ANSWER, proof),
+            Self::Busy => frame(TAG_BUSY, &[]),
+        }
+    }
+}
+
+/// This side's answer to the peer's challenge `received` (an empty proof if
+/// there was none), and why it could not answer, if it could not.
 async fn prove(
     prover: Option<Prover>,
     received: Vec<u8>,
     role: Role,
     exporter: &[u8; 32],
-) -> (Vec<u8>, Option<ResidencyError>) {
+) -> (Answer, Option<ResidencyError>) {
     if received.is_empty() {
-        return (Vec::new(), None);
+        return (Answer::none(), None);
     }
     match prover {
-        None => (Vec::new(), Some(ResidencyError::UnexpectedChallenge)),
+        None => (Answer::none(), Some(ResidencyError::UnexpectedChallenge)),
         Some(prover) => match answer(prover, received).await {
-            Ok(secret) => (proof(&secret, role, exporter).as_ref().to_vec(), None),
-            Err(e) => (Vec::new(), Some(e)),
+            Ok(secret) => (
+                Answer::Proof(proof(&secret, role, exporter).as_ref().to_vec()),
+                None,
+            ),
+            Err(e @ ResidencyError::AnswerRate) => (Answer::Busy, Some(e)),
+            Err(e) => (Answer::none(), Some(e)),
         },
     }
 }
@@ -265,7 +311,7 @@ async fn prove(
 async fn answer(prover: Prover, challenge: Vec<u8>) -> Result<ResidencySecret, ResidencyError> {
     let turn = match &prover.gate {
         Some((gate, source)) => {
-            if !gate.may_answer(*source) {
+            if !gate.may_answer(*source).await {
                 return Err(ResidencyError::AnswerRate);
             }
             Some(
@@ -327,16 +373,36 @@ async fn read_frame<S: AsyncRead + Unpin>(
     stream: &mut S,
     want: u8,
 ) -> Result<Vec<u8>, ResidencyError> {
+    read_frame_of(stream, |tag, _| tag == want)
+        .await
+        .map(|(_, body)| body)
+}
+
+/// Reads the peer's answer: a proof (maybe empty) or busy.
+async fn read_answer<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Answer, ResidencyError> {
+    let busy_or_answer = |tag, len| tag == TAG_ANSWER || (tag == TAG_BUSY && len == 0);
+    match read_frame_of(stream, busy_or_answer).await? {
+        (TAG_BUSY, _) => Ok(Answer::Busy),
+        (_, proof) => Ok(Answer::Proof(proof)),
+    }
+}
+
+/// Reads a frame whose tag and length `expected` accepts (the body is read
+/// only then), and returns its tag and body.
+async fn read_frame_of<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    expected: impl Fn(u8, usize) -> bool,
+) -> Result<(u8, Vec<u8>), ResidencyError> {
     let mut head = [0u8; 3];
     stream.read_exact(&mut head).await.map_err(io_error)?;
     let [tag, hi, lo] = head;
     let len = usize::from(u16::from_be_bytes([hi, lo]));
-    if tag != want || len > MAX_FRAME_BODY {
+    if !expected(tag, len) || len > MAX_FRAME_BODY {
         return Err(ResidencyError::Frame);
     }
     let mut body = vec![0u8; len];
     stream.read_exact(&mut body).await.map_err(io_error)?;
-    Ok(body)
+    Ok((tag, body))
 }
 
 fn io_error(e: io::Error) -> ResidencyError {
@@ -415,6 +481,122 @@ mod tests {
     async fn an_answer_nobody_asked_for_ends_the_exchange() {
         let (outcome, _) = unchallenged_exchange(&[7; 32]).await;
         assert!(matches!(outcome, Err(ResidencyError::Frame)), "{outcome:?}");
+    }
+
+    /// Challenges with a fixed secret, and answers it.
+    struct Fixed;
+
+    const SECRET: [u8; 32] = [9; 32];
+
+    impl crate::Validator for Fixed {
+        type Claims = ();
+
+        fn validate(&self, _: &[u8], _: &[u8], _: &[u8]) -> Result<(), ValidationError> {
+            Ok(())
+        }
+
+        fn residency_challenge(&self, _: &()) -> Result<Option<Challenge>, ValidationError> {
+            Ok(Some(Challenge::new(
+                vec![1; 32],
+                zeroize::Zeroizing::new(SECRET),
+            )))
+        }
+
+        fn residency_proven(&self, _: &()) {}
+    }
+
+    impl crate::Issuer for Fixed {
+        fn issue(&self, _: &[u8], _: &[u8]) -> Result<Vec<u8>, IssueError> {
+            Ok(Vec::new())
+        }
+
+        fn answer(&self, _: &[u8]) -> Result<ResidencySecret, IssueError> {
+            Ok(zeroize::Zeroizing::new(SECRET))
+        }
+    }
+
+    /// A server's prover that has answered as many challenges as it does
+    /// for a while.
+    async fn spent_prover() -> Prover {
+        let gate = Arc::new(IssuerGate::new(1, 1, false));
+        while gate.may_answer(Source::Unknown).await {}
+        Prover {
+            issuer: Arc::new(Fixed),
+            gate: Some((gate, Source::Unknown)),
+        }
+    }
+
+    /// Busy is reported as busy, never as a missing or wrong answer: on a
+    /// client that does not attest, and on one that attests and whose
+    /// own answer the server checked first.
+    #[tokio::test]
+    async fn a_server_past_its_answer_rate_is_reported_busy() {
+        let validator: DynValidator<()> = Arc::new(Fixed);
+        for client_attests in [false, true] {
+            let (mut client_io, mut server_io) = tokio::io::duplex(4096);
+            let peer = || {
+                Some(PeerKey {
+                    validator: &validator,
+                    claims: &(),
+                })
+            };
+            let client_prover = client_attests.then(|| Prover {
+                issuer: Arc::new(Fixed),
+                gate: None,
+            });
+            let server_peer = if client_attests { peer() } else { None };
+            let client = exchange(
+                &mut client_io,
+                &[0; 32],
+                Role::Client,
+                client_prover,
+                peer(),
+            );
+            let server = exchange(
+                &mut server_io,
+                &[0; 32],
+                Role::Server,
+                Some(spent_prover().await),
+                server_peer,
+            );
+            let (client, server) = tokio::join!(client, server);
+            assert!(matches!(client, Err(ResidencyError::Busy)), "{client:?}");
+            assert!(
+                matches!(server, Err(ResidencyError::AnswerRate)),
+                "{server:?}"
+            );
+        }
+    }
+
+    /// What a client from before the busy frame sees where it comes: a
+    /// frame of another tag than the answer it reads, so a malformed
+    /// frame, not a missing answer (which reads as a forged node). The
+    /// server still reports why it did not answer.
+    #[tokio::test]
+    async fn a_client_from_before_busy_reads_a_malformed_frame() {
+        let (mut old, mut server_io) = tokio::io::duplex(4096);
+        let server = exchange::<_, ()>(
+            &mut server_io,
+            &[0; 32],
+            Role::Server,
+            Some(spent_prover().await),
+            None,
+        );
+        let old_client = async move {
+            write_frame(&mut old, TAG_CHALLENGE, &[1; 32])
+                .await
+                .unwrap();
+            read_frame(&mut old, TAG_CHALLENGE).await.unwrap();
+            write_frame(&mut old, TAG_ANSWER, &[]).await.unwrap();
+            // The previous version reads the answer so, and then closes.
+            read_frame(&mut old, TAG_ANSWER).await
+        };
+        let (server, old) = tokio::join!(server, old_client);
+        assert!(matches!(old, Err(ResidencyError::Frame)), "{old:?}");
+        assert!(
+            matches!(server, Err(ResidencyError::AnswerRate)),
+            "{server:?}"
+        );
     }
 
     #[tokio::test]

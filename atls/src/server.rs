@@ -130,10 +130,27 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// Bounds the handshakes in progress that [`Incoming`](crate::Incoming)
     /// admits: `per_source` for one source (an IPv4 address or an IPv6
     /// /64) once half of `total` is taken, `total` in all (defaults 8 and
-    /// 256). A connection over either is closed right after accept.
+    /// 256). A connection over either is closed right after accept (or,
+    /// over `total`, waits: [`AtlsServer::with_handshake_eviction`]).
     pub fn with_handshake_limits(mut self, per_source: usize, total: usize) -> Self {
         self.limits.handshakes_per_source = per_source.max(1);
         self.limits.handshakes = total.max(1);
+        self
+    }
+
+    /// Makes room for newcomers once every handshake place is taken
+    /// ([`AtlsServer::with_handshake_limits`]), instead of closing them at
+    /// once: a newcomer waits up to `wait` for a place (first come first
+    /// served; one waiting per source, at most four per place), and for
+    /// each one waiting the oldest handshake in progress is closed once it
+    /// is `min_age` old (counted from when it took its place). Handshakes
+    /// that stall (a ClientHello, then silence after the server's flight)
+    /// then hold a place for `min_age`, not for the handshake timeout, and
+    /// cannot keep a newcomer out by taking every place. Keep `min_age`
+    /// above what a genuine handshake takes under load, and `wait` at or
+    /// above `min_age` and under the clients' timeout.
+    pub fn with_handshake_eviction(mut self, min_age: Duration, wait: Duration) -> Self {
+        self.limits.handshake_eviction = Some(crate::incoming::Eviction { min_age, wait });
         self
     }
 

@@ -520,8 +520,9 @@ async fn a_server_making_room_closes_unvouched_connections_only() {
 /// validates no client, answers are bounded in rate per source (a burst of
 /// 128, then four a second) and over all sources that keep asking (a
 /// burst of 32, then ten a second), the lower bound first: past it the
-/// server sends no proof and the handshake fails, while a client from
-/// another address that asked for nothing lately is still answered.
+/// server tells the client it is busy and the handshake fails, while a
+/// client from another /24 that got no answer lately is still answered
+/// (answers past the bound are counted per /24: `rate.rs` unit tests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn residency_answers_are_bounded_in_rate_per_source() {
     let issuer = TestIssuer::generate();
@@ -537,11 +538,7 @@ async fn residency_answers_are_bounded_in_rate_per_source() {
         match client.connect("127.0.0.1", port).await {
             Ok(_) => answered += 1,
             Err(e) => {
-                assert!(
-                    format!("{}", keel_atls::ErrorChain(&e)).contains("did not answer"),
-                    "{}",
-                    keel_atls::ErrorChain(&e)
-                );
+                assert!(e.is_busy(), "{}", keel_atls::ErrorChain(&e));
                 refused += 1;
             }
         }
@@ -557,7 +554,226 @@ async fn residency_answers_are_bounded_in_rate_per_source() {
     assert_eq!(issuer.answered_count(), answered);
 
     let other = AtlsClient::server_attested(dyn_validator(issuer.validator()))
-        .with_local_address(source(8).into());
+        .with_local_address(own_24(8).into());
     other.connect("127.0.0.1", port).await.unwrap();
     assert_eq!(issuer.answered_count(), answered + 1);
+}
+
+/// Whether a connection failed because the server was busy (its answer
+/// rate), as the client is told.
+fn busy(e: &keel_atls::ConnectError) -> bool {
+    e.is_busy()
+}
+
+/// `127.0.n.1`: a source in a /24 of its own.
+fn own_24(n: u8) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, n, 1)
+}
+
+/// Attacker's move: keep a port that validates no client (the init port)
+/// from answering anyone else's key residency challenge: three addresses
+/// keep the bound over all sources used up, while fresh addresses, each in
+/// a /24 of its own and each asking once, take the answers left for
+/// sources that asked for nothing lately, a wave of them just before every
+/// try of the client's. A client from a new address is never told that
+/// the node's key is not proven: it is told the node is busy, and it is
+/// answered when it asks again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_client_is_answered_while_flooders_and_rotating_addresses_drain_the_answers() {
+    const TRIES: usize = 5;
+    const WAVE: u8 = 8;
+    let issuer = TestIssuer::generate();
+    let server = TestServer::start(server_attested(dyn_issuer(&issuer))).await;
+    let port = server.addr.port();
+    let ask = {
+        let issuer = issuer.clone();
+        move |from: Ipv4Addr| {
+            // A fresh verifier each time: it has seen no key proven.
+            let client = AtlsClient::server_attested(dyn_validator(issuer.validator()))
+                .with_local_address(from.into());
+            async move { client.connect("127.0.0.1", port).await.map(drop) }
+        }
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let not_busy = Arc::new(Mutex::new(Vec::<String>::new()));
+    // Three flooders, two connections at a time each.
+    let flooders: Vec<_> = (1..=3)
+        .flat_map(|n| [n, n])
+        .map(|n| {
+            let (ask, stop, not_busy) = (ask.clone(), stop.clone(), not_busy.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    if let Err(e) = ask(own_24(n)).await {
+                        if !busy(&e) {
+                            not_busy
+                                .lock()
+                                .unwrap()
+                                .push(keel_atls::ErrorChain(&e).to_string());
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        })
+        .collect();
+    // The bound over all sources is used up.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let client = own_24(200);
+    let mut answered_on = None;
+    let mut rotating = Vec::new();
+    for attempt in 1..=TRIES {
+        // A wave of fresh addresses just before the client.
+        for n in 0..WAVE {
+            let from = own_24(10 + (attempt as u8) * WAVE + n);
+            let (ask, not_busy) = (ask.clone(), not_busy.clone());
+            rotating.push(tokio::spawn(async move {
+                match ask(from).await {
+                    Ok(()) => true,
+                    Err(e) if busy(&e) => false,
+                    Err(e) => {
+                        not_busy
+                            .lock()
+                            .unwrap()
+                            .push(keel_atls::ErrorChain(&e).to_string());
+                        false
+                    }
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        match ask(client).await {
+            Ok(()) => {
+                answered_on = Some(attempt);
+                break;
+            }
+            Err(e) => assert!(
+                busy(&e),
+                "try {attempt}: the client was not told the node is busy: {}",
+                keel_atls::ErrorChain(&e)
+            ),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for flooder in flooders {
+        flooder.await.unwrap();
+    }
+    let mut rotating_answered = 0;
+    for r in rotating {
+        rotating_answered += usize::from(r.await.unwrap());
+    }
+    eprintln!(
+        "client answered on try {answered_on:?}; {rotating_answered} rotating addresses answered; \
+         {} answers in all",
+        issuer.answered_count()
+    );
+    let answered_on = answered_on.expect("the client was never answered");
+    assert!(answered_on <= 3, "answered on try {answered_on}");
+    let not_busy = not_busy.lock().unwrap();
+    assert!(
+        not_busy.is_empty(),
+        "refusals not reported as busy: {:?}",
+        &not_busy[..not_busy.len().min(3)]
+    );
+}
+
+/// Attacker's move: fill every handshake slot of a mutual port (the join
+/// port) with handshakes that stall after the server's flight: from one
+/// address 128 of them (below half load a source is not held to its
+/// share), from 16 more 8 each, every one sending a valid ClientHello and
+/// then nothing, so each holds its slot until the handshake timeout and is
+/// opened again when closed. A node from another address still completes a
+/// mutual handshake within the handshake timeout: it waits, and the oldest
+/// handshake in progress is closed for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stalled_handshakes_from_17_sources_do_not_keep_a_node_out() {
+    let server_issuer = TestIssuer::generate();
+    let node = TestIssuer::generate();
+    let server = TestServer::start(mutual_server_trusting(&server_issuer, &node)).await;
+    let hello = captured_client_hello().await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stalled = Arc::new(AtomicUsize::new(0));
+    // From one address first, while the port is below half load, then
+    // from the 16 others.
+    let mut floods = Vec::new();
+    let phases: [(Vec<u8>, usize); 2] = [
+        (vec![2; 128], 128),
+        ((3..19).flat_map(|s| [s; 8]).collect(), 256),
+    ];
+    for (sources, all_stalled) in phases {
+        for s in sources {
+            let (hello, stop, stalled) = (hello.clone(), stop.clone(), stalled.clone());
+            let addr = server.addr;
+            floods.push(tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    stall(source(s), addr, &hello, &stalled).await;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }));
+        }
+        // Every one of them got the server's flight and holds its slot.
+        let started = Instant::now();
+        while stalled.load(Ordering::SeqCst) < all_stalled {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{} handshakes stalled",
+                stalled.load(Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let client = common::mutual_client(&node, &server_issuer).with_local_address(source(99).into());
+    let started = Instant::now();
+    let result = client.connect("127.0.0.1", server.addr.port()).await;
+    let took = started.elapsed();
+    let outcome = match &result {
+        Ok(_) => "accepted".to_string(),
+        Err(e) => keel_atls::ErrorChain(e).to_string(),
+    };
+    eprintln!(
+        "a node next to 256 stalled handshakes from 17 sources: {outcome} after {took:?}; {} shed",
+        server.stats.shed()
+    );
+    stop.store(true, Ordering::SeqCst);
+    result.expect("the node's handshake");
+    assert!(took < DEFAULT_HANDSHAKE_TIMEOUT, "took {took:?}");
+    assert_eq!(
+        server.stats.refused(),
+        1,
+        "one stalled handshake closed for the newcomer"
+    );
+    for flood in floods {
+        flood.abort();
+    }
+}
+
+/// A mutual server of `issuer`'s that accepts clients signed by `trusted`,
+/// making room for newcomers among its handshakes as the agent's join port
+/// does (a handshake 3 s old closed for a newcomer waiting up to 5 s).
+fn mutual_server_trusting(
+    issuer: &Arc<TestIssuer>,
+    trusted: &TestIssuer,
+) -> AtlsServer<TestClaims> {
+    common::mutual_server(issuer, trusted)
+        .with_handshake_eviction(Duration::from_secs(3), Duration::from_secs(5))
+}
+
+/// One handshake from `from` that sends `hello`, reads the start of the
+/// server's flight (counted in `stalled` until it ends) and then sends
+/// nothing until the server closes it.
+async fn stall(from: Ipv4Addr, addr: SocketAddr, hello: &[u8], stalled: &AtomicUsize) {
+    let Ok(mut tcp) = connect_from(from, addr).await else {
+        return;
+    };
+    if tcp.write_all(hello).await.is_err() {
+        return;
+    }
+    let mut first = [0u8; 1];
+    if !matches!(tcp.read(&mut first).await, Ok(1)) {
+        return;
+    }
+    stalled.fetch_add(1, Ordering::SeqCst);
+    let _ = closed_within(&mut tcp, Duration::from_secs(60)).await;
+    stalled.fetch_sub(1, Ordering::SeqCst);
 }
