@@ -4,9 +4,10 @@
 //! `cargo run --release -p keel-agent --example join_bench -- [tickets per level [clients ...]]`
 //! (levels default to 1, 10 and 100 clients)
 //!
-//! One join service (its own swtpm, stand-in kubeadm registering the
-//! tickets' bootstrap tokens, a node registry recording each ticket as on a
-//! control plane) and, per level, 4 fresh swtpm-backed members;
+//! One join service (its own swtpm, a node registry recording each ticket
+//! as on a control plane; the requests ask for file discovery, as nodes do,
+//! so no bootstrap token is made and no kubeadm runs) and, per level, 4
+//! fresh swtpm-backed members;
 //! tickets go to the members in turn, so 100 clients share 4 TPMs (and one
 //! EK never has more disks bound than the service allows). Every request is
 //! a full mutual aTLS handshake (a fresh quote on each side, each covering
@@ -447,6 +448,7 @@ async fn run(service_runtime: &tokio::runtime::Runtime) -> join_common::Service 
                 kubelet_csr: key.csr_pem().as_bytes().to_vec(),
                 is_control_plane: false,
                 node_name: m.name.clone(),
+                file_discovery: true,
             };
             tickets
                 .request_join_ticket(&service.endpoint, request)
@@ -482,6 +484,7 @@ async fn run(service_runtime: &tokio::runtime::Runtime) -> join_common::Service 
                             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
                             is_control_plane: false,
                             node_name: m.name.clone(),
+                            file_discovery: true,
                         };
                         let t = Instant::now();
                         if let Err(e) = tickets.request_join_ticket(&endpoint, request).await {

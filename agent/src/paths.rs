@@ -75,6 +75,9 @@ pub const EVENT_LOG: &str = "eventlog.jsonl";
 pub const KUBEADM_INIT_CONFIG: &str = "kubeadm-init.yaml";
 /// The `kubeadm join` configuration (work directory).
 pub const KUBEADM_JOIN_CONFIG: &str = "kubeadm-join.yaml";
+/// The kubeconfig of `kubeadm join`'s file discovery, which holds the
+/// kubelet's client key (work directory, removed after the run).
+pub const KUBEADM_DISCOVERY_CONFIG: &str = "kubeadm-discovery.conf";
 /// One configuration per `kubeadm token create`, removed after it ran
 /// (work directory).
 pub const TOKEN_CONFIG_DIR: &str = "join-tokens";

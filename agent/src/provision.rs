@@ -47,7 +47,7 @@ use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts, FactsError};
 use crate::components::{install_and_measure, InstallComponentsError};
 use crate::disk::{DiskError, StateDisk};
 use crate::files::{write_private, WriteFileError};
-use crate::kubeadm::{ConfigError, InitConfig, JoinConfig, Kubeadm, KubeadmError};
+use crate::kubeadm::{ConfigError, Discovery, InitConfig, JoinConfig, Kubeadm, KubeadmError};
 use crate::measured::SharedTpm;
 use crate::paths;
 use crate::reboot::{self, RebootPolicy};
@@ -311,7 +311,26 @@ impl<'a> Provisioner<'a> {
         config: &JoinConfig,
         files: &[(PathBuf, Zeroizing<Vec<u8>>)],
     ) -> Result<(), ProvisionError> {
-        let path = self.write_config(paths::KUBEADM_JOIN_CONFIG, config.to_yaml())?;
+        // File discovery's kubeconfig first (it holds the kubelet's key),
+        // then the configuration that names it; both removed after the run.
+        let discovery = match &config.discovery {
+            Discovery::File { path, kubeconfig } => {
+                let file = kubeconfig
+                    .render(&config.api_server_endpoint, &config.node_name)
+                    .map_err(ProvisionError::KubeadmConfig)?;
+                write_private(path, file.as_bytes())?;
+                Some(path)
+            }
+            Discovery::Token { .. } => None,
+        };
+        let written = self.write_config(paths::KUBEADM_JOIN_CONFIG, config.to_yaml());
+        let path = match written {
+            Ok(path) => path,
+            Err(e) => {
+                discovery.into_iter().for_each(|p| remove_config(p));
+                return Err(e);
+            }
+        };
         (self.log)("running kubeadm join".into());
         let mut on_line = |line: &str| (self.log)(line.to_owned());
         let mut restore = || self.write_files(files);
@@ -321,6 +340,7 @@ impl<'a> Provisioner<'a> {
             .join(&path, &mut restore, &mut on_line)
             .await;
         remove_config(&path);
+        discovery.into_iter().for_each(|p| remove_config(p));
         result.map_err(ProvisionError::Kubeadm)?;
         durable().await;
         Ok(())

@@ -168,6 +168,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane: false,
             node_name: name.into(),
+            file_discovery: false,
         };
         match impostor
             .tickets(&ca)
@@ -200,8 +201,17 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         other => panic!("{other:?}"),
     }
     assert!(none.borrow().is_none(), "a worker got a cluster state");
+    // Its ticket came from cp-1, and cost no token (the worker joins with
+    // file discovery).
+    let admitted = |root: &std::path::Path| {
+        keel_agent::registry::Registry::on_disk(&root.join(keel_agent::paths::NODE_REGISTRY))
+            .unwrap()
+            .find("w-1")
+            .is_ok()
+    };
+    assert!(admitted(&cp1.root) && !admitted(&cp0.root));
     assert_eq!(tokens_under(&cp0.root), cp0_tokens);
-    assert_eq!(tokens_under(&cp1.root), cp1_tokens + 1);
+    assert_eq!(tokens_under(&cp1.root), cp1_tokens);
     assert_eq!(worker.pcr15(), join_common::pcr15(&cp0.tpm));
     worker.assert_disk_opens(&cp0);
 

@@ -318,6 +318,7 @@ async fn a_worker_serving_the_join_port_gets_no_ticket_used() {
         kubelet_csr: key.csr_pem().as_bytes().to_vec(),
         is_control_plane: false,
         node_name: "w-1".into(),
+        file_discovery: false,
     };
     let err = deceived
         .tickets(&ca)
@@ -380,6 +381,7 @@ async fn refused_nodes_stay_unlocked_and_untouched() {
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane: false,
             node_name: name.into(),
+            file_discovery: false,
         };
         (req, spki)
     };
@@ -440,6 +442,7 @@ async fn disk_key_by_join(
         kubelet_csr: key.csr_pem().as_bytes().to_vec(),
         is_control_plane: false,
         node_name: name.into(),
+        file_discovery: false,
     };
     let mut raw = tickets
         .request_join_ticket(&service.endpoint, request)
@@ -627,6 +630,7 @@ impl OpenConnection {
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane: false,
             node_name: self.name.clone(),
+            file_discovery: false,
         };
         self.tickets.issue_join_ticket(request).await.map(|_| disk)
     }
@@ -719,6 +723,7 @@ async fn a_log_with_two_node_identities_gets_no_ticket() {
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane,
             node_name: node.name.clone(),
+            file_discovery: false,
         };
         let refused = tickets
             .request_join_ticket(&service.endpoint, request)

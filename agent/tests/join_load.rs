@@ -31,6 +31,7 @@ fn request(m: &Member) -> (IssueJoinTicketRequest, KubeletKey) {
         kubelet_csr: key.csr_pem().as_bytes().to_vec(),
         is_control_plane: false,
         node_name: m.name.clone(),
+        file_discovery: false,
     };
     (req, key)
 }
@@ -290,6 +291,37 @@ async fn a_member_renamed_by_its_host_gets_no_ticket_and_keeps_its_name() {
         "{status:?}"
     );
     assert_eq!(service.registered_tokens().len(), 1, "a token was made");
+}
+
+/// A node that joins with kubeadm's file discovery (every node of this
+/// version) gets no bootstrap token and has none registered: the token's
+/// group may get node certificates of any name, while the kubelet
+/// certificate its discovery kubeconfig holds names this node alone. A
+/// node of an earlier version, which does not ask for it, still gets one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_discovery_ticket_carries_no_token_and_registers_none() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service(&ca, port).await;
+    let m = member(&ca, port, "w-0", "worker");
+    let (mut req, key) = request(&m);
+    req.file_discovery = true;
+    let ticket = m
+        .tickets(&ca)
+        .join_ticket(&service.endpoint, req, &key.spki())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(ticket.token.is_none());
+    assert!(ticket.kubelet_cert.contains("BEGIN CERTIFICATE"));
+    assert!(service.registered_tokens().is_empty(), "a token was made");
+    let (req, key) = request(&m);
+    let ticket = m
+        .tickets(&ca)
+        .join_ticket(&service.endpoint, req, &key.spki())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(ticket.token.is_some());
+    assert_eq!(service.registered_tokens().len(), 1);
 }
 
 /// A control plane that learned more endpoints than a ticket may name

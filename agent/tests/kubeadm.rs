@@ -11,8 +11,8 @@ use std::time::Duration;
 use base64::Engine as _;
 use keel_agent::files::write_private;
 use keel_agent::kubeadm::{
-    BootstrapToken, CaCertHash, ConfigError, ControlPlaneJoin, InitConfig, JoinConfig, Kubeadm,
-    KubeadmError, ParseSecretError,
+    BootstrapToken, CaCertHash, ConfigError, ControlPlaneJoin, Discovery, DiscoveryKubeconfig,
+    InitConfig, JoinConfig, Kubeadm, KubeadmError, ParseSecretError,
 };
 use keel_installer::{Component, Installer, InstallerConfig, KubernetesVersion, NoProgress};
 use keel_testkit::components::{stand_in_set_with, KubeExecutables};
@@ -46,8 +46,10 @@ fn join_config(root: &Path, v: &str) -> JoinConfig {
         node_ip: "10.0.0.6".parse().unwrap(),
         kubernetes_version: version(v),
         api_server_endpoint: "10.0.0.5:6443".into(),
-        token: TOKEN.parse().unwrap(),
-        ca_cert_hashes: vec![HASH.parse().unwrap()],
+        discovery: Discovery::Token {
+            token: TOKEN.parse().unwrap(),
+            ca_cert_hashes: vec![HASH.parse().unwrap()],
+        },
         control_plane: None,
         patches_dir: root.join("opt/kubernetes/patches"),
     }
@@ -203,8 +205,16 @@ fn bad_inputs_are_refused_before_any_file_is_written() {
         Err(ConfigError::ApiServerEndpoint(_))
     ));
     let mut j = join_config(root, "v1.31.13");
-    j.ca_cert_hashes.clear();
+    if let Discovery::Token { ca_cert_hashes, .. } = &mut j.discovery {
+        ca_cert_hashes.clear();
+    }
     assert_eq!(j.to_yaml().unwrap_err(), ConfigError::NoCaCertHash);
+    let mut j = join_config(root, "v1.31.13");
+    j.discovery = Discovery::File {
+        path: PathBuf::from("relative.conf"),
+        kubeconfig: discovery_kubeconfig("worker-1", "a key"),
+    };
+    assert!(matches!(j.to_yaml(), Err(ConfigError::DiscoveryFile(_))));
 
     for bad in [
         "abcdef0123456789abcdef",
@@ -519,6 +529,119 @@ async fn join_writes_kubelet_conf_and_retries_with_a_reset() {
         }
         other => panic!("{other:?}: {lines:#?}"),
     }
+}
+
+/// The discovery kubeconfig of a node `name`: a CA, a kubelet certificate
+/// the CA issued for `O=system:nodes, CN=system:node:<name>`, and `key` as
+/// its private key's PEM (the stand-in only checks its label).
+fn discovery_kubeconfig(name: &str, key: &str) -> DiscoveryKubeconfig {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "kubernetes");
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key_pair = rcgen::KeyPair::generate().unwrap();
+    let mut node = rcgen::CertificateParams::new(Vec::new()).unwrap();
+    node.distinguished_name
+        .push(rcgen::DnType::OrganizationName, "system:nodes");
+    node.distinguished_name
+        .push(rcgen::DnType::CommonName, format!("system:node:{name}"));
+    let cert = node.signed_by(&key_pair, &issuer).unwrap();
+    DiscoveryKubeconfig {
+        ca_pem: ca_cert.pem(),
+        cert_pem: cert.pem(),
+        key_pem: zeroize::Zeroizing::new(if key.is_empty() {
+            key_pair.serialize_pem()
+        } else {
+            format!("-----BEGIN PRIVATE KEY-----\n{key}\n-----END PRIVATE KEY-----\n")
+        }),
+    }
+}
+
+/// A join with kubeadm's file discovery: the configuration names the
+/// kubeconfig, which holds the server, the CA and the node's client
+/// certificate and key (never a token). The stand-in, as kubeadm's TLS
+/// bootstrap would, takes a certificate of this node's name only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_discovery_join_presents_the_nodes_own_certificate() {
+    let v = "v1.32.9";
+    let node = Node::new(v).await;
+    let path = node.root().join("run/discovery.conf");
+    let mut config = join_config(node.root(), v);
+    config.discovery = Discovery::File {
+        path: path.clone(),
+        kubeconfig: discovery_kubeconfig("worker-1", ""),
+    };
+    let d = docs(&config.to_yaml().unwrap());
+    assert_eq!(
+        field(&d[0], &["discovery", "file", "kubeConfigPath"]),
+        &Value::from(path.to_str().unwrap())
+    );
+    assert!(d[0]["discovery"].get("bootstrapToken").is_none());
+    let Discovery::File { kubeconfig, .. } = &config.discovery else {
+        unreachable!()
+    };
+    assert!(!format!("{kubeconfig:?}").contains("PRIVATE"));
+    let file = kubeconfig.render("10.0.0.5:6443", "worker-1").unwrap();
+    let kc: Value = serde_yaml::from_str(&file).unwrap();
+    assert_eq!(
+        kc["clusters"][0]["cluster"]["server"],
+        "https://10.0.0.5:6443"
+    );
+    assert_eq!(kc["users"][0]["name"], "system:node:worker-1");
+    assert_eq!(kc["current-context"], "keel-join");
+    let b64 = |v: &Value| {
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(v.as_str().unwrap())
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    assert_eq!(
+        b64(&kc["users"][0]["user"]["client-key-data"]),
+        *kubeconfig.key_pem
+    );
+    assert!(kubeconfig.render("10.0.0.5", "worker-1").is_err());
+    assert!(kubeconfig.render("10.0.0.5:6443", "Worker 1").is_err());
+
+    // kubeadm (the stand-in) takes it, and joins as the node.
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    write_private(&path, file.as_bytes()).unwrap();
+    let join = node.write("join.yaml", &config.to_yaml().unwrap());
+    let (result, lines) = run_join(&node.kubeadm(v, &[]), &join).await;
+    result.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+    let joined = std::fs::read_to_string(node.root().join("var/lib/keel-standin/joined-with"));
+    assert_eq!(joined.unwrap(), "file\n");
+
+    // Another node's certificate is not this node's bootstrap identity.
+    let other = node.root().join("run/other.conf");
+    let theirs = discovery_kubeconfig("worker-2", "");
+    write_private(
+        &other,
+        theirs
+            .render("10.0.0.5:6443", "worker-1")
+            .unwrap()
+            .as_bytes(),
+    )
+    .unwrap();
+    config.discovery = Discovery::File {
+        path: other,
+        kubeconfig: theirs,
+    };
+    let join = node.write("join-other.yaml", &config.to_yaml().unwrap());
+    let mut k = node.kubeadm(v, &[]);
+    k.join_attempts = 1;
+    let (result, lines) = run_join(&k, &join).await;
+    assert!(result.is_err(), "{lines:#?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("is not system:node:worker-1 in system:nodes")),
+        "{lines:#?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

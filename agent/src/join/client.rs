@@ -43,7 +43,7 @@ use super::ticket::{JoinTicket, TicketError};
 use super::transport::TicketClient;
 use crate::cluster::{ClusterSlot, ClusterState};
 use crate::disk::{DiskState, StateDisk};
-use crate::kubeadm::{ControlPlaneJoin, JoinConfig};
+use crate::kubeadm::{ControlPlaneJoin, Discovery, DiscoveryKubeconfig, JoinConfig};
 use crate::measured::SharedTpm;
 use crate::nodelock::{LockError, NodeLock};
 use crate::operator::OperatorKeySlot;
@@ -365,6 +365,7 @@ impl JoinClient {
             kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
             is_control_plane,
             node_name: node.name.clone(),
+            file_discovery: true,
         };
         let (tickets, spki) = (&self.tickets, spki.as_slice());
         let attempt = |endpoint: String| {
@@ -576,8 +577,21 @@ impl JoinClient {
             node_ip: advertise_address,
             kubernetes_version: ticket.version,
             api_server_endpoint: ticket.api_server_endpoint.clone(),
-            token: ticket.token.clone(),
-            ca_cert_hashes: vec![ticket.ca_hash.clone()],
+            discovery: match &ticket.token {
+                // A control plane of an earlier version sends a token.
+                Some(token) => Discovery::Token {
+                    token: token.clone(),
+                    ca_cert_hashes: vec![ticket.ca_hash.clone()],
+                },
+                None => Discovery::File {
+                    path: self.env.work_dir.join(paths::KUBEADM_DISCOVERY_CONFIG),
+                    kubeconfig: DiscoveryKubeconfig {
+                        ca_pem: ticket.ca_cert.clone(),
+                        cert_pem: ticket.kubelet_cert.clone(),
+                        key_pem: kubelet.private_pem(),
+                    },
+                },
+            },
             control_plane: is_control_plane.then_some(ControlPlaneJoin {
                 advertise_address,
                 certificate_key: None,

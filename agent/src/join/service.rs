@@ -413,12 +413,21 @@ impl JoinService {
                 ))
             }
         }
-        let token = BootstrapToken::generate();
-        self.inner
-            .tokens
-            .register(&token, cluster.kubernetes_version)
-            .await
-            .map_err(JoinServiceError::Token)?;
+        // A node that joins with kubeadm's file discovery (its kubeconfig
+        // holds the kubelet certificate above) gets no token: a token is in
+        // kubeadm's group for joining nodes, whose node client CSRs are
+        // approved for any node name.
+        let token = if request.file_discovery {
+            None
+        } else {
+            let token = BootstrapToken::generate();
+            self.inner
+                .tokens
+                .register(&token, cluster.kubernetes_version)
+                .await
+                .map_err(JoinServiceError::Token)?;
+            Some(token)
+        };
         // The image may have been withdrawn while the token was registered
         // (a kubeadm run, maybe behind another): judged again on the state
         // of the moment, which the ticket is then built from.
@@ -436,7 +445,10 @@ impl JoinService {
         let secrets = JoinSecrets {
             state_disk_key: disk_key.to_vec(),
             measurement_secret: cluster.measurement_secret.to_vec(),
-            bootstrap_token: token.expose().to_owned(),
+            bootstrap_token: token
+                .as_ref()
+                .map(|t| t.expose().to_owned())
+                .unwrap_or_default(),
             kubelet_cert: kubelet_cert.into_bytes(),
             control_plane_files: control_plane_files.take(),
             control_plane: request
@@ -448,7 +460,7 @@ impl JoinService {
         tracing::info!(
             node = %request.node_name,
             control_plane = request.is_control_plane,
-            token_id = token.id(),
+            token_id = token.as_ref().map_or("none (file discovery)", BootstrapToken::id),
             measurements = %hex::encode(peer.measurements),
             "issued join ticket"
         );

@@ -134,8 +134,10 @@ pub struct JoinTicket {
     pub ca_cert: String,
     /// `host:port` of the API server.
     pub api_server_endpoint: String,
-    /// The bootstrap token.
-    pub token: BootstrapToken,
+    /// The bootstrap token, from a control plane of an earlier version
+    /// (one that takes the request's `file_discovery` sends none: the node
+    /// then joins with file discovery and its kubelet certificate).
+    pub token: Option<BootstrapToken>,
     /// The discovery hash of the CA.
     pub ca_hash: CaCertHash,
     /// Control-plane PKI files (name relative to the PKI dir, contents).
@@ -449,8 +451,12 @@ pub fn parse_join_ticket(
     if secrets.state_disk_key.len() != DISK_KEY_LEN {
         return Err(invalid("disk key length"));
     }
-    let token = BootstrapToken::from_str(&secrets.bootstrap_token)
-        .map_err(|_| invalid("bootstrap token format"))?;
+    let token = match secrets.bootstrap_token.as_str() {
+        "" => None,
+        token => {
+            Some(BootstrapToken::from_str(token).map_err(|_| invalid("bootstrap token format"))?)
+        }
+    };
     let ca_hash = CaCertHash::from_str(&response.discovery_token_ca_cert_hash)
         .map_err(|_| invalid("discovery CA hash format"))?;
     let ca_cert =

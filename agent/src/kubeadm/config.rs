@@ -15,6 +15,16 @@
 //! P-256 work. A CA kubeadm made RSA (a cluster from before this setting)
 //! is still read and used (`join::service`).
 //!
+//! A join finds and trusts the cluster through kubeadm's file discovery: a
+//! kubeconfig with the API server, the cluster CA and the node's client
+//! certificate and key, all from the join ticket ([`Discovery::File`]).
+//! The kubelet's TLS bootstrap then proves the node with that certificate,
+//! which the join service issued for the node's measured name, and can get
+//! a certificate of that name only. Token discovery ([`Discovery::Token`])
+//! is what a control plane of an earlier version leaves: a bootstrap token
+//! in kubeadm's group for joining nodes, whose node client CSRs are
+//! approved for any node name.
+//!
 //! Every input is checked before it reaches a file (names, addresses,
 //! CIDRs, SANs, token formats), and secrets (the bootstrap token, the
 //! certificate key) have redacted `Debug` output.
@@ -72,6 +82,9 @@ pub enum ConfigError {
     /// A join configuration lists no CA certificate hash.
     #[error("a join needs at least one discovery CA certificate hash")]
     NoCaCertHash,
+    /// The discovery kubeconfig's path is not an absolute UTF-8 path.
+    #[error("discovery kubeconfig {0:?} is not an absolute UTF-8 path")]
+    DiscoveryFile(PathBuf),
 }
 
 /// A token does not have kubeadm's format.
@@ -378,6 +391,89 @@ pub struct ControlPlaneJoin {
     pub certificate_key: Option<CertificateKey>,
 }
 
+/// How `kubeadm join` finds the cluster and trusts it, and what the
+/// kubelet's TLS bootstrap proves the node with.
+#[derive(Debug, Clone)]
+pub enum Discovery {
+    /// kubeadm's token discovery: the bootstrap token, which the TLS
+    /// bootstrap then uses, and the hashes of the CA's public key it pins.
+    /// The token is in kubeadm's group for joining nodes, whose node
+    /// client CSRs kube-controller-manager approves for any node name.
+    Token {
+        /// The bootstrap token from the join ticket.
+        token: BootstrapToken,
+        /// Hashes of the cluster CA's public key (discovery pins these).
+        ca_cert_hashes: Vec<CaCertHash>,
+    },
+    /// kubeadm's file discovery: the kubeconfig written to `path`, whose
+    /// client certificate (the ticket's kubelet certificate, issued for the
+    /// node's measured name) the TLS bootstrap uses: a node can then ask
+    /// for a certificate of its own name only.
+    File {
+        /// Where the kubeconfig is written for the run.
+        path: PathBuf,
+        /// The kubeconfig.
+        kubeconfig: DiscoveryKubeconfig,
+    },
+}
+
+/// The kubeconfig of `kubeadm join`'s file discovery: the API server, the
+/// cluster CA and the node's client certificate and key, all from the
+/// ticket (which the node got over attested TLS).
+#[derive(Clone)]
+pub struct DiscoveryKubeconfig {
+    /// The cluster CA certificate (PEM).
+    pub ca_pem: String,
+    /// The kubelet's client certificate (PEM).
+    pub cert_pem: String,
+    /// The kubelet's private key (PEM).
+    pub key_pem: zeroize::Zeroizing<String>,
+}
+
+impl fmt::Debug for DiscoveryKubeconfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DiscoveryKubeconfig")
+            .field("key_pem", &"<redacted>")
+            .finish_non_exhaustive()
+    }
+}
+
+impl DiscoveryKubeconfig {
+    /// The kubeconfig (JSON, which kubeconfig readers take as YAML) for the
+    /// API server at `endpoint` (`host:port`) and the node `node_name`, in
+    /// a buffer wiped when dropped.
+    pub fn render(
+        &self,
+        endpoint: &str,
+        node_name: &str,
+    ) -> Result<zeroize::Zeroizing<String>, ConfigError> {
+        use base64::Engine as _;
+        check_name("node name", node_name)?;
+        check_endpoint(endpoint)?;
+        let b64 = |pem: &str| base64::engine::general_purpose::STANDARD.encode(pem);
+        let key = zeroize::Zeroizing::new(b64(&self.key_pem));
+        let (ca, cert) = (b64(&self.ca_pem), b64(&self.cert_pem));
+        // Every value is base64 or checked above: nothing to escape.
+        let mut out = zeroize::Zeroizing::new(String::with_capacity(
+            512 + endpoint.len() + 2 * node_name.len() + ca.len() + cert.len() + key.len(),
+        ));
+        out.push_str("{\"apiVersion\":\"v1\",\"kind\":\"Config\",\"clusters\":[{\"name\":\"kubernetes\",\"cluster\":{\"server\":\"https://");
+        out.push_str(endpoint);
+        out.push_str("\",\"certificate-authority-data\":\"");
+        out.push_str(&ca);
+        out.push_str("\"}}],\"users\":[{\"name\":\"system:node:");
+        out.push_str(node_name);
+        out.push_str("\",\"user\":{\"client-certificate-data\":\"");
+        out.push_str(&cert);
+        out.push_str("\",\"client-key-data\":\"");
+        out.push_str(&key);
+        out.push_str("\"}}],\"contexts\":[{\"name\":\"keel-join\",\"context\":{\"cluster\":\"kubernetes\",\"user\":\"system:node:");
+        out.push_str(node_name);
+        out.push_str("\"}}],\"current-context\":\"keel-join\"}\n");
+        Ok(out)
+    }
+}
+
 /// Everything `kubeadm join` needs.
 #[derive(Debug, Clone)]
 pub struct JoinConfig {
@@ -389,10 +485,9 @@ pub struct JoinConfig {
     pub kubernetes_version: KubernetesVersion,
     /// `host:port` of the API server.
     pub api_server_endpoint: String,
-    /// The bootstrap token from the join ticket.
-    pub token: BootstrapToken,
-    /// Hashes of the cluster CA's public key (discovery pins these).
-    pub ca_cert_hashes: Vec<CaCertHash>,
+    /// How it finds the cluster and what the kubelet's TLS bootstrap
+    /// proves the node with.
+    pub discovery: Discovery,
     /// Present for control-plane joins.
     pub control_plane: Option<ControlPlaneJoin>,
     /// Directory of kubeadm patches (see [`crate::paths::PATCHES_DIR`]).
@@ -405,27 +500,36 @@ impl JoinConfig {
         let api = ConfigApi::for_version(self.kubernetes_version)?;
         check_name("node name", &self.node_name)?;
         check_endpoint(&self.api_server_endpoint)?;
-        if self.ca_cert_hashes.is_empty() {
-            return Err(ConfigError::NoCaCertHash);
-        }
+        let discovery = match &self.discovery {
+            Discovery::Token {
+                token,
+                ca_cert_hashes,
+            } => {
+                if ca_cert_hashes.is_empty() {
+                    return Err(ConfigError::NoCaCertHash);
+                }
+                (
+                    "bootstrapToken",
+                    Yaml::map(vec![
+                        ("token", Yaml::str(token.expose())),
+                        ("apiServerEndpoint", Yaml::str(&self.api_server_endpoint)),
+                        (
+                            "caCertHashes",
+                            Yaml::strs(ca_cert_hashes.iter().map(|h| h.as_str())),
+                        ),
+                    ]),
+                )
+            }
+            Discovery::File { path, .. } => (
+                "file",
+                Yaml::map(vec![("kubeConfigPath", Yaml::str(absolute_utf8(path)?))]),
+            ),
+        };
         let patches = patches_dir(&self.patches_dir)?;
         let mut doc = vec![
             ("apiVersion", Yaml::str(api.api_version())),
             ("kind", Yaml::str("JoinConfiguration")),
-            (
-                "discovery",
-                Yaml::map(vec![(
-                    "bootstrapToken",
-                    Yaml::map(vec![
-                        ("token", Yaml::str(self.token.expose())),
-                        ("apiServerEndpoint", Yaml::str(&self.api_server_endpoint)),
-                        (
-                            "caCertHashes",
-                            Yaml::strs(self.ca_cert_hashes.iter().map(|h| h.as_str())),
-                        ),
-                    ]),
-                )]),
-            ),
+            ("discovery", Yaml::map(vec![discovery])),
             (
                 "nodeRegistration",
                 node_registration(api, &self.node_name, self.node_ip),
@@ -513,6 +617,13 @@ fn check_endpoint(endpoint: &str) -> Result<(), ConfigError> {
         Ok(())
     } else {
         Err(refuse())
+    }
+}
+
+fn absolute_utf8(path: &Path) -> Result<&str, ConfigError> {
+    match path.to_str() {
+        Some(s) if path.is_absolute() => Ok(s),
+        _ => Err(ConfigError::DiscoveryFile(path.to_owned())),
     }
 }
 

@@ -22,6 +22,6 @@ mod yaml;
 
 pub use config::{
     BootstrapToken, CaCertHash, CertificateKey, ConfigApi, ConfigError, ControlPlaneJoin,
-    InitConfig, JoinConfig, ParseSecretError,
+    Discovery, DiscoveryKubeconfig, InitConfig, JoinConfig, ParseSecretError,
 };
 pub use run::{Kubeadm, KubeadmError};

@@ -17,9 +17,12 @@
 //!   CA, an API server certificate carrying the SANs and `admin.conf`, and
 //!   prints kubeadm-like progress lines (including the token line kubeadm
 //!   prints, which the agent must scrub);
-//! * `join --config F`: checks the `JoinConfiguration` and writes
-//!   `kubelet.conf`, and the ID of the token it joined with to
-//!   `var/lib/keel-standin/joined-with`;
+//! * `join --config F`: checks the `JoinConfiguration` (token discovery,
+//!   or file discovery, whose kubeconfig must hold the cluster's server and
+//!   CA and a client certificate for `system:node:<the node's name>` in
+//!   `system:nodes`, as the kubelet's TLS bootstrap would use it) and
+//!   writes `kubelet.conf`, and what it joined with (the token's ID, or
+//!   `file`) to `var/lib/keel-standin/joined-with`;
 //! * `reset --force`: removes what `init`/`join` wrote and empties the
 //!   certificates directory and `var/lib/kubelet`, as kubeadm does;
 //! * `upgrade apply VERSION --yes` and `upgrade node`: check that the node
@@ -703,11 +706,18 @@ fn init(flags: &Flags) -> Result<()> {
     Ok(())
 }
 
-fn join(flags: &Flags) -> Result<()> {
-    let docs = read_config(flags)?;
-    known_kinds(&docs, &["JoinConfiguration"])?;
-    let join = document(&docs, "JoinConfiguration")?;
-    let api = api_version(join, "JoinConfiguration")?;
+/// What a join's discovery established.
+struct Discovered {
+    /// `host:port` of the API server.
+    endpoint: String,
+    /// The cluster CA (file discovery carries it).
+    ca_pem: Option<String>,
+    /// The token's ID, or `file`.
+    joined_with: String,
+}
+
+/// Token discovery: a token of kubeadm's form and pinned CA hashes.
+fn token_discovery(join: &Value) -> Result<Discovered> {
     let kind = "JoinConfiguration";
     let token = string(join, kind, &["discovery", "bootstrapToken", "token"])?;
     if !token_ok(&token) {
@@ -720,14 +730,7 @@ fn join(flags: &Flags) -> Result<()> {
         kind,
         &["discovery", "bootstrapToken", "apiServerEndpoint"],
     )?;
-    if endpoint
-        .rsplit_once(':')
-        .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
-    {
-        return fail(format!(
-            "JoinConfiguration: apiServerEndpoint {endpoint:?} is not host:port"
-        ));
-    }
+    check_host_port(&endpoint)?;
     let hashes = get(join, &["discovery", "bootstrapToken", "caCertHashes"])
         .and_then(Value::as_sequence)
         .cloned()
@@ -740,7 +743,152 @@ fn join(flags: &Flags) -> Result<()> {
     if hashes.is_empty() || !hashes.iter().all(hash_ok) {
         return fail("JoinConfiguration: discovery.bootstrapToken.caCertHashes must list sha256:<hex> hashes (unsafe discovery is not allowed)");
     }
+    let id = token.split('.').next().unwrap_or_default().to_owned();
+    Ok(Discovered {
+        endpoint,
+        ca_pem: None,
+        joined_with: id,
+    })
+}
+
+fn check_host_port(endpoint: &str) -> Result<()> {
+    if endpoint
+        .rsplit_once(':')
+        .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+    {
+        return fail(format!(
+            "JoinConfiguration: apiServerEndpoint {endpoint:?} is not host:port"
+        ));
+    }
+    Ok(())
+}
+
+/// File discovery: the kubeconfig at `path` (private, bounded) names an
+/// `https://host:port` server and the cluster CA, and its current
+/// context's user holds a client certificate and key: the certificate is
+/// for `system:node:<node>` in `system:nodes` (the kubelet's TLS bootstrap
+/// would ask as that node, and the cluster approves a certificate of that
+/// name only), and is not a CA.
+fn file_discovery(path: &Path, node: &str) -> Result<Discovered> {
+    let what = "discovery kubeconfig";
+    let meta = std::fs::symlink_metadata(path)
+        .or_else(|e| fail(format!("couldn't load the {what} {path:?}: {e}")))?;
+    if !meta.is_file() || meta.len() > MAX_CONFIG {
+        return fail(format!(
+            "the {what} {path:?} is not a file of at most 1 MiB"
+        ));
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        return fail(format!(
+            "the {what} {path:?} is readable by others; it holds a private key"
+        ));
+    }
+    let text = std::fs::read_to_string(path)
+        .or_else(|e| fail(format!("couldn't load the {what} {path:?}: {e}")))?;
+    let config: Value =
+        serde_yaml::from_str(&text).or_else(|e| fail(format!("invalid {what}: {e}")))?;
+    let context = get(&config, &["current-context"])
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let named = |list: &str, name: &str, field: &str| -> Option<Value> {
+        get(&config, &[list])?
+            .as_sequence()?
+            .iter()
+            .find(|e| get(e, &["name"]).and_then(Value::as_str) == Some(name))
+            .and_then(|e| e.get(field))
+            .cloned()
+    };
+    let Some(ctx) = named("contexts", context, "context") else {
+        return fail(format!("{what}: no context {context:?}"));
+    };
+    let (cluster, user) = (
+        get(&ctx, &["cluster"])
+            .and_then(Value::as_str)
+            .unwrap_or_default(),
+        get(&ctx, &["user"])
+            .and_then(Value::as_str)
+            .unwrap_or_default(),
+    );
+    let (Some(cluster), Some(user)) = (
+        named("clusters", cluster, "cluster"),
+        named("users", user, "user"),
+    ) else {
+        return fail(format!(
+            "{what}: its context names no cluster or user it holds"
+        ));
+    };
+    let server = string(&cluster, what, &["server"])?;
+    let Some(endpoint) = server.strip_prefix("https://") else {
+        return fail(format!(
+            "{what}: server {server:?} is not https://host:port"
+        ));
+    };
+    check_host_port(endpoint)?;
+    let pem = |v: &Value, field: &str, label: &str| -> Result<String> {
+        let data = string(v, what, &[field])?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(data)
+            .or_else(|_| fail(format!("{what}: {field} is not base64")))?;
+        match String::from_utf8(bytes) {
+            Ok(text) if text.contains(&format!("-----BEGIN {label}")) => Ok(text),
+            _ => fail(format!("{what}: {field} is not a PEM {label}")),
+        }
+    };
+    let ca_pem = pem(&cluster, "certificate-authority-data", "CERTIFICATE")?;
+    let cert_pem = pem(&user, "client-certificate-data", "CERTIFICATE")?;
+    pem(&user, "client-key-data", "PRIVATE KEY")?;
+    let expected = format!("system:node:{node}");
+    if client_identity(&cert_pem).as_ref() != Some(&(expected.clone(), "system:nodes".to_owned())) {
+        return fail(format!(
+            "{what}: its client certificate is not {expected} in system:nodes: the TLS bootstrap would not get this node a certificate"
+        ));
+    }
+    Ok(Discovered {
+        endpoint: endpoint.to_owned(),
+        ca_pem: Some(ca_pem),
+        joined_with: "file".to_owned(),
+    })
+}
+
+/// The common name and organisation of the certificate `pem`, if it
+/// parses, names one of each, and is not a CA.
+fn client_identity(pem: &str) -> Option<(String, String)> {
+    let (_, pem) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).ok()?;
+    let cert = pem.parse_x509().ok()?;
+    if cert.is_ca() {
+        return None;
+    }
+    let one = |mut values: std::vec::IntoIter<&str>| match (values.next(), values.next()) {
+        (Some(v), None) => Some(v.to_owned()),
+        _ => None,
+    };
+    let subject = cert.subject();
+    let names: Vec<&str> = subject
+        .iter_common_name()
+        .filter_map(|n| n.as_str().ok())
+        .collect();
+    let orgs: Vec<&str> = subject
+        .iter_organization()
+        .filter_map(|n| n.as_str().ok())
+        .collect();
+    Some((one(names.into_iter())?, one(orgs.into_iter())?))
+}
+
+fn join(flags: &Flags) -> Result<()> {
+    let docs = read_config(flags)?;
+    known_kinds(&docs, &["JoinConfiguration"])?;
+    let join = document(&docs, "JoinConfiguration")?;
+    let api = api_version(join, "JoinConfiguration")?;
+    let kind = "JoinConfiguration";
     let node = string(join, kind, &["nodeRegistration", "name"])?;
+    let discovery = match get(join, &["discovery", "file"]) {
+        Some(_) => {
+            let path = string(join, kind, &["discovery", "file", "kubeConfigPath"])?;
+            file_discovery(Path::new(&path), &node)?
+        }
+        None => token_discovery(join)?,
+    };
+    let endpoint = discovery.endpoint;
     check_extra_args(join, kind, api)?;
     let control_plane = get(join, &["controlPlane"]);
     if let Some(cp) = control_plane {
@@ -777,7 +925,9 @@ fn join(flags: &Flags) -> Result<()> {
     println!(
         "[kubelet-start] Writing kubelet configuration to file \"/var/lib/kubelet/config.yaml\""
     );
-    let ca_pem = std::fs::read_to_string(kube_dir().join("pki/ca.crt")).unwrap_or_default();
+    let ca_pem = discovery.ca_pem.unwrap_or_else(|| {
+        std::fs::read_to_string(kube_dir().join("pki/ca.crt")).unwrap_or_default()
+    });
     let conf = kubeconfig(
         "kubernetes",
         &format!("https://{endpoint}"),
@@ -787,11 +937,11 @@ fn join(flags: &Flags) -> Result<()> {
     );
     write_file(&kube_dir().join("kubelet.conf"), conf.as_bytes(), 0o600)?;
     write_file(&version_record(), version_claim().as_bytes(), 0o644)?;
-    // Which token the join used, by its ID (the secret half stays out).
-    let id = token.split('.').next().unwrap_or_default();
+    // Which token the join used, by its ID (the secret half stays out),
+    // or `file`.
     write_file(
         &root().join("var/lib/keel-standin/joined-with"),
-        format!("{id}\n").as_bytes(),
+        format!("{}\n", discovery.joined_with).as_bytes(),
         0o644,
     )?;
     if control_plane.is_some() {
