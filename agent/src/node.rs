@@ -95,14 +95,18 @@ pub const JOIN_ISSUING: usize = 64;
 /// handshake stalled after the server's flight holding its place until the
 /// 10 s handshake timeout), a newcomer waits up to [`JOIN_HANDSHAKE_WAIT`]
 /// for one, and for each one waiting the oldest handshake in progress for
-/// at least this long is closed. A genuine handshake takes well under a
-/// second (the server's quote batched, the joining node's quote, a few
-/// signatures), so only stalled ones reach it.
-pub const JOIN_HANDSHAKE_EVICTION_AGE: Duration = Duration::from_secs(3);
+/// at least this long is closed. The age counts from when the handshake
+/// took its place, so it includes its wait for the issuer and the
+/// validation of the peer: a genuine handshake takes well under a second
+/// on an idle port, seconds on a loaded one (a control plane that
+/// restarted, its members all reconnecting), and one older than this is
+/// closed only while newcomers wait. Half the handshake timeout: a stalled
+/// handshake holds its place half as long.
+pub const JOIN_HANDSHAKE_EVICTION_AGE: Duration = Duration::from_secs(5);
 /// See [`JOIN_HANDSHAKE_EVICTION_AGE`]; above it, so a newcomer outwaits
 /// a port filled just before it, and under the join and evidence clients'
 /// 30 s timeouts.
-pub const JOIN_HANDSHAKE_WAIT: Duration = Duration::from_secs(5);
+pub const JOIN_HANDSHAKE_WAIT: Duration = Duration::from_secs(8);
 /// Connections the join port keeps open at once: every member keeps its
 /// evidence stream to every control plane open, so this is the registry's
 /// bound on nodes ([`crate::registry::MAX_NODES`]) with room for joins.
