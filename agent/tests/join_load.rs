@@ -141,6 +141,27 @@ async fn assert_refused(
     )
 }
 
+/// A fresh member `name` of the service on `port`, with its join ticket.
+async fn admitted(ca: &EkCa, port: u16, service: &Service, name: &str) -> Member {
+    let m = member(ca, port, name, "worker");
+    let (req, _key) = request(&m);
+    m.tickets(ca)
+        .request_join_ticket(&service.endpoint, req)
+        .await
+        .unwrap();
+    m
+}
+
+/// The join ticket `m` asks for (as a control plane if `control_plane`)
+/// is refused with `PermissionDenied`, saying `why`.
+async fn denied_saying(ca: &EkCa, service: &Service, m: &Member, control_plane: bool, why: &str) {
+    let (mut req, _key) = request(m);
+    req.is_control_plane = control_plane;
+    let denied = tonic::Code::PermissionDenied;
+    let status = assert_refused(&m.tickets(ca), service, req, denied).await;
+    assert!(status.message().contains(why), "{status:?}");
+}
+
 /// The refusal `answer` is, with `code`.
 fn refusal<T>(answer: Result<T, TicketError>, code: tonic::Code) -> tonic::Status {
     match answer {
@@ -216,21 +237,9 @@ async fn a_second_tpm_under_a_members_name_gets_no_ticket() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
     let service = start_service(&ca, port).await;
-    let first = member(&ca, port, "w-0", "worker");
-    let (req, _key) = request(&first);
-    first
-        .tickets(&ca)
-        .request_join_ticket(&service.endpoint, req)
-        .await
-        .unwrap();
+    let first = admitted(&ca, port, &service, "w-0").await;
     let second = member(&ca, port, "w-0", "worker");
-    let (req, _key) = request(&second);
-    let denied = tonic::Code::PermissionDenied;
-    let status = assert_refused(&second.tickets(&ca), &service, req, denied).await;
-    assert!(
-        status.message().contains("holds this node's name"),
-        "{status:?}"
-    );
+    denied_saying(&ca, &service, &second, false, "holds this node's name").await;
     assert_eq!(service.registered_tokens().len(), 1, "a token was made");
     // The first again (a rejoin's name) is no conflict.
     let (req, _key) = request(&first);
@@ -250,46 +259,21 @@ async fn a_member_renamed_by_its_host_gets_no_ticket_and_keeps_its_name() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
     let service = start_service(&ca, port).await;
-    let first = member(&ca, port, "w-0", "worker");
-    let (req, _key) = request(&first);
-    first
-        .tickets(&ca)
-        .request_join_ticket(&service.endpoint, req)
-        .await
-        .unwrap();
+    let first = admitted(&ca, port, &service, "w-0").await;
     let renamed = first.rebooted_with(join_common::config(&ca, port, "w-9", "worker"));
-    let (req, _key) = request(&renamed);
-    let denied = tonic::Code::PermissionDenied;
-    let status = assert_refused(&renamed.tickets(&ca), &service, req, denied).await;
-    assert!(
-        status.message().contains("under another name or role"),
-        "{status:?}"
-    );
+    let other_name = "under another name or role";
+    denied_saying(&ca, &service, &renamed, false, other_name).await;
     // Its rejoin (the reboot's usual way back) neither.
     let rejoin = renamed
         .tickets(&ca)
         .rejoin_ticket(&service.endpoint, &uuid())
         .await;
-    let status = refusal(rejoin, denied);
-    assert!(
-        status.message().contains("under another name or role"),
-        "{status:?}"
-    );
+    let status = refusal(rejoin, tonic::Code::PermissionDenied);
+    assert!(status.message().contains(other_name), "{status:?}");
     let promoted = renamed.rebooted_with(join_common::config(&ca, port, "w-0", "control-plane"));
-    let (mut req, _key) = request(&promoted);
-    req.is_control_plane = true;
-    let status = assert_refused(&promoted.tickets(&ca), &service, req, denied).await;
-    assert!(
-        status.message().contains("under another name or role"),
-        "{status:?}"
-    );
+    denied_saying(&ca, &service, &promoted, true, other_name).await;
     let second = member(&ca, port, "w-0", "worker");
-    let (req, _key) = request(&second);
-    let status = assert_refused(&second.tickets(&ca), &service, req, denied).await;
-    assert!(
-        status.message().contains("holds this node's name"),
-        "{status:?}"
-    );
+    denied_saying(&ca, &service, &second, false, "holds this node's name").await;
     assert_eq!(service.registered_tokens().len(), 1, "a token was made");
 }
 

@@ -345,7 +345,9 @@ fn random32() -> Zeroizing<Vec<u8>> {
 }
 
 /// Binds an attested channel to the node, retrying for up to `wait` while
-/// the node is unreachable (still booting); any other failure ends at once.
+/// the node is unreachable (still booting), and for at least 2 minutes
+/// while it says it is busy ([`crate::reach::until_reachable`]); any other
+/// failure ends at once.
 pub(crate) async fn connect(
     client: &AtlsClient<Verified>,
     endpoint: Endpoint,
