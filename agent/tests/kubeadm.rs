@@ -616,32 +616,46 @@ async fn a_file_discovery_join_presents_the_nodes_own_certificate() {
     let joined = std::fs::read_to_string(node.root().join("var/lib/keel-standin/joined-with"));
     assert_eq!(joined.unwrap(), "file\n");
 
-    // Another node's certificate is not this node's bootstrap identity.
-    let other = node.root().join("run/other.conf");
-    let theirs = discovery_kubeconfig("worker-2", "");
-    write_private(
-        &other,
-        theirs
-            .render("10.0.0.5:6443", "worker-1")
-            .unwrap()
-            .as_bytes(),
-    )
-    .unwrap();
-    config.discovery = Discovery::File {
-        path: other,
-        kubeconfig: theirs,
+    // Another node's certificate is not this node's bootstrap identity;
+    // nor is this node's with another key, or signed by another CA.
+    let own = discovery_kubeconfig("worker-1", "");
+    let with_key_of = |other: &DiscoveryKubeconfig| DiscoveryKubeconfig {
+        key_pem: other.key_pem.clone(),
+        ..own.clone()
     };
-    let join = node.write("join-other.yaml", &config.to_yaml().unwrap());
-    let mut k = node.kubeadm(v, &[]);
-    k.join_attempts = 1;
-    let (result, lines) = run_join(&k, &join).await;
-    assert!(result.is_err(), "{lines:#?}");
-    assert!(
-        lines
-            .iter()
-            .any(|l| l.contains("is not system:node:worker-1 in system:nodes")),
-        "{lines:#?}"
-    );
+    let with_ca_of = |other: &DiscoveryKubeconfig| DiscoveryKubeconfig {
+        ca_pem: other.ca_pem.clone(),
+        ..own.clone()
+    };
+    let stranger = discovery_kubeconfig("worker-1", "");
+    for (i, (kubeconfig, why)) in [
+        (
+            discovery_kubeconfig("worker-2", ""),
+            "is not system:node:worker-1 in system:nodes",
+        ),
+        (
+            with_key_of(&stranger),
+            "its client key is not its client certificate's",
+        ),
+        (
+            with_ca_of(&stranger),
+            "its client certificate is not signed by its CA",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let path = node.root().join(format!("run/other-{i}.conf"));
+        let file = kubeconfig.render("10.0.0.5:6443", "worker-1").unwrap();
+        write_private(&path, file.as_bytes()).unwrap();
+        config.discovery = Discovery::File { path, kubeconfig };
+        let join = node.write(&format!("join-other-{i}.yaml"), &config.to_yaml().unwrap());
+        let mut k = node.kubeadm(v, &[]);
+        k.join_attempts = 1;
+        let (result, lines) = run_join(&k, &join).await;
+        assert!(result.is_err(), "{why}: {lines:#?}");
+        assert!(lines.iter().any(|l| l.contains(why)), "{why}: {lines:#?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -768,7 +768,8 @@ fn check_host_port(endpoint: &str) -> Result<()> {
 /// context's user holds a client certificate and key: the certificate is
 /// for `system:node:<node>` in `system:nodes` (the kubelet's TLS bootstrap
 /// would ask as that node, and the cluster approves a certificate of that
-/// name only), and is not a CA.
+/// name only), is not a CA, is signed by the kubeconfig's CA and is the
+/// key's (the API server would take it from nothing else).
 fn file_discovery(path: &Path, node: &str) -> Result<Discovered> {
     let what = "discovery kubeconfig";
     let meta = std::fs::symlink_metadata(path)
@@ -836,9 +837,10 @@ fn file_discovery(path: &Path, node: &str) -> Result<Discovered> {
     };
     let ca_pem = pem(&cluster, "certificate-authority-data", "CERTIFICATE")?;
     let cert_pem = pem(&user, "client-certificate-data", "CERTIFICATE")?;
-    pem(&user, "client-key-data", "PRIVATE KEY")?;
+    let key_pem = pem(&user, "client-key-data", "PRIVATE KEY")?;
     let expected = format!("system:node:{node}");
-    if client_identity(&cert_pem).as_ref() != Some(&(expected.clone(), "system:nodes".to_owned())) {
+    let client = client_identity(&cert_pem, &ca_pem, &key_pem)?;
+    if client != (expected.clone(), "system:nodes".to_owned()) {
         return fail(format!(
             "{what}: its client certificate is not {expected} in system:nodes: the TLS bootstrap would not get this node a certificate"
         ));
@@ -850,17 +852,38 @@ fn file_discovery(path: &Path, node: &str) -> Result<Discovered> {
     })
 }
 
-/// The common name and organisation of the certificate `pem`, if it
-/// parses, names one of each, and is not a CA.
-fn client_identity(pem: &str) -> Option<(String, String)> {
-    let (_, pem) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).ok()?;
-    let cert = pem.parse_x509().ok()?;
+/// The common name and organisation of the client certificate `cert_pem`
+/// (one of each; empty where it names none or several); refused where it
+/// is a CA, is not signed by `ca_pem`'s key or is not `key_pem`'s.
+fn client_identity(cert_pem: &str, ca_pem: &str, key_pem: &str) -> Result<(String, String)> {
+    let what = "discovery kubeconfig";
+    let parse = |pem: &str| {
+        x509_parser::pem::parse_x509_pem(pem.as_bytes())
+            .map(|(_, pem)| pem)
+            .or_else(|e| fail(format!("{what}: a certificate does not parse: {e}")))
+    };
+    let (cert_pem, ca_pem) = (parse(cert_pem)?, parse(ca_pem)?);
+    let (Ok(cert), Ok(ca)) = (cert_pem.parse_x509(), ca_pem.parse_x509()) else {
+        return fail(format!("{what}: a certificate does not parse"));
+    };
     if cert.is_ca() {
-        return None;
+        return fail(format!("{what}: its client certificate is a CA"));
+    }
+    if cert.verify_signature(Some(ca.public_key())).is_err() {
+        return fail(format!(
+            "{what}: its client certificate is not signed by its CA"
+        ));
+    }
+    let key = KeyPair::from_pem(key_pem)
+        .or_else(|e| fail(format!("{what}: its client key does not parse: {e}")))?;
+    if rcgen::PublicKeyData::subject_public_key_info(&key) != cert.public_key().raw {
+        return fail(format!(
+            "{what}: its client key is not its client certificate's"
+        ));
     }
     let one = |mut values: std::vec::IntoIter<&str>| match (values.next(), values.next()) {
-        (Some(v), None) => Some(v.to_owned()),
-        _ => None,
+        (Some(v), None) => v.to_owned(),
+        _ => String::new(),
     };
     let subject = cert.subject();
     let names: Vec<&str> = subject
@@ -871,7 +894,7 @@ fn client_identity(pem: &str) -> Option<(String, String)> {
         .iter_organization()
         .filter_map(|n| n.as_str().ok())
         .collect();
-    Some((one(names.into_iter())?, one(orgs.into_iter())?))
+    Ok((one(names.into_iter()), one(orgs.into_iter())))
 }
 
 fn join(flags: &Flags) -> Result<()> {
