@@ -96,10 +96,17 @@ where
     Ok(())
 }
 
-/// Formats a refusal of `endpoint`.
+/// Formats a refusal of `endpoint`. A request the node does not know
+/// (`Unimplemented`) says that its agent is of an earlier version.
 pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
+    let older = if s.code() == tonic::Code::Unimplemented {
+        " (its agent is of an earlier version, which does not take this request: \
+         update its image, or ask another control plane)"
+    } else {
+        ""
+    };
     anyhow::anyhow!(
-        "{endpoint} refused: {}: {}",
+        "{endpoint} refused: {}: {}{older}",
         s.code(),
         crate::printable::printable(s.message())
     )
@@ -289,6 +296,9 @@ mod tests {
             e.to_string(),
             "cp:9000 refused: Some requested entity was not found: \\u{1b}[2J"
         );
+        let unknown = async { Err::<tonic::Response<u8>, _>(tonic::Status::unimplemented("")) };
+        let e = answer_within("cp:9000", limit, unknown).await.unwrap_err();
+        assert!(e.to_string().contains("of an earlier version"), "{e}");
         let answered = async { Ok(tonic::Response::new(7u8)) };
         assert_eq!(answer_within("cp:9000", limit, answered).await.unwrap(), 7);
     }
