@@ -379,7 +379,7 @@ impl<'a> Provisioner<'a> {
     /// that registry holds `own_ek` under another name or role than
     /// `identity` (its host renamed it: a recovery, which no peer checks,
     /// would serve the cluster under a name it never joined with).
-    pub async fn refuse_revoked(
+    pub async fn refuse_revoked_or_renamed(
         &self,
         own_ek: &crate::disk_bindings::EkDigest,
         identity: &keel_verifier::config::NodeIdentity,
@@ -738,10 +738,11 @@ fn take_over_earlier_layout(disk: &Path, kept: &Path, components: &[Component]) 
     true
 }
 
-/// Removes a kubeadm configuration once its run ended: it holds the
+/// Removes a kubeadm configuration once its run ended: it holds a
 /// bootstrap token (valid for 15 minutes in the cluster, and good for a
 /// kubelet certificate of any node name under kubeadm's default approval)
-/// and, on a control plane, the certificate key.
+/// or, for file discovery, the kubelet's key, and, on a control plane, the
+/// certificate key.
 fn remove_config(path: &Path) {
     crate::files::remove_or_log(path, "removing a kubeadm configuration failed");
 }

@@ -328,7 +328,7 @@ impl RecoveryServer {
             .await?;
             // A control plane revoked before every control plane went down
             // stays revoked: its own registry, now readable, says so.
-            p.refuse_revoked(&accepted.own_ek, &inner.node.config.node)
+            p.refuse_revoked_or_renamed(&accepted.own_ek, &inner.node.config.node)
                 .await?;
             let state = p.restore_control_plane(accepted.keys, signing_key)?;
             // The lock came from the request's measurement salt, which

@@ -130,7 +130,7 @@ pub struct NodeRecord {
 impl NodeRecord {
     /// Its name and role, as `name (role)`.
     fn identity(&self) -> String {
-        format!("{} ({})", self.name, self.role)
+        shown_identity(&self.name, &self.role)
     }
 
     /// `name (role)` if `name` or `role` is another than the one recorded
@@ -140,7 +140,7 @@ impl NodeRecord {
             !held.is_empty() && !asked.is_empty() && cut(asked, MAX_FIELD) != held
         };
         (differs(&self.name, name) || differs(&self.role, role))
-            .then(|| format!("{} ({})", cut(name, MAX_FIELD), cut(role, MAX_FIELD)))
+            .then(|| shown_identity(&cut(name, MAX_FIELD), &cut(role, MAX_FIELD)))
     }
 
     /// A record of `ek` alone, as a revocation by EK names it.
@@ -498,6 +498,11 @@ pub fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// A node name and role as messages show them: `name (role)`.
+fn shown_identity(name: &str, role: &str) -> String {
+    format!("{name} ({role})")
 }
 
 /// `text` as stored: control characters (which JSON would spell as six

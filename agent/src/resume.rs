@@ -526,7 +526,7 @@ pub async fn resume(node: &Node, record: ResumeRecord) -> Result<Resumed, Resume
             // nothing, as after a reboot.
             let own_ek =
                 crate::attestation::shared_own_ek_digest(&node.tpm).map_err(ResumeError::Tpm)?;
-            p.refuse_revoked(&own_ek, &node.config.node)
+            p.refuse_revoked_or_renamed(&own_ek, &node.config.node)
                 .await
                 .map_err(ResumeError::Restore)?;
             node.cluster.send_replace(Some(Arc::new(state)));

@@ -474,7 +474,8 @@ impl JoinClient {
                     .await
                     .map_err(ProvisionError::Blocking)?
                     .map_err(ProvisionError::Tpm)?;
-            p.refuse_revoked(&own_ek, &self.config.node).await?;
+            p.refuse_revoked_or_renamed(&own_ek, &self.config.node)
+                .await?;
             // A control plane restores its state before the kubelet starts
             // anything: facts that do not match the keys stop it here.
             let state = match ticket.control_plane_keys {

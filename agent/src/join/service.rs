@@ -379,9 +379,9 @@ impl JoinService {
             cluster,
         } = self.admit(peer).await?;
         let cluster = &cluster;
-        check_identity(peer, &request.node_name, request.is_control_plane)?;
+        let identity = check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_registry(&ek, &measured_identity(peer)?)?;
+        self.check_registry(&ek, &identity)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
@@ -436,7 +436,7 @@ impl JoinService {
         // Last before sealing: a revocation that landed while the token was
         // registered refuses the ticket here, under the registry's lock. A
         // token registered for a refused ticket is never sent and expires.
-        self.register(ek, request.disk_uuid.clone(), measured_identity(peer)?)
+        self.register(ek, request.disk_uuid.clone(), identity)
             .await?;
         // Whatever can fail comes before the secrets are copied out of
         // their wiped buffers: from here to `seal`, which wipes the
@@ -734,12 +734,13 @@ fn ticket_endpoints(cluster: &ClusterState) -> Vec<String> {
         .collect()
 }
 
-/// The request's node name and role must be those the peer measured.
+/// The request's node name and role must be those the peer measured:
+/// returns that identity.
 fn check_identity(
     peer: &Verified,
     node_name: &str,
     is_control_plane: bool,
-) -> Result<(), JoinServiceError> {
+) -> Result<NodeIdentity, JoinServiceError> {
     if node_name.is_empty() || node_name.len() > 63 {
         return Err(JoinServiceError::InvalidRequest(
             "node name must be 1-63 characters",
@@ -756,7 +757,7 @@ fn check_identity(
             "role differs from the measured one",
         ));
     }
-    Ok(())
+    Ok(identity)
 }
 
 /// The node name and role in the peer's replayed node-identity event.

@@ -453,7 +453,10 @@ impl DiscoveryKubeconfig {
         let b64 = |pem: &str| base64::engine::general_purpose::STANDARD.encode(pem);
         let key = zeroize::Zeroizing::new(b64(&self.key_pem));
         let (ca, cert) = (b64(&self.ca_pem), b64(&self.cert_pem));
-        // Every value is base64 or checked above: nothing to escape.
+        // Written straight into one wiped buffer sized up front, not
+        // through `Yaml` (whose tree and output would copy the private key
+        // into buffers nothing wipes). Every value is base64 or checked
+        // above: nothing to escape.
         let mut out = zeroize::Zeroizing::new(String::with_capacity(
             512 + endpoint.len() + 2 * node_name.len() + ca.len() + cert.len() + key.len(),
         ));
