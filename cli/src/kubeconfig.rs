@@ -33,9 +33,7 @@ pub async fn run(
     force: bool,
     wait: Duration,
 ) -> anyhow::Result<()> {
-    if endpoints.is_empty() {
-        bail!("name each control plane's init port with --endpoint");
-    }
+    crate::operator::require_endpoints(endpoints)?;
     let path = workspace.join(KUBECONFIG_FILE);
     // Said before anything is asked (the write refuses it again).
     let exists = path.symlink_metadata().is_ok();

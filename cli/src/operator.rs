@@ -96,6 +96,15 @@ where
     Ok(())
 }
 
+/// Refuses a command that names no control plane: the operator commands
+/// act on each one named.
+pub fn require_endpoints(endpoints: &[String]) -> anyhow::Result<()> {
+    if endpoints.is_empty() {
+        bail!("name each control plane's init port with --endpoint");
+    }
+    Ok(())
+}
+
 /// Formats a refusal of `endpoint`. A request the node does not know
 /// (`Unimplemented`) says that its agent is of an earlier version.
 pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {

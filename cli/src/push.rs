@@ -39,9 +39,7 @@ pub async fn run(
     endpoints: &[String],
     wait: Duration,
 ) -> anyhow::Result<()> {
-    if endpoints.is_empty() {
-        bail!("name each control plane's init port with --endpoint");
-    }
+    crate::operator::require_endpoints(endpoints)?;
     let (body, signature) = load(settings_path, file, signature)?;
     let operator = Operator::load(settings_path, workspace, wait)?;
     // A control plane left out would go on accepting what the file

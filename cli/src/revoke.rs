@@ -30,9 +30,7 @@ pub async fn run(
     endpoints: &[String],
     wait: Duration,
 ) -> anyhow::Result<()> {
-    if endpoints.is_empty() {
-        bail!("name each control plane's init port with --endpoint");
-    }
+    crate::operator::require_endpoints(endpoints)?;
     let operator = Operator::load(settings_path, workspace, wait)?;
     let endpoints = distinct(endpoints);
     // Every named control plane that answers is read first. One that does

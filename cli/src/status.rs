@@ -25,9 +25,7 @@ pub async fn run(
     output: Output,
     wait: Duration,
 ) -> anyhow::Result<()> {
-    if endpoints.is_empty() {
-        bail!("name each control plane's init port with --endpoint");
-    }
+    crate::operator::require_endpoints(endpoints)?;
     let operator = Operator::load(settings_path, workspace, wait)?;
     // One control plane that does not answer (down, cut off, refused)
     // does not hide the others' views: that is when they matter most.
