@@ -839,23 +839,18 @@ impl OperatorServer {
 /// [`MAX_ADMIN_KUBECONFIG_BYTES`], read into a buffer wiped when dropped.
 /// Blocks; call it off the async runtime.
 pub fn read_admin_kubeconfig(root: &Path) -> Result<Zeroizing<Vec<u8>>, OperatorError> {
-    let path = root.join(ADMIN_CONF);
     let limit = MAX_ADMIN_KUBECONFIG_BYTES as u64;
-    match std::fs::symlink_metadata(&path) {
-        Ok(meta) if !meta.is_file() => return Err(OperatorError::NoKubeconfig("is not a file")),
-        Ok(meta) if meta.len() > limit => return Err(OperatorError::KubeconfigTooLarge),
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(OperatorError::NoKubeconfig("is missing"))
-        }
-        Err(e) => return Err(OperatorError::ReadKubeconfig(e)),
-    }
-    crate::files::read_secret(&path, limit).map_err(|e| match e.kind() {
-        // Only the bound makes an error of this kind (the file grew since).
+    // `read_secret` opens it through no link and reads only a regular file
+    // up to the bound: its errors say which.
+    crate::files::read_secret(&root.join(ADMIN_CONF), limit).map_err(|e| match e.kind() {
+        // Only the bound makes an error of this kind.
         std::io::ErrorKind::Other => OperatorError::KubeconfigTooLarge,
         std::io::ErrorKind::NotFound => OperatorError::NoKubeconfig("is missing"),
-        // Swapped for something else since it was looked at.
+        // Not a regular file, or a link (`O_NOFOLLOW`: ELOOP).
         std::io::ErrorKind::InvalidInput => OperatorError::NoKubeconfig("is not a file"),
+        _ if e.raw_os_error() == Some(nix::libc::ELOOP) => {
+            OperatorError::NoKubeconfig("is not a file")
+        }
         _ => OperatorError::ReadKubeconfig(e),
     })
 }
