@@ -30,6 +30,7 @@ use tower::Service;
 use crate::attestation::{Attested, DynIssuer, DynValidator};
 use crate::cert::CertError;
 use crate::danger::PresentFn;
+use crate::incoming::ServerWork;
 use crate::nonce::{Nonce, NonceError};
 use crate::present::Presenter;
 use crate::residency::{self, PeerKey, Prover, ResidencyError, Role};
@@ -242,7 +243,11 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
             .presenter
             .as_ref()
             .and_then(Presenter::prover)
-            .map(|issuer| Prover { issuer, gate: None });
+            .map(|issuer| Prover {
+                issuer,
+                gate: None,
+                work: ServerWork::default(),
+            });
         residency::exchange(&mut tls, &exporter, Role::Client, prover, peer)
             .await
             .map_err(ConnectError::Residency)?;

@@ -376,8 +376,9 @@ impl<C: Send + Sync + 'static> Accepting<C> {
         held: AdmissionSlot,
         slot: AdmissionSlot,
     ) {
+        let work = ServerWork::of([&held, &slot]);
         let result = tokio::select! {
-            result = self.server.accept(tcp) => result,
+            result = self.server.accept_counting(tcp, &work) => result,
             () = held.evicted() => return self.evicted_in_handshake(remote),
             () = slot.evicted() => return self.evicted_in_handshake(remote),
         };
@@ -453,7 +454,8 @@ struct AdmissionState {
 struct Held {
     /// When its place was taken, then when its handshake completed: its
     /// age counts from the later, so a slow handshake does not eat the
-    /// time a newcomer has to prove itself.
+    /// time a newcomer has to prove itself. The server's own work on its
+    /// handshake does not count ([`ServerWork`]).
     since: Instant,
     /// When it was closed to make room, if it was.
     evicted_at: Option<Instant>,
@@ -620,6 +622,7 @@ impl Admission {
     fn established(&self, id: u64) {
         if let Some(held) = self.lock().held.get_mut(&id) {
             held.since = Instant::now();
+            held.standing.server_work_restarts();
         }
     }
 
@@ -658,7 +661,9 @@ impl Admission {
 /// Closes, for each newcomer waiting beyond the connections closed for
 /// them within [`EVICTION_GRACE`], the oldest connection the application
 /// neither vouched for nor protects, open (or established) at least the
-/// eviction's minimum age: established, or still in its handshake.
+/// eviction's minimum age: established, or still in its handshake. A
+/// connection's age leaves out the time the server worked on its
+/// handshake ([`ServerWork`]): what ages it is waiting on its peer.
 fn evict_for_waiting(state: &mut AdmissionState, eviction: Eviction) {
     let now = Instant::now();
     let making_room = state
@@ -673,12 +678,11 @@ fn evict_for_waiting(state: &mut AdmissionState, eviction: Eviction) {
         let oldest = state
             .held
             .values_mut()
-            .filter(|h| {
-                h.evicted_at.is_none()
-                    && now.duration_since(h.since) >= eviction.min_age
-                    && h.standing.evictable()
-            })
-            .min_by_key(|h| h.since);
+            .filter(|h| h.evicted_at.is_none() && h.standing.evictable())
+            .map(|h| (h.standing.age(h.since, now), h))
+            .filter(|(age, _)| *age >= eviction.min_age)
+            .max_by_key(|(age, _)| *age)
+            .map(|(_, h)| h);
         let Some(held) = oldest else {
             return;
         };
@@ -694,13 +698,69 @@ pub(crate) struct Standing {
     vouched: AtomicBool,
     protected: AtomicUsize,
     evicted: AtomicBool,
+    /// The server's own work on the handshake so far ([`ServerWork`]).
+    server_work: Mutex<WorkTime>,
     /// The task reading the established connection.
     reader: Mutex<Option<Waker>>,
     /// The handshake's task.
     handshake: tokio::sync::Notify,
 }
 
+/// Time a server spent on a connection's behalf: finished spans, and the
+/// start of the one under way (`depth` of them at once).
+#[derive(Debug, Default)]
+struct WorkTime {
+    done: Duration,
+    depth: u32,
+    since: Option<Instant>,
+}
+
 impl Standing {
+    /// The connection's age at `now` for an eviction: from `since`, less
+    /// the server's own work on it since then.
+    fn age(&self, since: Instant, now: Instant) -> Duration {
+        let work = self.work_time();
+        let under_way = work
+            .since
+            .map_or(Duration::ZERO, |s| now.saturating_duration_since(s));
+        now.saturating_duration_since(since)
+            .saturating_sub(work.done + under_way)
+    }
+
+    fn work_time(&self) -> std::sync::MutexGuard<'_, WorkTime> {
+        self.server_work
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The age restarts (the handshake completed): work done before no
+    /// longer counts against it.
+    fn server_work_restarts(&self) {
+        let mut work = self.work_time();
+        work.done = Duration::ZERO;
+        if work.since.is_some() {
+            work.since = Some(Instant::now());
+        }
+    }
+
+    fn begin_work(&self) {
+        let mut work = self.work_time();
+        work.depth += 1;
+        if work.since.is_none() {
+            work.since = Some(Instant::now());
+        }
+    }
+
+    fn end_work(&self) {
+        let mut work = self.work_time();
+        work.depth = work.depth.saturating_sub(1);
+        if work.depth == 0 {
+            if let Some(since) = work.since.take() {
+                work.done += since.elapsed();
+            }
+        }
+    }
+
     /// Neither vouched for nor protected.
     fn evictable(&self) -> bool {
         !self.vouched.load(Ordering::Acquire) && self.protected.load(Ordering::Acquire) == 0
@@ -750,6 +810,50 @@ impl Standing {
 
     pub(crate) fn unprotect(&self) {
         self.protected.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The connections whose handshake the server is working on, as their
+/// evictions see them: the time between [`ServerWork::begin`] and the end
+/// of what it returns (waiting for a turn at the issuer and its
+/// certificate or residency answer) does not count toward their age. A
+/// handshake waiting on the server is not the stalling peer an eviction
+/// makes room against; under load it would otherwise be closed for a
+/// newcomer, which then waits on the same server.
+#[derive(Clone, Default)]
+pub(crate) struct ServerWork {
+    standings: Vec<Arc<Standing>>,
+}
+
+impl ServerWork {
+    /// The work on the handshake of `slots` (its handshake place and its
+    /// open connection place).
+    fn of(slots: [&AdmissionSlot; 2]) -> Self {
+        Self {
+            standings: slots
+                .into_iter()
+                .filter_map(|slot| slot.standing.clone())
+                .collect(),
+        }
+    }
+
+    /// The server works on the handshake until the returned value drops.
+    pub(crate) fn begin(&self) -> WorkUnderWay<'_> {
+        for standing in &self.standings {
+            standing.begin_work();
+        }
+        WorkUnderWay(self)
+    }
+}
+
+/// The server's work on a handshake, under way until dropped.
+pub(crate) struct WorkUnderWay<'a>(&'a ServerWork);
+
+impl Drop for WorkUnderWay<'_> {
+    fn drop(&mut self) {
+        for standing in &self.0.standings {
+            standing.end_work();
+        }
     }
 }
 
@@ -1131,6 +1235,42 @@ mod tests {
         let mut held = held;
         drop(held.remove(1));
         assert!(waiting.await.unwrap().is_some());
+    }
+
+    /// Attacker's move: load the server so that genuine handshakes wait on
+    /// it past the eviction's age, then arrive as newcomers to have them
+    /// closed. The server's own work on a handshake does not age it: of
+    /// two handshakes admitted together, the one waiting on its peer is
+    /// closed, the one the server works on stays, and ages again once the
+    /// work ends.
+    #[tokio::test]
+    async fn the_servers_own_work_on_a_handshake_does_not_age_it() {
+        let admission = evicting(Duration::from_secs(5));
+        let mut held: Vec<_> = (1..3)
+            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
+            .map(|a| a.now().unwrap())
+            .collect();
+        for slot in &held[2..] {
+            slot.established();
+            standing(slot).vouch();
+        }
+        let served = ServerWork::of([&held[0], &held[0]]);
+        let under_way = served.begin();
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let first = newcomer(&admission, v4(7));
+        until_evicted(&held[1]).await;
+        assert!(!evicted(&held[0]));
+        drop(held.remove(1));
+        let _first = first.await.unwrap().expect("the first got no place");
+        // Past its minimum age in all, but not on its peer: it stays.
+        let second = newcomer(&admission, v4(8));
+        tokio::time::sleep(EVICTION_RETRY * 2).await;
+        assert!(!evicted(&held[0]));
+        // The work ends: the handshake waits on its peer and ages again.
+        drop(under_way);
+        until_evicted(&held[0]).await;
+        drop(held.remove(0));
+        assert!(second.await.unwrap().is_some());
     }
 
     /// Newcomers get freed places in arrival order, and one that finds

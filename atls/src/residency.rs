@@ -53,7 +53,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use crate::attestation::{
     Challenge, DynIssuer, DynValidator, IssueError, ResidencySecret, ValidationError,
 };
-use crate::incoming::{IssuerGate, Source};
+use crate::incoming::{IssuerGate, ServerWork, Source};
 
 /// Largest frame body: a TPM credential challenge is about 330 bytes.
 pub(crate) const MAX_FRAME_BODY: usize = 2048;
@@ -152,10 +152,12 @@ pub enum ResidencyError {
 
 /// What answers the peer's challenge: this side's issuer and, on a server,
 /// the gate that bounds how many handshakes per source use it at once (an
-/// answer is a TPM operation, like a quote).
+/// answer is a TPM operation, like a quote), and the handshake's account
+/// of the server's own work, which the answer is.
 pub(crate) struct Prover {
     pub(crate) issuer: DynIssuer,
     pub(crate) gate: Option<(Arc<IssuerGate>, Source)>,
+    pub(crate) work: ServerWork,
 }
 
 /// What this side checks of its peer: its validator and what it established.
@@ -309,6 +311,7 @@ async fn prove(
 
 /// Runs the issuer's answer on a blocking thread (it may talk to a TPM).
 async fn answer(prover: Prover, challenge: Vec<u8>) -> Result<ResidencySecret, ResidencyError> {
+    let _own_work = prover.work.begin();
     let turn = match &prover.gate {
         Some((gate, source)) => {
             if !gate.may_answer(*source).await {
@@ -523,6 +526,7 @@ mod tests {
         Prover {
             issuer: Arc::new(Fixed),
             gate: Some((gate, Source::Unknown)),
+            work: ServerWork::default(),
         }
     }
 
@@ -543,6 +547,7 @@ mod tests {
             let client_prover = client_attests.then(|| Prover {
                 issuer: Arc::new(Fixed),
                 gate: None,
+                work: ServerWork::default(),
             });
             let server_peer = if client_attests { peer() } else { None };
             let client = exchange(

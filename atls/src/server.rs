@@ -29,7 +29,7 @@ use tokio_rustls::LazyConfigAcceptor;
 use crate::attestation::{DynIssuer, DynValidator};
 use crate::cert::CertError;
 use crate::danger::PresentFn;
-use crate::incoming::{IssuerGate, Limits, Source};
+use crate::incoming::{IssuerGate, Limits, ServerWork, Source};
 use crate::nonce::{Nonce, NonceError};
 use crate::present::Presenter;
 use crate::residency::{self, PeerKey, Prover, ResidencyError, Role};
@@ -143,12 +143,15 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// once: a newcomer waits up to `wait` for a place (first come first
     /// served; one waiting per source, at most four per place), and for
     /// each one waiting the oldest handshake in progress is closed once it
-    /// is `min_age` old (counted from when it took its place). Handshakes
-    /// that stall (a ClientHello, then silence after the server's flight)
-    /// then hold a place for `min_age`, not for the handshake timeout, and
-    /// cannot keep a newcomer out by taking every place. Keep `min_age`
-    /// above what a genuine handshake takes under load, and `wait` at or
-    /// above `min_age` and under the clients' timeout.
+    /// is `min_age` old (counted from when it took its place, less the time
+    /// this server worked on it: its turns at the issuer for its
+    /// certificate and its residency answer). Handshakes that stall (a
+    /// ClientHello, then silence after the server's flight) then hold a
+    /// place for `min_age`, not for the handshake timeout, and cannot keep
+    /// a newcomer out by taking every place, while those waiting on a
+    /// loaded server are not closed for newcomers that would wait on it
+    /// too. Keep `min_age` above what a genuine client takes to answer,
+    /// and `wait` at or above `min_age` and under the clients' timeout.
     pub fn with_handshake_eviction(mut self, min_age: Duration, wait: Duration) -> Self {
         self.limits.handshake_eviction = Some(crate::incoming::Eviction { min_age, wait });
         self
@@ -184,7 +187,7 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// neither vouched for ([`crate::PeerInfo::vouch`]) nor protects
     /// ([`crate::PeerInfo::protect`]) is closed, once it is `min_age` old
     /// (counted from the end of its handshake, or from its start while the
-    /// handshake lasts). Connections kept open with requests that prove
+    /// handshake lasts, less this server's work on it). Connections kept open with requests that prove
     /// nothing then cannot keep a newcomer out; `min_age` leaves a newcomer
     /// the time to prove itself before a burst of connects could close it
     /// in turn. Keep `wait` under the clients' handshake timeout.
@@ -222,12 +225,26 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
 
     /// Runs the aTLS handshake on an accepted connection.
     pub async fn accept(&self, tcp: TcpStream) -> Result<AtlsStream<C>, HandshakeError> {
-        tokio::time::timeout(self.handshake_timeout, self.handshake(tcp))
+        self.accept_counting(tcp, &ServerWork::default()).await
+    }
+
+    /// [`AtlsServer::accept`], telling `work` when this server works on
+    /// the handshake (its turns at the issuer and what the issuer makes).
+    pub(crate) async fn accept_counting(
+        &self,
+        tcp: TcpStream,
+        work: &ServerWork,
+    ) -> Result<AtlsStream<C>, HandshakeError> {
+        tokio::time::timeout(self.handshake_timeout, self.handshake(tcp, work))
             .await
             .map_err(|_| HandshakeError::Timeout(self.handshake_timeout))?
     }
 
-    async fn handshake(&self, tcp: TcpStream) -> Result<AtlsStream<C>, HandshakeError> {
+    async fn handshake(
+        &self,
+        tcp: TcpStream,
+        work: &ServerWork,
+    ) -> Result<AtlsStream<C>, HandshakeError> {
         // Without it each small gRPC message waits for delayed ACKs (~15 ms).
         tcp.set_nodelay(true).map_err(HandshakeError::Socket)?;
         let remote_addr: Option<SocketAddr> = tcp.peer_addr().ok();
@@ -249,6 +266,7 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
 
         // Only a few handshakes per source wait for the issuer (a TPM quote
         // under the TPM lock), so one source cannot queue ahead of others.
+        let own_work = work.begin();
         let turn = self
             .issuer_gate
             .enter(Source::of(remote_addr))
@@ -263,6 +281,7 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         .await
         .map_err(HandshakeError::IssuerTask)?
         .map_err(HandshakeError::Certificate)?;
+        drop(own_work);
 
         let check = match &self.client_validator {
             Some(validator) => {
@@ -309,6 +328,7 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         let prover = self.presenter.prover().map(|issuer| Prover {
             issuer,
             gate: Some((self.issuer_gate.clone(), Source::of(remote_addr))),
+            work: work.clone(),
         });
         residency::exchange(&mut tls, &exporter, Role::Server, prover, peer)
             .await

@@ -748,6 +748,38 @@ async fn stalled_handshakes_from_17_sources_do_not_keep_a_node_out() {
     }
 }
 
+/// Attacker's move: load the server's issuer (its TPM) so that a genuine
+/// node's handshake waits on it past the eviction's age, and arrive as a
+/// newcomer to have that handshake closed. A handshake ages only while it
+/// waits on its peer: the node's handshake, seconds in the server's
+/// issuer, completes, and the newcomer gets its place after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_waiting_on_the_server_is_not_closed_for_a_newcomer() {
+    let inner = TestIssuer::generate();
+    let node = TestIssuer::generate();
+    let issuer = SlowIssuer::new(inner.clone(), Duration::from_millis(1200));
+    let server = TestServer::start(
+        AtlsServer::mutual(issuer, dyn_validator(node.validator()))
+            .with_handshake_limits(1, 1)
+            .with_handshake_eviction(Duration::from_millis(300), Duration::from_secs(5)),
+    )
+    .await;
+    let connect = |n: u8| {
+        let client = common::mutual_client(&node, &inner).with_local_address(source(n).into());
+        let port = server.addr.port();
+        tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
+    };
+    let first = connect(40);
+    // The first handshake is well inside the issuer, past the age.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let newcomer = connect(41);
+    let first = first.await.unwrap();
+    let newcomer = newcomer.await.unwrap();
+    first.expect("the handshake the server worked on");
+    newcomer.expect("the newcomer, after it");
+    assert_eq!(server.stats.refused(), 0, "no handshake closed");
+}
+
 /// A mutual server of `issuer`'s that accepts clients signed by `trusted`,
 /// making room for newcomers among its handshakes as the agent's join port
 /// does (a handshake 3 s old closed for a newcomer waiting up to 5 s).
