@@ -284,12 +284,16 @@ impl<'a> Provisioner<'a> {
         &self,
         config: &InitConfig,
     ) -> Result<Zeroizing<Vec<u8>>, ProvisionError> {
-        let path = self.write_config(paths::KUBEADM_INIT_CONFIG, config.to_yaml())?;
+        let config_file = self.write_config(paths::KUBEADM_INIT_CONFIG, config.to_yaml())?;
         (self.log)(format!("advertising {}", config.advertise_address));
         (self.log)("running kubeadm init".into());
         let mut on_line = |line: &str| (self.log)(line.to_owned());
-        let result = self.env.kubeadm.init(&path, &mut on_line).await;
-        remove_config(&path);
+        let result = self
+            .env
+            .kubeadm
+            .init(config_file.path(), &mut on_line)
+            .await;
+        drop(config_file);
         let kubeconfig = result.map_err(ProvisionError::Kubeadm)?;
         durable().await;
         Ok(kubeconfig)
@@ -318,29 +322,20 @@ impl<'a> Provisioner<'a> {
                 let file = kubeconfig
                     .render(&config.api_server_endpoint, &config.node_name)
                     .map_err(ProvisionError::KubeadmConfig)?;
-                write_private(path, file.as_bytes())?;
-                Some(path)
+                Some(KubeadmInput::write(path.clone(), file.as_bytes())?)
             }
             Discovery::Token { .. } => None,
         };
-        let written = self.write_config(paths::KUBEADM_JOIN_CONFIG, config.to_yaml());
-        let path = match written {
-            Ok(path) => path,
-            Err(e) => {
-                discovery.into_iter().for_each(|p| remove_config(p));
-                return Err(e);
-            }
-        };
+        let config_file = self.write_config(paths::KUBEADM_JOIN_CONFIG, config.to_yaml())?;
         (self.log)("running kubeadm join".into());
         let mut on_line = |line: &str| (self.log)(line.to_owned());
         let mut restore = || self.write_files(files);
         let result = self
             .env
             .kubeadm
-            .join(&path, &mut restore, &mut on_line)
+            .join(config_file.path(), &mut restore, &mut on_line)
             .await;
-        remove_config(&path);
-        discovery.into_iter().for_each(|p| remove_config(p));
+        drop((config_file, discovery));
         result.map_err(ProvisionError::Kubeadm)?;
         durable().await;
         Ok(())
@@ -652,11 +647,31 @@ impl<'a> Provisioner<'a> {
         &self,
         name: &str,
         yaml: Result<String, ConfigError>,
-    ) -> Result<PathBuf, ProvisionError> {
+    ) -> Result<KubeadmInput, ProvisionError> {
         let yaml = Zeroizing::new(yaml.map_err(ProvisionError::KubeadmConfig)?);
-        let path = self.env.work_dir.join(name);
-        write_private(&path, yaml.as_bytes())?;
-        Ok(path)
+        KubeadmInput::write(self.env.work_dir.join(name), yaml.as_bytes())
+    }
+}
+
+/// A file kubeadm reads that holds a secret (a token, the kubelet's key),
+/// private to the agent, and removed when this drops: after the run, on
+/// an error before it, and when the run is cancelled.
+struct KubeadmInput(PathBuf);
+
+impl KubeadmInput {
+    fn write(path: PathBuf, data: &[u8]) -> Result<Self, ProvisionError> {
+        write_private(&path, data)?;
+        Ok(Self(path))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for KubeadmInput {
+    fn drop(&mut self) {
+        crate::files::remove_or_log(&self.0, "removing a kubeadm input file failed");
     }
 }
 
@@ -743,10 +758,6 @@ fn take_over_earlier_layout(disk: &Path, kept: &Path, components: &[Component]) 
 /// kubelet certificate of any node name under kubeadm's default approval)
 /// or, for file discovery, the kubelet's key, and, on a control plane, the
 /// certificate key.
-fn remove_config(path: &Path) {
-    crate::files::remove_or_log(path, "removing a kubeadm configuration failed");
-}
-
 /// Flushes every file system: what kubeadm wrote (it does not sync its
 /// kubeconfigs) and the agent's own changes reach the state disk before the
 /// node reports them done, so a power loss right after loses nothing.

@@ -118,8 +118,14 @@ async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // What kubeadm reads holds the kubelet's key: there while it runs ...
+    assert!(node.work.join("kubeadm-discovery.conf").exists());
     run.abort();
     let _ = run.await;
+    // ... and gone with the run, also one cut off.
+    for input in ["kubeadm-join.yaml", "kubeadm-discovery.conf"] {
+        assert!(!node.work.join(input).exists(), "{input} left behind");
+    }
     let cs = Cryptsetup::default();
     assert_eq!(cs.label(&node.disk).unwrap(), PROVISIONING_LABEL);
     let old_uuid = cs.uuid(&node.disk).unwrap();
