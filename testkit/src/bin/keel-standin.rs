@@ -290,19 +290,7 @@ fn read_config(flags: &Flags) -> Result<Vec<Value>> {
     let Some(path) = &flags.config else {
         return fail("--config is required (keel always passes a configuration file)");
     };
-    let meta = std::fs::metadata(path)
-        .or_else(|e| fail(format!("unable to read config from {path:?}: {e}")))?;
-    if meta.len() > MAX_CONFIG {
-        return fail(format!("config file {path:?} is too large"));
-    }
-    if meta.permissions().mode() & 0o077 != 0 {
-        return fail(format!(
-            "config file {path:?} is readable by others (mode {:o}); it holds a token",
-            meta.permissions().mode() & 0o777
-        ));
-    }
-    let text = std::fs::read_to_string(path)
-        .or_else(|e| fail(format!("unable to read config from {path:?}: {e}")))?;
+    let text = read_private(path, "config file", "a token")?;
     let mut docs = Vec::new();
     for doc in serde_yaml::Deserializer::from_str(&text) {
         let value = serde_yaml::Value::deserialize(doc)
@@ -310,6 +298,27 @@ fn read_config(flags: &Flags) -> Result<Vec<Value>> {
         docs.push(value);
     }
     Ok(docs)
+}
+
+/// The text of `path`, the `what` that holds `secret`: a regular file of
+/// at most 1 MiB that only its owner may read, as kubeadm's own files are
+/// (and the agent writes them).
+fn read_private(path: &Path, what: &str, secret: &str) -> Result<String> {
+    let meta = std::fs::symlink_metadata(path)
+        .or_else(|e| fail(format!("couldn't load the {what} {path:?}: {e}")))?;
+    if !meta.is_file() || meta.len() > MAX_CONFIG {
+        return fail(format!(
+            "the {what} {path:?} is not a file of at most 1 MiB"
+        ));
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        return fail(format!(
+            "the {what} {path:?} is readable by others (mode {:o}); it holds {secret}",
+            meta.permissions().mode() & 0o777
+        ));
+    }
+    std::fs::read_to_string(path)
+        .or_else(|e| fail(format!("couldn't load the {what} {path:?}: {e}")))
 }
 
 fn get<'a>(value: &'a Value, path: &[&str]) -> Option<&'a Value> {
@@ -772,20 +781,7 @@ fn check_host_port(endpoint: &str) -> Result<()> {
 /// key's (the API server would take it from nothing else).
 fn file_discovery(path: &Path, node: &str) -> Result<Discovered> {
     let what = "discovery kubeconfig";
-    let meta = std::fs::symlink_metadata(path)
-        .or_else(|e| fail(format!("couldn't load the {what} {path:?}: {e}")))?;
-    if !meta.is_file() || meta.len() > MAX_CONFIG {
-        return fail(format!(
-            "the {what} {path:?} is not a file of at most 1 MiB"
-        ));
-    }
-    if meta.permissions().mode() & 0o077 != 0 {
-        return fail(format!(
-            "the {what} {path:?} is readable by others; it holds a private key"
-        ));
-    }
-    let text = std::fs::read_to_string(path)
-        .or_else(|e| fail(format!("couldn't load the {what} {path:?}: {e}")))?;
+    let text = read_private(path, what, "a private key")?;
     let config: Value =
         serde_yaml::from_str(&text).or_else(|e| fail(format!("invalid {what}: {e}")))?;
     let context = get(&config, &["current-context"])
