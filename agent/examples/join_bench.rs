@@ -334,14 +334,6 @@ const BREAKDOWN: &[(&str, &str)] = &[
         "  disk binding store: read, record, durable write, per round (service)",
     ),
     (
-        "join.token",
-        "  bootstrap token registration, batch wait included (service)",
-    ),
-    (
-        "kubeadm.token_create",
-        "    kubeadm token create run (service)",
-    ),
-    (
         "join.seal",
         "  sealing the secrets to the node's TPM (service)",
     ),
