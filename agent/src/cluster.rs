@@ -288,6 +288,31 @@ fn authorised_bytes(c: &Component) -> usize {
 /// line and initrd, the UKI's sections.
 pub const IMAGE_PCRS: [u32; 3] = [4, 9, 11];
 
+/// The image PCRs ([`IMAGE_PCRS`]) of the TPM `measured`.
+fn image_pcrs(
+    measured: &mut crate::measured::MeasuredTpm,
+) -> Result<std::collections::BTreeMap<u32, [u8; 32]>, String> {
+    measured
+        .tpm()
+        .pcr_read(&IMAGE_PCRS)
+        .map_err(|e| keel_atls::ErrorChain(&e).to_string())
+}
+
+/// This node's image: the PCRs 4, 9 and 11 of its TPM.
+pub async fn own_image(
+    tpm: &crate::measured::SharedTpm,
+) -> Result<std::collections::BTreeMap<u32, [u8; 32]>, String> {
+    let tpm = tpm.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut measured = tpm
+            .lock()
+            .map_err(|_| "the TPM handle is poisoned".to_owned())?;
+        image_pcrs(&mut measured)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
 /// Where the cluster state appears once the node has one.
 pub type ClusterSlot = tokio::sync::watch::Sender<Option<Arc<ClusterState>>>;
 
@@ -347,10 +372,7 @@ pub async fn present_own_image(slot: &ClusterSlot, tpm: crate::measured::SharedT
                 let mut measured = tpm
                     .lock()
                     .map_err(|_| "the TPM handle is poisoned".to_owned())?;
-                let own = measured
-                    .tpm()
-                    .pcr_read(&IMAGE_PCRS)
-                    .map_err(|e| keel_atls::ErrorChain(&e).to_string())?;
+                let own = image_pcrs(&mut measured)?;
                 let image = state.own_image(&own).map(SignedMeasurements::to_proto);
                 let digest = image
                     .as_ref()

@@ -543,6 +543,9 @@ pub async fn serve_join_as_control_plane(
                 let disks = Arc::new(DiskBindings::new(env.root()));
                 let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
                 hold_own_name(&registry, &own_ek, &config.node.name);
+                let own_image = crate::cluster::own_image(&tpm)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("reading this node's image PCRs: {e}"))?;
                 let service = JoinService::new(
                     state,
                     env.kubeadm.clone(),
@@ -550,7 +553,8 @@ pub async fn serve_join_as_control_plane(
                     disks.clone(),
                 )?
                 .following(&cluster)
-                .with_registry(registry.clone(), own_ek);
+                .with_registry(registry.clone(), own_ek)
+                .with_own_image(own_image);
                 let members = Arc::new(MemberPolicy::new(
                     &cluster,
                     EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,

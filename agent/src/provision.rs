@@ -401,18 +401,9 @@ impl<'a> Provisioner<'a> {
         &self,
         state: &ClusterState,
     ) -> Result<(), ProvisionError> {
-        let tpm = self.tpm.clone();
-        let own = tokio::task::spawn_blocking(move || {
-            let mut measured = tpm
-                .lock()
-                .map_err(|_| ProvisionError::ImagePcrs("the TPM handle is poisoned".into()))?;
-            measured
-                .tpm()
-                .pcr_read(&crate::cluster::IMAGE_PCRS)
-                .map_err(|e| ProvisionError::ImagePcrs(keel_atls::ErrorChain(&e).to_string()))
-        })
-        .await
-        .map_err(ProvisionError::Blocking)??;
+        let own = crate::cluster::own_image(self.tpm)
+            .await
+            .map_err(ProvisionError::ImagePcrs)?;
         if state.accepts_image(&own) {
             Ok(())
         } else {

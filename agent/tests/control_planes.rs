@@ -168,7 +168,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane: false,
             node_name: name.into(),
-            file_discovery: false,
+            file_discovery: true,
         };
         match impostor
             .tickets(&ca)

@@ -911,7 +911,7 @@ async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets(
         kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
         is_control_plane: false,
         node_name: "w-3".into(),
-        file_discovery: false,
+        file_discovery: true,
     };
     let refused = fresh
         .tickets(&c.ca)

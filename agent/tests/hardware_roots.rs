@@ -369,7 +369,7 @@ async fn the_join_path_runs_with_the_sev_snp_variant() {
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane: false,
             node_name: "w-1".into(),
-            file_discovery: false,
+            file_discovery: true,
         }
     };
 
@@ -817,7 +817,7 @@ async fn the_join_path_runs_with_the_tdx_variant() {
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane: false,
             node_name: "w-1".into(),
-            file_discovery: false,
+            file_discovery: true,
         }
     };
 

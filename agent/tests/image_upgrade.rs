@@ -128,7 +128,7 @@ async fn ticket(
         kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
         is_control_plane: control_plane,
         node_name: node.name.clone(),
-        file_discovery: false,
+        file_discovery: true,
     };
     let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
     let validator = Validator::new(measurements_of(&service.tpm, &SHARED_PCRS), trust);
@@ -518,7 +518,7 @@ async fn joins_as_client(
         kubelet_csr: kubelet.csr_pem().as_bytes().to_vec(),
         is_control_plane: false,
         node_name: node.name.clone(),
-        file_discovery: false,
+        file_discovery: true,
     };
     let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
     let validator = service_validator(&node.tpm, trust, key).unwrap();

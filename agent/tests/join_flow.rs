@@ -324,7 +324,7 @@ async fn a_worker_serving_the_join_port_gets_no_ticket_used() {
         kubelet_csr: key.csr_pem().as_bytes().to_vec(),
         is_control_plane: false,
         node_name: "w-1".into(),
-        file_discovery: false,
+        file_discovery: true,
     };
     let err = deceived
         .tickets(&ca)
@@ -387,7 +387,7 @@ async fn refused_nodes_stay_unlocked_and_untouched() {
             kubelet_csr: key.csr_pem().as_bytes().to_vec(),
             is_control_plane: false,
             node_name: name.into(),
-            file_discovery: false,
+            file_discovery: true,
         };
         (req, spki)
     };
@@ -478,6 +478,7 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
     let ca = EkCa::new().unwrap();
     let port = free_port();
     let mut service = join_common::start_service(&ca, port).await;
+    service.serving_older_members().await;
     let owner = join_common::member(&ca, port, "w-1", "worker");
     let other = join_common::member(&ca, port, "w-2", "worker");
     let (owner_tickets, other_tickets) = (owner.tickets(&ca), other.tickets(&ca));
@@ -665,7 +666,8 @@ async fn a_connection_outliving_its_image_gets_no_ticket() {
 
     let ca = EkCa::new().unwrap();
     let port = free_port();
-    let service = join_common::start_service(&ca, port).await;
+    let mut service = join_common::start_service(&ca, port).await;
+    service.serving_older_members().await;
     let node = join_common::member(&ca, port, "w-1", "worker");
     let mut open = OpenConnection::new(&node, &ca, &service).await;
 
@@ -750,6 +752,7 @@ async fn a_ticket_is_asked_for_within_the_window_of_its_handshake() {
     let ca = EkCa::new().unwrap();
     let port = free_port();
     let mut service = join_common::start_service(&ca, port).await;
+    service.serving_older_members().await;
     service
         .restart_with(|s| s.with_ticket_window(Duration::from_millis(500)))
         .await;
@@ -786,7 +789,8 @@ async fn the_join_measurements_file_and_policy_follow_the_cluster_state() {
 
     let ca = EkCa::new().unwrap();
     let port = free_port();
-    let service = join_common::start_service(&ca, port).await;
+    let mut service = join_common::start_service(&ca, port).await;
+    service.serving_older_members().await;
     // A stale file: what a change that landed while serving started, or
     // a failed write, leaves.
     let stale = boot_measurements_with(&service.config, [(11, Expected::enforced([1; 32]))]);

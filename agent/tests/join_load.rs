@@ -70,7 +70,8 @@ async fn round(
 async fn a_hundred_concurrent_requests_all_get_their_own_ticket() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
-    let service = start_service(&ca, port).await;
+    let mut service = start_service(&ca, port).await;
+    service.serving_older_members().await;
     let members: Vec<_> = (0..MEMBERS)
         .map(|i| {
             let m = member(&ca, port, &format!("w-{i}"), "worker");
@@ -175,7 +176,8 @@ fn refusal<T>(answer: Result<T, TicketError>, code: tonic::Code) -> tonic::Statu
 async fn refused_requests_get_nothing() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
-    let service = start_service(&ca, port).await;
+    let mut service = start_service(&ca, port).await;
+    service.serving_older_members().await;
     let m = member(&ca, port, "w-0", "worker");
     let tickets = m.tickets(&ca);
 
@@ -236,7 +238,8 @@ async fn refused_requests_get_nothing() {
 async fn a_second_tpm_under_a_members_name_gets_no_ticket() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
-    let service = start_service(&ca, port).await;
+    let mut service = start_service(&ca, port).await;
+    service.serving_older_members().await;
     let first = admitted(&ca, port, &service, "w-0").await;
     let second = member(&ca, port, "w-0", "worker");
     denied_saying(&ca, &service, &second, false, "holds this node's name").await;
@@ -258,7 +261,8 @@ async fn a_second_tpm_under_a_members_name_gets_no_ticket() {
 async fn a_member_renamed_by_its_host_gets_no_ticket_and_keeps_its_name() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
-    let service = start_service(&ca, port).await;
+    let mut service = start_service(&ca, port).await;
+    service.serving_older_members().await;
     let first = admitted(&ca, port, &service, "w-0").await;
     let renamed = first.rebooted_with(join_common::config(&ca, port, "w-9", "worker"));
     let other_name = "under another name or role";
@@ -286,7 +290,8 @@ async fn a_member_renamed_by_its_host_gets_no_ticket_and_keeps_its_name() {
 async fn a_file_discovery_ticket_carries_no_token_and_registers_none() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
-    let service = start_service(&ca, port).await;
+    let mut service = start_service(&ca, port).await;
+    service.serving_older_members().await;
     let m = member(&ca, port, "w-0", "worker");
     let (mut req, key) = request(&m);
     req.file_discovery = true;
@@ -308,6 +313,43 @@ async fn a_file_discovery_ticket_carries_no_token_and_registers_none() {
     assert_eq!(service.registered_tokens().len(), 1);
 }
 
+/// Attacker's move: on a node of the control plane's own image, whoever
+/// controls it asks without file discovery, as a node of an earlier
+/// release would, for the bootstrap token whose group gets node
+/// certificates of any name. The agent of that image never asks so: the
+/// request is refused before anything is made, bound or recorded, and the
+/// same node joins with file discovery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_of_the_services_own_image_gets_no_token() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service(&ca, port).await;
+    let m = member(&ca, port, "w-0", "worker");
+    let (req, _key) = request(&m);
+    let denied = tonic::Code::PermissionDenied;
+    let status = assert_refused(&m.tickets(&ca), &service, req, denied).await;
+    assert!(
+        status.message().contains("joins with file discovery"),
+        "{status:?}"
+    );
+    assert!(service.registered_tokens().is_empty(), "a token was made");
+    let bindings = keel_agent::disk_bindings::DiskBindings::new(&service.root);
+    assert_eq!(bindings.len().unwrap(), 0, "a disk was bound");
+    let registry = keel_agent::registry::RegistryStore::shared(&service.root).unwrap();
+    let recorded = registry.snapshot();
+    assert!(recorded.nodes().values().all(|r| r.name != "w-0"));
+
+    let (mut req, key) = request(&m);
+    req.file_discovery = true;
+    let ticket = m
+        .tickets(&ca)
+        .join_ticket(&service.endpoint, req, &key.spki())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(ticket.token.is_none());
+    assert_eq!(bindings.len().unwrap(), 1);
+}
+
 /// A control plane that learned more endpoints than a ticket may name
 /// (its config's and those its own ticket named) names the first 16: a
 /// joining node refuses a ticket naming more.
@@ -315,7 +357,8 @@ async fn a_file_discovery_ticket_carries_no_token_and_registers_none() {
 async fn a_ticket_names_no_more_endpoints_than_a_node_takes() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
-    let service = start_service(&ca, port).await;
+    let mut service = start_service(&ca, port).await;
+    service.serving_older_members().await;
     let state = service.slot.borrow().clone().unwrap();
     let many: Vec<String> = (0..20).map(|i| format!("cp-{i}.example:9001")).collect();
     service.slot.send_replace(Some(std::sync::Arc::new(
@@ -363,7 +406,8 @@ fn kubeadm_runs(service: &Service) -> bool {
 async fn a_revocation_while_the_token_is_registered_refuses_the_ticket() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
-    let service = start_service_slow_tokens(&ca, port, 3).await;
+    let mut service = start_service_slow_tokens(&ca, port, 3).await;
+    service.serving_older_members().await;
     let m = member(&ca, port, "w-1", "worker");
     let ek = join_common::ek_digest(&m.tpm);
     // The node is known: it joined before (and was reset since).
@@ -419,7 +463,8 @@ async fn refused_with<T>(pending: tokio::task::JoinHandle<Result<T, TicketError>
 async fn an_image_withdrawn_while_the_token_is_registered_refuses_the_ticket() {
     let ca = EkCa::new().unwrap();
     let port = join_common::free_port();
-    let service = start_service_slow_tokens(&ca, port, 3).await;
+    let mut service = start_service_slow_tokens(&ca, port, 3).await;
+    service.serving_older_members().await;
     let m = member(&ca, port, "w-1", "worker");
     let pending = waiting_for_its_token(&service, &m, &ca).await;
     // Another image's measurements replace the node's.

@@ -90,6 +90,10 @@ pub enum JoinServiceError {
     /// The node registry failed: nothing was issued.
     #[error("the node registry is unavailable")]
     Registry(#[source] crate::registry::RegistryError),
+    /// A node of this control plane's own image asked for a bootstrap
+    /// token (no file discovery), which its agent never does.
+    #[error("a node of this control plane's image asked for a bootstrap token")]
+    TokenDowngrade,
 }
 
 impl From<SignCsrError> for JoinServiceError {
@@ -148,6 +152,9 @@ impl JoinServiceError {
                 "the connection's attestation is too old for a ticket; connect again"
             }
             E::Registry(_) => "the node registry is unavailable",
+            E::TokenDowngrade => {
+                "a node of this image joins with file discovery; no bootstrap token is issued to it"
+            }
         }
     }
 }
@@ -165,7 +172,8 @@ impl From<&JoinServiceError> for tonic::Status {
             | E::Revoked(_)
             | E::Withdrawn(_)
             | E::NameTaken(_)
-            | E::Renamed(_) => tonic::Code::PermissionDenied,
+            | E::Renamed(_)
+            | E::TokenDowngrade => tonic::Code::PermissionDenied,
             E::Member | E::StaleHandshake(_) => tonic::Code::FailedPrecondition,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
             E::Busy | E::Token(_) | E::ServiceRevoked(_) => tonic::Code::Unavailable,
@@ -203,6 +211,10 @@ mod tests {
             tonic::Code::InvalidArgument
         );
         assert_eq!(code(JoinServiceError::Busy), tonic::Code::Unavailable);
+        assert_eq!(
+            code(JoinServiceError::TokenDowngrade),
+            tonic::Code::PermissionDenied
+        );
         let not_bound = JoinServiceError::DiskNotBound(DiskBindingRefusal::OtherEk {
             uuid: DISK.into(),
             bound: keel_verifier::ek::EkDigest::of_marshalled(b"bound"),

@@ -30,6 +30,7 @@
 //! the joining TPM's endorsement key before any key leaves, and a rejoin
 //! ticket goes only to the TPM a disk is bound to.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -200,6 +201,10 @@ pub struct JoinService {
     registry: Option<(Arc<RegistryStore>, EkDigest)>,
     /// How long after its handshake a connection may ask for a ticket.
     ticket_window: Duration,
+    /// This control plane's own image (its PCRs 4, 9 and 11), whose nodes
+    /// join with file discovery: when known, a bootstrap token goes only
+    /// to nodes of another image.
+    own_image: Option<BTreeMap<u32, [u8; 32]>>,
 }
 
 struct Inner {
@@ -236,7 +241,42 @@ impl JoinService {
             updates: None,
             registry: None,
             ticket_window: TICKET_WINDOW,
+            own_image: None,
         })
+    }
+
+    /// The same service on a control plane whose image has the PCRs
+    /// `own` (4, 9 and 11, as read from its TPM): a node of that image
+    /// runs this agent, which asks for kubeadm's file discovery, so a
+    /// ticket request of such a node without it, which would get a
+    /// bootstrap token, is refused ([`JoinServiceError::TokenDowngrade`]).
+    /// Nodes of another image the cluster accepts (an upgrade from a
+    /// release before file discovery) still get one.
+    pub fn with_own_image(mut self, own: BTreeMap<u32, [u8; 32]>) -> Self {
+        self.own_image = Some(own);
+        self
+    }
+
+    /// Refuses a request for a bootstrap token from a node of this control
+    /// plane's own image (see [`JoinService::with_own_image`]): a token is
+    /// in kubeadm's group for joining nodes, whose node client CSRs
+    /// kube-controller-manager approves for any node name, and a node of
+    /// this image asks for none unless whoever controls it wants that.
+    fn refuse_token_downgrade(
+        &self,
+        peer: &Verified,
+        file_discovery: bool,
+    ) -> Result<(), JoinServiceError> {
+        let Some(own) = &self.own_image else {
+            return Ok(());
+        };
+        let same_image = crate::cluster::IMAGE_PCRS
+            .iter()
+            .all(|pcr| own.get(pcr).is_some_and(|v| peer.pcrs.get(pcr) == Some(v)));
+        if same_image && !file_discovery {
+            return Err(JoinServiceError::TokenDowngrade);
+        }
+        Ok(())
     }
 
     /// The same service, taking ticket requests only within `window` of
@@ -380,6 +420,7 @@ impl JoinService {
         } = self.admit(peer).await?;
         let cluster = &cluster;
         let identity = check_identity(peer, &request.node_name, request.is_control_plane)?;
+        self.refuse_token_downgrade(peer, request.file_discovery)?;
         let ek = EkDigest::of_public(&peer.ek);
         self.check_registry(&ek, &identity)?;
         let disk_key = cluster

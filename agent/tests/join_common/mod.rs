@@ -137,6 +137,15 @@ pub fn boot_measurements_with(
     Measurements::new(entries).unwrap()
 }
 
+/// PCRs 4, 9 and 11 of an image other than the swtpm nodes' (zero there,
+/// as nothing measures into them).
+pub fn newer_image() -> BTreeMap<u32, [u8; 32]> {
+    keel_agent::cluster::IMAGE_PCRS
+        .into_iter()
+        .map(|pcr| (pcr, [0x4e; 32]))
+        .collect()
+}
+
 /// A running join service.
 pub struct Service {
     /// `127.0.0.1:port`.
@@ -153,6 +162,10 @@ pub struct Service {
     pub root: PathBuf,
     pub config: NodeConfig,
     pub tpm: SharedTpm,
+    /// The stand-in kubeadm's extra environment.
+    kubeadm_env: Vec<(String, String)>,
+    /// The image it serves as, if not its TPM's ([`Service::serving_older_members`]).
+    own_image: Option<BTreeMap<u32, [u8; 32]>>,
     task: tokio::task::JoinHandle<()>,
     _dir: tempfile::TempDir,
     _swtpm: Swtpm,
@@ -176,6 +189,15 @@ impl Service {
     /// `/run/keel` on a node).
     pub fn work_dir(&self) -> PathBuf {
         self._dir.path().join("work")
+    }
+
+    /// This service as on a control plane of a newer image than its
+    /// members ([`newer_image`]; an upgrade from a release whose agent
+    /// joins with a bootstrap token): a ticket request without file
+    /// discovery then gets a token, as such a member's does. Restarts it.
+    pub async fn serving_older_members(&mut self) {
+        self.own_image = Some(newer_image());
+        self.restart().await;
     }
 
     /// Stops the join service (its node stays up).
@@ -203,9 +225,15 @@ impl Service {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let mut kubeadm = standin_kubeadm(&self.root);
+        kubeadm.env.extend_from_slice(&self.kubeadm_env);
+        let own_image = match &self.own_image {
+            Some(image) => image.clone(),
+            None => keel_agent::cluster::own_image(&self.tpm).await.unwrap(),
+        };
         let service = JoinService::new(
             self.state.clone(),
-            standin_kubeadm(&self.root),
+            kubeadm,
             self.work_dir(),
             Arc::new(DiskBindings::new(&self.root)),
         )
@@ -214,7 +242,8 @@ impl Service {
         .with_registry(
             keel_agent::registry::RegistryStore::shared(&self.root).unwrap(),
             keel_agent::attestation::shared_own_ek_digest(&self.tpm).unwrap(),
-        );
+        )
+        .with_own_image(own_image);
         let service = adjust(service);
         self.task = tokio::spawn({
             let (tpm, policy) = (self.tpm.clone(), self.policy.clone());
@@ -445,7 +474,9 @@ async fn start_service_node(
     .with_registry(
         keel_agent::registry::RegistryStore::shared(&root).unwrap(),
         keel_agent::attestation::shared_own_ek_digest(&tpm).unwrap(),
-    );
+    )
+    // As on a control plane: no bootstrap token for a node of its image.
+    .with_own_image(keel_agent::cluster::own_image(&tpm).await.unwrap());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let task = tokio::spawn({
         let (tpm, policy) = (tpm.clone(), policy.clone());
@@ -465,6 +496,8 @@ async fn start_service_node(
         root,
         config,
         tpm,
+        kubeadm_env: kubeadm_env.to_vec(),
+        own_image: None,
         task,
         _dir: dir,
         _swtpm: swtpm,
