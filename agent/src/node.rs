@@ -96,13 +96,14 @@ pub const JOIN_ISSUING: usize = 64;
 /// 10 s handshake timeout), a newcomer waits up to [`JOIN_HANDSHAKE_WAIT`]
 /// for one, and for each one waiting the oldest handshake in progress for
 /// at least this long is closed. The age counts from when the handshake
-/// took its place, less the time the service worked on it (its turns at
-/// the TPM for its quote and its residency answer): what ages a handshake
-/// is waiting on its peer, which a genuine node does for milliseconds and
-/// a stalled handshake for good. A loaded port (a control plane that
-/// restarted, its members all reconnecting) therefore does not close the
-/// handshakes it is slow to serve, and a handshake older than this is
-/// closed only while newcomers wait. Half the handshake timeout: a stalled
+/// took its place, less its turns at the TPM (the quote for its
+/// certificate and its residency answer): on a slow TPM the handshakes it
+/// is serving are not closed, while the wait for a turn ages a handshake
+/// like a wait on its peer (a flood's own handshakes queue there). A
+/// genuine handshake takes well under a second on an idle port, seconds
+/// on a loaded one (a control plane that restarted, its members all
+/// reconnecting), and one older than this is closed only while newcomers
+/// wait. Half the handshake timeout: a stalled
 /// handshake holds its place half as long.
 pub const JOIN_HANDSHAKE_EVICTION_AGE: Duration = Duration::from_secs(5);
 /// See [`JOIN_HANDSHAKE_EVICTION_AGE`]; above it, so a newcomer outwaits

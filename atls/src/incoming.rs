@@ -815,11 +815,13 @@ impl Standing {
 
 /// The connections whose handshake the server is working on, as their
 /// evictions see them: the time between [`ServerWork::begin`] and the end
-/// of what it returns (waiting for a turn at the issuer and its
-/// certificate or residency answer) does not count toward their age. A
-/// handshake waiting on the server is not the stalling peer an eviction
-/// makes room against; under load it would otherwise be closed for a
-/// newcomer, which then waits on the same server.
+/// of what it returns (a turn at the issuer: its quote for the
+/// certificate, or its residency answer, batch wait included) does not
+/// count toward their age. A handshake the issuer is serving is not the
+/// stalling peer an eviction makes room against; on a slow TPM it would
+/// otherwise be closed for a newcomer, which then waits on the same TPM.
+/// The wait for a turn does count: a flood's own handshakes queue there,
+/// behind their source's share, and must not be sheltered by it.
 #[derive(Clone, Default)]
 pub(crate) struct ServerWork {
     standings: Vec<Arc<Standing>>,

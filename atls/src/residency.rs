@@ -311,7 +311,6 @@ async fn prove(
 
 /// Runs the issuer's answer on a blocking thread (it may talk to a TPM).
 async fn answer(prover: Prover, challenge: Vec<u8>) -> Result<ResidencySecret, ResidencyError> {
-    let _own_work = prover.work.begin();
     let turn = match &prover.gate {
         Some((gate, source)) => {
             if !gate.may_answer(*source).await {
@@ -325,6 +324,8 @@ async fn answer(prover: Prover, challenge: Vec<u8>) -> Result<ResidencySecret, R
         }
         None => None,
     };
+    // The turn at the issuer is the server's work, not the wait for it.
+    let _own_work = prover.work.begin();
     let issuer = prover.issuer;
     tokio::task::spawn_blocking(move || {
         // Held until the issuer returns, also if the handshake gave up.

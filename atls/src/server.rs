@@ -143,15 +143,16 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// once: a newcomer waits up to `wait` for a place (first come first
     /// served; one waiting per source, at most four per place), and for
     /// each one waiting the oldest handshake in progress is closed once it
-    /// is `min_age` old (counted from when it took its place, less the time
-    /// this server worked on it: its turns at the issuer for its
-    /// certificate and its residency answer). Handshakes that stall (a
-    /// ClientHello, then silence after the server's flight) then hold a
+    /// is `min_age` old (counted from when it took its place, less its
+    /// turns at the issuer: the quote for its certificate and its
+    /// residency answer; the wait for a turn counts). Handshakes that stall
+    /// (a ClientHello, then silence after the server's flight) then hold a
     /// place for `min_age`, not for the handshake timeout, and cannot keep
-    /// a newcomer out by taking every place, while those waiting on a
-    /// loaded server are not closed for newcomers that would wait on it
-    /// too. Keep `min_age` above what a genuine client takes to answer,
-    /// and `wait` at or above `min_age` and under the clients' timeout.
+    /// a newcomer out by taking every place, while those a slow issuer is
+    /// serving are not closed for newcomers that would wait on it too.
+    /// Keep `min_age` above what a genuine handshake takes besides its
+    /// turns, and `wait` at or above `min_age` and under the clients'
+    /// timeout.
     pub fn with_handshake_eviction(mut self, min_age: Duration, wait: Duration) -> Self {
         self.limits.handshake_eviction = Some(crate::incoming::Eviction { min_age, wait });
         self
@@ -187,7 +188,7 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// neither vouched for ([`crate::PeerInfo::vouch`]) nor protects
     /// ([`crate::PeerInfo::protect`]) is closed, once it is `min_age` old
     /// (counted from the end of its handshake, or from its start while the
-    /// handshake lasts, less this server's work on it). Connections kept open with requests that prove
+    /// handshake lasts, less its turns at the issuer). Connections kept open with requests that prove
     /// nothing then cannot keep a newcomer out; `min_age` leaves a newcomer
     /// the time to prove itself before a burst of connects could close it
     /// in turn. Keep `wait` under the clients' handshake timeout.
@@ -266,12 +267,14 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
 
         // Only a few handshakes per source wait for the issuer (a TPM quote
         // under the TPM lock), so one source cannot queue ahead of others.
-        let own_work = work.begin();
+        // The wait for a turn ages the handshake (a flood's own queue must
+        // not shelter it from eviction); the turn itself does not.
         let turn = self
             .issuer_gate
             .enter(Source::of(remote_addr))
             .await
             .map_err(|_| HandshakeError::IssuerGateClosed)?;
+        let own_work = work.begin();
         let presenter = self.presenter.clone();
         let certified = tokio::task::spawn_blocking(move || {
             // Held until the issuer returns, also if the handshake gave up.

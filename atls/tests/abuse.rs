@@ -780,6 +780,49 @@ async fn a_handshake_waiting_on_the_server_is_not_closed_for_a_newcomer() {
     assert_eq!(server.stats.refused(), 0, "no handshake closed");
 }
 
+/// Attacker's move: queue handshakes behind the source's own share of the
+/// issuer, where, if the wait counted as the server's work, they would
+/// never age, and hold every place with them. Only a turn at the issuer
+/// is the server's work: the handshake waiting for its turn is closed for
+/// a newcomer before it ever gets a certificate, while the one the issuer
+/// serves stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_queued_for_the_issuer_still_ages() {
+    let inner = TestIssuer::generate();
+    let node = TestIssuer::generate();
+    let issuer = SlowIssuer::new(inner.clone(), Duration::from_millis(1500));
+    let server = TestServer::start(
+        AtlsServer::mutual(issuer, dyn_validator(node.validator()))
+            .with_handshake_limits(2, 2)
+            .with_issuer_limits(1, 1)
+            .with_handshake_eviction(Duration::from_millis(300), Duration::from_secs(5)),
+    )
+    .await;
+    let hello = captured_client_hello().await;
+    // From one source: the first takes the issuer's one turn, the second
+    // waits for its source's.
+    let mut served = connect_from(source(2), server.addr).await.unwrap();
+    served.write_all(&hello).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut queued = connect_from(source(2), server.addr).await.unwrap();
+    queued.write_all(&hello).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let client = common::mutual_client(&node, &inner).with_local_address(source(41).into());
+    let port = server.addr.port();
+    let newcomer = tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) });
+    let mut first = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(3), queued.read(&mut first))
+        .await
+        .expect("the queued handshake is still open");
+    assert!(
+        !matches!(read, Ok(1)),
+        "the queued handshake got the server's flight: {read:?}"
+    );
+    let read = tokio::time::timeout(Duration::from_secs(3), served.read(&mut first)).await;
+    assert!(matches!(read, Ok(Ok(1))), "the served handshake: {read:?}");
+    newcomer.await.unwrap().expect("the newcomer");
+}
+
 /// A mutual server of `issuer`'s that accepts clients signed by `trusted`,
 /// making room for newcomers among its handshakes as the agent's join port
 /// does (a handshake 3 s old closed for a newcomer waiting up to 5 s).
