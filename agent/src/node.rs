@@ -547,15 +547,21 @@ pub async fn serve_join_as_control_plane(
                 let own_image = crate::cluster::own_image(&tpm)
                     .await
                     .map_err(|e| anyhow::anyhow!("reading this node's image PCRs: {e}"))?;
+                if !state.accepts_image(&own_image) {
+                    tracing::warn!(
+                        "this control plane's own image (its PCRs 4, 9 and 11) is neither the \
+                         cluster's current nor its staged one"
+                    );
+                }
                 let service = JoinService::new(
                     state,
                     env.kubeadm.clone(),
                     env.work_dir.clone(),
                     disks.clone(),
+                    own_image,
                 )?
                 .following(&cluster)
-                .with_registry(registry.clone(), own_ek)
-                .with_own_image(own_image);
+                .with_registry(registry.clone(), own_ek);
                 let members = Arc::new(MemberPolicy::new(
                     &cluster,
                     EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,

@@ -592,6 +592,7 @@ async fn a_disk_key_goes_only_to_the_tpm_the_disk_joined_with() {
         join_common::standin_kubeadm(&service.root),
         service.work_dir(),
         std::sync::Arc::new(keel_agent::disk_bindings::DiskBindings::new(&service.root)),
+        join_common::newer_image(),
     )
     .is_err());
 }

@@ -193,6 +193,7 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
         env1.kubeadm.clone(),
         d.join("work"),
         Arc::new(keel_agent::disk_bindings::DiskBindings::new(env1.root())),
+        keel_agent::cluster::own_image(&tpm1).await.unwrap(),
     )
     .unwrap();
     let join_addr: SocketAddr = format!("127.0.0.1:{join_port}").parse().unwrap();

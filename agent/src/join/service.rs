@@ -202,9 +202,9 @@ pub struct JoinService {
     /// How long after its handshake a connection may ask for a ticket.
     ticket_window: Duration,
     /// This control plane's own image (its PCRs 4, 9 and 11), whose nodes
-    /// join with file discovery: when known, a bootstrap token goes only
-    /// to nodes of another image.
-    own_image: Option<BTreeMap<u32, [u8; 32]>>,
+    /// join with file discovery: a bootstrap token goes only to nodes of
+    /// another image.
+    own_image: BTreeMap<u32, [u8; 32]>,
 }
 
 struct Inner {
@@ -220,12 +220,20 @@ impl JoinService {
     /// directory. Bootstrap tokens are registered with `kubeadm`, whose
     /// token files go to `work_dir`; `disks` are the node's disk bindings
     /// ([`DiskBindings::new`] of its root), and a store that exists but
-    /// does not load stops the service here.
+    /// does not load stops the service here. `own_image` is this control
+    /// plane's image, the PCRs 4, 9 and 11 of its TPM
+    /// ([`crate::cluster::own_image`]): a node of that image runs this
+    /// agent, which asks for kubeadm's file discovery, so a ticket request
+    /// of such a node without it, which would get a bootstrap token, is
+    /// refused ([`JoinServiceError::TokenDowngrade`]). Nodes of another
+    /// image the cluster accepts (an upgrade from a release before file
+    /// discovery) still get one.
     pub fn new(
         cluster: Arc<ClusterState>,
         kubeadm: Kubeadm,
         work_dir: PathBuf,
         disks: Arc<DiskBindings>,
+        own_image: BTreeMap<u32, [u8; 32]>,
     ) -> Result<Self, NewJoinServiceError> {
         let ca = ClusterCa::load(&cluster.pki_dir)?;
         let bound = disks.len().map_err(NewJoinServiceError::DiskBindings)?;
@@ -241,24 +249,12 @@ impl JoinService {
             updates: None,
             registry: None,
             ticket_window: TICKET_WINDOW,
-            own_image: None,
+            own_image,
         })
     }
 
-    /// The same service on a control plane whose image has the PCRs
-    /// `own` (4, 9 and 11, as read from its TPM): a node of that image
-    /// runs this agent, which asks for kubeadm's file discovery, so a
-    /// ticket request of such a node without it, which would get a
-    /// bootstrap token, is refused ([`JoinServiceError::TokenDowngrade`]).
-    /// Nodes of another image the cluster accepts (an upgrade from a
-    /// release before file discovery) still get one.
-    pub fn with_own_image(mut self, own: BTreeMap<u32, [u8; 32]>) -> Self {
-        self.own_image = Some(own);
-        self
-    }
-
     /// Refuses a request for a bootstrap token from a node of this control
-    /// plane's own image (see [`JoinService::with_own_image`]): a token is
+    /// plane's own image (see [`JoinService::new`]): a token is
     /// in kubeadm's group for joining nodes, whose node client CSRs
     /// kube-controller-manager approves for any node name, and a node of
     /// this image asks for none unless whoever controls it wants that.
@@ -267,9 +263,7 @@ impl JoinService {
         peer: &Verified,
         file_discovery: bool,
     ) -> Result<(), JoinServiceError> {
-        let Some(own) = &self.own_image else {
-            return Ok(());
-        };
+        let own = &self.own_image;
         let same_image = crate::cluster::IMAGE_PCRS
             .iter()
             .all(|pcr| own.get(pcr).is_some_and(|v| peer.pcrs.get(pcr) == Some(v)));

@@ -236,14 +236,14 @@ impl Service {
             kubeadm,
             self.work_dir(),
             Arc::new(DiskBindings::new(&self.root)),
+            own_image,
         )
         .unwrap()
         .following(&self.slot)
         .with_registry(
             keel_agent::registry::RegistryStore::shared(&self.root).unwrap(),
             keel_agent::attestation::shared_own_ek_digest(&self.tpm).unwrap(),
-        )
-        .with_own_image(own_image);
+        );
         let service = adjust(service);
         self.task = tokio::spawn({
             let (tpm, policy) = (self.tpm.clone(), self.policy.clone());
@@ -467,6 +467,8 @@ async fn start_service_node(
         kubeadm,
         dir.path().join("work"),
         Arc::new(DiskBindings::new(&root)),
+        // As on a control plane: no bootstrap token for a node of its image.
+        keel_agent::cluster::own_image(&tpm).await.unwrap(),
     )
     .unwrap()
     .following(&slot)
@@ -474,9 +476,7 @@ async fn start_service_node(
     .with_registry(
         keel_agent::registry::RegistryStore::shared(&root).unwrap(),
         keel_agent::attestation::shared_own_ek_digest(&tpm).unwrap(),
-    )
-    // As on a control plane: no bootstrap token for a node of its image.
-    .with_own_image(keel_agent::cluster::own_image(&tpm).await.unwrap());
+    );
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let task = tokio::spawn({
         let (tpm, policy) = (tpm.clone(), policy.clone());
