@@ -105,6 +105,41 @@ pub fn remove_durably(path: &Path) -> std::io::Result<()> {
     }
 }
 
+/// A private file written for one run of a tool (kubeadm's configuration
+/// and discovery kubeconfig, which hold a token or a key), removed when
+/// this drops: after the run, on an error before it, and when the run is
+/// cancelled (the agent stopping, its task aborted).
+pub struct TransientFile(PathBuf);
+
+impl TransientFile {
+    /// Writes `data` to `path` as [`write_private`] does.
+    pub fn write(path: PathBuf, data: &[u8]) -> Result<Self, WriteFileError> {
+        write_private(&path, data)?;
+        Ok(Self(path))
+    }
+
+    /// Writes `data` to `path` as [`write_private_scratch`] does (read
+    /// once by the run, not synced).
+    pub fn scratch(path: PathBuf, data: &[u8]) -> Result<Self, WriteFileError> {
+        write_private_scratch(&path, data)?;
+        Ok(Self(path))
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TransientFile {
+    fn drop(&mut self) {
+        remove_or_log(
+            &self.0,
+            "removing a file written for one kubeadm run failed",
+        );
+    }
+}
+
 /// Removes the file at `path` if there is one, without syncing (a file of
 /// the agent's runtime directory); a failure is logged as `what`, since
 /// only the file is left behind.

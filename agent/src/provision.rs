@@ -46,7 +46,7 @@ use crate::address::AdvertiseAddress;
 use crate::cluster::{ClusterSlot, ClusterState, ControlPlaneFacts, FactsError};
 use crate::components::{install_and_measure, InstallComponentsError};
 use crate::disk::{DiskError, StateDisk};
-use crate::files::{write_private, WriteFileError};
+use crate::files::{write_private, TransientFile, WriteFileError};
 use crate::kubeadm::{ConfigError, Discovery, InitConfig, JoinConfig, Kubeadm, KubeadmError};
 use crate::measured::SharedTpm;
 use crate::paths;
@@ -322,7 +322,7 @@ impl<'a> Provisioner<'a> {
                 let file = kubeconfig
                     .render(&config.api_server_endpoint, &config.node_name)
                     .map_err(ProvisionError::KubeadmConfig)?;
-                Some(KubeadmInput::write(path.clone(), file.as_bytes())?)
+                Some(TransientFile::write(path.clone(), file.as_bytes())?)
             }
             Discovery::Token { .. } => None,
         };
@@ -638,31 +638,12 @@ impl<'a> Provisioner<'a> {
         &self,
         name: &str,
         yaml: Result<String, ConfigError>,
-    ) -> Result<KubeadmInput, ProvisionError> {
+    ) -> Result<TransientFile, ProvisionError> {
         let yaml = Zeroizing::new(yaml.map_err(ProvisionError::KubeadmConfig)?);
-        KubeadmInput::write(self.env.work_dir.join(name), yaml.as_bytes())
-    }
-}
-
-/// A file kubeadm reads that holds a secret (a token, the kubelet's key),
-/// private to the agent, and removed when this drops: after the run, on
-/// an error before it, and when the run is cancelled.
-struct KubeadmInput(PathBuf);
-
-impl KubeadmInput {
-    fn write(path: PathBuf, data: &[u8]) -> Result<Self, ProvisionError> {
-        write_private(&path, data)?;
-        Ok(Self(path))
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for KubeadmInput {
-    fn drop(&mut self) {
-        crate::files::remove_or_log(&self.0, "removing a kubeadm input file failed");
+        Ok(TransientFile::write(
+            self.env.work_dir.join(name),
+            yaml.as_bytes(),
+        )?)
     }
 }
 

@@ -95,13 +95,13 @@ impl Kubeadm {
         let yaml = tokens_config(api.api_version(), tokens);
         let path = config_dir.join(format!("token-{}.yaml", first.id()));
         // Read by this one run and removed after it: not synced.
-        crate::files::write_private_scratch(&path, yaml.as_bytes())
+        let config = crate::files::TransientFile::scratch(path, yaml.as_bytes())
             .map_err(KubeadmError::WriteConfig)?;
         let args = [
             "token".to_owned(),
             "create".to_owned(),
             "--config".to_owned(),
-            path.to_string_lossy().into_owned(),
+            config.path().to_string_lossy().into_owned(),
             "--kubeconfig".to_owned(),
             self.root.join(ADMIN_CONF).to_string_lossy().into_owned(),
         ];
@@ -115,7 +115,7 @@ impl Kubeadm {
                 &mut on_line,
             )
             .await;
-        let _ = tokio::fs::remove_file(&path).await;
+        drop(config);
         result
     }
 }
