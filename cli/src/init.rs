@@ -240,6 +240,15 @@ fn record_unconfirmed_id(
     }
 }
 
+/// Whether the node answered init with busy (its places for init requests
+/// are taken; `Unavailable` in the answer's own status), which is worth
+/// sending the request again for. A connection that failed before any
+/// answer is also `Unavailable` for tonic, but carries the transport error
+/// as its source: the node may have the request, and is not asked twice.
+fn told_busy(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable && std::error::Error::source(status).is_none()
+}
+
 /// How the operator gets the admin kubeconfig of the cluster initialised
 /// through the settings' endpoint when its init result was lost.
 fn fetch_again(settings: &Settings) -> String {
@@ -555,10 +564,7 @@ pub async fn run(
                 )
             })?;
         match answer {
-            Err(s)
-                if s.code() == tonic::Code::Unavailable
-                    && tokio::time::Instant::now() + INIT_RETRY < ends =>
-            {
+            Err(s) if told_busy(&s) && tokio::time::Instant::now() + INIT_RETRY < ends => {
                 eprintln!(
                     "the node is busy ({}); trying again in {} s",
                     printable(s.message()),
@@ -569,15 +575,23 @@ pub async fn run(
             answer => break answer,
         }
     };
-    let mut stream = answer
-        .map_err(|s| {
-            anyhow::anyhow!(
-                "the node refused init ({:?}): {}",
-                s.code(),
-                printable(s.message())
-            )
-        })?
-        .into_inner();
+    let mut stream = match answer {
+        Ok(answer) => answer.into_inner(),
+        // The request may have reached the node, which then goes on: it is
+        // not sent again (a second init would be refused, the first
+        // continuing), and the operator learns how to find its result.
+        Err(s) if std::error::Error::source(&s).is_some() => bail!(
+            "the connection to the node failed before it answered init ({}): it may have \
+             received the request and be setting up the cluster{}",
+            printable(&s.to_string()),
+            record_unconfirmed_id(workspace, &settings, cluster_id)
+        ),
+        Err(s) => bail!(
+            "the node refused init ({:?}): {}",
+            s.code(),
+            printable(s.message())
+        ),
+    };
 
     let mut outcome = Outcome::default();
     let followed = tokio::time::timeout_at(
@@ -853,6 +867,42 @@ mod tests {
     use std::os::unix::fs::MetadataExt as _;
 
     use super::*;
+
+    /// A transport failure that tonic turns into a status of `inner`'s
+    /// code, with itself as the source (as a reset or a keep-alive timeout
+    /// of the connection reaches the caller).
+    #[derive(Debug)]
+    struct Transport(tonic::Status);
+
+    impl std::fmt::Display for Transport {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("connection lost")
+        }
+    }
+
+    impl std::error::Error for Transport {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    /// Attacker's move, or a flaky network: a connection that fails after
+    /// the request went out reads as `Unavailable`, like the node's busy
+    /// answer; sent again, the init would be refused while the first goes
+    /// on. Only the node's own busy answer is retried.
+    #[test]
+    fn only_the_nodes_own_busy_answer_is_sent_again() {
+        let busy = tonic::Status::unavailable("other init requests are in progress; try again");
+        assert!(told_busy(&busy));
+        let lost = tonic::Status::from_error(Box::new(Transport(tonic::Status::unavailable(
+            "connection reset",
+        ))));
+        assert_eq!(lost.code(), tonic::Code::Unavailable);
+        assert!(!told_busy(&lost));
+        assert!(!told_busy(&tonic::Status::failed_precondition(
+            "the node is locked"
+        )));
+    }
 
     fn names(dir: &Path) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(dir)
