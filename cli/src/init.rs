@@ -611,10 +611,7 @@ pub async fn run(
         Ok(result) => result,
         Err(_) => {
             let logs = match &outcome.failure {
-                Some(_) => format!(
-                    "; partial node logs in {}",
-                    write_failure_logs(workspace, &outcome)?.display()
-                ),
+                Some(_) => format!("; partial node logs {}", failure_logs(workspace, &outcome)),
                 None => String::new(),
             };
             bail!(
@@ -683,12 +680,11 @@ async fn follow(
             Ok(None) => break,
             Err(s) => {
                 if let Some((error, _)) = &outcome.failure {
-                    write_failure_logs(workspace, outcome)?;
                     bail!(
-                        "init failed: {}; the log stream broke off ({}): partial logs in {}",
+                        "init failed: {}; the log stream broke off ({}): partial logs {}",
                         printable(error),
                         printable(s.message()),
-                        workspace.join(FAILURE_LOG_FILE).display()
+                        failure_logs(workspace, outcome)
                     );
                 }
                 bail!(
@@ -749,16 +745,16 @@ async fn follow(
     }
     match &outcome.failure {
         Some((error, reset)) => {
-            let path = write_failure_logs(workspace, outcome)?;
+            let logs = failure_logs(workspace, outcome);
             let reset = if *reset {
                 " The node reboots and starts over, with what this init set up on its state disk reset."
             } else {
                 ""
             };
             bail!(
-                "init failed on the node: {}.{reset} Node logs: {}",
+                "init failed on the node: {}.{reset} Node logs {}",
                 printable(error),
-                path.display()
+                logs
             )
         }
         // A stream that ends cleanly without a result (a proxy or the
@@ -767,6 +763,19 @@ async fn follow(
         None => bail!(
             "the node ended the init stream without a result{}",
             record_unconfirmed_id(workspace, settings, cluster_id)
+        ),
+    }
+}
+
+/// Writes the node's logs kept in `outcome` ([`write_failure_logs`]) and
+/// says where they are ("in PATH"), or why they are not: a workspace that
+/// cannot take them never hides the failure they belong to.
+fn failure_logs(workspace: &Path, outcome: &Outcome) -> String {
+    match write_failure_logs(workspace, outcome) {
+        Ok(path) => format!("in {}", path.display()),
+        Err(e) => format!(
+            "not written ({}: {e:#})",
+            workspace.join(FAILURE_LOG_FILE).display()
         ),
     }
 }
@@ -902,6 +911,23 @@ mod tests {
         assert!(!told_busy(&tonic::Status::failed_precondition(
             "the node is locked"
         )));
+    }
+
+    /// A workspace that cannot take the node's logs (here a directory in
+    /// their place) costs the logs, not the failure they belong to.
+    #[test]
+    fn logs_that_cannot_be_written_are_named_not_raised() {
+        let ws = tempfile::tempdir().unwrap();
+        let mut outcome = Outcome::default();
+        outcome.take_logs(b"kubeadm init failed\n");
+        assert_eq!(
+            failure_logs(ws.path(), &outcome),
+            format!("in {}", ws.path().join(FAILURE_LOG_FILE).display())
+        );
+        let blocked = tempfile::tempdir().unwrap();
+        std::fs::create_dir(blocked.path().join(FAILURE_LOG_FILE)).unwrap();
+        let said = failure_logs(blocked.path(), &outcome);
+        assert!(said.starts_with("not written ("), "{said}");
     }
 
     fn names(dir: &Path) -> Vec<String> {
