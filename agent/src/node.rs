@@ -97,9 +97,11 @@ pub const JOIN_ISSUING: usize = 64;
 /// for one, and for each one waiting the oldest handshake in progress for
 /// at least this long is closed. The age counts from when the handshake
 /// took its place, less its turns at the TPM (the quote for its
-/// certificate and its residency answer): on a slow TPM the handshakes it
-/// is serving are not closed, while the wait for a turn ages a handshake
-/// like a wait on its peer (a flood's own handshakes queue there). A
+/// certificate and its residency answer) and an attested member's wait
+/// for its answer: on a slow TPM, or with every member reconnecting, the
+/// handshakes it is serving are not closed, while the wait for the turn
+/// for a certificate ages a handshake like a wait on its peer (a flood's
+/// own ClientHellos queue there). A
 /// genuine handshake takes well under a second on an idle port, seconds
 /// on a loaded one (a control plane that restarted, its members all
 /// reconnecting), and one older than this is closed only while newcomers

@@ -675,7 +675,7 @@ async fn a_connection_outliving_its_image_gets_no_ticket() {
     // The operator replaces the join measurements (another image), as
     // SetJoinMeasurements does: the cluster state and the service's file.
     let other = boot_measurements_with(&service.config, [(11, Expected::enforced([1; 32]))]);
-    let admitted = service.state.clone();
+    let admitted = service.slot.borrow().clone().unwrap();
     service
         .slot
         .send_replace(Some(Arc::new(keel_agent::cluster::ClusterState {

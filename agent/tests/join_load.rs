@@ -350,6 +350,37 @@ async fn a_node_of_the_services_own_image_gets_no_token() {
     assert_eq!(bindings.len().unwrap(), 1);
 }
 
+/// Attacker's move: ask for a bootstrap token of a control plane whose own
+/// image the cluster retired (a rollout withdrew it before this node
+/// rebooted): judging by an image no node presents, it would give one to
+/// a node of any other. It gives none; file discovery still joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_of_a_retired_image_gives_no_token() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let mut service = start_service(&ca, port).await;
+    service.serving_older_members().await;
+    let mut retired = (*service.slot.borrow().clone().unwrap()).clone();
+    retired.staged_measurements = None;
+    service
+        .slot
+        .send_replace(Some(std::sync::Arc::new(retired)));
+    let m = member(&ca, port, "w-0", "worker");
+    let (req, _key) = request(&m);
+    let unavailable = tonic::Code::Unavailable;
+    let status = assert_refused(&m.tickets(&ca), &service, req, unavailable).await;
+    assert!(status.message().contains("retired"), "{status:?}");
+    assert!(service.registered_tokens().is_empty(), "a token was made");
+    let (mut req, key) = request(&m);
+    req.file_discovery = true;
+    let ticket = m
+        .tickets(&ca)
+        .join_ticket(&service.endpoint, req, &key.spki())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(ticket.token.is_none());
+}
+
 /// A control plane that learned more endpoints than a ticket may name
 /// (its config's and those its own ticket named) names the first 16: a
 /// joining node refuses a ticket naming more.

@@ -56,8 +56,9 @@ pub(crate) const QUIET_BURST: f64 = 4.0;
 pub(crate) const QUIET_EVERY: Duration = Duration::from_secs(1);
 /// How long a request of a quiet prefix waits for its turn before the
 /// server tells the peer it is busy: long enough for the next answer of
-/// the quiet bucket, short against the handshake timeout and the init
-/// port's eviction age (3 s).
+/// the quiet bucket, short against the handshake timeout; not counted in
+/// an eviction's age (it is the server's, and one request per prefix
+/// waits).
 pub(crate) const QUIET_WAIT: Duration = Duration::from_millis(1500);
 /// How long a quiet prefix keeps its place in the order after it last
 /// asked: a client told busy keeps it while it asks again.

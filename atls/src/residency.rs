@@ -195,6 +195,13 @@ where
         None => None,
     };
     let sent = challenge.as_ref().map(Challenge::message).unwrap_or(&[]);
+    // A peer this side validated is an attested node (its key proven now,
+    // below, or before); any other may be anyone.
+    let waiter = if peer.is_some() {
+        Waiter::Attested
+    } else {
+        Waiter::Anyone
+    };
     write_frame(stream, TAG_CHALLENGE, sent).await?;
     let received = read_frame(stream, TAG_CHALLENGE).await?;
 
@@ -218,13 +225,13 @@ where
     let (outcome, cannot_answer) = if role == Role::Server && challenge.is_some() {
         let outcome = judge(read_answer(stream).await?);
         let (answer, cannot_answer) = match &outcome {
-            Ok(()) => prove(prover, received, role, exporter).await,
+            Ok(()) => prove(prover, received, role, exporter, waiter).await,
             Err(_) => (Answer::none(), None),
         };
         send(stream, &answer.frame()?).await?;
         (outcome, cannot_answer)
     } else {
-        let (answer, cannot_answer) = prove(prover, received, role, exporter).await;
+        let (answer, cannot_answer) = prove(prover, received, role, exporter, waiter).await;
         let mut frames = answer.frame()?;
         if challenge.is_none() {
             // Whatever the peer answers, this side accepts only nothing: an
@@ -292,13 +299,14 @@ async fn prove(
     received: Vec<u8>,
     role: Role,
     exporter: &[u8; 32],
+    waiter: Waiter,
 ) -> (Answer, Option<ResidencyError>) {
     if received.is_empty() {
         return (Answer::none(), None);
     }
     match prover {
         None => (Answer::none(), Some(ResidencyError::UnexpectedChallenge)),
-        Some(prover) => match answer(prover, received).await {
+        Some(prover) => match answer(prover, received, waiter).await {
             Ok(secret) => (
                 Answer::Proof(proof(&secret, role, exporter).as_ref().to_vec()),
                 None,
@@ -309,22 +317,47 @@ async fn prove(
     }
 }
 
+/// Who waits for an answer, as a server's eviction sees its wait.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Waiter {
+    /// A client this server validated (a mutual port; a server that
+    /// challenged it answers only once its proof checked out): only
+    /// attested nodes wait here, so the whole wait is the server's work,
+    /// and a control plane's members reconnecting at once are not closed
+    /// while they queue for their answers.
+    Attested,
+    /// Anyone (a port that validates no client): the wait for a turn at
+    /// the issuer ages the handshake, where a flood's own queue must not
+    /// shelter it.
+    Anyone,
+}
+
 /// Runs the issuer's answer on a blocking thread (it may talk to a TPM).
-async fn answer(prover: Prover, challenge: Vec<u8>) -> Result<ResidencySecret, ResidencyError> {
+/// The handshake's time here is the server's work ([`ServerWork`]) but for
+/// an unproven client's wait for a turn at the issuer.
+async fn answer(
+    prover: Prover,
+    challenge: Vec<u8>,
+    waiter: Waiter,
+) -> Result<ResidencySecret, ResidencyError> {
     let turn = match &prover.gate {
         Some((gate, source)) => {
+            // At most QUIET_WAIT, one request waiting per prefix.
+            let rate = prover.work.begin();
             if !gate.may_answer(*source).await {
                 return Err(ResidencyError::AnswerRate);
             }
-            Some(
-                gate.enter(*source)
-                    .await
-                    .map_err(|_| ResidencyError::IssuerGateClosed)?,
-            )
+            drop(rate);
+            let queued = (waiter == Waiter::Attested).then(|| prover.work.begin());
+            let turn = gate
+                .enter(*source)
+                .await
+                .map_err(|_| ResidencyError::IssuerGateClosed)?;
+            drop(queued);
+            Some(turn)
         }
         None => None,
     };
-    // The turn at the issuer is the server's work, not the wait for it.
     let _own_work = prover.work.begin();
     let issuer = prover.issuer;
     tokio::task::spawn_blocking(move || {

@@ -792,7 +792,7 @@ async fn a_handshake_queued_for_the_issuer_still_ages() {
     let node = TestIssuer::generate();
     let issuer = SlowIssuer::new(inner.clone(), Duration::from_millis(1500));
     let server = TestServer::start(
-        AtlsServer::mutual(issuer, dyn_validator(node.validator()))
+        AtlsServer::mutual(issuer.clone(), dyn_validator(node.validator()))
             .with_handshake_limits(2, 2)
             .with_issuer_limits(1, 1)
             .with_handshake_eviction(Duration::from_millis(300), Duration::from_secs(5)),
@@ -803,7 +803,7 @@ async fn a_handshake_queued_for_the_issuer_still_ages() {
     // waits for its source's.
     let mut served = connect_from(source(2), server.addr).await.unwrap();
     served.write_all(&hello).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    wait_for(|| issuer.ran.lock().unwrap().len() == 1).await;
     let mut queued = connect_from(source(2), server.addr).await.unwrap();
     queued.write_all(&hello).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -94,6 +94,10 @@ pub enum JoinServiceError {
     /// token (no file discovery), which its agent never does.
     #[error("a node of this control plane's image asked for a bootstrap token")]
     TokenDowngrade,
+    /// A bootstrap token was asked of a control plane whose own image the
+    /// cluster no longer accepts.
+    #[error("this control plane's image is retired; it issues no bootstrap token")]
+    TokensRetired,
 }
 
 impl From<SignCsrError> for JoinServiceError {
@@ -155,6 +159,10 @@ impl JoinServiceError {
             E::TokenDowngrade => {
                 "a node of this image joins with file discovery; no bootstrap token is issued to it"
             }
+            E::TokensRetired => {
+                "this control plane runs an image the cluster retired and issues no bootstrap \
+                 token; ask another"
+            }
         }
     }
 }
@@ -176,7 +184,9 @@ impl From<&JoinServiceError> for tonic::Status {
             | E::TokenDowngrade => tonic::Code::PermissionDenied,
             E::Member | E::StaleHandshake(_) => tonic::Code::FailedPrecondition,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
-            E::Busy | E::Token(_) | E::ServiceRevoked(_) => tonic::Code::Unavailable,
+            E::Busy | E::Token(_) | E::ServiceRevoked(_) | E::TokensRetired => {
+                tonic::Code::Unavailable
+            }
             E::Sign(_)
             | E::ControlPlaneFile { .. }
             | E::Seal(_)

@@ -103,6 +103,10 @@ pub enum NewJoinServiceError {
     /// The disk binding store exists but cannot be used.
     #[error("the disk binding store is unusable")]
     DiskBindings(#[source] DiskBindingsError),
+    /// The control plane's own image lacks one of the PCRs that tell
+    /// images apart.
+    #[error("this control plane's own image lacks PCR {0}")]
+    OwnImage(u32),
 }
 
 /// The cluster CA as the join service uses it.
@@ -235,6 +239,12 @@ impl JoinService {
         disks: Arc<DiskBindings>,
         own_image: BTreeMap<u32, [u8; 32]>,
     ) -> Result<Self, NewJoinServiceError> {
+        if let Some(&pcr) = crate::cluster::IMAGE_PCRS
+            .iter()
+            .find(|pcr| !own_image.contains_key(pcr))
+        {
+            return Err(NewJoinServiceError::OwnImage(pcr));
+        }
         let ca = ClusterCa::load(&cluster.pki_dir)?;
         let bound = disks.len().map_err(NewJoinServiceError::DiskBindings)?;
         tracing::info!(path = %disks.path().display(), disks = bound, "disk bindings loaded");
@@ -254,21 +264,31 @@ impl JoinService {
     }
 
     /// Refuses a request for a bootstrap token from a node of this control
-    /// plane's own image (see [`JoinService::new`]): a token is
-    /// in kubeadm's group for joining nodes, whose node client CSRs
+    /// plane's own image (see [`JoinService::new`]): a token is in
+    /// kubeadm's group for joining nodes, whose node client CSRs
     /// kube-controller-manager approves for any node name, and a node of
     /// this image asks for none unless whoever controls it wants that.
+    /// A control plane whose own image `cluster` no longer accepts (a
+    /// rollout retired it before this node rebooted) cannot tell which
+    /// images ask for tokens, and issues none.
     fn refuse_token_downgrade(
         &self,
+        cluster: &ClusterState,
         peer: &Verified,
         file_discovery: bool,
     ) -> Result<(), JoinServiceError> {
+        if file_discovery {
+            return Ok(());
+        }
         let own = &self.own_image;
         let same_image = crate::cluster::IMAGE_PCRS
             .iter()
             .all(|pcr| own.get(pcr).is_some_and(|v| peer.pcrs.get(pcr) == Some(v)));
-        if same_image && !file_discovery {
+        if same_image {
             return Err(JoinServiceError::TokenDowngrade);
+        }
+        if !cluster.accepts_image(own) {
+            return Err(JoinServiceError::TokensRetired);
         }
         Ok(())
     }
@@ -414,7 +434,7 @@ impl JoinService {
         } = self.admit(peer).await?;
         let cluster = &cluster;
         let identity = check_identity(peer, &request.node_name, request.is_control_plane)?;
-        self.refuse_token_downgrade(peer, request.file_discovery)?;
+        self.refuse_token_downgrade(cluster, peer, request.file_discovery)?;
         let ek = EkDigest::of_public(&peer.ek);
         self.check_registry(&ek, &identity)?;
         let disk_key = cluster

@@ -197,6 +197,15 @@ impl Service {
     /// discovery then gets a token, as such a member's does. Restarts it.
     pub async fn serving_older_members(&mut self) {
         self.own_image = Some(newer_image());
+        // The cluster stages the newer image, this control plane's own,
+        // while its members still run the older: an upgrade under way.
+        let current = self.slot.borrow().clone().unwrap_or(self.state.clone());
+        let mut upgrading = (*current).clone();
+        let newer = newer_image()
+            .into_iter()
+            .map(|(pcr, value)| (pcr, Expected::enforced(value)));
+        upgrading.staged_measurements = Some(boot_measurements_with(&self.config, newer));
+        self.slot.send_replace(Some(Arc::new(upgrading)));
         self.restart().await;
     }
 
