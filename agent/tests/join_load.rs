@@ -293,14 +293,7 @@ async fn a_file_discovery_ticket_carries_no_token_and_registers_none() {
     let mut service = start_service(&ca, port).await;
     service.serving_older_members().await;
     let m = member(&ca, port, "w-0", "worker");
-    let (mut req, key) = request(&m);
-    req.file_discovery = true;
-    let ticket = m
-        .tickets(&ca)
-        .join_ticket(&service.endpoint, req, &key.spki())
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(ticket.token.is_none());
+    let ticket = joins_with_file_discovery(&ca, &service, &m).await;
     assert!(ticket.kubelet_cert.contains("BEGIN CERTIFICATE"));
     assert!(service.registered_tokens().is_empty(), "a token was made");
     let (req, key) = request(&m);
@@ -339,14 +332,7 @@ async fn a_node_of_the_services_own_image_gets_no_token() {
     let recorded = registry.snapshot();
     assert!(recorded.nodes().values().all(|r| r.name != "w-0"));
 
-    let (mut req, key) = request(&m);
-    req.file_discovery = true;
-    let ticket = m
-        .tickets(&ca)
-        .join_ticket(&service.endpoint, req, &key.spki())
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(ticket.token.is_none());
+    joins_with_file_discovery(&ca, &service, &m).await;
     assert_eq!(bindings.len().unwrap(), 1);
 }
 
@@ -371,14 +357,25 @@ async fn a_control_plane_of_a_retired_image_gives_no_token() {
     let status = assert_refused(&m.tickets(&ca), &service, req, unavailable).await;
     assert!(status.message().contains("retired"), "{status:?}");
     assert!(service.registered_tokens().is_empty(), "a token was made");
-    let (mut req, key) = request(&m);
+    joins_with_file_discovery(&ca, &service, &m).await;
+}
+
+/// `m`'s ticket with kubeadm's file discovery, as its agent asks: no
+/// token.
+async fn joins_with_file_discovery(
+    ca: &EkCa,
+    service: &Service,
+    m: &Member,
+) -> keel_agent::join::JoinTicket {
+    let (mut req, key) = request(m);
     req.file_discovery = true;
     let ticket = m
-        .tickets(&ca)
+        .tickets(ca)
         .join_ticket(&service.endpoint, req, &key.spki())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(ticket.token.is_none());
+    ticket
 }
 
 /// A control plane that learned more endpoints than a ticket may name

@@ -79,6 +79,8 @@ fn server_attested(issuer: Arc<dyn Issuer>) -> AtlsServer<TestClaims> {
 struct SlowIssuer {
     inner: Arc<TestIssuer>,
     delay: Duration,
+    /// How long each residency answer takes, under the same lock.
+    answer_delay: Duration,
     tpm: Mutex<()>,
     /// When each call got the lock, and its nonce, in the order they ran.
     ran: Mutex<Vec<(Instant, Vec<u8>)>>,
@@ -93,9 +95,15 @@ struct SlowIssuer {
 
 impl SlowIssuer {
     fn new(inner: Arc<TestIssuer>, delay: Duration) -> Arc<Self> {
+        Self::answering_in(inner, delay, Duration::ZERO)
+    }
+
+    /// [`SlowIssuer::new`] whose residency answers take `answer_delay`.
+    fn answering_in(inner: Arc<TestIssuer>, delay: Duration, answer_delay: Duration) -> Arc<Self> {
         Arc::new(Self {
             inner,
             delay,
+            answer_delay,
             tpm: Mutex::new(()),
             ran: Mutex::new(Vec::new()),
             inside: AtomicUsize::new(0),
@@ -133,6 +141,8 @@ impl Issuer for SlowIssuer {
     }
 
     fn answer(&self, challenge: &[u8]) -> Result<ResidencySecret, IssueError> {
+        let _tpm = self.tpm.lock().unwrap();
+        std::thread::sleep(self.answer_delay);
         self.inner.answer(challenge)
     }
 }
@@ -821,6 +831,48 @@ async fn a_handshake_queued_for_the_issuer_still_ages() {
     let read = tokio::time::timeout(Duration::from_secs(3), served.read(&mut first)).await;
     assert!(matches!(read, Ok(Ok(1))), "the served handshake: {read:?}");
     newcomer.await.unwrap().expect("the newcomer");
+}
+
+/// A control plane restarts and its members reconnect at once, each to
+/// prove its key again: their handshakes queue for the TPM's residency
+/// answers, one at a time, while newcomers wait for places. A member the
+/// server validated waits for its answer as the server's work: it is not
+/// closed for a newcomer, which gets a place as the answers go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_queued_for_their_answers_are_not_closed_for_a_newcomer() {
+    let inner = TestIssuer::generate();
+    let node = TestIssuer::generate();
+    let issuer =
+        SlowIssuer::answering_in(inner.clone(), Duration::ZERO, Duration::from_millis(1200));
+    let server = TestServer::start(
+        AtlsServer::mutual(issuer, dyn_validator(node.validator()))
+            .with_handshake_limits(2, 2)
+            .with_issuer_limits(1, 1)
+            .with_handshake_eviction(Duration::from_secs(1), Duration::from_secs(8)),
+    )
+    .await;
+    let port = server.addr.port();
+    let connect = |client: AtlsClient<TestClaims>, n: u8| {
+        let client = client.with_local_address(source(n).into());
+        tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
+    };
+    // The first member answers the server's challenge slowly, so both
+    // members have their certificates before any answer takes the TPM;
+    // its own answer then queues behind the second member's.
+    let slow_member = AtlsClient::mutual(
+        SlowIssuer::answering_in(node.clone(), Duration::ZERO, Duration::from_millis(300)),
+        dyn_validator(inner.validator()),
+    );
+    let first = connect(slow_member, 50);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = connect(common::mutual_client(&node, &inner), 51);
+    // Past the age since the first took its place, most of it queued.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let newcomer = connect(common::mutual_client(&node, &inner), 52);
+    first.await.unwrap().expect("the first member");
+    second.await.unwrap().expect("the second member");
+    newcomer.await.unwrap().expect("the newcomer");
+    assert_eq!(server.stats.refused(), 0, "a handshake was closed");
 }
 
 /// A mutual server of `issuer`'s that accepts clients signed by `trusted`,
