@@ -196,9 +196,12 @@ where
                 busy,
                 "request refused: the service's requests in flight are at their bound"
             );
-            return Box::pin(std::future::ready(Ok(
-                tonic::Status::unavailable(busy).into_http()
-            )));
+            let mut status = tonic::Status::unavailable(busy);
+            status.metadata_mut().insert(
+                keel_proto::BUSY_METADATA,
+                tonic::metadata::MetadataValue::from_static("1"),
+            );
+            return Box::pin(std::future::ready(Ok(status.into_http())));
         };
         let deadline = self.body_deadline;
         let request = request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline)));
@@ -758,6 +761,41 @@ mod tests {
 
     /// A peer that sends the answer's headers and then holds back its
     /// message: the channel's timeout has ended, this one has not.
+    /// A service that never answers.
+    #[derive(Clone)]
+    struct Silent;
+
+    impl tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for Silent {
+        type Response = tonic::codegen::http::Response<tonic::body::Body>;
+        type Error = Infallible;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    /// A request past the bound is answered busy, and marked so: a client
+    /// sends it again on that mark alone, not on the service's other
+    /// `Unavailable` answers (its TPM or disk failing), which carry none.
+    #[tokio::test]
+    async fn a_request_past_the_bound_is_answered_busy_and_marked() {
+        use tonic::codegen::Service as _;
+        let mut limit = InFlightLimit::new(Silent, 1, Duration::from_secs(5), "busy now");
+        let request = || tonic::codegen::http::Request::new(tonic::body::Body::empty());
+        let held = limit.call(request());
+        let answer = limit.call(request()).await.unwrap();
+        let status = tonic::Status::from_header_map(answer.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert_eq!(status.message(), "busy now");
+        assert!(status.metadata().get(keel_proto::BUSY_METADATA).is_some());
+        drop(held);
+    }
+
     #[tokio::test]
     async fn an_answer_held_back_is_given_up_on() {
         let limit = Duration::from_millis(200);

@@ -943,6 +943,17 @@ impl IssuerGate {
         self: &Arc<Self>,
         source: Source,
     ) -> Result<IssuerPermit, AcquireError> {
+        self.enter_counting(source, None).await
+    }
+
+    /// [`IssuerGate::enter`]; once the source's share is held, the wait
+    /// for the shared queue is `shared_wait`'s work: other sources' turns
+    /// are ahead, not the source's own.
+    pub(crate) async fn enter_counting(
+        self: &Arc<Self>,
+        source: Source,
+        shared_wait: Option<&ServerWork>,
+    ) -> Result<IssuerPermit, AcquireError> {
         let own = {
             let mut sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
             sources
@@ -963,6 +974,7 @@ impl IssuerGate {
             own.acquire().await?.forget();
         }
         permit.holds_own = true;
+        let _queued = shared_wait.map(ServerWork::begin);
         permit.shared = Some(self.total.clone().acquire_owned().await?);
         Ok(permit)
     }

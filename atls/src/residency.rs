@@ -322,9 +322,12 @@ async fn prove(
 enum Waiter {
     /// A client this server validated (a mutual port; a server that
     /// challenged it answers only once its proof checked out): only
-    /// attested nodes wait here, so the whole wait is the server's work,
-    /// and a control plane's members reconnecting at once are not closed
-    /// while they queue for their answers.
+    /// attested nodes wait here, so the wait behind other sources' turns
+    /// is the server's work, and a control plane's members reconnecting
+    /// at once are not closed while they queue for their answers. The
+    /// wait behind the source's own turns still ages: a node of an
+    /// accepted image, compromised, could otherwise shelter its many
+    /// handshakes there.
     Attested,
     /// Anyone (a port that validates no client): the wait for a turn at
     /// the issuer ages the handshake, where a flood's own queue must not
@@ -348,12 +351,11 @@ async fn answer(
                 return Err(ResidencyError::AnswerRate);
             }
             drop(rate);
-            let queued = (waiter == Waiter::Attested).then(|| prover.work.begin());
+            let shared_wait = (waiter == Waiter::Attested).then_some(&prover.work);
             let turn = gate
-                .enter(*source)
+                .enter_counting(*source, shared_wait)
                 .await
                 .map_err(|_| ResidencyError::IssuerGateClosed)?;
-            drop(queued);
             Some(turn)
         }
         None => None,

@@ -845,7 +845,7 @@ async fn members_queued_for_their_answers_are_not_closed_for_a_newcomer() {
     let issuer =
         SlowIssuer::answering_in(inner.clone(), Duration::ZERO, Duration::from_millis(1200));
     let server = TestServer::start(
-        AtlsServer::mutual(issuer, dyn_validator(node.validator()))
+        AtlsServer::mutual(issuer.clone(), dyn_validator(node.validator()))
             .with_handshake_limits(2, 2)
             .with_issuer_limits(1, 1)
             .with_handshake_eviction(Duration::from_secs(1), Duration::from_secs(8)),
@@ -856,15 +856,18 @@ async fn members_queued_for_their_answers_are_not_closed_for_a_newcomer() {
         let client = client.with_local_address(source(n).into());
         tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
     };
-    // The first member answers the server's challenge slowly, so both
-    // members have their certificates before any answer takes the TPM;
-    // its own answer then queues behind the second member's.
-    let slow_member = AtlsClient::mutual(
-        SlowIssuer::answering_in(node.clone(), Duration::ZERO, Duration::from_millis(300)),
+    // The first member answers the server's challenge only once the
+    // server made both certificates, so no certificate waits behind an
+    // answer; the answers then go out one at a time.
+    let waiting_member = AtlsClient::mutual(
+        Arc::new(AnswersAfter {
+            inner: node.clone(),
+            server: issuer.clone(),
+            certificates: 2,
+        }),
         dyn_validator(inner.validator()),
     );
-    let first = connect(slow_member, 50);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let first = connect(waiting_member, 50);
     let second = connect(common::mutual_client(&node, &inner), 51);
     // Past the age since the first took its place, most of it queued.
     tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -873,6 +876,70 @@ async fn members_queued_for_their_answers_are_not_closed_for_a_newcomer() {
     second.await.unwrap().expect("the second member");
     newcomer.await.unwrap().expect("the newcomer");
     assert_eq!(server.stats.refused(), 0, "a handshake was closed");
+}
+
+/// Attacker's move: a node of an accepted image, compromised, attested
+/// again and again from one address, queues its handshakes for the TPM's
+/// answers, where an attested client's wait is the server's work, to hold
+/// every place. Only the wait behind other sources is: the handshake
+/// waiting behind its own source's turn ages and is closed for a newcomer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sources_own_queue_for_answers_still_ages() {
+    let inner = TestIssuer::generate();
+    let node = TestIssuer::generate();
+    let issuer =
+        SlowIssuer::answering_in(inner.clone(), Duration::ZERO, Duration::from_millis(2500));
+    let server = TestServer::start(
+        AtlsServer::mutual(issuer, dyn_validator(node.validator()))
+            .with_handshake_limits(2, 2)
+            .with_issuer_limits(1, 2)
+            .with_handshake_eviction(Duration::from_secs(1), Duration::from_secs(8)),
+    )
+    .await;
+    let port = server.addr.port();
+    let connect = |n: u8| {
+        let client = common::mutual_client(&node, &inner).with_local_address(source(n).into());
+        tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
+    };
+    let same_source = [connect(60), connect(60)];
+    // The first answer under way until 2.5 s, the second queued behind it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let newcomer = connect(61);
+    let mut closed = 0;
+    for handshake in same_source {
+        if handshake.await.unwrap().is_err() {
+            closed += 1;
+        }
+    }
+    newcomer.await.unwrap().expect("the newcomer");
+    assert_eq!(closed, 1, "the one waiting behind its own source's turn");
+    assert_eq!(server.stats.refused(), 1);
+}
+
+/// A member's issuer that answers the server's challenge only once the
+/// server's issuer made `certificates` certificates.
+struct AnswersAfter {
+    inner: Arc<TestIssuer>,
+    server: Arc<SlowIssuer>,
+    certificates: usize,
+}
+
+impl Issuer for AnswersAfter {
+    fn issue(&self, nonce: &[u8], user_data: &[u8]) -> Result<Vec<u8>, IssueError> {
+        self.inner.issue(nonce, user_data)
+    }
+
+    fn answer(&self, challenge: &[u8]) -> Result<ResidencySecret, IssueError> {
+        let started = Instant::now();
+        while self.server.ran.lock().unwrap().len() < self.certificates {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the server made no certificates"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.inner.answer(challenge)
+    }
 }
 
 /// A mutual server of `issuer`'s that accepts clients signed by `trusted`,

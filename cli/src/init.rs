@@ -195,13 +195,6 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Resul
     Reserved::new(path, mode, 0)?.commit(data)
 }
 
-/// A file's replacement, made ready before its content exists: a new
-/// temporary file in the same directory ([`create_temporary`]) with room
-/// allocated for it, so that writing the content later does not fail for
-/// want of space or of a writable directory. [`Reserved::commit`] writes
-/// and syncs it, renames it over the file and syncs the directory: a
-/// reader sees the old content or the new, never a part. Dropped without
-/// a commit, the temporary file is removed.
 /// What [`ID_FILE`] records of a cluster whose secrets make `cluster_id`,
 /// initialised through the settings' endpoint.
 fn id_file(settings: &Settings, cluster_id: keys::ClusterId) -> IdFile {
@@ -241,12 +234,49 @@ fn record_unconfirmed_id(
 }
 
 /// Whether the node answered init with busy (its places for init requests
-/// are taken; `Unavailable` in the answer's own status), which is worth
-/// sending the request again for. A connection that failed before any
-/// answer is also `Unavailable` for tonic, but carries the transport error
-/// as its source: the node may have the request, and is not asked twice.
+/// were taken and it did not read the request: `Unavailable`, marked
+/// [`keel_proto::BUSY_METADATA`]), which is worth sending the request
+/// again for. Its other `Unavailable` answers (its TPM or state disk
+/// failing) are not, nor is a connection that failed (tonic makes it a
+/// status with the transport error as its source).
 fn told_busy(status: &tonic::Status) -> bool {
-    status.code() == tonic::Code::Unavailable && std::error::Error::source(status).is_none()
+    status.code() == tonic::Code::Unavailable
+        && std::error::Error::source(status).is_none()
+        && status.metadata().get(keel_proto::BUSY_METADATA).is_some()
+}
+
+/// What failed beneath a status tonic made of a transport failure, each
+/// cause once (the status's message repeats the first, and errors that
+/// wrap another often print it too).
+fn transport_failure(status: &tonic::Status) -> String {
+    let mut causes: Vec<String> = Vec::new();
+    let mut next = std::error::Error::source(status);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !causes.last().is_some_and(|last| last.ends_with(&text)) {
+            causes.push(text);
+        }
+        next = e.source();
+    }
+    if causes.is_empty() {
+        status.message().to_owned()
+    } else {
+        causes.join(": ")
+    }
+}
+
+/// Whether `status` says the request never left: the channel had no
+/// connection to send it on (tonic's [`tonic::ConnectError`] in the
+/// status's sources; the node may have closed an idle one).
+fn never_sent(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if e.is::<tonic::ConnectError>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// How the operator gets the admin kubeconfig of the cluster initialised
@@ -259,6 +289,13 @@ fn fetch_again(settings: &Settings) -> String {
     )
 }
 
+/// A file's replacement, made ready before its content exists: a new
+/// temporary file in the same directory ([`create_temporary`]) with room
+/// allocated for it, so that writing the content later does not fail for
+/// want of space or of a writable directory. [`Reserved::commit`] writes
+/// and syncs it, renames it over the file and syncs the directory: a
+/// reader sees the old content or the new, never a part. Dropped without
+/// a commit, the temporary file is removed.
 struct Reserved {
     path: PathBuf,
     temp: PathBuf,
@@ -580,10 +617,17 @@ pub async fn run(
         // The request may have reached the node, which then goes on: it is
         // not sent again (a second init would be refused, the first
         // continuing), and the operator learns how to find its result.
+        Err(s) if never_sent(&s) => bail!(
+            "the connection to the node closed before init was sent ({}): the node never \
+             received the master secret in {}; remove that file (or give another \
+             --workspace) and run keel init again",
+            printable(&transport_failure(&s)),
+            secret_path.display()
+        ),
         Err(s) if std::error::Error::source(&s).is_some() => bail!(
             "the connection to the node failed before it answered init ({}): it may have \
              received the request and be setting up the cluster{}",
-            printable(&s.to_string()),
+            printable(&transport_failure(&s)),
             record_unconfirmed_id(workspace, &settings, cluster_id)
         ),
         Err(s) => bail!(
@@ -768,13 +812,13 @@ async fn follow(
 }
 
 /// Writes the node's logs kept in `outcome` ([`write_failure_logs`]) and
-/// says where they are ("in PATH"), or why they are not: a workspace that
+/// says where they are ("in PATH"), or why not: a workspace that
 /// cannot take them never hides the failure they belong to.
 fn failure_logs(workspace: &Path, outcome: &Outcome) -> String {
     match write_failure_logs(workspace, outcome) {
         Ok(path) => format!("in {}", path.display()),
         Err(e) => format!(
-            "not written ({}: {e:#})",
+            "could not be saved to {} ({e:#})",
             workspace.join(FAILURE_LOG_FILE).display()
         ),
     }
@@ -898,19 +942,33 @@ mod tests {
     /// Attacker's move, or a flaky network: a connection that fails after
     /// the request went out reads as `Unavailable`, like the node's busy
     /// answer; sent again, the init would be refused while the first goes
-    /// on. Only the node's own busy answer is retried.
+    /// on. Only the node's busy answer, which it marks, is retried; a
+    /// failing TPM or disk is not; a channel that had no connection sent
+    /// nothing.
     #[test]
-    fn only_the_nodes_own_busy_answer_is_sent_again() {
-        let busy = tonic::Status::unavailable("other init requests are in progress; try again");
+    fn only_the_nodes_marked_busy_answer_is_sent_again() {
+        let mut busy = tonic::Status::unavailable("other init requests are in progress");
+        busy.metadata_mut().insert(
+            keel_proto::BUSY_METADATA,
+            tonic::metadata::MetadataValue::from_static("1"),
+        );
         assert!(told_busy(&busy));
+        assert!(!never_sent(&busy));
+        let failing = tonic::Status::unavailable("the TPM is unavailable");
+        assert!(!told_busy(&failing));
         let lost = tonic::Status::from_error(Box::new(Transport(tonic::Status::unavailable(
             "connection reset",
         ))));
         assert_eq!(lost.code(), tonic::Code::Unavailable);
         assert!(!told_busy(&lost));
-        assert!(!told_busy(&tonic::Status::failed_precondition(
-            "the node is locked"
-        )));
+        assert!(!never_sent(&lost));
+        let gone = tonic::Status::from_error(Box::new(tonic::ConnectError(Box::new(
+            std::io::Error::other("connection gone"),
+        ))));
+        assert_eq!(gone.code(), tonic::Code::Unavailable);
+        assert!(!told_busy(&gone));
+        assert!(never_sent(&gone));
+        assert_eq!(transport_failure(&gone), "connection gone");
     }
 
     /// A workspace that cannot take the node's logs (here a directory in
@@ -927,7 +985,7 @@ mod tests {
         let blocked = tempfile::tempdir().unwrap();
         std::fs::create_dir(blocked.path().join(FAILURE_LOG_FILE)).unwrap();
         let said = failure_logs(blocked.path(), &outcome);
-        assert!(said.starts_with("not written ("), "{said}");
+        assert!(said.starts_with("could not be saved to "), "{said}");
     }
 
     fn names(dir: &Path) -> Vec<String> {

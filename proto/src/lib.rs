@@ -74,6 +74,12 @@ pub const MAX_FAILURE_LOG_BYTES: usize = 1024 * 1024;
 /// stays below it.
 pub const MAX_REGISTRY_BYTES: usize = 32 * 1024 * 1024;
 
+/// Response metadata key of a node's busy answer (`Unavailable`: its
+/// places for requests in flight are taken, the request was not read): a
+/// client may send the same request again. Other `Unavailable` answers
+/// (the node's TPM or disk failing) and transport failures carry none.
+pub const BUSY_METADATA: &str = "keel-busy";
+
 /// Largest admin kubeconfig a control plane sends the operator
 /// (`AdminKubeconfig`), and `keel kubeconfig` takes: kubeadm's is a few
 /// KiB.

@@ -488,6 +488,11 @@ impl JoinService {
         // of the moment, which the ticket is then built from.
         let current = self.still_accepted(peer)?;
         let cluster = &current;
+        if token.is_some() && !cluster.accepts_image(&self.own_image) {
+            // Retired while the token was registered (see
+            // `refuse_token_downgrade`); the token is never sent.
+            return Err(JoinServiceError::TokensRetired);
+        }
         // Last before sealing: a revocation that landed while the token was
         // registered refuses the ticket here, under the registry's lock. A
         // token registered for a refused ticket is never sent and expires.
