@@ -759,8 +759,6 @@ mod tests {
         assert_eq!(f.open.len(), MAX_TRACKED_STREAMS);
     }
 
-    /// A peer that sends the answer's headers and then holds back its
-    /// message: the channel's timeout has ended, this one has not.
     /// A service that never answers.
     #[derive(Clone)]
     struct Silent;
@@ -796,6 +794,8 @@ mod tests {
         drop(held);
     }
 
+    /// A peer that sends the answer's headers and then holds back its
+    /// message: the channel's timeout has ended, this one has not.
     #[tokio::test]
     async fn an_answer_held_back_is_given_up_on() {
         let limit = Duration::from_millis(200);

@@ -98,10 +98,11 @@ pub const JOIN_ISSUING: usize = 64;
 /// at least this long is closed. The age counts from when the handshake
 /// took its place, less its turns at the TPM (the quote for its
 /// certificate and its residency answer) and an attested member's wait
-/// for its answer: on a slow TPM, or with every member reconnecting, the
-/// handshakes it is serving are not closed, while the wait for the turn
-/// for a certificate ages a handshake like a wait on its peer (a flood's
-/// own ClientHellos queue there). A
+/// for its answer in the issuer's shared queue: on a slow TPM, or with
+/// every member reconnecting, the handshakes it is serving are not
+/// closed, while the wait for a turn for a certificate, and for the
+/// source's share of turns, ages a handshake like a wait on its peer (a
+/// flood's own ClientHellos queue there). A
 /// genuine handshake takes well under a second on an idle port, seconds
 /// on a loaded one (a control plane that restarted, its members all
 /// reconnecting), and one older than this is closed only while newcomers

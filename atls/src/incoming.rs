@@ -947,8 +947,9 @@ impl IssuerGate {
     }
 
     /// [`IssuerGate::enter`]; once the source's share is held, the wait
-    /// for the shared queue is `shared_wait`'s work: other sources' turns
-    /// are ahead, not the source's own.
+    /// for the shared queue is `shared_wait`'s work: at most `per_source`
+    /// handshakes of one source wait there at a time, the others behind
+    /// their source's share, where the wait is theirs.
     pub(crate) async fn enter_counting(
         self: &Arc<Self>,
         source: Source,

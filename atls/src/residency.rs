@@ -322,12 +322,12 @@ async fn prove(
 enum Waiter {
     /// A client this server validated (a mutual port; a server that
     /// challenged it answers only once its proof checked out): only
-    /// attested nodes wait here, so the wait behind other sources' turns
-    /// is the server's work, and a control plane's members reconnecting
-    /// at once are not closed while they queue for their answers. The
-    /// wait behind the source's own turns still ages: a node of an
-    /// accepted image, compromised, could otherwise shelter its many
-    /// handshakes there.
+    /// attested nodes wait here, so the wait in the shared queue is the
+    /// server's work, and a control plane's members reconnecting at once
+    /// are not closed while they queue for their answers. The wait for
+    /// the source's share still ages: a node of an accepted image,
+    /// compromised, shelters at most the gate's share per source (16 on
+    /// the join port) in the shared queue, not all its handshakes.
     Attested,
     /// Anyone (a port that validates no client): the wait for a turn at
     /// the issuer ages the handshake, where a flood's own queue must not
@@ -337,7 +337,8 @@ enum Waiter {
 
 /// Runs the issuer's answer on a blocking thread (it may talk to a TPM).
 /// The handshake's time here is the server's work ([`ServerWork`]) but for
-/// an unproven client's wait for a turn at the issuer.
+/// the wait for a turn at the issuer: all of it for a client anyone could
+/// be, the wait for its source's share for an attested one.
 async fn answer(
     prover: Prover,
     challenge: Vec<u8>,

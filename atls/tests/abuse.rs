@@ -890,21 +890,37 @@ async fn a_sources_own_queue_for_answers_still_ages() {
     let issuer =
         SlowIssuer::answering_in(inner.clone(), Duration::ZERO, Duration::from_millis(2500));
     let server = TestServer::start(
-        AtlsServer::mutual(issuer, dyn_validator(node.validator()))
+        AtlsServer::mutual(issuer.clone(), dyn_validator(node.validator()))
             .with_handshake_limits(2, 2)
             .with_issuer_limits(1, 2)
             .with_handshake_eviction(Duration::from_secs(1), Duration::from_secs(8)),
     )
     .await;
     let port = server.addr.port();
-    let connect = |n: u8| {
-        let client = common::mutual_client(&node, &inner).with_local_address(source(n).into());
+    let connect = |client: AtlsClient<TestClaims>| {
+        let client = client.with_local_address(source(60).into());
         tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
     };
-    let same_source = [connect(60), connect(60)];
+    // The first answers the server's challenge only once both have their
+    // certificates: what queues is the answers, not a certificate.
+    let waiting = AtlsClient::mutual(
+        Arc::new(AnswersAfter {
+            inner: node.clone(),
+            server: issuer.clone(),
+            certificates: 2,
+        }),
+        dyn_validator(inner.validator()),
+    );
+    let same_source = [
+        connect(waiting),
+        connect(common::mutual_client(&node, &inner)),
+    ];
     // The first answer under way until 2.5 s, the second queued behind it.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let newcomer = connect(61);
+    let newcomer = tokio::spawn({
+        let client = common::mutual_client(&node, &inner).with_local_address(source(61).into());
+        async move { client.connect("127.0.0.1", port).await.map(|_| ()) }
+    });
     let mut closed = 0;
     for handshake in same_source {
         if handshake.await.unwrap().is_err() {

@@ -614,16 +614,18 @@ pub async fn run(
     };
     let mut stream = match answer {
         Ok(answer) => answer.into_inner(),
-        // The request may have reached the node, which then goes on: it is
-        // not sent again (a second init would be refused, the first
-        // continuing), and the operator learns how to find its result.
+        // No connection to send it on: any earlier attempt was answered
+        // busy, unread, so the node took no init request.
         Err(s) if never_sent(&s) => bail!(
-            "the connection to the node closed before init was sent ({}): the node never \
-             received the master secret in {}; remove that file (or give another \
-             --workspace) and run keel init again",
+            "the connection to the node was gone before init could be sent ({}): the node \
+             took no init request, and the master secret in {} was never used; remove that \
+             file (or give another --workspace) and run keel init again",
             printable(&transport_failure(&s)),
             secret_path.display()
         ),
+        // The request may have reached the node, which then goes on: it is
+        // not sent again (a second init would be refused, the first
+        // continuing), and the operator learns how to find its result.
         Err(s) if std::error::Error::source(&s).is_some() => bail!(
             "the connection to the node failed before it answered init ({}): it may have \
              received the request and be setting up the cluster{}",
