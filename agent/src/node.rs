@@ -102,12 +102,11 @@ pub const JOIN_ISSUING: usize = 64;
 /// every member reconnecting, the handshakes it is serving are not
 /// closed, while the wait for a turn for a certificate, and for the
 /// source's share of turns, ages a handshake like a wait on its peer (a
-/// flood's own ClientHellos queue there). A
-/// genuine handshake takes well under a second on an idle port, seconds
-/// on a loaded one (a control plane that restarted, its members all
-/// reconnecting), and one older than this is closed only while newcomers
-/// wait. Half the handshake timeout: a stalled
-/// handshake holds its place half as long.
+/// flood's own ClientHellos queue there). A genuine handshake takes well
+/// under a second on an idle port, seconds on a loaded one (a control
+/// plane that restarted, its members all reconnecting), and one older
+/// than this is closed only while newcomers wait. Half the handshake
+/// timeout: a stalled handshake holds its place half as long.
 pub const JOIN_HANDSHAKE_EVICTION_AGE: Duration = Duration::from_secs(5);
 /// See [`JOIN_HANDSHAKE_EVICTION_AGE`]; above it, so a newcomer outwaits
 /// a port filled just before it, and under the join and evidence clients'

@@ -663,7 +663,8 @@ impl Admission {
 /// neither vouched for nor protects, open (or established) at least the
 /// eviction's minimum age: established, or still in its handshake. A
 /// connection's age leaves out the time the server worked on its
-/// handshake ([`ServerWork`]): what ages it is waiting on its peer.
+/// handshake ([`ServerWork`]): what ages it is waiting on its peer, and
+/// for a turn at the issuer.
 fn evict_for_waiting(state: &mut AdmissionState, eviction: Eviction) {
     let now = Instant::now();
     let making_room = state
@@ -821,7 +822,9 @@ impl Standing {
 /// stalling peer an eviction makes room against; on a slow TPM it would
 /// otherwise be closed for a newcomer, which then waits on the same TPM.
 /// The wait for a turn does count: a flood's own handshakes queue there,
-/// behind their source's share, and must not be sheltered by it.
+/// behind their source's share, and must not be sheltered by it (for a
+/// client the server validated, only that wait for the source's share
+/// counts: [`IssuerGate::enter_counting`]).
 #[derive(Clone, Default)]
 pub(crate) struct ServerWork {
     standings: Vec<Arc<Standing>>,

@@ -145,14 +145,15 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// each one waiting the oldest handshake in progress is closed once it
     /// is `min_age` old (counted from when it took its place, less its
     /// turns at the issuer: the quote for its certificate and its
-    /// residency answer; the wait for a turn counts). Handshakes that stall
-    /// (a ClientHello, then silence after the server's flight) then hold a
-    /// place for `min_age`, not for the handshake timeout, and cannot keep
-    /// a newcomer out by taking every place, while those a slow issuer is
-    /// serving are not closed for newcomers that would wait on it too.
-    /// Keep `min_age` above what a genuine handshake takes besides its
-    /// turns, and `wait` at or above `min_age` and under the clients'
-    /// timeout.
+    /// residency answer; the wait for a turn counts, but for a validated
+    /// client's answer only the wait for its source's share). Handshakes
+    /// that stall (a ClientHello, then silence after the server's flight)
+    /// then hold a place for `min_age`, not for the handshake timeout, and
+    /// cannot keep a newcomer out by taking every place, while those a
+    /// slow issuer is serving are not closed for newcomers that would wait
+    /// on it too. Keep `min_age` above what a genuine handshake takes
+    /// besides its turns, and `wait` at or above `min_age` and under the
+    /// clients' timeout.
     pub fn with_handshake_eviction(mut self, min_age: Duration, wait: Duration) -> Self {
         self.limits.handshake_eviction = Some(crate::incoming::Eviction { min_age, wait });
         self
@@ -188,10 +189,11 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// neither vouched for ([`crate::PeerInfo::vouch`]) nor protects
     /// ([`crate::PeerInfo::protect`]) is closed, once it is `min_age` old
     /// (counted from the end of its handshake, or from its start while the
-    /// handshake lasts, less its turns at the issuer). Connections kept open with requests that prove
-    /// nothing then cannot keep a newcomer out; `min_age` leaves a newcomer
-    /// the time to prove itself before a burst of connects could close it
-    /// in turn. Keep `wait` under the clients' handshake timeout.
+    /// handshake lasts, less its turns at the issuer). Connections kept
+    /// open with requests that prove nothing then cannot keep a newcomer
+    /// out; `min_age` leaves a newcomer the time to prove itself before a
+    /// burst of connects could close it in turn. Keep `wait` under the
+    /// clients' handshake timeout.
     pub fn with_eviction(mut self, min_age: Duration, wait: Duration) -> Self {
         self.limits.eviction = Some(crate::incoming::Eviction { min_age, wait });
         self
