@@ -833,6 +833,63 @@ async fn a_handshake_queued_for_the_issuer_still_ages() {
     newcomer.await.unwrap().expect("the newcomer");
 }
 
+/// Two attested handshakes queued for the TPM's residency answers, and a
+/// newcomer: a server whose answers take `answer` each, one at a time per
+/// source and `issuing` in all, with two places and a 1 s eviction age;
+/// the first of the two clients (from `sources`) answers the server's
+/// challenge only once the server made both certificates, so what queues
+/// is the answers, never a certificate; the newcomer connects
+/// `newcomer_after` them.
+struct AnswerQueue {
+    server: TestServer,
+    handshakes: [tokio::task::JoinHandle<Result<(), keel_atls::ConnectError>>; 2],
+    newcomer: tokio::task::JoinHandle<Result<(), keel_atls::ConnectError>>,
+}
+
+impl AnswerQueue {
+    async fn start(
+        answer: Duration,
+        issuing: usize,
+        sources: [u8; 2],
+        newcomer_after: Duration,
+    ) -> Self {
+        let inner = TestIssuer::generate();
+        let node = TestIssuer::generate();
+        let issuer = SlowIssuer::answering_in(inner.clone(), Duration::ZERO, answer);
+        let server = TestServer::start(
+            AtlsServer::mutual(issuer.clone(), dyn_validator(node.validator()))
+                .with_handshake_limits(2, 2)
+                .with_issuer_limits(1, issuing)
+                .with_handshake_eviction(Duration::from_secs(1), Duration::from_secs(8)),
+        )
+        .await;
+        let port = server.addr.port();
+        let connect = |client: AtlsClient<TestClaims>, n: u8| {
+            let client = client.with_local_address(source(n).into());
+            tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
+        };
+        let waiting = AtlsClient::mutual(
+            Arc::new(AnswersAfter {
+                inner: node.clone(),
+                server: issuer.clone(),
+                certificates: 2,
+            }),
+            dyn_validator(inner.validator()),
+        );
+        let handshakes = [
+            connect(waiting, sources[0]),
+            connect(common::mutual_client(&node, &inner), sources[1]),
+        ];
+        tokio::time::sleep(newcomer_after).await;
+        let newcomer = connect(common::mutual_client(&node, &inner), 99);
+        Self {
+            server,
+            handshakes,
+            newcomer,
+        }
+    }
+}
+
 /// A control plane restarts and its members reconnect at once, each to
 /// prove its key again: their handshakes queue for the TPM's residency
 /// answers, one at a time, while newcomers wait for places. A member the
@@ -840,96 +897,47 @@ async fn a_handshake_queued_for_the_issuer_still_ages() {
 /// closed for a newcomer, which gets a place as the answers go out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_queued_for_their_answers_are_not_closed_for_a_newcomer() {
-    let inner = TestIssuer::generate();
-    let node = TestIssuer::generate();
-    let issuer =
-        SlowIssuer::answering_in(inner.clone(), Duration::ZERO, Duration::from_millis(1200));
-    let server = TestServer::start(
-        AtlsServer::mutual(issuer.clone(), dyn_validator(node.validator()))
-            .with_handshake_limits(2, 2)
-            .with_issuer_limits(1, 1)
-            .with_handshake_eviction(Duration::from_secs(1), Duration::from_secs(8)),
+    // Two members, answers one at a time: the newcomer comes when both
+    // are past the age since they took their places, most of it queued.
+    let queue = AnswerQueue::start(
+        Duration::from_millis(1200),
+        1,
+        [50, 51],
+        Duration::from_millis(1100),
     )
     .await;
-    let port = server.addr.port();
-    let connect = |client: AtlsClient<TestClaims>, n: u8| {
-        let client = client.with_local_address(source(n).into());
-        tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
-    };
-    // The first member answers the server's challenge only once the
-    // server made both certificates, so no certificate waits behind an
-    // answer; the answers then go out one at a time.
-    let waiting_member = AtlsClient::mutual(
-        Arc::new(AnswersAfter {
-            inner: node.clone(),
-            server: issuer.clone(),
-            certificates: 2,
-        }),
-        dyn_validator(inner.validator()),
-    );
-    let first = connect(waiting_member, 50);
-    let second = connect(common::mutual_client(&node, &inner), 51);
-    // Past the age since the first took its place, most of it queued.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    let newcomer = connect(common::mutual_client(&node, &inner), 52);
-    first.await.unwrap().expect("the first member");
-    second.await.unwrap().expect("the second member");
-    newcomer.await.unwrap().expect("the newcomer");
-    assert_eq!(server.stats.refused(), 0, "a handshake was closed");
+    for member in queue.handshakes {
+        member.await.unwrap().expect("a member");
+    }
+    queue.newcomer.await.unwrap().expect("the newcomer");
+    assert_eq!(queue.server.stats.refused(), 0, "a handshake was closed");
 }
 
 /// Attacker's move: a node of an accepted image, compromised, attested
 /// again and again from one address, queues its handshakes for the TPM's
 /// answers, where an attested client's wait is the server's work, to hold
-/// every place. Only the wait behind other sources is: the handshake
-/// waiting behind its own source's turn ages and is closed for a newcomer.
+/// every place. Only the wait in the shared queue is: the handshake
+/// waiting for its own source's share ages and is closed for a newcomer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sources_own_queue_for_answers_still_ages() {
-    let inner = TestIssuer::generate();
-    let node = TestIssuer::generate();
-    let issuer =
-        SlowIssuer::answering_in(inner.clone(), Duration::ZERO, Duration::from_millis(2500));
-    let server = TestServer::start(
-        AtlsServer::mutual(issuer.clone(), dyn_validator(node.validator()))
-            .with_handshake_limits(2, 2)
-            .with_issuer_limits(1, 2)
-            .with_handshake_eviction(Duration::from_secs(1), Duration::from_secs(8)),
+    // One answer under way until 2.5 s, the other queued behind it for
+    // the source's share.
+    let queue = AnswerQueue::start(
+        Duration::from_millis(2500),
+        2,
+        [60, 60],
+        Duration::from_millis(1500),
     )
     .await;
-    let port = server.addr.port();
-    let connect = |client: AtlsClient<TestClaims>| {
-        let client = client.with_local_address(source(60).into());
-        tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
-    };
-    // The first answers the server's challenge only once both have their
-    // certificates: what queues is the answers, not a certificate.
-    let waiting = AtlsClient::mutual(
-        Arc::new(AnswersAfter {
-            inner: node.clone(),
-            server: issuer.clone(),
-            certificates: 2,
-        }),
-        dyn_validator(inner.validator()),
-    );
-    let same_source = [
-        connect(waiting),
-        connect(common::mutual_client(&node, &inner)),
-    ];
-    // The first answer under way until 2.5 s, the second queued behind it.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let newcomer = tokio::spawn({
-        let client = common::mutual_client(&node, &inner).with_local_address(source(61).into());
-        async move { client.connect("127.0.0.1", port).await.map(|_| ()) }
-    });
     let mut closed = 0;
-    for handshake in same_source {
+    for handshake in queue.handshakes {
         if handshake.await.unwrap().is_err() {
             closed += 1;
         }
     }
-    newcomer.await.unwrap().expect("the newcomer");
-    assert_eq!(closed, 1, "the one waiting behind its own source's turn");
-    assert_eq!(server.stats.refused(), 1);
+    queue.newcomer.await.unwrap().expect("the newcomer");
+    assert_eq!(closed, 1, "the one waiting for its own source's share");
+    assert_eq!(queue.server.stats.refused(), 1);
 }
 
 /// A member's issuer that answers the server's challenge only once the
