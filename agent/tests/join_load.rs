@@ -318,13 +318,7 @@ async fn a_node_of_the_services_own_image_gets_no_token() {
     let port = join_common::free_port();
     let service = start_service(&ca, port).await;
     let m = member(&ca, port, "w-0", "worker");
-    let (req, _key) = request(&m);
-    let denied = tonic::Code::PermissionDenied;
-    let status = assert_refused(&m.tickets(&ca), &service, req, denied).await;
-    assert!(
-        status.message().contains("joins with file discovery"),
-        "{status:?}"
-    );
+    denied_saying(&ca, &service, &m, false, "joins with file discovery").await;
     assert!(service.registered_tokens().is_empty(), "a token was made");
     let bindings = keel_agent::disk_bindings::DiskBindings::new(&service.root);
     assert_eq!(bindings.len().unwrap(), 0, "a disk was bound");

@@ -1146,6 +1146,15 @@ mod tests {
         )
     }
 
+    /// Every place of an [`evicting`] admission, two from each of sources
+    /// 1 and 2, in that order.
+    fn every_place(admission: &Arc<Admission>) -> Vec<AdmissionSlot> {
+        (1..3)
+            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
+            .map(|a| a.now().unwrap())
+            .collect()
+    }
+
     fn turn(admit: Admit) -> Turn {
         match admit {
             Admit::Wait(turn) => turn,
@@ -1239,10 +1248,7 @@ mod tests {
     #[tokio::test]
     async fn a_closed_connection_that_stays_open_does_not_hold_back_the_next_eviction() {
         let admission = evicting(Duration::from_secs(5));
-        let held: Vec<_> = (1..3)
-            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
-            .map(|a| a.now().unwrap())
-            .collect();
+        let held = every_place(&admission);
         let waiting = newcomer(&admission, v4(7));
         until_evicted(&held[0]).await;
         let evicted_now = held.iter().filter(|s| evicted(s)).count();
@@ -1264,10 +1270,7 @@ mod tests {
     #[tokio::test]
     async fn the_servers_own_work_on_a_handshake_does_not_age_it() {
         let admission = evicting(Duration::from_secs(5));
-        let mut held: Vec<_> = (1..3)
-            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
-            .map(|a| a.now().unwrap())
-            .collect();
+        let mut held = every_place(&admission);
         for slot in &held[2..] {
             slot.established();
             standing(slot).vouch();
@@ -1296,10 +1299,7 @@ mod tests {
     #[tokio::test]
     async fn waiting_newcomers_are_served_in_order_and_give_up_at_their_wait() {
         let admission = evicting(Duration::from_millis(300));
-        let mut held: Vec<_> = (1..3)
-            .flat_map(|s| [admission.admit(v4(s)), admission.admit(v4(s))])
-            .map(|a| a.now().unwrap())
-            .collect();
+        let mut held = every_place(&admission);
         for slot in &held {
             slot.established();
             standing(slot).vouch();
