@@ -12,7 +12,9 @@
 //! [`Batcher`] is for blocking callers (the aTLS issuer runs on blocking
 //! threads): one waiting caller runs the next round itself. [`AsyncBatcher`]
 //! is for async callers: a round runs in its own task, so a caller that
-//! gives up does not stop the round others wait for.
+//! gives up does not stop the round others wait for; a run cut short (its
+//! task cancelled with the runtime) abandons what it held and frees the
+//! batcher.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -304,11 +306,13 @@ where
 
     /// Runs rounds until the queue is empty.
     async fn run(self: Arc<Self>) {
+        let mut unfinished = Unfinished(Some(&*self));
         loop {
             let (items, replies): (Vec<I>, Vec<Reply<O, E>>) = {
                 let mut state = self.lock();
                 if state.queue.is_empty() {
                     state.running = false;
+                    unfinished.0 = None;
                     return;
                 }
                 let take = state.queue.len().min(self.max);
@@ -334,6 +338,26 @@ where
 
     fn lock(&self) -> MutexGuard<'_, AsyncState<I, O, E>> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Frees an [`AsyncBatcher`] whose run ended before its queue did: its task
+/// was cancelled (the runtime shut down) or a round panicked. The round's own
+/// requests lost their replies with it; the queued ones are abandoned too, and
+/// the next request starts a run again.
+struct Unfinished<'b, I, O, E: std::error::Error + 'static>(Option<&'b AsyncBatcher<I, O, E>>);
+
+impl<I, O, E: std::error::Error + 'static> Drop for Unfinished<'_, I, O, E> {
+    fn drop(&mut self) {
+        let Some(batcher) = self.0 else { return };
+        let queued = {
+            let mut state = batcher.state.lock().unwrap_or_else(PoisonError::into_inner);
+            state.running = false;
+            std::mem::take(&mut state.queue)
+        };
+        for (_, reply) in queued {
+            let _ = reply.send(Err(BatchError::Abandoned));
+        }
     }
 }
 
@@ -459,6 +483,55 @@ mod tests {
         assert_eq!(stats.requests, 64);
         assert!(stats.rounds < 64, "{stats:?}");
         assert!(stats.largest <= 16, "{stats:?}");
+    }
+
+    #[test]
+    fn a_round_cancelled_with_its_runtime_frees_the_batcher() {
+        // Rounds of value 0 never end; the runtime that runs one shuts down
+        // under it, cancelling its task.
+        let batcher = Arc::new(AsyncBatcher::new(8, |items: Vec<u32>| {
+            Box::pin(async move {
+                if items.contains(&0) {
+                    std::future::pending::<()>().await;
+                }
+                Ok(items)
+            }) as RoundFuture<u32, Boom>
+        }));
+        let doomed = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (stuck, queued) = doomed.block_on(async {
+            let stuck = tokio::spawn({
+                let b = batcher.clone();
+                async move { b.submit(0).await }
+            });
+            while batcher.stats().rounds == 0 {
+                tokio::task::yield_now().await;
+            }
+            // Queued behind the round that never ends.
+            let queued = tokio::spawn({
+                let b = batcher.clone();
+                async move { b.submit(1).await }
+            });
+            while batcher.lock().queue.is_empty() {
+                tokio::task::yield_now().await;
+            }
+            (stuck, queued)
+        });
+        drop(doomed);
+        let next = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        next.block_on(async {
+            assert!(stuck.await.is_err(), "its task ended with the runtime");
+            assert!(queued.await.is_err(), "its task ended with the runtime");
+            let again = tokio::time::timeout(Duration::from_secs(5), batcher.submit(2)).await;
+            assert_eq!(again.expect("the batcher is free again").unwrap(), 2);
+        });
+        assert!(batcher.lock().queue.is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
