@@ -62,6 +62,37 @@ fn tokens_config(api_version: &str, tokens: &[BootstrapToken]) -> Zeroizing<Stri
     yaml
 }
 
+/// A `token create` configuration is `token-<first token's ID>.yaml`.
+const CONFIG_PREFIX: &str = "token-";
+const CONFIG_SUFFIX: &str = ".yaml";
+
+/// Removes the `token create` configurations in `config_dir` that a run the
+/// agent did not outlive left behind (a SIGKILL skips their removal); they
+/// hold tokens. Call before any run starts. Failures are logged: only the
+/// files stay.
+pub fn remove_stale_configs(config_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(config_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let is_config = name.starts_with(CONFIG_PREFIX)
+            && name.ends_with(CONFIG_SUFFIX)
+            && entry.file_type().is_ok_and(|t| t.is_file());
+        if is_config {
+            tracing::warn!(
+                file = name,
+                "removing a token configuration left by an earlier run"
+            );
+            crate::files::remove_or_log(
+                &entry.path(),
+                "removing a token configuration left by an earlier run failed",
+            );
+        }
+    }
+}
+
 impl Kubeadm {
     /// Registers `token` with the cluster of this control plane (running
     /// Kubernetes `version`); see [`Kubeadm::create_tokens`].
@@ -93,7 +124,7 @@ impl Kubeadm {
         }
         let api = ConfigApi::for_version(version).map_err(KubeadmError::Config)?;
         let yaml = tokens_config(api.api_version(), tokens);
-        let path = config_dir.join(format!("token-{}.yaml", first.id()));
+        let path = config_dir.join(format!("{CONFIG_PREFIX}{}{CONFIG_SUFFIX}", first.id()));
         // Read by this one run and removed after it: not synced.
         let config = crate::files::TransientFile::scratch(path, yaml.as_bytes())
             .map_err(KubeadmError::WriteConfig)?;
@@ -124,6 +155,35 @@ impl Kubeadm {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stale_token_configurations_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = BootstrapToken::generate();
+        let stale = dir.path().join(format!("token-{}.yaml", token.id()));
+        std::fs::write(&stale, "a token").unwrap();
+        for other in ["join.yaml", "token-list.txt", "tokens.yaml"] {
+            std::fs::write(dir.path().join(other), "x").unwrap();
+        }
+        std::fs::create_dir(dir.path().join("token-dir.yaml")).unwrap();
+        remove_stale_configs(dir.path());
+        let mut left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "join.yaml",
+                "token-dir.yaml",
+                "token-list.txt",
+                "tokens.yaml"
+            ]
+        );
+        // A missing directory is no error.
+        remove_stale_configs(&dir.path().join("missing"));
+    }
 
     /// The configuration is written into the room reserved for it: the
     /// buffer never grew, so no copy of its tokens was freed unwiped.
