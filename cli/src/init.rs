@@ -592,14 +592,16 @@ pub async fn run(
     // told to try again (others hold the places, perhaps someone else's
     // slow requests) is sent again until the timeout.
     let answer = loop {
-        let answer = tokio::time::timeout_at(ends, client.init(request.clone()))
-            .await
-            .map_err(|_| {
-                anyhow::anyhow!(
-                    "the node did not answer init within {} s (--timeout)",
-                    deadline.as_secs()
-                )
-            })?;
+        let Ok(answer) = tokio::time::timeout_at(ends, client.init(request.clone())).await else {
+            // Also a retry sent just before the timeout: the node may have
+            // read it and gone on.
+            bail!(
+                "the node did not answer init within {} s (--timeout): it may have received \
+                 the request and be setting up the cluster{}",
+                deadline.as_secs(),
+                record_unconfirmed_id(workspace, &settings, cluster_id)
+            );
+        };
         match answer {
             Err(s) if told_busy(&s) && tokio::time::Instant::now() + INIT_RETRY < ends => {
                 eprintln!(
@@ -631,6 +633,15 @@ pub async fn run(
              received the request and be setting up the cluster{}",
             printable(&transport_failure(&s)),
             record_unconfirmed_id(workspace, &settings, cluster_id)
+        ),
+        // Still busy with too little time left to ask again: this request
+        // was not read either.
+        Err(s) if told_busy(&s) => bail!(
+            "the node was still busy when --timeout ran out ({}): it took no init request, \
+             and the master secret in {} was never used; remove that file (or give another \
+             --workspace) and run keel init again",
+            printable(s.message()),
+            secret_path.display()
         ),
         Err(s) => bail!(
             "the node refused init ({:?}): {}",

@@ -49,6 +49,10 @@ enum Answer {
     /// Init sends a log line and ends its stream without a result (one
     /// cut short on the way).
     Ended,
+    /// Init takes the request and never answers it.
+    Mute,
+    /// Init answers busy, with the mark of a request left unread.
+    Busy,
 }
 
 /// What a flooding init API sends: a failure, then this many 64 KiB log
@@ -68,6 +72,17 @@ impl InitService for Recorder {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         match self.1 {
             Answer::Refuse => return Err(tonic::Status::unavailable("a forged node")),
+            Answer::Mute => {
+                std::future::pending::<()>().await;
+            }
+            Answer::Busy => {
+                let mut busy = tonic::Status::unavailable("other init requests are in progress");
+                busy.metadata_mut().insert(
+                    keel_proto::BUSY_METADATA,
+                    tonic::metadata::MetadataValue::from_static("1"),
+                );
+                return Err(busy);
+            }
             Answer::Hostile => {}
             Answer::Silent | Answer::Ended => {
                 let line = Kind::LogLine("running kubeadm init".into());
@@ -486,7 +501,7 @@ async fn a_worker_gets_neither_the_init_secret_nor_the_master_secret() {
 /// operator commands reach the cluster, and the error says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_init_whose_result_is_lost_keeps_its_cluster_id() {
-    for answer in [Answer::Silent, Answer::Ended] {
+    for answer in [Answer::Silent, Answer::Ended, Answer::Mute] {
         init_result_lost(answer).await;
     }
 }
@@ -513,6 +528,29 @@ async fn init_result_lost(answer: Answer) {
     assert!(text(&out).contains(&recorded), "{}", text(&out));
     assert_eq!(recorded.len(), 64);
     assert!(!served.workspace.join("keel-admin.conf").exists());
+}
+
+/// A node busy until `--timeout` runs out: asked again while there is
+/// time to, and then `keel init` stops, saying the master secret it wrote
+/// was never used (no request was read) and recording no cluster ID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_busy_until_the_timeout_took_no_request() {
+    let ca = EkCa::new().unwrap();
+    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&hash));
+    let served = Served::answering(&ca, &node, Answer::Busy).await;
+    let init = ["init", "--wait", "5", "--timeout", "3"];
+    let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert_eq!(
+        served.requests(),
+        2,
+        "asked once, then once again: {}",
+        text(&out)
+    );
+    assert!(text(&out).contains("still busy"), "{}", text(&out));
+    assert!(text(&out).contains("was never used"), "{}", text(&out));
+    assert!(!served.workspace.join("keel-id.json").exists());
 }
 
 /// Attacker's move: a control plane of the cluster's image, compromised
