@@ -330,6 +330,22 @@ async fn a_node_of_the_services_own_image_gets_no_token() {
     assert_eq!(bindings.len().unwrap(), 1);
 }
 
+/// The registry's refusals come before the token's: a second TPM of the
+/// service's own image under a member's name, asking for a token, is told
+/// the name is held (as a revoked node is told it is revoked), not how to
+/// ask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registrys_refusals_come_before_the_token_downgrade() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let service = start_service(&ca, port).await;
+    let first = member(&ca, port, "w-0", "worker");
+    joins_with_file_discovery(&ca, &service, &first).await;
+    let second = member(&ca, port, "w-0", "worker");
+    denied_saying(&ca, &service, &second, false, "holds this node's name").await;
+    assert!(service.registered_tokens().is_empty(), "a token was made");
+}
+
 /// Attacker's move: ask for a bootstrap token of a control plane whose own
 /// image the cluster retired (a rollout withdrew it before this node
 /// rebooted): judging by an image no node presents, it would give one to

@@ -434,9 +434,9 @@ impl JoinService {
         } = self.admit(peer).await?;
         let cluster = &cluster;
         let identity = check_identity(peer, &request.node_name, request.is_control_plane)?;
-        self.refuse_token_downgrade(cluster, peer, request.file_discovery)?;
         let ek = EkDigest::of_public(&peer.ek);
         self.check_registry(&ek, &identity)?;
+        self.refuse_token_downgrade(cluster, peer, request.file_discovery)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
