@@ -112,10 +112,13 @@ pub fn remove_durably(path: &Path) -> std::io::Result<()> {
 pub struct TransientFile(PathBuf);
 
 impl TransientFile {
-    /// Writes `data` to `path` as [`write_private`] does.
+    /// Writes `data` to `path` as [`write_private`] does. On an error the
+    /// file is removed too: the rename may have put it in place before the
+    /// directory's sync failed.
     pub fn write(path: PathBuf, data: &[u8]) -> Result<Self, WriteFileError> {
-        write_private(&path, data)?;
-        Ok(Self(path))
+        let file = Self(path);
+        write_private(&file.0, data)?;
+        Ok(file)
     }
 
     /// Writes `data` to `path` as [`write_private_scratch`] does (read

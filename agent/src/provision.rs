@@ -725,11 +725,6 @@ fn take_over_earlier_layout(disk: &Path, kept: &Path, components: &[Component]) 
     true
 }
 
-/// Removes a kubeadm configuration once its run ended: it holds a
-/// bootstrap token (valid for 15 minutes in the cluster, and good for a
-/// kubelet certificate of any node name under kubeadm's default approval)
-/// or, for file discovery, the kubelet's key, and, on a control plane, the
-/// certificate key.
 /// Flushes every file system: what kubeadm wrote (it does not sync its
 /// kubeconfigs) and the agent's own changes reach the state disk before the
 /// node reports them done, so a power loss right after loses nothing.
