@@ -663,8 +663,8 @@ impl Admission {
 /// neither vouched for nor protects, open (or established) at least the
 /// eviction's minimum age: established, or still in its handshake. A
 /// connection's age leaves out the time the server worked on its
-/// handshake ([`ServerWork`]): what ages it is waiting on its peer, and
-/// for a turn at the issuer.
+/// handshake ([`ServerWork`], which lists what that is): what ages it is
+/// waiting on its peer, and for a turn at the issuer.
 fn evict_for_waiting(state: &mut AdmissionState, eviction: Eviction) {
     let now = Instant::now();
     let making_room = state
@@ -816,15 +816,21 @@ impl Standing {
 
 /// The connections whose handshake the server is working on, as their
 /// evictions see them: the time between [`ServerWork::begin`] and the end
-/// of what it returns (a turn at the issuer: its quote for the
-/// certificate, or its residency answer, batch wait included) does not
-/// count toward their age. A handshake the issuer is serving is not the
-/// stalling peer an eviction makes room against; on a slow TPM it would
-/// otherwise be closed for a newcomer, which then waits on the same TPM.
-/// The wait for a turn does count: a flood's own handshakes queue there,
-/// behind their source's share, and must not be sheltered by it (for a
-/// client the server validated, only that wait for the source's share
-/// counts: [`IssuerGate::enter_counting`]).
+/// of what it returns does not count toward their age. That is
+///
+/// * a turn at the issuer: its quote for the certificate, or its
+///   residency answer, batch wait included;
+/// * for a client the server validated, its wait in the issuer's shared
+///   queue for its answer, within the gate's bounds
+///   ([`IssuerGate::enter_counting`]);
+/// * the wait of a quiet prefix's answer for the overall answer rate
+///   (at most [`crate::rate`]'s quiet wait, one per prefix).
+///
+/// A handshake the issuer is serving is not the stalling peer an eviction
+/// makes room against; on a slow TPM it would otherwise be closed for a
+/// newcomer, which then waits on the same TPM. Any other wait for a turn
+/// counts: a flood's own handshakes queue there, behind their source's
+/// share or in the shared queue, and must not be sheltered by it.
 #[derive(Clone, Default)]
 pub(crate) struct ServerWork {
     standings: Vec<Arc<Standing>>,
@@ -907,8 +913,50 @@ pub(crate) struct IssuerGate {
     per_source: usize,
     total: Arc<Semaphore>,
     sources: Mutex<HashMap<Source, Arc<Semaphore>>>,
+    /// The handshakes whose wait in the shared queue is the server's work
+    /// ([`IssuerGate::enter_counting`]).
+    sheltered: Mutex<Sheltered>,
+    /// How many may be, in all: as many as the issuer takes at once.
+    shelter_total: usize,
     /// How often key residency challenges are answered.
     answers: crate::rate::AnswerRate,
+}
+
+/// How many of one source's handshakes may wait in the issuer's shared
+/// queue as the server's work at once ([`IssuerGate::enter_counting`]): a
+/// node makes one handshake at a time, and a control plane's members each
+/// connect from their own address.
+const SHELTERED_PER_SOURCE: usize = 1;
+
+/// The handshakes waiting in the shared queue as the server's work.
+#[derive(Default)]
+struct Sheltered {
+    total: usize,
+    by_source: HashMap<Source, usize>,
+}
+
+/// A handshake's wait in the shared queue counted as the server's work;
+/// ends when dropped.
+struct Shelter<'g> {
+    gate: &'g IssuerGate,
+    source: Source,
+}
+
+impl Drop for Shelter<'_> {
+    fn drop(&mut self) {
+        let mut sheltered = self
+            .gate
+            .sheltered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        sheltered.total = sheltered.total.saturating_sub(1);
+        if let Some(count) = sheltered.by_source.get_mut(&self.source) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                sheltered.by_source.remove(&self.source);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for IssuerGate {
@@ -929,8 +977,27 @@ impl IssuerGate {
             per_source: per_source.max(1),
             total: Arc::new(Semaphore::new(total.max(1))),
             sources: Mutex::default(),
+            sheltered: Mutex::default(),
+            shelter_total: total.max(1),
             answers: crate::rate::AnswerRate::new(answers_bounded_overall),
         }
+    }
+
+    /// A shelter for a handshake of `source` in the shared queue, if
+    /// neither its source's ([`SHELTERED_PER_SOURCE`]) nor the gate's are
+    /// all taken.
+    fn shelter(&self, source: Source) -> Option<Shelter<'_>> {
+        let mut sheltered = self
+            .sheltered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let of_source = sheltered.by_source.get(&source).copied().unwrap_or(0);
+        if sheltered.total >= self.shelter_total || of_source >= SHELTERED_PER_SOURCE {
+            return None;
+        }
+        sheltered.total += 1;
+        sheltered.by_source.insert(source, of_source + 1);
+        Some(Shelter { gate: self, source })
     }
 
     /// Whether a key residency challenge from `source` may be answered
@@ -950,9 +1017,11 @@ impl IssuerGate {
     }
 
     /// [`IssuerGate::enter`]; once the source's share is held, the wait
-    /// for the shared queue is `shared_wait`'s work: at most `per_source`
-    /// handshakes of one source wait there at a time, the others behind
-    /// their source's share, where the wait is theirs.
+    /// for the shared queue is `shared_wait`'s work, for at most
+    /// [`SHELTERED_PER_SOURCE`] handshakes of a source and as many in all
+    /// as the issuer takes at once. The others wait there, and behind
+    /// their source's share, as theirs: what a flood of one node, or of
+    /// many addresses, queues there ages.
     pub(crate) async fn enter_counting(
         self: &Arc<Self>,
         source: Source,
@@ -978,7 +1047,7 @@ impl IssuerGate {
             own.acquire().await?.forget();
         }
         permit.holds_own = true;
-        let _queued = shared_wait.map(ServerWork::begin);
+        let _queued = shared_wait.and_then(|work| Some((self.shelter(source)?, work.begin())));
         permit.shared = Some(self.total.clone().acquire_owned().await?);
         Ok(permit)
     }
@@ -1282,7 +1351,9 @@ mod tests {
         until_evicted(&held[1]).await;
         assert!(!evicted(&held[0]));
         drop(held.remove(1));
-        let _first = first.await.unwrap().expect("the first got no place");
+        let first = first.await.unwrap().expect("the first got no place");
+        first.established();
+        standing(&first).vouch();
         // Past its minimum age in all, but not on its peer: it stays.
         let second = newcomer(&admission, v4(8));
         tokio::time::sleep(EVICTION_RETRY * 2).await;
@@ -1314,6 +1385,21 @@ mod tests {
         assert!(admission.lock().waiting.is_empty());
         drop(got);
         assert!(admission.admit(v4(9)).now().is_some());
+    }
+
+    #[test]
+    fn the_gate_shelters_one_wait_per_source_and_its_total_in_all() {
+        let gate = IssuerGate::new(4, 2, false);
+        let first = gate.shelter(v4(1)).expect("a source's first");
+        assert!(gate.shelter(v4(1)).is_none(), "a source's second");
+        let other = gate.shelter(v4(2)).expect("another source's first");
+        assert!(gate.shelter(v4(3)).is_none(), "past the gate's total");
+        drop(first);
+        let again = gate.shelter(v4(3)).expect("a freed shelter");
+        drop((other, again));
+        let sheltered = gate.sheltered.lock().unwrap();
+        assert_eq!(sheltered.total, 0);
+        assert!(sheltered.by_source.is_empty(), "a source stays counted");
     }
 
     #[tokio::test]

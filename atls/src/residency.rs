@@ -324,10 +324,11 @@ enum Waiter {
     /// challenged it answers only once its proof checked out): only
     /// attested nodes wait here, so the wait in the shared queue is the
     /// server's work, and a control plane's members reconnecting at once
-    /// are not closed while they queue for their answers. The wait for
-    /// the source's share still ages: a node of an accepted image,
-    /// compromised, shelters at most the gate's share per source (16 on
-    /// the join port) in the shared queue, not all its handshakes.
+    /// are not closed while they queue for their answers. The gate
+    /// shelters one such wait per source and as many in all as the
+    /// issuer takes at once; the others, and the wait for the source's
+    /// share, age: a node of an accepted image, compromised, cannot
+    /// shelter its handshakes from one address or from many.
     Attested,
     /// Anyone (a port that validates no client): the wait for a turn at
     /// the issuer ages the handshake, where a flood's own queue must not
@@ -338,7 +339,8 @@ enum Waiter {
 /// Runs the issuer's answer on a blocking thread (it may talk to a TPM).
 /// The handshake's time here is the server's work ([`ServerWork`]) but for
 /// the wait for a turn at the issuer: all of it for a client anyone could
-/// be, the wait for its source's share for an attested one.
+/// be, for an attested one the wait for its source's share and a shared
+/// queue wait past the gate's shelter.
 async fn answer(
     prover: Prover,
     challenge: Vec<u8>,

@@ -189,7 +189,9 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
     /// neither vouched for ([`crate::PeerInfo::vouch`]) nor protects
     /// ([`crate::PeerInfo::protect`]) is closed, once it is `min_age` old
     /// (counted from the end of its handshake, or from its start while the
-    /// handshake lasts, less its turns at the issuer). Connections kept
+    /// handshake lasts, less the server's work on it: its turns at the
+    /// issuer, a validated client's sheltered wait for its answer and a
+    /// quiet prefix's rate wait). Connections kept
     /// open with requests that prove nothing then cannot keep a newcomer
     /// out; `min_age` leaves a newcomer the time to prove itself before a
     /// burst of connects could close it in turn. Keep `wait` under the

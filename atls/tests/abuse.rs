@@ -790,14 +790,22 @@ async fn a_handshake_waiting_on_the_server_is_not_closed_for_a_newcomer() {
     assert_eq!(server.stats.refused(), 0, "no handshake closed");
 }
 
-/// Attacker's move: queue handshakes behind the source's own share of the
-/// issuer, where, if the wait counted as the server's work, they would
-/// never age, and hold every place with them. Only a turn at the issuer
-/// is the server's work: the handshake waiting for its turn is closed for
-/// a newcomer before it ever gets a certificate, while the one the issuer
-/// serves stays.
+/// Attacker's move: queue handshakes for the issuer, behind the source's
+/// own share or in the shared queue, where, if the wait counted as the
+/// server's work, they would never age, and hold every place with them.
+/// Only a turn at the issuer is the server's work: the handshake waiting
+/// for its turn is closed for a newcomer before it ever gets a
+/// certificate, while the one the issuer serves stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handshake_queued_for_the_issuer_still_ages() {
+    // From the served one's source (its share is one turn), and from
+    // another (its own share held, the one turn in all taken).
+    for queued_from in [2, 3] {
+        queued_for_the_issuer(queued_from).await;
+    }
+}
+
+async fn queued_for_the_issuer(queued_from: u8) {
     let inner = TestIssuer::generate();
     let node = TestIssuer::generate();
     let issuer = SlowIssuer::new(inner.clone(), Duration::from_millis(1500));
@@ -809,12 +817,13 @@ async fn a_handshake_queued_for_the_issuer_still_ages() {
     )
     .await;
     let hello = captured_client_hello().await;
-    // From one source: the first takes the issuer's one turn, the second
-    // waits for its source's.
+    // The first takes the issuer's one turn, the second waits.
     let mut served = connect_from(source(2), server.addr).await.unwrap();
     served.write_all(&hello).await.unwrap();
     wait_for(|| issuer.ran.lock().unwrap().len() == 1).await;
-    let mut queued = connect_from(source(2), server.addr).await.unwrap();
+    let mut queued = connect_from(source(queued_from), server.addr)
+        .await
+        .unwrap();
     queued.write_all(&hello).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let client = common::mutual_client(&node, &inner).with_local_address(source(41).into());
@@ -833,24 +842,24 @@ async fn a_handshake_queued_for_the_issuer_still_ages() {
     newcomer.await.unwrap().expect("the newcomer");
 }
 
-/// Two attested handshakes queued for the TPM's residency answers, and a
-/// newcomer: a server whose answers take `answer` each, one at a time per
-/// source and `issuing` in all, with two places and a 1 s eviction age;
-/// the first of the two clients (from `sources`) answers the server's
-/// challenge only once the server made both certificates, so what queues
-/// is the answers, never a certificate; the newcomer connects
-/// `newcomer_after` them.
+/// Attested handshakes, one from each of `sources`, queued for the TPM's
+/// residency answers, and a newcomer: a server whose answers take
+/// `answer` each, `issuing` = (per source, in all) at a time, with a place
+/// for each handshake and a 1 s eviction age; every client answers the
+/// server's challenge only once the server made all their certificates,
+/// so what queues is the answers, never a certificate; the newcomer
+/// connects `newcomer_after` them.
 struct AnswerQueue {
     server: TestServer,
-    handshakes: [tokio::task::JoinHandle<Result<(), keel_atls::ConnectError>>; 2],
+    handshakes: Vec<tokio::task::JoinHandle<Result<(), keel_atls::ConnectError>>>,
     newcomer: tokio::task::JoinHandle<Result<(), keel_atls::ConnectError>>,
 }
 
 impl AnswerQueue {
     async fn start(
         answer: Duration,
-        issuing: usize,
-        sources: [u8; 2],
+        (per_source, issuing): (usize, usize),
+        sources: &[u8],
         newcomer_after: Duration,
     ) -> Self {
         let inner = TestIssuer::generate();
@@ -858,8 +867,8 @@ impl AnswerQueue {
         let issuer = SlowIssuer::answering_in(inner.clone(), Duration::ZERO, answer);
         let server = TestServer::start(
             AtlsServer::mutual(issuer.clone(), dyn_validator(node.validator()))
-                .with_handshake_limits(2, 2)
-                .with_issuer_limits(1, issuing)
+                .with_handshake_limits(sources.len(), sources.len())
+                .with_issuer_limits(per_source, issuing)
                 .with_handshake_eviction(Duration::from_secs(1), Duration::from_secs(8)),
         )
         .await;
@@ -868,18 +877,17 @@ impl AnswerQueue {
             let client = client.with_local_address(source(n).into());
             tokio::spawn(async move { client.connect("127.0.0.1", port).await.map(|_| ()) })
         };
-        let waiting = AtlsClient::mutual(
-            Arc::new(AnswersAfter {
-                inner: node.clone(),
-                server: issuer.clone(),
-                certificates: 2,
-            }),
-            dyn_validator(inner.validator()),
-        );
-        let handshakes = [
-            connect(waiting, sources[0]),
-            connect(common::mutual_client(&node, &inner), sources[1]),
-        ];
+        let waiting = || {
+            AtlsClient::mutual(
+                Arc::new(AnswersAfter {
+                    inner: node.clone(),
+                    server: issuer.clone(),
+                    certificates: sources.len(),
+                }),
+                dyn_validator(inner.validator()),
+            )
+        };
+        let handshakes = sources.iter().map(|&n| connect(waiting(), n)).collect();
         tokio::time::sleep(newcomer_after).await;
         let newcomer = connect(common::mutual_client(&node, &inner), 99);
         Self {
@@ -901,16 +909,12 @@ async fn members_queued_for_their_answers_are_not_closed_for_a_newcomer() {
     // are past the age since they took their places, most of it queued.
     let queue = AnswerQueue::start(
         Duration::from_millis(1200),
-        1,
-        [50, 51],
+        (1, 1),
+        &[50, 51],
         Duration::from_millis(1100),
     )
     .await;
-    for member in queue.handshakes {
-        member.await.unwrap().expect("a member");
-    }
-    queue.newcomer.await.unwrap().expect("the newcomer");
-    assert_eq!(queue.server.stats.refused(), 0, "a handshake was closed");
+    assert_eq!(queue.closed().await, 0, "a member was closed");
 }
 
 /// Attacker's move: a node of an accepted image, compromised, attested
@@ -924,20 +928,54 @@ async fn a_sources_own_queue_for_answers_still_ages() {
     // the source's share.
     let queue = AnswerQueue::start(
         Duration::from_millis(2500),
-        2,
-        [60, 60],
+        (1, 2),
+        &[60, 60],
         Duration::from_millis(1500),
     )
     .await;
-    let mut closed = 0;
-    for handshake in queue.handshakes {
-        if handshake.await.unwrap().is_err() {
-            closed += 1;
-        }
+    assert_eq!(
+        queue.closed().await,
+        1,
+        "the one waiting for its own source's share"
+    );
+}
+
+/// Attacker's move: a node of an accepted image, compromised, queues its
+/// attested handshakes for the TPM's answers in the shared queue, from
+/// one address whose share holds many, or from many addresses, to hold
+/// every place. The gate shelters one such wait per source and as many in
+/// all as the issuer takes at once: past that the wait ages, and a
+/// newcomer closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sheltered_waits_for_answers_are_bounded_per_source_and_in_all() {
+    // One answer at a time: the first served, the second sheltered, the
+    // third, past the source's shelter or the gate's, closed.
+    for (issuing, sources) in [((3, 1), [70, 70, 70]), ((1, 1), [71, 72, 73])] {
+        let queue = AnswerQueue::start(
+            Duration::from_millis(1200),
+            issuing,
+            &sources,
+            Duration::from_millis(1100),
+        )
+        .await;
+        assert_eq!(queue.closed().await, 1, "from {sources:?}");
     }
-    queue.newcomer.await.unwrap().expect("the newcomer");
-    assert_eq!(closed, 1, "the one waiting for its own source's share");
-    assert_eq!(queue.server.stats.refused(), 1);
+}
+
+impl AnswerQueue {
+    /// How many of the handshakes were closed; the newcomer must succeed,
+    /// and the server's count of closed handshakes agree.
+    async fn closed(self) -> u64 {
+        let mut closed = 0;
+        for handshake in self.handshakes {
+            if handshake.await.unwrap().is_err() {
+                closed += 1;
+            }
+        }
+        self.newcomer.await.unwrap().expect("the newcomer");
+        assert_eq!(self.server.stats.refused(), closed);
+        closed
+    }
 }
 
 /// A member's issuer that answers the server's challenge only once the
@@ -968,7 +1006,8 @@ impl Issuer for AnswersAfter {
 
 /// A mutual server of `issuer`'s that accepts clients signed by `trusted`,
 /// making room for newcomers among its handshakes as the agent's join port
-/// does (a handshake 3 s old closed for a newcomer waiting up to 5 s).
+/// does (here a handshake 3 s old closed for a newcomer waiting up to 5 s;
+/// the port's are 5 s and 8 s).
 fn mutual_server_trusting(
     issuer: &Arc<TestIssuer>,
     trusted: &TestIssuer,
