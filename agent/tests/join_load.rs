@@ -494,6 +494,27 @@ async fn refused_with<T>(pending: tokio::task::JoinHandle<Result<T, TicketError>
     assert!(status.message().contains(why), "{status:?}");
 }
 
+/// Race: the rollout retires the service's own image (the staged one is
+/// withdrawn) while a node of the older image waits for its bootstrap
+/// token: the service can no longer tell which images ask for tokens, and
+/// the token is not sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_services_image_retired_while_the_token_is_registered_sends_no_token() {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let mut service = start_service_slow_tokens(&ca, port, 3).await;
+    service.serving_older_members().await;
+    let m = member(&ca, port, "w-1", "worker");
+    let pending = waiting_for_its_token(&service, &m, &ca).await;
+    let mut retired = (*service.slot.borrow().clone().unwrap()).clone();
+    retired.staged_measurements = None;
+    service
+        .slot
+        .send_replace(Some(std::sync::Arc::new(retired)));
+    let status = refusal(pending.await.unwrap(), tonic::Code::Unavailable);
+    assert!(status.message().contains("retired"), "{status:?}");
+}
+
 /// Race: the operator withdraws the node's image (new join measurements)
 /// while its join ticket waits for its bootstrap token: the ticket is
 /// refused, not built from the state it was admitted by.
