@@ -356,11 +356,7 @@ async fn a_control_plane_of_a_retired_image_gives_no_token() {
     let port = join_common::free_port();
     let mut service = start_service(&ca, port).await;
     service.serving_older_members().await;
-    let mut retired = (*service.slot.borrow().clone().unwrap()).clone();
-    retired.staged_measurements = None;
-    service
-        .slot
-        .send_replace(Some(std::sync::Arc::new(retired)));
+    retire_the_staged_image(&service);
     let m = member(&ca, port, "w-0", "worker");
     let (req, _key) = request(&m);
     let unavailable = tonic::Code::Unavailable;
@@ -488,6 +484,31 @@ async fn waiting_for_its_token(
     pending
 }
 
+/// A service mid-upgrade (kubeadm slowed to 3 s) and the ticket request
+/// of a node of the older image, waiting for its token.
+async fn an_older_nodes_ticket_waiting_for_its_token() -> (
+    Service,
+    tokio::task::JoinHandle<Result<impl Sized, TicketError>>,
+) {
+    let ca = EkCa::new().unwrap();
+    let port = join_common::free_port();
+    let mut service = start_service_slow_tokens(&ca, port, 3).await;
+    service.serving_older_members().await;
+    let m = member(&ca, port, "w-1", "worker");
+    let pending = waiting_for_its_token(&service, &m, &ca).await;
+    (service, pending)
+}
+
+/// Ends the upgrade `service` serves by withdrawing the image it staged,
+/// the service's own: its members' older image stays.
+fn retire_the_staged_image(service: &Service) {
+    let mut retired = (*service.slot.borrow().clone().unwrap()).clone();
+    retired.staged_measurements = None;
+    service
+        .slot
+        .send_replace(Some(std::sync::Arc::new(retired)));
+}
+
 /// Asserts that `pending` ended refused (`PermissionDenied`), saying `why`.
 async fn refused_with<T>(pending: tokio::task::JoinHandle<Result<T, TicketError>>, why: &str) {
     let status = refusal(pending.await.unwrap(), tonic::Code::PermissionDenied);
@@ -500,17 +521,8 @@ async fn refused_with<T>(pending: tokio::task::JoinHandle<Result<T, TicketError>
 /// the token is not sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_services_image_retired_while_the_token_is_registered_sends_no_token() {
-    let ca = EkCa::new().unwrap();
-    let port = join_common::free_port();
-    let mut service = start_service_slow_tokens(&ca, port, 3).await;
-    service.serving_older_members().await;
-    let m = member(&ca, port, "w-1", "worker");
-    let pending = waiting_for_its_token(&service, &m, &ca).await;
-    let mut retired = (*service.slot.borrow().clone().unwrap()).clone();
-    retired.staged_measurements = None;
-    service
-        .slot
-        .send_replace(Some(std::sync::Arc::new(retired)));
+    let (service, pending) = an_older_nodes_ticket_waiting_for_its_token().await;
+    retire_the_staged_image(&service);
     let status = refusal(pending.await.unwrap(), tonic::Code::Unavailable);
     assert!(status.message().contains("retired"), "{status:?}");
 }
@@ -520,12 +532,7 @@ async fn the_services_image_retired_while_the_token_is_registered_sends_no_token
 /// refused, not built from the state it was admitted by.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_image_withdrawn_while_the_token_is_registered_refuses_the_ticket() {
-    let ca = EkCa::new().unwrap();
-    let port = join_common::free_port();
-    let mut service = start_service_slow_tokens(&ca, port, 3).await;
-    service.serving_older_members().await;
-    let m = member(&ca, port, "w-1", "worker");
-    let pending = waiting_for_its_token(&service, &m, &ca).await;
+    let (service, pending) = an_older_nodes_ticket_waiting_for_its_token().await;
     // Another image's measurements replace the node's.
     let state = service.slot.borrow().clone().unwrap();
     let mut other = state.join_measurements.clone();
