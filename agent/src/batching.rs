@@ -294,7 +294,9 @@ where
             !std::mem::replace(&mut state.running, true)
         };
         if start {
-            tokio::spawn(self.clone().run());
+            // Made before the task: a task dropped before it first ran
+            // frees the batcher too.
+            tokio::spawn(Self::run(Unfinished(Some(self.clone()))));
         }
         result.await.unwrap_or(Err(BatchError::Abandoned))
     }
@@ -305,21 +307,23 @@ where
     }
 
     /// Runs rounds until the queue is empty.
-    async fn run(self: Arc<Self>) {
-        let mut unfinished = Unfinished(Some(&*self));
+    async fn run(mut unfinished: Unfinished<I, O, E>) {
+        let Some(this) = unfinished.0.clone() else {
+            return;
+        };
         loop {
             let (items, replies): (Vec<I>, Vec<Reply<O, E>>) = {
-                let mut state = self.lock();
+                let mut state = this.lock();
                 if state.queue.is_empty() {
                     state.running = false;
                     unfinished.0 = None;
                     return;
                 }
-                let take = state.queue.len().min(self.max);
+                let take = state.queue.len().min(this.max);
                 state.queue.drain(..take).unzip()
             };
-            self.counters.record(items.len());
-            match (self.work)(items).await {
+            this.counters.record(items.len());
+            match (this.work)(items).await {
                 Ok(results) => {
                     let mut results = results.into_iter();
                     for reply in replies {
@@ -342,14 +346,17 @@ where
 }
 
 /// Frees an [`AsyncBatcher`] whose run ended before its queue did: its task
-/// was cancelled (the runtime shut down) or a round panicked. The round's own
+/// was cancelled (the runtime shut down), maybe before it first ran, or a
+/// round panicked. The round's own
 /// requests lost their replies with it; the queued ones are abandoned too, and
 /// the next request starts a run again.
-struct Unfinished<'b, I, O, E: std::error::Error + 'static>(Option<&'b AsyncBatcher<I, O, E>>);
+struct Unfinished<I, O, E: std::error::Error + 'static>(Option<Arc<AsyncBatcher<I, O, E>>>);
 
-impl<I, O, E: std::error::Error + 'static> Drop for Unfinished<'_, I, O, E> {
+impl<I, O, E: std::error::Error + 'static> Drop for Unfinished<I, O, E> {
     fn drop(&mut self) {
-        let Some(batcher) = self.0 else { return };
+        let Some(batcher) = self.0.take() else {
+            return;
+        };
         let queued = {
             let mut state = batcher.state.lock().unwrap_or_else(PoisonError::into_inner);
             state.running = false;
@@ -532,6 +539,37 @@ mod tests {
             assert_eq!(again.expect("the batcher is free again").unwrap(), 2);
         });
         assert!(batcher.lock().queue.is_empty());
+    }
+
+    #[test]
+    fn a_run_whose_task_never_ran_frees_the_batcher() {
+        let batcher = Arc::new(AsyncBatcher::new(8, |items: Vec<u32>| {
+            Box::pin(async move { Ok(items) }) as RoundFuture<u32, Boom>
+        }));
+        // The request is queued and its run's task spawned, not yet run,
+        // when the runtime shuts down.
+        let doomed = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        doomed.block_on(async {
+            let mut submit = std::pin::pin!(batcher.submit(1));
+            std::future::poll_fn(|cx| {
+                assert!(submit.as_mut().poll(cx).is_pending(), "answered at once");
+                std::task::Poll::Ready(())
+            })
+            .await;
+        });
+        assert_eq!(batcher.stats().rounds, 0, "the run's task ran");
+        drop(doomed);
+        let next = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let again = next.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), batcher.submit(2)).await
+        });
+        assert_eq!(again.expect("the batcher is free again").unwrap(), 2);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
