@@ -509,6 +509,9 @@ pub async fn serve_join_as_control_plane(
     cluster: Arc<ClusterSlot>,
     measurements: PathBuf,
 ) -> anyhow::Result<()> {
+    // Once per start, before any run: a set-up tried again below may
+    // follow a service whose last `token create` still runs.
+    crate::kubeadm::token::remove_stale_configs(&env.work_dir.join(crate::paths::TOKEN_CONFIG_DIR));
     Backoff::default()
         .retry("the join service", || {
             let (config, tpm, env, cluster, measurements) = (

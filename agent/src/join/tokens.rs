@@ -36,10 +36,8 @@ pub struct TokenRegistrar {
 }
 
 impl TokenRegistrar {
-    /// A registrar running `kubeadm`, whose token files go to `config_dir`
-    /// (the ones an earlier agent left there are removed first).
+    /// A registrar running `kubeadm`, whose token files go to `config_dir`.
     pub fn new(kubeadm: Kubeadm, config_dir: PathBuf) -> Self {
-        crate::kubeadm::token::remove_stale_configs(&config_dir);
         let kubeadm = Arc::new(kubeadm);
         let config_dir = Arc::new(config_dir);
         let batches = AsyncBatcher::new(MAX_TOKENS_PER_RUN, move |tokens| {

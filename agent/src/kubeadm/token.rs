@@ -68,8 +68,9 @@ const CONFIG_SUFFIX: &str = ".yaml";
 
 /// Removes the `token create` configurations in `config_dir` that a run the
 /// agent did not outlive left behind (a SIGKILL skips their removal); they
-/// hold tokens. Call before any run starts. Failures are logged: only the
-/// files stay.
+/// hold tokens. Call once when the agent starts, before any run (a join
+/// service set up again within the agent may follow a run still under
+/// way). Failures are logged: only the files stay.
 pub fn remove_stale_configs(config_dir: &Path) {
     let Ok(entries) = std::fs::read_dir(config_dir) else {
         return;
