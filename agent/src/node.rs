@@ -98,8 +98,8 @@ pub const JOIN_ISSUING: usize = 64;
 /// at least this long is closed. The age counts from when the handshake
 /// took its place, less its turns at the TPM (the quote for its
 /// certificate and its residency answer) and an attested member's wait
-/// for its answer in the issuer's shared queue (one per address, 64 in
-/// all; others there age): on a slow TPM, or with
+/// for its answer in the issuer's shared queue (one per IPv4 address or
+/// IPv6 /64, 64 in all; others there age): on a slow TPM, or with
 /// every member reconnecting, the handshakes it is serving are not
 /// closed, while the wait for a turn for a certificate, and for the
 /// source's share of turns, ages a handshake like a wait on its peer (a

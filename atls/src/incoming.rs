@@ -924,8 +924,9 @@ pub(crate) struct IssuerGate {
 
 /// How many of one source's handshakes may wait in the issuer's shared
 /// queue as the server's work at once ([`IssuerGate::enter_counting`]): a
-/// node makes one handshake at a time, and a control plane's members each
-/// connect from their own address.
+/// node makes one handshake at a time, and a control plane's members
+/// usually connect from their own addresses (members that share an IPv6
+/// /64 or a NAT address share one shelter).
 const SHELTERED_PER_SOURCE: usize = 1;
 
 /// The handshakes waiting in the shared queue as the server's work.
@@ -1047,6 +1048,12 @@ impl IssuerGate {
             own.acquire().await?.forget();
         }
         permit.holds_own = true;
+        // A free turn is taken without a shelter (nobody waits for one
+        // when none is free: tokio hands freed permits to waiters first).
+        if let Ok(turn) = self.total.clone().try_acquire_owned() {
+            permit.shared = Some(turn);
+            return Ok(permit);
+        }
         let _queued = shared_wait.and_then(|work| Some((self.shelter(source)?, work.begin())));
         permit.shared = Some(self.total.clone().acquire_owned().await?);
         Ok(permit)

@@ -948,14 +948,20 @@ async fn a_sources_own_queue_for_answers_still_ages() {
 /// newcomer closes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sheltered_waits_for_answers_are_bounded_per_source_and_in_all() {
-    // One answer at a time: the first served, the second sheltered, the
-    // third, past the source's shelter or the gate's, closed.
-    for (issuing, sources) in [((3, 1), [70, 70, 70]), ((1, 1), [71, 72, 73])] {
+    // From one address whose share holds four, two answers at a time: two
+    // served, one sheltered, the fourth past the source's shelter (the
+    // gate's has room for two). From three addresses, one answer at a
+    // time: one served, one sheltered, the third past the gate's. The
+    // newcomer comes at 1.5 s, well past the 1 s age of the one left
+    // unsheltered and well before the first answers end at 2.2 s.
+    let cases: [((usize, usize), &[u8]); 2] =
+        [((4, 2), &[70, 70, 70, 70]), ((1, 1), &[71, 72, 73])];
+    for (issuing, sources) in cases {
         let queue = AnswerQueue::start(
-            Duration::from_millis(1200),
+            Duration::from_millis(2200),
             issuing,
-            &sources,
-            Duration::from_millis(1100),
+            sources,
+            Duration::from_millis(1500),
         )
         .await;
         assert_eq!(queue.closed().await, 1, "from {sources:?}");
