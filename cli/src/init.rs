@@ -37,6 +37,11 @@ use crate::workspace::{
 /// node answered as busy.
 const INIT_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The time a retry must have left for the node's answer: one sent later
+/// would run into `--timeout` before a busy answer could say it was not
+/// read.
+const INIT_ANSWER_TIME: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Writes `data` to `path` with mode 0600, refusing to replace an existing
 /// file, and syncs the file and its directory: the secret is on disk before
 /// any node can receive it. It is written whole to a temporary file first
@@ -603,7 +608,10 @@ pub async fn run(
             );
         };
         match answer {
-            Err(s) if told_busy(&s) && tokio::time::Instant::now() + INIT_RETRY < ends => {
+            Err(s)
+                if told_busy(&s)
+                    && tokio::time::Instant::now() + INIT_RETRY + INIT_ANSWER_TIME < ends =>
+            {
                 eprintln!(
                     "the node is busy ({}); trying again in {} s",
                     printable(s.message()),

@@ -539,7 +539,9 @@ async fn a_node_busy_until_the_timeout_took_no_request() {
     let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
     let node = node_with(&ca, harness::control_plane_config(&hash));
     let served = Served::answering(&ca, &node, Answer::Busy).await;
-    let init = ["init", "--wait", "5", "--timeout", "3"];
+    // Busy at once, and again 2 s later with 2 s left: too little to wait
+    // 2 s more and leave the node 1 s to answer.
+    let init = ["init", "--wait", "5", "--timeout", "4"];
     let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert_eq!(
