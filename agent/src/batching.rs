@@ -347,9 +347,9 @@ where
 
 /// Frees an [`AsyncBatcher`] whose run ended before its queue did: its task
 /// was cancelled (the runtime shut down), maybe before it first ran, or a
-/// round panicked. The round's own
-/// requests lost their replies with it; the queued ones are abandoned too, and
-/// the next request starts a run again.
+/// round panicked. The round's own requests lost their replies with it;
+/// the queued ones are abandoned too, and the next request starts a run
+/// again.
 struct Unfinished<I, O, E: std::error::Error + 'static>(Option<Arc<AsyncBatcher<I, O, E>>>);
 
 impl<I, O, E: std::error::Error + 'static> Drop for Unfinished<I, O, E> {
