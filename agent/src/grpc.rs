@@ -196,12 +196,7 @@ where
                 busy,
                 "request refused: the service's requests in flight are at their bound"
             );
-            let mut status = tonic::Status::unavailable(busy);
-            status.metadata_mut().insert(
-                keel_proto::BUSY_METADATA,
-                tonic::metadata::MetadataValue::from_static("1"),
-            );
-            return Box::pin(std::future::ready(Ok(status.into_http())));
+            return Box::pin(std::future::ready(Ok(keel_proto::busy(busy).into_http())));
         };
         let deadline = self.body_deadline;
         let request = request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline)));

@@ -968,11 +968,7 @@ mod tests {
     /// nothing.
     #[test]
     fn only_the_nodes_marked_busy_answer_is_sent_again() {
-        let mut busy = tonic::Status::unavailable("other init requests are in progress");
-        busy.metadata_mut().insert(
-            keel_proto::BUSY_METADATA,
-            tonic::metadata::MetadataValue::from_static("1"),
-        );
+        let busy = keel_proto::busy("other init requests are in progress");
         assert!(told_busy(&busy));
         assert!(!never_sent(&busy));
         let failing = tonic::Status::unavailable("the TPM is unavailable");

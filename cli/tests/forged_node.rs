@@ -75,14 +75,7 @@ impl InitService for Recorder {
             Answer::Mute => {
                 std::future::pending::<()>().await;
             }
-            Answer::Busy => {
-                let mut busy = tonic::Status::unavailable("other init requests are in progress");
-                busy.metadata_mut().insert(
-                    keel_proto::BUSY_METADATA,
-                    tonic::metadata::MetadataValue::from_static("1"),
-                );
-                return Err(busy);
-            }
+            Answer::Busy => return Err(keel_proto::busy("other init requests are in progress")),
             Answer::Hostile => {}
             Answer::Silent | Answer::Ended => {
                 let line = Kind::LogLine("running kubeadm init".into());

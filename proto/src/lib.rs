@@ -80,6 +80,16 @@ pub const MAX_REGISTRY_BYTES: usize = 32 * 1024 * 1024;
 /// (the node's TPM or disk failing) and transport failures carry none.
 pub const BUSY_METADATA: &str = "keel-busy";
 
+/// A busy answer saying `message`, marked with [`BUSY_METADATA`].
+pub fn busy(message: impl Into<String>) -> tonic::Status {
+    let mut status = tonic::Status::unavailable(message);
+    status.metadata_mut().insert(
+        BUSY_METADATA,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    status
+}
+
 /// Largest admin kubeconfig a control plane sends the operator
 /// (`AdminKubeconfig`), and `keel kubeconfig` takes: kubeadm's is a few
 /// KiB.
