@@ -250,6 +250,16 @@ fn told_busy(status: &tonic::Status) -> bool {
         && status.metadata().get(keel_proto::BUSY_METADATA).is_some()
 }
 
+/// What an error says when the node read no init request: the master
+/// secret written to `secret_path` was never used, and how to start over.
+fn unused_secret(secret_path: &Path) -> String {
+    format!(
+        "the node took no init request, and the master secret in {} was never used; remove \
+         that file (or give another --workspace) and run keel init again",
+        secret_path.display()
+    )
+}
+
 /// What failed beneath a status tonic made of a transport failure, each
 /// cause once (the status's message repeats the first, and errors that
 /// wrap another often print it too).
@@ -627,11 +637,9 @@ pub async fn run(
         // No connection to send it on: any earlier attempt was answered
         // busy, unread, so the node took no init request.
         Err(s) if never_sent(&s) => bail!(
-            "the connection to the node was gone before init could be sent ({}): the node \
-             took no init request, and the master secret in {} was never used; remove that \
-             file (or give another --workspace) and run keel init again",
+            "the connection to the node was gone before init could be sent ({}): {}",
             printable(&transport_failure(&s)),
-            secret_path.display()
+            unused_secret(&secret_path)
         ),
         // The request may have reached the node, which then goes on: it is
         // not sent again (a second init would be refused, the first
@@ -645,11 +653,9 @@ pub async fn run(
         // Still busy with too little time left to ask again: this request
         // was not read either.
         Err(s) if told_busy(&s) => bail!(
-            "the node was still busy when --timeout ran out ({}): it took no init request, \
-             and the master secret in {} was never used; remove that file (or give another \
-             --workspace) and run keel init again",
+            "the node was still busy when --timeout ran out ({}): {}",
             printable(s.message()),
-            secret_path.display()
+            unused_secret(&secret_path)
         ),
         Err(s) => bail!(
             "the node refused init ({:?}): {}",
