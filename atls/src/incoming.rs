@@ -8,7 +8,7 @@
 //! Nothing about a connection is known before its handshake, so what a
 //! not-yet-validated connection may hold is bounded; see [`Incoming`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::pin::Pin;
@@ -913,31 +913,20 @@ pub(crate) struct IssuerGate {
     per_source: usize,
     total: Arc<Semaphore>,
     sources: Mutex<HashMap<Source, Arc<Semaphore>>>,
-    /// The handshakes whose wait in the shared queue is the server's work
-    /// ([`IssuerGate::enter_counting`]).
-    sheltered: Mutex<Sheltered>,
+    /// The sources of the handshakes whose wait in the shared queue is the
+    /// server's work ([`IssuerGate::enter_counting`]): one per source.
+    sheltered: Mutex<HashSet<Source>>,
     /// How many may be, in all: as many as the issuer takes at once.
     shelter_total: usize,
     /// How often key residency challenges are answered.
     answers: crate::rate::AnswerRate,
 }
 
-/// How many of one source's handshakes may wait in the issuer's shared
-/// queue as the server's work at once ([`IssuerGate::enter_counting`]): a
-/// node makes one handshake at a time, and a control plane's members
-/// usually connect from their own addresses (members that share an IPv6
-/// /64 or a NAT address share one shelter).
-const SHELTERED_PER_SOURCE: usize = 1;
-
-/// The handshakes waiting in the shared queue as the server's work.
-#[derive(Default)]
-struct Sheltered {
-    total: usize,
-    by_source: HashMap<Source, usize>,
-}
-
 /// A handshake's wait in the shared queue counted as the server's work;
-/// ends when dropped.
+/// ends when dropped. One source has one at a time: a node makes one
+/// handshake at a time, and a control plane's members usually connect
+/// from their own addresses (members that share an IPv6 /64 or a NAT
+/// address share one shelter).
 struct Shelter<'g> {
     gate: &'g IssuerGate,
     source: Source,
@@ -945,18 +934,11 @@ struct Shelter<'g> {
 
 impl Drop for Shelter<'_> {
     fn drop(&mut self) {
-        let mut sheltered = self
-            .gate
+        self.gate
             .sheltered
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        sheltered.total = sheltered.total.saturating_sub(1);
-        if let Some(count) = sheltered.by_source.get_mut(&self.source) {
-            *count = count.saturating_sub(1);
-            if *count == 0 {
-                sheltered.by_source.remove(&self.source);
-            }
-        }
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.source);
     }
 }
 
@@ -984,20 +966,16 @@ impl IssuerGate {
         }
     }
 
-    /// A shelter for a handshake of `source` in the shared queue, if
-    /// neither its source's ([`SHELTERED_PER_SOURCE`]) nor the gate's are
-    /// all taken.
+    /// A shelter for a handshake of `source` in the shared queue, if its
+    /// source has none and the gate's are not all taken.
     fn shelter(&self, source: Source) -> Option<Shelter<'_>> {
         let mut sheltered = self
             .sheltered
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let of_source = sheltered.by_source.get(&source).copied().unwrap_or(0);
-        if sheltered.total >= self.shelter_total || of_source >= SHELTERED_PER_SOURCE {
+        if sheltered.len() >= self.shelter_total || !sheltered.insert(source) {
             return None;
         }
-        sheltered.total += 1;
-        sheltered.by_source.insert(source, of_source + 1);
         Some(Shelter { gate: self, source })
     }
 
@@ -1018,9 +996,9 @@ impl IssuerGate {
     }
 
     /// [`IssuerGate::enter`]; once the source's share is held, the wait
-    /// for the shared queue is `shared_wait`'s work, for at most
-    /// [`SHELTERED_PER_SOURCE`] handshakes of a source and as many in all
-    /// as the issuer takes at once. The others wait there, and behind
+    /// for the shared queue is `shared_wait`'s work, for one handshake of a
+    /// source at a time ([`Shelter`]) and as many in all as the issuer
+    /// takes at once. The others wait there, and behind
     /// their source's share, as theirs: what a flood of one node, or of
     /// many addresses, queues there ages.
     pub(crate) async fn enter_counting(
@@ -1404,9 +1382,10 @@ mod tests {
         drop(first);
         let again = gate.shelter(v4(3)).expect("a freed shelter");
         drop((other, again));
-        let sheltered = gate.sheltered.lock().unwrap();
-        assert_eq!(sheltered.total, 0);
-        assert!(sheltered.by_source.is_empty(), "a source stays counted");
+        assert!(
+            gate.sheltered.lock().unwrap().is_empty(),
+            "a source stays counted"
+        );
     }
 
     #[tokio::test]
