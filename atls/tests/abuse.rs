@@ -896,6 +896,20 @@ impl AnswerQueue {
             newcomer,
         }
     }
+
+    /// How many of the handshakes were closed; the newcomer must succeed,
+    /// and the server's count of closed handshakes agree.
+    async fn closed(self) -> u64 {
+        let mut closed = 0;
+        for handshake in self.handshakes {
+            if handshake.await.unwrap().is_err() {
+                closed += 1;
+            }
+        }
+        self.newcomer.await.unwrap().expect("the newcomer");
+        assert_eq!(self.server.stats.refused(), closed);
+        closed
+    }
 }
 
 /// A control plane restarts and its members reconnect at once, each to
@@ -965,22 +979,6 @@ async fn sheltered_waits_for_answers_are_bounded_per_source_and_in_all() {
         )
         .await;
         assert_eq!(queue.closed().await, 1, "from {sources:?}");
-    }
-}
-
-impl AnswerQueue {
-    /// How many of the handshakes were closed; the newcomer must succeed,
-    /// and the server's count of closed handshakes agree.
-    async fn closed(self) -> u64 {
-        let mut closed = 0;
-        for handshake in self.handshakes {
-            if handshake.await.unwrap().is_err() {
-                closed += 1;
-            }
-        }
-        self.newcomer.await.unwrap().expect("the newcomer");
-        assert_eq!(self.server.stats.refused(), closed);
-        closed
     }
 }
 
