@@ -218,6 +218,17 @@ impl Served {
     }
 }
 
+/// A control plane of the cluster's image (its init secret's hash
+/// `SECRET`'s) whose init API answers as `answer` says, with its EK CA and
+/// TPM, which must outlive it (dropped after it, in a `let` of the tuple).
+async fn control_plane_answering(answer: Answer) -> (EkCa, Victim, Served) {
+    let ca = EkCa::new().unwrap();
+    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&hash));
+    let served = Served::answering(&ca, &node, answer).await;
+    (ca, node, served)
+}
+
 impl Drop for Served {
     fn drop(&mut self) {
         self.server.abort();
@@ -449,10 +460,7 @@ async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
 /// own. The CLI says so and keeps neither the kubeconfig nor the ID.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_init_answered_with_another_cluster_id_keeps_nothing() {
-    let ca = EkCa::new().unwrap();
-    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
-    let node = node_with(&ca, harness::control_plane_config(&hash));
-    let served = Served::answering(&ca, &node, Answer::Misreport).await;
+    let (_ca, _node, served) = control_plane_answering(Answer::Misreport).await;
     let init = ["init", "--wait", "5"];
     let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
     assert!(!out.status.success(), "{}", text(&out));
@@ -500,10 +508,7 @@ async fn an_init_whose_result_is_lost_keeps_its_cluster_id() {
 }
 
 async fn init_result_lost(answer: Answer) {
-    let ca = EkCa::new().unwrap();
-    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
-    let node = node_with(&ca, harness::control_plane_config(&hash));
-    let served = Served::answering(&ca, &node, answer).await;
+    let (_ca, _node, served) = control_plane_answering(answer).await;
     let init = ["init", "--wait", "5", "--timeout", "3"];
     let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
     assert!(!out.status.success(), "{}", text(&out));
@@ -528,10 +533,7 @@ async fn init_result_lost(answer: Answer) {
 /// was never used (no request was read) and recording no cluster ID.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_busy_until_the_timeout_took_no_request() {
-    let ca = EkCa::new().unwrap();
-    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
-    let node = node_with(&ca, harness::control_plane_config(&hash));
-    let served = Served::answering(&ca, &node, Answer::Busy).await;
+    let (_ca, _node, served) = control_plane_answering(Answer::Busy).await;
     // Busy at once, and again 2 s later with 2 s left: too little to wait
     // 2 s more and leave the node 1 s to answer.
     let init = ["init", "--wait", "5", "--timeout", "4"];
@@ -555,10 +557,7 @@ async fn a_node_busy_until_the_timeout_took_no_request() {
 /// says what it dropped, and gives up at its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
-    let ca = EkCa::new().unwrap();
-    let hash = keel_verifier::init_secret::hash(SECRET).unwrap();
-    let node = node_with(&ca, harness::control_plane_config(&hash));
-    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let (_ca, _node, served) = control_plane_answering(Answer::Hostile).await;
 
     let started = std::time::Instant::now();
     let init = ["init", "--wait", "5", "--timeout", "4"];
