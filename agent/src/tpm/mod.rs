@@ -73,8 +73,8 @@ impl TctiSpec {
     /// The TSS's form of it. A device path is taken as it is; a swtpm's
     /// settings go through the TSS's parser for them alone, other TCTIs
     /// through its parser for names too. Both compile regular expressions
-    /// on every call (the name parser four more): about 0.3-0.5 ms each
-    /// time a node opens its TPM, and code a node never needs to run.
+    /// on every call (the name parser four more), work a node on its
+    /// device never needs.
     fn name_conf(&self) -> Result<TctiNameConf, tss_esapi::Error> {
         if let Some(path) = self.0.strip_prefix("device:") {
             return Ok(TctiNameConf::Device(DeviceConfig::from_str(path)?));
@@ -238,5 +238,39 @@ mod tests {
             TctiNameConf::from_str("swtpm:host=127.0.0.1,port=2321").unwrap()
         );
         assert!(TctiSpec::from_str("nonsense").unwrap().name_conf().is_err());
+    }
+
+    /// What the TSS is handed in the end: the settings parsed out of the
+    /// string and written back, defaults filled in.
+    #[test]
+    fn tcti_specs_reach_the_tss_as_these_strings() {
+        let cases = [
+            ("device:/dev/tpmrm0", "device:/dev/tpmrm0"),
+            ("/dev/tpm0", "device:/dev/tpm0"),
+            (
+                "swtpm:host=127.0.0.1,port=2331",
+                "swtpm:host=127.0.0.1,port=2331",
+            ),
+            ("swtpm:port=2341,host=::1", "swtpm:host=::1,port=2341"),
+            ("swtpm:port=2341", "swtpm:host=localhost,port=2341"),
+            ("swtpm:", "swtpm:host=localhost,port=2321"),
+            (
+                "mssim:host=tpm.local,port=2321",
+                "mssim:host=tpm.local,port=2321",
+            ),
+        ];
+        for (spec, tss) in cases {
+            let conf = TctiSpec::from_str(spec).unwrap().name_conf().unwrap();
+            assert_eq!(std::ffi::CString::try_from(conf).unwrap().to_str(), Ok(tss));
+        }
+        for bad in [
+            "swtpm:port=23a1",
+            "swtpm:port=65536",
+            "swtpm:host=no host",
+            "tpm0",
+        ] {
+            let spec = TctiSpec::from_str(bad).unwrap();
+            assert!(spec.name_conf().is_err(), "{bad}");
+        }
     }
 }
