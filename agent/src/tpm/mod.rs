@@ -73,8 +73,8 @@ impl TctiSpec {
     /// The TSS's form of it. A device path is taken as it is; a swtpm's
     /// settings go through the TSS's parser for them alone, other TCTIs
     /// through its parser for names too. Both compile regular expressions
-    /// on every call (the name parser four more), work a node on its
-    /// device never needs.
+    /// on every call (the name parser four more), which a node's device
+    /// path does not need.
     fn name_conf(&self) -> Result<TctiNameConf, tss_esapi::Error> {
         if let Some(path) = self.0.strip_prefix("device:") {
             return Ok(TctiNameConf::Device(DeviceConfig::from_str(path)?));
@@ -255,8 +255,12 @@ mod tests {
             ("swtpm:port=2341", "swtpm:host=localhost,port=2341"),
             ("swtpm:", "swtpm:host=localhost,port=2321"),
             (
-                "mssim:host=tpm.local,port=2321",
-                "mssim:host=tpm.local,port=2321",
+                "mssim:host=tpm.local,port=2351",
+                "mssim:host=tpm.local,port=2351",
+            ),
+            (
+                "tabrmd:bus_type=session,bus_name=com.example.Tabrmd",
+                "tabrmd:bus_name=com.example.Tabrmd,bus_type=session",
             ),
         ];
         for (spec, tss) in cases {
@@ -267,6 +271,8 @@ mod tests {
             "swtpm:port=23a1",
             "swtpm:port=65536",
             "swtpm:host=no host",
+            "tabrmd:bus_name=tabrmd",
+            "tabrmd:bus_type=bus",
             "tpm0",
         ] {
             let spec = TctiSpec::from_str(bad).unwrap();
