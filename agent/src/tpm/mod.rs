@@ -73,7 +73,7 @@ impl TctiSpec {
     /// The TSS's form of it. A device path is taken as it is; a swtpm's
     /// settings go through the TSS's parser for them alone, other TCTIs
     /// through its parser for names too. Both compile regular expressions
-    /// on every call (the name parser four more), which a node's device
+    /// on every call (the name parser up to four more), which a node's device
     /// path does not need.
     fn name_conf(&self) -> Result<TctiNameConf, tss_esapi::Error> {
         if let Some(path) = self.0.strip_prefix("device:") {

@@ -1,6 +1,7 @@
-//! The crates that use `regex` in this workspace, and the expressions they
-//! compile (copied from their sources at the versions named below), with
-//! the results they rely on.
+//! The crates that use `regex` in this workspace, and some of the
+//! expressions they compile (copied from their sources at the versions
+//! named below), with the results they rely on. The agent's TCTI test runs
+//! tss-esapi's parsers whole.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use std::path::Path;
@@ -19,7 +20,7 @@ fn workspace_file(path: &str) -> std::path::PathBuf {
 
 /// A new dependent of `regex` may need what `regex-lite` lacks, and a new
 /// version of a dependent may compile other expressions: either fails
-/// here, to be checked before the lock file takes it.
+/// here once the lock file has it, to be checked.
 #[test]
 fn regex_is_this_crate_and_its_dependents_are_the_checked_ones() {
     let lock = std::fs::read_to_string(workspace_file("Cargo.lock")).unwrap();
@@ -37,7 +38,7 @@ fn regex_is_this_crate_and_its_dependents_are_the_checked_ones() {
         let name = field("name").unwrap();
         if name == "regex" {
             regex_entries += 1;
-            assert_eq!(field("source"), None, "regex comes from a registry");
+            assert_eq!(field("source"), None, "regex is not the path shim");
         }
         let uses_regex = package
             .lines()
