@@ -218,6 +218,12 @@ impl Served {
     }
 }
 
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
 /// A control plane of the cluster's image (its init secret's hash
 /// `SECRET`'s) whose init API answers as `answer` says, with its EK CA and
 /// TPM, which must outlive it (dropped after it, in a `let` of the tuple).
@@ -227,12 +233,6 @@ async fn control_plane_answering(answer: Answer) -> (EkCa, Victim, Served) {
     let node = node_with(&ca, harness::control_plane_config(&hash));
     let served = Served::answering(&ca, &node, answer).await;
     (ca, node, served)
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        self.server.abort();
-    }
 }
 
 /// Runs `keel args`, which must fail for `why` with nothing sent.
