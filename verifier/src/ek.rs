@@ -7,7 +7,9 @@
 //! vendors may share one); the certificate is trusted when one candidate's
 //! key verifies its signature and that candidate is itself valid now and a
 //! CA (basicConstraints cA=true and the keyCertSign key usage, where the
-//! extensions are present).
+//! extensions are present). The signature must be RSA or ECDSA over
+//! SHA-256 or a longer SHA-2 hash: a SHA-1 certificate is refused whoever
+//! signed it.
 //!
 //! A node presents the same certificate in every handshake, so a trust
 //! remembers (bounded) the certificates it accepted, each with the EK it
@@ -15,7 +17,11 @@
 //! later check of the same pair within that window skips the parsing and
 //! the signature check.
 
-use x509_parser::oid_registry::OID_X509_EXT_BASIC_CONSTRAINTS;
+use x509_parser::oid_registry::{
+    Oid, OID_PKCS1_RSASSAPSS, OID_PKCS1_SHA1WITHRSA, OID_PKCS1_SHA256WITHRSA,
+    OID_PKCS1_SHA384WITHRSA, OID_PKCS1_SHA512WITHRSA, OID_SHA1_WITH_RSA, OID_SIG_ECDSA_WITH_SHA256,
+    OID_SIG_ECDSA_WITH_SHA384, OID_X509_EXT_BASIC_CONSTRAINTS,
+};
 use x509_parser::prelude::{FromDer, ParsedExtension, X509Certificate};
 use x509_parser::public_key::PublicKey as CertKey;
 
@@ -72,6 +78,12 @@ pub enum EkError {
     /// The document's EK public area is not the RSA-2048 EK template.
     #[error("endorsement key public area is not the TCG RSA-2048 EK template: {0}")]
     Template(&'static str),
+    /// The certificate is signed with an algorithm outside
+    /// [`SIGNATURE_ALGORITHMS`] (SHA-1, say).
+    #[error(
+        "EK certificate is signed with {0}; only RSA (PKCS#1 v1.5 or PSS) with SHA-256, SHA-384 or SHA-512 and ECDSA with SHA-256 or SHA-384 are taken"
+    )]
+    SignatureAlgorithm(String),
 }
 
 /// The marshalled TPMT_PUBLIC of the TCG EK Credential Profile's RSA-2048
@@ -240,6 +252,7 @@ impl EkTrust {
     /// the certificate and the CA that issued it are both valid.
     fn check(&self, cert_der: &[u8], ek: &Public) -> Result<(i64, i64), EkError> {
         let (_, cert) = X509Certificate::from_der(cert_der).map_err(|_| EkError::Parse)?;
+        signature_algorithm(&cert)?;
         let mut refusal: Option<EkError> = None;
         let mut issuer_window = None;
         for ca in self
@@ -286,6 +299,36 @@ impl EkTrust {
             _ => Err(EkError::KeyMismatch),
         }
     }
+}
+
+/// The signature algorithms an EK certificate may be signed with. RSASSA-PSS
+/// stands for itself only with SHA-256, SHA-384 or SHA-512 as its hash: the
+/// signature check takes no other. SHA-1 is left out: chosen-prefix
+/// collisions for it are practical, so a SHA-1 signature over a
+/// certificate a CA issued may as well be over one it did not; and the
+/// check's SHA-1 path takes RSA keys of 1024 bits.
+const SIGNATURE_ALGORITHMS: [&Oid<'static>; 6] = [
+    &OID_PKCS1_SHA256WITHRSA,
+    &OID_PKCS1_SHA384WITHRSA,
+    &OID_PKCS1_SHA512WITHRSA,
+    &OID_PKCS1_RSASSAPSS,
+    &OID_SIG_ECDSA_WITH_SHA256,
+    &OID_SIG_ECDSA_WITH_SHA384,
+];
+
+/// Refuses a certificate whose signature algorithm is not one of
+/// [`SIGNATURE_ALGORITHMS`], before any key is tried on it.
+fn signature_algorithm(cert: &X509Certificate<'_>) -> Result<(), EkError> {
+    let algorithm = &cert.signature_algorithm.algorithm;
+    if SIGNATURE_ALGORITHMS.contains(&algorithm) {
+        return Ok(());
+    }
+    let name = if *algorithm == OID_PKCS1_SHA1WITHRSA || *algorithm == OID_SHA1_WITH_RSA {
+        format!("RSA with SHA-1 ({algorithm})")
+    } else {
+        format!("the algorithm {algorithm}")
+    };
+    Err(EkError::SignatureAlgorithm(name))
 }
 
 /// 65537, big-endian: the exponent of the EK template (0 in its area).
@@ -557,6 +600,13 @@ mod tests {
     }
 
     fn ca_with_key(key: KeyPair, shape: impl FnOnce(&mut CertificateParams)) -> Ca {
+        let params = ca_params(shape);
+        let pem = params.self_signed(&key).unwrap().pem();
+        Ca { params, key, pem }
+    }
+
+    /// What [`ca`] makes a CA certificate of.
+    fn ca_params(shape: impl FnOnce(&mut CertificateParams)) -> CertificateParams {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.distinguished_name.push(DnType::CommonName, NAME);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -565,8 +615,7 @@ mod tests {
         params.not_before = now - Duration::days(30);
         params.not_after = now + Duration::days(365);
         shape(&mut params);
-        let pem = params.self_signed(&key).unwrap().pem();
-        Ca { params, key, pem }
+        params
     }
 
     fn expired(params: &mut CertificateParams) {
@@ -594,6 +643,134 @@ mod tests {
     fn trust(cas: &[&Ca]) -> EkTrust {
         let bundle: String = cas.iter().map(|c| c.pem.as_str()).collect();
         EkTrust::from_pem(bundle.as_bytes()).unwrap()
+    }
+
+    /// An RSA-2048 CA key that signs PKCS#1 v1.5 with SHA-256, as rcgen
+    /// asks of `sha256WithRSAEncryption`.
+    struct RsaCaKey {
+        key: rsa::RsaPrivateKey,
+        public: Vec<u8>,
+    }
+
+    impl PublicKeyData for RsaCaKey {
+        fn der_bytes(&self) -> &[u8] {
+            &self.public
+        }
+
+        fn algorithm(&self) -> &'static SignatureAlgorithm {
+            &rcgen::PKCS_RSA_SHA256
+        }
+    }
+
+    impl rcgen::SigningKey for RsaCaKey {
+        fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
+            Ok(pkcs1_v15(
+                &self.key,
+                &SHA256_DIGEST_INFO,
+                &Sha256::digest(msg),
+            ))
+        }
+    }
+
+    /// The DER DigestInfo before a SHA-256 digest (RFC 8017, 9.2).
+    const SHA256_DIGEST_INFO: [u8; 19] = [
+        0x30, 0x31, 0x30, 0x0d, 0x06, 0x09, 0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x01,
+        0x05, 0x00, 0x04, 0x20,
+    ];
+    /// The DER DigestInfo before a SHA-1 digest.
+    const SHA1_DIGEST_INFO: [u8; 15] = [
+        0x30, 0x21, 0x30, 0x09, 0x06, 0x05, 0x2b, 0x0e, 0x03, 0x02, 0x1a, 0x05, 0x00, 0x04, 0x14,
+    ];
+
+    /// An RSASSA-PKCS1-v1_5 signature by `key` of `digest` after its
+    /// DigestInfo `prefix`.
+    fn pkcs1_v15(key: &rsa::RsaPrivateKey, prefix: &[u8], digest: &[u8]) -> Vec<u8> {
+        key.sign(
+            rsa::Pkcs1v15Sign::new_unprefixed(),
+            &[prefix, digest].concat(),
+        )
+        .unwrap()
+    }
+
+    /// `cert` (signed `sha256WithRSAEncryption` by `key`) as `key` would
+    /// have signed it with SHA-1: both algorithm identifiers
+    /// `sha1WithRSAEncryption` (an OID of the same length), the signature
+    /// made again over the changed TBSCertificate.
+    fn signed_again_with_sha1(cert: &[u8], key: &rsa::RsaPrivateKey) -> Vec<u8> {
+        use sha1::Digest as _;
+        const SHA256_WITH_RSA: [u8; 11] = [
+            0x06, 0x09, 0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0b,
+        ];
+        let mut der = cert.to_vec();
+        let at: Vec<usize> = der
+            .windows(SHA256_WITH_RSA.len())
+            .enumerate()
+            .filter(|(_, w)| *w == SHA256_WITH_RSA)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(at.len(), 2, "the TBSCertificate's and the outer identifier");
+        for i in at {
+            der[i + SHA256_WITH_RSA.len() - 1] = 0x05; // 1.2.840.113549.1.1.5
+        }
+        let tbs = X509Certificate::from_der(&der)
+            .unwrap()
+            .1
+            .tbs_certificate
+            .as_ref()
+            .to_vec();
+        let signature = pkcs1_v15(key, &SHA1_DIGEST_INFO, &sha1::Sha1::digest(&tbs));
+        // The signature ends the certificate; RSA-2048 keeps its length.
+        let end = der.len();
+        der[end - signature.len()..].copy_from_slice(&signature);
+        der
+    }
+
+    #[test]
+    fn a_certificate_its_ca_signed_with_sha1_or_an_unlisted_algorithm_is_refused() {
+        use rsa::pkcs1::EncodeRsaPublicKey as _;
+        let key = rsa::RsaPrivateKey::new(&mut rand::rngs::OsRng, 2048).unwrap();
+        let public = key
+            .to_public_key()
+            .to_pkcs1_der()
+            .unwrap()
+            .as_bytes()
+            .to_vec();
+        let key = RsaCaKey { key, public };
+        let ca_params = ca_params(|_| {});
+        let pem = ca_params.self_signed(&key).unwrap().pem();
+        let rsa_trust = EkTrust::from_pem(pem.as_bytes()).unwrap();
+        let ek = FakeEk::new(1);
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::KeyEncipherment];
+        let issuer = Issuer::from_params(&ca_params, &key);
+        let sha256 = params.signed_by(&ek, &issuer).unwrap().der().to_vec();
+        // With SHA-256 this CA's certificate is taken.
+        rsa_trust.verify(&sha256, &ek.public()).unwrap();
+
+        let sha1 = signed_again_with_sha1(&sha256, &key.key);
+        // The CA's key did sign it: only the algorithm is wrong.
+        let ca_der = x509_parser::pem::parse_x509_pem(pem.as_bytes())
+            .unwrap()
+            .1
+            .contents;
+        let (_, ca_cert) = X509Certificate::from_der(&ca_der).unwrap();
+        let (_, parsed) = X509Certificate::from_der(&sha1).unwrap();
+        parsed.verify_signature(Some(ca_cert.public_key())).unwrap();
+        let refused = rsa_trust.verify(&sha1, &ek.public()).unwrap_err();
+        assert!(
+            matches!(&refused, EkError::SignatureAlgorithm(name) if name.contains("SHA-1")),
+            "{refused}"
+        );
+
+        // An Ed25519 CA: a sound signature, but not one an EK CA makes.
+        let ed_ca = ca_with_key(KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap(), |_| {});
+        let ed = ed_ca.issue(&ek);
+        let refused = trust(&[&ed_ca]).verify(&ed, &ek.public()).unwrap_err();
+        assert!(
+            matches!(&refused, EkError::SignatureAlgorithm(name) if name.contains("1.3.101.112")),
+            "{refused}"
+        );
     }
 
     #[test]
