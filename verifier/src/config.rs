@@ -17,6 +17,13 @@ use crate::signature::SigningPublicKey;
 
 /// Largest accepted config document.
 pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
+/// Largest canonical form of a config, its cluster and node parts
+/// together. Both are measured with their bytes into the event log, which
+/// every attestation document of the node carries; the log has 32 KiB of
+/// a document, and the rest of it goes to the Kubernetes components and
+/// an upgrade's events. A larger config would be loaded and measured and
+/// then fail every handshake, so it is refused at load.
+pub const MAX_MEASURED_CONFIG_BYTES: usize = 16 * 1024;
 /// Where QEMU's `-fw_cfg name=opt/keel/node-config,file=...` appears in the guest.
 pub const FW_CFG_PATH: &str = "/sys/firmware/qemu_fw_cfg/by_name/opt/keel/node-config/raw";
 /// The image's default config.
@@ -309,6 +316,17 @@ impl NodeConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        let measured = self.cluster_bytes().len() + self.node_bytes().len();
+        if measured > MAX_MEASURED_CONFIG_BYTES {
+            return Err(ConfigError::Invalid {
+                field: "cluster",
+                reason: format!(
+                    "the config is {measured} bytes in its measured (canonical) form, more than \
+                     the {MAX_MEASURED_CONFIG_BYTES} an attestation document's event log has \
+                     for it; keep ek_ca_pem to the CAs that issue this cluster's EK certificates"
+                ),
+            });
+        }
         let c = &self.cluster;
         if crate::init_secret::is_legacy_sha256(&c.init_secret_hash) {
             tracing::warn!(
@@ -620,6 +638,27 @@ mod tests {
             ));
         }
         assert!(!NodeConfig::default().init_secret_matches(b""));
+    }
+
+    #[test]
+    fn a_config_too_large_for_the_event_log_is_refused_at_load() {
+        // The PEM's characters count once in the canonical form, like the
+        // braces and field names around them.
+        let with_pem = |len: usize| {
+            parse(&format!(
+                r#"{{"cluster":{{"ek_ca_pem":"{}"}},"node":{{"name":"n"}}}}"#,
+                "A".repeat(len)
+            ))
+        };
+        let around = with_pem(0).unwrap();
+        let around = around.cluster_bytes().len() + around.node_bytes().len();
+        with_pem(MAX_MEASURED_CONFIG_BYTES - around).unwrap();
+        let refused = with_pem(MAX_MEASURED_CONFIG_BYTES - around + 1).unwrap_err();
+        assert!(
+            matches!(&refused, ConfigError::Invalid { field: "cluster", reason }
+                if reason.contains(&(MAX_MEASURED_CONFIG_BYTES + 1).to_string())),
+            "{refused}"
+        );
     }
 
     #[test]
