@@ -255,6 +255,13 @@ pub enum InstallError {
     /// A blocking file-system task did not complete.
     #[error("running a blocking file-system task")]
     Blocking(#[source] tokio::task::JoinError),
+    /// The list has more than one archive to extract into this directory:
+    /// each would replace the files of the others it shares a name with.
+    #[error("more than one archive in the list extracts into {path}")]
+    SharedArchiveDirectory {
+        /// The directory.
+        path: InstallPath,
+    },
 }
 
 /// Installs components.
@@ -354,7 +361,9 @@ impl Installer {
     /// Installs `component`, one of the node's list `components`: an
     /// archive that has an entry at another component's install path is
     /// refused before anything of it is moved into place (it would replace
-    /// a file measured as that component).
+    /// a file measured as that component), and so is an archive whose
+    /// directory another archive of the list extracts into, before
+    /// anything is fetched.
     #[tracing::instrument(
         name = "install",
         skip_all,
@@ -367,6 +376,17 @@ impl Installer {
         progress: &dyn Progress,
     ) -> Result<InstalledComponent, InstallError> {
         let started = Instant::now();
+        if component.extract()
+            && components
+                .iter()
+                .filter(|c| c.extract() && c.install_path() == component.install_path())
+                .count()
+                > 1
+        {
+            return Err(InstallError::SharedArchiveDirectory {
+                path: component.install_path().clone(),
+            });
+        }
         let dest = component.install_path().under(&self.root);
         let parent = dest
             .parent()

@@ -627,6 +627,45 @@ async fn an_archive_entry_at_another_components_path_is_refused() {
     assert_eq!(entries(&target), ["crictl", "kubelet"]);
 }
 
+/// Whoever writes a components list lists two archives for one directory:
+/// each would replace the other's files of the same name, and which one
+/// wins would depend on the order they were installed in. The list is
+/// refused at its first archive, before anything is fetched.
+#[tokio::test]
+async fn two_archives_into_one_directory_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let first = tgz(&[file("tool", b"first")]);
+    let second = tgz(&[file("tool", b"second")]);
+    let (first_hash, second_hash) = (sha256(&first), sha256(&second));
+    mirror.serve("/first.tgz", first);
+    mirror.serve("/second.tgz", second);
+    let list = [
+        Component::new(&mirror.url("/first.tgz"), &first_hash, TARGET, true).unwrap(),
+        Component::new(&mirror.url("/second.tgz"), &second_hash, TARGET, true).unwrap(),
+    ];
+    let result = installer_at(root.path())
+        .install_all(&list, &NoProgress)
+        .await;
+    match result {
+        Err(InstallError::SharedArchiveDirectory { path }) => {
+            assert_eq!(path.as_str(), TARGET);
+        }
+        other => panic!("not refused: {:?}", other.map(|_| ())),
+    }
+    assert!(!root.path().join("opt/cni/bin").exists());
+    assert_eq!(mirror.total_requests(), 0, "fetched before the refusal");
+    // One of them alone goes in.
+    installer_at(root.path())
+        .install_all(&list[1..], &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(root.path().join("opt/cni/bin/tool")).unwrap(),
+        b"second"
+    );
+}
+
 fn installer_at(root: &Path) -> Installer {
     installer(root, None, fast_retries())
 }
