@@ -13,7 +13,9 @@
 //!   that copies or extracts it) instead of fetching it: a node that
 //!   reboots needs no network for what it already had. On a node the kept
 //!   copies are on the state disk and the install paths in guest memory,
-//!   so what runs is always bytes hashed on their way into memory.
+//!   so what runs is always bytes hashed on their way into memory. A
+//!   download goes to the kept copy first, so memory takes only bytes
+//!   whose hash matched.
 //! * A failure leaves nothing at the install path: the temporary file or
 //!   staging directory is removed.
 //!
@@ -264,6 +266,18 @@ pub enum InstallError {
     },
 }
 
+impl InstallError {
+    /// Whether writing a file here failed, not what was fetched or from
+    /// where: another directory may take it.
+    fn is_local_write(&self) -> bool {
+        match self {
+            Self::WriteTemp { .. } | Self::Rename { .. } => true,
+            Self::Download { source, .. } => matches!(**source, DownloadError::Write(_)),
+            _ => false,
+        }
+    }
+}
+
 /// Installs components.
 #[derive(Debug, Clone)]
 pub struct Installer {
@@ -433,9 +447,17 @@ impl Installer {
 
     /// Installs a single-file component at `dest`: from its kept copy when
     /// that hashes right as it is copied into a temporary file beside
-    /// `dest` (in `parent`), else fetched (or decoded) there; a fetched
-    /// file is then kept. As for archives, a kept copy that is missing,
-    /// unreadable or not the file is a miss, never a failure.
+    /// `dest` (in `parent`), else fetched (or decoded) and then copied so.
+    /// As for archives, a kept copy that is missing, unreadable or not the
+    /// file is a miss, never a failure.
+    ///
+    /// A fetch goes to the kept components' directory (the state disk on a
+    /// node) and becomes the kept copy before anything is written beside
+    /// `dest` (guest memory on a node): what a mirror sends takes memory
+    /// only once its hash matched, so one that sends the most bytes a
+    /// download may take (an upgrade's, say, while the running version
+    /// fills the same memory) costs the disk, not the node's memory. Where
+    /// the kept copy cannot be written, the fetch goes beside `dest`.
     async fn install_file(
         &self,
         component: &Component,
@@ -458,17 +480,48 @@ impl Installer {
                 return Ok(Outcome::CopiedKept { bytes });
             }
         }
-        let temp = self.fetch(component, dest, parent, progress).await?;
-        let target = dest.to_owned();
-        let outcome = blocking(move || place_file(temp, &target, mode)).await?;
         if let Some(kept) = kept {
-            // Keeping is a saving for the next install, not part of this one.
-            let placed = dest.to_owned();
-            if let Err(e) = blocking(move || keep_copy(&placed, &kept)).await {
-                tracing::warn!(error = %crate::ErrorChain(&e), "could not keep the verified file");
+            match self.fetch_kept(component, &kept, progress).await {
+                Ok(()) => {
+                    let (target, dir, expected) =
+                        (dest.to_owned(), parent.to_owned(), component.hash());
+                    // Hashed again as it is copied: it sat on the disk.
+                    let copied = blocking(move || {
+                        copy_verified(&kept, &target, &dir, expected)?
+                            .map(|temp| place_file(temp, &target, mode))
+                            .transpose()
+                    })
+                    .await?;
+                    if let Some(outcome) = copied {
+                        return Ok(outcome);
+                    }
+                }
+                Err(e) if e.is_local_write() => {
+                    tracing::warn!(
+                        error = %crate::ErrorChain(&e),
+                        "could not keep the file; fetching it into place"
+                    );
+                }
+                Err(e) => return Err(e),
             }
         }
-        Ok(outcome)
+        let temp = self.fetch(component, dest, parent, progress).await?;
+        let target = dest.to_owned();
+        blocking(move || place_file(temp, &target, mode)).await
+    }
+
+    /// Fetches `component` into its kept copy at `kept`: a temporary file
+    /// beside it, verified, then made durable and renamed into place.
+    async fn fetch_kept(
+        &self,
+        component: &Component,
+        kept: &Path,
+        progress: &dyn Progress,
+    ) -> Result<(), InstallError> {
+        let dir = kept.parent().unwrap_or(Path::new("/"));
+        let temp = self.fetch(component, kept, dir, progress).await?;
+        let kept = kept.to_owned();
+        blocking(move || place_file(temp, &kept, DATA_MODE).map(|_| ())).await
     }
 
     /// Extracts an archive component into `dest`: from its kept copy when
@@ -770,20 +823,6 @@ fn copy_verified(
         return Ok(None);
     }
     Ok(Some(temp))
-}
-
-/// Keeps a copy of the installed file `placed` at `kept`: written to a
-/// temporary file beside it, made durable, then renamed into place.
-fn keep_copy(placed: &Path, kept: &Path) -> Result<(), InstallError> {
-    let dir = kept.parent().unwrap_or(Path::new("/"));
-    let temp_error = |source| InstallError::WriteTemp {
-        path: kept.to_owned(),
-        source,
-    };
-    let mut from = File::open(placed).map_err(temp_error)?;
-    let mut temp = temporary_file(kept, dir).map_err(temp_error)?;
-    io::copy(&mut from, &mut temp).map_err(temp_error)?;
-    place_file(temp, kept, DATA_MODE).map(|_| ())
 }
 
 /// A temporary file in `dir` named for `dest` ([`temporary_prefix`], random

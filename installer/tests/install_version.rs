@@ -502,6 +502,125 @@ async fn a_kept_file_is_copied_without_a_fetch_and_a_wrong_copy_is_fetched_again
     }
 }
 
+/// Where a download's bytes are while it runs: the part files in the
+/// install directory and in the kept components' directory at each report.
+struct PartFiles {
+    install_dir: std::path::PathBuf,
+    kept_dir: std::path::PathBuf,
+    seen: std::sync::Mutex<Vec<(Vec<String>, Vec<String>)>>,
+}
+
+impl PartFiles {
+    fn new(install_dir: &Path, kept_dir: &Path) -> Self {
+        Self {
+            install_dir: install_dir.to_owned(),
+            kept_dir: kept_dir.to_owned(),
+            seen: std::sync::Mutex::default(),
+        }
+    }
+
+    /// Every report: (part files beside the install path, in the kept
+    /// directory).
+    fn seen(&self) -> Vec<(Vec<String>, Vec<String>)> {
+        std::mem::take(&mut *self.seen.lock().unwrap())
+    }
+}
+
+impl keel_installer::Progress for PartFiles {
+    fn advanced(&self, _: &str, _: u64, _: Option<u64>) {
+        let parts = |dir: &Path| -> Vec<String> {
+            entries(dir)
+                .into_iter()
+                .filter(|n| n.ends_with(".keel-part"))
+                .collect()
+        };
+        let seen = (parts(&self.install_dir), parts(&self.kept_dir));
+        self.seen.lock().unwrap().push(seen);
+    }
+}
+
+/// Attacker's move: a hostile mirror (or whoever answers for it) sends the
+/// most bytes a download may take, of another hash, for a single-file
+/// component, as an upgrade fetches the next version while the running one
+/// fills the same memory. The bytes go to the kept components' directory
+/// (the state disk on a node), and reach the install directory (memory on
+/// a node) only once their hash matched: while a download runs, its part
+/// file is in the kept directory and none is beside the install path. A
+/// kept path that cannot take the file (a directory there) sends the
+/// fetch beside the install path, as before kept copies.
+#[tokio::test]
+async fn a_file_is_fetched_onto_the_disk_and_reaches_memory_verified() {
+    let (mirror, root, list, installer) = keeping_setup();
+    let r = root.path();
+    let kept_dir = r.join(KEPT.trim_start_matches('/'));
+    let kubelet = list.iter().find(|c| c.name() == "kubelet").unwrap();
+    let installed = kubelet.install_path().under(r);
+    let kept = kept_dir.join(format!("{}.bin", kubelet.hash().to_hex()));
+    let kubelet_path = "/v1.31.13/bin/linux/amd64/kubelet";
+    let watch = PartFiles::new(installed.parent().unwrap(), &kept_dir);
+
+    let first = installer.install(kubelet, &watch).await.unwrap();
+    assert!(matches!(first.outcome(), Outcome::Written { .. }));
+    let seen = watch.seen();
+    assert!(!seen.is_empty());
+    for (beside_install_path, in_kept_dir) in &seen {
+        assert!(beside_install_path.is_empty(), "{seen:?}");
+        assert_eq!(in_kept_dir.len(), 1, "{seen:?}");
+    }
+    for file in [&installed, &kept] {
+        assert_eq!(
+            Sha256Digest::of(&std::fs::read(file).unwrap()),
+            kubelet.hash()
+        );
+    }
+    assert_eq!(mode(&installed), 0o755);
+
+    let genuine = std::fs::read(&installed).unwrap();
+    std::fs::remove_file(&installed).unwrap();
+    std::fs::remove_file(&kept).unwrap();
+    mirror.serve(kubelet_path, vec![0x5a; 4 << 20]);
+    let refused = installer.install(kubelet, &watch).await.unwrap_err();
+    assert!(
+        chain(&refused).contains("hash mismatch"),
+        "{}",
+        chain(&refused)
+    );
+    let seen = watch.seen();
+    assert!(!seen.is_empty());
+    for (beside_install_path, in_kept_dir) in &seen {
+        assert!(beside_install_path.is_empty(), "{seen:?}");
+        assert_eq!(in_kept_dir.len(), 1, "{seen:?}");
+    }
+    assert!(!installed.exists());
+    assert!(!kept.exists());
+    for dir in [installed.parent().unwrap(), &kept_dir] {
+        assert!(
+            !entries(dir).iter().any(|n| n.ends_with(".keel-part")),
+            "{:?}",
+            entries(dir)
+        );
+    }
+
+    // A directory at the kept path: fetched again beside the install path.
+    mirror.serve(kubelet_path, genuine);
+    std::fs::create_dir_all(kept.join("in-the-way")).unwrap();
+    let fetches = mirror.requests(kubelet_path);
+    let fallback = installer.install(kubelet, &watch).await.unwrap();
+    assert!(matches!(fallback.outcome(), Outcome::Written { .. }));
+    assert_eq!(mirror.requests(kubelet_path), fetches + 2);
+    assert!(watch.seen().iter().any(|(beside, _)| beside.len() == 1));
+    assert_eq!(
+        Sha256Digest::of(&std::fs::read(&installed).unwrap()),
+        kubelet.hash()
+    );
+    assert!(kept.is_dir());
+    assert!(
+        !entries(&kept_dir).iter().any(|n| n.ends_with(".keel-part")),
+        "{:?}",
+        entries(&kept_dir)
+    );
+}
+
 /// What is at a kept archive's path, or a kept archives' directory that
 /// cannot be made, is never a reason to fail: the archive is fetched (and
 /// kept where it can be).
