@@ -8,7 +8,8 @@
 //! * a symlink's target is relative, stays inside the install directory when
 //!   read lexically, and after extraction resolves — following the archive's
 //!   own links — to an existing entry inside it;
-//! * no entry is written through a symlink, and no path appears twice;
+//! * no entry is written through a symlink, and no file or symlink path
+//!   appears twice (a directory may be named again: it changes nothing);
 //! * files become mode 0755 when the archive gives any execute bit, else
 //!   0644; directories 0755; ownership is not taken from the archive;
 //! * the decompressed stream and the entry count are bounded;

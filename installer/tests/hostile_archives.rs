@@ -400,6 +400,20 @@ async fn refuses_duplicates_and_files_beneath_files() {
         "{}",
         a.message()
     );
+    let a = install(tgz(&[file("bridge", b"1"), dir("bridge/")])).await;
+    a.assert_refused();
+    assert!(
+        matches!(a.extract_error(), ExtractError::ThroughFile(_)),
+        "{}",
+        a.message()
+    );
+    // A directory named again changes nothing, and is taken.
+    let a = install(tgz(&[dir("lib/"), file("lib/x", b"1"), dir("lib/")])).await;
+    a.result.as_ref().unwrap();
+    assert_eq!(
+        std::fs::read(a.root.path().join("opt/cni/bin/lib/x")).unwrap(),
+        b"1"
+    );
 }
 
 #[tokio::test]
