@@ -1,6 +1,7 @@
-//! Installs components: fetch (or decode) into a temporary file on the
-//! target's filesystem, verify the hash, then rename into place with the
-//! right mode — or, for archives, extract strictly and move into place.
+//! Installs components: fetch (or decode) into a temporary file (on the
+//! target's file system, or beside the component's kept copy), verify the
+//! hash, then rename or copy into place with the right mode — or, for
+//! archives, extract strictly and move into place.
 //!
 //! * Single files get mode 0755 (downloaded executables) or 0644 (inline
 //!   `data:` content: kubeadm patches, configuration).
@@ -14,8 +15,8 @@
 //!   reboots needs no network for what it already had. On a node the kept
 //!   copies are on the state disk and the install paths in guest memory,
 //!   so what runs is always bytes hashed on their way into memory. A
-//!   download goes to the kept copy first, so memory takes only bytes
-//!   whose hash matched.
+//!   download goes beside the kept copy first, so memory takes only
+//!   bytes whose hash matched.
 //! * A failure leaves nothing at the install path: the temporary file or
 //!   staging directory is removed.
 //!
@@ -257,6 +258,13 @@ pub enum InstallError {
     /// A blocking file-system task did not complete.
     #[error("running a blocking file-system task")]
     Blocking(#[source] tokio::task::JoinError),
+    /// A downloaded file no longer had its hash when it was copied from
+    /// the disk into place.
+    #[error("the downloaded file {path:?} changed on the disk before it was copied into place")]
+    ChangedOnDisk {
+        /// The downloaded file.
+        path: PathBuf,
+    },
     /// The list has more than one archive to extract into this directory:
     /// each would replace the files of the others it shares a name with.
     #[error("more than one archive in the list extracts into {path}")]
@@ -264,18 +272,6 @@ pub enum InstallError {
         /// The directory.
         path: InstallPath,
     },
-}
-
-impl InstallError {
-    /// Whether writing a file here failed, not what was fetched or from
-    /// where: another directory may take it.
-    fn is_local_write(&self) -> bool {
-        match self {
-            Self::WriteTemp { .. } | Self::Rename { .. } => true,
-            Self::Download { source, .. } => matches!(**source, DownloadError::Write(_)),
-            _ => false,
-        }
-    }
 }
 
 /// Installs components.
@@ -375,9 +371,10 @@ impl Installer {
     /// Installs `component`, one of the node's list `components`: an
     /// archive that has an entry at another component's install path is
     /// refused before anything of it is moved into place (it would replace
-    /// a file measured as that component), and so is an archive whose
-    /// directory another archive of the list extracts into, before
-    /// anything is fetched.
+    /// a file measured as that component). A list that [`check_list`]
+    /// refuses is refused here whatever `component` is, so a caller that
+    /// installs a list in turn has it refused at its first component,
+    /// before anything is fetched.
     #[tracing::instrument(
         name = "install",
         skip_all,
@@ -390,17 +387,7 @@ impl Installer {
         progress: &dyn Progress,
     ) -> Result<InstalledComponent, InstallError> {
         let started = Instant::now();
-        if component.extract()
-            && components
-                .iter()
-                .filter(|c| c.extract() && c.install_path() == component.install_path())
-                .count()
-                > 1
-        {
-            return Err(InstallError::SharedArchiveDirectory {
-                path: component.install_path().clone(),
-            });
-        }
+        check_list(components)?;
         let dest = component.install_path().under(&self.root);
         let parent = dest
             .parent()
@@ -447,17 +434,18 @@ impl Installer {
 
     /// Installs a single-file component at `dest`: from its kept copy when
     /// that hashes right as it is copied into a temporary file beside
-    /// `dest` (in `parent`), else fetched (or decoded) and then copied so.
-    /// As for archives, a kept copy that is missing, unreadable or not the
-    /// file is a miss, never a failure.
+    /// `dest` (in `parent`); else fetched (or decoded) into a temporary
+    /// file, there or, with a kept components' directory, in that
+    /// directory, copied into place hashed again, and then kept. As for
+    /// archives, a kept copy that is missing, unreadable or not the file
+    /// is a miss, never a failure.
     ///
-    /// A fetch goes to the kept components' directory (the state disk on a
-    /// node) and becomes the kept copy before anything is written beside
-    /// `dest` (guest memory on a node): what a mirror sends takes memory
-    /// only once its hash matched, so one that sends the most bytes a
-    /// download may take (an upgrade's, say, while the running version
-    /// fills the same memory) costs the disk, not the node's memory. Where
-    /// the kept copy cannot be written, the fetch goes beside `dest`.
+    /// On a node the kept components' directory is on the state disk and
+    /// `dest` in guest memory: what a mirror sends reaches memory only once
+    /// its hash matched, so one that sends the most bytes a download may
+    /// take (during an upgrade, say, while the running version fills the
+    /// same memory) costs the disk. A failure to write the disk fails the
+    /// install, as for archives: it never sends the fetch into memory.
     async fn install_file(
         &self,
         component: &Component,
@@ -465,63 +453,47 @@ impl Installer {
         parent: &Path,
         progress: &dyn Progress,
     ) -> Result<Outcome, InstallError> {
-        let mode = file_mode(component);
+        let (mode, expected) = (file_mode(component), component.hash());
         let kept = self.kept_path(component).await;
-        if let Some(kept) = kept.clone() {
-            let (target, dir, expected) = (dest.to_owned(), parent.to_owned(), component.hash());
-            let copied = blocking(move || {
-                copy_verified(&kept, &target, &dir, expected)?
-                    .map(|temp| place_file(temp, &target, mode))
-                    .transpose()
-            })
-            .await?;
+        if let Some(kept) = &kept {
+            let copied =
+                copy_into_place(kept, "the kept file", dest, parent, expected, mode).await?;
             if let Some(Outcome::Written { bytes }) = copied {
                 tracing::info!("copied the kept file");
                 return Ok(Outcome::CopiedKept { bytes });
             }
         }
-        if let Some(kept) = kept {
-            match self.fetch_kept(component, &kept, progress).await {
-                Ok(()) => {
-                    let (target, dir, expected) =
-                        (dest.to_owned(), parent.to_owned(), component.hash());
-                    // Hashed again as it is copied: it sat on the disk.
-                    let copied = blocking(move || {
-                        copy_verified(&kept, &target, &dir, expected)?
-                            .map(|temp| place_file(temp, &target, mode))
-                            .transpose()
-                    })
-                    .await?;
-                    if let Some(outcome) = copied {
-                        return Ok(outcome);
-                    }
-                }
-                Err(e) if e.is_local_write() => {
-                    tracing::warn!(
-                        error = %crate::ErrorChain(&e),
-                        "could not keep the file; fetching it into place"
-                    );
-                }
-                Err(e) => return Err(e),
-            }
+        let named = kept.as_deref().unwrap_or(dest);
+        let temp = self
+            .fetch(
+                component,
+                named,
+                fetch_dir(kept.as_deref(), parent),
+                progress,
+            )
+            .await?;
+        let Some(kept) = kept else {
+            let target = dest.to_owned();
+            return blocking(move || place_file(temp, &target, mode)).await;
+        };
+        // Hashed again as it is copied: it sat on the disk.
+        let outcome = copy_into_place(
+            temp.path(),
+            "the downloaded file",
+            dest,
+            parent,
+            expected,
+            mode,
+        )
+        .await?
+        .ok_or_else(|| InstallError::ChangedOnDisk {
+            path: temp.path().to_owned(),
+        })?;
+        // Keeping is a saving for the next install, not part of this one.
+        if let Err(e) = blocking(move || place_file(temp, &kept, DATA_MODE)).await {
+            tracing::warn!(error = %crate::ErrorChain(&e), "could not keep the verified file");
         }
-        let temp = self.fetch(component, dest, parent, progress).await?;
-        let target = dest.to_owned();
-        blocking(move || place_file(temp, &target, mode)).await
-    }
-
-    /// Fetches `component` into its kept copy at `kept`: a temporary file
-    /// beside it, verified, then made durable and renamed into place.
-    async fn fetch_kept(
-        &self,
-        component: &Component,
-        kept: &Path,
-        progress: &dyn Progress,
-    ) -> Result<(), InstallError> {
-        let dir = kept.parent().unwrap_or(Path::new("/"));
-        let temp = self.fetch(component, kept, dir, progress).await?;
-        let kept = kept.to_owned();
-        blocking(move || place_file(temp, &kept, DATA_MODE).map(|_| ())).await
+        Ok(outcome)
     }
 
     /// Extracts an archive component into `dest`: from its kept copy when
@@ -573,9 +545,15 @@ impl Installer {
                 ),
             }
         }
-        let temp_dir = kept.as_deref().and_then(Path::parent).unwrap_or(parent);
         let named = kept.as_deref().unwrap_or(dest);
-        let temp = self.fetch(component, named, temp_dir, progress).await?;
+        let temp = self
+            .fetch(
+                component,
+                named,
+                fetch_dir(kept.as_deref(), parent),
+                progress,
+            )
+            .await?;
         let (target, expected, spare) = (dest.to_owned(), component.hash(), spare.to_vec());
         let (summary, temp) = blocking(move || {
             // Hashed again as it is extracted: the file sat on the disk
@@ -781,23 +759,70 @@ fn kept_file_of(name: &str) -> Option<KeptFile> {
         .then_some(KeptFile::Temporary)
 }
 
-/// A temporary file beside `dest` (in `dir`) holding the kept copy at
-/// `kept`, if that is a regular file whose bytes hash to `expected`: they
-/// are hashed as they are copied, so the bytes in the temporary file are
-/// the bytes hashed, whatever happens to the kept copy meanwhile. `None`
-/// when there is no kept copy, or it cannot be read or is not the file
-/// (logged); an error only when the temporary file cannot be written.
+/// Refuses a list with more than one archive for one directory: each
+/// would replace the other's files of the same name, and which one won
+/// would depend on the order they were installed in.
+pub fn check_list(components: &[Component]) -> Result<(), InstallError> {
+    let archives: Vec<&InstallPath> = components
+        .iter()
+        .filter(|c| c.extract())
+        .map(Component::install_path)
+        .collect();
+    for (i, path) in archives.iter().enumerate() {
+        if archives.get(i + 1..).unwrap_or_default().contains(path) {
+            return Err(InstallError::SharedArchiveDirectory {
+                path: (*path).clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Where a component is fetched to: beside its kept copy when it has one,
+/// else in `parent`, the install path's directory.
+fn fetch_dir<'a>(kept: Option<&'a Path>, parent: &'a Path) -> &'a Path {
+    kept.and_then(Path::parent).unwrap_or(parent)
+}
+
+/// Copies `from` (`what` it is, for the log) into place at `dest` with
+/// `mode` through [`copy_verified`]; `None` when it is not there, cannot be
+/// read or is not the file.
+async fn copy_into_place(
+    from: &Path,
+    what: &'static str,
+    dest: &Path,
+    dir: &Path,
+    expected: Sha256Digest,
+    mode: u32,
+) -> Result<Option<Outcome>, InstallError> {
+    let (from, target, dir) = (from.to_owned(), dest.to_owned(), dir.to_owned());
+    blocking(move || {
+        copy_verified(&from, what, &target, &dir, expected)?
+            .map(|temp| place_file(temp, &target, mode))
+            .transpose()
+    })
+    .await
+}
+
+/// A temporary file beside `dest` (in `dir`) holding the file at `from`
+/// (`what` it is, for the log), if that is a regular file whose bytes hash
+/// to `expected`: they are hashed as they are copied, so the bytes in the
+/// temporary file are the bytes hashed, whatever happens to `from`
+/// meanwhile. `None` when there is no file there, or it cannot be read or
+/// is not the file (logged); an error only when the temporary file cannot
+/// be written.
 fn copy_verified(
-    kept: &Path,
+    from: &Path,
+    what: &str,
     dest: &Path,
     dir: &Path,
     expected: Sha256Digest,
 ) -> Result<Option<tempfile::NamedTempFile>, InstallError> {
     let miss = |e: io::Error| {
-        tracing::warn!(error = %e, "the kept file cannot be read; fetching it again");
+        tracing::warn!(error = %e, "{what} cannot be read");
         Ok(None)
     };
-    let from = match open_regular_file(kept) {
+    let from = match open_regular_file(from) {
         Ok(Some(file)) => file,
         Ok(None) => return Ok(None),
         Err(e) => return miss(e),
@@ -819,7 +844,7 @@ fn copy_verified(
             .map_err(temp_error)?;
     }
     if source.digest() != expected {
-        tracing::warn!("the kept file is not the file; fetching it again");
+        tracing::warn!("{what} is not the file");
         return Ok(None);
     }
     Ok(Some(temp))

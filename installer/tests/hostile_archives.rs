@@ -644,7 +644,8 @@ async fn an_archive_entry_at_another_components_path_is_refused() {
 /// Whoever writes a components list lists two archives for one directory:
 /// each would replace the other's files of the same name, and which one
 /// wins would depend on the order they were installed in. The list is
-/// refused at its first archive, before anything is fetched.
+/// refused at its first component (here a single file), before anything
+/// is fetched.
 #[tokio::test]
 async fn two_archives_into_one_directory_are_refused() {
     let root = tempfile::tempdir().unwrap();
@@ -654,7 +655,15 @@ async fn two_archives_into_one_directory_are_refused() {
     let (first_hash, second_hash) = (sha256(&first), sha256(&second));
     mirror.serve("/first.tgz", first);
     mirror.serve("/second.tgz", second);
+    mirror.serve("/kubelet", b"kubelet".to_vec());
     let list = [
+        Component::new(
+            &mirror.url("/kubelet"),
+            &sha256(b"kubelet"),
+            "/run/state/bin/kubelet",
+            false,
+        )
+        .unwrap(),
         Component::new(&mirror.url("/first.tgz"), &first_hash, TARGET, true).unwrap(),
         Component::new(&mirror.url("/second.tgz"), &second_hash, TARGET, true).unwrap(),
     ];
@@ -668,10 +677,11 @@ async fn two_archives_into_one_directory_are_refused() {
         other => panic!("not refused: {:?}", other.map(|_| ())),
     }
     assert!(!root.path().join("opt/cni/bin").exists());
+    assert!(!root.path().join("run/state/bin/kubelet").exists());
     assert_eq!(mirror.total_requests(), 0, "fetched before the refusal");
-    // One of them alone goes in.
+    // With one of them the list goes in.
     installer_at(root.path())
-        .install_all(&list[1..], &NoProgress)
+        .install_all(&[list[0].clone(), list[2].clone()], &NoProgress)
         .await
         .unwrap();
     assert_eq!(

@@ -546,8 +546,9 @@ impl keel_installer::Progress for PartFiles {
 /// (the state disk on a node), and reach the install directory (memory on
 /// a node) only once their hash matched: while a download runs, its part
 /// file is in the kept directory and none is beside the install path. A
-/// kept path that cannot take the file (a directory there) sends the
-/// fetch beside the install path, as before kept copies.
+/// kept path that cannot take the file (a directory there) does not
+/// change that: the file is installed from the download, fetched once, and
+/// not kept.
 #[tokio::test]
 async fn a_file_is_fetched_onto_the_disk_and_reaches_memory_verified() {
     let (mirror, root, list, installer) = keeping_setup();
@@ -601,14 +602,20 @@ async fn a_file_is_fetched_onto_the_disk_and_reaches_memory_verified() {
         );
     }
 
-    // A directory at the kept path: fetched again beside the install path.
+    // A directory at the kept path.
     mirror.serve(kubelet_path, genuine);
     std::fs::create_dir_all(kept.join("in-the-way")).unwrap();
     let fetches = mirror.requests(kubelet_path);
-    let fallback = installer.install(kubelet, &watch).await.unwrap();
-    assert!(matches!(fallback.outcome(), Outcome::Written { .. }));
-    assert_eq!(mirror.requests(kubelet_path), fetches + 2);
-    assert!(watch.seen().iter().any(|(beside, _)| beside.len() == 1));
+    let unkept = installer.install(kubelet, &watch).await.unwrap();
+    assert!(matches!(unkept.outcome(), Outcome::Written { .. }));
+    assert_eq!(mirror.requests(kubelet_path), fetches + 1);
+    let seen = watch.seen();
+    assert!(!seen.is_empty());
+    assert!(
+        seen.iter()
+            .all(|(beside, kept)| beside.is_empty() && kept.len() == 1),
+        "{seen:?}"
+    );
     assert_eq!(
         Sha256Digest::of(&std::fs::read(&installed).unwrap()),
         kubelet.hash()
