@@ -7,9 +7,9 @@
 //! vendors may share one); the certificate is trusted when one candidate's
 //! key verifies its signature and that candidate is itself valid now and a
 //! CA (basicConstraints cA=true and the keyCertSign key usage, where the
-//! extensions are present). The signature must be RSA or ECDSA over
-//! SHA-256 or a longer SHA-2 hash: a SHA-1 certificate is refused whoever
-//! signed it.
+//! extensions are present). The signature must be RSA over SHA-256,
+//! SHA-384 or SHA-512, or ECDSA over SHA-256 or SHA-384: a SHA-1
+//! certificate is refused whoever signed it.
 //!
 //! A node presents the same certificate in every handshake, so a trust
 //! remembers (bounded) the certificates it accepted, each with the EK it
@@ -317,9 +317,16 @@ const SIGNATURE_ALGORITHMS: [&Oid<'static>; 6] = [
 ];
 
 /// Refuses a certificate whose signature algorithm is not one of
-/// [`SIGNATURE_ALGORITHMS`], before any key is tried on it.
+/// [`SIGNATURE_ALGORITHMS`], or is not the one its signed part names (RFC
+/// 5280, 4.1.1.2), before any key is tried on it.
 fn signature_algorithm(cert: &X509Certificate<'_>) -> Result<(), EkError> {
     let algorithm = &cert.signature_algorithm.algorithm;
+    if cert.tbs_certificate.signature != cert.signature_algorithm {
+        return Err(EkError::SignatureAlgorithm(format!(
+            "{algorithm}, where its signed part names {}",
+            cert.tbs_certificate.signature.algorithm
+        )));
+    }
     if SIGNATURE_ALGORITHMS.contains(&algorithm) {
         return Ok(());
     }
@@ -760,6 +767,22 @@ mod tests {
         let refused = rsa_trust.verify(&sha1, &ek.public()).unwrap_err();
         assert!(
             matches!(&refused, EkError::SignatureAlgorithm(name) if name.contains("SHA-1")),
+            "{refused}"
+        );
+
+        // Only the unsigned identifier changed: it must name what the
+        // signed part names.
+        let mut outer_only = sha256.clone();
+        let end = outer_only.len();
+        let outer = end - 256 - 5 - 15 + 12;
+        assert_eq!(
+            outer_only[outer], 0x0b,
+            "sha256WithRSAEncryption's last byte"
+        );
+        outer_only[outer] = 0x0c; // sha384WithRSAEncryption
+        let refused = rsa_trust.verify(&outer_only, &ek.public()).unwrap_err();
+        assert!(
+            matches!(&refused, EkError::SignatureAlgorithm(name) if name.contains("signed part")),
             "{refused}"
         );
 

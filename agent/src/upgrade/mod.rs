@@ -66,7 +66,8 @@ pub const MAX_PLAN_COMPONENTS: usize = 64;
 /// rollback the previous ones again, until the node reboots; an upgrade
 /// that could take the log past this is refused before anything changes.
 pub const EVENT_LOG_BUDGET: usize = 32 * 1024;
-// The config's two events take at most half of the log's budget, leaving
+// The config's two events take at most about half of the log's budget
+// (their bytes; their descriptions and framing add some 200 more), leaving
 // the rest to the components and to an upgrade and its rollback.
 const _: () = assert!(keel_verifier::config::MAX_MEASURED_CONFIG_BYTES <= EVENT_LOG_BUDGET / 2);
 /// What an event costs a document beside its description and data: its
