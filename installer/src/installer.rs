@@ -16,7 +16,9 @@
 //!   copies are on the state disk and the install paths in guest memory,
 //!   so what runs is always bytes hashed on their way into memory. A
 //!   download goes beside the kept copy first, so memory takes only
-//!   bytes whose hash matched.
+//!   bytes whose hash matched; a kept components' directory that cannot
+//!   be made or written fails the install rather than send the download
+//!   into memory.
 //! * A failure leaves nothing at the install path: the temporary file or
 //!   staging directory is removed.
 //!
@@ -258,12 +260,16 @@ pub enum InstallError {
     /// A blocking file-system task did not complete.
     #[error("running a blocking file-system task")]
     Blocking(#[source] tokio::task::JoinError),
-    /// A downloaded file no longer had its hash when it was copied from
-    /// the disk into place.
-    #[error("the downloaded file {path:?} changed on the disk before it was copied into place")]
+    /// The download, verified as it was written to the kept components'
+    /// directory, could not be read back from there with its hash to be
+    /// copied into place (it changed, or reading it failed: the log says
+    /// which).
+    #[error(
+        "the download for {path} could not be read back with its hash from the kept components' directory"
+    )]
     ChangedOnDisk {
-        /// The downloaded file.
-        path: PathBuf,
+        /// The install path.
+        path: InstallPath,
     },
     /// The list has more than one archive to extract into this directory:
     /// each would replace the files of the others it shares a name with.
@@ -454,7 +460,7 @@ impl Installer {
         progress: &dyn Progress,
     ) -> Result<Outcome, InstallError> {
         let (mode, expected) = (file_mode(component), component.hash());
-        let kept = self.kept_path(component).await;
+        let kept = self.kept_path(component).await?;
         if let Some(kept) = &kept {
             let copied =
                 copy_into_place(kept, "the kept file", dest, parent, expected, mode).await?;
@@ -487,7 +493,7 @@ impl Installer {
         )
         .await?
         .ok_or_else(|| InstallError::ChangedOnDisk {
-            path: temp.path().to_owned(),
+            path: component.install_path().clone(),
         })?;
         // Keeping is a saving for the next install, not part of this one.
         if let Err(e) = blocking(move || place_file(temp, &kept, DATA_MODE)).await {
@@ -498,10 +504,11 @@ impl Installer {
 
     /// Extracts an archive component into `dest`: from its kept copy when
     /// that hashes right as it is extracted, else fetched into a temporary
-    /// file (in the kept components' directory when it can be used, to be
-    /// kept there once extracted; else in `parent`). What the kept copy
-    /// lacks (the directory cannot be made, the copy is not a regular file,
-    /// unreadable or not the archive) makes it a miss, never a failure.
+    /// file (in the kept components' directory, to be kept there once
+    /// extracted; without one, in `parent`). What the kept copy lacks (it
+    /// is not a regular file, unreadable or not the archive) makes it a
+    /// miss, never a failure; a kept components' directory that cannot be
+    /// made fails the install.
     async fn install_archive(
         &self,
         component: &Component,
@@ -516,7 +523,7 @@ impl Installer {
             source,
         };
         let limits = self.extract_limits;
-        let kept = self.kept_path(component).await;
+        let kept = self.kept_path(component).await?;
         if let Some(kept) = kept.clone() {
             let (target, expected, spare) = (dest.to_owned(), component.hash(), spare.to_vec());
             let extracted = blocking(move || {
@@ -579,22 +586,18 @@ impl Installer {
 
     /// Where the kept copy of `component` is, its directory made and
     /// cleared of an interrupted download's or copy's leftovers; `None`
-    /// for an inline component (the list that names it carries it), and
-    /// without a kept components' directory or when it cannot be made.
-    async fn kept_path(&self, component: &Component) -> Option<PathBuf> {
-        let name = kept_name(component)?;
-        let dir = self.kept.clone()?;
+    /// for an inline component (the list that names it carries it) and
+    /// without a kept components' directory. A kept components' directory
+    /// that cannot be made fails the install: fetching into the install
+    /// path's directory instead would send what a mirror sends into the
+    /// memory the directory keeps it out of.
+    async fn kept_path(&self, component: &Component) -> Result<Option<PathBuf>, InstallError> {
+        let (Some(name), Some(dir)) = (kept_name(component), self.kept.clone()) else {
+            return Ok(None);
+        };
         let path = dir.join(&name);
-        match prepare_dir(dir, name.into()).await {
-            Ok(()) => Some(path),
-            Err(e) => {
-                tracing::warn!(
-                    error = %crate::ErrorChain(&e),
-                    "the kept components' directory cannot be used; the component is not kept"
-                );
-                None
-            }
-        }
+        prepare_dir(dir, name.into()).await?;
+        Ok(Some(path))
     }
 
     /// Fetches or decodes the component into a verified temporary file in

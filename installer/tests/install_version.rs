@@ -628,9 +628,78 @@ async fn a_file_is_fetched_onto_the_disk_and_reaches_memory_verified() {
     );
 }
 
-/// What is at a kept archive's path, or a kept archives' directory that
-/// cannot be made, is never a reason to fail: the archive is fetched (and
-/// kept where it can be).
+/// Overwrites each download's part file in the kept components'
+/// directory, keeping its length, as the download is reported finished:
+/// after its hash matched and before the installer reads it back.
+struct ChangeOnDisk {
+    kept_dir: std::path::PathBuf,
+    changed: std::sync::atomic::AtomicUsize,
+}
+
+impl keel_installer::Progress for ChangeOnDisk {
+    fn finished(&self, _: &str, _: u64, _: std::time::Duration) {
+        for name in entries(&self.kept_dir) {
+            if name.ends_with(".keel-part") {
+                let path = self.kept_dir.join(name);
+                let len = std::fs::metadata(&path).unwrap().len();
+                std::fs::write(&path, vec![0x5a; usize::try_from(len).unwrap()]).unwrap();
+                self.changed
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// Attacker's move: whoever can write the state disk (the host, were the
+/// disk not encrypted; a bug in the node) changes a download there after
+/// its hash matched, for the changed bytes to reach memory. The installer
+/// reads the download back hashing it again, and refuses it: a single file
+/// with `ChangedOnDisk` naming its install path, an archive with a hash
+/// mismatch; nothing is installed or kept.
+#[tokio::test]
+async fn the_download_is_read_back_from_the_disk_with_its_hash() {
+    let (_mirror, root, list, installer) = keeping_setup();
+    let r = root.path();
+    let kept_dir = r.join(KEPT.trim_start_matches('/'));
+    let tamper = ChangeOnDisk {
+        kept_dir: kept_dir.clone(),
+        changed: std::sync::atomic::AtomicUsize::new(0),
+    };
+    let kubelet = list.iter().find(|c| c.name() == "kubelet").unwrap();
+    let crictl = &list[1];
+    assert!(crictl.extract());
+    for component in [crictl, kubelet] {
+        let name = component.name();
+        let refused = installer.install(component, &tamper).await.unwrap_err();
+        if component.extract() {
+            assert!(
+                matches!(&refused, keel_installer::InstallError::Extract { .. })
+                    && chain(&refused).contains("not the expected"),
+                "{}",
+                chain(&refused)
+            );
+        } else {
+            assert!(
+                matches!(
+                    &refused,
+                    keel_installer::InstallError::ChangedOnDisk { path }
+                        if path == component.install_path()
+                ),
+                "{}",
+                chain(&refused)
+            );
+        }
+        support::assert_nothing_installed(&component.install_path().under(r));
+        assert_eq!(entries(&kept_dir), Vec::<String>::new(), "{name}");
+    }
+    assert_eq!(tamper.changed.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// What is at a kept archive's path is never a reason to fail: the
+/// archive is fetched (and kept where it can be). A kept components'
+/// directory that cannot be made fails the install before anything is
+/// fetched, for an archive and a single file alike: fetching beside the
+/// install path instead would put what a mirror sends in memory.
 #[tokio::test]
 async fn whatever_is_at_the_kept_path_the_archive_installs() {
     let mirror = MirrorServer::start().unwrap();
@@ -693,9 +762,25 @@ async fn whatever_is_at_the_kept_path_the_archive_installs() {
     // The directory itself cannot be made (a file is in the way).
     std::fs::remove_dir_all(&kept_dir).unwrap();
     std::fs::write(&kept_dir, b"in the way").unwrap();
-    let installed = installer.install(crictl, &NoProgress).await.unwrap();
-    assert!(matches!(installed.outcome(), Outcome::Extracted(_)));
-    assert!(run(&r.join("run/state/bin/crictl")).starts_with("crictl v1.33.0"));
+    let kubelet = list.iter().find(|c| c.name() == "kubelet").unwrap();
+    let fetched = mirror.total_requests();
+    for component in [crictl, kubelet] {
+        let dest = component.install_path().under(r);
+        if dest.is_dir() {
+            std::fs::remove_dir_all(&dest).unwrap();
+        }
+        let refused = installer.install(component, &NoProgress).await.unwrap_err();
+        assert!(
+            matches!(
+                &refused,
+                keel_installer::InstallError::CreateDir { path, .. } if *path == kept_dir
+            ),
+            "{}",
+            chain(&refused)
+        );
+        assert!(!dest.exists(), "{}", dest.display());
+        assert_eq!(mirror.total_requests(), fetched);
+    }
 }
 
 #[tokio::test]
