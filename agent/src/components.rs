@@ -18,6 +18,10 @@ use crate::measured::{MeasuredLogError, SharedTpm};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum InstallComponentsError {
+    /// The list as a whole is refused ([`keel_installer::check_list`]):
+    /// nothing of it was installed.
+    #[error("the component list")]
+    List(#[source] InstallError),
     /// Installing a component failed.
     #[error("installing component {index} ({name})")]
     Install {
@@ -56,6 +60,7 @@ pub async fn install_and_measure(
     components: &[Component],
     progress: &dyn Progress,
 ) -> Result<Vec<InstalledComponent>, InstallComponentsError> {
+    keel_installer::check_list(components).map_err(InstallComponentsError::List)?;
     let mut installed = Vec::with_capacity(components.len());
     for (index, component) in components.iter().enumerate() {
         let name = component.name().to_owned();

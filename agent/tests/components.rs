@@ -110,6 +110,47 @@ async fn a_failing_component_stops_the_run_after_measuring_the_ones_before() {
     );
 }
 
+/// Attacker's move: a list (the operator's own, or one an upgrade plan
+/// carries) with a second archive for a directory another archive fills,
+/// so that which binaries end up there depends on the order they are
+/// installed in. The list is refused whole, before anything is fetched,
+/// installed or measured, with an error that names the list rather than
+/// its first component.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_with_two_archives_for_one_directory_installs_nothing() {
+    let swtpm = Swtpm::start_bare().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tpm = open(&swtpm, dir.path());
+    let mirror = MirrorServer::start().unwrap();
+    let root = dir.path().join("root");
+    let mut list = components(&mirror, &root);
+    let archive = list.iter().find(|c| c.extract()).unwrap().clone();
+    let other = keel_proto::components::Component {
+        url: format!("{}/other.tgz", mirror.base_url()),
+        hash: format!("sha256:{}", "a".repeat(64)),
+        install_path: archive.install_path().to_string(),
+        extract: true,
+    };
+    list.push(Component::try_from(&other).unwrap());
+    let before = pcr13(&tpm);
+
+    let err = install_and_measure(&installer(), &tpm, &list, &NoProgress)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            InstallComponentsError::List(InstallError::SharedArchiveDirectory { path })
+                if *path == *archive.install_path()
+        ),
+        "{err:?}"
+    );
+    assert_eq!(mirror.total_requests(), 0);
+    assert!(!list[0].install_path().as_path().exists());
+    assert!(tpm.lock().unwrap().events().is_empty());
+    assert_eq!(pcr13(&tpm), before);
+}
+
 /// The init server runs this on a tokio task: the future must be `Send`.
 #[test]
 fn install_and_measure_is_send() {

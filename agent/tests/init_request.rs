@@ -147,6 +147,17 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
             ],
             "/opt/cni/bin and /opt/cni/bin/extra nest",
         ),
+        (
+            "two archives for one directory",
+            vec![
+                component("/opt/cni/bin", true),
+                keel_proto::components::Component {
+                    hash: format!("sha256:{}", "b".repeat(64)),
+                    ..component("/opt/cni/bin", true)
+                },
+            ],
+            "more than one archive in the list extracts into /opt/cni/bin",
+        ),
     ] {
         requests.push((
             case,

@@ -748,9 +748,10 @@ async fn a_rollback_that_cannot_write_its_record_still_restarts_the_old_kubelet(
 }
 
 /// A plan whose components install where no upgrade can switch (here
-/// beside the image's own binaries) is refused when it is read, so a
-/// control plane does not authorise for its members' evidence what every
-/// node would refuse to stage.
+/// beside the image's own binaries), or with two archives for one
+/// directory, is refused when it is read, so a control plane does not
+/// authorise for its members' evidence what every node would refuse to
+/// stage.
 #[test]
 fn a_plan_with_a_directory_no_upgrade_can_switch_is_refused() {
     let mirror = MirrorServer::start().unwrap();
@@ -760,6 +761,23 @@ fn a_plan_with_a_directory_no_upgrade_can_switch_is_refused() {
         None,
     );
     assert!(good.is_ok(), "{good:?}");
+    let archive = listed.iter().find(|c| c.extract).unwrap();
+    let second = keel_proto::components::Component {
+        hash: format!("sha256:{}", "b".repeat(64)),
+        ..archive.clone()
+    };
+    let mut doubled = listed.clone();
+    doubled.push(second);
+    let refused = Target::parse(
+        UpgradePlan::decode(&plan(TO, Some(&doubled), UpgradeStep::Authorise)[..]).unwrap(),
+        None,
+    );
+    match refused {
+        Err(UpgradeError::Plan(why)) => {
+            assert!(why.contains("more than one archive"), "{why}");
+        }
+        other => panic!("accepted: {other:?}"),
+    }
     let kubelet = listed
         .iter_mut()
         .find(|c| c.install_path.ends_with("/kubelet"))

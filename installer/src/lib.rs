@@ -33,7 +33,7 @@ pub use download::{
 };
 pub use extract::{ExtractError, ExtractLimits};
 pub use installer::{
-    kept_name, InstallError, InstalledComponent, Installer, InstallerConfig, Outcome,
+    check_list, kept_name, InstallError, InstalledComponent, Installer, InstallerConfig, Outcome,
 };
 pub use mirror::Mirror;
 pub use progress::{LogProgress, NoProgress, Progress};

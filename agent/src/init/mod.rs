@@ -350,6 +350,7 @@ impl InitServer {
             }
             _ => entry.components().to_vec(),
         };
+        keel_installer::check_list(&components).map_err(invalid("invalid component list"))?;
         // Every later upgrade switches these components' directories.
         crate::upgrade::check_switchable(&components)
             .map_err(invalid("components an upgrade could not replace"))?;

@@ -100,7 +100,8 @@ pub struct Target {
 
 impl Target {
     /// Checks the fields of `plan`, its components' directories switchable
-    /// ([`check_switchable`]). Where `signing_key` is the cluster's
+    /// ([`check_switchable`]) and its list one the installer takes
+    /// ([`keel_installer::check_list`]). Where `signing_key` is the cluster's
     /// measurements signing key (the node's config names it), components
     /// the plan lists (rather than the versions table's) count only with
     /// their components file signed by that key
@@ -137,7 +138,9 @@ impl Target {
                 .map_err(|e| UpgradeError::Plan(format!("component: {e}")))?
         };
         // Every node would refuse to stage a plan whose directories it
-        // cannot switch: such a plan authorises nothing either.
+        // cannot switch, or whose list the installer refuses: such a plan
+        // authorises nothing either.
+        keel_installer::check_list(&components).map_err(|e| UpgradeError::Plan(e.to_string()))?;
         check_switchable(&components).map_err(|e| UpgradeError::Plan(e.to_string()))?;
         let step = match UpgradeStep::try_from(plan.step) {
             Ok(UpgradeStep::Apply) => Step::Apply,
