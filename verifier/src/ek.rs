@@ -84,6 +84,20 @@ pub enum EkError {
         "EK certificate is signed with {0}; only RSA (PKCS#1 v1.5 or PSS) with SHA-256, SHA-384 or SHA-512 and ECDSA with SHA-256 or SHA-384 are taken"
     )]
     SignatureAlgorithm(String),
+    /// The certificate's outer signature algorithm is not the one its
+    /// signed part names (RFC 5280, 4.1.1.2): the unsigned identifier was
+    /// changed.
+    #[error(
+        "EK certificate names the signature algorithm {outer} outside its signed part and {signed} inside it{params}"
+    )]
+    AlgorithmMismatch {
+        /// The algorithm beside the signature.
+        outer: String,
+        /// The algorithm in the signed part.
+        signed: String,
+        /// Said when only the algorithms' parameters differ.
+        params: &'static str,
+    },
 }
 
 /// The marshalled TPMT_PUBLIC of the TCG EK Credential Profile's RSA-2048
@@ -321,11 +335,17 @@ const SIGNATURE_ALGORITHMS: [&Oid<'static>; 6] = [
 /// 5280, 4.1.1.2), before any key is tried on it.
 fn signature_algorithm(cert: &X509Certificate<'_>) -> Result<(), EkError> {
     let algorithm = &cert.signature_algorithm.algorithm;
-    if cert.tbs_certificate.signature != cert.signature_algorithm {
-        return Err(EkError::SignatureAlgorithm(format!(
-            "{algorithm}, where its signed part names {}",
-            cert.tbs_certificate.signature.algorithm
-        )));
+    let signed = &cert.tbs_certificate.signature;
+    if *signed != cert.signature_algorithm {
+        return Err(EkError::AlgorithmMismatch {
+            outer: algorithm.to_id_string(),
+            signed: signed.algorithm.to_id_string(),
+            params: if signed.algorithm == *algorithm {
+                " (with other parameters)"
+            } else {
+                ""
+            },
+        });
     }
     if SIGNATURE_ALGORITHMS.contains(&algorithm) {
         return Ok(());
@@ -782,7 +802,11 @@ mod tests {
         outer_only[outer] = 0x0c; // sha384WithRSAEncryption
         let refused = rsa_trust.verify(&outer_only, &ek.public()).unwrap_err();
         assert!(
-            matches!(&refused, EkError::SignatureAlgorithm(name) if name.contains("signed part")),
+            matches!(
+                &refused,
+                EkError::AlgorithmMismatch { outer, signed, params: "" }
+                    if outer == "1.2.840.113549.1.1.12" && signed == "1.2.840.113549.1.1.11"
+            ),
             "{refused}"
         );
 
