@@ -32,17 +32,30 @@ fn components(mirror: &MirrorServer, root: &std::path::Path) -> Vec<Component> {
         .collect()
 }
 
+/// A swtpm and its measured-log TPM, a temporary directory, a mirror, and
+/// the root to install below.
+fn setup() -> (
+    Swtpm,
+    tempfile::TempDir,
+    SharedTpm,
+    MirrorServer,
+    std::path::PathBuf,
+) {
+    let swtpm = Swtpm::start_bare().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tpm = open(&swtpm, dir.path());
+    let mirror = MirrorServer::start().unwrap();
+    let root = dir.path().join("root");
+    (swtpm, dir, tpm, mirror, root)
+}
+
 fn pcr13(tpm: &SharedTpm) -> [u8; 32] {
     tpm.lock().unwrap().tpm().pcr_read(&[pcr::NODE]).unwrap()[&pcr::NODE]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_component_is_installed_and_measured_in_order() {
-    let swtpm = Swtpm::start_bare().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let tpm = open(&swtpm, dir.path());
-    let mirror = MirrorServer::start().unwrap();
-    let root = dir.path().join("root");
+    let (_swtpm, _dir, tpm, mirror, root) = setup();
     let list = components(&mirror, &root);
     assert!(list.len() >= 5);
 
@@ -75,11 +88,7 @@ async fn every_component_is_installed_and_measured_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_component_stops_the_run_after_measuring_the_ones_before() {
-    let swtpm = Swtpm::start_bare().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let tpm = open(&swtpm, dir.path());
-    let mirror = MirrorServer::start().unwrap();
-    let root = dir.path().join("root");
+    let (_swtpm, _dir, tpm, mirror, root) = setup();
     let list = components(&mirror, &root);
     // The third component (kubelet) is gone from the mirror.
     let kubelet = &list[2];
@@ -118,11 +127,7 @@ async fn a_failing_component_stops_the_run_after_measuring_the_ones_before() {
 /// its first component.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_list_with_two_archives_for_one_directory_installs_nothing() {
-    let swtpm = Swtpm::start_bare().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let tpm = open(&swtpm, dir.path());
-    let mirror = MirrorServer::start().unwrap();
-    let root = dir.path().join("root");
+    let (_swtpm, _dir, tpm, mirror, root) = setup();
     let mut list = components(&mirror, &root);
     let archive = list.iter().find(|c| c.extract()).unwrap().clone();
     let other = keel_proto::components::Component {

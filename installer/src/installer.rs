@@ -469,14 +469,8 @@ impl Installer {
                 return Ok(Outcome::CopiedKept { bytes });
             }
         }
-        let named = kept.as_deref().unwrap_or(dest);
         let temp = self
-            .fetch(
-                component,
-                named,
-                fetch_dir(kept.as_deref(), parent),
-                progress,
-            )
+            .fetch(component, kept.as_deref(), dest, parent, progress)
             .await?;
         let Some(kept) = kept else {
             let target = dest.to_owned();
@@ -552,14 +546,8 @@ impl Installer {
                 ),
             }
         }
-        let named = kept.as_deref().unwrap_or(dest);
         let temp = self
-            .fetch(
-                component,
-                named,
-                fetch_dir(kept.as_deref(), parent),
-                progress,
-            )
+            .fetch(component, kept.as_deref(), dest, parent, progress)
             .await?;
         let (target, expected, spare) = (dest.to_owned(), component.hash(), spare.to_vec());
         let (summary, temp) = blocking(move || {
@@ -600,18 +588,20 @@ impl Installer {
         Ok(Some(path))
     }
 
-    /// Fetches or decodes the component into a verified temporary file in
-    /// `dir`, named after `dest`: the directory it is renamed within (the
-    /// install path's, or the kept components').
+    /// Fetches or decodes the component into a verified temporary file
+    /// beside its `kept` copy when it has one, else beside `dest` (in
+    /// `parent`, the install path's directory): the directory the file is
+    /// renamed within.
     async fn fetch(
         &self,
         component: &Component,
+        kept: Option<&Path>,
         dest: &Path,
-        dir: &Path,
+        parent: &Path,
         progress: &dyn Progress,
     ) -> Result<tempfile::NamedTempFile, InstallError> {
-        let path = dest.to_owned();
-        let dir = dir.to_owned();
+        let path = kept.unwrap_or(dest).to_owned();
+        let dir = kept.and_then(Path::parent).unwrap_or(parent).to_owned();
         let inline = match component.source() {
             Source::Inline(content) => {
                 let actual = Sha256Digest::of(content);
@@ -779,12 +769,6 @@ pub fn check_list(components: &[Component]) -> Result<(), InstallError> {
         }
     }
     Ok(())
-}
-
-/// Where a component is fetched to: beside its kept copy when it has one,
-/// else in `parent`, the install path's directory.
-fn fetch_dir<'a>(kept: Option<&'a Path>, parent: &'a Path) -> &'a Path {
-    kept.and_then(Path::parent).unwrap_or(parent)
 }
 
 /// Copies `from` (`what` it is, for the log) into place at `dest` with
