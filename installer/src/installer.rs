@@ -188,6 +188,17 @@ pub enum InstallError {
         #[source]
         source: io::Error,
     },
+    /// The kept components' directory (on the state disk, on a node) could
+    /// not be made or cleared: the install fails rather than fetch into
+    /// the install path's directory.
+    #[error("making the kept components' directory {path:?}")]
+    KeptDir {
+        /// The directory.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
     /// The existing file at the install path could not be checked or given
     /// its mode.
     #[error("checking the existing file {path:?}")]
@@ -584,7 +595,10 @@ impl Installer {
             return Ok(None);
         };
         let path = dir.join(&name);
-        prepare_dir(dir, name.into()).await?;
+        prepare_dir(dir, name.into()).await.map_err(|e| match e {
+            InstallError::CreateDir { path, source } => InstallError::KeptDir { path, source },
+            other => other,
+        })?;
         Ok(Some(path))
     }
 

@@ -696,10 +696,7 @@ async fn the_download_is_read_back_from_the_disk_with_its_hash() {
 }
 
 /// What is at a kept archive's path is never a reason to fail: the
-/// archive is fetched (and kept where it can be). A kept components'
-/// directory that cannot be made fails the install before anything is
-/// fetched, for an archive and a single file alike: fetching beside the
-/// install path instead would put what a mirror sends in memory.
+/// archive is fetched (and kept where it can be).
 #[tokio::test]
 async fn whatever_is_at_the_kept_path_the_archive_installs() {
     let mirror = MirrorServer::start().unwrap();
@@ -758,28 +755,35 @@ async fn whatever_is_at_the_kept_path_the_archive_installs() {
     let installed = installer.install(crictl, &NoProgress).await.unwrap();
     assert!(matches!(installed.outcome(), Outcome::Extracted(_)));
     assert!(kept.is_dir());
+}
 
-    // The directory itself cannot be made (a file is in the way).
-    std::fs::remove_dir_all(&kept_dir).unwrap();
+/// A kept components' directory that cannot be made (a file in the way)
+/// fails the install before anything is fetched, for an archive and a
+/// single file alike: fetching beside the install path instead would put
+/// what a mirror sends in memory.
+#[tokio::test]
+async fn a_kept_directory_that_cannot_be_made_fails_the_install() {
+    let (mirror, root, list, installer) = keeping_setup();
+    let r = root.path();
+    let kept_dir = r.join(KEPT.trim_start_matches('/'));
+    std::fs::create_dir_all(kept_dir.parent().unwrap()).unwrap();
     std::fs::write(&kept_dir, b"in the way").unwrap();
     let kubelet = list.iter().find(|c| c.name() == "kubelet").unwrap();
-    let fetched = mirror.total_requests();
+    let crictl = &list[1];
+    assert!(crictl.extract());
     for component in [crictl, kubelet] {
         let dest = component.install_path().under(r);
-        if dest.is_dir() {
-            std::fs::remove_dir_all(&dest).unwrap();
-        }
         let refused = installer.install(component, &NoProgress).await.unwrap_err();
         assert!(
             matches!(
                 &refused,
-                keel_installer::InstallError::CreateDir { path, .. } if *path == kept_dir
+                keel_installer::InstallError::KeptDir { path, .. } if *path == kept_dir
             ),
             "{}",
             chain(&refused)
         );
         assert!(!dest.exists(), "{}", dest.display());
-        assert_eq!(mirror.total_requests(), fetched);
+        assert_eq!(mirror.total_requests(), 0);
     }
 }
 

@@ -809,6 +809,20 @@ mod tests {
             ),
             "{refused}"
         );
+        // Only the unsigned parameters changed: NULL became an empty
+        // OCTET STRING, of the same length.
+        let mut params_only = sha256.clone();
+        assert_eq!(params_only[outer + 1..outer + 3], [0x05, 0x00], "NULL");
+        params_only[outer + 1] = 0x04;
+        let refused = rsa_trust.verify(&params_only, &ek.public()).unwrap_err();
+        assert!(
+            matches!(
+                &refused,
+                EkError::AlgorithmMismatch { outer, signed, params: " (with other parameters)" }
+                    if outer == signed
+            ),
+            "{refused}"
+        );
 
         // An Ed25519 CA: a sound signature, but not one an EK CA makes.
         let ed_ca = ca_with_key(KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap(), |_| {});
