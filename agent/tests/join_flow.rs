@@ -341,6 +341,54 @@ async fn a_worker_serving_the_join_port_gets_no_ticket_used() {
     deceived.assert_untouched();
 }
 
+/// Attacker's move: a join service (a control plane of a cluster whose
+/// list an earlier agent took, or one that lies) hands out a ticket whose
+/// components put two archives into one directory, so that the node locks
+/// and then fails to install. The node refuses the ticket before it locks
+/// or fetches anything, and keeps trying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_with_two_archives_for_one_directory_leaves_the_node_unlocked() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let mut list = stand_in_components(&mirror);
+    let archive = list.iter().find(|c| c.extract()).unwrap();
+    let second = keel_installer::Component::try_from(&keel_proto::components::Component {
+        url: format!("{}/other.tgz", mirror.base_url()),
+        hash: format!("sha256:{}", "b".repeat(64)),
+        install_path: archive.install_path().to_string(),
+        extract: true,
+    })
+    .unwrap();
+    list.push(second);
+    let service = start_service_with(&ca, port, Some(list), false).await;
+    let node = joiner(&ca, &ca, port, "w-1", "worker");
+
+    let run = tokio::time::timeout(WATCH, node.client(&ca).run()).await;
+    assert!(run.is_err(), "{run:?}");
+    node.assert_untouched();
+    assert_eq!(mirror.total_requests(), 0);
+
+    let key = KubeletKey::generate("w-1").unwrap();
+    let request = IssueJoinTicketRequest {
+        disk_uuid: join_common::uuid(),
+        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: "w-1".into(),
+        file_discovery: true,
+    };
+    let err = node
+        .tickets(&ca)
+        .join_ticket(&service.endpoint, request, &key.spki())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TicketError::Invalid(why) if why.contains("more than one archive")),
+        "{err}"
+    );
+    node.assert_untouched();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_nodes_stay_unlocked_and_untouched() {
     let ca = EkCa::new().unwrap();

@@ -189,8 +189,8 @@ pub enum InstallError {
         source: io::Error,
     },
     /// The kept components' directory (on the state disk, on a node) could
-    /// not be made or cleared: the install fails rather than fetch into
-    /// the install path's directory.
+    /// not be made: the install fails rather than fetch into the install
+    /// path's directory.
     #[error("making the kept components' directory {path:?}")]
     KeptDir {
         /// The directory.

@@ -771,6 +771,7 @@ async fn a_kept_directory_that_cannot_be_made_fails_the_install() {
     let kubelet = list.iter().find(|c| c.name() == "kubelet").unwrap();
     let crictl = &list[1];
     assert!(crictl.extract());
+    // crictl's directory first: kubelet's install makes it (its parent).
     for component in [crictl, kubelet] {
         let dest = component.install_path().under(r);
         let refused = installer.install(component, &NoProgress).await.unwrap_err();

@@ -482,11 +482,10 @@ pub fn parse_join_ticket(
             .map_err(|e| TicketError::Invalid(format!("component: {e}")))?,
         _ => entry.components().to_vec(),
     };
-    // The control plane took this list at init or in a plan; a node checks
-    // it again before it locks, as it would refuse it when installing.
+    // The control plane took this list at init or in a plan; the node
+    // checks it again before it locks, since installing it would fail
+    // after the lock.
     keel_installer::check_list(&components)
-        .map_err(|e| TicketError::Invalid(format!("components: {e}")))?;
-    crate::upgrade::check_switchable(&components)
         .map_err(|e| TicketError::Invalid(format!("components: {e}")))?;
     let mut files = Vec::new();
     for file in &secrets.control_plane_files {
