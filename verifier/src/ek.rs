@@ -18,12 +18,14 @@
 //! the signature check.
 
 use x509_parser::oid_registry::{
-    Oid, OID_PKCS1_RSASSAPSS, OID_PKCS1_SHA1WITHRSA, OID_PKCS1_SHA256WITHRSA,
-    OID_PKCS1_SHA384WITHRSA, OID_PKCS1_SHA512WITHRSA, OID_SHA1_WITH_RSA, OID_SIG_ECDSA_WITH_SHA256,
+    Oid, OID_NIST_HASH_SHA256, OID_NIST_HASH_SHA384, OID_NIST_HASH_SHA512, OID_PKCS1_RSASSAPSS,
+    OID_PKCS1_SHA1WITHRSA, OID_PKCS1_SHA256WITHRSA, OID_PKCS1_SHA384WITHRSA,
+    OID_PKCS1_SHA512WITHRSA, OID_SHA1_WITH_RSA, OID_SIG_ECDSA_WITH_SHA256,
     OID_SIG_ECDSA_WITH_SHA384, OID_X509_EXT_BASIC_CONSTRAINTS,
 };
 use x509_parser::prelude::{FromDer, ParsedExtension, X509Certificate};
 use x509_parser::public_key::PublicKey as CertKey;
+use x509_parser::signature_algorithm::RsaSsaPssParams;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -237,8 +239,11 @@ impl EkTrust {
     }
 
     /// Checks that `cert_der` was issued by a trusted CA that is valid now,
-    /// is valid now itself and certifies `ek`. When no CA named as the
-    /// issuer qualifies, the error is the most precise one: a CA that
+    /// is valid now itself and certifies `ek`. A signature algorithm not
+    /// taken, or named differently outside the signed part, is refused
+    /// before any CA is tried ([`EkError::SignatureAlgorithm`],
+    /// [`EkError::AlgorithmMismatch`]). When no CA named as the issuer
+    /// qualifies, the error is the most precise one: a CA that
     /// signed the certificate but is expired or no CA ([`EkError::CaValidity`],
     /// [`EkError::NotCa`]), else [`EkError::Signature`], else (no CA of that
     /// name) [`EkError::UntrustedIssuer`].
@@ -315,9 +320,8 @@ impl EkTrust {
     }
 }
 
-/// The signature algorithms an EK certificate may be signed with. RSASSA-PSS
-/// stands for itself only with SHA-256, SHA-384 or SHA-512 as its hash: the
-/// signature check takes no other. SHA-1 is left out: chosen-prefix
+/// The signature algorithms an EK certificate may be signed with,
+/// RSASSA-PSS only with one of [`PSS_HASHES`]. SHA-1 is left out: chosen-prefix
 /// collisions for it are practical, so a SHA-1 signature over a
 /// certificate a CA issued may as well be over one it did not; and the
 /// check's SHA-1 path takes RSA keys of 1024 bits.
@@ -328,6 +332,14 @@ const SIGNATURE_ALGORITHMS: [&Oid<'static>; 6] = [
     &OID_PKCS1_RSASSAPSS,
     &OID_SIG_ECDSA_WITH_SHA256,
     &OID_SIG_ECDSA_WITH_SHA384,
+];
+
+/// The hashes an RSASSA-PSS signature of an EK certificate may use (its
+/// parameters name the hash; without one, RFC 4055 makes it SHA-1).
+const PSS_HASHES: [&Oid<'static>; 3] = [
+    &OID_NIST_HASH_SHA256,
+    &OID_NIST_HASH_SHA384,
+    &OID_NIST_HASH_SHA512,
 ];
 
 /// Refuses a certificate whose signature algorithm is not one of
@@ -346,6 +358,26 @@ fn signature_algorithm(cert: &X509Certificate<'_>) -> Result<(), EkError> {
                 ""
             },
         });
+    }
+    if *algorithm == OID_PKCS1_RSASSAPSS {
+        let hash = cert
+            .signature_algorithm
+            .parameters
+            .as_ref()
+            .and_then(|any| RsaSsaPssParams::try_from(any).ok())
+            .map(|params| {
+                let hash = params.hash_algorithm_oid();
+                (PSS_HASHES.contains(&hash), hash.to_id_string())
+            });
+        return match hash {
+            Some((true, _)) => Ok(()),
+            Some((false, hash)) => Err(EkError::SignatureAlgorithm(format!(
+                "RSASSA-PSS with the hash {hash}"
+            ))),
+            None => Err(EkError::SignatureAlgorithm(
+                "RSASSA-PSS without parameters that parse".to_owned(),
+            )),
+        };
     }
     if SIGNATURE_ALGORITHMS.contains(&algorithm) {
         return Ok(());
@@ -752,8 +784,76 @@ mod tests {
         der
     }
 
+    /// `sha256WithRSAEncryption` (NULL parameters), as rcgen writes it.
+    const SHA256_WITH_RSA_ID: [u8; 15] = [
+        0x30, 0x0d, 0x06, 0x09, 0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0b, 0x05, 0x00,
+    ];
+    /// RSASSA-PSS with no parameters: RFC 4055's defaults, SHA-1 among
+    /// them. The same length as [`SHA256_WITH_RSA_ID`].
+    const PSS_DEFAULTS_ID: [u8; 15] = [
+        0x30, 0x0d, 0x06, 0x09, 0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0a, 0x30, 0x00,
+    ];
+    /// RSASSA-PSS with SHA-256, MGF1 with SHA-256, a salt of 32 bytes.
+    const PSS_SHA256_ID: [u8; 67] = [
+        0x30, 0x41, 0x06, 0x09, 0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0a, 0x30, 0x34,
+        0xa0, 0x0f, 0x30, 0x0d, 0x06, 0x09, 0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x01,
+        0x05, 0x00, 0xa1, 0x1c, 0x30, 0x1a, 0x06, 0x09, 0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01,
+        0x01, 0x08, 0x30, 0x0d, 0x06, 0x09, 0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x01,
+        0x05, 0x00, 0xa2, 0x03, 0x02, 0x01, 0x20,
+    ];
+
+    /// `der` with each of the `count` occurrences of `from` replaced by `to`.
+    fn replaced(der: &[u8], from: &[u8], to: &[u8], count: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(der.len());
+        let (mut rest, mut found) = (der, 0);
+        while let Some(at) = rest.windows(from.len()).position(|w| w == from) {
+            out.extend_from_slice(&rest[..at]);
+            out.extend_from_slice(to);
+            rest = &rest[at + from.len()..];
+            found += 1;
+        }
+        out.extend_from_slice(rest);
+        assert_eq!(found, count);
+        out
+    }
+
+    /// A DER element of `tag` around `content` (definite length).
+    fn tlv(tag: u8, content: &[u8]) -> Vec<u8> {
+        let len = u16::try_from(content.len()).unwrap().to_be_bytes();
+        let mut out = match content.len() {
+            0..0x80 => vec![tag, len[1]],
+            0x80..0x100 => vec![tag, 0x81, len[1]],
+            _ => vec![tag, 0x82, len[0], len[1]],
+        };
+        out.extend_from_slice(content);
+        out
+    }
+
+    /// `cert` (signed `sha256WithRSAEncryption` by `key`) as `key` would
+    /// have signed it with RSASSA-PSS over SHA-256: both identifiers
+    /// [`PSS_SHA256_ID`], the signature made again.
+    fn signed_again_with_pss_sha256(cert: &[u8], key: &rsa::RsaPrivateKey) -> Vec<u8> {
+        use rsa::signature::{RandomizedSigner as _, SignatureEncoding as _};
+        let (_, parsed) = X509Certificate::from_der(cert).unwrap();
+        let tbs = parsed.tbs_certificate.as_ref();
+        assert_eq!(
+            tbs[..2],
+            [0x30, 0x82],
+            "a TBSCertificate of 256 bytes or more"
+        );
+        let tbs = tlv(
+            0x30,
+            &replaced(&tbs[4..], &SHA256_WITH_RSA_ID, &PSS_SHA256_ID, 1),
+        );
+        let signature = rsa::pss::SigningKey::<sha2::Sha256>::new(key.clone())
+            .sign_with_rng(&mut rand::rngs::OsRng, &tbs)
+            .to_vec();
+        let bits = tlv(0x03, &[&[0][..], &signature].concat());
+        tlv(0x30, &[tbs, PSS_SHA256_ID.to_vec(), bits].concat())
+    }
+
     #[test]
-    fn a_certificate_its_ca_signed_with_sha1_or_an_unlisted_algorithm_is_refused() {
+    fn a_certificate_with_sha1_an_unlisted_algorithm_or_a_changed_identifier_is_refused() {
         use rsa::pkcs1::EncodeRsaPublicKey as _;
         let key = rsa::RsaPrivateKey::new(&mut rand::rngs::OsRng, 2048).unwrap();
         let public = key
@@ -821,6 +921,18 @@ mod tests {
                 EkError::AlgorithmMismatch { outer, signed, params: " (with other parameters)" }
                     if outer == signed
             ),
+            "{refused}"
+        );
+
+        // RSASSA-PSS over SHA-256 is taken; without parameters (SHA-1 by
+        // RFC 4055) it is refused before any key is tried.
+        let pss = signed_again_with_pss_sha256(&sha256, &key.key);
+        rsa_trust.verify(&pss, &ek.public()).unwrap();
+        let pss_sha1 = replaced(&sha256, &SHA256_WITH_RSA_ID, &PSS_DEFAULTS_ID, 2);
+        let refused = rsa_trust.verify(&pss_sha1, &ek.public()).unwrap_err();
+        assert!(
+            matches!(&refused, EkError::SignatureAlgorithm(name)
+                if name == "RSASSA-PSS with the hash 1.3.14.3.2.26"),
             "{refused}"
         );
 
