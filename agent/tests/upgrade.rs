@@ -753,7 +753,7 @@ async fn a_rollback_that_cannot_write_its_record_still_restarts_the_old_kubelet(
 /// authorise for its members' evidence what every node would refuse to
 /// stage.
 #[test]
-fn a_plan_with_a_directory_no_upgrade_can_switch_is_refused() {
+fn a_plan_no_node_would_stage_is_refused() {
     let mirror = MirrorServer::start().unwrap();
     let mut listed = stand_ins(&mirror, TO);
     let good = Target::parse(

@@ -63,8 +63,11 @@ pub struct InstallerConfig {
     /// Keep each verified downloaded component in this directory (below
     /// `root`, as install paths are), named `<sha256 hex>.tgz` (archives)
     /// or `<sha256 hex>.bin` (single files), and install from the kept copy
-    /// when the component is installed again. `None`: components not in
-    /// place are fetched on every install.
+    /// when the component is installed again. Downloads are written here
+    /// first and reach the install path only once their hash matched; a
+    /// directory that cannot be made fails the install. `None`: components
+    /// not in place are fetched on every install, into the install path's
+    /// directory.
     pub kept: Option<InstallPath>,
 }
 

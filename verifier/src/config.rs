@@ -19,10 +19,12 @@ use crate::signature::SigningPublicKey;
 pub const MAX_CONFIG_BYTES: u64 = 64 * 1024;
 /// Largest canonical form of a config, its cluster and node parts
 /// together. Both are measured with their bytes into the event log, which
-/// every attestation document of the node carries; the log has 32 KiB of
-/// a document, and the rest of it goes to the Kubernetes components and
-/// an upgrade's events. A larger config would be loaded and measured and
-/// then fail every handshake, so it is refused at load.
+/// every attestation document of the node carries: of the 48 KiB a
+/// document may take, the log has 32 KiB, and what the config leaves of
+/// it goes to the Kubernetes components and an upgrade's events. A larger
+/// config would leave too little for those (upgrades refused for want of
+/// room) or, larger still, documents too large for a handshake; so it is
+/// refused at load.
 pub const MAX_MEASURED_CONFIG_BYTES: usize = 16 * 1024;
 /// Where QEMU's `-fw_cfg name=opt/keel/node-config,file=...` appears in the guest.
 pub const FW_CFG_PATH: &str = "/sys/firmware/qemu_fw_cfg/by_name/opt/keel/node-config/raw";
