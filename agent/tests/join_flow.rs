@@ -318,17 +318,10 @@ async fn a_worker_serving_the_join_port_gets_no_ticket_used() {
     )
     .await;
     let deceived = joiner(&ca, &ca, port, "w-1", "worker");
-    let key = KubeletKey::generate("w-1").unwrap();
-    let request = IssueJoinTicketRequest {
-        disk_uuid: join_common::uuid(),
-        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
-        is_control_plane: false,
-        node_name: "w-1".into(),
-        file_discovery: true,
-    };
+    let (request, spki) = worker_request("w-1");
     let err = deceived
         .tickets(&ca)
-        .join_ticket(&worker.endpoint, request, &key.spki())
+        .join_ticket(&worker.endpoint, request, &spki)
         .await
         .unwrap_err();
     assert!(
@@ -339,6 +332,20 @@ async fn a_worker_serving_the_join_port_gets_no_ticket_used() {
     let run = tokio::time::timeout(WATCH, deceived.client(&ca).run()).await;
     assert!(run.is_err(), "{run:?}");
     deceived.assert_untouched();
+}
+
+/// A worker's ticket request for `name` (a fresh kubelet key and disk),
+/// and the key's SPKI the ticket must certify.
+fn worker_request(name: &str) -> (IssueJoinTicketRequest, Vec<u8>) {
+    let key = KubeletKey::generate(name).unwrap();
+    let request = IssueJoinTicketRequest {
+        disk_uuid: join_common::uuid(),
+        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: name.into(),
+        file_discovery: true,
+    };
+    (request, key.spki())
 }
 
 /// Attacker's move: a join service (a control plane of a cluster whose
@@ -369,17 +376,10 @@ async fn a_ticket_with_two_archives_for_one_directory_leaves_the_node_unlocked()
     node.assert_untouched();
     assert_eq!(mirror.total_requests(), 0);
 
-    let key = KubeletKey::generate("w-1").unwrap();
-    let request = IssueJoinTicketRequest {
-        disk_uuid: join_common::uuid(),
-        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
-        is_control_plane: false,
-        node_name: "w-1".into(),
-        file_discovery: true,
-    };
+    let (request, spki) = worker_request("w-1");
     let err = node
         .tickets(&ca)
-        .join_ticket(&service.endpoint, request, &key.spki())
+        .join_ticket(&service.endpoint, request, &spki)
         .await
         .unwrap_err();
     assert!(
@@ -427,21 +427,9 @@ async fn refused_nodes_stay_unlocked_and_untouched() {
 
     // Why, asked directly: the service refuses the first two in the
     // handshake; the node refuses the rogue service's ticket.
-    let request = |name: &str| {
-        let key = KubeletKey::generate(name).unwrap();
-        let spki = key.spki();
-        let req = IssueJoinTicketRequest {
-            disk_uuid: join_common::uuid(),
-            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
-            is_control_plane: false,
-            node_name: name.into(),
-            file_discovery: true,
-        };
-        (req, spki)
-    };
     for node in [&mismatched, &untrusted] {
         let tickets = node.tickets(&ca);
-        let (req, spki) = request(&node.config.node.name);
+        let (req, spki) = worker_request(&node.config.node.name);
         let err = tickets
             .join_ticket(&service.endpoint, req, &spki)
             .await
@@ -452,7 +440,7 @@ async fn refused_nodes_stay_unlocked_and_untouched() {
         );
     }
     let tickets = deceived.tickets(&ca);
-    let (req, spki) = request("w-3");
+    let (req, spki) = worker_request("w-3");
     let err = tickets
         .join_ticket(&rogue.endpoint, req, &spki)
         .await
