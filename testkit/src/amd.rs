@@ -191,6 +191,10 @@ pub struct LaunchFields {
     pub id_key_digest: [u8; 48],
     /// SHA-384 of the author key; `Some` also sets `AUTHOR_KEY_EN`.
     pub author_key_digest: Option<[u8; 48]>,
+    /// The signing key `key_info` names (0 VCEK, 1 VLEK), whatever key
+    /// signs the report: what no firmware writes. `None`: the key that
+    /// signs it.
+    pub signing_key: Option<u8>,
 }
 
 impl Default for LaunchFields {
@@ -200,11 +204,13 @@ impl Default for LaunchFields {
             platform_info: 0,
             id_key_digest: [0; 48],
             author_key_digest: None,
+            signing_key: None,
         }
     }
 }
 
-/// A generated AMD-like chain and the chip whose VCEK it certifies.
+/// A generated AMD-like chain and the chip whose VCEK it certifies (or,
+/// from [`TestAmd::vlek`], the VLEK a cloud provider loaded).
 pub struct TestAmd {
     roots_pem: String,
     ark: RsaPss,
@@ -215,6 +221,7 @@ pub struct TestAmd {
     chip_id: [u8; 64],
     tcb: [u8; 4],
     fmc: Option<u8>,
+    vlek: bool,
 }
 
 impl TestAmd {
@@ -231,19 +238,36 @@ impl TestAmd {
     /// report's 64 bytes end in 56 zeros), an FMC SVN of 1 in the VCEK, and
     /// version 3 reports of a family 0x1A CPU in Turin's TCB layout.
     pub fn for_line(line: &str) -> Result<Self, AmdError> {
+        Self::generate(line, false)
+    }
+
+    /// As [`TestAmd::new`], with a VLEK in place of the VCEK: the ARK
+    /// certifies an ASVK (`SEV-VLEK-Test`), which certifies the VLEK
+    /// (without a chip ID), and reports name the VLEK as their signing key
+    /// and carry a zero chip ID (version 3, of a Milan CPU).
+    /// [`TestAmd::vcek_der`] and [`TestAmd::ask_der`] are then the VLEK
+    /// and the ASVK.
+    pub fn vlek() -> Result<Self, AmdError> {
+        Self::generate("Test", true)
+    }
+
+    fn generate(line: &str, vlek: bool) -> Result<Self, AmdError> {
         let tcb = [3, 0, 8, 115];
         let turin = line == "Turin";
         let fmc = turin.then_some(1u8);
         let mut chip_id = [0u8; 64];
         let id_len = if turin { 8 } else { 64 };
-        rand::RngCore::fill_bytes(&mut OsRng, &mut chip_id[..id_len]);
+        if !vlek {
+            rand::RngCore::fill_bytes(&mut OsRng, &mut chip_id[..id_len]);
+        }
 
         let ark = RsaPss::generate()?;
         let ark_params = ca_params(&format!("ARK-{line}"))?;
         let ark_der = pss(ark_params.self_signed(&ark)?.der().to_vec());
 
         let ask = RsaPss::generate()?;
-        let ask_params = ca_params(&format!("SEV-{line}"))?;
+        let intermediate = if vlek { "SEV-VLEK-" } else { "SEV-" };
+        let ask_params = ca_params(&format!("{intermediate}{line}"))?;
         let ask_der = pss(ask_params
             .signed_by(&ask, &Issuer::new(ark_params.clone(), &ark))?
             .der()
@@ -256,9 +280,10 @@ impl TestAmd {
             .as_bytes()
             .to_vec();
         let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "SEV-VCEK");
+        params.distinguished_name.push(
+            DnType::CommonName,
+            if vlek { "SEV-VLEK" } else { "SEV-VCEK" },
+        );
         let amd = |arc: &[u64]| [&[1u64, 3, 6, 1, 4, 1, 3704, 1][..], arc].concat();
         // Milan's and Genoa's VCEKs carry the chip ID bare, Turin's as an
         // OCTET STRING: the verifier reads both.
@@ -267,7 +292,9 @@ impl TestAmd {
         } else {
             chip_id.to_vec()
         };
-        params.custom_extensions = vec![CustomExtension::from_oid_content(&amd(&[4]), hw_id)];
+        if !vlek {
+            params.custom_extensions = vec![CustomExtension::from_oid_content(&amd(&[4]), hw_id)];
+        }
         let svns = [(1u64, tcb[0]), (2, tcb[1]), (3, tcb[2]), (8, tcb[3])];
         for (arc, value) in svns.into_iter().chain(fmc.map(|f| (9, f))) {
             let der = if value < 0x80 {
@@ -293,6 +320,7 @@ impl TestAmd {
             chip_id,
             tcb,
             fmc,
+            vlek,
         })
     }
 
@@ -301,12 +329,12 @@ impl TestAmd {
         &self.roots_pem
     }
 
-    /// The VCEK, DER.
+    /// The VCEK (the VLEK of [`TestAmd::vlek`]), DER.
     pub fn vcek_der(&self) -> &[u8] {
         &self.vcek_der
     }
 
-    /// The ASK, DER.
+    /// The ASK (the ASVK of [`TestAmd::vlek`]), DER.
     pub fn ask_der(&self) -> &[u8] {
         &self.ask_der
     }
@@ -386,9 +414,15 @@ impl TestAmd {
     }
 
     /// The CPU family and model a version 3 report names: Turin's family
-    /// and a model for Turin, none (a version 2 report) otherwise.
+    /// and a model for Turin, Milan's for a VLEK's report (whose zero chip
+    /// ID cannot tell a version 2 report's TCB layout), none (a version 2
+    /// report) otherwise.
     fn cpu(&self) -> Option<(u8, u8)> {
-        self.fmc.map(|_| (0x1a, 0x02))
+        match (self.fmc, self.vlek) {
+            (Some(_), _) => Some((0x1a, 0x02)),
+            (None, true) => Some((0x19, 0x01)),
+            (None, false) => None,
+        }
     }
 
     /// A report of `fields` and `launch` claiming `chip_id` and `tcb`, as
@@ -414,6 +448,8 @@ impl TestAmd {
         r[0x34..0x38].copy_from_slice(&1u32.to_le_bytes()); // ECDSA P-384 SHA-384
         r[0x38..0x40].copy_from_slice(&tcb); // current_tcb
         r[0x40..0x48].copy_from_slice(&launch.platform_info.to_le_bytes());
+        let signing_key = launch.signing_key.unwrap_or(u8::from(self.vlek));
+        r[0x48] |= (signing_key & 0x7) << 2; // key_info.SIGNING_KEY
         if let Some(author) = launch.author_key_digest {
             r[0x48] |= 1; // key_info.AUTHOR_KEY_EN
             r[0x110..0x140].copy_from_slice(&author);

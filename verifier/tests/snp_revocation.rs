@@ -8,8 +8,9 @@ use std::path::Path;
 
 use keel_testkit::amd::{ReportFields, TestAmd};
 use keel_verifier::cpu::binding::{report_data, Binding};
+use keel_verifier::cpu::collateral::snp_crl_path;
 use keel_verifier::cpu::policy::{Hex, Tcb};
-use keel_verifier::cpu::snp::{self, AmdRoots, SnpError};
+use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpError};
 use keel_verifier::cpu::{Collateral, CpuError, CpuPolicy, CpuTrust, Evidence, SnpPolicy};
 use time::{Duration, OffsetDateTime};
 
@@ -142,31 +143,47 @@ fn data(relative: &str) -> Vec<u8> {
     .unwrap()
 }
 
+/// A CRL in the exact name of AMD's Milan ARK, signed by another key, is
+/// refused for a VCEK of the line and, as its VLEK CRL, for a VLEK.
 #[test]
 fn a_crl_in_the_name_of_amds_milan_ark_not_signed_by_it_refuses() {
     use x509_parser::prelude::FromDer as _;
-    let chain = data("snp/amd-roots/ask_ark_milan.pem");
-    let ark = x509_parser::pem::Pem::iter_from_buffer(&chain)
-        .nth(1)
-        .unwrap()
-        .unwrap()
-        .contents;
-    let crl = keel_testkit::amd::crl_in_the_name_of(&ark, &[]).unwrap();
-    let (_, parsed) =
-        x509_parser::revocation_list::CertificateRevocationList::from_der(&crl).unwrap();
-    let (_, ark) = x509_parser::certificate::X509Certificate::from_der(&ark).unwrap();
-    assert_eq!(
-        parsed.issuer(),
-        ark.subject(),
-        "the CRL names AMD's Milan ARK"
-    );
-    let vcek = data("snp/milan-virtee/vcek_milan.der");
-    let e = snp::check_revocation(&crl, &vcek, &AmdRoots::pinned(), unix(now())).unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("AMD Milan CRL: its signature does not verify with the ARK"),
-        "{e}"
-    );
+    for (chain, certificate, list) in [
+        (
+            "snp/amd-roots/ask_ark_milan.pem",
+            "snp/milan-virtee/vcek_milan.der",
+            "AMD Milan CRL",
+        ),
+        (
+            "snp/amd-roots/ask_ark_milan_vlek.pem",
+            "snp/aws-milan-vlek/test-vlek.der",
+            "AMD Milan VLEK CRL",
+        ),
+    ] {
+        let chain = data(chain);
+        let ark = x509_parser::pem::Pem::iter_from_buffer(&chain)
+            .nth(1)
+            .unwrap()
+            .unwrap()
+            .contents;
+        let crl = keel_testkit::amd::crl_in_the_name_of(&ark, &[]).unwrap();
+        let (_, parsed) =
+            x509_parser::revocation_list::CertificateRevocationList::from_der(&crl).unwrap();
+        let (_, ark) = x509_parser::certificate::X509Certificate::from_der(&ark).unwrap();
+        assert_eq!(
+            parsed.issuer(),
+            ark.subject(),
+            "the CRL names AMD's Milan ARK"
+        );
+        let e = snp::check_revocation(&crl, &data(certificate), &AmdRoots::pinned(), unix(now()))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains(&format!(
+                "{list}: its signature does not verify with the ARK"
+            )),
+            "{e}"
+        );
+    }
 }
 
 /// A verifier of `amd`'s chips whose collateral cache is `cache`.
@@ -175,9 +192,10 @@ fn trust(amd: &TestAmd, cache: &Path) -> CpuTrust {
     CpuTrust::new(CpuPolicy::SevSnp(policy), Collateral::at(cache)).with_snp_roots(roots(amd))
 }
 
-#[test]
-fn the_verifier_checks_the_cached_crl_of_the_product_line() {
-    let amd = TestAmd::new().unwrap();
+/// The verifier's revocation check of `amd`'s reports, whose endorsement
+/// key is of kind `key`, through its collateral cache: the list of that
+/// kind counts, the other kind's is never read.
+fn the_cached_list_of_the_key_is_checked(amd: &TestAmd, key: SigningKey) {
     let report = amd
         .report(&ReportFields {
             policy: 0x30000,
@@ -193,25 +211,32 @@ fn the_verifier_checks_the_cached_crl_of_the_product_line() {
         certificate: amd.vcek_der().to_vec(),
     };
     let cache = tempfile::tempdir().unwrap();
-    let crl_path = cache
-        .path()
-        .join(keel_verifier::cpu::collateral::snp_crl_path("Test").unwrap());
-    let verify = || trust(&amd, cache.path()).verify(Some(&evidence), AK, NONCE, unix(now()));
+    let path = |key| cache.path().join(snp_crl_path("Test", key).unwrap());
+    let (crl_path, other_path) = match key {
+        SigningKey::Vcek => (path(SigningKey::Vcek), path(SigningKey::Vlek)),
+        SigningKey::Vlek => (path(SigningKey::Vlek), path(SigningKey::Vcek)),
+    };
+    let verify = || trust(amd, cache.path()).verify(Some(&evidence), AK, NONCE, unix(now()));
 
-    // No CRL cached: revocation is not checked.
+    // No list cached: revocation is not checked.
     verify().unwrap();
     std::fs::create_dir_all(crl_path.parent().unwrap()).unwrap();
-    std::fs::write(&crl_path, current_crl(&amd, &[vec![0x42]])).unwrap();
+    // The other kind's list is not read, whatever it holds.
+    std::fs::write(&other_path, b"garbage").unwrap();
     verify().unwrap();
-    // The cached CRL revokes the VCEK, then the ASK.
+    std::fs::write(&crl_path, current_crl(amd, &[vec![0x42]])).unwrap();
+    verify().unwrap();
+    // The cached list revokes the endorsement key, then the ASK (ASVK).
     for revoked in [serial(amd.vcek_der()), serial(amd.ask_der())] {
-        std::fs::write(&crl_path, current_crl(&amd, &[revoked])).unwrap();
+        std::fs::write(&crl_path, current_crl(amd, &[revoked])).unwrap();
         match verify() {
-            Err(CpuError::Snp(SnpError::Revoked { .. })) => {}
+            Err(CpuError::Snp(SnpError::Revoked { list, .. })) => {
+                assert_eq!(list, key.crl_name());
+            }
             other => panic!("{other:?}"),
         }
     }
-    // A stale or forged CRL in the cache fails closed.
+    // A stale or forged list in the cache fails closed.
     let stale = amd
         .crl(&[], now() - Duration::days(8), now() - Duration::days(1))
         .unwrap();
@@ -219,8 +244,22 @@ fn the_verifier_checks_the_cached_crl_of_the_product_line() {
     for crl in [stale, forged, b"garbage".to_vec()] {
         std::fs::write(&crl_path, crl).unwrap();
         match verify() {
-            Err(CpuError::Snp(SnpError::Crl { .. })) => {}
+            Err(CpuError::Snp(SnpError::Crl { list, .. })) => assert_eq!(list, key.crl_name()),
             other => panic!("{other:?}"),
         }
     }
+}
+
+#[test]
+fn the_verifier_checks_the_cached_crl_of_the_product_line() {
+    the_cached_list_of_the_key_is_checked(&TestAmd::new().unwrap(), SigningKey::Vcek);
+}
+
+/// Attacker's move: a cloud provider's VLEK (or its ASVK) that AMD revoked
+/// signs a report. AMD lists it in the product line's VLEK CRL, not in the
+/// line's CRL, so a verifier that checked VLEK reports against the CRL
+/// would pass it: a VLEK report is checked against the VLEK CRL alone.
+#[test]
+fn a_vlek_report_is_checked_against_the_vlek_crl_only() {
+    the_cached_list_of_the_key_is_checked(&TestAmd::vlek().unwrap(), SigningKey::Vlek);
 }

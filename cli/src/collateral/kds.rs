@@ -7,7 +7,7 @@
 
 use keel_verifier::cpu::binding::HclReport;
 use keel_verifier::cpu::collateral::{snp_certificate_path, snp_crl_path, MAX_COLLATERAL_BYTES};
-use keel_verifier::cpu::snp::{self, AmdRoots, SnpError};
+use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpError};
 use keel_verifier::cpu::{BindingError, MAX_CERTIFICATE_BYTES};
 use x509_parser::prelude::{FromDer as _, X509Certificate};
 
@@ -64,7 +64,7 @@ pub enum KdsError {
     #[error("the HCL report is malformed")]
     Hcl(#[source] BindingError),
     /// VLEKs are provisioned to a cloud provider, not served by chip.
-    #[error("the report is signed by a VLEK, which AMD's KDS does not serve by chip: install the cloud provider's VLEK as {path} in the cache")]
+    #[error("the report is signed by a VLEK, which AMD's KDS does not serve by chip: install the cloud provider's VLEK as {path} in the cache, and AMD's VLEK CRL of the product line (KDS /vlek/v1/<line>/crl) as snp/<line>/vlek-crl.der")]
     Vlek {
         /// Where the cache expects it.
         path: String,
@@ -203,7 +203,7 @@ pub async fn fetch(
         "keel: the {name} CRL is the ARK's, current, and names {revoked} revoked certificates, \
          neither the ASK nor this VCEK"
     );
-    let crl_path = snp_crl_path(name).ok_or(KdsError::ProductUnknown {
+    let crl_path = snp_crl_path(name, SigningKey::Vcek).ok_or(KdsError::ProductUnknown {
         version: report.version,
     })?;
 
@@ -377,7 +377,7 @@ mod tests {
             std::fs::write(path, &f.bytes).unwrap();
         }
         let crl = Collateral::at(cache.path())
-            .snp_crl(snp::product_line("SEV-Milan"))
+            .snp_crl(snp::product_line("SEV-Milan"), SigningKey::Vcek)
             .unwrap()
             .expect("the cached CRL");
         assert_eq!(crl, files[2].bytes);

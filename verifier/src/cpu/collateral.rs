@@ -13,10 +13,15 @@
 //! * `tdx/<FMSPC, 12 upper-case hex digits>.json`: `dcap-qvl`'s
 //!   `QuoteCollateralV3` (TCB info, QE identity, CRLs, issuer chains).
 //! * `snp/<product>/crl.der`: AMD's CRL for a product line (`Milan`,
-//!   `Genoa`, `Turin`). When present, every SNP report of that line is
-//!   checked against it ([`super::snp::check_revocation`]): a CRL that is
-//!   not the ARK's, not current, or revokes the ASK or the endorsement key
-//!   refuses the evidence. When absent, revocation is not checked.
+//!   `Genoa`, `Turin`; KDS `/vcek/v1/<product>/crl`). When present, every
+//!   VCEK-signed SNP report of that line is checked against it
+//!   ([`super::snp::check_revocation`]): a CRL that is not the ARK's, not
+//!   current, or revokes the ASK or the endorsement key refuses the
+//!   evidence. When absent, revocation is not checked.
+//! * `snp/<product>/vlek-crl.der`: the same for VLEK-signed reports, with
+//!   AMD's list of revoked ASVKs and VLEKs (KDS `/vlek/v1/<product>/crl`).
+//!   A VLEK report is never checked against `crl.der`, which lists
+//!   neither.
 //! * `snp/<product>/cert_chain.pem`: AMD's ASK/ARK chain, as `keel
 //!   collateral fetch` stores it with a VCEK. Kept for the operator; the
 //!   verifier uses its pinned roots.
@@ -30,6 +35,8 @@ use std::path::{Path, PathBuf};
 use dcap_qvl::quote::Quote;
 use dcap_qvl::QuoteCollateralV3;
 use sev::firmware::guest::AttestationReport;
+
+use super::snp::SigningKey;
 
 /// Where a node's verifier (the join service, a joining node) reads its
 /// collateral cache.
@@ -103,10 +110,10 @@ impl Collateral {
         read_bounded(&self.path("a VCEK or VLEK certificate", snp_certificate_path(report))?)
     }
 
-    /// AMD's CRL for the product line `line`, if the cache holds one
-    /// (none without a cache).
-    pub fn snp_crl(&self, line: &str) -> Result<Option<Vec<u8>>, CollateralError> {
-        let Some(relative) = snp_crl_path(line) else {
+    /// AMD's revocation list for the `key`s of the product line `line`,
+    /// if the cache holds one (none without a cache).
+    pub fn snp_crl(&self, line: &str, key: SigningKey) -> Result<Option<Vec<u8>>, CollateralError> {
+        let Some(relative) = snp_crl_path(line, key) else {
             return Ok(None);
         };
         let Some(path) = self.dir.as_ref().map(|d| d.join(relative)) else {
@@ -146,12 +153,17 @@ pub fn snp_certificate_path(report: &AttestationReport) -> String {
     }
 }
 
-/// Where a cache keeps AMD's CRL for the product line `line` (`Milan`),
-/// relative to the cache directory; `None` for a name that is not a plain
-/// word.
-pub fn snp_crl_path(line: &str) -> Option<String> {
+/// Where a cache keeps AMD's revocation list for the `key`s of the
+/// product line `line` (`Milan`), relative to the cache directory: its CRL
+/// for VCEKs, its VLEK CRL for VLEKs; `None` for a name that is not a
+/// plain word.
+pub fn snp_crl_path(line: &str, key: SigningKey) -> Option<String> {
     let plain = !line.is_empty() && line.bytes().all(|b| b.is_ascii_alphanumeric());
-    plain.then(|| format!("snp/{line}/crl.der"))
+    let file = match key {
+        SigningKey::Vcek => "crl.der",
+        SigningKey::Vlek => "vlek-crl.der",
+    };
+    plain.then(|| format!("snp/{line}/{file}"))
 }
 
 /// Where a cache keeps the TDX collateral for `fmspc`, relative to the

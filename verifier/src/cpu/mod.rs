@@ -225,11 +225,11 @@ impl CpuTrust {
                     .into());
                 }
                 let line = snp::product_line(&claims.product);
-                match self.collateral.snp_crl(line)? {
+                match self.collateral.snp_crl(line, claims.signing_key)? {
                     Some(crl) => {
                         snp::check_revocation(&crl, &certificate, &self.snp_roots, now)?;
                     }
-                    None => no_crl_warning(line),
+                    None => no_crl_warning(line, claims.signing_key),
                 }
                 CpuClaims::Snp(claims)
             }
@@ -265,15 +265,22 @@ fn bounded(what: &'static str, actual: usize, limit: usize) -> Result<(), CpuErr
     Ok(())
 }
 
-/// Says, once per process, that SEV-SNP reports are taken without a
-/// revocation check: no CRL of their product line is cached (a node's
-/// cache is empty unless provisioned; docs/attestation.md).
-fn no_crl_warning(line: &str) {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| {
+/// Says, once per process and kind of key, that SEV-SNP reports are taken
+/// without a revocation check: no list of their product line and key is
+/// cached (a node's cache is empty unless provisioned;
+/// docs/attestation.md).
+fn no_crl_warning(line: &str, key: snp::SigningKey) {
+    static VCEK: std::sync::Once = std::sync::Once::new();
+    static VLEK: std::sync::Once = std::sync::Once::new();
+    let once = match key {
+        snp::SigningKey::Vcek => &VCEK,
+        snp::SigningKey::Vlek => &VLEK,
+    };
+    once.call_once(|| {
         tracing::warn!(
             product_line = line,
-            "no AMD CRL cached for this product line: SEV-SNP certificates are not checked for revocation"
+            list = key.crl_name(),
+            "no AMD revocation list cached for this product line and key: SEV-SNP certificates are not checked for revocation"
         );
     });
 }

@@ -82,6 +82,18 @@ pub enum SnpError {
         /// The report's value.
         actual: u32,
     },
+    /// The report names one kind of endorsement key and its certificate
+    /// chains to the other kind's intermediate (a VCEK under an ASVK, a
+    /// VLEK under an ASK).
+    #[error(
+        "SNP report signing_key names a {signing_key}, but its certificate was issued by {issuer}"
+    )]
+    SigningKeyIssuer {
+        /// The key the report names.
+        signing_key: SigningKey,
+        /// The intermediate's common name, e.g. `SEV-Milan`.
+        issuer: String,
+    },
     /// The endorsement key certificate does not parse.
     #[error("SNP endorsement key certificate does not parse")]
     Certificate,
@@ -285,18 +297,23 @@ pub enum SnpError {
     },
     /// AMD's CRL is malformed, not the ARK's, not signed by it, or not
     /// current.
-    #[error("AMD {line} CRL: {reason}")]
+    #[error("AMD {line} {list}: {reason}")]
     Crl {
         /// The product line, e.g. `Milan`.
         line: String,
+        /// Which of the line's lists: `CRL` (ASKs and VCEKs) or `VLEK CRL`
+        /// (ASVKs and VLEKs).
+        list: &'static str,
         /// What is wrong.
         reason: String,
     },
     /// AMD's CRL revokes a certificate of the chain.
-    #[error("AMD {line} CRL revokes the {certificate} (serial {serial})")]
+    #[error("AMD {line} {list} revokes the {certificate} (serial {serial})")]
     Revoked {
         /// The product line.
         line: String,
+        /// Which of the line's lists, as for [`SnpError::Crl`].
+        list: &'static str,
         /// `ASK` (the ASK or ASVK) or `endorsement key` (the VCEK or VLEK).
         certificate: &'static str,
         /// Its serial number (hex).
@@ -311,6 +328,38 @@ pub enum SigningKey {
     Vcek,
     /// A cloud provider's versioned loaded endorsement key.
     Vlek,
+}
+
+impl SigningKey {
+    /// The kind of key the intermediate named `issuer` (its common name)
+    /// certifies: an ASVK (`SEV-VLEK-Milan`) certifies VLEKs, an ASK
+    /// (`SEV-Milan`) VCEKs.
+    pub fn certified_by(issuer: &str) -> Self {
+        if issuer.starts_with("SEV-VLEK-") {
+            Self::Vlek
+        } else {
+            Self::Vcek
+        }
+    }
+
+    /// The name of AMD's revocation list for this kind of key in a
+    /// product line: KDS serves `CRL` under `/vcek/v1/<line>/crl` and
+    /// `VLEK CRL` under `/vlek/v1/<line>/crl`.
+    pub fn crl_name(self) -> &'static str {
+        match self {
+            Self::Vcek => "CRL",
+            Self::Vlek => "VLEK CRL",
+        }
+    }
+}
+
+impl std::fmt::Display for SigningKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Vcek => "VCEK",
+            Self::Vlek => "VLEK",
+        })
+    }
 }
 
 /// What a verified report establishes.
@@ -512,6 +561,16 @@ pub fn verify_signed(
     };
     let (_, vek) = X509Certificate::from_der(certificate).map_err(|_| SnpError::Certificate)?;
     let product = verify_chain(&vek, roots)?;
+    // The firmware names the key it signed with; a report naming a VLEK
+    // must be under an ASVK (its chip ID is then not checked) and one
+    // naming a VCEK under an ASK, and the revocation list that applies
+    // follows from it.
+    if SigningKey::certified_by(&product) != signing_key {
+        return Err(SnpError::SigningKeyIssuer {
+            signing_key,
+            issuer: product,
+        });
+    }
     let validity = vek.validity();
     let (not_before, not_after) = (
         validity.not_before.timestamp(),
@@ -656,7 +715,9 @@ fn signed_by(certificate: &X509Certificate<'_>, issuer_key: &[u8]) -> bool {
 /// algorithm, whatever the CRL declares), have `thisUpdate <= now <=
 /// nextUpdate`, and list neither the ASK (or ASVK) nor the endorsement
 /// key. Returns how many certificates it revokes. The chain itself is
-/// checked by [`verify_signed`].
+/// checked by [`verify_signed`]. `crl` must be the list of the chain's
+/// kind ([`SigningKey::crl_name`]): the ARK issues both, so the two are
+/// not told apart here; the line's CRL lists no ASVK.
 pub fn check_revocation(
     crl: &[u8],
     certificate: &[u8],
@@ -666,8 +727,10 @@ pub fn check_revocation(
     let (_, vek) = X509Certificate::from_der(certificate).map_err(|_| SnpError::Certificate)?;
     let chain = chain_of(&vek, roots)?;
     let line = product_line(&chain.product);
+    let list = SigningKey::certified_by(&chain.product).crl_name();
     let bad = |reason: String| SnpError::Crl {
         line: line.to_owned(),
+        list,
         reason,
     };
     let (rest, crl) = CertificateRevocationList::from_der(crl)
@@ -713,6 +776,7 @@ pub fn check_revocation(
         {
             return Err(SnpError::Revoked {
                 line: line.to_owned(),
+                list,
                 certificate: what,
                 serial: hex::encode(serial),
             });

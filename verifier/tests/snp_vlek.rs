@@ -1,0 +1,75 @@
+//! VLEK-signed reports, with generated AMD-like roots whose ARK certifies
+//! an ASVK: the report verifies under the ASVK, and the key a report names
+//! as its signer must be the kind its certificate's intermediate
+//! certifies (the VLEK report's chip ID is not checked, so a report naming
+//! a VLEK must not pass under an ASK).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use keel_testkit::amd::{LaunchFields, ReportFields, TestAmd};
+use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpError};
+
+fn fields() -> ReportFields {
+    ReportFields {
+        policy: 0x30000,
+        report_data: [5; 64],
+        measurement: [7; 48],
+        host_data: [0; 32],
+        vmpl: 0,
+    }
+}
+
+/// Seconds since the epoch: the generated certificates are valid now.
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// A report of `amd`'s naming `signing_key` (`None`: the key that signs
+/// it), verified with `amd`'s roots and endorsement key.
+fn verify(amd: &TestAmd, signing_key: Option<u8>) -> Result<snp::SnpClaims, SnpError> {
+    let launch = LaunchFields {
+        signing_key,
+        ..LaunchFields::default()
+    };
+    let raw = amd.report_launched(&fields(), &launch).unwrap();
+    let report = snp::parse(&raw).unwrap();
+    let roots = AmdRoots::from_pem_bundles(&[amd.roots_pem().as_bytes()]);
+    snp::verify_signed(&raw, &report, amd.vcek_der(), &roots, now())
+}
+
+#[test]
+fn a_vlek_report_verifies_under_its_asvk() {
+    let amd = TestAmd::vlek().unwrap();
+    let claims = verify(&amd, None).unwrap();
+    assert_eq!(claims.signing_key, SigningKey::Vlek);
+    assert_eq!(claims.product, "SEV-VLEK-Test");
+    assert_eq!(claims.chip_id, [0; 64]);
+    assert_eq!(snp::product_line(&claims.product), "Test");
+}
+
+/// Attacker's move: a report signed by a VCEK that names a VLEK as its
+/// signer, so that its chip ID is not held to the VCEK's (and the VLEK
+/// CRL, not the line's CRL, is consulted); or the other way round. No
+/// firmware writes either, so both are refused, though validly signed.
+#[test]
+fn a_report_naming_the_other_kind_of_key_is_refused() {
+    let vcek = TestAmd::new().unwrap();
+    assert_eq!(verify(&vcek, None).unwrap().signing_key, SigningKey::Vcek);
+    match verify(&vcek, Some(1)) {
+        Err(SnpError::SigningKeyIssuer {
+            signing_key: SigningKey::Vlek,
+            issuer,
+        }) => assert_eq!(issuer, "SEV-Test"),
+        other => panic!("{other:?}"),
+    }
+    let vlek = TestAmd::vlek().unwrap();
+    match verify(&vlek, Some(0)) {
+        Err(SnpError::SigningKeyIssuer {
+            signing_key: SigningKey::Vcek,
+            issuer,
+        }) => assert_eq!(issuer, "SEV-VLEK-Test"),
+        other => panic!("{other:?}"),
+    }
+}
