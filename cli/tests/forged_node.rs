@@ -16,11 +16,14 @@ use keel_agent::measured::SharedTpm;
 use keel_atls::AtlsServer;
 use keel_proto::init::init_service_server::{InitService, InitServiceServer};
 use keel_proto::init::{InitRequest, InitResponse};
+use keel_proto::operator as op;
+use keel_proto::operator::operator_service_server::{OperatorService, OperatorServiceServer};
 use keel_proto::recovery::recovery_service_server::{RecoveryService, RecoveryServiceServer};
 use keel_proto::recovery::{RecoverRequest, RecoverResponse};
 use keel_testkit::forgery::SoftwareAk;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
+use keel_verifier::measurement::EventType;
 use keel_verifier::measurements::Expected;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -38,7 +41,8 @@ enum Answer {
     #[default]
     Refuse,
     /// As a hostile node: init floods its stream and stalls; recovery says
-    /// it recovered, to another cluster.
+    /// it recovered, to another cluster; a revocation of [`WORKER_EK`] is
+    /// answered as one of [`OTHER_EK`].
     Hostile,
     /// Init says it created a cluster, under an ID its secrets do not
     /// make, with a kubeconfig.
@@ -189,7 +193,8 @@ impl Served {
             async move {
                 let _ = tonic::transport::Server::builder()
                     .add_service(InitServiceServer::new(recorder.clone()))
-                    .add_service(RecoveryServiceServer::new(recorder))
+                    .add_service(RecoveryServiceServer::new(recorder.clone()))
+                    .add_service(OperatorServiceServer::new(recorder))
                     .serve_with_incoming(incoming)
                     .await;
             }
@@ -419,6 +424,149 @@ async fn a_recovery_to_another_cluster_is_reported() {
         "{}",
         text(&out)
     );
+}
+
+/// The worker a hostile control plane's registry holds, and the EK it
+/// names instead when asked to revoke it.
+const WORKER_EK: &str = "sha256:aaaaaaaa11111111111111111111111111111111111111111111111111111111";
+const OTHER_EK: &str = "sha256:bbbbbbbb22222222222222222222222222222222222222222222222222222222";
+
+/// The operator API of a node: counts the requests that reach it. A
+/// hostile one holds [`WORKER_EK`] as worker `w-1` and answers its
+/// revocation with [`OTHER_EK`]; anything else is refused.
+#[tonic::async_trait]
+impl OperatorService for Recorder {
+    type UpgradeStream = ReceiverStream<Result<op::UpgradeResponse, tonic::Status>>;
+
+    async fn challenge(
+        &self,
+        _request: tonic::Request<op::ChallengeRequest>,
+    ) -> Result<tonic::Response<op::ChallengeResponse>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(tonic::Response::new(op::ChallengeResponse {
+            challenge: vec![0x66; 32],
+        }))
+    }
+
+    async fn node_status(
+        &self,
+        _request: tonic::Request<op::NodeStatusRequest>,
+    ) -> Result<tonic::Response<op::NodeStatusResponse>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        if self.1 != Answer::Hostile {
+            return Err(tonic::Status::unavailable("not a control plane"));
+        }
+        let worker = serde_json::json!({
+            "name": "w-1", "ek": WORKER_EK, "disk_uuid": "", "role": "worker",
+        });
+        let registry = serde_json::json!({ "nodes": { WORKER_EK: worker }, "revoked": [] });
+        Ok(tonic::Response::new(op::NodeStatusResponse {
+            registry: registry.to_string().into_bytes(),
+            served_at: 0,
+        }))
+    }
+
+    async fn revoke_node(
+        &self,
+        request: tonic::Request<op::RevokeNodeRequest>,
+    ) -> Result<tonic::Response<op::RevokeNodeResponse>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        if self.1 != Answer::Hostile || request.get_ref().node != WORKER_EK {
+            return Err(tonic::Status::unavailable("not a control plane"));
+        }
+        Ok(tonic::Response::new(op::RevokeNodeResponse {
+            name: "w-1".into(),
+            ek: OTHER_EK.into(),
+            disk_uuid: String::new(),
+        }))
+    }
+
+    async fn upgrade(
+        &self,
+        _request: tonic::Request<op::UpgradeRequest>,
+    ) -> Result<tonic::Response<Self::UpgradeStream>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(tonic::Status::unimplemented("not here"))
+    }
+
+    async fn set_join_measurements(
+        &self,
+        _request: tonic::Request<op::SetJoinMeasurementsRequest>,
+    ) -> Result<tonic::Response<op::SetJoinMeasurementsResponse>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(tonic::Status::unimplemented("not here"))
+    }
+
+    async fn stage_image_measurements(
+        &self,
+        _request: tonic::Request<op::StageImageMeasurementsRequest>,
+    ) -> Result<tonic::Response<op::StageImageMeasurementsResponse>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(tonic::Status::unimplemented("not here"))
+    }
+
+    async fn finish_image_upgrade(
+        &self,
+        _request: tonic::Request<op::FinishImageUpgradeRequest>,
+    ) -> Result<tonic::Response<op::FinishImageUpgradeResponse>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(tonic::Status::unimplemented("not here"))
+    }
+
+    async fn admin_kubeconfig(
+        &self,
+        _request: tonic::Request<op::AdminKubeconfigRequest>,
+    ) -> Result<tonic::Response<op::AdminKubeconfigResponse>, tonic::Status> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(tonic::Status::unimplemented("not here"))
+    }
+}
+
+/// Attacker's move: a control plane of the cluster, compromised after it
+/// booted (attestation passes), answers `keel revoke` for a worker as done
+/// but names another EK, so that the operator's record would hold an EK
+/// nobody has and the worker's would stay out of it (`keel recover` would
+/// then send it the master secret if it were a control plane). The CLI
+/// records the EK it asked for before the request, and reports the answer
+/// as a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_answered_for_another_ek_fails_and_records_the_ek_asked_for() {
+    let ca = EkCa::new().unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    // Locked into the workspace's cluster, as a member is.
+    node.tpm
+        .lock()
+        .unwrap()
+        .record(EventType::ClusterId, "node lock", vec![0x44; 32])
+        .unwrap();
+    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let ws = &served.workspace;
+    operator_workspace(ws, Some(&served.endpoint));
+    let ws_arg = ws.to_str().unwrap();
+    let args = [
+        "revoke",
+        "w-1",
+        "--endpoint",
+        &served.endpoint,
+        "--workspace",
+        ws_arg,
+        "--wait",
+        "5",
+    ];
+    let out = run_keel(&args, &served.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    // Two challenges, the registry read and the revocation.
+    assert_eq!(served.requests(), 4, "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!(
+            "reports revoking EK {OTHER_EK}, not the EK {WORKER_EK} asked for"
+        )),
+        "{}",
+        text(&out)
+    );
+    let record = std::fs::read_to_string(ws.join("keel-revoked.json")).unwrap();
+    let record: serde_json::Value = serde_json::from_str(&record).unwrap();
+    assert_eq!(record["eks"], serde_json::json!([WORKER_EK]), "{record}");
 }
 
 /// Attacker's move: a control plane the operator revoked (its TPM's key
