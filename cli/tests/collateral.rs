@@ -177,6 +177,61 @@ fn a_real_vcek_verifies_and_a_crl_amds_ark_did_not_sign_writes_nothing() {
     assert_eq!(claims.product, "SEV-Milan");
 }
 
+/// The AWS VLEK report: KDS does not serve VLEKs, so the fetch asks for
+/// the provider's VLEK in the cache; with it there, it takes the Milan
+/// ASVK chain and VLEK CRL and checks the report with the cached VLEK,
+/// which expired in 2025 (see the vectors' README): nothing is written
+/// beside it.
+#[test]
+fn a_vlek_report_needs_its_vlek_cached_and_an_expired_one_writes_nothing() {
+    let mirror = MirrorServer::start().unwrap();
+    mirror.serve(
+        "/vlek/v1/Milan/cert_chain",
+        read("snp/amd-roots/ask_ark_milan_vlek.pem"),
+    );
+    mirror.serve("/vlek/v1/Milan/crl", ark_crl(&[]));
+    let cache = tempfile::tempdir().unwrap();
+    let report = data("snp/aws-milan-vlek/test-vlek-report.bin");
+    let base = mirror.base_url();
+    let fetch = || {
+        keel(&[
+            "collateral",
+            "fetch",
+            "--cache",
+            cache.path().to_str().unwrap(),
+            "--vcek-from-report",
+            report.to_str().unwrap(),
+            "--kds-url",
+            &base,
+        ])
+    };
+    let out = fetch();
+    let log = stderr(&out);
+    assert!(!out.status.success(), "accepted: {log}");
+    assert!(log.contains("signed by a VLEK"), "{log}");
+    assert_eq!(mirror.requests("/vlek/v1/Milan/crl"), 0, "{log}");
+    assert!(files(cache.path()).is_empty(), "{:?}", files(cache.path()));
+
+    let parsed = snp::parse(&read("snp/aws-milan-vlek/test-vlek-report.bin")).unwrap();
+    let relative = keel_verifier::cpu::collateral::snp_certificate_path(&parsed);
+    let vlek_path = cache.path().join(&relative);
+    std::fs::create_dir_all(vlek_path.parent().unwrap()).unwrap();
+    std::fs::write(&vlek_path, read("snp/aws-milan-vlek/test-vlek.der")).unwrap();
+    let out = fetch();
+    let log = stderr(&out);
+    assert!(!out.status.success(), "accepted: {log}");
+    assert_eq!(mirror.requests("/vlek/v1/Milan/crl"), 1, "{log}");
+    assert!(
+        log.contains("the cached VLEK does not verify the report against AMD's pinned roots"),
+        "{log}"
+    );
+    assert!(
+        log.contains("SNP endorsement key certificate valid"),
+        "{log}"
+    );
+    assert_eq!(files(cache.path()), [relative], "only the VLEK placed");
+}
+
 #[test]
 fn a_vcek_fetch_that_does_not_check_out_writes_nothing() {
     let refused = |kds: &Kds, extra: &[&str], expected: &str| {

@@ -248,7 +248,13 @@ impl TestAmd {
     /// [`TestAmd::vcek_der`] and [`TestAmd::ask_der`] are then the VLEK
     /// and the ASVK.
     pub fn vlek() -> Result<Self, AmdError> {
-        Self::generate("Test", true)
+        Self::vlek_for_line("Test")
+    }
+
+    /// As [`TestAmd::vlek`], with AMD's names for the product line `line`
+    /// (`ARK-Milan`, `SEV-VLEK-Milan`).
+    pub fn vlek_for_line(line: &str) -> Result<Self, AmdError> {
+        Self::generate(line, true)
     }
 
     fn generate(line: &str, vlek: bool) -> Result<Self, AmdError> {

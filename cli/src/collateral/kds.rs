@@ -4,6 +4,10 @@
 //! must verify the report against those pinned roots, and the CRL must be
 //! the ARK's, signed by it, current, and revoke neither the ASK nor the
 //! VCEK (the verifier's own check) before anything is written.
+//!
+//! KDS does not serve VLEKs (a cloud provider holds its own): for a report
+//! a VLEK signed, the VLEK must be in the cache already, and the fetch
+//! takes the line's ASVK/ARK chain and VLEK CRL, checked the same way.
 
 use keel_verifier::cpu::binding::HclReport;
 use keel_verifier::cpu::collateral::{snp_certificate_path, snp_crl_path, MAX_COLLATERAL_BYTES};
@@ -64,10 +68,19 @@ pub enum KdsError {
     #[error("the HCL report is malformed")]
     Hcl(#[source] BindingError),
     /// VLEKs are provisioned to a cloud provider, not served by chip.
-    #[error("the report is signed by a VLEK, which AMD's KDS does not serve by chip: install the cloud provider's VLEK as {path} in the cache, and AMD's VLEK CRL of the product line (KDS /vlek/v1/<line>/crl) as snp/<line>/vlek-crl.der")]
+    #[error("the report is signed by a VLEK, which AMD's KDS does not serve by chip: install the cloud provider's VLEK as {path}, then fetch again for the product line's VLEK CRL")]
     Vlek {
         /// Where the cache expects it.
         path: String,
+    },
+    /// The cached VLEK could not be read.
+    #[error("reading the cached VLEK {path}")]
+    VlekRead {
+        /// Where the cache holds it.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
     },
     /// The report does not name its product line and none was given.
     #[error("report version {version} does not name its product line: pass --product")]
@@ -95,25 +108,38 @@ pub enum KdsError {
     #[error(transparent)]
     Http(#[from] HttpError),
     /// KDS served another chain than the pinned one.
-    #[error("cert_chain: expected AMD's pinned ASK and ARK for {product}, actual {actual}")]
+    #[error(
+        "cert_chain: expected AMD's pinned {intermediate} and ARK for {product}, actual {actual}"
+    )]
     Chain {
+        /// `ASK`, or `ASVK` for a VLEK.
+        intermediate: &'static str,
         /// The product line.
         product: &'static str,
         /// What was served, described.
         actual: String,
     },
-    /// The VCEK does not verify the report against the pinned roots.
-    #[error("the fetched VCEK does not verify the report against AMD's pinned roots")]
-    Vcek(#[source] SnpError),
-    /// AMD's CRL is not the ARK's (its issuer or its signature), is not
-    /// current, or revokes the ASK or the VCEK.
+    /// The VCEK (or the cached VLEK) does not verify the report against
+    /// the pinned roots.
+    #[error("the {key} does not verify the report against AMD's pinned roots")]
+    Vcek {
+        /// `fetched VCEK` or `cached VLEK`.
+        key: &'static str,
+        /// Why.
+        #[source]
+        source: SnpError,
+    },
+    /// AMD's CRL (or VLEK CRL) is not the ARK's (its issuer or its
+    /// signature), is not current, or revokes the ASK (ASVK) or the VCEK
+    /// (VLEK).
     #[error(transparent)]
     Crl(SnpError),
 }
 
-/// Fetches what the cache needs for `evidence` (a raw SNP report or an Azure
-/// HCL report) from the KDS at `base`, checked at `now` against `roots`
-/// (PEM bundles of an ASK and its ARK: [`snp::PINNED`] but in tests).
+/// Fetches what the cache at `cache` needs for `evidence` (a raw SNP report
+/// or an Azure HCL report) from the KDS at `base`, checked at `now` against
+/// `roots` (PEM bundles of an ASK or ASVK and its ARK: [`snp::PINNED`] but
+/// in tests). A VLEK report's VLEK is read from the cache.
 pub async fn fetch(
     http: &Http,
     base: &str,
@@ -121,6 +147,7 @@ pub async fn fetch(
     product: Option<Product>,
     now: u64,
     roots: &[&str],
+    cache: &std::path::Path,
 ) -> Result<Vec<CacheFile>, KdsError> {
     let raw = if evidence.starts_with(b"HCLA") {
         HclReport::parse(evidence).map_err(KdsError::Hcl)?.report
@@ -129,9 +156,11 @@ pub async fn fetch(
     };
     let report = snp::parse(raw).map_err(KdsError::Report)?;
     let vcek_path = snp_certificate_path(&report);
-    if report.key_info.signing_key() == 1 {
-        return Err(KdsError::Vlek { path: vcek_path });
-    }
+    let cached_vlek = if report.key_info.signing_key() == 1 {
+        Some(read_vlek(cache, &vcek_path)?)
+    } else {
+        None
+    };
     let product = match (report.cpuid_fam_id, report.cpuid_mod_id, product) {
         (Some(family), Some(model), given) => {
             let reported =
@@ -153,6 +182,31 @@ pub async fn fetch(
     };
     let name = product.name();
     let t = report.reported_tcb;
+    let base = base.trim_end_matches('/');
+    let max_crl = usize::try_from(MAX_COLLATERAL_BYTES).unwrap_or(usize::MAX);
+    if let Some(vlek) = cached_vlek {
+        eprintln!(
+            "keel: SEV-SNP {name}, signed by the cached VLEK {vcek_path}, reported TCB \
+             bootloader {} tee {} snp {} microcode {}",
+            t.bootloader, t.tee, t.snp, t.microcode
+        );
+        let chain_url = format!("{base}/vlek/v1/{name}/cert_chain");
+        let chain = super::get(http, "ASVK/ARK chain", &chain_url, MAX_CHAIN_BYTES)
+            .await?
+            .body;
+        let crl_url = format!("{base}/vlek/v1/{name}/crl");
+        let crl = super::get(http, "VLEK CRL", &crl_url, max_crl).await?.body;
+        let served = Served {
+            key: vlek,
+            kind: SigningKey::Vlek,
+            chain,
+            crl,
+        };
+        let files = checked(raw, product, served, now, roots)?;
+        // The VLEK is in the cache already: only the chain and the list
+        // are written.
+        return Ok(files.into_iter().skip(1).collect());
+    }
     eprintln!(
         "keel: SEV-SNP {name}, chip {}…, reported TCB bootloader {} tee {} snp {} microcode {}",
         hex::encode(report.chip_id.get(..8).unwrap_or_default()),
@@ -161,8 +215,6 @@ pub async fn fetch(
         t.snp,
         t.microcode
     );
-
-    let base = base.trim_end_matches('/');
     let vcek_url = match product {
         Product::Turin => format!(
             "{base}/vcek/v1/{name}/{}?fmcSPL={:02}&blSPL={:02}&teeSPL={:02}&snpSPL={:02}&ucodeSPL={:02}",
@@ -190,36 +242,110 @@ pub async fn fetch(
         .await?
         .body;
     let crl_url = format!("{base}/vcek/v1/{name}/crl");
-    let max_crl = usize::try_from(MAX_COLLATERAL_BYTES).unwrap_or(usize::MAX);
     let crl = super::get(http, "CRL", &crl_url, max_crl).await?.body;
+    let served = Served {
+        key: vcek,
+        kind: SigningKey::Vcek,
+        chain,
+        crl,
+    };
+    checked(raw, product, served, now, roots)
+}
 
-    pinned_chain(product, &chain, roots)?;
+/// What the KDS served for a report (and, for a VLEK, what the cache held).
+struct Served {
+    /// The endorsement key (DER) and its kind.
+    key: Vec<u8>,
+    kind: SigningKey,
+    /// The ASK or ASVK, then the ARK (PEM).
+    chain: Vec<u8>,
+    /// The list of the product line for `kind` (DER).
+    crl: Vec<u8>,
+}
+
+/// The cache files for the report `raw` of `product`, once `served.chain`
+/// is the pinned chain of the line for its kind of key, that key verifies
+/// the report against it, and the list passes the verifier's revocation
+/// check: the endorsement key, the chain and the list.
+fn checked(
+    raw: &[u8],
+    product: Product,
+    served: Served,
+    now: u64,
+    roots: &[&str],
+) -> Result<Vec<CacheFile>, KdsError> {
+    let report = snp::parse(raw).map_err(KdsError::Report)?;
+    let Served {
+        key,
+        kind,
+        chain,
+        crl,
+    } = served;
+    let name = product.name();
+    pinned_chain(product, kind, &chain, roots)?;
     let trusted =
         AmdRoots::from_pem_bundles(&roots.iter().map(|r| r.as_bytes()).collect::<Vec<_>>());
-    snp::verify_signed(raw, &report, &vcek, &trusted, now).map_err(KdsError::Vcek)?;
-    eprintln!("keel: the VCEK verifies the report against AMD's pinned {name} roots");
-    let revoked = snp::check_revocation(&crl, &vcek, &trusted, now).map_err(KdsError::Crl)?;
+    let (label, intermediate, chain_file) = match kind {
+        SigningKey::Vcek => ("fetched VCEK", "ASK", "cert_chain.pem"),
+        SigningKey::Vlek => ("cached VLEK", "ASVK", "vlek_cert_chain.pem"),
+    };
+    snp::verify_signed(raw, &report, &key, &trusted, now)
+        .map_err(|source| KdsError::Vcek { key: label, source })?;
+    eprintln!("keel: the {label} verifies the report against AMD's pinned {name} roots");
+    let revoked = snp::check_revocation(&crl, &key, &trusted, now).map_err(KdsError::Crl)?;
     eprintln!(
-        "keel: the {name} CRL is the ARK's, current, and names {revoked} revoked certificates, \
-         neither the ASK nor this VCEK"
+        "keel: the {name} {} is the ARK's, current, and names {revoked} revoked certificates, \
+         neither the {intermediate} nor this {kind}",
+        kind.crl_name()
     );
-    let crl_path = snp_crl_path(name, SigningKey::Vcek).ok_or(KdsError::ProductUnknown {
+    let crl_path = snp_crl_path(name, kind).ok_or(KdsError::ProductUnknown {
         version: report.version,
     })?;
-
     Ok(vec![
-        CacheFile::new(vcek_path, vcek, Kind::Certificate),
-        CacheFile::new(
-            format!("snp/{name}/cert_chain.pem"),
-            chain,
-            Kind::Certificate,
-        ),
+        CacheFile::new(snp_certificate_path(&report), key, Kind::Certificate),
+        CacheFile::new(format!("snp/{name}/{chain_file}"), chain, Kind::Certificate),
         CacheFile::new(crl_path, crl, Kind::Crl),
     ])
 }
 
-/// The served chain as DER (ASK, ARK), which must equal one of `roots`.
-fn pinned_chain(product: Product, served: &[u8], roots: &[&str]) -> Result<(), KdsError> {
+/// The provider's VLEK for a report, from the cache at `relative`.
+fn read_vlek(cache: &std::path::Path, relative: &str) -> Result<Vec<u8>, KdsError> {
+    use std::io::Read as _;
+    let path = cache.join(relative);
+    let file = match std::fs::File::open(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(KdsError::Vlek {
+                path: path.display().to_string(),
+            })
+        }
+        other => other,
+    };
+    let read_err = |source| KdsError::VlekRead {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut vlek = Vec::new();
+    file.map_err(read_err)?
+        .take(MAX_CERTIFICATE_BYTES as u64 + 1)
+        .read_to_end(&mut vlek)
+        .map_err(read_err)?;
+    if vlek.len() > MAX_CERTIFICATE_BYTES {
+        return Err(read_err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {MAX_CERTIFICATE_BYTES} bytes"),
+        )));
+    }
+    Ok(vlek)
+}
+
+/// The served chain as DER (ASK or ASVK, ARK), which must equal the one of
+/// `roots` whose intermediate certifies `kind` for `product`.
+fn pinned_chain(
+    product: Product,
+    kind: SigningKey,
+    served: &[u8],
+    roots: &[&str],
+) -> Result<(), KdsError> {
     let ders = |pem: &[u8]| -> Vec<Vec<u8>> {
         x509_parser::pem::Pem::iter_from_buffer(pem)
             .filter_map(Result::ok)
@@ -227,7 +353,10 @@ fn pinned_chain(product: Product, served: &[u8], roots: &[&str]) -> Result<(), K
             .collect()
     };
     let served = ders(served);
-    let ask_name = format!("SEV-{}", product.name());
+    let ask_name = match kind {
+        SigningKey::Vcek => format!("SEV-{}", product.name()),
+        SigningKey::Vlek => format!("SEV-VLEK-{}", product.name()),
+    };
     let is_product = |chain: &Vec<Vec<u8>>| {
         chain
             .first()
@@ -246,6 +375,10 @@ fn pinned_chain(product: Product, served: &[u8], roots: &[&str]) -> Result<(), K
         .find(|pinned| is_product(pinned) && *pinned == served)
         .map(drop)
         .ok_or_else(|| KdsError::Chain {
+            intermediate: match kind {
+                SigningKey::Vcek => "ASK",
+                SigningKey::Vlek => "ASVK",
+            },
             product: product.name(),
             actual: describe(&served),
         })
@@ -282,20 +415,56 @@ mod tests {
         amd: TestAmd,
         report: Vec<u8>,
         mirror: MirrorServer,
+        /// The cache the fetch reads a VLEK from.
+        cache: tempfile::TempDir,
+        /// Where KDS serves the line's list: `vcek` or `vlek`.
+        kind: &'static str,
+    }
+
+    fn report_of(amd: &TestAmd) -> Vec<u8> {
+        amd.report(&ReportFields {
+            policy: 0x30000,
+            report_data: [1; 64],
+            measurement: [2; 48],
+            host_data: [0; 32],
+            vmpl: 0,
+        })
+        .unwrap()
     }
 
     impl GeneratedKds {
+        /// A KDS for a VLEK of Milan: it serves the ASVK/ARK chain and the
+        /// VLEK CRL; the VLEK is not in the cache yet.
+        fn vlek() -> Self {
+            let amd = TestAmd::vlek_for_line("Milan").unwrap();
+            let report = report_of(&amd);
+            let mirror = MirrorServer::start().unwrap();
+            mirror.serve(
+                "/vlek/v1/Milan/cert_chain",
+                amd.roots_pem().as_bytes().to_vec(),
+            );
+            let kds = Self {
+                amd,
+                report,
+                mirror,
+                cache: tempfile::tempdir().unwrap(),
+                kind: "vlek",
+            };
+            kds.serve_crl(&[], 7);
+            kds
+        }
+
+        /// Puts the VLEK into the cache where the fetch looks for it.
+        fn cache_vlek(&self) {
+            let relative = snp_certificate_path(&snp::parse(&self.report).unwrap());
+            let path = self.cache.path().join(relative);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, self.amd.vcek_der()).unwrap();
+        }
+
         fn new() -> Self {
             let amd = TestAmd::for_line("Milan").unwrap();
-            let report = amd
-                .report(&ReportFields {
-                    policy: 0x30000,
-                    report_data: [1; 64],
-                    measurement: [2; 48],
-                    host_data: [0; 32],
-                    vmpl: 0,
-                })
-                .unwrap();
+            let report = report_of(&amd);
             let chip = snp::parse(&report).unwrap().chip_id;
             let mirror = MirrorServer::start().unwrap();
             mirror.serve(
@@ -313,6 +482,8 @@ mod tests {
                 amd,
                 report,
                 mirror,
+                cache: tempfile::tempdir().unwrap(),
+                kind: "vcek",
             };
             kds.serve_crl(&[], 7);
             kds
@@ -335,7 +506,8 @@ mod tests {
                     now + Duration::days(days),
                 )
                 .unwrap();
-            self.mirror.serve("/vcek/v1/Milan/crl", crl);
+            self.mirror
+                .serve(&format!("/{}/v1/Milan/crl", self.kind), crl);
         }
 
         fn fetch(&self) -> Result<Vec<CacheFile>, KdsError> {
@@ -349,6 +521,7 @@ mod tests {
                 Some(Product::Milan),
                 now,
                 &roots,
+                self.cache.path(),
             ))
         }
     }
@@ -445,5 +618,74 @@ mod tests {
         let files = kds.fetch().unwrap();
         super::super::store(cache.path(), &files).unwrap();
         assert_eq!(std::fs::read(&crl_path).unwrap(), files[2].bytes);
+    }
+
+    /// A VLEK report: KDS does not serve the VLEK, so the fetch asks for
+    /// it in the cache, then takes the line's ASVK chain and VLEK CRL,
+    /// where the verifier reads the list for VLEK reports.
+    #[test]
+    fn a_vlek_reports_chain_and_list_are_cached_once_its_vlek_is() {
+        let kds = GeneratedKds::vlek();
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(
+            e.contains("signed by a VLEK") && e.contains("snp/vlek-3-0-8-115.der"),
+            "{e}"
+        );
+        kds.cache_vlek();
+        let files = kds.fetch().unwrap();
+        let names: Vec<&str> = files.iter().map(|f| f.relative.as_str()).collect();
+        assert_eq!(
+            names,
+            ["snp/Milan/vlek_cert_chain.pem", "snp/Milan/vlek-crl.der"]
+        );
+        super::super::store(kds.cache.path(), &files).unwrap();
+        let cached = Collateral::at(kds.cache.path());
+        let list = cached.snp_crl("Milan", SigningKey::Vlek).unwrap();
+        assert_eq!(list.as_deref(), Some(files[1].bytes.as_slice()));
+        assert_eq!(cached.snp_crl("Milan", SigningKey::Vcek).unwrap(), None);
+    }
+
+    /// Attacker's move (whoever answers for KDS): serve the VCEK chain, or
+    /// a VLEK CRL that revokes the VLEK or its ASVK, or another ARK's.
+    #[test]
+    fn a_vlek_fetch_that_does_not_check_out_writes_nothing() {
+        let kds = GeneratedKds::vlek();
+        kds.cache_vlek();
+        kds.serve_crl(&[serial(kds.amd.vcek_der())], 7);
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(
+            e.contains("Milan VLEK CRL revokes the endorsement key"),
+            "{e}"
+        );
+        kds.serve_crl(&[serial(kds.amd.ask_der())], 7);
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(e.contains("Milan VLEK CRL revokes the ASK"), "{e}");
+
+        kds.serve_crl(&[], 7);
+        let vcek_line = TestAmd::for_line("Milan").unwrap();
+        kds.mirror.serve(
+            "/vlek/v1/Milan/cert_chain",
+            vcek_line.roots_pem().as_bytes().to_vec(),
+        );
+        let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
+        let now = u64::try_from(OffsetDateTime::now_utc().unix_timestamp()).unwrap();
+        // Both chains pinned: the served ASK chain is pinned, but not as
+        // the line's ASVK.
+        let roots = [kds.amd.roots_pem(), vcek_line.roots_pem()];
+        let e = super::super::block_on(fetch(
+            &http,
+            &kds.mirror.base_url(),
+            &kds.report,
+            Some(Product::Milan),
+            now,
+            &roots,
+            kds.cache.path(),
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("expected AMD's pinned ASVK and ARK for Milan"),
+            "{e}"
+        );
     }
 }

@@ -31,8 +31,15 @@ pub enum CollateralCommand {
     /// its CRL (snp/<product>/crl.der). The chain must be AMD's roots pinned
     /// in keel, the VCEK must verify the report against them, and the CRL
     /// must be signed by the ARK, be current and revoke neither the ASK nor
-    /// the VCEK; otherwise nothing is written. Verifiers check every report
-    /// of the product line against the cached CRL from then on.
+    /// the VCEK; otherwise nothing is written. Verifiers check every VCEK
+    /// report of the product line against the cached CRL from then on.
+    ///
+    /// For a report a VLEK signed (AMD's KDS does not serve VLEKs), first
+    /// place the cloud provider's VLEK where the command says
+    /// (snp/vlek-<bl>-<tee>-<snp>-<ucode>.der); it then fetches the line's
+    /// ASVK/ARK chain (snp/<product>/vlek_cert_chain.pem) and VLEK CRL
+    /// (snp/<product>/vlek-crl.der), checked the same way with the VLEK.
+    /// Verifiers check every VLEK report of the line against that list.
     ///
     /// TDX (--tdx-quote): from Intel's PCS, the TCB info for the quote's
     /// FMSPC, the TD quoting enclave's identity, the CRL of the CA that
@@ -62,7 +69,7 @@ pub struct FetchArgs {
     #[arg(long, value_name = "DIR")]
     cache: PathBuf,
     /// A SEV-SNP attestation report (raw 1184 bytes, or an Azure HCL
-    /// report) whose VCEK to fetch.
+    /// report) whose VCEK (or, for a VLEK's report, VLEK CRL) to fetch.
     #[arg(long, value_name = "REPORT")]
     vcek_from_report: Option<PathBuf>,
     /// The report's product line; needed for version 2 reports, which do
@@ -131,6 +138,7 @@ async fn fetch(args: FetchArgs) -> anyhow::Result<()> {
                 args.product,
                 now,
                 &keel_verifier::cpu::snp::PINNED,
+                &args.cache,
             )
             .await?
         }

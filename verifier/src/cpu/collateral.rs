@@ -22,9 +22,10 @@
 //!   AMD's list of revoked ASVKs and VLEKs (KDS `/vlek/v1/<product>/crl`).
 //!   A VLEK report is never checked against `crl.der`, which lists
 //!   neither.
-//! * `snp/<product>/cert_chain.pem`: AMD's ASK/ARK chain, as `keel
-//!   collateral fetch` stores it with a VCEK. Kept for the operator; the
-//!   verifier uses its pinned roots.
+//! * `snp/<product>/cert_chain.pem` and `vlek_cert_chain.pem`: AMD's
+//!   ASK/ARK and ASVK/ARK chains, as `keel collateral fetch` stores them
+//!   with a VCEK or for a VLEK. Kept for the operator; the verifier uses
+//!   its pinned roots.
 //!
 //! [`snp_certificate_path`], [`snp_crl_path`] and [`tdx_collateral_path`]
 //! name the files, for the reader here and for the command that fills the
