@@ -433,14 +433,13 @@ mod tests {
     }
 
     impl GeneratedKds {
-        /// A KDS for a VLEK of Milan: it serves the ASVK/ARK chain and the
-        /// VLEK CRL; the VLEK is not in the cache yet.
-        fn vlek() -> Self {
-            let amd = TestAmd::vlek_for_line("Milan").unwrap();
+        /// A KDS for `amd`'s Milan line serving, under `/<kind>/v1/Milan/`,
+        /// its chain and a current CRL, with an empty cache.
+        fn serving(amd: TestAmd, kind: &'static str) -> Self {
             let report = report_of(&amd);
             let mirror = MirrorServer::start().unwrap();
             mirror.serve(
-                "/vlek/v1/Milan/cert_chain",
+                &format!("/{kind}/v1/Milan/cert_chain"),
                 amd.roots_pem().as_bytes().to_vec(),
             );
             let kds = Self {
@@ -448,10 +447,31 @@ mod tests {
                 report,
                 mirror,
                 cache: tempfile::tempdir().unwrap(),
-                kind: "vlek",
+                kind,
             };
             kds.serve_crl(&[], 7);
             kds
+        }
+
+        /// A KDS for a Milan chip's VCEK: it serves the VCEK, the ASK/ARK
+        /// chain and the CRL.
+        fn new() -> Self {
+            let kds = Self::serving(TestAmd::for_line("Milan").unwrap(), "vcek");
+            let chip = snp::parse(&kds.report).unwrap().chip_id;
+            kds.mirror.serve(
+                &format!(
+                    "/vcek/v1/Milan/{}?blSPL=03&teeSPL=00&snpSPL=08&ucodeSPL=115",
+                    hex::encode(chip)
+                ),
+                kds.amd.vcek_der().to_vec(),
+            );
+            kds
+        }
+
+        /// A KDS for a VLEK of Milan: it serves the ASVK/ARK chain and the
+        /// VLEK CRL; the VLEK is not in the cache yet.
+        fn vlek() -> Self {
+            Self::serving(TestAmd::vlek_for_line("Milan").unwrap(), "vlek")
         }
 
         /// Puts the VLEK into the cache where the fetch looks for it.
@@ -460,33 +480,6 @@ mod tests {
             let path = self.cache.path().join(relative);
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
             std::fs::write(path, self.amd.vcek_der()).unwrap();
-        }
-
-        fn new() -> Self {
-            let amd = TestAmd::for_line("Milan").unwrap();
-            let report = report_of(&amd);
-            let chip = snp::parse(&report).unwrap().chip_id;
-            let mirror = MirrorServer::start().unwrap();
-            mirror.serve(
-                &format!(
-                    "/vcek/v1/Milan/{}?blSPL=03&teeSPL=00&snpSPL=08&ucodeSPL=115",
-                    hex::encode(chip)
-                ),
-                amd.vcek_der().to_vec(),
-            );
-            mirror.serve(
-                "/vcek/v1/Milan/cert_chain",
-                amd.roots_pem().as_bytes().to_vec(),
-            );
-            let kds = Self {
-                amd,
-                report,
-                mirror,
-                cache: tempfile::tempdir().unwrap(),
-                kind: "vcek",
-            };
-            kds.serve_crl(&[], 7);
-            kds
         }
 
         /// Serves a CRL revoking `revoked`, its next update `days` from now.
