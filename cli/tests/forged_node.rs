@@ -29,8 +29,8 @@ use tokio_stream::wrappers::ReceiverStream;
 
 const SECRET: &[u8] = b"the init secret a forger wants";
 
-/// The forger's init and recovery API: counts the requests that reach it,
-/// and answers as [`Answer`] says.
+/// The forger's init, recovery and operator APIs: counts the requests
+/// that reach them, and answers as [`Answer`] says.
 #[derive(Default, Clone)]
 struct Recorder(Arc<AtomicUsize>, Answer);
 
@@ -57,6 +57,9 @@ enum Answer {
     Mute,
     /// Init answers busy, with the mark of a request left unread.
     Busy,
+    /// As a control plane that holds [`WORKER_EK`] and fails every
+    /// revocation (one whose answer is lost on the way).
+    RevocationLost,
 }
 
 /// What a flooding init API sends: a failure, then this many 64 KiB log
@@ -75,7 +78,9 @@ impl InitService for Recorder {
         self.0.fetch_add(1, Ordering::SeqCst);
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         match self.1 {
-            Answer::Refuse => return Err(tonic::Status::unavailable("a forged node")),
+            Answer::Refuse | Answer::RevocationLost => {
+                return Err(tonic::Status::unavailable("a forged node"))
+            }
             Answer::Mute => {
                 std::future::pending::<()>().await;
             }
@@ -159,7 +164,7 @@ fn settings(dir: &Path, ca: &EkCa, v: &Victim, endpoint: std::net::SocketAddr) -
     .write(dir)
 }
 
-/// A recording init and recovery API served over server-attested aTLS,
+/// A recording init, recovery and operator API served over server-attested aTLS,
 /// and the CLI's settings and workspace for the node behind it.
 struct Served {
     recorder: Recorder,
@@ -178,7 +183,8 @@ impl Served {
         Self::serving(ca, node, issuer, Recorder::default()).await
     }
 
-    /// As [`Served::start`], with `recorder` as the init and recovery API.
+    /// As [`Served::start`], with `recorder` as the init, recovery and
+    /// operator APIs.
     async fn serving(
         ca: &EkCa,
         node: &Victim,
@@ -431,9 +437,10 @@ async fn a_recovery_to_another_cluster_is_reported() {
 const WORKER_EK: &str = "sha256:aaaaaaaa11111111111111111111111111111111111111111111111111111111";
 const OTHER_EK: &str = "sha256:bbbbbbbb22222222222222222222222222222222222222222222222222222222";
 
-/// The operator API of a node: counts the requests that reach it. A
-/// hostile one holds [`WORKER_EK`] as worker `w-1` and answers its
-/// revocation with [`OTHER_EK`]; anything else is refused.
+/// The operator API of a node: counts the requests that reach it, and
+/// answers every challenge. A hostile one, and one whose revocations are
+/// lost, holds [`WORKER_EK`] as worker `w-1`; the hostile one answers its
+/// revocation with [`OTHER_EK`]. Every other request is refused.
 #[tonic::async_trait]
 impl OperatorService for Recorder {
     type UpgradeStream = ReceiverStream<Result<op::UpgradeResponse, tonic::Status>>;
@@ -453,7 +460,7 @@ impl OperatorService for Recorder {
         _request: tonic::Request<op::NodeStatusRequest>,
     ) -> Result<tonic::Response<op::NodeStatusResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
-        if self.1 != Answer::Hostile {
+        if !matches!(self.1, Answer::Hostile | Answer::RevocationLost) {
             return Err(tonic::Status::unavailable("not a control plane"));
         }
         let worker = serde_json::json!({
@@ -471,6 +478,9 @@ impl OperatorService for Recorder {
         request: tonic::Request<op::RevokeNodeRequest>,
     ) -> Result<tonic::Response<op::RevokeNodeResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
+        if self.1 == Answer::RevocationLost {
+            return Err(tonic::Status::unavailable("the revocation was lost"));
+        }
         if self.1 != Answer::Hostile || request.get_ref().node != WORKER_EK {
             return Err(tonic::Status::unavailable("not a control plane"));
         }
@@ -522,15 +532,9 @@ impl OperatorService for Recorder {
     }
 }
 
-/// Attacker's move: a control plane of the cluster, compromised after it
-/// booted (attestation passes), answers `keel revoke` for a worker as done
-/// but names another EK, so that the operator's record would hold an EK
-/// nobody has and the worker's would stay out of it (`keel recover` would
-/// then send it the master secret if it were a control plane). The CLI
-/// records the EK it asked for before the request, and reports the answer
-/// as a failure.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_revocation_answered_for_another_ek_fails_and_records_the_ek_asked_for() {
+/// `keel revoke w-1` against a control plane answering as `answer`:
+/// what the CLI printed, and the EKs the workspace records as revoked.
+async fn revoke_worker(answer: Answer) -> (String, serde_json::Value) {
     let ca = EkCa::new().unwrap();
     let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
     // Locked into the workspace's cluster, as a member is.
@@ -539,7 +543,7 @@ async fn a_revocation_answered_for_another_ek_fails_and_records_the_ek_asked_for
         .unwrap()
         .record(EventType::ClusterId, "node lock", vec![0x44; 32])
         .unwrap();
-    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let served = Served::answering(&ca, &node, answer).await;
     let ws = &served.workspace;
     operator_workspace(ws, Some(&served.endpoint));
     let ws_arg = ws.to_str().unwrap();
@@ -557,15 +561,36 @@ async fn a_revocation_answered_for_another_ek_fails_and_records_the_ek_asked_for
     assert!(!out.status.success(), "{}", text(&out));
     // Two challenges, the registry read and the revocation.
     assert_eq!(served.requests(), 4, "{}", text(&out));
+    let record = std::fs::read_to_string(ws.join("keel-revoked.json")).unwrap();
+    (text(&out), serde_json::from_str(&record).unwrap())
+}
+
+/// Attacker's move: a control plane of the cluster, compromised after it
+/// booted (attestation passes), answers `keel revoke` for a worker as done
+/// but names another EK, so that the operator's record would hold an EK
+/// nobody has and the worker's would stay out of it (`keel recover` would
+/// then send it the master secret if it were a control plane). The CLI
+/// records the EK it asked for, and reports the answer as a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_answered_for_another_ek_fails_and_records_the_ek_asked_for() {
+    let (out, record) = revoke_worker(Answer::Hostile).await;
     assert!(
-        text(&out).contains(&format!(
+        out.contains(&format!(
             "reports revoking EK {OTHER_EK}, not the EK {WORKER_EK} asked for"
         )),
-        "{}",
-        text(&out)
+        "{out}"
     );
-    let record = std::fs::read_to_string(ws.join("keel-revoked.json")).unwrap();
-    let record: serde_json::Value = serde_json::from_str(&record).unwrap();
+    assert_eq!(record["eks"], serde_json::json!([WORKER_EK]), "{record}");
+}
+
+/// Attacker's move: drop the revocation's answer (or the request after
+/// the control plane acted on it), so that the operator does not know
+/// whether the node was revoked. The CLI recorded the EK before it sent
+/// the request: `keel recover` refuses the node whatever became of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_whose_answer_is_lost_is_recorded_all_the_same() {
+    let (out, record) = revoke_worker(Answer::RevocationLost).await;
+    assert!(out.contains("the revocation was lost"), "{out}");
     assert_eq!(record["eks"], serde_json::json!([WORKER_EK]), "{record}");
 }
 

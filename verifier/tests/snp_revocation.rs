@@ -1,7 +1,8 @@
-//! AMD's CRL: checked on its own (`snp::check_revocation`) and by the
-//! verifier whenever its collateral cache holds one, with generated AMD-like
-//! roots whose ARK signs CRLs as AMD's does, and against AMD's pinned Milan
-//! roots with a CRL that only claims to be the ARK's.
+//! AMD's revocation lists (the CRL and the VLEK CRL): checked on their
+//! own (`snp::check_revocation`) and by the verifier whenever its
+//! collateral cache holds one, with generated AMD-like roots whose ARK
+//! signs lists as AMD's does, and against AMD's pinned Milan roots with a
+//! CRL that only claims to be the ARK's.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
@@ -255,10 +256,11 @@ fn the_verifier_checks_the_cached_crl_of_the_product_line() {
     the_cached_list_of_the_key_is_checked(&TestAmd::new().unwrap(), SigningKey::Vcek);
 }
 
-/// Attacker's move: a cloud provider's VLEK (or its ASVK) that AMD revoked
-/// signs a report. AMD lists it in the product line's VLEK CRL, not in the
-/// line's CRL, so a verifier that checked VLEK reports against the CRL
-/// would pass it: a VLEK report is checked against the VLEK CRL alone.
+/// Attacker's move: a report signed by a VLEK under an ASVK that AMD
+/// revoked. AMD lists revoked ASVKs in the product line's VLEK CRL, not in
+/// its CRL, so a verifier that checked VLEK reports against the CRL would
+/// pass it: a VLEK report is checked against the VLEK CRL alone (the
+/// VLEK's own serial too, though AMD is not expected to list one).
 #[test]
 fn a_vlek_report_is_checked_against_the_vlek_crl_only() {
     the_cached_list_of_the_key_is_checked(&TestAmd::vlek().unwrap(), SigningKey::Vlek);

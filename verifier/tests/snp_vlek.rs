@@ -49,9 +49,10 @@ fn a_vlek_report_verifies_under_its_asvk() {
     assert_eq!(snp::product_line(&claims.product), "Test");
 }
 
-/// Attacker's move: a report signed by a VCEK that names a VLEK as its
-/// signer, so that its chip ID is not held to the VCEK's (and the VLEK
-/// CRL, not the line's CRL, is consulted); or the other way round. No
+/// Attacker's move, with a leaked VCEK private key: sign a report that
+/// names a VLEK as its signer, so that its chip ID is not held to the
+/// VCEK's and the line's VLEK CRL is consulted in place of its CRL (a
+/// revoked ASK would then go unnoticed); or the other way round. No
 /// firmware writes either, so both are refused, though validly signed.
 #[test]
 fn a_report_naming_the_other_kind_of_key_is_refused() {

@@ -353,10 +353,7 @@ fn pinned_chain(
             .collect()
     };
     let served = ders(served);
-    let ask_name = match kind {
-        SigningKey::Vcek => format!("SEV-{}", product.name()),
-        SigningKey::Vlek => format!("SEV-VLEK-{}", product.name()),
-    };
+    let ask_name = kind.issuer_name(product.name());
     let is_product = |chain: &Vec<Vec<u8>>| {
         chain
             .first()

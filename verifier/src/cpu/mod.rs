@@ -224,12 +224,15 @@ impl CpuTrust {
                     }
                     .into());
                 }
+                // The list follows from the verified chain (which `verify`
+                // has matched to the key the report names).
                 let line = snp::product_line(&claims.product);
-                match self.collateral.snp_crl(line, claims.signing_key)? {
+                let kind = snp::SigningKey::certified_by(&claims.product);
+                match self.collateral.snp_crl(line, kind)? {
                     Some(crl) => {
                         snp::check_revocation(&crl, &certificate, &self.snp_roots, now)?;
                     }
-                    None => no_crl_warning(line, claims.signing_key),
+                    None => no_crl_warning(line, kind),
                 }
                 CpuClaims::Snp(claims)
             }

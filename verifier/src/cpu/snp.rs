@@ -15,9 +15,13 @@
 //! product line (the chain names the line), the guest policy and platform
 //! bits, the guest SVN, the measurement and the pinned key digests.
 //!
-//! [`check_revocation`] checks AMD's CRL for a product line (the ARK's, as
-//! KDS serves it): signed by the ARK with RSASSA-PSS SHA-384, current, and
-//! listing neither the ASK (or ASVK) nor the endorsement key.
+//! [`check_revocation`] checks one of AMD's two revocation lists for a
+//! product line, both issued by its ARK: the CRL for a VCEK's chain, the
+//! VLEK CRL for a VLEK's. The list must be signed by the ARK with RSASSA-PSS
+//! SHA-384, be current, and list neither the ASK (or ASVK) nor the
+//! endorsement key. AMD revokes intermediates this way; endorsement keys
+//! carry serial 0 and are not expected to be listed, but their serial is
+//! checked all the same.
 
 use ring::signature::{UnparsedPublicKey, ECDSA_P384_SHA384_FIXED, RSA_PSS_2048_8192_SHA384};
 use sev::firmware::guest::{AttestationReport, GuestPolicy, PlatformInfo};
@@ -86,7 +90,8 @@ pub enum SnpError {
     /// chains to the other kind's intermediate (a VCEK under an ASVK, a
     /// VLEK under an ASK).
     #[error(
-        "SNP report signing_key names a {signing_key}, but its certificate was issued by {issuer}"
+        "SNP report signing_key names a {signing_key}, but its certificate was issued by {issuer} \
+         (a VCEK is issued by an ASK, SEV-<line>; a VLEK by an ASVK, SEV-VLEK-<line>)"
     )]
     SigningKeyIssuer {
         /// The key the report names.
@@ -295,8 +300,8 @@ pub enum SnpError {
         /// Reported (hex).
         actual: String,
     },
-    /// AMD's CRL is malformed, not the ARK's, not signed by it, or not
-    /// current.
+    /// The line's revocation list for the chain's kind of key (CRL or VLEK
+    /// CRL) is malformed, not the ARK's, not signed by it, or not current.
     #[error("AMD {line} {list}: {reason}")]
     Crl {
         /// The product line, e.g. `Milan`.
@@ -307,7 +312,8 @@ pub enum SnpError {
         /// What is wrong.
         reason: String,
     },
-    /// AMD's CRL revokes a certificate of the chain.
+    /// The line's revocation list for the chain's kind of key revokes a
+    /// certificate of the chain.
     #[error("AMD {line} {list} revokes the {certificate} (serial {serial})")]
     Revoked {
         /// The product line.
@@ -330,15 +336,28 @@ pub enum SigningKey {
     Vlek,
 }
 
+/// The start of an ASVK's common name (`SEV-VLEK-Milan`); an ASK's is
+/// `SEV-` alone (`SEV-Milan`).
+const ASVK_PREFIX: &str = "SEV-VLEK-";
+
 impl SigningKey {
     /// The kind of key the intermediate named `issuer` (its common name)
     /// certifies: an ASVK (`SEV-VLEK-Milan`) certifies VLEKs, an ASK
     /// (`SEV-Milan`) VCEKs.
     pub fn certified_by(issuer: &str) -> Self {
-        if issuer.starts_with("SEV-VLEK-") {
+        if issuer.starts_with(ASVK_PREFIX) {
             Self::Vlek
         } else {
             Self::Vcek
+        }
+    }
+
+    /// The common name of the intermediate that certifies this kind of key
+    /// in product line `line`: `SEV-Milan` (ASK) or `SEV-VLEK-Milan` (ASVK).
+    pub fn issuer_name(self, line: &str) -> String {
+        match self {
+            Self::Vcek => format!("SEV-{line}"),
+            Self::Vlek => format!("{ASVK_PREFIX}{line}"),
         }
     }
 
@@ -709,7 +728,7 @@ fn signed_by(certificate: &X509Certificate<'_>, issuer_key: &[u8]) -> bool {
             .is_ok()
 }
 
-/// Checks AMD's CRL `crl` (DER) for the chain of the endorsement key
+/// Checks AMD's revocation list `crl` (DER) for the chain of the endorsement key
 /// `certificate` (DER) at `now`: it must parse whole, be issued by that
 /// chain's ARK and signed by it with RSASSA-PSS SHA-384 (AMD's only
 /// algorithm, whatever the CRL declares), have `thisUpdate <= now <=
@@ -796,7 +815,7 @@ fn same_serial(a: &[u8], b: &[u8]) -> bool {
 /// `SEV-VLEK-Milan` are `Milan`.
 pub fn product_line(ask_common_name: &str) -> &str {
     ask_common_name
-        .strip_prefix("SEV-VLEK-")
+        .strip_prefix(ASVK_PREFIX)
         .or_else(|| ask_common_name.strip_prefix("SEV-"))
         .unwrap_or(ask_common_name)
 }
