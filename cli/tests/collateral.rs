@@ -11,6 +11,7 @@ use std::process::Output;
 
 use keel_testkit::intel::{CollateralOptions, PcsParts, TdFields, TestIntel, TD_ATTRIBUTES};
 use keel_testkit::mirror::{Fault, MirrorServer};
+use keel_verifier::clock::now;
 use keel_verifier::cpu::collateral::tdx_collateral_file;
 use keel_verifier::cpu::policy::{Hex, TdxPolicy};
 use keel_verifier::cpu::snp::{self, AmdRoots};
@@ -28,13 +29,6 @@ fn data(relative: &str) -> PathBuf {
 
 fn read(relative: &str) -> Vec<u8> {
     std::fs::read(data(relative)).unwrap()
-}
-
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
 }
 
 fn keel(args: &[&str]) -> Output {

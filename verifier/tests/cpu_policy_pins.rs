@@ -10,6 +10,7 @@ mod vectors;
 use std::collections::{BTreeMap, BTreeSet};
 
 use keel_testkit::amd::{LaunchFields, ReportFields, TestAmd};
+use keel_verifier::clock::now;
 use keel_verifier::cpu::collateral::tdx_collateral_file;
 use keel_verifier::cpu::policy::{
     AttestationConfig, Hex, LineTcb, PlatformFeature, ProductLine, SnpPolicy, Tcb, TdxPolicy,
@@ -365,14 +366,6 @@ fn a_vlek_report_takes_its_lines_entry() {
 // -------------------------------------------------- generated SNP reports
 
 const MEASUREMENT: [u8; 48] = [7; 48];
-
-/// Seconds since the epoch: the generated VCEK is valid now.
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-}
 
 /// A report of `amd`'s chip with guest policy `policy` and `launch`.
 fn generated(amd: &TestAmd, policy: u64, launch: &LaunchFields) -> Vec<u8> {

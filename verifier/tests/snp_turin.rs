@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use keel_testkit::amd::{ReportFields, TestAmd};
+use keel_verifier::clock::now;
 use keel_verifier::cpu::snp::{self, AmdRoots, SnpError};
 
 fn fields() -> ReportFields {
@@ -15,14 +16,6 @@ fn fields() -> ReportFields {
         host_data: [0; 32],
         vmpl: 0,
     }
-}
-
-/// Seconds since the epoch: the generated VCEK is valid now.
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
 }
 
 fn verify(amd: &TestAmd, raw: &[u8]) -> Result<snp::SnpClaims, SnpError> {

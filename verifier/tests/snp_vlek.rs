@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use keel_testkit::amd::{LaunchFields, ReportFields, TestAmd};
+use keel_verifier::clock::now;
 use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpError};
 
 fn fields() -> ReportFields {
@@ -16,14 +17,6 @@ fn fields() -> ReportFields {
         host_data: [0; 32],
         vmpl: 0,
     }
-}
-
-/// Seconds since the epoch: the generated certificates are valid now.
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
 }
 
 /// A report of `amd`'s naming `signing_key` (`None`: the key that signs

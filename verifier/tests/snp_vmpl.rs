@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use keel_testkit::amd::{ReportFields, TestAmd};
+use keel_verifier::clock::now;
 use keel_verifier::cpu::binding::{Binding, BindingError};
 use keel_verifier::cpu::policy::{Hex, Tcb};
 use keel_verifier::cpu::snp::{AmdRoots, SnpError};
@@ -47,14 +48,6 @@ fn hcl(report: &[u8], runtime_data: &[u8]) -> Vec<u8> {
     }
     blob.extend_from_slice(runtime_data);
     blob
-}
-
-/// Seconds since the epoch: the generated VCEK is valid now.
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
 }
 
 fn evidence(amd: &TestAmd, binding: Binding, report: Vec<u8>) -> Evidence {

@@ -10,6 +10,7 @@
 use keel_testkit::intel::{
     CollateralOptions, TdFields, TdxCollateral, TestIntel, TD_ATTRIBUTES, TD_DEBUG,
 };
+use keel_verifier::clock::now;
 use keel_verifier::cpu::collateral::tdx_collateral_file;
 use keel_verifier::cpu::policy::{Hex, TdxPolicy};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxClaims, TdxError};
@@ -32,13 +33,6 @@ fn policy() -> TdxPolicy {
         rtmr: RTMR.map(|r| Some(Hex(r))),
         ..TdxPolicy::new(Hex(MRTD))
     }
-}
-
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
 }
 
 /// Writes `collateral` into a cache directory and reads it back as the
