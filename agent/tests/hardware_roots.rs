@@ -48,10 +48,7 @@ impl CpuReporter for GeneratedSnp {
             .amd
             .report(&ReportFields {
                 policy: self.policy,
-                report_data: *report_data,
-                measurement: MEASUREMENT,
-                host_data: [0; 32],
-                vmpl: 0,
+                ..ReportFields::guest(*report_data, MEASUREMENT)
             })
             .unwrap();
         Ok(CpuEvidence {

@@ -336,13 +336,7 @@ impl CpuReporter for GeneratedSnp {
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let report = self
             .amd
-            .report(&ReportFields {
-                policy: 0x30000,
-                report_data: *report_data,
-                measurement: MEASUREMENT,
-                host_data: [0; 32],
-                vmpl: 0,
-            })
+            .report(&ReportFields::guest(*report_data, MEASUREMENT))
             .unwrap();
         Ok(CpuEvidence {
             binding: cpu_evidence::Binding::Guest.into(),

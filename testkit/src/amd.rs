@@ -177,6 +177,19 @@ pub struct ReportFields {
     pub vmpl: u32,
 }
 
+impl ReportFields {
+    /// A guest's report at VMPL 0 under policy 0x30000, with no host data.
+    pub fn guest(report_data: [u8; 64], measurement: [u8; 48]) -> Self {
+        Self {
+            policy: 0x30000,
+            report_data,
+            measurement,
+            host_data: [0; 32],
+            vmpl: 0,
+        }
+    }
+}
+
 /// What the launch (an ID block, the author key) and the platform put in a
 /// report, beyond [`ReportFields`]; the default is a guest launched without
 /// an ID block on a platform reporting no features.

@@ -371,10 +371,7 @@ const MEASUREMENT: [u8; 48] = [7; 48];
 fn generated(amd: &TestAmd, policy: u64, launch: &LaunchFields) -> Vec<u8> {
     let fields = ReportFields {
         policy,
-        report_data: [5; 64],
-        measurement: MEASUREMENT,
-        host_data: [0; 32],
-        vmpl: 0,
+        ..ReportFields::guest([5; 64], MEASUREMENT)
     };
     amd.report_launched(&fields, launch).unwrap()
 }

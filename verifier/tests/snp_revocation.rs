@@ -198,13 +198,7 @@ fn trust(amd: &TestAmd, cache: &Path) -> CpuTrust {
 /// kind counts, the other kind's is never read.
 fn the_cached_list_of_the_key_is_checked(amd: &TestAmd, key: SigningKey) {
     let report = amd
-        .report(&ReportFields {
-            policy: 0x30000,
-            report_data: report_data(NONCE, AK),
-            measurement: MEASUREMENT,
-            host_data: [0; 32],
-            vmpl: 0,
-        })
+        .report(&ReportFields::guest(report_data(NONCE, AK), MEASUREMENT))
         .unwrap();
     let evidence = Evidence {
         binding: Binding::Guest,

@@ -9,13 +9,7 @@ use keel_verifier::clock::now;
 use keel_verifier::cpu::snp::{self, AmdRoots, SnpError};
 
 fn fields() -> ReportFields {
-    ReportFields {
-        policy: 0x30000,
-        report_data: [5; 64],
-        measurement: [7; 48],
-        host_data: [0; 32],
-        vmpl: 0,
-    }
+    ReportFields::guest([5; 64], [7; 48])
 }
 
 fn verify(amd: &TestAmd, raw: &[u8]) -> Result<snp::SnpClaims, SnpError> {

@@ -10,13 +10,7 @@ use keel_verifier::clock::now;
 use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpError};
 
 fn fields() -> ReportFields {
-    ReportFields {
-        policy: 0x30000,
-        report_data: [5; 64],
-        measurement: [7; 48],
-        host_data: [0; 32],
-        vmpl: 0,
-    }
+    ReportFields::guest([5; 64], [7; 48])
 }
 
 /// A report of `amd`'s naming `signing_key` (`None`: the key that signs

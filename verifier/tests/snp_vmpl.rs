@@ -27,11 +27,8 @@ fn trust(amd: &TestAmd, vmpl: u32) -> CpuTrust {
 /// A report for `vmpl` whose report data is `report_data`.
 fn report(amd: &TestAmd, vmpl: u32, report_data: [u8; 64]) -> Vec<u8> {
     amd.report(&ReportFields {
-        policy: 0x30000,
-        report_data,
-        measurement: MEASUREMENT,
-        host_data: [0; 32],
         vmpl,
+        ..ReportFields::guest(report_data, MEASUREMENT)
     })
     .unwrap()
 }

@@ -419,14 +419,7 @@ mod tests {
     }
 
     fn report_of(amd: &TestAmd) -> Vec<u8> {
-        amd.report(&ReportFields {
-            policy: 0x30000,
-            report_data: [1; 64],
-            measurement: [2; 48],
-            host_data: [0; 32],
-            vmpl: 0,
-        })
-        .unwrap()
+        amd.report(&ReportFields::guest([1; 64], [2; 48])).unwrap()
     }
 
     impl GeneratedKds {
