@@ -83,11 +83,7 @@ impl Kds {
             hex::encode(report.chip_id)
         );
         mirror.serve(&vcek_target, read("snp/milan-virtee/vcek_milan.der"));
-        mirror.serve(
-            "/vcek/v1/Milan/cert_chain",
-            read("snp/amd-roots/ask_ark_milan.pem"),
-        );
-        mirror.serve("/vcek/v1/Milan/crl", ark_crl(&[]));
+        serve_milan_chain(&mirror, "vcek");
         Self {
             mirror,
             vcek_target,
@@ -95,21 +91,38 @@ impl Kds {
     }
 
     fn fetch(&self, cache: &Path, extra: &[&str]) -> Output {
-        let base = self.mirror.base_url();
         let report = data("snp/milan-virtee/report_milan.bin");
-        let mut args = vec![
-            "collateral",
-            "fetch",
-            "--cache",
-            cache.to_str().unwrap(),
-            "--vcek-from-report",
-            report.to_str().unwrap(),
-            "--kds-url",
-            &base,
-        ];
-        args.extend_from_slice(extra);
-        keel(&args)
+        fetch_snp(&self.mirror, cache, &report, extra)
     }
+}
+
+/// Serves AMD's Milan chain for `kind` (`vcek`: the ASK's, `vlek`: the
+/// ASVK's) and a stand-in list ([`ark_crl`]) where KDS serves them.
+fn serve_milan_chain(mirror: &MirrorServer, kind: &str) {
+    let chain = match kind {
+        "vlek" => "snp/amd-roots/ask_ark_milan_vlek.pem",
+        _ => "snp/amd-roots/ask_ark_milan.pem",
+    };
+    mirror.serve(&format!("/{kind}/v1/Milan/cert_chain"), read(chain));
+    mirror.serve(&format!("/{kind}/v1/Milan/crl"), ark_crl(&[]));
+}
+
+/// `keel collateral fetch` into `cache` for the SEV-SNP evidence at
+/// `report`, from `mirror` as KDS, with `extra` arguments.
+fn fetch_snp(mirror: &MirrorServer, cache: &Path, report: &Path, extra: &[&str]) -> Output {
+    let base = mirror.base_url();
+    let mut args = vec![
+        "collateral",
+        "fetch",
+        "--cache",
+        cache.to_str().unwrap(),
+        "--vcek-from-report",
+        report.to_str().unwrap(),
+        "--kds-url",
+        &base,
+    ];
+    args.extend_from_slice(extra);
+    keel(&args)
 }
 
 /// A CRL in the name of AMD's Milan ARK listing `revoked` serials, signed
@@ -179,26 +192,10 @@ fn a_real_vcek_verifies_and_a_crl_amds_ark_did_not_sign_writes_nothing() {
 #[test]
 fn a_vlek_report_needs_its_vlek_cached_and_an_expired_one_writes_nothing() {
     let mirror = MirrorServer::start().unwrap();
-    mirror.serve(
-        "/vlek/v1/Milan/cert_chain",
-        read("snp/amd-roots/ask_ark_milan_vlek.pem"),
-    );
-    mirror.serve("/vlek/v1/Milan/crl", ark_crl(&[]));
+    serve_milan_chain(&mirror, "vlek");
     let cache = tempfile::tempdir().unwrap();
     let report = data("snp/aws-milan-vlek/test-vlek-report.bin");
-    let base = mirror.base_url();
-    let fetch = || {
-        keel(&[
-            "collateral",
-            "fetch",
-            "--cache",
-            cache.path().to_str().unwrap(),
-            "--vcek-from-report",
-            report.to_str().unwrap(),
-            "--kds-url",
-            &base,
-        ])
-    };
+    let fetch = || fetch_snp(&mirror, cache.path(), &report, &[]);
     let out = fetch();
     let log = stderr(&out);
     assert!(!out.status.success(), "accepted: {log}");
@@ -344,25 +341,10 @@ fn an_azure_hcl_report_names_its_vcek_through_the_snp_report_inside() {
         ),
         vcek,
     );
-    mirror.serve(
-        "/vcek/v1/Milan/cert_chain",
-        read("snp/amd-roots/ask_ark_milan.pem"),
-    );
-    mirror.serve("/vcek/v1/Milan/crl", ark_crl(&[]));
+    serve_milan_chain(&mirror, "vcek");
     let cache = tempfile::tempdir().unwrap();
     let path = data("snp/azure-milan-hcl/hcl-report.bin");
-    let out = keel(&[
-        "collateral",
-        "fetch",
-        "--cache",
-        cache.path().to_str().unwrap(),
-        "--vcek-from-report",
-        path.to_str().unwrap(),
-        "--product",
-        "milan",
-        "--kds-url",
-        &mirror.base_url(),
-    ]);
+    let out = fetch_snp(&mirror, cache.path(), &path, &["--product", "milan"]);
     // The VCEK named through the SNP report inside verifies it; the
     // stand-in CRL then stops the fetch.
     let log = stderr(&out);
