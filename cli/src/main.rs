@@ -101,7 +101,8 @@ enum Command {
         #[arg(value_name = "FILE")]
         out: PathBuf,
     },
-    /// Fill the CPU collateral cache (SEV-SNP VCEKs, TDX collateral) from
+    /// Fill the CPU collateral cache (SEV-SNP VCEKs, ASK and ASVK chains
+    /// and their revocation lists; TDX collateral) from
     /// AMD's KDS or Intel's PCS, once, for the evidence of a node: the
     /// only network access keel makes for CPU evidence.
     Collateral {

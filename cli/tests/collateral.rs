@@ -200,6 +200,7 @@ fn a_vlek_report_needs_its_vlek_cached_and_an_expired_one_writes_nothing() {
     let log = stderr(&out);
     assert!(!out.status.success(), "accepted: {log}");
     assert!(log.contains("signed by a VLEK"), "{log}");
+    assert_eq!(mirror.requests("/vlek/v1/Milan/cert_chain"), 0, "{log}");
     assert_eq!(mirror.requests("/vlek/v1/Milan/crl"), 0, "{log}");
     assert!(files(cache.path()).is_empty(), "{:?}", files(cache.path()));
 

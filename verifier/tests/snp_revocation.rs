@@ -222,11 +222,17 @@ fn the_cached_list_of_the_key_is_checked(amd: &TestAmd, key: SigningKey) {
     std::fs::write(&crl_path, current_crl(amd, &[vec![0x42]])).unwrap();
     verify().unwrap();
     // The cached list revokes the endorsement key, then the ASK (ASVK).
-    for revoked in [serial(amd.vcek_der()), serial(amd.ask_der())] {
+    for (revoked, named) in [
+        (serial(amd.vcek_der()), "endorsement key"),
+        (serial(amd.ask_der()), key.intermediate()),
+    ] {
         std::fs::write(&crl_path, current_crl(amd, &[revoked])).unwrap();
         match verify() {
-            Err(CpuError::Snp(SnpError::Revoked { list, .. })) => {
+            Err(CpuError::Snp(SnpError::Revoked {
+                list, certificate, ..
+            })) => {
                 assert_eq!(list, key.crl_name());
+                assert_eq!(certificate, named);
             }
             other => panic!("{other:?}"),
         }

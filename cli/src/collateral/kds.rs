@@ -57,7 +57,8 @@ impl Product {
     }
 }
 
-/// Why the VCEK could not be fetched or was refused.
+/// Why a report's endorsement key, chain or list could not be fetched or
+/// was refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum KdsError {
@@ -119,15 +120,26 @@ pub enum KdsError {
         /// What was served, described.
         actual: String,
     },
-    /// The VCEK (or the cached VLEK) does not verify the report against
-    /// the pinned roots.
+    /// The endorsement key (the fetched VCEK or the cached VLEK) does not
+    /// verify the report against the pinned roots.
     #[error("the {key} does not verify the report against AMD's pinned roots")]
-    Vcek {
+    EndorsementKey {
         /// `fetched VCEK` or `cached VLEK`.
         key: &'static str,
         /// Why.
         #[source]
         source: SnpError,
+    },
+    /// The endorsement key is certified for another product line than the
+    /// report's (a version 2 report with the wrong `--product`).
+    #[error("the {key} is certified for {actual}, not for {expected}: check --product")]
+    KeyProduct {
+        /// `fetched VCEK` or `cached VLEK`.
+        key: &'static str,
+        /// The product line fetched for.
+        expected: &'static str,
+        /// The product line of the key's chain.
+        actual: String,
     },
     /// AMD's CRL (or VLEK CRL) is not the ARK's (its issuer or its
     /// signature), is not current, or revokes the ASK (ASVK) or the VCEK
@@ -186,7 +198,7 @@ pub async fn fetch(
     let max_crl = usize::try_from(MAX_COLLATERAL_BYTES).unwrap_or(usize::MAX);
     if let Some(vlek) = cached_vlek {
         eprintln!(
-            "keel: SEV-SNP {name}, signed by the cached VLEK {vcek_path}, reported TCB \
+            "keel: SEV-SNP {name}, for the cached VLEK {vcek_path}, reported TCB \
              bootloader {} tee {} snp {} microcode {}",
             t.bootloader, t.tee, t.snp, t.microcode
         );
@@ -285,18 +297,29 @@ fn checked(
     pinned_chain(product, kind, &chain, roots)?;
     let trusted =
         AmdRoots::from_pem_bundles(&roots.iter().map(|r| r.as_bytes()).collect::<Vec<_>>());
-    let (label, intermediate, chain_file) = match kind {
-        SigningKey::Vcek => ("fetched VCEK", "ASK", "cert_chain.pem"),
-        SigningKey::Vlek => ("cached VLEK", "ASVK", "vlek_cert_chain.pem"),
+    let (label, chain_file) = match kind {
+        SigningKey::Vcek => ("fetched VCEK", "cert_chain.pem"),
+        SigningKey::Vlek => ("cached VLEK", "vlek_cert_chain.pem"),
     };
-    snp::verify_signed(raw, &report, &key, &trusted, now)
-        .map_err(|source| KdsError::Vcek { key: label, source })?;
+    let claims = snp::verify_signed(raw, &report, &key, &trusted, now)
+        .map_err(|source| KdsError::EndorsementKey { key: label, source })?;
+    // Every pinned root is trusted above, so the key may chain to another
+    // line's: its list must not be cached under this line's name.
+    let line = snp::product_line(&claims.product);
+    if line != name {
+        return Err(KdsError::KeyProduct {
+            key: label,
+            expected: name,
+            actual: line.to_owned(),
+        });
+    }
     eprintln!("keel: the {label} verifies the report against AMD's pinned {name} roots");
     let revoked = snp::check_revocation(&crl, &key, &trusted, now).map_err(KdsError::Crl)?;
     eprintln!(
         "keel: the {name} {} is the ARK's, current, and names {revoked} revoked certificates, \
-         neither the {intermediate} nor this {kind}",
-        kind.crl_name()
+         neither the {} nor this {kind}",
+        kind.crl_name(),
+        kind.intermediate()
     );
     let crl_path = snp_crl_path(name, kind).ok_or(KdsError::ProductUnknown {
         version: report.version,
@@ -310,32 +333,22 @@ fn checked(
 
 /// The provider's VLEK for a report, from the cache at `relative`.
 fn read_vlek(cache: &std::path::Path, relative: &str) -> Result<Vec<u8>, KdsError> {
-    use std::io::Read as _;
     let path = cache.join(relative);
-    let file = match std::fs::File::open(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(KdsError::Vlek {
-                path: path.display().to_string(),
-            })
-        }
-        other => other,
-    };
     let read_err = |source| KdsError::VlekRead {
         path: path.display().to_string(),
         source,
     };
-    let mut vlek = Vec::new();
-    file.map_err(read_err)?
-        .take(MAX_CERTIFICATE_BYTES as u64 + 1)
-        .read_to_end(&mut vlek)
-        .map_err(read_err)?;
-    if vlek.len() > MAX_CERTIFICATE_BYTES {
-        return Err(read_err(std::io::Error::new(
+    match keel_verifier::bounded::read(&path, MAX_CERTIFICATE_BYTES as u64) {
+        Ok(Some(vlek)) => Ok(vlek),
+        Ok(None) => Err(read_err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("larger than {MAX_CERTIFICATE_BYTES} bytes"),
-        )));
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(KdsError::Vlek {
+            path: path.display().to_string(),
+        }),
+        Err(e) => Err(read_err(e)),
     }
-    Ok(vlek)
 }
 
 /// The served chain as DER (ASK or ASVK, ARK), which must equal the one of
@@ -372,10 +385,7 @@ fn pinned_chain(
         .find(|pinned| is_product(pinned) && *pinned == served)
         .map(drop)
         .ok_or_else(|| KdsError::Chain {
-            intermediate: match kind {
-                SigningKey::Vcek => "ASK",
-                SigningKey::Vlek => "ASVK",
-            },
+            intermediate: kind.intermediate(),
             product: product.name(),
             actual: describe(&served),
         })
@@ -603,6 +613,52 @@ mod tests {
         assert_eq!(std::fs::read(&crl_path).unwrap(), files[2].bytes);
     }
 
+    /// Attacker's move (whoever answers for KDS), or an operator's slip: a
+    /// version 2 report does not name its line, `--product` names another,
+    /// and KDS serves that line's pinned chain with the report's own VCEK
+    /// and list. The key verifies (every pinned root is trusted), but its
+    /// line's list must not be cached as the other line's.
+    #[test]
+    fn a_key_of_another_line_than_the_product_is_refused() {
+        let kds = GeneratedKds::new();
+        let genoa = TestAmd::for_line("Genoa").unwrap();
+        let chip = snp::parse(&kds.report).unwrap().chip_id;
+        kds.mirror.serve(
+            &format!(
+                "/vcek/v1/Genoa/{}?blSPL=03&teeSPL=00&snpSPL=08&ucodeSPL=115",
+                hex::encode(chip)
+            ),
+            kds.amd.vcek_der().to_vec(),
+        );
+        kds.mirror.serve(
+            "/vcek/v1/Genoa/cert_chain",
+            genoa.roots_pem().as_bytes().to_vec(),
+        );
+        let now = OffsetDateTime::now_utc();
+        let crl = kds
+            .amd
+            .crl(&[], now - Duration::days(1), now + Duration::days(7))
+            .unwrap();
+        kds.mirror.serve("/vcek/v1/Genoa/crl", crl);
+        let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
+        let roots = [kds.amd.roots_pem(), genoa.roots_pem()];
+        let e = super::super::block_on(fetch(
+            &http,
+            &kds.mirror.base_url(),
+            &kds.report,
+            Some(Product::Genoa),
+            u64::try_from(now.unix_timestamp()).unwrap(),
+            &roots,
+            kds.cache.path(),
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("the fetched VCEK is certified for Milan, not for Genoa"),
+            "{e}"
+        );
+    }
+
     /// A VLEK report: KDS does not serve the VLEK, so the fetch asks for
     /// it in the cache, then takes the line's ASVK chain and VLEK CRL,
     /// where the verifier reads the list for VLEK reports.
@@ -628,10 +684,12 @@ mod tests {
         assert_eq!(cached.snp_crl("Milan", SigningKey::Vcek).unwrap(), None);
     }
 
-    /// Attacker's move (whoever answers for KDS): serve the VCEK chain, or
-    /// a VLEK CRL that revokes the VLEK or its ASVK, or another ARK's.
+    /// Attacker's move (whoever answers for KDS): serve a VLEK CRL that
+    /// revokes the VLEK or its ASVK, one another ARK of the same name
+    /// signed, or the VCEK chain. Each is refused, so there is nothing to
+    /// write.
     #[test]
-    fn a_vlek_fetch_that_does_not_check_out_writes_nothing() {
+    fn a_vlek_fetch_that_does_not_check_out_is_refused() {
         let kds = GeneratedKds::vlek();
         kds.cache_vlek();
         kds.serve_crl(&[serial(kds.amd.vcek_der())], 7);
@@ -642,10 +700,21 @@ mod tests {
         );
         kds.serve_crl(&[serial(kds.amd.ask_der())], 7);
         let e = kds.fetch().unwrap_err().to_string();
-        assert!(e.contains("Milan VLEK CRL revokes the ASK"), "{e}");
+        assert!(e.contains("Milan VLEK CRL revokes the ASVK"), "{e}");
+
+        let vcek_line = TestAmd::for_line("Milan").unwrap();
+        let now = OffsetDateTime::now_utc();
+        let foreign = vcek_line
+            .crl(&[], now - Duration::days(1), now + Duration::days(7))
+            .unwrap();
+        kds.mirror.serve("/vlek/v1/Milan/crl", foreign);
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(
+            e.contains("Milan VLEK CRL: its signature does not verify with the ARK"),
+            "{e}"
+        );
 
         kds.serve_crl(&[], 7);
-        let vcek_line = TestAmd::for_line("Milan").unwrap();
         kds.mirror.serve(
             "/vlek/v1/Milan/cert_chain",
             vcek_line.roots_pem().as_bytes().to_vec(),

@@ -36,10 +36,14 @@ pub enum CollateralCommand {
     ///
     /// For a report a VLEK signed (AMD's KDS does not serve VLEKs), first
     /// place the cloud provider's VLEK where the command says
-    /// (snp/vlek-<bl>-<tee>-<snp>-<ucode>.der); it then fetches the line's
-    /// ASVK/ARK chain (snp/<product>/vlek_cert_chain.pem) and VLEK CRL
-    /// (snp/<product>/vlek-crl.der), checked the same way with the VLEK.
-    /// Verifiers check every VLEK report of the line against that list.
+    /// (snp/vlek-<bl>-<tee>-<snp>-<ucode>.der; for Turin,
+    /// snp/vlek-<fmc>-<bl>-<tee>-<snp>-<ucode>.der); it then fetches the
+    /// line's ASVK/ARK chain (snp/<product>/vlek_cert_chain.pem) and VLEK
+    /// CRL (snp/<product>/vlek-crl.der), checked the same way with the
+    /// VLEK. Only Milan's ASVK is pinned in keel. Verifiers check every
+    /// VLEK report of the line against that list. Both lists are signed by
+    /// the line's ARK, so the CRL served in place of the VLEK CRL is not
+    /// told apart (it revokes no ASVK).
     ///
     /// TDX (--tdx-quote): from Intel's PCS, the TCB info for the quote's
     /// FMSPC, the TD quoting enclave's identity, the CRL of the CA that

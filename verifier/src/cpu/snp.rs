@@ -320,7 +320,8 @@ pub enum SnpError {
         line: String,
         /// Which of the line's lists, as for [`SnpError::Crl`].
         list: &'static str,
-        /// `ASK` (the ASK or ASVK) or `endorsement key` (the VCEK or VLEK).
+        /// `ASK` or `ASVK` (the chain's intermediate, [`SigningKey::intermediate`])
+        /// or `endorsement key` (the VCEK or VLEK).
         certificate: &'static str,
         /// Its serial number (hex).
         serial: String,
@@ -358,6 +359,15 @@ impl SigningKey {
         match self {
             Self::Vcek => format!("SEV-{line}"),
             Self::Vlek => format!("{ASVK_PREFIX}{line}"),
+        }
+    }
+
+    /// The kind of intermediate that certifies this kind of key: `ASK`
+    /// for a VCEK, `ASVK` for a VLEK.
+    pub fn intermediate(self) -> &'static str {
+        match self {
+            Self::Vcek => "ASK",
+            Self::Vlek => "ASVK",
         }
     }
 
@@ -746,7 +756,8 @@ pub fn check_revocation(
     let (_, vek) = X509Certificate::from_der(certificate).map_err(|_| SnpError::Certificate)?;
     let chain = chain_of(&vek, roots)?;
     let line = product_line(&chain.product);
-    let list = SigningKey::certified_by(&chain.product).crl_name();
+    let kind = SigningKey::certified_by(&chain.product);
+    let list = kind.crl_name();
     let bad = |reason: String| SnpError::Crl {
         line: line.to_owned(),
         list,
@@ -786,7 +797,7 @@ pub fn check_revocation(
         )));
     }
     for (what, serial) in [
-        ("ASK", chain.ask_serial.as_slice()),
+        (kind.intermediate(), chain.ask_serial.as_slice()),
         ("endorsement key", vek.raw_serial()),
     ] {
         if crl
