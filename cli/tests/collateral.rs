@@ -185,10 +185,10 @@ fn a_real_vcek_verifies_and_a_crl_amds_ark_did_not_sign_writes_nothing() {
 }
 
 /// The AWS VLEK report: KDS does not serve VLEKs, so the fetch asks for
-/// the provider's VLEK in the cache; with it there, it takes the Milan
-/// ASVK chain and VLEK CRL and checks the report with the cached VLEK,
-/// which expired in 2025 (see the vectors' README): nothing is written
-/// beside it.
+/// the provider's VLEK in the cache; with it there, it checks the report
+/// with the cached VLEK before it fetches the Milan ASVK chain and VLEK
+/// CRL. That VLEK expired in 2025 (see the vectors' README): nothing is
+/// fetched, and nothing written beside it.
 #[test]
 fn a_vlek_report_needs_its_vlek_cached_and_an_expired_one_writes_nothing() {
     let mirror = MirrorServer::start().unwrap();
@@ -212,7 +212,9 @@ fn a_vlek_report_needs_its_vlek_cached_and_an_expired_one_writes_nothing() {
     let out = fetch();
     let log = stderr(&out);
     assert!(!out.status.success(), "accepted: {log}");
-    assert_eq!(mirror.requests("/vlek/v1/Milan/crl"), 1, "{log}");
+    // The VLEK is checked before anything is fetched for it.
+    assert_eq!(mirror.requests("/vlek/v1/Milan/cert_chain"), 0, "{log}");
+    assert_eq!(mirror.requests("/vlek/v1/Milan/crl"), 0, "{log}");
     assert!(
         log.contains("the cached VLEK does not verify the report against AMD's pinned roots"),
         "{log}"

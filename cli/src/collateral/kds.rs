@@ -202,6 +202,13 @@ pub async fn fetch(
              bootloader {} tee {} snp {} microcode {}",
             t.bootloader, t.tee, t.snp, t.microcode
         );
+        // Nothing to fetch for a VLEK that does not verify the report.
+        snp::verify_signed(raw, &report, &vlek, &pinned_roots(roots), now).map_err(|source| {
+            KdsError::EndorsementKey {
+                key: "cached VLEK",
+                source,
+            }
+        })?;
         let chain_url = format!("{base}/vlek/v1/{name}/cert_chain");
         let chain = super::get(http, "ASVK/ARK chain", &chain_url, MAX_CHAIN_BYTES)
             .await?
@@ -295,8 +302,7 @@ fn checked(
     } = served;
     let name = product.name();
     pinned_chain(product, kind, &chain, roots)?;
-    let trusted =
-        AmdRoots::from_pem_bundles(&roots.iter().map(|r| r.as_bytes()).collect::<Vec<_>>());
+    let trusted = pinned_roots(roots);
     let (label, chain_file) = match kind {
         SigningKey::Vcek => ("fetched VCEK", "cert_chain.pem"),
         SigningKey::Vlek => ("cached VLEK", "vlek_cert_chain.pem"),
@@ -329,6 +335,11 @@ fn checked(
         CacheFile::new(format!("snp/{name}/{chain_file}"), chain, Kind::Certificate),
         CacheFile::new(crl_path, crl, Kind::Crl),
     ])
+}
+
+/// The roots every fetched or cached key is checked against.
+fn pinned_roots(roots: &[&str]) -> AmdRoots {
+    AmdRoots::from_pem_bundles(&roots.iter().map(|r| r.as_bytes()).collect::<Vec<_>>())
 }
 
 /// The provider's VLEK for a report, from the cache at `relative`.
