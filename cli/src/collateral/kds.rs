@@ -514,20 +514,32 @@ mod tests {
                 .serve(&format!("/{}/v1/Milan/crl", self.kind), crl);
         }
 
+        /// Fetches for Milan with this KDS's roots pinned.
         fn fetch(&self) -> Result<Vec<CacheFile>, KdsError> {
+            self.fetch_with(Product::Milan, &[self.amd.roots_pem()])
+        }
+
+        /// Fetches for `product` with `roots` pinned.
+        fn fetch_with(&self, product: Product, roots: &[&str]) -> Result<Vec<CacheFile>, KdsError> {
             let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
-            let roots = [self.amd.roots_pem()];
             let now = u64::try_from(OffsetDateTime::now_utc().unix_timestamp()).unwrap();
             super::super::block_on(fetch(
                 &http,
                 &self.mirror.base_url(),
                 &self.report,
-                Some(Product::Milan),
+                Some(product),
                 now,
-                &roots,
+                roots,
                 self.cache.path(),
             ))
         }
+    }
+
+    /// A CRL of `amd`'s ARK revoking nothing, current for a week.
+    fn current_crl(amd: &TestAmd) -> Vec<u8> {
+        let now = OffsetDateTime::now_utc();
+        amd.crl(&[], now - Duration::days(1), now + Duration::days(7))
+            .unwrap()
     }
 
     fn serial(der: &[u8]) -> Vec<u8> {
@@ -645,25 +657,12 @@ mod tests {
             "/vcek/v1/Genoa/cert_chain",
             genoa.roots_pem().as_bytes().to_vec(),
         );
-        let now = OffsetDateTime::now_utc();
-        let crl = kds
-            .amd
-            .crl(&[], now - Duration::days(1), now + Duration::days(7))
-            .unwrap();
-        kds.mirror.serve("/vcek/v1/Genoa/crl", crl);
-        let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
-        let roots = [kds.amd.roots_pem(), genoa.roots_pem()];
-        let e = super::super::block_on(fetch(
-            &http,
-            &kds.mirror.base_url(),
-            &kds.report,
-            Some(Product::Genoa),
-            u64::try_from(now.unix_timestamp()).unwrap(),
-            &roots,
-            kds.cache.path(),
-        ))
-        .unwrap_err()
-        .to_string();
+        kds.mirror
+            .serve("/vcek/v1/Genoa/crl", current_crl(&kds.amd));
+        let e = kds
+            .fetch_with(Product::Genoa, &[kds.amd.roots_pem(), genoa.roots_pem()])
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("the fetched VCEK is certified for Milan, not for Genoa"),
             "{e}"
@@ -714,11 +713,8 @@ mod tests {
         assert!(e.contains("Milan VLEK CRL revokes the ASVK"), "{e}");
 
         let vcek_line = TestAmd::for_line("Milan").unwrap();
-        let now = OffsetDateTime::now_utc();
-        let foreign = vcek_line
-            .crl(&[], now - Duration::days(1), now + Duration::days(7))
-            .unwrap();
-        kds.mirror.serve("/vlek/v1/Milan/crl", foreign);
+        kds.mirror
+            .serve("/vlek/v1/Milan/crl", current_crl(&vcek_line));
         let e = kds.fetch().unwrap_err().to_string();
         assert!(
             e.contains("Milan VLEK CRL: its signature does not verify with the ARK"),
@@ -730,22 +726,15 @@ mod tests {
             "/vlek/v1/Milan/cert_chain",
             vcek_line.roots_pem().as_bytes().to_vec(),
         );
-        let http = Http::new(std::time::Duration::from_secs(10)).unwrap();
-        let now = u64::try_from(OffsetDateTime::now_utc().unix_timestamp()).unwrap();
         // Both chains pinned: the served ASK chain is pinned, but not as
         // the line's ASVK.
-        let roots = [kds.amd.roots_pem(), vcek_line.roots_pem()];
-        let e = super::super::block_on(fetch(
-            &http,
-            &kds.mirror.base_url(),
-            &kds.report,
-            Some(Product::Milan),
-            now,
-            &roots,
-            kds.cache.path(),
-        ))
-        .unwrap_err()
-        .to_string();
+        let e = kds
+            .fetch_with(
+                Product::Milan,
+                &[kds.amd.roots_pem(), vcek_line.roots_pem()],
+            )
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("expected AMD's pinned ASVK and ARK for Milan"),
             "{e}"
