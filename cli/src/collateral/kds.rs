@@ -468,15 +468,20 @@ mod tests {
         /// chain and the CRL.
         fn new() -> Self {
             let kds = Self::serving(TestAmd::for_line("Milan").unwrap(), "vcek");
-            let chip = snp::parse(&kds.report).unwrap().chip_id;
-            kds.mirror.serve(
+            kds.serve_vcek("Milan");
+            kds
+        }
+
+        /// Serves the report's VCEK where a fetch for `line` asks for it.
+        fn serve_vcek(&self, line: &str) {
+            let chip = snp::parse(&self.report).unwrap().chip_id;
+            self.mirror.serve(
                 &format!(
-                    "/vcek/v1/Milan/{}?blSPL=03&teeSPL=00&snpSPL=08&ucodeSPL=115",
+                    "/vcek/v1/{line}/{}?blSPL=03&teeSPL=00&snpSPL=08&ucodeSPL=115",
                     hex::encode(chip)
                 ),
-                kds.amd.vcek_der().to_vec(),
+                self.amd.vcek_der().to_vec(),
             );
-            kds
         }
 
         /// A KDS for a VLEK of Milan: it serves the ASVK/ARK chain and the
@@ -645,14 +650,7 @@ mod tests {
     fn a_key_of_another_line_than_the_product_is_refused() {
         let kds = GeneratedKds::new();
         let genoa = TestAmd::for_line("Genoa").unwrap();
-        let chip = snp::parse(&kds.report).unwrap().chip_id;
-        kds.mirror.serve(
-            &format!(
-                "/vcek/v1/Genoa/{}?blSPL=03&teeSPL=00&snpSPL=08&ucodeSPL=115",
-                hex::encode(chip)
-            ),
-            kds.amd.vcek_der().to_vec(),
-        );
+        kds.serve_vcek("Genoa");
         kds.mirror.serve(
             "/vcek/v1/Genoa/cert_chain",
             genoa.roots_pem().as_bytes().to_vec(),
