@@ -5,10 +5,16 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
 /// Reads `path` if it holds at most `limit` bytes; `Ok(None)` when it holds
-/// more (only `limit + 1` bytes are ever read). Anything but a regular file
-/// (a FIFO, a device, a directory) is refused with `InvalidInput`, and
-/// opening it never waits for a writer.
+/// more (only `limit + 1` bytes are ever read). A pipe is read like a file
+/// (`--config <(...)`; kernel interfaces such as configfs-tsm).
 pub fn read(path: &Path, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
+    up_to(std::fs::File::open(path)?, limit)
+}
+
+/// As [`read`], for a directory of files such as the collateral cache:
+/// anything but a regular file (or a link to one) is refused with
+/// `InvalidInput`, and opening a FIFO never waits for a writer.
+pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
     // O_NONBLOCK keeps the open of a FIFO from waiting; reads of a regular
     // file ignore it.
     let file = std::fs::OpenOptions::new()
@@ -21,6 +27,10 @@ pub fn read(path: &Path, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
             "not a regular file",
         ));
     }
+    up_to(file, limit)
+}
+
+fn up_to(file: std::fs::File, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
     let mut bytes = Vec::new();
     file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
     Ok((bytes.len() as u64 <= limit).then_some(bytes))
@@ -29,23 +39,31 @@ pub fn read(path: &Path, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::read;
+    use super::{read, read_regular};
+    use std::time::Duration;
 
     #[test]
-    fn a_file_is_read_up_to_its_bound() {
+    fn a_file_or_a_link_to_one_is_read_up_to_its_bound() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
         std::fs::write(&path, b"four").unwrap();
-        assert_eq!(read(&path, 4).unwrap().as_deref(), Some(&b"four"[..]));
-        assert_eq!(read(&path, 3).unwrap(), None);
-        let missing = read(&dir.path().join("missing"), 4).unwrap_err();
-        assert_eq!(missing.kind(), std::io::ErrorKind::NotFound);
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        for read in [read, read_regular] {
+            for path in [&path, &link] {
+                assert_eq!(read(path, 4).unwrap().as_deref(), Some(&b"four"[..]));
+                assert_eq!(read(path, 3).unwrap(), None);
+            }
+            let missing = read(&dir.path().join("missing"), 4).unwrap_err();
+            assert_eq!(missing.kind(), std::io::ErrorKind::NotFound);
+        }
     }
 
     /// A FIFO with no writer would block a plain open (and a reader) for
-    /// ever; a directory is no file to parse.
+    /// ever; a directory is no file to parse. The check runs on a thread
+    /// of its own, so a regression fails the test instead of hanging it.
     #[test]
-    fn a_fifo_or_a_directory_is_refused_without_waiting() {
+    fn read_regular_refuses_a_fifo_or_a_directory_without_waiting() {
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("fifo");
         let made = std::process::Command::new("mkfifo")
@@ -53,9 +71,20 @@ mod tests {
             .status()
             .unwrap();
         assert!(made.success());
-        for path in [fifo.as_path(), dir.path()] {
-            let e = read(path, 4).unwrap_err();
-            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{path:?}");
+        let (done, finished) = std::sync::mpsc::channel();
+        let paths = [fifo, dir.path().to_owned()];
+        std::thread::spawn(move || {
+            let kinds: Vec<_> = paths
+                .iter()
+                .map(|p| read_regular(p, 4).map_err(|e| e.kind()))
+                .collect();
+            let _ = done.send(kinds);
+        });
+        let kinds = finished
+            .recv_timeout(Duration::from_secs(10))
+            .expect("read_regular waited on a FIFO");
+        for kind in kinds {
+            assert_eq!(kind.unwrap_err(), std::io::ErrorKind::InvalidInput);
         }
     }
 }

@@ -69,7 +69,7 @@ pub fn refuse_rollback(cache: &Path, files: &[CacheFile]) -> anyhow::Result<()> 
             continue;
         }
         let path = cache.join(&file.relative);
-        let cached = match keel_verifier::bounded::read(
+        let cached = match keel_verifier::bounded::read_regular(
             &path,
             keel_verifier::cpu::collateral::MAX_COLLATERAL_BYTES,
         ) {

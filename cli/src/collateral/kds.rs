@@ -132,7 +132,7 @@ pub enum KdsError {
     },
     /// The endorsement key is certified for another product line than the
     /// report's (a version 2 report with the wrong `--product`).
-    #[error("the {key} is certified for {actual}, not for {expected}: check --product")]
+    #[error("the {key} is certified for {actual}, not for {expected}, the report's product line (its CPUID or --product)")]
     KeyProduct {
         /// `fetched VCEK` or `cached VLEK`.
         key: &'static str,
@@ -203,12 +203,7 @@ pub async fn fetch(
             t.bootloader, t.tee, t.snp, t.microcode
         );
         // Nothing to fetch for a VLEK that does not verify the report.
-        snp::verify_signed(raw, &report, &vlek, &pinned_roots(roots), now).map_err(|source| {
-            KdsError::EndorsementKey {
-                key: "cached VLEK",
-                source,
-            }
-        })?;
+        verify_key(raw, &vlek, SigningKey::Vlek, product, roots, now)?;
         let chain_url = format!("{base}/vlek/v1/{name}/cert_chain");
         let chain = super::get(http, "ASVK/ARK chain", &chain_url, MAX_CHAIN_BYTES)
             .await?
@@ -302,25 +297,17 @@ fn checked(
     } = served;
     let name = product.name();
     pinned_chain(product, kind, &chain, roots)?;
-    let trusted = pinned_roots(roots);
-    let (label, chain_file) = match kind {
-        SigningKey::Vcek => ("fetched VCEK", "cert_chain.pem"),
-        SigningKey::Vlek => ("cached VLEK", "vlek_cert_chain.pem"),
+    verify_key(raw, &key, kind, product, roots, now)?;
+    let chain_file = match kind {
+        SigningKey::Vcek => "cert_chain.pem",
+        SigningKey::Vlek => "vlek_cert_chain.pem",
     };
-    let claims = snp::verify_signed(raw, &report, &key, &trusted, now)
-        .map_err(|source| KdsError::EndorsementKey { key: label, source })?;
-    // Every pinned root is trusted above, so the key may chain to another
-    // line's: its list must not be cached under this line's name.
-    let line = snp::product_line(&claims.product);
-    if line != name {
-        return Err(KdsError::KeyProduct {
-            key: label,
-            expected: name,
-            actual: line.to_owned(),
-        });
-    }
-    eprintln!("keel: the {label} verifies the report against AMD's pinned {name} roots");
-    let revoked = snp::check_revocation(&crl, &key, &trusted, now).map_err(KdsError::Crl)?;
+    eprintln!(
+        "keel: the {} verifies the report against AMD's pinned {name} roots",
+        key_label(kind)
+    );
+    let revoked =
+        snp::check_revocation(&crl, &key, &pinned_roots(roots), now).map_err(KdsError::Crl)?;
     eprintln!(
         "keel: the {name} {} is the ARK's, current, and names {revoked} revoked certificates, \
          neither the {} nor this {kind}",
@@ -337,6 +324,42 @@ fn checked(
     ])
 }
 
+/// Checks that `key`, of `kind`, verifies the report `raw` against the
+/// pinned `roots` at `now` and is certified for `product`'s line.
+fn verify_key(
+    raw: &[u8],
+    key: &[u8],
+    kind: SigningKey,
+    product: Product,
+    roots: &[&str],
+    now: u64,
+) -> Result<(), KdsError> {
+    let label = key_label(kind);
+    let report = snp::parse(raw).map_err(KdsError::Report)?;
+    let claims = snp::verify_signed(raw, &report, key, &pinned_roots(roots), now)
+        .map_err(|source| KdsError::EndorsementKey { key: label, source })?;
+    // Every pinned root is trusted, so the key may chain to another line's
+    // ARK: its line's list must not be cached under this line's name.
+    let line = snp::product_line(&claims.product);
+    if line != product.name() {
+        return Err(KdsError::KeyProduct {
+            key: label,
+            expected: product.name(),
+            actual: line.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// How the messages name the endorsement key of `kind`: the VCEK is
+/// fetched, the VLEK read from the cache.
+fn key_label(kind: SigningKey) -> &'static str {
+    match kind {
+        SigningKey::Vcek => "fetched VCEK",
+        SigningKey::Vlek => "cached VLEK",
+    }
+}
+
 /// The roots every fetched or cached key is checked against.
 fn pinned_roots(roots: &[&str]) -> AmdRoots {
     AmdRoots::from_pem_bundles(&roots.iter().map(|r| r.as_bytes()).collect::<Vec<_>>())
@@ -349,7 +372,7 @@ fn read_vlek(cache: &std::path::Path, relative: &str) -> Result<Vec<u8>, KdsErro
         path: path.display().to_string(),
         source,
     };
-    match keel_verifier::bounded::read(&path, MAX_CERTIFICATE_BYTES as u64) {
+    match keel_verifier::bounded::read_regular(&path, MAX_CERTIFICATE_BYTES as u64) {
         Ok(Some(vlek)) => Ok(vlek),
         Ok(None) => Err(read_err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -490,10 +513,15 @@ mod tests {
             Self::serving(TestAmd::vlek_for_line("Milan").unwrap(), "vlek")
         }
 
+        /// Where the fetch looks for the report's VLEK.
+        fn vlek_path(&self) -> std::path::PathBuf {
+            let relative = snp_certificate_path(&snp::parse(&self.report).unwrap());
+            self.cache.path().join(relative)
+        }
+
         /// Puts the VLEK into the cache where the fetch looks for it.
         fn cache_vlek(&self) {
-            let relative = snp_certificate_path(&snp::parse(&self.report).unwrap());
-            let path = self.cache.path().join(relative);
+            let path = self.vlek_path();
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
             std::fs::write(path, self.amd.vcek_der()).unwrap();
         }
@@ -678,6 +706,11 @@ mod tests {
             e.contains("signed by a VLEK") && e.contains("snp/vlek-3-0-8-115.der"),
             "{e}"
         );
+        // Something other than a file in its place is no VLEK.
+        std::fs::create_dir_all(kds.vlek_path()).unwrap();
+        let e = kds.fetch().unwrap_err();
+        assert!(matches!(e, KdsError::VlekRead { .. }), "{e:?}");
+        std::fs::remove_dir(kds.vlek_path()).unwrap();
         kds.cache_vlek();
         let files = kds.fetch().unwrap();
         let names: Vec<&str> = files.iter().map(|f| f.relative.as_str()).collect();
@@ -690,6 +723,23 @@ mod tests {
         let list = cached.snp_crl("Milan", SigningKey::Vlek).unwrap();
         assert_eq!(list.as_deref(), Some(files[1].bytes.as_slice()));
         assert_eq!(cached.snp_crl("Milan", SigningKey::Vcek).unwrap(), None);
+    }
+
+    /// Attacker's move, or a provider's slip: a VLEK certified under
+    /// another line's ASVK than the line the report's CPUID names, so that
+    /// line's chain and list would be cached under the report's line.
+    /// Refused before anything is fetched.
+    #[test]
+    fn a_cached_vlek_of_another_line_is_refused_before_any_fetch() {
+        let kds = GeneratedKds::serving(TestAmd::vlek_for_line("Genoa").unwrap(), "vlek");
+        kds.cache_vlek();
+        let e = kds.fetch().unwrap_err().to_string();
+        assert!(
+            e.contains("the cached VLEK is certified for Genoa, not for Milan"),
+            "{e}"
+        );
+        assert_eq!(kds.mirror.requests("/vlek/v1/Milan/cert_chain"), 0);
+        assert_eq!(kds.mirror.requests("/vlek/v1/Milan/crl"), 0);
     }
 
     /// Attacker's move (whoever answers for KDS): serve a VLEK CRL that

@@ -43,7 +43,7 @@ pub enum CollateralCommand {
     /// VLEK. Only Milan's ASVK is pinned in keel. Verifiers check every
     /// VLEK report of the line against that list. Both lists are signed by
     /// the line's ARK, so the CRL served in place of the VLEK CRL is not
-    /// told apart (it revokes no ASVK).
+    /// told apart (it revokes no ASVK or VLEK).
     ///
     /// TDX (--tdx-quote): from Intel's PCS, the TCB info for the quote's
     /// FMSPC, the TD quoting enclave's identity, the CRL of the CA that

@@ -182,13 +182,13 @@ pub fn tdx_collateral_file(path: &Path) -> Result<QuoteCollateralV3, CollateralE
     })
 }
 
-/// Reads a file of at most [`MAX_COLLATERAL_BYTES`].
+/// Reads a regular file of at most [`MAX_COLLATERAL_BYTES`].
 fn read_bounded(path: &Path) -> Result<Vec<u8>, CollateralError> {
     let read = |source| CollateralError::Read {
         path: path.to_owned(),
         source,
     };
-    crate::bounded::read(path, MAX_COLLATERAL_BYTES)
+    crate::bounded::read_regular(path, MAX_COLLATERAL_BYTES)
         .map_err(read)?
         .ok_or_else(|| CollateralError::TooLarge {
             path: path.to_owned(),
