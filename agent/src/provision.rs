@@ -637,9 +637,9 @@ impl<'a> Provisioner<'a> {
     fn write_config(
         &self,
         name: &str,
-        yaml: Result<String, ConfigError>,
+        yaml: Result<Zeroizing<String>, ConfigError>,
     ) -> Result<TransientFile, ProvisionError> {
-        let yaml = Zeroizing::new(yaml.map_err(ProvisionError::KubeadmConfig)?);
+        let yaml = yaml.map_err(ProvisionError::KubeadmConfig)?;
         Ok(TransientFile::write(
             self.env.work_dir.join(name),
             yaml.as_bytes(),

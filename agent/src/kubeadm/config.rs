@@ -308,7 +308,7 @@ pub struct InitConfig {
 
 impl InitConfig {
     /// The kubeadm configuration: `InitConfiguration`, then `ClusterConfiguration`.
-    pub fn to_yaml(&self) -> Result<String, ConfigError> {
+    pub fn to_yaml(&self) -> Result<zeroize::Zeroizing<String>, ConfigError> {
         let api = ConfigApi::for_version(self.kubernetes_version)?;
         check_name("node name", &self.node_name)?;
         check_name("cluster name", &self.cluster_name)?;
@@ -499,7 +499,7 @@ pub struct JoinConfig {
 
 impl JoinConfig {
     /// The kubeadm `JoinConfiguration`.
-    pub fn to_yaml(&self) -> Result<String, ConfigError> {
+    pub fn to_yaml(&self) -> Result<zeroize::Zeroizing<String>, ConfigError> {
         let api = ConfigApi::for_version(self.kubernetes_version)?;
         check_name("node name", &self.node_name)?;
         check_endpoint(&self.api_server_endpoint)?;

@@ -10,7 +10,6 @@
 //! line. One run registers up to [`MAX_TOKENS_PER_RUN`] tokens: the join
 //! service batches the tokens of the tickets being issued at once.
 
-use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Duration;
 
@@ -19,6 +18,7 @@ use zeroize::Zeroizing;
 
 use super::config::{BootstrapToken, ConfigApi};
 use super::run::{Kubeadm, KubeadmError, Stdout};
+use super::yaml::Yaml;
 use crate::paths::ADMIN_CONF;
 
 /// Lifetime of a ticket's bootstrap token: the node's `kubeadm join` must
@@ -34,32 +34,26 @@ const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
 /// Limit for one `kubeadm token create`.
 const TOKEN_CREATE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Most bytes of the configuration's header and of each token's entry in
-/// it (an entry is about 170).
-const HEADER_ROOM: usize = 96;
-const ENTRY_ROOM: usize = 256;
-
-/// The `InitConfiguration` registering `tokens`, in a buffer wiped when
-/// dropped and sized up front, so that no earlier, smaller copy of it (with
-/// tokens in it) is left behind unwiped by a reallocation.
+/// The `InitConfiguration` registering `tokens`, written by the one YAML
+/// writer into a buffer of its size that is wiped when dropped.
 fn tokens_config(api_version: &str, tokens: &[BootstrapToken]) -> Zeroizing<String> {
-    let mut yaml = Zeroizing::new(String::with_capacity(
-        HEADER_ROOM + tokens.len() * ENTRY_ROOM,
-    ));
-    // Writing to a String cannot fail.
-    let _ = write!(
-        yaml,
-        "apiVersion: {api_version}\nkind: InitConfiguration\nbootstrapTokens:\n"
-    );
-    for token in tokens {
-        let _ = write!(
-            yaml,
-            "- token: \"{token}\"\n  ttl: \"{TOKEN_TTL}\"\n  usages: [\"signing\", \"authentication\"]\n  \
-             groups: [\"{TOKEN_GROUP}\"]\n  description: \"keel join ticket\"\n",
-            token = token.expose(),
-        );
-    }
-    yaml
+    let entries = tokens
+        .iter()
+        .map(|token| {
+            Yaml::map(vec![
+                ("token", Yaml::str(token.expose())),
+                ("ttl", Yaml::str(TOKEN_TTL)),
+                ("usages", Yaml::strs(["signing", "authentication"])),
+                ("groups", Yaml::strs([TOKEN_GROUP])),
+                ("description", Yaml::str("keel join ticket")),
+            ])
+        })
+        .collect();
+    Yaml::documents(&[Yaml::map(vec![
+        ("apiVersion", Yaml::str(api_version)),
+        ("kind", Yaml::str("InitConfiguration")),
+        ("bootstrapTokens", Yaml::List(entries)),
+    ])])
 }
 
 /// A `token create` configuration is `token-<first token's ID>.yaml`.
@@ -186,16 +180,25 @@ mod tests {
         remove_stale_configs(&dir.path().join("missing"));
     }
 
-    /// The configuration is written into the room reserved for it: the
-    /// buffer never grew, so no copy of its tokens was freed unwiped.
+    /// The configuration lists every token, and is written into a buffer
+    /// of its size: a buffer that grew would leave copies of its tokens in
+    /// freed memory.
     #[test]
-    fn the_tokens_config_never_outgrows_its_buffer() {
+    fn the_tokens_config_lists_each_token_in_a_buffer_of_its_size() {
         for n in [1, 2, MAX_TOKENS_PER_RUN] {
             let tokens: Vec<_> = (0..n).map(|_| BootstrapToken::generate()).collect();
             let yaml = tokens_config("kubeadm.k8s.io/v1beta4", &tokens);
-            assert_eq!(yaml.capacity(), HEADER_ROOM + n * ENTRY_ROOM, "{n} tokens");
-            assert_eq!(yaml.matches("- token: ").count(), n);
-            assert!(yaml.contains(&format!("ttl: \"{TOKEN_TTL}\"")));
+            assert_eq!(yaml.capacity(), yaml.len(), "{n} tokens");
+            for token in &tokens {
+                let entry = format!(
+                    "  - token: \"{}\"\n    ttl: \"{TOKEN_TTL}\"\n",
+                    token.expose()
+                );
+                assert!(yaml.contains(&entry), "{}", *yaml);
+            }
+            assert!(yaml.starts_with(
+                "apiVersion: \"kubeadm.k8s.io/v1beta4\"\nkind: \"InitConfiguration\"\nbootstrapTokens:\n"
+            ));
         }
     }
 }

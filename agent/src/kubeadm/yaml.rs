@@ -5,11 +5,14 @@
 //! escaping, which YAML accepts as is: no value (a node name, a SAN, a token)
 //! can change the structure of the document, and no field is reordered.
 
+use zeroize::Zeroizing;
+
 /// A YAML value with ordered mappings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Yaml {
-    /// A string, always quoted.
-    Str(String),
+    /// A string, always quoted; wiped when dropped (a value may be a
+    /// bootstrap token).
+    Str(Zeroizing<String>),
     /// An integer.
     Int(i64),
     /// A boolean.
@@ -23,7 +26,7 @@ pub enum Yaml {
 impl Yaml {
     /// A string value.
     pub fn str(s: impl Into<String>) -> Self {
-        Self::Str(s.into())
+        Self::Str(Zeroizing::new(s.into()))
     }
 
     /// A mapping with the entries in the order given.
@@ -41,85 +44,161 @@ impl Yaml {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        Self::List(items.into_iter().map(|s| Self::Str(s.into())).collect())
+        Self::List(items.into_iter().map(Self::str).collect())
     }
 
-    /// Writes documents separated by `---`.
-    pub fn documents(docs: &[Yaml]) -> String {
-        let mut out = String::new();
-        for (i, doc) in docs.iter().enumerate() {
-            if i > 0 {
-                out.push_str("---\n");
-            }
-            doc.write_block(&mut out, 0);
-        }
+    /// Writes documents separated by `---`. The text is measured first and
+    /// written into a buffer of its size, so no copy of a value is left
+    /// behind by a growing buffer, and the buffer is wiped when dropped.
+    pub fn documents(docs: &[Yaml]) -> Zeroizing<String> {
+        let mut length = Length(0);
+        Self::write_documents(docs, &mut length);
+        let mut out = Zeroizing::new(String::with_capacity(length.0));
+        Self::write_documents(docs, &mut *out);
         out
     }
 
-    fn scalar(&self) -> Option<String> {
-        match self {
-            // Serialising a string to JSON cannot fail.
-            Self::Str(s) => Some(serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())),
-            Self::Int(i) => Some(i.to_string()),
-            Self::Bool(b) => Some(b.to_string()),
-            Self::List(l) if l.is_empty() => Some("[]".into()),
-            Self::Map(m) if m.is_empty() => Some("{}".into()),
-            Self::List(_) | Self::Map(_) => None,
+    fn write_documents(docs: &[Yaml], out: &mut impl Sink) {
+        for (i, doc) in docs.iter().enumerate() {
+            if i > 0 {
+                out.put("---\n");
+            }
+            doc.write_block(out, 0, true);
         }
     }
 
-    /// Writes a mapping or list at `indent`; a scalar on its own line.
-    fn write_block(&self, out: &mut String, indent: usize) {
+    /// Whether the value is written on the line of its key.
+    fn is_scalar(&self) -> bool {
+        match self {
+            Self::Str(_) | Self::Int(_) | Self::Bool(_) => true,
+            Self::List(l) => l.is_empty(),
+            Self::Map(m) => m.is_empty(),
+        }
+    }
+
+    fn write_scalar(&self, out: &mut impl Sink) {
+        match self {
+            Self::Str(s) => quoted(s, out),
+            Self::Int(i) => out.put(&i.to_string()),
+            Self::Bool(b) => out.put(if *b { "true" } else { "false" }),
+            Self::List(_) => out.put("[]"),
+            Self::Map(_) => out.put("{}"),
+        }
+    }
+
+    /// Writes a mapping or list at `indent`, a scalar on its own line;
+    /// `pad_first` false when the first line's indentation is written
+    /// already (a list item's, after its "- ").
+    fn write_block<S: Sink>(&self, out: &mut S, indent: usize, pad_first: bool) {
         let pad = " ".repeat(indent);
-        match (self, self.scalar()) {
-            (_, Some(scalar)) => {
-                out.push_str(&pad);
-                out.push_str(&scalar);
-                out.push('\n');
+        let mut first = true;
+        let mut start_line = |out: &mut S| {
+            if pad_first || !first {
+                out.put(&pad);
             }
-            (Self::Map(entries), None) => {
+            first = false;
+        };
+        match self {
+            Self::Map(entries) if !entries.is_empty() => {
                 for (key, value) in entries {
-                    out.push_str(&pad);
-                    out.push_str(&key_text(key));
-                    out.push(':');
-                    match value.scalar() {
-                        Some(scalar) => {
-                            out.push(' ');
-                            out.push_str(&scalar);
-                            out.push('\n');
-                        }
-                        None => {
-                            out.push('\n');
-                            value.write_block(out, indent + 2);
-                        }
+                    start_line(out);
+                    key_text(key, out);
+                    out.put(":");
+                    if value.is_scalar() {
+                        out.put(" ");
+                        value.write_scalar(out);
+                        out.put("\n");
+                    } else {
+                        out.put("\n");
+                        value.write_block(out, indent + 2, true);
                     }
                 }
             }
-            (Self::List(items), None) => {
+            Self::List(items) if !items.is_empty() => {
                 for item in items {
-                    let mut nested = String::new();
-                    item.write_block(&mut nested, indent + 2);
+                    start_line(out);
                     // "- " takes the place of the item's first indentation.
-                    out.push_str(&pad);
-                    out.push_str("- ");
-                    out.push_str(nested.get(indent + 2..).unwrap_or_default());
+                    out.put("- ");
+                    item.write_block(out, indent + 2, false);
                 }
             }
-            _ => {}
+            _ => {
+                start_line(out);
+                self.write_scalar(out);
+                out.put("\n");
+            }
         }
     }
 }
 
-/// A key as written: plain when it is a simple word, quoted otherwise.
-fn key_text(key: &str) -> String {
+/// Where text is written: a string, or a count of its length.
+trait Sink {
+    fn put(&mut self, s: &str);
+}
+
+impl Sink for String {
+    fn put(&mut self, s: &str) {
+        self.push_str(s);
+    }
+}
+
+/// Counts the bytes that would be written.
+struct Length(usize);
+
+impl Sink for Length {
+    fn put(&mut self, s: &str) {
+        self.0 += s.len();
+    }
+}
+
+/// Writes `s` as a double-quoted scalar with JSON's escapes (as
+/// `serde_json` writes a string), which YAML reads as the same string.
+fn quoted(s: &str, out: &mut impl Sink) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.put("\"");
+    let mut plain = 0;
+    for (i, b) in s.bytes().enumerate() {
+        let escape = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            0x08 => "\\b",
+            0x0c => "\\f",
+            0..=0x1f => "",
+            _ => continue,
+        };
+        out.put(s.get(plain..i).unwrap_or_default());
+        plain = i + 1;
+        if escape.is_empty() {
+            let code = [
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[usize::from(b >> 4)],
+                HEX[usize::from(b & 0xf)],
+            ];
+            out.put(std::str::from_utf8(&code).unwrap_or_default());
+        } else {
+            out.put(escape);
+        }
+    }
+    out.put(s.get(plain..).unwrap_or_default());
+    out.put("\"");
+}
+
+/// Writes a key: plain when it is a simple word, quoted otherwise.
+fn key_text(key: &str, out: &mut impl Sink) {
     let plain = !key.is_empty()
         && key
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     if plain {
-        key.to_owned()
+        out.put(key);
     } else {
-        Yaml::Str(key.to_owned()).scalar().unwrap_or_default()
+        quoted(key, out);
     }
 }
 
@@ -144,9 +223,47 @@ mod tests {
             ("nested", Yaml::map(vec![("b", Yaml::Int(-1))])),
         ]);
         assert_eq!(
-            Yaml::documents(&[doc.clone(), doc]).split("---\n").next().unwrap(),
+            Yaml::documents(&[doc.clone(), doc])
+                .split("---\n")
+                .next()
+                .unwrap(),
             "kind: \"X\"\nport: 6443\nempty: []\nlist:\n  - \"a\"\n  - name: \"n\"\n    value: \"v\"\nnested:\n  b: -1\n"
         );
+    }
+
+    /// Strings are quoted as JSON writes them: every control character,
+    /// quotes and backslashes escaped, the rest as it is.
+    #[test]
+    fn strings_are_quoted_as_json_quotes_them() {
+        let mut samples: Vec<String> = (0u8..0x80).map(|b| char::from(b).to_string()).collect();
+        samples
+            .extend(["", "plain", "a\"b\\c\u{7f}", "ü€𝄞\n\u{1}x", "\u{1f}\u{0}"].map(String::from));
+        for sample in samples {
+            let mut out = String::new();
+            quoted(&sample, &mut out);
+            assert_eq!(out, serde_json::to_string(&sample).unwrap(), "{sample:?}");
+        }
+    }
+
+    /// The text is written into a buffer of its measured size: a buffer
+    /// that grew would leave copies of a token behind in freed memory.
+    #[test]
+    fn documents_are_written_into_a_buffer_of_their_size() {
+        let doc = Yaml::map(vec![
+            ("token", Yaml::str("abcdef.0123456789abcdef")),
+            (
+                "list",
+                Yaml::List(vec![
+                    Yaml::str("a\tb"),
+                    Yaml::map(vec![("k", Yaml::Int(-12))]),
+                ]),
+            ),
+            ("empty", Yaml::Map(vec![])),
+            ("quoted key", Yaml::Bool(true)),
+        ]);
+        let out = Yaml::documents(&[doc.clone(), doc]);
+        assert_eq!(out.capacity(), out.len());
+        assert!(out.contains("\"quoted key\": true\n"), "{}", *out);
     }
 
     #[test]
@@ -156,7 +273,7 @@ mod tests {
             ("x: y", Yaml::Int(1)),
         ]);
         assert_eq!(
-            Yaml::documents(&[doc]),
+            *Yaml::documents(&[doc]),
             "name: \"a\\\"\\nkind: Evil #\"\n\"x: y\": 1\n"
         );
     }
