@@ -47,9 +47,7 @@ use crate::upgrade::Upgrader;
 /// JSON file limit; no larger as protobuf) and 64 KiB of join measurements,
 /// plus small fields.
 pub const MAX_INIT_REQUEST_BYTES: usize = 2 * 1024 * 1024;
-/// Largest init response message: the admin kubeconfig is at most 1 MiB,
-/// log chunks 32 KiB.
-pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
+pub use keel_proto::MAX_INIT_RESPONSE_BYTES;
 /// Init requests the init port holds at once, counted over all its
 /// connections: each may buffer up to [`MAX_INIT_REQUEST_BYTES`] before its
 /// handler runs, and anyone can open a connection to this port. One per

@@ -193,9 +193,12 @@ impl RecoveryServer {
         .transpose()
     }
 
-    /// The tonic service, requests bounded to [`MAX_RECOVER_REQUEST_BYTES`].
+    /// The tonic service, requests bounded to [`MAX_RECOVER_REQUEST_BYTES`]
+    /// and answers to what `keel recover` reads.
     pub fn into_service(self) -> RecoveryServiceServer<Self> {
-        RecoveryServiceServer::new(self).max_decoding_message_size(MAX_RECOVER_REQUEST_BYTES)
+        RecoveryServiceServer::new(self)
+            .max_decoding_message_size(MAX_RECOVER_REQUEST_BYTES)
+            .max_encoding_message_size(keel_proto::MAX_RECOVER_RESPONSE_BYTES)
     }
 
     /// Runs one recovery request from `peer`, on a task of its own: a

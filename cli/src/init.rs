@@ -574,13 +574,13 @@ pub async fn run(
 
     // Both secrets are sealed to the TPM whose EK and AK were just proven
     // (attested, and resident by credential activation in the handshake).
-    let secrets = Zeroizing::new(
-        InitSecrets {
-            init_secret: init_secret.to_vec(),
-            master_secret: master_secret.to_vec(),
-        }
-        .encode_to_vec(),
-    );
+    let mut plain = InitSecrets {
+        init_secret: init_secret.to_vec(),
+        master_secret: master_secret.to_vec(),
+    };
+    let secrets = Zeroizing::new(plain.encode_to_vec());
+    plain.init_secret.zeroize();
+    plain.master_secret.zeroize();
     let sealed = credential::seal(&verified.ek, &verified.ak.name, &secrets)
         .context("sealing the init and master secrets to the node's TPM")?;
 
@@ -602,7 +602,8 @@ pub async fn run(
         components_signature,
     };
     let ends = tokio::time::Instant::now() + deadline;
-    let mut client = InitServiceClient::new(bound.channel);
+    let mut client = InitServiceClient::new(bound.channel)
+        .max_decoding_message_size(keel_proto::MAX_INIT_RESPONSE_BYTES);
     // The node reads a few init requests at once, one per address: one
     // told to try again (others hold the places, perhaps someone else's
     // slow requests) is sent again until the timeout.

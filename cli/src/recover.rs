@@ -97,7 +97,8 @@ pub async fn run(
     }
     // The channel's timeout ends with the answer's headers; this one
     // covers its body too.
-    let mut client = RecoveryServiceClient::new(bound.channel);
+    let mut client = RecoveryServiceClient::new(bound.channel)
+        .max_decoding_message_size(keel_proto::MAX_RECOVER_RESPONSE_BYTES);
     let call = client.recover(RecoverRequest {
         secrets: Some(sealed),
         measurement_salt: secret.measurement_salt,

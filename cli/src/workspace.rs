@@ -69,14 +69,26 @@ impl MasterSecret {
             key,
             salt,
             measurement_salt,
-        } = serde_json::from_slice(&bytes)
-            .with_context(|| format!("{} is not a master secret file", path.display()))?;
+        } = serde_json::from_slice(&bytes).map_err(|e| {
+            // The parser's own message may quote the secret: only where
+            // it stopped is said.
+            anyhow::anyhow!(
+                "{} is not a master secret file (at line {}, column {})",
+                path.display(),
+                e.line(),
+                e.column()
+            )
+        })?;
         let key = Zeroizing::new(key);
         let hex_field = |value: &str, name: &str| {
             hex::decode(value).with_context(|| format!("{}: {name} is not hex", path.display()))
         };
         Ok(Self {
-            key: Zeroizing::new(hex_field(&key, "key")?),
+            // As above: the decoder's message would name a character of it.
+            key: Zeroizing::new(
+                hex::decode(&*key)
+                    .map_err(|_| anyhow::anyhow!("{}: key is not hex", path.display()))?,
+            ),
             salt: hex_field(&salt, "salt")?,
             measurement_salt: hex_field(&measurement_salt, "measurement_salt")?,
         })
@@ -270,6 +282,33 @@ mod tests {
                 .map(|&pcr| (pcr, Expected::enforced([byte; 32]))),
         )
         .unwrap()
+    }
+
+    /// A damaged master secret file is refused without its error quoting
+    /// the secret: the JSON parser's and the hex decoder's messages would.
+    #[test]
+    fn a_damaged_master_secret_is_refused_without_quoting_it() {
+        let ws = tempfile::tempdir().unwrap();
+        let path = ws.path().join(MASTER_SECRET_FILE);
+        for (file, secret_part) in [
+            (
+                r#"{"key": "41424344qx", "salt": "00", "measurement_salt": "00"}"#,
+                "'q'",
+            ),
+            (
+                r#"{"key": 98765432101, "salt": "00", "measurement_salt": "00"}"#,
+                "98765432101",
+            ),
+            (r#"{"key": "s3cr3t-value", "salt": 7}"#, "s3cr3t"),
+        ] {
+            std::fs::write(&path, file).unwrap();
+            let Err(e) = MasterSecret::load(ws.path()) else {
+                panic!("{file} accepted");
+            };
+            let e = format!("{e:#}");
+            assert!(e.contains(MASTER_SECRET_FILE), "{e}");
+            assert!(!e.contains(secret_part), "{e}");
+        }
     }
 
     /// A revoked EK is refused, another is not; the record survives a round

@@ -64,6 +64,14 @@ pub use keel::operator::v1 as operator;
 /// The recovery API (operator CLI → a control plane that lost its cluster).
 pub use keel::recovery::v1 as recovery;
 
+/// Largest init response message a node sends and `keel init` reads: the
+/// admin kubeconfig is at most 1 MiB, log chunks 32 KiB.
+pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
+
+/// Largest recovery response a control plane sends and `keel recover`
+/// reads: it carries a 32-byte cluster ID.
+pub const MAX_RECOVER_RESPONSE_BYTES: usize = 4 * 1024;
+
 /// Most bytes of node logs an init failure sends, and `keel init` keeps.
 pub const MAX_FAILURE_LOG_BYTES: usize = 1024 * 1024;
 
