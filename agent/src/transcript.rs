@@ -207,7 +207,9 @@ impl<K: Streamed> Transcript<K> {
         true
     }
 
-    /// The node's logs: this transcript, then the journal of this boot where there is one.
+    /// The node's logs: this transcript, then the journal of this boot where
+    /// there is one, at most [`MAX_FAILURE_LOGS`] bytes of whole lines, the
+    /// most recent, with anything shaped like a bootstrap token redacted.
     pub fn collected_logs(&self) -> Vec<u8> {
         let mut out: Vec<u8> = {
             let state = self.state();
@@ -218,20 +220,66 @@ impl<K: Streamed> Transcript<K> {
             }
             text.into_bytes()
         };
-        if let Ok(journal) = std::process::Command::new("journalctl")
-            .args(["-b", "--no-pager", "-o", "short-monotonic"])
-            .output()
-        {
-            if journal.status.success() {
-                out.extend_from_slice(b"--- journal of this boot ---\n");
-                out.extend_from_slice(&journal.stdout);
-            }
+        if let Some(journal) = journal_of_this_boot(MAX_FAILURE_LOGS) {
+            out.extend_from_slice(b"--- journal of this boot ---\n");
+            out.extend_from_slice(&journal);
         }
-        if out.len() > MAX_FAILURE_LOGS {
-            out.drain(..out.len() - MAX_FAILURE_LOGS);
-        }
+        whole_lines_tail(&mut out, MAX_FAILURE_LOGS);
         out
     }
+}
+
+/// The last `limit` bytes of this boot's journal (other units' lines too),
+/// tokens redacted; `None` where there is no journal to read.
+fn journal_of_this_boot(limit: usize) -> Option<Vec<u8>> {
+    let mut child = std::process::Command::new("journalctl")
+        .args(["-b", "--no-pager", "-o", "short-monotonic"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let tail = child.stdout.take().map(|out| tail_of(out, limit));
+    let status = child.wait().ok()?;
+    let mut tail = tail.filter(|_| status.success())?;
+    whole_lines_tail(&mut tail, limit);
+    Some(crate::kubeadm::run::scrub_tokens(&String::from_utf8_lossy(&tail)).into_bytes())
+}
+
+/// The last `limit` bytes `reader` gives (or more, up to twice that),
+/// holding at most about twice `limit` at any time however much it gives.
+fn tail_of(mut reader: impl std::io::Read, limit: usize) -> Vec<u8> {
+    let mut tail = Vec::new();
+    let mut chunk = vec![0; 64 * 1024];
+    loop {
+        match reader.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                tail.extend_from_slice(chunk.get(..n).unwrap_or_default());
+                if tail.len() > limit.saturating_mul(2) {
+                    tail.drain(..tail.len() - limit);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    tail
+}
+
+/// Cuts `text` to its last `limit` bytes, starting at a line's start when
+/// it had to be cut (a line cut in half could show half a token, which
+/// the redaction would no longer recognise).
+fn whole_lines_tail(text: &mut Vec<u8>, limit: usize) {
+    if text.len() <= limit {
+        return;
+    }
+    let mut cut = text.len() - limit;
+    cut += text
+        .get(cut..)
+        .and_then(|rest| rest.iter().position(|b| *b == b'\n'))
+        .map_or(text.len() - cut, |newline| newline + 1);
+    text.drain(..cut);
 }
 
 #[cfg(test)]
@@ -361,6 +409,32 @@ mod tests {
             0,
             "nothing is counted for a gone client"
         );
+    }
+
+    /// However long the journal, what is held while it is read stays
+    /// near twice the bound, and what is kept is its end.
+    #[test]
+    fn the_journal_is_read_to_its_end_in_bounded_memory() {
+        let long: Vec<u8> = (0..10_000_000u32).map(|i| (i % 251) as u8).collect();
+        let tail = tail_of(std::io::Cursor::new(&long), 1000);
+        assert!((1000..=2000).contains(&tail.len()), "{}", tail.len());
+        assert!(long.ends_with(&tail));
+        assert_eq!(tail_of(std::io::Cursor::new(b"short"), 1000), b"short");
+    }
+
+    /// A cut starts at a line's start, so no half of a token is shown
+    /// where the redaction could not see it.
+    #[test]
+    fn logs_are_cut_at_a_line_start() {
+        let mut text = b"abcdef.0123456789abcdef joined\nsecond\nthird\n".to_vec();
+        whole_lines_tail(&mut text, 20);
+        assert_eq!(text, b"second\nthird\n");
+        let mut text = b"no newline at all".to_vec();
+        whole_lines_tail(&mut text, 5);
+        assert!(text.is_empty());
+        let mut text = b"fits\n".to_vec();
+        whole_lines_tail(&mut text, 5);
+        assert_eq!(text, b"fits\n");
     }
 
     #[test]
