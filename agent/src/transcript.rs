@@ -210,7 +210,7 @@ impl<K: Streamed> Transcript<K> {
     /// The node's logs: this transcript, then the journal of this boot where
     /// there is one, at most [`MAX_FAILURE_LOGS`] bytes of whole lines, the
     /// most recent, with anything shaped like a bootstrap token redacted.
-    pub fn collected_logs(&self) -> Vec<u8> {
+    pub async fn collected_logs(&self) -> Vec<u8> {
         let mut out: Vec<u8> = {
             let state = self.state();
             let mut text = String::with_capacity(state.kept_bytes);
@@ -220,7 +220,12 @@ impl<K: Streamed> Transcript<K> {
             }
             text.into_bytes()
         };
-        if let Some(journal) = journal_of_this_boot(MAX_FAILURE_LOGS) {
+        // journalctl reads the whole journal: not on a worker of the runtime.
+        let journal = tokio::task::spawn_blocking(|| journal_of_this_boot(MAX_FAILURE_LOGS))
+            .await
+            .ok()
+            .flatten();
+        if let Some(journal) = journal {
             out.extend_from_slice(b"--- journal of this boot ---\n");
             out.extend_from_slice(&journal);
         }
@@ -246,8 +251,9 @@ fn journal_of_this_boot(limit: usize) -> Option<Vec<u8>> {
     Some(crate::kubeadm::run::scrub_tokens(&String::from_utf8_lossy(&tail)).into_bytes())
 }
 
-/// The last `limit` bytes `reader` gives (or more, up to twice that),
-/// holding at most about twice `limit` at any time however much it gives.
+/// The last bytes `reader` gives: all of them when they are at most
+/// `limit`, otherwise more than `limit` (up to twice that), so that a cut
+/// shows; at most about twice `limit` is held however much it gives.
 fn tail_of(mut reader: impl std::io::Read, limit: usize) -> Vec<u8> {
     let mut tail = Vec::new();
     let mut chunk = vec![0; 64 * 1024];
@@ -257,7 +263,7 @@ fn tail_of(mut reader: impl std::io::Read, limit: usize) -> Vec<u8> {
             Ok(n) => {
                 tail.extend_from_slice(chunk.get(..n).unwrap_or_default());
                 if tail.len() > limit.saturating_mul(2) {
-                    tail.drain(..tail.len() - limit);
+                    tail.drain(..tail.len() - limit - 1);
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -274,11 +280,13 @@ fn whole_lines_tail(text: &mut Vec<u8>, limit: usize) {
     if text.len() <= limit {
         return;
     }
-    let mut cut = text.len() - limit;
-    cut += text
-        .get(cut..)
+    // The kept part starts after the first newline at or after the byte
+    // before it: where that byte is one, the kept part starts a line.
+    let first = text.len() - limit;
+    let cut = text
+        .get(first - 1..)
         .and_then(|rest| rest.iter().position(|b| *b == b'\n'))
-        .map_or(text.len() - cut, |newline| newline + 1);
+        .map_or(text.len(), |newline| first + newline);
     text.drain(..cut);
 }
 
@@ -435,6 +443,37 @@ mod tests {
         let mut text = b"fits\n".to_vec();
         whole_lines_tail(&mut text, 5);
         assert_eq!(text, b"fits\n");
+        // A cut that falls at a line's start keeps that line.
+        let mut text = b"one\ntwo\nthree\n".to_vec();
+        whole_lines_tail(&mut text, 10);
+        assert_eq!(text, b"two\nthree\n");
+    }
+
+    /// Where the journal's last read is the one that trims what is held,
+    /// the cut still shows: a token's line that the cut runs through is
+    /// dropped whole, not kept from the middle of its secret half.
+    #[test]
+    fn a_journal_trimmed_by_its_last_read_is_cut_at_a_line_start() {
+        let limit = 100 * 1024;
+        // 64 KiB reads: the fourth and last one passes twice the limit.
+        let total = 2 * limit + 10;
+        // The token's line starts 10 bytes before the last `limit` bytes.
+        let line_start = total - limit - 10;
+        let mut journal = vec![b'x'; line_start - 1];
+        journal.push(b'\n');
+        journal.extend_from_slice(b"abcdef.0123456789abcdef joined\n");
+        journal.resize(total - 1, b'y');
+        journal.push(b'\n');
+        let mut tail = tail_of(std::io::Cursor::new(&journal), limit);
+        assert!(tail.len() > limit);
+        whole_lines_tail(&mut tail, limit);
+        let text = String::from_utf8_lossy(&tail);
+        assert!(
+            !text.contains("abcdef") && !text.contains("joined"),
+            "{}",
+            &text[..40]
+        );
+        assert!(text.starts_with('y') && text.ends_with("y\n"));
     }
 
     #[test]

@@ -549,7 +549,7 @@ impl InitService for InitServer {
                     let error = keel_atls::ErrorChain(&e).to_string();
                     log.line(format!("init failed: {error}"));
                     let reboots = provisioner.fail(&e).await;
-                    let logs = log.collected_logs();
+                    let logs = log.collected_logs().await;
                     let chunks: Vec<Kind> = logs
                         .chunks(LOG_CHUNK)
                         .map(|chunk| Kind::LogChunk(chunk.to_vec()))
