@@ -7,8 +7,8 @@
 
 use zeroize::Zeroizing;
 
-/// A YAML value with ordered mappings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A YAML value with ordered mappings (no `Debug`: a value may be a token).
+#[derive(Clone, PartialEq, Eq)]
 pub enum Yaml {
     /// A string, always quoted; wiped when dropped (a value may be a
     /// bootstrap token).
