@@ -203,20 +203,14 @@ pub async fn fetch(
             t.bootloader, t.tee, t.snp, t.microcode
         );
         // Nothing to fetch for a VLEK that does not verify the report.
-        verify_key(raw, &vlek, SigningKey::Vlek, product, roots, now)?;
+        let key = verify_key(raw, vlek, SigningKey::Vlek, product, roots, now)?;
         let chain_url = format!("{base}/vlek/v1/{name}/cert_chain");
         let chain = super::get(http, "ASVK/ARK chain", &chain_url, MAX_CHAIN_BYTES)
             .await?
             .body;
         let crl_url = format!("{base}/vlek/v1/{name}/crl");
         let crl = super::get(http, "VLEK CRL", &crl_url, max_crl).await?.body;
-        let served = Served {
-            key: vlek,
-            kind: SigningKey::Vlek,
-            chain,
-            crl,
-        };
-        let files = checked(raw, product, served, now, roots)?;
+        let files = checked(raw, product, Served { key, chain, crl }, now, roots)?;
         // The VLEK is in the cache already: only the chain and the list
         // are written.
         return Ok(files.into_iter().skip(1).collect());
@@ -251,26 +245,27 @@ pub async fn fetch(
     let vcek = super::get(http, "VCEK", &vcek_url, MAX_CERTIFICATE_BYTES)
         .await?
         .body;
+    let key = verify_key(raw, vcek, SigningKey::Vcek, product, roots, now)?;
     let chain_url = format!("{base}/vcek/v1/{name}/cert_chain");
     let chain = super::get(http, "ASK/ARK chain", &chain_url, MAX_CHAIN_BYTES)
         .await?
         .body;
     let crl_url = format!("{base}/vcek/v1/{name}/crl");
     let crl = super::get(http, "CRL", &crl_url, max_crl).await?.body;
-    let served = Served {
-        key: vcek,
-        kind: SigningKey::Vcek,
-        chain,
-        crl,
-    };
-    checked(raw, product, served, now, roots)
+    checked(raw, product, Served { key, chain, crl }, now, roots)
+}
+
+/// An endorsement key (DER) that [`verify_key`] found to verify the report
+/// against the pinned roots, certified for the line fetched for.
+struct VerifiedKey {
+    der: Vec<u8>,
+    kind: SigningKey,
 }
 
 /// What the KDS served for a report (and, for a VLEK, what the cache held).
 struct Served {
-    /// The endorsement key (DER) and its kind.
-    key: Vec<u8>,
-    kind: SigningKey,
+    /// The endorsement key, verified before the rest was fetched.
+    key: VerifiedKey,
     /// The ASK or ASVK, then the ARK (PEM).
     chain: Vec<u8>,
     /// The list of the product line for `kind` (DER).
@@ -278,9 +273,9 @@ struct Served {
 }
 
 /// The cache files for the report `raw` of `product`, once `served.chain`
-/// is the pinned chain of the line for its kind of key, that key verifies
-/// the report against it, and the list passes the verifier's revocation
-/// check: the endorsement key, the chain and the list.
+/// is the pinned chain of the line for its (verified) key's kind, and the
+/// list passes the verifier's revocation check: the endorsement key, the
+/// chain and the list.
 fn checked(
     raw: &[u8],
     product: Product,
@@ -290,22 +285,16 @@ fn checked(
 ) -> Result<Vec<CacheFile>, KdsError> {
     let report = snp::parse(raw).map_err(KdsError::Report)?;
     let Served {
-        key,
-        kind,
+        key: VerifiedKey { der: key, kind },
         chain,
         crl,
     } = served;
     let name = product.name();
     pinned_chain(product, kind, &chain, roots)?;
-    verify_key(raw, &key, kind, product, roots, now)?;
     let chain_file = match kind {
         SigningKey::Vcek => "cert_chain.pem",
         SigningKey::Vlek => "vlek_cert_chain.pem",
     };
-    eprintln!(
-        "keel: the {} verifies the report against AMD's pinned {name} roots",
-        key_label(kind)
-    );
     let revoked =
         snp::check_revocation(&crl, &key, &pinned_roots(roots), now).map_err(KdsError::Crl)?;
     eprintln!(
@@ -328,15 +317,15 @@ fn checked(
 /// pinned `roots` at `now` and is certified for `product`'s line.
 fn verify_key(
     raw: &[u8],
-    key: &[u8],
+    key: Vec<u8>,
     kind: SigningKey,
     product: Product,
     roots: &[&str],
     now: u64,
-) -> Result<(), KdsError> {
+) -> Result<VerifiedKey, KdsError> {
     let label = key_label(kind);
     let report = snp::parse(raw).map_err(KdsError::Report)?;
-    let claims = snp::verify_signed(raw, &report, key, &pinned_roots(roots), now)
+    let claims = snp::verify_signed(raw, &report, &key, &pinned_roots(roots), now)
         .map_err(|source| KdsError::EndorsementKey { key: label, source })?;
     // Every pinned root is trusted, so the key may chain to another line's
     // ARK: its line's list must not be cached under this line's name.
@@ -348,7 +337,11 @@ fn verify_key(
             actual: line.to_owned(),
         });
     }
-    Ok(())
+    eprintln!(
+        "keel: the {label} verifies the report against AMD's pinned {} roots",
+        product.name()
+    );
+    Ok(VerifiedKey { der: key, kind })
 }
 
 /// How the messages name the endorsement key of `kind`: the VCEK is
