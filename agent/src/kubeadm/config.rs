@@ -132,6 +132,22 @@ impl BootstrapToken {
     pub fn id(&self) -> &str {
         self.0.split('.').next().unwrap_or_default()
     }
+
+    /// This token's entry in an `InitConfiguration`'s `bootstrapTokens`:
+    /// for joining nodes (signing and authentication, kubeadm's group of
+    /// node tokens), living `ttl`.
+    pub(super) fn config_entry(&self, ttl: &str, description: &str) -> Yaml {
+        Yaml::map(vec![
+            ("token", Yaml::str(self.expose())),
+            ("ttl", Yaml::str(ttl)),
+            ("usages", Yaml::strs(["signing", "authentication"])),
+            (
+                "groups",
+                Yaml::strs(["system:bootstrappers:kubeadm:default-node-token"]),
+            ),
+            ("description", Yaml::str(description)),
+        ])
+    }
 }
 
 impl FromStr for BootstrapToken {
@@ -324,16 +340,9 @@ impl InitConfig {
             ("kind", Yaml::str("InitConfiguration")),
             (
                 "bootstrapTokens",
-                Yaml::List(vec![Yaml::map(vec![
-                    ("token", Yaml::str(self.bootstrap_token.expose())),
-                    ("description", Yaml::str("keel: nodes join with this token")),
-                    ("ttl", Yaml::str(INIT_TOKEN_TTL)),
-                    ("usages", Yaml::strs(["signing", "authentication"])),
-                    (
-                        "groups",
-                        Yaml::strs(["system:bootstrappers:kubeadm:default-node-token"]),
-                    ),
-                ])]),
+                Yaml::List(vec![self
+                    .bootstrap_token
+                    .config_entry(INIT_TOKEN_TTL, "keel: nodes join with this token")]),
             ),
             (
                 "nodeRegistration",

@@ -29,8 +29,6 @@ use crate::paths::ADMIN_CONF;
 pub const TOKEN_TTL: &str = "15m0s";
 /// Most tokens registered by one `kubeadm token create`.
 pub const MAX_TOKENS_PER_RUN: usize = 64;
-/// The kubeadm group of bootstrap tokens for joining nodes.
-const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
 /// Limit for one `kubeadm token create`.
 const TOKEN_CREATE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -39,15 +37,7 @@ const TOKEN_CREATE_TIMEOUT: Duration = Duration::from_secs(60);
 fn tokens_config(api_version: &str, tokens: &[BootstrapToken]) -> Zeroizing<String> {
     let entries = tokens
         .iter()
-        .map(|token| {
-            Yaml::map(vec![
-                ("token", Yaml::str(token.expose())),
-                ("ttl", Yaml::str(TOKEN_TTL)),
-                ("usages", Yaml::strs(["signing", "authentication"])),
-                ("groups", Yaml::strs([TOKEN_GROUP])),
-                ("description", Yaml::str("keel join ticket")),
-            ])
-        })
+        .map(|token| token.config_entry(TOKEN_TTL, "keel join ticket"))
         .collect();
     Yaml::documents(&[Yaml::map(vec![
         ("apiVersion", Yaml::str(api_version)),

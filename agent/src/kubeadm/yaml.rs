@@ -89,19 +89,13 @@ impl Yaml {
     /// Writes a mapping or list at `indent`, a scalar on its own line;
     /// `pad_first` false when the first line's indentation is written
     /// already (a list item's, after its "- ").
-    fn write_block<S: Sink>(&self, out: &mut S, indent: usize, pad_first: bool) {
+    fn write_block(&self, out: &mut impl Sink, indent: usize, pad_first: bool) {
         let pad = " ".repeat(indent);
-        let mut first = true;
-        let mut start_line = |out: &mut S| {
-            if pad_first || !first {
-                out.put(&pad);
-            }
-            first = false;
-        };
+        let line_pad = |i: usize| if pad_first || i > 0 { pad.as_str() } else { "" };
         match self {
             Self::Map(entries) if !entries.is_empty() => {
-                for (key, value) in entries {
-                    start_line(out);
+                for (i, (key, value)) in entries.iter().enumerate() {
+                    out.put(line_pad(i));
                     key_text(key, out);
                     out.put(":");
                     if value.is_scalar() {
@@ -115,15 +109,15 @@ impl Yaml {
                 }
             }
             Self::List(items) if !items.is_empty() => {
-                for item in items {
-                    start_line(out);
+                for (i, item) in items.iter().enumerate() {
+                    out.put(line_pad(i));
                     // "- " takes the place of the item's first indentation.
                     out.put("- ");
                     item.write_block(out, indent + 2, false);
                 }
             }
             _ => {
-                start_line(out);
+                out.put(line_pad(0));
                 self.write_scalar(out);
                 out.put("\n");
             }
