@@ -146,35 +146,42 @@ impl Sink for Length {
 }
 
 /// Writes `s` as a double-quoted scalar with JSON's escapes (as
-/// `serde_json` writes a string), which YAML reads as the same string.
+/// `serde_json` writes a string), and `\uXXXX` for the characters a YAML
+/// 1.1 reader may fold (NEL, line and paragraph separators) or refuse
+/// raw (DEL, C1 controls, the BOM, U+FFFE and U+FFFF): YAML reads it back
+/// as the same string.
 fn quoted(s: &str, out: &mut impl Sink) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     out.put("\"");
     let mut plain = 0;
-    for (i, b) in s.bytes().enumerate() {
-        let escape = match b {
-            b'"' => "\\\"",
-            b'\\' => "\\\\",
-            b'\n' => "\\n",
-            b'\r' => "\\r",
-            b'\t' => "\\t",
-            0x08 => "\\b",
-            0x0c => "\\f",
-            0..=0x1f => "",
+    for (i, c) in s.char_indices() {
+        let escape = match c {
+            '"' => "\\\"",
+            '\\' => "\\\\",
+            '\n' => "\\n",
+            '\r' => "\\r",
+            '\t' => "\\t",
+            '\u{8}' => "\\b",
+            '\u{c}' => "\\f",
+            '\0'..='\u{1f}'
+            | '\u{7f}'..='\u{9f}'
+            | '\u{2028}'
+            | '\u{2029}'
+            | '\u{feff}'
+            | '\u{fffe}'
+            | '\u{ffff}' => "",
             _ => continue,
         };
         out.put(s.get(plain..i).unwrap_or_default());
-        plain = i + 1;
+        plain = i + c.len_utf8();
         if escape.is_empty() {
-            let code = [
-                b'\\',
-                b'u',
-                b'0',
-                b'0',
-                HEX[usize::from(b >> 4)],
-                HEX[usize::from(b & 0xf)],
-            ];
-            out.put(std::str::from_utf8(&code).unwrap_or_default());
+            // Every character above is in the BMP: four hex digits.
+            let code = u32::from(c);
+            let mut text = *b"\\u0000";
+            for (k, digit) in text[2..].iter_mut().enumerate() {
+                *digit = HEX[((code >> (12 - 4 * k)) & 0xf) as usize];
+            }
+            out.put(std::str::from_utf8(&text).unwrap_or_default());
         } else {
             out.put(escape);
         }
@@ -226,17 +233,20 @@ mod tests {
     }
 
     /// Strings are quoted as JSON writes them: every control character,
-    /// quotes and backslashes escaped, the rest as it is.
+    /// quotes and backslashes escaped, the rest of ASCII as it is; the
+    /// characters YAML reads differently are escaped too.
     #[test]
     fn strings_are_quoted_as_json_quotes_them() {
-        let mut samples: Vec<String> = (0u8..0x80).map(|b| char::from(b).to_string()).collect();
-        samples
-            .extend(["", "plain", "a\"b\\c\u{7f}", "ü€𝄞\n\u{1}x", "\u{1f}\u{0}"].map(String::from));
+        let mut samples: Vec<String> = (0u8..0x7f).map(|b| char::from(b).to_string()).collect();
+        samples.extend(["", "plain", "a\"b\\c", "ü€𝄞\n\u{1}x", "\u{1f}\u{0}"].map(String::from));
         for sample in samples {
             let mut out = String::new();
             quoted(&sample, &mut out);
             assert_eq!(out, serde_json::to_string(&sample).unwrap(), "{sample:?}");
         }
+        let mut out = String::new();
+        quoted("\u{7f}\u{85}\u{2028}\u{2029}\u{feff}\u{ffff}x", &mut out);
+        assert_eq!(out, r#""\u007f\u0085\u2028\u2029\ufeff\uffffx""#);
     }
 
     /// The text is written into a buffer of its measured size: a buffer
@@ -258,6 +268,39 @@ mod tests {
         let out = Yaml::documents(&[doc.clone(), doc]);
         assert_eq!(out.capacity(), out.len());
         assert!(out.contains("\"quoted key\": true\n"), "{}", *out);
+    }
+
+    /// A YAML 1.1 reader (libyaml, as kubeadm's go-yaml) reads every
+    /// string back as it was written: line separators are not folded and
+    /// characters YAML does not allow raw (DEL, C1 controls, BOM,
+    /// non-characters) are escaped instead of failing the document.
+    #[test]
+    fn a_yaml_reader_reads_every_string_back_unchanged() {
+        let specials = [
+            '\u{7f}',
+            '\u{80}',
+            '\u{85}',
+            '\u{9f}',
+            '\u{a0}',
+            '\u{2028}',
+            '\u{2029}',
+            '\u{feff}',
+            '\u{fffe}',
+            '\u{ffff}',
+            '\u{d7ff}',
+            '\u{e000}',
+            '\u{10ffff}',
+            '\u{1f600}',
+        ];
+        let mut samples: Vec<String> = (0u8..0x80).map(|b| char::from(b).to_string()).collect();
+        samples.extend(specials.iter().map(|c| format!("a{c}b")));
+        samples.push(specials.iter().collect());
+        for sample in samples {
+            let text = Yaml::documents(&[Yaml::map(vec![("v", Yaml::str(sample.clone()))])]);
+            let read: std::collections::BTreeMap<String, String> = serde_yaml::from_str(&text)
+                .unwrap_or_else(|e| panic!("{sample:?} written as {:?}: {e}", *text));
+            assert_eq!(read["v"], sample, "written as {:?}", *text);
+        }
     }
 
     #[test]
