@@ -552,14 +552,17 @@ pub async fn run(
     let master_secret = random32();
     let master_salt = random32();
     let measurement_salt = random32();
-    let mut secret_file = MasterSecretFile {
-        key: hex::encode(&*master_secret),
+    let secret_file = MasterSecretFile {
+        key: Zeroizing::new(hex::encode(&*master_secret)),
         salt: hex::encode(&*master_salt),
         measurement_salt: hex::encode(&*measurement_salt),
     };
-    let secret_json = serde_json::to_vec_pretty(&secret_file).map(Zeroizing::new);
-    secret_file.key.zeroize();
-    let secret_json = secret_json?;
+    // Written into a wiped buffer with room for the whole file (about 250
+    // bytes), so it never grows and leaves a copy of the key behind.
+    let mut secret_json = Zeroizing::new(Vec::with_capacity(1024));
+    serde_json::to_writer_pretty(&mut *secret_json, &secret_file)
+        .context("encoding the master secret file")?;
+    drop(secret_file);
     // The cluster ID these secrets make, which the node must report.
     let cluster_id = KeyService::new(&master_secret, &master_salt)
         .ok()

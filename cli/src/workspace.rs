@@ -26,11 +26,12 @@ pub const REVOKED_FILE: &str = "keel-revoked.json";
 /// The lock file that orders changes to [`REVOKED_FILE`].
 const REVOKED_LOCK_FILE: &str = ".keel-revoked.lock";
 
-/// [`MASTER_SECRET_FILE`] as stored: hex fields.
+/// [`MASTER_SECRET_FILE`] as stored: hex fields; the key's is wiped when
+/// dropped, also when the rest of the file fails to parse.
 #[derive(Serialize, Deserialize)]
 pub struct MasterSecretFile {
     /// Hex, 32 bytes.
-    pub key: String,
+    pub key: Zeroizing<String>,
     /// Hex, 32 bytes.
     pub salt: String,
     /// Hex, 32 bytes.
@@ -79,16 +80,16 @@ impl MasterSecret {
                 e.column()
             )
         })?;
-        let key = Zeroizing::new(key);
         let hex_field = |value: &str, name: &str| {
             hex::decode(value).with_context(|| format!("{}: {name} is not hex", path.display()))
         };
+        // Decoded into a wiped buffer of its final size; as above, the
+        // decoder's message would name a character of it.
+        let mut decoded = Zeroizing::new(vec![0; key.len() / 2]);
+        hex::decode_to_slice(&*key, &mut decoded)
+            .map_err(|_| anyhow::anyhow!("{}: key is not hex", path.display()))?;
         Ok(Self {
-            // As above: the decoder's message would name a character of it.
-            key: Zeroizing::new(
-                hex::decode(&*key)
-                    .map_err(|_| anyhow::anyhow!("{}: key is not hex", path.display()))?,
-            ),
+            key: decoded,
             salt: hex_field(&salt, "salt")?,
             measurement_salt: hex_field(&measurement_salt, "measurement_salt")?,
         })
@@ -298,6 +299,10 @@ mod tests {
             (
                 r#"{"key": 98765432101, "salt": "00", "measurement_salt": "00"}"#,
                 "98765432101",
+            ),
+            (
+                r#"{"key": "4142434", "salt": "00", "measurement_salt": "00"}"#,
+                "4142434",
             ),
         ] {
             std::fs::write(&path, file).unwrap();
