@@ -1,7 +1,7 @@
 //! Reading files whose size is bounded before their contents are parsed.
 
 use std::io::Read as _;
-use std::os::unix::fs::OpenOptionsExt as _;
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
 use std::path::Path;
 
 /// Reads `path` if it holds at most `limit` bytes; `Ok(None)` when it holds
@@ -13,19 +13,25 @@ pub fn read(path: &Path, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
 
 /// As [`read`], for a directory of files such as the collateral cache:
 /// anything but a regular file (or a link to one) is refused with
-/// `InvalidInput`, and opening a FIFO never waits for a writer.
+/// `InvalidInput` before it is opened, so no device or FIFO is opened (an
+/// open may have effects, and a FIFO's may wait for a writer).
 pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
-    // O_NONBLOCK keeps the open of a FIFO from waiting; reads of a regular
-    // file ignore it.
+    let not_regular =
+        || std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
+    let named = std::fs::metadata(path)?;
+    if !named.is_file() {
+        return Err(not_regular());
+    }
+    // Should the name be swapped for a FIFO between the two looks,
+    // O_NONBLOCK keeps its open from waiting (reads of a regular file
+    // ignore it), and the file opened must be the one looked at.
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)?;
-    if !file.metadata()?.is_file() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
+    let opened = file.metadata()?;
+    if !opened.is_file() || (opened.dev(), opened.ino()) != (named.dev(), named.ino()) {
+        return Err(not_regular());
     }
     up_to(file, limit)
 }
@@ -40,6 +46,7 @@ fn up_to(file: std::fs::File, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::{read, read_regular};
+    use std::os::unix::fs::OpenOptionsExt as _;
     use std::time::Duration;
 
     #[test]
@@ -86,5 +93,42 @@ mod tests {
         for kind in kinds {
             assert_eq!(kind.unwrap_err(), std::io::ErrorKind::InvalidInput);
         }
+    }
+
+    /// What is not a regular file is refused before it is opened: a
+    /// writer waiting for a FIFO's reader is not released by the refusal.
+    #[test]
+    fn read_regular_does_not_open_what_it_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let (opened, writer_released) = std::sync::mpsc::channel();
+        let writer_path = fifo.clone();
+        let writer = std::thread::spawn(move || {
+            let file = std::fs::OpenOptions::new().write(true).open(writer_path);
+            let _ = opened.send(());
+            file
+        });
+        // Time for the writer to reach its wait in open().
+        std::thread::sleep(Duration::from_millis(200));
+        let refused = read_regular(&fifo, 4).unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(
+            writer_released
+                .recv_timeout(Duration::from_millis(300))
+                .is_err(),
+            "the FIFO was opened before it was refused"
+        );
+        // Releases the writer: a reader opens the FIFO.
+        let _reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        writer.join().unwrap().unwrap();
     }
 }
