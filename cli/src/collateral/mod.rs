@@ -40,8 +40,9 @@ pub enum CollateralCommand {
     /// snp/vlek-<fmc>-<bl>-<tee>-<snp>-<ucode>.der); it then fetches the
     /// line's ASVK/ARK chain (snp/<product>/vlek_cert_chain.pem) and VLEK
     /// CRL (snp/<product>/vlek-crl.der), checked the same way with the
-    /// VLEK. Only Milan's ASVK is pinned in keel. Verifiers check every
-    /// VLEK report of the line against that list. Both lists are signed by
+    /// VLEK, against the ASVK pinned in keel for the line (Milan, Genoa,
+    /// Turin). Verifiers check every VLEK report of the line against that
+    /// list. Both lists are signed by
     /// the line's ARK, so the CRL served in place of the VLEK CRL is not
     /// told apart (it revokes no ASVK or VLEK).
     ///

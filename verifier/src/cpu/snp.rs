@@ -1,6 +1,6 @@
 //! AMD SEV-SNP: an attestation report verified offline against the AMD
-//! roots pinned here (ARK for Milan, Genoa and Turin; the Milan ASVK for
-//! VLEK-signed reports).
+//! roots pinned here (ARK, ASK and ASVK for Milan, Genoa and Turin; the
+//! ASVK issues the VLEKs of VLEK-signed reports).
 //!
 //! `sev` parses the report. The RSASSA-PSS SHA-384 chain (ARK self-signed,
 //! ARK → ASK/ASVK → VCEK/VLEK) and the report's own ECDSA P-384 signature
@@ -41,11 +41,13 @@ const SIG_ALGO_ECDSA_P384_SHA384: u32 = 1;
 
 /// AMD's pinned roots: each ASK (or ASVK) with the ARK that signs it, PEM,
 /// as AMD's KDS serves them (`cert_chain`).
-pub const PINNED: [&str; 4] = [
+pub const PINNED: [&str; 6] = [
     include_str!("amd/ask_ark_milan.pem"),
     include_str!("amd/ask_ark_genoa.pem"),
     include_str!("amd/ask_ark_turin.pem"),
     include_str!("amd/ask_ark_milan_vlek.pem"),
+    include_str!("amd/ask_ark_genoa_vlek.pem"),
+    include_str!("amd/ask_ark_turin_vlek.pem"),
 ];
 
 /// AMD's certificate extensions (VCEK/VLEK specification, chapter 3).
@@ -466,7 +468,7 @@ impl Default for AmdRoots {
 }
 
 impl AmdRoots {
-    /// AMD's roots for Milan, Genoa and Turin and the Milan ASVK.
+    /// AMD's roots for Milan, Genoa and Turin: each line's ASK and ASVK.
     pub fn pinned() -> Self {
         Self {
             chains: PINNED
@@ -1050,5 +1052,54 @@ impl SnpClaims {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// Every pinned chain loads whole: its ARK signed itself and its ASK or
+    /// ASVK, and each line has both intermediates under its own ARK.
+    #[test]
+    fn every_pinned_chain_links_to_its_lines_ark() {
+        let roots = AmdRoots::pinned();
+        let mut names: Vec<_> = roots
+            .chains
+            .iter()
+            .map(|chain| {
+                assert_eq!(chain.broken, None, "{}", chain.product);
+                let ark_der = pinned_ark_der(chain);
+                let ark = X509Certificate::from_der(&ark_der).unwrap().1;
+                (chain.product.clone(), common_name(&ark).unwrap())
+            })
+            .collect();
+        names.sort();
+        let expected: Vec<_> = [
+            ("SEV-Genoa", "ARK-Genoa"),
+            ("SEV-Milan", "ARK-Milan"),
+            ("SEV-Turin", "ARK-Turin"),
+            ("SEV-VLEK-Genoa", "ARK-Genoa"),
+            ("SEV-VLEK-Milan", "ARK-Milan"),
+            ("SEV-VLEK-Turin", "ARK-Turin"),
+        ]
+        .map(|(ask, ark)| (ask.to_owned(), ark.to_owned()))
+        .into();
+        assert_eq!(names, expected);
+    }
+
+    /// The pinned ARK whose key `chain` holds, as DER.
+    fn pinned_ark_der(chain: &AmdChain) -> Vec<u8> {
+        PINNED
+            .iter()
+            .flat_map(|pem| x509_parser::pem::Pem::iter_from_buffer(pem.as_bytes()))
+            .map(|pem| pem.unwrap().contents)
+            .find(|der| {
+                let cert = X509Certificate::from_der(der).unwrap().1;
+                cert.subject().as_raw() == chain.ark_subject.as_slice()
+                    && *cert.public_key().subject_public_key.data == *chain.ark_key
+            })
+            .unwrap()
     }
 }
