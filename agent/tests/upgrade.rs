@@ -226,8 +226,17 @@ impl UpgradableNode {
         &self,
         components: &[keel_proto::components::Component],
     ) -> (Vec<String>, keel_proto::operator::UpgradeFailed) {
+        self.failed_step(components, UpgradeStep::Node).await
+    }
+
+    /// As [`Self::failed_upgrade`], with `step`.
+    async fn failed_step(
+        &self,
+        components: &[keel_proto::components::Component],
+        step: UpgradeStep,
+    ) -> (Vec<String>, keel_proto::operator::UpgradeFailed) {
         let (lines, last) = self
-            .run(&self.request(plan(TO, Some(components), UpgradeStep::Node)))
+            .run(&self.request(plan(TO, Some(components), step)))
             .await
             .unwrap();
         let Event::Failed(failed) = last else {
@@ -671,6 +680,42 @@ async fn a_second_upgrade_while_one_runs_is_refused_before_it_starts() {
     let (_, last) = to_the_end(first).await;
     assert!(matches!(last, Event::Done(_)), "{last:?}");
     assert_eq!(node.version(), TO);
+}
+
+/// kubeadm undoes a failed control-plane phase, not what its later phases
+/// wrote (the kubelet's configuration, the cluster's kubeadm config): a
+/// kubeadm that fails after changing the node is not reported rolled back,
+/// on a control plane (`upgrade apply`) or a worker (`upgrade node`), and
+/// the operator is told to run the upgrade again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubeadm_that_fails_after_changing_the_node_is_not_reported_rolled_back() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let late = [("KEEL_STANDIN_FAIL_POST_UPGRADE", "1")];
+    for (role, step) in [
+        ("control-plane", UpgradeStep::Apply),
+        ("worker", UpgradeStep::Node),
+    ] {
+        let node = node(&ca, &mirror, role, &late).await;
+        let (lines, failed) = node.failed_step(&new, step).await;
+        assert!(failed.switched, "{role}: {failed:?}");
+        assert!(!failed.rolled_back, "{role}: {failed:?}");
+        assert!(
+            failed.error.contains("run the same upgrade again")
+                && failed.error.contains("post-upgrade"),
+            "{role}: {}",
+            failed.error
+        );
+        // The binaries went back; the record admits the same upgrade again.
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("switched back to Kubernetes")),
+            "{role}: {lines:?}"
+        );
+        assert_eq!(node.version(), FROM, "{role}");
+    }
 }
 
 /// A kubeadm killed at its limit may have been midway (manifests, the

@@ -13,8 +13,9 @@
 //!    ([`Staging`]). A component that fails (unreachable, wrong hash)
 //!    stops here: the staged files are removed, the node is as before.
 //! 3. **Measure.** Each staged component is measured into PCR 13 with its
-//!    own event (its install path, hash, URL and the target version),
-//!    before anything runs it.
+//!    own event (its install path, hash and URL; the description names the
+//!    target version, which the digest does not cover), before anything
+//!    runs it.
 //! 4. **Switch** every component directory to the staged one at once,
 //!    run `kubeadm upgrade apply` (the first control plane) or
 //!    `kubeadm upgrade node` (the others), restart the kubelet.
@@ -29,13 +30,17 @@
 //! back. A failure after kubeadm's upgrade succeeded is not a rollback: the
 //! binaries go back, but what kubeadm changed stays, and the failure says
 //! to run the same upgrade again (the node's record still names the
-//! previous version, so it is admitted).
+//! previous version, so it is admitted). Nor is a kubeadm that failed
+//! having changed the static pods' manifests or the kubelet's
+//! configuration (`kubeadm_files`: a phase after its control-plane one
+//! failed, which kubeadm does not undo), or one killed at its limit.
 //!
 //! A node that stops between 4 and 5 (power loss, a crash) finds the
 //! [`Switching`] record, written before the switch, when it boots: its
 //! component directories are emptied and the recorded version installed
 //! into them again, so they hold that version's files and no other.
 
+mod kubeadm_files;
 mod record;
 mod staging;
 
@@ -50,6 +55,7 @@ use keel_verifier::signature::SigningPublicKey;
 use crate::cluster::{change_state, ClusterSlot, FactsError};
 use crate::measured::SharedTpm;
 use crate::provision::{restart_kubelet, NodeEnv};
+use kubeadm_files::KubeadmFiles;
 
 pub use record::{NodeVersion, RecordError, Switching};
 pub use staging::{
@@ -318,6 +324,21 @@ pub enum UpgradeError {
         #[source]
         source: Box<UpgradeError>,
     },
+    /// kubeadm failed after it changed the static pods' manifests or the
+    /// kubelet's configuration (a phase after its control-plane one, which
+    /// it does not undo), or its changes could not be looked at: switching
+    /// the binaries back does not undo them either.
+    #[error(
+        "kubeadm failed after changing this node's static pods or kubelet configuration \
+         for Kubernetes {version} (they stay so); run the same upgrade again to finish it"
+    )]
+    KubeadmChanged {
+        /// The version kubeadm upgraded to.
+        version: KubernetesVersion,
+        /// kubeadm's failure.
+        #[source]
+        source: Box<UpgradeError>,
+    },
 }
 
 impl From<FactsError> for UpgradeError {
@@ -549,12 +570,13 @@ impl Upgrader {
                 log(format!("upgrade failed: {}", keel_atls::ErrorChain(&error)));
                 // After kubeadm's upgrade, switching the binaries back does
                 // not undo it: the node is not rolled back, whatever the
-                // switch back does. Nor after a kubeadm killed at its limit:
-                // it may have been midway (a kubeadm that fails on its own
-                // restores the static pods it changed).
+                // switch back does. Nor after a kubeadm that failed having
+                // changed the node, or killed at its limit: it may have
+                // been midway.
                 let applied = matches!(
                     error,
                     UpgradeError::AfterKubeadm { .. }
+                        | UpgradeError::KubeadmChanged { .. }
                         | UpgradeError::Kubeadm(crate::kubeadm::KubeadmError::Timeout { .. })
                 );
                 let rolled_back = self.roll_back(&current, staging, log).await && !applied;
@@ -667,7 +689,8 @@ impl Upgrader {
         let kubeadm = &self.env.kubeadm;
         // The new version's patches, switched in with its components.
         let patches = self.env.patches_dir();
-        match target.step {
+        let before = KubeadmFiles::now_blocking(&kubeadm.root).await;
+        let ran = match target.step {
             Step::Apply => {
                 log(format!("running kubeadm upgrade apply {}", target.version));
                 kubeadm
@@ -678,8 +701,20 @@ impl Upgrader {
                 log("running kubeadm upgrade node".into());
                 kubeadm.upgrade_node(&patches, &mut on_line).await
             }
+        };
+        if let Err(error) = ran {
+            let timed_out = matches!(error, crate::kubeadm::KubeadmError::Timeout { .. });
+            let after = KubeadmFiles::now_blocking(&kubeadm.root).await;
+            let error = UpgradeError::Kubeadm(error);
+            return Err(if timed_out || kubeadm_files::unchanged(&before, &after) {
+                error
+            } else {
+                UpgradeError::KubeadmChanged {
+                    version: target.version,
+                    source: Box::new(error),
+                }
+            });
         }
-        .map_err(UpgradeError::Kubeadm)?;
         let applied = |error| UpgradeError::AfterKubeadm {
             version: target.version,
             source: Box::new(error),

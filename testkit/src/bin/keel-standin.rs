@@ -29,7 +29,10 @@
 //!   is in a cluster, that this kubeadm is the target version and that the
 //!   target follows the cluster's version (recorded at init, join and each
 //!   upgrade in `etc/kubernetes/keel-standin-version`) by one minor version at
-//!   most; `KEEL_STANDIN_FAIL` applies here too;
+//!   most; write the static pods' manifest (`upgrade apply`), the version
+//!   and the kubelet's configuration; `KEEL_STANDIN_FAIL` applies here
+//!   too, before anything is written, and `KEEL_STANDIN_FAIL_POST_UPGRADE`
+//!   fails after it is written, as kubeadm's post-upgrade phase may;
 //! * `token create --config F [--kubeconfig K]`: checks that the cluster
 //!   exists (`admin.conf`), then, as kubeadm's token phase does for every
 //!   token of the `InitConfiguration`'s list, checks it (format, TTL,
@@ -72,6 +75,8 @@ use sha2::Digest as _;
 
 const ROOT_ENV: &str = "KEEL_STANDIN_ROOT";
 const FAIL_ENV: &str = "KEEL_STANDIN_FAIL";
+/// Set: `upgrade` fails after writing the new version's files.
+const FAIL_POST_UPGRADE_ENV: &str = "KEEL_STANDIN_FAIL_POST_UPGRADE";
 const SLEEP_ENV: &str = "KEEL_STANDIN_SLEEP";
 const VERSION_ENV: &str = "KEEL_STANDIN_VERSION";
 /// Largest configuration file read.
@@ -1137,7 +1142,13 @@ fn upgrade(args: &[String]) -> Result<()> {
                 "[upgrade/version] You have chosen to change the cluster version to {target:?}"
             );
             println!("[upgrade/versions] Cluster version: {current}");
+            write_file(
+                &kube_dir().join("manifests/kube-apiserver.yaml"),
+                format!("# keel stand-in: the static pods of {target}\n").as_bytes(),
+                0o600,
+            )?;
             write_file(&version_record(), target.as_bytes(), 0o644)?;
+            upgrade_kubelet_config(&target)?;
             println!(
                 "[upgrade/successful] SUCCESS! Your cluster was upgraded to {target:?}. Enjoy!"
             );
@@ -1168,6 +1179,7 @@ fn upgrade(args: &[String]) -> Result<()> {
             injected_faults("upgrade")?;
             write_file(&version_record(), claim.as_bytes(), 0o644)?;
             println!("[upgrade] Upgrading the kubelet configuration of this node for {claim}");
+            upgrade_kubelet_config(&claim)?;
             println!("[upgrade] The configuration for this node was successfully updated!");
             Ok(())
         }
@@ -1175,6 +1187,24 @@ fn upgrade(args: &[String]) -> Result<()> {
             "kubeadm upgrade: only \"apply VERSION\" and \"node\" are supported by the stand-in",
         ),
     }
+}
+
+/// Writes the kubelet's configuration for `version`, as kubeadm's
+/// kubelet-config phase does after the static pods are upgraded; with
+/// `KEEL_STANDIN_FAIL_POST_UPGRADE` set, then fails as kubeadm's
+/// post-upgrade phase may, undoing nothing.
+fn upgrade_kubelet_config(version: &str) -> Result<()> {
+    write_file(
+        &root().join("var/lib/kubelet/config.yaml"),
+        format!("# keel stand-in: the kubelet configuration of {version}\n").as_bytes(),
+        0o644,
+    )?;
+    if std::env::var_os(FAIL_POST_UPGRADE_ENV).is_some() {
+        return fail(format!(
+            "[upgrade/postupgrade] FATAL post-upgrade error: failure injected by {FAIL_POST_UPGRADE_ENV}"
+        ));
+    }
+    Ok(())
 }
 
 fn write_file(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
