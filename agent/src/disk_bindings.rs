@@ -1,9 +1,10 @@
 //! The join service's one durable state: which state disk belongs to which
 //! TPM. A join ticket binds the disk's UUID to the joining TPM's endorsement
 //! key (the SHA-256 of its marshalled TPMT_PUBLIC, see [`EkDigest`]) before
-//! any key leaves; a rejoin ticket is issued only to the TPM a disk is bound
-//! to, and a join ticket for a disk bound to another TPM is refused, so an
-//! attested node cannot obtain another node's disk key by naming its UUID.
+//! any key leaves, and a join or rejoin ticket for a disk bound to another
+//! TPM is refused. A disk key is derived from the disk's UUID and the EK
+//! it is issued to, so an attested node that names another node's UUID
+//! (one this store has not seen included) gets a key that opens nothing.
 //!
 //! The store is a JSON snapshot on the control plane's state disk and a
 //! journal beside it ([`crate::journal`]), both 0600, bounded in size,
@@ -12,8 +13,12 @@
 //! synced, so a write costs the bindings it records, not the size of the
 //! store; once the journal outgrows the snapshot (and 256 KiB), the next
 //! write replaces the snapshot atomically and empties the journal. A
-//! binding is never removed or changed: a journal record that binds a
-//! disk to another EK than the snapshot does is corruption. Bindings
+//! binding is never changed to another EK; it ends only when its EK, past
+//! [`MAX_DISKS_PER_EK`], binds a new disk in its place (a freed UUID may
+//! then be bound again). Each journal record must follow from the
+//! journal's earlier ones, and the snapshot must hold the state before
+//! the journal or after it (a crash between a fold's snapshot and its
+//! emptied journal); anything else is corruption. Bindings
 //! requested while a write runs are checked and recorded together in the
 //! next one ([`crate::batching`]). The process keeps the store it last read
 //! or wrote in memory and reads the files again only when they are no
@@ -412,41 +417,43 @@ impl StoreFile {
                     other => DiskBindingsError::Journal(other),
                 },
             )?;
+        // The journal is checked on its own first: each record must follow
+        // from the journal's earlier records of the disk. By disk: the EK
+        // of its first record, and the binding its last one leaves.
+        let mut touched: BTreeMap<String, (EkDigest, Option<EkDigest>)> = BTreeMap::new();
         for record in records {
             let unbound = record.unbound;
             let (uuid, ek) = self.binding(record.disk, &record.ek)?;
-            if unbound {
-                // Absent: the snapshot is newer than the journal (a crash
-                // between a fold's new snapshot and its emptied journal),
-                // and the binding ended before the fold. Replaying the
-                // journal over it must give the snapshot's state.
-                match disks.get(&uuid) {
-                    Some(bound) if *bound != ek => {
-                        return Err(self.corrupt(format!(
-                            "the journal ends a binding of disk {uuid} to another EK"
-                        )))
-                    }
-                    _ => disks.remove(&uuid),
-                };
-                continue;
-            }
-            match disks.get(&uuid) {
-                Some(bound) if *bound == ek => {}
-                Some(_) => {
+            let now = match touched.get_mut(&uuid) {
+                Some((_, now)) => now,
+                None => &mut touched.entry(uuid.clone()).or_insert((ek, None)).1,
+            };
+            match (*now, unbound) {
+                (Some(bound), _) if bound != ek => {
+                    let what = if unbound { "ends" } else { "makes" };
                     return Err(self.corrupt(format!(
-                        "the journal binds disk {uuid} to another EK than before"
-                    )))
+                        "the journal {what} a binding of disk {uuid} to another EK than it bound"
+                    )));
                 }
-                None => {
-                    disks.insert(uuid, ek);
-                }
+                _ => *now = (!unbound).then_some(ek),
             }
-            // Bounded while replaying too (a journal may be long), with
-            // room for a journal older than its snapshot, whose bindings
-            // ended later come back until their ends are replayed.
-            if disks.len() > 2 * MAX_DISK_BINDINGS {
-                return Err(self.corrupt(format!("more than {MAX_DISK_BINDINGS} disks")));
+        }
+        // Then against the snapshot. The journal is newer than it (the
+        // usual case: the disk was unbound, or bound to its first
+        // record's EK, before the journal), or older (a crash between a
+        // fold's new snapshot and its emptied journal: the snapshot holds
+        // the journal's last state); anything else is corruption.
+        for (uuid, (first, last)) in touched {
+            let before = disks.get(&uuid).copied();
+            if before.is_some() && before != Some(first) && before != last {
+                return Err(self.corrupt(format!(
+                    "the journal binds disk {uuid} to another EK than the snapshot does"
+                )));
             }
+            match last {
+                Some(ek) => disks.insert(uuid, ek),
+                None => disks.remove(&uuid),
+            };
         }
         if disks.len() > MAX_DISK_BINDINGS {
             return Err(self.corrupt(format!("more than {MAX_DISK_BINDINGS} disks")));
@@ -899,6 +906,66 @@ mod tests {
                 assert_eq!(read.unwrap(), None);
                 let kept = if disk == DISK { 0 } else { 1 };
                 assert_eq!(reopened.len().unwrap(), kept, "{disk}");
+            }
+        }
+    }
+
+    /// A freed disk bound again to another EK, and the journal of it left
+    /// behind by a crash between the fold's snapshot and the emptied
+    /// journal: the journal replays to the snapshot's state. A journal
+    /// that contradicts itself, or a snapshot that holds neither its
+    /// state before nor after, is corruption.
+    #[test]
+    fn a_journal_older_than_its_snapshot_replays_a_disk_bound_again() {
+        let record = |n: u8, unbound: bool| {
+            let ek = ek(n).to_string().trim_start_matches("sha256:").to_owned();
+            format!("{{\"disk\":\"{DISK}\",\"ek\":\"{ek}\",\"unbound\":{unbound}}}\n")
+        };
+        let snapshot = |n: Option<u8>| match n {
+            Some(n) => format!(
+                "{{\"version\":1,\"disks\":{{\"{DISK}\":\"{}\"}}}}",
+                ek(n).to_string().trim_start_matches("sha256:")
+            ),
+            None => "{\"version\":1,\"disks\":{}}".to_owned(),
+        };
+        let rebound = [record(1, false), record(1, true), record(2, false)].concat();
+        let cases = [
+            // Newer than the snapshot, or older: both give EK 2.
+            (snapshot(None), rebound.clone(), Some(Some(ek(2)))),
+            (snapshot(Some(2)), rebound.clone(), Some(Some(ek(2)))),
+            (snapshot(Some(1)), rebound.clone(), Some(Some(ek(2)))),
+            (snapshot(Some(3)), rebound, None),
+            (
+                snapshot(Some(1)),
+                [record(1, false), record(1, true)].concat(),
+                Some(None),
+            ),
+            // Bound to two EKs, or ended for another EK, in the journal.
+            (
+                snapshot(None),
+                [record(1, false), record(2, false)].concat(),
+                None,
+            ),
+            (
+                snapshot(None),
+                [record(1, false), record(2, true)].concat(),
+                None,
+            ),
+        ];
+        for (snapshot, journal, expected) in cases {
+            lock_stores().clear();
+            let dir = tempfile::tempdir().unwrap();
+            let store = DiskBindings::new(dir.path());
+            std::fs::create_dir_all(store.path().parent().unwrap()).unwrap();
+            std::fs::write(store.path(), &snapshot).unwrap();
+            std::fs::write(journal::beside(store.path()), &journal).unwrap();
+            let read = store.lookup(DISK);
+            match expected {
+                Some(bound) => assert_eq!(read.unwrap(), bound, "{snapshot} {journal}"),
+                None => assert!(
+                    matches!(read, Err(DiskBindingsError::Corrupt { .. })),
+                    "{snapshot} {journal}: {read:?}"
+                ),
             }
         }
     }
