@@ -17,7 +17,7 @@ use keel_verifier::cluster_settings::{
     check_cluster_name, check_cluster_network, DEFAULT_SERVICE_CIDR,
 };
 use keel_verifier::credential;
-use keel_verifier::keys::{self, KeyService};
+use keel_verifier::keys;
 use keel_verifier::measurement::pcr;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use keel_verifier::validator::Verified;
@@ -564,11 +564,8 @@ pub async fn run(
         .context("encoding the master secret file")?;
     drop(secret_file);
     // The cluster ID these secrets make, which the node must report.
-    let cluster_id = KeyService::new(&master_secret, &master_salt)
-        .ok()
-        .and_then(|keys| keys.measurement_secret().ok())
-        .and_then(|secret| keys::cluster_id(&secret, &measurement_salt).ok())
-        .context("deriving the cluster ID")?;
+    let cluster_id =
+        crate::workspace::derive_cluster_id(&master_secret, &master_salt, &measurement_salt)?;
     write_new_secret_file(&secret_path, &secret_json, MASTER_SECRET_KEPT)?;
     eprintln!(
         "master secret written to {} (mode 0600): keep it to recover the cluster",

@@ -53,6 +53,24 @@ pub async fn run(
     let settings = Settings::load(settings_path)?;
     let endpoint = endpoint.unwrap_or_else(|| settings.endpoint.clone());
     let secret = MasterSecret::load(workspace)?;
+    // The cluster these secrets make, which the node must lock to; the
+    // workspace's ID file, where it has one, must name it. Checked before
+    // anything is sent: a node given the wrong measurement salt would lock
+    // and refuse only then (and need a reboot).
+    let cluster_id = secret.cluster_id()?;
+    if let Some(recorded) =
+        crate::workspace::recorded_cluster_id(workspace).context("nothing was sent")?
+    {
+        if recorded != cluster_id {
+            bail!(
+                "the workspace's master secret file makes cluster {}, but its {} names {}: \
+                 they are not of one cluster; nothing was sent",
+                hex::encode(cluster_id),
+                crate::workspace::ID_FILE,
+                hex::encode(&recorded)
+            );
+        }
+    }
     let mut secrets = ControlPlaneSecrets {
         master_secret: secret.key.to_vec(),
         master_salt: secret.salt.clone(),
@@ -110,16 +128,14 @@ pub async fn run(
         bail!("the node answered without a cluster ID");
     }
     // The node locked to the cluster its disk holds, which the workspace's
-    // secret opened: another ID means the workspace's ID file is not this
-    // secret's cluster (or the node misreports), said rather than hidden.
-    if let Ok(expected) = crate::workspace::cluster_id(workspace) {
-        if expected != response.cluster_id {
-            bail!(
-                "{endpoint} recovered, but locked to cluster {}, not the workspace's {}",
-                hex::encode(&response.cluster_id),
-                hex::encode(&expected)
-            );
-        }
+    // secret opened: another ID means the node misreports, said rather
+    // than hidden.
+    if response.cluster_id != cluster_id {
+        bail!(
+            "{endpoint} recovered, but locked to cluster {}, not the workspace's {}",
+            hex::encode(&response.cluster_id),
+            hex::encode(cluster_id)
+        );
     }
     let report = Report {
         endpoint,

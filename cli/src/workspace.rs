@@ -96,12 +96,44 @@ impl MasterSecret {
     }
 }
 
+/// The cluster ID a master secret, its salt and the measurement salt make:
+/// the ID a node that holds them reports.
+pub fn derive_cluster_id(
+    master_secret: &[u8],
+    master_salt: &[u8],
+    measurement_salt: &[u8],
+) -> anyhow::Result<[u8; 32]> {
+    keel_verifier::keys::KeyService::new(master_secret, master_salt)
+        .ok()
+        .and_then(|keys| keys.measurement_secret().ok())
+        .and_then(|secret| keel_verifier::keys::cluster_id(&secret, measurement_salt).ok())
+        .context("deriving the cluster ID")
+}
+
+impl MasterSecret {
+    /// The cluster ID these secrets make ([`derive_cluster_id`]).
+    pub fn cluster_id(&self) -> anyhow::Result<[u8; 32]> {
+        derive_cluster_id(&self.key, &self.salt, &self.measurement_salt)
+    }
+}
+
 /// Reads the cluster ID from [`ID_FILE`] in `workspace`.
 pub fn cluster_id(workspace: &Path) -> anyhow::Result<Vec<u8>> {
+    recorded_cluster_id(workspace)?
+        .with_context(|| format!("{} has no {ID_FILE}", workspace.display()))
+}
+
+/// As [`cluster_id`]; `None` where the workspace has no [`ID_FILE`].
+pub fn recorded_cluster_id(workspace: &Path) -> anyhow::Result<Option<Vec<u8>>> {
     let path = workspace.join(ID_FILE);
-    let id: IdFile = serde_json::from_slice(&read_bounded(&path)?)
+    let Some(body) = read_if_there(&path)? else {
+        return Ok(None);
+    };
+    let id: IdFile = serde_json::from_slice(&body)
         .with_context(|| format!("{} is not a cluster ID file", path.display()))?;
-    hex::decode(&id.cluster_id).context("the cluster ID is not hex")
+    hex::decode(&id.cluster_id)
+        .map(Some)
+        .with_context(|| format!("{}: the cluster ID is not hex", path.display()))
 }
 
 /// [`IMAGE_FILE`]: the sets of measurements the cluster's control planes

@@ -368,6 +368,12 @@ fn recover_args(ws: &std::path::Path) -> [&str; 5] {
 
 /// A workspace as `keel init` leaves it in `ws`: a master secret and, with
 /// the `endpoint` init ran against, the cluster ID.
+/// The cluster ID the secrets [`operator_workspace`] writes make.
+fn workspace_cluster_id() -> [u8; 32] {
+    let keys = keel_verifier::keys::KeyService::new(&[0x11; 32], &[0x22; 32]).unwrap();
+    keel_verifier::keys::cluster_id(&keys.measurement_secret().unwrap(), &[0x33; 32]).unwrap()
+}
+
 fn operator_workspace(ws: &std::path::Path, endpoint: Option<&str>) {
     std::fs::create_dir_all(ws).unwrap();
     std::fs::write(
@@ -383,7 +389,11 @@ fn operator_workspace(ws: &std::path::Path, endpoint: Option<&str>) {
     if let Some(endpoint) = endpoint {
         std::fs::write(
             ws.join("keel-id.json"),
-            serde_json::json!({ "cluster_id": "44".repeat(32), "endpoint": endpoint }).to_string(),
+            serde_json::json!({
+                "cluster_id": hex::encode(workspace_cluster_id()),
+                "endpoint": endpoint,
+            })
+            .to_string(),
         )
         .unwrap();
     }
@@ -425,11 +435,42 @@ async fn a_recovery_to_another_cluster_is_reported() {
         text(&out).contains(&format!(
             "recovered, but locked to cluster {}, not the workspace's {}",
             "55".repeat(32),
+            hex::encode(workspace_cluster_id())
+        )),
+        "{}",
+        text(&out)
+    );
+}
+
+/// A workspace whose ID file is not its master secret's cluster (files of
+/// two clusters mixed up): `keel recover` refuses before anything is sent,
+/// as a node given that measurement salt would lock and only then refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workspace_of_two_clusters_sends_no_recovery() {
+    let ca = EkCa::new().unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let ws = &served.workspace;
+    operator_workspace(ws, Some(&served.endpoint));
+    std::fs::write(
+        ws.join("keel-id.json"),
+        serde_json::json!({ "cluster_id": "44".repeat(32), "endpoint": served.endpoint })
+            .to_string(),
+    )
+    .unwrap();
+    let out = run_keel(&recover_args(ws), &served.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!(
+            "makes cluster {}, but its keel-id.json names {}",
+            hex::encode(workspace_cluster_id()),
             "44".repeat(32)
         )),
         "{}",
         text(&out)
     );
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    assert_eq!(served.requests(), 0, "{}", text(&out));
 }
 
 /// The worker a hostile control plane's registry holds, and the EK it
@@ -541,7 +582,11 @@ async fn revoke_worker(answer: Answer) -> (String, serde_json::Value) {
     node.tpm
         .lock()
         .unwrap()
-        .record(EventType::ClusterId, "node lock", vec![0x44; 32])
+        .record(
+            EventType::ClusterId,
+            "node lock",
+            workspace_cluster_id().to_vec(),
+        )
         .unwrap();
     let served = Served::answering(&ca, &node, answer).await;
     let ws = &served.workspace;
