@@ -2,7 +2,8 @@
 //! name a signing key) refuses measurements whose signature
 //! is wrong, missing or by another key (and a phase it cannot run) before
 //! it contacts any node: the endpoint is a listener the test holds, and no
-//! connection may reach it.
+//! connection may reach it. The workspace and settings are complete, so a
+//! file that passes the checks does reach it, as each test shows last.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod harness;
@@ -36,7 +37,25 @@ impl Setup {
         let set =
             Measurements::new(REQUIRED_PCRS.map(|p| (p, Expected::enforced([1; 32])))).unwrap();
         std::fs::write(d.join("measurements.json"), set.to_json()).unwrap();
-        std::fs::write(d.join("ek-ca.pem"), "").unwrap();
+        // An EK CA no node here has a certificate of: the settings load.
+        let ca = rcgen::generate_simple_self_signed(["keel test EK CA".to_owned()]).unwrap();
+        std::fs::write(d.join("ek-ca.pem"), ca.cert.pem()).unwrap();
+        // A workspace `keel init` could have left: without one, every run
+        // would stop before it connects, whatever it checked first.
+        let (master, salt, measurement_salt) = ([0x11; 32], [0x22; 32], [0x33; 32]);
+        let keys = keel_verifier::keys::KeyService::new(&master, &salt).unwrap();
+        let id =
+            keel_verifier::keys::cluster_id(&keys.measurement_secret().unwrap(), &measurement_salt)
+                .unwrap();
+        let secret = serde_json::json!({
+            "key": hex::encode(master),
+            "salt": hex::encode(salt),
+            "measurement_salt": hex::encode(measurement_salt),
+        });
+        std::fs::write(d.join("keel-master-secret.json"), secret.to_string()).unwrap();
+        let endpoint = listener.local_addr().unwrap().to_string();
+        let id_file = serde_json::json!({ "cluster_id": hex::encode(id), "endpoint": endpoint });
+        std::fs::write(d.join("keel-id.json"), id_file.to_string()).unwrap();
         Self { dir, listener, key }
     }
 
@@ -209,6 +228,23 @@ fn upgrade_apply_refuses_a_bad_signature_before_contacting_any_node() {
     assert!(text(&out).contains("is not signed"), "{}", text(&out));
     assert!(!setup.connected());
 
+    // The same file with its own signature gets past every check and
+    // reaches the node (here: a listener that never answers), so the
+    // refusals above were made before any connection, not for want of a
+    // workspace.
+    let out = apply(
+        &setup,
+        &settings,
+        &[
+            "--image-measurements",
+            path.to_str().unwrap(),
+            "--skip-phases",
+            "kubernetes",
+        ],
+    );
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(setup.connected(), "{}", text(&out));
+
     // Settings without a signing key: refused, naming the missing key.
     let out = apply(
         &setup,
@@ -300,6 +336,10 @@ fn push_measurements_refuses_a_bad_signature_before_contacting_any_node() {
     assert!(!out.status.success());
     assert!(text(&out).contains("is not signed"), "{}", text(&out));
     assert!(!setup.connected());
+    // With its own signature, the push reaches the node.
+    let out = push(&[]);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(setup.connected(), "{}", text(&out));
 }
 
 /// Where the settings name a signing key, `--components` needs the file's
@@ -378,4 +418,9 @@ fn upgrade_apply_refuses_unsigned_components_before_contacting_any_node() {
         text(&out)
     );
     assert!(!setup.connected());
+    // The file as it was signed reaches the node.
+    std::fs::write(&file, &body).unwrap();
+    let out = apply(&setup, &settings, &args);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(setup.connected(), "{}", text(&out));
 }
