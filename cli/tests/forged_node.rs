@@ -60,6 +60,11 @@ enum Answer {
     /// As a control plane that holds [`WORKER_EK`] and fails every
     /// revocation (one whose answer is lost on the way).
     RevocationLost,
+    /// As a control plane with an empty registry that finishes the image
+    /// upgrade asked for.
+    FinishesImage,
+    /// As [`Answer::FinishesImage`], but the finish fails.
+    FinishFails,
 }
 
 /// What a flooding init API sends: a failure, then this many 64 KiB log
@@ -78,9 +83,10 @@ impl InitService for Recorder {
         self.0.fetch_add(1, Ordering::SeqCst);
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         match self.1 {
-            Answer::Refuse | Answer::RevocationLost => {
-                return Err(tonic::Status::unavailable("a forged node"))
-            }
+            Answer::Refuse
+            | Answer::RevocationLost
+            | Answer::FinishesImage
+            | Answer::FinishFails => return Err(tonic::Status::unavailable("a forged node")),
             Answer::Mute => {
                 std::future::pending::<()>().await;
             }
@@ -366,14 +372,14 @@ fn recover_args(ws: &std::path::Path) -> [&str; 5] {
     ]
 }
 
-/// A workspace as `keel init` leaves it in `ws`: a master secret and, with
-/// the `endpoint` init ran against, the cluster ID.
 /// The cluster ID the secrets [`operator_workspace`] writes make.
 fn workspace_cluster_id() -> [u8; 32] {
     let keys = keel_verifier::keys::KeyService::new(&[0x11; 32], &[0x22; 32]).unwrap();
     keel_verifier::keys::cluster_id(&keys.measurement_secret().unwrap(), &[0x33; 32]).unwrap()
 }
 
+/// A workspace as `keel init` leaves it in `ws`: a master secret and, with
+/// the `endpoint` init ran against, the cluster ID.
 fn operator_workspace(ws: &std::path::Path, endpoint: Option<&str>) {
     std::fs::create_dir_all(ws).unwrap();
     std::fs::write(
@@ -501,6 +507,13 @@ impl OperatorService for Recorder {
         _request: tonic::Request<op::NodeStatusRequest>,
     ) -> Result<tonic::Response<op::NodeStatusResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
+        if matches!(self.1, Answer::FinishesImage | Answer::FinishFails) {
+            let registry = serde_json::json!({ "nodes": {}, "revoked": [] });
+            return Ok(tonic::Response::new(op::NodeStatusResponse {
+                registry: registry.to_string().into_bytes(),
+                served_at: 0,
+            }));
+        }
         if !matches!(self.1, Answer::Hostile | Answer::RevocationLost) {
             return Err(tonic::Status::unavailable("not a control plane"));
         }
@@ -558,10 +571,16 @@ impl OperatorService for Recorder {
 
     async fn finish_image_upgrade(
         &self,
-        _request: tonic::Request<op::FinishImageUpgradeRequest>,
+        request: tonic::Request<op::FinishImageUpgradeRequest>,
     ) -> Result<tonic::Response<op::FinishImageUpgradeResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
-        Err(tonic::Status::unimplemented("not here"))
+        match self.1 {
+            Answer::FinishesImage => Ok(tonic::Response::new(op::FinishImageUpgradeResponse {
+                digest: request.into_inner().staged_digest,
+            })),
+            Answer::FinishFails => Err(tonic::Status::unavailable("the finish was lost")),
+            _ => Err(tonic::Status::unimplemented("not here")),
+        }
     }
 
     async fn admin_kubeconfig(
@@ -802,4 +821,88 @@ async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
         )),
         "{note}"
     );
+}
+
+/// Attacker's move: keep one control plane from finishing an image
+/// rollout (drop its request), so that the workspace goes on naming the
+/// retired image while the others accept only the new one: `keel recover`
+/// would then send the master secret to a node of the retired image, whose
+/// own refusal comes only once it holds it. A finish that reached one
+/// control plane records the new image in the workspace, and `keel
+/// recover` with the retired image's settings sends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_rollout_finished_on_one_control_plane_retires_the_old_image_in_the_workspace() {
+    let ca = EkCa::new().unwrap();
+    let config = harness::control_plane_config(&no_secret_hash());
+    let (first, second) = (node_with(&ca, config.clone()), node_with(&ca, config));
+    for node in [&first, &second] {
+        node.tpm
+            .lock()
+            .unwrap()
+            .record(
+                EventType::ClusterId,
+                "node lock",
+                workspace_cluster_id().to_vec(),
+            )
+            .unwrap();
+    }
+    let finishes = Served::answering(&ca, &first, Answer::FinishesImage).await;
+    let fails = Served::answering(&ca, &second, Answer::FinishFails).await;
+    let ws = &finishes.workspace;
+    operator_workspace(ws, Some(&finishes.endpoint));
+    // The settings name the key that signs image measurements.
+    let signing = keel_verifier::signature::SigningPrivateKey::generate();
+    let dir = finishes.settings.parent().unwrap();
+    std::fs::write(
+        dir.join("signing.pub.pem"),
+        signing.public_key().to_pem().unwrap(),
+    )
+    .unwrap();
+    let mut settings: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&finishes.settings).unwrap()).unwrap();
+    settings["measurements_signing_key"] = "signing.pub.pem".into();
+    std::fs::write(&finishes.settings, settings.to_string()).unwrap();
+    let image = harness::measurements([9; 32], Expected::enforced([0; 32]));
+    let body = format!("{}\n", image.to_json_with_epoch(1));
+    let file = dir.join("image.json");
+    std::fs::write(&file, &body).unwrap();
+    std::fs::write(dir.join("image.json.sig"), signing.sign(body.as_bytes())).unwrap();
+
+    let args = [
+        "upgrade",
+        "finish",
+        "--image-measurements",
+        file.to_str().unwrap(),
+        "--endpoint",
+        &finishes.endpoint,
+        "--endpoint",
+        &fails.endpoint,
+        "--workspace",
+        ws.to_str().unwrap(),
+        "--wait",
+        "5",
+    ];
+    let out = run_keel(&args, &finishes.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("1 of 2 control plane(s) did not finish the image upgrade"),
+        "{}",
+        text(&out)
+    );
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ws.join("keel-image.json")).unwrap()).unwrap();
+    assert_eq!(record["digest"], hex::encode(image.digest()), "{record}");
+    assert_eq!(record["epoch"], 1, "{record}");
+
+    // The settings still name the retired image: nothing is sent.
+    let before = finishes.requests();
+    let out = run_keel(&recover_args(ws), &finishes.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("are not an image this cluster accepts"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+    assert_eq!(finishes.requests(), before, "{}", text(&out));
 }

@@ -138,14 +138,15 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
         hex::encode(digest),
         control_planes.len()
     );
-    on_each(
+    let finished = &std::sync::atomic::AtomicUsize::new(0);
+    let outcome = on_each(
         control_planes,
         "finish the image upgrade",
         |endpoint| async move {
             let (mut node, challenge, proof) = operator
                 .authorise(&endpoint, FINISH_IMAGE_UPGRADE, digest)
                 .await?;
-            answer(
+            let done = answer(
                 &endpoint,
                 node.client.finish_image_upgrade(FinishImageUpgradeRequest {
                     challenge,
@@ -153,29 +154,34 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
                     staged_digest: digest.to_vec(),
                 }),
             )
-            .await
-            .map(|done| {
-                format!(
-                    "image upgrade finished; only sha256:{} is accepted",
-                    hex::encode(done.digest)
-                )
-            })
+            .await?;
+            finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(format!(
+                "image upgrade finished; only sha256:{} is accepted",
+                hex::encode(done.digest)
+            ))
         },
     )
-    .await?;
-    // What `keel recover` holds its settings to from now on.
-    crate::workspace::ImageRecord {
-        digest: hex::encode(digest),
-        epoch: image.epoch(),
-        staged: None,
+    .await;
+    // What `keel recover` holds its settings to from now on, as soon as
+    // one control plane accepts only the new image: a workspace that
+    // still named the old one would have a node of the retired image
+    // recovered (the node would refuse it, but only once it holds the
+    // master secret). Rerunning the command finishes the others.
+    if finished.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+        crate::workspace::ImageRecord {
+            digest: hex::encode(digest),
+            epoch: image.epoch(),
+            staged: None,
+        }
+        .save(&cluster.workspace)
+        .context("recording the finished image in the workspace")?;
+        println!(
+            "image: recorded in the workspace; `keel recover` now takes only this image's \
+             measurements"
+        );
     }
-    .save(&cluster.workspace)
-    .context("recording the finished image in the workspace")?;
-    println!(
-        "image: recorded in the workspace; `keel recover` now takes only this image's \
-         measurements"
-    );
-    Ok(())
+    outcome
 }
 
 /// The control planes of `roles`, which stage and finish an image's
