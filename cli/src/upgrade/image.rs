@@ -116,8 +116,9 @@ pub async fn stage(
     })
     .context("recording the staged image in the workspace")?;
     println!(
-        "image: nodes of the old and the new image join; run `keel upgrade finish \
-         --image-measurements <the same file>` once every node runs the new image"
+        "image: nodes of the old and the new image join; once every node runs the new \
+         image, point the settings' measurements at <the same file> and run `keel upgrade \
+         finish --image-measurements <the same file>`"
     );
     Ok(())
 }
