@@ -4,7 +4,7 @@
 //! normally rejoins through another control plane. When none is left, the
 //! operator's CLI validates this node over server-attested aTLS (as for
 //! init), seals the cluster's master secret to its TPM and calls
-//! `Recover`. Every check comes before the node lock, and a refusal
+//! `Recover`. These checks come before the node lock, and their refusal
 //! changes nothing:
 //!
 //! 1. the node is a control plane, unlocked, with an initialised state
@@ -16,7 +16,14 @@
 //!
 //! Then the lock is taken with the cluster ID the secrets derive, the disk
 //! is opened, the facts stored on it must name the same cluster ID, the
-//! kubelet starts and the node serves joins again. The join client runs at
+//! kubelet starts and the node serves joins again. The facts can be read
+//! only from the opened disk, so what is refused there (another cluster's
+//! ID: the request's measurement salt, which nothing sealed covers, is not
+//! the disk's cluster's; a revoked control plane; an image the cluster no
+//! longer accepts) is refused after the lock, and the node starts over
+//! from a reboot. `keel recover` checks the salt against the workspace's
+//! cluster ID, and the image against the workspace's record, before it
+//! sends anything. The join client runs at
 //! the same time: whichever takes the lock first wins, the other stops.
 
 use std::net::IpAddr;
