@@ -378,6 +378,19 @@ fn workspace_cluster_id() -> [u8; 32] {
     keel_verifier::keys::cluster_id(&keys.measurement_secret().unwrap(), &[0x33; 32]).unwrap()
 }
 
+/// Locks `node` into the [`operator_workspace`]'s cluster, as a member is.
+fn locked_into_the_workspace_cluster(node: &Victim) {
+    node.tpm
+        .lock()
+        .unwrap()
+        .record(
+            EventType::ClusterId,
+            "node lock",
+            workspace_cluster_id().to_vec(),
+        )
+        .unwrap();
+}
+
 /// A workspace as `keel init` leaves it in `ws`: a master secret and, with
 /// the `endpoint` init ran against, the cluster ID.
 fn operator_workspace(ws: &std::path::Path, endpoint: Option<&str>) {
@@ -597,16 +610,7 @@ impl OperatorService for Recorder {
 async fn revoke_worker(answer: Answer) -> (String, serde_json::Value) {
     let ca = EkCa::new().unwrap();
     let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
-    // Locked into the workspace's cluster, as a member is.
-    node.tpm
-        .lock()
-        .unwrap()
-        .record(
-            EventType::ClusterId,
-            "node lock",
-            workspace_cluster_id().to_vec(),
-        )
-        .unwrap();
+    locked_into_the_workspace_cluster(&node);
     let served = Served::answering(&ca, &node, answer).await;
     let ws = &served.workspace;
     operator_workspace(ws, Some(&served.endpoint));
@@ -835,17 +839,8 @@ async fn an_image_rollout_finished_on_one_control_plane_retires_the_old_image_in
     let ca = EkCa::new().unwrap();
     let config = harness::control_plane_config(&no_secret_hash());
     let (first, second) = (node_with(&ca, config.clone()), node_with(&ca, config));
-    for node in [&first, &second] {
-        node.tpm
-            .lock()
-            .unwrap()
-            .record(
-                EventType::ClusterId,
-                "node lock",
-                workspace_cluster_id().to_vec(),
-            )
-            .unwrap();
-    }
+    locked_into_the_workspace_cluster(&first);
+    locked_into_the_workspace_cluster(&second);
     let finishes = Served::answering(&ca, &first, Answer::FinishesImage).await;
     let fails = Served::answering(&ca, &second, Answer::FinishFails).await;
     let ws = &finishes.workspace;

@@ -66,18 +66,24 @@ mod tests {
         }
     }
 
+    /// A FIFO made in `dir`.
+    fn fifo_in(dir: &std::path::Path) -> std::path::PathBuf {
+        let fifo = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        fifo
+    }
+
     /// A FIFO with no writer would block a plain open (and a reader) for
     /// ever; a directory is no file to parse. The check runs on a thread
     /// of its own, so a regression fails the test instead of hanging it.
     #[test]
     fn read_regular_refuses_a_fifo_or_a_directory_without_waiting() {
         let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("fifo");
-        let made = std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status()
-            .unwrap();
-        assert!(made.success());
+        let fifo = fifo_in(dir.path());
         let (done, finished) = std::sync::mpsc::channel();
         let paths = [fifo, dir.path().to_owned()];
         std::thread::spawn(move || {
@@ -100,12 +106,7 @@ mod tests {
     #[test]
     fn read_regular_does_not_open_what_it_refuses() {
         let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("fifo");
-        let made = std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status()
-            .unwrap();
-        assert!(made.success());
+        let fifo = fifo_in(dir.path());
         let (opened, writer_released) = std::sync::mpsc::channel();
         let writer_path = fifo.clone();
         let writer = std::thread::spawn(move || {
