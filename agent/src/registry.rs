@@ -704,8 +704,9 @@ impl Registry {
 
     /// Records that a ticket is issued to a node; keeps its verdict if it
     /// is known. `disk_uuid` is a disk bound to its EK, or empty (the
-    /// recorded disk stays). Refuses a node that a revocation covers, by
-    /// EK or by that disk: checked under the registry's lock, so a ticket
+    /// recorded disk stays). Refuses a node whose EK a revocation names
+    /// (a revocation's disk is not checked: a disk's key is bound to its
+    /// EK): checked under the registry's lock, so a ticket
     /// still being made when the operator's revocation lands is not issued.
     /// Refuses every node once the revocation list is full: a revocation
     /// that no longer fits (the operator's, the policy's, a peer's) must
@@ -914,9 +915,12 @@ impl Registry {
         Ok(previous)
     }
 
-    /// Marks silent every node that is not revoked and sent no evidence
-    /// since `since` (Unix seconds) and for `grace` before `now`; returns
-    /// the nodes newly marked. Evidence that reached this registry through
+    /// Marks silent every node that is not revoked or drifted and sent no
+    /// evidence since `since` (Unix seconds) and for `grace` before `now`;
+    /// returns the nodes newly marked. A drifted node keeps its verdict:
+    /// its drift's hold runs from the drift (a silence would restart it,
+    /// under the silence's conditions), and trusted evidence within that
+    /// hold does not clear a drift, as it would a silence. Evidence that reached this registry through
     /// a peer counts from when it was taken here, if that is later than
     /// the peer's time for it. The record of `own` (the control plane
     /// whose registry this is) is never marked: its silence is for its
@@ -933,7 +937,10 @@ impl Registry {
         let own = own.to_string();
         let mut marked = Vec::new();
         for (key, record) in &mut self.nodes {
-            if record.verdict == Verdict::Silent || revoked.contains(&record.ek) || *key == own {
+            if matches!(record.verdict, Verdict::Silent | Verdict::Drifted)
+                || revoked.contains(&record.ek)
+                || *key == own
+            {
                 continue;
             }
             let heard = record
@@ -2403,19 +2410,36 @@ mod tests {
         assert!(matches!(r.find("w-9"), Err(RegistryError::UnknownNode(_))));
 
         // Silent only after the grace, counted from `since` too.
-        let t = node.last_evidence_at.unwrap();
-        assert!(r
+        let mut quiet = Registry::default();
+        quiet.record(&evidence(1, None)).unwrap();
+        let t = quiet.find("w-1").unwrap().last_evidence_at.unwrap();
+        assert!(quiet
             .mark_silent(t + 5, Duration::from_secs(10), 0, &ek(0))
             .is_empty());
-        assert!(r
+        assert!(quiet
             .mark_silent(t + 20, Duration::from_secs(10), t + 15, &ek(0))
             .is_empty());
         assert_eq!(
-            r.mark_silent(t + 20, Duration::from_secs(10), 0, &ek(0))
+            quiet
+                .mark_silent(t + 20, Duration::from_secs(10), 0, &ek(0))
                 .len(),
             1
         );
-        assert_eq!(r.find("w-1").unwrap().verdict, Verdict::Silent);
+        assert_eq!(quiet.find("w-1").unwrap().verdict, Verdict::Silent);
+        // A drifted node that goes quiet keeps its verdict and reason: its
+        // drift's hold runs on from the drift, and trusted evidence within
+        // it does not clear it.
+        let t = node.last_evidence_at.unwrap();
+        assert!(r
+            .mark_silent(t + 20, Duration::from_secs(10), 0, &ek(0))
+            .is_empty());
+        let drifted = r.find("w-1").unwrap();
+        assert_eq!(drifted.verdict, Verdict::Drifted);
+        assert_eq!(drifted.reason.as_deref(), Some("PCR 13"));
+        assert_eq!(drifted.verdict_at, node.verdict_at);
+        let stands = Duration::from_secs(3600);
+        r.record_holding_drift(&evidence(1, None), stands).unwrap();
+        assert_eq!(r.find("w-1").unwrap().verdict, Verdict::Drifted);
 
         let revocation = r.revoke(&node, Some(&bound(1)), "operator").unwrap();
         assert!(r.revocation(&ek(1)).is_some());

@@ -929,6 +929,44 @@ async fn a_revoked_control_plane_learns_of_its_revocation_and_issues_no_tickets(
     }
 }
 
+/// Attacker's move: make a control plane's registry writes fail (the
+/// host fills or fails its disk) while it revokes a node, then reboot it:
+/// the revocation, held in its memory alone, would be lost, and the node
+/// would come back trusted. Its peers' rounds fail on its writes, but they
+/// take its registry all the same. Here cp-2's rounds fail at cp-1 for
+/// another reason (they name a disk bound to another node), and it still
+/// learns of the revocation cp-1 made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_control_plane_whose_rounds_fail_still_takes_its_peers_revocations() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let (cp2, _cp2_slot) = c.joined("cp-2", "control-plane").await;
+    let cp2_registry = RegistryStore::shared(&cp2.root).unwrap();
+    let cp2_ek = join_common::ek_digest(&cp2.tpm);
+    let worker_ek = join_common::ek_digest(&c.worker.tpm);
+    c.revoke("w-1").unwrap();
+    assert!(cp2_registry.revocation(&worker_ek).is_none());
+    let failing = c
+        .evidence_client_reporting(&cp2, c.worker_disk())
+        .merging_into(cp2_registry.clone(), Duration::from_secs(60), cp2_ek);
+    // The round fails (checked on a session of its own first).
+    let mut session = failing
+        .connect(&c.endpoint(), &c.cluster_id())
+        .await
+        .unwrap();
+    assert!(session.round().await.is_err());
+    let evidence = tokio::spawn(failing.run(c.endpoint(), c.cluster_id()));
+    let start = Instant::now();
+    while cp2_registry.revocation(&worker_ek).is_none() {
+        assert!(
+            start.elapsed() < LIMIT,
+            "cp-2 did not learn the revocation: {:#?}",
+            cp2_registry.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    evidence.abort();
+}
+
 /// Attacker's move: a compromised worker serves the evidence port of a
 /// control-plane endpoint (the host sends the control planes' registry
 /// exchange to it) and hands out a crafted registry: junk revocations

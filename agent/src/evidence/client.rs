@@ -299,12 +299,15 @@ impl EvidenceClient {
                         }
                         Err(e) => {
                             tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence round failed");
-                            // A control plane refused as revoked still
-                            // takes the peer's revocation list, its own
-                            // revocation in it.
-                            if e.is_revoked() {
-                                self.exchange_registry(&mut session, &endpoint, false).await;
-                            }
+                            // The peer's registry is taken whatever the
+                            // round's failure: a peer whose own writes fail
+                            // (it answers every round with an error) holds
+                            // its revocations in memory alone, and only
+                            // its peers keep them past its restart. A
+                            // control plane refused as revoked takes the
+                            // revocation list, its own revocation in it.
+                            self.exchange_registry(&mut session, &endpoint, !e.is_revoked())
+                                .await;
                             break;
                         }
                     }
