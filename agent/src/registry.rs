@@ -920,7 +920,8 @@ impl Registry {
     /// returns the nodes newly marked. A drifted node keeps its verdict:
     /// its drift's hold runs from the drift (a silence would restart it,
     /// under the silence's conditions), and trusted evidence within that
-    /// hold does not clear a drift, as it would a silence. Evidence that reached this registry through
+    /// hold does not clear a drift, as it would a silence. Times ahead of
+    /// `now` are first moved back to it ([`Registry::times_not_after`]). Evidence that reached this registry through
     /// a peer counts from when it was taken here, if that is later than
     /// the peer's time for it. The record of `own` (the control plane
     /// whose registry this is) is never marked: its silence is for its
@@ -933,6 +934,13 @@ impl Registry {
         since: u64,
         own: &EkDigest,
     ) -> Vec<NodeRecord> {
+        let moved = self.times_not_after(now);
+        if moved > 0 {
+            tracing::warn!(
+                records = moved,
+                "node times ahead of this clock moved back to it (the clock was stepped back): silence and drift holds count from now"
+            );
+        }
         let revoked = self.revoked_eks();
         let own = own.to_string();
         let mut marked = Vec::new();
@@ -958,6 +966,31 @@ impl Registry {
             }
         }
         marked
+    }
+
+    /// Moves every node time ahead of `now` back to `now`; returns how many
+    /// records it moved. After this clock was stepped back, silence and a
+    /// drift's hold then count from the step, instead of from times the
+    /// clock has yet to reach again (a host's step back would postpone a
+    /// drifted node's revocation by as much).
+    fn times_not_after(&mut self, now: u64) -> usize {
+        let mut moved = 0;
+        for (key, record) in &mut self.nodes {
+            let ahead = record.registered_at > now
+                || record.verdict_at > now
+                || record.last_evidence_at.is_some_and(|at| at > now);
+            if ahead {
+                record.registered_at = record.registered_at.min(now);
+                record.verdict_at = record.verdict_at.min(now);
+                record.last_evidence_at = record.last_evidence_at.map(|at| at.min(now));
+                self.changed.insert(record.ek.clone());
+                moved += 1;
+            }
+            if let Some(heard) = self.heard_from_peers.get_mut(key) {
+                *heard = (*heard).min(now);
+            }
+        }
+        moved
     }
 
     /// How the unrevoked nodes stand: how many there are, how many of them
@@ -2199,6 +2232,29 @@ mod tests {
     /// (and under `revoke`, revokes it everywhere). A record taken from a
     /// peer counts as heard when it was taken; once no newer one comes,
     /// the node falls silent as before.
+    /// A host steps this control plane's clock back a day: a trusted node
+    /// that stops reporting is silent a grace after the step, and a drift
+    /// is held from the step, not from times the clock reaches a day on.
+    #[test]
+    fn a_clock_stepped_back_counts_silence_and_drift_from_the_step() {
+        let grace = Duration::from_secs(180);
+        let mut r = Registry::default();
+        r.record(&evidence(1, None)).unwrap();
+        r.record(&evidence(2, None)).unwrap();
+        r.record(&evidence(2, Some("PCR 13"))).unwrap();
+        let back = now() - 86_400;
+        assert!(r.mark_silent(back, grace, 0, &ek(0)).is_empty());
+        assert!(r.nodes.values().all(|n| n.verdict_at <= back
+            && n.registered_at <= back
+            && n.last_evidence_at.is_some_and(|at| at <= back)));
+        let marked = r.mark_silent(back + 181, grace, 0, &ek(0));
+        assert_eq!(marked.len(), 1);
+        assert_eq!(marked[0].name, "w-1");
+        let drifted = r.find("w-2").unwrap();
+        assert_eq!(drifted.verdict, Verdict::Drifted);
+        assert_eq!(drifted.verdict_at, back);
+    }
+
     #[test]
     fn a_peer_clock_behind_this_one_does_not_make_its_nodes_silent() {
         let grace = Duration::from_secs(180);
