@@ -74,6 +74,15 @@ pub trait Validator: Send + Sync + 'static {
     /// Called once the peer answered this validator's challenge for
     /// `claims` correctly; a validator may remember the proof, bounded.
     fn residency_proven(&self, claims: &Self::Claims);
+
+    /// The validator that checks one handshake's peer, from its document
+    /// to its residency record. `None` (the default): this one. A validator
+    /// that may be replaced meanwhile ([`crate::SwappableValidator`]) gives
+    /// the one in force as the handshake starts, so that no handshake is
+    /// validated by one and challenged by another.
+    fn for_one_handshake(&self) -> Option<DynValidator<Self::Claims>> {
+        None
+    }
 }
 
 impl<V: Validator + ?Sized> Validator for Arc<V> {
@@ -97,6 +106,10 @@ impl<V: Validator + ?Sized> Validator for Arc<V> {
 
     fn residency_proven(&self, claims: &Self::Claims) {
         (**self).residency_proven(claims)
+    }
+
+    fn for_one_handshake(&self) -> Option<DynValidator<Self::Claims>> {
+        (**self).for_one_handshake()
     }
 }
 

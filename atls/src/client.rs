@@ -208,7 +208,7 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
                 })
             }
         };
-        let attested = match (check, server_outcome) {
+        let attested = match (&check, server_outcome) {
             (None, _) => Ok(None),
             (Some(_), Some(Ok(attested))) => Ok(Some(attested)),
             (Some(_), Some(Err(reason))) => Err(ConnectError::ServerRefused(reason)),
@@ -232,9 +232,9 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
         // be in its TPM (and this client's in its own, when it attests).
         let exporter = residency::export(&**tls.get_ref().1).map_err(ConnectError::Residency)?;
         let mut tls = stream::buffered(tls);
-        let peer = match (&self.server_validator, &attested) {
-            (Some(validator), Some(attested)) => Some(PeerKey {
-                validator,
+        let peer = match (&check, &attested) {
+            (Some(check), Some(attested)) => Some(PeerKey {
+                validator: check.validator(),
                 claims: attested.claims(),
             }),
             _ => None,

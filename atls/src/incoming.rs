@@ -1126,6 +1126,23 @@ impl Throttle {
 mod tests {
     use super::*;
 
+    /// The README states the bounds this module enforces.
+    #[test]
+    fn the_readme_states_the_handshake_bounds() {
+        let readme = include_str!("../README.md")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        let stated = format!(
+            "at most {DEFAULT_HANDSHAKES} at once and {DEFAULT_HANDSHAKES_PER_SOURCE} from one source \
+             under load, each bounded by the handshake timeout, {} s by default, and by {} s to a \
+             complete ClientHello",
+            crate::DEFAULT_HANDSHAKE_TIMEOUT.as_secs(),
+            DEFAULT_CLIENT_HELLO_TIMEOUT.as_secs()
+        );
+        assert!(readme.contains(&stated), "{stated}");
+    }
+
     fn v4(last: u8) -> Source {
         Source::V4(Ipv4Addr::new(10, 0, 0, last))
     }

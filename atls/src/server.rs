@@ -325,9 +325,9 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
         // No connection reaches the application before the client's
         // attestation key is proven to be in its TPM (and, when the client
         // validates this server, this server's key in its own).
-        let peer = match (&self.client_validator, &attested) {
-            (Some(validator), Some(attested)) => Some(PeerKey {
-                validator,
+        let peer = match (&check, &attested) {
+            (Some(check), Some(attested)) => Some(PeerKey {
+                validator: check.validator(),
                 claims: attested.claims(),
             }),
             _ => None,

@@ -7,11 +7,11 @@ use crate::attestation::{ValidationError, Validator};
 
 /// Holds the current validator and lets it be replaced while handshakes run.
 ///
-/// Each validation takes a snapshot of the current validator and runs on it
-/// to the end, so a handshake (which validates its peer exactly once) sees one
-/// consistent validator: the old one or the new one, never a mix. Replacing it
-/// affects the handshakes that validate afterwards; established connections
-/// are not touched.
+/// Each handshake takes a snapshot of the current validator as it starts
+/// ([`Validator::for_one_handshake`]) and runs on it to the end, from the
+/// peer's document to its residency challenge and record: the old one or
+/// the new one, never a mix. Replacing it affects the handshakes that
+/// start afterwards; established connections are not touched.
 ///
 /// Only ever give it a validator that was built successfully: the caller
 /// parses and checks a new measurements file and builds the new validator
@@ -73,5 +73,9 @@ impl<V: Validator> Validator for SwappableValidator<V> {
 
     fn residency_proven(&self, claims: &Self::Claims) {
         self.current().residency_proven(claims)
+    }
+
+    fn for_one_handshake(&self) -> Option<crate::DynValidator<Self::Claims>> {
+        Some(self.current())
     }
 }

@@ -60,12 +60,20 @@ pub(crate) struct PeerCheck<C> {
 }
 
 impl<C: Send + Sync + 'static> PeerCheck<C> {
+    /// The check of one handshake's peer, by `validator` as it is now
+    /// ([`crate::Validator::for_one_handshake`]): the validator that
+    /// validates the peer is the one that challenges it.
     pub(crate) fn new(validator: DynValidator<C>, nonce: Nonce) -> Self {
         Self {
-            validator,
+            validator: validator.for_one_handshake().unwrap_or(validator),
             nonce,
             outcome: Mutex::new(None),
         }
+    }
+
+    /// The validator of this handshake.
+    pub(crate) fn validator(&self) -> &DynValidator<C> {
+        &self.validator
     }
 
     pub(crate) fn nonce(&self) -> &Nonce {

@@ -158,6 +158,8 @@ pub struct TestValidator {
     pub challenges: Arc<AtomicUsize>,
     proven: Arc<Mutex<HashSet<Vec<u8>>>>,
     remember: bool,
+    /// Run by each validation before it returns.
+    on_validate: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl TestValidator {
@@ -170,7 +172,14 @@ impl TestValidator {
             challenges: Arc::new(AtomicUsize::new(0)),
             proven: Arc::default(),
             remember: true,
+            on_validate: None,
         }
+    }
+
+    /// Runs `hook` in each validation, before it returns.
+    pub fn on_validate(mut self, hook: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_validate = Some(Arc::new(hook));
+        self
     }
 
     /// Challenges every handshake, proven before or not.
@@ -225,6 +234,9 @@ impl Validator for TestValidator {
         }
         if doc_user_data != user_data {
             return Err(ValidationError::KeyBindingMismatch);
+        }
+        if let Some(hook) = &self.on_validate {
+            hook();
         }
         Ok(TestClaims {
             signer: self.trusted.clone(),
