@@ -324,7 +324,11 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
         .cloned()
         .unwrap();
     assert_eq!(quiet.verdict, Verdict::Drifted, "{quiet:?}");
-    assert!(quiet.reason.as_deref().unwrap_or_default().contains("PCR 13"));
+    assert!(quiet
+        .reason
+        .as_deref()
+        .unwrap_or_default()
+        .contains("PCR 13"));
     // Bad evidence, over a member's own connection (cp-1 is a member too).
     let mut s = c.session(&c.cp1).await;
     let nonce = s.next_nonce().await.unwrap();
@@ -970,6 +974,32 @@ async fn a_control_plane_whose_rounds_fail_still_takes_its_peers_revocations() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     evidence.abort();
+}
+
+/// Every session of a client (one per control plane) and its handshakes
+/// quote through one issuer: their documents share its batches and its
+/// PCR cache, instead of a quote and a PCR read each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_clients_sessions_share_its_issuer() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let client = c.evidence_client(&c.worker);
+    let mut first = client
+        .connect(&c.endpoint(), &c.cluster_id())
+        .await
+        .unwrap();
+    let mut second = client
+        .connect(&c.endpoint(), &c.cluster_id())
+        .await
+        .unwrap();
+    assert_eq!(client.issuer_stats().requests, 2, "the two handshakes");
+    let (a, b) = (
+        first.next_nonce().await.unwrap(),
+        second.next_nonce().await.unwrap(),
+    );
+    let (a, b) = tokio::join!(first.evidence(a), second.evidence(b));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_ne!(a.document, b.document);
+    assert_eq!(client.issuer_stats().requests, 4, "and the two rounds");
 }
 
 /// Attacker's move: a compromised worker serves the evidence port of a

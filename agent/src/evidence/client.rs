@@ -140,7 +140,9 @@ impl DiskId {
 #[derive(Clone)]
 pub struct EvidenceClient {
     atls: AtlsClient<Verified>,
-    tpm: SharedTpm,
+    /// Makes the handshakes' documents and the rounds' evidence: one batch
+    /// queue and PCR cache for every session.
+    issuer: TpmIssuer,
     root: PathBuf,
     disk: DiskId,
     retry: Duration,
@@ -191,7 +193,8 @@ pub struct Session {
     client: EvidenceServiceClient<Channel>,
     /// The control plane's EK, as its handshake attested it.
     server_ek: keel_verifier::ek::EkDigest,
-    tpm: SharedTpm,
+    /// The client's issuer ([`EvidenceClient`]).
+    issuer: TpmIssuer,
     disk: DiskId,
     /// The node root, where each round reads the node's version record.
     root: PathBuf,
@@ -211,17 +214,23 @@ impl EvidenceClient {
         disk_uuid: String,
         retry: Duration,
     ) -> Self {
-        let issuer = Arc::new(TpmIssuer::new(tpm.clone()));
-        let atls =
-            AtlsClient::mutual(issuer, Arc::new(validator)).with_timeout(Duration::from_secs(30));
+        let issuer = TpmIssuer::new(tpm);
+        let atls = AtlsClient::mutual(Arc::new(issuer.clone()), Arc::new(validator))
+            .with_timeout(Duration::from_secs(30));
         Self {
             atls,
-            tpm,
+            issuer,
             root,
             disk: DiskId::Fixed(disk_uuid),
             retry,
             registry: Arc::default(),
         }
+    }
+
+    /// How many quotes this client's issuer made for how many documents:
+    /// its handshakes' and its rounds' evidence, on every session.
+    pub fn issuer_stats(&self) -> crate::batching::BatchStats {
+        self.issuer.stats()
     }
 
     /// The same client reporting the UUID of `disk` instead, read once the
@@ -278,7 +287,7 @@ impl EvidenceClient {
             client: EvidenceServiceClient::new(bound.channel)
                 // The registry document and its message's few bytes.
                 .max_decoding_message_size(MAX_REGISTRY_BYTES + 1024),
-            tpm: self.tpm.clone(),
+            issuer: self.issuer.clone(),
             disk: self.disk.clone(),
             root: self.root.clone(),
             prompt_registry: PROMPT_REGISTRY.min(self.retry / 2).max(MIN_PROMPT_REGISTRY),
@@ -374,7 +383,7 @@ impl Session {
         &self,
         nonce: Vec<u8>,
     ) -> Result<SubmitEvidenceRequest, EvidenceClientError> {
-        let issuer = TpmIssuer::new(self.tpm.clone());
+        let issuer = self.issuer.clone();
         // Read each round: an upgrade changes it while a session lasts.
         let kubernetes_version = reported_kubernetes_version(&self.root);
         let disk_uuid = self.disk.current().await;
