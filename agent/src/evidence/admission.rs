@@ -194,7 +194,55 @@ impl PortValidator {
     }
 }
 
+impl PortValidator {
+    /// The port's policy with the join policy as it is now, for one
+    /// handshake.
+    fn pinned(&self) -> OneHandshake {
+        OneHandshake {
+            join: self.join.current(),
+            members: self.members.clone(),
+        }
+    }
+}
+
 impl keel_atls::Validator for PortValidator {
+    type Claims = Verified;
+
+    fn validate(
+        &self,
+        document: &[u8],
+        nonce: &[u8],
+        user_data: &[u8],
+    ) -> Result<Verified, keel_atls::ValidationError> {
+        self.pinned().validate(document, nonce, user_data)
+    }
+
+    fn residency_challenge(
+        &self,
+        claims: &Verified,
+    ) -> Result<Option<keel_atls::Challenge>, keel_atls::ValidationError> {
+        self.pinned().residency_challenge(claims)
+    }
+
+    fn residency_proven(&self, claims: &Verified) {
+        self.pinned().residency_proven(claims);
+    }
+
+    /// The join policy in force as the handshake starts validates the
+    /// peer, challenges it and records its proof, whatever reload lands
+    /// meanwhile.
+    fn for_one_handshake(&self) -> Option<keel_atls::DynValidator<Verified>> {
+        Some(Arc::new(self.pinned()))
+    }
+}
+
+/// [`PortValidator`] with its join policy fixed, for one handshake.
+struct OneHandshake {
+    join: Arc<Validator>,
+    members: Arc<MemberPolicy>,
+}
+
+impl keel_atls::Validator for OneHandshake {
     type Claims = Verified;
 
     fn validate(
@@ -208,7 +256,7 @@ impl keel_atls::Validator for PortValidator {
         // the one policy that can accept it, which then checks the quote
         // over that value. A member's handshake is validated once.
         if claimed_pcr(document, pcr::CLUSTER_ID) == Some([0; 32]) {
-            return Validator::validate(&self.join.current(), document, nonce, user_data)
+            return Validator::validate(&self.join, document, nonce, user_data)
                 .map_err(Into::into);
         }
         let member = self
@@ -226,10 +274,10 @@ impl keel_atls::Validator for PortValidator {
         &self,
         claims: &Verified,
     ) -> Result<Option<keel_atls::Challenge>, keel_atls::ValidationError> {
-        keel_atls::Validator::residency_challenge(&*self.join.current(), claims)
+        keel_atls::Validator::residency_challenge(&*self.join, claims)
     }
 
     fn residency_proven(&self, claims: &Verified) {
-        keel_atls::Validator::residency_proven(&*self.join.current(), claims);
+        keel_atls::Validator::residency_proven(&*self.join, claims);
     }
 }
