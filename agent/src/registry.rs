@@ -46,6 +46,9 @@ pub use keel_proto::MAX_REGISTRY_BYTES;
 /// outgrows it. A fold first appends the records of its own write (which
 /// may be the whole registry, a merge's), so the bound leaves room for the
 /// snapshot's size twice over that.
+/// How far ahead of this clock a node time may be before a sweep takes
+/// the clock for stepped back ([`Registry::mark_silent`]).
+const STEPPED_BACK: Duration = Duration::from_secs(60);
 const MAX_JOURNAL_BYTES: u64 = 3 * MAX_REGISTRY_BYTES as u64;
 /// The journal is folded into a new snapshot once it is larger than the
 /// snapshot and than this.
@@ -968,17 +971,20 @@ impl Registry {
         marked
     }
 
-    /// Moves every node time ahead of `now` back to `now`; returns how many
-    /// records it moved. After this clock was stepped back, silence and a
-    /// drift's hold then count from the step, instead of from times the
-    /// clock has yet to reach again (a host's step back would postpone a
-    /// drifted node's revocation by as much).
+    /// Moves every node time more than [`STEPPED_BACK`] ahead of `now` back
+    /// to `now`; returns how many records it moved. After this clock was
+    /// stepped back, silence and a drift's hold then count from the step,
+    /// instead of from times the clock has yet to reach again (a host's
+    /// step back would postpone a drifted node's revocation by as much).
+    /// Times a little ahead are those recorded while a sweep that read the
+    /// clock first waited for the registry.
     fn times_not_after(&mut self, now: u64) -> usize {
         let mut moved = 0;
+        let limit = now.saturating_add(STEPPED_BACK.as_secs());
         for (key, record) in &mut self.nodes {
-            let ahead = record.registered_at > now
-                || record.verdict_at > now
-                || record.last_evidence_at.is_some_and(|at| at > now);
+            let ahead = record.registered_at > limit
+                || record.verdict_at > limit
+                || record.last_evidence_at.is_some_and(|at| at > limit);
             if ahead {
                 record.registered_at = record.registered_at.min(now);
                 record.verdict_at = record.verdict_at.min(now);
@@ -987,7 +993,9 @@ impl Registry {
                 moved += 1;
             }
             if let Some(heard) = self.heard_from_peers.get_mut(key) {
-                *heard = (*heard).min(now);
+                if *heard > limit {
+                    *heard = now;
+                }
             }
         }
         moved
@@ -2225,13 +2233,6 @@ mod tests {
         assert!(!ours.heard_from_peers.contains_key(&key));
     }
 
-    /// Attacker's move: partition a node from this control plane only,
-    /// while the peer that still hears it has a clock behind this one's
-    /// (within the skew control planes may have), so that its records make
-    /// the node look quiet here and this control plane marks it silent
-    /// (and under `revoke`, revokes it everywhere). A record taken from a
-    /// peer counts as heard when it was taken; once no newer one comes,
-    /// the node falls silent as before.
     /// A host steps this control plane's clock back a day: a trusted node
     /// that stops reporting is silent a grace after the step, and a drift
     /// is held from the step, not from times the clock reaches a day on.
@@ -2253,8 +2254,23 @@ mod tests {
         let drifted = r.find("w-2").unwrap();
         assert_eq!(drifted.verdict, Verdict::Drifted);
         assert_eq!(drifted.verdict_at, back);
+        // Evidence recorded while a sweep that read the clock first waited
+        // for the registry is a second or so ahead: not moved.
+        let mut waited = Registry::default();
+        waited.record(&evidence(3, None)).unwrap();
+        let sweep = now() - 2;
+        let before = waited.find("w-3").unwrap().clone();
+        assert_eq!(waited.times_not_after(sweep), 0);
+        assert_eq!(*waited.find("w-3").unwrap(), before);
     }
 
+    /// Attacker's move: partition a node from this control plane only,
+    /// while the peer that still hears it has a clock behind this one's
+    /// (within the skew control planes may have), so that its records make
+    /// the node look quiet here and this control plane marks it silent
+    /// (and under `revoke`, revokes it everywhere). A record taken from a
+    /// peer counts as heard when it was taken; once no newer one comes,
+    /// the node falls silent as before.
     #[test]
     fn a_peer_clock_behind_this_one_does_not_make_its_nodes_silent() {
         let grace = Duration::from_secs(180);

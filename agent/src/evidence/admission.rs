@@ -256,8 +256,7 @@ impl keel_atls::Validator for OneHandshake {
         // the one policy that can accept it, which then checks the quote
         // over that value. A member's handshake is validated once.
         if claimed_pcr(document, pcr::CLUSTER_ID) == Some([0; 32]) {
-            return Validator::validate(&self.join, document, nonce, user_data)
-                .map_err(Into::into);
+            return Validator::validate(&self.join, document, nonce, user_data).map_err(Into::into);
         }
         let member = self
             .members
