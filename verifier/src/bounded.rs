@@ -1,7 +1,7 @@
 //! Reading files whose size is bounded before their contents are parsed.
 
 use std::io::Read as _;
-use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
 /// Reads `path` if it holds at most `limit` bytes; `Ok(None)` when it holds
@@ -13,24 +13,25 @@ pub fn read(path: &Path, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
 
 /// As [`read`], for a directory of files such as the collateral cache:
 /// anything but a regular file (or a link to one) is refused with
-/// `InvalidInput` before it is opened, so no device or FIFO is opened (an
-/// open may have effects, and a FIFO's may wait for a writer).
+/// `InvalidInput`, before it is opened when it is so as it is looked up (an
+/// open may have effects, and a FIFO's may wait for a writer). One swapped
+/// in after the look is opened without waiting and refused; a regular file
+/// swapped in (a cache updated by rename) is read.
 pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
     let not_regular =
         || std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
-    let named = std::fs::metadata(path)?;
-    if !named.is_file() {
+    let looked = std::fs::metadata(path)?;
+    if !looked.is_file() {
         return Err(not_regular());
     }
-    // Should the name be swapped for a FIFO between the two looks,
-    // O_NONBLOCK keeps its open from waiting (reads of a regular file
-    // ignore it), and the file opened must be the one looked at.
+    // Should the name be swapped for a FIFO between the look and the
+    // open, O_NONBLOCK keeps the open from waiting (reads of a regular
+    // file ignore it), and what was opened is looked at again.
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)?;
-    let opened = file.metadata()?;
-    if !opened.is_file() || (opened.dev(), opened.ino()) != (named.dev(), named.ino()) {
+    if !file.metadata()?.is_file() {
         return Err(not_regular());
     }
     up_to(file, limit)
