@@ -17,8 +17,9 @@
 //! [`MAX_DISKS_PER_EK`], binds a new disk in its place (a freed UUID may
 //! then be bound again). Each journal record must follow from the
 //! journal's earlier ones, and the snapshot must hold the state before
-//! the journal or after it (a crash between a fold's snapshot and its
-//! emptied journal); anything else is corruption. Bindings
+//! the journal, or one the journal passes through or leaves (a crash
+//! between a fold's snapshot and its emptied journal, or an emptying that
+//! failed); anything else is corruption. Bindings
 //! requested while a write runs are checked and recorded together in the
 //! next one ([`crate::batching`]). The process keeps the store it last read
 //! or wrote in memory and reads the files again only when they are no
@@ -418,39 +419,52 @@ impl StoreFile {
                 },
             )?;
         // The journal is checked on its own first: each record must follow
-        // from the journal's earlier records of the disk. By disk: the EK
-        // of its first record, and the binding its last one leaves.
-        let mut touched: BTreeMap<String, (EkDigest, Option<EkDigest>)> = BTreeMap::new();
+        // from the journal's earlier records of the disk (a binding ends
+        // only while it holds, a new one only once the last ended).
+        let mut touched: BTreeMap<String, Touched> = BTreeMap::new();
         for record in records {
             let unbound = record.unbound;
             let (uuid, ek) = self.binding(record.disk, &record.ek)?;
-            let now = match touched.get_mut(&uuid) {
-                Some((_, now)) => now,
-                None => &mut touched.entry(uuid.clone()).or_insert((ek, None)).1,
+            let disk = touched.entry(uuid.clone()).or_insert_with(|| Touched {
+                first: ek,
+                seen: false,
+                now: None,
+                bound: Vec::new(),
+            });
+            let consistent = match (disk.now, unbound) {
+                (Some(bound), _) => bound == ek,
+                // Ended: in this journal, or before it (its first record).
+                (None, true) => !disk.seen,
+                (None, false) => true,
             };
-            match (*now, unbound) {
-                (Some(bound), _) if bound != ek => {
-                    let what = if unbound { "ends" } else { "makes" };
-                    return Err(self.corrupt(format!(
-                        "the journal {what} a binding of disk {uuid} to another EK than it bound"
-                    )));
-                }
-                _ => *now = (!unbound).then_some(ek),
-            }
-        }
-        // Then against the snapshot. The journal is newer than it (the
-        // usual case: the disk was unbound, or bound to its first
-        // record's EK, before the journal), or older (a crash between a
-        // fold's new snapshot and its emptied journal: the snapshot holds
-        // the journal's last state); anything else is corruption.
-        for (uuid, (first, last)) in touched {
-            let before = disks.get(&uuid).copied();
-            if before.is_some() && before != Some(first) && before != last {
+            if !consistent {
+                let what = if unbound { "ends" } else { "makes" };
                 return Err(self.corrupt(format!(
-                    "the journal binds disk {uuid} to another EK than the snapshot does"
+                    "the journal {what} a binding of disk {uuid} that does not follow from its \
+                     earlier records"
                 )));
             }
-            match last {
+            disk.seen = true;
+            disk.now = (!unbound).then_some(ek);
+            if !unbound && !disk.bound.contains(&ek) {
+                disk.bound.push(ek);
+            }
+        }
+        // Then against the snapshot, which holds the state before the
+        // journal (the usual case: the disk unbound, or bound to its first
+        // record's EK), or one the journal passes through or leaves (a
+        // crash between a fold's new snapshot and its emptied journal, or
+        // an emptying that failed before more records came); anything else
+        // is corruption.
+        for (uuid, disk) in touched {
+            if let Some(before) = disks.get(&uuid).copied() {
+                if before != disk.first && !disk.bound.contains(&before) {
+                    return Err(self.corrupt(format!(
+                        "the journal binds disk {uuid} to another EK than the snapshot does"
+                    )));
+                }
+            }
+            match disk.now {
                 Some(ek) => disks.insert(uuid, ek),
                 None => disks.remove(&uuid),
             };
@@ -569,6 +583,18 @@ fn bind_one(
     }
     store.disks.insert(uuid, *ek);
     (Ok(Bind::Recorded), replaced)
+}
+
+/// What a journal says of one disk, while it is replayed.
+struct Touched {
+    /// The EK of its first record.
+    first: EkDigest,
+    /// Whether a record of it was replayed.
+    seen: bool,
+    /// The binding its records leave so far.
+    now: Option<EkDigest>,
+    /// Every EK its records bound it to.
+    bound: Vec<EkDigest>,
 }
 
 type Stores = HashMap<PathBuf, Cached>;
@@ -929,6 +955,7 @@ mod tests {
             None => "{\"version\":1,\"disks\":{}}".to_owned(),
         };
         let rebound = [record(1, false), record(1, true), record(2, false)].concat();
+        let rebound_twice = [rebound.clone(), record(2, true), record(3, false)].concat();
         let cases = [
             // Newer than the snapshot, or older: both give EK 2.
             (snapshot(None), rebound.clone(), Some(Some(ek(2)))),
@@ -939,6 +966,15 @@ mod tests {
                 snapshot(Some(1)),
                 [record(1, false), record(1, true)].concat(),
                 Some(None),
+            ),
+            // A snapshot that holds a state the journal passes through (an
+            // emptying failed, more records came).
+            (snapshot(Some(2)), rebound_twice.clone(), Some(Some(ek(3)))),
+            // Ended twice, the second time for an EK it was not bound to.
+            (
+                snapshot(None),
+                [record(1, false), record(1, true), record(2, true)].concat(),
+                None,
             ),
             // Bound to two EKs, or ended for another EK, in the journal.
             (
