@@ -83,18 +83,35 @@ fn default_name() -> String {
 
 /// Reads a file of bounded size.
 pub fn read_bounded(path: &Path) -> anyhow::Result<Vec<u8>> {
+    read_bounded_into(path, Vec::new())
+}
+
+/// As [`read_bounded`], for a file that holds a secret: read into a wiped
+/// buffer with room for the whole bound, so that it never grows and leaves
+/// no copy behind.
+pub fn read_bounded_secret(path: &Path) -> anyhow::Result<zeroize::Zeroizing<Vec<u8>>> {
+    let room = usize::try_from(MAX_FILE + 1).context("the file bound")?;
+    let mut bytes = zeroize::Zeroizing::new(Vec::with_capacity(room));
+    let read = read_bounded_into(path, std::mem::take(&mut *bytes))?;
+    *bytes = read;
+    Ok(bytes)
+}
+
+fn read_bounded_into(path: &Path, mut bytes: Vec<u8>) -> anyhow::Result<Vec<u8>> {
     use std::io::Read as _;
     // Bounded as it is read: a pipe (`<(...)`) or a growing file reports
     // no size that holds.
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
+    let result = std::fs::File::open(path)
         .and_then(|f| f.take(MAX_FILE + 1).read_to_end(&mut bytes))
-        .with_context(|| format!("reading {}", path.display()))?;
-    anyhow::ensure!(
-        bytes.len() as u64 <= MAX_FILE,
-        "{} is larger than {MAX_FILE} bytes",
-        path.display()
-    );
+        .with_context(|| format!("reading {}", path.display()));
+    if let Err(e) = result {
+        zeroize::Zeroize::zeroize(&mut bytes);
+        return Err(e);
+    }
+    if bytes.len() as u64 > MAX_FILE {
+        zeroize::Zeroize::zeroize(&mut bytes);
+        anyhow::bail!("{} is larger than {MAX_FILE} bytes", path.display());
+    }
     Ok(bytes)
 }
 
@@ -327,6 +344,22 @@ pub fn check_node_attestation(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// A secret file is read into the buffer it started with: no copy of
+    /// it is left in a buffer that grew and was freed. Past the bound it is
+    /// refused, as any file.
+    #[test]
+    fn a_secret_file_is_read_without_growing_its_buffer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret.json");
+        std::fs::write(&path, "{\"key\": \"00\"}").unwrap();
+        let read = read_bounded_secret(&path).unwrap();
+        assert_eq!(&**read, b"{\"key\": \"00\"}");
+        assert_eq!(read.capacity() as u64, MAX_FILE + 1);
+        std::fs::write(&path, vec![b' '; MAX_FILE as usize + 1]).unwrap();
+        let e = read_bounded_secret(&path).unwrap_err();
+        assert!(format!("{e:#}").contains("is larger than"), "{e:#}");
+    }
 
     #[test]
     fn files_without_a_size_are_bounded_as_they_are_read() {

@@ -62,10 +62,8 @@ impl MasterSecret {
     /// Reads [`MASTER_SECRET_FILE`] from `workspace`.
     pub fn load(workspace: &Path) -> anyhow::Result<Self> {
         let path = workspace.join(MASTER_SECRET_FILE);
-        let bytes = Zeroizing::new(
-            read_bounded(&path)
-                .with_context(|| format!("reading the master secret {}", path.display()))?,
-        );
+        let bytes = crate::settings::read_bounded_secret(&path)
+            .with_context(|| format!("reading the master secret {}", path.display()))?;
         let MasterSecretFile {
             key,
             salt,
