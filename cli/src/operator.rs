@@ -179,10 +179,8 @@ impl Operator {
         let secret = MasterSecret::load(workspace)?;
         let keys =
             KeyService::new(&secret.key, &secret.salt).context("the master secret is unusable")?;
-        let cluster_id: [u8; 32] = workspace::cluster_id(workspace)?
-            .as_slice()
-            .try_into()
-            .context("the workspace's cluster ID is not 32 bytes")?;
+        // The cluster the secret makes, which the ID file must name too.
+        let cluster_id = workspace::checked_cluster_id(workspace, &secret)?;
         let current = settings.measurements()?;
         let relaxed = Measurements::new(
             current

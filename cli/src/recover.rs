@@ -57,20 +57,8 @@ pub async fn run(
     // workspace's ID file, where it has one, must name it. Checked before
     // anything is sent: a node given the wrong measurement salt would lock
     // and refuse only then (and need a reboot).
-    let cluster_id = secret.cluster_id()?;
-    if let Some(recorded) =
-        crate::workspace::recorded_cluster_id(workspace).context("nothing was sent")?
-    {
-        if recorded != cluster_id {
-            bail!(
-                "the workspace's master secret file makes cluster {}, but its {} names {}: \
-                 they are not of one cluster; nothing was sent",
-                hex::encode(cluster_id),
-                crate::workspace::ID_FILE,
-                hex::encode(&recorded)
-            );
-        }
-    }
+    let cluster_id =
+        crate::workspace::checked_cluster_id(workspace, &secret).context("nothing was sent")?;
     let mut secrets = ControlPlaneSecrets {
         master_secret: secret.key.to_vec(),
         master_salt: secret.salt.clone(),

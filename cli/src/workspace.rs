@@ -115,13 +115,25 @@ impl MasterSecret {
     }
 }
 
-/// Reads the cluster ID from [`ID_FILE`] in `workspace`.
-pub fn cluster_id(workspace: &Path) -> anyhow::Result<Vec<u8>> {
-    recorded_cluster_id(workspace)?
-        .with_context(|| format!("{} has no {ID_FILE}", workspace.display()))
+/// The cluster ID `secret` makes, checked against the workspace's
+/// [`ID_FILE`] where it has one: the two files must be of one cluster.
+pub fn checked_cluster_id(workspace: &Path, secret: &MasterSecret) -> anyhow::Result<[u8; 32]> {
+    let cluster_id = secret.cluster_id()?;
+    if let Some(recorded) = recorded_cluster_id(workspace)? {
+        if recorded != cluster_id {
+            anyhow::bail!(
+                "the workspace's master secret file makes cluster {}, but its {ID_FILE} names {}: \
+                 they are not of one cluster",
+                hex::encode(cluster_id),
+                hex::encode(&recorded)
+            );
+        }
+    }
+    Ok(cluster_id)
 }
 
-/// As [`cluster_id`]; `None` where the workspace has no [`ID_FILE`].
+/// The cluster ID [`ID_FILE`] in `workspace` names; `None` where the
+/// workspace has none.
 pub fn recorded_cluster_id(workspace: &Path) -> anyhow::Result<Option<Vec<u8>>> {
     let path = workspace.join(ID_FILE);
     let Some(body) = read_if_there(&path)? else {
