@@ -83,6 +83,19 @@ impl EvidenceClientError {
             if status.code() == tonic::Code::PermissionDenied
                 && status.message() == super::service::REVOKED_MESSAGE)
     }
+
+    /// Whether the call may have failed on the way (no answer in time, the
+    /// connection gone), rather than by the peer's answer: then the
+    /// connection is not used again.
+    pub fn connection_failed(&self) -> bool {
+        matches!(self, Self::Refused(status) if matches!(
+            status.code(),
+            tonic::Code::DeadlineExceeded
+                | tonic::Code::Unavailable
+                | tonic::Code::Cancelled
+                | tonic::Code::Unknown
+        ))
+    }
 }
 
 /// The state disk's UUID as a node's evidence reports it.
@@ -308,15 +321,18 @@ impl EvidenceClient {
                         }
                         Err(e) => {
                             tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence round failed");
-                            // The peer's registry is taken whatever the
-                            // round's failure: a peer whose own writes fail
-                            // (it answers every round with an error) holds
-                            // its revocations in memory alone, and only
-                            // its peers keep them past its restart. A
-                            // control plane refused as revoked takes the
-                            // revocation list, its own revocation in it.
-                            self.exchange_registry(&mut session, &endpoint, !e.is_revoked())
-                                .await;
+                            // The peer's registry is taken whatever its
+                            // answer: a peer whose own writes fail (it
+                            // answers every round with an error) holds its
+                            // revocations in memory alone, and only its
+                            // peers keep them past its restart. A control
+                            // plane refused as revoked takes the revocation
+                            // list, its own revocation in it. A connection
+                            // that failed on the way is not used again.
+                            if !e.connection_failed() {
+                                self.exchange_registry(&mut session, &endpoint, !e.is_revoked())
+                                    .await;
+                            }
                             break;
                         }
                     }
@@ -640,6 +656,34 @@ async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> 
 mod tests {
     use super::*;
     use std::sync::Mutex;
+
+    /// A round that failed by the peer's answer (a write failing there,
+    /// Internal; a refusal) leaves the connection in use for the registry;
+    /// one that failed on the way does not.
+    #[test]
+    fn only_a_failure_on_the_way_gives_the_connection_up() {
+        let refused = |code| EvidenceClientError::Refused(tonic::Status::new(code, "x"));
+        for code in [
+            tonic::Code::Internal,
+            tonic::Code::PermissionDenied,
+            tonic::Code::ResourceExhausted,
+        ] {
+            assert!(!refused(code).connection_failed(), "{code:?}");
+        }
+        for code in [
+            tonic::Code::DeadlineExceeded,
+            tonic::Code::Unavailable,
+            tonic::Code::Cancelled,
+            tonic::Code::Unknown,
+        ] {
+            assert!(refused(code).connection_failed(), "{code:?}");
+        }
+        let internal: tonic::Status = (&crate::evidence::service::EvidenceError::Registry(
+            crate::registry::RegistryError::Task,
+        ))
+            .into();
+        assert!(!EvidenceClientError::Refused(internal).connection_failed());
+    }
     use tokio::time::Instant;
 
     /// A registry that came late, or from a peer whose clock is too far
