@@ -718,6 +718,27 @@ async fn a_kubeadm_that_fails_after_changing_the_node_is_not_reported_rolled_bac
     }
 }
 
+/// kubeadm fails, and its files cannot be read (a directory where a
+/// manifest goes): whether it changed the node cannot be told, so the node
+/// is not reported rolled back, and the operator is told why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubeadm_failure_whose_files_cannot_be_read_is_not_reported_rolled_back() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let node = node(&ca, &mirror, "worker", &[("KEEL_STANDIN_FAIL", "always")]).await;
+    std::fs::create_dir_all(node.root.join("etc/kubernetes/manifests/unreadable.yaml")).unwrap();
+    let (_, failed) = node.failed_upgrade(&new).await;
+    assert!(failed.switched, "{failed:?}");
+    assert!(!failed.rolled_back, "{failed:?}");
+    assert!(
+        failed.error.contains("could not be told") && failed.error.contains("not a regular file"),
+        "{}",
+        failed.error
+    );
+    assert_eq!(node.version(), FROM);
+}
+
 /// A kubeadm killed at its limit may have been midway (manifests, the
 /// kubelet's config): the binaries switch back, but the operator is not
 /// told the node was rolled back.

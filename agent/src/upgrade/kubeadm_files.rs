@@ -72,15 +72,6 @@ impl KubeadmFiles {
     }
 }
 
-/// Whether kubeadm left the node as `before` found it: false when either
-/// look failed, as nothing then shows that it did.
-pub fn unchanged(
-    before: &std::io::Result<KubeadmFiles>,
-    after: &std::io::Result<KubeadmFiles>,
-) -> bool {
-    matches!((before, after), (Ok(b), Ok(a)) if a == b)
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -95,34 +86,27 @@ mod tests {
             std::fs::write(path, text).unwrap();
         };
         write("etc/kubernetes/manifests/kube-apiserver.yaml", "v1.30");
-        let before = KubeadmFiles::now(root.path());
-        assert!(unchanged(&before, &KubeadmFiles::now(root.path())));
+        let before = KubeadmFiles::now(root.path()).unwrap();
+        assert_eq!(before, KubeadmFiles::now(root.path()).unwrap());
         for (path, text) in [
             ("etc/kubernetes/manifests/kube-apiserver.yaml", "v1.31"),
             ("etc/kubernetes/manifests/etcd.yaml", "3.5"),
             ("var/lib/kubelet/config.yaml", "kind: KubeletConfiguration"),
         ] {
-            let before = KubeadmFiles::now(root.path());
+            let before = KubeadmFiles::now(root.path()).unwrap();
             write(path, text);
-            assert!(
-                !unchanged(&before, &KubeadmFiles::now(root.path())),
-                "{path}"
-            );
+            assert_ne!(before, KubeadmFiles::now(root.path()).unwrap(), "{path}");
         }
-        let before = KubeadmFiles::now(root.path());
+        let before = KubeadmFiles::now(root.path()).unwrap();
         std::fs::remove_file(root.path().join("etc/kubernetes/manifests/etcd.yaml")).unwrap();
-        assert!(!unchanged(&before, &KubeadmFiles::now(root.path())));
+        assert_ne!(before, KubeadmFiles::now(root.path()).unwrap());
     }
 
     #[test]
-    fn a_state_that_cannot_be_read_is_never_taken_for_unchanged() {
+    fn files_that_cannot_be_read_are_an_error() {
         let root = tempfile::tempdir().unwrap();
         let manifests = root.path().join(MANIFESTS);
         std::fs::create_dir_all(manifests.join("a-directory.yaml")).unwrap();
-        let refused = KubeadmFiles::now(root.path());
-        assert!(refused.is_err());
-        assert!(!unchanged(&refused, &KubeadmFiles::now(root.path())));
-        let fine = KubeadmFiles::now(tempfile::tempdir().unwrap().path());
-        assert!(!unchanged(&fine, &refused));
+        assert!(KubeadmFiles::now(root.path()).is_err());
     }
 }

@@ -326,8 +326,8 @@ pub enum UpgradeError {
     },
     /// kubeadm failed after it changed the static pods' manifests or the
     /// kubelet's configuration (a phase after its control-plane one, which
-    /// it does not undo), or its changes could not be looked at: switching
-    /// the binaries back does not undo them either.
+    /// it does not undo): switching the binaries back does not undo them
+    /// either.
     #[error(
         "kubeadm failed after changing this node's static pods or kubelet configuration \
          for Kubernetes {version} (they stay so); run the same upgrade again to finish it"
@@ -335,6 +335,23 @@ pub enum UpgradeError {
     KubeadmChanged {
         /// The version kubeadm upgraded to.
         version: KubernetesVersion,
+        /// kubeadm's failure.
+        #[source]
+        source: Box<UpgradeError>,
+    },
+    /// As [`UpgradeError::KubeadmChanged`], but whether kubeadm changed
+    /// them could not be told: the files could not be read before or
+    /// after it.
+    #[error(
+        "kubeadm failed, and whether it changed this node's static pods or kubelet \
+         configuration for Kubernetes {version} could not be told ({look}); check them, or \
+         run the same upgrade again to finish it"
+    )]
+    KubeadmMayHaveChanged {
+        /// The version kubeadm upgraded to.
+        version: KubernetesVersion,
+        /// Why the files could not be read.
+        look: String,
         /// kubeadm's failure.
         #[source]
         source: Box<UpgradeError>,
@@ -577,6 +594,7 @@ impl Upgrader {
                     error,
                     UpgradeError::AfterKubeadm { .. }
                         | UpgradeError::KubeadmChanged { .. }
+                        | UpgradeError::KubeadmMayHaveChanged { .. }
                         | UpgradeError::Kubeadm(crate::kubeadm::KubeadmError::Timeout { .. })
                 );
                 let rolled_back = self.roll_back(&current, staging, log).await && !applied;
@@ -705,14 +723,17 @@ impl Upgrader {
         if let Err(error) = ran {
             let timed_out = matches!(error, crate::kubeadm::KubeadmError::Timeout { .. });
             let after = KubeadmFiles::now_blocking(&kubeadm.root).await;
-            let error = UpgradeError::Kubeadm(error);
-            return Err(if timed_out || kubeadm_files::unchanged(&before, &after) {
-                error
-            } else {
-                UpgradeError::KubeadmChanged {
-                    version: target.version,
-                    source: Box::new(error),
-                }
+            let source = Box::new(UpgradeError::Kubeadm(error));
+            let version = target.version;
+            return Err(match (before, after) {
+                _ if timed_out => *source,
+                (Ok(before), Ok(after)) if before == after => *source,
+                (Ok(_), Ok(_)) => UpgradeError::KubeadmChanged { version, source },
+                (Err(e), _) | (_, Err(e)) => UpgradeError::KubeadmMayHaveChanged {
+                    version,
+                    look: keel_atls::ErrorChain(&e).to_string(),
+                    source,
+                },
             });
         }
         let applied = |error| UpgradeError::AfterKubeadm {
