@@ -12,14 +12,17 @@
 //! alone for an operator. A new binding is appended to the journal and
 //! synced, so a write costs the bindings it records, not the size of the
 //! store; once the journal outgrows the snapshot (and 256 KiB), the next
-//! write replaces the snapshot atomically and empties the journal. A
+//! write first replaces the snapshot atomically with the state the journal
+//! leaves and empties the journal, then appends its own bindings, so a
+//! crash at any point leaves files that replay to what was recorded. A
 //! binding is never changed to another EK; it ends only when its EK, past
 //! [`MAX_DISKS_PER_EK`], binds a new disk in its place (a freed UUID may
 //! then be bound again). Each journal record must follow from the
 //! journal's earlier ones, and the snapshot must hold the state before
 //! the journal, or one the journal passes through or leaves (a crash
-//! between a fold's snapshot and its emptied journal, or an emptying that
-//! failed); anything else is corruption. Bindings
+//! between a fold's snapshot and its emptied journal, an emptying that
+//! failed, or an older agent's fold, which put its own round into the
+//! snapshot); anything else is corruption. Bindings
 //! requested while a write runs are checked and recorded together in the
 //! next one ([`crate::batching`]). The process keeps the store it last read
 //! or wrote in memory and reads the files again only when they are no
@@ -326,6 +329,10 @@ impl StoreFile {
         let _span = tracing::debug_span!("join.disk_binding", disks = requests.len()).entered();
         let mut stores = lock_stores();
         let store = self.current(&mut stores)?;
+        if let Err(e) = self.compact(store) {
+            stores.remove(&self.path);
+            return Err(e);
+        }
         let mut recorded = Vec::new();
         let results = requests
             .into_iter()
@@ -382,25 +389,33 @@ impl StoreFile {
         }
     }
 
-    /// Makes the bindings of one round (already in `store`) durable: appended
-    /// to the journal, and folded into a new snapshot once the journal
-    /// outgrew the last one ([`journal::Journal::fold`]).
-    fn persist(
-        &self,
-        store: &mut Cached,
-        recorded: &[BindingRecord],
-    ) -> Result<(), DiskBindingsError> {
+    /// Folds the journal into a new snapshot once it outgrew the last one,
+    /// before a round changes anything ([`Journal::compact`]): the
+    /// snapshot holds the state the journal leaves, so a crash before the
+    /// journal is emptied replays it to the same state.
+    fn compact(&self, store: &mut Cached) -> Result<(), DiskBindingsError> {
         let journal =
             journal::opened::<BindingRecord>(&mut store.journal, &self.path, MAX_JOURNAL_BYTES)
                 .map_err(DiskBindingsError::Journal)?;
         let snapshot_bytes = store.stamp.snapshot.map_or(0, |s| s.len);
         if journal.outgrows(snapshot_bytes, COMPACT_AT_LEAST) {
-            journal.fold(recorded, || self.store(&store.disks))?;
-        } else {
-            journal
-                .append(recorded)
-                .map_err(DiskBindingsError::Journal)?;
+            journal.compact(|| self.store(&store.disks));
+            store.stamp = Stamps::of(&self.path).map_err(|source| self.read_error(source))?;
         }
+        Ok(())
+    }
+
+    /// Makes the bindings of one round (already in `store`) durable:
+    /// appended to the journal. A journal at its bound (its snapshots kept
+    /// failing) refuses them, and the round records nothing.
+    fn persist(
+        &self,
+        store: &mut Cached,
+        recorded: &[BindingRecord],
+    ) -> Result<(), DiskBindingsError> {
+        journal::opened::<BindingRecord>(&mut store.journal, &self.path, MAX_JOURNAL_BYTES)
+            .and_then(|journal| journal.append(recorded))
+            .map_err(DiskBindingsError::Journal)?;
         store.stamp = Stamps::of(&self.path).map_err(|source| self.read_error(source))?;
         Ok(())
     }
@@ -754,10 +769,9 @@ mod tests {
             i += 1;
         }
         assert_eq!(size(store.path()), 0);
-        let kept = std::fs::read(&journal).unwrap();
         // The journal outgrew 256 KiB and the (empty) snapshot: the next
-        // binding is appended and then goes into a new snapshot with all
-        // the others. Should the snapshot fail (the temp file's name is
+        // write first folds it into a new snapshot, then appends its own
+        // binding. Should the snapshot fail (the temp file's name is
         // taken), the binding is recorded all the same, in the journal,
         // and the next write folds it.
         let file_name = store.path().file_name().unwrap().to_string_lossy();
@@ -769,18 +783,22 @@ mod tests {
         assert_eq!(size(store.path()), 0);
         assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), i + 1);
         std::fs::remove_dir(&temp).unwrap();
+        let kept = std::fs::read(&journal).unwrap();
         i += 1;
         assert_eq!(store.bind(&uuid(i), &ek(201)).unwrap(), Bind::Recorded);
-        assert_eq!(size(&journal), 0);
+        assert!(size(&journal) < 200, "the journal holds the last binding");
         assert!(size(store.path()) > 0);
         assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), i + 1);
         // A crash between the new snapshot and the emptied journal: the
-        // journal's bindings are all in the snapshot, replaying them is a
-        // no-op.
+        // snapshot holds what the journal leaves, replaying it is a no-op
+        // (the last binding was not recorded yet).
         std::fs::write(&journal, &kept).unwrap();
         let reopened = DiskBindings::new(dir.path());
-        assert_eq!(reopened.len().unwrap(), i + 1);
+        assert_eq!(reopened.len().unwrap(), i);
         assert_eq!(reopened.lookup(&uuid(0)).unwrap(), Some(ek(0)));
+        assert_eq!(reopened.lookup(&uuid(i)).unwrap(), None);
+        assert_eq!(reopened.bind(&uuid(i), &ek(201)).unwrap(), Bind::Recorded);
+        assert_eq!(reopened.len().unwrap(), i + 1);
         // A crash in the middle of an append: the cut record is dropped.
         journal::append_cut_short(&journal, b"{\"disk\":\"00000000-");
         assert_eq!(reopened.len().unwrap(), i + 1);
@@ -789,6 +807,71 @@ mod tests {
             Bind::Recorded
         );
         assert_eq!(DiskBindings::new(dir.path()).len().unwrap(), i + 2);
+    }
+
+    /// A journal at its bound (its snapshots kept failing), a freed disk in
+    /// it, and a write that binds that disk to a third EK: the write folds
+    /// the journal into a snapshot of what it leaves before it appends, so
+    /// a crash before the journal is emptied replays to that state. A
+    /// snapshot holding the write, with the old journal beside it, read as
+    /// corruption and stopped every ticket.
+    #[test]
+    fn a_journal_at_its_bound_folds_before_the_write_that_finds_it_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskBindings::new(dir.path());
+        let journal_path = journal::beside(store.path());
+        let hex_ek = |n: u8| hex::encode(ek(n).as_bytes());
+        let line = |disk: &str, n: u8, unbound: bool, pad: usize| {
+            format!(
+                "{{{}\"disk\":\"{disk}\",\"ek\":\"{}\",\"unbound\":{unbound}}}\n",
+                " ".repeat(pad),
+                hex_ek(n)
+            )
+        };
+        let limit = MAX_JOURNAL_BYTES as usize;
+        let pair = |disk: &str, pad| line(disk, 1, false, 0) + &line(disk, 1, true, pad);
+        let mut journal = String::with_capacity(limit);
+        let mut k = 0;
+        while journal.len() + 2 * pair(DISK, 0).len() <= limit {
+            journal.push_str(&pair(&format!("00000000-0000-4000-8000-{k:012x}"), 0));
+            k += 1;
+        }
+        // DISK bound to EK 1 and freed, padded to the journal's bound.
+        let pad = limit - journal.len() - pair(DISK, 0).len();
+        journal.push_str(&pair(DISK, pad));
+        assert_eq!(journal.len(), limit);
+        std::fs::create_dir_all(store.path().parent().unwrap()).unwrap();
+        std::fs::write(&journal_path, &journal).unwrap();
+        assert_eq!(store.lookup(DISK).unwrap(), None);
+
+        // While the snapshot cannot be written, the full journal takes no
+        // binding, and none is recorded.
+        let file_name = store.path().file_name().unwrap().to_string_lossy();
+        let temp = store
+            .path()
+            .with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
+        std::fs::create_dir(&temp).unwrap();
+        assert!(matches!(
+            store.bind(DISK, &ek(3)),
+            Err(DiskBindingsError::Journal(JournalError::TooLarge { .. }))
+        ));
+        assert_eq!(store.lookup(DISK).unwrap(), None);
+        std::fs::remove_dir(&temp).unwrap();
+
+        // Once it can, the write folds the journal and records.
+        assert_eq!(store.bind(DISK, &ek(3)).unwrap(), Bind::Recorded);
+        assert_eq!(
+            DiskBindings::new(dir.path()).lookup(DISK).unwrap(),
+            Some(ek(3))
+        );
+        // A crash between that snapshot and the emptied journal.
+        std::fs::write(&journal_path, &journal).unwrap();
+        lock_stores().clear();
+        let reopened = DiskBindings::new(dir.path());
+        assert_eq!(reopened.lookup(DISK).unwrap(), None);
+        assert_eq!(reopened.len().unwrap(), 0);
+        assert_eq!(reopened.bind(DISK, &ek(3)).unwrap(), Bind::Recorded);
+        assert_eq!(reopened.bind(DISK, &ek(1)).unwrap(), Bind::OtherEk(ek(3)));
     }
 
     #[test]

@@ -280,6 +280,27 @@ impl Journal {
         }
     }
 
+    /// Folds the journal into a snapshot of the state it leaves, before a
+    /// write adds anything: `write_snapshot` writes that state, then the
+    /// journal is emptied. A crash between the two replays the journal onto
+    /// the state it leaves, which changes nothing, whatever the journal
+    /// holds; the write's own records go to the emptied journal after.
+    /// A snapshot that fails is logged and the journal kept (its next
+    /// append may then find it at its bound); returns whether it folded.
+    pub fn compact<E: std::error::Error + 'static>(
+        &mut self,
+        write_snapshot: impl FnOnce() -> Result<(), E>,
+    ) -> bool {
+        if let Err(e) = write_snapshot() {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "writing a snapshot failed; the journal keeps the changes, and the next write tries again");
+            return false;
+        }
+        if let Err(e) = self.clear() {
+            tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying a journal folded into its snapshot");
+        }
+        true
+    }
+
     /// Bytes in the journal.
     pub fn len(&self) -> u64 {
         self.len
