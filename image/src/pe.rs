@@ -18,6 +18,8 @@ const OPT_CHECKSUM: usize = 64;
 const OPT_SIZE_OF_HEADERS: usize = 60;
 /// Index of the certificate table in the data directories.
 const CERT_TABLE_INDEX: usize = 4;
+/// Largest `VirtualSize` taken: [`PeFile::loaded_data`] allocates that much.
+pub const MAX_VIRTUAL_SIZE: u32 = 1 << 30;
 
 /// A PE/COFF parse failure.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -47,6 +49,33 @@ pub enum PeError {
     /// `SizeOfHeaders` lies outside the file or inside the header fields.
     #[error("SizeOfHeaders {0:#x} is out of bounds")]
     SizeOfHeaders(usize),
+    /// `SizeOfHeaders` ends inside the section table, whose rest no hash
+    /// covers.
+    #[error(
+        "SizeOfHeaders {size_of_headers:#x} ends before the section table does ({table_end:#x})"
+    )]
+    SectionTableOutsideHeaders {
+        /// `SizeOfHeaders`.
+        size_of_headers: usize,
+        /// One past the section table's last byte.
+        table_end: usize,
+    },
+    /// A section's `VirtualSize` is above [`MAX_VIRTUAL_SIZE`].
+    #[error("section {name:?} VirtualSize {size:#x} is above {MAX_VIRTUAL_SIZE:#x}")]
+    VirtualSize {
+        /// The section.
+        name: String,
+        /// Its `VirtualSize`.
+        size: u32,
+    },
+    /// Two sections' memory ranges overlap.
+    #[error("sections {first:?} and {second:?} overlap in memory")]
+    OverlappingSections {
+        /// One section.
+        first: String,
+        /// The other.
+        second: String,
+    },
 }
 
 /// One section table entry.
@@ -114,9 +143,17 @@ impl<'a> PeFile<'a> {
         }
 
         let table = opt + size_of_optional;
+        let table_end = table + number_of_sections * SECTION_HEADER_LEN;
+        if size_of_headers < table_end {
+            return Err(PeError::SectionTableOutsideHeaders {
+                size_of_headers,
+                table_end,
+            });
+        }
         let sections = (0..number_of_sections)
             .map(|i| parse_section(bytes, table + i * SECTION_HEADER_LEN))
             .collect::<Result<Vec<_>, _>>()?;
+        check_memory_layout(&sections)?;
         Ok(Self {
             bytes,
             checksum_offset,
@@ -183,6 +220,34 @@ impl<'a> PeFile<'a> {
         data.resize(size, 0);
         Ok(data)
     }
+}
+
+/// Refuses a `VirtualSize` above [`MAX_VIRTUAL_SIZE`] and sections whose
+/// `[VirtualAddress, VirtualAddress + VirtualSize)` ranges overlap.
+fn check_memory_layout(sections: &[Section]) -> Result<(), PeError> {
+    if let Some(s) = sections.iter().find(|s| s.virtual_size > MAX_VIRTUAL_SIZE) {
+        return Err(PeError::VirtualSize {
+            name: s.name.clone(),
+            size: s.virtual_size,
+        });
+    }
+    let range = |s: &Section| {
+        let start = u64::from(s.virtual_address);
+        start..start + u64::from(s.virtual_size)
+    };
+    let mut placed: Vec<&Section> = sections.iter().filter(|s| s.virtual_size != 0).collect();
+    placed.sort_by_key(|s| s.virtual_address);
+    for pair in placed.windows(2) {
+        if let [first, second] = pair {
+            if range(first).end > range(second).start {
+                return Err(PeError::OverlappingSections {
+                    first: first.name.clone(),
+                    second: second.name.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 fn parse_section(bytes: &[u8], at: usize) -> Result<Section, PeError> {
@@ -297,6 +362,66 @@ mod tests {
         assert_eq!(
             PeFile::parse(&bytes).err(),
             Some(PeError::OptionalMagic(0x30b))
+        );
+    }
+
+    /// Sets a 32-bit field of the `index`th section table entry.
+    fn set_section_field(bytes: &mut [u8], index: usize, field: usize, value: u32) {
+        let at = testpe::OPT_OFFSET + testpe::OPT_LEN + index * SECTION_HEADER_LEN + field;
+        bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
+    }
+
+    #[test]
+    fn rejects_a_section_table_that_ends_past_size_of_headers() {
+        let bytes = sample();
+        let table_end = testpe::OPT_OFFSET + testpe::OPT_LEN + 3 * SECTION_HEADER_LEN;
+        let mut short = bytes.clone();
+        let field = testpe::OPT_OFFSET + OPT_SIZE_OF_HEADERS;
+        short[field..field + 4].copy_from_slice(&(table_end as u32 - 8).to_le_bytes());
+        assert_eq!(
+            PeFile::parse(&short).err(),
+            Some(PeError::SectionTableOutsideHeaders {
+                size_of_headers: table_end - 8,
+                table_end
+            })
+        );
+        let mut exact = bytes;
+        exact[field..field + 4].copy_from_slice(&(table_end as u32).to_le_bytes());
+        assert!(PeFile::parse(&exact).is_ok());
+    }
+
+    #[test]
+    fn rejects_overlapping_or_huge_sections_in_memory() {
+        // .cmdline (VirtualAddress 0x2000) grown into .osrel (0x3000).
+        let mut overlap = sample();
+        set_section_field(&mut overlap, 1, 8, 0x1001);
+        assert_eq!(
+            PeFile::parse(&overlap).err(),
+            Some(PeError::OverlappingSections {
+                first: ".cmdline".into(),
+                second: ".osrel".into()
+            })
+        );
+        // Up to the next section: taken.
+        let mut adjacent = sample();
+        set_section_field(&mut adjacent, 1, 8, 0x1000);
+        assert!(PeFile::parse(&adjacent).is_ok());
+        // Two sections at one address.
+        let mut same = sample();
+        set_section_field(&mut same, 2, 12, 0x1000);
+        assert!(matches!(
+            PeFile::parse(&same),
+            Err(PeError::OverlappingSections { .. })
+        ));
+        // The last section, far above the bound.
+        let mut huge = sample();
+        set_section_field(&mut huge, 2, 8, 0xffff_ffff);
+        assert_eq!(
+            PeFile::parse(&huge).err(),
+            Some(PeError::VirtualSize {
+                name: ".osrel".into(),
+                size: 0xffff_ffff
+            })
         );
     }
 
