@@ -14,7 +14,7 @@ use keel_verifier::measurements::{Expected, Measurements, MeasurementsError};
 
 use crate::authenticode::{self, AuthenticodeError};
 use crate::pcr::{replay, Digest, Event};
-use crate::pe::{PeError, PeFile};
+use crate::pe::{PeError, PeFile, Section};
 
 /// The PCR the firmware measures boot applications into.
 pub const PCR_BOOT_LOADER_CODE: u32 = 4;
@@ -30,6 +30,11 @@ pub const PCR_NODE_CONFIG: u32 = keel_verifier::measurement::pcr::CONFIG;
 pub const STUB_MEASURED_SECTIONS: [&str; 9] = [
     ".linux", ".osrel", ".cmdline", ".initrd", ".splash", ".dtb", ".uname", ".sbat", ".pcrpkey",
 ];
+
+/// Sections the stub or a later stub acts on that the prediction does not
+/// model: systemd-stub 254 packs `.pcrsig` and `.pcrpkey` into a cpio
+/// appended to the initrd (PCR 9), and `.ucode` is covered by PCR 4 alone.
+pub const UNMODELLED_SECTIONS: [&str; 3] = [".pcrsig", ".pcrpkey", ".ucode"];
 
 /// The EV_EFI_ACTION string OVMF logs before starting a boot option.
 pub const CALLING_EFI_APPLICATION: &str = "Calling EFI Application from Boot Option";
@@ -65,10 +70,25 @@ pub enum PredictError {
     /// `.cmdline` is not UTF-8.
     #[error("the .cmdline section is not UTF-8")]
     CmdlineEncoding,
-    /// Two sections' names are, or begin with, the same measured name: which
-    /// one the stub uses is not what a prediction should guess.
+    /// Two sections have the same measured name: which one the stub uses is
+    /// not what a prediction should guess.
     #[error("the UKI has more than one section named like {0}")]
     AmbiguousSection(&'static str),
+    /// A section's name begins with a name the stub acts on without being
+    /// it: systemd-stub 254 compares only the known name's length.
+    #[error("the UKI's section {name:?} begins with {known}: systemd-stub 254 takes it for {known}, the prediction does not")]
+    LookalikeSection {
+        /// The section's name.
+        name: String,
+        /// The name the stub knows.
+        known: &'static str,
+    },
+    /// A measured section has a `VirtualSize` of 0: the stub skips it.
+    #[error("the UKI's {0} section is empty (VirtualSize 0): systemd-stub 254 skips it, the prediction does not")]
+    EmptySection(&'static str),
+    /// A section the prediction does not model.
+    #[error("the UKI has a {0} section, which the predictor does not model (systemd-stub 254 appends .pcrsig and .pcrpkey to the initrd it measures into PCR 9; .ucode only PCR 4 covers)")]
+    UnmodelledSection(&'static str),
     /// The command line lacks an option the image's security rests on, or
     /// overrides it.
     #[error("the UKI's command line {0}")]
@@ -85,16 +105,11 @@ pub struct Uki<'a> {
 }
 
 impl<'a> Uki<'a> {
-    /// Parses a UKI, refusing one with two sections named like one
-    /// measured section (the same name, or one that begins with it).
+    /// Parses a UKI, refusing one whose sections the stub would read
+    /// otherwise than the prediction: see [`check_sections`].
     pub fn parse(bytes: &'a [u8]) -> Result<Self, PredictError> {
         let pe = PeFile::parse(bytes).map_err(PredictError::ParseUki)?;
-        for name in STUB_MEASURED_SECTIONS {
-            let named = pe.sections().iter().filter(|s| s.name.starts_with(name));
-            if named.count() > 1 {
-                return Err(PredictError::AmbiguousSection(name));
-            }
-        }
+        check_sections(pe.sections())?;
         Ok(Self { pe })
     }
 
@@ -119,6 +134,39 @@ impl<'a> Uki<'a> {
         let text = std::str::from_utf8(&raw[..end]).map_err(|_| PredictError::CmdlineEncoding)?;
         Ok(mangle_cmdline(text))
     }
+}
+
+/// Refuses sections the stub reads otherwise than the prediction: a name
+/// that begins with one systemd-stub 254 knows without being it, a known name twice, an
+/// empty (`VirtualSize` 0) measured section, or an [`UNMODELLED_SECTIONS`]
+/// one.
+fn check_sections(sections: &[Section]) -> Result<(), PredictError> {
+    const PCRSIG: [&str; 1] = [".pcrsig"];
+    for &known in STUB_MEASURED_SECTIONS.iter().chain(&PCRSIG) {
+        if let Some(section) = sections
+            .iter()
+            .find(|s| s.name.starts_with(known) && s.name != known)
+        {
+            return Err(PredictError::LookalikeSection {
+                name: section.name.clone(),
+                known,
+            });
+        }
+    }
+    for name in UNMODELLED_SECTIONS {
+        if sections.iter().any(|s| s.name == name) {
+            return Err(PredictError::UnmodelledSection(name));
+        }
+    }
+    for name in STUB_MEASURED_SECTIONS {
+        let mut named = sections.iter().filter(|s| s.name == name);
+        match (named.next(), named.next()) {
+            (Some(_), Some(_)) => return Err(PredictError::AmbiguousSection(name)),
+            (Some(s), None) if s.virtual_size == 0 => return Err(PredictError::EmptySection(name)),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Options the measured command line must carry, each once and never
@@ -219,7 +267,8 @@ pub fn pcr4(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
 /// The kernel measures its load options, the command line systemd-stub
 /// passes as UTF-16LE including the terminating NUL, then the initrd it
 /// receives through the LoadFile2 protocol: the `.initrd` section (no
-/// credentials, system extensions or signatures are appended here).
+/// credentials or system extensions are appended here, and [`Uki::parse`]
+/// refuses the `.pcrsig` and `.pcrpkey` sections the stub would append).
 pub fn pcr9(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
     let cmdline = uki.cmdline()?;
     let mut utf16: Vec<u8> = cmdline.encode_utf16().flat_map(u16::to_le_bytes).collect();
@@ -351,6 +400,96 @@ mod tests {
         }
         // A name no measured section begins: a section the stub ignores.
         Uki::parse(&uki(".cmdlin2")).unwrap();
+    }
+
+    /// A UKI with `.linux`, a safe `.cmdline`, `.initrd` and `extra`.
+    fn uki_with(extra: SectionSpec) -> Vec<u8> {
+        testpe::build(
+            &[
+                SectionSpec::new(".linux", b"kernel", 0x200),
+                SectionSpec::new(".cmdline", SAFE_CMDLINE.as_bytes(), 0x400),
+                SectionSpec::new(".initrd", b"initrd", 0x600),
+                extra,
+            ],
+            b"",
+            b"",
+            0,
+        )
+    }
+
+    #[test]
+    fn a_lone_section_named_with_a_measured_prefix_is_refused() {
+        for (name, known) in [
+            (".osrelX", ".osrel"),
+            (".dtbX", ".dtb"),
+            (".sbatX", ".sbat"),
+            (".splash2", ".splash"),
+            (".unameX", ".uname"),
+            (".pcrsigX", ".pcrsig"),
+        ] {
+            match Uki::parse(&uki_with(SectionSpec::new(name, b"x", 0x800))) {
+                Err(PredictError::LookalikeSection { name: n, known: k }) => {
+                    assert_eq!((n.as_str(), k), (name, known));
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        // The sections of the project's own UKI (systemd-stub 254, ukify),
+        // and the other measured names, are taken.
+        for name in [
+            ".text", ".rodata", ".data", ".sdmagic", ".sbat", ".reloc", ".osrel", ".uname",
+            ".splash", ".dtb",
+        ] {
+            let bytes = uki_with(SectionSpec::new(name, b"x", 0x800));
+            if let Err(e) = Uki::parse(&bytes) {
+                panic!("{name}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_empty_measured_section_is_refused() {
+        let empty = |name| SectionSpec {
+            virtual_size: 0,
+            ..SectionSpec::new(name, b"x", 0x800)
+        };
+        for name in [".osrel", ".uname", ".sbat"] {
+            assert!(
+                matches!(Uki::parse(&uki_with(empty(name))), Err(PredictError::EmptySection(n)) if n == name),
+                "{name}"
+            );
+        }
+        let empty_linux = testpe::build(
+            &[
+                SectionSpec {
+                    virtual_size: 0,
+                    ..SectionSpec::new(".linux", b"kernel", 0x200)
+                },
+                SectionSpec::new(".cmdline", SAFE_CMDLINE.as_bytes(), 0x400),
+                SectionSpec::new(".initrd", b"initrd", 0x600),
+            ],
+            b"",
+            b"",
+            0,
+        );
+        assert!(matches!(
+            Uki::parse(&empty_linux),
+            Err(PredictError::EmptySection(".linux"))
+        ));
+        // An empty section the stub does not measure is no concern.
+        Uki::parse(&uki_with(empty(".bss"))).unwrap();
+    }
+
+    #[test]
+    fn a_uki_with_sections_the_prediction_does_not_model_is_refused() {
+        for name in UNMODELLED_SECTIONS {
+            let refused = Uki::parse(&uki_with(SectionSpec::new(name, b"x", 0x800))).unwrap_err();
+            assert!(
+                matches!(refused, PredictError::UnmodelledSection(n) if n == name),
+                "{name}: {refused:?}"
+            );
+            assert!(refused.to_string().contains("does not model"), "{refused}");
+        }
     }
 
     #[test]
