@@ -150,16 +150,60 @@ fn main() -> Result<()> {
 
     let json = measurements.to_json_with_epoch(args.epoch) + "\n";
     match &args.output {
-        Some(path) => {
-            std::fs::write(path, &json).with_context(|| format!("write {}", path.display()))?;
-            if let Some(key) = &signing_key {
-                let signature = keel_verifier::signature::detached_signature_path(path);
-                std::fs::write(&signature, key.sign(json.as_bytes()))
-                    .with_context(|| format!("write {}", signature.display()))?;
-                eprintln!("signature: {}", signature.display());
-            }
-        }
+        Some(path) => write_output(path, json.as_bytes(), signing_key.as_ref())?,
         None => print!("{json}"),
+    }
+    Ok(())
+}
+
+/// Writes `json` to `path` and, with `key`, its signature to `<path>.sig`,
+/// each through a temporary file renamed into place. Any existing
+/// `<path>.sig` is removed first: it signs other bytes, and the CLI sends
+/// whatever signature lies beside the file.
+fn write_output(path: &Path, json: &[u8], key: Option<&SigningPrivateKey>) -> Result<()> {
+    let signature = keel_verifier::signature::detached_signature_path(path);
+    let stale = match std::fs::remove_file(&signature) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(e).with_context(|| format!("remove {}", signature.display())),
+    };
+    write_replacing(path, json)?;
+    match key {
+        Some(key) => {
+            write_replacing(&signature, &key.sign(json))?;
+            eprintln!("signature: {}", signature.display());
+        }
+        None if stale => eprintln!(
+            "removed {}: it signed an earlier file (no --signing-key given)",
+            signature.display()
+        ),
+        None => {}
+    }
+    Ok(())
+}
+
+/// Replaces `path` with `data` atomically: a new file in the same
+/// directory, synced, then renamed over `path` (a symlink at `path` is
+/// replaced, not followed).
+fn write_replacing(path: &Path, data: &[u8]) -> Result<()> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} names no file", path.display()))?;
+    let mut temp_name = std::ffi::OsString::from(".");
+    temp_name.push(name);
+    temp_name.push(format!(".{}.tmp", std::process::id()));
+    let temp = path.with_file_name(temp_name);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(&temp)
+        .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&temp, path));
+    if let Err(e) = written {
+        // Best effort: the error that matters is the write's.
+        let _ = std::fs::remove_file(&temp);
+        return Err(e).with_context(|| format!("write {}", path.display()));
     }
     Ok(())
 }
