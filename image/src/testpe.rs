@@ -12,7 +12,8 @@ pub const OPT_LEN: usize = 112 + 16 * 8;
 pub const CHECKSUM_OFFSET: usize = OPT_OFFSET + 64;
 /// Offset of the certificate-table directory entry.
 pub const CERT_ENTRY_OFFSET: usize = OPT_OFFSET + 112 + 4 * 8;
-/// SizeOfHeaders of images built here.
+/// SizeOfHeaders of images built here: room for a section table of at
+/// most four entries (a longer one ends past it and is refused).
 pub const HEADERS_LEN: usize = 0x200;
 /// A `.cmdline` with everything a prediction requires of it
 /// ([`crate::predict::check_cmdline`]).
