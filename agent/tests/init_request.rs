@@ -188,6 +188,21 @@ async fn missing_malformed_or_unenforcing_join_measurements_are_refused_before_t
             .unwrap()[&pcr::CLUSTER_ID];
         assert_eq!(pcr15, [0; 32], "{case}");
     }
+    // Cluster names kubeadm refuses, which it would say only after the lock.
+    for name in ["prod-", "-prod", "-"] {
+        let request = InitRequest {
+            cluster_name: name.into(),
+            ..complete(
+                &sealed,
+                InitRequest {
+                    join_measurements: file_of_enforced(),
+                    ..InitRequest::default()
+                },
+            )
+        };
+        let expected = (tonic::Code::InvalidArgument, "cluster name");
+        refused_before_the_lock(&init, &node, request, name, expected).await;
+    }
 }
 
 /// Attacker's move: someone who can change the operator's components file

@@ -872,3 +872,39 @@ async fn the_join_measurements_file_and_policy_follow_the_cluster_state() {
     assert!(settle().await, "the changed set was not written");
     follow.abort();
 }
+
+/// Attacker's move: the host writes a node name Kubernetes refuses into
+/// the node part of a config (one an agent measured without checking it).
+/// Such a node would take a ticket, lock, fail at kubeadm, and find its EK
+/// kept to that name in the registry, refused under any other. The service
+/// gives it no ticket, by join or by rejoin, and records nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_name_kubernetes_refuses_gets_no_ticket_and_binds_nothing() {
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let service = start_service_with(&ca, port, None, false).await;
+    let mut config = join_common::config(&ca, port, "w-1", "worker");
+    config.node.name = "w-1-".into();
+    let node = join_common::joiner_with(config, keel_testkit::swtpm::Swtpm::start(&ca).unwrap());
+    let tickets = node.tickets(&ca);
+    let refused = |result: Result<_, TicketError>, code: tonic::Code, case: &str| match result {
+        Err(TicketError::Refused(status)) => assert_eq!(status.code(), code, "{case}: {status:?}"),
+        other => panic!("{case}: {other:?}"),
+    };
+    // Named as measured, or as it should have been: refused either way.
+    for name in ["w-1-", "W-1", "w_1", "-w"] {
+        let (request, spki) = worker_request(name);
+        let result = tickets.join_ticket(&service.endpoint, request, &spki).await;
+        refused(result.map(|_| ()), tonic::Code::InvalidArgument, name);
+    }
+    let (request, spki) = worker_request("w-1");
+    let result = tickets.join_ticket(&service.endpoint, request, &spki).await;
+    refused(result.map(|_| ()), tonic::Code::PermissionDenied, "w-1");
+    let disk = join_common::uuid();
+    let result = tickets.rejoin_ticket(&service.endpoint, &disk).await;
+    refused(result.map(|_| ()), tonic::Code::PermissionDenied, "rejoin");
+    let bindings = keel_agent::disk_bindings::DiskBindings::new(&service.root);
+    assert_eq!(bindings.len().unwrap(), 0);
+    assert!(service.registered_tokens().is_empty());
+    node.assert_untouched();
+}

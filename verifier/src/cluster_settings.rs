@@ -15,8 +15,8 @@ const MAX_CLUSTER_NAME: usize = 63;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SettingsError {
-    /// The cluster name is not 1-63 characters of a-z, 0-9 and '-'.
-    #[error("cluster name {0:?} is not 1-63 characters of a-z, 0-9 and '-'")]
+    /// The cluster name is not a DNS label ([`is_dns_label`]).
+    #[error("cluster name {0:?} is not 1-63 characters of a-z, 0-9 and '-' that begin and end with a letter or digit")]
     ClusterName(String),
     /// The service CIDR is not `address/prefix`.
     #[error("service CIDR {0:?} is not an address/prefix CIDR")]
@@ -26,14 +26,9 @@ pub enum SettingsError {
     CertSan(String),
 }
 
-/// Checks a Kubernetes cluster name.
+/// Checks a Kubernetes cluster name: a DNS label, as kubeadm takes it.
 pub fn check_cluster_name(name: &str) -> Result<(), SettingsError> {
-    let fits = !name.is_empty()
-        && name.len() <= MAX_CLUSTER_NAME
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    if fits {
+    if name.len() <= MAX_CLUSTER_NAME && is_dns_label(name) {
         Ok(())
     } else {
         Err(SettingsError::ClusterName(name.to_owned()))
@@ -57,17 +52,19 @@ pub fn check_cluster_network(
 /// Whether `s` is a lower-case DNS name (RFC 1123 labels) of at most 253
 /// characters.
 pub fn is_dns_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
+/// Whether `s` is one lower-case DNS label (RFC 1123): 1-63 characters of
+/// a-z, 0-9 and '-' that begin and end with a letter or digit. Node and
+/// cluster names must be one: kubeadm and the kubelet refuse others.
+pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        })
+        && s.len() <= 63
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 /// Whether `s` is `address/prefix` with a prefix in decimal without
@@ -100,7 +97,19 @@ mod tests {
     fn cluster_names() {
         check_cluster_name("keel").unwrap();
         check_cluster_name(&"a".repeat(63)).unwrap();
-        for bad in ["", "Prod", "a_b", "a.b", &"a".repeat(64)] {
+        check_cluster_name("a-0").unwrap();
+        // kubeadm refuses a name that begins or ends with '-' only after
+        // the node locked.
+        for bad in [
+            "",
+            "Prod",
+            "a_b",
+            "a.b",
+            &"a".repeat(64),
+            "prod-",
+            "-prod",
+            "-",
+        ] {
             assert_eq!(
                 check_cluster_name(bad),
                 Err(SettingsError::ClusterName(bad.to_owned()))

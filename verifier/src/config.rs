@@ -366,16 +366,12 @@ impl NodeConfig {
         self.cluster.cpu_policy()?;
         self.cluster.signing_key()?;
         let n = &self.node;
-        if n.name.is_empty()
-            || n.name.len() > 63
-            || !n
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        {
+        if !crate::cluster_settings::is_dns_label(&n.name) {
             return Err(ConfigError::Invalid {
                 field: "node.name",
-                reason: "must be 1-63 characters of a-z, 0-9 and '-'".into(),
+                reason: "must be 1-63 characters of a-z, 0-9 and '-' that begin and end with a \
+                         letter or digit"
+                    .into(),
             });
         }
         Ok(())
@@ -487,10 +483,20 @@ mod tests {
             parse(r#"{"cluster":{"control_plane_endpoints":["nohost"]}}"#),
             Err(ConfigError::Invalid { .. })
         ));
-        assert!(matches!(
-            parse(r#"{"node":{"name":"UPPER"}}"#),
-            Err(ConfigError::Invalid { .. })
-        ));
+        for name in ["UPPER", "cp-", "-cp", "-", "a_b", "a.b"] {
+            let doc = format!(r#"{{"node":{{"name":"{name}"}}}}"#);
+            assert!(
+                matches!(
+                    parse(&doc),
+                    Err(ConfigError::Invalid {
+                        field: "node.name",
+                        ..
+                    })
+                ),
+                "{name}"
+            );
+        }
+        assert!(parse(r#"{"node":{"name":"cp-0"}}"#).is_ok());
     }
 
     #[test]

@@ -14,8 +14,10 @@
 //! worker config. The kubelet CSR must carry a valid self-signature and
 //! exactly the subject `O=system:nodes, CN=system:node:<name>`; the
 //! certificate is built from that subject and the CSR's key only (requested
-//! extensions are ignored). Each ticket gets its own bootstrap token,
-//! registered with the cluster through `kubeadm token create --config`
+//! extensions are ignored). A ticket that does not ask for file discovery,
+//! from a node of another image than the service's own (whose agent
+//! always asks for it), gets its own bootstrap token, registered with the
+//! cluster through `kubeadm token create --config`
 //! (the token goes in a 0600 file, never in an argument); the tokens of
 //! tickets issued at the same time share a run ([`super::tokens`]).
 //!
@@ -41,6 +43,7 @@ use keel_proto::join::{
     ControlPlaneFile, ControlPlaneSecrets, IssueJoinTicketRequest, IssueJoinTicketResponse,
     IssueRejoinTicketRequest, IssueRejoinTicketResponse, JoinSecrets,
 };
+use keel_verifier::cluster_settings::is_dns_label;
 use keel_verifier::config::{NodeIdentity, Role};
 use keel_verifier::credential;
 use keel_verifier::signature::SignedMeasurements;
@@ -518,7 +521,7 @@ impl JoinService {
         };
         let sealed = seal(peer, secrets)?;
         tracing::info!(
-            node = %request.node_name,
+            node = %request.node_name.escape_debug(),
             control_plane = request.is_control_plane,
             token_id = token.as_ref().map_or("none (file discovery)", BootstrapToken::id),
             measurements = %hex::encode(peer.measurements),
@@ -801,9 +804,10 @@ fn check_identity(
     node_name: &str,
     is_control_plane: bool,
 ) -> Result<NodeIdentity, JoinServiceError> {
-    if node_name.is_empty() || node_name.len() > 63 {
+    if !is_dns_label(node_name) {
         return Err(JoinServiceError::InvalidRequest(
-            "node name must be 1-63 characters",
+            "node name must be 1-63 characters of a-z, 0-9 and '-' that begin and end with a \
+             letter or digit",
         ));
     }
     let identity = measured_identity(peer)?;
@@ -820,11 +824,19 @@ fn check_identity(
     Ok(identity)
 }
 
-/// The node name and role in the peer's replayed node-identity event.
+/// The node name and role in the peer's replayed node-identity event. A
+/// name Kubernetes refuses gets no ticket: its node would fail after its
+/// lock, and its EK would keep that name in the registry.
 pub(crate) fn measured_identity(peer: &Verified) -> Result<NodeIdentity, JoinServiceError> {
-    peer.identity().ok_or(JoinServiceError::Identity(
+    let identity = peer.identity().ok_or(JoinServiceError::Identity(
         "no node identity that parses in the event log",
-    ))
+    ))?;
+    if !is_dns_label(&identity.name) {
+        return Err(JoinServiceError::Identity(
+            "the measured node name is not a DNS label",
+        ));
+    }
+    Ok(identity)
 }
 
 /// The operator key of the node whose EK is `ek`, for its ticket.
