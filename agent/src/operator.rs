@@ -877,9 +877,11 @@ async fn off_the_runtime<T: Send + 'static>(
 }
 
 /// The tonic form of an operator result: refusals are logged with their
-/// chain and sent with their code and message. A refusal as throttled
-/// costs its sender nothing, so it is logged at debug level only: a flood
-/// of them must not push other events out of the journal's rate limit.
+/// chain and sent with their code and message. A refusal as throttled, or
+/// for what the node is (in no cluster, not a control plane, not serving
+/// yet), costs its sender nothing, so it is logged at debug level only: a
+/// flood of them must not push other events out of the journal's rate
+/// limit.
 fn respond<T>(
     result: Result<T, OperatorError>,
     caller: &crate::grpc::Caller,
@@ -889,7 +891,12 @@ fn respond<T>(
             caller.vouch();
             Ok(tonic::Response::new(response))
         }
-        Err(e @ OperatorError::Throttled(_)) => {
+        Err(
+            e @ (OperatorError::Throttled(_)
+            | OperatorError::NotServing
+            | OperatorError::NotControlPlane
+            | OperatorError::NotFinished),
+        ) => {
             tracing::debug!(error = %e, "operator request refused");
             Err((&e).into())
         }

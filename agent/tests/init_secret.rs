@@ -185,3 +185,35 @@ async fn a_request_whose_client_goes_away_still_counts_against_its_address() {
     );
     node.assert_untouched();
 }
+
+/// Flood: requests that carry no secrets at all cost the node no TPM work,
+/// but each one was a warning in its log. They count against their
+/// address like a wrong secret, so the next is held back (and logged at
+/// debug level only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_without_secrets_slow_their_sender_down() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "cp-0", "control-plane");
+    let addr = serve(&node).await;
+    let mut codes = Vec::new();
+    for _ in 0..2 {
+        let channel = bind(&ca, &node, addr).await;
+        let request = InitRequest {
+            cluster_name: "c".into(),
+            ..InitRequest::default()
+        };
+        match InitServiceClient::new(channel).init(request).await {
+            Ok(_) => panic!("init was accepted"),
+            Err(status) => codes.push(status.code()),
+        }
+    }
+    assert_eq!(
+        codes,
+        [tonic::Code::InvalidArgument, tonic::Code::ResourceExhausted]
+    );
+    // The right secret after the wait is judged on its fields.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let code = init(&ca, &node, addr, node.sealed(&secrets(SECRET)), "c").await;
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    node.assert_untouched();
+}

@@ -99,6 +99,10 @@ pub enum InitError {
     /// Taking the lock failed for another reason.
     #[error("taking the node lock failed")]
     Lock(#[source] LockError),
+    /// Recording the lock failed after PCR 15 was extended: the node is
+    /// locked with nothing served, and starts over from a reset.
+    #[error("the node locked but could not record its lock; it resets its state disk and starts over from a reboot")]
+    LockBroken(#[source] LockError),
     /// The TPM could not be used.
     #[error("the TPM is unavailable")]
     Tpm,
@@ -131,9 +135,10 @@ impl From<&InitError> for tonic::Status {
             | InitError::DiskUnfinished
             | InitError::DiskDamaged(_)
             | InitError::DiskForeign(_) => tonic::Code::FailedPrecondition,
-            InitError::Lock(_) | InitError::Tpm | InitError::DiskUnreadable(_) => {
-                tonic::Code::Unavailable
-            }
+            InitError::Lock(_)
+            | InitError::LockBroken(_)
+            | InitError::Tpm
+            | InitError::DiskUnreadable(_) => tonic::Code::Unavailable,
             InitError::Internal => tonic::Code::Internal,
             InitError::Throttled(_) => tonic::Code::ResourceExhausted,
         };
@@ -263,22 +268,29 @@ impl InitServer {
         // an address whose request did not open to the right init secret
         // waits, doubling per failure.
         let _one_at_a_time = self.inner.opening.lock().await;
+        // Locked (by a join, or the request before this one) while this
+        // one waited its turn: still nothing spent on it.
+        if self.inner.node.lock.is_locked() {
+            return Err(InitError::Locked);
+        }
         if let Some(ip) = peer {
             self.inner
                 .throttle
                 .check(ip)
                 .map_err(|wait| InitError::Throttled(wait.as_secs().max(1)))?;
         }
-        let sealed = request
-            .secrets
-            .ok_or_else(|| InitError::InvalidRequest("sealed secrets missing".into()))?;
-        // Every request that reaches the TPM counts as a failure of its
+        // Every request past this point counts as a failure of its
         // address until it opens to the right secret: one that does not
         // open has cost the TPM as much as one with a wrong secret, and one
         // whose client goes away midway (this future dropped) has cost the
-        // TPM and the secret's check all the same.
+        // TPM and the secret's check all the same. One without secrets
+        // counts too, so a flood of them is throttled like wrong secrets.
         let counted = peer.map(|ip| (ip, self.inner.throttle.failed(ip)));
-        let (secrets, own_ek) = match self.open(sealed).await {
+        let opened = match request.secrets {
+            Some(sealed) => self.open(sealed).await,
+            None => Err(InitError::InvalidRequest("sealed secrets missing".into())),
+        };
+        let (secrets, own_ek) = match opened {
             Ok(opened) => opened,
             Err(e) => {
                 if let Some((ip, (failures, wait))) = counted {
@@ -495,9 +507,15 @@ impl InitService for InitServer {
                 a
             }
             // Refusals that cost the sender nothing (a throttled address,
-            // a node already taken) are logged at debug level only, so a
-            // flood of them cannot crowd other events out of the journal.
-            Err(e @ (InitError::Throttled(_) | InitError::Locked)) => {
+            // a node already taken, a node that takes no init) are logged
+            // at debug level only, so a flood of them cannot crowd other
+            // events out of the journal.
+            Err(
+                e @ (InitError::Throttled(_)
+                | InitError::Locked
+                | InitError::NotInitNode
+                | InitError::NotControlPlane),
+            ) => {
                 tracing::debug!(error = %e, "init refused");
                 return Err((&e).into());
             }
@@ -507,7 +525,17 @@ impl InitService for InitServer {
             }
         };
         let node = &self.inner.node;
-        match crate::resume::take_lock(&node.lock, accepted.cluster_id, &node.env.work_dir) {
+        let (lock, work_dir, cluster_id) = (
+            node.lock.clone(),
+            node.env.work_dir.clone(),
+            accepted.cluster_id,
+        );
+        let taken = tokio::task::spawn_blocking(move || {
+            crate::resume::take_lock(&lock, cluster_id, &work_dir)
+        })
+        .await
+        .map_err(|_| tonic::Status::from(&InitError::Internal))?;
+        match taken {
             Ok(()) => {}
             Err(LockError::AlreadyLocked) => return Err((&InitError::Locked).into()),
             // A failed record that set PCR 15 anyway: the node is locked
@@ -519,7 +547,7 @@ impl InitService for InitServer {
                 Provisioner::new(&self.inner.node.env, &self.inner.node.tpm, &log)
                     .fail(&error)
                     .await;
-                return Err((&InitError::Lock(e)).into());
+                return Err((&InitError::LockBroken(e)).into());
             }
             Err(e) => return Err((&InitError::Lock(e)).into()),
         }
