@@ -443,7 +443,7 @@ pub async fn run(
     let init_secret = match &settings.init_secret_file {
         Some(p) => {
             let path = settings.resolve(p);
-            let secret = Zeroizing::new(read_bounded(&path)?);
+            let secret = crate::settings::read_bounded_secret(&path)?;
             if secret.len() < MIN_INIT_SECRET_BYTES {
                 bail!(
                     "{} holds {} bytes; an init secret needs at least {MIN_INIT_SECRET_BYTES}: \
@@ -655,6 +655,14 @@ pub async fn run(
         // was not read either.
         Err(s) if told_busy(&s) => bail!(
             "the node was still busy when --timeout ran out ({}): {}",
+            printable(s.message()),
+            unused_secret(&secret_path)
+        ),
+        // Refused by its checks, which all come before the node's lock:
+        // the master secret is as unused as the node.
+        Err(s) if !matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Internal) => bail!(
+            "the node refused init ({:?}): {}; {}",
+            s.code(),
             printable(s.message()),
             unused_secret(&secret_path)
         ),
