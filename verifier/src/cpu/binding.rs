@@ -12,7 +12,9 @@
 //!   vTPM's AK (`kid` `HCLAkPub`) as an RSA JWK; `report_data[0..32]` is
 //!   SHA-256 of that JSON. The report is made at boot and carries no nonce:
 //!   freshness comes from the quote (its qualifying data holds the nonce),
-//!   which must then be signed by exactly the AK the JSON names.
+//!   which must then be signed by exactly the AK the JSON names. The quote
+//!   check takes only P-256 AKs and that AK is RSA, so no such document
+//!   validates yet (docs/attestation.md, "Not yet").
 
 use std::fmt;
 
