@@ -25,6 +25,8 @@ pub const IMAGE_FILE: &str = "keel-image.json";
 pub const REVOKED_FILE: &str = "keel-revoked.json";
 /// The lock file that orders changes to [`REVOKED_FILE`].
 const REVOKED_LOCK_FILE: &str = ".keel-revoked.lock";
+/// The lock file that serialises changes to [`IMAGE_FILE`].
+const IMAGE_LOCK_FILE: &str = ".keel-image.lock";
 
 /// [`MASTER_SECRET_FILE`] as stored: hex fields; the key's is wiped when
 /// dropped, also when the rest of the file fails to parse.
@@ -185,6 +187,7 @@ impl ImageRecord {
 
     /// Applies `change` to the record in `workspace`, if there is one.
     pub fn update(workspace: &Path, change: impl FnOnce(&mut Self)) -> anyhow::Result<()> {
+        let _lock = lock_beside(workspace, IMAGE_LOCK_FILE, IMAGE_FILE)?;
         if let Some(mut record) = Self::load(workspace)? {
             change(&mut record);
             record.save(workspace)?;
@@ -198,6 +201,7 @@ impl ImageRecord {
         workspace: &Path,
         change: impl FnOnce(&mut Self),
     ) -> anyhow::Result<()> {
+        let _lock = lock_beside(workspace, IMAGE_LOCK_FILE, IMAGE_FILE)?;
         let mut record = Self::load(workspace)?.unwrap_or(Self {
             digest: String::new(),
             epoch: 0,
@@ -284,13 +288,7 @@ impl RevokedRecord {
         // Two `keel revoke` runs at once (a script revoking several nodes)
         // must not lose each other's EK: the read, the change and the
         // write happen under an exclusive lock on a file beside the record.
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(workspace.join(REVOKED_LOCK_FILE))
-            .and_then(|file| file.lock().map(|()| file))
-            .with_context(|| format!("locking {REVOKED_FILE} in {}", workspace.display()))?;
+        let lock = lock_beside(workspace, REVOKED_LOCK_FILE, REVOKED_FILE)?;
         let mut record = Self::load(workspace)?;
         if record.eks.insert(ek.to_owned()) {
             let body = serde_json::to_vec_pretty(&record).context("encoding the revoked EKs")?;
@@ -310,6 +308,24 @@ impl RevokedRecord {
         }
         Ok(())
     }
+}
+
+/// Takes an exclusive lock on the file `lock_name` in `workspace` (0600,
+/// created if needed, never through a symbolic link), held until the
+/// returned file is dropped: two runs of the CLI that change the record
+/// `record` (named in the error) read, change and write it in turn, and
+/// neither loses the other's change.
+fn lock_beside(workspace: &Path, lock_name: &str, record: &str) -> anyhow::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(workspace.join(lock_name))
+        .and_then(|file| file.lock().map(|()| file))
+        .with_context(|| format!("locking {record} in {}", workspace.display()))
 }
 
 #[cfg(test)]
@@ -355,6 +371,50 @@ mod tests {
             assert!(e.contains(MASTER_SECRET_FILE), "{e}");
             assert!(!e.contains(secret_part), "{e}");
         }
+    }
+
+    /// Two runs that change the image record at once (a push and an
+    /// upgrade's finish): each reads, changes and writes under the lock,
+    /// so neither's change is lost. Each change here reads the record,
+    /// waits, and adds its own bit to the epoch.
+    #[test]
+    fn changes_to_the_image_record_at_once_lose_nothing() {
+        let ws = tempfile::tempdir().unwrap();
+        ImageRecord::update_or_create(ws.path(), |r| r.digest = hex::encode(set(4).digest()))
+            .unwrap();
+        let threads: Vec<_> = (0..8u32)
+            .map(|bit| {
+                let ws = ws.path().to_owned();
+                std::thread::spawn(move || {
+                    ImageRecord::update(&ws, |r| {
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        r.epoch |= 1 << bit;
+                    })
+                    .unwrap();
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(ImageRecord::load(ws.path()).unwrap().unwrap().epoch, 0xff);
+    }
+
+    /// A lock file's name planted as a symbolic link: the CLI neither
+    /// follows it (creating or locking the file it names) nor changes the
+    /// record.
+    #[test]
+    fn a_planted_lock_link_is_not_followed() {
+        let ws = tempfile::tempdir().unwrap();
+        let target = ws.path().join("elsewhere");
+        std::os::unix::fs::symlink(&target, ws.path().join(REVOKED_LOCK_FILE)).unwrap();
+        let ek = keel_verifier::ek::EkDigest::of_marshalled(b"revoked").to_string();
+        assert!(RevokedRecord::add(ws.path(), &ek).is_err());
+        assert!(!target.exists(), "the link was followed");
+        assert!(RevokedRecord::load(ws.path()).unwrap().eks.is_empty());
+        std::os::unix::fs::symlink(&target, ws.path().join(IMAGE_LOCK_FILE)).unwrap();
+        assert!(ImageRecord::update_or_create(ws.path(), |r| r.epoch = 1).is_err());
+        assert!(!target.exists(), "the link was followed");
     }
 
     /// A revoked EK is refused, another is not; the record survives a round
