@@ -91,3 +91,23 @@ fn put16(b: &mut [u8], at: usize, v: u16) {
 fn put32(b: &mut [u8], at: usize, v: u32) {
     b[at..at + 4].copy_from_slice(&v.to_le_bytes());
 }
+
+/// A UKI with a kernel, a command line ([`SAFE_CMDLINE`]) and an initrd.
+pub fn synthetic_uki() -> Vec<u8> {
+    let kernel = build(
+        &[SectionSpec::new(".text", b"kernel code", 0x200)],
+        b"",
+        b"",
+        0,
+    );
+    build(
+        &[
+            SectionSpec::new(".linux", &kernel, 0x200),
+            SectionSpec::new(".cmdline", SAFE_CMDLINE.as_bytes(), 0x600),
+            SectionSpec::new(".initrd", b"initrd", 0x800),
+        ],
+        b"",
+        b"",
+        0,
+    )
+}

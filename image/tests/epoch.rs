@@ -7,29 +7,9 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use keel_image::predict::{measurements, Uki};
-use keel_image::testpe::{self, SectionSpec};
+use keel_image::testpe;
 use keel_verifier::config::NodeConfig;
 use keel_verifier::signature::{detached_signature_path, SignedMeasurements, SigningPublicKey};
-
-/// A UKI with a kernel, a command line and an initrd.
-fn synthetic_uki() -> Vec<u8> {
-    let kernel = testpe::build(
-        &[SectionSpec::new(".text", b"kernel code", 0x200)],
-        b"",
-        b"",
-        0,
-    );
-    testpe::build(
-        &[
-            SectionSpec::new(".linux", &kernel, 0x200),
-            SectionSpec::new(".cmdline", testpe::SAFE_CMDLINE.as_bytes(), 0x600),
-            SectionSpec::new(".initrd", b"initrd", 0x800),
-        ],
-        b"",
-        b"",
-        0,
-    )
-}
 
 fn measure(dir: &Path, output: &Path, epoch: Option<&str>) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_keel-measure"));
@@ -58,7 +38,7 @@ fn signed(key: &SigningPublicKey, file: &Path) -> SignedMeasurements {
 #[test]
 fn the_epoch_is_written_inside_the_signed_file() {
     let dir = tempfile::tempdir().unwrap();
-    let uki = synthetic_uki();
+    let uki = testpe::synthetic_uki();
     std::fs::write(dir.path().join("keel.efi"), &uki).unwrap();
     let config = br#"{"node": {"name": "a"}}"#;
     std::fs::write(dir.path().join("node-config.json"), config).unwrap();

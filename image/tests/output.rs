@@ -6,27 +6,8 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use keel_image::testpe::{self, SectionSpec};
+use keel_image::testpe;
 use keel_verifier::signature::detached_signature_path;
-
-fn synthetic_uki() -> Vec<u8> {
-    let kernel = testpe::build(
-        &[SectionSpec::new(".text", b"kernel code", 0x200)],
-        b"",
-        b"",
-        0,
-    );
-    testpe::build(
-        &[
-            SectionSpec::new(".linux", &kernel, 0x200),
-            SectionSpec::new(".cmdline", testpe::SAFE_CMDLINE.as_bytes(), 0x600),
-            SectionSpec::new(".initrd", b"initrd", 0x800),
-        ],
-        b"",
-        b"",
-        0,
-    )
-}
 
 fn measure(dir: &Path, output: &Path, signed: bool) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_keel-measure"));
@@ -51,15 +32,21 @@ fn measure(dir: &Path, output: &Path, signed: bool) -> Output {
     run
 }
 
-#[test]
-fn an_unsigned_run_removes_the_signature_of_an_earlier_file() {
+/// A directory with a UKI and a node config to measure.
+fn image_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("keel.efi"), synthetic_uki()).unwrap();
+    std::fs::write(dir.path().join("keel.efi"), testpe::synthetic_uki()).unwrap();
     std::fs::write(
         dir.path().join("node-config.json"),
         br#"{"node": {"name": "a"}}"#,
     )
     .unwrap();
+    dir
+}
+
+#[test]
+fn an_unsigned_run_removes_the_signature_of_an_earlier_file() {
+    let dir = image_dir();
     let keygen = Command::new(env!("CARGO_BIN_EXE_keel-measure"))
         .args(["keygen", "--out"])
         .arg(dir.path().join("keys"))
@@ -93,13 +80,7 @@ fn an_unsigned_run_removes_the_signature_of_an_earlier_file() {
 
 #[test]
 fn the_output_replaces_a_symlink_instead_of_writing_through_it() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("keel.efi"), synthetic_uki()).unwrap();
-    std::fs::write(
-        dir.path().join("node-config.json"),
-        br#"{"node": {"name": "a"}}"#,
-    )
-    .unwrap();
+    let dir = image_dir();
     let target = dir.path().join("elsewhere");
     std::fs::write(&target, b"untouched").unwrap();
     let out = dir.path().join("measurements.json");
