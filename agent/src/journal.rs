@@ -261,16 +261,8 @@ impl Journal {
         write_snapshot: impl FnOnce() -> Result<(), E>,
     ) -> Result<bool, E> {
         match self.append(records) {
-            Ok(()) => {
-                if let Err(e) = write_snapshot() {
-                    tracing::warn!(error = %keel_atls::ErrorChain(&e), "writing a snapshot failed; the journal keeps the changes, and the next write tries again");
-                    return Ok(false);
-                }
-                if let Err(e) = self.clear() {
-                    tracing::warn!(error = %keel_atls::ErrorChain(&e), "emptying a journal folded into its snapshot");
-                }
-                Ok(true)
-            }
+            // The journal now leaves the state the snapshot is to hold.
+            Ok(()) => Ok(self.compact(write_snapshot)),
             Err(JournalError::TooLarge { .. }) => {
                 write_snapshot()?;
                 self.clear()?;
