@@ -193,19 +193,24 @@ fn write_replacing(path: &Path, data: &[u8]) -> Result<()> {
     temp_name.push(name);
     temp_name.push(format!(".{}.tmp", std::process::id()));
     let temp = path.with_file_name(temp_name);
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o644)
-        .open(&temp)
-        .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_all()))
-        .and_then(|()| std::fs::rename(&temp, path));
+    let written = write_new(&temp, 0o644, data).and_then(|()| std::fs::rename(&temp, path));
     if let Err(e) = written {
         // Best effort: the error that matters is the write's.
         let _ = std::fs::remove_file(&temp);
         return Err(e).with_context(|| format!("write {}", path.display()));
     }
     Ok(())
+}
+
+/// Creates `path` (never over an existing file) with `mode`, writes `data`
+/// and syncs it.
+fn write_new(path: &Path, mode: u32, data: &[u8]) -> std::io::Result<()> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+        .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_all()))
 }
 
 /// `keel-measure sign`: a detached signature by the key at `key` of the
@@ -248,13 +253,7 @@ fn keygen(out: &Path) -> Result<()> {
     }
     std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
     let create = |path: &Path, mode: u32, data: &[u8]| {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(path)
-            .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_all()))
-            .with_context(|| format!("write {}", path.display()))
+        write_new(path, mode, data).with_context(|| format!("write {}", path.display()))
     };
     create(&private, 0o600, key.to_pem()?.as_bytes())?;
     create(&public, 0o644, key.public_key().to_pem()?.as_bytes())?;

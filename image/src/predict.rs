@@ -137,9 +137,9 @@ impl<'a> Uki<'a> {
 }
 
 /// Refuses sections the stub reads otherwise than the prediction: a name
-/// that begins with one systemd-stub 254 knows without being it, a known name twice, an
-/// empty (`VirtualSize` 0) measured section, or an [`UNMODELLED_SECTIONS`]
-/// one.
+/// that begins with one systemd-stub 254 knows without being it, a known
+/// name twice, an empty (`VirtualSize` 0) measured section, or an
+/// [`UNMODELLED_SECTIONS`] one.
 fn check_sections(sections: &[Section]) -> Result<(), PredictError> {
     const PCRSIG: [&str; 1] = [".pcrsig"];
     for &known in STUB_MEASURED_SECTIONS.iter().chain(&PCRSIG) {
