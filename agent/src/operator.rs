@@ -237,7 +237,7 @@ impl From<&OperatorError> for tonic::Status {
             | E::KubeconfigTooLarge => tonic::Code::FailedPrecondition,
             E::Signature(_) => tonic::Code::PermissionDenied,
             E::Challenge | E::Proof => tonic::Code::PermissionDenied,
-            E::Throttled(_) => tonic::Code::ResourceExhausted,
+            E::Throttled(seconds) => return keel_proto::held_back(e.to_string(), *seconds),
             E::Measurements(_) => tonic::Code::InvalidArgument,
             E::UnknownNode(_) => tonic::Code::NotFound,
             E::Registry(RegistryError::RevocationsFull { .. }) => tonic::Code::ResourceExhausted,

@@ -124,7 +124,7 @@ impl From<&RecoveryError> for tonic::Status {
             | E::DiskForeign => tonic::Code::FailedPrecondition,
             E::InvalidRequest(_) | E::Sealed(_) => tonic::Code::InvalidArgument,
             E::WrongSecret => tonic::Code::PermissionDenied,
-            E::Throttled(_) => tonic::Code::ResourceExhausted,
+            E::Throttled(seconds) => return keel_proto::held_back(e.to_string(), *seconds),
             E::Unavailable | E::Lock(_) | E::Busy | E::SourceBusy => tonic::Code::Unavailable,
             // What the node found on its own disk and TPM that rules it
             // out: the operator's to see (no secret in these texts).

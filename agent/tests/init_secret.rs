@@ -195,7 +195,7 @@ async fn requests_without_secrets_slow_their_sender_down() {
     let ca = EkCa::new().unwrap();
     let node = joiner(&ca, &ca, free_port(), "cp-0", "control-plane");
     let addr = serve(&node).await;
-    let mut codes = Vec::new();
+    let mut refusals = Vec::new();
     for _ in 0..2 {
         let channel = bind(&ca, &node, addr).await;
         let request = InitRequest {
@@ -204,12 +204,20 @@ async fn requests_without_secrets_slow_their_sender_down() {
         };
         match InitServiceClient::new(channel).init(request).await {
             Ok(_) => panic!("init was accepted"),
-            Err(status) => codes.push(status.code()),
+            Err(status) => refusals.push(status),
         }
     }
+    let codes: Vec<_> = refusals.iter().map(tonic::Status::code).collect();
     assert_eq!(
         codes,
         [tonic::Code::InvalidArgument, tonic::Code::ResourceExhausted]
+    );
+    // The hold says how long it lasts (whole seconds, at least one), so a
+    // client can send again after it; other refusals carry no such mark.
+    assert_eq!(keel_proto::held_back_for(&refusals[0]), None);
+    assert_eq!(
+        keel_proto::held_back_for(&refusals[1]),
+        Some(Duration::from_secs(1))
     );
     // The right secret after the wait is judged on its fields.
     tokio::time::sleep(Duration::from_millis(1100)).await;

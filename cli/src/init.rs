@@ -37,6 +37,12 @@ use crate::workspace::{
 /// node answered as busy.
 const INIT_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The longest hold on this address that `keel init` waits out before it
+/// sends again, on the same attested connection: well below the 30 s after
+/// which a node closes a connection with no request in flight. A longer
+/// one ends the run.
+const MAX_HELD_BACK: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// The time a retry must have left for the node's answer: one sent later
 /// would run into `--timeout` before a busy answer could say it was not
 /// read.
@@ -606,7 +612,8 @@ pub async fn run(
         .max_decoding_message_size(keel_proto::MAX_INIT_RESPONSE_BYTES);
     // The node reads a few init requests at once, one per address: one
     // told to try again (others hold the places, perhaps someone else's
-    // slow requests) is sent again until the timeout.
+    // slow requests), or held back for a short while, is sent again until
+    // the timeout.
     let answer = loop {
         let Ok(answer) = tokio::time::timeout_at(ends, client.init(request.clone())).await else {
             // Also a retry sent just before the timeout: the node may have
@@ -618,20 +625,30 @@ pub async fn run(
                 record_unconfirmed_id(workspace, &settings, cluster_id)
             );
         };
-        match answer {
-            Err(s)
-                if told_busy(&s)
-                    && tokio::time::Instant::now() + INIT_RETRY + INIT_ANSWER_TIME < ends =>
-            {
-                eprintln!(
-                    "the node is busy ({}); trying again in {} s",
-                    printable(s.message()),
-                    INIT_RETRY.as_secs()
-                );
-                tokio::time::sleep(INIT_RETRY).await;
-            }
-            answer => break answer,
+        let Err(s) = &answer else { break answer };
+        // Busy, or holding this address back after requests from it that
+        // it refused (another client's, behind the same address): either
+        // way the node did not read this request.
+        let (pause, why) = if told_busy(s) {
+            (
+                INIT_RETRY,
+                format!("the node is busy ({})", printable(s.message())),
+            )
+        } else if let Some(wait) = keel_proto::held_back_for(s).filter(|w| *w <= MAX_HELD_BACK) {
+            (
+                wait.max(INIT_ANSWER_TIME),
+                "the node holds back init requests from this address, after requests from it \
+                 that it refused"
+                    .to_owned(),
+            )
+        } else {
+            break answer;
+        };
+        if tokio::time::Instant::now() + pause + INIT_ANSWER_TIME >= ends {
+            break answer;
         }
+        eprintln!("{why}; trying again in {} s", pause.as_secs());
+        tokio::time::sleep(pause).await;
     };
     let mut stream = match answer {
         Ok(answer) => answer.into_inner(),
@@ -650,6 +667,14 @@ pub async fn run(
              received the request and be setting up the cluster{}",
             printable(&transport_failure(&s)),
             record_unconfirmed_id(workspace, &settings, cluster_id)
+        ),
+        // Held back longer than the run waits: this request was not read
+        // either.
+        Err(s) if keel_proto::held_back_for(&s).is_some() => bail!(
+            "the node holds back init requests from this address ({}), after requests from it \
+             that it refused: {}",
+            printable(s.message()),
+            unused_secret(&secret_path)
         ),
         // Still busy with too little time left to ask again: this request
         // was not read either.

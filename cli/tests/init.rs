@@ -532,6 +532,54 @@ async fn concurrent_inits_lock_once() {
     assert_eq!(events(&n.tpm, EventType::ClusterId).len(), 1);
 }
 
+/// Another client behind the operator's address sent the node requests it
+/// refused, so the node holds the address back for a few seconds: `keel
+/// init` waits that out on its connection and sends again, instead of
+/// failing on a refusal that never read its request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_waits_out_a_short_hold_on_its_address() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let validator = Arc::new(keel_verifier::validator::Validator::new(
+        harness::measurements(n.config.expected_config_pcr(), Expected::enforced([0; 32])),
+        keel_verifier::ek::EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap(),
+    ));
+    // Three requests without secrets, each after the previous hold ended:
+    // the address is then held back for 4 s.
+    for round in 0..3u64 {
+        let bound = keel_atls::AtlsClient::<keel_verifier::validator::Verified>::server_attested(
+            validator.clone(),
+        )
+        .bind_channel(
+            tonic::transport::Endpoint::from_shared(format!("http://{}", n.addr)).unwrap(),
+        )
+        .await
+        .unwrap();
+        let refused = keel_proto::init::init_service_client::InitServiceClient::new(bound.channel)
+            .init(keel_proto::init::InitRequest::default())
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        if round < 2 {
+            tokio::time::sleep(std::time::Duration::from_millis(1000 * (1 << round) + 100)).await;
+        }
+    }
+    let ws = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws.path()).await;
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("holds back init requests from this address"),
+        "{t}"
+    );
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(1),
+        "{t}"
+    );
+    assert_eq!(events(&n.tpm, EventType::ClusterId).len(), 1);
+}
+
 /// Files outside the workspace that planted links point to; each must keep
 /// its content.
 struct Victims {

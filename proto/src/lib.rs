@@ -98,6 +98,42 @@ pub fn busy(message: impl Into<String>) -> tonic::Status {
     status
 }
 
+/// Response metadata key of a refusal that holds back the client's address
+/// (`ResourceExhausted`: requests from it were refused, e.g. for a wrong
+/// secret, and the next is not looked at before the wait ends): the whole
+/// seconds left. The request was not read, so a client may send it again
+/// once they have passed.
+pub const RETRY_AFTER_METADATA: &str = "keel-retry-after";
+
+/// A refusal saying `message` that holds the client's address back for
+/// `seconds`, marked with [`RETRY_AFTER_METADATA`].
+pub fn held_back(message: impl Into<String>, seconds: u64) -> tonic::Status {
+    let mut status = tonic::Status::resource_exhausted(message);
+    status
+        .metadata_mut()
+        .insert(RETRY_AFTER_METADATA, seconds.into());
+    status
+}
+
+/// How long the node holds the client's address back, if `status` is such
+/// a refusal ([`held_back`]); `None` for any other answer, and for a
+/// transport failure.
+pub fn held_back_for(status: &tonic::Status) -> Option<std::time::Duration> {
+    if status.code() != tonic::Code::ResourceExhausted
+        || std::error::Error::source(status).is_some()
+    {
+        return None;
+    }
+    let seconds: u64 = status
+        .metadata()
+        .get(RETRY_AFTER_METADATA)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()?;
+    Some(std::time::Duration::from_secs(seconds))
+}
+
 /// Largest admin kubeconfig a control plane sends the operator
 /// (`AdminKubeconfig`), and `keel kubeconfig` takes: kubeadm's is a few
 /// KiB.

@@ -109,8 +109,9 @@ pub enum InitError {
     /// A task of the check ended without its result (it panicked).
     #[error("an internal task failed")]
     Internal,
-    /// The peer sent wrong init secrets and must wait this many seconds.
-    #[error("too many wrong init secrets from this address; retry in {0} s")]
+    /// The peer's address sent requests that were refused (wrong init
+    /// secrets or none) and must wait this many seconds.
+    #[error("too many refused init requests from this address; retry in {0} s")]
     Throttled(u64),
 }
 
@@ -140,7 +141,7 @@ impl From<&InitError> for tonic::Status {
             | InitError::Tpm
             | InitError::DiskUnreadable(_) => tonic::Code::Unavailable,
             InitError::Internal => tonic::Code::Internal,
-            InitError::Throttled(_) => tonic::Code::ResourceExhausted,
+            InitError::Throttled(seconds) => return keel_proto::held_back(e.to_string(), *seconds),
         };
         tonic::Status::new(code, e.to_string())
     }
