@@ -222,6 +222,16 @@ impl Default for LaunchFields {
     }
 }
 
+/// Validity periods of a generated chain's ARK and ASK (or ASVK); `None`
+/// keeps rcgen's default (1975 to 4096).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RootValidity {
+    /// The ARK's `notBefore` and `notAfter`.
+    pub ark: Option<(time::OffsetDateTime, time::OffsetDateTime)>,
+    /// The ASK's (or ASVK's) `notBefore` and `notAfter`.
+    pub ask: Option<(time::OffsetDateTime, time::OffsetDateTime)>,
+}
+
 /// A generated AMD-like chain and the chip whose VCEK it certifies (or,
 /// from [`TestAmd::vlek`], the VLEK a cloud provider loaded).
 pub struct TestAmd {
@@ -251,7 +261,13 @@ impl TestAmd {
     /// report's 64 bytes end in 56 zeros), an FMC SVN of 1 in the VCEK, and
     /// version 3 reports of a family 0x1A CPU in Turin's TCB layout.
     pub fn for_line(line: &str) -> Result<Self, AmdError> {
-        Self::generate(line, false)
+        Self::generate(line, false, RootValidity::default())
+    }
+
+    /// As [`TestAmd::new`] (with a VLEK if `vlek`), its ARK and ASK valid
+    /// only within `validity`.
+    pub fn with_root_validity(vlek: bool, validity: RootValidity) -> Result<Self, AmdError> {
+        Self::generate("Test", vlek, validity)
     }
 
     /// As [`TestAmd::new`], with a VLEK in place of the VCEK: the ARK
@@ -267,10 +283,10 @@ impl TestAmd {
     /// As [`TestAmd::vlek`], with AMD's names for the product line `line`
     /// (`ARK-Milan`, `SEV-VLEK-Milan`).
     pub fn vlek_for_line(line: &str) -> Result<Self, AmdError> {
-        Self::generate(line, true)
+        Self::generate(line, true, RootValidity::default())
     }
 
-    fn generate(line: &str, vlek: bool) -> Result<Self, AmdError> {
+    fn generate(line: &str, vlek: bool, validity: RootValidity) -> Result<Self, AmdError> {
         let tcb = [3, 0, 8, 115];
         let turin = line == "Turin";
         let fmc = turin.then_some(1u8);
@@ -281,12 +297,18 @@ impl TestAmd {
         }
 
         let ark = RsaPss::generate()?;
-        let ark_params = ca_params(&format!("ARK-{line}"))?;
+        let mut ark_params = ca_params(&format!("ARK-{line}"))?;
+        if let Some((not_before, not_after)) = validity.ark {
+            (ark_params.not_before, ark_params.not_after) = (not_before, not_after);
+        }
         let ark_der = pss(ark_params.self_signed(&ark)?.der().to_vec());
 
         let ask = RsaPss::generate()?;
         let intermediate = if vlek { "SEV-VLEK-" } else { "SEV-" };
-        let ask_params = ca_params(&format!("{intermediate}{line}"))?;
+        let mut ask_params = ca_params(&format!("{intermediate}{line}"))?;
+        if let Some((not_before, not_after)) = validity.ask {
+            (ask_params.not_before, ask_params.not_after) = (not_before, not_after);
+        }
         let ask_der = pss(ask_params
             .signed_by(&ask, &Issuer::new(ark_params.clone(), &ark))?
             .der()

@@ -5,7 +5,7 @@
 //! a VLEK must not pass under an ASK).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use keel_testkit::amd::{LaunchFields, ReportFields, TestAmd};
+use keel_testkit::amd::{LaunchFields, ReportFields, RootValidity, TestAmd};
 use keel_verifier::clock::now;
 use keel_verifier::cpu::snp::{self, AmdRoots, SigningKey, SnpError};
 
@@ -60,4 +60,51 @@ fn a_report_naming_the_other_kind_of_key_is_refused() {
         }) => assert_eq!(issuer, "SEV-VLEK-Test"),
         other => panic!("{other:?}"),
     }
+}
+
+/// Attacker's move: keep using a chain AMD let lapse (an ASVK or ARK past
+/// its end, or one not valid yet against a clock set back). The pinned
+/// ones run to 2045-2048; each link is held to its dates all the same, the
+/// ARK's and the ASK's as the endorsement key's.
+#[test]
+fn a_root_outside_its_validity_is_refused() {
+    let day = time::Duration::days(1);
+    let today = time::OffsetDateTime::now_utc();
+    let lapsed = (today - 30 * day, today - day);
+    let future = (today + day, today + 30 * day);
+    for (vlek, validity, lapsed_name) in [
+        (
+            true,
+            RootValidity {
+                ask: Some(lapsed),
+                ..RootValidity::default()
+            },
+            "SEV-VLEK-Test",
+        ),
+        (
+            false,
+            RootValidity {
+                ark: Some(future),
+                ..RootValidity::default()
+            },
+            "ARK-Test",
+        ),
+    ] {
+        let amd = TestAmd::with_root_validity(vlek, validity).unwrap();
+        let err = verify(&amd, None).unwrap_err();
+        assert!(
+            matches!(&err, SnpError::RootTime { name, .. } if name == lapsed_name),
+            "{err:?}"
+        );
+    }
+    // The same chain within its dates verifies.
+    let amd = TestAmd::with_root_validity(
+        false,
+        RootValidity {
+            ark: Some((today - day, today + day)),
+            ask: Some((today - day, today + day)),
+        },
+    )
+    .unwrap();
+    verify(&amd, None).unwrap();
 }

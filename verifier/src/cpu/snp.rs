@@ -129,6 +129,19 @@ pub enum SnpError {
         /// The verification time (Unix seconds).
         now: u64,
     },
+    /// A pinned certificate of the chain (the ARK, or the ASK or ASVK)
+    /// is outside its validity period.
+    #[error("SNP root {name} valid {not_before}..{not_after}, verification time {now}")]
+    RootTime {
+        /// The certificate's common name, e.g. `ARK-Milan`.
+        name: String,
+        /// Start of validity (Unix seconds).
+        not_before: i64,
+        /// End of validity (Unix seconds).
+        not_after: i64,
+        /// The verification time (Unix seconds).
+        now: u64,
+    },
     /// An AMD extension is missing or malformed in the certificate.
     #[error("SNP endorsement key certificate extension {oid}: {reason}")]
     Extension {
@@ -453,6 +466,8 @@ struct AmdChain {
     ark_key: Vec<u8>,
     /// The ASK's common name, e.g. `SEV-Milan`.
     product: String,
+    /// The ASK's, then the ARK's common name and validity (Unix seconds).
+    validity: [(String, i64, i64); 2],
 }
 
 /// The AMD roots a verifier trusts.
@@ -521,8 +536,16 @@ impl AmdChain {
         } else {
             None
         };
+        let validity = |cert: &X509Certificate<'_>| {
+            (
+                common_name(cert).unwrap_or_default(),
+                cert.validity().not_before.timestamp(),
+                cert.validity().not_after.timestamp(),
+            )
+        };
         Some(Self {
             broken,
+            validity: [validity(&ask), validity(&ark)],
             ask_key: ask.public_key().subject_public_key.data.to_vec(),
             ask_subject: ask.subject().as_raw().to_vec(),
             ask_serial: ask.raw_serial().to_vec(),
@@ -591,7 +614,8 @@ pub fn verify_signed(
         actual => return Err(SnpError::SigningKey { actual }),
     };
     let (_, vek) = X509Certificate::from_der(certificate).map_err(|_| SnpError::Certificate)?;
-    let product = verify_chain(&vek, roots)?;
+    let chain = verify_chain(&vek, roots)?;
+    let product = chain.product.clone();
     // The firmware names the key it signed with; a report naming a VLEK
     // must be under an ASVK (its chip ID is then not checked) and one
     // naming a VCEK under an ASK, and the revocation list that applies
@@ -607,14 +631,14 @@ pub fn verify_signed(
         validity.not_before.timestamp(),
         validity.not_after.timestamp(),
     );
-    let now_signed = i64::try_from(now).unwrap_or(i64::MAX);
-    if now_signed < not_before || now_signed > not_after {
+    if !within(now, not_before, not_after) {
         return Err(SnpError::CertificateTime {
             not_before,
             not_after,
             now,
         });
     }
+    chain.check_validity(now)?;
     if signing_key == SigningKey::Vcek {
         check_chip_id(extension(&vek, oid::HW_ID)?, &report.chip_id, &product)?;
     }
@@ -712,10 +736,19 @@ fn chain_of<'r>(vek: &X509Certificate<'_>, roots: &'r AmdRoots) -> Result<&'r Am
         })
 }
 
+/// Whether `now` (Unix seconds) lies in `not_before..=not_after`.
+fn within(now: u64, not_before: i64, not_after: i64) -> bool {
+    let now = i64::try_from(now).unwrap_or(i64::MAX);
+    not_before <= now && now <= not_after
+}
+
 /// The pinned chain whose ASK issued `vek`, with every link verified (the
 /// ARK's and the ASK's when the roots were loaded, the endorsement key's
-/// here); returns the product (the ASK's common name).
-fn verify_chain(vek: &X509Certificate<'_>, roots: &AmdRoots) -> Result<String, SnpError> {
+/// here).
+fn verify_chain<'r>(
+    vek: &X509Certificate<'_>,
+    roots: &'r AmdRoots,
+) -> Result<&'r AmdChain, SnpError> {
     let chain = chain_of(vek, roots)?;
     if let Some(link) = chain.broken {
         return Err(SnpError::Chain { link });
@@ -723,7 +756,24 @@ fn verify_chain(vek: &X509Certificate<'_>, roots: &AmdRoots) -> Result<String, S
     if !signed_by(vek, &chain.ask_key) {
         return Err(SnpError::Chain { link: "ASK -> VEK" });
     }
-    Ok(chain.product.clone())
+    Ok(chain)
+}
+
+impl AmdChain {
+    /// Checks that the ASK (or ASVK) and the ARK are valid at `now`.
+    fn check_validity(&self, now: u64) -> Result<(), SnpError> {
+        for (name, not_before, not_after) in &self.validity {
+            if !within(now, *not_before, *not_after) {
+                return Err(SnpError::RootTime {
+                    name: name.clone(),
+                    not_before: *not_before,
+                    not_after: *not_after,
+                    now,
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Whether `certificate` declares RSASSA-PSS and its signature over the
