@@ -31,6 +31,36 @@ impl AdvertiseAddress {
     }
 }
 
+impl AdvertiseAddress {
+    /// The address a node creating a cluster for `operator` (the address
+    /// its init request came from) advertises: as [`Self::resolve`], but
+    /// when the configured lookup finds no route (a node without a default
+    /// route), the source of the route toward the operator, who reached
+    /// the node that way. `None` when neither has a route: the cluster
+    /// would advertise the loopback address, which no other node reaches.
+    pub fn resolve_for_init(&self, operator: Option<IpAddr>) -> Option<IpAddr> {
+        let peer = match *self {
+            Self::Fixed(ip) => return Some(ip),
+            Self::Toward(peer) => peer,
+        };
+        let first = source_address(peer);
+        if let Ok(ip) = first {
+            return Some(ip);
+        }
+        let operator = operator?;
+        match source_address(operator) {
+            Ok(ip) => {
+                tracing::info!(%peer, %operator, advertise = %ip, "no route toward the configured peer; advertising the address toward the operator");
+                Some(ip)
+            }
+            Err(e) => {
+                tracing::warn!(%peer, %operator, error = %e, "no route toward the configured peer or the operator");
+                None
+            }
+        }
+    }
+}
+
 /// The source address the kernel picks for a route to `peer` (a UDP
 /// connect sends nothing).
 fn source_address(peer: IpAddr) -> std::io::Result<IpAddr> {
@@ -52,6 +82,39 @@ mod tests {
     fn fixed_is_returned_as_is() {
         let ip: IpAddr = "10.1.2.3".parse().unwrap();
         assert_eq!(AdvertiseAddress::Fixed(ip).resolve(), ip);
+    }
+
+    /// A broadcast address stands in for a peer without a route: a UDP
+    /// socket without `SO_BROADCAST` cannot connect to it.
+    const NO_ROUTE: IpAddr = IpAddr::V4(Ipv4Addr::BROADCAST);
+
+    #[test]
+    fn init_falls_back_to_the_route_toward_the_operator() {
+        let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        assert!(source_address(NO_ROUTE).is_err());
+        assert_eq!(
+            AdvertiseAddress::Toward(NO_ROUTE).resolve_for_init(Some(lo)),
+            Some(lo)
+        );
+        // No route and no operator address to route toward: nothing.
+        assert_eq!(
+            AdvertiseAddress::Toward(NO_ROUTE).resolve_for_init(None),
+            None
+        );
+        assert_eq!(
+            AdvertiseAddress::Toward(NO_ROUTE).resolve_for_init(Some(NO_ROUTE)),
+            None
+        );
+        // A route that works is taken as configured.
+        assert_eq!(
+            AdvertiseAddress::Toward(lo).resolve_for_init(Some(NO_ROUTE)),
+            Some(lo)
+        );
+        let fixed: IpAddr = "10.1.2.3".parse().unwrap();
+        assert_eq!(
+            AdvertiseAddress::Fixed(fixed).resolve_for_init(None),
+            Some(fixed)
+        );
     }
 
     #[test]

@@ -103,6 +103,10 @@ pub enum InitError {
     /// locked with nothing served, and starts over from a reset.
     #[error("the node locked but could not record its lock; it resets its state disk and starts over from a reboot")]
     LockBroken(#[source] LockError),
+    /// The node has no route toward its configured peer or the operator
+    /// to take the address it would advertise from.
+    #[error("the node has no network route to take the address it would advertise from")]
+    NoAddress,
     /// The TPM could not be used.
     #[error("the TPM is unavailable")]
     Tpm,
@@ -139,6 +143,7 @@ impl From<&InitError> for tonic::Status {
             InitError::Lock(_)
             | InitError::LockBroken(_)
             | InitError::Tpm
+            | InitError::NoAddress
             | InitError::DiskUnreadable(_) => tonic::Code::Unavailable,
             InitError::Internal => tonic::Code::Internal,
             InitError::Throttled(seconds) => return keel_proto::held_back(e.to_string(), *seconds),
@@ -155,6 +160,8 @@ struct Accepted {
     measurement_salt: Vec<u8>,
     measurement_secret: Zeroizing<Vec<u8>>,
     cluster_id: keys::ClusterId,
+    /// The address the cluster's API server is advertised on.
+    advertise_address: IpAddr,
     version: KubernetesVersion,
     components: Vec<Component>,
     cluster_name: String,
@@ -408,7 +415,18 @@ impl InitServer {
         };
         check_cluster_network(&service_cidr, &request.api_server_cert_sans)
             .map_err(invalid("invalid cluster network settings"))?;
+        // Chosen before the lock: a node with no route to advertise an
+        // address on refuses, untouched, instead of creating a cluster on
+        // its loopback address.
+        let advertise_address = self
+            .inner
+            .node
+            .env
+            .advertise_address
+            .resolve_for_init(peer)
+            .ok_or(InitError::NoAddress)?;
         Ok(Accepted {
+            advertise_address,
             keys: Arc::new(keys),
             disk_uuid,
             disk_key,
@@ -443,7 +461,7 @@ impl InitServer {
                 components: Some((a.version, a.components.clone())),
             })
             .await?;
-        let advertise_address = env.advertise_address.resolve();
+        let advertise_address = a.advertise_address;
         let init_config = InitConfig {
             node_name: self.inner.node.config.node.name.clone(),
             advertise_address,
