@@ -171,14 +171,16 @@ fn parent_dir(path: &Path) -> &Path {
 }
 
 /// Creates the workspace, mode 0700 for every directory created, and refuses
-/// one where a file `keel init` writes is a symbolic link, before anything
-/// is written or sent.
+/// one that is not private ([`crate::workspace::check_private`]) or where a
+/// file `keel init` writes is a symbolic link, before anything is written
+/// or sent.
 fn create_workspace(workspace: &Path) -> anyhow::Result<()> {
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(workspace)
         .with_context(|| format!("creating {}", workspace.display()))?;
+    crate::workspace::check_private(workspace)?;
     for name in [KUBECONFIG_FILE, ID_FILE, FAILURE_LOG_FILE] {
         refuse_link(&workspace.join(name))?;
     }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anyhow::Context as _;
+use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
 use zeroize::Zeroizing;
 
@@ -60,9 +60,44 @@ pub struct MasterSecret {
     pub measurement_salt: Vec<u8>,
 }
 
+/// Refuses a workspace that someone else could write into: a directory
+/// (a symbolic link to one is judged by the directory) owned by another
+/// user than this one, or writable by everyone. Whoever can write there
+/// can remove the master secret, replace the admin kubeconfig before it is
+/// used, or hold the workspace's locks. A group-writable one is taken (a
+/// user's private group, under umask 002).
+pub fn check_private(workspace: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(workspace)
+        .with_context(|| format!("reading the workspace {}", workspace.display()))?;
+    if !meta.is_dir() {
+        bail!("the workspace {} is not a directory", workspace.display());
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if meta.uid() != me {
+        bail!(
+            "the workspace {} belongs to another user (uid {}), who could remove or replace \
+             what keel keeps there: use a directory of your own",
+            workspace.display(),
+            meta.uid()
+        );
+    }
+    if meta.mode() & 0o002 != 0 {
+        bail!(
+            "the workspace {} is writable by every user (mode {:o}), who could remove or \
+             replace what keel keeps there: run chmod o-w on it, or use another",
+            workspace.display(),
+            meta.mode() & 0o7777
+        );
+    }
+    Ok(())
+}
+
 impl MasterSecret {
-    /// Reads [`MASTER_SECRET_FILE`] from `workspace`.
+    /// Reads [`MASTER_SECRET_FILE`] from `workspace`, which must be
+    /// private ([`check_private`]).
     pub fn load(workspace: &Path) -> anyhow::Result<Self> {
+        check_private(workspace)?;
         let path = workspace.join(MASTER_SECRET_FILE);
         let bytes = crate::settings::read_bounded_secret(&path)
             .with_context(|| format!("reading the master secret {}", path.display()))?;
@@ -168,7 +203,7 @@ pub struct ImageRecord {
 
 impl ImageRecord {
     /// Writes the record to `workspace` (atomically).
-    pub fn save(&self, workspace: &Path) -> anyhow::Result<()> {
+    fn save(&self, workspace: &Path) -> anyhow::Result<()> {
         let body = serde_json::to_vec_pretty(self).context("encoding the image record")?;
         crate::init::write_atomic(&workspace.join(IMAGE_FILE), &body, 0o644)
     }
@@ -370,6 +405,29 @@ mod tests {
             let e = format!("{e:#}");
             assert!(e.contains(MASTER_SECRET_FILE), "{e}");
             assert!(!e.contains(secret_part), "{e}");
+        }
+    }
+
+    /// The operator commands read the master secret only from a private
+    /// workspace: one every user can write, or another user's, is refused
+    /// with the reason, whatever it holds.
+    #[test]
+    fn a_workspace_others_can_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let ws = tempfile::tempdir().unwrap();
+        std::fs::write(ws.path().join(MASTER_SECRET_FILE), "{}").unwrap();
+        std::fs::set_permissions(ws.path(), std::fs::Permissions::from_mode(0o757)).unwrap();
+        let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
+        assert!(e.contains("writable by every user (mode 757)"), "{e}");
+        // Group-writable (a private group under umask 002) is taken: the
+        // file's own content is what fails here.
+        std::fs::set_permissions(ws.path(), std::fs::Permissions::from_mode(0o770)).unwrap();
+        let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
+        assert!(e.contains("is not a master secret file"), "{e}");
+        if nix::unistd::geteuid().is_root() {
+            std::os::unix::fs::chown(ws.path(), Some(65534), None).unwrap();
+            let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
+            assert!(e.contains("belongs to another user (uid 65534)"), "{e}");
         }
     }
 

@@ -716,6 +716,31 @@ async fn a_new_workspace_is_private() {
     assert_eq!(mode(&ws.join("keel-master-secret.json")), 0o600);
 }
 
+/// Attacker's move: another local user makes the workspace (or a
+/// world-writable directory the operator names), so that they can later
+/// remove the master secret, swap the admin kubeconfig or hold the
+/// workspace's locks. `keel init` refuses such a workspace before it makes
+/// a secret or contacts the node; a link to it is judged by the directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workspace_others_can_write_is_refused_before_anything_is_sent() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let base = tempfile::tempdir().unwrap();
+    let open = base.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let link = base.path().join("link");
+    std::os::unix::fs::symlink(&open, &link).unwrap();
+    for ws in [&open, &link] {
+        let out = keel_init(&n.settings(&ca, SECRET, None), ws).await;
+        let t = text(&out);
+        assert!(!out.status.success(), "{t}");
+        assert!(t.contains("is writable by every user"), "{t}");
+        assert!(!open.join("keel-master-secret.json").exists());
+    }
+    assert_eq!(n.pcr15(), [0; 32]);
+}
+
 /// `keel init-secret FILE` makes a secret only its file holds (0600, 64 hex
 /// digits) and prints a salted hash a node config accepts and that matches
 /// only that secret; it never replaces a secret that may already be in use.
