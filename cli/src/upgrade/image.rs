@@ -170,12 +170,13 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
     // recovered (the node would refuse it, but only once it holds the
     // master secret). Rerunning the command finishes the others.
     if finished.load(std::sync::atomic::Ordering::Relaxed) > 0 {
-        crate::workspace::ImageRecord {
-            digest: hex::encode(digest),
-            epoch: image.epoch(),
-            staged: None,
-        }
-        .save(&cluster.workspace)
+        // Under the record's lock, as a push or a staging changes it: a
+        // run at the same time neither loses this nor has it lost.
+        crate::workspace::ImageRecord::update_or_create(&cluster.workspace, |record| {
+            record.digest = hex::encode(digest);
+            record.epoch = image.epoch();
+            record.staged = None;
+        })
         .context("recording the finished image in the workspace")?;
         println!(
             "image: recorded in the workspace; `keel recover` now takes only this image's \
