@@ -54,6 +54,10 @@ if [ ${#missing[@]} -gt 0 ] || [ "${stale:-0}" = 1 ]; then
   "${APT[@]}" install --no-install-recommends -t bookworm-backports "${bp_pkgs[@]}"
 fi
 
+if ! command -v cargo >/dev/null; then
+  echo "deps: cargo not found; install Rust with rustup (the toolchain is pinned in rust-toolchain.toml), then run this again" >&2
+  exit 1
+fi
 if command -v rustup >/dev/null; then
   rustup target list --installed | grep -qx x86_64-unknown-linux-musl ||
     rustup target add x86_64-unknown-linux-musl
