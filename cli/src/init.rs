@@ -814,6 +814,12 @@ async fn follow(
                         hex::encode(cluster_id)
                     );
                 }
+                if let Err(e) = crate::kubeconfig::check("the node", &success.kubeconfig) {
+                    bail!(
+                        "{e:#}. The node created the cluster, but does not run what its \
+                         measurements name or was taken over since: do not use this cluster"
+                    );
+                }
                 let kubeconfig = outputs.kubeconfig.path.clone();
                 // The ID the workspace's secrets make is the one recorded.
                 let id = id_file(settings, cluster_id);

@@ -84,8 +84,44 @@ async fn fetch(operator: &Operator, endpoint: &str) -> anyhow::Result<Zeroizing<
         .await?
         .kubeconfig,
     );
-    check_size(endpoint, &kubeconfig)?;
+    check(endpoint, &kubeconfig)?;
     Ok(kubeconfig)
+}
+
+/// Refuses an admin kubeconfig the operator should not keep: empty, larger
+/// than a control plane sends, not a YAML mapping, or with a user whose
+/// credentials kubectl gets by running a command (`exec`, or an
+/// `auth-provider`, whose configuration can name one). kubeadm's admin
+/// kubeconfig carries a client certificate and key; a node compromised
+/// after its attestation could otherwise have the operator's next kubectl
+/// run a program of its choice on the operator's machine.
+pub(crate) fn check(endpoint: &str, kubeconfig: &[u8]) -> anyhow::Result<()> {
+    check_size(endpoint, kubeconfig)?;
+    let parsed: serde_yaml::Value = serde_yaml::from_slice(kubeconfig)
+        .map_err(|_| anyhow::anyhow!("{endpoint} sent a kubeconfig that is not YAML"))?;
+    let serde_yaml::Value::Mapping(top) = parsed else {
+        bail!("{endpoint} sent a kubeconfig that is not a YAML mapping");
+    };
+    let users = match top.get("users") {
+        None | Some(serde_yaml::Value::Null) => return Ok(()),
+        Some(serde_yaml::Value::Sequence(users)) => users,
+        Some(_) => bail!("{endpoint} sent a kubeconfig whose users are not a list"),
+    };
+    for user in users {
+        let Some(credentials) = user.get("user") else {
+            continue;
+        };
+        for key in ["exec", "auth-provider"] {
+            if credentials.get(key).is_some_and(|v| !v.is_null()) {
+                bail!(
+                    "{endpoint} sent a kubeconfig whose user gets its credentials from a \
+                     command (`{key}`), which kubectl would run on this machine: a control \
+                     plane sends a client certificate; nothing was written"
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Refuses an empty kubeconfig, and one larger than a control plane sends.
@@ -153,6 +189,28 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, [KUBECONFIG_FILE, "linked"]);
+    }
+
+    /// Attacker's move, from a control plane compromised after it was
+    /// attested: send an admin kubeconfig whose user runs a command, so
+    /// that the operator's next kubectl runs it. Refused, in block and
+    /// flow style; kubeadm's shape (certificate data) is taken.
+    #[test]
+    fn a_kubeconfig_that_would_run_a_command_is_refused() {
+        let kubeadms = b"apiVersion: v1\nkind: Config\nclusters:\n- name: k\n  cluster:\n    server: https://10.0.0.1:6443\nusers:\n- name: kubernetes-admin\n  user:\n    client-certificate-data: AAAA\n    client-key-data: BBBB\n";
+        check("cp:9000", kubeadms).unwrap();
+        check("cp:9000", b"apiVersion: v1\n").unwrap();
+        for hostile in [
+            &b"users:\n- name: a\n  user:\n    exec:\n      command: sh\n      args: [-c, id]\n"[..],
+            b"users: [{name: a, user: {auth-provider: {name: gcp, config: {cmd-path: /bin/sh}}}}]",
+            b"{\"users\": [{\"name\": \"a\", \"user\": {\"exec\": {\"command\": \"sh\"}}}]}",
+        ] {
+            let e = check("cp:9000", hostile).unwrap_err().to_string();
+            assert!(e.contains("from a command"), "{e}");
+        }
+        for odd in [&b"- a list\n"[..], b"users: 3\n", b"{unclosed"] {
+            assert!(check("cp:9000", odd).is_err());
+        }
     }
 
     #[test]
