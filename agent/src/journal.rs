@@ -86,6 +86,12 @@ pub fn beside(snapshot: &Path) -> PathBuf {
     with_suffix(snapshot, ".journal")
 }
 
+/// Whether a journal of `journal_bytes` is due to be folded into a new
+/// snapshot ([`Journal::outgrows`]), for one not opened yet.
+pub fn outgrown(journal_bytes: u64, snapshot_bytes: u64, at_least: u64) -> bool {
+    journal_bytes > at_least.max(snapshot_bytes)
+}
+
 /// `path` with `suffix` appended to its file name.
 fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
@@ -237,7 +243,7 @@ impl Journal {
     /// it is larger than the snapshot (`snapshot_bytes`) and than
     /// `at_least`, so a fold costs no more than the appends it replaces.
     pub fn outgrows(&self, snapshot_bytes: u64, at_least: u64) -> bool {
-        self.len > at_least.max(snapshot_bytes)
+        outgrown(self.len, snapshot_bytes, at_least)
     }
 
     /// Makes `records` (the changes of one write) durable and folds the

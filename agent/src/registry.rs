@@ -1491,6 +1491,9 @@ struct Disk {
     revoked_written: usize,
     /// Size of the snapshot last written or read.
     snapshot_bytes: u64,
+    /// Size of the journal when the store was loaded, until it is opened:
+    /// the first write after a restart folds a journal already due.
+    unopened_journal_bytes: u64,
 }
 
 /// What one write takes from the registry, under its lock.
@@ -1510,10 +1513,11 @@ impl Disk {
     fn take(&self, registry: &mut Registry) -> Round {
         let keys = std::mem::take(&mut registry.changed);
         let revoked = registry.revoked.len();
-        let outgrown = self
+        let journal_bytes = self
             .journal
             .as_ref()
-            .is_some_and(|j| j.outgrows(self.snapshot_bytes, COMPACT_AT_LEAST));
+            .map_or(self.unopened_journal_bytes, Journal::len);
+        let outgrown = journal::outgrown(journal_bytes, self.snapshot_bytes, COMPACT_AT_LEAST);
         let mut records: Vec<Change> = keys
             .iter()
             .filter_map(|k| registry.nodes.get(k).cloned().map(Change::Node))
@@ -1608,6 +1612,8 @@ impl RegistryStore {
             journal: None,
             revoked_written: registry.revoked.len(),
             snapshot_bytes: std::fs::metadata(&path).map_or(0, |m| m.len()),
+            unopened_journal_bytes: std::fs::metadata(journal::beside(&path))
+                .map_or(0, |m| m.len()),
         });
         let registry = Arc::new(Mutex::new(registry));
         let writes = {
@@ -3163,6 +3169,28 @@ mod tests {
         stale.extend(std::fs::read(&journal).unwrap());
         std::fs::write(&journal, stale).unwrap();
         assert_eq!(Registry::on_disk(&path).unwrap(), store.snapshot());
+    }
+
+    /// A journal already due to be folded when the agent restarts (its
+    /// snapshots had failed, perhaps up to the journal's bound) is folded
+    /// by the first write after the restart, not appended to.
+    #[test]
+    fn the_first_write_after_a_restart_folds_a_journal_already_due() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        let path = store.path().to_owned();
+        let journal = journal::beside(&path);
+        register_many(&store, 0, 4000);
+        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+        assert!(size(&journal) > COMPACT_AT_LEAST);
+        assert_eq!(size(&path), 0);
+        drop(store);
+
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        store.update(|r| r.record(&evidence(8, None))).unwrap();
+        assert_eq!(size(&journal), 0);
+        assert_eq!(Registry::on_disk(&path).unwrap(), store.snapshot());
+        assert_eq!(store.snapshot().nodes.len(), 4001);
     }
 
     #[test]
