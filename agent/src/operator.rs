@@ -764,7 +764,14 @@ impl OperatorServer {
         )?;
         let selector = request.node.clone();
         let disks = self.disks.as_deref();
-        let revocation = self.registry()?.update(|r| {
+        let registry = self.registry()?;
+        // The disk bound to the node's EK is looked up before the
+        // registry's lock is taken: the lookup may wait on the disk
+        // bindings' writes, which joins and evidence must not wait behind.
+        let looked_up = registry
+            .snapshot_of(&selector)
+            .map(|record| (BoundDisk::of_record(disks, &record), record));
+        let revocation = registry.update(|r| {
             let record = match r.find(&selector) {
                 Ok(record) => record.clone(),
                 // An EK, whole, that no node record here names (the node
@@ -777,7 +784,11 @@ impl OperatorServer {
                 },
                 Err(e) => return Err(e),
             };
-            let disk = BoundDisk::of_record(disks, &record);
+            // The record changed since the lookup (rare): looked up again.
+            let disk = match &looked_up {
+                Some((disk, seen)) if *seen == record => disk.clone(),
+                _ => BoundDisk::of_record(disks, &record),
+            };
             r.revoke(&record, disk.as_ref(), "revoked by the operator")
         });
         let revocation = revocation.map_err(|e| match e {

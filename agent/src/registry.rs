@@ -1661,6 +1661,12 @@ impl RegistryStore {
         self.lock().revocations_only()
     }
 
+    /// A copy of the record `selector` names, if exactly one
+    /// ([`Registry::find`]).
+    pub fn snapshot_of(&self, selector: &str) -> Option<NodeRecord> {
+        self.lock().find(selector).ok().cloned()
+    }
+
     /// The revocation of `ek`, if any ([`Registry::revocation`]).
     pub fn revocation(&self, ek: &EkDigest) -> Option<Revocation> {
         self.lock().revocation(ek).cloned()
