@@ -36,10 +36,13 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_stream::{Stream, StreamExt as _};
 use tonic::transport::server::{Connected, Router};
@@ -116,14 +119,33 @@ where
 /// request message was read whole), so the bounds cap how many large
 /// request messages the port buffers at once, and for how long, whatever
 /// the number of connections and streams.
+///
+/// With [`InFlightLimit::with_waiting`], a request that finds every place
+/// taken (its source's own claim granted) waits for one instead, in order
+/// of arrival, and asks for the eviction of the oldest place whose body has
+/// not ended; see there.
 #[derive(Clone)]
 pub struct InFlightLimit<S> {
     inner: S,
-    permits: std::sync::Arc<tokio::sync::Semaphore>,
+    permits: Arc<Semaphore>,
     sources: OnePerSource,
+    places: Places,
+    waiting: Option<Waiting>,
     body_deadline: Duration,
     busy: &'static str,
 }
+
+/// How requests wait for a place; see [`InFlightLimit::with_waiting`].
+#[derive(Clone)]
+struct Waiting {
+    within: Duration,
+    eviction_age: Duration,
+    slots: Arc<Semaphore>,
+}
+
+/// How often a waiter looks again for a place to evict when none is
+/// eligible yet and none is on its way to be.
+const EVICTION_RECHECK: Duration = Duration::from_millis(100);
 
 impl<S> InFlightLimit<S> {
     /// Wraps `inner`: at most `limit` requests at once, one per source,
@@ -132,34 +154,172 @@ impl<S> InFlightLimit<S> {
     pub fn new(inner: S, limit: usize, body_deadline: Duration, busy: &'static str) -> Self {
         Self {
             inner,
-            permits: std::sync::Arc::new(tokio::sync::Semaphore::new(limit.max(1))),
+            permits: Arc::new(Semaphore::new(limit.max(1))),
             sources: OnePerSource::default(),
+            places: Places::default(),
+            waiting: None,
             body_deadline,
             busy,
         }
     }
 
-    /// A place for a request from `source`, if the bounds leave one. The
-    /// source's own bound is checked first: a source refused by it holds
-    /// no place of the others, not even for a moment.
-    fn admit(&self, source: Option<keel_atls::Source>) -> Option<Place> {
-        let own = match source {
-            Some(source) => Some(self.sources.claim(source)?),
-            None => None,
+    /// A request that finds every place taken waits for one, first come
+    /// first served, up to `within` (then it is answered busy), if fewer
+    /// than `waiters` wait already (else it is answered busy at once). Each
+    /// waiter asks, once, for the eviction of the oldest place at least
+    /// `eviction_age` old whose body has not ended (no other waiter's
+    /// pick): that body fails at once with `UNAVAILABLE`, so its handler
+    /// ends and the place frees. Nothing of a waiting request's body is
+    /// read.
+    pub fn with_waiting(
+        mut self,
+        within: Duration,
+        eviction_age: Duration,
+        waiters: usize,
+    ) -> Self {
+        self.waiting = Some(Waiting {
+            within,
+            eviction_age,
+            slots: Arc::new(Semaphore::new(waiters)),
+        });
+        self
+    }
+}
+
+/// The places taken, as waiters see them to pick one to evict.
+#[derive(Clone, Default)]
+struct Places(Arc<Mutex<Vec<Held>>>);
+
+/// One taken place, as waiters see it.
+struct Held {
+    admitted: Instant,
+    /// Set once the request's body ended: never evicted then.
+    ended: Arc<AtomicBool>,
+    /// Taken by the waiter that evicts the place.
+    evict: Option<oneshot::Sender<()>>,
+}
+
+impl Places {
+    /// Registers a place admitted now; what its body watches.
+    fn take(&self) -> BodyWatch {
+        let ended = Arc::new(AtomicBool::new(false));
+        let (evict, evicted) = oneshot::channel();
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Held {
+                admitted: Instant::now(),
+                ended: ended.clone(),
+                evict: Some(evict),
+            });
+        BodyWatch {
+            ended,
+            evicted: Some(evicted),
+            was_evicted: false,
+        }
+    }
+
+    /// Forgets the place whose body shares `ended`.
+    fn free(&self, ended: &Arc<AtomicBool>) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|h| !Arc::ptr_eq(&h.ended, ended));
+    }
+
+    /// Evicts the oldest place at least `age` old whose body has not ended
+    /// and that no one evicted yet: `Ok` if one was, else when the next
+    /// such place comes of age, if any is on its way.
+    fn evict_oldest(&self, age: Duration) -> Result<(), Option<Instant>> {
+        let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        let oldest = held
+            .iter_mut()
+            .filter(|h| h.evict.is_some() && !h.ended.load(Ordering::Acquire))
+            .min_by_key(|h| h.admitted);
+        let Some(oldest) = oldest else {
+            return Err(None);
         };
-        let permit = self.permits.clone().try_acquire_owned().ok()?;
-        Some(Place {
-            _permit: permit,
-            _own: own,
-        })
+        if now < oldest.admitted + age {
+            return Err(Some(oldest.admitted + age));
+        }
+        if let Some(evict) = oldest.evict.take() {
+            // A body already gone has its handler ending anyway.
+            let _ = evict.send(());
+        }
+        Ok(())
     }
 }
 
 /// One request's place among those in flight, and its source's; freed
 /// when dropped.
 struct Place {
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    _permit: OwnedSemaphorePermit,
     _own: Option<SourcePlace>,
+    places: Places,
+    ended: Arc<AtomicBool>,
+}
+
+impl Place {
+    /// Takes the place `permit` grants; what the request's body watches.
+    fn new(
+        permit: OwnedSemaphorePermit,
+        own: Option<SourcePlace>,
+        places: &Places,
+    ) -> (Self, BodyWatch) {
+        let watch = places.take();
+        let place = Self {
+            _permit: permit,
+            _own: own,
+            places: places.clone(),
+            ended: watch.ended.clone(),
+        };
+        (place, watch)
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.places.free(&self.ended);
+    }
+}
+
+/// Waits, in order of arrival, up to `waiting.within` for a place, asking
+/// once for an eviction on the way; `None` if none came free.
+async fn wait_for_place(
+    permits: Arc<Semaphore>,
+    places: Places,
+    waiting: &Waiting,
+) -> Option<OwnedSemaphorePermit> {
+    let until = Instant::now() + waiting.within;
+    // Kept across the loop: its place in the semaphore's queue.
+    let acquire = permits.acquire_owned();
+    tokio::pin!(acquire);
+    let mut evicted = false;
+    loop {
+        let next = if evicted {
+            until
+        } else {
+            match places.evict_oldest(waiting.eviction_age) {
+                Ok(()) => {
+                    evicted = true;
+                    until
+                }
+                Err(next) => next
+                    .unwrap_or_else(|| Instant::now() + EVICTION_RECHECK)
+                    .min(until),
+            }
+        };
+        tokio::select! {
+            biased;
+            permit = &mut acquire => return permit.ok(),
+            () = tokio::time::sleep_until(next) => {
+                if Instant::now() >= until {
+                    return None;
+                }
+            }
+        }
+    }
 }
 
 impl<S: tonic::server::NamedService> tonic::server::NamedService for InFlightLimit<S> {
@@ -170,10 +330,12 @@ impl<S> tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>
     for InFlightLimit<S>
 where
     S: tonic::codegen::Service<
-        tonic::codegen::http::Request<tonic::body::Body>,
-        Response = tonic::codegen::http::Response<tonic::body::Body>,
-        Error = Infallible,
-    >,
+            tonic::codegen::http::Request<tonic::body::Body>,
+            Response = tonic::codegen::http::Response<tonic::body::Body>,
+            Error = Infallible,
+        > + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
 {
     type Response = tonic::codegen::http::Response<tonic::body::Body>;
@@ -190,31 +352,76 @@ where
             .get::<keel_atls::PeerInfo<()>>()
             .and_then(keel_atls::PeerInfo::remote_addr)
             .map(|addr| keel_atls::Source::of_ip(addr.ip()));
-        let Some(place) = self.admit(source) else {
-            let busy = self.busy;
+        let busy = self.busy;
+        let refuse = move || {
             tracing::debug!(
                 busy,
                 "request refused: the service's requests in flight are at their bound"
             );
-            return Box::pin(std::future::ready(Ok(keel_proto::busy(busy).into_http())));
+            Ok(keel_proto::busy(busy).into_http())
+        };
+        // The source's own bound first: a source refused by it holds no
+        // place of the others, not even for a moment, nor a waiting slot.
+        let own = match source {
+            Some(source) => match self.sources.claim(source) {
+                Some(own) => Some(own),
+                None => return Box::pin(std::future::ready(refuse())),
+            },
+            None => None,
         };
         let deadline = self.body_deadline;
-        let request = request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline)));
-        let answer = self.inner.call(request);
+        if let Ok(permit) = self.permits.clone().try_acquire_owned() {
+            let (place, watch) = Place::new(permit, own, &self.places);
+            let request = request
+                .map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline, watch)));
+            let answer = self.inner.call(request);
+            return Box::pin(async move {
+                let answer = answer.await;
+                drop(place);
+                answer
+            });
+        }
+        let Some((waiting, slot)) = self.waiting.as_ref().and_then(|w| {
+            let slot = w.slots.clone().try_acquire_owned().ok()?;
+            Some((w.clone(), slot))
+        }) else {
+            return Box::pin(std::future::ready(refuse()));
+        };
+        // The service made ready goes with the request; a clone stays.
+        let mut inner = self.inner.clone();
+        std::mem::swap(&mut inner, &mut self.inner);
+        let (permits, places) = (self.permits.clone(), self.places.clone());
         Box::pin(async move {
-            let answer = answer.await;
+            let permit = wait_for_place(permits, places.clone(), &waiting).await;
+            drop(slot);
+            let Some(permit) = permit else {
+                return refuse();
+            };
+            let (place, watch) = Place::new(permit, own, &places);
+            let request = request
+                .map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline, watch)));
+            let answer = inner.call(request).await;
             drop(place);
             answer
         })
     }
 }
 
-/// A request body that fails once its deadline passed before it ended, or
-/// past [`MAX_BODY_BYTES`].
+/// What a request's body shares with its place: whether it ended, and
+/// whether a waiter evicted it.
+struct BodyWatch {
+    ended: Arc<AtomicBool>,
+    evicted: Option<oneshot::Receiver<()>>,
+    was_evicted: bool,
+}
+
+/// A request body that fails once its deadline passed before it ended,
+/// past [`MAX_BODY_BYTES`], or once a waiter evicted its place.
 struct DeadlineBody {
     inner: tonic::body::Body,
     deadline: Pin<Box<Sleep>>,
     received: usize,
+    watch: BodyWatch,
 }
 
 /// The most a body wrapped in [`DeadlineBody`] carries: the largest
@@ -223,11 +430,16 @@ struct DeadlineBody {
 const MAX_BODY_BYTES: usize = crate::node::MAX_INIT_REQUEST_BYTES + 5;
 
 impl DeadlineBody {
-    fn new(inner: tonic::body::Body, within: Duration) -> Self {
+    fn new(inner: tonic::body::Body, within: Duration, watch: BodyWatch) -> Self {
+        // (An ended body is not wrapped at all by `tonic::body::Body::new`.)
+        if http_body::Body::is_end_stream(&inner) {
+            watch.ended.store(true, Ordering::Release);
+        }
         Self {
             inner,
             deadline: Box::pin(tokio::time::sleep(within)),
             received: 0,
+            watch,
         }
     }
 }
@@ -240,11 +452,22 @@ impl http_body::Body for DeadlineBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        // The deadline first: a client that always has a frame ready (a
-        // trickle of tiny ones) does not outlive it.
+        // The deadline and an eviction first: a client that always has a
+        // frame ready (a trickle of tiny ones) does not outlive them.
         if self.deadline.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(
                 "the request's body did not arrive in time",
+            ))));
+        }
+        if let Some(evicted) = self.watch.evicted.as_mut() {
+            if let Poll::Ready(sent) = Pin::new(evicted).poll(cx) {
+                self.watch.evicted = None;
+                self.watch.was_evicted = sent.is_ok();
+            }
+        }
+        if self.watch.was_evicted {
+            return Poll::Ready(Some(Err(tonic::Status::unavailable(
+                "the request's body was too slow while others waited for its place",
             ))));
         }
         let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
@@ -260,6 +483,9 @@ impl http_body::Body for DeadlineBody {
                     "the request's body is larger than any request",
                 ))));
             }
+        }
+        if frame.is_none() || self.inner.is_end_stream() {
+            self.watch.ended.store(true, Ordering::Release);
         }
         Poll::Ready(frame)
     }
@@ -787,6 +1013,133 @@ mod tests {
         assert_eq!(status.message(), "busy now");
         assert!(status.metadata().get(keel_proto::BUSY_METADATA).is_some());
         drop(held);
+    }
+
+    /// A body that never ends: a request trickled in without end.
+    struct Endless;
+
+    impl http_body::Body for Endless {
+        type Data = bytes::Bytes;
+        type Error = tonic::Status;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+            Poll::Pending
+        }
+    }
+
+    /// A service that reads the request's body to its end, answering its
+    /// error, and then answers OK, or never for a request marked [`Hang`].
+    #[derive(Clone)]
+    struct Reader;
+
+    /// Marks a request [`Reader`] never answers.
+    #[derive(Clone)]
+    struct Hang;
+
+    impl tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for Reader {
+        type Response = tonic::codegen::http::Response<tonic::body::Body>;
+        type Error = Infallible;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(
+            &mut self,
+            request: tonic::codegen::http::Request<tonic::body::Body>,
+        ) -> Self::Future {
+            let hang = request.extensions().get::<Hang>().is_some();
+            let mut body = request.into_body();
+            Box::pin(async move {
+                loop {
+                    let frame = std::future::poll_fn(|cx| {
+                        http_body::Body::poll_frame(Pin::new(&mut body), cx)
+                    })
+                    .await;
+                    match frame {
+                        Some(Ok(_)) => {}
+                        Some(Err(status)) => return Ok(status.into_http()),
+                        None => break,
+                    }
+                }
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                Ok(tonic::Status::ok("").into_http())
+            })
+        }
+    }
+
+    fn status_of(answer: &tonic::codegen::http::Response<tonic::body::Body>) -> tonic::Status {
+        tonic::Status::from_header_map(answer.headers()).unwrap()
+    }
+
+    /// A newcomer finding every place taken waits, and evicts the oldest
+    /// place whose body has not ended once it is old enough; a second
+    /// waiter past the waiting bound is answered busy at once.
+    #[tokio::test]
+    async fn a_waiting_request_evicts_a_slow_body() {
+        use tonic::codegen::Service as _;
+        let age = Duration::from_millis(300);
+        let mut limit = InFlightLimit::new(Reader, 1, Duration::from_secs(30), "busy")
+            .with_waiting(Duration::from_secs(5), age, 1);
+        let slow = limit.call(tonic::codegen::http::Request::new(tonic::body::Body::new(
+            Endless,
+        )));
+        let slow = tokio::spawn(slow);
+        let started = Instant::now();
+        let waiter = tokio::spawn(limit.call(tonic::codegen::http::Request::new(
+            tonic::body::Body::empty(),
+        )));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let past = limit
+            .call(tonic::codegen::http::Request::new(
+                tonic::body::Body::empty(),
+            ))
+            .await
+            .unwrap();
+        assert!(status_of(&past)
+            .metadata()
+            .get(keel_proto::BUSY_METADATA)
+            .is_some());
+        let evicted = status_of(&slow.await.unwrap().unwrap());
+        assert_eq!(evicted.code(), tonic::Code::Unavailable, "{evicted:?}");
+        assert!(evicted.metadata().get(keel_proto::BUSY_METADATA).is_none());
+        let served = status_of(&waiter.await.unwrap().unwrap());
+        assert_eq!(served.code(), tonic::Code::Ok, "{served:?}");
+        assert!(started.elapsed() >= age);
+    }
+
+    /// A place whose body ended is never evicted: the newcomer evicts the
+    /// younger place whose body is still arriving, not the older one.
+    #[tokio::test]
+    async fn a_place_whose_body_ended_is_not_evicted() {
+        use tonic::codegen::Service as _;
+        let mut limit = InFlightLimit::new(Reader, 2, Duration::from_secs(30), "busy")
+            .with_waiting(Duration::from_secs(5), Duration::from_millis(100), 4);
+        let mut ended = tonic::codegen::http::Request::new(tonic::body::Body::empty());
+        ended.extensions_mut().insert(Hang);
+        let ended = tokio::spawn(limit.call(ended));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let slow = limit.call(tonic::codegen::http::Request::new(tonic::body::Body::new(
+            Endless,
+        )));
+        let slow = tokio::spawn(slow);
+        let answer = limit
+            .call(tonic::codegen::http::Request::new(
+                tonic::body::Body::empty(),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(status_of(&answer).code(), tonic::Code::Ok);
+        let evicted = status_of(&slow.await.unwrap().unwrap());
+        assert_eq!(evicted.code(), tonic::Code::Unavailable, "{evicted:?}");
+        assert!(!ended.is_finished());
+        ended.abort();
     }
 
     /// A peer that sends the answer's headers and then holds back its

@@ -58,6 +58,15 @@ pub const INIT_REQUESTS_IN_FLIGHT: usize = 4;
 /// [`MAX_INIT_REQUEST_BYTES`]): a client that trickles it holds a place
 /// no longer.
 pub const INIT_REQUEST_BODY_DEADLINE: Duration = Duration::from_secs(30);
+/// How long an init request that finds every place taken waits for one,
+/// first come first served, before it is answered `UNAVAILABLE`.
+pub const INIT_REQUEST_WAIT: Duration = Duration::from_secs(10);
+/// How old an init request's place must be, its body still arriving, for a
+/// waiting request to evict it (each waiter evicts at most one).
+pub const INIT_REQUEST_EVICTION_AGE: Duration = Duration::from_secs(2);
+/// Init requests waiting for a place at once (one per source); beyond it a
+/// request is answered `UNAVAILABLE` at once.
+pub const INIT_REQUESTS_WAITING: usize = 64;
 /// Connections the init port keeps open at once. Its clients are the
 /// operator's CLI (one connection per command) and, before init, whoever
 /// reaches the port; the operator and recovery requests each connection may
@@ -385,6 +394,11 @@ fn bounded_init_service(
         INIT_REQUESTS_IN_FLIGHT,
         body_deadline,
         "other init requests are in progress; try again",
+    )
+    .with_waiting(
+        INIT_REQUEST_WAIT,
+        INIT_REQUEST_EVICTION_AGE,
+        INIT_REQUESTS_WAITING,
     )
 }
 

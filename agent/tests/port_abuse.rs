@@ -713,3 +713,124 @@ async fn a_full_init_port_makes_room_for_a_newcomer() {
     }
     assert_eq!(evicted, 1, "one held connection closed for the newcomer");
 }
+
+/// An attacker's source holding an init request's place: on one
+/// connection, init HEADERS and a gRPC frame header announcing 1 MiB, then
+/// a byte every 100 ms; a new request as soon as the last was answered or
+/// reset (and a new connection if the port closed it).
+async fn hold_a_place(port: SocketAddr, last: u8) {
+    let client = AtlsClient::server_attested(Arc::new(AnyServer))
+        .with_local_address(std::net::IpAddr::from([127, 0, 0, last]));
+    let mut start = vec![0u8];
+    start.extend_from_slice(&(1024 * 1024u32).to_be_bytes());
+    start.extend_from_slice(&[0; 10]);
+    loop {
+        let Ok(stream) = client.connect("127.0.0.1", port.port()).await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let h2 = RawH2::start(stream).await;
+        let mut id = 1;
+        'requests: loop {
+            let sent = async {
+                h2.send(&frame(HEADERS, END_HEADERS, id, &init_request_headers()))
+                    .await?;
+                h2.send(&frame(DATA, 0, id, &start)).await
+            };
+            if sent.await.is_err() {
+                break;
+            }
+            loop {
+                let done = |s: &Seen| {
+                    s.closed_after.is_some()
+                        || s.answered.contains(&id)
+                        || s.resets.contains_key(&id)
+                };
+                if h2.wait_until(Duration::from_millis(100), done).await {
+                    if h2.seen.lock().unwrap().closed_after.is_some() {
+                        break 'requests;
+                    }
+                    break;
+                }
+                if h2.send(&frame(DATA, 0, id, &[0])).await.is_err() {
+                    break 'requests;
+                }
+            }
+            id += 2;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
+
+/// An attacker's source sending new init requests (HEADERS alone) every
+/// few milliseconds, to take any place the moment it frees.
+async fn spam_init_headers(port: SocketAddr, last: u8) {
+    let client = AtlsClient::server_attested(Arc::new(AnyServer))
+        .with_local_address(std::net::IpAddr::from([127, 0, 0, last]));
+    loop {
+        let Ok(stream) = client.connect("127.0.0.1", port.port()).await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let h2 = RawH2::start(stream).await;
+        let mut id = 1;
+        while h2
+            .send(&frame(HEADERS, END_HEADERS, id, &init_request_headers()))
+            .await
+            .is_ok()
+            && h2.seen.lock().unwrap().closed_after.is_none()
+        {
+            id += 2;
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+    }
+}
+
+/// Attacker's move: from four addresses, hold every init request's place
+/// with a body trickled in up to the 30 s body deadline and open the next
+/// at once; from a fifth, send new init requests every few milliseconds,
+/// so that a place that frees is taken within a millisecond. The
+/// operator's `keel init` (a busy answer sent again after 2 s) would never
+/// get in. A newcomer waits for a place in order instead, and the oldest
+/// place whose body is still arriving is evicted for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn trickled_init_requests_from_every_place_do_not_keep_init_out() {
+    let _serial = SERIAL.lock().await;
+    let port = init_port(GrpcLimits::default()).await;
+    let mut attackers: Vec<_> = (2..=5u8)
+        .map(|last| tokio::spawn(hold_a_place(port.addr, last)))
+        .collect();
+    attackers.push(tokio::spawn(spam_init_headers(port.addr, 6)));
+    // Every place taken.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let bound = AtlsClient::server_attested(Arc::new(AnyServer))
+        .with_local_address(std::net::IpAddr::from([127, 0, 0, 7]))
+        .bind_channel(Endpoint::from_shared(format!("http://{}", port.addr)).unwrap())
+        .await
+        .unwrap();
+    let mut client = InitServiceClient::new(bound.channel);
+    let started = Instant::now();
+    let mut busy = 0;
+    let status = loop {
+        let status = client.init(InitRequest::default()).await.err().unwrap();
+        let told_busy = status.metadata().get(keel_proto::BUSY_METADATA).is_some();
+        if !told_busy || started.elapsed() > Duration::from_secs(15) {
+            break status;
+        }
+        busy += 1;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    };
+    for attacker in &attackers {
+        attacker.abort();
+    }
+    eprintln!(
+        "the operator's init under attack: {status:?} after {:?}, {busy} busy answers",
+        started.elapsed()
+    );
+    assert!(
+        status.metadata().get(keel_proto::BUSY_METADATA).is_none(),
+        "the operator's init was kept out for {:?}: {status:?}",
+        started.elapsed()
+    );
+}

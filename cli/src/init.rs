@@ -45,8 +45,9 @@ const MAX_HELD_BACK: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// The time a retry must have left for the node's answer: one sent later
 /// would run into `--timeout` before a busy answer could say it was not
-/// read.
-const INIT_ANSWER_TIME: std::time::Duration = std::time::Duration::from_secs(1);
+/// read. A node lets a request wait up to 10 s for a place among those it
+/// reads before it answers busy.
+const INIT_ANSWER_TIME: std::time::Duration = std::time::Duration::from_secs(11);
 
 /// Writes `data` to `path` with mode 0600, refusing to replace an existing
 /// file, and syncs the file and its directory: the secret is on disk before

@@ -775,9 +775,10 @@ async fn init_result_lost(answer: Answer) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_busy_until_the_timeout_took_no_request() {
     let (_ca, _node, served) = control_plane_answering(Answer::Busy).await;
-    // Busy at once, and again 2 s later with 2 s left: too little to wait
-    // 2 s more and leave the node 1 s to answer.
-    let init = ["init", "--wait", "5", "--timeout", "4"];
+    // Busy at once, and again 2 s later with 13 s left: too little to wait
+    // 2 s more and leave the node 11 s to answer (it may keep a request
+    // waiting for a place for 10 s).
+    let init = ["init", "--wait", "5", "--timeout", "15"];
     let out = run_keel(&init, &served.settings, Some(&served.workspace)).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert_eq!(
