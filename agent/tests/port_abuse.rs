@@ -714,22 +714,29 @@ async fn a_full_init_port_makes_room_for_a_newcomer() {
     assert_eq!(evicted, 1, "one held connection closed for the newcomer");
 }
 
+/// A raw HTTP/2 connection to the init port at `port` from 127.0.0.`last`,
+/// tried again until the port takes it.
+async fn connected_from(port: SocketAddr, last: u8) -> Arc<RawH2> {
+    let client = AtlsClient::server_attested(Arc::new(AnyServer))
+        .with_local_address(std::net::IpAddr::from([127, 0, 0, last]));
+    loop {
+        match client.connect("127.0.0.1", port.port()).await {
+            Ok(stream) => return RawH2::start(stream).await,
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
 /// An attacker's source holding an init request's place: on one
 /// connection, init HEADERS and a gRPC frame header announcing 1 MiB, then
 /// a byte every 100 ms; a new request as soon as the last was answered or
 /// reset (and a new connection if the port closed it).
 async fn hold_a_place(port: SocketAddr, last: u8) {
-    let client = AtlsClient::server_attested(Arc::new(AnyServer))
-        .with_local_address(std::net::IpAddr::from([127, 0, 0, last]));
     let mut start = vec![0u8];
     start.extend_from_slice(&(1024 * 1024u32).to_be_bytes());
     start.extend_from_slice(&[0; 10]);
     loop {
-        let Ok(stream) = client.connect("127.0.0.1", port.port()).await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let h2 = RawH2::start(stream).await;
+        let h2 = connected_from(port, last).await;
         let mut id = 1;
         'requests: loop {
             let sent = async {
@@ -765,14 +772,8 @@ async fn hold_a_place(port: SocketAddr, last: u8) {
 /// An attacker's source sending new init requests (HEADERS alone) every
 /// few milliseconds, to take any place the moment it frees.
 async fn spam_init_headers(port: SocketAddr, last: u8) {
-    let client = AtlsClient::server_attested(Arc::new(AnyServer))
-        .with_local_address(std::net::IpAddr::from([127, 0, 0, last]));
     loop {
-        let Ok(stream) = client.connect("127.0.0.1", port.port()).await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let h2 = RawH2::start(stream).await;
+        let h2 = connected_from(port, last).await;
         let mut id = 1;
         while h2
             .send(&frame(HEADERS, END_HEADERS, id, &init_request_headers()))
