@@ -284,6 +284,39 @@ impl Drop for Place {
     }
 }
 
+/// Serves `request` through `inner` in the place `permit` grants (with
+/// the source's own, among `places`): its body is held to `deadline` and
+/// to the place's eviction, and the place is freed once the handler
+/// returned its response.
+fn serve_in_place<S>(
+    inner: &mut S,
+    permit: OwnedSemaphorePermit,
+    own: Option<SourcePlace>,
+    places: &Places,
+    request: tonic::codegen::http::Request<tonic::body::Body>,
+    deadline: Duration,
+) -> impl Future<Output = Result<tonic::codegen::http::Response<tonic::body::Body>, Infallible>>
+       + Send
+       + 'static
+where
+    S: tonic::codegen::Service<
+        tonic::codegen::http::Request<tonic::body::Body>,
+        Response = tonic::codegen::http::Response<tonic::body::Body>,
+        Error = Infallible,
+    >,
+    S::Future: Send + 'static,
+{
+    let (place, watch) = Place::new(permit, own, places);
+    let request =
+        request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline, watch)));
+    let answer = inner.call(request);
+    async move {
+        let answer = answer.await;
+        drop(place);
+        answer
+    }
+}
+
 /// Waits, in order of arrival, up to `waiting.within` for a place, asking
 /// once for an eviction on the way; `None` if none came free.
 async fn wait_for_place(
@@ -371,15 +404,14 @@ where
         };
         let deadline = self.body_deadline;
         if let Ok(permit) = self.permits.clone().try_acquire_owned() {
-            let (place, watch) = Place::new(permit, own, &self.places);
-            let request = request
-                .map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline, watch)));
-            let answer = self.inner.call(request);
-            return Box::pin(async move {
-                let answer = answer.await;
-                drop(place);
-                answer
-            });
+            return Box::pin(serve_in_place(
+                &mut self.inner,
+                permit,
+                own,
+                &self.places,
+                request,
+                deadline,
+            ));
         }
         let Some((waiting, slot)) = self.waiting.as_ref().and_then(|w| {
             let slot = w.slots.clone().try_acquire_owned().ok()?;
@@ -397,12 +429,7 @@ where
             let Some(permit) = permit else {
                 return refuse();
             };
-            let (place, watch) = Place::new(permit, own, &places);
-            let request = request
-                .map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline, watch)));
-            let answer = inner.call(request).await;
-            drop(place);
-            answer
+            serve_in_place(&mut inner, permit, own, &places, request, deadline).await
         })
     }
 }
