@@ -37,6 +37,10 @@ use crate::workspace::{
 /// node answered as busy.
 const INIT_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The shortest pause `keel init` takes before it sends again on a hold,
+/// whatever the node says (the nodes say at least 1 s).
+const MIN_HELD_BACK: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The longest hold on this address that `keel init` waits out before it
 /// sends again, on the same attested connection: well below the 30 s after
 /// which a node closes a connection with no request in flight. A longer
@@ -639,7 +643,7 @@ pub async fn run(
             )
         } else if let Some(wait) = keel_proto::held_back_for(s).filter(|w| *w <= MAX_HELD_BACK) {
             (
-                wait.max(INIT_ANSWER_TIME),
+                wait.max(MIN_HELD_BACK),
                 "the node holds back init requests from this address, after requests from it \
                  that it refused"
                     .to_owned(),
