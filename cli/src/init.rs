@@ -251,18 +251,6 @@ fn record_unconfirmed_id(
     }
 }
 
-/// Whether the node answered init with busy (its places for init requests
-/// were taken and it did not read the request: `Unavailable`, marked
-/// [`keel_proto::BUSY_METADATA`]), which is worth sending the request
-/// again for. Its other `Unavailable` answers (its TPM or state disk
-/// failing) are not, nor is a connection that failed (tonic makes it a
-/// status with the transport error as its source).
-fn told_busy(status: &tonic::Status) -> bool {
-    status.code() == tonic::Code::Unavailable
-        && std::error::Error::source(status).is_none()
-        && status.metadata().get(keel_proto::BUSY_METADATA).is_some()
-}
-
 /// What an error says when the node read no init request: the master
 /// secret written to `secret_path` was never used, and how to start over.
 fn unused_secret(secret_path: &Path) -> String {
@@ -636,7 +624,7 @@ pub async fn run(
         // Busy, or holding this address back after requests from it that
         // it refused (another client's, behind the same address): either
         // way the node did not read this request.
-        let (pause, why) = if told_busy(s) {
+        let (pause, why) = if keel_proto::told_busy(s) {
             (
                 INIT_RETRY,
                 format!("the node is busy ({})", printable(s.message())),
@@ -685,7 +673,7 @@ pub async fn run(
         ),
         // Still busy with too little time left to ask again: this request
         // was not read either.
-        Err(s) if told_busy(&s) => bail!(
+        Err(s) if keel_proto::told_busy(&s) => bail!(
             "the node was still busy when --timeout ran out ({}): {}",
             printable(s.message()),
             unused_secret(&secret_path)
@@ -1022,21 +1010,21 @@ mod tests {
     #[test]
     fn only_the_nodes_marked_busy_answer_is_sent_again() {
         let busy = keel_proto::busy("other init requests are in progress");
-        assert!(told_busy(&busy));
+        assert!(keel_proto::told_busy(&busy));
         assert!(!never_sent(&busy));
         let failing = tonic::Status::unavailable("the TPM is unavailable");
-        assert!(!told_busy(&failing));
+        assert!(!keel_proto::told_busy(&failing));
         let lost = tonic::Status::from_error(Box::new(Transport(tonic::Status::unavailable(
             "connection reset",
         ))));
         assert_eq!(lost.code(), tonic::Code::Unavailable);
-        assert!(!told_busy(&lost));
+        assert!(!keel_proto::told_busy(&lost));
         assert!(!never_sent(&lost));
         let gone = tonic::Status::from_error(Box::new(tonic::ConnectError(Box::new(
             std::io::Error::other("connection gone"),
         ))));
         assert_eq!(gone.code(), tonic::Code::Unavailable);
-        assert!(!told_busy(&gone));
+        assert!(!keel_proto::told_busy(&gone));
         assert!(never_sent(&gone));
         assert_eq!(transport_failure(&gone), "connection gone");
     }

@@ -98,6 +98,18 @@ pub fn busy(message: impl Into<String>) -> tonic::Status {
     status
 }
 
+/// Whether `status` is a node's busy answer ([`busy`]: its places for
+/// requests in flight were taken and it did not read the request), which
+/// is worth sending the request again for. Its other `Unavailable` answers
+/// (its TPM or state disk failing) are not, nor is a connection that
+/// failed (tonic makes it a status with the transport error as its
+/// source).
+pub fn told_busy(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable
+        && std::error::Error::source(status).is_none()
+        && status.metadata().get(BUSY_METADATA).is_some()
+}
+
 /// Response metadata key of a refusal that holds back the client's address
 /// (`ResourceExhausted`: requests from it were refused, e.g. for a wrong
 /// secret, and the next is not looked at before the wait ends): the whole
