@@ -43,8 +43,7 @@ impl AdvertiseAddress {
             Self::Fixed(ip) => return Some(ip),
             Self::Toward(peer) => peer,
         };
-        let first = source_address(peer);
-        if let Ok(ip) = first {
+        if let Ok(ip) = source_address(peer) {
             return Some(ip);
         }
         let operator = operator?;

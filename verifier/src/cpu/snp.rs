@@ -554,6 +554,21 @@ impl AmdChain {
             product,
         })
     }
+
+    /// Checks that the ASK (or ASVK) and the ARK are valid at `now`.
+    fn check_validity(&self, now: u64) -> Result<(), SnpError> {
+        for (name, not_before, not_after) in &self.validity {
+            if !within(now, *not_before, *not_after) {
+                return Err(SnpError::RootTime {
+                    name: name.clone(),
+                    not_before: *not_before,
+                    not_after: *not_after,
+                    now,
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 fn common_name(cert: &X509Certificate<'_>) -> Option<String> {
@@ -757,23 +772,6 @@ fn verify_chain<'r>(
         return Err(SnpError::Chain { link: "ASK -> VEK" });
     }
     Ok(chain)
-}
-
-impl AmdChain {
-    /// Checks that the ASK (or ASVK) and the ARK are valid at `now`.
-    fn check_validity(&self, now: u64) -> Result<(), SnpError> {
-        for (name, not_before, not_after) in &self.validity {
-            if !within(now, *not_before, *not_after) {
-                return Err(SnpError::RootTime {
-                    name: name.clone(),
-                    not_before: *not_before,
-                    not_after: *not_after,
-                    now,
-                });
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Whether `certificate` declares RSASSA-PSS and its signature over the
