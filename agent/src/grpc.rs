@@ -48,7 +48,7 @@ use tokio_stream::{Stream, StreamExt as _};
 use tonic::transport::server::{Connected, Router};
 use tonic::transport::Server;
 
-use crate::throttle::{OnePerSource, SourcePlace};
+use crate::throttle::{PerSource, SourcePlace};
 
 /// What one connection of a node's gRPC server may hold; see the module
 /// documentation.
@@ -69,6 +69,10 @@ pub struct GrpcLimits {
     /// A connection with no request in flight for this long is closed
     /// (default 30 s).
     pub idle_timeout: Duration,
+    /// HTTP/2 flow-control window of each request stream: what the peer
+    /// may send on a stream before its body is read (default hyper's
+    /// 1 MiB). A request waiting for a place holds at most this much.
+    pub stream_window: Option<u32>,
 }
 
 impl Default for GrpcLimits {
@@ -80,6 +84,7 @@ impl Default for GrpcLimits {
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(20),
             idle_timeout: Duration::from_secs(30),
+            stream_window: None,
         }
     }
 }
@@ -101,17 +106,19 @@ where
         .http2_max_header_list_size(limits.max_header_list_size)
         .timeout(limits.request_timeout)
         .http2_keepalive_interval(Some(limits.keepalive_interval))
-        .http2_keepalive_timeout(Some(limits.keepalive_timeout));
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout))
+        .initial_stream_window_size(limits.stream_window);
     let idle = limits.idle_timeout;
     let incoming = incoming.map(move |io| io.map(|io| IdleClosing::new(io, idle)));
     routes(&mut server).serve_with_incoming(incoming).await
 }
 
 /// A service whose requests are bounded in flight across every connection
-/// of a server-attested port: at most a fixed number at once, one per
-/// source (an IPv6 source by its /64; sources come from the aTLS peer
-/// information of a port that validates no client), and each request's
-/// body must arrive within a deadline. A request beyond a bound is
+/// of a port: at most a fixed number at once, a share of them per source
+/// (an IPv6 source by its /64, from the aTLS peer information; by default
+/// one at every load, see [`InFlightLimit::with_source_share_under_load`]),
+/// each request's body no larger than the service's largest message and
+/// arriving within a deadline. A request beyond a bound is
 /// answered at once with `UNAVAILABLE` and its body is never read; a body
 /// that is late fails the request with `DEADLINE_EXCEEDED` before its
 /// handler runs. A request is in flight from its headers until its handler
@@ -127,12 +134,36 @@ where
 #[derive(Clone)]
 pub struct InFlightLimit<S> {
     inner: S,
+    limit: usize,
     permits: Arc<Semaphore>,
-    sources: OnePerSource,
+    sources: PerSource,
+    share: SourceShare,
     places: Places,
     waiting: Option<Waiting>,
+    max_body: usize,
     body_deadline: Duration,
     busy: &'static str,
+}
+
+/// How many of an [`InFlightLimit`]'s requests (in a place or waiting for
+/// one) one source may hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SourceShare {
+    /// This many, at every load.
+    Always(usize),
+    /// This many once half of the places are taken; any number below.
+    UnderLoad(usize),
+}
+
+impl SourceShare {
+    /// A source's bound while `taken` of `limit` places are taken.
+    fn bound(self, taken: usize, limit: usize) -> usize {
+        match self {
+            Self::Always(share) => share,
+            Self::UnderLoad(share) if taken.saturating_mul(2) >= limit => share,
+            Self::UnderLoad(_) => usize::MAX,
+        }
+    }
 }
 
 /// How requests wait for a place; see [`InFlightLimit::with_waiting`].
@@ -149,18 +180,40 @@ const EVICTION_RECHECK: Duration = Duration::from_millis(100);
 
 impl<S> InFlightLimit<S> {
     /// Wraps `inner`: at most `limit` requests at once, one per source,
-    /// each body within `body_deadline`; a request beyond the bounds is
-    /// answered with `busy`.
-    pub fn new(inner: S, limit: usize, body_deadline: Duration, busy: &'static str) -> Self {
+    /// each body a gRPC message of at most `max_message` bytes arriving
+    /// within `body_deadline`; a request beyond the bounds is answered
+    /// with `busy`.
+    pub fn new(
+        inner: S,
+        limit: usize,
+        max_message: usize,
+        body_deadline: Duration,
+        busy: &'static str,
+    ) -> Self {
+        let limit = limit.max(1);
         Self {
             inner,
-            permits: Arc::new(Semaphore::new(limit.max(1))),
-            sources: OnePerSource::default(),
+            limit,
+            permits: Arc::new(Semaphore::new(limit)),
+            sources: PerSource::default(),
+            share: SourceShare::Always(1),
             places: Places::default(),
             waiting: None,
+            // The message and its gRPC frame header.
+            max_body: max_message.saturating_add(5),
             body_deadline,
             busy,
         }
+    }
+
+    /// A source may hold up to `share` requests (in a place or waiting)
+    /// once half of the places are taken, and any number below that: so
+    /// nodes behind one address (a NAT, a VM network's gateway) are not
+    /// held back on a quiet port, while under load one address cannot
+    /// take every place, nor every waiting slot, from the others.
+    pub fn with_source_share_under_load(mut self, share: usize) -> Self {
+        self.share = SourceShare::UnderLoad(share.max(1));
+        self
     }
 
     /// A request that finds every place taken waits for one, first come
@@ -285,7 +338,7 @@ impl Drop for Place {
 }
 
 /// Serves `request` through `inner` in the place `permit` grants (with
-/// the source's own, among `places`): its body is held to `deadline` and
+/// the source's own, among `places`): its body is held to `bounds` and
 /// to the place's eviction, and the place is freed once the handler
 /// returned its response.
 fn serve_in_place<S>(
@@ -294,7 +347,7 @@ fn serve_in_place<S>(
     own: Option<SourcePlace>,
     places: &Places,
     request: tonic::codegen::http::Request<tonic::body::Body>,
-    deadline: Duration,
+    bounds: BodyBounds,
 ) -> impl Future<Output = Result<tonic::codegen::http::Response<tonic::body::Body>, Infallible>>
        + Send
        + 'static
@@ -308,7 +361,7 @@ where
 {
     let (place, watch) = Place::new(permit, own, places);
     let request =
-        request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, deadline, watch)));
+        request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, bounds, watch)));
     let answer = inner.call(request);
     async move {
         let answer = answer.await;
@@ -380,11 +433,7 @@ where
     }
 
     fn call(&mut self, request: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
-        let source = request
-            .extensions()
-            .get::<keel_atls::PeerInfo<()>>()
-            .and_then(keel_atls::PeerInfo::remote_addr)
-            .map(|addr| keel_atls::Source::of_ip(addr.ip()));
+        let source = source_of(&request);
         let busy = self.busy;
         let refuse = move || {
             tracing::debug!(
@@ -395,14 +444,19 @@ where
         };
         // The source's own bound first: a source refused by it holds no
         // place of the others, not even for a moment, nor a waiting slot.
+        let taken = self.limit.saturating_sub(self.permits.available_permits());
+        let share = self.share.bound(taken, self.limit);
         let own = match source {
-            Some(source) => match self.sources.claim(source) {
+            Some(source) => match self.sources.claim_up_to(source, share) {
                 Some(own) => Some(own),
                 None => return Box::pin(std::future::ready(refuse())),
             },
             None => None,
         };
-        let deadline = self.body_deadline;
+        let bounds = BodyBounds {
+            within: self.body_deadline,
+            max_bytes: self.max_body,
+        };
         if let Ok(permit) = self.permits.clone().try_acquire_owned() {
             return Box::pin(serve_in_place(
                 &mut self.inner,
@@ -410,7 +464,7 @@ where
                 own,
                 &self.places,
                 request,
-                deadline,
+                bounds,
             ));
         }
         let Some((waiting, slot)) = self.waiting.as_ref().and_then(|w| {
@@ -429,9 +483,24 @@ where
             let Some(permit) = permit else {
                 return refuse();
             };
-            serve_in_place(&mut inner, permit, own, &places, request, deadline).await
+            serve_in_place(&mut inner, permit, own, &places, request, bounds).await
         })
     }
+}
+
+/// The source of `request`, from the aTLS peer information of a port
+/// that validates no client or of one that validates nodes.
+fn source_of<B>(request: &tonic::codegen::http::Request<B>) -> Option<keel_atls::Source> {
+    let extensions = request.extensions();
+    extensions
+        .get::<keel_atls::PeerInfo<()>>()
+        .and_then(keel_atls::PeerInfo::remote_addr)
+        .or_else(|| {
+            extensions
+                .get::<keel_atls::PeerInfo<keel_verifier::validator::Verified>>()
+                .and_then(keel_atls::PeerInfo::remote_addr)
+        })
+        .map(|addr| keel_atls::Source::of_ip(addr.ip()))
 }
 
 /// What a request's body shares with its place: whether it ended, and
@@ -442,29 +511,33 @@ struct BodyWatch {
     was_evicted: bool,
 }
 
+/// What a request's body must keep to: its time to arrive and its size.
+#[derive(Clone, Copy)]
+struct BodyBounds {
+    within: Duration,
+    max_bytes: usize,
+}
+
 /// A request body that fails once its deadline passed before it ended,
-/// past [`MAX_BODY_BYTES`], or once a waiter evicted its place.
+/// past its largest size, or once a waiter evicted its place.
 struct DeadlineBody {
     inner: tonic::body::Body,
     deadline: Pin<Box<Sleep>>,
+    max_bytes: usize,
     received: usize,
     watch: BodyWatch,
 }
 
-/// The most a body wrapped in [`DeadlineBody`] carries: the largest
-/// request message a node takes (the init request's) and its gRPC frame
-/// header.
-const MAX_BODY_BYTES: usize = crate::node::MAX_INIT_REQUEST_BYTES + 5;
-
 impl DeadlineBody {
-    fn new(inner: tonic::body::Body, within: Duration, watch: BodyWatch) -> Self {
+    fn new(inner: tonic::body::Body, bounds: BodyBounds, watch: BodyWatch) -> Self {
         // (An ended body is not wrapped at all by `tonic::body::Body::new`.)
         if http_body::Body::is_end_stream(&inner) {
             watch.ended.store(true, Ordering::Release);
         }
         Self {
             inner,
-            deadline: Box::pin(tokio::time::sleep(within)),
+            deadline: Box::pin(tokio::time::sleep(bounds.within)),
+            max_bytes: bounds.max_bytes,
             received: 0,
             watch,
         }
@@ -505,7 +578,7 @@ impl http_body::Body for DeadlineBody {
             self.received = self
                 .received
                 .saturating_add(data.map_or(0, bytes::Bytes::len));
-            if self.received > MAX_BODY_BYTES {
+            if self.received > self.max_bytes {
                 return Poll::Ready(Some(Err(tonic::Status::resource_exhausted(
                     "the request's body is larger than any request",
                 ))));
@@ -1031,7 +1104,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_past_the_bound_is_answered_busy_and_marked() {
         use tonic::codegen::Service as _;
-        let mut limit = InFlightLimit::new(Silent, 1, Duration::from_secs(5), "busy now");
+        let mut limit = InFlightLimit::new(Silent, 1, 1024, Duration::from_secs(5), "busy now");
         let request = || tonic::codegen::http::Request::new(tonic::body::Body::empty());
         let held = limit.call(request());
         let answer = limit.call(request()).await.unwrap();
@@ -1112,7 +1185,7 @@ mod tests {
     async fn a_waiting_request_evicts_a_slow_body() {
         use tonic::codegen::Service as _;
         let age = Duration::from_millis(300);
-        let mut limit = InFlightLimit::new(Reader, 1, Duration::from_secs(30), "busy")
+        let mut limit = InFlightLimit::new(Reader, 1, 1024, Duration::from_secs(30), "busy")
             .with_waiting(Duration::from_secs(5), age, 1);
         let slow = limit.call(tonic::codegen::http::Request::new(tonic::body::Body::new(
             Endless,
@@ -1146,7 +1219,7 @@ mod tests {
     #[tokio::test]
     async fn a_place_whose_body_ended_is_not_evicted() {
         use tonic::codegen::Service as _;
-        let mut limit = InFlightLimit::new(Reader, 2, Duration::from_secs(30), "busy")
+        let mut limit = InFlightLimit::new(Reader, 2, 1024, Duration::from_secs(30), "busy")
             .with_waiting(Duration::from_secs(5), Duration::from_millis(100), 4);
         let mut ended = tonic::codegen::http::Request::new(tonic::body::Body::empty());
         ended.extensions_mut().insert(Hang);
@@ -1167,6 +1240,48 @@ mod tests {
         assert_eq!(evicted.code(), tonic::Code::Unavailable, "{evicted:?}");
         assert!(!ended.is_finished());
         ended.abort();
+    }
+
+    /// Under load, a source is held to its share; below half the places,
+    /// nodes behind one address take what they need; a share for every
+    /// load holds at every load.
+    #[test]
+    fn a_sources_share_binds_once_half_the_places_are_taken() {
+        let under_load = SourceShare::UnderLoad(4);
+        assert_eq!(under_load.bound(0, 256), usize::MAX);
+        assert_eq!(under_load.bound(127, 256), usize::MAX);
+        assert_eq!(under_load.bound(128, 256), 4);
+        assert_eq!(under_load.bound(256, 256), 4);
+        assert_eq!(SourceShare::Always(1).bound(0, 256), 1);
+    }
+
+    /// A body larger than the service's largest message fails before the
+    /// handler has it whole.
+    #[tokio::test]
+    async fn a_body_past_the_largest_message_fails() {
+        use tonic::codegen::Service as _;
+        let mut limit = InFlightLimit::new(Reader, 1, 1000, Duration::from_secs(5), "busy");
+        let fits = "x".repeat(1005);
+        let answer = limit
+            .call(tonic::codegen::http::Request::new(tonic::body::Body::new(
+                fits,
+            )))
+            .await
+            .unwrap();
+        assert_eq!(status_of(&answer).code(), tonic::Code::Ok);
+        let past = "x".repeat(1006);
+        let answer = limit
+            .call(tonic::codegen::http::Request::new(tonic::body::Body::new(
+                past,
+            )))
+            .await
+            .unwrap();
+        assert_eq!(
+            status_of(&answer).code(),
+            tonic::Code::ResourceExhausted,
+            "{:?}",
+            status_of(&answer)
+        );
     }
 
     /// A peer that sends the answer's headers and then holds back its

@@ -86,6 +86,42 @@ pub const OPERATOR_PORT_WAIT: Duration = Duration::from_secs(5);
 /// How long a join ticket request may take: a wait for a slot plus
 /// creating the bootstrap token.
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// Ticket requests the join port holds at once, across every connection:
+/// each buffers up to [`crate::join::service::MAX_REQUEST_BYTES`] (16 MiB
+/// in all). The service issues
+/// [`crate::join::service::MAX_CONCURRENT_TICKETS`] at once and queues as
+/// many. Without a bound across connections, the port's
+/// [`JOIN_CONNECTIONS`] connections of 8 streams each could make it buffer
+/// gigabytes for one attested peer.
+pub const JOIN_REQUESTS_IN_FLIGHT: usize = 256;
+/// Evidence requests the join port holds at once, across every
+/// connection: each buffers up to
+/// [`crate::evidence::service::MAX_EVIDENCE_REQUEST_BYTES`] (about 33 MiB
+/// in all). A node submits one every few minutes and each takes
+/// milliseconds, so even the registry's bound on nodes seldom has more
+/// than a few in flight.
+pub const EVIDENCE_REQUESTS_IN_FLIGHT: usize = 128;
+/// A source's share of the join port's requests (of each service, waiting
+/// included) once half of its places are taken; below that, nodes behind
+/// one address (a NAT, a VM network's gateway) take what they need.
+pub const JOIN_PORT_REQUESTS_PER_SOURCE: usize = 32;
+/// How long a request's body may take to arrive on the join port. A
+/// ticket request is a few kilobytes, evidence at most 260 KiB; a body
+/// trickled in holds its place no longer.
+pub const JOIN_PORT_BODY_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a request on the join port that finds every place taken
+/// waits for one (under the clients' 30 s timeouts).
+pub const JOIN_PORT_REQUEST_WAIT: Duration = Duration::from_secs(10);
+/// How old a place on the join port must be, its body still arriving, for
+/// a waiting request to evict it.
+pub const JOIN_PORT_EVICTION_AGE: Duration = Duration::from_secs(2);
+/// Requests of each service of the join port waiting for a place at once;
+/// beyond it one is answered `UNAVAILABLE` at once. Each holds at most
+/// [`JOIN_PORT_STREAM_WINDOW`] unread (16 MiB in all).
+pub const JOIN_PORT_REQUESTS_WAITING: usize = 256;
+/// The join port's HTTP/2 stream window: what a peer may send on a stream
+/// before the server reads it, so what a waiting request holds.
+pub const JOIN_PORT_STREAM_WINDOW: u32 = 64 * 1024;
 /// How long a request on the init port may take: recovery opens the disk,
 /// reinstalls the recorded components and starts the kubelet (the CLI's
 /// `keel recover` waits a little longer, so this bound answers first).
@@ -392,6 +428,7 @@ fn bounded_init_service(
     InFlightLimit::new(
         service,
         INIT_REQUESTS_IN_FLIGHT,
+        MAX_INIT_REQUEST_BYTES,
         body_deadline,
         "other init requests are in progress; try again",
     )
@@ -448,15 +485,48 @@ pub async fn serve_join_port(
         .incoming(listener);
     let limits = GrpcLimits {
         request_timeout: JOIN_REQUEST_TIMEOUT,
+        stream_window: Some(JOIN_PORT_STREAM_WINDOW),
         ..GrpcLimits::default()
     };
-    let service = service.into_service();
-    let evidence = evidence.map(EvidenceService::into_service);
+    let service = join_port_bounds(
+        service.into_service(),
+        JOIN_REQUESTS_IN_FLIGHT,
+        crate::join::service::MAX_REQUEST_BYTES,
+        "the join service is busy; retry later",
+    );
+    let evidence = evidence.map(|evidence| {
+        join_port_bounds(
+            evidence.into_service(),
+            EVIDENCE_REQUESTS_IN_FLIGHT,
+            crate::evidence::service::MAX_EVIDENCE_REQUEST_BYTES,
+            "the evidence service is busy; retry later",
+        )
+    });
     grpc::serve(incoming, &limits, |server| {
         server.add_service(service).add_optional_service(evidence)
     })
     .await?;
     Ok(())
+}
+
+/// `service` with the join port's bounds on requests in flight: `limit`
+/// at once across every connection, each body of at most `max_message`
+/// bytes within [`JOIN_PORT_BODY_DEADLINE`], a source held to
+/// [`JOIN_PORT_REQUESTS_PER_SOURCE`] of them (waiting included) once half
+/// are taken; a request finding none free waits for one.
+fn join_port_bounds<S>(
+    service: S,
+    limit: usize,
+    max_message: usize,
+    busy: &'static str,
+) -> InFlightLimit<S> {
+    InFlightLimit::new(service, limit, max_message, JOIN_PORT_BODY_DEADLINE, busy)
+        .with_source_share_under_load(JOIN_PORT_REQUESTS_PER_SOURCE)
+        .with_waiting(
+            JOIN_PORT_REQUEST_WAIT,
+            JOIN_PORT_EVICTION_AGE,
+            JOIN_PORT_REQUESTS_WAITING,
+        )
 }
 
 /// Keeps the join service's measurements file, and its policy, those of

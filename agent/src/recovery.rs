@@ -44,7 +44,7 @@ use crate::disk::{DiskState, StateDisk, UnusableHeader};
 use crate::disk_bindings::EkDigest;
 use crate::nodelock::LockError;
 use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
-use crate::throttle::{FailureThrottle, OnePerSource, SourcePlace};
+use crate::throttle::{FailureThrottle, PerSource, SourcePlace};
 use keel_verifier::keys::{self, ClusterId, KeyService};
 
 /// Largest accepted recovery request.
@@ -159,7 +159,7 @@ struct Inner {
     waiting: Arc<tokio::sync::Semaphore>,
     /// The sources with a request running or waiting: one each, so a few
     /// addresses cannot hold every place while the operator's waits.
-    sources: OnePerSource,
+    sources: PerSource,
 }
 
 /// Most recovery requests running or waiting for their turn at once.
@@ -183,7 +183,7 @@ impl RecoveryServer {
                 throttle: FailureThrottle::default(),
                 one_at_a_time: tokio::sync::Mutex::new(()),
                 waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITING)),
-                sources: OnePerSource::default(),
+                sources: PerSource::default(),
             }),
         }
     }

@@ -5,7 +5,7 @@
 //! a host does not start afresh from each of its addresses. Bounded in
 //! memory.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -98,35 +98,52 @@ impl FailureThrottle {
     }
 }
 
-/// Sources with a request in progress, one each (an IPv6 source by its
-/// /64); a source's place is freed when its [`SourcePlace`] drops.
+/// Sources with requests in progress, and how many each holds (an IPv6
+/// source by its /64); a source's place is freed when its [`SourcePlace`]
+/// drops.
 #[derive(Debug, Default, Clone)]
-pub(crate) struct OnePerSource(Arc<Mutex<HashSet<Source>>>);
+pub(crate) struct PerSource(Arc<Mutex<HashMap<Source, usize>>>);
 
-impl OnePerSource {
-    /// `source`'s place, unless it holds one already.
+impl PerSource {
+    /// A place for `source`, unless it holds one already.
     pub(crate) fn claim(&self, source: Source) -> Option<SourcePlace> {
+        self.claim_up_to(source, 1)
+    }
+
+    /// A place for `source`, unless it holds `at_most` already.
+    pub(crate) fn claim_up_to(&self, source: Source, at_most: usize) -> Option<SourcePlace> {
         let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        held.insert(source).then(|| SourcePlace {
+        let count = held.entry(source).or_insert(0);
+        if *count >= at_most {
+            if *count == 0 {
+                held.remove(&source);
+            }
+            return None;
+        }
+        *count += 1;
+        Some(SourcePlace {
             held: Arc::clone(&self.0),
             source,
         })
     }
 }
 
-/// One source's place in a [`OnePerSource`].
+/// One place of a source in a [`PerSource`].
 #[derive(Debug)]
 pub(crate) struct SourcePlace {
-    held: Arc<Mutex<HashSet<Source>>>,
+    held: Arc<Mutex<HashMap<Source, usize>>>,
     source: Source,
 }
 
 impl Drop for SourcePlace {
     fn drop(&mut self) {
-        self.held
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.source);
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = held.get_mut(&self.source) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                held.remove(&self.source);
+            }
+        }
     }
 }
 
@@ -173,5 +190,28 @@ mod tests {
             t.failed(IpAddr::from(i.to_be_bytes()));
         }
         assert!(t.peers.lock().unwrap().len() <= FailureThrottle::MAX_PEERS);
+    }
+
+    #[test]
+    fn a_source_holds_at_most_its_count_of_places() {
+        let sources = PerSource::default();
+        let a = Source::of_ip("192.0.2.1".parse().unwrap());
+        let b = Source::of_ip("192.0.2.2".parse().unwrap());
+        let first = sources.claim_up_to(a, 2).unwrap();
+        let second = sources.claim_up_to(a, 2).unwrap();
+        assert!(sources.claim_up_to(a, 2).is_none());
+        assert!(
+            sources.claim(b).is_some(),
+            "another source is not held back"
+        );
+        drop(first);
+        let third = sources.claim_up_to(a, 2).unwrap();
+        drop((second, third));
+        assert!(
+            sources.0.lock().unwrap().is_empty(),
+            "freed sources are forgotten"
+        );
+        assert!(sources.claim_up_to(a, 0).is_none());
+        assert!(sources.0.lock().unwrap().is_empty());
     }
 }

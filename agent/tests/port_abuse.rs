@@ -1,9 +1,12 @@
 //! A node's init port (the real init service, aTLS with the node's swtpm,
 //! the shared gRPC configuration) under abuse by a client that completed
 //! the handshake: one connection opening hundreds of streams, many
-//! connections each sending init requests slowly, and idle connections. The abusing client speaks HTTP/2 itself (a few frames by
-//! hand), since a well-behaved client library never exceeds the server's
-//! stream limit or leaves a request half sent.
+//! connections each sending init requests slowly, and idle connections;
+//! and the join port under a member that passed mutual attestation and
+//! opens ticket requests on many connections. The abusing client speaks
+//! HTTP/2 itself (a few frames by hand), since a well-behaved client
+//! library never exceeds the server's stream limit or leaves a request
+//! half sent.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -13,15 +16,18 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use join_common::{free_port, joiner, rss_kib, Joiner};
+use join_common::{free_port, joiner, member, rss_kib, start_service, Joiner};
+use keel_agent::attestation::issuer::TpmIssuer;
 use keel_agent::grpc::GrpcLimits;
+use keel_agent::join::ticket::TicketError;
 use keel_agent::node::{
-    INIT_REQUEST_BODY_DEADLINE, OPERATOR_PORT_CONNECTIONS, OPERATOR_PORT_CONNECTIONS_PER_SOURCE,
-    OPERATOR_PORT_EVICTION_AGE,
+    INIT_REQUEST_BODY_DEADLINE, JOIN_REQUESTS_IN_FLIGHT, OPERATOR_PORT_CONNECTIONS,
+    OPERATOR_PORT_CONNECTIONS_PER_SOURCE, OPERATOR_PORT_EVICTION_AGE,
 };
 use keel_atls::{AtlsClient, AtlsStream, Challenge, ValidationError, Validator};
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::InitRequest;
+use keel_proto::join::IssueJoinTicketRequest;
 use keel_testkit::swtpm::EkCa;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpListener;
@@ -131,11 +137,15 @@ fn literal(out: &mut Vec<u8>, name: &str, value: &str) {
 }
 
 fn init_request_headers() -> Vec<u8> {
+    request_headers("/keel.init.v1.InitService/Init")
+}
+
+fn request_headers(path: &str) -> Vec<u8> {
     let mut block = Vec::new();
     for (name, value) in [
         (":method", "POST"),
         (":scheme", "http"),
-        (":path", "/keel.init.v1.InitService/Init"),
+        (":path", path),
         (":authority", "node"),
         ("content-type", "application/grpc"),
         ("te", "trailers"),
@@ -834,4 +844,88 @@ async fn trickled_init_requests_from_every_place_do_not_keep_init_out() {
         "the operator's init was kept out for {:?}: {status:?}",
         started.elapsed()
     );
+}
+
+/// Attacker's move: a member compromised after its attestation opens
+/// ticket requests on many connections from one address, each announcing
+/// a 32 KiB message and sending 10 bytes of it, never more. Every stream
+/// of every connection would hold its buffer until the 120 s request
+/// timeout: with the port's thousands of connections, gigabytes. The port
+/// holds [`JOIN_REQUESTS_IN_FLIGHT`] ticket requests at once across its
+/// connections, and once half are taken a source only up to its share: so
+/// this source's requests past half of the places are answered busy at
+/// once, their bodies never read, and a member from another address still
+/// has its request read and answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ticket_requests_on_many_connections_are_held_to_the_join_ports_bound() {
+    let _serial = SERIAL.lock().await;
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let service = start_service(&ca, port).await;
+    let flooder = member(&ca, port, "flooder", "worker");
+    let client = AtlsClient::mutual(
+        Arc::new(TpmIssuer::new(flooder.tpm.clone())),
+        Arc::new(AnyServer),
+    )
+    .with_local_address(std::net::IpAddr::from([127, 0, 0, 2]));
+    let half = JOIN_REQUESTS_IN_FLIGHT / 2;
+    let streams_per_connection = 8;
+    let connections = (half + 32) / streams_per_connection;
+    let mut flood = Vec::new();
+    for _ in 0..connections {
+        let stream = client.connect("127.0.0.1", port).await.unwrap();
+        flood.push(RawH2::start(stream).await);
+    }
+    let mut start = vec![0u8];
+    start.extend_from_slice(&(32 * 1024u32).to_be_bytes());
+    start.extend_from_slice(&[0; 10]);
+    let headers = request_headers("/keel.join.v1.JoinService/IssueJoinTicket");
+    for h2 in &flood {
+        for i in 0..streams_per_connection {
+            let id = 1 + 2 * i as u32;
+            h2.send(&frame(HEADERS, END_HEADERS, id, &headers))
+                .await
+                .unwrap();
+            h2.send(&frame(DATA, 0, id, &start)).await.unwrap();
+        }
+    }
+    let sent = connections * streams_per_connection;
+    let answered = || -> usize {
+        flood
+            .iter()
+            .map(|h2| h2.seen.lock().unwrap().answered.len())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while answered() < sent - half && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let busy = answered();
+    eprintln!("{sent} trickled ticket requests from one address: {busy} answered at once");
+    // A few may slip in past half while the places fill from both of the
+    // server's threads at once.
+    assert!(
+        busy + 4 >= sent - half && busy <= sent - half,
+        "{busy} of {sent} answered at once; {} expected past half the places",
+        sent - half
+    );
+
+    // Another member's request is read and answered by the service.
+    let newcomer = member(&ca, port, "newcomer", "worker");
+    let refused = newcomer
+        .tickets(&ca)
+        .with_local_address(std::net::IpAddr::from([127, 0, 0, 3]))
+        .request_join_ticket(&service.endpoint, IssueJoinTicketRequest::default())
+        .await
+        .err()
+        .unwrap();
+    let TicketError::Refused(status) = refused else {
+        panic!("the newcomer's request failed on the way: {refused:?}");
+    };
+    assert!(
+        !keel_proto::told_busy(&status),
+        "the newcomer was told busy: {status:?}"
+    );
+    assert_ne!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    drop(flood);
 }
