@@ -164,6 +164,33 @@ struct Pace {
     last_read: Option<Instant>,
 }
 
+impl Pace {
+    /// Whether this pace binds nothing any more at `now`: no request of
+    /// its EK in flight, and its nonce, its last evidence and its last
+    /// registry request all at least `idle` old (past the nonce's life and
+    /// every gap), so forgetting it changes no answer.
+    fn is_idle(&self, now: Instant, idle: Duration) -> bool {
+        !self.waiting
+            && !self.reading
+            && [self.nonce.map(|(_, at)| at), self.last, self.last_read]
+                .into_iter()
+                .flatten()
+                .all(|at| now.saturating_duration_since(at) >= idle)
+    }
+}
+
+/// Whether `paces` has room for one more EK, forgetting idle ones
+/// ([`Pace::is_idle`]) when it is full: members come and go over a
+/// control plane's life (replaced VMs, each with a new EK), and a table
+/// that only grew would refuse every new member once it held
+/// [`MAX_NODES`].
+fn make_room(paces: &mut HashMap<[u8; 32], Pace>, now: Instant, idle: Duration) -> bool {
+    if paces.len() >= MAX_NODES {
+        paces.retain(|_, pace| !pace.is_idle(now, idle));
+    }
+    paces.len() < MAX_NODES
+}
+
 /// The evidence service of a control plane.
 #[derive(Clone)]
 pub struct EvidenceService {
@@ -282,7 +309,8 @@ impl EvidenceService {
     /// Marks a request of `ek` in flight (the mark `busy`; `refused` if
     /// one is already) and waits until `gap` after the time `last` of its
     /// pace. The guard returned ends the mark when the request ends,
-    /// answered or not. At most [`MAX_NODES`] EKs are paced.
+    /// answered or not. At most [`MAX_NODES`] EKs are paced; idle ones
+    /// make room for a new one.
     async fn wait_turn(
         &self,
         ek: [u8; 32],
@@ -293,7 +321,8 @@ impl EvidenceService {
     ) -> Result<Waiting, EvidenceError> {
         let due = {
             let mut paces = self.paces();
-            if !paces.contains_key(&ek) && paces.len() >= MAX_NODES {
+            let idle = self.inner.config.interval() + NONCE_GRACE;
+            if !paces.contains_key(&ek) && !make_room(&mut paces, Instant::now(), idle) {
                 return Err(EvidenceError::Busy);
             }
             let pace = paces.entry(ek).or_default();
@@ -867,6 +896,69 @@ impl evidence_service_server::EvidenceService for EvidenceService {
 #[cfg(test)]
 mod tests {
     use super::OncePerMinute;
+
+    /// A full pace table forgets the EKs whose paces bind nothing (their
+    /// nonces expired, their gaps past, nothing in flight) to pace a new
+    /// member, and keeps every pace that still binds.
+    #[test]
+    fn a_full_pace_table_forgets_idle_members() {
+        use super::{make_room, Pace, MAX_NODES};
+        use std::collections::HashMap;
+        use std::time::{Duration, Instant};
+        let idle = Duration::from_secs(90);
+        let start = Instant::now();
+        let now = start + Duration::from_secs(1000);
+        let ek = |i: usize| {
+            let mut ek = [0u8; 32];
+            ek[..8].copy_from_slice(&(i as u64).to_be_bytes());
+            ek
+        };
+        let mut paces: HashMap<[u8; 32], Pace> = (0..MAX_NODES)
+            .map(|i| {
+                let pace = Pace {
+                    last: Some(now - Duration::from_secs(60)),
+                    ..Pace::default()
+                };
+                (ek(i), pace)
+            })
+            .collect();
+        assert!(!make_room(&mut paces, now, idle), "every pace still binds");
+        assert_eq!(paces.len(), MAX_NODES);
+
+        // Gone quiet long ago: its last evidence, its last registry
+        // request and its nonce all older than the idle time.
+        paces.insert(
+            ek(0),
+            Pace {
+                last: Some(start),
+                last_read: Some(start),
+                nonce: Some(([7; 32], start)),
+                ..Pace::default()
+            },
+        );
+        // Quiet as long, but its nonce request is in flight.
+        paces.insert(
+            ek(1),
+            Pace {
+                waiting: true,
+                last: Some(start),
+                ..Pace::default()
+            },
+        );
+        // Its last evidence long ago, its nonce fresh.
+        paces.insert(
+            ek(2),
+            Pace {
+                last: Some(start),
+                nonce: Some(([7; 32], now - Duration::from_secs(10))),
+                ..Pace::default()
+            },
+        );
+        assert!(make_room(&mut paces, now, idle));
+        assert_eq!(paces.len(), MAX_NODES - 1);
+        assert!(!paces.contains_key(&ek(0)));
+        assert!(paces.contains_key(&ek(1)) && paces.contains_key(&ek(2)));
+    }
 
     #[test]
     fn a_sign_is_logged_at_warn_once_a_minute() {
