@@ -8,8 +8,11 @@
 //! file system (the components' tmpfs, or the same bind mount of it), so
 //! the running binaries are untouched while it downloads. The switch
 //! exchanges each twin with its directory in one
-//! `renameat2(RENAME_EXCHANGE)`: every directory moves from old to new at
+//! `renameat2(RENAME_EXCHANGE)`: each directory moves from old to new at
 //! once, never through a state where a binary is missing or half written.
+//! The directories switch one after another, not as a set: a reboot
+//! between them finds the upgrade's switch record, and the directories are
+//! emptied and installed again from the version record.
 //! Switching back exchanges them again; [`Staging::discard`] removes the
 //! twins (after a switch: the previous version).
 
