@@ -9,7 +9,9 @@
 //! comes from the kernel command line, which is inside the measured UKI;
 //! the verity superblock it reads from the hash partition only describes
 //! the layout, and dm-verity checks every block read from the root against
-//! the root hash, so a changed root or superblock fails to read.
+//! the root hash, so a changed root fails to read. (A superblock with a
+//! smaller block count can open a verified prefix of the root, whose reads
+//! past it fail; see docs/measured-boot.md.)
 //!
 //! PID 1 must not exit: on any failure it prints why on the console and
 //! powers the machine off.
