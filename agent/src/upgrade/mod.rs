@@ -266,6 +266,10 @@ pub enum UpgradeError {
     /// The TPM handle is poisoned or its task failed.
     #[error("the TPM is unavailable")]
     Tpm,
+    /// A step run off the runtime stopped before it finished (it
+    /// panicked).
+    #[error("a step of the upgrade stopped before it finished")]
+    Stopped,
     /// kubeadm refused or failed.
     #[error("kubeadm upgrade")]
     Kubeadm(#[source] crate::kubeadm::KubeadmError),
@@ -748,10 +752,10 @@ impl Upgrader {
             version: target.version,
             components: target.components.clone(),
         };
-        record
-            .save(self.env.root())
-            .map_err(|e| applied(UpgradeError::Record(e)))?;
-        self.follow_on_control_plane(&record).map_err(applied)?;
+        self.save_record(&record).await.map_err(applied)?;
+        self.follow_on_control_plane(&record)
+            .await
+            .map_err(applied)?;
         crate::provision::durable().await;
         // The upgrade is done either way: a record left behind only makes
         // the next boot install this version afresh.
@@ -761,13 +765,26 @@ impl Upgrader {
         Ok(())
     }
 
-    /// A control plane's facts and join service move to the new version,
-    /// so the nodes that join from now on install it.
-    fn follow_on_control_plane(&self, record: &NodeVersion) -> Result<(), UpgradeError> {
-        change_state(&self.cluster, self.env.root(), |state| {
-            Ok::<_, UpgradeError>(state.running(record.version, &record.components))
-        })?;
-        Ok(())
+    /// Saves `record` as the version this node runs.
+    async fn save_record(&self, record: &NodeVersion) -> Result<(), UpgradeError> {
+        let record = record.clone();
+        let root = self.env.root().to_path_buf();
+        off_the_runtime(move || record.save(&root).map_err(UpgradeError::Record)).await
+    }
+
+    /// A control plane's facts and join service move to `record`'s
+    /// version, so the nodes that join from now on install it.
+    async fn follow_on_control_plane(&self, record: &NodeVersion) -> Result<(), UpgradeError> {
+        let record = record.clone();
+        let cluster = self.cluster.clone();
+        let root = self.env.root().to_path_buf();
+        off_the_runtime(move || {
+            change_state(&cluster, &root, |state| {
+                Ok::<_, UpgradeError>(state.running(record.version, &record.components))
+            })?;
+            Ok(())
+        })
+        .await
     }
 
     /// Switches back to `previous` after a failure; returns whether the
@@ -798,7 +815,7 @@ impl Upgrader {
                 false
             }
         };
-        let saved = previous.save(self.env.root()).is_ok();
+        let saved = self.save_record(previous).await.is_ok();
         if saved {
             crate::provision::durable().await;
             if let Err(e) = Switching::end(self.env.root()) {
@@ -810,7 +827,7 @@ impl Upgrader {
         // record could be written.
         let restarted = restart_kubelet(&self.env.kubelet).await.is_ok();
         let restored = measured && saved && restarted;
-        if let Err(e) = self.follow_on_control_plane(previous) {
+        if let Err(e) = self.follow_on_control_plane(previous).await {
             log(format!(
                 "restoring the control-plane facts failed: {}",
                 keel_atls::ErrorChain(&e)
@@ -836,6 +853,17 @@ impl Upgrader {
         ));
         restored
     }
+}
+
+/// Runs `op` on a blocking thread: the records and the facts are written
+/// and synced to the state disk (the facts under the process's one turn
+/// of cluster changes), and a slow disk must hold up no runtime worker.
+async fn off_the_runtime<T: Send + 'static>(
+    op: impl FnOnce() -> Result<T, UpgradeError> + Send + 'static,
+) -> Result<T, UpgradeError> {
+    tokio::task::spawn_blocking(op)
+        .await
+        .map_err(|_| UpgradeError::Stopped)?
 }
 
 /// What an upgrade's events note.
