@@ -536,7 +536,7 @@ fn tdx_cache(intel: &TestIntel, options: &CollateralOptions) -> tempfile::TempDi
     std::fs::write(
         dir.path()
             .join("tdx")
-            .join(format!("{}.json", intel.fmspc_hex())),
+            .join(format!("{}-platform.json", intel.fmspc_hex())),
         collateral.to_json(),
     )
     .unwrap();

@@ -386,7 +386,7 @@ fn fetch_tdx(mirror: &MirrorServer, cache: &Path, quote: &Path) -> Output {
 
 /// A good entry already in the cache, where the fetch would write.
 fn planted_entry(cache: &Path, fmspc: &str) -> (PathBuf, Vec<u8>) {
-    let path = cache.join(format!("tdx/{fmspc}.json"));
+    let path = cache.join(format!("tdx/{fmspc}-platform.json"));
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     let good = br#"{"the":"good collateral"}"#.to_vec();
     std::fs::write(&path, &good).unwrap();
@@ -415,7 +415,7 @@ fn real_collateral_that_has_expired_is_refused_and_the_cache_entry_kept() {
     );
     assert!(log.contains("TDX collateral time"), "{log}");
     assert_eq!(std::fs::read(&entry).unwrap(), good);
-    assert_eq!(files(cache.path()), ["tdx/B0C06F000000.json"]);
+    assert_eq!(files(cache.path()), ["tdx/B0C06F000000-platform.json"]);
     // (The same collateral verifies the quote offline at a time it was
     // valid: `collateral::pcs` unit tests.)
     let quote = read("tdx/dcap-qvl/tdx_quote");
@@ -463,7 +463,7 @@ fn fetching_tdx_collateral_for_a_generated_platform_and_refusals() {
     assert!(log.contains("nothing was written"), "{log}");
     assert!(log.contains("TDX "), "{log}");
     assert_eq!(std::fs::read(&entry).unwrap(), good);
-    assert_eq!(files(cache.path()), [format!("tdx/{fmspc}.json")]);
+    assert_eq!(files(cache.path()), [format!("tdx/{fmspc}-platform.json")]);
 
     let refused = |mirror: &MirrorServer, expected: &str| {
         let cache = tempfile::tempdir().unwrap();
@@ -540,7 +540,7 @@ fn the_fetch_command_explains_itself() {
         "https://kdsintf.amd.com",
         "https://api.trustedservices.intel.com",
         "snp/vcek-<chip>-<bl>-<tee>-<snp>-<ucode>.der",
-        "tdx/<FMSPC>.json",
+        "tdx/<FMSPC>-<CA>.json",
         "/var/lib/keel/collateral",
     ] {
         assert!(help.contains(needle), "{needle} missing from: {help}");

@@ -1,10 +1,10 @@
 //! A test-only Intel-like root of trust for TDX, generated per test: a root
-//! CA, a PCK platform CA, a PCK leaf with Intel's SGX extension (FMSPC, CPU
-//! and PCE SVNs), and a TCB signing certificate, all ECDSA P-256 as Intel
-//! signs; the collateral a DCAP verifier needs (TCB info and QE identity
-//! signed by the TCB signing key, the root CA and PCK CRLs); and TDX quotes
-//! (version 4, TD 1.0 body) whose QE report the PCK key signs and whose
-//! attestation key signs the TD report.
+//! CA, a PCK platform (or processor) CA, a PCK leaf with Intel's SGX
+//! extension (FMSPC, CPU and PCE SVNs), and a TCB signing certificate, all
+//! ECDSA P-256 as Intel signs; the collateral a DCAP verifier needs (TCB
+//! info and QE identity signed by the TCB signing key, the root CA and PCK
+//! CRLs); and TDX quotes (version 4, TD 1.0 body) whose QE report the PCK
+//! key signs and whose attestation key signs the TD report.
 //!
 //! A verifier configured with [`TestIntel::root_der`] as its Intel root
 //! checks these exactly as it checks Intel's; the pinned Intel root refuses
@@ -68,6 +68,7 @@ pub enum IntelError {
 }
 
 /// A P-256 key that signs certificates, CRLs, collateral and quote parts.
+#[derive(Clone)]
 struct EcKey {
     key: p256::ecdsa::SigningKey,
     public: Vec<u8>,
@@ -362,14 +363,43 @@ pub struct TdFields {
     pub report_data: [u8; 64],
 }
 
+/// Which of Intel's two PCK CAs issued a platform's PCK certificate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PckIssuer {
+    /// The PCK Platform CA.
+    Platform,
+    /// The PCK Processor CA.
+    Processor,
+}
+
+impl PckIssuer {
+    /// The name PCS's URLs give it (`platform`, `processor`).
+    pub fn id(self) -> &'static str {
+        match self {
+            Self::Platform => "platform",
+            Self::Processor => "processor",
+        }
+    }
+}
+
+/// The root and TCB signer of a generated PKI.
+struct Pki {
+    root: EcKey,
+    root_params: CertificateParams,
+    root_der: Vec<u8>,
+    tcb_signer: EcKey,
+    tcb_signer_der: Vec<u8>,
+}
+
 /// A generated Intel-like PKI and one platform it certifies.
 pub struct TestIntel {
     root: EcKey,
     root_params: CertificateParams,
     root_der: Vec<u8>,
-    platform_ca: EcKey,
-    platform_ca_params: CertificateParams,
-    platform_ca_der: Vec<u8>,
+    pck_ca: EcKey,
+    pck_ca_params: CertificateParams,
+    pck_ca_der: Vec<u8>,
+    ca: PckIssuer,
     tcb_signer: EcKey,
     tcb_signer_der: Vec<u8>,
     pck: EcKey,
@@ -417,26 +447,54 @@ impl TestIntel {
         Self::for_platform(Platform::default())
     }
 
-    /// Generates the PKI for `platform`.
+    /// Generates the PKI for `platform`, its PCK certificate issued by
+    /// the platform CA.
     pub fn for_platform(platform: Platform) -> Result<Self, IntelError> {
         let root = EcKey::generate();
         let root_params = ca_params("Keel Test SGX Root CA", BasicConstraints::Unconstrained)?;
         let root_der = root_params.self_signed(&root)?.der().to_vec();
-        let root_issuer = Issuer::from_params(&root_params, &root);
-
-        let platform_ca = EcKey::generate();
-        let platform_ca_params = ca_params(
-            "Keel Test SGX PCK Platform CA",
-            BasicConstraints::Constrained(0),
-        )?;
-        let platform_ca_der = platform_ca_params
-            .signed_by(&platform_ca, &root_issuer)?
-            .der()
-            .to_vec();
-
         let tcb_signer = EcKey::generate();
         let tcb_signer_der = leaf_params("Keel Test SGX TCB Signing")?
-            .signed_by(&tcb_signer, &root_issuer)?
+            .signed_by(&tcb_signer, &Issuer::from_params(&root_params, &root))?
+            .der()
+            .to_vec();
+        let pki = Pki {
+            root,
+            root_params,
+            root_der,
+            tcb_signer,
+            tcb_signer_der,
+        };
+        Self::issued(pki, platform, PckIssuer::Platform)
+    }
+
+    /// A platform of the same FMSPC and TCB under the same root and TCB
+    /// signer, whose PCK certificate the processor CA issued (as Intel
+    /// certifies some platforms of an FMSPC by one CA, some by the other).
+    pub fn under_processor_ca(&self) -> Result<Self, IntelError> {
+        let pki = Pki {
+            root: self.root.clone(),
+            root_params: self.root_params.clone(),
+            root_der: self.root_der.clone(),
+            tcb_signer: self.tcb_signer.clone(),
+            tcb_signer_der: self.tcb_signer_der.clone(),
+        };
+        Self::issued(pki, self.platform, PckIssuer::Processor)
+    }
+
+    /// `pki` with a PCK CA of kind `ca` and a PCK certificate it issued
+    /// for `platform`.
+    fn issued(pki: Pki, platform: Platform, ca: PckIssuer) -> Result<Self, IntelError> {
+        let root_issuer = Issuer::from_params(&pki.root_params, &pki.root);
+        let pck_ca = EcKey::generate();
+        // Verifiers tell the CAs apart by the word in the issuer's name.
+        let name = match ca {
+            PckIssuer::Platform => "Keel Test SGX PCK Platform CA",
+            PckIssuer::Processor => "Keel Test SGX PCK Processor CA",
+        };
+        let pck_ca_params = ca_params(name, BasicConstraints::Constrained(0))?;
+        let pck_ca_der = pck_ca_params
+            .signed_by(&pck_ca, &root_issuer)?
             .der()
             .to_vec();
 
@@ -449,28 +507,31 @@ impl TestIntel {
             sgx_extension(&platform),
         )];
         let pck_der = pck_params
-            .signed_by(
-                &pck,
-                &Issuer::from_params(&platform_ca_params, &platform_ca),
-            )?
+            .signed_by(&pck, &Issuer::from_params(&pck_ca_params, &pck_ca))?
             .der()
             .to_vec();
 
         Ok(Self {
-            root,
-            root_params,
-            root_der,
-            platform_ca,
-            platform_ca_params,
-            platform_ca_der,
-            tcb_signer,
-            tcb_signer_der,
+            root: pki.root,
+            root_params: pki.root_params,
+            root_der: pki.root_der,
+            pck_ca,
+            pck_ca_params,
+            pck_ca_der,
+            ca,
+            tcb_signer: pki.tcb_signer,
+            tcb_signer_der: pki.tcb_signer_der,
             pck,
             pck_der,
             pck_serial,
             attestation_key: EcKey::generate(),
             platform,
         })
+    }
+
+    /// The CA that issued this platform's PCK certificate.
+    pub fn pck_issuer(&self) -> PckIssuer {
+        self.ca
     }
 
     /// The root CA, DER: what a verifier takes as its Intel root.
@@ -491,7 +552,7 @@ impl TestIntel {
     /// The PCK leaf, its platform CA and the root, PEM (the quote's
     /// certification data).
     pub fn pck_chain_pem(&self) -> String {
-        [&self.pck_der, &self.platform_ca_der, &self.root_der]
+        [&self.pck_der, &self.pck_ca_der, &self.root_der]
             .iter()
             .map(|der| certificate_pem(der))
             .collect()
@@ -603,10 +664,7 @@ impl TestIntel {
             Vec::new()
         };
         let pck_crl = crl(revoked)
-            .signed_by(&Issuer::from_params(
-                &self.platform_ca_params,
-                &self.platform_ca,
-            ))?
+            .signed_by(&Issuer::from_params(&self.pck_ca_params, &self.pck_ca))?
             .der()
             .to_vec();
 
@@ -622,7 +680,7 @@ impl TestIntel {
             ),
             pck_crl_issuer_chain: format!(
                 "{}{}",
-                certificate_pem(&self.platform_ca_der),
+                certificate_pem(&self.pck_ca_der),
                 certificate_pem(&self.root_der)
             ),
             pck_crl,

@@ -91,18 +91,35 @@ fn a_generated_quote_verifies_under_its_root_and_no_other() {
     let err = verify_with(&other, &quote, &theirs, &policy(), now()).unwrap_err();
     assert_eq!(check(&err), "signature", "{err}");
 
-    // The cache names the file by the FMSPC of the quote's PCK certificate.
+    // The cache names the file by the FMSPC of the quote's PCK certificate
+    // and the CA that issued it. A cache filled before the names carried
+    // the CA holds `tdx/<FMSPC>.json`: read only where the CA's own file
+    // is missing.
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("tdx")).unwrap();
-    std::fs::write(
-        dir.path()
-            .join("tdx")
-            .join(format!("{}.json", intel.fmspc_hex())),
-        collateral.to_json(),
-    )
-    .unwrap();
+    let write = |name: String, collateral: &TdxCollateral| {
+        std::fs::write(dir.path().join("tdx").join(name), collateral.to_json()).unwrap()
+    };
+    write(format!("{}.json", intel.fmspc_hex()), &collateral);
     let read = Collateral::at(dir.path()).tdx_collateral(&quote).unwrap();
     assert_eq!(read.tcb_info, collateral.tcb_info);
+    let own = intel
+        .collateral(&CollateralOptions {
+            platform_status: "OutOfDate".into(),
+            ..CollateralOptions::default()
+        })
+        .unwrap();
+    write(format!("{}-platform.json", intel.fmspc_hex()), &own);
+    let read = Collateral::at(dir.path()).tdx_collateral(&quote).unwrap();
+    assert_eq!(read.tcb_info, own.tcb_info);
+    assert_ne!(read.tcb_info, collateral.tcb_info);
+    // With neither, the error names the CA's own file.
+    let empty = tempfile::tempdir().unwrap();
+    let err = Collateral::at(empty.path())
+        .tdx_collateral(&quote)
+        .unwrap_err();
+    let expected = format!("tdx/{}-platform.json", intel.fmspc_hex());
+    assert!(err.to_string().contains(&expected), "{err}");
 }
 
 #[test]

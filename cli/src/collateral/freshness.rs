@@ -265,12 +265,12 @@ mod tests {
             serde_json::to_vec(&collateral).unwrap()
         };
         let cache = tempfile::tempdir().unwrap();
-        let place = cache.path().join("tdx/00806F050000.json");
+        let place = cache.path().join("tdx/00806F050000-platform.json");
         std::fs::create_dir_all(place.parent().unwrap()).unwrap();
         std::fs::write(&place, collateral("2025-07-01T00:00:00Z", 18)).unwrap();
         let fetched = |bytes| {
             [CacheFile::new(
-                "tdx/00806F050000.json",
+                "tdx/00806F050000-platform.json",
                 bytes,
                 Kind::TdxCollateral,
             )]

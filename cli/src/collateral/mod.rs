@@ -49,7 +49,8 @@ pub enum CollateralCommand {
     /// TDX (--tdx-quote): from Intel's PCS, the TCB info for the quote's
     /// FMSPC, the TD quoting enclave's identity, the CRL of the CA that
     /// issued the quote's PCK certificate, and the SGX root CA's CRL, as
-    /// one file tdx/<FMSPC>.json. The quote must verify with it against
+    /// one file tdx/<FMSPC>-<CA>.json (CA: platform or processor). The
+    /// quote must verify with it against
     /// Intel's root now, as verifiers check it; otherwise nothing is
     /// written. The command prints the collateral's validity.
     ///
@@ -319,11 +320,11 @@ mod tests {
         let victim = elsewhere.path().join("victim");
         std::fs::write(&victim, b"precious").unwrap();
         std::fs::create_dir_all(cache.path().join("tdx")).unwrap();
-        let target = cache.path().join("tdx/B0C06F000000.json");
+        let target = cache.path().join("tdx/B0C06F000000-platform.json");
         std::os::unix::fs::symlink(&victim, &target).unwrap();
 
         let files = [CacheFile::new(
-            "tdx/B0C06F000000.json",
+            "tdx/B0C06F000000-platform.json",
             b"fresh".to_vec(),
             Kind::TdxCollateral,
         )];
@@ -332,7 +333,7 @@ mod tests {
         assert!(!target.is_symlink());
         assert_eq!(std::fs::read(&target).unwrap(), b"fresh");
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
-        assert_eq!(entries(cache.path()), ["tdx/B0C06F000000.json"]);
+        assert_eq!(entries(cache.path()), ["tdx/B0C06F000000-platform.json"]);
     }
 
     #[test]

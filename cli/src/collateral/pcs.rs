@@ -108,9 +108,9 @@ pub async fn fetch(
         .ok_or_else(|| PcsError::Quote("carries no TD report".into()))?;
     let fmspc =
         dcap_qvl::intel::quote_fmspc(&parsed).map_err(|e| PcsError::Quote(format!("{e:#}")))?;
-    let ca = dcap_qvl::intel::quote_ca(&parsed)
-        .map_err(|e| PcsError::Quote(format!("{e:#}")))?
-        .as_id_str();
+    let pck_ca =
+        dcap_qvl::intel::quote_ca(&parsed).map_err(|e| PcsError::Quote(format!("{e:#}")))?;
+    let ca = pck_ca.as_id_str();
     let fmspc_hex = hex::encode_upper(fmspc);
     eprintln!("keel: TDX quote, FMSPC {fmspc_hex}, PCK certificate issued by the {ca} CA");
 
@@ -189,7 +189,7 @@ pub async fn fetch(
     }
     check(quote, &collateral, mrtd, root, now)?;
     Ok(vec![CacheFile::new(
-        tdx_collateral_path(&fmspc),
+        tdx_collateral_path(&fmspc, pck_ca),
         json,
         Kind::TdxCollateral,
     )])
@@ -347,18 +347,21 @@ mod tests {
         ))
     }
 
+    /// The TD report of the generated quotes.
+    fn fields() -> TdFields {
+        TdFields {
+            td_attributes: TD_ATTRIBUTES,
+            mrtd: [1; 48],
+            rtmr: [[0; 48]; 4],
+            report_data: [2; 64],
+        }
+    }
+
     /// A generated platform, its quote, and a PCS serving its collateral.
     fn generated(options: &CollateralOptions) -> (TestIntel, Vec<u8>, MirrorServer) {
         let intel = TestIntel::new().unwrap();
         let collateral = intel.collateral(options).unwrap();
-        let quote = intel
-            .quote(&TdFields {
-                td_attributes: TD_ATTRIBUTES,
-                mrtd: [1; 48],
-                rtmr: [[0; 48]; 4],
-                report_data: [2; 64],
-            })
-            .unwrap();
+        let quote = intel.quote(&fields()).unwrap();
         let mirror = MirrorServer::start().unwrap();
         serve(&mirror, &intel, &collateral);
         (intel, quote, mirror)
@@ -392,11 +395,50 @@ mod tests {
         let root = IntelRoot::from_der(intel.root_der().to_vec());
         let files = fetch_from(&mirror, &quote, now(), &root).unwrap();
         assert_eq!(files.len(), 1);
-        assert_eq!(files[0].relative, format!("tdx/{}.json", intel.fmspc_hex()));
+        assert_eq!(
+            files[0].relative,
+            format!("tdx/{}-platform.json", intel.fmspc_hex())
+        );
         let cache = cache_of(&files);
         let cached = Collateral::at(cache.path()).tdx_collateral(&quote).unwrap();
         let claims = tdx::verify(&quote, &cached, &root, &policy([1; 48]), now()).unwrap();
         assert_eq!(claims.status, "UpToDate");
+    }
+
+    /// Intel certifies some platforms of an FMSPC by its platform CA and
+    /// some by its processor CA; each CA's collateral carries its own PCK
+    /// CRL. Fetched into one cache, neither overwrites the other.
+    #[test]
+    fn platforms_of_one_fmspc_under_both_cas_keep_their_own_collateral() {
+        let by_platform_ca = TestIntel::new().unwrap();
+        let by_processor_ca = by_platform_ca.under_processor_ca().unwrap();
+        let root = IntelRoot::from_der(by_platform_ca.root_der().to_vec());
+        let cache = tempfile::tempdir().unwrap();
+        let mut quotes = Vec::new();
+        for intel in [&by_platform_ca, &by_processor_ca] {
+            let collateral = intel.collateral(&CollateralOptions::default()).unwrap();
+            let json = serde_json::from_str(&collateral.to_json()).unwrap();
+            let mirror = MirrorServer::start().unwrap();
+            PcsParts::from_collateral_json(&json).unwrap().serve(
+                &mirror,
+                &intel.fmspc_hex(),
+                intel.pck_issuer().id(),
+            );
+            let quote = intel.quote(&fields()).unwrap();
+            let files = fetch_from(&mirror, &quote, now(), &root).unwrap();
+            let ca = intel.pck_issuer().id();
+            assert_eq!(
+                files[0].relative,
+                format!("tdx/{}-{ca}.json", intel.fmspc_hex())
+            );
+            super::super::store(cache.path(), &files).unwrap();
+            quotes.push(quote);
+        }
+        for quote in &quotes {
+            let cached = Collateral::at(cache.path()).tdx_collateral(quote).unwrap();
+            let claims = tdx::verify(quote, &cached, &root, &policy([1; 48]), now()).unwrap();
+            assert_eq!(claims.status, "UpToDate");
+        }
     }
 
     #[test]
@@ -500,7 +542,7 @@ mod tests {
 
         // At a time the collateral was valid, against Intel's pinned root.
         let files = fetch_from(&mirror, &quote, TDX_TIME, &IntelRoot::pinned()).unwrap();
-        assert_eq!(files[0].relative, "tdx/B0C06F000000.json");
+        assert_eq!(files[0].relative, "tdx/B0C06F000000-platform.json");
         let cache = cache_of(&files);
         let cached = Collateral::at(cache.path()).tdx_collateral(&quote).unwrap();
         assert_eq!(cached.tcb_info, original["tcb_info"].as_str().unwrap());

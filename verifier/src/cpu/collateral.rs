@@ -10,8 +10,12 @@
 //!   chip and TCB; `snp/vlek-<bl>-<tee>-<snp>-<ucode>.der`: a VLEK (for a
 //!   Turin report, `<fmc>-` before `<bl>`). Used only when the document
 //!   does not carry the certificate itself.
-//! * `tdx/<FMSPC, 12 upper-case hex digits>.json`: `dcap-qvl`'s
-//!   `QuoteCollateralV3` (TCB info, QE identity, CRLs, issuer chains).
+//! * `tdx/<FMSPC, 12 upper-case hex digits>-<CA>.json`, the CA that
+//!   issued the quote's PCK certificate being `platform` or `processor`:
+//!   `dcap-qvl`'s `QuoteCollateralV3` (TCB info, QE identity, CRLs,
+//!   issuer chains). The PCK CRL in it is that CA's, so the CA is part of
+//!   the name. A cache filled before holds `tdx/<FMSPC>.json`, read where
+//!   the CA's own file is missing.
 //! * `snp/<product>/crl.der`: AMD's CRL for a product line (`Milan`,
 //!   `Genoa`, `Turin`; KDS `/vcek/v1/<product>/crl`). When present, every
 //!   VCEK-signed SNP report of that line is checked against it
@@ -33,6 +37,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub use dcap_qvl::config::PckCa;
 use dcap_qvl::quote::Quote;
 use dcap_qvl::QuoteCollateralV3;
 use sev::firmware::guest::AttestationReport;
@@ -80,8 +85,8 @@ pub enum CollateralError {
         #[source]
         source: serde_json::Error,
     },
-    /// The quote's PCK certificate names no FMSPC.
-    #[error("TDX quote: no FMSPC in its PCK certificate: {0}")]
+    /// The quote's PCK certificate names no FMSPC or CA.
+    #[error("TDX quote: no FMSPC or CA in its PCK certificate: {0}")]
     Fmspc(String),
 }
 
@@ -130,12 +135,31 @@ impl Collateral {
         }
     }
 
-    /// The TDX collateral for `quote`'s FMSPC.
+    /// The TDX collateral for `quote`'s FMSPC and the CA that issued its
+    /// PCK certificate. A cache filled before the file names carried the
+    /// CA holds one file per FMSPC: that file is read where the CA's own
+    /// is missing (a CA's collateral never verifies the other's quotes).
     pub fn tdx_collateral(&self, quote: &[u8]) -> Result<QuoteCollateralV3, CollateralError> {
-        let parsed = Quote::parse(quote).map_err(|e| CollateralError::Fmspc(format!("{e:#}")))?;
-        let fmspc = dcap_qvl::intel::quote_fmspc(&parsed)
-            .map_err(|e| CollateralError::Fmspc(format!("{e:#}")))?;
-        tdx_collateral_file(&self.path("TDX collateral", tdx_collateral_path(&fmspc))?)
+        fn unnamed(e: impl std::fmt::Display) -> CollateralError {
+            CollateralError::Fmspc(format!("{e:#}"))
+        }
+        let parsed = Quote::parse(quote).map_err(unnamed)?;
+        let fmspc = dcap_qvl::intel::quote_fmspc(&parsed).map_err(unnamed)?;
+        let ca = dcap_qvl::intel::quote_ca(&parsed).map_err(unnamed)?;
+        let path = self.path("TDX collateral", tdx_collateral_path(&fmspc, ca))?;
+        match tdx_collateral_file(&path) {
+            Err(CollateralError::Read { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                let earlier = self.path("TDX collateral", earlier_tdx_collateral_path(&fmspc))?;
+                if earlier.exists() {
+                    tdx_collateral_file(&earlier)
+                } else {
+                    Err(CollateralError::Read { path, source })
+                }
+            }
+            read => read,
+        }
     }
 }
 
@@ -167,9 +191,17 @@ pub fn snp_crl_path(line: &str, key: SigningKey) -> Option<String> {
     plain.then(|| format!("snp/{line}/{file}"))
 }
 
-/// Where a cache keeps the TDX collateral for `fmspc`, relative to the
-/// cache directory.
-pub fn tdx_collateral_path(fmspc: &[u8; 6]) -> String {
+/// Where a cache keeps the TDX collateral for `fmspc` and PCK
+/// certificates issued by `ca`, relative to the cache directory. Both name
+/// the file: the collateral's PCK CRL is the CA's, and one FMSPC may have
+/// platforms under both CAs.
+pub fn tdx_collateral_path(fmspc: &[u8; 6], ca: PckCa) -> String {
+    format!("tdx/{}-{}.json", hex::encode_upper(fmspc), ca.as_id_str())
+}
+
+/// Where caches filled before [`tdx_collateral_path`] named the CA kept
+/// the TDX collateral for `fmspc`.
+fn earlier_tdx_collateral_path(fmspc: &[u8; 6]) -> String {
     format!("tdx/{}.json", hex::encode_upper(fmspc))
 }
 
