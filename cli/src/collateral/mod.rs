@@ -62,7 +62,8 @@ pub enum CollateralCommand {
     /// TCB info or QE identity older than the one already cached (issued
     /// before it, or of a lower TCB evaluation) is refused: an older answer
     /// may be a replay that drops a revocation. Remove the cached file to
-    /// take it on purpose.
+    /// take it on purpose. One fetch at a time checks and writes a cache
+    /// (it locks the directory); another waits for it.
     #[command(verbatim_doc_comment)]
     Fetch(FetchArgs),
 }
@@ -202,10 +203,43 @@ fn read_evidence(path: &Path, limit: u64) -> anyhow::Result<Vec<u8>> {
 }
 
 /// Puts `files` into `cache`, unless one of them is older than the file it
-/// would replace ([`freshness::refuse_rollback`]).
+/// would replace ([`freshness::refuse_rollback`]). The check and the
+/// writes hold the cache's lock ([`lock`]): two fetches into one cache
+/// cannot check, then write one after the other, an older set last.
 fn store(cache: &Path, files: &[CacheFile]) -> anyhow::Result<Vec<PathBuf>> {
+    let _held = lock(cache)?;
     freshness::refuse_rollback(cache, files)?;
     write_all(cache, files)
+}
+
+/// Takes the cache's lock: an exclusive `flock` on the cache directory
+/// itself (created if missing), held until the value is dropped. Waits,
+/// saying so, while another fetch holds it.
+fn lock(cache: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+    use nix::fcntl::{Flock, FlockArg};
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::create_dir_all(cache).with_context(|| format!("creating {}", cache.display()))?;
+    let open = || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_DIRECTORY)
+            .open(cache)
+            .with_context(|| format!("opening {}", cache.display()))
+    };
+    let locked = |(_, errno): (std::fs::File, nix::errno::Errno)| {
+        anyhow::Error::new(errno).context(format!("locking {}", cache.display()))
+    };
+    match Flock::lock(open()?, FlockArg::LockExclusiveNonblock) {
+        Ok(held) => Ok(held),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+            eprintln!(
+                "keel: another fetch is writing {}; waiting for it",
+                cache.display()
+            );
+            Flock::lock(open()?, FlockArg::LockExclusive).map_err(locked)
+        }
+        Err(e) => Err(locked(e)),
+    }
 }
 
 /// Writes `files` under `cache`: each first to a temporary file of its
@@ -349,6 +383,33 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    /// A fetch that finds the cache locked by another checks and writes
+    /// only once that one is done.
+    #[test]
+    fn a_fetch_waits_for_another_holding_the_cache() {
+        let cache = tempfile::tempdir().unwrap();
+        let held = lock(cache.path()).unwrap();
+        let dir = cache.path().to_owned();
+        let (done, finished) = std::sync::mpsc::channel();
+        let writer = std::thread::spawn(move || {
+            let files = [CacheFile::new(
+                "snp/Milan/cert_chain.pem",
+                b"chain".to_vec(),
+                Kind::Certificate,
+            )];
+            let stored = store(&dir, &files).map(|_| ());
+            done.send(()).unwrap();
+            stored
+        });
+        let waited = finished.recv_timeout(Duration::from_millis(300));
+        assert!(waited.is_err(), "stored while the cache was locked");
+        assert!(entries(cache.path()).is_empty());
+        drop(held);
+        finished.recv_timeout(Duration::from_secs(10)).unwrap();
+        writer.join().unwrap().unwrap();
+        assert_eq!(entries(cache.path()), ["snp/Milan/cert_chain.pem"]);
     }
 
     #[test]
