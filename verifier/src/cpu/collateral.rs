@@ -145,7 +145,7 @@ impl Collateral {
         }
         let parsed = Quote::parse(quote).map_err(unnamed)?;
         let fmspc = dcap_qvl::intel::quote_fmspc(&parsed).map_err(unnamed)?;
-        let ca = dcap_qvl::intel::quote_ca(&parsed).map_err(unnamed)?;
+        let ca = pck_ca(&parsed)?;
         let path = self.path("TDX collateral", tdx_collateral_path(&fmspc, ca))?;
         match tdx_collateral_file(&path) {
             Err(CollateralError::Read { source, .. })
@@ -197,6 +197,33 @@ pub fn snp_crl_path(line: &str, key: SigningKey) -> Option<String> {
 /// platforms under both CAs.
 pub fn tdx_collateral_path(fmspc: &[u8; 6], ca: PckCa) -> String {
     format!("tdx/{}-{}.json", hex::encode_upper(fmspc), ca.as_id_str())
+}
+
+/// The CA that issued the PCK certificate of `quote`, by the word Intel
+/// puts in its name ("Intel SGX PCK Platform CA", "... Processor CA"):
+/// read with the certificate parser the verifier already carries, not by
+/// printing the whole issuer name.
+pub fn pck_ca(quote: &Quote) -> Result<PckCa, CollateralError> {
+    let unnamed = |what: String| CollateralError::Fmspc(what);
+    let chain =
+        dcap_qvl::intel::extract_cert_chain(quote).map_err(|e| unnamed(format!("{e:#}")))?;
+    let leaf = chain
+        .first()
+        .ok_or_else(|| unnamed("the quote carries no PCK certificate".into()))?;
+    let (_, certificate) = x509_parser::parse_x509_certificate(leaf)
+        .map_err(|e| unnamed(format!("its PCK certificate does not parse: {e}")))?;
+    for name in certificate.issuer().iter_common_name() {
+        let name = name.as_str().unwrap_or_default();
+        if name.contains("Processor") {
+            return Ok(PckCa::Processor);
+        }
+        if name.contains("Platform") {
+            return Ok(PckCa::Platform);
+        }
+    }
+    Err(unnamed(
+        "its PCK certificate's issuer is neither Intel's platform nor its processor CA".into(),
+    ))
 }
 
 /// Where caches filled before [`tdx_collateral_path`] named the CA kept
