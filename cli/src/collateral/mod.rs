@@ -219,24 +219,22 @@ fn lock(cache: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
     use nix::fcntl::{Flock, FlockArg};
     use std::os::unix::fs::OpenOptionsExt as _;
     std::fs::create_dir_all(cache).with_context(|| format!("creating {}", cache.display()))?;
-    let open = || {
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(nix::libc::O_DIRECTORY)
-            .open(cache)
-            .with_context(|| format!("opening {}", cache.display()))
-    };
+    let directory = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY)
+        .open(cache)
+        .with_context(|| format!("opening {}", cache.display()))?;
     let locked = |(_, errno): (std::fs::File, nix::errno::Errno)| {
         anyhow::Error::new(errno).context(format!("locking {}", cache.display()))
     };
-    match Flock::lock(open()?, FlockArg::LockExclusiveNonblock) {
+    match Flock::lock(directory, FlockArg::LockExclusiveNonblock) {
         Ok(held) => Ok(held),
-        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+        Err((directory, nix::errno::Errno::EWOULDBLOCK)) => {
             eprintln!(
                 "keel: another fetch is writing {}; waiting for it",
                 cache.display()
             );
-            Flock::lock(open()?, FlockArg::LockExclusive).map_err(locked)
+            Flock::lock(directory, FlockArg::LockExclusive).map_err(locked)
         }
         Err(e) => Err(locked(e)),
     }

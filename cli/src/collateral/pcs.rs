@@ -8,7 +8,7 @@
 
 use dcap_qvl::quote::Quote;
 use dcap_qvl::QuoteCollateralV3;
-use keel_verifier::cpu::collateral::{pck_ca, tdx_collateral_path, MAX_COLLATERAL_BYTES};
+use keel_verifier::cpu::collateral::{pck_platform, tdx_collateral_path, MAX_COLLATERAL_BYTES};
 use keel_verifier::cpu::policy::{Hex, TdxPolicy};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxError};
 use serde::Deserialize;
@@ -106,9 +106,7 @@ pub async fn fetch(
         .as_td10()
         .map(|td| td.mr_td)
         .ok_or_else(|| PcsError::Quote("carries no TD report".into()))?;
-    let fmspc =
-        dcap_qvl::intel::quote_fmspc(&parsed).map_err(|e| PcsError::Quote(format!("{e:#}")))?;
-    let pck_ca = pck_ca(&parsed).map_err(|e| PcsError::Quote(e.to_string()))?;
+    let (fmspc, pck_ca) = pck_platform(&parsed).map_err(|e| PcsError::Quote(e.to_string()))?;
     let ca = pck_ca.as_id_str();
     let fmspc_hex = hex::encode_upper(fmspc);
     eprintln!("keel: TDX quote, FMSPC {fmspc_hex}, PCK certificate issued by the {ca} CA");

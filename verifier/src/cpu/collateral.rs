@@ -90,6 +90,13 @@ pub enum CollateralError {
     Fmspc(String),
 }
 
+impl CollateralError {
+    /// Whether the file read does not exist.
+    fn is_missing(&self) -> bool {
+        matches!(self, Self::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+    }
+}
+
 /// A collateral cache directory, or none.
 #[derive(Clone, Debug, Default)]
 pub struct Collateral {
@@ -126,11 +133,7 @@ impl Collateral {
             return Ok(None);
         };
         match read_bounded(&path) {
-            Err(CollateralError::Read { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                Ok(None)
-            }
+            Err(e) if e.is_missing() => Ok(None),
             other => other.map(Some),
         }
     }
@@ -140,23 +143,14 @@ impl Collateral {
     /// CA holds one file per FMSPC: that file is read where the CA's own
     /// is missing (a CA's collateral never verifies the other's quotes).
     pub fn tdx_collateral(&self, quote: &[u8]) -> Result<QuoteCollateralV3, CollateralError> {
-        fn unnamed(e: impl std::fmt::Display) -> CollateralError {
-            CollateralError::Fmspc(format!("{e:#}"))
-        }
-        let parsed = Quote::parse(quote).map_err(unnamed)?;
-        let fmspc = dcap_qvl::intel::quote_fmspc(&parsed).map_err(unnamed)?;
-        let ca = pck_ca(&parsed)?;
+        let parsed = Quote::parse(quote).map_err(|e| CollateralError::Fmspc(format!("{e:#}")))?;
+        let (fmspc, ca) = pck_platform(&parsed)?;
         let path = self.path("TDX collateral", tdx_collateral_path(&fmspc, ca))?;
         match tdx_collateral_file(&path) {
-            Err(CollateralError::Read { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
+            Err(missing) if missing.is_missing() => {
                 let earlier = self.path("TDX collateral", earlier_tdx_collateral_path(&fmspc))?;
-                if earlier.exists() {
-                    tdx_collateral_file(&earlier)
-                } else {
-                    Err(CollateralError::Read { path, source })
-                }
+                // Neither there: the error names the CA's own file.
+                tdx_collateral_file(&earlier).map_err(|e| if e.is_missing() { missing } else { e })
             }
             read => read,
         }
@@ -199,26 +193,29 @@ pub fn tdx_collateral_path(fmspc: &[u8; 6], ca: PckCa) -> String {
     format!("tdx/{}-{}.json", hex::encode_upper(fmspc), ca.as_id_str())
 }
 
-/// The CA that issued the PCK certificate of `quote`, by the word Intel
-/// puts in its name ("Intel SGX PCK Platform CA", "... Processor CA"):
-/// read with the certificate parser the verifier already carries, not by
-/// printing the whole issuer name.
-pub fn pck_ca(quote: &Quote) -> Result<PckCa, CollateralError> {
+/// The FMSPC of `quote`'s PCK certificate, and the CA that issued it by
+/// the word Intel puts in the CA's name ("Intel SGX PCK Platform CA",
+/// "... Processor CA"). The name is read with the certificate parser the
+/// verifier already carries, not by printing the whole issuer name.
+pub fn pck_platform(quote: &Quote) -> Result<([u8; 6], PckCa), CollateralError> {
     let unnamed = |what: String| CollateralError::Fmspc(what);
     let chain =
         dcap_qvl::intel::extract_cert_chain(quote).map_err(|e| unnamed(format!("{e:#}")))?;
     let leaf = chain
         .first()
         .ok_or_else(|| unnamed("the quote carries no PCK certificate".into()))?;
+    let fmspc = dcap_qvl::intel::parse_pck_extension(leaf)
+        .map_err(|e| unnamed(format!("{e:#}")))?
+        .fmspc;
     let (_, certificate) = x509_parser::parse_x509_certificate(leaf)
         .map_err(|e| unnamed(format!("its PCK certificate does not parse: {e}")))?;
     for name in certificate.issuer().iter_common_name() {
         let name = name.as_str().unwrap_or_default();
         if name.contains("Processor") {
-            return Ok(PckCa::Processor);
+            return Ok((fmspc, PckCa::Processor));
         }
         if name.contains("Platform") {
-            return Ok(PckCa::Platform);
+            return Ok((fmspc, PckCa::Platform));
         }
     }
     Err(unnamed(
