@@ -257,6 +257,13 @@ fn find_document(cert: &X509Certificate<'_>) -> Result<Vec<u8>, PeerCertError> {
             }
         } else if ext.oid.starts_with(&arc) {
             return Err(PeerCertError::UnknownExtensionOid(ext.oid.to_id_string()));
+        } else if ext.critical {
+            // RFC 5280, 4.2: a critical extension the reader does not
+            // process makes the certificate unacceptable. keel's own
+            // certificates mark none critical.
+            return Err(PeerCertError::UnknownCriticalExtension(
+                ext.oid.to_id_string(),
+            ));
         }
     }
     let value = found.ok_or(PeerCertError::ExtensionMissing)?;
@@ -321,6 +328,9 @@ pub enum PeerCertError {
     /// An extension under keel's arc that this version does not know.
     #[error("unknown attestation extension OID {0}")]
     UnknownExtensionOid(String),
+    /// A critical extension this verifier does not process.
+    #[error("unknown critical extension {0}")]
+    UnknownCriticalExtension(String),
     /// The attestation extension appears twice.
     #[error("the attestation extension appears more than once")]
     DuplicateExtension,
@@ -396,6 +406,29 @@ mod tests {
             ));
         let der = params.self_signed(&key).unwrap().der().to_vec();
         assert!(matches!(extract(&der), Err(PeerCertError::ExtensionValue)));
+    }
+
+    #[test]
+    fn an_unknown_critical_extension_is_refused_and_a_non_critical_one_ignored() {
+        let key = p256();
+        let with_extra = |critical: bool| {
+            let mut params = CertificateParams::default();
+            params
+                .custom_extensions
+                .push(CustomExtension::from_oid_content(
+                    ATTESTATION_OID,
+                    der_octet_string(b"doc"),
+                ));
+            let mut extra = CustomExtension::from_oid_content(&[1, 2, 3, 4], vec![0x05, 0x00]);
+            extra.set_criticality(critical);
+            params.custom_extensions.push(extra);
+            params.self_signed(&key).unwrap().der().to_vec()
+        };
+        assert_eq!(extract(&with_extra(false)).unwrap().document, b"doc");
+        match extract(&with_extra(true)) {
+            Err(PeerCertError::UnknownCriticalExtension(oid)) => assert_eq!(oid, "1.2.3.4"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

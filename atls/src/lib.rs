@@ -59,8 +59,9 @@ pub use verify::PeerError;
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The crypto provider of every configuration this crate builds: ring's,
-/// TLS 1.3 suites only with AES-128-GCM-SHA256 first, and P-256 before
-/// X25519 for the key exchange.
+/// TLS 1.3 suites only with AES-128-GCM-SHA256 first, P-256 before X25519
+/// for the key exchange, and handshake signatures verified only as
+/// [`HANDSHAKE_SIGNATURES`] says.
 ///
 /// Both ends of an aTLS connection are keel's, and both speak TLS 1.3 only,
 /// so the order only decides cost. ring hashes SHA-256 with the CPU's SHA
@@ -81,11 +82,26 @@ fn provider() -> Arc<CryptoProvider> {
                     cipher_suite::TLS13_CHACHA20_POLY1305_SHA256,
                 ],
                 kx_groups: vec![kx_group::SECP256R1, kx_group::X25519],
+                signature_verification_algorithms: HANDSHAKE_SIGNATURES,
                 ..rustls::crypto::ring::default_provider()
             })
         })
         .clone()
 }
+
+/// The one handshake signature scheme this crate offers and verifies:
+/// `ecdsa_secp256r1_sha256`, the only one a keel key signs with (a peer's
+/// certificate key is ECDSA P-256, [`cert`] refuses any other). ring's
+/// defaults would offer RSA, Ed25519 and P-384 schemes too, which no keel
+/// peer uses and every such signature would fail on the key anyway.
+static HANDSHAKE_SIGNATURES: rustls::crypto::WebPkiSupportedAlgorithms =
+    rustls::crypto::WebPkiSupportedAlgorithms {
+        all: &[webpki::ring::ECDSA_P256_SHA256],
+        mapping: &[(
+            rustls::SignatureScheme::ECDSA_NISTP256_SHA256,
+            &[webpki::ring::ECDSA_P256_SHA256],
+        )],
+    };
 
 /// The rustls error inside an I/O error from tokio-rustls, if any.
 fn rustls_error(e: &std::io::Error) -> Option<&rustls::Error> {

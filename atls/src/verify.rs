@@ -295,3 +295,56 @@ impl<C: Send + Sync + 'static> ClientCertVerifier for ClientVerifier<C> {
             .supported_schemes()
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use p256::ecdsa::signature::hazmat::PrehashSigner as _;
+    use p256::pkcs8::DecodePrivateKey as _;
+    use ring::signature::{EcdsaKeyPair, ECDSA_P256_SHA256_ASN1_SIGNING};
+    use rustls::internal::msgs::codec::Codec as _;
+    use sha2::Digest as _;
+
+    /// A handshake signature as it arrives on the wire.
+    fn signed(scheme: SignatureScheme, signature: &[u8]) -> DigitallySignedStruct {
+        let mut wire = u16::from(scheme).to_be_bytes().to_vec();
+        wire.extend_from_slice(&u16::try_from(signature.len()).unwrap().to_be_bytes());
+        wire.extend_from_slice(signature);
+        DigitallySignedStruct::read_bytes(&wire).unwrap()
+    }
+
+    #[test]
+    fn only_p256_with_sha256_is_offered_and_verified() {
+        let key = cert::generate_key().unwrap();
+        let pkcs8 = key.serialize_der();
+        let certified = cert::embed(key, b"document", cert::ATTESTATION_OID).unwrap();
+        let cert = &certified.cert[0];
+        let rng = ring::rand::SystemRandom::new();
+        let sha256 = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &pkcs8, &rng)
+            .unwrap()
+            .sign(&rng, b"transcript")
+            .unwrap();
+        let provider = crate::provider();
+        let good = signed(SignatureScheme::ECDSA_NISTP256_SHA256, sha256.as_ref());
+        assert!(tls13_signature(&provider, b"transcript", cert, &good).is_ok());
+        assert!(tls13_signature(&provider, b"transcripT", cert, &good).is_err());
+        // The same key hashing with SHA-384, under the scheme TLS 1.3 ties
+        // to P-384: refused.
+        let p256_key = p256::ecdsa::SigningKey::from_pkcs8_der(&pkcs8).unwrap();
+        let over_sha384: p256::ecdsa::Signature = p256_key
+            .sign_prehash(&sha2::Sha384::digest(b"transcript"))
+            .unwrap();
+        let sha384 = signed(
+            SignatureScheme::ECDSA_NISTP384_SHA384,
+            over_sha384.to_der().as_bytes(),
+        );
+        assert!(tls13_signature(&provider, b"transcript", cert, &sha384).is_err());
+        assert_eq!(
+            provider
+                .signature_verification_algorithms
+                .supported_schemes(),
+            [SignatureScheme::ECDSA_NISTP256_SHA256]
+        );
+    }
+}
