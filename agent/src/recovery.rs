@@ -406,6 +406,7 @@ impl RecoveryServer {
             .map_err(|_| RecoveryError::InvalidRequest("sealed secrets do not decode"))?;
         let keys = KeyService::new(&secrets.master_secret, &secrets.master_salt);
         secrets.master_secret.zeroize();
+        secrets.master_salt.zeroize();
         let keys =
             keys.map_err(|_| RecoveryError::InvalidRequest("master secret or salt length"))?;
         let measurement_secret = keys

@@ -3,7 +3,9 @@
 //! and event log, and signs quotes with a software P-256 key that claims to
 //! be the attestation key. Its documents pass every check a document allows;
 //! key residency (credential activation) refuses it before any request, in
-//! both directions, even when it relays the challenge to the real node's TPM.
+//! both directions, even when it relays the challenge to the real node's TPM
+//! or answers it with a genuine TPM of its own, into which it loaded the
+//! software key's public area.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -206,5 +208,242 @@ async fn a_genuine_document_with_another_ek_area_is_refused() {
             ),
             "byte {at}: {refused:?}"
         );
+    }
+}
+
+/// What a forger's TPM said to its ActivateCredential.
+type Activation = Result<Vec<u8>, tss_esapi::Error>;
+
+/// A forger's answerer on a genuine TPM it holds (another machine whose EK
+/// certificate chains to the trusted CA): it loads the software key's public
+/// area into that TPM (TPM2_LoadExternal, no sensitive area) and asks the
+/// TPM to activate the credential for it, authorising the key by a policy
+/// session when the area asks for one, else by its (absent) auth value.
+struct PublicOnlyAnswerer {
+    tcti: String,
+    /// The software key's public area, once the forger made it.
+    ak_public: std::sync::OnceLock<Vec<u8>>,
+    by_policy: bool,
+    outcomes: std::sync::Mutex<Vec<Activation>>,
+}
+
+impl PublicOnlyAnswerer {
+    fn activate(&self, challenge: &[u8]) -> Activation {
+        use prost::Message as _;
+        use tss_esapi::abstraction::{ek, DefaultKey};
+        use tss_esapi::constants::{CommandCode, SessionType};
+        use tss_esapi::handles::AuthHandle;
+        use tss_esapi::interface_types::algorithm::{AsymmetricAlgorithm, HashingAlgorithm};
+        use tss_esapi::interface_types::resource_handles::Hierarchy;
+        use tss_esapi::interface_types::session_handles::{AuthSession, PolicySession};
+        use tss_esapi::structures::{EncryptedSecret, IdObject, Public, SymmetricDefinition};
+        use tss_esapi::traits::UnMarshall;
+
+        let challenge =
+            keel_proto::attestation::ResidencyChallenge::decode(challenge).expect("a challenge");
+        let mut ctx = tss_esapi::Context::new(self.tcti.parse().unwrap()).unwrap();
+        let ek = ek::create_ek_object(&mut ctx, AsymmetricAlgorithm::Rsa, DefaultKey).unwrap();
+        let ak = ctx
+            .load_external_public(
+                Public::unmarshall(self.ak_public.get().expect("the key's area"))?,
+                Hierarchy::Owner,
+            )
+            .expect("a TPM loads any public area");
+        let policy_session = |ctx: &mut tss_esapi::Context| {
+            ctx.start_auth_session(
+                None,
+                None,
+                None,
+                SessionType::Policy,
+                SymmetricDefinition::AES_128_CFB,
+                HashingAlgorithm::Sha256,
+            )
+            .unwrap()
+            .unwrap()
+        };
+        let ek_session = policy_session(&mut ctx);
+        ctx.execute_with_session(Some(AuthSession::Password), |c| {
+            c.policy_secret(
+                PolicySession::try_from(ek_session).unwrap(),
+                AuthHandle::Endorsement,
+                Default::default(),
+                Default::default(),
+                Default::default(),
+                None,
+            )
+        })
+        .unwrap();
+        let ak_session = if self.by_policy {
+            let session = policy_session(&mut ctx);
+            ctx.policy_command_code(
+                PolicySession::try_from(session).unwrap(),
+                CommandCode::ActivateCredential,
+            )
+            .unwrap();
+            session
+        } else {
+            AuthSession::Password
+        };
+        ctx.execute_with_sessions((Some(ak_session), Some(ek_session), None), |c| {
+            c.activate_credential(
+                ak,
+                ek,
+                IdObject::try_from(challenge.credential_blob).unwrap(),
+                EncryptedSecret::try_from(challenge.encrypted_seed).unwrap(),
+            )
+        })
+        .map(|secret| secret.value().to_vec())
+    }
+}
+
+impl keel_atls::Issuer for PublicOnlyAnswerer {
+    fn issue(&self, _: &[u8], _: &[u8]) -> Result<Vec<u8>, keel_atls::IssueError> {
+        Err(keel_atls::IssueError::new(std::io::Error::other(
+            "answers only",
+        )))
+    }
+
+    fn answer(
+        &self,
+        challenge: &[u8],
+    ) -> Result<keel_atls::ResidencySecret, keel_atls::IssueError> {
+        let outcome = self.activate(challenge);
+        let answer = match &outcome {
+            Ok(secret) => {
+                let mut out = zeroize::Zeroizing::new([0; keel_atls::RESIDENCY_SECRET_LEN]);
+                out.copy_from_slice(secret);
+                Ok(out)
+            }
+            Err(e) => Err(keel_atls::IssueError::new(std::io::Error::other(
+                e.to_string(),
+            ))),
+        };
+        self.outcomes.lock().unwrap().push(outcome);
+        answer
+    }
+}
+
+/// PolicyCommandCode(TPM_CC_ActivateCredential) from an empty policy.
+fn activate_credential_policy() -> [u8; 32] {
+    use sha2::{Digest as _, Sha256};
+    let mut h = Sha256::new();
+    h.update([0; 32]);
+    h.update(0x0000_016cu32.to_be_bytes()); // TPM_CC_PolicyCommandCode
+    h.update(0x0000_0147u32.to_be_bytes()); // TPM_CC_ActivateCredential
+    h.finalize().into()
+}
+
+/// The review's stronger forger: it holds a genuine TPM of its own whose EK
+/// certificate chains to the trusted CA, puts that EK and certificate in
+/// documents that carry the victim's PCRs and a software key's quotes, and
+/// answers residency challenges with its TPM, into which it loaded the
+/// software key's public area alone.
+///
+/// With the attestation key's usual attributes the document checks pass,
+/// and the TPM refuses the activation: the key's admin role needs its auth
+/// value, which lives in the sensitive area the TPM does not have. Given
+/// adminWithPolicy and a policy for ActivateCredential, the key would be
+/// authorised by a session instead, and residency would rest on whether the
+/// TPM refuses policy authorisation to a public-only object; the validator
+/// refuses such a key before it challenges anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forger_with_a_genuine_tpm_cannot_answer_for_a_key_it_loaded_as_public_only() {
+    use keel_verifier::quote::QuoteError;
+    use keel_verifier::validator::ValidationError;
+
+    let ca = EkCa::new().unwrap();
+    let victim = member(&ca, free_port(), "cp-0", "control-plane");
+    let genuine = TpmIssuer::new(victim.tpm.clone())
+        .issue(&[0; 32], &[0; 32])
+        .unwrap();
+    let measurements = join_common::measurements_of(&victim.tpm, &[4, 9, 11, 12, 15]);
+    let validator = Arc::new(Validator::new(
+        measurements,
+        EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap(),
+    ));
+
+    // The forger's own TPM, manufactured by the same CA.
+    let own_tpm = keel_testkit::swtpm::Swtpm::start(&ca).unwrap();
+    let endorsement = {
+        let spec = own_tpm.tcti().parse::<keel_agent::tpm::TctiSpec>().unwrap();
+        keel_agent::tpm::Tpm::open(&spec)
+            .unwrap()
+            .endorsement()
+            .unwrap()
+    };
+
+    for by_policy in [false, true] {
+        let answerer = Arc::new(PublicOnlyAnswerer {
+            tcti: own_tpm.tcti(),
+            ak_public: Default::default(),
+            by_policy,
+            outcomes: Default::default(),
+        });
+        let forger = SoftwareAk::new(&genuine, Some(answerer.clone()))
+            .unwrap()
+            .with_endorsement(
+                endorsement.public.clone(),
+                endorsement.certificate.clone().unwrap(),
+            );
+        let forger = if by_policy {
+            forger
+                .with_admin_policy(&activate_credential_policy())
+                .unwrap()
+        } else {
+            forger
+        };
+        answerer.ak_public.set(forger.ak_public().to_vec()).unwrap();
+        let forger = Arc::new(forger);
+        let (nonce, user_data) = ([9; 32], [8; 32]);
+        let checked = validator.validate(
+            &forger.forge(&nonce, &user_data).unwrap(),
+            &nonce,
+            &user_data,
+        );
+
+        let port = free_port();
+        let recorder = Recorder::default();
+        serve_forged(forger.clone(), recorder.clone(), port).await;
+        let client = AtlsClient::server_attested(validator.clone());
+        let e = client
+            .connect("127.0.0.1", port)
+            .await
+            .expect_err("refused");
+        assert_eq!(
+            recorder.0.load(Ordering::SeqCst),
+            0,
+            "by policy: {by_policy}"
+        );
+
+        if by_policy {
+            assert!(
+                matches!(
+                    checked,
+                    Err(ValidationError::Quote(QuoteError::AkAttributes(
+                        "admin role by policy"
+                    )))
+                ),
+                "{:?}",
+                checked.map(|_| "the document was accepted")
+            );
+            assert!(matches!(e, ConnectError::ServerRefused(_)), "{e:?}");
+            assert_eq!(forger.challenges_received(), 0, "challenged");
+        } else {
+            checked.expect("the forged document passes the document checks");
+            assert!(
+                matches!(e, ConnectError::Residency(ResidencyError::NoAnswer)),
+                "{e:?}"
+            );
+            assert_eq!(forger.challenges_received(), 1);
+            let outcomes = answerer.outcomes.lock().unwrap();
+            let [Err(tss_esapi::Error::Tss2Error(rc))] = outcomes.as_slice() else {
+                panic!("the TPM answered: {outcomes:?}");
+            };
+            assert_eq!(
+                rc.kind(),
+                Some(tss_esapi::constants::response_code::Tss2ResponseCodeKind::AuthUnavailable),
+                "{rc:?}"
+            );
+        }
     }
 }

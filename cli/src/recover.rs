@@ -65,6 +65,7 @@ pub async fn run(
     };
     let payload = Zeroizing::new(secrets.encode_to_vec());
     secrets.master_secret.zeroize();
+    secrets.master_salt.zeroize();
 
     // The node must be one of ours (the measurements) and in no cluster:
     // a node that already rejoined has PCR 15 set and gets nothing.

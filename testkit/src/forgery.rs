@@ -61,6 +61,29 @@ impl SoftwareAk {
         })
     }
 
+    /// Claims the endorsement key and certificate of another TPM: one the
+    /// forger holds, whose EK certificate chains to a trusted CA (any
+    /// machine of the same provider has one) but which runs other software.
+    pub fn with_endorsement(mut self, ek_public: Vec<u8>, ek_certificate: Vec<u8>) -> Self {
+        self.template.ek_public = ek_public;
+        self.template.ek_certificate = ek_certificate;
+        self
+    }
+
+    /// Gives the software key's public area an admin policy: sets
+    /// adminWithPolicy and puts `auth_policy` in its authPolicy, so that a
+    /// TPM holding only that public area might accept a policy session for
+    /// ActivateCredential.
+    pub fn with_admin_policy(mut self, auth_policy: &[u8]) -> Result<Self, ForgeryError> {
+        self.template.ak_public = replace_admin_policy(&self.template.ak_public, auth_policy)?;
+        Ok(self)
+    }
+
+    /// The forged attestation key's public area (marshalled TPMT_PUBLIC).
+    pub fn ak_public(&self) -> &[u8] {
+        &self.template.ak_public
+    }
+
     /// Residency challenges this forger received.
     pub fn challenges_received(&self) -> usize {
         self.answered.load(Ordering::SeqCst)
@@ -173,6 +196,27 @@ fn replace_ecc_point(public: &[u8], x: &[u8], y: &[u8]) -> Result<Vec<u8>, Forge
         out.extend_from_slice(&(coordinate.len() as u16).to_be_bytes());
         out.extend_from_slice(coordinate);
     }
+    Ok(out)
+}
+
+/// A TPMT_PUBLIC with adminWithPolicy set and its authPolicy replaced.
+fn replace_admin_policy(public: &[u8], auth_policy: &[u8]) -> Result<Vec<u8>, ForgeryError> {
+    const ADMIN_WITH_POLICY: u32 = 1 << 7;
+    let mut c = Cursor { buf: public, at: 0 };
+    c.skip(2 + 2)?; // type, nameAlg
+    let attributes_at = c.at;
+    c.skip(4)?;
+    c.skip_tpm2b()?; // authPolicy
+    let policy_len =
+        u16::try_from(auth_policy.len()).map_err(|_| ForgeryError("policy too long"))?;
+    let mut attributes = [0u8; 4];
+    attributes.copy_from_slice(&public[attributes_at..attributes_at + 4]);
+    let attributes = u32::from_be_bytes(attributes) | ADMIN_WITH_POLICY;
+    let mut out = public[..attributes_at].to_vec();
+    out.extend_from_slice(&attributes.to_be_bytes());
+    out.extend_from_slice(&policy_len.to_be_bytes());
+    out.extend_from_slice(auth_policy);
+    out.extend_from_slice(&public[c.at..]);
     Ok(out)
 }
 

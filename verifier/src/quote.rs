@@ -83,6 +83,14 @@ pub fn check_ak(ak: &Public) -> Result<(), QuoteError> {
     if ak.attributes & attr::DECRYPT != 0 {
         return Err(QuoteError::AkAttributes("is also a decryption key"));
     }
+    // Key residency (ActivateCredential on the AK, an admin-role command)
+    // must rest on the AK's authValue, which lives in its sensitive area:
+    // an object loaded from its public area alone has none, so a TPM
+    // cannot activate a credential for it. An authPolicy is in the public
+    // area, where anyone who writes the area can set it.
+    if ak.attributes & attr::ADMIN_WITH_POLICY != 0 {
+        return Err(QuoteError::AkAttributes("admin role by policy"));
+    }
     match &ak.key {
         PublicKey::Ecc {
             scheme: Some((alg::ECDSA, alg::SHA256)),
@@ -261,6 +269,15 @@ mod tests {
         assert_eq!(
             check_ak(&decrypting),
             Err(QuoteError::AkAttributes("is also a decryption key"))
+        );
+        // Whoever writes a public area can give it a policy for the admin
+        // role; residency must not depend on whether a TPM honours one for
+        // an object it holds only the public area of.
+        let mut by_policy = ak.clone();
+        by_policy.attributes |= attr::ADMIN_WITH_POLICY;
+        assert_eq!(
+            verify_quote(&by_policy, &attest, &signature, &qualifying, &pcrs),
+            Err(QuoteError::AkAttributes("admin role by policy"))
         );
         for scheme in [
             None,

@@ -30,6 +30,9 @@ pub mod attr {
     pub const FIXED_PARENT: u32 = 1 << 4;
     /// The TPM generated the sensitive part.
     pub const SENSITIVE_DATA_ORIGIN: u32 = 1 << 5;
+    /// The admin role (ActivateCredential, among others) is given by the
+    /// object's authPolicy rather than its authValue.
+    pub const ADMIN_WITH_POLICY: u32 = 1 << 7;
     /// Signs only TPM-generated structures (quotes) when also `SIGN`.
     pub const RESTRICTED: u32 = 1 << 16;
     /// A decryption key.

@@ -875,6 +875,7 @@ fn seal(
     }
     if let Some(cp) = &mut secrets.control_plane {
         cp.master_secret.zeroize();
+        cp.master_salt.zeroize();
     }
     credential::seal(&peer.ek, &peer.ak.name, &payload).map_err(JoinServiceError::Seal)
 }
