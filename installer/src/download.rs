@@ -343,7 +343,10 @@ impl Downloader {
             .map_err(DownloadError::ConfigureTls)?
             .with_root_certificates(roots)
             .with_no_client_auth();
-        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        // HTTP/1.1 alone: one large body per request gains nothing from
+        // HTTP/2, and whether this build could speak HTTP/2 at all depends
+        // on which features other crates of the binary switch on in hyper.
+        tls.alpn_protocols = vec![b"http/1.1".to_vec()];
         let client = reqwest::Client::builder()
             .use_preconfigured_tls(tls)
             .redirect(redirect_policy(MAX_REDIRECTS))

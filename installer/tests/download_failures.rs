@@ -505,6 +505,31 @@ fn trusting(root: &std::path::Path, tls: &MirrorServer) -> keel_installer::Insta
     .unwrap()
 }
 
+/// Download servers (CDNs) offer HTTP/2 by ALPN; the installer asks for
+/// HTTP/1.1 alone, whatever HTTP/2 support the build happens to contain,
+/// so a server's choice never takes it down a path it was not built for.
+#[tokio::test]
+async fn a_server_that_offers_http2_is_fetched_over_http1() {
+    let tls = MirrorServer::start_tls_offering(&[b"h2", b"http/1.1"]).unwrap();
+    tls.serve(PATH, body());
+    let root = tempfile::tempdir().unwrap();
+    let component = Component::new(
+        &tls.url(PATH),
+        &sha256(&body()),
+        "/run/state/bin/fetched",
+        false,
+    )
+    .unwrap();
+    trusting(root.path(), &tls)
+        .install(&component, &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(root.path().join("run/state/bin/fetched")).unwrap(),
+        body()
+    );
+}
+
 #[tokio::test]
 async fn redirects_never_leave_https_and_are_bounded() {
     let plain = MirrorServer::start().unwrap();

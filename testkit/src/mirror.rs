@@ -127,6 +127,13 @@ impl MirrorServer {
     /// Starts an HTTPS mirror on an ephemeral loopback port; its
     /// certificate (for `127.0.0.1`) is issued by [`Self::tls_root`].
     pub fn start_tls() -> Result<Self, MirrorError> {
+        Self::start_tls_offering(&[])
+    }
+
+    /// [`Self::start_tls`], the TLS server also selecting from `protocols`
+    /// by ALPN (as a CDN offers `h2`); the mirror speaks HTTP/1.1 alone,
+    /// so a client that picks another protocol gets no answer it can read.
+    pub fn start_tls_offering(protocols: &[&[u8]]) -> Result<Self, MirrorError> {
         let ca_key = rcgen::KeyPair::generate().map_err(MirrorError::Certificate)?;
         let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())
             .map_err(MirrorError::Certificate)?;
@@ -148,6 +155,8 @@ impl MirrorServer {
             PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
         )
         .map_err(MirrorError::Tls)?;
+        let mut config = config;
+        config.alpn_protocols = protocols.iter().map(|p| p.to_vec()).collect();
         let mut mirror = Self::start_with(Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))))?;
         mirror.tls_root = Some(ca_cert.der().clone());
         Ok(mirror)
