@@ -18,7 +18,11 @@
 //!   download goes beside the kept copy first, so memory takes only
 //!   bytes whose hash matched; a kept components' directory that cannot
 //!   be made or written fails the install rather than send the download
-//!   into memory.
+//!   into memory. A kept archive is the exception: it is extracted into a
+//!   staging directory beside its install path (in memory) in the read
+//!   that hashes it, within the extraction limits, and nothing of it moves
+//!   into place unless the hash matched; a state disk whose sectors were
+//!   put back can cost the node that much memory and time, no more.
 //! * A failure leaves nothing at the install path: the temporary file or
 //!   staging directory is removed.
 //!
