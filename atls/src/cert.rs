@@ -118,7 +118,7 @@ fn self_signed(
 }
 
 /// `cert` ready to present, its handshake signed with `key` (the
-/// certificate's own key, except in [`crate::danger`]'s tests).
+/// certificate's own key, except in tests of the `danger` feature).
 pub(crate) fn certified_key(
     key: KeyPair,
     cert: CertificateDer<'static>,

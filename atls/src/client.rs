@@ -29,6 +29,7 @@ use tower::Service;
 
 use crate::attestation::{Attested, DynIssuer, DynValidator};
 use crate::cert::CertError;
+#[cfg(feature = "danger")]
 use crate::danger::PresentFn;
 use crate::incoming::ServerWork;
 use crate::nonce::{Nonce, NonceError};
@@ -126,7 +127,7 @@ impl<C: Send + Sync + 'static> AtlsClient<C> {
 
     /// Replaces how this client makes its certificate: for tests that need a
     /// misbehaving client. See [`crate::danger`].
-    #[doc(hidden)]
+    #[cfg(feature = "danger")]
     pub fn danger_present_with(mut self, present: PresentFn) -> Self {
         let prover = self.presenter.as_ref().and_then(Presenter::prover);
         self.presenter = Some(Presenter::Custom(present, prover));

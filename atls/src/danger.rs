@@ -1,6 +1,7 @@
 //! Hooks to present hand-made certificates, for testing that peers refuse
 //! them (replayed documents, moved documents, unknown extensions, no
-//! attestation). Nothing in production uses this module: a side configured
+//! attestation). Built only with the `danger` feature, which the agent and
+//! the CLI never turn on (this crate's tests do): a side configured
 //! with these hooks does not attest honestly. Key residency challenges still
 //! go to the issuer the side was built with, if any.
 

@@ -25,6 +25,7 @@ mod attestation;
 mod blocking;
 pub mod cert;
 mod client;
+#[cfg(feature = "danger")]
 pub mod danger;
 mod incoming;
 pub mod nonce;

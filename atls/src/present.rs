@@ -6,6 +6,7 @@ use rustls::sign::CertifiedKey;
 
 use crate::attestation::DynIssuer;
 use crate::cert::{self, CertError};
+#[cfg(feature = "danger")]
 use crate::danger::PresentFn;
 use crate::nonce::Nonce;
 
@@ -17,8 +18,9 @@ pub(crate) enum Presenter {
     /// A fresh key and a certificate without attestation (a server whose
     /// clients do not validate it).
     Unattested,
-    /// A certificate made by test code (see [`crate::danger`]); residency
+    /// A certificate made by test code (the `danger` feature); residency
     /// challenges go to the issuer the side had before, if any.
+    #[cfg(feature = "danger")]
     Custom(PresentFn, Option<DynIssuer>),
 }
 
@@ -27,8 +29,12 @@ impl Presenter {
     /// this side presents; `None` when it presents no genuine attestation.
     pub(crate) fn prover(&self) -> Option<DynIssuer> {
         match self {
-            Self::Attest(issuer) | Self::Custom(_, Some(issuer)) => Some(issuer.clone()),
-            Self::Unattested | Self::Custom(_, None) => None,
+            Self::Attest(issuer) => Some(issuer.clone()),
+            #[cfg(feature = "danger")]
+            Self::Custom(_, Some(issuer)) => Some(issuer.clone()),
+            #[cfg(feature = "danger")]
+            Self::Custom(_, None) => None,
+            Self::Unattested => None,
         }
     }
 
@@ -37,6 +43,7 @@ impl Presenter {
         match self {
             Self::Attest(issuer) => cert::issue(issuer.as_ref(), nonce.as_bytes()),
             Self::Unattested => cert::unattested(),
+            #[cfg(feature = "danger")]
             Self::Custom(present, _) => present(nonce),
         }
     }

@@ -28,6 +28,7 @@ use tokio_rustls::LazyConfigAcceptor;
 
 use crate::attestation::{DynIssuer, DynValidator};
 use crate::cert::CertError;
+#[cfg(feature = "danger")]
 use crate::danger::PresentFn;
 use crate::incoming::{IssuerGate, Limits, ServerWork, Source};
 use crate::nonce::{Nonce, NonceError};
@@ -222,7 +223,7 @@ impl<C: Send + Sync + 'static> AtlsServer<C> {
 
     /// Replaces how this server makes its certificate: for tests that need a
     /// misbehaving server. See [`crate::danger`].
-    #[doc(hidden)]
+    #[cfg(feature = "danger")]
     pub fn danger_present_with(mut self, present: PresentFn) -> Self {
         self.presenter = Presenter::Custom(present, self.presenter.prover());
         self
