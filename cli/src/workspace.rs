@@ -62,10 +62,12 @@ pub struct MasterSecret {
 
 /// Refuses a workspace that someone else could write into: a directory
 /// (a symbolic link to one is judged by the directory) owned by another
-/// user than this one, or writable by everyone. Whoever can write there
-/// can remove the master secret, replace the admin kubeconfig before it is
-/// used, or hold the workspace's locks. A group-writable one is taken (a
-/// user's private group, under umask 002).
+/// user than this one, writable by everyone, or writable by a group that
+/// is not this user's private one. Whoever can write there can remove the
+/// master secret, replace the admin kubeconfig (with one that runs a
+/// command of theirs when kubectl reads it), or hold the workspace's
+/// locks. A user's private group (named as the user, listing no members),
+/// as under umask 002, is taken.
 pub fn check_private(workspace: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::MetadataExt as _;
     let meta = std::fs::metadata(workspace)
@@ -90,7 +92,31 @@ pub fn check_private(workspace: &Path) -> anyhow::Result<()> {
             meta.mode() & 0o7777
         );
     }
+    if meta.mode() & 0o020 != 0 && !is_private_group(meta.gid(), me) {
+        bail!(
+            "the workspace {} is writable by its group (gid {}, mode {:o}), whose other \
+             members could remove or replace what keel keeps there: run chmod g-w on it, \
+             or use another",
+            workspace.display(),
+            meta.gid(),
+            meta.mode() & 0o7777
+        );
+    }
     Ok(())
+}
+
+/// Whether `gid` is the private group of the user `uid`: a group of the
+/// user's name that lists no members. A group that cannot be looked up is
+/// not.
+fn is_private_group(gid: u32, uid: u32) -> bool {
+    use nix::unistd::{Gid, Group, Uid, User};
+    let (Ok(Some(group)), Ok(Some(user))) = (
+        Group::from_gid(Gid::from_raw(gid)),
+        User::from_uid(Uid::from_raw(uid)),
+    ) else {
+        return false;
+    };
+    group.name == user.name && group.mem.iter().all(|member| *member == user.name)
 }
 
 impl MasterSecret {
@@ -419,12 +445,30 @@ mod tests {
         std::fs::set_permissions(ws.path(), std::fs::Permissions::from_mode(0o757)).unwrap();
         let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
         assert!(e.contains("writable by every user (mode 757)"), "{e}");
-        // Group-writable (a private group under umask 002) is taken: the
-        // file's own content is what fails here.
+        // Group-writable by this user's private group (umask 002) is
+        // taken: the file's own content is what fails here.
         std::fs::set_permissions(ws.path(), std::fs::Permissions::from_mode(0o770)).unwrap();
-        let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
-        assert!(e.contains("is not a master secret file"), "{e}");
+        let me = nix::unistd::User::from_uid(nix::unistd::geteuid())
+            .unwrap()
+            .unwrap();
+        let own = nix::unistd::Group::from_name(&me.name).unwrap();
+        if let Some(own) = own.filter(|g| g.mem.iter().all(|m| *m == me.name)) {
+            std::os::unix::fs::chown(ws.path(), None, Some(own.gid.as_raw())).unwrap();
+            let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
+            assert!(e.contains("is not a master secret file"), "{e}");
+        }
         if nix::unistd::geteuid().is_root() {
+            // Writable by a shared group (nogroup here): refused, and taken
+            // again once the group may no longer write.
+            std::os::unix::fs::chown(ws.path(), None, Some(65534)).unwrap();
+            let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
+            assert!(
+                e.contains("writable by its group (gid 65534, mode 770)"),
+                "{e}"
+            );
+            std::fs::set_permissions(ws.path(), std::fs::Permissions::from_mode(0o750)).unwrap();
+            let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
+            assert!(e.contains("is not a master secret file"), "{e}");
             std::os::unix::fs::chown(ws.path(), Some(65534), None).unwrap();
             let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
             assert!(e.contains("belongs to another user (uid 65534)"), "{e}");
