@@ -484,6 +484,17 @@ pub async fn run(
     if std::fs::symlink_metadata(&secret_path).is_ok() {
         bail!("{} exists: {MASTER_SECRET_KEPT}", secret_path.display());
     }
+    // An admin kubeconfig without its master secret is an earlier
+    // cluster's (the secret moved or removed by hand): never written over.
+    let kubeconfig_path = workspace.join(KUBECONFIG_FILE);
+    if std::fs::symlink_metadata(&kubeconfig_path).is_ok() {
+        bail!(
+            "{} exists without a master secret beside it: it is an earlier cluster's admin \
+             kubeconfig, which this init would replace; move it away or use another workspace \
+             (nothing was sent)",
+            kubeconfig_path.display()
+        );
+    }
 
     let (host, port) = Settings::host_port(&settings.endpoint)?;
     eprintln!("connecting to {host}:{port} and verifying its attestation");

@@ -236,6 +236,31 @@ async fn second_init_is_failed_precondition() {
     );
 }
 
+/// A workspace holding an admin kubeconfig but no master secret (moved or
+/// removed by hand) holds an earlier cluster's credentials: init refuses
+/// before it connects, and the file stays as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_clusters_kubeconfig_stops_init_before_anything_is_sent() {
+    let ca = EkCa::new().unwrap();
+    let n = node(&ca, &[]).await;
+    let ws = tempfile::tempdir().unwrap();
+    let kubeconfig = ws.path().join("keel-admin.conf");
+    std::fs::write(&kubeconfig, "an earlier cluster's").unwrap();
+    let out = keel_init(&n.settings(&ca, SECRET, None), ws.path()).await;
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("exists without a master secret beside it"),
+        "{t}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&kubeconfig).unwrap(),
+        "an earlier cluster's"
+    );
+    assert!(!ws.path().join("keel-master-secret.json").exists());
+    assert_eq!(n.pcr15(), [0; 32]);
+}
+
 /// An init secret's hash is in every node's measured config, which the
 /// node shows anyone who connects: a short secret could be guessed
 /// offline. The CLI refuses one before it connects.
