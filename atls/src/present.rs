@@ -31,9 +31,7 @@ impl Presenter {
         match self {
             Self::Attest(issuer) => Some(issuer.clone()),
             #[cfg(feature = "danger")]
-            Self::Custom(_, Some(issuer)) => Some(issuer.clone()),
-            #[cfg(feature = "danger")]
-            Self::Custom(_, None) => None,
+            Self::Custom(_, prover) => prover.clone(),
             Self::Unattested => None,
         }
     }
