@@ -6,8 +6,8 @@ use std::fs::{self, OpenOptions};
 use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::{Condvar, Mutex, PoisonError};
 
+use keel_installer::durable::{self, parent_dir};
 use zeroize::Zeroizing;
 
 /// Writing a file failed.
@@ -21,79 +21,22 @@ pub struct WriteFileError {
     pub source: std::io::Error,
 }
 
-/// Writes `data` to `path` atomically with mode 0600: a temporary file in
-/// the same directory (created 0600, written, synced), renamed over `path`,
-/// then the directory synced. Creates the directory (0700) if needed. A
-/// reader sees the old content or the new, never a part. Writers of one
-/// path in this process take turns ([`Turn`]): the temporary file's name
-/// is the path's and the process's.
+/// Writes `data` to `path` atomically with mode 0600
+/// ([`keel_installer::durable::replace`]): a reader sees the old content or
+/// the new, never a part, and the new survives a crash once this returns.
+/// Creates the directory (0700) if needed. Concurrent writers of one path
+/// each write a temporary file of their own; the last rename wins.
 pub fn write_private(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
     let fail = |source| WriteFileError {
         path: path.to_owned(),
         source,
     };
-    let _turn = Turn::take(path);
-    let dir = parent_dir(path);
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
-        .create(dir)
+        .create(parent_dir(path))
         .map_err(fail)?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| fail(std::io::Error::other("no file name")))?;
-    let mut temp_name = std::ffi::OsString::from(".");
-    temp_name.push(name);
-    temp_name.push(format!(".tmp-{}", std::process::id()));
-    let temp = dir.join(temp_name);
-    let _ = fs::remove_file(&temp);
-    let written = (|| {
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&temp)?;
-        file.write_all(data)?;
-        file.sync_all()?;
-        fs::rename(&temp, path)?;
-        fs::File::open(dir)?.sync_all()
-    })();
-    if written.is_err() {
-        let _ = fs::remove_file(&temp);
-    }
-    written.map_err(fail)
-}
-
-/// The paths [`write_private`] is writing now, and the signal that one of
-/// them is done.
-static WRITING: (Mutex<Vec<PathBuf>>, Condvar) = (Mutex::new(Vec::new()), Condvar::new());
-
-/// One writer's turn at a path: while it is held, no other writer in this
-/// process removes or renames the path's temporary file.
-struct Turn<'a>(&'a Path);
-
-impl<'a> Turn<'a> {
-    /// Waits until no other writer holds `path`, then holds it.
-    fn take(path: &'a Path) -> Self {
-        let (writing, done) = &WRITING;
-        let mut paths = writing.lock().unwrap_or_else(PoisonError::into_inner);
-        while paths.iter().any(|p| p == path) {
-            paths = done.wait(paths).unwrap_or_else(PoisonError::into_inner);
-        }
-        paths.push(path.to_owned());
-        Self(path)
-    }
-}
-
-impl Drop for Turn<'_> {
-    fn drop(&mut self) {
-        let (writing, done) = &WRITING;
-        let mut paths = writing.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(i) = paths.iter().position(|p| p == self.0) {
-            paths.swap_remove(i);
-        }
-        done.notify_all();
-    }
+    durable::replace(path, data, 0o600).map_err(fail)
 }
 
 /// Removes the file at `path`, if there is one, and syncs its directory:
@@ -101,7 +44,7 @@ impl Drop for Turn<'_> {
 pub fn remove_durably(path: &Path) -> std::io::Result<()> {
     match fs::remove_file(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        removed => removed.and_then(|()| fs::File::open(parent_dir(path))?.sync_all()),
+        removed => removed.and_then(|()| durable::sync_parent(path)),
     }
 }
 
@@ -152,13 +95,6 @@ pub fn remove_or_log(path: &Path, what: &str) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => tracing::warn!(path = %path.display(), error = %e, "{what}"),
     }
-}
-
-/// The directory `path` is in (`.` for a bare name).
-fn parent_dir(path: &Path) -> &Path {
-    path.parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
 }
 
 /// Writes `data` to a new file `path` with mode 0600, without syncing it:
@@ -279,9 +215,8 @@ mod tests {
     }
 
     /// Writers of one path in one process (the join service's file from
-    /// its follower and an operator's change, say) share a temporary name:
-    /// they take turns, every write succeeds, and the file is always one
-    /// writer's whole content.
+    /// its follower and an operator's change, say): every write succeeds,
+    /// and the file is always one writer's whole content.
     #[test]
     fn concurrent_writers_of_one_path_all_succeed_and_never_mix() {
         let dir = tempfile::tempdir().unwrap();

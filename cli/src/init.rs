@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use keel_atls::AtlsClient;
+use keel_installer::durable::{parent_dir, sync_parent};
 use keel_proto::init::init_response::Kind;
 use keel_proto::init::init_service_client::InitServiceClient;
 use keel_proto::init::{InitRequest, InitSecrets};
@@ -168,13 +169,6 @@ pub fn new_init_secret(path: &Path) -> anyhow::Result<String> {
     Ok(hash)
 }
 
-/// The directory `path` is in (`.` for a bare name).
-fn parent_dir(path: &Path) -> &Path {
-    path.parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
-}
-
 /// Creates the workspace, mode 0700 for every directory created, and refuses
 /// one that is not private ([`crate::workspace::check_private`]) or where a
 /// file `keel init` writes is a symbolic link, before anything is written
@@ -208,9 +202,13 @@ fn refuse_link(path: &Path) -> anyhow::Result<()> {
     }
 }
 
-/// Writes `data` to `path` atomically with `mode` ([`Reserved`]).
+/// Writes `data` to `path` atomically and durably with `mode`
+/// ([`keel_installer::durable::replace`]); `path` must not be a symbolic
+/// link ([`refuse_link`]).
 pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> anyhow::Result<()> {
-    Reserved::new(path, mode, 0)?.commit(data)
+    refuse_link(path)?;
+    keel_installer::durable::replace(path, data, mode)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// What [`ID_FILE`] records of a cluster whose secrets make `cluster_id`,
@@ -380,7 +378,7 @@ impl Reserved {
                 self.path.display()
             )
         })?;
-        if let Err(e) = std::fs::File::open(parent_dir(&self.path)).and_then(|d| d.sync_all()) {
+        if let Err(e) = sync_parent(&self.path) {
             eprintln!(
                 "warning: {} is written, but syncing its directory failed ({e}): a crash \
                  now may lose it",

@@ -182,24 +182,11 @@ fn write_output(path: &Path, json: &[u8], key: Option<&SigningPrivateKey>) -> Re
     Ok(())
 }
 
-/// Replaces `path` with `data` atomically: a new file in the same
-/// directory, synced, then renamed over `path` (a symlink at `path` is
-/// replaced, not followed).
+/// Replaces `path` with `data` atomically and durably, mode 0644 (a
+/// symlink at `path` is replaced, not followed).
 fn write_replacing(path: &Path, data: &[u8]) -> Result<()> {
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} names no file", path.display()))?;
-    let mut temp_name = std::ffi::OsString::from(".");
-    temp_name.push(name);
-    temp_name.push(format!(".{}.tmp", std::process::id()));
-    let temp = path.with_file_name(temp_name);
-    let written = write_new(&temp, 0o644, data).and_then(|()| std::fs::rename(&temp, path));
-    if let Err(e) = written {
-        // Best effort: the error that matters is the write's.
-        let _ = std::fs::remove_file(&temp);
-        return Err(e).with_context(|| format!("write {}", path.display()));
-    }
-    Ok(())
+    keel_installer::durable::replace(path, data, 0o644)
+        .with_context(|| format!("write {}", path.display()))
 }
 
 /// Creates `path` (never over an existing file) with `mode`, writes `data`

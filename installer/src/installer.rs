@@ -987,10 +987,6 @@ fn place_file(
     file.sync_all().map_err(rename_error)?;
     let bytes = file.metadata().map_err(rename_error)?.len();
     temp.persist(dest).map_err(|e| rename_error(e.error))?;
-    if let Some(dir) = dest.parent() {
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(rename_error)?;
-    }
+    crate::durable::sync_parent(dest).map_err(rename_error)?;
     Ok(Outcome::Written { bytes })
 }

@@ -5,6 +5,7 @@
 //! * [`component`]: the component type and its wire conversions; a component
 //!   without a hash does not exist.
 //! * [`download`]: streaming, hashing, retrying HTTP(S) downloads.
+//! * [`durable`]: files replaced atomically and durably.
 //! * [`extract`]: `.tgz` extraction that keeps every entry inside its directory.
 //! * [`mirror`]: rewriting upstream URLs to a mirror for air-gapped clusters.
 //! * [`installer`]: putting components in place atomically and returning
@@ -19,6 +20,7 @@ pub mod component;
 pub mod components_file;
 pub mod digest;
 pub mod download;
+pub mod durable;
 pub mod extract;
 pub mod installer;
 pub mod mirror;
