@@ -36,6 +36,16 @@ pub const SECTOR_SIZES: [u64; 2] = [512, 4096];
 /// Most JSON metadata accepted from `luksDump`; an agent-made header has
 /// 12 KiB of JSON area.
 pub const MAX_METADATA_JSON: usize = 64 * 1024;
+/// The JSON area of each metadata copy, as `luksFormat` makes it (LUKS2's
+/// default 16 KiB metadata copy less its 4 KiB binary header).
+pub const JSON_SIZE: u64 = 12_288;
+/// The keyslot area `luksFormat` makes (16 MiB less both metadata copies):
+/// a larger one only makes the header copy larger.
+pub const MAX_KEYSLOTS_SIZE: u64 = 16_744_448;
+/// PBKDF2 iterations of the volume key's digest: cryptsetup's minimum,
+/// which it uses when `luksFormat` is told its iterations
+/// (`--pbkdf-force-iterations`) instead of benchmarking them.
+pub const DIGEST_ITERATIONS: u64 = 1000;
 /// Longest header value quoted in an error.
 const MAX_QUOTED: usize = 64;
 
@@ -86,13 +96,15 @@ pub fn check_version(start: &[u8]) -> Result<(), HeaderMismatch> {
 /// Checks the JSON metadata of a LUKS2 header (`luksDump
 /// --dump-json-metadata`) against what the agent creates:
 /// * `keyslots`: at least one, each `luks2` with a `raw` area encrypted with
-///   [`CIPHER`], [`KEY_SIZE`] keys, PBKDF2 and an AF with [`HASH`];
+///   [`CIPHER`], [`KEY_SIZE`] keys, PBKDF2 with [`HASH`] and the agent's
+///   iteration count, an AF with [`HASH`];
 /// * `segments`: exactly one, `crypt` with [`CIPHER`], a sector size of
 ///   [`SECTOR_SIZES`], no integrity, no flags, IV tweak 0, dynamic size,
 ///   data after the keyslot area;
-/// * `digests`: at least one, PBKDF2 with [`HASH`], each bound to keyslots
-///   and segments;
-/// * `tokens`: none; `config`: no `requirements` (reencryption), no flags;
+/// * `digests`: at least one, PBKDF2 with [`HASH`] and
+///   [`DIGEST_ITERATIONS`], each bound to keyslots and segments;
+/// * `tokens`: none; `config`: [`JSON_SIZE`], at most
+///   [`MAX_KEYSLOTS_SIZE`], no `requirements` (reencryption), no flags;
 /// * `cipher_null` nowhere.
 pub fn check_metadata(json: &[u8]) -> Result<(), HeaderMismatch> {
     if json.len() > MAX_METADATA_JSON {
@@ -117,11 +129,27 @@ pub fn check_metadata(json: &[u8]) -> Result<(), HeaderMismatch> {
             return Err(mismatch("config.flags", quoted(flags)));
         }
     }
+    // The sizes and iteration counts the agent formats with: larger ones
+    // would only make every key check slower (a host setting 2^32 PBKDF2
+    // iterations would keep the node busy for hours at each attempt) and
+    // the header copy larger.
     let json_size = u64_string(member(config, "config", "json_size")?, "config.json_size")?;
+    if json_size != JSON_SIZE {
+        return Err(mismatch(
+            "config.json_size",
+            format!("{json_size}, expected {JSON_SIZE}"),
+        ));
+    }
     let keyslots_size = u64_string(
         member(config, "config", "keyslots_size")?,
         "config.keyslots_size",
     )?;
+    if keyslots_size > MAX_KEYSLOTS_SIZE {
+        return Err(mismatch(
+            "config.keyslots_size",
+            format!("{keyslots_size}, more than {MAX_KEYSLOTS_SIZE}"),
+        ));
+    }
     // Both metadata copies (4 KiB binary header plus JSON area each), then
     // the keyslot area: the data must start after them.
     let header_end = json_size
@@ -145,6 +173,12 @@ pub fn check_metadata(json: &[u8]) -> Result<(), HeaderMismatch> {
         let kdf = object(member(slot, &at, "kdf")?, &kdf_at)?;
         expect_str(kdf, &kdf_at, "type", "pbkdf2")?;
         expect_str(kdf, &kdf_at, "hash", HASH)?;
+        expect_u64(
+            kdf,
+            &kdf_at,
+            "iterations",
+            u64::from(super::cryptsetup::PBKDF2_ITERATIONS),
+        )?;
         let af_at = format!("{at}.af");
         let af = object(member(slot, &at, "af")?, &af_at)?;
         expect_str(af, &af_at, "type", "luks1")?;
@@ -192,6 +226,7 @@ pub fn check_metadata(json: &[u8]) -> Result<(), HeaderMismatch> {
         let digest = object(digest, &at)?;
         expect_str(digest, &at, "type", "pbkdf2")?;
         expect_str(digest, &at, "hash", HASH)?;
+        expect_u64(digest, &at, "iterations", DIGEST_ITERATIONS)?;
         for list in ["keyslots", "segments"] {
             let value = member(digest, &at, list)?;
             if value.as_array().is_none_or(|l| l.is_empty()) {
@@ -402,6 +437,30 @@ mod tests {
     fn the_agents_own_header_passes() {
         check_metadata(GENUINE.as_bytes()).unwrap();
         check_edited(|v| v["segments"]["0"]["sector_size"] = 512.into()).unwrap();
+    }
+
+    /// A host that raises the cost of a key check (hours of PBKDF2 at every
+    /// attempt) or the size of the header copy gets a refusal.
+    #[test]
+    fn costs_and_sizes_above_the_agents_own_are_refused() {
+        refused_at(
+            |v| v["keyslots"]["0"]["kdf"]["iterations"] = 4_000_000_000u64.into(),
+            "keyslots.0.kdf.iterations",
+        );
+        refused_at(
+            |v| v["digests"]["0"]["iterations"] = 4_000_000_000u64.into(),
+            "digests.0.iterations",
+        );
+        refused_at(
+            |v| v["config"]["keyslots_size"] = "134217728".into(),
+            "config.keyslots_size",
+        );
+        refused_at(
+            |v| v["config"]["json_size"] = "4182016".into(),
+            "config.json_size",
+        );
+        // A smaller keyslot area is no cost.
+        check_edited(|v| v["config"]["keyslots_size"] = "8388608".into()).unwrap();
     }
 
     #[test]
