@@ -19,7 +19,8 @@ use keel_image::predict::{self, Uki};
 use keel_verifier::config::NodeConfig;
 use keel_verifier::signature::SigningPrivateKey;
 
-/// Predicts PCRs 4, 9, 11 and 12 from a built image and a node config.
+/// Predicts PCRs 4, 9, 11 and 12 from a built image and a node config, and
+/// PCR 2 as firmware that runs no driver from outside its volume leaves it.
 ///
 /// With `--signing-key`, also writes a detached signature of the file to
 /// `<output>.sig`: ECDSA P-256 with SHA-256 over the exact file bytes, DER,
@@ -66,6 +67,15 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=keel_verifier::measurements::MAX_EPOCH))]
     epoch: u64,
+    /// The platform's firmware loads UEFI drivers from outside its own
+    /// volume by design (option ROMs, `Driver####` entries): leave PCR 2 out
+    /// of the file. By default PCR 2 is enforced at its value when no such
+    /// driver runs (OVMF without option ROMs, as the local cluster boots),
+    /// so that a node whose host made its firmware run one (a driver stays
+    /// resident while the UKI boots, and is measured into PCR 2, not 4) is
+    /// refused.
+    #[arg(long)]
+    firmware_drivers_allowed: bool,
 }
 
 /// Commands other than predicting.
@@ -128,7 +138,8 @@ fn main() -> Result<()> {
         NodeConfig::load(Some(path)).with_context(|| format!("node config {}", path.display()))?;
 
     if args.events {
-        let pcrs: [(u32, Vec<Event>); 3] = [
+        let pcrs: [(u32, Vec<Event>); 4] = [
+            (predict::PCR_DRIVER_CODE, predict::pcr2()),
             (predict::PCR_BOOT_LOADER_CODE, predict::pcr4(&uki)?),
             (predict::PCR_KERNEL_PARAMETERS, predict::pcr9(&uki)?),
             (predict::PCR_KERNEL_BOOT, predict::pcr11(&uki)?),
@@ -146,7 +157,12 @@ fn main() -> Result<()> {
         );
         eprintln!("  keel-agent node-config event for {}", path.display());
     }
-    let measurements = predict::measurements(&uki, &config)?;
+    let drivers = if args.firmware_drivers_allowed {
+        predict::FirmwareDrivers::Allowed
+    } else {
+        predict::FirmwareDrivers::None
+    };
+    let measurements = predict::measurements(&uki, &config, drivers)?;
 
     let json = measurements.to_json_with_epoch(args.epoch) + "\n";
     match &args.output {

@@ -16,6 +16,9 @@ use crate::authenticode::{self, AuthenticodeError};
 use crate::pcr::{replay, Digest, Event};
 use crate::pe::{PeError, PeFile, Section};
 
+/// The PCR the firmware measures UEFI drivers into that it loads from
+/// outside its own volume: `Driver####` entries and PCI option ROMs.
+pub const PCR_DRIVER_CODE: u32 = keel_verifier::measurement::pcr::DRIVER_CODE;
 /// The PCR the firmware measures boot applications into.
 pub const PCR_BOOT_LOADER_CODE: u32 = 4;
 /// The PCR the Linux EFI stub measures the command line and initrd into.
@@ -299,6 +302,16 @@ pub fn pcr11(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
     Ok(events)
 }
 
+/// PCR 2 when the firmware loads no UEFI driver from outside its own
+/// volume: only the EV_SEPARATOR it measures into PCRs 0-7 before it
+/// starts the boot option. A driver the host adds (a `Driver####` variable
+/// pointing at a file on the ESP, a device's option ROM) is measured here,
+/// not into PCR 4, and keeps running after it starts the UKI itself: with
+/// PCR 2 enforced, a node whose firmware ran one is refused.
+pub fn pcr2() -> Vec<Event> {
+    vec![Event::of_data("EV_SEPARATOR", &[0u8; 4])]
+}
+
 /// PCR 12: the value the agent's measurement of `config` gives. It comes
 /// from the agent's own code: the event binds the canonical bytes of the
 /// config's cluster part to its place in the agent's event log, and only the
@@ -307,13 +320,32 @@ pub fn pcr12(config: &NodeConfig) -> Digest {
     config.expected_config_pcr()
 }
 
+/// Whether the platform's firmware may load UEFI drivers from outside its
+/// own volume (and PCR 2 is then left out of the measurements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirmwareDrivers {
+    /// None: PCR 2 is enforced at [`pcr2`] (OVMF with no option ROMs, as
+    /// the local cluster boots).
+    None,
+    /// Some, by the platform's design: PCR 2 is not checked, and a driver
+    /// the host adds goes unseen.
+    Allowed,
+}
+
 /// The measurements file for `uki` booted with `config`: PCRs 4, 9, 11 and
-/// 12, each enforced. Built by the verifiers' own type, so a file that the
-/// CLI or a join service would refuse is never produced; refused for a UKI
-/// whose command line fails [`check_cmdline`].
-pub fn measurements(uki: &Uki<'_>, config: &NodeConfig) -> Result<Measurements, PredictError> {
+/// 12, and PCR 2 unless `drivers` allows firmware drivers, each enforced.
+/// Built by the verifiers' own type, so a file that the CLI or a join
+/// service would refuse is never produced; refused for a UKI whose command
+/// line fails [`check_cmdline`].
+pub fn measurements(
+    uki: &Uki<'_>,
+    config: &NodeConfig,
+    drivers: FirmwareDrivers,
+) -> Result<Measurements, PredictError> {
     check_cmdline(&uki.cmdline()?)?;
-    Measurements::new([
+    let driver_code = (drivers == FirmwareDrivers::None)
+        .then(|| (PCR_DRIVER_CODE, Expected::enforced(replay(&pcr2()))));
+    Measurements::new(driver_code.into_iter().chain([
         (
             PCR_BOOT_LOADER_CODE,
             Expected::enforced(replay(&pcr4(uki)?)),
@@ -324,7 +356,7 @@ pub fn measurements(uki: &Uki<'_>, config: &NodeConfig) -> Result<Measurements, 
         ),
         (PCR_KERNEL_BOOT, Expected::enforced(replay(&pcr11(uki)?))),
         (PCR_NODE_CONFIG, Expected::enforced(pcr12(config))),
-    ])
+    ]))
     .map_err(PredictError::Measurements)
 }
 
@@ -538,9 +570,25 @@ mod tests {
             br#"{"node": {"name": "a"}}"#,
             std::path::Path::new("node-config.json"),
         )?;
-        let m = measurements(&uki, &config)?;
+        let m = measurements(&uki, &config, FirmwareDrivers::None)?;
         let pcrs: Vec<(u32, bool)> = m.iter().map(|(p, e)| (*p, e.warn_only)).collect();
-        assert_eq!(pcrs, [(4, false), (9, false), (11, false), (12, false)]);
+        assert_eq!(
+            pcrs,
+            [(2, false), (4, false), (9, false), (11, false), (12, false)]
+        );
+        // The separator alone: SHA-256(32 zero bytes || SHA-256(00000000)).
+        assert_eq!(
+            hex::encode(m.get(PCR_DRIVER_CODE).unwrap().digest),
+            "3d458cfe55cc03ea1f443f1562beec8df51c75e14a9fcf9a7234a13f198e7969"
+        );
+        // The value the agent's join client compares its own PCR 2 with.
+        assert_eq!(
+            replay(&pcr2()),
+            keel_verifier::measurement::pcr::no_firmware_drivers()
+        );
+        let allowed = measurements(&uki, &config, FirmwareDrivers::Allowed)?;
+        let pcrs: Vec<u32> = allowed.iter().map(|(p, _)| *p).collect();
+        assert_eq!(pcrs, [4, 9, 11, 12]);
         assert!(m
             .iter()
             .any(|(p, e)| *p == PCR_NODE_CONFIG && e.digest == pcr12(&config)));

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use keel_image::predict::{measurements, Uki};
+use keel_image::predict::{measurements, FirmwareDrivers, Uki};
 use keel_image::testpe;
 use keel_verifier::config::NodeConfig;
 use keel_verifier::signature::{detached_signature_path, SignedMeasurements, SigningPublicKey};
@@ -55,6 +55,7 @@ fn the_epoch_is_written_inside_the_signed_file() {
     let expected = measurements(
         &Uki::parse(&uki).unwrap(),
         &NodeConfig::parse(config, Path::new("node-config.json")).unwrap(),
+        FirmwareDrivers::None,
     )
     .unwrap();
 

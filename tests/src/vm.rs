@@ -260,6 +260,7 @@ pub struct VmBuilder {
     vars: Option<PathBuf>,
     network: bool,
     forwards: Vec<(u16, u16)>,
+    nic_option_rom: Option<PathBuf>,
     niceness: i32,
     credentials: Vec<(String, String)>,
     efi_variables: Vec<EfiVariable>,
@@ -290,6 +291,7 @@ impl VmBuilder {
             vars: None,
             network: false,
             forwards: Vec::new(),
+            nic_option_rom: None,
             niceness: 0,
             credentials: Vec::new(),
             efi_variables: Vec::new(),
@@ -370,6 +372,16 @@ impl VmBuilder {
     pub fn host_forward(mut self, host_port: u16, guest_port: u16) -> Self {
         self.network = true;
         self.forwards.push((host_port, guest_port));
+        self
+    }
+
+    /// Gives the VM's NIC the option ROM at `rom` (implies
+    /// [`VmBuilder::user_network`]), as QEMU does by default with its iPXE
+    /// ROMs: the firmware loads the UEFI driver in it. Without this the NIC
+    /// has none (`romfile=`).
+    pub fn nic_option_rom(mut self, rom: impl Into<PathBuf>) -> Self {
+        self.network = true;
+        self.nic_option_rom = Some(rom.into());
         self
     }
 
@@ -506,9 +518,16 @@ impl VmBuilder {
             for (host, guest) in &self.forwards {
                 netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"));
             }
+            // QEMU's option syntax doubles a comma inside a value.
+            let rom = self
+                .nic_option_rom
+                .as_ref()
+                .map(|r| r.display().to_string().replace(',', ",,"))
+                .unwrap_or_default();
             cmd.arg("-netdev")
                 .arg(netdev)
-                .args(["-device", "virtio-net-pci,netdev=n0,romfile="]);
+                .arg("-device")
+                .arg(format!("virtio-net-pci,netdev=n0,romfile={rom}"));
         }
         for (name, value) in &self.credentials {
             // QEMU's option syntax doubles a comma inside a value.

@@ -1,7 +1,7 @@
 //! Boots a built image under QEMU + OVMF + swtpm with a node config passed
 //! by fw_cfg, and checks that the PCRs the agent reports equal the
 //! prediction made from the image files alone (4, 9, 11 from the UKI, 12
-//! from the node config), and that the agent's startup measurements replay
+//! from the node config, 2 with no firmware driver from outside OVMF), and that the agent's startup measurements replay
 //! to PCRs 12, 13 and 15, and that the initrd loaded every optional
 //! module. Reports the time from VM start to `keel-agent: ready`, and
 //! where it went ([`keel_e2e::timeline`]). Then
@@ -45,7 +45,11 @@ fn predict(
     let bytes = std::fs::read(image.uki())?;
     let uki = Uki::parse(&bytes)?;
     // keel-measure's own construction.
-    Ok(predict::measurements(&uki, config)?)
+    Ok(predict::measurements(
+        &uki,
+        config,
+        predict::FirmwareDrivers::None,
+    )?)
 }
 
 /// The agent's startup log for `config`: the cluster part, then the node
@@ -135,7 +139,7 @@ fn booted_pcrs_match_the_prediction() -> TestResult {
             )
         })?;
         eprintln!(
-            "boot {boot}: ready {:.1} s after VM start ({:?}); PCRs 4, 9, 11, 12 as predicted; \
+            "boot {boot}: ready {:.1} s after VM start ({:?}); PCRs 2, 4, 9, 11, 12 as predicted; \
              startup log replays to PCRs 12, 13, 15",
             ready.as_secs_f64(),
             vm.accel()
@@ -401,6 +405,51 @@ fn host_efi_options_are_ignored() -> TestResult {
          variables ({ready:?}); serial log {}",
         vm.serial_log().display()
     );
+    Ok(())
+}
+
+/// The UEFI driver QEMU gives a virtio NIC by default (Debian's
+/// ipxe-qemu, which qemu-system-x86 depends on).
+const IPXE_VIRTIO_ROM: &str = "/usr/lib/ipxe/qemu/efi-virtio.rom";
+
+/// Attacker's move: make the firmware run a UEFI driver of the host's
+/// choice before the UKI. Here it is a PCI option ROM; a `Driver####`
+/// variable naming a file on the ESP works alike. EDK2 measures such a
+/// driver into PCR 2, not PCR 4, and the driver stays resident while the
+/// firmware starts the UKI, so PCRs 4, 9, 11 and 12 come out as predicted.
+/// A driver could patch the kernel after the stub measured it. The image's
+/// measurements enforce PCR 2 at its value when no such driver ran, so the
+/// node is refused, on PCR 2 alone.
+#[test]
+fn a_driver_the_host_adds_to_the_firmware_is_refused_by_pcr_2() -> TestResult {
+    let Some(boot) = Boot::new("option-rom")? else {
+        return Ok(());
+    };
+    let rom = Path::new(IPXE_VIRTIO_ROM);
+    if !rom.is_file() {
+        return Err(format!(
+            "{} missing (package ipxe-qemu, a dependency of qemu-system-x86)",
+            rom.display()
+        )
+        .into());
+    }
+    let (config, _) = NodeConfig::load(Some(&boot.config_path))?;
+    let expected = predict(&boot.image, &config)?;
+    let vm = boot.vm(boot.image.disk()).nic_option_rom(rom).start()?;
+    vm.wait_for_line(READY_LINE, boot.patience)?;
+    let reported = reported_pcrs(vm.lines().iter().map(String::as_str));
+    let mismatches = expected.compare(&reported);
+    for m in &mismatches {
+        eprintln!("with the option ROM: {m}");
+    }
+    let pcrs: Vec<u32> = mismatches.iter().map(|m| m.pcr).collect();
+    assert_eq!(
+        pcrs,
+        [predict::PCR_DRIVER_CODE],
+        "the firmware's driver must show in PCR 2 and only there; serial log {}",
+        vm.serial_log().display()
+    );
+    assert!(!mismatches[0].warn_only, "PCR 2 must be enforced");
     Ok(())
 }
 

@@ -19,6 +19,11 @@ pub type Digest32 = [u8; 32];
 
 /// The PCRs the agent extends. See `docs/pcr-map.md`.
 pub mod pcr {
+    /// UEFI drivers the firmware loads from outside its own volume (PCI
+    /// option ROMs, `Driver####` entries), then the separator. Enforced at
+    /// [`no_firmware_drivers`] unless the platform's firmware loads such
+    /// drivers by design.
+    pub const DRIVER_CODE: u32 = 2;
     /// The node config, measured before the agent uses it. Enforced.
     pub const CONFIG: u32 = 12;
     /// Per-node facts (name, role) and installed Kubernetes components. Logged, not enforced.
@@ -27,6 +32,14 @@ pub mod pcr {
     pub const CLUSTER_ID: u32 = 15;
     /// Every PCR this log may touch.
     pub const AGENT_OWNED: [u32; 3] = [CONFIG, NODE, CLUSTER_ID];
+
+    /// [`DRIVER_CODE`] when the firmware ran no driver from outside its
+    /// volume: only the EV_SEPARATOR (four zero bytes) it measures into
+    /// PCRs 0-7 before it starts the boot option.
+    pub fn no_firmware_drivers() -> super::Digest32 {
+        use sha2::{Digest as _, Sha256};
+        super::extend(&[0; 32], &Sha256::digest([0u8; 4]).into())
+    }
 }
 
 /// What an event measures.

@@ -21,8 +21,10 @@ use crate::measured::SharedTpm;
 use crate::tpm::TpmError;
 
 /// PCRs the join service must share with this node: the boot chain the
-/// image predicts and the cluster config.
-pub const SHARED_PCRS: [u32; 4] = [4, 9, 11, pcr::CONFIG];
+/// image predicts and the cluster config; and the firmware's drivers
+/// ([`pcr::DRIVER_CODE`]) where this node's firmware ran none
+/// ([`shared_expectations`]).
+pub const SHARED_PCRS: [u32; 5] = [pcr::DRIVER_CODE, 4, 9, 11, pcr::CONFIG];
 
 /// The longest pause after a round in which every connection was refused
 /// at once.
@@ -156,11 +158,7 @@ pub fn service_validator(
         .pcr_read(&SHARED_PCRS)
         .map_err(JoinError::ReadPcrs)?;
     let own_config = own.get(&pcr::CONFIG).copied();
-    let expected = Measurements::new(
-        own.into_iter()
-            .map(|(index, value)| (index, Expected::enforced(value))),
-    )
-    .map_err(JoinError::OwnMeasurements)?;
+    let expected = shared_expectations(own).map_err(JoinError::OwnMeasurements)?;
     let validator = Validator::new(expected, ek_trust);
     Ok(match (measurements_key, own_config) {
         (Some(key), Some(config)) => {
@@ -170,10 +168,58 @@ pub fn service_validator(
     })
 }
 
+/// What a join service must show of this node's own PCRs `own`
+/// ([`SHARED_PCRS`]): each enforced, except the firmware's drivers where
+/// this node's firmware ran some (a platform that loads them by design,
+/// whose value may differ from host to host). Where it ran none, a service
+/// whose firmware ran one is refused.
+fn shared_expectations(
+    own: std::collections::BTreeMap<u32, [u8; 32]>,
+) -> Result<Measurements, keel_verifier::measurements::MeasurementsError> {
+    let clean = pcr::no_firmware_drivers();
+    Measurements::new(
+        own.into_iter()
+            .filter(|(index, value)| *index != pcr::DRIVER_CODE || *value == clean)
+            .map(|(index, value)| (index, Expected::enforced(value))),
+    )
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_service_shares_the_firmware_drivers_pcr_only_where_this_node_ran_none() {
+        let own = |pcr2: [u8; 32]| {
+            SHARED_PCRS
+                .iter()
+                .map(|&i| {
+                    (
+                        i,
+                        if i == pcr::DRIVER_CODE {
+                            pcr2
+                        } else {
+                            [i as u8; 32]
+                        },
+                    )
+                })
+                .collect::<std::collections::BTreeMap<_, _>>()
+        };
+        let clean = shared_expectations(own(pcr::no_firmware_drivers())).unwrap();
+        let enforced: Vec<u32> = clean.iter().map(|(i, _)| *i).collect();
+        assert_eq!(enforced, [2, 4, 9, 11, 12]);
+        // A service whose firmware ran a driver is refused.
+        let mut service = own(pcr::no_firmware_drivers());
+        service.insert(pcr::DRIVER_CODE, [9; 32]);
+        let mismatches = clean.compare(&service);
+        assert_eq!(mismatches.len(), 1);
+        assert_eq!(mismatches[0].pcr, pcr::DRIVER_CODE);
+        // Where this node's own firmware ran drivers, PCR 2 is not shared.
+        let drivers = shared_expectations(own([9; 32])).unwrap();
+        let enforced: Vec<u32> = drivers.iter().map(|(i, _)| *i).collect();
+        assert_eq!(enforced, [4, 9, 11, 12]);
+    }
 
     #[test]
     fn rounds_refused_at_once_back_off_on_a_short_scale_and_others_on_theirs() {

@@ -116,9 +116,10 @@ pub fn init_secret(path: &Path) -> Result<String, MiniError> {
         .map_err(|e| io(path)(std::io::Error::other(e.to_string())))
 }
 
-/// The measurements of `uki` booted with `config`: PCRs 4, 9, 11 from the
-/// UKI, 12 from the config, and 15 zero (enforced, or warn-only for a
-/// member).
+/// The measurements of `uki` booted with `config`: PCR 2 as firmware that
+/// runs no driver from outside its volume leaves it (the VMs have no option
+/// ROMs), PCRs 4, 9, 11 from the UKI, 12 from the config, and 15 zero
+/// (enforced, or warn-only for a member).
 pub fn measurements(
     uki: &Path,
     config: &NodeConfig,
@@ -135,6 +136,10 @@ pub fn measurements(
         Expected::enforced([0; 32])
     };
     Measurements::new([
+        (
+            predict::PCR_DRIVER_CODE,
+            Expected::enforced(replay(&predict::pcr2())),
+        ),
         (
             predict::PCR_BOOT_LOADER_CODE,
             Expected::enforced(replay(&predict::pcr4(&uki).map_err(predicted)?)),
