@@ -253,7 +253,7 @@ pub fn pcr4(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
             format!("EV_EFI_ACTION {CALLING_EFI_APPLICATION:?}"),
             CALLING_EFI_APPLICATION.as_bytes(),
         ),
-        Event::of_data("EV_SEPARATOR", &[0u8; 4]),
+        separator(),
         Event::of_digest(
             "EV_EFI_BOOT_SERVICES_APPLICATION UKI (Authenticode)",
             uki_hash,
@@ -309,7 +309,13 @@ pub fn pcr11(uki: &Uki<'_>) -> Result<Vec<Event>, PredictError> {
 /// not into PCR 4, and keeps running after it starts the UKI itself: with
 /// PCR 2 enforced, a node whose firmware ran one is refused.
 pub fn pcr2() -> Vec<Event> {
-    vec![Event::of_data("EV_SEPARATOR", &[0u8; 4])]
+    vec![separator()]
+}
+
+/// The EV_SEPARATOR (four zero bytes) the firmware measures into each of
+/// PCRs 0-7 before it starts the boot option.
+fn separator() -> Event {
+    Event::of_data("EV_SEPARATOR", &[0u8; 4])
 }
 
 /// PCR 12: the value the agent's measurement of `config` gives. It comes

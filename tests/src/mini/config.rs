@@ -6,7 +6,6 @@ use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
-use keel_image::pcr::replay;
 use keel_image::predict::{self, Uki};
 use keel_verifier::config::{
     ClusterConfig, EvidenceConfig, EvidencePolicy, NodeConfig, NodeIdentity, Role,
@@ -116,10 +115,10 @@ pub fn init_secret(path: &Path) -> Result<String, MiniError> {
         .map_err(|e| io(path)(std::io::Error::other(e.to_string())))
 }
 
-/// The measurements of `uki` booted with `config`: PCR 2 as firmware that
-/// runs no driver from outside its volume leaves it (the VMs have no option
-/// ROMs), PCRs 4, 9, 11 from the UKI, 12 from the config, and 15 zero
-/// (enforced, or warn-only for a member).
+/// The measurements of `uki` booted with `config`: keel-measure's
+/// ([`predict::measurements`]: PCR 2 with no firmware driver from outside
+/// OVMF, as the VMs have no option ROMs; 4, 9, 11 from the UKI; 12 from the
+/// config), and PCR 15 zero (enforced, or warn-only for a member).
 pub fn measurements(
     uki: &Path,
     config: &NodeConfig,
@@ -130,34 +129,19 @@ pub fn measurements(
         MiniError::Check(format!("predicting the PCRs of {}: {e}", uki.display()))
     };
     let uki = Uki::parse(&bytes).map_err(predicted)?;
+    let image =
+        predict::measurements(&uki, config, predict::FirmwareDrivers::None).map_err(predicted)?;
     let pcr15 = if member {
         Expected::warn_only([0; 32])
     } else {
         Expected::enforced([0; 32])
     };
-    Measurements::new([
-        (
-            predict::PCR_DRIVER_CODE,
-            Expected::enforced(replay(&predict::pcr2())),
-        ),
-        (
-            predict::PCR_BOOT_LOADER_CODE,
-            Expected::enforced(replay(&predict::pcr4(&uki).map_err(predicted)?)),
-        ),
-        (
-            predict::PCR_KERNEL_PARAMETERS,
-            Expected::enforced(replay(&predict::pcr9(&uki).map_err(predicted)?)),
-        ),
-        (
-            predict::PCR_KERNEL_BOOT,
-            Expected::enforced(replay(&predict::pcr11(&uki).map_err(predicted)?)),
-        ),
-        (
-            predict::PCR_NODE_CONFIG,
-            Expected::enforced(predict::pcr12(config)),
-        ),
-        (PCR_CLUSTER_ID, pcr15),
-    ])
+    Measurements::new(
+        image
+            .iter()
+            .map(|(pcr, expected)| (*pcr, expected.clone()))
+            .chain([(PCR_CLUSTER_ID, pcr15)]),
+    )
     .map_err(|e| MiniError::Check(format!("the predicted measurements: {e}")))
 }
 
