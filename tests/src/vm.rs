@@ -241,6 +241,12 @@ fn run_setup(program: &'static str, cmd: &mut Command, log: PathBuf) -> Result<(
     }
 }
 
+/// `s` as a value in QEMU's option syntax, which doubles a comma inside a
+/// value.
+fn qemu_value(s: &str) -> String {
+    s.replace(',', ",,")
+}
+
 fn pflash(file: &Path, option: &str) -> String {
     format!("if=pflash,format=raw,{option},file={}", file.display())
 }
@@ -518,11 +524,10 @@ impl VmBuilder {
             for (host, guest) in &self.forwards {
                 netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"));
             }
-            // QEMU's option syntax doubles a comma inside a value.
             let rom = self
                 .nic_option_rom
                 .as_ref()
-                .map(|r| r.display().to_string().replace(',', ",,"))
+                .map(|r| qemu_value(&r.display().to_string()))
                 .unwrap_or_default();
             cmd.arg("-netdev")
                 .arg(netdev)
@@ -530,17 +535,15 @@ impl VmBuilder {
                 .arg(format!("virtio-net-pci,netdev=n0,romfile={rom}"));
         }
         for (name, value) in &self.credentials {
-            // QEMU's option syntax doubles a comma inside a value.
-            let escaped = |s: &str| s.replace(',', ",,");
             cmd.arg("-smbios").arg(format!(
                 "type=11,value=io.systemd.credential:{}={}",
-                escaped(name),
-                escaped(value)
+                qemu_value(name),
+                qemu_value(value)
             ));
             cmd.arg("-fw_cfg").arg(format!(
                 "name=opt/io.systemd.credentials/{},string={}",
-                escaped(name),
-                escaped(value)
+                qemu_value(name),
+                qemu_value(value)
             ));
         }
         if let Some(config) = &self.node_config {
