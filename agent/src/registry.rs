@@ -128,6 +128,15 @@ pub struct NodeRecord {
     /// Absent when empty, so registries without a conflict read as before.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub other_names: Vec<String>,
+    /// Its drift rests on the clock of the control plane that judged it
+    /// alone: its last evidence held but for a validity period (a
+    /// certificate, revocation list or collateral outside its window at
+    /// that control plane's time; `ValidationError::rests_on_the_clock`).
+    /// A host can set its control plane's clock, so the `revoke` policy
+    /// leaves such a node to the operator. Absent when not, so registries
+    /// without such a drift read as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub on_clock: bool,
 }
 
 impl NodeRecord {
@@ -161,6 +170,7 @@ impl NodeRecord {
             kubernetes_version: String::new(),
             measurements: String::new(),
             other_names: Vec::new(),
+            on_clock: false,
         }
     }
 
@@ -494,6 +504,9 @@ pub struct Evidence {
     pub measurements: String,
     /// `None` if it validated, else why not.
     pub failure: Option<String>,
+    /// The failure rests on this control plane's clock alone
+    /// ([`NodeRecord::on_clock`]).
+    pub failure_on_clock: bool,
 }
 
 /// Unix seconds now.
@@ -667,6 +680,7 @@ impl Registry {
                     kubernetes_version: String::new(),
                     measurements: String::new(),
                     other_names: record.other_names.clone(),
+                    on_clock: false,
                 };
                 (key.clone(), named)
             })
@@ -836,6 +850,7 @@ impl Registry {
             kubernetes_version: String::new(),
             measurements: String::new(),
             other_names: Vec::new(),
+            on_clock: false,
         });
         if record.name.is_empty() {
             record.name = cut(name, MAX_FIELD);
@@ -903,10 +918,22 @@ impl Registry {
                 None if drift_stands => Verdict::Drifted,
                 None => {
                     record.reason = None;
+                    record.on_clock = false;
                     Verdict::Trusted
                 }
                 Some(reason) => {
-                    record.reason = Some(cut(reason, MAX_REASON));
+                    // Only the evidence's own failure can rest on the
+                    // clock (a rename or a name held apart does not), and
+                    // it does not make a drift that stands for another
+                    // reason one that rests on the clock: that drift keeps
+                    // its reason.
+                    let on_clock =
+                        evidence.failure_on_clock && renamed.is_none() && held_apart.is_none();
+                    let other_drift = record.verdict == Verdict::Drifted && !record.on_clock;
+                    if !(on_clock && other_drift) {
+                        record.reason = Some(cut(reason, MAX_REASON));
+                        record.on_clock = on_clock;
+                    }
                     Verdict::Drifted
                 }
             };
@@ -1257,12 +1284,20 @@ impl Registry {
                     theirs.name.clone_from(&ours.name);
                     theirs.role.clone_from(&ours.role);
                     theirs.other_names.clone_from(&ours.other_names);
+                    // A drift here for another reason than the clock
+                    // stays one: a peer's drift on its clock keeps this
+                    // one's reason (as a drift of the node's own would).
+                    if theirs.on_clock && ours.verdict == Verdict::Drifted && !ours.on_clock {
+                        theirs.on_clock = false;
+                        theirs.reason.clone_from(&ours.reason);
+                    }
                     if let Some(reason) = ours.other_names_reason() {
                         if theirs.verdict != Verdict::Drifted {
                             theirs.verdict = Verdict::Drifted;
                             theirs.verdict_at = ours.verdict_at;
                         }
                         theirs.reason = Some(reason);
+                        theirs.on_clock = false;
                     }
                 }
                 self.changed.insert(key.clone());
@@ -1889,6 +1924,7 @@ mod tests {
             kubernetes_version: "v1.31.13".into(),
             measurements: "ab".into(),
             failure: failure.map(str::to_owned),
+            failure_on_clock: false,
         }
     }
 
@@ -2459,6 +2495,7 @@ mod tests {
                     kubernetes_version: longest(MAX_FIELD),
                     measurements: longest(MAX_FIELD),
                     other_names: vec![longest(MAX_FIELD); MAX_OTHER_NAMES],
+                    on_clock: true,
                 },
             );
             r.revoked.push(Revocation {
@@ -2729,6 +2766,56 @@ mod tests {
         assert_eq!(r.merge(later).taken, 1);
         assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
         assert_eq!(r.nodes[&key].verdict_at, since);
+    }
+
+    /// A drift whose evidence failed only for a validity period at this
+    /// control plane's time is tagged ([`NodeRecord::on_clock`]), and the
+    /// tag travels with the record; it never covers a drift for another
+    /// reason, here or taken from a peer; trusted evidence clears it; and
+    /// a registry without such a drift is written as before.
+    #[test]
+    fn a_drift_on_the_clock_is_tagged_and_never_covers_another() {
+        let key = ek(1).to_string();
+        let on_clock = || Evidence {
+            failure_on_clock: true,
+            ..evidence(1, Some("EK certificate is not valid at this time"))
+        };
+        let mut r = Registry::default();
+        r.record(&evidence(1, None)).unwrap();
+        assert!(!String::from_utf8(r.to_json()).unwrap().contains("on_clock"));
+        r.record(&on_clock()).unwrap();
+        assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
+        assert!(r.nodes[&key].on_clock);
+        let read = Registry::parse(&r.to_json()).unwrap();
+        assert!(read.nodes[&key].on_clock);
+        // A drift for another reason replaces it...
+        r.record(&evidence(1, Some("PCR 4"))).unwrap();
+        assert!(!r.nodes[&key].on_clock);
+        // ...and is not replaced by one on the clock: it keeps its reason.
+        r.record(&on_clock()).unwrap();
+        assert!(!r.nodes[&key].on_clock);
+        assert_eq!(r.nodes[&key].reason.as_deref(), Some("PCR 4"));
+        let mut peer = Registry::default();
+        peer.record(&on_clock()).unwrap();
+        peer.nodes.get_mut(&key).unwrap().last_evidence_at = Some(now() + 5);
+        assert_eq!(r.merge(peer).taken, 1);
+        assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
+        assert!(!r.nodes[&key].on_clock);
+        assert_eq!(r.nodes[&key].reason.as_deref(), Some("PCR 4"));
+        // A peer's on a node that validates here is taken with its tag.
+        let mut fresh = Registry::default();
+        fresh.record(&evidence(1, None)).unwrap();
+        let mut peer = Registry::default();
+        peer.record(&on_clock()).unwrap();
+        peer.nodes.get_mut(&key).unwrap().last_evidence_at = Some(now() + 5);
+        assert_eq!(fresh.merge(peer).taken, 1);
+        assert!(fresh.nodes[&key].on_clock);
+        // Trusted evidence clears it.
+        r.record(&evidence(1, None)).unwrap();
+        r.record(&on_clock()).unwrap();
+        r.record(&evidence(1, None)).unwrap();
+        assert_eq!(r.nodes[&key].verdict, Verdict::Trusted);
+        assert!(!r.nodes[&key].on_clock);
     }
 
     /// Sweeps run every interval, so the first to find a drift's hold over

@@ -598,6 +598,7 @@ async fn the_revoke_policy_revokes_a_failing_node_it_did_not_judge_itself() {
         kubernetes_version: "v1.31.13".into(),
         measurements: "00".repeat(32),
         failure: Some("PCR 4: expected another value".into()),
+        failure_on_clock: false,
     })
     .unwrap();
     c.registry().merge(peer).unwrap();
@@ -615,12 +616,57 @@ async fn the_revoke_policy_revokes_a_failing_node_it_did_not_judge_itself() {
     assert!(revocation.reason.contains("PCR 4"), "{}", revocation.reason);
 }
 
+/// Attacker's move: the host of one control plane sets its clock past the
+/// end of a member's EK or CPU certificate, or past its revocation list's
+/// next update, so that the member's evidence fails there for the time
+/// alone and the `revoke` policy revokes it for good, on every control
+/// plane. A drift that rests on the clock (the rest of the evidence held)
+/// is left to the operator: here a peer's, merged, stays unrevoked past
+/// the sweep that revokes the same drift for a PCR
+/// (`the_revoke_policy_revokes_a_failing_node_it_did_not_judge_itself`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_revoke_policy_leaves_a_drift_on_the_clock_to_the_operator() {
+    let c = Cluster::start(EvidencePolicy::Revoke).await;
+    let ek = join_common::ek_digest(&c.worker.tpm);
+    let mut peer = Registry::default();
+    peer.record(&keel_agent::registry::Evidence {
+        ek,
+        disk: None,
+        name: "w-1".into(),
+        role: "worker".into(),
+        kubernetes_version: "v1.31.13".into(),
+        measurements: "00".repeat(32),
+        failure: Some(
+            "endorsement key not trusted: EK certificate is not valid at this time".into(),
+        ),
+        failure_on_clock: true,
+    })
+    .unwrap();
+    c.registry().merge(peer).unwrap();
+    let merged = c.registry().snapshot();
+    let record = Cluster::worker_record(&merged).unwrap();
+    assert_eq!(record.verdict, Verdict::Drifted);
+    assert!(record.on_clock);
+    tokio::time::sleep(INTERVAL * 4 + Duration::from_secs(1)).await;
+    let registry = c.registry().snapshot();
+    assert!(
+        registry.revoked().is_empty(),
+        "revoked: {:?}",
+        registry.revoked()
+    );
+    assert_eq!(
+        Cluster::worker_record(&registry).map(|r| r.verdict),
+        Some(Verdict::Drifted)
+    );
+}
+
 /// One control plane with stale CPU collateral, a wrong measurements file
 /// or a broken view finds most nodes failing at once, and under the
 /// `revoke` policy its revocations would reach every control plane. When
 /// more than half of the unrevoked nodes fail together (here three of
 /// three, merged from a peer), the policy revokes none of them; one
-/// failing node alone is still revoked (the test above).
+/// failing node alone is still revoked
+/// (`the_revoke_policy_revokes_a_failing_node_it_did_not_judge_itself`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_revoke_policy_revokes_nobody_when_most_nodes_fail_at_once() {
     let c = Cluster::start(EvidencePolicy::Revoke).await;
@@ -635,7 +681,8 @@ async fn the_revoke_policy_revokes_nobody_when_most_nodes_fail_at_once() {
             role: "worker".into(),
             kubernetes_version: "v1.31.13".into(),
             measurements: "00".repeat(32),
-            failure: Some("CPU evidence: the CRL is past its next update".into()),
+            failure: Some("CPU evidence rejected: the reported TCB is below the minimum".into()),
+            failure_on_clock: false,
         })
         .unwrap();
     }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use keel_agent::attestation::cpu::{CpuReportError, CpuReporter};
 use keel_agent::tpm::Tpm;
 use keel_proto::attestation::{cpu_evidence, AttestationDocument, CpuEvidence};
-use keel_testkit::amd::{ReportFields, TestAmd};
+use keel_testkit::amd::{ReportFields, RootValidity, TestAmd};
 use keel_testkit::intel::{CollateralOptions, TdFields, TestIntel, TD_ATTRIBUTES, TD_DEBUG};
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
@@ -233,6 +233,75 @@ fn a_debuggable_guest_is_refused_even_with_a_valid_report() {
         ),
         "{err:?}"
     );
+}
+
+/// Attacker's move: the host of one control plane sets its clock past the
+/// end of a member's chain (here its ASK), so that the member's evidence
+/// is refused for the time and, under the `revoke` policy, the member
+/// revoked. Such a refusal is told apart ([`ValidationError::rests_on_the_clock`])
+/// and reported only once every other check held: a document that also
+/// shows another PCR 4, belongs to another channel, or comes from a guest
+/// the policy refuses, is refused for that, so the tag never hides a
+/// drift behind the clock.
+#[test]
+fn a_refusal_for_the_time_is_reported_only_when_the_rest_holds() {
+    let ca = EkCa::new().unwrap();
+    let now = time::OffsetDateTime::now_utc();
+    let lapsed = RootValidity {
+        ask: Some((
+            now - time::Duration::days(400),
+            now - time::Duration::days(1),
+        )),
+        ..RootValidity::default()
+    };
+    let amd = Arc::new(TestAmd::with_root_validity(false, lapsed).unwrap());
+    let n = snp_node(&ca, &amd, 0x30000);
+    let doc = n.issuer.issue(b"nonce", b"user").unwrap();
+    let v = validator(&ca, &n.config, generated_trust(&amd));
+    let refused = v.validate(&doc, b"nonce", b"user").unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            ValidationError::Cpu(CpuError::Snp(SnpError::RootTime { .. }))
+        ),
+        "{refused:?}"
+    );
+    assert!(refused.rests_on_the_clock());
+
+    // The same chain, and a PCR 4 the validator does not expect.
+    let mut entries: BTreeMap<u32, Expected> = [4, 9, 11]
+        .into_iter()
+        .map(|pcr| (pcr, Expected::enforced([u8::from(pcr == 4); 32])))
+        .collect();
+    entries.insert(12, Expected::enforced(n.config.expected_config_pcr()));
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let drifted = Validator::new(Measurements::new(entries).unwrap(), trust)
+        .with_cpu(Arc::new(generated_trust(&amd)));
+    let refused = drifted.validate(&doc, b"nonce", b"user").unwrap_err();
+    assert!(
+        matches!(&refused, ValidationError::Measurements(m) if m.iter().any(|m| m.pcr == 4)),
+        "{refused:?}"
+    );
+    assert!(!refused.rests_on_the_clock());
+
+    // Another channel's user data.
+    let refused = v.validate(&doc, b"nonce", b"other").unwrap_err();
+    assert!(matches!(refused, ValidationError::UserData), "{refused:?}");
+
+    // A debuggable guest under the lapsed chain.
+    let debug = snp_node(&ca, &amd, 0x30000 | 1 << 19);
+    let doc = debug.issuer.issue(b"nonce", b"user").unwrap();
+    let refused = validator(&ca, &debug.config, generated_trust(&amd))
+        .validate(&doc, b"nonce", b"user")
+        .unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            ValidationError::Cpu(CpuError::Snp(SnpError::Debug { .. }))
+        ),
+        "{refused:?}"
+    );
+    assert!(!refused.rests_on_the_clock());
 }
 
 /// Answers every call; the test looks at the handshake only.

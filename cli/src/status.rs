@@ -178,7 +178,7 @@ fn print_view(view: &Value) {
             },
             age(&node["last_evidence_at"], now),
             text(node, "kubernetes_version"),
-            text(node, "reason"),
+            reason(node),
         );
     }
     for r in &revoked {
@@ -189,6 +189,18 @@ fn print_view(view: &Value) {
             text(r, "disk_uuid"),
             text(r, "reason")
         );
+    }
+}
+
+/// A node record's reason, saying so where its drift rests on the
+/// control plane's clock alone (which its `revoke` policy leaves to the
+/// operator).
+fn reason(node: &Value) -> String {
+    let reason = text(node, "reason");
+    if node["on_clock"] == Value::Bool(true) && text(node, "verdict") == "drifted" {
+        format!("{reason} (only at this control plane's time: check its clock and collateral; not revoked by policy)")
+    } else {
+        reason
     }
 }
 
@@ -204,6 +216,19 @@ mod tests {
         // Printable text stays as it is (no backslashes before quotes).
         assert_eq!(text(&record, "reason"), "PCR 12: \"x\"");
         assert_eq!(text(&record, "missing"), "");
+    }
+
+    #[test]
+    fn a_drift_on_the_clock_is_named_as_such() {
+        let drift = serde_json::json!({ "verdict": "drifted", "reason": "EK certificate is not valid at this time" });
+        assert_eq!(reason(&drift), "EK certificate is not valid at this time");
+        let mut on_clock = drift.clone();
+        on_clock["on_clock"] = Value::Bool(true);
+        assert!(
+            reason(&on_clock).ends_with("not revoked by policy)"),
+            "{}",
+            reason(&on_clock)
+        );
     }
 
     /// Ages are counted on the control plane's clock when it says it, on

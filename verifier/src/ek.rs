@@ -102,6 +102,16 @@ pub enum EkError {
     },
 }
 
+impl EkError {
+    /// Whether the refusal is of a validity period at the verification
+    /// time (the EK certificate's or its CA's), which the verifier's clock
+    /// decides: the certificate, its issuer and its signature were checked
+    /// and passed.
+    pub fn rests_on_the_clock(&self) -> bool {
+        matches!(self, Self::Validity | Self::CaValidity(_))
+    }
+}
+
 /// The marshalled TPMT_PUBLIC of the TCG EK Credential Profile's RSA-2048
 /// EK template (L-1) up to its modulus: type RSA, nameAlg SHA-256,
 /// fixedTPM | fixedParent | sensitiveDataOrigin | adminWithPolicy |
@@ -300,9 +310,6 @@ impl EkTrust {
                 refusal.unwrap_or_else(|| EkError::UntrustedIssuer(cert.issuer().to_string()))
             );
         };
-        if !valid_now(&cert) {
-            return Err(EkError::Validity);
-        }
         endorsement_profile(&cert)?;
         let PublicKey::Rsa { modulus, .. } = &ek.key else {
             return Err(EkError::KeyMismatch);
@@ -310,13 +317,16 @@ impl EkTrust {
         match cert.public_key().parsed() {
             Ok(CertKey::RSA(rsa))
                 if strip_zeros(rsa.modulus) == strip_zeros(modulus)
-                    && strip_zeros(rsa.exponent) == RSA_DEFAULT_EXPONENT =>
-            {
-                let (from, to) = window(&cert);
-                Ok((from.max(ca_from), to.min(ca_to)))
-            }
-            _ => Err(EkError::KeyMismatch),
+                    && strip_zeros(rsa.exponent) == RSA_DEFAULT_EXPONENT => {}
+            _ => return Err(EkError::KeyMismatch),
         }
+        // Last, so that a refusal for the time alone means the rest held
+        // ([`EkError::rests_on_the_clock`]).
+        if !valid_now(&cert) {
+            return Err(EkError::Validity);
+        }
+        let (from, to) = window(&cert);
+        Ok((from.max(ca_from), to.min(ca_to)))
     }
 }
 
@@ -480,9 +490,6 @@ fn issued_by(cert: &X509Certificate<'_>, ca: &X509Certificate<'_>) -> Result<(),
     cert.verify_signature(Some(ca.public_key()))
         .map_err(|_| EkError::Signature)?;
     let subject = || ca.subject().to_string();
-    if !valid_now(ca) {
-        return Err(EkError::CaValidity(subject()));
-    }
     let not_ca = |reason| EkError::NotCa {
         subject: subject(),
         reason,
@@ -499,12 +506,17 @@ fn issued_by(cert: &X509Certificate<'_>, ca: &X509Certificate<'_>) -> Result<(),
         },
     }
     match ca.key_usage() {
-        Err(_) => Err(not_ca("keyUsage does not parse or appears more than once")),
+        Err(_) => return Err(not_ca("keyUsage does not parse or appears more than once")),
         Ok(Some(usage)) if !usage.value.key_cert_sign() => {
-            Err(not_ca("keyUsage lacks keyCertSign"))
+            return Err(not_ca("keyUsage lacks keyCertSign"))
         }
-        Ok(_) => Ok(()),
+        Ok(_) => {}
     }
+    // Last: a refusal for the time alone means the rest held.
+    if !valid_now(ca) {
+        return Err(EkError::CaValidity(subject()));
+    }
+    Ok(())
 }
 
 /// How much an issuer refusal says: a CA whose key signed the certificate
@@ -1203,6 +1215,46 @@ mod tests {
         });
         let cert = bare.issue(&ek);
         trust(&[&bare]).verify(&cert, &ek.public()).unwrap();
+    }
+
+    /// A refusal for the time alone is one where every other check held
+    /// ([`EkError::rests_on_the_clock`]): an expired certificate of
+    /// another key is refused for the key, and an expired CA that is no
+    /// CA for what it is.
+    #[test]
+    fn a_refusal_for_the_time_comes_last_and_rests_on_the_clock() {
+        let ek = FakeEk::new(1);
+        let issuing = ca(|_| {});
+        let lapsed = issuing.issue_with(&ek, expired);
+        let refused = trust(&[&issuing])
+            .verify(&lapsed, &ek.public())
+            .unwrap_err();
+        assert_eq!(refused, EkError::Validity);
+        assert!(refused.rests_on_the_clock());
+        let moved = trust(&[&issuing])
+            .verify(&lapsed, &FakeEk::new(2).public())
+            .unwrap_err();
+        assert_eq!(moved, EkError::KeyMismatch);
+        assert!(!moved.rests_on_the_clock());
+        let old = ca(expired);
+        let refused = trust(&[&old])
+            .verify(&old.issue(&ek), &ek.public())
+            .unwrap_err();
+        assert!(refused.rests_on_the_clock(), "{refused:?}");
+        let not_a_ca = ca(|p| {
+            expired(p);
+            p.is_ca = IsCa::ExplicitNoCa;
+        });
+        let refused = trust(&[&not_a_ca])
+            .verify(&not_a_ca.issue(&ek), &ek.public())
+            .unwrap_err();
+        assert!(matches!(refused, EkError::NotCa { .. }), "{refused:?}");
+        assert!(!refused.rests_on_the_clock());
+        let stranger = trust(&[&ca(|_| {})])
+            .verify(&lapsed, &ek.public())
+            .unwrap_err();
+        assert_eq!(stranger, EkError::Signature);
+        assert!(!stranger.rests_on_the_clock());
     }
 
     #[test]

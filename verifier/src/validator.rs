@@ -87,6 +87,26 @@ pub enum ValidationError {
     SignedImage(#[from] SignedMeasurementsError),
 }
 
+impl ValidationError {
+    /// Whether the document was refused for a validity period at the
+    /// verification time alone: an EK certificate or CA, a certificate of
+    /// the CPU vendor's chain, a revocation list or collateral outside its
+    /// window. The verifier's clock decides that, and a host can set a
+    /// confidential VM's clock, so such a refusal says more about the
+    /// verifier's clock (or a certificate that expired) than about what
+    /// the peer runs. [`Validator::validate`] reports it only once every
+    /// other check passed: the quote, the event log, the user data and the
+    /// measurements (of the CPU vendor's checks, those the failing one
+    /// comes before did).
+    pub fn rests_on_the_clock(&self) -> bool {
+        match self {
+            Self::Endorsement(e) => e.rests_on_the_clock(),
+            Self::Cpu(e) => e.rests_on_the_clock(),
+            _ => false,
+        }
+    }
+}
+
 fn list(m: &[Mismatch]) -> String {
     m.iter()
         .map(ToString::to_string)
@@ -341,8 +361,16 @@ impl Validator {
         let doc = AttestationDocument::decode(document).map_err(ValidationError::Decode)?;
         crate::ek::check_template(&doc.ek_public)?;
         let ek = Public::parse(&doc.ek_public)?;
-        tracing::debug_span!("attest.validate.ek_certificate")
-            .in_scope(|| self.ek_trust.verify(&doc.ek_certificate, &ek))?;
+        // A refusal for a validity period alone is held until the other
+        // checks ran: one of them failing is the refusal reported, so a
+        // refusal that rests on the clock means that the rest held.
+        let mut untimely: Option<ValidationError> = None;
+        match tracing::debug_span!("attest.validate.ek_certificate")
+            .in_scope(|| self.ek_trust.verify(&doc.ek_certificate, &ek))
+        {
+            Err(e) if e.rests_on_the_clock() => untimely = Some(e.into()),
+            checked => checked?,
+        }
         let ak = Public::parse(&doc.ak_public)?;
         let pcrs = pcr_values(&doc)?;
         // The quote covers a batch: the root recomputed from this nonce,
@@ -362,12 +390,18 @@ impl Validator {
         })?;
         let evidence = doc.cpu_evidence.as_ref().map(cpu_evidence).transpose()?;
         // The guest binding commits to the batch root, which holds the nonce.
-        let cpu = self.cpu.verify(
+        let cpu = match self.cpu.verify(
             evidence.as_ref(),
             &doc.ak_public,
             &root,
             crate::clock::now(),
-        )?;
+        ) {
+            Err(e) if e.rests_on_the_clock() => {
+                untimely.get_or_insert(e.into());
+                None
+            }
+            checked => checked?,
+        };
         // Checked after the quote, against the document's own user data: a
         // replayed document fails on its nonce, a moved one on its key.
         if doc.user_data != user_data {
@@ -379,6 +413,9 @@ impl Validator {
             Ok((set, warnings)) => (set.digest, warnings),
             Err(refused) => self.signed_image(&doc, &pcrs).unwrap_or(Err(refused))?,
         };
+        if let Some(refusal) = untimely {
+            return Err(refusal);
+        }
         for w in &warnings {
             tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
         }

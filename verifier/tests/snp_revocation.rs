@@ -241,8 +241,13 @@ fn the_cached_list_of_the_key_is_checked(amd: &TestAmd, key: SigningKey) {
     let stale = amd
         .crl(&[], now() - Duration::days(8), now() - Duration::days(1))
         .unwrap();
+    std::fs::write(&crl_path, stale).unwrap();
+    match verify() {
+        Err(CpuError::Snp(SnpError::CrlTime { list, .. })) => assert_eq!(list, key.crl_name()),
+        other => panic!("{other:?}"),
+    }
     let forged = current_crl(&TestAmd::new().unwrap(), &[]);
-    for crl in [stale, forged, b"garbage".to_vec()] {
+    for crl in [forged, b"garbage".to_vec()] {
         std::fs::write(&crl_path, crl).unwrap();
         match verify() {
             Err(CpuError::Snp(SnpError::Crl { list, .. })) => assert_eq!(list, key.crl_name()),

@@ -408,7 +408,7 @@ impl EvidenceService {
         let version = request.kubernetes_version.clone();
         let started = Instant::now();
         let current = member.measurements;
-        let (matched, failure) = tokio::task::spawn_blocking(move || {
+        let (matched, failure, failure_on_clock) = tokio::task::spawn_blocking(move || {
             let data = user_data(&disk_uuid, &version);
             match member
                 .validator
@@ -418,12 +418,17 @@ impl EvidenceService {
                     member.matched(&verified),
                     judge(&verified, &member.cluster_id, cluster.as_deref())
                         .or_else(|| identity_failure(identity.as_ref(), &verified)),
+                    false,
                 ),
-                Err(e) => (member.measurements, Some(e.to_string())),
+                Err(e) => (
+                    member.measurements,
+                    Some(e.to_string()),
+                    e.rests_on_the_clock(),
+                ),
             }
         })
         .await
-        .unwrap_or_else(|_| (current, Some("the validation task failed".into())));
+        .unwrap_or_else(|_| (current, Some("the validation task failed".into()), false));
         let measurements = hex::encode(matched);
         let evidence = Evidence {
             ek,
@@ -433,6 +438,7 @@ impl EvidenceService {
             kubernetes_version: request.kubernetes_version,
             measurements,
             failure,
+            failure_on_clock,
         };
         let drift_stands = self.inner.config.drift_stands();
         let (previous, record) = self
@@ -457,6 +463,7 @@ impl EvidenceService {
                 ek = %ek,
                 disk = %record.disk_uuid.escape_debug(),
                 reason = %record.reason.as_deref().unwrap_or("").escape_debug(),
+                on_clock = record.on_clock,
                 "node drifted: its evidence failed validation"
             );
         } else if previous != Some(Verdict::Trusted) {
@@ -628,6 +635,22 @@ impl EvidenceService {
                     .merged_at()
                     .is_some_and(|at| now.saturating_sub(at) <= grace.as_secs());
             let may_revoke_silent = sweep.may_revoke_silent && view_current && !silence_held;
+            // A drift that rests on this control plane's clock alone (a
+            // certificate, revocation list or collateral outside its window
+            // at this time, the rest of the evidence held) is for the
+            // operator: a host that set this clock ahead, or back, would
+            // otherwise choose whom the policy revokes.
+            let (on_clock, pending): (Vec<_>, Vec<_>) = pending
+                .into_iter()
+                .partition(|r| r.verdict == Verdict::Drifted && r.on_clock);
+            for record in &on_clock {
+                tracing::error!(
+                    node = %record.name.escape_debug(),
+                    ek = %record.ek,
+                    reason = %record.reason.as_deref().unwrap_or("").escape_debug(),
+                    "not revoked by policy: the node's evidence fails only for a validity period at this control plane's time (check its clock, fetch the collateral again; an expired certificate of the node is for the operator): revoke it by hand (keel revoke) if it is lost"
+                );
+            }
             let drift_hold = self.inner.config.drift_hold().as_secs();
             let (revocable, held): (Vec<_>, Vec<_>) =
                 pending.into_iter().partition(|r| match r.verdict {

@@ -85,6 +85,19 @@ pub enum CpuError {
     Collateral(#[from] CollateralError),
 }
 
+impl CpuError {
+    /// Whether the refusal is of a validity period at the verification
+    /// time, which the verifier's clock decides ([`snp::SnpError::rests_on_the_clock`],
+    /// [`tdx::TdxError::rests_on_the_clock`]).
+    pub fn rests_on_the_clock(&self) -> bool {
+        match self {
+            Self::Snp(e) => e.rests_on_the_clock(),
+            Self::Tdx(e) => e.rests_on_the_clock(),
+            _ => false,
+        }
+    }
+}
+
 /// What verified CPU evidence establishes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CpuClaims {
@@ -216,8 +229,8 @@ impl CpuTrust {
                 } else {
                     evidence.certificate.clone()
                 };
-                let claims =
-                    snp::verify(report, &parsed, &certificate, &self.snp_roots, policy, now)?;
+                let (claims, times) =
+                    snp::verify_untimed(report, &parsed, &certificate, &self.snp_roots, policy)?;
                 if evidence.binding == Binding::AzureHcl && claims.vmpl != 0 {
                     return Err(BindingError::HclVmpl {
                         actual: claims.vmpl,
@@ -234,6 +247,8 @@ impl CpuTrust {
                     }
                     None => no_crl_warning(line, kind),
                 }
+                // Last: a refusal for the time alone means the rest held.
+                times.check(now)?;
                 CpuClaims::Snp(claims)
             }
             CpuPolicy::Tdx(policy) => {

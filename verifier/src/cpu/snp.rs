@@ -327,6 +327,18 @@ pub enum SnpError {
         /// What is wrong.
         reason: String,
     },
+    /// The line's revocation list for the chain's kind of key is not
+    /// current at the verification time (`thisUpdate` after it, or
+    /// `nextUpdate` before it).
+    #[error("AMD {line} {list}: {reason}")]
+    CrlTime {
+        /// The product line, e.g. `Milan`.
+        line: String,
+        /// Which of the line's lists: `CRL` or `VLEK CRL`.
+        list: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
     /// The line's revocation list for the chain's kind of key revokes a
     /// certificate of the chain.
     #[error("AMD {line} {list} revokes the {certificate} (serial {serial})")]
@@ -341,6 +353,18 @@ pub enum SnpError {
         /// Its serial number (hex).
         serial: String,
     },
+}
+
+impl SnpError {
+    /// Whether the refusal is of a validity period at the verification
+    /// time (a certificate of the chain, or the revocation list), which the
+    /// verifier's clock decides.
+    pub fn rests_on_the_clock(&self) -> bool {
+        matches!(
+            self,
+            Self::CertificateTime { .. } | Self::RootTime { .. } | Self::CrlTime { .. }
+        )
+    }
 }
 
 /// Which key signed a report.
@@ -554,21 +578,6 @@ impl AmdChain {
             product,
         })
     }
-
-    /// Checks that the ASK (or ASVK) and the ARK are valid at `now`.
-    fn check_validity(&self, now: u64) -> Result<(), SnpError> {
-        for (name, not_before, not_after) in &self.validity {
-            if !within(now, *not_before, *not_after) {
-                return Err(SnpError::RootTime {
-                    name: name.clone(),
-                    not_before: *not_before,
-                    not_after: *not_after,
-                    now,
-                });
-            }
-        }
-        Ok(())
-    }
 }
 
 fn common_name(cert: &X509Certificate<'_>) -> Option<String> {
@@ -600,9 +609,61 @@ pub fn verify(
     policy: &SnpPolicy,
     now: u64,
 ) -> Result<SnpClaims, SnpError> {
-    let claims = verify_signed(raw, report, certificate, roots, now)?;
-    claims.check(policy)?;
+    let (claims, times) = verify_untimed(raw, report, certificate, roots, policy)?;
+    times.check(now)?;
     Ok(claims)
+}
+
+/// [`verify`] but for the validity periods of the chain, which it returns
+/// for the caller to check last ([`ChainTimes::check`]), after whatever
+/// else it checks (the revocation list).
+pub fn verify_untimed(
+    raw: &[u8],
+    report: &AttestationReport,
+    certificate: &[u8],
+    roots: &AmdRoots,
+    policy: &SnpPolicy,
+) -> Result<(SnpClaims, ChainTimes), SnpError> {
+    let (claims, times) = authentic(raw, report, certificate, roots)?;
+    claims.check(policy)?;
+    Ok((claims, times))
+}
+
+/// The validity periods of a verified report's chain: the endorsement
+/// key's certificate, then the ASK's (or ASVK's) and the ARK's. Checked
+/// after everything else, so that a refusal for the time alone
+/// ([`SnpError::rests_on_the_clock`]) means the rest held.
+#[derive(Clone, Debug)]
+pub struct ChainTimes {
+    /// The endorsement key certificate's `notBefore` and `notAfter`.
+    endorsement: (i64, i64),
+    /// The ASK's (or ASVK's), then the ARK's common name and validity.
+    roots: [(String, i64, i64); 2],
+}
+
+impl ChainTimes {
+    /// Checks that every certificate of the chain is valid at `now`.
+    pub fn check(&self, now: u64) -> Result<(), SnpError> {
+        let (not_before, not_after) = self.endorsement;
+        if !within(now, not_before, not_after) {
+            return Err(SnpError::CertificateTime {
+                not_before,
+                not_after,
+                now,
+            });
+        }
+        for (name, not_before, not_after) in &self.roots {
+            if !within(now, *not_before, *not_after) {
+                return Err(SnpError::RootTime {
+                    name: name.clone(),
+                    not_before: *not_before,
+                    not_after: *not_after,
+                    now,
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The hardware half of [`verify`]: the chain, the endorsement key's
@@ -615,6 +676,18 @@ pub fn verify_signed(
     roots: &AmdRoots,
     now: u64,
 ) -> Result<SnpClaims, SnpError> {
+    let (claims, times) = authentic(raw, report, certificate, roots)?;
+    times.check(now)?;
+    Ok(claims)
+}
+
+/// [`verify_signed`] but for the validity periods, which it returns.
+fn authentic(
+    raw: &[u8],
+    report: &AttestationReport,
+    certificate: &[u8],
+    roots: &AmdRoots,
+) -> Result<(SnpClaims, ChainTimes), SnpError> {
     if raw.len() != REPORT_BYTES {
         return Err(SnpError::ReportSize { actual: raw.len() });
     }
@@ -641,19 +714,6 @@ pub fn verify_signed(
             issuer: product,
         });
     }
-    let validity = vek.validity();
-    let (not_before, not_after) = (
-        validity.not_before.timestamp(),
-        validity.not_after.timestamp(),
-    );
-    if !within(now, not_before, not_after) {
-        return Err(SnpError::CertificateTime {
-            not_before,
-            not_after,
-            now,
-        });
-    }
-    chain.check_validity(now)?;
     if signing_key == SigningKey::Vcek {
         check_chip_id(extension(&vek, oid::HW_ID)?, &report.chip_id, &product)?;
     }
@@ -681,7 +741,14 @@ pub fn verify_signed(
         }
     }
     verify_signature(raw, &vek)?;
-    Ok(SnpClaims {
+    let times = ChainTimes {
+        endorsement: (
+            vek.validity().not_before.timestamp(),
+            vek.validity().not_after.timestamp(),
+        ),
+        roots: chain.validity.clone(),
+    };
+    let claims = SnpClaims {
         product,
         version: report.version,
         signing_key,
@@ -702,7 +769,8 @@ pub fn verify_signed(
             .author_key_en()
             .then_some(report.author_key_digest),
         report_data: report.report_data,
-    })
+    };
+    Ok((claims, times))
 }
 
 /// Checks the chip ID a VCEK of the ASK named `product` certifies (its
@@ -830,22 +898,15 @@ pub fn check_revocation(
         .map_err(|_| {
             bad("its signature does not verify with the ARK (RSASSA-PSS SHA-384)".into())
         })?;
-    let now_signed = i64::try_from(now).unwrap_or(i64::MAX);
-    let this_update = crl.last_update().timestamp();
-    if this_update > now_signed {
-        return Err(bad(format!(
-            "thisUpdate {this_update} is after the verification time {now}"
-        )));
-    }
+    let untimely = |reason: String| SnpError::CrlTime {
+        line: line.to_owned(),
+        list,
+        reason,
+    };
     let next_update = crl
         .next_update()
         .ok_or_else(|| bad("it has no nextUpdate".into()))?
         .timestamp();
-    if next_update < now_signed {
-        return Err(bad(format!(
-            "nextUpdate {next_update} is before the verification time {now}: fetch it again"
-        )));
-    }
     for (what, serial) in [
         (kind.intermediate(), chain.ask_serial.as_slice()),
         ("endorsement key", vek.raw_serial()),
@@ -861,6 +922,20 @@ pub fn check_revocation(
                 serial: hex::encode(serial),
             });
         }
+    }
+    // Last, so that a list out of date at `now` is a refusal for the time
+    // alone: it is the ARK's, and it revokes none of the chain.
+    let now_signed = i64::try_from(now).unwrap_or(i64::MAX);
+    let this_update = crl.last_update().timestamp();
+    if this_update > now_signed {
+        return Err(untimely(format!(
+            "thisUpdate {this_update} is after the verification time {now}"
+        )));
+    }
+    if next_update < now_signed {
+        return Err(untimely(format!(
+            "nextUpdate {next_update} is before the verification time {now}: fetch it again"
+        )));
     }
     Ok(crl.iter_revoked_certificates().count())
 }

@@ -97,6 +97,15 @@ pub enum TdxError {
     },
 }
 
+impl TdxError {
+    /// Whether the refusal is of a validity period at the verification
+    /// time (a certificate, CRL, TCB info or QE identity outside its
+    /// window), which the verifier's clock decides.
+    pub fn rests_on_the_clock(&self) -> bool {
+        matches!(self, Self::Verification { check, .. } if *check == COLLATERAL_TIME)
+    }
+}
+
 /// What a verified TDX quote establishes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TdxClaims {
@@ -245,6 +254,9 @@ fn check_pins(td: &TDReport10, policy: &TdxPolicy) -> Result<(), TdxError> {
     )
 }
 
+/// The check of a certificate's, CRL's or collateral's validity period.
+const COLLATERAL_TIME: &str = "collateral time";
+
 /// Names the check a DCAP verification error comes from (its messages are
 /// text; the full text is kept as the reason).
 fn classify(reason: &str) -> &'static str {
@@ -257,7 +269,7 @@ fn classify(reason: &str) -> &'static str {
         "not valid yet",
         "crlexpired",
     ]) {
-        "collateral time"
+        COLLATERAL_TIME
     } else if any(&["revoked"]) {
         "revocation"
     } else if any(&["tcb level", "fmspc"]) {
