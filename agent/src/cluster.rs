@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use keel_installer::{Component, KubernetesVersion};
+use keel_installer::{Component, KubernetesVersion, MeasuredComponent};
 use keel_verifier::measurements::Measurements;
 use keel_verifier::signature::{SignedMeasurements, SigningPublicKey};
 use sha2::{Digest as _, Sha256};
@@ -65,13 +65,14 @@ pub struct ClusterState {
 }
 
 impl ClusterState {
-    /// Whether a member may run `component`: one of the current version,
-    /// or of another version the operator authorised.
-    pub fn authorises(&self, component_hash: &str) -> bool {
+    /// Whether a member may run what `measured` records: a component of
+    /// the current version, or of another version the operator authorised,
+    /// with its hash at its install path.
+    pub fn authorises(&self, measured: &MeasuredComponent) -> bool {
         self.components
             .iter()
             .chain(&self.authorised_components)
-            .any(|c| c.hash().to_string() == component_hash)
+            .any(|c| measured.records(c))
     }
 
     /// The same state, also authorising `components` (a version being

@@ -616,6 +616,47 @@ async fn the_revoke_policy_revokes_a_failing_node_it_did_not_judge_itself() {
     assert!(revocation.reason.contains("PCR 4"), "{}", revocation.reason);
 }
 
+/// Attacker's move (root on a member): run authorised bytes as another
+/// binary than the one they were authorised as, say a CNI plugin's as the
+/// kubelet, measured as a component event with that hash at a path its
+/// version does not list. The hash alone would pass; the control plane
+/// holds it to the component's own path, and the member drifts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_component_measured_at_a_path_its_version_does_not_list_drifts() {
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let _evidence = c.worker_trusted().await;
+    let state = c.cp1_slot.borrow().clone().unwrap();
+    let authorised = &state.components[0];
+    let moved = keel_installer::Component::new(
+        authorised.url(),
+        &authorised.hash().to_string(),
+        "/opt/cni/bin/moved",
+        authorised.extract(),
+    )
+    .unwrap();
+    c.worker
+        .tpm
+        .lock()
+        .unwrap()
+        .record(
+            keel_verifier::measurement::EventType::Component,
+            moved.description(),
+            moved.measurement_record(),
+        )
+        .unwrap();
+    c.wait_for("drifted", INTERVAL * 3 + Duration::from_secs(1), |r| {
+        Cluster::worker_record(r).is_some_and(|w| w.verdict == Verdict::Drifted)
+    })
+    .await;
+    let reason = Cluster::worker_record(&c.registry().snapshot())
+        .and_then(|w| w.reason.clone())
+        .unwrap();
+    assert!(
+        reason.contains("PCR 13") && reason.contains("/opt/cni/bin/moved"),
+        "{reason}"
+    );
+}
+
 /// Attacker's move: the host of one control plane sets its clock past the
 /// end of a member's EK or CPU certificate, or past its revocation list's
 /// next update, so that the member's evidence fails there for the time

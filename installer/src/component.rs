@@ -404,6 +404,74 @@ mod tests {
 
     const H: &str = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 
+    /// Attacker's move: a component event that names an authorised hash
+    /// at another path (a CNI plugin's bytes as the kubelet), or names the
+    /// hash twice, so that a reader taking the last key sees another.
+    /// Read back, a record is only of the component it was written for.
+    #[test]
+    fn a_measured_record_is_read_back_as_of_its_component_only() {
+        use crate::installer::MeasuredComponent;
+        let kubelet = Component::new(
+            "https://dl.example/kubelet",
+            H,
+            "/run/state/bin/kubelet",
+            false,
+        )
+        .unwrap();
+        let record = MeasuredComponent::parse(&kubelet.measurement_record()).unwrap();
+        assert!(record.records(&kubelet));
+        let elsewhere = Component::new(
+            "https://dl.example/kubelet",
+            H,
+            "/opt/cni/bin/kubelet",
+            false,
+        )
+        .unwrap();
+        assert!(!record.records(&elsewhere));
+        let extracted = Component::new(
+            "https://dl.example/kubelet",
+            H,
+            "/run/state/bin/kubelet",
+            true,
+        )
+        .unwrap();
+        assert!(!record.records(&extracted));
+        let other = H.replace("e3b0", "e3b1");
+        let other = Component::new(
+            "https://dl.example/kubelet",
+            &other,
+            "/run/state/bin/kubelet",
+            false,
+        )
+        .unwrap();
+        assert!(!record.records(&other));
+        // From another mirror, the same bytes at the same place.
+        let mirrored = Component::new(
+            "https://mirror.example/k",
+            H,
+            "/run/state/bin/kubelet",
+            false,
+        )
+        .unwrap();
+        assert!(record.records(&mirrored));
+        let text = String::from_utf8(kubelet.measurement_record()).unwrap();
+        let twice = text.replacen(
+            r#""hash":"#,
+            &format!(r#""hash":"{}","hash":"#, other.hash()),
+            1,
+        );
+        assert!(
+            MeasuredComponent::parse(twice.as_bytes()).is_none(),
+            "{twice}"
+        );
+        let more = text.replacen('{', r#"{"mode":"0755","#, 1);
+        assert!(
+            MeasuredComponent::parse(more.as_bytes()).is_none(),
+            "{more}"
+        );
+        assert!(MeasuredComponent::parse(b"kubelet").is_none());
+    }
+
     /// A signed mirror URL's credential is not measured: the event log
     /// goes to everyone who attests the node.
     #[test]

@@ -128,6 +128,38 @@ struct Record<'a> {
     extract: bool,
 }
 
+/// A component event's data read back ([`Component::measurement_record`]):
+/// its four fields, each exactly once and nothing else, as the agent
+/// writes them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeasuredComponent {
+    /// Where it came from (redacted; the hash fixes the bytes).
+    pub url: String,
+    /// Its SHA-256, `sha256:<hex>`.
+    pub hash: String,
+    /// Where it was installed.
+    pub install_path: String,
+    /// Whether it is an archive extracted there.
+    pub extract: bool,
+}
+
+impl MeasuredComponent {
+    /// `data` as a record, or `None` if it is not exactly one.
+    pub fn parse(data: &[u8]) -> Option<Self> {
+        serde_json::from_slice(data).ok()
+    }
+
+    /// Whether this is a record of `component`: the same bytes (hash),
+    /// installed at the same path the same way. The URL only says where
+    /// they came from.
+    pub fn records(&self, component: &Component) -> bool {
+        self.hash == component.hash().to_string()
+            && self.install_path == component.install_path().as_str()
+            && self.extract == component.extract()
+    }
+}
+
 impl InstalledComponent {
     /// The component as listed (upstream URL, expected hash, install path).
     pub fn component(&self) -> &Component {

@@ -35,7 +35,8 @@ pub use download::{
 };
 pub use extract::{ExtractError, ExtractLimits};
 pub use installer::{
-    check_list, kept_name, InstallError, InstalledComponent, Installer, InstallerConfig, Outcome,
+    check_list, kept_name, InstallError, InstalledComponent, Installer, InstallerConfig,
+    MeasuredComponent, Outcome,
 };
 pub use mirror::Mirror;
 pub use progress::{LogProgress, NoProgress, Progress};

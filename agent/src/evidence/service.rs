@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use keel_installer::MeasuredComponent;
 use keel_proto::attestation::AttestationDocument;
 use keel_proto::evidence::evidence_service_server::{self, EvidenceServiceServer};
 use keel_proto::evidence::{
@@ -785,17 +786,19 @@ fn judge(
         .iter()
         .filter(|e| e.event_type == EventType::Component)
     {
-        let hash = serde_json::from_slice::<serde_json::Value>(&event.data)
-            .ok()
-            .and_then(|v| v.get("hash").and_then(|h| h.as_str()).map(str::to_owned));
-        match hash {
-            Some(h) if cluster.is_some_and(|c| c.authorises(&h)) => {}
-            other => {
+        // Read strictly (each field once, no other), and held to an
+        // authorised component's hash at that component's path: authorised
+        // bytes installed as another binary are not authorised.
+        match MeasuredComponent::parse(&event.data) {
+            Some(m) if cluster.is_some_and(|c| c.authorises(&m)) => {}
+            Some(m) => {
                 return Some(format!(
-                    "PCR 13: component {} is not of an authorised version",
-                    other.as_deref().unwrap_or("(unreadable)").escape_debug()
+                    "PCR 13: component {} at {} is not of an authorised version",
+                    m.hash.escape_debug(),
+                    m.install_path.escape_debug()
                 ))
             }
+            None => return Some("PCR 13: a component event does not read as one".into()),
         }
     }
     None
