@@ -330,6 +330,16 @@ impl NodeConfig {
             });
         }
         let c = &self.cluster;
+        // An empty bundle is the built-in default's: such a node attests no
+        // peer. One given must be whole (every block a certificate).
+        if !c.ek_ca_pem.trim().is_empty() {
+            crate::ek::EkTrust::from_pem(c.ek_ca_pem.as_bytes()).map_err(|e| {
+                ConfigError::Invalid {
+                    field: "cluster.ek_ca_pem",
+                    reason: e.to_string(),
+                }
+            })?;
+        }
         if crate::init_secret::is_legacy_sha256(&c.init_secret_hash) {
             tracing::warn!(
                 "cluster.init_secret_hash is a SHA-256, the form before argon2id: this node \
@@ -648,14 +658,49 @@ mod tests {
         assert!(!NodeConfig::default().init_secret_matches(b""));
     }
 
+    /// The EK CA bundle is measured as written: one that trusts nothing,
+    /// or has a block the node would skip, is refused at load, naming the
+    /// field; the built-in default's empty bundle is not.
+    #[test]
+    fn an_ek_ca_bundle_the_node_would_not_read_whole_is_refused_at_load() {
+        let with_pem = |pem: &str| {
+            let pem = serde_json::to_string(pem).unwrap();
+            parse(&format!(
+                r#"{{"cluster":{{"ek_ca_pem":{pem}}},"node":{{"name":"n"}}}}"#
+            ))
+        };
+        with_pem("").unwrap();
+        for bundle in [
+            "no certificate here",
+            "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+        ] {
+            let refused = with_pem(bundle).unwrap_err();
+            assert!(
+                matches!(
+                    refused,
+                    ConfigError::Invalid {
+                        field: "cluster.ek_ca_pem",
+                        ..
+                    }
+                ),
+                "{refused}"
+            );
+        }
+    }
+
     #[test]
     fn a_config_too_large_for_the_event_log_is_refused_at_load() {
         // The PEM's characters count once in the canonical form, like the
-        // braces and field names around them.
+        // braces and field names around them (here a CA certificate, then
+        // text after its block).
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = params.self_signed(&key).unwrap().pem();
         let with_pem = |len: usize| {
+            let pem = serde_json::to_string(&format!("{ca}{}", "A".repeat(len))).unwrap();
             parse(&format!(
-                r#"{{"cluster":{{"ek_ca_pem":"{}"}},"node":{{"name":"n"}}}}"#,
-                "A".repeat(len)
+                r#"{{"cluster":{{"ek_ca_pem":{pem}}},"node":{{"name":"n"}}}}"#
             ))
         };
         let around = with_pem(0).unwrap();

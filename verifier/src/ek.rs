@@ -42,6 +42,14 @@ pub enum EkError {
     /// The CA bundle holds no usable certificate.
     #[error("no trusted EK CA certificate configured")]
     NoAnchors,
+    /// A block of the EK CA bundle is not a certificate that parses whole.
+    #[error("EK CA bundle, block {index} (from 0): {reason}")]
+    Bundle {
+        /// Which block.
+        index: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The document has no EK certificate.
     #[error("the document carries no EK certificate")]
     NoCertificate,
@@ -232,13 +240,32 @@ impl Accepted {
 impl EkTrust {
     /// Reads every certificate of a PEM bundle. The certificate that signs
     /// EK certificates must be in it (an intermediate is trusted as given).
+    /// Every block must be a certificate that parses whole: the bundle is
+    /// measured as written, and a block skipped here would be a CA an
+    /// operator reading the bundle believes trusted and the node does not
+    /// (text around the blocks is allowed, as `openssl` writes it).
     pub fn from_pem(pem: &[u8]) -> Result<Self, EkError> {
-        let anchors: Vec<Vec<u8>> = x509_parser::pem::Pem::iter_from_buffer(pem)
-            .filter_map(Result::ok)
-            .filter(|p| p.label == "CERTIFICATE")
-            .filter(|p| X509Certificate::from_der(&p.contents).is_ok())
-            .map(|p| p.contents)
-            .collect();
+        let mut anchors: Vec<Vec<u8>> = Vec::new();
+        for (index, block) in x509_parser::pem::Pem::iter_from_buffer(pem).enumerate() {
+            let refuse = |reason: String| EkError::Bundle { index, reason };
+            let block = block.map_err(|e| refuse(format!("not a PEM block: {e}")))?;
+            if block.label != "CERTIFICATE" {
+                return Err(refuse(format!(
+                    "a {:?} block, not a CERTIFICATE",
+                    block.label
+                )));
+            }
+            match X509Certificate::from_der(&block.contents) {
+                Ok(([], _)) => anchors.push(block.contents),
+                Ok((rest, _)) => {
+                    return Err(refuse(format!(
+                        "{} bytes after the certificate",
+                        rest.len()
+                    )))
+                }
+                Err(_) => return Err(refuse("the certificate does not parse".into())),
+            }
+        }
         if anchors.is_empty() {
             return Err(EkError::NoAnchors);
         }
@@ -1215,6 +1242,52 @@ mod tests {
         });
         let cert = bare.issue(&ek);
         trust(&[&bare]).verify(&cert, &ek.public()).unwrap();
+    }
+
+    /// A bundle is measured as written; one with a block the node would
+    /// skip (a key, a CRL, a damaged certificate, bytes after one) would
+    /// trust less than an operator reading it believes. Refused whole; text
+    /// around the blocks, as `openssl x509 -text` writes it, is not a block.
+    #[test]
+    fn a_bundle_with_a_block_that_is_no_whole_certificate_is_refused() {
+        let good = ca(|_| {});
+        let with_text = format!(
+            "subject=CN = {NAME}\nissuer=CN = {NAME}\n{}\n# end\n",
+            good.pem
+        );
+        EkTrust::from_pem(with_text.as_bytes()).unwrap();
+        let block = |label: &str, der: &[u8]| {
+            use base64::Engine as _;
+            let body = base64::engine::general_purpose::STANDARD.encode(der);
+            format!("-----BEGIN {label}-----\n{body}\n-----END {label}-----\n")
+        };
+        let der = x509_parser::pem::Pem::iter_from_buffer(good.pem.as_bytes())
+            .next()
+            .unwrap()
+            .unwrap()
+            .contents;
+        let mut trailing = der.clone();
+        trailing.extend_from_slice(&[0x05, 0x00]);
+        for (extra, expected) in [
+            (block("PRIVATE KEY", &der), "not a CERTIFICATE"),
+            (
+                block("CERTIFICATE", &der[..der.len() - 10]),
+                "does not parse",
+            ),
+            (block("CERTIFICATE", &trailing), "2 bytes after"),
+            (
+                "-----BEGIN CERTIFICATE-----\n!!!\n-----END CERTIFICATE-----\n".into(),
+                "not a PEM block",
+            ),
+        ] {
+            let bundle = format!("{}{extra}", good.pem);
+            match EkTrust::from_pem(bundle.as_bytes()) {
+                Err(EkError::Bundle { index: 1, reason }) => {
+                    assert!(reason.contains(expected), "{reason}")
+                }
+                other => panic!("{extra}: {:?}", other.map(|_| ())),
+            }
+        }
     }
 
     /// A refusal for the time alone is one where every other check held
