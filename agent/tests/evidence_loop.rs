@@ -348,8 +348,21 @@ async fn drift_silence_bad_evidence_and_operator_revocation() {
     assert!(err.message().contains("TPM key"), "{err:?}");
     // Oversized evidence.
     req.document = vec![0; keel_verifier::validator::MAX_DOCUMENT_BYTES + 1];
-    let err = s.client().submit(req).await.unwrap_err();
+    let err = s.client().submit(req.clone()).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    // Fields that are no disk UUID or Kubernetes version: the user data
+    // separates the two by a NUL, so ("a\0b", "c") and ("a", "b\0c") would
+    // bind one document to two claims.
+    for (disk, version) in [("a\0b", "c"), ("", "v1.31.13\0"), ("not-a-uuid", "")] {
+        req.disk_uuid = disk.into();
+        req.kubernetes_version = version.into();
+        req.document = keel_agent::attestation::issuer::TpmIssuer::new(c.cp1.tpm.clone())
+            .issue(&nonce, &user_data(disk, version))
+            .unwrap();
+        let err = s.client().submit(req.clone()).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains("malformed"), "{err:?}");
+    }
     // A flood: the same valid evidence 16 times at once, and a second
     // nonce request while one waits.
     let nonce = s.next_nonce().await.unwrap();

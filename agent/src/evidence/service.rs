@@ -376,6 +376,20 @@ impl EvidenceService {
                 "disk UUID or version too long",
             ));
         }
+        // Each empty or of its shape: neither then holds the NUL that
+        // separates them in the user data, so one document binds one pair.
+        let disk_shaped = request.disk_uuid.is_empty()
+            || keel_verifier::keys::disk_id(&request.disk_uuid).is_ok();
+        let version_shaped = request.kubernetes_version.is_empty()
+            || request
+                .kubernetes_version
+                .parse::<keel_installer::KubernetesVersion>()
+                .is_ok();
+        if !disk_shaped || !version_shaped {
+            return Err(EvidenceError::InvalidRequest(
+                "disk UUID or Kubernetes version malformed",
+            ));
+        }
         if request.document.len() > MAX_DOCUMENT_BYTES {
             return Err(EvidenceError::InvalidRequest("evidence too large"));
         }
