@@ -8,8 +8,8 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// 2026-11-01T00:00:00Z, in Unix seconds.
-pub const FLOOR: u64 = 1_793_491_200;
+/// 2026-12-01T00:00:00Z, in Unix seconds.
+pub const FLOOR: u64 = 1_796_083_200;
 
 /// Now, in Unix seconds: the system's clock, or [`FLOOR`] if it is earlier.
 pub fn now() -> u64 {
