@@ -203,6 +203,41 @@ impl Cluster {
         (node, slot)
     }
 
+    /// Merges into cp-1's registry a peer's record of the worker drifted
+    /// for `failure` (resting on the peer's clock alone: `on_clock`);
+    /// returns the worker's EK.
+    fn merge_a_peers_drift_of_the_worker(&self, failure: &str, on_clock: bool) -> EkDigest {
+        let ek = join_common::ek_digest(&self.worker.tpm);
+        let mut peer = Registry::default();
+        peer.record(&keel_agent::registry::Evidence {
+            ek,
+            disk: None,
+            name: "w-1".into(),
+            role: "worker".into(),
+            kubernetes_version: "v1.31.13".into(),
+            measurements: "00".repeat(32),
+            failure: Some(failure.into()),
+            failure_on_clock: on_clock,
+        })
+        .unwrap();
+        self.registry().merge(peer).unwrap();
+        ek
+    }
+
+    /// Asserts that cp-1 holds the worker drifted and has revoked no one.
+    fn assert_the_worker_drifted_and_nobody_revoked(&self) {
+        let registry = self.registry().snapshot();
+        assert!(
+            registry.revoked().is_empty(),
+            "revoked: {:?}",
+            registry.revoked()
+        );
+        assert_eq!(
+            Cluster::worker_record(&registry).map(|r| r.verdict),
+            Some(Verdict::Drifted)
+        );
+    }
+
     /// `keel revoke <selector>` at cp-1.
     fn revoke(
         &self,
@@ -601,20 +636,7 @@ async fn a_control_plane_hearing_no_other_member_revokes_nobody_for_silence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_revoke_policy_revokes_a_failing_node_it_did_not_judge_itself() {
     let c = Cluster::start(EvidencePolicy::Revoke).await;
-    let ek = join_common::ek_digest(&c.worker.tpm);
-    let mut peer = Registry::default();
-    peer.record(&keel_agent::registry::Evidence {
-        ek,
-        disk: None,
-        name: "w-1".into(),
-        role: "worker".into(),
-        kubernetes_version: "v1.31.13".into(),
-        measurements: "00".repeat(32),
-        failure: Some("PCR 4: expected another value".into()),
-        failure_on_clock: false,
-    })
-    .unwrap();
-    c.registry().merge(peer).unwrap();
+    let ek = c.merge_a_peers_drift_of_the_worker("PCR 4: expected another value", false);
     let merged = c.registry().snapshot();
     assert_eq!(
         Cluster::worker_record(&merged).map(|r| r.verdict),
@@ -681,37 +703,16 @@ async fn a_component_measured_at_a_path_its_version_does_not_list_drifts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_revoke_policy_leaves_a_drift_on_the_clock_to_the_operator() {
     let c = Cluster::start(EvidencePolicy::Revoke).await;
-    let ek = join_common::ek_digest(&c.worker.tpm);
-    let mut peer = Registry::default();
-    peer.record(&keel_agent::registry::Evidence {
-        ek,
-        disk: None,
-        name: "w-1".into(),
-        role: "worker".into(),
-        kubernetes_version: "v1.31.13".into(),
-        measurements: "00".repeat(32),
-        failure: Some(
-            "endorsement key not trusted: EK certificate is not valid at this time".into(),
-        ),
-        failure_on_clock: true,
-    })
-    .unwrap();
-    c.registry().merge(peer).unwrap();
+    c.merge_a_peers_drift_of_the_worker(
+        "endorsement key not trusted: EK certificate is not valid at this time",
+        true,
+    );
     let merged = c.registry().snapshot();
     let record = Cluster::worker_record(&merged).unwrap();
     assert_eq!(record.verdict, Verdict::Drifted);
     assert!(record.on_clock);
     tokio::time::sleep(INTERVAL * 4 + Duration::from_secs(1)).await;
-    let registry = c.registry().snapshot();
-    assert!(
-        registry.revoked().is_empty(),
-        "revoked: {:?}",
-        registry.revoked()
-    );
-    assert_eq!(
-        Cluster::worker_record(&registry).map(|r| r.verdict),
-        Some(Verdict::Drifted)
-    );
+    c.assert_the_worker_drifted_and_nobody_revoked();
 }
 
 /// One control plane with stale CPU collateral, a wrong measurements file
@@ -744,16 +745,7 @@ async fn the_revoke_policy_revokes_nobody_when_most_nodes_fail_at_once() {
     // Past the sweep that would revoke a node drifted for an interval
     // (and short of the three intervals that make the worker silent).
     tokio::time::sleep(INTERVAL * 2 + Duration::from_millis(500)).await;
-    let registry = c.registry().snapshot();
-    assert!(
-        registry.revoked().is_empty(),
-        "revoked: {:?}",
-        registry.revoked()
-    );
-    assert_eq!(
-        Cluster::worker_record(&registry).map(|r| r.verdict),
-        Some(Verdict::Drifted)
-    );
+    c.assert_the_worker_drifted_and_nobody_revoked();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -420,40 +420,40 @@ mod tests {
         .unwrap();
         let record = MeasuredComponent::parse(&kubelet.measurement_record()).unwrap();
         assert!(record.records(&kubelet));
-        let elsewhere = Component::new(
-            "https://dl.example/kubelet",
-            H,
-            "/opt/cni/bin/kubelet",
-            false,
-        )
-        .unwrap();
-        assert!(!record.records(&elsewhere));
-        let extracted = Component::new(
-            "https://dl.example/kubelet",
-            H,
-            "/run/state/bin/kubelet",
-            true,
-        )
-        .unwrap();
-        assert!(!record.records(&extracted));
         let other = H.replace("e3b0", "e3b1");
-        let other = Component::new(
-            "https://dl.example/kubelet",
-            &other,
-            "/run/state/bin/kubelet",
-            false,
-        )
-        .unwrap();
-        assert!(!record.records(&other));
+        let component = |url: &str, hash: &str, path: &str, extract: bool| {
+            Component::new(url, hash, path, extract).unwrap()
+        };
+        let kubelet_path = "/run/state/bin/kubelet";
+        for (elsewhere, why) in [
+            (
+                component(
+                    "https://dl.example/kubelet",
+                    H,
+                    "/opt/cni/bin/kubelet",
+                    false,
+                ),
+                "path",
+            ),
+            (
+                component("https://dl.example/kubelet", H, kubelet_path, true),
+                "extracted",
+            ),
+            (
+                component("https://dl.example/kubelet", &other, kubelet_path, false),
+                "hash",
+            ),
+        ] {
+            assert!(!record.records(&elsewhere), "{why}");
+        }
         // From another mirror, the same bytes at the same place.
-        let mirrored = Component::new(
+        assert!(record.records(&component(
             "https://mirror.example/k",
             H,
-            "/run/state/bin/kubelet",
-            false,
-        )
-        .unwrap();
-        assert!(record.records(&mirrored));
+            kubelet_path,
+            false
+        )));
+        let other = component("https://dl.example/kubelet", &other, kubelet_path, false);
         let text = String::from_utf8(kubelet.measurement_record()).unwrap();
         let twice = text.replacen(
             r#""hash":"#,
