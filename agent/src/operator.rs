@@ -304,7 +304,7 @@ pub struct OperatorAuth {
 /// bytes, and the first 16 bytes of HMAC-SHA256 over both with a key
 /// that never leaves this process.
 struct Challenges {
-    key: [u8; 32],
+    key: zeroize::Zeroizing<[u8; 32]>,
     epoch: Instant,
     /// The MACs of challenges spent by a valid proof, with when they were
     /// spent; dropped once the challenge could no longer be valid.
@@ -313,8 +313,8 @@ struct Challenges {
 
 impl Challenges {
     fn new() -> Self {
-        let mut key = [0u8; 32];
-        rand::rngs::OsRng.fill_bytes(&mut key);
+        let mut key = zeroize::Zeroizing::new([0u8; 32]);
+        rand::rngs::OsRng.fill_bytes(&mut *key);
         Self {
             key,
             epoch: Instant::now(),
@@ -324,7 +324,7 @@ impl Challenges {
 
     fn mac(&self, issued_and_random: &[u8]) -> Option<[u8; 16]> {
         use hmac::Mac as _;
-        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.key).ok()?;
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&*self.key).ok()?;
         mac.update(b"keel operator challenge v1\0");
         mac.update(issued_and_random);
         let mut tag = [0u8; 16];

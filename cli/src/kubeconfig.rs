@@ -74,12 +74,17 @@ pub async fn run(
 
 /// The admin kubeconfig of the control plane at `endpoint`.
 async fn fetch(operator: &Operator, endpoint: &str) -> anyhow::Result<Zeroizing<Vec<u8>>> {
-    let (mut cp, challenge, proof) = operator.authorise(endpoint, ADMIN_KUBECONFIG, &[]).await?;
+    let (cp, challenge, proof) = operator.authorise(endpoint, ADMIN_KUBECONFIG, &[]).await?;
+    // Held to the kubeconfig's bound as it arrives: the member's client
+    // takes a whole registry (32 MiB).
+    let mut client = cp
+        .client
+        .clone()
+        .max_decoding_message_size(MAX_ADMIN_KUBECONFIG_BYTES + 1024);
     let kubeconfig = Zeroizing::new(
         answer(
             endpoint,
-            cp.client
-                .admin_kubeconfig(AdminKubeconfigRequest { challenge, proof }),
+            client.admin_kubeconfig(AdminKubeconfigRequest { challenge, proof }),
         )
         .await?
         .kubeconfig,

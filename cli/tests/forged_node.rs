@@ -601,7 +601,13 @@ impl OperatorService for Recorder {
         _request: tonic::Request<op::AdminKubeconfigRequest>,
     ) -> Result<tonic::Response<op::AdminKubeconfigResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
-        Err(tonic::Status::unimplemented("not here"))
+        match self.1 {
+            // Past the 64 KiB an admin kubeconfig may have.
+            Answer::Hostile => Ok(tonic::Response::new(op::AdminKubeconfigResponse {
+                kubeconfig: vec![b'k'; 4 * 1024 * 1024],
+            })),
+            _ => Err(tonic::Status::unimplemented("not here")),
+        }
     }
 }
 
@@ -631,6 +637,39 @@ async fn revoke_worker(answer: Answer) -> (String, serde_json::Value) {
     assert_eq!(served.requests(), 4, "{}", text(&out));
     let record = std::fs::read_to_string(ws.join("keel-revoked.json")).unwrap();
     (text(&out), serde_json::from_str(&record).unwrap())
+}
+
+/// Attacker's move: a control plane compromised after it booted answers
+/// `keel kubeconfig` with a message of megabytes, which the operator's
+/// client (bound for a whole registry, 32 MiB) would take in whole before
+/// checking it. The call is held to the kubeconfig's own bound as the
+/// answer arrives; nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_kubeconfig_past_its_bound_is_refused_as_it_arrives() {
+    let ca = EkCa::new().unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    locked_into_the_workspace_cluster(&node);
+    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let ws = &served.workspace;
+    operator_workspace(ws, Some(&served.endpoint));
+    let args = [
+        "kubeconfig",
+        "--endpoint",
+        &served.endpoint,
+        "--workspace",
+        ws.to_str().unwrap(),
+        "--wait",
+        "5",
+    ];
+    let out = run_keel(&args, &served.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("too large"), "{}", text(&out));
+    assert!(
+        !text(&out).contains("sent a kubeconfig of"),
+        "{}",
+        text(&out)
+    );
+    assert!(!ws.join("keel-admin.conf").exists());
 }
 
 /// Attacker's move: a control plane of the cluster, compromised after it

@@ -64,6 +64,28 @@ pub use keel::operator::v1 as operator;
 /// The recovery API (operator CLI → a control plane that lost its cluster).
 pub use keel::recovery::v1 as recovery;
 
+/// A Debug for messages that carry secrets (`SECRET_MESSAGES` in
+/// `build.rs`): the type's name alone, none of its fields.
+macro_rules! debug_without_fields {
+    ($($message:ty),* $(,)?) => {$(
+        impl std::fmt::Debug for $message {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($message)).finish_non_exhaustive()
+            }
+        }
+    )*};
+}
+
+debug_without_fields!(
+    join::JoinSecrets,
+    join::ControlPlaneSecrets,
+    join::ControlPlaneFile,
+    init::InitSecrets,
+    init::InitSuccess,
+    operator::AdminKubeconfigResponse,
+    kms::GetDataKeyResponse,
+);
+
 /// Largest init response message a node sends and `keel init` reads: the
 /// admin kubeconfig is at most 1 MiB, log chunks 32 KiB.
 pub const MAX_INIT_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
@@ -150,3 +172,63 @@ pub fn held_back_for(status: &tonic::Status) -> Option<std::time::Duration> {
 /// (`AdminKubeconfig`), and `keel kubeconfig` takes: kubeadm's is a few
 /// KiB.
 pub const MAX_ADMIN_KUBECONFIG_BYTES: usize = 64 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `{:?}` of a message that carries secrets prints none of them,
+    /// also where it sits inside another message.
+    #[test]
+    fn messages_that_carry_secrets_debug_without_their_fields() {
+        let key = vec![0xAB; 32];
+        let token = "abcdef.0123456789abcdef";
+        let secrets = join::JoinSecrets {
+            state_disk_key: key.clone(),
+            bootstrap_token: token.into(),
+            control_plane: Some(join::ControlPlaneSecrets {
+                master_secret: key.clone(),
+                master_salt: key.clone(),
+            }),
+            control_plane_files: vec![join::ControlPlaneFile {
+                name: "ca.key".into(),
+                data: b"-----BEGIN PRIVATE KEY-----".to_vec(),
+            }],
+            ..Default::default()
+        };
+        let kubeconfig = b"client-key-data: c2VjcmV0".to_vec();
+        let response = init::InitResponse {
+            kind: Some(init::init_response::Kind::Success(init::InitSuccess {
+                kubeconfig: kubeconfig.clone(),
+                ..Default::default()
+            })),
+        };
+        for shown in [
+            format!("{secrets:?}"),
+            format!(
+                "{:?}",
+                init::InitSecrets {
+                    init_secret: key.clone(),
+                    master_secret: key.clone()
+                }
+            ),
+            format!("{response:?}"),
+            format!(
+                "{:?}",
+                operator::AdminKubeconfigResponse {
+                    kubeconfig: kubeconfig.clone()
+                }
+            ),
+            format!(
+                "{:?}",
+                kms::GetDataKeyResponse {
+                    data_key: key.clone()
+                }
+            ),
+        ] {
+            for secret in ["171", "abcdef", "PRIVATE", "client-key", "99, 108"] {
+                assert!(!shown.contains(secret), "{shown}");
+            }
+        }
+    }
+}

@@ -121,10 +121,18 @@ struct ClusterCa {
 
 impl ClusterCa {
     fn load(pki: &Path) -> Result<Self, NewJoinServiceError> {
+        // Bounded, and into a buffer wiped when dropped (ca.key).
         let read = |name: &str| {
             let path = pki.join(name);
-            std::fs::read_to_string(&path)
-                .map(Zeroizing::new)
+            crate::files::read_secret(&path, MAX_PKI_FILE)
+                .and_then(|mut bytes| {
+                    String::from_utf8(std::mem::take(&mut *bytes))
+                        .map(Zeroizing::new)
+                        .map_err(|e| {
+                            zeroize::Zeroize::zeroize(&mut e.into_bytes());
+                            std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8")
+                        })
+                })
                 .map_err(|source| NewJoinServiceError::ReadCa { path, source })
         };
         let bad = |reason: String| NewJoinServiceError::Ca {

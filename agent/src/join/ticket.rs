@@ -194,8 +194,10 @@ impl Drop for OpenedSecrets {
         self.0.measurement_secret.zeroize();
         if let Some(cp) = &mut self.0.control_plane {
             cp.master_secret.zeroize();
+            cp.master_salt.zeroize();
         }
         self.0.bootstrap_token.zeroize();
+        self.0.kubelet_cert.zeroize();
         self.0.operator_key.zeroize();
         for file in &mut self.0.control_plane_files {
             file.data.zeroize();

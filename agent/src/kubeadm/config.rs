@@ -104,7 +104,7 @@ pub enum ParseSecretError {
 
 /// A kubeadm bootstrap token `abcdef.0123456789abcdef`: a public ID and a
 /// secret. `Debug` shows the ID only; zeroized when dropped.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct BootstrapToken(zeroize::Zeroizing<String>);
 
 impl BootstrapToken {
@@ -208,8 +208,8 @@ impl FromStr for CaCertHash {
 
 /// kubeadm's certificate key (hex of a 32-byte AES key) that decrypts the
 /// control-plane certificates uploaded by `kubeadm init --upload-certs`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct CertificateKey(String);
+#[derive(Clone)]
+pub struct CertificateKey(zeroize::Zeroizing<String>);
 
 impl CertificateKey {
     /// The key as hex (secret).
@@ -223,7 +223,7 @@ impl FromStr for CertificateKey {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if is_lower_hex(&s.to_ascii_lowercase(), 64) {
-            Ok(Self(s.to_ascii_lowercase()))
+            Ok(Self(zeroize::Zeroizing::new(s.to_ascii_lowercase())))
         } else {
             Err(ParseSecretError::CertificateKey)
         }
