@@ -474,28 +474,12 @@ async fn a_worker_takes_no_init() {
 /// node is taken, and init leaves the disk as the join left it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_join_locking_during_inits_disk_inspection_wins_the_answer() {
-    use std::os::unix::fs::PermissionsExt as _;
     let ca = EkCa::new().unwrap();
     let node = joiner(&ca, &ca, free_port(), "inspected-0", "control-plane");
     let dir = tempfile::tempdir().unwrap();
-    let (inspecting, go) = (dir.path().join("inspecting"), dir.path().join("go"));
-    // `cryptsetup isLuks` holds until the test says go, once.
-    let wrapper = dir.path().join("slow-cryptsetup");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\nif [ \"$1\" = isLuks ] && [ ! -e {go} ]; then\n  touch {inspecting}\n  \
-             while [ ! -e {go} ]; do sleep 0.01; done\nfi\nexec cryptsetup \"$@\"\n",
-            go = go.display(),
-            inspecting = inspecting.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut env = node.env();
-    env.state_disk.as_mut().unwrap().cryptsetup =
-        keel_agent::disk::Cryptsetup::new(&wrapper, "wipefs");
-    let init = node.init_server_in(SECRET, env);
+    let held = HeldInspection::new(&node, dir.path());
+    let (inspecting, go) = (held.inspecting, held.go);
+    let init = node.init_server_in(SECRET, held.env);
     let request = complete(
         &sealed_secrets(&node),
         InitRequest {
@@ -535,6 +519,57 @@ async fn a_join_locking_during_inits_disk_inspection_wins_the_answer() {
         cryptsetup.label(&node.disk).unwrap(),
         keel_agent::disk::PROVISIONING_LABEL
     );
+}
+
+/// Race: the caller goes away (the host resets the connection, the
+/// operator presses Ctrl-C, the request timeout fires) while the node lock
+/// is being taken. The lock is a blocking task of its own and lands all the
+/// same; what follows it must too, or the node sits locked into a cluster
+/// with nothing set up and no reboot to come, refusing init and joins. Here
+/// the TPM is held so that the lock waits, the caller is dropped, and the
+/// node goes on to set its state disk up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_gone_while_the_lock_is_taken_leaves_the_node_provisioning() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "dropped-0", "control-plane");
+    let dir = tempfile::tempdir().unwrap();
+    let held = HeldInspection::new(&node, dir.path());
+    let (inspecting, go) = (held.inspecting, held.go);
+    let unkept = held.env.work_dir.join(keel_agent::resume::UNKEPT);
+    let init = node.init_server_in(SECRET, held.env);
+    let request = complete(
+        &sealed_secrets(&node),
+        InitRequest {
+            join_measurements: file_of_enforced(),
+            ..InitRequest::default()
+        },
+    );
+    let answer = tokio::spawn(async move { init.init(tonic::Request::new(request)).await });
+    until("init never inspected the disk", || inspecting.exists()).await;
+    // The TPM, held, so that the lock waits for it.
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let tpm = node.tpm.clone();
+    let holder = std::thread::spawn(move || {
+        let _tpm = tpm.lock().unwrap();
+        held_tx.send(()).unwrap();
+        let _ = release_rx.recv();
+    });
+    held_rx.recv().unwrap();
+    std::fs::write(&go, b"").unwrap();
+    until("init never began to take the lock", || unkept.exists()).await;
+    answer.abort();
+    assert!(answer.await.unwrap_err().is_cancelled());
+    release_tx.send(()).unwrap();
+    holder.join().unwrap();
+    // The lock landed, and the node goes on: its disk is set up (and, should
+    // provisioning fail later, reset with a reboot to come).
+    let disk = node.disk.clone();
+    until("the node was locked and nothing followed", || {
+        std::fs::read(&disk).is_ok_and(|d| d.starts_with(b"LUKS\xba\xbe"))
+    })
+    .await;
+    assert!(node.lock.is_locked());
 }
 
 /// A format that fails (the device in use, or not the disk the operator
@@ -591,4 +626,52 @@ async fn a_state_disk_whose_format_failed_is_not_reset() {
         std::fs::read(&node.disk).unwrap() == before,
         "the device changed"
     );
+}
+
+/// Waits (polling every 2 ms, up to 60 s) until `done`; fails naming `what`.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let started = std::time::Instant::now();
+    while !done() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "{what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}
+
+/// A node environment whose `cryptsetup isLuks` (init's look at the state
+/// disk, its last step before the lock) holds until `go` exists, once,
+/// having made `inspecting`.
+struct HeldInspection {
+    env: keel_agent::provision::NodeEnv,
+    inspecting: std::path::PathBuf,
+    go: std::path::PathBuf,
+}
+
+impl HeldInspection {
+    fn new(node: &join_common::Joiner, dir: &std::path::Path) -> Self {
+        use std::os::unix::fs::PermissionsExt as _;
+        let (inspecting, go) = (dir.join("inspecting"), dir.join("go"));
+        let wrapper = dir.join("slow-cryptsetup");
+        std::fs::write(
+            &wrapper,
+            format!(
+                "#!/bin/sh\nif [ \"$1\" = isLuks ] && [ ! -e {go} ]; then\n  touch {inspecting}\n  \
+                 while [ ! -e {go} ]; do sleep 0.01; done\nfi\nexec cryptsetup \"$@\"\n",
+                go = go.display(),
+                inspecting = inspecting.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut env = node.env();
+        env.state_disk.as_mut().unwrap().cryptsetup =
+            keel_agent::disk::Cryptsetup::new(&wrapper, "wipefs");
+        Self {
+            env,
+            inspecting,
+            go,
+        }
+    }
 }

@@ -445,6 +445,47 @@ impl InitServer {
     }
 
     /// The work after the lock; every line goes to `log`.
+    /// Creates the cluster on this node, locked for `accepted`, streaming
+    /// each step and kubeadm's output to `log` (a line never waits for the
+    /// client); ends the transcript with the admin kubeconfig, or with the
+    /// failure and the node's logs once the node is reset.
+    async fn provision_after_lock(&self, accepted: &Accepted, log: &Transcript<Kind>) {
+        log.line(format!(
+            "node locked into cluster {}",
+            hex::encode(accepted.cluster_id)
+        ));
+        let line = |l: String| log.line(l);
+        let provisioner = Provisioner::new(&self.inner.node.env, &self.inner.node.tpm, &line);
+        match self.create_cluster(accepted, &provisioner).await {
+            Ok(kubeconfig) => {
+                log.line("cluster created");
+                log.finish([Kind::Success(InitSuccess {
+                    kubeconfig: kubeconfig.to_vec(),
+                    cluster_id: accepted.cluster_id.to_vec(),
+                })])
+                .await;
+            }
+            Err(e) => {
+                let error = keel_atls::ErrorChain(&e).to_string();
+                log.line(format!("init failed: {error}"));
+                let reboots = provisioner.fail(&e).await;
+                let logs = log.collected_logs().await;
+                let chunks: Vec<Kind> = logs
+                    .chunks(LOG_CHUNK)
+                    .map(|chunk| Kind::LogChunk(chunk.to_vec()))
+                    .collect();
+                log.finish(
+                    std::iter::once(Kind::Failure(InitFailure {
+                        error,
+                        node_reset: reboots,
+                    }))
+                    .chain(chunks),
+                )
+                .await;
+            }
+        }
+    }
+
     async fn create_cluster(
         &self,
         a: &Accepted,
@@ -549,69 +590,50 @@ impl InitService for InitServer {
             node.env.work_dir.clone(),
             accepted.cluster_id,
         );
-        let taken = tokio::task::spawn_blocking(move || {
-            crate::resume::take_lock(&lock, cluster_id, &work_dir)
-        })
-        .await
-        .map_err(|_| tonic::Status::from(&InitError::Internal))?;
-        match taken {
-            Ok(()) => {}
-            Err(LockError::AlreadyLocked) => return Err((&InitError::Locked).into()),
-            // A failed record that set PCR 15 anyway: the node is locked
-            // for good with nothing served, and starts over from a reboot,
-            // as after any failure past the lock.
-            Err(e) if e.left_locked() => {
-                let log = |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
-                let error = ProvisionError::Lock(keel_atls::ErrorChain(&e).to_string());
-                Provisioner::new(&self.inner.node.env, &self.inner.node.tpm, &log)
-                    .fail(&error)
-                    .await;
-                return Err((&InitError::LockBroken(e)).into());
-            }
-            Err(e) => return Err((&InitError::Lock(e)).into()),
-        }
-        tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "node locked for init");
         let (log, rx) = Transcript::<Kind>::new();
+        let (locked, lock_taken) = tokio::sync::oneshot::channel();
         let server = self.clone();
+        // The lock and everything after it run on a task of their own, as a
+        // recovery does: a caller that goes away (a reset stream, the
+        // request timeout) while the lock is taken must not leave the node
+        // locked with nothing set up and no reboot to come. The handler
+        // waits for the lock's outcome only.
         tokio::spawn(async move {
-            log.line(format!(
-                "node locked into cluster {}",
-                hex::encode(accepted.cluster_id)
-            ));
-            // Streaming a line never waits for the client, so every step
-            // and kubeadm's output go straight to the transcript.
-            let line = |l: String| log.line(l);
-            let provisioner =
-                Provisioner::new(&server.inner.node.env, &server.inner.node.tpm, &line);
-            match server.create_cluster(&accepted, &provisioner).await {
-                Ok(kubeconfig) => {
-                    log.line("cluster created");
-                    log.finish([Kind::Success(InitSuccess {
-                        kubeconfig: kubeconfig.to_vec(),
-                        cluster_id: accepted.cluster_id.to_vec(),
-                    })])
-                    .await;
+            let taken = tokio::task::spawn_blocking(move || {
+                crate::resume::take_lock(&lock, cluster_id, &work_dir)
+            })
+            .await;
+            let refusal = match taken {
+                Ok(Ok(())) => None,
+                Ok(Err(LockError::AlreadyLocked)) => Some(InitError::Locked),
+                // A failed record that set PCR 15 anyway: the node is locked
+                // for good with nothing served, and starts over from a
+                // reboot, as after any failure past the lock.
+                Ok(Err(e)) if e.left_locked() => {
+                    let log =
+                        |line: String| tracing::info!(target: "keel_agent::provision", "{line}");
+                    let error = ProvisionError::Lock(keel_atls::ErrorChain(&e).to_string());
+                    Provisioner::new(&server.inner.node.env, &server.inner.node.tpm, &log)
+                        .fail(&error)
+                        .await;
+                    Some(InitError::LockBroken(e))
                 }
-                Err(e) => {
-                    let error = keel_atls::ErrorChain(&e).to_string();
-                    log.line(format!("init failed: {error}"));
-                    let reboots = provisioner.fail(&e).await;
-                    let logs = log.collected_logs().await;
-                    let chunks: Vec<Kind> = logs
-                        .chunks(LOG_CHUNK)
-                        .map(|chunk| Kind::LogChunk(chunk.to_vec()))
-                        .collect();
-                    log.finish(
-                        std::iter::once(Kind::Failure(InitFailure {
-                            error,
-                            node_reset: reboots,
-                        }))
-                        .chain(chunks),
-                    )
-                    .await;
-                }
+                Ok(Err(e)) => Some(InitError::Lock(e)),
+                Err(_) => Some(InitError::Internal),
+            };
+            if let Some(refusal) = refusal {
+                let _ = locked.send(Err(refusal));
+                return;
             }
+            tracing::info!(cluster_id = %hex::encode(accepted.cluster_id), "node locked for init");
+            let _ = locked.send(Ok(()));
+            server.provision_after_lock(&accepted, &log).await;
         });
+        match lock_taken.await {
+            Ok(Ok(())) => {}
+            Ok(Err(refusal)) => return Err((&refusal).into()),
+            Err(_) => return Err((&InitError::Internal).into()),
+        }
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
 }
