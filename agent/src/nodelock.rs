@@ -12,6 +12,7 @@
 //! made while PCR 15 is non-zero (the agent restarted after locking in this
 //! boot, or something else extended the PCR) starts locked.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use keel_verifier::measurement::{pcr, EventType};
@@ -60,6 +61,11 @@ pub struct NodeLock {
     /// `true` once locked. Held while the cluster ID is recorded, so exactly
     /// one caller can win.
     locked: Mutex<bool>,
+    /// The value of `locked`, set under it: read without waiting for a
+    /// recording in progress, which holds `locked` while it waits for the
+    /// TPM (a batch of quotes, say), so that async callers asking whether
+    /// the node is locked never block a runtime thread on it.
+    known: AtomicBool,
 }
 
 impl NodeLock {
@@ -69,6 +75,7 @@ impl NodeLock {
         Ok(Self {
             tpm,
             locked: Mutex::new(locked),
+            known: AtomicBool::new(locked),
         })
     }
 
@@ -98,11 +105,13 @@ impl NodeLock {
         match recorded {
             Ok(()) => {
                 *locked = true;
+                self.known.store(true, Ordering::Release);
                 tracing::info!(cluster_id = %hex::encode(cluster_id), "node locked");
                 Ok(())
             }
             Err(source) => {
                 *locked = pcr15_set(&self.tpm).unwrap_or(true);
+                self.known.store(*locked, Ordering::Release);
                 Err(LockError::Record {
                     source,
                     locked: *locked,
@@ -111,9 +120,10 @@ impl NodeLock {
         }
     }
 
-    /// Whether the node is locked.
+    /// Whether the node is locked, as of the last lock that ended (one in
+    /// progress is not waited for: [`NodeLock::try_lock`] decides the race).
     pub fn is_locked(&self) -> bool {
-        *self.locked.lock().unwrap_or_else(PoisonError::into_inner)
+        self.known.load(Ordering::Acquire)
     }
 
     /// The cluster ID this node was locked into, if the agent's event log

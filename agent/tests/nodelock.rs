@@ -40,6 +40,45 @@ fn pcr15(tpm: &SharedTpm) -> [u8; 32] {
         .unwrap()[&pcr::CLUSTER_ID]
 }
 
+/// A lock being recorded waits for the TPM, which a batch of quotes may
+/// hold a while; whether the node is locked (asked on async threads by the
+/// join client and init) is answered meanwhile, not after it, and the
+/// answer turns once the lock lands.
+#[test]
+fn whether_the_node_is_locked_is_answered_while_a_lock_waits_for_the_tpm() {
+    let node = Node::start();
+    let tpm = node.open();
+    let lock = Arc::new(NodeLock::new(tpm.clone()).unwrap());
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let holder = {
+        let tpm = tpm.clone();
+        std::thread::spawn(move || {
+            let _tpm = tpm.lock().unwrap();
+            held_tx.send(()).unwrap();
+            let _ = release_rx.recv();
+        })
+    };
+    held_rx.recv().unwrap();
+    let locking = {
+        let lock = Arc::clone(&lock);
+        std::thread::spawn(move || lock.try_lock([7; 32]))
+    };
+    // Give the locking thread time to take the lock's mutex and wait.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (answer_tx, answer_rx) = std::sync::mpsc::channel();
+    {
+        let lock = Arc::clone(&lock);
+        std::thread::spawn(move || answer_tx.send(lock.is_locked()).unwrap());
+    }
+    let answered = answer_rx.recv_timeout(std::time::Duration::from_secs(2));
+    release_tx.send(()).unwrap();
+    holder.join().unwrap();
+    assert_eq!(answered, Ok(false), "is_locked waited for the TPM");
+    locking.join().unwrap().unwrap();
+    assert!(lock.is_locked());
+}
+
 #[test]
 fn exactly_one_of_twenty_racing_callers_wins() {
     let node = Node::start();

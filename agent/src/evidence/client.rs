@@ -600,9 +600,17 @@ fn setup_backoff(interval: Duration) -> Backoff {
 /// `revoke` policy revoke it. It merges the others' registries into its
 /// own once it serves, when its state disk is mounted.
 async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> {
+    // Whether it is locked is read without the TPM; the ID, from the event
+    // log under the TPM's mutex, off the runtime's threads.
     let cluster_id = loop {
-        if let Some(id) = node.lock.cluster_id()? {
-            break id;
+        if node.lock.is_locked() {
+            let lock = Arc::clone(&node.lock);
+            let id = tokio::task::spawn_blocking(move || lock.cluster_id())
+                .await
+                .map_err(|_| anyhow::anyhow!("reading the cluster ID: the task ended"))??;
+            if let Some(id) = id {
+                break id;
+            }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
