@@ -6,6 +6,7 @@
 mod join_common;
 
 use join_common::{free_port, joiner};
+use keel_agent::init::InitServer;
 use keel_proto::init::init_service_server::InitService;
 use keel_proto::init::{InitRequest, InitSecrets};
 use keel_testkit::swtpm::EkCa;
@@ -477,26 +478,8 @@ async fn a_join_locking_during_inits_disk_inspection_wins_the_answer() {
     let ca = EkCa::new().unwrap();
     let node = joiner(&ca, &ca, free_port(), "inspected-0", "control-plane");
     let dir = tempfile::tempdir().unwrap();
-    let held = HeldInspection::new(&node, dir.path());
-    let (inspecting, go) = (held.inspecting, held.go);
-    let init = node.init_server_in(SECRET, held.env);
-    let request = complete(
-        &sealed_secrets(&node),
-        InitRequest {
-            join_measurements: file_of_enforced(),
-            ..InitRequest::default()
-        },
-    );
-
-    let answer = tokio::spawn(async move { init.init(tonic::Request::new(request)).await });
-    let waited = std::time::Instant::now();
-    while !inspecting.exists() {
-        assert!(
-            waited.elapsed() < std::time::Duration::from_secs(60),
-            "init never inspected the disk"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let held = HeldInspection::start(&node, dir.path()).await;
+    let (answer, go) = (held.answer, held.go);
     // The join: the lock, then the format that labels the header as being
     // provisioned.
     node.lock.try_lock([5; 32]).unwrap();
@@ -533,19 +516,9 @@ async fn a_caller_gone_while_the_lock_is_taken_leaves_the_node_provisioning() {
     let ca = EkCa::new().unwrap();
     let node = joiner(&ca, &ca, free_port(), "dropped-0", "control-plane");
     let dir = tempfile::tempdir().unwrap();
-    let held = HeldInspection::new(&node, dir.path());
-    let (inspecting, go) = (held.inspecting, held.go);
-    let unkept = held.env.work_dir.join(keel_agent::resume::UNKEPT);
-    let init = node.init_server_in(SECRET, held.env);
-    let request = complete(
-        &sealed_secrets(&node),
-        InitRequest {
-            join_measurements: file_of_enforced(),
-            ..InitRequest::default()
-        },
-    );
-    let answer = tokio::spawn(async move { init.init(tonic::Request::new(request)).await });
-    until("init never inspected the disk", || inspecting.exists()).await;
+    let held = HeldInspection::start(&node, dir.path()).await;
+    let (answer, go) = (held.answer, held.go);
+    let unkept = held.work_dir.join(keel_agent::resume::UNKEPT);
     // The TPM, held, so that the lock waits for it.
     let (held_tx, held_rx) = std::sync::mpsc::channel();
     let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
@@ -640,17 +613,19 @@ async fn until(what: &str, done: impl Fn() -> bool) {
     }
 }
 
-/// A node environment whose `cryptsetup isLuks` (init's look at the state
-/// disk, its last step before the lock) holds until `go` exists, once,
-/// having made `inspecting`.
+/// An init of a control plane with the right secret, under way and held at
+/// its look at the state disk (`cryptsetup isLuks`, its last step before
+/// the lock) until `go` exists.
 struct HeldInspection {
-    env: keel_agent::provision::NodeEnv,
-    inspecting: std::path::PathBuf,
+    answer: tokio::task::JoinHandle<
+        Result<tonic::Response<<InitServer as InitService>::InitStream>, tonic::Status>,
+    >,
     go: std::path::PathBuf,
+    work_dir: std::path::PathBuf,
 }
 
 impl HeldInspection {
-    fn new(node: &join_common::Joiner, dir: &std::path::Path) -> Self {
+    async fn start(node: &join_common::Joiner, dir: &std::path::Path) -> Self {
         use std::os::unix::fs::PermissionsExt as _;
         let (inspecting, go) = (dir.join("inspecting"), dir.join("go"));
         let wrapper = dir.join("slow-cryptsetup");
@@ -668,10 +643,21 @@ impl HeldInspection {
         let mut env = node.env();
         env.state_disk.as_mut().unwrap().cryptsetup =
             keel_agent::disk::Cryptsetup::new(&wrapper, "wipefs");
+        let work_dir = env.work_dir.clone();
+        let init = node.init_server_in(SECRET, env);
+        let request = complete(
+            &sealed_secrets(node),
+            InitRequest {
+                join_measurements: file_of_enforced(),
+                ..InitRequest::default()
+            },
+        );
+        let answer = tokio::spawn(async move { init.init(tonic::Request::new(request)).await });
+        until("init never inspected the disk", || inspecting.exists()).await;
         Self {
-            env,
-            inspecting,
+            answer,
             go,
+            work_dir,
         }
     }
 }
