@@ -402,8 +402,15 @@ impl RecoveryServer {
                 credential::OpenError::Tpm => RecoveryError::Unavailable,
                 credential::OpenError::Sealed(e) => RecoveryError::Sealed(e),
             })?;
-        let mut secrets = ControlPlaneSecrets::decode(opened.as_slice())
-            .map_err(|_| RecoveryError::InvalidRequest("sealed secrets do not decode"))?;
+        let mut secrets = ControlPlaneSecrets::default();
+        if secrets.merge(opened.as_slice()).is_err() {
+            // What a decode that fails partway filled in, wiped too.
+            secrets.master_secret.zeroize();
+            secrets.master_salt.zeroize();
+            return Err(RecoveryError::InvalidRequest(
+                "sealed secrets do not decode",
+            ));
+        }
         let keys = KeyService::new(&secrets.master_secret, &secrets.master_salt);
         secrets.master_secret.zeroize();
         secrets.master_salt.zeroize();

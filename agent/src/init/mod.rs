@@ -228,9 +228,13 @@ impl InitServer {
                 credential::OpenError::Tpm => InitError::Tpm,
                 credential::OpenError::Sealed(e) => InitError::Sealed(e),
             })?;
-        let secrets = InitSecrets::decode(opened.as_slice())
+        // Decoded into the guard, so that what a decode that fails partway
+        // filled in is wiped too.
+        let mut secrets = SecretsGuard(InitSecrets::default());
+        secrets
+            .0
+            .merge(opened.as_slice())
             .map_err(|_| InitError::InvalidRequest("sealed secrets do not decode".into()))?;
-        let secrets = SecretsGuard(secrets);
         // Memory-hard: checked off the runtime's workers, one at a time
         // even when the requests that started them are gone.
         let hash = self.inner.node.config.cluster.init_secret_hash.clone();

@@ -170,12 +170,13 @@ impl std::fmt::Debug for JoinTicket {
 pub struct OpenedSecrets(JoinSecrets);
 
 impl OpenedSecrets {
-    /// Decodes the opened payload of a ticket.
+    /// Decodes the opened payload of a ticket into the wrapper, so that
+    /// what a decode that fails partway filled in is wiped too.
     pub fn decode(payload: &[u8]) -> Result<Self, TicketError> {
         use prost::Message as _;
-        JoinSecrets::decode(payload)
-            .map(Self)
-            .map_err(TicketError::Decode)
+        let mut opened = Self(JoinSecrets::default());
+        opened.0.merge(payload).map_err(TicketError::Decode)?;
+        Ok(opened)
     }
 }
 
