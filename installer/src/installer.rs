@@ -119,25 +119,17 @@ pub struct InstalledComponent {
     outcome: Outcome,
 }
 
-/// The measured fields, in their fixed order.
-#[derive(Serialize)]
-struct Record<'a> {
-    url: String,
-    hash: String,
-    install_path: &'a str,
-    extract: bool,
-}
-
-/// A component event's data read back ([`Component::measurement_record`]):
-/// its four fields, each exactly once and nothing else, as the agent
-/// writes them.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+/// A component's measurement record, the data of its PCR 13 event:
+/// written by [`Component::measurement_record`] (compact JSON, the fields in
+/// this order), read back by [`MeasuredComponent::parse`] (these four
+/// fields, each exactly once, nothing else).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MeasuredComponent {
     /// Where it came from (redacted; the hash fixes the bytes).
     pub url: String,
-    /// Its SHA-256, `sha256:<hex>`.
-    pub hash: String,
+    /// Its SHA-256.
+    pub hash: Sha256Digest,
     /// Where it was installed.
     pub install_path: String,
     /// Whether it is an archive extracted there.
@@ -154,7 +146,7 @@ impl MeasuredComponent {
     /// installed at the same path the same way. The URL only says where
     /// they came from.
     pub fn records(&self, component: &Component) -> bool {
-        self.hash == component.hash().to_string()
+        self.hash == component.hash()
             && self.install_path == component.install_path().as_str()
             && self.extract == component.extract()
     }
@@ -188,10 +180,10 @@ impl Component {
     /// [`redact`]ed (no user, password or query): the event log goes to
     /// everyone who attests the node, and the hash fixes the bytes.
     pub fn measurement_record(&self) -> Vec<u8> {
-        let record = Record {
+        let record = MeasuredComponent {
             url: redact(self.url()),
-            hash: self.hash().to_string(),
-            install_path: self.install_path().as_str(),
+            hash: self.hash(),
+            install_path: self.install_path().as_str().to_owned(),
             extract: self.extract(),
         };
         // Serialising strings and a bool cannot fail; fall back to empty

@@ -808,7 +808,7 @@ fn judge(
             Some(m) => {
                 return Some(format!(
                     "PCR 13: component {} at {} is not of an authorised version",
-                    m.hash.escape_debug(),
+                    m.hash,
                     m.install_path.escape_debug()
                 ))
             }
