@@ -57,10 +57,7 @@ fn format_open_check_and_reset() {
 
     cs.mark_for_reset(&dev).unwrap();
     assert!(!cs.is_luks(&dev).unwrap());
-    assert!(matches!(
-        cs.key_matches(&dev, &KEY),
-        Err(DiskError::Failed { .. })
-    ));
+    assert_eq!(refused_field(cs.key_matches(&dev, &KEY)), "magic");
     // A reset disk can be formatted again, with a new UUID.
     cs.format(&dev, &KEY).unwrap();
     assert_ne!(cs.uuid(&dev).unwrap(), uuid);
@@ -373,6 +370,21 @@ fn a_genuine_disk_passes_the_header_check_and_opens() {
     let copy_dir = copy.path().parent().unwrap().to_owned();
     let mode = std::fs::metadata(&copy_dir).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o700);
+    // Byte for byte what cryptsetup's own header backup writes.
+    let backup = dir.path().join("backup");
+    assert!(raw_cryptsetup(
+        &[
+            "luksHeaderBackup",
+            "--header-backup-file",
+            backup.to_str().unwrap(),
+            dev.to_str().unwrap()
+        ],
+        &[]
+    ));
+    assert!(
+        std::fs::read(copy.path()).unwrap() == std::fs::read(&backup).unwrap(),
+        "the copy differs from luksHeaderBackup's"
+    );
     // The copy alone is the header: the key check works on it even after
     // the disk's own header is gone.
     cs.mark_for_reset(&dev).unwrap();
@@ -410,6 +422,68 @@ fn a_genuine_disk_passes_the_header_check_and_opens() {
         }
         Err(e) => panic!("opening a genuine disk: {e:?}"),
     }
+}
+
+/// A header that claims a keyslot area twice the agent's: the agent copies
+/// no more than its own header's 16 MiB (`luksHeaderBackup` would copy all
+/// of it, up to 128 MiB, before the check), and the disk is refused.
+#[test]
+fn a_header_claiming_a_larger_keyslot_area_is_copied_no_further_than_16_mib() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = dir.path().join("large-keyslots.img");
+    std::fs::File::create(&dev)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    assert!(raw_cryptsetup(
+        &[
+            "luksFormat",
+            "--batch-mode",
+            "--type",
+            "luks2",
+            "--luks2-keyslots-size=32M",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file=-",
+            dev.to_str().unwrap()
+        ],
+        &KEY
+    ));
+    // Every file cryptsetup is handed, with its size, as it starts.
+    let sizes = dir.path().join("sizes");
+    let wrapper = dir.path().join("cryptsetup");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh
+printf '%s\n' \"$1\" >> {sizes}
+for a in \"$@\"; do
+               [ -f \"$a\" ] && stat -c '%s %n' \"$a\" >> {sizes}
+done
+exec {real} \"$@\"
+",
+            sizes = sizes.display(),
+            real = real_cryptsetup()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cs = Cryptsetup::new(&wrapper, "wipefs");
+
+    let refused = cs.key_matches(&dev, &KEY);
+    assert!(refused.is_err(), "{refused:?}");
+    let log = std::fs::read_to_string(&sizes).unwrap();
+    assert!(!log.contains("luksHeaderBackup"), "{log}");
+    let copies: Vec<u64> = log
+        .lines()
+        .filter_map(|line| line.split_once(' '))
+        .filter(|(_, path)| Path::new(path) != dev)
+        .map(|(size, _)| size.parse().unwrap())
+        .collect();
+    assert!(!copies.is_empty(), "cryptsetup read a header copy: {log}");
+    assert!(copies.iter().all(|&size| size <= 16 << 20), "{log}");
 }
 
 /// The genuine keyslot kept, the data segment switched to `cipher_null`

@@ -78,11 +78,6 @@ pub enum Operation<'a> {
         /// The checked header copy (`--header`).
         header: &'a Path,
     },
-    /// `luksHeaderBackup`: copies the device's header to `file`.
-    HeaderBackup {
-        /// The copy; must not exist.
-        file: &'a Path,
-    },
     /// `luksDump --dump-json-metadata`: the header's JSON metadata.
     DumpMetadata,
     /// `luksDump`: the header's summary, which names its label.
@@ -110,7 +105,6 @@ impl Operation<'_> {
             Self::Uuid => "luksUUID",
             Self::TestKey { .. } => "open --test-passphrase",
             Self::Open { .. } => "open",
-            Self::HeaderBackup { .. } => "luksHeaderBackup",
             Self::DumpMetadata | Self::Dump => "luksDump",
             Self::Relabel { .. } => "config --label",
             Self::Close { .. } => "close",
@@ -197,11 +191,6 @@ impl Cryptsetup {
                 push("luks2");
                 push("--header");
                 args.push(header.as_os_str().to_owned());
-            }
-            Operation::HeaderBackup { file } => {
-                push("luksHeaderBackup");
-                push("--header-backup-file");
-                args.push(file.as_os_str().to_owned());
             }
             Operation::DumpMetadata => {
                 push("luksDump");
@@ -308,13 +297,12 @@ impl Cryptsetup {
     /// is what the key check and `open` use, so a header changed on the
     /// disk afterwards is never read.
     pub fn detached_header(&self, device: &Path) -> Result<DetachedHeader, DiskError> {
-        let copy = DetachedHeader::new_dir()?;
-        self.run_ok(Operation::HeaderBackup { file: copy.path() }, device, None)?;
+        let (copy, start) = DetachedHeader::copy_of(device)?;
         let refused = |mismatch| DiskError::Header {
             device: device.to_owned(),
             mismatch,
         };
-        header::check_version(&copy.read_start()?).map_err(refused)?;
+        header::check_version(&start).map_err(refused)?;
         let out = self.run_ok(Operation::DumpMetadata, copy.path(), None)?;
         header::check_metadata(&out.stdout).map_err(refused)?;
         Ok(copy)
@@ -520,9 +508,6 @@ mod tests {
             Operation::Open {
                 name: "state",
                 header: Path::new("/tmp/h"),
-            },
-            Operation::HeaderBackup {
-                file: Path::new("/tmp/h"),
             },
             Operation::DumpMetadata,
             Operation::Dump,

@@ -8,10 +8,14 @@
 //! the genuine keyslot and switch the data segment to `cipher_null`
 //! (CVE-2025-59054, CVE-2025-58356): the node would mount and run
 //! attacker-chosen data. So [`Cryptsetup::detached_header`] copies the
-//! header (`luksHeaderBackup`) into a private directory, checks the copy's
-//! binary header ([`check_version`]) and JSON metadata ([`check_metadata`]),
-//! and the key check and `open` then use that copy (`--header`): a header
-//! swapped on the disk after the check is never read.
+//! header into a private directory, checks the copy's binary header
+//! ([`check_version`]) and JSON metadata ([`check_metadata`]), and the key
+//! check and `open` then use that copy (`--header`): a header swapped on
+//! the disk after the check is never read. The agent copies the header
+//! itself, the first [`HEADER_COPY_BYTES`] of the device and no more:
+//! `luksHeaderBackup` would copy as much as the header on the disk claims
+//! (its keyslot area can be up to 128 MiB), into memory and into `/run`,
+//! before anything checked it.
 //!
 //! [`Cryptsetup::args`]: super::Cryptsetup::args
 //! [`Cryptsetup::detached_header`]: super::Cryptsetup::detached_header
@@ -42,6 +46,12 @@ pub const JSON_SIZE: u64 = 12_288;
 /// The keyslot area `luksFormat` makes (16 MiB less both metadata copies):
 /// a larger one only makes the header copy larger.
 pub const MAX_KEYSLOTS_SIZE: u64 = 16_744_448;
+/// The header copy: both metadata copies (a 4 KiB binary header and
+/// [`JSON_SIZE`] each) and the keyslot area, 16 MiB, which is where the
+/// data of every disk the agent formats starts. For such a header the
+/// copy is byte for byte what `luksHeaderBackup` writes; a header whose
+/// areas are larger does not fit in it, and cryptsetup refuses the copy.
+pub const HEADER_COPY_BYTES: u64 = 2 * (4096 + JSON_SIZE) + MAX_KEYSLOTS_SIZE;
 /// PBKDF2 iterations of the volume key's digest: cryptsetup's minimum,
 /// which it uses when `luksFormat` is told its iterations
 /// (`--pbkdf-force-iterations`) instead of benchmarking them.
@@ -338,9 +348,8 @@ impl DetachedHeader {
     /// A fresh private directory under `/run` (a tmpfs that systemd mounts
     /// before any unit, unlike `/tmp`, which the agent does not wait for;
     /// the temporary directory where there is no `/run`), with the path
-    /// the copy is to be written to (which must not exist yet:
-    /// `luksHeaderBackup` refuses to overwrite).
-    pub(super) fn new_dir() -> Result<Self, DiskError> {
+    /// the copy is to be written to.
+    fn new_dir() -> Result<Self, DiskError> {
         let mut random = [0u8; 12];
         rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut random);
         let run = Path::new("/run");
@@ -368,20 +377,47 @@ impl DetachedHeader {
         &self.file
     }
 
-    /// The first bytes of the copy (magic and version), for [`check_version`].
-    pub(super) fn read_start(&self) -> Result<Vec<u8>, DiskError> {
-        let err = |source| DiskError::HeaderCopy {
-            path: self.file.clone(),
-            source,
+    /// Copies the first [`HEADER_COPY_BYTES`] of `device` (fewer if it is
+    /// shorter) into a fresh private directory; returns the copy and its
+    /// first bytes (magic and version), for [`check_version`]. The file is
+    /// created new, readable by root alone.
+    pub(super) fn copy_of(device: &Path) -> Result<(Self, Vec<u8>), DiskError> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let copy = Self::new_dir()?;
+        let err = |path: &Path| {
+            let path = path.to_owned();
+            move |source| DiskError::HeaderCopy { path, source }
         };
-        let mut start = Vec::with_capacity(8);
-        std::fs::File::open(&self.file)
-            .map_err(err)?
-            .take(8)
-            .read_to_end(&mut start)
-            .map_err(err)?;
-        Ok(start)
+        let mut from = std::fs::File::open(device)
+            .map_err(err(device))?
+            .take(HEADER_COPY_BYTES);
+        let mut to = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o400)
+            .open(&copy.file)
+            .map_err(err(&copy.file))?;
+        let mut start = [0u8; 8];
+        let read = read_up_to(&mut from, &mut start).map_err(err(device))?;
+        let start = start.get(..read).unwrap_or_default().to_vec();
+        std::io::Write::write_all(&mut to, &start).map_err(err(&copy.file))?;
+        std::io::copy(&mut from, &mut to).map_err(err(device))?;
+        Ok((copy, start))
     }
+}
+
+/// Reads until `buf` is full or the reader ends; how many bytes it read.
+fn read_up_to(reader: &mut impl std::io::Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut filled = 0;
+    while let Some(rest) = buf.get_mut(filled..).filter(|rest| !rest.is_empty()) {
+        match reader.read(rest) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(filled)
 }
 
 impl Drop for DetachedHeader {
