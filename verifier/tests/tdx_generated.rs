@@ -215,6 +215,50 @@ fn collateral_outside_its_window_is_refused() {
     for at in [now() - 2 * 3600, now() + 31 * 86_400] {
         let err = verify_with(&intel, &quote, &collateral, &policy(), at).unwrap_err();
         assert_eq!(check(&err), "collateral time", "{at}: {err}");
+        assert!(err.rests_on_the_clock(), "{at}: {err}");
+    }
+    let then = tdx::collateral_time(&cached(&intel, &collateral)).unwrap();
+    assert!(then <= now() && then + 2 * 86_400 > now(), "{then}");
+}
+
+/// DCAP stops at a date before it checks the rest: a quote refused for a
+/// date at the verifier's time is judged again at the collateral's, and
+/// any other refusal then is the one reported, never one of the clock.
+#[test]
+fn a_refusal_for_a_date_rests_on_the_clock_only_when_the_rest_passes_at_the_collaterals_time() {
+    let intel = TestIntel::new().unwrap();
+    let collateral = intel.collateral(&CollateralOptions::default()).unwrap();
+    let revoked = intel
+        .collateral(&CollateralOptions {
+            revoke_pck: true,
+            ..CollateralOptions::default()
+        })
+        .unwrap();
+    let debug = intel
+        .quote(&TdFields {
+            td_attributes: TD_ATTRIBUTES | TD_DEBUG,
+            ..fields()
+        })
+        .unwrap();
+    let other_mrtd = intel
+        .quote(&TdFields {
+            mrtd: [0x3e; 48],
+            ..fields()
+        })
+        .unwrap();
+    let genuine = intel.quote(&fields()).unwrap();
+    // Report data flipped: the QE's signature no longer covers the report.
+    let mut other_signature = genuine.clone();
+    other_signature[600] ^= 1;
+    for at in [now() - 2 * 3600, now() + 31 * 86_400] {
+        let err = verify_with(&intel, &debug, &collateral, &policy(), at).unwrap_err();
+        assert_eq!(check(&err), "TD attributes", "{at}: {err}");
+        let err = verify_with(&intel, &other_mrtd, &collateral, &policy(), at).unwrap_err();
+        assert!(matches!(err, TdxError::Mrtd { .. }), "{at}: {err}");
+        let err = verify_with(&intel, &genuine, &revoked, &policy(), at).unwrap_err();
+        assert_eq!(check(&err), "revocation", "{at}: {err}");
+        let err = verify_with(&intel, &other_signature, &collateral, &policy(), at).unwrap_err();
+        assert!(!err.rests_on_the_clock(), "{at}: {err}");
     }
 }
 

@@ -169,7 +169,86 @@ pub fn claimed_report_data(quote: &[u8]) -> Result<Option<[u8; 64]>, TdxError> {
 }
 
 /// Verifies `quote` with `collateral` at `now` against `root` and `policy`.
+///
+/// DCAP stops at its first refusal, and it checks the certificates' dates
+/// before their signatures, and the collateral's before the quote's: a
+/// refusal for a date says nothing of the rest. So a quote refused for a
+/// date alone is verified again at the collateral's own time (its latest
+/// issue date, [`collateral_time`]), the verifier's clock set aside; the
+/// refusal rests on the clock ([`TdxError::rests_on_the_clock`]) only when
+/// every check passes then. Otherwise the refusal of that second
+/// verification is the one returned, one for a date included: a PCK
+/// certificate that was not valid when the collateral was issued is the
+/// quote's, not the clock's.
 pub fn verify(
+    quote: &[u8],
+    collateral: &QuoteCollateralV3,
+    root: &IntelRoot,
+    policy: &TdxPolicy,
+    now: u64,
+) -> Result<TdxClaims, TdxError> {
+    match verify_at(quote, collateral, root, policy, now) {
+        Err(refusal) if refusal.rests_on_the_clock() => {
+            let Some(then) = collateral_time(collateral) else {
+                return Err(not_the_clock(refusal));
+            };
+            match verify_at(quote, collateral, root, policy, then) {
+                Ok(_) => Err(refusal),
+                Err(other) => Err(not_the_clock(other)),
+            }
+        }
+        verified => verified,
+    }
+}
+
+/// `refusal` as one that does not rest on the clock: a date refusal of the
+/// collateral's own time becomes [`OUTSIDE_EVEN_THEN`].
+fn not_the_clock(refusal: TdxError) -> TdxError {
+    match refusal {
+        TdxError::Verification { check, reason } if check == COLLATERAL_TIME => {
+            TdxError::Verification {
+                check: OUTSIDE_EVEN_THEN,
+                reason,
+            }
+        }
+        other => other,
+    }
+}
+
+/// The latest issue date of `collateral` (TCB info, QE identity, the two
+/// CRLs), in seconds since the epoch: the time at which a collateral set
+/// fetched together is valid as a whole. `None` when the TCB info or QE
+/// identity has no issue date that parses.
+pub fn collateral_time(collateral: &QuoteCollateralV3) -> Option<u64> {
+    let issued = |json: &str| -> Option<u64> {
+        #[derive(serde::Deserialize)]
+        struct Dated {
+            #[serde(rename = "issueDate")]
+            issue_date: String,
+        }
+        let dated: Dated = serde_json::from_str(json).ok()?;
+        let at = time::OffsetDateTime::parse(
+            &dated.issue_date,
+            &time::format_description::well_known::Rfc3339,
+        )
+        .ok()?;
+        u64::try_from(at.unix_timestamp()).ok()
+    };
+    let crl = |der: &[u8]| -> Option<u64> {
+        let (_, crl) = x509_parser::parse_x509_crl(der).ok()?;
+        u64::try_from(crl.last_update().timestamp()).ok()
+    };
+    let latest = issued(&collateral.tcb_info)?.max(issued(&collateral.qe_identity)?);
+    Some(
+        [crl(&collateral.pck_crl), crl(&collateral.root_ca_crl)]
+            .into_iter()
+            .flatten()
+            .fold(latest, u64::max),
+    )
+}
+
+/// One verification of `quote` at `now` (see [`verify`]).
+fn verify_at(
     quote: &[u8],
     collateral: &QuoteCollateralV3,
     root: &IntelRoot,
@@ -256,6 +335,9 @@ fn check_pins(td: &TDReport10, policy: &TdxPolicy) -> Result<(), TdxError> {
 
 /// The check of a certificate's, CRL's or collateral's validity period.
 const COLLATERAL_TIME: &str = "collateral time";
+/// A validity period refused at the verification time and again at the
+/// collateral's own time ([`verify`]): not the verifier's clock alone.
+const OUTSIDE_EVEN_THEN: &str = "collateral time, also at the collateral's issue date";
 
 /// Names the check a DCAP verification error comes from (its messages are
 /// text; the full text is kept as the reason).
