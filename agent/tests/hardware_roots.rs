@@ -267,6 +267,15 @@ fn a_refusal_for_the_time_is_reported_only_when_the_rest_holds() {
         "{refused:?}"
     );
     assert!(refused.rests_on_the_clock());
+    // For a caller with checks of its own (continuous attestation), the
+    // refusal comes with what the other checks established: the quoted
+    // PCRs and the replayed log, and no CPU claims.
+    let (verified, untimely) = v
+        .validate_but_for_the_clock(&doc, b"nonce", b"user")
+        .unwrap();
+    assert!(untimely.is_some_and(|e| e.rests_on_the_clock()));
+    assert!(verified.cpu.is_none());
+    assert!(verified.pcrs.contains_key(&12) && !verified.events.is_empty());
 
     // The same chain, and a PCR 4 the validator does not expect.
     let mut entries: BTreeMap<u32, Expected> = [4, 9, 11]
@@ -283,6 +292,9 @@ fn a_refusal_for_the_time_is_reported_only_when_the_rest_holds() {
         "{refused:?}"
     );
     assert!(!refused.rests_on_the_clock());
+    assert!(drifted
+        .validate_but_for_the_clock(&doc, b"nonce", b"user")
+        .is_err());
 
     // Another channel's user data.
     let refused = v.validate(&doc, b"nonce", b"other").unwrap_err();

@@ -349,6 +349,33 @@ impl Validator {
         nonce: &[u8],
         user_data: &[u8],
     ) -> Result<Verified, ValidationError> {
+        let (verified, untimely) = self.validate_but_for_the_clock(document, nonce, user_data)?;
+        match untimely {
+            Some(refusal) => Err(refusal),
+            None => {
+                for w in &verified.warnings {
+                    tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
+                }
+                Ok(verified)
+            }
+        }
+    }
+
+    /// Like [`Validator::validate`], except that a refusal that rests on
+    /// the clock alone ([`ValidationError::rests_on_the_clock`]) comes
+    /// beside what every other check established, for a caller that still
+    /// has checks of its own to run before it may call the refusal one of
+    /// the clock (continuous attestation: the cluster lock, the components,
+    /// the node's identity). The document is refused all the same: a
+    /// [`Verified`] that comes with a refusal is never to be trusted, and
+    /// its CPU claims are missing when the refusal is theirs. Every `Err`
+    /// is a refusal that does not rest on the clock.
+    pub fn validate_but_for_the_clock(
+        &self,
+        document: &[u8],
+        nonce: &[u8],
+        user_data: &[u8],
+    ) -> Result<(Verified, Option<ValidationError>), ValidationError> {
         let _span = tracing::debug_span!("attest.validate").entered();
         if document.len() > MAX_DOCUMENT_BYTES {
             return Err(ValidationError::TooLarge);
@@ -413,13 +440,7 @@ impl Validator {
             Ok((set, warnings)) => (set.digest, warnings),
             Err(refused) => self.signed_image(&doc, &pcrs).unwrap_or(Err(refused))?,
         };
-        if let Some(refusal) = untimely {
-            return Err(refusal);
-        }
-        for w in &warnings {
-            tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
-        }
-        Ok(Verified {
+        let verified = Verified {
             ek,
             ak,
             pcrs,
@@ -427,7 +448,8 @@ impl Validator {
             warnings,
             measurements,
             cpu,
-        })
+        };
+        Ok((verified, untimely))
     }
 }
 

@@ -31,7 +31,7 @@ use keel_proto::evidence::{
 use keel_verifier::config::{EvidenceConfig, EvidencePolicy, NodeIdentity};
 use keel_verifier::measurement::EventType;
 use keel_verifier::tpm_wire::Public;
-use keel_verifier::validator::{Verified, MAX_DOCUMENT_BYTES};
+use keel_verifier::validator::{ValidationError, Verified, MAX_DOCUMENT_BYTES};
 use prost::Message as _;
 use rand::RngCore as _;
 use subtle::ConstantTimeEq as _;
@@ -425,21 +425,25 @@ impl EvidenceService {
         let current = member.measurements;
         let (matched, failure, failure_on_clock) = tokio::task::spawn_blocking(move || {
             let data = user_data(&disk_uuid, &version);
-            match member
-                .validator
-                .validate(&request.document, &request.nonce, &data)
-            {
-                Ok(verified) => (
-                    member.matched(&verified),
-                    judge(&verified, &member.cluster_id, cluster.as_deref())
-                        .or_else(|| identity_failure(identity.as_ref(), &verified)),
-                    false,
-                ),
-                Err(e) => (
-                    member.measurements,
-                    Some(e.to_string()),
-                    e.rests_on_the_clock(),
-                ),
+            // A refusal for a date alone is the node's failure only once
+            // this service's own checks passed too: a wrong cluster lock,
+            // component or identity is a drift of the node's own.
+            match member.validator.validate_but_for_the_clock(
+                &request.document,
+                &request.nonce,
+                &data,
+            ) {
+                Ok((verified, untimely)) => {
+                    let own = judge(&verified, &member.cluster_id, cluster.as_deref())
+                        .or_else(|| identity_failure(identity.as_ref(), &verified));
+                    let matched = match untimely {
+                        Some(_) => member.measurements,
+                        None => member.matched(&verified),
+                    };
+                    let (failure, on_clock) = recorded_failure(own, untimely);
+                    (matched, failure, on_clock)
+                }
+                Err(e) => (member.measurements, Some(e.to_string()), false),
             }
         })
         .await
@@ -785,6 +789,22 @@ fn held_back(standing: &registry::Standing, count: usize, kind: &str) {
     );
 }
 
+/// The failure a member's evidence is recorded with, and whether it rests
+/// on the clock: this service's own checks (`own`: the cluster lock, the
+/// components, the identity) come first, so that a refusal for a date
+/// alone (`untimely`, [`ValidationError::rests_on_the_clock`])
+/// is the record's only when the node failed nothing else.
+fn recorded_failure(
+    own: Option<String>,
+    untimely: Option<ValidationError>,
+) -> (Option<String>, bool) {
+    match (own, untimely) {
+        (Some(failure), _) => (Some(failure), false),
+        (None, Some(refusal)) => (Some(refusal.to_string()), true),
+        (None, None) => (None, false),
+    }
+}
+
 /// What validation does not cover: PCR 15 names exactly this cluster, and
 /// PCR 13 grew only by authorised components. `None` if both hold.
 fn judge(
@@ -936,6 +956,28 @@ impl evidence_service_server::EvidenceService for EvidenceService {
 #[cfg(test)]
 mod tests {
     use super::OncePerMinute;
+
+    /// A node whose evidence fails on a date alone, and also fails this
+    /// service's own checks (a component, the cluster lock), drifted for
+    /// those: a drift that rests on the clock is never left to the
+    /// operator for a node that failed anything else.
+    #[test]
+    fn a_failure_of_the_services_own_checks_is_never_one_of_the_clock() {
+        use super::recorded_failure;
+        use keel_verifier::ek::EkError;
+        use keel_verifier::validator::ValidationError;
+        let untimely = || Some(ValidationError::Endorsement(EkError::Validity));
+        assert!(untimely().is_some_and(|e| e.rests_on_the_clock()));
+        let own = Some("PCR 13: a component no version of the cluster lists".to_owned());
+        assert_eq!(
+            recorded_failure(own.clone(), untimely()),
+            (own.clone(), false)
+        );
+        assert_eq!(recorded_failure(own.clone(), None), (own, false));
+        let (failure, on_clock) = recorded_failure(None, untimely());
+        assert!(on_clock && failure.is_some_and(|f| f.contains("not valid")));
+        assert_eq!(recorded_failure(None, None), (None, false));
+    }
 
     /// A full pace table forgets the EKs whose paces bind nothing (their
     /// nonces expired, their gaps past, nothing in flight) to pace a new
