@@ -931,6 +931,12 @@ impl Registry {
                         evidence.failure_on_clock && renamed.is_none() && held_apart.is_none();
                     let other_drift = record.verdict == Verdict::Drifted && !record.on_clock;
                     if !(on_clock && other_drift) {
+                        // A drift on the clock that becomes one of the
+                        // node's own holds from now: the policy never acts
+                        // on the first, so its time is no hold served.
+                        if record.verdict == Verdict::Drifted && record.on_clock && !on_clock {
+                            record.verdict_at = at;
+                        }
                         record.reason = Some(cut(reason, MAX_REASON));
                         record.on_clock = on_clock;
                     }
@@ -1262,8 +1268,15 @@ impl Registry {
                 // control plane's policy acts on it. One this control plane
                 // holds already keeps its time here: a peer's later time
                 // for it would push back its hold and its stand.
+                // A drift here on the clock that a peer holds for the
+                // node's own reason is new here in what counts.
                 theirs.verdict_at = match self.nodes.get(&key) {
-                    Some(ours) if ours.verdict == theirs.verdict => ours.verdict_at,
+                    Some(ours)
+                        if ours.verdict == theirs.verdict
+                            && (theirs.on_clock || !ours.on_clock) =>
+                    {
+                        ours.verdict_at
+                    }
                     _ => now(),
                 };
                 // Counted from when it was taken here, but never more than
@@ -2788,9 +2801,23 @@ mod tests {
         assert!(r.nodes[&key].on_clock);
         let read = Registry::parse(&r.to_json()).unwrap();
         assert!(read.nodes[&key].on_clock);
-        // A drift for another reason replaces it...
+        // A drift for another reason replaces it, and its hold starts
+        // then: the time on the clock served none.
+        let long_ago = now() - 3600;
+        r.nodes.get_mut(&key).unwrap().verdict_at = long_ago;
         r.record(&evidence(1, Some("PCR 4"))).unwrap();
         assert!(!r.nodes[&key].on_clock);
+        assert!(r.nodes[&key].verdict_at > long_ago);
+        // The same when a peer holds the node's own drift.
+        let mut clocked = Registry::default();
+        clocked.record(&on_clock()).unwrap();
+        clocked.nodes.get_mut(&key).unwrap().verdict_at = long_ago;
+        let mut peer = Registry::default();
+        peer.record(&evidence(1, Some("PCR 4"))).unwrap();
+        peer.nodes.get_mut(&key).unwrap().last_evidence_at = Some(now() + 5);
+        assert_eq!(clocked.merge(peer).taken, 1);
+        assert!(!clocked.nodes[&key].on_clock);
+        assert!(clocked.nodes[&key].verdict_at > long_ago);
         // ...and is not replaced by one on the clock: it keeps its reason.
         r.record(&on_clock()).unwrap();
         assert!(!r.nodes[&key].on_clock);
