@@ -9,7 +9,9 @@
 //! CA (basicConstraints cA=true and the keyCertSign key usage, where the
 //! extensions are present). The signature must be RSA over SHA-256,
 //! SHA-384 or SHA-512, or ECDSA over SHA-256 or SHA-384: a SHA-1
-//! certificate is refused whoever signed it.
+//! certificate is refused whoever signed it. Validity periods, the
+//! certificate's and its CA's, are checked last: a refusal for the time
+//! alone means every other check held.
 //!
 //! A node presents the same certificate in every handshake, so a trust
 //! remembers (bounded) the certificates it accepted, each with the EK it
@@ -280,10 +282,13 @@ impl EkTrust {
     /// taken, or named differently outside the signed part, is refused
     /// before any CA is tried ([`EkError::SignatureAlgorithm`],
     /// [`EkError::AlgorithmMismatch`]). When no CA named as the issuer
-    /// qualifies, the error is the most precise one: a CA that
-    /// signed the certificate but is expired or no CA ([`EkError::CaValidity`],
-    /// [`EkError::NotCa`]), else [`EkError::Signature`], else (no CA of that
-    /// name) [`EkError::UntrustedIssuer`].
+    /// signed it and is a CA, the error is the most precise one: a CA that
+    /// signed it but is no CA ([`EkError::NotCa`]), else
+    /// [`EkError::Signature`], else (no CA of that name)
+    /// [`EkError::UntrustedIssuer`]. A CA that signed it but is not valid
+    /// now ([`EkError::CaValidity`]), like the certificate's own dates
+    /// ([`EkError::Validity`]), is refused only once the certificate's
+    /// profile and key held.
     pub fn verify(&self, cert_der: &[u8], ek: &Public) -> Result<(), EkError> {
         if cert_der.is_empty() {
             return Err(EkError::NoCertificate);
@@ -310,7 +315,9 @@ impl EkTrust {
         let (_, cert) = X509Certificate::from_der(cert_der).map_err(|_| EkError::Parse)?;
         signature_algorithm(&cert)?;
         let mut refusal: Option<EkError> = None;
-        let mut issuer_window = None;
+        // The issuer: the window of a CA valid now, else the refusal of
+        // the first that signed but is not, held back until the rest held.
+        let mut issuer: Option<Result<(i64, i64), EkError>> = None;
         for ca in self
             .anchors
             .iter()
@@ -318,9 +325,13 @@ impl EkTrust {
             .filter(|ca| ca.subject() == cert.issuer())
         {
             match issued_by(&cert, &ca) {
-                Ok(()) => {
-                    issuer_window = Some(window(&ca));
+                Ok(()) if valid_now(&ca) => {
+                    issuer = Some(Ok(window(&ca)));
                     break;
+                }
+                Ok(()) => {
+                    issuer
+                        .get_or_insert_with(|| Err(EkError::CaValidity(ca.subject().to_string())));
                 }
                 Err(e) => {
                     if refusal
@@ -332,7 +343,7 @@ impl EkTrust {
                 }
             }
         }
-        let Some((ca_from, ca_to)) = issuer_window else {
+        let Some(issuer) = issuer else {
             return Err(
                 refusal.unwrap_or_else(|| EkError::UntrustedIssuer(cert.issuer().to_string()))
             );
@@ -349,6 +360,7 @@ impl EkTrust {
         }
         // Last, so that a refusal for the time alone means the rest held
         // ([`EkError::rests_on_the_clock`]).
+        let (ca_from, ca_to) = issuer?;
         if !valid_now(&cert) {
             return Err(EkError::Validity);
         }
@@ -511,14 +523,14 @@ fn window(cert: &X509Certificate<'_>) -> (i64, i64) {
     )
 }
 
-/// Whether `ca` issued `cert` and may: its key verifies the signature, it is
-/// valid now, and it is a CA.
+/// Whether `ca` issued `cert` and may: its key verifies the signature and
+/// it is a CA. Its validity period is the caller's to check, after the
+/// certificate's own checks.
 fn issued_by(cert: &X509Certificate<'_>, ca: &X509Certificate<'_>) -> Result<(), EkError> {
     cert.verify_signature(Some(ca.public_key()))
         .map_err(|_| EkError::Signature)?;
-    let subject = || ca.subject().to_string();
     let not_ca = |reason| EkError::NotCa {
-        subject: subject(),
+        subject: ca.subject().to_string(),
         reason,
     };
     match ca.get_extension_unique(&OID_X509_EXT_BASIC_CONSTRAINTS) {
@@ -533,24 +545,19 @@ fn issued_by(cert: &X509Certificate<'_>, ca: &X509Certificate<'_>) -> Result<(),
         },
     }
     match ca.key_usage() {
-        Err(_) => return Err(not_ca("keyUsage does not parse or appears more than once")),
+        Err(_) => Err(not_ca("keyUsage does not parse or appears more than once")),
         Ok(Some(usage)) if !usage.value.key_cert_sign() => {
-            return Err(not_ca("keyUsage lacks keyCertSign"))
+            Err(not_ca("keyUsage lacks keyCertSign"))
         }
-        Ok(_) => {}
+        Ok(_) => Ok(()),
     }
-    // Last: a refusal for the time alone means the rest held.
-    if !valid_now(ca) {
-        return Err(EkError::CaValidity(subject()));
-    }
-    Ok(())
 }
 
 /// How much an issuer refusal says: a CA whose key signed the certificate
 /// but cannot vouch for it says more than a key that did not sign it.
 fn precision(e: &EkError) -> u8 {
     match e {
-        EkError::CaValidity(_) | EkError::NotCa { .. } => 2,
+        EkError::NotCa { .. } => 2,
         EkError::Signature => 1,
         _ => 0,
     }
@@ -1328,6 +1335,131 @@ mod tests {
             .unwrap_err();
         assert_eq!(stranger, EkError::Signature);
         assert!(!stranger.rests_on_the_clock());
+    }
+
+    /// A CA named `name`, valid now, cA=true and keyCertSign, then
+    /// `shape`d, whose certificate `root` signed.
+    fn intermediate(root: &Ca, name: &str, shape: impl FnOnce(&mut CertificateParams)) -> Ca {
+        let key = KeyPair::generate().unwrap();
+        let params = ca_params(|p| {
+            p.distinguished_name = rcgen::DistinguishedName::new();
+            p.distinguished_name.push(DnType::CommonName, name);
+            shape(p);
+        });
+        let issuer = Issuer::from_params(&root.params, &root.key);
+        let pem = params.signed_by(&key, &issuer).unwrap().pem();
+        Ca { params, key, pem }
+    }
+
+    impl Ca {
+        /// This CA's own certificate, DER.
+        fn der(&self) -> Vec<u8> {
+            x509_parser::pem::parse_x509_pem(self.pem.as_bytes())
+                .unwrap()
+                .1
+                .contents
+        }
+    }
+
+    /// EK certificates are public: a member may present one an expired CA
+    /// issued for another TPM. Refused for the key, as from a valid CA.
+    #[test]
+    fn an_expired_ca_does_not_hide_that_its_certificate_is_for_another_key() {
+        let ek = FakeEk::new(1);
+        let old = ca(expired);
+        let refused = trust(&[&old])
+            .verify(&old.issue(&ek), &FakeEk::new(2).public())
+            .unwrap_err();
+        assert_eq!(refused, EkError::KeyMismatch);
+        assert!(!refused.rests_on_the_clock());
+        // Nor that the certificate could not be an EK's.
+        let tls = old.issue_with(&ek, |p| {
+            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        });
+        let refused = trust(&[&old]).verify(&tls, &ek.public()).unwrap_err();
+        assert!(
+            matches!(refused, EkError::NotEkCertificate(_)),
+            "{refused:?}"
+        );
+        assert!(!refused.rests_on_the_clock());
+        // A CA not yet valid, and one among valid namesakes, the same way.
+        let future = ca(|p| {
+            let now = OffsetDateTime::now_utc();
+            p.not_before = now + Duration::days(1);
+            p.not_after = now + Duration::days(400);
+        });
+        assert_eq!(
+            trust(&[&future]).verify(&future.issue(&ek), &FakeEk::new(2).public()),
+            Err(EkError::KeyMismatch)
+        );
+        let other = ca(|_| {});
+        assert_eq!(
+            trust(&[&other, &old]).verify(&old.issue(&ek), &FakeEk::new(2).public()),
+            Err(EkError::KeyMismatch)
+        );
+    }
+
+    /// A self-signed root verifies with its own key and is a CA: presented
+    /// as an EK certificate, an expired one is refused for being a CA, not
+    /// for its dates.
+    #[test]
+    fn an_expired_root_presented_as_the_ek_certificate_is_refused_for_what_it_is() {
+        let ek = FakeEk::new(1);
+        let old = ca(expired);
+        let other = ca(|_| {});
+        for cas in [&[&old][..], &[&other, &old], &[&old, &other]] {
+            let refused = trust(cas).verify(&old.der(), &ek.public()).unwrap_err();
+            assert_eq!(refused, EkError::NotEkCertificate("it is a CA certificate"));
+            assert!(!refused.rests_on_the_clock());
+        }
+    }
+
+    /// An intermediate issued by an expired root, itself expired: presented
+    /// as an EK certificate it is refused for being a CA, and an EK
+    /// certificate it issued for another TPM for the key.
+    #[test]
+    fn an_expired_intermediate_presented_as_the_ek_certificate_is_refused_for_what_it_is() {
+        let ek = FakeEk::new(1);
+        let root = ca(expired);
+        let middle = intermediate(&root, "vTPM EK intermediate CA", expired);
+        let trust = trust(&[&root, &middle]);
+        let refused = trust.verify(&middle.der(), &ek.public()).unwrap_err();
+        assert_eq!(refused, EkError::NotEkCertificate("it is a CA certificate"));
+        assert!(!refused.rests_on_the_clock());
+        let refused = trust
+            .verify(&middle.issue(&ek), &FakeEk::new(2).public())
+            .unwrap_err();
+        assert_eq!(refused, EkError::KeyMismatch);
+        assert!(!refused.rests_on_the_clock());
+    }
+
+    /// When everything but the CA's dates holds, the refusal is the CA's
+    /// validity, and it rests on the clock.
+    #[test]
+    fn an_expired_ca_of_a_sound_certificate_for_the_key_is_refused_for_the_time() {
+        let ek = FakeEk::new(1);
+        let old = ca(expired);
+        let refused = trust(&[&old])
+            .verify(&old.issue(&ek), &ek.public())
+            .unwrap_err();
+        assert_eq!(refused, EkError::CaValidity(format!("CN={NAME}")));
+        assert!(refused.rests_on_the_clock());
+        // The certificate expired as well: still the time alone.
+        let refused = trust(&[&old])
+            .verify(&old.issue_with(&ek, expired), &ek.public())
+            .unwrap_err();
+        assert!(refused.rests_on_the_clock(), "{refused:?}");
+        // Through an expired intermediate.
+        let root = ca(|_| {});
+        let middle = intermediate(&root, "vTPM EK intermediate CA", expired);
+        let refused = trust(&[&root, &middle])
+            .verify(&middle.issue(&ek), &ek.public())
+            .unwrap_err();
+        assert_eq!(
+            refused,
+            EkError::CaValidity("CN=vTPM EK intermediate CA".to_owned())
+        );
+        assert!(refused.rests_on_the_clock());
     }
 
     #[test]
