@@ -262,6 +262,41 @@ fn a_refusal_for_a_date_rests_on_the_clock_only_when_the_rest_passes_at_the_coll
     }
 }
 
+/// A platform certified after its collateral was fetched: its PCK
+/// certificates start after the collateral's issue date. A control plane
+/// whose clock its host moved past the collateral's next update still
+/// finds a time when both were valid, and the refusal rests on the clock;
+/// where there is none (collateral that ended before the platform was
+/// certified), the refusal is not the clock's.
+#[test]
+fn a_platform_certified_after_its_collateral_was_fetched_is_judged_when_both_were_valid() {
+    use time::{Duration, OffsetDateTime};
+    let intel = TestIntel::new().unwrap();
+    let quote = intel.quote(&fields()).unwrap();
+    let at = OffsetDateTime::now_utc();
+    let earlier = intel
+        .collateral(&CollateralOptions {
+            issued: at - Duration::days(10),
+            next_update: at + Duration::days(20),
+            ..CollateralOptions::default()
+        })
+        .unwrap();
+    let later = u64::try_from((at + Duration::days(25)).unix_timestamp()).unwrap();
+    let err = verify_with(&intel, &quote, &earlier, &policy(), later).unwrap_err();
+    assert_eq!(check(&err), "collateral time", "{err}");
+    assert!(err.rests_on_the_clock(), "{err}");
+
+    let ended = intel
+        .collateral(&CollateralOptions {
+            issued: at - Duration::days(10),
+            next_update: at - Duration::days(5),
+            ..CollateralOptions::default()
+        })
+        .unwrap();
+    let err = verify_with(&intel, &quote, &ended, &policy(), now()).unwrap_err();
+    assert!(!err.rests_on_the_clock(), "{err}");
+}
+
 #[test]
 fn tampered_reports_and_signatures_are_refused() {
     let intel = TestIntel::new().unwrap();

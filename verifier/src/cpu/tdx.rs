@@ -173,13 +173,15 @@ pub fn claimed_report_data(quote: &[u8]) -> Result<Option<[u8; 64]>, TdxError> {
 /// DCAP stops at its first refusal, and it checks the certificates' dates
 /// before their signatures, and the collateral's before the quote's: a
 /// refusal for a date says nothing of the rest. So a quote refused for a
-/// date alone is verified again at the collateral's own time (its latest
-/// issue date, [`collateral_time`]), the verifier's clock set aside; the
+/// date alone is verified again, the verifier's clock set aside, at a time
+/// when the collateral is valid ([`times_apart_from_the_clock`]); the
 /// refusal rests on the clock ([`TdxError::rests_on_the_clock`]) only when
-/// every check passes then. Otherwise the refusal of that second
-/// verification is the one returned, one for a date included: a PCK
-/// certificate that was not valid when the collateral was issued is the
-/// quote's, not the clock's.
+/// every check passes at one of them. The checks other than dates do not
+/// depend on the time, so a pass at any time means they held. Otherwise
+/// the refusal of the last such verification is the one returned, never
+/// one of the clock: a PCK certificate that was not valid at any time the
+/// collateral was is the quote's failure, or the collateral's (a cache
+/// older than the platform's certificate and past its next update).
 pub fn verify(
     quote: &[u8],
     collateral: &QuoteCollateralV3,
@@ -189,15 +191,43 @@ pub fn verify(
 ) -> Result<TdxClaims, TdxError> {
     match verify_at(quote, collateral, root, policy, now) {
         Err(refusal) if refusal.rests_on_the_clock() => {
-            let Some(then) = collateral_time(collateral) else {
-                return Err(not_the_clock(refusal));
-            };
-            match verify_at(quote, collateral, root, policy, then) {
-                Ok(_) => Err(refusal),
-                Err(other) => Err(not_the_clock(other)),
+            let mut last = None;
+            for then in times_apart_from_the_clock(quote, collateral) {
+                match verify_at(quote, collateral, root, policy, then) {
+                    Ok(_) => return Err(refusal),
+                    // Another check failed: that is the refusal.
+                    Err(other) if !other.rests_on_the_clock() => return Err(other),
+                    Err(other) => last = Some(other),
+                }
             }
+            Err(not_the_clock(last.unwrap_or(refusal)))
         }
         verified => verified,
+    }
+}
+
+/// The times [`verify`] judges a quote refused for a date at: the
+/// collateral's own time ([`collateral_time`]), and the latest start of
+/// the quote's PCK certificates where that is later (a platform certified
+/// after the collateral was fetched). Empty when the collateral's time
+/// does not parse.
+fn times_apart_from_the_clock(quote: &[u8], collateral: &QuoteCollateralV3) -> Vec<u64> {
+    let Some(then) = collateral_time(collateral) else {
+        return Vec::new();
+    };
+    let certified = dcap_qvl::quote::Quote::parse(quote)
+        .ok()
+        .and_then(|quote| dcap_qvl::intel::extract_cert_chain(&quote).ok())
+        .into_iter()
+        .flatten()
+        .filter_map(|der| {
+            let (_, cert) = x509_parser::parse_x509_certificate(&der).ok()?;
+            u64::try_from(cert.validity().not_before.timestamp()).ok()
+        })
+        .max();
+    match certified {
+        Some(certified) if certified > then => vec![then, certified],
+        _ => vec![then],
     }
 }
 
