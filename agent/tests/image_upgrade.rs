@@ -732,6 +732,59 @@ async fn a_node_of_a_new_image_accepts_a_join_service_presenting_its_signed_imag
     );
 }
 
+/// Attacker's move: the host boots a join service of the cluster's image
+/// and makes its firmware run a driver of its own (an option ROM, a
+/// `Driver####` variable), which can patch the kernel after it was
+/// measured, and presents a file the operator signed without PCR 2 (before
+/// PCR 2 was predicted, or for a platform that loads drivers by design).
+/// A joining node whose own firmware ran none holds the service to PCR 2
+/// through the signed file too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_image_without_pcr_2_lets_no_service_whose_firmware_ran_a_driver_through() {
+    use sha2::{Digest as _, Sha256};
+    let ca = EkCa::new().unwrap();
+    let ControlPlane {
+        service,
+        port,
+        _dir,
+        ..
+    } = control_plane(&ca).await;
+    let separator: [u8; 32] = Sha256::digest([0u8; 4]).into();
+    let node = member(&ca, port, "w-1", "worker");
+    // Both firmwares ran no driver: PCR 2 holds the separator alone.
+    for tpm in [&service.tpm, &node.tpm] {
+        tpm.lock().unwrap().tpm().pcr_extend(2, &separator).unwrap();
+    }
+    let signing = SigningPrivateKey::generate();
+    let key = signing.public_key();
+    let body = format!(
+        "{}\n",
+        measurements_of(&service.tpm, &[4, 9, 11, 12]).to_json()
+    )
+    .into_bytes();
+    present(&service, &body, &signing.sign(&body));
+    assert!(
+        joins_as_client(&node, &ca, &service, Some(&key))
+            .await
+            .is_some(),
+        "a service of the node's image"
+    );
+
+    service
+        .tpm
+        .lock()
+        .unwrap()
+        .tpm()
+        .pcr_extend(2, &[0xd5; 32])
+        .unwrap();
+    assert!(
+        joins_as_client(&node, &ca, &service, Some(&key))
+            .await
+            .is_none(),
+        "a service whose firmware ran a driver, presenting a file without PCR 2"
+    );
+}
+
 /// Staging again (a corrected build, another candidate) retires the set it
 /// replaces with its signed file, never the current image's: control
 /// planes of the current image keep presenting it to nodes of the new one

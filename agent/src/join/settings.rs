@@ -145,7 +145,10 @@ impl JoinSettings {
 /// [`SHARED_PCRS`] as enforced values, or, with a measurements signing key,
 /// the image measurements signed with it that the service presents and this
 /// node's own config PCR (a join service of the image before or after this
-/// one, during a rollout). Reads the PCRs from `tpm`.
+/// one, during a rollout). Either way a service whose firmware ran a driver
+/// is refused where this node's ran none ([`shared_expectations`]): a
+/// signed file need not name PCR 2 (one signed before it was predicted, or
+/// for a platform that loads drivers by design). Reads the PCRs from `tpm`.
 pub fn service_validator(
     tpm: &SharedTpm,
     ek_trust: EkTrust,
@@ -158,11 +161,17 @@ pub fn service_validator(
         .pcr_read(&SHARED_PCRS)
         .map_err(JoinError::ReadPcrs)?;
     let own_config = own.get(&pcr::CONFIG).copied();
+    let clean = pcr::no_firmware_drivers();
+    let no_drivers = own.get(&pcr::DRIVER_CODE) == Some(&clean);
     let expected = shared_expectations(own).map_err(JoinError::OwnMeasurements)?;
     let validator = Validator::new(expected, ek_trust);
     Ok(match (measurements_key, own_config) {
         (Some(key), Some(config)) => {
-            validator.with_signed_images(key.clone(), &[(pcr::CONFIG, config)])
+            let mut required = vec![(pcr::CONFIG, config)];
+            if no_drivers {
+                required.push((pcr::DRIVER_CODE, clean));
+            }
+            validator.with_signed_images(key.clone(), &required)
         }
         _ => validator,
     })
