@@ -93,17 +93,31 @@ async fn fetch(operator: &Operator, endpoint: &str) -> anyhow::Result<Zeroizing<
     Ok(kubeconfig)
 }
 
+/// What a user of an admin kubeconfig may hold: kubeadm's client
+/// certificate and key, as data. Every other credential field makes
+/// kubectl run a command (`exec`, an `auth-provider`, whose configuration
+/// can name one) or read a file of the operator's (`tokenFile`,
+/// `client-key`) and send what it read to the server the file names.
+const USER_FIELDS: [&str; 2] = ["client-certificate-data", "client-key-data"];
+
 /// Refuses an admin kubeconfig the operator should not keep: empty, larger
-/// than a control plane sends, not a YAML mapping, or with a user whose
-/// credentials kubectl gets by running a command (`exec`, or an
-/// `auth-provider`, whose configuration can name one). kubeadm's admin
-/// kubeconfig carries a client certificate and key; a node compromised
-/// after its attestation could otherwise have the operator's next kubectl
-/// run a program of its choice on the operator's machine.
+/// than a control plane sends, not a YAML mapping, with a YAML merge key
+/// (`<<`, which kubectl applies and this parser does not, so a field could
+/// hide behind it) or tag anywhere, or with a user holding anything but
+/// [`USER_FIELDS`]. kubeadm's admin kubeconfig carries a client
+/// certificate and key; a node compromised after its attestation could
+/// otherwise have the operator's next kubectl run a program of its choice
+/// on the operator's machine, or send it one of the operator's files.
 pub(crate) fn check(endpoint: &str, kubeconfig: &[u8]) -> anyhow::Result<()> {
     check_size(endpoint, kubeconfig)?;
     let parsed: serde_yaml::Value = serde_yaml::from_slice(kubeconfig)
         .map_err(|_| anyhow::anyhow!("{endpoint} sent a kubeconfig that is not YAML"))?;
+    if let Some(what) = beyond_plain_yaml(&parsed) {
+        bail!(
+            "{endpoint} sent a kubeconfig with {what}, which kubectl may read otherwise than \
+             this check: a control plane sends plain YAML; nothing was written"
+        );
+    }
     let serde_yaml::Value::Mapping(top) = parsed else {
         bail!("{endpoint} sent a kubeconfig that is not a YAML mapping");
     };
@@ -113,20 +127,49 @@ pub(crate) fn check(endpoint: &str, kubeconfig: &[u8]) -> anyhow::Result<()> {
         Some(_) => bail!("{endpoint} sent a kubeconfig whose users are not a list"),
     };
     for user in users {
-        let Some(credentials) = user.get("user") else {
-            continue;
+        let credentials = match user.get("user") {
+            None | Some(serde_yaml::Value::Null) => continue,
+            Some(serde_yaml::Value::Mapping(credentials)) => credentials,
+            Some(_) => bail!("{endpoint} sent a kubeconfig with a user that is not a mapping"),
         };
-        for key in ["exec", "auth-provider"] {
-            if credentials.get(key).is_some_and(|v| !v.is_null()) {
+        for (key, value) in credentials {
+            let key = key.as_str().unwrap_or("a field that is not a string");
+            if USER_FIELDS.contains(&key) || value.is_null() {
+                continue;
+            }
+            if ["exec", "auth-provider"].contains(&key) {
                 bail!(
                     "{endpoint} sent a kubeconfig whose user gets its credentials from a \
                      command (`{key}`), which kubectl would run on this machine: a control \
                      plane sends a client certificate; nothing was written"
                 );
             }
+            bail!(
+                "{endpoint} sent a kubeconfig whose user holds `{}`: a control plane sends a \
+                 client certificate and key alone, and kubectl could read a file of this \
+                 machine's or run a command for another field; nothing was written",
+                key.escape_debug()
+            );
         }
     }
     Ok(())
+}
+
+/// The first YAML merge key (`<<`) or tag in `value`, named; `None` if
+/// it has neither.
+fn beyond_plain_yaml(value: &serde_yaml::Value) -> Option<&'static str> {
+    match value {
+        serde_yaml::Value::Mapping(map) => map.iter().find_map(|(key, value)| {
+            if key.as_str() == Some("<<") {
+                Some("a YAML merge key (`<<`)")
+            } else {
+                beyond_plain_yaml(key).or_else(|| beyond_plain_yaml(value))
+            }
+        }),
+        serde_yaml::Value::Sequence(items) => items.iter().find_map(beyond_plain_yaml),
+        serde_yaml::Value::Tagged(_) => Some("a YAML tag"),
+        _ => None,
+    }
 }
 
 /// Refuses an empty kubeconfig, and one larger than a control plane sends.
@@ -216,6 +259,38 @@ mod tests {
         for odd in [&b"- a list\n"[..], b"users: 3\n", b"{unclosed"] {
             assert!(check("cp:9000", odd).is_err());
         }
+    }
+
+    /// The same move behind what this parser reads otherwise than kubectl
+    /// (a merge key, which kubectl applies; a tag), and a user that makes
+    /// kubectl send one of the operator's files as its token: refused.
+    #[test]
+    fn a_kubeconfig_hiding_a_credential_or_reading_a_local_file_is_refused() {
+        for (hostile, said) in [
+            (
+                &b"users:\n- name: a\n  user:\n    <<: {exec: {command: sh, args: [-c, id]}}\n"[..],
+                "merge key",
+            ),
+            (
+                b"users:\n- name: a\n  user: {<<: {client-key-data: AA}, client-certificate-data: AA}\n",
+                "merge key",
+            ),
+            (b"users:\n- name: a\n  user: !cmd {client-key-data: AA}\n", "YAML tag"),
+            (
+                b"users:\n- name: a\n  user:\n    tokenFile: /home/op/.vault-token\n",
+                "`tokenFile`",
+            ),
+            (
+                b"users:\n- name: a\n  user:\n    client-key: /home/op/.ssh/id_ed25519\n",
+                "`client-key`",
+            ),
+            (b"users:\n- name: a\n  user: [exec]\n", "not a mapping"),
+        ] {
+            let e = check("cp:9000", hostile).unwrap_err().to_string();
+            assert!(e.contains(said), "{said}: {e}");
+        }
+        // A user with no credentials, as a stand-in sends before it has any.
+        check("cp:9000", b"users:\n- name: a\n  user:\n").unwrap();
     }
 
     #[test]
