@@ -62,12 +62,14 @@ pub struct MasterSecret {
 
 /// Refuses a workspace that someone else could write into: a directory
 /// (a symbolic link to one is judged by the directory) owned by another
-/// user than this one, writable by everyone, or writable by a group that
-/// is not this user's private one. Whoever can write there can remove the
-/// master secret, replace the admin kubeconfig (with one that runs a
-/// command of theirs when kubectl reads it), or hold the workspace's
-/// locks. A user's private group (named as the user, listing no members),
-/// as under umask 002, is taken.
+/// user than this one, writable by everyone, writable by a group that is
+/// not this user's private one, or whose access ACL lets another user or
+/// such a group write (a default ACL of a shared parent directory, say).
+/// Whoever can write there can remove the master secret, replace the admin
+/// kubeconfig (with one that runs a command of theirs when kubectl reads
+/// it), or hold the workspace's locks. A user's private group (named as
+/// the user, listing no members, no other user's primary group), as under
+/// umask 002, is taken.
 pub fn check_private(workspace: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::MetadataExt as _;
     let meta = std::fs::metadata(workspace)
@@ -102,7 +104,84 @@ pub fn check_private(workspace: &Path) -> anyhow::Result<()> {
             meta.mode() & 0o7777
         );
     }
+    if let Some(writer) = acl_writer(workspace, me)? {
+        bail!(
+            "the workspace {} has an access ACL that lets {writer} write there, who could \
+             remove or replace what keel keeps there: remove the entry (setfacl -x) or use \
+             another directory",
+            workspace.display()
+        );
+    }
     Ok(())
+}
+
+/// The extended attribute of a POSIX access ACL.
+const ACL_XATTR: &str = "system.posix_acl_access";
+/// Largest access ACL read (8 bytes per entry after a 4-byte header).
+const MAX_ACL_BYTES: usize = 8 * 1024;
+
+/// Whom besides this user (`me`) the access ACL of `path` lets write: a
+/// named user, or a named group other than this user's private one, whose
+/// entry grants write within the ACL's mask. `None` where there is no ACL
+/// or the file system keeps none.
+fn acl_writer(path: &Path, me: u32) -> anyhow::Result<Option<String>> {
+    use rustix::io::Errno;
+    let mut acl = vec![0u8; MAX_ACL_BYTES];
+    let len = match rustix::fs::getxattr(path, ACL_XATTR, &mut acl[..]) {
+        Ok(len) => len,
+        Err(Errno::NODATA | Errno::NOTSUP) => return Ok(None),
+        Err(e) => {
+            return Err(std::io::Error::from(e))
+                .with_context(|| format!("reading the ACL of the workspace {}", path.display()))
+        }
+    };
+    let unreadable = || {
+        anyhow::anyhow!(
+            "the workspace {} has an ACL keel cannot read",
+            path.display()
+        )
+    };
+    let (version, entries) = acl
+        .get(..len)
+        .and_then(|a| a.split_first_chunk::<4>())
+        .ok_or_else(unreadable)?;
+    if u32::from_le_bytes(*version) != 2 || entries.len() % 8 != 0 {
+        return Err(unreadable());
+    }
+    // Entries: tag, permissions (u16 each) and an ID (u32), little-endian.
+    let entries: Vec<(u16, u16, u32)> = entries
+        .chunks_exact(8)
+        .map(|e| {
+            let half = |at: usize| {
+                e.get(at..at + 2)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, u16::from_le_bytes)
+            };
+            let id = e
+                .get(4..8)
+                .and_then(|b| b.try_into().ok())
+                .map_or(0, u32::from_le_bytes);
+            (half(0), half(2), id)
+        })
+        .collect();
+    const USER: u16 = 0x02;
+    const GROUP: u16 = 0x08;
+    const MASK: u16 = 0x10;
+    const WRITE: u16 = 0x02;
+    let mask = entries
+        .iter()
+        .find(|(tag, ..)| *tag == MASK)
+        .map_or(0x07, |(_, perm, _)| *perm);
+    Ok(entries.iter().find_map(|&(tag, perm, id)| {
+        let writes = perm & mask & WRITE != 0;
+        match tag {
+            USER if writes && id != me => Some(format!("the user with uid {id}")),
+            GROUP if writes && !is_private_group(id, me) => {
+                Some(format!("the group with gid {id}"))
+            }
+            _ => None,
+        }
+    }))
 }
 
 /// Whether `gid` is the private group of the user `uid`: a group of the
@@ -116,7 +195,23 @@ fn is_private_group(gid: u32, uid: u32) -> bool {
     ) else {
         return false;
     };
-    group.name == user.name && group.mem.iter().all(|member| *member == user.name)
+    group.name == user.name
+        && group.mem.iter().all(|member| *member == user.name)
+        && !std::fs::read_to_string("/etc/passwd").map_or(true, |passwd| {
+            others_of_primary_group(&passwd, gid, &user.name)
+        })
+}
+
+/// Whether a user other than `name` in `passwd` (the text of
+/// `/etc/passwd`) has `gid` as the primary group: such users are members
+/// that the group's own member list does not name.
+fn others_of_primary_group(passwd: &str, gid: u32, name: &str) -> bool {
+    passwd.lines().any(|line| {
+        let mut fields = line.split(':');
+        let user = fields.next().unwrap_or_default();
+        let primary = fields.nth(2).and_then(|g| g.parse::<u32>().ok());
+        user != name && !user.is_empty() && primary == Some(gid)
+    })
 }
 
 impl MasterSecret {
@@ -473,6 +568,73 @@ mod tests {
             let e = format!("{:#}", MasterSecret::load(ws.path()).err().unwrap());
             assert!(e.contains("belongs to another user (uid 65534)"), "{e}");
         }
+    }
+
+    /// Attacker's move, as another user: a workspace made under a shared
+    /// project directory inherits its default ACL, which lets that user
+    /// write, while the mode shows only the owner's private group. The
+    /// ACL is read: a named user or a shared group that may write is
+    /// refused; one that may only read, or whose write the mask takes
+    /// away, is not.
+    #[test]
+    fn a_workspace_whose_acl_lets_another_user_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let ws = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(ws.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let me = nix::unistd::geteuid().as_raw();
+        let entry = |tag: u16, perm: u16, id: u32| {
+            [
+                &tag.to_le_bytes()[..],
+                &perm.to_le_bytes(),
+                &id.to_le_bytes(),
+            ]
+            .concat()
+        };
+        // The kernel takes entries in the order of their tags.
+        let acl = |named: Vec<u8>, mask: u16| {
+            let mut entries = [
+                entry(0x01, 7, u32::MAX),
+                named,
+                entry(0x04, 5, u32::MAX),
+                entry(0x10, mask, u32::MAX),
+                entry(0x20, 0, u32::MAX),
+            ];
+            entries.sort_by_key(|e| u16::from_le_bytes([e[0], e[1]]));
+            [2u32.to_le_bytes().to_vec(), entries.concat()].concat()
+        };
+        let set = |value: &[u8]| {
+            rustix::fs::setxattr(ws.path(), ACL_XATTR, value, rustix::fs::XattrFlags::empty())
+                .unwrap()
+        };
+        set(&acl(entry(0x02, 7, 65534), 7));
+        let e = format!("{:#}", check_private(ws.path()).unwrap_err());
+        assert!(
+            e.contains("ACL that lets the user with uid 65534 write"),
+            "{e}"
+        );
+        set(&acl(entry(0x08, 7, 65534), 7));
+        let e = format!("{:#}", check_private(ws.path()).unwrap_err());
+        assert!(
+            e.contains("ACL that lets the group with gid 65534 write"),
+            "{e}"
+        );
+        set(&acl(entry(0x02, 5, 65534), 7));
+        assert!(acl_writer(ws.path(), me).unwrap().is_none());
+        set(&acl(entry(0x02, 7, 65534), 5));
+        assert!(acl_writer(ws.path(), me).unwrap().is_none());
+        set(&acl(entry(0x02, 7, me), 7));
+        assert!(acl_writer(ws.path(), me).unwrap().is_none());
+    }
+
+    /// A group named as the user, listing no one, is still shared when it
+    /// is another user's primary group.
+    #[test]
+    fn a_group_that_is_another_users_primary_group_is_shared() {
+        let passwd = "root:x:0:0:root:/root:/bin/bash\nop:x:1000:1000::/home/op:/bin/sh\n\
+                      bob:x:1001:1000::/home/bob:/bin/sh\n";
+        assert!(others_of_primary_group(passwd, 1000, "op"));
+        assert!(!others_of_primary_group(passwd, 0, "root"));
+        assert!(!others_of_primary_group(passwd, 1001, "bob"));
     }
 
     /// Two runs that change the image record at once (a push and an
