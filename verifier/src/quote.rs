@@ -91,6 +91,12 @@ pub fn check_ak(ak: &Public) -> Result<(), QuoteError> {
     if ak.attributes & attr::ADMIN_WITH_POLICY != 0 {
         return Err(QuoteError::AkAttributes("admin role by policy"));
     }
+    // A restricted signing key has no symmetric algorithm (a TPM refuses
+    // one), and a parser reads its fields by the algorithm: none is one
+    // reading of the public area for every reader.
+    if ak.symmetric.is_some() {
+        return Err(QuoteError::AkAttributes("has a symmetric algorithm"));
+    }
     match &ak.key {
         PublicKey::Ecc {
             scheme: Some((alg::ECDSA, alg::SHA256)),
@@ -278,6 +284,14 @@ mod tests {
         assert_eq!(
             verify_quote(&by_policy, &attest, &signature, &qualifying, &pcrs),
             Err(QuoteError::AkAttributes("admin role by policy"))
+        );
+        // A symmetric algorithm (XOR, whose mode a TPM does not read)
+        // would let two parsers read different public areas.
+        let mut symmetric = ak.clone();
+        symmetric.symmetric = Some((0x000a, 128, alg::CFB));
+        assert_eq!(
+            verify_quote(&symmetric, &attest, &signature, &qualifying, &pcrs),
+            Err(QuoteError::AkAttributes("has a symmetric algorithm"))
         );
         for scheme in [
             None,
