@@ -382,26 +382,44 @@ impl DetachedHeader {
     /// first bytes (magic and version), for [`check_version`]. The file is
     /// created new, readable by root alone.
     pub(super) fn copy_of(device: &Path) -> Result<(Self, Vec<u8>), DiskError> {
+        use std::io::Write as _;
         use std::os::unix::fs::OpenOptionsExt as _;
         let copy = Self::new_dir()?;
         let err = |path: &Path| {
             let path = path.to_owned();
             move |source| DiskError::HeaderCopy { path, source }
         };
-        let mut from = std::fs::File::open(device)
-            .map_err(err(device))?
-            .take(HEADER_COPY_BYTES);
+        let device_file = std::fs::File::open(device).map_err(err(device))?;
+        // cryptsetup writes headers past the page cache (O_DIRECT): what a
+        // reader cached of the device before is dropped, so the copy is
+        // what the device holds.
+        if let Err(error) = rustix::fs::fadvise(
+            &device_file,
+            0,
+            std::num::NonZeroU64::new(HEADER_COPY_BYTES),
+            rustix::fs::Advice::DontNeed,
+        ) {
+            tracing::debug!(device = %device.display(), %error, "dropping cached pages before the header copy");
+        }
+        let mut from = device_file.take(HEADER_COPY_BYTES);
         let mut to = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o400)
             .open(&copy.file)
             .map_err(err(&copy.file))?;
-        let mut start = [0u8; 8];
-        let read = read_up_to(&mut from, &mut start).map_err(err(device))?;
-        let start = start.get(..read).unwrap_or_default().to_vec();
-        std::io::Write::write_all(&mut to, &start).map_err(err(&copy.file))?;
-        std::io::copy(&mut from, &mut to).map_err(err(device))?;
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut start = Vec::with_capacity(8);
+        loop {
+            let read = read_up_to(&mut from, &mut buf).map_err(err(device))?;
+            let Some(chunk) = buf.get(..read).filter(|c| !c.is_empty()) else {
+                break;
+            };
+            if start.is_empty() {
+                start.extend_from_slice(chunk.get(..8).unwrap_or(chunk));
+            }
+            to.write_all(chunk).map_err(err(&copy.file))?;
+        }
         Ok((copy, start))
     }
 }
