@@ -868,7 +868,7 @@ pub fn read_admin_kubeconfig(root: &Path) -> Result<Zeroizing<Vec<u8>>, Operator
 
 /// The EK `selector` names as an EK digest prints itself (`sha256:` and
 /// 64 lower-case hex digits), if it is one.
-fn whole_ek(selector: &str) -> Option<EkDigest> {
+pub(crate) fn whole_ek(selector: &str) -> Option<EkDigest> {
     selector
         .strip_prefix("sha256:")
         .and_then(EkDigest::from_hex)

@@ -27,6 +27,7 @@
 //! the same time: whichever takes the lock first wins, the other stops.
 
 use std::net::IpAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use keel_atls::Source;
@@ -171,6 +172,8 @@ struct Accepted {
     cluster_id: ClusterId,
     disk_key: Zeroizing<Vec<u8>>,
     own_ek: EkDigest,
+    /// The EKs the operator's workspace revoked.
+    revoked: Vec<EkDigest>,
 }
 
 impl RecoveryServer {
@@ -336,6 +339,9 @@ impl RecoveryServer {
                 components: None,
             })
             .await?;
+            // What the operator revoked while this control plane was down
+            // holds here before it serves anyone.
+            record_revocations(inner.node.env.root().to_owned(), accepted.revoked).await?;
             // A control plane revoked before every control plane went down
             // stays revoked: its own registry, now readable, says so.
             p.refuse_revoked_or_renamed(&accepted.own_ek, &inner.node.config.node)
@@ -393,6 +399,19 @@ impl RecoveryServer {
             }
         })?;
         let (disk, uuid) = inspected.ok_or(RecoveryError::NoInitialisedDisk)?;
+        if request.revoked_eks.len() > crate::registry::MAX_REVOCATIONS {
+            return Err(RecoveryError::InvalidRequest(
+                "more revoked EKs than a revocation list holds",
+            ));
+        }
+        let revoked = request
+            .revoked_eks
+            .iter()
+            .map(|ek| crate::operator::whole_ek(ek))
+            .collect::<Option<Vec<_>>>()
+            .ok_or(RecoveryError::InvalidRequest(
+                "a revoked EK is not sha256: and 64 lower-case hex digits",
+            ))?;
         let sealed = request
             .secrets
             .ok_or(RecoveryError::InvalidRequest("sealed secrets missing"))?;
@@ -442,6 +461,7 @@ impl RecoveryServer {
             cluster_id,
             disk_key,
             own_ek,
+            revoked,
         })
     }
 }
@@ -478,4 +498,35 @@ impl RecoveryService for RecoveryServer {
             }
         }
     }
+}
+
+/// Puts the EKs the operator's workspace revoked (`keel recover` sends
+/// them) on the revocation list of the registry under `root`: a node this
+/// registry knows under its name, any other by its EK alone. One revoked
+/// already stays as it is.
+async fn record_revocations(root: PathBuf, revoked: Vec<EkDigest>) -> Result<(), ProvisionError> {
+    if revoked.is_empty() {
+        return Ok(());
+    }
+    tokio::task::spawn_blocking(move || {
+        let store = crate::registry::RegistryStore::shared(&root)?;
+        store.update(|r| {
+            for ek in &revoked {
+                let reason = "revoked by the operator (carried by keel recover)";
+                match r.find(&ek.to_string()).cloned() {
+                    Ok(record) => r.revoke(&record, None, reason)?,
+                    Err(_) => r.revoke_ek(ek, reason)?,
+                };
+            }
+            Ok(())
+        })?;
+        tracing::warn!(
+            eks = revoked.len(),
+            "the operator's revocations recorded before serving"
+        );
+        Ok(())
+    })
+    .await
+    .map_err(ProvisionError::Blocking)?
+    .map_err(ProvisionError::Registry)
 }

@@ -57,6 +57,7 @@ fn recover_request(
     RecoverRequest {
         secrets: Some(node.sealed(&payload)),
         measurement_salt: measurement_salt.to_vec(),
+        revoked_eks: Vec::new(),
     }
 }
 
@@ -301,6 +302,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let garbage = RecoverRequest {
         secrets: Some(cp1.sealed(&[0xff; 40])),
         measurement_salt: cp0.state.measurement_salt.to_vec(),
+        revoked_eks: Vec::new(),
     };
     match recovery.recover(garbage, Some(prober)).await {
         Err(e @ RecoveryError::InvalidRequest(_)) => {
@@ -320,6 +322,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let garbage = RecoverRequest {
         secrets: Some(cp1.sealed(&[0xff; 40])),
         measurement_salt: cp0.state.measurement_salt.to_vec(),
+        revoked_eks: Vec::new(),
     };
     let dropped = tokio::time::timeout(
         Duration::from_millis(1),
@@ -345,6 +348,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         let junk = RecoverRequest {
             secrets: Some(cp1.sealed(&[0xff; 40])),
             measurement_salt: cp0.state.measurement_salt.to_vec(),
+            revoked_eks: Vec::new(),
         };
         recovery.recover(junk, Some(from))
     });
@@ -365,6 +369,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         let junk = RecoverRequest {
             secrets: Some(cp1.sealed(&[0xff; 40])),
             measurement_salt: cp0.state.measurement_salt.to_vec(),
+            revoked_eks: Vec::new(),
         };
         recovery.recover(junk, Some(from))
     });
@@ -458,6 +463,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         let junk = RecoverRequest {
             secrets: Some(cp1.sealed(&[0xff; 40])),
             measurement_salt: cp0.state.measurement_salt.to_vec(),
+            revoked_eks: Vec::new(),
         };
         match recovery.recover(junk, Some(from)).await {
             Err(RecoveryError::DiskDamaged) => {}
@@ -481,11 +487,31 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     assert!(std::fs::read(&cp1.disk).unwrap() == foreign, "disk changed");
     std::fs::write(&cp1.disk, &backup).unwrap();
 
+    // A revoked EK that is no EK digest as the workspace writes them:
+    // refused before anything changes.
+    let mut odd = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    odd.revoked_eks = vec![format!("sha256:{}", "AB".repeat(32))];
+    match recovery.recover(odd, None).await {
+        Err(RecoveryError::InvalidRequest(why)) => assert!(why.contains("revoked EK"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(!cp1.lock.is_locked());
+
     // The right master secret: the node locks to the cluster ID stored on
-    // its disk and serves joins.
-    let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    // its disk and serves joins. The operator revoked a node while cp-1
+    // was down (through cp-0, now gone too): the workspace's record comes
+    // with the request, and cp-1's revocation list holds it before it
+    // serves, so that node gets no ticket or disk key from it.
+    let missed = keel_agent::disk_bindings::EkDigest::from_hex(&"ab".repeat(32)).unwrap();
+    let mut right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
+    right.revoked_eks = vec![missed.to_string()];
     let id = recovery.recover(right, None).await.unwrap();
     assert_eq!(id, cluster_id);
+    let registry = keel_agent::registry::RegistryStore::shared(&cp1.root).unwrap();
+    assert!(
+        registry.revocation(&missed).is_some(),
+        "the workspace's revocation is not on the recovered control plane's list"
+    );
     assert_eq!(cp1.pcr15(), join_common::pcr15(&cp0.tpm));
     let state = slot
         .borrow()

@@ -4,8 +4,9 @@
 //! The node is validated like for init (EK chain, quote, measurements) and
 //! must be outside any cluster (PCR 15 zero); only then is the master
 //! secret from the workspace sealed to that node's TPM and sent, unless the
-//! workspace revoked the node's EK (`keel revoke`). The node
-//! checks that the secret opens its state disk before it changes anything.
+//! workspace revoked the node's EK (`keel revoke`). The workspace's
+//! revoked EKs go with it, for the node's revocation list. The node checks
+//! that the secret opens its state disk before it changes anything.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -89,13 +90,11 @@ pub async fn run(
         .attested
         .context("the node presented no attestation")?;
     let verified = attested.claims();
+    let revoked = crate::workspace::RevokedRecord::load(workspace).context("nothing was sent")?;
     settings
         .check_node_attestation(verified)
         .and_then(|()| crate::init::check_control_plane(verified))
-        .and_then(|()| {
-            crate::workspace::RevokedRecord::load(workspace)?
-                .refuse(&keel_verifier::ek::EkDigest::of_public(&verified.ek))
-        })
+        .and_then(|()| revoked.refuse(&keel_verifier::ek::EkDigest::of_public(&verified.ek)))
         .context("nothing was sent")?;
     let sealed = credential::seal(&verified.ek, &verified.ak.name, &payload)
         .context("sealing the master secret to the node's TPM")?;
@@ -106,9 +105,13 @@ pub async fn run(
     // covers its body too.
     let mut client = RecoveryServiceClient::new(bound.channel)
         .max_decoding_message_size(keel_proto::MAX_RECOVER_RESPONSE_BYTES);
+    // Every node the workspace revoked stays revoked at the node, which
+    // may have been down when the revocation was made and be the only
+    // control plane left.
     let call = client.recover(RecoverRequest {
         secrets: Some(sealed),
         measurement_salt: secret.measurement_salt,
+        revoked_eks: revoked.eks.into_iter().collect(),
     });
     let response = crate::operator::answer_within(&endpoint, RECOVER_TIMEOUT, call)
         .await
