@@ -20,6 +20,10 @@ const SECTOR: u64 = 512;
 /// `mkosi/mkosi.repart`): the superblock, which the host can write, does
 /// not get to choose another layout for the tree the root hash pins.
 const BLOCK_SIZE: u32 = 4096;
+/// The hash format of the image's verity root (1, systemd-repart's: each
+/// block hashed after the salt); the superblock does not get to choose
+/// format 0, which hashes the salt after the block.
+const HASH_TYPE: u32 = 1;
 
 /// The value of the single `roothash=` on the kernel command line: 64 hex
 /// digits, returned in lower case. None, two, or a malformed one is an
@@ -55,9 +59,9 @@ pub struct Superblock {
 }
 
 impl Superblock {
-    /// Parses the superblock: version 1, SHA-256, the image's block sizes
-    /// ([`BLOCK_SIZE`] for data and hash blocks), a salt of at most 256
-    /// bytes.
+    /// Parses the superblock: version 1, the image's hash format
+    /// ([`HASH_TYPE`]), SHA-256, the image's block sizes ([`BLOCK_SIZE`]
+    /// for data and hash blocks), a salt of at most 256 bytes.
     pub fn parse(block: &[u8; SUPERBLOCK_LEN]) -> Result<Self, Error> {
         let u16_at = |at: usize| u16::from_le_bytes([block[at], block[at + 1]]);
         let u32_at = |at: usize| {
@@ -74,10 +78,13 @@ impl Superblock {
                 "verity superblock version {version}, expected 1"
             )));
         }
+        // The image's format (systemd-repart writes 1: the salt before each
+        // block). Format 0 puts it after: with the salt the host chooses, a
+        // tree of the other format can end in the pinned root hash.
         let hash_type = u32_at(12);
-        if hash_type > 1 {
+        if hash_type != HASH_TYPE {
             return Err(Error::new(format!(
-                "verity hash type {hash_type} is unknown"
+                "verity hash type {hash_type}, the image's is {HASH_TYPE}"
             )));
         }
         let algorithm = &block[32..64];
@@ -229,10 +236,12 @@ mod tests {
     #[test]
     fn a_superblock_the_kernel_would_not_take_is_refused() {
         type Change = fn(&mut [u8; SUPERBLOCK_LEN]);
-        let cases: [(Change, &str); 10] = [
+        let cases: [(Change, &str); 11] = [
             (|b| b[0] = b'V', "no verity superblock"),
             (|b| b[8] = 2, "version 2"),
             (|b| b[12] = 7, "hash type 7"),
+            // The kernel's other format: the salt after each block.
+            (|b| b[12] = 0, "hash type 0, the image's is 1"),
             (
                 |b| b[32..38].copy_from_slice(b"sha1\0\0"),
                 "\"sha1\", expected sha256",
