@@ -99,6 +99,34 @@ pub enum PredictError {
     /// The predicted values do not make a measurements file verifiers accept.
     #[error("build the measurements file")]
     Measurements(#[source] MeasurementsError),
+    /// The UKI's stub is not the one the prediction models.
+    #[error("the UKI's stub is {0:?}, not {STUB_MAGIC:?}: the prediction models systemd-stub 254 alone (later stubs act on sections and load options it does not know)")]
+    OtherStub(String),
+}
+
+/// The start of the `.sdmagic` section of the stub the prediction models,
+/// before its package version (`254.26-1~bpo12+1`, say).
+pub const STUB_MAGIC: &str = "#### LoaderInfo: systemd-stub 254";
+
+/// Refuses a UKI whose stub (its `.sdmagic`) is not systemd-stub 254: a
+/// later one acts on sections and load options this model does not know
+/// (`.profile`, `.dtbauto`, `.hwids`, `.efifw`), and an earlier one
+/// measures otherwise.
+pub fn check_stub(uki: &Uki<'_>) -> Result<(), PredictError> {
+    let magic = uki
+        .section(".sdmagic")?
+        .ok_or(PredictError::MissingSection(".sdmagic"))?;
+    let text = magic.split(|&b| b == 0).next().unwrap_or_default();
+    let modelled = text
+        .strip_prefix(STUB_MAGIC.as_bytes())
+        .is_some_and(|rest| matches!(rest.first(), Some(b'.' | b' ')));
+    if modelled {
+        Ok(())
+    } else {
+        Err(PredictError::OtherStub(
+            String::from_utf8_lossy(text).chars().take(64).collect(),
+        ))
+    }
 }
 
 /// A UKI file and the section contents the stubs see.
@@ -348,6 +376,7 @@ pub fn measurements(
     config: &NodeConfig,
     drivers: FirmwareDrivers,
 ) -> Result<Measurements, PredictError> {
+    check_stub(uki)?;
     check_cmdline(&uki.cmdline()?)?;
     let driver_code = (drivers == FirmwareDrivers::None)
         .then(|| (PCR_DRIVER_CODE, Expected::enforced(replay(&pcr2()))));
@@ -530,6 +559,45 @@ mod tests {
         }
     }
 
+    /// A UKI of another stub, or of none that says which, is refused:
+    /// the prediction models systemd-stub 254 alone.
+    #[test]
+    fn a_uki_of_another_stub_is_refused() {
+        let config = NodeConfig::parse(
+            br#"{"node": {"name": "a"}}"#,
+            std::path::Path::new("node-config.json"),
+        )
+        .unwrap();
+        let with_magic = |magic: Option<&[u8]>| {
+            let mut sections = vec![
+                SectionSpec::new(".linux", b"kernel", 0x200),
+                SectionSpec::new(".cmdline", SAFE_CMDLINE.as_bytes(), 0x400),
+                SectionSpec::new(".initrd", b"initrd", 0x600),
+            ];
+            sections.extend(magic.map(|m| SectionSpec::new(".sdmagic", m, 0x800)));
+            testpe::build(&sections, b"", b"", 0)
+        };
+        for (magic, why) in [
+            (
+                Some(&b"#### LoaderInfo: systemd-stub 257.9-1 ####\0"[..]),
+                "systemd-stub 257",
+            ),
+            (Some(b"#### LoaderInfo: systemd-stub 2540 ####\0"), "2540"),
+            (
+                Some(b"#### LoaderInfo: systemd-boot 254.26 ####\0"),
+                "systemd-boot",
+            ),
+            (None, ".sdmagic"),
+        ] {
+            let bytes = with_magic(magic);
+            let uki = Uki::parse(&bytes).unwrap();
+            let refused = measurements(&uki, &config, FirmwareDrivers::None).unwrap_err();
+            assert!(refused.to_string().contains(why), "{why}: {refused}");
+        }
+        let bytes = with_magic(Some(testpe::STUB_254_MAGIC));
+        check_stub(&Uki::parse(&bytes).unwrap()).unwrap();
+    }
+
     #[test]
     fn mangling_replaces_controls_and_trims_the_end() {
         assert_eq!(mangle_cmdline("a\nb c \n"), "a b c");
@@ -566,6 +634,7 @@ mod tests {
                 SectionSpec::new(".linux", &kernel, 0x200),
                 SectionSpec::new(".cmdline", SAFE_CMDLINE.as_bytes(), 0x600),
                 SectionSpec::new(".initrd", b"initrd", 0x800),
+                SectionSpec::new(".sdmagic", testpe::STUB_254_MAGIC, 0xa00),
             ],
             b"",
             b"",

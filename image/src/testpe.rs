@@ -92,7 +92,12 @@ fn put32(b: &mut [u8], at: usize, v: u32) {
     b[at..at + 4].copy_from_slice(&v.to_le_bytes());
 }
 
-/// A UKI with a kernel, a command line ([`SAFE_CMDLINE`]) and an initrd.
+/// The `.sdmagic` of the stub the image carries (bookworm-backports'
+/// systemd-stub 254).
+pub const STUB_254_MAGIC: &[u8] = b"#### LoaderInfo: systemd-stub 254.26-1~bpo12+1 ####\0";
+
+/// A UKI with a kernel, a command line ([`SAFE_CMDLINE`]), an initrd and
+/// systemd-stub 254's `.sdmagic`.
 pub fn synthetic_uki() -> Vec<u8> {
     let kernel = build(
         &[SectionSpec::new(".text", b"kernel code", 0x200)],
@@ -105,6 +110,7 @@ pub fn synthetic_uki() -> Vec<u8> {
             SectionSpec::new(".linux", &kernel, 0x200),
             SectionSpec::new(".cmdline", SAFE_CMDLINE.as_bytes(), 0x600),
             SectionSpec::new(".initrd", b"initrd", 0x800),
+            SectionSpec::new(".sdmagic", STUB_254_MAGIC, 0xa00),
         ],
         b"",
         b"",
