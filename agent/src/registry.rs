@@ -39,6 +39,14 @@ use crate::paths;
 pub const MAX_NODES: usize = 10_000;
 /// Most revocations a registry holds.
 pub const MAX_REVOCATIONS: usize = 10_000;
+/// Of [`MAX_REVOCATIONS`], the room merges never take: a control plane
+/// compromised after its attestation could otherwise fill every peer's
+/// list with junk first, and then never be revoked itself, by the operator
+/// or the policy (a revocation that does not fit is refused).
+pub const RESERVED_REVOCATIONS: usize = 1_000;
+/// How many revocations merges fill the list to; past it no ticket is
+/// issued, as a peer's revocation may have been dropped.
+const MERGED_REVOCATIONS: usize = MAX_REVOCATIONS - RESERVED_REVOCATIONS;
 /// Largest registry file read, or accepted from another control plane.
 pub use keel_proto::MAX_REGISTRY_BYTES;
 /// Largest journal read: its records are node records and revocations,
@@ -126,7 +134,11 @@ pub struct NodeRecord {
     /// the new name by a control plane that did not know it. Held here
     /// too, so that no other node gets them; the node stays drifted.
     /// Absent when empty, so registries without a conflict read as before.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "at_most_other_names"
+    )]
     pub other_names: Vec<String>,
     /// Its drift rests on the clock of the control plane that judged it
     /// alone: its last evidence held but for a validity period (a
@@ -177,9 +189,13 @@ impl NodeRecord {
     /// Whether its drift still stands at `at` (Unix seconds): it drifted
     /// less than `stands` ago, so trusted evidence does not clear it, here
     /// or from a peer ([`Registry::record_holding_drift`],
-    /// [`Registry::merge_holding_drift`]).
+    /// [`Registry::merge_holding_drift`]). A drift that rests on the clock
+    /// never stands: it says nothing of what the node ran, and trusted
+    /// evidence clears it at once.
     fn drift_stands(&self, at: u64, stands: Duration) -> bool {
-        self.verdict == Verdict::Drifted && at.saturating_sub(self.verdict_at) < stands.as_secs()
+        self.verdict == Verdict::Drifted
+            && !self.on_clock
+            && at.saturating_sub(self.verdict_at) < stands.as_secs()
     }
 
     /// Its text fields cut to their bounds ([`cut`]).
@@ -233,6 +249,37 @@ impl NodeRecord {
             )
         })
     }
+}
+
+/// [`NodeRecord::other_names`] as read: at most [`MAX_OTHER_NAMES`], so a
+/// peer's document cannot make a list of millions of empty names (24 bytes
+/// each in memory for 3 in the document), kept at its capacity.
+fn at_most_other_names<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Vec<String>, D::Error> {
+    struct Names;
+    impl<'de> serde::de::Visitor<'de> for Names {
+        type Value = Vec<String>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "at most {MAX_OTHER_NAMES} names")
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut names = Vec::with_capacity(MAX_OTHER_NAMES);
+            while let Some(name) = seq.next_element::<String>()? {
+                if names.len() == MAX_OTHER_NAMES {
+                    return Err(serde::de::Error::invalid_length(MAX_OTHER_NAMES + 1, &self));
+                }
+                names.push(name);
+            }
+            Ok(names)
+        }
+    }
+    deserializer.deserialize_seq(Names)
 }
 
 /// One entry of the revocation list.
@@ -351,11 +398,15 @@ pub enum RegistryError {
     /// The registry holds as many entries as it may.
     #[error("the node registry is full")]
     Full,
-    /// The revocation list holds [`MAX_REVOCATIONS`]: a revocation made or
-    /// merged from now on may be lost, so no ticket is issued.
+    /// The revocation list holds as many revocations as merges take
+    /// ([`MAX_REVOCATIONS`] less [`RESERVED_REVOCATIONS`], which only this
+    /// control plane's own revocations use), or [`MAX_REVOCATIONS`]: a
+    /// revocation merged, or made, from now on may be lost, so no ticket is
+    /// issued.
     #[error(
-        "the revocation list is full ({MAX_REVOCATIONS} revocations{}): this control plane \
+        "the revocation list is full ({} revocations{}): this control plane \
          issues no tickets",
+        MAX_REVOCATIONS - RESERVED_REVOCATIONS,
         not_recorded(*.dropped)
     )]
     RevocationsFull {
@@ -741,7 +792,9 @@ impl Registry {
         if let Some(revocation) = self.revocation(ek) {
             return Err(RegistryError::Revoked(Box::new(revocation.clone())));
         }
-        if self.revoked.len() >= MAX_REVOCATIONS {
+        // Past the room merges take, a peer's revocation may have been
+        // dropped: no ticket then.
+        if self.revoked.len() >= MERGED_REVOCATIONS {
             return Err(RegistryError::RevocationsFull { dropped: 0 });
         }
         self.check_identity(ek, name, role)?;
@@ -1046,6 +1099,10 @@ impl Registry {
             standing.unrevoked += 1;
             match r.verdict {
                 _ if r.ek == own => {}
+                // A drift that rests on the clock is no failure the policy
+                // acts on, and one control plane's clock or collateral must
+                // not hold back every other drift's revocation.
+                Verdict::Drifted if r.on_clock => {}
                 Verdict::Drifted => standing.drifted += 1,
                 Verdict::Silent => standing.silent += 1,
                 _ => {}
@@ -1204,7 +1261,7 @@ impl Registry {
             if covered.covers(&revocation) {
                 continue;
             }
-            if self.revoked.len() >= MAX_REVOCATIONS {
+            if self.revoked.len() >= MERGED_REVOCATIONS {
                 merged.dropped += 1;
                 continue;
             }
@@ -1466,7 +1523,7 @@ pub struct Merged {
 pub struct Standing {
     /// Nodes no revocation covers.
     pub unrevoked: usize,
-    /// Of those, the drifted ones.
+    /// Of those, the drifted ones, but drifts that rest on the clock.
     pub drifted: usize,
     /// Of those, the silent ones.
     pub silent: usize,
@@ -2845,6 +2902,46 @@ mod tests {
         assert!(!r.nodes[&key].on_clock);
     }
 
+    /// Attacker's move, as the host of one control plane: let its CPU
+    /// collateral go stale, so that every member's evidence fails there on
+    /// the date alone, and let those drifts spread to every peer. Counted
+    /// as drifts, they would make more than half of the nodes failing on
+    /// every control plane, and the `revoke` policy would hold back the
+    /// revocation of a node whose drift is real; standing against trusted
+    /// evidence, they would also outlast the peers' own verdicts. Neither.
+    #[test]
+    fn drifts_on_the_clock_neither_hold_back_the_policy_nor_stand() {
+        let hold = Duration::from_secs(210);
+        let mut p = Registry::default();
+        for n in 1..=5 {
+            p.record(&evidence(n, None)).unwrap();
+        }
+        p.record(&evidence(6, Some("PCR 4"))).unwrap();
+        let mut peer = Registry::default();
+        for n in 1..=5 {
+            peer.record(&Evidence {
+                failure_on_clock: true,
+                ..evidence(n, Some("CPU evidence rejected: TCB info expired"))
+            })
+            .unwrap();
+            peer.nodes
+                .get_mut(&ek(n).to_string())
+                .unwrap()
+                .last_evidence_at = Some(now() + 5);
+        }
+        p.merge_holding_drift(peer, hold);
+        assert!(p.nodes[&ek(1).to_string()].on_clock);
+        let standing = p.standing(&ek(100));
+        assert_eq!(standing.drifted, 1, "{standing:?}");
+        assert!(!standing.too_many(standing.drifted));
+        // Trusted evidence here clears a drift on the clock at once.
+        p.record_holding_drift(&evidence(1, None), hold).unwrap();
+        assert_eq!(p.nodes[&ek(1).to_string()].verdict, Verdict::Trusted);
+        // A drift of the node's own still stands against it.
+        p.record_holding_drift(&evidence(6, None), hold).unwrap();
+        assert_eq!(p.nodes[&ek(6).to_string()].verdict, Verdict::Drifted);
+    }
+
     /// Sweeps run every interval, so the first to find a drift's hold over
     /// comes up to an interval after it: trusted evidence that arrives
     /// before that sweep (a TPM reset and a rejoin timed for the gap)
@@ -3057,15 +3154,37 @@ mod tests {
         assert_eq!(store.merged_at(), None);
     }
 
+    /// Attacker's move, as a control plane compromised after its
+    /// attestation: serve a registry whose record holds millions of empty
+    /// other names (3 bytes each in the document, 24 in memory, kept at
+    /// that capacity once cut). A record holds at most two: more is a
+    /// document this code never writes, refused as it is read.
+    #[test]
+    fn a_record_with_more_other_names_than_it_holds_is_refused_as_read() {
+        let mut r = Registry::default();
+        r.record(&evidence(1, None)).unwrap();
+        let with_names = |names: Vec<&str>| {
+            let mut doc: serde_json::Value = serde_json::from_slice(&r.to_json()).unwrap();
+            doc["nodes"][ek(1).to_string()]["other_names"] = serde_json::json!(names);
+            serde_json::to_vec(&doc).unwrap()
+        };
+        let two = Registry::parse(&with_names(vec!["w-8", "w-9"])).unwrap();
+        assert_eq!(two.nodes[&ek(1).to_string()].other_names, ["w-8", "w-9"]);
+        let refused = Registry::parse(&with_names(vec![""; 100_000])).unwrap_err();
+        assert!(refused.to_string().contains("at most 2 names"), "{refused}");
+    }
+
     #[test]
     fn a_full_revocation_list_refuses_every_ticket_and_reports_what_a_merge_drops() {
         let dir = tempfile::tempdir().unwrap();
         let store = RegistryStore::shared(dir.path()).unwrap();
         let full = Registry {
-            revoked: (0..MAX_REVOCATIONS - 1).map(numbered_revocation).collect(),
+            revoked: (0..MERGED_REVOCATIONS - 1)
+                .map(numbered_revocation)
+                .collect(),
             ..Registry::default()
         };
-        assert_eq!(store.merge(full).unwrap(), MAX_REVOCATIONS - 1);
+        assert_eq!(store.merge(full).unwrap(), MERGED_REVOCATIONS - 1);
         store
             .update(|r| r.register(&ek(7), "", "w-7", "worker"))
             .unwrap();
@@ -3097,11 +3216,26 @@ mod tests {
                 "w-{n}: {refused}"
             );
         }
-        let e = store
+        // The reserve: this control plane's own revocations still fit (a
+        // control plane that filled its peers' lists is revoked all the
+        // same), until the list holds MAX_REVOCATIONS.
+        store
             .update(|r| {
                 let record = r.find("w-7")?.clone();
                 r.revoke(&record, None, "operator")
             })
+            .unwrap();
+        store
+            .update(|r| {
+                for n in MERGED_REVOCATIONS + 1..MAX_REVOCATIONS {
+                    let ek = EkDigest::from_hex(&format!("{n:064x}")).unwrap();
+                    r.revoke_ek(&ek, "operator")?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        let e = store
+            .update(|r| r.revoke_ek(&ek(9), "operator"))
             .unwrap_err();
         assert!(e.to_string().contains("revocation list is full"), "{e}");
         // A restart holds the same.
