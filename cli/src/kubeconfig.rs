@@ -50,7 +50,7 @@ pub async fn run(
         let kubeconfig = match fetch(&operator, endpoint).await {
             Ok(kubeconfig) => kubeconfig,
             Err(e) => {
-                eprintln!("{endpoint}: FAILED: {e:#}");
+                eprintln!("{endpoint}: FAILED: {}", crate::printable::error_chain(&e));
                 continue;
             }
         };

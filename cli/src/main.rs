@@ -363,7 +363,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("keel: error: {e:#}");
+            eprintln!("keel: error: {}", printable::error_chain(&e));
             ExitCode::FAILURE
         }
     }

@@ -83,7 +83,7 @@ where
             Ok(line) => println!("{endpoint}: {line}"),
             Err(e) => {
                 failed += 1;
-                println!("{endpoint}: FAILED: {e:#}");
+                println!("{endpoint}: FAILED: {}", crate::printable::error_chain(&e));
             }
         }
     }

@@ -11,6 +11,13 @@ pub fn printable(text: &str) -> Printable<'_> {
     Printable(text)
 }
 
+/// An error with its causes (`{:#}`), [`printable`]: errors carry text
+/// that nodes and collateral servers sent (a refusal's message, a field a
+/// parser quotes before any signature was checked).
+pub fn error_chain(error: &anyhow::Error) -> String {
+    printable(&format!("{error:#}")).to_string()
+}
+
 /// See [`printable`].
 pub struct Printable<'a>(&'a str);
 
@@ -115,6 +122,22 @@ fn is_bidi_format(c: char) -> bool {
 
 #[cfg(test)]
 mod tests {
+
+    /// A terminal control sequence from a collateral server's answer (an
+    /// OSC 52 that sets the clipboard), reaching an error's chain: printed
+    /// escaped.
+    #[test]
+    fn an_error_chain_carries_no_control_sequence() {
+        let e = anyhow::anyhow!("unknown variant `\x1b]52;c;QUFB\x07`")
+            .context("the TCB info does not parse");
+        let line = super::error_chain(&e);
+        assert!(!line.contains('\x1b') && !line.contains('\x07'), "{line:?}");
+        assert!(
+            line.starts_with("the TCB info does not parse: unknown variant"),
+            "{line}"
+        );
+    }
+
     use super::printable;
 
     #[test]

@@ -55,7 +55,7 @@ pub async fn run(
     }
     if registries.is_empty() {
         for (endpoint, e) in &unreached {
-            println!("{endpoint}: FAILED: {e:#}");
+            println!("{endpoint}: FAILED: {}", crate::printable::error_chain(e));
         }
         bail!("no control plane named could be read; nothing was revoked");
     }

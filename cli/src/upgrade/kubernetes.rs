@@ -118,7 +118,7 @@ pub async fn run(operator: &Operator, roles: &Roles, target: &Target) -> anyhow:
             Err(e) => Err(e),
         };
         if let Err(e) = result {
-            println!("{endpoint}: FAILED: {e:#}");
+            println!("{endpoint}: FAILED: {}", crate::printable::error_chain(&e));
             failed.push(endpoint.clone());
         }
     }
