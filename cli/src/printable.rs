@@ -112,7 +112,24 @@ impl serde_json::ser::Formatter for TerminalFormatter<'_> {
 /// Whether the terminal gets `c` escaped: a control character or a
 /// bidirectional formatting character.
 fn escaped(c: char) -> bool {
-    c.is_control() || is_bidi_format(c)
+    c.is_control() || is_bidi_format(c) || is_invisible(c)
+}
+
+/// Characters that show as nothing, or break a line, where a terminal
+/// prints them: two node names that differ only by one look alike, and a
+/// line separator can start a line that looks like the CLI's own.
+fn is_invisible(c: char) -> bool {
+    matches!(
+        c,
+        '\u{00ad}'
+            | '\u{180e}'
+            | '\u{200b}'..='\u{200d}'
+            | '\u{2028}'
+            | '\u{2029}'
+            | '\u{2060}'..='\u{2064}'
+            | '\u{feff}'
+            | '\u{e0000}'..='\u{e007f}'
+    )
 }
 
 /// Characters that reorder how the text around them is displayed.
@@ -142,7 +159,8 @@ mod tests {
 
     #[test]
     fn json_for_the_terminal_escapes_what_printable_escapes_and_parses_back() {
-        let raw = "ok \u{1b}[2J \u{7f} \u{9b}31m a\u{202e}b ünï 日本 \"q\" \\ \n";
+        let raw =
+            "ok \u{1b}[2J \u{7f} \u{9b}31m a\u{202e}b ünï 日本 \"q\" \\ \n w\u{200b}\u{e0041}";
         let value = serde_json::json!({ "event": raw, "list": [raw] });
         let shown = super::json_pretty(&value).unwrap();
         assert!(
@@ -163,6 +181,25 @@ mod tests {
             super::json_pretty(&serde_json::json!({"a": [1, 2]})).unwrap(),
             serde_json::to_string_pretty(&serde_json::json!({"a": [1, 2]})).unwrap()
         );
+    }
+
+    /// A name that differs from another only by an invisible character
+    /// (a merged registry's record, say) does not look the same.
+    #[test]
+    fn invisible_characters_are_escaped() {
+        for c in [
+            '\u{200b}',
+            '\u{200d}',
+            '\u{2028}',
+            '\u{2060}',
+            '\u{feff}',
+            '\u{e0041}',
+            '\u{00ad}',
+        ] {
+            let shown = printable(&format!("w-1{c}")).to_string();
+            assert_ne!(shown, format!("w-1{c}"), "{c:?}");
+            assert!(shown.starts_with("w-1\\u{"), "{shown}");
+        }
     }
 
     #[test]
