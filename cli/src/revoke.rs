@@ -63,6 +63,7 @@ pub async fn run(
     // its EK everywhere: a name or disk UUID that means another node to
     // another control plane (two holders of one name, a node named like
     // another's disk) revokes nothing.
+    by_ek_while_some_unread(node, unreached.len())?;
     let target = resolve(node, &registries)?;
     // A control plane left out would go on issuing tickets to the node;
     // the one being revoked need not be named, and each named one that
@@ -132,6 +133,33 @@ struct Target {
 /// Shortest EK hash prefix (hex digits) a selector may give.
 const MIN_EK_PREFIX: usize = 8;
 
+/// The EK hash (whole or a prefix of at least [`MIN_EK_PREFIX`] hex
+/// digits, with or without `sha256:`) `selector` gives, lower case; `None`
+/// for a name or a disk UUID.
+fn ek_prefix(selector: &str) -> Option<String> {
+    let digits = selector.strip_prefix("sha256:").unwrap_or(selector);
+    (digits.len() >= MIN_EK_PREFIX
+        && digits.len() <= 64
+        && digits.bytes().all(|b| b.is_ascii_hexdigit()))
+    .then(|| digits.to_ascii_lowercase())
+}
+
+/// Refuses a name or disk UUID while `unread` named control planes could
+/// not be read: a name resolves to whatever EK the control planes that
+/// answered say, and a compromised one answering alone could name an
+/// honest node's EK, which the workspace then records as revoked (and
+/// `keel recover` refuses). An EK hash is the operator's own choice.
+fn by_ek_while_some_unread(selector: &str, unread: usize) -> anyhow::Result<()> {
+    if unread > 0 && ek_prefix(selector.trim()).is_none() {
+        bail!(
+            "{unread} control plane(s) named could not be read, and a name or disk UUID is \
+             resolved by the ones that answered: name the node by its EK hash (`keel status` \
+             shows it) to revoke it now; nothing was revoked"
+        );
+    }
+    Ok(())
+}
+
 /// The one node `selector` names in `registries` (each control plane's
 /// registry, JSON): by name, by disk UUID, or by EK hash, whole (with or
 /// without `sha256:`) or a prefix of at least 8 hex digits (`keel status`
@@ -140,13 +168,7 @@ const MIN_EK_PREFIX: usize = 8;
 /// it, or when the registries name more than one EK by it.
 fn resolve(selector: &str, registries: &[(String, Value)]) -> anyhow::Result<Target> {
     let wanted = selector.trim();
-    let hex_prefix = {
-        let digits = wanted.strip_prefix("sha256:").unwrap_or(wanted);
-        (digits.len() >= MIN_EK_PREFIX
-            && digits.len() <= 64
-            && digits.bytes().all(|b| b.is_ascii_hexdigit()))
-        .then(|| digits.to_ascii_lowercase())
-    };
+    let hex_prefix = ek_prefix(wanted);
     let matches = |entry: &Value| {
         let field = |name: &str| entry[name].as_str().unwrap_or("");
         let ek_hex = field("ek").strip_prefix("sha256:").unwrap_or("");
@@ -324,6 +346,25 @@ mod tests {
             let e = resolve(selector, &registries).unwrap_err().to_string();
             assert!(e.contains("names more than one node"), "{e}");
             assert!(e.contains(EK_A) && e.contains(EK_B), "{e}");
+        }
+    }
+
+    /// Attacker's move, as a compromised control plane that alone answers
+    /// (the others down or cut off): map the name the operator gives to an
+    /// honest node's EK, which the workspace would then record as revoked.
+    /// While a named control plane could not be read, only an EK hash is
+    /// taken.
+    #[test]
+    fn a_name_is_resolved_only_when_every_named_control_plane_answered() {
+        for selector in ["w-1", "0b9c1e2a-0000-4000-8000-000000000001"] {
+            let e = by_ek_while_some_unread(selector, 1)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("name the node by its EK hash"), "{e}");
+            by_ek_while_some_unread(selector, 0).unwrap();
+        }
+        for selector in [EK_A, &EK_A[7..23], "0123abcd"] {
+            by_ek_while_some_unread(selector, 2).unwrap();
         }
     }
 

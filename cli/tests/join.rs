@@ -625,10 +625,12 @@ async fn after_cli_init_a_worker_and_a_control_plane_join_and_the_worker_rejoins
     // The host sends a second control plane's connection to this one: one
     // node answers at two endpoints. The CLI says so instead of reporting
     // the revocation done on a control plane that never got it.
+    // (By its EK: a name is resolved only when every named control plane
+    // answered, and the alias is not read as one.)
     let alias = format!("localhost:{}", operator_addr.port());
     let out = operator_cmd(vec![
         "revoke".into(),
-        "w-2".into(),
+        w2_ek.to_string(),
         "--endpoint".into(),
         alias.clone(),
     ])
