@@ -349,15 +349,9 @@ impl Validator {
         nonce: &[u8],
         user_data: &[u8],
     ) -> Result<Verified, ValidationError> {
-        let (verified, untimely) = self.validate_but_for_the_clock(document, nonce, user_data)?;
-        match untimely {
-            Some(refusal) => Err(refusal),
-            None => {
-                for w in &verified.warnings {
-                    tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
-                }
-                Ok(verified)
-            }
+        match self.validate_but_for_the_clock(document, nonce, user_data)? {
+            (_, Some(refusal)) => Err(refusal),
+            (verified, None) => Ok(verified),
         }
     }
 
@@ -440,6 +434,11 @@ impl Validator {
             Ok((set, warnings)) => (set.digest, warnings),
             Err(refused) => self.signed_image(&doc, &pcrs).unwrap_or(Err(refused))?,
         };
+        if untimely.is_none() {
+            for w in &warnings {
+                tracing::warn!(pcr = w.pcr, "warn-only measurement differs: {w}");
+            }
+        }
         let verified = Verified {
             ek,
             ak,
