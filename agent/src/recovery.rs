@@ -421,20 +421,17 @@ impl RecoveryServer {
                 credential::OpenError::Tpm => RecoveryError::Unavailable,
                 credential::OpenError::Sealed(e) => RecoveryError::Sealed(e),
             })?;
+        // Wiped whether or not it decodes: a decode that fails partway
+        // leaves what it filled in.
         let mut secrets = ControlPlaneSecrets::default();
-        if secrets.merge(opened.as_slice()).is_err() {
-            // What a decode that fails partway filled in, wiped too.
-            secrets.master_secret.zeroize();
-            secrets.master_salt.zeroize();
-            return Err(RecoveryError::InvalidRequest(
-                "sealed secrets do not decode",
-            ));
-        }
-        let keys = KeyService::new(&secrets.master_secret, &secrets.master_salt);
+        let keys = secrets
+            .merge(opened.as_slice())
+            .map(|()| KeyService::new(&secrets.master_secret, &secrets.master_salt));
         secrets.master_secret.zeroize();
         secrets.master_salt.zeroize();
-        let keys =
-            keys.map_err(|_| RecoveryError::InvalidRequest("master secret or salt length"))?;
+        let keys = keys
+            .map_err(|_| RecoveryError::InvalidRequest("sealed secrets do not decode"))?
+            .map_err(|_| RecoveryError::InvalidRequest("master secret or salt length"))?;
         let measurement_secret = keys
             .measurement_secret()
             .map_err(|_| RecoveryError::InvalidRequest("master secret"))?;
@@ -501,9 +498,9 @@ impl RecoveryService for RecoveryServer {
 }
 
 /// Puts the EKs the operator's workspace revoked (`keel recover` sends
-/// them) on the revocation list of the registry under `root`: a node this
-/// registry knows under its name, any other by its EK alone. One revoked
-/// already stays as it is.
+/// them) on the revocation list of the registry under `root`
+/// ([`crate::registry::Registry::revoke_ek`]). One revoked already stays as
+/// it is.
 async fn record_revocations(root: PathBuf, revoked: Vec<EkDigest>) -> Result<(), ProvisionError> {
     if revoked.is_empty() {
         return Ok(());
@@ -512,11 +509,7 @@ async fn record_revocations(root: PathBuf, revoked: Vec<EkDigest>) -> Result<(),
         let store = crate::registry::RegistryStore::shared(&root)?;
         store.update(|r| {
             for ek in &revoked {
-                let reason = "revoked by the operator (carried by keel recover)";
-                match r.find(&ek.to_string()).cloned() {
-                    Ok(record) => r.revoke(&record, None, reason)?,
-                    Err(_) => r.revoke_ek(ek, reason)?,
-                };
+                r.revoke_ek(ek, "revoked by the operator (carried by keel recover)")?;
             }
             Ok(())
         })?;

@@ -1183,11 +1183,15 @@ impl Registry {
         Ok(revocation)
     }
 
-    /// Puts `ek`, which no node record here names, on the revocation list
-    /// for `reason` (no name, no disk); returns the revocation (the
-    /// existing one if it was revoked).
+    /// Puts `ek` on the revocation list for `reason`, under the name its
+    /// record here holds, or no name where none does (no disk either way);
+    /// returns the revocation (the existing one if it was revoked).
     pub fn revoke_ek(&mut self, ek: &EkDigest, reason: &str) -> Result<Revocation, RegistryError> {
-        let record = NodeRecord::named_by_ek(ek);
+        let record = self
+            .nodes
+            .get(&ek.to_string())
+            .cloned()
+            .unwrap_or_else(|| NodeRecord::named_by_ek(ek));
         self.revoke(&record, None, reason)
     }
 
