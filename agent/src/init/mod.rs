@@ -448,7 +448,6 @@ impl InitServer {
         })
     }
 
-    /// The work after the lock; every line goes to `log`.
     /// Creates the cluster on this node, locked for `accepted`, streaming
     /// each step and kubeadm's output to `log` (a line never waits for the
     /// client); ends the transcript with the admin kubeconfig, or with the
@@ -490,6 +489,7 @@ impl InitServer {
         }
     }
 
+    /// The work after the lock; every line goes to `log`.
     async fn create_cluster(
         &self,
         a: &Accepted,
