@@ -11,11 +11,8 @@ use std::path::Path;
 use dcap_qvl::QuoteCollateralV3;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
-use x509_parser::prelude::FromDer as _;
-use x509_parser::revocation_list::CertificateRevocationList;
 
 use super::CacheFile;
-use crate::printable::printable;
 
 /// What a cache file holds, as far as its dates go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,8 +136,7 @@ fn dates(kind: Kind, bytes: &[u8]) -> Result<Vec<Dated>, String> {
 
 /// A DER CRL's thisUpdate.
 fn this_update(der: &[u8]) -> Result<Stamp, String> {
-    let (_, crl) = CertificateRevocationList::from_der(der).map_err(|e| format!("a CRL: {e}"))?;
-    Ok(Stamp::Date(crl.last_update().timestamp()))
+    keel_verifier::cpu::collateral::crl_this_update(der).map(Stamp::Date)
 }
 
 /// How new a signed TCB info or QE identity body is.
@@ -154,23 +150,13 @@ struct Issued {
 
 impl Issued {
     fn of(json: &str, what: &str) -> Result<Self, String> {
-        #[derive(serde::Deserialize)]
-        struct Fields {
-            #[serde(rename = "issueDate")]
-            issue_date: String,
-            #[serde(rename = "tcbEvaluationDataNumber")]
-            evaluation: i64,
-        }
-        let fields: Fields = serde_json::from_str(json).map_err(|e| format!("{what}: {e}"))?;
-        let date = OffsetDateTime::parse(&fields.issue_date, &Rfc3339).map_err(|e| {
-            format!(
-                "{what}'s issueDate \"{}\": {e}",
-                printable(&fields.issue_date)
-            )
-        })?;
+        let issued = keel_verifier::cpu::collateral::Issued::of(json, what)?;
+        let evaluation = issued
+            .evaluation
+            .ok_or_else(|| format!("{what}: no tcbEvaluationDataNumber"))?;
         Ok(Self {
-            date: Stamp::Date(date.unix_timestamp()),
-            evaluation: Stamp::Number(fields.evaluation),
+            date: Stamp::Date(issued.date),
+            evaluation: Stamp::Number(evaluation),
         })
     }
 }

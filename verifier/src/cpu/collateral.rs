@@ -229,6 +229,47 @@ fn earlier_tdx_collateral_path(fmspc: &[u8; 6]) -> String {
     format!("tdx/{}.json", hex::encode_upper(fmspc))
 }
 
+/// How new a signed TCB info or QE identity body of TDX collateral is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Issued {
+    /// Its `issueDate`, in Unix seconds.
+    pub date: i64,
+    /// Its `tcbEvaluationDataNumber`, which Intel raises with each TCB
+    /// recovery (a body dated later may still be of an older evaluation),
+    /// if it has one.
+    pub evaluation: Option<i64>,
+}
+
+impl Issued {
+    /// Reads the `issueDate` (RFC 3339) and `tcbEvaluationDataNumber` of a
+    /// TCB info or QE identity body; `what` names it in the error.
+    pub fn of(json: &str, what: &str) -> Result<Self, String> {
+        #[derive(serde::Deserialize)]
+        struct Fields {
+            #[serde(rename = "issueDate")]
+            issue_date: String,
+            #[serde(rename = "tcbEvaluationDataNumber", default)]
+            evaluation: Option<i64>,
+        }
+        let fields: Fields = serde_json::from_str(json).map_err(|e| format!("{what}: {e}"))?;
+        let date = time::OffsetDateTime::parse(
+            &fields.issue_date,
+            &time::format_description::well_known::Rfc3339,
+        )
+        .map_err(|e| format!("{what}'s issueDate {:?}: {e}", fields.issue_date))?;
+        Ok(Self {
+            date: date.unix_timestamp(),
+            evaluation: fields.evaluation,
+        })
+    }
+}
+
+/// A DER CRL's thisUpdate, in Unix seconds.
+pub fn crl_this_update(der: &[u8]) -> Result<i64, String> {
+    let (_, crl) = x509_parser::parse_x509_crl(der).map_err(|e| format!("a CRL: {e}"))?;
+    Ok(crl.last_update().timestamp())
+}
+
 /// Reads one TDX collateral file (`QuoteCollateralV3` JSON).
 pub fn tdx_collateral_file(path: &Path) -> Result<QuoteCollateralV3, CollateralError> {
     let bytes = read_bounded(path)?;

@@ -250,31 +250,21 @@ fn not_the_clock(refusal: TdxError) -> TdxError {
 /// fetched together is valid as a whole. `None` when the TCB info or QE
 /// identity has no issue date that parses.
 pub fn collateral_time(collateral: &QuoteCollateralV3) -> Option<u64> {
-    let issued = |json: &str| -> Option<u64> {
-        #[derive(serde::Deserialize)]
-        struct Dated {
-            #[serde(rename = "issueDate")]
-            issue_date: String,
-        }
-        let dated: Dated = serde_json::from_str(json).ok()?;
-        let at = time::OffsetDateTime::parse(
-            &dated.issue_date,
-            &time::format_description::well_known::Rfc3339,
-        )
-        .ok()?;
-        u64::try_from(at.unix_timestamp()).ok()
+    use super::collateral::{crl_this_update, Issued};
+    let issued = |json: &str| {
+        Issued::of(json, "")
+            .ok()
+            .and_then(|issued| u64::try_from(issued.date).ok())
     };
-    let crl = |der: &[u8]| -> Option<u64> {
-        let (_, crl) = x509_parser::parse_x509_crl(der).ok()?;
-        u64::try_from(crl.last_update().timestamp()).ok()
-    };
+    let crls = [&collateral.pck_crl, &collateral.root_ca_crl]
+        .into_iter()
+        .filter_map(|der| {
+            crl_this_update(der)
+                .ok()
+                .and_then(|at| u64::try_from(at).ok())
+        });
     let latest = issued(&collateral.tcb_info)?.max(issued(&collateral.qe_identity)?);
-    Some(
-        [crl(&collateral.pck_crl), crl(&collateral.root_ca_crl)]
-            .into_iter()
-            .flatten()
-            .fold(latest, u64::max),
-    )
+    Some(crls.fold(latest, u64::max))
 }
 
 /// One verification of `quote` at `now` (see [`verify`]).
