@@ -35,10 +35,8 @@ use crate::disk_bindings::{DiskBindings, DiskBindingsError, EkDigest};
 use crate::journal::{self, Journal, JournalError};
 use crate::paths;
 
-/// Most nodes a registry holds.
-pub const MAX_NODES: usize = 10_000;
-/// Most revocations a registry holds.
-pub const MAX_REVOCATIONS: usize = 10_000;
+/// Most nodes a registry holds; most revocations.
+pub use keel_proto::{MAX_NODES, MAX_REVOCATIONS};
 /// Of [`MAX_REVOCATIONS`], the room merges never take: a control plane
 /// compromised after its attestation could otherwise fill every peer's
 /// list with junk first, and then never be revoked itself, by the operator

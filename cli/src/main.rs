@@ -16,6 +16,7 @@ mod printable;
 mod push;
 mod reach;
 mod recover;
+mod registry;
 mod revoke;
 mod settings;
 mod status;

@@ -14,10 +14,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::{bail, Context as _};
 use keel_proto::operator::RevokeNodeRequest;
-use serde_json::Value;
 
 use crate::operator::{answer, distinct, on_each, Operator};
 use crate::printable::printable;
+use crate::registry::Registry;
 use crate::upgrade::refuse_unnamed_control_planes;
 
 use keel_verifier::keys::kind::REVOKE_NODE;
@@ -110,7 +110,7 @@ pub async fn run(
 async fn read_control_plane(
     operator: &Operator,
     endpoint: &str,
-) -> anyhow::Result<Option<(String, Value)>> {
+) -> anyhow::Result<Option<(String, Registry)>> {
     let member = operator.connect(endpoint).await?;
     if !member.is_control_plane() {
         return Ok(None);
@@ -161,36 +161,45 @@ fn by_ek_while_some_unread(selector: &str, unread: usize) -> anyhow::Result<()> 
 }
 
 /// The one node `selector` names in `registries` (each control plane's
-/// registry, JSON): by name, by disk UUID, or by EK hash, whole (with or
+/// registry): by name, by disk UUID, or by EK hash, whole (with or
 /// without `sha256:`) or a prefix of at least 8 hex digits (`keel status`
 /// shows 16). Node records and revocations both count, so revoking again
 /// finds a node already revoked somewhere. Refused when no registry knows
 /// it, or when the registries name more than one EK by it.
-fn resolve(selector: &str, registries: &[(String, Value)]) -> anyhow::Result<Target> {
+fn resolve(selector: &str, registries: &[(String, Registry)]) -> anyhow::Result<Target> {
     let wanted = selector.trim();
     let hex_prefix = ek_prefix(wanted);
-    let matches = |entry: &Value| {
-        let field = |name: &str| entry[name].as_str().unwrap_or("");
-        let ek_hex = field("ek").strip_prefix("sha256:").unwrap_or("");
-        field("name") == wanted
-            || (!field("disk_uuid").is_empty() && field("disk_uuid").eq_ignore_ascii_case(wanted))
+    let matches = |entry: &Entry<'_>| {
+        let ek_hex = entry.ek.strip_prefix("sha256:").unwrap_or("");
+        entry.name == wanted
+            || (!entry.disk_uuid.is_empty() && entry.disk_uuid.eq_ignore_ascii_case(wanted))
             || hex_prefix
                 .as_deref()
                 .is_some_and(|prefix| !ek_hex.is_empty() && ek_hex.starts_with(prefix))
     };
     let mut found: BTreeMap<String, (String, bool)> = BTreeMap::new();
     for (_, registry) in registries {
-        let nodes = registry["nodes"]
-            .as_object()
-            .into_iter()
-            .flat_map(|n| n.values());
-        let revoked = registry["revoked"].as_array().into_iter().flatten();
-        for entry in nodes.chain(revoked).filter(|e| matches(e)) {
-            if let Some(ek) = entry["ek"].as_str() {
-                let name = entry["name"].as_str().unwrap_or("").to_owned();
-                let found = found.entry(ek.to_owned()).or_insert((name, false));
-                found.1 |= entry["role"] == "control-plane";
-            }
+        let nodes = registry.nodes.values().map(|n| Entry {
+            name: &n.name,
+            ek: &n.ek,
+            disk_uuid: &n.disk_uuid,
+            control_plane: n.role == "control-plane",
+        });
+        let revoked = registry.revoked.iter().map(|r| Entry {
+            name: &r.name,
+            ek: &r.ek,
+            disk_uuid: &r.disk_uuid,
+            control_plane: false,
+        });
+        // An entry without an EK names no node to revoke.
+        for entry in nodes
+            .chain(revoked)
+            .filter(|e| !e.ek.is_empty() && matches(e))
+        {
+            let found = found
+                .entry(entry.ek.to_owned())
+                .or_insert((entry.name.to_owned(), false));
+            found.1 |= entry.control_plane;
         }
     }
     let mut found = found.into_iter();
@@ -219,6 +228,15 @@ fn resolve(selector: &str, registries: &[(String, Value)]) -> anyhow::Result<Tar
             )
         }
     }
+}
+
+/// A node record or revocation, as [`resolve`] matches it.
+struct Entry<'a> {
+    name: &'a str,
+    ek: &'a str,
+    disk_uuid: &'a str,
+    /// Whether it records a control plane.
+    control_plane: bool,
 }
 
 /// Revokes the node of `ek` on the control plane at `endpoint`; returns
@@ -271,8 +289,8 @@ mod tests {
     const EK_B: &str = "sha256:bbbbbbbb22222222222222222222222222222222222222222222222222222222";
     const DISK_A: &str = "0a1b2c3d-0000-4000-8000-00000000000a";
 
-    fn registry(nodes: &[(&str, &str, &str)], revoked: &[(&str, &str)]) -> Value {
-        let nodes: serde_json::Map<String, Value> = nodes
+    fn registry(nodes: &[(&str, &str, &str)], revoked: &[(&str, &str)]) -> Registry {
+        let nodes: serde_json::Map<String, serde_json::Value> = nodes
             .iter()
             .map(|(name, ek, disk)| {
                 (
@@ -281,14 +299,14 @@ mod tests {
                 )
             })
             .collect();
-        let revoked: Vec<Value> = revoked
+        let revoked: Vec<serde_json::Value> = revoked
             .iter()
             .map(|(name, ek)| json!({"name": name, "ek": ek, "disk_uuid": ""}))
             .collect();
-        json!({"nodes": nodes, "revoked": revoked})
+        serde_json::from_value(json!({"nodes": nodes, "revoked": revoked})).unwrap()
     }
 
-    fn at(registries: Vec<Value>) -> Vec<(String, Value)> {
+    fn at(registries: Vec<Registry>) -> Vec<(String, Registry)> {
         registries
             .into_iter()
             .enumerate()

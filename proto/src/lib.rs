@@ -100,9 +100,16 @@ pub const MAX_FAILURE_LOG_BYTES: usize = 1024 * 1024;
 /// Largest node registry document a control plane keeps, sends another
 /// control plane (`Registry`) or the operator (`GetRegistry`), or puts in a
 /// control-plane ticket. A registry at every bound its entries have
-/// (10,000 nodes and 10,000 revocations, every field at its longest)
-/// stays below it.
+/// ([`MAX_NODES`] nodes and [`MAX_REVOCATIONS`] revocations, every field
+/// at its longest) stays below it.
 pub const MAX_REGISTRY_BYTES: usize = 32 * 1024 * 1024;
+/// Most node records a registry document holds.
+pub const MAX_NODES: usize = 10_000;
+/// Most revocations a registry document holds.
+pub const MAX_REVOCATIONS: usize = 10_000;
+/// Most other names a registry's node record holds (names other control
+/// planes hold its EK under).
+pub const MAX_OTHER_NAMES: usize = 2;
 
 /// Response metadata key of a node's busy answer (`Unavailable`: its
 /// places for requests in flight are taken, the request was not read): a

@@ -15,6 +15,7 @@ use clap::{Args, Subcommand, ValueEnum};
 
 use crate::operator::Operator;
 use crate::printable::printable;
+use crate::registry::Registry;
 use crate::settings::Settings;
 
 pub mod image;
@@ -235,11 +236,11 @@ pub(crate) async fn every_control_plane_named(
     )
 }
 
-/// Each of `endpoints` with its registry (JSON), read in turn.
+/// Each of `endpoints` with its registry, read in turn.
 pub(crate) async fn registries_of(
     operator: &Operator,
     endpoints: &[String],
-) -> anyhow::Result<Vec<(String, serde_json::Value)>> {
+) -> anyhow::Result<Vec<(String, Registry)>> {
     let mut registries = Vec::new();
     for endpoint in endpoints {
         let registry = crate::status::registry_of(operator, endpoint).await?;
@@ -253,7 +254,7 @@ pub(crate) async fn registries_of(
 /// control planes could not be read, which may be any of them); `why`
 /// says what one left out would miss.
 pub(crate) fn refuse_unnamed_control_planes(
-    registries: &[(String, serde_json::Value)],
+    registries: &[(String, Registry)],
     named: &BTreeSet<String>,
     unread: usize,
     why: &str,
@@ -270,37 +271,30 @@ pub(crate) fn refuse_unnamed_control_planes(
     }
 }
 
-/// For each `(endpoint, registry)` (a control plane's registry, JSON) that
+/// For each `(endpoint, registry)` (a control plane's registry) that
 /// knows any: the control planes whose EK is not in `named` and that no
 /// registry has revoked (revocations are one list across the cluster; a
 /// registry that has not yet merged one does not count), as `name (EK)`
-/// escaped for the terminal.
+/// escaped for the terminal. A revocation without an EK revokes none.
 fn unnamed_control_planes(
-    registries: &[(String, serde_json::Value)],
+    registries: &[(String, Registry)],
     named: &BTreeSet<String>,
 ) -> Vec<(String, Vec<String>)> {
     let revoked: BTreeSet<&str> = registries
         .iter()
-        .flat_map(|(_, registry)| registry["revoked"].as_array().into_iter().flatten())
-        .filter_map(|r| r["ek"].as_str())
+        .flat_map(|(_, registry)| &registry.revoked)
+        .map(|r| r.ek.as_str())
+        .filter(|ek| !ek.is_empty())
         .collect();
     registries
         .iter()
         .map(|(endpoint, registry)| {
-            let unnamed = registry["nodes"]
-                .as_object()
-                .into_iter()
-                .flat_map(|nodes| nodes.values())
-                .filter(|n| n["role"] == "control-plane")
-                .filter_map(|n| n["ek"].as_str().map(|ek| (n, ek)))
-                .filter(|(_, ek)| !revoked.contains(ek) && !named.contains(*ek))
-                .map(|(n, ek)| {
-                    format!(
-                        "{} ({})",
-                        printable(n["name"].as_str().unwrap_or("")),
-                        printable(ek)
-                    )
-                })
+            let unnamed = registry
+                .nodes
+                .values()
+                .filter(|n| n.role == "control-plane")
+                .filter(|n| !revoked.contains(n.ek.as_str()) && !named.contains(&n.ek))
+                .map(|n| format!("{} ({})", printable(&n.name), printable(&n.ek)))
                 .collect::<Vec<_>>();
             (endpoint.clone(), unnamed)
         })
@@ -313,11 +307,16 @@ fn unnamed_control_planes(
 mod tests {
     use super::*;
 
+    /// The registry a JSON value writes.
+    fn registry_of(value: serde_json::Value) -> Registry {
+        serde_json::from_value(value).unwrap()
+    }
+
     #[test]
     fn every_unrevoked_control_plane_must_be_named() {
         let ek = |b: &str| format!("sha256:{}", b.repeat(32));
         let one = |registry| vec![("cp-0:9000".to_owned(), registry)];
-        let registry = serde_json::json!({
+        let registry = registry_of(serde_json::json!({
             "nodes": {
                 "a": {"name": "cp-0", "role": "control-plane", "ek": ek("aa")},
                 "b": {"name": "cp-1\u{1b}[2J", "role": "control-plane", "ek": ek("bb")},
@@ -325,7 +324,7 @@ mod tests {
                 "d": {"name": "w-1", "role": "worker", "ek": ek("dd")},
             },
             "revoked": [{"ek": ek("cc")}],
-        });
+        }));
         let named: BTreeSet<String> = [ek("aa")].into();
         assert_eq!(
             unnamed_control_planes(&one(registry.clone()), &named),
@@ -336,7 +335,7 @@ mod tests {
         );
         let all: BTreeSet<String> = [ek("aa"), ek("bb")].into();
         assert!(unnamed_control_planes(&one(registry), &all).is_empty());
-        assert!(unnamed_control_planes(&one(serde_json::json!({})), &named).is_empty());
+        assert!(unnamed_control_planes(&one(Registry::default()), &named).is_empty());
     }
 
     /// A control plane one named control plane does not know (its host
@@ -349,11 +348,11 @@ mod tests {
         let cp = |name: &str, e: &str| serde_json::json!({"name": name, "role": "control-plane", "ek": ek(e)});
         let named: BTreeSet<String> = [ek("aa"), ek("bb")].into();
         let first = serde_json::json!({"nodes": {"a": cp("cp-0", "aa"), "b": cp("cp-1", "bb")}});
-        let second = serde_json::json!({
+        let second = registry_of(serde_json::json!({
             "nodes": {"a": cp("cp-0", "aa"), "b": cp("cp-1", "bb"), "x": cp("cp-x", "ee")},
-        });
+        }));
         let registries = vec![
-            ("cp-0:9000".to_owned(), first.clone()),
+            ("cp-0:9000".to_owned(), registry_of(first.clone())),
             ("cp-1:9000".to_owned(), second.clone()),
         ];
         assert_eq!(
@@ -363,7 +362,7 @@ mod tests {
         let mut revoking = first;
         revoking["revoked"] = serde_json::json!([{"ek": ek("ee")}]);
         let registries = vec![
-            ("cp-0:9000".to_owned(), revoking),
+            ("cp-0:9000".to_owned(), registry_of(revoking)),
             ("cp-1:9000".to_owned(), second),
         ];
         assert!(unnamed_control_planes(&registries, &named).is_empty());
@@ -377,9 +376,9 @@ mod tests {
         let ek = |b: &str| format!("sha256:{}", b.repeat(32));
         let cp = |name: &str, e: &str| serde_json::json!({"name": name, "role": "control-plane", "ek": ek(e)});
         let named: BTreeSet<String> = [ek("aa")].into();
-        let registry = serde_json::json!({
+        let registry = registry_of(serde_json::json!({
             "nodes": {"a": cp("cp-0", "aa"), "b": cp("cp-1", "bb"), "c": cp("cp-2", "cc")},
-        });
+        }));
         let registries = vec![
             ("cp-0:9000".to_owned(), registry.clone()),
             ("cp-0b:9000".to_owned(), registry),
