@@ -60,10 +60,11 @@ pub enum CollateralCommand {
     /// --timeout and stay under a size bound; files are written only when
     /// every download and check succeeded, each replaced atomically. A CRL,
     /// TCB info or QE identity older than the one already cached (issued
-    /// before it, or of a lower TCB evaluation) is refused: an older answer
-    /// may be a replay that drops a revocation. Remove the cached file to
-    /// take it on purpose. One fetch at a time checks and writes a cache
-    /// (it locks the directory); another waits for it.
+    /// before it, or of a lower TCB evaluation; for TDX, also the one in
+    /// tdx/<FMSPC>.json, which an earlier version wrote) is refused: an
+    /// older answer may be a replay that drops a revocation. Remove the
+    /// cached file to take it on purpose. One fetch at a time checks and
+    /// writes a cache (it locks the directory); another waits for it.
     #[command(verbatim_doc_comment)]
     Fetch(FetchArgs),
 }
@@ -108,6 +109,10 @@ pub struct CacheFile {
     relative: String,
     bytes: Vec<u8>,
     kind: Kind,
+    /// Where a cache filled by an earlier version may hold the same
+    /// collateral, which verifiers read while the file is missing: not
+    /// written, but compared with ([`freshness::refuse_rollback`]).
+    earlier: Option<String>,
 }
 
 impl CacheFile {
@@ -116,6 +121,15 @@ impl CacheFile {
             relative: relative.into(),
             bytes,
             kind,
+            earlier: None,
+        }
+    }
+
+    /// The file, which a cache may hold at `earlier` too ([`CacheFile::earlier`]).
+    fn or_earlier_at(self, earlier: impl Into<String>) -> Self {
+        Self {
+            earlier: Some(earlier.into()),
+            ..self
         }
     }
 }

@@ -8,7 +8,9 @@
 
 use dcap_qvl::quote::Quote;
 use dcap_qvl::QuoteCollateralV3;
-use keel_verifier::cpu::collateral::{pck_platform, tdx_collateral_path, MAX_COLLATERAL_BYTES};
+use keel_verifier::cpu::collateral::{
+    earlier_tdx_collateral_path, pck_platform, tdx_collateral_path, MAX_COLLATERAL_BYTES,
+};
 use keel_verifier::cpu::policy::{Hex, TdxPolicy};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxError};
 use serde::Deserialize;
@@ -189,7 +191,8 @@ pub async fn fetch(
         tdx_collateral_path(&fmspc, pck_ca),
         json,
         Kind::TdxCollateral,
-    )])
+    )
+    .or_earlier_at(earlier_tdx_collateral_path(&fmspc))])
 }
 
 /// The verifier's check of `quote` with `collateral` (the quote's own MRTD,
@@ -480,6 +483,43 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), newer[0].bytes);
 
         // The same collateral again is taken.
+        super::super::store(cache.path(), &newer).unwrap();
+    }
+
+    /// A cache filled by an earlier version holds the collateral under the
+    /// FMSPC's name alone, which verifiers read while the CA's own file is
+    /// missing: older collateral is refused as if it were at the CA's name,
+    /// and the cache kept as it was.
+    #[test]
+    fn collateral_older_than_the_one_under_the_earlier_name_is_refused() {
+        let (intel, quote, mirror) = generated(&CollateralOptions::default());
+        let root = IntelRoot::from_der(intel.root_der().to_vec());
+        let newer = fetch_from(&mirror, &quote, now(), &root).unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        let earlier = cache.path().join(format!("tdx/{}.json", intel.fmspc_hex()));
+        std::fs::create_dir_all(earlier.parent().unwrap()).unwrap();
+        std::fs::write(&earlier, &newer[0].bytes).unwrap();
+
+        let older = intel
+            .collateral(&CollateralOptions {
+                issued: time::OffsetDateTime::now_utc() - time::Duration::days(5),
+                ..CollateralOptions::default()
+            })
+            .unwrap();
+        serve(&mirror, &intel, &older);
+        let files = fetch_from(&mirror, &quote, now(), &root).unwrap();
+        let e = format!(
+            "{:#}",
+            super::super::store(cache.path(), &files).unwrap_err()
+        );
+        assert!(
+            e.contains("its TCB info's issueDate is")
+                && e.contains(&format!("remove {}", earlier.display())),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&earlier).unwrap(), newer[0].bytes);
+        assert!(!cache.path().join(&files[0].relative).exists());
+        // Collateral as new as it is taken.
         super::super::store(cache.path(), &newer).unwrap();
     }
 

@@ -31,9 +31,9 @@
 //!   with a VCEK or for a VLEK. Kept for the operator; the verifier uses
 //!   its pinned roots.
 //!
-//! [`snp_certificate_path`], [`snp_crl_path`] and [`tdx_collateral_path`]
-//! name the files, for the reader here and for the command that fills the
-//! cache.
+//! [`snp_certificate_path`], [`snp_crl_path`], [`tdx_collateral_path`] and
+//! [`earlier_tdx_collateral_path`] name the files, for the reader here and
+//! for the command that fills the cache.
 
 use std::path::{Path, PathBuf};
 
@@ -224,8 +224,9 @@ pub fn pck_platform(quote: &Quote) -> Result<([u8; 6], PckCa), CollateralError> 
 }
 
 /// Where caches filled before [`tdx_collateral_path`] named the CA kept
-/// the TDX collateral for `fmspc`.
-fn earlier_tdx_collateral_path(fmspc: &[u8; 6]) -> String {
+/// the TDX collateral for `fmspc`, relative to the cache directory: read
+/// where the CA's own file is missing ([`Collateral::tdx_collateral`]).
+pub fn earlier_tdx_collateral_path(fmspc: &[u8; 6]) -> String {
     format!("tdx/{}.json", hex::encode_upper(fmspc))
 }
 
