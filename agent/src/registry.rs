@@ -30,6 +30,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+// Most other names a node record holds ([`NodeRecord::other_names`]);
+// most control planes a record heard from peers keeps as its vouchers
+// ([`NodeRecord::vouched_by`]: more vouch for it again at their next
+// registry exchange).
+use keel_proto::{MAX_OTHER_NAMES, MAX_VOUCHERS};
+
 use crate::batching::Batcher;
 use crate::disk_bindings::{DiskBindings, DiskBindingsError, EkDigest};
 use crate::journal::{self, Journal, JournalError};
@@ -63,12 +69,6 @@ const COMPACT_AT_LEAST: u64 = 1024 * 1024;
 const MAX_REASON: usize = 256;
 /// Longest stored name, disk UUID or version, in bytes.
 const MAX_FIELD: usize = 64;
-/// Most other names a node record holds ([`NodeRecord::other_names`]).
-const MAX_OTHER_NAMES: usize = 2;
-/// Most control planes a record heard from peers keeps as its vouchers
-/// ([`NodeRecord::vouched_by`]); more vouch for it again at their next
-/// registry exchange.
-const MAX_VOUCHERS: usize = 4;
 /// How far ahead of this control plane's clock another's records may be
 /// dated and still be merged.
 const MAX_CLOCK_SKEW: Duration = Duration::from_secs(300);

@@ -78,6 +78,7 @@ pub async fn run(
     refuse_unnamed_control_planes(
         &registries,
         &named,
+        Some(&target.ek),
         allowance,
         "Each must revoke the node, or it goes on issuing it tickets (and disk keys) until \
          it merges another's list",
