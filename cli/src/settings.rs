@@ -158,12 +158,17 @@ impl Settings {
     }
 
     /// The CPU evidence the node must show: the variant, the pinned roots,
-    /// the collateral cache.
+    /// the collateral cache (refused if another user could write into it:
+    /// [`crate::collateral::check_cache`]).
     fn cpu_trust(&self) -> anyhow::Result<Arc<CpuTrust>> {
         let policy = CpuPolicy::try_from(&self.attestation)
             .map_err(|reason| anyhow::anyhow!("settings attestation: {reason}"))?;
         let collateral = match &self.collateral {
-            Some(dir) => Collateral::at(self.resolve(dir)),
+            Some(dir) => {
+                let dir = self.resolve(dir);
+                crate::collateral::check_cache(&dir)?;
+                Collateral::at(dir)
+            }
             None => Collateral::default(),
         };
         Ok(Arc::new(CpuTrust::new(policy, collateral)))

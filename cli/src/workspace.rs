@@ -60,56 +60,62 @@ pub struct MasterSecret {
     pub measurement_salt: Vec<u8>,
 }
 
-/// Refuses a workspace that someone else could write into: a directory
-/// (a symbolic link to one is judged by the directory) owned by another
-/// user than this one, writable by everyone, writable by a group that is
-/// not this user's private one, or whose access ACL lets another user or
-/// such a group write (a default ACL of a shared parent directory, say).
-/// Whoever can write there can remove the master secret, replace the admin
-/// kubeconfig (with one that runs a command of theirs when kubectl reads
-/// it), or hold the workspace's locks. A user's private group (named as
-/// the user, listing no members, no other user's primary group), as under
-/// umask 002, is taken.
+/// Refuses a workspace that someone else could write into
+/// ([`check_private_dir`]). Whoever can write there can remove the master
+/// secret, replace the admin kubeconfig (with one that runs a command of
+/// theirs when kubectl reads it), or hold the workspace's locks.
 pub fn check_private(workspace: &Path) -> anyhow::Result<()> {
+    check_private_dir(workspace, "workspace")
+}
+
+/// Refuses a directory (a symbolic link to one is judged by the
+/// directory) that someone else could write into: owned by another user
+/// than this one, writable by everyone, writable by a group that is not
+/// this user's private one, or whose access ACL lets another user or such
+/// a group write (a default ACL of a shared parent directory, say). A
+/// user's private group (named as the user, listing no members, no other
+/// user's primary group), as under umask 002, is taken. `what` names the
+/// directory in errors ("workspace").
+pub fn check_private_dir(dir: &Path, what: &str) -> anyhow::Result<()> {
     use std::os::unix::fs::MetadataExt as _;
-    let meta = std::fs::metadata(workspace)
-        .with_context(|| format!("reading the workspace {}", workspace.display()))?;
+    let meta =
+        std::fs::metadata(dir).with_context(|| format!("reading the {what} {}", dir.display()))?;
     if !meta.is_dir() {
-        bail!("the workspace {} is not a directory", workspace.display());
+        bail!("the {what} {} is not a directory", dir.display());
     }
     let me = nix::unistd::geteuid().as_raw();
     if meta.uid() != me {
         bail!(
-            "the workspace {} belongs to another user (uid {}), who could remove or replace \
+            "the {what} {} belongs to another user (uid {}), who could remove or replace \
              what keel keeps there: use a directory of your own",
-            workspace.display(),
+            dir.display(),
             meta.uid()
         );
     }
     if meta.mode() & 0o002 != 0 {
         bail!(
-            "the workspace {} is writable by every user (mode {:o}), who could remove or \
+            "the {what} {} is writable by every user (mode {:o}), who could remove or \
              replace what keel keeps there: run chmod o-w on it, or use another",
-            workspace.display(),
+            dir.display(),
             meta.mode() & 0o7777
         );
     }
     if meta.mode() & 0o020 != 0 && !is_private_group(meta.gid(), me) {
         bail!(
-            "the workspace {} is writable by its group (gid {}, mode {:o}), whose other \
+            "the {what} {} is writable by its group (gid {}, mode {:o}), whose other \
              members could remove or replace what keel keeps there: run chmod g-w on it, \
              or use another",
-            workspace.display(),
+            dir.display(),
             meta.gid(),
             meta.mode() & 0o7777
         );
     }
-    if let Some(writer) = acl_writer(workspace, me)? {
+    if let Some(writer) = acl_writer(dir, me, what)? {
         bail!(
-            "the workspace {} has an access ACL that lets {writer} write there, who could \
+            "the {what} {} has an access ACL that lets {writer} write there, who could \
              remove or replace what keel keeps there: remove the entry (setfacl -x) or use \
              another directory",
-            workspace.display()
+            dir.display()
         );
     }
     Ok(())
@@ -120,11 +126,11 @@ const ACL_XATTR: &str = "system.posix_acl_access";
 /// Largest access ACL read (8 bytes per entry after a 4-byte header).
 const MAX_ACL_BYTES: usize = 8 * 1024;
 
-/// Whom besides this user (`me`) the access ACL of `path` lets write: a
-/// named user, or a named group other than this user's private one, whose
-/// entry grants write within the ACL's mask. `None` where there is no ACL
-/// or the file system keeps none.
-fn acl_writer(path: &Path, me: u32) -> anyhow::Result<Option<String>> {
+/// Whom besides this user (`me`) the access ACL of `path` (the `what`)
+/// lets write: a named user, or a named group other than this user's
+/// private one, whose entry grants write within the ACL's mask. `None`
+/// where there is no ACL or the file system keeps none.
+fn acl_writer(path: &Path, me: u32, what: &str) -> anyhow::Result<Option<String>> {
     use rustix::io::Errno;
     let mut acl = vec![0u8; MAX_ACL_BYTES];
     let len = match rustix::fs::getxattr(path, ACL_XATTR, &mut acl[..]) {
@@ -132,15 +138,11 @@ fn acl_writer(path: &Path, me: u32) -> anyhow::Result<Option<String>> {
         Err(Errno::NODATA | Errno::NOTSUP) => return Ok(None),
         Err(e) => {
             return Err(std::io::Error::from(e))
-                .with_context(|| format!("reading the ACL of the workspace {}", path.display()))
+                .with_context(|| format!("reading the ACL of the {what} {}", path.display()))
         }
     };
-    let unreadable = || {
-        anyhow::anyhow!(
-            "the workspace {} has an ACL keel cannot read",
-            path.display()
-        )
-    };
+    let unreadable =
+        || anyhow::anyhow!("the {what} {} has an ACL keel cannot read", path.display());
     let (version, entries) = acl
         .get(..len)
         .and_then(|a| a.split_first_chunk::<4>())
@@ -619,11 +621,11 @@ mod tests {
             "{e}"
         );
         set(&acl(entry(0x02, 5, 65534), 7));
-        assert!(acl_writer(ws.path(), me).unwrap().is_none());
+        assert!(acl_writer(ws.path(), me, "workspace").unwrap().is_none());
         set(&acl(entry(0x02, 7, 65534), 5));
-        assert!(acl_writer(ws.path(), me).unwrap().is_none());
+        assert!(acl_writer(ws.path(), me, "workspace").unwrap().is_none());
         set(&acl(entry(0x02, 7, me), 7));
-        assert!(acl_writer(ws.path(), me).unwrap().is_none());
+        assert!(acl_writer(ws.path(), me, "workspace").unwrap().is_none());
     }
 
     /// A group named as the user, listing no one, is still shared when it

@@ -73,7 +73,8 @@ pub enum CollateralCommand {
 #[derive(Args)]
 #[command(group(clap::ArgGroup::new("evidence").required(true).args(["vcek_from_report", "tdx_quote"])))]
 pub struct FetchArgs {
-    /// The collateral cache directory (created if missing).
+    /// The collateral cache directory (created if missing); refused if
+    /// another user could write into it.
     #[arg(long, value_name = "DIR")]
     cache: PathBuf,
     /// A SEV-SNP attestation report (raw 1184 bytes, or an Azure HCL
@@ -142,6 +143,7 @@ pub async fn run(command: CollateralCommand) -> anyhow::Result<()> {
 }
 
 async fn fetch(args: FetchArgs) -> anyhow::Result<()> {
+    check_cache(&args.cache)?;
     let http = Http::new(Duration::from_secs(args.timeout.max(1)))?;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -216,14 +218,59 @@ fn read_evidence(path: &Path, limit: u64) -> anyhow::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Puts `files` into `cache`, unless one of them is older than the file it
-/// would replace ([`freshness::refuse_rollback`]). The check and the
-/// writes hold the cache's lock ([`lock`]): two fetches into one cache
-/// cannot check, then write one after the other, an older set last.
+/// Puts `files` into `cache`, unless another user could write there
+/// ([`check_cache_dirs`]) or one of them is older than the file it would
+/// replace ([`freshness::refuse_rollback`]). The checks and the writes
+/// hold the cache's lock ([`lock`]): two fetches into one cache cannot
+/// check, then write one after the other, an older set last.
 fn store(cache: &Path, files: &[CacheFile]) -> anyhow::Result<Vec<PathBuf>> {
     let _held = lock(cache)?;
+    check_cache_dirs(cache, files)?;
     freshness::refuse_rollback(cache, files)?;
     write_all(cache, files)
+}
+
+/// Refuses a collateral cache directory that another user could write
+/// into ([`crate::workspace::check_private_dir`]): they could put older
+/// collateral there (a CRL that drops a revocation) for the CLI to verify
+/// with, and to copy to nodes. A cache not made yet is not refused.
+pub fn check_cache(cache: &Path) -> anyhow::Result<()> {
+    match std::fs::metadata(cache) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        _ => crate::workspace::check_private_dir(cache, "collateral cache"),
+    }
+}
+
+/// Refuses `cache`, or a directory in it that `files` are read from or
+/// written to, that another user could write into
+/// ([`crate::workspace::check_private_dir`]).
+fn check_cache_dirs(cache: &Path, files: &[CacheFile]) -> anyhow::Result<()> {
+    crate::workspace::check_private_dir(cache, "collateral cache")?;
+    let places = files
+        .iter()
+        .flat_map(|f| std::iter::once(&f.relative).chain(&f.earlier));
+    for place in places {
+        let mut dir = cache.to_owned();
+        for part in Path::new(place).parent().into_iter().flat_map(Path::iter) {
+            dir.push(part);
+            if !dir.exists() {
+                break;
+            }
+            crate::workspace::check_private_dir(&dir, "collateral cache directory")?;
+        }
+    }
+    Ok(())
+}
+
+/// Creates `dir` and its missing parents, mode 0755 at most (under a
+/// umask of 0 too): verifiers read the cache, only its owner writes it.
+fn create_dirs(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))
 }
 
 /// Takes the cache's lock: an exclusive `flock` on the cache directory
@@ -232,7 +279,7 @@ fn store(cache: &Path, files: &[CacheFile]) -> anyhow::Result<Vec<PathBuf>> {
 fn lock(cache: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
     use nix::fcntl::{Flock, FlockArg};
     use std::os::unix::fs::OpenOptionsExt as _;
-    std::fs::create_dir_all(cache).with_context(|| format!("creating {}", cache.display()))?;
+    create_dirs(cache)?;
     let directory = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_DIRECTORY)
@@ -294,7 +341,7 @@ fn stage(cache: &Path, file: &CacheFile) -> anyhow::Result<(PathBuf, PathBuf)> {
     let dir = path
         .parent()
         .with_context(|| format!("{} has no parent directory", path.display()))?;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    create_dirs(dir)?;
     let name = path
         .file_name()
         .and_then(|n| n.to_str())
@@ -422,6 +469,69 @@ mod tests {
         finished.recv_timeout(Duration::from_secs(10)).unwrap();
         writer.join().unwrap().unwrap();
         assert_eq!(entries(cache.path()), ["snp/Milan/cert_chain.pem"]);
+    }
+
+    /// Attacker's move, as another user who can write into the cache or a
+    /// directory in it: put older collateral there (a CRL that drops a
+    /// revocation) for the CLI to verify with and to copy to nodes. Such a
+    /// cache is refused before anything is compared or written.
+    #[test]
+    fn a_cache_another_user_could_write_into_is_refused() {
+        use std::os::unix::fs::{chown, PermissionsExt as _};
+        let files = [CacheFile::new(
+            "snp/Milan/crl.der",
+            b"crl".to_vec(),
+            Kind::Crl,
+        )];
+        let cache = tempfile::tempdir().unwrap();
+        let dir = cache.path().join("cache");
+        std::fs::create_dir(&dir).unwrap();
+        let refused = || format!("{:#}", store(&dir, &files).unwrap_err());
+
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = refused();
+        assert!(
+            e.contains(&format!(
+                "the collateral cache {} is writable by every user (mode 777)",
+                dir.display()
+            )),
+            "{e}"
+        );
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        chown(&dir, Some(12345), None).unwrap();
+        let e = refused();
+        assert!(
+            e.contains(&format!(
+                "the collateral cache {} belongs to another user (uid 12345)",
+                dir.display()
+            )),
+            "{e}"
+        );
+        // What `keel collateral fetch` and the settings' cache check first.
+        assert_eq!(format!("{:#}", check_cache(&dir).unwrap_err()), e);
+        let me = nix::unistd::geteuid().as_raw();
+        chown(&dir, Some(me), None).unwrap();
+        // A directory in it that files go into.
+        std::fs::create_dir_all(dir.join("snp/Milan")).unwrap();
+        chown(dir.join("snp"), Some(12345), None).unwrap();
+        let e = refused();
+        assert!(
+            e.contains(&format!(
+                "the collateral cache directory {} belongs to another user",
+                dir.join("snp").display()
+            )),
+            "{e}"
+        );
+        assert!(entries(&dir).is_empty());
+
+        chown(dir.join("snp"), Some(me), None).unwrap();
+        store(&dir, &files).unwrap();
+        assert_eq!(entries(&dir), ["snp/Milan/crl.der"]);
+        // A cache not made yet is made private.
+        let new = cache.path().join("new/cache");
+        check_cache(&new).unwrap();
+        store(&new, &files).unwrap();
+        check_cache(&new).unwrap();
     }
 
     #[test]
