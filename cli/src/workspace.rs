@@ -77,6 +77,17 @@ pub fn check_private(workspace: &Path) -> anyhow::Result<()> {
 /// user's primary group), as under umask 002, is taken. `what` names the
 /// directory in errors ("workspace").
 pub fn check_private_dir(dir: &Path, what: &str) -> anyhow::Result<()> {
+    check_dir(dir, what, false)
+}
+
+/// [`check_private_dir`], except that the directory may also be root's:
+/// one this user only reads from (a collateral cache an administrator
+/// keeps for every operator), which root could change either way.
+pub fn check_trusted_dir(dir: &Path, what: &str) -> anyhow::Result<()> {
+    check_dir(dir, what, true)
+}
+
+fn check_dir(dir: &Path, what: &str, root_may_own: bool) -> anyhow::Result<()> {
     use std::os::unix::fs::MetadataExt as _;
     let meta =
         std::fs::metadata(dir).with_context(|| format!("reading the {what} {}", dir.display()))?;
@@ -84,7 +95,7 @@ pub fn check_private_dir(dir: &Path, what: &str) -> anyhow::Result<()> {
         bail!("the {what} {} is not a directory", dir.display());
     }
     let me = nix::unistd::geteuid().as_raw();
-    if meta.uid() != me {
+    if meta.uid() != me && !(root_may_own && meta.uid() == 0) {
         bail!(
             "the {what} {} belongs to another user (uid {}), who could remove or replace \
              what keel keeps there: use a directory of your own",

@@ -231,21 +231,21 @@ fn store(cache: &Path, files: &[CacheFile]) -> anyhow::Result<Vec<PathBuf>> {
 }
 
 /// Refuses a collateral cache directory that another user could write
-/// into ([`crate::workspace::check_private_dir`]): they could put older
+/// into ([`crate::workspace::check_trusted_dir`]): they could put older
 /// collateral there (a CRL that drops a revocation) for the CLI to verify
 /// with, and to copy to nodes. A cache not made yet is not refused.
 pub fn check_cache(cache: &Path) -> anyhow::Result<()> {
     match std::fs::metadata(cache) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        _ => crate::workspace::check_private_dir(cache, "collateral cache"),
+        _ => crate::workspace::check_trusted_dir(cache, "collateral cache"),
     }
 }
 
 /// Refuses `cache`, or a directory in it that `files` are read from or
 /// written to, that another user could write into
-/// ([`crate::workspace::check_private_dir`]).
+/// ([`crate::workspace::check_trusted_dir`]).
 fn check_cache_dirs(cache: &Path, files: &[CacheFile]) -> anyhow::Result<()> {
-    crate::workspace::check_private_dir(cache, "collateral cache")?;
+    crate::workspace::check_trusted_dir(cache, "collateral cache")?;
     let places = files
         .iter()
         .flat_map(|f| std::iter::once(&f.relative).chain(&f.earlier));
@@ -256,7 +256,7 @@ fn check_cache_dirs(cache: &Path, files: &[CacheFile]) -> anyhow::Result<()> {
             if !dir.exists() {
                 break;
             }
-            crate::workspace::check_private_dir(&dir, "collateral cache directory")?;
+            crate::workspace::check_trusted_dir(&dir, "collateral cache directory")?;
         }
     }
     Ok(())
