@@ -453,6 +453,25 @@ mod tests {
         assert_eq!(fetch_from(&mirror, &quote, now(), &root).unwrap().len(), 1);
     }
 
+    /// Collateral of the generated platform issued `days` ago, signed and
+    /// current, as a fetch from `mirror` returns it.
+    fn issued_days_ago(
+        days: i64,
+        intel: &TestIntel,
+        quote: &[u8],
+        mirror: &MirrorServer,
+    ) -> Vec<CacheFile> {
+        let older = intel
+            .collateral(&CollateralOptions {
+                issued: time::OffsetDateTime::now_utc() - time::Duration::days(days),
+                ..CollateralOptions::default()
+            })
+            .unwrap();
+        serve(mirror, intel, &older);
+        let root = IntelRoot::from_der(intel.root_der().to_vec());
+        fetch_from(mirror, quote, now(), &root).unwrap()
+    }
+
     #[test]
     fn collateral_older_than_the_cached_one_is_refused_and_the_cache_kept() {
         let (intel, quote, mirror) = generated(&CollateralOptions::default());
@@ -464,17 +483,10 @@ mod tests {
 
         // Collateral of the same platform issued five days ago, signed and
         // current: the fetch's checks pass it, the cache refuses it.
-        let older = intel
-            .collateral(&CollateralOptions {
-                issued: time::OffsetDateTime::now_utc() - time::Duration::days(5),
-                ..CollateralOptions::default()
-            })
-            .unwrap();
-        serve(&mirror, &intel, &older);
-        let files = fetch_from(&mirror, &quote, now(), &root).unwrap();
         let e = format!(
             "{:#}",
-            super::super::store(cache.path(), &files).unwrap_err()
+            super::super::store(cache.path(), &issued_days_ago(5, &intel, &quote, &mirror))
+                .unwrap_err()
         );
         assert!(
             e.contains("its TCB info's issueDate is") && e.contains("older than the cached one's"),
@@ -500,14 +512,7 @@ mod tests {
         std::fs::create_dir_all(earlier.parent().unwrap()).unwrap();
         std::fs::write(&earlier, &newer[0].bytes).unwrap();
 
-        let older = intel
-            .collateral(&CollateralOptions {
-                issued: time::OffsetDateTime::now_utc() - time::Duration::days(5),
-                ..CollateralOptions::default()
-            })
-            .unwrap();
-        serve(&mirror, &intel, &older);
-        let files = fetch_from(&mirror, &quote, now(), &root).unwrap();
+        let files = issued_days_ago(5, &intel, &quote, &mirror);
         let e = format!(
             "{:#}",
             super::super::store(cache.path(), &files).unwrap_err()
