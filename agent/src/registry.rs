@@ -30,12 +30,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-// Most other names a node record holds ([`NodeRecord::other_names`]);
-// most control planes a record heard from peers keeps as its vouchers
-// ([`NodeRecord::vouched_by`]: more vouch for it again at their next
-// registry exchange).
-use keel_proto::{MAX_OTHER_NAMES, MAX_VOUCHERS};
-
 use crate::batching::Batcher;
 use crate::disk_bindings::{DiskBindings, DiskBindingsError, EkDigest};
 use crate::journal::{self, Journal, JournalError};
@@ -69,6 +63,8 @@ const COMPACT_AT_LEAST: u64 = 1024 * 1024;
 const MAX_REASON: usize = 256;
 /// Longest stored name, disk UUID or version, in bytes.
 const MAX_FIELD: usize = 64;
+/// Most other names a node record holds ([`NodeRecord::other_names`]).
+pub use keel_proto::MAX_OTHER_NAMES;
 /// How far ahead of this control plane's clock another's records may be
 /// dated and still be merged.
 const MAX_CLOCK_SKEW: Duration = Duration::from_secs(300);
@@ -139,7 +135,7 @@ pub struct NodeRecord {
     #[serde(
         default,
         skip_serializing_if = "Vec::is_empty",
-        deserialize_with = "at_most::<_, MAX_OTHER_NAMES>"
+        deserialize_with = "at_most_other_names"
     )]
     pub other_names: Vec<String>,
     /// Its drift rests on the clock of the control plane that judged it
@@ -151,22 +147,6 @@ pub struct NodeRecord {
     /// without such a drift read as before.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub on_clock: bool,
-    /// The control planes (EK digests, at most [`MAX_VOUCHERS`]) whose
-    /// registries brought this record, while the node itself has neither
-    /// joined through this control plane nor sent it evidence: it is
-    /// hearsay here. Empty: this control plane heard the node itself (or
-    /// an earlier version stored the record). Kept in this control plane's
-    /// own files and shown to the operator, never served to another
-    /// control plane ([`Registry::served`]) and never taken from one
-    /// ([`Registry::parse`] clears it): a peer serves only what it heard
-    /// itself, so once every voucher is revoked nothing stands for the
-    /// record and it is dropped ([`Registry::drop_what_only_the_revoked_vouched_for`]).
-    #[serde(
-        default,
-        skip_serializing_if = "Vec::is_empty",
-        deserialize_with = "at_most::<_, MAX_VOUCHERS>"
-    )]
-    pub vouched_by: Vec<String>,
 }
 
 impl NodeRecord {
@@ -201,7 +181,6 @@ impl NodeRecord {
             measurements: String::new(),
             other_names: Vec::new(),
             on_clock: false,
-            vouched_by: Vec::new(),
         }
     }
 
@@ -235,28 +214,6 @@ impl NodeRecord {
         for name in &mut self.other_names {
             *name = cut(name, MAX_FIELD);
         }
-        // Only EK digests vouch.
-        self.vouched_by.retain(|ek| ek_digest(ek).is_some());
-        self.vouched_by.truncate(MAX_VOUCHERS);
-    }
-
-    /// Whether the node was heard here only through other control planes
-    /// ([`NodeRecord::vouched_by`]).
-    pub fn hearsay(&self) -> bool {
-        !self.vouched_by.is_empty()
-    }
-
-    /// Adds `peer` to the vouchers of a record heard here only through
-    /// peers (room permitting); returns whether it was added.
-    fn vouch(&mut self, peer: &str) -> bool {
-        if !self.hearsay()
-            || self.vouched_by.len() >= MAX_VOUCHERS
-            || self.vouched_by.iter().any(|v| v == peer)
-        {
-            return false;
-        }
-        self.vouched_by.push(peer.to_owned());
-        true
     }
 
     /// Whether it holds `name` (cut as stored): its own or another.
@@ -292,36 +249,35 @@ impl NodeRecord {
     }
 }
 
-/// A list of strings as read: at most `MAX` ([`NodeRecord::other_names`],
-/// [`NodeRecord::vouched_by`]), so a document cannot make a list of
-/// millions of empty strings (24 bytes each in memory for 3 in the
-/// document), kept at its capacity.
-fn at_most<'de, D: serde::Deserializer<'de>, const MAX: usize>(
+/// [`NodeRecord::other_names`] as read: at most [`MAX_OTHER_NAMES`], so a
+/// peer's document cannot make a list of millions of empty names (24 bytes
+/// each in memory for 3 in the document), kept at its capacity.
+fn at_most_other_names<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Vec<String>, D::Error> {
-    struct Strings<const MAX: usize>;
-    impl<'de, const MAX: usize> serde::de::Visitor<'de> for Strings<MAX> {
+    struct Names;
+    impl<'de> serde::de::Visitor<'de> for Names {
         type Value = Vec<String>;
 
         fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "at most {MAX} strings")
+            write!(f, "at most {MAX_OTHER_NAMES} names")
         }
 
         fn visit_seq<A: serde::de::SeqAccess<'de>>(
             self,
             mut seq: A,
         ) -> Result<Self::Value, A::Error> {
-            let mut strings = Vec::with_capacity(MAX);
-            while let Some(string) = seq.next_element::<String>()? {
-                if strings.len() == MAX {
-                    return Err(serde::de::Error::invalid_length(MAX + 1, &self));
+            let mut names = Vec::with_capacity(MAX_OTHER_NAMES);
+            while let Some(name) = seq.next_element::<String>()? {
+                if names.len() == MAX_OTHER_NAMES {
+                    return Err(serde::de::Error::invalid_length(MAX_OTHER_NAMES + 1, &self));
                 }
-                strings.push(string);
+                names.push(name);
             }
-            Ok(strings)
+            Ok(names)
         }
     }
-    deserializer.deserialize_seq(Strings::<MAX>)
+    deserializer.deserialize_seq(Names)
 }
 
 /// One entry of the revocation list.
@@ -412,9 +368,6 @@ enum Change {
     Node(NodeRecord),
     /// A revocation (revocations are never removed).
     Revoked(Revocation),
-    /// A node record dropped, by its key: hearsay that no unrevoked
-    /// control plane vouches for any more.
-    Forgotten(String),
 }
 
 /// A registry operation failed.
@@ -659,15 +612,10 @@ fn too_large() -> RegistryError {
 impl Registry {
     /// Parses a registry document (at most [`MAX_REGISTRY_BYTES`], at most
     /// [`MAX_NODES`] nodes and [`MAX_REVOCATIONS`] revocations).
-    /// Vouchers in it are cleared: who vouches for a record is this
-    /// control plane's to note ([`NodeRecord::vouched_by`]).
     pub fn parse(bytes: &[u8]) -> Result<Self, RegistryError> {
         let mut registry = Self::parse_bounded(bytes)?;
         registry.check_entries()?;
         registry.cut_fields();
-        for record in registry.nodes.values_mut() {
-            record.vouched_by.clear();
-        }
         Ok(registry)
     }
 
@@ -744,26 +692,6 @@ impl Registry {
         }
     }
 
-    /// What this control plane serves another (a registry exchange, a
-    /// control-plane ticket): its revocations and the records of the nodes
-    /// it heard itself, none of its hearsay
-    /// ([`NodeRecord::vouched_by`]). Each record another control plane
-    /// holds as hearsay then names the one control plane that made it up,
-    /// if one did: revoking that one drops it everywhere. Relayed, it would
-    /// stand on the relays too, each vouching for the other's copy.
-    pub fn served(&self) -> Self {
-        Self {
-            nodes: self
-                .nodes
-                .iter()
-                .filter(|(_, r)| !r.hearsay())
-                .map(|(k, r)| (k.clone(), r.clone()))
-                .collect(),
-            revoked: self.revoked.clone(),
-            ..Self::default()
-        }
-    }
-
     /// This registry's revocations alone, without node records: what a
     /// control-plane ticket carries, so that the new control plane refuses
     /// what this one refuses from its first ticket on.
@@ -802,7 +730,6 @@ impl Registry {
                     measurements: String::new(),
                     other_names: record.other_names.clone(),
                     on_clock: false,
-                    vouched_by: Vec::new(),
                 };
                 (key.clone(), named)
             })
@@ -975,7 +902,6 @@ impl Registry {
             measurements: String::new(),
             other_names: Vec::new(),
             on_clock: false,
-            vouched_by: Vec::new(),
         });
         if record.name.is_empty() {
             record.name = cut(name, MAX_FIELD);
@@ -986,8 +912,6 @@ impl Registry {
         if let Some(disk_uuid) = disk_uuid {
             record.disk_uuid = cut(&disk_uuid.to_ascii_lowercase(), MAX_FIELD);
         }
-        // Heard here now: no longer hearsay.
-        record.vouched_by.clear();
         Ok(())
     }
 
@@ -1161,26 +1085,15 @@ impl Registry {
         moved
     }
 
-    /// How the unrevoked nodes stand: how many this control plane heard
-    /// itself, how many of those but `own_ek` are drifted and silent (the
-    /// policy does not revoke `own_ek`, so it does not hold others back
-    /// either), and how many control planes other than `own_ek` there are,
-    /// hearsay included. The policy judges the nodes heard here
-    /// ([`Registry::failing_unrevoked`]), so only they count for its guard:
-    /// records a compromised peer made up hold back nothing. A peer
-    /// control plane known by hearsay alone still asks for a current view
-    /// of the peers before silence is judged.
+    /// How the unrevoked nodes stand: how many there are, how many of them
+    /// but `own_ek` are drifted and silent (the policy does not revoke
+    /// `own_ek`, so it does not hold others back either), and how many are
+    /// control planes other than `own_ek`.
     pub fn standing(&self, own_ek: &EkDigest) -> Standing {
         let revoked = self.revoked_eks();
         let own = own_ek.to_string();
         let mut standing = Standing::default();
         for r in self.nodes.values().filter(|r| !revoked.contains(&r.ek)) {
-            if r.role == "control-plane" && r.ek != own {
-                standing.peers += 1;
-            }
-            if r.hearsay() {
-                continue;
-            }
             standing.unrevoked += 1;
             match r.verdict {
                 _ if r.ek == own => {}
@@ -1192,25 +1105,24 @@ impl Registry {
                 Verdict::Silent => standing.silent += 1,
                 _ => {}
             }
+            if r.role == "control-plane" && r.ek != own {
+                standing.peers += 1;
+            }
         }
         standing
     }
 
     /// The nodes whose verdict is drifted or silent and whose EK no
     /// revocation covers, but `own` (the control plane whose registry this
-    /// is), among the nodes this control plane heard itself: what the
-    /// `revoke` policy has yet to revoke. A control plane never revokes
-    /// itself: its peers judge it, and a lone control plane that revoked
-    /// itself would serve no one again. Nor a node it knows only by
-    /// hearsay: the control planes that heard it judge it, and their
-    /// revocations spread; a compromised one's records of nodes that never
-    /// were would otherwise spend this list.
+    /// is): what the `revoke` policy has yet to revoke. A control plane
+    /// never revokes itself: its peers judge it, and a lone control plane
+    /// that revoked itself would serve no one again.
     pub fn failing_unrevoked(&self, own: &EkDigest) -> Vec<NodeRecord> {
         let revoked = self.revoked_eks();
         let own = own.to_string();
         self.nodes
             .values()
-            .filter(|r| r.verdict.fails() && !r.hearsay())
+            .filter(|r| r.verdict.fails())
             .filter(|r| !revoked.contains(&r.ek) && r.ek != own)
             .cloned()
             .collect()
@@ -1266,7 +1178,6 @@ impl Registry {
             at: now(),
         };
         self.revoked.push(revocation.clone());
-        self.drop_what_only_the_revoked_vouched_for();
         Ok(revocation)
     }
 
@@ -1334,10 +1245,7 @@ impl Registry {
     /// node record it has with newer evidence (or that
     /// this one lacks) replaces this one's, unless it is dated more than
     /// [`MAX_CLOCK_SKEW`] ahead of this clock (then it is taken only if
-    /// this one lacks it, dated now). A record taken new is noted as heard
-    /// here ([`NodeRecord::vouched_by`] empty): for what this node holds
-    /// of its own, not another control plane's registry
-    /// ([`Registry::merge_heard_from`]).
+    /// this one lacks it, dated now).
     pub fn merge(&mut self, other: Self) -> Merged {
         self.merge_holding_drift(other, Duration::ZERO)
     }
@@ -1348,19 +1256,6 @@ impl Registry {
     /// drifted before one control plane and then, after a TPM reset, sent
     /// trusted evidence to another is still judged here.
     pub fn merge_holding_drift(&mut self, other: Self, stands: Duration) -> Merged {
-        self.merge_vouched(other, stands, None)
-    }
-
-    /// [`Registry::merge_holding_drift`] of the registry the control plane
-    /// of the EK `from` served: each record it brings that this control
-    /// plane has not heard itself is hearsay here, vouched for by `from`
-    /// ([`NodeRecord::vouched_by`]), and goes once every control plane
-    /// that vouched for it is revoked.
-    pub fn merge_heard_from(&mut self, other: Self, stands: Duration, from: &EkDigest) -> Merged {
-        self.merge_vouched(other, stands, Some(&from.to_string()))
-    }
-
-    fn merge_vouched(&mut self, other: Self, stands: Duration, from: Option<&str>) -> Merged {
         let at = now();
         let mut merged = Merged::default();
         let mut covered = Covered::of(&self.revoked);
@@ -1389,16 +1284,8 @@ impl Registry {
         // here.
         let latest = now().saturating_add(MAX_CLOCK_SKEW.as_secs());
         for (key, mut theirs) in other.nodes {
-            // Who vouches for a record is this control plane's to note.
-            theirs.vouched_by.clear();
             if key == theirs.ek {
                 self.take_identity(&key, &theirs, at);
-                if let (Some(from), Some(ours)) = (from, self.nodes.get_mut(&key)) {
-                    if ours.vouch(from) {
-                        self.changed.insert(key.clone());
-                        merged.vouched += 1;
-                    }
-                }
             }
             let dated = [
                 Some(theirs.registered_at),
@@ -1485,18 +1372,11 @@ impl Registry {
                         theirs.on_clock = false;
                     }
                 }
-                theirs.vouched_by = match self.nodes.get(&key) {
-                    Some(ours) => ours.vouched_by.clone(),
-                    None => from.map(|peer| vec![peer.to_owned()]).unwrap_or_default(),
-                };
                 self.changed.insert(key.clone());
                 self.heard_from_peers.insert(key.clone(), heard);
                 self.nodes.insert(key, theirs);
                 merged.taken += 1;
             }
-        }
-        if merged.added > 0 {
-            merged.forgotten = self.drop_what_only_the_revoked_vouched_for();
         }
         merged
     }
@@ -1546,43 +1426,6 @@ impl Registry {
         self.revoked.iter().map(|r| r.ek.clone()).collect()
     }
 
-    /// Strikes revoked control planes from the vouchers of the records
-    /// heard here only through peers, and drops each record no voucher is
-    /// left for: a control plane compromised before it was revoked may
-    /// have served records of nodes that never were (drifted ones, to hold
-    /// the `revoke` policy back; control planes, for the operator's
-    /// commands to wait on; names, to refuse real nodes; enough to fill
-    /// the registry), and they go with it. Returns how many it dropped.
-    fn drop_what_only_the_revoked_vouched_for(&mut self) -> usize {
-        if self.nodes.values().all(|r| !r.hearsay()) {
-            return 0;
-        }
-        let revoked = self.revoked_eks();
-        let mut dropped = Vec::new();
-        for (key, record) in &mut self.nodes {
-            let vouchers = record.vouched_by.len();
-            record.vouched_by.retain(|peer| !revoked.contains(peer));
-            if record.vouched_by.len() != vouchers {
-                self.changed.insert(key.clone());
-                if record.vouched_by.is_empty() {
-                    dropped.push(key.clone());
-                }
-            }
-        }
-        for key in &dropped {
-            self.nodes.remove(key);
-            self.heard_from_peers.remove(key);
-            self.heard_ahead.remove(key);
-        }
-        if !dropped.is_empty() {
-            tracing::warn!(
-                records = dropped.len(),
-                "dropped node records only revoked control planes vouched for"
-            );
-        }
-        dropped.len()
-    }
-
     /// Replays one journal record; `revoked` is what the revocation list
     /// covers.
     fn apply(&mut self, change: Change, revoked: &mut Covered) -> Result<(), RegistryError> {
@@ -1597,9 +1440,6 @@ impl Registry {
                     return Err(RegistryError::Invalid("journal: too many nodes".into()));
                 }
                 self.nodes.insert(record.ek.clone(), record);
-            }
-            Change::Forgotten(key) => {
-                self.nodes.remove(&key);
             }
             Change::Revoked(mut revocation) => {
                 revocation.cut_fields();
@@ -1678,26 +1518,18 @@ pub struct Merged {
     pub taken: usize,
     /// New revocations left out because the list is full.
     pub dropped: usize,
-    /// Records heard here only through peers that the serving control
-    /// plane now vouches for too.
-    pub vouched: usize,
-    /// Records dropped: every control plane that vouched for them is
-    /// revoked now.
-    pub forgotten: usize,
 }
 
 /// How a registry's unrevoked nodes stand ([`Registry::standing`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Standing {
-    /// Nodes no revocation covers that this control plane heard itself
-    /// (no hearsay, [`NodeRecord::vouched_by`]).
+    /// Nodes no revocation covers.
     pub unrevoked: usize,
     /// Of those, the drifted ones, but drifts that rest on the clock.
     pub drifted: usize,
     /// Of those, the silent ones.
     pub silent: usize,
-    /// Control planes other than this one no revocation covers, hearsay
-    /// included.
+    /// Of those, the control planes other than this one.
     pub peers: usize,
 }
 
@@ -1795,10 +1627,7 @@ impl Disk {
         let outgrown = journal::outgrown(journal_bytes, self.snapshot_bytes, COMPACT_AT_LEAST);
         let mut records: Vec<Change> = keys
             .iter()
-            .map(|k| match registry.nodes.get(k) {
-                Some(record) => Change::Node(record.clone()),
-                None => Change::Forgotten(k.clone()),
-            })
+            .filter_map(|k| registry.nodes.get(k).cloned().map(Change::Node))
             .collect();
         records.extend(
             registry
@@ -1934,12 +1763,6 @@ impl RegistryStore {
         self.lock().clone()
     }
 
-    /// A copy of what another control plane is served
-    /// ([`Registry::served`]).
-    pub fn served(&self) -> Registry {
-        self.lock().served()
-    }
-
     /// A copy of the revocations alone ([`Registry::revocations_only`]).
     pub fn revocations(&self) -> Registry {
         self.lock().revocations_only()
@@ -2009,10 +1832,7 @@ impl RegistryStore {
             if from.is_some_and(|peer| registry.revocation(peer).is_some()) {
                 return Err(RegistryError::PeerRevoked);
             }
-            match from {
-                Some(peer) => registry.merge_heard_from(theirs, stands, peer),
-                None => registry.merge_holding_drift(theirs, stands),
-            }
+            registry.merge_holding_drift(theirs, stands)
         };
         if merged.dropped > 0 {
             tracing::error!(
@@ -2022,7 +1842,7 @@ impl RegistryStore {
                 "merged what the revocation list holds; it is full"
             );
         }
-        if merged.added + merged.taken + merged.vouched + merged.forgotten > 0 {
+        if merged.added + merged.taken > 0 {
             self.write()?;
         }
         if merged.dropped > 0 {
@@ -2748,7 +2568,6 @@ mod tests {
                     measurements: longest(MAX_FIELD),
                     other_names: vec![longest(MAX_FIELD); MAX_OTHER_NAMES],
                     on_clock: true,
-                    vouched_by: vec![ek.clone(); MAX_VOUCHERS],
                 },
             );
             r.revoked.push(Revocation {
@@ -2761,11 +2580,7 @@ mod tests {
         }
         let json = r.to_json();
         assert!(json.len() <= MAX_REGISTRY_BYTES, "{} bytes", json.len());
-        assert_eq!(Registry::parse_stored(&json).unwrap(), r);
-        // Vouchers are this control plane's own: never taken from a peer.
-        let served = Registry::parse(&json).unwrap();
-        assert_eq!(served.nodes.len(), MAX_NODES);
-        assert!(served.nodes.values().all(|n| !n.hearsay()));
+        assert_eq!(Registry::parse(&json).unwrap(), r);
         // Stored text has no control characters, and is cut on a
         // character boundary.
         assert_eq!(cut("a\u{1b}[2Jb\n", 64), "a?[2Jb?");
@@ -3023,177 +2838,6 @@ mod tests {
         assert_eq!(r.merge(later).taken, 1);
         assert_eq!(r.nodes[&key].verdict, Verdict::Drifted);
         assert_eq!(r.nodes[&key].verdict_at, since);
-    }
-
-    /// A control plane compromised before it is revoked serves records of
-    /// nodes that never were: a drifted worker (to hold the `revoke`
-    /// policy back), a control plane (for the operator's commands to wait
-    /// on), a name (to refuse the real node of that name). Here they are
-    /// hearsay: they never count for the policy, and once the control
-    /// plane is revoked they go, here and in what this one serves, while
-    /// what this control plane heard itself stays.
-    #[test]
-    fn a_revoked_control_planes_made_up_records_go_with_it() {
-        let (own, liar) = (ek(10), ek(30));
-        let mut r = Registry::default();
-        r.register(&own, "", "cp-0", "control-plane").unwrap();
-        r.record(&evidence(1, None)).unwrap();
-        r.record(&evidence(2, None)).unwrap();
-
-        let mut made_up = Registry::default();
-        made_up.record(&evidence(1, Some("PCR 4"))).unwrap();
-        made_up
-            .nodes
-            .get_mut(&ek(1).to_string())
-            .unwrap()
-            .last_evidence_at = Some(now() + 1);
-        for n in 5..8 {
-            made_up.record(&evidence(n, Some("PCR 4"))).unwrap();
-        }
-        made_up
-            .register(&ek(8), "", "cp-x", "control-plane")
-            .unwrap();
-        // A peer's document cannot name its own vouchers.
-        for record in made_up.nodes.values_mut() {
-            record.vouched_by = vec![own.to_string()];
-        }
-        let merged = r.merge_heard_from(made_up, Duration::ZERO, &liar);
-        assert_eq!(merged.taken, 5, "{merged:?}");
-        let hearsay = |r: &Registry| {
-            let mut keys: Vec<_> = r
-                .nodes
-                .values()
-                .filter(|n| n.hearsay())
-                .map(|n| n.ek.clone())
-                .collect();
-            keys.sort();
-            keys
-        };
-        let made_up_keys: Vec<_> = [5, 6, 7, 8].map(|n| ek(n).to_string()).to_vec();
-        assert_eq!(hearsay(&r), made_up_keys);
-        assert!(r
-            .nodes
-            .values()
-            .filter(|n| n.hearsay())
-            .all(|n| n.vouched_by == [liar.to_string()]));
-        // Node 1 was heard here: the peer's newer drift is its verdict,
-        // and it is no hearsay.
-        assert_eq!(r.nodes[&ek(1).to_string()].verdict, Verdict::Drifted);
-        assert!(!r.nodes[&ek(1).to_string()].hearsay());
-
-        // Three made-up drifts would be more than half of six nodes: they
-        // hold nothing back and are not the policy's to revoke.
-        let standing = r.standing(&own);
-        assert_eq!(
-            (standing.unrevoked, standing.drifted, standing.peers),
-            (3, 1, 1),
-            "{standing:?}"
-        );
-        assert!(!standing.too_many(standing.drifted));
-        let failing: Vec<_> = r
-            .failing_unrevoked(&own)
-            .into_iter()
-            .map(|n| n.ek)
-            .collect();
-        assert_eq!(failing, [ek(1).to_string()]);
-        // Not served on: each peer hears it from the liar alone.
-        let served = r.served();
-        assert_eq!(served.nodes.len(), 3);
-        assert!(served.nodes.values().all(|n| !n.hearsay()));
-        // While vouched for, the names stand.
-        assert!(matches!(
-            r.register(&ek(9), "", "w-5", "worker"),
-            Err(RegistryError::NameTaken { .. })
-        ));
-
-        r.changed.clear();
-        r.revoke_ek(&liar, "compromised").unwrap();
-        assert_eq!(hearsay(&r), Vec::<String>::new());
-        assert_eq!(r.nodes.len(), 3);
-        assert_eq!(r.standing(&own).peers, 0);
-        for key in &made_up_keys {
-            assert!(r.changed.contains(key), "{key} not journaled");
-        }
-        r.register(&ek(9), "", "w-5", "worker").unwrap();
-    }
-
-    /// A record two control planes vouch for stays until both are
-    /// revoked; one heard here stops being hearsay; the journal replays
-    /// the drop; and a revocation a peer brings drops what it alone
-    /// vouched for.
-    #[test]
-    fn hearsay_goes_when_its_last_voucher_is_revoked() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = RegistryStore::load(dir.path().join("registry.json")).unwrap();
-        let (a, b) = (ek(20), ek(21));
-        let served = |n: u8| {
-            let mut peer = Registry::default();
-            peer.record(&evidence(n, None)).unwrap();
-            peer
-        };
-        let mut both = served(1);
-        both.record(&evidence(2, None)).unwrap();
-        store.merge_from_peer(both, Duration::ZERO, &a).unwrap();
-        store
-            .merge_from_peer(served(1), Duration::ZERO, &b)
-            .unwrap();
-        store
-            .merge_from_peer(served(3), Duration::ZERO, &b)
-            .unwrap();
-        let vouchers = |n: u8| {
-            store
-                .snapshot()
-                .nodes()
-                .get(&ek(n).to_string())
-                .map(|r| r.vouched_by.clone())
-        };
-        assert_eq!(vouchers(1), Some(vec![a.to_string(), b.to_string()]));
-        assert_eq!(vouchers(2), Some(vec![a.to_string()]));
-        store.update(|r| r.record(&evidence(3, None))).unwrap();
-        assert_eq!(vouchers(3), Some(vec![]));
-
-        // A peer's revocation of `a` arrives with its registry.
-        let mut revoking = Registry::default();
-        revoking.revoke_ek(&a, "compromised").unwrap();
-        store.merge_from_peer(revoking, Duration::ZERO, &b).unwrap();
-        assert_eq!(vouchers(1), Some(vec![b.to_string()]));
-        assert_eq!(vouchers(2), None);
-        assert_eq!(Registry::on_disk(store.path()).unwrap(), store.snapshot());
-
-        store.update(|r| r.revoke_ek(&b, "compromised")).unwrap();
-        assert_eq!(vouchers(1), None);
-        assert_eq!(vouchers(3), Some(vec![]));
-        let on_disk = Registry::on_disk(store.path()).unwrap();
-        assert_eq!(on_disk, store.snapshot());
-        assert_eq!(on_disk.nodes().len(), 1);
-    }
-
-    /// Made-up records up to the registry's bound leave no room for a real
-    /// node; revoking the control plane that made them up makes it again.
-    #[test]
-    fn a_registry_filled_with_hearsay_has_room_again_once_its_voucher_is_revoked() {
-        let liar = ek(30);
-        let mut made_up = Registry::default();
-        for i in 0..MAX_NODES as u64 {
-            let mut digest = [0xa5u8; 32];
-            digest[..8].copy_from_slice(&i.to_le_bytes());
-            let key = EkDigest::from_hex(&hex::encode(digest)).unwrap();
-            made_up
-                .enter(&key, None, &format!("x-{i}"), "worker")
-                .unwrap();
-        }
-        let mut r = Registry::default();
-        assert_eq!(
-            r.merge_heard_from(made_up, Duration::ZERO, &liar).taken,
-            MAX_NODES
-        );
-        assert!(matches!(
-            r.register(&ek(1), "", "w-1", "worker"),
-            Err(RegistryError::Full)
-        ));
-        r.revoke_ek(&liar, "compromised").unwrap();
-        assert!(r.nodes.is_empty());
-        r.register(&ek(1), "", "w-1", "worker").unwrap();
     }
 
     /// A drift whose evidence failed only for a validity period at this
@@ -3529,18 +3173,7 @@ mod tests {
         let two = Registry::parse(&with_names(vec!["w-8", "w-9"])).unwrap();
         assert_eq!(two.nodes[&ek(1).to_string()].other_names, ["w-8", "w-9"]);
         let refused = Registry::parse(&with_names(vec![""; 100_000])).unwrap_err();
-        assert!(
-            refused.to_string().contains("at most 2 strings"),
-            "{refused}"
-        );
-        // Vouchers likewise, in a registry file.
-        let mut doc: serde_json::Value = serde_json::from_slice(&r.to_json()).unwrap();
-        doc["nodes"][ek(1).to_string()]["vouched_by"] = serde_json::json!(vec![""; 100_000]);
-        let refused = Registry::parse_stored(&serde_json::to_vec(&doc).unwrap()).unwrap_err();
-        assert!(
-            refused.to_string().contains("at most 4 strings"),
-            "{refused}"
-        );
+        assert!(refused.to_string().contains("at most 2 names"), "{refused}");
     }
 
     #[test]

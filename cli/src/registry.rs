@@ -12,7 +12,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use anyhow::ensure;
-use keel_proto::{MAX_NODES, MAX_OTHER_NAMES, MAX_REGISTRY_BYTES, MAX_REVOCATIONS, MAX_VOUCHERS};
+use keel_proto::{MAX_NODES, MAX_OTHER_NAMES, MAX_REGISTRY_BYTES, MAX_REVOCATIONS};
 use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
@@ -67,14 +67,6 @@ pub struct NodeRecord {
     /// Its drift rests on the judging control plane's clock alone.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub on_clock: bool,
-    /// The control planes whose registries alone brought the record (at
-    /// most [`MAX_VOUCHERS`]): the answering control plane did not hear
-    /// the node itself. Empty: it did (or its version does not say).
-    #[serde(
-        skip_serializing_if = "Vec::is_empty",
-        deserialize_with = "at_most_vouchers"
-    )]
-    pub vouched_by: Vec<String>,
 }
 
 /// One entry of the revocation list.
@@ -186,13 +178,6 @@ fn at_most_other_names<'de, D: Deserializer<'de>>(
 ) -> Result<Vec<String>, D::Error> {
     deserializer.deserialize_seq(AtMostList {
         most: MAX_OTHER_NAMES,
-        elements: PhantomData,
-    })
-}
-
-fn at_most_vouchers<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<String>, D::Error> {
-    deserializer.deserialize_seq(AtMostList {
-        most: MAX_VOUCHERS,
         elements: PhantomData,
     })
 }

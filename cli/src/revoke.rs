@@ -78,7 +78,6 @@ pub async fn run(
     refuse_unnamed_control_planes(
         &registries,
         &named,
-        Some(&target.ek),
         allowance,
         "Each must revoke the node, or it goes on issuing it tickets (and disk keys) until \
          it merges another's list",

@@ -227,30 +227,14 @@ fn view_text(view: &View<'_>, local: impl FnOnce() -> u64) -> String {
 
 /// A node record's reason, saying so where its drift rests on the
 /// control plane's clock alone (which its `revoke` policy leaves to the
-/// operator), and where the control plane knows the node only from its
-/// peers (which control planes, by the first 16 hex digits of their EKs'
-/// hashes: revoking them all drops the record).
+/// operator).
 fn reason(node: &NodeRecord) -> String {
-    let mut reason = text(node.reason.as_deref().unwrap_or(""));
+    let reason = text(node.reason.as_deref().unwrap_or(""));
     if node.on_clock && node.verdict == "drifted" {
-        reason.push_str(" (only at this control plane's time: check its clock and collateral; not revoked by policy)");
+        format!("{reason} (only at this control plane's time: check its clock and collateral; not revoked by policy)")
+    } else {
+        reason
     }
-    if !node.vouched_by.is_empty() {
-        let vouchers: Vec<String> = node
-            .vouched_by
-            .iter()
-            .map(|ek| {
-                let ek = text(ek);
-                let hex = ek.strip_prefix("sha256:").unwrap_or(&ek);
-                hex.get(..16).unwrap_or(hex).to_owned()
-            })
-            .collect();
-        reason.push_str(&format!(
-            " (hearsay: only control planes {} vouch for it)",
-            vouchers.join(", ")
-        ));
-    }
-    reason.trim_start().to_owned()
 }
 
 #[cfg(test)]
@@ -406,14 +390,6 @@ mod tests {
             reason(&on_clock).ends_with("not revoked by policy)"),
             "{}",
             reason(&on_clock)
-        );
-        let hearsay = NodeRecord {
-            vouched_by: vec![ek('e'), "\u{1b}[2J".into()],
-            ..NodeRecord::default()
-        };
-        assert_eq!(
-            reason(&hearsay),
-            "(hearsay: only control planes eeeeeeeeeeeeeeee, \\u{1b}[2J vouch for it)"
         );
     }
 

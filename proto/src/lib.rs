@@ -110,9 +110,6 @@ pub const MAX_REVOCATIONS: usize = 10_000;
 /// Most other names a registry's node record holds (names other control
 /// planes hold its EK under).
 pub const MAX_OTHER_NAMES: usize = 2;
-/// Most control planes a registry's node record names as vouching for it
-/// (a record the control plane heard only from them).
-pub const MAX_VOUCHERS: usize = 4;
 
 /// Response metadata key of a node's busy answer (`Unavailable`: its
 /// places for requests in flight are taken, the request was not read): a

@@ -722,10 +722,8 @@ impl EvidenceService {
         }
     }
 
-    /// The registry, for a peer that is a control plane of this cluster:
-    /// its revocations and the records of the nodes this control plane
-    /// heard itself ([`crate::registry::Registry::served`]), copied and
-    /// encoded (up to the registry's bound) on a blocking
+    /// The registry, for a peer that is a control plane of this cluster;
+    /// copied and encoded (up to the registry's bound) on a blocking
     /// thread. A control plane this registry revokes gets the revocation
     /// list alone: no other control plane takes its evidence, so this is
     /// how it learns that it is revoked (and stops issuing tickets) and
@@ -760,7 +758,7 @@ impl EvidenceService {
             Ok(if revoked {
                 s.revocations().to_json()
             } else {
-                s.served().to_json()
+                s.snapshot().to_json()
             })
         })
         .await

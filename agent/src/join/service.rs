@@ -320,15 +320,14 @@ impl JoinService {
         self
     }
 
-    /// What a ticket carries of the registry: for a control plane, what
-    /// this service serves its peers (its revocations and the records of
-    /// the nodes it heard itself, [`crate::registry::Registry::served`]), which it
+    /// What a ticket carries of the registry: for a control plane, this
+    /// service's whole registry (node records and revocations), which it
     /// holds before it serves: it refuses a revoked node, and a second
     /// TPM under a name another node holds, from its first ticket on, not
     /// from its first registry exchange. Nothing for a worker.
     fn registry_for(&self, control_plane: bool) -> Vec<u8> {
         match &self.registry {
-            Some((registry, _)) if control_plane => registry.served().to_json(),
+            Some((registry, _)) if control_plane => registry.snapshot().to_json(),
             _ => Vec::new(),
         }
     }

@@ -230,7 +230,6 @@ pub(crate) async fn every_control_plane_named(
     refuse_unnamed_control_planes(
         &registries,
         &roles.control_plane_eks,
-        None,
         0,
         "Each must take the upgrade, or it judges the upgraded nodes drifted (and, under \
          the revoke policy, revokes them), or goes on accepting the old image",
@@ -253,16 +252,14 @@ pub(crate) async fn registries_of(
 /// Refuses while `registries` know, in all, more than `unread` unrevoked
 /// control planes whose EK is not in `named` (`unread`: how many named
 /// control planes could not be read, which may be any of them); `why`
-/// says what one left out would miss. `revoking`: the EK the command
-/// revokes, if it revokes one.
+/// says what one left out would miss.
 pub(crate) fn refuse_unnamed_control_planes(
     registries: &[(String, Registry)],
     named: &BTreeSet<String>,
-    revoking: Option<&str>,
     unread: usize,
     why: &str,
 ) -> anyhow::Result<()> {
-    let found = unnamed_control_planes(registries, named, revoking);
+    let found = unnamed_control_planes(registries, named);
     let distinct: BTreeSet<&String> = found.iter().flat_map(|(_, unnamed)| unnamed).collect();
     match found.first() {
         Some((endpoint, unnamed)) if distinct.len() > unread => bail!(
@@ -279,39 +276,16 @@ pub(crate) fn refuse_unnamed_control_planes(
 /// registry has revoked (revocations are one list across the cluster; a
 /// registry that has not yet merged one does not count), as `name (EK)`
 /// escaped for the terminal. A revocation without an EK revokes none.
-///
-/// Nor is one needed that no registry heard itself and that only revoked
-/// control planes vouch for (`revoking` among them: the EK the command
-/// revokes): a control plane compromised before it was revoked may have
-/// served records of control planes that never were, and every registry
-/// drops them once it has revoked it. A record of an earlier version, which
-/// names no voucher, counts as heard.
 fn unnamed_control_planes(
     registries: &[(String, Registry)],
     named: &BTreeSet<String>,
-    revoking: Option<&str>,
 ) -> Vec<(String, Vec<String>)> {
     let revoked: BTreeSet<&str> = registries
         .iter()
         .flat_map(|(_, registry)| &registry.revoked)
         .map(|r| r.ek.as_str())
         .filter(|ek| !ek.is_empty())
-        .chain(revoking)
         .collect();
-    let records = || {
-        registries
-            .iter()
-            .flat_map(|(_, registry)| registry.nodes.values())
-    };
-    let heard: BTreeSet<&str> = records()
-        .filter(|n| n.vouched_by.is_empty())
-        .map(|n| n.ek.as_str())
-        .collect();
-    let vouched_for_by_the_living: BTreeSet<&str> = records()
-        .filter(|n| n.vouched_by.iter().any(|v| !revoked.contains(v.as_str())))
-        .map(|n| n.ek.as_str())
-        .collect();
-    let made_up = |ek: &str| !heard.contains(ek) && !vouched_for_by_the_living.contains(ek);
     registries
         .iter()
         .map(|(endpoint, registry)| {
@@ -320,7 +294,6 @@ fn unnamed_control_planes(
                 .values()
                 .filter(|n| n.role == "control-plane")
                 .filter(|n| !revoked.contains(n.ek.as_str()) && !named.contains(&n.ek))
-                .filter(|n| !made_up(&n.ek))
                 .map(|n| format!("{} ({})", printable(&n.name), printable(&n.ek)))
                 .collect::<Vec<_>>();
             (endpoint.clone(), unnamed)
@@ -354,15 +327,15 @@ mod tests {
         }));
         let named: BTreeSet<String> = [ek("aa")].into();
         assert_eq!(
-            unnamed_control_planes(&one(registry.clone()), &named, None),
+            unnamed_control_planes(&one(registry.clone()), &named),
             [(
                 "cp-0:9000".to_owned(),
                 vec![format!("cp-1\\u{{1b}}[2J ({})", ek("bb"))]
             )]
         );
         let all: BTreeSet<String> = [ek("aa"), ek("bb")].into();
-        assert!(unnamed_control_planes(&one(registry), &all, None).is_empty());
-        assert!(unnamed_control_planes(&one(Registry::default()), &named, None).is_empty());
+        assert!(unnamed_control_planes(&one(registry), &all).is_empty());
+        assert!(unnamed_control_planes(&one(Registry::default()), &named).is_empty());
     }
 
     /// A control plane one named control plane does not know (its host
@@ -383,7 +356,7 @@ mod tests {
             ("cp-1:9000".to_owned(), second.clone()),
         ];
         assert_eq!(
-            unnamed_control_planes(&registries, &named, None),
+            unnamed_control_planes(&registries, &named),
             [("cp-1:9000".to_owned(), vec![format!("cp-x ({})", ek("ee"))])]
         );
         let mut revoking = first;
@@ -392,58 +365,7 @@ mod tests {
             ("cp-0:9000".to_owned(), registry_of(revoking)),
             ("cp-1:9000".to_owned(), second),
         ];
-        assert!(unnamed_control_planes(&registries, &named, None).is_empty());
-    }
-
-    /// Attacker's move, as a control plane compromised before it is
-    /// revoked: serve records of control planes that never were, so that
-    /// `keel revoke` (of it, too), `keel upgrade` and `keel push-measurements`
-    /// wait on them. A record no registry heard itself and only revoked
-    /// control planes vouch for is not waited on; one a registry heard,
-    /// one an unrevoked control plane vouches for, and one of an earlier
-    /// version (no vouchers) are.
-    #[test]
-    fn a_control_plane_only_revoked_ones_vouch_for_need_not_be_named() {
-        let ek = |b: &str| format!("sha256:{}", b.repeat(32));
-        let cp = |name: &str, e: &str, vouchers: &[&str]| {
-            let vouchers: Vec<String> = vouchers.iter().map(|v| ek(v)).collect();
-            serde_json::json!({"name": name, "role": "control-plane", "ek": ek(e), "vouched_by": vouchers})
-        };
-        let named: BTreeSet<String> = [ek("aa"), ek("bb")].into();
-        let first = registry_of(serde_json::json!({"nodes": {
-            "a": cp("cp-0", "aa", &[]),
-            "c": cp("liar", "cc", &[]),
-            "e": cp("made-up", "ee", &["cc"]),
-            "f": cp("also-vouched", "ff", &["cc", "bb"]),
-            "d": cp("heard-elsewhere", "dd", &["cc"]),
-        }}));
-        let second = registry_of(serde_json::json!({"nodes": {
-            "b": cp("cp-1", "bb", &[]),
-            "e": cp("made-up", "ee", &["cc"]),
-            "d": cp("heard-elsewhere", "dd", &[]),
-            "w": {"name": "earlier", "role": "control-plane", "ek": ek("11")},
-        }}));
-        let registries = vec![
-            ("cp-0:9000".to_owned(), first),
-            ("cp-1:9000".to_owned(), second),
-        ];
-        let unnamed = |revoking: Option<&str>| -> BTreeSet<String> {
-            unnamed_control_planes(&registries, &named, revoking)
-                .into_iter()
-                .flat_map(|(_, unnamed)| unnamed)
-                .map(|shown| shown.split(' ').next().unwrap_or("").to_owned())
-                .collect()
-        };
-        let waited_on = ["also-vouched", "heard-elsewhere", "earlier"];
-        assert_eq!(
-            unnamed(Some(&ek("cc"))),
-            waited_on.map(str::to_owned).into()
-        );
-        // Until it is revoked, the liar's records are waited on, as is
-        // the liar.
-        let mut before: BTreeSet<String> = waited_on.map(str::to_owned).into();
-        before.extend(["liar".to_owned(), "made-up".to_owned()]);
-        assert_eq!(unnamed(None), before);
+        assert!(unnamed_control_planes(&registries, &named).is_empty());
     }
 
     /// A named control plane that could not be read may be any one the
@@ -462,11 +384,11 @@ mod tests {
             ("cp-0b:9000".to_owned(), registry),
         ];
         for unread in [0, 1] {
-            let e = refuse_unnamed_control_planes(&registries, &named, None, unread, "why")
+            let e = refuse_unnamed_control_planes(&registries, &named, unread, "why")
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("not named with --endpoint"), "{e}");
         }
-        refuse_unnamed_control_planes(&registries, &named, None, 2, "why").unwrap();
+        refuse_unnamed_control_planes(&registries, &named, 2, "why").unwrap();
     }
 }
