@@ -133,17 +133,20 @@ enum Command {
         #[arg(long, default_value_t = 60, value_name = "SECONDS", value_parser = crate::seconds())]
         wait: u64,
     },
-    /// Put a node on every named control plane's revocation list: no join
-    /// ticket, no rejoin ticket, no disk key for its EK and its disk. A
+    /// Put nodes on every named control plane's revocation list: no join
+    /// ticket, no rejoin ticket, no disk key for their EKs and disks. A
     /// running node keeps the key it has until it reboots. Name every
-    /// control plane with --endpoint (a control plane being revoked need
-    /// not be): the node is looked up in all their registries and revoked
+    /// control plane with --endpoint (control planes being revoked need
+    /// not be): each node is looked up in all their registries and revoked
     /// by its EK; a name or disk that means two nodes revokes nothing.
     Revoke {
         /// The node: its name, its disk UUID, or its EK hash (`sha256:` and
         /// hex, the hex alone, or its first 8 or more hex digits, as
-        /// `keel status` shows them).
-        node: String,
+        /// `keel status` shows them). Several are revoked together: a
+        /// compromised control plane with the control-plane records it made
+        /// up, none of which answers, say.
+        #[arg(required = true, num_args = 1..)]
+        nodes: Vec<String>,
         #[command(flatten)]
         to: OperatorArgs,
     },
@@ -283,11 +286,11 @@ fn main() -> ExitCode {
                 )
                 .await
             }
-            Command::Revoke { node, to } => {
+            Command::Revoke { nodes, to } => {
                 revoke::run(
                     &to.settings,
                     &to.workspace,
-                    &node,
+                    &nodes,
                     &operator::distinct(&to.endpoints),
                     Duration::from_secs(to.wait),
                 )

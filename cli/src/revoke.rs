@@ -1,7 +1,8 @@
-//! `keel revoke NODE`: put a node on the revocation list of every control
-//! plane named; every control plane the registries know must be named.
-//! The node (by name, EK hash or disk UUID) is looked up once, in all of
-//! their registries, and revoked by its EK. Each must know the node;
+//! `keel revoke NODE...`: put nodes on the revocation list of every
+//! control plane named; every control plane the registries know must be
+//! named, or be among the nodes revoked. Each node (by name, EK hash or
+//! disk UUID) is looked up once, in all of their registries, and revoked
+//! by its EK. Each must know the node;
 //! from then on it issues no join ticket, no rejoin ticket and so no disk
 //! key for the node's EK (its disk opens with that EK only). A running node keeps the key it has
 //! until it reboots (docs/attestation.md says how to complete the removal).
@@ -26,7 +27,7 @@ use keel_verifier::keys::kind::REVOKE_NODE;
 pub async fn run(
     settings_path: &Path,
     workspace: &Path,
-    node: &str,
+    nodes: &[String],
     endpoints: &[String],
     wait: Duration,
 ) -> anyhow::Result<()> {
@@ -59,50 +60,91 @@ pub async fn run(
         }
         bail!("no control plane named could be read; nothing was revoked");
     }
-    // The node is looked up once, in all their registries, and revoked by
-    // its EK everywhere: a name or disk UUID that means another node to
-    // another control plane (two holders of one name, a node named like
-    // another's disk) revokes nothing.
-    by_ek_while_some_unread(node, unreached.len())?;
-    let target = resolve(node, &registries)?;
-    // A control plane left out would go on issuing tickets to the node;
-    // the one being revoked need not be named, and each named one that
-    // could not be read may be any one the registries know, but the node
-    // itself when it is a named control plane that did not answer.
-    let mut allowance = unreached.len();
-    if target.control_plane && !reached_eks.contains(&target.ek) {
-        allowance = allowance.saturating_sub(1);
+    let targets = targets(nodes, &registries, reached_eks, unreached.len())?;
+    for target in &targets {
+        eprintln!(
+            "revoking node {} (EK {})",
+            printable(&target.name),
+            printable(&target.ek)
+        );
     }
-    let mut named = reached_eks;
-    named.insert(target.ek.clone());
-    refuse_unnamed_control_planes(
-        &registries,
-        &named,
-        allowance,
-        "Each must revoke the node, or it goes on issuing it tickets (and disk keys) until \
-         it merges another's list",
-    )?;
-    eprintln!(
-        "revoking node {} (EK {})",
-        printable(&target.name),
-        printable(&target.ek)
-    );
     // Each named control plane in turn: one that could not be read fails
     // with why, the others revoke.
     let unreached: BTreeMap<String, String> = unreached
         .into_iter()
         .map(|(endpoint, e)| (endpoint, format!("{e:#}")))
         .collect();
-    on_each(&endpoints, "revoke the node", |endpoint| {
-        let (operator, ek, unreached) = (&operator, &target.ek, &unreached);
+    let what = if targets.len() == 1 {
+        "revoke the node"
+    } else {
+        "revoke the nodes"
+    };
+    on_each(&endpoints, what, |endpoint| {
+        let (operator, targets, unreached) = (&operator, &targets, &unreached);
         async move {
             if let Some(why) = unreached.get(&endpoint) {
                 bail!("{why}");
             }
-            revoke_at(operator, &endpoint, ek, workspace).await
+            let mut done = Vec::new();
+            for target in targets {
+                match revoke_at(operator, &endpoint, &target.ek, workspace).await {
+                    Ok(line) => done.push(line),
+                    Err(e) if done.is_empty() => return Err(e),
+                    Err(e) => return Err(e.context(format!("after {}", done.join("; ")))),
+                }
+            }
+            Ok(done.join("; "))
         }
     })
     .await
+}
+
+/// The nodes `selectors` name, each looked up once in all of
+/// `registries` (each named control plane's that answered; `reached_eks`
+/// their EKs, `unread` how many named ones did not answer) and revoked by
+/// its EK everywhere: a name or disk UUID that means another node to
+/// another control plane (two holders of one name, a node named like
+/// another's disk) revokes nothing. Two selectors of one node name it
+/// once. Refused while the registries know control planes that are
+/// neither named nor among the nodes, past those the unread ones may be.
+fn targets(
+    selectors: &[String],
+    registries: &[(String, Registry)],
+    reached_eks: BTreeSet<String>,
+    unread: usize,
+) -> anyhow::Result<Vec<Target>> {
+    if selectors.is_empty() {
+        bail!("name the node to revoke");
+    }
+    let mut targets: Vec<Target> = Vec::new();
+    for selector in selectors {
+        by_ek_while_some_unread(selector, unread)?;
+        let target = resolve(selector, registries)?;
+        if !targets.iter().any(|t| t.ek == target.ek) {
+            targets.push(target);
+        }
+    }
+    // A control plane left out would go on issuing tickets to the nodes;
+    // one being revoked need not be named (a compromised control plane,
+    // and control planes it made up, answer no one), and each named one
+    // that could not be read may be any one the registries know, but a
+    // node being revoked that is a named control plane that did not
+    // answer.
+    let unanswering_targets = targets
+        .iter()
+        .filter(|t| t.control_plane && !reached_eks.contains(&t.ek))
+        .count();
+    let allowance = unread.saturating_sub(unanswering_targets);
+    let mut named = reached_eks;
+    named.extend(targets.iter().map(|t| t.ek.clone()));
+    refuse_unnamed_control_planes(
+        registries,
+        &named,
+        allowance,
+        "Each must revoke the node, or it goes on issuing it tickets (and disk keys) until \
+         it merges another's list",
+    )?;
+    Ok(targets)
 }
 
 /// The EK and registry of the control plane at `endpoint`; `None` if it
@@ -390,5 +432,69 @@ mod tests {
     fn a_node_already_revoked_somewhere_is_found_by_its_revocation() {
         let registries = at(vec![registry(&[], &[("w-1", EK_A)]), registry(&[], &[])]);
         assert_eq!(resolve("w-1", &registries).unwrap().ek, EK_A);
+    }
+    /// Attacker's move, as a control plane compromised before it is
+    /// revoked: serve records of control planes that never were, so that
+    /// its own revocation waits on control planes that answer no one. All
+    /// of them are revoked together; each node once, however it is named;
+    /// a real control plane left unnamed still refuses the revocation.
+    #[test]
+    fn a_control_plane_and_the_control_planes_it_made_up_are_revoked_together() {
+        let ek = |b: &str| format!("sha256:{}", b.repeat(32));
+        let cp = |name: &str, e: &str| json!({"name": name, "role": "control-plane", "ek": ek(e)});
+        let honest = || -> Registry {
+            serde_json::from_value(json!({"nodes": {
+                "cp-0": cp("cp-0", "aa"),
+                "cp-1": cp("cp-1", "bb"),
+                "liar": cp("cp-2", "cc"),
+                "x1": cp("cp-x1", "d1"),
+                "x2": cp("cp-x2", "d2"),
+            }}))
+            .unwrap()
+        };
+        let registries = vec![
+            ("cp-0:9000".to_owned(), honest()),
+            ("cp-1:9000".to_owned(), honest()),
+        ];
+        let reached: BTreeSet<String> = [ek("aa"), ek("bb")].into();
+        let selectors = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+
+        let e = targets(&selectors(&["cp-2"]), &registries, reached.clone(), 0).unwrap_err();
+        assert!(
+            e.to_string().contains("cp-x1") && e.to_string().contains("cp-x2"),
+            "{e}"
+        );
+        let e = targets(
+            &selectors(&["cp-2", "cp-x1"]),
+            &registries,
+            reached.clone(),
+            0,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("cp-x2"), "{e}");
+
+        let all = targets(
+            &selectors(&["cp-2", "cp-x1", &ek("d2"), &ek("cc")[7..23]]),
+            &registries,
+            reached.clone(),
+            0,
+        )
+        .unwrap();
+        let eks: Vec<&str> = all.iter().map(|t| t.ek.as_str()).collect();
+        assert_eq!(eks, [ek("cc"), ek("d1"), ek("d2")]);
+        assert!(all.iter().all(|t| t.control_plane));
+
+        // cp-1 is real and not named: the revocation still waits on it.
+        let only_cp0: BTreeSet<String> = [ek("aa")].into();
+        let e = targets(
+            &selectors(&["cp-2", "cp-x1", "cp-x2"]),
+            &registries[..1],
+            only_cp0,
+            0,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("cp-1"), "{e}");
+        // Nothing to revoke is no revocation.
+        assert!(targets(&[], &registries, reached, 0).is_err());
     }
 }
