@@ -250,34 +250,11 @@ impl NodeRecord {
 }
 
 /// [`NodeRecord::other_names`] as read: at most [`MAX_OTHER_NAMES`], so a
-/// peer's document cannot make a list of millions of empty names (24 bytes
-/// each in memory for 3 in the document), kept at its capacity.
+/// peer's document cannot make a list of millions of empty names.
 fn at_most_other_names<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Vec<String>, D::Error> {
-    struct Names;
-    impl<'de> serde::de::Visitor<'de> for Names {
-        type Value = Vec<String>;
-
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "at most {MAX_OTHER_NAMES} names")
-        }
-
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(
-            self,
-            mut seq: A,
-        ) -> Result<Self::Value, A::Error> {
-            let mut names = Vec::with_capacity(MAX_OTHER_NAMES);
-            while let Some(name) = seq.next_element::<String>()? {
-                if names.len() == MAX_OTHER_NAMES {
-                    return Err(serde::de::Error::invalid_length(MAX_OTHER_NAMES + 1, &self));
-                }
-                names.push(name);
-            }
-            Ok(names)
-        }
-    }
-    deserializer.deserialize_seq(Names)
+    keel_verifier::bounded::at_most(deserializer, MAX_OTHER_NAMES, "names")
 }
 
 /// One entry of the revocation list.

@@ -13,7 +13,7 @@ use std::marker::PhantomData;
 
 use anyhow::ensure;
 use keel_proto::{MAX_NODES, MAX_OTHER_NAMES, MAX_REGISTRY_BYTES, MAX_REVOCATIONS};
-use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
 /// A node registry: nodes by EK hash, and the revocation list. A field the
@@ -124,37 +124,6 @@ impl<'de, V: Deserialize<'de>> Visitor<'de> for AtMostMap<V> {
     }
 }
 
-/// Reads a list of at most `most` elements, refusing the next one before
-/// it is read.
-struct AtMostList<T> {
-    most: usize,
-    elements: PhantomData<T>,
-}
-
-impl<'de, T: Deserialize<'de>> Visitor<'de> for AtMostList<T> {
-    type Value = Vec<T>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "a list of at most {} elements", self.most)
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut elements = Vec::new();
-        loop {
-            if elements.len() == self.most {
-                return match seq.next_element::<de::IgnoredAny>()? {
-                    Some(_) => Err(de::Error::invalid_length(self.most + 1, &self)),
-                    None => Ok(elements),
-                };
-            }
-            match seq.next_element()? {
-                Some(element) => elements.push(element),
-                None => return Ok(elements),
-            }
-        }
-    }
-}
-
 fn at_most_nodes<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<BTreeMap<String, NodeRecord>, D::Error> {
@@ -167,19 +136,13 @@ fn at_most_nodes<'de, D: Deserializer<'de>>(
 fn at_most_revocations<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Vec<Revocation>, D::Error> {
-    deserializer.deserialize_seq(AtMostList {
-        most: MAX_REVOCATIONS,
-        elements: PhantomData,
-    })
+    keel_verifier::bounded::at_most(deserializer, MAX_REVOCATIONS, "revocations")
 }
 
 fn at_most_other_names<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Vec<String>, D::Error> {
-    deserializer.deserialize_seq(AtMostList {
-        most: MAX_OTHER_NAMES,
-        elements: PhantomData,
-    })
+    keel_verifier::bounded::at_most(deserializer, MAX_OTHER_NAMES, "names")
 }
 
 #[cfg(test)]

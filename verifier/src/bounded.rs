@@ -43,6 +43,56 @@ fn up_to(file: std::fs::File, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
     Ok((bytes.len() as u64 <= limit).then_some(bytes))
 }
 
+/// Deserializes a list of at most `most` elements (`what` names them in
+/// the error), refusing the next one before it is read: a document cannot
+/// make a list of millions of tiny elements (an empty string is 3 bytes in
+/// JSON and 24 in memory).
+pub fn at_most<'de, D, T>(
+    deserializer: D,
+    most: usize,
+    what: &'static str,
+) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    deserializer.deserialize_seq(AtMost {
+        most,
+        what,
+        elements: std::marker::PhantomData,
+    })
+}
+
+struct AtMost<T> {
+    most: usize,
+    what: &'static str,
+    elements: std::marker::PhantomData<T>,
+}
+
+impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for AtMost<T> {
+    type Value = Vec<T>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a list of at most {} {}", self.most, self.what)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut elements = Vec::new();
+        loop {
+            if elements.len() == self.most {
+                return match seq.next_element::<serde::de::IgnoredAny>()? {
+                    Some(_) => Err(serde::de::Error::invalid_length(self.most + 1, &self)),
+                    None => Ok(elements),
+                };
+            }
+            match seq.next_element()? {
+                Some(element) => elements.push(element),
+                None => return Ok(elements),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
