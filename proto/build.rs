@@ -3,11 +3,12 @@
 /// The messages whose fields are secrets (keys, tokens, kubeconfigs with
 /// client keys, PKI files with CA keys); `src/lib.rs` gives each a Debug
 /// without fields.
-const SECRET_MESSAGES: [&str; 7] = [
+const SECRET_MESSAGES: [&str; 8] = [
     ".keel.join.v1.JoinSecrets",
     ".keel.join.v1.ControlPlaneSecrets",
     ".keel.join.v1.ControlPlaneFile",
     ".keel.init.v1.InitSecrets",
+    ".keel.recovery.v1.RecoverySecrets",
     ".keel.init.v1.InitSuccess",
     ".keel.operator.v1.AdminKubeconfigResponse",
     ".keel.kms.v1.GetDataKeyResponse",

@@ -3,14 +3,18 @@
 //! A control plane that rebooted (PCR 15 zero, initialised state disk)
 //! normally rejoins through another control plane. When none is left, the
 //! operator's CLI validates this node over server-attested aTLS (as for
-//! init), seals the cluster's master secret to its TPM and calls
-//! `Recover`. These checks come before the node lock, and their refusal
-//! changes nothing:
+//! init), seals the init secret and the cluster's master secret to its
+//! TPM and calls `Recover`. These checks come before the node lock, and
+//! their refusal changes nothing:
 //!
 //! 1. the node is a control plane, unlocked, with an initialised state
 //!    disk, and the caller's address is not waiting after wrong secrets;
 //! 2. the secrets open with this TPM (they were sealed to it);
-//! 3. the master secret derives this node's disk key (the disk's UUID and
+//! 3. the init secret among them matches the hash in the node's measured
+//!    config, as at init. The master secret alone proves no operator: the
+//!    host chooses the disk, and one who formatted it with a key derived
+//!    from a master secret of their own holds a secret that opens it;
+//! 4. the master secret derives this node's disk key (the disk's UUID and
 //!    this TPM's EK) and that key opens the disk: a secret of another
 //!    cluster is refused here, the disk untouched.
 //!
@@ -32,9 +36,8 @@ use std::sync::Arc;
 
 use keel_atls::Source;
 
-use keel_proto::join::ControlPlaneSecrets;
 use keel_proto::recovery::recovery_service_server::{RecoveryService, RecoveryServiceServer};
-use keel_proto::recovery::{RecoverRequest, RecoverResponse};
+use keel_proto::recovery::{RecoverRequest, RecoverResponse, RecoverySecrets};
 use keel_verifier::config::Role;
 use keel_verifier::credential::CredentialError;
 use prost::Message as _;
@@ -71,6 +74,14 @@ pub enum RecoveryError {
     /// The secrets were not sealed to this node's TPM.
     #[error("the secrets are not sealed to this node's TPM")]
     Sealed(#[source] CredentialError),
+    /// The request carries no init secret: a `keel recover` older than
+    /// this node sends the master secret alone.
+    #[error("the request carries no init secret (keel recover is older than this node)")]
+    NoInitSecret,
+    /// The init secret does not match the hash in the node's measured
+    /// config, or the config names none.
+    #[error("the init secret does not match this node's measured config")]
+    WrongInitSecret,
     /// The master secret does not open this node's disk.
     #[error("the master secret does not open this node's state disk")]
     WrongSecret,
@@ -123,7 +134,8 @@ impl From<&RecoveryError> for tonic::Status {
             | E::Config(_)
             | E::DiskDamaged
             | E::DiskForeign => tonic::Code::FailedPrecondition,
-            E::InvalidRequest(_) | E::Sealed(_) => tonic::Code::InvalidArgument,
+            E::InvalidRequest(_) | E::Sealed(_) | E::NoInitSecret => tonic::Code::InvalidArgument,
+            E::WrongInitSecret => tonic::Code::Unauthenticated,
             E::WrongSecret => tonic::Code::PermissionDenied,
             E::Throttled(seconds) => return keel_proto::held_back(e.to_string(), *seconds),
             E::Unavailable | E::Lock(_) | E::Busy | E::SourceBusy => tonic::Code::Unavailable,
@@ -165,6 +177,17 @@ struct Inner {
 
 /// Most recovery requests running or waiting for their turn at once.
 pub const MAX_WAITING: usize = 4;
+
+/// Opened recovery secrets, wiped when dropped.
+struct SecretsGuard(RecoverySecrets);
+
+impl Drop for SecretsGuard {
+    fn drop(&mut self) {
+        self.0.master_secret.zeroize();
+        self.0.master_salt.zeroize();
+        self.0.init_secret.zeroize();
+    }
+}
 
 /// A request that passed every check.
 struct Accepted {
@@ -286,6 +309,8 @@ impl RecoveryServer {
                 if let (
                     Some(ip),
                     RecoveryError::WrongSecret
+                    | RecoveryError::WrongInitSecret
+                    | RecoveryError::NoInitSecret
                     | RecoveryError::Sealed(_)
                     | RecoveryError::InvalidRequest(_),
                 ) = (peer, &e)
@@ -373,6 +398,30 @@ impl RecoveryServer {
         }
     }
 
+    /// Checks the init secret of opened `secrets` against the node's
+    /// measured config (memory-hard, off the runtime's workers; requests
+    /// take their turn one at a time already).
+    async fn check_init_secret(
+        &self,
+        secrets: SecretsGuard,
+    ) -> Result<SecretsGuard, RecoveryError> {
+        if secrets.0.init_secret.is_empty() {
+            return Err(RecoveryError::NoInitSecret);
+        }
+        let hash = self.inner.node.config.cluster.init_secret_hash.clone();
+        let (secrets, matches) = tokio::task::spawn_blocking(move || {
+            let matches =
+                keel_verifier::init_secret::matches_any_form(&hash, &secrets.0.init_secret);
+            (secrets, matches)
+        })
+        .await
+        .map_err(|_| RecoveryError::Internal)?;
+        if !matches {
+            return Err(RecoveryError::WrongInitSecret);
+        }
+        Ok(secrets)
+    }
+
     /// Every check before the lock; changes nothing.
     async fn accept(
         &self,
@@ -421,17 +470,17 @@ impl RecoveryServer {
                 credential::OpenError::Tpm => RecoveryError::Unavailable,
                 credential::OpenError::Sealed(e) => RecoveryError::Sealed(e),
             })?;
-        // Wiped whether or not it decodes: a decode that fails partway
-        // leaves what it filled in.
-        let mut secrets = ControlPlaneSecrets::default();
-        let keys = secrets
+        // Decoded into the guard, so that what a decode that fails partway
+        // filled in is wiped too.
+        let mut secrets = SecretsGuard(RecoverySecrets::default());
+        secrets
+            .0
             .merge(opened.as_slice())
-            .map(|()| KeyService::new(&secrets.master_secret, &secrets.master_salt));
-        secrets.master_secret.zeroize();
-        secrets.master_salt.zeroize();
-        let keys = keys
-            .map_err(|_| RecoveryError::InvalidRequest("sealed secrets do not decode"))?
+            .map_err(|_| RecoveryError::InvalidRequest("sealed secrets do not decode"))?;
+        let secrets = self.check_init_secret(secrets).await?;
+        let keys = KeyService::new(&secrets.0.master_secret, &secrets.0.master_salt)
             .map_err(|_| RecoveryError::InvalidRequest("master secret or salt length"))?;
+        drop(secrets);
         let measurement_secret = keys
             .measurement_secret()
             .map_err(|_| RecoveryError::InvalidRequest("master secret"))?;

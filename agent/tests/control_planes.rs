@@ -3,7 +3,7 @@
 //! worker joins and rejoins through it while the first is down; a control
 //! plane that rebooted rejoins through another and serves joins again; and
 //! with no join service left, recovery with the wrong and the right master
-//! secret.
+//! secret, and without the operator's init secret.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod join_common;
@@ -22,9 +22,10 @@ use keel_agent::provision::ProvisionError;
 use keel_agent::recovery::{RecoveryError, RecoveryServer};
 use keel_installer::MeasuredComponent;
 use keel_proto::join::ControlPlaneSecrets;
-use keel_proto::recovery::RecoverRequest;
+use keel_proto::recovery::{RecoverRequest, RecoverySecrets};
 use keel_testkit::mirror::MirrorServer;
 use keel_testkit::swtpm::{EkCa, Swtpm};
+use keel_verifier::keys::KeyService;
 use prost::Message as _;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -43,22 +44,46 @@ fn tokens_under(root: &std::path::Path) -> usize {
     std::fs::read_dir(root.join("var/lib/keel-standin/tokens")).map_or(0, Iterator::count)
 }
 
+/// The operator's init secret, whose hash the recovering nodes' configs name.
+const INIT_SECRET: &[u8] = b"the operator's init secret, 32+B";
+
+/// The recovery service of `node`, its config naming [`INIT_SECRET`]'s hash
+/// (as `Joiner::init_server` does, outside the measured config).
+fn recovery_for(node: &Joiner, slot: &Arc<ClusterSlot>) -> RecoveryServer {
+    static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let mut node = node.node(slot.clone());
+    node.config.cluster.init_secret_hash = HASH
+        .get_or_init(|| keel_verifier::init_secret::hash(INIT_SECRET).unwrap())
+        .clone();
+    RecoveryServer::new(node)
+}
+
+/// A recovery request with these secrets, sealed to `node`'s TPM.
+fn recovery_with(
+    node: &Joiner,
+    secrets: &RecoverySecrets,
+    measurement_salt: &[u8],
+) -> RecoverRequest {
+    RecoverRequest {
+        secrets: Some(node.sealed(&secrets.encode_to_vec())),
+        measurement_salt: measurement_salt.to_vec(),
+        revoked_eks: Vec::new(),
+    }
+}
+
+/// The operator's recovery request: the master secret and the init secret.
 fn recover_request(
     node: &Joiner,
     master: &[u8],
     salt: &[u8],
     measurement_salt: &[u8],
 ) -> RecoverRequest {
-    let payload = ControlPlaneSecrets {
+    let secrets = RecoverySecrets {
         master_secret: master.to_vec(),
         master_salt: salt.to_vec(),
-    }
-    .encode_to_vec();
-    RecoverRequest {
-        secrets: Some(node.sealed(&payload)),
-        measurement_salt: measurement_salt.to_vec(),
-        revoked_eks: Vec::new(),
-    }
+        init_secret: INIT_SECRET.to_vec(),
+    };
+    recovery_with(node, &secrets, measurement_salt)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -270,10 +295,75 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     cp0.stop().await;
     let cp1 = cp1.reboot(&ca);
     let slot = Arc::new(ClusterSlot::new(None));
-    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+    let recovery = recovery_for(&cp1, &slot);
     let (master, salt) = cp0.state.keys.expose_master();
     let operator: IpAddr = "192.0.2.7".parse().unwrap();
     let uuid_before = Cryptsetup::default().uuid(&cp1.disk).unwrap();
+
+    // cp-1's host formats its disk anew with the key that a master secret
+    // of its own derives for it (the disk's UUID and the node's EK are no
+    // secret) and asks for recovery with that secret, to have a control
+    // plane of this cluster's image and config serve joins into a cluster
+    // of its own. The disk opens with it; without the operator's init
+    // secret the node takes nothing: refused before the lock.
+    let backup = std::fs::read(&cp1.disk).unwrap();
+    let forged = RecoverySecrets {
+        master_secret: vec![0x66; 32],
+        master_salt: vec![0x77; 32],
+        init_secret: Vec::new(),
+    };
+    let forged_key = KeyService::new(&forged.master_secret, &forged.master_salt)
+        .unwrap()
+        .disk_key(&uuid_before, &join_common::ek_digest(&cp1.tpm))
+        .unwrap();
+    let cryptsetup = Cryptsetup::default();
+    cryptsetup
+        .format_with_uuid(&cp1.disk, &uuid_before, &forged_key)
+        .unwrap();
+    cryptsetup
+        .relabel(&cp1.disk, keel_agent::disk::cryptsetup::PROVISIONED_LABEL)
+        .unwrap();
+    assert!(cryptsetup.key_matches(&cp1.disk, &forged_key).unwrap());
+    let no_init_secret = recovery_with(&cp1, &forged, &[0x55; 32]);
+    match recovery.recover(no_init_secret, None).await {
+        Err(e @ RecoveryError::NoInitSecret) => {
+            assert_eq!(tonic::Status::from(&e).code(), tonic::Code::InvalidArgument)
+        }
+        other => panic!("{other:?}"),
+    }
+    let guessed = RecoverySecrets {
+        init_secret: b"not the operator's init secret!!".to_vec(),
+        ..forged.clone()
+    };
+    match recovery
+        .recover(recovery_with(&cp1, &guessed, &[0x55; 32]), None)
+        .await
+    {
+        Err(e @ RecoveryError::WrongInitSecret) => {
+            assert_eq!(tonic::Status::from(&e).code(), tonic::Code::Unauthenticated)
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(cp1.pcr15(), [0; 32]);
+    assert!(!cp1.lock.is_locked());
+    assert!(slot.borrow().is_none());
+    std::fs::write(&cp1.disk, &backup).unwrap();
+    // A request as `keel recover` sent it before the init secret was
+    // required (the master secret alone): refused as such.
+    let old_cli = ControlPlaneSecrets {
+        master_secret: master.to_vec(),
+        master_salt: salt.to_vec(),
+    };
+    let request = RecoverRequest {
+        secrets: Some(cp1.sealed(&old_cli.encode_to_vec())),
+        measurement_salt: cp0.state.measurement_salt.to_vec(),
+        revoked_eks: Vec::new(),
+    };
+    match recovery.recover(request, None).await {
+        Err(RecoveryError::NoInitSecret) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(!cp1.lock.is_locked());
 
     // Another cluster's master secret: refused before anything changes.
     let wrong = recover_request(&cp1, &[0x42; 32], salt, &cp0.state.measurement_salt);
@@ -381,7 +471,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     assert_eq!(busy, 1, "{answers:?}");
     assert!(!cp1.lock.is_locked());
     // A worker is never recovered.
-    let worker_recovery = RecoveryServer::new(worker.node(Arc::new(ClusterSlot::new(None))));
+    let worker_recovery = recovery_for(&worker, &Arc::new(ClusterSlot::new(None)));
     let request = recover_request(&worker, master, salt, &cp0.state.measurement_salt);
     match worker_recovery.recover(request, None).await {
         Err(e @ RecoveryError::NotControlPlane) => {
@@ -406,7 +496,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     }
     assert!(slot.borrow().is_none());
     let cp1 = cp1.reboot(&ca);
-    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+    let recovery = recovery_for(&cp1, &slot);
 
     // Booted from another image (its UKI, PCR 4, differs: say one the
     // operator retired): the node locks, finds that its disk's cluster
@@ -433,7 +523,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         "a retired image got a cluster state"
     );
     let cp1 = cp1.reboot(&ca);
-    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+    let recovery = recovery_for(&cp1, &slot);
 
     // Both copies of its disk's LUKS header damaged, then a LUKS1 header:
     // the operator is told so, and nothing is locked or written; with the
@@ -560,7 +650,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     let config = cp1.config.clone();
     let cp1 = join_common::reboot(renamed, &ca, cp1.dir, cp1.disk);
     let slot = Arc::new(ClusterSlot::new(None));
-    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+    let recovery = recovery_for(&cp1, &slot);
     let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
     match recovery.recover(right, None).await {
         Err(e @ RecoveryError::Provision(ProvisionError::Renamed(_))) => {
@@ -588,7 +678,7 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     cp1.revoke_in_own_registry();
     let cp1 = cp1.reboot(&ca);
     let slot = Arc::new(ClusterSlot::new(None));
-    let recovery = RecoveryServer::new(cp1.node(slot.clone()));
+    let recovery = recovery_for(&cp1, &slot);
     let right = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);
     match recovery.recover(right, None).await {
         Err(RecoveryError::Provision(ProvisionError::Revoked(why))) => {

@@ -154,6 +154,49 @@ fn write_in_place(path: &Path, data: &[u8], if_exists: &str) -> anyhow::Result<(
 const MASTER_SECRET_KEPT: &str = "an existing master secret is never replaced: if an earlier \
      init sent it, a node holds it; keep the file and give this init another --workspace";
 
+/// The init secret in the settings' `init_secret_file`; refused when
+/// shorter than [`MIN_INIT_SECRET_BYTES`].
+pub(crate) fn read_init_secret(settings: &Settings) -> anyhow::Result<Zeroizing<Vec<u8>>> {
+    let Some(p) = &settings.init_secret_file else {
+        bail!("the settings name no init_secret_file");
+    };
+    let path = settings.resolve(p);
+    let secret = crate::settings::read_bounded_secret(&path)?;
+    if secret.len() < MIN_INIT_SECRET_BYTES {
+        bail!(
+            "{} holds {} bytes; an init secret needs at least {MIN_INIT_SECRET_BYTES}: \
+             its hash is in the node's measured config, which anyone who connects \
+             to the node can read, so a short one can be guessed offline (make one \
+             with `keel init-secret FILE`); nothing was sent",
+            path.display(),
+            secret.len()
+        );
+    }
+    Ok(secret)
+}
+
+/// Checks `secret` against the hash in the node's measured config with
+/// `matches` (memory-hard): a secret that does not match is said here,
+/// with nothing sent, instead of costing the node a check and this
+/// address a wait.
+pub(crate) fn check_init_secret(
+    verified: &Verified,
+    secret: &[u8],
+    matches: fn(&str, &[u8]) -> bool,
+) -> anyhow::Result<()> {
+    let node_hash = verified
+        .cluster_config()
+        .map(|c| c.init_secret_hash)
+        .unwrap_or_default();
+    if !matches(&node_hash, secret) {
+        bail!(
+            "the init secret does not match the hash in the node's measured config \
+             (cluster.init_secret_hash), or the node names none it accepts; nothing was sent"
+        );
+    }
+    Ok(())
+}
+
 /// `keel init-secret`: writes a new init secret (32 random bytes as 64 hex
 /// digits) to `path`, mode 0600, never replacing a file; returns its hash
 /// for the node config's `cluster.init_secret_hash`.
@@ -439,24 +482,7 @@ pub async fn run(
     let validator = settings.validator(measurements)?;
     // Refuse a bad key before anything reaches the node.
     let signing_key = settings.signing_key()?;
-    let init_secret = match &settings.init_secret_file {
-        Some(p) => {
-            let path = settings.resolve(p);
-            let secret = crate::settings::read_bounded_secret(&path)?;
-            if secret.len() < MIN_INIT_SECRET_BYTES {
-                bail!(
-                    "{} holds {} bytes; an init secret needs at least {MIN_INIT_SECRET_BYTES}: \
-                     its hash is in the node's measured config, which anyone who connects \
-                     to the node can read, so a short one can be guessed offline (make one \
-                     with `keel init-secret FILE`); nothing was sent",
-                    path.display(),
-                    secret.len()
-                );
-            }
-            secret
-        }
-        None => bail!("the settings name no init_secret_file"),
-    };
+    let init_secret = read_init_secret(&settings)?;
     let version = keel_installer::resolve(&settings.kubernetes_version)
         .map_err(|e| anyhow::anyhow!("{e}; nothing was sent"))?
         .version();
@@ -517,19 +543,7 @@ pub async fn run(
         verified.pcrs.len(),
         verified.events.len()
     );
-    // The node's measured config names the init secret by its hash: a
-    // secret that does not match is said here, with nothing sent, instead
-    // of costing the node a check and this address a wait.
-    let node_hash = verified
-        .cluster_config()
-        .map(|c| c.init_secret_hash)
-        .unwrap_or_default();
-    if !keel_verifier::init_secret::matches(&node_hash, &init_secret) {
-        bail!(
-            "the init secret does not match the hash in the node's measured config \
-             (cluster.init_secret_hash), or the node names none it accepts; nothing was sent"
-        );
-    }
+    check_init_secret(verified, &init_secret, keel_verifier::init_secret::matches)?;
     let join_measurements_signature = image_signature(
         &settings,
         verified,

@@ -216,12 +216,14 @@ enum Command {
     /// Bring back a control plane when no join service answers (every
     /// control plane was down): verify the node's attestation (it must be
     /// outside any cluster, PCR 15 zero), seal the master secret from the
-    /// workspace to its TPM and send it. The node opens its own state disk,
-    /// locks to the cluster ID stored there and serves joins again; the
-    /// other nodes then rejoin through it.
+    /// workspace and the init secret (the settings' init_secret_file) to
+    /// its TPM and send them. The node checks the init secret against its
+    /// measured config, opens its own state disk, locks to the cluster ID
+    /// stored there and serves joins again; the other nodes then rejoin
+    /// through it.
     Recover {
-        /// Settings file (JSON); endpoint, measurements, EK CA, attestation and
-        /// collateral are used.
+        /// Settings file (JSON); endpoint, measurements, EK CA, init secret
+        /// file, attestation and collateral are used.
         #[arg(long, default_value = "keel.json")]
         settings: PathBuf,
         /// The node's init port (host:port), instead of the settings' endpoint.

@@ -2,11 +2,13 @@
 //! to rejoin it.
 //!
 //! The node is validated like for init (EK chain, quote, measurements) and
-//! must be outside any cluster (PCR 15 zero); only then is the master
-//! secret from the workspace sealed to that node's TPM and sent, unless the
-//! workspace revoked the node's EK (`keel revoke`). The workspace's
-//! revoked EKs go with it, for the node's revocation list. The node checks
-//! that the secret opens its state disk before it changes anything.
+//! must be outside any cluster (PCR 15 zero); only then are the master
+//! secret from the workspace and the init secret from the settings sealed
+//! to that node's TPM and sent, unless the workspace revoked the node's EK
+//! (`keel revoke`). The workspace's revoked EKs go with it, for the node's
+//! revocation list. The node checks the init secret against its measured
+//! config, and that the master secret opens its state disk, before it
+//! changes anything.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,9 +16,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use keel_atls::AtlsClient;
-use keel_proto::join::ControlPlaneSecrets;
 use keel_proto::recovery::recovery_service_client::RecoveryServiceClient;
-use keel_proto::recovery::RecoverRequest;
+use keel_proto::recovery::{RecoverRequest, RecoverySecrets};
 use keel_verifier::credential;
 use keel_verifier::measurement::pcr;
 use prost::Message as _;
@@ -60,13 +61,19 @@ pub async fn run(
     // and refuse only then (and need a reboot).
     let cluster_id =
         crate::workspace::checked_cluster_id(workspace, &secret).context("nothing was sent")?;
-    let mut secrets = ControlPlaneSecrets {
+    // The node takes the master secret only with the init secret: the
+    // master secret proves no operator to a node whose disk the host chose.
+    let init_secret = crate::init::read_init_secret(&settings)
+        .context("recovery proves the operator with the init secret, as init does")?;
+    let mut secrets = RecoverySecrets {
         master_secret: secret.key.to_vec(),
         master_salt: secret.salt.clone(),
+        init_secret: init_secret.to_vec(),
     };
     let payload = Zeroizing::new(secrets.encode_to_vec());
     secrets.master_secret.zeroize();
     secrets.master_salt.zeroize();
+    secrets.init_secret.zeroize();
 
     // The node must be one of ours (the measurements) and in no cluster:
     // a node that already rejoined has PCR 15 set and gets nothing.
@@ -96,10 +103,15 @@ pub async fn run(
         .and_then(|()| crate::init::check_control_plane(verified))
         .and_then(|()| revoked.refuse(&keel_verifier::ek::EkDigest::of_public(&verified.ek)))
         .context("nothing was sent")?;
+    crate::init::check_init_secret(
+        verified,
+        &init_secret,
+        keel_verifier::init_secret::matches_any_form,
+    )?;
     let sealed = credential::seal(&verified.ek, &verified.ak.name, &payload)
-        .context("sealing the master secret to the node's TPM")?;
+        .context("sealing the secrets to the node's TPM")?;
     if output == Output::Text {
-        eprintln!("node attested and outside any cluster; sending the sealed master secret");
+        eprintln!("node attested and outside any cluster; sending the sealed secrets");
     }
     // The channel's timeout ends with the answer's headers; this one
     // covers its body too.

@@ -442,9 +442,7 @@ impl RecoveryService for Recorder {
 /// told so instead of "recovered".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovery_to_another_cluster_is_reported() {
-    let ca = EkCa::new().unwrap();
-    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
-    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let (_ca, _node, served) = control_plane_answering(Answer::Hostile).await;
     let ws = &served.workspace;
     operator_workspace(ws, Some(&served.endpoint));
     let out = run_keel(&recover_args(ws), &served.settings, None).await;
@@ -459,6 +457,27 @@ async fn a_recovery_to_another_cluster_is_reported() {
         "{}",
         text(&out)
     );
+}
+
+/// A node whose measured config names another init secret than the
+/// settings' file: `keel recover` sends it nothing (the node would refuse
+/// a recovery without the cluster's init secret, and count it against the
+/// operator's address).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_with_another_init_secret_sends_nothing() {
+    let ca = EkCa::new().unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let ws = &served.workspace;
+    operator_workspace(ws, Some(&served.endpoint));
+    sent_nothing(
+        &recover_args(ws),
+        &served.settings,
+        None,
+        "the init secret does not match the hash in the node's measured config",
+    )
+    .await;
+    assert_eq!(served.requests(), 0);
 }
 
 /// A workspace whose ID file is not its master secret's cluster (files of

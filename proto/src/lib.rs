@@ -82,6 +82,7 @@ debug_without_fields!(
     join::ControlPlaneFile,
     init::InitSecrets,
     init::InitSuccess,
+    recovery::RecoverySecrets,
     operator::AdminKubeconfigResponse,
     kms::GetDataKeyResponse,
 );
@@ -220,6 +221,14 @@ mod tests {
                 }
             ),
             format!("{response:?}"),
+            format!(
+                "{:?}",
+                recovery::RecoverySecrets {
+                    master_secret: key.clone(),
+                    master_salt: key.clone(),
+                    init_secret: key.clone(),
+                }
+            ),
             format!(
                 "{:?}",
                 operator::AdminKubeconfigResponse {

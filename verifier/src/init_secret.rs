@@ -115,6 +115,29 @@ fn parse(phc: &str) -> Result<PasswordHash<'_>, InitSecretHashError> {
     Ok(parsed)
 }
 
+/// Whether `secret` is the init secret that `value` names, in either form
+/// a config may carry: [`matches`] for an argon2id hash, a constant-time
+/// compare of the secret's SHA-256 for the older form. For recovery, which
+/// the members of an existing cluster (whose measured config may keep the
+/// older form) must still be able to take; init takes argon2id only.
+pub fn matches_any_form(value: &str, secret: &[u8]) -> bool {
+    use sha2::Digest as _;
+    use subtle::ConstantTimeEq as _;
+    if is_legacy_sha256(value) {
+        let expected = value
+            .strip_prefix("sha256:")
+            .and_then(|h| hex::decode(h).ok());
+        return expected.is_some_and(|expected| {
+            bool::from(
+                expected
+                    .as_slice()
+                    .ct_eq(sha2::Sha256::digest(secret).as_slice()),
+            )
+        });
+    }
+    matches(value, secret)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,6 +168,24 @@ mod tests {
         ] {
             assert!(!is_legacy_sha256(&other), "{other}");
         }
+    }
+
+    #[test]
+    fn recovery_takes_either_form_and_only_its_secret() {
+        use sha2::Digest as _;
+        let legacy = format!("sha256:{}", hex::encode(sha2::Sha256::digest(SECRET)));
+        let upper = legacy.to_uppercase().replace("SHA256:", "sha256:");
+        let phc = hash(SECRET).unwrap();
+        for value in [&legacy, &upper, &phc] {
+            assert!(matches_any_form(value, SECRET), "{value}");
+            assert!(!matches_any_form(
+                value,
+                b"0123456789abcdef0123456789abcdeX"
+            ));
+            assert!(!matches_any_form(value, b""));
+        }
+        assert!(!matches_any_form("", b""));
+        assert!(!matches_any_form("", SECRET));
     }
 
     #[test]

@@ -897,10 +897,7 @@ impl Cluster {
     /// kept in the node's `recover.log`.
     pub fn recover(&self, node: &Node) -> Result<Recovery, MiniError> {
         let settings = self.dir.join(format!("recover-{}.json", node.short));
-        config::write_json(
-            &settings,
-            &CliSettings::verify(node.init_port, config::MEASUREMENTS),
-        )?;
+        config::write_json(&settings, &CliSettings::recover(node.init_port))?;
         recover::run(
             &self.tools.keel,
             &settings,

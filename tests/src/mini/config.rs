@@ -178,8 +178,8 @@ impl<'a> CliSettings<'a> {
         }
     }
 
-    /// Settings for `keel verify` (and `keel recover`) against
-    /// `127.0.0.1:port` with the measurements file `measurements`.
+    /// Settings for `keel verify` against `127.0.0.1:port` with the
+    /// measurements file `measurements`.
     pub fn verify(port: u16, measurements: &'a str) -> Self {
         Self {
             endpoint: format!("127.0.0.1:{port}"),
@@ -188,6 +188,15 @@ impl<'a> CliSettings<'a> {
             ek_ca: EK_CA,
             init_secret_file: None,
             components_file: None,
+        }
+    }
+
+    /// Settings for `keel recover` against `127.0.0.1:port`: those of
+    /// `keel verify` with the init secret, which recovery proves too.
+    pub fn recover(port: u16) -> Self {
+        Self {
+            init_secret_file: Some(INIT_SECRET),
+            ..Self::verify(port, MEASUREMENTS)
         }
     }
 }
