@@ -320,6 +320,14 @@ pub enum InstallError {
         /// The directory.
         path: InstallPath,
     },
+    /// The list has more than one component at this install path, not
+    /// all of them archives: the one installed last would replace the
+    /// others, all of them measured.
+    #[error("more than one component in the list installs at {path}")]
+    SharedInstallPath {
+        /// The install path.
+        path: InstallPath,
+    },
 }
 
 /// Installs components.
@@ -797,19 +805,22 @@ fn kept_file_of(name: &str) -> Option<KeptFile> {
         .then_some(KeptFile::Temporary)
 }
 
-/// Refuses a list with more than one archive for one directory: each
-/// would replace the other's files of the same name, and which one won
-/// would depend on the order they were installed in.
+/// Refuses a list with two components at one install path: two archives
+/// for one directory would each replace the other's files of the same
+/// name, and of two files (or a file and an archive) the one installed
+/// last would win while both are measured. Which one won would depend on
+/// the order they were installed in. (A component inside an archive's
+/// directory is spared by the archive's extraction.)
 pub fn check_list(components: &[Component]) -> Result<(), InstallError> {
-    let archives: Vec<&InstallPath> = components
-        .iter()
-        .filter(|c| c.extract())
-        .map(Component::install_path)
-        .collect();
-    for (i, path) in archives.iter().enumerate() {
-        if archives.get(i + 1..).unwrap_or_default().contains(path) {
-            return Err(InstallError::SharedArchiveDirectory {
-                path: (*path).clone(),
+    for (i, component) in components.iter().enumerate() {
+        let path = component.install_path();
+        let later = components.get(i + 1..).unwrap_or_default();
+        if let Some(other) = later.iter().find(|other| other.install_path() == path) {
+            let path = path.clone();
+            return Err(if component.extract() && other.extract() {
+                InstallError::SharedArchiveDirectory { path }
+            } else {
+                InstallError::SharedInstallPath { path }
             });
         }
     }

@@ -690,6 +690,59 @@ async fn two_archives_into_one_directory_are_refused() {
     );
 }
 
+/// Whoever writes a components list (or a control plane that lies in a
+/// join ticket) lists two kubelets at one install path, the new one first
+/// and the old one last: both would be installed and measured, and the
+/// node would run the old one while its event log shows the new one. The
+/// list is refused as a whole before anything is fetched, and so is one
+/// with a file and an archive at one path.
+#[tokio::test]
+async fn two_files_at_one_path_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    mirror.serve("/new/kubelet", b"new kubelet".to_vec());
+    mirror.serve("/old/kubelet", b"old kubelet".to_vec());
+    let kubelet = |version: &str, extract: bool| {
+        Component::new(
+            &mirror.url(&format!("/{version}/kubelet")),
+            &sha256(format!("{version} kubelet").as_bytes()),
+            "/run/state/bin/kubelet",
+            extract,
+        )
+        .unwrap()
+    };
+    for list in [
+        [kubelet("new", false), kubelet("old", false)],
+        [kubelet("new", false), kubelet("old", true)],
+    ] {
+        match keel_installer::check_list(&list) {
+            Err(InstallError::SharedInstallPath { path }) => {
+                assert_eq!(path.as_str(), "/run/state/bin/kubelet");
+            }
+            other => panic!("not refused: {other:?}"),
+        }
+        let result = installer_at(root.path())
+            .install_all(&list, &NoProgress)
+            .await;
+        assert!(
+            matches!(result, Err(InstallError::SharedInstallPath { .. })),
+            "{:?}",
+            result.map(|_| ())
+        );
+        assert!(!root.path().join("run/state/bin/kubelet").exists());
+        assert_eq!(mirror.total_requests(), 0, "fetched before the refusal");
+    }
+    // With one of them the list goes in.
+    installer_at(root.path())
+        .install_all(&[kubelet("new", false)], &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(root.path().join("run/state/bin/kubelet")).unwrap(),
+        b"new kubelet"
+    );
+}
+
 fn installer_at(root: &Path) -> Installer {
     installer(root, None, fast_retries())
 }
