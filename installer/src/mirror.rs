@@ -1,8 +1,12 @@
 //! Mirror rewriting for air-gapped clusters: a base URL replaces the scheme
-//! and host of every upstream URL, keeping the path and query, so
+//! and host of every upstream URL, keeping the path, so
 //! `https://dl.k8s.io/v1.31.13/bin/linux/amd64/kubelet` with the mirror
 //! `http://10.0.0.5:8080/k8s/` is fetched from
 //! `http://10.0.0.5:8080/k8s/v1.31.13/bin/linux/amd64/kubelet`.
+//!
+//! The upstream query is dropped: it is where a signed URL carries its
+//! credential, which is for the upstream host, not for a mirror (that may
+//! be reached over plain http).
 //!
 //! Only where the bytes come from changes: the expected hash, and the URL that
 //! is measured, stay the upstream ones, so nodes behind different mirrors
@@ -58,7 +62,8 @@ impl Mirror {
         Ok(Self { base })
     }
 
-    /// The URL to fetch `upstream` from.
+    /// The URL to fetch `upstream` from: its path below the base, without
+    /// its query (a credential for the upstream host).
     pub fn rewrite(&self, upstream: &Url) -> Url {
         let mut url = self.base.clone();
         let path = format!(
@@ -67,7 +72,6 @@ impl Mirror {
             upstream.path().trim_start_matches('/')
         );
         url.set_path(&path);
-        url.set_query(upstream.query());
         url
     }
 }
@@ -102,10 +106,21 @@ mod tests {
             rewrite("http://127.0.0.1:8080/k8s", up),
             "http://127.0.0.1:8080/k8s/v1.31.13/bin/linux/amd64/kubelet"
         );
-        assert_eq!(
-            rewrite("https://m.internal/k8s/", "https://github.com/a/b.tgz?x=1"),
-            "https://m.internal/k8s/a/b.tgz?x=1"
-        );
+    }
+
+    /// A signed upstream URL's query is a credential for the upstream
+    /// host: a mirror (over plain http, anyone on the path) never sees it.
+    #[test]
+    fn the_upstream_query_is_not_sent_to_the_mirror() {
+        let signed = "https://bucket.example/a/b.tgz?X-Amz-Signature=d0c5ec7e7#part";
+        for base in ["http://10.0.0.5:8080/k8s/", "https://m.internal/"] {
+            let url = Mirror::new(base)
+                .unwrap()
+                .rewrite(&Url::parse(signed).unwrap());
+            assert_eq!(url.query(), None, "{base}");
+            assert!(!url.as_str().contains("d0c5ec7e7"), "{url}");
+            assert!(url.as_str().ends_with("/a/b.tgz"), "{url}");
+        }
     }
 
     #[test]
