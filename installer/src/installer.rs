@@ -493,8 +493,9 @@ impl Installer {
     /// `dest` (in `parent`); else fetched (or decoded) into a temporary
     /// file, there or, with a kept components' directory, in that
     /// directory, copied into place hashed again, and then kept. As for
-    /// archives, a kept copy that is missing, unreadable or not the file
-    /// is a miss, never a failure.
+    /// archives, a kept copy that is missing, unreadable, larger than a
+    /// download may be ([`DownloadConfig::max_bytes`]) or not the file is a
+    /// miss, never a failure.
     ///
     /// On a node the kept components' directory is on the state disk and
     /// `dest` in guest memory: what a mirror sends reaches memory only once
@@ -510,10 +511,12 @@ impl Installer {
         progress: &dyn Progress,
     ) -> Result<Outcome, InstallError> {
         let (mode, expected) = (file_mode(component), component.hash());
+        // A kept copy is bounded as a download is.
+        let limit = self.downloader.config().max_bytes;
         let kept = self.kept_path(component).await?;
         if let Some(kept) = &kept {
             let copied =
-                copy_into_place(kept, "the kept file", dest, parent, expected, mode).await?;
+                copy_into_place(kept, "the kept file", dest, parent, expected, limit, mode).await?;
             if let Some(Outcome::Written { bytes }) = copied {
                 tracing::info!("copied the kept file");
                 return Ok(Outcome::CopiedKept { bytes });
@@ -533,6 +536,7 @@ impl Installer {
             dest,
             parent,
             expected,
+            limit,
             mode,
         )
         .await?
@@ -829,18 +833,19 @@ pub fn check_list(components: &[Component]) -> Result<(), InstallError> {
 
 /// Copies `from` (`what` it is, for the log) into place at `dest` with
 /// `mode` through [`copy_verified`]; `None` when it is not there, cannot be
-/// read or is not the file.
+/// read, is larger than `limit` bytes or is not the file.
 async fn copy_into_place(
     from: &Path,
     what: &'static str,
     dest: &Path,
     dir: &Path,
     expected: Sha256Digest,
+    limit: u64,
     mode: u32,
 ) -> Result<Option<Outcome>, InstallError> {
     let (from, target, dir) = (from.to_owned(), dest.to_owned(), dir.to_owned());
     blocking(move || {
-        copy_verified(&from, what, &target, &dir, expected)?
+        copy_verified(&from, what, &target, &dir, expected, limit)?
             .map(|temp| place_file(temp, &target, mode))
             .transpose()
     })
@@ -848,21 +853,27 @@ async fn copy_into_place(
 }
 
 /// A temporary file beside `dest` (in `dir`) holding the file at `from`
-/// (`what` it is, for the log), if that is a regular file whose bytes hash
-/// to `expected`: they are hashed as they are copied, so the bytes in the
+/// (`what` it is, for the log), if that is a regular file of at most
+/// `limit` bytes (what a download may take) whose bytes hash to
+/// `expected`: they are hashed as they are copied, so the bytes in the
 /// temporary file are the bytes hashed, whatever happens to `from`
-/// meanwhile. `None` when there is no file there, or it cannot be read or
-/// is not the file (logged); an error only when the temporary file cannot
-/// be written.
+/// meanwhile. `None` when there is no file there, or it cannot be read, is
+/// too large or is not the file (logged); an error only when the temporary
+/// file cannot be written.
 fn copy_verified(
     from: &Path,
     what: &str,
     dest: &Path,
     dir: &Path,
     expected: Sha256Digest,
+    limit: u64,
 ) -> Result<Option<tempfile::NamedTempFile>, InstallError> {
     let miss = |e: io::Error| {
         tracing::warn!(error = %e, "{what} cannot be read");
+        Ok(None)
+    };
+    let too_large = || {
+        tracing::warn!(limit, "{what} is larger than a download may be");
         Ok(None)
     };
     let from = match open_regular_file(from) {
@@ -870,6 +881,11 @@ fn copy_verified(
         Ok(None) => return Ok(None),
         Err(e) => return miss(e),
     };
+    match from.metadata() {
+        Ok(meta) if meta.len() > limit => return too_large(),
+        Ok(_) => {}
+        Err(e) => return miss(e),
+    }
     let temp_error = |source| InstallError::WriteTemp {
         path: dest.to_owned(),
         source,
@@ -877,12 +893,18 @@ fn copy_verified(
     let mut temp = temporary_file(dest, dir).map_err(temp_error)?;
     let mut source = HashingReader::new(&from);
     let mut buf = vec![0u8; 256 * 1024];
+    // Bounded also as it is read: the file may grow meanwhile.
+    let mut copied = 0u64;
     loop {
         let n = match source.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) => return miss(e),
         };
+        copied = copied.saturating_add(u64::try_from(n).unwrap_or(u64::MAX));
+        if copied > limit {
+            return too_large();
+        }
         temp.write_all(buf.get(..n).unwrap_or_default())
             .map_err(temp_error)?;
     }

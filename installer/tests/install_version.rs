@@ -17,7 +17,8 @@ use std::path::Path;
 use std::process::Command;
 
 use keel_installer::{
-    Component, InstalledComponent, LogProgress, NoProgress, Outcome, Sha256Digest, Source,
+    Component, DownloadConfig, InstalledComponent, LogProgress, NoProgress, Outcome, Sha256Digest,
+    Source,
 };
 use keel_proto::components::Component as WireComponent;
 use keel_testkit::components::{self, CNI_PLUGINS};
@@ -500,6 +501,78 @@ async fn a_kept_file_is_copied_without_a_fetch_and_a_wrong_copy_is_fetched_again
             entries(dir)
         );
     }
+}
+
+/// Attacker's move: whoever can write the state disk (the host, were the
+/// disk not encrypted; root on the node) makes a kept file larger than a
+/// download may be, so that each boot copies it whole into memory before
+/// its hash is checked. A kept file is read no further than that limit:
+/// one larger is a miss, nothing of it is left beside the install path,
+/// and the file is fetched again and kept in its place. Even the genuine
+/// file, kept, is not copied once the limit is below its size.
+#[tokio::test]
+async fn a_kept_file_larger_than_the_limit_is_refused() {
+    const LIMIT: u64 = 1 << 20;
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let list = v1_31_stand_ins(&mirror);
+    let kubelet = list.iter().find(|c| c.name() == "kubelet").unwrap();
+    let kubelet_path = "/v1.31.13/bin/linux/amd64/kubelet";
+    let kept = r
+        .join(KEPT.trim_start_matches('/'))
+        .join(format!("{}.bin", kubelet.hash().to_hex()));
+    let installed = kubelet.install_path().under(r);
+    let limited = |max_bytes| {
+        let download = DownloadConfig {
+            retry: fast_retries(),
+            max_bytes,
+            ..DownloadConfig::default()
+        };
+        support::keeping_installer_with(r, &mirror, download)
+    };
+    limited(LIMIT).install(kubelet, &NoProgress).await.unwrap();
+    assert_eq!(mirror.requests(kubelet_path), 1);
+    let genuine = std::fs::read(&kept).unwrap();
+
+    // Grown past the limit: fetched again, and the copy replaced.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&kept)
+        .unwrap()
+        .set_len(LIMIT + 1)
+        .unwrap();
+    std::fs::remove_file(&installed).unwrap();
+    let refetched = limited(LIMIT).install(kubelet, &NoProgress).await.unwrap();
+    assert!(
+        matches!(refetched.outcome(), Outcome::Written { .. }),
+        "{:?}",
+        refetched.outcome()
+    );
+    assert_eq!(mirror.requests(kubelet_path), 2);
+    assert_eq!(std::fs::read(&installed).unwrap(), genuine);
+    assert_eq!(std::fs::read(&kept).unwrap(), genuine);
+
+    // The genuine copy, with a limit below its size: not copied; the
+    // download is refused as too large, and nothing is installed.
+    std::fs::remove_file(&installed).unwrap();
+    let size = u64::try_from(genuine.len()).unwrap();
+    let refused = limited(size - 1)
+        .install(kubelet, &NoProgress)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            keel_installer::InstallError::Download { source, .. }
+                if matches!(**source, keel_installer::DownloadError::TooLarge { .. })
+        ),
+        "{}",
+        chain(&refused)
+    );
+    assert_eq!(mirror.requests(kubelet_path), 3);
+    support::assert_nothing_installed(&installed);
+    assert_eq!(std::fs::read(&kept).unwrap(), genuine);
 }
 
 /// Where a download's bytes are while it runs: the part files in the

@@ -38,11 +38,24 @@ pub fn installer(root: &Path, mirror: Option<&MirrorServer>, retry: RetryPolicy)
 /// An installer like [`installer`] that keeps verified components in
 /// `/var/lib/keel/kept` below `root`.
 pub fn keeping_installer(root: &Path, mirror: &MirrorServer, retry: RetryPolicy) -> Installer {
-    Installer::new(InstallerConfig {
-        download: DownloadConfig {
+    keeping_installer_with(
+        root,
+        mirror,
+        DownloadConfig {
             retry,
             ..DownloadConfig::default()
         },
+    )
+}
+
+/// [`keeping_installer`] with the download settings `download`.
+pub fn keeping_installer_with(
+    root: &Path,
+    mirror: &MirrorServer,
+    download: DownloadConfig,
+) -> Installer {
+    Installer::new(InstallerConfig {
+        download,
         mirror: Some(Mirror::new(&mirror.base_url()).unwrap()),
         root: root.to_path_buf(),
         kept: Some(keel_installer::InstallPath::new(KEPT).unwrap()),
