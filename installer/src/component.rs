@@ -18,6 +18,12 @@ use crate::digest::{ParseDigestError, Sha256Digest};
 /// small kubeadm patches; anything large belongs on a server.
 pub const MAX_INLINE_BYTES: usize = 1024 * 1024;
 
+/// Upper bound on the media type of a `data:` URL (the part before the
+/// comma, `;base64` included). It is measured and logged as it is; the
+/// longest one of RFC 2397's kind a component needs,
+/// `text/plain;charset=utf-8;base64`, is 31 bytes.
+pub const MAX_DATA_MEDIA_TYPE_BYTES: usize = 127;
+
 /// Where a component's bytes come from.
 #[derive(Clone, PartialEq, Eq)]
 pub enum Source {
@@ -330,6 +336,7 @@ fn decode_data_url(rest: &str) -> Result<Vec<u8>, ComponentError> {
     let (header, data) = rest
         .split_once(',')
         .ok_or(ComponentError::DecodeDataUrl("no comma before the data"))?;
+    check_media_type(header)?;
     // Base64 needs 4 characters per 3 bytes; percent-encoding up to 3 per byte.
     if data.len() > MAX_INLINE_BYTES.saturating_mul(3) {
         return Err(ComponentError::InlineTooLarge);
@@ -349,6 +356,24 @@ fn decode_data_url(rest: &str) -> Result<Vec<u8>, ComponentError> {
         return Err(ComponentError::InlineTooLarge);
     }
     Ok(content)
+}
+
+/// Refuses a `data:` URL's media type that is longer than
+/// [`MAX_DATA_MEDIA_TYPE_BYTES`] or holds anything but printable ASCII
+/// (no spaces or control characters): it goes into measurement records and
+/// log lines unescaped.
+fn check_media_type(header: &str) -> Result<(), ComponentError> {
+    if header.len() > MAX_DATA_MEDIA_TYPE_BYTES {
+        return Err(ComponentError::DecodeDataUrl(
+            "the media type is longer than 127 bytes",
+        ));
+    }
+    if !header.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ComponentError::DecodeDataUrl(
+            "the media type holds a character that is not printable ASCII",
+        ));
+    }
+    Ok(())
 }
 
 fn percent_decode(data: &str) -> Result<Vec<u8>, ComponentError> {
@@ -376,8 +401,13 @@ fn percent_decode(data: &str) -> Result<Vec<u8>, ComponentError> {
 /// A URL fit for logs and error messages: user name, password and query
 /// (where tokens live) are removed. Unparseable text is shown as a marker.
 pub fn redact(url: &str) -> String {
-    if strip_prefix_ignore_case(url, "data:").is_some() {
-        // Inline content is not secret but can be long: show its media type.
+    if let Some(rest) = strip_prefix_ignore_case(url, "data:") {
+        // Inline content is not secret but can be long: show its media
+        // type, if it is one a component may have.
+        let media_type = rest.split(',').next().unwrap_or_default();
+        if check_media_type(media_type).is_err() {
+            return "data:<refused media type>,…".to_owned();
+        }
         let header = url.split(',').next().unwrap_or("data:");
         return format!("{header},…");
     }
@@ -595,6 +625,44 @@ mod tests {
             Component::new("data:,%2", H, "/p", false),
             Err(ComponentError::DecodeDataUrl(_))
         ));
+    }
+
+    /// Whoever writes a components list gives an inline component a media
+    /// type that forges lines in the node's log, or bloats every
+    /// measurement record and log line that names it.
+    #[test]
+    fn a_data_url_media_type_that_is_long_or_has_control_characters_is_refused() {
+        let longest = format!("text/plain;x={}", "a".repeat(127 - 13));
+        for media_type in [
+            "",
+            ";base64",
+            "text/plain;charset=utf-8;base64",
+            longest.as_str(),
+        ] {
+            let url = format!("data:{media_type},YWJj");
+            assert!(Component::new(&url, H, "/p", false).is_ok(), "{url}");
+            assert_eq!(redact(&url), format!("data:{media_type},…"));
+        }
+        let too_long = format!("{longest}a");
+        for media_type in [
+            too_long.as_str(),
+            "text/plain\n2024-01-01 INFO forged line",
+            "text/plain\x1b[2J",
+            "text/plain;charset=utf-8\r",
+            "text/plain;x=a b",
+            "text/plain;x=\u{e9}",
+            "text/plain\u{7f}",
+        ] {
+            let url = format!("data:{media_type},YWJj");
+            assert!(
+                matches!(
+                    Component::new(&url, H, "/p", false),
+                    Err(ComponentError::DecodeDataUrl(_))
+                ),
+                "{url:?}"
+            );
+            assert_eq!(redact(&url), "data:<refused media type>,…");
+        }
     }
 
     #[test]
