@@ -389,6 +389,51 @@ async fn a_ticket_with_two_archives_for_one_directory_leaves_the_node_unlocked()
     node.assert_untouched();
 }
 
+/// Attacker's move: a compromised control plane hands out a ticket whose
+/// components install a file outside the component directories, here a
+/// static pod manifest the kubelet would run. Init and upgrade plans
+/// refuse such a list; the node refuses the ticket as well, before it
+/// locks or writes anything, and keeps trying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_with_components_outside_the_component_directories_is_refused() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let mut list = stand_in_components(&mirror);
+    let manifest = b"apiVersion: v1\nkind: Pod\n";
+    let outside = keel_installer::Component::try_from(&keel_proto::components::Component {
+        url: "data:,apiVersion%3A%20v1%0Akind%3A%20Pod%0A".into(),
+        hash: keel_installer::Sha256Digest::of(manifest).to_string(),
+        install_path: "/etc/kubernetes/manifests/x.yaml".into(),
+        extract: false,
+    })
+    .unwrap();
+    assert_eq!(
+        outside.source(),
+        &keel_installer::Source::Inline(manifest.to_vec())
+    );
+    list.push(outside);
+    let service = start_service_with(&ca, port, Some(list), false).await;
+    let node = joiner(&ca, &ca, port, "w-1", "worker");
+
+    let run = tokio::time::timeout(WATCH, node.client(&ca).run()).await;
+    assert!(run.is_err(), "{run:?}");
+    node.assert_untouched();
+    assert_eq!(mirror.total_requests(), 0);
+
+    let (request, spki) = worker_request("w-1");
+    let err = node
+        .tickets(&ca)
+        .join_ticket(&service.endpoint, request, &spki)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TicketError::Invalid(why) if why.contains("/etc/kubernetes/manifests")),
+        "{err}"
+    );
+    node.assert_untouched();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_nodes_stay_unlocked_and_untouched() {
     let ca = EkCa::new().unwrap();

@@ -487,8 +487,11 @@ pub fn parse_join_ticket(
     };
     // The control plane took this list at init or in a plan; the node
     // checks it again before it locks, since installing it would fail
-    // after the lock.
+    // after the lock, and a control plane that lies could otherwise have
+    // it write files outside the component directories.
     keel_installer::check_list(&components)
+        .map_err(|e| TicketError::Invalid(format!("components: {e}")))?;
+    crate::upgrade::check_switchable(&components)
         .map_err(|e| TicketError::Invalid(format!("components: {e}")))?;
     let mut files = Vec::new();
     for file in &secrets.control_plane_files {
