@@ -357,7 +357,6 @@ fn worker_request(name: &str) -> (IssueJoinTicketRequest, Vec<u8>) {
 async fn a_ticket_with_two_archives_for_one_directory_leaves_the_node_unlocked() {
     let ca = EkCa::new().unwrap();
     let mirror = MirrorServer::start().unwrap();
-    let port = free_port();
     let mut list = stand_in_components(&mirror);
     let archive = list.iter().find(|c| c.extract()).unwrap();
     let second = keel_installer::Component::try_from(&keel_proto::components::Component {
@@ -368,22 +367,35 @@ async fn a_ticket_with_two_archives_for_one_directory_leaves_the_node_unlocked()
     })
     .unwrap();
     list.push(second);
-    let service = start_service_with(&ca, port, Some(list), false).await;
-    let node = joiner(&ca, &ca, port, "w-1", "worker");
+    a_ticket_of_is_refused(&ca, &mirror, list, "more than one archive").await;
+}
 
-    let run = tokio::time::timeout(WATCH, node.client(&ca).run()).await;
+/// Serves `list` in join tickets: a joining node keeps trying, locks,
+/// writes and fetches nothing, and a ticket asked for directly is refused
+/// as invalid, naming `why`.
+async fn a_ticket_of_is_refused(
+    ca: &EkCa,
+    mirror: &MirrorServer,
+    list: Vec<keel_installer::Component>,
+    why: &str,
+) {
+    let port = free_port();
+    let service = start_service_with(ca, port, Some(list), false).await;
+    let node = joiner(ca, ca, port, "w-1", "worker");
+
+    let run = tokio::time::timeout(WATCH, node.client(ca).run()).await;
     assert!(run.is_err(), "{run:?}");
     node.assert_untouched();
     assert_eq!(mirror.total_requests(), 0);
 
     let (request, spki) = worker_request("w-1");
     let err = node
-        .tickets(&ca)
+        .tickets(ca)
         .join_ticket(&service.endpoint, request, &spki)
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, TicketError::Invalid(why) if why.contains("more than one archive")),
+        matches!(&err, TicketError::Invalid(reason) if reason.contains(why)),
         "{err}"
     );
     node.assert_untouched();
@@ -398,7 +410,6 @@ async fn a_ticket_with_two_archives_for_one_directory_leaves_the_node_unlocked()
 async fn a_ticket_with_components_outside_the_component_directories_is_refused() {
     let ca = EkCa::new().unwrap();
     let mirror = MirrorServer::start().unwrap();
-    let port = free_port();
     let mut list = stand_in_components(&mirror);
     let manifest = b"apiVersion: v1\nkind: Pod\n";
     let outside = keel_installer::Component::try_from(&keel_proto::components::Component {
@@ -413,25 +424,7 @@ async fn a_ticket_with_components_outside_the_component_directories_is_refused()
         &keel_installer::Source::Inline(manifest.to_vec())
     );
     list.push(outside);
-    let service = start_service_with(&ca, port, Some(list), false).await;
-    let node = joiner(&ca, &ca, port, "w-1", "worker");
-
-    let run = tokio::time::timeout(WATCH, node.client(&ca).run()).await;
-    assert!(run.is_err(), "{run:?}");
-    node.assert_untouched();
-    assert_eq!(mirror.total_requests(), 0);
-
-    let (request, spki) = worker_request("w-1");
-    let err = node
-        .tickets(&ca)
-        .join_ticket(&service.endpoint, request, &spki)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&err, TicketError::Invalid(why) if why.contains("/etc/kubernetes/manifests")),
-        "{err}"
-    );
-    node.assert_untouched();
+    a_ticket_of_is_refused(&ca, &mirror, list, "/etc/kubernetes/manifests").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
