@@ -425,6 +425,15 @@ pub enum RegistryError {
     /// ticket was being made).
     #[error("the node is revoked: {0}")]
     Revoked(Box<Revocation>),
+    /// Another node, not revoked, is recorded with the disk a node asks a
+    /// ticket for ([`Registry::check_disk`]).
+    #[error("disk {uuid} is recorded for node {holder}; a disk is bound to one node")]
+    DiskHeld {
+        /// The disk UUID (lower case).
+        uuid: String,
+        /// The EK of the node recorded with it (`sha256:` and hex).
+        holder: String,
+    },
 }
 
 /// A disk UUID that the disk binding store binds to one EK (the binding a
@@ -775,6 +784,37 @@ impl Registry {
         self.check_identity(ek, name, role)?;
         let disk = (!disk_uuid.is_empty()).then_some(disk_uuid);
         self.enter(ek, disk, name, role)
+    }
+
+    /// Refuses `disk_uuid` for `ek` where another node, not revoked, is
+    /// recorded with that disk ([`RegistryError::DiskHeld`]). Each control
+    /// plane binds disks on its own; the records, which control planes
+    /// exchange, are how one learns of a disk that joined through another.
+    /// Without this check a node could bind another node's disk at a
+    /// control plane that never saw it join, and that control plane would
+    /// refuse the owner's rejoin and evidence from then on (and, once the
+    /// control plane that bound it truly is gone, revoke it for silence).
+    /// A record holds only a disk bound to its EK where it was made. For a
+    /// join, before the disk is bound; not again when the record is made:
+    /// by then this control plane binds the disk to the node, and a record
+    /// another made of it is a conflict this one cannot settle.
+    pub fn check_disk(&self, ek: &EkDigest, disk_uuid: &str) -> Result<(), RegistryError> {
+        if disk_uuid.is_empty() {
+            return Ok(());
+        }
+        let key = ek.to_string();
+        let holder = self.nodes.values().find(|r| {
+            r.ek != key
+                && r.disk_uuid.eq_ignore_ascii_case(disk_uuid)
+                && !self.revoked.iter().any(|rev| rev.ek == r.ek)
+        });
+        match holder {
+            Some(holder) => Err(RegistryError::DiskHeld {
+                uuid: disk_uuid.to_ascii_lowercase(),
+                holder: holder.ek.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Refuses `name` and `role` for `ek` where `ek` holds another name or
@@ -1766,6 +1806,11 @@ impl RegistryStore {
         self.lock().check_identity(ek, name, role)
     }
 
+    /// [`Registry::check_disk`].
+    pub fn check_disk(&self, ek: &EkDigest, disk_uuid: &str) -> Result<(), RegistryError> {
+        self.lock().check_disk(ek, disk_uuid)
+    }
+
     /// [`Registry::failing_unrevoked`].
     pub fn failing_unrevoked(&self, own: &EkDigest) -> Vec<NodeRecord> {
         self.lock().failing_unrevoked(own)
@@ -2626,6 +2671,31 @@ mod tests {
         assert_eq!(other.merge(r.clone()), Merged::default());
         let bytes = other.to_json();
         assert_eq!(Registry::parse(&bytes).unwrap(), other);
+    }
+
+    /// Attacker's move: a node asks a control plane that never saw a
+    /// member's disk join for a ticket naming that disk, to bind it there
+    /// to its own EK. The member's record, which reached this registry in
+    /// an exchange, refuses it; a revoked holder and the member itself do
+    /// not.
+    #[test]
+    fn a_disk_another_unrevoked_node_is_recorded_with_is_refused() {
+        let mut r = Registry::default();
+        let disk = bound(1).uuid;
+        r.register(&ek(1), &disk, "w-1", "worker").unwrap();
+        for asked in [disk.clone(), disk.to_ascii_uppercase()] {
+            match r.check_disk(&ek(2), &asked) {
+                Err(RegistryError::DiskHeld { uuid, holder }) => {
+                    assert_eq!((uuid, holder), (disk.clone(), ek(1).to_string()))
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        r.check_disk(&ek(1), &disk).unwrap();
+        r.check_disk(&ek(2), &bound(2).uuid).unwrap();
+        r.check_disk(&ek(2), "").unwrap();
+        r.revoke_ek(&ek(1), "operator").unwrap();
+        r.check_disk(&ek(2), &disk).unwrap();
     }
 
     #[test]

@@ -214,6 +214,39 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         }
     }
 
+    // Attacker's move: a node under a free name asks cp-1, which never saw
+    // w-0's disk join, for a ticket naming that disk (its UUID is in the
+    // clear in the LUKS header), to bind it there to its own TPM: cp-1
+    // would then refuse w-0's rejoins and evidence. w-0's record, from
+    // cp-0's registry, refuses it before anything is bound.
+    let w0_disk = Cryptsetup::default().uuid(&early.disk).unwrap();
+    let claimer = join_common::member_with(&ca, config_for(&ca, &ports, "w-9", "worker"));
+    let key = keel_agent::join::KubeletKey::generate("w-9").unwrap();
+    let request = keel_proto::join::IssueJoinTicketRequest {
+        disk_uuid: w0_disk.clone(),
+        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: "w-9".into(),
+        file_discovery: true,
+    };
+    match claimer
+        .tickets(&ca)
+        .request_join_ticket(&format!("127.0.0.1:{}", ports[1]), request)
+        .await
+    {
+        Err(keel_agent::join::TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied);
+            assert!(
+                status.message().contains("not bound to this node's TPM"),
+                "{status:?}"
+            );
+        }
+        Err(e) => panic!("not refused for the disk: {}", keel_atls::ErrorChain(&e)),
+        Ok(_) => panic!("a ticket bound w-0's disk to another TPM at cp-1"),
+    }
+    let bindings = keel_agent::disk_bindings::DiskBindings::new(&cp1.root);
+    assert_eq!(bindings.lookup(&w0_disk).unwrap(), None);
+
     // cp-0 goes down: a worker joins through cp-1, with a ticket as good as
     // one from cp-0 (same cluster, a disk key cp-0 derives too).
     cp0.stop().await;

@@ -87,6 +87,11 @@ pub enum JoinServiceError {
     /// ([`RegistryError::Renamed`](crate::registry::RegistryError::Renamed)).
     #[error("the node asks under another name or role than it joined with")]
     Renamed(#[source] crate::registry::RegistryError),
+    /// Another node of the cluster, not revoked, is recorded with the
+    /// disk the peer asks a ticket for
+    /// ([`RegistryError::DiskHeld`](crate::registry::RegistryError::DiskHeld)).
+    #[error("the disk is recorded for another node")]
+    DiskHeld(#[source] crate::registry::RegistryError),
     /// The node registry failed: nothing was issued.
     #[error("the node registry is unavailable")]
     Registry(#[source] crate::registry::RegistryError),
@@ -118,6 +123,7 @@ impl JoinServiceError {
             R::Revoked(revocation) => Self::Revoked(*revocation),
             taken @ R::NameTaken { .. } => Self::NameTaken(taken),
             renamed @ R::Renamed { .. } => Self::Renamed(renamed),
+            held @ R::DiskHeld { .. } => Self::DiskHeld(held),
             other => Self::Registry(other),
         }
     }
@@ -140,7 +146,7 @@ impl JoinServiceError {
             E::Seal(CredentialError::UnsupportedEk) => "the node's EK type is not supported",
             E::Seal(_) => "sealing the ticket to the node's TPM failed",
             E::Derive => "deriving a key failed",
-            E::DiskNotBound(_) => "the state disk is not bound to this node's TPM",
+            E::DiskNotBound(_) | E::DiskHeld(_) => "the state disk is not bound to this node's TPM",
             E::DiskBindings(_) => "the disk binding store is unavailable",
             E::Member => "the node is already locked into a cluster",
             E::Revoked(_) => "the node is revoked: its EK is on the cluster's revocation list",
@@ -177,6 +183,7 @@ impl From<&JoinServiceError> for tonic::Status {
             E::InvalidRequest(_) | E::DiskUuid(_) | E::Csr(_) => tonic::Code::InvalidArgument,
             E::Identity(_)
             | E::DiskNotBound(_)
+            | E::DiskHeld(_)
             | E::Revoked(_)
             | E::Withdrawn(_)
             | E::NameTaken(_)

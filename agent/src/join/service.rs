@@ -333,13 +333,15 @@ impl JoinService {
     }
 
     /// Refuses a revoked peer (its EK is on the list), a name another node
-    /// holds and another name or role than its EK holds, before the ticket
-    /// costs anything; [`Self::register`] checks them again under the
-    /// registry's lock.
+    /// holds, another name or role than its EK holds and, for a join, a
+    /// `disk` another node is recorded with, before the ticket costs
+    /// anything (a disk before this service binds it); [`Self::register`]
+    /// checks all but the disk again under the registry's lock.
     fn check_registry(
         &self,
         ek: &EkDigest,
         identity: &NodeIdentity,
+        disk: Option<&str>,
     ) -> Result<(), JoinServiceError> {
         let Some((registry, own_ek)) = self.registry.as_ref() else {
             return Ok(());
@@ -352,6 +354,7 @@ impl JoinService {
         }
         registry
             .check_identity(ek, &identity.name, identity.role.as_str())
+            .and_then(|()| disk.map_or(Ok(()), |disk| registry.check_disk(ek, disk)))
             .map_err(JoinServiceError::from_identity_check)
     }
 
@@ -446,7 +449,7 @@ impl JoinService {
         let cluster = &cluster;
         let identity = check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_registry(&ek, &identity)?;
+        self.check_registry(&ek, &identity, Some(&request.disk_uuid))?;
         self.refuse_token_downgrade(cluster, peer, request.file_discovery)?;
         let disk_key = cluster
             .keys
@@ -585,7 +588,7 @@ impl JoinService {
         let identity = measured_identity(peer)?;
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
-        self.check_registry(&ek, &identity)?;
+        self.check_registry(&ek, &identity, None)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
