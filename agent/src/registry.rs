@@ -1024,7 +1024,11 @@ impl Registry {
     /// returns the nodes newly marked. A drifted node keeps its verdict:
     /// its drift's hold runs from the drift (a silence would restart it,
     /// under the silence's conditions), and trusted evidence within that
-    /// hold does not clear a drift, as it would a silence. Times ahead of
+    /// hold does not clear a drift, as it would a silence. Not a drift that
+    /// rests on the clock ([`NodeRecord::on_clock`]): the policy never acts
+    /// on one, and a node that stopped reporting after one (say, its EK
+    /// certificate lapsed) must fall silent like any other, or it would
+    /// keep its keys for good by never reporting again. Times ahead of
     /// `now` are first moved back to it ([`Registry::times_not_after`]). Evidence that reached this registry through
     /// a peer counts from when it was taken here, if that is later than
     /// the peer's time for it. The record of `own` (the control plane
@@ -1049,7 +1053,9 @@ impl Registry {
         let own = own.to_string();
         let mut marked = Vec::new();
         for (key, record) in &mut self.nodes {
-            if matches!(record.verdict, Verdict::Silent | Verdict::Drifted)
+            let held_drift = record.verdict == Verdict::Drifted && !record.on_clock;
+            if record.verdict == Verdict::Silent
+                || held_drift
                 || revoked.contains(&record.ek)
                 || *key == own
             {
@@ -1066,6 +1072,7 @@ impl Registry {
                 record.verdict = Verdict::Silent;
                 record.verdict_at = now;
                 record.reason = Some(format!("no evidence for {quiet} s"));
+                record.on_clock = false;
                 marked.push(record.clone());
             }
         }
@@ -2205,6 +2212,32 @@ mod tests {
         let marked = r.mark_silent(later, Duration::from_secs(10), 0, &ek(9));
         assert_eq!(marked.len(), 1);
         assert_eq!(marked[0].name, "cp-7");
+    }
+
+    /// Attacker's move: a member whose evidence fails only for a date (its
+    /// EK certificate lapsed, or the control planes' clocks were set) stops
+    /// reporting. A drift on the clock is never revoked, and once it was
+    /// never marked silent either: the node kept its keys for good. It
+    /// falls silent like any other; a drift for its own reason keeps its
+    /// verdict and hold.
+    #[test]
+    fn a_node_silent_after_a_drift_on_the_clock_is_marked_silent() {
+        let mut r = Registry::default();
+        r.record(&Evidence {
+            failure_on_clock: true,
+            ..evidence(1, Some("EK certificate is not valid at this time"))
+        })
+        .unwrap();
+        r.record(&evidence(2, Some("PCR 4"))).unwrap();
+        assert!(r.nodes[&ek(1).to_string()].on_clock);
+        let later = now() + 3600;
+        let marked = r.mark_silent(later, Duration::from_secs(10), 0, &ek(9));
+        let names: Vec<&str> = marked.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["w-1"]);
+        let silent = &r.nodes[&ek(1).to_string()];
+        assert_eq!(silent.verdict, Verdict::Silent);
+        assert!(!silent.on_clock);
+        assert_eq!(r.nodes[&ek(2).to_string()].verdict, Verdict::Drifted);
     }
 
     /// Nor does its policy revoke it, silent (a peer's verdict merged in)
