@@ -1698,8 +1698,10 @@ pub struct RegistryStore {
     registry: Arc<Mutex<Registry>>,
     /// Writes of the registry as it is when each write starts.
     writes: Batcher<(), (), RegistryError>,
-    /// When another control plane's registry was last merged (Unix s).
-    merged_at: Mutex<Option<u64>>,
+    /// When each other control plane's registry was last merged (Unix s),
+    /// by its EK (`sha256:` and hex): one entry per control plane this one
+    /// pulls from, so bounded by the registry's nodes.
+    merged_at: Mutex<HashMap<String, u64>>,
 }
 
 impl std::fmt::Debug for RegistryStore {
@@ -1773,7 +1775,7 @@ impl RegistryStore {
             path,
             registry,
             writes,
-            merged_at: Mutex::new(None),
+            merged_at: Mutex::new(HashMap::new()),
         })
     }
 
@@ -1939,10 +1941,10 @@ impl RegistryStore {
         if !note || matches!(merged, Err(RegistryError::PeerRevoked)) {
             return merged;
         }
-        *self
-            .merged_at
+        self.merged_at
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(now());
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(from.to_string(), now());
         merged
     }
 
@@ -1950,10 +1952,47 @@ impl RegistryStore {
     /// [`RegistryStore::merge_from_peer`] (Unix seconds), if ever since
     /// this process started.
     pub fn merged_at(&self) -> Option<u64> {
-        *self
+        self.merged_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .copied()
+            .max()
+    }
+
+    /// Whether this control plane's view of the nodes is current at `now`,
+    /// for judging silence: with other control planes (unrevoked ones other
+    /// than `own`), a registry of one of them merged within `grace`, and of
+    /// every one of them this control plane does not itself hold silent. A
+    /// host that lets a peer's evidence reach this control plane but not
+    /// its registry pulls must not make the nodes only that peer hears look
+    /// silent here, whatever the other peers' registries say; a peer gone
+    /// silent (down, cut off) holds nobody back once it is marked so.
+    pub fn view_current(&self, own: &EkDigest, now: u64, grace: Duration) -> bool {
+        let merged = self
             .merged_at
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let recent = |ek: &str| {
+            merged
+                .get(ek)
+                .is_some_and(|at| now.saturating_sub(*at) <= grace.as_secs())
+        };
+        let registry = self.lock();
+        let revoked = registry.revoked_eks();
+        let own = own.to_string();
+        let peers: Vec<&NodeRecord> = registry
+            .nodes
+            .values()
+            .filter(|r| r.role == "control-plane" && r.ek != own && !revoked.contains(&r.ek))
+            .collect();
+        peers.is_empty()
+            || (peers.iter().any(|r| recent(&r.ek))
+                && peers
+                    .iter()
+                    .filter(|r| r.verdict != Verdict::Silent)
+                    .all(|r| recent(&r.ek)))
     }
 
     /// Marks silent the nodes [`Registry::mark_silent`] finds; writes only
@@ -3193,6 +3232,78 @@ mod tests {
             100
         );
         assert!(store.merged_at().is_some());
+    }
+
+    /// Attacker's move (a host on the paths into this control plane, with
+    /// three or more control planes): let one peer's evidence reach it but
+    /// drop that peer's registry answers, while another peer's registry
+    /// still arrives, so that the nodes only the first peer hears look
+    /// silent here and are revoked. The view is current only with the
+    /// registry of every peer this control plane does not hold silent
+    /// merged within the grace.
+    #[test]
+    fn the_view_is_current_only_with_every_live_peers_registry_merged() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        let grace = Duration::from_secs(60);
+        assert!(store.view_current(&ek(7), now(), grace), "no peers");
+        store
+            .update(|r| {
+                for n in [7, 8, 9] {
+                    r.register(&ek(n), "", &format!("cp-{n}"), "control-plane")?;
+                }
+                r.register(&ek(1), "", "w-1", "worker")
+            })
+            .unwrap();
+        assert!(!store.view_current(&ek(7), now(), grace));
+        store
+            .merge_from_peer(Registry::default(), grace, &ek(8))
+            .unwrap();
+        assert!(
+            !store.view_current(&ek(7), now(), grace),
+            "cp-9's registry never merged"
+        );
+        store
+            .merge_from_peer(Registry::default(), grace, &ek(9))
+            .unwrap();
+        assert!(store.view_current(&ek(7), now(), grace));
+        assert!(!store.view_current(&ek(7), now() + 120, grace), "stale");
+        // cp-9 silent here, or revoked: cp-8's merge is the view.
+        let dir = tempfile::tempdir().unwrap();
+        let store = RegistryStore::shared(dir.path()).unwrap();
+        store
+            .update(|r| {
+                for n in [7, 8, 9] {
+                    r.register(&ek(n), "", &format!("cp-{n}"), "control-plane")?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        store
+            .merge_from_peer(Registry::default(), grace, &ek(8))
+            .unwrap();
+        store
+            .update(|r| {
+                let key = ek(9).to_string();
+                if let Some(cp9) = r.nodes.get_mut(&key) {
+                    cp9.verdict = Verdict::Silent;
+                }
+                Ok(())
+            })
+            .unwrap();
+        assert!(store.view_current(&ek(7), now(), grace));
+        // With every peer silent, no merge is no view.
+        store
+            .update(|r| {
+                let key = ek(8).to_string();
+                if let Some(cp8) = r.nodes.get_mut(&key) {
+                    cp8.verdict = Verdict::Silent;
+                }
+                Ok(())
+            })
+            .unwrap();
+        assert!(store.view_current(&ek(7), now(), grace));
+        assert!(!store.view_current(&ek(7), now() + 120, grace));
     }
 
     /// Attacker's move: route a control plane's rejoin to a control plane

@@ -643,16 +643,15 @@ impl EvidenceService {
                 }
             }
             // With other control planes, silence is judged on a view that
-            // includes theirs: one of their registries merged within the
-            // grace period (a host that lets a peer's evidence reach this
-            // control plane but not its registry pulls must not make the
-            // nodes only the peers hear look silent).
+            // includes theirs: the registry of each that is not silent here
+            // merged within the grace period (a host that lets a peer's
+            // evidence reach this control plane but not its registry pulls
+            // must not make the nodes only that peer hears look silent).
             let view_current = standing.peers == 0
                 || self
                     .inner
                     .registry
-                    .merged_at()
-                    .is_some_and(|at| now.saturating_sub(at) <= grace.as_secs());
+                    .view_current(&self.inner.own_ek, now, grace);
             let may_revoke_silent = sweep.may_revoke_silent && view_current && !silence_held;
             // A drift that rests on this control plane's clock alone (a
             // certificate, revocation list or collateral outside its window
