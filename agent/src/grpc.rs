@@ -131,6 +131,11 @@ where
 /// taken (its source's own claim granted) waits for one instead, in order
 /// of arrival, and asks for the eviction of the oldest place whose body has
 /// not ended; see there.
+///
+/// A handler that only waits once its body was read (a long poll) gives
+/// its place up through the [`HeldPlace`] in its request's extensions: the
+/// places bound bodies, and a wait bounded by the service itself should
+/// not keep others out of them.
 #[derive(Clone)]
 pub struct InFlightLimit<S> {
     inner: S,
@@ -337,10 +342,38 @@ impl Drop for Place {
     }
 }
 
+/// A request's place among an [`InFlightLimit`]'s, found in the request's
+/// extensions; freed when the handler's answer resolves, or before by
+/// [`HeldPlace::release`].
+#[derive(Clone)]
+pub struct HeldPlace(Arc<Mutex<Option<Place>>>);
+
+impl HeldPlace {
+    /// Frees the place now if the request's body has ended: for a handler
+    /// that has its request whole and now only waits, bounded by its
+    /// service (a long poll). A place whose body still arrives is kept, so
+    /// what it buffers stays bounded.
+    pub fn release(&self) {
+        let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if held
+            .as_ref()
+            .is_some_and(|place| place.ended.load(Ordering::Acquire))
+        {
+            drop(held.take());
+        }
+    }
+
+    /// Frees the place, whatever its body.
+    fn free(&self) {
+        let place = self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+        drop(place);
+    }
+}
+
 /// Serves `request` through `inner` in the place `permit` grants (with
 /// the source's own, among `places`): its body is held to `bounds` and
 /// to the place's eviction, and the place is freed once the handler
-/// returned its response.
+/// returned its response, or when the handler releases it ([`HeldPlace`]).
 fn serve_in_place<S>(
     inner: &mut S,
     permit: OwnedSemaphorePermit,
@@ -360,12 +393,14 @@ where
     S::Future: Send + 'static,
 {
     let (place, watch) = Place::new(permit, own, places);
-    let request =
+    let place = HeldPlace(Arc::new(Mutex::new(Some(place))));
+    let mut request =
         request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, bounds, watch)));
+    request.extensions_mut().insert(place.clone());
     let answer = inner.call(request);
     async move {
         let answer = answer.await;
-        drop(place);
+        place.free();
         answer
     }
 }
@@ -1240,6 +1275,62 @@ mod tests {
         assert_eq!(evicted.code(), tonic::Code::Unavailable, "{evicted:?}");
         assert!(!ended.is_finished());
         ended.abort();
+    }
+
+    /// A service that gives its place up at once, then reads the
+    /// request's body to its end and never answers: a long poll.
+    #[derive(Clone)]
+    struct Releasing;
+
+    impl tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for Releasing {
+        type Response = tonic::codegen::http::Response<tonic::body::Body>;
+        type Error = Infallible;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(
+            &mut self,
+            request: tonic::codegen::http::Request<tonic::body::Body>,
+        ) -> Self::Future {
+            if let Some(place) = request.extensions().get::<HeldPlace>() {
+                place.release();
+            }
+            let mut body = request.into_body();
+            Box::pin(async move {
+                while let Some(Ok(_)) =
+                    std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut body), cx))
+                        .await
+                {}
+                std::future::pending().await
+            })
+        }
+    }
+
+    /// A handler whose request's body ended gives its place up and the
+    /// next request takes it; one whose body still arrives keeps its place
+    /// however it asks, and the next request is answered busy.
+    #[tokio::test]
+    async fn a_handler_gives_its_place_up_only_once_its_body_ended() {
+        use tonic::codegen::Service as _;
+        let mut limit = InFlightLimit::new(Releasing, 1, 1024, Duration::from_secs(30), "busy");
+        let request = |body| tonic::codegen::http::Request::new(body);
+        let whole = tokio::spawn(limit.call(request(tonic::body::Body::empty())));
+        let arriving = tokio::spawn(limit.call(request(tonic::body::Body::new(Endless))));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!arriving.is_finished(), "the place given up was not taken");
+        let next = limit.call(request(tonic::body::Body::empty()));
+        let answer = tokio::time::timeout(Duration::from_secs(1), next)
+            .await
+            .expect("the place of a body still arriving was given up")
+            .unwrap();
+        let status = status_of(&answer);
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(status.metadata().get(keel_proto::BUSY_METADATA).is_some());
+        whole.abort();
+        arriving.abort();
     }
 
     /// Under load, a source is held to its share; below half the places,

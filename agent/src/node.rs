@@ -97,9 +97,11 @@ pub const JOIN_REQUESTS_IN_FLIGHT: usize = 256;
 /// Evidence requests the join port holds at once, across every
 /// connection: each buffers up to
 /// [`crate::evidence::service::MAX_EVIDENCE_REQUEST_BYTES`] (about 33 MiB
-/// in all). A node submits one every few minutes and each takes
-/// milliseconds, so even the registry's bound on nodes seldom has more
-/// than a few in flight.
+/// in all). A node submits once an interval and each takes milliseconds;
+/// its nonce request, which waits up to an interval for the node's turn,
+/// gives its place up once its turn is marked (the service bounds those
+/// waits, one per member), so even the registry's bound on nodes seldom
+/// has more than a few in flight.
 pub const EVIDENCE_REQUESTS_IN_FLIGHT: usize = 128;
 /// A source's share of the join port's requests (of each service, waiting
 /// included) once half of its places are taken; below that, nodes behind
@@ -475,6 +477,19 @@ pub async fn serve_join_port(
     service: JoinService,
     evidence: Option<EvidenceService>,
 ) -> anyhow::Result<()> {
+    let evidence = evidence.map(|e| (e, EVIDENCE_REQUESTS_IN_FLIGHT));
+    serve_join_port_with(addr, tpm, validator, service, evidence).await
+}
+
+/// [`serve_join_port`], the evidence service given with the evidence
+/// requests the port holds at once.
+async fn serve_join_port_with(
+    addr: SocketAddr,
+    tpm: SharedTpm,
+    validator: keel_atls::DynValidator<keel_verifier::validator::Verified>,
+    service: JoinService,
+    evidence: Option<(EvidenceService, usize)>,
+) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "join service listening (mutual aTLS)");
     let issuer = Arc::new(TpmIssuer::new(tpm));
@@ -494,10 +509,10 @@ pub async fn serve_join_port(
         crate::join::service::MAX_REQUEST_BYTES,
         "the join service is busy; retry later",
     );
-    let evidence = evidence.map(|evidence| {
+    let evidence = evidence.map(|(evidence, places)| {
         join_port_bounds(
             evidence.into_service(),
-            EVIDENCE_REQUESTS_IN_FLIGHT,
+            places,
             crate::evidence::service::MAX_EVIDENCE_REQUEST_BYTES,
             "the evidence service is busy; retry later",
         )
@@ -591,6 +606,30 @@ pub async fn serve_join_as_control_plane(
     cluster: Arc<ClusterSlot>,
     measurements: PathBuf,
 ) -> anyhow::Result<()> {
+    serve_join_as_control_plane_with(
+        addr,
+        config,
+        tpm,
+        env,
+        cluster,
+        measurements,
+        EVIDENCE_REQUESTS_IN_FLIGHT,
+    )
+    .await
+}
+
+/// [`serve_join_as_control_plane`] with `evidence_places` evidence
+/// requests held at once in place of [`EVIDENCE_REQUESTS_IN_FLIGHT`]: for
+/// tests of what members need of the port.
+pub async fn serve_join_as_control_plane_with(
+    addr: SocketAddr,
+    config: NodeConfig,
+    tpm: SharedTpm,
+    env: NodeEnv,
+    cluster: Arc<ClusterSlot>,
+    measurements: PathBuf,
+    evidence_places: usize,
+) -> anyhow::Result<()> {
     // Once per start, before any run: a set-up tried again below may
     // follow a service whose last `token create` still runs.
     crate::kubeadm::token::remove_stale_configs(&env.work_dir.join(crate::paths::TOKEN_CONFIG_DIR));
@@ -670,7 +709,8 @@ pub async fn serve_join_as_control_plane(
                     async move { crate::cluster::present_own_image(&cluster, tpm).await }
                 }));
                 let validator = Arc::new(PortValidator::new(policy, members));
-                serve_join_port(addr, tpm, validator, service, Some(evidence)).await
+                let evidence = Some((evidence, evidence_places));
+                serve_join_port_with(addr, tpm, validator, service, evidence).await
             }
         })
         .await;

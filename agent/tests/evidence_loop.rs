@@ -28,6 +28,7 @@ use keel_agent::evidence::service::REGISTRY_GAP;
 use keel_agent::evidence::{user_data, EvidenceClient};
 use keel_agent::join::settings::SHARED_PCRS;
 use keel_agent::join::{service_validator, JoinOutcome, KubeletKey, TicketError};
+use keel_agent::node::EVIDENCE_REQUESTS_IN_FLIGHT;
 use keel_agent::operator::{
     OperatorAuth, OperatorServer, NODE_STATUS, REVOKE_NODE, STAGE_IMAGE_MEASUREMENTS,
 };
@@ -70,6 +71,12 @@ struct Cluster {
 
 impl Cluster {
     async fn start(policy: EvidencePolicy) -> Self {
+        Cluster::start_with_evidence_places(policy, EVIDENCE_REQUESTS_IN_FLIGHT).await
+    }
+
+    /// [`Cluster::start`], cp-1's join port holding `places` evidence
+    /// requests at once.
+    async fn start_with_evidence_places(policy: EvidencePolicy, places: usize) -> Self {
         let ca = EkCa::new().unwrap();
         // The CA's certificates exist once it manufactured a TPM.
         let cp1_tpm = Swtpm::start(&ca).unwrap();
@@ -92,7 +99,9 @@ impl Cluster {
             run_client(&cp1, &ca, &cp1_slot).await,
             JoinOutcome::Joined { .. }
         ));
-        let serving = cp1.serve_join(ports[1], cp1_slot.clone()).await;
+        let serving = cp1
+            .serve_join_with_evidence_places(ports[1], cp1_slot.clone(), places)
+            .await;
         cp0.stop().await;
         let worker = joiner_with(
             config(&ca, &ports, "w-1", "worker", policy),
@@ -1280,4 +1289,45 @@ async fn a_member_that_adds_a_second_identity_drifts_and_keeps_its_name() {
     assert_eq!(record.role, "worker");
     assert!(registry.find("w-1").is_ok());
     evidence.abort();
+}
+
+/// A member's nonce request waits for its turn without holding one of the
+/// evidence port's places: with two places, two members waiting an
+/// interval for their next nonces leave room for a third member's
+/// evidence, taken at once; a second nonce request of a waiting member is
+/// still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn members_waiting_for_their_turns_leave_the_evidence_places_to_others() {
+    let c = Cluster::start_with_evidence_places(EvidencePolicy::Log, 2).await;
+    let (w2, _) = c.joined("w-2", "worker").await;
+    // w-2's evidence, quoted ahead: its first nonce is due at once.
+    let mut third = c.session(&w2).await;
+    let nonce = third.next_nonce().await.unwrap();
+    let evidence = third.evidence(nonce).await.unwrap();
+    // cp-1 and the worker report: their next nonces are an interval away.
+    let (mut cp1, mut worker) = (c.session(&c.cp1).await, c.session(&c.worker).await);
+    let (a, b) = tokio::join!(cp1.round(), worker.round());
+    assert_eq!(
+        (a.unwrap().as_str(), b.unwrap().as_str()),
+        ("trusted", "trusted")
+    );
+    let waits = [cp1.client().clone(), worker.client().clone()].map(|mut client| {
+        tokio::spawn(async move { client.next_nonce(NextNonceRequest {}).await })
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let verdict = third.client().submit(evidence).await.unwrap().into_inner();
+    assert_eq!(verdict.verdict, "trusted");
+    assert!(
+        waits.iter().all(|w| !w.is_finished()),
+        "the evidence waited for a member's turn to end"
+    );
+    let err = cp1
+        .client()
+        .next_nonce(NextNonceRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    for wait in waits {
+        assert!(wait.await.unwrap().is_ok());
+    }
 }

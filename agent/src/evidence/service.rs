@@ -3,7 +3,11 @@
 //! keeps the verdicts in the [registry](crate::registry).
 //!
 //! Bounds: one nonce request waiting and one nonce outstanding per EK (a
-//! new nonce replaces the old), at most [`MAX_NODES`] EKs paced; a nonce is
+//! new nonce replaces the old), at most [`MAX_NODES`] EKs paced. A nonce
+//! request waits for its turn (up to an interval) without holding one of
+//! the join port's places for requests in flight, which bound bodies being
+//! read: a place held through the wait would keep members past the places'
+//! count out while the others wait, until they fall silent. A nonce is
 //! valid for one interval plus [`NONCE_GRACE`]; a submission is checked
 //! against its nonce, its EK and its AK before anything is validated, so a
 //! flood of submissions costs a lookup each and at most one validation per
@@ -41,6 +45,7 @@ use super::hearing::Hearing;
 use super::{user_data, MAX_FIELD_BYTES, SILENT_AFTER};
 use crate::cluster::{ClusterSlot, ClusterState};
 use crate::disk_bindings::{DiskBindings, DiskBindingsError, EkDigest};
+use crate::grpc::HeldPlace;
 use crate::registry::{
     self, BoundDisk, DiskClaim, Evidence, RegistryError, RegistryStore, Revocation, Verdict,
 };
@@ -211,6 +216,13 @@ struct Inner {
     paces: Mutex<HashMap<[u8; 32], Pace>>,
 }
 
+/// Waits until `due`, if any.
+async fn sleep_until(due: Option<Instant>) {
+    if let Some(due) = due {
+        tokio::time::sleep_until(due.into()).await;
+    }
+}
+
 /// Clears a mark of an EK's pace (its waiting nonce request, its registry
 /// request in flight) when the request ends, answered or not.
 struct Waiting {
@@ -289,16 +301,32 @@ impl EvidenceService {
 
     /// Waits until `peer`'s next evidence is due and returns its nonce.
     pub async fn next_nonce(&self, peer: &Verified) -> Result<[u8; 32], EvidenceError> {
+        self.next_nonce_in(peer, None).await
+    }
+
+    /// [`Self::next_nonce`] for a request holding `place` on the port,
+    /// given up once its turn is marked: the wait lasts up to an interval,
+    /// and places held through it would leave a cluster with more members
+    /// than places falling silent. The waits are bounded here instead: one
+    /// per EK, of at most [`MAX_NODES`] EKs paced, each a member that is
+    /// not revoked.
+    async fn next_nonce_in(
+        &self,
+        peer: &Verified,
+        place: Option<&HeldPlace>,
+    ) -> Result<[u8; 32], EvidenceError> {
         let ek = *self.admit(peer)?.as_bytes();
-        let _waiting = self
-            .wait_turn(
-                ek,
-                |p| &mut p.waiting,
-                |p| p.last,
-                self.inner.config.interval(),
-                EvidenceError::Busy,
-            )
-            .await?;
+        let (_waiting, due) = self.take_turn(
+            ek,
+            |p| &mut p.waiting,
+            |p| p.last,
+            self.inner.config.interval(),
+            EvidenceError::Busy,
+        )?;
+        if let Some(place) = place {
+            place.release();
+        }
+        sleep_until(due).await;
         let mut nonce = [0u8; 32];
         rand::rngs::OsRng.fill_bytes(&mut nonce);
         if let Some(pace) = self.paces().get_mut(&ek) {
@@ -310,8 +338,7 @@ impl EvidenceService {
     /// Marks a request of `ek` in flight (the mark `busy`; `refused` if
     /// one is already) and waits until `gap` after the time `last` of its
     /// pace. The guard returned ends the mark when the request ends,
-    /// answered or not. At most [`MAX_NODES`] EKs are paced; idle ones
-    /// make room for a new one.
+    /// answered or not.
     async fn wait_turn(
         &self,
         ek: [u8; 32],
@@ -320,6 +347,23 @@ impl EvidenceService {
         gap: Duration,
         refused: EvidenceError,
     ) -> Result<Waiting, EvidenceError> {
+        let (turn, due) = self.take_turn(ek, busy, last, gap, refused)?;
+        sleep_until(due).await;
+        Ok(turn)
+    }
+
+    /// Marks a request of `ek` in flight as [`Self::wait_turn`] does;
+    /// returns the mark's guard and when the turn is due (`None`: now).
+    /// At most [`MAX_NODES`] EKs are paced; idle ones make room for a new
+    /// one.
+    fn take_turn(
+        &self,
+        ek: [u8; 32],
+        busy: fn(&mut Pace) -> &mut bool,
+        last: fn(&Pace) -> Option<Instant>,
+        gap: Duration,
+        refused: EvidenceError,
+    ) -> Result<(Waiting, Option<Instant>), EvidenceError> {
         let due = {
             let mut paces = self.paces();
             let idle = self.inner.config.interval() + NONCE_GRACE;
@@ -339,10 +383,7 @@ impl EvidenceService {
             ek,
             mark: busy,
         };
-        if let Some(due) = due {
-            tokio::time::sleep_until(due.into()).await;
-        }
-        Ok(turn)
+        Ok((turn, due))
     }
 
     /// Takes `nonce` if it is the one outstanding for `ek` and fresh.
@@ -914,7 +955,9 @@ impl evidence_service_server::EvidenceService for EvidenceService {
         request: tonic::Request<NextNonceRequest>,
     ) -> Result<tonic::Response<NextNonceResponse>, tonic::Status> {
         let peer = peer_claims(&request).map_err(|e| refused("nonce request", &e))?;
-        let nonce = EvidenceService::next_nonce(self, peer.claims())
+        let place = request.extensions().get::<HeldPlace>();
+        let nonce = self
+            .next_nonce_in(peer.claims(), place)
             .await
             .map_err(|e| refused("nonce request", &e))?;
         Ok(tonic::Response::new(NextNonceResponse {

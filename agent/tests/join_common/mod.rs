@@ -896,7 +896,19 @@ impl Joiner {
         port: u16,
         slot: Arc<ClusterSlot>,
     ) -> tokio::task::JoinHandle<()> {
-        let task = self.start_join_service(port, slot);
+        let places = keel_agent::node::EVIDENCE_REQUESTS_IN_FLIGHT;
+        self.serve_join_with_evidence_places(port, slot, places)
+            .await
+    }
+
+    /// [`Joiner::serve_join`] with `places` evidence requests held at once.
+    pub async fn serve_join_with_evidence_places(
+        &self,
+        port: u16,
+        slot: Arc<ClusterSlot>,
+        places: usize,
+    ) -> tokio::task::JoinHandle<()> {
+        let task = self.start_join_service_with(port, slot, places);
         wait_for_port(format!("127.0.0.1:{port}").parse().unwrap()).await;
         task
     }
@@ -908,14 +920,27 @@ impl Joiner {
         port: u16,
         slot: Arc<ClusterSlot>,
     ) -> tokio::task::JoinHandle<()> {
+        let places = keel_agent::node::EVIDENCE_REQUESTS_IN_FLIGHT;
+        self.start_join_service_with(port, slot, places)
+    }
+
+    /// [`Joiner::start_join_service`] with `places` evidence requests held
+    /// at once.
+    fn start_join_service_with(
+        &self,
+        port: u16,
+        slot: Arc<ClusterSlot>,
+        places: usize,
+    ) -> tokio::task::JoinHandle<()> {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let serve = keel_agent::node::serve_join_as_control_plane(
+        let serve = keel_agent::node::serve_join_as_control_plane_with(
             addr,
             self.config.clone(),
             self.tpm.clone(),
             self.env(),
             slot,
             self.work.join("join-measurements.json"),
+            places,
         );
         tokio::spawn(async move {
             if let Err(e) = serve.await {
