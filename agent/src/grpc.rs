@@ -1166,13 +1166,19 @@ mod tests {
     }
 
     /// A service that reads the request's body to its end, answering its
-    /// error, and then answers OK, or never for a request marked [`Hang`].
+    /// error, and then answers OK, or never for a request marked [`Hang`];
+    /// it first gives its place up ([`HeldPlace::release`]) for a request
+    /// marked [`Release`], as a long poll does.
     #[derive(Clone)]
     struct Reader;
 
     /// Marks a request [`Reader`] never answers.
     #[derive(Clone)]
     struct Hang;
+
+    /// Marks a request whose place [`Reader`] gives up at once.
+    #[derive(Clone)]
+    struct Release;
 
     impl tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for Reader {
         type Response = tonic::codegen::http::Response<tonic::body::Body>;
@@ -1188,6 +1194,11 @@ mod tests {
             request: tonic::codegen::http::Request<tonic::body::Body>,
         ) -> Self::Future {
             let hang = request.extensions().get::<Hang>().is_some();
+            if request.extensions().get::<Release>().is_some() {
+                if let Some(place) = request.extensions().get::<HeldPlace>() {
+                    place.release();
+                }
+            }
             let mut body = request.into_body();
             Box::pin(async move {
                 loop {
@@ -1277,46 +1288,19 @@ mod tests {
         ended.abort();
     }
 
-    /// A service that gives its place up at once, then reads the
-    /// request's body to its end and never answers: a long poll.
-    #[derive(Clone)]
-    struct Releasing;
-
-    impl tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for Releasing {
-        type Response = tonic::codegen::http::Response<tonic::body::Body>;
-        type Error = Infallible;
-        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
-
-        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn call(
-            &mut self,
-            request: tonic::codegen::http::Request<tonic::body::Body>,
-        ) -> Self::Future {
-            if let Some(place) = request.extensions().get::<HeldPlace>() {
-                place.release();
-            }
-            let mut body = request.into_body();
-            Box::pin(async move {
-                while let Some(Ok(_)) =
-                    std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut body), cx))
-                        .await
-                {}
-                std::future::pending().await
-            })
-        }
-    }
-
     /// A handler whose request's body ended gives its place up and the
     /// next request takes it; one whose body still arrives keeps its place
     /// however it asks, and the next request is answered busy.
     #[tokio::test]
     async fn a_handler_gives_its_place_up_only_once_its_body_ended() {
         use tonic::codegen::Service as _;
-        let mut limit = InFlightLimit::new(Releasing, 1, 1024, Duration::from_secs(30), "busy");
-        let request = |body| tonic::codegen::http::Request::new(body);
+        let mut limit = InFlightLimit::new(Reader, 1, 1024, Duration::from_secs(30), "busy");
+        let request = |body| {
+            let mut request = tonic::codegen::http::Request::new(body);
+            request.extensions_mut().insert(Hang);
+            request.extensions_mut().insert(Release);
+            request
+        };
         let whole = tokio::spawn(limit.call(request(tonic::body::Body::empty())));
         let arriving = tokio::spawn(limit.call(request(tonic::body::Body::new(Endless))));
         tokio::time::sleep(Duration::from_millis(50)).await;
