@@ -688,11 +688,10 @@ impl EvidenceService {
             // merged within the grace period (a host that lets a peer's
             // evidence reach this control plane but not its registry pulls
             // must not make the nodes only that peer hears look silent).
-            let view_current = standing.peers == 0
-                || self
-                    .inner
-                    .registry
-                    .view_current(&self.inner.own_ek, now, grace);
+            let view_current = self
+                .inner
+                .registry
+                .view_current(&self.inner.own_ek, now, grace);
             let may_revoke_silent = sweep.may_revoke_silent && view_current && !silence_held;
             // A drift that rests on this control plane's clock alone (a
             // certificate, revocation list or collateral outside its window
