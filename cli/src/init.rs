@@ -520,11 +520,12 @@ pub async fn run(
         );
     }
 
-    let (host, port) = Settings::host_port(&settings.endpoint)?;
-    eprintln!("connecting to {host}:{port} and verifying its attestation");
+    let endpoint = Settings::grpc_endpoint(&settings.endpoint)?;
+    eprintln!(
+        "connecting to {} and verifying its attestation",
+        printable(&settings.endpoint)
+    );
     let client = AtlsClient::server_attested(Arc::new(validator));
-    let endpoint =
-        Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
     let bound = connect(&client, endpoint, wait).await?;
     let attested = bound
         .attested

@@ -21,7 +21,7 @@ use keel_verifier::keys::{KeyService, OperatorKey};
 use keel_verifier::measurement::pcr;
 use keel_verifier::measurements::Measurements;
 use keel_verifier::validator::{check_cluster_lock, check_control_plane, Verified};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::init::connect;
 use crate::settings::{check_node_attestation, Settings};
@@ -40,6 +40,8 @@ pub struct Operator {
     /// The EK each endpoint answered with so far: one node per endpoint,
     /// one endpoint per node.
     answered: Mutex<BTreeMap<String, EkDigest>>,
+    /// The EKs this workspace revoked: nodes that are asked nothing.
+    revoked: crate::workspace::RevokedRecord,
 }
 
 /// One node, attested and a member of the workspace's cluster.
@@ -190,8 +192,10 @@ impl Operator {
         )
         .context("the settings' measurements without PCR 15")?;
         let client = AtlsClient::server_attested(Arc::new(settings.validator(relaxed)?));
+        let revoked = crate::workspace::RevokedRecord::load(workspace)?;
         Ok(Self {
             keys,
+            revoked,
             attestation: settings.attestation.clone(),
             cluster_id,
             client,
@@ -230,9 +234,7 @@ impl Operator {
     /// Connects to the node at `endpoint`; it must be locked into exactly
     /// the workspace's cluster.
     pub async fn connect(&self, endpoint: &str) -> anyhow::Result<Member> {
-        let (host, port) = Settings::host_port(endpoint)?;
-        let uri =
-            Endpoint::from_shared(format!("http://{host}:{port}")).context("invalid endpoint")?;
+        let uri = Settings::grpc_endpoint(endpoint)?;
         let bound = connect(&self.client, uri, self.wait).await?;
         let attested = bound
             .attested
@@ -246,6 +248,12 @@ impl Operator {
             );
         }
         let ek = EkDigest::of_public(&claims.ek);
+        // A node revoked from this workspace is asked nothing: cut off
+        // when it was revoked, it may not know it is, and what it would
+        // answer (a registry, a kubeconfig) is its own.
+        self.revoked
+            .refuse(&ek)
+            .map_err(|why| anyhow::anyhow!("{endpoint}: {why}; nothing was sent"))?;
         self.answered(endpoint, &ek)?;
         let key = self
             .keys

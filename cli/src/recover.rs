@@ -22,7 +22,6 @@ use keel_verifier::credential;
 use keel_verifier::measurement::pcr;
 use prost::Message as _;
 use serde::Serialize;
-use tonic::transport::Endpoint;
 use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::init::connect;
@@ -85,13 +84,13 @@ pub async fn run(
     }
     measurements.require(pcr::CLUSTER_ID, [0; 32]);
     let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
-    let (host, port) = Settings::host_port(&endpoint)?;
+    let uri = Settings::grpc_endpoint(&endpoint)?.timeout(RECOVER_TIMEOUT);
     if output == Output::Text {
-        eprintln!("connecting to {host}:{port} and verifying its attestation");
+        eprintln!(
+            "connecting to {} and verifying its attestation",
+            crate::printable::printable(&endpoint)
+        );
     }
-    let uri = Endpoint::from_shared(format!("http://{host}:{port}"))
-        .context("invalid endpoint")?
-        .timeout(RECOVER_TIMEOUT);
     let bound = connect(&client, uri, wait).await?;
     let attested = bound
         .attested

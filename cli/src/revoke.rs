@@ -40,11 +40,13 @@ pub async fn run(
     // next registry exchange if it reaches them.
     let mut registries = Vec::new();
     let mut reached_eks = BTreeSet::new();
+    let mut endpoint_eks = BTreeMap::new();
     let mut unreached = Vec::new();
     for endpoint in &endpoints {
         match read_control_plane(&operator, endpoint).await {
             Ok(Some((ek, registry))) => {
-                reached_eks.insert(ek);
+                reached_eks.insert(ek.clone());
+                endpoint_eks.insert(endpoint.clone(), ek);
                 registries.push((endpoint.clone(), registry));
             }
             Ok(None) => bail!(
@@ -81,9 +83,16 @@ pub async fn run(
     };
     on_each(&endpoints, what, |endpoint| {
         let (operator, targets, unreached) = (&operator, &targets, &unreached);
+        let ek = endpoint_eks.get(&endpoint);
         async move {
             if let Some(why) = unreached.get(&endpoint) {
                 bail!("{why}");
+            }
+            // A control plane being revoked is not asked: the workspace
+            // records its EK before the first request, and from then on it
+            // is asked nothing (`Operator::connect`).
+            if ek.is_some_and(|ek| targets.iter().any(|t| t.ek == *ek)) {
+                return Ok("not asked: it is among the nodes revoked".to_owned());
             }
             let mut done = Vec::new();
             for target in targets {
@@ -186,17 +195,21 @@ fn ek_prefix(selector: &str) -> Option<String> {
     .then(|| digits.to_ascii_lowercase())
 }
 
-/// Refuses a name or disk UUID while `unread` named control planes could
-/// not be read: a name resolves to whatever EK the control planes that
-/// answered say, and a compromised one answering alone could name an
-/// honest node's EK, which the workspace then records as revoked (and
-/// `keel recover` refuses). An EK hash is the operator's own choice.
+/// Refuses anything but a whole EK hash while `unread` named control
+/// planes could not be read. A name, a disk UUID or an EK prefix resolves
+/// to whatever EK the control planes that answered say: a compromised one
+/// answering alone could map a name to an honest node's EK, which the
+/// workspace then records as revoked (and `keel recover` refuses), or
+/// complete its own EK's prefix with digits of its choice, so that the
+/// workspace records an EK that never was and its own stays unrevoked.
+/// A whole EK hash is the operator's own choice.
 fn by_ek_while_some_unread(selector: &str, unread: usize) -> anyhow::Result<()> {
-    if unread > 0 && ek_prefix(selector.trim()).is_none() {
+    let whole_ek = ek_prefix(selector.trim()).is_some_and(|digits| digits.len() == 64);
+    if unread > 0 && !whole_ek {
         bail!(
-            "{unread} control plane(s) named could not be read, and a name or disk UUID is \
-             resolved by the ones that answered: name the node by its EK hash (`keel status` \
-             shows it) to revoke it now; nothing was revoked"
+            "{unread} control plane(s) named could not be read, and a name, disk UUID or EK \
+             prefix is resolved by the ones that answered: name the node by its whole EK hash \
+             (`keel status -o json` shows it) to revoke it now; nothing was revoked"
         );
     }
     Ok(())
@@ -412,20 +425,51 @@ mod tests {
     /// Attacker's move, as a compromised control plane that alone answers
     /// (the others down or cut off): map the name the operator gives to an
     /// honest node's EK, which the workspace would then record as revoked.
-    /// While a named control plane could not be read, only an EK hash is
-    /// taken.
+    /// While a named control plane could not be read, only a whole EK
+    /// hash is taken.
     #[test]
     fn a_name_is_resolved_only_when_every_named_control_plane_answered() {
-        for selector in ["w-1", "0b9c1e2a-0000-4000-8000-000000000001"] {
+        for selector in [
+            "w-1",
+            "0b9c1e2a-0000-4000-8000-000000000001",
+            &EK_A[7..23],
+            "0123abcd",
+            &EK_A[..70],
+        ] {
             let e = by_ek_while_some_unread(selector, 1)
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains("name the node by its EK hash"), "{e}");
+            assert!(e.contains("name the node by its whole EK hash"), "{e}");
             by_ek_while_some_unread(selector, 0).unwrap();
         }
-        for selector in [EK_A, &EK_A[7..23], "0123abcd"] {
+        let upper = EK_A[7..].to_uppercase();
+        for selector in [EK_A, &EK_A[7..], upper.as_str()] {
             by_ek_while_some_unread(selector, 2).unwrap();
         }
+    }
+
+    /// Attacker's move, as a compromised control plane that alone answers:
+    /// complete the prefix of its own EK the operator gives with digits of
+    /// its choice, so that the workspace records an EK that never was as
+    /// revoked, and its own, still unrevoked, later receives the master
+    /// secret from `keel recover`. While a named control plane could not
+    /// be read, a prefix resolves nothing.
+    #[test]
+    fn a_prefix_is_not_resolved_while_a_named_control_plane_is_unread() {
+        let made_up = format!("{}{}", &EK_A[..23], "99".repeat(24));
+        let registries = at(vec![registry(&[("cp-2", &made_up, "")], &[])]);
+        let reached = BTreeSet::from([EK_B.to_owned()]);
+        let e = targets(&[EK_A[7..23].to_owned()], &registries, reached.clone(), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("name the node by its whole EK hash"), "{e}");
+        // Named in full, the operator's own EK is what is looked up, and
+        // the made-up record does not match it.
+        let e = targets(&[EK_A.to_owned()], &registries, reached, 1).unwrap_err();
+        assert!(
+            e.to_string().contains("no control plane named knows"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -234,15 +234,32 @@ impl Settings {
             .map(Some)
     }
 
-    /// The endpoint as host and port.
+    /// The endpoint as host and port: `host:port`, an IPv6 address in
+    /// brackets (`[fd00::1]:9000`), which the host keeps.
     pub fn host_port(endpoint: &str) -> anyhow::Result<(String, u16)> {
         let (host, port) = endpoint
             .rsplit_once(':')
             .context("endpoint must be host:port")?;
+        if host.is_empty() {
+            anyhow::bail!("endpoint {} names no host", printable(endpoint));
+        }
+        if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+            anyhow::bail!(
+                "endpoint {}: an IPv6 address goes in brackets, as in [fd00::1]:9000",
+                printable(endpoint)
+            );
+        }
         Ok((
             host.to_owned(),
             port.parse().context("endpoint port is not a number")?,
         ))
+    }
+
+    /// The endpoint ([`Settings::host_port`]) as a gRPC channel's.
+    pub fn grpc_endpoint(endpoint: &str) -> anyhow::Result<tonic::transport::Endpoint> {
+        let (host, port) = Self::host_port(endpoint)?;
+        tonic::transport::Endpoint::from_shared(format!("http://{host}:{port}"))
+            .context("invalid endpoint")
     }
 }
 

@@ -103,18 +103,18 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let settings = Settings::load(settings_path)?;
     let endpoint = endpoint.unwrap_or_else(|| settings.endpoint.clone());
-    let (host, port) = Settings::host_port(&endpoint)?;
+    let uri = Settings::grpc_endpoint(&endpoint)?;
     let measurements = settings.measurements()?;
     let cluster_id = cluster_id.map(parse_cluster_id).transpose()?;
     if output == Output::Json {
         let client = AtlsClient::server_attested(Arc::new(
             settings.diagnostic_validator(measurements.clone())?,
         ));
-        let connected = reach(&client, &host, port, wait).await;
+        let connected = reach(&client, uri.uri(), wait).await;
         return report(&settings, measurements, endpoint, connected, cluster_id);
     }
     let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
-    let stream = reach(&client, &host, port, wait)
+    let stream = reach(&client, uri.uri(), wait)
         .await
         .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
         .with_context(|| format!("{endpoint}: attestation not accepted"))?;
@@ -164,11 +164,10 @@ pub async fn run(
 /// Connects to the node, retrying for up to `wait` while it is unreachable.
 async fn reach(
     client: &AtlsClient<Verified>,
-    host: &str,
-    port: u16,
+    uri: &tonic::codegen::http::Uri,
     wait: Duration,
 ) -> Result<keel_atls::AtlsStream<Verified>, keel_atls::ConnectError> {
-    crate::reach::until_reachable(wait, || client.connect(host, port)).await
+    crate::reach::until_reachable(wait, || client.connect_uri(uri)).await
 }
 
 /// `-o json`: the connection was validated with a diagnostic validator

@@ -197,7 +197,18 @@ impl Served {
         issuer: Arc<dyn keel_atls::Issuer>,
         recorder: Recorder,
     ) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::serving_at("127.0.0.1:0", ca, node, issuer, recorder).await
+    }
+
+    /// As [`Served::serving`], listening on `bind`.
+    async fn serving_at(
+        bind: &str,
+        ca: &EkCa,
+        node: &Victim,
+        issuer: Arc<dyn keel_atls::Issuer>,
+        recorder: Recorder,
+    ) -> Self {
+        let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let incoming = AtlsServer::<()>::server_attested(issuer).incoming(listener);
         let server = tokio::spawn({
@@ -291,6 +302,33 @@ async fn a_forged_node_gets_no_init_secret_and_fails_verify() {
     let out = run_keel(&["verify"], settings, None).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("key residency"), "{}", text(&out));
+}
+
+/// A node at an IPv6 address, written as `[address]:port` (the form every
+/// command takes): `keel verify` reaches it as `keel init` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reaches_a_node_at_an_ipv6_address() {
+    let ca = EkCa::new().unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    let issuer = Arc::new(TpmIssuer::new(node.tpm.clone()));
+    let served = Served::serving_at("[::1]:0", &ca, &node, issuer, Recorder::default()).await;
+    assert!(served.endpoint.starts_with("[::1]:"), "{}", served.endpoint);
+    let out = run_keel(&["verify", "--wait", "2"], &served.settings, None).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("attestation verified"),
+        "{}",
+        text(&out)
+    );
+    // Without the brackets, the address and the port cannot be told apart.
+    let bare = served.endpoint.replace(['[', ']'], "");
+    let out = run_keel(&["verify", "--endpoint", &bare], &served.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("an IPv6 address goes in brackets"),
+        "{}",
+        text(&out)
+    );
 }
 
 /// A cluster of a hardware variant, checked with settings that leave
@@ -751,6 +789,57 @@ async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
         text(&out)
     );
     assert_eq!(served.requests(), 0, "the master secret was sent");
+}
+
+/// Attacker's move: a control plane the operator revoked, cut off when it
+/// happened, is still locked into the cluster and attests its role; the
+/// host routes the operator's `--endpoint` to it. It would answer `keel
+/// status` with a registry of its own (every node trusted) and `keel
+/// kubeconfig` with a kubeconfig of its choosing. The workspace recorded
+/// its EK: no operator command asks it anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_revoked_from_the_workspace_is_asked_nothing() {
+    let ca = EkCa::new().unwrap();
+    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    locked_into_the_workspace_cluster(&node);
+    let ek = {
+        let mut tpm = node.tpm.lock().unwrap();
+        let public = tpm.tpm().endorsement().unwrap().public;
+        keel_verifier::ek::EkDigest::of_marshalled(&public)
+    };
+    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let ws = &served.workspace;
+    operator_workspace(ws, Some(&served.endpoint));
+    std::fs::write(
+        ws.join("keel-revoked.json"),
+        serde_json::json!({ "eks": [ek.to_string()] }).to_string(),
+    )
+    .unwrap();
+    let ws_arg = ws.to_str().unwrap();
+    for command in ["status", "kubeconfig"] {
+        let args = [
+            command,
+            "--endpoint",
+            &served.endpoint,
+            "--workspace",
+            ws_arg,
+            "--wait",
+            "5",
+        ];
+        let out = run_keel(&args, &served.settings, None).await;
+        assert!(!out.status.success(), "{command}: {}", text(&out));
+        assert!(
+            text(&out).contains(&format!(
+                "the node's EK ({ek}) was revoked from this workspace"
+            )),
+            "{command}: {}",
+            text(&out)
+        );
+        assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
+        assert!(!text(&out).contains("w-1"), "{command}: {}", text(&out));
+    }
+    assert_eq!(served.requests(), 0, "the revoked node was asked");
+    assert!(!ws.join("keel-admin.conf").exists());
 }
 
 /// Attacker's move: a control plane of the cluster's image, compromised
