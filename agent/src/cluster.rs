@@ -27,7 +27,9 @@ pub struct ClusterState {
     pub measurement_secret: Zeroizing<Vec<u8>>,
     /// The cluster ID, extended into PCR 15 of every member.
     pub cluster_id: ClusterId,
-    /// The pinned Kubernetes version.
+    /// The Kubernetes version the cluster runs, that of `components`
+    /// (after an image upgrade, not necessarily the patch this image's
+    /// versions table pins).
     pub kubernetes_version: KubernetesVersion,
     /// The components every node installs.
     pub components: Vec<Component>,
@@ -414,7 +416,7 @@ pub struct ControlPlaneFacts {
     pub cluster_id: String,
     /// The measurement salt (hex).
     pub measurement_salt: String,
-    /// The pinned Kubernetes version.
+    /// The Kubernetes version the cluster runs (`vX.Y.Z`).
     pub kubernetes_version: String,
     /// The components every node installs.
     pub components: Vec<Component>,
@@ -578,9 +580,13 @@ impl ControlPlaneFacts {
                 derived: hex::encode(cluster_id),
             });
         }
-        let version = keel_installer::resolve(&self.kubernetes_version)
-            .map_err(|_| invalid("Kubernetes version"))?
-            .version();
+        // The version the cluster runs, with the components the facts
+        // carry: not looked up in this image's versions table, which may
+        // pin another patch of the minor since an image upgrade.
+        let version: KubernetesVersion = self
+            .kubernetes_version
+            .parse()
+            .map_err(|_| invalid("Kubernetes version"))?;
         let join_measurements = Measurements::parse(self.join_measurements.to_string().as_bytes())
             .map_err(|_| invalid("join measurements"))?;
         let staged_measurements = self

@@ -841,3 +841,48 @@ async fn a_control_plane_stopped_between_record_and_facts_serves_the_recorded_ve
         "{lines:?}"
     );
 }
+
+/// A control plane rebooted into an image whose versions table pins
+/// another patch of its minor (the cluster runs v1.31.12, the image pins
+/// v1.31.13): its facts and record name the components it runs, so it
+/// restores them and serves the version it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_restores_facts_of_a_patch_its_image_no_longer_pins() {
+    use keel_agent::cluster::ControlPlaneFacts;
+    use keel_agent::provision::Provisioner;
+    use keel_agent::upgrade::NodeVersion;
+    use keel_installer::KubernetesVersion;
+
+    let ca = EkCa::new().unwrap();
+    let service = join_common::start_service(&ca, free_port()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (root, work) = (dir.path().join("root"), dir.path().join("work"));
+    let pinned = keel_installer::resolve("v1.31").unwrap();
+    let older: KubernetesVersion = "v1.31.12".parse().unwrap();
+    assert_ne!(older, pinned.version());
+    assert!(keel_installer::resolve(&older.to_string()).is_err());
+    let mut facts = ControlPlaneFacts::of(&service.state);
+    facts.kubernetes_version = older.to_string();
+    facts.components = pinned.components().to_vec();
+    facts.save(&root).unwrap();
+    NodeVersion {
+        version: older,
+        components: pinned.components().to_vec(),
+    }
+    .save(&root)
+    .unwrap();
+
+    let env = join_common::node_env(&root, &work, None);
+    let lines = std::sync::Mutex::new(Vec::new());
+    let log = |line: String| lines.lock().unwrap().push(line);
+    let (master, salt) = service.state.keys.expose_master();
+    let keys = keel_verifier::keys::KeyService::new(master, salt).unwrap();
+    let state = Provisioner::new(&env, &service.tpm, &log)
+        .restore_control_plane(keys, None)
+        .unwrap();
+    assert_eq!(state.kubernetes_version, older);
+    assert_eq!(state.components, pinned.components());
+    // The record matched the facts: nothing was taken from it.
+    let lines = lines.lock().unwrap();
+    assert!(!lines.iter().any(|l| l.contains("serving")), "{lines:?}");
+}

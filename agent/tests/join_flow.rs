@@ -946,3 +946,46 @@ async fn a_node_name_kubernetes_refuses_gets_no_ticket_and_binds_nothing() {
     assert!(service.registered_tokens().is_empty());
     node.assert_untouched();
 }
+
+/// A control plane runs a patch the joining node's image no longer pins
+/// (its versions table moved on to a newer patch of the minor, as after an
+/// image upgrade): the ticket names the components, so the node takes it
+/// and joins at the cluster's version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joins_a_cluster_at_a_patch_its_image_does_not_pin() {
+    use keel_installer::KubernetesVersion;
+    use std::sync::Arc;
+
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+    let pinned = keel_installer::resolve("v1.31").unwrap().version();
+    let older: KubernetesVersion = "v1.31.12".parse().unwrap();
+    assert_ne!(older, pinned);
+    assert!(keel_installer::resolve(&older.to_string()).is_err());
+    service
+        .slot
+        .send_replace(Some(Arc::new(keel_agent::cluster::ClusterState {
+            kubernetes_version: older,
+            ..(*service.state).clone()
+        })));
+
+    let asking = joiner(&ca, &ca, port, "w-1", "worker");
+    let (request, spki) = worker_request("w-1");
+    let ticket = asking
+        .tickets(&ca)
+        .join_ticket(&service.endpoint, request, &spki)
+        .await
+        .unwrap();
+    assert_eq!(ticket.version, older);
+    assert_eq!(ticket.components, service.state.components);
+
+    let node = joiner(&ca, &ca, port, "w-2", "worker");
+    assert_eq!(joined(&node, &ca).await, service.state.cluster_id);
+    let record = keel_agent::upgrade::NodeVersion::load(&node.root)
+        .unwrap()
+        .expect("no version record");
+    assert_eq!(record.version, older);
+    assert_eq!(record.components, service.state.components);
+}

@@ -142,7 +142,7 @@ pub struct JoinTicket {
     pub ca_hash: CaCertHash,
     /// Control-plane PKI files (name relative to the PKI dir, contents).
     pub control_plane_files: Vec<(&'static str, Zeroizing<Vec<u8>>)>,
-    /// The pinned Kubernetes version.
+    /// The Kubernetes version the cluster runs, that of `components`.
     pub version: KubernetesVersion,
     /// The components to install.
     pub components: Vec<Component>,
@@ -474,17 +474,35 @@ pub fn parse_join_ticket(
     if !is_host_port(&endpoint) {
         return Err(invalid("API server endpoint is not host:port"));
     }
-    let entry = keel_installer::resolve(&response.kubernetes_version)
-        .map_err(|e| TicketError::Invalid(format!("Kubernetes version: {e}")))?;
-    let components = match response.kubernetes_components {
-        Some(list) if !list.components.is_empty() => list
-            .components
-            .into_iter()
-            .map(Component::try_from)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| TicketError::Invalid(format!("component: {e}")))?,
-        _ => entry.components().to_vec(),
+    // A ticket that lists its components names the version the cluster
+    // runs, which this image's versions table may pin no longer (an image
+    // upgrade moved it to another patch of the minor); only a control
+    // plane of an earlier release lists none, and then the table's entry
+    // for the version supplies them.
+    let (version, components) = match response.kubernetes_components {
+        Some(list) if !list.components.is_empty() => {
+            let version: KubernetesVersion = response
+                .kubernetes_version
+                .parse()
+                .map_err(|e| TicketError::Invalid(format!("Kubernetes version: {e}")))?;
+            let components = list
+                .components
+                .into_iter()
+                .map(Component::try_from)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TicketError::Invalid(format!("component: {e}")))?;
+            (version, components)
+        }
+        _ => {
+            let entry = keel_installer::resolve(&response.kubernetes_version)
+                .map_err(|e| TicketError::Invalid(format!("Kubernetes version: {e}")))?;
+            (entry.version(), entry.components().to_vec())
+        }
     };
+    // Older than any kubeadm configuration this agent writes (v1.30):
+    // refused here, before the node locks, as the versions table did.
+    crate::kubeadm::ConfigApi::for_version(version)
+        .map_err(|e| TicketError::Invalid(format!("Kubernetes version: {e}")))?;
     // The control plane took this list at init or in a plan; the node
     // checks it again before it locks, since installing it would fail
     // after the lock, and a control plane that lies could otherwise have
@@ -555,7 +573,7 @@ pub fn parse_join_ticket(
         token,
         ca_hash,
         control_plane_files: files,
-        version: entry.version(),
+        version,
         components,
         control_plane,
         control_plane_endpoints: check_endpoints(response.control_plane_endpoints)?,

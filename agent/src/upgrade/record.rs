@@ -18,7 +18,7 @@ const MAX_RECORD_BYTES: u64 = 1024 * 1024;
 /// The version a node runs and the components it installed for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeVersion {
-    /// The pinned Kubernetes version.
+    /// The Kubernetes version, that of `components`.
     pub version: KubernetesVersion,
     /// The components, in install order.
     pub components: Vec<Component>,
