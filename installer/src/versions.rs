@@ -525,6 +525,41 @@ mod tests {
         }
     }
 
+    /// kubeadm (init and join) starts the kubelet through the image's unit
+    /// and expects it to read what kubeadm wrote: the bootstrap kubeconfig
+    /// a join's TLS bootstrap starts from, and the per-node flags
+    /// (`--hostname-override`, `--node-ip`) of kubeadm-flags.env. A unit
+    /// without them leaves a joining kubelet with no credentials and
+    /// registers every kubelet under the VM's hostname instead of the node
+    /// name its certificate holds.
+    #[test]
+    fn the_kubelet_unit_takes_kubeadms_flags_and_bootstrap_kubeconfig() {
+        let unit = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../mkosi/mkosi.extra/usr/lib/systemd/system/kubelet.service"
+        ))
+        .unwrap();
+        let lines: Vec<&str> = unit.lines().map(str::trim).collect();
+        assert!(
+            lines.contains(&"EnvironmentFile=-/var/lib/kubelet/kubeadm-flags.env"),
+            "{unit}"
+        );
+        let exec: Vec<&str> = lines
+            .iter()
+            .filter_map(|l| l.strip_prefix("ExecStart="))
+            .collect();
+        assert_eq!(exec.len(), 1, "{unit}");
+        let args: Vec<&str> = exec[0].split_whitespace().collect();
+        for wanted in [
+            "--bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf",
+            "--kubeconfig=/etc/kubernetes/kubelet.conf",
+            "--config=/var/lib/kubelet/config.yaml",
+            "$KUBELET_KUBEADM_ARGS",
+        ] {
+            assert!(args.contains(&wanted), "{wanted} missing: {unit}");
+        }
+    }
+
     #[test]
     fn refuses_a_sandbox_image_without_digest() {
         let component = r#"{"url":"data:application/json;base64,W10=","hash":"","install_path":"/x","extract":false}"#;
