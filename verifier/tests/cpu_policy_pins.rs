@@ -11,10 +11,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use keel_testkit::amd::{LaunchFields, ReportFields, TestAmd};
 use keel_verifier::clock::now;
+use keel_verifier::config::NodeConfig;
 use keel_verifier::cpu::collateral::tdx_collateral_file;
 use keel_verifier::cpu::policy::{
     AttestationConfig, Hex, LineTcb, PlatformFeature, ProductLine, SnpPolicy, Tcb, TdxPolicy,
-    Variant,
+    Variant, MAX_ALSO_MEASUREMENTS,
 };
 use keel_verifier::cpu::snp::{self, AmdRoots, SnpClaims, SnpError};
 use keel_verifier::cpu::tdx::{self, IntelRoot, TdxClaims, TdxError};
@@ -361,6 +362,53 @@ fn a_vlek_report_takes_its_lines_entry() {
         } if line == "Milan"),
         "{err:?}"
     );
+}
+
+/// Nodes of one cluster can measure differently (the launch measurement
+/// covers one VMSA page per vCPU and the vCPU model): two Milan reports of
+/// the same TCB (3/0/8/115) with different measurements are both accepted
+/// by one policy that names one as `measurement` and the other in
+/// `also_measurements`; a policy naming neither refuses each, naming the
+/// report's value and how many were accepted.
+#[test]
+fn a_policy_accepts_each_listed_launch_measurement() {
+    let milan = milan_virtee();
+    let azure = azure_milan();
+    assert_eq!(milan.policy.minimum_tcb, azure.policy.minimum_tcb);
+    assert_ne!(milan.policy.measurement, azure.policy.measurement);
+    let both = SnpPolicy {
+        also_measurements: BTreeSet::from([azure.policy.measurement]),
+        ..milan.policy.clone()
+    };
+    for v in [&milan, &azure] {
+        let claims = verify(v, &both).unwrap();
+        assert_eq!(Hex(claims.measurement), v.policy.measurement);
+    }
+    // The main measurement alone takes only its own report.
+    verify(&milan, &milan.policy).unwrap();
+    let err = verify(&azure, &milan.policy).unwrap_err();
+    assert!(matches!(err, SnpError::Measurement { .. }), "{err:?}");
+
+    let neither = SnpPolicy {
+        also_measurements: BTreeSet::from([Hex([0x22; 48]), Hex([0x33; 48])]),
+        ..SnpPolicy::new(milan.policy.minimum_tcb, Hex([0x11; 48]))
+    };
+    for v in [&milan, &azure] {
+        let actual = hex::encode(v.policy.measurement.0);
+        let err = verify(v, &neither).unwrap_err();
+        assert!(
+            matches!(&err, SnpError::Measurement { actual: a, .. } if *a == actual),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "SNP measurement: expected one of 3 accepted (measurement {} and 2 in \
+                 also_measurements), actual {actual}",
+                "11".repeat(48)
+            )
+        );
+    }
 }
 
 // -------------------------------------------------- generated SNP reports
@@ -744,7 +792,7 @@ fn an_existing_policy_parses_to_the_same_value_and_bytes() {
     assert_eq!(serde_json::to_string(&parsed).unwrap(), old);
     let explicit = old.replace(
         r#""vmpl":1}"#,
-        r#""vmpl":1,"minimum_tcb_by_line":{},"minimum_guest_svn":0,"allow_smt":true,"require_single_socket":false,"require_platform":[]}"#,
+        r#""vmpl":1,"minimum_tcb_by_line":{},"minimum_guest_svn":0,"allow_smt":true,"require_single_socket":false,"require_platform":[],"also_measurements":[]}"#,
     );
     let defaults: SnpPolicy = serde_json::from_str(&explicit).unwrap();
     assert_eq!(defaults, parsed);
@@ -868,6 +916,64 @@ fn tdx_xfam_mr_config_id_and_mr_owner_are_pinned() {
     assert!(matches!(err, TdxError::MrConfigId { .. }), "{err}");
 }
 
+/// The v4 TDX sample: another TD (MRTD) than the td15 one.
+const V4_MRTD: &str = "91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a3520c942a604a407de03ae6dc5f87f27428b2538873118b7";
+
+fn verify_v4(policy: &TdxPolicy) -> Result<TdxClaims, TdxError> {
+    let collateral =
+        tdx_collateral_file(&data_path("tdx/dcap-qvl/tdx_quote_collateral.json")).unwrap();
+    tdx::verify(
+        &data("tdx/dcap-qvl/tdx_quote"),
+        &collateral,
+        &IntelRoot::pinned(),
+        policy,
+        1_752_919_234,
+    )
+}
+
+/// MRTD changes with the TD firmware: two real quotes of different MRTDs
+/// are both accepted by one policy that names one as `mrtd` and the other
+/// in `also_mrtd`; a policy naming neither refuses each, naming the
+/// quote's value and how many were accepted.
+#[test]
+fn a_policy_accepts_each_listed_mrtd() {
+    let both = TdxPolicy {
+        also_mrtd: BTreeSet::from([Hex(h(V4_MRTD))]),
+        ..td15_policy()
+    };
+    assert_eq!(hex::encode(verify_td15(&both).unwrap().mrtd), TD15_MRTD);
+    assert_eq!(hex::encode(verify_v4(&both).unwrap().mrtd), V4_MRTD);
+    // The main MRTD alone takes only its own quote.
+    verify_td15(&td15_policy()).unwrap();
+    let err = verify_v4(&td15_policy()).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!("TDX MRTD: expected {TD15_MRTD}, actual {V4_MRTD}")
+    );
+
+    let neither = TdxPolicy {
+        also_mrtd: BTreeSet::from([Hex([0x22; 48])]),
+        ..TdxPolicy::new(Hex([0x11; 48]))
+    };
+    for (actual, err) in [
+        (TD15_MRTD, verify_td15(&neither).unwrap_err()),
+        (V4_MRTD, verify_v4(&neither).unwrap_err()),
+    ] {
+        assert!(
+            matches!(&err, TdxError::Mrtd { actual: a, .. } if a == actual),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "TDX MRTD: expected one of 2 accepted (mrtd {} and 1 in also_mrtd), actual \
+                 {actual}",
+                "11".repeat(48)
+            )
+        );
+    }
+}
+
 /// The canonical (measured) order of every product line and platform
 /// feature: reordering the enums would change PCR 12 of every config that
 /// names them, so it is pinned here.
@@ -892,4 +998,131 @@ fn lines_and_features_keep_their_canonical_order() {
         serde_json::to_string(&features).unwrap(),
         r#"["tsme","ecc","rapl-disabled","ciphertext-hiding","alias-check-complete"]"#
     );
+}
+
+fn tdx_config(section: &str) -> Result<CpuPolicy, String> {
+    let config: AttestationConfig = serde_json::from_str(&format!(
+        r#"{{"variant":"tdx","tdx":{{"mrtd":"{}"{section}}}}}"#,
+        "ab".repeat(48)
+    ))
+    .map_err(|e| format!("parse: {e}"))?;
+    CpuPolicy::try_from(&config)
+}
+
+/// `count` distinct 48-byte values as a JSON list, in descending order.
+fn values(count: usize) -> String {
+    let list: Vec<String> = (0..count)
+        .rev()
+        .map(|i| format!(r#""{}""#, hex::encode([u8::try_from(i).unwrap(); 48])))
+        .collect();
+    format!("[{}]", list.join(","))
+}
+
+/// `also_measurements` and `also_mrtd` are sets: duplicates collapse and
+/// the canonical form lists them in order. More than
+/// [`MAX_ALSO_MEASUREMENTS`] values are refused when the config is read.
+#[test]
+fn further_measurements_are_a_bounded_set() {
+    let (cd, ef) = ("cd".repeat(48), "ef".repeat(48));
+    let listed = format!(r#"["{ef}","{cd}","{ef}","{cd}"]"#);
+    let CpuPolicy::SevSnp(snp) = snp_config(&format!(r#","also_measurements":{listed}"#)).unwrap()
+    else {
+        panic!("not an SNP policy");
+    };
+    assert_eq!(
+        snp.also_measurements,
+        BTreeSet::from([Hex(h(&cd)), Hex(h(&ef))])
+    );
+    assert!(
+        serde_json::to_string(&snp)
+            .unwrap()
+            .ends_with(&format!(r#""also_measurements":["{cd}","{ef}"]}}"#)),
+        "{snp:?}"
+    );
+    let CpuPolicy::Tdx(tdx) = tdx_config(&format!(r#","also_mrtd":{listed}"#)).unwrap() else {
+        panic!("not a TDX policy");
+    };
+    assert_eq!(tdx.also_mrtd, BTreeSet::from([Hex(h(&cd)), Hex(h(&ef))]));
+    assert!(
+        serde_json::to_string(&tdx)
+            .unwrap()
+            .ends_with(&format!(r#""also_mrtd":["{cd}","{ef}"]}}"#)),
+        "{tdx:?}"
+    );
+
+    // The bound counts distinct values.
+    let at_most = values(MAX_ALSO_MEASUREMENTS);
+    let CpuPolicy::SevSnp(snp) = snp_config(&format!(r#","also_measurements":{at_most}"#)).unwrap()
+    else {
+        panic!("not an SNP policy");
+    };
+    assert_eq!(snp.also_measurements.len(), MAX_ALSO_MEASUREMENTS);
+    let CpuPolicy::Tdx(tdx) = tdx_config(&format!(r#","also_mrtd":{at_most}"#)).unwrap() else {
+        panic!("not a TDX policy");
+    };
+    assert_eq!(tdx.also_mrtd.len(), MAX_ALSO_MEASUREMENTS);
+    let too_many = values(MAX_ALSO_MEASUREMENTS + 1);
+    assert_eq!(
+        snp_config(&format!(r#","also_measurements":{too_many}"#)).unwrap_err(),
+        "sev_snp.also_measurements lists 65 values, more than the 64 it may list"
+    );
+    assert_eq!(
+        tdx_config(&format!(r#","also_mrtd":{too_many}"#)).unwrap_err(),
+        "tdx.also_mrtd lists 65 values, more than the 64 it may list"
+    );
+    // A value of another length does not parse.
+    let err = snp_config(r#","also_measurements":["abcd"]"#).unwrap_err();
+    assert!(err.starts_with("parse: "), "{err}");
+    let err = tdx_config(r#","also_mrtd":["abcd"]"#).unwrap_err();
+    assert!(err.starts_with("parse: "), "{err}");
+}
+
+/// The cluster config is measured into PCR 12: one without
+/// `also_measurements` or `also_mrtd` has the same canonical bytes, and so
+/// the same PCR 12, as before they existed, and as one that lists them
+/// empty; one that lists a value is measured with it.
+#[test]
+fn an_empty_list_of_further_measurements_measures_as_before() {
+    let m = "ab".repeat(48);
+    let cd = "cd".repeat(48);
+    let config = |section: &str| {
+        NodeConfig::parse(
+            format!(r#"{{"cluster":{{"join_port":1,"attestation":{section}}}}}"#).as_bytes(),
+            std::path::Path::new("test"),
+        )
+        .unwrap()
+    };
+    let head = r#"{"init_secret_hash":"","control_plane_endpoints":[],"init_port":9000,"join_port":1,"component_mirror":null,"ek_ca_pem":"","attestation":"#;
+    for (old, field) in [
+        (
+            format!(
+                r#"{{"variant":"sev-snp","sev_snp":{{"minimum_tcb":{{"bootloader":3,"tee":0,"snp":8,"microcode":115}},"measurement":"{m}","allow_migration_agent":false}}}}"#
+            ),
+            "also_measurements",
+        ),
+        (
+            format!(r#"{{"variant":"tdx","tdx":{{"mrtd":"{m}","rtmr":[null,null,null,null]}}}}"#),
+            "also_mrtd",
+        ),
+    ] {
+        let before = config(&old);
+        assert_eq!(
+            String::from_utf8(before.cluster_bytes()).unwrap(),
+            format!("{head}{old}}}")
+        );
+        let empty = config(&old.replacen("}}", &format!(r#","{field}":[]}}}}"#), 1));
+        assert_eq!(empty, before);
+        assert_eq!(empty.cluster_bytes(), before.cluster_bytes());
+        assert_eq!(empty.expected_config_pcr(), before.expected_config_pcr());
+
+        let listed = config(&old.replacen("}}", &format!(r#","{field}":["{cd}"]}}}}"#), 1));
+        assert_eq!(
+            String::from_utf8(listed.cluster_bytes()).unwrap(),
+            format!(
+                "{head}{}}}",
+                old.replacen("}}", &format!(r#","{field}":["{cd}"]}}}}"#), 1)
+            )
+        );
+        assert_ne!(listed.expected_config_pcr(), before.expected_config_pcr());
+    }
 }

@@ -37,8 +37,9 @@ impl fmt::Display for Variant {
     }
 }
 
-/// A fixed-size value written as hex in the config.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A fixed-size value written as hex in the config. Ordered by its bytes,
+/// which is the order of a set of them in the canonical (measured) form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Hex<const N: usize>(pub [u8; N]);
 
 /// `actual` against `expected` where it is set, in constant time; a
@@ -55,6 +56,54 @@ pub(crate) fn pinned<const N: usize, E>(
         }
         _ => Ok(()),
     }
+}
+
+/// Most values `also_measurements` (SEV-SNP) or `also_mrtd` (TDX) may list
+/// besides the main one.
+pub const MAX_ALSO_MEASUREMENTS: usize = 64;
+
+/// `actual` against `main` (the setting `main_name`) and every value of
+/// `also` (the setting `also_name`): each compared in constant time, all
+/// of them, as [`pinned`] compares one. None equal is refused with
+/// `error(expected, actual)` in hex; with `also` empty, `expected` is
+/// `main` as [`pinned`] gives it, else it says how many values are
+/// accepted.
+pub(crate) fn pinned_one_of<const N: usize, E>(
+    (main_name, main): (&str, &Hex<N>),
+    (also_name, also): (&str, &BTreeSet<Hex<N>>),
+    actual: &[u8; N],
+    error: impl FnOnce(String, String) -> E,
+) -> Result<(), E> {
+    use subtle::ConstantTimeEq as _;
+    let equal = also
+        .iter()
+        .fold(actual.ct_eq(&main.0), |equal, v| equal | actual.ct_eq(&v.0));
+    if bool::from(equal) {
+        return Ok(());
+    }
+    let expected = if also.is_empty() {
+        hex::encode(main.0)
+    } else {
+        let accepted = also.len() + usize::from(!also.contains(main));
+        format!(
+            "one of {accepted} accepted ({main_name} {} and {} in {also_name})",
+            hex::encode(main.0),
+            also.len()
+        )
+    };
+    Err(error(expected, hex::encode(actual)))
+}
+
+/// `also` refused where it lists more than [`MAX_ALSO_MEASUREMENTS`]
+/// values; `name` is the setting, e.g. `sev_snp.also_measurements`.
+fn check_also<const N: usize>(name: &str, also: &BTreeSet<Hex<N>>) -> Result<(), String> {
+    if also.len() > MAX_ALSO_MEASUREMENTS {
+        return Err(format!(
+            "{name} lists {} values, more than the {MAX_ALSO_MEASUREMENTS} it may list",
+            also.len()
+        ));
+    }
+    Ok(())
 }
 
 impl<const N: usize> Serialize for Hex<N> {
@@ -248,7 +297,8 @@ pub struct SnpPolicy {
     /// least this, unless `minimum_tcb_by_line` has an entry for the
     /// report's product line, which then applies instead.
     pub minimum_tcb: Tcb,
-    /// The launch measurement (48 bytes).
+    /// The launch measurement (48 bytes); `also_measurements` may accept
+    /// more.
     pub measurement: Hex<48>,
     /// The host data set at launch (32 bytes); absent means not checked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -293,6 +343,12 @@ pub struct SnpPolicy {
     /// Platform features `platform_info` must show enabled.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub require_platform: BTreeSet<PlatformFeature>,
+    /// Further launch measurements accepted besides `measurement` (at
+    /// most [`MAX_ALSO_MEASUREMENTS`]). The measurement covers one VMSA
+    /// page per vCPU and the vCPU model, so nodes of different sizes or
+    /// CPU models, or a firmware rollout, each need their own.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub also_measurements: BTreeSet<Hex<48>>,
 }
 
 impl SnpPolicy {
@@ -313,6 +369,7 @@ impl SnpPolicy {
             allow_smt: true,
             require_single_socket: false,
             require_platform: BTreeSet::new(),
+            also_measurements: BTreeSet::new(),
         }
     }
 
@@ -339,8 +396,10 @@ impl SnpPolicy {
 
     /// What parsing cannot refuse: a VMPL SNP does not define, an FMC
     /// minimum for a line without an FMC SVN, a key digest of zeros (the
-    /// report's value when no key was given, so it would name no key).
+    /// report's value when no key was given, so it would name no key),
+    /// more further measurements than [`MAX_ALSO_MEASUREMENTS`].
     fn validate(&self) -> Result<(), String> {
+        check_also("sev_snp.also_measurements", &self.also_measurements)?;
         if self.vmpl > MAX_VMPL {
             return Err(format!(
                 "sev_snp.vmpl {} is not a VMPL (0-{MAX_VMPL})",
@@ -404,13 +463,15 @@ pub const TDX_TCB_STATUSES: [&str; 9] = [
     "Revoked",
 ];
 
-/// What a TDX quote must show. `xfam`, `mr_config_id` and `mr_owner` came
-/// later: each is left out of the canonical form when absent, so a policy
-/// written before them parses to the same value and measures the same.
+/// What a TDX quote must show. `xfam`, `mr_config_id`, `mr_owner` and
+/// `also_mrtd` came later: each is left out of the canonical form when
+/// absent (or empty), so a policy written before them parses to the same
+/// value and measures the same.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TdxPolicy {
-    /// MRTD: the initial TD contents (48 bytes).
+    /// MRTD: the initial TD contents (48 bytes); `also_mrtd` may accept
+    /// more.
     pub mrtd: Hex<48>,
     /// RTMR 0-3; `null` leaves that register unchecked.
     #[serde(default)]
@@ -430,6 +491,11 @@ pub struct TdxPolicy {
     /// absent means not checked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mr_owner: Option<Hex<48>>,
+    /// Further MRTDs accepted besides `mrtd` (at most
+    /// [`MAX_ALSO_MEASUREMENTS`]): MRTD changes with the TD firmware
+    /// (TDVF), so nodes on different firmware builds each need their own.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub also_mrtd: BTreeSet<Hex<48>>,
 }
 
 impl TdxPolicy {
@@ -443,11 +509,14 @@ impl TdxPolicy {
             xfam: None,
             mr_config_id: None,
             mr_owner: None,
+            also_mrtd: BTreeSet::new(),
         }
     }
 
-    /// What parsing cannot refuse: an unknown TCB status, or `Revoked`.
+    /// What parsing cannot refuse: an unknown TCB status, or `Revoked`;
+    /// more further MRTDs than [`MAX_ALSO_MEASUREMENTS`].
     fn validate(&self) -> Result<(), String> {
+        check_also("tdx.also_mrtd", &self.also_mrtd)?;
         match self
             .allow_tcb_status
             .iter()
@@ -511,7 +580,8 @@ impl TryFrom<&AttestationConfig> for CpuPolicy {
     /// Refuses a variant without its section, a section for another
     /// variant, and values parsing takes but the variant cannot use (an
     /// unknown or `Revoked` TCB status, a VMPL above 3, an FMC minimum for
-    /// a line other than Turin, a key digest of zeros).
+    /// a line other than Turin, a key digest of zeros, more than
+    /// [`MAX_ALSO_MEASUREMENTS`] further measurements or MRTDs).
     fn try_from(c: &AttestationConfig) -> Result<Self, String> {
         let other = |name: &str| {
             format!(

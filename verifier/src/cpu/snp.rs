@@ -30,7 +30,7 @@ use subtle::ConstantTimeEq as _;
 use x509_parser::prelude::{FromDer as _, X509Certificate};
 use x509_parser::revocation_list::CertificateRevocationList;
 
-use super::policy::{pinned, MinimumTcb, SnpPolicy, Tcb};
+use super::policy::{pinned, pinned_one_of, MinimumTcb, SnpPolicy, Tcb};
 
 /// Size of an SNP attestation report.
 pub const REPORT_BYTES: usize = 1184;
@@ -299,10 +299,12 @@ pub enum SnpError {
         /// Reported.
         actual: u32,
     },
-    /// The launch measurement differs.
+    /// The launch measurement is neither `measurement` nor one of
+    /// `also_measurements`.
     #[error("SNP measurement: expected {expected}, actual {actual}")]
     Measurement {
-        /// Configured (hex).
+        /// Configured (hex); where `also_measurements` lists more, how
+        /// many are accepted, with `measurement` in hex.
         expected: String,
         /// Reported (hex).
         actual: String,
@@ -1069,8 +1071,9 @@ impl SnpClaims {
                 actual: self.guest_svn,
             });
         }
-        pinned(
-            Some(&policy.measurement),
+        pinned_one_of(
+            ("measurement", &policy.measurement),
+            ("also_measurements", &policy.also_measurements),
             &self.measurement,
             |expected, actual| SnpError::Measurement { expected, actual },
         )?;

@@ -11,7 +11,7 @@ use dcap_qvl::verify::QuoteVerifier;
 use dcap_qvl::QuoteCollateralV3;
 use subtle::ConstantTimeEq as _;
 
-use super::policy::{pinned, TdxPolicy};
+use super::policy::{pinned, pinned_one_of, TdxPolicy};
 
 /// Largest accepted quote.
 pub const MAX_QUOTE_BYTES: usize = 16 * 1024;
@@ -53,10 +53,11 @@ pub enum TdxError {
         /// Intel security advisories that apply.
         advisories: Vec<String>,
     },
-    /// MRTD differs.
+    /// MRTD is neither `mrtd` nor one of `also_mrtd`.
     #[error("TDX MRTD: expected {expected}, actual {actual}")]
     Mrtd {
-        /// Configured (hex).
+        /// Configured (hex); where `also_mrtd` lists more, how many are
+        /// accepted, with `mrtd` in hex.
         expected: String,
         /// Quoted (hex).
         actual: String,
@@ -302,12 +303,12 @@ fn verify_at(
             advisories: verified.advisory_ids,
         });
     }
-    if !bool::from(td.mr_td.ct_eq(&policy.mrtd.0)) {
-        return Err(TdxError::Mrtd {
-            expected: hex::encode(policy.mrtd.0),
-            actual: hex::encode(td.mr_td),
-        });
-    }
+    pinned_one_of(
+        ("mrtd", &policy.mrtd),
+        ("also_mrtd", &policy.also_mrtd),
+        &td.mr_td,
+        |expected, actual| TdxError::Mrtd { expected, actual },
+    )?;
     let rtmr = [td.rt_mr0, td.rt_mr1, td.rt_mr2, td.rt_mr3];
     for (index, (expected, actual)) in policy.rtmr.iter().zip(&rtmr).enumerate() {
         if let Some(expected) = expected {
