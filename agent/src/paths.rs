@@ -66,6 +66,10 @@ pub const NODE_VERSION: &str = "etc/kubernetes/keel/node-version.json";
 /// switch until the version record names what they hold (see `Switching`
 /// in the upgrade module).
 pub const UPGRADE_SWITCHING: &str = "etc/kubernetes/keel/upgrade-switching.json";
+/// The version kubeadm is upgrading a node to, from just before an
+/// upgrade runs kubeadm until its switch record goes (see
+/// `Switching::kubeadm_starts` in the upgrade module).
+pub const UPGRADE_KUBEADM: &str = "etc/kubernetes/keel/upgrade-kubeadm.json";
 /// kubeadm's patches directory; kubeadm requires it to exist, even empty.
 pub const PATCHES_DIR: &str = "opt/kubernetes/patches";
 

@@ -614,6 +614,7 @@ impl<'a> Provisioner<'a> {
                         switching.directories.join(", "),
                         record.version
                     ));
+                    self.warn_if_kubeadm_started(record.version);
                     clear_switched(root, &switching.directories)
                         .map_err(ProvisionError::Switched)?;
                 }
@@ -630,6 +631,35 @@ impl<'a> Provisioner<'a> {
             // binary, would be skipped as if it had started.
             None => Err(ProvisionError::NoRecord),
         }
+    }
+
+    /// For a switch an upgrade left unfinished: if kubeadm was about to
+    /// run to another version than the `recorded` one, says (at error
+    /// level, and in the provisioning log) that it may have upgraded the
+    /// node, as a failure after kubeadm does
+    /// ([`crate::upgrade::UpgradeError::AfterKubeadm`]): installing the
+    /// recorded version again undoes none of kubeadm's changes, and the
+    /// record, naming the previous version, admits the same upgrade again.
+    fn warn_if_kubeadm_started(&self, recorded: KubernetesVersion) {
+        let line = match Switching::kubeadm_started(self.env.root()) {
+            Ok(None) => return,
+            // The record names the target already: the upgrade got past
+            // kubeadm and recorded it; the node installs it.
+            Ok(Some(target)) if target == recorded => return,
+            Ok(Some(target)) => format!(
+                "the upgrade had started kubeadm: kubeadm may have upgraded this node to \
+                 Kubernetes {target} (its manifests and configuration stay so, while Kubernetes \
+                 {recorded} is installed again); run the same upgrade again to finish it"
+            ),
+            Err(e) => format!(
+                "the upgrade had started kubeadm ({}): kubeadm may have upgraded this node \
+                 (its manifests and configuration stay so, while Kubernetes {recorded} is \
+                 installed again); run the same upgrade again to finish it",
+                keel_atls::ErrorChain(&e)
+            ),
+        };
+        tracing::error!("{line}");
+        (self.log)(line);
     }
 
     /// Writes a kubeadm configuration (it carries the bootstrap token) into

@@ -913,14 +913,12 @@ async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_v
     assert_eq!(code(refused), tonic::Code::FailedPrecondition);
 
     // The reboot: the recorded version, and nothing else, is installed
-    // and measured again, from the kept copies (nothing fetched).
+    // and measured again, from the kept copies (nothing fetched). kubeadm
+    // had started: the boot says it may have upgraded the node.
     let fetched = mirror.total_requests();
-    let boot = env(&node.root, &work, &[]);
-    Provisioner::new(&boot, &node.tpm, &log)
-        .reinstall_recorded()
-        .await
-        .unwrap();
+    let lines = reinstall_logged(&node, &work).await;
     assert_eq!(mirror.total_requests(), fetched);
+    assert_kubeadm_may_have_upgraded(&lines);
     assert!(
         node.kubelet_claims().contains(FROM),
         "{}",
@@ -970,6 +968,103 @@ async fn a_switch_record_naming_other_directories_empties_only_the_components() 
     assert!(!node.root.join("run/state/bin/stray").exists());
     assert!(node.kubelet_claims().contains(FROM));
     assert!(!record.exists());
+}
+
+/// A node that stopped once its upgrade had started kubeadm (its switch
+/// record, and beside it the mark naming the target, next to a record of
+/// the previous version): the boot installs the recorded version into the
+/// switched directories as before, and says, as a failure after kubeadm
+/// does, that kubeadm may have upgraded the node and to run the same
+/// upgrade again, naming the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stopped_once_kubeadm_started_is_told_to_run_the_upgrade_again() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let work = node.root.parent().unwrap().join("work");
+    std::fs::write(node.root.join("run/state/bin/only-in-v1.31"), "new").unwrap();
+    let keel = node.root.join("etc/kubernetes/keel");
+    std::fs::write(
+        keel.join("upgrade-switching.json"),
+        r#"{"directories":["/run/state/bin"]}"#,
+    )
+    .unwrap();
+    let mark = keel.join("upgrade-kubeadm.json");
+    std::fs::write(&mark, format!(r#"{{"kubernetes_version":"{TO}"}}"#)).unwrap();
+
+    let lines = reinstall_logged(&node, &work).await;
+    assert_kubeadm_may_have_upgraded(&lines);
+    // What is installed and recorded is the previous version, as before.
+    assert!(node.kubelet_claims().contains(FROM));
+    assert!(!node.root.join("run/state/bin/only-in-v1.31").exists());
+    assert_eq!(node.version(), FROM);
+    assert!(Switching::load(&node.root).unwrap().is_none());
+    assert!(!mark.exists());
+    // The same upgrade is admitted again, and finishes.
+    let new = stand_ins(&mirror, TO);
+    let (_, last) = node
+        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
+        .await
+        .unwrap();
+    assert!(matches!(last, Event::Done(_)), "{last:?}");
+    assert_eq!(node.version(), TO);
+}
+
+/// A switch record as earlier agents write it (no kubeadm mark beside it)
+/// loads and is settled as before: the directories emptied and the
+/// recorded version installed, with no word of kubeadm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_agents_switch_record_is_settled_as_before() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let work = node.root.parent().unwrap().join("work");
+    std::fs::write(node.root.join("run/state/bin/only-in-v1.31"), "new").unwrap();
+    let record = node.root.join("etc/kubernetes/keel/upgrade-switching.json");
+    std::fs::write(&record, r#"{"directories":["/run/state/bin"]}"#).unwrap();
+    assert_eq!(
+        Switching::load(&node.root).unwrap().unwrap().directories,
+        ["/run/state/bin"]
+    );
+
+    let lines = reinstall_logged(&node, &work).await;
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("an upgrade stopped while switching /run/state/bin")),
+        "{lines:?}"
+    );
+    assert!(!lines.iter().any(|l| l.contains("kubeadm")), "{lines:?}");
+    assert!(node.kubelet_claims().contains(FROM));
+    assert!(!node.root.join("run/state/bin/only-in-v1.31").exists());
+    assert_eq!(node.version(), FROM);
+    assert!(!record.exists());
+}
+
+/// Reinstalls `node`'s recorded version as a reboot does; the lines it
+/// logged.
+async fn reinstall_logged(node: &UpgradableNode, work: &Path) -> Vec<String> {
+    let lines = std::sync::Mutex::new(Vec::new());
+    let log = |line: String| lines.lock().unwrap().push(line);
+    Provisioner::new(&env(&node.root, work, &[]), &node.tpm, &log)
+        .reinstall_recorded()
+        .await
+        .unwrap();
+    lines.into_inner().unwrap()
+}
+
+/// `lines` say that kubeadm may have upgraded the node to [`TO`], and to
+/// run the same upgrade again.
+fn assert_kubeadm_may_have_upgraded(lines: &[String]) {
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("run the same upgrade again")
+                && l.contains(&format!(
+                    "kubeadm may have upgraded this node to Kubernetes {TO}"
+                ))),
+        "{lines:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -38,7 +38,11 @@
 //! A node that stops between 4 and 5 (power loss, a crash) finds the
 //! [`Switching`] record, written before the switch, when it boots: its
 //! component directories are emptied and the recorded version installed
-//! into them again, so they hold that version's files and no other.
+//! into them again, so they hold that version's files and no other. If it
+//! stopped once kubeadm was to run (marked beside the record, with the
+//! target), the boot also says, as [`UpgradeError::AfterKubeadm`] does,
+//! that kubeadm may have upgraded the node and to run the same upgrade
+//! again.
 
 mod kubeadm_files;
 mod record;
@@ -711,6 +715,14 @@ impl Upgrader {
         let kubeadm = &self.env.kubeadm;
         // The new version's patches, switched in with its components.
         let patches = self.env.patches_dir();
+        // From here until the record names the target, a reboot must say
+        // that kubeadm may have upgraded the node: installing the recorded
+        // version again puts its binaries back, not kubeadm's changes.
+        let (root, version) = (self.env.root().to_path_buf(), target.version);
+        off_the_runtime(move || {
+            Switching::kubeadm_starts(&root, version).map_err(UpgradeError::Record)
+        })
+        .await?;
         let before = KubeadmFiles::now_blocking(&kubeadm.root).await;
         let ran = match target.step {
             Step::Apply => {

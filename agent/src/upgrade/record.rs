@@ -57,6 +57,13 @@ pub enum RecordError {
     /// Writing the upgrade's switch record failed.
     #[error("writing the upgrade switch record")]
     WriteSwitch(#[source] WriteFileError),
+    /// The mark that kubeadm was starting (beside the switch record) does
+    /// not parse.
+    #[error("the upgrade's kubeadm mark (upgrade-kubeadm.json) is invalid: {0}")]
+    InvalidKubeadmMark(String),
+    /// Writing the mark that kubeadm is starting failed.
+    #[error("writing the upgrade's kubeadm mark")]
+    WriteKubeadmMark(#[source] WriteFileError),
     /// Removing the upgrade's switch record failed.
     #[error("removing the upgrade switch record {path:?}")]
     RemoveSwitch {
@@ -131,6 +138,15 @@ fn read_bounded(path: &Path) -> Result<Option<Vec<u8>>, RecordError> {
 /// one file by file would leave the new version's other files (an
 /// archive's) in place, unmeasured. They are emptied and installed again
 /// from the record instead.
+///
+/// Just before kubeadm runs, the target version is marked beside the
+/// record ([`Switching::kubeadm_starts`]): found after a reboot, that mark
+/// says kubeadm may have upgraded the node's manifests and configuration,
+/// which installing the recorded version again does not undo. The mark is
+/// a file of its own so that the record stays what earlier agents read
+/// (they refuse a field they do not know, and an image may be rolled
+/// back): an earlier agent ignores the mark and settles the switch as it
+/// always did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Switching {
     /// The directories, as install paths name them (`/run/state/bin`).
@@ -143,9 +159,20 @@ struct StoredSwitching {
     directories: Vec<String>,
 }
 
+/// The mark that kubeadm is starting. Unknown fields are allowed: a later
+/// agent may add some, and the version is all this one needs.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoredKubeadmMark {
+    kubernetes_version: String,
+}
+
 impl Switching {
-    /// Records, durably, that `directories` are being switched.
+    /// Records, durably, that `directories` are being switched. A kubeadm
+    /// mark left by an earlier switch (an earlier agent settled it, and
+    /// removed only the record) goes first: it is not this switch's.
     pub fn begin(root: &Path, directories: Vec<String>) -> Result<(), RecordError> {
+        let mark = root.join(paths::UPGRADE_KUBEADM);
+        remove_durably(&mark).map_err(|source| RecordError::RemoveSwitch { path: mark, source })?;
         let json = serde_json::to_vec(&StoredSwitching { directories })
             .map_err(|e| RecordError::InvalidSwitch(e.to_string()))?;
         write_private(&root.join(paths::UPGRADE_SWITCHING), &json).map_err(RecordError::WriteSwitch)
@@ -174,11 +201,43 @@ impl Switching {
         }))
     }
 
+    /// Records, durably, that kubeadm is about to upgrade the node to
+    /// `version`, in the switch [`begin`](Self::begin) recorded.
+    pub fn kubeadm_starts(root: &Path, version: KubernetesVersion) -> Result<(), RecordError> {
+        let json = serde_json::to_vec(&StoredKubeadmMark {
+            kubernetes_version: version.to_string(),
+        })
+        .map_err(|e| RecordError::InvalidKubeadmMark(e.to_string()))?;
+        write_private(&root.join(paths::UPGRADE_KUBEADM), &json)
+            .map_err(RecordError::WriteKubeadmMark)
+    }
+
+    /// The version kubeadm was about to upgrade the node to
+    /// ([`kubeadm_starts`](Self::kubeadm_starts)), if the switch got that
+    /// far. Meaningful only beside a switch record: the mark goes before
+    /// it ([`end`](Self::end)).
+    pub fn kubeadm_started(root: &Path) -> Result<Option<KubernetesVersion>, RecordError> {
+        let Some(bytes) = read_bounded(&root.join(paths::UPGRADE_KUBEADM))? else {
+            return Ok(None);
+        };
+        let stored: StoredKubeadmMark = serde_json::from_slice(&bytes)
+            .map_err(|e| RecordError::InvalidKubeadmMark(e.to_string()))?;
+        stored
+            .kubernetes_version
+            .parse()
+            .map(Some)
+            .map_err(|_| RecordError::InvalidKubeadmMark("kubernetes_version".into()))
+    }
+
     /// Removes the record, durably: the directories hold what the version
-    /// record names.
+    /// record names. The kubeadm mark goes first, so none is left that the
+    /// next switch could be taken for.
     pub fn end(root: &Path) -> Result<(), RecordError> {
-        let path = root.join(paths::UPGRADE_SWITCHING);
-        remove_durably(&path).map_err(|source| RecordError::RemoveSwitch { path, source })
+        for file in [paths::UPGRADE_KUBEADM, paths::UPGRADE_SWITCHING] {
+            let path = root.join(file);
+            remove_durably(&path).map_err(|source| RecordError::RemoveSwitch { path, source })?;
+        }
+        Ok(())
     }
 }
 
@@ -204,6 +263,45 @@ mod tests {
         assert!(matches!(
             NodeVersion::load(root.path()),
             Err(RecordError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn a_kubeadm_mark_lives_beside_the_switch_record_and_goes_with_it() {
+        let root = tempfile::tempdir().unwrap();
+        let root = root.path();
+        let dirs = vec!["/run/state/bin".to_owned()];
+        let version = keel_installer::resolve("v1.31").unwrap().version();
+        Switching::begin(root, dirs.clone()).unwrap();
+        assert_eq!(Switching::kubeadm_started(root).unwrap(), None);
+        Switching::kubeadm_starts(root, version).unwrap();
+        assert_eq!(Switching::kubeadm_started(root).unwrap(), Some(version));
+        // The record is as earlier agents wrote and read it.
+        let record = std::fs::read(root.join(paths::UPGRADE_SWITCHING)).unwrap();
+        assert_eq!(record, br#"{"directories":["/run/state/bin"]}"#);
+        Switching::end(root).unwrap();
+        assert_eq!(Switching::load(root).unwrap(), None);
+        assert_eq!(Switching::kubeadm_started(root).unwrap(), None);
+
+        // A mark an earlier agent left behind is not the next switch's.
+        Switching::kubeadm_starts(root, version).unwrap();
+        Switching::begin(root, dirs).unwrap();
+        assert_eq!(Switching::kubeadm_started(root).unwrap(), None);
+
+        // A later agent's field is no reason to lose the version.
+        std::fs::write(
+            root.join(paths::UPGRADE_KUBEADM),
+            br#"{"kubernetes_version":"v1.31.13","later":true}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            Switching::kubeadm_started(root).unwrap(),
+            Some("v1.31.13".parse().unwrap())
+        );
+        std::fs::write(root.join(paths::UPGRADE_KUBEADM), b"{").unwrap();
+        assert!(matches!(
+            Switching::kubeadm_started(root),
+            Err(RecordError::InvalidKubeadmMark(_))
         ));
     }
 }
