@@ -23,7 +23,7 @@ use crate::attestation::policy::{cpu_trust, ReloadableValidator};
 use crate::backoff::Backoff;
 use crate::cluster::ClusterSlot;
 use crate::disk::{Cryptsetup, DiskState, StateDisk, StateMount};
-use crate::disk_bindings::DiskBindings;
+use crate::disk_bindings::{Bind, DiskBindings, EkDigest};
 use crate::evidence::admission::{MemberPolicy, PortValidator};
 use crate::evidence::EvidenceService;
 use crate::grpc::{self, GrpcLimits, InFlightLimit};
@@ -277,22 +277,111 @@ pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) -> bool {
     false
 }
 
-/// Records this control plane under its own name in its registry before
-/// its join service serves. Until its own evidence or a registry exchange
-/// brings that record, the registry may not have it (the first control
-/// plane's never had; one recovered from an older registry may lack it),
-/// and a second TPM booted under its name would get a ticket here. What
-/// keeps the record from being made (the name held by another EK, this
-/// control plane revoked, a full registry) is logged; the service serves
-/// all the same.
-fn hold_own_name(registry: &RegistryStore, own_ek: &keel_verifier::ek::EkDigest, name: &str) {
-    let held = registry.update(|r| r.register(own_ek, "", name, "control-plane"));
+/// Records this control plane under its own name in its registry, with
+/// its own state disk bound to its own EK in its disk bindings
+/// ([`bind_own_disk`]), before its join service serves. Until its own
+/// evidence or a registry exchange brings that record, the registry may
+/// not have it (the first control plane's never had; one recovered from an
+/// older registry may lack it), and a second TPM booted under its name
+/// would get a ticket here. The record names the disk, so that every
+/// control plane the registry reaches refuses a join ticket naming it
+/// ([`crate::registry::Registry::check_disk`]). What keeps the record from
+/// being made (the name held by another EK, this control plane revoked, a
+/// full registry) is logged; the service serves all the same.
+fn hold_own_name(
+    registry: &RegistryStore,
+    disks: &DiskBindings,
+    own_ek: &EkDigest,
+    name: &str,
+    disk: Option<&StateDisk>,
+) {
+    let own_disk = disk.map_or_else(String::new, |d| bind_own_disk(disks, own_ek, d));
+    let held = registry.update(|r| {
+        // A record made elsewhere of this disk under another EK: a node
+        // that claimed it at a peer before this control plane bound it.
+        if let Err(e) = r.check_disk(own_ek, &own_disk) {
+            tracing::error!(
+                name,
+                error = %keel_atls::ErrorChain(&e),
+                "another node's record names this control plane's own state disk: that node \
+                 claimed the disk; revoke it"
+            );
+        }
+        r.register(own_ek, &own_disk, name, "control-plane")
+    });
     if let Err(e) = held {
         tracing::warn!(
             name,
             error = %keel_atls::ErrorChain(&e),
             "this control plane's name is not recorded in its registry"
         );
+    }
+}
+
+/// Binds this control plane's own state disk `disk` (the UUID of its LUKS
+/// header) to its own EK in its disk bindings; returns the UUID, which its
+/// registry record then names, or empty where the disk is not bound to
+/// it. The join service binds the disks of the nodes it issues join
+/// tickets to, never its own: the first control plane's was made by its
+/// init, and one that joined through a peer was bound there. Unbound, an
+/// attested node could name the disk in a join ticket request here and
+/// have it bound to its own TPM, and this control plane would refuse the
+/// disk's rejoins and evidence. Runs at every start, so a control plane of
+/// a cluster created before this binding, or recovered, binds its disk
+/// too. A disk bound to another EK stays bound to it (a binding never
+/// changes EK) and is logged as an error; so is a disk that cannot be read
+/// or bound. The join service serves all the same: refusing to serve would
+/// add the loss of this control plane's join and evidence service to what
+/// a claim took, and an operator revokes the claimer.
+fn bind_own_disk(disks: &DiskBindings, own_ek: &EkDigest, disk: &StateDisk) -> String {
+    let device = disk.device.display().to_string();
+    let uuid = match disk.initialised_uuid() {
+        Ok(Some(uuid)) => uuid,
+        Ok(None) => {
+            tracing::error!(
+                disk = device,
+                "this control plane's state disk has no LUKS header: its disk is not bound to its \
+                 EK here"
+            );
+            return String::new();
+        }
+        Err(e) => {
+            tracing::error!(
+                disk = device,
+                error = %keel_atls::ErrorChain(&e),
+                "reading this control plane's state disk UUID failed: its disk is not bound to its \
+                 EK here until the next start"
+            );
+            return String::new();
+        }
+    };
+    match disks.bind(&uuid, own_ek) {
+        Ok(Bind::Recorded) => {
+            tracing::info!(disk = %uuid, ek = %own_ek, "this control plane's own state disk is bound to its EK");
+            uuid.to_ascii_lowercase()
+        }
+        Ok(Bind::AlreadyBound) => uuid.to_ascii_lowercase(),
+        Ok(Bind::OtherEk(bound)) => {
+            tracing::error!(
+                disk = %uuid,
+                bound_to = %bound,
+                own_ek = %own_ek,
+                "this control plane's own state disk is bound to another EK in its disk \
+                 bindings: a node claimed it with a join ticket; revoke that EK. This control \
+                 plane refuses its own disk's evidence and rejoins here, and its record names no \
+                 disk"
+            );
+            String::new()
+        }
+        Err(e) => {
+            tracing::error!(
+                disk = %uuid,
+                error = %keel_atls::ErrorChain(&e),
+                "binding this control plane's own state disk to its EK failed: its disk is not \
+                 bound here until the next start"
+            );
+            String::new()
+        }
     }
 }
 
@@ -670,7 +759,15 @@ pub async fn serve_join_as_control_plane_with(
                 let registry = RegistryStore::shared(env.root())?;
                 let disks = Arc::new(DiskBindings::new(env.root()));
                 let own_ek = crate::attestation::shared_own_ek_digest(&tpm)?;
-                hold_own_name(&registry, &own_ek, &config.node.name);
+                tokio::task::spawn_blocking({
+                    let (registry, disks) = (registry.clone(), disks.clone());
+                    let (name, disk) = (config.node.name.clone(), env.state_disk.clone());
+                    move || hold_own_name(&registry, &disks, &own_ek, &name, disk.as_ref())
+                })
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!("recording this control plane in its registry: the task ended")
+                })?;
                 let own_image = crate::cluster::own_image(&tpm)
                     .await
                     .map_err(|e| anyhow::anyhow!("reading this node's image PCRs: {e}"))?;

@@ -177,6 +177,23 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
         .is_file());
     cp1.assert_disk_opens(&cp0);
     let serving = cp1.serve_join(ports[1], slot.clone()).await;
+    // Its own disk, bound by cp-0 at its join, is bound to it at cp-1 too
+    // and named in its own record there.
+    let cp1_ek = join_common::ek_digest(&cp1.tpm);
+    let cp1_disk = Cryptsetup::default().uuid(&cp1.disk).unwrap();
+    let own_disk_held = |root: &std::path::Path| {
+        let bound = keel_agent::disk_bindings::DiskBindings::new(root)
+            .lookup(&cp1_disk)
+            .unwrap();
+        let recorded = keel_agent::registry::RegistryStore::shared(root)
+            .unwrap()
+            .snapshot()
+            .nodes()
+            .get(&cp1_ek.to_string())
+            .map(|r| r.disk_uuid.clone());
+        bound == Some(cp1_ek) && recorded.as_deref() == Some(cp1_disk.as_str())
+    };
+    assert!(own_disk_held(&cp0.root) && own_disk_held(&cp1.root));
 
     // cp-1 holds every name before it serves: its own from the moment it
     // serves, w-0's from its ticket, which carried cp-0's registry. A
@@ -652,6 +669,10 @@ async fn control_planes_serve_joins_rejoin_and_recover() {
     assert!(!serving.is_finished(), "the join service gave up");
     drop(held);
     join_common::wait_for_port(format!("127.0.0.1:{}", ports[1]).parse().unwrap()).await;
+    // Recovered, it serves with its own disk bound to its EK and named in
+    // its own record, as after every start.
+    assert_eq!(uuid_before, cp1_disk);
+    assert!(own_disk_held(&cp1.root));
 
     // Once recovered, the node is locked: a second recovery is refused.
     let again = recover_request(&cp1, master, salt, &cp0.state.measurement_salt);

@@ -803,9 +803,9 @@ async fn a_member_reporting_another_nodes_disk_is_refused_and_its_revocation_spa
         before
     );
 
-    // Its evidence naming its own disk (bound by cp-0, not here): trusted,
-    // and the disk recorded for it still the one cp-0 bound, not changed
-    // on cp-1's word.
+    // Its evidence naming its own disk (bound by cp-0, and here by cp-1
+    // itself when its join service started): trusted, and the disk
+    // recorded for it still the one cp-0 bound.
     let mut own = c.session(&c.cp1).await;
     assert_eq!(own.round().await.unwrap(), "trusted");
     let record = c.registry().snapshot().nodes()[&attacker_key].clone();

@@ -379,6 +379,86 @@ async fn init_never_formats_a_disk_it_cannot_read_or_that_holds_a_cluster() {
     );
 }
 
+/// Attacker's move: an attested node of the cluster's image, before its
+/// lock, asks the first control plane for a join ticket naming that
+/// control plane's own state disk (its UUID is in the clear in the LUKS
+/// header), to bind the disk there to its own TPM: that control plane
+/// would then refuse the disk's owner its rejoin and its evidence. The
+/// init node's disk is bound to its own EK, and its own record names the
+/// disk, once its join service serves; the claim is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_init_nodes_disk_is_bound_and_recorded_as_its_own() {
+    use keel_agent::cluster::ClusterSlot;
+    use std::sync::Arc;
+
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let node = joiner(&ca, &ca, port, "cp-0", "control-plane");
+    let slot = Arc::new(ClusterSlot::new(None));
+    let mut accepting = node.node(slot.clone());
+    accepting.config.cluster.init_secret_hash = keel_verifier::init_secret::hash(SECRET).unwrap();
+    let init = InitServer::new(accepting);
+    let mirror = keel_testkit::mirror::MirrorServer::start().unwrap();
+    let components = join_common::stand_in_components(&mirror)
+        .into_iter()
+        .map(Into::into)
+        .collect();
+    let request = complete(
+        &sealed_secrets(&node),
+        InitRequest {
+            join_measurements: join_common::boot_measurements(&node.config)
+                .to_json()
+                .into_bytes(),
+            kubernetes_components: Some(keel_proto::components::Components { components }),
+            ..InitRequest::default()
+        },
+    );
+    let stream = init.init(tonic::Request::new(request)).await.unwrap();
+    assert!(join_common::init_succeeds(stream).await);
+    let serving = node.serve_join(port, slot).await;
+
+    let own_ek = join_common::ek_digest(&node.tpm);
+    let disk = keel_agent::disk::Cryptsetup::default()
+        .uuid(&node.disk)
+        .unwrap();
+    let bindings = keel_agent::disk_bindings::DiskBindings::new(&node.root);
+    assert_eq!(bindings.lookup(&disk).unwrap(), Some(own_ek));
+    let registry = keel_agent::registry::RegistryStore::shared(&node.root).unwrap();
+    let own = registry.snapshot().nodes()[&own_ek.to_string()].clone();
+    assert_eq!(
+        (own.name.as_str(), own.disk_uuid.as_str()),
+        ("cp-0", disk.as_str())
+    );
+
+    let claimer = join_common::member_with(&ca, join_common::config(&ca, port, "w-9", "worker"));
+    let key = keel_agent::join::KubeletKey::generate("w-9").unwrap();
+    let claim = keel_proto::join::IssueJoinTicketRequest {
+        disk_uuid: disk.clone(),
+        kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+        is_control_plane: false,
+        node_name: "w-9".into(),
+        file_discovery: true,
+    };
+    match claimer
+        .tickets(&ca)
+        .request_join_ticket(&format!("127.0.0.1:{port}"), claim)
+        .await
+    {
+        Err(keel_agent::join::TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+            assert!(
+                status.message().contains("not bound to this node's TPM"),
+                "{status:?}"
+            );
+        }
+        Err(e) => panic!("not refused for the disk: {}", keel_atls::ErrorChain(&e)),
+        Ok(_) => panic!("a ticket bound the init node's disk to another TPM"),
+    }
+    assert_eq!(bindings.lookup(&disk).unwrap(), Some(own_ek));
+    serving.abort();
+    let _ = serving.await;
+}
+
 fn file_of_enforced() -> Vec<u8> {
     file(&enforced(&[4, 9, 11, 12, 15]))
 }
