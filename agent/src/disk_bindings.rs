@@ -43,10 +43,18 @@ use keel_verifier::keys::DiskKeyIdError;
 
 /// Most disks the binding store holds; further new disks are refused.
 pub const MAX_DISK_BINDINGS: usize = 10_000;
-/// Most disks bound to one endorsement key: an attested node that keeps
-/// asking for join tickets with new disk UUIDs cannot fill the store. Past
-/// it, each new disk of the EK replaces one of its own.
-pub const MAX_DISKS_PER_EK: usize = 128;
+/// Most disks bound to one endorsement key: attested nodes that keep
+/// asking for join tickets with new disk UUIDs cannot fill the store short
+/// of [`MAX_DISK_BINDINGS`] / this many VMs (1,250). Past it, each new disk
+/// of the EK replaces one of its own, so a node whose joins keep failing
+/// is not locked out.
+pub const MAX_DISKS_PER_EK: usize = 8;
+// Attacker's move: the host boots VMs of the cluster's image and joins each
+// again and again with a blank disk, each join binding a fresh UUID for
+// good, until the store is full and every new node is refused. The per-EK
+// bound (`an_ek_past_its_bound_replaces_one_of_its_own_disks`) makes that
+// take at least 1,000 VMs; the build fails if the two bounds drift apart.
+const _: () = assert!(MAX_DISK_BINDINGS / MAX_DISKS_PER_EK >= 1000);
 /// Largest accepted binding store file (10 000 entries take about 1.1 MB).
 const MAX_DISK_BINDINGS_BYTES: u64 = 2 * 1024 * 1024;
 /// Most bindings checked and recorded in one write.
@@ -641,6 +649,11 @@ mod tests {
         EkDigest::of_marshalled(&[n])
     }
 
+    /// The `n`th of many EKs, none of them an [`ek`].
+    fn many(n: usize) -> EkDigest {
+        EkDigest::of_marshalled(&(n as u64).to_be_bytes())
+    }
+
     const DISK: &str = "0a1b2c3d-0000-4000-8000-00000000000a";
 
     #[test]
@@ -759,7 +772,7 @@ mod tests {
         while size(&journal) <= COMPACT_AT_LEAST {
             let before = size(&journal);
             assert_eq!(
-                store.bind(&uuid(i), &ek((i / 100) as u8)).unwrap(),
+                store.bind(&uuid(i), &many(i / MAX_DISKS_PER_EK)).unwrap(),
                 Bind::Recorded
             );
             assert!(
@@ -795,7 +808,7 @@ mod tests {
         std::fs::write(&journal, &kept).unwrap();
         let reopened = DiskBindings::new(dir.path());
         assert_eq!(reopened.len().unwrap(), i);
-        assert_eq!(reopened.lookup(&uuid(0)).unwrap(), Some(ek(0)));
+        assert_eq!(reopened.lookup(&uuid(0)).unwrap(), Some(many(0)));
         assert_eq!(reopened.lookup(&uuid(i)).unwrap(), None);
         assert_eq!(reopened.bind(&uuid(i), &ek(201)).unwrap(), Bind::Recorded);
         assert_eq!(reopened.len().unwrap(), i + 1);

@@ -238,7 +238,9 @@ fn sign(key: &Path, version: &str, file: &Path) -> Result<()> {
 
 fn read_signing_key(path: &Path) -> Result<SigningPrivateKey> {
     use std::io::Read as _;
-    let mut pem = zeroize::Zeroizing::new(Vec::new());
+    // Sized for the largest accepted file up front: a buffer that grew
+    // would leave copies of the key in the memory it freed.
+    let mut pem = zeroize::Zeroizing::new(Vec::with_capacity(MAX_KEY_FILE as usize + 1));
     std::fs::File::open(path)
         .and_then(|f| f.take(MAX_KEY_FILE).read_to_end(&mut pem))
         .with_context(|| format!("read {}", path.display()))?;
