@@ -758,15 +758,18 @@ async fn a_revocation_whose_answer_is_lost_is_recorded_all_the_same() {
     assert_eq!(record["eks"], serde_json::json!([WORKER_EK]), "{record}");
 }
 
-/// Attacker's move: a control plane the operator revoked (its TPM's key
-/// leaked, say) was cut off when it happened and never heard of it; once
-/// every control plane is down, the host routes `keel recover` to it. It
-/// attests, outside any cluster, but the workspace recorded its EK when it
-/// was revoked: the master secret is not sent.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
+/// A hostile control plane of the cluster's image, locked into the
+/// workspace's cluster if `locked`, whose EK the workspace (which
+/// [`operator_workspace`] writes) records as revoked; with its EK CA, TPM
+/// (which must outlive it) and EK.
+async fn revoked_control_plane(
+    locked: bool,
+) -> (EkCa, Victim, Served, keel_verifier::ek::EkDigest) {
     let ca = EkCa::new().unwrap();
     let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
+    if locked {
+        locked_into_the_workspace_cluster(&node);
+    }
     let ek = {
         let mut tpm = node.tpm.lock().unwrap();
         let public = tpm.tpm().endorsement().unwrap().public;
@@ -780,6 +783,18 @@ async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
         serde_json::json!({ "eks": [ek.to_string()] }).to_string(),
     )
     .unwrap();
+    (ca, node, served, ek)
+}
+
+/// Attacker's move: a control plane the operator revoked (its TPM's key
+/// leaked, say) was cut off when it happened and never heard of it; once
+/// every control plane is down, the host routes `keel recover` to it. It
+/// attests, outside any cluster, but the workspace recorded its EK when it
+/// was revoked: the master secret is not sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
+    let (_ca, _node, served, ek) = revoked_control_plane(false).await;
+    let ws = &served.workspace;
     let out = run_keel(&recover_args(ws), &served.settings, None).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
@@ -799,22 +814,8 @@ async fn a_control_plane_revoked_from_the_workspace_gets_no_master_secret() {
 /// its EK: no operator command asks it anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_plane_revoked_from_the_workspace_is_asked_nothing() {
-    let ca = EkCa::new().unwrap();
-    let node = node_with(&ca, harness::control_plane_config(&no_secret_hash()));
-    locked_into_the_workspace_cluster(&node);
-    let ek = {
-        let mut tpm = node.tpm.lock().unwrap();
-        let public = tpm.tpm().endorsement().unwrap().public;
-        keel_verifier::ek::EkDigest::of_marshalled(&public)
-    };
-    let served = Served::answering(&ca, &node, Answer::Hostile).await;
+    let (_ca, _node, served, ek) = revoked_control_plane(true).await;
     let ws = &served.workspace;
-    operator_workspace(ws, Some(&served.endpoint));
-    std::fs::write(
-        ws.join("keel-revoked.json"),
-        serde_json::json!({ "eks": [ek.to_string()] }).to_string(),
-    )
-    .unwrap();
     let ws_arg = ws.to_str().unwrap();
     for command in ["status", "kubeconfig"] {
         let args = [
