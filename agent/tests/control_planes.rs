@@ -816,6 +816,25 @@ async fn the_facts_never_outgrow_what_a_control_plane_reads_back() {
     );
 }
 
+/// The control plane `service` runs, restored (as at a reboot) from the
+/// facts and version record saved in `root`: its state and the lines its
+/// provisioning logged.
+fn restored(
+    service: &join_common::Service,
+    root: &std::path::Path,
+    work: &std::path::Path,
+) -> (keel_agent::cluster::ClusterState, Vec<String>) {
+    let env = join_common::node_env(root, work, None);
+    let lines = std::sync::Mutex::new(Vec::new());
+    let log = |line: String| lines.lock().unwrap().push(line);
+    let (master, salt) = service.state.keys.expose_master();
+    let keys = keel_verifier::keys::KeyService::new(master, salt).unwrap();
+    let state = keel_agent::provision::Provisioner::new(&env, &service.tpm, &log)
+        .restore_control_plane(keys, None)
+        .unwrap();
+    (state, lines.into_inner().unwrap())
+}
+
 /// An upgrade that stopped between the node's version record and the
 /// control-plane facts: after the reboot the control plane serves the
 /// version its record names (the one the boot installs), the version
@@ -823,7 +842,6 @@ async fn the_facts_never_outgrow_what_a_control_plane_reads_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_plane_stopped_between_record_and_facts_serves_the_recorded_version() {
     use keel_agent::cluster::ControlPlaneFacts;
-    use keel_agent::provision::Provisioner;
     use keel_agent::upgrade::NodeVersion;
 
     let ca = EkCa::new().unwrap();
@@ -840,21 +858,13 @@ async fn a_control_plane_stopped_between_record_and_facts_serves_the_recorded_ve
     .save(&root)
     .unwrap();
 
-    let env = join_common::node_env(&root, &work, None);
-    let lines = std::sync::Mutex::new(Vec::new());
-    let log = |line: String| lines.lock().unwrap().push(line);
-    let (master, salt) = service.state.keys.expose_master();
-    let keys = keel_verifier::keys::KeyService::new(master, salt).unwrap();
-    let state = Provisioner::new(&env, &service.tpm, &log)
-        .restore_control_plane(keys, None)
-        .unwrap();
+    let (state, lines) = restored(&service, &root, &work);
     assert_eq!(state.kubernetes_version, next.version());
     assert_eq!(state.components, next.components());
     for before in &service.state.components {
         let measured = MeasuredComponent::parse(&before.measurement_record()).unwrap();
         assert!(state.authorises(&measured), "{before:?}");
     }
-    let lines = lines.lock().unwrap();
     assert!(
         lines
             .iter()
@@ -870,7 +880,6 @@ async fn a_control_plane_stopped_between_record_and_facts_serves_the_recorded_ve
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_plane_restores_facts_of_a_patch_its_image_no_longer_pins() {
     use keel_agent::cluster::ControlPlaneFacts;
-    use keel_agent::provision::Provisioner;
     use keel_agent::upgrade::NodeVersion;
     use keel_installer::KubernetesVersion;
 
@@ -893,17 +902,9 @@ async fn a_control_plane_restores_facts_of_a_patch_its_image_no_longer_pins() {
     .save(&root)
     .unwrap();
 
-    let env = join_common::node_env(&root, &work, None);
-    let lines = std::sync::Mutex::new(Vec::new());
-    let log = |line: String| lines.lock().unwrap().push(line);
-    let (master, salt) = service.state.keys.expose_master();
-    let keys = keel_verifier::keys::KeyService::new(master, salt).unwrap();
-    let state = Provisioner::new(&env, &service.tpm, &log)
-        .restore_control_plane(keys, None)
-        .unwrap();
+    let (state, lines) = restored(&service, &root, &work);
     assert_eq!(state.kubernetes_version, older);
     assert_eq!(state.components, pinned.components());
     // The record matched the facts: nothing was taken from it.
-    let lines = lines.lock().unwrap();
     assert!(!lines.iter().any(|l| l.contains("serving")), "{lines:?}");
 }
