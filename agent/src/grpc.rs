@@ -343,8 +343,8 @@ impl Drop for Place {
 }
 
 /// A request's place among an [`InFlightLimit`]'s, found in the request's
-/// extensions; freed when the handler's answer resolves, or before by
-/// [`HeldPlace::release`].
+/// extensions; freed once the handler's answer was sent (or given up,
+/// [`hold_until_sent`]), or before by [`HeldPlace::release`].
 #[derive(Clone)]
 pub struct HeldPlace(Arc<Mutex<Option<Place>>>);
 
@@ -372,8 +372,9 @@ impl HeldPlace {
 
 /// Serves `request` through `inner` in the place `permit` grants (with
 /// the source's own, among `places`): its body is held to `bounds` and
-/// to the place's eviction, and the place is freed once the handler
-/// returned its response, or when the handler releases it ([`HeldPlace`]).
+/// to the place's eviction, and the place is freed once the handler's
+/// answer was sent ([`hold_until_sent`], within the same deadline as the
+/// body), or when the handler releases it ([`HeldPlace`]).
 fn serve_in_place<S>(
     inner: &mut S,
     permit: OwnedSemaphorePermit,
@@ -398,10 +399,195 @@ where
         request.map(|body| tonic::body::Body::new(DeadlineBody::new(body, bounds, watch)));
     request.extensions_mut().insert(place.clone());
     let answer = inner.call(request);
+    let send_within = bounds.within;
     async move {
-        let answer = answer.await;
+        let Ok(answer) = answer.await;
+        Ok(hold_until_sent(answer, place, send_within))
+    }
+}
+
+/// What a handler keeps until its answer is sent (an in-flight mark that
+/// bounds a peer's answers to one): put in the response's extensions, it
+/// goes with the answer's body ([`InFlightLimit`]), and is dropped once
+/// the body was sent whole, its stream ended, or it stalled past its
+/// deadline.
+#[derive(Clone)]
+pub struct HeldUntilSent(#[allow(dead_code)] Arc<dyn Send + Sync>);
+
+impl HeldUntilSent {
+    /// Keeps `held` until the answer is sent.
+    pub fn new(held: impl Send + Sync + 'static) -> Self {
+        Self(Arc::new(held))
+    }
+}
+
+/// Most bytes of an answer handed to HTTP/2 at once. HTTP/2 takes a frame
+/// whole into its send buffer whatever the peer's window, so a large
+/// message goes in copies of this size: what a peer that stops reading
+/// leaves buffered there is one of them, and the rest stays with
+/// [`SendingBody`], which drops it at its deadline.
+const SEND_PIECE: usize = 64 * 1024;
+
+/// Keeps `place` (and the handler's [`HeldUntilSent`], if any) with
+/// `response`'s body until it is sent: an answer whose caller never reads
+/// it (an HTTP/2 window kept at 0) holds its place, and the handler's
+/// mark, so that the peer's next request waits or is refused instead of
+/// piling up answers in memory. The body may stall, holding produced
+/// bytes unsent, for `within` at most: then what is unsent is dropped,
+/// the place freed, and the stream reset.
+fn hold_until_sent(
+    mut response: tonic::codegen::http::Response<tonic::body::Body>,
+    place: HeldPlace,
+    within: Duration,
+) -> tonic::codegen::http::Response<tonic::body::Body> {
+    let held = response.extensions_mut().remove::<HeldUntilSent>();
+    if http_body::Body::is_end_stream(response.body()) {
         place.free();
-        answer
+        return response;
+    }
+    response.map(|body| tonic::body::Body::new(SendingBody::new(body, place, held, within)))
+}
+
+/// An answer's body on its way out, with the place (and mark) it holds;
+/// see [`hold_until_sent`].
+struct SendingBody {
+    unsent: Arc<Mutex<Option<Unsent>>>,
+    deadline: tokio::task::JoinHandle<()>,
+}
+
+/// What a [`SendingBody`] holds until it is sent or given up.
+struct Unsent {
+    body: tonic::body::Body,
+    /// The rest of a data frame larger than [`SEND_PIECE`].
+    rest: bytes::Bytes,
+    /// Since when bytes the body produced wait to be sent: `None` while
+    /// everything produced so far was handed on and the body itself waits
+    /// (a stream between its messages).
+    stalled_since: Option<Instant>,
+    place: HeldPlace,
+    _held: Option<HeldUntilSent>,
+}
+
+impl Drop for Unsent {
+    fn drop(&mut self) {
+        self.place.free();
+    }
+}
+
+impl SendingBody {
+    fn new(
+        body: tonic::body::Body,
+        place: HeldPlace,
+        held: Option<HeldUntilSent>,
+        within: Duration,
+    ) -> Self {
+        let unsent = Arc::new(Mutex::new(Some(Unsent {
+            body,
+            rest: bytes::Bytes::new(),
+            stalled_since: Some(Instant::now()),
+            place,
+            _held: held,
+        })));
+        let deadline = tokio::spawn(give_up_when_stalled(unsent.clone(), within));
+        Self { unsent, deadline }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Unsent>> {
+        self.unsent.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Drops what `unsent` holds once it stalled for `within`; ends when it
+/// is gone.
+async fn give_up_when_stalled(unsent: Arc<Mutex<Option<Unsent>>>, within: Duration) {
+    loop {
+        let due = {
+            let mut held = unsent.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(since) = held.as_ref().map(|u| u.stalled_since) else {
+                return;
+            };
+            match since.map(|since| since + within) {
+                Some(due) if Instant::now() >= due => {
+                    let given_up = held.take();
+                    drop(held);
+                    drop(given_up);
+                    tracing::debug!(
+                        within_secs = within.as_secs_f64(),
+                        "an answer its caller did not read in time was dropped"
+                    );
+                    return;
+                }
+                Some(due) => due,
+                None => Instant::now() + within,
+            }
+        };
+        tokio::time::sleep_until(due).await;
+    }
+}
+
+impl Drop for SendingBody {
+    fn drop(&mut self) {
+        self.deadline.abort();
+        let sent = self.lock().take();
+        drop(sent);
+    }
+}
+
+/// The next piece of `rest`: a copy, so that a piece HTTP/2 keeps does
+/// not keep the whole frame it came from.
+fn next_piece(rest: &mut bytes::Bytes) -> bytes::Bytes {
+    let piece = bytes::Bytes::copy_from_slice(&rest[..rest.len().min(SEND_PIECE)]);
+    bytes::Buf::advance(rest, piece.len());
+    piece
+}
+
+impl http_body::Body for SendingBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let mut held = self.lock();
+        let Some(unsent) = held.as_mut() else {
+            return Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(
+                "the answer was not read in time",
+            ))));
+        };
+        if !unsent.rest.is_empty() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(next_piece(
+                &mut unsent.rest,
+            )))));
+        }
+        let frame = match Pin::new(&mut unsent.body).poll_frame(cx) {
+            Poll::Pending => {
+                unsent.stalled_since = None;
+                return Poll::Pending;
+            }
+            Poll::Ready(None) => {
+                let sent = held.take();
+                drop(held);
+                drop(sent);
+                return Poll::Ready(None);
+            }
+            Poll::Ready(Some(frame)) => frame,
+        };
+        unsent.stalled_since.get_or_insert_with(Instant::now);
+        Poll::Ready(Some(frame.map(|frame| match frame.into_data() {
+            Ok(data) if data.len() > SEND_PIECE => {
+                unsent.rest = data;
+                http_body::Frame::data(next_piece(&mut unsent.rest))
+            }
+            Ok(data) => http_body::Frame::data(data),
+            Err(other) => other,
+        })))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.lock()
+            .as_ref()
+            .is_some_and(|u| u.rest.is_empty() && u.body.is_end_stream())
     }
 }
 
@@ -1315,6 +1501,180 @@ mod tests {
         assert!(status.metadata().get(keel_proto::BUSY_METADATA).is_some());
         whole.abort();
         arriving.abort();
+    }
+
+    /// A service that answers every request at once with a message of
+    /// `len` bytes, keeping `held` until the answer is sent.
+    #[derive(Clone)]
+    struct Answering {
+        len: usize,
+        held: Arc<()>,
+    }
+
+    impl tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for Answering {
+        type Response = tonic::codegen::http::Response<tonic::body::Body>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+            let mut answer =
+                tonic::codegen::http::Response::new(tonic::body::Body::new("7".repeat(self.len)));
+            answer
+                .extensions_mut()
+                .insert(HeldUntilSent::new(self.held.clone()));
+            std::future::ready(Ok(answer))
+        }
+    }
+
+    impl tonic::server::NamedService for Answering {
+        const NAME: &'static str = "test.Answering";
+    }
+
+    /// The next frame of `body`, if it has one ready.
+    fn next_frame(
+        body: &mut tonic::body::Body,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+        let mut cx = Context::from_waker(Waker::noop());
+        http_body::Body::poll_frame(Pin::new(body), &mut cx)
+    }
+
+    /// An answer its caller does not read (its HTTP/2 window at 0: the
+    /// body never polled) keeps its place and the handler's mark, so the
+    /// next request is answered busy, until its deadline: then both are
+    /// freed, its bytes dropped and its stream fails. A large answer goes
+    /// out in pieces; one read to its end frees them at once.
+    #[tokio::test]
+    async fn an_unread_answer_keeps_its_place_until_sent_or_its_deadline() {
+        use tonic::codegen::Service as _;
+        let within = Duration::from_millis(300);
+        let service = Answering {
+            len: 3 * SEND_PIECE + 10,
+            held: Arc::new(()),
+        };
+        let mark = Arc::downgrade(&service.held);
+        let mut limit = InFlightLimit::new(service.clone(), 1, 1024, within, "busy");
+        drop(service);
+        let request = || tonic::codegen::http::Request::new(tonic::body::Body::empty());
+        let unread = limit.call(request()).await.unwrap();
+        assert_eq!(mark.strong_count(), 2, "the mark went with the answer");
+        let busy = limit.call(request()).await.unwrap();
+        assert!(
+            status_of(&busy)
+                .metadata()
+                .get(keel_proto::BUSY_METADATA)
+                .is_some(),
+            "the unread answer's place was free"
+        );
+        tokio::time::sleep(within + Duration::from_millis(200)).await;
+        assert_eq!(mark.strong_count(), 1, "the mark outlived the deadline");
+        let mut unread = unread.into_body();
+        assert!(matches!(next_frame(&mut unread), Poll::Ready(Some(Err(_)))));
+
+        // Read whole: its place is free at once, the mark gone with it.
+        let mut read = limit.call(request()).await.unwrap().into_body();
+        let mut pieces = Vec::new();
+        while let Poll::Ready(Some(frame)) = next_frame(&mut read) {
+            if let Ok(data) = frame.unwrap().into_data() {
+                pieces.push(data.len());
+            }
+        }
+        assert_eq!(pieces, [SEND_PIECE, SEND_PIECE, SEND_PIECE, 10]);
+        assert_eq!(mark.strong_count(), 1);
+        let next = limit.call(request()).await.unwrap();
+        let status = tonic::Status::from_header_map(next.headers());
+        assert!(status.is_none(), "{status:?}");
+    }
+
+    /// Over a real HTTP/2 connection whose caller announces a stream
+    /// window of 0 and never opens it: the answer's headers come, none of
+    /// its body; at the deadline the place and the handler's mark are free
+    /// (the next request is served, not answered busy), and once the
+    /// caller opens its window the stream is reset, not ended as if the
+    /// answer were whole. A caller that reads gets the answer whole.
+    #[tokio::test]
+    async fn an_answer_to_a_caller_that_keeps_its_window_shut_is_given_up() {
+        let within = Duration::from_secs(1);
+        let len = 4 * SEND_PIECE + 10;
+        let held = Arc::new(());
+        let mark = Arc::downgrade(&held);
+        let limit = InFlightLimit::new(Answering { len, held }, 1, 1024, within, "busy");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener)
+            .filter_map(|c| c.ok().map(Ok::<_, Infallible>));
+        let server = tokio::spawn(async move {
+            serve(incoming, &GrpcLimits::default(), |s| s.add_service(limit)).await
+        });
+        let request = || {
+            tonic::codegen::http::Request::post(format!("http://{addr}/test.Answering/Answer"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(())
+                .unwrap()
+        };
+        let connect = |window| async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            h2::client::Builder::new()
+                .initial_window_size(window)
+                .initial_connection_window_size(1 << 20)
+                .handshake::<_, bytes::Bytes>(tcp)
+                .await
+                .unwrap()
+        };
+
+        let (shut, mut connection) = connect(0).await;
+        let (open, opened) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = &mut connection => return,
+                _ = opened => {}
+            }
+            connection.set_initial_window_size(len as u32 * 2).unwrap();
+            let _ = connection.await;
+        });
+        let mut shut = shut.ready().await.unwrap();
+        let (answer, _) = shut.send_request(request(), true).unwrap();
+        let answer = answer.await.unwrap();
+        assert_eq!(answer.status(), 200);
+        assert!(answer.headers().get("grpc-status").is_none());
+        let mut unread = answer.into_body();
+        tokio::time::sleep(within + Duration::from_millis(300)).await;
+        assert_eq!(mark.strong_count(), 1, "the mark outlived the deadline");
+        let mut shut = shut.ready().await.unwrap();
+        let (next, _) = shut.send_request(request(), true).unwrap();
+        let next = next.await.unwrap();
+        assert!(
+            next.headers().get("grpc-status").is_none(),
+            "the place of the answer given up was not freed: {:?}",
+            next.headers()
+        );
+        open.send(()).unwrap();
+        let given_up = tokio::time::timeout(Duration::from_secs(5), unread.data())
+            .await
+            .expect("the stream of the answer given up neither failed nor ended");
+        assert!(
+            matches!(&given_up, Some(Err(e)) if e.is_reset()),
+            "{given_up:?}"
+        );
+
+        let (reader, connection) = connect(len as u32 * 2).await;
+        tokio::spawn(connection);
+        tokio::time::sleep(within + Duration::from_millis(300)).await;
+        let mut reader = reader.ready().await.unwrap();
+        let (answer, _) = reader.send_request(request(), true).unwrap();
+        let mut body = answer.await.unwrap().into_body();
+        let mut received = 0;
+        while let Some(data) = body.data().await {
+            let data = data.unwrap_or_else(|e| panic!("after {received} bytes: {e}"));
+            received += data.len();
+            body.flow_control().release_capacity(data.len()).unwrap();
+        }
+        assert_eq!(received, len);
+        server.abort();
     }
 
     /// Under load, a source is held to its share; below half the places,

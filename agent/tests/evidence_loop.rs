@@ -1340,3 +1340,41 @@ async fn members_waiting_for_their_turns_leave_the_evidence_places_to_others() {
         assert!(wait.await.unwrap().is_ok());
     }
 }
+
+/// Attacker's move (flood, a control plane compromised after its
+/// attestation): ask for the registry (a copy of up to 24 MB each) again
+/// and again on streams whose HTTP/2 window stays shut, so that every
+/// answer stays in the serving control plane's memory. The request's
+/// in-flight mark lasts until its answer is sent: the next request is
+/// refused while it is unread, and served once its stream is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unread_registry_answer_holds_off_the_next_request() {
+    use keel_proto::evidence::evidence_service_client::EvidenceServiceClient;
+    use keel_proto::evidence::RegistryRequest;
+    let c = Cluster::start(EvidencePolicy::Log).await;
+    let trust = EkTrust::from_pem(&c.ca.issuer_pem().unwrap()).unwrap();
+    let atls = keel_atls::AtlsClient::mutual(
+        Arc::new(keel_agent::attestation::issuer::TpmIssuer::new(
+            c.cp1.tpm.clone(),
+        )),
+        Arc::new(service_validator(&c.cp1.tpm, trust, None).unwrap()),
+    );
+    let shut = tonic::transport::Endpoint::from_shared(format!("http://{}", c.endpoint()))
+        .unwrap()
+        .initial_stream_window_size(0);
+    let mut client = EvidenceServiceClient::new(atls.bind_channel(shut).await.unwrap().channel);
+    let unread = tokio::spawn(async move { client.registry(RegistryRequest {}).await });
+    tokio::time::sleep(REGISTRY_GAP + Duration::from_millis(500)).await;
+    assert!(
+        !unread.is_finished(),
+        "the registry was read through a shut window"
+    );
+
+    let mut s = c.session(&c.cp1).await;
+    let err = s.client().registry(RegistryRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    unread.abort();
+    tokio::time::sleep(REGISTRY_GAP + Duration::from_millis(200)).await;
+    let answer = s.client().registry(RegistryRequest {}).await.unwrap();
+    assert!(!answer.into_inner().registry.is_empty());
+}

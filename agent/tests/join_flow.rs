@@ -989,3 +989,69 @@ async fn a_node_joins_a_cluster_at_a_patch_its_image_does_not_pin() {
     assert_eq!(record.version, older);
     assert_eq!(record.components, service.state.components);
 }
+
+/// Attacker's move (flood): a control plane's ticket carries the whole
+/// registry (up to 24 MB); ask for one again and again on streams whose
+/// HTTP/2 window stays shut, so that every answer stays in the service's
+/// memory. One ticket with the registry is out per EK at a time: a second
+/// is refused while the first is unsent, and served once the first
+/// stream is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_planes_unread_ticket_holds_off_its_next_one() {
+    use keel_proto::join::join_service_client::JoinServiceClient;
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let service = join_common::start_service(&ca, port).await;
+    let node = join_common::member(&ca, port, "cp-1", "control-plane");
+    let disk = join_common::uuid();
+    let request = || {
+        let key = KubeletKey::generate("cp-1").unwrap();
+        IssueJoinTicketRequest {
+            disk_uuid: disk.clone(),
+            kubelet_csr: key.csr_pem().as_bytes().to_vec(),
+            is_control_plane: true,
+            node_name: "cp-1".into(),
+            file_discovery: true,
+        }
+    };
+
+    let trust = keel_verifier::ek::EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let validator = keel_agent::join::service_validator(&node.tpm, trust, None).unwrap();
+    let atls = keel_atls::AtlsClient::mutual(
+        std::sync::Arc::new(keel_agent::attestation::issuer::TpmIssuer::new(
+            node.tpm.clone(),
+        )),
+        std::sync::Arc::new(validator),
+    );
+    let shut = tonic::transport::Endpoint::from_shared(format!("http://{}", service.endpoint))
+        .unwrap()
+        .initial_stream_window_size(0);
+    let mut client = JoinServiceClient::new(atls.bind_channel(shut).await.unwrap().channel);
+    let first = request();
+    let unread = tokio::spawn(async move { client.issue_join_ticket(first).await });
+    // Built and answered by now, not read.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !unread.is_finished(),
+        "the ticket was read through a shut window"
+    );
+
+    let tickets = node.tickets(&ca);
+    match tickets
+        .request_join_ticket(&service.endpoint, request())
+        .await
+    {
+        Err(TicketError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}")
+        }
+        Err(e) => panic!("{}", keel_atls::ErrorChain(&e)),
+        Ok(_) => panic!("a second ticket with the registry while the first is unsent"),
+    }
+    unread.abort();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ticket = tickets
+        .request_join_ticket(&service.endpoint, request())
+        .await
+        .unwrap();
+    assert!(!ticket.response.registry.is_empty());
+}

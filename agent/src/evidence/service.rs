@@ -45,7 +45,7 @@ use super::hearing::Hearing;
 use super::{user_data, MAX_FIELD_BYTES, SILENT_AFTER};
 use crate::cluster::{ClusterSlot, ClusterState};
 use crate::disk_bindings::{DiskBindings, DiskBindingsError, EkDigest};
-use crate::grpc::HeldPlace;
+use crate::grpc::{HeldPlace, HeldUntilSent};
 use crate::registry::{
     self, BoundDisk, DiskClaim, Evidence, RegistryError, RegistryStore, Revocation, Verdict,
 };
@@ -768,7 +768,15 @@ impl EvidenceService {
     /// how it learns that it is revoked (and stops issuing tickets) and
     /// which nodes were revoked since; of the other nodes it learns
     /// nothing.
-    pub async fn registry_for(&self, peer: &Verified) -> Result<Vec<u8>, EvidenceError> {
+    ///
+    /// The answer comes with the request's in-flight mark: put in the
+    /// response ([`HeldUntilSent`]), it lasts until the answer was sent,
+    /// so that a caller that does not read its answers has one in memory
+    /// at a time, not one more each second.
+    pub async fn registry_for(
+        &self,
+        peer: &Verified,
+    ) -> Result<(Vec<u8>, HeldUntilSent), EvidenceError> {
         let (ek, revoked) = match self.admit(peer) {
             Ok(ek) => (ek, false),
             Err(EvidenceError::Revoked(_)) => (EkDigest::of_public(&peer.ek), true),
@@ -789,16 +797,16 @@ impl EvidenceService {
         if let Some(pace) = self.paces().get_mut(&ek) {
             pace.last_read = Some(Instant::now());
         }
-        // The mark ends with the copy and its encoding, not with the call:
-        // a caller that gives up on the call cannot start another copy
-        // while this one runs.
+        // The mark goes with the copy, not with the call: a caller that
+        // gives up on the call cannot start another copy while this one
+        // runs, nor one that reads it.
         self.store(move |s| {
-            let _reading = reading;
-            Ok(if revoked {
+            let registry = if revoked {
                 s.revocations().to_json()
             } else {
                 s.snapshot().to_json()
-            })
+            };
+            Ok((registry, HeldUntilSent::new(reading)))
         })
         .await
     }
@@ -983,14 +991,16 @@ impl evidence_service_server::EvidenceService for EvidenceService {
         request: tonic::Request<RegistryRequest>,
     ) -> Result<tonic::Response<RegistryResponse>, tonic::Status> {
         let peer = peer_claims(&request).map_err(|e| refused("registry request", &e))?;
-        let registry = self
+        let (registry, reading) = self
             .registry_for(peer.claims())
             .await
             .map_err(|e| refused("registry request", &e))?;
-        Ok(tonic::Response::new(RegistryResponse {
+        let mut answer = tonic::Response::new(RegistryResponse {
             registry,
             served_at: crate::registry::now(),
-        }))
+        });
+        answer.extensions_mut().insert(reading);
+        Ok(answer)
     }
 }
 

@@ -103,6 +103,10 @@ pub enum JoinServiceError {
     /// cluster no longer accepts.
     #[error("this control plane's image is retired; it issues no bootstrap token")]
     TokensRetired,
+    /// A control plane's earlier ticket, which carries the registry, is
+    /// still being sent to it: one at a time per EK.
+    #[error("an earlier ticket with the registry is still being sent to this node")]
+    RegistryUnsent,
 }
 
 impl From<SignCsrError> for JoinServiceError {
@@ -169,6 +173,9 @@ impl JoinServiceError {
                 "this control plane runs an image the cluster retired and issues no bootstrap \
                  token; ask another"
             }
+            E::RegistryUnsent => {
+                "an earlier ticket of this node is still being sent; read it or cancel it first"
+            }
         }
     }
 }
@@ -190,6 +197,7 @@ impl From<&JoinServiceError> for tonic::Status {
             | E::Renamed(_)
             | E::TokenDowngrade => tonic::Code::PermissionDenied,
             E::Member | E::StaleHandshake(_) => tonic::Code::FailedPrecondition,
+            E::RegistryUnsent => tonic::Code::ResourceExhausted,
             E::Seal(CredentialError::UnsupportedEk) => tonic::Code::FailedPrecondition,
             E::Busy | E::Token(_) | E::ServiceRevoked(_) | E::TokensRetired => {
                 tonic::Code::Unavailable

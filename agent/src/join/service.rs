@@ -32,7 +32,7 @@
 //! the joining TPM's endorsement key before any key leaves, and a rejoin
 //! ticket goes only to the TPM a disk is bound to.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,6 +61,7 @@ use super::tokens::TokenRegistrar;
 use crate::batching::BatchStats;
 use crate::cluster::ClusterState;
 use crate::disk_bindings::{Bind, DiskBindingRefusal, DiskBindings, DiskBindingsError, EkDigest};
+use crate::grpc::HeldUntilSent;
 use crate::kubeadm::{BootstrapToken, CaCertHash, Kubeadm};
 use crate::paths;
 use crate::registry::RegistryStore;
@@ -228,6 +229,23 @@ struct Inner {
     tokens: TokenRegistrar,
     slots: Semaphore,
     disks: Arc<DiskBindings>,
+    /// EKs whose ticket with the registry is being built or sent.
+    sending_registry: Arc<std::sync::Mutex<HashSet<EkDigest>>>,
+}
+
+/// An EK's mark in [`Inner::sending_registry`], removed on drop.
+struct SendingRegistry {
+    marks: Arc<std::sync::Mutex<HashSet<EkDigest>>>,
+    ek: EkDigest,
+}
+
+impl Drop for SendingRegistry {
+    fn drop(&mut self) {
+        self.marks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.ek);
+    }
 }
 
 impl JoinService {
@@ -266,6 +284,7 @@ impl JoinService {
                 tokens: TokenRegistrar::new(kubeadm, work_dir.join(paths::TOKEN_CONFIG_DIR)),
                 slots: Semaphore::new(MAX_CONCURRENT_TICKETS),
                 disks,
+                sending_registry: Arc::default(),
             }),
             updates: None,
             registry: None,
@@ -318,6 +337,33 @@ impl JoinService {
     pub fn with_registry(mut self, registry: Arc<RegistryStore>, own_ek: EkDigest) -> Self {
         self.registry = Some((registry, own_ek));
         self
+    }
+
+    /// Marks `ek`'s ticket with the registry (a control plane's, on a
+    /// service with a registry) as being built and sent; the mark goes
+    /// with the answer ([`HeldUntilSent`]), so that a peer that does not
+    /// read its tickets has one registry copy in memory, not one per
+    /// request. Refused while one is out.
+    fn mark_registry_sending(
+        &self,
+        ek: EkDigest,
+        control_plane: bool,
+    ) -> Result<Option<HeldUntilSent>, JoinServiceError> {
+        if !control_plane || self.registry.is_none() {
+            return Ok(None);
+        }
+        let marks = &self.inner.sending_registry;
+        if !marks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(ek)
+        {
+            return Err(JoinServiceError::RegistryUnsent);
+        }
+        Ok(Some(HeldUntilSent::new(SendingRegistry {
+            marks: marks.clone(),
+            ek,
+        })))
     }
 
     /// What a ticket carries of the registry: for a control plane, this
@@ -441,6 +487,16 @@ impl JoinService {
         peer: &Attested<Verified>,
         request: IssueJoinTicketRequest,
     ) -> Result<IssueJoinTicketResponse, JoinServiceError> {
+        Ok(self.join_ticket_marked(peer, request).await?.0)
+    }
+
+    /// [`Self::join_ticket`], with the mark a control plane's ticket
+    /// holds until it is sent ([`Self::mark_registry_sending`]).
+    async fn join_ticket_marked(
+        &self,
+        peer: &Attested<Verified>,
+        request: IssueJoinTicketRequest,
+    ) -> Result<(IssueJoinTicketResponse, Option<HeldUntilSent>), JoinServiceError> {
         let Admitted {
             _slot,
             peer,
@@ -450,6 +506,7 @@ impl JoinService {
         let identity = check_identity(peer, &request.node_name, request.is_control_plane)?;
         let ek = EkDigest::of_public(&peer.ek);
         self.check_registry(&ek, &identity, Some(&request.disk_uuid))?;
+        let sending = self.mark_registry_sending(ek, request.is_control_plane)?;
         self.refuse_token_downgrade(cluster, peer, request.file_discovery)?;
         let disk_key = cluster
             .keys
@@ -539,7 +596,7 @@ impl JoinService {
             "issued join ticket"
         );
         let image = TicketImage::of(cluster, request.is_control_plane);
-        Ok(IssueJoinTicketResponse {
+        let ticket = IssueJoinTicketResponse {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
             api_server_endpoint: cluster.api_server.to_string(),
@@ -565,7 +622,8 @@ impl JoinService {
             registry: self.registry_for(request.is_control_plane),
             image_epoch: image.floor,
             registry_served_at: crate::registry::now(),
-        })
+        };
+        Ok((ticket, sending))
     }
 
     /// Issues a rejoin ticket (disk key and measurement secret, and for a
@@ -579,6 +637,16 @@ impl JoinService {
         peer: &Attested<Verified>,
         request: IssueRejoinTicketRequest,
     ) -> Result<IssueRejoinTicketResponse, JoinServiceError> {
+        Ok(self.rejoin_ticket_marked(peer, request).await?.0)
+    }
+
+    /// [`Self::rejoin_ticket`], with the mark a control plane's ticket
+    /// holds until it is sent ([`Self::mark_registry_sending`]).
+    async fn rejoin_ticket_marked(
+        &self,
+        peer: &Attested<Verified>,
+        request: IssueRejoinTicketRequest,
+    ) -> Result<(IssueRejoinTicketResponse, Option<HeldUntilSent>), JoinServiceError> {
         let Admitted {
             _slot,
             peer,
@@ -589,6 +657,7 @@ impl JoinService {
         let is_control_plane = identity.role == Role::ControlPlane;
         let ek = EkDigest::of_public(&peer.ek);
         self.check_registry(&ek, &identity, None)?;
+        let sending = self.mark_registry_sending(ek, is_control_plane)?;
         let disk_key = cluster
             .keys
             .disk_key(&request.disk_uuid, &ek)
@@ -637,7 +706,7 @@ impl JoinService {
             "issued rejoin ticket"
         );
         let image = TicketImage::of(cluster, is_control_plane);
-        Ok(IssueRejoinTicketResponse {
+        let ticket = IssueRejoinTicketResponse {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
             control_plane_endpoints: ticket_endpoints(cluster),
@@ -647,7 +716,8 @@ impl JoinService {
             signed_measurements: image.signed,
             image_epoch: image.floor,
             registry_served_at: crate::registry::now(),
-        })
+        };
+        Ok((ticket, sending))
     }
 
     /// What every ticket takes before its own checks: one of the ticket
@@ -912,15 +982,13 @@ impl join_service_server::JoinService for JoinService {
     ) -> Result<tonic::Response<IssueJoinTicketResponse>, tonic::Status> {
         let result = match peer_claims(&request) {
             Ok(peer) => {
-                self.join_ticket(&peer, request.into_inner())
+                self.join_ticket_marked(&peer, request.into_inner())
                     .instrument(tracing::debug_span!("join.ticket"))
                     .await
             }
             Err(e) => Err(e),
         };
-        result
-            .map(tonic::Response::new)
-            .map_err(|e| refused("join", &e))
+        result.map(answer).map_err(|e| refused("join", &e))
     }
 
     async fn issue_rejoin_ticket(
@@ -928,13 +996,20 @@ impl join_service_server::JoinService for JoinService {
         request: tonic::Request<IssueRejoinTicketRequest>,
     ) -> Result<tonic::Response<IssueRejoinTicketResponse>, tonic::Status> {
         let result = match peer_claims(&request) {
-            Ok(peer) => self.rejoin_ticket(&peer, request.into_inner()).await,
+            Ok(peer) => self.rejoin_ticket_marked(&peer, request.into_inner()).await,
             Err(e) => Err(e),
         };
-        result
-            .map(tonic::Response::new)
-            .map_err(|e| refused("rejoin", &e))
+        result.map(answer).map_err(|e| refused("rejoin", &e))
     }
+}
+
+/// A ticket's answer, with the mark it holds until it is sent.
+fn answer<T>((ticket, sending): (T, Option<HeldUntilSent>)) -> tonic::Response<T> {
+    let mut answer = tonic::Response::new(ticket);
+    if let Some(sending) = sending {
+        answer.extensions_mut().insert(sending);
+    }
+    answer
 }
 
 #[cfg(test)]
