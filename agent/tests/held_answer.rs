@@ -37,18 +37,20 @@ impl http_body::Body for Held {
     }
 }
 
-/// Attacker's move: a control plane compromised after it booted (its
-/// attestation still passes) holds back its answers to joining nodes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_join_service_that_holds_back_its_answer_is_given_up_on() {
-    let ca = EkCa::new().unwrap();
-    let port = free_port();
-
-    // The control plane: genuine TPM, config and lock; its join port
-    // completes the mutual aTLS handshake as a join service does.
-    let swtpm = Swtpm::start(&ca).unwrap();
+/// A control plane compromised after it booted: a genuine TPM, config and
+/// lock (cluster `[0x11; 32]`), whose join port completes the mutual aTLS
+/// handshake as a join service does, and then answers as the attacker
+/// likes. Keep the first value as long as the port serves.
+async fn compromised_control_plane(
+    ca: &EkCa,
+    port: u16,
+) -> (
+    (Swtpm, tempfile::TempDir),
+    keel_atls::Incoming<keel_verifier::validator::Verified>,
+) {
+    let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let cp_config = config(&ca, port, "cp-0", "control-plane");
+    let cp_config = config(ca, port, "cp-0", "control-plane");
     let cp_tpm = measured(&swtpm, &dir.path().join("log"), &cp_config);
     NodeLock::new(cp_tpm.clone())
         .unwrap()
@@ -60,8 +62,19 @@ async fn a_join_service_that_holds_back_its_answer_is_given_up_on() {
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
         .await
         .unwrap();
-    let mut incoming =
+    let incoming =
         AtlsServer::mutual(Arc::new(TpmIssuer::new(cp_tpm)), policy.validator()).incoming(listener);
+    ((swtpm, dir), incoming)
+}
+
+/// Attacker's move: a control plane compromised after it booted (its
+/// attestation still passes) holds back its answers to joining nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_service_that_holds_back_its_answer_is_given_up_on() {
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+
+    let (_cp, mut incoming) = compromised_control_plane(&ca, port).await;
     let server = tokio::spawn(async move {
         while let Some(Ok(stream)) = incoming.next().await {
             tokio::spawn(async move {
@@ -104,5 +117,97 @@ async fn a_join_service_that_holds_back_its_answer_is_given_up_on() {
         Ok(_) => panic!("a ticket from a service that sent none"),
     }
     assert!(took < Duration::from_secs(30), "{took:?}");
+    server.abort();
+}
+
+/// An evidence service that answers every call at once: a nonce without
+/// waiting for the member's turn, every evidence "trusted", an empty
+/// registry; it counts the evidence it gets.
+struct Eager {
+    submits: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl keel_proto::evidence::evidence_service_server::EvidenceService for Eager {
+    async fn next_nonce(
+        &self,
+        _: tonic::Request<keel_proto::evidence::NextNonceRequest>,
+    ) -> Result<tonic::Response<keel_proto::evidence::NextNonceResponse>, tonic::Status> {
+        Ok(tonic::Response::new(
+            keel_proto::evidence::NextNonceResponse {
+                nonce: rand::random::<[u8; 32]>().to_vec(),
+                ..Default::default()
+            },
+        ))
+    }
+
+    async fn submit(
+        &self,
+        _: tonic::Request<keel_proto::evidence::SubmitEvidenceRequest>,
+    ) -> Result<tonic::Response<keel_proto::evidence::SubmitEvidenceResponse>, tonic::Status> {
+        self.submits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(tonic::Response::new(
+            keel_proto::evidence::SubmitEvidenceResponse {
+                verdict: "trusted".into(),
+            },
+        ))
+    }
+
+    async fn registry(
+        &self,
+        _: tonic::Request<keel_proto::evidence::RegistryRequest>,
+    ) -> Result<tonic::Response<keel_proto::evidence::RegistryResponse>, tonic::Status> {
+        Ok(tonic::Response::new(
+            keel_proto::evidence::RegistryResponse::default(),
+        ))
+    }
+}
+
+/// Attacker's move (starve, a control plane compromised after it
+/// booted): answer every nonce request at once instead of an interval
+/// later, so that every member quotes back to back on its TPM (and every
+/// control plane pulls the registry each round). A member starts its
+/// rounds at least half its interval apart whatever the service does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_that_answers_every_nonce_at_once_is_asked_at_the_members_pace() {
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let (_cp, incoming) = compromised_control_plane(&ca, port).await;
+    let submits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let eager = Eager {
+        submits: submits.clone(),
+    };
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                keel_proto::evidence::evidence_service_server::EvidenceServiceServer::new(eager),
+            )
+            .serve_with_incoming(
+                incoming.filter_map(|s| async move { s.ok().map(Ok::<_, Infallible>) }),
+            ),
+    );
+
+    let member = join_common::member(&ca, port, "w-0", "worker");
+    let trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
+    let validator = service_validator(&member.tpm, trust, None).unwrap();
+    let interval = Duration::from_secs(2);
+    let root = tempfile::tempdir().unwrap();
+    let client = keel_agent::evidence::EvidenceClient::new(
+        member.tpm.clone(),
+        validator,
+        root.path().to_owned(),
+        String::new(),
+        interval,
+    );
+    let evidence = tokio::spawn(client.run(format!("127.0.0.1:{port}"), [0x11; 32]));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    evidence.abort();
+    let rounds = submits.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(rounds >= 2, "the member did not report: {rounds} rounds");
+    assert!(
+        rounds <= 5,
+        "{rounds} rounds in 3 s: the member quoted at the service's pace"
+    );
     server.abort();
 }

@@ -149,6 +149,10 @@ impl DiskId {
     }
 }
 
+/// Most characters of a control plane's verdict a member logs: the
+/// service's verdicts are single words, so a longer one is cut.
+const MAX_LOGGED_VERDICT: usize = 64;
+
 /// Sends this node's evidence.
 #[derive(Clone)]
 pub struct EvidenceClient {
@@ -307,17 +311,30 @@ impl EvidenceClient {
         })
     }
 
-    /// Sends evidence to `endpoint` for as long as the task runs.
+    /// Sends evidence to `endpoint` for as long as the task runs. Rounds
+    /// start at least half an interval (`retry`) apart whatever the
+    /// control plane does: it holds each nonce for an interval, and one
+    /// that answers at once (compromised after its attestation) would
+    /// otherwise have every member quote, and every control plane pull
+    /// its registry, back to back.
     pub async fn run(self, endpoint: String, cluster_id: ClusterId) {
+        let pace = self.retry / 2;
+        let mut last_round: Option<tokio::time::Instant> = None;
         loop {
             match self.connect(&endpoint, &cluster_id).await {
                 Ok(mut session) => loop {
+                    if let Some(last) = last_round {
+                        tokio::time::sleep_until(last + pace).await;
+                    }
+                    last_round = Some(tokio::time::Instant::now());
                     match session.round().await {
                         Ok(verdict) if verdict == "trusted" => {
                             tracing::debug!(%endpoint, "evidence accepted");
                         }
                         Ok(verdict) => {
-                            tracing::warn!(%endpoint, %verdict, "the control plane's verdict on this node's evidence");
+                            let verdict =
+                                verdict.chars().take(MAX_LOGGED_VERDICT).collect::<String>();
+                            tracing::warn!(%endpoint, verdict = %verdict.escape_debug(), "the control plane's verdict on this node's evidence");
                         }
                         Err(e) => {
                             tracing::warn!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence round failed");
