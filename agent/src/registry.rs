@@ -1962,7 +1962,8 @@ impl RegistryStore {
 
     /// Whether this control plane's view of the nodes is current at `now`,
     /// for judging silence: with other control planes (unrevoked ones other
-    /// than `own`), a registry of one of them merged within `grace`, and of
+    /// than `own`), a registry of one of them merged within `grace` before
+    /// `now` (not after: a clock set back since), and of
     /// every one of them this control plane does not itself hold silent. A
     /// host that lets a peer's evidence reach this control plane but not
     /// its registry pulls must not make the nodes only that peer hears look
@@ -1974,10 +1975,13 @@ impl RegistryStore {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
+        // A merge after `now` is no view: the clock went back since (its
+        // host set it back), and what was merged then says nothing of the
+        // nodes now.
         let recent = |ek: &str| {
             merged
                 .get(ek)
-                .is_some_and(|at| now.saturating_sub(*at) <= grace.as_secs())
+                .is_some_and(|&at| at <= now && now - at <= grace.as_secs())
         };
         let registry = self.lock();
         let revoked = registry.revoked_eks();
@@ -3268,6 +3272,10 @@ mod tests {
             .unwrap();
         assert!(store.view_current(&ek(7), now(), grace));
         assert!(!store.view_current(&ek(7), now() + 120, grace), "stale");
+        assert!(
+            !store.view_current(&ek(7), now() - 400, grace),
+            "merged ahead of a clock set back"
+        );
         // cp-9 silent here, or revoked: cp-8's merge is the view.
         let dir = tempfile::tempdir().unwrap();
         let store = RegistryStore::shared(dir.path()).unwrap();

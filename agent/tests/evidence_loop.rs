@@ -743,27 +743,59 @@ async fn the_revoke_policy_leaves_a_drift_on_the_clock_to_the_operator() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_revoke_policy_revokes_nobody_when_most_nodes_fail_at_once() {
     let c = Cluster::start(EvidencePolicy::Revoke).await;
-    let mut peer = Registry::default();
-    let worker = join_common::ek_digest(&c.worker.tpm);
-    let others = ["ab", "cd"].map(|b| EkDigest::from_hex(&b.repeat(32)).unwrap());
-    for (n, ek) in [worker].iter().chain(&others).enumerate() {
-        peer.record(&keel_agent::registry::Evidence {
-            ek: *ek,
-            disk: None,
-            name: format!("w-{}", n + 1),
-            role: "worker".into(),
-            kubernetes_version: "v1.31.13".into(),
-            measurements: "00".repeat(32),
-            failure: Some("CPU evidence rejected: the reported TCB is below the minimum".into()),
-            failure_on_clock: false,
-        })
+    c.registry()
+        .merge(c.a_tcb_fault_at_every_worker(true))
         .unwrap();
-    }
-    c.registry().merge(peer).unwrap();
     // Past the sweep that would revoke a node drifted for an interval
     // (and short of the three intervals that make the worker silent).
     tokio::time::sleep(INTERVAL * 2 + Duration::from_millis(500)).await;
     c.assert_the_worker_drifted_and_nobody_revoked();
+}
+
+/// Once the fault clears, the nodes clear one by one at their next
+/// reports; the last ones, drifted while too many were, are not revoked
+/// then: they were left to the operator, and stay so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_revoke_policy_revokes_nobody_as_a_mass_failure_clears() {
+    let c = Cluster::start(EvidencePolicy::Revoke).await;
+    c.registry()
+        .merge(c.a_tcb_fault_at_every_worker(true))
+        .unwrap();
+    tokio::time::sleep(INTERVAL * 2 + Duration::from_millis(500)).await;
+    c.assert_the_worker_drifted_and_nobody_revoked();
+    // Two of the three report again, trusted: the worker is drifted alone.
+    c.registry()
+        .merge(c.a_tcb_fault_at_every_worker(false))
+        .unwrap();
+    tokio::time::sleep(INTERVAL * 2 + Duration::from_millis(500)).await;
+    c.assert_the_worker_drifted_and_nobody_revoked();
+}
+
+impl Cluster {
+    /// A peer's registry in which the worker and two more workers report
+    /// a TCB below the minimum (`all`), or only the worker does and the
+    /// two others report later, trusted.
+    fn a_tcb_fault_at_every_worker(&self, all: bool) -> Registry {
+        let mut peer = Registry::default();
+        let worker = join_common::ek_digest(&self.worker.tpm);
+        let others = ["ab", "cd"].map(|b| EkDigest::from_hex(&b.repeat(32)).unwrap());
+        for (n, ek) in [worker].iter().chain(&others).enumerate() {
+            let failing = all || n == 0;
+            peer.record(&keel_agent::registry::Evidence {
+                ek: *ek,
+                disk: None,
+                name: format!("w-{}", n + 1),
+                role: "worker".into(),
+                kubernetes_version: "v1.31.13".into(),
+                measurements: "00".repeat(32),
+                failure: failing
+                    .then(|| "CPU evidence rejected: the reported TCB is below the minimum".into()),
+                failure_on_clock: false,
+            })
+            .unwrap();
+        }
+        peer
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -214,6 +214,28 @@ struct Inner {
     own_ek: EkDigest,
     hearing: Mutex<Hearing>,
     paces: Mutex<HashMap<[u8; 32], Pace>>,
+    /// The last sweep (Unix seconds) that held back the `revoke` policy
+    /// for too many drifted nodes, and for too many silent ones.
+    held_back_at: Mutex<HeldBackAt>,
+}
+
+/// When a sweep last held the policy back, per kind of failure; see
+/// [`HeldBackAt::revocable`].
+#[derive(Default)]
+struct HeldBackAt {
+    drifted: Option<u64>,
+    silent: Option<u64>,
+}
+
+impl HeldBackAt {
+    /// Whether the policy may revoke a node whose verdict of this kind
+    /// dates from `verdict_at`: not if a sweep held the kind back since.
+    /// A node left to the operator while too many failed at once stays
+    /// so once the fault clears; the others clear at their next reports,
+    /// one by one, and the last few would otherwise be revoked at once.
+    fn revocable(held_back_at: Option<u64>, verdict_at: u64) -> bool {
+        held_back_at.is_none_or(|held| verdict_at > held)
+    }
 }
 
 /// Waits until `due`, if any.
@@ -263,6 +285,7 @@ impl EvidenceService {
                 own_ek,
                 hearing: Mutex::new(hearing),
                 paces: Mutex::new(HashMap::new()),
+                held_back_at: Mutex::default(),
             }),
         }
     }
@@ -683,6 +706,20 @@ impl EvidenceService {
                     held_back(&standing, count, kind);
                 }
             }
+            let held_back_at = {
+                let mut at = self
+                    .inner
+                    .held_back_at
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if drift_held {
+                    at.drifted = Some(now);
+                }
+                if silence_held {
+                    at.silent = Some(now);
+                }
+                (at.drifted, at.silent)
+            };
             // With other control planes, silence is judged on a view that
             // includes theirs: the registry of each that is not silent here
             // merged within the grace period (a host that lets a peer's
@@ -710,6 +747,19 @@ impl EvidenceService {
                 );
             }
             let drift_hold = self.inner.config.drift_hold().as_secs();
+            let (since_held_back, pending): (Vec<_>, Vec<_>) = pending.into_iter().partition(|r| {
+                let held_at = match r.verdict {
+                    Verdict::Silent => held_back_at.1,
+                    _ => held_back_at.0,
+                };
+                !HeldBackAt::revocable(held_at, r.verdict_at)
+            });
+            if !since_held_back.is_empty() {
+                tracing::warn!(
+                    count = since_held_back.len(),
+                    "not revoked by policy: nodes whose verdict dates from while too many nodes failed at once; revoke by hand (keel revoke) what is really lost"
+                );
+            }
             let (revocable, held): (Vec<_>, Vec<_>) =
                 pending.into_iter().partition(|r| match r.verdict {
                     Verdict::Silent => {
