@@ -20,6 +20,13 @@ derive_stanza() { # $1 = Types value, $2 = Suites value
   ' "$src"
 }
 
+# apt, the backports source below, mkosi's caches and the image's device
+# nodes all need root.
+if [ "$(id -u)" != 0 ]; then
+  echo "deps: run as root (it installs packages and adds the bookworm-backports source; the image build needs root too), with Rust installed for root by rustup" >&2
+  exit 1
+fi
+
 if [ ! -f "$src" ]; then
   echo "deps: $src not found; cannot derive package sources" >&2
   exit 1
@@ -36,7 +43,11 @@ host_pkgs=(swtpm swtpm-tools tpm2-tools ovmf erofs-utils squashfs-tools dosfstoo
   mtools cryptsetup-bin kmod cpio python3-pefile zstd uidmap bubblewrap musl-tools
   autoconf automake libtool libltdl-dev autoconf-archive pkg-config protobuf-compiler
   dpkg-dev curl ca-certificates make gcc binutils file iproute2 xz-utils openssl)
-bp_pkgs=(mkosi systemd systemd-boot systemd-boot-efi systemd-container python3-virt-firmware
+# Not systemd-boot: its first install runs `bootctl install` on the host's
+# EFI system partition, if it has one, replacing the host's own boot
+# loader. The image's boot loader and stub come from the tools tree and a
+# downloaded systemd-boot-efi package (scripts/image-lib.sh).
+bp_pkgs=(mkosi systemd systemd-boot-efi systemd-container python3-virt-firmware
   qemu-system-x86 qemu-utils)
 
 missing=()
