@@ -12,7 +12,8 @@
 //!   appears twice (a directory may be named again: it changes nothing);
 //! * files become mode 0755 when the archive gives any execute bit, else
 //!   0644; directories 0755; ownership is not taken from the archive;
-//! * the decompressed stream and the entry count are bounded;
+//! * the archive file, the decompressed stream and the entry count are
+//!   bounded;
 //! * archive metadata is bounded before any of it is read: a GNU long-name
 //!   (`L`) or long-link (`K`) record larger than
 //!   [`ExtractLimits::max_name_bytes`], or a PAX extended (`x`) or global
@@ -57,6 +58,11 @@ use crate::digest::{HashingReader, Sha256Digest};
 /// Bounds on one archive.
 #[derive(Debug, Clone, Copy)]
 pub struct ExtractLimits {
+    /// Largest archive file, in bytes: no more of it than this is read (or
+    /// hashed). The installer sets it to the download bound
+    /// ([`DownloadConfig::max_bytes`](crate::DownloadConfig::max_bytes)),
+    /// so a kept archive is read no further than a download may take.
+    pub max_archive_bytes: u64,
     /// Largest decompressed tar stream, in bytes.
     pub max_unpacked_bytes: u64,
     /// Most entries. PAX global headers count; the long-name, long-link and
@@ -72,6 +78,7 @@ pub struct ExtractLimits {
 impl Default for ExtractLimits {
     fn default() -> Self {
         Self {
+            max_archive_bytes: crate::download::DEFAULT_MAX_BYTES,
             max_unpacked_bytes: 2 * 1024 * 1024 * 1024,
             max_entries: 100_000,
             // PATH_MAX, the closing NUL included.
@@ -168,6 +175,12 @@ pub enum ExtractError {
         /// The hash of the bytes read.
         actual: Box<Sha256Digest>,
     },
+    /// The archive file is larger than
+    /// [`ExtractLimits::max_archive_bytes`]; no more of it than that was
+    /// read, and nothing was put in place. Not the target's fault: another
+    /// copy of the archive may fit.
+    #[error("the archive is larger than {0} bytes")]
+    ArchiveTooLarge(u64),
     /// The decompressed archive is larger than the limit.
     #[error("the archive unpacks to more than {0} bytes")]
     TooLarge(u64),
@@ -374,7 +387,10 @@ fn push_escaped(out: &mut String, chars: &mut usize, max_chars: usize, piece: Pi
 /// exist, if its bytes hash to `expected`: they are hashed as they are
 /// read, to the file's end, and nothing reaches `target` unless they
 /// match. One read serves both, so the bytes extracted are the bytes
-/// hashed, whatever happens to the file meanwhile.
+/// hashed, whatever happens to the file meanwhile. A file longer than
+/// [`ExtractLimits::max_archive_bytes`] (it may grow as it is read) is
+/// [`ExtractError::ArchiveTooLarge`], read no further than one byte past
+/// the limit.
 pub fn extract_tgz_verified(
     archive: fs::File,
     expected: Sha256Digest,
@@ -421,7 +437,10 @@ pub fn extract_tgz_verified_sparing(
         .map_err(staging_error)?;
     fs::set_permissions(staging.path(), Permissions::from_mode(0o755)).map_err(staging_error)?;
 
-    let mut source = HashingReader::new(archive);
+    // One byte past the limit tells a file longer than it from one that
+    // ends there.
+    let archive_limit = limits.max_archive_bytes;
+    let mut source = HashingReader::new(archive).take(archive_limit.saturating_add(1));
     let gunzip = flate2::read::GzDecoder::new(BufReader::with_capacity(256 * 1024, &mut source));
     let bounded = Bounded {
         inner: gunzip,
@@ -440,8 +459,12 @@ pub fn extract_tgz_verified_sparing(
     // are said to be so, whatever they did to the unpacking (a name too
     // long for the file system, a disk filled), so that a kept copy that
     // is not the archive is fetched again rather than failing the install.
+    // The bound decides before the hash: a file past it was not read whole.
     io::copy(&mut source, &mut io::sink()).map_err(ExtractError::ReadArchive)?;
-    let actual = source.digest();
+    if source.limit() == 0 {
+        return Err(ExtractError::ArchiveTooLarge(archive_limit));
+    }
+    let actual = source.into_inner().digest();
     if actual != expected {
         return Err(ExtractError::HashMismatch {
             expected: Box::new(expected),
@@ -1435,5 +1458,63 @@ mod tests {
         assert!(!ok("bin/tool", "../../tool"));
         assert!(!ok("evil", "/"));
         assert!(!ok("evil", ""));
+    }
+
+    /// A one-file `.tgz`, then `trailing` bytes after the gzip stream.
+    fn small_tgz(trailing: &[u8]) -> Vec<u8> {
+        let gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        let mut tar = tar::Builder::new(gzip);
+        let mut header = tar::Header::new_gnu();
+        header.set_size(5);
+        header.set_mode(0o644);
+        header.set_cksum();
+        tar.append_data(&mut header, "tool", &b"hello"[..]).unwrap();
+        let mut bytes = tar.into_inner().unwrap().finish().unwrap();
+        bytes.extend_from_slice(trailing);
+        bytes
+    }
+
+    #[test]
+    fn an_archive_longer_than_the_limit_is_too_large_and_not_the_targets_fault() {
+        let dir = tempfile::tempdir().unwrap();
+        let extract = |bytes: &[u8], max_archive_bytes: u64| {
+            let path = dir.path().join("archive.tgz");
+            fs::write(&path, bytes).unwrap();
+            let target = dir.path().join("target");
+            let limits = ExtractLimits {
+                max_archive_bytes,
+                ..ExtractLimits::default()
+            };
+            let file = fs::File::open(&path).unwrap();
+            let result = extract_tgz_verified(file, Sha256Digest::of(bytes), &target, &limits);
+            let extracted = target.exists();
+            let _ = fs::remove_dir_all(&target);
+            (result, extracted)
+        };
+        // The genuine archive, one byte over the limit: refused before its
+        // hash is taken, nothing put in place.
+        let genuine = small_tgz(b"");
+        let len = u64::try_from(genuine.len()).unwrap();
+        let (result, extracted) = extract(&genuine, len - 1);
+        let error = result.unwrap_err();
+        assert!(
+            matches!(error, ExtractError::ArchiveTooLarge(limit) if limit == len - 1),
+            "{error}"
+        );
+        assert!(!error.is_at_target());
+        assert!(!extracted);
+        // At the limit exactly, it is extracted.
+        let (result, extracted) = extract(&genuine, len);
+        assert_eq!(result.unwrap().files, 1);
+        assert!(extracted);
+        // A gzip stream within the limit, the file past it (as a file grown
+        // after its size was checked): too large as well.
+        let grown = small_tgz(&[0; 4096]);
+        let (result, extracted) = extract(&grown, len + 100);
+        assert!(
+            matches!(result, Err(ExtractError::ArchiveTooLarge(_))),
+            "{result:?}"
+        );
+        assert!(!extracted);
     }
 }

@@ -57,7 +57,9 @@ pub const DATA_MODE: u32 = 0o644;
 pub struct InstallerConfig {
     /// Download, retry and TLS settings.
     pub download: DownloadConfig,
-    /// Archive bounds.
+    /// Archive bounds, but for the archive file's size: that is
+    /// `download.max_bytes`, for a fetched archive and a kept one alike
+    /// (its [`ExtractLimits::max_archive_bytes`] is not used).
     pub extract: ExtractLimits,
     /// Fetch from this mirror instead of the upstream hosts.
     pub mirror: Option<Mirror>,
@@ -343,12 +345,18 @@ pub struct Installer {
 impl Installer {
     /// Sets up the installer (builds the HTTP client).
     pub fn new(config: InstallerConfig) -> Result<Self, InstallError> {
+        // An archive, kept or fetched, is read no further than a download
+        // may take.
+        let extract_limits = ExtractLimits {
+            max_archive_bytes: config.download.max_bytes,
+            ..config.extract
+        };
         Ok(Self {
             downloader: Downloader::new(config.download).map_err(InstallError::Setup)?,
             mirror: config.mirror,
             kept: config.kept.map(|dir| dir.under(&config.root)),
             root: config.root,
-            extract_limits: config.extract,
+            extract_limits,
         })
     }
 
@@ -554,9 +562,10 @@ impl Installer {
     /// that hashes right as it is extracted, else fetched into a temporary
     /// file (in the kept components' directory, to be kept there once
     /// extracted; without one, in `parent`). What the kept copy lacks (it
-    /// is not a regular file, unreadable or not the archive) makes it a
-    /// miss, never a failure; a kept components' directory that cannot be
-    /// made fails the install.
+    /// is not a regular file, unreadable, larger than a download may be
+    /// ([`DownloadConfig::max_bytes`], also as it is read) or not the
+    /// archive) makes it a miss, never a failure; a kept components'
+    /// directory that cannot be made fails the install.
     async fn install_archive(
         &self,
         component: &Component,
@@ -575,28 +584,24 @@ impl Installer {
         if let Some(kept) = kept.clone() {
             let (target, expected, spare) = (dest.to_owned(), component.hash(), spare.to_vec());
             let extracted = blocking(move || {
-                Ok(open_regular_file(&kept).map(|file| {
-                    file.map(|file| {
+                Ok(
+                    open_bounded(&kept, "the kept archive", limits.max_archive_bytes).map(|file| {
                         extract_tgz_verified_sparing(file, expected, &target, &limits, &spare)
-                    })
-                }))
+                    }),
+                )
             })
             .await?;
             match extracted {
-                Ok(Some(Ok(summary))) => {
+                Some(Ok(summary)) => {
                     tracing::info!("extracted the kept archive");
                     return Ok(Outcome::ExtractedKept(summary));
                 }
-                Ok(None) => {}
+                None => {}
                 // The target's fault: a fetched copy would fare no better.
-                Ok(Some(Err(e))) if e.is_at_target() => return Err(extract_error(e)),
-                Ok(Some(Err(e))) => tracing::warn!(
+                Some(Err(e)) if e.is_at_target() => return Err(extract_error(e)),
+                Some(Err(e)) => tracing::warn!(
                     error = %crate::ErrorChain(&e),
-                    "the kept archive is not the archive; fetching it again"
-                ),
-                Err(e) => tracing::warn!(
-                    error = %e,
-                    "the kept archive cannot be read; fetching it again"
+                    "the kept archive will not do; fetching it again"
                 ),
             }
         }
@@ -750,6 +755,44 @@ fn open_regular_file(path: &Path) -> io::Result<Option<File>> {
     Ok(file.metadata()?.is_file().then_some(file))
 }
 
+/// The file at `path` (`what` it is, for the log: a kept copy, a download
+/// to read back), opened as [`open_regular_file`] opens it, if it is a
+/// regular file of at most `limit` bytes (what a download may take);
+/// `None` (logged, but for a missing file) when it is not there, cannot be
+/// read or is larger. Its reader must bound it again: it may grow once
+/// opened.
+fn open_bounded(path: &Path, what: &str, limit: u64) -> Option<File> {
+    let file = match open_regular_file(path) {
+        Ok(file) => file?,
+        Err(e) => {
+            warn_unreadable(what, &e);
+            return None;
+        }
+    };
+    match file.metadata() {
+        Ok(meta) if meta.len() > limit => {
+            warn_too_large(what, limit);
+            None
+        }
+        Ok(_) => Some(file),
+        Err(e) => {
+            warn_unreadable(what, &e);
+            None
+        }
+    }
+}
+
+/// Logs that `what` cannot be read, which makes it a miss.
+fn warn_unreadable(what: &str, error: &io::Error) {
+    tracing::warn!(error = %error, "{what} cannot be read");
+}
+
+/// Logs that `what` is larger than a download may be (`limit`), which
+/// makes it a miss.
+fn warn_too_large(what: &str, limit: u64) {
+    tracing::warn!(limit, "{what} is larger than a download may be");
+}
+
 /// The name of a download in progress ends with this; it starts with
 /// [`temporary_prefix`].
 const PART_SUFFIX: &str = ".keel-part";
@@ -868,24 +911,9 @@ fn copy_verified(
     expected: Sha256Digest,
     limit: u64,
 ) -> Result<Option<tempfile::NamedTempFile>, InstallError> {
-    let miss = |e: io::Error| {
-        tracing::warn!(error = %e, "{what} cannot be read");
-        Ok(None)
+    let Some(from) = open_bounded(from, what, limit) else {
+        return Ok(None);
     };
-    let too_large = || {
-        tracing::warn!(limit, "{what} is larger than a download may be");
-        Ok(None)
-    };
-    let from = match open_regular_file(from) {
-        Ok(Some(file)) => file,
-        Ok(None) => return Ok(None),
-        Err(e) => return miss(e),
-    };
-    match from.metadata() {
-        Ok(meta) if meta.len() > limit => return too_large(),
-        Ok(_) => {}
-        Err(e) => return miss(e),
-    }
     let temp_error = |source| InstallError::WriteTemp {
         path: dest.to_owned(),
         source,
@@ -899,11 +927,15 @@ fn copy_verified(
         let n = match source.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
-            Err(e) => return miss(e),
+            Err(e) => {
+                warn_unreadable(what, &e);
+                return Ok(None);
+            }
         };
         copied = copied.saturating_add(u64::try_from(n).unwrap_or(u64::MAX));
         if copied > limit {
-            return too_large();
+            warn_too_large(what, limit);
+            return Ok(None);
         }
         temp.write_all(buf.get(..n).unwrap_or_default())
             .map_err(temp_error)?;

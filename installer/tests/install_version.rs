@@ -575,6 +575,60 @@ async fn a_kept_file_larger_than_the_limit_is_refused() {
     assert_eq!(std::fs::read(&kept).unwrap(), genuine);
 }
 
+#[tokio::test]
+async fn a_kept_archive_larger_than_the_limit_is_a_miss() {
+    let mirror = MirrorServer::start().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let list = v1_31_stand_ins(&mirror);
+    let cni = &list[0];
+    assert!(cni.install_path().as_str().ends_with("/cni/bin") && cni.extract());
+    let Source::Remote(url) = cni.source() else {
+        panic!("the CNI archive is fetched");
+    };
+    let cni_path = url.path();
+    let kept = r
+        .join(KEPT.trim_start_matches('/'))
+        .join(format!("{}.tgz", cni.hash().to_hex()));
+    let installed = cni.install_path().under(r);
+    let limited = |max_bytes| {
+        let download = DownloadConfig {
+            retry: fast_retries(),
+            max_bytes,
+            ..DownloadConfig::default()
+        };
+        support::keeping_installer_with(r, &mirror, download)
+    };
+    limited(keel_installer::download::DEFAULT_MAX_BYTES)
+        .install(cni, &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(mirror.requests(cni_path), 1);
+    let genuine = std::fs::read(&kept).unwrap();
+    let size = u64::try_from(genuine.len()).unwrap();
+
+    // The genuine copy, with a limit below its size: not extracted; the
+    // archive is fetched again, the download refused as too large, and
+    // nothing is installed.
+    std::fs::remove_dir_all(&installed).unwrap();
+    let refused = limited(size - 1)
+        .install(cni, &NoProgress)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            keel_installer::InstallError::Download { source, .. }
+                if matches!(**source, keel_installer::DownloadError::TooLarge { .. })
+        ),
+        "{}",
+        chain(&refused)
+    );
+    assert_eq!(mirror.requests(cni_path), 2);
+    support::assert_nothing_installed(&installed);
+    assert_eq!(std::fs::read(&kept).unwrap(), genuine);
+}
+
 /// Where a download's bytes are while it runs: the part files in the
 /// install directory and in the kept components' directory at each report.
 struct PartFiles {
