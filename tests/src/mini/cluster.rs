@@ -539,6 +539,17 @@ impl Cluster {
         if procs::KeptCluster::load(dir)?.is_some() {
             procs::down(dir)?;
         }
+        if let Ok(canonical) = dir.canonicalize() {
+            let strays = procs::strays(&canonical);
+            if !strays.is_empty() {
+                eprintln!(
+                    "keel-mini: stopping {} processes an earlier run left in {}",
+                    strays.len(),
+                    canonical.display()
+                );
+                procs::stop(&strays);
+            }
+        }
         match std::fs::remove_dir_all(dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

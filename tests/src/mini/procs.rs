@@ -176,6 +176,39 @@ pub fn stop(processes: &[KeptProcess]) -> usize {
     live.len()
 }
 
+/// Processes an earlier run left in `dir` without a record (it was killed,
+/// or aborted on a panic, before it stopped them): every process but this
+/// one with an argument naming a path in `dir`, as the VMs' disks and TPM
+/// state and the mirror's files do.
+pub fn strays(dir: &Path) -> Vec<KeptProcess> {
+    let inside = format!("{}/", dir.display());
+    let own = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| {
+            let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+            if pid == own {
+                return None;
+            }
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let mut args = cmdline.split(|b| *b == 0);
+            let argv0 = String::from_utf8_lossy(args.next()?).into_owned();
+            let program = Path::new(&argv0)
+                .file_name()?
+                .to_string_lossy()
+                .into_owned();
+            args.any(|arg| String::from_utf8_lossy(arg).contains(&inside))
+                .then(|| KeptProcess {
+                    name: format!("left by an earlier run: {program}"),
+                    program,
+                    pid,
+                })
+        })
+        .collect()
+}
+
 /// `keel-mini down`: stops what a kept cluster in `dir` left running and
 /// removes its record. Returns how many processes were running.
 pub fn down(dir: &Path) -> Result<usize, MiniError> {
@@ -186,4 +219,47 @@ pub fn down(dir: &Path) -> Result<usize, MiniError> {
     let path = dir.join(STATE_FILE);
     std::fs::remove_file(&path).map_err(io(&path))?;
     Ok(stopped)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A process of an earlier run (its argument a path in the cluster
+    /// directory) is found and stopped; one naming a path elsewhere, or
+    /// a directory whose name merely starts the same, is left alone.
+    #[test]
+    fn a_process_an_earlier_run_left_in_the_directory_is_found_and_stopped() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("mini");
+        let beside = root.path().join("mini-other");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&beside).unwrap();
+        let follow = |path: &Path| {
+            std::fs::write(path, b"").unwrap();
+            std::process::Command::new("tail")
+                .arg("-f")
+                .arg(path)
+                .spawn()
+                .unwrap()
+        };
+        let mut stray = follow(&dir.join("disk.raw"));
+        let mut other = follow(&beside.join("disk.raw"));
+        // Until tail has exec'd, its command line is this test's.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut found = strays(&dir);
+        while found.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            found = strays(&dir);
+        }
+        let pids: Vec<u32> = found.iter().map(|p| p.pid).collect();
+        assert_eq!(pids, [stray.id()]);
+        assert_eq!(found[0].program, "tail");
+        assert_eq!(stop(&found), 1);
+        assert!(stray.try_wait().unwrap().is_some());
+        assert!(other.try_wait().unwrap().is_none());
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
 }
