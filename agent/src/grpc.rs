@@ -432,9 +432,10 @@ const SEND_PIECE: usize = 64 * 1024;
 /// `response`'s body until it is sent: an answer whose caller never reads
 /// it (an HTTP/2 window kept at 0) holds its place, and the handler's
 /// mark, so that the peer's next request waits or is refused instead of
-/// piling up answers in memory. The body may stall, holding produced
-/// bytes unsent, for `within` at most: then what is unsent is dropped,
-/// the place freed, and the stream reset.
+/// piling up answers in memory. The caller may take no part of the
+/// answer for `within` at most (a caller that reads, however slowly,
+/// keeps it going): then what is unsent is dropped, the place freed, and
+/// the stream reset.
 fn hold_until_sent(
     mut response: tonic::codegen::http::Response<tonic::body::Body>,
     place: HeldPlace,
@@ -460,9 +461,10 @@ struct Unsent {
     body: tonic::body::Body,
     /// The rest of a data frame larger than [`SEND_PIECE`].
     rest: bytes::Bytes,
-    /// Since when bytes the body produced wait to be sent: `None` while
-    /// everything produced so far was handed on and the body itself waits
-    /// (a stream between its messages).
+    /// Since when the answer waits for its caller: since the answer was
+    /// made or the last frame was handed on to HTTP/2, which asks for the
+    /// next one only once that one had room to go. `None` while the body
+    /// itself waits (a stream between its messages).
     stalled_since: Option<Instant>,
     place: HeldPlace,
     _held: Option<HeldUntilSent>,
@@ -555,7 +557,11 @@ impl http_body::Body for SendingBody {
                 "the answer was not read in time",
             ))));
         };
+        // HTTP/2 asks for the next frame only once the last one had room
+        // to go: each frame handed on is progress, and the stall clock
+        // starts again from it.
         if !unsent.rest.is_empty() {
+            unsent.stalled_since = Some(Instant::now());
             return Poll::Ready(Some(Ok(http_body::Frame::data(next_piece(
                 &mut unsent.rest,
             )))));
@@ -573,7 +579,7 @@ impl http_body::Body for SendingBody {
             }
             Poll::Ready(Some(frame)) => frame,
         };
-        unsent.stalled_since.get_or_insert_with(Instant::now);
+        unsent.stalled_since = Some(Instant::now());
         Poll::Ready(Some(frame.map(|frame| match frame.into_data() {
             Ok(data) if data.len() > SEND_PIECE => {
                 unsent.rest = data;
@@ -1587,6 +1593,43 @@ mod tests {
         let next = limit.call(request()).await.unwrap();
         let status = tonic::Status::from_header_map(next.headers());
         assert!(status.is_none(), "{status:?}");
+    }
+
+    /// A caller that reads slowly but steadily, each piece well within
+    /// the deadline and the whole answer well past it, gets it whole.
+    #[tokio::test]
+    async fn an_answer_read_slowly_but_steadily_is_sent_whole() {
+        use tonic::codegen::Service as _;
+        let within = Duration::from_millis(300);
+        let service = Answering {
+            len: 4 * SEND_PIECE + 10,
+            held: Arc::new(()),
+        };
+        let mark = Arc::downgrade(&service.held);
+        let mut limit = InFlightLimit::new(service.clone(), 1, 1024, within, "busy");
+        drop(service);
+        let answer = limit
+            .call(tonic::codegen::http::Request::new(
+                tonic::body::Body::empty(),
+            ))
+            .await
+            .unwrap();
+        let mut body = answer.into_body();
+        let mut pieces = Vec::new();
+        loop {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            match next_frame(&mut body) {
+                Poll::Ready(Some(frame)) => {
+                    if let Ok(data) = frame.unwrap().into_data() {
+                        pieces.push(data.len());
+                    }
+                }
+                Poll::Ready(None) => break,
+                Poll::Pending => panic!("a body made whole has a frame ready"),
+            }
+        }
+        assert_eq!(pieces, [SEND_PIECE, SEND_PIECE, SEND_PIECE, SEND_PIECE, 10]);
+        assert_eq!(mark.strong_count(), 1);
     }
 
     /// Over a real HTTP/2 connection whose caller announces a stream

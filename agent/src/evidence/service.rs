@@ -728,7 +728,10 @@ impl EvidenceService {
             let view_current = self
                 .inner
                 .registry
-                .view_current(&self.inner.own_ek, now, grace);
+                // Judged now, not at the sweep's start: a merge that
+                // landed while the sweep waited for the registry is not
+                // one from the future.
+                .view_current(&self.inner.own_ek, registry::now().max(now), grace);
             let may_revoke_silent = sweep.may_revoke_silent && view_current && !silence_held;
             // A drift that rests on this control plane's clock alone (a
             // certificate, revocation list or collateral outside its window

@@ -199,12 +199,19 @@ pub fn strays(dir: &Path) -> Vec<KeptProcess> {
                 .file_name()?
                 .to_string_lossy()
                 .into_owned();
-            args.any(|arg| String::from_utf8_lossy(arg).contains(&inside))
-                .then(|| KeptProcess {
-                    name: format!("left by an earlier run: {program}"),
-                    program,
-                    pid,
-                })
+            // A path starts an argument or one of its `key=value,...`
+            // parts (QEMU's and swtpm's options), so another directory
+            // whose path merely contains this one's is not taken for it.
+            args.any(|arg| {
+                String::from_utf8_lossy(arg)
+                    .split(['=', ','])
+                    .any(|part| part.starts_with(&inside))
+            })
+            .then(|| KeptProcess {
+                name: format!("left by an earlier run: {program}"),
+                program,
+                pid,
+            })
         })
         .collect()
 }
@@ -227,25 +234,35 @@ mod tests {
     use super::*;
 
     /// A process of an earlier run (its argument a path in the cluster
-    /// directory) is found and stopped; one naming a path elsewhere, or
-    /// a directory whose name merely starts the same, is left alone.
+    /// directory) is found and stopped; one naming a path elsewhere, in a
+    /// directory whose name merely starts the same or whose path contains
+    /// this one's, is left alone.
     #[test]
     fn a_process_an_earlier_run_left_in_the_directory_is_found_and_stopped() {
         let root = tempfile::tempdir().unwrap();
-        let dir = root.path().join("mini");
-        let beside = root.path().join("mini-other");
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::create_dir_all(&beside).unwrap();
+        let dir = root.path().join("x/mini");
+        let beside = root.path().join("x/mini-other");
+        let containing = root.path().join("y").join(dir.strip_prefix("/").unwrap());
+        for d in [&dir, &beside, &containing] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        // Guarded: a failing assertion leaves no process holding the
+        // test's output open.
         let follow = |path: &Path| {
             std::fs::write(path, b"").unwrap();
-            std::process::Command::new("tail")
-                .arg("-f")
-                .arg(path)
-                .spawn()
-                .unwrap()
+            Process::new(
+                std::process::Command::new("tail")
+                    .arg("-f")
+                    .arg(path)
+                    .spawn()
+                    .unwrap(),
+            )
         };
         let mut stray = follow(&dir.join("disk.raw"));
-        let mut other = follow(&beside.join("disk.raw"));
+        let others = [
+            follow(&beside.join("disk.raw")),
+            follow(&containing.join("disk.raw")),
+        ];
         // Until tail has exec'd, its command line is this test's.
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut found = strays(&dir);
@@ -254,12 +271,18 @@ mod tests {
             found = strays(&dir);
         }
         let pids: Vec<u32> = found.iter().map(|p| p.pid).collect();
-        assert_eq!(pids, [stray.id()]);
+        assert_eq!(pids, [stray.pid()]);
         assert_eq!(found[0].program, "tail");
         assert_eq!(stop(&found), 1);
-        assert!(stray.try_wait().unwrap().is_some());
-        assert!(other.try_wait().unwrap().is_none());
-        other.kill().unwrap();
-        other.wait().unwrap();
+        // Its command line goes as it exits, a moment before it is a
+        // zombie: wait a little for the exit itself.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !stray.exited() {
+            assert!(Instant::now() < deadline, "the stray was not stopped");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for mut alive in others {
+            assert!(!alive.exited());
+        }
     }
 }
