@@ -34,7 +34,8 @@ use crate::measured::SharedTpm;
 use crate::nodelock::NodeLock;
 use crate::operator::{OperatorAuth, OperatorServer};
 use crate::paths::{
-    BIN_DIR, KEPT_COMPONENTS, MEMORY_BINDS, STATE_BINDS, STATE_MOUNT, STATE_SERVICES, STATE_TMPFS,
+    BIN_DIR, KEPT_COMPONENTS, MEMORY_BINDS, PRIVATE_STATE_DIRS, STATE_BINDS, STATE_MOUNT,
+    STATE_SERVICES, STATE_TMPFS,
 };
 use crate::provision::Node;
 use crate::provision::{KubeletStart, NodeEnv};
@@ -215,6 +216,7 @@ pub fn node_env(config: &NodeConfig, state_dir: PathBuf) -> anyhow::Result<NodeE
                     .iter()
                     .map(|(inside, target)| (inside.into(), target.into()))
                     .collect(),
+                private: PRIVATE_STATE_DIRS.iter().map(Into::into).collect(),
                 services: STATE_SERVICES.iter().map(|s| (*s).to_owned()).collect(),
             }),
         }),

@@ -17,13 +17,23 @@ pub const STATE_TMPFS: &str = "/run/state";
 pub const STATE_MOUNT: &str = "/run/state/disk";
 /// Directories of the state disk bind-mounted over the paths Kubernetes
 /// and the container runtime use, which the read-only image provides as
-/// empty mount points (those under the volatile `/var` are created).
-pub const STATE_BINDS: [(&str, &str); 4] = [
+/// empty mount points (those under the volatile `/var` are created). Each
+/// is created on the disk at every mount where it is missing, so a disk
+/// made before a directory was added here gets it at its next boot.
+/// `/var/lib/etcd` is etcd's data directory on a control plane (kubeadm's
+/// `etcd.local.dataDir`, its default): on the tmpfs `/var` a control plane
+/// would lose its etcd member at every reboot.
+pub const STATE_BINDS: [(&str, &str); 5] = [
     ("kubernetes", "/etc/kubernetes"),
     ("kubelet", "/var/lib/kubelet"),
     ("cni-net.d", "/etc/cni/net.d"),
     ("containerd", "/var/lib/containerd"),
+    ("etcd", "/var/lib/etcd"),
 ];
+/// Directories of [`STATE_BINDS`] (on the disk) that only root may enter:
+/// mode 0700, set at every mount. etcd's data directory, as kubeadm
+/// creates it and etcd expects it (it warns about any other mode).
+pub const PRIVATE_STATE_DIRS: [&str; 1] = ["etcd"];
 /// Directories of [`STATE_TMPFS`] bind-mounted over the paths components
 /// install into besides [`BIN_DIR`]: the CNI plugins and kubeadm's
 /// patches, installed again at every boot.
@@ -88,3 +98,39 @@ pub const TOKEN_CONFIG_DIR: &str = "join-tokens";
 /// The measurements the join service checks joining nodes against (work
 /// directory, unless the agent is told otherwise).
 pub const JOIN_MEASUREMENTS: &str = "join-measurements.json";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What Kubernetes keeps and a node needs after a reboot is on the
+    /// state disk, not the tmpfs `/var` or the read-only root: the
+    /// kubelet's and kubeadm's files, the container runtime's, and a
+    /// control plane's etcd data (kubeadm's default `dataDir`, which the
+    /// generated `ClusterConfiguration` keeps).
+    #[test]
+    fn the_state_disk_holds_what_kubernetes_keeps() {
+        for path in [
+            "/etc/kubernetes",
+            "/var/lib/kubelet",
+            "/var/lib/etcd",
+            "/var/lib/containerd",
+            "/etc/cni/net.d",
+        ] {
+            assert!(
+                STATE_BINDS.iter().any(|(_, target)| *target == path),
+                "{path} is not bound from the state disk"
+            );
+        }
+        for dir in PRIVATE_STATE_DIRS {
+            assert!(
+                STATE_BINDS.iter().any(|(inside, _)| *inside == dir),
+                "{dir}"
+            );
+        }
+        assert!(STATE_BINDS
+            .iter()
+            .any(|(inside, target)| PRIVATE_STATE_DIRS.contains(inside)
+                && *target == "/var/lib/etcd"));
+    }
+}

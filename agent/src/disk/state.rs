@@ -39,6 +39,9 @@ pub struct StateMount {
     pub point: PathBuf,
     /// `(directory on the disk, relative to the mount point; target path)`.
     pub binds: Vec<(PathBuf, PathBuf)>,
+    /// Directories of `binds` (on the disk, relative to the mount point)
+    /// made mode 0700 before they are bound: etcd's data directory.
+    pub private: Vec<PathBuf>,
     /// systemd units that keep their data in those directories, started
     /// (`systemctl start`, in order) once the disk and its binds are
     /// mounted: the container runtime. Nothing else starts them, so they
@@ -165,6 +168,9 @@ impl StateMount {
                     source,
                 })?;
             }
+            if *root == self.point && self.private.contains(inside) {
+                make_private(&source)?;
+            }
             run_tool(
                 Path::new("mount"),
                 "mount --bind",
@@ -191,6 +197,17 @@ impl StateMount {
         }
         Ok(())
     }
+}
+
+/// Makes the directory `dir` mode 0700 (owner only).
+fn make_private(dir: &Path) -> Result<(), DiskError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|source| {
+        DiskError::CreateMountPoint {
+            path: dir.to_owned(),
+            source,
+        }
+    })
 }
 
 /// Largest share of the node's memory the components' tmpfs may take: a
