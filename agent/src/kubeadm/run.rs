@@ -42,6 +42,9 @@ pub const MAX_LINE: usize = 4096;
 const TAIL_LINES: usize = 20;
 /// Largest kubeconfig read back.
 pub const MAX_KUBECONFIG: u64 = 1024 * 1024;
+/// The system's directories in the `PATH` kubeadm runs with, after the
+/// components' own (see [`Kubeadm::search_path`]).
+pub const SYSTEM_PATH: [&str; 4] = ["/usr/sbin", "/usr/bin", "/sbin", "/bin"];
 
 /// A kubeadm run that failed.
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +136,8 @@ pub struct Kubeadm {
     pub join_backoff: Duration,
     /// Phases to skip (`--skip-phases`), empty by default.
     pub skip_phases: Vec<String>,
-    /// Extra environment variables for kubeadm.
+    /// Extra environment variables for kubeadm (`PATH` among them
+    /// replaces [`Kubeadm::search_path`]).
     pub env: Vec<(String, String)>,
 }
 
@@ -175,6 +179,23 @@ impl Kubeadm {
         ];
         args.extend(self.skip_phases_arg());
         args
+    }
+
+    /// The `PATH` kubeadm runs with: the directory it is installed in,
+    /// which holds the other components (kubelet, crictl), then
+    /// [`SYSTEM_PATH`]. kubeadm finds the kubelet through `PATH` (its
+    /// preflight runs `kubelet --version` and fails without it), and the
+    /// service manager's default `PATH`, which the agent has, names no
+    /// component directory.
+    pub fn search_path(&self) -> std::ffi::OsString {
+        let own = self
+            .program
+            .parent()
+            .filter(|dir| !dir.as_os_str().is_empty());
+        let dirs = own.into_iter().chain(SYSTEM_PATH.iter().map(Path::new));
+        // A directory with a `:` in its name cannot be in a PATH: the
+        // system's directories alone then.
+        std::env::join_paths(dirs).unwrap_or_else(|_| SYSTEM_PATH.join(":").into())
     }
 
     fn skip_phases_arg(&self) -> Option<String> {
@@ -312,6 +333,7 @@ impl Kubeadm {
         tracing::info!(program = %self.program.display(), ?args, "running kubeadm");
         let mut child = Command::new(&self.program)
             .args(args)
+            .env("PATH", self.search_path())
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(match stdout {
@@ -460,6 +482,40 @@ mod tests {
         ] {
             assert_eq!(scrub_tokens(line), line);
         }
+    }
+
+    /// kubeadm's preflight runs `kubelet --version`, found through `PATH`:
+    /// the kubelet is beside kubeadm, in the components' directory, which
+    /// the agent's own `PATH` (the service manager's default) does not
+    /// name.
+    #[tokio::test]
+    async fn kubeadm_finds_the_kubelet_beside_it() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let bin = tempfile::tempdir().unwrap();
+        for (name, script) in [
+            ("kubeadm", "#!/bin/sh\nexec kubelet --version\n"),
+            ("kubelet", "#!/bin/sh\necho 'Kubernetes v1.31.13'\n"),
+        ] {
+            let path = bin.path().join(name);
+            std::fs::write(&path, script).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let k = Kubeadm::new(bin.path());
+        let mut lines = Vec::new();
+        k.run(
+            "init",
+            &[],
+            Duration::from_secs(30),
+            Stdout::Stream,
+            &mut |l: &str| lines.push(l.to_owned()),
+        )
+        .await
+        .unwrap();
+        assert_eq!(lines, ["Kubernetes v1.31.13"]);
+        let path = k.search_path();
+        let dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
+        assert_eq!(dirs.first().map(PathBuf::as_path), Some(bin.path()));
+        assert!(dirs.iter().any(|d| d == Path::new("/usr/sbin")), "{dirs:?}");
     }
 
     #[test]
