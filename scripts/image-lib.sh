@@ -117,12 +117,19 @@ normalize_checkout_modes() {
 
 # Assembles the tree mkosi overlays onto the image root: the agent, the
 # stub, the empty mount points the agent bind-mounts state-disk directories
-# over (git keeps no empty directories) and, for experiments,
-# KEEL_EXTRA_TREE.
+# over, the directories Kubernetes expects on the read-only root (git keeps
+# no empty directories) and, for experiments, KEEL_EXTRA_TREE.
+#
+# FLEXVOLUME_DIR: the kubelet's and kube-controller-manager's volume plugin
+# directory. kubeadm gives the controller manager a hostPath volume of it
+# (DirectoryOrCreate) and the kubelet creates it at start; neither can
+# create it on the erofs root.
+FLEXVOLUME_DIR=usr/libexec/kubernetes/kubelet-plugins/volume/exec
 stage_agent() { # $1 = tree directory
   rm -rf "$1"
   install -D -m 0755 "$KEEL_AGENT_BIN" "$1/usr/bin/keel-agent"
-  install -d -m 0755 "$1/etc/kubernetes" "$1/etc/cni/net.d" "$1/opt/cni" "$1/opt/kubernetes"
+  install -d -m 0755 "$1/etc/kubernetes" "$1/etc/cni/net.d" "$1/opt/cni" "$1/opt/kubernetes" \
+    "$1/$FLEXVOLUME_DIR"
   install -D -m 0644 "$KEEL_MKOSI_WORK/packages/unpacked/usr/lib/systemd/boot/efi/linuxx64.efi.stub" \
     "$1/usr/lib/systemd/boot/efi/linuxx64.efi.stub"
   if [ -n "${KEEL_EXTRA_TREE:-}" ]; then

@@ -560,6 +560,72 @@ mod tests {
         }
     }
 
+    /// A file of the image's build, relative to the repository root.
+    fn image_file(path: &str) -> String {
+        let full = format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"));
+        std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{full}: {e}"))
+    }
+
+    /// What the components and the pods kubeadm writes need of the host,
+    /// on a read-only root: the components table's URLs and containerd's
+    /// pulls (registry.k8s.io) need a resolver and CA roots; kubeadm mounts
+    /// the volume plugin directory into kube-controller-manager
+    /// (DirectoryOrCreate, which cannot create it on erofs); its preflight
+    /// reads the kernel configuration, which the root leaves out with
+    /// /boot/ unless it is copied beside the modules.
+    #[test]
+    fn the_image_gives_kubernetes_what_it_needs_from_the_host() {
+        let conf = image_file("mkosi/mkosi.conf");
+        let packages: Vec<&str> = conf
+            .lines()
+            .skip_while(|l| l.trim() != "Packages=")
+            .skip(1)
+            .take_while(|l| {
+                l.trim().is_empty() || l.starts_with(char::is_whitespace) || l.starts_with('#')
+            })
+            .filter(|l| !l.starts_with('#'))
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        for wanted in [
+            "systemd",
+            "containerd",
+            "ca-certificates",
+            "systemd-resolved",
+        ] {
+            assert!(packages.contains(&wanted), "{wanted} not in {packages:?}");
+        }
+        let resolv = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../mkosi/mkosi.extra/etc/resolv.conf");
+        assert_eq!(
+            std::fs::read_link(&resolv).ok(),
+            Some(std::path::PathBuf::from(
+                "../run/systemd/resolve/stub-resolv.conf"
+            )),
+            "{}",
+            resolv.display()
+        );
+        let preset = image_file("mkosi/mkosi.extra/usr/lib/systemd/system-preset/10-keel.preset");
+        assert!(
+            preset
+                .lines()
+                .any(|l| l.trim() == "enable systemd-resolved.service"),
+            "{preset}"
+        );
+        let lib = image_file("scripts/image-lib.sh");
+        assert!(
+            lib.contains("FLEXVOLUME_DIR=usr/libexec/kubernetes/kubelet-plugins/volume/exec")
+                && lib.contains("\"$1/$FLEXVOLUME_DIR\""),
+            "image-lib.sh does not stage the volume plugin directory"
+        );
+        let postinst = image_file("mkosi/mkosi.postinst");
+        assert!(
+            postinst.contains("/boot/config-")
+                && postinst.contains("/usr/lib/modules/$release/config"),
+            "{postinst}"
+        );
+    }
+
     #[test]
     fn refuses_a_sandbox_image_without_digest() {
         let component = r#"{"url":"data:application/json;base64,W10=","hash":"","install_path":"/x","extract":false}"#;
