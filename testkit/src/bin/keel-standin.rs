@@ -42,10 +42,14 @@
 //! * `version`.
 //!
 //! On a node (`KEEL_STANDIN_ROOT` unset), `init` and `join` also run the
-//! host part of kubeadm's preflight: the executables it looks for, IPv4
+//! host part of kubeadm's preflight: the executables it looks for,
+//! `kubelet --version` through `PATH`, the kernel configuration, IPv4
 //! forwarding, and the container runtime, checked by importing and running
 //! a locally built image (`keel_testkit::container`); the report is one
-//! output line, which the agent passes on to the console.
+//! output line, which the agent passes on to the console. They also check
+//! what the cluster needs of the host that a stand-in run would not
+//! notice: a resolver configuration, CA roots, the volume plugin directory
+//! and, on a control plane, etcd's data directory on the state disk.
 //!
 //! As `kubelet` with `--config` (as its systemd unit starts it) it says
 //! what it is and waits until stopped, as a service does; otherwise, and as
@@ -506,13 +510,21 @@ fn check_patches(doc: &Value) -> Result<Option<PathBuf>> {
     Ok(Some(dir))
 }
 
-fn check_preflight(flags: &Flags, files: &[&str]) -> Result<()> {
+/// Whether the node runs a control plane (`init`, a control-plane
+/// `join`): its etcd member's data is checked too.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    ControlPlane,
+    Worker,
+}
+
+fn check_preflight(flags: &Flags, files: &[&str], role: Role) -> Result<()> {
     if flags.skip_phases.iter().any(|p| p == "preflight") {
         return Ok(());
     }
     println!("[preflight] Running pre-flight checks");
     if std::env::var_os(ROOT_ENV).is_none() {
-        node_preflight()?;
+        node_preflight(role)?;
     }
     for file in files {
         let path = kube_dir().join(file);
@@ -540,12 +552,99 @@ const PREFLIGHT_EXECUTABLES: [&str; 9] = [
     "touch",
 ];
 
+/// Where kubeadm's SystemVerification preflight looks for the kernel's
+/// build configuration (k8s.io/system-validators), for kernel `release`.
+fn kernel_config_paths(release: &str) -> Vec<PathBuf> {
+    [
+        "/proc/config.gz".to_owned(),
+        format!("/boot/config-{release}"),
+        format!("/usr/src/linux-{release}/.config"),
+        "/usr/src/linux/.config".to_owned(),
+        format!("/usr/lib/modules/{release}/config"),
+        format!("/usr/lib/ostree-boot/config-{release}"),
+        format!("/usr/lib/kernel/config-{release}"),
+        format!("/usr/src/linux-headers-{release}/.config"),
+        format!("/lib/modules/{release}/build/.config"),
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .collect()
+}
+
+/// The kubelet's and kube-controller-manager's volume plugin directory: a
+/// hostPath volume (`DirectoryOrCreate`) of the controller manager kubeadm
+/// writes, which cannot be created on a read-only root.
+const FLEXVOLUME_DIR: &str = "/usr/libexec/kubernetes/kubelet-plugins/volume/exec";
+/// The CA roots containerd pulls images with, and the directory kubeadm
+/// mounts into the API server and controller manager (`DirectoryOrCreate`).
+const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// etcd's data directory (kubeadm's `etcd.local.dataDir` default).
+const ETCD_DATA_DIR: &str = "/var/lib/etcd";
+
+/// What the host gives the cluster's pods and downloads beyond kubeadm's
+/// own checks, which a real node needs and a stand-in run would not
+/// notice: a resolver configuration and CA roots (pulls from
+/// registry.k8s.io, downloads from dl.k8s.io), the volume plugin
+/// directory, and the kernel configuration kubeadm's SystemVerification
+/// reads.
+fn host_problems() -> Vec<String> {
+    let mut problems = Vec::new();
+    // Followed through its link: the resolver's stub file must be there.
+    if !Path::new("/etc/resolv.conf").is_file() {
+        problems.push("/etc/resolv.conf: no resolver configuration".to_owned());
+    }
+    if std::fs::metadata(CA_BUNDLE).map_or(true, |m| m.len() == 0) {
+        problems.push(format!("{CA_BUNDLE}: no CA roots"));
+    }
+    if !Path::new(FLEXVOLUME_DIR).is_dir() {
+        problems.push(format!("{FLEXVOLUME_DIR}: not a directory"));
+    }
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let paths = kernel_config_paths(release.trim());
+    if !paths.iter().any(|p| std::fs::File::open(p).is_ok()) {
+        problems.push(format!(
+            "[ERROR SystemVerification]: failed to parse kernel config: none of {}",
+            paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    problems
+}
+
+/// On a control plane: etcd's data directory is on the state disk (not the
+/// volatile `/var`), mode 0700.
+fn etcd_problems() -> Vec<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let state = match std::fs::metadata(keel_testkit::container::STATE_MOUNT) {
+        Ok(m) => m.dev(),
+        Err(e) => return vec![format!("{}: {e}", keel_testkit::container::STATE_MOUNT)],
+    };
+    match std::fs::metadata(ETCD_DATA_DIR) {
+        Err(e) => vec![format!("{ETCD_DATA_DIR} is not on the state disk: {e}")],
+        Ok(m) if m.dev() != state => vec![format!(
+            "{ETCD_DATA_DIR} is not on the state disk (device {:#x}, the disk is {state:#x})",
+            m.dev()
+        )],
+        Ok(m) if m.mode() & 0o7777 != 0o700 => vec![format!(
+            "{ETCD_DATA_DIR} has mode {:o}, not 700",
+            m.mode() & 0o7777
+        )],
+        Ok(_) => Vec::new(),
+    }
+}
+
 /// On a node (no `KEEL_STANDIN_ROOT`), what a real kubeadm's preflight
-/// checks on the host: the executables it looks for, IPv4 forwarding, and
-/// the container runtime. The stand-in cannot pull images, so it checks the
+/// checks on the host: the executables it looks for, the kubelet's version
+/// (`kubelet --version`, found through `PATH`), the kernel configuration,
+/// IPv4 forwarding, and the container runtime; and what the cluster needs
+/// of the host besides ([`host_problems`], [`etcd_problems`] on a control
+/// plane). The stand-in cannot pull images, so it checks the
 /// runtime by importing and running a locally built image
 /// (`keel_testkit::container`), and prints the report for the VM tests.
-fn node_preflight() -> Result<()> {
+fn node_preflight(role: Role) -> Result<()> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     for exe in PREFLIGHT_EXECUTABLES {
         if !std::env::split_paths(&path).any(|dir| dir.join(exe).is_file()) {
@@ -553,6 +652,34 @@ fn node_preflight() -> Result<()> {
                 "preflight: [ERROR FileExisting-{exe}]: {exe} not found in system path"
             ));
         }
+    }
+    match std::process::Command::new("kubelet")
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            return fail(format!(
+                "preflight: [ERROR KubeletVersion]: couldn't get kubelet version: {}",
+                out.status
+            ))
+        }
+        Err(e) => {
+            return fail(format!(
+                "preflight: [ERROR KubeletVersion]: couldn't get kubelet version: cannot execute 'kubelet --version': {e}"
+            ))
+        }
+    }
+    let mut problems = host_problems();
+    if role == Role::ControlPlane {
+        problems.extend(etcd_problems());
+    }
+    if !problems.is_empty() {
+        return fail(format!(
+            "preflight: the node is not ready for Kubernetes: {}",
+            problems.join("; ")
+        ));
     }
     let forward = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap_or_default();
     if forward.trim() != "1" {
@@ -643,7 +770,11 @@ fn init(flags: &Flags) -> Result<()> {
     check_key_algorithm(cluster, api)?;
 
     injected_faults("init")?;
-    check_preflight(flags, &["admin.conf", "manifests/kube-apiserver.yaml"])?;
+    check_preflight(
+        flags,
+        &["admin.conf", "manifests/kube-apiserver.yaml"],
+        Role::ControlPlane,
+    )?;
     println!("[init] Using Kubernetes version: {version}");
     let pki = kube_dir().join("pki");
     println!("[certs] Using certificateDir folder \"{}\"", pki.display());
@@ -938,7 +1069,12 @@ fn join(flags: &Flags) -> Result<()> {
     }
     check_patches(join)?;
 
-    check_preflight(flags, &["kubelet.conf"])?;
+    let role = if control_plane.is_some() {
+        Role::ControlPlane
+    } else {
+        Role::Worker
+    };
+    check_preflight(flags, &["kubelet.conf"], role)?;
     println!("[preflight] Reading configuration from the cluster (stand-in: {endpoint})");
     if control_plane.is_some() {
         println!(
