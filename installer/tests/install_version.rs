@@ -561,15 +561,7 @@ async fn a_kept_file_larger_than_the_limit_is_refused() {
         .install(kubelet, &NoProgress)
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            &refused,
-            keel_installer::InstallError::Download { source, .. }
-                if matches!(**source, keel_installer::DownloadError::TooLarge { .. })
-        ),
-        "{}",
-        chain(&refused)
-    );
+    assert_download_too_large(&refused);
     assert_eq!(mirror.requests(kubelet_path), 3);
     support::assert_nothing_installed(&installed);
     assert_eq!(std::fs::read(&kept).unwrap(), genuine);
@@ -615,15 +607,7 @@ async fn a_kept_archive_larger_than_the_limit_is_a_miss() {
         .install(cni, &NoProgress)
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            &refused,
-            keel_installer::InstallError::Download { source, .. }
-                if matches!(**source, keel_installer::DownloadError::TooLarge { .. })
-        ),
-        "{}",
-        chain(&refused)
-    );
+    assert_download_too_large(&refused);
     assert_eq!(mirror.requests(cni_path), 2);
     support::assert_nothing_installed(&installed);
     assert_eq!(std::fs::read(&kept).unwrap(), genuine);
@@ -934,5 +918,18 @@ async fn installs_the_stand_in_set_under_a_root_without_a_mirror_rewrite() {
     assert_eq!(
         support::entries(&root.path().join("opt/cni/bin")),
         CNI_PLUGINS
+    );
+}
+
+/// `refused` is the download refused as larger than its limit.
+fn assert_download_too_large(refused: &keel_installer::InstallError) {
+    assert!(
+        matches!(
+            refused,
+            keel_installer::InstallError::Download { source, .. }
+                if matches!(**source, keel_installer::DownloadError::TooLarge { .. })
+        ),
+        "{}",
+        chain(refused)
     );
 }
