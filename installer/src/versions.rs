@@ -612,6 +612,10 @@ mod tests {
                 .any(|l| l.trim() == "enable systemd-resolved.service"),
             "{preset}"
         );
+        let resolved = image_file("mkosi/mkosi.extra/usr/lib/systemd/resolved.conf.d/10-keel.conf");
+        for off in ["LLMNR=no", "MulticastDNS=no"] {
+            assert!(resolved.lines().any(|l| l.trim() == off), "{resolved}");
+        }
         let lib = image_file("scripts/image-lib.sh");
         assert!(
             lib.contains("FLEXVOLUME_DIR=usr/libexec/kubernetes/kubelet-plugins/volume/exec")
