@@ -70,8 +70,10 @@ pub const INIT_REQUEST_EVICTION_AGE: Duration = Duration::from_secs(2);
 pub const INIT_REQUESTS_WAITING: usize = 64;
 /// Connections the init port keeps open at once. Its clients are the
 /// operator's CLI (one connection per command) and, before init, whoever
-/// reaches the port; the operator and recovery requests each connection may
-/// hold are small (at most 128 KiB, 8 streams).
+/// reaches the port; the operator requests each connection may hold are
+/// small (at most 128 KiB, 8 streams), and recovery requests, of up to a
+/// full revocation list, are held to a few at once across the port
+/// (`recovery_service`).
 pub const OPERATOR_PORT_CONNECTIONS: usize = 32;
 /// A source's share of [`OPERATOR_PORT_CONNECTIONS`], at every load.
 pub const OPERATOR_PORT_CONNECTIONS_PER_SOURCE: usize = 2;
@@ -439,7 +441,7 @@ impl OperatorPort {
         let recovery = RecoveryServer::new(node.clone());
         let init = InitServer::new(node);
         let init = init_service(init);
-        let recovery = recovery.into_service();
+        let recovery = recovery_service(recovery);
         let operator = operator.into_service();
         let limits = GrpcLimits {
             request_timeout: OPERATOR_PORT_REQUEST_TIMEOUT,
@@ -524,6 +526,31 @@ fn bounded_init_service(
         MAX_INIT_REQUEST_BYTES,
         body_deadline,
         "other init requests are in progress; try again",
+    )
+    .with_waiting(
+        INIT_REQUEST_WAIT,
+        INIT_REQUEST_EVICTION_AGE,
+        INIT_REQUESTS_WAITING,
+    )
+}
+
+/// The recovery service with its requests in flight bounded as init's
+/// are: a request of up to [`crate::recovery::MAX_RECOVER_REQUEST_BYTES`]
+/// (a full revocation list) from anyone who reaches the init port, so at
+/// most [`crate::recovery::MAX_WAITING`] bodies at once, each within
+/// [`INIT_REQUEST_BODY_DEADLINE`]; the handler gives its place up once it
+/// has its request whole.
+fn recovery_service(
+    recovery: RecoveryServer,
+) -> InFlightLimit<
+    keel_proto::recovery::recovery_service_server::RecoveryServiceServer<RecoveryServer>,
+> {
+    InFlightLimit::new(
+        recovery.into_service(),
+        crate::recovery::MAX_WAITING,
+        crate::recovery::MAX_RECOVER_REQUEST_BYTES,
+        INIT_REQUEST_BODY_DEADLINE,
+        "other recovery requests are in progress; try again",
     )
     .with_waiting(
         INIT_REQUEST_WAIT,

@@ -51,8 +51,12 @@ use crate::provision::{DiskStep, Node, Plan, ProvisionError, Provisioner};
 use crate::throttle::{FailureThrottle, PerSource, SourcePlace};
 use keel_verifier::keys::{self, ClusterId, KeyService};
 
-/// Largest accepted recovery request.
-pub const MAX_RECOVER_REQUEST_BYTES: usize = 64 * 1024;
+/// Largest accepted recovery request: its sealed secrets and salt (well
+/// under 16 KiB) and up to [`crate::registry::MAX_REVOCATIONS`] revoked
+/// EKs of 73 bytes each as encoded (`sha256:` and 64 hex digits), about
+/// 800 KiB. The init port holds at most [`MAX_WAITING`] of them at once
+/// (`node::recovery_service`).
+pub const MAX_RECOVER_REQUEST_BYTES: usize = 16 * 1024 + crate::registry::MAX_REVOCATIONS * 80;
 
 /// Why a recovery request was refused, or failed.
 #[derive(Debug, thiserror::Error)]
@@ -522,6 +526,11 @@ impl RecoveryService for RecoveryServer {
         // Held open throughout: the recovery runs on whatever becomes of
         // the request, and its answer is the operator's only report.
         let _open = caller.protect();
+        // The request is whole: from here this service's own places
+        // (`MAX_WAITING`, one per source) bound it, not the port's.
+        if let Some(place) = request.extensions().get::<crate::grpc::HeldPlace>() {
+            place.release();
+        }
         match RecoveryServer::recover(self, request.into_inner(), caller.ip()).await {
             Ok(cluster_id) => {
                 // The answer must reach the operator after the guard drops.
@@ -571,4 +580,36 @@ async fn record_revocations(root: PathBuf, revoked: Vec<EkDigest>) -> Result<(),
     .await
     .map_err(ProvisionError::Blocking)?
     .map_err(ProvisionError::Registry)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A request with the most revoked EKs a revocation list holds, and
+    /// secrets and salt larger than any the CLI makes, is within the
+    /// decoding bound: a workspace that revoked thousands of nodes can
+    /// still recover its cluster. (The first bound, 64 KiB, refused one
+    /// past about 890 EKs before the handler ran.)
+    #[test]
+    fn a_request_with_a_full_revocation_list_fits_the_decoding_bound() {
+        let request = RecoverRequest {
+            secrets: Some(keel_proto::attestation::SealedSecret {
+                credential_blob: vec![1; 128],
+                encrypted_seed: vec![2; 512],
+                ciphertext: vec![3; 4096],
+                nonce: vec![4; 12],
+            }),
+            measurement_salt: vec![5; 512],
+            revoked_eks: (0..crate::registry::MAX_REVOCATIONS)
+                .map(|i| format!("sha256:{i:064x}"))
+                .collect(),
+        };
+        assert!(
+            request.encoded_len() + 5 <= MAX_RECOVER_REQUEST_BYTES,
+            "{} bytes",
+            request.encoded_len()
+        );
+    }
 }
