@@ -1278,3 +1278,44 @@ async fn a_plans_own_components_need_their_file_signed_by_the_clusters_key() {
     );
     assert_eq!(cp.version(), TO);
 }
+
+/// An operator who runs `keel upgrade apply` again while the first run's
+/// upgrade still goes on here (its CLI gone) is told it is running, not
+/// that it was left half switched and to reboot the node, which would
+/// stop kubeadm midway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authorisation_while_an_upgrade_runs_is_refused_as_busy() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let work = node.root.parent().unwrap().join("work");
+    let upgrader = Upgrader::new(
+        env(&node.root, &work, &[("KEEL_STANDIN_SLEEP", "60")]),
+        node.tpm.clone(),
+        Arc::new(ClusterSlot::new(None)),
+    );
+    let target = Target::parse(
+        UpgradePlan::decode(&plan(TO, Some(&new), UpgradeStep::Node)[..]).unwrap(),
+        None,
+    )
+    .unwrap();
+    let log = |_line: String| {};
+    let turn = upgrader.check(&target).unwrap();
+    // Kept going (not dropped) while the authorisation is asked for.
+    let upgrade = upgrader.run(&target, turn, &log);
+    tokio::pin!(upgrade);
+    let switched = async {
+        while Switching::load(&node.root).unwrap().is_none() {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        result = &mut upgrade => panic!("the upgrade ended: {result:?}"),
+        () = switched => {}
+    }
+    match upgrader.authorise(&target) {
+        Err(UpgradeError::Busy) => {}
+        other => panic!("not refused as running: {other:?}"),
+    }
+}

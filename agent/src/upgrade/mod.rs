@@ -455,6 +455,13 @@ impl Upgrader {
     /// skipped minor version or a plan that leaves out a directory it runs
     /// components from, which every node would refuse, authorises nothing.
     pub fn authorise(&self, target: &Target) -> Result<(), UpgradeError> {
+        // An upgrade running here now is one, not one left half switched
+        // (whose record this would find and call for a reboot).
+        let _turn = self
+            .running
+            .clone()
+            .try_lock_owned()
+            .map_err(|_| UpgradeError::Busy)?;
         let current = self.current()?;
         may_take(&current, target)?;
         change_state(&self.cluster, self.env.root(), |state| {
