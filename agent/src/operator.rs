@@ -902,20 +902,23 @@ fn respond<T>(
             caller.vouch();
             Ok(tonic::Response::new(response))
         }
-        Err(
-            e @ (OperatorError::Throttled(_)
-            | OperatorError::NotServing
-            | OperatorError::NotControlPlane
-            | OperatorError::NotFinished),
-        ) => {
-            tracing::debug!(error = %e, "operator request refused");
-            Err((&e).into())
-        }
-        Err(e) => {
-            tracing::warn!(error = %keel_atls::ErrorChain(&e), "operator request refused");
-            Err((&e).into())
-        }
+        Err(e) => Err(refused(&e)),
     }
+}
+
+/// Logs a refused operator request as [`respond`] says, and makes its
+/// status.
+fn refused(e: &OperatorError) -> tonic::Status {
+    match e {
+        OperatorError::Throttled(_)
+        | OperatorError::NotServing
+        | OperatorError::NotControlPlane
+        | OperatorError::NotFinished => {
+            tracing::debug!(error = %e, "operator request refused");
+        }
+        _ => tracing::warn!(error = %keel_atls::ErrorChain(e), "operator request refused"),
+    }
+    e.into()
 }
 
 impl OperatorServer {
@@ -1014,10 +1017,9 @@ impl OperatorService for OperatorServer {
                 caller.vouch();
                 Ok(tonic::Response::new(ReceiverStream::new(rx)))
             }
-            Err(e) => {
-                tracing::warn!(error = %keel_atls::ErrorChain(&e), "upgrade request refused");
-                Err((&e).into())
-            }
+            // Refused as every other operator request is: a flood of
+            // unproven ones is not logged each at warn level.
+            Err(e) => Err(refused(&e)),
         }
     }
 
@@ -1203,6 +1205,50 @@ mod tests {
         let path = root.join(ADMIN_CONF);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, content).unwrap();
+    }
+
+    /// Log lines written to memory.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Anyone who reaches the init port may send `Upgrade` with a junk
+    /// proof, again and again: each refusal is logged at debug level, as
+    /// for every other operator request, so that a flood of them does not
+    /// push the node's other events out of the journal's rate limit.
+    #[tokio::test]
+    async fn an_unproven_upgrade_is_refused_without_a_warning() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = server(dir.path(), &Arc::new(ClusterSlot::new(None)), true);
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .finish();
+        let _default = tracing::subscriber::set_default(subscriber);
+        for _ in 0..3 {
+            let request = tonic::Request::new(UpgradeRequest {
+                challenge: server.challenge().to_vec(),
+                proof: vec![0; 32],
+                ..Default::default()
+            });
+            assert!(OperatorService::upgrade(&server, request).await.is_err());
+        }
+        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        assert!(log.contains("operator request refused"), "{log}");
+        assert!(!log.contains("WARN"), "{log}");
     }
 
     #[test]
