@@ -462,9 +462,9 @@ struct Unsent {
     /// The rest of a data frame larger than [`SEND_PIECE`].
     rest: bytes::Bytes,
     /// Since when the answer waits for its caller: since the answer was
-    /// made or the last frame was handed on to HTTP/2, which asks for the
-    /// next one only once that one had room to go. `None` while the body
-    /// itself waits (a stream between its messages).
+    /// made or the last frame was handed on to HTTP/2 (hyper asks for one
+    /// only once the one before had window to go out). `None` while the
+    /// body itself waits (a stream between its messages).
     stalled_since: Option<Instant>,
     place: HeldPlace,
     _held: Option<HeldUntilSent>,
@@ -557,8 +557,9 @@ impl http_body::Body for SendingBody {
                 "the answer was not read in time",
             ))));
         };
-        // HTTP/2 asks for the next frame only once the last one had room
-        // to go: each frame handed on is progress, and the stall clock
+        // hyper asks for a frame only once the one before had window to
+        // go out (it takes the next one, then waits for window to send
+        // it): each frame handed on is progress, and the stall clock
         // starts again from it.
         if !unsent.rest.is_empty() {
             unsent.stalled_since = Some(Instant::now());
