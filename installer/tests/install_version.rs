@@ -17,8 +17,7 @@ use std::path::Path;
 use std::process::Command;
 
 use keel_installer::{
-    Component, DownloadConfig, InstalledComponent, LogProgress, NoProgress, Outcome, Sha256Digest,
-    Source,
+    Component, InstalledComponent, LogProgress, NoProgress, Outcome, Sha256Digest, Source,
 };
 use keel_proto::components::Component as WireComponent;
 use keel_testkit::components::{self, CNI_PLUGINS};
@@ -519,18 +518,9 @@ async fn a_kept_file_larger_than_the_limit_is_refused() {
     let list = v1_31_stand_ins(&mirror);
     let kubelet = list.iter().find(|c| c.name() == "kubelet").unwrap();
     let kubelet_path = "/v1.31.13/bin/linux/amd64/kubelet";
-    let kept = r
-        .join(KEPT.trim_start_matches('/'))
-        .join(format!("{}.bin", kubelet.hash().to_hex()));
+    let kept = support::kept_copy(r, kubelet, "bin");
     let installed = kubelet.install_path().under(r);
-    let limited = |max_bytes| {
-        let download = DownloadConfig {
-            retry: fast_retries(),
-            max_bytes,
-            ..DownloadConfig::default()
-        };
-        support::keeping_installer_with(r, &mirror, download)
-    };
+    let limited = |max_bytes| support::keeping_installer_limited(r, &mirror, max_bytes);
     limited(LIMIT).install(kubelet, &NoProgress).await.unwrap();
     assert_eq!(mirror.requests(kubelet_path), 1);
     let genuine = std::fs::read(&kept).unwrap();
@@ -579,18 +569,9 @@ async fn a_kept_archive_larger_than_the_limit_is_a_miss() {
         panic!("the CNI archive is fetched");
     };
     let cni_path = url.path();
-    let kept = r
-        .join(KEPT.trim_start_matches('/'))
-        .join(format!("{}.tgz", cni.hash().to_hex()));
+    let kept = support::kept_copy(r, cni, "tgz");
     let installed = cni.install_path().under(r);
-    let limited = |max_bytes| {
-        let download = DownloadConfig {
-            retry: fast_retries(),
-            max_bytes,
-            ..DownloadConfig::default()
-        };
-        support::keeping_installer_with(r, &mirror, download)
-    };
+    let limited = |max_bytes| support::keeping_installer_limited(r, &mirror, max_bytes);
     limited(keel_installer::download::DEFAULT_MAX_BYTES)
         .install(cni, &NoProgress)
         .await

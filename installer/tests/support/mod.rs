@@ -64,8 +64,29 @@ pub fn keeping_installer_with(
     .unwrap()
 }
 
+/// [`keeping_installer_with`] fast retries and downloads of at most
+/// `max_bytes`, the bound a kept copy is read to as well.
+pub fn keeping_installer_limited(root: &Path, mirror: &MirrorServer, max_bytes: u64) -> Installer {
+    keeping_installer_with(
+        root,
+        mirror,
+        DownloadConfig {
+            retry: fast_retries(),
+            max_bytes,
+            ..DownloadConfig::default()
+        },
+    )
+}
+
 /// Where [`keeping_installer`] keeps components (below its root).
 pub const KEPT: &str = "/var/lib/keel/kept";
+
+/// Where a keeping installer with its root at `root` keeps `component`,
+/// a file of `extension` (`bin`, `tgz`) named by its hash.
+pub fn kept_copy(root: &Path, component: &Component, extension: &str) -> PathBuf {
+    root.join(KEPT.trim_start_matches('/'))
+        .join(format!("{}.{extension}", component.hash().to_hex()))
+}
 
 /// A single-file component served by the mirror at `path`, installed at
 /// `/run/state/bin/<name>` (below the installer's root) with the hash `hash`.
