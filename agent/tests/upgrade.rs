@@ -859,6 +859,27 @@ fn a_plan_no_node_would_stage_is_refused() {
     }
 }
 
+/// An upgrader of `node` (working in `work`) whose kubeadm hangs for a
+/// minute, and the target of a node step to `new` at Kubernetes [`TO`]:
+/// an upgrade that stays in kubeadm, its components switched.
+fn hanging_upgrade(
+    node: &UpgradableNode,
+    work: &Path,
+    new: &[keel_proto::components::Component],
+) -> (Upgrader, Target) {
+    let upgrader = Upgrader::new(
+        env(&node.root, work, &[("KEEL_STANDIN_SLEEP", "60")]),
+        node.tpm.clone(),
+        Arc::new(ClusterSlot::new(None)),
+    );
+    let target = Target::parse(
+        UpgradePlan::decode(&plan(TO, Some(new), UpgradeStep::Node)[..]).unwrap(),
+        None,
+    )
+    .unwrap();
+    (upgrader, target)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_version() {
     let ca = EkCa::new().unwrap();
@@ -870,16 +891,7 @@ async fn a_node_stopped_between_switch_and_record_comes_back_with_the_recorded_v
     // The agent stops while kubeadm runs: the directories hold v1.31, the
     // record still names v1.30. (Dropping the upgrade runs none of its
     // code after that point; kubeadm is killed with it.)
-    let hanging = Upgrader::new(
-        env(&node.root, &work, &[("KEEL_STANDIN_SLEEP", "60")]),
-        node.tpm.clone(),
-        Arc::new(ClusterSlot::new(None)),
-    );
-    let target = Target::parse(
-        UpgradePlan::decode(&plan(TO, Some(&new), UpgradeStep::Node)[..]).unwrap(),
-        None,
-    )
-    .unwrap();
+    let (hanging, target) = hanging_upgrade(&node, &work, &new);
     let log = |_line: String| {};
     let turn = hanging.check(&target).unwrap();
     let upgrade = hanging.run(&target, turn, &log);
@@ -1290,16 +1302,7 @@ async fn an_authorisation_while_an_upgrade_runs_is_refused_as_busy() {
     let new = stand_ins(&mirror, TO);
     let node = node(&ca, &mirror, "worker", &[]).await;
     let work = node.root.parent().unwrap().join("work");
-    let upgrader = Upgrader::new(
-        env(&node.root, &work, &[("KEEL_STANDIN_SLEEP", "60")]),
-        node.tpm.clone(),
-        Arc::new(ClusterSlot::new(None)),
-    );
-    let target = Target::parse(
-        UpgradePlan::decode(&plan(TO, Some(&new), UpgradeStep::Node)[..]).unwrap(),
-        None,
-    )
-    .unwrap();
+    let (upgrader, target) = hanging_upgrade(&node, &work, &new);
     let log = |_line: String| {};
     let turn = upgrader.check(&target).unwrap();
     // Kept going (not dropped) while the authorisation is asked for.
