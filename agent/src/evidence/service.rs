@@ -221,20 +221,24 @@ struct Inner {
 
 /// When a sweep last held the policy back, per kind of failure; see
 /// [`HeldBackAt::revocable`].
-#[derive(Default)]
+#[derive(Clone, Copy, Default)]
 struct HeldBackAt {
     drifted: Option<u64>,
     silent: Option<u64>,
 }
 
 impl HeldBackAt {
-    /// Whether the policy may revoke a node whose verdict of this kind
-    /// dates from `verdict_at`: not if a sweep held the kind back since.
-    /// A node left to the operator while too many failed at once stays
-    /// so once the fault clears; the others clear at their next reports,
-    /// one by one, and the last few would otherwise be revoked at once.
-    fn revocable(held_back_at: Option<u64>, verdict_at: u64) -> bool {
-        held_back_at.is_none_or(|held| verdict_at > held)
+    /// Whether the policy may revoke `record` (drifted or silent): not if
+    /// a sweep held its kind back since its verdict. A node left to the
+    /// operator while too many failed at once stays so once the fault
+    /// clears; the others clear at their next reports, one by one, and
+    /// the last few would otherwise be revoked at once.
+    fn revocable(self, record: &registry::NodeRecord) -> bool {
+        let held_at = match record.verdict {
+            Verdict::Silent => self.silent,
+            _ => self.drifted,
+        };
+        held_at.is_none_or(|held| record.verdict_at > held)
     }
 }
 
@@ -718,7 +722,7 @@ impl EvidenceService {
                 if silence_held {
                     at.silent = Some(now);
                 }
-                (at.drifted, at.silent)
+                *at
             };
             // With other control planes, silence is judged on a view that
             // includes theirs: the registry of each that is not silent here
@@ -750,13 +754,9 @@ impl EvidenceService {
                 );
             }
             let drift_hold = self.inner.config.drift_hold().as_secs();
-            let (since_held_back, pending): (Vec<_>, Vec<_>) = pending.into_iter().partition(|r| {
-                let held_at = match r.verdict {
-                    Verdict::Silent => held_back_at.1,
-                    _ => held_back_at.0,
-                };
-                !HeldBackAt::revocable(held_at, r.verdict_at)
-            });
+            let (since_held_back, pending): (Vec<_>, Vec<_>) = pending
+                .into_iter()
+                .partition(|r| !held_back_at.revocable(r));
             if !since_held_back.is_empty() {
                 tracing::warn!(
                     count = since_held_back.len(),
