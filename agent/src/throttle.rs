@@ -99,19 +99,25 @@ impl FailureThrottle {
 }
 
 /// Sources with requests in progress, and how many each holds (an IPv6
-/// source by its /64); a source's place is freed when its [`SourcePlace`]
-/// drops.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct PerSource(Arc<Mutex<HashMap<Source, usize>>>);
+/// source by its /64; or any other key a service counts by, such as an
+/// EK); a source's place is freed when its [`SourcePlace`] drops.
+#[derive(Debug, Clone)]
+pub(crate) struct PerSource<K = Source>(Arc<Mutex<HashMap<K, usize>>>);
 
-impl PerSource {
+impl<K> Default for PerSource<K> {
+    fn default() -> Self {
+        Self(Arc::default())
+    }
+}
+
+impl<K: Copy + Eq + std::hash::Hash> PerSource<K> {
     /// A place for `source`, unless it holds one already.
-    pub(crate) fn claim(&self, source: Source) -> Option<SourcePlace> {
+    pub(crate) fn claim(&self, source: K) -> Option<SourcePlace<K>> {
         self.claim_up_to(source, 1)
     }
 
     /// A place for `source`, unless it holds `at_most` already.
-    pub(crate) fn claim_up_to(&self, source: Source, at_most: usize) -> Option<SourcePlace> {
+    pub(crate) fn claim_up_to(&self, source: K, at_most: usize) -> Option<SourcePlace<K>> {
         let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let count = held.entry(source).or_insert(0);
         if *count >= at_most {
@@ -130,12 +136,12 @@ impl PerSource {
 
 /// One place of a source in a [`PerSource`].
 #[derive(Debug)]
-pub(crate) struct SourcePlace {
-    held: Arc<Mutex<HashMap<Source, usize>>>,
-    source: Source,
+pub(crate) struct SourcePlace<K: Copy + Eq + std::hash::Hash = Source> {
+    held: Arc<Mutex<HashMap<K, usize>>>,
+    source: K,
 }
 
-impl Drop for SourcePlace {
+impl<K: Copy + Eq + std::hash::Hash> Drop for SourcePlace<K> {
     fn drop(&mut self) {
         let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(count) = held.get_mut(&self.source) {

@@ -32,7 +32,7 @@
 //! the joining TPM's endorsement key before any key leaves, and a rejoin
 //! ticket goes only to the TPM a disk is bound to.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,6 +65,7 @@ use crate::grpc::HeldUntilSent;
 use crate::kubeadm::{BootstrapToken, CaCertHash, Kubeadm};
 use crate::paths;
 use crate::registry::RegistryStore;
+use crate::throttle::PerSource;
 
 /// Largest accepted request message (tonic refuses larger ones).
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
@@ -230,22 +231,7 @@ struct Inner {
     slots: Semaphore,
     disks: Arc<DiskBindings>,
     /// EKs whose ticket with the registry is being built or sent.
-    sending_registry: Arc<std::sync::Mutex<HashSet<EkDigest>>>,
-}
-
-/// An EK's mark in [`Inner::sending_registry`], removed on drop.
-struct SendingRegistry {
-    marks: Arc<std::sync::Mutex<HashSet<EkDigest>>>,
-    ek: EkDigest,
-}
-
-impl Drop for SendingRegistry {
-    fn drop(&mut self) {
-        self.marks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(&self.ek);
-    }
+    sending_registry: PerSource<EkDigest>,
 }
 
 impl JoinService {
@@ -284,7 +270,7 @@ impl JoinService {
                 tokens: TokenRegistrar::new(kubeadm, work_dir.join(paths::TOKEN_CONFIG_DIR)),
                 slots: Semaphore::new(MAX_CONCURRENT_TICKETS),
                 disks,
-                sending_registry: Arc::default(),
+                sending_registry: PerSource::default(),
             }),
             updates: None,
             registry: None,
@@ -352,18 +338,11 @@ impl JoinService {
         if !control_plane || self.registry.is_none() {
             return Ok(None);
         }
-        let marks = &self.inner.sending_registry;
-        if !marks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(ek)
-        {
-            return Err(JoinServiceError::RegistryUnsent);
-        }
-        Ok(Some(HeldUntilSent::new(SendingRegistry {
-            marks: marks.clone(),
-            ek,
-        })))
+        self.inner
+            .sending_registry
+            .claim(ek)
+            .map(|sending| Some(HeldUntilSent::new(sending)))
+            .ok_or(JoinServiceError::RegistryUnsent)
     }
 
     /// What a ticket carries of the registry: for a control plane, this
