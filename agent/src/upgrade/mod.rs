@@ -457,11 +457,7 @@ impl Upgrader {
     pub fn authorise(&self, target: &Target) -> Result<(), UpgradeError> {
         // An upgrade running here now is one, not one left half switched
         // (whose record this would find and call for a reboot).
-        let _turn = self
-            .running
-            .clone()
-            .try_lock_owned()
-            .map_err(|_| UpgradeError::Busy)?;
+        let _turn = self.turn()?;
         let current = self.current()?;
         may_take(&current, target)?;
         change_state(&self.cluster, self.env.root(), |state| {
@@ -476,15 +472,19 @@ impl Upgrader {
     /// that `target` may follow, and runs no other upgrade. Returns the
     /// turn to [`run`](Self::run) it in.
     pub fn check(&self, target: &Target) -> Result<UpgradeTurn, UpgradeError> {
-        let turn = UpgradeTurn(
-            self.running
-                .clone()
-                .try_lock_owned()
-                .map_err(|_| UpgradeError::Busy)?,
-        );
+        let turn = self.turn()?;
         let current = self.current()?;
         may_take(&current, target)?;
         Ok(turn)
+    }
+
+    /// This node's upgrade turn, unless an upgrade runs here now.
+    fn turn(&self) -> Result<UpgradeTurn, UpgradeError> {
+        self.running
+            .clone()
+            .try_lock_owned()
+            .map(UpgradeTurn)
+            .map_err(|_| UpgradeError::Busy)
     }
 
     /// The version this node runs, if no earlier switch is unfinished: a
