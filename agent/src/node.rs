@@ -520,22 +520,35 @@ fn bounded_init_service(
         .into_service()
         .max_decoding_message_size(MAX_INIT_REQUEST_BYTES)
         .max_encoding_message_size(MAX_INIT_RESPONSE_BYTES);
-    InFlightLimit::new(
+    init_port_bounds(
         service,
         INIT_REQUESTS_IN_FLIGHT,
         MAX_INIT_REQUEST_BYTES,
         body_deadline,
         "other init requests are in progress; try again",
     )
-    .with_waiting(
+}
+
+/// `service` with the init port's bounds on requests in flight: `limit`
+/// at once across every connection, one per source, each body of at most
+/// `max_message` bytes within `body_deadline`; a request finding none free
+/// waits for one ([`INIT_REQUEST_WAIT`]), evicting a slow body.
+fn init_port_bounds<S>(
+    service: S,
+    limit: usize,
+    max_message: usize,
+    body_deadline: Duration,
+    busy: &'static str,
+) -> InFlightLimit<S> {
+    InFlightLimit::new(service, limit, max_message, body_deadline, busy).with_waiting(
         INIT_REQUEST_WAIT,
         INIT_REQUEST_EVICTION_AGE,
         INIT_REQUESTS_WAITING,
     )
 }
 
-/// The recovery service with its requests in flight bounded as init's
-/// are: a request of up to [`crate::recovery::MAX_RECOVER_REQUEST_BYTES`]
+/// The recovery service with the init port's bounds
+/// ([`init_port_bounds`]): a request of up to [`crate::recovery::MAX_RECOVER_REQUEST_BYTES`]
 /// (a full revocation list) from anyone who reaches the init port, so at
 /// most [`crate::recovery::MAX_WAITING`] bodies at once, each within
 /// [`INIT_REQUEST_BODY_DEADLINE`]; the handler gives its place up once it
@@ -545,17 +558,12 @@ fn recovery_service(
 ) -> InFlightLimit<
     keel_proto::recovery::recovery_service_server::RecoveryServiceServer<RecoveryServer>,
 > {
-    InFlightLimit::new(
+    init_port_bounds(
         recovery.into_service(),
         crate::recovery::MAX_WAITING,
         crate::recovery::MAX_RECOVER_REQUEST_BYTES,
         INIT_REQUEST_BODY_DEADLINE,
         "other recovery requests are in progress; try again",
-    )
-    .with_waiting(
-        INIT_REQUEST_WAIT,
-        INIT_REQUEST_EVICTION_AGE,
-        INIT_REQUESTS_WAITING,
     )
 }
 
