@@ -432,8 +432,10 @@ async fn run(service_runtime: &tokio::runtime::Runtime) -> join_common::Service 
             .collect();
         let member_tpms: Vec<Option<u32>> = members.iter().map(|(_, m)| m.swtpm_pid()).collect();
         let members = Arc::new(members);
-        // Warm-up: one ticket per member, outside the figures.
-        for (tickets, m) in members.iter() {
+        // Warm-up: one ticket per member, outside the figures, each from a
+        // source of its own (one source gets a bounded burst of answers).
+        for (i, (tickets, m)) in members.iter().enumerate() {
+            let tickets = tickets.clone().with_local_address(source(i));
             let key = KubeletKey::generate(&m.name).unwrap();
             let request = IssueJoinTicketRequest {
                 disk_uuid: join_common::uuid(),
