@@ -10,7 +10,7 @@ use keel_proto::attestation::AttestationDocument;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
 use keel_verifier::ek::{EkError, EkTrust};
-use keel_verifier::measurement::EventType;
+use keel_verifier::measurement::{event_digest, EventType, ReplayError};
 use keel_verifier::measurements::{Expected, Measurements};
 use keel_verifier::quote::QuoteError;
 use keel_verifier::validator::{ValidationError, Validator};
@@ -155,13 +155,40 @@ fn forged_signature_and_tampered_log_fail() {
         "{err}"
     );
 
+    // An entry edited but its digest left: the entry itself is refused.
     let mut tampered = doc.clone();
-    tampered.event_log[1].description = "edited".into();
-    tampered.event_log[1].data = b"{\"name\":\"evil\"}".to_vec();
+    let entry = &mut tampered.event_log[1];
+    let evil = b"{\"name\":\"evil\"}".to_vec();
+    entry.description = "edited".into();
+    entry.data = evil.clone();
     let err = v
         .validate(&tampered.encode_to_vec(), b"n", b"k")
         .unwrap_err();
-    assert!(matches!(err, ValidationError::EventLog(_)), "{err}");
+    assert!(
+        matches!(
+            err,
+            ValidationError::EventLog(ReplayError::DigestMismatch { index: 1, .. })
+        ),
+        "{err}"
+    );
+
+    // The same edit with the entry's digest recomputed, as anyone can: the
+    // log is consistent in itself, and only its replay against the quoted
+    // PCR refuses it.
+    let entry = &mut tampered.event_log[1];
+    let event_type = EventType::parse(&entry.event_type).unwrap();
+    entry.digest = event_digest(entry.seq, event_type, &evil).to_vec();
+    let pcr = entry.pcr;
+    let err = v
+        .validate(&tampered.encode_to_vec(), b"n", b"k")
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ValidationError::EventLog(ReplayError::ValueMismatch { pcr: p, .. }) if *p == pcr
+        ),
+        "{err}"
+    );
 
     let err = v.validate(b"\xff\xff\xff", b"n", b"k").unwrap_err();
     assert!(matches!(err, ValidationError::Decode(_)), "{err}");
