@@ -360,4 +360,27 @@ mod tests {
         assert_ne!(node(&a, &b), node(&b, &a));
         assert_ne!(empty(), leaf(b"", b"").unwrap());
     }
+
+    /// The hashes are the wire format a verifier elsewhere recomputes: each
+    /// input, its domain tag included, is pinned here by known answers
+    /// (computed apart from this code).
+    #[test]
+    fn leaves_nodes_and_padding_hash_as_specified() {
+        let (a, b) = (leaf(b"n", b"u").unwrap(), leaf(b"n2", b"u").unwrap());
+        // SHA-256("keel-quote-leaf-v2" || u16be(1) || "n" || "u")
+        assert_eq!(
+            hex::encode(a),
+            "224a70eb9c0edc86c874f274db22e951aa140aa6963a517d8090dfafeea6441d"
+        );
+        // SHA-256("keel-quote-node-v2" || a || b)
+        assert_eq!(
+            hex::encode(node(&a, &b)),
+            "61adf0427f0ca5d3d6bcdf7e8efadb68aa80cf66e5e268fc8901b695804520b3"
+        );
+        // SHA-256("keel-quote-empty-v2")
+        assert_eq!(
+            hex::encode(empty()),
+            "3fb1deea45e1b2e1bda116316bf14588a9a8db0f3616e78415e83cd49928d1cc"
+        );
+    }
 }
