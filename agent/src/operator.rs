@@ -1251,6 +1251,45 @@ mod tests {
         assert!(!log.contains("WARN"), "{log}");
     }
 
+    /// What [`refused`] logs for `e`, at debug level and above.
+    fn refusal_log(e: &OperatorError) -> String {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || refused(e));
+        let bytes = captured.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    /// A flood against a member: its first wrong proof is a warning, and
+    /// every request while the address is throttled (or the node cannot
+    /// serve it) is logged at debug level, whatever the caller sends.
+    #[test]
+    fn only_the_first_refusals_of_a_flood_are_warnings() {
+        let log = refusal_log(&OperatorError::Proof);
+        assert!(
+            log.contains("WARN") && log.contains("operator request refused"),
+            "{log}"
+        );
+        for quiet in [
+            OperatorError::Throttled(5),
+            OperatorError::NotServing,
+            OperatorError::NotControlPlane,
+            OperatorError::NotFinished,
+        ] {
+            let log = refusal_log(&quiet);
+            assert!(
+                log.contains("DEBUG") && log.contains("operator request refused"),
+                "{log}"
+            );
+            assert!(!log.contains("WARN"), "{quiet}: {log}");
+        }
+    }
+
     #[test]
     fn the_operator_gets_the_admin_kubeconfig_and_no_one_else_does() {
         let dir = tempfile::tempdir().unwrap();
