@@ -606,15 +606,19 @@ async fn a_new_client_is_answered_while_flooders_and_rotating_addresses_drain_th
     };
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let not_busy = Arc::new(Mutex::new(Vec::<String>::new()));
+    let flooders_told_busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // Three flooders, two connections at a time each.
     let flooders: Vec<_> = (1..=3)
         .flat_map(|n| [n, n])
         .map(|n| {
             let (ask, stop, not_busy) = (ask.clone(), stop.clone(), not_busy.clone());
+            let told_busy = flooders_told_busy.clone();
             tokio::spawn(async move {
                 while !stop.load(Ordering::SeqCst) {
                     if let Err(e) = ask(own_24(n)).await {
-                        if !busy(&e) {
+                        if busy(&e) {
+                            told_busy.fetch_add(1, Ordering::SeqCst);
+                        } else {
                             not_busy
                                 .lock()
                                 .unwrap()
@@ -680,6 +684,9 @@ async fn a_new_client_is_answered_while_flooders_and_rotating_addresses_drain_th
     );
     let answered_on = answered_on.expect("the client was never answered");
     assert!(answered_on <= 3, "answered on try {answered_on}");
+    // The flood did reach the bound: the flooders were told busy.
+    let told_busy = flooders_told_busy.load(Ordering::SeqCst);
+    assert!(told_busy > 0, "the flooders were never told busy");
     let not_busy = not_busy.lock().unwrap();
     assert!(
         not_busy.is_empty(),
