@@ -822,7 +822,8 @@ pub async fn serve_join_as_control_plane_with(
                     own_image,
                 )?
                 .following(&cluster)
-                .with_registry(registry.clone(), own_ek);
+                .with_registry(registry.clone(), own_ek)
+                .with_api_server_endpoint(config.cluster.api_server_endpoint.clone());
                 let members = Arc::new(MemberPolicy::new(
                     &cluster,
                     EkTrust::from_pem(config.cluster.ek_ca_pem.as_bytes())?,

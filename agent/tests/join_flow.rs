@@ -837,6 +837,26 @@ async fn a_log_with_two_node_identities_gets_no_ticket() {
     assert!(service.registered_tokens().is_empty());
 }
 
+/// With the config's endpoint of every control plane, tickets send nodes
+/// there for the API server, not to the issuing control plane's address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tickets_send_nodes_to_the_clusters_api_server_endpoint() {
+    let ca = EkCa::new().unwrap();
+    let port = free_port();
+    let mut service = join_common::start_service(&ca, port).await;
+    let node = joiner(&ca, &ca, port, "w-1", "worker");
+    let own = direct_ticket(&node, &ca, &service).await.unwrap();
+    assert_eq!(
+        own.api_server_endpoint,
+        service.state.api_server.to_string()
+    );
+    service
+        .restart_with(|s| s.with_api_server_endpoint(Some("api.cluster.example:6443".into())))
+        .await;
+    let shared = direct_ticket(&node, &ca, &service).await.unwrap();
+    assert_eq!(shared.api_server_endpoint, "api.cluster.example:6443");
+}
+
 /// A connection asks for its ticket within a window of its handshake,
 /// where the policy of the moment judged it (CPU evidence and collateral
 /// included); later it must connect again and be judged anew.

@@ -37,6 +37,7 @@ fn init_config(root: &Path, v: &str) -> InitConfig {
         pod_cidr: "10.244.0.0/16".into(),
         patches_dir: root.join("opt/kubernetes/patches"),
         bootstrap_token: TOKEN.parse().unwrap(),
+        control_plane_endpoint: None,
     }
 }
 
@@ -156,6 +157,38 @@ fn join_config_has_discovery_and_an_optional_control_plane_section() {
         !debug.contains("0123456789abcdef") && !debug.contains(&"ab".repeat(32)),
         "{debug}"
     );
+}
+
+/// With the config's endpoint of every control plane, kubeadm's
+/// kubeconfigs name it rather than the first control plane's address, and
+/// the API server certificates carry it.
+#[test]
+fn init_config_points_kubeconfigs_at_the_clusters_endpoint() {
+    let root = Path::new("/");
+    for (endpoint, san) in [
+        ("api.cluster.example:6443", "api.cluster.example"),
+        ("10.0.0.100:443", "10.0.0.100"),
+        ("[fd00::100]:6443", "fd00::100"),
+    ] {
+        let mut c = init_config(root, "v1.31.13");
+        c.control_plane_endpoint = Some(endpoint.into());
+        let d = docs(&c.to_yaml().unwrap());
+        assert_eq!(field(&d[1], &["controlPlaneEndpoint"]), endpoint);
+        let sans = field(&d[1], &["apiServer", "certSANs"]);
+        assert_eq!(sans[0], "10.0.0.5");
+        assert_eq!(sans[1], san);
+        // The node still advertises and binds its own address.
+        assert_eq!(
+            field(&d[0], &["localAPIEndpoint", "advertiseAddress"]),
+            "10.0.0.5"
+        );
+    }
+    let mut c = init_config(root, "v1.31.13");
+    c.control_plane_endpoint = Some("api.cluster.example\nkind: Evil:6443".into());
+    assert!(matches!(
+        c.to_yaml(),
+        Err(ConfigError::ApiServerEndpoint(_))
+    ));
 }
 
 #[test]

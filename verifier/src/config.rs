@@ -130,6 +130,16 @@ pub struct ClusterConfig {
     /// Left out of the canonical form when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub measurements_signing_key: Option<String>,
+    /// Where every control plane's Kubernetes API server is reached
+    /// (`host:port`, the host a DNS name or an IP address): a load
+    /// balancer, a virtual IP or a DNS name of them all. kubeadm writes it
+    /// into every kubeconfig it makes (the kubelets', kube-proxy's, the
+    /// admin's), the API servers' certificates name it, and join tickets
+    /// send nodes to it. Without it, those name the first control plane's
+    /// own address, and the cluster's API is down while that node is.
+    /// Left out of the canonical form when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_server_endpoint: Option<String>,
 }
 
 /// How joined nodes are attested after they joined.
@@ -222,6 +232,7 @@ impl Default for ClusterConfig {
             attestation: AttestationConfig::default(),
             evidence: EvidenceConfig::default(),
             measurements_signing_key: None,
+            api_server_endpoint: None,
         }
     }
 }
@@ -363,6 +374,17 @@ impl NodeConfig {
                 });
             }
         }
+        if let Some(e) = &c.api_server_endpoint {
+            if !is_endpoint(e) {
+                return Err(ConfigError::Invalid {
+                    field: "cluster.api_server_endpoint",
+                    reason: format!(
+                        "{e:?} is not host:port with a lower-case DNS name or an IP address \
+                         (IPv6 in brackets) as the host"
+                    ),
+                });
+            }
+        }
         // The installer's own rule (http or https, no query, no user name
         // or password, since this config is shown to anyone who attests
         // the node): a mirror the agent would refuse at start is refused
@@ -413,6 +435,15 @@ impl NodeConfig {
     pub fn init_secret_matches(&self, secret: &[u8]) -> bool {
         crate::init_secret::matches(&self.cluster.init_secret_hash, secret)
     }
+}
+
+/// Whether `e` is `host:port`, the host a lower-case DNS name, an IPv4
+/// address or a bracketed IPv6 address.
+fn is_endpoint(e: &str) -> bool {
+    e.parse::<std::net::SocketAddr>().is_ok()
+        || e.rsplit_once(':').is_some_and(|(host, port)| {
+            port.parse::<u16>().is_ok() && crate::cluster_settings::is_dns_name(host)
+        })
 }
 
 /// Serialises in declaration order without whitespace: the same value
@@ -628,6 +659,43 @@ mod tests {
             String::from_utf8(parse(&tdx).unwrap().cluster_bytes()).unwrap(),
             expected
         );
+    }
+
+    /// The API server endpoint is host:port, measured when given; a value
+    /// kubeadm or a kubeconfig would not take is refused at load.
+    #[test]
+    fn the_api_server_endpoint_is_host_port_and_measured() {
+        let with = |e: &str| parse(&format!(r#"{{"cluster":{{"api_server_endpoint":"{e}"}}}}"#));
+        for good in ["api.keel.example:6443", "10.0.0.9:6443", "[fd00::9]:443"] {
+            let c = with(good).unwrap();
+            assert_eq!(c.cluster.api_server_endpoint.as_deref(), Some(good));
+            let bytes = String::from_utf8(c.cluster_bytes()).unwrap();
+            assert!(
+                bytes.ends_with(&format!(r#","api_server_endpoint":"{good}"}}"#)),
+                "{bytes}"
+            );
+            assert_ne!(c.cluster_bytes(), NodeConfig::default().cluster_bytes());
+        }
+        for bad in [
+            "api.keel.example",
+            "API.keel.example:6443",
+            "https://api.keel.example:6443",
+            "api.keel.example:65536",
+            "fd00::9:6443",
+            ":6443",
+            "api keel:6443",
+        ] {
+            assert!(
+                matches!(
+                    with(bad),
+                    Err(ConfigError::Invalid {
+                        field: "cluster.api_server_endpoint",
+                        ..
+                    })
+                ),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

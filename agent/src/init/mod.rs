@@ -507,6 +507,7 @@ impl InitServer {
             })
             .await?;
         let advertise_address = a.advertise_address;
+        let cluster_config = &self.inner.node.config.cluster;
         let init_config = InitConfig {
             node_name: self.inner.node.config.node.name.clone(),
             advertise_address,
@@ -517,7 +518,17 @@ impl InitServer {
             pod_cidr: "10.244.0.0/16".into(),
             patches_dir: env.patches_dir(),
             bootstrap_token: BootstrapToken::generate(),
+            control_plane_endpoint: cluster_config.api_server_endpoint.clone(),
         };
+        if cluster_config.api_server_endpoint.is_none()
+            && cluster_config.control_plane_endpoints.len() > 1
+        {
+            tracing::warn!(
+                "the config lists several control planes but no cluster.api_server_endpoint: \
+                 every kubeconfig names this node's address, and the Kubernetes API is down \
+                 while this node is"
+            );
+        }
         let kubeconfig = provisioner.kubeadm_init(&init_config).await?;
         let state = ClusterState {
             keys: a.keys.clone(),
@@ -534,13 +545,7 @@ impl InitServer {
             measurements_key: a.measurements_key.clone(),
             signed_measurements: a.signed_measurements.clone(),
             image_epoch: 0,
-            control_plane_endpoints: self
-                .inner
-                .node
-                .config
-                .cluster
-                .control_plane_endpoints
-                .clone(),
+            control_plane_endpoints: cluster_config.control_plane_endpoints.clone(),
         }
         // The initial image's epoch: no older image is staged after it.
         .with_floor(0);

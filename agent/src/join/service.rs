@@ -222,6 +222,9 @@ pub struct JoinService {
     /// join with file discovery: a bootstrap token goes only to nodes of
     /// another image.
     own_image: BTreeMap<u32, [u8; 32]>,
+    /// Where tickets send nodes for the API server, if the config names
+    /// one for every control plane; otherwise the cluster's own address.
+    api_server_endpoint: Option<String>,
 }
 
 struct Inner {
@@ -276,7 +279,16 @@ impl JoinService {
             registry: None,
             ticket_window: TICKET_WINDOW,
             own_image,
+            api_server_endpoint: None,
         })
+    }
+
+    /// The same service, sending nodes to `endpoint` for the API server
+    /// (the config's `cluster.api_server_endpoint`, which reaches every
+    /// control plane) instead of this control plane's own address.
+    pub fn with_api_server_endpoint(mut self, endpoint: Option<String>) -> Self {
+        self.api_server_endpoint = endpoint;
+        self
     }
 
     /// Refuses a request for a bootstrap token from a node of this control
@@ -578,7 +590,10 @@ impl JoinService {
         let ticket = IssueJoinTicketResponse {
             secrets: Some(sealed),
             measurement_salt: cluster.measurement_salt.clone(),
-            api_server_endpoint: cluster.api_server.to_string(),
+            api_server_endpoint: self
+                .api_server_endpoint
+                .clone()
+                .unwrap_or_else(|| cluster.api_server.to_string()),
             discovery_token_ca_cert_hash: self.inner.ca.hash.as_str().to_owned(),
             kubernetes_version: cluster.kubernetes_version.to_string(),
             kubernetes_components: Some(keel_proto::components::Components {

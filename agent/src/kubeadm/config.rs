@@ -320,6 +320,11 @@ pub struct InitConfig {
     pub patches_dir: PathBuf,
     /// The bootstrap token kubeadm creates, for the join service to hand out.
     pub bootstrap_token: BootstrapToken,
+    /// Where every control plane's API server is reached (`host:port`, the
+    /// config's `cluster.api_server_endpoint`): kubeadm's
+    /// `controlPlaneEndpoint`, and a SAN of the API server certificates.
+    /// Without it, this node's own address and [`API_SERVER_PORT`].
+    pub control_plane_endpoint: Option<String>,
 }
 
 impl InitConfig {
@@ -334,7 +339,13 @@ impl InitConfig {
             check_san(san)?;
         }
         let patches = patches_dir(&self.patches_dir)?;
-        let endpoint = SocketAddr::new(self.advertise_address, API_SERVER_PORT).to_string();
+        let endpoint = match &self.control_plane_endpoint {
+            Some(shared) => {
+                check_endpoint(shared)?;
+                shared.clone()
+            }
+            None => SocketAddr::new(self.advertise_address, API_SERVER_PORT).to_string(),
+        };
         let init = Yaml::map(vec![
             ("apiVersion", Yaml::str(api.api_version())),
             ("kind", Yaml::str("InitConfiguration")),
@@ -364,6 +375,17 @@ impl InitConfig {
             ),
         ]);
         let mut sans = vec![self.advertise_address.to_string()];
+        if let Some((host, _port)) = self
+            .control_plane_endpoint
+            .as_deref()
+            .and_then(|e| e.rsplit_once(':'))
+        {
+            sans.push(
+                host.trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_owned(),
+            );
+        }
         sans.extend(self.cert_sans.iter().cloned());
         let cluster = Yaml::map(vec![
             ("apiVersion", Yaml::str(api.api_version())),

@@ -79,6 +79,9 @@ pub fn node_config(
                 policy: EvidencePolicy::Log,
             },
             measurements_signing_key: None,
+            // The VMs reach each other through the host's forwarded ports:
+            // no address reaches every control plane's API server.
+            api_server_endpoint: None,
         },
         node: NodeIdentity {
             name: name.to_owned(),
