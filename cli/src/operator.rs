@@ -78,11 +78,44 @@ where
     F: Fn(String) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<String>>,
 {
+    on_each_recorded(endpoints, what, request, || Ok(None)).await
+}
+
+/// As [`on_each`], and `record` (the workspace's record of the change, and
+/// a line saying so) runs as soon as the first control plane made the
+/// change, before the next is asked: a later failure, or a run cut short,
+/// does not lose it. If `record` fails, the control planes after it are
+/// not asked.
+pub async fn on_each_recorded<F, Fut, R>(
+    endpoints: &[String],
+    what: &str,
+    request: F,
+    record: R,
+) -> anyhow::Result<()>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<String>>,
+    R: FnOnce() -> anyhow::Result<Option<String>>,
+{
     let endpoints = distinct(endpoints);
+    let mut record = Some(record);
     let mut failed = 0;
     for endpoint in &endpoints {
         match request(endpoint.clone()).await {
-            Ok(line) => println!("{endpoint}: {line}"),
+            Ok(line) => {
+                // Recorded before the line: what it reports is kept.
+                let noted = record.take().map(|record| record()).transpose();
+                let noted = noted.with_context(|| {
+                    format!(
+                        "{endpoint}: {line}, but the workspace does not record it; the control \
+                         planes after it were not asked: run the command again"
+                    )
+                })?;
+                println!("{endpoint}: {line}");
+                if let Some(note) = noted.flatten() {
+                    println!("{note}");
+                }
+            }
             Err(e) => {
                 failed += 1;
                 println!("{endpoint}: FAILED: {}", crate::printable::error_chain(&e));

@@ -22,7 +22,7 @@ use anyhow::{bail, Context as _};
 use keel_proto::operator::SetJoinMeasurementsRequest;
 use keel_verifier::measurements::Measurements;
 
-use crate::operator::{answer, on_each, Operator};
+use crate::operator::{answer, on_each_recorded, Operator};
 use crate::settings::{read_bounded, Settings};
 use crate::upgrade::image::load_signed;
 use crate::upgrade::{every_control_plane_named, Roles};
@@ -49,42 +49,48 @@ pub async fn run(
         bail!("{worker} is a worker: join measurements go to control planes only; nothing was changed");
     }
     every_control_plane_named(&operator, &roles).await?;
-    // Every control plane is tried, and the workspace records the set
-    // only once every one took it.
-    on_each(endpoints, "replace their join measurements", |endpoint| {
-        let (operator, body, signature) = (&operator, &body, &signature);
-        async move {
-            let (mut cp, challenge, proof) = operator
-                .authorise(&endpoint, SET_JOIN_MEASUREMENTS, body)
-                .await?;
-            let done = answer(
-                &endpoint,
-                cp.client.set_join_measurements(SetJoinMeasurementsRequest {
-                    measurements: body.clone(),
-                    challenge,
-                    proof,
-                    signature: signature.clone(),
-                }),
-            )
-            .await?;
-            Ok(format!(
-                "join measurements replaced (sha256:{})",
-                hex::encode(done.digest)
-            ))
-        }
-    })
-    .await?;
-    // The pushed set is the current one now, for `keel recover`: recorded
-    // even where no rollout made a record yet, so a retired image's node
-    // is not sent the master secret because the settings still name it.
     let (pushed, epoch) = Measurements::parse_file(&body)
         .with_context(|| format!("{} is not a measurements file", file.display()))?;
-    crate::workspace::ImageRecord::update_or_create(workspace, |record| {
-        record.digest = hex::encode(pushed.digest());
-        record.epoch = record.epoch.max(epoch);
-    })
-    .context("recording the pushed measurements in the workspace")?;
-    Ok(())
+    // Every control plane is tried. The pushed set is the current one for
+    // `keel recover` as soon as one control plane took it (recorded even
+    // where no rollout made a record yet, and whatever the others answer):
+    // a retired image's node is not sent the master secret because the
+    // settings still name it.
+    on_each_recorded(
+        endpoints,
+        "replace their join measurements",
+        |endpoint| {
+            let (operator, body, signature) = (&operator, &body, &signature);
+            async move {
+                let (mut cp, challenge, proof) = operator
+                    .authorise(&endpoint, SET_JOIN_MEASUREMENTS, body)
+                    .await?;
+                let done = answer(
+                    &endpoint,
+                    cp.client.set_join_measurements(SetJoinMeasurementsRequest {
+                        measurements: body.clone(),
+                        challenge,
+                        proof,
+                        signature: signature.clone(),
+                    }),
+                )
+                .await?;
+                Ok(format!(
+                    "join measurements replaced (sha256:{})",
+                    hex::encode(done.digest)
+                ))
+            }
+        },
+        || {
+            crate::workspace::ImageRecord::update_or_create(workspace, |record| {
+                record.digest = hex::encode(pushed.digest());
+                record.epoch = record.epoch.max(epoch);
+            })
+            .context("recording the pushed measurements in the workspace")?;
+            Ok(None)
+        },
+    )
+    .await
 }
 
 /// The file's exact bytes and its signature (empty: none): checked with

@@ -24,7 +24,7 @@ use keel_testkit::forgery::SoftwareAk;
 use keel_testkit::swtpm::{EkCa, Swtpm};
 use keel_verifier::config::NodeConfig;
 use keel_verifier::measurement::EventType;
-use keel_verifier::measurements::Expected;
+use keel_verifier::measurements::{Expected, Measurements};
 use tokio_stream::wrappers::ReceiverStream;
 
 const SECRET: &[u8] = b"the init secret a forger wants";
@@ -60,11 +60,15 @@ enum Answer {
     /// As a control plane that holds [`WORKER_EK`] and fails every
     /// revocation (one whose answer is lost on the way).
     RevocationLost,
-    /// As a control plane with an empty registry that finishes the image
-    /// upgrade asked for.
-    FinishesImage,
-    /// As [`Answer::FinishesImage`], but the finish fails.
-    FinishFails,
+    /// As a control plane with an empty registry that takes the join
+    /// measurements pushed and finishes the image upgrade asked for.
+    TakesImage,
+    /// As [`Answer::TakesImage`], but the push and the finish fail (their
+    /// answers lost on the way).
+    ImageLost,
+    /// As [`Answer::TakesImage`], but the push and the finish are never
+    /// answered.
+    ImageMute,
 }
 
 /// What a flooding init API sends: a failure, then this many 64 KiB log
@@ -85,8 +89,9 @@ impl InitService for Recorder {
         match self.1 {
             Answer::Refuse
             | Answer::RevocationLost
-            | Answer::FinishesImage
-            | Answer::FinishFails => return Err(tonic::Status::unavailable("a forged node")),
+            | Answer::TakesImage
+            | Answer::ImageLost
+            | Answer::ImageMute => return Err(tonic::Status::unavailable("a forged node")),
             Answer::Mute => {
                 std::future::pending::<()>().await;
             }
@@ -577,7 +582,10 @@ impl OperatorService for Recorder {
         _request: tonic::Request<op::NodeStatusRequest>,
     ) -> Result<tonic::Response<op::NodeStatusResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
-        if matches!(self.1, Answer::FinishesImage | Answer::FinishFails) {
+        if matches!(
+            self.1,
+            Answer::TakesImage | Answer::ImageLost | Answer::ImageMute
+        ) {
             let registry = serde_json::json!({ "nodes": {}, "revoked": [] });
             return Ok(tonic::Response::new(op::NodeStatusResponse {
                 registry: registry.to_string().into_bytes(),
@@ -625,10 +633,21 @@ impl OperatorService for Recorder {
 
     async fn set_join_measurements(
         &self,
-        _request: tonic::Request<op::SetJoinMeasurementsRequest>,
+        request: tonic::Request<op::SetJoinMeasurementsRequest>,
     ) -> Result<tonic::Response<op::SetJoinMeasurementsResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
-        Err(tonic::Status::unimplemented("not here"))
+        match self.1 {
+            Answer::TakesImage => {
+                let set = Measurements::parse(&request.get_ref().measurements)
+                    .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
+                Ok(tonic::Response::new(op::SetJoinMeasurementsResponse {
+                    digest: set.digest().to_vec(),
+                }))
+            }
+            Answer::ImageLost => Err(tonic::Status::unavailable("the push was lost")),
+            Answer::ImageMute => std::future::pending().await,
+            _ => Err(tonic::Status::unimplemented("not here")),
+        }
     }
 
     async fn stage_image_measurements(
@@ -645,10 +664,11 @@ impl OperatorService for Recorder {
     ) -> Result<tonic::Response<op::FinishImageUpgradeResponse>, tonic::Status> {
         self.0.fetch_add(1, Ordering::SeqCst);
         match self.1 {
-            Answer::FinishesImage => Ok(tonic::Response::new(op::FinishImageUpgradeResponse {
+            Answer::TakesImage => Ok(tonic::Response::new(op::FinishImageUpgradeResponse {
                 digest: request.into_inner().staged_digest,
             })),
-            Answer::FinishFails => Err(tonic::Status::unavailable("the finish was lost")),
+            Answer::ImageLost => Err(tonic::Status::unavailable("the finish was lost")),
+            Answer::ImageMute => std::future::pending().await,
             _ => Err(tonic::Status::unimplemented("not here")),
         }
     }
@@ -985,62 +1005,171 @@ async fn a_node_that_floods_and_stalls_init_is_bounded_in_bytes_and_time() {
 /// recover` with the retired image's settings sends nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_image_rollout_finished_on_one_control_plane_retires_the_old_image_in_the_workspace() {
-    let ca = EkCa::new().unwrap();
-    let config = harness::control_plane_config(&no_secret_hash());
-    let (first, second) = (node_with(&ca, config.clone()), node_with(&ca, config));
-    locked_into_the_workspace_cluster(&first);
-    locked_into_the_workspace_cluster(&second);
-    let finishes = Served::answering(&ca, &first, Answer::FinishesImage).await;
-    let fails = Served::answering(&ca, &second, Answer::FinishFails).await;
-    let ws = &finishes.workspace;
-    operator_workspace(ws, Some(&finishes.endpoint));
-    // The settings name the key that signs image measurements.
-    let signing = keel_verifier::signature::SigningPrivateKey::generate();
-    let dir = finishes.settings.parent().unwrap();
-    std::fs::write(
-        dir.join("signing.pub.pem"),
-        signing.public_key().to_pem().unwrap(),
+    let (_ca, _nodes, finishes, fails) =
+        two_control_planes(Answer::TakesImage, Answer::ImageLost).await;
+    let (file, image) = signed_image(&finishes.settings);
+    let out = run_keel(
+        &finish_args(&file, &finishes, &fails),
+        &finishes.settings,
+        None,
     )
-    .unwrap();
-    let mut settings: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&finishes.settings).unwrap()).unwrap();
-    settings["measurements_signing_key"] = "signing.pub.pem".into();
-    std::fs::write(&finishes.settings, settings.to_string()).unwrap();
-    let image = harness::measurements([9; 32], Expected::enforced([0; 32]));
-    let body = format!("{}\n", image.to_json_with_epoch(1));
-    let file = dir.join("image.json");
-    std::fs::write(&file, &body).unwrap();
-    std::fs::write(dir.join("image.json.sig"), signing.sign(body.as_bytes())).unwrap();
-
-    let args = [
-        "upgrade",
-        "finish",
-        "--image-measurements",
-        file.to_str().unwrap(),
-        "--endpoint",
-        &finishes.endpoint,
-        "--endpoint",
-        &fails.endpoint,
-        "--workspace",
-        ws.to_str().unwrap(),
-        "--wait",
-        "5",
-    ];
-    let out = run_keel(&args, &finishes.settings, None).await;
+    .await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(
         text(&out).contains("1 of 2 control plane(s) did not finish the image upgrade"),
         "{}",
         text(&out)
     );
-    let record: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(ws.join("keel-image.json")).unwrap()).unwrap();
+    let record = recorded_image(&finishes.workspace);
     assert_eq!(record["digest"], hex::encode(image.digest()), "{record}");
     assert_eq!(record["epoch"], 1, "{record}");
+    the_retired_image_is_recovered_nowhere(&finishes).await;
+}
 
-    // The settings still name the retired image: nothing is sent.
-    let before = finishes.requests();
-    let out = run_keel(&recover_args(ws), &finishes.settings, None).await;
+/// As above, with the finish cut short (the operator's Ctrl-C, a crash)
+/// while the second control plane takes its time: what the first one
+/// finished is in the workspace as soon as it reports it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_rollout_cut_short_after_one_control_plane_retires_the_old_image_in_the_workspace()
+{
+    use tokio::io::AsyncBufReadExt as _;
+
+    let (_ca, _nodes, finishes, mute) =
+        two_control_planes(Answer::TakesImage, Answer::ImageMute).await;
+    let (file, image) = signed_image(&finishes.settings);
+    let mut keel = tokio::process::Command::from(harness::keel(
+        &finish_args(&file, &finishes, &mute),
+        &finishes.settings,
+        None,
+    ));
+    let mut keel = keel
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(keel.stdout.take().unwrap()).lines();
+    let finished = format!("{}: image upgrade finished", finishes.endpoint);
+    let seen = tokio::time::timeout(std::time::Duration::from_secs(120), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if line.starts_with(&finished) {
+                return true;
+            }
+        }
+        false
+    })
+    .await
+    .unwrap();
+    assert!(seen, "the first control plane's finish was not reported");
+    keel.kill().await.unwrap();
+    let record = recorded_image(&finishes.workspace);
+    assert_eq!(record["digest"], hex::encode(image.digest()), "{record}");
+    assert_eq!(record["epoch"], 1, "{record}");
+    the_retired_image_is_recovered_nowhere(&finishes).await;
+}
+
+/// Attacker's move, as for the finish above: keep one control plane from
+/// taking a measurements push. A push taken by one control plane records
+/// the pushed set in the workspace, and `keel recover` with the retired
+/// image's settings sends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_taken_by_one_control_plane_retires_the_old_set_in_the_workspace() {
+    let (_ca, _nodes, takes, fails) =
+        two_control_planes(Answer::TakesImage, Answer::ImageLost).await;
+    let pushed = harness::measurements([9; 32], Expected::enforced([0; 32]));
+    let file = takes.settings.with_file_name("pushed.json");
+    std::fs::write(&file, format!("{}\n", pushed.to_json_with_epoch(1))).unwrap();
+    let args = [
+        "push-measurements",
+        "--file",
+        file.to_str().unwrap(),
+        "--endpoint",
+        &takes.endpoint,
+        "--endpoint",
+        &fails.endpoint,
+        "--workspace",
+        takes.workspace.to_str().unwrap(),
+        "--wait",
+        "5",
+    ];
+    let out = run_keel(&args, &takes.settings, None).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("1 of 2 control plane(s) did not replace their join measurements"),
+        "{}",
+        text(&out)
+    );
+    let record = recorded_image(&takes.workspace);
+    assert_eq!(record["digest"], hex::encode(pushed.digest()), "{record}");
+    assert_eq!(record["epoch"], 1, "{record}");
+    the_retired_image_is_recovered_nowhere(&takes).await;
+}
+
+/// Two control planes of the [`operator_workspace`]'s cluster (in the
+/// first one's workspace, which names it), answering as `first` and
+/// `second` say, with their EK CA and TPMs, which must outlive them.
+async fn two_control_planes(first: Answer, second: Answer) -> (EkCa, [Victim; 2], Served, Served) {
+    let ca = EkCa::new().unwrap();
+    let config = harness::control_plane_config(&no_secret_hash());
+    let nodes = [node_with(&ca, config.clone()), node_with(&ca, config)];
+    nodes.iter().for_each(locked_into_the_workspace_cluster);
+    let first = Served::answering(&ca, &nodes[0], first).await;
+    let second = Served::answering(&ca, &nodes[1], second).await;
+    operator_workspace(&first.workspace, Some(&first.endpoint));
+    (ca, nodes, first, second)
+}
+
+/// Makes the settings at `settings` name a measurements signing key, and
+/// writes an image's measurements file (epoch 1) beside them, signed with
+/// it: the file and its set.
+fn signed_image(settings: &Path) -> (PathBuf, Measurements) {
+    let signing = keel_verifier::signature::SigningPrivateKey::generate();
+    let dir = settings.parent().unwrap();
+    std::fs::write(
+        dir.join("signing.pub.pem"),
+        signing.public_key().to_pem().unwrap(),
+    )
+    .unwrap();
+    let mut named: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(settings).unwrap()).unwrap();
+    named["measurements_signing_key"] = "signing.pub.pem".into();
+    std::fs::write(settings, named.to_string()).unwrap();
+    let image = harness::measurements([9; 32], Expected::enforced([0; 32]));
+    let body = format!("{}\n", image.to_json_with_epoch(1));
+    let file = dir.join("image.json");
+    std::fs::write(&file, &body).unwrap();
+    std::fs::write(dir.join("image.json.sig"), signing.sign(body.as_bytes())).unwrap();
+    (file, image)
+}
+
+/// `keel upgrade finish` of the image `file` on `first`, then `second`,
+/// from the first one's workspace.
+fn finish_args<'a>(file: &'a Path, first: &'a Served, second: &'a Served) -> [&'a str; 12] {
+    [
+        "upgrade",
+        "finish",
+        "--image-measurements",
+        file.to_str().unwrap(),
+        "--endpoint",
+        &first.endpoint,
+        "--endpoint",
+        &second.endpoint,
+        "--workspace",
+        first.workspace.to_str().unwrap(),
+        "--wait",
+        "5",
+    ]
+}
+
+/// The image record in the workspace `ws`.
+fn recorded_image(ws: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(ws.join("keel-image.json")).unwrap()).unwrap()
+}
+
+/// `keel recover` with the settings of `served`, which still name the
+/// retired image: refused, with nothing sent.
+async fn the_retired_image_is_recovered_nowhere(served: &Served) {
+    let before = served.requests();
+    let out = run_keel(&recover_args(&served.workspace), &served.settings, None).await;
     assert!(!out.status.success(), "{}", text(&out));
     assert!(
         text(&out).contains("are not an image this cluster accepts"),
@@ -1048,5 +1177,5 @@ async fn an_image_rollout_finished_on_one_control_plane_retires_the_old_image_in
         text(&out)
     );
     assert!(text(&out).contains("nothing was sent"), "{}", text(&out));
-    assert_eq!(finishes.requests(), before, "{}", text(&out));
+    assert_eq!(served.requests(), before, "{}", text(&out));
 }

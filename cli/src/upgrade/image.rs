@@ -15,7 +15,7 @@ use anyhow::{bail, Context as _};
 use keel_proto::operator::{FinishImageUpgradeRequest, StageImageMeasurementsRequest};
 
 use super::{every_control_plane_named, Cluster, Roles};
-use crate::operator::{answer, on_each, Operator};
+use crate::operator::{answer, on_each, on_each_recorded, Operator};
 use crate::settings::{read_bounded, Settings};
 use keel_verifier::signature::{
     detached_signature_path, SignedMeasurements, SignedMeasurementsError,
@@ -139,8 +139,13 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
         hex::encode(digest),
         control_planes.len()
     );
-    let finished = &std::sync::atomic::AtomicUsize::new(0);
-    let outcome = on_each(
+    // What `keel recover` holds its settings to from now on, recorded as
+    // soon as one control plane accepts only the new image, before the
+    // next is asked: a workspace that still named the old one would have
+    // a node of the retired image recovered (the node would refuse it,
+    // but only once it holds the master secret). Rerunning the command
+    // finishes the others.
+    on_each_recorded(
         control_planes,
         "finish the image upgrade",
         |endpoint| async move {
@@ -156,34 +161,28 @@ pub async fn finish(cluster: &Cluster, image: &SignedMeasurements) -> anyhow::Re
                 }),
             )
             .await?;
-            finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             Ok(format!(
                 "image upgrade finished; only sha256:{} is accepted",
                 hex::encode(done.digest)
             ))
         },
+        || {
+            // Under the record's lock, as a push or a staging changes it:
+            // a run at the same time neither loses this nor has it lost.
+            crate::workspace::ImageRecord::update_or_create(&cluster.workspace, |record| {
+                record.digest = hex::encode(digest);
+                record.epoch = image.epoch();
+                record.staged = None;
+            })
+            .context("recording the finished image in the workspace")?;
+            Ok(Some(
+                "image: recorded in the workspace; `keel recover` now takes only this image's \
+                 measurements"
+                    .to_owned(),
+            ))
+        },
     )
-    .await;
-    // What `keel recover` holds its settings to from now on, as soon as
-    // one control plane accepts only the new image: a workspace that
-    // still named the old one would have a node of the retired image
-    // recovered (the node would refuse it, but only once it holds the
-    // master secret). Rerunning the command finishes the others.
-    if finished.load(std::sync::atomic::Ordering::Relaxed) > 0 {
-        // Under the record's lock, as a push or a staging changes it: a
-        // run at the same time neither loses this nor has it lost.
-        crate::workspace::ImageRecord::update_or_create(&cluster.workspace, |record| {
-            record.digest = hex::encode(digest);
-            record.epoch = image.epoch();
-            record.staged = None;
-        })
-        .context("recording the finished image in the workspace")?;
-        println!(
-            "image: recorded in the workspace; `keel recover` now takes only this image's \
-             measurements"
-        );
-    }
-    outcome
+    .await
 }
 
 /// The control planes of `roles`, which stage and finish an image's
