@@ -200,6 +200,22 @@ impl Member {
     }
 }
 
+#[cfg(test)]
+impl Member {
+    /// A control plane at `endpoint` reached over `channel`, unattested and
+    /// with an operator key of zeros: for tests of what follows the
+    /// attestation.
+    pub fn unattested(endpoint: &str, channel: Channel) -> Self {
+        Self {
+            endpoint: endpoint.to_owned(),
+            client: OperatorServiceClient::new(channel),
+            ek: EkDigest::from_hex(&"00".repeat(32)).unwrap(),
+            control_plane: true,
+            key: OperatorKey::from_slice(&[0; 32]).unwrap(),
+        }
+    }
+}
+
 impl Operator {
     /// Loads the settings at `settings_path` ([`Operator::new`]).
     pub fn load(settings_path: &Path, workspace: &Path, wait: Duration) -> anyhow::Result<Self> {

@@ -34,6 +34,8 @@ pub struct Target {
     /// The components file and its signature, where the settings name a
     /// measurements signing key (nodes then take no other components).
     signed: Option<(Vec<u8>, Vec<u8>)>,
+    /// Longest one node's upgrade may take ([`NODE_TIMEOUT`]).
+    node_limit: Duration,
 }
 
 impl Target {
@@ -53,6 +55,7 @@ impl Target {
             version: entry.version().to_string(),
             components: None,
             signed: None,
+            node_limit: NODE_TIMEOUT,
         };
         let Some(file) = components_file else {
             return Ok(target);
@@ -149,13 +152,13 @@ async fn request(mut member: Member, target: &Target, step: UpgradeStep) -> anyh
         }),
     )
     .await?;
-    let followed =
-        tokio::time::timeout(NODE_TIMEOUT, follow(&mut stream, &endpoint, step, started)).await;
+    let limit = target.node_limit;
+    let followed = tokio::time::timeout(limit, follow(&mut stream, &endpoint, step, started)).await;
     followed.unwrap_or_else(|_| {
         bail!(
             "{endpoint}: no result within {} s; the node may still be upgrading: \
              `keel status` shows the version it runs once it is done",
-            NODE_TIMEOUT.as_secs()
+            limit.as_secs()
         )
     })
 }
@@ -219,4 +222,120 @@ async fn follow(
         }
     }
     bail!("{endpoint}: the upgrade stream ended without a result")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_proto::operator as op;
+    use keel_proto::operator::operator_service_server::{OperatorService, OperatorServiceServer};
+
+    /// A node that answers challenges and takes an upgrade (its answer's
+    /// headers sent), then never says a word of it.
+    struct Stalls;
+
+    #[tonic::async_trait]
+    impl OperatorService for Stalls {
+        type UpgradeStream = tokio_stream::Pending<Result<op::UpgradeResponse, tonic::Status>>;
+
+        async fn challenge(
+            &self,
+            _: tonic::Request<op::ChallengeRequest>,
+        ) -> Result<tonic::Response<op::ChallengeResponse>, tonic::Status> {
+            Ok(tonic::Response::new(op::ChallengeResponse {
+                challenge: vec![0x66; 32],
+            }))
+        }
+
+        async fn upgrade(
+            &self,
+            _: tonic::Request<op::UpgradeRequest>,
+        ) -> Result<tonic::Response<Self::UpgradeStream>, tonic::Status> {
+            Ok(tonic::Response::new(tokio_stream::pending()))
+        }
+
+        async fn node_status(
+            &self,
+            _: tonic::Request<op::NodeStatusRequest>,
+        ) -> Result<tonic::Response<op::NodeStatusResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+
+        async fn revoke_node(
+            &self,
+            _: tonic::Request<op::RevokeNodeRequest>,
+        ) -> Result<tonic::Response<op::RevokeNodeResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+
+        async fn set_join_measurements(
+            &self,
+            _: tonic::Request<op::SetJoinMeasurementsRequest>,
+        ) -> Result<tonic::Response<op::SetJoinMeasurementsResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+
+        async fn stage_image_measurements(
+            &self,
+            _: tonic::Request<op::StageImageMeasurementsRequest>,
+        ) -> Result<tonic::Response<op::StageImageMeasurementsResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+
+        async fn finish_image_upgrade(
+            &self,
+            _: tonic::Request<op::FinishImageUpgradeRequest>,
+        ) -> Result<tonic::Response<op::FinishImageUpgradeResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+
+        async fn admin_kubeconfig(
+            &self,
+            _: tonic::Request<op::AdminKubeconfigRequest>,
+        ) -> Result<tonic::Response<op::AdminKubeconfigResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+    }
+
+    /// A node that takes the upgrade and then sends nothing is given up on
+    /// once the node's limit has passed, with the reason.
+    #[tokio::test]
+    async fn a_node_silent_after_taking_the_upgrade_is_given_up_on() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = listener.local_addr().unwrap().to_string();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(OperatorServiceServer::new(Stalls))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let target = Target {
+            version: "v1.31.0".into(),
+            components: None,
+            signed: None,
+            node_limit: Duration::from_secs(1),
+        };
+        let member = Member::unattested(&endpoint, channel);
+        let started = Instant::now();
+        // Without the node's limit, the CLI would wait for ever.
+        let given_up = tokio::time::timeout(
+            Duration::from_secs(30),
+            request(member, &target, UpgradeStep::Node),
+        )
+        .await
+        .expect("the CLI waited on a silent node past its limit");
+        let e = given_up.unwrap_err();
+        assert!(
+            e.to_string().starts_with(&format!(
+                "{endpoint}: no result within 1 s; the node may still be upgrading"
+            )),
+            "{e}"
+        );
+        assert!(started.elapsed() >= Duration::from_secs(1));
+        server.abort();
+    }
 }
