@@ -97,6 +97,15 @@ pub enum VmError {
         /// QEMU's own output.
         qemu: PathBuf,
     },
+    /// A host variable is not in the store made with it, as it was asked
+    /// for: a boot with it would test nothing.
+    #[error("the variable store {store} lacks the host's variable {name} as asked for")]
+    VariableMissing {
+        /// The variable's name.
+        name: String,
+        /// The store.
+        store: PathBuf,
+    },
     /// The awaited line did not come in time.
     #[error("no {needle:?} on the console within {patience:?}; serial log {serial}")]
     Timeout {
@@ -451,8 +460,38 @@ impl VmBuilder {
             .arg("--set-json")
             .arg(&json)
             .stdout(log_file.try_clone().map_err(io(&log))?)
+            .stderr(log_file.try_clone().map_err(io(&log))?);
+        run_setup("virt-fw-vars", &mut cmd, log.clone())?;
+        // Read back: each variable is in the store, with its attributes
+        // and data, or the boot would not be the attack it stands for.
+        let dump = self.work_dir.join("efi-variables-readback.json");
+        let mut cmd = Command::new("virt-fw-vars");
+        cmd.arg("--input")
+            .arg(vars)
+            .arg("--output-json")
+            .arg(&dump)
+            .stdout(log_file.try_clone().map_err(io(&log))?)
             .stderr(log_file);
-        run_setup("virt-fw-vars", &mut cmd, log)
+        run_setup("virt-fw-vars", &mut cmd, log)?;
+        let read = fs::read(&dump).map_err(io(&dump))?;
+        let stored: serde_json::Value = serde_json::from_slice(&read).unwrap_or_default();
+        let stored = stored["variables"].as_array().cloned().unwrap_or_default();
+        for v in &self.efi_variables {
+            let present = stored.iter().any(|s| {
+                s["name"] == v.name.as_str()
+                    && s["guid"].as_str().map(str::to_ascii_lowercase)
+                        == Some(v.guid.to_ascii_lowercase())
+                    && s["attr"] == 7
+                    && s["data"].as_str().map(str::to_ascii_lowercase) == Some(hex::encode(&v.data))
+            });
+            if !present {
+                return Err(VmError::VariableMissing {
+                    name: v.name.clone(),
+                    store: vars.to_owned(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Provisions a TPM (unless one was given), starts swtpm and QEMU. The
@@ -1058,6 +1097,24 @@ mod tests {
                 .is_some_and(|l| l.ends_with(" keel-agent: ready")),
             "{log}"
         );
+        Ok(())
+    }
+
+    /// The store a boot with host variables starts from holds them, as
+    /// asked for (the read-back check passes on the real tool's output).
+    #[test]
+    fn host_variables_are_in_the_store_made_with_them() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let data: Vec<u8> = "quiet".encode_utf16().flat_map(u16::to_le_bytes).collect();
+        let builder = VmBuilder::new(dir.path().join("disk.raw"), dir.path()).host_efi_variable(
+            "SystemdOptions",
+            "8CF2644B-4B0B-428F-9387-6D876050DC67",
+            &data,
+        );
+        let vars = dir.path().join("vars.fd");
+        builder.make_vars(&vars)?;
+        let dump = fs::read_to_string(dir.path().join("efi-variables-readback.json"))?;
+        assert!(dump.contains("SystemdOptions"), "{dump}");
         Ok(())
     }
 
