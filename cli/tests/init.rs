@@ -209,6 +209,11 @@ async fn init_creates_the_cluster_and_locks_the_node() {
     assert!(!out.status.success());
     // The node's PCR 15 is no longer zero, so the CLI refuses it already; ask the node directly too.
     assert!(text(&out).contains("PCR 15"), "{}", text(&out));
+    assert!(
+        text(&out).contains("the node is already in a cluster"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

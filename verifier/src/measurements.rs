@@ -216,9 +216,17 @@ impl fmt::Display for Mismatch {
             HexDigest(&self.expected)
         )?;
         match &self.actual {
-            Some(a) => write!(f, "got {}", HexDigest(a)),
-            None => f.write_str("not reported"),
+            Some(a) => write!(f, "got {}", HexDigest(a))?,
+            None => f.write_str("not reported")?,
         }
+        if self.pcr == pcr::CLUSTER_ID && self.expected == [0; 32] && self.actual.is_some() {
+            // Zero is required of a node outside any cluster.
+            f.write_str(
+                " (the node is already in a cluster: it was initialised, joined or recovered \
+                 since it booted)",
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -650,5 +658,23 @@ mod tests {
             (mism[1].pcr, mism[1].warn_only, mism[1].actual),
             (13, true, Some([1; 32]))
         );
+        assert!(!mism[1].to_string().contains("already in a cluster"));
+    }
+
+    /// A PCR 15 that is not the zero a node outside any cluster has says
+    /// why: the node is in a cluster (a second init, a recovery of a node
+    /// that rejoined).
+    #[test]
+    fn a_set_cluster_id_pcr_is_explained() {
+        let mut m = Measurements::new(enforced(&REQUIRED_PCRS)).unwrap();
+        m.require(pcr::CLUSTER_ID, [0; 32]);
+        let mut actual: BTreeMap<u32, Digest32> =
+            REQUIRED_PCRS.iter().map(|&p| (p, [0; 32])).collect();
+        actual.insert(pcr::CLUSTER_ID, [7; 32]);
+        let mism = m.compare(&actual);
+        assert_eq!(mism.len(), 1);
+        let text = mism[0].to_string();
+        assert!(text.starts_with("PCR 15: expected 0000"), "{text}");
+        assert!(text.ends_with("(the node is already in a cluster: it was initialised, joined or recovered since it booted)"), "{text}");
     }
 }
