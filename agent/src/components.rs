@@ -8,7 +8,12 @@
 //! which binaries the node runs, whatever mirror served them. A failure
 //! stops at that component: the ones before it stay installed and measured.
 
-use keel_installer::{Component, InstallError, InstalledComponent, Installer, Progress};
+use std::error::Error;
+use std::time::Duration;
+
+use keel_installer::{
+    Component, InstallError, InstalledComponent, Installer, LogProgress, Progress,
+};
 use keel_verifier::measurement::EventType;
 use keel_verifier::signature::SigningPublicKey;
 
@@ -50,6 +55,57 @@ pub enum InstallComponentsError {
     /// The blocking measurement task did not complete.
     #[error("running the measurement task")]
     Blocking(#[source] tokio::task::JoinError),
+}
+
+/// Download progress told both to the node's log (everything
+/// [`LogProgress`] logs) and to `log`, the stream the operator follows
+/// (`keel init`, `keel upgrade`): one line per failed attempt, with why and
+/// when the next starts, and one per verified download. A mirror that does
+/// not answer is then seen at the operator's terminal within its first
+/// retry, not when the download's deadline ends.
+pub struct StreamedProgress<'a> {
+    log: &'a (dyn Fn(String) + Sync),
+    node: LogProgress,
+}
+
+impl<'a> StreamedProgress<'a> {
+    /// Progress told to `log` as well as to the node's log.
+    pub fn new(log: &'a (dyn Fn(String) + Sync)) -> Self {
+        Self {
+            log,
+            node: LogProgress::default(),
+        }
+    }
+}
+
+impl Progress for StreamedProgress<'_> {
+    fn started(&self, name: &str, total: Option<u64>) {
+        self.node.started(name, total);
+    }
+
+    fn advanced(&self, name: &str, done: u64, total: Option<u64>) {
+        self.node.advanced(name, done, total);
+    }
+
+    fn retrying(&self, name: &str, attempt: u32, delay: Duration, error: &(dyn Error + 'static)) {
+        self.node.retrying(name, attempt, delay, error);
+        (self.log)(format!(
+            "{name}: download attempt {attempt} failed ({}); trying again in {:.1} s",
+            keel_installer::ErrorChain(error),
+            delay.as_secs_f64()
+        ));
+    }
+
+    fn finished(&self, name: &str, bytes: u64, elapsed: Duration) {
+        self.node.finished(name, bytes, elapsed);
+        // Display only: a size in MB, rounded.
+        #[allow(clippy::cast_precision_loss)]
+        let megabytes = bytes as f64 / 1e6;
+        (self.log)(format!(
+            "{name}: {megabytes:.1} MB downloaded and verified in {:.1} s",
+            elapsed.as_secs_f64()
+        ));
+    }
 }
 
 /// Installs `components` in order and measures each into PCR 13 right after
@@ -143,4 +199,32 @@ pub fn check_signed_list(
         return Err(SignedListError::Mismatch);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// The operator's stream gets a line per failed attempt (why, and when
+    /// the next starts) and per verified download; not one per chunk.
+    #[test]
+    fn downloads_are_told_to_the_operators_stream() {
+        let lines = Mutex::new(Vec::<String>::new());
+        let log = |line: String| lines.lock().unwrap().push(line);
+        let progress = StreamedProgress::new(&log);
+        progress.started("kubelet", Some(58_000_000));
+        progress.advanced("kubelet", 1_000, Some(58_000_000));
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        progress.retrying("kubelet", 1, Duration::from_millis(1500), &refused);
+        progress.finished("kubelet", 58_000_000, Duration::from_millis(3200));
+        let lines = lines.into_inner().unwrap();
+        assert_eq!(
+            lines,
+            [
+                "kubelet: download attempt 1 failed (refused); trying again in 1.5 s",
+                "kubelet: 58.0 MB downloaded and verified in 3.2 s",
+            ]
+        );
+    }
 }

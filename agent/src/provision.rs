@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_installer::{Component, Installer, InstallerConfig, KubernetesVersion, LogProgress};
+use keel_installer::{Component, Installer, InstallerConfig, KubernetesVersion};
 use zeroize::Zeroizing;
 
 use crate::address::AdvertiseAddress;
@@ -551,7 +551,8 @@ impl<'a> Provisioner<'a> {
         ));
         let installer =
             Installer::new(self.env.installer.clone()).map_err(ProvisionError::Installer)?;
-        install_and_measure(&installer, self.tpm, components, &LogProgress::default())
+        let progress = crate::components::StreamedProgress::new(self.log);
+        install_and_measure(&installer, self.tpm, components, &progress)
             .await
             .map_err(ProvisionError::Install)?;
         installer.keep_only_copies_of(components).await;

@@ -51,7 +51,9 @@ mod staging;
 use std::sync::Arc;
 use std::time::Instant;
 
-use keel_installer::{Component, Installer, KubernetesVersion, LogProgress, UpgradeStepError};
+use keel_installer::{Component, Installer, KubernetesVersion, UpgradeStepError};
+
+use crate::components::StreamedProgress;
 use keel_proto::operator::{UpgradePlan, UpgradeStep};
 use keel_verifier::measurement::EventType;
 use keel_verifier::signature::SigningPublicKey;
@@ -628,7 +630,7 @@ impl Upgrader {
             Installer::new(self.env.installer.clone()).map_err(UpgradeError::Installer)?;
         for component in staged {
             installer
-                .install_among(component, staged, &LogProgress::default())
+                .install_among(component, staged, &StreamedProgress::new(log))
                 .await
                 .map_err(|source| UpgradeError::Install {
                     version: target.version,
