@@ -14,19 +14,26 @@ pub enum AdvertiseAddress {
     Toward(IpAddr),
 }
 
+/// A route lookup found no route toward its peer (no network yet, or no
+/// route that reaches the peer): there is no address to advertise but the
+/// loopback address, which no other node reaches.
+#[derive(Debug, thiserror::Error)]
+#[error("no network route toward {peer} to take the address this node advertises from")]
+pub struct NoRoute {
+    /// The peer the lookup routed toward.
+    pub peer: IpAddr,
+    /// Why the kernel found no route.
+    #[source]
+    pub source: std::io::Error,
+}
+
 impl AdvertiseAddress {
-    /// The address now. A route lookup that fails (no network yet) yields
-    /// the loopback address and logs why.
-    pub fn resolve(&self) -> IpAddr {
+    /// The address now, or why there is none: a node never advertises
+    /// the loopback address in place of one it has no route for.
+    pub fn resolve(&self) -> Result<IpAddr, NoRoute> {
         match *self {
-            Self::Fixed(ip) => ip,
-            Self::Toward(peer) => match source_address(peer) {
-                Ok(ip) => ip,
-                Err(e) => {
-                    tracing::warn!(%peer, error = %e, "no route to the peer; advertising the loopback address");
-                    IpAddr::V4(Ipv4Addr::LOCALHOST)
-                }
-            },
+            Self::Fixed(ip) => Ok(ip),
+            Self::Toward(peer) => source_address(peer).map_err(|source| NoRoute { peer, source }),
         }
     }
 }
@@ -80,7 +87,7 @@ mod tests {
     #[test]
     fn fixed_is_returned_as_is() {
         let ip: IpAddr = "10.1.2.3".parse().unwrap();
-        assert_eq!(AdvertiseAddress::Fixed(ip).resolve(), ip);
+        assert_eq!(AdvertiseAddress::Fixed(ip).resolve().unwrap(), ip);
     }
 
     /// A broadcast address stands in for a peer without a route: a UDP
@@ -119,6 +126,12 @@ mod tests {
     #[test]
     fn route_to_loopback_uses_loopback() {
         let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        assert_eq!(AdvertiseAddress::Toward(lo).resolve(), lo);
+        assert_eq!(AdvertiseAddress::Toward(lo).resolve().unwrap(), lo);
+    }
+
+    #[test]
+    fn no_route_is_no_address() {
+        let e = AdvertiseAddress::Toward(NO_ROUTE).resolve().unwrap_err();
+        assert_eq!(e.peer, NO_ROUTE);
     }
 }

@@ -243,6 +243,11 @@ pub enum ProvisionError {
     /// The directories of an interrupted upgrade could not be emptied.
     #[error("emptying the component directories of an interrupted upgrade")]
     Switched(#[source] StagingError),
+    /// A control plane has no route to take the address its API server
+    /// advertises from: it would serve the loopback address to the nodes
+    /// that join through it.
+    #[error("this control plane has no address to advertise its API server on")]
+    NoAddress(#[source] crate::address::NoRoute),
 }
 
 /// Runs plans for one node, reporting each step to a log sink.
@@ -416,16 +421,20 @@ impl<'a> Provisioner<'a> {
     /// stored cluster ID, and its config's `measurements_key`. The version
     /// is the one the node's record names, which the boot installs: an
     /// upgrade that stopped between its record and the facts left the
-    /// facts at the version before.
+    /// facts at the version before. Refused when the node has no route to
+    /// take the address its API server advertises from.
     pub fn restore_control_plane(
         &self,
         keys: impl Into<Arc<KeyService>>,
         measurements_key: Option<keel_verifier::signature::SigningPublicKey>,
     ) -> Result<ClusterState, ProvisionError> {
-        let api_server = SocketAddr::new(
-            self.env.advertise_address.resolve(),
-            crate::kubeadm::config::API_SERVER_PORT,
-        );
+        let advertise_address = self
+            .env
+            .advertise_address
+            .resolve()
+            .map_err(ProvisionError::NoAddress)?;
+        let api_server =
+            SocketAddr::new(advertise_address, crate::kubeadm::config::API_SERVER_PORT);
         let state = ControlPlaneFacts::load(self.env.root())
             .and_then(|facts| {
                 facts.into_state(

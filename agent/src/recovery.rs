@@ -111,6 +111,10 @@ pub enum RecoveryError {
     /// measurements signing key).
     #[error("the node's config: {0}")]
     Config(String),
+    /// The node has no network route to take the address its API server
+    /// would advertise from.
+    #[error("the node has no network route to take the address it would advertise from")]
+    NoAddress(#[source] crate::address::NoRoute),
     /// The work after the lock failed; the node reboots.
     #[error("recovery failed after the node lock; the node reboots")]
     Provision(#[source] ProvisionError),
@@ -142,7 +146,9 @@ impl From<&RecoveryError> for tonic::Status {
             E::WrongInitSecret => tonic::Code::Unauthenticated,
             E::WrongSecret => tonic::Code::PermissionDenied,
             E::Throttled(seconds) => return keel_proto::held_back(e.to_string(), *seconds),
-            E::Unavailable | E::Lock(_) | E::Busy | E::SourceBusy => tonic::Code::Unavailable,
+            E::Unavailable | E::Lock(_) | E::NoAddress(_) | E::Busy | E::SourceBusy => {
+                tonic::Code::Unavailable
+            }
             // What the node found on its own disk and TPM that rules it
             // out: the operator's to see (no secret in these texts).
             E::Provision(
@@ -336,6 +342,14 @@ impl RecoveryServer {
             .cluster
             .signing_key()
             .map_err(|e| RecoveryError::Config(e.to_string()))?;
+        // Checked before the lock too (the restore refuses it after): a
+        // node with no route to advertise an address on refuses, untouched.
+        inner
+            .node
+            .env
+            .advertise_address
+            .resolve()
+            .map_err(RecoveryError::NoAddress)?;
         let (lock, run_dir) = (inner.node.lock.clone(), inner.node.env.work_dir.clone());
         let cluster_id = accepted.cluster_id;
         let taken = tokio::task::spawn_blocking(move || {

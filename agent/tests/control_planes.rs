@@ -835,6 +835,36 @@ fn restored(
     (state, lines.into_inner().unwrap())
 }
 
+/// A control plane restored (a rejoin, a recovery, an agent restart) on a
+/// node whose route lookup finds no route to take the address it
+/// advertises from is refused: its join service would hand the loopback
+/// address to every node that joins through it as the API server's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_with_no_route_to_advertise_on_is_not_restored() {
+    use keel_agent::address::AdvertiseAddress;
+    use keel_agent::cluster::ControlPlaneFacts;
+
+    let ca = EkCa::new().unwrap();
+    let service = join_common::start_service(&ca, free_port()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (root, work) = (dir.path().join("root"), dir.path().join("work"));
+    ControlPlaneFacts::of(&service.state).save(&root).unwrap();
+    let mut env = join_common::node_env(&root, &work, None);
+    // A broadcast address stands in for a peer without a route.
+    env.advertise_address = AdvertiseAddress::Toward(std::net::Ipv4Addr::BROADCAST.into());
+    let (master, salt) = service.state.keys.expose_master();
+    let keys = KeyService::new(master, salt).unwrap();
+    let log = |_: String| {};
+    let refused = keel_agent::provision::Provisioner::new(&env, &service.tpm, &log)
+        .restore_control_plane(keys, None)
+        .unwrap_err();
+    assert!(matches!(refused, ProvisionError::NoAddress(_)), "{refused}");
+
+    // With a route, the same facts restore.
+    let (state, _) = restored(&service, &root, &work);
+    assert_eq!(state.cluster_id, service.state.cluster_id);
+}
+
 /// An upgrade that stopped between the node's version record and the
 /// control-plane facts: after the reboot the control plane serves the
 /// version its record names (the one the boot installs), the version

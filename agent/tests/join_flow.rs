@@ -5,12 +5,14 @@
 
 mod join_common;
 
+use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use join_common::{
     boot_measurements, boot_measurements_with, free_port, joiner, stand_in_components,
     start_service_with, Joiner, Service,
 };
+use keel_agent::address::AdvertiseAddress;
 use keel_agent::disk::Cryptsetup;
 use keel_agent::join::{JoinOutcome, JoinTicket, KubeletKey, TicketError};
 use keel_atls::ConnectError;
@@ -425,6 +427,31 @@ async fn a_ticket_with_components_outside_the_component_directories_is_refused()
     );
     list.push(outside);
     a_ticket_of_is_refused(&ca, &mirror, list, "/etc/kubernetes/manifests").await;
+}
+
+/// A node whose route lookup finds no route to take the address it would
+/// advertise from (no route toward its first control-plane endpoint, or
+/// no default route) would join on its loopback address, which no other
+/// node reaches: it neither locks nor writes nor fetches anything, and
+/// keeps trying. Once it has a route, it joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_no_route_to_advertise_on_stays_unlocked() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+    let node = joiner(&ca, &ca, port, "w-1", "worker");
+    let mut env = node.env();
+    // A broadcast address stands in for a peer without a route.
+    env.advertise_address = AdvertiseAddress::Toward(Ipv4Addr::BROADCAST.into());
+
+    let run = tokio::time::timeout(WATCH, node.client_in(&ca, env).run()).await;
+    assert!(run.is_err(), "{run:?}");
+    node.assert_untouched();
+    assert_eq!(mirror.total_requests(), 0);
+
+    let cluster_id = joined(&node, &ca).await;
+    assert_eq!(cluster_id, service.state.cluster_id);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,9 @@
 //! * **Join** (no initialised state disk): the node asks the control-plane
 //!   endpoints of its measured config in turn for a join ticket, with capped
 //!   exponential backoff and jitter, forever, until one issues a ticket or
-//!   the node is locked by init. Nothing is written before the lock: the
+//!   the node is locked by init. It asks only while it has a route to take
+//!   the address it advertises from (a node on its loopback address joins
+//!   a cluster no other node reaches). Nothing is written before the lock: the
 //!   kubelet key and the disk UUID live in memory until then. With a valid
 //!   ticket it takes the lock with the cluster ID derived from the ticket,
 //!   then hands the rest to the [provisioning pipeline](crate::provision):
@@ -28,7 +30,7 @@
 //! ID in the service's replayed event log ([`super::ticket`]). A service of
 //! another cluster, or one running another image, never gets this node.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -368,12 +370,23 @@ impl JoinClient {
             file_discovery: true,
         };
         let (tickets, spki) = (&self.tickets, spki.as_slice());
+        let advertise = &self.env.advertise_address;
         let attempt = |endpoint: String| {
             let request = request.clone();
-            async move { tickets.join_ticket(&endpoint, request, spki).await }
+            async move {
+                // Chosen before the lock: a node with no route to take the
+                // address it advertises from asks for nothing and stays
+                // untouched, instead of joining on its loopback address.
+                let address = advertise.resolve().map_err(TicketError::NoAddress)?;
+                let ticket = tickets.join_ticket(&endpoint, request, spki).await?;
+                Ok((ticket, address))
+            }
         };
-        let mut ticket = match self.locked_ticket("join", attempt, |t| t.cluster_id).await {
-            Ok(ticket) => ticket,
+        let locked = self
+            .locked_ticket("join", attempt, |(t, _)| t.cluster_id)
+            .await;
+        let (mut ticket, advertise_address) = match locked {
+            Ok(locked) => locked,
             Err(outcome) => return outcome,
         };
         tracing::info!(cluster_id = %hex::encode(ticket.cluster_id), "node locked for join");
@@ -381,7 +394,13 @@ impl JoinClient {
         // Taken into use once the node is provisioned: an operator request
         // (an upgrade) must not run while the join installs components.
         let operator_key = ticket.operator_key.clone();
-        let (plan, join) = self.join_plan(&ticket, disk_uuid, &kubelet, is_control_plane);
+        let (plan, join) = self.join_plan(
+            &ticket,
+            advertise_address,
+            disk_uuid,
+            &kubelet,
+            is_control_plane,
+        );
         let cluster_id = ticket.cluster_id;
         let registry = ticket
             .control_plane
@@ -395,7 +414,7 @@ impl JoinClient {
                 self.take_registry(registry, issuer).await?;
             }
             p.kubeadm_join(&join, &files).await?;
-            match self.control_plane_state(ticket)? {
+            match self.control_plane_state(ticket, advertise_address)? {
                 Some(state) => p.serve_as_control_plane(state, &self.cluster).await,
                 None => p.finish().await,
             }
@@ -419,9 +438,17 @@ impl JoinClient {
         };
         tracing::info!(disk = %disk.device.display(), uuid = disk_uuid, "state disk initialised: rejoining");
         let tickets = &self.tickets;
+        let advertise =
+            (self.config.node.role == Role::ControlPlane).then_some(&self.env.advertise_address);
         let attempt = |endpoint: String| {
             let disk = disk.clone();
             async move {
+                // A control plane serves its API server on the address it
+                // advertises: with no route to take one from, it asks for
+                // nothing and stays untouched (as a join does).
+                if let Some(advertise) = advertise {
+                    advertise.resolve().map_err(TicketError::NoAddress)?;
+                }
                 let ticket = tickets.rejoin_ticket(&endpoint, disk_uuid).await?;
                 // Before the lock: the key must open this very disk.
                 let key = ticket.disk_key.clone();
@@ -545,10 +572,12 @@ impl JoinClient {
     }
 
     /// The work after a join ticket: a fresh state disk, the kubelet's
-    /// (and a control plane's) PKI, the components, `kubeadm join`.
+    /// (and a control plane's) PKI, the components, `kubeadm join`, the
+    /// node advertising `advertise_address`.
     fn join_plan(
         &self,
         ticket: &JoinTicket,
+        advertise_address: IpAddr,
         disk_uuid: String,
         kubelet: &KubeletKey,
         is_control_plane: bool,
@@ -572,7 +601,6 @@ impl JoinClient {
         for (name, data) in &ticket.control_plane_files {
             files.push((pki.join(name), data.clone()));
         }
-        let advertise_address = self.env.advertise_address.resolve();
         let join = JoinConfig {
             node_name: self.config.node.name.clone(),
             node_ip: advertise_address,
@@ -610,11 +638,12 @@ impl JoinClient {
         (plan, join)
     }
 
-    /// The cluster state of a control plane that joined with `ticket`;
-    /// `None` for a worker.
+    /// The cluster state of a control plane that joined with `ticket`,
+    /// its API server on `advertise_address`; `None` for a worker.
     fn control_plane_state(
         &self,
         ticket: JoinTicket,
+        advertise_address: IpAddr,
     ) -> Result<Option<ClusterState>, ProvisionError> {
         let Some((keys, measurements)) = ticket.control_plane else {
             return Ok(None);
@@ -632,10 +661,7 @@ impl JoinClient {
             kubernetes_version: ticket.version,
             components: ticket.components,
             authorised_components: measurements.authorised,
-            api_server: SocketAddr::new(
-                self.env.advertise_address.resolve(),
-                crate::kubeadm::config::API_SERVER_PORT,
-            ),
+            api_server: SocketAddr::new(advertise_address, crate::kubeadm::config::API_SERVER_PORT),
             pki_dir: self.env.pki_dir(),
             join_measurements: measurements.image.join,
             staged_measurements: measurements.image.staged,

@@ -87,13 +87,24 @@ pub enum TicketError {
     /// A ticket field is invalid.
     #[error("invalid ticket: {0}")]
     Invalid(String),
+    /// This node has no route to take the address it would advertise
+    /// from: no ticket was asked for, since the node could not use one.
+    #[error("this node has no address to advertise; not asking for a ticket until it has a route")]
+    NoAddress(#[source] crate::address::NoRoute),
 }
 
 impl TicketError {
-    /// Whether the connection to the service was refused at once, before
-    /// either side did any work (see [`ConnectError::is_refused_at_once`]).
+    /// Whether the attempt ended before either side did any work: the
+    /// connection to the service was refused at once (see
+    /// [`ConnectError::is_refused_at_once`]), or this node had no route to
+    /// advertise an address on (its network is still coming up) and asked
+    /// for nothing.
     pub fn is_refused_at_once(&self) -> bool {
-        matches!(self, Self::Connect(e) if e.is_refused_at_once())
+        match self {
+            Self::Connect(e) => e.is_refused_at_once(),
+            Self::NoAddress(_) => true,
+            _ => false,
+        }
     }
 }
 

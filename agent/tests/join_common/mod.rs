@@ -811,10 +811,15 @@ impl Joiner {
 
     /// [`Joiner::client`] with `extra` in the stand-in kubeadm's environment.
     pub fn client_with_kubeadm_env(&self, ca: &EkCa, extra: &[(&str, &str)]) -> JoinClient {
-        let mut env = node_env(&self.root, &self.work, Some(&self.disk));
+        let mut env = self.env();
         env.kubeadm
             .env
             .extend(extra.iter().map(|(k, v)| ((*k).into(), (*v).into())));
+        self.client_in(ca, env)
+    }
+
+    /// [`Joiner::client`] provisioning in `env`.
+    pub fn client_in(&self, ca: &EkCa, env: NodeEnv) -> JoinClient {
         let mut settings = JoinSettings::from_config(&self.config).unwrap();
         settings.ek_trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
         settings.backoff = Backoff {
