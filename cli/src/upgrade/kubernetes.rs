@@ -125,14 +125,24 @@ pub async fn run(operator: &Operator, roles: &Roles, target: &Target) -> anyhow:
             failed.push(endpoint.clone());
         }
     }
+    workers_failed(&failed)?;
+    println!("kubernetes: every node runs {}", target.version);
+    Ok(())
+}
+
+/// The phase's end where the workers at `failed` did not report a finished
+/// upgrade. Each one's FAILED line says where it stands: switched back,
+/// nothing switched, half switched, or unknown (no result in time, or the
+/// connection lost while its upgrade goes on at the node).
+fn workers_failed(failed: &[String]) -> anyhow::Result<()> {
     if !failed.is_empty() {
         bail!(
-            "{} worker(s) did not upgrade and run their previous version: {}",
+            "{} worker(s) did not report a finished upgrade (each FAILED line above says where \
+             it stands): {}",
             failed.len(),
             failed.join(", ")
         );
     }
-    println!("kubernetes: every node runs {}", target.version);
     Ok(())
 }
 
@@ -337,5 +347,20 @@ mod tests {
         );
         assert!(started.elapsed() >= Duration::from_secs(1));
         server.abort();
+    }
+
+    /// A worker given up on may still be upgrading, or be half switched:
+    /// the phase's end claims no version for the workers that failed.
+    #[test]
+    fn failed_workers_are_not_said_to_run_their_previous_version() {
+        assert!(workers_failed(&[]).is_ok());
+        let e = workers_failed(&["w-0:9000".into(), "w-1:9000".into()]).unwrap_err();
+        let e = e.to_string();
+        assert!(!e.contains("previous version"), "{e}");
+        assert!(
+            e.starts_with("2 worker(s) did not report a finished upgrade"),
+            "{e}"
+        );
+        assert!(e.ends_with(": w-0:9000, w-1:9000"), "{e}");
     }
 }
