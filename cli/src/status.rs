@@ -69,7 +69,7 @@ pub async fn run(
     }
     if !failed.is_empty() {
         bail!(
-            "{} of {} control planes did not answer: {}",
+            "{} of {} control planes failed: {}",
             failed.len(),
             endpoints.len(),
             failed.join(", ")
@@ -170,7 +170,7 @@ fn view_text(view: &View<'_>, local: impl FnOnce() -> u64) -> String {
     let (endpoint, registry, served_at) = match view {
         View::Failed { endpoint, error } => {
             line(format_args!("control plane {}", text(endpoint)));
-            line(format_args!("  did not answer: {}", text(error)));
+            line(format_args!("  failed: {}", text(error)));
             return out;
         }
         View::Answered {
@@ -360,7 +360,7 @@ mod tests {
         };
         assert_eq!(
             view_text(&failed, || 5_000),
-            "control plane cp-2:9000\n  did not answer: refused\\n\n"
+            "control plane cp-2:9000\n  failed: refused\\n\n"
         );
     }
 
