@@ -177,7 +177,7 @@ impl Settings {
     fn ek_trust(&self) -> anyhow::Result<EkTrust> {
         let ca = self.resolve(&self.ek_ca);
         EkTrust::from_pem(&read_bounded(&ca)?)
-            .with_context(|| format!("EK CA bundle {} holds no certificate", ca.display()))
+            .with_context(|| format!("EK CA bundle {}", ca.display()))
     }
 
     /// Refuses a node whose measured config names other attestation
@@ -395,5 +395,44 @@ mod tests {
         let large = dir.path().join("large");
         std::fs::write(&large, vec![0; MAX_FILE as usize + 1]).unwrap();
         assert!(read_bounded(&large).is_err());
+    }
+
+    /// An EK CA bundle that cannot be used is named with what is wrong in
+    /// it (the verifier's reason), not always as one without certificates.
+    #[test]
+    fn an_unusable_ek_ca_bundle_is_named_with_its_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = dir.path().join("keel.json");
+        std::fs::write(
+            &settings,
+            r#"{"endpoint": "n:9000", "measurements": "m.json", "ek_ca": "ca.pem"}"#,
+        )
+        .unwrap();
+        let settings = Settings::load(&settings).unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(
+            &ca,
+            "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        let e = format!("{:#}", settings.ek_trust().unwrap_err());
+        assert!(!e.contains("holds no certificate"), "{e}");
+        assert_eq!(
+            e,
+            format!(
+                "EK CA bundle {}: EK CA bundle, block 0 (from 0): a \"PRIVATE KEY\" block, not a \
+                 CERTIFICATE",
+                ca.display()
+            )
+        );
+        std::fs::write(&ca, "").unwrap();
+        let e = format!("{:#}", settings.ek_trust().unwrap_err());
+        assert_eq!(
+            e,
+            format!(
+                "EK CA bundle {}: no trusted EK CA certificate configured",
+                ca.display()
+            )
+        );
     }
 }
