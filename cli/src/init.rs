@@ -28,6 +28,7 @@ use tonic::transport::Endpoint;
 use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::files::{create_temporary, remove_temporaries};
+use crate::operator::{connection_failed, never_sent, transport_failure};
 use crate::printable::printable;
 use crate::settings::{read_bounded, Settings};
 use crate::workspace::{
@@ -300,40 +301,6 @@ fn unused_secret(secret_path: &Path) -> String {
          that file (or give another --workspace) and run keel init again",
         secret_path.display()
     )
-}
-
-/// What failed beneath a status tonic made of a transport failure, each
-/// cause once (the status's message repeats the first, and errors that
-/// wrap another often print it too).
-fn transport_failure(status: &tonic::Status) -> String {
-    let mut causes: Vec<String> = Vec::new();
-    let mut next = std::error::Error::source(status);
-    while let Some(e) = next {
-        let text = e.to_string();
-        if !causes.last().is_some_and(|last| last.ends_with(&text)) {
-            causes.push(text);
-        }
-        next = e.source();
-    }
-    if causes.is_empty() {
-        status.message().to_owned()
-    } else {
-        causes.join(": ")
-    }
-}
-
-/// Whether `status` says the request never left: the channel had no
-/// connection to send it on (tonic's [`tonic::ConnectError`] in the
-/// status's sources; the node may have closed an idle one).
-fn never_sent(status: &tonic::Status) -> bool {
-    let mut source = std::error::Error::source(status);
-    while let Some(e) = source {
-        if e.is::<tonic::ConnectError>() {
-            return true;
-        }
-        source = e.source();
-    }
-    false
 }
 
 /// How the operator gets the admin kubeconfig of the cluster initialised
@@ -681,7 +648,7 @@ pub async fn run(
         // The request may have reached the node, which then goes on: it is
         // not sent again (a second init would be refused, the first
         // continuing), and the operator learns how to find its result.
-        Err(s) if std::error::Error::source(&s).is_some() => bail!(
+        Err(s) if connection_failed(&s) => bail!(
             "the connection to the node failed before it answered init ({}): it may have \
              received the request and be setting up the cluster{}",
             printable(&transport_failure(&s)),

@@ -140,9 +140,26 @@ pub fn require_endpoints(endpoints: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Formats a refusal of `endpoint`. A request the node does not know
-/// (`Unimplemented`) says that its agent is of an earlier version.
+/// Formats a failed call of `endpoint`: the node's refusal, or, for a
+/// status tonic made of a transport failure, what failed and what the node
+/// may have done ([`never_sent`], [`connection_failed`]). A request the
+/// node does not know (`Unimplemented`) says that its agent is of an
+/// earlier version.
 pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
+    if never_sent(s) {
+        return anyhow::anyhow!(
+            "{endpoint}: the connection was gone before the request could be sent ({}); the \
+             node did not receive it",
+            crate::printable::printable(&transport_failure(s))
+        );
+    }
+    if connection_failed(s) {
+        return anyhow::anyhow!(
+            "{endpoint}: the connection failed before the node's answer was complete ({}); the \
+             node may have acted on the request",
+            crate::printable::printable(&transport_failure(s))
+        );
+    }
     let older = if s.code() == tonic::Code::Unimplemented {
         " (its agent is of an earlier version, which does not take this request: \
          update its image, or ask another control plane)"
@@ -154,6 +171,47 @@ pub fn refused(endpoint: &str, s: &tonic::Status) -> anyhow::Error {
         s.code(),
         crate::printable::printable(s.message())
     )
+}
+
+/// Whether `status` is tonic's of a transport failure (it has a source: a
+/// status the node sent has none): the connection failed, and the request
+/// may have reached the node, which then goes on, or not.
+pub(crate) fn connection_failed(status: &tonic::Status) -> bool {
+    std::error::Error::source(status).is_some()
+}
+
+/// Whether `status` says the request never left: the channel had no
+/// connection to send it on (tonic's [`tonic::ConnectError`] in the
+/// status's sources; the node may have closed an idle one).
+pub(crate) fn never_sent(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if e.is::<tonic::ConnectError>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// What failed beneath a status tonic made of a transport failure, each
+/// cause once (the status's message repeats the first, and errors that
+/// wrap another often print it too).
+pub(crate) fn transport_failure(status: &tonic::Status) -> String {
+    let mut causes: Vec<String> = Vec::new();
+    let mut next = std::error::Error::source(status);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !causes.last().is_some_and(|last| last.ends_with(&text)) {
+            causes.push(text);
+        }
+        next = e.source();
+    }
+    if causes.is_empty() {
+        status.message().to_owned()
+    } else {
+        causes.join(": ")
+    }
 }
 
 /// Longest one operator call may take, its answer included (`keel status`
@@ -365,6 +423,42 @@ mod tests {
         assert!(e.to_string().contains("of an earlier version"), "{e}");
         let answered = async { Ok(tonic::Response::new(7u8)) };
         assert_eq!(answer_within("cp:9000", limit, answered).await.unwrap(), 7);
+    }
+
+    /// A connection that fails under a call (reset, or its keep-alive
+    /// timed out) is not the node's refusal: the node may have acted on
+    /// the request (a recovery, an upgrade goes on at the node). One that
+    /// was gone before the call sent nothing.
+    #[test]
+    fn a_failed_connection_is_not_reported_as_a_refusal() {
+        let reset = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection reset by peer",
+        )));
+        let e = refused("cp:9000", &reset).to_string();
+        assert!(!e.contains("refused"), "{e}");
+        assert_eq!(
+            e,
+            "cp:9000: the connection failed before the node's answer was complete (connection \
+             reset by peer); the node may have acted on the request"
+        );
+        let gone = tonic::Status::from_error(Box::new(tonic::ConnectError(Box::new(
+            std::io::Error::other("connection gone"),
+        ))));
+        let e = refused("cp:9000", &gone).to_string();
+        assert!(!e.contains("refused"), "{e}");
+        assert_eq!(
+            e,
+            "cp:9000: the connection was gone before the request could be sent (connection \
+             gone); the node did not receive it"
+        );
+        // The node's own refusal, a status it sent, still reads as one.
+        let sent = tonic::Status::unavailable("the TPM is unavailable");
+        let e = refused("cp:9000", &sent).to_string();
+        assert_eq!(
+            e,
+            "cp:9000 refused: The service is currently unavailable: the TPM is unavailable"
+        );
     }
 
     #[test]
