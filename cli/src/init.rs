@@ -414,21 +414,27 @@ fn random32() -> Zeroizing<Vec<u8>> {
     v
 }
 
-/// Binds an attested channel to the node, retrying for up to `wait` while
-/// the node is unreachable (still booting), and for at least 2 minutes
-/// while it says it is busy ([`crate::reach::until_reachable`]); any other
-/// failure ends at once.
+/// Binds an attested channel to the node at `name` (reached at
+/// `endpoint`), retrying for up to `wait` while the node is unreachable
+/// (still booting), and for at least 2 minutes while it says it is busy
+/// ([`crate::reach::until_reachable`]); any other failure ends at once.
+/// Errors and retries name the node: a command may reach several.
 pub(crate) async fn connect(
     client: &AtlsClient<Verified>,
+    name: &str,
     endpoint: Endpoint,
     wait: Duration,
 ) -> anyhow::Result<keel_atls::BoundChannel<Verified>> {
-    crate::reach::until_reachable(wait, || client.bind_channel(endpoint.clone()))
+    crate::reach::until_reachable(name, wait, || client.bind_channel(endpoint.clone()))
         .await
         .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
-        .context(
-            "the node's attestation was not accepted or it was not reachable; nothing was sent",
-        )
+        .with_context(|| {
+            format!(
+                "{}: the node's attestation was not accepted or it was not reachable; nothing \
+                 was sent",
+                printable(name)
+            )
+        })
 }
 
 /// Runs `keel init`.
@@ -493,7 +499,7 @@ pub async fn run(
         printable(&settings.endpoint)
     );
     let client = AtlsClient::server_attested(Arc::new(validator));
-    let bound = connect(&client, endpoint, wait).await?;
+    let bound = connect(&client, &settings.endpoint, endpoint, wait).await?;
     let attested = bound
         .attested
         .context("the node presented no attestation")?;

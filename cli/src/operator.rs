@@ -342,7 +342,7 @@ impl Operator {
     /// the workspace's cluster.
     pub async fn connect(&self, endpoint: &str) -> anyhow::Result<Member> {
         let uri = Settings::grpc_endpoint(endpoint)?;
-        let bound = connect(&self.client, uri, self.wait).await?;
+        let bound = connect(&self.client, endpoint, uri, self.wait).await?;
         let attested = bound
             .attested
             .context("the node presented no attestation")?;

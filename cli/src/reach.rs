@@ -22,9 +22,10 @@ const BUSY_MAX_PAUSE: Duration = Duration::from_secs(4);
 /// retried), or the next attempt would start after `wait` (unreachable)
 /// or after `wait` and at least [`BUSY_WAIT`] (busy). Pauses double from
 /// 1 s up to [`MAX_PAUSE`], for a busy node up to [`BUSY_MAX_PAUSE`]; each
-/// retry is announced on stderr with its reason, and so is giving up on a
-/// node that stayed busy.
+/// retry is announced on stderr with the node's `endpoint` and the reason,
+/// and so is giving up on a node that stayed busy.
 pub(crate) async fn until_reachable<T, F, Fut>(
+    endpoint: &str,
     wait: Duration,
     attempt: F,
 ) -> Result<T, ConnectError>
@@ -39,7 +40,7 @@ where
         max_pause: MAX_PAUSE,
         busy_max_pause: BUSY_MAX_PAUSE,
     }
-    .run(attempt)
+    .run(endpoint, attempt)
     .await
 }
 
@@ -67,11 +68,27 @@ impl Backoff {
 }
 
 impl Retry {
-    async fn run<T, F, Fut>(&self, mut attempt: F) -> Result<T, ConnectError>
+    async fn run<T, F, Fut>(&self, endpoint: &str, attempt: F) -> Result<T, ConnectError>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, ConnectError>>,
     {
+        self.run_saying(endpoint, attempt, |line| eprintln!("{line}"))
+            .await
+    }
+
+    /// [`Retry::run`], each announcement given to `say`.
+    async fn run_saying<T, F, Fut>(
+        &self,
+        endpoint: &str,
+        mut attempt: F,
+        mut say: impl FnMut(String),
+    ) -> Result<T, ConnectError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ConnectError>>,
+    {
+        let endpoint = crate::printable::printable(endpoint);
         let start = Instant::now();
         let mut unreachable = Backoff(self.first_pause);
         let mut busy = Backoff(self.first_pause);
@@ -83,30 +100,30 @@ impl Retry {
             let pause = if e.is_busy() {
                 let pause = busy.next(self.busy_max_pause);
                 if start.elapsed() + pause >= self.busy_wait {
-                    eprintln!(
-                        "the node stayed busy for {} s: it answers only so many key residency \
-                         challenges for a while (someone may be flooding its port); this says \
-                         nothing against its attestation. Try again later",
+                    say(format!(
+                        "{endpoint}: the node stayed busy for {} s: it answers only so many key \
+                         residency challenges for a while (someone may be flooding its port); \
+                         this says nothing against its attestation. Try again later",
                         start.elapsed().as_secs()
-                    );
+                    ));
                     return Err(e);
                 }
-                eprintln!(
-                    "the node is busy ({}); retrying in {} s",
+                say(format!(
+                    "{endpoint}: the node is busy ({}); retrying in {} s",
                     keel_atls::ErrorChain(&e),
                     pause.as_secs()
-                );
+                ));
                 pause
             } else if e.is_unreachable() {
                 let pause = unreachable.next(self.max_pause);
                 if start.elapsed() + pause >= self.wait {
                     return Err(e);
                 }
-                eprintln!(
-                    "the node is not reachable yet ({}); retrying in {} s",
+                say(format!(
+                    "{endpoint}: the node is not reachable yet ({}); retrying in {} s",
                     keel_atls::ErrorChain(&e),
                     pause.as_secs()
-                );
+                ));
                 pause
             } else {
                 return Err(e);
@@ -156,7 +173,7 @@ mod tests {
     async fn a_busy_node_is_asked_again_even_without_a_wait() {
         let calls = Cell::new(0);
         let outcome = quick(0, 1000)
-            .run(failing(&calls, |n| (n < 3).then(busy)))
+            .run("n:9000", failing(&calls, |n| (n < 3).then(busy)))
             .await;
         assert_eq!(outcome.unwrap(), 3);
     }
@@ -165,7 +182,9 @@ mod tests {
     async fn a_node_that_stays_busy_is_given_up_on_as_busy() {
         let calls = Cell::new(0);
         let started = Instant::now();
-        let outcome = quick(0, 100).run(failing(&calls, |_| Some(busy()))).await;
+        let outcome = quick(0, 100)
+            .run("n:9000", failing(&calls, |_| Some(busy())))
+            .await;
         let e = outcome.unwrap_err();
         assert!(e.is_busy(), "{e:?}");
         assert!(started.elapsed() < Duration::from_secs(1));
@@ -177,9 +196,12 @@ mod tests {
     async fn a_node_that_did_not_answer_is_not_asked_again() {
         let calls = Cell::new(0);
         let outcome = quick(1000, 1000)
-            .run(failing(&calls, |_| {
-                Some(ConnectError::Residency(ResidencyError::NoAnswer))
-            }))
+            .run(
+                "n:9000",
+                failing(&calls, |_| {
+                    Some(ConnectError::Residency(ResidencyError::NoAnswer))
+                }),
+            )
             .await;
         assert!(!outcome.unwrap_err().is_busy());
         assert_eq!(calls.get(), 1);
@@ -190,14 +212,56 @@ mod tests {
         let calls = Cell::new(0);
         let timeout = || ConnectError::Timeout(Duration::from_secs(10));
         let outcome = quick(1000, 1000)
-            .run(failing(&calls, |n| (n < 2).then(timeout)))
+            .run("n:9000", failing(&calls, |n| (n < 2).then(timeout)))
             .await;
         assert_eq!(outcome.unwrap(), 2);
         let calls = Cell::new(0);
         let outcome = quick(0, 1000)
-            .run(failing(&calls, |_| Some(timeout())))
+            .run("n:9000", failing(&calls, |_| Some(timeout())))
             .await;
         assert!(outcome.is_err());
         assert_eq!(calls.get(), 1, "no wait, no retry");
+    }
+
+    /// A command may reach several nodes: each line about one names it.
+    #[tokio::test]
+    async fn each_retry_names_the_node() {
+        let calls = Cell::new(0);
+        let mut said = Vec::new();
+        let timeout = || ConnectError::Timeout(Duration::from_secs(10));
+        let outcome = quick(1000, 1000)
+            .run_saying(
+                "cp-1:9000",
+                failing(&calls, |n| match n {
+                    0 => Some(timeout()),
+                    1 => Some(busy()),
+                    _ => None,
+                }),
+                |line| said.push(line),
+            )
+            .await;
+        assert_eq!(outcome.unwrap(), 2);
+        assert_eq!(said.len(), 2, "{said:?}");
+        assert!(
+            said[0].starts_with("cp-1:9000: the node is not reachable yet ("),
+            "{said:?}"
+        );
+        assert!(
+            said[1].starts_with("cp-1:9000: the node is busy ("),
+            "{said:?}"
+        );
+        said.clear();
+        let outcome = quick(0, 10)
+            .run_saying("cp-2:9000", failing(&calls, |_| Some(busy())), |line| {
+                said.push(line)
+            })
+            .await;
+        assert!(outcome.is_err());
+        assert!(
+            said.last()
+                .unwrap()
+                .starts_with("cp-2:9000: the node stayed busy"),
+            "{said:?}"
+        );
     }
 }

@@ -91,7 +91,7 @@ pub async fn run(
             crate::printable::printable(&endpoint)
         );
     }
-    let bound = connect(&client, uri, wait).await?;
+    let bound = connect(&client, &endpoint, uri, wait).await?;
     let attested = bound
         .attested
         .context("the node presented no attestation")?;

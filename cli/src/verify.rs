@@ -110,11 +110,11 @@ pub async fn run(
         let client = AtlsClient::server_attested(Arc::new(
             settings.diagnostic_validator(measurements.clone())?,
         ));
-        let connected = reach(&client, uri.uri(), wait).await;
+        let connected = reach(&client, &endpoint, uri.uri(), wait).await;
         return report(&settings, measurements, endpoint, connected, cluster_id);
     }
     let client = AtlsClient::server_attested(Arc::new(settings.validator(measurements)?));
-    let stream = reach(&client, uri.uri(), wait)
+    let stream = reach(&client, &endpoint, uri.uri(), wait)
         .await
         .map_err(|e| anyhow::anyhow!("{}", keel_atls::ErrorChain(&e)))
         .with_context(|| format!("{endpoint}: attestation not accepted"))?;
@@ -161,13 +161,15 @@ pub async fn run(
     Ok(())
 }
 
-/// Connects to the node, retrying for up to `wait` while it is unreachable.
+/// Connects to the node at `endpoint` (reached at `uri`), retrying for up
+/// to `wait` while it is unreachable.
 async fn reach(
     client: &AtlsClient<Verified>,
+    endpoint: &str,
     uri: &tonic::codegen::http::Uri,
     wait: Duration,
 ) -> Result<keel_atls::AtlsStream<Verified>, keel_atls::ConnectError> {
-    crate::reach::until_reachable(wait, || client.connect_uri(uri)).await
+    crate::reach::until_reachable(endpoint, wait, || client.connect_uri(uri)).await
 }
 
 /// `-o json`: the connection was validated with a diagnostic validator

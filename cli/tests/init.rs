@@ -340,9 +340,17 @@ async fn an_unreachable_node_is_retried_until_the_wait_ends() {
     .await;
     assert!(!out.status.success());
     let t = text(&out);
-    let retries = t.matches("not reachable yet").count();
+    let retries = t
+        .matches(&format!("{closed_addr}: the node is not reachable yet"))
+        .count();
     assert!(retries >= 1, "{t}");
-    assert!(t.contains("nothing was sent"), "{t}");
+    assert!(
+        t.contains(&format!(
+            "{closed_addr}: the node's attestation was not accepted or it was not reachable; \
+             nothing was sent"
+        )),
+        "{t}"
+    );
     assert_eq!(n.pcr15(), [0; 32]);
 }
 
