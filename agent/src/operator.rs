@@ -1222,6 +1222,26 @@ mod tests {
         }
     }
 
+    impl Captured {
+        /// Captures this thread's events at debug level and above while
+        /// the guard lives.
+        fn debug_log() -> (Self, tracing::subscriber::DefaultGuard) {
+            let captured = Self::default();
+            let writer = captured.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_max_level(tracing::Level::DEBUG)
+                .with_ansi(false)
+                .finish();
+            (captured, tracing::subscriber::set_default(subscriber))
+        }
+
+        /// What was captured.
+        fn text(&self) -> String {
+            String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+        }
+    }
+
     /// Anyone who reaches the init port may send `Upgrade` with a junk
     /// proof, again and again: each refusal is logged at debug level, as
     /// for every other operator request, so that a flood of them does not
@@ -1230,14 +1250,7 @@ mod tests {
     async fn an_unproven_upgrade_is_refused_without_a_warning() {
         let dir = tempfile::tempdir().unwrap();
         let server = server(dir.path(), &Arc::new(ClusterSlot::new(None)), true);
-        let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_max_level(tracing::Level::DEBUG)
-            .with_ansi(false)
-            .finish();
-        let _default = tracing::subscriber::set_default(subscriber);
+        let (captured, _default) = Captured::debug_log();
         for _ in 0..3 {
             let request = tonic::Request::new(UpgradeRequest {
                 challenge: server.challenge().to_vec(),
@@ -1246,23 +1259,17 @@ mod tests {
             });
             assert!(OperatorService::upgrade(&server, request).await.is_err());
         }
-        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let log = captured.text();
         assert!(log.contains("operator request refused"), "{log}");
         assert!(!log.contains("WARN"), "{log}");
     }
 
     /// What [`refused`] logs for `e`, at debug level and above.
     fn refusal_log(e: &OperatorError) -> String {
-        let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_max_level(tracing::Level::DEBUG)
-            .with_ansi(false)
-            .finish();
-        tracing::subscriber::with_default(subscriber, || refused(e));
-        let bytes = captured.0.lock().unwrap().clone();
-        String::from_utf8(bytes).unwrap()
+        let (captured, default) = Captured::debug_log();
+        refused(e);
+        drop(default);
+        captured.text()
     }
 
     /// A flood against a member: its first wrong proof is a warning, and
