@@ -89,6 +89,15 @@ pub fn is_cert_san(s: &str) -> bool {
     s.parse::<IpAddr>().is_ok() || is_dns_name(s.strip_prefix("*.").unwrap_or(s))
 }
 
+/// Whether `s` is `host:port` that kubeadm and a kubeconfig take for the
+/// API server: the host a lower-case DNS name, an IPv4 address or a
+/// bracketed IPv6 address.
+pub fn is_endpoint(s: &str) -> bool {
+    s.parse::<std::net::SocketAddr>().is_ok()
+        || s.rsplit_once(':')
+            .is_some_and(|(host, port)| port.parse::<u16>().is_ok() && is_dns_name(host))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -375,7 +375,7 @@ impl NodeConfig {
             }
         }
         if let Some(e) = &c.api_server_endpoint {
-            if !is_endpoint(e) {
+            if !crate::cluster_settings::is_endpoint(e) {
                 return Err(ConfigError::Invalid {
                     field: "cluster.api_server_endpoint",
                     reason: format!(
@@ -435,15 +435,6 @@ impl NodeConfig {
     pub fn init_secret_matches(&self, secret: &[u8]) -> bool {
         crate::init_secret::matches(&self.cluster.init_secret_hash, secret)
     }
-}
-
-/// Whether `e` is `host:port`, the host a lower-case DNS name, an IPv4
-/// address or a bracketed IPv6 address.
-fn is_endpoint(e: &str) -> bool {
-    e.parse::<std::net::SocketAddr>().is_ok()
-        || e.rsplit_once(':').is_some_and(|(host, port)| {
-            port.parse::<u16>().is_ok() && crate::cluster_settings::is_dns_name(host)
-        })
 }
 
 /// Serialises in declaration order without whitespace: the same value

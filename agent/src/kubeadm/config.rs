@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use keel_installer::KubernetesVersion;
-use keel_verifier::cluster_settings::{is_cert_san, is_cidr, is_dns_name};
+use keel_verifier::cluster_settings::{is_cert_san, is_cidr, is_dns_name, is_endpoint};
 use rand::Rng as _;
 
 use super::yaml::Yaml;
@@ -641,16 +641,10 @@ fn check_san(san: &str) -> Result<(), ConfigError> {
 }
 
 fn check_endpoint(endpoint: &str) -> Result<(), ConfigError> {
-    let refuse = || ConfigError::ApiServerEndpoint(endpoint.to_owned());
-    if endpoint.parse::<SocketAddr>().is_ok() {
-        return Ok(());
-    }
-    let (host, port) = endpoint.rsplit_once(':').ok_or_else(refuse)?;
-    port.parse::<u16>().map_err(|_| refuse())?;
-    if is_dns_name(host) {
+    if is_endpoint(endpoint) {
         Ok(())
     } else {
-        Err(refuse())
+        Err(ConfigError::ApiServerEndpoint(endpoint.to_owned()))
     }
 }
 
