@@ -12,7 +12,7 @@ use std::error::Error;
 use std::time::Duration;
 
 use keel_installer::{
-    Component, InstallError, InstalledComponent, Installer, LogProgress, Progress,
+    Component, InstallError, InstalledComponent, Installer, LogProgress, Outcome, Progress,
 };
 use keel_verifier::measurement::EventType;
 use keel_verifier::signature::SigningPublicKey;
@@ -199,6 +199,20 @@ pub fn check_signed_list(
         return Err(SignedListError::Mismatch);
     }
     Ok(())
+}
+
+/// The operator's line for a component installed without a download (its
+/// kept copy, or the file already in place, hashed right); `None` for a
+/// download, which [`StreamedProgress`] has told already.
+pub fn installed_without_download(installed: &InstalledComponent) -> Option<String> {
+    let name = installed.component().name();
+    match installed.outcome() {
+        Outcome::Written { .. } | Outcome::Extracted(_) => None,
+        Outcome::CopiedKept { .. } | Outcome::ExtractedKept(_) => Some(format!(
+            "{name}: installed from the copy kept on the state disk, hash verified"
+        )),
+        Outcome::AlreadyPresent => Some(format!("{name}: already in place, hash verified")),
+    }
 }
 
 #[cfg(test)]

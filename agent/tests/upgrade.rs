@@ -442,6 +442,18 @@ async fn two_nodes_upgrade_and_a_bad_component_rolls_one_back() {
             .any(|l| l.contains("SUCCESS! Your cluster was upgraded")),
         "{lines:?}"
     );
+    // One line per staged component: downloaded, from its kept copy (bytes
+    // the old version has too) or already in place; each hash verified.
+    let told: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.contains("downloaded and verified") || l.ends_with("hash verified"))
+        .collect();
+    assert_eq!(told.len(), new.len(), "{lines:#?}");
+    assert!(
+        told.iter().any(|l| l.contains("downloaded and verified"))
+            && told.iter().any(|l| l.contains("from the copy kept")),
+        "{lines:#?}"
+    );
     assert_eq!(cp.version(), TO);
     assert!(cp.kubelet_claims().contains(TO), "{}", cp.kubelet_claims());
     assert_eq!(kept_now(), kept_names(&new));
