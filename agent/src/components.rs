@@ -12,7 +12,7 @@ use std::error::Error;
 use std::time::Duration;
 
 use keel_installer::{
-    Component, InstallError, InstalledComponent, Installer, LogProgress, Outcome, Progress,
+    Component, InstallError, InstalledComponent, Installer, LogProgress, Outcome, Progress, Source,
 };
 use keel_verifier::measurement::EventType;
 use keel_verifier::signature::SigningPublicKey;
@@ -202,12 +202,16 @@ pub fn check_signed_list(
 }
 
 /// The operator's line for a component installed without a download (its
-/// kept copy, or the file already in place, hashed right); `None` for a
-/// download, which [`StreamedProgress`] has told already.
+/// inline content, its kept copy, or the file already in place, hashed
+/// right); `None` for a download, which [`StreamedProgress`] has told
+/// already.
 pub fn installed_without_download(installed: &InstalledComponent) -> Option<String> {
     let name = installed.component().name();
     match installed.outcome() {
-        Outcome::Written { .. } | Outcome::Extracted(_) => None,
+        Outcome::Written { .. } | Outcome::Extracted(_) => {
+            matches!(installed.component().source(), Source::Inline(_))
+                .then(|| format!("{name}: written from the list's inline content, hash verified"))
+        }
         Outcome::CopiedKept { .. } | Outcome::ExtractedKept(_) => Some(format!(
             "{name}: installed from the copy kept on the state disk, hash verified"
         )),
@@ -219,6 +223,43 @@ pub fn installed_without_download(installed: &InstalledComponent) -> Option<Stri
 mod tests {
     use super::*;
     use std::sync::Mutex;
+
+    /// A component installed without a download gets the operator's line
+    /// that says how (inline content, already in place); a download gets
+    /// none here, its progress told it.
+    #[tokio::test]
+    async fn components_installed_without_a_download_are_told_how() {
+        let root = tempfile::tempdir().unwrap();
+        let installer = Installer::new(keel_installer::InstallerConfig {
+            root: root.path().to_owned(),
+            ..keel_installer::InstallerConfig::default()
+        })
+        .unwrap();
+        let inline = Component::new(
+            "data:,%5B%5D",
+            &keel_installer::Sha256Digest::of(b"[]").to_string(),
+            "/opt/kubernetes/patches/etcd+json.json",
+            false,
+        )
+        .unwrap();
+        let told = |installed| installed_without_download(&installed);
+        let first = installer
+            .install(&inline, &keel_installer::NoProgress)
+            .await
+            .unwrap();
+        assert_eq!(
+            told(first).as_deref(),
+            Some("etcd+json.json: written from the list's inline content, hash verified")
+        );
+        let again = installer
+            .install(&inline, &keel_installer::NoProgress)
+            .await
+            .unwrap();
+        assert_eq!(
+            told(again).as_deref(),
+            Some("etcd+json.json: already in place, hash verified")
+        );
+    }
 
     /// The operator's stream gets a line per failed attempt (why, and when
     /// the next starts) and per verified download; not one per chunk.
