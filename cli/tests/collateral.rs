@@ -542,6 +542,9 @@ fn the_fetch_command_explains_itself() {
         "snp/vcek-<chip>-<bl>-<tee>-<snp>-<ucode>.der",
         "tdx/<FMSPC>-<CA>.json",
         "/var/lib/keel/collateral",
+        // Nodes take no cache yet: the help must not tell operators to
+        // copy one there.
+        "Nodes do not take it yet",
     ] {
         assert!(help.contains(needle), "{needle} missing from: {help}");
     }

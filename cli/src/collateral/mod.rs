@@ -54,9 +54,12 @@ pub enum CollateralCommand {
     /// Intel's root now, as verifiers check it; otherwise nothing is
     /// written. The command prints the collateral's validity.
     ///
-    /// Copy the cache to /var/lib/keel/collateral on the nodes (and name
-    /// it as `collateral` in the CLI settings); fetch again before the
-    /// collateral's next update. Each download must finish within
+    /// Name the cache as `collateral` in the CLI settings: `keel init` and
+    /// `keel verify` check CPU evidence with it. Nodes do not take it yet
+    /// (their cache, /var/lib/keel/collateral, is on a memory file system
+    /// that nothing fills: see "collateral on nodes" in
+    /// docs/attestation.md). Fetch again before the collateral's next
+    /// update. Each download must finish within
     /// --timeout and stay under a size bound; files are written only when
     /// every download and check succeeded, each replaced atomically. A CRL,
     /// TCB info or QE identity older than the one already cached (issued
