@@ -1143,6 +1143,7 @@ impl OperatorService for OperatorServer {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+    use keel_testkit::logs::Captured;
     use keel_verifier::keys::KeyService;
     use keel_verifier::measurements::{Expected, REQUIRED_PCRS};
 
@@ -1205,41 +1206,6 @@ mod tests {
         let path = root.join(ADMIN_CONF);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, content).unwrap();
-    }
-
-    /// Log lines written to memory.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl Captured {
-        /// Captures this thread's events at debug level and above while
-        /// the guard lives.
-        fn debug_log() -> (Self, tracing::subscriber::DefaultGuard) {
-            let captured = Self::default();
-            let writer = captured.clone();
-            let subscriber = tracing_subscriber::fmt()
-                .with_writer(move || writer.clone())
-                .with_max_level(tracing::Level::DEBUG)
-                .with_ansi(false)
-                .finish();
-            (captured, tracing::subscriber::set_default(subscriber))
-        }
-
-        /// What was captured.
-        fn text(&self) -> String {
-            String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
-        }
     }
 
     /// Anyone who reaches the init port may send `Upgrade` with a junk

@@ -741,3 +741,50 @@ impl HeldInspection {
         }
     }
 }
+
+/// A lock that cannot be recorded (the event log cannot be written, so
+/// PCR 15 is never extended) refuses the init and leaves the node unlocked,
+/// and the node's journal says why: an operator sees the node's console,
+/// not its files.
+#[tokio::test(flavor = "current_thread")]
+async fn an_init_whose_lock_cannot_be_recorded_says_why() {
+    use keel_agent::cluster::ClusterSlot;
+    use std::sync::Arc;
+
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "cp-0", "control-plane");
+    let mut accepting = node.node(Arc::new(ClusterSlot::new(None)));
+    accepting.config.cluster.init_secret_hash = keel_verifier::init_secret::hash(SECRET).unwrap();
+    let init = InitServer::new(accepting);
+    let request = complete(
+        &sealed_secrets(&node),
+        InitRequest {
+            join_measurements: file_of_enforced(),
+            ..InitRequest::default()
+        },
+    );
+    // The event log, gone and a directory in its place.
+    let log = node.dir.path().join("log-boot-0");
+    assert!(
+        log.is_file(),
+        "{} is not the node's event log",
+        log.display()
+    );
+    std::fs::remove_file(&log).unwrap();
+    std::fs::create_dir(&log).unwrap();
+
+    let (captured, _default) = keel_testkit::logs::Captured::debug_log();
+    let status = refused_before_the_lock(
+        &init,
+        &node,
+        request,
+        "event log unwritable",
+        (tonic::Code::Unavailable, "taking the node lock failed"),
+    )
+    .await;
+    let journal = captured.text();
+    assert!(
+        journal.contains("init refused") && journal.contains("Is a directory"),
+        "{status:?}\n{journal}"
+    );
+}

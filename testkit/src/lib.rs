@@ -1,14 +1,15 @@
 //! Test support: swtpm instances with their own EK CA, the local component
 //! mirror, a stand-in for systemd's notification socket, an attacker's
-//! issuer with a software attestation key, and a container check for nodes,
-//! and generated AMD-like and Intel-like roots of trust for the hardware
-//! variants.
+//! issuer with a software attestation key, a container check for nodes,
+//! log capture, and generated AMD-like and Intel-like roots of trust for
+//! the hardware variants.
 
 pub mod amd;
 pub mod components;
 pub mod container;
 pub mod forgery;
 pub mod intel;
+pub mod logs;
 pub mod mirror;
 pub mod notify;
 pub mod swtpm;

@@ -640,7 +640,10 @@ impl InitService for InitServer {
         });
         match lock_taken.await {
             Ok(Ok(())) => {}
-            Ok(Err(refusal)) => return Err((&refusal).into()),
+            Ok(Err(refusal)) => {
+                tracing::warn!(error = %keel_atls::ErrorChain(&refusal), "init refused");
+                return Err((&refusal).into());
+            }
             Err(_) => return Err((&InitError::Internal).into()),
         }
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
