@@ -816,6 +816,15 @@ async fn a_rollback_that_cannot_write_its_record_still_restarts_the_old_kubelet(
                 && !l.contains("restarting the kubelet failed")),
         "{lines:?}"
     );
+    // Why the rollback's own write failed is in the stream, not only that
+    // it did.
+    assert!(
+        lines.iter().any(
+            |l| l.starts_with("writing the previous version's record failed: ")
+                && l.contains("node-version.json")
+        ),
+        "{lines:#?}"
+    );
     let starts = node.kubelet_starts();
     assert!(
         starts.len() >= 2 && starts[starts.len() - 2].contains(TO),

@@ -838,7 +838,16 @@ impl Upgrader {
                 false
             }
         };
-        let saved = self.save_record(previous).await.is_ok();
+        let saved = match self.save_record(previous).await {
+            Ok(()) => true,
+            Err(e) => {
+                log(format!(
+                    "writing the previous version's record failed: {}",
+                    keel_atls::ErrorChain(&e)
+                ));
+                false
+            }
+        };
         if saved {
             crate::provision::durable().await;
             if let Err(e) = Switching::end(self.env.root()) {
@@ -848,7 +857,16 @@ impl Upgrader {
         // The kubelet the switch started runs the other version's binary:
         // restarted from what the directories hold now, whether or not the
         // record could be written.
-        let restarted = restart_kubelet(&self.env.kubelet).await.is_ok();
+        let restarted = match restart_kubelet(&self.env.kubelet).await {
+            Ok(()) => true,
+            Err(e) => {
+                log(format!(
+                    "restarting the kubelet failed: {}",
+                    keel_atls::ErrorChain(&e)
+                ));
+                false
+            }
+        };
         let restored = measured && saved && restarted;
         if let Err(e) = self.follow_on_control_plane(previous).await {
             log(format!(
