@@ -271,10 +271,13 @@ pub async fn reset_unfinished_disk(env: &NodeEnv, lock: &NodeLock) -> bool {
         // Recorded for a later start only when the disk was read: one that
         // could not be read now may be read after a restart.
         let record_in = found.is_some().then_some(env.work_dir.as_path());
+        let why = if found.is_some() {
+            "its disk is no member's"
+        } else {
+            "its state disk could not be read"
+        };
         for line in crate::reboot::reset_node(None, env.reboot, record_in).await {
-            tracing::error!(
-                "the node was locked before this start and its disk is no member's: {line}"
-            );
+            tracing::error!("the node was locked before this start and {why}: {line}");
         }
         return true;
     }

@@ -164,6 +164,29 @@ async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
     node.assert_disk_opens(&service);
 }
 
+/// An agent restarted on a locked node whose state disk it cannot read
+/// schedules a reboot and says that is why: it does not claim the disk is
+/// no member's, which it never read.
+#[tokio::test(flavor = "current_thread")]
+async fn a_locked_node_that_cannot_read_its_disk_says_so_before_its_reboot() {
+    let ca = EkCa::new().unwrap();
+    let node = joiner(&ca, &ca, free_port(), "w-unread", "worker");
+    node.lock.try_lock([3; 32]).unwrap();
+    let mut env = node.env();
+    let mut disk = env.state_disk.clone().unwrap();
+    disk.device = node.work.join("no-such-disk");
+    env.state_disk = Some(disk);
+    let (captured, _default) = keel_testkit::logs::Captured::debug_log();
+    assert!(keel_agent::node::reset_unfinished_disk(&env, &node.lock).await);
+    let journal = captured.text();
+    assert!(
+        journal.contains("inspecting the state disk at start failed")
+            && journal.contains("locked before this start and its state disk could not be read")
+            && !journal.contains("no member's"),
+        "{journal}"
+    );
+}
+
 /// A failure after the node lock resets what this boot set up and nothing
 /// else: a join that fails (kubeadm) marks the disk it formatted for
 /// reset; a start within that boot (the agent restarted) finds the node
