@@ -856,10 +856,21 @@ pub async fn serve_join_as_control_plane_with(
 }
 
 /// Runs the join client of this node and logs how it ended; a control
-/// plane that joins or rejoins hands its cluster state to `cluster`.
+/// plane that joins or rejoins hands its cluster state to `cluster`. A
+/// set-up that fails (reading the TPM's PCRs for the service's policy) is
+/// logged and tried again with backoff: given up, the node would sit
+/// unlocked and idle for the rest of its boot.
 pub async fn run_join_client(node: Node) -> anyhow::Result<()> {
-    let settings = JoinSettings::from_config(&node.config)?;
-    let client = JoinClient::new(node.config, node.tpm, node.lock, node.env, settings)?
+    let client = crate::backoff::Backoff::default()
+        .retry("setting up the join client", || {
+            let (config, tpm) = (node.config.clone(), node.tpm.clone());
+            let (lock, env) = (node.lock.clone(), node.env.clone());
+            async move {
+                let settings = JoinSettings::from_config(&config)?;
+                anyhow::Ok(JoinClient::new(config, tpm, lock, env, settings)?)
+            }
+        })
+        .await
         .with_cluster_slot(node.cluster)
         .with_operator_key_slot(node.operator_key);
     match client.run().await {

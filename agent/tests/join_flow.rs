@@ -164,6 +164,29 @@ async fn a_join_cut_off_midway_starts_over_on_the_next_boot() {
     node.assert_disk_opens(&service);
 }
 
+/// A join client whose set-up fails (its TPM gone while it reads the PCRs
+/// of the service's policy) says so and tries again, instead of ending
+/// for the boot with the node unlocked and idle.
+#[tokio::test(flavor = "current_thread")]
+async fn a_join_client_whose_set_up_fails_tries_again() {
+    let ca = EkCa::new().unwrap();
+    let mut node = joiner(&ca, &ca, free_port(), "w-no-tpm", "worker");
+    node.kill_tpm();
+    let (captured, _default) = keel_testkit::logs::Captured::debug_log();
+    let run = keel_agent::node::run_join_client(node.node(Default::default()));
+    let ended = tokio::time::timeout(Duration::from_secs(3), run).await;
+    let journal = captured.text();
+    assert!(
+        ended.is_err(),
+        "the join client ended: {ended:?}\n{journal}"
+    );
+    assert!(
+        journal.contains("setting up the join client failed; trying again"),
+        "{journal}"
+    );
+    assert!(!node.lock.is_locked());
+}
+
 /// An agent restarted on a locked node whose state disk it cannot read
 /// schedules a reboot and says that is why: it does not claim the disk is
 /// no member's, which it never read.
