@@ -828,26 +828,16 @@ impl Upgrader {
         let note = rollback_note(previous.version);
         // The event log must end with what the node runs: unmeasured, the
         // rollback is not complete.
-        let measured = match self.measure(&previous.components, &note).await {
-            Ok(()) => true,
-            Err(e) => {
-                log(format!(
-                    "measuring the previous components failed: {}",
-                    keel_atls::ErrorChain(&e)
-                ));
-                false
-            }
-        };
-        let saved = match self.save_record(previous).await {
-            Ok(()) => true,
-            Err(e) => {
-                log(format!(
-                    "writing the previous version's record failed: {}",
-                    keel_atls::ErrorChain(&e)
-                ));
-                false
-            }
-        };
+        let measured = succeeded(
+            self.measure(&previous.components, &note).await,
+            "measuring the previous components",
+            log,
+        );
+        let saved = succeeded(
+            self.save_record(previous).await,
+            "writing the previous version's record",
+            log,
+        );
         if saved {
             crate::provision::durable().await;
             if let Err(e) = Switching::end(self.env.root()) {
@@ -857,16 +847,11 @@ impl Upgrader {
         // The kubelet the switch started runs the other version's binary:
         // restarted from what the directories hold now, whether or not the
         // record could be written.
-        let restarted = match restart_kubelet(&self.env.kubelet).await {
-            Ok(()) => true,
-            Err(e) => {
-                log(format!(
-                    "restarting the kubelet failed: {}",
-                    keel_atls::ErrorChain(&e)
-                ));
-                false
-            }
-        };
+        let restarted = succeeded(
+            restart_kubelet(&self.env.kubelet).await,
+            "restarting the kubelet",
+            log,
+        );
         let restored = measured && saved && restarted;
         if let Err(e) = self.follow_on_control_plane(previous).await {
             log(format!(
@@ -893,6 +878,22 @@ impl Upgrader {
             }
         ));
         restored
+    }
+}
+
+/// Whether a step of a rollback succeeded; a failure is told to the
+/// operator's stream as `what` failing, with its causes.
+fn succeeded<E: std::error::Error + 'static>(
+    result: Result<(), E>,
+    what: &str,
+    log: &(dyn Fn(String) + Sync),
+) -> bool {
+    match result {
+        Ok(()) => true,
+        Err(e) => {
+            log(format!("{what} failed: {}", keel_atls::ErrorChain(&e)));
+            false
+        }
     }
 }
 
