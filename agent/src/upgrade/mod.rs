@@ -853,12 +853,11 @@ impl Upgrader {
             log,
         );
         let restored = measured && saved && restarted;
-        if let Err(e) = self.follow_on_control_plane(previous).await {
-            log(format!(
-                "restoring the control-plane facts failed: {}",
-                keel_atls::ErrorChain(&e)
-            ));
-        }
+        succeeded(
+            self.follow_on_control_plane(previous).await,
+            "restoring the control-plane facts",
+            log,
+        );
         if let Err(e) = staging.discard() {
             tracing::warn!(error = %keel_atls::ErrorChain(&e), "removing the staged components failed");
         }

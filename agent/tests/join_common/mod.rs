@@ -864,13 +864,13 @@ impl Joiner {
         })
     }
 
-    /// This node as its flows see it, its cluster state going to `cluster`.
     /// Kills the node's swtpm ([`keel_testkit::swtpm::Swtpm::kill_hard`]):
     /// every TPM command after fails.
     pub fn kill_tpm(&mut self) {
         self.dir.swtpm.kill_hard();
     }
 
+    /// This node as its flows see it, its cluster state going to `cluster`.
     pub fn node(&self, cluster: Arc<ClusterSlot>) -> Node {
         Node {
             config: self.config.clone(),
