@@ -20,7 +20,7 @@ use keel_agent::node;
 use keel_agent::nodelock::NodeLock;
 use keel_agent::resume;
 use keel_agent::systemd;
-use keel_agent::tpm::{TctiSpec, Tpm};
+use keel_agent::tpm::{TctiSpec, Tpm, TpmError};
 use keel_verifier::measurement::{self, pcr, EventType, HexDigest};
 
 /// The keel node agent. Started by systemd on every boot of a keel image: it
@@ -120,10 +120,28 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("keel-agent: error: {err:#}");
-            std::process::ExitCode::FAILURE
+            exit_code(&err)
         }
     }
 }
+
+/// The exit status for a failed run: [`NO_TPM_EXIT`] when the machine has
+/// no TPM, which no restart can change (the unit does not restart on it),
+/// else 1.
+fn exit_code(err: &anyhow::Error) -> std::process::ExitCode {
+    let no_tpm = err
+        .chain()
+        .any(|e| matches!(e.downcast_ref(), Some(TpmError::NoDevice { .. })));
+    if no_tpm {
+        std::process::ExitCode::from(NO_TPM_EXIT)
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
+
+/// The exit status of an agent on a machine without a TPM: sysexits'
+/// EX_CONFIG, named in the unit's `RestartPreventExitStatus=`.
+const NO_TPM_EXIT: u8 = 78;
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let tcti: TctiSpec = cli.tcti.parse()?;

@@ -58,3 +58,52 @@ fn unreachable_tpm_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot open TPM"), "{err}");
 }
+
+/// A machine without a TPM device: the agent says so in words an operator
+/// can act on (not the TSS's bare I/O error) and exits with the status its
+/// unit does not restart on (`RestartPreventExitStatus=78`); an unreachable
+/// TPM of another kind is an ordinary failure, restarted.
+#[test]
+fn a_machine_without_a_tpm_says_so_and_is_not_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"cluster":{"control_plane_endpoints":["10.0.0.1:9090"]},"node":{"name":"a","role":"worker"}}"#,
+    )
+    .unwrap();
+    let missing = dir.path().join("tpmrm0");
+    let missing = missing.to_str().unwrap();
+    let state = dir.path().join("state");
+    let out = agent(&[
+        "--tcti",
+        missing,
+        "--state-dir",
+        state.to_str().unwrap(),
+        "run",
+        "--once",
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{err}");
+    assert!(
+        err.contains(&format!("no TPM 2.0 device at {missing}")),
+        "{err}"
+    );
+    assert!(err.contains("give the machine a TPM 2.0 device"), "{err}");
+    // Nothing was measured or recorded without a TPM.
+    assert!(!state.join("eventlog.jsonl").exists());
+
+    let unreachable = agent(&[
+        "--tcti",
+        "swtpm:host=127.0.0.1,port=1",
+        "--state-dir",
+        state.to_str().unwrap(),
+        "run",
+        "--once",
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    assert_eq!(unreachable.status.code(), Some(1));
+}

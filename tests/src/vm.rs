@@ -271,6 +271,7 @@ pub struct VmBuilder {
     cpus: u32,
     memory_mib: u32,
     tpm_state: Option<PathBuf>,
+    tpm: bool,
     state_disk: Option<PathBuf>,
     vars: Option<PathBuf>,
     network: bool,
@@ -302,6 +303,7 @@ impl VmBuilder {
             cpus: 2,
             memory_mib: 2048,
             tpm_state: None,
+            tpm: true,
             state_disk: None,
             vars: None,
             network: false,
@@ -357,6 +359,13 @@ impl VmBuilder {
     /// it is kept, so a later VM can boot on the same TPM.
     pub fn tpm_state(mut self, dir: impl Into<PathBuf>) -> Self {
         self.tpm_state = Some(dir.into());
+        self
+    }
+
+    /// Gives the VM no TPM at all (no swtpm, no TPM device): a machine a
+    /// keel node cannot run on, which must say so.
+    pub fn without_tpm(mut self) -> Self {
+        self.tpm = false;
         self
     }
 
@@ -494,15 +503,17 @@ impl VmBuilder {
         Ok(())
     }
 
-    /// Provisions a TPM (unless one was given), starts swtpm and QEMU. The
+    /// Provisions a TPM (unless one was given or the VM has none), starts
+    /// swtpm and QEMU. The
     /// VM's clock (see [`Vm::wait_for_line`]) starts when QEMU is spawned.
     pub fn start(self) -> Result<Vm, VmError> {
         let work = &self.work_dir;
         fs::create_dir_all(work).map_err(io(work))?;
         let accel = self.accel.unwrap_or_else(|| Accel::detect(&self.firmware));
-        let swtpm = match &self.tpm_state {
-            Some(state) => Swtpm::start(state, &work.join("tpm"))?,
-            None => Swtpm::start_fresh(work)?,
+        let swtpm = match (&self.tpm_state, self.tpm) {
+            (_, false) => None,
+            (Some(state), true) => Some(Swtpm::start(state, &work.join("tpm"))?),
+            (None, true) => Some(Swtpm::start_fresh(work)?),
         };
 
         let vars = self.vars.clone().unwrap_or_else(|| work.join("vars.fd"));
@@ -541,12 +552,14 @@ impl VmBuilder {
             .arg("-drive")
             .arg(pflash(&self.firmware.code, "readonly=on"))
             .arg("-drive")
-            .arg(pflash(&vars, "snapshot=off"))
-            .arg("-chardev")
-            .arg(format!("socket,id=chrtpm,path={}", swtpm.socket.display()))
-            .args(["-tpmdev", "emulator,id=tpm0,chardev=chrtpm"])
-            .args(["-device", "tpm-tis,tpmdev=tpm0"])
-            .arg("-drive")
+            .arg(pflash(&vars, "snapshot=off"));
+        if let Some(swtpm) = &swtpm {
+            cmd.arg("-chardev")
+                .arg(format!("socket,id=chrtpm,path={}", swtpm.socket.display()))
+                .args(["-tpmdev", "emulator,id=tpm0,chardev=chrtpm"])
+                .args(["-device", "tpm-tis,tpmdev=tpm0"]);
+        }
+        cmd.arg("-drive")
             .arg(format!(
                 "if=none,id=os,format=raw,snapshot=on,file={}",
                 self.disk.display()
@@ -615,7 +628,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> VmError {
 pub struct Vm {
     // Field order is drop order: QEMU goes before its TPM.
     console: Console,
-    swtpm: Swtpm,
+    swtpm: Option<Swtpm>,
     accel: Accel,
     state_disk: PathBuf,
 }
@@ -625,8 +638,8 @@ pub struct Vm {
 pub struct VmPids {
     /// QEMU.
     pub qemu: u32,
-    /// swtpm.
-    pub swtpm: u32,
+    /// swtpm, unless the VM has no TPM.
+    pub swtpm: Option<u32>,
 }
 
 impl Vm {
@@ -699,7 +712,7 @@ impl Vm {
     pub fn pids(&self) -> VmPids {
         VmPids {
             qemu: self.console.child.id(),
-            swtpm: self.swtpm.child.id(),
+            swtpm: self.swtpm.as_ref().map(|s| s.child.id()),
         }
     }
 
@@ -725,7 +738,9 @@ impl Vm {
             ..
         } = self;
         console.detach();
-        swtpm.detached = true;
+        if let Some(swtpm) = &mut swtpm {
+            swtpm.detached = true;
+        }
         pids
     }
 
@@ -740,9 +755,10 @@ impl Vm {
         self.accel
     }
 
-    /// swtpm's working directory (state, socket, log).
-    pub fn tpm_dir(&self) -> &Path {
-        &self.swtpm.dir
+    /// swtpm's working directory (state, socket, log), unless the VM has
+    /// no TPM.
+    pub fn tpm_dir(&self) -> Option<&Path> {
+        self.swtpm.as_ref().map(|s| s.dir.as_path())
     }
 }
 

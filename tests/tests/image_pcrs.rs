@@ -408,6 +408,36 @@ fn host_efi_options_are_ignored() -> TestResult {
     Ok(())
 }
 
+/// A machine with no TPM at all: the node cannot measure or attest, and
+/// must say so on its console (where an operator without a shell looks),
+/// once: the agent's unit does not restart it for a TPM no restart brings.
+#[test]
+fn a_machine_without_a_tpm_says_so_on_its_console() -> TestResult {
+    let Some(boot) = Boot::new("no-tpm")? else {
+        return Ok(());
+    };
+    const NO_TPM: &str = "no TPM 2.0 device at /dev/tpmrm0";
+    let vm = boot.vm(boot.image.disk()).without_tpm().start()?;
+    vm.wait_for_line(NO_TPM, boot.patience)?;
+    let told = |vm: &Vm| vm.lines().iter().filter(|l| l.contains(NO_TPM)).count();
+    let first = told(&vm);
+    // The unit's RestartSec is 3 s: a restart would show within this wait,
+    // which ends by running out of time with the VM still up.
+    let ready = vm.wait_for_line(READY_LINE, Duration::from_secs(20));
+    assert!(
+        matches!(ready, Err(VmError::Timeout { .. })),
+        "a node without a TPM came up, or the VM stopped: {ready:?}; serial log {}",
+        vm.serial_log().display()
+    );
+    assert_eq!(
+        told(&vm),
+        first,
+        "the agent was restarted on a machine without a TPM; serial log {}",
+        vm.serial_log().display()
+    );
+    Ok(())
+}
+
 /// The UEFI driver QEMU gives a virtio NIC by default (Debian's
 /// ipxe-qemu, which qemu-system-x86 depends on).
 const IPXE_VIRTIO_ROM: &str = "/usr/lib/ipxe/qemu/efi-virtio.rom";

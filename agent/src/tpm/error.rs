@@ -14,6 +14,17 @@ pub enum TpmError {
         #[source]
         source: tss_esapi::Error,
     },
+    /// The TCTI names a device node that does not exist: the machine has
+    /// no TPM 2.0 (or its driver is not loaded). Waiting does not help.
+    #[error(
+        "no TPM 2.0 device at {path}: a keel node measures its config into a TPM and \
+         attests with it, and cannot run without one; give the machine a TPM 2.0 \
+         device (QEMU: a swtpm `-tpmdev emulator` with `-device tpm-tis`)"
+    )]
+    NoDevice {
+        /// The device path the TCTI names.
+        path: String,
+    },
     /// The TPM could not be opened.
     #[error("cannot open TPM through {tcti:?}")]
     Open {

@@ -70,13 +70,18 @@ impl TctiSpec {
         &self.0
     }
 
+    /// The device node it names, if it names one.
+    fn device_path(&self) -> Option<&str> {
+        self.0.strip_prefix("device:")
+    }
+
     /// The TSS's form of it. A device path is taken as it is; a swtpm's
     /// settings go through the TSS's parser for them alone, other TCTIs
     /// through its parser for names too. Both compile regular expressions
     /// on every call (the name parser up to four more), which a node's device
     /// path does not need.
     fn name_conf(&self) -> Result<TctiNameConf, tss_esapi::Error> {
-        if let Some(path) = self.0.strip_prefix("device:") {
+        if let Some(path) = self.device_path() {
             return Ok(TctiNameConf::Device(DeviceConfig::from_str(path)?));
         }
         match self.0.strip_prefix("swtpm:") {
@@ -118,6 +123,14 @@ impl Tpm {
             tcti: tcti.as_str().into(),
             source,
         })?;
+        // The TSS's own error for a missing node is a bare I/O failure.
+        if let Some(path) = tcti.device_path() {
+            // An empty path is the TSS's default device.
+            let path = if path.is_empty() { "/dev/tpm0" } else { path };
+            if !std::path::Path::new(path).exists() {
+                return Err(TpmError::NoDevice { path: path.into() });
+            }
+        }
         // tpm2-tss opens its connections close-on-exec (scripts/build-tss.sh
         // patches it so): no program the agent runs inherits one.
         let mut ctx = Context::new(conf).map_err(|source| TpmError::Open {

@@ -1025,11 +1025,13 @@ impl Cluster {
                     program: "qemu-system-x86_64".into(),
                     pid: pids.qemu,
                 });
-                out.push(KeptProcess {
-                    name: format!("{} swtpm", node.short),
-                    program: "swtpm".into(),
-                    pid: pids.swtpm,
-                });
+                if let Some(pid) = pids.swtpm {
+                    out.push(KeptProcess {
+                        name: format!("{} swtpm", node.short),
+                        program: "swtpm".into(),
+                        pid,
+                    });
+                }
             }
         }
         if let Some(mirror) = &self.mirror {
