@@ -2,7 +2,7 @@
 //! mirror, against a real swtpm.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use keel_agent::components::{install_and_measure, InstallComponentsError};
+use keel_agent::components::{install_and_measure, InstallComponentsError, StreamedProgress};
 use keel_agent::measured::{MeasuredTpm, SharedTpm};
 use keel_agent::tpm::{TctiSpec, Tpm};
 use keel_installer::{Component, InstallError, Installer, InstallerConfig, NoProgress};
@@ -164,4 +164,45 @@ fn install_and_measure_is_send() {
         send(&install_and_measure(installer, tpm, &[], &NoProgress));
     }
     let _ = check;
+}
+
+/// What an init or a join streams to the operator while it installs: a
+/// line for every component, however it came to be in place (downloaded,
+/// written from the list's inline content, found in place on a second
+/// run), so that no component is installed unseen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_stream_tells_every_component_however_it_is_installed() {
+    let (_swtpm, _dir, tpm, mirror, root) = setup();
+    let mut list = components(&mirror, &root);
+    let patch = root.join("patches/etcd+json.json");
+    list.push(
+        Component::new(
+            "data:,%5B%5D",
+            &keel_installer::Sha256Digest::of(b"[]").to_string(),
+            patch.to_str().unwrap(),
+            false,
+        )
+        .unwrap(),
+    );
+    for run in 0..2 {
+        let lines = std::sync::Mutex::new(Vec::<String>::new());
+        let log = |line: String| lines.lock().unwrap().push(line);
+        install_and_measure(&installer(), &tpm, &list, &StreamedProgress::new(&log))
+            .await
+            .unwrap();
+        let lines = lines.into_inner().unwrap();
+        for component in &list {
+            let told: Vec<&String> = lines
+                .iter()
+                .filter(|l| l.starts_with(&format!("{}: ", component.name())))
+                .collect();
+            assert_eq!(told.len(), 1, "run {run}, {}: {lines:?}", component.name());
+        }
+        let inline = if run == 0 {
+            "etcd+json.json: written from the list's inline content, hash verified"
+        } else {
+            "etcd+json.json: already in place, hash verified"
+        };
+        assert!(lines.iter().any(|l| l == inline), "run {run}: {lines:?}");
+    }
 }

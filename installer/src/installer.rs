@@ -463,17 +463,12 @@ impl Installer {
         )
         .await?;
 
-        if !component.extract()
+        let outcome = if !component.extract()
             && keep_if_matching(&dest, component.hash(), file_mode(component)).await?
         {
             tracing::info!("already installed with the expected hash");
-            return Ok(InstalledComponent {
-                component: component.clone(),
-                outcome: Outcome::AlreadyPresent,
-            });
-        }
-
-        let outcome = if component.extract() {
+            Outcome::AlreadyPresent
+        } else if component.extract() {
             let spare: Vec<PathBuf> = components
                 .iter()
                 .filter(|other| other.install_path() != component.install_path())
@@ -485,15 +480,19 @@ impl Installer {
             self.install_file(component, &dest, &parent, progress)
                 .await?
         };
-        tracing::info!(
-            elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-            ?outcome,
-            "installed"
-        );
-        Ok(InstalledComponent {
+        if outcome != Outcome::AlreadyPresent {
+            tracing::info!(
+                elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                ?outcome,
+                "installed"
+            );
+        }
+        let installed = InstalledComponent {
             component: component.clone(),
             outcome,
-        })
+        };
+        progress.installed(&installed);
+        Ok(installed)
     }
 
     /// Installs a single-file component at `dest`: from its kept copy when

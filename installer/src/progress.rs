@@ -28,6 +28,13 @@ pub trait Progress: Send + Sync {
     fn finished(&self, name: &str, bytes: u64, elapsed: Duration) {
         let _ = (name, bytes, elapsed);
     }
+
+    /// A component is in place, its hash verified, whichever way it got
+    /// there ([`Outcome`](crate::Outcome): downloaded, written from inline
+    /// content, copied from its kept copy, or found in place).
+    fn installed(&self, installed: &crate::InstalledComponent) {
+        let _ = installed;
+    }
 }
 
 /// Reports nothing.

@@ -53,7 +53,7 @@ use std::time::Instant;
 
 use keel_installer::{Component, Installer, KubernetesVersion, UpgradeStepError};
 
-use crate::components::{installed_without_download, StreamedProgress};
+use crate::components::StreamedProgress;
 use keel_proto::operator::{UpgradePlan, UpgradeStep};
 use keel_verifier::measurement::EventType;
 use keel_verifier::signature::SigningPublicKey;
@@ -629,7 +629,7 @@ impl Upgrader {
         let installer =
             Installer::new(self.env.installer.clone()).map_err(UpgradeError::Installer)?;
         for component in staged {
-            let installed = installer
+            installer
                 .install_among(component, staged, &StreamedProgress::new(log))
                 .await
                 .map_err(|source| UpgradeError::Install {
@@ -637,9 +637,6 @@ impl Upgrader {
                     name: component.name().to_owned(),
                     source: Box::new(source),
                 })?;
-            if let Some(line) = installed_without_download(&installed) {
-                log(line);
-            }
         }
         Ok(())
     }
