@@ -730,6 +730,50 @@ async fn a_kubeadm_that_fails_after_changing_the_node_is_not_reported_rolled_bac
     }
 }
 
+/// kubeadm keeps what its upgrades back up (on a control plane a copy of
+/// etcd's data each time) after the run, failed or not, for someone to
+/// clear by hand: a node has no shell, so without the agent clearing them
+/// each upgrade and each retried one would leave a copy of etcd on the
+/// state disk until it is full. What is not kubeadm's in that directory
+/// stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubeadms_upgrade_backups_do_not_pile_up_on_the_state_disk() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let new = stand_ins(&mirror, TO);
+    let left = |node: &UpgradableNode| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(node.root.join("etc/kubernetes/tmp"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let late = [("KEEL_STANDIN_FAIL_POST_UPGRADE", "1")];
+    let failing = node(&ca, &mirror, "control-plane", &late).await;
+    let tmp = failing.root.join("etc/kubernetes/tmp");
+    // A working copy a killed kubeadm left, and a file that is not kubeadm's.
+    std::fs::create_dir_all(tmp.join("kubeadm-upgraded-manifests0815")).unwrap();
+    std::fs::write(tmp.join("kept"), "not kubeadm's").unwrap();
+    for attempt in 0..3 {
+        let (_, failed) = failing.failed_step(&new, UpgradeStep::Apply).await;
+        assert!(
+            failed.error.contains("post-upgrade"),
+            "{attempt}: {failed:?}"
+        );
+        assert_eq!(left(&failing), ["kept"], "attempt {attempt}");
+    }
+
+    let node = node(&ca, &mirror, "control-plane", &[]).await;
+    let (_, last) = node
+        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Apply)))
+        .await
+        .unwrap();
+    assert!(matches!(last, Event::Done(_)), "{last:?}");
+    assert_eq!(node.version(), TO);
+    assert!(left(&node).is_empty(), "{:?}", left(&node));
+}
+
 /// kubeadm fails, and its files cannot be read (a directory where a
 /// manifest goes): whether it changed the node cannot be told, so the node
 /// is not reported rolled back, and the operator is told why.

@@ -299,8 +299,7 @@ impl Kubeadm {
             "--patches".to_owned(),
             patches.display().to_string(),
         ];
-        self.run("upgrade", &args, self.init_timeout, Stdout::Stream, on_line)
-            .await
+        self.upgrade(&args, self.init_timeout, on_line).await
     }
 
     /// Runs `kubeadm upgrade node` (every other node of an upgrade),
@@ -316,8 +315,42 @@ impl Kubeadm {
             "--patches".to_owned(),
             patches.display().to_string(),
         ];
-        self.run("upgrade", &args, self.join_timeout, Stdout::Stream, on_line)
-            .await
+        self.upgrade(&args, self.join_timeout, on_line).await
+    }
+
+    /// Runs `kubeadm <args>` (an upgrade) with what earlier upgrades backed
+    /// up cleared before and what this one backs up cleared after, however
+    /// it ends ([`remove_upgrade_backups`]).
+    async fn upgrade(
+        &self,
+        args: &[String],
+        limit: Duration,
+        on_line: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), KubeadmError> {
+        self.clear_upgrade_backups().await;
+        let ran = self
+            .run("upgrade", args, limit, Stdout::Stream, on_line)
+            .await;
+        self.clear_upgrade_backups().await;
+        ran
+    }
+
+    /// [`remove_upgrade_backups`] under this root, off the runtime (a copy
+    /// of etcd's data takes a while to remove); a failure is logged, and
+    /// tried again at the next upgrade.
+    async fn clear_upgrade_backups(&self) {
+        let root = self.root.clone();
+        match tokio::task::spawn_blocking(move || remove_upgrade_backups(&root)).await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(removed)) => {
+                tracing::info!(removed, "removed what kubeadm's upgrades backed up");
+            }
+            Ok(Err(e)) => tracing::warn!(
+                error = %e,
+                "removing what kubeadm's upgrades backed up failed; tried again at the next upgrade"
+            ),
+            Err(e) => tracing::warn!(error = %e, "removing kubeadm's upgrade backups stopped"),
+        }
     }
 
     /// Runs kubeadm with `args`, streaming output lines, killing it after
@@ -459,6 +492,58 @@ pub fn scrub_tokens(line: &str) -> String {
         }
     }
     out
+}
+
+/// Where kubeadm's upgrades put what they back up, under the node's root
+/// (on the state disk, with the rest of `/etc/kubernetes`).
+const UPGRADE_BACKUPS: &str = "etc/kubernetes/tmp";
+
+/// The names kubeadm's upgrades give what they leave there: a copy of
+/// etcd's data and of the static pods' manifests
+/// (`kubeadm-backup-etcd-<time>`, `kubeadm-backup-manifests-<time>`), the
+/// kubelet's configuration (`kubeadm-kubelet-config<n>`), and its working
+/// copy of the new manifests (`kubeadm-upgraded-manifests<n>`, which it
+/// removes itself unless it is killed).
+const UPGRADE_BACKUP_PREFIXES: [&str; 3] = [
+    "kubeadm-backup-",
+    "kubeadm-kubelet-config",
+    "kubeadm-upgraded-manifests",
+];
+
+/// Removes what kubeadm's upgrades left under `root`; returns how many
+/// entries went. kubeadm keeps its backups after an upgrade, succeeded or
+/// not, for an administrator to restore from or clear by hand: a node has
+/// no shell for either, and a control plane would keep a copy of etcd's
+/// data per upgrade on its state disk, beside etcd itself, until the disk
+/// is full. kubeadm restores from them only within the run that made them.
+fn remove_upgrade_backups(root: &Path) -> std::io::Result<usize> {
+    let dir = root.join(UPGRADE_BACKUPS);
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name();
+        let ours = name.to_str().is_some_and(|name| {
+            UPGRADE_BACKUP_PREFIXES
+                .iter()
+                .any(|prefix| name.starts_with(prefix))
+        });
+        if !ours {
+            continue;
+        }
+        // Not followed if it is a link: only the entry itself goes.
+        if entry.file_type()?.is_dir() {
+            std::fs::remove_dir_all(entry.path())?;
+        } else {
+            std::fs::remove_file(entry.path())?;
+        }
+        removed += 1;
+    }
+    Ok(removed)
 }
 
 #[cfg(test)]

@@ -1274,6 +1274,7 @@ fn upgrade(args: &[String]) -> Result<()> {
                 ));
             }
             injected_faults("upgrade")?;
+            leave_upgrade_backups()?;
             println!(
                 "[upgrade/version] You have chosen to change the cluster version to {target:?}"
             );
@@ -1313,6 +1314,7 @@ fn upgrade(args: &[String]) -> Result<()> {
                 _ => println!("[upgrade] no local record of the cluster version; upgrading to {claim}"),
             }
             injected_faults("upgrade")?;
+            leave_upgrade_backups()?;
             write_file(&version_record(), claim.as_bytes(), 0o644)?;
             println!("[upgrade] Upgrading the kubelet configuration of this node for {claim}");
             upgrade_kubelet_config(&claim)?;
@@ -1323,6 +1325,40 @@ fn upgrade(args: &[String]) -> Result<()> {
             "kubeadm upgrade: only \"apply VERSION\" and \"node\" are supported by the stand-in",
         ),
     }
+}
+
+/// Backs up what kubeadm's upgrade backs up, under the names it uses, and
+/// leaves it, as kubeadm does (also after a success): on a control plane
+/// (it has `admin.conf`) etcd's data and the static pods' manifests, on
+/// every node the kubelet's configuration.
+fn leave_upgrade_backups() -> Result<()> {
+    let tmp = kube_dir().join("tmp");
+    let stamp = format!(
+        "{}-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+        std::process::id()
+    );
+    if kube_dir().join("admin.conf").exists() {
+        write_file(
+            &tmp.join(format!("kubeadm-backup-etcd-{stamp}/etcd/member/wal/0.wal")),
+            b"keel stand-in: a copy of etcd's data",
+            0o600,
+        )?;
+        write_file(
+            &tmp.join(format!(
+                "kubeadm-backup-manifests-{stamp}/kube-apiserver.yaml"
+            )),
+            b"# keel stand-in: the static pod before the upgrade\n",
+            0o600,
+        )?;
+    }
+    write_file(
+        &tmp.join(format!("kubeadm-kubelet-config{stamp}/config.yaml")),
+        b"# keel stand-in: the kubelet configuration before the upgrade\n",
+        0o644,
+    )
 }
 
 /// Writes the kubelet's configuration for `version`, as kubeadm's
