@@ -187,6 +187,44 @@ async fn a_join_client_whose_set_up_fails_tries_again() {
     assert!(!node.lock.is_locked());
 }
 
+/// A node whose lock cannot be recorded (its event log unwritable) asks
+/// for another ticket after the backoff, not at once: each ticket costs the
+/// control plane a handshake, a signed kubelet certificate and registry
+/// writes, and a lock that keeps failing must not become a stream of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_client_whose_lock_keeps_failing_backs_off() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let port = free_port();
+    let _service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
+    let node = joiner(&ca, &ca, port, "w-lk", "worker");
+    let log = node.dir.path().join("log-boot-0");
+    assert!(
+        log.is_file(),
+        "{} is not the node's event log",
+        log.display()
+    );
+    std::fs::remove_file(&log).unwrap();
+    std::fs::create_dir(&log).unwrap();
+
+    let (captured, _default) = keel_testkit::logs::Captured::debug_log();
+    let backoff = keel_agent::backoff::Backoff {
+        initial: Duration::from_millis(400),
+        max: Duration::from_secs(2),
+    };
+    let client = node.client_backing_off(&ca, node.env(), backoff);
+    let ended = tokio::time::timeout(Duration::from_secs(4), client.run()).await;
+    let journal = captured.text();
+    assert!(ended.is_err(), "the join ended: {ended:?}\n{journal}");
+    assert!(!node.lock.is_locked());
+    let failed = journal.matches("taking the node lock failed").count();
+    let tickets = journal.matches("join ticket issued by").count();
+    // Pauses of at least 200, 400, 800, 1000 ms: at most six tickets in
+    // 4 s, where asking at once fetches hundreds.
+    assert!(failed >= 2, "{failed} lock failures\n{journal}");
+    assert!(tickets <= 6, "{tickets} tickets in 4 s\n{journal}");
+}
+
 /// An agent restarted on a locked node whose state disk it cannot read
 /// schedules a reboot and says that is why: it does not claim the disk is
 /// no member's, which it never read.

@@ -289,23 +289,35 @@ impl JoinClient {
                 pause_ms = pause.as_millis() as u64,
                 "retrying the {what} ticket"
             );
-            // Sleep in slices so a lock taken by init stops the client promptly.
-            let deadline = tokio::time::Instant::now() + pause;
-            while tokio::time::Instant::now() < deadline {
-                if self.lock.is_locked() {
-                    return None;
-                }
-                let slice = deadline
-                    .saturating_duration_since(tokio::time::Instant::now())
-                    .min(Duration::from_millis(200));
-                tokio::time::sleep(slice).await;
+            if !self.pause_unless_locked(pause).await {
+                return None;
             }
         }
     }
 
+    /// Waits `pause`, in slices so that a lock taken by init stops the
+    /// client promptly; `false` as soon as the node is locked.
+    async fn pause_unless_locked(&self, pause: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + pause;
+        while tokio::time::Instant::now() < deadline {
+            if self.lock.is_locked() {
+                return false;
+            }
+            let slice = deadline
+                .saturating_duration_since(tokio::time::Instant::now())
+                .min(Duration::from_millis(200));
+            tokio::time::sleep(slice).await;
+        }
+        !self.lock.is_locked()
+    }
+
     /// Fetches a ticket ([`Self::until_ticket`]) and takes the node lock with
-    /// its cluster ID, fetching again while the lock fails transiently.
-    /// `Err` carries the outcome when the race was lost or the lock broke.
+    /// its cluster ID, fetching again while the lock fails transiently,
+    /// after the settings' backoff: each ticket costs the control plane a
+    /// handshake, a signed certificate and registry writes, and a lock that
+    /// keeps failing (its record cannot be written) must not turn into a
+    /// stream of tickets. `Err` carries the outcome when the race was lost
+    /// or the lock broke.
     async fn locked_ticket<T, F, Fut>(
         &self,
         what: &str,
@@ -316,6 +328,7 @@ impl JoinClient {
         F: FnMut(String) -> Fut,
         Fut: std::future::Future<Output = Result<T, TicketError>>,
     {
+        let mut failures = 0u32;
         loop {
             let Some(ticket) = self.until_ticket(what, &mut attempt).await else {
                 return Err(JoinOutcome::LostRace);
@@ -324,7 +337,16 @@ impl JoinClient {
                 Locking::Taken => return Ok(ticket),
                 Locking::Lost => return Err(JoinOutcome::LostRace),
                 Locking::Retry(e) => {
-                    tracing::warn!(error = %e, "taking the node lock failed; retrying")
+                    let pause = self.settings.backoff.delay(failures);
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(
+                        error = %e,
+                        retry_in = ?pause,
+                        "taking the node lock failed; asking for another ticket after the pause"
+                    );
+                    if !self.pause_unless_locked(pause).await {
+                        return Err(JoinOutcome::LostRace);
+                    }
                 }
                 Locking::Broken(e) => return Err(self.fail(ProvisionError::Lock(e)).await),
             }

@@ -820,12 +820,21 @@ impl Joiner {
 
     /// [`Joiner::client`] provisioning in `env`.
     pub fn client_in(&self, ca: &EkCa, env: NodeEnv) -> JoinClient {
+        self.client_backing_off(
+            ca,
+            env,
+            Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_millis(500),
+            },
+        )
+    }
+
+    /// [`Joiner::client_in`] with `backoff` between its tries.
+    pub fn client_backing_off(&self, ca: &EkCa, env: NodeEnv, backoff: Backoff) -> JoinClient {
         let mut settings = JoinSettings::from_config(&self.config).unwrap();
         settings.ek_trust = EkTrust::from_pem(&ca.issuer_pem().unwrap()).unwrap();
-        settings.backoff = Backoff {
-            initial: Duration::from_millis(100),
-            max: Duration::from_millis(500),
-        };
+        settings.backoff = backoff;
         settings.timeout = Duration::from_secs(20);
         JoinClient::new(
             self.config.clone(),
