@@ -547,6 +547,37 @@ async fn a_worker_takes_no_init() {
     refused_leaving_the_disk(&init, &node, request, "this node is a worker", &[]).await;
 }
 
+/// A control plane whose config has no EK CA (accepted at load: such a
+/// node attests no peer) could never run its join service or check any
+/// member's evidence once initialised: init is refused before the lock,
+/// saying why, instead of leaving a locked node that retries those
+/// services forever and a disk only a wipe makes initialisable again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_init_whose_config_cannot_run_a_control_plane_is_refused_before_the_lock() {
+    let ca = EkCa::new().unwrap();
+    // The CA's certificates exist once it manufactured a TPM.
+    let swtpm = keel_testkit::swtpm::Swtpm::start(&ca).unwrap();
+    let mut config = join_common::config(&ca, free_port(), "cp-0", "control-plane");
+    config.cluster.ek_ca_pem = String::new();
+    let node = join_common::joiner_with(config, swtpm);
+    let init = node.init_server(SECRET, true);
+    let request = complete(
+        &sealed_secrets(&node),
+        InitRequest {
+            join_measurements: file_of_enforced(),
+            ..Default::default()
+        },
+    );
+    refused_leaving_the_disk(
+        &init,
+        &node,
+        request,
+        "cannot run a cluster's control plane",
+        &["no EK CA configured"],
+    )
+    .await;
+}
+
 /// Race: a join locks the node and starts formatting its state disk while
 /// init is inspecting that disk. The disk then shows a set-up that never
 /// finished, and init must not answer from it ("reboot the node to reset

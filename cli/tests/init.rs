@@ -60,7 +60,7 @@ async fn node_at(ca: &EkCa, kubeadm_env: &[(&str, &str)], addr: SocketAddr) -> N
     let swtpm = Swtpm::start(ca).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
-    let config = harness::control_plane_config(&harness::secret_hash());
+    let config = harness::serving_control_plane_config(&harness::secret_hash(), ca);
     let tpm = harness::measured(&swtpm, &dir.path().join("eventlog.jsonl"), &config);
     let lock = Arc::new(NodeLock::new(tpm.clone()).unwrap());
 
@@ -368,7 +368,7 @@ async fn verify_waits_for_a_node_that_is_still_booting() {
     let tpm = dir.path().join("tpm");
     std::fs::create_dir(&tpm).unwrap();
     ca.manufacture(&tpm).unwrap();
-    let config = harness::control_plane_config(&harness::secret_hash());
+    let config = harness::serving_control_plane_config(&harness::secret_hash(), &ca);
     let settings = Settings {
         endpoint: addr,
         measurements: &harness::measurements(

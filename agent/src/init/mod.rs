@@ -54,6 +54,14 @@ pub enum InitError {
     /// plane, and a worker's agent runs no join service to grow it.
     #[error("this node is a worker; init runs on a control plane")]
     NotControlPlane,
+    /// The node's config could not run what an initialised control plane
+    /// runs (its join service and evidence checks need the EK CA, the CPU
+    /// policy and the measurements key): a locked node would serve nothing.
+    #[error(
+        "this node's config cannot run a cluster's control plane: {0}; boot it with a \
+         corrected config (PCR 12 changes with it)"
+    )]
+    UnusableConfig(String),
     /// The init secret does not match.
     #[error("wrong init secret")]
     WrongInitSecret,
@@ -135,6 +143,7 @@ impl From<&InitError> for tonic::Status {
             InitError::InvalidRequest(_) | InitError::Sealed(_) => tonic::Code::InvalidArgument,
             InitError::NotInitNode
             | InitError::NotControlPlane
+            | InitError::UnusableConfig(_)
             | InitError::Locked
             | InitError::DiskInitialised
             | InitError::DiskUnfinished
@@ -271,6 +280,11 @@ impl InitServer {
         if config.node.role != Role::ControlPlane {
             return Err(InitError::NotControlPlane);
         }
+        // What the control plane runs once locked is set up from the config
+        // alone: a config it cannot be set up from is refused here, not
+        // found after the lock by services that retry it forever.
+        crate::join::JoinSettings::from_config(config)
+            .map_err(|e| InitError::UnusableConfig(keel_atls::ErrorChain(&e).to_string()))?;
         // A node in a cluster takes no init: refused before the request
         // costs its TPM anything.
         if self.inner.node.lock.is_locked() {
@@ -583,7 +597,8 @@ impl InitService for InitServer {
                 e @ (InitError::Throttled(_)
                 | InitError::Locked
                 | InitError::NotInitNode
-                | InitError::NotControlPlane),
+                | InitError::NotControlPlane
+                | InitError::UnusableConfig(_)),
             ) => {
                 tracing::debug!(error = %e, "init refused");
                 return Err((&e).into());

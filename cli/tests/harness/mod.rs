@@ -36,6 +36,18 @@ pub fn control_plane_config(init_secret_hash: &str) -> NodeConfig {
     NodeConfig::parse(doc.to_string().as_bytes(), "t".as_ref()).unwrap()
 }
 
+/// [`control_plane_config`] of a node that can run a control plane once
+/// initialised: it trusts `ca`'s EK certificates (the CA must have
+/// manufactured a TPM: its certificates exist from then on).
+pub fn serving_control_plane_config(init_secret_hash: &str, ca: &EkCa) -> NodeConfig {
+    let ek_ca = String::from_utf8(ca.issuer_pem().unwrap()).unwrap();
+    let doc = serde_json::json!({
+        "cluster": {"init_secret_hash": init_secret_hash, "ek_ca_pem": ek_ca},
+        "node": {"name": "cp-0", "role": "control-plane"},
+    });
+    NodeConfig::parse(doc.to_string().as_bytes(), "t".as_ref()).unwrap()
+}
+
 /// Opens `swtpm` and measures `config` as the agent does at start, with its
 /// event log at `log`.
 pub fn measured(swtpm: &Swtpm, log: &Path, config: &NodeConfig) -> SharedTpm {
