@@ -359,9 +359,23 @@ impl EvidenceClient {
                     tracing::info!(%endpoint, error = %keel_atls::ErrorChain(&e), "evidence connection failed");
                 }
             }
-            tokio::time::sleep(self.retry).await;
+            tokio::time::sleep(reconnect_pause(self.retry)).await;
         }
     }
+}
+
+/// The pause before a member connects again after its connection failed
+/// or ended: drawn from the upper half of `retry`. A control plane that
+/// restarts fails every member's connection in the same instant; with one
+/// fixed pause they would all come back within milliseconds of each other,
+/// each wanting a mutual handshake and a TPM answer, and fail together
+/// again past its bounds, every interval.
+fn reconnect_pause(retry: Duration) -> Duration {
+    Backoff {
+        initial: retry,
+        max: retry,
+    }
+    .delay(0)
 }
 
 impl EvidenceClient {
@@ -681,6 +695,23 @@ async fn client_for(node: &Node) -> anyhow::Result<(EvidenceClient, ClusterId)> 
 mod tests {
     use super::*;
     use std::sync::Mutex;
+
+    /// Members whose connections failed together come back spread over
+    /// the upper half of the interval, not all after the same pause.
+    #[test]
+    fn reconnect_pauses_are_spread_over_half_an_interval() {
+        let retry = Duration::from_secs(60);
+        let pauses: Vec<Duration> = (0..32).map(|_| reconnect_pause(retry)).collect();
+        for pause in &pauses {
+            assert!(*pause >= retry / 2 && *pause <= retry, "{pause:?}");
+        }
+        let (least, most) = (pauses.iter().min(), pauses.iter().max());
+        assert!(
+            most.zip(least)
+                .is_some_and(|(most, least)| *most - *least > Duration::from_secs(5)),
+            "{pauses:?}"
+        );
+    }
 
     /// A round that failed by the peer's answer (a write failing there,
     /// Internal; a refusal) leaves the connection in use for the registry;
