@@ -75,16 +75,19 @@ fn a_machine_without_a_tpm_says_so_and_is_not_restarted() {
     let missing = dir.path().join("tpmrm0");
     let missing = missing.to_str().unwrap();
     let state = dir.path().join("state");
-    let out = agent(&[
-        "--tcti",
-        missing,
-        "--state-dir",
-        state.to_str().unwrap(),
-        "run",
-        "--once",
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let run_once = |tcti: &str| {
+        agent(&[
+            "--tcti",
+            tcti,
+            "--state-dir",
+            state.to_str().unwrap(),
+            "run",
+            "--once",
+            "--config",
+            config.to_str().unwrap(),
+        ])
+    };
+    let out = run_once(missing);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(78), "{err}");
     assert!(
@@ -95,15 +98,6 @@ fn a_machine_without_a_tpm_says_so_and_is_not_restarted() {
     // Nothing was measured or recorded without a TPM.
     assert!(!state.join("eventlog.jsonl").exists());
 
-    let unreachable = agent(&[
-        "--tcti",
-        "swtpm:host=127.0.0.1,port=1",
-        "--state-dir",
-        state.to_str().unwrap(),
-        "run",
-        "--once",
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let unreachable = run_once("swtpm:host=127.0.0.1,port=1");
     assert_eq!(unreachable.status.code(), Some(1));
 }

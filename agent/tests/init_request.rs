@@ -794,15 +794,7 @@ async fn an_init_whose_lock_cannot_be_recorded_says_why() {
             ..InitRequest::default()
         },
     );
-    // The event log, gone and a directory in its place.
-    let log = node.dir.path().join("log-boot-0");
-    assert!(
-        log.is_file(),
-        "{} is not the node's event log",
-        log.display()
-    );
-    std::fs::remove_file(&log).unwrap();
-    std::fs::create_dir(&log).unwrap();
+    node.make_event_log_unwritable();
 
     let (captured, _default) = keel_testkit::logs::Captured::debug_log();
     let status = refused_before_the_lock(

@@ -198,14 +198,7 @@ async fn a_join_client_whose_lock_keeps_failing_backs_off() {
     let port = free_port();
     let _service = start_service_with(&ca, port, Some(stand_in_components(&mirror)), false).await;
     let node = joiner(&ca, &ca, port, "w-lk", "worker");
-    let log = node.dir.path().join("log-boot-0");
-    assert!(
-        log.is_file(),
-        "{} is not the node's event log",
-        log.display()
-    );
-    std::fs::remove_file(&log).unwrap();
-    std::fs::create_dir(&log).unwrap();
+    node.make_event_log_unwritable();
 
     let (captured, _default) = keel_testkit::logs::Captured::debug_log();
     let backoff = keel_agent::backoff::Backoff {

@@ -850,6 +850,19 @@ impl Joiner {
         pcr15(&self.tpm)
     }
 
+    /// Replaces the node's event log by a directory: recording an event
+    /// (the node lock's) fails, with PCR 15 still zero.
+    pub fn make_event_log_unwritable(&self) {
+        let log = self.dir.path().join("log-boot-0");
+        assert!(
+            log.is_file(),
+            "{} is not the node's event log",
+            log.display()
+        );
+        std::fs::remove_file(&log).unwrap();
+        std::fs::create_dir(&log).unwrap();
+    }
+
     /// The init server of this node, accepting `secret` (its hash goes
     /// into the config); with the state disk when `disk`.
     pub fn init_server(&self, secret: &[u8], disk: bool) -> InitServer {
