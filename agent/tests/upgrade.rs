@@ -115,6 +115,7 @@ async fn node_with_key(
     if let Some(limit) = kubeadm_limit {
         env.kubeadm.init_timeout = limit;
         env.kubeadm.join_timeout = limit;
+        env.kubeadm.upgrade_timeout = limit;
     }
     let components: Vec<_> = stand_ins(mirror, FROM)
         .into_iter()

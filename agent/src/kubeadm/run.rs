@@ -128,8 +128,13 @@ pub struct Kubeadm {
     pub root: PathBuf,
     /// Limit for `kubeadm init`.
     pub init_timeout: Duration,
-    /// Limit for each `kubeadm join` attempt (and each reset).
+    /// Limit for each `kubeadm join` attempt (and each reset), and for a
+    /// worker's `kubeadm upgrade node`.
     pub join_timeout: Duration,
+    /// Limit for an upgrade of a control plane's static pods (`kubeadm
+    /// upgrade apply`, and `upgrade node` on a control plane): above
+    /// kubeadm's own waits, so that it rolls a component back itself.
+    pub upgrade_timeout: Duration,
     /// Join attempts before giving up (at least 1).
     pub join_attempts: u32,
     /// Pause after the first failed join; doubled after each further one.
@@ -143,6 +148,7 @@ pub struct Kubeadm {
 
 impl Kubeadm {
     /// `<bin_dir>/kubeadm` with the defaults: root `/`, init limit 10 min,
+    /// a control plane's upgrade 25 min ([`CONTROL_PLANE_UPGRADE_LIMIT`]),
     /// 3 join attempts of at most 5 min each, 10 s initial backoff.
     pub fn new(bin_dir: &Path) -> Self {
         Self {
@@ -150,6 +156,7 @@ impl Kubeadm {
             root: PathBuf::from("/"),
             init_timeout: Duration::from_secs(600),
             join_timeout: Duration::from_secs(300),
+            upgrade_timeout: CONTROL_PLANE_UPGRADE_LIMIT,
             join_attempts: 3,
             join_backoff: Duration::from_secs(10),
             skip_phases: Vec::new(),
@@ -280,8 +287,8 @@ impl Kubeadm {
     }
 
     /// Runs `kubeadm upgrade apply <version> --yes --patches <patches>`
-    /// (the first control plane of an upgrade), limited like `kubeadm
-    /// init`. kubeadm keeps no patches between runs: without the
+    /// (the first control plane of an upgrade), within
+    /// [`Self::upgrade_timeout`]. kubeadm keeps no patches between runs: without the
     /// directory it would write the static pods' manifests with its
     /// default, tag-only images, not the digests the patches pin (and
     /// PCR 13 measures).
@@ -299,11 +306,24 @@ impl Kubeadm {
             "--patches".to_owned(),
             patches.display().to_string(),
         ];
-        self.upgrade(&args, self.init_timeout, on_line).await
+        self.upgrade(&args, self.upgrade_timeout, on_line).await
+    }
+
+    /// The limit of `kubeadm upgrade node` here: on a control plane (its
+    /// API server's static pod manifest exists, which is how kubeadm
+    /// tells) it upgrades the static pods as `upgrade apply` does,
+    /// otherwise only the kubelet's configuration, limited like one join
+    /// attempt.
+    pub fn upgrade_node_limit(&self) -> Duration {
+        if self.root.join(API_SERVER_MANIFEST).exists() {
+            self.upgrade_timeout
+        } else {
+            self.join_timeout
+        }
     }
 
     /// Runs `kubeadm upgrade node` (every other node of an upgrade),
-    /// limited like one `kubeadm join` attempt.
+    /// within [`Self::upgrade_node_limit`].
     pub async fn upgrade_node(
         &self,
         patches: &Path,
@@ -315,7 +335,8 @@ impl Kubeadm {
             "--patches".to_owned(),
             patches.display().to_string(),
         ];
-        self.upgrade(&args, self.join_timeout, on_line).await
+        self.upgrade(&args, self.upgrade_node_limit(), on_line)
+            .await
     }
 
     /// Runs `kubeadm <args>` (an upgrade) with what earlier upgrades backed
@@ -494,6 +515,18 @@ pub fn scrub_tokens(line: &str) -> String {
     out
 }
 
+/// The API server's static pod manifest under the node's root: kubeadm
+/// upgrades a node's control plane where it exists.
+const API_SERVER_MANIFEST: &str = "etc/kubernetes/manifests/kube-apiserver.yaml";
+
+/// The default [`Kubeadm::upgrade_timeout`]. kubeadm waits up to 5 min for
+/// each of the four static pods it upgrades (etcd, the API server, the
+/// controller manager, the scheduler) before it rolls that one back from
+/// its backup, and up to 150 s more for etcd's cluster: 22.5 min at worst.
+/// Killed before, it leaves a component it could not start in place. The
+/// operator's CLI waits 30 min for a node's upgrade, downloads included.
+pub const CONTROL_PLANE_UPGRADE_LIMIT: Duration = Duration::from_secs(25 * 60);
+
 /// Where kubeadm's upgrades put what they back up, under the node's root
 /// (on the state disk, with the rest of `/etc/kubernetes`).
 const UPGRADE_BACKUPS: &str = "etc/kubernetes/tmp";
@@ -550,6 +583,24 @@ fn remove_upgrade_backups(root: &Path) -> std::io::Result<usize> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// A control plane's `kubeadm upgrade node` upgrades its static pods,
+    /// and kubeadm may wait 22.5 min before it rolls one back itself:
+    /// killed before, it would leave a component it could not start. A
+    /// worker's is limited like a join attempt.
+    #[test]
+    fn a_control_planes_upgrade_outlasts_kubeadms_own_rollback() {
+        let root = tempfile::tempdir().unwrap();
+        let mut kubeadm = Kubeadm::new(Path::new("/nonexistent"));
+        kubeadm.root = root.path().to_owned();
+        let kubeadms_worst = Duration::from_secs(4 * 5 * 60 + 150);
+        assert_eq!(kubeadm.upgrade_node_limit(), kubeadm.join_timeout);
+        let manifest = root.path().join(API_SERVER_MANIFEST);
+        std::fs::create_dir_all(manifest.parent().unwrap()).unwrap();
+        std::fs::write(&manifest, "").unwrap();
+        assert!(kubeadm.upgrade_node_limit() > kubeadms_worst);
+        assert!(kubeadm.upgrade_timeout > kubeadms_worst);
+    }
 
     #[test]
     fn tokens_are_scrubbed_from_output() {
