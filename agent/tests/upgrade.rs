@@ -731,6 +731,57 @@ async fn a_kubeadm_that_fails_after_changing_the_node_is_not_reported_rolled_bac
     }
 }
 
+/// A network plugin (Cilium, Calico, flannel) copies its CNI binary into
+/// `/opt/cni/bin` from an init container, which runs again only when its
+/// pod is recreated. An upgrade that switched the directory without it
+/// would leave every new pod on the node without a network. It is kept,
+/// link and all; the new version's own files win over the old ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_network_plugins_cni_binary_survives_an_upgrade() {
+    let ca = EkCa::new().unwrap();
+    let mirror = MirrorServer::start().unwrap();
+    let node = node(&ca, &mirror, "worker", &[]).await;
+    let cni = node.root.join("opt/cni/bin");
+    let shipped: Vec<_> = std::fs::read_dir(&cni)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        !shipped.is_empty(),
+        "the stand-in set installs no CNI plugins"
+    );
+    std::fs::write(cni.join("cilium-cni"), "the plugin's binary").unwrap();
+    std::os::unix::fs::symlink("cilium-cni", cni.join("cilium-cni-link")).unwrap();
+
+    let new = stand_ins(&mirror, TO);
+    let (lines, last) = node
+        .run(&node.request(plan(TO, Some(&new), UpgradeStep::Node)))
+        .await
+        .unwrap();
+    assert!(matches!(last, Event::Done(_)), "{last:?}");
+    assert_eq!(node.version(), TO);
+    assert_eq!(
+        std::fs::read_to_string(cni.join("cilium-cni")).unwrap(),
+        "the plugin's binary"
+    );
+    assert_eq!(
+        std::fs::read_link(cni.join("cilium-cni-link")).unwrap(),
+        std::path::Path::new("cilium-cni")
+    );
+    for name in &shipped {
+        assert!(
+            cni.join(name).exists(),
+            "{name:?} of the new version missing"
+        );
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("kept 2 file(s) a network plugin put")),
+        "{lines:?}"
+    );
+}
+
 /// kubeadm keeps what its upgrades back up (on a control plane a copy of
 /// etcd's data each time) after the run, failed or not, for someone to
 /// clear by hand: a node has no shell, so without the agent clearing them

@@ -717,6 +717,14 @@ impl Upgrader {
         staging: &mut Staging,
         log: &(dyn Fn(String) + Sync),
     ) -> Result<(), UpgradeError> {
+        let carried = staging
+            .carry_network_plugins()
+            .map_err(UpgradeError::Staging)?;
+        if carried > 0 {
+            log(format!(
+                "kept {carried} file(s) a network plugin put beside the CNI plugins"
+            ));
+        }
         staging.switch().map_err(UpgradeError::Staging)?;
         log("switched to the new components".into());
         let mut on_line = |line: &str| log(line.to_owned());

@@ -178,6 +178,56 @@ impl Staging {
         self.twins.iter().map(|t| t.dir.clone()).collect()
     }
 
+    /// Puts into the CNI directories' twins (below `/opt/cni`) what a
+    /// network plugin put into the live directory and the staged version
+    /// does not have: a plugin's DaemonSet copies its binary there from an
+    /// init container, which runs again only when its pod is recreated,
+    /// not when the kubelet restarts; without it every new pod on the node
+    /// would fail to get a network after the switch. Hard links (the twin
+    /// is on the same file system), a copy where that fails; symbolic
+    /// links as links; directories and other entries are not carried.
+    /// Returns how many entries were carried.
+    pub fn carry_network_plugins(&self) -> Result<usize, StagingError> {
+        let mut carried = 0;
+        for twin in self.twins.iter().filter(|t| t.dir.starts_with("/opt/cni/")) {
+            let entries = match std::fs::read_dir(&twin.live) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(source) => {
+                    return Err(StagingError::Io {
+                        what: "reading",
+                        path: twin.live.clone(),
+                        source,
+                    })
+                }
+            };
+            for entry in entries {
+                let io = |what, path: &Path| {
+                    let path = path.to_owned();
+                    move |source| StagingError::Io { what, path, source }
+                };
+                let entry = entry.map_err(io("reading", &twin.live))?;
+                let (from, to) = (entry.path(), twin.next.join(entry.file_name()));
+                if to.symlink_metadata().is_ok() {
+                    continue; // the staged version's own
+                }
+                let kind = entry.file_type().map_err(io("reading", &from))?;
+                if kind.is_symlink() {
+                    let target = std::fs::read_link(&from).map_err(io("reading", &from))?;
+                    std::os::unix::fs::symlink(target, &to).map_err(io("linking", &to))?;
+                } else if kind.is_file() {
+                    if std::fs::hard_link(&from, &to).is_err() {
+                        std::fs::copy(&from, &to).map_err(io("copying", &to))?;
+                    }
+                } else {
+                    continue;
+                }
+                carried += 1;
+            }
+        }
+        Ok(carried)
+    }
+
     /// Switches every directory to its twin. On an error the directories
     /// switched so far stay switched: call [`Staging::switch_back`].
     pub fn switch(&mut self) -> Result<(), StagingError> {
