@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use keel_atls::AtlsServer;
 use keel_installer::{InstallPath, InstallerConfig, Mirror};
 use keel_proto::init::init_service_server::InitServiceServer;
-use keel_verifier::config::NodeConfig;
+use keel_verifier::config::{NodeConfig, Role};
 use keel_verifier::ek::EkTrust;
 use keel_verifier::measurement::pcr;
 use tokio::net::TcpListener;
@@ -432,6 +432,10 @@ impl OperatorPort {
         let auth = OperatorAuth::new(own_ek, node.cluster.clone(), node.operator_key.clone());
         let upgrader = Upgrader::new(node.env.clone(), node.tpm.clone(), node.cluster.clone())
             .with_signing_key(node.config.cluster.signing_key()?);
+        // A control plane renews kubeadm's certificates before they end,
+        // for as long as its port serves (none before its init or join).
+        let renewals = (node.config.node.role == Role::ControlPlane)
+            .then(|| upgrader.clone().renew_certificates_forever());
         let operator = OperatorServer::new(
             auth,
             node.cluster.clone(),
@@ -451,6 +455,7 @@ impl OperatorPort {
             ..GrpcLimits::default()
         };
         let serving = async move {
+            let _renewals = renewals.map(|r| AbortOnDrop(tokio::spawn(r)));
             // Accepting starts here: until then connections wait in the
             // backlog.
             let incoming = operator_port_incoming(issuer, listener);

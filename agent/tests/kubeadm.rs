@@ -865,3 +865,57 @@ async fn tokens_asked_for_together_are_registered_by_one_kubeadm_run() {
     // The token file is gone after the run.
     assert_eq!(std::fs::read_dir(&config_dir).unwrap().count(), 0);
 }
+
+/// kubeadm's leaf certificates last a year and kubeadm renews them only in
+/// an upgrade: a control plane renews them itself once the first is within
+/// 30 days of its end, and restarts its control-plane pods (crictl, beside
+/// kubeadm) so that they read the new ones. Not before: a certificate with
+/// a year left is not touched, and no pod restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_renews_kubeadms_certificates_before_they_end() {
+    use keel_agent::kubeadm::certs::{first_to_end, RENEW_BEFORE};
+    use std::time::SystemTime;
+
+    let v = "v1.31.13";
+    let node = Node::new(v).await;
+    // A crictl that records its calls and lists two control-plane pods.
+    let calls = node.root().join("crictl-calls");
+    let crictl = node.root().join("run/state/bin/crictl");
+    std::fs::write(
+        &crictl,
+        format!(
+            "#!/bin/sh\necho \"$@\" >> '{}'\ncase \"$*\" in *' pods '*) echo 3f2a-pod; echo 9c1b-pod;; esac\n",
+            calls.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&crictl, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let config = node.write("init.yaml", &init_config(node.root(), v).to_yaml().unwrap());
+    let k = node.kubeadm(v, &[("KEEL_STANDIN_CERT_DAYS", "10")]);
+    let (result, lines) = run_init(&k, &config).await;
+    result.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+
+    let now = SystemTime::now();
+    let first = first_to_end(node.root()).unwrap().unwrap();
+    assert!(first.path.ends_with("pki/apiserver.crt"), "{first:?}");
+    assert!(first.at < now + RENEW_BEFORE, "{first:?}");
+    let renewed = k.renew_certificates_if_due(now).await.unwrap();
+    assert_eq!(renewed, Some(first));
+    let after = first_to_end(node.root()).unwrap().unwrap();
+    assert!(
+        after.at > now + Duration::from_secs(300 * 86_400),
+        "{after:?}"
+    );
+    let called = std::fs::read_to_string(&calls).unwrap();
+    assert!(
+        called.contains("pods --label=tier=control-plane")
+            && called.contains("stopp 3f2a-pod 9c1b-pod"),
+        "{called}"
+    );
+
+    // A year left: nothing renewed, no pod restarted.
+    std::fs::remove_file(&calls).unwrap();
+    assert_eq!(k.renew_certificates_if_due(now).await.unwrap(), None);
+    assert_eq!(first_to_end(node.root()).unwrap(), Some(after));
+    assert!(!calls.exists());
+}

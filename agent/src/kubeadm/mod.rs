@@ -15,6 +15,7 @@
 //! component); keel drives it through its documented command line and
 //! configuration files only.
 
+pub mod certs;
 pub mod config;
 pub mod run;
 pub mod token;

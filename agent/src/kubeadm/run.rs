@@ -384,8 +384,23 @@ impl Kubeadm {
         stdout: Stdout,
         on_line: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(), KubeadmError> {
-        tracing::info!(program = %self.program.display(), ?args, "running kubeadm");
-        let mut child = Command::new(&self.program)
+        self.run_program(&self.program, command, args, limit, stdout, on_line)
+            .await
+    }
+
+    /// [`Self::run`] with another of the components beside kubeadm
+    /// (crictl), in kubeadm's environment.
+    pub(super) async fn run_program(
+        &self,
+        program: &Path,
+        command: &'static str,
+        args: &[String],
+        limit: Duration,
+        stdout: Stdout,
+        on_line: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), KubeadmError> {
+        tracing::info!(program = %program.display(), ?args, "running {command}");
+        let mut child = Command::new(program)
             .args(args)
             .env("PATH", self.search_path())
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -398,7 +413,7 @@ impl Kubeadm {
             .kill_on_drop(true)
             .spawn()
             .map_err(|source| KubeadmError::Spawn {
-                program: self.program.clone(),
+                program: program.to_owned(),
                 source,
             })?;
         let (tx, mut rx) = mpsc::channel::<String>(256);
@@ -430,7 +445,7 @@ impl Kubeadm {
                 });
             }
             Ok(status) => status.map_err(|source| KubeadmError::Spawn {
-                program: self.program.clone(),
+                program: program.to_owned(),
                 source,
             })?,
         };

@@ -49,7 +49,7 @@ mod record;
 mod staging;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use keel_installer::{Component, Installer, KubernetesVersion, UpgradeStepError};
 
@@ -71,6 +71,11 @@ pub use staging::{
 
 /// Most components an upgrade plan may list.
 pub const MAX_PLAN_COMPONENTS: usize = 64;
+
+/// How often a control plane looks at kubeadm's certificates' ends.
+pub const CERTIFICATE_CHECK: Duration = Duration::from_secs(12 * 3600);
+/// How soon a failed renewal of kubeadm's certificates is tried again.
+pub const CERTIFICATE_RETRY: Duration = Duration::from_secs(3600);
 /// The bytes of its event log a node's attestation document may carry, of
 /// the [`keel_atls::cert::MAX_DOCUMENT_LEN`] that fit a handshake (the rest
 /// holds the quote, the EK certificate, CPU evidence and the image's
@@ -410,7 +415,8 @@ impl From<UpgradeError> for UpgradeFailure {
     }
 }
 
-/// Runs the upgrades of one node.
+/// Runs the upgrades of one node (clones share its turn).
+#[derive(Clone)]
 pub struct Upgrader {
     env: NodeEnv,
     tpm: SharedTpm,
@@ -478,6 +484,48 @@ impl Upgrader {
         let current = self.current()?;
         may_take(&current, target)?;
         Ok(turn)
+    }
+
+    /// Renews kubeadm's certificates on this control plane when the first
+    /// of them is due ([`Kubeadm::renew_certificates_if_due`]), in this
+    /// node's upgrade turn: kubeadm's upgrade renews them itself, and the
+    /// two must not write them at once. `None` when none was due, or an
+    /// upgrade runs now.
+    ///
+    /// [`Kubeadm::renew_certificates_if_due`]: crate::kubeadm::Kubeadm::renew_certificates_if_due
+    pub async fn renew_certificates_if_due(
+        &self,
+        now: std::time::SystemTime,
+    ) -> Result<Option<crate::kubeadm::certs::Ending>, crate::kubeadm::certs::RenewalError> {
+        let Ok(_turn) = self.turn() else {
+            return Ok(None);
+        };
+        self.env.kubeadm.renew_certificates_if_due(now).await
+    }
+
+    /// Looks at kubeadm's certificates a minute after it starts and then
+    /// every [`CERTIFICATE_CHECK`], renewing them when due
+    /// ([`Self::renew_certificates_if_due`]); a failed renewal is tried
+    /// again after [`CERTIFICATE_RETRY`]. Runs until dropped.
+    pub async fn renew_certificates_forever(self) {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        loop {
+            let pause = match self
+                .renew_certificates_if_due(std::time::SystemTime::now())
+                .await
+            {
+                Ok(_) => CERTIFICATE_CHECK,
+                Err(e) => {
+                    tracing::error!(
+                        error = %keel_atls::ErrorChain(&e),
+                        retry_in_s = CERTIFICATE_RETRY.as_secs(),
+                        "renewing kubeadm's certificates failed"
+                    );
+                    CERTIFICATE_RETRY
+                }
+            };
+            tokio::time::sleep(pause).await;
+        }
     }
 
     /// This node's upgrade turn, unless an upgrade runs here now.

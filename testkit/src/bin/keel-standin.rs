@@ -83,6 +83,11 @@ const FAIL_ENV: &str = "KEEL_STANDIN_FAIL";
 const FAIL_POST_UPGRADE_ENV: &str = "KEEL_STANDIN_FAIL_POST_UPGRADE";
 const SLEEP_ENV: &str = "KEEL_STANDIN_SLEEP";
 const VERSION_ENV: &str = "KEEL_STANDIN_VERSION";
+/// Days the leaf certificates `init` issues are valid (as kubeadm's, for a
+/// year, when unset); `certs renew all` issues them for a year.
+const CERT_DAYS_ENV: &str = "KEEL_STANDIN_CERT_DAYS";
+/// What kubeadm's leaf certificates last.
+const CERT_DAYS: i64 = 365;
 /// Largest configuration file read.
 const MAX_CONFIG: u64 = 1024 * 1024;
 
@@ -246,6 +251,10 @@ fn kubeadm(args: &[String]) -> Result<()> {
         "join" => join(&parse_flags(rest, &["--config", "--skip-phases", "--v"])?),
         "reset" => reset(&parse_flags(rest, &["--force", "--v"])?),
         "upgrade" => upgrade(rest),
+        "certs" => match rest.first().map(String::as_str) {
+            Some("renew") if rest.get(1).is_some_and(|w| w == "all") => renew_certs(),
+            _ => fail("kubeadm certs: only \"renew all\" is supported by the stand-in"),
+        },
         "token" => match rest.split_first() {
             Some((sub, rest)) if sub == "create" => {
                 if rest.first().is_some_and(|a| !a.starts_with("--")) {
@@ -1365,6 +1374,53 @@ fn leave_upgrade_backups() -> Result<()> {
 /// kubelet-config phase does after the static pods are upgraded; with
 /// `KEEL_STANDIN_FAIL_POST_UPGRADE` set, then fails as kubeadm's
 /// post-upgrade phase may, undoing nothing.
+/// `kubeadm certs renew all`: each leaf certificate under `pki` issued
+/// again by the cluster's CA for a year, with its names (the stand-in's
+/// only one is the API server's).
+fn renew_certs() -> Result<()> {
+    let pki = kube_dir().join("pki");
+    if !pki.join("ca.crt").exists() || !pki.join("ca.key").exists() {
+        return fail(format!(
+            "failure loading certificate authority: {}/ca.crt and ca.key are needed",
+            pki.display()
+        ));
+    }
+    let ca = Ca::load_or_create(&pki)?;
+    let path = pki.join("apiserver.crt");
+    let pem = std::fs::read_to_string(&path)
+        .map_err(|e| Failure(format!("reading {}: {e}", path.display())))?;
+    let unreadable = |why: &str| Failure(format!("reading {}: {why}", path.display()));
+    let (_, pem) = x509_parser::pem::parse_x509_pem(pem.as_bytes())
+        .map_err(|_| unreadable("not a PEM block"))?;
+    let old = pem
+        .parse_x509()
+        .map_err(|_| unreadable("not a certificate"))?;
+    let (mut dns, mut ips) = (Vec::new(), Vec::new());
+    if let Ok(Some(san)) = old.subject_alternative_name() {
+        for name in &san.value.general_names {
+            match name {
+                x509_parser::extensions::GeneralName::DNSName(d) => dns.push((*d).to_owned()),
+                x509_parser::extensions::GeneralName::IPAddress(b) => {
+                    let ip = match *b {
+                        [a, b, c, d] => Some(IpAddr::from([*a, *b, *c, *d])),
+                        _ => <[u8; 16]>::try_from(*b).ok().map(IpAddr::from),
+                    };
+                    ips.extend(ip.map(|ip| ip.to_string()));
+                }
+                _ => {}
+            }
+        }
+    }
+    let (cert, key) = ca.issue_for("kube-apiserver", None, &dns, &ips, true, CERT_DAYS)?;
+    write_file(&path, cert.as_bytes(), 0o644)?;
+    write_file(&pki.join("apiserver.key"), key.as_bytes(), 0o600)?;
+    println!("certificate for serving the Kubernetes API renewed");
+    println!(
+        "Done renewing certificates. You must restart the kube-apiserver, kube-controller-manager, kube-scheduler and etcd, so that they can use the new certificates."
+    );
+    Ok(())
+}
+
 fn upgrade_kubelet_config(version: &str) -> Result<()> {
     write_file(
         &root().join("var/lib/kubelet/config.yaml"),
@@ -1482,6 +1538,23 @@ impl Ca {
         ips: &[String],
         server: bool,
     ) -> Result<(String, String)> {
+        let days = std::env::var(CERT_DAYS_ENV)
+            .ok()
+            .and_then(|d| d.parse().ok())
+            .unwrap_or(CERT_DAYS);
+        self.issue_for(cn, org, dns, ips, server, days)
+    }
+
+    /// [`Ca::issue`], valid for `days`.
+    fn issue_for(
+        &self,
+        cn: &str,
+        org: Option<&str>,
+        dns: &[String],
+        ips: &[String],
+        server: bool,
+        days: i64,
+    ) -> Result<(String, String)> {
         let tls = |e: rcgen::Error| Failure(format!("generating certificates: {e}"));
         let mut params = CertificateParams::new(dns.to_vec()).map_err(tls)?;
         for ip in ips {
@@ -1500,6 +1573,15 @@ impl Ca {
         } else {
             ExtendedKeyUsagePurpose::ClientAuth
         }];
+        self.sign(params, days)
+    }
+
+    /// `params` signed for `days` from now, with a new key (PEM).
+    fn sign(&self, mut params: CertificateParams, days: i64) -> Result<(String, String)> {
+        let tls = |e: rcgen::Error| Failure(format!("generating certificates: {e}"));
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(days);
         let key = KeyPair::generate().map_err(tls)?;
         let issuer = Issuer::from_params(&self.params, &self.key);
         let cert = params.signed_by(&key, &issuer).map_err(tls)?;
