@@ -232,8 +232,12 @@ pub enum UpgradeError {
     /// The plan's own components lack a valid signature of their file.
     #[error("{0}")]
     Unsigned(String),
-    /// Another upgrade runs on this node.
-    #[error("an upgrade is already running on this node")]
+    /// Another upgrade, or a renewal of kubeadm's certificates, runs on
+    /// this node.
+    #[error(
+        "an upgrade (or a renewal of kubeadm's certificates) is already running on this node; \
+         try again once it is done"
+    )]
     Busy,
     /// Only a control plane authorises components.
     #[error("only a control plane authorises the components of a version")]
