@@ -807,7 +807,8 @@ fn init(flags: &Flags) -> Result<()> {
     }
     println!("[certs] Generating \"apiserver\" certificate and key");
     println!("[certs] apiserver serving cert is signed for DNS names {dns:?} and IPs {ips:?}");
-    let apiserver = ca.issue("kube-apiserver", None, &dns, &ips, true)?;
+    let days = init_certificate_days();
+    let apiserver = ca.issue("kube-apiserver", None, &dns, &ips, true, days)?;
     write_file(&pki.join("apiserver.crt"), apiserver.0.as_bytes(), 0o644)?;
     write_file(&pki.join("apiserver.key"), apiserver.1.as_bytes(), 0o600)?;
     if let Some(dir) = check_patches(init)? {
@@ -821,6 +822,7 @@ fn init(flags: &Flags) -> Result<()> {
         &[],
         &[],
         false,
+        days,
     )?;
     let kubeconfig = kubeconfig(
         &cluster_name,
@@ -1374,6 +1376,15 @@ fn leave_upgrade_backups() -> Result<()> {
 /// kubelet-config phase does after the static pods are upgraded; with
 /// `KEEL_STANDIN_FAIL_POST_UPGRADE` set, then fails as kubeadm's
 /// post-upgrade phase may, undoing nothing.
+/// Days the leaf certificates `init` issues are valid: a year, as
+/// kubeadm's, unless [`CERT_DAYS_ENV`] says otherwise.
+fn init_certificate_days() -> i64 {
+    std::env::var(CERT_DAYS_ENV)
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(CERT_DAYS)
+}
+
 /// `kubeadm certs renew all`: each leaf certificate under `pki` issued
 /// again by the cluster's CA for a year, with its names (the stand-in's
 /// only one is the API server's).
@@ -1411,7 +1422,7 @@ fn renew_certs() -> Result<()> {
             }
         }
     }
-    let (cert, key) = ca.issue_for("kube-apiserver", None, &dns, &ips, true, CERT_DAYS)?;
+    let (cert, key) = ca.issue("kube-apiserver", None, &dns, &ips, true, CERT_DAYS)?;
     write_file(&path, cert.as_bytes(), 0o644)?;
     write_file(&pki.join("apiserver.key"), key.as_bytes(), 0o600)?;
     println!("certificate for serving the Kubernetes API renewed");
@@ -1529,24 +1540,9 @@ impl Ca {
         Ok(params)
     }
 
-    /// A leaf certificate and key (PEM), server or client.
+    /// A leaf certificate and key (PEM), server or client, valid for
+    /// `days`.
     fn issue(
-        &self,
-        cn: &str,
-        org: Option<&str>,
-        dns: &[String],
-        ips: &[String],
-        server: bool,
-    ) -> Result<(String, String)> {
-        let days = std::env::var(CERT_DAYS_ENV)
-            .ok()
-            .and_then(|d| d.parse().ok())
-            .unwrap_or(CERT_DAYS);
-        self.issue_for(cn, org, dns, ips, server, days)
-    }
-
-    /// [`Ca::issue`], valid for `days`.
-    fn issue_for(
         &self,
         cn: &str,
         org: Option<&str>,
