@@ -270,8 +270,7 @@ pub struct VmBuilder {
     accel: Option<Accel>,
     cpus: u32,
     memory_mib: u32,
-    tpm_state: Option<PathBuf>,
-    tpm: bool,
+    tpm: TpmChoice,
     state_disk: Option<PathBuf>,
     vars: Option<PathBuf>,
     network: bool,
@@ -280,6 +279,17 @@ pub struct VmBuilder {
     niceness: i32,
     credentials: Vec<(String, String)>,
     efi_variables: Vec<EfiVariable>,
+}
+
+/// The VM's TPM.
+#[derive(Clone, Debug)]
+enum TpmChoice {
+    /// A fresh swtpm, provisioned in the work directory.
+    Fresh,
+    /// A swtpm on the TPM state in this directory, kept.
+    State(PathBuf),
+    /// No TPM device at all.
+    None,
 }
 
 /// A UEFI variable the host puts in the VM's firmware variable store.
@@ -302,8 +312,7 @@ impl VmBuilder {
             accel: None,
             cpus: 2,
             memory_mib: 2048,
-            tpm_state: None,
-            tpm: true,
+            tpm: TpmChoice::Fresh,
             state_disk: None,
             vars: None,
             network: false,
@@ -358,14 +367,14 @@ impl VmBuilder {
     /// `keel_testkit::swtpm::EkCa::manufacture`), instead of a fresh TPM;
     /// it is kept, so a later VM can boot on the same TPM.
     pub fn tpm_state(mut self, dir: impl Into<PathBuf>) -> Self {
-        self.tpm_state = Some(dir.into());
+        self.tpm = TpmChoice::State(dir.into());
         self
     }
 
     /// Gives the VM no TPM at all (no swtpm, no TPM device): a machine a
     /// keel node cannot run on, which must say so.
     pub fn without_tpm(mut self) -> Self {
-        self.tpm = false;
+        self.tpm = TpmChoice::None;
         self
     }
 
@@ -510,10 +519,10 @@ impl VmBuilder {
         let work = &self.work_dir;
         fs::create_dir_all(work).map_err(io(work))?;
         let accel = self.accel.unwrap_or_else(|| Accel::detect(&self.firmware));
-        let swtpm = match (&self.tpm_state, self.tpm) {
-            (_, false) => None,
-            (Some(state), true) => Some(Swtpm::start(state, &work.join("tpm"))?),
-            (None, true) => Some(Swtpm::start_fresh(work)?),
+        let swtpm = match &self.tpm {
+            TpmChoice::Fresh => Some(Swtpm::start_fresh(work)?),
+            TpmChoice::State(state) => Some(Swtpm::start(state, &work.join("tpm"))?),
+            TpmChoice::None => None,
         };
 
         let vars = self.vars.clone().unwrap_or_else(|| work.join("vars.fd"));
